@@ -1,0 +1,1 @@
+"""Compiler: capture, lower, build, artifacts, and the dsv41 CLI."""

@@ -1,0 +1,1 @@
+"""Runtime: loads artifacts, owns the caches and tiers, drives phases."""

@@ -1,0 +1,1 @@
+"""Schedules: TIR kernels and their schedules per target."""
