@@ -179,7 +179,8 @@ def validate(a: ModelArgs) -> None:
            f"ModelArgs.compress_ratios has {len(a.compress_ratios)} entries but n_layers "
            f"+ DSpark layers = {a.n_total_layers}.")
     _check(all(r in (0, 1, 2, 4, 128) for r in a.compress_ratios),
-           f"ModelArgs.compress_ratios holds an unsupported ratio: {sorted(set(a.compress_ratios))}.")
+           "ModelArgs.compress_ratios holds an unsupported ratio: "
+           f"{sorted(set(a.compress_ratios))}.")
     if a.dspark_block_size:
         _check(all(r == 0 for r in a.compress_ratios[a.n_layers:]),
                "ModelArgs.compress_ratios: DSpark layers are window-only and must have ratio 0.")

@@ -83,7 +83,8 @@ def build_plan(args: ModelArgs) -> ModelPlan:
             raise ValueError(f"ModelArgs.{name} {list(ids)} must be strictly increasing.")
         for i in ids:
             if not 0 <= i < n:
-                raise ValueError(f"ModelArgs.{name} names layer {i}, outside the backbone 0..{n-1}.")
+                raise ValueError(f"ModelArgs.{name} names layer {i}, outside the backbone "
+                                 f"0..{n - 1}.")
             if args.compress_ratios[i] == 0:
                 raise ValueError(f"Layer {i} is in {name} but has compress ratio 0 (window only).")
     if cand >= 0:

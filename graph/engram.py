@@ -1,0 +1,123 @@
+"""Engram n-gram hashing on the host: token ids -> table row ids, identical to the released model.
+
+Lookup addresses depend only on token ids, so the runtime computes them before the block that
+needs them (and can prefetch the rows). Per Engram layer l and position p, with c_s the compressed
+id of the token at p - s (the compressed pad id before the sequence start):
+    h_n = XOR_{s<n} c_s * mult[l][s]   for n = 2..max_ngram
+    row(n, head j) = h_n % primes[l][n-2][j] + offsets[l][(n-2)*heads + j]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ModelArgs, engram_prime_buckets
+
+
+@dataclass(frozen=True)
+class EngramTables:
+    """Everything the hash needs: derived from the config and the tokenizer's compressed map."""
+
+    token_map: np.ndarray  # int64 [vocab]: token id -> compressed id
+    pad_id: int  # compressed id of engram_pad_id
+    multipliers: np.ndarray  # int64 [n_layers_engram, max_ngram]
+    primes: np.ndarray  # int64 [n_layers_engram, max_ngram-1, heads]
+    offsets: np.ndarray  # int64 [n_layers_engram, (max_ngram-1)*heads]
+    max_ngram: int
+
+    @property
+    def n_cols(self) -> int:
+        return self.offsets.shape[1]
+
+
+def hash_multipliers(layer_ids: tuple[int, ...], max_ngram: int, compressed_vocab: int):
+    """Odd multipliers from a per-layer RNG, bounded so c * mult cannot overflow int64."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+    rows = [np.random.default_rng(10007 * lid).integers(0, bound, size=(max_ngram,),
+                                                        dtype=np.int64) * 2 + 1
+            for lid in layer_ids]
+    return np.stack(rows)
+
+
+def stub_token_map(vocab_size: int) -> np.ndarray:
+    """The conformance stub tokenizer's map: ids 2k and 2k+1 spell `w{k}` and ` W{k}`, which
+    normalise alike, so compressed(t) = t // 2."""
+    return np.arange(vocab_size, dtype=np.int64) // 2
+
+
+def load_token_map(args: ModelArgs, checkpoint_dir: str | Path | None) -> np.ndarray:
+    """`engram_token_map.npy` from the checkpoint when present (the real tokenizer's map); else
+    the stub map, valid only when its size matches `engram_compressed_vocab_size`."""
+    if checkpoint_dir is not None:
+        path = Path(checkpoint_dir) / "engram_token_map.npy"
+        if path.exists():
+            tmap = np.load(path).astype(np.int64)
+            if tmap.shape != (args.vocab_size,):
+                raise ValueError(f"{path} has shape {tmap.shape}, expected ({args.vocab_size},).")
+            if tmap.min() < 0 or tmap.max() >= args.engram_compressed_vocab_size:
+                raise ValueError(f"{path} maps outside 0..{args.engram_compressed_vocab_size - 1}.")
+            return tmap
+    tmap = stub_token_map(args.vocab_size)
+    if int(tmap.max()) + 1 != args.engram_compressed_vocab_size:
+        raise ValueError(
+            "Engram needs the tokenizer's compressed token map: put engram_token_map.npy "
+            f"(int64 [{args.vocab_size}]) in the checkpoint; the stub map t // 2 only fits "
+            f"engram_compressed_vocab_size = {int(tmap.max()) + 1}, not "
+            f"{args.engram_compressed_vocab_size}.")
+    return tmap
+
+
+def build_tables(args: ModelArgs, token_map: np.ndarray) -> EngramTables:
+    ids = tuple(args.engram_layer_ids)
+    primes = np.array(engram_prime_buckets(ids, args.engram_max_ngram_size, args.engram_n_heads,
+                                           args.engram_vocab_size), dtype=np.int64)
+    flat = primes.reshape(len(ids), -1)
+    offsets = np.concatenate([np.zeros((len(ids), 1), np.int64), np.cumsum(flat, 1)[:, :-1]], 1)
+    rows = flat.sum(1)
+    for lid, n, want in zip(ids, rows, args.engram_num_embeddings, strict=True):
+        if n != want:
+            raise ValueError(f"Engram layer {lid}: the hash buckets need {n} table rows but "
+                             f"engram_num_embeddings says {want}.")
+    return EngramTables(
+        token_map=token_map,
+        pad_id=int(token_map[args.engram_pad_id]),
+        multipliers=hash_multipliers(ids, args.engram_max_ngram_size,
+                                     args.engram_compressed_vocab_size),
+        primes=primes, offsets=offsets, max_ngram=args.engram_max_ngram_size)
+
+
+def engram_hash(t: EngramTables, history: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Row ids for each new position. history: compressed ids of the max_ngram-1 tokens before
+    the chunk, oldest first, pad where the sequence had not started ([b, max_ngram-1]);
+    tokens: raw ids [b, s]. Returns int64 [b, s, n_engram_layers, n_cols]."""
+    c = t.token_map[tokens]  # (b, s)
+    seq = np.concatenate([history, c], axis=1)  # (b, n-1+s)
+    n1 = t.max_ngram - 1
+    s = tokens.shape[1]
+    # lookback[..., k] = compressed id at p - k
+    look = np.stack([seq[:, n1 - k : n1 - k + s] for k in range(t.max_ngram)], axis=-1)
+    prod = look[:, :, None, :] * t.multipliers[None, None]  # (b, s, L, n)
+    rolling = prod[..., 0]
+    out = []
+    for k in range(1, t.max_ngram):
+        rolling = np.bitwise_xor(rolling, prod[..., k])
+        out.append(rolling[..., None] % t.primes[None, None, :, k - 1])
+    return np.concatenate(out, axis=-1) + t.offsets[None, None]
+
+
+def engram_history_after(t: EngramTables, history: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The lookback the next chunk starts from."""
+    seq = np.concatenate([history, t.token_map[tokens]], axis=1)
+    return seq[:, -(t.max_ngram - 1) :]
+
+
+def empty_history(t: EngramTables, batch: int) -> np.ndarray:
+    return np.full((batch, t.max_ngram - 1), t.pad_id, dtype=np.int64)
+
+
+def as_tensor(ids: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(ids))

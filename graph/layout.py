@@ -1,0 +1,89 @@
+"""The KV layout: what each layer stores, in bytes, derived from the layer plan and the formats.
+
+One object serves both `dsv41 bill` and every allocation (graph caches, runtime pages), so the
+printed bill and the live bytes cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import formats as fmt
+from .plan import ModelPlan
+
+
+@dataclass(frozen=True, slots=True)
+class SourceLayout:
+    layer: int  # the KV source layer
+    ratio: int  # tokens per entry
+    main_kv_bytes: int  # per entry: FP4 latent (288 B at d=512) or bf16 (2*d)
+    index_k_bytes: int  # per entry: MXFP4 key (68 B at 128) or 0 if nobody indexes this source
+    consumers: tuple[int, ...]  # layers reading this source's main KV
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.main_kv_bytes + self.index_k_bytes
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.entry_bytes / self.ratio
+
+    def entries(self, context: int) -> int:
+        """Complete entries at a context length (a partial group waits in the tail)."""
+        return context // self.ratio
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    kv_dtype: str
+    sources: tuple[SourceLayout, ...]
+    window_layers: tuple[int, ...]  # every layer keeps its own ring (backbone + DSpark)
+    backbone_layers: int
+    window: int
+    window_entry_bytes: int  # FP8 entry: 528 B at d=512
+    tail_bytes: int  # fp32 partial-group kv + score of all ratio>1 sources
+
+    @classmethod
+    def from_plan(cls, plan: ModelPlan, *, kv_dtype: str = "fp4") -> KVLayout:
+        a = plan.args
+        if kv_dtype == "fp4":
+            main = fmt.fp4_kv_entry_bytes(a.head_dim)
+        elif kv_dtype == "bf16":
+            main = 2 * a.head_dim
+        else:
+            raise ValueError(f"kv_dtype must be 'fp4' or 'bf16', got {kv_dtype!r}.")
+        index = fmt.mxfp4_entry_bytes(a.index_head_dim)
+        sources = []
+        for p in plan.kv_sources:
+            consumers = tuple(q.layer for q in plan.backbone if q.kv_source == p.layer)
+            sources.append(SourceLayout(p.layer, p.ratio, main,
+                                        index if p.owns_index_k else 0, consumers))
+        tails = sum(2 * s.ratio * a.head_dim * 4 for s in sources if s.ratio > 1)
+        return cls(kv_dtype=kv_dtype, sources=tuple(sources),
+                   window_layers=tuple(p.layer for p in plan.layers),
+                   backbone_layers=a.n_layers, window=a.window_size,
+                   window_entry_bytes=fmt.fp8_entry_bytes(a.head_dim), tail_bytes=tails)
+
+    @property
+    def global_bytes_per_token(self) -> float:
+        return sum(s.bytes_per_token for s in self.sources)
+
+    def global_bytes(self, context: int) -> int:
+        return sum(s.entries(context) * s.entry_bytes for s in self.sources)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.window * self.window_entry_bytes
+
+    @property
+    def backbone_window_bytes(self) -> int:
+        """Local state per sequence: every backbone layer's ring (bounded, context-free)."""
+        return self.backbone_layers * self.ring_bytes
+
+    @property
+    def dspark_window_bytes(self) -> int:
+        return (len(self.window_layers) - self.backbone_layers) * self.ring_bytes
+
+    @property
+    def local_bytes(self) -> int:
+        return self.backbone_window_bytes + self.dspark_window_bytes + self.tail_bytes
