@@ -22,7 +22,17 @@ import torch
 from .cache import ModelCache
 from .engram import as_tensor, engram_hash, engram_history_after
 from .layers import hc_pre, identity_pre, rms_norm
-from .model import Chunk, Model, final_norm, head, run_layers
+from .model import (
+    Chunk,
+    Model,
+    compress,
+    engram,
+    final_norm,
+    head,
+    publish_index_k,
+    publish_main_kv,
+    run_layers,
+)
 
 
 @dataclass
@@ -97,3 +107,84 @@ def decode_step(model: Model, cache: ModelCache, tokens) -> PhaseResult:
 
 def collapse(model: Model, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return rms_norm(hc_pre(h, pre), model.w["norm.weight"], model.args.norm_eps)
+
+
+# ---- CED: the Causal Encoder-Decoder pair -------------------------------------------------------
+
+
+@dataclass
+class EncoderOutput:
+    """The encoder's stream after the last encoder block, for the positions a replay needs."""
+
+    h: torch.Tensor  # (b, s, hc, d)
+    pre: torch.Tensor  # (b, s, hc) the last encoder block's FFN mix
+    hash_ids: torch.Tensor | None  # Engram rows of the same positions
+    start: int  # position of h[:, 0]
+    work: dict[int, int]
+    hidden: dict[int, torch.Tensor]  # recorded encoder block outputs
+    selections: dict[int, torch.Tensor]  # encoder index sources' top-k
+
+
+def encoder_prefill(model: Model, cache: ModelCache, tokens,
+                    record: tuple[int, ...] = ()) -> EncoderOutput:
+    """The encoder blocks over every new token, then the decoder's global KV (the first decoder
+    block's compressor and index K) from the encoder's output, without running the decoder."""
+    tokens = check_tokens(model, tokens)
+    chunk = _chunk(model, cache, tokens, record)
+    h = embed(model, tokens)
+    pre = identity_pre(h.size(0), h.size(1), model.args.hc_mult)
+    h, pre = run_layers(model, cache, h, pre, range(model.plan.decoder_start), chunk)
+    if model.plan.decoder_start < model.args.n_layers:
+        decoder_global_kv(model, cache, h, pre, chunk)
+    cache.pos = chunk.end
+    return EncoderOutput(h, pre, chunk.hash_ids, chunk.start, chunk.work, chunk.hidden,
+                         chunk.selections)
+
+
+def decoder_global_kv(model: Model, cache: ModelCache, h: torch.Tensor, pre: torch.Tensor,
+                      chunk: Chunk) -> None:
+    """Block D's attention input is the encoder output collapsed with block D-1's FFN mix, so
+    its compressor (the decoder's only KV source) runs here for every new token."""
+    layer = model.plan.decoder_start
+    p = model.plan.layers[layer]
+    if p.engram:
+        slot = model.args.engram_layer_ids.index(layer)
+        h = engram(model, layer, h, chunk.hash_ids[:, :, slot])
+    x = rms_norm(hc_pre(h, pre), model.p(layer, "attn_norm.weight"), model.args.norm_eps)
+    store = cache.stores[layer]
+    latent, first = compress(model, layer, store, x, chunk)
+    if latent is None:
+        return
+    if p.owns_index_k:
+        publish_index_k(model, layer, store, latent, first)
+        cache.index_k_layer = layer
+    publish_main_kv(model, store, latent, first, cache.kv_dtype)
+
+
+def decoder_replay(model: Model, cache: ModelCache, enc: EncoderOutput, *,
+                   all_logits: bool = False, record: tuple[int, ...] = ()) -> PhaseResult:
+    """The last `window` encoded tokens through the decoder blocks, each query's window cut to
+    the replay segment (a query at i sees [max(s0, i - window + 1), i]). The decoder's global
+    entries were written by `encoder_prefill` and are only read here."""
+    n = min(enc.h.size(1), model.args.window_size)
+    start = enc.start + enc.h.size(1) - n
+    chunk = Chunk(start=start, length=n,
+                  hash_ids=None if enc.hash_ids is None else enc.hash_ids[:, -n:],
+                  window_floor=start, record=tuple(record), write_global=False)
+    h, pre = run_layers(model, cache, enc.h[:, -n:], enc.pre[:, -n:],
+                        range(model.plan.decoder_start, model.args.n_layers), chunk)
+    x = final_norm(model, h, pre)
+    logits = head(model, x if all_logits else x[:, -1:])
+    return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections)
+
+
+def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
+                record: tuple[int, ...] = ()) -> PhaseResult:
+    """CED prefill: `n_encoder * N + n_decoder * min(N, window)` token-layers instead of
+    `n_layers * N`. Logits exist only for the replayed (last `window`) positions."""
+    enc = encoder_prefill(model, cache, tokens, record)
+    res = decoder_replay(model, cache, enc, all_logits=all_logits, record=record)
+    res.work = {**enc.work, **res.work}
+    res.hidden = {**enc.hidden, **res.hidden}
+    res.selections = {**enc.selections, **res.selections}
+    return res

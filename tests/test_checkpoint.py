@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from dsv41.graph import checkpoint as ckpt
 from dsv41.graph.checkpoint import (
     checkpoint_config,
@@ -27,7 +29,6 @@ from dsv41.graph.checkpoint import (
 )
 from dsv41.graph.config import load_config, preset
 from dsv41.graph.formats import np_dequant_fp8, np_dequant_fp8_weight, np_e8m0_decode
-from safetensors.torch import load_file, save_file
 
 CASES = ("shared-small", "shared-v41-small")
 REPO = Path(__file__).resolve().parents[1]

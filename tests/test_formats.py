@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+
 from dsv41.graph import formats as F
 
 E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

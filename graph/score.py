@@ -1,0 +1,136 @@
+"""Teacher-forced scoring: prefill the first P tokens at position 0, then feed the rest one at a
+time, keeping the fp32 logits of every fed position. `dsv41 score` and the conformance tests use
+it, so any backend (this graph, a compiled artifact) is measured the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class Backend(Protocol):
+    """What scoring needs from an engine: one sequence, exact or CED prefill, then decode."""
+
+    def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...]) -> dict: ...
+
+    def decode(self, token: int) -> dict: ...
+
+
+@dataclass
+class ScoreResult:
+    logits: np.ndarray  # fp32 [N, V]: row i is the distribution after token i
+    prefill: int
+    selections: dict[str, np.ndarray] = field(default_factory=dict)  # golden-style keys
+    hidden: dict[str, np.ndarray] = field(default_factory=dict)
+    token_layers: int = 0
+
+    def perplexity(self, tokens: np.ndarray) -> float:
+        """exp(mean NLL of token i+1 under row i), over the N-1 predicted tokens."""
+        if len(tokens) < 2:
+            return float("nan")
+        x = torch.from_numpy(self.logits[:-1]).double()
+        nll = torch.nn.functional.cross_entropy(x, torch.from_numpy(tokens[1:]).long())
+        return float(torch.exp(nll))
+
+    def to_npz(self, path: str | Path, tokens: np.ndarray) -> None:
+        np.savez(path, logits=self.logits, tokens=tokens, prefill=np.int64(self.prefill),
+                 perplexity=np.float64(self.perplexity(tokens)), **self.selections, **self.hidden)
+
+
+def read_tokens(path: str | Path) -> np.ndarray:
+    """A `.npy` array or a text file of whitespace-separated integer ids."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"Token file {path} does not exist.")
+    if path.suffix == ".npy":
+        arr = np.load(path)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{path} holds {arr.dtype}, not integer token ids.")
+    else:
+        try:
+            arr = np.array([int(t) for t in path.read_text().split()], dtype=np.int64)
+        except ValueError as e:
+            raise ValueError(f"{path} must hold whitespace-separated integer ids: {e}.") from e
+    arr = np.asarray(arr, dtype=np.int64).reshape(-1)
+    if arr.size == 0:
+        raise ValueError(f"{path} holds no tokens.")
+    return arr
+
+
+def score(backend: Backend, tokens: np.ndarray, *, prefill: int | None = None, mode: str = "exact",
+          hidden_layers: tuple[int, ...] = (), progress=None) -> ScoreResult:
+    """Teacher-forced logits of every position of `tokens`."""
+    n = len(tokens)
+    p = n if prefill is None else prefill
+    if not 1 <= p <= n:
+        raise ValueError(f"--prefill must be in 1..{n} (the token count), got {p}.")
+    if mode not in ("exact", "ced"):
+        raise ValueError(f"mode must be 'exact' or 'ced', got {mode!r}.")
+    out = backend.prefill(tokens[:p], mode=mode, record=hidden_layers)
+    rows = [out["logits"]]
+    sel = {f"idx_prefill_L{k}" if k >= 0 else "cand_blocks_prefill": v
+           for k, v in out.get("selections", {}).items()}
+    dec_sel: dict[str, list[np.ndarray]] = {}
+    work = out.get("token_layers", 0)
+    steps = range(p, n)
+    for i in progress(steps) if progress else steps:
+        o = backend.decode(int(tokens[i]))
+        rows.append(o["logits"])
+        work += o.get("token_layers", 0)
+        for k, v in o.get("selections", {}).items():
+            key = f"idx_decode_L{k}" if k >= 0 else "cand_blocks_decode"
+            dec_sel.setdefault(key, []).append(v)
+    sel.update({k: np.concatenate(v, axis=0) for k, v in dec_sel.items()})
+    return ScoreResult(np.concatenate(rows, axis=0).astype(np.float32), p, sel,
+                       out.get("hidden", {}), work)
+
+
+def _pad(idx: torch.Tensor, width: int) -> np.ndarray:
+    """(1, s, w) int32 selection -> (s, width) with -1 padding, the goldens' layout."""
+    a = idx[0].numpy()
+    if a.shape[1] < width:
+        a = np.concatenate([a, np.full((a.shape[0], width - a.shape[1]), -1, a.dtype)], axis=1)
+    return a.astype(np.int32)
+
+
+class GraphBackend:
+    """Scores with the PyTorch graph itself (the oracle the compiled artifacts are held to)."""
+
+    def __init__(self, model, *, kv_dtype: str = "fp4", capacity: int = 4096):
+        self.model, self.kv_dtype, self.capacity = model, kv_dtype, capacity
+        self.cache = None
+
+    def _out(self, res, n_rows: int | None = None) -> dict:
+        a = self.model.args
+        widths = {-1: a.candidate_topk_blocks}
+        sel = {k: _pad(v, widths.get(k, a.index_topk)) for k, v in res.selections.items()}
+        logits = res.logits[0].numpy()
+        if n_rows is not None and logits.shape[0] < n_rows:  # CED: no logits before the replay
+            logits = np.concatenate([np.full((n_rows - logits.shape[0], logits.shape[1]),
+                                             np.nan, np.float32), logits])
+        hidden = {f"hidden_after_L{k}": v[0].float().numpy() for k, v in res.hidden.items()}
+        if res.final_hidden is not None and n_rows is not None:
+            hidden["final_hidden"] = res.final_hidden[0].float().numpy()
+        return {"logits": logits, "selections": sel, "hidden": hidden,
+                "token_layers": res.token_layers}
+
+    def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...] = ()) -> dict:
+        from .cache import new_cache
+        from .phases import ced_prefill, prefill_exact
+
+        m = self.model
+        pad = m.engram.pad_id if m.engram is not None else None
+        self.cache = new_cache(m.plan, 1, max(self.capacity, len(tokens) + 1),
+                               kv_dtype=self.kv_dtype, engram_pad=pad)
+        t = torch.from_numpy(np.asarray(tokens, np.int64))[None]
+        run = prefill_exact if mode == "exact" else ced_prefill
+        return self._out(run(m, self.cache, t, all_logits=True, record=record), len(tokens))
+
+    def decode(self, token: int) -> dict:
+        from .phases import decode_step
+
+        return self._out(decode_step(self.model, self.cache, torch.tensor([[token]])))
