@@ -71,7 +71,7 @@ def test_continuation_consistency(small_case, small_model):
     bounds = small_case.bounds
     for other in (stepped, chunked):
         e = _rel(other, ref)
-        print("continuation rel L2 max %.3g median %.3g" % (e.max(), np.median(e)))
+        print(f"continuation rel L2 max {e.max():.3g} median {np.median(e):.3g}")
         assert e.max() <= bounds["rel_l2_max"] and np.median(e) <= bounds["rel_l2_median"]
         assert (other.argmax(-1) == ref.argmax(-1)).mean() >= bounds["top1_agreement_min"]
     assert c.pos == c2.pos == toks.size(1)
