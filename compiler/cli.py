@@ -24,7 +24,7 @@ def _print_args(verb: str, ns) -> None:
 
 
 def cmd_plan(ns) -> int:
-    from dsv41.graph.config import PRESETS, preset
+    from dsv41.graph.config import PRESETS
     from dsv41.graph.plan import build_plan, format_plan
 
     names = PRESETS if ns.preset == "all" else (ns.preset,)
@@ -36,7 +36,6 @@ def cmd_plan(ns) -> int:
         print(format_plan(plan))
         if ns.config:
             break
-    del preset
     return 0
 
 

@@ -203,7 +203,7 @@ def index_scores(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor
     return score.masked_fill(t >= lens.unsqueeze(-1), NEG_INF)
 
 
-def _select(score: torch.Tensor, lens: torch.Tensor, topk: int) -> torch.Tensor:
+def _select(score: torch.Tensor, topk: int) -> torch.Tensor:
     """Top-k positions sorted ascending; unreachable (score -inf) -> -1. int32 [b, s, topk]."""
     k = min(topk, score.size(-1))
     vals, idx = stable_topk(score, k)
@@ -222,7 +222,7 @@ def indexer_topk(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor
                  weights: torch.Tensor, lens: torch.Tensor, topk: int) -> torch.Tensor:
     """A full sweep: score every visible entry, keep the top-k by score, return their positions
     ascending, -1 padded. lens int64 [b, s]: entries visible to each query."""
-    return _select(index_scores(q, k_packed, k_scales, weights, lens), lens, topk)
+    return _select(index_scores(q, k_packed, k_scales, weights, lens), topk)
 
 
 @indexer_topk.register_fake
@@ -242,7 +242,7 @@ def candidate_blocks(score: torch.Tensor, lens: torch.Tensor, topk_blocks: int,
     nb = blocks.size(-1)
     last = torch.div(lens - 1, block_size, rounding_mode="floor")
     blocks = blocks.masked_fill(torch.arange(nb) == last.unsqueeze(-1), float("inf"))
-    return _select(blocks, lens, topk_blocks)
+    return _select(blocks, topk_blocks)
 
 
 def pool_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
@@ -262,7 +262,7 @@ def hier_topk(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor,
     that the Reindex layers score inside.
     Returns (positions [b, s, topk], blocks [b, s, topk_blocks])."""
     score = index_scores(q, k_packed, k_scales, weights, lens)
-    return (_select(score, lens, topk),
+    return (_select(score, topk),
             candidate_blocks(score, lens, topk_blocks, block_size))
 
 
@@ -280,7 +280,7 @@ def pool_topk(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor,
     """A Reindex layer: its own scores, restricted to the candidate pool, then top-k."""
     score = index_scores(q, k_packed, k_scales, weights, lens)
     score = score.masked_fill(~pool_mask(blocks, score.size(-1), block_size), NEG_INF)
-    return _select(score, lens, topk)
+    return _select(score, topk)
 
 
 @pool_topk.register_fake

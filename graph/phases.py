@@ -105,9 +105,6 @@ def decode_step(model: Model, cache: ModelCache, tokens) -> PhaseResult:
     return prefill_exact(model, cache, tokens)
 
 
-def collapse(model: Model, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return rms_norm(hc_pre(h, pre), model.w["norm.weight"], model.args.norm_eps)
-
 
 # ---- CED: the Causal Encoder-Decoder pair -------------------------------------------------------
 
