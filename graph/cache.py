@@ -12,7 +12,8 @@ Sizes come from `layout.KVLayout`, the same plan `dsv41 bill` prints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,18 +49,24 @@ class GlobalStore:
 
 @dataclass
 class ModelCache:
-    """All state of a batch of sequences that share one length (`pos` tokens cached)."""
+    """All state of a batch of sequences, each at its own length (`pos[b]` tokens cached).
+
+    Phase functions replace these tensors by assignment (in place when eager, functionally
+    under torch.export), so the same code serves both."""
 
     layout: KVLayout
     batch: int
-    pos: int  # tokens already processed (the next token's position)
+    pos: torch.Tensor  # int64 (b,): tokens already processed (the next token's position)
     windows: dict[int, WindowRing]  # by layer (backbone and DSpark)
     stores: dict[int, GlobalStore]  # by KV source layer
     engram_history: np.ndarray | None  # int64 (b, max_ngram-1)
     kv_dtype: str = "fp4"
-    index_k_layer: int = -1  # the KV source that published index K last (see model.select)
-    # the window of a replayed segment starts here (CED approximations); 0 = full history
-    window_floor: dict[int, int] = field(default_factory=dict)
+    # per sequence, the KV source that published index K last (-1: none; see model.index_keys)
+    index_owner: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.index_owner is None:
+            self.index_owner = torch.full((self.batch,), -1, dtype=torch.int64)
 
     def nbytes(self) -> dict[str, int]:
         """Live allocation bytes by kind."""
@@ -112,8 +119,8 @@ def new_cache(plan: ModelPlan, batch: int, capacity: int, *, kv_dtype: str = "fp
     if a.engram_layer_ids:
         pad = 0 if engram_pad is None else engram_pad
         hist = np.full((batch, a.engram_max_ngram_size - 1), pad, dtype=np.int64)
-    return ModelCache(layout=layout, batch=batch, pos=0, windows=windows, stores=stores,
-                      engram_history=hist, kv_dtype=kv_dtype)
+    return ModelCache(layout=layout, batch=batch, pos=torch.zeros(batch, dtype=torch.int64),
+                      windows=windows, stores=stores, engram_history=hist, kv_dtype=kv_dtype)
 
 
 def ensure_capacity(cache: ModelCache, tokens: int) -> None:
@@ -133,3 +140,72 @@ def ensure_capacity(cache: ModelCache, tokens: int) -> None:
 
         store.kv_codes, store.kv_scales = grow(store.kv_codes), grow(store.kv_scales)
         store.k_codes, store.k_scales = grow(store.k_codes), grow(store.k_scales)
+
+
+def _batch_tensors(cache: ModelCache):
+    """(owner, attribute) of every per-sequence tensor, in a fixed order."""
+    out = [(cache, "pos"), (cache, "index_owner")]
+    for lay in sorted(cache.windows):
+        out += [(cache.windows[lay], "codes"), (cache.windows[lay], "scales")]
+    for lay in sorted(cache.stores):
+        st = cache.stores[lay]
+        for name in ("kv_codes", "kv_scales", "k_codes", "k_scales", "tail_kv", "tail_score"):
+            if getattr(st, name) is not None:
+                out.append((st, name))
+    return out
+
+
+def stack_caches(caches: list[ModelCache]) -> ModelCache:
+    """One batch from several caches of the same plan (sequences may have different lengths):
+    stores are padded to the largest capacity. Batched decode runs on the result."""
+    if not caches:
+        raise ValueError("stack_caches needs at least one cache.")
+    first = caches[0]
+    if any(c.layout != first.layout or c.kv_dtype != first.kv_dtype for c in caches):
+        raise ValueError("Only caches of the same model and KV dtype can be stacked.")
+    tokens = max(st.capacity * st.ratio for c in caches for st in c.stores.values()) \
+        if first.stores else 1
+    for c in caches:
+        ensure_capacity(c, tokens)
+    out = copy.copy(first)
+    out.windows = {k: WindowRing(v.codes, v.scales) for k, v in first.windows.items()}
+    out.stores = {k: GlobalStore(**{f: getattr(v, f) for f in GlobalStore.__dataclass_fields__})
+                  for k, v in first.stores.items()}
+    out.batch = sum(c.batch for c in caches)
+    for (obj, name), *others in zip(_batch_tensors(out), *[_batch_tensors(c) for c in caches[1:]],
+                                    strict=True):
+        parts = [getattr(obj, name)] + [getattr(o, n) for o, n in others]
+        setattr(obj, name, torch.cat(parts, dim=0))
+    hists = [c.engram_history for c in caches]
+    out.engram_history = None if hists[0] is None else np.concatenate(hists, axis=0)
+    return out
+
+
+def select_sequences(cache: ModelCache, rows: list[int]) -> ModelCache:
+    """A cache holding only the given sequences (copies)."""
+    if not rows or any(not 0 <= r < cache.batch for r in rows):
+        raise ValueError(f"Sequence rows must lie in 0..{cache.batch - 1}, got {rows}.")
+    out = copy.copy(cache)
+    out.windows = {k: WindowRing(v.codes, v.scales) for k, v in cache.windows.items()}
+    out.stores = {k: GlobalStore(**{f: getattr(v, f) for f in GlobalStore.__dataclass_fields__})
+                  for k, v in cache.stores.items()}
+    out.batch = len(rows)
+    idx = torch.tensor(rows)
+    for obj, name in _batch_tensors(out):
+        setattr(obj, name, getattr(obj, name)[idx].clone())
+    if cache.engram_history is not None:
+        out.engram_history = cache.engram_history[rows].copy()
+    return out
+
+
+def drop_local_state(cache: ModelCache) -> None:
+    """Forget the window rings and compressor tails (what a restore of the global entries alone
+    gives: a prefix hit whose snapshot is gone). Global entries, positions and the index-K pointer
+    stay."""
+    for ring in cache.windows.values():
+        ring.codes = torch.zeros_like(ring.codes)
+        ring.scales = torch.zeros_like(ring.scales)
+    for st in cache.stores.values():
+        if st.tail_kv is not None:
+            st.tail_kv = torch.zeros_like(st.tail_kv)
+            st.tail_score = torch.full_like(st.tail_score, float("-inf"))

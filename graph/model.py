@@ -18,7 +18,7 @@ import torch
 
 from . import formats as fmt
 from . import ops
-from .cache import GlobalStore, ModelCache, ensure_capacity
+from .cache import GlobalStore, ModelCache, WindowRing
 from .config import ModelArgs
 from .engram import EngramTables, build_tables, load_token_map
 from .layers import (
@@ -33,7 +33,6 @@ from .layers import (
     rms_norm,
     rope_freqs,
     rope_table,
-    softmax_pool,
 )
 from .plan import FULL, ModelPlan, build_plan
 
@@ -125,158 +124,272 @@ def _prefix(args: ModelArgs, layer: int) -> str:
 
 @dataclass
 class Chunk:
-    """What the blocks of one forward share: positions, Engram rows, published selections."""
+    """What the blocks of one forward share. Positions are tensors, one start per sequence, so a
+    batch may mix sequences at different lengths and `torch.export` sees no Python ints that
+    depend on the cache (only `length`, which is the token dim)."""
 
-    start: int  # P0
-    length: int  # s
+    start: torch.Tensor  # int64 (b,): position of the first new token, per sequence
+    length: int  # s new tokens (a symbolic dim under export)
+    rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # see `rope_window`
     hash_ids: torch.Tensor | None  # int64 (b, s, n_engram_layers, cols)
-    window_floor: int = 0  # positions below this are outside every window (replay segments)
+    window_floor: torch.Tensor | None = None  # int64 (b,): positions below are outside windows
+    write_global: bool = True  # False: cached global entries are read, never rewritten
+    update_tails: bool = True  # False: the compressors do not run at all (decoder replay)
     selection: torch.Tensor | None = None  # latest index source's top-k (b, s, k) int32
     blocks: torch.Tensor | None = None  # candidate pool (b, s, B) int32
-    taps: list[torch.Tensor] = field(default_factory=list)  # DSpark tap inputs
+    taps: list[torch.Tensor] = field(default_factory=list)  # DSpark tap inputs (b, s, d)
     selections: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> top-k
     work: dict[int, int] = field(default_factory=dict)  # token-layer work per layer
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # recorded block outputs
     record: tuple[int, ...] = ()
-    write_global: bool = True  # False: cached global entries are read, never rewritten
-    rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
-    def end(self) -> int:
-        return self.start + self.length
+    def end(self) -> torch.Tensor:
+        return self.start + self.length  # (b,)
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.start.unsqueeze(1) + torch.arange(self.length)  # (b, s)
+
+    @property
+    def floor(self) -> torch.Tensor:
+        if self.window_floor is None:
+            return torch.zeros_like(self.start)
+        return self.window_floor
 
 
-def _rope_for(model: Model, chunk: Chunk, compressed: bool):
-    if compressed not in chunk.rope:
-        pos = torch.arange(chunk.start, chunk.end).unsqueeze(0)
-        chunk.rope[compressed] = rope_table(model.freqs[compressed], pos)
-    return chunk.rope[compressed]
+def rope_margin(args: ModelArgs) -> int:
+    """Rows of the per-chunk RoPE table on each side of the new tokens: compressed entries are
+    rotated at their group's first position, which can lie up to ratio-1 before the chunk, and
+    the last (incomplete) group slot up to 2*ratio after it."""
+    return 2 * max([1, *args.compress_ratios]) + 2
+
+
+def rope_window(model: Model, start: torch.Tensor, s: int) -> dict[bool, tuple]:
+    """cos/sin (b, s + 2M, rd/2) fp32 for positions [start - M, start + s + M), per kind
+    (compressed or not). Computed on the host with `torch.polar`, the released model's
+    arithmetic (a compiled cos/sin would differ in the last bit)."""
+    m = rope_margin(model.args)
+    pos = (start.unsqueeze(1) - m + torch.arange(s + 2 * m)).clamp(min=0)
+    return {kind: rope_table(model.freqs[kind], pos) for kind in (True, False)}
+
+
+def _tok_rope(model: Model, chunk: Chunk, compressed: bool):
+    """cos/sin of the new tokens' own positions, (b, s, rd/2)."""
+    m = rope_margin(model.args)
+    cos, sin = chunk.rope[compressed]
+    return cos[:, m : m + chunk.length], sin[:, m : m + chunk.length]
+
+
+def _rope_at(model: Model, chunk: Chunk, positions: torch.Tensor):
+    """Compressed cos/sin at arbitrary positions near the chunk, (b, n, rd/2)."""
+    m = rope_margin(model.args)
+    cos, sin = chunk.rope[True]
+    idx = (positions - chunk.start.unsqueeze(1) + m).clamp(0, cos.size(1) - 1)
+    idx = idx.unsqueeze(-1).expand(-1, -1, cos.size(-1))
+    return cos.gather(1, idx), sin.gather(1, idx)
+
+
+# ---- writes into cache tensors -------------------------------------------------------------------
+
+
+def put_rows(dst: torch.Tensor, first: torch.Tensor, rows: torch.Tensor,
+             ok: torch.Tensor) -> torch.Tensor:
+    """dst[b, first[b] + g] = rows[b, g] where ok[b, g]; returns the updated tensor.
+
+    Eagerly this writes in place. Under torch.export it is a gather and a select over dst (no
+    scatter, so no duplicate-index ambiguity and nothing out of range), which the compiler can
+    later turn back into an in-place update."""
+    if not torch.compiler.is_exporting():
+        bi, gi = ok.nonzero(as_tuple=True)
+        dst[bi, first[bi] + gi] = rows[bi, gi].to(dst.dtype)
+        return dst
+    g = rows.size(1)
+    rel = torch.arange(dst.size(1)).unsqueeze(0) - first.unsqueeze(1)  # (b, n)
+    inside = (rel >= 0) & (rel < g)
+    rel = rel.clamp(0, g - 1)  # g >= 1: every chunk has a token
+    sel = inside & ok.gather(1, rel)
+    tail = (1,) * (dst.dim() - 2)
+    vals = rows.gather(1, rel.view(*rel.shape, *tail).expand(-1, -1, *rows.shape[2:]))
+    return torch.where(sel.view(*sel.shape, *tail), vals.to(dst.dtype), dst)
+
+
+def live_rows(t: torch.Tensor, chunk: Chunk, ratio: int) -> torch.Tensor:
+    """The rows of a global store any query of this chunk can see. Eagerly a slice (faster
+    sweeps, same result: rows past a query's visible count are masked anyway); under export
+    the whole store (its length is the context dim)."""
+    if torch.compiler.is_exporting():
+        return t
+    return t[:, : max(int(chunk.end.max()) // ratio, 0)]
 
 
 # ---- window --------------------------------------------------------------------------------------
 
 
-def window_rows(start: int, s: int, window: int, floor: int = 0) -> torch.Tensor:
-    """Window positions each new query attends to, int64 (s, W), -1 = nothing there.
+def window_rows(start: torch.Tensor, s: int, window: int, floor: torch.Tensor) -> torch.Tensor:
+    """Window positions each new query attends to, int64 (b, s, window), -1 = nothing there.
 
-    A fresh prefill (start 0) lists [max(0, p-W+1) ...] valid-first, width min(s, window), as
-    the released prefill does; a continuation lists the last `window` positions oldest first,
-    as the released decode does. Positions below `floor` are cut (replay segments)."""
-    p = torch.arange(start, start + s).unsqueeze(1)
-    if start == 0:
-        width = min(s, window)
-        q = (p - window + 1).clamp(min=0) + torch.arange(width)
-        q = torch.where(q > p, -1, q)
-    else:
-        q = p - window + 1 + torch.arange(window)
-    return torch.where(q < floor, -1, q)
-
-
-def window_inputs(ring, codes: torch.Tensor, scales: torch.Tensor, chunk: Chunk, window: int):
-    """(codes, scales, idx) for `sparse_attend`: the ring (positions before the chunk, unless it
-    is a fresh prefill) followed by the chunk's own entries, and each query's rows into it."""
-    rows = window_rows(chunk.start, chunk.length, window, chunk.window_floor)
-    b = codes.size(0)
-    if chunk.start == 0:
-        buf_c, buf_s, idx = codes, scales, rows
-    else:
-        buf_c = torch.cat([ring.codes, codes], dim=1)
-        buf_s = torch.cat([ring.scales, scales], dim=1)
-        idx = torch.where(rows < chunk.start, rows % window, window + rows - chunk.start)
-        idx = torch.where(rows < 0, -1, idx)
-    return buf_c, buf_s, idx.to(torch.int32).unsqueeze(0).expand(b, -1, -1).contiguous()
+    A fresh prefill (start 0) lists [max(0, p-W+1) ...] valid-first, as the released prefill
+    does; a continuation lists the last `window` positions oldest first, as the released decode
+    does. The two orders matter: the attention kernel walks entries in blocks of 64, and trailing
+    -1 entries change nothing. Positions below `floor` are cut (replay segments)."""
+    p = start.unsqueeze(1) + torch.arange(s)  # (b, s)
+    j = torch.arange(window)
+    cont = p.unsqueeze(-1) - window + 1 + j  # (b, s, W)
+    fresh = (p - window + 1).clamp(min=0).unsqueeze(-1) + j
+    fresh = torch.where((j < s) & (fresh <= p.unsqueeze(-1)), fresh, -1)
+    q = torch.where((start == 0).view(-1, 1, 1), fresh, cont)
+    return torch.where(q < floor.view(-1, 1, 1), -1, q)
 
 
-def write_ring(ring, codes: torch.Tensor, scales: torch.Tensor, start: int, window: int) -> None:
-    n = min(codes.size(1), window)
-    pos = torch.arange(start + codes.size(1) - n, start + codes.size(1))
-    ring.codes[:, pos % window] = codes[:, -n:]
-    ring.scales[:, pos % window] = scales[:, -n:]
+def window_inputs(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor, chunk: Chunk,
+                  window: int):
+    """(codes, scales, idx) for `sparse_attend`: the ring (positions before the chunk) followed
+    by the chunk's own entries, and each query's rows into that buffer."""
+    rows = window_rows(chunk.start, chunk.length, window, chunk.floor)
+    start = chunk.start.view(-1, 1, 1)
+    idx = torch.where(rows < start, rows % window, window + rows - start)
+    idx = torch.where(rows < 0, -1, idx)
+    buf_c = torch.cat([ring.codes, codes], dim=1)  # (b, W + s, d)
+    buf_s = torch.cat([ring.scales, scales], dim=1)
+    return buf_c, buf_s, idx.to(torch.int32)
+
+
+def write_ring(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor,
+               start: torch.Tensor, window: int) -> None:
+    """Slot j takes the newest new position p with p % window == j, if any."""
+    s = codes.size(1)
+    last = (start + s - 1).unsqueeze(1)  # (b, 1)
+    t = last - torch.remainder(last - torch.arange(window), window)  # (b, W)
+    fresh = t >= start.unsqueeze(1)
+    src = (t - start.unsqueeze(1)).clamp(0, s - 1)
+
+    def take(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        vals = new.gather(1, src.unsqueeze(-1).expand(-1, -1, new.size(-1)))
+        return torch.where(fresh.unsqueeze(-1), vals, old)
+
+    ring.codes = take(codes, ring.codes)
+    ring.scales = take(scales, ring.scales)
 
 
 # ---- attention ---------------------------------------------------------------------------------
 
 
-def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor, chunk: Chunk):
-    """The KV source's new complete entries, pre-RoPE bf16 (b, n, hd), and the first entry id;
-    None when no group completed. A partial group waits in the store's fp32 tail."""
+@dataclass
+class Compressed:
+    """A chunk's compressor output: group slots g = 0..G-1 are entries first+g; ok marks the
+    ones completed in this chunk (those are new entries)."""
+
+    latent: torch.Tensor  # bf16 (b, G, hd) pre-RoPE
+    first: torch.Tensor  # int64 (b,)
+    ok: torch.Tensor  # bool (b, G)
+    ratio: int
+
+    def positions(self) -> torch.Tensor:
+        """An entry is rotated at the position of its group's first token, (b, G)."""
+        return (self.first.unsqueeze(1) + torch.arange(self.latent.size(1))) * self.ratio
+
+
+def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
+             chunk: Chunk) -> Compressed:
+    """The KV source's entries for the groups this chunk touches. A partial group at the end
+    waits in the store's fp32 tail (updated here); one at the start is completed from it."""
     m = store.ratio
+    s = chunk.length
     if m == 1:
         latent = rms_norm(bf16_linear(x, model.p(layer, "attn.compressor.wkv.weight")),
                           model.p(layer, "attn.compressor.norm.weight"), model.args.norm_eps)
-        return latent, chunk.start
-    r = chunk.start % m
+        ok = torch.ones(x.shape[:2], dtype=torch.bool)
+        return Compressed(latent, chunk.start, ok, 1)
     kv = fp32_linear(x, model.p(layer, "attn.compressor.wkv.weight"))  # (b, s, hd) fp32
     score = fp32_linear(x, model.p(layer, "attn.compressor.wgate.weight"))
-    kv = torch.cat([store.tail_kv[:, :r], kv], dim=1)
-    score = torch.cat([store.tail_score[:, :r], score], dim=1)
-    n, rem = divmod(r + chunk.length, m)
-    store.tail_kv[:, :rem] = kv[:, n * m :]
-    store.tail_score[:, :rem] = score[:, n * m :]
-    if n == 0:
-        return None, 0
-    pooled = softmax_pool(kv[:, : n * m], score[:, : n * m], m)
+    start, end = chunk.start.unsqueeze(1), chunk.end.unsqueeze(1)  # (b, 1)
+    g0 = chunk.start // m  # (b,)
+    n_slots = s // m + 2  # enough group slots for any start % m
+    member = (g0.view(-1, 1, 1) + torch.arange(n_slots).view(1, -1, 1)) * m + torch.arange(m)
+    bi = torch.arange(kv.size(0)).view(-1, 1, 1)  # member: (b, G, m) positions of every slot
+
+    def gather_members(new: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        from_new = new[bi, (member - start.unsqueeze(-1)).clamp(0, s - 1)]  # (b, G, m, hd)
+        from_tail = tail[bi, member % m]
+        return torch.where((member < start.unsqueeze(-1)).unsqueeze(-1), from_tail, from_new)
+
+    g_kv = gather_members(kv, store.tail_kv)
+    g_score = gather_members(score, store.tail_score)
+    # the new tail: the members of the partial group at `end`, if any
+    t_pos = (chunk.end // m).unsqueeze(1) * m + torch.arange(m)  # (b, m)
+    t_ok = (t_pos < end).unsqueeze(-1)
+    t_src = (t_pos - start).clamp(0, s - 1).unsqueeze(-1).expand(-1, -1, kv.size(-1))
+    old_kv, old_score = store.tail_kv, store.tail_score
+    store.tail_kv = torch.where(t_ok, torch.where((t_pos < start).unsqueeze(-1), old_kv,
+                                                  kv.gather(1, t_src)), 0.0)
+    store.tail_score = torch.where(t_ok, torch.where((t_pos < start).unsqueeze(-1), old_score,
+                                                     score.gather(1, t_src)), float("-inf"))
+    pooled = (g_kv * g_score.softmax(dim=2)).sum(dim=2)  # (b, G, hd): softmax_pool, grouped
     latent = rms_norm(pooled.to(BF16), model.p(layer, "attn.compressor.norm.weight"),
                       model.args.norm_eps)
-    return latent, (chunk.start - r) // m
+    ok = (g0.unsqueeze(1) + torch.arange(n_slots) + 1) * m <= end  # group complete by `end`
+    return Compressed(latent, g0, ok, m)
 
 
-def publish_index_k(model: Model, layer: int, store: GlobalStore, latent: torch.Tensor,
-                    first: int) -> None:
+def publish_index_k(model: Model, layer: int, store: GlobalStore, c: Compressed,
+                    chunk: Chunk) -> None:
     a = model.args
-    k = rms_norm(bf16_linear(latent, model.p(layer, "attn.indexer.wk.weight")),
+    k = rms_norm(bf16_linear(c.latent, model.p(layer, "attn.indexer.wk.weight")),
                  model.p(layer, "attn.indexer.k_norm.weight"), a.norm_eps)
-    cos, sin = rope_table(model.freqs[True], _entry_positions(first, k.size(1), store.ratio))
-    codes, scales = fmt.torch_quant_mxfp4(apply_rope(k, cos, sin, a.rope_head_dim).float())
-    store.k_codes[:, first : first + k.size(1)] = codes
-    store.k_scales[:, first : first + k.size(1)] = scales
+    cos, sin = _rope_at(model, chunk, c.positions())
+    codes, scales = ops.quant_mxfp4(apply_rope(k, cos, sin, a.rope_head_dim).float())
+    store.k_codes = put_rows(store.k_codes, c.first, codes, c.ok)
+    store.k_scales = put_rows(store.k_scales, c.first, scales, c.ok)
 
 
-def publish_main_kv(model: Model, store: GlobalStore, latent: torch.Tensor, first: int,
+def publish_main_kv(model: Model, store: GlobalStore, c: Compressed, chunk: Chunk,
                     kv_dtype: str) -> None:
     a = model.args
-    cos, sin = rope_table(model.freqs[True], _entry_positions(first, latent.size(1), store.ratio))
-    latent = apply_rope(latent, cos, sin, a.rope_head_dim)
-    n = latent.size(1)
+    cos, sin = _rope_at(model, chunk, c.positions())
+    latent = apply_rope(c.latent, cos, sin, a.rope_head_dim)
     if kv_dtype == "bf16":
-        store.kv_codes[:, first : first + n] = latent
+        store.kv_codes = put_rows(store.kv_codes, c.first, latent, c.ok)
         return
-    codes, scales = fmt.torch_quant_fp4_kv(latent.float())
-    store.kv_codes[:, first : first + n] = codes
-    store.kv_scales[:, first : first + n] = scales
+    codes, scales = ops.quant_fp4_kv(latent.float())
+    store.kv_codes = put_rows(store.kv_codes, c.first, codes, c.ok)
+    store.kv_scales = put_rows(store.kv_scales, c.first, scales, c.ok)
 
 
-def _entry_positions(first: int, n: int, m: int) -> torch.Tensor:
-    """An entry is rotated at the position of its group's first token."""
-    return (torch.arange(first, first + n) * m).unsqueeze(0)
+def index_keys(model: Model, cache: ModelCache, store: GlobalStore, chunk: Chunk):
+    """The index K an indexer reads. The released model reads it through one shared pointer
+    that only a publishing KV source moves: in a decode step where a ratio-2 group is still
+    filling, its indexer scores the keys of the last source that did publish (the ratio-1
+    source). `model.reference_index_k` keeps that behaviour, which the released outputs carry;
+    off, each indexer reads its own source. The pointer is per sequence (`cache.index_owner`)."""
+    kc = live_rows(store.k_codes, chunk, store.ratio)
+    ks = live_rows(store.k_scales, chunk, store.ratio)
+    if not model.reference_index_k:
+        return kc, ks
+    rows = kc.size(1)
+    for owner, other in cache.stores.items():
+        if other is store or other.k_codes is None or other.k_codes.size(1) < rows:
+            continue
+        use = (cache.index_owner == owner).view(-1, 1, 1)
+        kc = torch.where(use, other.k_codes[:, :rows], kc)
+        ks = torch.where(use, other.k_scales[:, :rows], ks)
+    return kc, ks
 
 
 def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: torch.Tensor,
            qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """This index source's top-k positions per query, int32 (b, s, min(topk, visible)).
-
-    The released model reads index K through one shared pointer that only a publishing KV source
-    moves: in a decode step where a ratio-2 group is still filling, its indexer scores the keys
-    of the last source that did publish (the ratio-1 source). `model.reference_index_k` keeps
-    that behaviour, which the released outputs carry; off, each indexer reads its own source."""
+    """This index source's top-k entry ids per query, int32 (b, s, topk), -1 padded."""
     a, p = model.args, model.plan.layers[layer]
-    b, s = x.shape[:2]
-    n_vis = chunk.end // store.ratio
-    if n_vis == 0:
-        return torch.empty(b, s, 0, dtype=torch.int32)
-    cos, sin = _rope_for(model, chunk, True)
+    cos, sin = _tok_rope(model, chunk, True)
     q = ops.fp8_linear(qr, model.p(layer, "attn.indexer.wq_b.weight"),
                        model.p(layer, "attn.indexer.wq_b.scale"))
     q = apply_rope(q.unflatten(-1, (a.index_n_heads, a.index_head_dim)), cos, sin,
                    a.rope_head_dim)
-    q = fmt.torch_qdq_mxfp4(q)
+    q = ops.qdq_mxfp4(q)
     weights = bf16_linear(x, model.p(layer, "attn.indexer.weights_proj.weight")) * (
         a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
-    lens = ((torch.arange(chunk.start, chunk.end) + 1) // store.ratio).expand(b, s)
-    keys = store
-    if model.reference_index_k and cache.index_k_layer >= 0:
-        keys = cache.stores[cache.index_k_layer]
-    kc, ks = keys.k_codes[:, :n_vis], keys.k_scales[:, :n_vis]
+    lens = (chunk.pos + 1) // store.ratio  # (b, s) entries visible to each query
+    kc, ks = index_keys(model, cache, store, chunk)
     if p.candidate_source:
         idx, chunk.blocks = ops.hier_topk(q, kc, ks, weights, lens, a.index_topk,
                                           a.candidate_topk_blocks, a.candidate_block_size)
@@ -285,14 +398,55 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
                             a.candidate_block_size)
     else:
         idx = ops.indexer_topk(q, kc, ks, weights, lens, a.index_topk)
-    return idx[..., : min(a.index_topk, n_vis)]
+    return idx
+
+
+def run_compressor(model: Model, cache: ModelCache, layer: int, x: torch.Tensor,
+                   chunk: Chunk) -> Compressed | None:
+    """A KV source's compressor; moves the index-K pointer of the sequences whose entries it
+    completed. Entries are published by the caller (after the indexer ran, as the reference
+    orders it), and only when the chunk writes global state."""
+    p = model.plan.layers[layer]
+    if p.role != FULL or not chunk.update_tails:
+        return None
+    store = cache.stores[layer]
+    c = compress(model, layer, store, x, chunk)
+    if p.owns_index_k:
+        if chunk.write_global:
+            publish_index_k(model, layer, store, c, chunk)
+        cache.index_owner = torch.where(c.ok.any(dim=1), layer, cache.index_owner)
+    return c
+
+
+def attend(model: Model, cache: ModelCache, layer: int, q: torch.Tensor, win,
+           store: GlobalStore | None, idx: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """sparse_attend over (window buffer, global store), then inverse RoPE and the grouped
+    output projection."""
+    a = model.args
+    b, s = q.shape[:2]
+    buf_c, buf_s, win_idx = win
+    sink = model.p(layer, "attn.attn_sink")
+    scale = a.head_dim**-0.5
+    if store is None:
+        kv_c = buf_c.new_zeros(b, 0, a.head_dim // 2)
+        kv_s = buf_c.new_zeros(b, 0, a.head_dim // 16)
+        o = ops.sparse_attend(q, buf_c, buf_s, win_idx, kv_c, kv_s, idx, sink, scale)
+    elif cache.kv_dtype == "fp4":
+        o = ops.sparse_attend(q, buf_c, buf_s, win_idx, live_rows(store.kv_codes, chunk,
+                                                                  store.ratio),
+                              live_rows(store.kv_scales, chunk, store.ratio), idx, sink, scale)
+    else:
+        o = ops.sparse_attend_bf16(q, buf_c, buf_s, win_idx,
+                                   live_rows(store.kv_codes, chunk, store.ratio), idx, sink,
+                                   scale)
+    return o
 
 
 def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chunk: Chunk):
     a, p = model.args, model.plan.layers[layer]
     b, s, _ = x.shape
     rd = a.rope_head_dim
-    cos, sin = _rope_for(model, chunk, p.ratio > 0)
+    cos, sin = _tok_rope(model, chunk, p.ratio > 0)
     qr = rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wq_a.weight"),
                                  model.p(layer, "attn.wq_a.scale")),
                   model.p(layer, "attn.q_norm.weight"), a.norm_eps)
@@ -302,41 +456,32 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     kv = rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"),
                                  model.p(layer, "attn.wkv.scale")),
                   model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
-    win_codes, win_scales = fmt.torch_quant_fp8(apply_rope(kv, cos, sin, rd).float())
+    win_codes, win_scales = ops.quant_fp8(apply_rope(kv, cos, sin, rd).float())
     ring = cache.windows[layer]
-    buf_c, buf_s, win_idx = window_inputs(ring, win_codes, win_scales, chunk, a.window_size)
+    win = window_inputs(ring, win_codes, win_scales, chunk, a.window_size)
     write_ring(ring, win_codes, win_scales, chunk.start, a.window_size)
 
-    store, idx = None, torch.empty(b, s, 0, dtype=torch.int32)
+    store, idx = None, torch.full((b, s, 0), -1, dtype=torch.int32)
     if p.ratio:
         store = cache.stores[p.kv_source]
-        latent = None
-        if p.role == FULL and chunk.write_global:
-            latent, first = compress(model, layer, store, x, chunk)
-            if latent is not None and p.owns_index_k:
-                publish_index_k(model, layer, store, latent, first)
-                cache.index_k_layer = layer
+        c = run_compressor(model, cache, layer, x, chunk)
         if p.runs_indexer:
             chunk.selection = select(model, cache, layer, store, x, qr, chunk)
             chunk.selections[layer] = chunk.selection
             if p.candidate_source:
                 chunk.selections[-1] = chunk.blocks
         idx = chunk.selection
-        if latent is not None:
-            publish_main_kv(model, store, latent, first, cache.kv_dtype)
-    n_vis = chunk.end // p.ratio if p.ratio else 0
-    sink = model.p(layer, "attn.attn_sink")
-    scale = a.head_dim**-0.5
-    if store is None or cache.kv_dtype == "fp4":
-        kv_c = store.kv_codes[:, :n_vis] if store else torch.zeros(b, 0, a.head_dim // 2,
-                                                                   dtype=torch.uint8)
-        kv_s = store.kv_scales[:, :n_vis] if store else torch.zeros(b, 0, a.head_dim // 16,
-                                                                    dtype=torch.uint8)
-        o = ops.sparse_attend(q, buf_c, buf_s, win_idx, kv_c, kv_s, idx, sink, scale)
-    else:
-        o = ops.sparse_attend_bf16(q, buf_c, buf_s, win_idx, store.kv_codes[:, :n_vis], idx,
-                                   sink, scale)
-    o = apply_rope(o, cos, sin, rd, inverse=True)
+        if c is not None and chunk.write_global:
+            publish_main_kv(model, store, c, chunk, cache.kv_dtype)
+    o = attend(model, cache, layer, q, win, store, idx, chunk)
+    return output_proj(model, layer, o, cos, sin)
+
+
+def output_proj(model: Model, layer: int, o: torch.Tensor, cos, sin) -> torch.Tensor:
+    """Inverse RoPE on the attention output, then the grouped wo_a and wo_b."""
+    a = model.args
+    b, s = o.shape[:2]
+    o = apply_rope(o, cos, sin, a.rope_head_dim, inverse=True)
     o = o.view(b, s, a.o_groups, -1)  # (b, s, g, h*hd/g)
     wo_a = model.p(layer, "attn.wo_a.weight").view(a.o_groups, a.o_lora_rank, -1)
     o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
@@ -399,7 +544,7 @@ def engram(model: Model, layer: int, h: torch.Tensor, ids: torch.Tensor) -> torc
 
 
 def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: torch.Tensor,
-          chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+          chunk: Chunk, attn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: attention then MoE, each between hc_pre and hc_post. The attention collapses
     with the previous block's FFN `pre` (single-pass lag); the FFN with this block's attention
     `pre`. Returns the new stream and this block's FFN `pre`."""
@@ -414,7 +559,7 @@ def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: tor
                                     model.p(layer, "hc_attn_scale"),
                                     model.p(layer, "hc_attn_base"), *mix)
     x = rms_norm(hc_pre(h, pre), model.p(layer, "attn_norm.weight"), a.norm_eps)
-    h = hc_post(attention(model, cache, layer, x, chunk), h, post, comb)
+    h = hc_post((attn or attention)(model, cache, layer, x, chunk), h, post, comb)
     ffn_pre, post, comb = hc_mixes(h, model.p(layer, "hc_ffn_fn"), model.p(layer, "hc_ffn_scale"),
                                    model.p(layer, "hc_ffn_base"), *mix)
     x = rms_norm(hc_pre(h, attn_pre), model.p(layer, "ffn_norm.weight"), a.norm_eps)
@@ -427,7 +572,6 @@ def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: tor
 
 def run_layers(model: Model, cache: ModelCache, h: torch.Tensor, pre: torch.Tensor,
                layers: range, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-    ensure_capacity(cache, chunk.end)
     for layer in layers:
         h, pre = block(model, cache, layer, h, pre, chunk)
     return h, pre

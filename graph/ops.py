@@ -101,6 +101,57 @@ def _(packed, scales):
     return packed.new_empty(*packed.shape[:-1], packed.size(-1) * 2, dtype=torch.float32)
 
 
+# ---- quantisers (each one kernel; the graph never bit-casts) -------------------------------
+
+
+@torch.library.custom_op("dsv41::quant_fp8", mutates_args=())
+def quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [..., D] -> E4M3 codes uint8 [..., D] + E8M0 scales uint8 [..., D/32] (window
+    entries, activations)."""
+    return fmt.torch_quant_fp8(x, FP8_BLOCK)
+
+
+@quant_fp8.register_fake
+def _(x):
+    return (x.new_empty(x.shape, dtype=torch.uint8),
+            x.new_empty(*x.shape[:-1], x.size(-1) // FP8_BLOCK, dtype=torch.uint8))
+
+
+@torch.library.custom_op("dsv41::quant_fp4_kv", mutates_args=())
+def quant_fp4_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [..., D] -> main-KV FP4: packed E2M1 uint8 [..., D/2] + E4M3 scales [..., D/16]."""
+    return fmt.torch_quant_fp4_kv(x)
+
+
+@quant_fp4_kv.register_fake
+def _(x):
+    return (x.new_empty(*x.shape[:-1], x.size(-1) // 2, dtype=torch.uint8),
+            x.new_empty(*x.shape[:-1], x.size(-1) // 16, dtype=torch.uint8))
+
+
+@torch.library.custom_op("dsv41::quant_mxfp4", mutates_args=())
+def quant_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [..., D] -> index-K MXFP4: packed E2M1 uint8 [..., D/2] + E8M0 scales [..., D/32]."""
+    return fmt.torch_quant_mxfp4(x)
+
+
+@quant_mxfp4.register_fake
+def _(x):
+    return (x.new_empty(*x.shape[:-1], x.size(-1) // 2, dtype=torch.uint8),
+            x.new_empty(*x.shape[:-1], x.size(-1) // 32, dtype=torch.uint8))
+
+
+@torch.library.custom_op("dsv41::qdq_mxfp4", mutates_args=())
+def qdq_mxfp4(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [..., D] -> MXFP4 quantise-dequantise -> bf16 (the indexer's queries)."""
+    return fmt.torch_qdq_mxfp4(x)
+
+
+@qdq_mxfp4.register_fake
+def _(x):
+    return torch.empty_like(x, dtype=torch.bfloat16)
+
+
 # ---- sparse gather-attend ----------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """Phase functions: pure functions of (model, cache, tokens) that advance the cache.
 
-Each runs over a batch of sequences that share one cached length, and reports the token-layer
+Each runs over a batch of sequences, each at its own cached length, and reports the token-layer
 work it did (tokens x blocks), which is what CED saves:
 
 - `prefill_exact`: every block over every new token, at any start position (a cached sequence
@@ -19,18 +19,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .cache import ModelCache
-from .engram import as_tensor, engram_hash, engram_history_after
+from . import dspark
+from .cache import ModelCache, ensure_capacity
+from .dspark import Draft
+from .engram import as_tensor, empty_history, engram_hash, engram_history_after
 from .layers import hc_pre, identity_pre, rms_norm
 from .model import (
     Chunk,
     Model,
-    compress,
     engram,
     final_norm,
     head,
-    publish_index_k,
     publish_main_kv,
+    rope_window,
+    run_compressor,
     run_layers,
 )
 
@@ -42,6 +44,8 @@ class PhaseResult:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # recorded block outputs
     final_hidden: torch.Tensor | None = None  # (b, s, d) what the head reads
     selections: dict[int, torch.Tensor] = field(default_factory=dict)  # layer (-1: blocks)
+    main_hidden: torch.Tensor | None = None  # (b, s, n_taps*d) DSpark's inputs
+    draft: Draft | None = None  # DSpark's draft after a decode step, when asked for
 
     @property
     def token_layers(self) -> int:
@@ -66,16 +70,31 @@ def check_tokens(model: Model, tokens: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
-def _chunk(model: Model, cache: ModelCache, tokens: torch.Tensor, record=()) -> Chunk:
+def engram_ids(model: Model, cache: ModelCache, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Engram hash ids of the new tokens (on the host), advancing the cache's lookback."""
+    if model.engram is None:
+        return None
+    np_tokens = tokens.numpy()
+    ids = as_tensor(engram_hash(model.engram, cache.engram_history, np_tokens))
+    cache.engram_history = engram_history_after(model.engram, cache.engram_history, np_tokens)
+    return ids
+
+
+def _chunk(model: Model, cache: ModelCache, tokens: torch.Tensor, record=(), *,
+           start: torch.Tensor | None = None, floor: torch.Tensor | None = None,
+           write_global: bool = True) -> Chunk:
     if tokens.size(0) != cache.batch:
         raise ValueError(f"Batch of {tokens.size(0)} sequences does not match the cache's "
                          f"{cache.batch}.")
-    ids = None
-    if model.engram is not None:
-        np_tokens = tokens.numpy()
-        ids = as_tensor(engram_hash(model.engram, cache.engram_history, np_tokens))
-        cache.engram_history = engram_history_after(model.engram, cache.engram_history, np_tokens)
-    return Chunk(start=cache.pos, length=tokens.size(1), hash_ids=ids, record=tuple(record))
+    start = cache.pos.clone() if start is None else start
+    end = int(start.max()) + tokens.size(1)
+    if end > model.args.max_seq_len:
+        raise ValueError(f"The sequence would reach {end} tokens; this model's max_seq_len is "
+                         f"{model.args.max_seq_len}.")
+    ensure_capacity(cache, end)
+    return Chunk(start=start, length=tokens.size(1), rope=rope_window(model, start, tokens.size(1)),
+                 hash_ids=engram_ids(model, cache, tokens), window_floor=floor,
+                 write_global=write_global, record=tuple(record))
 
 
 def embed(model: Model, tokens: torch.Tensor) -> torch.Tensor:
@@ -83,27 +102,55 @@ def embed(model: Model, tokens: torch.Tensor) -> torch.Tensor:
     return h.unsqueeze(2).repeat(1, 1, model.args.hc_mult, 1)  # (b, s, hc, d)
 
 
-def prefill_exact(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
-                  record: tuple[int, ...] = ()) -> PhaseResult:
-    """Every block over every new token, continuing from `cache.pos`."""
-    tokens = check_tokens(model, tokens)
-    chunk = _chunk(model, cache, tokens, record)
+def _main_hidden(chunk: Chunk) -> torch.Tensor | None:
+    return torch.cat(chunk.taps, dim=-1) if chunk.taps else None
+
+
+def _seed_dspark(model: Model, cache: ModelCache, chunk: Chunk) -> torch.Tensor | None:
+    main_hidden = _main_hidden(chunk)
+    if main_hidden is not None and model.plan.dspark:
+        dspark.seed(model, cache, main_hidden, chunk)
+    return main_hidden
+
+
+def forward_all(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Chunk,
+                all_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The graph of `prefill_exact` / `decode_step`: pure tensor code over validated inputs
+    (what torch.export captures). Returns (logits, final hidden, DSpark main hidden)."""
     h = embed(model, tokens)
     pre = identity_pre(h.size(0), h.size(1), model.args.hc_mult)
     h, pre = run_layers(model, cache, h, pre, range(model.args.n_layers), chunk)
     x = final_norm(model, h, pre)
     cache.pos = chunk.end
     logits = head(model, x if all_logits else x[:, -1:])
-    return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections)
+    return logits, x, _seed_dspark(model, cache, chunk)
 
 
-def decode_step(model: Model, cache: ModelCache, tokens) -> PhaseResult:
-    """One new token per sequence through every block."""
+def prefill_exact(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
+                  record: tuple[int, ...] = ()) -> PhaseResult:
+    """Every block over every new token, each sequence continuing from its `cache.pos`."""
+    tokens = check_tokens(model, tokens)
+    chunk = _chunk(model, cache, tokens, record)
+    logits, x, main_hidden = forward_all(model, cache, tokens, chunk, all_logits)
+    return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
+
+
+def decode_step(model: Model, cache: ModelCache, tokens, *, draft: bool = False) -> PhaseResult:
+    """One new token per sequence through every block (sequences may sit at different
+    positions). With `draft`, DSpark then drafts its block after the greedy next token."""
     tokens = check_tokens(model, tokens)
     if tokens.size(1) != 1:
         raise ValueError(f"decode_step takes one token per sequence, got {tokens.size(1)}.")
-    return prefill_exact(model, cache, tokens)
-
+    res = prefill_exact(model, cache, tokens)
+    if draft:
+        if not model.plan.dspark:
+            raise ValueError("This model has no DSpark layers to draft with.")
+        nxt = res.logits[:, -1].argmax(dim=-1)
+        pos = cache.pos - 1
+        n = model.args.dspark_block_size
+        chunk = Chunk(start=pos + 1, length=n, rope=rope_window(model, pos + 1, n), hash_ids=None)
+        res.draft = dspark.draft(model, cache, nxt, chunk)
+    return res
 
 
 # ---- CED: the Causal Encoder-Decoder pair -------------------------------------------------------
@@ -116,10 +163,20 @@ class EncoderOutput:
     h: torch.Tensor  # (b, s, hc, d)
     pre: torch.Tensor  # (b, s, hc) the last encoder block's FFN mix
     hash_ids: torch.Tensor | None  # Engram rows of the same positions
-    start: int  # position of h[:, 0]
+    start: torch.Tensor  # int64 (b,) position of h[:, 0]
     work: dict[int, int]
     hidden: dict[int, torch.Tensor]  # recorded encoder block outputs
     selections: dict[int, torch.Tensor]  # encoder index sources' top-k
+
+
+def encode_layers(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Chunk):
+    """The graph of `encoder_prefill` (and each half of `encoder_replay`)."""
+    h = embed(model, tokens)
+    pre = identity_pre(h.size(0), h.size(1), model.args.hc_mult)
+    h, pre = run_layers(model, cache, h, pre, range(model.plan.decoder_start), chunk)
+    if model.plan.decoder_start < model.args.n_layers:
+        decoder_global_kv(model, cache, h, pre, chunk)
+    return h, pre
 
 
 def encoder_prefill(model: Model, cache: ModelCache, tokens,
@@ -128,11 +185,7 @@ def encoder_prefill(model: Model, cache: ModelCache, tokens,
     block's compressor and index K) from the encoder's output, without running the decoder."""
     tokens = check_tokens(model, tokens)
     chunk = _chunk(model, cache, tokens, record)
-    h = embed(model, tokens)
-    pre = identity_pre(h.size(0), h.size(1), model.args.hc_mult)
-    h, pre = run_layers(model, cache, h, pre, range(model.plan.decoder_start), chunk)
-    if model.plan.decoder_start < model.args.n_layers:
-        decoder_global_kv(model, cache, h, pre, chunk)
+    h, pre = encode_layers(model, cache, tokens, chunk)
     cache.pos = chunk.end
     return EncoderOutput(h, pre, chunk.hash_ids, chunk.start, chunk.work, chunk.hidden,
                          chunk.selections)
@@ -148,14 +201,9 @@ def decoder_global_kv(model: Model, cache: ModelCache, h: torch.Tensor, pre: tor
         slot = model.args.engram_layer_ids.index(layer)
         h = engram(model, layer, h, chunk.hash_ids[:, :, slot])
     x = rms_norm(hc_pre(h, pre), model.p(layer, "attn_norm.weight"), model.args.norm_eps)
-    store = cache.stores[layer]
-    latent, first = compress(model, layer, store, x, chunk)
-    if latent is None:
-        return
-    if p.owns_index_k:
-        publish_index_k(model, layer, store, latent, first)
-        cache.index_k_layer = layer
-    publish_main_kv(model, store, latent, first, cache.kv_dtype)
+    c = run_compressor(model, cache, layer, x, chunk)
+    if c is not None and chunk.write_global:
+        publish_main_kv(model, cache.stores[layer], c, chunk, cache.kv_dtype)
 
 
 def decoder_replay(model: Model, cache: ModelCache, enc: EncoderOutput, *,
@@ -165,14 +213,30 @@ def decoder_replay(model: Model, cache: ModelCache, enc: EncoderOutput, *,
     entries were written by `encoder_prefill` and are only read here."""
     n = min(enc.h.size(1), model.args.window_size)
     start = enc.start + enc.h.size(1) - n
-    chunk = Chunk(start=start, length=n,
+    chunk = Chunk(start=start, length=n, rope=rope_window(model, start, n),
                   hash_ids=None if enc.hash_ids is None else enc.hash_ids[:, -n:],
-                  window_floor=start, record=tuple(record), write_global=False)
-    h, pre = run_layers(model, cache, enc.h[:, -n:], enc.pre[:, -n:],
-                        range(model.plan.decoder_start, model.args.n_layers), chunk)
+                  window_floor=start, record=tuple(record), write_global=False,
+                  update_tails=False)
+    logits, x, main_hidden = decode_layers(model, cache, enc.h[:, -n:], enc.pre[:, -n:], chunk,
+                                           all_logits)
+    return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
+
+
+def decode_layers(model: Model, cache: ModelCache, h: torch.Tensor, pre: torch.Tensor,
+                  chunk: Chunk, all_logits: bool):
+    """The graph of `decoder_replay`: the decoder blocks, the head and DSpark's rings."""
+    h, pre = run_layers(model, cache, h, pre, range(model.plan.decoder_start,
+                                                     model.args.n_layers), chunk)
     x = final_norm(model, h, pre)
     logits = head(model, x if all_logits else x[:, -1:])
-    return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections)
+    return logits, x, _seed_dspark(model, cache, chunk)
+
+
+def _joined(enc: EncoderOutput, res: PhaseResult) -> PhaseResult:
+    res.work = {k: enc.work.get(k, 0) + res.work.get(k, 0) for k in {*enc.work, *res.work}}
+    res.hidden = {**enc.hidden, **res.hidden}
+    res.selections = {**enc.selections, **res.selections}
+    return res
 
 
 def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
@@ -180,8 +244,50 @@ def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = F
     """CED prefill: `n_encoder * N + n_decoder * min(N, window)` token-layers instead of
     `n_layers * N`. Logits exist only for the replayed (last `window`) positions."""
     enc = encoder_prefill(model, cache, tokens, record)
-    res = decoder_replay(model, cache, enc, all_logits=all_logits, record=record)
-    res.work = {**enc.work, **res.work}
-    res.hidden = {**enc.hidden, **res.hidden}
-    res.selections = {**enc.selections, **res.selections}
-    return res
+    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
+
+
+# ---- bounded replay after a snapshot miss -------------------------------------------------------
+
+
+def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
+                   record: tuple[int, ...] = ()) -> EncoderOutput:
+    """A prefix hit without its snapshot: the cache holds the global entries of `prefix` (b, L)
+    but its encoder rings and compressor tails are lost. The last min(window, L) prefix tokens
+    are replayed through the encoder to rebuild them (their windows cut at the replay start,
+    cached global entries read and never rewritten), then the suffix runs as usual. Returns the
+    encoder output of replay + suffix, for `decoder_replay`."""
+    prefix, suffix = check_tokens(model, prefix), check_tokens(model, suffix)
+    big = int(cache.pos.max())
+    if prefix.size(1) != big or bool((cache.pos != big).any()):
+        raise ValueError(f"encoder_replay needs every sequence's cache at the prefix length "
+                         f"{prefix.size(1)}; the cache holds {cache.pos.tolist()} tokens.")
+    n = min(model.args.window_size, prefix.size(1))
+    first = cache.pos - n
+    for store in cache.stores.values():  # the lost tails are rebuilt by the replay
+        if store.tail_kv is not None:
+            store.tail_kv = torch.zeros_like(store.tail_kv)
+            store.tail_score = torch.full_like(store.tail_score, float("-inf"))
+    if model.engram is not None:
+        lookback = prefix[:, : prefix.size(1) - n][:, -(model.engram.max_ngram - 1):]
+        cache.engram_history = engram_history_after(
+            model.engram, empty_history(model.engram, cache.batch), lookback.numpy())
+    replay = _chunk(model, cache, prefix[:, -n:], record, start=first, floor=first,
+                    write_global=False)
+    h1, pre1 = encode_layers(model, cache, prefix[:, -n:], replay)
+    new = _chunk(model, cache, suffix, record, floor=first)
+    h2, pre2 = encode_layers(model, cache, suffix, new)
+    cache.pos = new.end
+    work = {k: replay.work.get(k, 0) + new.work.get(k, 0) for k in {*replay.work, *new.work}}
+    ids = None if new.hash_ids is None else torch.cat([replay.hash_ids, new.hash_ids], dim=1)
+    return EncoderOutput(torch.cat([h1, h2], dim=1), torch.cat([pre1, pre2], dim=1), ids,
+                         first, work, {**replay.hidden, **new.hidden},
+                         {**replay.selections, **new.selections})
+
+
+def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logits: bool = False,
+                   record: tuple[int, ...] = ()) -> PhaseResult:
+    """Snapshot miss: encoder bounded replay, then decoder bounded replay. Token-layers:
+    n_encoder * (min(window, L) + S) + n_decoder * min(window, min(window, L) + S)."""
+    enc = encoder_replay(model, cache, prefix, suffix, record)
+    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))

@@ -86,8 +86,8 @@ def run_agent_loop(cfg: AgentLoopConfig) -> list[TurnRecord]:
               f"{rec.decoded} [{rec.tier}] cache {rec.cache_bytes:,} B; prefill "
               f"{secs['prefill']:.2f} s ({res.token_layers} token-layers), decode "
               f"{secs['decode']:.2f} s ({cfg.decode / max(secs['decode'], 1e-9):.1f} tok/s)")
-    bill = make_bill(a, contexts=(cache.pos,))
-    print(f"summary: {cfg.turns} turns, {cache.pos} tokens in cache; global KV "
+    bill = make_bill(a, contexts=(int(cache.pos[0]),))
+    print(f"summary: {cfg.turns} turns, {int(cache.pos[0])} tokens in cache; global KV "
           f"{bill.global_bytes_per_token:g} B/token by the bill, live "
           f"{cache.nbytes()['main_kv'] + cache.nbytes()['index_k']:,} B allocated for "
           f"{cache.stores and max(s.capacity * s.ratio for s in cache.stores.values())} "

@@ -1,0 +1,268 @@
+"""Capture: the phase graphs of `dsv41.graph` as torch.export programs with symbolic token,
+context and batch dims.
+
+Each entry is the pure-tensor half of a phase function (`forward_all`, `encode_layers`,
+`decode_layers`, `dspark.draft`); the host half (token and id validation, Engram hashing, RoPE
+tables, capacity) stays in Python and becomes the runtime's job. The cache is passed in as a flat
+list of tensors and the updated tensors are returned in the same order: TVM's importer drops
+torch.export's input mutations, so every cache write is an explicit output. Weights are module
+parameters, so they stay parameters of the compiled function and are never baked in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.export import Dim
+
+from dsv41.graph import dspark
+from dsv41.graph.cache import GlobalStore, ModelCache, WindowRing, new_cache
+from dsv41.graph.model import Chunk, ExpertStack, Model, rope_margin
+from dsv41.graph.phases import decode_layers, encode_layers, forward_all
+
+ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft")
+
+
+# ---- the cache as a flat list --------------------------------------------------------------------
+
+
+def cache_names(cache: ModelCache) -> list[str]:
+    """Stable order of the cache tensors an entry takes and returns."""
+    names = []
+    for layer in sorted(cache.windows):
+        names += [f"window.{layer}.codes", f"window.{layer}.scales"]
+    for layer in sorted(cache.stores):
+        st = cache.stores[layer]
+        names += [f"store.{layer}.kv_codes", f"store.{layer}.kv_scales"]
+        if st.k_codes is not None:
+            names += [f"store.{layer}.k_codes", f"store.{layer}.k_scales"]
+        if st.tail_kv is not None:
+            names += [f"store.{layer}.tail_kv", f"store.{layer}.tail_score"]
+    return names + ["index_owner"]
+
+
+def cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
+    out = []
+    for name in cache_names(cache):
+        out.append(_get(cache, name))
+    return out
+
+
+def _get(cache: ModelCache, name: str) -> torch.Tensor:
+    if name == "index_owner":
+        return cache.index_owner
+    kind, layer, field = name.split(".")
+    obj = cache.windows[int(layer)] if kind == "window" else cache.stores[int(layer)]
+    return getattr(obj, field)
+
+
+def load_cache_tensors(cache: ModelCache, tensors) -> None:
+    """Put an entry's returned cache tensors back into `cache`."""
+    names = cache_names(cache)
+    if len(tensors) != len(names):
+        raise ValueError(f"Expected {len(names)} cache tensors, got {len(tensors)}.")
+    for name, t in zip(names, tensors, strict=True):
+        if name == "index_owner":
+            cache.index_owner = t
+            continue
+        kind, layer, field = name.split(".")
+        obj = cache.windows[int(layer)] if kind == "window" else cache.stores[int(layer)]
+        setattr(obj, field, t)
+
+
+def _cache_from(template: ModelCache, tensors, start: torch.Tensor) -> ModelCache:
+    """A ModelCache view over the entry's input tensors (the template gives the structure)."""
+    it = dict(zip(cache_names(template), tensors, strict=True))
+    windows = {lay: WindowRing(it[f"window.{lay}.codes"], it[f"window.{lay}.scales"])
+               for lay in template.windows}
+    stores = {}
+    for lay, st in template.stores.items():
+        stores[lay] = GlobalStore(st.ratio, it[f"store.{lay}.kv_codes"],
+                                  it[f"store.{lay}.kv_scales"], it.get(f"store.{lay}.k_codes"),
+                                  it.get(f"store.{lay}.k_scales"), it.get(f"store.{lay}.tail_kv"),
+                                  it.get(f"store.{lay}.tail_score"))
+    return ModelCache(layout=template.layout, batch=start.size(0), pos=start, windows=windows,
+                      stores=stores, engram_history=None, kv_dtype=template.kv_dtype,
+                      index_owner=it["index_owner"])
+
+
+# ---- the entry module -------------------------------------------------------------------------
+
+
+def _param_name(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class PhaseGraph(torch.nn.Module):
+    """One entry of the artifact. Weights are parameters under their official names (dots
+    become double underscores); the stacked routed experts are `experts__<layer>__w1` etc."""
+
+    def __init__(self, model: Model, entry: str, template: ModelCache):
+        super().__init__()
+        if entry not in ENTRIES:
+            raise ValueError(f"Unknown entry {entry!r}; entries: {', '.join(ENTRIES)}.")
+        if template.kv_dtype != "fp4":
+            raise ValueError("Only the FP4 cache is compiled; bf16 KV is a graph-only ledger "
+                             "switch.")
+        self.args, self.plan, self.entry, self.template = model.args, model.plan, entry, template
+        self.reference_index_k = model.reference_index_k
+        self.weight_names = sorted(model.w)
+        for name in self.weight_names:
+            self.register_parameter(_param_name(name),
+                                    torch.nn.Parameter(model.w[name], requires_grad=False))
+        for layer, ex in model.experts.items():
+            for k in ("w1", "s1", "w3", "s3", "w2", "s2"):
+                self.register_parameter(f"experts__{layer}__{k}",
+                                        torch.nn.Parameter(getattr(ex, k), requires_grad=False))
+
+    def _model(self) -> Model:
+        w = {name: getattr(self, _param_name(name)) for name in self.weight_names}
+        experts = {layer: ExpertStack(**{k: getattr(self, f"experts__{layer}__{k}")
+                                         for k in ("w1", "s1", "w3", "s3", "w2", "s2")})
+                   for layer in sorted({p.layer for p in self.plan.layers})}
+        return Model(self.args, self.plan, w, experts, None, {}, self.reference_index_k)
+
+    def _chunk(self, start, floor, s, ropes, hash_ids, **flags) -> Chunk:
+        return Chunk(start=start, length=s, rope={True: (ropes[0], ropes[1]),
+                                                  False: (ropes[2], ropes[3])},
+                     hash_ids=hash_ids, window_floor=floor, **flags)
+
+    def forward(self, x, start, floor, cos_c, sin_c, cos_u, sin_u, hash_ids, *cache_in):
+        """x: tokens (b, s) int64, or for `decoder` the encoder stream (h, pre) as a pair;
+        start/floor (b,) int64; RoPE tables (b, s + 2M, rd/2); hash_ids (b, s, E, cols) int64
+        (an empty (b, s, 0, 0) when the model has no Engram); then the cache tensors."""
+        model = self._model()
+        cache = _cache_from(self.template, cache_in, start)
+        ropes = (cos_c, sin_c, cos_u, sin_u)
+        ids = hash_ids if model.args.engram_layer_ids else None
+        if self.entry == "draft":
+            n = self.args.dspark_block_size
+            chunk = self._chunk(start, None, n, ropes, None)
+            d = dspark.draft(model, cache, x, chunk)
+            return d.ids, d.logits, d.confidence
+        if self.entry == "decoder":
+            h, pre = x
+            chunk = self._chunk(start, floor, h.size(1), ropes, ids, write_global=False,
+                                update_tails=False)
+            logits, _, _ = decode_layers(model, cache, h, pre, chunk, all_logits=True)
+            return (logits, *cache_tensors(cache))
+        chunk = self._chunk(start, floor, x.size(1), ropes, ids,
+                            write_global=self.entry != "encoder_replay")
+        if self.entry in ("encoder", "encoder_replay"):
+            h, pre = encode_layers(model, cache, x, chunk)
+            return (h, pre, *cache_tensors(cache))
+        logits, _, _ = forward_all(model, cache, x, chunk, all_logits=self.entry == "prefill_all")
+        return (logits, *cache_tensors(cache))
+
+
+# ---- example inputs and dynamic shapes -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CaptureShapes:
+    batch: int = 2  # not 1: torch.export specialises size-1 dims
+    tokens: int = 7  # example token count (prefill / encoder entries)
+    context: int = 64  # example context capacity in tokens
+    max_tokens: int = 1 << 20
+    max_context: int = 1 << 21
+    max_batch: int = 64
+
+
+def example_inputs(model: Model, entry: str, shapes: CaptureShapes):
+    """Example inputs for `entry` and the cache template they imply."""
+    a = model.args
+    b = shapes.batch
+    s = {"decode": 1, "draft": a.dspark_block_size,
+         "decoder": min(shapes.tokens, a.window_size)}.get(entry, shapes.tokens)
+    template = new_cache(model.plan, b, shapes.context)
+    m = rope_margin(a)
+    half = a.rope_head_dim // 2
+    ropes = [torch.zeros(b, s + 2 * m, half) for _ in range(4)]
+    n_eng = len(a.engram_layer_ids)
+    cols = (a.engram_max_ngram_size - 1) * a.engram_n_heads if n_eng else 0
+    hash_ids = torch.zeros(b, s, n_eng, cols, dtype=torch.int64)
+    start = torch.full((b,), 3, dtype=torch.int64)
+    floor = torch.zeros(b, dtype=torch.int64)
+    if entry == "draft":
+        x = torch.zeros(b, dtype=torch.int64)
+    elif entry == "decoder":
+        x = (torch.zeros(b, s, a.hc_mult, a.dim, dtype=torch.bfloat16),
+             torch.zeros(b, s, a.hc_mult, dtype=torch.float32))
+    else:
+        x = torch.zeros(b, s, dtype=torch.int64)
+    return (x, start, floor, *ropes, hash_ids, *cache_tensors(template)), template
+
+
+def dynamic_shapes(model: Model, entry: str, template: ModelCache, shapes: CaptureShapes):
+    """Symbolic dims: batch, tokens (not for decode/draft), and the context (store rows)."""
+    a = model.args
+    batch = Dim("batch", min=1, max=shapes.max_batch)
+    m = rope_margin(a)
+    top = max(st.ratio for st in template.stores.values()) if template.stores else 1
+    ctx = Dim("ctx", min=1, max=shapes.max_context // top)
+    if entry in ("decode", "draft"):
+        tok = None
+    elif entry == "decoder":
+        tok = Dim("tokens", min=1, max=a.window_size)
+    else:
+        tok = Dim("tokens", min=1, max=shapes.max_tokens)
+
+    def tok_dims(extra: dict | None = None) -> dict:
+        d = {0: batch}
+        if tok is not None:
+            d[1] = tok
+        return {**d, **(extra or {})}
+
+    rope = {0: batch, 1: tok + 2 * m} if tok is not None else {0: batch}
+    if entry == "draft":
+        x = {0: batch}
+    elif entry == "decoder":
+        x = (tok_dims(), tok_dims())
+    else:
+        x = tok_dims()
+    cache = []
+    for name in cache_names(template):
+        t = _get(template, name)
+        d = {0: batch}
+        if name.startswith("store.") and not name.endswith(("tail_kv", "tail_score")):
+            ratio = template.stores[int(name.split(".")[1])].ratio
+            d[1] = ctx * (top // ratio) if top // ratio > 1 else ctx
+        cache.append(d if t.dim() > 0 else None)
+    return {"x": x, "start": {0: batch}, "floor": {0: batch}, "cos_c": rope, "sin_c": rope,
+            "cos_u": rope, "sin_u": rope, "hash_ids": tok_dims(), "cache_in": tuple(cache)}
+
+
+def capture(model: Model, entry: str, shapes: CaptureShapes = CaptureShapes()):
+    """torch.export one entry. Returns (ExportedProgram, cache template)."""
+    inputs, template = example_inputs(model, entry, shapes)
+    module = PhaseGraph(model, entry, template)
+    dyn = dynamic_shapes(model, entry, template, shapes)
+    with torch.no_grad():
+        ep = torch.export.export(module, inputs, dynamic_shapes=dyn, strict=False)
+    return ep, template
+
+
+def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, floor=None,
+                 hash_ids=None) -> tuple:
+    """The host half of a phase: real inputs for `entry` from a cache and validated tokens (or
+    the encoder stream for `decoder`, or the accepted token for `draft`). Engram ids must be
+    passed in (they advance the cache's lookback, so the caller computes them once)."""
+    a = model.args
+    if entry == "draft":
+        s = a.dspark_block_size
+    elif entry == "decoder":
+        s = x[0].size(1)
+    else:
+        s = x.size(1)
+    start = cache.pos.clone() if start is None else start
+    floor = torch.zeros_like(start) if floor is None else floor
+    from dsv41.graph.model import rope_window
+
+    rope = rope_window(model, start, s)
+    if hash_ids is None:
+        n_eng = len(a.engram_layer_ids)
+        cols = (a.engram_max_ngram_size - 1) * a.engram_n_heads if n_eng else 0
+        hash_ids = torch.zeros(start.size(0), s, n_eng, cols, dtype=torch.int64)
+    return (x, start, floor, rope[True][0], rope[True][1], rope[False][0], rope[False][1],
+            hash_ids, *cache_tensors(cache))

@@ -1,0 +1,571 @@
+"""Sparse gather-attend: `torch.ops.dsv41.sparse_attend` and `sparse_attend_bf16` as TIR kernels.
+
+Each query row (b, s) attends over its window entries (FP8 E4M3 codes, one E8M0 scale per 32)
+followed by its selected global entries (FP4 E2M1 packed low nibble first, one E4M3 scale per
+16; or plain bf16 for `sparse_attend_bf16`). K = V = the dequantised entry, shared by all heads.
+
+Why the kernel is shaped the way it is:
+
+* The oracle (`graph.ops.attend_blocks`) walks the concatenated list in blocks of 64 with an
+  online softmax and rounds the probabilities to bf16 before PV. The kernel keeps that block
+  structure (same running max, same rescale points, same bf16 rounding of p) so it agrees with
+  the oracle to bf16 rounding; only fp32 summation orders differ.
+* One task is (b, s, head group). A task dequantises each entry of a block ONCE into a staging
+  tile and every head of the group dots with it: at the real size 64 heads share one 512-wide
+  entry, so the decode cost is amortised over the heads. No dequantised cache is materialised.
+* The head-group size and the number of staged rows change the loop structure, so they are
+  chosen at construction (`heads_per_group`, `stage_rows`, from the config chooser); the
+  schedule then only parallelises/binds and vectorises named blocks.
+* Index -1 is skipped (the row is zero and its logit -inf). Nothing else is validated inside:
+  `check_sparse_attend_indices` is the host-side check the caller runs before the kernel.
+* Entries are decoded behind a lazy branch on `idx >= 0`, so a -1 never reads memory and an
+  empty global store (N = 0) is fine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import tvm
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from .common import TargetSpec, e4m3_to_f32, e8m0_to_f32, fp4_to_f32, get_target, round_bf16
+
+ATTN_BLOCK = 64  # entries per online-softmax block (graph.ops.ATTN_BLOCK)
+FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values
+FP4_BLOCK = 16  # global entries: one E4M3 scale per 16 values
+NEG_BIG = -1e30  # the oracle's initial running max
+
+
+# ---- host-side validation ------------------------------------------------------------------------
+
+
+def check_sparse_attend_indices(win_idx: torch.Tensor, window_rows: int, kv_idx: torch.Tensor,
+                                global_rows: int) -> None:
+    """Raise ValueError unless every index is -1 or a row of its buffer.
+
+    The kernel reads row `idx` of the window buffer (`window_rows` = W) or of the global cache
+    (`global_rows` = N) without a bound check, so the caller runs this before it."""
+    for name, idx, rows in (("win_idx", win_idx, window_rows), ("kv_idx", kv_idx, global_rows)):
+        if idx.numel() == 0:
+            continue
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1:
+            raise ValueError(f"{name} holds {lo}; indices must be -1 (skipped) or >= 0.")
+        if hi >= rows:
+            raise ValueError(f"{name} holds {hi}, but its buffer has only {rows} rows.")
+
+
+# ---- config --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SparseAttendConfig:
+    heads_per_group: int  # heads that share one task and its staged entries
+    stage_rows: int  # entries decoded into the staging tile at a time (divides 64)
+    vector: int  # CPU: fp32 lanes per vector op
+    unroll_rows: int  # CPU: entries per register tile in QK
+    threads: int  # CUDA: threads per block (one block per (b, s, head group))
+
+
+def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> SparseAttendConfig:
+    """CPU: as few head groups as keep every core busy on one decode token (each group decodes
+    the entries again; at h = 64 on 2 cores: 2 groups of 32), whole 64-entry blocks staged once
+    and reused for PV, 16 fp32 lanes. CUDA: 8 heads per thread block and as many staged fp32
+    rows as fit 16 KiB (8 at d = 512), so staged rows, accumulator (8 x d) and logits stay
+    within 48 KiB of static shared memory; q is read from global memory (L1)."""
+    if target.is_cuda:
+        hg = math.gcd(h, 8)
+        rows = max(1, min(ATTN_BLOCK, 16384 // (4 * d)))
+        rows = 1 << (rows.bit_length() - 1)  # a power of two, so it divides 64
+        return SparseAttendConfig(heads_per_group=hg, stage_rows=rows, vector=1,
+                                  unroll_rows=1, threads=256)
+    cores = int(target.target.get("num-cores", 1))
+    groups = max(1, min(cores, h // 16))
+    while h % groups:
+        groups -= 1
+    return SparseAttendConfig(heads_per_group=h // groups, stage_rows=ATTN_BLOCK, vector=16,
+                              unroll_rows=8, threads=1)
+
+
+# ---- kernel factories ----------------------------------------------------------------------------
+
+
+def _check_dims(h: int, d: int, w: int, k: int, hg: int, rows: int) -> None:
+    if d % FP8_BLOCK or d % FP4_BLOCK:
+        raise ValueError(f"head dim d={d} must be a multiple of {FP8_BLOCK}.")
+    if h % hg:
+        raise ValueError(f"heads_per_group={hg} must divide h={h}.")
+    if ATTN_BLOCK % rows:
+        raise ValueError(f"stage_rows={rows} must divide {ATTN_BLOCK}.")
+    if w < 0 or k < 0 or w + k == 0:
+        raise ValueError(f"window width w={w} and topk k={k} must be >= 0 with w + k > 0.")
+
+
+def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
+          heads_per_group: int | None, stage_rows: int) -> tvm.tirx.PrimFunc:
+    """The shared body of both ops; `kind` is "fp4" or "bf16" (the global cache's format)."""
+    hg = heads_per_group or h
+    _check_dims(h, d, w, k, hg, stage_rows)
+    H, D, HG, R = T.int64(h), T.int64(d), T.int64(hg), T.int64(stage_rows)
+    NG = T.int64(h // hg)
+    nl = w + k  # entries per query
+    NB_INT = -(-nl // ATTN_BLOCK)
+    NB = T.int64(NB_INT)  # online-softmax blocks
+    NR = T.int64(ATTN_BLOCK // stage_rows)  # staging passes per block
+    BLK = T.int64(ATTN_BLOCK)
+    Wd, Kd, L = T.int64(w), T.int64(k), T.int64(nl)
+    restage = stage_rows < ATTN_BLOCK  # PV needs the tile again when it was staged in parts
+    scale = T.float32(softmax_scale)
+
+    def u32(x):
+        return T.Cast("uint32", x)
+
+    def win_value(win_codes, win_scales, vb, row, c):
+        return (e4m3_to_f32(u32(win_codes[vb, row, c]))
+                * e8m0_to_f32(u32(win_scales[vb, row, c // T.int64(FP8_BLOCK)])))
+
+    def glob_value(gbufs, vb, row, c):
+        if kind == "bf16":
+            return T.Cast("float32", gbufs[0][vb, row, c])
+        codes, scales = gbufs
+        nib = (u32(codes[vb, row, c // T.int64(2)]) >> u32((c % T.int64(2)) * T.int64(4))) \
+            & T.uint32(15)
+        return fp4_to_f32(nib) * e4m3_to_f32(u32(scales[vb, row, c // T.int64(FP4_BLOCK)]))
+
+    def win_row(win_idx, vb, vs, pos):  # int64 row of entry `pos` (< w), -1 if skipped
+        return T.Cast("int64", win_idx[vb, vs, T.min(pos, Wd - T.int64(1))])
+
+    def glob_row(kv_idx, vb, vs, pos):  # entry `pos` (>= w) of the global selection
+        return T.Cast("int64", kv_idx[vb, vs, T.max(pos - Wd, T.int64(0))])
+
+    def win_entry(bufs, vb, vs, pos, c):  # value c of window entry `pos` (< w); 0 if skipped
+        win_codes, win_scales, win_idx, _, _ = bufs
+        row = win_row(win_idx, vb, vs, pos)
+        return T.if_then_else(row >= T.int64(0), win_value(win_codes, win_scales, vb, row, c),
+                              T.float32(0))
+
+    def glob_entry(bufs, vb, vs, pos, c):  # value c of entry `pos` (>= w); 0 if skipped/absent
+        _, _, _, gbufs, kv_idx = bufs
+        row = glob_row(kv_idx, vb, vs, pos)
+        return T.if_then_else((pos < L) & (row >= T.int64(0)), glob_value(gbufs, vb, row, c),
+                              T.float32(0))
+
+    def valid(bufs, vb, vs, pos):
+        _, _, win_idx, _, kv_idx = bufs
+        ok = T.bool(False)
+        if k > 0:
+            ok = (pos < L) & (glob_row(kv_idx, vb, vs, pos) >= T.int64(0))
+        if w > 0:
+            ok = T.if_then_else(pos < Wd, win_row(win_idx, vb, vs, pos) >= T.int64(0), ok)
+        return ok
+
+    @T.macro
+    def stage(bufs, kst, vb, vs, t, r):
+        """Decode entries t * 64 + r * R + j (j < R) into kst; skipped or absent ones are 0.
+        Window and global rows are separate blocks so each decodes only its own format; the
+        FP4 block walks packed bytes and writes both nibbles (contiguous byte loads)."""
+        if w > 0:
+            for j, grp, e in T.grid(R, D // T.int64(FP8_BLOCK), T.int64(FP8_BLOCK)):
+                with T.sblock("stage_win"):
+                    vt = T.axis.spatial(NB, t)
+                    vr = T.axis.spatial(NR, r)
+                    vj, vgrp, ve = T.axis.remap("SSS", [j, grp, e])
+                    T.where(t * BLK + r * R + j < Wd)
+                    kst[vj, vgrp * T.int64(FP8_BLOCK) + ve] = win_entry(
+                        bufs, vb, vs, vt * BLK + vr * R + vj, vgrp * T.int64(FP8_BLOCK) + ve)
+        if k > 0 and kind == "bf16":
+            for j, c in T.grid(R, D):
+                with T.sblock("stage_glob"):
+                    vt = T.axis.spatial(NB, t)
+                    vr = T.axis.spatial(NR, r)
+                    vj, vc = T.axis.remap("SS", [j, c])
+                    T.where(t * BLK + r * R + j >= Wd)
+                    kst[vj, vc] = glob_entry(bufs, vb, vs, vt * BLK + vr * R + vj, vc)
+        if k > 0 and kind == "fp4":  # (row, scale group, byte, nibble)
+            for j, grp, cb, nib in T.grid(R, D // T.int64(FP4_BLOCK), T.int64(FP4_BLOCK // 2),
+                                          T.int64(2)):
+                with T.sblock("stage_glob"):
+                    vt = T.axis.spatial(NB, t)
+                    vr = T.axis.spatial(NR, r)
+                    vj, vgrp, vcb, vn = T.axis.remap("SSSS", [j, grp, cb, nib])
+                    T.where(t * BLK + r * R + j >= Wd)
+                    kst[vj, vgrp * T.int64(FP4_BLOCK) + vcb * T.int64(2) + vn] = glob_entry(
+                        bufs, vb, vs, vt * BLK + vr * R + vj,
+                        vgrp * T.int64(FP4_BLOCK) + vcb * T.int64(2) + vn)
+        if k == 0 and w < ATTN_BLOCK * NB_INT:  # the last block's tail past w (with k > 0
+            # the global block zeroes it)
+            for j, c in T.grid(R, D):
+                with T.sblock("stage_tail"):
+                    vt = T.axis.spatial(NB, t)
+                    vr = T.axis.spatial(NR, r)
+                    vj, vc = T.axis.remap("SS", [j, c])
+                    T.where(t * BLK + r * R + j >= L)
+                    kst[vj, vc] = T.float32(0)
+
+    @T.macro
+    def body(q, bufs, sink, out):
+        b = q.shape[0]
+        s = q.shape[1]
+        for bb, ss, g in T.grid(b, s, NG):
+            with T.sblock("task"):
+                vb, vs, vg = T.axis.remap("SSS", [bb, ss, g])
+                qt = T.sblock_alloc_buffer((D, HG), "float32")  # q of the group, transposed
+                kst = T.sblock_alloc_buffer((R, D), "float32")  # staged entries
+                dots = T.sblock_alloc_buffer((BLK, HG), "float32")  # q . entry
+                lg = T.sblock_alloc_buffer((BLK, HG), "float32")  # logits, then p
+                acc = T.sblock_alloc_buffer((HG, D), "float32")
+                mx = T.sblock_alloc_buffer((HG,), "float32")  # running max
+                mn = T.sblock_alloc_buffer((HG,), "float32")  # the block's new max
+                den = T.sblock_alloc_buffer((HG,), "float32")
+                psum = T.sblock_alloc_buffer((HG,), "float32")  # the block's sum of p
+                pvb = T.sblock_alloc_buffer((HG, D), "float32")  # the block's p @ entries
+                for c, hh in T.grid(D, HG):
+                    with T.sblock("q_stage"):
+                        vc, vh = T.axis.remap("SS", [c, hh])
+                        qt[vc, vh] = T.Cast("float32", q[vb, vs, vg * HG + vh, vc])
+                for hh in range(HG):
+                    with T.sblock("state_init"):
+                        vh = T.axis.remap("S", [hh])
+                        mx[vh] = T.float32(NEG_BIG)
+                        den[vh] = T.float32(0)
+                for t in range(NB):
+                    for r in range(NR):
+                        stage(bufs, kst, vb, vs, t, r)
+                        for j, hh, c in T.grid(R, HG, D):
+                            with T.sblock("qk"):
+                                vr = T.axis.spatial(NR, r)
+                                vj, vh, vc = T.axis.remap("SSR", [j, hh, c])
+                                with T.init():
+                                    dots[vr * R + vj, vh] = T.float32(0)
+                                dots[vr * R + vj, vh] = dots[vr * R + vj, vh] \
+                                    + kst[vj, vc] * qt[vc, vh]
+                    for j, hh in T.grid(BLK, HG):
+                        with T.sblock("logit"):
+                            vt = T.axis.spatial(NB, t)
+                            vj, vh = T.axis.remap("SS", [j, hh])
+                            lg[vj, vh] = T.if_then_else(valid(bufs, vb, vs, vt * BLK + vj),
+                                                        dots[vj, vh], T.float32(-math.inf)) * scale
+                    for hh, j in T.grid(HG, BLK):
+                        with T.sblock("block_max"):
+                            vh, vj = T.axis.remap("SR", [hh, j])
+                            with T.init():
+                                mn[vh] = mx[vh]
+                            mn[vh] = T.max(mn[vh], lg[vj, vh])
+                    for j, hh in T.grid(BLK, HG):
+                        with T.sblock("prob"):
+                            vj, vh = T.axis.remap("SS", [j, hh])
+                            lg[vj, vh] = T.exp(lg[vj, vh] - mn[vh])
+                    for hh in range(HG):
+                        with T.sblock("rescale"):
+                            vh = T.axis.remap("S", [hh])
+                            mx[vh] = T.exp(mx[vh] - mn[vh])  # mx holds the rescale factor now
+                    for hh, j in T.grid(HG, BLK):
+                        with T.sblock("denom"):
+                            vh, vj = T.axis.remap("SR", [hh, j])
+                            with T.init():
+                                psum[vh] = T.float32(0)
+                            psum[vh] = psum[vh] + lg[vj, vh]
+                    for hh in range(HG):
+                        with T.sblock("denom_update"):
+                            vh = T.axis.remap("S", [hh])
+                            den[vh] = den[vh] * mx[vh] + psum[vh]
+                    for r in range(NR):
+                        if restage:
+                            stage(bufs, kst, vb, vs, t, r)
+                        for hh, c, j in T.grid(HG, D, R):
+                            with T.sblock("pv"):
+                                vr = T.axis.spatial(NR, r)
+                                vh, vc, vj = T.axis.remap("SSR", [hh, c, j])
+                                with T.init():
+                                    pvb[vh, vc] = T.float32(0)
+                                pvb[vh, vc] = pvb[vh, vc] + round_bf16(lg[vr * R + vj, vh]) \
+                                    * kst[vj, vc]
+                        for hh, c in T.grid(HG, D):
+                            with T.sblock("acc_update"):
+                                # a reduction over (t, r) in form: acc starts at 0 and is its
+                                # only writer, so it can be computed at pv's loops on CUDA
+                                vt = T.axis.reduce(NB, t)
+                                vr = T.axis.reduce(NR, r)
+                                vh, vc = T.axis.remap("SS", [hh, c])
+                                with T.init():
+                                    acc[vh, vc] = T.float32(0)
+                                # acc * rescale + pv as the oracle; later passes only add
+                                acc[vh, vc] = acc[vh, vc] * T.if_then_else(
+                                    vr == T.int64(0), mx[vh], T.float32(1)) + pvb[vh, vc]
+                    for hh in range(HG):
+                        with T.sblock("max_update"):
+                            vh = T.axis.remap("S", [hh])
+                            mx[vh] = mn[vh]
+                for hh in range(HG):
+                    with T.sblock("sink"):
+                        vh = T.axis.remap("S", [hh])
+                        den[vh] = den[vh] + T.exp(sink[vg * HG + vh] - mx[vh])
+                for hh, c in T.grid(HG, D):
+                    with T.sblock("out"):
+                        vh, vc = T.axis.remap("SS", [hh, c])
+                        out[vb, vs, vg * HG + vh, vc] = T.Cast("bfloat16", acc[vh, vc] / den[vh])
+
+    if kind == "fp4":
+
+        @T.prim_func(s_tir=True)
+        def sparse_attend(q_h: T.handle, wc_h: T.handle, ws_h: T.handle, wi_h: T.handle,
+                          kc_h: T.handle, ks_h: T.handle, ki_h: T.handle,
+                          sink: T.Buffer((H,), "float32"), o_h: T.handle):
+            T.func_attr({"global_symbol": "sparse_attend", "tirx.noalias": True})
+            b, s, nw, ng = T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (b, s, H, D), "bfloat16")
+            win_codes = T.match_buffer(wc_h, (b, nw, D), "uint8")
+            win_scales = T.match_buffer(ws_h, (b, nw, D // T.int64(FP8_BLOCK)), "uint8")
+            win_idx = T.match_buffer(wi_h, (b, s, Wd), "int32")
+            kv_codes = T.match_buffer(kc_h, (b, ng, D // T.int64(2)), "uint8")
+            kv_scales = T.match_buffer(ks_h, (b, ng, D // T.int64(FP4_BLOCK)), "uint8")
+            kv_idx = T.match_buffer(ki_h, (b, s, Kd), "int32")
+            out = T.match_buffer(o_h, (b, s, H, D), "bfloat16")
+            body(q, (win_codes, win_scales, win_idx, (kv_codes, kv_scales), kv_idx), sink, out)
+
+        return sparse_attend
+
+    @T.prim_func(s_tir=True)
+    def sparse_attend_bf16(q_h: T.handle, wc_h: T.handle, ws_h: T.handle, wi_h: T.handle,
+                           kv_h: T.handle, ki_h: T.handle, sink: T.Buffer((H,), "float32"),
+                           o_h: T.handle):
+        T.func_attr({"global_symbol": "sparse_attend_bf16", "tirx.noalias": True})
+        b, s, nw, ng = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (b, s, H, D), "bfloat16")
+        win_codes = T.match_buffer(wc_h, (b, nw, D), "uint8")
+        win_scales = T.match_buffer(ws_h, (b, nw, D // T.int64(FP8_BLOCK)), "uint8")
+        win_idx = T.match_buffer(wi_h, (b, s, Wd), "int32")
+        kv = T.match_buffer(kv_h, (b, ng, D), "bfloat16")
+        kv_idx = T.match_buffer(ki_h, (b, s, Kd), "int32")
+        out = T.match_buffer(o_h, (b, s, H, D), "bfloat16")
+        body(q, (win_codes, win_scales, win_idx, (kv,), kv_idx), sink, out)
+
+    return sparse_attend_bf16
+
+
+def make_sparse_attend(*, h: int, d: int, w: int, k: int, softmax_scale: float,
+                       heads_per_group: int | None = None,
+                       stage_rows: int = ATTN_BLOCK) -> tvm.tirx.PrimFunc:
+    """`dsv41.sparse_attend` with w window and k global entries per query (both static).
+    Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out."""
+    return _make("fp4", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
+                 heads_per_group=heads_per_group, stage_rows=stage_rows)
+
+
+def make_sparse_attend_bf16(*, h: int, d: int, w: int, k: int, softmax_scale: float,
+                            heads_per_group: int | None = None,
+                            stage_rows: int = ATTN_BLOCK) -> tvm.tirx.PrimFunc:
+    """`dsv41.sparse_attend_bf16`: the global cache is bf16 [b, N, d].
+    Buffers: q, win_codes, win_scales, win_idx, kv, kv_idx, sink, out."""
+    return _make("bf16", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
+                 heads_per_group=heads_per_group, stage_rows=stage_rows)
+
+
+# ---- realistic inputs ----------------------------------------------------------------------------
+
+
+def example_inputs_sparse_attend(*, b: int = 1, s: int = 1, h: int = 64, d: int = 512,
+                                 w: int = 128, k: int = 512, n: int | None = None,
+                                 context: int | None = None, seed: int = 0,
+                                 global_format: str = "fp4") -> list[torch.Tensor]:
+    """[q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink] (global_format
+    "fp4") or [q, win_codes, win_scales, win_idx, kv, kv_idx, sink] ("bf16"), as the model
+    builds them: RMS-scale entries quantised with `graph.formats`, a window buffer of w + s rows
+    where query i sees the up-to-w newest of `context` + i + 1 positions (ascending, -1 padded),
+    and k distinct ascending global rows out of n (-1 padded when n < k). softmax_scale is
+    d ** -0.5 by convention (it is not a tensor)."""
+    from dsv41.graph import formats as fmt
+
+    gen = torch.Generator().manual_seed(seed)
+    n = 4 * k if n is None else n
+    context = w if context is None else context
+    q = torch.randn(b, s, h, d, generator=gen).to(torch.bfloat16)
+    rows = w + s
+    win_codes, win_scales = fmt.torch_quant_fp8(torch.randn(b, rows, d, generator=gen), FP8_BLOCK)
+    pos = context + torch.arange(s).view(s, 1) - w + 1 + torch.arange(w)  # (s, w) positions
+    win_idx = torch.where(pos >= 0, pos % rows, -1).to(torch.int32).expand(b, s, w).contiguous()
+    glob = torch.randn(b, n, d, generator=gen)
+    kv_idx = torch.full((b, s, k), -1, dtype=torch.int32)
+    for bi in range(b):
+        for si in range(s):
+            pick = torch.randperm(n, generator=gen)[: min(k, n)].sort().values
+            kv_idx[bi, si, : pick.numel()] = pick.to(torch.int32)
+    sink = torch.randn(h, generator=gen)
+    if global_format == "bf16":
+        return [q, win_codes, win_scales, win_idx, glob.to(torch.bfloat16), kv_idx, sink]
+    kv_codes, kv_scales = fmt.torch_quant_fp4_kv(glob)
+    return [q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink]
+
+
+# ---- schedules -----------------------------------------------------------------------------------
+
+
+def _blocks(sch: s_tir.Schedule, name: str) -> list:
+    """The blocks called `name` or `name_<n>` (a second staging pass), in program order; all
+    blocks inside the task block when `name` is empty."""
+    found = []
+    pending = sch.get_child_blocks(sch.get_sblock("task"))
+    while pending:
+        blk, pending = pending[0], pending[1:]
+        hint = sch.get(blk).name_hint
+        if not name or hint == name or (hint.startswith(name + "_")
+                                         and hint[len(name) + 1:].isdigit()):
+            found.append(blk)
+        pending = sch.get_child_blocks(blk) + pending
+    return found
+
+
+def _split_vector(sch: s_tir.Schedule, loop, lanes: int) -> None:
+    """Vectorise `loop` by `lanes` (the whole loop when it is not longer)."""
+    extent = int(sch.get(loop).extent)
+    if extent <= lanes:
+        sch.vectorize(loop)
+        return
+    if extent % lanes == 0:
+        sch.vectorize(sch.split(loop, [None, lanes])[1])
+
+
+def _schedule_cpu(sch: s_tir.Schedule, cfg: SparseAttendConfig, hg: int, d: int) -> None:
+    v = cfg.vector
+    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("task"))))
+    for name in ("stage_win", "stage_tail", "acc_update", "out", "q_stage", "logit",
+                 "prob"):  # vectorised over d or over the heads (the innermost loop)
+        for blk in _blocks(sch, name):
+            _split_vector(sch, sch.get_loops(blk)[-1], v)
+    for blk in _blocks(sch, "stage_glob"):
+        if len(sch.get_loops(blk)) == 8:  # FP4 (.., byte, nibble): LLVM vectorises the bytes
+            sch.unroll(sch.get_loops(blk)[-1])
+        else:
+            _split_vector(sch, sch.get_loops(blk)[-1], v)
+    # QK as an outer product: for each d, a broadcast entry value times a vector of heads, with a
+    # register tile of unroll_rows entries x hg heads accumulated over d.
+    qk = sch.get_sblock("qk")
+    j, hh, c = sch.get_loops(qk)[-3:]
+    rows = math.gcd(cfg.unroll_rows, int(sch.get(j).extent))
+    jo, ji = sch.split(j, [None, rows])
+    sch.reorder(jo, c, ji, hh)
+    init = sch.decompose_reduction(qk, c)
+    sch.unroll(ji)
+    _split_vector(sch, hh, v)
+    _split_vector(sch, sch.get_loops(init)[-1], v)
+    # PV as an outer product: p[j, h] broadcast times a vector of the entry, 4 heads x 4 vectors
+    pv = sch.get_sblock("pv")
+    hh, c, j = sch.get_loops(pv)[-3:]
+    hb = math.gcd(4, hg)
+    cb = math.gcd(4 * v, d)
+    ho, hi = sch.split(hh, [None, hb])
+    co, ci = sch.split(c, [None, cb])
+    ci1, ci2 = sch.split(ci, [None, min(v, cb)])
+    sch.reorder(ho, co, j, hi, ci1, ci2)
+    init = sch.decompose_reduction(pv, j)
+    sch.unroll(hi)
+    sch.unroll(ci1)
+    sch.vectorize(ci2)
+    _split_vector(sch, sch.get_loops(init)[-1], v)
+
+
+def schedule_sparse_attend(func: tvm.tirx.PrimFunc, config: SparseAttendConfig,
+                           target: TargetSpec) -> tvm.tirx.PrimFunc:
+    """Schedule either sparse-attend kernel built with `config`'s heads_per_group/stage_rows."""
+    # The online-softmax state (acc, max, denominator) is updated in place across the serial
+    # block loop, so those blocks are not "compact dataflow" and the primitives' prerequisite
+    # checks would refuse every loop above them. The loops transformed here are independent by
+    # construction (tasks, heads, d) and the tests compare against the oracle.
+    sch = s_tir.Schedule(func, enable_check=False)
+    qt, kst = sch.get(sch.get_sblock("task")).alloc_buffers[:2]  # (d, hg), (rows, d)
+    d, hg = (int(x) for x in qt.shape)
+    if (hg, int(kst.shape[0])) != (config.heads_per_group, config.stage_rows):
+        raise ValueError(
+            f"The kernel was built with heads_per_group={hg}, stage_rows={int(kst.shape[0])} "
+            f"but the config asks for {config.heads_per_group}, {config.stage_rows}; build it "
+            "with make_sparse_attend(..., heads_per_group=config.heads_per_group, "
+            "stage_rows=config.stage_rows).")
+    if target.is_cuda:
+        _schedule_cuda(sch, config)
+    else:
+        _schedule_cpu(sch, config, hg, d)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _schedule_cuda(sch: s_tir.Schedule, cfg: SparseAttendConfig) -> None:
+    """One thread block per (b, s, head group): blockIdx.x = b * s, blockIdx.y = group. All
+    per-task state (staged rows, logits, accumulator, max, denominator) lives in shared
+    memory; every step is spread over the block's threads (TVM inserts the barriers)."""
+    task = sch.get_sblock("task")
+    bb, ss, g = sch.get_loops(task)
+    sch.bind(sch.fuse(bb, ss), "blockIdx.x")
+    sch.bind(g, "blockIdx.y")
+    sch.compute_inline(sch.get_sblock("q_stage"))  # q is read from global (L1) in QK
+    writers = {"stage_win": None, "stage_glob": None, "stage_tail": None, "qk": 0,
+               "logit": 0, "acc_update": 0, "state_init": None, "block_max": 0, "denom": 0}
+    for name, index in writers.items():
+        for blk in _blocks(sch, name):
+            for i in ([index] if index is not None else range(len(sch.get(blk).writes))):
+                sch.set_scope(blk, i, "shared")
+    # pv and acc_update share their (head, d) loops: p @ entries stays in a register of the
+    # thread that then updates acc
+    for pv in _blocks(sch, "pv"):
+        upd = _next(sch, pv, "acc_update")
+        hh_p, c_p = [lp for lp in sch.get_loops(pv) if _is_inner(sch, lp)][:2]
+        hh_u, c_u = [lp for lp in sch.get_loops(upd) if _is_inner(sch, lp)]
+        sch.merge(hh_p, hh_u)
+        hh_p, c_p = [lp for lp in sch.get_loops(pv) if _is_inner(sch, lp)][:2]
+        c_u = [lp for lp in sch.get_loops(upd) if _is_inner(sch, lp)][1]
+        sch.merge(c_p, c_u)
+        sch.set_scope(pv, 0, "local")
+    for name in ("state_init", "stage_win", "stage_glob", "stage_tail", "qk", "logit",
+                 "block_max", "prob", "rescale", "denom", "denom_update", "pv", "max_update",
+                 "sink", "out"):
+        for blk in _blocks(sch, name):
+            loops = [lp for lp in sch.get_loops(blk) if _is_inner(sch, lp)]
+            reduce = name in ("qk", "block_max", "denom", "pv")
+            # a reduction keeps its reduced loop (innermost) serial in each thread and
+            # accumulates in a register (no barrier inside its loop)
+            spatial = loops[:-1] if reduce else loops
+            _, tx = sch.split(sch.fuse(*spatial), [None, cfg.threads])
+            sch.bind(tx, "threadIdx.x")
+            if reduce and name != "pv":
+                # Note: when the reduction has fewer outputs than threads (QK: rows x heads =
+                # 64), TVM bounds the write-back by the buffer, not by the thread predicate, so
+                # spare threads also store their (unused) register into rows of later staging
+                # passes; those rows are rewritten by their own pass after a barrier, so the
+                # result is unaffected (the restaged structure is tested on the CPU).
+                sch.reverse_compute_at(sch.cache_write(blk, 0, "local"), tx)
+
+
+def _next(sch: s_tir.Schedule, blk, name: str):
+    """The first block called `name` (or `name_<n>`) after `blk` in program order."""
+    order = _blocks(sch, "")
+    here = [sch.get(b).name_hint for b in order].index(sch.get(blk).name_hint)
+    for b in order[here + 1:]:
+        hint = sch.get(b).name_hint
+        if hint == name or hint.startswith(name + "_"):
+            return b
+    raise AssertionError(f"no block {name} after {sch.get(blk).name_hint}")
+
+
+def _is_inner(sch: s_tir.Schedule, loop) -> bool:
+    """Loops inside the task block (not its own b/s/group loops, not the t/r block loops)."""
+    return sch.get(loop).loop_var.name not in ("t", "r") and not sch.get(loop).thread_binding
+
+
+def build_sparse_attend(target_name: str, **dims) -> tvm.tirx.PrimFunc:
+    """make + config + schedule for `target_name` (a cuda_build builder)."""
+    target = get_target(target_name)
+    cfg = sparse_attend_config(target, **dims)
+    func = make_sparse_attend(**dims, heads_per_group=cfg.heads_per_group,
+                              stage_rows=cfg.stage_rows)
+    return schedule_sparse_attend(func, cfg, target)
+
+
+def build_sparse_attend_bf16(target_name: str, **dims) -> tvm.tirx.PrimFunc:
+    """make + config + schedule for `target_name` (a cuda_build builder)."""
+    target = get_target(target_name)
+    cfg = sparse_attend_config(target, **dims)
+    func = make_sparse_attend_bf16(**dims, heads_per_group=cfg.heads_per_group,
+                                   stage_rows=cfg.stage_rows)
+    return schedule_sparse_attend(func, cfg, target)

@@ -1,0 +1,166 @@
+"""torch.export captures every phase graph with symbolic batch, token and context dims, and the
+captured programs compute exactly what the eager phases compute (same ops, so bit-identical
+logits and cache bytes), at shapes other than the ones they were traced with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.compiler.capture import ENTRIES, capture, entry_inputs, load_cache_tensors
+from dsv41.graph.cache import drop_local_state, new_cache
+from dsv41.graph.phases import (
+    Chunk,
+    check_tokens,
+    decode_step,
+    decoder_replay,
+    encoder_prefill,
+    engram_ids,
+    prefill_exact,
+    replay_prefill,
+)
+
+
+@pytest.fixture(scope="module")
+def programs(small_model):
+    """Entries are captured on first use, once per module."""
+    cache: dict[str, object] = {}
+
+    def get(entry: str):
+        if entry not in cache:
+            cache[entry] = capture(small_model, entry)[0].module()
+        return cache[entry]
+
+    return get
+
+
+def _fresh(model, capacity=128):
+    return new_cache(model.plan, 1, capacity, engram_pad=model.engram.pad_id)
+
+
+def _same_cache(a, b):
+    from dsv41.compiler.capture import cache_names, cache_tensors
+
+    for name, x, y in zip(cache_names(a), cache_tensors(a), cache_tensors(b), strict=True):
+        assert torch.equal(x[:, : y.size(1)] if x.dim() > 1 else x,
+                           y[:, : x.size(1)] if y.dim() > 1 else y), name
+
+
+def _run(model, prog, cache, entry, x, **kw):
+    """Host half + captured graph; writes the returned cache tensors back."""
+    out = prog(*entry_inputs(model, cache, entry, x, **kw))
+    n_out = {"encoder": 2, "encoder_replay": 2}.get(entry, 1)
+    load_cache_tensors(cache, out[n_out:])
+    return out[:n_out]
+
+
+def test_every_entry_is_known():
+    assert set(ENTRIES) == {"prefill", "prefill_all", "decode", "encoder", "encoder_replay",
+                            "decoder", "draft"}
+
+
+def test_prefill_and_decode_match_eager(small_case, small_model, programs):
+    m = small_model
+    toks = torch.from_numpy(small_case.tokens)[None]
+    eager, comp = _fresh(m), _fresh(m)
+    ref = prefill_exact(m, eager, toks[:, :40], all_logits=True)
+    ids = engram_ids(m, comp, toks[:, :40])
+    (logits,) = _run(m, programs("prefill_all"), comp, "prefill_all", toks[:, :40], hash_ids=ids)
+    comp.pos = comp.pos + 40
+    assert torch.equal(logits, ref.logits)
+    _same_cache(comp, eager)
+    for t in (17, 301):
+        ref = decode_step(m, eager, torch.tensor([[t]]))
+        ids = engram_ids(m, comp, torch.tensor([[t]]))
+        (logits,) = _run(m, programs("decode"), comp, "decode", torch.tensor([[t]]),
+                         hash_ids=ids)
+        comp.pos = comp.pos + 1
+        assert torch.equal(logits, ref.logits)
+        _same_cache(comp, eager)
+
+
+def test_prefill_continuation_batch_of_two(small_case, small_model, programs):
+    """A continuation chunk (start > 0) for two sequences at different positions."""
+    from dsv41.graph.cache import select_sequences, stack_caches
+
+    m = small_model
+    toks = torch.from_numpy(small_case.tokens)[None]
+    parts = []
+    for n in (21, 14):
+        c = _fresh(m, 96)
+        prefill_exact(m, c, toks[:, :n])
+        parts.append(select_sequences(c, [0]))
+    eager = stack_caches(parts)
+    comp = stack_caches([select_sequences(eager, [0]), select_sequences(eager, [1])])
+    new = torch.stack([toks[0, 21:26], toks[0, 14:19]])
+    ref = prefill_exact(m, eager, new)
+    ids = engram_ids(m, comp, new)
+    (logits,) = _run(m, programs("prefill"), comp, "prefill", new, hash_ids=ids)
+    assert torch.equal(logits, ref.logits)
+    _same_cache(comp, eager)
+
+
+def test_ced_pair_matches_eager(small_case, small_model, programs):
+    m = small_model
+    toks = torch.from_numpy(small_case.tokens)[None]
+    eager, comp = _fresh(m), _fresh(m)
+    enc = encoder_prefill(m, eager, toks)
+    ref = decoder_replay(m, eager, enc, all_logits=True)
+    ids = engram_ids(m, comp, toks)
+    h, pre = _run(m, programs("encoder"), comp, "encoder", toks, hash_ids=ids)
+    assert torch.equal(h, enc.h) and torch.equal(pre, enc.pre)
+    n = min(toks.size(1), m.args.window_size)
+    start = comp.pos + toks.size(1) - n
+    (logits,) = _run(m, programs("decoder"), comp, "decoder", (h[:, -n:], pre[:, -n:]),
+                     start=start, floor=start, hash_ids=ids[:, -n:])
+    assert torch.equal(logits, ref.logits)
+    comp.pos = comp.pos + toks.size(1)
+    _same_cache(comp, eager)
+
+
+def test_encoder_replay_matches_eager(small_case, small_model, programs):
+    m = small_model
+    toks = torch.from_numpy(small_case.tokens)[None]
+    eager, comp = _fresh(m), _fresh(m)
+    for c in (eager, comp):
+        prefill_exact(m, c, toks[:, :30])
+        drop_local_state(c)
+    ref = replay_prefill(m, eager, toks[:, :30], toks[:, 30:34], all_logits=True)
+    # the host half of encoder_replay: lookback, then the replay chunk and the suffix chunk
+    from dsv41.graph.engram import empty_history, engram_history_after
+
+    w = m.args.window_size
+    first = comp.pos - w
+    comp.engram_history = engram_history_after(m.engram, empty_history(m.engram, 1),
+                                               toks[:, 30 - w - 3 : 30 - w].numpy())
+    ids1 = engram_ids(m, comp, toks[:, 30 - w : 30])
+    h1, p1 = _run(m, programs("encoder_replay"), comp, "encoder_replay", toks[:, 30 - w : 30],
+                  start=first, floor=first, hash_ids=ids1)
+    ids2 = engram_ids(m, comp, toks[:, 30:34])
+    h2, p2 = _run(m, programs("encoder"), comp, "encoder", toks[:, 30:34], floor=first,
+                  hash_ids=ids2)
+    h, pre = torch.cat([h1, h2], 1), torch.cat([p1, p2], 1)
+    start = first + h.size(1) - w
+    (logits,) = _run(m, programs("decoder"), comp, "decoder", (h[:, -w:], pre[:, -w:]),
+                     start=start, floor=start, hash_ids=torch.cat([ids1, ids2], 1)[:, -w:])
+    assert torch.equal(logits, ref.logits)
+    comp.pos = comp.pos + 4
+    _same_cache(comp, eager)
+
+
+def test_draft_matches_eager(small_case, small_model, programs):
+    m = small_model
+    toks = torch.from_numpy(small_case.tokens)[None]
+    c = _fresh(m)
+    prefill_exact(m, c, toks[:, :40])
+    res = decode_step(m, c, torch.tensor([[9]]), draft=True)
+    nxt = res.logits[:, -1].argmax(-1)
+    ids, logits, conf = programs("draft")(*entry_inputs(m, c, "draft", nxt))
+    assert torch.equal(ids, res.draft.ids) and torch.equal(logits, res.draft.logits)
+    assert torch.equal(conf, res.draft.confidence)
+
+
+def test_tokens_are_validated_before_the_graph(small_model):
+    with pytest.raises(ValueError):
+        check_tokens(small_model, torch.tensor([[small_model.args.vocab_size]]))
+    assert Chunk is not None

@@ -1,0 +1,323 @@
+"""Sparse gather-attend kernels (schedules/attention.py) against the torch oracles
+`dsv41::sparse_attend` and `dsv41::sparse_attend_bf16`.
+
+Tolerance: the kernels keep the oracle's block structure (64-entry online-softmax blocks, the
+same running max and rescale points, p rounded to bf16 before PV, the sink in the denominator
+only, acc * rescale + pv), so the only differences are fp32 summation orders inside the dot
+products and sums (torch's einsum/BLAS order is not reproducible). A logit a few fp32 ulps off
+can flip the bf16 rounding of its p (a relative change of up to 2^-8), which moves the output
+by up to 2^-9 * (p_j / denom) * |v_j|; with a peaked distribution that approaches 2^-9 of the
+row's scale (measured: up to 2^-12 of the row's largest value at the bench size). So we require
+every element within one bf16 ulp of the oracle's value plus 2^-10 of the largest |value| of its
+(b, s, h) row, and at least 99% of elements bit-identical (measured 99.6-99.9% at the bench
+size, 100% at the small one).
+Rows with no valid entry must be exactly 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import tvm
+
+from dsv41.graph import ops
+from dsv41.schedules import attention as A
+from dsv41.schedules.common import get_target
+
+SMALL = dict(h=4, d=64)
+BENCH = dict(h=64, d=512, w=128, k=512)
+
+
+@functools.cache
+def _kernel(kind: str, h: int, d: int, w: int, k: int, heads_per_group: int | None = None,
+            stage_rows: int | None = None):
+    """Compiled CPU kernel, once per test session. Without explicit structure the config
+    chooser's; with it (stage_rows < 64) the CUDA-like restaging structure runs on the CPU."""
+    target = get_target("cpu")
+    dims = dict(h=h, d=d, w=w, k=k, softmax_scale=d**-0.5)
+    if heads_per_group is None:
+        func = (A.build_sparse_attend if kind == "fp4" else A.build_sparse_attend_bf16)(
+            "cpu", **dims)
+    else:
+        cfg = dataclasses.replace(A.sparse_attend_config(target, h=h, d=d),
+                                  heads_per_group=heads_per_group, stage_rows=stage_rows)
+        make = A.make_sparse_attend if kind == "fp4" else A.make_sparse_attend_bf16
+        func = A.schedule_sparse_attend(
+            make(**dims, heads_per_group=heads_per_group, stage_rows=stage_rows), cfg, target)
+    return tvm.compile(func, target=target.tvm_target())
+
+
+def _to_tvm(x: torch.Tensor):
+    if x.dtype == torch.bfloat16:
+        return tvm.runtime.tensor(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    return tvm.runtime.tensor(x.contiguous().numpy())
+
+
+def _run(ex, inputs: list[torch.Tensor]) -> torch.Tensor:
+    b, s, h, d = inputs[0].shape
+    out = tvm.runtime.tensor(np.zeros((b, s, h, d), ml_dtypes.bfloat16))
+    ex(*[_to_tvm(x) for x in inputs], out)
+    return torch.from_numpy(out.numpy().view(np.int16)).view(torch.bfloat16)
+
+
+def _oracle(kind: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    op = ops.sparse_attend if kind == "fp4" else ops.sparse_attend_bf16
+    return op(*inputs, inputs[0].size(-1) ** -0.5)
+
+
+def _assert_matches(got: torch.Tensor, ref: torch.Tensor, min_exact: float = 0.99) -> None:
+    g, r = got.float(), ref.float()
+    assert torch.isfinite(g).all(), "kernel produced non-finite values"
+    _, exp = torch.frexp(r)  # |r| = m * 2^exp, m in [0.5, 1): one bf16 ulp is 2^(exp - 8)
+    row = r.abs().amax(dim=-1, keepdim=True)  # (b, s, h, 1)
+    bound = torch.ldexp(torch.ones_like(r), exp - 8) + row * 2.0**-10
+    over = (g - r).abs() > bound
+    assert not over.any(), (f"{int(over.sum())} elements differ by more than one bf16 ulp; "
+                            f"max abs diff {(g - r).abs().max().item():.3g}")
+    exact = (got == ref).float().mean().item()
+    assert exact >= min_exact, f"only {exact:.4f} of elements are bit-identical"
+
+
+def _check(kind: str, dims: dict, inputs: list[torch.Tensor], **structure) -> torch.Tensor:
+    got = _run(_kernel(kind, **dims, **structure), inputs)
+    ref = _oracle(kind, inputs)
+    _assert_matches(got, ref)
+    return got
+
+
+def _inputs(kind: str = "fp4", **kw) -> list[torch.Tensor]:
+    return A.example_inputs_sparse_attend(global_format=kind, **kw)
+
+
+# ---- numerics at the small size --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["fp4", "bf16"])
+@pytest.mark.parametrize("k", [8, 16])
+def test_small_batch2_different_patterns(kind, k):
+    dims = dict(**SMALL, w=16, k=k)
+    inputs = _inputs(kind, b=2, s=3, **dims, n=40, context=20, seed=1)
+    idx = inputs[-2]  # kv_idx: give batch 1 a different, partly skipped selection
+    idx[1] = torch.flip(idx[1], dims=[-1])
+    idx[1, :, ::3] = -1
+    win = inputs[3]
+    win[1, :, :5] = -1
+    got = _check(kind, dims, inputs)
+    assert not torch.equal(got[0], got[1])
+
+
+def test_one_token():
+    dims = dict(**SMALL, w=16, k=8)
+    _check("fp4", dims, _inputs(b=1, s=1, **dims, n=12, seed=2))
+
+
+def test_context_shorter_than_window():
+    """A young sequence: most window rows are -1 (and the first query sees a single entry)."""
+    dims = dict(**SMALL, w=16, k=8)
+    inputs = _inputs(b=1, s=4, **dims, n=5, context=0, seed=3)
+    assert (inputs[3] < 0).any() and (inputs[-2] < 0).any()
+    _check("fp4", dims, inputs)
+
+
+def test_partial_last_block():
+    """70 entries per query: one full 64-block and a 6-entry block (window + global mixed in
+    the first block)."""
+    dims = dict(**SMALL, w=16, k=54)
+    _check("fp4", dims, _inputs(b=2, s=2, **dims, n=100, seed=4))
+
+
+def test_empty_global_selection():
+    """All global indices -1, from a global store with no rows at all (N = 0). The oracle's
+    gather cannot index an empty table, so it sees one zero row instead (never selected)."""
+    dims = dict(**SMALL, w=16, k=8)
+    inputs = _inputs(b=2, s=2, **dims, n=0, seed=5)
+    assert (inputs[-2] == -1).all() and inputs[4].size(1) == 0
+    got = _run(_kernel("fp4", **dims), inputs)
+    padded = list(inputs)
+    padded[4] = torch.zeros(2, 1, inputs[4].size(2), dtype=torch.uint8)
+    padded[5] = torch.zeros(2, 1, inputs[5].size(2), dtype=torch.uint8)
+    _assert_matches(got, _oracle("fp4", padded))
+
+
+def test_window_only_kernel():
+    """k = 0: no global list at all (a local-only layer)."""
+    dims = dict(**SMALL, w=16, k=0)
+    inputs = _inputs(b=1, s=2, **dims, n=4, seed=6)
+    assert inputs[-2].shape[-1] == 0
+    _check("fp4", dims, inputs)
+
+
+def test_global_only_kernel():
+    dims = dict(**SMALL, w=0, k=16)
+    _check("fp4", dims, _inputs(b=1, s=2, **dims, n=30, seed=7))
+
+
+@pytest.mark.parametrize("kind", ["fp4", "bf16"])
+def test_all_skipped_gives_zero(kind):
+    dims = dict(**SMALL, w=16, k=8)
+    inputs = _inputs(kind, b=2, s=2, **dims, n=10, seed=8)
+    inputs[3].fill_(-1)
+    inputs[-2].fill_(-1)
+    got = _run(_kernel(kind, **dims), inputs)
+    assert torch.equal(got, torch.zeros_like(got))
+    assert torch.equal(got, _oracle(kind, inputs))
+
+
+def test_some_rows_fully_skipped():
+    """Query 0 of batch 1 has no valid entry (zero row), its neighbours do."""
+    dims = dict(**SMALL, w=16, k=8)
+    inputs = _inputs(b=2, s=2, **dims, n=10, seed=9)
+    inputs[3][1, 0] = -1
+    inputs[-2][1, 0] = -1
+    got = _check("fp4", dims, inputs)
+    assert torch.equal(got[1, 0], torch.zeros_like(got[1, 0]))
+    assert got[1, 1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["fp4", "bf16"])
+def test_restaged_structure(kind):
+    """The CUDA kernel's structure (2 heads per group, 8 staged rows, PV restaging the rows)
+    run on the CPU, so its arithmetic is checked here even without a GPU."""
+    dims = dict(**SMALL, w=16, k=54)
+    _check(kind, dims, _inputs(kind, b=2, s=2, **dims, n=80, seed=10),
+           heads_per_group=2, stage_rows=8)
+
+
+# ---- numerics at the bench size (h = 64, d = 512, 128 window + 512 selected) ---------------
+
+
+@pytest.mark.parametrize("s", [1, 4])
+def test_bench_size_fp4(s):
+    inputs = _inputs(b=1, s=s, **BENCH, seed=11)
+    _check("fp4", BENCH, inputs)
+
+
+def test_bench_size_bf16():
+    _check("bf16", BENCH, _inputs("bf16", b=1, s=2, **BENCH, seed=12))
+
+
+# ---- host-side index check -------------------------------------------------------------------
+
+
+def test_check_indices():
+    win = torch.tensor([[[0, 3, -1]]], dtype=torch.int32)
+    glob = torch.tensor([[[-1, 9]]], dtype=torch.int32)
+    A.check_sparse_attend_indices(win, 4, glob, 10)  # valid, -1 included
+    A.check_sparse_attend_indices(win, 4, glob[..., :0], 0)  # empty selection, N = 0
+    with pytest.raises(ValueError, match="win_idx holds 3"):
+        A.check_sparse_attend_indices(win, 3, glob, 10)
+    with pytest.raises(ValueError, match="kv_idx holds 9"):
+        A.check_sparse_attend_indices(win, 4, glob, 9)
+    with pytest.raises(ValueError, match="kv_idx holds -2"):
+        A.check_sparse_attend_indices(win, 4, glob - 1, 10)
+    with pytest.raises(ValueError, match="kv_idx holds 0"):
+        A.check_sparse_attend_indices(win, 4, torch.zeros(1, 1, 1, dtype=torch.int32), 0)
+
+
+def test_example_inputs_are_valid():
+    inputs = _inputs(b=2, s=3, **BENCH, seed=0)
+    q, win_codes, _, win_idx, kv_codes, kv_scales, kv_idx, sink = inputs
+    A.check_sparse_attend_indices(win_idx, win_codes.size(1), kv_idx, kv_codes.size(1))
+    assert kv_codes.shape == (2, 2048, 256) and kv_scales.shape == (2, 2048, 32)
+    assert q.dtype == torch.bfloat16 and sink.shape == (64,)
+    sel = kv_idx[0, 0]
+    assert torch.all(sel[1:] > sel[:-1])  # distinct, ascending
+
+
+# ---- factory, config and schedule ------------------------------------------------------------
+
+
+def test_factory_rejects_bad_dims():
+    with pytest.raises(ValueError, match="must divide h"):
+        A.make_sparse_attend(h=6, d=64, w=8, k=8, softmax_scale=0.1, heads_per_group=4)
+    with pytest.raises(ValueError, match="stage_rows"):
+        A.make_sparse_attend(h=4, d=64, w=8, k=8, softmax_scale=0.1, stage_rows=24)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        A.make_sparse_attend(h=4, d=48, w=8, k=8, softmax_scale=0.1)
+    with pytest.raises(ValueError, match="w \\+ k > 0"):
+        A.make_sparse_attend(h=4, d=64, w=0, k=0, softmax_scale=0.1)
+
+
+def test_buffer_signature():
+    """Argument names, order and dtypes of the torch ops, then the output; int64 dims."""
+    f = A.make_sparse_attend(**SMALL, w=16, k=8, softmax_scale=0.125)
+    assert [p.name for p in f.params] == ["q", "win_codes", "win_scales", "win_idx", "kv_codes",
+                                          "kv_scales", "kv_idx", "sink", "out"]
+    assert [p.dtype for p in f.params] == ["bfloat16", "uint8", "uint8", "int32", "uint8",
+                                           "uint8", "int32", "float32", "bfloat16"]
+    assert all(str(dim.ty) == "int64" for p in f.params for dim in p.shape)
+    g = A.make_sparse_attend_bf16(**SMALL, w=16, k=8, softmax_scale=0.125)
+    assert [(p.name, p.dtype) for p in g.params] == [
+        ("q", "bfloat16"), ("win_codes", "uint8"), ("win_scales", "uint8"), ("win_idx", "int32"),
+        ("kv", "bfloat16"), ("kv_idx", "int32"), ("sink", "float32"), ("out", "bfloat16")]
+
+
+@pytest.mark.parametrize("d", [64, 512])
+def test_cuda_config_fits_shared_memory(d):
+    cfg = A.sparse_attend_config(get_target("cuda-sm90"), h=64, d=d)
+    shared = 4 * (cfg.heads_per_group * d + cfg.stage_rows * d + 2 * 64 * cfg.heads_per_group)
+    assert shared <= 48 * 1024
+    assert 64 % cfg.stage_rows == 0 and 64 % cfg.heads_per_group == 0
+
+
+def test_schedule_rejects_a_mismatched_config():
+    target = get_target("cpu")
+    cfg = A.sparse_attend_config(target, **SMALL)
+    func = A.make_sparse_attend(**SMALL, w=16, k=8, softmax_scale=0.125, stage_rows=8)
+    with pytest.raises(ValueError, match="stage_rows=8"):
+        A.schedule_sparse_attend(func, cfg, target)
+
+
+def test_cpu_schedule_is_parallel_and_vectorised():
+    func = A.build_sparse_attend("cpu", **SMALL, w=16, k=8, softmax_scale=0.125)
+    assert func.attrs["tirx.is_scheduled"]
+    text = func.script()
+    assert "T.parallel(" in text and "T.vectorized(" in text
+
+
+# ---- CUDA ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100"])
+def test_cuda_builds_have_device_code(arch, tmp_path):
+    from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
+
+    if toolchain_problem():
+        pytest.skip(f"cannot build CUDA here: {toolchain_problem()}")
+    builders = ["build_sparse_attend"] + (["build_sparse_attend_bf16"] if arch == "sm90" else [])
+    for name in builders:
+        out = tmp_path / f"{name}_{arch}.so"
+        build_cuda(f"dsv41.schedules.attention:{name}",
+                   dict(target_name=f"cuda-{arch}", **BENCH, softmax_scale=512**-0.5),
+                   f"cuda-{arch}", out)
+        assert has_device_code(out, f"sm_{arch[2:]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp4", "bf16"])
+def test_gpu_numerics(kind):
+    if not tvm.cuda().exist:
+        pytest.skip("no CUDA GPU on this machine")
+    major, minor = tvm.cuda().compute_version.split(".")
+    arch = {"8": "sm80", "9": "sm90", "10": "sm100"}.get(major)
+    if arch is None:
+        pytest.skip(f"no target for compute capability {major}.{minor}")
+    target = get_target(f"cuda-{arch}")
+    build = A.build_sparse_attend if kind == "fp4" else A.build_sparse_attend_bf16
+    dev = tvm.cuda()
+    for dims, kw in ((BENCH, dict(b=2, s=4)), (dict(**SMALL, w=16, k=54), dict(b=2, s=3, n=80))):
+        with target.tvm_target():
+            ex = tvm.compile(build(f"cuda-{arch}", **dims, softmax_scale=dims["d"] ** -0.5),
+                             target=target.tvm_target())
+        inputs = _inputs(kind, **kw, **dims, seed=13)
+        inputs[-2][1, 0] = -1  # one row of batch 1 without global entries
+        b, s, h, d = inputs[0].shape
+        out = tvm.runtime.tensor(np.zeros((b, s, h, d), ml_dtypes.bfloat16), dev)
+        ex(*[tvm.runtime.tensor(_to_tvm(x).numpy(), dev) for x in inputs], out)
+        got = torch.from_numpy(out.numpy().view(np.int16)).view(torch.bfloat16)
+        _assert_matches(got, _oracle(kind, inputs))
