@@ -158,6 +158,8 @@ def _(x):
 def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """table [b, n, ...], idx [b, s, k] (-1 allowed) -> [b, s, k, ...] with -1 rows zeroed."""
     b = table.size(0)
+    if table.size(1) == 0:  # nothing stored yet: every index must be -1
+        return table.new_zeros(*idx.shape, *table.shape[2:])
     batch = torch.arange(b).view(b, 1, 1)
     rows = table[batch, idx.long().clamp_min(0)]
     valid = (idx >= 0).view(*idx.shape, *([1] * (rows.dim() - 3)))

@@ -442,3 +442,28 @@ def test_full_preset_is_refused_with_its_size(tmp_path):
         write_seeded_checkpoint(preset("full"), tmp_path / "full")
     assert "bench" in str(e.value)
     assert not (tmp_path / "full").exists()
+
+
+@needs_conformance
+def test_seeded_activations_stay_in_the_released_ranges(seeded_small, v41_model):
+    """The seeded `small` checkpoint's residual stream keeps the conformance checkpoint's scale
+    through the stack (the point of the weight statistics): per-block RMS within 2x."""
+    import torch
+
+    from dsv41.graph.cache import new_cache
+    from dsv41.graph.model import Model
+    from dsv41.graph.phases import prefill_exact
+
+    ours = Model.from_checkpoint(seeded_small)
+    toks = torch.from_numpy(np.random.default_rng(3).integers(3, 511, 48))[None]
+    layers = (0, 5, 13, 20, 30, 39)
+
+    def rms(model):
+        c = new_cache(model.plan, 1, 64, engram_pad=model.engram.pad_id)
+        res = prefill_exact(model, c, toks, record=layers)
+        return {k: float(v.float().square().mean().sqrt()) for k, v in res.hidden.items()}
+
+    a, b = rms(ours), rms(v41_model)
+    print({k: (round(a[k], 3), round(b[k], 3)) for k in layers})
+    for k in layers:
+        assert 0.5 < a[k] / b[k] < 2.0, (k, a[k], b[k])

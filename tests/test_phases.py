@@ -93,7 +93,8 @@ def test_encoder_replay_counts_and_keeps_global(small_case, small_model, suffix)
     n_prefix, w = 30, a.window_size
     c = _snapshot_miss(m, toks[:, :n_prefix])
     before = {lay: (st.kv_codes[:, : n_prefix // st.ratio].clone(),
-                    st.kv_scales[:, : n_prefix // st.ratio].clone()) for lay, st in c.stores.items()}
+                    st.kv_scales[:, : n_prefix // st.ratio].clone())
+              for lay, st in c.stores.items()}
     res = replay_prefill(m, c, toks[:, :n_prefix], toks[:, n_prefix : n_prefix + suffix])
     n_enc, n_dec = plan.decoder_start, a.n_layers - plan.decoder_start
     replayed = w + suffix
