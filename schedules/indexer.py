@@ -1,0 +1,779 @@
+"""The indexer kernels: the MXFP4 index-key sweep and the exact top-k selections behind
+`indexer_topk`, `hier_topk` and `pool_topk` (graph/ops.py).
+
+Each op is two or three PrimFuncs, which Relax calls in sequence:
+
+- a SWEEP writes bf16 scores, bit-identical to `ops.index_scores` (the pool sweep scores only the
+  pool's B * block_size positions per query);
+- a SELECT turns scores into positions (or candidate blocks): top-k, ties to the lower position,
+  -inf dropped, ascending, -1 padded.
+
+Numerics of the sweep (why the scores are bit-exact): q and the decoded keys are E2M1 x 2^e, so
+every product is exact in fp32 and a D-long dot product is exact as long as the product exponents
+span fewer than ~9 binades (true for the model's data; then summation order cannot matter); it is
+rounded once to bf16 like the oracle's bf16 einsum (fp32 accumulate). relu, times the bf16 weight
+(exact fp32 product) rounded to bf16, then the head sum in fp32 in torch's CPU reduction order:
+sequential sums over chunks of 16 heads, chunk sums added in order (ATen's `multi_row_sum`), and one
+final rounding to bf16. Outside that exponent span the oracle's own GEMM order decides ties at a
+bf16 rounding boundary, which a kernel cannot reproduce.
+
+The selection is exact: bf16 scores map to order-preserving 16-bit keys, so a two-pass radix
+histogram (high byte, then low byte) finds the k-th key exactly; a final in-order scan emits every
+entry above it plus the lowest-position entries equal to it, which yields the positions already
+ascending and the tie rule for free. No sort is needed.
+
+Scores are written over T rounded up to SCORE_PAD (entries past T are -inf), so every tile of the
+sweep is whole: no predicates in the vector loops and compact per-tile buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import tvm
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from dsv41.graph import formats as fmt
+
+from .common import TargetSpec, get_target, round_bf16
+
+SCORE_PAD = 128  # score rows are padded to a multiple of this (every CPU/GPU tile divides it)
+HEAD_CHUNK = 16  # torch's CPU sum reduces rows in sequential chunks of 16 (ATen multi_row_sum)
+NEG_KEY = 0x007F  # order key of bf16 -inf
+POS_INF_KEY = 0xFF80  # order key of bf16 +inf (the pinned newest block)
+
+
+# ---- TIR expression helpers ------------------------------------------------------------------
+
+
+def _fp4(n):
+    """E2M1 nibble (uint32) -> fp32, exact; built from Select (no conditional loads) so that the
+    decode vectorises (common.fp4_to_f32 uses if_then_else, which the vectoriser scalarises)."""
+    s = (n >> T.uint32(3)) & T.uint32(1)
+    e = (n >> T.uint32(1)) & T.uint32(3)
+    m = n & T.uint32(1)
+    normal = T.reinterpret("float32", (s << T.uint32(31)) | ((e + T.uint32(126)) << T.uint32(23))
+                           | (m << T.uint32(22)))
+    sub = T.reinterpret("float32", (s << T.uint32(31)) | (m * T.uint32(0x3F000000)))  # +-0.5
+    return T.Select(e == T.uint32(0), sub, normal)
+
+
+def _e8m0(b):
+    """E8M0 byte (uint32) -> 2^(b-127); code 0 is 2^-127, 0xff NaN (as formats.py)."""
+    val = T.reinterpret("float32", b << T.uint32(23))
+    val = T.Select(b == T.uint32(0), T.reinterpret("float32", T.uint32(0x00400000)), val)
+    return T.Select(b == T.uint32(0xFF), T.reinterpret("float32", T.uint32(0x7FC00000)), val)
+
+
+def _decode(KP, KS, vb, pos, vd):
+    """Index-key element (b, pos, d) -> fp32 (exact)."""
+    byte = T.Cast("uint32", KP[vb, pos, vd // 2])
+    nib = (byte >> T.Cast("uint32", (vd % 2) * 4)) & T.uint32(15)
+    return _fp4(nib) * _e8m0(T.Cast("uint32", KS[vb, pos, vd // 32]))
+
+
+def _neg_inf_bf16():
+    """bf16 -inf from its bits (the CUDA codegen prints a float -inf literal as `-inff`)."""
+    return T.reinterpret("bfloat16", T.uint16(0xFF80))
+
+
+def _pad(n):
+    """Row length of a score buffer: n rounded up to SCORE_PAD."""
+    return (n + T.int64(SCORE_PAD - 1)) // T.int64(SCORE_PAD) * T.int64(SCORE_PAD)
+
+
+def _term(dot, W, vb, vs, h, vt):
+    """bf16(relu(bf16(dot)) * w): the oracle's per-head term, as an exact fp32 value."""
+    return round_bf16(T.max(round_bf16(dot[vb, vs, h, vt]), T.float32(0))
+                      * T.Cast("float32", W[vb, vs, h]))
+
+
+def _chunk_sum(part, vb, vs, vt, n_chunks):
+    """Chunk partial sums added in order from +0, as ATen's multi_row_sum does."""
+    acc = T.float32(0)
+    for c in range(n_chunks):
+        acc = acc + part[vb, vs, c, vt]
+    return acc
+
+
+def _key(v):
+    """bf16 value -> uint32 order key (larger key = larger value; -0 and +0 equal)."""
+    u = T.Cast("uint32", T.reinterpret("uint16", v))
+    return T.Select(u == T.uint32(0x8000), T.uint32(0x8000),
+                    T.Select(u >= T.uint32(0x8000), T.uint32(0xFFFF) - u, u + T.uint32(0x8000)))
+
+
+def _head_chunks(heads: int) -> tuple[int, int]:
+    """(chunk size, chunk count) for the head sum; torch's order is expressible with equal chunks
+    only when heads < 16 or heads is a multiple of 16 (below 256, where ATen adds a level)."""
+    if heads < HEAD_CHUNK:
+        return heads, 1
+    if heads % HEAD_CHUNK or heads >= HEAD_CHUNK**2:
+        raise ValueError(f"heads must be below {HEAD_CHUNK} or a multiple of {HEAD_CHUNK} "
+                         f"below {HEAD_CHUNK**2} to reproduce torch's head-sum order; got {heads}.")
+    return HEAD_CHUNK, heads // HEAD_CHUNK
+
+
+def _check_dim(dim: int) -> None:
+    if dim <= 0 or dim % fmt.MXFP4_BLOCK:
+        raise ValueError(f"dim must be a positive multiple of {fmt.MXFP4_BLOCK}; got {dim}.")
+
+
+# ---- sweeps ----------------------------------------------------------------------------------
+
+
+def make_index_scores(*, heads: int, dim: int) -> tvm.tirx.PrimFunc:
+    """Full sweep: (q, k_packed, k_scales, weights, lens) -> scores bf16 [b, s, pad(T)], equal
+    to `ops.index_scores` on [..., :T] and -inf past T. Symbolic b, s, T."""
+    _check_dim(dim)
+    che, nc = _head_chunks(heads)
+    H, D, C, NC = T.int64(heads), T.int64(dim), T.int64(che), T.int64(nc)
+
+    @T.prim_func(s_tir=True)
+    def index_scores(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, w_h: T.handle,
+                     lens_h: T.handle, out_h: T.handle):
+        T.func_attr({"global_symbol": "index_scores", "tirx.noalias": True})
+        b, s, t = T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (b, s, H, D), "bfloat16")
+        KP = T.match_buffer(kp_h, (b, t, D // 2), "uint8")
+        KS = T.match_buffer(ks_h, (b, t, D // 32), "uint8")
+        W = T.match_buffer(w_h, (b, s, H), "bfloat16")
+        L = T.match_buffer(lens_h, (b, s), "int64")
+        O = T.match_buffer(out_h, (b, s, _pad(t)), "bfloat16")
+        qf = T.sblock_alloc_buffer((b, s, H, D), "float32")
+        kd = T.sblock_alloc_buffer((b, _pad(t), D), "float32")
+        dot = T.sblock_alloc_buffer((b, s, H, _pad(t)), "float32")
+        part = T.sblock_alloc_buffer((b, s, NC, _pad(t)), "float32")
+        for i0, i1, i2, i3 in T.grid(b, s, H, D):
+            with T.sblock("q_f32"):
+                vb, vs, vh, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                qf[vb, vs, vh, vd] = T.Cast("float32", Q[vb, vs, vh, vd])
+        for i0, i1, i2 in T.grid(b, _pad(t), D):
+            with T.sblock("k_dec"):  # padded rows decode entry T-1 again (never selected)
+                vb, vt, vd = T.axis.remap("SSS", [i0, i1, i2])
+                kd[vb, vt, vd] = _decode(KP, KS, vb, T.min(vt, t - T.int64(1)), vd)
+        for i0, i1, i2, i3, i4 in T.grid(b, s, H, _pad(t), D):
+            with T.sblock("dot"):
+                vb, vs, vh, vt, vd = T.axis.remap("SSSSR", [i0, i1, i2, i3, i4])
+                with T.init():
+                    dot[vb, vs, vh, vt] = T.float32(0)
+                dot[vb, vs, vh, vt] = dot[vb, vs, vh, vt] + qf[vb, vs, vh, vd] * kd[vb, vt, vd]
+        for i0, i1, i2, i3, i4 in T.grid(b, s, NC, _pad(t), C):
+            with T.sblock("chunk"):
+                vb, vs, vc, vt, vj = T.axis.remap("SSSSR", [i0, i1, i2, i3, i4])
+                with T.init():
+                    part[vb, vs, vc, vt] = T.float32(0)
+                part[vb, vs, vc, vt] = part[vb, vs, vc, vt] + _term(dot, W, vb, vs, vc * C + vj,
+                                                                    vt)
+        for i0, i1, i2 in T.grid(b, s, _pad(t)):
+            with T.sblock("score"):
+                vb, vs, vt = T.axis.remap("SSS", [i0, i1, i2])
+                O[vb, vs, vt] = T.Select(vt < T.min(L[vb, vs], t),
+                                         T.Cast("bfloat16", _chunk_sum(part, vb, vs, vt, nc)),
+                                         _neg_inf_bf16())
+
+    return index_scores
+
+
+def make_pool_scores(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimFunc:
+    """Pool sweep: (q, k_packed, k_scales, weights, lens, blocks) -> scores bf16
+    [b, s, pad(B * block_size)]; entry j is position blocks[j // bs] * bs + j % bs, -inf where
+    the block is -1 or the position is not visible. Only the pool is decoded and scored."""
+    _check_dim(dim)
+    che, nc = _head_chunks(heads)
+    H, D, C, NC = T.int64(heads), T.int64(dim), T.int64(che), T.int64(nc)
+    BS = T.int64(block_size)
+
+    def blk(BL, vb, vs, vj, nb):  # block id of pool entry j (-1 past the pool)
+        return T.Select(vj < nb * BS, BL[vb, vs, T.min(vj // BS, nb - T.int64(1))], -1)
+
+    def pos(BL, vb, vs, vj, nb):
+        return T.Cast("int64", blk(BL, vb, vs, vj, nb)) * BS + vj % BS
+
+    @T.prim_func(s_tir=True)
+    def pool_scores(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, w_h: T.handle,
+                    lens_h: T.handle, blocks_h: T.handle, out_h: T.handle):
+        T.func_attr({"global_symbol": "pool_scores", "tirx.noalias": True})
+        b, s, t, nb = T.int64(), T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (b, s, H, D), "bfloat16")
+        KP = T.match_buffer(kp_h, (b, t, D // 2), "uint8")
+        KS = T.match_buffer(ks_h, (b, t, D // 32), "uint8")
+        W = T.match_buffer(w_h, (b, s, H), "bfloat16")
+        L = T.match_buffer(lens_h, (b, s), "int64")
+        BL = T.match_buffer(blocks_h, (b, s, nb), "int32")
+        O = T.match_buffer(out_h, (b, s, _pad(nb * BS)), "bfloat16")
+        qf = T.sblock_alloc_buffer((b, s, H, D), "float32")
+        kd = T.sblock_alloc_buffer((b, s, _pad(nb * BS), D), "float32")
+        dot = T.sblock_alloc_buffer((b, s, H, _pad(nb * BS)), "float32")
+        part = T.sblock_alloc_buffer((b, s, NC, _pad(nb * BS)), "float32")
+        for i0, i1, i2, i3 in T.grid(b, s, H, D):
+            with T.sblock("q_f32"):
+                vb, vs, vh, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                qf[vb, vs, vh, vd] = T.Cast("float32", Q[vb, vs, vh, vd])
+        for i0, i1, i2, i3 in T.grid(b, s, _pad(nb * BS), D):
+            with T.sblock("k_dec"):  # invalid entries decode a clamped position (masked later)
+                vb, vs, vj, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                kd[vb, vs, vj, vd] = _decode(
+                    KP, KS, vb, T.max(T.min(pos(BL, vb, vs, vj, nb), t - T.int64(1)), T.int64(0)),
+                    vd)
+        for i0, i1, i2, i3, i4 in T.grid(b, s, H, _pad(nb * BS), D):
+            with T.sblock("dot"):
+                vb, vs, vh, vj, vd = T.axis.remap("SSSSR", [i0, i1, i2, i3, i4])
+                with T.init():
+                    dot[vb, vs, vh, vj] = T.float32(0)
+                dot[vb, vs, vh, vj] = (dot[vb, vs, vh, vj]
+                                       + qf[vb, vs, vh, vd] * kd[vb, vs, vj, vd])
+        for i0, i1, i2, i3, i4 in T.grid(b, s, NC, _pad(nb * BS), C):
+            with T.sblock("chunk"):
+                vb, vs, vc, vj, vk = T.axis.remap("SSSSR", [i0, i1, i2, i3, i4])
+                with T.init():
+                    part[vb, vs, vc, vj] = T.float32(0)
+                part[vb, vs, vc, vj] = part[vb, vs, vc, vj] + _term(dot, W, vb, vs, vc * C + vk,
+                                                                    vj)
+        for i0, i1, i2 in T.grid(b, s, _pad(nb * BS)):
+            with T.sblock("score"):
+                vb, vs, vj = T.axis.remap("SSS", [i0, i1, i2])
+                O[vb, vs, vj] = T.Select(
+                    (blk(BL, vb, vs, vj, nb) >= 0)
+                    & (pos(BL, vb, vs, vj, nb) < T.min(L[vb, vs], t)),
+                    T.Cast("bfloat16", _chunk_sum(part, vb, vs, vj, nc)),
+                    _neg_inf_bf16())
+
+    return pool_scores
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    tile: int  # score entries per parallel task (CPU) or per thread block (CUDA); divides 128
+    head_block: int  # CPU: heads accumulated together in registers (tile/16 * head_block zmm)
+    kdec_vector_d: bool  # CPU: vectorise the key decode over d (else over the tile)
+
+
+def sweep_config(target: TargetSpec, *, heads: int, dim: int) -> SweepConfig:
+    """CPU: a 32-entry tile x 8 heads = 16 AVX-512 accumulators (the best of 16/32/64 x 4/8/16
+    measured at T=128K, H=32, D=128). CUDA: 128 threads, one score entry each."""
+    if target.is_cuda:
+        return SweepConfig(tile=128, head_block=1, kdec_vector_d=False)
+    hb = math.gcd(heads, 8)
+    return SweepConfig(tile=32, head_block=hb, kdec_vector_d=True)
+
+
+def schedule_index_scores(func: tvm.tirx.PrimFunc, config: SweepConfig,
+                          target: TargetSpec) -> tvm.tirx.PrimFunc:
+    """Schedules either sweep (full or pool; they share block names). CPU: parallel over
+    (b, T-tile) [full] or (b, s, tile) [pool]; keys decoded once per tile into a [D, tile] buffer
+    and reused by every head and (full sweep) every query; dot vectorised over the tile with
+    head_block register accumulators. CUDA: one thread per score entry, q in shared memory,
+    each key element decoded once into a register and used by all heads."""
+    assert SCORE_PAD % config.tile == 0, "the tile must divide SCORE_PAD"
+    pool = func.attrs["global_symbol"] == "pool_scores"
+    sch = s_tir.Schedule(func)
+    if target.is_cuda:
+        _schedule_sweep_cuda(sch, config)
+    else:
+        _schedule_sweep_cpu(sch, config, pool)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _schedule_sweep_cpu(sch: s_tir.Schedule, config: SweepConfig, pool: bool) -> None:
+    out = sch.get_sblock("score")
+    b, s, t = sch.get_loops(out)
+    to, ti = sch.split(t, [None, config.tile])
+    if pool:
+        task = sch.fuse(b, s, to)
+        q_at = task
+    else:
+        sch.reorder(b, to, s, ti)
+        task = sch.fuse(b, to)
+        q_at = sch.get_loops(out)[1]  # s
+    sch.parallel(task)
+    kdec = sch.get_sblock("k_dec")
+    if pool:
+        sch.transform_layout(kdec, ("write", 0), lambda b, s, j, d: (b, s, d, j))
+    else:
+        sch.transform_layout(kdec, ("write", 0), lambda b, t, d: (b, d, t))
+    for name in ("chunk", "dot", "q_f32"):
+        sch.compute_at(sch.get_sblock(name), q_at, preserve_unit_loops=True)
+    sch.compute_at(kdec, task, preserve_unit_loops=True)
+    kt, kd = sch.get_loops(kdec)[-2:]
+    if config.kdec_vector_d:
+        sch.vectorize(kd)
+    else:
+        sch.reorder(kd, kt)
+        sch.vectorize(kt)
+    sch.vectorize(sch.get_loops(sch.get_sblock("q_f32"))[-1])
+    dot = sch.get_sblock("dot")
+    h, tt, d = sch.get_loops(dot)[-3:]
+    ho, hi = sch.split(h, [None, config.head_block])
+    sch.reorder(ho, d, hi, tt)
+    acc = sch.cache_write(dot, 0, "local")  # per head-group accumulators -> registers
+    sch.reverse_compute_at(acc, ho, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(acc)[-1])
+    sch.unroll(hi)
+    sch.vectorize(tt)
+    sch.decompose_reduction(dot, d)  # after the loop annotations (TVM.md §5)
+    chunk = sch.get_sblock("chunk")
+    tt, j = sch.get_loops(chunk)[-2:]
+    sch.reorder(j, tt)
+    sch.vectorize(tt)
+    sch.decompose_reduction(chunk, j)
+    sch.vectorize(sch.get_loops(out)[-1])
+
+
+def _schedule_sweep_cuda(sch: s_tir.Schedule, config: SweepConfig) -> None:
+    out = sch.get_sblock("score")
+    b, s, t = sch.get_loops(out)
+    to, ti = sch.split(t, [None, config.tile])
+    cta = sch.fuse(b, s, to)
+    sch.bind(cta, "blockIdx.x")
+    sch.bind(ti, "threadIdx.x")
+    for name in ("chunk", "dot"):
+        sch.compute_at(sch.get_sblock(name), ti, preserve_unit_loops=True)
+    # q for this (b, s) in shared memory, loaded cooperatively
+    qf = sch.get_sblock("q_f32")
+    sch.compute_at(qf, cta, preserve_unit_loops=True)
+    sch.set_scope(qf, 0, "shared")
+    hq, dq = sch.get_loops(qf)[-2:]
+    _, qtx = sch.split(sch.fuse(hq, dq), [None, config.tile])
+    sch.bind(qtx, "threadIdx.x")
+    # per-thread accumulators over heads; d outermost so each key element is decoded once
+    dot = sch.get_sblock("dot")
+    sch.set_scope(dot, 0, "local")
+    h, d = sch.get_loops(dot)[-3:][0::2]
+    sch.decompose_reduction(dot, h)
+    h, _, d = sch.get_loops(dot)[-3:]
+    sch.reorder(d, h)
+    sch.unroll(h)
+    kdec = sch.get_sblock("k_dec")
+    sch.compute_at(kdec, d, preserve_unit_loops=True)
+    sch.set_scope(kdec, 0, "local")
+    chunk = sch.get_sblock("chunk")
+    sch.set_scope(chunk, 0, "local")
+    j = sch.get_loops(chunk)[-1]
+    sch.unroll(j)
+    sch.decompose_reduction(chunk, j)
+
+
+# ---- selection -------------------------------------------------------------------------------
+
+
+def make_select(*, topk: int, kind: str = "positions", block_size: int = 1, lanes: int = 1,
+                gpu: bool = False) -> tvm.tirx.PrimFunc:
+    """Exact top-k over bf16 score rows: ties to the lower index, -inf dropped, ascending output,
+    -1 padded. One row per (b, s): on CPU rows run in parallel, one task each (`lanes` unused);
+    with `gpu=True` a thread block of `lanes` threads shares a row (shared-memory histograms with
+    atomics, then an ordered emit over contiguous per-thread segments). `kind`:
+
+    - "positions": (scores [b, s, P]) -> positions int32 [b, s, topk]
+    - "blocks":    (scores [b, s, P], lens [b, s]) -> candidate blocks int32 [b, s, topk]; block
+                   score = max over its block_size entries, the block of entry lens-1 pinned to
+                   +inf (needs lens <= T, as the model guarantees)
+    - "pool":      (scores [b, s, P], blocks [b, s, B]) -> positions int32 [b, s, topk] where entry
+                   j is position blocks[j // bs] * bs + j % bs (needs the ascending, duplicate-free,
+                   -1-at-the-end block lists that "blocks" produces, so entry order = position
+                   order)
+    """
+    if kind not in ("positions", "blocks", "pool"):
+        raise ValueError(f"kind must be positions, blocks or pool; got {kind!r}.")
+    if topk <= 0 or block_size <= 0 or lanes <= 0:
+        raise ValueError("topk, block_size and lanes must be positive.")
+    if gpu and (lanes & (lanes - 1) or lanes > 1024):
+        raise ValueError(f"lanes must be a power of two up to 1024 on GPU; got {lanes}.")
+    return _make_select(topk, kind, block_size, lanes, gpu)
+
+
+def _make_select(topk: int, kind: str, block_size: int, lanes: int, gpu: bool):
+    K = T.int64(topk)
+    BS = T.int64(block_size)
+    NT = T.int64(lanes)
+    NEG = T.uint32(NEG_KEY)
+
+    def n_items(p):  # entries scanned per row: scores, or blocks of scores
+        return (p + BS - T.int64(1)) // BS if kind == "blocks" else p
+
+    def key(S, A, vb, vs, i, p):
+        if kind != "blocks":
+            return _key(S[vb, vs, i])
+        best = NEG
+        for e in range(block_size):  # block max over its entries (-inf past the row)
+            at = i * BS + T.int64(e)
+            best = T.max(best, T.Select(at < p, _key(S[vb, vs, T.min(at, p - T.int64(1))]), NEG))
+        pinned = T.floordiv(A[vb, vs] - T.int64(1), BS) == i  # block of the newest entry
+        return T.Select(pinned, T.uint32(POS_INF_KEY), best)
+
+    def pos(A, vb, vs, i):
+        if kind != "pool":
+            return T.Cast("int32", i)
+        return A[vb, vs, i // BS] * T.int32(block_size) + T.Cast("int32", i % BS)
+
+    @T.macro
+    def find_bin(hist, st):
+        # st[0] <- the bin (from the top) where the running count reaches K, else -1;
+        # st[1] += the count in the bins above it. st is local: the CUDA storage-sync pass
+        # rejects shared-memory loads in branch conditions, hence the copy into st[7].
+        st[0] = T.int64(-1)
+        for j in range(256):
+            st[7] = T.Cast("int64", hist[255 - j])
+            if st[0] < T.int64(0):
+                if st[1] + st[7] >= K:
+                    st[0] = T.int64(255 - j)
+                else:
+                    st[1] = st[1] + st[7]
+
+    @T.macro
+    def set_threshold(st):
+        # st[2] threshold key, st[3] ties to take; no bin reached K -> take every finite entry
+        if st[0] < T.int64(0):
+            st[2] = T.int64(NEG_KEY)
+            st[3] = T.int64(0)
+        else:
+            st[2] = st[4] * T.int64(256) + st[0]
+            st[3] = K - st[1]
+
+    @T.macro
+    def row_cpu(S, A, OUT, vb, vs, p):
+        hist = T.alloc_buffer((256,), "int32", scope="local")
+        st = T.alloc_buffer((8,), "int64", scope="local")
+        for j in range(256):
+            hist[j] = 0
+        for i in range(n_items(p)):
+            if key(S, A, vb, vs, i, p) > NEG:
+                hist[T.Cast("int32", key(S, A, vb, vs, i, p) >> T.uint32(8))] += 1
+        st[1] = T.int64(0)
+        find_bin(hist, st)
+        st[4] = st[0]
+        if st[4] >= T.int64(0):
+            for j in range(256):
+                hist[j] = 0
+            for i in range(n_items(p)):
+                if (key(S, A, vb, vs, i, p) > NEG) and (
+                        T.Cast("int64", key(S, A, vb, vs, i, p) >> T.uint32(8)) == st[4]):
+                    hist[T.Cast("int32", key(S, A, vb, vs, i, p) & T.uint32(255))] += 1
+            find_bin(hist, st)
+        set_threshold(st)
+        st[5] = T.int64(0)  # emitted
+        st[6] = T.int64(0)  # ties seen
+        for i in range(n_items(p)):
+            if T.Cast("int64", key(S, A, vb, vs, i, p)) > st[2]:
+                OUT[vb, vs, st[5]] = pos(A, vb, vs, i)
+                st[5] = st[5] + T.int64(1)
+            elif T.Cast("int64", key(S, A, vb, vs, i, p)) == st[2]:
+                if st[6] < st[3]:
+                    OUT[vb, vs, st[5]] = pos(A, vb, vs, i)
+                    st[5] = st[5] + T.int64(1)
+                st[6] = st[6] + T.int64(1)
+        for j in range(K):
+            if j >= st[5]:
+                OUT[vb, vs, j] = -1
+
+    @T.macro
+    def row_gpu(S, A, OUT, vb, vs, p):
+        hist = T.alloc_buffer((256,), "int32", scope="shared")
+        # lane 0's results, broadcast; one buffer per phase so that no shared buffer is both
+        # read and written inside a branch (ThreadSync cannot place a barrier there)
+        sh_a = T.alloc_buffer((2,), "int64", scope="shared")
+        sh_b = T.alloc_buffer((2,), "int64", scope="shared")
+        sh_c = T.alloc_buffer((1,), "int64", scope="shared")
+        cnt = T.alloc_buffer((lanes * 2,), "int64", scope="shared")  # [gt | eq] per lane
+        pre = T.alloc_buffer((lanes * 2,), "int64", scope="shared")  # exclusive prefix of cnt
+        st = T.alloc_buffer((8,), "int64", scope="local")  # as in row_cpu
+        loc = T.alloc_buffer((4,), "int64", scope="local")
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for j in range((256 + lanes - 1) // lanes):
+                if j * lanes + tx < 256:
+                    hist[j * lanes + tx] = 0
+            T.tvm_storage_sync("shared")
+            for j in range((n_items(p) + NT - T.int64(1)) // NT):
+                if j * NT + tx < n_items(p):
+                    if key(S, A, vb, vs, j * NT + tx, p) > NEG:
+                        T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist[
+                            T.Cast("int32", key(S, A, vb, vs, j * NT + tx, p) >> T.uint32(8))]),
+                            1))
+            T.tvm_storage_sync("shared")
+            if tx == 0:
+                st[1] = T.int64(0)
+                find_bin(hist, st)
+                sh_a[0] = st[0]
+            T.tvm_storage_sync("shared")
+            st[4] = sh_a[0]
+            for j in range((256 + lanes - 1) // lanes):
+                if j * lanes + tx < 256:
+                    hist[j * lanes + tx] = 0
+            T.tvm_storage_sync("shared")
+            if st[4] >= T.int64(0):
+                for j in range((n_items(p) + NT - T.int64(1)) // NT):
+                    if j * NT + tx < n_items(p):
+                        if (key(S, A, vb, vs, j * NT + tx, p) > NEG) and (T.Cast(
+                                "int64", key(S, A, vb, vs, j * NT + tx, p) >> T.uint32(8))
+                                == st[4]):
+                            T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(hist[
+                                T.Cast("int32", key(S, A, vb, vs, j * NT + tx, p)
+                                       & T.uint32(255))]), 1))
+            T.tvm_storage_sync("shared")
+            if tx == 0:  # st[0:2] still hold lane 0's first-pass results
+                if st[4] >= T.int64(0):
+                    find_bin(hist, st)
+                set_threshold(st)
+                sh_b[0] = st[2]
+                sh_b[1] = st[3]
+            T.tvm_storage_sync("shared")
+            st[2] = sh_b[0]
+            st[3] = sh_b[1]
+            # each lane owns a contiguous segment, so lane order = position order
+            loc[0] = T.int64(0)
+            loc[1] = T.int64(0)
+            for j in range((n_items(p) + NT - T.int64(1)) // NT):
+                if tx * ((n_items(p) + NT - T.int64(1)) // NT) + j < n_items(p):
+                    if T.Cast("int64", key(S, A, vb, vs, tx * (
+                            (n_items(p) + NT - T.int64(1)) // NT) + j, p)) > st[2]:
+                        loc[0] = loc[0] + T.int64(1)
+                    elif T.Cast("int64", key(S, A, vb, vs, tx * (
+                            (n_items(p) + NT - T.int64(1)) // NT) + j, p)) == st[2]:
+                        loc[1] = loc[1] + T.int64(1)
+            cnt[tx] = loc[0]
+            cnt[lanes + tx] = loc[1]
+            T.tvm_storage_sync("shared")
+            if tx == 0:  # exclusive prefix over lanes; sh_c = entries emitted in total
+                st[5] = T.int64(0)
+                st[6] = T.int64(0)
+                for j in range(lanes):
+                    pre[j] = st[5]
+                    pre[lanes + j] = st[6]
+                    st[5] = st[5] + cnt[j]
+                    st[6] = st[6] + cnt[lanes + j]
+                sh_c[0] = st[5] + T.min(st[6], st[3])
+            T.tvm_storage_sync("shared")
+            st[5] = sh_c[0]
+            loc[0] = pre[tx] + T.min(pre[lanes + tx], st[3])  # first output slot
+            loc[1] = pre[lanes + tx]  # ties before this segment
+            for j in range((n_items(p) + NT - T.int64(1)) // NT):
+                if tx * ((n_items(p) + NT - T.int64(1)) // NT) + j < n_items(p):
+                    if T.Cast("int64", key(S, A, vb, vs, tx * (
+                            (n_items(p) + NT - T.int64(1)) // NT) + j, p)) > st[2]:
+                        OUT[vb, vs, loc[0]] = pos(
+                            A, vb, vs, tx * ((n_items(p) + NT - T.int64(1)) // NT) + j)
+                        loc[0] = loc[0] + T.int64(1)
+                    elif T.Cast("int64", key(S, A, vb, vs, tx * (
+                            (n_items(p) + NT - T.int64(1)) // NT) + j, p)) == st[2]:
+                        if loc[1] < st[3]:
+                            OUT[vb, vs, loc[0]] = pos(
+                                A, vb, vs, tx * ((n_items(p) + NT - T.int64(1)) // NT) + j)
+                            loc[0] = loc[0] + T.int64(1)
+                        loc[1] = loc[1] + T.int64(1)
+            for j in range((topk + lanes - 1) // lanes):
+                if j * lanes + tx < topk:
+                    if j * lanes + tx >= st[5]:
+                        OUT[vb, vs, j * lanes + tx] = -1
+
+    row = row_gpu if gpu else row_cpu
+
+    if kind == "positions":
+        @T.prim_func
+        def select_positions(s_h: T.handle, out_h: T.handle):
+            T.func_attr({"global_symbol": "select_positions", "tirx.noalias": True})
+            b, s, p = T.int64(), T.int64(), T.int64()
+            S = T.match_buffer(s_h, (b, s, p), "bfloat16")
+            OUT = T.match_buffer(out_h, (b, s, K), "int32")
+            for r in T.thread_binding(b * s, thread="blockIdx.x") if gpu else T.parallel(b * s):
+                row(S, S, OUT, r // s, r % s, p)
+
+        func = select_positions
+    elif kind == "blocks":
+        @T.prim_func
+        def select_blocks(s_h: T.handle, lens_h: T.handle, out_h: T.handle):
+            T.func_attr({"global_symbol": "select_blocks", "tirx.noalias": True})
+            b, s, p = T.int64(), T.int64(), T.int64()
+            S = T.match_buffer(s_h, (b, s, p), "bfloat16")
+            L = T.match_buffer(lens_h, (b, s), "int64")
+            OUT = T.match_buffer(out_h, (b, s, K), "int32")
+            for r in T.thread_binding(b * s, thread="blockIdx.x") if gpu else T.parallel(b * s):
+                row(S, L, OUT, r // s, r % s, p)
+
+        func = select_blocks
+    else:
+        @T.prim_func
+        def select_pool(s_h: T.handle, blocks_h: T.handle, out_h: T.handle):
+            T.func_attr({"global_symbol": "select_pool", "tirx.noalias": True})
+            b, s, p, nb = T.int64(), T.int64(), T.int64(), T.int64()
+            S = T.match_buffer(s_h, (b, s, p), "bfloat16")
+            BL = T.match_buffer(blocks_h, (b, s, nb), "int32")
+            OUT = T.match_buffer(out_h, (b, s, K), "int32")
+            for r in T.thread_binding(b * s, thread="blockIdx.x") if gpu else T.parallel(b * s):
+                row(S, BL, OUT, r // s, r % s, T.min(p, nb * BS))
+
+        func = select_pool
+    return func.with_attr("tirx.is_scheduled", True)
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    lanes: int  # workers per row: 1 on CPU (rows run in parallel), a thread block on CUDA
+
+
+def select_config(target: TargetSpec) -> SelectConfig:
+    """CUDA: 256 threads per row (histogram atomics in shared memory, contiguous segments for the
+    ordered emit); CPU: one row per task."""
+    return SelectConfig(lanes=256 if target.is_cuda else 1)
+
+
+# ---- per-op builders and runners ---------------------------------------------------------------
+
+
+def _sweep(target: TargetSpec, func: tvm.tirx.PrimFunc, heads: int, dim: int):
+    return schedule_index_scores(func, sweep_config(target, heads=heads, dim=dim), target)
+
+
+def _select(target: TargetSpec, **kwargs) -> tvm.tirx.PrimFunc:
+    return make_select(lanes=select_config(target).lanes, gpu=target.is_cuda, **kwargs)
+
+
+def build_indexer_topk(target_name: str = "cpu", *, heads: int, dim: int,
+                       topk: int) -> tvm.IRModule:
+    """indexer_topk = index_scores(q, k_packed, k_scales, weights, lens) -> scores
+    [b, s, pad128(T)] bf16, then select_positions(scores) -> int32 [b, s, topk]."""
+    target = get_target(target_name)
+    return tvm.IRModule({
+        "index_scores": _sweep(target, make_index_scores(heads=heads, dim=dim), heads, dim),
+        "select_positions": _select(target, topk=topk, kind="positions"),
+    })
+
+
+def build_hier_topk(target_name: str = "cpu", *, heads: int, dim: int, topk: int,
+                    topk_blocks: int, block_size: int) -> tvm.IRModule:
+    """hier_topk = index_scores -> scores, then select_positions(scores) -> positions and
+    select_blocks(scores, lens) -> candidate blocks."""
+    target = get_target(target_name)
+    return tvm.IRModule({
+        "index_scores": _sweep(target, make_index_scores(heads=heads, dim=dim), heads, dim),
+        "select_positions": _select(target, topk=topk, kind="positions"),
+        "select_blocks": _select(target, topk=topk_blocks, kind="blocks",
+                                 block_size=block_size),
+    })
+
+
+def build_pool_topk(target_name: str = "cpu", *, heads: int, dim: int, topk: int,
+                    block_size: int) -> tvm.IRModule:
+    """pool_topk = pool_scores(q, k_packed, k_scales, weights, lens, blocks) -> scores
+    [b, s, pad128(B * block_size)], then select_pool(scores, blocks) -> positions."""
+    target = get_target(target_name)
+    return tvm.IRModule({
+        "pool_scores": _sweep(target, make_pool_scores(heads=heads, dim=dim,
+                                                       block_size=block_size), heads, dim),
+        "select_pool": _select(target, topk=topk, kind="pool", block_size=block_size),
+    })
+
+
+def build_indexer_kernels(target_name: str = "cpu", *, heads: int, dim: int, topk: int,
+                          topk_blocks: int, block_size: int) -> tvm.IRModule:
+    """All five PrimFuncs of the three ops in one module (one library, one CUDA build)."""
+    mod = build_hier_topk(target_name, heads=heads, dim=dim, topk=topk, topk_blocks=topk_blocks,
+                          block_size=block_size)
+    pool = build_pool_topk(target_name, heads=heads, dim=dim, topk=topk, block_size=block_size)
+    mod.update(pool)
+    return mod
+
+
+def padded(n: int) -> int:
+    """Length of a score row for n entries (n rounded up to SCORE_PAD)."""
+    return -(-n // SCORE_PAD) * SCORE_PAD
+
+
+def _to_tvm(x: torch.Tensor, device):
+    x = x.contiguous()
+    if device is None or device.dlpack_device_type() == 1:  # kDLCPU: zero-copy
+        return tvm.runtime.from_dlpack(x)
+    import ml_dtypes  # noqa: PLC0415 - only needed off-CPU
+
+    arr = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if x.dtype == torch.bfloat16 \
+        else x.numpy()
+    return tvm.runtime.tensor(arr, device)
+
+
+def _to_torch(x) -> torch.Tensor:
+    if x.device.dlpack_device_type() == 1:
+        return torch.from_dlpack(x)
+    return torch.from_numpy(x.numpy())
+
+
+def _empty(shape, dtype, device):
+    out = torch.empty(shape, dtype=dtype)
+    return out, _to_tvm(out, device)
+
+
+def run_indexer_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, *, device=None):
+    """Run a compiled build_indexer_topk module on torch tensors (the op's arguments)."""
+    b, s = q.shape[:2]
+    args = [_to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
+    _, scores = _empty((b, s, padded(k_packed.shape[1])), torch.bfloat16, device)
+    _, pos = _empty((b, s, topk), torch.int32, device)
+    ex["index_scores"](*args, scores)
+    ex["select_positions"](scores, pos)
+    return _to_torch(pos)
+
+
+def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_blocks: int,
+                  block_size: int, *, device=None):
+    """Run a compiled build_hier_topk module; returns (positions, blocks)."""
+    del block_size  # baked into the module
+    b, s = q.shape[:2]
+    args = [_to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
+    _, scores = _empty((b, s, padded(k_packed.shape[1])), torch.bfloat16, device)
+    _, pos = _empty((b, s, topk), torch.int32, device)
+    _, blk = _empty((b, s, topk_blocks), torch.int32, device)
+    ex["index_scores"](*args, scores)
+    ex["select_positions"](scores, pos)
+    ex["select_blocks"](scores, args[4], blk)
+    return _to_torch(pos), _to_torch(blk)
+
+
+def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
+                  block_size: int, *, device=None):
+    """Run a compiled build_pool_topk module on the op's arguments."""
+    b, s = q.shape[:2]
+    args = [_to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens, blocks)]
+    _, scores = _empty((b, s, padded(blocks.shape[-1] * block_size)), torch.bfloat16, device)
+    _, pos = _empty((b, s, topk), torch.int32, device)
+    ex["pool_scores"](*args, scores)
+    ex["select_pool"](scores, args[5], pos)
+    return _to_torch(pos)
+
+
+# ---- realistic inputs ---------------------------------------------------------------------------
+
+
+def example_inputs_indexer_topk(*, b: int = 1, s: int = 1, heads: int = 32, dim: int = 128,
+                                t: int = 8192, causal: bool = True,
+                                seed: int = 0) -> list[torch.Tensor]:
+    """[q, k_packed, k_scales, weights, lens] as the model makes them: q MXFP4-QDQ'd bf16, keys
+    MXFP4-quantised from unit-scale activations, weights ~ N(0, 1) * D^-0.5 * H^-0.5 in bf16,
+    lens = the causal visible counts of the last s positions of a T-long context."""
+    g = torch.Generator().manual_seed(seed)
+    q = fmt.torch_qdq_mxfp4(torch.randn(b, s, heads, dim, generator=g))
+    k_packed, k_scales = fmt.torch_quant_mxfp4(torch.randn(b, t, dim, generator=g))
+    weights = (torch.randn(b, s, heads, generator=g) * (dim**-0.5 * heads**-0.5)).bfloat16()
+    if causal:
+        lens = (torch.arange(t - s, t) + 1).clamp(min=0).expand(b, s).contiguous()
+    else:
+        lens = torch.full((b, s), t, dtype=torch.int64)
+    return [q, k_packed, k_scales, weights, lens.to(torch.int64)]
+
+
+def example_inputs_hier_topk(**kwargs) -> list[torch.Tensor]:
+    """Same tensors as indexer_topk (topk, topk_blocks, block_size are kernel kwargs)."""
+    return example_inputs_indexer_topk(**kwargs)
+
+
+def example_inputs_pool_topk(*, topk_blocks: int = 2048, block_size: int = 8,
+                             **kwargs) -> list[torch.Tensor]:
+    """[q, k_packed, k_scales, weights, lens, blocks] with blocks = a hier_topk candidate pool
+    (ascending, -1 padded) computed by the oracle from an independent set of scores."""
+    from dsv41.graph import ops  # noqa: PLC0415 - the oracle, only for realistic pools
+
+    q, kp, ks, w, lens = example_inputs_indexer_topk(**kwargs)
+    src = example_inputs_indexer_topk(**{**kwargs, "seed": kwargs.get("seed", 0) + 1})
+    score = ops.index_scores(*src[:4], lens)
+    blocks = ops.candidate_blocks(score, lens, topk_blocks, block_size)
+    return [q, kp, ks, w, lens, blocks]

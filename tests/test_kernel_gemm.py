@@ -1,0 +1,320 @@
+"""TIR kernels of schedules/gemm.py against the torch oracles in graph/ops.py and graph/formats.py.
+
+Tolerances:
+* activation quantisation, fp8_dequant, fp4_dequant: bit-exact (integer bit routes only);
+* fp8_linear and moe_experts: every product and scale multiply is exact in fp32, but the 32
+  additions inside one K-block follow torch's matmul order in the oracle and a fixed order in
+  the kernel, so a partial sum can differ by 1 fp32 ulp; after bf16 rounding that shows up as
+  at most 1 bf16 ulp on a small fraction of outputs (moe_experts adds torch's vectorised exp in
+  silu, ~1 fp32 ulp, with the same effect). The tests require >= 99% of outputs bit-equal and
+  the rest within 1 bf16 ulp (2 for the two-GEMM expert chain).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import tvm
+
+from dsv41.graph import formats as fmt
+from dsv41.graph import ops
+from dsv41.schedules import gemm
+from dsv41.schedules.common import get_target
+from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
+
+CPU = "cpu"
+
+
+@functools.cache
+def _compiled(builder: str, **kwargs):
+    """Compile one kernel once per session."""
+    func = getattr(gemm, builder)(CPU, **kwargs) if builder.startswith("build_") else \
+        getattr(gemm, builder)(**kwargs)
+    return tvm.compile(func, target=get_target(CPU).tvm_target())
+
+
+def _tvm(t: torch.Tensor) -> tvm.runtime.Tensor:
+    if t.dtype == torch.bfloat16:
+        return tvm.runtime.tensor(t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    return tvm.runtime.tensor(t.contiguous().numpy())
+
+
+def _torch(a: tvm.runtime.Tensor) -> torch.Tensor:
+    arr = a.numpy()
+    if arr.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _run(ex, inputs: list[torch.Tensor], out_shape, out_dtype) -> torch.Tensor:
+    np_dtype = ml_dtypes.bfloat16 if out_dtype == torch.bfloat16 else \
+        torch.empty(0, dtype=out_dtype).numpy().dtype
+    out = tvm.runtime.tensor(np.zeros(out_shape, dtype=np_dtype))
+    ex(*[_tvm(t) for t in inputs], out)
+    return _torch(out)
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between two tensors of bf16-representable values."""
+    def ordered(t):
+        bits = t.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _assert_gemm_close(out: torch.Tensor, ref: torch.Tensor, max_ulps: int = 1) -> None:
+    ulps = _bf16_ulps(out.float(), ref.float())
+    assert int(ulps.max()) <= max_ulps, f"max {int(ulps.max())} bf16 ulps"
+    assert float((ulps == 0).float().mean()) >= 0.99, f"{int((ulps > 0).sum())} outputs differ"
+
+
+# ---- activation quantisation ----------------------------------------------------------------
+
+
+def _quant_cases() -> torch.Tensor:
+    """Every finite bf16 value (shuffled into groups of 32), all-zero and tiny groups (the amax
+    floor), huge groups, and groups whose ratios sit at the E4M3 rounding/saturation edges."""
+    g = torch.Generator().manual_seed(1)
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every.float())]
+    every = every[torch.randperm(every.numel(), generator=g)]
+    every = every[: every.numel() // 64 * 64].reshape(-1, 64)
+    zeros = torch.zeros(2, 64)
+    tiny = torch.randn(2, 64, generator=g) * 1e-30
+    huge = (torch.randn(2, 64, generator=g) * 1e38).clamp(-3e38, 3e38)
+    # amax 448 * 2^k: ratios hit +-448 exactly; midpoints between E4M3 codes test ties to even
+    edge = torch.tensor([448.0, -448.0, 464.0, 0.5 * (416 + 448), 2.0**-7, 3 * 2.0**-10,
+                         2.0**-6 - 2.0**-12, 1.0625, 1.1875] * 7 + [0.0])[:64].repeat(2, 1)
+    edge[1] *= 2.0**-20
+    scaled = torch.randn(2, 64, generator=g) * torch.logspace(-30, 30, 64)
+    rows = [every, zeros, tiny, huge, edge, scaled]
+    return torch.cat([r.to(torch.bfloat16) for r in rows])
+
+
+def test_act_quant_bit_exact():
+    x = _quant_cases()
+    ex = _compiled("make_fp8_act_quant", k=64)
+    codes = tvm.runtime.tensor(np.zeros(x.shape, np.uint8))
+    scales = tvm.runtime.tensor(np.zeros((x.shape[0], 2), np.uint8))
+    ex(_tvm(x), codes, scales)
+    ref_codes, ref_scales = fmt.torch_quant_fp8(x.float())
+    assert torch.equal(_torch(scales), ref_scales)
+    assert torch.equal(_torch(codes), ref_codes)
+
+
+def test_act_quant_rejects_partial_block():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemm.make_fp8_act_quant(k=48)
+
+
+# ---- fp8_linear -----------------------------------------------------------------------------
+
+CONFIG_HINTS = {"gemv": 1, "small": 4, "gemm": None}
+
+
+@pytest.mark.parametrize("hint", sorted(CONFIG_HINTS))
+@pytest.mark.parametrize("n", [96, 100])
+def test_fp8_linear_matches_oracle(hint, n):
+    k = 128
+    ex = _compiled("build_fp8_linear", n=n, k=k, m=CONFIG_HINTS[hint])
+    for m in (1, 3, 17, 64):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
+        out = _run(ex, [x, weight, scale], (m, n), torch.bfloat16)
+        _assert_gemm_close(out, ops.fp8_linear(x, weight, scale))
+
+
+def test_fp8_linear_config_kinds():
+    cpu, cuda = get_target(CPU), get_target("cuda-sm90")
+    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=1).kind == "gemv"
+    assert gemm.fp8_linear_config(cpu, n=64, k=64).kind == "gemm"
+    assert gemm.fp8_linear_config(cuda, n=64, k=64, m=2).kind == "gemv"
+    assert gemm.fp8_linear_config(cuda, n=64, k=64).row_pad == 64
+
+
+def test_fp8_linear_row_padded_definition():
+    """The CUDA gemm's definition (activation rows padded to 64, padded rows read as zero),
+    unscheduled on CPU: the padding must not change any output."""
+    ex = _compiled("make_fp8_linear", n=64, k=64, row_pad=64)
+    for m in (3, 70):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=64, k=64, seed=m)
+        out = _run(ex, [x, weight, scale], (m, 64), torch.bfloat16)
+        _assert_gemm_close(out, ops.fp8_linear(x, weight, scale))
+
+
+def test_fp8_linear_extreme_activations():
+    """Rows mixing zeros, tiny and huge magnitudes exercise the floor and saturation inside the
+    fused quantisation stage."""
+    k, n = 64, 32
+    x = _quant_cases()[-12:]
+    _, weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=3)
+    out = _run(_compiled("build_fp8_linear", n=n, k=k, m=None), [x, weight, scale],
+               (x.shape[0], n), torch.bfloat16)
+    ref = ops.fp8_linear(x, weight, scale)
+    finite = torch.isfinite(ref.float())
+    assert torch.equal(torch.isfinite(out.float()), finite)
+    _assert_gemm_close(out[finite.all(1)], ref[finite.all(1)])
+
+
+# ---- dequantisation -------------------------------------------------------------------------
+
+
+def test_fp8_dequant_bit_exact():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3, 2)  # [3, 512]
+    scales = torch.tensor([[0, 1, 100, 127, 128, 200, 254, 255] * 2] * 3, dtype=torch.uint8)
+    out = _run(_compiled("build_fp8_dequant", d=512), [codes, scales], (3, 512), torch.float32)
+    ref = ops.fp8_dequant(codes, scales)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+
+
+def test_fp4_dequant_bit_exact():
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(2, 128)  # all pairs
+    scales = torch.arange(32, dtype=torch.uint8).reshape(2, 16) * 4 + 1  # subnormals to 448
+    scales[1, 15] = 0x7E
+    out = _run(_compiled("build_fp4_dequant", d=256), [packed, scales], (2, 256),
+               torch.float32)
+    assert torch.equal(out, ops.fp4_dequant(packed, scales))
+
+
+# ---- moe_experts ----------------------------------------------------------------------------
+
+MOE = {"dim": 64, "inter": 96, "n_experts": 6, "swiglu_limit": 10.0}
+
+
+def _moe_case(n: int, topk: int, ids: torch.Tensor | None = None, seed: int = 0):
+    args = gemm.example_inputs_moe_experts(n=n, dim=MOE["dim"], inter=MOE["inter"],
+                                           n_experts=MOE["n_experts"], topk=topk, seed=seed)
+    if ids is not None:
+        args[2] = ids
+    return args
+
+
+@pytest.mark.parametrize("hint", [1, None])
+def test_moe_experts_matches_oracle(hint):
+    ex = _compiled("build_moe_experts", topk=2, n=hint, **MOE)
+    # n=1; n=7 with experts 0 and 5 shared by several tokens and 2, 4 unused; n=40 spans tiles
+    ids7 = torch.tensor([[0, 5], [5, 0], [1, 5], [0, 3], [3, 1], [5, 3], [0, 1]])
+    for n, ids in ((1, None), (7, ids7), (40, None)):
+        args = _moe_case(n, 2, ids, seed=n)
+        out = _run(ex, args, (n, MOE["dim"]), torch.float32)
+        _assert_gemm_close(out, ops.moe_experts(*args, MOE["swiglu_limit"]), max_ulps=2)
+
+
+def test_moe_experts_adds_in_expert_order():
+    """topk 3 with ids listed in descending order: the fp32 sum must follow the expert ids."""
+    ex = _compiled("build_moe_experts", topk=3, n=None, **MOE)
+    ids = torch.tensor([[5, 2, 0], [4, 3, 1], [5, 4, 3], [2, 1, 0], [3, 0, 5]])
+    args = _moe_case(5, 3, ids, seed=11)
+    out = _run(ex, args, (5, MOE["dim"]), torch.float32)
+    _assert_gemm_close(out, ops.moe_experts(*args, MOE["swiglu_limit"]), max_ulps=2)
+
+
+def test_check_expert_ids():
+    gemm.check_expert_ids(torch.tensor([[0, 3], [2, 1]]), 4)
+    gemm.check_expert_ids(torch.zeros(0, 2, dtype=torch.int64), 4)
+    bad = [
+        (r"in \[0, 4\)", torch.tensor([[0, 4]])),
+        (r"in \[0, 4\)", torch.tensor([[-1, 2]])),
+        ("distinct", torch.tensor([[1, 1]])),
+        ("integers", torch.tensor([[0.0, 1.0]])),
+        ("2-D", torch.tensor([0, 1])),
+    ]
+    for message, ids in bad:
+        with pytest.raises(ValueError, match=message):
+            gemm.check_expert_ids(ids, 4)
+
+
+def test_moe_experts_cuda_schedule_is_refused():
+    func = gemm.make_moe_experts(dim=64, inter=64, n_experts=2, topk=1, swiglu_limit=0.0)
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        gemm.schedule_moe_experts(func, gemm.MoeExpertsConfig(), get_target("cuda-sm90"))
+
+
+# ---- CUDA -----------------------------------------------------------------------------------
+
+ALL_ARCHS = ("cuda-sm80", "cuda-sm90", "cuda-sm100")
+# Each build is a child process (~6 s here): the gemm on every arch and the rest on sm_90 by
+# default, everything on every arch under the slow marker.
+CUDA_BUILDS = [
+    ("build_fp8_linear", {"n": 100, "k": 128}, ALL_ARCHS),
+    ("build_fp8_linear", {"n": 100, "k": 128, "m": 1}, ("cuda-sm90",)),
+    ("build_fp8_dequant", {"d": 512}, ("cuda-sm90",)),
+    ("build_fp4_dequant", {"d": 512}, ("cuda-sm90",)),
+]
+SLOW_CUDA_BUILDS = [
+    ("build_fp8_linear", {"n": 100, "k": 128, "m": 1}, ("cuda-sm80", "cuda-sm100")),
+    ("build_fp8_dequant", {"d": 512}, ("cuda-sm80", "cuda-sm100")),
+    ("build_fp4_dequant", {"d": 512}, ("cuda-sm80", "cuda-sm100")),
+]
+
+
+def _check_cuda_builds(tmp_path, builder, kwargs, targets):
+    problem = toolchain_problem()
+    if problem:
+        pytest.skip(problem)
+    for target in targets:
+        out = tmp_path / f"{builder}_{target}.so"
+        build_cuda(f"dsv41.schedules.gemm:{builder}", {"target_name": target, **kwargs}, target,
+                   out)
+        arch = "sm_" + target.removeprefix("cuda-sm")
+        assert has_device_code(out, arch), f"{builder} for {target} holds no {arch} code"
+
+
+@pytest.mark.parametrize("builder,kwargs,targets", CUDA_BUILDS)
+def test_cuda_builds_have_device_code(tmp_path, builder, kwargs, targets):
+    _check_cuda_builds(tmp_path, builder, kwargs, targets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder,kwargs,targets", SLOW_CUDA_BUILDS)
+def test_cuda_builds_other_archs(tmp_path, builder, kwargs, targets):
+    _check_cuda_builds(tmp_path, builder, kwargs, targets)
+
+
+def _gpu_or_skip():
+    if not tvm.cuda().exist:
+        pytest.skip("no CUDA GPU on this machine")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m_hint", [1, None])
+def test_fp8_linear_gpu_matches_oracle(m_hint):
+    _gpu_or_skip()
+    target = get_target("cuda-sm90" if tvm.cuda().compute_version >= "9.0" else "cuda-sm80")
+    n, k = 100, 128
+    with target.tvm_target():
+        ex = tvm.compile(gemm.build_fp8_linear(target.name, n=n, k=k, m=m_hint),
+                         target=target.tvm_target())
+    dev = tvm.cuda()
+    for m in (1, 3, 17, 64, 130):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
+        out = tvm.runtime.tensor(np.zeros((m, n), ml_dtypes.bfloat16), dev)
+        ex(*[tvm.runtime.tensor(_tvm(t).numpy(), dev) for t in (x, weight, scale)], out)
+        _assert_gemm_close(_torch(out.copyto(tvm.cpu())), ops.fp8_linear(x, weight, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("builder,ref,shape", [
+    ("build_fp8_dequant", ops.fp8_dequant, ((4, 512), (4, 16))),
+    ("build_fp4_dequant", ops.fp4_dequant, ((4, 256), (4, 32))),
+])
+def test_dequant_gpu_bit_exact(builder, ref, shape):
+    _gpu_or_skip()
+    target = get_target("cuda-sm80")
+    with target.tvm_target():
+        ex = tvm.compile(getattr(gemm, builder)(target.name, d=512), target=target.tvm_target())
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, shape[0], generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(1, 120, shape[1], generator=g, dtype=torch.int32).to(torch.uint8)
+    dev = tvm.cuda()
+    out = tvm.runtime.tensor(np.zeros((4, 512), np.float32), dev)
+    ex(tvm.runtime.tensor(codes.numpy(), dev), tvm.runtime.tensor(scales.numpy(), dev), out)
+    expect = ref(codes, scales)
+    got = torch.from_numpy(out.numpy())
+    assert torch.equal(got.isnan(), expect.isnan())
+    assert torch.equal(got.nan_to_num(), expect.nan_to_num())

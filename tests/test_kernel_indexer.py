@@ -1,0 +1,243 @@
+"""Indexer kernels (schedules/indexer.py) against the torch oracles in graph/ops.py.
+
+Tolerance: none. The sweep reproduces the oracle's bf16 roundings and torch's head-sum order, so
+scores are compared bit for bit, and selections (positions, blocks) must be identical. This holds
+while each q.k dot product is exact in fp32, which it is for MXFP4 data whose product exponents
+span fewer than ~9 binades (all inputs here: unit-scale activations, as in the model); beyond that
+the oracle's GEMM summation order would decide bf16 rounding ties.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import tvm
+
+from dsv41.graph import ops
+from dsv41.schedules import indexer as ix
+from dsv41.schedules.common import get_target
+
+H, D, TOPK, TOPK_BLOCKS, BS = 4, 64, 8, 3, 4
+
+
+@functools.cache
+def _cpu(heads: int = H, dim: int = D, topk: int = TOPK, topk_blocks: int = TOPK_BLOCKS,
+         block_size: int = BS):
+    mod = ix.build_indexer_kernels("cpu", heads=heads, dim=dim, topk=topk,
+                                   topk_blocks=topk_blocks, block_size=block_size)
+    return tvm.compile(mod, target=get_target("cpu").tvm_target())
+
+
+def _inputs(b, s, t, *, lens=None, seed=0, heads=H, dim=D, weight_scale=8.0):
+    q, kp, ks, w, causal = ix.example_inputs_indexer_topk(b=b, s=s, heads=heads, dim=dim, t=t,
+                                                          seed=seed)
+    # larger weights than the model's so that many heads contribute at bf16 resolution
+    w = (w.float() * weight_scale).bfloat16()
+    return [q, kp, ks, w, causal if lens is None else lens]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16)
+
+
+SHAPES = [  # (b, s, t): 1 token, T < topk, partial tiles, batch 2, several tiles
+    (1, 1, 1), (1, 2, 5), (2, 3, 37), (1, 4, 300), (2, 2, 129),
+]
+
+
+@pytest.mark.parametrize("b,s,t", SHAPES)
+def test_scores_bit_exact(b, s, t):
+    args = _inputs(b, s, t, seed=t)
+    ex = _cpu()
+    scores = torch.empty(b, s, ix.padded(t), dtype=torch.bfloat16)
+    ex["index_scores"](*[tvm.runtime.from_dlpack(x) for x in args],
+                       tvm.runtime.from_dlpack(scores))
+    ref = ops.index_scores(*args)
+    assert torch.equal(_bits(scores[..., :t]), _bits(ref))
+    assert torch.all(scores[..., t:] == float("-inf"))
+
+
+@pytest.mark.parametrize("b,s,t", SHAPES)
+def test_three_ops_match_oracle(b, s, t):
+    args = _inputs(b, s, t, seed=100 + t)
+    ex = _cpu()
+    pos = ix.run_indexer_topk(ex, *args, TOPK)
+    assert torch.equal(pos, ops.indexer_topk(*args, TOPK))
+    hpos, hblk = ix.run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS)
+    rpos, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
+    assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
+    got = ix.run_pool_topk(ex, *args, rblk, TOPK, BS)
+    assert torch.equal(got, ops.pool_topk(*args, rblk, TOPK, BS))
+
+
+def test_varying_lens_and_all_masked():
+    """Per-query visible counts, including 0 (every output -1) and a lens inside a block."""
+    t = 50
+    lens = torch.tensor([[0, 1, 7, 50], [13, 0, 49, 2]])
+    args = _inputs(2, 4, t, lens=lens, seed=7)
+    ex = _cpu()
+    pos = ix.run_indexer_topk(ex, *args, TOPK)
+    assert torch.equal(pos, ops.indexer_topk(*args, TOPK))
+    assert torch.all(pos[0, 0] == -1) and torch.all(pos[1, 1] == -1)
+    assert pos[0, 1].tolist() == [0] + [-1] * (TOPK - 1)
+    hpos, hblk = ix.run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS)
+    rpos, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
+    assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
+    assert torch.all(hblk[0, 0] == -1)
+    for bi in range(2):  # the newest visible entry's block is always a candidate
+        for si in range(4):
+            if lens[bi, si] > 0:
+                assert (lens[bi, si].item() - 1) // BS in hblk[bi, si].tolist()
+    got = ix.run_pool_topk(ex, *args, rblk, TOPK, BS)
+    assert torch.equal(got, ops.pool_topk(*args, rblk, TOPK, BS))
+
+
+def test_ties_go_to_lower_positions():
+    """Zero weights make every visible score 0: the first topk visible positions win."""
+    t = 40
+    lens = torch.tensor([[40, 20, 3]])
+    q, kp, ks, w, lens = _inputs(1, 3, t, lens=lens, seed=3)
+    w = torch.zeros_like(w)
+    ex = _cpu()
+    pos = ix.run_indexer_topk(ex, q, kp, ks, w, lens, TOPK)
+    assert torch.equal(pos, ops.indexer_topk(q, kp, ks, w, lens, TOPK))
+    assert pos[0, 0].tolist() == list(range(TOPK))
+    assert pos[0, 2].tolist() == [0, 1, 2] + [-1] * (TOPK - 3)
+    _, blk = ix.run_hier_topk(ex, q, kp, ks, w, lens, TOPK, TOPK_BLOCKS, BS)
+    assert blk[0, 0].tolist() == [0, 1, 9]  # ties -> lowest blocks, plus the pinned newest
+
+
+def test_pool_with_padding_and_partial_last_block():
+    """-1 padded pools, the partial last block (positions 28..31 with T=30), blocks past lens."""
+    t = 30
+    args = _inputs(2, 2, t, seed=11)
+    blocks = torch.tensor([[[0, 3, 7, -1], [2, 5, -1, -1]], [[1, 5, 6, 7], [-1, -1, -1, -1]]],
+                          dtype=torch.int32)
+    got = ix.run_pool_topk(_cpu(), *args, blocks, TOPK, BS)
+    assert torch.equal(got, ops.pool_topk(*args, blocks, TOPK, BS))
+    assert torch.all(got[1, 1] == -1)
+
+
+def _select_ref(kind, scores, aux):
+    if kind == "positions":
+        return ops._select(scores, 8)
+    if kind == "blocks":
+        return ops.candidate_blocks(scores, aux, 8, 4)
+    score = scores.masked_fill(~ops.pool_mask(aux, scores.size(-1), 4), float("-inf"))
+    return ops._select(score, 8)
+
+
+@functools.cache
+def _select_ex(kind):
+    f = ix.make_select(topk=8, kind=kind, block_size=4)
+    return tvm.compile(f, target=get_target("cpu").tvm_target())
+
+
+@pytest.mark.parametrize("kind", ["positions", "blocks", "pool"])
+def test_select_heavy_ties_and_signed_zeros(kind):
+    """Integer-valued bf16 scores (many exact ties), -inf runs, and -0.0 == +0.0."""
+    g = torch.Generator().manual_seed(5)
+    b, s, p = 2, 3, 256
+    scores = torch.randint(-4, 5, (b, s, p), generator=g).float()
+    scores[0, 0] = torch.where(scores[0, 0] > 0, -0.0, 0.0)  # only signed zeros: pure ties
+    scores[0, 1, 100:] = float("-inf")
+    scores[1, 2] = float("-inf")
+    scores = scores.bfloat16()
+    lens = torch.tensor([[256, 100, 3], [255, 17, 1]])
+    aux = None
+    if kind == "blocks":
+        aux = lens
+        scores = scores.masked_fill(torch.arange(p) >= lens.unsqueeze(-1), float("-inf"))
+    elif kind == "pool":
+        aux = ops.candidate_blocks(scores.float(), lens, 12, 4)
+        scores_pool = torch.full((b, s, ix.padded(12 * 4)), float("-inf"), dtype=torch.bfloat16)
+        pos = aux.long().unsqueeze(-1) * 4 + torch.arange(4)
+        ok = (aux >= 0).unsqueeze(-1).expand_as(pos)
+        vals = torch.gather(scores, 2, pos.clamp(min=0).flatten(-2))
+        scores_pool[..., :48] = torch.where(ok.flatten(-2), vals, float("-inf"))
+    out = torch.empty(b, s, 8, dtype=torch.int32)
+    inp = scores_pool if kind == "pool" else scores
+    args = [inp] + ([aux.contiguous()] if aux is not None else []) + [out]
+    _select_ex(kind)(*[tvm.runtime.from_dlpack(x) for x in args])
+    assert torch.equal(out, _select_ref(kind, scores, aux))
+
+
+def test_model_sizes_match():
+    """H=32, D=128, topk 512 at T=3000 with causal prefill queries (two of them)."""
+    t, topk = 3000, 512
+    ex = _cpu(heads=32, dim=128, topk=topk, topk_blocks=64, block_size=8)
+    args = ix.example_inputs_indexer_topk(b=1, s=2, heads=32, dim=128, t=t, seed=1)
+    assert torch.equal(ix.run_indexer_topk(ex, *args, topk), ops.indexer_topk(*args, topk))
+    hpos, hblk = ix.run_hier_topk(ex, *args, topk, 64, 8)
+    rpos, rblk = ops.hier_topk(*args, topk, 64, 8)
+    assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
+    assert torch.equal(ix.run_pool_topk(ex, *args, rblk, topk, 8),
+                       ops.pool_topk(*args, rblk, topk, 8))
+
+
+def test_bad_static_dims_are_rejected():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ix.make_index_scores(heads=24, dim=64)
+    with pytest.raises(ValueError, match="dim"):
+        ix.make_index_scores(heads=4, dim=48)
+    with pytest.raises(ValueError, match="kind"):
+        ix.make_select(topk=8, kind="heap")
+
+
+@pytest.mark.slow
+def test_cpu_128k_matches_oracle():
+    t = 131072
+    ex = _cpu(heads=32, dim=128, topk=512, topk_blocks=2048, block_size=8)
+    args = ix.example_inputs_indexer_topk(b=1, s=1, heads=32, dim=128, t=t, seed=2)
+    assert torch.equal(ix.run_indexer_topk(ex, *args, 512), ops.indexer_topk(*args, 512))
+    hpos, hblk = ix.run_hier_topk(ex, *args, 512, 2048, 8)
+    rpos, rblk = ops.hier_topk(*args, 512, 2048, 8)
+    assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+CUDA_KW = dict(heads=H, dim=D, topk=TOPK, topk_blocks=TOPK_BLOCKS, block_size=BS)
+
+
+@pytest.mark.parametrize("target", [
+    pytest.param("cuda-sm80", marks=pytest.mark.slow), "cuda-sm90",
+    pytest.param("cuda-sm100", marks=pytest.mark.slow)])
+def test_cuda_build_has_device_code(target, tmp_path):
+    from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
+
+    if toolchain_problem():
+        pytest.skip(toolchain_problem())
+    out = tmp_path / f"indexer_{target}.so"
+    build_cuda("dsv41.schedules.indexer:build_indexer_kernels",
+               dict(target_name=target, **CUDA_KW), target, out)
+    assert has_device_code(out, get_target(target).arch)
+
+
+def _gpu_device():
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        pytest.skip("no CUDA GPU on this machine")
+    return dev
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s,t", [(1, 1, 1), (2, 3, 37), (1, 4, 1000)])
+def test_gpu_matches_oracle(b, s, t):
+    dev = _gpu_device()
+    arch = "sm_" + "".join(dev.compute_version.split("."))
+    name = {"sm_80": "cuda-sm80", "sm_90": "cuda-sm90", "sm_100": "cuda-sm100"}.get(arch,
+                                                                                  "cuda-sm80")
+    tgt = get_target(name).tvm_target()
+    with tgt:
+        ex = tvm.compile(ix.build_indexer_kernels(name, **CUDA_KW), target=tgt)
+    args = _inputs(b, s, t, seed=t)
+    assert torch.equal(ix.run_indexer_topk(ex, *args, TOPK, device=dev),
+                       ops.indexer_topk(*args, TOPK))
+    hpos, hblk = ix.run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS, device=dev)
+    rpos, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
+    assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
+    assert torch.equal(ix.run_pool_topk(ex, *args, rblk, TOPK, BS, device=dev),
+                       ops.pool_topk(*args, rblk, TOPK, BS))
