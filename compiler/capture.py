@@ -22,6 +22,22 @@ from dsv41.graph.model import Chunk, ExpertStack, Model, rope_margin
 from dsv41.graph.phases import decode_layers, encode_layers, forward_all
 
 ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft")
+SELECTING = ("prefill_all", "decode")  # also return the indexers' selections (for scoring)
+
+
+def selection_keys(plan) -> list[int]:
+    """Index sources in layer order, then -1 (the candidate blocks) if there is a source."""
+    keys = [p.layer for p in plan.backbone if p.runs_indexer]
+    return keys + ([-1] if any(p.candidate_source for p in plan.backbone) else [])
+
+
+def entry_outputs(plan, entry: str, template: ModelCache) -> list[str]:
+    """Names of an entry's outputs, in order."""
+    head = {"encoder": ["h", "pre"], "encoder_replay": ["h", "pre"],
+            "draft": ["draft_ids", "draft_logits", "confidence"]}.get(entry, ["logits"])
+    if entry in SELECTING:
+        head += [f"sel.{k}" for k in selection_keys(plan)]
+    return head + ([] if entry == "draft" else cache_names(template))
 
 
 # ---- the cache as a flat list --------------------------------------------------------------------
@@ -153,7 +169,9 @@ class PhaseGraph(torch.nn.Module):
             h, pre = encode_layers(model, cache, x, chunk)
             return (h, pre, *cache_tensors(cache))
         logits, _, _ = forward_all(model, cache, x, chunk, all_logits=self.entry == "prefill_all")
-        return (logits, *cache_tensors(cache))
+        sel = [chunk.selections[k] for k in selection_keys(self.plan)] \
+            if self.entry in SELECTING else []
+        return (logits, *sel, *cache_tensors(cache))
 
 
 # ---- example inputs and dynamic shapes -------------------------------------------------------

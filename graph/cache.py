@@ -90,6 +90,7 @@ def new_cache(plan: ModelPlan, batch: int, capacity: int, *, kv_dtype: str = "fp
     if capacity <= 0 or batch <= 0:
         raise ValueError("Cache batch and capacity must be positive.")
     layout = KVLayout.from_plan(plan, kv_dtype=kv_dtype)
+    capacity = _round_tokens(layout, capacity)
     a = plan.args
     d, di = a.head_dim, a.index_head_dim
     windows = {
@@ -99,7 +100,7 @@ def new_cache(plan: ModelPlan, batch: int, capacity: int, *, kv_dtype: str = "fp
     }
     stores = {}
     for src in layout.sources:
-        n = -(-capacity // src.ratio)
+        n = capacity // src.ratio
         if kv_dtype == "fp4":
             kv = torch.zeros(batch, n, d // 2, dtype=torch.uint8)
             ks = torch.zeros(batch, n, d // 16, dtype=torch.uint8)
@@ -123,13 +124,27 @@ def new_cache(plan: ModelPlan, batch: int, capacity: int, *, kv_dtype: str = "fp
                       windows=windows, stores=stores, engram_history=hist, kv_dtype=kv_dtype)
 
 
-def ensure_capacity(cache: ModelCache, tokens: int) -> None:
-    """Grow every global store so `tokens` positions fit (amortised doubling)."""
+def _round_tokens(layout: KVLayout, tokens: int) -> int:
+    """Capacities are whole multiples of the largest ratio, so every store holds exactly
+    tokens // ratio rows (a compiled entry relies on that relation between its context dims)."""
+    top = max([1, *(s.ratio for s in layout.sources)])
+    return -(-tokens // top) * top
+
+
+def capacity_tokens(cache: ModelCache) -> int:
+    """Tokens the global stores can hold."""
+    return min((st.capacity * st.ratio for st in cache.stores.values()), default=1 << 62)
+
+
+def ensure_capacity(cache: ModelCache, tokens: int, *, exact: bool = False) -> None:
+    """Grow every global store so `tokens` positions fit (amortised doubling, or to exactly
+    `tokens` rounded to the largest ratio)."""
+    if not cache.stores or tokens <= capacity_tokens(cache):
+        return
+    grown = tokens if exact else max(tokens, 2 * capacity_tokens(cache))
+    new_tokens = _round_tokens(cache.layout, grown)
     for store in cache.stores.values():
-        need = -(-tokens // store.ratio)
-        if need <= store.capacity:
-            continue
-        new = max(need, 2 * store.capacity)
+        new = new_tokens // store.ratio
 
         def grow(t: torch.Tensor | None, new: int = new) -> torch.Tensor | None:
             if t is None:
@@ -166,7 +181,7 @@ def stack_caches(caches: list[ModelCache]) -> ModelCache:
     tokens = max(st.capacity * st.ratio for c in caches for st in c.stores.values()) \
         if first.stores else 1
     for c in caches:
-        ensure_capacity(c, tokens)
+        ensure_capacity(c, tokens, exact=True)
     out = copy.copy(first)
     out.windows = {k: WindowRing(v.codes, v.scales) for k, v in first.windows.items()}
     out.stores = {k: GlobalStore(**{f: getattr(v, f) for f in GlobalStore.__dataclass_fields__})

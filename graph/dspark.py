@@ -84,12 +84,13 @@ def _draft_attention(model: Model, cache: ModelCache, layer: int, x: torch.Tenso
     filled = chunk.start.unsqueeze(1)  # = p + 1 positions are in the ring
     slots = torch.arange(win).unsqueeze(0)
     ring_idx = torch.where(slots < filled, slots, -1)  # (b, W)
-    idx = torch.cat([ring_idx, (win + torch.arange(n)).expand(b, -1)], dim=1)
+    drafts = win + torch.arange(n) + torch.zeros_like(filled)  # (b, B): rows after the ring
+    idx = torch.cat([ring_idx, drafts], dim=1)
     idx = idx.unsqueeze(1).expand(-1, n, -1).to(torch.int32).contiguous()
     sink = model.p(layer, "attn.attn_sink")
-    empty_c = buf_c.new_zeros(b, 0, a.head_dim // 2)
-    empty_s = buf_c.new_zeros(b, 0, a.head_dim // 16)
-    none = torch.full((b, n, 0), -1, dtype=torch.int32)
+    empty_c = buf_c[:, :0, : a.head_dim // 2]  # no global store: (b, 0, d/2)
+    empty_s = buf_c[:, :0, : a.head_dim // 16]
+    none = torch.full_like(x[..., :0], -1, dtype=torch.int32)  # (b, B, 0)
     o = ops.sparse_attend(q, buf_c, buf_s, idx, empty_c, empty_s, none, sink,
                           a.head_dim**-0.5)
     return output_proj(model, layer, o, cos, sin)
@@ -101,25 +102,22 @@ def draft(model: Model, cache: ModelCache, token: torch.Tensor, chunk: Chunk) ->
     (`seed` ran for this step)."""
     a = model.args
     n = a.dspark_block_size
-    b = token.size(0)
-    ids = torch.full((b, n), a.dspark_noise_token_id, dtype=torch.int64)
-    ids[:, 0] = token
+    ids = torch.where(torch.arange(n) == 0, token.unsqueeze(1), a.dspark_noise_token_id)
     h = model.w["embed.weight"][ids].unsqueeze(2).repeat(1, 1, a.hc_mult, 1)  # (b, B, hc, d)
-    pre = identity_pre(b, n, a.hc_mult)
+    pre = identity_pre(h)
     for p in model.plan.dspark:
         h, pre = block(model, cache, p.layer, h, pre, chunk, attn=_draft_attention)
     last = model.plan.dspark[-1].layer
     x = hc_pre(h, pre)  # (b, B, d)
     logits = head(model, rms_norm(x, model.p(last, "norm.weight"), a.norm_eps))
-    out = torch.empty(b, n + 1, dtype=torch.int64)
-    out[:, 0] = token
-    embeds = []
+    out, rows, embeds = [token], [], []
     for i in range(n):
-        e = model.p(last, "markov_head.embed.weight")[out[:, i]]  # (b, r) bf16
-        logits[:, i] += torch.nn.functional.linear(e.float(),
-                                                   model.p(last, "markov_head.head.weight"))
+        e = model.p(last, "markov_head.embed.weight")[out[i]]  # (b, r) bf16
+        row = logits[:, i] + torch.nn.functional.linear(
+            e.float(), model.p(last, "markov_head.head.weight"))  # (b, vocab) fp32
+        rows.append(row)
         embeds.append(e)
-        out[:, i + 1] = logits[:, i].argmax(dim=-1)
+        out.append(row.argmax(dim=-1))
     feats = torch.cat([x, torch.stack(embeds, dim=1)], dim=-1).float()
     conf = torch.nn.functional.linear(feats, model.p(last, "confidence_head.proj.weight"))
-    return Draft(out, logits, conf.squeeze(-1))
+    return Draft(torch.stack(out, dim=1), torch.stack(rows, dim=1), conf.squeeze(-1))

@@ -63,15 +63,17 @@ def rope_table(freqs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tens
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int,
                inverse: bool = False) -> torch.Tensor:
     """Rotate the last `rd` dims of x as interleaved (re, im) pairs, in fp32, back to x's dtype.
-    x: (b, s, [h,] d); cos/sin: (b or 1, s, rd/2). `inverse` conjugates the rotation. The pair
-    is multiplied as a complex number, the released model's arithmetic to the last bit."""
+    x: (b, s, [h,] d); cos/sin: (b or 1, s, rd/2). `inverse` conjugates the rotation. The pair is
+    multiplied as the released model's complex product, (a + ib)(c + id) = (ac - bd) + i(ad + bc),
+    written in real arithmetic (bit-identical in torch, and compilable)."""
     nope, rot = x[..., :-rd], x[..., -rd:].float()
     if x.dim() == 4:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     if inverse:
         sin = -sin
-    z = torch.view_as_complex(rot.unflatten(-1, (-1, 2)).contiguous())
-    out = torch.view_as_real(z * torch.complex(cos, sin)).flatten(-2)
+    pair = rot.unflatten(-1, (-1, 2))
+    re, im = pair[..., 0], pair[..., 1]
+    out = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).flatten(-2)
     return torch.cat([nope, out.to(x.dtype)], dim=-1)
 
 
@@ -108,11 +110,11 @@ def hc_post(f: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Te
     return (post.unsqueeze(-1) * f.unsqueeze(-2) + mixed).type_as(f)
 
 
-def identity_pre(b: int, s: int, hc: int) -> torch.Tensor:
-    """Block 0's attention collapses with a one-hot [1, 0, 0, 0] mix."""
-    pre = torch.zeros(b, s, hc, dtype=torch.float32)
-    pre[..., 0] = 1.0
-    return pre
+def identity_pre(h: torch.Tensor) -> torch.Tensor:
+    """Block 0's attention collapses with a one-hot [1, 0, 0, 0] mix: (b, s, hc) fp32 for a
+    stream h (b, s, hc, d). Built from h's shape (no size arithmetic, so it compiles)."""
+    onehot = (torch.arange(h.size(2)) == 0).to(torch.float32)
+    return torch.full_like(h[..., 0], 0.0, dtype=torch.float32) + onehot
 
 
 # ---- Engram ------------------------------------------------------------------------------------

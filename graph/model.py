@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import formats as fmt
 from . import ops
 from .cache import GlobalStore, ModelCache, WindowRing
 from .config import ModelArgs
@@ -104,6 +103,35 @@ class Model:
         return cls(args, plan, w, experts, engram, freqs)
 
     @classmethod
+    def placeholder(cls, args: ModelArgs) -> Model:
+        """A model whose weights have the checkpoint's shapes and dtypes but no storage (zero-
+        stride views of one element): what capture and compilation need, at any size."""
+        from .checkpoint import _RETURNED as LOADED_DTYPES
+        from .checkpoint import param_spec
+
+        plan = build_plan(args)
+        fp32 = _fp32_in_compute(args, plan)
+        specs = param_spec(args)
+
+        def ghost(shape, dtype):
+            return torch.zeros((), dtype=dtype).expand(*shape)
+
+        w = {name: ghost(spec.shape, torch.float32 if name in fp32 else LOADED_DTYPES[spec.dtype])
+             for name, spec in specs.items() if ".ffn.experts." not in name}
+        experts = {}
+        for layer in plan.layers:
+            prefix = _prefix(args, layer.layer)
+            n_routed, _ = args.moe_config(layer.layer)
+            stack = {}
+            for k in ("w1", "w3", "w2"):
+                spec = specs[f"{prefix}.ffn.experts.0.{k}.weight"]
+                sspec = specs[f"{prefix}.ffn.experts.0.{k}.scale"]
+                stack[k] = ghost((n_routed, *spec.shape), torch.uint8)
+                stack["s" + k[1]] = ghost((n_routed, *sspec.shape), torch.uint8)
+            experts[layer.layer] = ExpertStack(**stack)
+        return cls(args, plan, w, experts, None, {})
+
+    @classmethod
     def from_checkpoint(cls, path: str | Path, args: ModelArgs | None = None) -> Model:
         from .checkpoint import checkpoint_config, load_checkpoint
 
@@ -176,16 +204,17 @@ def rope_window(model: Model, start: torch.Tensor, s: int) -> dict[bool, tuple]:
 
 def _tok_rope(model: Model, chunk: Chunk, compressed: bool):
     """cos/sin of the new tokens' own positions, (b, s, rd/2)."""
+    return _rope_at(model, chunk, chunk.pos, compressed)
+
+
+def _rope_at(model: Model, chunk: Chunk, positions: torch.Tensor, compressed: bool = True):
+    """cos/sin at positions near the chunk, (b, n, rd/2): a gather from the chunk's table (no
+    slice with a symbolic end, which the compiler's shape arithmetic handles badly)."""
     m = rope_margin(model.args)
     cos, sin = chunk.rope[compressed]
-    return cos[:, m : m + chunk.length], sin[:, m : m + chunk.length]
-
-
-def _rope_at(model: Model, chunk: Chunk, positions: torch.Tensor):
-    """Compressed cos/sin at arbitrary positions near the chunk, (b, n, rd/2)."""
-    m = rope_margin(model.args)
-    cos, sin = chunk.rope[True]
-    idx = (positions - chunk.start.unsqueeze(1) + m).clamp(0, cos.size(1) - 1)
+    # in range by construction: tokens sit at m..m+s-1; an entry of ratio r <= m/2 - 1 is
+    # rotated at a group start in [start - r + 1, start + s + r], i.e. rows 1..s + 2m - 1
+    idx = (positions - chunk.start.unsqueeze(1) + m).clamp(min=0)
     idx = idx.unsqueeze(-1).expand(-1, -1, cos.size(-1))
     return cos.gather(1, idx), sin.gather(1, idx)
 
@@ -299,7 +328,7 @@ def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
     if m == 1:
         latent = rms_norm(bf16_linear(x, model.p(layer, "attn.compressor.wkv.weight")),
                           model.p(layer, "attn.compressor.norm.weight"), model.args.norm_eps)
-        ok = torch.ones(x.shape[:2], dtype=torch.bool)
+        ok = torch.full_like(x[..., 0], True, dtype=torch.bool)
         return Compressed(latent, chunk.start, ok, 1)
     kv = fp32_linear(x, model.p(layer, "attn.compressor.wkv.weight"))  # (b, s, hd) fp32
     score = fp32_linear(x, model.p(layer, "attn.compressor.wgate.weight"))
@@ -366,13 +395,20 @@ def index_keys(model: Model, cache: ModelCache, store: GlobalStore, chunk: Chunk
     ks = live_rows(store.k_scales, chunk, store.ratio)
     if not model.reference_index_k:
         return kc, ks
-    rows = kc.size(1)
     for owner, other in cache.stores.items():
-        if other is store or other.k_codes is None or other.k_codes.size(1) < rows:
+        if other is store or other.k_codes is None or other.ratio > store.ratio:
             continue
+        # the other source's first `rows` entries: its store holds ratio/other.ratio times as
+        # many rows (capacities are multiples of the largest ratio), so a reshape picks them
+        k = store.ratio // other.ratio
+        if torch.compiler.is_exporting():
+            oc = other.k_codes.unflatten(1, (k, -1))[:, 0]
+            os_ = other.k_scales.unflatten(1, (k, -1))[:, 0]
+        else:
+            oc, os_ = other.k_codes[:, : kc.size(1)], other.k_scales[:, : kc.size(1)]
         use = (cache.index_owner == owner).view(-1, 1, 1)
-        kc = torch.where(use, other.k_codes[:, :rows], kc)
-        ks = torch.where(use, other.k_scales[:, :rows], ks)
+        kc = torch.where(use, oc, kc)
+        ks = torch.where(use, os_, ks)
     return kc, ks
 
 
@@ -428,8 +464,8 @@ def attend(model: Model, cache: ModelCache, layer: int, q: torch.Tensor, win,
     sink = model.p(layer, "attn.attn_sink")
     scale = a.head_dim**-0.5
     if store is None:
-        kv_c = buf_c.new_zeros(b, 0, a.head_dim // 2)
-        kv_s = buf_c.new_zeros(b, 0, a.head_dim // 16)
+        kv_c = buf_c[:, :0, : a.head_dim // 2]  # an empty store (b, 0, d/2)
+        kv_s = buf_c[:, :0, : a.head_dim // 16]
         o = ops.sparse_attend(q, buf_c, buf_s, win_idx, kv_c, kv_s, idx, sink, scale)
     elif cache.kv_dtype == "fp4":
         o = ops.sparse_attend(q, buf_c, buf_s, win_idx, live_rows(store.kv_codes, chunk,
@@ -461,7 +497,7 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     win = window_inputs(ring, win_codes, win_scales, chunk, a.window_size)
     write_ring(ring, win_codes, win_scales, chunk.start, a.window_size)
 
-    store, idx = None, torch.full((b, s, 0), -1, dtype=torch.int32)
+    store, idx = None, torch.full_like(x[..., :0], -1, dtype=torch.int32)  # (b, s, 0)
     if p.ratio:
         store = cache.stores[p.kv_source]
         c = run_compressor(model, cache, layer, x, chunk)
@@ -533,8 +569,7 @@ def engram(model: Model, layer: int, h: torch.Tensor, ids: torch.Tensor) -> torc
     a = model.args
     codes = model.p(layer, "engram.embed.weight")[ids]  # (b, s, cols, ed)
     scales = model.p(layer, "engram.embed.scale")[ids]  # (b, s, cols, ed/32)
-    values = (fmt.torch_e4m3_decode(codes).unflatten(-1, (-1, 32))
-              * fmt.torch_e8m0_decode(scales).unsqueeze(-1)).flatten(-2).to(BF16)
+    values = ops.fp8_dequant(codes, scales).to(BF16)
     kv = ops.fp8_linear(values.flatten(-2), model.p(layer, "engram.wkv.weight"),
                         model.p(layer, "engram.wkv.scale"))
     key, value = kv.split([a.hc_mult * a.dim, a.dim], dim=-1)

@@ -118,7 +118,7 @@ def forward_all(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Ch
     """The graph of `prefill_exact` / `decode_step`: pure tensor code over validated inputs
     (what torch.export captures). Returns (logits, final hidden, DSpark main hidden)."""
     h = embed(model, tokens)
-    pre = identity_pre(h.size(0), h.size(1), model.args.hc_mult)
+    pre = identity_pre(h)
     h, pre = run_layers(model, cache, h, pre, range(model.args.n_layers), chunk)
     x = final_norm(model, h, pre)
     cache.pos = chunk.end
@@ -172,7 +172,7 @@ class EncoderOutput:
 def encode_layers(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Chunk):
     """The graph of `encoder_prefill` (and each half of `encoder_replay`)."""
     h = embed(model, tokens)
-    pre = identity_pre(h.size(0), h.size(1), model.args.hc_mult)
+    pre = identity_pre(h)
     h, pre = run_layers(model, cache, h, pre, range(model.plan.decoder_start), chunk)
     if model.plan.decoder_start < model.args.n_layers:
         decoder_global_kv(model, cache, h, pre, chunk)

@@ -100,8 +100,13 @@ def _pad(idx: torch.Tensor, width: int) -> np.ndarray:
 class GraphBackend:
     """Scores with the PyTorch graph itself (the oracle the compiled artifacts are held to)."""
 
-    def __init__(self, model, *, kv_dtype: str = "fp4", capacity: int = 4096):
+    def __init__(self, model, *, kv_dtype: str = "fp4", capacity: int = 4096, phases=None):
+        """`phases`: an object with prefill_exact / ced_prefill / decode_step (default: the
+        graph's own; `dsv41.runtime.compiled.CompiledPhases` scores a compiled artifact)."""
+        from . import phases as graph_phases
+
         self.model, self.kv_dtype, self.capacity = model, kv_dtype, capacity
+        self.phases = phases or graph_phases
         self.cache = None
 
     def _out(self, res, n_rows: int | None = None) -> dict:
@@ -120,17 +125,15 @@ class GraphBackend:
 
     def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...] = ()) -> dict:
         from .cache import new_cache
-        from .phases import ced_prefill, prefill_exact
 
         m = self.model
         pad = m.engram.pad_id if m.engram is not None else None
         self.cache = new_cache(m.plan, 1, max(self.capacity, len(tokens) + 1),
                                kv_dtype=self.kv_dtype, engram_pad=pad)
         t = torch.from_numpy(np.asarray(tokens, np.int64))[None]
-        run = prefill_exact if mode == "exact" else ced_prefill
+        run = self.phases.prefill_exact if mode == "exact" else self.phases.ced_prefill
         return self._out(run(m, self.cache, t, all_logits=True, record=record), len(tokens))
 
     def decode(self, token: int) -> dict:
-        from .phases import decode_step
-
-        return self._out(decode_step(self.model, self.cache, torch.tensor([[token]])))
+        return self._out(self.phases.decode_step(self.model, self.cache,
+                                                 torch.tensor([[token]])))

@@ -7,7 +7,8 @@ with `TVM_CUDA_COMPILE_MODE=nvcc`. The stub must never be on a real GPU machine'
 why it is created per build and removed afterwards.
 
 `build_cuda(builder, kwargs, target_name, out)` calls `builder(**kwargs)` in the child (a
-"module:function" string returning a scheduled PrimFunc or IRModule) and exports the library.
+"module:function" string returning a scheduled PrimFunc or IRModule) and exports the library;
+`pipeline` ("module:function" of the target name) replaces tvm.compile's Relax pipeline.
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ def _compile(code, *_):  # SASS for the arch plus PTX for forward compatibility
         "-gencode", f"arch=compute_{num},code=sm_{num}",
         "-gencode", f"arch=compute_{num},code=compute_{num}"])
 t0 = time.perf_counter()
+kw = {}
+if req.get("pipeline"):
+    p_mod, p_fn = req["pipeline"].split(":")
+    kw["relax_pipeline"] = getattr(importlib.import_module(p_mod), p_fn)(req["target"])
 with tgt:
     mod = builder(**req["kwargs"])
-    ex = tvm.compile(mod, target=tgt)
+    ex = tvm.compile(mod, target=tgt, **kw)
 ex.export_library(req["out"])
 print(json.dumps({"seconds": time.perf_counter() - t0}))
 """
@@ -63,7 +68,7 @@ def toolchain_problem() -> str | None:
 
 
 def build_cuda(builder: str, kwargs: dict, target_name: str, out: str | Path,
-               timeout: float = 600) -> dict:
+               timeout: float = 600, pipeline: str | None = None) -> dict:
     """Build `builder(**kwargs)` for a CUDA target into `out` (.so with SASS + PTX). Returns the
     child's report ({"seconds": ...}). Raises RuntimeError with the child's log on failure."""
     problem = toolchain_problem()
@@ -79,7 +84,7 @@ def build_cuda(builder: str, kwargs: dict, target_name: str, out: str | Path,
         env["LD_LIBRARY_PATH"] = tmp + os.pathsep + env.get("LD_LIBRARY_PATH", "")
         env["TVM_CUDA_COMPILE_MODE"] = "nvcc"
         req = json.dumps({"builder": builder, "kwargs": kwargs, "target": target_name,
-                          "out": str(out)})
+                          "out": str(out), "pipeline": pipeline})
         proc = subprocess.run([sys.executable, "-c", _CHILD, req], env=env, capture_output=True,
                               text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -1,0 +1,276 @@
+"""`dsv41 compile`: capture -> lower -> fuse -> schedule -> build, per entry, into an artifact.
+
+Layout: `<out>/<model>-<config hash[:12]>/<target>/` with one library per entry
+(`<entry>.so`), `manifest.json` and a README. Weights are never in the libraries: capture runs on
+a storage-less placeholder model, and every entry takes the weights as trailing arguments in the
+order the manifest lists. CUDA targets are built in a child process that sees a stub libcuda
+(`schedules.cuda_build`), so real SASS and PTX are produced without a GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsv41.graph.config import ModelArgs, args_from_dict
+from dsv41.graph.model import Model
+from dsv41.graph.plan import build_plan, format_plan
+
+from .capture import ENTRIES, cache_names, capture, entry_outputs
+
+FORMAT_VERSION = 1
+PHASES = ("capture", "lower", "fuse", "schedule", "build")
+ROWS_HINT = {"decode": 1, "draft": 4}  # GEMM schedule hint: rows per call (None: prefill)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    args: ModelArgs
+    model_name: str  # e.g. "small" or a config file's stem
+    target: str  # cpu | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100
+    out: Path = Path("artifacts")
+    entries: tuple[str, ...] = ENTRIES
+    debug_dump: Path | None = None
+
+    def display(self) -> str:
+        return (f"model {self.model_name} (config {self.args.config_hash()[:12]}), target "
+                f"{self.target}, entries {', '.join(self.entries)}, out {self.out}"
+                + (f", IR dumps in {self.debug_dump}" if self.debug_dump else ""))
+
+    @property
+    def artifact_dir(self) -> Path:
+        return self.out / f"{self.model_name}-{self.args.config_hash()[:12]}" / self.target
+
+
+@dataclass
+class CompileReport:
+    artifact_dir: Path
+    seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # entry -> phase -> s
+    sizes: dict[str, int] = field(default_factory=dict)  # file -> bytes
+    unfused: list[str] = field(default_factory=list)  # entries TVM's FuseTIR refused
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(sum(p.values()) for p in self.seconds.values())
+
+
+def entry_signature(ep, template, plan, entry: str) -> dict:
+    """Inputs (user inputs with symbolic shapes), cache tensor names and parameter order."""
+    specs = ep.graph_signature.input_specs
+    user, params = [], []
+    nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    for spec in specs:
+        val = nodes[spec.arg.name].meta.get("val")
+        desc = {"name": spec.arg.name, "dtype": str(val.dtype).replace("torch.", ""),
+                "shape": [str(d) for d in val.shape]}
+        if spec.kind.name == "PARAMETER":
+            params.append({**desc, "param": spec.target})
+        else:
+            user.append(desc)
+    return {"inputs": user, "params": params, "cache": cache_names(template),
+            "outputs": entry_outputs(plan, entry, template)}
+
+
+def _dump(opts: CompileOptions, entry: str, phase: str, text: str) -> None:
+    if opts.debug_dump is None:
+        return
+    opts.debug_dump.mkdir(parents=True, exist_ok=True)
+    (opts.debug_dump / f"{entry}.{PHASES.index(phase)}-{phase}.txt").write_text(text)
+
+
+def lowered_module(config: dict, entry: str, target: str):
+    """Capture + lower one entry (also the CUDA child's builder: it runs under the stub)."""
+    from dsv41.schedules.common import get_target
+
+    from .lower import lower
+
+    args = args_from_dict(config)
+    ep, _ = capture(Model.placeholder(args), entry)
+    return lower(ep, get_target(target), rows_hint=ROWS_HINT.get(entry))
+
+
+def fuse(mod, target_name: str):
+    """Library dispatch (sort/scan), legalisation, then operator fusion. Returns (module,
+    fused?): when TVM's FuseTIR rejects a fused group, the module is built unfused (each
+    legalised op its own loop nest) rather than not at all, and the report says so."""
+    from tvm import relax
+
+    from dsv41.schedules.common import get_target
+
+    target = get_target(target_name).tvm_target()
+    if get_target(target_name).is_cuda:
+        from tvm.relax.backend.cuda import pipeline as backend
+    else:
+        from tvm.relax.backend.cpu_generic import pipeline as backend
+    with target:
+        for p in [*backend.library_dispatch_passes(target), relax.transform.LegalizeOps(),
+                  relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()]:
+            mod = p(mod)
+        try:
+            fused = relax.transform.FuseTIR()(relax.transform.FuseOps()(mod))
+        except Exception:  # noqa: BLE001 - TVM raises InternalError subclasses of many kinds
+            return relax.transform.DeadCodeElimination()(mod), False
+    return relax.transform.DeadCodeElimination()(fused), True
+
+
+def finish_pipeline(target_name: str):
+    """What tvm.compile still has to do after `fuse` and `schedule`: dataflow lowering and
+    finalisation (memory planning, VM codegen)."""
+    import tvm
+
+    from dsv41.schedules.common import get_target
+
+    spec = get_target(target_name)
+    target = spec.tvm_target()
+    if spec.is_cuda:
+        from tvm.relax.backend.cuda import pipeline as backend
+    else:
+        from tvm.relax.backend.cpu_generic import pipeline as backend
+
+    @tvm.transform.module_pass(opt_level=0)
+    def _finish(mod, _ctx):
+        # RewriteDataflowReshape only turns reshape kernels into views, and it rejects kernels
+        # whose body is not a single root block (our top-k selects): leave it out
+        lower = [p for p in backend.dataflow_lower_passes(target)
+                 if p.info.name != "RewriteDataflowReshape"]
+        with target:
+            return tvm.transform.Sequential(lower + backend.finalize_passes(target))(mod)
+
+    return _finish
+
+
+def schedule(mod, target_name: str):
+    """CUDA: dlight default schedules for everything our kernels do not already schedule. CPU:
+    LLVM's loops as legalised (a MetaSchedule database replaces them in `dsv41 tune`)."""
+    from dsv41.schedules.common import get_target
+
+    spec = get_target(target_name)
+    if not spec.is_cuda:
+        return mod
+    from tvm.s_tir import dlight as dl
+
+    with spec.tvm_target():
+        return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                       dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
+
+
+def built_module(config: dict, entry: str, target: str):
+    """The CUDA child's builder: the scheduled module, ready for tvm.compile."""
+    mod, _ = fuse(lowered_module(config, entry, target), target)
+    return schedule(mod, target)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
+    import tvm
+
+    from dsv41.schedules.common import get_target
+
+    spec = get_target(opts.target)
+    out = opts.artifact_dir
+    out.mkdir(parents=True, exist_ok=True)
+    report = CompileReport(out)
+    model = Model.placeholder(opts.args)
+    entries = {}
+    say = progress or (lambda msg: None)
+    for entry in opts.entries:
+        times = report.seconds.setdefault(entry, {})
+        t = time.perf_counter()
+        ep, template = capture(model, entry)
+        times["capture"] = time.perf_counter() - t
+        _dump(opts, entry, "capture", str(ep.graph_module.code))
+        say(f"{entry}: capture {times['capture']:.1f} s")
+        entries[entry] = entry_signature(ep, template, model.plan, entry)
+        lib = out / f"{entry}.so"
+        if spec.is_cuda:
+            from dsv41.schedules.cuda_build import build_cuda
+
+            t = time.perf_counter()
+            build_cuda("dsv41.compiler.build:built_module",
+                       {"config": opts.args.to_dict(), "entry": entry, "target": opts.target},
+                       opts.target, lib, timeout=3600,
+                       pipeline="dsv41.compiler.build:finish_pipeline")
+            times["build"] = time.perf_counter() - t
+            say(f"{entry}: lower+fuse+schedule+build (CUDA child) {times['build']:.1f} s")
+            continue
+        from .lower import lower
+
+        t = time.perf_counter()
+        mod = lower(ep, spec, rows_hint=ROWS_HINT.get(entry))
+        times["lower"] = time.perf_counter() - t
+        _dump(opts, entry, "lower", mod.script(show_meta=False))
+        t = time.perf_counter()
+        mod, fused = fuse(mod, opts.target)
+        times["fuse"] = time.perf_counter() - t
+        report.unfused.extend([] if fused else [entry])
+        _dump(opts, entry, "fuse", mod.script(show_meta=False))
+        t = time.perf_counter()
+        mod = schedule(mod, opts.target)
+        times["schedule"] = time.perf_counter() - t
+        _dump(opts, entry, "schedule", mod.script(show_meta=False))
+        t = time.perf_counter()
+        ex = tvm.compile(mod, target=spec.tvm_target(),
+                         relax_pipeline=finish_pipeline(opts.target))
+        ex.export_library(str(lib))
+        times["build"] = time.perf_counter() - t
+        say(f"{entry}: lower {times['lower']:.1f} s, fuse {times['fuse']:.1f} s, build "
+            f"{times['build']:.1f} s")
+    write_manifest(opts, entries, report)
+    return report
+
+
+def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -> Path:
+    import tvm
+
+    from dsv41.schedules.common import get_target
+
+    out = opts.artifact_dir
+    readme = out / "README.md"
+    readme.write_text(
+        f"# dsv41 artifact: {opts.model_name} for {opts.target}\n\n"
+        f"Config hash {opts.args.config_hash()}. One library per entry "
+        f"({', '.join(entries)}); weights are not inside: load them with "
+        "`dsv41.runtime.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
+        "`manifest.json` (checksums, config, target, TVM version) first.\n")
+    files = {p.name: _sha256(p) for p in sorted(out.iterdir())
+             if p.is_file() and p.name != "manifest.json"}
+    report.sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    tuning = out / "tuning"
+    db_hash = None
+    if tuning.is_dir():
+        h = hashlib.sha256()
+        for p in sorted(tuning.glob("*.json")):
+            h.update(p.read_bytes())
+        db_hash = h.hexdigest()
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model": opts.model_name,
+        "config": opts.args.to_dict(),
+        "config_hash": opts.args.config_hash(),
+        "layer_plan": format_plan(build_plan(opts.args)).splitlines(),
+        "target": {"name": opts.target, "tvm": get_target(opts.target).target},
+        "versions": {"tvm": tvm.__version__, "torch": torch.__version__},
+        "entries": entries,
+        "tuning_database_sha256": db_hash,
+        "files": files,
+        "compile_seconds": report.seconds,
+        "created_unix": int(time.time()),
+        "built_on": os.uname().nodename,
+    }
+    path = out / "manifest.json"
+    path.write_text(json.dumps(manifest, indent=1))
+    report.sizes["manifest.json"] = path.stat().st_size
+    return path

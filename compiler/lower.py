@@ -1,0 +1,407 @@
+"""Lower: a captured phase (torch.export) -> Relax, with `dsv41::` ops calling our TIR kernels.
+
+`from_exported_program` translates the plain aten ops. The converters here:
+
+- map every `dsv41::` custom op to its kernel in `schedules/` through `call_tir` (leading dims
+  flattened to the kernel's row dim, then restored);
+- override the few aten translations whose numerics differ from torch's: bf16 `linear`, `einsum`
+  and `mean` accumulate in fp32 and round once to bf16, as torch does (TVM would accumulate in
+  bf16 or return fp32);
+- supply ops the importer lacks (`amax`, `copysign`, stable `sort`).
+
+Kernels are built once per (kernel, static dims) and shared by every call site.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+
+from dsv41.schedules.common import TargetSpec
+
+BF16 = "bfloat16"
+
+
+@dataclass
+class Lowering:
+    """Per-module state: the target, a row-count hint for GEMM schedules, and the kernels already
+    added (so each static shape is built and added once)."""
+
+    target: TargetSpec
+    rows_hint: int | None = None  # decode: 1; drafts: a few; prefill: None (large)
+    kernels: dict[tuple, relax.GlobalVar] = field(default_factory=dict)
+
+    def kernel(self, importer, key: tuple, make) -> relax.GlobalVar:
+        if key not in self.kernels:
+            func = make().without_attr("global_symbol")  # named by the module, not the kernel
+            func = func.with_attr("op_pattern", 8)  # kOpaque: a whole kernel, never fused
+            name = "k_" + "_".join(str(k).replace(".", "p").replace("-", "m") for k in key)
+            self.kernels[key] = importer.block_builder.add_func(func, name)
+        return self.kernels[key]
+
+
+# ---- small Relax helpers ----------------------------------------------------------------------
+
+
+def _shape(x: relax.Expr) -> list:
+    return list(x.ty.shape.values)
+
+
+def _static(v) -> int:
+    if isinstance(v, int):
+        return v
+    if isinstance(v, tvm.tirx.IntImm):
+        return int(v.value)
+    raise ValueError(f"Expected a static dimension, got {v}.")
+
+
+def _rows(importer, x: relax.Expr, keep: int) -> tuple[relax.Expr, list]:
+    """Flatten all but the last `keep` dims into one row dim. Returns (x2, leading dims)."""
+    shape = _shape(x)
+    lead, tail = shape[: len(shape) - keep], shape[len(shape) - keep :]
+    n = tvm.tirx.IntImm("int64", 1)
+    for v in lead:
+        n = n * v
+    return importer.block_builder.emit(relax.op.reshape(x, [n, *tail])), lead
+
+
+def _tensor(shape, dtype) -> relax.TensorType:
+    return relax.TensorType(shape, dtype)
+
+
+def _call(importer, gv, args, out):
+    return importer.block_builder.emit(relax.call_tir(gv, args, out_ty=out))
+
+
+def _unrows(importer, y: relax.Expr, lead: list) -> relax.Expr:
+    shape = _shape(y)
+    return importer.block_builder.emit(relax.op.reshape(y, [*lead, *shape[1:]]))
+
+
+# ---- dsv41 ops ----------------------------------------------------------------------------------
+
+
+def _fp8_linear(ctx: Lowering):
+    from dsv41.schedules import gemm
+
+    def convert(node, importer):
+        x, w, s = (importer.env[a] for a in node.args[:3])
+        n, k = (_static(v) for v in _shape(w))
+        gv = ctx.kernel(importer, ("fp8_linear", n, k, ctx.rows_hint),
+                        lambda: gemm.build_fp8_linear(ctx.target.name, n=n, k=k,
+                                                      m=ctx.rows_hint))
+        x2, lead = _rows(importer, x, 1)
+        y = _call(importer, gv, [x2, w, s], _tensor([_shape(x2)[0], n], BF16))
+        return _unrows(importer, y, lead)
+
+    return convert
+
+
+def _fp8_dequant(ctx: Lowering):
+    from dsv41.schedules import gemm
+
+    def convert(node, importer):
+        codes, scales = (importer.env[a] for a in node.args[:2])
+        d = _static(_shape(codes)[-1])
+        gv = ctx.kernel(importer, ("fp8_dequant", d),
+                        lambda: gemm.build_fp8_dequant(ctx.target.name, d=d))
+        c2, lead = _rows(importer, codes, 1)
+        s2, _ = _rows(importer, scales, 1)
+        y = _call(importer, gv, [c2, s2], _tensor([_shape(c2)[0], d], "float32"))
+        return _unrows(importer, y, lead)
+
+    return convert
+
+
+def _sparse_attend(ctx: Lowering):
+    from dsv41.schedules import attention
+
+    def convert(node, importer):
+        args = [importer.env[a] for a in node.args[:8]]
+        scale = float(node.args[8])
+        q, win_idx, kv_idx = args[0], args[3], args[6]
+        _, _, h, d = _shape(q)
+        dims = dict(h=_static(h), d=_static(d), w=_static(_shape(win_idx)[-1]),
+                    k=_static(_shape(kv_idx)[-1]), softmax_scale=scale)
+        gv = ctx.kernel(importer, ("sparse_attend", *dims.values()),
+                        lambda: attention.build_sparse_attend(ctx.target.name, **dims))
+        return _call(importer, gv, args, _tensor(_shape(q), BF16))
+
+    return convert
+
+
+def _indexer(ctx: Lowering, kind: str):
+    from dsv41.schedules import indexer
+
+    def convert(node, importer):
+        q, kc, ks, wts, lens = (importer.env[a] for a in node.args[:5])
+        b, s, heads, dim = _shape(q)
+        heads, dim = _static(heads), _static(dim)
+        t = _shape(kc)[1]
+        pad = indexer.SCORE_PAD
+        scores_ty = _tensor([b, s, (t + pad - 1) // pad * pad], BF16)
+        if kind == "pool":
+            blocks = importer.env[node.args[5]]
+            topk, block_size = int(node.args[6]), int(node.args[7])
+            nb = _shape(blocks)[-1]
+            mod = indexer.build_pool_topk(ctx.target.name, heads=heads, dim=dim, topk=topk,
+                                          block_size=block_size)
+            key = ("pool", heads, dim, topk, block_size)
+            sweep = ctx.kernel(importer, (*key, "scores"), lambda: mod["pool_scores"])
+            pick = ctx.kernel(importer, (*key, "select"), lambda: mod["select_pool"])
+            pool_ty = _tensor([b, s, (nb * block_size + pad - 1) // pad * pad], BF16)
+            scores = _call(importer, sweep, [q, kc, ks, wts, lens, blocks], pool_ty)
+            return _call(importer, pick, [scores, blocks], _tensor([b, s, topk], "int32"))
+        topk = int(node.args[5])
+        sweep = ctx.kernel(importer, ("index_scores", heads, dim),
+                           lambda: indexer.build_indexer_topk(
+                               ctx.target.name, heads=heads, dim=dim, topk=topk)["index_scores"])
+        pick = ctx.kernel(importer, ("select_positions", topk),
+                          lambda: indexer.build_indexer_topk(
+                              ctx.target.name, heads=heads, dim=dim,
+                              topk=topk)["select_positions"])
+        scores = _call(importer, sweep, [q, kc, ks, wts, lens], scores_ty)
+        idx = _call(importer, pick, [scores], _tensor([b, s, topk], "int32"))
+        if kind == "flat":
+            return idx
+        topk_blocks, block_size = int(node.args[6]), int(node.args[7])
+        blk = ctx.kernel(importer, ("select_blocks", topk_blocks, block_size),
+                         lambda: indexer.build_hier_topk(
+                             ctx.target.name, heads=heads, dim=dim, topk=topk,
+                             topk_blocks=topk_blocks, block_size=block_size)["select_blocks"])
+        blocks = _call(importer, blk, [scores, lens], _tensor([b, s, topk_blocks], "int32"))
+        return importer.block_builder.emit(relax.Tuple([idx, blocks]))
+
+    return convert
+
+
+def _moe_experts(ctx: Lowering):
+    """The routed experts as the six-kernel chain of `schedules.moe` (Relax allocates the
+    token-sized intermediates between the calls, which CUDA needs)."""
+    from dsv41.schedules import moe
+
+    def convert(node, importer):
+        args = [importer.env[a] for a in node.args[:9]]
+        limit = float(node.args[9])
+        x, w1 = args[0], args[3]
+        n_experts, inter = (_static(v) for v in _shape(w1)[:2])
+        dim = _static(_shape(x)[-1])
+        topk = _static(_shape(args[2])[-1])
+        dims = dict(dim=dim, inter=inter, n_experts=n_experts, topk=topk)
+        key = ("moe", *dims.values(), limit, ctx.rows_hint)
+        mod = None
+
+        def module():
+            nonlocal mod
+            if mod is None:
+                mod = moe.build_moe_experts_split(ctx.target.name, **dims, swiglu_limit=limit,
+                                                  n=ctx.rows_hint)
+            return mod
+
+        plan = moe.moe_experts_plan(ctx.target.name, **dims, n=_shape(x)[0],
+                                    n_hint=ctx.rows_hint)
+        env = {b.name: v for b, v in zip(plan.inputs, args, strict=True)}
+        bufs = plan.buffers()
+        for call in plan.calls:
+            gv = ctx.kernel(importer, (*key, call.func), lambda f=call.func: module()[f])
+            outs = [_tensor(bufs[o].shape, bufs[o].dtype) for o in call.outs]
+            res = _call(importer, gv, [env[a] for a in call.args],
+                        outs if len(outs) > 1 else outs[0])
+            if len(call.outs) == 1:
+                env[call.outs[0]] = res
+            else:
+                for i, o in enumerate(call.outs):
+                    env[o] = importer.block_builder.emit(relax.TupleGetItem(res, i))
+        return env[plan.output.name]
+
+    return convert
+
+
+def _quant(ctx: Lowering, op: str):
+    from dsv41.schedules import quant
+
+    def convert(node, importer):
+        x = importer.env[node.args[0]]
+        d = _static(_shape(x)[-1])
+        x2, lead = _rows(importer, x, 1)
+        n = _shape(x2)[0]
+        build = getattr(quant, f"build_{op}")
+        gv = ctx.kernel(importer, (op, d), lambda: build(ctx.target.name, d=d))
+        if op == "qdq_mxfp4":
+            y = _call(importer, gv, [x2], _tensor([n, d], BF16))
+            return _unrows(importer, y, lead)
+        code_w, scale_w = {"quant_fp8": (d, d // 32), "quant_fp4_kv": (d // 2, d // 16),
+                           "quant_mxfp4": (d // 2, d // 32)}[op]
+        out = [_tensor([n, code_w], "uint8"), _tensor([n, scale_w], "uint8")]
+        pair = _call(importer, gv, [x2], out)
+        bb = importer.block_builder
+        codes = _unrows(importer, bb.emit(relax.TupleGetItem(pair, 0)), lead)
+        scales = _unrows(importer, bb.emit(relax.TupleGetItem(pair, 1)), lead)
+        return bb.emit(relax.Tuple([codes, scales]))
+
+    return convert
+
+
+# ---- aten overrides and additions ------------------------------------------------------------
+
+
+def _in_fp32(importer, x: relax.Expr) -> relax.Expr:
+    if x.ty.dtype == "float32":
+        return x
+    return importer.block_builder.emit(relax.op.astype(x, "float32"))
+
+
+def _back(importer, y: relax.Expr, dtype: str) -> relax.Expr:
+    if dtype == "float32":
+        return y
+    return importer.block_builder.emit(relax.op.astype(y, dtype))
+
+
+def _linear(node, importer):
+    x, w = importer.env[node.args[0]], importer.env[node.args[1]]
+    bias = importer.env[node.args[2]] if len(node.args) > 2 and node.args[2] is not None else None
+    dtype = x.ty.dtype
+    y = importer.block_builder.emit(relax.op.linear(_in_fp32(importer, x),
+                                                    _in_fp32(importer, w), bias, "float32"))
+    return _back(importer, y, dtype)
+
+
+def _einsum(node, importer):
+    eq = node.args[0]
+    ops = [importer.env[a] for a in node.args[1]]
+    dtype = ops[0].ty.dtype
+    y = importer.block_builder.emit(relax.op.einsum([_in_fp32(importer, o) for o in ops], eq))
+    return _back(importer, y, dtype)
+
+
+def _mean(node, importer):
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dtype = x.ty.dtype
+    y = importer.block_builder.emit(relax.op.mean(_in_fp32(importer, x), dim, keepdims=keep))
+    return _back(importer, y, dtype)
+
+
+def _amax(node, importer):
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return importer.block_builder.emit(relax.op.max(x, dim, keepdims=keep))
+
+
+def _copysign(node, importer):
+    """|a| with b's sign (b < 0; a -0.0 b counts as positive, the only difference from torch)."""
+    a, b = importer.env[node.args[0]], importer.env[node.args[1]]
+    bb = importer.block_builder
+    mag = bb.emit(relax.op.abs(a))
+    neg = bb.emit(relax.op.less(b, relax.const(0.0, b.ty.dtype)))
+    return bb.emit(relax.op.where(neg, bb.emit(relax.op.negative(mag)), mag))
+
+
+def _sort_stable(node, importer):
+    x = importer.env[node.args[0]]
+    dim = node.kwargs.get("dim", -1)
+    desc = node.kwargs.get("descending", False)
+    bb = importer.block_builder
+    idx = bb.emit(relax.op.argsort(x, dim, desc, dtype="int64"))
+    vals = bb.emit(relax.op.gather_elements(x, idx, axis=dim))
+    return bb.emit(relax.Tuple([vals, idx]))
+
+
+def _where_scalar(scalar_pos: int):
+    """where(cond, tensor, scalar) / where(cond, scalar, tensor) with the tensor's dtype."""
+
+    def convert(node, importer):
+        cond = importer.env[node.args[0]]
+        t = importer.env[node.args[2 if scalar_pos == 1 else 1]]
+        c = relax.const(node.args[scalar_pos], t.ty.dtype)
+        a, b = (c, t) if scalar_pos == 1 else (t, c)
+        return importer.block_builder.emit(relax.op.where(cond, a, b))
+
+    return convert
+
+
+def _scalar_tensor(importer, v, dtype: str) -> relax.Expr:
+    """A 0-d tensor from a Python number or a symbolic PrimValue (via a 1-long arange)."""
+    if isinstance(v, int | float):
+        return relax.const(v, dtype)
+    bb = importer.block_builder
+    p = v.value if hasattr(v, "value") else v  # a PrimValue wraps the symbolic expression
+    one = bb.emit(relax.op.arange(p, p + 1, 1, dtype=dtype))
+    return bb.emit(relax.op.reshape(one, []))
+
+
+def _clamp(node, importer):
+    """clamp with bounds that may be symbolic (e.g. tokens - 1)."""
+    args = importer.retrieve_args(node)
+    x = args[0]
+    lo = args[1] if len(args) > 1 else node.kwargs.get("min")
+    hi = args[2] if len(args) > 2 else node.kwargs.get("max")
+    dtype = x.ty.dtype
+    bb = importer.block_builder
+    if lo is not None:
+        x = bb.emit(relax.op.maximum(x, _scalar_tensor(importer, lo, dtype)))
+    if hi is not None:
+        x = bb.emit(relax.op.minimum(x, _scalar_tensor(importer, hi, dtype)))
+    return x
+
+
+def convert_map(ctx: Lowering) -> dict:
+    return {
+        "fp8_linear.default": _fp8_linear(ctx),
+        "fp8_dequant.default": _fp8_dequant(ctx),
+        "sparse_attend.default": _sparse_attend(ctx),
+        "indexer_topk.default": _indexer(ctx, "flat"),
+        "hier_topk.default": _indexer(ctx, "hier"),
+        "pool_topk.default": _indexer(ctx, "pool"),
+        "moe_experts.default": _moe_experts(ctx),
+        "quant_fp8.default": _quant(ctx, "quant_fp8"),
+        "quant_fp4_kv.default": _quant(ctx, "quant_fp4_kv"),
+        "quant_mxfp4.default": _quant(ctx, "quant_mxfp4"),
+        "qdq_mxfp4.default": _quant(ctx, "qdq_mxfp4"),
+        "linear.default": _linear,
+        "einsum.default": _einsum,
+        "mean.dim": _mean,
+        "amax.default": _amax,
+        "copysign.Tensor": _copysign,
+        "sort.stable": _sort_stable,
+        "where.ScalarOther": _where_scalar(2),
+        "where.ScalarSelf": _where_scalar(1),
+        "clamp.default": _clamp,
+    }
+
+
+def lower(ep, target: TargetSpec, *, rows_hint: int | None = None) -> tvm.IRModule:
+    """ExportedProgram -> Relax IRModule with one function `main`; weights stay parameters
+    (`keep_params_as_input`), in the program's parameter order."""
+    from tvm.relax.frontend.torch import from_exported_program
+    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+
+    ctx = Lowering(target, rows_hint)
+    convert = ExportedProgramImporter._convert_pytorch_tensor_to_tvm
+
+    def no_weight_copies(t):
+        """Weights are captured as storage-less placeholders (`Model.placeholder`): keep them
+        out of the module (the importer would copy every parameter into an attribute)."""
+        if t.numel() > 1 and all(st == 0 for st in t.stride()):
+            return tvm.runtime.empty((0,), str(t.dtype).replace("torch.", ""))
+        return convert(t)
+
+    ExportedProgramImporter._convert_pytorch_tensor_to_tvm = staticmethod(no_weight_copies)
+    try:
+        mod = from_exported_program(ep, keep_params_as_input=True, run_ep_decomposition=False,
+                                    unwrap_unit_return_tuple=False,
+                                    custom_convert_map=convert_map(ctx))
+    finally:
+        ExportedProgramImporter._convert_pytorch_tensor_to_tvm = staticmethod(convert)
+    # The export's dim ranges (up to 1M tokens, 2M context, batch 64) would make Relax plan
+    # every buffer statically at its upper bound; without them buffers are sized per call.
+    main = mod["main"]
+    for attr in ("tir_var_upper_bound", "tir_var_lower_bound"):
+        if main.attrs and attr in main.attrs:
+            main = main.without_attr(attr)
+    mod["main"] = main
+    return mod

@@ -1,0 +1,130 @@
+"""The phase functions over a compiled artifact: the host half of each phase (validation, Engram
+hashing, RoPE tables, capacity) from `dsv41.graph.phases`, the graph half from the artifact's
+entries. Same signatures and results as the graph's phases, so the two can be compared anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.compiler.capture import entry_inputs, load_cache_tensors, selection_keys
+from dsv41.graph.cache import ModelCache
+from dsv41.graph.dspark import Draft
+from dsv41.graph.engram import empty_history, engram_history_after
+from dsv41.graph.model import Model
+from dsv41.graph.phases import PhaseResult, _chunk, check_tokens
+
+from .artifact import Artifact
+
+
+class CompiledPhases:
+    def __init__(self, artifact: Artifact, model: Model):
+        artifact.bind(model)
+        self.art, self.model = artifact, model
+        self.plan = model.plan
+
+    def _run(self, entry: str, cache: ModelCache, x, **kw) -> dict[str, torch.Tensor]:
+        out = self.art.call(entry, entry_inputs(self.model, cache, entry, x, **kw))
+        names = self.art.manifest["entries"][entry]["outputs"]
+        named = dict(zip(names, out, strict=True))
+        if entry != "draft":
+            load_cache_tensors(cache, [named[n] for n in self.art.manifest["entries"][entry]
+                                       ["cache"]])
+        return named
+
+    def _work(self, layers, n: int) -> dict[int, int]:
+        return {lay: n for lay in layers}
+
+    def _check(self, model: Model) -> None:
+        if model is not self.model:
+            raise ValueError("These compiled phases are bound to another model's weights.")
+
+    def prefill_exact(self, model: Model, cache: ModelCache, tokens, *,
+                      all_logits: bool = False, record=()) -> PhaseResult:
+        del record  # hidden states are a graph-only diagnostic
+        self._check(model)
+        tokens = check_tokens(self.model, tokens)
+        chunk = _chunk(self.model, cache, tokens)
+        entry = "prefill_all" if all_logits else "prefill"
+        if tokens.size(1) == 1 and not all_logits and "decode" in self.art.entries:
+            entry = "decode"
+        named = self._run(entry, cache, tokens, start=chunk.start, hash_ids=chunk.hash_ids)
+        cache.pos = chunk.end
+        sel = {k: named[f"sel.{k}"] for k in selection_keys(self.plan) if f"sel.{k}" in named}
+        return PhaseResult(named["logits"], self._work(range(self.model.args.n_layers),
+                                                       tokens.size(1)), selections=sel)
+
+    def decode_step(self, model: Model, cache: ModelCache, tokens, *,
+                    draft: bool = False) -> PhaseResult:
+        tokens = check_tokens(self.model, tokens)
+        if tokens.size(1) != 1:
+            raise ValueError(f"decode_step takes one token per sequence, got {tokens.size(1)}.")
+        res = self.prefill_exact(model, cache, tokens)
+        if draft:
+            nxt = res.logits[:, -1].argmax(dim=-1)
+            named = self._run("draft", cache, nxt, start=cache.pos)
+            res.draft = Draft(named["draft_ids"], named["draft_logits"], named["confidence"])
+        return res
+
+    def _encode(self, cache: ModelCache, tokens, *, replay_from=None):
+        entry = "encoder" if replay_from is None else "encoder_replay"
+        floor = replay_from
+        start = replay_from if entry == "encoder_replay" else None
+        chunk = _chunk(self.model, cache, tokens, start=start, floor=floor)
+        named = self._run(entry, cache, tokens, start=chunk.start, floor=chunk.floor,
+                          hash_ids=chunk.hash_ids)
+        return named["h"], named["pre"], chunk
+
+    def _decode_replay(self, cache: ModelCache, h, pre, ids, start, all_logits: bool):
+        n = min(h.size(1), self.model.args.window_size)
+        first = start + h.size(1) - n
+        named = self._run("decoder", cache, (h[:, -n:], pre[:, -n:]), start=first, floor=first,
+                          hash_ids=None if ids is None else ids[:, -n:])
+        logits = named["logits"] if all_logits else named["logits"][:, -1:]
+        return logits, n
+
+    def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
+                    all_logits: bool = False, record=()) -> PhaseResult:
+        del record
+        self._check(model)
+        tokens = check_tokens(self.model, tokens)
+        h, pre, chunk = self._encode(cache, tokens)
+        cache.pos = chunk.end
+        logits, n = self._decode_replay(cache, h, pre, chunk.hash_ids, chunk.start, all_logits)
+        d = self.plan.decoder_start
+        work = {**self._work(range(d), tokens.size(1)),
+                **self._work(range(d, self.model.args.n_layers), n)}
+        return PhaseResult(logits, work)
+
+    def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
+                       all_logits: bool = False) -> PhaseResult:
+        """Snapshot miss: encoder bounded replay, then decoder bounded replay."""
+        self._check(model)
+        m = self.model
+        prefix, suffix = check_tokens(m, prefix), check_tokens(m, suffix)
+        big = int(cache.pos.max())
+        if prefix.size(1) != big or bool((cache.pos != big).any()):
+            raise ValueError(f"replay_prefill needs every sequence's cache at the prefix length "
+                             f"{prefix.size(1)}; the cache holds {cache.pos.tolist()} tokens.")
+        n = min(m.args.window_size, prefix.size(1))
+        first = cache.pos - n
+        for st in cache.stores.values():
+            if st.tail_kv is not None:
+                st.tail_kv = torch.zeros_like(st.tail_kv)
+                st.tail_score = torch.full_like(st.tail_score, float("-inf"))
+        if m.engram is not None:
+            lookback = prefix[:, : prefix.size(1) - n][:, -(m.engram.max_ngram - 1):]
+            cache.engram_history = engram_history_after(
+                m.engram, empty_history(m.engram, cache.batch), lookback.numpy())
+        h1, p1, c1 = self._encode(cache, prefix[:, -n:], replay_from=first)
+        chunk = _chunk(m, cache, suffix, floor=first)
+        named = self._run("encoder", cache, suffix, start=chunk.start, floor=chunk.floor,
+                          hash_ids=chunk.hash_ids)
+        cache.pos = chunk.end
+        h, pre = torch.cat([h1, named["h"]], 1), torch.cat([p1, named["pre"]], 1)
+        ids = None if chunk.hash_ids is None else torch.cat([c1.hash_ids, chunk.hash_ids], 1)
+        logits, nd = self._decode_replay(cache, h, pre, ids, first, all_logits)
+        d = self.plan.decoder_start
+        work = {**self._work(range(d), h.size(1)),
+                **self._work(range(d, m.args.n_layers), nd)}
+        return PhaseResult(logits, work)

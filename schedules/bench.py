@@ -1,0 +1,726 @@
+"""`dsv41 bench kernels`: time each TIR kernel against its PyTorch oracle, on a roofline.
+
+For every case the harness measures three implementations of one op on the same inputs:
+
+* `kernel`:  the TVM kernel from `schedules/`, compiled once per static configuration and called
+             through its packed function on zero-copy DLPack views (host-side index checks and
+             tensor conversion are not timed);
+* `eager`:   the registered oracle `torch.ops.dsv41.<op>` (graph/ops.py) in eager mode;
+* `compile`: `torch.compile` (defaults, dynamo reset per case) of the oracle's plain Python body.
+             The registered custom op itself is opaque to Inductor (torch.compile of it runs the
+             eager body, so it would measure eager again); the note column says so.
+
+and puts the kernel on this machine's roofline: the memory bandwidth (best streaming copy/triad)
+and the fp32 GEMM rate (torch.mm) are measured first, and each case states its compulsory bytes
+and FLOPs (formulas in `FORMULAS` and in the `*_traffic` functions). The TIR kernels compute in
+fp32, so fp32 GEMM is the compute roof they are held to.
+
+Timing: up to `repeat` samples after a warm-up, each sample a loop long enough (>= ~10 ms) to
+hide the timer; a measurement stops early at its time budget, and a call slower than the budget
+is timed once (the 1M-entry oracle sweep takes ~10 s). Rows report the median (or, with
+stat="min", the fastest sample: on a machine shared with other processes torch's eager ops, many
+small OpenMP regions each waiting for a descheduled thread, vary by 10-100x; the TIR kernels,
+one parallel region each, much less). The JSON keeps both.
+
+Inputs stay the same across samples, so the caches are warm: with a 300 MB L3 a working set
+below it can beat the DRAM roofline (ratio < 1), which the table shows rather than hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SCHEMA = "dsv41.bench.kernels/1"
+FAMILIES = ("attend", "indexer", "fp8", "moe")
+COMPILE_NOTE = ("torch.compile (defaults, dynamo reset per case) of the oracle's plain Python "
+                "body; the registered custom op is opaque to Inductor (compiling it times eager)")
+MIN_SAMPLE_S = 0.01  # a timed sample repeats the call until it lasts at least this long
+
+ROW_FIELDS = {
+    "bytes, flops": "the case's compulsory traffic and work (FORMULAS)",
+    "kernel_s, eager_s, compile_s": "seconds per call (settings.stat of the samples): TVM "
+                                    "kernel, eager oracle, torch.compile'd oracle body (None "
+                                    "when skipped)",
+    "min_s, median_s": "the fastest and the median sample of each",
+    "gbs, gflops": "bytes / kernel_s, flops / kernel_s (in 1e9 per second)",
+    "frac_bw, frac_peak": "gbs / machine bandwidth_gbs, gflops / machine gemm_gflops",
+    "roofline_s, bound": "max(bytes / bandwidth, flops / gemm peak) and which term is larger",
+    "roofline_ratio": "kernel_s / roofline_s",
+    "speedup_eager, speedup_compile": "eager_s / kernel_s, compile_s / kernel_s",
+    "tvm_compile_s": "seconds to schedule + build the kernel (shared by the cases of one static "
+                     "configuration)",
+    "torch_compile_s": "seconds of the first torch.compile'd call (compilation + one run)",
+    "equal_fraction, max_abs_diff": "kernel output vs the eager oracle's on the timed inputs",
+}
+
+FORMULAS = {
+    "attend": "bytes = 2*b*s*h*d (q) + 2*b*s*h*d (out) + 4*h (sink) + 4*b*s*(w+k) (indices) + "
+              "b*s*(w*(d + d/32) + k*(d/2 + d/16)) (gathered FP8 window + FP4 global entries, "
+              "per query); flops = 4*b*s*h*d*(w+k) (QK and PV multiply-adds)",
+    "indexer": "bytes = b*T*(D/2 + D/32) (MXFP4 keys) + 2*b*s*H*D (q) + 2*b*s*H (weights) + "
+               "8*b*s (lens) + 4*b*s*topk (positions); the bf16 score row the sweep writes and "
+               "the select re-reads is an intermediate, not counted; flops = b*s*T*(2*H*D + "
+               "3*H) (dots, relu, weight, head sum; the top-k select counts no flops)",
+    "fp8": "bytes = 2*m*k (x) + n*k (E4M3 weight) + ceil(n/32)*k/32 (scales) + 2*m*n (y); "
+           "flops = 2*m*n*k",
+    "moe": "bytes = u*(2*inter*(dim/2 + dim/32) + dim*(inter/2 + inter/32)) (the u distinct "
+           "routed experts' FP4 w1, w3, w2 + scales) + 2*n*dim (x) + 12*n*topk (weights, ids) + "
+           "4*n*dim (y); flops = 6*n*topk*dim*inter (three GEMMs per routed token)",
+}
+
+
+# ---- the machine -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the roofline is drawn from. bandwidth_gbs = max(copy, triad); gemm_gflops = the best
+    torch.mm fp32 rate; theoretical_gflops = cores x clock x fp32 FLOPs per cycle (None without
+    a clock)."""
+
+    cpu: str
+    cores: int
+    torch_threads: int
+    tvm_threads: str  # TVM_NUM_THREADS, or "default" (TVM's pool sizes itself to the cores)
+    copy_gbs: float
+    triad_gbs: float
+    bandwidth_gbs: float
+    stream_mib: float  # size of one streamed array
+    gemm_gflops: float
+    gemm_size: int
+    clock_ghz: float | None
+    clock_source: str
+    flops_per_cycle: int | None
+    theoretical_gflops: float | None
+    load_avg_start: tuple[float, float, float]
+    notes: tuple[str, ...] = ()
+
+
+def _best_time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_bandwidth(n_bytes: int, reps: int = 5) -> tuple[float, float]:
+    """(copy, triad) GB/s, best of `reps`, multi-threaded torch ops over float32 arrays of
+    n_bytes each. Bytes counted: copy 2 x n_bytes (read + write), triad 3 x n_bytes; the
+    write-allocate read is not counted (STREAM's convention)."""
+    n = n_bytes // 4
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    t_copy = _best_time(lambda: a.copy_(b), reps)
+    t_triad = _best_time(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
+    return 2 * 4 * n / t_copy / 1e9, 3 * 4 * n / t_triad / 1e9
+
+
+def measure_gemm(size: int, reps: int = 5) -> float:
+    """fp32 GFLOP/s of torch.mm at size x size x size, best of `reps`."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g)
+    b = torch.randn(size, size, generator=g)
+    out = torch.empty(size, size)
+    t = _best_time(lambda: torch.mm(a, b, out=out), reps)
+    return 2 * size**3 / t / 1e9
+
+
+def _cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
+    """(model name, flags, clock GHz, where the clock came from): lscpu's max MHz when given,
+    else /proc/cpuinfo's current MHz (a VM often reports only that)."""
+    model, flags, ghz, source = platform.processor() or platform.machine(), set(), None, "none"
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        lscpu = ""
+    for line in lscpu.splitlines():
+        key, _, val = line.partition(":")
+        key, val = key.strip(), val.strip()
+        if key == "Model name":
+            model = val
+        elif key == "Flags":
+            flags = set(val.split())
+        elif key == "CPU max MHz" and val:
+            ghz, source = float(val) / 1000, "lscpu CPU max MHz"
+    if ghz is None and Path("/proc/cpuinfo").exists():
+        m = re.search(r"^cpu MHz\s*:\s*([\d.]+)", Path("/proc/cpuinfo").read_text(), re.M)
+        if m:
+            ghz, source = float(m.group(1)) / 1000, "/proc/cpuinfo cpu MHz"
+    return model, flags, ghz, source
+
+
+def measure_machine(*, quick: bool = False) -> Machine:
+    """Bandwidth and compute peak of this machine as the kernels see it (all cores)."""
+    load = os.getloadavg()
+    stream = (32 << 20) if quick else (512 << 20)
+    copy, triad = measure_bandwidth(stream, reps=3 if quick else 5)
+    size = 512 if quick else 2048
+    gflops = measure_gemm(size, reps=3 if quick else 5)
+    model, flags, ghz, source = _cpu_flags_and_clock()
+    cores = os.cpu_count() or 1
+    # two FMA ports x 16 (AVX-512) or 8 (AVX2) fp32 lanes x 2 FLOPs; an assumption about the
+    # core (true for Xeon Gold/Platinum since Skylake-SP), stated in the notes
+    per_cycle = 64 if "avx512f" in flags else 32 if "fma" in flags else None
+    theo = cores * ghz * per_cycle if ghz and per_cycle else None
+    notes = []
+    if per_cycle:
+        notes.append(f"theoretical peak assumes 2 FMA ports x {per_cycle // 4} fp32 lanes")
+    if quick:
+        notes.append("quick: 32 MiB streams may sit in cache; bandwidth is not DRAM's")
+    return Machine(cpu=model, cores=cores, torch_threads=torch.get_num_threads(),
+                   tvm_threads=os.environ.get("TVM_NUM_THREADS", "default"), copy_gbs=copy,
+                   triad_gbs=triad, bandwidth_gbs=max(copy, triad), stream_mib=stream / 2**20,
+                   gemm_gflops=gflops, gemm_size=size, clock_ghz=ghz, clock_source=source,
+                   flops_per_cycle=per_cycle, theoretical_gflops=theo, load_avg_start=load,
+                   notes=tuple(notes))
+
+
+# ---- timing --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_s: float
+    min_s: float  # the fastest sample: less disturbed by other processes than the median
+    samples: int  # timed samples (each the mean of `number` calls)
+    number: int  # calls per sample
+
+
+def time_call(fn: Callable[[], object], *, repeat: int, budget_s: float,
+              warmed: bool = False) -> Timing:
+    """Median time of one call of fn. A warm-up call first (the first call of a kernel or op can
+    be far slower: thread pools, lazy init), unless the caller has just run fn (warmed=True);
+    then one timed call sizes the samples, and a call slower than the budget is the only
+    sample (the slow oracles are timed once)."""
+    if not warmed:
+        fn()
+    t0 = time.perf_counter()
+    fn()
+    first_s = time.perf_counter() - t0
+    if first_s >= budget_s or repeat == 1:
+        return Timing(first_s, first_s, 1, 1)
+    number = max(1, min(10_000, int(MIN_SAMPLE_S / max(first_s, 1e-9))))
+    samples: list[float] = []
+    spent = 0.0
+    while len(samples) < repeat and (not samples or spent < budget_s):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        dt = time.perf_counter() - t0
+        samples.append(dt / number)
+        spent += dt
+    return Timing(statistics.median(samples), min(samples), len(samples), number)
+
+
+# ---- cases ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark point. `static` are the dims a kernel is compiled for (one compilation
+    serves every case with the same family and static dims); `dims` the call's own sizes."""
+
+    name: str
+    family: str
+    static: tuple[tuple[str, object], ...]
+    dims: tuple[tuple[str, object], ...]
+
+    def d(self) -> dict:
+        return {**dict(self.static), **dict(self.dims)}
+
+
+def _pow2_label(n: int) -> str:
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Case]:
+    """The issue-4 cases at the preset's real sizes; `quick` uses tiny fixed sizes instead (a
+    smoke run of the whole harness in seconds, not a measurement)."""
+    from dsv41.graph.config import preset
+
+    a = preset(preset_name)
+    if quick:
+        attn = dict(h=4, d=64, w=16, k=32)
+        idx = dict(heads=4, dim=64, topk=16)
+        lin = dict(n=256, k=128)
+        moe = dict(dim=128, inter=64, n_experts=4, topk=2, swiglu_limit=a.swiglu_limit)
+        attend_s, index_t, lin_m, moe_n = (1, 2), (1024, 4096), (1, 8), (1, 8)
+    else:
+        attn = dict(h=a.n_heads, d=a.head_dim, w=a.window_size, k=a.index_topk)
+        idx = dict(heads=a.index_n_heads, dim=a.index_head_dim, topk=a.index_topk)
+        # wq_b: the q low-rank up-projection, the widest dense weight of a layer
+        lin = dict(n=a.n_heads * a.head_dim, k=a.q_lora_rank)
+        moe = dict(dim=a.dim, inter=a.moe_inter_dim, n_experts=a.n_routed_experts,
+                   topk=a.n_activated_experts, swiglu_limit=a.swiglu_limit)
+        attend_s, index_t, lin_m, moe_n = (1, 2, 4), (1 << 13, 1 << 16, 1 << 18, 1 << 20), \
+            (1, 128), (1, 128)
+    cases = [Case(f"attend-s{s}", "attend", tuple(attn.items()), (("b", 1), ("s", s)))
+             for s in attend_s]
+    cases += [Case(f"indexer-{_pow2_label(t)}", "indexer", tuple(idx.items()),
+                   (("b", 1), ("s", 1), ("t", t))) for t in index_t]
+    cases += [Case(f"fp8-{'gemv' if m == 1 else 'gemm'}-m{m}", "fp8",
+                   (*lin.items(), ("hint", m)), (("m", m),)) for m in lin_m]
+    cases += [Case(f"moe-n{n}", "moe", (*moe.items(), ("hint", n)), (("n", n),)) for n in moe_n]
+    return cases
+
+
+def select_cases(cases: list[Case], wanted: Sequence[str] | None) -> list[Case]:
+    """Cases whose name or family is in `wanted` (all for None); unknown names are an error."""
+    if not wanted:
+        return list(cases)
+    known = {c.name for c in cases} | {c.family for c in cases}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise ValueError(f"Unknown case(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(sorted(known))}.")
+    return [c for c in cases if c.name in wanted or c.family in wanted]
+
+
+# ---- per-family: inputs, traffic, kernel runner, oracle --------------------------------------
+
+
+def _tvm_view(x: torch.Tensor):
+    import tvm
+
+    return tvm.runtime.from_dlpack(x.contiguous())
+
+
+@dataclass
+class Prepared:
+    """Everything one case needs to run: the three callables over one set of inputs, the output
+    the kernel writes (a torch tensor shared with TVM), and the case's traffic."""
+
+    kernel: Callable[[], None]
+    kernel_out: torch.Tensor
+    eager: Callable[[], torch.Tensor]
+    body: Callable[..., torch.Tensor]  # the oracle's plain body (compiled by torch.compile)
+    body_args: tuple
+    bytes: int
+    flops: int
+    compile_note: str
+    extra: dict = field(default_factory=dict)
+
+
+def attend_traffic(*, b, s, h, d, w, k, **_) -> tuple[int, int]:
+    gathered = w * (d + d // 32) + k * (d // 2 + d // 16)
+    return (4 * b * s * h * d + 4 * h + 4 * b * s * (w + k) + b * s * gathered,
+            4 * b * s * h * d * (w + k))
+
+
+def indexer_traffic(*, b, s, heads, dim, t, topk, **_) -> tuple[int, int]:
+    return (b * t * (dim // 2 + dim // 32) + 2 * b * s * heads * dim + 2 * b * s * heads
+            + 8 * b * s + 4 * b * s * topk,
+            b * s * t * (2 * heads * dim + 3 * heads))
+
+
+def fp8_traffic(*, m, n, k, **_) -> tuple[int, int]:
+    return 2 * m * k + n * k + math.ceil(n / 32) * (k // 32) + 2 * m * n, 2 * m * n * k
+
+
+def moe_traffic(*, n, dim, inter, topk, experts_used, **_) -> tuple[int, int]:
+    per_expert = 2 * inter * (dim // 2 + dim // 32) + dim * (inter // 2 + inter // 32)
+    return (experts_used * per_expert + 2 * n * dim + 12 * n * topk + 4 * n * dim,
+            6 * n * topk * dim * inter)
+
+
+@functools.cache
+def compile_kernel(family: str, target_name: str, static: tuple) -> tuple[object, float]:
+    """(executable, seconds to schedule + compile) for one family at its static dims."""
+    import tvm
+
+    from dsv41.schedules import attention, gemm, indexer
+    from dsv41.schedules.common import get_target
+
+    kw = dict(static)
+    t0 = time.perf_counter()
+    if family == "attend":
+        func = attention.build_sparse_attend(target_name, **kw, softmax_scale=kw["d"] ** -0.5)
+    elif family == "indexer":
+        func = indexer.build_indexer_topk(target_name, **kw)
+    elif family == "fp8":
+        func = gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"])
+    elif family == "moe":
+        hint = kw.pop("hint")
+        func = gemm.build_moe_experts(target_name, **kw, n=hint)
+    else:
+        raise AssertionError(f"unknown family {family}")
+    ex = tvm.compile(func, target=get_target(target_name).tvm_target())
+    return ex, time.perf_counter() - t0
+
+
+def _body(op) -> tuple[Callable, str]:
+    """(function torch.compile gets, note): the plain Python body of a registered custom op,
+    which Inductor can see into; the op itself only where its body is not reachable."""
+    fn = getattr(op, "_init_fn", None)
+    if fn is None:
+        return op, "compile: the custom op itself (opaque to Inductor: runs its eager body)"
+    return fn, ""  # the usual case, stated once in the legend and the JSON settings
+
+
+def _body_args(op, args: tuple, nbytes: int, flops: int) -> tuple:
+    """Prepared's (body, body_args, bytes, flops, compile_note) fields for `op`."""
+    fn, note = _body(op)
+    return fn, args, nbytes, flops, note
+
+
+def prepare(case: Case, ex) -> Prepared:
+    """Inputs at the case's sizes and the three callables over them."""
+    from dsv41.graph import ops
+    from dsv41.schedules import attention, gemm, indexer
+
+    d = case.d()
+    if case.family == "attend":
+        inputs = attention.example_inputs_sparse_attend(b=d["b"], s=d["s"], h=d["h"], d=d["d"],
+                                                        w=d["w"], k=d["k"])
+        attention.check_sparse_attend_indices(inputs[3], inputs[1].shape[1], inputs[6],
+                                              inputs[4].shape[1])
+        scale = d["d"] ** -0.5
+        out = torch.empty(d["b"], d["s"], d["h"], d["d"], dtype=torch.bfloat16)
+        args = [_tvm_view(x) for x in (*inputs, out)]
+        nbytes, flops = attend_traffic(**d)
+        return Prepared(lambda: ex(*args), out, lambda: ops.sparse_attend(*inputs, scale),
+                        *_body_args(ops.sparse_attend, (*inputs, scale), nbytes, flops))
+    if case.family == "indexer":
+        q, kp, ks, w, lens = indexer.example_inputs_indexer_topk(
+            b=d["b"], s=d["s"], heads=d["heads"], dim=d["dim"], t=d["t"])
+        scores = torch.empty(d["b"], d["s"], indexer.padded(d["t"]), dtype=torch.bfloat16)
+        out = torch.empty(d["b"], d["s"], d["topk"], dtype=torch.int32)
+        args = [_tvm_view(x) for x in (q, kp, ks, w, lens)]
+        scores_v, out_v = _tvm_view(scores), _tvm_view(out)
+        sweep, select = ex["index_scores"], ex["select_positions"]
+
+        def kernel():
+            sweep(*args, scores_v)
+            select(scores_v, out_v)
+
+        nbytes, flops = indexer_traffic(**d)
+        topk = d["topk"]
+        return Prepared(kernel, out, lambda: ops.indexer_topk(q, kp, ks, w, lens, topk),
+                        *_body_args(ops.indexer_topk, (q, kp, ks, w, lens, topk), nbytes,
+                                    flops))
+    if case.family == "fp8":
+        x, wt, sc = gemm.example_inputs_fp8_linear(m=d["m"], n=d["n"], k=d["k"])
+        out = torch.empty(d["m"], d["n"], dtype=torch.bfloat16)
+        args = [_tvm_view(t) for t in (x, wt, sc, out)]
+        nbytes, flops = fp8_traffic(**d)
+        return Prepared(lambda: ex(*args), out, lambda: ops.fp8_linear(x, wt, sc),
+                        *_body_args(ops.fp8_linear, (x, wt, sc), nbytes, flops))
+    if case.family == "moe":
+        inputs = gemm.example_inputs_moe_experts(n=d["n"], dim=d["dim"], inter=d["inter"],
+                                                 n_experts=d["n_experts"], topk=d["topk"])
+        gemm.check_expert_ids(inputs[2], d["n_experts"])
+        limit = d["swiglu_limit"]
+        out = torch.empty(d["n"], d["dim"], dtype=torch.float32)
+        args = [_tvm_view(t) for t in (*inputs, out)]
+        used = int(torch.unique(inputs[2]).numel())
+        nbytes, flops = moe_traffic(**d, experts_used=used)
+        return Prepared(lambda: ex(*args), out, lambda: ops.moe_experts(*inputs, limit),
+                        *_body_args(ops.moe_experts, (*inputs, limit), nbytes, flops),
+                        {"experts_used": used})
+    raise AssertionError(f"unknown family {case.family}")
+
+
+def _agreement(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(fraction of elements equal, max |got - ref|) of the kernel against eager."""
+    equal = float((got == ref).float().mean()) if got.numel() else 1.0
+    diff = (got.double() - ref.double()).abs()
+    return equal, float(diff.max()) if diff.numel() else 0.0
+
+
+# ---- one case ------------------------------------------------------------------------------------
+
+
+def run_case(case: Case, *, target_name: str, machine: Machine, repeat: int, budget_s: float,
+             use_compile: bool, stat: str = "median",
+             status: Callable[[str], None] = lambda _: None) -> dict:
+    """Time one case and put it on the machine's roofline; returns a JSON-ready row. `stat`
+    ("median" or "min") is the statistic of the samples that the row's times report."""
+    status(f"{case.name}: compiling TVM kernel")
+    ex, tvm_compile_s = compile_kernel(case.family, target_name, case.static)
+    prep = prepare(case, ex)
+    notes = []
+
+    status(f"{case.name}: timing kernel")
+    t_kernel = time_call(prep.kernel, repeat=repeat, budget_s=budget_s)
+    kernel_out = prep.kernel_out.clone()
+
+    status(f"{case.name}: timing eager oracle")
+    ref = prep.eager()  # the warm-up call, and the reference the kernel is checked against
+    t_eager = time_call(prep.eager, repeat=repeat, budget_s=budget_s, warmed=True)
+    equal, max_err = _agreement(kernel_out, ref)
+
+    t_comp, compile_s = None, None
+    if use_compile:
+        status(f"{case.name}: torch.compile")
+        torch._dynamo.reset()  # every case compiles afresh for its own shapes
+        compiled = torch.compile(prep.body)
+        try:
+            t0 = time.perf_counter()
+            compiled(*prep.body_args)  # compiles, then runs once (the warm-up)
+            compile_s = time.perf_counter() - t0
+            status(f"{case.name}: timing torch.compile")
+            t_comp = time_call(lambda: compiled(*prep.body_args), repeat=repeat,
+                               budget_s=budget_s, warmed=True)
+            if prep.compile_note:
+                notes.append(prep.compile_note)
+        except Exception as e:  # noqa: BLE001 - report any compiler failure, keep benchmarking
+            notes.append(f"torch.compile failed: {type(e).__name__}: {str(e)[:120]}")
+        finally:
+            torch._dynamo.reset()
+    if t_eager.samples == 1:
+        notes.append("eager timed once (slow)")
+    if equal < 1.0:
+        notes.append(f"{equal:.2%} of outputs equal eager (max |diff| {max_err:.3g})")
+
+    def pick(t: Timing | None) -> float | None:
+        return None if t is None else t.median_s if stat == "median" else t.min_s
+
+    k, t_e, t_c = pick(t_kernel), pick(t_eager), pick(t_comp)
+    roof_bw, roof_fl = prep.bytes / (machine.bandwidth_gbs * 1e9), \
+        prep.flops / (machine.gemm_gflops * 1e9)
+    roofline_s = max(roof_bw, roof_fl)
+    row = {
+        "case": case.name,
+        "family": case.family,
+        "dims": case.d(),
+        "bytes": prep.bytes,
+        "flops": prep.flops,
+        "kernel_s": k,
+        "eager_s": t_e,
+        "compile_s": t_c,
+        "gbs": prep.bytes / k / 1e9,
+        "gflops": prep.flops / k / 1e9,
+        "frac_bw": prep.bytes / k / 1e9 / machine.bandwidth_gbs,
+        "frac_peak": prep.flops / k / 1e9 / machine.gemm_gflops,
+        "roofline_s": roofline_s,
+        "bound": "memory" if roof_bw >= roof_fl else "compute",
+        "roofline_ratio": k / roofline_s,
+        "speedup_eager": t_e / k,
+        "speedup_compile": t_c / k if t_comp else None,
+        "min_s": {"kernel": t_kernel.min_s, "eager": t_eager.min_s,
+                  "compile": t_comp.min_s if t_comp else None},
+        "median_s": {"kernel": t_kernel.median_s, "eager": t_eager.median_s,
+                     "compile": t_comp.median_s if t_comp else None},
+        "samples": {"kernel": t_kernel.samples, "eager": t_eager.samples,
+                    "compile": t_comp.samples if t_comp else 0},
+        "tvm_compile_s": tvm_compile_s,  # shared by the cases of one static configuration
+        "torch_compile_s": compile_s,
+        "equal_fraction": equal,
+        "max_abs_diff": max_err,
+        "note": "; ".join(notes),
+        **prep.extra,
+    }
+    return row
+
+
+# ---- the whole benchmark ------------------------------------------------------------------------
+
+
+def check_target(target_name: str) -> None:
+    """Only the CPU is measured by this harness; a CUDA target is a clear error."""
+    from dsv41.schedules.common import get_target
+
+    target = get_target(target_name)  # ValueError for an unknown name
+    if target.is_cuda:
+        import tvm
+
+        why = ("this machine has no CUDA GPU" if not tvm.cuda().exist
+               else "GPU timing is not implemented in this harness yet")
+        raise ValueError(f"Measuring target {target_name} needs a CUDA GPU and a GPU timing "
+                         f"path; {why}. Use --target cpu here, or build the CUDA kernels with "
+                         "schedules.cuda_build and time them on a GPU machine.")
+
+
+def run_benchmark(preset_name: str = "bench", target_name: str = "cpu",
+                  cases: Sequence[str] | None = None, repeat: int = 20, *, quick: bool = False,
+                  use_compile: bool = True, budget_s: float | None = None,
+                  stat: str = "median", progress: bool = True) -> dict:
+    """Measure the machine and run the selected cases; returns the JSON report (schema,
+    settings, machine, formulas, rows)."""
+    from tqdm import tqdm
+
+    check_target(target_name)
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1; got {repeat}.")
+    budget_s = budget_s if budget_s is not None else (0.3 if quick else 1.5)
+    if stat not in ("median", "min"):
+        raise ValueError(f"stat must be median or min; got {stat!r}.")
+    if budget_s <= 0:
+        raise ValueError(f"budget must be positive; got {budget_s}.")
+    chosen = select_cases(default_cases(preset_name, quick=quick), cases)
+    t_start = time.perf_counter()
+    machine = measure_machine(quick=quick)
+    rows = []
+    bar = tqdm(chosen, desc="bench kernels", unit="case", disable=not progress,
+               file=sys.stderr)
+    for case in bar:
+        rows.append(run_case(case, target_name=target_name, machine=machine, repeat=repeat,
+                             budget_s=budget_s, use_compile=use_compile, stat=stat,
+                             status=bar.set_postfix_str))
+    bar.close()
+    return {
+        "schema": SCHEMA,
+        "preset": "quick (tiny fixed sizes)" if quick else preset_name,
+        "target": target_name,
+        "settings": {"repeat": repeat, "budget_s": budget_s, "quick": quick, "stat": stat,
+                     "torch_compile": use_compile, "torch_compile_of": COMPILE_NOTE,
+                     "min_sample_s": MIN_SAMPLE_S,
+                     "cache": "warm (inputs reused across samples)"},
+        "machine": dataclasses.asdict(machine),
+        "load_avg_end": list(os.getloadavg()),
+        "wall_s": time.perf_counter() - t_start,
+        "formulas": FORMULAS,
+        "row_fields": ROW_FIELDS,
+        "rows": rows,
+    }
+
+
+def bench_kernels(preset_name: str = "bench", target_name: str = "cpu",
+                  cases: Sequence[str] | None = None, repeat: int = 20,
+                  out_json: str | Path | None = None, **options) -> list[dict]:
+    """`run_benchmark`, writing its report to out_json; returns the rows. options: quick,
+    use_compile, budget_s, progress."""
+    report = run_benchmark(preset_name, target_name, cases, repeat, **options)
+    if out_json is not None:
+        write_report(report, out_json)
+    return report["rows"]
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+
+def _ms(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.3f}" if s < 0.1 else f"{s * 1e3:.1f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x" if v < 100 else f"{v:.0f}x"
+
+
+def format_machine(m: dict) -> str:
+    """The report's machine numbers (a `Machine` as a dict) in four lines or so."""
+    theo = (f", theoretical {m['theoretical_gflops']:.0f} GFLOP/s ({m['cores']} cores x "
+            f"{m['clock_ghz']:.2f} GHz [{m['clock_source']}] x {m['flops_per_cycle']} "
+            "FLOP/cycle)" if m["theoretical_gflops"] else "")
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, "
+             f"TVM threads {m['tvm_threads']}, load avg {m['load_avg_start'][0]:.2f}",
+             f"  bandwidth {m['bandwidth_gbs']:.1f} GB/s (copy {m['copy_gbs']:.1f}, triad "
+             f"{m['triad_gbs']:.1f}; {m['stream_mib']:.0f} MiB arrays)",
+             f"  fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s (torch.mm {m['gemm_size']}^3){theo}"]
+    lines += [f"  note: {n}" for n in m["notes"]]
+    return "\n".join(lines)
+
+
+LEGEND = (
+    "times: the samples' {stat} (JSON has min and median); compile = " + COMPILE_NOTE + ".\n"
+    "vs eager / vs compile: their time / the kernel's. %BW, %peak: achieved GB/s, GFLOP/s over "
+    "the measured bandwidth and fp32 GEMM rate; roof = max(bytes/BW, flops/peak), /roof = "
+    "kernel / roof (below 1: the working set is served from cache).")
+
+
+def format_table(rows: list[dict]) -> str:
+    """Aligned text: times in ms, rates, roofline and speedups, one row per case."""
+    head = ("case", "kernel ms", "eager ms", "compile ms", "vs eager", "vs compile", "GB/s",
+            "%BW", "GFLOP/s", "%peak", "roof ms", "bound", "/roof", "note")
+    body = [(r["case"], _ms(r["kernel_s"]), _ms(r["eager_s"]), _ms(r["compile_s"]),
+             _x(r["speedup_eager"]), _x(r["speedup_compile"]), f"{r['gbs']:.1f}",
+             f"{100 * r['frac_bw']:.0f}%", f"{r['gflops']:.1f}", f"{100 * r['frac_peak']:.0f}%",
+             _ms(r["roofline_s"]), r["bound"], f"{r['roofline_ratio']:.2f}", r["note"])
+            for r in rows]
+    widths = [max(len(str(x[i])) for x in (head, *body)) for i in range(len(head) - 1)]
+
+    def line(cells):
+        left = [str(cells[0]).ljust(widths[0])]
+        mid = [str(c).rjust(w) for c, w in zip(cells[1:-1], widths[1:], strict=True)]
+        return "  ".join(left + mid + [str(cells[-1])]).rstrip()
+
+    rule = "-" * (sum(widths) + 2 * (len(widths)))
+    return "\n".join([line(head), rule, *(line(r) for r in body)])
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dsv41 bench kernels",
+        description="Time each TIR kernel against its PyTorch oracle (eager and torch.compile) "
+                    "on this machine's measured roofline.")
+    p.add_argument("--preset", default="bench", help="small | bench | full (sizes of the cases)")
+    p.add_argument("--target", default="cpu",
+                   help="cpu | cpu-x86-64 (CUDA targets need a GPU: refused here)")
+    p.add_argument("--cases", default=None,
+                   help="comma-separated case names or families (attend, indexer, fp8, moe)")
+    p.add_argument("--repeat", type=int, default=20, help="timed samples per measurement (max)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds per measurement before it stops early (default 1.5, quick "
+                        "0.3)")
+    p.add_argument("--json", default=None, help="write machine numbers + rows here")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, short probes: a smoke run of the harness, not a measurement")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    p.add_argument("--stat", default="median", choices=("median", "min"),
+                   help="statistic of the samples the table reports (min: least disturbed by "
+                        "other processes on a shared machine)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    wanted = [c.strip() for c in ns.cases.split(",") if c.strip()] if ns.cases else None
+    try:
+        if ns.list:
+            for c in select_cases(default_cases(ns.preset, quick=ns.quick), wanted):
+                print(f"{c.name:16s} {c.d()}")
+            return 0
+        print(f"bench kernels: preset {'quick (tiny sizes)' if ns.quick else ns.preset}, target "
+              f"{ns.target}, cases {ns.cases or 'all'}, repeat {ns.repeat}, stat {ns.stat}, "
+              f"torch.compile {'off' if ns.no_compile else 'on'}, json {ns.json or '-'}")
+        report = run_benchmark(ns.preset, ns.target, wanted, ns.repeat, quick=ns.quick,
+                               use_compile=not ns.no_compile, budget_s=ns.budget,
+                               stat=ns.stat)
+    except ValueError as e:
+        print(f"dsv41 bench kernels: error: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        write_report(report, ns.json)
+    print(format_machine(report["machine"]))
+    print(format_table(report["rows"]))
+    print(LEGEND.format(stat=report["settings"]["stat"]))
+    print(f"{len(report['rows'])} cases in {report['wall_s']:.0f} s; load avg at the end "
+          f"{report['load_avg_end'][0]:.2f} (other processes share these cores)"
+          + (f"; JSON -> {ns.json}" if ns.json else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""`moe_experts` as a chain of PrimFuncs whose intermediates the caller allocates (CPU and CUDA).
+
+The single-function kernel in gemm.py cannot target CUDA: its routing tables and per-pair
+activations are sized by the token count, and a CUDA kernel cannot allocate them. Here every
+token-sized buffer is an argument; Relax allocates them between the `call_tir`s that
+`moe_experts_plan` lists. The chain (n tokens, P = n * topk (token, slot) pairs, NT row tiles):
+
+1. `moe_route`     ids -> row_pair [P], token_rows [n, topk], tiles [NT, 3]. Serial and tiny (one
+                   thread on CUDA): counts pairs per expert, places them sorted by expert (stable),
+                   cuts each expert's run into tiles of `row_tile` rows (expert, first row, rows).
+2. `moe_qdq_x`     x bf16 [n, dim] -> xq fp32: FP8 quantise-dequantise per 32, once per token.
+3. `moe_gate_up`   per (tile, column block): gathered xq rows x decoded w1/w3 tiles, block-scaled
+                   fp32 accumulation, h = bf16(weight * swiglu(bf16(gate), bf16(up))) -> [P, inter].
+4. `moe_qdq_h`     h -> hq fp32 [P, inter] (the oracle's FP8 requantisation of the w2 input).
+5. `moe_down`      per (tile, column block): hq rows x decoded w2 tile -> o = bf16 [P, dim].
+6. `moe_combine`   y[i] = sum of token i's rows of o in expert-id order from 0, fp32 [n, dim].
+
+Numerics are those of gemm.make_moe_experts (see gemm.py's module docstring): activations
+carried as their exact dequantised fp32 value, 32-blocks added in K order times the weight
+scale, bf16 rounding where the oracle rounds. NT = ceil(P / row_tile) + min(P, E) bounds the
+tile count: each non-empty expert adds at most one partial tile, and at most min(P, E) experts
+are non-empty, so decode (P = topk) launches a handful of tiles, not E.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from . import gemm
+from .common import TargetSpec, get_target, round_bf16
+from .gemm import BLOCK, _e8m0, _f32, _fp4, _i64, _idx, _round_bf16, _silu_times
+
+# ---- shapes shared by the kernels and the plan ---------------------------------------------
+
+
+def _min(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    return tvm.tirx.min(a, b)
+
+
+def num_tiles(pairs, row_tile: int, n_experts: int):
+    """Upper bound on the row tiles for `pairs` routed pairs (int or int64 PrimExpr)."""
+    return (pairs + (row_tile - 1)) // row_tile + _min(pairs, n_experts)
+
+
+def _nt(p, RT, E):
+    """num_tiles inside TVMScript (p an int64 var, RT/E int64 immediates)."""
+    return (p + RT - _i64(1)) // RT + T.min(p, E)
+
+
+def _to_bf16(v):
+    """fp32 -> bf16 (RNE) on the bits. A plain Cast is legalised by duplicating its operand,
+    which breaks the vectoriser when the operand holds a `Let` (the SwiGLU epilogue does)."""
+    bits = T.reinterpret("uint32", _round_bf16(v)) >> T.uint32(16)
+    return T.reinterpret("bfloat16", T.Cast("uint16", bits))
+
+
+def _check_dims(dim: int, inter: int) -> None:
+    for what, v in (("dim", dim), ("inter", inter)):
+        if v % BLOCK:
+            raise ValueError(f"moe_experts needs {what} a multiple of {BLOCK}, got {v}.")
+
+
+# ---- 1. routing ----------------------------------------------------------------------------
+
+
+def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.PrimFunc:
+    """ids int64 [n, topk] -> row_pair int32 [P] (sorted row -> pair q = token * topk + slot),
+    token_rows int32 [n, topk] (token's sorted rows in expert-id order), tiles int32 [NT, 3]
+    (expert, first sorted row, row count; unused tiles all zero). Ids are validated on the host
+    (gemm.check_expert_ids): in range and distinct per token."""
+    E, KT, RT = _i64(n_experts), _i64(topk), _i64(row_tile)
+
+    @T.prim_func(s_tir=True)
+    def moe_route(ids_h: T.handle, row_pair_h: T.handle, token_rows_h: T.handle,
+                  tiles_h: T.handle):
+        T.func_attr({"global_symbol": "moe_route", "tirx.noalias": True})
+        n = T.int64()
+        ids = T.match_buffer(ids_h, (n, KT), "int64")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+        tiles = T.match_buffer(tiles_h, (_nt(n * KT, RT, E), _i64(3)), "int32")
+        for _u in T.serial(_i64(1)):
+            with T.sblock("route"):
+                T.reads(ids[0:n, 0:KT])
+                T.writes(row_pair[0:n * KT], token_rows[0:n, 0:KT],
+                         tiles[0:_nt(n * KT, RT, E), 0:3])
+                counts = T.sblock_alloc_buffer((E,), "int32", scope="local")
+                cursor = T.sblock_alloc_buffer((E,), "int32", scope="local")
+                run = T.sblock_alloc_buffer((_i64(2),), "int32", scope="local")
+                for e in range(E):
+                    counts[e] = 0
+                for q in range(n * KT):
+                    counts[ids[q // KT, q % KT]] += 1
+                run[0] = 0
+                for e in range(E):
+                    cursor[e] = run[0]
+                    run[0] += counts[e]
+                for q in range(n * KT):
+                    # place pair q at its expert's cursor; record it at its expert-order rank
+                    run[1] = 0
+                    for j2 in range(KT):
+                        if ids[q // KT, j2] < ids[q // KT, q % KT]:
+                            run[1] += 1
+                    row_pair[cursor[ids[q // KT, q % KT]]] = T.Cast("int32", q)
+                    token_rows[q // KT, T.Cast("int64", run[1])] = cursor[ids[q // KT, q % KT]]
+                    cursor[ids[q // KT, q % KT]] += 1
+                for t, c in T.grid(_nt(n * KT, RT, E), _i64(3)):
+                    tiles[t, c] = 0
+                run[0] = 0  # tiles written; cursor[e] is now the end of e's run
+                for e in range(E):
+                    for j in range((counts[e] + T.int32(row_tile - 1)) // T.int32(row_tile)):
+                        tiles[T.Cast("int64", run[0]), 0] = T.Cast("int32", e)
+                        tiles[T.Cast("int64", run[0]), 1] = cursor[e] - counts[e] + j * row_tile
+                        tiles[T.Cast("int64", run[0]), 2] = T.min(T.int32(row_tile),
+                                                                  counts[e] - j * row_tile)
+                        run[0] += 1
+
+    return moe_route
+
+
+# ---- 2./4. activation FP8 quantise-dequantise ------------------------------------------------
+
+
+def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
+    """a bf16 [m, k] -> fp32 [m, k]: the exact value e4m3(a / s) * s with the per-32 E8M0 scale
+    s of `formats.torch_quant_fp8` (what the oracle's `_act_quant` feeds its GEMM)."""
+    K, KB = _i64(k), _i64(k // BLOCK)
+
+    @T.prim_func(s_tir=True)
+    def qdq(a_h: T.handle, out_h: T.handle):
+        T.func_attr({"global_symbol": "qdq", "tirx.noalias": True})
+        m = T.int64()
+        a = T.match_buffer(a_h, (m, K), "bfloat16")
+        out = T.match_buffer(out_h, (m, K), "float32")
+        amax = T.sblock_alloc_buffer((m, KB), "float32")
+        for i, b, j in T.grid(m, KB, _i64(BLOCK)):
+            with T.sblock("amax"):
+                vi, vb, vj = T.axis.remap("SSR", [i, b, j])
+                with T.init():
+                    amax[vi, vb] = T.min_value("float32")
+                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(_f32(a[vi, vb * BLOCK + vj])))
+        for i, j in T.grid(m, K):
+            with T.sblock("xq"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                out[vi, vj] = gemm.fp8_qdq(_f32(a[vi, vj]),
+                                           gemm.pow2_scale_byte(amax[vi, vj // BLOCK]))
+
+    return qdq.with_attr("global_symbol", name)
+
+
+# ---- 3. gate/up GEMM + SwiGLU ----------------------------------------------------------------
+
+
+def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_limit: float,
+                     row_tile: int) -> tvm.tirx.PrimFunc:
+    """(xq fp32 [n, dim], weights fp32 [n, topk], row_pair [P], tiles [NT, 3], w1, s1, w3, s3)
+    -> h bf16 [P, inter] at sorted rows. Blocks: `xg` gathers a tile's activation rows (rows
+    past the tile read 0), `wdec` decodes the tile's w1 (c=0) / w3 (c=1) transposed, `part` is
+    the dot product inside one 32-block, `acc` adds blocks in K order times the E8M0 scale,
+    `h` is the SwiGLU epilogue."""
+    _check_dims(dim, inter)
+    D, I, E, KT, RT = _i64(dim), _i64(inter), _i64(n_experts), _i64(topk), _i64(row_tile)
+    DB, B = _i64(dim // BLOCK), _i64(BLOCK)
+
+    @T.prim_func(s_tir=True)
+    def moe_gate_up(xq_h: T.handle, weights_h: T.handle, row_pair_h: T.handle,
+                    tiles_h: T.handle,
+                    w1: T.Buffer((E, I, D // 2), "uint8"), s1: T.Buffer((E, I, DB), "uint8"),
+                    w3: T.Buffer((E, I, D // 2), "uint8"), s3: T.Buffer((E, I, DB), "uint8"),
+                    h_h: T.handle):
+        T.func_attr({"global_symbol": "moe_gate_up", "tirx.noalias": True})
+        n = T.int64()
+        xq = T.match_buffer(xq_h, (n, D), "float32")
+        weights = T.match_buffer(weights_h, (n, KT), "float32")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        tiles = T.match_buffer(tiles_h, (_nt(n * KT, RT, E), _i64(3)), "int32")
+        h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+        xg = T.sblock_alloc_buffer((_nt(n * KT, RT, E), RT, D), "float32")
+        wdec = T.sblock_alloc_buffer((_nt(n * KT, RT, E), 2, D, I), "float32")
+        part = T.sblock_alloc_buffer((_nt(n * KT, RT, E), RT, 2, I, DB), "float32")
+        acc = T.sblock_alloc_buffer((_nt(n * KT, RT, E), RT, 2, I), "float32")
+        for t, r, k in T.grid(_nt(n * KT, RT, E), RT, D):
+            with T.sblock("xg"):
+                vt, vr, vk = T.axis.remap("SSS", [t, r, k])
+                xg[vt, vr, vk] = T.if_then_else(
+                    T.Cast("int32", vr) < tiles[vt, 2],
+                    xq[_idx(row_pair[_idx(tiles[vt, 1], n * KT - vr) + vr], n * KT) // KT, vk],
+                    T.float32(0))
+        for t, c, k, a in T.grid(_nt(n * KT, RT, E), 2, D, I):
+            with T.sblock("wdec"):
+                vt, vc, vk, va = T.axis.remap("SSSS", [t, c, k, a])
+                if tiles[vt, 2] > 0:
+                    wdec[vt, vc, vk, va] = T.if_then_else(
+                        vc == 0, _fp4(w1[_idx(tiles[vt, 0], E), va, vk // 2], vk),
+                        _fp4(w3[_idx(tiles[vt, 0], E), va, vk // 2], vk))
+        for t, r, c, a, b, j in T.grid(_nt(n * KT, RT, E), RT, 2, I, DB, B):
+            with T.sblock("part"):
+                vt, vr, vc, va, vb, vj = T.axis.remap("SSSSSR", [t, r, c, a, b, j])
+                with T.init():
+                    part[vt, vr, vc, va, vb] = T.float32(0)
+                if T.Cast("int32", vr) < tiles[vt, 2]:
+                    part[vt, vr, vc, va, vb] = part[vt, vr, vc, va, vb] + xg[
+                        vt, vr, vb * B + vj] * wdec[vt, vc, vb * B + vj, va]
+        for t, r, c, a, b in T.grid(_nt(n * KT, RT, E), RT, 2, I, DB):
+            with T.sblock("acc"):
+                vt, vr, vc, va, vb = T.axis.remap("SSSSR", [t, r, c, a, b])
+                with T.init():
+                    acc[vt, vr, vc, va] = T.float32(0)
+                if T.Cast("int32", vr) < tiles[vt, 2]:
+                    acc[vt, vr, vc, va] = acc[vt, vr, vc, va] + part[
+                        vt, vr, vc, va, vb] * _e8m0(T.if_then_else(
+                            vc == 0, s1[_idx(tiles[vt, 0], E), va, vb],
+                            s3[_idx(tiles[vt, 0], E), va, vb]))
+        for t, r, a in T.grid(_nt(n * KT, RT, E), RT, I):
+            with T.sblock("h"):
+                vt, vr, va = T.axis.remap("SSS", [t, r, a])
+                T.reads(acc[vt, vr, 0:2, va], tiles[vt, 1:3], row_pair[0:n * KT],
+                        weights[0:n, 0:KT])
+                T.writes(h[0:n * KT, va])
+                if T.Cast("int32", vr) < tiles[vt, 2]:
+                    h[_idx(tiles[vt, 1], n * KT - vr) + vr, va] = _to_bf16(
+                        weights[_idx(row_pair[_idx(tiles[vt, 1], n * KT - vr) + vr], n * KT)
+                                // KT,
+                                _idx(row_pair[_idx(tiles[vt, 1], n * KT - vr) + vr], n * KT)
+                                % KT]
+                        * _silu_times(round_bf16(acc[vt, vr, 0, va]),
+                                      round_bf16(acc[vt, vr, 1, va]), swiglu_limit))
+
+    return moe_gate_up
+
+
+# ---- 5. down GEMM ----------------------------------------------------------------------------
+
+
+def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm.tirx.PrimFunc:
+    """(hq fp32 [P, inter], tiles [NT, 3], w2, s2) -> o bf16 [P, dim] at sorted rows. Same
+    blocks as `make_moe_gate_up` with one matrix; `o` rounds to bf16 (the oracle's fp4_linear
+    output)."""
+    _check_dims(dim, inter)
+    D, I, E, RT = _i64(dim), _i64(inter), _i64(n_experts), _i64(row_tile)
+    IB, B = _i64(inter // BLOCK), _i64(BLOCK)
+
+    @T.prim_func(s_tir=True)
+    def moe_down(hq_h: T.handle, tiles_h: T.handle, w2: T.Buffer((E, D, I // 2), "uint8"),
+                 s2: T.Buffer((E, D, IB), "uint8"), o_h: T.handle):
+        T.func_attr({"global_symbol": "moe_down", "tirx.noalias": True})
+        p = T.int64()
+        hq = T.match_buffer(hq_h, (p, I), "float32")
+        tiles = T.match_buffer(tiles_h, (_nt(p, RT, E), _i64(3)), "int32")
+        o = T.match_buffer(o_h, (p, D), "bfloat16")
+        xg = T.sblock_alloc_buffer((_nt(p, RT, E), RT, I), "float32")
+        wdec = T.sblock_alloc_buffer((_nt(p, RT, E), I, D), "float32")
+        part = T.sblock_alloc_buffer((_nt(p, RT, E), RT, D, IB), "float32")
+        acc = T.sblock_alloc_buffer((_nt(p, RT, E), RT, D), "float32")
+        for t, r, k in T.grid(_nt(p, RT, E), RT, I):
+            with T.sblock("xg"):
+                vt, vr, vk = T.axis.remap("SSS", [t, r, k])
+                xg[vt, vr, vk] = T.if_then_else(T.Cast("int32", vr) < tiles[vt, 2],
+                                                hq[_idx(tiles[vt, 1], p - vr) + vr, vk],
+                                                T.float32(0))
+        for t, k, d in T.grid(_nt(p, RT, E), I, D):
+            with T.sblock("wdec"):
+                vt, vk, vd = T.axis.remap("SSS", [t, k, d])
+                if tiles[vt, 2] > 0:
+                    wdec[vt, vk, vd] = _fp4(w2[_idx(tiles[vt, 0], E), vd, vk // 2], vk)
+        for t, r, d, b, j in T.grid(_nt(p, RT, E), RT, D, IB, B):
+            with T.sblock("part"):
+                vt, vr, vd, vb, vj = T.axis.remap("SSSSR", [t, r, d, b, j])
+                with T.init():
+                    part[vt, vr, vd, vb] = T.float32(0)
+                if T.Cast("int32", vr) < tiles[vt, 2]:
+                    part[vt, vr, vd, vb] = part[vt, vr, vd, vb] + xg[vt, vr, vb * B + vj] * wdec[
+                        vt, vb * B + vj, vd]
+        for t, r, d, b in T.grid(_nt(p, RT, E), RT, D, IB):
+            with T.sblock("acc"):
+                vt, vr, vd, vb = T.axis.remap("SSSR", [t, r, d, b])
+                with T.init():
+                    acc[vt, vr, vd] = T.float32(0)
+                if T.Cast("int32", vr) < tiles[vt, 2]:
+                    acc[vt, vr, vd] = acc[vt, vr, vd] + part[vt, vr, vd, vb] * _e8m0(
+                        s2[_idx(tiles[vt, 0], E), vd, vb])
+        for t, r, d in T.grid(_nt(p, RT, E), RT, D):
+            with T.sblock("o"):
+                vt, vr, vd = T.axis.remap("SSS", [t, r, d])
+                T.reads(acc[vt, vr, vd], tiles[vt, 1:3])
+                T.writes(o[0:p, vd])
+                if T.Cast("int32", vr) < tiles[vt, 2]:
+                    o[_idx(tiles[vt, 1], p - vr) + vr, vd] = _to_bf16(acc[vt, vr, vd])
+
+    return moe_down
+
+
+# ---- 6. combine ------------------------------------------------------------------------------
+
+
+def make_moe_combine(*, dim: int, topk: int) -> tvm.tirx.PrimFunc:
+    """(token_rows [n, topk], o bf16 [P, dim]) -> y fp32 [n, dim]: each token's rows added in
+    expert-id order starting from 0.0, as the oracle's `y[rows] += ...` per unique expert."""
+    D, KT = _i64(dim), _i64(topk)
+
+    @T.prim_func(s_tir=True)
+    def moe_combine(token_rows_h: T.handle, o_h: T.handle, y_h: T.handle):
+        T.func_attr({"global_symbol": "moe_combine", "tirx.noalias": True})
+        n = T.int64()
+        token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+        o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
+        y = T.match_buffer(y_h, (n, D), "float32")
+        for i, d, r in T.grid(n, D, KT):
+            with T.sblock("combine"):
+                vi, vd, vr = T.axis.remap("SSR", [i, d, r])
+                with T.init():
+                    y[vi, vd] = T.float32(0)
+                y[vi, vd] = y[vi, vd] + _f32(o[_idx(token_rows[vi, vr], n * KT), vd])
+
+    return moe_combine
+
+
+# ---- configs and schedules -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeSplitConfig:
+    """Tiling of the split chain. row_tile: rows of one expert per tile (the route's cut);
+    tn: output columns per parallel task (CPU) / thread block (CUDA). CUDA GEMMs: a
+    (row_tile x tn) tile per thread block, (row_tile/rb) x (tn/cb) threads, each an rb x cb
+    register tile (x2 for gate/up); per 32-block the gathered activations and the decoded weight
+    tile sit in shared memory. threads: per block of the elementwise/route-free CUDA kernels."""
+
+    row_tile: int = 16
+    tn: int = 32
+    rb: int = 4
+    cb: int = 4
+    threads: int = 128
+
+
+def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int, topk: int,
+                     n: int | None = None) -> MoeSplitConfig:
+    """n is a hint for the token count (None: prefill); decode wants short tiles, since each
+    expert then sees one or two rows."""
+    decode = n is not None and n * topk <= 4 * n_experts
+    if target.is_cuda:
+        tn = 64 if min(dim, inter) % 64 == 0 else 32
+        if decode:
+            return MoeSplitConfig(row_tile=8, tn=tn, rb=1, cb=tn // 32)
+        return MoeSplitConfig(row_tile=32, tn=tn, rb=4, cb=tn // 16)
+    return MoeSplitConfig(row_tile=4 if decode else 16, tn=32)
+
+
+def _schedule_expert_gemm_cuda(sch: s_tir.Schedule, config: MoeSplitConfig, out: str) -> None:
+    """blockIdx.x over tiles, blockIdx.y over column blocks; per 32-block the activation rows
+    [row_tile, 32] and the decoded weight tile [(2,) 32, tn] go to shared memory, loaded by all
+    threads; each thread accumulates an rb x cb (x2) register tile."""
+    xg, wdec = sch.get_sblock("xg"), sch.get_sblock("wdec")
+    part, acc, out_b = sch.get_sblock("part"), sch.get_sblock("acc"), sch.get_sblock(out)
+    # Anchored on the epilogue (its data-dependent store defeats reverse_compute_at).
+    t, r, a = sch.get_loops(out_b)
+    threads = [config.row_tile // config.rb, config.tn // config.cb]
+    # contiguous columns per thread (interleaving them would make compute_at's bounding box
+    # of the register tile span the whole column block)
+    by, tx, cn = sch.split(a, [None, threads[1], config.cb])
+    ty, mr = sch.split(r, [threads[0], config.rb])
+    sch.reorder(t, by, ty, tx, mr, cn)
+    sch.bind(t, "blockIdx.x")
+    sch.bind(by, "blockIdx.y")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.compute_at(acc, tx)
+    aloops = sch.get_loops(acc)[4:]  # (mr, [c,] cn, b) below (t, by, ty, tx)
+    b = aloops[-1]
+    sch.reorder(b, *aloops[:-1])
+    sch.compute_at(part, b)
+    sch.set_scope(part, 0, "local")
+    sch.set_scope(acc, 0, "local")
+    ploops = sch.get_loops(part)[5:]  # (mr, [c,] cn, j) below (t, by, ty, tx, b)
+    sch.reorder(ploops[-1], *ploops[:-1])
+    for stage in (xg, wdec):
+        sch.set_scope(stage, 0, "shared")
+        sch.compute_at(stage, b)
+        loops = sch.get_loops(stage)[5:]  # xg (r, k); wdec ([c,] k, a)
+        if stage == wdec:
+            # threads along k read consecutive packed bytes; rows padded by one float so the
+            # transposed shared stores do not all hit one bank
+            sch.reorder(*loops[:-2], loops[-1], loops[-2])
+            ndim = len(sch.get(stage).writes[0].region)
+            sch.storage_align(stage, 0, ndim - 2, 32, 1)
+            loops = [*loops[:-2], loops[-1], loops[-2]]
+        _, sty, stx = sch.split(sch.fuse(*loops), [None, *threads])
+        sch.bind(sty, "threadIdx.y")
+        sch.bind(stx, "threadIdx.x")
+    for loop in sch.get_loops(part)[6:]:
+        sch.unroll(loop)
+    sch.decompose_reduction(part, sch.get_loops(part)[5])
+    sch.decompose_reduction(acc, b)
+
+
+def _schedule_expert_gemm_cpu(sch: s_tir.Schedule, config: MoeSplitConfig, out: str) -> None:
+    """gemm.py's grouped-GEMM schedule (per (tile, column block) task, the weight tile decoded
+    once per 32-block and reused by the tile's rows), with the activation rows of each 32-block
+    gathered once into a [row_tile, 32] buffer next to the decoded weights (inlined, the
+    row_pair/tiles lookups would run in the innermost loop)."""
+    cpu_config = gemm.MoeExpertsConfig(row_tile=config.row_tile, tn=config.tn)
+    gemm._schedule_expert_gemm(sch, cpu_config, get_target("cpu"), "wdec", "part", "acc", out)
+    xg, wdec = sch.get_sblock("xg"), sch.get_sblock("wdec")
+    sch.compute_at(xg, sch.get_loops(wdec)[1])  # (tile x column block, 32-block, ...)
+    sch.vectorize(sch.get_loops(xg)[-1])
+
+
+def _finish(sch: s_tir.Schedule) -> tvm.tirx.PrimFunc:
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def schedule_moe_gemm(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec,
+                      out: str) -> tvm.tirx.PrimFunc:
+    """Schedules `moe_gate_up` (out="h") or `moe_down` (out="o"). The data-dependent row
+    indices of the epilogue defeat s_tir's region-cover checks, so they are off (as for gemm.py's
+    moe_experts); the tests compare with the oracle instead."""
+    sch = s_tir.Schedule(func, enable_check=False)
+    if target.is_cuda:
+        _schedule_expert_gemm_cuda(sch, config, out)
+    else:
+        _schedule_expert_gemm_cpu(sch, config, out)
+    return _finish(sch)
+
+
+def schedule_moe_route(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec
+                       ) -> tvm.tirx.PrimFunc:
+    """Serial everywhere: a single thread of a single CUDA block (n * topk is small)."""
+    sch = s_tir.Schedule(func)
+    if target.is_cuda:
+        (u,) = sch.get_loops(sch.get_sblock("route"))
+        bx, tx = sch.split(u, [1, 1])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    return _finish(sch)
+
+
+def schedule_moe_qdq(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec
+                     ) -> tvm.tirx.PrimFunc:
+    """amax computed next to its 32 outputs: CPU parallel rows and vector lanes, CUDA one thread
+    per 32-group with the amax in a register."""
+    sch = s_tir.Schedule(func)
+    blk, amax = sch.get_sblock("xq"), sch.get_sblock("amax")
+    i, j = sch.get_loops(blk)
+    jb, jj = sch.split(j, [None, BLOCK])
+    sch.compute_at(amax, jb)
+    if target.is_cuda:
+        sch.set_scope(amax, 0, "local")
+        bx, tx = sch.split(sch.fuse(i, jb), [None, config.threads])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    else:
+        sch.parallel(i)
+        sch.vectorize(jj)
+    return _finish(sch)
+
+
+def schedule_moe_combine(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec
+                         ) -> tvm.tirx.PrimFunc:
+    sch = s_tir.Schedule(func, enable_check=False)
+    blk = sch.get_sblock("combine")
+    i, d, _ = sch.get_loops(blk)
+    if target.is_cuda:
+        bx, tx = sch.split(sch.fuse(i, d), [None, config.threads])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    else:
+        sch.parallel(i)
+    return _finish(sch)
+
+
+# ---- the module and its call plan ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeBuffer:
+    """One tensor of the chain: an op input, an intermediate the caller allocates, or y."""
+
+    name: str
+    shape: tuple  # ints or int64 PrimExprs of the token count n
+    dtype: str
+
+
+@dataclass(frozen=True)
+class MoeCall:
+    """One call_tir: `func` (a global symbol of the module) reads `args`, writes `outs`."""
+
+    func: str
+    args: tuple[str, ...]
+    outs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """What the compiler needs to emit the chain: the op's inputs (the torch op's order), the
+    intermediates to allocate, the final output `y`, and the calls in order."""
+
+    inputs: tuple[MoeBuffer, ...]
+    intermediates: tuple[MoeBuffer, ...]
+    output: MoeBuffer
+    calls: tuple[MoeCall, ...]
+
+    def buffers(self) -> dict[str, MoeBuffer]:
+        return {b.name: b for b in (*self.inputs, *self.intermediates, self.output)}
+
+
+def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, topk: int, n,
+                     n_hint: int | None = None) -> MoePlan:
+    """The call_tir chain of `build_moe_experts_split(target_name, ..., n=n_hint)` for n tokens
+    (an int, or an int64 tirx Var for a symbolic batch). Shapes use the same row tile as the
+    module, so pass the same target and hint."""
+    config = moe_split_config(get_target(target_name), dim=dim, inter=inter,
+                              n_experts=n_experts, topk=topk, n=n_hint)
+    p = n * topk
+    nt = num_tiles(p, config.row_tile, n_experts)
+    E = n_experts
+
+    def buf(name, shape, dtype):
+        return MoeBuffer(name, tuple(shape), dtype)
+
+    inputs = (
+        buf("x", (n, dim), "bfloat16"), buf("weights", (n, topk), "float32"),
+        buf("ids", (n, topk), "int64"),
+        buf("w1", (E, inter, dim // 2), "uint8"), buf("s1", (E, inter, dim // BLOCK), "uint8"),
+        buf("w3", (E, inter, dim // 2), "uint8"), buf("s3", (E, inter, dim // BLOCK), "uint8"),
+        buf("w2", (E, dim, inter // 2), "uint8"), buf("s2", (E, dim, inter // BLOCK), "uint8"),
+    )
+    intermediates = (
+        buf("row_pair", (p,), "int32"), buf("token_rows", (n, topk), "int32"),
+        buf("tiles", (nt, 3), "int32"), buf("xq", (n, dim), "float32"),
+        buf("h", (p, inter), "bfloat16"), buf("hq", (p, inter), "float32"),
+        buf("o", (p, dim), "bfloat16"),
+    )
+    calls = (
+        MoeCall("moe_route", ("ids",), ("row_pair", "token_rows", "tiles")),
+        MoeCall("moe_qdq_x", ("x",), ("xq",)),
+        MoeCall("moe_gate_up", ("xq", "weights", "row_pair", "tiles", "w1", "s1", "w3", "s3"),
+                ("h",)),
+        MoeCall("moe_qdq_h", ("h",), ("hq",)),
+        MoeCall("moe_down", ("hq", "tiles", "w2", "s2"), ("o",)),
+        MoeCall("moe_combine", ("token_rows", "o"), ("y",)),
+    )
+    return MoePlan(inputs, intermediates, buf("y", (n, dim), "float32"), calls)
+
+
+def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts: int,
+                            topk: int, swiglu_limit: float, n: int | None = None
+                            ) -> tvm.IRModule:
+    """The six scheduled PrimFuncs of the chain (global symbols as in `moe_experts_plan`),
+    thread-bound on CUDA, parallel/vectorised on CPU. n is the token-count hint."""
+    _check_dims(dim, inter)
+    target = get_target(target_name)
+    cfg = moe_split_config(target, dim=dim, inter=inter, n_experts=n_experts, topk=topk, n=n)
+    funcs = {
+        "moe_route": schedule_moe_route(
+            make_moe_route(n_experts=n_experts, topk=topk, row_tile=cfg.row_tile), cfg, target),
+        "moe_qdq_x": schedule_moe_qdq(make_moe_qdq(k=dim, name="moe_qdq_x"), cfg, target),
+        "moe_gate_up": schedule_moe_gemm(
+            make_moe_gate_up(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
+                             swiglu_limit=swiglu_limit, row_tile=cfg.row_tile), cfg, target, "h"),
+        "moe_qdq_h": schedule_moe_qdq(make_moe_qdq(k=inter, name="moe_qdq_h"), cfg, target),
+        "moe_down": schedule_moe_gemm(
+            make_moe_down(dim=dim, inter=inter, n_experts=n_experts, row_tile=cfg.row_tile),
+            cfg, target, "o"),
+        "moe_combine": schedule_moe_combine(make_moe_combine(dim=dim, topk=topk), cfg, target),
+    }
+    return tvm.IRModule({tvm.ir.GlobalVar(name): f.with_attr("global_symbol", name)
+                         for name, f in funcs.items()})
+
+
+def build_moe_experts_cuda(target_name: str, *, dim: int, inter: int, n_experts: int, topk: int,
+                           swiglu_limit: float, n: int | None = None) -> tvm.IRModule:
+    """`build_moe_experts_split` for a CUDA target (refuses CPU targets)."""
+    if not get_target(target_name).is_cuda:
+        raise ValueError(f"build_moe_experts_cuda needs a CUDA target, got {target_name!r}.")
+    return build_moe_experts_split(target_name, dim=dim, inter=inter, n_experts=n_experts,
+                                   topk=topk, swiglu_limit=swiglu_limit, n=n)
+
+
+def emit_moe_experts(bb, module: tvm.IRModule, plan: MoePlan, inputs: list) -> object:
+    """Emit the chain into a Relax BlockBuilder `bb`: adds the module's PrimFuncs and one
+    `call_tir` per plan call (Relax allocates the intermediates); `inputs` are the op's nine
+    tensor arguments as Relax expressions. Returns the y [n, dim] fp32 expression."""
+    from tvm import relax
+
+    if len(inputs) != len(plan.inputs):
+        raise ValueError(f"moe_experts takes {len(plan.inputs)} tensors, got {len(inputs)}.")
+    env = {b.name: v for b, v in zip(plan.inputs, inputs, strict=True)}
+    bufs = plan.buffers()
+    for call in plan.calls:
+        gv = bb.add_func(module[call.func], call.func)
+        out_ty = [relax.TensorType(bufs[o].shape, bufs[o].dtype) for o in call.outs]
+        res = bb.emit(relax.call_tir(gv, [env[a] for a in call.args],
+                                     out_ty if len(out_ty) > 1 else out_ty[0]))
+        if len(call.outs) == 1:
+            env[call.outs[0]] = res
+        else:
+            for i, o in enumerate(call.outs):
+                env[o] = bb.emit(relax.TupleGetItem(res, i))
+    return env[plan.output.name]

@@ -1,0 +1,181 @@
+"""`dsv41 bench kernels` (schedules/bench.py): the harness at tiny sizes (--quick).
+
+What is checked: the JSON schema, that every number is positive and finite, that the derived
+columns are the stated arithmetic of the measured ones (GB/s = bytes / time, roofline = max of
+the two roofs, speedups = time ratios), that the kernel outputs the harness compared agree with
+the oracle (so it timed the right op on the right inputs), the traffic formulas at the bench
+sizes by hand, the timer's budget rule, and the CLI's refusals. Not checked: the speed itself
+(the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+
+import pytest
+
+from dsv41.schedules import bench
+
+ROW_KEYS = {"case", "family", "dims", "bytes", "flops", "kernel_s", "eager_s", "compile_s", "gbs",
+            "gflops", "frac_bw", "frac_peak", "roofline_s", "bound", "roofline_ratio",
+            "speedup_eager", "speedup_compile", "samples", "tvm_compile_s", "torch_compile_s",
+            "equal_fraction", "max_abs_diff", "note", "min_s",
+            "median_s"}
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    """One --quick run of every case through the CLI (no torch.compile: ~15 s)."""
+    path = tmp_path_factory.mktemp("bench") / "kernels.json"
+    rc = bench.main(["--quick", "--no-compile", "--repeat", "3", "--budget", "0.05",
+                     "--json", str(path)])
+    assert rc == 0
+    return json.loads(path.read_text())
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+def test_report_schema_and_machine(quick_report):
+    r = quick_report
+    assert r["schema"] == bench.SCHEMA
+    assert r["target"] == "cpu" and r["settings"]["quick"] is True
+    assert set(r["formulas"]) == set(bench.FAMILIES)
+    m = r["machine"]
+    for key in ("copy_gbs", "triad_gbs", "bandwidth_gbs", "gemm_gflops", "cores"):
+        assert m[key] > 0 and math.isfinite(m[key]), key
+    assert m["bandwidth_gbs"] == max(m["copy_gbs"], m["triad_gbs"])
+    if m["theoretical_gflops"] is not None:
+        assert _close(m["theoretical_gflops"],
+                      m["cores"] * m["clock_ghz"] * m["flops_per_cycle"])
+    assert len(m["load_avg_start"]) == 3 and len(r["load_avg_end"]) == 3
+    names = [row["case"] for row in r["rows"]]
+    assert names == [c.name for c in bench.default_cases(quick=True)]
+
+
+def test_rows_are_positive_and_self_consistent(quick_report):
+    m = quick_report["machine"]
+    bw, peak = m["bandwidth_gbs"], m["gemm_gflops"]
+    for row in quick_report["rows"]:
+        name = row["case"]
+        assert set(row) >= ROW_KEYS, name
+        for key in ("bytes", "flops", "kernel_s", "eager_s", "gbs", "gflops", "roofline_s",
+                    "roofline_ratio", "speedup_eager", "tvm_compile_s"):
+            assert row[key] > 0 and math.isfinite(row[key]), (name, key)
+        assert row["compile_s"] is None and row["speedup_compile"] is None  # --no-compile
+        t = row["kernel_s"]
+        assert _close(row["gbs"], row["bytes"] / t / 1e9), name
+        assert _close(row["gflops"], row["flops"] / t / 1e9), name
+        assert _close(row["frac_bw"], row["gbs"] / bw), name
+        assert _close(row["frac_peak"], row["gflops"] / peak), name
+        roof_bw, roof_fl = row["bytes"] / (bw * 1e9), row["flops"] / (peak * 1e9)
+        assert _close(row["roofline_s"], max(roof_bw, roof_fl)), name
+        assert row["bound"] == ("memory" if roof_bw >= roof_fl else "compute"), name
+        assert _close(row["roofline_ratio"], t / row["roofline_s"]), name
+        assert _close(row["speedup_eager"], row["eager_s"] / t), name
+        assert 1 <= row["samples"]["kernel"] <= 3 and row["samples"]["eager"] >= 1, name
+        assert row["median_s"]["kernel"] == t and row["median_s"]["eager"] == row["eager_s"]
+        assert 0 < row["min_s"]["kernel"] <= t and 0 < row["min_s"]["eager"] <= row["eager_s"]
+
+
+def test_kernel_outputs_match_the_oracle(quick_report):
+    """The harness compares the kernel's output with the eager oracle's on the timed inputs: the
+    indexer's positions are exact; attention is bf16-rounding close (>= 99% equal in its own
+    tests), fp8_linear within 1 bf16 ulp, the experts fp32-close; a harness that fed the kernel
+    other inputs than the oracle would agree nowhere."""
+    for row in quick_report["rows"]:
+        if row["family"] == "indexer":
+            assert row["equal_fraction"] == 1.0, row["case"]
+        else:
+            assert row["equal_fraction"] >= 0.8, (row["case"], row["equal_fraction"])
+            assert row["max_abs_diff"] < 0.1, (row["case"], row["max_abs_diff"])
+
+
+def test_traffic_formulas_at_bench_sizes():
+    """By hand, for the issue-4 shapes (bench preset)."""
+    # wq_b GEMV: 512 x 32768 E4M3 weight, 1024 x 16 scale bytes, x and y in bf16
+    assert bench.fp8_traffic(m=1, n=32768, k=512) == (
+        2 * 512 + 32768 * 512 + 1024 * 16 + 2 * 32768, 2 * 32768 * 512)
+    # one decode query: 128 FP8 window rows (512 B + 16 scales) + 512 FP4 rows (256 + 32)
+    nbytes, flops = bench.attend_traffic(b=1, s=1, h=64, d=512, w=128, k=512)
+    assert nbytes == 4 * 64 * 512 + 4 * 64 + 4 * 640 + 128 * 528 + 512 * 288
+    assert flops == 4 * 64 * 512 * 640
+    # 1M-entry sweep: 64 + 4 bytes per key
+    nbytes, flops = bench.indexer_traffic(b=1, s=1, heads=32, dim=128, t=1 << 20, topk=512)
+    assert nbytes == (1 << 20) * 68 + 2 * 32 * 128 + 2 * 32 + 8 + 4 * 512
+    assert flops == (1 << 20) * (2 * 32 * 128 + 3 * 32)
+    # one token routed to 2 distinct experts of dim 1024, inter 512
+    nbytes, flops = bench.moe_traffic(n=1, dim=1024, inter=512, topk=2, experts_used=2)
+    per_expert = 2 * 512 * (512 + 32) + 1024 * (256 + 16)
+    assert nbytes == 2 * per_expert + 2 * 1024 + 12 * 2 + 4 * 1024
+    assert flops == 6 * 2 * 1024 * 512
+
+
+def test_bench_cases_use_the_preset_sizes():
+    cases = {c.name: c.d() for c in bench.default_cases("bench")}
+    assert set(cases) == {"attend-s1", "attend-s2", "attend-s4", "indexer-8K", "indexer-64K",
+                          "indexer-256K", "indexer-1M", "fp8-gemv-m1", "fp8-gemm-m128",
+                          "moe-n1", "moe-n128"}
+    assert cases["attend-s4"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 4}
+    assert cases["indexer-1M"]["t"] == 1 << 20 and cases["indexer-1M"]["heads"] == 32
+    assert (cases["fp8-gemm-m128"]["n"], cases["fp8-gemm-m128"]["k"]) == (32768, 512)
+    assert cases["moe-n128"]["n_experts"] == 16 and cases["moe-n128"]["topk"] == 2
+    assert [c.name for c in bench.select_cases(bench.default_cases("bench"),
+                                               ["fp8", "moe-n1"])] == \
+        ["fp8-gemv-m1", "fp8-gemm-m128", "moe-n1"]
+    with pytest.raises(ValueError, match="Unknown case"):
+        bench.select_cases(bench.default_cases("bench"), ["attention"])
+
+
+def test_time_call_budget_rule():
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.03)
+
+    t = bench.time_call(slow, repeat=5, budget_s=0.01)  # slower than the budget: timed once
+    assert (t.samples, t.number, len(calls)) == (1, 1, 2)  # warm-up + the one timed call
+    assert t.median_s >= 0.03
+    calls.clear()
+    t = bench.time_call(slow, repeat=3, budget_s=10.0, warmed=True)
+    assert (t.samples, t.number, len(calls)) == (3, 1, 4)  # sizing call + 3 samples
+    assert 0.03 <= t.median_s < 0.3
+    t = bench.time_call(lambda: None, repeat=2, budget_s=1.0)
+    assert t.number > 1  # fast calls are looped so a sample outlasts the timer's resolution
+
+
+def test_cli_refuses_cuda_and_unknown_cases(capsys):
+    assert bench.main(["--quick", "--target", "cuda-sm90"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert bench.main(["--quick", "--cases", "nope"]) == 2
+    assert "Unknown case" in capsys.readouterr().err
+    assert bench.main(["--quick", "--target", "tpu"]) == 2
+    assert bench.main(["--list", "--cases", "indexer"]) == 0
+    out = capsys.readouterr().out
+    assert "indexer-1M" in out and "attend" not in out
+
+
+def test_table_is_aligned(quick_report):
+    lines = bench.format_table(quick_report["rows"]).splitlines()
+    assert len(lines) == 2 + len(quick_report["rows"])
+    # the 12 right-justified cells after the case name end at the same columns in every row
+    ends = {tuple([m.end() for m in re.finditer(r"\S+", line)][1:13]) for line in lines[2:]}
+    assert len(ends) == 1
+    assert "machine:" in bench.format_machine(quick_report["machine"])
+
+
+@pytest.mark.slow
+def test_torch_compile_column(tmp_path):
+    """One tiny case with torch.compile of the oracle body (Inductor compiles for ~20-30 s)."""
+    rows = bench.bench_kernels("bench", "cpu", ["fp8-gemv-m1"], 3, tmp_path / "c.json",
+                               quick=True, budget_s=0.05, stat="min", progress=False)
+    (row,) = rows
+    assert row["compile_s"] > 0 and row["torch_compile_s"] > 0
+    assert math.isclose(row["speedup_compile"], row["compile_s"] / row["kernel_s"])
+    assert row["note"] == ""  # the oracle body compiled: the usual case, said in the legend
+    assert row["kernel_s"] == row["min_s"]["kernel"]  # stat="min" below
+    assert json.loads((tmp_path / "c.json").read_text())["rows"][0]["case"] == "fp8-gemv-m1"

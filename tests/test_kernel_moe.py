@@ -1,0 +1,276 @@
+"""The split `moe_experts` chain of schedules/moe.py against the torch oracle (graph/ops.py).
+
+Tolerance: the chain performs the arithmetic of gemm.make_moe_experts (activations as exact
+dequantised fp32, 32-blocks added in K order times the weight scale, bf16 rounding where the
+oracle rounds), so on CPU it is compared bit for bit with that kernel; against the oracle it
+gets the same bound as tests/test_kernel_gemm.py (the order of the 32 additions inside a block
+and torch's vectorised exp may differ by 1 fp32 ulp: >= 99% of outputs bit-equal, the rest
+within 2 bf16 ulps). At these sizes it has in fact matched the oracle exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax, tirx
+
+from dsv41.graph import ops
+from dsv41.schedules import gemm, moe
+from dsv41.schedules.common import get_target
+from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
+
+CPU = "cpu"
+LIMIT = 10.0
+DIMS = {"dim": 64, "inter": 96, "n_experts": 6}
+SMALL = {"dim": 256, "inter": 128, "n_experts": 4, "topk": 2}  # the `small` preset
+BENCH = {"dim": 1024, "inter": 512, "n_experts": 16, "topk": 2}
+FULL = {"dim": 5120, "inter": 2304, "n_experts": 384, "topk": 6}
+
+
+@functools.cache
+def _split(topk: int, hint: int | None, target: str = CPU):
+    mod = moe.build_moe_experts_split(target, topk=topk, swiglu_limit=LIMIT, n=hint, **DIMS)
+    return tvm.compile(mod, target=get_target(target).tvm_target())
+
+
+@functools.cache
+def _monolithic(topk: int, hint: int | None):
+    func = gemm.build_moe_experts(CPU, topk=topk, swiglu_limit=LIMIT, n=hint, **DIMS)
+    return tvm.compile(func, target=get_target(CPU).tvm_target())
+
+
+def _tvm(t: torch.Tensor, dev=None) -> tvm.runtime.Tensor:
+    arr = t.contiguous()
+    arr = arr.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 \
+        else arr.numpy()
+    return tvm.runtime.tensor(arr, dev or tvm.cpu())
+
+
+def _zeros(buf: moe.MoeBuffer, dev=None) -> tvm.runtime.Tensor:
+    dtype = ml_dtypes.bfloat16 if buf.dtype == "bfloat16" else buf.dtype
+    return tvm.runtime.tensor(np.zeros([int(s) for s in buf.shape], dtype), dev or tvm.cpu())
+
+
+def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target: str = CPU,
+               dev=None) -> dict[str, tvm.runtime.Tensor]:
+    """Run the plan's calls in order with caller-allocated intermediates, as Relax would."""
+    n = args[0].shape[0]
+    plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, **DIMS)
+    env = {b.name: _tvm(t, dev) for b, t in zip(plan.inputs, args, strict=True)}
+    for b in (*plan.intermediates, plan.output):
+        env[b.name] = _zeros(b, dev)
+    for call in plan.calls:
+        ex[call.func](*[env[a] for a in call.args], *[env[o] for o in call.outs])
+    return env
+
+
+def _case(n: int, topk: int, ids: torch.Tensor | None = None, seed: int = 0):
+    args = gemm.example_inputs_moe_experts(n=n, topk=topk, seed=seed, **DIMS)
+    if ids is not None:
+        args[2] = ids
+    gemm.check_expert_ids(args[2], DIMS["n_experts"])
+    return args
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def ordered(t):
+        bits = t.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _assert_close_to_oracle(out: torch.Tensor, ref: torch.Tensor) -> None:
+    ulps = _bf16_ulps(out, ref)
+    assert int(ulps.max()) <= 2, f"max {int(ulps.max())} bf16 ulps"
+    assert float((ulps == 0).float().mean()) >= 0.99, f"{int((ulps > 0).sum())} outputs differ"
+
+
+def _y(env) -> torch.Tensor:
+    return torch.from_numpy(env["y"].numpy())
+
+
+# ---- CPU numerics ----------------------------------------------------------------------------
+
+# n=7: experts 0 and 5 shared by several tokens, 2 and 4 unused; n=40 spans several tiles
+IDS7 = torch.tensor([[0, 5], [5, 0], [1, 5], [0, 3], [3, 1], [5, 3], [0, 1]])
+
+
+@pytest.mark.parametrize("hint", [1, None])
+def test_chain_matches_oracle_and_monolithic(hint):
+    ex = _split(2, hint)
+    for n, ids in ((1, None), (2, None), (7, IDS7), (40, None)):
+        args = _case(n, 2, ids, seed=n)
+        out = _y(_run_chain(ex, args, 2, hint))
+        _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
+        mono = tvm.runtime.tensor(np.zeros((n, DIMS["dim"]), np.float32))
+        _monolithic(2, hint)(*[_tvm(t) for t in args], mono)
+        assert torch.equal(out, torch.from_numpy(mono.numpy())), f"n={n}"
+
+
+def test_chain_adds_in_expert_order():
+    """topk 3 with ids listed in descending order: the fp32 sum must follow the expert ids."""
+    ids = torch.tensor([[5, 2, 0], [4, 3, 1], [5, 4, 3], [2, 1, 0], [3, 0, 5]])
+    args = _case(5, 3, ids, seed=11)
+    out = _y(_run_chain(_split(3, None), args, 3, None))
+    _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
+
+
+def test_chain_one_expert_for_all_tokens():
+    """Every token on expert 4 (topk 1): one expert's run spans several full tiles plus a
+    partial one, all other experts empty."""
+    n = 37
+    args = _case(n, 1, torch.full((n, 1), 4), seed=5)
+    out = _y(_run_chain(_split(1, None), args, 1, None))
+    _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
+
+
+def test_chain_no_tokens():
+    """n = 0 (an empty batch): zero-sized tables and grids, an empty result."""
+    args = _case(0, 2, torch.zeros(0, 2, dtype=torch.int64))
+    assert _y(_run_chain(_split(2, None), args, 2, None)).shape == (0, DIMS["dim"])
+
+
+def test_route_tables():
+    """row_pair sorts the pairs by expert (stable); token_rows lists each token's rows in
+    expert-id order; tiles cut each expert's run into <= row_tile rows, unused tiles zero."""
+    ids = IDS7
+    env = _run_chain(_split(2, None), _case(7, 2, ids, seed=7), 2, None)
+    row_pair = env["row_pair"].numpy()
+    token_rows, tiles = env["token_rows"].numpy(), env["tiles"].numpy()
+    flat = ids.flatten().numpy()
+    expect = np.argsort(flat, kind="stable")
+    assert np.array_equal(row_pair, expect)
+    pos = np.empty_like(expect)
+    pos[expect] = np.arange(expect.size)
+    for i in range(ids.shape[0]):
+        order = np.argsort(ids[i].numpy())
+        assert np.array_equal(token_rows[i], pos[i * 2 + order])
+    row_tile = moe.moe_split_config(get_target(CPU), topk=2, **DIMS).row_tile
+    used = tiles[tiles[:, 2] > 0]
+    assert not tiles[len(used):].any()
+    covered = np.concatenate([np.arange(r0, r0 + rows) for _, r0, rows in used])
+    assert np.array_equal(covered, np.arange(flat.size))
+    assert (used[:, 2] <= row_tile).all()
+    assert all((flat[expect[r0:r0 + rows]] == e).all() for e, r0, rows in used)
+
+
+def test_num_tiles_bound():
+    """The bound holds for the worst case (every expert with a partial tile) and stays small for
+    decode (P = topk), not n_experts."""
+    assert moe.num_tiles(6, 16, 384) == 1 + 6
+    for pairs, row_tile, experts in ((12, 4, 6), (40, 16, 6), (7, 16, 384)):
+        counts = [pairs // experts + (e < pairs % experts) for e in range(experts)]
+        need = sum(-(-c // row_tile) for c in counts)
+        assert need <= moe.num_tiles(pairs, row_tile, experts)
+
+
+def test_plan_matches_module():
+    """Every call names a PrimFunc of the module with as many parameters as args + outs, and
+    every intermediate is written before it is read."""
+    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, **DIMS)
+    n = tirx.Var("n", "int64")
+    plan = moe.moe_experts_plan(CPU, n=n, topk=2, **DIMS)
+    ready = {b.name for b in plan.inputs}
+    for call in plan.calls:
+        assert len(mod[call.func].params) == len(call.args) + len(call.outs), call.func
+        assert set(call.args) <= ready, call.func
+        ready |= set(call.outs)
+    assert plan.output.name in ready
+    assert {b.name for b in plan.intermediates} <= ready
+
+
+def test_relax_chain_symbolic_n():
+    """The plan emitted as a Relax call_tir chain with a symbolic token count: Relax allocates
+    the intermediates (shapes with min() included) and the result matches the oracle."""
+    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, **DIMS)
+    plan = moe.moe_experts_plan(CPU, n=tirx.Var("n", "int64"), topk=2, **DIMS)
+    bb = relax.BlockBuilder()
+    params = [relax.Var(b.name, relax.TensorType(b.shape, b.dtype)) for b in plan.inputs]
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(moe.emit_moe_experts(bb, mod, plan, params))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), target=get_target(CPU).tvm_target()),
+                              tvm.cpu())
+    for n in (1, 9):
+        args = _case(n, 2, seed=20 + n)
+        y = torch.from_numpy(vm["main"](*[_tvm(t) for t in args]).numpy())
+        _assert_close_to_oracle(y, ops.moe_experts(*args, LIMIT))
+
+
+def test_rejects_partial_blocks():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        moe.build_moe_experts_split(CPU, dim=48, inter=64, n_experts=2, topk=1,
+                                    swiglu_limit=0.0)
+    with pytest.raises(ValueError, match="CUDA target"):
+        moe.build_moe_experts_cuda(CPU, topk=2, swiglu_limit=0.0, **DIMS)
+
+
+# ---- CUDA builds -----------------------------------------------------------------------------
+
+# One child build takes ~10-15 s here: the small preset on every arch and the full preset on
+# sm_90 by default; the bench preset and decode configs under the slow marker.
+CUDA_BUILDS = [
+    (SMALL, None, ("cuda-sm80", "cuda-sm90", "cuda-sm100")),
+    (FULL, None, ("cuda-sm90",)),
+]
+SLOW_CUDA_BUILDS = [
+    (BENCH, None, ("cuda-sm80", "cuda-sm90", "cuda-sm100")),
+    (BENCH, 1, ("cuda-sm90",)),
+    (FULL, 1, ("cuda-sm90",)),
+]
+
+
+def _check_cuda_builds(tmp_path, dims, hint, targets):
+    problem = toolchain_problem()
+    if problem:
+        pytest.skip(problem)
+    for target in targets:
+        out = tmp_path / f"moe_{target}.so"
+        build_cuda("dsv41.schedules.moe:build_moe_experts_cuda",
+                   {"target_name": target, "swiglu_limit": LIMIT, "n": hint, **dims}, target,
+                   out)
+        arch = "sm_" + target.removeprefix("cuda-sm")
+        assert has_device_code(out, arch), f"moe chain for {target} holds no {arch} code"
+
+
+@pytest.mark.parametrize("dims,hint,targets", CUDA_BUILDS)
+def test_cuda_builds_have_device_code(tmp_path, dims, hint, targets):
+    _check_cuda_builds(tmp_path, dims, hint, targets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dims,hint,targets", SLOW_CUDA_BUILDS)
+def test_cuda_builds_other_configs(tmp_path, dims, hint, targets):
+    _check_cuda_builds(tmp_path, dims, hint, targets)
+
+
+def test_cuda_module_is_thread_bound():
+    """Every PrimFunc of the CUDA module binds blockIdx/threadIdx (an unbound one would
+    silently become host code)."""
+    mod = moe.build_moe_experts_cuda("cuda-sm90", topk=2, swiglu_limit=LIMIT, **DIMS)
+    for gv, func in mod.functions.items():
+        assert func.attrs["tirx.is_scheduled"], gv.name_hint
+        text = func.script()
+        assert "blockIdx.x" in text and "threadIdx.x" in text, gv.name_hint
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hint", [1, None])
+def test_chain_gpu_matches_oracle(hint):
+    if not tvm.cuda().exist:
+        pytest.skip("no CUDA GPU on this machine")
+    target = get_target("cuda-sm90" if tvm.cuda().compute_version >= "9.0" else "cuda-sm80")
+    with target.tvm_target():
+        ex = _split(2, hint, target.name)
+    for n, ids in ((1, None), (7, IDS7), (40, None), (300, None)):
+        args = _case(n, 2, ids, seed=n)
+        env = _run_chain(ex, args, 2, hint, target.name, tvm.cuda())
+        out = torch.from_numpy(env["y"].numpy())
+        _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
