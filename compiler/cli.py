@@ -85,23 +85,97 @@ def cmd_score(ns) -> int:
 
     _print_args("score", ns)
     tokens = read_tokens(ns.tokens)
-    if ns.backend != "torch":
-        raise ValueError(f"--backend {ns.backend!r}: only 'torch' (the PyTorch graph) is "
-                         "available until compiled artifacts land.")
     hidden = tuple(int(x) for x in ns.hidden_states.split(",")) if ns.hidden_states else ()
     t0 = time.time()
     model = Model.from_checkpoint(ns.checkpoint)
     for h in hidden:
         if not 0 <= h < model.args.n_layers:
             raise ValueError(f"--hidden-states {h} is not a block of 0..{model.args.n_layers - 1}.")
-    res = score(GraphBackend(model, kv_dtype=ns.kv_dtype), tokens, prefill=ns.prefill,
-                mode=ns.mode, hidden_layers=hidden, progress=tqdm)
+    phases, label = None, "the PyTorch graph"
+    if ns.backend != "torch":
+        from dsv41.runtime.artifact import Artifact
+        from dsv41.runtime.compiled import CompiledPhases
+
+        if not Path(ns.backend).is_dir():
+            raise ValueError(f"--backend {ns.backend!r} is neither 'torch' nor an artifact "
+                             "directory.")
+        if hidden:
+            raise ValueError("--hidden-states needs --backend torch (artifacts return logits, "
+                             "selections and cache state only).")
+        if ns.kv_dtype != "fp4":
+            raise ValueError("Compiled artifacts hold the FP4 cache; --kv-dtype bf16 needs "
+                             "--backend torch.")
+        phases = CompiledPhases(Artifact.load(ns.backend, args=model.args), model)
+        label = f"artifact {ns.backend}"
+    print(f"backend: {label}")
+    res = score(GraphBackend(model, kv_dtype=ns.kv_dtype, phases=phases), tokens,
+                prefill=ns.prefill, mode=ns.mode, hidden_layers=hidden, progress=tqdm)
     res.to_npz(ns.out, tokens)
     finite = np.isfinite(res.logits).all(-1).sum()
     print(f"scored {len(tokens)} tokens ({res.prefill} prefilled, mode {ns.mode}) in "
           f"{time.time() - t0:.1f} s: {finite} logit rows, perplexity "
           f"{res.perplexity(tokens):.4f}, {res.token_layers} token-layers -> {ns.out}")
     return 0
+
+
+def cmd_compile(ns) -> int:
+    from tqdm import tqdm
+
+    from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact
+    from dsv41.compiler.capture import ENTRIES
+    from dsv41.schedules.common import target_names
+
+    _print_args("compile", ns)
+    if ns.target not in target_names():
+        raise ValueError(f"Unknown target {ns.target!r}; targets: {', '.join(target_names())}.")
+    entries = tuple(ns.entries.split(",")) if ns.entries else ENTRIES
+    bad = [e for e in entries if e not in ENTRIES]
+    if bad:
+        raise ValueError(f"Unknown entries {bad}; entries: {', '.join(ENTRIES)}.")
+    args = _args_from(ns)
+    name = ns.preset
+    if ns.config:  # a checkpoint's config.json is named after its folder
+        cfg = Path(ns.config)
+        name = cfg.parent.name if cfg.name == "config.json" else cfg.stem
+        name = cfg.parent.parent.name if name == "checkpoint" else name
+    opts = CompileOptions(args=args, model_name=name, target=ns.target, out=Path(ns.out),
+                          entries=entries,
+                          debug_dump=Path(ns.debug_dump) if ns.debug_dump else None)
+    print(f"compile: {opts.display()}")
+    print(f"phases per entry: {' -> '.join(PHASES)}")
+    bar = tqdm(total=len(entries), desc="entries", unit="entry")
+
+    def progress(msg: str) -> None:
+        bar.write("  " + msg)
+        if "build" in msg:
+            bar.update(1)
+
+    report = compile_artifact(opts, progress=progress)
+    bar.close()
+    if ns.format == "onnx":
+        from dsv41.compiler.onnx_export import export_onnx
+
+        for path in export_onnx(opts):
+            print(f"onnx: {path}")
+            report.sizes[Path(path).name] = Path(path).stat().st_size
+    print(f"\nartifact: {report.artifact_dir}")
+    print(f"{'entry':16s}" + "".join(f"{p:>10s}" for p in PHASES) + f"{'library':>12s}")
+    for entry, times in report.seconds.items():
+        size = report.sizes.get(f"{entry}.so", 0)
+        print(f"{entry:16s}" + "".join(f"{times.get(p, 0.0):9.1f}s" for p in PHASES)
+              + f"{size / 1e6:10.1f}MB")
+    if report.unfused:
+        print(f"note: TVM's FuseTIR refused {', '.join(report.unfused)}; built unfused.")
+    print(f"total {report.total_seconds:.1f} s, {sum(report.sizes.values()) / 1e6:.1f} MB")
+    return 0
+
+
+def cmd_bench(ns, rest: list[str]) -> int:
+    if ns.what == "kernels":
+        from dsv41.schedules.bench import main as bench_main
+
+        return bench_main(rest)
+    raise ValueError(f"Unknown benchmark {ns.what!r}; available: kernels.")
 
 
 def cmd_run(ns) -> int:
@@ -154,6 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.set_defaults(func=cmd_score)
 
+    sp = sub.add_parser("compile", help="compile the model's phases into an artifact")
+    model_opts(sp)
+    sp.add_argument("--target", default="cpu",
+                    help="cpu | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100")
+    sp.add_argument("--out", default="artifacts")
+    sp.add_argument("--entries", default="", help="comma-separated subset of the entries")
+    sp.add_argument("--debug-dump", default=None, help="write the IR after each phase here")
+    sp.add_argument("--format", default="tvm", choices=("tvm", "onnx"),
+                    help="onnx: also export the captured graphs as ONNX (dsv41 domain)")
+    sp.set_defaults(func=cmd_compile)
+
+    sp = sub.add_parser("bench", help="benchmarks: `dsv41 bench kernels [--help]`")
+    sp.add_argument("what", help="kernels")
+    sp.set_defaults(func=cmd_bench, passthrough=True)
+
     sp = sub.add_parser("run", help="the agent-loop demo: long context, then short turns")
     sp.add_argument("--preset", default="small")
     sp.add_argument("--checkpoint", default=None)
@@ -168,8 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns, rest = build_parser().parse_known_args(argv)
+    if rest and not getattr(ns, "passthrough", False):
+        build_parser().parse_args(argv)  # reports the unknown arguments and exits
     try:
+        if getattr(ns, "passthrough", False):
+            return ns.func(ns, rest)
         return ns.func(ns)
     except ValueError as e:
         print(f"dsv41 {ns.verb}: error: {e}", file=sys.stderr)

@@ -88,9 +88,9 @@ def _draft_attention(model: Model, cache: ModelCache, layer: int, x: torch.Tenso
     idx = torch.cat([ring_idx, drafts], dim=1)
     idx = idx.unsqueeze(1).expand(-1, n, -1).to(torch.int32).contiguous()
     sink = model.p(layer, "attn.attn_sink")
-    empty_c = buf_c[:, :0, : a.head_dim // 2]  # no global store: (b, 0, d/2)
-    empty_s = buf_c[:, :0, : a.head_dim // 16]
-    none = torch.full_like(x[..., :0], -1, dtype=torch.int32)  # (b, B, 0)
+    empty_c = buf_c[:, :1, : a.head_dim // 2]  # no global store: one never-selected row
+    empty_s = buf_c[:, :1, : a.head_dim // 16]
+    none = torch.full_like(x[..., :1], -1, dtype=torch.int32)  # (b, B, 1): nothing selected
     o = ops.sparse_attend(q, buf_c, buf_s, idx, empty_c, empty_s, none, sink,
                           a.head_dim**-0.5)
     return output_proj(model, layer, o, cos, sin)

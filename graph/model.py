@@ -464,8 +464,10 @@ def attend(model: Model, cache: ModelCache, layer: int, q: torch.Tensor, win,
     sink = model.p(layer, "attn.attn_sink")
     scale = a.head_dim**-0.5
     if store is None:
-        kv_c = buf_c[:, :0, : a.head_dim // 2]  # an empty store (b, 0, d/2)
-        kv_s = buf_c[:, :0, : a.head_dim // 16]
+        # no global store: one never-selected row and an all -1 selection (no zero-size
+        # tensors, which compiled loop nests handle badly)
+        kv_c = buf_c[:, :1, : a.head_dim // 2]
+        kv_s = buf_c[:, :1, : a.head_dim // 16]
         o = ops.sparse_attend(q, buf_c, buf_s, win_idx, kv_c, kv_s, idx, sink, scale)
     elif cache.kv_dtype == "fp4":
         o = ops.sparse_attend(q, buf_c, buf_s, win_idx, live_rows(store.kv_codes, chunk,
@@ -497,7 +499,7 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     win = window_inputs(ring, win_codes, win_scales, chunk, a.window_size)
     write_ring(ring, win_codes, win_scales, chunk.start, a.window_size)
 
-    store, idx = None, torch.full_like(x[..., :0], -1, dtype=torch.int32)  # (b, s, 0)
+    store, idx = None, torch.full_like(x[..., :1], -1, dtype=torch.int32)  # (b, s, 1): none
     if p.ratio:
         store = cache.stores[p.kv_source]
         c = run_compressor(model, cache, layer, x, chunk)
