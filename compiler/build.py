@@ -166,14 +166,6 @@ def built_module(config: dict, entry: str, target: str):
     return schedule(mod, target)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
     import tvm
 
@@ -245,7 +237,9 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         f"({', '.join(entries)}); weights are not inside: load them with "
         "`dsv41.runtime.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
         "`manifest.json` (checksums, config, target, TVM version) first.\n")
-    files = {p.name: _sha256(p) for p in sorted(out.iterdir())
+    from dsv41.runtime.artifact import sha256_file
+
+    files = {p.name: sha256_file(p) for p in sorted(out.iterdir())
              if p.is_file() and p.name != "manifest.json"}
     report.sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     tuning = out / "tuning"

@@ -250,20 +250,15 @@ def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = F
 # ---- bounded replay after a snapshot miss -------------------------------------------------------
 
 
-def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
-                   record: tuple[int, ...] = ()) -> EncoderOutput:
-    """A prefix hit without its snapshot: the cache holds the global entries of `prefix` (b, L)
-    but its encoder rings and compressor tails are lost. The last min(window, L) prefix tokens
-    are replayed through the encoder to rebuild them (their windows cut at the replay start,
-    cached global entries read and never rewritten), then the suffix runs as usual. Returns the
-    encoder output of replay + suffix, for `decoder_replay`."""
-    prefix, suffix = check_tokens(model, prefix), check_tokens(model, suffix)
+def prepare_replay(model: Model, cache: ModelCache, prefix: torch.Tensor):
+    """The host half of a snapshot-miss replay: check the cache holds exactly `prefix`, reset
+    the lost tails, and restore the Engram lookback from the tokens before the replay. Returns
+    (n replayed tokens, first replayed position per sequence)."""
     big = int(cache.pos.max())
     if prefix.size(1) != big or bool((cache.pos != big).any()):
-        raise ValueError(f"encoder_replay needs every sequence's cache at the prefix length "
+        raise ValueError(f"A replay needs every sequence's cache at the prefix length "
                          f"{prefix.size(1)}; the cache holds {cache.pos.tolist()} tokens.")
     n = min(model.args.window_size, prefix.size(1))
-    first = cache.pos - n
     for store in cache.stores.values():  # the lost tails are rebuilt by the replay
         if store.tail_kv is not None:
             store.tail_kv = torch.zeros_like(store.tail_kv)
@@ -272,6 +267,18 @@ def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
         lookback = prefix[:, : prefix.size(1) - n][:, -(model.engram.max_ngram - 1):]
         cache.engram_history = engram_history_after(
             model.engram, empty_history(model.engram, cache.batch), lookback.numpy())
+    return n, cache.pos - n
+
+
+def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
+                   record: tuple[int, ...] = ()) -> EncoderOutput:
+    """A prefix hit without its snapshot: the cache holds the global entries of `prefix` (b, L)
+    but its encoder rings and compressor tails are lost. The last min(window, L) prefix tokens
+    are replayed through the encoder to rebuild them (their windows cut at the replay start,
+    cached global entries read and never rewritten), then the suffix runs as usual. Returns the
+    encoder output of replay + suffix, for `decoder_replay`."""
+    prefix, suffix = check_tokens(model, prefix), check_tokens(model, suffix)
+    n, first = prepare_replay(model, cache, prefix)
     replay = _chunk(model, cache, prefix[:, -n:], record, start=first, floor=first,
                     write_global=False)
     h1, pre1 = encode_layers(model, cache, prefix[:, -n:], replay)

@@ -23,7 +23,7 @@ class ArtifactError(ValueError):
     """The artifact cannot be used as it is."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -66,7 +66,7 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None) -> dict:
         p = d / name
         if not p.is_file():
             raise ArtifactError(f"{d}: {name} is missing.")
-        if _sha256(p) != digest:
+        if sha256_file(p) != digest:
             raise ArtifactError(f"{d}: {name} does not match its checksum in manifest.json "
                                 "(modified or corrupted). Recompile or restore it.")
     config = args_from_dict(m["config"])

@@ -10,9 +10,8 @@ import torch
 from dsv41.compiler.capture import entry_inputs, load_cache_tensors, selection_keys
 from dsv41.graph.cache import ModelCache
 from dsv41.graph.dspark import Draft
-from dsv41.graph.engram import empty_history, engram_history_after
 from dsv41.graph.model import Model
-from dsv41.graph.phases import PhaseResult, _chunk, check_tokens
+from dsv41.graph.phases import PhaseResult, _chunk, check_tokens, prepare_replay
 
 from .artifact import Artifact
 
@@ -23,8 +22,35 @@ class CompiledPhases:
         self.art, self.model = artifact, model
         self.plan = model.plan
 
+    def _check_inputs(self, entry: str, cache: ModelCache, inputs) -> None:
+        """Every id and position that reaches a compiled gather is checked here (TVM's gathers
+        do not bound-check)."""
+        from dsv41.graph.cache import capacity_tokens
+
+        x, start, floor, hash_ids = inputs[0], inputs[1], inputs[2], inputs[7]
+        a = self.model.args
+        if entry == "draft":
+            if int(x.min()) < 0 or int(x.max()) >= a.vocab_size:
+                raise ValueError("Draft token id out of range.")
+            s = a.dspark_block_size
+        else:
+            s = (x[0] if isinstance(x, tuple) else x).size(1)
+        if int(start.min()) < 0 or int((floor > start).sum()) or int(floor.min()) < 0:
+            raise ValueError(f"Bad positions: start {start.tolist()}, floor {floor.tolist()}.")
+        if entry != "draft" and int(start.max()) + s > capacity_tokens(cache):
+            raise ValueError(f"Positions up to {int(start.max()) + s} exceed the cache capacity "
+                             f"of {capacity_tokens(cache)} tokens.")
+        if hash_ids.numel():
+            for slot, layer in enumerate(a.engram_layer_ids):
+                rows = self.model.p(layer, "engram.embed.weight").size(0)
+                ids = hash_ids[:, :, slot]
+                if int(ids.min()) < 0 or int(ids.max()) >= rows:
+                    raise ValueError(f"Engram ids of layer {layer} outside its {rows} rows.")
+
     def _run(self, entry: str, cache: ModelCache, x, **kw) -> dict[str, torch.Tensor]:
-        out = self.art.call(entry, entry_inputs(self.model, cache, entry, x, **kw))
+        inputs = entry_inputs(self.model, cache, entry, x, **kw)
+        self._check_inputs(entry, cache, inputs)
+        out = self.art.call(entry, inputs)
         names = self.art.manifest["entries"][entry]["outputs"]
         named = dict(zip(names, out, strict=True))
         if entry != "draft":
@@ -102,20 +128,7 @@ class CompiledPhases:
         self._check(model)
         m = self.model
         prefix, suffix = check_tokens(m, prefix), check_tokens(m, suffix)
-        big = int(cache.pos.max())
-        if prefix.size(1) != big or bool((cache.pos != big).any()):
-            raise ValueError(f"replay_prefill needs every sequence's cache at the prefix length "
-                             f"{prefix.size(1)}; the cache holds {cache.pos.tolist()} tokens.")
-        n = min(m.args.window_size, prefix.size(1))
-        first = cache.pos - n
-        for st in cache.stores.values():
-            if st.tail_kv is not None:
-                st.tail_kv = torch.zeros_like(st.tail_kv)
-                st.tail_score = torch.full_like(st.tail_score, float("-inf"))
-        if m.engram is not None:
-            lookback = prefix[:, : prefix.size(1) - n][:, -(m.engram.max_ngram - 1):]
-            cache.engram_history = engram_history_after(
-                m.engram, empty_history(m.engram, cache.batch), lookback.numpy())
+        n, first = prepare_replay(m, cache, prefix)
         h1, p1, c1 = self._encode(cache, prefix[:, -n:], replay_from=first)
         chunk = _chunk(m, cache, suffix, floor=first)
         named = self._run("encoder", cache, suffix, start=chunk.start, floor=chunk.floor,

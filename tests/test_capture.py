@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41.compiler.capture import ENTRIES, capture, entry_inputs, load_cache_tensors
+from dsv41.compiler.capture import (
+    ENTRIES,
+    SELECTING,
+    capture,
+    entry_inputs,
+    load_cache_tensors,
+    selection_keys,
+)
 from dsv41.graph.cache import drop_local_state, new_cache
 from dsv41.graph.phases import (
     Chunk,
@@ -50,7 +57,8 @@ def _run(model, prog, cache, entry, x, **kw):
     """Host half + captured graph; writes the returned cache tensors back."""
     out = prog(*entry_inputs(model, cache, entry, x, **kw))
     n_out = {"encoder": 2, "encoder_replay": 2}.get(entry, 1)
-    load_cache_tensors(cache, out[n_out:])
+    n_sel = len(selection_keys(model.plan)) if entry in SELECTING else 0
+    load_cache_tensors(cache, out[n_out + n_sel:])
     return out[:n_out]
 
 

@@ -148,3 +148,23 @@ def test_missing_file_wrong_config_target_and_tvm_version(small_artifact, small_
             Artifact.load(d)
     with pytest.raises(ArtifactError, match="no manifest"):
         Artifact.load(tmp_path)
+
+
+def test_ids_and_positions_are_checked_before_the_compiled_gathers(small_case, small_model,
+                                                                    compiled):
+    from dsv41.compiler.capture import entry_inputs
+    from dsv41.graph.cache import new_cache
+
+    m = small_model
+    c = new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id)
+    toks = torch.from_numpy(small_case.tokens[:8])[None]
+    rows = m.p(m.args.engram_layer_ids[0], "engram.embed.weight").size(0)
+    bad_ids = torch.full((1, 8, len(m.args.engram_layer_ids), 6), rows, dtype=torch.int64)
+    with pytest.raises(ValueError, match="Engram ids"):
+        compiled._check_inputs("prefill_all", c,
+                               entry_inputs(m, c, "prefill_all", toks, hash_ids=bad_ids))
+    with pytest.raises(ValueError, match="capacity"):
+        compiled._check_inputs("prefill_all", c, entry_inputs(
+            m, c, "prefill_all", toks, start=torch.tensor([60]), hash_ids=bad_ids * 0))
+    with pytest.raises(ValueError):
+        compiled.prefill_exact(m, c, torch.tensor([[m.args.vocab_size]]))
