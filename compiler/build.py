@@ -37,6 +37,7 @@ class CompileOptions:
     out: Path = Path("artifacts")
     entries: tuple[str, ...] = ENTRIES
     debug_dump: Path | None = None
+    onnx: bool = False  # also write <entry>.onnx (the captured graph, for inspection)
 
     def display(self) -> str:
         return (f"model {self.model_name} (config {self.args.config_hash()[:12]}), target "
@@ -220,6 +221,11 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
         times["build"] = time.perf_counter() - t
         say(f"{entry}: lower {times['lower']:.1f} s, fuse {times['fuse']:.1f} s, build "
             f"{times['build']:.1f} s")
+    if opts.onnx:
+        from .onnx_export import export_onnx
+
+        for path in export_onnx(opts):
+            say(f"onnx: {path}")
     write_manifest(opts, entries, report)
     return report
 

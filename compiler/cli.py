@@ -140,7 +140,8 @@ def cmd_compile(ns) -> int:
         name = cfg.parent.parent.name if name == "checkpoint" else name
     opts = CompileOptions(args=args, model_name=name, target=ns.target, out=Path(ns.out),
                           entries=entries,
-                          debug_dump=Path(ns.debug_dump) if ns.debug_dump else None)
+                          debug_dump=Path(ns.debug_dump) if ns.debug_dump else None,
+                          onnx=ns.format == "onnx")
     print(f"compile: {opts.display()}")
     print(f"phases per entry: {' -> '.join(PHASES)}")
     bar = tqdm(total=len(entries), desc="entries", unit="entry")
@@ -152,12 +153,6 @@ def cmd_compile(ns) -> int:
 
     report = compile_artifact(opts, progress=progress)
     bar.close()
-    if ns.format == "onnx":
-        from dsv41.compiler.onnx_export import export_onnx
-
-        for path in export_onnx(opts):
-            print(f"onnx: {path}")
-            report.sizes[Path(path).name] = Path(path).stat().st_size
     print(f"\nartifact: {report.artifact_dir}")
     print(f"{'entry':16s}" + "".join(f"{p:>10s}" for p in PHASES) + f"{'library':>12s}")
     for entry, times in report.seconds.items():
