@@ -148,12 +148,15 @@ def finish_pipeline(target_name: str):
 
 def schedule(mod, target_name: str):
     """CUDA: dlight default schedules for everything our kernels do not already schedule. CPU:
-    LLVM's loops as legalised (a MetaSchedule database replaces them in `dsv41 tune`)."""
+    parallel / vectorised loop nests that keep every reduction's order (`cpu_rules`), so the
+    results are bit-identical to the unscheduled module."""
     from dsv41.schedules.common import get_target
 
     spec = get_target(target_name)
     if not spec.is_cuda:
-        return mod
+        from dsv41.schedules.cpu_rules import apply_cpu_schedules
+
+        return apply_cpu_schedules(mod, spec)
     from tvm.s_tir import dlight as dl
 
     with spec.tvm_target():

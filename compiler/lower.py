@@ -253,10 +253,51 @@ def _in_fp32(importer, x: relax.Expr) -> relax.Expr:
     return importer.block_builder.emit(relax.op.astype(x, "float32"))
 
 
+def _round_to_bf16(importer, x: relax.Expr) -> relax.Expr:
+    """fp32 -> bf16, round to nearest even, on the bits. A plain cast is folded away by TVM's
+    simplifier when a fused kernel immediately casts back to fp32 (Cast(f32, Cast(bf16, v)) ->
+    v), which silently drops torch's bf16 rounding; bit arithmetic cannot be folded."""
+    from tvm import te, tirx
+
+    def rnd(v):
+        u = tirx.reinterpret("uint32", v)
+        one, half = tirx.const(1, "uint32"), tirx.const(0x7FFF, "uint32")
+        r = (u + ((u >> tirx.const(16, "uint32")) & one) + half) >> tirx.const(16, "uint32")
+        r = tirx.Select(v != v, (u >> tirx.const(16, "uint32")) | tirx.const(0x40, "uint32"),
+                        r)  # NaN stays a quiet NaN
+        return tirx.reinterpret("bfloat16", r.astype("uint16"))
+
+    def compute(a):
+        return te.compute(a.shape, lambda *i: rnd(a(*i)), name="round_bf16")
+
+    return importer.block_builder.emit_te(compute, x, primfunc_name_hint="round_bf16")
+
+
+def _cast(importer, x: relax.Expr, dtype: str) -> relax.Expr:
+    if x.ty.dtype == dtype:
+        return x
+    if dtype == "bfloat16" and x.ty.dtype == "float32":
+        return _round_to_bf16(importer, x)
+    return importer.block_builder.emit(relax.op.astype(x, dtype))
+
+
 def _back(importer, y: relax.Expr, dtype: str) -> relax.Expr:
-    if dtype == "float32":
-        return y
-    return importer.block_builder.emit(relax.op.astype(y, dtype))
+    return _cast(importer, y, dtype)
+
+
+def _to_dtype(node, importer):
+    """aten.to(dtype) / _to_copy / type_as, with the exact fp32 -> bf16 rounding."""
+    import torch
+
+    x = importer.env[node.args[0]]
+    target = node.kwargs.get("dtype")
+    if target is None and len(node.args) > 1:
+        other = node.args[1]
+        target = other.meta["val"].dtype if isinstance(other, torch.fx.Node) else other
+    if target is None:
+        return x
+    dtype = str(target).replace("torch.", "")
+    return _cast(importer, x, dtype)
 
 
 def _linear(node, importer):
@@ -371,6 +412,9 @@ def convert_map(ctx: Lowering) -> dict:
         "where.ScalarOther": _where_scalar(2),
         "where.ScalarSelf": _where_scalar(1),
         "clamp.default": _clamp,
+        "to.dtype": _to_dtype,
+        "_to_copy.default": _to_dtype,
+        "type_as.default": _to_dtype,
     }
 
 

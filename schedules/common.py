@@ -44,12 +44,15 @@ def target_names() -> tuple[str, ...]:
 def get_target(name: str) -> TargetSpec:
     """`cpu` is this machine's LLVM features; `cpu-x86-64` a portable baseline."""
     cores = os.cpu_count() or 1
+    # no FMA contraction: a*b - c*d must round like torch's separate multiply and subtract
+    # (RoPE, the head and every elementwise chain would otherwise drift by an ulp)
+    strict = {"fast-math-contract": False}
     if name == "cpu":
         return TargetSpec("cpu", {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
-                                  "num-cores": cores})
+                                  "num-cores": cores, **strict})
     if name == "cpu-x86-64":
         return TargetSpec("cpu-x86-64", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
-                                         "mcpu": "x86-64", "num-cores": cores})
+                                         "mcpu": "x86-64", "num-cores": cores, **strict})
     for arch in ("sm_80", "sm_90", "sm_100"):
         if name == f"cuda-{arch.replace('_', '')}":
             return _cuda(arch)
