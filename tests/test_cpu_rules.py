@@ -210,6 +210,7 @@ def _report(entry, plain_ms, sched_ms):
           f"({plain_ms / sched_ms:.2f}x), load average {os.getloadavg()[0]:.1f}")
 
 
+@pytest.mark.slow
 def test_decode_entry_bit_identical(small_case, small_model):
     from dsv41.graph.cache import new_cache
     from dsv41.graph.phases import prefill_exact
