@@ -157,11 +157,60 @@ def schedule(mod, target_name: str):
         from dsv41.schedules.cpu_rules import apply_cpu_schedules
 
         return apply_cpu_schedules(mod, spec)
+    import tvm
     from tvm.s_tir import dlight as dl
 
+    rules = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+    out = mod
     with spec.tvm_target():
-        return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                       dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
+        for gv, func in mod.functions.items():
+            if not isinstance(func, tvm.tirx.PrimFunc) or (
+                    func.attrs and func.attrs.get("tirx.is_scheduled")):
+                continue
+            one = tvm.IRModule({gv.name_hint: func})
+            try:
+                scheduled = rules(one)[gv.name_hint]
+            except Exception:  # noqa: BLE001 - dlight raises TVM internal errors
+                scheduled = _bind_flat(func)  # symbolic extents dlight cannot split
+            out[gv] = scheduled
+    return out
+
+
+def _bind_flat(func):
+    """The simplest GPU schedule: per block, the spatial loops fused and bound to blocks of 256
+    threads; reduction loops stay sequential per thread (so results keep the serial order)."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    root = sch.get_sblock("root") if _has_root(sch) else None
+    blocks = sch.get_child_blocks(root) if root is not None else []
+    for blk in blocks:
+        loops = sch.get_loops(blk)
+        info = sch.get(blk)
+        spatial = [lp for lp, iv in zip(loops, info.iter_vars, strict=False)
+                   if iv.iter_type == 0]  # kDataPar
+        if not spatial:
+            continue
+        if len(spatial) == 1:
+            bx, tx = sch.split(spatial[0], [None, 256])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+            continue
+        # several spatial loops with symbolic extents (which fuse cannot always prove): the
+        # outermost over thread blocks, the innermost over threads, the rest per thread
+        sch.bind(spatial[0], "blockIdx.x")
+        _, tx = sch.split(spatial[-1], [None, 128])
+        sch.bind(tx, "threadIdx.x")
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _has_root(sch) -> bool:
+    try:
+        sch.get_sblock("root")
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def built_module(config: dict, entry: str, target: str):
