@@ -59,17 +59,19 @@ def cache_names(cache: ModelCache) -> list[str]:
 
 
 def cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
-    out = []
-    for name in cache_names(cache):
-        out.append(_get(cache, name))
-    return out
+    return [_get(cache, name) for name in cache_names(cache)]
+
+
+def _owner(cache: ModelCache, name: str):
+    """(object, attribute) holding the cache tensor `name`."""
+    if name == "index_owner":
+        return cache, "index_owner"
+    kind, layer, field = name.split(".")
+    return (cache.windows[int(layer)] if kind == "window" else cache.stores[int(layer)]), field
 
 
 def _get(cache: ModelCache, name: str) -> torch.Tensor:
-    if name == "index_owner":
-        return cache.index_owner
-    kind, layer, field = name.split(".")
-    obj = cache.windows[int(layer)] if kind == "window" else cache.stores[int(layer)]
+    obj, field = _owner(cache, name)
     return getattr(obj, field)
 
 
@@ -79,12 +81,7 @@ def load_cache_tensors(cache: ModelCache, tensors) -> None:
     if len(tensors) != len(names):
         raise ValueError(f"Expected {len(names)} cache tensors, got {len(tensors)}.")
     for name, t in zip(names, tensors, strict=True):
-        if name == "index_owner":
-            cache.index_owner = t
-            continue
-        kind, layer, field = name.split(".")
-        obj = cache.windows[int(layer)] if kind == "window" else cache.stores[int(layer)]
-        setattr(obj, field, t)
+        setattr(*_owner(cache, name), t)
 
 
 def _cache_from(template: ModelCache, tensors, start: torch.Tensor) -> ModelCache:
@@ -262,10 +259,11 @@ def capture(model: Model, entry: str, shapes: CaptureShapes = CaptureShapes()):
 
 
 def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, floor=None,
-                 hash_ids=None) -> tuple:
+                 hash_ids=None, rope=None) -> tuple:
     """The host half of a phase: real inputs for `entry` from a cache and validated tokens (or
     the encoder stream for `decoder`, or the accepted token for `draft`). Engram ids must be
-    passed in (they advance the cache's lookback, so the caller computes them once)."""
+    passed in (they advance the cache's lookback, so the caller computes them once); so may
+    RoPE tables a graph `Chunk` already holds for the same start."""
     a = model.args
     if entry == "draft":
         s = a.dspark_block_size
@@ -277,7 +275,7 @@ def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, 
     floor = torch.zeros_like(start) if floor is None else floor
     from dsv41.graph.model import rope_window
 
-    rope = rope_window(model, start, s)
+    rope = rope_window(model, start, s) if rope is None else rope
     if hash_ids is None:
         n_eng = len(a.engram_layer_ids)
         cols = (a.engram_max_ngram_size - 1) * a.engram_n_heads if n_eng else 0

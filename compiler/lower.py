@@ -155,13 +155,18 @@ def _indexer(ctx: Lowering, kind: str):
             scores = _call(importer, sweep, [q, kc, ks, wts, lens, blocks], pool_ty)
             return _call(importer, pick, [scores, blocks], _tensor([b, s, topk], "int32"))
         topk = int(node.args[5])
+        flat = {}
+
+        def flat_mod():
+            if not flat:
+                flat["mod"] = indexer.build_indexer_topk(ctx.target.name, heads=heads, dim=dim,
+                                                         topk=topk)
+            return flat["mod"]
+
         sweep = ctx.kernel(importer, ("index_scores", heads, dim),
-                           lambda: indexer.build_indexer_topk(
-                               ctx.target.name, heads=heads, dim=dim, topk=topk)["index_scores"])
+                           lambda: flat_mod()["index_scores"])
         pick = ctx.kernel(importer, ("select_positions", topk),
-                          lambda: indexer.build_indexer_topk(
-                              ctx.target.name, heads=heads, dim=dim,
-                              topk=topk)["select_positions"])
+                          lambda: flat_mod()["select_positions"])
         scores = _call(importer, sweep, [q, kc, ks, wts, lens], scores_ty)
         idx = _call(importer, pick, [scores], _tensor([b, s, topk], "int32"))
         if kind == "flat":
@@ -281,10 +286,6 @@ def _cast(importer, x: relax.Expr, dtype: str) -> relax.Expr:
     return importer.block_builder.emit(relax.op.astype(x, dtype))
 
 
-def _back(importer, y: relax.Expr, dtype: str) -> relax.Expr:
-    return _cast(importer, y, dtype)
-
-
 def _to_dtype(node, importer):
     """aten.to(dtype) / _to_copy / type_as, with the exact fp32 -> bf16 rounding."""
     import torch
@@ -306,7 +307,7 @@ def _linear(node, importer):
     dtype = x.ty.dtype
     y = importer.block_builder.emit(relax.op.linear(_in_fp32(importer, x),
                                                     _in_fp32(importer, w), bias, "float32"))
-    return _back(importer, y, dtype)
+    return _cast(importer, y, dtype)
 
 
 def _einsum(node, importer):
@@ -314,7 +315,7 @@ def _einsum(node, importer):
     ops = [importer.env[a] for a in node.args[1]]
     dtype = ops[0].ty.dtype
     y = importer.block_builder.emit(relax.op.einsum([_in_fp32(importer, o) for o in ops], eq))
-    return _back(importer, y, dtype)
+    return _cast(importer, y, dtype)
 
 
 def _mean(node, importer):
@@ -323,7 +324,7 @@ def _mean(node, importer):
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     dtype = x.ty.dtype
     y = importer.block_builder.emit(relax.op.mean(_in_fp32(importer, x), dim, keepdims=keep))
-    return _back(importer, y, dtype)
+    return _cast(importer, y, dtype)
 
 
 def _amax(node, importer):

@@ -170,6 +170,14 @@ def _batch_tensors(cache: ModelCache):
     return out
 
 
+def _shallow_copy(cache: ModelCache) -> ModelCache:
+    """New cache, ring and store objects over the same tensors (callers then replace them)."""
+    out = copy.copy(cache)
+    out.windows = {k: WindowRing(v.codes, v.scales) for k, v in cache.windows.items()}
+    out.stores = {k: copy.copy(v) for k, v in cache.stores.items()}
+    return out
+
+
 def stack_caches(caches: list[ModelCache]) -> ModelCache:
     """One batch from several caches of the same plan (sequences may have different lengths):
     stores are padded to the largest capacity. Batched decode runs on the result."""
@@ -182,10 +190,7 @@ def stack_caches(caches: list[ModelCache]) -> ModelCache:
         if first.stores else 1
     for c in caches:
         ensure_capacity(c, tokens, exact=True)
-    out = copy.copy(first)
-    out.windows = {k: WindowRing(v.codes, v.scales) for k, v in first.windows.items()}
-    out.stores = {k: GlobalStore(**{f: getattr(v, f) for f in GlobalStore.__dataclass_fields__})
-                  for k, v in first.stores.items()}
+    out = _shallow_copy(first)
     out.batch = sum(c.batch for c in caches)
     for (obj, name), *others in zip(_batch_tensors(out), *[_batch_tensors(c) for c in caches[1:]],
                                     strict=True):
@@ -200,10 +205,7 @@ def select_sequences(cache: ModelCache, rows: list[int]) -> ModelCache:
     """A cache holding only the given sequences (copies)."""
     if not rows or any(not 0 <= r < cache.batch for r in rows):
         raise ValueError(f"Sequence rows must lie in 0..{cache.batch - 1}, got {rows}.")
-    out = copy.copy(cache)
-    out.windows = {k: WindowRing(v.codes, v.scales) for k, v in cache.windows.items()}
-    out.stores = {k: GlobalStore(**{f: getattr(v, f) for f in GlobalStore.__dataclass_fields__})
-                  for k, v in cache.stores.items()}
+    out = _shallow_copy(cache)
     out.batch = len(rows)
     idx = torch.tensor(rows)
     for obj, name in _batch_tensors(out):

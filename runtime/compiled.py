@@ -74,7 +74,8 @@ class CompiledPhases:
         entry = "prefill_all" if all_logits else "prefill"
         if tokens.size(1) == 1 and not all_logits and "decode" in self.art.entries:
             entry = "decode"
-        named = self._run(entry, cache, tokens, start=chunk.start, hash_ids=chunk.hash_ids)
+        named = self._run(entry, cache, tokens, start=chunk.start, hash_ids=chunk.hash_ids,
+                          rope=chunk.rope)
         cache.pos = chunk.end
         sel = {k: named[f"sel.{k}"] for k in selection_keys(self.plan) if f"sel.{k}" in named}
         return PhaseResult(named["logits"], self._work(range(self.model.args.n_layers),
@@ -98,7 +99,7 @@ class CompiledPhases:
         start = replay_from if entry == "encoder_replay" else None
         chunk = _chunk(self.model, cache, tokens, start=start, floor=floor)
         named = self._run(entry, cache, tokens, start=chunk.start, floor=chunk.floor,
-                          hash_ids=chunk.hash_ids)
+                          hash_ids=chunk.hash_ids, rope=chunk.rope)
         return named["h"], named["pre"], chunk
 
     def _decode_replay(self, cache: ModelCache, h, pre, ids, start, all_logits: bool):
@@ -132,7 +133,7 @@ class CompiledPhases:
         h1, p1, c1 = self._encode(cache, prefix[:, -n:], replay_from=first)
         chunk = _chunk(m, cache, suffix, floor=first)
         named = self._run("encoder", cache, suffix, start=chunk.start, floor=chunk.floor,
-                          hash_ids=chunk.hash_ids)
+                          hash_ids=chunk.hash_ids, rope=chunk.rope)
         cache.pos = chunk.end
         h, pre = torch.cat([h1, named["h"]], 1), torch.cat([p1, named["pre"]], 1)
         ids = None if chunk.hash_ids is None else torch.cat([c1.hash_ids, chunk.hash_ids], 1)
