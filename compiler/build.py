@@ -229,8 +229,16 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
     out.mkdir(parents=True, exist_ok=True)
     report = CompileReport(out)
     model = Model.placeholder(opts.args)
-    entries = {}
     say = progress or (lambda msg: None)
+    kept = built_entries(out, opts.args, opts.target)
+    entries = {e: sig for e, sig in kept.items() if e not in opts.entries}
+    for e in entries:
+        report.seconds[e] = {}
+    if entries:
+        say(f"keeping the artifact's other entries: {', '.join(entries)}")
+    for stale in out.glob("*.so"):
+        if stale.stem not in entries and stale.stem not in opts.entries:
+            stale.unlink()
     for entry in opts.entries:
         times = report.seconds.setdefault(entry, {})
         t = time.perf_counter()
@@ -282,6 +290,28 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
     return report
 
 
+def built_entries(artifact_dir: Path, args: ModelArgs, target: str) -> dict[str, dict]:
+    """The entries of an existing artifact for the same config, target and TVM whose files
+    verify (an artifact that does not verify contributes nothing)."""
+    from dsv41.runtime.artifact import ArtifactError, verify
+
+    if not (artifact_dir / "manifest.json").is_file():
+        return {}
+    try:
+        m = verify(artifact_dir, args=args, check_device=False)
+    except (ArtifactError, ValueError, KeyError):
+        return {}
+    if m["target"]["name"] != target:
+        return {}
+    return dict(m["entries"])
+
+
+def missing_entries(artifact_dir: Path, args: ModelArgs, target: str,
+                    wanted: tuple[str, ...]) -> tuple[str, ...]:
+    have = built_entries(artifact_dir, args, target)
+    return tuple(e for e in wanted if e not in have)
+
+
 def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -> Path:
     import tvm
 
@@ -318,11 +348,21 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         "entries": entries,
         "tuning_database_sha256": db_hash,
         "files": files,
-        "compile_seconds": report.seconds,
+        "compile_seconds": {**_old_seconds(out), **{e: t for e, t in report.seconds.items()
+                                                     if t}},
         "created_unix": int(time.time()),
         "built_on": os.uname().nodename,
     }
     path = out / "manifest.json"
-    path.write_text(json.dumps(manifest, indent=1))
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
     report.sizes["manifest.json"] = path.stat().st_size
     return path
+
+
+def _old_seconds(out: Path) -> dict:
+    try:
+        return json.loads((out / "manifest.json").read_text()).get("compile_seconds", {})
+    except (OSError, ValueError):
+        return {}

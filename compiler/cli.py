@@ -157,8 +157,9 @@ def cmd_compile(ns) -> int:
     print(f"{'entry':16s}" + "".join(f"{p:>10s}" for p in PHASES) + f"{'library':>12s}")
     for entry, times in report.seconds.items():
         size = report.sizes.get(f"{entry}.so", 0)
-        print(f"{entry:16s}" + "".join(f"{times.get(p, 0.0):9.1f}s" for p in PHASES)
-              + f"{size / 1e6:10.1f}MB")
+        cols = "".join(f"{times.get(p, 0.0):9.1f}s" for p in PHASES) if times else \
+            f"{'(kept from the existing artifact)':>50s}"
+        print(f"{entry:16s}" + cols + f"{size / 1e6:10.1f}MB")
     if report.unfused:
         print(f"note: TVM's FuseTIR refused {', '.join(report.unfused)}; built unfused.")
     print(f"total {report.total_seconds:.1f} s, {sum(report.sizes.values()) / 1e6:.1f} MB")
@@ -174,14 +175,56 @@ def cmd_bench(ns, rest: list[str]) -> int:
 
 
 def cmd_run(ns) -> int:
-    from dsv41.runtime.agent_loop import AgentLoopConfig, run_agent_loop
+    from dsv41.runtime.agent_loop import (
+        CED_ENTRIES,
+        EXACT_ENTRIES,
+        AgentLoopConfig,
+        run_agent_loop,
+    )
 
     _print_args("run", ns)
     ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
-    run_agent_loop(AgentLoopConfig(checkpoint=ckpt, context=ns.context, turns=ns.turns,
-                                   suffix=ns.suffix, decode=ns.decode, exact=ns.exact,
-                                   seed=ns.seed))
+    artifact = None
+    if ns.backend == "artifact":
+        artifact = ensure_artifact(ckpt, ns.preset, ns.target,
+                                   EXACT_ENTRIES if ns.exact else CED_ENTRIES, Path(ns.out))
+    elif ns.backend != "torch":
+        raise ValueError(f"--backend must be artifact or torch, got {ns.backend!r}.")
+    run_agent_loop(AgentLoopConfig(
+        checkpoint=ckpt, artifact=artifact, store_dir=Path(ns.store), context=ns.context,
+        turns=ns.turns, suffix=ns.suffix, decode=ns.decode, exact=ns.exact,
+        restart_between_turns=ns.restart_between_turns, keep_store=ns.keep_store, seed=ns.seed))
     return 0
+
+
+def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str, ...],
+                    out: Path) -> Path:
+    """The artifact for the checkpoint's config, compiling the entries it lacks."""
+    from tqdm import tqdm
+
+    from dsv41.compiler.build import CompileOptions, compile_artifact, missing_entries
+    from dsv41.graph.config import load_config
+
+    args = load_config(checkpoint)
+    opts = CompileOptions(args=args, model_name=name, target=target, out=out, entries=entries)
+    todo = missing_entries(opts.artifact_dir, args, target, entries)
+    if not todo:
+        print(f"artifact: {opts.artifact_dir} (entries {', '.join(entries)} present)")
+        return opts.artifact_dir
+    print(f"artifact: compiling {', '.join(todo)} for {target} into {opts.artifact_dir} "
+          "(once; later runs reuse it)")
+    bar = tqdm(total=len(todo), desc="compile", unit="entry")
+
+    def progress(msg: str) -> None:
+        bar.write("  " + msg)
+        if "build" in msg:
+            bar.update(1)
+
+    report = compile_artifact(CompileOptions(args=args, model_name=name, target=target,
+                                             out=out, entries=todo), progress=progress)
+    bar.close()
+    print(f"compiled in {report.total_seconds:.0f} s")
+    return report.artifact_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--suffix", type=int, default=32, help="new tokens per turn")
     sp.add_argument("--decode", type=int, default=16, help="tokens decoded per turn")
     sp.add_argument("--exact", action="store_true", help="exact phases throughout (no CED)")
+    sp.add_argument("--restart-between-turns", action="store_true",
+                    help="a new engine per turn: only the SSD store carries over")
+    sp.add_argument("--backend", default="artifact", help="artifact (compiled) | torch")
+    sp.add_argument("--target", default="cpu", help="the artifact's target")
+    sp.add_argument("--out", default="artifacts", help="where artifacts live")
+    sp.add_argument("--store", default="artifacts/run-store", help="the SSD store's folder")
+    sp.add_argument("--keep-store", action="store_true",
+                    help="start from the store's contents (default: a fresh store per run)")
     sp.set_defaults(func=cmd_run)
     return p
 

@@ -1,34 +1,42 @@
 """The agent-loop workload behind `dsv41 run`: a long system-plus-repository context, then turns
-of short tool output and a few decoded tokens, all in one live cache.
+of short tool output and a few hundred decoded tokens, on the embedded engine over a compiled
+artifact, with the SSD and DRAM tiers.
 
-This first version drives the PyTorch graph's phase functions directly (turn 1 cold: CED prefill,
-or exact; later turns: the live cache holds everything, so only the new suffix is prefilled).
-Compiled artifacts and the SSD / DRAM tiers replace the in-process cache in the runtime issue."""
+Per turn it prints the tokens prefilled, replayed and decoded, the tier that served the turn,
+the bytes in each tier and the time per phase. `--restart-between-turns` throws the engine away
+after every turn (a new process would see the same: only the SSD store survives), so turns are
+served by the SSD tier: bounded replay, or in exact mode the SSD state record."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from dsv41.graph.bill import make_bill
-from dsv41.graph.cache import new_cache
-from dsv41.graph.model import Model
-from dsv41.graph.phases import ced_prefill, decode_step, prefill_exact
+
+from .engine import Engine, TurnRecord
+
+CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")
+EXACT_ENTRIES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
 class AgentLoopConfig:
     checkpoint: Path
+    artifact: Path | None  # None: the PyTorch graph's phases
+    store_dir: Path
     context: int = 512  # tokens of system + repository context
     turns: int = 3
     suffix: int = 32  # new tool-output tokens per turn
-    decode: int = 16  # greedy tokens per turn
+    decode: int = 16  # tokens decoded per turn
     exact: bool = False
+    restart_between_turns: bool = False
+    keep_store: bool = False  # start from the store's current contents
     seed: int = 0
 
     def validate(self) -> None:
@@ -37,59 +45,74 @@ class AgentLoopConfig:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
 
 
-@dataclass
-class TurnRecord:
-    turn: int
-    prefilled: int
-    replayed: int
-    decoded: int
-    tier: str
-    cache_bytes: int
-    seconds: dict
+def _engine(cfg: AgentLoopConfig) -> Engine:
+    opts = {"exact": cfg.exact, "store_dir": cfg.store_dir}
+    if cfg.artifact is not None:
+        return Engine.load(cfg.artifact, cfg.checkpoint, **opts)
+    from dsv41.graph.model import Model
+
+    from .engine import weights_fingerprint
+
+    return Engine.from_model(Model.from_checkpoint(cfg.checkpoint),
+                             weights_hash=weights_fingerprint(cfg.checkpoint), **opts)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
 
 
 def run_agent_loop(cfg: AgentLoopConfig) -> list[TurnRecord]:
     cfg.validate()
+    if not cfg.keep_store and cfg.store_dir.exists():
+        shutil.rmtree(cfg.store_dir)
     t0 = time.time()
-    model = Model.from_checkpoint(cfg.checkpoint)
-    a = model.args
-    print(f"model: {cfg.checkpoint} ({a.n_layers} layers, dim {a.dim}); load "
-          f"{time.time() - t0:.1f} s; backend: PyTorch graph")
+    engine = _engine(cfg)
+    a = engine.model.args
+    print(f"model: {cfg.checkpoint} ({a.n_layers} layers, dim {a.dim}, window {a.window_size}); "
+          f"backend: {engine.backend}; {'exact' if cfg.exact else 'CED'} mode; SSD store "
+          f"{cfg.store_dir}; load {time.time() - t0:.1f} s")
+    total = cfg.context + cfg.turns * (cfg.suffix + cfg.decode) + 1
+    if total > a.max_seq_len:
+        raise ValueError(f"--context/--turns/--suffix/--decode reach {total} positions; the "
+                         f"model's max_seq_len is {a.max_seq_len}.")
     rng = np.random.default_rng(cfg.seed)
-    total = cfg.context + cfg.turns * (cfg.suffix + cfg.decode)
-    pad = model.engram.pad_id if model.engram is not None else None
-    cache = new_cache(model.plan, 1, total + 1, engram_pad=pad)
     low, high = 3, a.vocab_size - 1  # never the special ids or the DSpark noise token
+    session = engine.session()
     records = []
     for turn in range(cfg.turns):
+        if turn and cfg.restart_between_turns:
+            transcript = session.transcript
+            engine = _engine(cfg)
+            session = engine.session(transcript=transcript)
         n_new = cfg.context if turn == 0 else cfg.suffix
-        new = torch.from_numpy(rng.integers(low, high, size=(1, n_new)))
-        secs = {}
-        t = time.time()
-        if turn == 0 and not cfg.exact:
-            res = ced_prefill(model, cache, new)
-            tier, replayed = "cold: CED prefill", min(n_new, a.window_size)
-        else:
-            res = prefill_exact(model, cache, new)
-            tier = "cold: exact prefill" if turn == 0 else "live cache: suffix only"
-            replayed = 0
-        secs["prefill"] = time.time() - t
-        t = time.time()
-        token = int(res.logits[0, -1].argmax())
-        for _ in tqdm(range(cfg.decode), desc=f"turn {turn + 1} decode", leave=False):
-            token = int(decode_step(model, cache, torch.tensor([[token]])).logits[0, -1].argmax())
-        secs["decode"] = time.time() - t
-        rec = TurnRecord(turn + 1, n_new, replayed, cfg.decode, tier,
-                         sum(cache.nbytes().values()), secs)
+        new = [int(x) for x in rng.integers(low, high, size=n_new)]
+        out = []
+        for tok in tqdm(session.send(new, max_new_tokens=cfg.decode), total=cfg.decode,
+                        desc=f"turn {turn + 1}", unit="tok", leave=False):
+            out.append(tok)
+        rec = session.turns[-1]
         records.append(rec)
-        print(f"turn {rec.turn}: prefilled {rec.prefilled}, replayed {rec.replayed}, decoded "
-              f"{rec.decoded} [{rec.tier}] cache {rec.cache_bytes:,} B; prefill "
-              f"{secs['prefill']:.2f} s ({res.token_layers} token-layers), decode "
-              f"{secs['decode']:.2f} s ({cfg.decode / max(secs['decode'], 1e-9):.1f} tok/s)")
-    bill = make_bill(a, contexts=(int(cache.pos[0]),))
-    print(f"summary: {cfg.turns} turns, {int(cache.pos[0])} tokens in cache; global KV "
-          f"{bill.global_bytes_per_token:g} B/token by the bill, live "
-          f"{cache.nbytes()['main_kv'] + cache.nbytes()['index_k']:,} B allocated for "
-          f"{cache.stores and max(s.capacity * s.ratio for s in cache.stores.values())} "
-          f"token slots; total {time.time() - t0:.1f} s")
+        st = engine.stats()
+        sec = rec.seconds
+        dec_rate = rec.decoded / max(sec.get("decode", 0.0), 1e-9)
+        print(f"turn {rec.turn}: [{rec.tier}] prefilled {rec.prefilled}, replayed "
+              f"{rec.replayed} (+{rec.decoder_replayed} through the decoder), decoded "
+              f"{len(out)}; {rec.token_layers} token-layers")
+        print(f"  time: restore {sec.get('restore', 0):.2f} s, prefill {sec['prefill']:.2f} s, "
+              f"decode {sec.get('decode', 0):.2f} s ({dec_rate:.1f} tok/s), store "
+              f"{sec.get('offload', 0):.2f} s")
+        print(f"  bytes: runtime cache {_mb(sum(st.runtime_bytes.values()))} "
+              f"({st.sessions_live} live), DRAM pool {_mb(st.pool.bytes)} "
+              f"({st.pool.entries} snapshots), SSD {_mb(st.store.bytes)} "
+              f"({st.store.entries} records)")
+    tokens = len(session.history)
+    bill = make_bill(a, contexts=(tokens,))
+    blocks = session.stored_blocks * engine.options.page_tokens
+    tiers: dict[str, int] = {}
+    for r in records:
+        tiers[r.tier] = tiers.get(r.tier, 0) + 1
+    print(f"summary: {cfg.turns} turns, {tokens} tokens in the conversation; turns per tier "
+          f"{tiers}; global KV {bill.global_bytes_per_token:g} B/token by the bill, {blocks} "
+          f"tokens in SSD blocks; total {time.time() - t0:.1f} s")
+    session.close()
     return records

@@ -72,13 +72,16 @@ class CompiledPhases:
         tokens = check_tokens(self.model, tokens)
         chunk = _chunk(self.model, cache, tokens)
         entry = "prefill_all" if all_logits else "prefill"
+        if entry not in self.art.entries and "prefill_all" in self.art.entries:
+            entry = "prefill_all"  # the same graph, with every position's logits
         if tokens.size(1) == 1 and not all_logits and "decode" in self.art.entries:
             entry = "decode"
         named = self._run(entry, cache, tokens, start=chunk.start, hash_ids=chunk.hash_ids,
                           rope=chunk.rope)
         cache.pos = chunk.end
         sel = {k: named[f"sel.{k}"] for k in selection_keys(self.plan) if f"sel.{k}" in named}
-        return PhaseResult(named["logits"], self._work(range(self.model.args.n_layers),
+        logits = named["logits"] if all_logits else named["logits"][:, -1:]
+        return PhaseResult(logits, self._work(range(self.model.args.n_layers),
                                                        tokens.size(1)), selections=sel)
 
     def decode_step(self, model: Model, cache: ModelCache, tokens, *,

@@ -47,3 +47,20 @@ def v41_model(v41_case):
     from dsv41.graph.model import Model
 
     return Model.from_checkpoint(v41_case.checkpoint)
+
+
+# the entries compiled once per session for shared-small (compile, engine and run tests)
+ARTIFACT_ENTRIES = ("prefill_all", "decode", "encoder", "decoder", "encoder_replay")
+
+
+@pytest.fixture(scope="session")
+def small_artifact(small_case, tmp_path_factory):
+    from dsv41.compiler.build import CompileOptions, compile_artifact
+    from dsv41.graph.config import load_config
+
+    args = load_config(small_case.checkpoint)
+    opts = CompileOptions(args=args, model_name="shared-small", target="cpu",
+                          out=tmp_path_factory.mktemp("artifacts"), entries=ARTIFACT_ENTRIES)
+    report = compile_artifact(opts)
+    print({e: round(sum(t.values()), 1) for e, t in report.seconds.items()})
+    return report.artifact_dir

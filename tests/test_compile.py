@@ -14,25 +14,14 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import ARTIFACT_ENTRIES as ENTRIES
 
-from dsv41.compiler.build import CompileOptions, compile_artifact
+from dsv41.compiler.build import CompileOptions
 from dsv41.graph.config import load_config
 from dsv41.graph.conformance import evaluate
 from dsv41.graph.score import GraphBackend, score
 from dsv41.runtime.artifact import Artifact, ArtifactError
 from dsv41.runtime.compiled import CompiledPhases
-
-ENTRIES = ("prefill_all", "decode", "encoder", "decoder")
-
-
-@pytest.fixture(scope="session")
-def small_artifact(small_case, tmp_path_factory):
-    args = load_config(small_case.checkpoint)
-    opts = CompileOptions(args=args, model_name="shared-small", target="cpu",
-                          out=tmp_path_factory.mktemp("artifacts"), entries=ENTRIES)
-    report = compile_artifact(opts)
-    print({e: round(sum(t.values()), 1) for e, t in report.seconds.items()})
-    return report.artifact_dir
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,168 @@
+"""Moving one sequence's cache state in and out of the tiers, as named numpy arrays.
+
+- A *prefix block* covers `block_tokens` positions [i*B, (i+1)*B): for every global source of
+  ratio m, its entries [i*B/m, (i+1)*B/m) (FP4 main KV codes and scales, MXFP4 index K codes and
+  scales). Entries of a block are final once the cache has processed all its positions, so a
+  block never changes after it is written. These go to the SSD store.
+- A *snapshot* is everything else the cache holds at the end of a turn: the window rings (encoder,
+  decoder and DSpark layers), the compressor tails, the Engram lookback, the index-K pointer, the
+  position, and the global entries past the last complete block. Restored over the prefix blocks,
+  it gives back the cache byte for byte. These go to the DRAM snapshot pool.
+
+Everything works on batch-1 caches (one session); bf16 stores travel as their uint16 bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dsv41.graph.cache import ModelCache, ensure_capacity
+from dsv41.graph.plan import FULL, ModelPlan
+
+STORE_FIELDS = ("kv_codes", "kv_scales", "k_codes", "k_scales")
+TAIL_FIELDS = ("tail_kv", "tail_score")
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.uint16)
+    return t.detach().contiguous().numpy().copy()
+
+
+def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if like.dtype == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    if t.dtype != like.dtype or tuple(t.shape[1:]) != tuple(like.shape[2:]):
+        raise ValueError(f"Stored rows {tuple(t.shape)} {t.dtype} do not fit a cache tensor "
+                         f"{tuple(like.shape)} {like.dtype}.")
+    return t
+
+
+def _whole(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A batch-1 tensor shaped like `like` (1, ...) from its stored row."""
+    t = _torch(a, like)
+    if tuple(t.shape) != tuple(like.shape[1:]):
+        raise ValueError(f"Stored state {tuple(t.shape)} does not fit {tuple(like.shape)}.")
+    return t.unsqueeze(0).clone()
+
+
+def check_block_tokens(cache: ModelCache, block_tokens: int) -> None:
+    top = max([1, *(st.ratio for st in cache.stores.values())])
+    if block_tokens <= 0 or block_tokens % top:
+        raise ValueError(f"Block size {block_tokens} must be a positive multiple of the "
+                         f"largest compression ratio {top}.")
+
+
+def _single(cache: ModelCache) -> None:
+    if cache.batch != 1:
+        raise ValueError(f"Tier records hold one sequence; this cache has {cache.batch}.")
+
+
+def block_arrays(cache: ModelCache, index: int, block_tokens: int) -> dict[str, np.ndarray]:
+    """Prefix block `index` of a batch-1 cache (its positions must all be processed)."""
+    _single(cache)
+    check_block_tokens(cache, block_tokens)
+    end = (index + 1) * block_tokens
+    if index < 0 or end > int(cache.pos[0]):
+        raise ValueError(f"Block {index} ends at {end}, past the {int(cache.pos[0])} cached "
+                         "tokens: its entries are not final yet.")
+    out = {}
+    for layer, st in sorted(cache.stores.items()):
+        r0, r1 = index * block_tokens // st.ratio, end // st.ratio
+        for name in STORE_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                out[f"{layer}.{name}"] = _np(t[0, r0:r1])
+    return out
+
+
+def restore_blocks(cache: ModelCache, blocks: list[dict[str, np.ndarray]],
+                   block_tokens: int) -> None:
+    """Write prefix blocks 0..n-1 into a fresh batch-1 cache and set its position to n*B."""
+    _single(cache)
+    check_block_tokens(cache, block_tokens)
+    n = len(blocks) * block_tokens
+    ensure_capacity(cache, n, exact=True)
+    for i, arrays in enumerate(blocks):
+        for layer, st in cache.stores.items():
+            r0, r1 = i * block_tokens // st.ratio, (i + 1) * block_tokens // st.ratio
+            for name in STORE_FIELDS:
+                t = getattr(st, name)
+                if t is None:
+                    continue
+                key = f"{layer}.{name}"
+                if key not in arrays:
+                    raise ValueError(f"Block {i} has no {key}.")
+                rows = _torch(arrays[key], t)
+                if rows.size(0) != r1 - r0:
+                    raise ValueError(f"Block {i} {key} has {rows.size(0)} rows, not {r1 - r0}.")
+                t[0, r0:r1] = rows
+    cache.pos = torch.full((1,), n, dtype=torch.int64)
+
+
+def index_owner_at(plan: ModelPlan, pos: int) -> int:
+    """The index-K pointer after position pos-1 was processed (see `model.run_compressor`): the
+    last index-owning source, in layer order, that completed an entry at that position. Restores
+    of a prefix use it (the replay that follows moves no pointer)."""
+    owner = -1
+    if pos <= 0:
+        return owner
+    for layer, p in enumerate(plan.layers):
+        if p.role == FULL and p.owns_index_k and pos % p.ratio == 0:
+            owner = layer
+    return owner
+
+
+def snapshot_arrays(cache: ModelCache, block_tokens: int) -> dict[str, np.ndarray]:
+    """The state beyond the prefix blocks (see the module docstring)."""
+    _single(cache)
+    check_block_tokens(cache, block_tokens)
+    pos = int(cache.pos[0])
+    done = pos // block_tokens * block_tokens
+    out = {"pos": np.array([pos], dtype=np.int64),
+           "index_owner": _np(cache.index_owner)}
+    for layer, ring in sorted(cache.windows.items()):
+        out[f"ring.{layer}.codes"] = _np(ring.codes[0])
+        out[f"ring.{layer}.scales"] = _np(ring.scales[0])
+    for layer, st in sorted(cache.stores.items()):
+        for name in TAIL_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                out[f"{layer}.{name}"] = _np(t[0])
+        for name in STORE_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                out[f"partial.{layer}.{name}"] = _np(t[0, done // st.ratio: pos // st.ratio])
+    if cache.engram_history is not None:
+        out["engram_history"] = cache.engram_history.copy()
+    return out
+
+
+def restore_snapshot(cache: ModelCache, arrays: dict[str, np.ndarray], block_tokens: int) -> None:
+    """Complete a cache holding the prefix blocks up to the snapshot's last complete block."""
+    _single(cache)
+    pos = int(arrays["pos"][0])
+    done = pos // block_tokens * block_tokens
+    if int(cache.pos[0]) != done:
+        raise ValueError(f"The snapshot continues {done} block tokens; the cache holds "
+                         f"{int(cache.pos[0])}.")
+    ensure_capacity(cache, pos, exact=True)
+    for layer, ring in cache.windows.items():
+        ring.codes = _whole(arrays[f"ring.{layer}.codes"], ring.codes)
+        ring.scales = _whole(arrays[f"ring.{layer}.scales"], ring.scales)
+    for layer, st in cache.stores.items():
+        for name in TAIL_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                setattr(st, name, _whole(arrays[f"{layer}.{name}"], t))
+        for name in STORE_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                rows = _torch(arrays[f"partial.{layer}.{name}"], t)
+                t[0, done // st.ratio: done // st.ratio + rows.size(0)] = rows
+    cache.index_owner = torch.from_numpy(arrays["index_owner"].copy())
+    if cache.engram_history is not None:
+        cache.engram_history = arrays["engram_history"].copy()
+    cache.pos = torch.full((1,), pos, dtype=torch.int64)

@@ -1,0 +1,106 @@
+"""The engine over the compiled shared-small artifact (compiled once per session, see conftest):
+exact resume from the SSD tier in a new process, the snapshot-miss replay count, the compiled
+engine against the graph engine, and `dsv41 run` end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dsv41.runtime.engine import Engine
+
+PAGE = 8
+TURNS = [[int(x) for x in np.random.default_rng(i).integers(3, 500, n)]
+         for i, n in ((1, 37), (2, 5), (3, 11))]
+
+RESUME = r"""
+import json, sys
+import numpy as np
+from dsv41.runtime.engine import Engine
+art, ckpt, store, transcript, ids, out = sys.argv[1:7]
+e = Engine.load(art, ckpt, exact=True, store_dir=store, page_tokens=8)
+s = e.session(transcript=json.loads(transcript))
+toks = list(s.send(json.loads(ids), max_new_tokens=4, keep_logits=True))
+np.savez(out, logits=np.stack(s.turns[-1].logits), tokens=np.array(toks))
+print(s.turns[-1].tier)
+"""
+
+
+@pytest.fixture(scope="module")
+def engine_args(small_artifact, small_case):
+    return str(small_artifact), str(small_case.checkpoint)
+
+
+def test_exact_resume_in_a_new_process_equals_an_uninterrupted_run(engine_args, tmp_path):
+    art, ckpt = engine_args
+    ref = Engine.load(art, ckpt, exact=True, page_tokens=PAGE).session()  # no store: stays live
+    ref_logits = []
+    for ids in TURNS:
+        list(ref.send(ids, max_new_tokens=4, keep_logits=True))
+        ref_logits.append(np.stack(ref.turns[-1].logits))
+    store = tmp_path / "store"
+    s = Engine.load(art, ckpt, exact=True, store_dir=store, page_tokens=PAGE).session()
+    list(s.send(TURNS[0], max_new_tokens=4))
+    transcript = s.transcript
+    for k, ids in enumerate(TURNS[1:], start=1):
+        out = tmp_path / f"turn{k}.npz"
+        res = subprocess.run([sys.executable, "-c", RESUME, art, ckpt, str(store),
+                              json.dumps(transcript), json.dumps(ids), str(out)],
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.strip().splitlines()[-1] == "snapshot-ssd"
+        got = np.load(out)
+        np.testing.assert_array_equal(got["logits"], ref_logits[k])
+        transcript = transcript + ids + [int(t) for t in got["tokens"]]
+
+
+def test_snapshot_miss_replays_window_plus_suffix(engine_args, small_model, tmp_path):
+    art, ckpt = engine_args
+    e = Engine.load(art, ckpt, store_dir=tmp_path / "store", page_tokens=PAGE)
+    s = e.session()
+    list(s.send(TURNS[0], max_new_tokens=4))  # 40 positions cached: 5 blocks
+    e2 = Engine.load(art, ckpt, store_dir=tmp_path / "store", page_tokens=PAGE)  # pool lost
+    s2 = e2.session(transcript=s.transcript)
+    list(s2.send(TURNS[1], max_new_tokens=3))
+    r = s2.turns[-1]
+    w = small_model.args.window_size
+    d = small_model.plan.decoder_start
+    n_dec = small_model.args.n_layers - d
+    suffix = 1 + len(TURNS[1])
+    assert (r.tier, r.cached_blocks, r.replayed, r.prefilled) == ("prefix", 5, w, suffix)
+    assert r.token_layers == d * (w + suffix) + n_dec * min(w, w + suffix)
+
+
+def test_compiled_engine_tracks_the_graph_engine(engine_args, small_model, tmp_path):
+    """Same turns through the tiers on the artifact and on the graph: the first turn's logits
+    agree within the artifact-vs-graph bound of test_compile (rel L2 <= 0.2 per row)."""
+    art, ckpt = engine_args
+    comp = Engine.load(art, ckpt, store_dir=tmp_path / "a", page_tokens=PAGE).session()
+    graph = Engine.from_model(small_model, weights_hash="g", store_dir=tmp_path / "b",
+                              page_tokens=PAGE).session()
+    for ids in TURNS[:2]:
+        list(comp.send(ids, max_new_tokens=2, keep_logits=True))
+        list(graph.send(ids, max_new_tokens=2, keep_logits=True))
+        assert comp.turns[-1].tier == graph.turns[-1].tier
+    a, b = comp.turns[0].logits[0], graph.turns[0].logits[0]
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.2
+
+
+def test_dsv41_run_on_the_artifact(engine_args, small_artifact, tmp_path):
+    _, ckpt = engine_args
+    root = small_artifact.parent.parent  # <out>/<model>-<hash>/<target>
+    cmd = [sys.executable, "-m", "dsv41.compiler.cli", "run", "--checkpoint", ckpt, "--preset",
+           "shared-small", "--out", str(root), "--store", str(tmp_path / "store"),
+           "--context", "40", "--turns", "3", "--suffix", "8", "--decode", "4",
+           "--restart-between-turns"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "entries encoder, decoder, encoder_replay, decode present" in out
+    assert "turn 1: [cold] prefilled 40" in out
+    assert "turn 2: [prefix] prefilled" in out and "replayed 16" in out
+    assert "summary: 3 turns" in out

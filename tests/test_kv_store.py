@@ -1,0 +1,523 @@
+"""The SSD global-KV store: keys, file format, verification, restart, and the lifetime rule."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsv41.runtime import kv_store
+from dsv41.runtime.kv_store import (
+    HEADER_SIZE,
+    MAGIC,
+    KVStore,
+    block_keys,
+    decode_block,
+    encode_block,
+    model_fingerprint,
+)
+
+FP = model_fingerprint("cfg-a", "weights-a", 1)
+FP_OTHER = model_fingerprint("cfg-b", "weights-a", 1)
+LIFE = 100.0
+
+
+class Clock:
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def key(i: int) -> str:
+    return hashlib.sha256(f"k{i}".encode()).hexdigest()
+
+
+def block(seed: int, n: int = 64) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"kv": rng.standard_normal(n).astype(np.float32),
+            "scale": rng.integers(0, 255, n // 4, dtype=np.uint8)}
+
+
+def path_of(root: Path, k: str) -> Path:
+    return root / k[:2] / f"{k}.blk"
+
+
+def store(root: Path, clock: Clock, capacity: int = 1 << 30, fp: bytes = FP) -> KVStore:
+    return KVStore(root, capacity_bytes=capacity, fingerprint=fp, min_lifetime_s=LIFE,
+                   clock=clock)
+
+
+# -- keys -------------------------------------------------------------------------------------
+
+def test_fingerprint_is_stable_and_sensitive_to_each_part():
+    assert FP == model_fingerprint("cfg-a", "weights-a", 1) and len(FP) == 32
+    others = {model_fingerprint("cfg-b", "weights-a", 1), model_fingerprint("cfg-a", "w", 1),
+              model_fingerprint("cfg-a", "weights-a", 2)}
+    assert FP not in others and len(others) == 3
+    with pytest.raises(ValueError, match="config_hash"):
+        model_fingerprint("", "w", 1)
+    with pytest.raises(ValueError, match="format_version"):
+        model_fingerprint("c", "w", -1)
+
+
+def test_block_keys_match_an_independent_hashlib_computation():
+    fp = bytes(range(32))
+    k0 = hashlib.sha256(fp + struct.pack("<2q", 1, 2)).digest()
+    k1 = hashlib.sha256(fp + k0 + struct.pack("<2q", 3, -4)).digest()
+    assert block_keys([1, 2, 3, -4, 5], 2, fp) == [k0.hex(), k1.hex()]
+    # Pinned so that a change to the scheme (which orphans every stored block) is noticed.
+    assert block_keys([1, 2, 3, -4], 2, fp) == [
+        "4eda7b1d359ab209d87d382affa21fbea8bdaef5eaea4107dae09efc6da68f3e",
+        "2e85f3d7e1842ae7834a4306734b5c2c4b028c03ad187c2a2d7033ebcd5a651a"]
+    assert k0.hex() == hashlib.sha256(fp + b"\x01" + b"\x00" * 7 + b"\x02" + b"\x00" * 7
+                                      ).hexdigest()
+
+
+def test_block_keys_same_for_any_integer_container():
+    toks = [7, 1 << 40, 0, 3, 9, 11, 2, 5]
+    ref = block_keys(toks, 4, FP)
+    assert block_keys(np.array(toks, dtype=np.int64), 4, FP) == ref
+    assert block_keys(np.array(toks, dtype=np.uint64), 4, FP) == ref
+    assert block_keys(tuple(toks), 4, FP) == ref
+    assert block_keys(toks, 4, FP_OTHER) != ref
+
+
+def test_block_keys_chain_and_partial_block():
+    toks = list(range(100, 130))  # 30 tokens, block 8: 3 complete blocks + 6 tokens
+    keys = block_keys(toks, 8, FP)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    assert block_keys(toks[:24], 8, FP) == keys  # the trailing partial block adds nothing
+    assert block_keys(toks[:7], 8, FP) == [] and block_keys([], 8, FP) == []
+    early = block_keys([999] + toks[1:], 8, FP)
+    assert all(a != b for a, b in zip(early, keys, strict=True))  # every later key changes
+    mid = toks.copy()
+    mid[9] = 999  # inside block 1
+    changed = block_keys(mid, 8, FP)
+    assert changed[0] == keys[0] and changed[1] != keys[1] and changed[2] != keys[2]
+    tail = toks.copy()
+    tail[27] = 999  # in the partial block
+    assert block_keys(tail, 8, FP) == keys
+
+
+@pytest.mark.parametrize("args", [
+    ([1, 2], 0, FP), ([1, 2], 2.0, FP), ([1, 2], True, FP), ([1.5, 2.0], 2, FP),
+    ([[1, 2]], 2, FP), ([1, 2], 2, b"short"), ([1, 2], 2, FP.hex()), ([1 << 64, 2], 2, FP),
+    (np.array([1 << 63, 0], dtype=np.uint64), 2, FP), ([True, False], 2, FP),
+])
+def test_block_keys_rejects_bad_arguments(args):
+    with pytest.raises(ValueError):
+        block_keys(*args)
+
+
+# -- payload and file format ------------------------------------------------------------------
+
+def mixed_block() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    bf16_bits = np.array([0x7FC1, 0xFF80, 0x0001, 0x3F80, 0x8000], dtype=np.uint16)  # NaN, -inf..
+    nan_f32 = np.array([np.nan, -0.0, np.inf], dtype=np.float32)
+    nan_f32.view(np.uint32)[0] = 0x7FC0_1234  # a NaN payload must survive bit-exactly
+    return {
+        "kv_fp8": rng.integers(0, 256, (3, 5, 7), dtype=np.uint8),
+        "pos": np.arange(-3, 9, dtype=np.int64).reshape(3, 4),
+        "scale": rng.standard_normal((4, 2)).astype(np.float32),
+        "bf16": bf16_bits,
+        "nan": nan_f32,
+        "half": np.array([1.5, -2.25], dtype=np.float16),
+        "mask": np.array([True, False, True]),
+        "cplx": np.array([1 + 2j], dtype=np.complex64),
+        "big_endian": np.array([1.0, 2.0], dtype=">f8"),
+        "scalar": np.array(42, dtype=np.int32),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+        "strided": np.arange(20, dtype=np.int16)[::3],
+    }
+
+
+def assert_bit_exact(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, a in want.items():
+        b = got[name]
+        assert b.dtype == a.dtype and b.shape == a.shape, name
+        assert b.tobytes() == a.tobytes(order="C"), name
+
+
+def test_encode_is_deterministic_and_decodes_bit_exact():
+    arrays = mixed_block()
+    payload = encode_block(arrays)
+    assert encode_block(dict(reversed(list(arrays.items())))) == payload
+    assert_bit_exact(decode_block(bytearray(payload)), arrays)
+
+
+def test_roundtrip_mixed_dtypes_bit_exact(tmp_path):
+    s = store(tmp_path, Clock(5.0))
+    arrays, k = mixed_block(), key(0)
+    assert s.put(k, arrays)
+    got = s.get(k)
+    assert_bit_exact(got, arrays)
+    got["pos"][0, 0] = 12345  # returned arrays are writable and private
+    assert s.get(k)["pos"][0, 0] == -3
+    st = s.stats()
+    assert (st.entries, st.hits, st.misses, st.writes) == (1, 2, 0, 1)
+
+
+def test_file_layout(tmp_path):
+    s = store(tmp_path, Clock(1234.5))
+    k = key(1)
+    s.put(k, block(1))
+    p = path_of(tmp_path, k)
+    raw = p.read_bytes()
+    payload = encode_block(block(1))
+    assert len(raw) == HEADER_SIZE + len(payload) == s.stats().bytes == p.stat().st_size
+    assert raw[:8] == MAGIC and raw[HEADER_SIZE:] == payload
+    version, raw_key, fp, n, created, sha = struct.unpack_from("<I32s32sQd32s", raw, 8)
+    assert (version, raw_key.hex(), fp, n, created) == (1, k, FP, len(payload), 1234.5)
+    assert sha == hashlib.sha256(payload).digest()
+    assert raw[124:156] == hashlib.sha256(raw[:124]).digest()
+    assert p.stat().st_mtime == 1234.5  # last access starts at created_at
+    assert [q.name for q in p.parent.iterdir()] == [p.name]  # no temp file left
+
+
+# -- verification -----------------------------------------------------------------------------
+
+def put_one(tmp_path, clock=None):
+    s = store(tmp_path, clock or Clock())
+    k = key(2)
+    assert s.put(k, block(2))
+    return s, k, path_of(tmp_path, k)
+
+
+def assert_dropped(s: KVStore, k: str, p: Path, counter: str) -> None:
+    assert s.get(k) is None
+    assert not p.exists() and not s.contains(k)
+    st = s.stats()
+    assert getattr(st, counter) == 1 and st.misses == 1 and st.hits == 0
+    assert (st.entries, st.bytes) == (0, 0)
+    others = {"corrupt", "truncated", "foreign"} - {counter}
+    assert all(getattr(st, c) == 0 for c in others)
+
+
+@pytest.mark.parametrize("offset", [-1, HEADER_SIZE, HEADER_SIZE + 20])
+def test_flipped_payload_byte_is_corrupt(tmp_path, offset):
+    s, k, p = put_one(tmp_path)
+    raw = bytearray(p.read_bytes())
+    raw[offset] ^= 0x01
+    p.write_bytes(raw)
+    assert_dropped(s, k, p, "corrupt")
+
+
+@pytest.mark.parametrize("field_offset", [0, 40, 80, 88, 100, 130])  # magic, key, fp, ..
+def test_flipped_header_byte_is_corrupt(tmp_path, field_offset):
+    s, k, p = put_one(tmp_path)
+    raw = bytearray(p.read_bytes())
+    raw[field_offset] ^= 0x10
+    p.write_bytes(raw)
+    assert_dropped(s, k, p, "corrupt")
+
+
+@pytest.mark.parametrize("keep", [0, 5, 60, HEADER_SIZE, -10, -1])
+def test_truncated_file(tmp_path, keep):
+    s, k, p = put_one(tmp_path)
+    raw = p.read_bytes()
+    p.write_bytes(raw[:keep] if keep >= 0 else raw[:len(raw) + keep])
+    assert_dropped(s, k, p, "truncated")
+
+
+def test_extra_trailing_bytes_are_corrupt(tmp_path):
+    s, k, p = put_one(tmp_path)
+    with open(p, "ab") as f:
+        f.write(b"\x00")
+    assert_dropped(s, k, p, "corrupt")
+
+
+def test_garbage_file_is_corrupt(tmp_path):
+    s, k, p = put_one(tmp_path)
+    p.write_bytes(os.urandom(4096))
+    assert_dropped(s, k, p, "corrupt")
+
+
+def test_foreign_fingerprint_detected_on_get(tmp_path):
+    s, k, p = put_one(tmp_path / "a")
+    other = store(tmp_path / "b", Clock(), fp=FP_OTHER)
+    assert other.put(k, block(2))
+    p.write_bytes(path_of(tmp_path / "b", k).read_bytes())
+    assert_dropped(s, k, p, "foreign")
+
+
+def test_other_file_format_version_is_foreign(tmp_path):
+    s, k, p = put_one(tmp_path)
+    raw = bytearray(p.read_bytes())
+    raw[8:12] = struct.pack("<I", 2)
+    p.write_bytes(raw)
+    assert_dropped(s, k, p, "foreign")
+
+
+def test_file_renamed_to_another_keys_name_is_corrupt(tmp_path):
+    s = store(tmp_path, Clock())
+    k1, k2 = key(10), key(11)
+    s.put(k1, block(10))
+    s.put(k2, block(11))
+    p1, p2 = path_of(tmp_path, k1), path_of(tmp_path, k2)
+    os.replace(p1, p2)
+    assert s.get(k2) is None and not p2.exists()
+    assert s.stats().corrupt == 1
+    assert s.get(k1) is None  # vanished behind our back: a plain miss, forgotten
+    st = s.stats()
+    assert (st.entries, st.bytes, st.corrupt, st.misses) == (0, 0, 1, 2)
+
+
+def test_restart_scan_drops_bad_headers_and_keeps_good_ones(tmp_path):
+    clock = Clock(10.0)
+    s = store(tmp_path, clock)
+    keys = [key(i) for i in range(6)]
+    for i, k in enumerate(keys):
+        s.put(k, block(i))
+    good = s.stats().bytes // 6
+    paths = [path_of(tmp_path, k) for k in keys]
+    paths[0].write_bytes(os.urandom(300))  # garbage
+    paths[1].write_bytes(paths[1].read_bytes()[:-3])  # truncated
+    os.replace(paths[2], paths[3])  # renamed: paths[3] now names the wrong key
+    raw = bytearray(paths[4].read_bytes())
+    raw[-1] ^= 0xFF  # payload flip: headers only are read at scan, found on get
+    paths[4].write_bytes(raw)
+    misplaced = tmp_path / "00" / f"{key(5)}.blk"
+    if key(5)[:2] != "00":
+        misplaced.parent.mkdir(exist_ok=True)
+        misplaced.write_bytes(paths[5].read_bytes())
+    foreign_root = tmp_path / "other"
+    store(foreign_root, Clock(), fp=FP_OTHER).put(key(7), block(7))
+    for p in foreign_root.rglob("*.blk"):
+        target = tmp_path / p.relative_to(foreign_root)
+        target.parent.mkdir(exist_ok=True)
+        os.replace(p, target)
+    (tmp_path / "README.txt").write_text("not ours")
+
+    s2 = store(tmp_path, clock)
+    st = s2.stats()
+    assert (st.corrupt, st.truncated, st.foreign) == (2 + (key(5)[:2] != "00"), 1, 1)
+    assert [s2.contains(k) for k in keys] == [False, False, False, False, True, True]
+    assert st.entries == 2 and st.bytes == 2 * good
+    assert s2.get(keys[4]) is None and s2.stats().corrupt == st.corrupt + 1
+    assert_bit_exact(s2.get(keys[5]), block(5))
+    assert (tmp_path / "README.txt").exists() and not misplaced.exists()
+
+
+# -- restart, temp files ----------------------------------------------------------------------
+
+def test_restart_preserves_entries_created_at_and_lru(tmp_path):
+    clock = Clock(0.0)
+    s = store(tmp_path, clock)
+    size = None
+    for i, t in enumerate([0.0, 1.0, 2.0]):  # a, b, c
+        clock.t = t
+        s.put(key(i), block(i))
+        size = size or s.stats().bytes
+    clock.t = 3.0
+    assert s.get(key(0)) is not None  # LRU order now b, c, a
+    before = s.stats()
+
+    # created_at comes from the header: at 1 + LIFE - 0.5 only a (created 0) is old enough,
+    # although it is the most recently used (its mtime is 3).
+    clock.t = 1.0 + LIFE - 0.5
+    s2 = store(tmp_path, clock, capacity=3 * size)
+    st = s2.stats()
+    assert (st.entries, st.bytes) == (before.entries, before.bytes)
+    assert all(s2.contains(key(i)) for i in range(3))
+    assert s2.put(key(3), block(3))
+    assert [s2.contains(key(i)) for i in range(4)] == [False, True, True, True]
+    assert not s2.put(key(4), block(4)) and s2.stats().refused_writes == 1
+
+
+def test_restart_lru_order_exact(tmp_path):
+    clock = Clock(0.0)
+    s = store(tmp_path, clock)
+    for i in range(3):  # a, b, c at t = 0, 1, 2
+        clock.t = float(i)
+        s.put(key(i), block(i))
+    size = s.stats().bytes // 3
+    clock.t = 3.0
+    s.get(key(0))  # b, c, a
+    clock.t = 4.0
+    s.put(key(1), block(1))  # present: a no-op that touches it -> c, a, b
+    assert s.stats().writes == 3
+
+    clock.t = 1000.0
+    s2 = store(tmp_path, clock, capacity=3 * size)
+    evicted = []
+    for i in range(3, 6):
+        present = {k for k in map(key, range(6)) if s2.contains(k)}
+        assert s2.put(key(i), block(i))
+        evicted += sorted(present - {k for k in map(key, range(6)) if s2.contains(k)})
+    assert evicted == [key(2), key(0), key(1)]
+    assert s2.stats().evictions == 3
+
+
+def test_leftover_temp_files_are_removed_at_start(tmp_path):
+    s, k, p = put_one(tmp_path)
+    tmp = p.parent / f".{k}.4242.deadbeef.tmp"
+    tmp.write_bytes(p.read_bytes()[:50])
+    other_shard = tmp_path / "ab"
+    other_shard.mkdir(exist_ok=True)
+    tmp2 = other_shard / f".{'ab' + k[2:]}.1.00000000.tmp"
+    tmp2.write_bytes(b"partial")
+    keep = p.parent / "notes.txt"
+    keep.write_text("left alone")
+    s2 = store(tmp_path, Clock())
+    assert not tmp.exists() and not tmp2.exists() and keep.exists()
+    st = s2.stats()
+    assert st.entries == 1 and st.bytes == p.stat().st_size
+    assert (st.corrupt, st.truncated, st.foreign) == (0, 0, 0)
+
+
+def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    s = store(tmp_path, Clock())
+    k = key(3)
+
+    def crash(src, dst):
+        raise OSError("simulated crash at rename")
+
+    monkeypatch.setattr(kv_store.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated"):
+        s.put(k, block(3))
+    monkeypatch.undo()
+    assert list((tmp_path / k[:2]).iterdir()) == []
+    assert not s.contains(k) and s.stats().entries == 0 and s.stats().bytes == 0
+
+
+# -- capacity and the minimum lifetime --------------------------------------------------------
+
+def present(s: KVStore, keys: list[str]) -> list[str]:
+    return [k for k in keys if s.contains(k)]
+
+
+def test_young_entries_are_never_evicted_and_lru_order_is_exact(tmp_path):
+    clock = Clock(0.0)
+    a, b, c, d, e, f = (key(i) for i in range(6))
+    probe = store(tmp_path / "probe", clock)
+    probe.put(a, block(0))
+    size = probe.stats().bytes
+    s = store(tmp_path / "s", clock, capacity=3 * size)
+    for k, t in ((a, 0.0), (b, 10.0), (c, 20.0)):
+        clock.t = t
+        assert s.put(k, block(0))
+    allk = [a, b, c, d, e, f]
+
+    clock.t = 50.0  # full, nobody is LIFE old
+    assert not s.put(d, block(0))
+    assert present(s, allk) == [a, b, c]
+    st = s.stats()
+    assert (st.refused_writes, st.evictions, st.writes, st.bytes) == (1, 0, 3, 3 * size)
+
+    clock.t = 115.0  # a (115) and b (105) are old enough, c (95) is not
+    assert s.get(a) is not None  # LRU order: b, c, a
+    assert s.put(d, block(0))  # evicts b, the least recently used old entry
+    assert present(s, allk) == [a, c, d]
+    assert s.put(e, block(0))  # c is older in LRU order but young: a goes
+    assert present(s, allk) == [c, d, e]
+    assert not s.put(f, block(0))  # only young entries left
+    assert s.stats().refused_writes == 2
+
+    clock.t = 120.0  # c is exactly LIFE old
+    assert s.put(f, block(0))
+    assert present(s, allk) == [d, e, f]
+    st = s.stats()
+    assert (st.evictions, st.refused_writes, st.writes, st.entries) == (3, 2, 6, 3)
+    assert st.bytes == 3 * size == sum(p.stat().st_size for p in (tmp_path / "s").rglob("*.blk"))
+
+
+def test_refused_write_evicts_nothing(tmp_path):
+    clock = Clock(0.0)
+    s = store(tmp_path, clock)
+    s.put(key(0), block(0, 64))
+    small = s.stats().bytes
+    s2 = store(tmp_path / "s", clock, capacity=2 * small + 10)
+    s2.put(key(0), block(0, 64))
+    clock.t = 1.0
+    s2.put(key(1), block(1, 64))
+    clock.t = LIFE + 0.5  # key 0 is old, key 1 is not; a double-size block needs both gone
+    assert not s2.put(key(2), block(2, 256))
+    assert present(s2, [key(0), key(1)]) == [key(0), key(1)]
+    assert s2.stats().evictions == 0
+
+
+def test_entry_bigger_than_capacity_is_refused(tmp_path):
+    s = store(tmp_path, Clock(), capacity=100)
+    assert not s.put(key(0), block(0))
+    st = s.stats()
+    assert (st.refused_writes, st.writes, st.entries, st.bytes) == (1, 0, 0, 0)
+    assert not list(tmp_path.rglob("*.blk"))
+
+
+def test_lifetime_invariant_under_random_traffic(tmp_path):
+    clock = Clock(0.0)
+    s = store(tmp_path, clock, capacity=20_000)
+    rng = random.Random(7)
+    created: dict[str, float] = {}
+    for i in range(300):
+        clock.t += rng.uniform(0.0, 8.0)
+        k = key(rng.randrange(120))
+        before = set(created)
+        if rng.random() < 0.3:
+            s.get(k)
+        elif s.put(k, block(i, rng.choice([16, 64, 256, 512]))) and k not in created:
+            created[k] = clock.t
+        gone = {g for g in before if not s.contains(g)}
+        assert all(clock.t - created[g] >= LIFE for g in gone), "a young entry was evicted"
+        for g in gone:
+            del created[g]
+        st = s.stats()
+        assert st.bytes <= 20_000 and st.entries == len(created)
+    st = s.stats()
+    assert st.evictions > 0 and st.refused_writes > 0 and st.hits > 0
+
+
+def test_lookup_prefix_and_contains(tmp_path):
+    s = store(tmp_path, Clock())
+    keys = block_keys(list(range(32)), 8, FP)
+    s.put(keys[0], block(0))
+    s.put(keys[1], block(1))
+    s.put(keys[3], block(3))
+    assert s.lookup_prefix(keys) == 2 and s.lookup_prefix([]) == 0
+    assert s.lookup_prefix(keys[2:]) == 0 and s.lookup_prefix(keys[3:]) == 1
+    assert s.contains(keys[3]) and not s.contains(keys[2])
+    st = s.stats()
+    assert (st.hits, st.misses) == (0, 0)  # no payload read, nothing counted
+    assert s.get(keys[2]) is None and s.stats().misses == 1
+
+
+# -- argument checking ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [
+    "abc", key(0).upper(), key(0)[:63], key(0) + "0", "../" + key(0)[3:], "g" * 64,
+    key(0)[:62] + "/x", b"0" * 64, None, 7,
+])
+def test_invalid_keys_are_rejected(tmp_path, bad):
+    s = store(tmp_path, Clock())
+    for call in (lambda: s.put(bad, block(0)), lambda: s.get(bad), lambda: s.contains(bad),
+                 lambda: s.lookup_prefix([key(0), bad])):
+        with pytest.raises(ValueError, match="64 lowercase hex"):
+            call()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_invalid_construction_and_blocks(tmp_path):
+    for kw in ({"capacity_bytes": -1}, {"capacity_bytes": 1.5}, {"min_lifetime_s": -1},
+               {"min_lifetime_s": float("inf")}, {"fingerprint": b"x" * 31},
+               {"fingerprint": FP.hex()}):
+        args = {"capacity_bytes": 10, "fingerprint": FP} | kw
+        with pytest.raises(ValueError):
+            KVStore(tmp_path / "s", **args)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        KVStore(tmp_path / "file", capacity_bytes=10, fingerprint=FP)
+    s = store(tmp_path / "ok", Clock())
+    for bad in ({"x": [1, 2]}, {"x": np.array([object()])}, {"": np.zeros(2)},
+                {"x": np.zeros(2, dtype="U3")}, [("x", np.zeros(2))]):
+        with pytest.raises(ValueError):
+            s.put(key(0), bad)
+    assert s.stats().writes == 0
