@@ -137,10 +137,13 @@ def test_full_preset_allocation_at_1m_tokens_is_890_bytes_per_token():
     model = Model.placeholder(preset("full"))
     e = Engine.from_model(model, weights_hash="0" * 64, cache_budget_bytes=8 << 30)
     cache = e._fresh_cache()
-    e.reserve(cache, 1 << 20)
+    e.reserve(cache, 1_000_000)  # not a whole number of 256-position pages
     nb = cache.nbytes()
-    per = (nb["main_kv"] + nb["index_k"]) / (1 << 20)
-    assert make_bill(model.args, contexts=(1 << 20,)).global_bytes_per_token == 890
+    cap = min(st.capacity * st.ratio for st in cache.stores.values())
+    assert cap == 1_000_192  # 3907 pages
+    assert make_bill(model.args, contexts=(cap,)).global_bytes_per_token == 890
+    assert nb["main_kv"] + nb["index_k"] == 890 * cap
+    per = (nb["main_kv"] + nb["index_k"]) / 1_000_000
     assert 890 <= per <= 890 * 1.005, per
 
 
