@@ -193,7 +193,40 @@ def cmd_run(ns) -> int:
     run_agent_loop(AgentLoopConfig(
         checkpoint=ckpt, artifact=artifact, store_dir=Path(ns.store), context=ns.context,
         turns=ns.turns, suffix=ns.suffix, decode=ns.decode, exact=ns.exact,
-        restart_between_turns=ns.restart_between_turns, keep_store=ns.keep_store, seed=ns.seed))
+        restart_between_turns=ns.restart_between_turns, keep_store=ns.keep_store,
+        page_tokens=ns.page_tokens, seed=ns.seed))
+    return 0
+
+
+def cmd_ledger(ns) -> int:
+    from tqdm import tqdm
+
+    from dsv41.graph.bill import parse_contexts
+    from dsv41.graph.ledger import SWITCHES, LedgerOptions, format_ledger, ledger_json, run_ledger
+    from dsv41.graph.model import Model
+
+    _print_args("ledger", ns)
+    switches = tuple(s.strip() for s in ns.switches.split(",")) if ns.switches else \
+        tuple(SWITCHES)
+    opts = LedgerOptions(contexts=parse_contexts(ns.contexts), decode=ns.decode,
+                         switches=switches, suffix=ns.suffix, seed=ns.seed)
+    ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
+    t0 = time.time()
+    model = Model.from_checkpoint(ckpt)
+    print(f"checkpoint: {ckpt}")
+    bar = tqdm(total=len(opts.contexts) * len(opts.switches), desc="ledger", unit="cmp")
+
+    def progress(rec) -> None:
+        bar.update(1)
+        bar.set_postfix_str(f"{rec.switch} @ {rec.context}: KL {rec.kl_mean:.3g}")
+
+    ledger = run_ledger(model, opts, progress=progress)
+    bar.close()
+    print(format_ledger(ledger))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(ledger_json(ledger), indent=1))
+        print(f"json: {ns.json}")
+    print(f"{len(ledger.records)} comparisons in {time.time() - t0:.1f} s")
     return 0
 
 
@@ -296,9 +329,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target", default="cpu", help="the artifact's target")
     sp.add_argument("--out", default="artifacts", help="where artifacts live")
     sp.add_argument("--store", default="artifacts/run-store", help="the SSD store's folder")
+    sp.add_argument("--page-tokens", type=int, default=64,
+                    help="runtime-cache page and SSD block, in positions")
     sp.add_argument("--keep-store", action="store_true",
                     help="start from the store's contents (default: a fresh store per run)")
     sp.set_defaults(func=cmd_run)
+
+    sp = sub.add_parser("ledger", help="each approximation's cost against exact mode")
+    sp.add_argument("--preset", default="small", help="seeded checkpoint of this preset")
+    sp.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
+    sp.add_argument("--seed", type=int, default=0, help="seeded checkpoint and prompt ids")
+    sp.add_argument("--contexts", default="64,256,900", help="prompt lengths, e.g. 64,256,900")
+    sp.add_argument("--decode", type=int, default=8, help="teacher-forced steps scored after it")
+    sp.add_argument("--suffix", type=int, default=32, help="replay: new tokens after the prefix")
+    sp.add_argument("--switches", default="",
+                    help="comma-separated subset of ced,replay,fp4_kv,candidate_pool,"
+                         "shared_selection (default all)")
+    sp.add_argument("--json", default=None, help="write the records as JSON here")
+    sp.set_defaults(func=cmd_ledger)
     return p
 
 

@@ -37,6 +37,7 @@ class AgentLoopConfig:
     exact: bool = False
     restart_between_turns: bool = False
     keep_store: bool = False  # start from the store's current contents
+    page_tokens: int = 64  # runtime-cache page and SSD block
     seed: int = 0
 
     def validate(self) -> None:
@@ -46,7 +47,7 @@ class AgentLoopConfig:
 
 
 def _engine(cfg: AgentLoopConfig) -> Engine:
-    opts = {"exact": cfg.exact, "store_dir": cfg.store_dir}
+    opts = {"exact": cfg.exact, "store_dir": cfg.store_dir, "page_tokens": cfg.page_tokens}
     if cfg.artifact is not None:
         return Engine.load(cfg.artifact, cfg.checkpoint, **opts)
     from dsv41.graph.model import Model
@@ -95,7 +96,7 @@ def run_agent_loop(cfg: AgentLoopConfig) -> list[TurnRecord]:
         st = engine.stats()
         sec = rec.seconds
         dec_rate = rec.decoded / max(sec.get("decode", 0.0), 1e-9)
-        print(f"turn {rec.turn}: [{rec.tier}] prefilled {rec.prefilled}, replayed "
+        print(f"turn {turn + 1}: [{rec.tier}] prefilled {rec.prefilled}, replayed "
               f"{rec.replayed} (+{rec.decoder_replayed} through the decoder), decoded "
               f"{len(out)}; {rec.token_layers} token-layers")
         print(f"  time: restore {sec.get('restore', 0):.2f} s, prefill {sec['prefill']:.2f} s, "
