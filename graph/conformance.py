@@ -127,6 +127,23 @@ def evaluate(case: Case, result: ScoreResult) -> Report:
     return Report(m, _failures(m, case.bounds))
 
 
+def against(case: Case, reference: ScoreResult) -> Case:
+    """The case with another engine's teacher-forced outputs as its golden (e.g. the graph's,
+    to hold a compiled artifact to the graph with the same metrics and bounds). Hidden states
+    are left out."""
+    p = case.prefill
+    g = {k: v for k, v in case.golden.items() if not k.startswith("hidden_after_L")
+         and k != "final_hidden"}
+    g["prompt_logits_all"], g["decode_logits"] = reference.logits[:p], reference.logits[p:]
+    for key, sel in reference.selections.items():
+        if key.startswith("cand_blocks_"):
+            for gk in [k for k in g if k.startswith(key + "_L")]:
+                g[gk] = sel
+        else:
+            g[key] = sel
+    return Case(f"{case.name} (against another engine)", case.root, g, case.info)
+
+
 def _failures(m: dict, b: dict) -> list[str]:
     out = []
     for k in ("rel_l2_max", "rel_l2_p90", "rel_l2_median", "kl_mean", "kl_max"):

@@ -55,11 +55,19 @@ def small_scores(small_case, small_model, compiled):
 
 
 def test_artifact_close_to_graph(small_case, small_scores):
+    """The artifact against the graph, by the same metrics and bounds as against the golden."""
+    from dsv41.graph.conformance import against
+
     art, graph = small_scores
     e = _rel(art.logits, graph.logits)
     print(f"artifact vs graph: rel L2 max {e.max():.3g} median {np.median(e):.3g}")
     assert e.max() <= small_case.bounds["rel_l2_max"]
     assert np.median(e) <= small_case.bounds["rel_l2_median"]
+    rep = evaluate(against(small_case, graph), art)
+    print("artifact vs graph, all metrics:", rep.metrics, rep.failures)
+    assert rep.conformant, rep.failures
+    assert set(rep.metrics["index_jaccard_mean"]) == set(small_case.bounds[
+        "index_jaccard_mean_min"])
 
 
 def test_exact_mode_conformant(small_case, small_scores):
