@@ -309,7 +309,9 @@ def built_entries(artifact_dir: Path, args: ModelArgs, target: str) -> dict[str,
 def missing_entries(artifact_dir: Path, args: ModelArgs, target: str,
                     wanted: tuple[str, ...]) -> tuple[str, ...]:
     have = built_entries(artifact_dir, args, target)
-    return tuple(e for e in wanted if e not in have)
+    # prefill_all is prefill with every position's logits: it serves for prefill
+    return tuple(e for e in wanted if e not in have
+                 and not (e == "prefill" and "prefill_all" in have))
 
 
 def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -> Path:

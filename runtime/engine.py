@@ -349,6 +349,7 @@ class Session:
         self.turns: list[TurnRecord] = []
         self.closed = False
         self._gen = None
+        self._snapshot: str | None = None  # the pool key of this session's last snapshot
 
     @property
     def transcript(self) -> list[int]:
@@ -546,7 +547,10 @@ class Session:
                 break  # refused (the store is full of young entries): later blocks wait too
             self.stored_blocks = i + 1
         arrays = snapshot_arrays(self.cache, b)
-        e.pool.put(e.history_key(self.history, "snapshot"), arrays,
-                   {"session": self.id, "tokens": len(self.history)})
+        key = e.history_key(self.history, "snapshot")
+        e.pool.put(key, arrays, {"session": self.id, "tokens": len(self.history)})
+        if self._snapshot not in (None, key):
+            e.pool.drop(self._snapshot)  # this session has moved past its previous turn
+        self._snapshot = key
         if e.options.exact:
             e.store.put(e.history_key(self.history, "state"), arrays)
