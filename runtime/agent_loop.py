@@ -50,9 +50,8 @@ def _engine(cfg: AgentLoopConfig) -> Engine:
     opts = {"exact": cfg.exact, "store_dir": cfg.store_dir, "page_tokens": cfg.page_tokens}
     if cfg.artifact is not None:
         return Engine.load(cfg.artifact, cfg.checkpoint, **opts)
+    from dsv41.graph.checkpoint import weights_fingerprint
     from dsv41.graph.model import Model
-
-    from .engine import weights_fingerprint
 
     return Engine.from_model(Model.from_checkpoint(cfg.checkpoint),
                              weights_hash=weights_fingerprint(cfg.checkpoint), **opts)

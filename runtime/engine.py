@@ -29,7 +29,6 @@ turn grows them once, to the pages it needs). Bytes are counted from the live te
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from dsv41.graph.cache import ModelCache, ensure_capacity, new_cache
+from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
 
 from .state import (
@@ -104,38 +104,6 @@ class EngineStats:
             v = getattr(self, k)
             out[k] = None if v is None else {f: getattr(v, f) for f in v.__dataclass_fields__}
         return out
-
-
-def weights_fingerprint(checkpoint_dir: str | Path) -> str:
-    """sha256 over the checkpoint's config and safetensors files (names and bytes), cached in
-    ~/.cache/dsv41 by path, size and mtime so a large checkpoint is hashed once."""
-    root = Path(checkpoint_dir).resolve()
-    files = sorted([*root.glob("*.safetensors"), *root.glob("config.json"),
-                    *root.glob("engram_token_map.npy")])
-    if not files:
-        raise FileNotFoundError(f"{root}: no checkpoint files to fingerprint.")
-    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-    memo = Path.home() / ".cache" / "dsv41" / "weights" / (
-        hashlib.sha256(str(root).encode()).hexdigest()[:32] + ".json")
-    try:
-        saved = json.loads(memo.read_text())
-        if saved["stamp"] == stamp:
-            return saved["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.name.encode() + b"\0")
-        with p.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    digest = h.hexdigest()
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(json.dumps({"stamp": stamp, "sha256": digest}))
-    except OSError:
-        pass  # a read-only home only costs a re-hash
-    return digest
 
 
 def _tokens_bytes(tokens: Sequence[int]) -> bytes:
