@@ -104,3 +104,21 @@ def test_dsv41_run_on_the_artifact(engine_args, small_artifact, tmp_path):
     assert "turn 1: [cold] prefilled 40" in out
     assert "turn 2: [prefix] prefilled" in out and "replayed 16" in out
     assert "summary: 3 turns" in out
+
+
+def test_send_many_batches_the_compiled_decode(engine_args):
+    """Two sessions at different lengths decoded in one batch give the logits each gets alone
+    (the compiled decode reduces every row in the same order)."""
+    art, ckpt = engine_args
+    alone = []
+    for ids in TURNS[:2]:
+        s = Engine.load(art, ckpt, page_tokens=PAGE).session()
+        list(s.send(ids, max_new_tokens=4, keep_logits=True))
+        alone.append(np.stack(s.turns[-1].logits))
+    e = Engine.load(art, ckpt, page_tokens=PAGE)
+    ss = [e.session(), e.session()]
+    e.send_many([(s, ids, {"max_new_tokens": 4, "keep_logits": True})
+                 for s, ids in zip(ss, TURNS[:2], strict=True)])
+    for s, ref in zip(ss, alone, strict=True):
+        got = np.stack(s.turns[-1].logits)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
