@@ -119,7 +119,7 @@ class PhaseGraph(torch.nn.Module):
             raise ValueError("Only the FP4 cache is compiled; bf16 KV is a graph-only ledger "
                              "switch.")
         self.args, self.plan, self.entry, self.template = model.args, model.plan, entry, template
-        self.reference_index_k = model.reference_index_k
+        self.switches = model.switches()  # Python constants: they choose the traced code
         self.weight_names = sorted(model.w)
         for name in self.weight_names:
             self.register_parameter(_param_name(name),
@@ -134,7 +134,7 @@ class PhaseGraph(torch.nn.Module):
         experts = {layer: ExpertStack(**{k: getattr(self, f"experts__{layer}__{k}")
                                          for k in ("w1", "s1", "w3", "s3", "w2", "s2")})
                    for layer in sorted({p.layer for p in self.plan.layers})}
-        return Model(self.args, self.plan, w, experts, None, {}, self.reference_index_k)
+        return Model(self.args, self.plan, w, experts, None, {}, **self.switches)
 
     def _chunk(self, start, floor, s, ropes, hash_ids, **flags) -> Chunk:
         return Chunk(start=start, length=s, rope={True: (ropes[0], ropes[1]),

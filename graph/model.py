@@ -33,7 +33,7 @@ from .layers import (
     rope_freqs,
     rope_table,
 )
-from .plan import FULL, ModelPlan, build_plan
+from .plan import FULL, REUSE, ModelPlan, build_plan
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,10 @@ class Model:
     engram: EngramTables | None
     freqs: dict[bool, torch.Tensor] = field(default_factory=dict)  # compressed? -> rope freqs
     reference_index_k: bool = True  # see `select`: the released shared index-K pointer
+    # Ledger switches (`ledger.py`), each undoing one approximation of the released model; the
+    # defaults are the released behaviour. Python constants: under export they pick the code.
+    full_reindex: bool = False  # Reindex layers sweep every entry, not the candidate pool
+    per_layer_selection: bool = False  # Reuse layers compute their own top-k (see `select`)
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: dict[str, torch.Tensor],
@@ -141,6 +145,11 @@ class Model:
 
     def p(self, layer: int, name: str) -> torch.Tensor:
         return self.w[f"{_prefix(self.args, layer)}.{name}"]
+
+    def switches(self) -> dict[str, bool]:
+        """The behaviour fields, for rebuilding an equivalent Model (the captured graphs do)."""
+        return {"reference_index_k": self.reference_index_k, "full_reindex": self.full_reindex,
+                "per_layer_selection": self.per_layer_selection}
 
 
 def _prefix(args: ModelArgs, layer: int) -> str:
@@ -414,22 +423,30 @@ def index_keys(model: Model, cache: ModelCache, store: GlobalStore, chunk: Chunk
 
 def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: torch.Tensor,
            qr: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """This index source's top-k entry ids per query, int32 (b, s, topk), -1 padded."""
+    """The top-k entry ids per query of an index source, int32 (b, s, topk), -1 padded.
+
+    Called for a Reuse layer (`model.per_layer_selection`), it is the top-k that layer's index
+    source would pick if it sat here: the source's indexer weights (`wq_b`, `weights_proj`) on
+    this layer's own `qr` and `x`, over the same index K, with the source's search (a full
+    sweep after the candidate source, the pool after a Reindex layer); it does not publish a
+    new candidate pool. Reuse layers have no indexer weights of their own to use instead.
+    With `model.full_reindex`, the pool is ignored and every visible entry is swept."""
     a, p = model.args, model.plan.layers[layer]
+    src = model.plan.layers[p.index_source]  # p itself for an index source
     cos, sin = _tok_rope(model, chunk, True)
-    q = ops.fp8_linear(qr, model.p(layer, "attn.indexer.wq_b.weight"),
-                       model.p(layer, "attn.indexer.wq_b.scale"))
+    q = ops.fp8_linear(qr, model.p(src.layer, "attn.indexer.wq_b.weight"),
+                       model.p(src.layer, "attn.indexer.wq_b.scale"))
     q = apply_rope(q.unflatten(-1, (a.index_n_heads, a.index_head_dim)), cos, sin,
                    a.rope_head_dim)
     q = ops.qdq_mxfp4(q)
-    weights = bf16_linear(x, model.p(layer, "attn.indexer.weights_proj.weight")) * (
+    weights = bf16_linear(x, model.p(src.layer, "attn.indexer.weights_proj.weight")) * (
         a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
     lens = (chunk.pos + 1) // store.ratio  # (b, s) entries visible to each query
     kc, ks = index_keys(model, cache, store, chunk)
     if p.candidate_source:
         idx, chunk.blocks = ops.hier_topk(q, kc, ks, weights, lens, a.index_topk,
                                           a.candidate_topk_blocks, a.candidate_block_size)
-    elif p.uses_candidates:
+    elif src.uses_candidates and not model.full_reindex:
         idx = ops.pool_topk(q, kc, ks, weights, lens, chunk.blocks, a.index_topk,
                             a.candidate_block_size)
     else:
@@ -509,6 +526,8 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
             if p.candidate_source:
                 chunk.selections[-1] = chunk.blocks
         idx = chunk.selection
+        if p.role == REUSE and model.per_layer_selection:
+            idx = chunk.selections[layer] = select(model, cache, layer, store, x, qr, chunk)
         if c is not None and chunk.write_global:
             publish_main_kv(model, store, c, chunk, cache.kv_dtype)
     o = attend(model, cache, layer, q, win, store, idx, chunk)

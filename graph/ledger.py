@@ -1,0 +1,325 @@
+"""The ledger of costs: each approximation the released model makes, measured against the same
+model with that one approximation undone, on the same weights and the same prompt.
+
+The article lists what V4.1-Flash gives up for its savings: local state rebuilt approximately
+(the decoder's at every prefill, the encoder's on a snapshot miss), main KV stored in FP4, four
+upper indexers searching only the candidate pool, and thirty layers using a selection they did
+not make. Each is a switch here (`SWITCHES`); a comparison runs both sides through the prompt,
+then feeds the same continuation tokens one decode step at a time (teacher forcing), and scores
+the next-token distribution at the prompt's last position and after each fed token, so effects
+that only show once decoding reads the rebuilt state are counted too.
+
+Per comparison: KL(exact || approx) of the next-token distributions (mean and max over the
+scored positions), top-1 agreement, and the relative L2 distance of the logits (median, max).
+For the two selection switches, also the overlap of the selections the affected layers used.
+
+Not a switch: the 34 layers reading main KV they did not compute. Those layers have no
+compressor weights of their own, so there is no exact counterpart to compare with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .cache import ModelCache, drop_local_state, new_cache, select_sequences
+from .model import Model
+from .phases import ced_prefill, decode_step, prefill_exact, replay_prefill
+from .plan import REINDEX, REUSE
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    approx: str  # what the released model does (the side being measured)
+    exact: str  # what the switch computes instead (the reference side)
+
+
+SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    Switch("ced",
+           "CED prefill: encoder over the prompt, decoder over its last `window` tokens only "
+           "(decoder rings rebuilt from that segment), `phases.ced_prefill`",
+           "exact mode: every block over every prompt token, `phases.prefill_exact`"),
+    Switch("replay",
+           "snapshot miss: rings and tails dropped (`cache.drop_local_state`), the last `window` "
+           "prefix tokens replayed through the encoder, then the suffix; the decoder by bounded "
+           "replay as in CED (`phases.replay_prefill`)",
+           "the live cache continued exactly: `prefill_exact` of the prefix, then of the suffix"),
+    Switch("fp4_kv",
+           "main KV stored FP4 (E2M1 + E4M3 per 16)",
+           "main KV stored bf16 (`new_cache(kv_dtype='bf16')`); index K stays MXFP4"),
+    Switch("candidate_pool",
+           "Reindex layers score only the candidate source's top blocks",
+           "`Model.full_reindex`: Reindex layers (and, with per-layer selection, the Reuse layers "
+           "after them) sweep every visible entry"),
+    Switch("shared_selection",
+           "Reuse layers attend over the latest index source's top-k",
+           "`Model.per_layer_selection`: each Reuse layer picks its own top-k with its index "
+           "source's indexer weights on its own input, searching as that source does (full "
+           "sweep after a Full layer, candidate pool after a Reindex layer)"),
+)}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One side of a comparison at one context length."""
+
+    logits: torch.Tensor  # fp32 (1 + decode, V): after the prompt, then after each fed token
+    selections: dict[int, torch.Tensor]  # layer -> int32 (1 + decode, topk), the scored rows
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How far the approximate side's next-token distributions are from the exact side's."""
+
+    kl: np.ndarray  # float64 (n,): KL(exact || approx) per scored position, nats
+    top1: np.ndarray  # bool (n,): same argmax
+    rel_l2: np.ndarray  # float64 (n,): |approx - exact| / |exact| of the logits
+
+
+@dataclass(frozen=True)
+class LedgerRecord:
+    switch: str
+    context: int  # prompt tokens
+    positions: int  # scored positions: the prompt's last, then one per decode step
+    kl_mean: float
+    kl_max: float
+    top1: float  # fraction of scored positions with the same argmax
+    rel_l2_median: float
+    rel_l2_max: float
+    sel_overlap: float | None  # selection switches: mean |exact & approx| / |exact| (else None)
+    seconds: float  # compute of both sides; a side shared with another comparison (the
+    # released exact-mode run) counts in each, so this is the cost of running it alone
+
+
+@dataclass(frozen=True)
+class LedgerOptions:
+    contexts: tuple[int, ...] = (64, 256, 900)
+    decode: int = 8  # teacher-forced decode steps scored after the prompt
+    switches: tuple[str, ...] = tuple(SWITCHES)
+    suffix: int = 32  # replay: new tokens after the cached prefix (context = prefix + suffix)
+    seed: int = 0  # the prompt's ids
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.switches if s not in SWITCHES]
+        if bad or not self.switches:
+            raise ValueError(f"Unknown or no switches {bad}; choose from {', '.join(SWITCHES)}.")
+        if not self.contexts or min(self.contexts) < 2:
+            raise ValueError(f"Contexts must be at least 2 tokens (a replay needs a prefix and "
+                             f"a suffix), got {list(self.contexts)}.")
+        if self.decode < 0:
+            raise ValueError(f"The number of decode steps must be >= 0, got {self.decode}.")
+        if self.suffix < 1:
+            raise ValueError(f"The replay suffix must be >= 1 token, got {self.suffix}.")
+
+
+@dataclass
+class Ledger:
+    options: LedgerOptions
+    records: list[LedgerRecord] = field(default_factory=list)
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def compare_logits(exact: torch.Tensor, approx: torch.Tensor) -> Agreement:
+    """Row-wise comparison of two (n, V) logit tensors. KL is computed in float64 and clamped
+    at 0 (Gibbs: only rounding makes it negative), so identical inputs give exactly 0."""
+    if exact.shape != approx.shape:
+        raise ValueError(f"Logit shapes differ: exact {tuple(exact.shape)}, approx "
+                         f"{tuple(approx.shape)}.")
+    e, a = exact.double(), approx.double()
+    le, la = torch.log_softmax(e, -1), torch.log_softmax(a, -1)
+    kl = (le.exp() * (le - la)).sum(-1).clamp(min=0)
+    rel = torch.linalg.vector_norm(a - e, dim=-1) / torch.linalg.vector_norm(e, dim=-1)
+    return Agreement(kl.numpy(), (e.argmax(-1) == a.argmax(-1)).numpy(), rel.numpy())
+
+
+def selection_overlap(exact: torch.Tensor, approx: torch.Tensor) -> float:
+    """Mean over rows of |exact & approx| / |exact| for (n, k) -1 padded selections; 1 when the
+    exact side selected nothing."""
+    hits = []
+    for e, a in zip(exact.tolist(), approx.tolist(), strict=True):
+        se, sa = {i for i in e if i >= 0}, {i for i in a if i >= 0}
+        hits.append(len(se & sa) / len(se) if se else 1.0)
+    return float(np.mean(hits)) if hits else 1.0
+
+
+def make_record(switch: str, context: int, exact: Trace, approx: Trace,
+                sel_overlap: float | None = None) -> LedgerRecord:
+    g = compare_logits(exact.logits, approx.logits)
+    return LedgerRecord(switch, context, len(g.kl), float(g.kl.mean()), float(g.kl.max()),
+                        float(g.top1.mean()), float(np.median(g.rel_l2)), float(g.rel_l2.max()),
+                        sel_overlap, exact.seconds + approx.seconds)
+
+
+# ---- the two sides -------------------------------------------------------------------------------
+
+
+def prompt_tokens(model: Model, n: int, seed: int = 0) -> np.ndarray:
+    """n seeded ordinary ids (no BOS/EOS/PAD, no DSpark noise token), int64."""
+    hi = model.args.vocab_size
+    noise = model.args.dspark_noise_token_id
+    if model.args.dspark_block_size and 3 < noise < hi:
+        hi = noise
+    return np.random.default_rng(seed).integers(3, hi, n).astype(np.int64)
+
+
+def _cache(model: Model, n: int, kv_dtype: str = "fp4") -> ModelCache:
+    pad = model.engram.pad_id if model.engram is not None else None
+    return new_cache(model.plan, 1, n + 1, kv_dtype=kv_dtype, engram_pad=pad)
+
+
+def _rows(res, out_logits: list, out_sel: dict) -> None:
+    out_logits.append(res.logits[0, -1])
+    for layer, sel in res.selections.items():
+        out_sel.setdefault(layer, []).append(sel[0, -1])
+
+
+def _decode(model: Model, cache: ModelCache, forced: torch.Tensor, first, t0: float) -> Trace:
+    """`first` is the prompt phase's result; then one decode step per forced token."""
+    logits, sel = [], {}
+    _rows(first, logits, sel)
+    for i in range(forced.size(1)):
+        _rows(decode_step(model, cache, forced[:, i : i + 1]), logits, sel)
+    return Trace(torch.stack(logits), {k: torch.stack(v) for k, v in sel.items()},
+                 time.perf_counter() - t0)
+
+
+def run_trace(model: Model, tokens: np.ndarray, context: int, decode: int, *,
+              phase: str = "exact", kv_dtype: str = "fp4") -> Trace:
+    """Prompt tokens[:context] by `phase` (exact | ced), then tokens[context:context+decode]
+    fed one decode step at a time."""
+    t0 = time.perf_counter()
+    toks = torch.from_numpy(tokens[: context + decode])[None]
+    cache = _cache(model, context + decode, kv_dtype)
+    run = {"exact": prefill_exact, "ced": ced_prefill}[phase]
+    return _decode(model, cache, toks[:, context:], run(model, cache, toks[:, :context]), t0)
+
+
+def run_replay_pair(model: Model, tokens: np.ndarray, context: int, decode: int,
+                    suffix: int) -> tuple[Trace, Trace]:
+    """(exact, approx) for a snapshot miss: the prefix tokens[:context - suffix] is prefilled
+    exactly once; the exact side continues that live cache with the suffix, the approximate side
+    drops its local state first and rebuilds it by bounded replay."""
+    if not 1 <= suffix < context:
+        raise ValueError(f"A replay needs a prefix and a suffix: suffix {suffix} must lie in "
+                         f"1..{context - 1} for context {context}.")
+    toks = torch.from_numpy(tokens[: context + decode])[None]
+    prefix, new, forced = toks[:, : context - suffix], toks[:, context - suffix : context], \
+        toks[:, context:]
+    t0 = time.perf_counter()
+    live = _cache(model, context + decode)
+    prefill_exact(model, live, prefix)
+    missed = select_sequences(live, [0])  # a copy
+    t_prefix = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    exact = _decode(model, live, forced, prefill_exact(model, live, new), t0)
+    t0 = time.perf_counter()
+    drop_local_state(missed)
+    approx = _decode(model, missed, forced, replay_prefill(model, missed, prefix, new), t0)
+    return (dataclasses.replace(exact, seconds=exact.seconds + t_prefix), approx)
+
+
+def _overlap(model: Model, exact: Trace, approx: Trace, role: str) -> float:
+    """Selections the layers of `role` used on each side (a Reuse layer without its own uses
+    its index source's), compared layer by layer."""
+    vals = []
+    for p in model.plan.backbone:
+        if p.role != role:
+            continue
+        e = exact.selections.get(p.layer, exact.selections.get(p.index_source))
+        a = approx.selections.get(p.layer, approx.selections.get(p.index_source))
+        if e is not None and a is not None:
+            vals.append(selection_overlap(e, a))
+    return float(np.mean(vals)) if vals else 1.0
+
+
+# ---- the ledger ----------------------------------------------------------------------------------
+
+
+def check_fits(model: Model, opts: LedgerOptions) -> None:
+    top = model.args.max_seq_len
+    if max(opts.contexts) + opts.decode > top:
+        raise ValueError(f"Context {max(opts.contexts)} plus {opts.decode} decode steps exceeds "
+                         f"the model's max_seq_len of {top} tokens.")
+
+
+def run_ledger(model: Model, opts: LedgerOptions, progress=None) -> Ledger:
+    """Every requested switch at every context length. The released exact-mode trace (exact side
+    of `ced`, approximate side of the other three model switches) is run once per context.
+    `progress(record)` is called after each comparison."""
+    check_fits(model, opts)
+    tokens = prompt_tokens(model, max(opts.contexts) + opts.decode, opts.seed)
+    ledger = Ledger(opts)
+    for n in opts.contexts:
+        base = None
+
+        def released(n: int = n) -> Trace:
+            nonlocal base
+            if base is None:
+                base = run_trace(model, tokens, n, opts.decode)
+            return base
+
+        for name in opts.switches:
+            ledger.records.append(measure(model, name, tokens, n, opts, released))
+            if progress is not None:
+                progress(ledger.records[-1])
+    return ledger
+
+
+def measure(model: Model, name: str, tokens: np.ndarray, n: int, opts: LedgerOptions,
+            released=None) -> LedgerRecord:
+    """One comparison. `released()` may return a cached exact-mode trace of this context."""
+    d = opts.decode
+    released = released or (lambda: run_trace(model, tokens, n, d))
+    if name == "ced":
+        return make_record(name, n, released(), run_trace(model, tokens, n, d, phase="ced"))
+    if name == "replay":
+        return make_record(name, n, *run_replay_pair(model, tokens, n, d, min(opts.suffix, n - 1)))
+    if name == "fp4_kv":
+        return make_record(name, n, run_trace(model, tokens, n, d, kv_dtype="bf16"), released())
+    if name == "candidate_pool":
+        exact = run_trace(dataclasses.replace(model, full_reindex=True), tokens, n, d)
+        approx = released()
+        return make_record(name, n, exact, approx, _overlap(model, exact, approx, REINDEX))
+    if name == "shared_selection":
+        exact = run_trace(dataclasses.replace(model, per_layer_selection=True), tokens, n, d)
+        approx = released()
+        return make_record(name, n, exact, approx, _overlap(model, exact, approx, REUSE))
+    raise ValueError(f"Unknown switch {name!r}; choose from {', '.join(SWITCHES)}.")
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+
+def format_ledger(ledger: Ledger) -> str:
+    o = ledger.options
+    head = (f"{'switch':<17} {'context':>7} {'pos':>4} {'KL mean':>10} {'KL max':>10} "
+            f"{'top-1':>6} {'relL2 med':>10} {'relL2 max':>10} {'sel ovl':>8} {'time':>7}")
+    rows = [head, "-" * len(head)]
+    for r in ledger.records:
+        ovl = "-" if r.sel_overlap is None else f"{r.sel_overlap:.3f}"
+        rows.append(f"{r.switch:<17} {r.context:>7} {r.positions:>4} {r.kl_mean:>10.3g} "
+                    f"{r.kl_max:>10.3g} {r.top1:>6.3f} {r.rel_l2_median:>10.3g} "
+                    f"{r.rel_l2_max:>10.3g} {ovl:>8} {r.seconds:>6.1f}s")
+    rows.append("")
+    rows.append(f"KL(exact || approx) in nats over the prompt's last position + {o.decode} "
+                f"teacher-forced decode steps; replay suffix {o.suffix} tokens; prompt seed "
+                f"{o.seed}.\nsel ovl: mean |exact & approx| / |exact| of the selections the "
+                "affected layers used; time: both sides, as if run alone.")
+    return "\n".join(rows)
+
+
+def ledger_json(ledger: Ledger) -> dict:
+    return {
+        "options": dataclasses.asdict(ledger.options),
+        "switches": {k: dataclasses.asdict(v) for k, v in SWITCHES.items()
+                     if k in ledger.options.switches},
+        "records": [dataclasses.asdict(r) for r in ledger.records],
+    }
