@@ -55,6 +55,7 @@ class CompileReport:
     seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # entry -> phase -> s
     sizes: dict[str, int] = field(default_factory=dict)  # file -> bytes
     unfused: list[str] = field(default_factory=list)  # entries TVM's FuseTIR refused
+    kept_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # kept entries
 
     @property
     def total_seconds(self) -> float:
@@ -230,10 +231,11 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
     report = CompileReport(out)
     model = Model.placeholder(opts.args)
     say = progress or (lambda msg: None)
-    kept = built_entries(out, opts.args, opts.target)
-    entries = {e: sig for e, sig in kept.items() if e not in opts.entries}
+    kept = _verified_manifest(out, opts.args, opts.target)
+    entries = {e: sig for e, sig in kept.get("entries", {}).items() if e not in opts.entries}
     for e in entries:
         report.seconds[e] = {}
+        report.kept_seconds[e] = kept.get("compile_seconds", {}).get(e, {})
     if entries:
         say(f"keeping the artifact's other entries: {', '.join(entries)}")
     for stale in out.glob("*.so"):
@@ -290,9 +292,9 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
     return report
 
 
-def built_entries(artifact_dir: Path, args: ModelArgs, target: str) -> dict[str, dict]:
-    """The entries of an existing artifact for the same config, target and TVM whose files
-    verify (an artifact that does not verify contributes nothing)."""
+def _verified_manifest(artifact_dir: Path, args: ModelArgs, target: str) -> dict:
+    """The manifest of an existing artifact for the same config, target and TVM whose files
+    verify; {} otherwise (such an artifact contributes nothing)."""
     from dsv41.runtime.artifact import ArtifactError, verify
 
     if not (artifact_dir / "manifest.json").is_file():
@@ -301,9 +303,12 @@ def built_entries(artifact_dir: Path, args: ModelArgs, target: str) -> dict[str,
         m = verify(artifact_dir, args=args, check_device=False)
     except (ArtifactError, ValueError, KeyError):
         return {}
-    if m["target"]["name"] != target:
-        return {}
-    return dict(m["entries"])
+    return m if m["target"]["name"] == target else {}
+
+
+def built_entries(artifact_dir: Path, args: ModelArgs, target: str) -> dict[str, dict]:
+    """The verified entries of an existing artifact (see `_verified_manifest`)."""
+    return dict(_verified_manifest(artifact_dir, args, target).get("entries", {}))
 
 
 def missing_entries(artifact_dir: Path, args: ModelArgs, target: str,
@@ -350,8 +355,8 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         "entries": entries,
         "tuning_database_sha256": db_hash,
         "files": files,
-        "compile_seconds": {**_old_seconds(out), **{e: t for e, t in report.seconds.items()
-                                                     if t}},
+        "compile_seconds": {**report.kept_seconds, **{e: t for e, t in report.seconds.items()
+                                                       if t}},
         "created_unix": int(time.time()),
         "built_on": os.uname().nodename,
     }
@@ -362,9 +367,3 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
     report.sizes["manifest.json"] = path.stat().st_size
     return path
 
-
-def _old_seconds(out: Path) -> dict:
-    try:
-        return json.loads((out / "manifest.json").read_text()).get("compile_seconds", {})
-    except (OSError, ValueError):
-        return {}

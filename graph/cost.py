@@ -60,13 +60,12 @@ def decode_step_cost(args: ModelArgs, context: int) -> StepCost:
             flops += 2 * s.logical_shape[0] * s.logical_shape[1] * share_num // share_den
     kv = 0
     w = min(context + 1, args.window_size)
-    entry_bytes = {src.layer: src for src in layout.sources}
+    sources = {src.layer: src for src in layout.sources}
     for p in plan.backbone:
         kv += w * layout.window_entry_bytes
-        heads, d = args.n_heads, args.head_dim
         attended = w
         if p.role != LOCAL:
-            src = entry_bytes[p.kv_source]
+            src = sources[p.kv_source]
             n = (context + 1) // src.ratio
             sel = min(args.index_topk, n)
             kv += sel * src.main_kv_bytes
@@ -75,8 +74,7 @@ def decode_step_cost(args: ModelArgs, context: int) -> StepCost:
                 swept = n
                 if p.uses_candidates:
                     swept = min(n, args.candidate_topk_blocks * args.candidate_block_size)
-                key_src = entry_bytes[p.kv_source]
-                kv += swept * key_src.index_k_bytes
+                kv += swept * src.index_k_bytes
                 flops += 2 * swept * args.index_n_heads * args.index_head_dim
-        flops += 2 * 2 * heads * d * attended
+        flops += 2 * 2 * args.n_heads * args.head_dim * attended
     return StepCost(context, weight_bytes, kv, flops)

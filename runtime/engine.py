@@ -62,7 +62,7 @@ class EngineOptions:
     exact: bool = False  # exact phases throughout (no CED, no bounded replay)
     page_tokens: int = 256  # runtime-cache page and SSD block, in positions
     cache_budget_bytes: int = 4 << 30  # runtime cache (all live sessions)
-    store_dir: Path | None = None  # SSD global-KV store (None: sessions stay live)
+    store_dir: str | Path | None = None  # SSD global-KV store (None: sessions stay live)
     store_capacity_bytes: int = 64 << 30
     store_min_lifetime_s: float = 72 * 3600.0
     pool_budget_bytes: int = 1 << 30  # DRAM snapshot pool
@@ -97,14 +97,6 @@ class EngineStats:
     store: object | None  # KVStoreStats
     pool: object | None  # SnapshotPoolStats
 
-    def as_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in ("sessions_live", "runtime_bytes", "runtime_tokens",
-                                             "runtime_budget", "tiers", "tokens")}
-        for k in ("store", "pool"):
-            v = getattr(self, k)
-            out[k] = None if v is None else {f: getattr(v, f) for f in v.__dataclass_fields__}
-        return out
-
 
 def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return np.asarray(tokens, dtype="<i8").tobytes()
@@ -120,8 +112,7 @@ class Engine:
         # salts every key: the config, the weights and the record format
         self._salt = model_fingerprint(model.args.config_hash(), weights_hash, FORMAT_VERSION)
         self._pad = model.engram.pad_id if model.engram is not None else None
-        probe = new_cache(model.plan, 1, 1, engram_pad=self._pad)
-        check_block_tokens(probe, options.page_tokens)
+        check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
         self.store = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
@@ -147,14 +138,14 @@ class Engine:
         model = Model.from_checkpoint(checkpoint_dir, art.args)
         return cls(model, CompiledPhases(art, model),
                    weights_hash=weights_fingerprint(checkpoint_dir),
-                   options=_options(options), backend=f"artifact {Path(artifact_dir)}")
+                   options=EngineOptions(**options), backend=f"artifact {Path(artifact_dir)}")
 
     @classmethod
     def from_model(cls, model: Model, *, weights_hash: str, **options) -> Engine:
         """The PyTorch graph's own phases (the oracle backend; no artifact)."""
         from dsv41.graph import phases
 
-        return cls(model, phases, weights_hash=weights_hash, options=_options(options),
+        return cls(model, phases, weights_hash=weights_hash, options=EngineOptions(**options),
                    backend="PyTorch graph")
 
     # ---- sessions -------------------------------------------------------------------------------
@@ -236,7 +227,6 @@ class Engine:
         if len({id(s) for s, _, _ in requests}) != len(requests):
             raise ValueError("A session may appear once in send_many.")
         turns = [s._begin(ids, **kw) for s, ids, kw in requests]
-        outs: list[list[int]] = [[] for _ in requests]
         active = [i for i, t in enumerate(turns) if not t.done]
         t0 = time.perf_counter()
         while active:
@@ -258,17 +248,10 @@ class Engine:
             self._stacked = None
             active = [i for row, i in enumerate(active) if row not in finished]
         per = (time.perf_counter() - t0) / max(1, len(requests))
-        for (s, _, _), t, out in zip(requests, turns, outs, strict=True):
+        for (s, _, _), t in zip(requests, turns, strict=True):
             t.record.seconds["decode"] = per
-            out.extend(t.tokens)
             s._end(t)
-        return outs
-
-
-def _options(kw: dict) -> EngineOptions:
-    if "store_dir" in kw and kw["store_dir"] is not None:
-        kw = {**kw, "store_dir": Path(kw["store_dir"])}
-    return EngineOptions(**kw)
+        return [list(t.tokens) for t in turns]
 
 
 @dataclass

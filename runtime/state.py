@@ -48,11 +48,16 @@ def _whole(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0).clone()
 
 
-def check_block_tokens(cache: ModelCache, block_tokens: int) -> None:
-    top = max([1, *(st.ratio for st in cache.stores.values())])
+def check_block_tokens(ratios, block_tokens: int) -> None:
+    """A block must hold whole entries of every global source (`ratios`: their ratios)."""
+    top = max([1, *ratios])
     if block_tokens <= 0 or block_tokens % top:
         raise ValueError(f"Block size {block_tokens} must be a positive multiple of the "
                          f"largest compression ratio {top}.")
+
+
+def _ratios(cache: ModelCache) -> list[int]:
+    return [st.ratio for st in cache.stores.values()]
 
 
 def _single(cache: ModelCache) -> None:
@@ -63,7 +68,7 @@ def _single(cache: ModelCache) -> None:
 def block_arrays(cache: ModelCache, index: int, block_tokens: int) -> dict[str, np.ndarray]:
     """Prefix block `index` of a batch-1 cache (its positions must all be processed)."""
     _single(cache)
-    check_block_tokens(cache, block_tokens)
+    check_block_tokens(_ratios(cache), block_tokens)
     end = (index + 1) * block_tokens
     if index < 0 or end > int(cache.pos[0]):
         raise ValueError(f"Block {index} ends at {end}, past the {int(cache.pos[0])} cached "
@@ -82,7 +87,7 @@ def restore_blocks(cache: ModelCache, blocks: list[dict[str, np.ndarray]],
                    block_tokens: int) -> None:
     """Write prefix blocks 0..n-1 into a fresh batch-1 cache and set its position to n*B."""
     _single(cache)
-    check_block_tokens(cache, block_tokens)
+    check_block_tokens(_ratios(cache), block_tokens)
     n = len(blocks) * block_tokens
     ensure_capacity(cache, n, exact=True)
     for i, arrays in enumerate(blocks):
@@ -118,7 +123,7 @@ def index_owner_at(plan: ModelPlan, pos: int) -> int:
 def snapshot_arrays(cache: ModelCache, block_tokens: int) -> dict[str, np.ndarray]:
     """The state beyond the prefix blocks (see the module docstring)."""
     _single(cache)
-    check_block_tokens(cache, block_tokens)
+    check_block_tokens(_ratios(cache), block_tokens)
     pos = int(cache.pos[0])
     done = pos // block_tokens * block_tokens
     out = {"pos": np.array([pos], dtype=np.int64),
