@@ -9,7 +9,6 @@ order the manifest lists. CUDA targets are built in a child process that sees a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -55,6 +54,9 @@ class CompileReport:
     seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # entry -> phase -> s
     sizes: dict[str, int] = field(default_factory=dict)  # file -> bytes
     unfused: list[str] = field(default_factory=list)  # entries TVM's FuseTIR refused
+    tuned: dict[str, list[str]] = field(default_factory=dict)  # entry -> tuned functions (CPU;
+    # a CUDA child applies the database too but does not report back)
+    kept_tuned: dict[str, list[str]] = field(default_factory=dict)  # kept entries
     kept_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # kept entries
 
     @property
@@ -147,11 +149,17 @@ def finish_pipeline(target_name: str):
     return _finish
 
 
-def schedule(mod, target_name: str):
+def schedule(mod, target_name: str, tuning: tuple[str, str] | None = None):
     """CUDA: dlight default schedules for everything our kernels do not already schedule. CPU:
     parallel / vectorised loop nests that keep every reduction's order (`cpu_rules`), so the
-    results are bit-identical to the unscheduled module."""
+    results are bit-identical to the unscheduled module. `tuning` = (tuning folder, entry):
+    first, the functions `dsv41 tune` verified are replaced by their tuned versions."""
     from dsv41.schedules.common import get_target
+
+    if tuning is not None:
+        from .tune import apply_tuning
+
+        mod = apply_tuning(mod, target_name, *tuning)
 
     spec = get_target(target_name)
     if not spec.is_cuda:
@@ -214,10 +222,10 @@ def _has_root(sch) -> bool:
         return False
 
 
-def built_module(config: dict, entry: str, target: str):
+def built_module(config: dict, entry: str, target: str, tuning: list | None = None):
     """The CUDA child's builder: the scheduled module, ready for tvm.compile."""
     mod, _ = fuse(lowered_module(config, entry, target), target)
-    return schedule(mod, target)
+    return schedule(mod, target, tuple(tuning) if tuning else None)
 
 
 def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
@@ -236,12 +244,15 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
     for e in entries:
         report.seconds[e] = {}
         report.kept_seconds[e] = kept.get("compile_seconds", {}).get(e, {})
+        if e in kept.get("tuning_applied", {}):
+            report.kept_tuned[e] = kept["tuning_applied"][e]
     if entries:
         say(f"keeping the artifact's other entries: {', '.join(entries)}")
     for stale in out.glob("*.so"):
         if stale.stem not in entries and stale.stem not in opts.entries:
             stale.unlink()
     for entry in opts.entries:
+        tuning = (str(out / "tuning"), entry) if (out / "tuning").is_dir() else None
         times = report.seconds.setdefault(entry, {})
         t = time.perf_counter()
         ep, template = capture(model, entry)
@@ -255,7 +266,8 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
 
             t = time.perf_counter()
             build_cuda("dsv41.compiler.build:built_module",
-                       {"config": opts.args.to_dict(), "entry": entry, "target": opts.target},
+                       {"config": opts.args.to_dict(), "entry": entry, "target": opts.target,
+                        "tuning": list(tuning) if tuning else None},
                        opts.target, lib, timeout=3600,
                        pipeline="dsv41.compiler.build:finish_pipeline")
             times["build"] = time.perf_counter() - t
@@ -273,8 +285,13 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
         report.unfused.extend([] if fused else [entry])
         _dump(opts, entry, "fuse", mod.script(show_meta=False))
         t = time.perf_counter()
-        mod = schedule(mod, opts.target)
+        mod = schedule(mod, opts.target, tuning)
         times["schedule"] = time.perf_counter() - t
+        from .tune import tuned_functions
+
+        report.tuned[entry] = tuned_functions(mod)
+        if tuning:
+            say(f"{entry}: {len(report.tuned[entry])} tuned function(s) from the database")
         _dump(opts, entry, "schedule", mod.script(show_meta=False))
         t = time.perf_counter()
         ex = tvm.compile(mod, target=spec.tvm_target(),
@@ -294,14 +311,19 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
 
 def _verified_manifest(artifact_dir: Path, args: ModelArgs, target: str) -> dict:
     """The manifest of an existing artifact for the same config, target and TVM whose files
-    verify; {} otherwise (such an artifact contributes nothing)."""
+    verify and whose entries were built with the tuning database now in its `tuning/`; {}
+    otherwise (such an artifact contributes nothing: its entries are compiled again)."""
     from dsv41.runtime.artifact import ArtifactError, verify
+
+    from .tune import database_hash
 
     if not (artifact_dir / "manifest.json").is_file():
         return {}
     try:
         m = verify(artifact_dir, args=args, check_device=False)
     except (ArtifactError, ValueError, KeyError):
+        return {}
+    if m.get("tuning_database_sha256") != database_hash(artifact_dir / "tuning"):
         return {}
     return m if m["target"]["name"] == target else {}
 
@@ -324,6 +346,8 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
 
     from dsv41.schedules.common import get_target
 
+    from .tune import database_hash
+
     out = opts.artifact_dir
     readme = out / "README.md"
     readme.write_text(
@@ -337,13 +361,7 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
     files = {p.name: sha256_file(p) for p in sorted(out.iterdir())
              if p.is_file() and p.name != "manifest.json"}
     report.sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    tuning = out / "tuning"
-    db_hash = None
-    if tuning.is_dir():
-        h = hashlib.sha256()
-        for p in sorted(tuning.glob("*.json")):
-            h.update(p.read_bytes())
-        db_hash = h.hexdigest()
+    db_hash = database_hash(out / "tuning")
     manifest = {
         "format_version": FORMAT_VERSION,
         "model": opts.model_name,
@@ -354,6 +372,7 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         "versions": {"tvm": tvm.__version__, "torch": torch.__version__},
         "entries": entries,
         "tuning_database_sha256": db_hash,
+        "tuning_applied": {**report.kept_tuned, **report.tuned},
         "files": files,
         "compile_seconds": {**report.kept_seconds, **{e: t for e, t in report.seconds.items()
                                                        if t}},

@@ -419,13 +419,15 @@ def convert_map(ctx: Lowering) -> dict:
     }
 
 
-def lower(ep, target: TargetSpec, *, rows_hint: int | None = None) -> tvm.IRModule:
+def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
+          kernels: dict | None = None) -> tvm.IRModule:
     """ExportedProgram -> Relax IRModule with one function `main`; weights stay parameters
-    (`keep_params_as_input`), in the program's parameter order."""
+    (`keep_params_as_input`), in the program's parameter order. `kernels`, when given, receives
+    each kernel's key -> GlobalVar (what `dsv41 tune` maps back to the kernels' factories)."""
     from tvm.relax.frontend.torch import from_exported_program
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-    ctx = Lowering(target, rows_hint)
+    ctx = Lowering(target, rows_hint, {} if kernels is None else kernels)
     convert = ExportedProgramImporter._convert_pytorch_tensor_to_tvm
 
     def no_weight_copies(t):

@@ -1,0 +1,1000 @@
+"""`dsv41 tune`: MetaSchedule over an artifact's kernels, at the shapes its phases run.
+
+What is tuned (schedules/tuning_space.py): per entry (default `decode`), the custom-op kernels
+and the heaviest generic dense ops of the entry's fused module, each specialised at the phase
+shape (batch 1, one decode token or `tokens` prefill tokens, `context` tokens of cache).
+
+Where it goes: `artifacts/<model>-<hash>/<target>/tuning/`:
+
+* `database_workload.json`, `database_tuning_record.json`: MetaSchedule's JSON database (one
+  workload per task, one record per measured candidate, appended as each round finishes, so an
+  interrupted run loses at most one round);
+* `tasks.json`: the task list (each task's unscheduled symbolic function, what it replaces, its
+  shapes) and, per task, the verdict of the last verification: the best record's trace replayed
+  onto the symbolic function, built, checked against the hand schedule on the same inputs (CPU:
+  bit-identical outputs; CUDA: within bf16 tolerance) and timed against it.
+
+`dsv41 compile` (build.schedule) applies a task where the verdict says so: the best trace,
+replayed onto the symbolic function, replaces the function whose structural hash the task
+recorded. Everything else keeps its hand schedule (our kernels) or the CPU rules / dlight
+(generic ops). A trace tuned at a static shape replays onto the symbolic function because every
+tile size MetaSchedule sampled is written into the trace with its outermost factor left to be
+inferred (`generalise`): on the static shape that is the tuned schedule itself, on a symbolic
+dim (batch, context) it is the same tiling with the outer loop counting what is left.
+
+Runs accumulate: `--trials N` is the number of measured candidates each task should have in
+the database, and a run measures only what is missing (an interrupted run resumes from the
+records it committed; a run with nothing missing changes nothing). Adding to a database that an
+earlier run left needs `--resume`.
+
+Builds and measurements run in this process: candidates are built with `tvm.tirx.build` (the
+default builder re-imports TVM's tensor intrinsics, ~24 s, in a new worker for every round),
+and timed with the module's time evaluator on realistic inputs (valid indices, finite scales).
+The search rules are given explicitly, so creating a tune context does not need the tensor
+intrinsics either (`_without_tensor_intrinsics`). CUDA targets measure on this machine's GPU;
+without one the command refuses before it writes anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsv41.graph.config import ModelArgs
+from dsv41.schedules.tuning_space import PhaseShape, Task
+
+INDEX = "tasks.json"
+INDEX_FORMAT = 1
+DB_FILES = ("database_workload.json", "database_tuning_record.json")
+FAILED_S = 1e10  # run time recorded for a candidate that did not build or run (MetaSchedule's)
+APPLY_MARGIN = 0.02  # a tuned function replaces the hand schedule only when this much faster
+VERIFY_ROUNDS = 5  # alternating timings of hand and tuned function in a verification
+TUNED_ATTR = "dsv41.tuned"  # set on a function compile replaced with a tuned one (task name)
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    args: ModelArgs
+    model_name: str  # as `dsv41 compile` names the artifact
+    target: str
+    out: Path = Path("artifacts")
+    entries: tuple[str, ...] = ("decode",)
+    ops: tuple[str, ...] = ()  # families (tuning_space.OPS) or task names; () = all tasks
+    trials: int = 64  # measured candidates per task, counted in the database
+    per_round: int = 8  # candidates built and measured per search round
+    shape: PhaseShape = PhaseShape()
+    resume: bool = False
+    seed: int = 0
+    prefer: str = "faster"  # "faster": use a tuned function that beats the hand one; "tuned":
+    # use every tuned function that matches the hand one's outputs
+
+    def display(self) -> str:
+        shapes = "; ".join(f"{e}: {self.shape.describe(e)}" for e in self.entries)
+        return (f"model {self.model_name} (config {self.args.config_hash()[:12]}), target "
+                f"{self.target}, entries {', '.join(self.entries)} ({shapes}), ops "
+                f"{', '.join(self.ops) or 'all'}, {self.trials} trials per task, "
+                f"{self.per_round} per round, database {self.tuning_dir}")
+
+    @property
+    def artifact_dir(self) -> Path:
+        return self.out / f"{self.model_name}-{self.args.config_hash()[:12]}" / self.target
+
+    @property
+    def tuning_dir(self) -> Path:
+        return self.artifact_dir / "tuning"
+
+
+@dataclass
+class TaskResult:
+    """One task after a run: what the database holds and the last verification's verdict."""
+
+    name: str
+    label: str
+    entry: str
+    calls: int
+    trials: int  # records in the database (failed candidates included)
+    new_trials: int  # measured by this run
+    best_s: float | None  # best measured candidate at the static shape
+    hand_s: float | None  # hand schedule, same inputs, same timer
+    tuned_s: float | None  # the best trace replayed onto the symbolic function
+    exact: bool | None  # tuned outputs equal the hand schedule's
+    apply: bool  # compile will use the tuned function
+    reason: str  # why not applied (or "faster")
+
+    @property
+    def speedup(self) -> float | None:
+        return self.hand_s / self.tuned_s if self.hand_s and self.tuned_s else None
+
+
+@dataclass
+class TuneReport:
+    tuning_dir: Path
+    results: list[TaskResult] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the run
+    search_seconds: float = 0.0  # spent in search + build + measure
+    extract_seconds: float = 0.0
+    noop: bool = False  # nothing to measure and nothing to verify: files untouched
+
+
+# ---- target checks -------------------------------------------------------------------------------
+
+
+def check_target(target_name: str) -> None:
+    """CUDA candidates are measured on a GPU of this machine; refuse clearly without one."""
+    from dsv41.schedules.common import get_target
+
+    spec = get_target(target_name)
+    if not spec.is_cuda:
+        return
+    import tvm
+
+    if not tvm.cuda().exist:
+        raise ValueError(
+            f"Tuning {target_name} measures every candidate on a CUDA GPU, and this machine has "
+            "none (tvm.cuda() does not exist). Run `dsv41 tune` on the GPU machine (it builds "
+            "and measures there, and writes the database into its artifact folder; copy "
+            "`tuning/` back next to this artifact). No database was written.")
+
+
+def _device(spec):
+    import tvm
+
+    return tvm.cuda() if spec.is_cuda else tvm.cpu()
+
+
+# ---- the task list (extracted once per code / config / shape, cached in tasks.json) --------------
+
+
+def _source_digest() -> str:
+    """Digest of the code that shapes the tasks (kernels, graph, lowering, fusion)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    files = sorted([*(root / "graph").glob("*.py"), *(root / "schedules").glob("*.py"),
+                    *(root / "compiler" / n for n in ("capture.py", "lower.py", "build.py"))])
+    for p in files:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def fingerprint(opts: TuneOptions) -> dict:
+    import tvm
+
+    return {"tvm": tvm.__version__, "config": opts.args.config_hash(), "target": opts.target,
+            "entries": list(opts.entries), "shape": vars(opts.shape), "code": _source_digest()}
+
+
+def _entry_module(opts: TuneOptions, entry: str):
+    """The entry's fused module exactly as `compile` builds it, and its kernels' keys."""
+    from dsv41.graph.model import Model
+    from dsv41.schedules.common import get_target
+
+    from .build import ROWS_HINT, fuse
+    from .capture import capture
+    from .lower import lower
+
+    ep, _ = capture(Model.placeholder(opts.args), entry)
+    kernels: dict = {}
+    mod = lower(ep, get_target(opts.target), rows_hint=ROWS_HINT.get(entry), kernels=kernels)
+    mod, _ = fuse(mod, opts.target)
+    return mod, {gv.name_hint: key for key, gv in kernels.items()}
+
+
+def _entry_values(opts: TuneOptions, main, entry: str, batch: int) -> dict:
+    from dsv41.graph.model import Model
+    from dsv41.schedules.tuning_space import bind_entry_vars
+
+    from .capture import CaptureShapes, example_inputs
+
+    shapes = CaptureShapes(batch=batch, tokens=opts.shape.tokens, context=opts.shape.context)
+    inputs, _ = example_inputs(Model.placeholder(opts.args), entry, shapes)
+    flat = [t for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
+    return bind_entry_vars(main, flat)
+
+
+def entry_tasks(opts: TuneOptions, entry: str, mod, kernel_keys: dict) -> list[Task]:
+    """The tasks of one entry's fused module (tuning_space docstring): kernels of the tuned
+    families, and the heaviest dense generic ops."""
+    import tvm
+    import tvm_ffi
+
+    from dsv41.schedules import tuning_space as ts
+    from dsv41.schedules.common import get_target
+
+    spec = get_target(opts.target)
+    main = mod["main"]
+    values = _entry_values(opts, main, entry, opts.shape.batch)
+    sites = ts.call_sites(main)
+    kernels, dense = [], []
+    for gv, func in mod.functions.items():
+        name = gv.name_hint
+        if not isinstance(func, tvm.tirx.PrimFunc) or name not in sites:
+            continue
+        shapes = ts.concrete(sites[name][0], values)
+        if shapes is None:
+            continue
+        key = kernel_keys.get(name)
+        if key is not None:
+            unsched = ts.unscheduled_kernel(key, spec)
+            if unsched is None:
+                continue
+            unsched = ts.as_module_kernel(unsched)
+            if ts.signature(unsched) != ts.signature(func):
+                continue  # a config-specific variant with another signature: not replaceable
+            kind, family, label = "kernel", key[0], ts.kernel_label(key)
+        else:
+            if func.attrs is not None and func.attrs.get("tirx.is_scheduled"):
+                continue
+            if not ts.has_reduction(func) or ts.data_dependent(func):
+                continue
+            unsched, kind, family, label = func, "dense", ts.DENSE, name
+        fvals = ts.bind_func_vars(unsched, shapes)
+        if fvals is None:
+            continue
+        try:
+            workload = ts.workload_of(unsched, fvals)
+        except Exception:  # noqa: BLE001 - a shape TVM cannot specialise: not a task
+            continue
+        flops = ts.estimate_flops(workload)
+        task = Task(name=f"{entry}.{name}", entry=entry, kind=kind, family=family,
+                    function=name, key=str(tvm_ffi.structural_hash(func)), func=unsched,
+                    hand=func, values=fvals, calls=len(sites[name]), flops=flops,
+                    label=f"{label} [{_shape_label(fvals)}]")
+        twin = next((t for t in kernels + dense if t.key == task.key), None)
+        if twin is not None:  # the same function under another name: one task, all its calls
+            twin.calls += task.calls
+        elif kind == "dense":
+            if flops == flops and flops >= ts.MIN_DENSE_FLOPS:  # not NaN, heavy enough
+                dense.append(task)
+        else:
+            kernels.append(task)
+    dense.sort(key=lambda t: -t.flops * t.calls)
+    return kernels + dense[: ts.MAX_DENSE]
+
+
+def _shape_label(values: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def _task_json(t: Task) -> dict:
+    import tvm
+
+    return {"name": t.name, "entry": t.entry, "kind": t.kind, "family": t.family,
+            "function": t.function, "key": t.key, "label": t.label, "values": t.values,
+            "calls": t.calls, "flops": t.flops if t.flops == t.flops else None,
+            "func": tvm.ir.save_json(t.func),
+            "hand": tvm.ir.save_json(t.hand)}
+
+
+def _task_from_json(d: dict) -> Task:
+    import tvm
+
+    return Task(name=d["name"], entry=d["entry"], kind=d["kind"], family=d["family"],
+                function=d["function"], key=d["key"], func=tvm.ir.load_json(d["func"]),
+                hand=tvm.ir.load_json(d["hand"]), values=d["values"], calls=d["calls"],
+                flops=d["flops"] if d["flops"] is not None else float("nan"), label=d["label"])
+
+
+def read_index(tuning_dir: Path) -> dict | None:
+    path = Path(tuning_dir) / INDEX
+    if not path.is_file():
+        return None
+    try:
+        index = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return index if index.get("format") == INDEX_FORMAT else None
+
+
+def write_index(tuning_dir: Path, index: dict) -> None:
+    tmp = Path(tuning_dir) / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+    os.replace(tmp, Path(tuning_dir) / INDEX)
+
+
+def extract_tasks(opts: TuneOptions, say: Callable[[str], None],
+                  given: list[Task] | None = None) -> tuple[list[Task], dict]:
+    """The tasks (from tasks.json when it was extracted for the same code, config, target,
+    entries and shapes; otherwise capture + lower + fuse of each entry, or `given`) and the
+    index."""
+    fp = fingerprint(opts)
+    index = read_index(opts.tuning_dir)
+    if index is not None and index.get("fingerprint") == fp and (
+            given is None or [d["name"] for d in index["tasks"]] == [t.name for t in given]):
+        return [_task_from_json(d) for d in index["tasks"]], index
+    tasks: list[Task] = list(given or [])
+    for entry in opts.entries if given is None else ():
+        t0 = time.perf_counter()
+        say(f"{entry}: capture + lower + fuse to find the tasks ...")
+        mod, keys = _entry_module(opts, entry)
+        found = entry_tasks(opts, entry, mod, keys)
+        say(f"{entry}: {len(found)} tasks in {time.perf_counter() - t0:.0f} s")
+        tasks += found
+    old = index or {}
+    new = {t.name: _task_json(t) for t in tasks}
+    same = {d["name"] for d in old.get("tasks", []) if d["name"] in new
+            and (new[d["name"]]["key"], new[d["name"]]["func"]) == (d["key"], d["func"])}
+    index = {"format": INDEX_FORMAT, "fingerprint": fp, "model": opts.model_name,
+             "target": opts.target, "tasks": list(new.values()),
+             # verdicts survive only for the same hand function and the same tuned function
+             "results": {k: v for k, v in old.get("results", {}).items()
+                         if k in same and not v.get("unsupported")}}
+    return tasks, index
+
+
+def select_tasks(tasks: list[Task], ops: tuple[str, ...]) -> list[Task]:
+    from dsv41.schedules.tuning_space import OPS
+
+    if not ops:
+        return list(tasks)
+    names = {t.name for t in tasks} | {t.function for t in tasks}
+    unknown = [o for o in ops if o not in OPS and o not in names]
+    if unknown:
+        raise ValueError(f"Unknown --ops {', '.join(unknown)}; choose op families "
+                         f"({', '.join(OPS)}) or task names (`dsv41 tune --list`).")
+    return [t for t in tasks if t.family in ops or t.name in ops or t.function in ops]
+
+
+# ---- the database ---------------------------------------------------------------------------
+
+
+def open_database(tuning_dir: Path):
+    from tvm.s_tir import meta_schedule as ms
+
+    tuning_dir.mkdir(parents=True, exist_ok=True)
+    return ms.database.JSONDatabase(work_dir=str(tuning_dir))
+
+
+def _wl_hash(mod) -> int:
+    import tvm_ffi
+
+    return tvm_ffi.structural_hash(mod)
+
+
+def record_counts(db) -> dict[int, int]:
+    """Records per workload (by the workload's structural hash)."""
+    counts: dict[int, int] = {}
+    for r in db.get_all_tuning_records():
+        h = _wl_hash(r.workload.mod)
+        counts[h] = counts.get(h, 0) + 1
+    return counts
+
+
+def best_record(db, workload_mod):
+    """The fastest successfully measured record of a workload, or None."""
+    if not db.has_workload(workload_mod):
+        return None
+    top = db.get_top_k(db.commit_workload(workload_mod), 1)
+    if not top or min(float(s) for s in top[0].run_secs) >= FAILED_S:
+        return None
+    return top[0]
+
+
+def trace_digest(trace) -> str:
+    return hashlib.sha256(json.dumps(trace.as_json(), sort_keys=True, default=str)
+                          .encode()).hexdigest()[:16]
+
+
+# ---- replaying a tuned trace onto the symbolic function ------------------------------------------
+
+
+def generalise(trace):
+    """The trace with every sampled tile size written in, its outermost factor left to infer.
+
+    On the static workload that replays the same schedule (the inferred factor is the sampled
+    one); on the symbolic function it tiles a symbolic loop the same way with the outer loop
+    covering the rest (MetaSchedule's own replay cannot: it samples `None` for a symbolic
+    extent and rejects it)."""
+    from tvm import tirx
+    from tvm.s_tir.schedule import Instruction, Trace
+
+    subst: dict = {}
+    insts, decisions = [], {}
+    for inst in trace.insts:
+        if inst.kind.name == "SamplePerfectTile":
+            factors = [int(x) for x in trace.get_decision(inst)]
+            vals = [None] + [tirx.IntImm("int64", f) for f in factors[1:]]
+            for out, val in zip(inst.outputs, vals, strict=True):
+                subst[out] = val
+            continue
+        inputs = [_subst(x, subst) for x in inst.inputs]
+        new = inst
+        if any(a is not b for a, b in zip(inputs, inst.inputs, strict=True)):
+            new = Instruction(inst.kind, inputs, inst.attrs, inst.outputs)
+        insts.append(new)
+        decision = trace.get_decision(inst)
+        if decision is not None:
+            decisions[new] = decision
+    return Trace(insts, decisions)
+
+
+def _subst(x, subst: dict):
+    if x is None or not hasattr(x, "same_as"):
+        return x
+    for old, new in subst.items():
+        if old.same_as(x):
+            return new
+    return x
+
+
+def replay(func, trace, task_name: str):
+    """The symbolic function scheduled by a tuned trace (marked scheduled and tuned)."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    generalise(trace).apply_to_schedule(sch, remove_postproc=False)
+    out = sch.mod["main"]
+    return out.with_attr("tirx.is_scheduled", True).with_attr(TUNED_ATTR, task_name)
+
+
+# ---- building and measuring in this process ------------------------------------------------------
+
+
+def _build(func, spec):
+    import tvm
+
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    with spec.tvm_target():
+        return tvm.tirx.build(mod, target=spec.tvm_target())
+
+
+def _hand(task: Task, spec):
+    """What compile builds for the task's function without tuning (build.schedule on it)."""
+    import tvm
+
+    from .build import schedule
+
+    return schedule(tvm.IRModule({"main": task.hand}), spec.name)["main"]
+
+
+def _args(arrays, dev):
+    import tvm
+
+    return [tvm.runtime.tensor(a, dev) for a in arrays]
+
+
+def time_function(rt_mod, args, dev, budget_s: float = 0.05) -> float:
+    """Seconds per call: the fastest of 3 samples of >= budget_s/3 each (one call if slow)."""
+    f = rt_mod.time_evaluator("main", dev, number=1, repeat=1)
+    first = float(f(*args).mean)
+    if first > budget_s:
+        return first
+    number = max(1, int(budget_s / 3 / max(first, 1e-7)))
+    f = rt_mod.time_evaluator("main", dev, number=number, repeat=3)
+    return min(float(x) for x in f(*args).results)
+
+
+def _measure(cands, args, dev, target) -> list:
+    """Build and time each candidate; failures become error results (FAILED_S in the DB)."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    results = []
+    for c in cands:
+        try:
+            with target:  # CUDA: nvcc reads the arch from the current target
+                rt = tvm.tirx.build(c.sch.mod, target=target)
+            results.append(ms.runner.RunnerResult([time_function(rt, args, dev)], None))
+        except Exception as e:  # noqa: BLE001 - a candidate that fails is a recorded trial
+            results.append(ms.runner.RunnerResult(None, f"{type(e).__name__}: {e}"[:1000]))
+    return results
+
+
+@contextlib.contextmanager
+def _without_tensor_intrinsics():
+    """TuneContext imports tvm.s_tir.tensor_intrin (~24 s: it registers every tensor-core and
+    dot-product intrinsic) although our explicit rules use none. While a context is created, a
+    placeholder stands in for that module, unless the real one is already loaded."""
+    name = "tvm.s_tir.tensor_intrin"
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        sys.modules.pop(name, None)
+
+
+def _quiet_logger():
+    import logging
+
+    log = logging.getLogger("dsv41.tune.metaschedule")
+    log.setLevel(logging.WARNING)
+    return log
+
+
+class Unsupported(Exception):
+    """MetaSchedule cannot generate a design space for a task (recorded, not retried)."""
+
+
+def _context(task: Task, wl, spec, per_round: int, rand_state: int, cores: int):
+    """A tune context and its design spaces, trying the rule sets of SPACE_FALLBACKS in turn."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from dsv41.schedules.tuning_space import SPACE_FALLBACKS, search_space
+
+    errors = []
+    for drop in SPACE_FALLBACKS:
+        with _without_tensor_intrinsics():
+            ctx = ms.TuneContext(
+                wl, target=spec.tvm_target(), space_generator=search_space(spec, drop),
+                search_strategy=ms.search_strategy.EvolutionarySearch(
+                    population_size=max(16, 8 * per_round), init_min_unmeasured=2 * per_round,
+                    genetic_num_iters=2, max_fail_count=3),
+                task_name=task.name, rand_state=rand_state, num_threads=max(1, cores),
+                logger=_quiet_logger())
+        try:
+            spaces = ctx.generate_design_space()
+        except Exception as e:  # noqa: BLE001 - TVM internal errors of many kinds
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[-1][:120]}")
+            continue
+        if spaces:
+            return ctx, spaces
+        errors.append("empty design space")
+    raise Unsupported(f"MetaSchedule generates no design space ({'; '.join(errors)})")
+
+
+def tune_task(task: Task, db, spec, *, trials: int, per_round: int, seed: int,
+              on_round: Callable[[int, float | None], None] = lambda n, best: None) -> int:
+    """Search one task until its workload has `trials` records; returns the number measured.
+    on_round(candidates measured, best seconds so far) after every committed round."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from dsv41.schedules.tuning_space import task_inputs
+
+    wl = task.workload()
+    workload = db.commit_workload(wl)
+    h = _wl_hash(wl)
+    done = record_counts(db).get(h, 0)
+    todo = trials - done
+    if todo <= 0:
+        return 0
+    target, dev = spec.tvm_target(), _device(spec)
+    cores = int(spec.target.get("num-cores", os.cpu_count() or 1))
+    ctx, spaces = _context(task, wl, spec, per_round, (seed * 1_000_003 + done) % (1 << 30) + 1,
+                           cores)
+    model = ms.cost_model.XGBModel(num_tuning_cores=max(1, cores))
+    old = db.get_top_k(workload, done) if done else []
+    if old:  # a resumed task starts from what the database already knows
+        model.update(ctx, [r.as_measure_candidate() for r in old],
+                     [ms.runner.RunnerResult(list(r.run_secs), None) for r in old])
+    args = _args(task_inputs(task.family, list(wl["main"].params), seed=seed), dev)
+    ctx.pre_tuning(max_trials=todo, num_trials_per_iter=per_round, design_spaces=spaces,
+                   database=db, cost_model=model)
+    measured = 0
+    best = best_record(db, wl)
+    best_s = min(float(s) for s in best.run_secs) if best is not None else None
+    while measured < todo:
+        cands = ctx.generate_measure_candidates()
+        if not cands:
+            break
+        cands = list(cands)[: todo - measured]
+        results = _measure(cands, args, dev, target)
+        ctx.notify_runner_results(cands, results)
+        model.update(ctx, cands, results)
+        for c, r in zip(cands, results, strict=True):
+            secs = list(r.run_secs) if r.run_secs is not None else [FAILED_S]
+            db.commit_tuning_record(ms.database.TuningRecord(c.sch.trace, workload, secs,
+                                                             target, c.args_info))
+            if r.run_secs is not None:
+                s = float(secs[0])
+                best_s = s if best_s is None else min(best_s, s)
+        measured += len(cands)
+        on_round(len(cands), best_s)
+    ctx.post_tuning()
+    return measured
+
+
+# ---- verification: the tuned function against the hand schedule ----------------------------------
+
+
+def _same(a, b, cuda: bool) -> bool:
+    import numpy as np
+
+    if a.dtype.kind in "iub":
+        return bool(np.array_equal(a, b))
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    if not cuda:
+        return bool(np.array_equal(a, b, equal_nan=True))
+    scale = float(np.nanmax(np.abs(b))) if b.size else 0.0
+    return bool(np.allclose(a, b, rtol=2e-2, atol=1e-3 * scale + 1e-6, equal_nan=True))
+
+
+def verify_task(task: Task, db, spec, seed: int = 0, prefer: str = "faster") -> dict:
+    """Replay the best record onto the symbolic function, build it, compare it with the hand
+    schedule on the same inputs and time both. Returns the verdict stored in tasks.json."""
+    from dsv41.schedules.tuning_space import task_inputs
+
+    wl = task.workload()
+    verdict: dict = {"trials": record_counts(db).get(_wl_hash(wl), 0), "apply": False,
+                     "prefer": prefer}
+    rec = best_record(db, wl)
+    if rec is None:
+        return {**verdict, "reason": "no candidate built and ran"}
+    verdict["best_s"] = min(float(s) for s in rec.run_secs)
+    verdict["trace"] = trace_digest(rec.trace)
+    dev = _device(spec)
+    try:
+        tuned = replay(task.func, rec.trace, task.name)
+    except Exception as e:  # noqa: BLE001
+        return {**verdict, "reason": f"trace does not replay on the symbolic function: "
+                                     f"{type(e).__name__}: {str(e)[:200]}"}
+    try:
+        built = {"hand": _build(_hand(task, spec), spec), "tuned": _build(tuned, spec)}
+    except Exception as e:  # noqa: BLE001
+        return {**verdict, "reason": f"replayed function does not build: {type(e).__name__}: "
+                                     f"{str(e)[:200]}"}
+    params = list(wl["main"].params)
+    outs, args = {}, {}
+    for which, rt in built.items():
+        args[which] = _args(task_inputs(task.family, params, seed=seed), dev)
+        rt["main"](*args[which])
+        outs[which] = [a.numpy() for a in args[which]]
+    # alternate the two, several times: other processes' load comes and goes
+    for which in ("hand", "tuned") * VERIFY_ROUNDS:
+        s = time_function(built[which], args[which], dev)
+        verdict[f"{which}_s"] = min(verdict.get(f"{which}_s", s), s)
+    exact = all(_same(a, b, spec.is_cuda) for a, b in zip(outs["tuned"], outs["hand"],
+                                                            strict=True))
+    verdict["exact"] = exact
+    if not exact:
+        return {**verdict, "reason": "outputs differ from the hand schedule"}
+    if verdict["tuned_s"] <= verdict["hand_s"] * (1 - APPLY_MARGIN):
+        return {**verdict, "apply": True, "reason": "faster"}
+    if prefer == "tuned":
+        return {**verdict, "apply": True, "reason": "not faster, used (--prefer tuned)"}
+    return {**verdict, "reason": "not faster than the hand schedule"}
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def database_hash(tuning_dir: Path) -> str | None:
+    """sha256 over tuning/*.json in name order (what the artifact manifest records)."""
+    files = sorted(Path(tuning_dir).glob("*.json"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def list_tasks(opts: TuneOptions, say: Callable[[str], None] = print) -> list[Task]:
+    """The tasks a run would tune (extracting them if tasks.json is not current; nothing is
+    written)."""
+    tasks, _ = extract_tasks(opts, say)
+    return select_tasks(tasks, opts.ops)
+
+
+def _has_records(tuning_dir: Path) -> bool:
+    p = tuning_dir / DB_FILES[1]
+    return p.is_file() and p.stat().st_size > 0
+
+
+def tune(opts: TuneOptions, progress: bool = True, say: Callable[[str], None] = print,
+         tasks: list[Task] | None = None) -> TuneReport:
+    """Extract (or reuse) the tasks, top every selected task up to opts.trials records, verify
+    the tasks whose best record changed, and write tasks.json. See the module docstring.
+    `tasks` replaces the extraction (tests, and callers that build tasks themselves)."""
+    from tqdm import tqdm
+
+    from dsv41.schedules.common import get_target
+
+    if opts.trials < 1 or opts.per_round < 1:
+        raise ValueError("--trials and --per-round must be at least 1.")
+    if opts.prefer not in ("faster", "tuned"):
+        raise ValueError(f"--prefer must be faster or tuned, got {opts.prefer!r}.")
+    check_target(opts.target)
+    try:
+        import xgboost  # noqa: F401 - MetaSchedule's cost model
+    except ImportError as e:
+        raise ValueError("dsv41 tune needs xgboost (pip install -e '.[tune]'; xgboost-cpu "
+                         "is enough).") from e
+    spec = get_target(opts.target)
+    t_start = time.perf_counter()
+    tasks, index = extract_tasks(opts, say, tasks)
+    t_extract = time.perf_counter() - t_start
+    chosen = select_tasks(tasks, opts.ops)
+    if not chosen:
+        raise ValueError("No tasks to tune for these entries and --ops.")
+    existing = _has_records(opts.tuning_dir)
+    db = open_database(opts.tuning_dir)
+    counts = record_counts(db)
+    results = index.get("results", {})
+    todo = {t.name: 0 if _settled(results.get(t.name, {})) else
+            max(0, opts.trials - counts.get(_wl_hash(t.workload()), 0)) for t in chosen}
+    stale = {t.name for t in chosen if not results.get(t.name, {}).get("unsupported") and (
+        t.name not in results or results[t.name].get("trace") != _best_digest(db, t)
+        or results[t.name].get("prefer", "faster") != opts.prefer)}
+    if not any(todo.values()) and not stale and (opts.tuning_dir / INDEX).is_file():
+        report = TuneReport(opts.tuning_dir, noop=True, extract_seconds=t_extract)
+        report.results = [_result(t, results.get(t.name, {}), 0, counts) for t in chosen]
+        report.seconds = time.perf_counter() - t_start
+        return report
+    if existing and any(todo.values()) and not opts.resume:
+        raise ValueError(f"{opts.tuning_dir} already holds a tuning database; pass --resume to "
+                         "add to it (each task is topped up to --trials), or delete the folder "
+                         "to start over.")
+    write_index(opts.tuning_dir, index)  # the task list first: an interrupted run resumes it
+    measured: dict[str, int] = {}
+    t_search = time.perf_counter()
+    bar = tqdm(total=sum(todo.values()), desc="tune", unit="trial", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    try:
+        for t in chosen:
+            if not todo[t.name]:
+                continue
+            hand = _quick_hand_time(t, spec, opts.seed)
+
+            def on_round(n: int, best: float | None, t=t, hand=hand) -> None:
+                bar.update(n)
+                bar.set_postfix_str(f"{t.label}: best {_ms(best)} ms, hand {_ms(hand)} ms")
+
+            bar.set_postfix_str(f"{t.label}: searching (hand {_ms(hand)} ms)")
+            try:
+                measured[t.name] = tune_task(t, db, spec, trials=opts.trials,
+                                             per_round=opts.per_round, seed=opts.seed,
+                                             on_round=on_round)
+            except Unsupported as e:
+                results[t.name] = {"apply": False, "trials": 0, "unsupported": True,
+                                   "reason": str(e)}
+                bar.update(todo[t.name])
+                bar.write(f"  {t.name}: {e}")
+                continue
+            bar.update(todo[t.name] - measured[t.name])  # a search that ran out early
+            rec = best_record(db, t.workload())
+            bar.write(f"  {t.name}: {measured[t.name]} new trials, best "
+                      f"{_ms(min(float(s) for s in rec.run_secs) if rec else None)} ms "
+                      f"(hand {_ms(hand)} ms)")
+    except BaseException:  # Ctrl-C may surface from native code as another exception
+        bar.close()
+        say(f"stopped: the rounds measured so far are in {opts.tuning_dir}; the same command "
+            "with --resume continues from them")
+        raise
+    finally:
+        bar.close()
+    search_s = time.perf_counter() - t_search
+    db = open_database(opts.tuning_dir)  # verify what later runs and compile will read back
+    for t in chosen:
+        prev = results.get(t.name, {})
+        if prev.get("unsupported"):
+            continue
+        if t.name in measured or t.name in stale:
+            say(f"verifying {t.name} ...")
+            results[t.name] = verify_task(t, db, spec, seed=opts.seed, prefer=opts.prefer)
+            # the search ran dry before --trials: its space holds no more new candidates
+            if prev.get("exhausted") or measured.get(t.name, 0) < todo[t.name]:
+                results[t.name]["exhausted"] = True
+    index["results"] = results
+    write_index(opts.tuning_dir, index)
+    report = TuneReport(opts.tuning_dir, extract_seconds=t_extract, search_seconds=search_s)
+    counts = record_counts(db)
+    report.results = [_result(t, results.get(t.name, {}), measured.get(t.name, 0), counts)
+                      for t in chosen]
+    report.seconds = time.perf_counter() - t_start
+    return report
+
+
+def _settled(verdict: dict) -> bool:
+    """No more trials for this task: no design space, or the search ran out of candidates."""
+    return bool(verdict.get("unsupported") or verdict.get("exhausted"))
+
+
+def _best_digest(db, t: Task) -> str | None:
+    rec = best_record(db, t.workload())
+    return trace_digest(rec.trace) if rec is not None else None
+
+
+def _quick_hand_time(t: Task, spec, seed: int) -> float | None:
+    from dsv41.schedules.tuning_space import task_inputs
+
+    try:
+        rt = _build(_hand(t, spec), spec)
+        args = _args(task_inputs(t.family, list(t.workload()["main"].params), seed=seed),
+                     _device(spec))
+        return time_function(rt, args, _device(spec))
+    except Exception:  # noqa: BLE001 - only for the progress line
+        return None
+
+
+def _result(t: Task, v: dict, new: int, counts: dict[int, int]) -> TaskResult:
+    return TaskResult(name=t.name, label=t.label, entry=t.entry, calls=t.calls,
+                      trials=counts.get(_wl_hash(t.workload()), 0), new_trials=new,
+                      best_s=v.get("best_s"),
+                      hand_s=v.get("hand_s"), tuned_s=v.get("tuned_s"), exact=v.get("exact"),
+                      apply=bool(v.get("apply")), reason=v.get("reason", "not verified")
+                      + ("; the search found no more candidates" if v.get("exhausted") else ""))
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.4f}" if s < 1e-3 else f"{s * 1e3:.3f}"
+
+
+def format_results(report: TuneReport) -> str:
+    """One row per task: trials, best measured, hand vs tuned (symbolic, as compiled), speedup,
+    applied, why; then the per-entry estimate over call sites."""
+    head = ("task", "calls", "trials", "best ms", "hand ms", "tuned ms", "speedup", "used",
+            "note")
+    rows = []
+    for r in report.results:
+        sp = r.speedup
+        note = r.reason if len(r.reason) <= 72 else r.reason[:69] + "..."
+        rows.append((r.label, str(r.calls), str(r.trials), _ms(r.best_s), _ms(r.hand_s),
+                     _ms(r.tuned_s), f"{sp:.2f}x" if sp else "-", "yes" if r.apply else "no",
+                     note))
+    widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head) - 1)]
+
+    def line(cells):
+        return "  ".join([cells[0].ljust(widths[0]),
+                          *(c.rjust(w) for c, w in zip(cells[1:-1], widths[1:], strict=True)),
+                          cells[-1]]).rstrip()
+
+    out = [line(head), "-" * (sum(widths) + 2 * len(widths)), *(line(r) for r in rows)]
+    hand = sum(r.hand_s * r.calls for r in report.results if r.hand_s)
+    used = sum((r.tuned_s if r.apply else r.hand_s) * r.calls for r in report.results
+               if r.hand_s and r.tuned_s)
+    if hand and used:
+        out.append(f"these tasks per entry call (time x call sites): hand {hand * 1e3:.3f} ms, "
+                   f"as compiled {used * 1e3:.3f} ms ({hand / used:.2f}x)")
+    return "\n".join(out)
+
+
+# ---- compile's hook ------------------------------------------------------------------------------
+
+
+def apply_tuning(mod, target_name: str, tuning_dir: str | Path, entry: str):
+    """build.schedule's hook: replace every function of `mod` that a verified task of `entry`
+    recorded (by structural hash) with the task's best trace replayed onto its symbolic
+    function. Returns the module (unchanged without a database or applicable tasks)."""
+    import tvm
+    import tvm_ffi
+
+    tuning_dir = Path(tuning_dir)
+    index = read_index(tuning_dir)
+    if index is None or index.get("target") != target_name or not _has_records(tuning_dir):
+        return mod
+    results = index.get("results", {})
+    wanted = {d["key"]: d for d in index["tasks"]
+              if d["entry"] == entry and results.get(d["name"], {}).get("apply")}
+    if not wanted:
+        return mod
+    db = None
+    updates = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        d = wanted.get(str(tvm_ffi.structural_hash(func)))
+        if d is None:
+            continue
+        try:  # the hand schedule stays whenever the database cannot provide the function
+            db = db or open_database(tuning_dir)
+            task = _task_from_json(d)
+            rec = best_record(db, task.workload())
+            if rec is None or trace_digest(rec.trace) != results[d["name"]].get("trace"):
+                raise ValueError("its best record is not the verified one (run dsv41 tune)")
+            updates[gv] = replay(task.func, rec.trace, task.name)
+        except Exception as e:  # noqa: BLE001 - a damaged database must not stop a compile
+            warnings.warn(f"{tuning_dir}: {d['name']} keeps its hand schedule: {e}",
+                          stacklevel=2)
+    if not updates:
+        return mod
+    mod = tvm.IRModule(mod.functions, mod.attrs)
+    for gv, func in updates.items():
+        mod[gv] = func
+    return mod
+
+
+def tuned_functions(mod) -> list[str]:
+    """Names of the module's functions that came from the tuning database."""
+    import tvm
+
+    return sorted(gv.name_hint for gv, f in mod.functions.items()
+                  if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
+                  and TUNED_ATTR in f.attrs)
+
+
+# ---- the decode step, compiled with and without the database -------------------------------------
+
+
+def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
+    """Inputs at the tuning shape (the cache full up to `context`, the new token at its end) and
+    the weights: a seeded checkpoint of the preset when one exists, else format-valid random
+    values (FP8/FP4 codes without NaN codes, E8M0 scales near 1)."""
+    import numpy as np
+    import torch
+    import tvm
+
+    from dsv41.graph.model import Model
+    from dsv41.runtime.artifact import _to_tvm, read_manifest, weight_for
+
+    from .capture import CaptureShapes, example_inputs
+
+    shapes = CaptureShapes(batch=opts.shape.batch, tokens=opts.shape.tokens,
+                           context=opts.shape.context)
+    inputs, _ = example_inputs(Model.placeholder(opts.args), entry, shapes)
+    flat = [t for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
+    flat[1] = torch.full_like(flat[1], opts.shape.context - 1)  # start: the cache is full
+    args = [_to_tvm(t) for t in flat]
+    params = read_manifest(artifact_dir)["entries"][entry]["params"]
+    ckpt = Path("artifacts") / "checkpoints" / f"{opts.model_name}-seed0"
+    if (ckpt / "config.json").is_file():
+        model = Model.from_checkpoint(ckpt)
+        return args + [_to_tvm(weight_for(model, p["param"])) for p in params], str(ckpt)
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    for p in params:
+        shape = [int(x) for x in p["shape"]]
+        last = p["param"].rsplit("__", 1)[-1]
+        if p["dtype"] == "uint8" and last in ("scale", "s1", "s2", "s3"):
+            a = rng.integers(120, 128, size=shape, dtype=np.uint8)
+        elif p["dtype"] == "uint8":
+            a = rng.integers(0, 0x7F, size=shape, dtype=np.uint8) | (
+                rng.integers(0, 2, size=shape, dtype=np.uint8) << 7)
+        else:
+            a = (rng.standard_normal(shape, dtype=np.float32) * 0.05)
+            a = a.astype(ml_dtypes.bfloat16 if p["dtype"] == "bfloat16" else p["dtype"])
+        args.append(tvm.runtime.tensor(a, dev))
+    return args, "random format-valid weights (no seeded checkpoint)"
+
+
+def compare_step(opts: TuneOptions, rounds: int = 7) -> str:
+    """Compile the decode entry twice, into the artifact (its tuning database applied) and into a
+    temporary artifact without one (hand schedules); then time the two steps on the same inputs
+    and weights, alternating, and report the fastest call of each."""
+    import tempfile
+
+    import tvm
+    from tvm import relax
+
+    from dsv41.schedules.common import get_target
+
+    from .build import CompileOptions, compile_artifact
+
+    if "decode" not in opts.entries:
+        raise ValueError("--compare-step times the decode entry; tune --entries decode.")
+    if get_target(opts.target).is_cuda:
+        raise ValueError("--compare-step runs the steps on this machine's CPU; it needs a CPU "
+                         "target.")
+    dev = tvm.cpu()
+    with tempfile.TemporaryDirectory(prefix="dsv41-hand-") as tmp:
+        built = {}
+        for label, out in (("hand", Path(tmp)), ("tuned", opts.out)):
+            t0 = time.perf_counter()
+            rep = compile_artifact(CompileOptions(args=opts.args, model_name=opts.model_name,
+                                                  target=opts.target, out=out,
+                                                  entries=("decode",)))
+            lib = tvm.runtime.load_module(str(rep.artifact_dir / "decode.so"))
+            built[label] = (relax.VirtualMachine(lib, dev), rep, time.perf_counter() - t0)
+        args, source = _step_args(opts, built["tuned"][1].artifact_dir, "decode", dev)
+        outs = {label: [o.numpy() for o in built[label][0]["main"](*args)]  # also the warm-up
+                for label in ("hand", "tuned")}
+        same = all(_same(a, b, cuda=False) for a, b in zip(outs["tuned"], outs["hand"],
+                                                           strict=True))
+        best: dict[str, float] = {}
+        for label in ("hand", "tuned") * rounds:
+            f = built[label][0].time_evaluator("main", dev, number=1, repeat=1)
+            best[label] = min(best.get(label, math.inf), float(f(*args).mean))
+    lines = [f"decode step at {opts.shape.describe('decode')}, weights: {source}; fastest call "
+             f"of {rounds}, hand and tuned alternating; outputs (logits, selections, cache) "
+             f"{'identical' if same else 'DIFFER'}:"]
+    for label in ("hand", "tuned"):
+        _, rep, secs = built[label]
+        where = "a temporary artifact" if label == "hand" else rep.artifact_dir
+        n = len(rep.tuned.get("decode", []))
+        lines.append(f"  {label:5s} {best[label] * 1e3:9.2f} ms  ({n} tuned functions; "
+                     f"compiled in {secs:.0f} s into {where})")
+    lines.append(f"  speedup {best['hand'] / best['tuned']:.3f}x")
+    return "\n".join(lines)
