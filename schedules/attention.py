@@ -20,6 +20,12 @@ Why the kernel is shaped the way it is:
   `check_sparse_attend_indices` is the host-side check the caller runs before the kernel.
 * Entries are decoded behind a lazy branch on `idx >= 0`, so a -1 never reads memory and an
   empty global store (N = 0) is fine.
+* CPU with AVX-512 (`vector_decode`): the staging is one hand-vectorised block instead of the
+  per-element decode blocks: 16 values per step, FP4 through a 16-entry table lookup (vpermps)
+  of both nibbles of 8 bytes, the row's E4M3 scales decoded as a vector once. The rest keeps
+  its blocks and schedule.
+* p is rounded to bf16 once per block (its own block, after the fp32 sum), not per use in PV;
+  exp is a vectorisable polynomial (`_exp`, <= 1 ulp) rather than a libm call per lane.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class SparseAttendConfig:
     vector: int  # CPU: fp32 lanes per vector op
     unroll_rows: int  # CPU: entries per register tile in QK
     threads: int  # CUDA: threads per block (one block per (b, s, head group))
+    vector_decode: bool = False  # CPU with AVX-512: the hand-vectorised staging (stage_vec)
 
 
 def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> SparseAttendConfig:
@@ -88,7 +95,59 @@ def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> Spar
     while h % groups:
         groups -= 1
     return SparseAttendConfig(heads_per_group=h // groups, stage_rows=ATTN_BLOCK, vector=16,
-                              unroll_rows=8, threads=1)
+                              unroll_rows=8, threads=1,
+                              vector_decode=_has_avx512(target) and d % 16 == 0)
+
+
+def _has_avx512(target: TargetSpec) -> bool:
+    from tvm.target import codegen  # noqa: PLC0415
+
+    return bool(codegen.target_has_features("avx512f", target.tvm_target()))
+
+
+# ---- vector decoders (the vector_decode staging) -----------------------------------------------
+
+
+def _e4m3(b):
+    """E4M3 byte (uint32 lanes) -> fp32 with Select (vectorises), bit-identical to
+    common.e4m3_to_f32: NaN for 0x7f/0xff, subnormals m * 2^-9, -0.0 for 0x80."""
+    lanes = tvm.DataType(str(b.ty)).lanes
+    f32, u32 = ("float32", "uint32") if lanes == 1 else (f"float32x{lanes}", f"uint32x{lanes}")
+    s = (b >> T.uint32(7)) & T.uint32(1)
+    e = (b >> T.uint32(3)) & T.uint32(15)
+    m = b & T.uint32(7)
+    normal = T.reinterpret(f32, (s << T.uint32(31)) | ((e + T.uint32(120)) << T.uint32(23))
+                           | (m << T.uint32(20)))
+    sub = T.reinterpret(f32, T.reinterpret(u32, T.Cast(f32, m) * T.float32(2.0**-9))
+                        | (s << T.uint32(31)))
+    val = T.Select(e == T.uint32(0), sub, normal)
+    nan = T.uint32(0x7FC00000) if lanes == 1 else T.broadcast(T.uint32(0x7FC00000), lanes)
+    return T.Select((b & T.uint32(0x7F)) == T.uint32(0x7F), T.reinterpret(f32, nan), val)
+
+
+def _exp(x):
+    """exp(x) in fp32 arithmetic that vectorises (T.exp becomes one libm call per lane): Cody-Waite
+    reduction x = n ln2 + r and Cephes' expf polynomial; at most 1 ulp from the exact value
+    (90% exact; libm's expf and torch's differ from it and from each other by an ulp as well),
+    exp(0) = 1 exactly, 0 below -87.3 (libm gives a denormal there, which no sum of
+    probabilities normalised to a maximum of 1 can see), +inf above 88.7, NaN kept."""
+    n = T.floor(T.max(T.min(x, T.float32(88.7)), T.float32(-87.3)) * T.float32(1.4426950408889634)
+                + T.float32(0.5))
+    r = (x - n * T.float32(0.693359375)) - n * T.float32(-2.12194440e-4)
+    p = T.float32(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+              5.0000001201e-1):
+        p = p * r + T.float32(c)
+    y = (p * (r * r) + r) + T.float32(1)
+    two_n = T.reinterpret("float32", (T.Cast("int32", n) + T.int32(127)) << T.int32(23))
+    y = T.Select(x < T.float32(-87.3), T.float32(0), y * two_n)
+    return T.Select(x > T.float32(88.7), T.float32(math.inf), T.Select(x != x, x, y))
+
+
+def _nibbles(a):
+    """8 packed bytes (uint32x8) -> their 16 nibbles, low nibble first (uint32x16; the lanes
+    keep the bits above the nibble, which the table lookup ignores)."""
+    return T.Shuffle([a, a >> T.uint32(4)], [i // 2 + 8 * (i % 2) for i in range(16)])
 
 
 # ---- kernel factories ----------------------------------------------------------------------------
@@ -106,10 +165,12 @@ def _check_dims(h: int, d: int, w: int, k: int, hg: int, rows: int) -> None:
 
 
 def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
-          heads_per_group: int | None, stage_rows: int) -> tvm.tirx.PrimFunc:
+          heads_per_group: int | None, stage_rows: int, vector_decode: bool) -> tvm.tirx.PrimFunc:
     """The shared body of both ops; `kind` is "fp4" or "bf16" (the global cache's format)."""
     hg = heads_per_group or h
     _check_dims(h, d, w, k, hg, stage_rows)
+    if vector_decode and d % 16:
+        raise ValueError(f"vector_decode needs d to be a multiple of 16; got {d}.")
     H, D, HG, R = T.int64(h), T.int64(d), T.int64(hg), T.int64(stage_rows)
     NG = T.int64(h // hg)
     nl = w + k  # entries per query
@@ -207,6 +268,55 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                     kst[vj, vc] = T.float32(0)
 
     @T.macro
+    def row_fp8(bufs, kst, vb, j, row):  # 16 values at a time
+        for c in range(D // T.int64(16)):
+            kst[j, T.ramp(c * T.int64(16), 1, 16)] = _e4m3(T.Cast(
+                "uint32x16", bufs[0].vload([vb, row, c * T.int64(16)], "uint8x16"))) \
+                * T.broadcast(e8m0_to_f32(u32(bufs[1][vb, row, c // T.int64(2)])), 16)
+
+    @T.macro
+    def row_glob(bufs, kst, sc, tbl, vb, j, row):
+        if kind == "bf16":
+            for c in range(D // T.int64(16)):
+                kst[j, T.ramp(c * T.int64(16), 1, 16)] = T.Cast(
+                    "float32x16", bufs[3][0].vload([vb, row, c * T.int64(16)], "bfloat16x16"))
+        else:  # FP4: both nibbles of 8 bytes interleaved, looked up in the E2M1 table
+            for g in T.vectorized(D // T.int64(FP4_BLOCK)):
+                sc[g] = _e4m3(u32(bufs[3][1][vb, row, g]))
+            for g in range(D // T.int64(FP4_BLOCK)):
+                kst[j, T.ramp(g * T.int64(16), 1, 16)] = T.call_llvm_pure_intrin(
+                    "float32x16", "llvm.x86.avx512.permvar.sf.512", tbl.vload([0], "float32x16"),
+                    T.reinterpret("int32x16", _nibbles(T.Cast(
+                        "uint32x8", bufs[3][0].vload([vb, row, g * T.int64(8)], "uint8x8"))))) \
+                    * T.broadcast(sc[g], 16)
+
+    @T.macro
+    def zero_row(kst, j):
+        for c in range(D // T.int64(16)):
+            kst[j, T.ramp(c * T.int64(16), 1, 16)] = T.broadcast(T.float32(0), 16)
+
+    @T.macro
+    def stage_vec(bufs, kst, sc, tbl, vb, vs, t, r):
+        """stage() hand-vectorised for AVX-512 (one opaque block; the schedule leaves it)."""
+        with T.sblock("stage_vec"):
+            for i in T.unroll(16):  # the E2M1 values in code order (constants once unrolled)
+                tbl[i] = fp4_to_f32(u32(i))
+            for j in range(R):
+                if t * BLK + r * R + j < Wd:
+                    if win_row(bufs[2], vb, vs, t * BLK + r * R + j) >= T.int64(0):
+                        row_fp8(bufs, kst, vb, j, win_row(bufs[2], vb, vs, t * BLK + r * R + j))
+                    else:
+                        zero_row(kst, j)
+                elif t * BLK + r * R + j < L:
+                    if glob_row(bufs[4], vb, vs, t * BLK + r * R + j) >= T.int64(0):
+                        row_glob(bufs, kst, sc, tbl, vb, j,
+                                 glob_row(bufs[4], vb, vs, t * BLK + r * R + j))
+                    else:
+                        zero_row(kst, j)
+                else:
+                    zero_row(kst, j)
+
+    @T.macro
     def body(q, bufs, sink, out):
         b = q.shape[0]
         s = q.shape[1]
@@ -215,6 +325,8 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                 vb, vs, vg = T.axis.remap("SSS", [bb, ss, g])
                 qt = T.sblock_alloc_buffer((D, HG), "float32")  # q of the group, transposed
                 kst = T.sblock_alloc_buffer((R, D), "float32")  # staged entries
+                gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")  # row scales
+                tbl = T.sblock_alloc_buffer((16,), "float32")  # E2M1 values (vector_decode)
                 dots = T.sblock_alloc_buffer((BLK, HG), "float32")  # q . entry
                 lg = T.sblock_alloc_buffer((BLK, HG), "float32")  # logits, then p
                 acc = T.sblock_alloc_buffer((HG, D), "float32")
@@ -234,7 +346,10 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                         den[vh] = T.float32(0)
                 for t in range(NB):
                     for r in range(NR):
-                        stage(bufs, kst, vb, vs, t, r)
+                        if vector_decode:
+                            stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r)
+                        else:
+                            stage(bufs, kst, vb, vs, t, r)
                         for j, hh, c in T.grid(R, HG, D):
                             with T.sblock("qk"):
                                 vr = T.axis.spatial(NR, r)
@@ -258,7 +373,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                     for j, hh in T.grid(BLK, HG):
                         with T.sblock("prob"):
                             vj, vh = T.axis.remap("SS", [j, hh])
-                            lg[vj, vh] = T.exp(lg[vj, vh] - mn[vh])
+                            lg[vj, vh] = _exp(lg[vj, vh] - mn[vh])
                     for hh in range(HG):
                         with T.sblock("rescale"):
                             vh = T.axis.remap("S", [hh])
@@ -273,17 +388,23 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                         with T.sblock("denom_update"):
                             vh = T.axis.remap("S", [hh])
                             den[vh] = den[vh] * mx[vh] + psum[vh]
+                    for j, hh in T.grid(BLK, HG):
+                        with T.sblock("p_bf16"):  # p as PV uses it (the sum above took fp32 p)
+                            vj, vh = T.axis.remap("SS", [j, hh])
+                            lg[vj, vh] = round_bf16(lg[vj, vh])
                     for r in range(NR):
                         if restage:
-                            stage(bufs, kst, vb, vs, t, r)
+                            if vector_decode:
+                                stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r)
+                            else:
+                                stage(bufs, kst, vb, vs, t, r)
                         for hh, c, j in T.grid(HG, D, R):
                             with T.sblock("pv"):
                                 vr = T.axis.spatial(NR, r)
                                 vh, vc, vj = T.axis.remap("SSR", [hh, c, j])
                                 with T.init():
                                     pvb[vh, vc] = T.float32(0)
-                                pvb[vh, vc] = pvb[vh, vc] + round_bf16(lg[vr * R + vj, vh]) \
-                                    * kst[vj, vc]
+                                pvb[vh, vc] = pvb[vh, vc] + lg[vr * R + vj, vh] * kst[vj, vc]
                         for hh, c in T.grid(HG, D):
                             with T.sblock("acc_update"):
                                 # a reduction over (t, r) in form: acc starts at 0 and is its
@@ -349,20 +470,24 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
 
 def make_sparse_attend(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                        heads_per_group: int | None = None,
-                       stage_rows: int = ATTN_BLOCK) -> tvm.tirx.PrimFunc:
+                       stage_rows: int = ATTN_BLOCK,
+                       vector_decode: bool = False) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend` with w window and k global entries per query (both static).
     Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out."""
     return _make("fp4", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
-                 heads_per_group=heads_per_group, stage_rows=stage_rows)
+                 heads_per_group=heads_per_group, stage_rows=stage_rows,
+                 vector_decode=vector_decode)
 
 
 def make_sparse_attend_bf16(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                             heads_per_group: int | None = None,
-                            stage_rows: int = ATTN_BLOCK) -> tvm.tirx.PrimFunc:
+                            stage_rows: int = ATTN_BLOCK,
+                            vector_decode: bool = False) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend_bf16`: the global cache is bf16 [b, N, d].
     Buffers: q, win_codes, win_scales, win_idx, kv, kv_idx, sink, out."""
     return _make("bf16", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
-                 heads_per_group=heads_per_group, stage_rows=stage_rows)
+                 heads_per_group=heads_per_group, stage_rows=stage_rows,
+                 vector_decode=vector_decode)
 
 
 # ---- realistic inputs ----------------------------------------------------------------------------
@@ -433,9 +558,16 @@ def _schedule_cpu(sch: s_tir.Schedule, cfg: SparseAttendConfig, hg: int, d: int)
     v = cfg.vector
     sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("task"))))
     for name in ("stage_win", "stage_tail", "acc_update", "out", "q_stage", "logit",
-                 "prob"):  # vectorised over d or over the heads (the innermost loop)
+                 "prob", "p_bf16"):  # vectorised over d or over the heads (the innermost loop)
         for blk in _blocks(sch, name):
             _split_vector(sch, sch.get_loops(blk)[-1], v)
+    for name in ("block_max", "denom"):  # j outside, heads in lanes: each head's max/sum
+        blk = sch.get_sblock(name)  # still runs over j in order, 16 heads at a time
+        hh, j = sch.get_loops(blk)[-2:]
+        sch.reorder(j, hh)
+        init = sch.decompose_reduction(blk, j)
+        _split_vector(sch, hh, v)
+        _split_vector(sch, sch.get_loops(init)[-1], v)
     for blk in _blocks(sch, "stage_glob"):
         if len(sch.get_loops(blk)) == 8:  # FP4 (.., byte, nibble): LLVM vectorises the bytes
             sch.unroll(sch.get_loops(blk)[-1])
@@ -484,6 +616,14 @@ def schedule_sparse_attend(func: tvm.tirx.PrimFunc, config: SparseAttendConfig,
             f"but the config asks for {config.heads_per_group}, {config.stage_rows}; build it "
             "with make_sparse_attend(..., heads_per_group=config.heads_per_group, "
             "stage_rows=config.stage_rows).")
+    vector = bool(_blocks(sch, "stage_vec"))
+    if vector != config.vector_decode:
+        raise ValueError(f"The kernel was built with vector_decode={vector} but the config asks "
+                         f"for {config.vector_decode}; build it with make_sparse_attend(..., "
+                         "vector_decode=config.vector_decode).")
+    if vector and target.is_cuda:
+        raise ValueError("vector_decode is the AVX-512 CPU staging; CUDA kernels stage with "
+                         "sblocks (build with vector_decode=False).")
     if target.is_cuda:
         _schedule_cuda(sch, config)
     else:
@@ -518,8 +658,8 @@ def _schedule_cuda(sch: s_tir.Schedule, cfg: SparseAttendConfig) -> None:
         sch.merge(c_p, c_u)
         sch.set_scope(pv, 0, "local")
     for name in ("state_init", "stage_win", "stage_glob", "stage_tail", "qk", "logit",
-                 "block_max", "prob", "rescale", "denom", "denom_update", "pv", "max_update",
-                 "sink", "out"):
+                 "block_max", "prob", "rescale", "denom", "denom_update", "p_bf16", "pv",
+                 "max_update", "sink", "out"):
         for blk in _blocks(sch, name):
             loops = [lp for lp in sch.get_loops(blk) if _is_inner(sch, lp)]
             reduce = name in ("qk", "block_max", "denom", "pv")
@@ -558,7 +698,7 @@ def build_sparse_attend(target_name: str, **dims) -> tvm.tirx.PrimFunc:
     target = get_target(target_name)
     cfg = sparse_attend_config(target, **dims)
     func = make_sparse_attend(**dims, heads_per_group=cfg.heads_per_group,
-                              stage_rows=cfg.stage_rows)
+                              stage_rows=cfg.stage_rows, vector_decode=cfg.vector_decode)
     return schedule_sparse_attend(func, cfg, target)
 
 
@@ -567,5 +707,5 @@ def build_sparse_attend_bf16(target_name: str, **dims) -> tvm.tirx.PrimFunc:
     target = get_target(target_name)
     cfg = sparse_attend_config(target, **dims)
     func = make_sparse_attend_bf16(**dims, heads_per_group=cfg.heads_per_group,
-                                   stage_rows=cfg.stage_rows)
+                                   stage_rows=cfg.stage_rows, vector_decode=cfg.vector_decode)
     return schedule_sparse_attend(func, cfg, target)

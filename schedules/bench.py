@@ -13,7 +13,9 @@ For every case the harness measures three implementations of one op on the same 
 and puts the kernel on this machine's roofline: the memory bandwidth (best streaming copy/triad)
 and the fp32 GEMM rate (torch.mm) are measured first, and each case states its compulsory bytes
 and FLOPs (formulas in `FORMULAS` and in the `*_traffic` functions). The TIR kernels compute in
-fp32, so fp32 GEMM is the compute roof they are held to.
+fp32, so fp32 GEMM is the compute roof they are held to. Every side runs on the same cores:
+torch's threads, and TVM's pool sized to match (`use_tvm_threads`; TVM's own default is half the
+hardware threads, which on this 2-vCPU VM put the kernels on 1 core against a 2-core roof).
 
 Timing: up to `repeat` samples after a warm-up, each sample a loop long enough (>= ~10 ms) to
 hide the timer; a measurement stops early at its time budget, and a call slower than the budget
@@ -97,7 +99,7 @@ class Machine:
     cpu: str
     cores: int
     torch_threads: int
-    tvm_threads: str  # TVM_NUM_THREADS, or "default" (TVM's pool sizes itself to the cores)
+    tvm_threads: int  # threads of TVM's pool while timing (`use_tvm_threads`)
     copy_gbs: float
     triad_gbs: float
     bandwidth_gbs: float
@@ -167,6 +169,28 @@ def _cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
     return model, flags, ghz, source
 
 
+def tvm_num_threads() -> int:
+    import tvm
+
+    return int(tvm.get_global_func("runtime.NumThreads")())
+
+
+def use_tvm_threads(n: int | None = None) -> int:
+    """Size TVM's thread pool to n threads (default: torch's thread count, i.e. the cores the
+    GEMM peak, eager and torch.compile are measured on); returns the pool size. Without this
+    TVM sizes its pool to hardware_concurrency / 2 (it assumes SMT sibling pairs), which on a
+    VM whose vCPUs are cores is half the machine: the kernels ran on 1 of 2 cores against a
+    2-core roofline. An explicit TVM_NUM_THREADS is left as set. (The pool caps its size at
+    TVM_NUM_THREADS, so that is set too, then the pool is rebuilt.)"""
+    import tvm
+
+    if "TVM_NUM_THREADS" not in os.environ:
+        n = n or torch.get_num_threads()
+        os.environ["TVM_NUM_THREADS"] = str(n)
+        tvm.get_global_func("runtime.config_threadpool")(1, n)  # 1: every (big) core
+    return tvm_num_threads()
+
+
 def measure_machine(*, quick: bool = False) -> Machine:
     """Bandwidth and compute peak of this machine as the kernels see it (all cores)."""
     load = os.getloadavg()
@@ -185,8 +209,11 @@ def measure_machine(*, quick: bool = False) -> Machine:
         notes.append(f"theoretical peak assumes 2 FMA ports x {per_cycle // 4} fp32 lanes")
     if quick:
         notes.append("quick: 32 MiB streams may sit in cache; bandwidth is not DRAM's")
+    if tvm_num_threads() != torch.get_num_threads():
+        notes.append(f"TVM's pool has {tvm_num_threads()} threads, torch {torch.get_num_threads()}:"
+                     " the kernels and the roofline do not use the same cores")
     return Machine(cpu=model, cores=cores, torch_threads=torch.get_num_threads(),
-                   tvm_threads=os.environ.get("TVM_NUM_THREADS", "default"), copy_gbs=copy,
+                   tvm_threads=tvm_num_threads(), copy_gbs=copy,
                    triad_gbs=triad, bandwidth_gbs=max(copy, triad), stream_mib=stream / 2**20,
                    gemm_gflops=gflops, gemm_size=size, clock_ghz=ghz, clock_source=source,
                    flops_per_cycle=per_cycle, theoretical_gflops=theo, load_avg_start=load,
@@ -273,7 +300,7 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
         lin = dict(n=a.n_heads * a.head_dim, k=a.q_lora_rank)
         moe = dict(dim=a.dim, inter=a.moe_inter_dim, n_experts=a.n_routed_experts,
                    topk=a.n_activated_experts, swiglu_limit=a.swiglu_limit)
-        attend_s, index_t, lin_m, moe_n = (1, 2, 4), (1 << 13, 1 << 16, 1 << 18, 1 << 20), \
+        attend_s, index_t, lin_m, moe_n = (1, 2, 3, 4), (1 << 13, 1 << 16, 1 << 18, 1 << 20), \
             (1, 128), (1, 128)
     cases = [Case(f"attend-s{s}", "attend", tuple(attn.items()), (("b", 1), ("s", s)))
              for s in attend_s]
@@ -570,6 +597,7 @@ def run_benchmark(preset_name: str = "bench", target_name: str = "cpu",
         raise ValueError(f"budget must be positive; got {budget_s}.")
     chosen = select_cases(default_cases(preset_name, quick=quick), cases)
     t_start = time.perf_counter()
+    use_tvm_threads()
     machine = measure_machine(quick=quick)
     rows = []
     bar = tqdm(chosen, desc="bench kernels", unit="case", disable=not progress,

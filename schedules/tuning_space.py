@@ -100,7 +100,8 @@ def unscheduled_kernel(key: tuple, target: TargetSpec) -> tirx.PrimFunc | None:
         cfg = attention.sparse_attend_config(target, h=h, d=d, w=w, k=k)
         return attention.make_sparse_attend(h=h, d=d, w=w, k=k, softmax_scale=scale,
                                             heads_per_group=cfg.heads_per_group,
-                                            stage_rows=cfg.stage_rows)
+                                            stage_rows=cfg.stage_rows,
+                                            vector_decode=cfg.vector_decode)
     if family == "index_scores":
         return indexer.make_index_scores(heads=key[1], dim=key[2])
     if family in ("quant_fp8", "quant_fp4_kv", "quant_mxfp4", "qdq_mxfp4"):

@@ -27,7 +27,7 @@ import tvm
 
 from dsv41.graph import ops
 from dsv41.schedules import attention as A
-from dsv41.schedules.common import get_target
+from dsv41.schedules.common import fp4_to_f32, get_target
 
 SMALL = dict(h=4, d=64)
 BENCH = dict(h=64, d=512, w=128, k=512)
@@ -45,7 +45,8 @@ def _kernel(kind: str, h: int, d: int, w: int, k: int, heads_per_group: int | No
             "cpu", **dims)
     else:
         cfg = dataclasses.replace(A.sparse_attend_config(target, h=h, d=d),
-                                  heads_per_group=heads_per_group, stage_rows=stage_rows)
+                                  heads_per_group=heads_per_group, stage_rows=stage_rows,
+                                  vector_decode=False)
         make = A.make_sparse_attend if kind == "fp4" else A.make_sparse_attend_bf16
         func = A.schedule_sparse_attend(
             make(**dims, heads_per_group=heads_per_group, stage_rows=stage_rows), cfg, target)
@@ -199,6 +200,106 @@ def test_bench_size_fp4(s):
 
 def test_bench_size_bf16():
     _check("bf16", BENCH, _inputs("bf16", b=1, s=2, **BENCH, seed=12))
+
+
+# ---- the CPU vector staging's pieces ---------------------------------------------------------
+
+
+def _cpu_ex(func):
+    return tvm.compile(func, target=get_target("cpu").tvm_target())
+
+
+def test_vector_e4m3_is_bit_exact():
+    """All 256 E4M3 codes through the 16-lane decoder (NaN for 0x7f/0xff, -0.0 for 0x80,
+    subnormals), against ml_dtypes."""
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def dec(codes: T.Buffer((256,), "uint8"), out: T.Buffer((256,), "float32")):
+        for i in range(16):
+            out[T.ramp(i * 16, 1, 16)] = A._e4m3(T.Cast("uint32x16",
+                                                        codes.vload([i * 16], "uint8x16")))
+
+    codes = np.arange(256, dtype=np.uint8)
+    out = tvm.runtime.tensor(np.zeros(256, np.float32))
+    _cpu_ex(dec)(tvm.runtime.tensor(codes), out)
+    ref = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = out.numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    assert np.array_equal(got[ok].view(np.uint32), ref[ok].view(np.uint32))
+
+
+@pytest.mark.skipif(not A._has_avx512(get_target("cpu")), reason="this CPU has no AVX-512")
+def test_vector_fp4_lookup_is_bit_exact():
+    """All 256 packed bytes (both nibbles, low first) through _nibbles and the E2M1 table."""
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def dec(codes: T.Buffer((256,), "uint8"), out: T.Buffer((512,), "float32")):
+        tbl = T.alloc_buffer((16,), "float32", scope="local")
+        for i in T.unroll(16):
+            tbl[i] = fp4_to_f32(T.Cast("uint32", i))
+        for i in range(32):
+            out[T.ramp(i * 16, 1, 16)] = T.call_llvm_pure_intrin(
+                "float32x16", "llvm.x86.avx512.permvar.sf.512", tbl.vload([0], "float32x16"),
+                T.reinterpret("int32x16", A._nibbles(T.Cast("uint32x8",
+                                                            codes.vload([i * 8], "uint8x8")))))
+
+    codes = np.arange(256, dtype=np.uint8)
+    out = tvm.runtime.tensor(np.zeros(512, np.float32))
+    _cpu_ex(dec)(tvm.runtime.tensor(codes), out)
+    nib = np.stack([codes & 15, codes >> 4], axis=-1).reshape(-1).astype(np.uint8)
+    ref = nib.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    assert np.array_equal(out.numpy().view(np.uint32), ref.view(np.uint32))
+
+
+def test_polynomial_exp():
+    """At most 1 ulp from exp (float64, rounded) over the softmax's range, exact at 0, 0 for
+    -inf and below the fp32 range, NaN kept, +inf above it."""
+    from tvm.script import tirx as T
+
+    n = 1 << 16
+
+    @T.prim_func
+    def ex(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
+        for i in range(n // 16):
+            for j in T.vectorized(16):
+                y[i * 16 + j] = A._exp(x[i * 16 + j])
+
+    gen = np.random.default_rng(0)
+    body = np.maximum(-np.abs(gen.standard_normal(n - 8) * 20), -87.0)
+    x = np.concatenate([body, [0.0, -0.0, -np.inf, -87.2, -90.0, -1e30, np.nan, 100.0]])
+    x = x.astype(np.float32)
+    y = tvm.runtime.tensor(np.zeros(n, np.float32))
+    _cpu_ex(ex)(tvm.runtime.tensor(x), y)
+    got = y.numpy()
+    ref = np.exp(x[:-8].astype(np.float64)).astype(np.float32)
+    ulp = np.abs(got[:-8].view(np.int32).astype(np.int64) - ref.view(np.int32).astype(np.int64))
+    assert ulp.max() <= 1 and (ulp == 0).mean() > 0.85
+    assert got[-8] == 1.0 and got[-7] == 1.0
+    assert got[-6] == 0.0 and got[-4] == 0.0 and got[-3] == 0.0
+    assert abs(got[-5] / np.exp(np.float64(x[-5])) - 1) < 1e-6  # near the smallest normal
+    assert np.isnan(got[-2]) and got[-1] == np.inf
+
+
+def test_vector_decode_config_is_checked():
+    target = get_target("cpu")
+    cfg = dataclasses.replace(A.sparse_attend_config(target, **SMALL), vector_decode=True)
+    func = A.make_sparse_attend(**SMALL, w=16, k=8, softmax_scale=0.125,
+                                heads_per_group=cfg.heads_per_group)
+    with pytest.raises(ValueError, match="vector_decode=False"):
+        A.schedule_sparse_attend(func, cfg, target)
+    cuda = get_target("cuda-sm90")
+    assert not A.sparse_attend_config(cuda, **SMALL).vector_decode
+    vec = A.make_sparse_attend(**SMALL, w=16, k=8, softmax_scale=0.125, vector_decode=True,
+                               **{"heads_per_group": A.sparse_attend_config(cuda, **SMALL)
+                                  .heads_per_group,
+                                  "stage_rows": A.sparse_attend_config(cuda, **SMALL)
+                                  .stage_rows})
+    with pytest.raises(ValueError, match="CUDA"):
+        A.schedule_sparse_attend(vec, dataclasses.replace(A.sparse_attend_config(cuda, **SMALL),
+                                                          vector_decode=True), cuda)
 
 
 # ---- host-side index check -------------------------------------------------------------------

@@ -177,6 +177,107 @@ def test_model_sizes_match():
                        ops.pool_topk(*args, rblk, topk, 8))
 
 
+# ---- the AVX-512 sweep and the portable (scheduled) one --------------------------------------
+
+HAS_AVX512 = ix._has_avx512(get_target("cpu"))
+
+
+@functools.cache
+def _sweep_ex(kind: str, heads: int, dim: int, max_tasks: int = 32):
+    if kind == "avx512":
+        f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks)
+        return tvm.compile(f, target=get_target("cpu").tvm_target())
+    mod = ix.build_indexer_topk("cpu-x86-64", heads=heads, dim=dim, topk=TOPK)
+    return tvm.compile(tvm.IRModule({"index_scores": mod["index_scores"]}),
+                       target=get_target("cpu-x86-64").tvm_target())
+
+
+def _sweep_matches(ex, b, s, t, heads, dim, seed):
+    args = _inputs(b, s, t, seed=seed, heads=heads, dim=dim)
+    scores = torch.empty(b, s, ix.padded(t), dtype=torch.bfloat16)
+    ex["index_scores"](*[tvm.runtime.from_dlpack(x) for x in args],
+                       tvm.runtime.from_dlpack(scores))
+    assert torch.equal(_bits(scores[..., :t]), _bits(ops.index_scores(*args)))
+    assert torch.all(scores[..., t:] == float("-inf"))
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", [
+    (4, 32, 2, 3, 37, 32),  # 4 entries per transpose row, one partial tile
+    (8, 64, 1, 2, 200, 32),  # 2 entries per row; heads < 16 (one chunk of 8)
+    (16, 128, 2, 1, 1000, 3),  # ragged tasks: 16 tiles in runs of 6, 6, 4
+    (32, 256, 1, 2, 129, 32),  # two 16-word chunks per entry; 2 head chunks
+])
+def test_avx512_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
+    _sweep_matches(_sweep_ex("avx512", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
+
+
+def test_portable_cpu_sweep_is_bit_exact():
+    """cpu-x86-64 (no AVX-512) keeps the scheduled sweep; it runs on any x86-64."""
+    assert not ix.sweep_config(get_target("cpu-x86-64"), heads=32, dim=128).avx512
+    _sweep_matches(_sweep_ex("scheduled", 32, 128), 1, 2, 300, 32, 128, seed=4)
+
+
+def test_sweep_config_choices():
+    cuda = ix.sweep_config(get_target("cuda-sm90"), heads=32, dim=128)
+    assert not cuda.avx512 and cuda.tile == 128
+    assert not ix.sweep_config(get_target("cpu"), heads=32, dim=128, pool=True).avx512
+    assert not ix.sweep_config(get_target("cpu"), heads=32, dim=96).avx512  # 12-word rows
+    assert ix.sweep_config(get_target("cpu"), heads=32, dim=128).avx512 == HAS_AVX512
+    with pytest.raises(ValueError, match="head block"):
+        ix.make_index_scores_avx512(heads=32, dim=96)
+    with pytest.raises(ValueError, match="tile"):
+        ix.make_index_scores_avx512(heads=32, dim=128, tile=48)
+
+
+@pytest.mark.parametrize("group,chunks", [(16, 32), (128, 3)])
+def test_select_group_sizes(group, chunks):
+    """The group-maximum prefilter at small and large groups, with more runs of groups than
+    groups and with ragged runs: ties spread over many groups, rows with fewer finite entries
+    than topk, a row that is entirely -inf, and a partial last group (blocks kind: 67 blocks)."""
+    g = torch.Generator().manual_seed(group)
+    b, s, p = 2, 3, 268
+    scores = torch.randint(-3, 4, (b, s, p), generator=g).float()
+    scores[0, 1, 5:] = float("-inf")  # 5 finite entries < topk
+    scores[1, 0] = float("-inf")
+    scores = scores.bfloat16()
+    lens = torch.tensor([[268, 5, 100], [1, 200, 267]])
+    for kind in ("positions", "blocks"):
+        f = tvm.compile(ix.make_select(topk=8, kind=kind, block_size=4, group=group,
+                                       chunks=chunks),
+                        target=get_target("cpu").tvm_target())
+        inp = scores
+        aux = None
+        if kind == "blocks":
+            aux = lens
+            inp = scores.masked_fill(torch.arange(p) >= lens.unsqueeze(-1), float("-inf"))
+        out = torch.empty(b, s, 8, dtype=torch.int32)
+        f(*[tvm.runtime.from_dlpack(x) for x in [inp] + ([aux] if aux is not None else [])
+            + [out]])
+        assert torch.equal(out, _select_ref(kind, inp, aux)), kind
+
+
+def test_empty_context():
+    """T = 0 (no index keys yet): the sweep writes nothing and every selection is -1."""
+    import ml_dtypes
+    import numpy as np
+
+    ex = _cpu()
+    dev = tvm.cpu()
+    q = tvm.runtime.tensor(np.zeros((1, 2, H, D), ml_dtypes.bfloat16))
+    w = tvm.runtime.tensor(np.zeros((1, 2, H), ml_dtypes.bfloat16))
+    kp = tvm.runtime.empty((1, 0, D // 2), "uint8", dev)
+    ks = tvm.runtime.empty((1, 0, D // 32), "uint8", dev)
+    lens = tvm.runtime.tensor(np.zeros((1, 2), np.int64))
+    scores = tvm.runtime.empty((1, 2, 0), "bfloat16", dev)
+    pos = tvm.runtime.tensor(np.zeros((1, 2, TOPK), np.int32))
+    blk = tvm.runtime.tensor(np.zeros((1, 2, TOPK_BLOCKS), np.int32))
+    ex["index_scores"](q, kp, ks, w, lens, scores)
+    ex["select_positions"](scores, pos)
+    ex["select_blocks"](scores, lens, blk)
+    assert (pos.numpy() == -1).all() and (blk.numpy() == -1).all()
+
+
 def test_bad_static_dims_are_rejected():
     with pytest.raises(ValueError, match="multiple of 16"):
         ix.make_index_scores(heads=24, dim=64)
@@ -184,6 +285,10 @@ def test_bad_static_dims_are_rejected():
         ix.make_index_scores(heads=4, dim=48)
     with pytest.raises(ValueError, match="kind"):
         ix.make_select(topk=8, kind="heap")
+    with pytest.raises(ValueError, match="group"):
+        ix.make_select(topk=8, group=24)
+    with pytest.raises(ValueError, match="chunks"):
+        ix.make_select(topk=8, chunks=0)
 
 
 @pytest.mark.slow
