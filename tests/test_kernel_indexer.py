@@ -17,7 +17,7 @@ import tvm
 
 from dsv41.graph import ops
 from dsv41.schedules import indexer as ix
-from dsv41.schedules.common import get_target
+from dsv41.schedules.common import TargetSpec, get_target
 
 H, D, TOPK, TOPK_BLOCKS, BS = 4, 64, 8, 3, 4
 
@@ -180,20 +180,26 @@ def test_model_sizes_match():
 # ---- the AVX-512 sweep and the portable (scheduled) one --------------------------------------
 
 HAS_AVX512 = ix._has_avx512(get_target("cpu"))
+HAS_VNNI = ix._has_features(get_target("cpu"), "avx512f", "avx512bw", "avx512vnni")
 
 
 @functools.cache
 def _sweep_ex(kind: str, heads: int, dim: int, max_tasks: int = 32):
-    if kind == "avx512":
-        f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks)
+    if kind in ("avx512", "vnni"):
+        vnni = kind == "vnni"
+        f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=vnni,
+                                        tile=32 if vnni else 64,
+                                        head_block=min(8 if vnni else 4, heads))
         return tvm.compile(f, target=get_target("cpu").tvm_target())
     mod = ix.build_indexer_topk("cpu-x86-64", heads=heads, dim=dim, topk=TOPK)
     return tvm.compile(tvm.IRModule({"index_scores": mod["index_scores"]}),
                        target=get_target("cpu-x86-64").tvm_target())
 
 
-def _sweep_matches(ex, b, s, t, heads, dim, seed):
+def _sweep_matches(ex, b, s, t, heads, dim, seed, q=None):
     args = _inputs(b, s, t, seed=seed, heads=heads, dim=dim)
+    if q is not None:
+        args[0] = q(args[0])
     scores = torch.empty(b, s, ix.padded(t), dtype=torch.bfloat16)
     ex["index_scores"](*[tvm.runtime.from_dlpack(x) for x in args],
                        tvm.runtime.from_dlpack(scores))
@@ -212,6 +218,44 @@ def test_avx512_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
     _sweep_matches(_sweep_ex("avx512", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
 
 
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", [
+    (16, 128, 2, 1, 1000, 3),  # ragged tasks; one head chunk
+    (32, 128, 1, 3, 300, 32),  # the model's dims, prefill-like s, a partial last tile
+    (64, 128, 1, 1, 1, 32),  # 1 token; 4 head chunks
+    (4, 128, 2, 2, 37, 32),  # heads < 8: a 4-head block
+    (32, 256, 1, 2, 129, 32),  # two 16-word chunks per entry
+])
+def test_vnni_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
+    _sweep_matches(_sweep_ex("vnni", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
+
+
+def _zero_block(q):  # a q block of 32 zeros (no exponent to take)
+    q = q.clone()
+    q[..., 0, 32:64] = 0
+    return q
+
+
+def _not_qdq(q):  # one value off the MXFP4 grid: not int8 x 2^e, so the int8 dot would be wrong
+    q = q.clone()
+    q[0, -1, 1, 7] = (q[0, -1, 1, 7].float() * (1 + 2**-6) + 2**-5).bfloat16()
+    return q
+
+
+def _tiny_block(q):  # a block near fp32's smallest exponents
+    q = q.clone()
+    q[0, 0, 2, 96:] = (q[0, 0, 2, 96:].float() * 2.0**-125).bfloat16()
+    return q
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("change", [_zero_block, _not_qdq, _tiny_block])
+def test_vnni_sweep_q_off_the_grid(change):
+    """Zero q blocks stay on the int8 path; a q the int8 path cannot hold exactly (not QDQ'd,
+    exponents at fp32's end) sends the call to the fp32 dot, with the same bits as the oracle."""
+    _sweep_matches(_sweep_ex("vnni", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
+
+
 def test_portable_cpu_sweep_is_bit_exact():
     """cpu-x86-64 (no AVX-512) keeps the scheduled sweep; it runs on any x86-64."""
     assert not ix.sweep_config(get_target("cpu-x86-64"), heads=32, dim=128).avx512
@@ -224,6 +268,17 @@ def test_sweep_config_choices():
     assert not ix.sweep_config(get_target("cpu"), heads=32, dim=128, pool=True).avx512
     assert not ix.sweep_config(get_target("cpu"), heads=32, dim=96).avx512  # 12-word rows
     assert ix.sweep_config(get_target("cpu"), heads=32, dim=128).avx512 == HAS_AVX512
+    assert ix.sweep_config(get_target("cpu"), heads=32, dim=128).vnni == HAS_VNNI
+    assert not ix.sweep_config(get_target("cpu"), heads=8, dim=64).vnni  # dim % 128
+    # AVX-512 without VNNI (Skylake-SP): the fp32 dot, and its kernel has no VNNI code
+    skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
+    cfg = ix.sweep_config(skx, heads=32, dim=128)
+    assert cfg.avx512 and not cfg.vnni and (cfg.tile, cfg.head_block) == (64, 4)
+    asm = tvm.compile(ix._index_sweep(skx, 32, 128), target=skx.tvm_target()) \
+        .mod.inspect_source("s")
+    assert "vpdpbusd" not in asm and "zmm" in asm
+    with pytest.raises(ValueError, match="VNNI"):
+        ix.make_index_scores_avx512(heads=32, dim=64, vnni=True)
     with pytest.raises(ValueError, match="head block"):
         ix.make_index_scores_avx512(heads=32, dim=96)
     with pytest.raises(ValueError, match="tile"):
