@@ -4,7 +4,8 @@ Tolerance: none. The sweep reproduces the oracle's bf16 roundings and torch's he
 scores are compared bit for bit, and selections (positions, blocks) must be identical. This holds
 while each q.k dot product is exact in fp32, which it is for MXFP4 data whose product exponents
 span fewer than ~9 binades (all inputs here: unit-scale activations, as in the model); beyond that
-the oracle's GEMM summation order would decide bf16 rounding ties.
+the oracle's GEMM summation order would decide bf16 rounding ties. The VNNI sweep (int8 dot
+products per 32-block, exact, then scaled and summed in fp32) is held to the same bits.
 """
 
 from __future__ import annotations
