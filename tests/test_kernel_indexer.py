@@ -313,17 +313,18 @@ def test_select_group_sizes(group, chunks):
         assert torch.equal(out, _select_ref(kind, inp, aux)), kind
 
 
-def test_empty_context():
+@pytest.mark.parametrize("heads,dim", [(H, D), (32, 128)])  # (32, 128): the VNNI sweep
+def test_empty_context(heads, dim):
     """T = 0 (no index keys yet): the sweep writes nothing and every selection is -1."""
     import ml_dtypes
     import numpy as np
 
-    ex = _cpu()
+    ex = _cpu(heads=heads, dim=dim)
     dev = tvm.cpu()
-    q = tvm.runtime.tensor(np.zeros((1, 2, H, D), ml_dtypes.bfloat16))
-    w = tvm.runtime.tensor(np.zeros((1, 2, H), ml_dtypes.bfloat16))
-    kp = tvm.runtime.empty((1, 0, D // 2), "uint8", dev)
-    ks = tvm.runtime.empty((1, 0, D // 32), "uint8", dev)
+    q = tvm.runtime.tensor(np.ones((1, 2, heads, dim), ml_dtypes.bfloat16))
+    w = tvm.runtime.tensor(np.ones((1, 2, heads), ml_dtypes.bfloat16))
+    kp = tvm.runtime.empty((1, 0, dim // 2), "uint8", dev)
+    ks = tvm.runtime.empty((1, 0, dim // 32), "uint8", dev)
     lens = tvm.runtime.tensor(np.zeros((1, 2), np.int64))
     scores = tvm.runtime.empty((1, 2, 0), "bfloat16", dev)
     pos = tvm.runtime.tensor(np.zeros((1, 2, TOPK), np.int32))
