@@ -167,6 +167,10 @@ def test_ratios_roofline_and_targets(small_model):
     assert rat[4096]["vs_eager"] == pytest.approx(10.0)
     assert rat[4096]["vs_compile"] == pytest.approx(2.5)
     assert rat[65536]["vs_eager"] == pytest.approx(3.0) and rat[65536]["vs_compile"] is None
+    assert rat[65536]["vs_compile_at_least"] is None  # never ran: no bound either
+    r.cell("compile", 65536).first_s = 2.0  # one step over the budget bounds the ratio
+    assert B.ratios(r)[1]["vs_compile_at_least"] == pytest.approx(10.0)
+    r.cell("compile", 65536).first_s = None
     row = next(x for x in r.roofline if x.impl == "artifact" and x.context == 4096)
     cost = decode_step_cost(small_model.args, 4096)
     assert row.achieved_gbs == pytest.approx(cost.bytes / 0.1 / 1e9)
