@@ -167,11 +167,17 @@ def cmd_compile(ns) -> int:
 
 
 def cmd_bench(ns, rest: list[str]) -> int:
-    if ns.what == "kernels":
+    """`dsv41 bench kernels ...`: single kernels; `dsv41 bench [options]`: end to end."""
+    if rest and rest[0] == "kernels":
         from dsv41.schedules.bench import main as bench_main
 
-        return bench_main(rest)
-    raise ValueError(f"Unknown benchmark {ns.what!r}; available: kernels.")
+        return bench_main(rest[1:])
+    if rest and not rest[0].startswith("-"):
+        raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
+                         "end-to-end benchmark, `dsv41 bench kernels` the kernels.")
+    from dsv41.compiler.bench import main as e2e_main
+
+    return e2e_main(rest)
 
 
 def cmd_run(ns) -> int:
@@ -361,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="onnx: also export the captured graphs as ONNX (dsv41 domain)")
     sp.set_defaults(func=cmd_compile)
 
-    sp = sub.add_parser("bench", help="benchmarks: `dsv41 bench kernels [--help]`")
-    sp.add_argument("what", help="kernels")
+    sp = sub.add_parser("bench", add_help=False,
+                        help="end to end: `dsv41 bench [--help]`; kernels: `dsv41 bench "
+                             "kernels [--help]`")
     sp.set_defaults(func=cmd_bench, passthrough=True)
 
     sp = sub.add_parser("run", help="the agent-loop demo: long context, then short turns")
