@@ -417,15 +417,11 @@ def make_phases(impl: str, model, artifact_dir: Path | None, entries: tuple[str,
 def set_threads(n: int) -> dict:
     """The same number of threads for torch and TVM (TVM's pool otherwise takes half the
     hardware threads). Call before TVM starts its pool."""
+    from dsv41.schedules.bench import size_tvm_pool
+
     n = n or torch.get_num_threads()
     torch.set_num_threads(n)
-    os.environ["TVM_NUM_THREADS"] = str(n)
-    import tvm
-
-    num = tvm.get_global_func("runtime.NumThreads")
-    if num() != n:  # the pool already exists: resize it
-        tvm.get_global_func("runtime.config_threadpool")(1, n)
-    return {"torch": torch.get_num_threads(), "tvm": int(num()), "requested": n}
+    return {"torch": torch.get_num_threads(), "tvm": size_tvm_pool(n), "requested": n}
 
 
 # ---- decode -------------------------------------------------------------------------------------

@@ -185,11 +185,18 @@ def use_tvm_threads(n: int | None = None) -> int:
     VM whose vCPUs are cores is half the machine: the kernels ran on 1 of 2 cores against a
     2-core roofline. An explicit TVM_NUM_THREADS is left as set. (The pool caps its size at
     TVM_NUM_THREADS, so that is set too, then the pool is rebuilt.)"""
+    if "TVM_NUM_THREADS" not in os.environ:
+        return size_tvm_pool(n or torch.get_num_threads())
+    return tvm_num_threads()
+
+
+def size_tvm_pool(n: int) -> int:
+    """TVM's CPU pool at n threads: TVM_NUM_THREADS caps the pool (and sizes it when it is
+    created later); a pool that already exists at another size is rebuilt. Returns its size."""
     import tvm
 
-    if "TVM_NUM_THREADS" not in os.environ:
-        n = n or torch.get_num_threads()
-        os.environ["TVM_NUM_THREADS"] = str(n)
+    os.environ["TVM_NUM_THREADS"] = str(n)
+    if tvm_num_threads() != n:
         tvm.get_global_func("runtime.config_threadpool")(1, n)  # 1: every (big) core
     return tvm_num_threads()
 
