@@ -928,7 +928,9 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     flat[1] = torch.full_like(flat[1], opts.shape.context - 1)  # start: the cache is full
     args = [_to_tvm(t) for t in flat]
     params = read_manifest(artifact_dir)["entries"][entry]["params"]
-    ckpt = Path("artifacts") / "checkpoints" / f"{opts.model_name}-seed0"
+    from .cli import DEFAULT_CHECKPOINTS
+
+    ckpt = DEFAULT_CHECKPOINTS / f"{opts.model_name}-seed0"  # where `ensure_checkpoint` writes
     if (ckpt / "config.json").is_file():
         model = Model.from_checkpoint(ckpt)
         return args + [_to_tvm(weight_for(model, p["param"])) for p in params], str(ckpt)
