@@ -301,21 +301,103 @@ def _to_dtype(node, importer):
     return _cast(importer, x, dtype)
 
 
-def _linear(node, importer):
-    x, w = importer.env[node.args[0]], importer.env[node.args[1]]
-    bias = importer.env[node.args[2]] if len(node.args) > 2 and node.args[2] is not None else None
-    dtype = x.ty.dtype
-    y = importer.block_builder.emit(relax.op.linear(_in_fp32(importer, x),
-                                                    _in_fp32(importer, w), bias, "float32"))
-    return _cast(importer, y, dtype)
+GEMV_ROWS = 4  # row hints up to this (decode, drafts) lower dense linears to `dense_gemv`
 
 
-def _einsum(node, importer):
-    eq = node.args[0]
-    ops = [importer.env[a] for a in node.args[1]]
-    dtype = ops[0].ty.dtype
-    y = importer.block_builder.emit(relax.op.einsum([_in_fp32(importer, o) for o in ops], eq))
-    return _cast(importer, y, dtype)
+def _use_gemv(ctx: Lowering) -> bool:
+    return (not ctx.target.is_cuda and ctx.rows_hint is not None
+            and ctx.rows_hint <= GEMV_ROWS)
+
+
+def _widened_source(arg, importer) -> relax.Expr:
+    """The operand before a bf16 -> fp32 cast (`x.float()`), else the operand itself: the GEMV
+    widens in registers, so the cast copy is never made (for a weight, a full fp32 copy per
+    call)."""
+    import torch
+
+    src = importer.env[arg]
+    if not isinstance(arg, torch.fx.Node) or str(arg.target) not in (
+            "aten._to_copy.default", "aten.to.dtype"):
+        return src
+    inner = arg.args[0]
+    if not isinstance(inner, torch.fx.Node) or inner not in importer.env:
+        return src
+    before = importer.env[inner]
+    if before.ty.dtype == BF16 and src.ty.dtype == "float32":
+        return before
+    return src
+
+
+def _gemv_call(ctx: Lowering, importer, x3: relax.Expr, w3: relax.Expr) -> relax.Expr:
+    """dense_gemv on x (m, g, k) and w (g, n, k) -> fp32 (m, g, n)."""
+    from dsv41.schedules import gemm
+
+    groups, n, k = (_static(v) for v in _shape(w3))
+    key = ("dense_gemv", groups, n, k, x3.ty.dtype, w3.ty.dtype)
+    gv = ctx.kernel(importer, key, lambda: gemm.build_dense_gemv(
+        ctx.target.name, groups=groups, n=n, k=k, x_dtype=x3.ty.dtype, w_dtype=w3.ty.dtype))
+    m = _shape(x3)[0]
+    return _call(importer, gv, [x3, w3], _tensor([m, groups, n], "float32"))
+
+
+def _gemv_operands_ok(*xs: relax.Expr) -> bool:
+    return all(x.ty.dtype in (BF16, "float32") for x in xs)
+
+
+def _linear(ctx: Lowering):
+    def convert(node, importer):
+        x, w = importer.env[node.args[0]], importer.env[node.args[1]]
+        bias = (importer.env[node.args[2]]
+                if len(node.args) > 2 and node.args[2] is not None else None)
+        dtype = x.ty.dtype
+        bb = importer.block_builder
+        if _use_gemv(ctx) and bias is None and len(_shape(w)) == 2:
+            xs = _widened_source(node.args[0], importer)
+            ws = _widened_source(node.args[1], importer)
+            if _gemv_operands_ok(xs, ws):
+                n, k = (_static(v) for v in _shape(ws))
+                x2, lead = _rows(importer, xs, 1)
+                x3 = bb.emit(relax.op.reshape(x2, [_shape(x2)[0], 1, k]))
+                w3 = bb.emit(relax.op.reshape(ws, [1, n, k]))
+                y = _gemv_call(ctx, importer, x3, w3)
+                y = bb.emit(relax.op.reshape(y, [*lead, n]))
+                return _cast(importer, y, dtype)
+        y = bb.emit(relax.op.linear(_in_fp32(importer, x), _in_fp32(importer, w), bias,
+                                    "float32"))
+        return _cast(importer, y, dtype)
+
+    return convert
+
+
+def _grouped_einsum(eq: str) -> bool:
+    """eq is `P g d, g r d -> P g r` (a grouped linear: per group g, d -> r) for some lead
+    letters P and distinct g, r, d."""
+    lhs, _, out = eq.replace(" ", "").partition("->")
+    ops = lhs.split(",")
+    if len(ops) != 2 or len(ops[1]) != 3 or len(ops[0]) < 2:
+        return False
+    (a, (g, r, d)) = ops[0], ops[1]
+    lead = a[:-2]
+    letters = a + r
+    return a[-2:] == g + d and out == lead + g + r and len(set(letters)) == len(letters)
+
+
+def _einsum(ctx: Lowering):
+    def convert(node, importer):
+        eq = node.args[0]
+        ops = [importer.env[a] for a in node.args[1]]
+        dtype = ops[0].ty.dtype
+        if _use_gemv(ctx) and _grouped_einsum(eq):
+            xs, ws = (_widened_source(a, importer) for a in node.args[1])
+            if _gemv_operands_ok(xs, ws):
+                x3, lead = _rows(importer, xs, 2)
+                y = _unrows(importer, _gemv_call(ctx, importer, x3, ws), lead)
+                return _cast(importer, y, dtype)
+        y = importer.block_builder.emit(relax.op.einsum([_in_fp32(importer, o) for o in ops],
+                                                        eq))
+        return _cast(importer, y, dtype)
+
+    return convert
 
 
 def _mean(node, importer):
@@ -404,8 +486,8 @@ def convert_map(ctx: Lowering) -> dict:
         "quant_fp4_kv.default": _quant(ctx, "quant_fp4_kv"),
         "quant_mxfp4.default": _quant(ctx, "quant_mxfp4"),
         "qdq_mxfp4.default": _quant(ctx, "qdq_mxfp4"),
-        "linear.default": _linear,
-        "einsum.default": _einsum,
+        "linear.default": _linear(ctx),
+        "einsum.default": _einsum(ctx),
         "mean.dim": _mean,
         "amax.default": _amax,
         "copysign.Tensor": _copysign,

@@ -48,8 +48,11 @@ def get_target(name: str) -> TargetSpec:
     # (RoPE, the head and every elementwise chain would otherwise drift by an ulp)
     strict = {"fast-math-contract": False}
     if name == "cpu":
+        # LLVM splits 512-bit vectors in two on CPUs it tunes to prefer 256 bits (Sapphire Rapids
+        # among them); our kernels vectorise for the full width, so the preference is turned off
+        # (a no-op on CPUs without AVX-512)
         return TargetSpec("cpu", {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
-                                  "num-cores": cores, **strict})
+                                  "mattr": ["-prefer-256-bit"], "num-cores": cores, **strict})
     if name == "cpu-x86-64":
         return TargetSpec("cpu-x86-64", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
                                          "mcpu": "x86-64", "num-cores": cores, **strict})
@@ -84,6 +87,21 @@ def e4m3_to_f32(b):
     sign = T.if_then_else(s == T.uint32(1), T.float32(-1), T.float32(1))
     sub = T.Cast("float32", m) * T.float32(2.0**-9) * sign
     val = T.if_then_else(e == T.uint32(0), sub, normal)
+    return T.if_then_else((b & T.uint32(0x7F)) == T.uint32(0x7F),
+                          T.reinterpret("float32", T.uint32(0x7FC00000)), val)
+
+
+def e4m3_to_f32_via_f16(b):
+    """E4M3 byte -> fp32 through the hardware fp16 -> fp32 conversion; same values as
+    `e4m3_to_f32` for all 256 codes, in about half the vector instructions (CPU decode loops).
+
+    The byte's exponent and mantissa bits, shifted into an fp16 (sign to bit 15, eeeemmm to bits
+    13..7), are the E4M3 value times 2^-8 for every code: fp16's bias is 8 above E4M3's, and fp16
+    subnormals (E4M3 exponent 0) keep E4M3's subnormal spacing. The conversion to fp32 is exact
+    and the product by 2^8 is exact (results are normal fp32), so no denormal fp32 arithmetic is
+    involved (a denormal operand makes x86 multiplies microcode-assisted, ~4x slower here)."""
+    h = ((b & T.uint32(0x80)) << T.uint32(8)) | ((b & T.uint32(0x7F)) << T.uint32(7))
+    val = T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", h))) * T.float32(256.0)
     return T.if_then_else((b & T.uint32(0x7F)) == T.uint32(0x7F),
                           T.reinterpret("float32", T.uint32(0x7FC00000)), val)
 

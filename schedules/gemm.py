@@ -16,6 +16,9 @@ Arithmetic shared by the GEMMs, and why it matches the oracle:
   decoded values is exact in fp32, so the only difference to the oracle is the order of the 32
   additions inside a block (torch's matmul picks its own): ~1 ulp of fp32 on a few partial
   sums, which shows up as 1 bf16 ulp on a small fraction of outputs.
+* The CPU decode GEMV (`make_fp8_gemv`) folds the weight scales into the activation instead
+  (again exact products) and sums all of K at once: a different order of fp32 additions, with
+  the same bound against the oracle.
 * Weights are decoded per tile (registers / local or shared memory), never as a full copy.
 
 TVM 0.27 traps met here (worked around below): a bf16 Cast inside a `Let` value is compiled as
@@ -37,7 +40,15 @@ from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
 
-from .common import TargetSpec, e4m3_to_f32, e8m0_to_f32, fp4_to_f32, get_target, round_bf16
+from .common import (
+    TargetSpec,
+    e4m3_to_f32,
+    e4m3_to_f32_via_f16,
+    e8m0_to_f32,
+    fp4_to_f32,
+    get_target,
+    round_bf16,
+)
 
 BLOCK = 32  # FP8/MXFP4 quantisation group along K, and the weight tile edge
 FP4_KV_BLOCK = 16  # main-KV FP4: one E4M3 scale per 16 values
@@ -268,12 +279,70 @@ def make_fp8_linear(*, n: int, k: int, row_pad: int = 1) -> tvm.tirx.PrimFunc:
     return fp8_linear
 
 
+def make_fp8_gemv(*, n: int, k: int) -> tvm.tirx.PrimFunc:
+    """The CPU decode form of `fp8_linear` (same signature and result): one dot product over the
+    whole of K per output, instead of one per 32-block.
+
+    Stages: `amax` + `xq` quantise the activation as in `make_fp8_linear`; `xs` multiplies it by
+    the weight scales of one 32-column tile (xs[i, cb, j] = xq[i, j] * 2^(s[cb, j/32] - 127),
+    exact: a power-of-two product of an exact value); `acc` sums xs * E4M3(weight) over all of K;
+    `y` rounds to bf16. Every product is exact, as in `make_fp8_linear`; only the order of the
+    fp32 additions differs from the oracle (K at once rather than block partials times scales),
+    which leaves >= 99% of outputs bit-equal and the rest within 1 bf16 ulp. Scheduled, the sum
+    runs as `vec` lanes held in a register with one horizontal add per output, and the weight
+    decode (`e4m3_to_f32_via_f16`) is half the instructions of the integer route."""
+    if k % BLOCK:
+        raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
+    N, K, KB, NB = _i64(n), _i64(k), _i64(k // BLOCK), _i64(math.ceil(n / BLOCK))
+
+    @T.prim_func(s_tir=True)
+    def fp8_gemv(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                 scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), "bfloat16")
+        amax = T.sblock_alloc_buffer((m, KB), "float32")
+        xq = T.sblock_alloc_buffer((m, K), "float32")
+        xs = T.sblock_alloc_buffer((m, NB, K), "float32")
+        acc = T.sblock_alloc_buffer((m, N), "float32")
+        for i, b, j in T.grid(m, KB, _i64(BLOCK)):
+            with T.sblock("amax"):
+                vi, vb, vj = T.axis.remap("SSR", [i, b, j])
+                with T.init():
+                    amax[vi, vb] = T.min_value("float32")
+                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(_f32(x[vi, vb * BLOCK + vj])))
+        for i, j in T.grid(m, K):
+            with T.sblock("xq"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                xq[vi, vj] = fp8_qdq(_f32(x[vi, vj]), pow2_scale_byte(amax[vi, vj // BLOCK]))
+        for i, cb, j in T.grid(m, NB, K):
+            with T.sblock("xs"):
+                vi, vcb, vj = T.axis.remap("SSS", [i, cb, j])
+                xs[vi, vcb, vj] = xq[vi, vj] * e8m0_to_f32(
+                    T.Cast("uint32", scale[vcb, vj // BLOCK]))
+        for i, c, j in T.grid(m, N, K):
+            with T.sblock("acc"):
+                vi, vc, vj = T.axis.remap("SSR", [i, c, j])
+                with T.init():
+                    acc[vi, vc] = T.float32(0)
+                acc[vi, vc] = acc[vi, vc] + xs[vi, vc // BLOCK, vj] * e4m3_to_f32_via_f16(
+                    T.Cast("uint32", weight[vc, vj]))
+        for i, c in T.grid(m, N):
+            with T.sblock("y"):
+                vi, vc = T.axis.remap("SS", [i, c])
+                y[vi, vc] = T.Cast("bfloat16", acc[vi, vc])
+
+    return fp8_gemv
+
+
 @dataclass(frozen=True)
 class Fp8LinearConfig:
-    """Tiling of `fp8_linear`. kind: "gemv" (decode: one row, the dot product inside a 32-block
-    vectorised over K, weights decoded in registers) or "gemm" (weight tile decoded once into a
-    transposed [32, tn] buffer and reused by tm rows, vectorised over N).
-    CPU: tn output columns per parallel task, tm rows per tile, rb rows held in registers.
+    """Tiling of `fp8_linear`. kind: "gemv" (decode: one row; on CPU `make_fp8_gemv`, a dot
+    product over all of K in `vec` lanes per output, weights decoded in registers) or "gemm"
+    (weight tile decoded once into a transposed [32, tn] buffer and reused by tm rows, vectorised
+    over N).
+    CPU gemm: tn output columns per parallel task, tm rows per tile, rb rows held in registers.
     CUDA gemv: one warp per output column (lanes over the 32-block), `warps` per thread block.
     CUDA gemm: a (tm x tn) tile per thread block, (tm/rb) x (tn/cb) threads, each an rb x cb
     register tile; the activation and decoded weight tiles of one 32-block in shared memory."""
@@ -321,51 +390,61 @@ def _schedule_act_quant_stage(sch: s_tir.Schedule, target: TargetSpec, amax: str
 
 def schedule_fp8_linear(func: tvm.tirx.PrimFunc, config: Fp8LinearConfig,
                         target: TargetSpec) -> tvm.tirx.PrimFunc:
+    """`func` is `unscheduled_fp8_linear`'s: `make_fp8_gemv` for a CPU gemv, else
+    `make_fp8_linear`."""
     sch = s_tir.Schedule(func)
     if not target.is_cuda:
         _schedule_act_quant_stage(sch, target, "amax", "xq")
-    if config.kind == "gemv":
-        _schedule_gemv(sch, config, target)
+    if config.kind == "gemv" and target.is_cuda:
+        _schedule_gemv_cuda(sch, config)
+    elif config.kind == "gemv":
+        _schedule_gemv_cpu(sch, config)
     else:
         _schedule_gemm(sch, config, target)
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def _schedule_gemv(sch: s_tir.Schedule, config: Fp8LinearConfig, target: TargetSpec) -> None:
-    """Decode in registers: the E4M3 decode is inlined into the 32-block dot product."""
+def _schedule_gemv_cpu(sch: s_tir.Schedule, config: Fp8LinearConfig) -> None:
+    """`make_fp8_gemv`: parallel over 32-column tiles; per tile and row the scaled activation
+    `xs` (K floats, in L1), then per column a `vec`-lane partial sum over K (rfactor) that stays
+    in a register, and one horizontal add."""
+    acc = sch.get_sblock("acc")
+    i, c, j = sch.get_loops(acc)
+    cb, ci = sch.split(c, [None, BLOCK])
+    jo, ji = sch.split(j, [None, config.vec])
+    sch.reorder(cb, i, ci, jo, ji)
+    rf = sch.rfactor(ji, 2)
+    cb, i, ci = sch.get_loops(rf)[:3]
+    sch.reverse_compute_at(acc, ci)
+    sch.reverse_compute_at(sch.get_sblock("y"), i)
+    xs = sch.get_sblock("xs")
+    sch.compute_at(xs, i)
+    sch.vectorize(sch.get_loops(xs)[-1])
+    sch.vectorize(sch.get_loops(rf)[-1])
+    sch.parallel(cb)
+    sch.decompose_reduction(rf, sch.get_loops(rf)[3])
+
+
+def _schedule_gemv_cuda(sch: s_tir.Schedule, config: Fp8LinearConfig) -> None:
+    """One warp per output column; the E4M3 decode inlined into the 32-block dot product."""
     sch.compute_inline(sch.get_sblock("wdec"))
     part, acc = sch.get_sblock("part"), sch.get_sblock("acc")
     i, c, b = sch.get_loops(acc)
-    if target.is_cuda:
-        co, cw = sch.split(c, [None, config.warps])
-        sch.reorder(co, cw, i, b)
-        sch.bind(co, "blockIdx.x")
-        sch.bind(cw, "threadIdx.y")
-        sch.reverse_compute_at(sch.get_sblock("y"), i)
-        # The activation quantisation is fused: each warp quantises its 32-group in registers
-        # (amax by a warp allreduce), since a CUDA kernel cannot allocate the [m, k] buffer.
-        sch.compute_inline(sch.get_sblock("xq"))
-        sch.compute_at(part, b)
-        amax = sch.get_sblock("amax")
-        sch.compute_at(amax, b)
-        for blk in (amax, part):
-            sch.bind(sch.get_loops(blk)[-1], "threadIdx.x")  # warp allreduce over the block
-            sch.set_scope(blk, 0, "local")
-        sch.set_scope(acc, 0, "local")
-        return
-    pj = sch.get_loops(part)[-1]
-    pjo, pji = sch.split(pj, [None, config.vec])
-    rf = sch.rfactor(pji, 3)
-    co, ci = sch.split(c, [None, config.tn])
-    sch.reorder(co, ci, i, b)
-    sch.reverse_compute_at(sch.get_sblock("y"), co)
+    co, cw = sch.split(c, [None, config.warps])
+    sch.reorder(co, cw, i, b)
+    sch.bind(co, "blockIdx.x")
+    sch.bind(cw, "threadIdx.y")
+    sch.reverse_compute_at(sch.get_sblock("y"), i)
+    # The activation quantisation is fused: each warp quantises its 32-group in registers
+    # (amax by a warp allreduce), since a CUDA kernel cannot allocate the [m, k] buffer.
+    sch.compute_inline(sch.get_sblock("xq"))
     sch.compute_at(part, b)
-    sch.compute_at(rf, b)
-    lanes, steps = sch.get_loops(rf)[-2:]  # (k within a vector, vectors per block)
-    sch.reorder(steps, lanes)
-    sch.vectorize(lanes)
-    sch.parallel(co)
-    sch.decompose_reduction(rf, steps)
+    amax = sch.get_sblock("amax")
+    sch.compute_at(amax, b)
+    for blk in (amax, part):
+        sch.bind(sch.get_loops(blk)[-1], "threadIdx.x")  # warp allreduce over the block
+        sch.set_scope(blk, 0, "local")
+    sch.set_scope(acc, 0, "local")
 
 
 def _schedule_gemm(sch: s_tir.Schedule, config: Fp8LinearConfig, target: TargetSpec) -> None:
@@ -426,11 +505,100 @@ def _schedule_gemm(sch: s_tir.Schedule, config: Fp8LinearConfig, target: TargetS
     sch.decompose_reduction(acc, b)
 
 
+def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None
+                           ) -> tuple[tvm.tirx.PrimFunc, Fp8LinearConfig]:
+    """The factory output the config's schedule expects, and the config."""
+    config = fp8_linear_config(target, n=n, k=k, m=m)
+    if config.kind == "gemv" and not target.is_cuda:
+        return make_fp8_gemv(n=n, k=k), config
+    return make_fp8_linear(n=n, k=k, row_pad=config.row_pad), config
+
+
 def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None
                      ) -> tvm.tirx.PrimFunc:
     target = get_target(target_name)
-    config = fp8_linear_config(target, n=n, k=k, m=m)
-    return schedule_fp8_linear(make_fp8_linear(n=n, k=k, row_pad=config.row_pad), config, target)
+    func, config = unscheduled_fp8_linear(target, n=n, k=k, m=m)
+    return schedule_fp8_linear(func, config, target)
+
+
+# ---- dense GEMV (bf16 / fp32 weights, decode) ------------------------------------------------
+
+
+def _load_f32(buf, *idx):
+    return _f32(buf[idx]) if buf.dtype == "bfloat16" else buf[idx]
+
+
+def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
+                    ) -> tvm.tirx.PrimFunc:
+    """y[i, g, c] = sum_j fp32(x[i, g, j]) * fp32(w[g, c, j]), y fp32: the decode form of the
+    plain linears (groups=1: the head, the compressor, the gate) and of the grouped o-projection
+    einsum `bsgd,grd->bsgr`. x and w are read in their stored dtype (bf16 or fp32) and widened in
+    registers: the weight is never copied (transposed or cast) as a whole, which the generic
+    lowering did on every call. Symbolic rows i; the caller rounds y to bf16 where torch does.
+
+    Products of two bf16/fp32 values are rounded once in fp32 as in torch; the sum over K runs in
+    `vec` lanes and a final horizontal add (torch's order is its own), so results agree with the
+    oracle to fp32 rounding, not bit for bit."""
+    for dt in (x_dtype, w_dtype):
+        if dt not in ("bfloat16", "float32"):
+            raise ValueError(f"dense_gemv reads bfloat16 or float32, got {dt}.")
+    G, N, K = _i64(groups), _i64(n), _i64(k)
+
+    @T.prim_func(s_tir=True)
+    def dense_gemv(x_h: T.handle, w: T.Buffer((G, N, K), w_dtype), y_h: T.handle):
+        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, G, K), x_dtype)
+        y = T.match_buffer(y_h, (m, G, N), "float32")
+        for i, g, c, j in T.grid(m, G, N, K):
+            with T.sblock("y"):
+                vi, vg, vc, vj = T.axis.remap("SSSR", [i, g, c, j])
+                with T.init():
+                    y[vi, vg, vc] = T.float32(0)
+                y[vi, vg, vc] = y[vi, vg, vc] + _load_f32(x, vi, vg, vj) * _load_f32(w, vg, vc, vj)
+
+    return dense_gemv
+
+
+@dataclass(frozen=True)
+class DenseGemvConfig:
+    """tn output columns per parallel task; vec lanes of the K partial sums (CPU)."""
+
+    tn: int = 32
+    vec: int = 16
+
+
+def dense_gemv_config(target: TargetSpec, *, n: int, k: int) -> DenseGemvConfig:
+    if target.is_cuda:
+        raise ValueError("dense_gemv has no CUDA schedule: CUDA builds keep the generic "
+                         "(dlight-scheduled) lowering of the dense linears.")
+    return DenseGemvConfig(tn=min(32, n), vec=min(16, k))
+
+
+def schedule_dense_gemv(func: tvm.tirx.PrimFunc, config: DenseGemvConfig,
+                        target: TargetSpec) -> tvm.tirx.PrimFunc:
+    """Parallel over (group, column tile); per column a `vec`-lane partial sum over K (rfactor)
+    held in a register, then one horizontal add."""
+    sch = s_tir.Schedule(func)
+    blk = sch.get_sblock("y")
+    i, g, c, j = sch.get_loops(blk)
+    co, ci = sch.split(c, [None, config.tn])
+    jo, ji = sch.split(j, [None, config.vec])
+    sch.reorder(g, co, i, ci, jo, ji)
+    rf = sch.rfactor(ji, 3)
+    g, co, i, ci = sch.get_loops(rf)[:4]
+    sch.reverse_compute_at(blk, ci)
+    sch.vectorize(sch.get_loops(rf)[-1])
+    sch.parallel(sch.fuse(g, co))
+    sch.decompose_reduction(rf, sch.get_loops(rf)[3])
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: str,
+                     w_dtype: str) -> tvm.tirx.PrimFunc:
+    target = get_target(target_name)
+    func = make_dense_gemv(groups=groups, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype)
+    return schedule_dense_gemv(func, dense_gemv_config(target, n=n, k=k), target)
 
 
 # ---- moe_experts ----------------------------------------------------------------------------

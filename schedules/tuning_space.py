@@ -91,8 +91,7 @@ def unscheduled_kernel(key: tuple, target: TargetSpec) -> tirx.PrimFunc | None:
     family = key[0]
     if family == "fp8_linear":
         _, n, k, rows = key
-        cfg = gemm.fp8_linear_config(target, n=n, k=k, m=rows)
-        return gemm.make_fp8_linear(n=n, k=k, row_pad=cfg.row_pad)
+        return gemm.unscheduled_fp8_linear(target, n=n, k=k, m=rows)[0]
     if family == "fp8_dequant":
         return gemm.make_fp8_dequant(d=key[1])
     if family == "sparse_attend":

@@ -160,6 +160,47 @@ def test_fp8_linear_extreme_activations():
     _assert_gemm_close(out[finite.all(1)], ref[finite.all(1)])
 
 
+def test_e4m3_via_f16_decodes_every_code_exactly():
+    """The GEMV's fp16-route decode equals the format module on all 256 codes (NaN codes too),
+    scalar and in 16 vector lanes."""
+    from tvm import s_tir
+    from tvm.script import tirx as T
+
+    from dsv41.schedules.common import e4m3_to_f32_via_f16
+
+    @T.prim_func(s_tir=True)
+    def decode(a: T.Buffer((256,), "uint8"), b: T.Buffer((256,), "float32")):
+        for i in range(256):
+            with T.sblock("d"):
+                vi = T.axis.remap("S", [i])
+                b[vi] = e4m3_to_f32_via_f16(T.Cast("uint32", a[vi]))
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ref = torch.from_numpy(fmt.np_e4m3_decode(codes.numpy()).astype(np.float32))
+    for lanes in (1, 16):
+        sch = s_tir.Schedule(decode)
+        if lanes > 1:
+            sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("d"))[0], [None, lanes])[1])
+        ex = tvm.compile(sch.mod["main"], target=get_target(CPU).tvm_target())
+        out = _run(ex, [codes], (256,), torch.float32)
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
+
+
+def test_fp8_gemv_nan_and_subnormal_weights():
+    """Every E4M3 code as a weight (row c holds code c): NaN codes give NaN rows, the rest
+    (subnormals included) match the oracle."""
+    n, k = 256, 64
+    weight = torch.arange(n, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, k)
+    scale = torch.full((n // 32, k // 32), 120, dtype=torch.uint8)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = _run(_compiled("build_fp8_linear", n=n, k=k, m=1), [x, weight, scale], (2, n),
+               torch.bfloat16)
+    ref = ops.fp8_linear(x, weight, scale)
+    assert torch.equal(out.isnan(), ref.isnan()) and int(out.isnan().sum()) == 4
+    _assert_gemm_close(out.nan_to_num(), ref.nan_to_num())
+
+
 # ---- dequantisation -------------------------------------------------------------------------
 
 
