@@ -4,7 +4,11 @@ For every case the harness measures three implementations of one op on the same 
 
 * `kernel`:  the TVM kernel from `schedules/`, compiled once per static configuration and called
              through its packed function on zero-copy DLPack views (host-side index checks and
-             tensor conversion are not timed);
+             tensor conversion are not timed). A kernel the compiled model runs as a chain is
+             timed as that chain: `moe` is the six-kernel split of `schedules/moe.py` that
+             compiler/lower.py emits (route, qdq, gate_up, qdq, down, combine), built for the
+             artifact's row hint, its intermediates allocated once outside the timed call (as
+             Relax's memory plan reuses them), each kernel also timed alone (`parts`);
 * `eager`:   the registered oracle `torch.ops.dsv41.<op>` (graph/ops.py) in eager mode;
 * `compile`: `torch.compile` (defaults, dynamo reset per case) of the oracle's plain Python body.
              The registered custom op itself is opaque to Inductor (torch.compile of it runs the
@@ -72,6 +76,9 @@ ROW_FIELDS = {
                      "configuration)",
     "torch_compile_s": "seconds of the first torch.compile'd call (compilation + one run)",
     "equal_fraction, max_abs_diff": "kernel output vs the eager oracle's on the timed inputs",
+    "parts": "chained kernels only (moe): each kernel of the chain timed alone on the chain's "
+             "buffers, in call order: {func: {time_s (settings.stat), min_s, median_s, "
+             "samples}}",
 }
 
 FORMULAS = {
@@ -318,8 +325,15 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                    (("b", 1), ("s", 1), ("t", t))) for t in index_t]
     cases += [Case(f"fp8-{'gemv' if m == 1 else 'gemm'}-m{m}", "fp8",
                    (*lin.items(), ("hint", m)), (("m", m),)) for m in lin_m]
-    cases += [Case(f"moe-n{n}", "moe", (*moe.items(), ("hint", n)), (("n", n),)) for n in moe_n]
+    cases += [Case(f"moe-n{n}", "moe", (*moe.items(), ("hint", artifact_rows_hint(n))),
+                   (("n", n),)) for n in moe_n]
     return cases
+
+
+def artifact_rows_hint(n: int) -> int | None:
+    """The `rows_hint` the compiled model's kernels are built with for a call of n rows
+    (compiler/build.py ROWS_HINT: decode 1, prefill None; drafts, 4, have no case here)."""
+    return 1 if n == 1 else None
 
 
 def select_cases(cases: list[Case], wanted: Sequence[str] | None) -> list[Case]:
@@ -357,6 +371,8 @@ class Prepared:
     flops: int
     compile_note: str
     extra: dict = field(default_factory=dict)
+    # a chained kernel's calls, in order, each runnable alone once `kernel` has run (timed too)
+    parts: dict[str, Callable[[], None]] = field(default_factory=dict)
 
 
 def attend_traffic(*, b, s, h, d, w, k, **_) -> tuple[int, int]:
@@ -386,7 +402,7 @@ def compile_kernel(family: str, target_name: str, static: tuple) -> tuple[object
     """(executable, seconds to schedule + compile) for one family at its static dims."""
     import tvm
 
-    from dsv41.schedules import attention, gemm, indexer
+    from dsv41.schedules import attention, gemm, indexer, moe
     from dsv41.schedules.common import get_target
 
     kw = dict(static)
@@ -397,9 +413,9 @@ def compile_kernel(family: str, target_name: str, static: tuple) -> tuple[object
         func = indexer.build_indexer_topk(target_name, **kw)
     elif family == "fp8":
         func = gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"])
-    elif family == "moe":
+    elif family == "moe":  # the split chain compiler/lower.py `_moe_experts` emits
         hint = kw.pop("hint")
-        func = gemm.build_moe_experts(target_name, **kw, n=hint)
+        func = moe.build_moe_experts_split(target_name, **kw, n=hint)
     else:
         raise AssertionError(f"unknown family {family}")
     ex = tvm.compile(func, target=get_target(target_name).tvm_target())
@@ -421,10 +437,35 @@ def _body_args(op, args: tuple, nbytes: int, flops: int) -> tuple:
     return fn, args, nbytes, flops, note
 
 
-def prepare(case: Case, ex) -> Prepared:
-    """Inputs at the case's sizes and the three callables over them."""
+def _torch_buffer(buf) -> torch.Tensor:
+    """An uninitialised tensor for a plan buffer (Relax does not zero its allocations)."""
+    return torch.empty([int(s) for s in buf.shape], dtype=getattr(torch, buf.dtype))
+
+
+def moe_chain(ex, plan, inputs: Sequence[torch.Tensor]
+              ) -> tuple[Callable[[], None], torch.Tensor, dict[str, Callable[[], None]]]:
+    """(run the whole chain, y, each call alone) for `plan` (schedules.moe.moe_experts_plan)
+    over the op's nine inputs: the intermediates and y allocated here, once, and every call
+    bound to its buffers' DLPack views, so a timed call does no allocation or conversion."""
+    env = {b.name: t.contiguous() for b, t in zip(plan.inputs, inputs, strict=True)}
+    env.update({b.name: _torch_buffer(b) for b in (*plan.intermediates, plan.output)})
+    views = {name: _tvm_view(t) for name, t in env.items()}
+    parts = {c.func: functools.partial(ex[c.func], *(views[a] for a in (*c.args, *c.outs)))
+             for c in plan.calls}
+    calls = tuple(parts.values())
+
+    def chain():
+        for call in calls:
+            call()
+
+    return chain, env[plan.output.name], parts
+
+
+def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
+    """Inputs at the case's sizes and the three callables over them (target_name: the one
+    `ex` was compiled for)."""
     from dsv41.graph import ops
-    from dsv41.schedules import attention, gemm, indexer
+    from dsv41.schedules import attention, gemm, indexer, moe
 
     d = case.d()
     if case.family == "attend":
@@ -468,13 +509,16 @@ def prepare(case: Case, ex) -> Prepared:
                                                  n_experts=d["n_experts"], topk=d["topk"])
         gemm.check_expert_ids(inputs[2], d["n_experts"])
         limit = d["swiglu_limit"]
-        out = torch.empty(d["n"], d["dim"], dtype=torch.float32)
-        args = [_tvm_view(t) for t in (*inputs, out)]
+        # the same plan (buffer shapes, call order) as compiler/lower.py `_moe_experts`
+        plan = moe.moe_experts_plan(target_name, dim=d["dim"], inter=d["inter"],
+                                    n_experts=d["n_experts"], topk=d["topk"], n=d["n"],
+                                    n_hint=d["hint"])
+        chain, out, parts = moe_chain(ex, plan, inputs)
         used = int(torch.unique(inputs[2]).numel())
         nbytes, flops = moe_traffic(**d, experts_used=used)
-        return Prepared(lambda: ex(*args), out, lambda: ops.moe_experts(*inputs, limit),
+        return Prepared(chain, out, lambda: ops.moe_experts(*inputs, limit),
                         *_body_args(ops.moe_experts, (*inputs, limit), nbytes, flops),
-                        {"experts_used": used})
+                        {"experts_used": used}, parts)
     raise AssertionError(f"unknown family {case.family}")
 
 
@@ -495,12 +539,16 @@ def run_case(case: Case, *, target_name: str, machine: Machine, repeat: int, bud
     ("median" or "min") is the statistic of the samples that the row's times report."""
     status(f"{case.name}: compiling TVM kernel")
     ex, tvm_compile_s = compile_kernel(case.family, target_name, case.static)
-    prep = prepare(case, ex)
+    prep = prepare(case, ex, target_name)
     notes = []
 
     status(f"{case.name}: timing kernel")
     t_kernel = time_call(prep.kernel, repeat=repeat, budget_s=budget_s)
     kernel_out = prep.kernel_out.clone()
+    t_parts = {}
+    for name, part in prep.parts.items():  # each reruns on the buffers the chain left
+        status(f"{case.name}: timing {name}")
+        t_parts[name] = time_call(part, repeat=repeat, budget_s=budget_s)
 
     status(f"{case.name}: timing eager oracle")
     ref = prep.eager()  # the warm-up call, and the reference the kernel is checked against
@@ -568,6 +616,9 @@ def run_case(case: Case, *, target_name: str, machine: Machine, repeat: int, bud
         "note": "; ".join(notes),
         **prep.extra,
     }
+    if t_parts:
+        row["parts"] = {name: {"time_s": pick(t), "min_s": t.min_s, "median_s": t.median_s,
+                               "samples": t.samples} for name, t in t_parts.items()}
     return row
 
 
@@ -705,6 +756,22 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([line(head), rule, *(line(r) for r in body)])
 
 
+def format_parts(rows: list[dict]) -> str:
+    """One line per chained case: each kernel's time in ms and its share of their sum, the sum
+    next to the whole chain's time (empty when no row has parts)."""
+    lines = []
+    for r in rows:
+        parts = r.get("parts")
+        if not parts:
+            continue
+        total = sum(p["time_s"] for p in parts.values())
+        cells = [f"{name} {_ms(p['time_s'])} ({100 * p['time_s'] / total:.0f}%)"
+                 for name, p in parts.items()]
+        lines.append(f"  {r['case']} parts, ms: " + ", ".join(cells)
+                     + f"; sum {_ms(total)} vs chain {_ms(r['kernel_s'])}")
+    return "\n".join(lines)
+
+
 # ---- CLI -----------------------------------------------------------------------------------------
 
 
@@ -754,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
         write_report(report, ns.json)
     print(format_machine(report["machine"]))
     print(format_table(report["rows"]))
+    parts = format_parts(report["rows"])
+    if parts:
+        print(parts)
     print(LEGEND.format(stat=report["settings"]["stat"]))
     print(f"{len(report['rows'])} cases in {report['wall_s']:.0f} s; load avg at the end "
           f"{report['load_avg_end'][0]:.2f} (other processes share these cores)"

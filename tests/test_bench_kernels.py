@@ -3,9 +3,10 @@
 What is checked: the JSON schema, that every number is positive and finite, that the derived
 columns are the stated arithmetic of the measured ones (GB/s = bytes / time, roofline = max of
 the two roofs, speedups = time ratios), that the kernel outputs the harness compared agree with
-the oracle (so it timed the right op on the right inputs), the traffic formulas at the bench
-sizes by hand, the timer's budget rule, and the CLI's refusals. Not checked: the speed itself
-(the machine is shared)."""
+the oracle (so it timed the right op on the right inputs), that `moe` times the six-kernel split
+chain the compiled model runs (built for the artifact's row hint, each kernel timed too), the
+traffic formulas at the bench sizes by hand, the timer's budget rule, and the CLI's refusals.
+Not checked: the speed itself (the machine is shared)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import re
 import time
 
 import pytest
+import torch
 
-from dsv41.schedules import bench
+from dsv41.graph import ops
+from dsv41.schedules import bench, moe
 
 ROW_KEYS = {"case", "family", "dims", "bytes", "flops", "kernel_s", "eager_s", "compile_s", "gbs",
             "gflops", "frac_bw", "frac_peak", "roofline_s", "bound", "roofline_ratio",
@@ -98,6 +101,48 @@ def test_kernel_outputs_match_the_oracle(quick_report):
             assert row["max_abs_diff"] < 0.1, (row["case"], row["max_abs_diff"])
 
 
+def _moe_funcs(row: dict) -> list[str]:
+    d = row["dims"]
+    plan = moe.moe_experts_plan("cpu", dim=d["dim"], inter=d["inter"], n_experts=d["n_experts"],
+                                topk=d["topk"], n=d["n"], n_hint=d["hint"])
+    return [c.func for c in plan.calls]
+
+
+def test_moe_rows_time_the_split_chain(quick_report):
+    """The moe cases time compiler/lower.py's chain (route, qdq, gate_up, qdq, down, combine),
+    built for the artifact's row hint (1 at one row, None above), with each kernel's time in
+    call order; the chain matches the oracle as closely as in tests/test_kernel_moe.py."""
+    rows = [r for r in quick_report["rows"] if r["family"] == "moe"]
+    assert [(r["dims"]["n"], r["dims"]["hint"]) for r in rows] == [(1, 1), (8, None)]
+    for row in rows:
+        assert list(row["parts"]) == _moe_funcs(row) == [
+            "moe_route", "moe_qdq_x", "moe_gate_up", "moe_qdq_h", "moe_down", "moe_combine"]
+        for name, part in row["parts"].items():
+            assert part["time_s"] == part["median_s"] >= part["min_s"] > 0, (row["case"], name)
+            assert 1 <= part["samples"] <= 3
+        assert row["equal_fraction"] >= 0.99 and row["max_abs_diff"] < 0.1, row["case"]
+    assert all("parts" not in r for r in quick_report["rows"] if r["family"] != "moe")
+    text = bench.format_parts(quick_report["rows"])
+    assert [line.split()[0] for line in text.splitlines()] == [r["case"] for r in rows]
+
+
+def test_moe_chain_buffers_are_reused():
+    """prepare binds every call to buffers allocated once: the chain run twice, or its last
+    kernel rerun alone, leaves the same y (in the tensor kernel_out names) as the oracle's."""
+    case = next(c for c in bench.default_cases(quick=True) if c.name == "moe-n8")
+    ex, _ = bench.compile_kernel("moe", "cpu", case.static)
+    prep = bench.prepare(case, ex)
+    prep.kernel()
+    first = prep.kernel_out.clone()
+    prep.kernel()
+    prep.parts["moe_combine"]()
+    assert torch.equal(prep.kernel_out, first)
+    d = case.d()
+    ref = ops.moe_experts(*prep.body_args)
+    assert prep.body_args[-1] == d["swiglu_limit"] and ref.shape == (d["n"], d["dim"])
+    assert float((first == ref).float().mean()) >= 0.99
+
+
 def test_traffic_formulas_at_bench_sizes():
     """By hand, for the issue-4 shapes (bench preset)."""
     # wq_b GEMV: 512 x 32768 E4M3 weight, 1024 x 16 scale bytes, x and y in bf16
@@ -127,6 +172,8 @@ def test_bench_cases_use_the_preset_sizes():
     assert cases["indexer-1M"]["t"] == 1 << 20 and cases["indexer-1M"]["heads"] == 32
     assert (cases["fp8-gemm-m128"]["n"], cases["fp8-gemm-m128"]["k"]) == (32768, 512)
     assert cases["moe-n128"]["n_experts"] == 16 and cases["moe-n128"]["topk"] == 2
+    # the compiled model's rows_hint (compiler/build.py ROWS_HINT): decode 1, prefill None
+    assert cases["moe-n1"]["hint"] == 1 and cases["moe-n128"]["hint"] is None
     assert [c.name for c in bench.select_cases(bench.default_cases("bench"),
                                                ["fp8", "moe-n1"])] == \
         ["fp8-gemv-m1", "fp8-gemm-m128", "moe-n1"]
