@@ -42,7 +42,9 @@ def _block_scaled_gemm(a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s:
     acc = torch.zeros(m, b.size(0), dtype=torch.float32)
     for j in range(k // block):
         sl = slice(j * block, (j + 1) * block)
-        acc += (a[:, sl] @ b[:, sl].T) * a_s[:, j : j + 1] * b_s[:, j].unsqueeze(0)
+        part = a[:, sl] @ b[:, sl].T
+        part.mul_(a_s[:, j : j + 1]).mul_(b_s[:, j].unsqueeze(0))  # in place: same roundings
+        acc += part
     return acc
 
 
@@ -163,7 +165,17 @@ def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     batch = torch.arange(b).view(b, 1, 1)
     rows = table[batch, idx.long().clamp_min(0)]
     valid = (idx >= 0).view(*idx.shape, *([1] * (rows.dim() - 3)))
-    return rows * valid.to(rows.dtype)
+    return torch.where(valid, rows, torch.zeros((), dtype=rows.dtype))
+
+
+def _gather_decoded(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor, decode
+                    ) -> torch.Tensor:
+    """decode(rows idx of codes, scales) -> [b, s, k, d] fp32, -1 rows zero. Decoding is per row,
+    so decoding the whole table and then gathering gives the same values as gathering the codes
+    first; whichever decodes fewer rows is used (prefill: the table; decode: the selection)."""
+    if codes.size(1) == 0 or codes.size(1) >= idx[0].numel():
+        return _gather_rows(decode(codes, scales), idx)
+    return decode(_gather_rows(codes, idx), _gather_rows(scales, idx))
 
 
 def attend_blocks(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
@@ -203,10 +215,9 @@ def sparse_attend(q: torch.Tensor, win_codes: torch.Tensor, win_scales: torch.Te
     q: bf16 [b, s, h, d]. Window: FP8 codes uint8 [b, W, d] + E8M0 scales [b, W, d/32], rows
     win_idx int32 [b, s, w]. Global: FP4 codes uint8 [b, N, d/2] + E4M3 scales [b, N, d/16], rows
     kv_idx int32 [b, s, k]. -1 = skipped. K = V = the entry, shared by all heads. Returns bf16."""
-    win = fmt.torch_dequant_fp8(_gather_rows(win_codes, win_idx),
-                                _gather_rows(win_scales, win_idx), FP8_BLOCK)
-    glob = fmt.torch_dequant_fp4_kv(_gather_rows(kv_codes, kv_idx),
-                                    _gather_rows(kv_scales, kv_idx))
+    win = _gather_decoded(win_codes, win_scales, win_idx,
+                          lambda c, sc: fmt.torch_dequant_fp8(c, sc, FP8_BLOCK))
+    glob = _gather_decoded(kv_codes, kv_scales, kv_idx, fmt.torch_dequant_fp4_kv)
     kv = torch.cat([win, glob], dim=2)
     valid = torch.cat([win_idx >= 0, kv_idx >= 0], dim=2)
     return attend_blocks(q, kv, valid, sink, softmax_scale)
@@ -222,8 +233,8 @@ def sparse_attend_bf16(q: torch.Tensor, win_codes: torch.Tensor, win_scales: tor
                        win_idx: torch.Tensor, kv: torch.Tensor, kv_idx: torch.Tensor,
                        sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """`sparse_attend` with an unquantised bf16 global cache [b, N, d]: what FP4 costs."""
-    win = fmt.torch_dequant_fp8(_gather_rows(win_codes, win_idx),
-                                _gather_rows(win_scales, win_idx), FP8_BLOCK)
+    win = _gather_decoded(win_codes, win_scales, win_idx,
+                          lambda c, sc: fmt.torch_dequant_fp8(c, sc, FP8_BLOCK))
     glob = _gather_rows(kv.float(), kv_idx)
     valid = torch.cat([win_idx >= 0, kv_idx >= 0], dim=2)
     return attend_blocks(q, torch.cat([win, glob], dim=2), valid, sink, softmax_scale)
