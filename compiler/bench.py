@@ -417,7 +417,7 @@ def make_phases(impl: str, model, artifact_dir: Path | None, entries: tuple[str,
 def set_threads(n: int) -> dict:
     """The same number of threads for torch and TVM (TVM's pool otherwise takes half the
     hardware threads). Call before TVM starts its pool."""
-    from dsv41.schedules.bench import size_tvm_pool
+    from dsv41.runtime.threads import size_tvm_pool
 
     n = n or torch.get_num_threads()
     torch.set_num_threads(n)

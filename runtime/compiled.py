@@ -14,10 +14,14 @@ from dsv41.graph.model import Model
 from dsv41.graph.phases import PhaseResult, _chunk, check_tokens, prepare_replay
 
 from .artifact import Artifact
+from .threads import default_tvm_pool
 
 
 class CompiledPhases:
-    def __init__(self, artifact: Artifact, model: Model):
+    def __init__(self, artifact: Artifact, model: Model, *, threads: int | None = None):
+        """threads: TVM's CPU pool size (None: TVM_NUM_THREADS if set, else torch's thread
+        count; TVM alone would take half the hardware threads)."""
+        default_tvm_pool(threads)
         artifact.bind(model)
         self.art, self.model = artifact, model
         self.plan = model.plan

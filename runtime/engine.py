@@ -69,6 +69,7 @@ class EngineOptions:
     pool_ttl_s: float = 600.0
     store_clock: Callable[[], float] = time.time
     pool_clock: Callable[[], float] = time.monotonic
+    threads: int | None = None  # TVM's CPU pool (None: TVM_NUM_THREADS, else torch's count)
 
 
 @dataclass
@@ -134,11 +135,12 @@ class Engine:
         from .artifact import Artifact
         from .compiled import CompiledPhases
 
+        opts = EngineOptions(**options)
         art = Artifact.load(artifact_dir)
         model = Model.from_checkpoint(checkpoint_dir, art.args)
-        return cls(model, CompiledPhases(art, model),
+        return cls(model, CompiledPhases(art, model, threads=opts.threads),
                    weights_hash=weights_fingerprint(checkpoint_dir),
-                   options=EngineOptions(**options), backend=f"artifact {Path(artifact_dir)}")
+                   options=opts, backend=f"artifact {Path(artifact_dir)}")
 
     @classmethod
     def from_model(cls, model: Model, *, weights_hash: str, **options) -> Engine:

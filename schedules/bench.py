@@ -55,6 +55,8 @@ from pathlib import Path
 
 import torch
 
+from dsv41.runtime.threads import size_tvm_pool, tvm_num_threads
+
 SCHEMA = "dsv41.bench.kernels/1"
 FAMILIES = ("attend", "indexer", "fp8", "moe")
 COMPILE_NOTE = ("torch.compile (defaults, dynamo reset per case) of the oracle's plain Python "
@@ -179,33 +181,13 @@ def _cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
     return model, flags, ghz, source
 
 
-def tvm_num_threads() -> int:
-    import tvm
-
-    return int(tvm.get_global_func("runtime.NumThreads")())
-
-
 def use_tvm_threads(n: int | None = None) -> int:
     """Size TVM's thread pool to n threads (default: torch's thread count, i.e. the cores the
-    GEMM peak, eager and torch.compile are measured on); returns the pool size. Without this
-    TVM sizes its pool to hardware_concurrency / 2 (it assumes SMT sibling pairs), which on a
-    VM whose vCPUs are cores is half the machine: the kernels ran on 1 of 2 cores against a
-    2-core roofline. An explicit TVM_NUM_THREADS is left as set. (The pool caps its size at
-    TVM_NUM_THREADS, so that is set too, then the pool is rebuilt.)"""
-    if "TVM_NUM_THREADS" not in os.environ:
-        return size_tvm_pool(n or torch.get_num_threads())
-    return tvm_num_threads()
-
-
-def size_tvm_pool(n: int) -> int:
-    """TVM's CPU pool at n threads: TVM_NUM_THREADS caps the pool (and sizes it when it is
-    created later); a pool that already exists at another size is rebuilt. Returns its size."""
-    import tvm
-
-    os.environ["TVM_NUM_THREADS"] = str(n)
-    if tvm_num_threads() != n:
-        tvm.get_global_func("runtime.config_threadpool")(1, n)  # 1: every (big) core
-    return tvm_num_threads()
+    GEMM peak, eager and torch.compile are measured on); returns the pool size. An explicit
+    TVM_NUM_THREADS is left as set."""
+    if "TVM_NUM_THREADS" in os.environ:
+        return tvm_num_threads()
+    return size_tvm_pool(n or torch.get_num_threads())
 
 
 def measure_machine(*, quick: bool = False) -> Machine:
