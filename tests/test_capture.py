@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import tvm
 
 from dsv41.compiler.capture import (
     ENTRIES,
@@ -172,3 +173,28 @@ def test_tokens_are_validated_before_the_graph(small_model):
     with pytest.raises(ValueError):
         check_tokens(small_model, torch.tensor([[small_model.args.vocab_size]]))
     assert Chunk is not None
+
+
+def test_decode_lowering_reads_dense_weights_in_place(small_model):
+    """At decode row counts the bf16/fp32 linears and the grouped o-projection lower to the
+    dense_gemv kernel: no weight matrix is cast or transposed as a whole per call (norm vectors
+    are cast inside their fused elementwise kernels)."""
+    from tvm import relax
+
+    from dsv41.compiler.build import lowered_module
+
+    mod = lowered_module(small_model.args.to_dict(), "draft", "cpu")
+    mod = relax.transform.DeadCodeElimination(["main"])(mod)
+    main = mod["main"]
+    params = set(main.params)
+    copied = []
+    for block in main.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if (isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op)
+                    and v.op.name in ("relax.astype", "relax.permute_dims")
+                    and v.args[0] in params and len(v.args[0].ty.shape) >= 2):  # a matrix
+                copied.append(f"{v.op.name}({v.args[0]})")
+    assert not copied, copied
+    gemvs = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith("k_dense_gemv")]
+    assert len(gemvs) >= 2, gemvs  # the o-projection and the head at least

@@ -359,3 +359,47 @@ def test_dequant_gpu_bit_exact(builder, ref, shape):
     got = torch.from_numpy(out.numpy())
     assert torch.equal(got.isnan(), expect.isnan())
     assert torch.equal(got.nan_to_num(), expect.nan_to_num())
+
+
+# ---- dense_gemv -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("groups,n,k,x_dtype,w_dtype", [
+    (8, 64, 256, torch.bfloat16, torch.bfloat16),  # the grouped o-projection's form
+    (1, 100, 96, torch.float32, torch.float32),  # the head's form; a partial column tile
+    (1, 40, 8, torch.bfloat16, torch.float32),  # K below the lane count
+    (3, 7, 48, torch.float32, torch.bfloat16),
+])
+def test_dense_gemv_matches_fp32_matmul(groups, n, k, x_dtype, w_dtype):
+    """fp32 products of the stored values summed in fp32: equal to torch's fp32 einsum up to
+    the order of the additions (relative 1e-6 of the row's magnitude)."""
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    ex = tvm.compile(gemm.build_dense_gemv(CPU, groups=groups, n=n, k=k, x_dtype=name[x_dtype],
+                                           w_dtype=name[w_dtype]),
+                     target=get_target(CPU).tvm_target())
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(groups, n, k, generator=gen).to(w_dtype)
+    for m in (1, 3):
+        x = torch.randn(m, groups, k, generator=gen).to(x_dtype)
+        out = _run(ex, [x, w], (m, groups, n), torch.float32)
+        ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float())
+        scale = torch.einsum("mgk,gnk->mgn", x.float().abs(), w.float().abs())
+        assert bool(((out - ref).abs() <= 1e-6 * scale + 1e-30).all())
+
+
+def test_dense_gemv_refuses_other_dtypes_and_cuda():
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        gemm.make_dense_gemv(groups=1, n=8, k=8, x_dtype="float16", w_dtype="float32")
+    with pytest.raises(ValueError, match="no CUDA schedule"):
+        gemm.dense_gemv_config(get_target("cuda-sm90"), n=8, k=8)
+
+
+def test_grouped_einsum_pattern():
+    from dsv41.compiler.lower import _grouped_einsum
+
+    assert _grouped_einsum("bsgd,grd->bsgr")
+    assert _grouped_einsum("sgd, grd -> sgr")
+    assert not _grouped_einsum("bsgd,gdr->bsgr")  # weight not (g, r, d)
+    assert not _grouped_einsum("bsgd,grd->bsrg")  # output order
+    assert not _grouped_einsum("bsgd,gsd->bsgs")  # repeated letter
+    assert not _grouped_einsum("bsgd,grd,grd->bsgr")
