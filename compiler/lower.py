@@ -328,16 +328,37 @@ def _widened_source(arg, importer) -> relax.Expr:
     return src
 
 
-def _gemv_call(ctx: Lowering, importer, x3: relax.Expr, w3: relax.Expr) -> relax.Expr:
-    """dense_gemv on x (m, g, k) and w (g, n, k) -> fp32 (m, g, n)."""
+def _weight_2d(arg, w: relax.Expr, importer) -> relax.Expr:
+    """w as a 2-D [rows, k] tensor: for a `view` of a 2-D tensor (the grouped o-projection's
+    `wo_a.view(g, r, -1)`), the tensor before the view. A Relax reshape of a function parameter
+    is legalised into a full copy on every call; the kernel indexes the stored layout instead."""
+    import torch
+
+    rows = 1
+    for v in _shape(w)[:-1]:
+        rows *= _static(v)
+    if len(_shape(w)) == 2:
+        return w
+    if isinstance(arg, torch.fx.Node) and str(arg.target) in (
+            "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"):
+        src = importer.env.get(arg.args[0])
+        if src is not None and len(_shape(src)) == 2 and src.ty.dtype == w.ty.dtype and \
+                [_static(v) for v in _shape(src)] == [rows, _static(_shape(w)[-1])]:
+            return src
+    return importer.block_builder.emit(relax.op.reshape(w, [rows, _shape(w)[-1]]))
+
+
+def _gemv_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr) -> relax.Expr:
+    """dense_gemv on x (m, g, k) and w (g * n, k) -> fp32 (m, g, n)."""
     from dsv41.schedules import gemm
 
-    groups, n, k = (_static(v) for v in _shape(w3))
-    key = ("dense_gemv", groups, n, k, x3.ty.dtype, w3.ty.dtype)
+    groups, k = (_static(v) for v in _shape(x3)[1:])
+    n = _static(_shape(w2)[0]) // groups
+    key = ("dense_gemv", groups, n, k, x3.ty.dtype, w2.ty.dtype)
     gv = ctx.kernel(importer, key, lambda: gemm.build_dense_gemv(
-        ctx.target.name, groups=groups, n=n, k=k, x_dtype=x3.ty.dtype, w_dtype=w3.ty.dtype))
+        ctx.target.name, groups=groups, n=n, k=k, x_dtype=x3.ty.dtype, w_dtype=w2.ty.dtype))
     m = _shape(x3)[0]
-    return _call(importer, gv, [x3, w3], _tensor([m, groups, n], "float32"))
+    return _call(importer, gv, [x3, w2], _tensor([m, groups, n], "float32"))
 
 
 def _gemv_operands_ok(*xs: relax.Expr) -> bool:
@@ -358,8 +379,7 @@ def _linear(ctx: Lowering):
                 n, k = (_static(v) for v in _shape(ws))
                 x2, lead = _rows(importer, xs, 1)
                 x3 = bb.emit(relax.op.reshape(x2, [_shape(x2)[0], 1, k]))
-                w3 = bb.emit(relax.op.reshape(ws, [1, n, k]))
-                y = _gemv_call(ctx, importer, x3, w3)
+                y = _gemv_call(ctx, importer, x3, ws)
                 y = bb.emit(relax.op.reshape(y, [*lead, n]))
                 return _cast(importer, y, dtype)
         y = bb.emit(relax.op.linear(_in_fp32(importer, x), _in_fp32(importer, w), bias,
@@ -391,7 +411,8 @@ def _einsum(ctx: Lowering):
             xs, ws = (_widened_source(a, importer) for a in node.args[1])
             if _gemv_operands_ok(xs, ws):
                 x3, lead = _rows(importer, xs, 2)
-                y = _unrows(importer, _gemv_call(ctx, importer, x3, ws), lead)
+                w2 = _weight_2d(node.args[1][1], ws, importer)
+                y = _unrows(importer, _gemv_call(ctx, importer, x3, w2), lead)
                 return _cast(importer, y, dtype)
         y = importer.block_builder.emit(relax.op.einsum([_in_fp32(importer, o) for o in ops],
                                                         eq))

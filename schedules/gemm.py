@@ -530,11 +530,12 @@ def _load_f32(buf, *idx):
 
 def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
                     ) -> tvm.tirx.PrimFunc:
-    """y[i, g, c] = sum_j fp32(x[i, g, j]) * fp32(w[g, c, j]), y fp32: the decode form of the
+    """y[i, g, c] = sum_j fp32(x[i, g, j]) * fp32(w[g * n + c, j]), y fp32: the decode form of the
     plain linears (groups=1: the head, the compressor, the gate) and of the grouped o-projection
     einsum `bsgd,grd->bsgr`. x and w are read in their stored dtype (bf16 or fp32) and widened in
-    registers: the weight is never copied (transposed or cast) as a whole, which the generic
-    lowering did on every call. Symbolic rows i; the caller rounds y to bf16 where torch does.
+    registers; w is the checkpoint's 2-D [groups * n, k] tensor as stored. The weight is never
+    copied (transposed, cast or reshaped) as a whole, which the generic lowering did on every
+    call. Symbolic rows i; the caller rounds y to bf16 where torch does.
 
     Products of two bf16/fp32 values are rounded once in fp32 as in torch; the sum over K runs in
     `vec` lanes and a final horizontal add (torch's order is its own), so results agree with the
@@ -545,7 +546,7 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
     G, N, K = _i64(groups), _i64(n), _i64(k)
 
     @T.prim_func(s_tir=True)
-    def dense_gemv(x_h: T.handle, w: T.Buffer((G, N, K), w_dtype), y_h: T.handle):
+    def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), w_dtype), y_h: T.handle):
         T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(x_h, (m, G, K), x_dtype)
@@ -555,7 +556,8 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
                 vi, vg, vc, vj = T.axis.remap("SSSR", [i, g, c, j])
                 with T.init():
                     y[vi, vg, vc] = T.float32(0)
-                y[vi, vg, vc] = y[vi, vg, vc] + _load_f32(x, vi, vg, vj) * _load_f32(w, vg, vc, vj)
+                y[vi, vg, vc] = y[vi, vg, vc] + _load_f32(x, vi, vg, vj) * _load_f32(
+                    w, vg * N + vc, vj)
 
     return dense_gemv
 

@@ -381,7 +381,7 @@ def test_dense_gemv_matches_fp32_matmul(groups, n, k, x_dtype, w_dtype):
     w = torch.randn(groups, n, k, generator=gen).to(w_dtype)
     for m in (1, 3):
         x = torch.randn(m, groups, k, generator=gen).to(x_dtype)
-        out = _run(ex, [x, w], (m, groups, n), torch.float32)
+        out = _run(ex, [x, w.reshape(groups * n, k)], (m, groups, n), torch.float32)
         ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float())
         scale = torch.einsum("mgk,gnk->mgn", x.float().abs(), w.float().abs())
         assert bool(((out - ref).abs() <= 1e-6 * scale + 1e-30).all())
