@@ -334,11 +334,11 @@ def _weight_2d(arg, w: relax.Expr, importer) -> relax.Expr:
     is legalised into a full copy on every call; the kernel indexes the stored layout instead."""
     import torch
 
+    if len(_shape(w)) == 2:
+        return w
     rows = 1
     for v in _shape(w)[:-1]:
         rows *= _static(v)
-    if len(_shape(w)) == 2:
-        return w
     if isinstance(arg, torch.fx.Node) and str(arg.target) in (
             "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"):
         src = importer.env.get(arg.args[0])

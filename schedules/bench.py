@@ -20,8 +20,8 @@ and FLOPs (formulas in `FORMULAS` and in the `*_traffic` functions). The TIR ker
 fp32, so fp32 GEMM is the compute roof they are held to; the one exception is the indexer sweep
 on CPUs with AVX-512 VNNI, whose q.k dot runs on exact int8 products (4 per lane per
 instruction) and can therefore beat the fp32 roof (ratio < 1: the FLOPs are counted the same
-way, the roof is not moved to fit). Every side runs on the same cores:
-torch's threads, and TVM's pool sized to match (`use_tvm_threads`; TVM's own default is half the
+way, the roof is not moved to fit). Every side runs on the same cores: torch's threads, and
+TVM's pool sized to match (`runtime.threads.default_tvm_pool`; TVM's own default is half the
 hardware threads, which on this 2-vCPU VM put the kernels on 1 core against a 2-core roof).
 
 Timing: up to `repeat` samples after a warm-up, each sample a loop long enough (>= ~10 ms) to
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from dsv41.runtime.threads import size_tvm_pool, tvm_num_threads
+from dsv41.runtime.threads import default_tvm_pool, tvm_num_threads
 
 SCHEMA = "dsv41.bench.kernels/1"
 FAMILIES = ("attend", "indexer", "fp8", "moe")
@@ -111,7 +111,7 @@ class Machine:
     cpu: str
     cores: int
     torch_threads: int
-    tvm_threads: int  # threads of TVM's pool while timing (`use_tvm_threads`)
+    tvm_threads: int  # threads of TVM's pool while timing (`default_tvm_pool`)
     copy_gbs: float
     triad_gbs: float
     bandwidth_gbs: float
@@ -179,15 +179,6 @@ def _cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
         if m:
             ghz, source = float(m.group(1)) / 1000, "/proc/cpuinfo cpu MHz"
     return model, flags, ghz, source
-
-
-def use_tvm_threads(n: int | None = None) -> int:
-    """Size TVM's thread pool to n threads (default: torch's thread count, i.e. the cores the
-    GEMM peak, eager and torch.compile are measured on); returns the pool size. An explicit
-    TVM_NUM_THREADS is left as set."""
-    if "TVM_NUM_THREADS" in os.environ:
-        return tvm_num_threads()
-    return size_tvm_pool(n or torch.get_num_threads())
 
 
 def measure_machine(*, quick: bool = False) -> Machine:
@@ -640,7 +631,7 @@ def run_benchmark(preset_name: str = "bench", target_name: str = "cpu",
         raise ValueError(f"budget must be positive; got {budget_s}.")
     chosen = select_cases(default_cases(preset_name, quick=quick), cases)
     t_start = time.perf_counter()
-    use_tvm_threads()
+    default_tvm_pool()  # the same pool the runtime sizes on artifact load
     machine = measure_machine(quick=quick)
     rows = []
     bar = tqdm(chosen, desc="bench kernels", unit="case", disable=not progress,
