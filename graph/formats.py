@@ -444,6 +444,18 @@ def np_dequant_fp4_weight(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
+def _all_codes() -> torch.Tensor:
+    """Every byte, uint8 (256,): the decoders' tables are their arithmetic on these."""
+    return torch.arange(256, dtype=torch.uint8)
+
+
+def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """table[codes] for uint8 codes: the decoders evaluate their bit arithmetic once on all 256
+    bytes and gather, one pass over the codes instead of about ten (same values, bit for bit)."""
+    flat = codes.reshape(-1).to(torch.int32)
+    return table.index_select(0, flat).reshape(codes.shape)
+
+
 def _torch_decode_minifloat(codes: torch.Tensor, layout) -> torch.Tensor:
     """Torch twin of ``_np_decode_minifloat``."""
     exp_bits, man_bits, bias, _ = layout
@@ -484,7 +496,7 @@ def _torch_check_uint8(t: torch.Tensor, what: str) -> None:
 def torch_e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """Torch twin of ``np_e2m1_decode``."""
     _torch_check_uint8(codes, "E2M1 codes")
-    return _torch_decode_minifloat(codes & 0xF, _E2M1)
+    return _lookup(_torch_decode_minifloat(_all_codes() & 0xF, _E2M1), codes)
 
 
 def torch_e2m1_encode(x: torch.Tensor) -> torch.Tensor:
@@ -509,8 +521,9 @@ def torch_unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 def torch_e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
     """Torch twin of ``np_e4m3_decode``."""
     _torch_check_uint8(codes, "E4M3 codes")
-    values = _torch_decode_minifloat(codes, _E4M3)
-    return torch.where((codes & 0x7F) == 0x7F, torch.full_like(values, math.nan), values)
+    values = _torch_decode_minifloat(_all_codes(), _E4M3)
+    table = torch.where((_all_codes() & 0x7F) == 0x7F, torch.full_like(values, math.nan), values)
+    return _lookup(table, codes)
 
 
 def torch_e4m3_encode(x: torch.Tensor) -> torch.Tensor:
@@ -521,10 +534,10 @@ def torch_e4m3_encode(x: torch.Tensor) -> torch.Tensor:
 def torch_e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
     """Torch twin of ``np_e8m0_decode``."""
     _torch_check_uint8(codes, "E8M0 codes")
-    e = codes.to(torch.int32)
+    e = _all_codes().to(torch.int32)
     bits = torch.where(e == 0, torch.full_like(e, _F32_2POW_M127_BITS), e << 23)
     bits = torch.where(e == 0xFF, torch.full_like(e, _F32_NAN_BITS), bits)
-    return bits.view(torch.float32)
+    return _lookup(bits.view(torch.float32), codes)
 
 
 def torch_round_scale_pow2(amax: torch.Tensor, max_inv: float) -> torch.Tensor:
