@@ -207,26 +207,41 @@ def cmd_run(ns) -> int:
 def cmd_ledger(ns) -> int:
     from tqdm import tqdm
 
+    from dsv41.compiler.bench import parse_tokens, synthetic_cache
     from dsv41.graph.bill import parse_contexts
-    from dsv41.graph.ledger import SWITCHES, LedgerOptions, format_ledger, ledger_json, run_ledger
+    from dsv41.graph.ledger import (
+        SWITCHES,
+        LedgerOptions,
+        format_ledger,
+        ledger_json,
+        long_switches,
+        run_ledger,
+    )
     from dsv41.graph.model import Model
 
     _print_args("ledger", ns)
     switches = tuple(s.strip() for s in ns.switches.split(",")) if ns.switches else \
         tuple(SWITCHES)
-    opts = LedgerOptions(contexts=parse_contexts(ns.contexts), decode=ns.decode,
-                         switches=switches, suffix=ns.suffix, seed=ns.seed)
+    opts = LedgerOptions(
+        contexts=parse_contexts(ns.contexts) if ns.contexts.strip() else (), decode=ns.decode,
+        switches=switches, suffix=ns.suffix, seed=ns.seed,
+        long_contexts=parse_tokens(ns.long_contexts) if ns.long_contexts else ())
     ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
     t0 = time.time()
     model = Model.from_checkpoint(ckpt)
     print(f"checkpoint: {ckpt}")
-    bar = tqdm(total=len(opts.contexts) * len(opts.switches), desc="ledger", unit="cmp")
+    total = len(opts.contexts) * len(opts.switches) + \
+        len(opts.long_contexts) * len(long_switches(opts))
+    bar = tqdm(total=total, desc="ledger", unit="cmp")
 
     def progress(rec) -> None:
         bar.update(1)
-        bar.set_postfix_str(f"{rec.switch} @ {rec.context}: KL {rec.kl_mean:.3g}")
+        bar.set_postfix_str(f"{rec.switch} @ {rec.context} ({rec.source}): KL {rec.kl_mean:.3g}")
 
-    ledger = run_ledger(model, opts, progress=progress)
+    def cache_at(n: int):
+        return synthetic_cache(model, n, seed=ns.seed)
+
+    ledger = run_ledger(model, opts, progress=progress, cache_at=cache_at)
     bar.close()
     print(format_ledger(ledger))
     if ns.json:
@@ -397,7 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--preset", default="small", help="seeded checkpoint of this preset")
     sp.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
     sp.add_argument("--seed", type=int, default=0, help="seeded checkpoint and prompt ids")
-    sp.add_argument("--contexts", default="64,256,900", help="prompt lengths, e.g. 64,256,900")
+    sp.add_argument("--contexts", default="64,256,900",
+                    help="prompt lengths, e.g. 64,256,900 ('' for none)")
+    sp.add_argument("--long-contexts", default="",
+                    help="candidate_pool and shared_selection also over the bench's synthetic "
+                         "cache of these many positions, decode steps scored (e.g. 32K,64K; "
+                         "K = 1024)")
     sp.add_argument("--decode", type=int, default=8, help="teacher-forced steps scored after it")
     sp.add_argument("--suffix", type=int, default=32, help="replay: new tokens after the prefix")
     sp.add_argument("--switches", default="",

@@ -13,6 +13,13 @@ Per comparison: KL(exact || approx) of the next-token distributions (mean and ma
 scored positions), top-1 agreement, and the relative L2 distance of the logits (median, max).
 For the two selection switches, also the overlap of the selections the affected layers used.
 
+The two selection switches only differ from exact mode once a layer sees more entries than it
+keeps (top-k 512; the candidate pool holds 2048 blocks of 8 = 16K entries at the released
+sizes), i.e. at contexts an eager exact-mode prefill cannot reach on a CPU. For those,
+`long_contexts` compares them over a given cache of N positions (`cache_at(N)`; `dsv41 ledger`
+passes the bench's synthetic cache: format-valid entries of random values): both sides decode the
+same seeded tokens from copies of that cache, and the scored positions are the decode steps only.
+
 Not a switch: the 34 layers reading main KV they did not compute. Those layers have no
 compressor weights of their own, so there is no exact counterpart to compare with.
 """
@@ -63,6 +70,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "sweep after a Full layer, candidate pool after a Reindex layer)"),
 )}
 
+# The switches that act at decode time, so they can be measured over a cache not built from a
+# prompt (`LedgerOptions.long_contexts`).
+LONG_SWITCHES = ("candidate_pool", "shared_selection")
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -95,6 +106,7 @@ class LedgerRecord:
     sel_overlap: float | None  # selection switches: mean |exact & approx| / |exact| (else None)
     seconds: float  # compute of both sides; a side shared with another comparison (the
     # released exact-mode run) counts in each, so this is the cost of running it alone
+    source: str = "prompt"  # "prompt": prefilled from seeded ids; "cache": a given cache
 
 
 @dataclass(frozen=True)
@@ -104,12 +116,21 @@ class LedgerOptions:
     switches: tuple[str, ...] = tuple(SWITCHES)
     suffix: int = 32  # replay: new tokens after the cached prefix (context = prefix + suffix)
     seed: int = 0  # the prompt's ids
+    long_contexts: tuple[int, ...] = ()  # selection switches over a given cache of N positions
 
     def __post_init__(self) -> None:
         bad = [s for s in self.switches if s not in SWITCHES]
         if bad or not self.switches:
             raise ValueError(f"Unknown or no switches {bad}; choose from {', '.join(SWITCHES)}.")
-        if not self.contexts or min(self.contexts) < 2:
+        if self.long_contexts and (self.decode < 1 or min(self.long_contexts) < 1):
+            raise ValueError(f"Long contexts need >= 1 decode step and positive lengths, got "
+                             f"decode {self.decode}, long contexts {list(self.long_contexts)}.")
+        if self.long_contexts and not any(s in LONG_SWITCHES for s in self.switches):
+            raise ValueError(f"Long contexts measure only {', '.join(LONG_SWITCHES)}; none of "
+                             f"them is among the switches {list(self.switches)}.")
+        if not self.contexts and not self.long_contexts:
+            raise ValueError("Give at least one context or long context.")
+        if self.contexts and min(self.contexts) < 2:
             raise ValueError(f"Contexts must be at least 2 tokens (a replay needs a prefix and "
                              f"a suffix), got {list(self.contexts)}.")
         if self.decode < 0:
@@ -151,11 +172,11 @@ def selection_overlap(exact: torch.Tensor, approx: torch.Tensor) -> float:
 
 
 def make_record(switch: str, context: int, exact: Trace, approx: Trace,
-                sel_overlap: float | None = None) -> LedgerRecord:
+                sel_overlap: float | None = None, source: str = "prompt") -> LedgerRecord:
     g = compare_logits(exact.logits, approx.logits)
     return LedgerRecord(switch, context, len(g.kl), float(g.kl.mean()), float(g.kl.max()),
                         float(g.top1.mean()), float(np.median(g.rel_l2)), float(g.rel_l2.max()),
-                        sel_overlap, exact.seconds + approx.seconds)
+                        sel_overlap, exact.seconds + approx.seconds, source)
 
 
 # ---- the two sides -------------------------------------------------------------------------------
@@ -182,9 +203,11 @@ def _rows(res, out_logits: list, out_sel: dict) -> None:
 
 
 def _decode(model: Model, cache: ModelCache, forced: torch.Tensor, first, t0: float) -> Trace:
-    """`first` is the prompt phase's result; then one decode step per forced token."""
+    """`first` is the prompt phase's result (None: nothing before the decode steps is scored);
+    then one decode step per forced token."""
     logits, sel = [], {}
-    _rows(first, logits, sel)
+    if first is not None:
+        _rows(first, logits, sel)
     for i in range(forced.size(1)):
         _rows(decode_step(model, cache, forced[:, i : i + 1]), logits, sel)
     return Trace(torch.stack(logits), {k: torch.stack(v) for k, v in sel.items()},
@@ -200,6 +223,12 @@ def run_trace(model: Model, tokens: np.ndarray, context: int, decode: int, *,
     cache = _cache(model, context + decode, kv_dtype)
     run = {"exact": prefill_exact, "ced": ced_prefill}[phase]
     return _decode(model, cache, toks[:, context:], run(model, cache, toks[:, :context]), t0)
+
+
+def run_cache_trace(model: Model, cache: ModelCache, forced: torch.Tensor) -> Trace:
+    """forced (1, d) tokens decoded one step at a time from a copy of `cache` (left intact)."""
+    t0 = time.perf_counter()
+    return _decode(model, select_sequences(cache, [0]), forced, None, t0)
 
 
 def run_replay_pair(model: Model, tokens: np.ndarray, context: int, decode: int,
@@ -245,17 +274,26 @@ def _overlap(model: Model, exact: Trace, approx: Trace, role: str) -> float:
 
 def check_fits(model: Model, opts: LedgerOptions) -> None:
     top = model.args.max_seq_len
-    if max(opts.contexts) + opts.decode > top:
-        raise ValueError(f"Context {max(opts.contexts)} plus {opts.decode} decode steps exceeds "
-                         f"the model's max_seq_len of {top} tokens.")
+    longest = max((*opts.contexts, *opts.long_contexts))
+    if longest + opts.decode > top:
+        raise ValueError(f"Context {longest} plus {opts.decode} decode steps exceeds the "
+                         f"model's max_seq_len of {top} tokens.")
 
 
-def run_ledger(model: Model, opts: LedgerOptions, progress=None) -> Ledger:
+def long_switches(opts: LedgerOptions) -> tuple[str, ...]:
+    """The requested switches that `long_contexts` measures."""
+    return tuple(s for s in opts.switches if s in LONG_SWITCHES)
+
+
+def run_ledger(model: Model, opts: LedgerOptions, progress=None, cache_at=None) -> Ledger:
     """Every requested switch at every context length. The released exact-mode trace (exact side
     of `ced`, approximate side of the other three model switches) is run once per context.
-    `progress(record)` is called after each comparison."""
+    Then the selection switches at each long context, over `cache_at(n)` (a batch-1 cache of n
+    processed positions). `progress(record)` is called after each comparison."""
     check_fits(model, opts)
-    tokens = prompt_tokens(model, max(opts.contexts) + opts.decode, opts.seed)
+    if opts.long_contexts and cache_at is None:
+        raise ValueError("Long contexts need a cache factory (cache_at).")
+    tokens = prompt_tokens(model, max(opts.contexts, default=0) + opts.decode, opts.seed)
     ledger = Ledger(opts)
     for n in opts.contexts:
         base = None
@@ -268,6 +306,14 @@ def run_ledger(model: Model, opts: LedgerOptions, progress=None) -> Ledger:
 
         for name in opts.switches:
             ledger.records.append(measure(model, name, tokens, n, opts, released))
+            if progress is not None:
+                progress(ledger.records[-1])
+    for n in opts.long_contexts:
+        cache = cache_at(n)
+        forced = torch.from_numpy(prompt_tokens(model, opts.decode, opts.seed))[None]
+        base_trace = run_cache_trace(model, cache, forced)
+        for name in long_switches(opts):
+            ledger.records.append(measure_on_cache(model, name, cache, n, forced, base_trace))
             if progress is not None:
                 progress(ledger.records[-1])
     return ledger
@@ -295,24 +341,41 @@ def measure(model: Model, name: str, tokens: np.ndarray, n: int, opts: LedgerOpt
     raise ValueError(f"Unknown switch {name!r}; choose from {', '.join(SWITCHES)}.")
 
 
+def measure_on_cache(model: Model, name: str, cache: ModelCache, n: int, forced: torch.Tensor,
+                     released: Trace | None = None) -> LedgerRecord:
+    """One selection switch over copies of `cache` (n processed positions); `released` may be
+    the released model's trace over the same cache and tokens."""
+    if name not in LONG_SWITCHES:
+        raise ValueError(f"Switch {name!r} needs a prompt; over a given cache only "
+                         f"{', '.join(LONG_SWITCHES)} can be measured.")
+    flag, role = {"candidate_pool": ("full_reindex", REINDEX),
+                  "shared_selection": ("per_layer_selection", REUSE)}[name]
+    exact = run_cache_trace(dataclasses.replace(model, **{flag: True}), cache, forced)
+    approx = released if released is not None else run_cache_trace(model, cache, forced)
+    return make_record(name, n, exact, approx, _overlap(model, exact, approx, role), "cache")
+
+
 # ---- output --------------------------------------------------------------------------------------
 
 
 def format_ledger(ledger: Ledger) -> str:
     o = ledger.options
-    head = (f"{'switch':<17} {'context':>7} {'pos':>4} {'KL mean':>10} {'KL max':>10} "
-            f"{'top-1':>6} {'relL2 med':>10} {'relL2 max':>10} {'sel ovl':>8} {'time':>7}")
+    head = (f"{'switch':<17} {'source':<6} {'context':>7} {'pos':>4} {'KL mean':>10} "
+            f"{'KL max':>10} {'top-1':>6} {'relL2 med':>10} {'relL2 max':>10} {'sel ovl':>8} "
+            f"{'time':>7}")
     rows = [head, "-" * len(head)]
     for r in ledger.records:
         ovl = "-" if r.sel_overlap is None else f"{r.sel_overlap:.3f}"
-        rows.append(f"{r.switch:<17} {r.context:>7} {r.positions:>4} {r.kl_mean:>10.3g} "
-                    f"{r.kl_max:>10.3g} {r.top1:>6.3f} {r.rel_l2_median:>10.3g} "
-                    f"{r.rel_l2_max:>10.3g} {ovl:>8} {r.seconds:>6.1f}s")
+        rows.append(f"{r.switch:<17} {r.source:<6} {r.context:>7} {r.positions:>4} "
+                    f"{r.kl_mean:>10.3g} {r.kl_max:>10.3g} {r.top1:>6.3f} "
+                    f"{r.rel_l2_median:>10.3g} {r.rel_l2_max:>10.3g} {ovl:>8} {r.seconds:>6.1f}s")
     rows.append("")
     rows.append(f"KL(exact || approx) in nats over the prompt's last position + {o.decode} "
                 f"teacher-forced decode steps; replay suffix {o.suffix} tokens; prompt seed "
-                f"{o.seed}.\nsel ovl: mean |exact & approx| / |exact| of the selections the "
-                "affected layers used; time: both sides, as if run alone.")
+                f"{o.seed}.\nsource cache: a given cache of `context` positions (synthetic "
+                f"entries), scored over the {o.decode} decode steps only.\nsel ovl: mean "
+                "|exact & approx| / |exact| of the selections the affected layers used; time: "
+                "both sides, as if run alone.")
     return "\n".join(rows)
 
 

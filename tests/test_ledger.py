@@ -23,6 +23,8 @@ from dsv41.graph.ledger import (
     format_ledger,
     ledger_json,
     make_record,
+    measure_on_cache,
+    run_cache_trace,
     run_ledger,
     run_trace,
 )
@@ -179,6 +181,78 @@ def test_ledger_cli_end_to_end(tmp_path, capsys, small_case):
     rc = main(["ledger", "--checkpoint", str(small_case.checkpoint), "--contexts", "8",
                "--switches", "fp8_kv"])
     assert rc == 2 and "Unknown or no switches" in capsys.readouterr().err
+
+
+def _prefilled(model, tokens, n):
+    c = new_cache(model.plan, 1, 64, engram_pad=model.engram.pad_id)
+    prefill_exact(model, c, torch.from_numpy(tokens[:n])[None])
+    return c
+
+
+def test_cache_trace_is_the_decode_part_of_a_prompt_trace(small_case, small_model):
+    """Over the cache a prompt left, the decode steps give the prompt trace's decode rows, bit
+    for bit, and the given cache is not touched."""
+    m, tokens = small_model, small_case.tokens
+    full = run_trace(m, tokens, 20, 2)
+    cache = _prefilled(m, tokens, 20)
+    before = (cache.pos.clone(), {k: st.kv_codes.clone() for k, st in cache.stores.items()})
+    forced = torch.from_numpy(tokens[20:22])[None]
+    part = run_cache_trace(m, cache, forced)
+    assert torch.equal(part.logits, full.logits[1:])
+    assert part.selections.keys() == full.selections.keys()
+    for k, sel in part.selections.items():
+        assert torch.equal(sel, full.selections[k][1:])
+    assert torch.equal(cache.pos, before[0])
+    for k, st in cache.stores.items():
+        assert torch.equal(st.kv_codes, before[1][k])
+
+
+def test_selection_switches_over_a_given_cache(small_case, small_model):
+    """Within the pool and the top-k (6 positions + 2 steps) the switches cost exactly nothing; past
+    them (20) both change the selections and the logits."""
+    m, tokens = small_model, small_case.tokens
+    for n, trivial in ((6, True), (20, False)):
+        cache = _prefilled(m, tokens, n)
+        forced = torch.from_numpy(tokens[n : n + 2])[None]
+        for name in ("candidate_pool", "shared_selection"):
+            r = measure_on_cache(m, name, cache, n, forced)
+            assert r.source == "cache" and r.positions == 2 and r.context == n
+            if trivial:
+                assert r.kl_max == 0.0 and r.sel_overlap == 1.0, name
+            else:
+                assert r.kl_mean > 0 and r.sel_overlap < 1, name
+    with pytest.raises(ValueError, match="needs a prompt"):
+        measure_on_cache(m, "ced", cache, 20, forced)
+
+
+def test_long_context_options_and_runs(small_case, small_model):
+    m = small_model
+    with pytest.raises(ValueError, match="decode step"):
+        LedgerOptions(contexts=(), long_contexts=(20,), decode=0)
+    with pytest.raises(ValueError, match="none of"):
+        LedgerOptions(long_contexts=(20,), switches=("ced",))
+    with pytest.raises(ValueError, match="at least one"):
+        LedgerOptions(contexts=())
+    opts = LedgerOptions(contexts=(), long_contexts=(20,), decode=1)
+    with pytest.raises(ValueError, match="cache factory"):
+        run_ledger(m, opts)
+    ledger = run_ledger(m, opts, cache_at=lambda n: _prefilled(m, small_case.tokens, n))
+    assert [(r.switch, r.source, r.context) for r in ledger.records] == [
+        ("candidate_pool", "cache", 20), ("shared_selection", "cache", 20)]
+    assert "cache" in format_ledger(ledger)
+
+
+def test_ledger_cli_long_contexts(tmp_path, capsys, small_case):
+    """`--long-contexts` runs the selection switches over the bench's synthetic cache."""
+    out = tmp_path / "ledger.json"
+    rc = main(["ledger", "--checkpoint", str(small_case.checkpoint), "--contexts", "",
+               "--long-contexts", "48", "--decode", "1", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["options"]["long_contexts"] == [48] and data["options"]["contexts"] == []
+    assert [(r["switch"], r["source"]) for r in data["records"]] == [
+        ("candidate_pool", "cache"), ("shared_selection", "cache")]
+    assert all(r["positions"] == 1 for r in data["records"])
 
 
 @pytest.mark.slow
