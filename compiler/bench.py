@@ -665,6 +665,20 @@ def resolve_inputs(opts: BenchOptions, say=print) -> tuple[Path, Path | None]:
     return ckpt, ensure_artifact(ckpt, opts.preset, opts.target, entries, opts.out)
 
 
+def check_contexts(model, contexts: tuple[int, ...]) -> None:
+    """Refuse, before anything is measured, a decode context the model cannot decode from: the
+    token at position N needs N + 1 <= max_seq_len, and the synthetic cache needs N to be a
+    multiple of every compression ratio."""
+    top = max([1, *(p.ratio for p in model.plan.kv_sources)])
+    limit = model.args.max_seq_len
+    longest = (limit - 1) // top * top
+    for n in contexts:
+        if n % top or n > longest:
+            raise ValueError(f"Cannot decode from a context of {n} positions: it must be a "
+                             f"multiple of {top} and at most {longest} (max_seq_len {limit} "
+                             f"leaves room for the decoded token), e.g. 1023K.")
+
+
 def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchReport:
     from tqdm import tqdm
 
@@ -683,6 +697,7 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
     say(f"machine: bandwidth {machine['bandwidth_gbs']:.1f} GB/s, fp32 GEMM "
         f"{machine['gemm_gflops']:.1f} GFLOP/s, load {load0[0]:.2f}")
     model = Model.from_checkpoint(ckpt)
+    check_contexts(model, opts.contexts)
     report = BenchReport(opts, machine, threads, None if art_dir is None else str(art_dir),
                          str(ckpt), load_avg={"start": load0})
     whash = weights_fingerprint(ckpt)

@@ -206,3 +206,15 @@ def test_cli_dispatch(capsys):
         cli_main(["bench", "--impls"])  # the e2e parser owns the options
     with pytest.raises(ValueError, match="Unknown implementations"):
         B.BenchOptions(impls=("tvm",)).validate()
+
+
+def test_check_contexts_refuses_undecodable_contexts_before_measuring(small_model):
+    """A context of max_seq_len positions leaves no room for the decoded token (a sweep once ran
+    to its last cell and died on this); an odd one has no synthetic cache."""
+    top = max(p.ratio for p in small_model.plan.kv_sources)
+    limit = small_model.args.max_seq_len
+    longest = (limit - 1) // top * top
+    B.check_contexts(small_model, (top, longest))
+    for bad in (limit, longest + top, top + 1):
+        with pytest.raises(ValueError, match="Cannot decode from a context"):
+            B.check_contexts(small_model, (top, bad))
