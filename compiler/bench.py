@@ -299,10 +299,7 @@ def synthetic_cache(model, context: int, *, seed: int = 0, margin: int = 64):
     from dsv41.runtime.state import index_owner_at
 
     plan, a = model.plan, model.args
-    top = max([1, *(p.ratio for p in plan.kv_sources)])
-    if context <= 0 or context % top:
-        raise ValueError(f"A synthetic cache's context must be a positive multiple of {top} "
-                         f"(the largest compression ratio), got {context}.")
+    check_contexts(model, (context,))
     pad = model.engram.pad_id if model.engram is not None else None
     cache = new_cache(plan, 1, context + margin, engram_pad=pad)
     gen = torch.Generator().manual_seed(seed)
@@ -668,15 +665,15 @@ def resolve_inputs(opts: BenchOptions, say=print) -> tuple[Path, Path | None]:
 def check_contexts(model, contexts: tuple[int, ...]) -> None:
     """Refuse, before anything is measured, a decode context the model cannot decode from: the
     token at position N needs N + 1 <= max_seq_len, and the synthetic cache needs N to be a
-    multiple of every compression ratio."""
+    positive multiple of every compression ratio."""
     top = max([1, *(p.ratio for p in model.plan.kv_sources)])
     limit = model.args.max_seq_len
     longest = (limit - 1) // top * top
     for n in contexts:
-        if n % top or n > longest:
+        if n <= 0 or n % top or n > longest:
             raise ValueError(f"Cannot decode from a context of {n} positions: it must be a "
-                             f"multiple of {top} and at most {longest} (max_seq_len {limit} "
-                             f"leaves room for the decoded token), e.g. 1023K.")
+                             f"positive multiple of {top} and at most {longest} (max_seq_len "
+                             f"{limit} leaves room for the decoded token), e.g. 1023K.")
 
 
 def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchReport:

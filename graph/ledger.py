@@ -72,7 +72,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
 
 # The switches that act at decode time, so they can be measured over a cache not built from a
 # prompt (`LedgerOptions.long_contexts`).
-LONG_SWITCHES = ("candidate_pool", "shared_selection")
+# Each selection switch's exact-mode model flag and the role of the layers it affects.
+_SELECTION_SWITCHES = {"candidate_pool": ("full_reindex", REINDEX),
+                       "shared_selection": ("per_layer_selection", REUSE)}
+LONG_SWITCHES = tuple(_SELECTION_SWITCHES)
 
 
 @dataclass(frozen=True)
@@ -308,9 +311,9 @@ def run_ledger(model: Model, opts: LedgerOptions, progress=None, cache_at=None) 
             ledger.records.append(measure(model, name, tokens, n, opts, released))
             if progress is not None:
                 progress(ledger.records[-1])
+    forced = torch.from_numpy(prompt_tokens(model, opts.decode, opts.seed))[None]
     for n in opts.long_contexts:
         cache = cache_at(n)
-        forced = torch.from_numpy(prompt_tokens(model, opts.decode, opts.seed))[None]
         base_trace = run_cache_trace(model, cache, forced)
         for name in long_switches(opts):
             ledger.records.append(measure_on_cache(model, name, cache, n, forced, base_trace))
@@ -330,14 +333,11 @@ def measure(model: Model, name: str, tokens: np.ndarray, n: int, opts: LedgerOpt
         return make_record(name, n, *run_replay_pair(model, tokens, n, d, min(opts.suffix, n - 1)))
     if name == "fp4_kv":
         return make_record(name, n, run_trace(model, tokens, n, d, kv_dtype="bf16"), released())
-    if name == "candidate_pool":
-        exact = run_trace(dataclasses.replace(model, full_reindex=True), tokens, n, d)
+    if name in _SELECTION_SWITCHES:
+        flag, role = _SELECTION_SWITCHES[name]
+        exact = run_trace(dataclasses.replace(model, **{flag: True}), tokens, n, d)
         approx = released()
-        return make_record(name, n, exact, approx, _overlap(model, exact, approx, REINDEX))
-    if name == "shared_selection":
-        exact = run_trace(dataclasses.replace(model, per_layer_selection=True), tokens, n, d)
-        approx = released()
-        return make_record(name, n, exact, approx, _overlap(model, exact, approx, REUSE))
+        return make_record(name, n, exact, approx, _overlap(model, exact, approx, role))
     raise ValueError(f"Unknown switch {name!r}; choose from {', '.join(SWITCHES)}.")
 
 
@@ -348,8 +348,7 @@ def measure_on_cache(model: Model, name: str, cache: ModelCache, n: int, forced:
     if name not in LONG_SWITCHES:
         raise ValueError(f"Switch {name!r} needs a prompt; over a given cache only "
                          f"{', '.join(LONG_SWITCHES)} can be measured.")
-    flag, role = {"candidate_pool": ("full_reindex", REINDEX),
-                  "shared_selection": ("per_layer_selection", REUSE)}[name]
+    flag, role = _SELECTION_SWITCHES[name]
     exact = run_cache_trace(dataclasses.replace(model, **{flag: True}), cache, forced)
     approx = released if released is not None else run_cache_trace(model, cache, forced)
     return make_record(name, n, exact, approx, _overlap(model, exact, approx, role), "cache")

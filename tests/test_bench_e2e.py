@@ -215,6 +215,6 @@ def test_check_contexts_refuses_undecodable_contexts_before_measuring(small_mode
     limit = small_model.args.max_seq_len
     longest = (limit - 1) // top * top
     B.check_contexts(small_model, (top, longest))
-    for bad in (limit, longest + top, top + 1):
+    for bad in (0, limit, longest + top, top + 1):
         with pytest.raises(ValueError, match="Cannot decode from a context"):
             B.check_contexts(small_model, (top, bad))
