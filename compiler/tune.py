@@ -700,8 +700,8 @@ def tune(opts: TuneOptions, progress: bool = True, say: Callable[[str], None] = 
     try:
         import xgboost  # noqa: F401 - MetaSchedule's cost model
     except ImportError as e:
-        raise ValueError("dsv41 tune needs xgboost (pip install -e '.[tune]'; xgboost-cpu "
-                         "is enough).") from e
+        raise ValueError("dsv41 tune needs xgboost, a dependency of dsv41: reinstall with "
+                         "`python -m pip install -e .` (xgboost-cpu is enough).") from e
     spec = get_target(opts.target)
     t_start = time.perf_counter()
     tasks, index = extract_tasks(opts, say, tasks)
