@@ -9,6 +9,7 @@ id of the token at p - s (the compressed pad id before the sequence start):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from .config import ModelArgs, engram_prime_buckets
+from .vocab import find_tokenizer_file
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,97 @@ def hash_multipliers(layer_ids: tuple[int, ...], max_ngram: int, compressed_voca
 
 def stub_token_map(vocab_size: int) -> np.ndarray:
     """The conformance stub tokenizer's map: ids 2k and 2k+1 spell `w{k}` and ` W{k}`, which
-    normalise alike, so compressed(t) = t // 2."""
+    normalise alike, so compressed(t) = t // 2. Used only for a vocabulary no tokenizer is
+    shipped for (the `bench` preset); `presets/small_tokenizer.json` derives to the same map."""
     return np.arange(vocab_size, dtype=np.int64) // 2
 
 
+@dataclass(frozen=True)
+class CompressedTokenMap:
+    """The Engram map derived from a tokenizer (see `derive_token_map`)."""
+
+    token_map: np.ndarray  # int64 [tokenizer ids]: token id -> compressed id
+    n_compressed: int  # distinct compressed ids; the released code asserts it equals the config's
+
+
+# The released rule (inference/engram.py, `build_compressed_token_map`), as HF `tokenizers`
+# normalizers: NFKC, NFD, strip combining marks, lower-case, runs of [ \t\r\n] to one space, a
+# lone space kept through the strip by a private-use sentinel, then the strip.
+_LONE_SPACE = "\ue000"
+
+
+def _engram_normalizer():
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(),
+        normalizers.Lowercase(), normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), _LONE_SPACE), normalizers.Strip(),
+        normalizers.Replace(_LONE_SPACE, " ")])
+
+
+def compress_token_texts(texts: Sequence[str], raw_tokens: Sequence[str]) -> CompressedTokenMap:
+    """The released map from each id's text decoded alone (`texts[i]`, special tokens included,
+    no clean-up of spaces) and its vocabulary entry (`raw_tokens[i]`). A text holding U+FFFD is a
+    partial UTF-8 byte token: it is keyed by its raw entry instead. Otherwise the key is the
+    normalised text, or the text itself when that normalises to nothing. Compressed ids are the
+    keys numbered 0, 1, 2, ... in order of first appearance over ascending token ids."""
+    if len(texts) != len(raw_tokens):
+        raise ValueError(f"compress_token_texts needs one raw token per text; got {len(texts)} "
+                         f"texts and {len(raw_tokens)} raw tokens.")
+    norm = _engram_normalizer()
+    numbering: dict[str, int] = {}
+    out = np.empty(len(texts), dtype=np.int64)
+    for i, (text, raw) in enumerate(zip(texts, raw_tokens, strict=True)):
+        if "\ufffd" in text:
+            key = raw
+        else:
+            key = norm.normalize_str(text) or text
+        out[i] = numbering.setdefault(key, len(numbering))
+    return CompressedTokenMap(out, len(numbering))
+
+
+def derive_token_map(tokenizer) -> CompressedTokenMap:
+    """The map of a HF `tokenizers.Tokenizer` (the raw Rust tokenizer the released code decodes
+    with), over every id including the added tokens."""
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    raw = [tokenizer.id_to_token(i) for i in range(n)]
+    if any(r is None for r in raw):
+        missing = next(i for i, r in enumerate(raw) if r is None)
+        raise ValueError(f"The tokenizer has no token for id {missing} below its size {n}: "
+                         "its ids must be contiguous for the Engram map.")
+    return compress_token_texts(texts, raw)
+
+
+def check_token_map(args: ModelArgs, cmap: CompressedTokenMap, source: str) -> np.ndarray:
+    """The model's int64 [vocab_size] map from a derived one, refusing a tokenizer that does not
+    fit: more ids than the vocabulary, or a compressed count other than the config's (every hash
+    multiplier is derived from it, so a mismatch would silently rehash every table). Model ids
+    past the tokenizer's (a padded vocabulary) map to the compressed pad."""
+    n = cmap.token_map.shape[0]
+    if n > args.vocab_size:
+        raise ValueError(f"The tokenizer from {source} has {n} ids, more than the model's "
+                         f"vocab_size {args.vocab_size}.")
+    if cmap.n_compressed != args.engram_compressed_vocab_size:
+        raise ValueError(
+            f"The tokenizer from {source} derives {cmap.n_compressed} Engram compressed ids, "
+            f"but the config's engram_compressed_vocab_size is "
+            f"{args.engram_compressed_vocab_size}: it is not this model's tokenizer.")
+    if args.engram_pad_id >= n:
+        raise ValueError(f"engram_pad_id {args.engram_pad_id} is not an id of the tokenizer from "
+                         f"{source} ({n} ids).")
+    tmap = np.full(args.vocab_size, cmap.token_map[args.engram_pad_id], dtype=np.int64)
+    tmap[:n] = cmap.token_map
+    return tmap
+
+
 def load_token_map(args: ModelArgs, checkpoint_dir: str | Path | None) -> np.ndarray:
-    """`engram_token_map.npy` from the checkpoint when present (the real tokenizer's map); else
-    the stub map, valid only when its size matches `engram_compressed_vocab_size`."""
+    """The model's compressed token map, first match wins: `engram_token_map.npy` in the
+    checkpoint; the map derived from the model's tokenizer (`vocab.find_tokenizer_file`: the
+    checkpoint's tokenizer.json, else the one shipped for its vocabulary), checked against the
+    config; else (no tokenizer for this vocabulary) the stub map, valid only when its size
+    matches `engram_compressed_vocab_size`."""
     if checkpoint_dir is not None:
         path = Path(checkpoint_dir) / "engram_token_map.npy"
         if path.exists():
@@ -61,12 +147,18 @@ def load_token_map(args: ModelArgs, checkpoint_dir: str | Path | None) -> np.nda
             if tmap.min() < 0 or tmap.max() >= args.engram_compressed_vocab_size:
                 raise ValueError(f"{path} maps outside 0..{args.engram_compressed_vocab_size - 1}.")
             return tmap
+    found = find_tokenizer_file(args, checkpoint_dir)
+    if found is not None:
+        from tokenizers import Tokenizer
+
+        return check_token_map(args, derive_token_map(Tokenizer.from_file(str(found.path))),
+                               str(found.path))
     tmap = stub_token_map(args.vocab_size)
     if int(tmap.max()) + 1 != args.engram_compressed_vocab_size:
         raise ValueError(
-            "Engram needs the tokenizer's compressed token map: put engram_token_map.npy "
-            f"(int64 [{args.vocab_size}]) in the checkpoint; the stub map t // 2 only fits "
-            f"engram_compressed_vocab_size = {int(tmap.max()) + 1}, not "
+            "Engram needs the tokenizer's compressed token map: put tokenizer.json (or "
+            f"engram_token_map.npy, int64 [{args.vocab_size}]) in the checkpoint; the stub map "
+            f"t // 2 only fits engram_compressed_vocab_size = {int(tmap.max()) + 1}, not "
             f"{args.engram_compressed_vocab_size}.")
     return tmap
 
