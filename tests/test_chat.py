@@ -159,3 +159,38 @@ def test_incremental_decoder_special_tokens_and_flush(deepseek):
 def test_incremental_decoder_on_the_stub(stub):
     dec = IncrementalDecoder(stub)
     assert [dec.feed(t) for t in (0, 6, 7, 510, 1)] == ["", "w3", " W3", "w255", ""]
+
+
+def test_v41_format():
+    from dsv41.runtime.chat import ChatFormat
+
+    msgs = messages_from_openai([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "system", "content": "Now answer."},
+    ])
+    d = "｜DSML｜"
+    assert render_chat(msgs, fmt=ChatFormat.V4_1) == (
+        f"{B}<｜System｜>Be brief.{U}hi{A}</think>"
+        f"\n\n<{d} calls>\n<{d} invoke name=\"f\">\n"
+        f"<{d} parameter name=\"x\" string=\"false\">1</{d} parameter>\n"
+        f"</{d} invoke>\n</{d} calls>{E}"
+        f"<｜System｜>Now answer.{A}</think>")  # a later system message is answered
+    # V4: no system marker, and a trailing system message is not a turn to answer
+    assert render_chat(msgs).endswith(f"{E}Now answer.")
+
+
+def test_format_follows_the_tokenizer(deepseek):
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from dsv41.runtime.chat import ChatFormat, chat_format_for
+
+    assert chat_format_for(deepseek) is ChatFormat.V4
+    backend = HFTokenizer.from_file(str(deepseek.file.path))
+    backend.add_special_tokens([AddedToken("<｜System｜>", special=True, normalized=False)])
+    v41 = Tokenizer(backend, deepseek.file, deepseek.special)
+    assert chat_format_for(v41) is ChatFormat.V4_1
+    assert encode_chat(v41, CONVO)[:2] == [0, 129280]
