@@ -128,19 +128,27 @@ class SampledToken:
     top: tuple[TokenLogprob, ...]  # the `params.logprobs` most likely, most likely first
 
 
+def _ids(ids, v: int, name: str) -> torch.Tensor:
+    t = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= v):
+        raise ValueError(f"The {name} ids must lie in 0..{v - 1}, the logits' vocabulary.")
+    return t
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
                     prompt: Sequence[int] = ()) -> torch.Tensor:
-    """Penalised float64 logits (see the module docstring); a new tensor."""
+    """Penalised float64 logits (see the module docstring); a new tensor. The ids are only read
+    by the penalties that are on (a long prompt costs nothing without a repetition penalty)."""
     out = logits.to(torch.float64).clone()
     v = out.shape[0]
-    if params.repetition_penalty != 1.0 and (len(generated) or len(prompt)):
+    if params.repetition_penalty != 1.0:
         seen = torch.zeros(v, dtype=torch.bool)
-        seen[torch.as_tensor(list(prompt) + list(generated), dtype=torch.long)] = True
+        seen[_ids(prompt, v, "prompt")] = True
+        seen[_ids(generated, v, "generated")] = True
         r = params.repetition_penalty
         out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
-    if (params.presence_penalty or params.frequency_penalty) and len(generated):
-        counts = torch.bincount(torch.as_tensor(list(generated), dtype=torch.long),
-                                minlength=v).to(torch.float64)
+    if params.presence_penalty or params.frequency_penalty:
+        counts = torch.bincount(_ids(generated, v, "generated"), minlength=v).to(torch.float64)
         out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     return out
 
@@ -181,9 +189,7 @@ class Sampler:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.numel() == 0:
             raise ValueError("Sampler.sample takes one row of logits, a non-empty 1-D tensor.")
         v = logits.shape[0]
-        for name, ids in (("generated", generated), ("prompt", prompt)):
-            if any(not 0 <= int(t) < v for t in ids):
-                raise ValueError(f"The {name} ids must lie in 0..{v - 1}, the logits' vocabulary.")
+        _ids(generated, v, "generated")  # O(output) per step, in torch
         raw = logits.detach().to("cpu", torch.float32)
         if not torch.isfinite(raw).any():
             raise ValueError("The logits have no finite value to sample from.")

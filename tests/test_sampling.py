@@ -155,6 +155,8 @@ def test_bad_logits_and_ids():
         s.sample(torch.zeros(2, 4))
     with pytest.raises(ValueError, match="generated ids must lie in 0..3"):
         s.sample(LOGITS, generated=[4])
+    with pytest.raises(ValueError, match="prompt ids must lie in 0..3"):
+        Sampler(SamplingParams(repetition_penalty=1.1)).sample(LOGITS, prompt=[0, 9])
     with pytest.raises(ValueError, match="no finite value"):
         s.sample(torch.full((4,), -math.inf))
 
