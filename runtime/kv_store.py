@@ -34,6 +34,7 @@ memory, and the scan at construction removes temporary files left by a crashed w
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
@@ -41,6 +42,7 @@ import os
 import re
 import struct
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -505,6 +507,7 @@ class BlockWriter:
         self.last_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="dsv41-block-writer", daemon=True)
         self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))  # a normal exit drains the queue
 
     def submit(self, key: str, arrays: Mapping[str, np.ndarray]) -> bool:
         """Queue a block; False when the key is already queued (a stored key is only
@@ -569,7 +572,8 @@ class BlockWriter:
                 self._cond.wait()
 
     def close(self) -> None:
-        """Drain, then stop the thread; later submits are refused with ValueError."""
+        """Drain, then stop the thread; later submits are refused with ValueError. Runs at
+        interpreter exit too (a writer nobody closed still drains before the process ends)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -597,3 +601,9 @@ class BlockWriter:
                 del self._queue[key]
                 self._n[outcome] += 1
                 self._cond.notify_all()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    writer = ref()
+    if writer is not None:
+        writer.close()
