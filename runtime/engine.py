@@ -195,7 +195,8 @@ class Engine:
             runtime_tokens=sum(int(c.pos[0]) for c in live),
             runtime_budget=self.options.cache_budget_bytes, tiers=dict(self.tier_counts),
             tokens=dict(self.token_counts),
-            store=None if self.store is None else self.store.stats(), pool=self.pool.stats(),
+            store=None if self.blocks is None else self.blocks.store_stats(),
+            pool=self.pool.stats(),
             writer=None if self.blocks is None else self.blocks.stats())
 
     def flush(self) -> None:

@@ -583,6 +583,11 @@ class BlockWriter:
         with self._cond:
             return BlockWriterStats(queued=len(self._queue), **self._n)
 
+    def store_stats(self) -> KVStoreStats:
+        """The store's stats, read while no write is in progress."""
+        with self._lock:
+            return self.store.stats()
+
     def _run(self) -> None:
         while True:
             with self._cond:
