@@ -178,3 +178,36 @@ def test_pool_snapshot_bytes_are_the_per_plan_count(small_model, tmp_path):
         enc = [p.layer for p in plan.layers if p.layer < plan.decoder_start]
         assert layers == (tuple(p.layer for p in plan.layers) if carry else tuple(enc))
         e.close()
+
+
+def test_resume_prefill_keeps_the_encoder_state_and_rebuilds_the_decoder_rings(small_model):
+    """The cached tail replayed for its outputs leaves the encoder's rings, the tails, the
+    pointers and the global entries exactly as a plain CED continuation leaves them; only the
+    decoder (and DSpark) rings differ, rebuilt from the last `window` prompt tokens."""
+    from dsv41.graph.cache import select_sequences
+    from dsv41.graph.phases import resume_prefill
+
+    m = small_model
+    first, new = torch.tensor([_prompt(30, 1)]), torch.tensor([_prompt(5, 2)])
+    a = new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id)
+    ced_prefill(m, a, first)
+    b = select_sequences(a, [0])
+    res_a = ced_prefill(m, a, new)
+    res_b = resume_prefill(m, b, first, new)
+    w, d = m.args.window_size, m.plan.decoder_start
+    assert res_b.work == {**{k: w for k in range(d)}, **{k: w for k in range(d, m.args.n_layers)}}
+    assert res_a.work[d] == 5 and res_a.work[0] == 5
+    assert torch.equal(a.pos, b.pos) and torch.equal(a.index_owner, b.index_owner)
+    assert np.array_equal(a.engram_history, b.engram_history)
+    for layer, st in a.stores.items():
+        for name in ("kv_codes", "kv_scales", "k_codes", "k_scales", "tail_kv", "tail_score"):
+            x, y = getattr(st, name), getattr(b.stores[layer], name)
+            assert (x is None and y is None) or torch.equal(x, y), (layer, name)
+    for layer, ring in a.windows.items():
+        same = torch.equal(ring.codes, b.windows[layer].codes)
+        assert same == (layer < d), layer
+    # with at least `window` new tokens it is the plain CED continuation
+    c, e = select_sequences(b, [0]), select_sequences(b, [0])
+    more = torch.tensor([_prompt(w, 3)])
+    np.testing.assert_array_equal(resume_prefill(m, c, torch.cat([first, new], 1), more).logits,
+                                  ced_prefill(m, e, more).logits)
