@@ -10,6 +10,10 @@ work it did (tokens x blocks), which is what CED saves:
   global KV from the encoder's output, then only the last `window` tokens through the decoder.
 - `encoder_replay`: a prefix hit without its window snapshot: the last `window` cached tokens
   plus the suffix through the encoder, reading cached global entries and never rewriting them.
+- `resume_prefill`: a continuation whose cache holds its local state (live, or a snapshot hit),
+  with the decoder's bounded replay over the last `window` prompt tokens as at every prefill
+  (the cached ones the new tokens do not cover are replayed through the encoder for their
+  outputs only).
 """
 
 from __future__ import annotations
