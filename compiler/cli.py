@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--suffix", type=int, default=32, help="replay: new tokens after the prefix")
     sp.add_argument("--switches", default="",
                     help="comma-separated subset of ced,replay,fp4_kv,candidate_pool,"
-                         "shared_selection (default all)")
+                         "decoder_carry,shared_selection (default all)")
     sp.add_argument("--json", default=None, help="write the records as JSON here")
     sp.set_defaults(func=cmd_ledger)
 

@@ -226,3 +226,37 @@ def drop_local_state(cache: ModelCache) -> None:
         if st.tail_kv is not None:
             st.tail_kv = torch.zeros_like(st.tail_kv)
             st.tail_score = torch.full_like(st.tail_score, float("-inf"))
+
+
+@dataclass
+class LocalState:
+    """Copies of a cache's per-sequence local state (see `save_local_state`)."""
+
+    rings: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (codes, scales)
+    tails: dict[int, tuple[torch.Tensor, torch.Tensor]]  # KV source -> (tail_kv, tail_score)
+    index_owner: torch.Tensor
+    engram_history: np.ndarray | None
+    pos: torch.Tensor
+
+
+def save_local_state(cache: ModelCache) -> LocalState:
+    """Copies of the window rings, compressor tails, index-K pointer, Engram lookback and
+    positions: what a pass that must leave them as they were (a replay run only for its
+    outputs) puts back with `restore_local_state`. Global entries are not copied."""
+    return LocalState(
+        rings={k: (r.codes.clone(), r.scales.clone()) for k, r in cache.windows.items()},
+        tails={k: (s.tail_kv.clone(), s.tail_score.clone()) for k, s in cache.stores.items()
+               if s.tail_kv is not None},
+        index_owner=cache.index_owner.clone(),
+        engram_history=None if cache.engram_history is None else cache.engram_history.copy(),
+        pos=cache.pos.clone())
+
+
+def restore_local_state(cache: ModelCache, state: LocalState) -> None:
+    for k, (codes, scales) in state.rings.items():
+        cache.windows[k].codes, cache.windows[k].scales = codes, scales
+    for k, (kv, score) in state.tails.items():
+        cache.stores[k].tail_kv, cache.stores[k].tail_score = kv, score
+    cache.index_owner = state.index_owner
+    cache.engram_history = state.engram_history
+    cache.pos = state.pos

@@ -35,7 +35,7 @@ import torch
 
 from .cache import ModelCache, drop_local_state, new_cache, select_sequences
 from .model import Model
-from .phases import ced_prefill, decode_step, prefill_exact, replay_prefill
+from .phases import ced_prefill, decode_step, prefill_exact, replay_prefill, resume_prefill
 from .plan import REINDEX, REUSE
 
 
@@ -63,6 +63,14 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "Reindex layers score only the candidate source's top blocks",
            "`Model.full_reindex`: Reindex layers (and, with per-layer selection, the Reuse layers "
            "after them) sweep every visible entry"),
+    Switch("decoder_carry",
+           "decoder carry-over (`EngineOptions.decoder_carry`): a second turn runs only its new "
+           "tokens through the decoder (`ced_prefill` of the suffix on the live CED cache), so "
+           "decoding reads decoder rings the first turn left; the record's `released_*` fields "
+           "give the released design on the same turns: decoder bounded replay of the last "
+           "`window` prompt tokens at every prefill (`phases.resume_prefill`)",
+           "the live cache continued exactly: `prefill_exact` of the first turn, then of the "
+           "suffix"),
     Switch("shared_selection",
            "Reuse layers attend over the latest index source's top-k",
            "`Model.per_layer_selection`: each Reuse layer picks its own top-k with its index "
@@ -110,6 +118,10 @@ class LedgerRecord:
     seconds: float  # compute of both sides; a side shared with another comparison (the
     # released exact-mode run) counts in each, so this is the cost of running it alone
     source: str = "prompt"  # "prompt": prefilled from seeded ids; "cache": a given cache
+    # decoder_carry only: the released design (decoder replay at every prefill) against the same
+    # exact side, so the carry-over's cost or benefit reads off one record (else None)
+    released_kl_mean: float | None = None
+    released_top1: float | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +270,36 @@ def run_replay_pair(model: Model, tokens: np.ndarray, context: int, decode: int,
     return (dataclasses.replace(exact, seconds=exact.seconds + t_prefix), approx)
 
 
+def run_carry_traces(model: Model, tokens: np.ndarray, context: int, decode: int,
+                     suffix: int) -> tuple[Trace, Trace, Trace]:
+    """(exact, carry, released) over two turns: tokens[:context - suffix], then the suffix, then
+    the decode steps. Exact: `prefill_exact` of both turns. The first turn is one CED prefill
+    for both approximate sides; carry then runs `ced_prefill` of the suffix on that cache (its
+    decoder rings kept), released runs `resume_prefill` on a copy (rebuilt from the last
+    `window` prompt tokens)."""
+    if not 1 <= suffix < context:
+        raise ValueError(f"Two turns need a first turn and a suffix: suffix {suffix} must lie "
+                         f"in 1..{context - 1} for context {context}.")
+    toks = torch.from_numpy(tokens[: context + decode])[None]
+    first, new, forced = toks[:, : context - suffix], toks[:, context - suffix : context], \
+        toks[:, context:]
+    t0 = time.perf_counter()
+    live = _cache(model, context + decode)
+    prefill_exact(model, live, first)
+    exact = _decode(model, live, forced, prefill_exact(model, live, new), t0)
+    t0 = time.perf_counter()
+    carried = _cache(model, context + decode)
+    ced_prefill(model, carried, first)
+    rebuilt = select_sequences(carried, [0])  # a copy
+    t_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    carry = _decode(model, carried, forced, ced_prefill(model, carried, new), t0)
+    t0 = time.perf_counter()
+    released = _decode(model, rebuilt, forced, resume_prefill(model, rebuilt, first, new), t0)
+    return (exact, dataclasses.replace(carry, seconds=carry.seconds + t_first),
+            dataclasses.replace(released, seconds=released.seconds + t_first))
+
+
 def _overlap(model: Model, exact: Trace, approx: Trace, role: str) -> float:
     """Selections the layers of `role` used on each side (a Reuse layer without its own uses
     its index source's), compared layer by layer."""
@@ -331,6 +373,11 @@ def measure(model: Model, name: str, tokens: np.ndarray, n: int, opts: LedgerOpt
         return make_record(name, n, released(), run_trace(model, tokens, n, d, phase="ced"))
     if name == "replay":
         return make_record(name, n, *run_replay_pair(model, tokens, n, d, min(opts.suffix, n - 1)))
+    if name == "decoder_carry":
+        exact, carry, replayed = run_carry_traces(model, tokens, n, d, min(opts.suffix, n - 1))
+        rel = make_record(name, n, exact, replayed)
+        return dataclasses.replace(make_record(name, n, exact, carry),
+                                   released_kl_mean=rel.kl_mean, released_top1=rel.top1)
     if name == "fp4_kv":
         return make_record(name, n, run_trace(model, tokens, n, d, kv_dtype="bf16"), released())
     if name in _SELECTION_SWITCHES:
@@ -368,6 +415,11 @@ def format_ledger(ledger: Ledger) -> str:
         rows.append(f"{r.switch:<17} {r.source:<6} {r.context:>7} {r.positions:>4} "
                     f"{r.kl_mean:>10.3g} {r.kl_max:>10.3g} {r.top1:>6.3f} "
                     f"{r.rel_l2_median:>10.3g} {r.rel_l2_max:>10.3g} {ovl:>8} {r.seconds:>6.1f}s")
+    for r in ledger.records:
+        if r.released_kl_mean is not None:
+            rows.append(f"{r.switch} at {r.context}: carry-over KL mean {r.kl_mean:.3g}, top-1 "
+                        f"{r.top1:.3f}; released (decoder replay at every prefill) KL mean "
+                        f"{r.released_kl_mean:.3g}, top-1 {r.released_top1:.3f}")
     rows.append("")
     rows.append(f"KL(exact || approx) in nats over the prompt's last position + {o.decode} "
                 f"teacher-forced decode steps; replay suffix {o.suffix} tokens; prompt seed "

@@ -10,6 +10,10 @@ work it did (tokens x blocks), which is what CED saves:
   global KV from the encoder's output, then only the last `window` tokens through the decoder.
 - `encoder_replay`: a prefix hit without its window snapshot: the last `window` cached tokens
   plus the suffix through the encoder, reading cached global entries and never rewriting them.
+- `resume_prefill`: a continuation whose cache holds its local state (live, or a snapshot hit),
+  with the decoder's bounded replay over the last `window` prompt tokens as at every prefill
+  (the cached ones the new tokens do not cover are replayed through the encoder for their
+  outputs only).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 import torch
 
 from . import dspark
-from .cache import ModelCache, ensure_capacity
+from .cache import ModelCache, ensure_capacity, restore_local_state, save_local_state
 from .dspark import Draft
 from .engram import as_tensor, empty_history, engram_hash, engram_history_after
 from .layers import hc_pre, identity_pre, rms_norm
@@ -250,15 +254,19 @@ def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = F
 # ---- bounded replay after a snapshot miss -------------------------------------------------------
 
 
-def prepare_replay(model: Model, cache: ModelCache, prefix: torch.Tensor):
+def prepare_replay(model: Model, cache: ModelCache, prefix: torch.Tensor,
+                   replay: int | None = None):
     """The host half of a snapshot-miss replay: check the cache holds exactly `prefix`, reset
     the lost tails, and restore the Engram lookback from the tokens before the replay. Returns
-    (n replayed tokens, first replayed position per sequence)."""
+    (n replayed tokens, first replayed position per sequence); n is min(window, L), or
+    min(replay, L) when given."""
     big = int(cache.pos.max())
     if prefix.size(1) != big or bool((cache.pos != big).any()):
         raise ValueError(f"A replay needs every sequence's cache at the prefix length "
                          f"{prefix.size(1)}; the cache holds {cache.pos.tolist()} tokens.")
-    n = min(model.args.window_size, prefix.size(1))
+    n = min(model.args.window_size if replay is None else replay, prefix.size(1))
+    if n < 1:
+        raise ValueError(f"A replay needs at least one token, got {n}.")
     for store in cache.stores.values():  # the lost tails are rebuilt by the replay
         if store.tail_kv is not None:
             store.tail_kv = torch.zeros_like(store.tail_kv)
@@ -298,3 +306,55 @@ def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logit
     n_encoder * (min(window, L) + S) + n_decoder * min(window, min(window, L) + S)."""
     enc = encoder_replay(model, cache, prefix, suffix, record)
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
+
+
+# ---- decoder bounded replay on a continued cache ------------------------------------------------
+
+
+def resume_tail(model: Model, cache: ModelCache, fresh_tokens: int) -> int:
+    """Cached tokens a continuation of `fresh_tokens` new tokens replays through the encoder so
+    the decoder replay covers the last min(window, L + S) prompt tokens."""
+    return min(int(cache.pos.max()), max(0, model.args.window_size - fresh_tokens))
+
+
+def encode_cached_tail(model: Model, cache: ModelCache, cached, n: int,
+                       record: tuple[int, ...] = ()) -> EncoderOutput:
+    """Encoder outputs of the last n of the `cached` (b, L) tokens the cache holds, by an
+    encoder bounded replay cut at their first position (as `encoder_replay` runs it: tails
+    reset, global entries read and never rewritten). The cache's own local state (rings, tails,
+    pointers, Engram lookback) is left as it was."""
+    saved = save_local_state(cache)
+    try:
+        n, first = prepare_replay(model, cache, cached, replay=n)
+        tail = cached[:, -n:]
+        chunk = _chunk(model, cache, tail, record, start=first, floor=first, write_global=False)
+        h, pre = encode_layers(model, cache, tail, chunk)
+    finally:
+        restore_local_state(cache, saved)
+    return EncoderOutput(h, pre, chunk.hash_ids, first, chunk.work, chunk.hidden,
+                         chunk.selections)
+
+
+def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits: bool = False,
+                   record: tuple[int, ...] = ()) -> PhaseResult:
+    """A turn continuing a cache that holds its local state (live, or a snapshot restored over
+    the prefix blocks) with decoder bounded replay at every prefill: the decoder rings are
+    rebuilt from the last min(window, L + S) prompt tokens, whatever the decoder rings held
+    before. With S >= window this is `ced_prefill` of the new tokens. Otherwise the encoder
+    outputs of the last t = min(L, window - S) cached tokens come from `encode_cached_tail`,
+    the S new tokens run through the encoder from the cache's exact local state, and the
+    decoder replays the t + S tokens with its window cut at their start. Token-layers:
+    n_encoder * (t + S) + n_decoder * min(window, L + S)."""
+    cached, fresh = check_tokens(model, cached), check_tokens(model, fresh)
+    t = resume_tail(model, cache, fresh.size(1))
+    if t == 0:
+        return ced_prefill(model, cache, fresh, all_logits=all_logits, record=record)
+    tail = encode_cached_tail(model, cache, cached, t, record)
+    enc = encoder_prefill(model, cache, fresh, record)
+    ids = None if enc.hash_ids is None else torch.cat([tail.hash_ids, enc.hash_ids], dim=1)
+    both = EncoderOutput(torch.cat([tail.h, enc.h], dim=1), torch.cat([tail.pre, enc.pre], dim=1),
+                         ids, tail.start,
+                         {k: tail.work.get(k, 0) + enc.work.get(k, 0)
+                          for k in {*tail.work, *enc.work}},
+                         {**tail.hidden, **enc.hidden}, {**tail.selections, **enc.selections})
+    return _joined(both, decoder_replay(model, cache, both, all_logits=all_logits, record=record))

@@ -82,6 +82,7 @@ def run_agent_loop(cfg: AgentLoopConfig) -> list[TurnRecord]:
     for turn in range(cfg.turns):
         if turn and cfg.restart_between_turns:
             transcript = session.transcript
+            engine.close()  # its SSD writer drains: the folder is the next engine's alone
             engine = _engine(cfg)
             session = engine.session(transcript=transcript)
         n_new = cfg.context if turn == 0 else cfg.suffix
@@ -92,6 +93,7 @@ def run_agent_loop(cfg: AgentLoopConfig) -> list[TurnRecord]:
             out.append(tok)
         rec = session.turns[-1]
         records.append(rec)
+        engine.flush()  # the turn's blocks are written in the background; count them written
         st = engine.stats()
         sec = rec.seconds
         dec_rate = rec.decoded / max(sec.get("decode", 0.0), 1e-9)
@@ -115,4 +117,5 @@ def run_agent_loop(cfg: AgentLoopConfig) -> list[TurnRecord]:
           f"{tiers}; global KV {bill.global_bytes_per_token:g} B/token by the bill, {blocks} "
           f"tokens in SSD blocks; total {time.time() - t0:.1f} s")
     session.close()
+    engine.close()
     return records

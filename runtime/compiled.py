@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from dsv41.compiler.capture import entry_inputs, load_cache_tensors, selection_keys
-from dsv41.graph.cache import ModelCache
+from dsv41.graph.cache import ModelCache, restore_local_state, save_local_state
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
-from dsv41.graph.phases import PhaseResult, _chunk, check_tokens, prepare_replay
+from dsv41.graph.phases import PhaseResult, _chunk, check_tokens, prepare_replay, resume_tail
 
 from .artifact import Artifact
 from .threads import default_tvm_pool
@@ -144,6 +144,33 @@ class CompiledPhases:
         cache.pos = chunk.end
         h, pre = torch.cat([h1, named["h"]], 1), torch.cat([p1, named["pre"]], 1)
         ids = None if chunk.hash_ids is None else torch.cat([c1.hash_ids, chunk.hash_ids], 1)
+        logits, nd = self._decode_replay(cache, h, pre, ids, first, all_logits)
+        d = self.plan.decoder_start
+        work = {**self._work(range(d), h.size(1)),
+                **self._work(range(d, m.args.n_layers), nd)}
+        return PhaseResult(logits, work)
+
+    def resume_prefill(self, model: Model, cache: ModelCache, cached, fresh, *,
+                       all_logits: bool = False) -> PhaseResult:
+        """Decoder bounded replay on a continued cache (`phases.resume_prefill`): the tail of
+        cached tokens through the `encoder_replay` entry with the cache's local state put back
+        afterwards, the new tokens through `encoder`, then the decoder over both."""
+        self._check(model)
+        m = self.model
+        cached, fresh = check_tokens(m, cached), check_tokens(m, fresh)
+        t = resume_tail(m, cache, fresh.size(1))
+        if t == 0:
+            return self.ced_prefill(model, cache, fresh, all_logits=all_logits)
+        saved = save_local_state(cache)
+        try:
+            n, first = prepare_replay(m, cache, cached, replay=t)
+            h1, p1, c1 = self._encode(cache, cached[:, -n:], replay_from=first)
+        finally:
+            restore_local_state(cache, saved)
+        h2, p2, c2 = self._encode(cache, fresh)
+        cache.pos = c2.end
+        h, pre = torch.cat([h1, h2], 1), torch.cat([p1, p2], 1)
+        ids = None if c2.hash_ids is None else torch.cat([c1.hash_ids, c2.hash_ids], 1)
         logits, nd = self._decode_replay(cache, h, pre, ids, first, all_logits)
         d = self.plan.decoder_start
         work = {**self._work(range(d), h.size(1)),

@@ -7,19 +7,29 @@
     session.close()
     engine.stats()
 
-A turn plans itself from what the tiers hold for the session's history (the tokens its cache has
-processed):
+A turn plans itself from what the tiers hold for its token sequence (the session's history, the
+pending token and the new ones; any session's blocks and snapshots serve it, since keys name
+tokens, not sessions):
 
 | state | what runs |
 |---|---|
-| live (the runtime cache still holds the session) | the new tokens only |
-| snapshot hit (DRAM pool; exact mode also SSD) | SSD prefix blocks + snapshot; the new tokens |
-| prefix hit, snapshot miss | encoder bounded replay: the last `window` cached tokens + the rest |
+| live (the runtime cache still holds the session) | the new tokens |
+| snapshot hit (DRAM pool; exact mode also SSD) | blocks + snapshot restored; the tokens after |
+| prefix hit, snapshot miss | encoder bounded replay: the last `window` block tokens + the rest |
 | cold | CED prefill (exact mode: exact prefill) |
 
-then decode. Prefills other than exact ones are CED prefills, so the decoder bounded replay runs at
-every prefill. At the end of a turn the complete prefix blocks go to the SSD store and the rest of
-the state to the snapshot pool; with an SSD store the runtime cache then lets the session go.
+The blocks are the longest stored run of the sequence's complete blocks (a walk over chained
+keys), and the snapshot the latest one within the block after them.
+
+then decode. Every non-exact prefill ends with decoder bounded replay over the last
+min(window, N) tokens of the sequence (`phases.resume_prefill` when the cache held its local
+state: the cached tokens the new ones do not cover are replayed through the encoder for their
+outputs), so decoding never reads a decoder ring entry from before that segment; the snapshot
+holds the encoder's rings only. `EngineOptions.decoder_carry` keeps the decoder (and DSpark)
+rings in the snapshot and replays only the new tokens instead. At the end of a turn the complete
+blocks go to the SSD store through a background writer (`kv_store.BlockWriter`: a block still
+queued is served from the queue; `Engine.close()` drains it) and the rest of the state to the
+snapshot pool; with an SSD store the runtime cache then lets the session go.
 
 The runtime cache is each live session's `ModelCache`, its global stores allocated in whole pages
 of `page_tokens` positions (contiguous per session, so compiled gathers read them directly; a
@@ -40,6 +50,7 @@ import torch
 from dsv41.graph.cache import ModelCache, ensure_capacity, new_cache
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
+from dsv41.graph.phases import resume_tail
 
 from .state import (
     block_arrays,
@@ -48,6 +59,7 @@ from .state import (
     restore_blocks,
     restore_snapshot,
     snapshot_arrays,
+    snapshot_ring_layers,
 )
 
 FORMAT_VERSION = 1  # of the tier records (part of every key)
@@ -65,8 +77,13 @@ class EngineOptions:
     store_dir: str | Path | None = None  # SSD global-KV store (None: sessions stay live)
     store_capacity_bytes: int = 64 << 30
     store_min_lifetime_s: float = 72 * 3600.0
-    pool_budget_bytes: int = 1 << 30  # DRAM snapshot pool
+    pool_budget_bytes: int | None = None  # DRAM snapshot pool (None: 10% of host memory)
     pool_ttl_s: float = 600.0
+    pool_sweep_s: float = 1.0  # expired snapshots are freed by the first pool call after this
+    # keep the decoder and DSpark rings in the snapshot and run only the new tokens through the
+    # decoder (the carry-over of before issue 17); default False: decoder bounded replay of the
+    # last `window` tokens at every prefill, as the article describes. Salts every state key.
+    decoder_carry: bool = False
     store_clock: Callable[[], float] = time.time
     pool_clock: Callable[[], float] = time.monotonic
     threads: int | None = None  # TVM's CPU pool (None: TVM_NUM_THREADS, else torch's count)
@@ -82,9 +99,11 @@ class TurnRecord:
     decoder_replayed: int  # tokens through the decoder's bounded replay
     decoded: int
     token_layers: int  # work of the prefill (tokens x blocks)
-    cached_blocks: int  # SSD prefix blocks the turn started from
+    cached_blocks: int  # SSD prefix blocks the turn started from (reused: len(reused_keys))
     seconds: dict[str, float] = field(default_factory=dict)
     logits: list[np.ndarray] = field(default_factory=list)  # when asked for: prefill, then steps
+    reused_keys: list[str] = field(default_factory=list)  # the SSD blocks read, in order
+    reused_tokens: int = 0  # leading tokens the turn did not prefill (blocks + snapshot, or live)
 
 
 @dataclass
@@ -97,16 +116,13 @@ class EngineStats:
     tokens: dict[str, int]  # prefilled, replayed, decoder_replayed, decoded
     store: object | None  # KVStoreStats
     pool: object | None  # SnapshotPoolStats
-
-
-def _tokens_bytes(tokens: Sequence[int]) -> bytes:
-    return np.asarray(tokens, dtype="<i8").tobytes()
+    writer: object | None = None  # BlockWriterStats
 
 
 class Engine:
     def __init__(self, model: Model, phases, *, weights_hash: str, options: EngineOptions,
                  backend: str):
-        from .kv_store import KVStore, model_fingerprint
+        from .kv_store import BlockWriter, KVStore, model_fingerprint
         from .snapshot_pool import SnapshotPool
 
         self.model, self.phases, self.options, self.backend = model, phases, options, backend
@@ -114,13 +130,18 @@ class Engine:
         self._salt = model_fingerprint(model.args.config_hash(), weights_hash, FORMAT_VERSION)
         self._pad = model.engram.pad_id if model.engram is not None else None
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
-        self.store = None
+        # what a snapshot holds, and the tag that salts its keys (other layouts never match)
+        carry = options.exact or options.decoder_carry
+        self._ring_layers = snapshot_ring_layers(model.plan, all_rings=carry)
+        self._local_tag = "exact" if options.exact else "carry" if carry else "replay"
+        self.store = self.blocks = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
                                  store_capacity_bytes, min_lifetime_s=options.store_min_lifetime_s,
                                  clock=options.store_clock, fingerprint=self._salt)
+            self.blocks = BlockWriter(self.store)  # every block read and write goes through it
         self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes, ttl_s=options.pool_ttl_s,
-                                 clock=options.pool_clock)
+                                 clock=options.pool_clock, sweep_interval_s=options.pool_sweep_s)
         self.sessions: dict[int, Session] = {}
         self._stacked: ModelCache | None = None  # send_many's batch while it decodes
         self._next_id = 1
@@ -174,7 +195,22 @@ class Engine:
             runtime_tokens=sum(int(c.pos[0]) for c in live),
             runtime_budget=self.options.cache_budget_bytes, tiers=dict(self.tier_counts),
             tokens=dict(self.token_counts),
-            store=None if self.store is None else self.store.stats(), pool=self.pool.stats())
+            store=None if self.blocks is None else self.blocks.store_stats(),
+            pool=self.pool.stats(),
+            writer=None if self.blocks is None else self.blocks.stats())
+
+    def flush(self) -> None:
+        """Wait until every queued SSD block is written."""
+        if self.blocks is not None:
+            self.blocks.drain()
+
+    def close(self) -> None:
+        """End every session (each turn in flight is stored), then drain and stop the SSD
+        writer. A store folder must be closed before another engine opens it."""
+        for s in list(self.sessions.values()):
+            s.close()
+        if self.blocks is not None:
+            self.blocks.close()
 
     def runtime_bytes(self) -> int:
         live = [s.cache for s in self.sessions.values() if s.cache is not None]
@@ -190,8 +226,34 @@ class Engine:
         return block_keys(tokens, self.options.page_tokens, self._salt)
 
     def history_key(self, tokens: Sequence[int], kind: str) -> str:
-        return hashlib.sha256(self._salt + b"/" + kind.encode() + b"/" + _tokens_bytes(tokens)) \
-            .hexdigest()
+        """The key of a tier record (`kind`: snapshot | state) of the state after `tokens`."""
+        b = self.options.page_tokens
+        n = len(tokens) // b
+        keys = self.block_keys(tokens[: n * b])
+        return self.state_keys(tokens, keys, kind, len(tokens), len(tokens))[0][1]
+
+    def state_keys(self, tokens: Sequence[int], keys: Sequence[str], kind: str, lo: int,
+                   hi: int) -> list[tuple[int, str]]:
+        """(L, key of the state after tokens[:L]) for L in lo..hi, all within one block: chained
+        on the key of the last complete block before L (`keys`: the block keys of `tokens`),
+        then the tokens after it, salted with the model and the snapshot's layout. So a lookup
+        of every position in a block hashes at most one block of tokens."""
+        b = self.options.page_tokens
+        n = lo // b
+        if not 0 <= lo <= hi < (n + 1) * b or hi > len(tokens) or len(keys) < n:
+            raise ValueError(f"State positions {lo}..{hi} must lie in one block of {b} within "
+                             f"the {len(tokens)} tokens.")
+        prev = bytes.fromhex(keys[n - 1]) if n else bytes(32)
+        h = hashlib.sha256(self._salt + b"/" + kind.encode() + b"/" + self._local_tag.encode()
+                           + b"/" + n.to_bytes(8, "little") + prev)
+        tail = np.asarray(tokens[n * b: hi], dtype="<i8")
+        out = []
+        for length in range(n * b, hi + 1):
+            if length > n * b:
+                h.update(tail[length - 1 - n * b].tobytes())
+            if length >= lo:
+                out.append((length, h.copy().hexdigest()))
+        return out
 
     # ---- the runtime cache ----------------------------------------------------------------------
 
@@ -254,6 +316,17 @@ class Engine:
             t.record.seconds["decode"] = per
             s._end(t)
         return [list(t.tokens) for t in turns]
+
+
+@dataclass(frozen=True)
+class _Start:
+    """Where a turn starts: the cache, the tier that gave it, how many leading tokens of the
+    turn's sequence it holds, and the SSD blocks read for it."""
+
+    cache: ModelCache
+    tier: str
+    cached: int
+    keys: tuple[str, ...]
 
 
 @dataclass
@@ -363,93 +436,120 @@ class Session:
         rec = TurnRecord(self.id, len(self.turns) + 1, "", 0, 0, 0, 0, 0, 0)
         turn = _Turn(rec, max_new_tokens, frozenset(int(s) for s in stop), float(temperature),
                      gen, keep_logits)
+        tokens = self.history + fresh  # the whole sequence this turn's cache must hold
         t = time.perf_counter()
-        cache, tier, nblocks = self._restore()
+        start = self._restore(tokens)
         rec.seconds["restore"] = time.perf_counter() - t
-        rec.tier, rec.cached_blocks = tier, nblocks
+        rec.tier, rec.cached_blocks = start.tier, len(start.keys)
+        rec.reused_keys, rec.reused_tokens = list(start.keys), start.cached
         t = time.perf_counter()
         try:
-            e.reserve(cache, len(self.history) + len(fresh) + max_new_tokens + 1)
-            self.cache = cache
-            res = self._prefill(cache, tier, nblocks, fresh, rec)
+            e.reserve(start.cache, len(tokens) + max_new_tokens + 1)
+            self.cache = start.cache
+            res = self._prefill(start, tokens, rec)
         except Exception:
             self.cache = None  # the history stays in the tiers (or the session starts cold)
             raise
         rec.seconds["prefill"] = time.perf_counter() - t
-        self.history += fresh
+        self.history = tokens
         self.pending = None
-        e.tier_counts[tier] += 1
+        e.tier_counts[start.tier] += 1
         turn.sample(res.logits[0, -1])
         return turn
 
-    def _restore(self) -> tuple[ModelCache, str, int]:
-        """The cache this turn starts from, and the tier that gave it."""
+    def _restore(self, tokens: list[int]) -> _Start:
+        """The cache this turn starts from, and the tier that gave it. Any session's records
+        serve: the longest run of stored blocks of `tokens[:-1]` (the last token always runs:
+        its logits start the turn), then the latest snapshot within the block after them."""
         e = self.engine
         if self.cache is not None:
-            return self.cache, "live", 0
-        if not self.history:
-            return e._fresh_cache(), "cold", 0
+            return _Start(self.cache, "live", len(self.history), ())
         if e.store is None:
-            raise RuntimeError("A released session needs the SSD store.")
+            if self.history:
+                raise RuntimeError("A released session needs the SSD store.")
+            return _Start(e._fresh_cache(), "cold", 0, ())
         b = e.options.page_tokens
-        keys = e.block_keys(self.history)
-        snap = e.pool.get(e.history_key(self.history, "snapshot"))
-        tier = "snapshot"
-        arrays = None if snap is None else snap.arrays
-        if arrays is None and e.options.exact:
-            arrays, tier = e.store.get(e.history_key(self.history, "state")), "snapshot-ssd"
-        if arrays is not None:
-            done = int(arrays["pos"][0]) // b
-            blocks = self._blocks(keys[:done])
-            if int(arrays["pos"][0]) == len(self.history) and len(blocks) == done:
+        keys = e.block_keys(tokens[:-1])
+        n = e.blocks.lookup_prefix(keys)
+        found = self._find_state(tokens, keys, n)
+        if found is not None:
+            length, arrays, tier = found
+            blocks = self._blocks(keys[: length // b])
+            if len(blocks) == length // b:
                 cache = e._fresh_cache()
                 restore_blocks(cache, blocks, b)
-                restore_snapshot(cache, arrays, b)
-                self.stored_blocks = done
-                return cache, tier, done
+                restore_snapshot(cache, arrays, b, e._ring_layers)
+                self.stored_blocks = len(blocks)
+                return _Start(cache, tier, length, tuple(keys[: len(blocks)]))
         if not e.options.exact:
-            blocks = self._blocks(keys[: e.store.lookup_prefix(keys)])
+            blocks = self._blocks(keys[: e.blocks.lookup_prefix(keys)])
             if blocks:
                 cache = e._fresh_cache()
                 restore_blocks(cache, blocks, b)
                 cache.index_owner = torch.tensor([index_owner_at(e.model.plan,
                                                                  len(blocks) * b)])
                 self.stored_blocks = len(blocks)
-                return cache, "prefix", len(blocks)
+                return _Start(cache, "prefix", len(blocks) * b, tuple(keys[: len(blocks)]))
         self.stored_blocks = 0
-        return e._fresh_cache(), "cold", 0
+        return _Start(e._fresh_cache(), "cold", 0, ())
+
+    def _find_state(self, tokens: list[int], keys: list[str],
+                    n: int) -> tuple[int, dict, str] | None:
+        """(L, arrays, tier) of the longest snapshot of tokens[:L], L in the block after the n
+        stored ones (and below len(tokens)): the DRAM pool first, then (exact mode) the SSD
+        state records."""
+        e = self.engine
+        b = e.options.page_tokens
+        lo, hi = max(1, n * b), min(len(tokens) - 1, (n + 1) * b - 1)
+        if hi < lo:
+            return None
+        snaps = e.state_keys(tokens, keys, "snapshot", lo, hi)
+        states = e.state_keys(tokens, keys, "state", lo, hi) if e.options.exact else []
+        for (length, snap_key), (_, state_key) in zip(reversed(snaps),
+                                                      reversed(states or snaps), strict=True):
+            if e.pool.contains(snap_key):
+                snap = e.pool.get(snap_key)
+                if snap is not None:
+                    return length, snap.arrays, "snapshot"
+            if states and e.blocks.contains(state_key):
+                arrays = e.blocks.get(state_key)
+                if arrays is not None:
+                    return length, arrays, "snapshot-ssd"
+        return None
 
     def _blocks(self, keys: list[str]) -> list[dict]:
         out = []
         for k in keys:
-            arrays = self.engine.store.get(k)
+            arrays = self.engine.blocks.get(k)
             if arrays is None:  # missing, or bad and now deleted: the prefix ends here
                 break
             out.append(arrays)
         return out
 
-    def _prefill(self, cache: ModelCache, tier: str, nblocks: int, fresh: list[int],
-                 rec: TurnRecord):
+    def _prefill(self, start: _Start, tokens: list[int], rec: TurnRecord):
         e, ph, m = self.engine, self.engine.phases, self.engine.model
-        a = m.args
-        new = torch.tensor([fresh])
-        if tier == "prefix":
-            cut = nblocks * e.options.page_tokens
-            prefix = torch.tensor([self.history[:cut]])
-            suffix = torch.tensor([self.history[cut:] + fresh])
-            res = ph.replay_prefill(m, cache, prefix, suffix)
-            rec.replayed = min(a.window_size, cut)
-            rec.prefilled = suffix.size(1)
-            rec.decoder_replayed = min(a.window_size, rec.replayed + rec.prefilled)
-        elif tier == "cold":
-            full = torch.tensor([self.history + fresh])
-            res = self._run(cache, full)
-            rec.prefilled = full.size(1)
-            rec.decoder_replayed = 0 if e.options.exact else min(a.window_size, full.size(1))
-        else:
-            res = self._run(cache, new)
-            rec.prefilled = len(fresh)
-            rec.decoder_replayed = 0 if e.options.exact else min(a.window_size, len(fresh))
+        w = m.args.window_size
+        cache, cut = start.cache, start.cached
+        if start.tier == "prefix":
+            res = ph.replay_prefill(m, cache, torch.tensor([tokens[:cut]]),
+                                    torch.tensor([tokens[cut:]]))
+            rec.replayed = min(w, cut)
+            rec.prefilled = len(tokens) - cut
+            rec.decoder_replayed = min(w, rec.replayed + rec.prefilled)
+        elif start.tier == "cold":
+            res = self._run(cache, torch.tensor([tokens]))
+            rec.prefilled = len(tokens)
+            rec.decoder_replayed = 0 if e.options.exact else min(w, len(tokens))
+        else:  # live or snapshot: the cache holds tokens[:cut] with their local state
+            new = torch.tensor([tokens[cut:]])
+            rec.prefilled = new.size(1)
+            if e.options.exact or e.options.decoder_carry:
+                res = self._run(cache, new)
+                rec.decoder_replayed = 0 if e.options.exact else min(w, new.size(1))
+            else:
+                rec.replayed = resume_tail(m, cache, new.size(1))
+                res = ph.resume_prefill(m, cache, torch.tensor([tokens[:cut]]), new)
+                rec.decoder_replayed = min(w, rec.replayed + rec.prefilled)
         rec.token_layers = res.token_layers
         for k in ("prefilled", "replayed", "decoder_replayed"):
             e.token_counts[k] += getattr(rec, k)
@@ -491,19 +591,21 @@ class Session:
         self._gen = None
 
     def _offload(self) -> None:
+        """The new complete blocks to the SSD writer's queue (written in the background: a
+        refused one is found missing by the next turn's walk, which then writes it again), the
+        snapshot to the pool (exact mode: also to the SSD store)."""
         e, b = self.engine, self.engine.options.page_tokens
         if len(self.history) != int(self.cache.pos[0]):
             raise AssertionError("history and cache position disagree")
         keys = e.block_keys(self.history)
         for i in range(self.stored_blocks, len(keys)):
-            if not e.store.put(keys[i], block_arrays(self.cache, i, b)):
-                break  # refused (the store is full of young entries): later blocks wait too
-            self.stored_blocks = i + 1
-        arrays = snapshot_arrays(self.cache, b)
+            e.blocks.submit(keys[i], block_arrays(self.cache, i, b))
+        self.stored_blocks = len(keys)
+        arrays = snapshot_arrays(self.cache, b, e._ring_layers)
         key = e.history_key(self.history, "snapshot")
         e.pool.put(key, arrays, {"session": self.id, "tokens": len(self.history)})
         if self._snapshot not in (None, key):
             e.pool.drop(self._snapshot)  # this session has moved past its previous turn
         self._snapshot = key
         if e.options.exact:
-            e.store.put(e.history_key(self.history, "state"), arrays)
+            e.blocks.submit(e.history_key(self.history, "state"), arrays)

@@ -34,6 +34,7 @@ memory, and the scan at construction removes temporary files left by a crashed w
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
@@ -41,6 +42,7 @@ import os
 import re
 import struct
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -464,3 +466,149 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWriterStats:
+    queued: int  # blocks waiting for (or in) their write now
+    submitted: int  # submit() calls that queued a block (a key already queued is not)
+    written: int  # queued blocks the store accepted (written, or already present)
+    refused: int  # queued blocks the store refused (full of young entries)
+    failed: int  # queued blocks whose write raised (the block is dropped; the store is intact)
+    served_queued: int  # get() answered from the queue
+
+
+class BlockWriter:
+    """Writes a store's blocks on a background thread, so a turn does not wait for its files.
+
+    `submit` queues a block (its arrays are the caller's own copies, kept read-only); one thread
+    writes the queue in submission order through `KVStore.put` (checksummed, fsynced, renamed),
+    so a crash loses at most the blocks still queued and never exposes a partial file (a
+    temporary file it leaves is removed by the next scan). Reads go through the writer: a block
+    still queued is served from the queue, and `contains` / `lookup_prefix` count queued
+    blocks as stored. The store is touched only under one lock (it is not thread-safe), so a
+    read waits at most for the one block being written. `drain()` waits until the queue is
+    empty; `close()` drains and stops the thread. With more than `max_queued` blocks queued,
+    `submit` waits for room.
+    """
+
+    def __init__(self, store: KVStore, *, max_queued: int = 4096):
+        import threading
+
+        if not isinstance(max_queued, int) or isinstance(max_queued, bool) or max_queued < 1:
+            raise ValueError(f"max_queued must be a positive int, got {max_queued!r}.")
+        self.store = store
+        self.max_queued = max_queued
+        self._queue: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()  # guards the store
+        self._cond = threading.Condition()  # guards the queue and counters
+        self._closed = False
+        self._n = {"submitted": 0, "written": 0, "refused": 0, "failed": 0, "served_queued": 0}
+        self.last_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dsv41-block-writer", daemon=True)
+        self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))  # a normal exit drains the queue
+
+    def submit(self, key: str, arrays: Mapping[str, np.ndarray]) -> bool:
+        """Queue a block; False when the key is already queued (a stored key is only
+        touched when its turn comes)."""
+        _check_key(key)
+        _check_arrays(arrays)
+        frozen = {}
+        for name, a in arrays.items():
+            a = np.array(a, copy=True, order="C")
+            a.flags.writeable = False
+            frozen[name] = a
+        with self._cond:
+            if self._closed:
+                raise ValueError("This block writer is closed.")
+            if key in self._queue:
+                return False
+            while len(self._queue) >= self.max_queued:
+                self._cond.wait()
+            self._queue[key] = frozen
+            self._n["submitted"] += 1
+            self._cond.notify_all()
+        return True
+
+    def get(self, key: str) -> dict[str, np.ndarray] | None:
+        """The block's arrays (fresh, writable) from the queue or the store, or None."""
+        _check_key(key)
+        with self._cond:
+            queued = self._queue.get(key)
+            if queued is not None:
+                self._n["served_queued"] += 1
+                return {name: np.array(a, copy=True) for name, a in queued.items()}
+        with self._lock:
+            return self.store.get(key)
+
+    def contains(self, key: str) -> bool:
+        _check_key(key)
+        with self._cond:
+            if key in self._queue:
+                return True
+        with self._lock:
+            return self.store.contains(key)
+
+    def lookup_prefix(self, keys: Iterable[str]) -> int:
+        """How many leading keys are queued or stored (no payload read, no LRU change)."""
+        keys = list(keys)
+        for key in keys:
+            _check_key(key)
+        with self._cond:
+            queued = set(self._queue)
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in queued and not self.store.contains(key):
+                    break
+                n += 1
+        return n
+
+    def drain(self) -> None:
+        """Wait until every queued block is written (or refused, or failed)."""
+        with self._cond:
+            while self._queue:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Drain, then stop the thread; later submits are refused with ValueError. Runs at
+        interpreter exit too (a writer nobody closed still drains before the process ends)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def stats(self) -> BlockWriterStats:
+        with self._cond:
+            return BlockWriterStats(queued=len(self._queue), **self._n)
+
+    def store_stats(self) -> KVStoreStats:
+        """The store's stats, read while no write is in progress."""
+        with self._lock:
+            return self.store.stats()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:  # closed and drained
+                    return
+                key, arrays = next(iter(self._queue.items()))
+            outcome = "failed"
+            try:
+                with self._lock:
+                    outcome = "written" if self.store.put(key, arrays) else "refused"
+            except Exception as e:  # noqa: BLE001 - the block is dropped, the writer goes on
+                self.last_error = e
+            with self._cond:
+                del self._queue[key]
+                self._n[outcome] += 1
+                self._cond.notify_all()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    writer = ref()
+    if writer is not None:
+        writer.close()

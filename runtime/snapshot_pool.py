@@ -8,6 +8,11 @@ Choices, stated once:
   outlives `ttl_s` (a session that keeps resuming writes a fresh snapshot every turn anyway).
 - Copies: `put` stores private, read-only copies of the arrays (and a deep copy of `meta`), and
   `get` returns fresh writable copies, so neither side can change the other's buffers.
+- Size: by default 10% of the host's memory (`default_budget_bytes`, as the article provisions
+  the pool); an explicit budget overrides it.
+- Expiry on a schedule: every call (put, get, contains, stats) first removes every expired
+  snapshot when `sweep_interval_s` has passed on the pool's clock since the last sweep, so
+  expired state is freed while the pool is in use, not only when a later put needs room.
 - Recency lives in the backend (`keys()` is least recently used first, `touch` marks use), so a
   shared backend such as Redis can keep one LRU order for all processes that use it.
 """
@@ -97,7 +102,7 @@ class SnapshotPoolStats:
     budget: int  # budget_bytes
     hits: int  # get() that returned a snapshot
     misses: int  # get() that returned None, expired ones included
-    expired: int  # snapshots removed because their TTL had passed (on get, or to make room)
+    expired: int  # snapshots removed because their TTL had passed (on get, by a sweep)
     evictions: int  # live snapshots removed, least recently used first, to make room
     refused: int  # put() of a snapshot bigger than the whole budget
 
@@ -111,28 +116,48 @@ class _Counters:
     refused: int = 0
 
 
+HOST_MEMORY_SHARE = 0.10  # of the host's memory, the pool's default budget (the article's)
+
+
+def default_budget_bytes() -> int:
+    """10% of this host's physical memory (psutil)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total * HOST_MEMORY_SHARE)
+
+
 class SnapshotPool:
     """Snapshots under a TTL and a byte budget.
 
     Making room for a put: first every expired snapshot is removed, then live ones least
     recently used first until the new one fits. A put of a present key replaces it (its old
-    bytes are freed first) and restarts its TTL. Expired entries that nobody touches are only
-    removed when room is needed or by `sweep()`.
+    bytes are freed first) and restarts its TTL. Expired entries are also removed by the sweep
+    every call runs once `sweep_interval_s` has passed since the last one, and by `sweep()`.
+    `budget_bytes=None`: `default_budget_bytes()`.
     """
 
-    def __init__(self, backend: SnapshotBackend | None = None, *, budget_bytes: int,
-                 ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, backend: SnapshotBackend | None = None, *, budget_bytes: int | None = None,
+                 ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 sweep_interval_s: float = 1.0):
+        if budget_bytes is None:
+            budget_bytes = default_budget_bytes()
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}.")
         if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) \
                 or not math.isfinite(ttl_s) or ttl_s <= 0:
             raise ValueError(f"ttl_s must be a finite number > 0, got {ttl_s!r}.")
+        if not isinstance(sweep_interval_s, int | float) or isinstance(sweep_interval_s, bool) \
+                or not math.isfinite(sweep_interval_s) or sweep_interval_s < 0:
+            raise ValueError(f"sweep_interval_s must be a finite number >= 0, got "
+                             f"{sweep_interval_s!r}.")
         if not callable(clock):
             raise ValueError("clock must be a callable returning seconds.")
         self.backend: SnapshotBackend = InProcessBackend() if backend is None else backend
         self.budget_bytes = budget_bytes
         self.ttl_s = float(ttl_s)
         self.clock = clock
+        self.sweep_interval_s = float(sweep_interval_s)
+        self._last_sweep = -math.inf
         self._n = _Counters()
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> bool:
@@ -142,6 +167,7 @@ class SnapshotPool:
         if not isinstance(meta, Mapping):
             raise ValueError(f"meta must be a mapping, got {type(meta).__name__}.")
         nbytes = sum(a.nbytes for a in arrays.values())
+        self._scheduled_sweep()
         if nbytes > self.budget_bytes:
             self._n.refused += 1
             return False
@@ -162,6 +188,7 @@ class SnapshotPool:
     def get(self, key: str) -> Snapshot | None:
         """A copy of the snapshot, or None when absent or expired (an expired one is removed)."""
         _check_key(key)
+        self._scheduled_sweep()
         snap = self.backend.get(key)
         if snap is None:
             self._n.misses += 1
@@ -176,6 +203,14 @@ class SnapshotPool:
         arrays = {name: np.array(a, copy=True) for name, a in snap.arrays.items()}
         return Snapshot(snap.key, arrays, copy.deepcopy(snap.meta), snap.created_at, snap.nbytes)
 
+    def contains(self, key: str) -> bool:
+        """Whether a live snapshot is stored under `key` (no copy, no counter, no recency
+        change; an expired one is not live)."""
+        _check_key(key)
+        self._scheduled_sweep()
+        snap = self.backend.get(key)
+        return snap is not None and not self._is_expired(snap, self.clock())
+
     def drop(self, key: str) -> bool:
         """Forget a session's snapshot (e.g. the session ended); True when it was present."""
         _check_key(key)
@@ -184,6 +219,7 @@ class SnapshotPool:
     def sweep(self) -> int:
         """Remove every expired snapshot; how many were removed."""
         now, n = self.clock(), 0
+        self._last_sweep = now
         for key in self.backend.keys():
             snap = self.backend.get(key)
             if snap is not None and self._is_expired(snap, now):
@@ -193,10 +229,15 @@ class SnapshotPool:
         return n
 
     def stats(self) -> SnapshotPoolStats:
+        self._scheduled_sweep()
         return SnapshotPoolStats(entries=len(self.backend.keys()), bytes=self.backend.bytes(),
                                  budget=self.budget_bytes, hits=self._n.hits,
                                  misses=self._n.misses, expired=self._n.expired,
                                  evictions=self._n.evictions, refused=self._n.refused)
+
+    def _scheduled_sweep(self) -> None:
+        if self.clock() - self._last_sweep >= self.sweep_interval_s:
+            self.sweep()
 
     def _is_expired(self, snap: Snapshot, now: float) -> bool:
         return now - snap.created_at >= self.ttl_s

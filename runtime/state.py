@@ -4,10 +4,12 @@
   ratio m, its entries [i*B/m, (i+1)*B/m) (FP4 main KV codes and scales, MXFP4 index K codes and
   scales). Entries of a block are final once the cache has processed all its positions, so a
   block never changes after it is written. These go to the SSD store.
-- A *snapshot* is everything else the cache holds at the end of a turn: the window rings (encoder,
-  decoder and DSpark layers), the compressor tails, the Engram lookback, the index-K pointer, the
-  position, and the global entries past the last complete block. Restored over the prefix blocks,
-  it gives back the cache byte for byte. These go to the DRAM snapshot pool.
+- A *snapshot* is the rest of the state a turn resumes from: the window rings of the layers
+  named (`snapshot_ring_layers`: the encoder's by default, since the decoder's are rebuilt by
+  bounded replay at every prefill; every layer's in exact mode or with decoder carry-over), the
+  compressor tails, the Engram lookback, the index-K pointer, the position, and the global
+  entries past the last complete block. Restored over the prefix blocks, it gives back those
+  parts of the cache byte for byte (other rings start empty). These go to the DRAM pool.
 
 Everything works on batch-1 caches (one session); bf16 stores travel as their uint16 bits.
 """
@@ -120,15 +122,25 @@ def index_owner_at(plan: ModelPlan, pos: int) -> int:
     return owner
 
 
-def snapshot_arrays(cache: ModelCache, block_tokens: int) -> dict[str, np.ndarray]:
-    """The state beyond the prefix blocks (see the module docstring)."""
+def snapshot_ring_layers(plan: ModelPlan, *, all_rings: bool) -> tuple[int, ...]:
+    """The layers whose window rings a snapshot holds: the encoder's, or (`all_rings`: exact
+    mode, decoder carry-over) every backbone and DSpark layer's."""
+    layers = [p.layer for p in plan.layers]  # backbone then DSpark: every layer has a ring
+    return tuple(sorted(lay for lay in layers if all_rings or lay < plan.decoder_start))
+
+
+def snapshot_arrays(cache: ModelCache, block_tokens: int,
+                    ring_layers: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+    """The state beyond the prefix blocks (see the module docstring); `ring_layers`: the rings
+    it holds (None: all)."""
     _single(cache)
     check_block_tokens(_ratios(cache), block_tokens)
     pos = int(cache.pos[0])
     done = pos // block_tokens * block_tokens
     out = {"pos": np.array([pos], dtype=np.int64),
            "index_owner": _np(cache.index_owner)}
-    for layer, ring in sorted(cache.windows.items()):
+    for layer in _rings(cache, ring_layers):
+        ring = cache.windows[layer]
         out[f"ring.{layer}.codes"] = _np(ring.codes[0])
         out[f"ring.{layer}.scales"] = _np(ring.scales[0])
     for layer, st in sorted(cache.stores.items()):
@@ -145,16 +157,25 @@ def snapshot_arrays(cache: ModelCache, block_tokens: int) -> dict[str, np.ndarra
     return out
 
 
-def restore_snapshot(cache: ModelCache, arrays: dict[str, np.ndarray], block_tokens: int) -> None:
-    """Complete a cache holding the prefix blocks up to the snapshot's last complete block."""
+def restore_snapshot(cache: ModelCache, arrays: dict[str, np.ndarray], block_tokens: int,
+                     ring_layers: tuple[int, ...] | None = None) -> None:
+    """Complete a cache holding the prefix blocks up to the snapshot's last complete block.
+    `ring_layers`: the rings the snapshot must hold, exactly (None: all); others stay empty."""
     _single(cache)
     pos = int(arrays["pos"][0])
     done = pos // block_tokens * block_tokens
     if int(cache.pos[0]) != done:
         raise ValueError(f"The snapshot continues {done} block tokens; the cache holds "
                          f"{int(cache.pos[0])}.")
+    want = _rings(cache, ring_layers)
+    have = sorted(int(k.split(".")[1]) for k in arrays if k.startswith("ring.")
+                  and k.endswith(".codes"))
+    if have != list(want):
+        raise ValueError(f"The snapshot holds the rings of layers {have}; this engine restores "
+                         f"those of {list(want)}.")
     ensure_capacity(cache, pos, exact=True)
-    for layer, ring in cache.windows.items():
+    for layer in want:
+        ring = cache.windows[layer]
         ring.codes = _whole(arrays[f"ring.{layer}.codes"], ring.codes)
         ring.scales = _whole(arrays[f"ring.{layer}.scales"], ring.scales)
     for layer, st in cache.stores.items():
@@ -171,3 +192,33 @@ def restore_snapshot(cache: ModelCache, arrays: dict[str, np.ndarray], block_tok
     if cache.engram_history is not None:
         cache.engram_history = arrays["engram_history"].copy()
     cache.pos = torch.full((1,), pos, dtype=torch.int64)
+
+
+def _rings(cache: ModelCache, ring_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+    if ring_layers is None:
+        return tuple(sorted(cache.windows))
+    missing = [lay for lay in ring_layers if lay not in cache.windows]
+    if missing:
+        raise ValueError(f"Layers {missing} have no window ring in this cache.")
+    return tuple(sorted(ring_layers))
+
+
+def snapshot_nbytes(plan: ModelPlan, pos: int, block_tokens: int,
+                    ring_layers: tuple[int, ...], kv_dtype: str = "fp4") -> dict[str, int]:
+    """The bytes `snapshot_arrays` holds for a batch-1 cache at `pos`, from the plan alone (the
+    sizes of `graph.layout`, which the bill prints), by part: `rings` (one FP8 ring per ring
+    layer), `tails` (fp32 kv + score of m x d per ratio>1 KV source), `partial` (the global
+    entries of the last incomplete block), `pointers` (position, index-K pointer, Engram
+    lookback)."""
+    from dsv41.graph.layout import KVLayout
+
+    a = plan.args
+    check_block_tokens([s.ratio for s in plan.kv_sources], block_tokens)
+    layout = KVLayout.from_plan(plan, kv_dtype=kv_dtype)
+    done = pos // block_tokens * block_tokens
+    rings = len(ring_layers) * layout.ring_bytes
+    tails = layout.tail_bytes
+    partial = sum((pos // s.ratio - done // s.ratio) * (s.main_kv_bytes + s.index_k_bytes)
+                  for s in layout.sources)
+    engram = (a.engram_max_ngram_size - 1) * 8 if a.engram_layer_ids else 0
+    return {"rings": rings, "tails": tails, "partial": partial, "pointers": 8 + 8 + engram}

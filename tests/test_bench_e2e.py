@@ -155,6 +155,8 @@ def _report(small_model) -> B.BenchReport:
                                          c.median_s, r.machine))
     r.tiers.append(B.TierRow("artifact", "cold", "cold", 8, 0.5, {"restore": 0.01,
                                                                  "prefill": 0.49}, 8, 0))
+    r.tiers.append(B.TierRow("artifact", "prefix", "prefix-new-session", 4, 0.02,
+                             {"restore": 0.005, "prefill": 0.015}, 4, 4, 8))
     r.prefill.append(B.PrefillRow("artifact", 64, (0.5,)))
     r.profile = {"context": 65536, "artifact": [{"name": "k", "calls": 2, "ms": 3.0,
                                                  "share": 0.5}]}
@@ -192,8 +194,11 @@ def test_json_table_and_plots(small_model, tmp_path):
     skipped = [c for c in d["decode"] if c["skipped"]]
     assert len(skipped) == 1 and skipped[0]["median_s"] is None
     assert d["prefill"][0]["tokens_per_s"] == pytest.approx(128.0)
+    assert d["ttft"][1]["reused_tokens"] == 8
+    assert d["ttft_new_session_speedup"] == {"artifact": pytest.approx(25.0)}
     text = B.format_report(r)
     assert "skipped compile @ 65536: projected" in text and "NOT met" in text
+    assert "prefix hit, new session" in text and "25.0x faster than the cold turn" in text
     paths = B.write_plots(r, tmp_path)
     assert [p.name for p in paths] == ["decode_vs_context.png", "phases.png"]
     assert all(p.stat().st_size > 1000 for p in paths)

@@ -61,6 +61,7 @@ def test_exact_resume_from_the_ssd_tier_equals_an_uninterrupted_run(small_model,
         logits.append(np.stack(s.turns[-1].logits))
         tiers.append(s.turns[-1].tier)
         transcript = s.transcript
+        e.close()  # drains the SSD writer before the next engine opens the folder
     assert tiers == ["cold", "snapshot-ssd", "snapshot-ssd"]
     assert toks == ref_toks
     for a, b in zip(logits, ref_logits, strict=True):
@@ -153,6 +154,7 @@ def test_bad_ssd_blocks_are_misses(small_model, tmp_path, damage):
     e = _engine(small_model, tmp_path, pool_clock=clock)
     s = e.session()
     list(s.send(_prompt(37, 1), max_new_tokens=4))
+    e.flush()  # the blocks are written in the background
     files = sorted((tmp_path / "store").rglob("*.blk"))
     keys = e.block_keys(s.history)
     victim = next(p for p in files if p.stem == keys[2])
@@ -166,6 +168,7 @@ def test_bad_ssd_blocks_are_misses(small_model, tmp_path, damage):
                                   store_dir=tmp_path / "other")
         o = other.session()
         list(o.send(_prompt(37, 1), max_new_tokens=4))
+        other.close()
         theirs = next((tmp_path / "other").rglob(f"{other.block_keys(o.history)[2]}.blk"))
         victim.write_bytes(theirs.read_bytes())
     clock.t += 601
@@ -175,6 +178,7 @@ def test_bad_ssd_blocks_are_misses(small_model, tmp_path, damage):
     st = e.stats().store
     assert {"flip": st.corrupt, "truncate": st.truncated, "foreign": st.foreign}[damage] == 1
     # deleted when detected; the turn's end wrote the block again from the rebuilt cache
+    e.flush()
     assert e.store.get(keys[2]) is not None
     assert e.stats().store.corrupt + e.stats().store.truncated + e.stats().store.foreign == 1
 

@@ -27,6 +27,7 @@ s = e.session(transcript=json.loads(transcript))
 toks = list(s.send(json.loads(ids), max_new_tokens=4, keep_logits=True))
 np.savez(out, logits=np.stack(s.turns[-1].logits), tokens=np.array(toks))
 print(s.turns[-1].tier)
+e.close()
 """
 
 
@@ -45,6 +46,7 @@ def test_exact_resume_in_a_new_process_equals_an_uninterrupted_run(engine_args, 
     store = tmp_path / "store"
     s = Engine.load(art, ckpt, exact=True, store_dir=store, page_tokens=PAGE).session()
     list(s.send(TURNS[0], max_new_tokens=4))
+    s.engine.close()  # its writer drains before the other processes open the store
     transcript = s.transcript
     for k, ids in enumerate(TURNS[1:], start=1):
         out = tmp_path / f"turn{k}.npz"
@@ -63,6 +65,7 @@ def test_snapshot_miss_replays_window_plus_suffix(engine_args, small_model, tmp_
     e = Engine.load(art, ckpt, store_dir=tmp_path / "store", page_tokens=PAGE)
     s = e.session()
     list(s.send(TURNS[0], max_new_tokens=4))  # 40 positions cached: 5 blocks
+    e.close()
     e2 = Engine.load(art, ckpt, store_dir=tmp_path / "store", page_tokens=PAGE)  # pool lost
     s2 = e2.session(transcript=s.transcript)
     list(s2.send(TURNS[1], max_new_tokens=3))

@@ -521,3 +521,111 @@ def test_invalid_construction_and_blocks(tmp_path):
         with pytest.raises(ValueError):
             s.put(key(0), bad)
     assert s.stats().writes == 0
+
+
+# -- the background writer ----------------------------------------------------------------------
+
+class GatedStore(KVStore):
+    """A store whose puts wait for `gate` and log their keys in order (test control only)."""
+
+    def __init__(self, *a, **kw):
+        import threading
+
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+        self.order: list[str] = []
+
+    def put(self, k, arrays):
+        self.gate.wait()
+        self.order.append(k)
+        return super().put(k, arrays)
+
+
+def test_writer_serves_queued_blocks_and_writes_in_submission_order(tmp_path):
+    from dsv41.runtime.kv_store import BlockWriter
+
+    clock = Clock(1000.0)
+    st = GatedStore(tmp_path, capacity_bytes=1 << 30, fingerprint=FP, min_lifetime_s=LIFE,
+                    clock=clock)
+    w = BlockWriter(st)
+    keys = [key(i) for i in range(4)]
+    src = {k: block(i) for i, k in enumerate(keys)}
+    for k in keys:
+        assert w.submit(k, src[k])
+    assert not w.submit(keys[1], src[keys[1]])  # already queued
+    src[keys[2]]["kv"][:] = 0  # the queue holds its own copy
+    assert w.lookup_prefix(keys) == 4 and w.contains(keys[3])
+    got = w.get(keys[2])
+    np.testing.assert_array_equal(got["kv"], block(2)["kv"])
+    got["kv"][:] = 7  # a fresh copy: the queue is untouched
+    np.testing.assert_array_equal(w.get(keys[2])["kv"], block(2)["kv"])
+    assert not list(tmp_path.rglob("*.blk"))  # nothing written while the gate is shut
+    assert w.stats().queued == 4 and w.stats().served_queued == 2
+    st.gate.set()
+    w.drain()
+    assert st.order == keys and list(st._index) == keys  # submission order, LRU order too
+    for i, k in enumerate(keys):
+        payload = path_of(tmp_path, k).read_bytes()[HEADER_SIZE:]
+        assert payload == encode_block(block(i))
+    s = w.stats()
+    assert (s.queued, s.submitted, s.written, s.refused, s.failed) == (0, 4, 4, 0, 0)
+    w.close()
+    with pytest.raises(ValueError, match="closed"):
+        w.submit(key(9), block(9))
+
+
+def test_writer_crash_loses_only_queued_blocks(tmp_path):
+    """A new store over the folder while blocks are still queued (what a crash leaves) sees the
+    written blocks whole and nothing of the others."""
+    from dsv41.runtime.kv_store import BlockWriter
+
+    clock = Clock(1000.0)
+    st = GatedStore(tmp_path, capacity_bytes=1 << 30, fingerprint=FP, min_lifetime_s=LIFE,
+                    clock=clock)
+    w = BlockWriter(st)
+    w.submit(key(0), block(0))
+    st.gate.set()
+    w.drain()
+    st.gate.clear()
+    w.submit(key(1), block(1))
+    w.submit(key(2), block(2))
+    after = store(tmp_path, clock)
+    assert after.lookup_prefix([key(0), key(1), key(2)]) == 1
+    np.testing.assert_array_equal(after.get(key(0))["kv"], block(0)["kv"])
+    assert after.get(key(1)) is None and not path_of(tmp_path, key(1)).exists()
+    assert after.stats().corrupt == after.stats().truncated == 0
+    st.gate.set()  # let the first writer finish before the folder goes away
+    w.close()
+
+
+def test_writer_counts_refusals_and_failures_and_goes_on(tmp_path):
+    from dsv41.runtime.kv_store import BlockWriter
+
+    clock = Clock(1000.0)
+    size = HEADER_SIZE + len(encode_block(block(0)))
+    st = store(tmp_path, clock, capacity=size)  # room for one block, none old enough to evict
+    w = BlockWriter(st)
+    w.submit(key(0), block(0))
+    w.submit(key(1), block(1))  # refused: the store is full of a young entry
+    w.submit(key(2), {"bad": np.zeros(2, np.float32)})
+    w.drain()
+    s = w.stats()
+    assert (s.written, s.refused, s.failed) == (1, 2, 0)
+    st2 = store(tmp_path / "two", clock)
+    original = st2._write
+
+    def broken(*a, **kw):
+        raise OSError("disk on fire")
+
+    st2._write = broken
+    w2 = BlockWriter(st2)
+    w2.submit(key(3), block(3))
+    w2.drain()
+    st2._write = original
+    w2.submit(key(4), block(4))
+    w2.close()
+    s2 = w2.stats()
+    assert (s2.written, s2.failed) == (1, 1) and isinstance(w2.last_error, OSError)
+    assert st2.contains(key(4)) and not st2.contains(key(3))
+    assert not list((tmp_path / "two").rglob("*.tmp"))
+    w.close()

@@ -18,6 +18,7 @@ from dsv41.compiler.cli import main
 from dsv41.graph.cache import new_cache
 from dsv41.graph.ledger import (
     SWITCHES,
+    Ledger,
     LedgerOptions,
     compare_logits,
     format_ledger,
@@ -273,3 +274,21 @@ def test_switches_survive_export(small_case, small_model):
         assert torch.equal(out[0], ref.logits), sw
         for k, sel in zip(selection_keys(m.plan), out[1:], strict=False):
             assert torch.equal(sel, ref.selections[k]), (sw, k)
+
+
+def test_decoder_carry_switch_reports_both_designs(small_case, small_model):
+    """Two turns of 30 tokens. A suffix of at least `window` (16) tokens rebuilds every decoder
+    ring entry decoding reads under both designs, so carry-over and the released replay agree
+    exactly; a shorter suffix leaves carry-over reading the first turn's rings, so they differ."""
+    m = small_model
+    short, long_ = (run_ledger(m, LedgerOptions(contexts=(30,), decode=2, suffix=k,
+                                                switches=("decoder_carry",))).records[0]
+                    for k in (4, 20))
+    for r in (short, long_):
+        assert r.switch == "decoder_carry" and r.positions == 3 and r.sel_overlap is None
+        assert r.released_kl_mean is not None and 0 <= r.released_top1 <= 1
+    assert long_.kl_mean == long_.released_kl_mean and long_.top1 == long_.released_top1
+    assert short.kl_mean != short.released_kl_mean
+    text = format_ledger(Ledger(LedgerOptions(contexts=(30,), switches=("decoder_carry",)),
+                                [short]))
+    assert "decoder_carry at 30: carry-over KL mean" in text

@@ -210,3 +210,35 @@ def test_bad_put_arguments():
     assert p.stats().entries == 0
     with pytest.raises(ValueError):
         p.get("")
+
+
+def test_expired_entries_are_freed_on_schedule_without_a_put_needing_room():
+    clock = Clock(0.0)
+    backend = InProcessBackend()
+    p = SnapshotPool(backend, budget_bytes=10 * SIZE, ttl_s=10.0, clock=clock,
+                     sweep_interval_s=2.0)
+    p.put("a", state(0), {})  # sweeps at t = 0 (nothing there yet)
+    clock.t = 1.0
+    p.put("b", state(1), {})  # plenty of room, and no sweep is due (1 s < 2 s)
+    clock.t = 10.5  # a has expired, b has not
+    assert p.contains("b") and not p.contains("a")  # the sweep this call ran freed a
+    assert backend.keys() == ["b"] and backend.bytes() == SIZE
+    st = p.stats()
+    assert (st.entries, st.bytes, st.expired, st.hits, st.misses) == (1, SIZE, 1, 0, 0)
+    clock.t = 11.0  # b expires; the last sweep was at 10.5, so none is due yet
+    assert not p.contains("b") and backend.keys() == ["b"]
+    clock.t = 12.5
+    assert p.stats().entries == 0 and p.stats().expired == 2  # the stats call swept
+
+
+def test_default_budget_is_a_tenth_of_host_memory():
+    import psutil
+
+    from dsv41.runtime.snapshot_pool import default_budget_bytes
+
+    total = psutil.virtual_memory().total
+    assert default_budget_bytes() == int(total * 0.10)
+    assert SnapshotPool(ttl_s=1.0).budget_bytes == default_budget_bytes()
+    assert SnapshotPool(budget_bytes=123, ttl_s=1.0).budget_bytes == 123
+    with pytest.raises(ValueError, match="sweep_interval_s"):
+        SnapshotPool(budget_bytes=1, sweep_interval_s=-1.0)
