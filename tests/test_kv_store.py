@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from dsv41.runtime import kv_store
-from dsv41.runtime.store_folder import MARKER_NAME
 from dsv41.runtime.kv_store import (
     HEADER_SIZE,
     MAGIC,
@@ -22,6 +21,7 @@ from dsv41.runtime.kv_store import (
     encode_block,
     model_fingerprint,
 )
+from dsv41.runtime.store_folder import MARKER_NAME
 
 FP = model_fingerprint("cfg-a", "weights-a", 1)
 FP_OTHER = model_fingerprint("cfg-b", "weights-a", 1)
