@@ -365,6 +365,7 @@ class _Turn:
     tokens: list[int] = field(default_factory=list)
     next_token: int = -1
     done: bool = False
+    ended: bool = False  # Session._end ran: stored, its last token pending
 
     def sample(self, logits: torch.Tensor) -> None:
         """Choose the next token from fp32 logits (vocab,)."""
@@ -557,6 +558,8 @@ class Session:
         return e.phases.ced_prefill(e.model, cache, tokens)
 
     def _decode(self, turn: _Turn) -> Iterator[int]:
+        if turn.ended:  # ended before it was read (by the next send, or close): nothing to do
+            return
         e = self.engine
         t = time.perf_counter()
         try:
@@ -584,6 +587,7 @@ class Session:
         turn.record.seconds["offload"] = time.perf_counter() - t
         self.turns.append(turn.record)
         self._gen = None
+        turn.ended = True
 
     def _offload(self) -> None:
         e, b = self.engine, self.engine.options.page_tokens
