@@ -186,6 +186,9 @@ class Engine:
         self._check_open()
         a = self.model.args
         ids = check_transcript(transcript, vocab_size=a.vocab_size, max_seq_len=a.max_seq_len)
+        if ids and self.store is None:
+            raise RequestError("Resuming a transcript needs an SSD store (store_dir): without "
+                               "one, nothing outside a live session holds its history.")
         s = Session(self, self._next_id)
         if ids:
             s.history, s.pending = list(ids[:-1]), ids[-1]

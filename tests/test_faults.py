@@ -176,7 +176,7 @@ def test_state_record_of_another_page_size_is_not_served(small_model, tmp_path):
         r = e16.session(transcript=transcript)
         got = list(r.send([7], max_new_tokens=2, keep_logits=True))
         assert r.turns[-1].tier == "cold"
-    with _engine(small_model, exact=True, page_tokens=16) as ref:
+    with _engine(small_model, tmp_path / "ref", exact=True, page_tokens=16) as ref:
         want = list(ref.session(transcript=transcript).send([7], max_new_tokens=2))
     assert got == want
 
@@ -467,6 +467,8 @@ def test_bad_arguments_are_refused_before_any_work(small_model):
         s.send(_prompt(100), max_new_tokens=29)
     with pytest.raises(RequestError, match="transcript"):
         e.session(transcript=_prompt(129))
+    with pytest.raises(RequestError, match="needs an SSD store"):
+        e.session(transcript=_prompt(9))  # nothing else could hold its history
     assert s.history == [] and s.cache is None and sum(e.stats().tiers.values()) == 0
     assert e.stats().tokens["prefilled"] == 0
 
