@@ -320,10 +320,14 @@ class Engine:
         from dsv41.graph.cache import select_sequences, stack_caches
 
         checked = self._check_requests(requests)  # all of them, before any prefill
+        # the batch decodes every cache at the longest one's capacity: each is reserved (and
+        # counted against the budget) at that size before its prefill, so stacking grows nothing
+        longest = max((s._positions(req) for (s, _, _), req in zip(requests, checked,
+                                                                     strict=True)), default=0)
         turns: list[_Turn] = []
         try:
             for (s, _, _), req in zip(requests, checked, strict=True):
-                turns.append(s._begin(req))
+                turns.append(s._begin(req, positions=longest))
         except BaseException:  # the turns already begun end as usual: nothing is lost
             for (s, _, _), t in zip(requests, turns, strict=False):
                 s._end(t)
@@ -451,11 +455,18 @@ class Session:
         cached = len(self.history) + (self.pending is not None)
         return check_turn(token_ids, TurnLimits(a.vocab_size, a.max_seq_len, cached), **options)
 
-    def _begin(self, req: TurnRequest) -> _Turn:
+    def _positions(self, req: TurnRequest) -> int:
+        """The cache positions the turn needs (the last sampled token is never fed)."""
+        return len(self.history) + (self.pending is not None) + len(req.token_ids) \
+            + req.max_new_tokens + 1
+
+    def _begin(self, req: TurnRequest, *, positions: int = 0) -> _Turn:
+        """positions: reserve at least this many (send_many's batch size); 0: the turn's own."""
         e = self.engine
         fresh = ([] if self.pending is None else [self.pending]) + list(req.token_ids)
         max_new_tokens = req.max_new_tokens
-        e.admit(self, len(self.history) + len(fresh) + max_new_tokens + 1)
+        positions = max(positions, self._positions(req))
+        e.admit(self, positions)
         gen = torch.Generator().manual_seed(0 if req.seed is None else req.seed)
         rec = TurnRecord(self.id, len(self.turns) + 1, "", 0, 0, 0, 0, 0, 0)
         turn = _Turn(rec, max_new_tokens, req.stop, req.temperature, gen, req.keep_logits)
@@ -465,7 +476,7 @@ class Session:
         rec.tier, rec.cached_blocks = tier, nblocks
         t = time.perf_counter()
         try:
-            e.reserve(cache, len(self.history) + len(fresh) + max_new_tokens + 1)
+            e.reserve(cache, positions)
             self.cache = cache
             res = self._prefill(cache, tier, nblocks, fresh, rec)
         except Exception:

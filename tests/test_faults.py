@@ -430,6 +430,14 @@ def test_budget_covers_each_sessions_first_page(small_model):
                      (y, _prompt(4, 2), {"max_new_tokens": 2})])
     assert (len(x.turns), len(x.history), y.history) == (1, 4, [])
     assert x.pending is not None and e.runtime_bytes() == one
+    # the batch decodes every cache at the longest one's capacity: that is what is counted
+    per_page = e.cache_bytes(2 * PAGE) - one
+    e = _engine(small_model, cache_budget_bytes=2 * one + 2 * per_page + per_page // 2)
+    long, short = e.session(), e.session()
+    with pytest.raises(CacheFullError):  # 3 + 3 pages at the longest; 3 + 1 fit alone
+        e.send_many([(long, _prompt(20, 1), {"max_new_tokens": 2}),
+                     (short, _prompt(3, 2), {"max_new_tokens": 1})])
+    assert e.runtime_bytes() == one + 2 * per_page <= e.options.cache_budget_bytes
 
 
 @pytest.mark.parametrize("budget", [0, 1000])
