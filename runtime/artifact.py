@@ -69,19 +69,20 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
     if m.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{d}: artifact format {m.get('format_version')}, this runtime "
                             f"reads {FORMAT_VERSION}. Recompile it.")
-    if m.get("manifest_sha256") != manifest_digest(m):
-        raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
-                            "corrupted). Recompile or restore it.")
-    target = m.get("target", {}).get("name")
+    target = m["target"].get("name") if isinstance(m.get("target"), dict) else None
     if target not in target_names():
         raise ArtifactError(f"{d}: unknown target {target!r} (known: "
                             f"{', '.join(target_names())}).")
     if check_device and get_target(target).is_cuda and not tvm.cuda().exist:
         raise ArtifactError(f"{d} is built for {target}, and this machine has no CUDA GPU.")
-    built = m.get("versions", {}).get("tvm")
+    built = m["versions"].get("tvm") if isinstance(m.get("versions"), dict) else None
     if built != tvm.__version__:
         raise ArtifactError(f"{d} was built with TVM {built}; this process has "
                             f"{tvm.__version__}. Recompile it.")
+    # every field accepted below is covered (the refusals above hold whatever the digest says)
+    if m.get("manifest_sha256") != manifest_digest(m):
+        raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
+                            "corrupted). Recompile or restore it.")
     for name, digest in m.get("files", {}).items():
         p = d / name
         if not p.is_file():
