@@ -324,6 +324,8 @@ class Engine:
         # counted against the budget) at that size before its prefill, so stacking grows nothing
         longest = max((s._positions(req) for (s, _, _), req in zip(requests, checked,
                                                                      strict=True)), default=0)
+        for s, _, _ in requests:
+            s._finish_open_turn()  # a turn `send` left unfinished ends (and is stored) first
         turns: list[_Turn] = []
         try:
             for (s, _, _), req in zip(requests, checked, strict=True):
@@ -452,7 +454,9 @@ class Session:
             raise RequestError(f"Session {self.id} is closed.")
         self.engine._check_open()
         a = self.engine.model.args
-        cached = len(self.history) + (self.pending is not None)
+        # an unfinished turn's last token becomes pending when it ends (before this one begins)
+        open_token = self._gen is not None and bool(self._open.tokens)
+        cached = len(self.history) + (self.pending is not None or open_token)
         return check_turn(token_ids, TurnLimits(a.vocab_size, a.max_seq_len, cached), **options)
 
     def _positions(self, req: TurnRequest) -> int:
