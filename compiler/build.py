@@ -20,10 +20,10 @@ import torch
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
+from dsv41.runtime.artifact import FORMAT_VERSION  # the manifest format the runtime reads
 
 from .capture import ENTRIES, cache_names, capture, entry_outputs
 
-FORMAT_VERSION = 1
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 ROWS_HINT = {"decode": 1, "draft": 4}  # GEMM schedule hint: rows per call (None: prefill)
 
@@ -356,7 +356,7 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         f"({', '.join(entries)}); weights are not inside: load them with "
         "`dsv41.runtime.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
         "`manifest.json` (checksums, config, target, TVM version) first.\n")
-    from dsv41.runtime.artifact import sha256_file
+    from dsv41.runtime.artifact import manifest_digest, sha256_file
 
     files = {p.name: sha256_file(p) for p in sorted(out.iterdir())
              if p.is_file() and p.name != "manifest.json"}
@@ -379,6 +379,7 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         "created_unix": int(time.time()),
         "built_on": os.uname().nodename,
     }
+    manifest["manifest_sha256"] = manifest_digest(manifest)  # covers every field above
     path = out / "manifest.json"
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))

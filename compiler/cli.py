@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 DEFAULT_CHECKPOINTS = Path("artifacts") / "checkpoints"
@@ -181,26 +182,24 @@ def cmd_bench(ns, rest: list[str]) -> int:
 
 
 def cmd_run(ns) -> int:
-    from dsv41.runtime.agent_loop import (
-        CED_ENTRIES,
-        EXACT_ENTRIES,
-        AgentLoopConfig,
-        run_agent_loop,
-    )
+    from dsv41.runtime.agent_loop import AgentLoopConfig, run_agent_loop
+    from dsv41.runtime.artifact import CED_ENTRIES, EXACT_ENTRIES
 
     _print_args("run", ns)
     ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
+    cfg = AgentLoopConfig(
+        checkpoint=ckpt, artifact=None, store_dir=None if ns.store is None else Path(ns.store),
+        context=ns.context, turns=ns.turns, suffix=ns.suffix, decode=ns.decode, exact=ns.exact,
+        restart_between_turns=ns.restart_between_turns, keep_store=ns.keep_store,
+        page_tokens=ns.page_tokens, seed=ns.seed)
+    cfg.validate()  # arguments and the store folder, before anything is compiled
     artifact = None
     if ns.backend == "artifact":
         artifact = ensure_artifact(ckpt, ns.preset, ns.target,
                                    EXACT_ENTRIES if ns.exact else CED_ENTRIES, Path(ns.out))
     elif ns.backend != "torch":
         raise ValueError(f"--backend must be artifact or torch, got {ns.backend!r}.")
-    run_agent_loop(AgentLoopConfig(
-        checkpoint=ckpt, artifact=artifact, store_dir=Path(ns.store), context=ns.context,
-        turns=ns.turns, suffix=ns.suffix, decode=ns.decode, exact=ns.exact,
-        restart_between_turns=ns.restart_between_turns, keep_store=ns.keep_store,
-        page_tokens=ns.page_tokens, seed=ns.seed))
+    run_agent_loop(replace(cfg, artifact=artifact))
     return 0
 
 
@@ -401,11 +400,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--backend", default="artifact", help="artifact (compiled) | torch")
     sp.add_argument("--target", default="cpu", help="the artifact's target")
     sp.add_argument("--out", default="artifacts", help="where artifacts live")
-    sp.add_argument("--store", default="artifacts/run-store", help="the SSD store's folder")
+    sp.add_argument("--store", default=None,
+                    help="the SSD store's folder: new or empty, or a store to continue with "
+                         "--keep-store (default: a fresh temporary store, removed at the end)")
     sp.add_argument("--page-tokens", type=int, default=64,
                     help="runtime-cache page and SSD block, in positions")
     sp.add_argument("--keep-store", action="store_true",
-                    help="start from the store's contents (default: a fresh store per run)")
+                    help="continue from the --store folder's contents (without it that folder "
+                         "must be new or empty; dsv41 run never deletes a folder)")
     sp.set_defaults(func=cmd_run)
 
     sp = sub.add_parser("ledger", help="each approximation's cost against exact mode")

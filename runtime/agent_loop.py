@@ -5,13 +5,18 @@ artifact, with the SSD and DRAM tiers.
 Per turn it prints the tokens prefilled, replayed and decoded, the tier that served the turn,
 the bytes in each tier and the time per phase. `--restart-between-turns` throws the engine away
 after every turn (a new process would see the same: only the SSD store survives), so turns are
-served by the SSD tier: bounded replay, or in exact mode the SSD state record."""
+served by the SSD tier: bounded replay, or in exact mode the SSD state record.
+
+The store: without `store_dir` the run uses a fresh store in a temporary folder of its own,
+removed at the end. With `store_dir`, the folder must be new or empty, or with `keep_store` a
+store (marked folder) to continue from; anything else is refused before any work, and the run
+never deletes a folder."""
 
 from __future__ import annotations
 
-import shutil
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +26,12 @@ from dsv41.graph.bill import make_bill
 
 from .engine import Engine, TurnRecord
 
-CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")
-EXACT_ENTRIES = ("prefill", "decode")
-
 
 @dataclass(frozen=True)
 class AgentLoopConfig:
     checkpoint: Path
     artifact: Path | None  # None: the PyTorch graph's phases
-    store_dir: Path
+    store_dir: Path | None  # None: a fresh store of its own, removed at the end
     context: int = 512  # tokens of system + repository context
     turns: int = 3
     suffix: int = 32  # new tool-output tokens per turn
@@ -41,9 +43,30 @@ class AgentLoopConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        for name in ("context", "turns", "suffix", "decode"):
+        """Every argument, the model's length and the store folder, before any work."""
+        from dsv41.graph.checkpoint import checkpoint_config
+
+        from .kv_store import FORMAT_VERSION, STORE_KIND
+        from .store_folder import check_folder
+
+        for name in ("context", "turns", "suffix", "decode", "page_tokens"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                                 f"{getattr(self, name)}.")
+        a = checkpoint_config(self.checkpoint)
+        total = self.context + self.turns * (self.suffix + self.decode) + 1
+        if total > a.max_seq_len:
+            raise ValueError(f"--context/--turns/--suffix/--decode reach {total} positions; the "
+                             f"model's max_seq_len is {a.max_seq_len}.")
+        if self.store_dir is None:
+            if self.keep_store:
+                raise ValueError("--keep-store needs --store DIR (the store to continue).")
+            return
+        is_store = check_folder(self.store_dir, kind=STORE_KIND, version=FORMAT_VERSION)
+        if is_store and not self.keep_store:
+            raise ValueError(f"{self.store_dir} holds a store from an earlier run; pass "
+                             "--keep-store to continue from it, or give a new folder (dsv41 run "
+                             "never deletes a folder).")
 
 
 def _engine(cfg: AgentLoopConfig) -> Engine:
@@ -63,18 +86,19 @@ def _mb(n: int) -> str:
 
 def run_agent_loop(cfg: AgentLoopConfig) -> list[TurnRecord]:
     cfg.validate()
-    if not cfg.keep_store and cfg.store_dir.exists():
-        shutil.rmtree(cfg.store_dir)
+    if cfg.store_dir is not None:
+        return _play(cfg)
+    with tempfile.TemporaryDirectory(prefix="dsv41-run-") as tmp:  # ours: removed at the end
+        return _play(replace(cfg, store_dir=Path(tmp) / "store"))
+
+
+def _play(cfg: AgentLoopConfig) -> list[TurnRecord]:
     t0 = time.time()
     engine = _engine(cfg)
     a = engine.model.args
     print(f"model: {cfg.checkpoint} ({a.n_layers} layers, dim {a.dim}, window {a.window_size}); "
           f"backend: {engine.backend}; {'exact' if cfg.exact else 'CED'} mode; SSD store "
           f"{cfg.store_dir}; load {time.time() - t0:.1f} s")
-    total = cfg.context + cfg.turns * (cfg.suffix + cfg.decode) + 1
-    if total > a.max_seq_len:
-        raise ValueError(f"--context/--turns/--suffix/--decode reach {total} positions; the "
-                         f"model's max_seq_len is {a.max_seq_len}.")
     rng = np.random.default_rng(cfg.seed)
     low, high = 3, a.vocab_size - 1  # never the special ids or the DSpark noise token
     session = engine.session()
@@ -82,7 +106,8 @@ def run_agent_loop(cfg: AgentLoopConfig) -> list[TurnRecord]:
     for turn in range(cfg.turns):
         if turn and cfg.restart_between_turns:
             transcript = session.transcript
-            engine.close()  # its SSD writer drains: the folder is the next engine's alone
+            engine.close()  # drains its SSD writer and lets the folder's lock go: the next
+            # engine takes the store over
             engine = _engine(cfg)
             session = engine.session(transcript=transcript)
         n_new = cfg.context if turn == 0 else cfg.suffix

@@ -1,8 +1,12 @@
 """Load a compiled artifact: verify its manifest, bind weights, call entries on torch tensors.
 
-Nothing is compiled here. A tampered or missing file, another model's config, an unknown target,
-a target this process cannot run, or a different TVM version is an `ArtifactError` that says
-which.
+Nothing is compiled here. A tampered or missing file, an edited manifest, another model's
+config, an unknown target, a target this process cannot run, or a different TVM version is an
+`ArtifactError` that says which.
+
+`manifest.json` carries `manifest_sha256`: the sha256 of the canonical JSON of every other field
+(`manifest_digest`), so each field the runtime trusts (the config, each entry's inputs, outputs,
+cache names and parameter order, the file checksums) is covered; the loader recomputes it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest_sha256
+CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")  # what a CED engine runs
+EXACT_ENTRIES = ("prefill", "decode")  # an exact engine (prefill_all serves for prefill)
 
 
 class ArtifactError(ValueError):
@@ -31,14 +37,24 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces) of every field but the digest."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
 def read_manifest(artifact_dir: str | Path) -> dict:
     path = Path(artifact_dir) / "manifest.json"
     if not path.is_file():
         raise ArtifactError(f"{artifact_dir} is not a dsv41 artifact: no manifest.json.")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path} is not valid JSON ({e}).") from e
+    if not isinstance(m, dict):
+        raise ArtifactError(f"{path} does not hold a manifest (a JSON object).")
+    return m
 
 
 def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
@@ -52,17 +68,21 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
     m = read_manifest(d)
     if m.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(f"{d}: artifact format {m.get('format_version')}, this runtime "
-                            f"reads {FORMAT_VERSION}.")
-    target = m.get("target", {}).get("name")
+                            f"reads {FORMAT_VERSION}. Recompile it.")
+    target = m["target"].get("name") if isinstance(m.get("target"), dict) else None
     if target not in target_names():
         raise ArtifactError(f"{d}: unknown target {target!r} (known: "
                             f"{', '.join(target_names())}).")
     if check_device and get_target(target).is_cuda and not tvm.cuda().exist:
         raise ArtifactError(f"{d} is built for {target}, and this machine has no CUDA GPU.")
-    built = m.get("versions", {}).get("tvm")
+    built = m["versions"].get("tvm") if isinstance(m.get("versions"), dict) else None
     if built != tvm.__version__:
         raise ArtifactError(f"{d} was built with TVM {built}; this process has "
                             f"{tvm.__version__}. Recompile it.")
+    # every field accepted below is covered (the refusals above hold whatever the digest says)
+    if m.get("manifest_sha256") != manifest_digest(m):
+        raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
+                            "corrupted). Recompile or restore it.")
     for name, digest in m.get("files", {}).items():
         p = d / name
         if not p.is_file():
@@ -81,6 +101,44 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
         if f"{entry}.so" not in m.get("files", {}):
             raise ArtifactError(f"{d}: entry {entry} has no library in the manifest.")
     return m
+
+
+def engine_entries(art: Artifact, *, exact: bool) -> tuple[str, ...]:
+    """The entries an engine of this mode runs, or ArtifactError naming the missing ones."""
+    have = set(art.entries)
+    wanted = EXACT_ENTRIES if exact else CED_ENTRIES
+    got = tuple("prefill_all" if e == "prefill" and e not in have and "prefill_all" in have
+                else e for e in wanted)
+    missing = [e for e in got if e not in have]
+    if missing:
+        mode = "an exact engine" if exact else "a CED engine (exact=False)"
+        raise ArtifactError(f"{art.path} lacks the entries {', '.join(missing)} that {mode} "
+                            f"runs (it has {', '.join(sorted(have))}); compile them with "
+                            f"`dsv41 compile --entries {','.join(missing)}`.")
+    return got
+
+
+def check_checkpoint_config(art: Artifact, checkpoint_dir: str | Path) -> None:
+    """The checkpoint's own config.json must be the artifact's config: ArtifactError naming the
+    differing fields, or saying it is missing or unreadable."""
+    from dsv41.graph.checkpoint import checkpoint_config
+
+    path = Path(checkpoint_dir)
+    if not (path / "config.json").is_file() and not (path.is_file() and
+                                                      (path.parent / "config.json").is_file()):
+        raise ArtifactError(f"Checkpoint {path} has no config.json; the runtime does not load "
+                            "weights whose config it cannot compare with the artifact's.")
+    try:
+        ckpt = checkpoint_config(path)
+    except ValueError as e:
+        raise ArtifactError(f"Checkpoint {path}: its config.json is invalid ({e}).") from e
+    if ckpt.config_hash() != art.args.config_hash():
+        mine, theirs = ckpt.to_dict(), art.args.to_dict()
+        diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        shown = ", ".join(f"{k} (checkpoint {mine.get(k)!r}, artifact {theirs.get(k)!r})"
+                          for k in diff[:6])
+        raise ArtifactError(f"Checkpoint {path} has another config than artifact {art.path}: "
+                            f"{shown or 'fields'}{' ...' if len(diff) > 6 else ''}.")
 
 
 def _to_tvm(t: torch.Tensor):
@@ -148,6 +206,9 @@ class Artifact:
 
     def call(self, entry: str, inputs) -> list[torch.Tensor]:
         """Run an entry on its user inputs (torch tensors, nested pairs flattened in order)."""
+        if entry not in self.manifest["entries"]:
+            raise ArtifactError(f"The artifact {self.path} has no entry {entry!r} (it has "
+                                f"{', '.join(self.entries)}).")
         if entry not in self._params:
             raise ArtifactError("Call Artifact.bind(model) before running entries.")
         flat = []

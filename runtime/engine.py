@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,15 @@ from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
 from dsv41.graph.phases import resume_tail
 
+from .requests import (
+    RequestError,
+    TurnLimits,
+    TurnRequest,
+    check_options,
+    check_transcript,
+    check_turn,
+)
+from .salt import KeySalt
 from .state import (
     block_arrays,
     check_block_tokens,
@@ -121,19 +131,34 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Model, phases, *, weights_hash: str, options: EngineOptions,
-                 backend: str):
-        from .kv_store import BlockWriter, KVStore, model_fingerprint
+                 backend: str, backend_id: str = "graph"):
+        from .kv_store import BlockWriter, KVStore
         from .snapshot_pool import SnapshotPool
 
         self.model, self.phases, self.options, self.backend = model, phases, options, backend
-        # salts every key: the config, the weights and the record format
-        self._salt = model_fingerprint(model.args.config_hash(), weights_hash, FORMAT_VERSION)
         self._pad = model.engram.pad_id if model.engram is not None else None
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
         # what a snapshot holds, and the tag that salts its keys (other layouts never match)
         carry = options.exact or options.decoder_carry
         self._ring_layers = snapshot_ring_layers(model.plan, all_rings=carry)
         self._local_tag = "exact" if options.exact else "carry" if carry else "replay"
+        # salts every key: everything that changes what a stored record means (runtime/salt.py)
+        self.key_salt = KeySalt(
+            config_hash=model.args.config_hash(), weights_hash=weights_hash,
+            record_format=FORMAT_VERSION, page_tokens=options.page_tokens, exact=options.exact,
+            decoder_carry=bool(options.decoder_carry),
+            switches=tuple(sorted(model.switches().items())), backend=backend_id)
+        self._salt = self.key_salt.fingerprint()
+        one_page = self._fresh_cache()
+        self._first_page = sum(one_page.nbytes().values())  # everything, with its first page
+        self._page_bytes = sum(t.nbytes for st in one_page.stores.values()
+                               for t in (st.kv_codes, st.kv_scales, st.k_codes, st.k_scales)
+                               if t is not None)  # each further page
+        self.closed = False
+        if self._first_page > options.cache_budget_bytes:
+            raise ValueError(f"cache_budget_bytes={options.cache_budget_bytes:,} cannot hold one "
+                             f"session's first page ({self._first_page:,} bytes with pages of "
+                             f"{options.page_tokens} positions); raise it or lower page_tokens.")
         self.store = self.blocks = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
@@ -153,15 +178,19 @@ class Engine:
     @classmethod
     def load(cls, artifact_dir: str | Path, checkpoint_dir: str | Path, **options) -> Engine:
         """A compiled artifact (verified against its manifest) and the checkpoint's weights."""
-        from .artifact import Artifact
+        from .artifact import Artifact, check_checkpoint_config, engine_entries
         from .compiled import CompiledPhases
+        from .salt import artifact_backend
 
         opts = EngineOptions(**options)
         art = Artifact.load(artifact_dir)
+        entries = engine_entries(art, exact=opts.exact)  # refused before any weight is read
+        check_checkpoint_config(art, checkpoint_dir)
         model = Model.from_checkpoint(checkpoint_dir, art.args)
         return cls(model, CompiledPhases(art, model, threads=opts.threads),
                    weights_hash=weights_fingerprint(checkpoint_dir),
-                   options=opts, backend=f"artifact {Path(artifact_dir)}")
+                   options=opts, backend=f"artifact {Path(artifact_dir)}",
+                   backend_id=artifact_backend(art.manifest, entries))
 
     @classmethod
     def from_model(cls, model: Model, *, weights_hash: str, **options) -> Engine:
@@ -176,13 +205,40 @@ class Engine:
     def session(self, transcript: Sequence[int] = ()) -> Session:
         """A new conversation, or one resumed from its transcript (every token sent and
         generated so far; the tiers are looked up for it at the first turn)."""
+        self._check_open()
+        a = self.model.args
+        ids = check_transcript(transcript, vocab_size=a.vocab_size, max_seq_len=a.max_seq_len)
+        if ids and self.store is None:
+            raise RequestError("Resuming a transcript needs an SSD store (store_dir): without "
+                               "one, nothing outside a live session holds its history.")
         s = Session(self, self._next_id)
-        if len(transcript):
-            ids = s._check_ids(transcript)
-            s.history, s.pending = ids[:-1], ids[-1]
+        if ids:
+            s.history, s.pending = list(ids[:-1]), ids[-1]
         self.sessions[s.id] = s
         self._next_id += 1
         return s
+
+    def close(self) -> None:
+        """End every session (each turn in flight is stored), drain and stop the SSD writer, and
+        let the store's folder go (another engine or process may open it). The engine serves
+        nothing after."""
+        for s in list(self.sessions.values()):
+            s.close()
+        if self.blocks is not None:
+            self.blocks.close()
+        if self.store is not None:
+            self.store.close()
+        self.closed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RequestError("The engine is closed.")
 
     def stats(self) -> EngineStats:
         live = [s.cache for s in self.sessions.values() if s.cache is not None]
@@ -203,14 +259,6 @@ class Engine:
         """Wait until every queued SSD block is written."""
         if self.blocks is not None:
             self.blocks.drain()
-
-    def close(self) -> None:
-        """End every session (each turn in flight is stored), then drain and stop the SSD
-        writer. A store folder must be closed before another engine opens it."""
-        for s in list(self.sessions.values()):
-            s.close()
-        if self.blocks is not None:
-            self.blocks.close()
 
     def runtime_bytes(self) -> int:
         live = [s.cache for s in self.sessions.values() if s.cache is not None]
@@ -260,9 +308,25 @@ class Engine:
     def _fresh_cache(self) -> ModelCache:
         return new_cache(self.model.plan, 1, self.options.page_tokens, engram_pad=self._pad)
 
+    def cache_bytes(self, tokens: int) -> int:
+        """The bytes of one session's cache grown to hold `tokens` positions (whole pages)."""
+        pages = max(1, -(-tokens // self.options.page_tokens))
+        return self._first_page + (pages - 1) * self._page_bytes
+
+    def admit(self, session: Session, tokens: int) -> None:
+        """Refuse (CacheFullError) a turn whose cache of `tokens` positions would not fit in the
+        budget, before anything is restored or allocated."""
+        if session.cache is not None:
+            return  # live: `reserve` counts its growth
+        need, used = self.cache_bytes(tokens), self.runtime_bytes()
+        if used + need > self.options.cache_budget_bytes:
+            raise CacheFullError(
+                f"The runtime cache needs {need:,} more bytes for {tokens} positions; "
+                f"{used:,} of its {self.options.cache_budget_bytes:,} are in use.")
+
     def reserve(self, cache: ModelCache, tokens: int) -> None:
-        """Grow a live cache to the pages `tokens` positions need, within the byte budget; on
-        refusal nothing changes."""
+        """Grow a cache to the pages `tokens` positions need, within the byte budget (a cache
+        that no session holds yet counts whole); on refusal nothing changes."""
         page = self.options.page_tokens
         want = -(-tokens // page) * page
         have = min(st.capacity * st.ratio for st in cache.stores.values()) \
@@ -274,6 +338,9 @@ class Engine:
                     for t in (st.kv_codes, st.kv_scales, st.k_codes, st.k_scales)
                     if t is not None and t.size(1))
         used = self.runtime_bytes()
+        held = cache is self._stacked or any(s.cache is cache for s in self.sessions.values())
+        if not held:
+            extra += sum(cache.nbytes().values())
         if used + extra > self.options.cache_budget_bytes:
             raise CacheFullError(
                 f"The runtime cache needs {extra:,} more bytes for {want} positions; "
@@ -282,15 +349,44 @@ class Engine:
 
     # ---- batched decode -------------------------------------------------------------------------
 
+    def _check_requests(self, requests) -> list[TurnRequest]:
+        if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
+            raise RequestError("send_many takes a sequence of (session, token_ids, options).")
+        out, seen = [], set()
+        for n, item in enumerate(requests):
+            if not isinstance(item, tuple | list) or len(item) != 3:
+                raise RequestError(f"Request {n} must be (session, token_ids, options).")
+            s, ids, kw = item
+            if not isinstance(s, Session) or s.engine is not self:
+                raise RequestError(f"Request {n}: the session belongs to another engine (other "
+                                   "weights, other tiers); use that engine's send_many.")
+            if id(s) in seen:
+                raise RequestError("A session may appear once in send_many.")
+            seen.add(id(s))
+            out.append(s._request(ids, **check_options(kw)))
+        return out
+
     def send_many(self, requests: Sequence[tuple[Session, Sequence[int], dict]]) -> list[list[int]]:
         """One turn for each of several sessions: their prefills one by one, then their decode
         steps together in one batch (sequences at different lengths). Returns each session's
         tokens."""
         from dsv41.graph.cache import select_sequences, stack_caches
 
-        if len({id(s) for s, _, _ in requests}) != len(requests):
-            raise ValueError("A session may appear once in send_many.")
-        turns = [s._begin(ids, **kw) for s, ids, kw in requests]
+        checked = self._check_requests(requests)  # all of them, before any prefill
+        # the batch decodes every cache at the longest one's capacity: each is reserved (and
+        # counted against the budget) at that size before its prefill, so stacking grows nothing
+        longest = max((s._positions(req) for (s, _, _), req in zip(requests, checked,
+                                                                     strict=True)), default=0)
+        for s, _, _ in requests:
+            s._finish_open_turn()  # a turn `send` left unfinished ends (and is stored) first
+        turns: list[_Turn] = []
+        try:
+            for (s, _, _), req in zip(requests, checked, strict=True):
+                turns.append(s._begin(req, positions=longest))
+        except BaseException:  # the turns already begun end as usual: nothing is lost
+            for (s, _, _), t in zip(requests, turns, strict=False):
+                s._end(t)
+            raise
         active = [i for i, t in enumerate(turns) if not t.done]
         t0 = time.perf_counter()
         while active:
@@ -342,6 +438,7 @@ class _Turn:
     tokens: list[int] = field(default_factory=list)
     next_token: int = -1
     done: bool = False
+    ended: bool = False  # Session._end ran: stored, its last token pending
 
     def sample(self, logits: torch.Tensor) -> None:
         """Choose the next token from fp32 logits (vocab,)."""
@@ -375,7 +472,9 @@ class Session:
         self.turns: list[TurnRecord] = []
         self.closed = False
         self._gen = None
+        self._open: _Turn | None = None  # the turn `_gen` plays
         self._snapshot: str | None = None  # the pool key of this session's last snapshot
+        self.uid = uuid.uuid4().hex  # names the session in its snapshot key
 
     @property
     def transcript(self) -> list[int]:
@@ -388,54 +487,57 @@ class Session:
              keep_logits: bool = False) -> Iterator[int]:
         """Prefill the new tokens and yield up to `max_new_tokens` decoded tokens (stopping
         after a token in `stop`). The turn's record is `session.turns[-1]`."""
-        if self._gen is not None:
-            self._gen.close()  # an abandoned turn ends (and is stored) before the next starts
-        turn = self._begin(token_ids, max_new_tokens=max_new_tokens, stop=stop,
-                           temperature=temperature, seed=seed, keep_logits=keep_logits)
-        self._gen = self._decode(turn)
+        req = self._request(token_ids, max_new_tokens=max_new_tokens, stop=stop,
+                            temperature=temperature, seed=seed, keep_logits=keep_logits)
+        self._finish_open_turn()  # an abandoned turn ends (and is stored) before the next starts
+        turn = self._begin(req)
+        self._gen, self._open = self._decode(turn), turn
         return self._gen
 
     def close(self) -> None:
         """End the session: its turn state is stored (as at every turn end) and its runtime
         cache released."""
-        if self._gen is not None:
-            self._gen.close()
+        self._finish_open_turn()
         self.cache = None
         self.closed = True
         self.engine.sessions.pop(self.id, None)
 
+    def _finish_open_turn(self) -> None:
+        """End the turn `send` returned: a started generator ends in its `finally`; one never
+        iterated is ended here (its sampled token stays pending, never lost)."""
+        if self._gen is not None:
+            self._gen.close()
+        if self._gen is not None:  # never started: close() ran nothing
+            self._end(self._open)
+
     # ---- turn steps -----------------------------------------------------------------------------
 
-    def _check_ids(self, token_ids) -> list[int]:
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError("send() takes a non-empty 1-D sequence of integer token ids.")
-        v = self.engine.model.args.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= v:
-            raise ValueError(f"Token ids must lie in [0, {v}); got {int(ids.min())}.."
-                             f"{int(ids.max())}.")
-        return [int(x) for x in ids]
-
-    def _begin(self, token_ids, *, max_new_tokens: int = 256, stop: Sequence[int] = (),
-               temperature: float = 0.0, seed: int | None = None,
-               keep_logits: bool = False) -> _Turn:
+    def _request(self, token_ids, **options) -> TurnRequest:
+        """Every argument checked (runtime/requests.py) before any work; RequestError if not."""
         if self.closed:
-            raise ValueError(f"Session {self.id} is closed.")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}.")
-        new = self._check_ids(token_ids)
+            raise RequestError(f"Session {self.id} is closed.")
+        self.engine._check_open()
+        a = self.engine.model.args
+        # an unfinished turn's last token becomes pending when it ends (before this one begins)
+        open_token = self._gen is not None and bool(self._open.tokens)
+        cached = len(self.history) + (self.pending is not None or open_token)
+        return check_turn(token_ids, TurnLimits(a.vocab_size, a.max_seq_len, cached), **options)
+
+    def _positions(self, req: TurnRequest) -> int:
+        """The cache positions the turn needs (the last sampled token is never fed)."""
+        return len(self.history) + (self.pending is not None) + len(req.token_ids) \
+            + req.max_new_tokens + 1
+
+    def _begin(self, req: TurnRequest, *, positions: int = 0) -> _Turn:
+        """positions: reserve at least this many (send_many's batch size); 0: the turn's own."""
         e = self.engine
-        fresh = ([] if self.pending is None else [self.pending]) + new
-        total = len(self.history) + len(fresh) + max_new_tokens
-        if total > e.model.args.max_seq_len:
-            raise ValueError(f"The turn would reach {total} positions; the model's max_seq_len "
-                             f"is {e.model.args.max_seq_len}.")
-        gen = torch.Generator().manual_seed(0 if seed is None else int(seed))
+        fresh = ([] if self.pending is None else [self.pending]) + list(req.token_ids)
+        max_new_tokens = req.max_new_tokens
+        positions = max(positions, self._positions(req))
+        e.admit(self, positions)
+        gen = torch.Generator().manual_seed(0 if req.seed is None else req.seed)
         rec = TurnRecord(self.id, len(self.turns) + 1, "", 0, 0, 0, 0, 0, 0)
-        turn = _Turn(rec, max_new_tokens, frozenset(int(s) for s in stop), float(temperature),
-                     gen, keep_logits)
+        turn = _Turn(rec, max_new_tokens, req.stop, req.temperature, gen, req.keep_logits)
         tokens = self.history + fresh  # the whole sequence this turn's cache must hold
         t = time.perf_counter()
         start = self._restore(tokens)
@@ -444,7 +546,7 @@ class Session:
         rec.reused_keys, rec.reused_tokens = list(start.keys), start.cached
         t = time.perf_counter()
         try:
-            e.reserve(start.cache, len(tokens) + max_new_tokens + 1)
+            e.reserve(start.cache, positions)
             self.cache = start.cache
             res = self._prefill(start, tokens, rec)
         except Exception:
@@ -454,7 +556,10 @@ class Session:
         self.history = tokens
         self.pending = None
         e.tier_counts[start.tier] += 1
-        turn.sample(res.logits[0, -1])
+        if max_new_tokens:
+            turn.sample(res.logits[0, -1])
+        else:  # prefill only: nothing sampled, nothing pending
+            turn.done = True
         return turn
 
     def _restore(self, tokens: list[int]) -> _Start:
@@ -562,10 +667,12 @@ class Session:
         return e.phases.ced_prefill(e.model, cache, tokens)
 
     def _decode(self, turn: _Turn) -> Iterator[int]:
+        if turn.ended:  # ended before it was read (by the next send, or close): nothing to do
+            return
         e = self.engine
         t = time.perf_counter()
         try:
-            while True:
+            while turn.tokens:  # none when max_new_tokens is 0
                 yield turn.next_token
                 if turn.done:
                     break
@@ -580,7 +687,7 @@ class Session:
         """The last sampled token is pending (every earlier one was fed and is history). The
         state goes to the tiers, and with an SSD store the runtime cache lets the session go."""
         e = self.engine
-        self.pending = turn.tokens[-1]
+        self.pending = turn.tokens[-1] if turn.tokens else None
         e.token_counts["decoded"] += turn.record.decoded
         t = time.perf_counter()
         if e.store is not None:
@@ -589,6 +696,7 @@ class Session:
         turn.record.seconds["offload"] = time.perf_counter() - t
         self.turns.append(turn.record)
         self._gen = None
+        turn.ended = True
 
     def _offload(self) -> None:
         """The new complete blocks to the SSD writer's queue (written in the background: a
@@ -604,8 +712,11 @@ class Session:
         arrays = snapshot_arrays(self.cache, b, e._ring_layers)
         key = e.history_key(self.history, "snapshot")
         e.pool.put(key, arrays, {"session": self.id, "tokens": len(self.history)})
-        if self._snapshot not in (None, key):
-            e.pool.drop(self._snapshot)  # this session has moved past its previous turn
+        if self._snapshot not in (None, key) and not any(
+                s._snapshot == self._snapshot for s in e.sessions.values() if s is not self):
+            # this session has moved past its previous turn, and no other session of this
+            # engine stands at that state (two sessions with one history share one snapshot)
+            e.pool.drop(self._snapshot)
         self._snapshot = key
         if e.options.exact:
             e.blocks.submit(e.history_key(self.history, "state"), arrays)

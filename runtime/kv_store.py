@@ -28,18 +28,33 @@ bytes. bf16 travels as uint16; numpy's own kinds b/i/u/f/c are accepted, nothing
 
 Last access survives a restart as the file's mtime: a write sets it to created_at and a hit sets
 it to the clock's time (`os.utime`), and the scan at construction orders the LRU list by
-max(created_at, mtime). The store assumes one process owns a root at a time: the index lives in
-memory, and the scan at construction removes temporary files left by a crashed writer.
+max(created_at, mtime).
+
+The root is a marked store folder (`store_folder`): created and marked on first use, a non-empty
+folder without the marker is refused, and one owner holds it at a time (an advisory lock; a
+second `KVStore` on it, in any process, gets `StoreBusyError`): the index lives in memory, and the
+scan at construction removes temporary files left by a crashed writer. The scan never follows a
+symbolic link and deletes only regular files at an entry's path (`<shard>/<key>.blk`, or a
+writer's temporary name).
+
+Store I/O failures (permission, space, a directory or FIFO where a block should be, a file where
+a shard folder should be) never escape: a failed read is a miss (`read_errors`), a failed write is
+a refused write (`write_errors`), each kind logged once per store. Reads check the file type
+before reading and open without blocking, so a special file never hangs a get.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import re
+import stat
 import struct
 import time
 import weakref
@@ -50,7 +65,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .store_folder import FolderLock, claim_folder
+
 FORMAT_VERSION = 1
+STORE_KIND = "dsv41-kv-store"
 MAGIC = b"DSV4KVB\x00"
 _FIELDS = struct.Struct("<8sI32s32sQd32s")  # magic, version, key, fingerprint, len, created, sha
 HEADER_SIZE = _FIELDS.size + 32  # + sha256 of the fields above
@@ -60,6 +78,8 @@ _KEY_RE = re.compile(r"[0-9a-f]{64}")
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _TMP_RE = re.compile(r"\.[0-9a-f]{64}\.\d+\.[0-9a-f]{8}\.tmp")
 _INT64_MAX = np.iinfo(np.int64).max
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_log = logging.getLogger(__name__)
 
 
 def model_fingerprint(config_hash: str, weights_hash: str, format_version: int) -> bytes:
@@ -162,11 +182,14 @@ class KVStoreStats:
     hits: int  # get() that returned a block
     misses: int  # get() that returned None (absent, or found bad and deleted)
     writes: int  # put() that wrote a new file
-    refused_writes: int  # put() refused: bigger than capacity, or only younger entries to evict
+    refused_writes: int  # put() refused: bigger than capacity, only younger entries to evict,
+    # or the write failed (write_errors)
     evictions: int  # entries removed to make room (all at least min_lifetime_s old)
     corrupt: int  # files deleted for bad magic/header/checksum, wrong key, bad index, misplaced
     truncated: int  # files deleted for being shorter than their header says
     foreign: int  # files deleted for another model's fingerprint or another file format version
+    read_errors: int = 0  # reads that failed (I/O error, not a regular file): misses, not deleted
+    write_errors: int = 0  # writes or deletions that failed (permission, space, wrong file type)
 
 
 @dataclass(slots=True)
@@ -179,6 +202,8 @@ class _Counters:
     corrupt: int = 0
     truncated: int = 0
     foreign: int = 0
+    read_errors: int = 0
+    write_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,9 +242,7 @@ class KVStore:
             raise ValueError("clock must be a callable returning unix seconds.")
         _check_fingerprint(fingerprint)
         self.root = Path(root)
-        if self.root.exists() and not self.root.is_dir():
-            raise ValueError(f"KV store root {self.root} exists and is not a directory.")
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock: FolderLock = claim_folder(self.root, kind=STORE_KIND, version=FORMAT_VERSION)
         self.capacity_bytes = capacity_bytes
         self.min_lifetime_s = float(min_lifetime_s)
         self.fingerprint = bytes(fingerprint)
@@ -227,14 +250,35 @@ class KVStore:
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._n = _Counters()
-        self._scan()
+        self._logged: set[str] = set()  # failure kinds already logged (once each)
+        try:
+            self._scan()
+        except BaseException:
+            self._lock.close()
+            raise
 
     # -- public ----------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Let the folder go (another owner may open it); the store serves nothing after."""
+        self._lock.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._lock.held
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def put(self, key: str, arrays: Mapping[str, np.ndarray]) -> bool:
-        """Store a block; True when it is (now or already) stored, False when refused."""
+        """Store a block; True when it is (now or already) stored, False when refused (no room,
+        or the write failed: counted in `write_errors` and logged once)."""
         _check_key(key)
         _check_arrays(arrays)
+        self._check_open()
         if key in self._index:
             self._touch(key)
             return True
@@ -248,7 +292,12 @@ class KVStore:
         for victim in victims:
             self._remove(victim)
             self._n.evictions += 1
-        self._write(key, payload, now)
+        try:
+            self._write(key, payload, now)
+        except OSError as e:
+            self._failed("write", f"writing block {key}", e)
+            self._n.refused_writes += 1
+            return False
         self._index[key] = _Entry(size, now)
         self._bytes += size
         self._n.writes += 1
@@ -257,12 +306,23 @@ class KVStore:
     def get(self, key: str) -> dict[str, np.ndarray] | None:
         """The block's arrays (fresh, writable), or None. A bad file is deleted and counted."""
         _check_key(key)
+        self._check_open()
         if key not in self._index:
             self._n.misses += 1
             return None
         try:
             verdict, arrays = self._read(key)
         except FileNotFoundError:  # removed behind our back: forget it
+            self._bytes -= self._index.pop(key).size
+            self._n.misses += 1
+            return None
+        except OSError as e:  # unreadable (permission, a link, I/O): a miss; the file stays
+            self._failed("read", f"reading block {key}", e)
+            self._bytes -= self._index.pop(key).size
+            self._n.misses += 1
+            return None
+        if verdict == "special":  # not a regular file: not ours to delete, never read
+            self._failed("read", f"block {key}", OSError(errno.EINVAL, "not a regular file"))
             self._bytes -= self._index.pop(key).size
             self._n.misses += 1
             return None
@@ -299,6 +359,20 @@ class KVStore:
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.blk"
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"The KV store at {self.root} is closed.")
+
+    def _failed(self, kind: str, what: str, error: OSError) -> None:
+        """Count a read or write failure; log the first of each kind and errno."""
+        setattr(self._n, f"{kind}_errors", getattr(self._n, f"{kind}_errors") + 1)
+        tag = f"{kind}/{error.errno}"
+        if tag not in self._logged:
+            self._logged.add(tag)
+            _log.warning("KV store %s: %s failed (%s); served as a miss / refused write, "
+                         "further %s errors of this kind are only counted.", self.root, what,
+                         error.strerror or error, kind)
+
     def _plan_eviction(self, size: int, now: float) -> list[str] | None:
         """Keys to evict so that `size` more bytes fit, or None when it cannot fit."""
         if size > self.capacity_bytes:
@@ -322,8 +396,19 @@ class KVStore:
             pass
 
     def _remove(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        """Forget an entry and delete its file (a failed deletion is counted; the scan of a
+        later start finds the file again)."""
         self._bytes -= self._index.pop(key).size
+        self._unlink(self._path(key))
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):  # only ever a regular file of ours
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._failed("write", f"deleting {path.name}", e)
 
     def _discard(self, key: str, verdict: str) -> None:
         assert verdict in ("corrupt", "truncated", "foreign"), verdict
@@ -334,9 +419,14 @@ class KVStore:
         """Write-temp, fsync, rename, fsync the directory: a crash leaves the old state or the
         new file whole, plus at most a temporary file that the next scan removes."""
         path = self._path(key)
-        if not path.parent.is_dir():
-            path.parent.mkdir(exist_ok=True)
+        try:
+            shard_mode = os.lstat(path.parent).st_mode
+        except FileNotFoundError:
+            path.parent.mkdir()
             _fsync_dir(self.root)
+        else:
+            if not stat.S_ISDIR(shard_mode):  # a file, or a link the store never follows
+                raise OSError(errno.ENOTDIR, f"shard {path.parent.name} is not a folder")
         fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, bytes.fromhex(key), self.fingerprint,
                               len(payload), created_at, hashlib.sha256(payload).digest())
         header = fields + hashlib.sha256(fields).digest()
@@ -350,14 +440,23 @@ class KVStore:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the first failure is the one to report
+                tmp.unlink(missing_ok=True)
             raise
         _fsync_dir(path.parent)
 
     def _read(self, key: str) -> tuple[str, dict[str, np.ndarray] | None]:
-        """("ok", arrays) or (verdict, None) with verdict one of corrupt/truncated/foreign."""
-        with open(self._path(key), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        """("ok", arrays) or (verdict, None) with verdict one of corrupt/truncated/foreign, or
+        special (not a regular file; never read, so a FIFO or device cannot block or feed it).
+        """
+        path = self._path(key)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return "special", None
+        with open(os.open(path, _READ_FLAGS), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):  # replaced between the two looks
+                return "special", None
+            size = st.st_size
             verdict, header = _check_header(f.read(HEADER_SIZE), key, self.fingerprint, size)
             if header is None:
                 return verdict, None
@@ -373,30 +472,40 @@ class KVStore:
 
     def _scan(self) -> None:
         """Rebuild the index from headers (payloads are verified on get). Temporary files of a
-        crashed writer are removed; bad files are deleted and counted; files that are not ours
-        by name are left alone."""
+        crashed writer are removed; bad entry files are deleted and counted; anything that is
+        not a regular file at an entry's path (other names, links, folders, FIFOs) is left
+        alone, and no link is followed."""
         found: list[tuple[float, str, _Entry]] = []
-        for shard in sorted(self.root.iterdir()):
-            if not (_SHARD_RE.fullmatch(shard.name) and shard.is_dir()):
+        for shard in self._listing(self.root):
+            if not (_SHARD_RE.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False)):
                 continue
-            for path in sorted(shard.iterdir()):
-                name = path.name
+            for item in self._listing(shard):
+                name = item.name
+                if not item.is_file(follow_symlinks=False):
+                    continue
+                path = Path(item.path)
                 if _TMP_RE.fullmatch(name):
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
                     continue
                 key = name[:-4]
-                if not (name.endswith(".blk") and _KEY_RE.fullmatch(key)) or not path.is_file():
+                if not (name.endswith(".blk") and _KEY_RE.fullmatch(key)):
                     continue
                 if key[:2] != shard.name:  # misplaced: get() would never find it
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
                     self._n.corrupt += 1
                     continue
-                with open(path, "rb") as f:
-                    st = os.fstat(f.fileno())
-                    verdict, header = _check_header(f.read(HEADER_SIZE), key, self.fingerprint,
-                                                    st.st_size)
+                try:
+                    with open(os.open(path, _READ_FLAGS), "rb") as f:
+                        st = os.fstat(f.fileno())
+                        if not stat.S_ISREG(st.st_mode):
+                            continue
+                        verdict, header = _check_header(f.read(HEADER_SIZE), key,
+                                                        self.fingerprint, st.st_size)
+                except OSError as e:
+                    self._failed("read", f"scanning {name}", e)
+                    continue
                 if header is None:
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
                     setattr(self._n, verdict, getattr(self._n, verdict) + 1)
                     continue
                 last_access = max(header.created_at, st.st_mtime)
@@ -404,6 +513,14 @@ class KVStore:
         for _, key, entry in sorted(found, key=lambda t: (t[0], t[1])):
             self._index[key] = entry
             self._bytes += entry.size
+
+    def _listing(self, folder: Path) -> list[os.DirEntry]:
+        try:
+            with os.scandir(folder) as it:
+                return sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            self._failed("read", f"listing {folder.name}", e)
+            return []
 
 
 def _check_header(buf: bytes, key: str, fingerprint: bytes,

@@ -48,6 +48,7 @@ def test_exact_resume_in_a_new_process_equals_an_uninterrupted_run(engine_args, 
     list(s.send(TURNS[0], max_new_tokens=4))
     s.engine.close()  # its writer drains before the other processes open the store
     transcript = s.transcript
+    s.engine.close()  # one owner per store folder: the next process takes it over
     for k, ids in enumerate(TURNS[1:], start=1):
         out = tmp_path / f"turn{k}.npz"
         res = subprocess.run([sys.executable, "-c", RESUME, art, ckpt, str(store),
@@ -65,7 +66,7 @@ def test_snapshot_miss_replays_window_plus_suffix(engine_args, small_model, tmp_
     e = Engine.load(art, ckpt, store_dir=tmp_path / "store", page_tokens=PAGE)
     s = e.session()
     list(s.send(TURNS[0], max_new_tokens=4))  # 40 positions cached: 5 blocks
-    e.close()
+    e.close()  # one owner per store folder
     e2 = Engine.load(art, ckpt, store_dir=tmp_path / "store", page_tokens=PAGE)  # pool lost
     s2 = e2.session(transcript=s.transcript)
     list(s2.send(TURNS[1], max_new_tokens=3))
