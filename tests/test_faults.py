@@ -370,6 +370,7 @@ def test_read_only_store_the_turn_completes_and_keeps_its_tokens(small_model, tm
     s = e.session()
     first = list(s.send(_prompt(10, 3), max_new_tokens=2))
     second = list(s.send([9], max_new_tokens=2))
+    e.flush()  # the blocks are written in the background
     st = e.stats().store
     assert len(first) == len(second) == 2 and s.transcript[-1] == second[-1]
     assert st.writes == 0 and st.write_errors >= 2 and st.refused_writes == st.write_errors
