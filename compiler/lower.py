@@ -224,6 +224,25 @@ def _moe_experts(ctx: Lowering):
     return convert
 
 
+def _scatter_rows(ctx: Lowering):
+    """A cache write, in place: the kernel writes the new rows into the store or ring the
+    entry was given (`call_tir_inplace`), and the result aliases that input. The graph never
+    reads a cache tensor's old value after writing it (each write replaces the tensor), which is
+    what an in-place call requires."""
+    from dsv41.schedules import cache_write
+
+    def convert(node, importer):
+        dst, idx, rows = (importer.env[a] for a in node.args[:3])
+        width, dtype = _static(_shape(dst)[-1]), dst.ty.dtype
+        gv = ctx.kernel(importer, ("scatter_rows", width, dtype),
+                        lambda: cache_write.build_scatter_rows(ctx.target.name, width=width,
+                                                               dtype=dtype))
+        return importer.block_builder.emit(
+            relax.call_tir_inplace(gv, [dst, idx, rows], [0], out_ty=dst.ty))
+
+    return convert
+
+
 def _quant(ctx: Lowering, op: str):
     from dsv41.schedules import quant
 
@@ -506,6 +525,7 @@ def convert_map(ctx: Lowering) -> dict:
         "hier_topk.default": _indexer(ctx, "hier"),
         "pool_topk.default": _indexer(ctx, "pool"),
         "moe_experts.default": _moe_experts(ctx),
+        "scatter_rows.default": _scatter_rows(ctx),
         "quant_fp8.default": _quant(ctx, "quant_fp8"),
         "quant_fp4_kv.default": _quant(ctx, "quant_fp4_kv"),
         "quant_mxfp4.default": _quant(ctx, "quant_mxfp4"),

@@ -235,21 +235,14 @@ def put_rows(dst: torch.Tensor, first: torch.Tensor, rows: torch.Tensor,
              ok: torch.Tensor) -> torch.Tensor:
     """dst[b, first[b] + g] = rows[b, g] where ok[b, g]; returns the updated tensor.
 
-    Eagerly this writes in place. Under torch.export it is a gather and a select over dst (no
-    scatter, so no duplicate-index ambiguity and nothing out of range), which the compiler can
-    later turn back into an in-place update."""
+    Eagerly this writes in place. Under torch.export it is `ops.scatter_rows`, which the
+    compiled entry runs in place on the caller's buffer: only the g new rows are written."""
     if not torch.compiler.is_exporting():
         bi, gi = ok.nonzero(as_tuple=True)
         dst[bi, first[bi] + gi] = rows[bi, gi].to(dst.dtype)
         return dst
-    g = rows.size(1)
-    rel = torch.arange(dst.size(1)).unsqueeze(0) - first.unsqueeze(1)  # (b, n)
-    inside = (rel >= 0) & (rel < g)
-    rel = rel.clamp(0, g - 1)  # g >= 1: every chunk has a token
-    sel = inside & ok.gather(1, rel)
-    tail = (1,) * (dst.dim() - 2)
-    vals = rows.gather(1, rel.view(*rel.shape, *tail).expand(-1, -1, *rows.shape[2:]))
-    return torch.where(sel.view(*sel.shape, *tail), vals.to(dst.dtype), dst)
+    idx = torch.where(ok, first.unsqueeze(1) + torch.arange(rows.size(1)), -1)  # (b, g)
+    return ops.scatter_rows(dst, idx, rows.to(dst.dtype))
 
 
 def live_rows(t: torch.Tensor, chunk: Chunk, ratio: int) -> torch.Tensor:
@@ -295,8 +288,16 @@ def window_inputs(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor, c
 
 def write_ring(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor,
                start: torch.Tensor, window: int) -> None:
-    """Slot j takes the newest new position p with p % window == j, if any."""
+    """Slot j takes the newest new position p with p % window == j, if any. Under
+    torch.export the new positions' slots are written in place (`ops.scatter_rows`)."""
     s = codes.size(1)
+    if torch.compiler.is_exporting():
+        j = torch.arange(s)
+        slot = torch.where(j >= s - window, torch.remainder(start.unsqueeze(1) + j, window),
+                           -1)  # (b, s): the last `window` new positions
+        ring.codes = ops.scatter_rows(ring.codes, slot, codes)
+        ring.scales = ops.scatter_rows(ring.scales, slot, scales)
+        return
     last = (start + s - 1).unsqueeze(1)  # (b, 1)
     t = last - torch.remainder(last - torch.arange(window), window)  # (b, W)
     fresh = t >= start.unsqueeze(1)

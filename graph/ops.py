@@ -12,6 +12,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `hier_topk`:     the candidate source's sweep + candidate blocks + its own top-k
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
 - `moe_experts`:   the routed FP4 experts for the selected ids
+- `scatter_rows`:  cache writes: rows into given rows of a store or ring (compiled in place)
 
 The oracles reproduce the released reference kernels' arithmetic (block order, bf16 rounding
 points) so that the graph matches the released model to its own noise floor.
@@ -26,6 +27,29 @@ from . import formats as fmt
 FP8_BLOCK = 32
 ATTN_BLOCK = 64  # the reference sparse-attention kernel walks indices in blocks of 64
 NEG_INF = float("-inf")
+
+
+# ---- cache writes ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv41::scatter_rows", mutates_args=())
+def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """dst with dst[b, idx[b, g]] = rows[b, g] wherever 0 <= idx[b, g] < dst.size(1) (-1: no
+    write). dst (b, n, d), idx int64 (b, g) with distinct entries >= 0 per row, rows (b, g, d)
+    of dst's dtype. Functional here (the oracle returns a new tensor); the compiled kernel
+    writes the g rows into dst's own buffer (`call_tir_inplace`), so a cache write costs its
+    rows, not the store."""
+    if dst.dim() != 3 or rows.dim() != 3 or idx.dim() != 2:
+        raise ValueError("scatter_rows takes dst (b, n, d), idx (b, g) and rows (b, g, d).")
+    out = dst.clone()
+    bi, gi = ((idx >= 0) & (idx < dst.size(1))).nonzero(as_tuple=True)
+    out[bi, idx[bi, gi]] = rows[bi, gi].to(dst.dtype)
+    return out
+
+
+@scatter_rows.register_fake
+def _(dst, idx, rows):
+    return torch.empty_like(dst)
 
 
 # ---- block-scaled GEMMs ----------------------------------------------------------------------
