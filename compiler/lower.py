@@ -182,6 +182,47 @@ def _indexer(ctx: Lowering, kind: str):
     return convert
 
 
+def _indexer_shared(ctx: Lowering):
+    """indexer_topk_shared: the sweep takes the own store, the alternates (unused slots get the
+    own store again, never read) and the per-sequence pick; no store is copied."""
+    from dsv41.schedules import indexer
+
+    def convert(node, importer):
+        q, kc, ks = (importer.env[a] for a in node.args[:3])
+        alt_c = [importer.env[a] for a in node.args[3]]
+        alt_s = [importer.env[a] for a in node.args[4]]
+        pick, wts, lens = (importer.env[a] for a in node.args[5:8])
+        topk = int(node.args[8])
+        n_alt = len(alt_c)
+        if n_alt > indexer.MAX_ALT:
+            raise ValueError(f"An indexer shares its index-K pointer with {n_alt} other stores; "
+                             f"the compiled sweep takes at most {indexer.MAX_ALT}.")
+        b, s, heads, dim = _shape(q)
+        heads, dim = _static(heads), _static(dim)
+        t = _shape(kc)[1]
+        pad = indexer.SCORE_PAD
+        mod = {}
+
+        def module():
+            if not mod:
+                mod["m"] = indexer.build_indexer_topk(ctx.target.name, heads=heads, dim=dim,
+                                                      topk=topk, n_alt=n_alt)
+            return mod["m"]
+
+        sweep = ctx.kernel(importer, ("index_scores_shared", heads, dim, n_alt),
+                           lambda: module()["index_scores_shared"])
+        pick_fn = ctx.kernel(importer, ("select_positions", topk),
+                             lambda: module()["select_positions"])
+        slots = []
+        for i in range(indexer.MAX_ALT):
+            slots += [alt_c[i], alt_s[i]] if i < n_alt else [kc, ks]
+        scores = _call(importer, sweep, [q, kc, ks, *slots, pick, wts, lens],
+                       _tensor([b, s, (t + pad - 1) // pad * pad], BF16))
+        return _call(importer, pick_fn, [scores], _tensor([b, s, topk], "int32"))
+
+    return convert
+
+
 def _moe_experts(ctx: Lowering):
     """The routed experts as the six-kernel chain of `schedules.moe` (Relax allocates the
     token-sized intermediates between the calls, which CUDA needs)."""
@@ -522,6 +563,7 @@ def convert_map(ctx: Lowering) -> dict:
         "fp8_dequant.default": _fp8_dequant(ctx),
         "sparse_attend.default": _sparse_attend(ctx),
         "indexer_topk.default": _indexer(ctx, "flat"),
+        "indexer_topk_shared.default": _indexer_shared(ctx),
         "hier_topk.default": _indexer(ctx, "hier"),
         "pool_topk.default": _indexer(ctx, "pool"),
         "moe_experts.default": _moe_experts(ctx),

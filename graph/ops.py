@@ -9,6 +9,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
 - `indexer_topk`:  MXFP4 index-K sweep (relu, head-weighted sum) + top-k, ties to the lower position
+- `indexer_topk_shared`: the same over the store the shared index-K pointer names per sequence
 - `hier_topk`:     the candidate source's sweep + candidate blocks + its own top-k
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
 - `moe_experts`:   the routed FP4 experts for the selected ids
@@ -315,6 +316,36 @@ def indexer_topk(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor
 
 @indexer_topk.register_fake
 def _(q, k_packed, k_scales, weights, lens, topk):
+    return q.new_empty(q.size(0), q.size(1), topk, dtype=torch.int32)
+
+
+def shared_index_k(k_packed: torch.Tensor, k_scales: torch.Tensor, alt_packed, alt_scales,
+                   pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index K each sequence reads through the released shared pointer: its own keys
+    [b, T, ...] where pick[b] = 0, else the first T rows of alternate pick[b] - 1 (a store of
+    a source with a ratio no larger, so at least T rows)."""
+    t = k_packed.size(1)
+    kc, ks = k_packed, k_scales
+    for i, (ac, as_) in enumerate(zip(alt_packed, alt_scales, strict=True), start=1):
+        use = (pick == i).view(-1, 1, 1)
+        kc = torch.where(use, ac[:, :t], kc)
+        ks = torch.where(use, as_[:, :t], ks)
+    return kc, ks
+
+
+@torch.library.custom_op("dsv41::indexer_topk_shared", mutates_args=())
+def indexer_topk_shared(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor,
+                        alt_packed: list[torch.Tensor], alt_scales: list[torch.Tensor],
+                        pick: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor,
+                        topk: int) -> torch.Tensor:
+    """`indexer_topk` over the keys `shared_index_k` names per sequence (pick int64 [b]). The
+    compiled sweep reads the named store where it lies: no copy of any store is made."""
+    kc, ks = shared_index_k(k_packed, k_scales, alt_packed, alt_scales, pick)
+    return _select(index_scores(q, kc, ks, weights, lens), topk)
+
+
+@indexer_topk_shared.register_fake
+def _(q, k_packed, k_scales, alt_packed, alt_scales, pick, weights, lens, topk):
     return q.new_empty(q.size(0), q.size(1), topk, dtype=torch.int32)
 
 
