@@ -588,7 +588,7 @@ def convert_map(ctx: Lowering) -> dict:
 
 
 def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
-          kernels: dict | None = None) -> tvm.IRModule:
+          kernels: dict | None = None, bounds: dict[str, int] | None = None) -> tvm.IRModule:
     """ExportedProgram -> Relax IRModule with one function `main`; weights stay parameters
     (`keep_params_as_input`), in the program's parameter order. `kernels`, when given, receives
     each kernel's key -> GlobalVar (what `dsv41 tune` maps back to the kernels' factories)."""
@@ -614,9 +614,14 @@ def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
         ExportedProgramImporter._convert_pytorch_tensor_to_tvm = staticmethod(convert)
     # The export's dim ranges (up to 1M tokens, 2M context, batch 64) would make Relax plan
     # every buffer statically at its upper bound; without them buffers are sized per call.
+    # `bounds` (TIR var name -> upper bound; single-token entries, see capture.static_bounds)
+    # instead plans every intermediate once, at those bounds: nothing sized by the context is
+    # allocated per call.
     main = mod["main"]
     for attr in ("tir_var_upper_bound", "tir_var_lower_bound"):
         if main.attrs and attr in main.attrs:
             main = main.without_attr(attr)
+    if bounds:
+        main = main.with_attr("tir_var_upper_bound", bounds)
     mod["main"] = main
     return mod

@@ -1,0 +1,99 @@
+"""What a compiled step touches: cache tensors are updated where the runtime allocated them (no
+entry copies or replaces a store, ring or tail buffer it was given), and a decode step
+allocates the same bytes whatever the context (its intermediates are planned once, at the
+entry's static bounds). Counted through the Relax VM's instrument hook, on the session's
+shared-small artifact at two cache capacities four times apart.
+
+Not counted: scratch a TIR kernel allocates inside itself (TVMBackendAllocWorkspace).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41.compiler.capture import cache_names, cache_tensors
+from dsv41.graph.cache import new_cache
+from dsv41.runtime.artifact import Artifact
+from dsv41.runtime.compiled import CompiledPhases
+
+PROMPT = 20  # tokens prefilled before the measured step
+
+
+@pytest.fixture(scope="module")
+def compiled(small_artifact, small_model):
+    return CompiledPhases(Artifact.load(small_artifact, args=small_model.args), small_model)
+
+
+class Allocations:
+    """Bytes of every VM storage allocation while installed on an entry's VM."""
+
+    def __init__(self, vm):
+        self.vm, self.sizes = vm, []
+
+    def __call__(self, func, name, before, ret, *args):
+        if not before and name == "vm.builtin.alloc_storage":
+            shape, dtype = args[1], args[3]
+            n = int(np.prod([int(v) for v in shape]))
+            self.sizes.append(n * np.dtype(dtype if dtype != "bfloat16" else "uint16").itemsize)
+        return 0
+
+    def __enter__(self):
+        self.vm.set_instrument(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.vm.set_instrument(lambda *a: 0)
+
+
+def _pointers(cache):
+    return {name: t.data_ptr() for name, t in zip(cache_names(cache), cache_tensors(cache),
+                                                  strict=True)}
+
+
+def _step(compiled, model, capacity: int, entry: str):
+    """Prefill PROMPT tokens into a cache of `capacity`, then one measured call of `entry`
+    (decode: one token; prefill_all: 8 more tokens). Returns (allocated sizes, cache tensor
+    pointers before, after, the cache)."""
+    cache = new_cache(model.plan, 1, capacity)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.args.vocab_size, (1, PROMPT + 8), generator=gen)
+    compiled.prefill_exact(model, cache, tokens[:, :PROMPT])
+    before = _pointers(cache)
+    with Allocations(compiled.art._vm(entry)) as alloc:
+        if entry == "decode":
+            compiled.decode_step(model, cache, tokens[:, PROMPT:PROMPT + 1])
+        else:
+            compiled.prefill_exact(model, cache, tokens[:, PROMPT:], all_logits=True)
+    return alloc.sizes, before, _pointers(cache), cache
+
+
+def _store_names(cache) -> list[str]:
+    return [n for n in cache_names(cache) if n.startswith(("store.", "window."))
+            and not n.endswith(("tail_kv", "tail_score"))]
+
+
+@pytest.mark.parametrize("entry", ["decode", "prefill_all"])
+def test_cache_buffers_are_written_in_place(compiled, small_model, entry):
+    """Every store and ring the entry was given is still the cache's buffer after the call (the
+    entry wrote its rows there: a copy would come back as a new buffer)."""
+    _, before, after, cache = _step(compiled, small_model, 64, entry)
+    for name in _store_names(cache):
+        assert after[name] == before[name], f"{entry} replaced {name}"
+
+
+def test_decode_allocates_the_same_bytes_at_any_context(compiled, small_model):
+    """One decode step at capacity 64 and 256 tokens (the artifact's static bound for this
+    config): the same storage allocations, byte for byte."""
+    small, _, _, cache = _step(compiled, small_model, 64, "decode")
+    large, _, _, _ = _step(compiled, small_model, 256, "decode")
+    assert sum(small) > 0 and int(cache.pos[0]) == PROMPT + 1
+    assert sorted(small) == sorted(large)
+
+
+def test_decode_beyond_its_static_bounds_is_refused(compiled, small_model):
+    bound = compiled.art.manifest["entries"]["decode"]["static_bounds"]["context_tokens"]
+    cache = new_cache(small_model.plan, 1, 2 * bound)
+    with pytest.raises(ValueError, match="planned for caches of up to"):
+        compiled.decode_step(small_model, cache, torch.zeros(1, 1, dtype=torch.int64))
