@@ -248,19 +248,9 @@ def _moe_experts(ctx: Lowering):
 
         plan = moe.moe_experts_plan(ctx.target.name, **dims, n=_shape(x)[0],
                                     n_hint=ctx.rows_hint)
-        env = {b.name: v for b, v in zip(plan.inputs, args, strict=True)}
-        bufs = plan.buffers()
-        for call in plan.calls:
-            gv = ctx.kernel(importer, (*key, call.func), lambda f=call.func: module()[f])
-            outs = [_tensor(bufs[o].shape, bufs[o].dtype) for o in call.outs]
-            res = _call(importer, gv, [env[a] for a in call.args],
-                        outs if len(outs) > 1 else outs[0])
-            if len(call.outs) == 1:
-                env[call.outs[0]] = res
-            else:
-                for i, o in enumerate(call.outs):
-                    env[o] = importer.block_builder.emit(relax.TupleGetItem(res, i))
-        return env[plan.output.name]
+        return moe.emit_moe_experts(
+            importer.block_builder, plan, args,
+            lambda f: ctx.kernel(importer, (*key, f), lambda: module()[f]))
 
     return convert
 

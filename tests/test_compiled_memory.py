@@ -97,3 +97,26 @@ def test_decode_beyond_its_static_bounds_is_refused(compiled, small_model):
     cache = new_cache(small_model.plan, 1, 2 * bound)
     with pytest.raises(ValueError, match="planned for caches of up to"):
         compiled.decode_step(small_model, cache, torch.zeros(1, 1, dtype=torch.int64))
+
+
+@pytest.mark.slow
+def test_decode_allocations_equal_at_1k_and_16k(small_case, small_model, tmp_path_factory):
+    """The same check at the issue's sizes: shared-small's weights under a config whose
+    max_seq_len allows 16K, caches of 1K and 16K tokens (its own decode + prefill build)."""
+    import dataclasses
+
+    from dsv41.compiler.build import CompileOptions, compile_artifact
+    from dsv41.graph.plan import build_plan
+
+    args = dataclasses.replace(small_model.args, max_seq_len=16384)
+    model = dataclasses.replace(small_model, args=args, plan=build_plan(args))
+    out = tmp_path_factory.mktemp("artifacts-16k")
+    art_dir = compile_artifact(CompileOptions(args=args, model_name="small-16k", target="cpu",
+                                              out=out, entries=("prefill_all", "decode"))
+                               ).artifact_dir
+    phases = CompiledPhases(Artifact.load(art_dir, args=args), model)
+    small, before, after, cache = _step(phases, model, 1024, "decode")
+    large, _, _, _ = _step(phases, model, 16384, "decode")
+    assert sum(small) > 0 and sorted(small) == sorted(large)
+    for name in _store_names(cache):
+        assert after[name] == before[name], f"decode replaced {name}"
