@@ -266,15 +266,15 @@ STATIC_ENTRIES = ("decode",)  # one token a sequence: nothing else is sized by a
 
 def static_bounds(args, entry: str,
                   shapes: CaptureShapes = CaptureShapes()) -> StaticBounds | None:
-    """The bounds a single-token entry is planned for: the capture's batch range, and twice the
-    model's max_seq_len (a cache grown by doubling stays below it), rounded to the largest
-    ratio. None for entries whose token dim is symbolic (prefill: its buffers are sized by the
-    chunk)."""
+    """The bounds a single-token entry is planned for: the capture's own batch and context
+    ranges (callers size caches freely within them; a cache grown by doubling past max_seq_len
+    is one). The plan reserves the storage at these bounds once; only what a call touches is
+    ever paged in. None for entries whose token dim is symbolic (prefill: its buffers are sized
+    by the chunk)."""
+    del args  # the bounds are the capture's, whatever the model
     if entry not in STATIC_ENTRIES:
         return None
-    top = max([1, *args.compress_ratios])
-    tokens = -(-2 * args.max_seq_len // top) * top
-    return StaticBounds(batch=shapes.max_batch, context_tokens=tokens)
+    return StaticBounds(batch=shapes.max_batch, context_tokens=shapes.max_context)
 
 
 def dim_symbols(ep, template: ModelCache) -> dict[str, str]:

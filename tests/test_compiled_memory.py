@@ -84,19 +84,23 @@ def test_cache_buffers_are_written_in_place(compiled, small_model, entry):
 
 
 def test_decode_allocates_the_same_bytes_at_any_context(compiled, small_model):
-    """One decode step at capacity 64 and 256 tokens (the artifact's static bound for this
-    config): the same storage allocations, byte for byte."""
+    """One decode step at capacity 64 and 256 tokens: the same storage allocations, byte for
+    byte (the plan is sized by the entry's static bounds, not by the cache)."""
     small, _, _, cache = _step(compiled, small_model, 64, "decode")
     large, _, _, _ = _step(compiled, small_model, 256, "decode")
     assert sum(small) > 0 and int(cache.pos[0]) == PROMPT + 1
     assert sorted(small) == sorted(large)
 
 
-def test_decode_beyond_its_static_bounds_is_refused(compiled, small_model):
-    bound = compiled.art.manifest["entries"]["decode"]["static_bounds"]["context_tokens"]
-    cache = new_cache(small_model.plan, 1, 2 * bound)
-    with pytest.raises(ValueError, match="planned for caches of up to"):
-        compiled.decode_step(small_model, cache, torch.zeros(1, 1, dtype=torch.int64))
+def test_decode_beyond_its_static_bounds_is_refused(compiled, small_model, monkeypatch):
+    bounds = compiled.art.manifest["entries"]["decode"]["static_bounds"]
+    with pytest.raises(ValueError, match="batches of up to"):
+        compiled.decode_step(small_model, new_cache(small_model.plan, bounds["batch"] + 1, 64),
+                             torch.zeros(bounds["batch"] + 1, 1, dtype=torch.int64))
+    monkeypatch.setitem(bounds, "context_tokens", 128)  # a cache of 256 tokens is then too big
+    with pytest.raises(ValueError, match="planned for caches of up to 128 tokens"):
+        compiled.decode_step(small_model, new_cache(small_model.plan, 1, 256),
+                             torch.zeros(1, 1, dtype=torch.int64))
 
 
 @pytest.mark.slow
