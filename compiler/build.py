@@ -22,7 +22,14 @@ from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
 from dsv41.runtime.artifact import FORMAT_VERSION  # the manifest format the runtime reads
 
-from .capture import ENTRIES, cache_names, capture, entry_outputs
+from .capture import (
+    ENTRIES,
+    cache_names,
+    capture,
+    dim_symbols,
+    entry_outputs,
+    static_bounds,
+)
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 ROWS_HINT = {"decode": 1, "draft": 4}  # GEMM schedule hint: rows per call (None: prefill)
@@ -64,6 +71,19 @@ class CompileReport:
         return sum(sum(p.values()) for p in self.seconds.values())
 
 
+def entry_bounds(model: Model, entry: str, ep, template) -> dict[str, int] | None:
+    """TIR var name -> upper bound for an entry planned statically (capture.static_bounds)."""
+    sb = static_bounds(model.args, entry)
+    if sb is None:
+        return None
+    syms = dim_symbols(ep, template)
+    top = max([1, *(st.ratio for st in template.stores.values())])
+    bounds = {syms["batch"]: sb.batch}
+    if "ctx" in syms:
+        bounds[syms["ctx"]] = sb.context_tokens // top
+    return bounds
+
+
 def entry_signature(ep, template, plan, entry: str) -> dict:
     """Inputs (user inputs with symbolic shapes), cache tensor names and parameter order."""
     specs = ep.graph_signature.input_specs
@@ -77,8 +97,14 @@ def entry_signature(ep, template, plan, entry: str) -> dict:
             params.append({**desc, "param": spec.target})
         else:
             user.append(desc)
-    return {"inputs": user, "params": params, "cache": cache_names(template),
-            "outputs": entry_outputs(plan, entry, template)}
+    sig = {"inputs": user, "params": params, "cache": cache_names(template),
+           "outputs": entry_outputs(plan, entry, template),
+           # cache outputs are the input buffers, updated in place (ops.scatter_rows)
+           "inplace_cache": True}
+    sb = static_bounds(plan.args, entry)
+    if sb is not None:
+        sig["static_bounds"] = sb.to_dict()
+    return sig
 
 
 def _dump(opts: CompileOptions, entry: str, phase: str, text: str) -> None:
@@ -95,8 +121,10 @@ def lowered_module(config: dict, entry: str, target: str):
     from .lower import lower
 
     args = args_from_dict(config)
-    ep, _ = capture(Model.placeholder(args), entry)
-    return lower(ep, get_target(target), rows_hint=ROWS_HINT.get(entry))
+    model = Model.placeholder(args)
+    ep, template = capture(model, entry)
+    return lower(ep, get_target(target), rows_hint=ROWS_HINT.get(entry),
+                 bounds=entry_bounds(model, entry, ep, template))
 
 
 def fuse(mod, target_name: str):
@@ -276,7 +304,8 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
         from .lower import lower
 
         t = time.perf_counter()
-        mod = lower(ep, spec, rows_hint=ROWS_HINT.get(entry))
+        mod = lower(ep, spec, rows_hint=ROWS_HINT.get(entry),
+                    bounds=entry_bounds(model, entry, ep, template))
         times["lower"] = time.perf_counter() - t
         _dump(opts, entry, "lower", mod.script(show_meta=False))
         t = time.perf_counter()

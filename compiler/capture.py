@@ -248,6 +248,52 @@ def dynamic_shapes(model: Model, entry: str, template: ModelCache, shapes: Captu
             "cos_u": rope, "sin_u": rope, "hash_ids": tok_dims(), "cache_in": tuple(cache)}
 
 
+@dataclass(frozen=True)
+class StaticBounds:
+    """Upper bounds for an entry's symbolic batch and context dims, from which Relax plans every
+    intermediate once (a fixed plan instead of per-call allocations sized by the context). The
+    runtime refuses a call beyond them."""
+
+    batch: int
+    context_tokens: int  # a multiple of the largest ratio
+
+    def to_dict(self) -> dict[str, int]:
+        return {"batch": self.batch, "context_tokens": self.context_tokens}
+
+
+STATIC_ENTRIES = ("decode",)  # one token a sequence: nothing else is sized by a symbolic dim
+
+
+def static_bounds(args, entry: str,
+                  shapes: CaptureShapes = CaptureShapes()) -> StaticBounds | None:
+    """The bounds a single-token entry is planned for: the capture's own batch and context
+    ranges (callers size caches freely within them; a cache grown by doubling past max_seq_len
+    is one). The plan reserves the storage at these bounds once; only what a call touches is
+    ever paged in. None for entries whose token dim is symbolic (prefill: its buffers are sized
+    by the chunk)."""
+    del args  # the bounds are the capture's, whatever the model
+    if entry not in STATIC_ENTRIES:
+        return None
+    return StaticBounds(batch=shapes.max_batch, context_tokens=shapes.max_context)
+
+
+def dim_symbols(ep, template: ModelCache) -> dict[str, str]:
+    """The names torch.export gave the batch and context dims (the importer names its TIR vars
+    after them): batch from `start`, context from a store of the largest ratio."""
+    nodes = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
+    vals = [n.meta["val"] for n in nodes if n.name in user]
+    names = cache_names(template)
+    top = max([1, *(st.ratio for st in template.stores.values())])
+    out = {"batch": str(vals[1].shape[0])}  # (x, start, ...): start is (b,)
+    for name, val in zip(names, vals[len(vals) - len(names):], strict=True):
+        if name.startswith("store.") and name.endswith(".kv_codes"):
+            if template.stores[int(name.split(".")[1])].ratio == top:
+                out["ctx"] = str(val.shape[1])
+                break
+    return out
+
+
 def capture(model: Model, entry: str, shapes: CaptureShapes = CaptureShapes()):
     """torch.export one entry. Returns (ExportedProgram, cache template)."""
     inputs, template = example_inputs(model, entry, shapes)

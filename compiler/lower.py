@@ -182,6 +182,47 @@ def _indexer(ctx: Lowering, kind: str):
     return convert
 
 
+def _indexer_shared(ctx: Lowering):
+    """indexer_topk_shared: the sweep takes the own store, the alternates (unused slots get the
+    own store again, never read) and the per-sequence pick; no store is copied."""
+    from dsv41.schedules import indexer
+
+    def convert(node, importer):
+        q, kc, ks = (importer.env[a] for a in node.args[:3])
+        alt_c = [importer.env[a] for a in node.args[3]]
+        alt_s = [importer.env[a] for a in node.args[4]]
+        pick, wts, lens = (importer.env[a] for a in node.args[5:8])
+        topk = int(node.args[8])
+        n_alt = len(alt_c)
+        if n_alt > indexer.MAX_ALT:
+            raise ValueError(f"An indexer shares its index-K pointer with {n_alt} other stores; "
+                             f"the compiled sweep takes at most {indexer.MAX_ALT}.")
+        b, s, heads, dim = _shape(q)
+        heads, dim = _static(heads), _static(dim)
+        t = _shape(kc)[1]
+        pad = indexer.SCORE_PAD
+        mod = {}
+
+        def module():
+            if not mod:
+                mod["m"] = indexer.build_indexer_topk(ctx.target.name, heads=heads, dim=dim,
+                                                      topk=topk, n_alt=n_alt)
+            return mod["m"]
+
+        sweep = ctx.kernel(importer, ("index_scores_shared", heads, dim, n_alt),
+                           lambda: module()["index_scores_shared"])
+        pick_fn = ctx.kernel(importer, ("select_positions", topk),
+                             lambda: module()["select_positions"])
+        slots = []
+        for i in range(indexer.MAX_ALT):
+            slots += [alt_c[i], alt_s[i]] if i < n_alt else [kc, ks]
+        scores = _call(importer, sweep, [q, kc, ks, *slots, pick, wts, lens],
+                       _tensor([b, s, (t + pad - 1) // pad * pad], BF16))
+        return _call(importer, pick_fn, [scores], _tensor([b, s, topk], "int32"))
+
+    return convert
+
+
 def _moe_experts(ctx: Lowering):
     """The routed experts as the six-kernel chain of `schedules.moe` (Relax allocates the
     token-sized intermediates between the calls, which CUDA needs)."""
@@ -207,19 +248,28 @@ def _moe_experts(ctx: Lowering):
 
         plan = moe.moe_experts_plan(ctx.target.name, **dims, n=_shape(x)[0],
                                     n_hint=ctx.rows_hint)
-        env = {b.name: v for b, v in zip(plan.inputs, args, strict=True)}
-        bufs = plan.buffers()
-        for call in plan.calls:
-            gv = ctx.kernel(importer, (*key, call.func), lambda f=call.func: module()[f])
-            outs = [_tensor(bufs[o].shape, bufs[o].dtype) for o in call.outs]
-            res = _call(importer, gv, [env[a] for a in call.args],
-                        outs if len(outs) > 1 else outs[0])
-            if len(call.outs) == 1:
-                env[call.outs[0]] = res
-            else:
-                for i, o in enumerate(call.outs):
-                    env[o] = importer.block_builder.emit(relax.TupleGetItem(res, i))
-        return env[plan.output.name]
+        return moe.emit_moe_experts(
+            importer.block_builder, plan, args,
+            lambda f: ctx.kernel(importer, (*key, f), lambda: module()[f]))
+
+    return convert
+
+
+def _scatter_rows(ctx: Lowering):
+    """A cache write, in place: the kernel writes the new rows into the store or ring the
+    entry was given (`call_tir_inplace`), and the result aliases that input. The graph never
+    reads a cache tensor's old value after writing it (each write replaces the tensor), which is
+    what an in-place call requires."""
+    from dsv41.schedules import cache_write
+
+    def convert(node, importer):
+        dst, idx, rows = (importer.env[a] for a in node.args[:3])
+        width, dtype = _static(_shape(dst)[-1]), dst.ty.dtype
+        gv = ctx.kernel(importer, ("scatter_rows", width, dtype),
+                        lambda: cache_write.build_scatter_rows(ctx.target.name, width=width,
+                                                               dtype=dtype))
+        return importer.block_builder.emit(
+            relax.call_tir_inplace(gv, [dst, idx, rows], [0], out_ty=dst.ty))
 
     return convert
 
@@ -503,9 +553,11 @@ def convert_map(ctx: Lowering) -> dict:
         "fp8_dequant.default": _fp8_dequant(ctx),
         "sparse_attend.default": _sparse_attend(ctx),
         "indexer_topk.default": _indexer(ctx, "flat"),
+        "indexer_topk_shared.default": _indexer_shared(ctx),
         "hier_topk.default": _indexer(ctx, "hier"),
         "pool_topk.default": _indexer(ctx, "pool"),
         "moe_experts.default": _moe_experts(ctx),
+        "scatter_rows.default": _scatter_rows(ctx),
         "quant_fp8.default": _quant(ctx, "quant_fp8"),
         "quant_fp4_kv.default": _quant(ctx, "quant_fp4_kv"),
         "quant_mxfp4.default": _quant(ctx, "quant_mxfp4"),
@@ -526,7 +578,7 @@ def convert_map(ctx: Lowering) -> dict:
 
 
 def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
-          kernels: dict | None = None) -> tvm.IRModule:
+          kernels: dict | None = None, bounds: dict[str, int] | None = None) -> tvm.IRModule:
     """ExportedProgram -> Relax IRModule with one function `main`; weights stay parameters
     (`keep_params_as_input`), in the program's parameter order. `kernels`, when given, receives
     each kernel's key -> GlobalVar (what `dsv41 tune` maps back to the kernels' factories)."""
@@ -552,9 +604,14 @@ def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
         ExportedProgramImporter._convert_pytorch_tensor_to_tvm = staticmethod(convert)
     # The export's dim ranges (up to 1M tokens, 2M context, batch 64) would make Relax plan
     # every buffer statically at its upper bound; without them buffers are sized per call.
+    # `bounds` (TIR var name -> upper bound; single-token entries, see capture.static_bounds)
+    # instead plans every intermediate once, at those bounds: nothing sized by the context is
+    # allocated per call.
     main = mod["main"]
     for attr in ("tir_var_upper_bound", "tir_var_lower_bound"):
         if main.attrs and attr in main.attrs:
             main = main.without_attr(attr)
+    if bounds:
+        main = main.with_attr("tir_var_upper_bound", bounds)
     mod["main"] = main
     return mod

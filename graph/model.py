@@ -235,21 +235,14 @@ def put_rows(dst: torch.Tensor, first: torch.Tensor, rows: torch.Tensor,
              ok: torch.Tensor) -> torch.Tensor:
     """dst[b, first[b] + g] = rows[b, g] where ok[b, g]; returns the updated tensor.
 
-    Eagerly this writes in place. Under torch.export it is a gather and a select over dst (no
-    scatter, so no duplicate-index ambiguity and nothing out of range), which the compiler can
-    later turn back into an in-place update."""
+    Eagerly this writes in place. Under torch.export it is `ops.scatter_rows`, which the
+    compiled entry runs in place on the caller's buffer: only the g new rows are written."""
     if not torch.compiler.is_exporting():
         bi, gi = ok.nonzero(as_tuple=True)
         dst[bi, first[bi] + gi] = rows[bi, gi].to(dst.dtype)
         return dst
-    g = rows.size(1)
-    rel = torch.arange(dst.size(1)).unsqueeze(0) - first.unsqueeze(1)  # (b, n)
-    inside = (rel >= 0) & (rel < g)
-    rel = rel.clamp(0, g - 1)  # g >= 1: every chunk has a token
-    sel = inside & ok.gather(1, rel)
-    tail = (1,) * (dst.dim() - 2)
-    vals = rows.gather(1, rel.view(*rel.shape, *tail).expand(-1, -1, *rows.shape[2:]))
-    return torch.where(sel.view(*sel.shape, *tail), vals.to(dst.dtype), dst)
+    idx = torch.where(ok, first.unsqueeze(1) + torch.arange(rows.size(1)), -1)  # (b, g)
+    return ops.scatter_rows(dst, idx, rows.to(dst.dtype))
 
 
 def live_rows(t: torch.Tensor, chunk: Chunk, ratio: int) -> torch.Tensor:
@@ -295,8 +288,16 @@ def window_inputs(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor, c
 
 def write_ring(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor,
                start: torch.Tensor, window: int) -> None:
-    """Slot j takes the newest new position p with p % window == j, if any."""
+    """Slot j takes the newest new position p with p % window == j, if any. Under
+    torch.export the new positions' slots are written in place (`ops.scatter_rows`)."""
     s = codes.size(1)
+    if torch.compiler.is_exporting():
+        j = torch.arange(s)
+        slot = torch.where(j >= s - window, torch.remainder(start.unsqueeze(1) + j, window),
+                           -1)  # (b, s): the last `window` new positions
+        ring.codes = ops.scatter_rows(ring.codes, slot, codes)
+        ring.scales = ops.scatter_rows(ring.scales, slot, scales)
+        return
     last = (start + s - 1).unsqueeze(1)  # (b, 1)
     t = last - torch.remainder(last - torch.arange(window), window)  # (b, W)
     fresh = t >= start.unsqueeze(1)
@@ -394,31 +395,47 @@ def publish_main_kv(model: Model, store: GlobalStore, c: Compressed, chunk: Chun
     store.kv_scales = put_rows(store.kv_scales, c.first, scales, c.ok)
 
 
-def index_keys(model: Model, cache: ModelCache, store: GlobalStore, chunk: Chunk):
+@dataclass
+class IndexKeys:
+    """The index K an indexer reads: its source's store, and under the released shared pointer
+    the other stores it may read instead (`alt_*`, with `pick` (b,) int64: 0 = own, i = alt i-1)."""
+
+    codes: torch.Tensor  # (b, T, di/2)
+    scales: torch.Tensor  # (b, T, di/32)
+    alt_codes: list[torch.Tensor] = field(default_factory=list)
+    alt_scales: list[torch.Tensor] = field(default_factory=list)
+    pick: torch.Tensor | None = None
+
+    def materialised(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys as one tensor pair (a copy when there are alternates)."""
+        if not self.alt_codes:
+            return self.codes, self.scales
+        return ops.shared_index_k(self.codes, self.scales, self.alt_codes, self.alt_scales,
+                                  self.pick)
+
+
+def index_keys(model: Model, cache: ModelCache, store: GlobalStore, chunk: Chunk) -> IndexKeys:
     """The index K an indexer reads. The released model reads it through one shared pointer
     that only a publishing KV source moves: in a decode step where a ratio-2 group is still
     filling, its indexer scores the keys of the last source that did publish (the ratio-1
     source). `model.reference_index_k` keeps that behaviour, which the released outputs carry;
-    off, each indexer reads its own source. The pointer is per sequence (`cache.index_owner`)."""
-    kc = live_rows(store.k_codes, chunk, store.ratio)
-    ks = live_rows(store.k_scales, chunk, store.ratio)
+    off, each indexer reads its own source. The pointer is per sequence (`cache.index_owner`):
+    it becomes `pick`, an argument of the sweep, never a copy of a store."""
+    keys = IndexKeys(live_rows(store.k_codes, chunk, store.ratio),
+                     live_rows(store.k_scales, chunk, store.ratio))
     if not model.reference_index_k:
-        return kc, ks
+        return keys
+    pick = torch.zeros_like(cache.index_owner)
     for owner, other in cache.stores.items():
         if other is store or other.k_codes is None or other.ratio > store.ratio:
             continue
-        # the other source's first `rows` entries: its store holds ratio/other.ratio times as
-        # many rows (capacities are multiples of the largest ratio), so a reshape picks them
-        k = store.ratio // other.ratio
-        if torch.compiler.is_exporting():
-            oc = other.k_codes.unflatten(1, (k, -1))[:, 0]
-            os_ = other.k_scales.unflatten(1, (k, -1))[:, 0]
-        else:
-            oc, os_ = other.k_codes[:, : kc.size(1)], other.k_scales[:, : kc.size(1)]
-        use = (cache.index_owner == owner).view(-1, 1, 1)
-        kc = torch.where(use, oc, kc)
-        ks = torch.where(use, os_, ks)
-    return kc, ks
+        # the other source's store holds ratio/other.ratio times as many rows (capacities are
+        # multiples of the largest ratio): its first T rows are the entries read
+        keys.alt_codes.append(other.k_codes)
+        keys.alt_scales.append(other.k_scales)
+        pick = torch.where(cache.index_owner == owner, len(keys.alt_codes), pick)
+    keys.pick = pick if keys.alt_codes else None
+    return keys
 
 
 def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: torch.Tensor,
@@ -442,11 +459,18 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
     weights = bf16_linear(x, model.p(src.layer, "attn.indexer.weights_proj.weight")) * (
         a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
     lens = (chunk.pos + 1) // store.ratio  # (b, s) entries visible to each query
-    kc, ks = index_keys(model, cache, store, chunk)
+    keys = index_keys(model, cache, store, chunk)
+    full_sweep = not p.candidate_source and not (src.uses_candidates and not model.full_reindex)
+    if full_sweep and keys.alt_codes and torch.compiler.is_exporting():
+        return ops.indexer_topk_shared(q, keys.codes, keys.scales, keys.alt_codes,
+                                       keys.alt_scales, keys.pick, weights, lens, a.index_topk)
+    # eager, and the candidate / pool sweeps (whose sources have no lower-ratio source to
+    # share a pointer with in any preset): the keys as one tensor pair
+    kc, ks = keys.materialised()
     if p.candidate_source:
         idx, chunk.blocks = ops.hier_topk(q, kc, ks, weights, lens, a.index_topk,
                                           a.candidate_topk_blocks, a.candidate_block_size)
-    elif src.uses_candidates and not model.full_reindex:
+    elif not full_sweep:
         idx = ops.pool_topk(q, kc, ks, weights, lens, chunk.blocks, a.index_topk,
                             a.candidate_block_size)
     else:

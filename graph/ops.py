@@ -9,9 +9,11 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
 - `indexer_topk`:  MXFP4 index-K sweep (relu, head-weighted sum) + top-k, ties to the lower position
+- `indexer_topk_shared`: the same over the store the shared index-K pointer names per sequence
 - `hier_topk`:     the candidate source's sweep + candidate blocks + its own top-k
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
 - `moe_experts`:   the routed FP4 experts for the selected ids
+- `scatter_rows`:  cache writes: rows into given rows of a store or ring (compiled in place)
 
 The oracles reproduce the released reference kernels' arithmetic (block order, bf16 rounding
 points) so that the graph matches the released model to its own noise floor.
@@ -26,6 +28,29 @@ from . import formats as fmt
 FP8_BLOCK = 32
 ATTN_BLOCK = 64  # the reference sparse-attention kernel walks indices in blocks of 64
 NEG_INF = float("-inf")
+
+
+# ---- cache writes ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv41::scatter_rows", mutates_args=())
+def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """dst with dst[b, idx[b, g]] = rows[b, g] wherever 0 <= idx[b, g] < dst.size(1) (-1: no
+    write). dst (b, n, d), idx int64 (b, g) with distinct entries >= 0 per row, rows (b, g, d)
+    of dst's dtype. Functional here (the oracle returns a new tensor); the compiled kernel
+    writes the g rows into dst's own buffer (`call_tir_inplace`), so a cache write costs its
+    rows, not the store."""
+    if dst.dim() != 3 or rows.dim() != 3 or idx.dim() != 2:
+        raise ValueError("scatter_rows takes dst (b, n, d), idx (b, g) and rows (b, g, d).")
+    out = dst.clone()
+    bi, gi = ((idx >= 0) & (idx < dst.size(1))).nonzero(as_tuple=True)
+    out[bi, idx[bi, gi]] = rows[bi, gi].to(dst.dtype)
+    return out
+
+
+@scatter_rows.register_fake
+def _(dst, idx, rows):
+    return torch.empty_like(dst)
 
 
 # ---- block-scaled GEMMs ----------------------------------------------------------------------
@@ -291,6 +316,36 @@ def indexer_topk(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor
 
 @indexer_topk.register_fake
 def _(q, k_packed, k_scales, weights, lens, topk):
+    return q.new_empty(q.size(0), q.size(1), topk, dtype=torch.int32)
+
+
+def shared_index_k(k_packed: torch.Tensor, k_scales: torch.Tensor, alt_packed, alt_scales,
+                   pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index K each sequence reads through the released shared pointer: its own keys
+    [b, T, ...] where pick[b] = 0, else the first T rows of alternate pick[b] - 1 (a store of
+    a source with a ratio no larger, so at least T rows)."""
+    t = k_packed.size(1)
+    kc, ks = k_packed, k_scales
+    for i, (ac, as_) in enumerate(zip(alt_packed, alt_scales, strict=True), start=1):
+        use = (pick == i).view(-1, 1, 1)
+        kc = torch.where(use, ac[:, :t], kc)
+        ks = torch.where(use, as_[:, :t], ks)
+    return kc, ks
+
+
+@torch.library.custom_op("dsv41::indexer_topk_shared", mutates_args=())
+def indexer_topk_shared(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor,
+                        alt_packed: list[torch.Tensor], alt_scales: list[torch.Tensor],
+                        pick: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor,
+                        topk: int) -> torch.Tensor:
+    """`indexer_topk` over the keys `shared_index_k` names per sequence (pick int64 [b]). The
+    compiled sweep reads the named store where it lies: no copy of any store is made."""
+    kc, ks = shared_index_k(k_packed, k_scales, alt_packed, alt_scales, pick)
+    return _select(index_scores(q, kc, ks, weights, lens), topk)
+
+
+@indexer_topk_shared.register_fake
+def _(q, k_packed, k_scales, alt_packed, alt_scales, pick, weights, lens, topk):
     return q.new_empty(q.size(0), q.size(1), topk, dtype=torch.int32)
 
 

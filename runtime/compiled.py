@@ -44,6 +44,15 @@ class CompiledPhases:
         if entry != "draft" and int(start.max()) + s > capacity_tokens(cache):
             raise ValueError(f"Positions up to {int(start.max()) + s} exceed the cache capacity "
                              f"of {capacity_tokens(cache)} tokens.")
+        bounds = self.art.manifest["entries"][entry].get("static_bounds")
+        if bounds is not None:
+            if start.size(0) > bounds["batch"]:
+                raise ValueError(f"The {entry} entry is planned for batches of up to "
+                                 f"{bounds['batch']} sequences; got {start.size(0)}.")
+            if capacity_tokens(cache) > bounds["context_tokens"] and cache.stores:
+                raise ValueError(f"The {entry} entry is planned for caches of up to "
+                                 f"{bounds['context_tokens']} tokens; this cache holds "
+                                 f"{capacity_tokens(cache)}.")
         if hash_ids.numel():
             for slot, layer in enumerate(a.engram_layer_ids):
                 rows = self.model.p(layer, "engram.embed.weight").size(0)

@@ -54,6 +54,7 @@ SCORE_PAD = 128  # score rows are padded to a multiple of this (every CPU/GPU ti
 HEAD_CHUNK = 16  # torch's CPU sum reduces rows in sequential chunks of 16 (ATen multi_row_sum)
 NEG_KEY = 0x007F  # order key of bf16 -inf
 POS_INF_KEY = 0xFF80  # order key of bf16 +inf (the pinned newest block)
+MAX_ALT = 3  # alternate index-K stores the shared sweep takes (`index_scores_shared`)
 
 
 # ---- TIR expression helpers ------------------------------------------------------------------
@@ -83,6 +84,25 @@ def _decode(KP, KS, vb, pos, vd):
     byte = T.Cast("uint32", KP[vb, pos, vd // 2])
     nib = (byte >> T.Cast("uint32", (vd % 2) * 4)) & T.uint32(15)
     return _fp4(nib) * _e8m0(T.Cast("uint32", KS[vb, pos, vd // 32]))
+
+
+def _decode_shared(KPs, KSs, PK, vb, pos, vd):
+    """`_decode` from the store pick[vb] names: KPs[0] (own) or an alternate. Conditional loads
+    (if_then_else): only the named store is read."""
+    byte = KPs[0][vb, pos, vd // 2]
+    scale = KSs[0][vb, pos, vd // 32]
+    for i in range(1, len(KPs)):
+        use = PK[vb] == T.int64(i)
+        byte = T.if_then_else(use, KPs[i][vb, pos, vd // 2], byte)
+        scale = T.if_then_else(use, KSs[i][vb, pos, vd // 32], scale)
+    nib = (T.Cast("uint32", byte) >> T.Cast("uint32", (vd % 2) * 4)) & T.uint32(15)
+    return _fp4(nib) * _e8m0(T.Cast("uint32", scale))
+
+
+def _check_alt(n_alt: int) -> None:
+    if not 0 <= n_alt <= MAX_ALT:
+        raise ValueError(f"n_alt must lie in 0..{MAX_ALT} (alternate index-K stores a sweep can "
+                         f"read); got {n_alt}.")
 
 
 def _neg_inf_bf16():
@@ -135,10 +155,17 @@ def _check_dim(dim: int) -> None:
 # ---- sweeps ----------------------------------------------------------------------------------
 
 
-def make_index_scores(*, heads: int, dim: int) -> tvm.tirx.PrimFunc:
+def make_index_scores(*, heads: int, dim: int, n_alt: int = 0) -> tvm.tirx.PrimFunc:
     """Full sweep: (q, k_packed, k_scales, weights, lens) -> scores bf16 [b, s, pad(T)], equal
-    to `ops.index_scores` on [..., :T] and -inf past T. Symbolic b, s, T."""
+    to `ops.index_scores` on [..., :T] and -inf past T. Symbolic b, s, T.
+
+    `n_alt` > 0 (1..MAX_ALT): `index_scores_shared`, (q, k_packed, k_scales, alt_packed_1,
+    alt_scales_1, ..., alt_packed_MAX_ALT, alt_scales_MAX_ALT, pick, weights, lens) -> scores,
+    equal to `ops.indexer_topk_shared`'s sweep: row b reads its own keys where pick[b] = 0 and the
+    first T rows of alternate pick[b] otherwise (the released shared index-K pointer), without
+    copying any of them. Slots past n_alt are never read (the lowering passes the own store)."""
     _check_dim(dim)
+    _check_alt(n_alt)
     che, nc = _head_chunks(heads)
     H, D, C, NC = T.int64(heads), T.int64(dim), T.int64(che), T.int64(nc)
 
@@ -185,6 +212,64 @@ def make_index_scores(*, heads: int, dim: int) -> tvm.tirx.PrimFunc:
                                          T.Cast("bfloat16", _chunk_sum(part, vb, vs, vt, nc)),
                                          _neg_inf_bf16())
 
+    @T.prim_func(s_tir=True)
+    def index_scores_shared(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, a1_h: T.handle,
+                            s1_h: T.handle, a2_h: T.handle, s2_h: T.handle, a3_h: T.handle,
+                            s3_h: T.handle, pick_h: T.handle, w_h: T.handle, lens_h: T.handle,
+                            out_h: T.handle):
+        T.func_attr({"global_symbol": "index_scores_shared", "tirx.noalias": True})
+        b, s, t = T.int64(), T.int64(), T.int64()
+        t1, t2, t3 = T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (b, s, H, D), "bfloat16")
+        KP = T.match_buffer(kp_h, (b, t, D // 2), "uint8")
+        KS = T.match_buffer(ks_h, (b, t, D // 32), "uint8")
+        A1 = T.match_buffer(a1_h, (b, t1, D // 2), "uint8")
+        S1 = T.match_buffer(s1_h, (b, t1, D // 32), "uint8")
+        A2 = T.match_buffer(a2_h, (b, t2, D // 2), "uint8")
+        S2 = T.match_buffer(s2_h, (b, t2, D // 32), "uint8")
+        A3 = T.match_buffer(a3_h, (b, t3, D // 2), "uint8")
+        S3 = T.match_buffer(s3_h, (b, t3, D // 32), "uint8")
+        PK = T.match_buffer(pick_h, (b,), "int64")
+        W = T.match_buffer(w_h, (b, s, H), "bfloat16")
+        L = T.match_buffer(lens_h, (b, s), "int64")
+        O = T.match_buffer(out_h, (b, s, _pad(t)), "bfloat16")
+        qf = T.sblock_alloc_buffer((b, s, H, D), "float32")
+        kd = T.sblock_alloc_buffer((b, _pad(t), D), "float32")
+        dot = T.sblock_alloc_buffer((b, s, H, _pad(t)), "float32")
+        part = T.sblock_alloc_buffer((b, s, NC, _pad(t)), "float32")
+        for i0, i1, i2, i3 in T.grid(b, s, H, D):
+            with T.sblock("q_f32"):
+                vb, vs, vh, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                qf[vb, vs, vh, vd] = T.Cast("float32", Q[vb, vs, vh, vd])
+        for i0, i1, i2 in T.grid(b, _pad(t), D):
+            with T.sblock("k_dec"):  # padded rows decode entry T-1 again (never selected)
+                vb, vt, vd = T.axis.remap("SSS", [i0, i1, i2])
+                kd[vb, vt, vd] = _decode_shared(
+                    (KP, A1, A2, A3)[: n_alt + 1], (KS, S1, S2, S3)[: n_alt + 1], PK, vb,
+                    T.min(vt, t - T.int64(1)), vd)
+        for i0, i1, i2, i3, i4 in T.grid(b, s, H, _pad(t), D):
+            with T.sblock("dot"):
+                vb, vs, vh, vt, vd = T.axis.remap("SSSSR", [i0, i1, i2, i3, i4])
+                with T.init():
+                    dot[vb, vs, vh, vt] = T.float32(0)
+                dot[vb, vs, vh, vt] = dot[vb, vs, vh, vt] + qf[vb, vs, vh, vd] * kd[vb, vt, vd]
+        for i0, i1, i2, i3, i4 in T.grid(b, s, NC, _pad(t), C):
+            with T.sblock("chunk"):
+                vb, vs, vc, vt, vj = T.axis.remap("SSSSR", [i0, i1, i2, i3, i4])
+                with T.init():
+                    part[vb, vs, vc, vt] = T.float32(0)
+                part[vb, vs, vc, vt] = part[vb, vs, vc, vt] + _term(dot, W, vb, vs, vc * C + vj,
+                                                                    vt)
+        for i0, i1, i2 in T.grid(b, s, _pad(t)):
+            with T.sblock("score"):
+                vb, vs, vt = T.axis.remap("SSS", [i0, i1, i2])
+                O[vb, vs, vt] = T.Select(vt < T.min(L[vb, vs], t),
+                                         T.Cast("bfloat16", _chunk_sum(part, vb, vs, vt, nc)),
+                                         _neg_inf_bf16())
+
+
+    if n_alt:
+        return index_scores_shared
     return index_scores
 
 
@@ -278,7 +363,8 @@ def avx512_sweep_supported(*, heads: int, dim: int, head_block: int) -> bool:
 
 
 def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block: int = 4,
-                             max_tasks: int = 32, vnni: bool = False) -> tvm.tirx.PrimFunc:
+                             max_tasks: int = 32, vnni: bool = False,
+                             n_alt: int = 0) -> tvm.tirx.PrimFunc:
     """The full sweep (same signature and bits as `make_index_scores`) hand-vectorised for
     AVX-512; the loop structure is the schedule, so it is fixed at construction (config
     `sweep_config`). Parallel tasks: up to max_tasks per batch row, each a contiguous run of
@@ -304,7 +390,10 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
     (exact) and added in fp32. That is the exact dot wherever the fp32 sweep's is (the same
     exponent-span condition; see the module docstring), so the bits are the same. If any q block
     is not int8 x 2^e exactly (a q that was not QDQ'd, inf/NaN, exponents near fp32's ends) the
-    whole call takes the fp32 sweep instead."""
+    whole call takes the fp32 sweep instead.
+
+    `n_alt` > 0: `index_scores_shared`, the sweep behind the released shared index-K pointer
+    (see `make_index_scores`); each batch row's tasks branch once to the store it reads."""
     _check_dim(dim)
     che, nc = _head_chunks(heads)
     if tile % 16 or SCORE_PAD % tile:
@@ -316,6 +405,7 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         raise ValueError(f"max_tasks must be positive; got {max_tasks}.")
     if vnni and dim % 128:
         raise ValueError(f"The VNNI sweep needs dim to be a multiple of 128; got {dim}.")
+    _check_alt(n_alt)
     H, D, TT, HB = T.int64(heads), T.int64(dim), T.int64(tile), head_block
     MT = T.int64(max_tasks)
     nwb = min(dim // 8, 16)  # words per transpose row (and rows per transpose)
@@ -433,6 +523,66 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                     acc[h, e] = acc[h, e] + T.Cast("float32", iacc[h, e]) * (
                         sc[blk, e] * qsc[vb, vs, hg * HB + h, blk])
 
+    @T.macro
+    def sweep_tiles(KPx, KSx, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd, kq, sc,
+                    rows, tbl, lut8, acc, iacc, part):
+        """The task's tiles of the sweep over the key store KPx / KSx (its first t rows)."""
+        for tl in range(per_task(t)):
+            if task % tasks(t) * per_task(t) + tl < tiles(t):
+                t0 = (task % tasks(t) * per_task(t) + tl) * TT  # padded entries: entry T-1
+                for blk in range(NBLK):
+                    for e in T.vectorized(TT):
+                        sc[blk, e] = _e8m0(T.Cast("uint32", KSx[
+                            vb, T.min(t0 + e, t - T.int64(1)), blk]))
+                for g, m0 in T.grid(TT // T.int64(16), n_chunks):
+                    for r in T.unroll(nwb):
+                        for p in T.unroll(epr):
+                            rows[r, T.ramp(p * nwb, 1, nwb)] = T.reinterpret(
+                                f"uint32x{nwb}", KPx.vload([vb, T.min(
+                                    t0 + g * T.int64(16) + p * nwb + r, t - T.int64(1)),
+                                    m0 * 64], f"uint8x{row_bytes}"))
+                    if stages > 0:
+                        stage(rows, 0)
+                    if stages > 1:
+                        stage(rows, 1)
+                    if stages > 2:
+                        stage(rows, 2)
+                    if stages > 3:
+                        stage(rows, 3)
+                    if vnni:
+                        if flag[0] == 1:
+                            dec_int(kq, rows, lut8, m0, g)
+                        else:
+                            dec_fp32(kd, rows, tbl, sc, m0, g)
+                    else:
+                        dec_fp32(kd, rows, tbl, sc, m0, g)
+                for vs in range(s):
+                    for c in range(nc):
+                        for e in T.vectorized(TT):
+                            part[c, e] = T.float32(0)
+                    for hg in range(heads // HB):
+                        for h in T.unroll(HB):
+                            for e in T.vectorized(TT):
+                                acc[h, e] = T.float32(0)
+                        if vnni:
+                            if flag[0] == 1:
+                                dot_int(acc, iacc, kq, qw, qsc, corr, sc, vb, vs, hg)
+                            else:
+                                dot_fp32(acc, kd, qf, vb, vs, hg)
+                        else:
+                            dot_fp32(acc, kd, qf, vb, vs, hg)
+                        for h in T.unroll(HB):
+                            for e in T.vectorized(TT):
+                                part[(hg * HB + h) // che, e] = part[
+                                    (hg * HB + h) // che, e] + round_bf16(T.max(
+                                        round_bf16(acc[h, e]), T.float32(0))
+                                        * wf[vb, vs, hg * HB + h])
+                    for e in T.vectorized(TT):
+                        O[vb, vs, t0 + e] = T.Select(
+                            t0 + e < T.min(L[vb, vs], t),
+                            T.Cast("bfloat16", _part_sum(part, e, nc)), _neg_inf_bf16())
+
+
     @T.prim_func
     def index_scores(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, w_h: T.handle,
                      lens_h: T.handle, out_h: T.handle):
@@ -479,61 +629,100 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                 lut8[i] = T.Cast("int8", _fp4(T.Cast("uint32", i % 16)) * T.float32(2)
                                  + T.float32(12))
             vb = task // tasks(t)
-            for tl in range(per_task(t)):
-                if task % tasks(t) * per_task(t) + tl < tiles(t):
-                    t0 = (task % tasks(t) * per_task(t) + tl) * TT  # padded entries: entry T-1
-                    for blk in range(NBLK):
-                        for e in T.vectorized(TT):
-                            sc[blk, e] = _e8m0(T.Cast("uint32", KS[
-                                vb, T.min(t0 + e, t - T.int64(1)), blk]))
-                    for g, m0 in T.grid(TT // T.int64(16), n_chunks):
-                        for r in T.unroll(nwb):
-                            for p in T.unroll(epr):
-                                rows[r, T.ramp(p * nwb, 1, nwb)] = T.reinterpret(
-                                    f"uint32x{nwb}", KP.vload([vb, T.min(
-                                        t0 + g * T.int64(16) + p * nwb + r, t - T.int64(1)),
-                                        m0 * 64], f"uint8x{row_bytes}"))
-                        if stages > 0:
-                            stage(rows, 0)
-                        if stages > 1:
-                            stage(rows, 1)
-                        if stages > 2:
-                            stage(rows, 2)
-                        if stages > 3:
-                            stage(rows, 3)
-                        if vnni:
-                            if flag[0] == 1:
-                                dec_int(kq, rows, lut8, m0, g)
-                            else:
-                                dec_fp32(kd, rows, tbl, sc, m0, g)
-                        else:
-                            dec_fp32(kd, rows, tbl, sc, m0, g)
-                    for vs in range(s):
-                        for c in range(nc):
-                            for e in T.vectorized(TT):
-                                part[c, e] = T.float32(0)
-                        for hg in range(heads // HB):
-                            for h in T.unroll(HB):
-                                for e in T.vectorized(TT):
-                                    acc[h, e] = T.float32(0)
-                            if vnni:
-                                if flag[0] == 1:
-                                    dot_int(acc, iacc, kq, qw, qsc, corr, sc, vb, vs, hg)
-                                else:
-                                    dot_fp32(acc, kd, qf, vb, vs, hg)
-                            else:
-                                dot_fp32(acc, kd, qf, vb, vs, hg)
-                            for h in T.unroll(HB):
-                                for e in T.vectorized(TT):
-                                    part[(hg * HB + h) // che, e] = part[
-                                        (hg * HB + h) // che, e] + round_bf16(T.max(
-                                            round_bf16(acc[h, e]), T.float32(0))
-                                            * wf[vb, vs, hg * HB + h])
-                        for e in T.vectorized(TT):
-                            O[vb, vs, t0 + e] = T.Select(
-                                t0 + e < T.min(L[vb, vs], t),
-                                T.Cast("bfloat16", _part_sum(part, e, nc)), _neg_inf_bf16())
+            sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                        kq, sc, rows, tbl, lut8, acc, iacc, part)
 
+    @T.prim_func
+    def index_scores_shared(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, a1_h: T.handle,
+                            s1_h: T.handle, a2_h: T.handle, s2_h: T.handle, a3_h: T.handle,
+                            s3_h: T.handle, pick_h: T.handle, w_h: T.handle, lens_h: T.handle,
+                            out_h: T.handle):
+        T.func_attr({"global_symbol": "index_scores_shared", "tirx.noalias": True})
+        b, s, t = T.int64(), T.int64(), T.int64()
+        t1, t2, t3 = T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (b, s, H, D), "bfloat16")
+        KP = T.match_buffer(kp_h, (b, t, D // 2), "uint8")
+        KS = T.match_buffer(ks_h, (b, t, D // 32), "uint8")
+        A1 = T.match_buffer(a1_h, (b, t1, D // 2), "uint8")
+        S1 = T.match_buffer(s1_h, (b, t1, D // 32), "uint8")
+        A2 = T.match_buffer(a2_h, (b, t2, D // 2), "uint8")
+        S2 = T.match_buffer(s2_h, (b, t2, D // 32), "uint8")
+        A3 = T.match_buffer(a3_h, (b, t3, D // 2), "uint8")
+        S3 = T.match_buffer(s3_h, (b, t3, D // 32), "uint8")
+        PK = T.match_buffer(pick_h, (b,), "int64")
+        W = T.match_buffer(w_h, (b, s, H), "bfloat16")
+        L = T.match_buffer(lens_h, (b, s), "int64")
+        O = T.match_buffer(out_h, (b, s, _pad(t)), "bfloat16")
+        qf = T.alloc_buffer((b, s, H, D), "float32")
+        wf = T.alloc_buffer((b, s, H), "float32")
+        qw = T.alloc_buffer((b, s, H, NQ), "int32")  # VNNI: q int8 quads
+        qsc = T.alloc_buffer((b, s, H, NBLK), "float32")  # VNNI: 2^(e - 1) per q block
+        corr = T.alloc_buffer((b, s, H, NBLK), "int32")  # VNNI: -12 * sum of a block's ints
+        flag = T.alloc_buffer((1,), "int32")  # VNNI: 1 if every q block is int8 x 2^e
+        mx = T.alloc_buffer((1,), "float32")
+        cs = T.alloc_buffer((1,), "int32")
+        wd = T.alloc_buffer((1,), "int32")
+        for r in range(b * s):  # q, w to fp32 once (serial: tiny next to the sweep)
+            for h in range(H):
+                wf[r // s, r % s, h] = T.Cast("float32", W[r // s, r % s, h])
+                for d in T.vectorized(D):
+                    qf[r // s, r % s, h, d] = T.Cast("float32", Q[r // s, r % s, h, d])
+        flag[0] = 0
+        if vnni:
+            prep_q(qf, qw, qsc, corr, flag, mx, cs, wd, b, s)
+        for task in T.parallel(b * tasks(t)):
+            kd = T.alloc_buffer((D, TT), "float32", scope="local")  # decoded keys, [d, entry]
+            kq = T.alloc_buffer((NQ, TT), "int32", scope="local")  # VNNI: key byte quads
+            sc = T.alloc_buffer((NBLK, TT), "float32", scope="local")  # E8M0 scales
+            rows = T.alloc_buffer((nwb, 16), "uint32", scope="local")  # the transpose
+            # the 16 E2M1 values in code order; vpermps reads only the low 4 bits of each
+            # index lane, so a nibble needs a shift but no mask
+            tbl = T.alloc_buffer((16,), "float32", scope="local")
+            lut8 = T.alloc_buffer((64,), "int8", scope="local")  # VNNI: 2 * E2M1 + 12
+            acc = T.alloc_buffer((HB, TT), "float32", scope="local")
+            iacc = T.alloc_buffer((HB, TT), "int32", scope="local")  # VNNI: one key block
+            part = T.alloc_buffer((nc, TT), "float32", scope="local")  # head-chunk sums
+            for i in T.unroll(16):
+                tbl[i] = _fp4(T.Cast("uint32", i))
+            for i in range(64):  # the table repeats in each 128-bit lane (vpshufb)
+                lut8[i] = T.Cast("int8", _fp4(T.Cast("uint32", i % 16)) * T.float32(2)
+                                 + T.float32(12))
+            vb = task // tasks(t)
+            # the shared index-K pointer: this row's keys are the first t rows of the store
+            # the pointer names (an alternate's own row count is at least t)
+            if n_alt == 1:
+                if PK[vb] == T.int64(1):
+                    sweep_tiles(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+                else:
+                    sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+            elif n_alt == 2:
+                if PK[vb] == T.int64(1):
+                    sweep_tiles(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+                elif PK[vb] == T.int64(2):
+                    sweep_tiles(A2, S2, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+                else:
+                    sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+            else:
+                if PK[vb] == T.int64(1):
+                    sweep_tiles(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+                elif PK[vb] == T.int64(2):
+                    sweep_tiles(A2, S2, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+                elif PK[vb] == T.int64(3):
+                    sweep_tiles(A3, S3, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+                else:
+                    sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
+                                kq, sc, rows, tbl, lut8, acc, iacc, part)
+
+    if n_alt:
+        return index_scores_shared
     return index_scores
 
 
@@ -1057,14 +1246,17 @@ def select_config(target: TargetSpec) -> SelectConfig:
 # ---- per-op builders and runners ---------------------------------------------------------------
 
 
-def _index_sweep(target: TargetSpec, heads: int, dim: int) -> tvm.tirx.PrimFunc:
-    """The full sweep for `target`: hand-vectorised (AVX-512) or scheduled."""
+def _index_sweep(target: TargetSpec, heads: int, dim: int, n_alt: int = 0) -> tvm.tirx.PrimFunc:
+    """The full sweep for `target`: hand-vectorised (AVX-512) or scheduled; with n_alt > 0 the
+    shared-pointer variant (`index_scores_shared`)."""
     cfg = sweep_config(target, heads=heads, dim=dim)
     if cfg.avx512:
         return make_index_scores_avx512(
             heads=heads, dim=dim, tile=cfg.tile, head_block=cfg.head_block,
-            max_tasks=cfg.max_tasks, vnni=cfg.vnni).with_attr("tirx.is_scheduled", True)
-    return schedule_index_scores(make_index_scores(heads=heads, dim=dim), cfg, target)
+            max_tasks=cfg.max_tasks, vnni=cfg.vnni,
+            n_alt=n_alt).with_attr("tirx.is_scheduled", True)
+    return schedule_index_scores(make_index_scores(heads=heads, dim=dim, n_alt=n_alt), cfg,
+                                 target)
 
 
 def _pool_sweep(target: TargetSpec, heads: int, dim: int, block_size: int):
@@ -1080,12 +1272,14 @@ def _select(target: TargetSpec, **kwargs) -> tvm.tirx.PrimFunc:
 
 
 def build_indexer_topk(target_name: str = "cpu", *, heads: int, dim: int,
-                       topk: int) -> tvm.IRModule:
+                       topk: int, n_alt: int = 0) -> tvm.IRModule:
     """indexer_topk = index_scores(q, k_packed, k_scales, weights, lens) -> scores
-    [b, s, pad128(T)] bf16, then select_positions(scores) -> int32 [b, s, topk]."""
+    [b, s, pad128(T)] bf16, then select_positions(scores) -> int32 [b, s, topk]. n_alt > 0:
+    indexer_topk_shared, the sweep `index_scores_shared` (alternate stores + pick) instead."""
     target = get_target(target_name)
+    name = "index_scores_shared" if n_alt else "index_scores"
     return tvm.IRModule({
-        "index_scores": _index_sweep(target, heads, dim),
+        name: _index_sweep(target, heads, dim, n_alt),
         "select_positions": _select(target, topk=topk, kind="positions"),
     })
 

@@ -582,10 +582,12 @@ def build_moe_experts_cuda(target_name: str, *, dim: int, inter: int, n_experts:
                                    topk=topk, swiglu_limit=swiglu_limit, n=n)
 
 
-def emit_moe_experts(bb, module: tvm.IRModule, plan: MoePlan, inputs: list) -> object:
-    """Emit the chain into a Relax BlockBuilder `bb`: adds the module's PrimFuncs and one
-    `call_tir` per plan call (Relax allocates the intermediates); `inputs` are the op's nine
-    tensor arguments as Relax expressions. Returns the y [n, dim] fp32 expression."""
+def emit_moe_experts(bb, plan: MoePlan, inputs: list, kernel) -> object:
+    """Emit the chain into a Relax BlockBuilder `bb`: one `call_tir` per plan call (Relax
+    allocates the intermediates); `inputs` are the op's nine tensor arguments as Relax
+    expressions, `kernel(name)` returns the GlobalVar of the chain's PrimFunc `name` (added to
+    the module once by the caller). Returns the y [n, dim] fp32 expression. The lowering of
+    `dsv41::moe_experts` is this function."""
     from tvm import relax
 
     if len(inputs) != len(plan.inputs):
@@ -593,7 +595,7 @@ def emit_moe_experts(bb, module: tvm.IRModule, plan: MoePlan, inputs: list) -> o
     env = {b.name: v for b, v in zip(plan.inputs, inputs, strict=True)}
     bufs = plan.buffers()
     for call in plan.calls:
-        gv = bb.add_func(module[call.func], call.func)
+        gv = kernel(call.func)
         out_ty = [relax.TensorType(bufs[o].shape, bufs[o].dtype) for o in call.outs]
         res = bb.emit(relax.call_tir(gv, [env[a] for a in call.args],
                                      out_ty if len(out_ty) > 1 else out_ty[0]))

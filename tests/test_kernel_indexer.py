@@ -403,3 +403,53 @@ def test_gpu_matches_oracle(b, s, t):
     assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
     assert torch.equal(ix.run_pool_topk(ex, *args, rblk, TOPK, BS, device=dev),
                        ops.pool_topk(*args, rblk, TOPK, BS))
+
+
+# ---- the shared index-K pointer ---------------------------------------------------------------
+
+
+@functools.cache
+def _shared(n_alt: int, kind: str, dim: int = D):
+    """index_scores_shared: the AVX-512 sweep this CPU lowers, or the scheduled generic one."""
+    target = get_target("cpu")
+    if kind == "generic":
+        cfg = ix.SweepConfig(tile=32, head_block=4, kdec_vector_d=True)
+        func = ix.schedule_index_scores(ix.make_index_scores(heads=H, dim=dim, n_alt=n_alt),
+                                        cfg, target)
+    else:
+        if not ix.sweep_config(target, heads=H, dim=dim).avx512:
+            pytest.skip("this CPU has no AVX-512 full sweep")
+        func = ix._index_sweep(target, H, dim, n_alt)
+    return tvm.compile(func, target=target.tvm_target())
+
+
+@pytest.mark.parametrize("kind", ["avx512", "generic"])
+@pytest.mark.parametrize("n_alt,t", [(1, 37), (3, 37), (3, 300)])
+def test_shared_sweep_reads_the_store_the_pointer_names(kind, n_alt, t):
+    """Each batch row scores the keys of the store its pick names (own, or the first T rows of
+    a longer alternate), bit-exact against the oracle over the materialised keys."""
+    b, s = n_alt + 1, 2
+    q, kp, ks, w, lens = _inputs(b, s, t, seed=n_alt * 10 + t)
+    alts = [ix.example_inputs_indexer_topk(b=b, s=1, heads=H, dim=D, t=2 * t, seed=50 + i)[1:3]
+            for i in range(n_alt)]
+    alt_c, alt_s = [a[0] for a in alts], [a[1] for a in alts]
+    pick = torch.arange(b, dtype=torch.int64)  # row 0 own, row i alternate i
+    kc, ksc = ops.shared_index_k(kp, ks, alt_c, alt_s, pick)
+    ref = ops.index_scores(q, kc, ksc, w, lens)
+    slots = []
+    for i in range(ix.MAX_ALT):
+        slots += [alt_c[i], alt_s[i]] if i < n_alt else [kp, ks]
+    scores = torch.empty(b, s, ix.padded(t), dtype=torch.bfloat16)
+    _shared(n_alt, kind)(*[tvm.runtime.from_dlpack(x) for x in (q, kp, ks, *slots, pick, w, lens,
+                                                                scores)])
+    assert torch.equal(_bits(scores[..., :t]), _bits(ref))
+    assert torch.all(scores[..., t:] == float("-inf"))
+    # the pointer matters: an alternate's keys differ from the own store's
+    assert not torch.equal(_bits(ref[1]), _bits(ops.index_scores(q, kp, ks, w, lens)[1]))
+    want = ops.indexer_topk_shared(q, kp, ks, alt_c, alt_s, pick, w, lens, TOPK)
+    assert torch.equal(want, ops.indexer_topk(q, kc, ksc, w, lens, TOPK))
+
+
+def test_shared_sweep_refuses_too_many_alternates():
+    with pytest.raises(ValueError, match="n_alt must lie in"):
+        ix.make_index_scores(heads=H, dim=D, n_alt=ix.MAX_ALT + 1)

@@ -194,7 +194,8 @@ def test_relax_chain_symbolic_n():
     params = [relax.Var(b.name, relax.TensorType(b.shape, b.dtype)) for b in plan.inputs]
     with bb.function("main", params):
         with bb.dataflow():
-            out = bb.emit_output(moe.emit_moe_experts(bb, mod, plan, params))
+            out = bb.emit_output(moe.emit_moe_experts(
+                bb, plan, params, lambda f: bb.add_func(mod[f], f)))
         bb.emit_func_output(out)
     vm = relax.VirtualMachine(tvm.compile(bb.get(), target=get_target(CPU).tvm_target()),
                               tvm.cpu())
