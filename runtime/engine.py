@@ -40,6 +40,7 @@ import torch
 from dsv41.graph.cache import ModelCache, ensure_capacity, new_cache
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
+from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, chunk_spans
 
 from .state import (
     block_arrays,
@@ -70,6 +71,9 @@ class EngineOptions:
     store_clock: Callable[[], float] = time.time
     pool_clock: Callable[[], float] = time.monotonic
     threads: int | None = None  # TVM's CPU pool (None: TVM_NUM_THREADS, else torch's count)
+    # every prefill runs in chunks of at most this many tokens: transient memory O(chunk x
+    # entries) instead of O(N x entries)
+    prefill_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 @dataclass
@@ -114,6 +118,7 @@ class Engine:
         self._salt = model_fingerprint(model.args.config_hash(), weights_hash, FORMAT_VERSION)
         self._pad = model.engram.pad_id if model.engram is not None else None
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
+        chunk_spans(1, options.prefill_chunk_tokens)  # a bad chunk size is refused up front
         self.store = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
@@ -437,7 +442,8 @@ class Session:
             cut = nblocks * e.options.page_tokens
             prefix = torch.tensor([self.history[:cut]])
             suffix = torch.tensor([self.history[cut:] + fresh])
-            res = ph.replay_prefill(m, cache, prefix, suffix)
+            res = ph.replay_prefill(m, cache, prefix, suffix,
+                                    chunk_tokens=e.options.prefill_chunk_tokens)
             rec.replayed = min(a.window_size, cut)
             rec.prefilled = suffix.size(1)
             rec.decoder_replayed = min(a.window_size, rec.replayed + rec.prefilled)
@@ -457,9 +463,10 @@ class Session:
 
     def _run(self, cache: ModelCache, tokens: torch.Tensor):
         e = self.engine
+        chunk = e.options.prefill_chunk_tokens
         if e.options.exact:
-            return e.phases.prefill_exact(e.model, cache, tokens)
-        return e.phases.ced_prefill(e.model, cache, tokens)
+            return e.phases.prefill_exact(e.model, cache, tokens, chunk_tokens=chunk)
+        return e.phases.ced_prefill(e.model, cache, tokens, chunk_tokens=chunk)
 
     def _decode(self, turn: _Turn) -> Iterator[int]:
         e = self.engine
