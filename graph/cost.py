@@ -104,11 +104,11 @@ def _weights(args: ModelArgs, tally: _Tally, tokens_through) -> None:
                      _precision(s.kind))
 
 
-def _kv(args: ModelArgs, tally: _Tally, layers, positions: np.ndarray) -> None:
+def _kv(args: ModelArgs, plan, tally: _Tally, layers, positions: np.ndarray) -> None:
     """Every query at `positions` (int64, its own position each) through each of `layers`."""
     if positions.size == 0:
         return
-    plan, layout = build_plan(args), KVLayout.from_plan(build_plan(args))
+    layout = KVLayout.from_plan(plan)
     sources = {src.layer: src for src in layout.sources}
     w = int(np.minimum(positions + 1, args.window_size).sum())
     for layer in layers:
@@ -168,14 +168,28 @@ def prefill_cost(args: ModelArgs, tokens: int, *, start: int = 0,
 
     tally = _Tally()
     _weights(args, tally, tokens_through)
-    _kv(args, tally, enc_layers, positions)
-    _kv(args, tally, dec_layers, positions[tokens - dec_tokens:])
+    _kv(args, plan, tally, enc_layers, positions)
+    _kv(args, plan, tally, dec_layers, positions[tokens - dec_tokens:])
     return StepCost(start, tally.weight_bytes, tally.kv_bytes, tally.flops, tally.weighted,
                     tokens)
 
 
 def decode_step_cost(args: ModelArgs, context: int) -> StepCost:
     """One token at position `context` through every block: an exact prefill of one token."""
-    if context < 0:
-        raise ValueError(f"context must be >= 0, got {context}.")
-    return prefill_cost(args, 1, start=context, mode=PrefillMode.EXACT)
+    return decode_step_costs(args, (context,))[0]
+
+
+def decode_step_costs(args: ModelArgs, contexts) -> tuple[StepCost, ...]:
+    """`decode_step_cost` at each context, the weights (context-free) counted once."""
+    contexts = tuple(contexts)
+    if any(c < 0 for c in contexts):
+        raise ValueError(f"contexts must be >= 0, got {contexts}.")
+    plan = build_plan(args)
+    weights = _Tally()
+    _weights(args, weights, lambda name: (1, 1))
+    out = []
+    for c in contexts:
+        t = _Tally(weights.weight_bytes, 0, weights.flops, weights.weighted)
+        _kv(args, plan, t, range(args.n_layers), np.array([c], dtype=np.int64))
+        out.append(StepCost(c, t.weight_bytes, t.kv_bytes, t.flops, t.weighted, 1))
+    return tuple(out)
