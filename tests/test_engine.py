@@ -329,23 +329,6 @@ def test_chunked_ced_prefill_keeps_the_token_layer_count(small_model, chunk):
     assert rel < 0.33, rel  # shared-small's rel_l2_max bound (0.327)
 
 
-def test_chunked_prefill_of_a_window_multiple_matches_the_one_shot_layers(small_model):
-    """Chunks of exactly the window: every window row lists the same positions in the same
-    order as the one-shot prefill, so the blocks before the first indexer agree bit for bit."""
-    from dsv41.graph.phases import prefill_exact
-
-    m = small_model
-    toks = torch.tensor([_prompt(40, 5)])
-    rec = tuple(range(3))
-    one = prefill_exact(m, _fresh(m), toks, all_logits=True, record=rec)
-    got = prefill_exact(m, _fresh(m), toks, all_logits=True, record=rec,
-                        chunk_tokens=m.args.window_size, keep_rows=True)
-    for k in rec[:2]:
-        assert torch.equal(got.hidden[k], one.hidden[k]), k
-    assert got.selections.keys() == one.selections.keys()
-    assert got.logits.shape == one.logits.shape and got.work == one.work
-
-
 def test_engine_chunks_every_prefill_kind(small_model, tmp_path):
     """cold (CED), snapshot miss (encoder bounded replay) and exact turns in chunks of 5: the
     same tiers and token-layer counts as unchunked, logits within shared-small's bound."""
