@@ -196,12 +196,13 @@ def encode_layers(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: 
     return h, pre
 
 
-def encoder_prefill(model: Model, cache: ModelCache, tokens,
-                    record: tuple[int, ...] = ()) -> EncoderOutput:
+def encoder_prefill(model: Model, cache: ModelCache, tokens, record: tuple[int, ...] = (), *,
+                    floor: torch.Tensor | None = None) -> EncoderOutput:
     """The encoder blocks over every new token, then the decoder's global KV (the first decoder
-    block's compressor and index K) from the encoder's output, without running the decoder."""
+    block's compressor and index K) from the encoder's output, without running the decoder.
+    `floor`: positions below it are outside every window (a replay segment's later chunks)."""
     tokens = check_tokens(model, tokens)
-    chunk = _chunk(model, cache, tokens, record)
+    chunk = _chunk(model, cache, tokens, record, floor=floor)
     h, pre = encode_layers(model, cache, tokens, chunk)
     cache.pos = chunk.end
     return EncoderOutput(h, pre, chunk.hash_ids, chunk.start, chunk.work, chunk.hidden,
