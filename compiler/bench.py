@@ -765,9 +765,10 @@ def resolve_inputs(opts: BenchOptions, say=print) -> tuple[Path, Path | None]:
     if "artifact" not in wanted:
         return ckpt, None
     entries = ("decode",) if "artifact" in opts.impls else ()
-    if (opts.prefill_tokens and "artifact" in opts.prefill_impls) or \
-            (opts.tiers and "artifact" in opts.tier_impls):
-        entries += ("encoder", "decoder", "encoder_replay")
+    if opts.prefill_tokens and "artifact" in opts.prefill_impls:
+        entries += ("encoder", "decoder")  # the prefill rows run CED prefills only
+    if opts.tiers and "artifact" in opts.tier_impls:
+        entries += tuple(e for e in ("encoder", "decoder", "encoder_replay") if e not in entries)
     if opts.artifact is not None:
         from dsv41.compiler.build import missing_entries
         from dsv41.graph.config import load_config
