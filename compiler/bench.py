@@ -820,11 +820,13 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
     say(f"machine: bandwidth {machine['bandwidth_gbs']:.1f} GB/s, fp32 GEMM "
         f"{machine['gemm_gflops']:.1f} GFLOP/s, load {load0[0]:.2f}")
     model = Model.from_checkpoint(ckpt)
-    check_contexts(model, opts.contexts)
+    if opts.impls:  # decode contexts matter only when something decodes
+        check_contexts(model, opts.contexts)
     report = BenchReport(opts, machine, threads, None if art_dir is None else str(art_dir),
                          str(ckpt), load_avg={"start": load0})
     whash = weights_fingerprint(ckpt)
-    all_impls = dict.fromkeys((*opts.impls, *opts.prefill_impls, *opts.tier_impls))
+    all_impls = dict.fromkeys((*opts.impls, *(opts.prefill_impls if opts.prefill_rows else ()),
+                               *(opts.tier_impls if opts.tiers else ())))
     entries = ("decode", "encoder", "decoder", "encoder_replay")
     phases = {i: make_phases(i, model, art_dir, entries) for i in all_impls}
 
@@ -948,7 +950,7 @@ def format_report(report: BenchReport) -> str:
            "decode, batch 1, one token from a synthetic cache of N positions (median of "
            f"{o.reps} interleaved steps):"]
     rows = []
-    for n in o.contexts:
+    for n in (o.contexts if report.decode else ()):  # no decode rows when nothing decoded
         cells = [report.cell(i, n) for i in impls]
         r = next(x for x in ratios(report) if x["context"] == n)
         rows.append([str(n), *[_ms(c.median_s) if c and not c.skipped else "skipped"
