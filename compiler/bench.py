@@ -591,7 +591,7 @@ def _measured_prefill(ph, model, n: int, tokens: torch.Tensor, chunk: int):
 def bench_prefill(phases_by_impl: dict, model, opts: BenchOptions,
                   machine: dict | None = None) -> list[PrefillRow]:
     """CED prefill (in chunks of `prefill_chunk_tokens`) from an empty cache at each prompt
-    length; each implementation warms up once at the shortest, then `prefill_reps` timed
+    length; each implementation warms up once on one chunk, then `prefill_reps` timed
     prefills per length, interleaved. A length whose projection from the previous one (linear
     in the tokens, a lower bound: the sweeps grow faster) exceeds the budget is skipped."""
     from dsv41.graph.cost import PrefillMode, prefill_cost
@@ -604,8 +604,8 @@ def bench_prefill(phases_by_impl: dict, model, opts: BenchOptions,
     weights = model_bytes(model)
     skipped: dict[str, str | None] = {i: None for i in order}
     last: dict[str, tuple[int, float]] = {}
-    for impl in order:  # warm-up (and compiles): one prefill at the shortest length
-        n = min(lengths)
+    for impl in order:  # warm-up (and compiles): one chunk of the shortest length
+        n = min(min(lengths), chunk)
         dt = _measured_prefill(phases_by_impl[impl], model, n, tokens_all[:, :n], chunk)[0]
         last[impl] = (n, dt)
         if dt >= opts.budget_s:
