@@ -83,6 +83,8 @@ class BenchOptions:
     prefill_tokens: int = 1024  # 0: no prefill rows
     prefill_impls: tuple[str, ...] = ("artifact", "eager")
     prefill_reps: int = 3
+    prefill_lengths: tuple[int, ...] = ()  # a prefill row per length (empty: prefill_tokens)
+    prefill_chunk_tokens: int = 2048  # the engine's default chunk (EngineOptions)
     tiers: bool = True
     tier_context: int = 1024  # the first turn's prompt (cold)
     tier_suffix: int = 32  # each later turn's new tokens
@@ -111,6 +113,16 @@ class BenchOptions:
         if self.tier_context <= 0 or self.tier_suffix <= 0 or self.prefill_tokens < 0:
             raise ValueError("--tier-context and --tier-suffix must be positive, "
                              "--prefill-tokens non-negative.")
+        if self.prefill_chunk_tokens < 2:
+            raise ValueError(f"--prefill-chunk must be at least 2 tokens, got "
+                             f"{self.prefill_chunk_tokens}.")
+
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        """The prompt lengths the prefill rows measure (none when prefill_tokens is 0)."""
+        if not self.prefill_tokens:
+            return ()
+        return self.prefill_lengths or (self.prefill_tokens,)
 
 
 # ---- records ------------------------------------------------------------------------------------
@@ -168,6 +180,19 @@ class PrefillRow:
     tokens: int
     samples_s: tuple[float, ...]
     skipped: str | None = None
+    chunk_tokens: int | None = None  # the prefill ran in chunks of at most this many tokens
+    # memory (Linux: VmHWM reset before each timed prefill); the largest over the samples
+    peak_rss_bytes: int | None = None
+    rss_before_bytes: int | None = None  # resident just before the prefill (cache allocated)
+    weights_bytes: int | None = None  # the loaded weights (model tensors)
+    cache_bytes: int | None = None  # the cache the prompt filled (its allocation)
+    peak_over_weights_cache_bytes: int | None = None  # peak RSS - weights - cache
+    # the prefill's roofline (graph.cost.prefill_cost, CED, the same chunks)
+    flops: int | None = None
+    cost_bytes: int | None = None
+    achieved_gflops: float | None = None
+    gemm_frac: float | None = None  # achieved FLOP rate / the measured fp32 GEMM rate
+    load_avg: float | None = None  # 1-minute load average when the row finished
 
     @property
     def median_s(self) -> float | None:
@@ -502,29 +527,129 @@ def memory_skip(plan, context: int, weights_loaded: bool = True) -> str | None:
 # ---- prefill and turns --------------------------------------------------------------------------
 
 
-def bench_prefill(phases_by_impl: dict, model, opts: BenchOptions) -> list[PrefillRow]:
-    """CED prefill of `prefill_tokens` from an empty cache; repetitions interleaved."""
+def _proc_status_kib(field_name: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's peak resident set (Linux VmHWM) so the next reading is the peak of
+    what follows; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss() -> int | None:
+    return _proc_status_kib("VmHWM")
+
+
+def current_rss() -> int | None:
+    return _proc_status_kib("VmRSS")
+
+
+def model_bytes(model) -> int:
+    """Bytes of the loaded weights (dense tensors and expert stacks; views counted once)."""
+    seen, total = set(), 0
+    tensors = list(model.w.values())
+    for ex in model.experts.values():
+        tensors += [ex.w1, ex.s1, ex.w3, ex.s3, ex.w2, ex.s2]
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _measured_prefill(ph, model, n: int, tokens: torch.Tensor, chunk: int):
+    """One CED prefill of `tokens` from a fresh cache: (seconds, peak RSS, RSS before, cache
+    bytes)."""
     from dsv41.graph.cache import new_cache
 
-    n = opts.prefill_tokens
-    rng = np.random.default_rng(opts.seed)
-    tokens = torch.tensor(rng.integers(3, model.args.vocab_size - 1, size=(1, n)))
     pad = model.engram.pad_id if model.engram is not None else None
-    samples: dict[str, list[float]] = {i: [] for i in phases_by_impl}
-    skipped: dict[str, str | None] = {i: None for i in phases_by_impl}
+    cache = new_cache(model.plan, 1, n + 64, engram_pad=pad)
+    gc.collect()
+    before = current_rss()
+    tracked = reset_peak_rss()
+    t0 = time.perf_counter()
+    ph.ced_prefill(model, cache, tokens, chunk_tokens=chunk)
+    dt = time.perf_counter() - t0
+    peak = peak_rss() if tracked else None
+    nbytes = sum(cache.nbytes().values())
+    del cache
+    gc.collect()
+    return dt, peak, before, nbytes
+
+
+def bench_prefill(phases_by_impl: dict, model, opts: BenchOptions,
+                  machine: dict | None = None) -> list[PrefillRow]:
+    """CED prefill (in chunks of `prefill_chunk_tokens`) from an empty cache at each prompt
+    length; each implementation warms up once on one chunk, then `prefill_reps` timed
+    prefills per length, interleaved. A length whose projection from the previous one (linear
+    in the tokens, a lower bound: the sweeps grow faster) exceeds the budget is skipped."""
+    from dsv41.graph.cost import PrefillMode, prefill_cost
+
+    rng = np.random.default_rng(opts.seed)
+    lengths = opts.prefill_rows
+    tokens_all = torch.tensor(rng.integers(3, model.args.vocab_size - 1, size=(1, max(lengths))))
+    chunk = opts.prefill_chunk_tokens
     order = list(phases_by_impl)
-    for rep in range(opts.prefill_reps + 1):  # rep 0 warms up (and compiles)
-        for impl in order[rep % len(order):] + order[: rep % len(order)]:
-            if skipped[impl]:
-                continue
-            cache = new_cache(model.plan, 1, n + 64, engram_pad=pad)
-            ph = phases_by_impl[impl]
-            dt = _timed(lambda ph=ph, cache=cache: ph.ced_prefill(model, cache, tokens))
-            if rep:
+    weights = model_bytes(model)
+    skipped: dict[str, str | None] = {i: None for i in order}
+    last: dict[str, tuple[int, float]] = {}
+    for impl in order:  # warm-up (and compiles): one chunk of the shortest length
+        n = min(min(lengths), chunk)
+        dt = _measured_prefill(phases_by_impl[impl], model, n, tokens_all[:, :n], chunk)[0]
+        last[impl] = (n, dt)
+        if dt >= opts.budget_s:
+            skipped[impl] = f"the first prefill ({n} tokens) took {dt:.1f} s, over the budget"
+    rows = []
+    for n in lengths:
+        cost = prefill_cost(model.args, n, mode=PrefillMode.CED, chunk_tokens=chunk)
+        samples: dict[str, list[float]] = {i: [] for i in order}
+        mem: dict[str, list[tuple]] = {i: [] for i in order}
+        why: dict[str, str | None] = dict(skipped)
+        for impl in order:
+            if why[impl] is None and impl in last:
+                n0, dt0 = last[impl]
+                est = dt0 * n / n0
+                if est > opts.budget_s:
+                    why[impl] = (f"projected {est:.0f} s (from {dt0:.1f} s at {n0} tokens) > "
+                                 f"budget {opts.budget_s:.0f} s")
+        for rep in range(opts.prefill_reps):
+            for impl in order[rep % len(order):] + order[: rep % len(order)]:
+                if why[impl] or (rep and sum(samples[impl]) >= opts.budget_s):
+                    continue
+                dt, peak, before, nbytes = _measured_prefill(
+                    phases_by_impl[impl], model, n, tokens_all[:, :n], chunk)
                 samples[impl].append(dt)
-            elif dt >= opts.budget_s:
-                skipped[impl] = f"the first prefill took {dt:.1f} s, over the budget"
-    return [PrefillRow(i, n, tuple(samples[i]), skipped[i]) for i in phases_by_impl]
+                mem[impl].append((peak, before, nbytes))
+                last[impl] = (n, dt)
+        for impl in order:
+            m = mem[impl]
+            peak = max((x[0] for x in m if x[0] is not None), default=None)
+            before = max((x[1] for x in m if x[1] is not None), default=None)
+            nbytes = m[0][2] if m else None
+            med = statistics.median(samples[impl]) if samples[impl] else None
+            gfl = cost.flops / med / 1e9 if med else None
+            rows.append(PrefillRow(
+                impl, n, tuple(samples[impl]), why[impl], chunk, peak, before, weights, nbytes,
+                None if peak is None or nbytes is None else peak - weights - nbytes,
+                cost.flops, cost.bytes, gfl,
+                None if gfl is None or not machine else gfl / machine["gemm_gflops"],
+                os.getloadavg()[0]))
+            if why[impl]:
+                skipped[impl] = skipped[impl] or why[impl]  # longer lengths are skipped too
+    return rows
 
 
 class _Clock:
@@ -662,9 +787,10 @@ def resolve_inputs(opts: BenchOptions, say=print) -> tuple[Path, Path | None]:
     if "artifact" not in wanted:
         return ckpt, None
     entries = ("decode",) if "artifact" in opts.impls else ()
-    if (opts.prefill_tokens and "artifact" in opts.prefill_impls) or \
-            (opts.tiers and "artifact" in opts.tier_impls):
-        entries += ("encoder", "decoder", "encoder_replay")
+    if opts.prefill_tokens and "artifact" in opts.prefill_impls:
+        entries += ("encoder", "decoder")  # the prefill rows run CED prefills only
+    if opts.tiers and "artifact" in opts.tier_impls:
+        entries += tuple(e for e in ("encoder", "decoder", "encoder_replay") if e not in entries)
     if opts.artifact is not None:
         from dsv41.compiler.build import missing_entries
         from dsv41.graph.config import load_config
@@ -716,11 +842,13 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
     say(f"machine: bandwidth {machine['bandwidth_gbs']:.1f} GB/s, fp32 GEMM "
         f"{machine['gemm_gflops']:.1f} GFLOP/s, load {load0[0]:.2f}")
     model = Model.from_checkpoint(ckpt)
-    check_contexts(model, opts.contexts)
+    if opts.impls:  # decode contexts matter only when something decodes
+        check_contexts(model, opts.contexts)
     report = BenchReport(opts, machine, threads, None if art_dir is None else str(art_dir),
                          str(ckpt), load_avg={"start": load0})
     whash = weights_fingerprint(ckpt)
-    all_impls = dict.fromkeys((*opts.impls, *opts.prefill_impls, *opts.tier_impls))
+    all_impls = dict.fromkeys((*opts.impls, *(opts.prefill_impls if opts.prefill_rows else ()),
+                               *(opts.tier_impls if opts.tiers else ())))
     entries = ("decode", "encoder", "decoder", "encoder_replay")
     phases = {i: make_phases(i, model, art_dir, entries) for i in all_impls}
 
@@ -728,7 +856,7 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
     runners = {i: (lambda cache, tok, ph=phases[i]: ph.decode_step(model, cache, tok))
                for i in opts.impls}
     previous: dict[str, DecodeCell] = {}
-    bar = tqdm(opts.contexts, desc="decode", unit="ctx")
+    bar = tqdm(opts.contexts if opts.impls else (), desc="decode", unit="ctx")
     for n in bar:
         bar.set_postfix_str(f"context {n}")
         why = memory_skip(model.plan, n)
@@ -752,8 +880,10 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
     bar.close()
 
     if opts.prefill_tokens:
-        say(f"prefill: CED over {opts.prefill_tokens} tokens ({', '.join(opts.prefill_impls)})")
-        report.prefill = bench_prefill({i: phases[i] for i in opts.prefill_impls}, model, opts)
+        say(f"prefill: CED over {', '.join(map(str, opts.prefill_rows))} tokens in chunks of "
+            f"{opts.prefill_chunk_tokens} ({', '.join(opts.prefill_impls)})")
+        report.prefill = bench_prefill({i: phases[i] for i in opts.prefill_impls}, model, opts,
+                                       machine)
     if opts.tiers:
         for impl in opts.tier_impls:
             say(f"turns: {impl}")
@@ -812,6 +942,10 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.1f} ms"
 
 
+def _gib(v: int | None) -> str:
+    return "-" if v is None else f"{v / 2**30:.2f} GiB"
+
+
 def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
@@ -838,7 +972,7 @@ def format_report(report: BenchReport) -> str:
            "decode, batch 1, one token from a synthetic cache of N positions (median of "
            f"{o.reps} interleaved steps):"]
     rows = []
-    for n in o.contexts:
+    for n in (o.contexts if report.decode else ()):  # no decode rows when nothing decoded
         cells = [report.cell(i, n) for i in impls]
         r = next(x for x in ratios(report) if x["context"] == n)
         rows.append([str(n), *[_ms(c.median_s) if c and not c.skipped else "skipped"
@@ -864,11 +998,18 @@ def format_report(report: BenchReport) -> str:
         out += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in
                                              report.compile_s.items())]
     if report.prefill:
-        out += ["", f"prefill (CED, {o.prefill_tokens} tokens from an empty cache, median of "
-                f"{o.prefill_reps}):"]
-        out.append(_table(["impl", "median", "tokens/s", "note"],
-                          [[p.impl, _ms(p.median_s), "-" if p.tokens_per_s is None else
-                            f"{p.tokens_per_s:.1f}", p.skipped or ""] for p in report.prefill]))
+        out += ["", f"prefill (CED from an empty cache, chunks of {o.prefill_chunk_tokens}, "
+                f"median of up to {o.prefill_reps}; peak RSS of the prefill; roofline against "
+                f"the fp32 GEMM rate {m['gemm_gflops']:.1f} GFLOP/s):"]
+        out.append(_table(["impl", "tokens", "median", "tokens/s", "peak RSS", "weights",
+                           "cache", "peak-w-c", "GFLOP", "GFLOP/s", "of GEMM", "note"],
+                          [[p.impl, str(p.tokens), _ms(p.median_s),
+                            "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.1f}",
+                            _gib(p.peak_rss_bytes), _gib(p.weights_bytes), _gib(p.cache_bytes),
+                            _gib(p.peak_over_weights_cache_bytes),
+                            "-" if p.flops is None else f"{p.flops / 1e9:.0f}",
+                            "-" if p.achieved_gflops is None else f"{p.achieved_gflops:.1f}",
+                            _pct(p.gemm_frac), p.skipped or ""] for p in report.prefill]))
     if report.tiers:
         out += ["", f"time to first token per turn (one sample each; turn 1 {o.tier_context} "
                 f"tokens, turns 2-3 {o.tier_suffix} new tokens; then a new session in a new "
@@ -1017,6 +1158,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens", type=int, default=1024, help="0: no prefill")
     p.add_argument("--prefill-impls", default="artifact,eager")
     p.add_argument("--prefill-reps", type=int, default=3)
+    p.add_argument("--prefill-lengths", default=None,
+                   help="a prefill row per prompt length, e.g. 8K,32K,128K (default: "
+                        "--prefill-tokens)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="prefill chunk in tokens (the engine's default)")
     p.add_argument("--tiers", dest="tiers", action="store_true", default=True)
     p.add_argument("--no-tiers", dest="tiers", action="store_false")
     p.add_argument("--tier-context", type=int, default=1024, help="the cold turn's prompt")
@@ -1039,7 +1185,9 @@ def options_from(ns) -> BenchOptions:
         target=ns.target, compile_missing=not ns.no_compile, contexts=parse_tokens(ns.contexts),
         impls=split(ns.impls), reps=ns.reps, budget_s=ns.budget_s,
         prefill_tokens=ns.prefill_tokens, prefill_impls=split(ns.prefill_impls),
-        prefill_reps=ns.prefill_reps, tiers=ns.tiers, tier_context=ns.tier_context,
+        prefill_reps=ns.prefill_reps,
+        prefill_lengths=parse_tokens(ns.prefill_lengths) if ns.prefill_lengths else (),
+        prefill_chunk_tokens=ns.prefill_chunk, tiers=ns.tiers, tier_context=ns.tier_context,
         tier_suffix=ns.tier_suffix, tier_impls=split(ns.tier_impls), threads=ns.threads,
         profile=ns.profile, profile_context=parse_tokens(ns.profile_context)[0],
         json=Path(ns.json) if ns.json else None, plots=Path(ns.plots) if ns.plots else None,

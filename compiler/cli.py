@@ -336,11 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
 
     def model_opts(sp, default="small"):
-        sp.add_argument("--preset", default=default, help="small | bench | full")
+        sp.add_argument("--preset", default=default, help="small | bench | full | long")
         sp.add_argument("--config", default=None, help="a config.json (inference or HF form)")
 
     sp = sub.add_parser("plan", help="print the layer plan")
-    sp.add_argument("--preset", default="all", help="small | bench | full | all")
+    sp.add_argument("--preset", default="all", help="small | bench | full | long | all")
     sp.add_argument("--config", default=None)
     sp.set_defaults(func=cmd_plan)
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from .config import PRESETS, ModelArgs, preset
-from .layout import KVLayout, SourceLayout
+from .cost import decode_step_costs
+from .layout import KVLayout, SourceLayout, encoder_snapshot
 from .plan import build_plan
 
 DEFAULT_CONTEXTS = (131_072, 1_048_576)
@@ -201,6 +202,28 @@ class GenerationRow:
 
 
 @dataclass(frozen=True)
+class EncoderSnapshot:
+    """The DRAM snapshot of one sequence (`layout.encoder_snapshot`): encoder rings, compressor
+    tails and the small pointers; the decoder's rings are rebuilt by bounded replay."""
+
+    ring_layers: int
+    rings_bytes: int
+    tail_bytes: int
+    pointer_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class DecodeFlops:
+    """One decode step's FLOPs at a context (`cost.decode_step_cost`): plain, and weighted as
+    the article counts them (BF16 1, FP8 0.5, FP4 0.25)."""
+
+    context: int
+    flops: int
+    weighted_flops: float
+
+
+@dataclass(frozen=True)
 class Bill:
     """One config's KV bill. Records, not a live layout, so it can be printed, charted and
     dumped to JSON without rebuilding the plan; every dsv41 number was read from `KVLayout`."""
@@ -215,6 +238,8 @@ class Bill:
     local: LocalState
     totals: tuple[ContextTotal, ...]
     generations: tuple[GenerationRow, ...]
+    encoder_snapshot: EncoderSnapshot | None = None
+    decode_flops: tuple[DecodeFlops, ...] = ()  # aligned with contexts
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,7 +251,9 @@ def make_bill(args: ModelArgs, contexts: Sequence[int] = DEFAULT_CONTEXTS,
               kv_dtype: str = "fp4") -> Bill:
     """The bill of `args` at each context, read from the same `KVLayout` the caches use."""
     contexts = _check_contexts(contexts)
-    layout = KVLayout.from_plan(build_plan(args), kv_dtype=kv_dtype)
+    plan = build_plan(args)
+    layout = KVLayout.from_plan(plan, kv_dtype=kv_dtype)
+    snap = encoder_snapshot(plan)
     bpt = layout.global_bytes_per_token
     local = _local_state(layout)
     return Bill(
@@ -241,6 +268,10 @@ def make_bill(args: ModelArgs, contexts: Sequence[int] = DEFAULT_CONTEXTS,
         totals=tuple(ContextTotal(c, layout.global_bytes(c), local.total_bytes)
                      for c in contexts),
         generations=tuple(_generation_row(g, contexts, bpt) for g in GENERATIONS),
+        encoder_snapshot=EncoderSnapshot(len(snap.ring_layers), snap.rings_bytes,
+                                         snap.tail_bytes, snap.pointer_bytes, snap.total_bytes),
+        decode_flops=tuple(DecodeFlops(c.context, c.flops, c.weighted_flops)
+                           for c in decode_step_costs(args, contexts)),
     )
 
 
@@ -362,7 +393,8 @@ def context_label(context: int) -> str:
 def format_bill(bill: Bill) -> str:
     """The bill as plain text: sources, local state, totals, and the generations ledger."""
     sections = (_format_header(bill), _format_sources(bill), _format_local(bill.local),
-                _format_totals(bill), _format_generations(bill))
+                _format_snapshot(bill), _format_totals(bill), _format_decode_flops(bill),
+                _format_generations(bill))
     return "\n\n".join(sections) + "\n"
 
 
@@ -399,6 +431,29 @@ def _format_local(local: LocalState) -> str:
     for name, how, nbytes in lines:
         rows.append(f"  {name:<17} {nbytes:>13,} B  {nbytes / MB:>8.3f} MB  {how}")
     rows.append(f"  {'total':<17} {local.total_bytes:>13,} B  {local.total_bytes / MB:>8.3f} MB")
+    return "\n".join(rows)
+
+
+def _format_snapshot(bill: Bill) -> str:
+    e = bill.encoder_snapshot
+    return (f"encoder snapshot (DRAM pool, per sequence) {e.total_bytes:>11,} B  "
+            f"{e.total_bytes / MB:>8.3f} MB  {e.ring_layers} encoder rings {e.rings_bytes:,} B + "
+            f"compressor tails {e.tail_bytes:,} B + pointers {e.pointer_bytes} B (pos, index "
+            "owner, Engram lookback); no decoder or DSpark ring")
+
+
+def _format_decode_flops(bill: Bill) -> str:
+    rows = ["Decode FLOPs per token (graph.cost; weighted as the article counts: BF16 1, FP8 0.5, "
+            "FP4 0.25)",
+            f"  {'context':<26} {'GFLOP':>10} {'weighted GFLOP':>15}"]
+    for f in bill.decode_flops:
+        rows.append(f"  {context_label(f.context):<26} {f.flops / 1e9:>10.3f} "
+                    f"{f.weighted_flops / 1e9:>15.3f}")
+    if len(bill.decode_flops) > 1:
+        a, b = bill.decode_flops[0], bill.decode_flops[-1]
+        rows.append(f"  {_short(b.context)} / {_short(a.context)}: x{b.flops / a.flops:.3f} "
+                    f"plain, x{b.weighted_flops / a.weighted_flops:.3f} weighted (the article: "
+                    "\"rise by about a quarter\" from 4K to 1M, weighted)")
     return "\n".join(rows)
 
 
@@ -483,6 +538,8 @@ def bill_json(bill: Bill) -> dict[str, Any]:
                     "local_bytes": t.local_bytes, "total_bytes": t.total_bytes}
                    for t in bill.totals],
         "generations": [_generation_json(g) for g in bill.generations],
+        "encoder_snapshot": asdict(bill.encoder_snapshot),
+        "decode_flops": [asdict(f) for f in bill.decode_flops],
     }
 
 

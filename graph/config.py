@@ -400,12 +400,31 @@ def _small() -> ModelArgs:
     return args_from_dict(json.loads(SMALL_CONFIG_JSON.read_text()), source=str(SMALL_CONFIG_JSON))
 
 
-PRESETS = ("small", "bench", "full")
+def _long() -> ModelArgs:
+    """The released window, top-k, candidate pool, RoPE scaling and layer schedule (which `small`
+    already has) at `small`'s widths, with the released 1M context: prompts of 128K-1M tokens
+    prefill on a CPU in minutes, with the selection sizes that decide long-context behaviour."""
+    full = _full()
+    return _small().replace(
+        max_seq_len=full.max_seq_len,
+        window_size=full.window_size,
+        index_topk=full.index_topk,
+        candidate_topk_blocks=full.candidate_topk_blocks,
+        candidate_block_size=full.candidate_block_size,
+        original_seq_len=full.original_seq_len,
+        rope_factor=full.rope_factor,
+        compress_rope_theta=full.compress_rope_theta,
+        rope_theta=full.rope_theta,
+    )
+
+
+PRESETS = ("small", "bench", "full", "long")
 
 
 def preset(name: str) -> ModelArgs:
-    """The named preset: `small` (the conformance case's config, the default), `bench`, `full`."""
-    makers = {"small": _small, "bench": _bench, "full": _full}
+    """The named preset: `small` (the conformance case's config, the default), `bench`, `full`,
+    `long` (released selection sizes and context at small widths)."""
+    makers = {"small": _small, "bench": _bench, "full": _full, "long": _long}
     if name not in makers:
         raise ValueError(f"Unknown preset {name!r}; choose one of {', '.join(PRESETS)}.")
     return makers[name]()

@@ -87,3 +87,44 @@ class KVLayout:
     @property
     def local_bytes(self) -> int:
         return self.backbone_window_bytes + self.dspark_window_bytes + self.tail_bytes
+
+
+# ---- the encoder snapshot (the DRAM pool's record) -----------------------------------------------
+
+POINTER_BYTES = 8  # each small pointer is one int64 per sequence
+
+
+@dataclass(frozen=True)
+class EncoderSnapshotLayout:
+    """What the minute-scale DRAM snapshot of one sequence holds when the decoder's local state
+    is rebuilt by bounded replay at every prefill (SPEC section 6, the article): the encoder
+    layers' window rings, every m>1 source's compressor tail, and the small pointers (position,
+    index-K owner, the Engram lookback's `max_ngram - 1` token ids). No decoder or DSpark ring,
+    no global entry (those are in the SSD blocks)."""
+
+    ring_layers: tuple[int, ...]  # the encoder layers, each with its own ring
+    ring_bytes: int  # one ring: window x FP8 entry (codes + E8M0 scales)
+    tail_bytes: int  # fp32 kv + score of each m>1 source's partial group
+    pointer_bytes: int  # pos + index owner + Engram lookback, int64 each
+
+    @property
+    def rings_bytes(self) -> int:
+        return len(self.ring_layers) * self.ring_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.rings_bytes + self.tail_bytes + self.pointer_bytes
+
+
+def encoder_snapshot(plan: ModelPlan) -> EncoderSnapshotLayout:
+    a = plan.args
+    layout = KVLayout.from_plan(plan)
+    lookback = a.engram_max_ngram_size - 1 if a.engram_layer_ids else 0
+    return EncoderSnapshotLayout(ring_layers=plan.encoder_layers, ring_bytes=layout.ring_bytes,
+                                 tail_bytes=layout.tail_bytes,
+                                 pointer_bytes=POINTER_BYTES * (2 + lookback))
+
+
+def encoder_snapshot_bytes(plan: ModelPlan) -> int:
+    """Bytes of one sequence's encoder snapshot (independent of the context)."""
+    return encoder_snapshot(plan).total_bytes

@@ -14,10 +14,19 @@ work it did (tokens x blocks), which is what CED saves:
   with the decoder's bounded replay over the last `window` prompt tokens as at every prefill
   (the cached ones the new tokens do not cover are replayed through the encoder for their
   outputs only).
+
+Chunked prefill (`chunk_tokens`): every prefill kind can run its segment as consecutive chunks
+of at most `chunk_tokens` tokens, each continuing from the cache the previous one left, so the
+indexer's score rows and the attention's gathers hold O(chunk x entries), not O(N x entries).
+The CED kinds keep only the last `window` rows of the encoder's stream between chunks (what the
+decoder's bounded replay reads). The drivers (`chunked_exact`, `chunked_encoder`,
+`chunked_replay`) take the one-chunk halves as functions, so the compiled backend runs the same
+loop over its entries.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +48,8 @@ from .model import (
     run_compressor,
     run_layers,
 )
+
+DEFAULT_CHUNK_TOKENS = 2048  # the engine's prefill chunk (EngineOptions.prefill_chunk_tokens)
 
 
 @dataclass
@@ -131,9 +142,15 @@ def forward_all(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Ch
 
 
 def prefill_exact(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
-                  record: tuple[int, ...] = ()) -> PhaseResult:
-    """Every block over every new token, each sequence continuing from its `cache.pos`."""
+                  record: tuple[int, ...] = (), chunk_tokens: int | None = None,
+                  keep_rows: bool = False) -> PhaseResult:
+    """Every block over every new token, each sequence continuing from its `cache.pos`. With
+    `chunk_tokens`, in chunks (see `chunked_exact` for what the result keeps)."""
     tokens = check_tokens(model, tokens)
+    if chunk_tokens is not None:
+        return chunked_exact(lambda t: prefill_exact(model, cache, t, all_logits=all_logits,
+                                                     record=record), tokens, chunk_tokens,
+                             all_logits=all_logits, keep_rows=keep_rows)
     chunk = _chunk(model, cache, tokens, record)
     logits, x, main_hidden = forward_all(model, cache, tokens, chunk, all_logits)
     return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
@@ -183,12 +200,13 @@ def encode_layers(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: 
     return h, pre
 
 
-def encoder_prefill(model: Model, cache: ModelCache, tokens,
-                    record: tuple[int, ...] = ()) -> EncoderOutput:
+def encoder_prefill(model: Model, cache: ModelCache, tokens, record: tuple[int, ...] = (), *,
+                    floor: torch.Tensor | None = None) -> EncoderOutput:
     """The encoder blocks over every new token, then the decoder's global KV (the first decoder
-    block's compressor and index K) from the encoder's output, without running the decoder."""
+    block's compressor and index K) from the encoder's output, without running the decoder.
+    `floor`: positions below it are outside every window (a replay segment's later chunks)."""
     tokens = check_tokens(model, tokens)
-    chunk = _chunk(model, cache, tokens, record)
+    chunk = _chunk(model, cache, tokens, record, floor=floor)
     h, pre = encode_layers(model, cache, tokens, chunk)
     cache.pos = chunk.end
     return EncoderOutput(h, pre, chunk.hash_ids, chunk.start, chunk.work, chunk.hidden,
@@ -244,10 +262,17 @@ def _joined(enc: EncoderOutput, res: PhaseResult) -> PhaseResult:
 
 
 def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
-                record: tuple[int, ...] = ()) -> PhaseResult:
+                record: tuple[int, ...] = (), chunk_tokens: int | None = None,
+                keep_rows: bool = False) -> PhaseResult:
     """CED prefill: `n_encoder * N + n_decoder * min(N, window)` token-layers instead of
-    `n_layers * N`. Logits exist only for the replayed (last `window`) positions."""
-    enc = encoder_prefill(model, cache, tokens, record)
+    `n_layers * N`. Logits exist only for the replayed (last `window`) positions. With
+    `chunk_tokens`, the encoder runs in chunks (see `chunked_encoder`)."""
+    if chunk_tokens is None:
+        enc = encoder_prefill(model, cache, tokens, record)
+    else:
+        enc = chunked_encoder(lambda t: encoder_prefill(model, cache, t, record),
+                              check_tokens(model, tokens), chunk_tokens,
+                              window=model.args.window_size, keep_rows=keep_rows)
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 
@@ -301,10 +326,19 @@ def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
 
 
 def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logits: bool = False,
-                   record: tuple[int, ...] = ()) -> PhaseResult:
+                   record: tuple[int, ...] = (), chunk_tokens: int | None = None,
+                   keep_rows: bool = False) -> PhaseResult:
     """Snapshot miss: encoder bounded replay, then decoder bounded replay. Token-layers:
-    n_encoder * (min(window, L) + S) + n_decoder * min(window, min(window, L) + S)."""
-    enc = encoder_replay(model, cache, prefix, suffix, record)
+    n_encoder * (min(window, L) + S) + n_decoder * min(window, min(window, L) + S). With
+    `chunk_tokens`, the suffix runs in chunks (see `chunked_replay`)."""
+    if chunk_tokens is None:
+        enc = encoder_replay(model, cache, prefix, suffix, record)
+    else:
+        enc = chunked_replay(
+            lambda t: encoder_replay(model, cache, prefix, t, record),
+            lambda t, floor: encoder_prefill(model, cache, t, record, floor=floor),
+            check_tokens(model, suffix), chunk_tokens, window=model.args.window_size,
+            keep_rows=keep_rows)
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 
@@ -336,7 +370,8 @@ def encode_cached_tail(model: Model, cache: ModelCache, cached, n: int,
 
 
 def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits: bool = False,
-                   record: tuple[int, ...] = ()) -> PhaseResult:
+                   record: tuple[int, ...] = (), chunk_tokens: int | None = None,
+                   keep_rows: bool = False) -> PhaseResult:
     """A turn continuing a cache that holds its local state (live, or a snapshot restored over
     the prefix blocks) with decoder bounded replay at every prefill: the decoder rings are
     rebuilt from the last min(window, L + S) prompt tokens, whatever the decoder rings held
@@ -347,8 +382,10 @@ def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits
     n_encoder * (t + S) + n_decoder * min(window, L + S)."""
     cached, fresh = check_tokens(model, cached), check_tokens(model, fresh)
     t = resume_tail(model, cache, fresh.size(1))
-    if t == 0:
-        return ced_prefill(model, cache, fresh, all_logits=all_logits, record=record)
+    if t == 0:  # S >= window: the new tokens alone fill the decoder's window (chunked)
+        return ced_prefill(model, cache, fresh, all_logits=all_logits, record=record,
+                           chunk_tokens=chunk_tokens, keep_rows=keep_rows)
+    # S < window: the new tokens are fewer than one window, so one chunk at most
     tail = encode_cached_tail(model, cache, cached, t, record)
     enc = encoder_prefill(model, cache, fresh, record)
     ids = None if enc.hash_ids is None else torch.cat([tail.hash_ids, enc.hash_ids], dim=1)
@@ -358,3 +395,103 @@ def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits
                           for k in {*tail.work, *enc.work}},
                          {**tail.hidden, **enc.hidden}, {**tail.selections, **enc.selections})
     return _joined(both, decoder_replay(model, cache, both, all_logits=all_logits, record=record))
+
+
+# ---- chunked prefill -----------------------------------------------------------------------------
+
+
+def chunk_spans(n: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[begin, end) pieces of a segment of n tokens, `chunk_tokens` each, in order. A last piece
+    of one token joins the one before it: to the released index-K pointer a one-token chunk is a
+    decode step (a ratio-2 group still filling makes its indexers read the ratio-1 source's
+    keys), which no chunk of a one-shot prefill is; every chunk of two or more tokens completes a
+    group of every source, as the one-shot prefill does."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 2:
+        raise ValueError(f"The prefill chunk must be an integer of at least 2 tokens, got "
+                         f"{chunk_tokens!r}.")
+    if n < 1:
+        raise ValueError(f"A prefill segment needs at least one token, got {n}.")
+    bounds = [*range(0, n, chunk_tokens), n]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _cat_rows(old: dict, new: dict) -> dict:
+    return {k: torch.cat([old[k], v], dim=1) if k in old else v for k, v in new.items()}
+
+
+def _sum_work(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}}
+
+
+def join_results(prev: PhaseResult | None, new: PhaseResult, *, all_logits: bool,
+                 keep_rows: bool) -> PhaseResult:
+    """Two consecutive chunks' results as one: logits of every position (all_logits) or the
+    last; work summed; recorded hidden states concatenated. Per-position rows (selections,
+    final and DSpark hidden) are kept only with `keep_rows`: O(N x top-k) otherwise held."""
+    if prev is None:
+        prev = PhaseResult(new.logits[:, :0], {})
+    logits = torch.cat([prev.logits, new.logits], dim=1) if all_logits else new.logits
+    out = PhaseResult(logits, _sum_work(prev.work, new.work), _cat_rows(prev.hidden, new.hidden))
+    if keep_rows:
+        out.selections = _cat_rows(prev.selections, new.selections)
+        rows = [(prev.final_hidden, new.final_hidden), (prev.main_hidden, new.main_hidden)]
+        out.final_hidden, out.main_hidden = (
+            b if a is None or b is None else torch.cat([a, b], dim=1) for a, b in rows)
+    return out
+
+
+def join_encoder(prev: EncoderOutput | None, new: EncoderOutput, *, window: int,
+                 keep_rows: bool) -> EncoderOutput:
+    """Two consecutive encoder chunks as one, holding only the last `window` rows of the stream
+    (all the decoder's bounded replay reads); work summed, recorded hidden concatenated,
+    selections concatenated with `keep_rows` only."""
+    if prev is None:
+        h, pre, ids = new.h, new.pre, new.hash_ids
+    else:
+        h, pre = torch.cat([prev.h, new.h], dim=1), torch.cat([prev.pre, new.pre], dim=1)
+        ids = None if new.hash_ids is None else torch.cat([prev.hash_ids, new.hash_ids], dim=1)
+    n = min(h.size(1), window)
+    start = new.start + new.h.size(1) - n  # position of the first kept row
+    return EncoderOutput(
+        h[:, -n:], pre[:, -n:], None if ids is None else ids[:, -n:], start,
+        _sum_work({} if prev is None else prev.work, new.work),
+        _cat_rows({} if prev is None else prev.hidden, new.hidden),
+        _cat_rows({} if prev is None else prev.selections, new.selections) if keep_rows else {})
+
+
+def chunked_exact(run: Callable[[torch.Tensor], PhaseResult], tokens: torch.Tensor,
+                  chunk_tokens: int, *, all_logits: bool, keep_rows: bool) -> PhaseResult:
+    """An exact prefill as consecutive calls of `run` (one chunk's prefill_exact)."""
+    out = None
+    for b, e in chunk_spans(tokens.size(1), chunk_tokens):
+        out = join_results(out, run(tokens[:, b:e]), all_logits=all_logits, keep_rows=keep_rows)
+    return out
+
+
+def chunked_encoder(encode: Callable[[torch.Tensor], EncoderOutput], tokens: torch.Tensor,
+                    chunk_tokens: int, *, window: int, keep_rows: bool) -> EncoderOutput:
+    """CED's encoder pass as consecutive calls of `encode` (one chunk's encoder_prefill)."""
+    out = None
+    for b, e in chunk_spans(tokens.size(1), chunk_tokens):
+        out = join_encoder(out, encode(tokens[:, b:e]), window=window, keep_rows=keep_rows)
+    return out
+
+
+def chunked_replay(replay: Callable[[torch.Tensor], EncoderOutput],
+                   encode: Callable[[torch.Tensor, torch.Tensor], EncoderOutput],
+                   suffix: torch.Tensor, chunk_tokens: int, *, window: int,
+                   keep_rows: bool) -> EncoderOutput:
+    """Encoder bounded replay with a chunked suffix: `replay` (encoder_replay over the prefix's
+    last window and the suffix's first chunk), then `encode(chunk, floor)` for the others, each
+    with its windows cut at the replay's first position, as the one-shot replay's suffix is."""
+    spans = chunk_spans(suffix.size(1), chunk_tokens)
+    b, e = spans[0]
+    head = replay(suffix[:, b:e])
+    first = head.start  # (b,) the replay's first position: the window floor of every chunk
+    out = join_encoder(None, head, window=window, keep_rows=keep_rows)
+    for b, e in spans[1:]:
+        out = join_encoder(out, encode(suffix[:, b:e], first), window=window,
+                           keep_rows=keep_rows)
+    return out

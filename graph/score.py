@@ -100,12 +100,16 @@ def _pad(idx: torch.Tensor, width: int) -> np.ndarray:
 class GraphBackend:
     """Scores with the PyTorch graph itself (the oracle the compiled artifacts are held to)."""
 
-    def __init__(self, model, *, kv_dtype: str = "fp4", capacity: int = 4096, phases=None):
+    def __init__(self, model, *, kv_dtype: str = "fp4", capacity: int = 4096, phases=None,
+                 chunk_tokens: int | None = None):
         """`phases`: an object with prefill_exact / ced_prefill / decode_step (default: the
-        graph's own; `dsv41.runtime.compiled.CompiledPhases` scores a compiled artifact)."""
+        graph's own; `dsv41.runtime.compiled.CompiledPhases` scores a compiled artifact).
+        `chunk_tokens`: the prefill runs in chunks of at most that many tokens (every row's
+        selections kept, as a one-shot prefill returns them)."""
         from . import phases as graph_phases
 
         self.model, self.kv_dtype, self.capacity = model, kv_dtype, capacity
+        self.chunk_tokens = chunk_tokens
         self.phases = phases or graph_phases
         self.cache = None
 
@@ -132,7 +136,10 @@ class GraphBackend:
                                kv_dtype=self.kv_dtype, engram_pad=pad)
         t = torch.from_numpy(np.asarray(tokens, np.int64))[None]
         run = self.phases.prefill_exact if mode == "exact" else self.phases.ced_prefill
-        return self._out(run(m, self.cache, t, all_logits=True, record=record), len(tokens))
+        chunked = {} if self.chunk_tokens is None else {"chunk_tokens": self.chunk_tokens,
+                                                         "keep_rows": True}
+        return self._out(run(m, self.cache, t, all_logits=True, record=record, **chunked),
+                         len(tokens))
 
     def decode(self, token: int) -> dict:
         return self._out(self.phases.decode_step(self.model, self.cache,

@@ -11,7 +11,17 @@ from dsv41.compiler.capture import entry_inputs, load_cache_tensors, selection_k
 from dsv41.graph.cache import ModelCache, restore_local_state, save_local_state
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
-from dsv41.graph.phases import PhaseResult, _chunk, check_tokens, prepare_replay, resume_tail
+from dsv41.graph.phases import (
+    EncoderOutput,
+    PhaseResult,
+    _chunk,
+    check_tokens,
+    chunked_encoder,
+    chunked_exact,
+    chunked_replay,
+    prepare_replay,
+    resume_tail,
+)
 
 from .artifact import Artifact
 from .threads import default_tvm_pool
@@ -79,10 +89,16 @@ class CompiledPhases:
             raise ValueError("These compiled phases are bound to another model's weights.")
 
     def prefill_exact(self, model: Model, cache: ModelCache, tokens, *,
-                      all_logits: bool = False, record=()) -> PhaseResult:
+                      all_logits: bool = False, record=(), chunk_tokens: int | None = None,
+                      keep_rows: bool = False) -> PhaseResult:
         del record  # hidden states are a graph-only diagnostic
         self._check(model)
         tokens = check_tokens(self.model, tokens)
+        if chunk_tokens is not None:
+            return chunked_exact(lambda t: self.prefill_exact(model, cache, t,
+                                                              all_logits=all_logits),
+                                 tokens, chunk_tokens, all_logits=all_logits,
+                                 keep_rows=keep_rows)
         chunk = _chunk(self.model, cache, tokens)
         entry = "prefill_all" if all_logits else "prefill"
         if entry not in self.art.entries and "prefill_all" in self.art.entries:
@@ -109,79 +125,108 @@ class CompiledPhases:
             res.draft = Draft(named["draft_ids"], named["draft_logits"], named["confidence"])
         return res
 
-    def _encode(self, cache: ModelCache, tokens, *, replay_from=None):
+    def _encode(self, cache: ModelCache, tokens, *, replay_from=None, floor=None):
         entry = "encoder" if replay_from is None else "encoder_replay"
-        floor = replay_from
+        floor = replay_from if replay_from is not None else floor
         start = replay_from if entry == "encoder_replay" else None
         chunk = _chunk(self.model, cache, tokens, start=start, floor=floor)
         named = self._run(entry, cache, tokens, start=chunk.start, floor=chunk.floor,
                           hash_ids=chunk.hash_ids, rope=chunk.rope)
         return named["h"], named["pre"], chunk
 
-    def _decode_replay(self, cache: ModelCache, h, pre, ids, start, all_logits: bool):
-        n = min(h.size(1), self.model.args.window_size)
-        first = start + h.size(1) - n
-        named = self._run("decoder", cache, (h[:, -n:], pre[:, -n:]), start=first, floor=first,
-                          hash_ids=None if ids is None else ids[:, -n:])
-        logits = named["logits"] if all_logits else named["logits"][:, -1:]
-        return logits, n
-
-    def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
-                    all_logits: bool = False, record=()) -> PhaseResult:
+    def encoder_prefill(self, model: Model, cache: ModelCache, tokens, record=(), *,
+                        floor=None) -> EncoderOutput:
+        """The `encoder` entry over the new tokens (windows cut below `floor`)."""
         del record
         self._check(model)
         tokens = check_tokens(self.model, tokens)
-        h, pre, chunk = self._encode(cache, tokens)
+        h, pre, chunk = self._encode(cache, tokens, floor=floor)
         cache.pos = chunk.end
-        logits, n = self._decode_replay(cache, h, pre, chunk.hash_ids, chunk.start, all_logits)
-        d = self.plan.decoder_start
-        work = {**self._work(range(d), tokens.size(1)),
-                **self._work(range(d, self.model.args.n_layers), n)}
-        return PhaseResult(logits, work)
+        return EncoderOutput(h, pre, chunk.hash_ids, chunk.start,
+                             self._work(self.plan.encoder_layers, tokens.size(1)), {}, {})
 
-    def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
-                       all_logits: bool = False) -> PhaseResult:
-        """Snapshot miss: encoder bounded replay, then decoder bounded replay."""
+    def encoder_replay(self, model: Model, cache: ModelCache, prefix, suffix,
+                       record=()) -> EncoderOutput:
+        """Snapshot miss: the `encoder_replay` entry over the prefix's last window, then the
+        `encoder` entry over the suffix (windows cut at the replay's first position)."""
+        del record
         self._check(model)
         m = self.model
         prefix, suffix = check_tokens(m, prefix), check_tokens(m, suffix)
         n, first = prepare_replay(m, cache, prefix)
         h1, p1, c1 = self._encode(cache, prefix[:, -n:], replay_from=first)
-        chunk = _chunk(m, cache, suffix, floor=first)
-        named = self._run("encoder", cache, suffix, start=chunk.start, floor=chunk.floor,
-                          hash_ids=chunk.hash_ids, rope=chunk.rope)
-        cache.pos = chunk.end
-        h, pre = torch.cat([h1, named["h"]], 1), torch.cat([p1, named["pre"]], 1)
-        ids = None if chunk.hash_ids is None else torch.cat([c1.hash_ids, chunk.hash_ids], 1)
-        logits, nd = self._decode_replay(cache, h, pre, ids, first, all_logits)
-        d = self.plan.decoder_start
-        work = {**self._work(range(d), h.size(1)),
-                **self._work(range(d, m.args.n_layers), nd)}
+        h2, p2, c2 = self._encode(cache, suffix, floor=first)
+        cache.pos = c2.end
+        ids = None if c2.hash_ids is None else torch.cat([c1.hash_ids, c2.hash_ids], 1)
+        return EncoderOutput(torch.cat([h1, h2], 1), torch.cat([p1, p2], 1), ids, first,
+                             self._work(self.plan.encoder_layers, n + suffix.size(1)), {}, {})
+
+    def decoder_replay(self, model: Model, cache: ModelCache, enc: EncoderOutput, *,
+                       all_logits: bool = False, record=()) -> PhaseResult:
+        """The `decoder` entry over the last `window` encoded tokens."""
+        del record
+        self._check(model)
+        n = min(enc.h.size(1), self.model.args.window_size)
+        first = enc.start + enc.h.size(1) - n
+        named = self._run("decoder", cache, (enc.h[:, -n:], enc.pre[:, -n:]), start=first,
+                          floor=first,
+                          hash_ids=None if enc.hash_ids is None else enc.hash_ids[:, -n:])
+        logits = named["logits"] if all_logits else named["logits"][:, -1:]
+        work = {**enc.work, **self._work(self.plan.decoder_layers, n)}
         return PhaseResult(logits, work)
 
     def resume_prefill(self, model: Model, cache: ModelCache, cached, fresh, *,
-                       all_logits: bool = False) -> PhaseResult:
+                       all_logits: bool = False, record=(), chunk_tokens: int | None = None,
+                       keep_rows: bool = False) -> PhaseResult:
         """Decoder bounded replay on a continued cache (`phases.resume_prefill`): the tail of
         cached tokens through the `encoder_replay` entry with the cache's local state put back
         afterwards, the new tokens through `encoder`, then the decoder over both."""
+        del record
         self._check(model)
         m = self.model
         cached, fresh = check_tokens(m, cached), check_tokens(m, fresh)
         t = resume_tail(m, cache, fresh.size(1))
-        if t == 0:
-            return self.ced_prefill(model, cache, fresh, all_logits=all_logits)
+        if t == 0:  # S >= window: a CED prefill of the new tokens (chunked)
+            return self.ced_prefill(model, cache, fresh, all_logits=all_logits,
+                                    chunk_tokens=chunk_tokens, keep_rows=keep_rows)
         saved = save_local_state(cache)
         try:
             n, first = prepare_replay(m, cache, cached, replay=t)
             h1, p1, c1 = self._encode(cache, cached[:, -n:], replay_from=first)
         finally:
             restore_local_state(cache, saved)
-        h2, p2, c2 = self._encode(cache, fresh)
+        h2, p2, c2 = self._encode(cache, fresh)  # S < window tokens: one chunk
         cache.pos = c2.end
-        h, pre = torch.cat([h1, h2], 1), torch.cat([p1, p2], 1)
         ids = None if c2.hash_ids is None else torch.cat([c1.hash_ids, c2.hash_ids], 1)
-        logits, nd = self._decode_replay(cache, h, pre, ids, first, all_logits)
-        d = self.plan.decoder_start
-        work = {**self._work(range(d), h.size(1)),
-                **self._work(range(d, m.args.n_layers), nd)}
-        return PhaseResult(logits, work)
+        enc = EncoderOutput(torch.cat([h1, h2], 1), torch.cat([p1, p2], 1), ids, first,
+                            self._work(self.plan.encoder_layers, n + fresh.size(1)), {}, {})
+        return self.decoder_replay(model, cache, enc, all_logits=all_logits)
+
+    def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
+                    all_logits: bool = False, record=(), chunk_tokens: int | None = None,
+                    keep_rows: bool = False) -> PhaseResult:
+        """CED prefill: the encoder (in chunks with `chunk_tokens`), then the decoder's bounded
+        replay."""
+        tokens = check_tokens(self.model, tokens)
+        if chunk_tokens is None:
+            enc = self.encoder_prefill(model, cache, tokens)
+        else:
+            enc = chunked_encoder(lambda t: self.encoder_prefill(model, cache, t), tokens,
+                                  chunk_tokens, window=self.model.args.window_size,
+                                  keep_rows=keep_rows)
+        return self.decoder_replay(model, cache, enc, all_logits=all_logits)
+
+    def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
+                       all_logits: bool = False, chunk_tokens: int | None = None,
+                       keep_rows: bool = False) -> PhaseResult:
+        """Snapshot miss: encoder bounded replay (the suffix in chunks with `chunk_tokens`),
+        then decoder bounded replay."""
+        suffix = check_tokens(self.model, suffix)
+        if chunk_tokens is None:
+            enc = self.encoder_replay(model, cache, prefix, suffix)
+        else:
+            enc = chunked_replay(
+                lambda t: self.encoder_replay(model, cache, prefix, t),
+                lambda t, floor: self.encoder_prefill(model, cache, t, floor=floor),
+                suffix, chunk_tokens, window=self.model.args.window_size, keep_rows=keep_rows)
+        return self.decoder_replay(model, cache, enc, all_logits=all_logits)

@@ -51,7 +51,7 @@ import torch
 from dsv41.graph.cache import ModelCache, ensure_capacity, new_cache
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
-from dsv41.graph.phases import resume_tail
+from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, chunk_spans, resume_tail
 
 from .requests import (
     RequestError,
@@ -97,6 +97,9 @@ class EngineOptions:
     store_clock: Callable[[], float] = time.time
     pool_clock: Callable[[], float] = time.monotonic
     threads: int | None = None  # TVM's CPU pool (None: TVM_NUM_THREADS, else torch's count)
+    # every prefill runs in chunks of at most this many tokens: transient memory O(chunk x
+    # entries) instead of O(N x entries)
+    prefill_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Engine:
             raise ValueError(f"cache_budget_bytes={options.cache_budget_bytes:,} cannot hold one "
                              f"session's first page ({self._first_page:,} bytes with pages of "
                              f"{options.page_tokens} positions); raise it or lower page_tokens.")
+        chunk_spans(1, options.prefill_chunk_tokens)  # a bad chunk size is refused up front
         self.store = self.blocks = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
@@ -637,7 +641,8 @@ class Session:
         cache, cut = start.cache, start.cached
         if start.tier == "prefix":
             res = ph.replay_prefill(m, cache, torch.tensor([tokens[:cut]]),
-                                    torch.tensor([tokens[cut:]]))
+                                    torch.tensor([tokens[cut:]]),
+                                    chunk_tokens=e.options.prefill_chunk_tokens)
             rec.replayed = min(w, cut)
             rec.prefilled = len(tokens) - cut
             rec.decoder_replayed = min(w, rec.replayed + rec.prefilled)
@@ -653,7 +658,8 @@ class Session:
                 rec.decoder_replayed = 0 if e.options.exact else min(w, new.size(1))
             else:
                 rec.replayed = resume_tail(m, cache, new.size(1))
-                res = ph.resume_prefill(m, cache, torch.tensor([tokens[:cut]]), new)
+                res = ph.resume_prefill(m, cache, torch.tensor([tokens[:cut]]), new,
+                                        chunk_tokens=e.options.prefill_chunk_tokens)
                 rec.decoder_replayed = min(w, rec.replayed + rec.prefilled)
         rec.token_layers = res.token_layers
         for k in ("prefilled", "replayed", "decoder_replayed"):
@@ -662,9 +668,10 @@ class Session:
 
     def _run(self, cache: ModelCache, tokens: torch.Tensor):
         e = self.engine
+        chunk = e.options.prefill_chunk_tokens
         if e.options.exact:
-            return e.phases.prefill_exact(e.model, cache, tokens)
-        return e.phases.ced_prefill(e.model, cache, tokens)
+            return e.phases.prefill_exact(e.model, cache, tokens, chunk_tokens=chunk)
+        return e.phases.ced_prefill(e.model, cache, tokens, chunk_tokens=chunk)
 
     def _decode(self, turn: _Turn) -> Iterator[int]:
         if turn.ended:  # ended before it was read (by the next send, or close): nothing to do

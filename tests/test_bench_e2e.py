@@ -223,3 +223,37 @@ def test_check_contexts_refuses_undecodable_contexts_before_measuring(small_mode
     for bad in (0, limit, longest + top, top + 1):
         with pytest.raises(ValueError, match="Cannot decode from a context"):
             B.check_contexts(small_model, (top, bad))
+
+
+def test_prefill_rows_per_length_with_memory_and_roofline(small_model):
+    """A row per prompt length: the samples, the chunk, peak RSS around the prefill (at least
+    what was resident before it), the cache the prompt filled, and the prefill's own roofline
+    from graph.cost (CED, the same chunks) against the machine's GEMM rate."""
+    from dsv41.graph import phases
+    from dsv41.graph.cache import new_cache
+    from dsv41.graph.cost import PrefillMode, prefill_cost
+
+    opts = B.BenchOptions(preset="small", prefill_lengths=(24, 40), prefill_chunk_tokens=7,
+                          prefill_reps=1, budget_s=600.0)
+    rows = B.bench_prefill({"eager": phases}, small_model, opts, {"gemm_gflops": 50.0})
+    assert [(r.impl, r.tokens, len(r.samples_s), r.chunk_tokens) for r in rows] == [
+        ("eager", 24, 1, 7), ("eager", 40, 1, 7)]
+    for r in rows:
+        cost = prefill_cost(small_model.args, r.tokens, mode=PrefillMode.CED, chunk_tokens=7)
+        assert (r.flops, r.cost_bytes) == (cost.flops, cost.bytes)
+        assert r.achieved_gflops == pytest.approx(cost.flops / r.median_s / 1e9)
+        assert r.gemm_frac == pytest.approx(r.achieved_gflops / 50.0)
+        pad = small_model.engram.pad_id
+        want = sum(new_cache(small_model.plan, 1, r.tokens + 64, engram_pad=pad).nbytes()
+                   .values())
+        assert r.cache_bytes == want and r.weights_bytes == B.model_bytes(small_model) > 0
+        if r.peak_rss_bytes is not None:  # Linux
+            assert r.peak_rss_bytes >= r.rss_before_bytes > r.weights_bytes
+            assert r.peak_over_weights_cache_bytes == \
+                r.peak_rss_bytes - r.weights_bytes - r.cache_bytes
+    text = B.format_report(B.BenchReport(opts, dict(MACHINE), {"torch": 2, "tvm": 2},
+                                         None, "w", prefill=rows,
+                                         load_avg={"start": [0.0], "end": [0.0]}))
+    assert "chunks of 7" in text and "peak RSS" in text
+    with pytest.raises(ValueError, match="--prefill-chunk"):
+        B.BenchOptions(prefill_chunk_tokens=1).validate()

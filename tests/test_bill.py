@@ -240,3 +240,40 @@ def test_bill_chart_writes_png(full_bill, tmp_path):
     image = matplotlib.image.imread(path)
     width, height = (round(v * B.CHART_DPI) for v in B.CHART_SIZE_IN)
     assert image.shape[:2] == (height, width)
+
+
+# --------------------------------------------------------------------------------------------
+# the encoder snapshot and the decode FLOPs
+# --------------------------------------------------------------------------------------------
+
+
+def test_encoder_snapshot_bytes_by_hand_and_from_a_live_cache():
+    """small: 20 encoder rings of 16 FP8 entries (64 + 2 B), three ratio-2 tails (fp32 kv +
+    score, 2 x 2 x 64 x 4 B), pos + index owner + 3 Engram lookback ids (int64)."""
+    from dsv41.graph.layout import encoder_snapshot_bytes
+
+    plan = build_plan(preset("small"))
+    want = 20 * 16 * (64 + 2) + 3 * 2 * 2 * 64 * 4 + 8 * (2 + 3)
+    assert encoder_snapshot_bytes(plan) == want
+    cache = new_cache(plan, 1, 1024, engram_pad=2)
+    live = sum(r.codes.nbytes + r.scales.nbytes for lay, r in cache.windows.items()
+               if lay < plan.decoder_start)
+    live += sum(s.tail_kv.nbytes + s.tail_score.nbytes for s in cache.stores.values()
+                if s.tail_kv is not None)
+    live += cache.pos.nbytes + cache.index_owner.nbytes + cache.engram_history.nbytes
+    assert live == want
+    bill = B.make_bill(preset("small"), contexts=(1000,))
+    assert bill.encoder_snapshot.total_bytes == want
+    assert f"encoder snapshot (DRAM pool, per sequence) {want:>11,} B" in B.format_bill(bill)
+    assert B.bill_json(bill)["encoder_snapshot"]["total_bytes"] == want
+
+
+def test_decode_flops_rise_from_4k_to_1m():
+    bill = B.make_bill(preset("bench"), contexts=(4000, MILLION))
+    a, b = bill.decode_flops
+    assert (a.context, b.context) == (4000, MILLION)
+    assert b.flops > a.flops and b.weighted_flops > a.weighted_flops
+    assert b.weighted_flops / a.weighted_flops < b.flops / a.flops  # the sweeps are FP4
+    text = B.format_bill(bill)
+    assert f"x{b.weighted_flops / a.weighted_flops:.3f} weighted" in text
+    assert [f["context"] for f in B.bill_json(bill)["decode_flops"]] == [4000, MILLION]

@@ -28,6 +28,19 @@ def test_bench_preset_has_released_attention_sizes():
         64, 512, 128, 32, 128, 512, 8, 2048, 1024)
 
 
+def test_long_preset_has_released_selection_sizes_at_small_widths():
+    a, full, small = preset("long"), preset("full"), preset("small")
+    assert (a.window_size, a.index_topk, a.candidate_topk_blocks, a.candidate_block_size,
+            a.max_seq_len, a.original_seq_len, a.rope_factor) == (128, 512, 2048, 8, 1_048_576,
+                                                                  65536, 16.0)
+    assert (a.dim, a.n_heads, a.head_dim, a.index_n_heads, a.index_head_dim, a.vocab_size) == (
+        small.dim, small.n_heads, small.head_dim, small.index_n_heads, small.index_head_dim,
+        small.vocab_size)
+    roles = [(p.layer, p.role, p.stage, p.kv_source, p.index_source) for p in build_plan(a).layers]
+    assert roles == [(p.layer, p.role, p.stage, p.kv_source, p.index_source)
+                     for p in build_plan(full).layers]
+
+
 def test_hf_form_maps_to_the_same_args(tmp_path):
     a = preset("small")
     hf = {"model_type": "deepseek_v41", "text_config": {

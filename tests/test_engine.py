@@ -6,6 +6,8 @@ shared-small: 6 layers (encoder 0-2, decoder 3-5), window 16, ratios up to 2; pa
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -255,3 +257,107 @@ def test_bad_input_is_a_clear_error(small_model):
         s.send([1])
     with pytest.raises(ValueError, match="multiple of the largest"):
         Engine.from_model(small_model, weights_hash="w", page_tokens=3)
+
+
+# ---- chunked prefill ---------------------------------------------------------------------------
+
+
+def test_chunk_spans_cover_the_segment_without_one_token_chunks():
+    from dsv41.graph.phases import chunk_spans
+
+    assert chunk_spans(40, 7) == [(0, 7), (7, 14), (14, 21), (21, 28), (28, 35), (35, 40)]
+    assert chunk_spans(15, 7) == [(0, 7), (7, 15)]  # a last token joins the chunk before it
+    assert chunk_spans(1, 7) == [(0, 1)] and chunk_spans(7, 7) == [(0, 7)]
+    for bad in (1, 0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="at least 2 tokens"):
+            chunk_spans(10, bad)
+    with pytest.raises(ValueError, match="at least one token"):
+        chunk_spans(0, 7)
+
+
+def _chunked_conformance(case, model, chunk: int, one_shot):
+    from dsv41.graph.conformance import against, evaluate
+    from dsv41.graph.score import GraphBackend, score
+
+    got = score(GraphBackend(model, chunk_tokens=chunk), case.tokens, prefill=case.prefill,
+                hidden_layers=case.hidden_layers)
+    # `against` keeps no hidden states (the one-shot run is the golden there)
+    return evaluate(case, got), evaluate(against(case, one_shot), replace(got, hidden={}))
+
+
+@pytest.mark.parametrize("chunk", [7, 13])  # cut through ratio-2 groups and the 16-wide window
+def test_chunked_exact_prefill_is_conformant_on_shared_small(small_case, small_model, chunk):
+    """Exact prefill in chunks against the golden and against the one-shot prefill, both with
+    the pack's own bounds (the chunks' windows list continuation order: rounding-level
+    differences only, amplified by bf16 selection ties)."""
+    from dsv41.graph.score import GraphBackend, score
+
+    one = score(GraphBackend(small_model), small_case.tokens, prefill=small_case.prefill,
+                hidden_layers=small_case.hidden_layers)
+    to_golden, to_one_shot = _chunked_conformance(small_case, small_model, chunk, one)
+    assert to_golden.conformant, to_golden.failures
+    assert to_one_shot.conformant, to_one_shot.failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [7, 37])
+def test_chunked_exact_prefill_is_conformant_on_shared_v41_small(v41_case, v41_model, chunk):
+    from dsv41.graph.score import GraphBackend, score
+
+    one = score(GraphBackend(v41_model), v41_case.tokens, prefill=v41_case.prefill,
+                hidden_layers=v41_case.hidden_layers)
+    to_golden, to_one_shot = _chunked_conformance(v41_case, v41_model, chunk, one)
+    assert to_golden.conformant, to_golden.failures
+    assert to_one_shot.conformant, to_one_shot.failures
+
+
+def _fresh(model):
+    from dsv41.graph.cache import new_cache
+
+    return new_cache(model.plan, 1, 128, engram_pad=model.engram.pad_id)
+
+
+@pytest.mark.parametrize("chunk", [5, 7, 16])
+def test_chunked_ced_prefill_keeps_the_token_layer_count(small_model, chunk):
+    """n_enc * N + n_dec * min(N, window) per chunked CED prefill, layer by layer; the decoder
+    replays the same last window (same cache position, logits close to the one-shot's)."""
+    from dsv41.graph.phases import ced_prefill
+
+    m, n = small_model, 40
+    toks = torch.tensor([_prompt(n, 9)])
+    d, w = m.plan.decoder_start, m.args.window_size
+    one = ced_prefill(m, _fresh(m), toks)
+    c2 = _fresh(m)
+    got = ced_prefill(m, c2, toks, chunk_tokens=chunk)
+    assert got.work == {lay: n if lay < d else min(n, w) for lay in range(m.args.n_layers)}
+    assert got.token_layers == d * n + (m.args.n_layers - d) * min(n, w) == one.token_layers
+    assert int(c2.pos[0]) == n and got.logits.shape == one.logits.shape == (1, 1, m.args.vocab_size)
+    rel = float((got.logits - one.logits).norm() / one.logits.norm())
+    assert rel < 0.33, rel  # shared-small's rel_l2_max bound (0.327)
+
+
+def test_engine_chunks_every_prefill_kind(small_model, tmp_path):
+    """cold (CED), snapshot miss (encoder bounded replay) and exact turns in chunks of 5: the
+    same tiers and token-layer counts as unchunked, logits within shared-small's bound."""
+    for exact in (False, True):
+        clocks, runs = [Clock(), Clock()], []
+        for i, chunk in enumerate((2048, 5)):
+            e = _engine(small_model, tmp_path / f"{exact}{i}", pool_clock=clocks[i], exact=exact,
+                        prefill_chunk_tokens=chunk)
+            s = e.session()
+            list(s.send(_prompt(37, 1), max_new_tokens=4, keep_logits=True))
+            clocks[i].t += 601  # snapshot expired: the next turn is a prefix hit
+            list(s.send(_prompt(19, 2), max_new_tokens=2, keep_logits=True))
+            runs.append(s.turns)
+        for a, b in zip(*runs, strict=True):
+            assert (a.tier, a.prefilled, a.replayed, a.token_layers) == (
+                b.tier, b.prefilled, b.replayed, b.token_layers)
+            x, y = a.logits[0], b.logits[0]
+            assert np.linalg.norm(x - y) / np.linalg.norm(x) < 0.33
+        assert [t.tier for t in runs[1]] == (["cold", "snapshot-ssd"] if exact
+                                             else ["cold", "prefix"])
+
+
+def test_engine_refuses_a_one_token_prefill_chunk(small_model):
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        _engine(small_model, prefill_chunk_tokens=1)

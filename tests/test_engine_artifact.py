@@ -126,3 +126,55 @@ def test_send_many_batches_the_compiled_decode(engine_args):
     for s, ref in zip(ss, alone, strict=True):
         got = np.stack(s.turns[-1].logits)
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+# ---- chunked prefill on the compiled entries ----------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [7, 13])  # cut through ratio-2 groups and the 16-wide window
+def test_compiled_chunked_exact_prefill_is_conformant(engine_args, small_case, chunk):
+    """The compiled `prefill_all` entry in chunks: within the pack's bounds against the golden
+    and against the compiled one-shot prefill."""
+    from dsv41.graph.conformance import against, evaluate
+    from dsv41.graph.model import Model
+    from dsv41.graph.score import GraphBackend, score
+    from dsv41.runtime.artifact import Artifact
+    from dsv41.runtime.compiled import CompiledPhases
+
+    art, ckpt = engine_args
+    model = Model.from_checkpoint(ckpt)
+    ph = CompiledPhases(Artifact.load(art), model)
+    kw = {"prefill": small_case.prefill}
+    one = score(GraphBackend(model, phases=ph), small_case.tokens, **kw)
+    got = score(GraphBackend(model, phases=ph, chunk_tokens=chunk), small_case.tokens, **kw)
+    for rep in (evaluate(small_case, got), evaluate(against(small_case, one), got)):
+        assert rep.conformant, rep.failures
+
+
+def test_compiled_engine_chunks_every_prefill_kind(engine_args, small_model, tmp_path):
+    """cold CED, snapshot-miss replay and exact turns on the artifact in chunks of 5: the same
+    tiers and token-layer counts as unchunked, logits within shared-small's bound; a CED turn's
+    count is n_enc * N + n_dec * min(N, window)."""
+    art, ckpt = engine_args
+    a, d = small_model.args, small_model.plan.decoder_start
+    for exact in (False, True):
+        runs = []
+        for chunk in (2048, 5):
+            store = tmp_path / f"{exact}-{chunk}"
+            s = Engine.load(art, ckpt, store_dir=store, page_tokens=PAGE, exact=exact,
+                            prefill_chunk_tokens=chunk).session()
+            list(s.send(TURNS[0], max_new_tokens=4, keep_logits=True))
+            e2 = Engine.load(art, ckpt, store_dir=store, page_tokens=PAGE, exact=exact,
+                             prefill_chunk_tokens=chunk)  # a new process: the pool is lost
+            s2 = e2.session(transcript=s.transcript)
+            list(s2.send(TURNS[2], max_new_tokens=2, keep_logits=True))
+            runs.append(s.turns + s2.turns)
+        for x, y in zip(*runs, strict=True):
+            assert (x.tier, x.prefilled, x.replayed, x.token_layers) == (
+                y.tier, y.prefilled, y.replayed, y.token_layers)
+            u, v = x.logits[0], y.logits[0]
+            assert np.linalg.norm(u - v) / np.linalg.norm(u) < 0.33
+        if not exact:
+            n = len(TURNS[0])
+            assert runs[1][0].token_layers == d * n + (a.n_layers - d) * min(n, a.window_size)
+            assert [t.tier for t in runs[1]] == ["cold", "prefix"]
