@@ -439,7 +439,8 @@ def _format_snapshot(bill: Bill) -> str:
     return (f"encoder snapshot (DRAM pool, per sequence) {e.total_bytes:>11,} B  "
             f"{e.total_bytes / MB:>8.3f} MB  {e.ring_layers} encoder rings {e.rings_bytes:,} B + "
             f"compressor tails {e.tail_bytes:,} B + pointers {e.pointer_bytes} B (pos, index "
-            "owner, Engram lookback); no decoder or DSpark ring")
+            "owner, Engram lookback); no decoder or DSpark ring; between page boundaries also "
+            "the global entries of the page not yet whole (they reach the SSD store with it)")
 
 
 def _format_decode_flops(bill: Bill) -> str:

@@ -5,7 +5,8 @@ PyTorch graph's phases (shared-small: window 16, encoder 0-2, decoder 3-5; pages
   conversation it shares a prefix with, and only those; its own blocks follow the divergence;
 - a decode step after any prefill reads no decoder-ring entry written before that prefill's
   replay segment (whatever the decoder rings held, the turn's logits are the same);
-- the pool's snapshot bytes are the per-plan count of `state.snapshot_nbytes`."""
+- the pool's snapshot bytes are the per-plan count of `state.snapshot_nbytes`: the bill's
+  encoder snapshot (`layout.encoder_snapshot_bytes`) plus the entries of a page not yet whole."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from dsv41.graph.cache import new_cache
+from dsv41.graph.layout import encoder_snapshot_bytes
 from dsv41.graph.phases import ced_prefill, replay_prefill
 from dsv41.runtime.engine import Engine
 from dsv41.runtime.state import (
@@ -169,9 +171,13 @@ def test_pool_snapshot_bytes_are_the_per_plan_count(small_model, tmp_path):
         e = _engine(small_model, tmp_path / f"store-{carry}", decoder_carry=carry)
         s = e.session()
         _send(s, _prompt(37, 1), n=4)  # 40 positions: 5 whole blocks, no partial entries
+        if not carry:  # the released design: exactly the bill's encoder snapshot
+            assert e.stats().pool.bytes == encoder_snapshot_bytes(plan) == 24232
         _send(s, _prompt(6, 2), n=3)  # 49 positions: one partial entry of the ratio-1 source
         layers = snapshot_ring_layers(plan, all_rings=carry)
         want = snapshot_nbytes(plan, len(s.history), PAGE, layers)
+        if not carry:  # plus the global entries of the page not yet whole (not in the SSD yet)
+            assert e.stats().pool.bytes == encoder_snapshot_bytes(plan) + want["partial"]
         assert e.stats().pool.entries == 1  # the first turn's snapshot was dropped
         assert e.stats().pool.bytes == sum(want.values())
         assert want["partial"] > 0
