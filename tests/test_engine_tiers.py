@@ -172,7 +172,7 @@ def test_pool_snapshot_bytes_are_the_per_plan_count(small_model, tmp_path):
         s = e.session()
         _send(s, _prompt(37, 1), n=4)  # 40 positions: 5 whole blocks, no partial entries
         if not carry:  # the released design: exactly the bill's encoder snapshot
-            assert e.stats().pool.bytes == encoder_snapshot_bytes(plan) == 24232
+            assert e.stats().pool.bytes == encoder_snapshot_bytes(plan) == 4232  # shared-small
         _send(s, _prompt(6, 2), n=3)  # 49 positions: one partial entry of the ratio-1 source
         layers = snapshot_ring_layers(plan, all_rings=carry)
         want = snapshot_nbytes(plan, len(s.history), PAGE, layers)
