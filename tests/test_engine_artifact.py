@@ -161,13 +161,17 @@ def test_compiled_engine_chunks_every_prefill_kind(engine_args, small_model, tmp
         runs = []
         for chunk in (2048, 5):
             store = tmp_path / f"{exact}-{chunk}"
-            s = Engine.load(art, ckpt, store_dir=store, page_tokens=PAGE, exact=exact,
-                            prefill_chunk_tokens=chunk).session()
+            e1 = Engine.load(art, ckpt, store_dir=store, page_tokens=PAGE, exact=exact,
+                             prefill_chunk_tokens=chunk)
+            s = e1.session()
             list(s.send(TURNS[0], max_new_tokens=4, keep_logits=True))
+            transcript = s.transcript
+            e1.close()  # one owner per store folder: the next engine is the next process
             e2 = Engine.load(art, ckpt, store_dir=store, page_tokens=PAGE, exact=exact,
                              prefill_chunk_tokens=chunk)  # a new process: the pool is lost
-            s2 = e2.session(transcript=s.transcript)
+            s2 = e2.session(transcript=transcript)
             list(s2.send(TURNS[2], max_new_tokens=2, keep_logits=True))
+            e2.close()
             runs.append(s.turns + s2.turns)
         for x, y in zip(*runs, strict=True):
             assert (x.tier, x.prefilled, x.replayed, x.token_layers) == (

@@ -373,7 +373,9 @@ def test_read_only_store_the_turn_completes_and_keeps_its_tokens(small_model, tm
     e.flush()  # the blocks are written in the background
     st = e.stats().store
     assert len(first) == len(second) == 2 and s.transcript[-1] == second[-1]
-    assert st.writes == 0 and st.write_errors >= 2 and st.refused_writes == st.write_errors
+    # every write attempted failed and was counted (how many: the background writer and the
+    # next turn's walk decide whether a refused block is tried again)
+    assert st.writes == 0 and st.write_errors >= 1 and st.refused_writes == st.write_errors
     assert [r.decoded for r in s.turns] == [1, 1]
 
 
