@@ -141,10 +141,10 @@ class Engine:
         self.model, self.phases, self.options, self.backend = model, phases, options, backend
         self._pad = model.engram.pad_id if model.engram is not None else None
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
-        # what a snapshot holds, and the tag that salts its keys (other layouts never match)
+        # what a snapshot holds (its layout salts every key through KeySalt's exact and
+        # decoder_carry: other layouts never match)
         carry = options.exact or options.decoder_carry
         self._ring_layers = snapshot_ring_layers(model.plan, all_rings=carry)
-        self._local_tag = "exact" if options.exact else "carry" if carry else "replay"
         # salts every key: everything that changes what a stored record means (runtime/salt.py)
         self.key_salt = KeySalt(
             config_hash=model.args.config_hash(), weights_hash=weights_hash,
@@ -296,8 +296,8 @@ class Engine:
             raise ValueError(f"State positions {lo}..{hi} must lie in one block of {b} within "
                              f"the {len(tokens)} tokens.")
         prev = bytes.fromhex(keys[n - 1]) if n else bytes(32)
-        h = hashlib.sha256(self._salt + b"/" + kind.encode() + b"/" + self._local_tag.encode()
-                           + b"/" + n.to_bytes(8, "little") + prev)
+        h = hashlib.sha256(self._salt + b"/" + kind.encode() + b"/" + n.to_bytes(8, "little")
+                           + prev)
         tail = np.asarray(tokens[n * b: hi], dtype="<i8")
         out = []
         for length in range(n * b, hi + 1):
