@@ -387,14 +387,9 @@ def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits
                            chunk_tokens=chunk_tokens, keep_rows=keep_rows)
     # S < window: the new tokens are fewer than one window, so one chunk at most
     tail = encode_cached_tail(model, cache, cached, t, record)
-    enc = encoder_prefill(model, cache, fresh, record)
-    ids = None if enc.hash_ids is None else torch.cat([tail.hash_ids, enc.hash_ids], dim=1)
-    both = EncoderOutput(torch.cat([tail.h, enc.h], dim=1), torch.cat([tail.pre, enc.pre], dim=1),
-                         ids, tail.start,
-                         {k: tail.work.get(k, 0) + enc.work.get(k, 0)
-                          for k in {*tail.work, *enc.work}},
-                         {**tail.hidden, **enc.hidden}, {**tail.selections, **enc.selections})
-    return _joined(both, decoder_replay(model, cache, both, all_logits=all_logits, record=record))
+    enc = join_encoder(tail, encoder_prefill(model, cache, fresh, record),
+                       window=model.args.window_size, keep_rows=keep_rows)
+    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 
 # ---- chunked prefill -----------------------------------------------------------------------------

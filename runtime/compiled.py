@@ -19,6 +19,7 @@ from dsv41.graph.phases import (
     chunked_encoder,
     chunked_exact,
     chunked_replay,
+    join_encoder,
     prepare_replay,
     resume_tail,
 )
@@ -189,18 +190,25 @@ class CompiledPhases:
         if t == 0:  # S >= window: a CED prefill of the new tokens (chunked)
             return self.ced_prefill(model, cache, fresh, all_logits=all_logits,
                                     chunk_tokens=chunk_tokens, keep_rows=keep_rows)
+        enc = join_encoder(self.encode_cached_tail(model, cache, cached, t),
+                           self.encoder_prefill(model, cache, fresh),  # S < window: one chunk
+                           window=m.args.window_size, keep_rows=keep_rows)
+        return self.decoder_replay(model, cache, enc, all_logits=all_logits)
+
+    def encode_cached_tail(self, model: Model, cache: ModelCache, cached, n: int,
+                           record=()) -> EncoderOutput:
+        """`phases.encode_cached_tail`: the last n cached tokens through the `encoder_replay`
+        entry, with the cache's local state put back afterwards."""
+        del record
+        self._check(model)
         saved = save_local_state(cache)
         try:
-            n, first = prepare_replay(m, cache, cached, replay=t)
-            h1, p1, c1 = self._encode(cache, cached[:, -n:], replay_from=first)
+            n, first = prepare_replay(self.model, cache, cached, replay=n)
+            h, pre, chunk = self._encode(cache, cached[:, -n:], replay_from=first)
         finally:
             restore_local_state(cache, saved)
-        h2, p2, c2 = self._encode(cache, fresh)  # S < window tokens: one chunk
-        cache.pos = c2.end
-        ids = None if c2.hash_ids is None else torch.cat([c1.hash_ids, c2.hash_ids], 1)
-        enc = EncoderOutput(torch.cat([h1, h2], 1), torch.cat([p1, p2], 1), ids, first,
-                            self._work(self.plan.encoder_layers, n + fresh.size(1)), {}, {})
-        return self.decoder_replay(model, cache, enc, all_logits=all_logits)
+        return EncoderOutput(h, pre, chunk.hash_ids, first,
+                             self._work(self.plan.encoder_layers, n), {}, {})
 
     def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
                     all_logits: bool = False, record=(), chunk_tokens: int | None = None,

@@ -217,3 +217,30 @@ def test_resume_prefill_keeps_the_encoder_state_and_rebuilds_the_decoder_rings(s
     more = torch.tensor([_prompt(w, 3)])
     np.testing.assert_array_equal(resume_prefill(m, c, torch.cat([first, new], 1), more).logits,
                                   ced_prefill(m, e, more).logits)
+
+
+def test_resume_prefill_rows_are_the_replayed_tail_then_the_new_tokens(small_model):
+    """With `record` and `keep_rows`, a resumed prefill's encoder rows are the t replayed cached
+    tokens followed by the S new ones (t + S = window), as a chunked prefill joins its chunks:
+    the new tokens' rows equal a plain encoder pass over them from the same cache, and no row
+    of either part is dropped."""
+    from dsv41.graph.cache import select_sequences
+    from dsv41.graph.phases import encode_cached_tail, encoder_prefill, resume_prefill
+
+    m = small_model
+    w, layer = m.args.window_size, 0  # layer 0 is an encoder layer
+    first, new = torch.tensor([_prompt(30, 4)]), torch.tensor([_prompt(5, 5)])
+    a = new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id)
+    ced_prefill(m, a, first)
+    b, c = select_sequences(a, [0]), select_sequences(a, [0])
+    t = min(30, w - 5)
+    res = resume_prefill(m, a, first, new, record=(layer,), keep_rows=True)
+    tail = encode_cached_tail(m, b, first, t, (layer,))
+    fresh = encoder_prefill(m, c, new, (layer,))
+    assert res.hidden[layer].shape[1] == t + 5
+    torch.testing.assert_close(res.hidden[layer], torch.cat([tail.hidden[layer],
+                                                             fresh.hidden[layer]], 1),
+                               rtol=0, atol=0)
+    assert tail.selections and res.selections.keys() >= tail.selections.keys()
+    for k, rows in tail.selections.items():  # the tail's selections, then the new tokens'
+        assert torch.equal(res.selections[k], torch.cat([rows, fresh.selections[k]], 1)), k
