@@ -11,7 +11,7 @@ implementations of the same phase graphs (the compiled artifact, PyTorch eager, 
 - time to first token of agent-loop turns through the Engine: cold, snapshot hit and snapshot
   miss (the DRAM snapshot expired: bounded replay from the SSD prefix blocks).
 - the roofline: the bytes and FLOPs of one decode step (`graph.cost`) against this machine's
-  measured bandwidth and fp32 GEMM peak (`schedules.bench.measure_machine`).
+  measured bandwidth and fp32 GEMM peak (`bench_kernels.measure_machine`).
 
 A cell that would run past its time budget, or a context whose cache does not fit in memory, is
 reported as skipped with the reason; no number is ever made up for it.
@@ -386,8 +386,7 @@ class TorchCompiledEntries:
 
     def __init__(self, model, entries: tuple[str, ...]):
         from dsv41.graph.cache import new_cache
-
-        from .capture import cache_names, entry_outputs
+        from dsv41.graph.entries import cache_names, entry_outputs
 
         self.model = model
         template = new_cache(model.plan, 1, 64)  # structure only
@@ -727,16 +726,15 @@ def profile_artifact_step(artifact, model, cache, top: int = 15) -> list[dict]:
     import tvm
     from tvm import relax
 
-    from dsv41.graph.phases import _chunk, check_tokens
-    from dsv41.runtime.artifact import _to_tvm
-
-    from .capture import entry_inputs
+    from dsv41.graph.entries import entry_inputs
+    from dsv41.graph.phases import check_tokens, new_chunk
+    from dsv41.runtime.artifact import to_tvm
 
     tokens = check_tokens(model, torch.tensor([[DECODE_TOKEN]]))
-    chunk = _chunk(model, cache, tokens)
+    chunk = new_chunk(model, cache, tokens)
     inputs = entry_inputs(model, cache, "decode", tokens, start=chunk.start,
                           hash_ids=chunk.hash_ids, rope=chunk.rope)
-    flat = [_to_tvm(t) for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
+    flat = [to_tvm(t) for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact.path / "decode.so")),
                               tvm.cpu())
     vm["main"](*flat, *artifact._params["decode"])  # warm-up
@@ -779,7 +777,7 @@ def profile_torch_step(fn: Callable[[], object], top: int = 15) -> list[dict]:
 
 def resolve_inputs(opts: BenchOptions, say=print) -> tuple[Path, Path | None]:
     """(checkpoint, artifact dir or None when no implementation needs it)."""
-    from .cli import ensure_artifact, ensure_checkpoint
+    from .assets import ensure_artifact, ensure_checkpoint
 
     ckpt = opts.checkpoint or ensure_checkpoint(opts.preset, opts.seed)
     wanted = set(opts.impls) | set(opts.prefill_impls if opts.prefill_tokens else ()) | \
@@ -827,10 +825,10 @@ def check_contexts(model, contexts: tuple[int, ...]) -> None:
 def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchReport:
     from tqdm import tqdm
 
+    from dsv41.compiler.bench_kernels import measure_machine
     from dsv41.graph.checkpoint import weights_fingerprint
     from dsv41.graph.cost import decode_step_cost
     from dsv41.graph.model import Model
-    from dsv41.schedules.bench import measure_machine
 
     opts.validate()
     threads = set_threads(opts.threads)

@@ -18,18 +18,12 @@ from pathlib import Path
 import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
+from dsv41.graph.entries import ENTRIES, cache_names, entry_outputs
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
 from dsv41.runtime.artifact import FORMAT_VERSION  # the manifest format the runtime reads
 
-from .capture import (
-    ENTRIES,
-    cache_names,
-    capture,
-    dim_symbols,
-    entry_outputs,
-    static_bounds,
-)
+from .capture import capture, dim_symbols, static_bounds
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 ROWS_HINT = {"decode": 1, "draft": 4}  # GEMM schedule hint: rows per call (None: prefill)
@@ -116,7 +110,7 @@ def _dump(opts: CompileOptions, entry: str, phase: str, text: str) -> None:
 
 def lowered_module(config: dict, entry: str, target: str):
     """Capture + lower one entry (also the CUDA child's builder: it runs under the stub)."""
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     from .lower import lower
 
@@ -133,7 +127,7 @@ def fuse(mod, target_name: str):
     legalised op its own loop nest) rather than not at all, and the report says so."""
     from tvm import relax
 
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     target = get_target(target_name).tvm_target()
     if get_target(target_name).is_cuda:
@@ -156,7 +150,7 @@ def finish_pipeline(target_name: str):
     finalisation (memory planning, VM codegen)."""
     import tvm
 
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     spec = get_target(target_name)
     target = spec.tvm_target()
@@ -182,10 +176,10 @@ def schedule(mod, target_name: str, tuning: tuple[str, str] | None = None):
     parallel / vectorised loop nests that keep every reduction's order (`cpu_rules`), so the
     results are bit-identical to the unscheduled module. `tuning` = (tuning folder, entry):
     first, the functions `dsv41 tune` verified are replaced by their tuned versions."""
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     if tuning is not None:
-        from .tune import apply_tuning
+        from .tuning_db import apply_tuning
 
         mod = apply_tuning(mod, target_name, *tuning)
 
@@ -259,7 +253,7 @@ def built_module(config: dict, entry: str, target: str, tuning: list | None = No
 def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
     import tvm
 
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     spec = get_target(opts.target)
     out = opts.artifact_dir
@@ -316,7 +310,7 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
         t = time.perf_counter()
         mod = schedule(mod, opts.target, tuning)
         times["schedule"] = time.perf_counter() - t
-        from .tune import tuned_functions
+        from .tuning_db import tuned_functions
 
         report.tuned[entry] = tuned_functions(mod)
         if tuning:
@@ -344,7 +338,7 @@ def _verified_manifest(artifact_dir: Path, args: ModelArgs, target: str) -> dict
     otherwise (such an artifact contributes nothing: its entries are compiled again)."""
     from dsv41.runtime.artifact import ArtifactError, verify
 
-    from .tune import database_hash
+    from .tuning_db import database_hash
 
     if not (artifact_dir / "manifest.json").is_file():
         return {}
@@ -373,9 +367,9 @@ def missing_entries(artifact_dir: Path, args: ModelArgs, target: str,
 def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -> Path:
     import tvm
 
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
-    from .tune import database_hash
+    from .tuning_db import database_hash
 
     out = opts.artifact_dir
     readme = out / "README.md"
@@ -383,7 +377,7 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         f"# dsv41 artifact: {opts.model_name} for {opts.target}\n\n"
         f"Config hash {opts.args.config_hash()}. One library per entry "
         f"({', '.join(entries)}); weights are not inside: load them with "
-        "`dsv41.runtime.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
+        "`dsv41.runtime.engine.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
         "`manifest.json` (checksums, config, target, TVM version) first.\n")
     from dsv41.runtime.artifact import manifest_digest, sha256_file
 

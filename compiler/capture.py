@@ -17,88 +17,18 @@ import torch
 from torch.export import Dim
 
 from dsv41.graph import dspark
-from dsv41.graph.cache import GlobalStore, ModelCache, WindowRing, new_cache
+from dsv41.graph.cache import ModelCache, new_cache
+from dsv41.graph.entries import (
+    ENTRIES,
+    SELECTING,
+    cache_names,
+    cache_tensor,
+    cache_tensors,
+    cache_view,
+    selection_keys,
+)
 from dsv41.graph.model import Chunk, ExpertStack, Model, rope_margin
 from dsv41.graph.phases import decode_layers, encode_layers, forward_all
-
-ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft")
-SELECTING = ("prefill_all", "decode")  # also return the indexers' selections (for scoring)
-
-
-def selection_keys(plan) -> list[int]:
-    """Index sources in layer order, then -1 (the candidate blocks) if there is a source."""
-    keys = [p.layer for p in plan.backbone if p.runs_indexer]
-    return keys + ([-1] if any(p.candidate_source for p in plan.backbone) else [])
-
-
-def entry_outputs(plan, entry: str, template: ModelCache) -> list[str]:
-    """Names of an entry's outputs, in order."""
-    head = {"encoder": ["h", "pre"], "encoder_replay": ["h", "pre"],
-            "draft": ["draft_ids", "draft_logits", "confidence"]}.get(entry, ["logits"])
-    if entry in SELECTING:
-        head += [f"sel.{k}" for k in selection_keys(plan)]
-    return head + ([] if entry == "draft" else cache_names(template))
-
-
-# ---- the cache as a flat list --------------------------------------------------------------------
-
-
-def cache_names(cache: ModelCache) -> list[str]:
-    """Stable order of the cache tensors an entry takes and returns."""
-    names = []
-    for layer in sorted(cache.windows):
-        names += [f"window.{layer}.codes", f"window.{layer}.scales"]
-    for layer in sorted(cache.stores):
-        st = cache.stores[layer]
-        names += [f"store.{layer}.kv_codes", f"store.{layer}.kv_scales"]
-        if st.k_codes is not None:
-            names += [f"store.{layer}.k_codes", f"store.{layer}.k_scales"]
-        if st.tail_kv is not None:
-            names += [f"store.{layer}.tail_kv", f"store.{layer}.tail_score"]
-    return names + ["index_owner"]
-
-
-def cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
-    return [_get(cache, name) for name in cache_names(cache)]
-
-
-def _owner(cache: ModelCache, name: str):
-    """(object, attribute) holding the cache tensor `name`."""
-    if name == "index_owner":
-        return cache, "index_owner"
-    kind, layer, field = name.split(".")
-    return (cache.windows[int(layer)] if kind == "window" else cache.stores[int(layer)]), field
-
-
-def _get(cache: ModelCache, name: str) -> torch.Tensor:
-    obj, field = _owner(cache, name)
-    return getattr(obj, field)
-
-
-def load_cache_tensors(cache: ModelCache, tensors) -> None:
-    """Put an entry's returned cache tensors back into `cache`."""
-    names = cache_names(cache)
-    if len(tensors) != len(names):
-        raise ValueError(f"Expected {len(names)} cache tensors, got {len(tensors)}.")
-    for name, t in zip(names, tensors, strict=True):
-        setattr(*_owner(cache, name), t)
-
-
-def _cache_from(template: ModelCache, tensors, start: torch.Tensor) -> ModelCache:
-    """A ModelCache view over the entry's input tensors (the template gives the structure)."""
-    it = dict(zip(cache_names(template), tensors, strict=True))
-    windows = {lay: WindowRing(it[f"window.{lay}.codes"], it[f"window.{lay}.scales"])
-               for lay in template.windows}
-    stores = {}
-    for lay, st in template.stores.items():
-        stores[lay] = GlobalStore(st.ratio, it[f"store.{lay}.kv_codes"],
-                                  it[f"store.{lay}.kv_scales"], it.get(f"store.{lay}.k_codes"),
-                                  it.get(f"store.{lay}.k_scales"), it.get(f"store.{lay}.tail_kv"),
-                                  it.get(f"store.{lay}.tail_score"))
-    return ModelCache(layout=template.layout, batch=start.size(0), pos=start, windows=windows,
-                      stores=stores, engram_history=None, kv_dtype=template.kv_dtype,
-                      index_owner=it["index_owner"])
-
 
 # ---- the entry module -------------------------------------------------------------------------
 
@@ -136,7 +66,7 @@ class PhaseGraph(torch.nn.Module):
                    for layer in sorted({p.layer for p in self.plan.layers})}
         return Model(self.args, self.plan, w, experts, None, {}, **self.switches)
 
-    def _chunk(self, start, floor, s, ropes, hash_ids, **flags) -> Chunk:
+    def new_chunk(self, start, floor, s, ropes, hash_ids, **flags) -> Chunk:
         return Chunk(start=start, length=s, rope={True: (ropes[0], ropes[1]),
                                                   False: (ropes[2], ropes[3])},
                      hash_ids=hash_ids, window_floor=floor, **flags)
@@ -146,21 +76,21 @@ class PhaseGraph(torch.nn.Module):
         start/floor (b,) int64; RoPE tables (b, s + 2M, rd/2); hash_ids (b, s, E, cols) int64
         (an empty (b, s, 0, 0) when the model has no Engram); then the cache tensors."""
         model = self._model()
-        cache = _cache_from(self.template, cache_in, start)
+        cache = cache_view(self.template, cache_in, start)
         ropes = (cos_c, sin_c, cos_u, sin_u)
         ids = hash_ids if model.args.engram_layer_ids else None
         if self.entry == "draft":
             n = self.args.dspark_block_size
-            chunk = self._chunk(start, None, n, ropes, None)
+            chunk = self.new_chunk(start, None, n, ropes, None)
             d = dspark.draft(model, cache, x, chunk)
             return d.ids, d.logits, d.confidence
         if self.entry == "decoder":
             h, pre = x
-            chunk = self._chunk(start, floor, h.size(1), ropes, ids, write_global=False,
+            chunk = self.new_chunk(start, floor, h.size(1), ropes, ids, write_global=False,
                                 update_tails=False)
             logits, _, _ = decode_layers(model, cache, h, pre, chunk, all_logits=True)
             return (logits, *cache_tensors(cache))
-        chunk = self._chunk(start, floor, x.size(1), ropes, ids,
+        chunk = self.new_chunk(start, floor, x.size(1), ropes, ids,
                             write_global=self.entry != "encoder_replay")
         if self.entry in ("encoder", "encoder_replay"):
             h, pre = encode_layers(model, cache, x, chunk)
@@ -238,7 +168,7 @@ def dynamic_shapes(model: Model, entry: str, template: ModelCache, shapes: Captu
         x = tok_dims()
     cache = []
     for name in cache_names(template):
-        t = _get(template, name)
+        t = cache_tensor(template, name)
         d = {0: batch}
         if name.startswith("store.") and not name.endswith(("tail_kv", "tail_score")):
             ratio = template.stores[int(name.split(".")[1])].ratio
@@ -302,29 +232,3 @@ def capture(model: Model, entry: str, shapes: CaptureShapes = CaptureShapes()):
     with torch.no_grad():
         ep = torch.export.export(module, inputs, dynamic_shapes=dyn, strict=False)
     return ep, template
-
-
-def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, floor=None,
-                 hash_ids=None, rope=None) -> tuple:
-    """The host half of a phase: real inputs for `entry` from a cache and validated tokens (or
-    the encoder stream for `decoder`, or the accepted token for `draft`). Engram ids must be
-    passed in (they advance the cache's lookback, so the caller computes them once); so may
-    RoPE tables a graph `Chunk` already holds for the same start."""
-    a = model.args
-    if entry == "draft":
-        s = a.dspark_block_size
-    elif entry == "decoder":
-        s = x[0].size(1)
-    else:
-        s = x.size(1)
-    start = cache.pos.clone() if start is None else start
-    floor = torch.zeros_like(start) if floor is None else floor
-    from dsv41.graph.model import rope_window
-
-    rope = rope_window(model, start, s) if rope is None else rope
-    if hash_ids is None:
-        n_eng = len(a.engram_layer_ids)
-        cols = (a.engram_max_ngram_size - 1) * a.engram_n_heads if n_eng else 0
-        hash_ids = torch.zeros(start.size(0), s, n_eng, cols, dtype=torch.int64)
-    return (x, start, floor, rope[True][0], rope[True][1], rope[False][0], rope[False][1],
-            hash_ids, *cache_tensors(cache))

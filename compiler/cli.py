@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-DEFAULT_CHECKPOINTS = Path("artifacts") / "checkpoints"
+from .assets import ensure_artifact, ensure_checkpoint
 
 
 def _args_from(ns):
@@ -52,18 +52,6 @@ def cmd_bill(ns) -> int:
         Path(ns.json).write_text(json.dumps(bill_json(bill), indent=1))
         print(f"json: {ns.json}")
     return 0
-
-
-def ensure_checkpoint(preset_name: str, seed: int = 0) -> Path:
-    """The seeded checkpoint for a preset, written once under artifacts/checkpoints/."""
-    from dsv41.graph.checkpoint import write_seeded_checkpoint
-    from dsv41.graph.config import preset
-
-    out = DEFAULT_CHECKPOINTS / f"{preset_name}-seed{seed}"
-    if not (out / "config.json").exists():
-        print(f"writing a seeded {preset_name} checkpoint to {out} ...")
-        write_seeded_checkpoint(preset(preset_name), out, seed=seed, progress=True)
-    return out
 
 
 def cmd_checkpoint(ns) -> int:
@@ -123,8 +111,8 @@ def cmd_compile(ns) -> int:
     from tqdm import tqdm
 
     from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact
-    from dsv41.compiler.capture import ENTRIES
-    from dsv41.schedules.common import target_names
+    from dsv41.graph.entries import ENTRIES
+    from dsv41.graph.targets import target_names
 
     _print_args("compile", ns)
     if ns.target not in target_names():
@@ -170,7 +158,7 @@ def cmd_compile(ns) -> int:
 def cmd_bench(ns, rest: list[str]) -> int:
     """`dsv41 bench kernels ...`: single kernels; `dsv41 bench [options]`: end to end."""
     if rest and rest[0] == "kernels":
-        from dsv41.schedules.bench import main as bench_main
+        from dsv41.compiler.bench_kernels import main as bench_main
 
         return bench_main(rest[1:])
     if rest and not rest[0].startswith("-"):
@@ -254,12 +242,12 @@ def cmd_tune(ns) -> int:
     from dsv41.compiler.tune import (
         TuneOptions,
         compare_step,
-        database_hash,
         format_results,
         list_tasks,
         tune,
     )
-    from dsv41.schedules.common import target_names
+    from dsv41.compiler.tuning_db import database_hash
+    from dsv41.graph.targets import target_names
     from dsv41.schedules.tuning_space import PhaseShape
 
     _print_args("tune", ns)
@@ -299,36 +287,6 @@ def cmd_tune(ns) -> int:
     if ns.compare_step:
         print(compare_step(opts))
     return 0
-
-
-def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str, ...],
-                    out: Path) -> Path:
-    """The artifact for the checkpoint's config, compiling the entries it lacks."""
-    from tqdm import tqdm
-
-    from dsv41.compiler.build import CompileOptions, compile_artifact, missing_entries
-    from dsv41.graph.config import load_config
-
-    args = load_config(checkpoint)
-    opts = CompileOptions(args=args, model_name=name, target=target, out=out, entries=entries)
-    todo = missing_entries(opts.artifact_dir, args, target, entries)
-    if not todo:
-        print(f"artifact: {opts.artifact_dir} (entries {', '.join(entries)} present)")
-        return opts.artifact_dir
-    print(f"artifact: compiling {', '.join(todo)} for {target} into {opts.artifact_dir} "
-          "(once; later runs reuse it)")
-    bar = tqdm(total=len(todo), desc="compile", unit="entry")
-
-    def progress(msg: str) -> None:
-        bar.write("  " + msg)
-        if "build" in msg:
-            bar.update(1)
-
-    report = compile_artifact(CompileOptions(args=args, model_name=name, target=target,
-                                             out=out, entries=todo), progress=progress)
-    bar.close()
-    print(f"compiled in {report.total_seconds:.0f} s")
-    return report.artifact_dir
 
 
 def build_parser() -> argparse.ArgumentParser:

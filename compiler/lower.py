@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from dsv41.schedules.common import TargetSpec
+from dsv41.graph.targets import TargetSpec
 
 BF16 = "bfloat16"
 

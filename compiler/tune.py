@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import sys
 import time
 import types
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,13 +51,25 @@ from pathlib import Path
 from dsv41.graph.config import ModelArgs
 from dsv41.schedules.tuning_space import PhaseShape, Task
 
-INDEX = "tasks.json"
-INDEX_FORMAT = 1
-DB_FILES = ("database_workload.json", "database_tuning_record.json")
-FAILED_S = 1e10  # run time recorded for a candidate that did not build or run (MetaSchedule's)
+from .tuning_db import (
+    FAILED_S,
+    INDEX,
+    INDEX_FORMAT,
+    best_record,
+    has_records,
+    open_database,
+    read_index,
+    record_counts,
+    replay,
+    task_from_json,
+    task_json,
+    trace_digest,
+    workload_hash,
+    write_index,
+)
+
 APPLY_MARGIN = 0.02  # a tuned function replaces the hand schedule only when this much faster
 VERIFY_ROUNDS = 5  # alternating timings of hand and tuned function in a verification
-TUNED_ATTR = "dsv41.tuned"  # set on a function compile replaced with a tuned one (task name)
 
 
 @dataclass(frozen=True)
@@ -131,7 +141,7 @@ class TuneReport:
 
 def check_target(target_name: str) -> None:
     """CUDA candidates are measured on a GPU of this machine; refuse clearly without one."""
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     spec = get_target(target_name)
     if not spec.is_cuda:
@@ -177,7 +187,7 @@ def fingerprint(opts: TuneOptions) -> dict:
 def _entry_module(opts: TuneOptions, entry: str):
     """The entry's fused module exactly as `compile` builds it, and its kernels' keys."""
     from dsv41.graph.model import Model
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     from .build import ROWS_HINT, fuse
     from .capture import capture
@@ -208,8 +218,8 @@ def entry_tasks(opts: TuneOptions, entry: str, mod, kernel_keys: dict) -> list[T
     import tvm
     import tvm_ffi
 
+    from dsv41.graph.targets import get_target
     from dsv41.schedules import tuning_space as ts
-    from dsv41.schedules.common import get_target
 
     spec = get_target(opts.target)
     main = mod["main"]
@@ -266,42 +276,6 @@ def _shape_label(values: dict[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in values.items())
 
 
-def _task_json(t: Task) -> dict:
-    import tvm
-
-    return {"name": t.name, "entry": t.entry, "kind": t.kind, "family": t.family,
-            "function": t.function, "key": t.key, "label": t.label, "values": t.values,
-            "calls": t.calls, "flops": t.flops if t.flops == t.flops else None,
-            "func": tvm.ir.save_json(t.func),
-            "hand": tvm.ir.save_json(t.hand)}
-
-
-def _task_from_json(d: dict) -> Task:
-    import tvm
-
-    return Task(name=d["name"], entry=d["entry"], kind=d["kind"], family=d["family"],
-                function=d["function"], key=d["key"], func=tvm.ir.load_json(d["func"]),
-                hand=tvm.ir.load_json(d["hand"]), values=d["values"], calls=d["calls"],
-                flops=d["flops"] if d["flops"] is not None else float("nan"), label=d["label"])
-
-
-def read_index(tuning_dir: Path) -> dict | None:
-    path = Path(tuning_dir) / INDEX
-    if not path.is_file():
-        return None
-    try:
-        index = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return index if index.get("format") == INDEX_FORMAT else None
-
-
-def write_index(tuning_dir: Path, index: dict) -> None:
-    tmp = Path(tuning_dir) / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
-    os.replace(tmp, Path(tuning_dir) / INDEX)
-
-
 def extract_tasks(opts: TuneOptions, say: Callable[[str], None],
                   given: list[Task] | None = None) -> tuple[list[Task], dict]:
     """The tasks (from tasks.json when it was extracted for the same code, config, target,
@@ -311,7 +285,7 @@ def extract_tasks(opts: TuneOptions, say: Callable[[str], None],
     index = read_index(opts.tuning_dir)
     if index is not None and index.get("fingerprint") == fp and (
             given is None or [d["name"] for d in index["tasks"]] == [t.name for t in given]):
-        return [_task_from_json(d) for d in index["tasks"]], index
+        return [task_from_json(d) for d in index["tasks"]], index
     tasks: list[Task] = list(given or [])
     for entry in opts.entries if given is None else ():
         t0 = time.perf_counter()
@@ -321,7 +295,7 @@ def extract_tasks(opts: TuneOptions, say: Callable[[str], None],
         say(f"{entry}: {len(found)} tasks in {time.perf_counter() - t0:.0f} s")
         tasks += found
     old = index or {}
-    new = {t.name: _task_json(t) for t in tasks}
+    new = {t.name: task_json(t) for t in tasks}
     same = {d["name"] for d in old.get("tasks", []) if d["name"] in new
             and (new[d["name"]]["key"], new[d["name"]]["func"]) == (d["key"], d["func"])}
     index = {"format": INDEX_FORMAT, "fingerprint": fp, "model": opts.model_name,
@@ -348,93 +322,7 @@ def select_tasks(tasks: list[Task], ops: tuple[str, ...]) -> list[Task]:
 # ---- the database ---------------------------------------------------------------------------
 
 
-def open_database(tuning_dir: Path):
-    from tvm.s_tir import meta_schedule as ms
-
-    tuning_dir.mkdir(parents=True, exist_ok=True)
-    return ms.database.JSONDatabase(work_dir=str(tuning_dir))
-
-
-def _wl_hash(mod) -> int:
-    import tvm_ffi
-
-    return tvm_ffi.structural_hash(mod)
-
-
-def record_counts(db) -> dict[int, int]:
-    """Records per workload (by the workload's structural hash)."""
-    counts: dict[int, int] = {}
-    for r in db.get_all_tuning_records():
-        h = _wl_hash(r.workload.mod)
-        counts[h] = counts.get(h, 0) + 1
-    return counts
-
-
-def best_record(db, workload_mod):
-    """The fastest successfully measured record of a workload, or None."""
-    if not db.has_workload(workload_mod):
-        return None
-    top = db.get_top_k(db.commit_workload(workload_mod), 1)
-    if not top or min(float(s) for s in top[0].run_secs) >= FAILED_S:
-        return None
-    return top[0]
-
-
-def trace_digest(trace) -> str:
-    return hashlib.sha256(json.dumps(trace.as_json(), sort_keys=True, default=str)
-                          .encode()).hexdigest()[:16]
-
-
 # ---- replaying a tuned trace onto the symbolic function ------------------------------------------
-
-
-def generalise(trace):
-    """The trace with every sampled tile size written in, its outermost factor left to infer.
-
-    On the static workload that replays the same schedule (the inferred factor is the sampled
-    one); on the symbolic function it tiles a symbolic loop the same way with the outer loop
-    covering the rest (MetaSchedule's own replay cannot: it samples `None` for a symbolic
-    extent and rejects it)."""
-    from tvm import tirx
-    from tvm.s_tir.schedule import Instruction, Trace
-
-    subst: dict = {}
-    insts, decisions = [], {}
-    for inst in trace.insts:
-        if inst.kind.name == "SamplePerfectTile":
-            factors = [int(x) for x in trace.get_decision(inst)]
-            vals = [None] + [tirx.IntImm("int64", f) for f in factors[1:]]
-            for out, val in zip(inst.outputs, vals, strict=True):
-                subst[out] = val
-            continue
-        inputs = [_subst(x, subst) for x in inst.inputs]
-        new = inst
-        if any(a is not b for a, b in zip(inputs, inst.inputs, strict=True)):
-            new = Instruction(inst.kind, inputs, inst.attrs, inst.outputs)
-        insts.append(new)
-        decision = trace.get_decision(inst)
-        if decision is not None:
-            decisions[new] = decision
-    return Trace(insts, decisions)
-
-
-def _subst(x, subst: dict):
-    if x is None or not hasattr(x, "same_as"):
-        return x
-    for old, new in subst.items():
-        if old.same_as(x):
-            return new
-    return x
-
-
-def replay(func, trace, task_name: str):
-    """The symbolic function scheduled by a tuned trace (marked scheduled and tuned)."""
-    from tvm import s_tir
-
-    sch = s_tir.Schedule(func)
-    generalise(trace).apply_to_schedule(sch, remove_postproc=False)
-    out = sch.mod["main"]
-    return out.with_attr("tirx.is_scheduled", True).with_attr(TUNED_ATTR, task_name)
 
 
 # ---- building and measuring in this process ------------------------------------------------------
@@ -555,7 +443,7 @@ def tune_task(task: Task, db, spec, *, trials: int, per_round: int, seed: int,
 
     wl = task.workload()
     workload = db.commit_workload(wl)
-    h = _wl_hash(wl)
+    h = workload_hash(wl)
     done = record_counts(db).get(h, 0)
     todo = trials - done
     if todo <= 0:
@@ -617,7 +505,7 @@ def verify_task(task: Task, db, spec, seed: int = 0, prefer: str = "faster") -> 
     from dsv41.schedules.tuning_space import task_inputs
 
     wl = task.workload()
-    verdict: dict = {"trials": record_counts(db).get(_wl_hash(wl), 0), "apply": False,
+    verdict: dict = {"trials": record_counts(db).get(workload_hash(wl), 0), "apply": False,
                      "prefer": prefer}
     rec = best_record(db, wl)
     if rec is None:
@@ -660,27 +548,11 @@ def verify_task(task: Task, db, spec, seed: int = 0, prefer: str = "faster") -> 
 # ---- the command ---------------------------------------------------------------------------------
 
 
-def database_hash(tuning_dir: Path) -> str | None:
-    """sha256 over tuning/*.json in name order (what the artifact manifest records)."""
-    files = sorted(Path(tuning_dir).glob("*.json"))
-    if not files:
-        return None
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.read_bytes())
-    return h.hexdigest()
-
-
 def list_tasks(opts: TuneOptions, say: Callable[[str], None] = print) -> list[Task]:
     """The tasks a run would tune (extracting them if tasks.json is not current; nothing is
     written)."""
     tasks, _ = extract_tasks(opts, say)
     return select_tasks(tasks, opts.ops)
-
-
-def _has_records(tuning_dir: Path) -> bool:
-    p = tuning_dir / DB_FILES[1]
-    return p.is_file() and p.stat().st_size > 0
 
 
 def tune(opts: TuneOptions, progress: bool = True, say: Callable[[str], None] = print,
@@ -690,7 +562,7 @@ def tune(opts: TuneOptions, progress: bool = True, say: Callable[[str], None] = 
     `tasks` replaces the extraction (tests, and callers that build tasks themselves)."""
     from tqdm import tqdm
 
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     if opts.trials < 1 or opts.per_round < 1:
         raise ValueError("--trials and --per-round must be at least 1.")
@@ -709,12 +581,12 @@ def tune(opts: TuneOptions, progress: bool = True, say: Callable[[str], None] = 
     chosen = select_tasks(tasks, opts.ops)
     if not chosen:
         raise ValueError("No tasks to tune for these entries and --ops.")
-    existing = _has_records(opts.tuning_dir)
+    existing = has_records(opts.tuning_dir)
     db = open_database(opts.tuning_dir)
     counts = record_counts(db)
     results = index.get("results", {})
     todo = {t.name: 0 if _settled(results.get(t.name, {})) else
-            max(0, opts.trials - counts.get(_wl_hash(t.workload()), 0)) for t in chosen}
+            max(0, opts.trials - counts.get(workload_hash(t.workload()), 0)) for t in chosen}
     stale = {t.name for t in chosen if not results.get(t.name, {}).get("unsupported") and (
         t.name not in results or results[t.name].get("trace") != _best_digest(db, t)
         or results[t.name].get("prefer", "faster") != opts.prefer)}
@@ -811,7 +683,7 @@ def _quick_hand_time(t: Task, spec, seed: int) -> float | None:
 
 def _result(t: Task, v: dict, new: int, counts: dict[int, int]) -> TaskResult:
     return TaskResult(name=t.name, label=t.label, entry=t.entry, calls=t.calls,
-                      trials=counts.get(_wl_hash(t.workload()), 0), new_trials=new,
+                      trials=counts.get(workload_hash(t.workload()), 0), new_trials=new,
                       best_s=v.get("best_s"),
                       hand_s=v.get("hand_s"), tuned_s=v.get("tuned_s"), exact=v.get("exact"),
                       apply=bool(v.get("apply")), reason=v.get("reason", "not verified")
@@ -854,57 +726,6 @@ def format_results(report: TuneReport) -> str:
 # ---- compile's hook ------------------------------------------------------------------------------
 
 
-def apply_tuning(mod, target_name: str, tuning_dir: str | Path, entry: str):
-    """build.schedule's hook: replace every function of `mod` that a verified task of `entry`
-    recorded (by structural hash) with the task's best trace replayed onto its symbolic
-    function. Returns the module (unchanged without a database or applicable tasks)."""
-    import tvm
-    import tvm_ffi
-
-    tuning_dir = Path(tuning_dir)
-    index = read_index(tuning_dir)
-    if index is None or index.get("target") != target_name or not _has_records(tuning_dir):
-        return mod
-    results = index.get("results", {})
-    wanted = {d["key"]: d for d in index["tasks"]
-              if d["entry"] == entry and results.get(d["name"], {}).get("apply")}
-    if not wanted:
-        return mod
-    db = None
-    updates = {}
-    for gv, func in mod.functions.items():
-        if not isinstance(func, tvm.tirx.PrimFunc):
-            continue
-        d = wanted.get(str(tvm_ffi.structural_hash(func)))
-        if d is None:
-            continue
-        try:  # the hand schedule stays whenever the database cannot provide the function
-            db = db or open_database(tuning_dir)
-            task = _task_from_json(d)
-            rec = best_record(db, task.workload())
-            if rec is None or trace_digest(rec.trace) != results[d["name"]].get("trace"):
-                raise ValueError("its best record is not the verified one (run dsv41 tune)")
-            updates[gv] = replay(task.func, rec.trace, task.name)
-        except Exception as e:  # noqa: BLE001 - a damaged database must not stop a compile
-            warnings.warn(f"{tuning_dir}: {d['name']} keeps its hand schedule: {e}",
-                          stacklevel=2)
-    if not updates:
-        return mod
-    mod = tvm.IRModule(mod.functions, mod.attrs)
-    for gv, func in updates.items():
-        mod[gv] = func
-    return mod
-
-
-def tuned_functions(mod) -> list[str]:
-    """Names of the module's functions that came from the tuning database."""
-    import tvm
-
-    return sorted(gv.name_hint for gv, f in mod.functions.items()
-                  if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
-                  and TUNED_ATTR in f.attrs)
-
-
 # ---- the decode step, compiled with and without the database -------------------------------------
 
 
@@ -917,7 +738,7 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     import tvm
 
     from dsv41.graph.model import Model
-    from dsv41.runtime.artifact import _to_tvm, read_manifest, weight_for
+    from dsv41.runtime.artifact import read_manifest, to_tvm, weight_for
 
     from .capture import CaptureShapes, example_inputs
 
@@ -926,14 +747,14 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     inputs, _ = example_inputs(Model.placeholder(opts.args), entry, shapes)
     flat = [t for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
     flat[1] = torch.full_like(flat[1], opts.shape.context - 1)  # start: the cache is full
-    args = [_to_tvm(t) for t in flat]
+    args = [to_tvm(t) for t in flat]
     params = read_manifest(artifact_dir)["entries"][entry]["params"]
-    from .cli import DEFAULT_CHECKPOINTS
+    from .assets import DEFAULT_CHECKPOINTS
 
     ckpt = DEFAULT_CHECKPOINTS / f"{opts.model_name}-seed0"  # where `ensure_checkpoint` writes
     if (ckpt / "config.json").is_file():
         model = Model.from_checkpoint(ckpt)
-        return args + [_to_tvm(weight_for(model, p["param"])) for p in params], str(ckpt)
+        return args + [to_tvm(weight_for(model, p["param"])) for p in params], str(ckpt)
     import ml_dtypes
 
     rng = np.random.default_rng(0)
@@ -961,7 +782,7 @@ def compare_step(opts: TuneOptions, rounds: int = 7) -> str:
     import tvm
     from tvm import relax
 
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     from .build import CompileOptions, compile_artifact
 

@@ -82,7 +82,7 @@ _ITEMSIZE = MappingProxyType({
     "I64": 8, "U64": 8, "F64": 8,
 })
 # safetensors dtype -> the torch dtype load_checkpoint returns (the uint8 bit route)
-_RETURNED = MappingProxyType({
+RETURNED_DTYPES = MappingProxyType({
     "F8_E4M3": torch.uint8, "F8_E8M0": torch.uint8, "I8": torch.uint8,
     "BF16": torch.bfloat16, "F32": torch.float32,
 })
@@ -429,7 +429,7 @@ def _problem_report(path: Path, problems: list[str], limit: int = 20) -> str:
 
 def _bit_route(t: torch.Tensor, dtype: str, name: str) -> torch.Tensor:
     """Reinterpret (never convert) a loaded tensor as the representation dsv41 uses."""
-    want = _RETURNED[dtype]
+    want = RETURNED_DTYPES[dtype]
     if t.dtype != want:
         assert t.element_size() == torch.empty(0, dtype=want).element_size(), (
             f"{name}: cannot view {t.dtype} as {want}")
@@ -457,7 +457,7 @@ def _load_shard_mmap(header: _Header, names: list[str]) -> dict[str, torch.Tenso
     for name in names:
         e = header.entries[name]
         raw = whole[e.start:e.end]
-        want = _RETURNED[e.dtype]
+        want = RETURNED_DTYPES[e.dtype]
         itemsize = _ITEMSIZE[e.dtype]
         if e.start % itemsize:
             raw = raw.clone()

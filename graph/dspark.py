@@ -20,10 +20,10 @@ from .layers import apply_rope, hc_pre, identity_pre, rms_norm
 from .model import (
     Chunk,
     Model,
-    _tok_rope,
     block,
     head,
     output_proj,
+    token_rope,
     write_ring,
 )
 
@@ -55,7 +55,7 @@ def seed(model: Model, cache: ModelCache, main_hidden: torch.Tensor, chunk: Chun
     """Write the DSpark rings for the chunk's backbone positions (prefill, CED replay and every
     decode step; the reference does the same inside forward_spec)."""
     main_x = _main_x(model, main_hidden)
-    cos, sin = _tok_rope(model, chunk, False)
+    cos, sin = token_rope(model, chunk, False)
     for p in model.plan.dspark:
         codes, scales = _main_kv(model, p.layer, main_x, cos, sin)
         write_ring(cache.windows[p.layer], codes, scales, chunk.start, model.args.window_size)
@@ -68,7 +68,7 @@ def _draft_attention(model: Model, cache: ModelCache, layer: int, x: torch.Tenso
     a = model.args
     b, n, _ = x.shape
     win = a.window_size
-    cos, sin = _tok_rope(model, chunk, False)
+    cos, sin = token_rope(model, chunk, False)
     qr = rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wq_a.weight"),
                                  model.p(layer, "attn.wq_a.scale")),
                   model.p(layer, "attn.q_norm.weight"), a.norm_eps)

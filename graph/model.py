@@ -110,7 +110,7 @@ class Model:
     def placeholder(cls, args: ModelArgs) -> Model:
         """A model whose weights have the checkpoint's shapes and dtypes but no storage (zero-
         stride views of one element): what capture and compilation need, at any size."""
-        from .checkpoint import _RETURNED as LOADED_DTYPES
+        from .checkpoint import RETURNED_DTYPES as LOADED_DTYPES
         from .checkpoint import param_spec
 
         plan = build_plan(args)
@@ -211,7 +211,7 @@ def rope_window(model: Model, start: torch.Tensor, s: int) -> dict[bool, tuple]:
     return {kind: rope_table(model.freqs[kind], pos) for kind in (True, False)}
 
 
-def _tok_rope(model: Model, chunk: Chunk, compressed: bool):
+def token_rope(model: Model, chunk: Chunk, compressed: bool):
     """cos/sin of the new tokens' own positions, (b, s, rd/2)."""
     return _rope_at(model, chunk, chunk.pos, compressed)
 
@@ -450,7 +450,7 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
     With `model.full_reindex`, the pool is ignored and every visible entry is swept."""
     a, p = model.args, model.plan.layers[layer]
     src = model.plan.layers[p.index_source]  # p itself for an index source
-    cos, sin = _tok_rope(model, chunk, True)
+    cos, sin = token_rope(model, chunk, True)
     q = ops.fp8_linear(qr, model.p(src.layer, "attn.indexer.wq_b.weight"),
                        model.p(src.layer, "attn.indexer.wq_b.scale"))
     q = apply_rope(q.unflatten(-1, (a.index_n_heads, a.index_head_dim)), cos, sin,
@@ -525,7 +525,7 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     a, p = model.args, model.plan.layers[layer]
     b, s, _ = x.shape
     rd = a.rope_head_dim
-    cos, sin = _tok_rope(model, chunk, p.ratio > 0)
+    cos, sin = token_rope(model, chunk, p.ratio > 0)
     qr = rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wq_a.weight"),
                                  model.p(layer, "attn.wq_a.scale")),
                   model.p(layer, "attn.q_norm.weight"), a.norm_eps)

@@ -95,9 +95,11 @@ def engram_ids(model: Model, cache: ModelCache, tokens: torch.Tensor) -> torch.T
     return ids
 
 
-def _chunk(model: Model, cache: ModelCache, tokens: torch.Tensor, record=(), *,
-           start: torch.Tensor | None = None, floor: torch.Tensor | None = None,
-           write_global: bool = True) -> Chunk:
+def new_chunk(model: Model, cache: ModelCache, tokens: torch.Tensor, record=(), *,
+              start: torch.Tensor | None = None, floor: torch.Tensor | None = None,
+              write_global: bool = True) -> Chunk:
+    """The host half of one phase call over `tokens` (b, s): batch and length checked against
+    the cache and max_seq_len, capacity ensured, RoPE tables and Engram ids for its positions."""
     if tokens.size(0) != cache.batch:
         raise ValueError(f"Batch of {tokens.size(0)} sequences does not match the cache's "
                          f"{cache.batch}.")
@@ -151,7 +153,7 @@ def prefill_exact(model: Model, cache: ModelCache, tokens, *, all_logits: bool =
         return chunked_exact(lambda t: prefill_exact(model, cache, t, all_logits=all_logits,
                                                      record=record), tokens, chunk_tokens,
                              all_logits=all_logits, keep_rows=keep_rows)
-    chunk = _chunk(model, cache, tokens, record)
+    chunk = new_chunk(model, cache, tokens, record)
     logits, x, main_hidden = forward_all(model, cache, tokens, chunk, all_logits)
     return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
 
@@ -206,7 +208,7 @@ def encoder_prefill(model: Model, cache: ModelCache, tokens, record: tuple[int, 
     block's compressor and index K) from the encoder's output, without running the decoder.
     `floor`: positions below it are outside every window (a replay segment's later chunks)."""
     tokens = check_tokens(model, tokens)
-    chunk = _chunk(model, cache, tokens, record, floor=floor)
+    chunk = new_chunk(model, cache, tokens, record, floor=floor)
     h, pre = encode_layers(model, cache, tokens, chunk)
     cache.pos = chunk.end
     return EncoderOutput(h, pre, chunk.hash_ids, chunk.start, chunk.work, chunk.hidden,
@@ -312,10 +314,10 @@ def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
     encoder output of replay + suffix, for `decoder_replay`."""
     prefix, suffix = check_tokens(model, prefix), check_tokens(model, suffix)
     n, first = prepare_replay(model, cache, prefix)
-    replay = _chunk(model, cache, prefix[:, -n:], record, start=first, floor=first,
+    replay = new_chunk(model, cache, prefix[:, -n:], record, start=first, floor=first,
                     write_global=False)
     h1, pre1 = encode_layers(model, cache, prefix[:, -n:], replay)
-    new = _chunk(model, cache, suffix, record, floor=first)
+    new = new_chunk(model, cache, suffix, record, floor=first)
     h2, pre2 = encode_layers(model, cache, suffix, new)
     cache.pos = new.end
     work = {k: replay.work.get(k, 0) + new.work.get(k, 0) for k in {*replay.work, *new.work}}
@@ -361,7 +363,7 @@ def encode_cached_tail(model: Model, cache: ModelCache, cached, n: int,
     try:
         n, first = prepare_replay(model, cache, cached, replay=n)
         tail = cached[:, -n:]
-        chunk = _chunk(model, cache, tail, record, start=first, floor=first, write_global=False)
+        chunk = new_chunk(model, cache, tail, record, start=first, floor=first, write_global=False)
         h, pre = encode_layers(model, cache, tail, chunk)
     finally:
         restore_local_state(cache, saved)

@@ -62,7 +62,7 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
     """Check the manifest against the files, this process's TVM, and (optionally) a config."""
     import tvm
 
-    from dsv41.schedules.common import get_target, target_names
+    from dsv41.graph.targets import get_target, target_names
 
     d = Path(artifact_dir)
     m = read_manifest(d)
@@ -141,7 +141,7 @@ def check_checkpoint_config(art: Artifact, checkpoint_dir: str | Path) -> None:
                             f"{shown or 'fields'}{' ...' if len(diff) > 6 else ''}.")
 
 
-def _to_tvm(t: torch.Tensor):
+def to_tvm(t: torch.Tensor):
     import tvm
 
     t = t.contiguous()
@@ -188,7 +188,7 @@ class Artifact:
                     if list(t.shape) != [int(x) for x in p["shape"]]:
                         raise ArtifactError(f"Weight {p['param']} has shape {list(t.shape)}, "
                                             f"the artifact expects {p['shape']}.")
-                    cache[p["param"]] = _to_tvm(t)
+                    cache[p["param"]] = to_tvm(t)
                 params.append(cache[p["param"]])
             self._params[entry] = params
 
@@ -214,5 +214,5 @@ class Artifact:
         flat = []
         for x in inputs:
             flat.extend(x if isinstance(x, tuple) else (x,))
-        out = self._vm(entry)["main"](*[_to_tvm(x) for x in flat], *self._params[entry])
+        out = self._vm(entry)["main"](*[to_tvm(x) for x in flat], *self._params[entry])
         return [torch.from_dlpack(o) for o in out]

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.compiler.capture import entry_inputs, load_cache_tensors, selection_keys
 from dsv41.graph.cache import ModelCache, restore_local_state, save_local_state
 from dsv41.graph.dspark import Draft
+from dsv41.graph.entries import entry_inputs, load_cache_tensors, selection_keys
 from dsv41.graph.model import Model
 from dsv41.graph.phases import (
     EncoderOutput,
     PhaseResult,
-    _chunk,
     check_tokens,
     chunked_encoder,
     chunked_exact,
     chunked_replay,
     join_encoder,
+    new_chunk,
     prepare_replay,
     resume_tail,
 )
@@ -100,7 +100,7 @@ class CompiledPhases:
                                                               all_logits=all_logits),
                                  tokens, chunk_tokens, all_logits=all_logits,
                                  keep_rows=keep_rows)
-        chunk = _chunk(self.model, cache, tokens)
+        chunk = new_chunk(self.model, cache, tokens)
         entry = "prefill_all" if all_logits else "prefill"
         if entry not in self.art.entries and "prefill_all" in self.art.entries:
             entry = "prefill_all"  # the same graph, with every position's logits
@@ -130,7 +130,7 @@ class CompiledPhases:
         entry = "encoder" if replay_from is None else "encoder_replay"
         floor = replay_from if replay_from is not None else floor
         start = replay_from if entry == "encoder_replay" else None
-        chunk = _chunk(self.model, cache, tokens, start=start, floor=floor)
+        chunk = new_chunk(self.model, cache, tokens, start=start, floor=floor)
         named = self._run(entry, cache, tokens, start=chunk.start, floor=chunk.floor,
                           hash_ids=chunk.hash_ids, rope=chunk.rope)
         return named["h"], named["pre"], chunk

@@ -38,7 +38,9 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from .common import TargetSpec, e4m3_to_f32, e8m0_to_f32, fp4_to_f32, get_target, round_bf16
+from dsv41.graph.targets import TargetSpec, get_target
+
+from .common import e4m3_to_f32, e8m0_to_f32, fp4_to_f32, round_bf16
 
 ATTN_BLOCK = 64  # entries per online-softmax block (graph.ops.ATTN_BLOCK)
 FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values

@@ -14,7 +14,7 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from .common import TargetSpec, get_target
+from dsv41.graph.targets import TargetSpec, get_target
 
 DTYPES = ("uint8", "bfloat16", "float32")
 

@@ -1,4 +1,4 @@
-"""What every kernel shares: named targets, the uint8 bit route for low-precision decoding, and a
+"""What every kernel shares: the uint8 bit route for low-precision decoding, and a
 bf16 rounding helper.
 
 LLVM's fp8/fp4 casts are wrong near zero and at NaN (../shared/TVM.md §2), so every decode goes
@@ -7,60 +7,8 @@ through integer bit manipulation on uint32 lanes; the results are bit-exact to `
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import tvm
 from tvm.script import tirx as T
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    name: str  # our name: cpu, cpu-x86-64, cuda-sm80, cuda-sm90, cuda-sm100
-    target: dict  # the TVM target as a dict
-    arch: str | None = None  # sm_80 ... for CUDA
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.arch is not None
-
-    def tvm_target(self) -> tvm.target.Target:
-        return tvm.target.Target(self.target)
-
-
-def _cuda(arch: str) -> TargetSpec:
-    return TargetSpec(
-        name=f"cuda-{arch.replace('_', '')}",
-        target={"kind": "cuda", "arch": arch, "max_threads_per_block": 1024,
-                "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
-        arch=arch,
-    )
-
-
-def target_names() -> tuple[str, ...]:
-    return ("cpu", "cpu-x86-64", "cuda-sm80", "cuda-sm90", "cuda-sm100")
-
-
-def get_target(name: str) -> TargetSpec:
-    """`cpu` is this machine's LLVM features; `cpu-x86-64` a portable baseline."""
-    cores = os.cpu_count() or 1
-    # no FMA contraction: a*b - c*d must round like torch's separate multiply and subtract
-    # (RoPE, the head and every elementwise chain would otherwise drift by an ulp)
-    strict = {"fast-math-contract": False}
-    if name == "cpu":
-        # LLVM splits 512-bit vectors in two on CPUs it tunes to prefer 256 bits (Sapphire Rapids
-        # among them); our kernels vectorise for the full width, so the preference is turned off
-        # (a no-op on CPUs without AVX-512)
-        return TargetSpec("cpu", {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
-                                  "mattr": ["-prefer-256-bit"], "num-cores": cores, **strict})
-    if name == "cpu-x86-64":
-        return TargetSpec("cpu-x86-64", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
-                                         "mcpu": "x86-64", "num-cores": cores, **strict})
-    for arch in ("sm_80", "sm_90", "sm_100"):
-        if name == f"cuda-{arch.replace('_', '')}":
-            return _cuda(arch)
-    raise ValueError(f"Unknown target {name!r}; known targets: {', '.join(target_names())}.")
-
 
 # ---- the uint8 bit route (TIR expressions; arguments are uint32 lanes) -------------------------
 
@@ -121,3 +69,59 @@ def round_bf16(x):
     u = T.reinterpret("uint32", x)
     r = (u + ((u >> T.uint32(16)) & T.uint32(1)) + T.uint32(0x7FFF)) & T.uint32(0xFFFF0000)
     return T.if_then_else(x != x, x, T.reinterpret("float32", r))
+
+
+# ---- small TIR expression helpers shared by the GEMM and MoE kernels --------------------------
+
+
+def u32(v):
+    return T.uint32(v)
+
+
+def let(value, body, name: str = "t"):
+    """Bind `value` once and build `body(var)`: keeps the bit-route expressions linear in size
+    (each helper uses its argument several times)."""
+    if isinstance(value, tvm.tirx.Var):
+        return body(value)
+    var = tvm.tirx.Var(name, value.ty)
+    return tvm.tirx.Let(var, value, body(var))
+
+
+def bf16_to_f32(x):
+    """bf16 -> fp32 on the bits. TVM's BF16 legalisation skips the value of a `Let`, where a plain
+    Cast(float32, bf16) is then compiled as an integer conversion of the raw uint16."""
+    return T.reinterpret("float32", T.Cast("uint32", T.reinterpret("uint16", x)) << u32(16))
+
+
+def i64(v: int):
+    return T.int64(v)
+
+
+def round_bf16_bound(v):
+    """`round_bf16` on a bound value (it reads its argument twice)."""
+    return let(v, round_bf16, "r")
+
+
+def idx(v, bound):
+    """An int32 table entry as an int64 index clamped to [0, bound): a no-op on valid tables, it
+    gives the schedule's region analysis a bound for these data-dependent indices."""
+    return T.min(T.max(T.Cast("int64", v), i64(0)), bound - i64(1))
+
+
+def e8m0_byte(byte_u8):
+    return e8m0_to_f32(T.Cast("uint32", byte_u8))
+
+
+def fp4_element(packed_u8, col):
+    """E2M1 value of element `col` of a packed row (low nibble first)."""
+    shift = T.Cast("uint32", col % i64(2)) * u32(4)
+    return fp4_to_f32((T.Cast("uint32", packed_u8) >> shift) & u32(0xF))
+
+
+def silu_times(gate, up, limit: float):
+    """swiglu(gate, up, limit) as graph.ops.swiglu: clamps when limit > 0, then
+    silu(g) * u with silu(g) = g / (1 + exp(-g)) (torch's CPU formula)."""
+    if limit > 0:
+        up = T.max(T.min(up, T.float32(limit)), T.float32(-limit))
+        gate = T.min(gate, T.float32(limit))
+    return let(gate, lambda g: g / (T.float32(1) + T.exp(-g)) * up, "gate")

@@ -54,8 +54,9 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
+from dsv41.graph.targets import TargetSpec, get_target
 
-from .common import TargetSpec, get_target, round_bf16
+from .common import round_bf16
 from .norm import BenchCase, BenchData, check_lanes, f32_of_bf16, mul_bf16
 from .quant import e2m1_code, kv_scale_byte, kv_thresholds
 

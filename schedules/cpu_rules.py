@@ -35,7 +35,7 @@ from tvm.ir.expr import TensorLoad
 from tvm_ffi import structural_equal
 from tvm_ffi.structural import structural_walk
 
-from .common import TargetSpec
+from dsv41.graph.targets import TargetSpec
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ int cuGetErrorString(int e, const char** s) { *s = "stub"; return 0; }
 _CHILD = r"""
 import importlib, json, sys, time
 import tvm
-from dsv41.schedules.common import get_target
+from dsv41.graph.targets import get_target
 req = json.loads(sys.argv[1])
 mod_name, fn_name = req["builder"].split(":")
 builder = getattr(importlib.import_module(mod_name), fn_name)

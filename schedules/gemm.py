@@ -22,7 +22,7 @@ Arithmetic shared by the GEMMs, and why it matches the oracle:
 * Weights are decoded per tile (registers / local or shared memory), never as a full copy.
 
 TVM 0.27 traps met here (worked around below): a bf16 Cast inside a `Let` value is compiled as
-an integer conversion (so bf16 is widened on the bits, `_f32`); unsigned compares against a
+an integer conversion (so bf16 is widened on the bits, `bf16_to_f32`); unsigned compares against a
 Let-bound var crash the simplifier (signed compares instead); an intermediate buffer sized by a
 symbolic dim cannot live in a CUDA kernel (the CUDA fp8_linear fuses its quantisation stage;
 moe_experts has no CUDA schedule yet).
@@ -39,15 +39,22 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
+from dsv41.graph.targets import TargetSpec, get_target
 
 from .common import (
-    TargetSpec,
+    bf16_to_f32,
     e4m3_to_f32,
     e4m3_to_f32_via_f16,
+    e8m0_byte,
     e8m0_to_f32,
-    fp4_to_f32,
-    get_target,
+    fp4_element,
+    i64,
+    idx,
+    let,
     round_bf16,
+    round_bf16_bound,
+    silu_times,
+    u32,
 )
 
 BLOCK = 32  # FP8/MXFP4 quantisation group along K, and the weight tile edge
@@ -56,30 +63,17 @@ FP4_KV_BLOCK = 16  # main-KV FP4: one E4M3 scale per 16 values
 # ---- FP8 activation quantisation as TIR expressions (uint32 / fp32 lanes) -------------------
 
 
-def _u32(v):
-    return T.uint32(v)
-
-
-def _let(value, body, name: str = "t"):
-    """Bind `value` once and build `body(var)`: keeps the bit-route expressions linear in size
-    (each helper uses its argument several times)."""
-    if isinstance(value, tvm.tirx.Var):
-        return body(value)
-    var = tvm.tirx.Var(name, value.ty)
-    return tvm.tirx.Let(var, value, body(var))
-
-
 def pow2_scale_byte(amax):
     """E8M0 byte of the per-32 scale: exponent field of max(amax, 1e-4) * fp32(1/448), plus one
     if its mantissa is nonzero, saturated at 0xFF (formats.torch_round_scale_pow2). The floor is
     applied here so the amax reduction keeps max's identity (-inf; CUDA allreduce needs it)."""
     def body(bits):
-        e = (bits >> _u32(23)) & _u32(0xFF)
-        up = T.Cast("uint32", (bits & _u32(0x7FFFFF)) != _u32(0))
-        return T.min(e + up, _u32(0xFF))
+        e = (bits >> u32(23)) & u32(0xFF)
+        up = T.Cast("uint32", (bits & u32(0x7FFFFF)) != u32(0))
+        return T.min(e + up, u32(0xFF))
 
     floored = T.max(amax, T.float32(fmt.FP8_AMAX_FLOOR))
-    return _let(T.reinterpret("uint32", floored * T.float32(fmt.FP8_MAX_INV)), body, "amax_bits")
+    return let(T.reinterpret("uint32", floored * T.float32(fmt.FP8_MAX_INV)), body, "amax_bits")
 
 
 def inv_pow2_scale(byte):
@@ -89,15 +83,15 @@ def inv_pow2_scale(byte):
         bi = T.Cast("int32", b)  # signed compares: the simplifier negates unsigned bounds
         ok = T.And(bi >= 1, bi <= 253)
         return T.reinterpret("float32",
-                             T.if_then_else(ok, (_u32(254) - b) << _u32(23), _u32(0x7FC00000)))
+                             T.if_then_else(ok, (u32(254) - b) << u32(23), u32(0x7FC00000)))
 
-    return _let(byte, body, "byte")
+    return let(byte, body, "byte")
 
 
 def pow2_scale(byte):
     """2^(byte-127) for bytes 1..254 (`e8m0_to_f32` without its 0/0xFF cases, which the quantiser
     never produces from a finite amax; uses no unsigned compares, see `inv_pow2_scale`)."""
-    return T.reinterpret("float32", byte << _u32(23))
+    return T.reinterpret("float32", byte << u32(23))
 
 
 def e4m3_round(r, *, code: bool):
@@ -109,27 +103,27 @@ def e4m3_round(r, *, code: bool):
     shift of the 24-bit significand; code 8 there is exactly the smallest normal code."""
 
     def on_bits(u):  # fp32 bits of r
-        sign = u & _u32(0x80000000)
-        bits = u & _u32(0x7FFFFFFF)
-        rn = (bits + _u32(0x7FFFF) + ((bits >> _u32(20)) & _u32(1))) & _u32(0xFFF00000)
-        exp = bits >> _u32(23)
-        sig = (bits & _u32(0x7FFFFF)) | _u32(0x800000)
+        sign = u & u32(0x80000000)
+        bits = u & u32(0x7FFFFFFF)
+        rn = (bits + u32(0x7FFFF) + ((bits >> u32(20)) & u32(1))) & u32(0xFFF00000)
+        exp = bits >> u32(23)
+        sig = (bits & u32(0x7FFFFF)) | u32(0x800000)
         # |r| * 2^9 = sig * 2^(exp - 141): shift right by 141 - exp >= 21 (exp <= 120 here),
         # capped at 26 where every 24-bit significand rounds to 0 (fp32 subnormals included).
-        sh = T.min(_u32(141) - T.min(exp, _u32(120)), _u32(26))
+        sh = T.min(u32(141) - T.min(exp, u32(120)), u32(26))
 
         def on_q(q):
-            small = bits < _u32(0x3C800000)  # |r| < 2^-6
+            small = bits < u32(0x3C800000)  # |r| < 2^-6
             if code:
-                mag = T.if_then_else(small, q, (rn >> _u32(20)) - _u32(120 << 3))
-                return mag | (sign >> _u32(24))
+                mag = T.if_then_else(small, q, (rn >> u32(20)) - u32(120 << 3))
+                return mag | (sign >> u32(24))
             sub = T.reinterpret("uint32", T.Cast("float32", q) * T.float32(2.0**-9))
             return T.reinterpret("float32", T.if_then_else(small, sub, rn) | sign)
 
-        return _let((sig + (_u32(1) << (sh - _u32(1))) - _u32(1) + ((sig >> sh) & _u32(1)))
+        return let((sig + (u32(1) << (sh - u32(1))) - u32(1) + ((sig >> sh) & u32(1)))
                     >> sh, on_q, "q")
 
-    return _let(T.reinterpret("uint32", r), on_bits, "rbits")
+    return let(T.reinterpret("uint32", r), on_bits, "rbits")
 
 
 def fp8_ratio(x, byte):
@@ -142,7 +136,7 @@ def fp8_ratio(x, byte):
 def fp8_qdq(x, byte):
     """FP8 quantise-dequantise of one fp32 value with its group's scale byte: the exact fp32
     value e4m3(x / s) * s that the oracle's `_act_quant` feeds its GEMM (scale folded in)."""
-    return _let(byte, lambda b: e4m3_round(fp8_ratio(x, b), code=False) * pow2_scale(b), "byte")
+    return let(byte, lambda b: e4m3_round(fp8_ratio(x, b), code=False) * pow2_scale(b), "byte")
 
 
 def fp8_code(x, byte):
@@ -150,26 +144,16 @@ def fp8_code(x, byte):
     return T.Cast("uint8", e4m3_round(fp8_ratio(x, byte), code=True))
 
 
-def _f32(x):
-    """bf16 -> fp32 on the bits. TVM's BF16 legalisation skips the value of a `Let`, where a plain
-    Cast(float32, bf16) is then compiled as an integer conversion of the raw uint16."""
-    return T.reinterpret("float32", T.Cast("uint32", T.reinterpret("uint16", x)) << _u32(16))
-
-
 def _padded(m, pad: int):
     """m rounded up to a multiple of pad (m itself for pad 1)."""
-    return m if pad == 1 else (m + _i64(pad - 1)) // _i64(pad) * _i64(pad)
+    return m if pad == 1 else (m + i64(pad - 1)) // i64(pad) * i64(pad)
 
 
 def _row_f32(x, m, pad: int, row, col):
     """x[row, col] as fp32; rows past m (only when padded) read as zero."""
     if pad == 1:
-        return _f32(x[row, col])
-    return T.if_then_else(row < m, _f32(x[row, col]), T.float32(0))
-
-
-def _i64(v: int):
-    return T.int64(v)
+        return bf16_to_f32(x[row, col])
+    return T.if_then_else(row < m, bf16_to_f32(x[row, col]), T.float32(0))
 
 
 # ---- FP8 activation quantisation (exposed for tests; the GEMMs fuse the same stage) ---------
@@ -181,7 +165,7 @@ def make_fp8_act_quant(*, k: int) -> tvm.tirx.PrimFunc:
     same expressions."""
     if k % BLOCK:
         raise ValueError(f"FP8 activation quantisation needs k a multiple of {BLOCK}, got {k}.")
-    K, KB = _i64(k), _i64(k // BLOCK)
+    K, KB = i64(k), i64(k // BLOCK)
 
     @T.prim_func(s_tir=True)
     def fp8_act_quant(x_h: T.handle, codes_h: T.handle, scales_h: T.handle):
@@ -191,12 +175,12 @@ def make_fp8_act_quant(*, k: int) -> tvm.tirx.PrimFunc:
         codes = T.match_buffer(codes_h, (m, K), "uint8")
         scales = T.match_buffer(scales_h, (m, KB), "uint8")
         amax = T.sblock_alloc_buffer((m, KB), "float32")
-        for i, b, j in T.grid(m, KB, _i64(BLOCK)):
+        for i, b, j in T.grid(m, KB, i64(BLOCK)):
             with T.sblock("amax"):
                 vi, vb, vj = T.axis.remap("SSR", [i, b, j])
                 with T.init():
                     amax[vi, vb] = T.min_value("float32")
-                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(_f32(x[vi, vb * BLOCK + vj])))
+                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(bf16_to_f32(x[vi, vb * BLOCK + vj])))
         for i, b in T.grid(m, KB):
             with T.sblock("scale"):
                 vi, vb = T.axis.remap("SS", [i, b])
@@ -204,7 +188,7 @@ def make_fp8_act_quant(*, k: int) -> tvm.tirx.PrimFunc:
         for i, j in T.grid(m, K):
             with T.sblock("code"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                codes[vi, vj] = fp8_code(_f32(x[vi, vj]),
+                codes[vi, vj] = fp8_code(bf16_to_f32(x[vi, vj]),
                                          T.Cast("uint32", scales[vi, vj // BLOCK]))
 
     return fp8_act_quant
@@ -227,7 +211,7 @@ def make_fp8_linear(*, n: int, k: int, row_pad: int = 1) -> tvm.tirx.PrimFunc:
     rows read as zero): CUDA tiles them into shared memory, which needs a constant tile size."""
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
-    N, K, KB, NB = _i64(n), _i64(k), _i64(k // BLOCK), _i64(math.ceil(n / BLOCK))
+    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
 
     @T.prim_func(s_tir=True)
     def fp8_linear(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -241,7 +225,7 @@ def make_fp8_linear(*, n: int, k: int, row_pad: int = 1) -> tvm.tirx.PrimFunc:
         wdec = T.sblock_alloc_buffer((K, N), "float32")
         part = T.sblock_alloc_buffer((m, N, KB), "float32")
         acc = T.sblock_alloc_buffer((m, N), "float32")
-        for i, b, j in T.grid(_padded(m, row_pad), KB, _i64(BLOCK)):
+        for i, b, j in T.grid(_padded(m, row_pad), KB, i64(BLOCK)):
             with T.sblock("amax"):
                 vi, vb, vj = T.axis.remap("SSR", [i, b, j])
                 with T.init():
@@ -257,7 +241,7 @@ def make_fp8_linear(*, n: int, k: int, row_pad: int = 1) -> tvm.tirx.PrimFunc:
             with T.sblock("wdec"):
                 vj, vc = T.axis.remap("SS", [j, c])
                 wdec[vj, vc] = e4m3_to_f32(T.Cast("uint32", weight[vc, vj]))
-        for i, c, b, j in T.grid(m, N, KB, _i64(BLOCK)):
+        for i, c, b, j in T.grid(m, N, KB, i64(BLOCK)):
             with T.sblock("part"):
                 vi, vc, vb, vj = T.axis.remap("SSSR", [i, c, b, j])
                 with T.init():
@@ -293,7 +277,7 @@ def make_fp8_gemv(*, n: int, k: int) -> tvm.tirx.PrimFunc:
     decode (`e4m3_to_f32_via_f16`) is half the instructions of the integer route."""
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
-    N, K, KB, NB = _i64(n), _i64(k), _i64(k // BLOCK), _i64(math.ceil(n / BLOCK))
+    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
 
     @T.prim_func(s_tir=True)
     def fp8_gemv(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -306,16 +290,16 @@ def make_fp8_gemv(*, n: int, k: int) -> tvm.tirx.PrimFunc:
         xq = T.sblock_alloc_buffer((m, K), "float32")
         xs = T.sblock_alloc_buffer((m, NB, K), "float32")
         acc = T.sblock_alloc_buffer((m, N), "float32")
-        for i, b, j in T.grid(m, KB, _i64(BLOCK)):
+        for i, b, j in T.grid(m, KB, i64(BLOCK)):
             with T.sblock("amax"):
                 vi, vb, vj = T.axis.remap("SSR", [i, b, j])
                 with T.init():
                     amax[vi, vb] = T.min_value("float32")
-                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(_f32(x[vi, vb * BLOCK + vj])))
+                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(bf16_to_f32(x[vi, vb * BLOCK + vj])))
         for i, j in T.grid(m, K):
             with T.sblock("xq"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                xq[vi, vj] = fp8_qdq(_f32(x[vi, vj]), pow2_scale_byte(amax[vi, vj // BLOCK]))
+                xq[vi, vj] = fp8_qdq(bf16_to_f32(x[vi, vj]), pow2_scale_byte(amax[vi, vj // BLOCK]))
         for i, cb, j in T.grid(m, NB, K):
             with T.sblock("xs"):
                 vi, vcb, vj = T.axis.remap("SSS", [i, cb, j])
@@ -525,7 +509,7 @@ def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None
 
 
 def _load_f32(buf, *idx):
-    return _f32(buf[idx]) if buf.dtype == "bfloat16" else buf[idx]
+    return bf16_to_f32(buf[idx]) if buf.dtype == "bfloat16" else buf[idx]
 
 
 def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
@@ -543,7 +527,7 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
     for dt in (x_dtype, w_dtype):
         if dt not in ("bfloat16", "float32"):
             raise ValueError(f"dense_gemv reads bfloat16 or float32, got {dt}.")
-    G, N, K = _i64(groups), _i64(n), _i64(k)
+    G, N, K = i64(groups), i64(n), i64(k)
 
     @T.prim_func(s_tir=True)
     def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), w_dtype), y_h: T.handle):
@@ -627,36 +611,6 @@ def check_expert_ids(ids, n_experts: int) -> None:
         raise ValueError("Each token must select distinct experts; found a repeated id in a row.")
 
 
-def _round_bf16(v):
-    """`round_bf16` on a bound value (it reads its argument twice)."""
-    return _let(v, round_bf16, "r")
-
-
-def _idx(v, bound):
-    """An int32 table entry as an int64 index clamped to [0, bound): a no-op on valid tables, it
-    gives the schedule's region analysis a bound for these data-dependent indices."""
-    return T.min(T.max(T.Cast("int64", v), _i64(0)), bound - _i64(1))
-
-
-def _e8m0(byte_u8):
-    return e8m0_to_f32(T.Cast("uint32", byte_u8))
-
-
-def _fp4(packed_u8, col):
-    """E2M1 value of element `col` of a packed row (low nibble first)."""
-    shift = T.Cast("uint32", col % _i64(2)) * _u32(4)
-    return fp4_to_f32((T.Cast("uint32", packed_u8) >> shift) & _u32(0xF))
-
-
-def _silu_times(gate, up, limit: float):
-    """swiglu(gate, up, limit) as graph.ops.swiglu: clamps when limit > 0, then
-    silu(g) * u with silu(g) = g / (1 + exp(-g)) (torch's CPU formula)."""
-    if limit > 0:
-        up = T.max(T.min(up, T.float32(limit)), T.float32(-limit))
-        gate = T.min(gate, T.float32(limit))
-    return _let(gate, lambda g: g / (T.float32(1) + T.exp(-g)) * up, "gate")
-
-
 def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_limit: float,
                      row_tile: int = 16) -> tvm.tirx.PrimFunc:
     """`moe_experts(x, weights, ids, w1, s1, w3, s3, w2, s2) -> y` as a grouped GEMM.
@@ -675,9 +629,9 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
     for what, v in (("dim", dim), ("inter", inter)):
         if v % BLOCK:
             raise ValueError(f"moe_experts needs {what} a multiple of {BLOCK}, got {v}.")
-    D, I, E, KT, RT = _i64(dim), _i64(inter), _i64(n_experts), _i64(topk), _i64(row_tile)
-    DB, IB = _i64(dim // BLOCK), _i64(inter // BLOCK)
-    B = _i64(BLOCK)
+    D, I, E, KT, RT = i64(dim), i64(inter), i64(n_experts), i64(topk), i64(row_tile)
+    DB, IB = i64(dim // BLOCK), i64(inter // BLOCK)
+    B = i64(BLOCK)
 
     @T.prim_func(s_tir=True)
     def moe_experts(x_h: T.handle, weights_h: T.handle, ids_h: T.handle,
@@ -757,16 +711,16 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                 vi, vb, vj = T.axis.remap("SSR", [i, b, j])
                 with T.init():
                     amax_x[vi, vb] = T.min_value("float32")
-                amax_x[vi, vb] = T.max(amax_x[vi, vb], T.fabs(_f32(x[vi, vb * B + vj])))
+                amax_x[vi, vb] = T.max(amax_x[vi, vb], T.fabs(bf16_to_f32(x[vi, vb * B + vj])))
         for i, j in T.grid(n, D):
             with T.sblock("xq"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                xq[vi, vj] = fp8_qdq(_f32(x[vi, vj]), pow2_scale_byte(amax_x[vi, vj // B]))
+                xq[vi, vj] = fp8_qdq(bf16_to_f32(x[vi, vj]), pow2_scale_byte(amax_x[vi, vj // B]))
         for t, c, j, a in T.grid((n * KT + RT - 1) // RT + E, 2, D, I):
             with T.sblock("wdec_gu"):
                 vt, vc, vj, va = T.axis.remap("SSSS", [t, c, j, a])
                 if tile_rows[vt] > 0:
-                    wdec_gu[vt, vc, vj, va] = _fp4(T.if_then_else(
+                    wdec_gu[vt, vc, vj, va] = fp4_element(T.if_then_else(
                         vc == 0, w1[tile_expert[vt], va, vj // 2],
                         w3[tile_expert[vt], va, vj // 2]), vj)
         for t, r, c, a, b, j in T.grid((n * KT + RT - 1) // RT + E, RT, 2, I, DB, B):
@@ -776,7 +730,7 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                     part_gu[vt, vr, vc, va, vb] = T.float32(0)
                 if T.Cast("int32", vr) < tile_rows[vt]:
                     part_gu[vt, vr, vc, va, vb] = part_gu[vt, vr, vc, va, vb] + xq[
-                        _idx(pair_of[_idx(tile_row0[vt], n * KT - vr) + vr], n * KT) // KT,
+                        idx(pair_of[idx(tile_row0[vt], n * KT - vr) + vr], n * KT) // KT,
                         vb * B + vj] * wdec_gu[vt, vc, vb * B + vj, va]
         for t, r, c, a, b in T.grid((n * KT + RT - 1) // RT + E, RT, 2, I, DB):
             with T.sblock("acc_gu"):
@@ -785,7 +739,7 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                     acc_gu[vt, vr, vc, va] = T.float32(0)
                 if T.Cast("int32", vr) < tile_rows[vt]:
                     acc_gu[vt, vr, vc, va] = acc_gu[vt, vr, vc, va] + part_gu[
-                        vt, vr, vc, va, vb] * _e8m0(T.if_then_else(
+                        vt, vr, vc, va, vb] * e8m0_byte(T.if_then_else(
                             vc == 0, s1[tile_expert[vt], va, vb], s3[tile_expert[vt], va, vb]))
         for t, r, a in T.grid((n * KT + RT - 1) // RT + E, RT, I):
             with T.sblock("h"):
@@ -794,10 +748,10 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                         weights[0:n, 0:KT])
                 T.writes(h[0:n * KT, va])
                 if T.Cast("int32", vr) < tile_rows[vt]:
-                    h[_idx(tile_row0[vt], n * KT - vr) + vr, va] = _round_bf16(weights[
-                        _idx(pair_of[_idx(tile_row0[vt], n * KT - vr) + vr], n * KT) // KT,
-                        _idx(pair_of[_idx(tile_row0[vt], n * KT - vr) + vr], n * KT) % KT]
-                        * _silu_times(round_bf16(acc_gu[vt, vr, 0, va]),
+                    h[idx(tile_row0[vt], n * KT - vr) + vr, va] = round_bf16_bound(weights[
+                        idx(pair_of[idx(tile_row0[vt], n * KT - vr) + vr], n * KT) // KT,
+                        idx(pair_of[idx(tile_row0[vt], n * KT - vr) + vr], n * KT) % KT]
+                        * silu_times(round_bf16(acc_gu[vt, vr, 0, va]),
                                       round_bf16(acc_gu[vt, vr, 1, va]), swiglu_limit))
         for p, b, j in T.grid(n * KT, IB, B):
             with T.sblock("amax_h"):
@@ -813,7 +767,7 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
             with T.sblock("wdec_d"):
                 vt, vj, vd = T.axis.remap("SSS", [t, j, d])
                 if tile_rows[vt] > 0:
-                    wdec_d[vt, vj, vd] = _fp4(w2[tile_expert[vt], vd, vj // 2], vj)
+                    wdec_d[vt, vj, vd] = fp4_element(w2[tile_expert[vt], vd, vj // 2], vj)
         for t, r, d, b, j in T.grid((n * KT + RT - 1) // RT + E, RT, D, IB, B):
             with T.sblock("part_d"):
                 vt, vr, vd, vb, vj = T.axis.remap("SSSSR", [t, r, d, b, j])
@@ -821,7 +775,7 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                     part_d[vt, vr, vd, vb] = T.float32(0)
                 if T.Cast("int32", vr) < tile_rows[vt]:
                     part_d[vt, vr, vd, vb] = part_d[vt, vr, vd, vb] + hq[
-                        _idx(tile_row0[vt], n * KT - vr) + vr, vb * B + vj] * wdec_d[
+                        idx(tile_row0[vt], n * KT - vr) + vr, vb * B + vj] * wdec_d[
                             vt, vb * B + vj, vd]
         for t, r, d, b in T.grid((n * KT + RT - 1) // RT + E, RT, D, IB):
             with T.sblock("acc_d"):
@@ -829,7 +783,7 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                 with T.init():
                     acc_d[vt, vr, vd] = T.float32(0)
                 if T.Cast("int32", vr) < tile_rows[vt]:
-                    acc_d[vt, vr, vd] = acc_d[vt, vr, vd] + part_d[vt, vr, vd, vb] * _e8m0(
+                    acc_d[vt, vr, vd] = acc_d[vt, vr, vd] + part_d[vt, vr, vd, vb] * e8m0_byte(
                         s2[tile_expert[vt], vd, vb])
         for t, r, d in T.grid((n * KT + RT - 1) // RT + E, RT, D):
             with T.sblock("o"):
@@ -837,14 +791,14 @@ def make_moe_experts(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                 T.reads(acc_d[vt, vr, vd], tile_row0[vt])
                 T.writes(o[0:n * KT, vd])
                 if T.Cast("int32", vr) < tile_rows[vt]:
-                    o[_idx(tile_row0[vt], n * KT - vr) + vr, vd] = round_bf16(acc_d[vt, vr, vd])
+                    o[idx(tile_row0[vt], n * KT - vr) + vr, vd] = round_bf16(acc_d[vt, vr, vd])
         for i, d, r in T.grid(n, D, KT):
             with T.sblock("combine"):
                 vi, vd, vr = T.axis.remap("SSR", [i, d, r])
                 with T.init():
                     y[vi, vd] = T.float32(0)
-                y[vi, vd] = y[vi, vd] + o[_idx(pos_of[
-                    vi * KT + _idx(slot_order[vi * KT + vr], KT)], n * KT), vd]
+                y[vi, vd] = y[vi, vd] + o[idx(pos_of[
+                    vi * KT + idx(slot_order[vi * KT + vr], KT)], n * KT), vd]
 
     return moe_experts
 
@@ -930,7 +884,7 @@ def make_fp8_dequant(*, d: int) -> tvm.tirx.PrimFunc:
     fp32 [r, d] (symbolic r; the compiler flattens the op's leading dims). Bit-exact."""
     if d % BLOCK:
         raise ValueError(f"fp8_dequant needs d a multiple of {BLOCK}, got {d}.")
-    D, DB = _i64(d), _i64(d // BLOCK)
+    D, DB = i64(d), i64(d // BLOCK)
 
     @T.prim_func(s_tir=True)
     def fp8_dequant(codes_h: T.handle, scales_h: T.handle, out_h: T.handle):
@@ -942,7 +896,7 @@ def make_fp8_dequant(*, d: int) -> tvm.tirx.PrimFunc:
         for i, j in T.grid(r, D):
             with T.sblock("dequant"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                out[vi, vj] = e4m3_to_f32(T.Cast("uint32", codes[vi, vj])) * _e8m0(
+                out[vi, vj] = e4m3_to_f32(T.Cast("uint32", codes[vi, vj])) * e8m0_byte(
                     scales[vi, vj // BLOCK])
 
     return fp8_dequant
@@ -953,7 +907,7 @@ def make_fp4_dequant(*, d: int) -> tvm.tirx.PrimFunc:
     first) with E4M3 uint8 [r, d/16] -> fp32 [r, d]. Bit-exact."""
     if d % FP4_KV_BLOCK:
         raise ValueError(f"fp4_dequant needs d a multiple of {FP4_KV_BLOCK}, got {d}.")
-    D, DH, DB = _i64(d), _i64(d // 2), _i64(d // FP4_KV_BLOCK)
+    D, DH, DB = i64(d), i64(d // 2), i64(d // FP4_KV_BLOCK)
 
     @T.prim_func(s_tir=True)
     def fp4_dequant(packed_h: T.handle, scales_h: T.handle, out_h: T.handle):
@@ -965,7 +919,7 @@ def make_fp4_dequant(*, d: int) -> tvm.tirx.PrimFunc:
         for i, j in T.grid(r, D):
             with T.sblock("dequant"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                out[vi, vj] = _fp4(packed[vi, vj // 2], vj) * e4m3_to_f32(
+                out[vi, vj] = fp4_element(packed[vi, vj // 2], vj) * e4m3_to_f32(
                     T.Cast("uint32", scales[vi, vj // FP4_KV_BLOCK]))
 
     return fp4_dequant

@@ -47,8 +47,9 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
+from dsv41.graph.targets import TargetSpec, get_target
 
-from .common import TargetSpec, get_target, round_bf16
+from .common import round_bf16
 
 SCORE_PAD = 128  # score rows are padded to a multiple of this (every CPU/GPU tile divides it)
 HEAD_CHUNK = 16  # torch's CPU sum reduces rows in sequential chunks of 16 (ATen multi_row_sum)
@@ -1323,7 +1324,7 @@ def padded(n: int) -> int:
     return -(-n // SCORE_PAD) * SCORE_PAD
 
 
-def _to_tvm(x: torch.Tensor, device):
+def to_tvm(x: torch.Tensor, device):
     x = x.contiguous()
     if device is None or device.dlpack_device_type() == 1:  # kDLCPU: zero-copy
         return tvm.runtime.from_dlpack(x)
@@ -1342,13 +1343,13 @@ def _to_torch(x) -> torch.Tensor:
 
 def _empty(shape, dtype, device):
     out = torch.empty(shape, dtype=dtype)
-    return out, _to_tvm(out, device)
+    return out, to_tvm(out, device)
 
 
 def run_indexer_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, *, device=None):
     """Run a compiled build_indexer_topk module on torch tensors (the op's arguments)."""
     b, s = q.shape[:2]
-    args = [_to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
+    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
     _, scores = _empty((b, s, padded(k_packed.shape[1])), torch.bfloat16, device)
     _, pos = _empty((b, s, topk), torch.int32, device)
     ex["index_scores"](*args, scores)
@@ -1361,7 +1362,7 @@ def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_bloc
     """Run a compiled build_hier_topk module; returns (positions, blocks)."""
     del block_size  # baked into the module
     b, s = q.shape[:2]
-    args = [_to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
+    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
     _, scores = _empty((b, s, padded(k_packed.shape[1])), torch.bfloat16, device)
     _, pos = _empty((b, s, topk), torch.int32, device)
     _, blk = _empty((b, s, topk_blocks), torch.int32, device)
@@ -1375,7 +1376,7 @@ def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
                   block_size: int, *, device=None):
     """Run a compiled build_pool_topk module on the op's arguments."""
     b, s = q.shape[:2]
-    args = [_to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens, blocks)]
+    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens, blocks)]
     _, scores = _empty((b, s, padded(blocks.shape[-1] * block_size)), torch.bfloat16, device)
     _, pos = _empty((b, s, topk), torch.int32, device)
     ex["pool_scores"](*args, scores)

@@ -44,7 +44,9 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from .common import TargetSpec, get_target, round_bf16
+from dsv41.graph.targets import TargetSpec, get_target
+
+from .common import round_bf16
 from .norm import BenchCase, BenchData, check_lanes, f32_of_bf16, mul_bf16, neg
 
 

@@ -30,9 +30,20 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from dsv41.graph.targets import TargetSpec, get_target
+
 from . import gemm
-from .common import TargetSpec, get_target, round_bf16
-from .gemm import BLOCK, _e8m0, _f32, _fp4, _i64, _idx, _round_bf16, _silu_times
+from .common import round_bf16
+from .gemm import (
+    BLOCK,
+    bf16_to_f32,
+    e8m0_byte,
+    fp4_element,
+    i64,
+    idx,
+    round_bf16_bound,
+    silu_times,
+)
 
 # ---- shapes shared by the kernels and the plan ---------------------------------------------
 
@@ -50,13 +61,13 @@ def num_tiles(pairs, row_tile: int, n_experts: int):
 
 def _nt(p, RT, E):
     """num_tiles inside TVMScript (p an int64 var, RT/E int64 immediates)."""
-    return (p + RT - _i64(1)) // RT + T.min(p, E)
+    return (p + RT - i64(1)) // RT + T.min(p, E)
 
 
 def _to_bf16(v):
     """fp32 -> bf16 (RNE) on the bits. A plain Cast is legalised by duplicating its operand,
     which breaks the vectoriser when the operand holds a `Let` (the SwiGLU epilogue does)."""
-    bits = T.reinterpret("uint32", _round_bf16(v)) >> T.uint32(16)
+    bits = T.reinterpret("uint32", round_bf16_bound(v)) >> T.uint32(16)
     return T.reinterpret("bfloat16", T.Cast("uint16", bits))
 
 
@@ -74,7 +85,7 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.Prim
     token_rows int32 [n, topk] (token's sorted rows in expert-id order), tiles int32 [NT, 3]
     (expert, first sorted row, row count; unused tiles all zero). Ids are validated on the host
     (gemm.check_expert_ids): in range and distinct per token."""
-    E, KT, RT = _i64(n_experts), _i64(topk), _i64(row_tile)
+    E, KT, RT = i64(n_experts), i64(topk), i64(row_tile)
 
     @T.prim_func(s_tir=True)
     def moe_route(ids_h: T.handle, row_pair_h: T.handle, token_rows_h: T.handle,
@@ -84,15 +95,15 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.Prim
         ids = T.match_buffer(ids_h, (n, KT), "int64")
         row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
         token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
-        tiles = T.match_buffer(tiles_h, (_nt(n * KT, RT, E), _i64(3)), "int32")
-        for _u in T.serial(_i64(1)):
+        tiles = T.match_buffer(tiles_h, (_nt(n * KT, RT, E), i64(3)), "int32")
+        for _u in T.serial(i64(1)):
             with T.sblock("route"):
                 T.reads(ids[0:n, 0:KT])
                 T.writes(row_pair[0:n * KT], token_rows[0:n, 0:KT],
                          tiles[0:_nt(n * KT, RT, E), 0:3])
                 counts = T.sblock_alloc_buffer((E,), "int32", scope="local")
                 cursor = T.sblock_alloc_buffer((E,), "int32", scope="local")
-                run = T.sblock_alloc_buffer((_i64(2),), "int32", scope="local")
+                run = T.sblock_alloc_buffer((i64(2),), "int32", scope="local")
                 for e in range(E):
                     counts[e] = 0
                 for q in range(n * KT):
@@ -110,7 +121,7 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.Prim
                     row_pair[cursor[ids[q // KT, q % KT]]] = T.Cast("int32", q)
                     token_rows[q // KT, T.Cast("int64", run[1])] = cursor[ids[q // KT, q % KT]]
                     cursor[ids[q // KT, q % KT]] += 1
-                for t, c in T.grid(_nt(n * KT, RT, E), _i64(3)):
+                for t, c in T.grid(_nt(n * KT, RT, E), i64(3)):
                     tiles[t, c] = 0
                 run[0] = 0  # tiles written; cursor[e] is now the end of e's run
                 for e in range(E):
@@ -130,7 +141,7 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.Prim
 def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
     """a bf16 [m, k] -> fp32 [m, k]: the exact value e4m3(a / s) * s with the per-32 E8M0 scale
     s of `formats.torch_quant_fp8` (what the oracle's `_act_quant` feeds its GEMM)."""
-    K, KB = _i64(k), _i64(k // BLOCK)
+    K, KB = i64(k), i64(k // BLOCK)
 
     @T.prim_func(s_tir=True)
     def qdq(a_h: T.handle, out_h: T.handle):
@@ -139,16 +150,16 @@ def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
         a = T.match_buffer(a_h, (m, K), "bfloat16")
         out = T.match_buffer(out_h, (m, K), "float32")
         amax = T.sblock_alloc_buffer((m, KB), "float32")
-        for i, b, j in T.grid(m, KB, _i64(BLOCK)):
+        for i, b, j in T.grid(m, KB, i64(BLOCK)):
             with T.sblock("amax"):
                 vi, vb, vj = T.axis.remap("SSR", [i, b, j])
                 with T.init():
                     amax[vi, vb] = T.min_value("float32")
-                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(_f32(a[vi, vb * BLOCK + vj])))
+                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(bf16_to_f32(a[vi, vb * BLOCK + vj])))
         for i, j in T.grid(m, K):
             with T.sblock("xq"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                out[vi, vj] = gemm.fp8_qdq(_f32(a[vi, vj]),
+                out[vi, vj] = gemm.fp8_qdq(bf16_to_f32(a[vi, vj]),
                                            gemm.pow2_scale_byte(amax[vi, vj // BLOCK]))
 
     return qdq.with_attr("global_symbol", name)
@@ -165,8 +176,8 @@ def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
     the dot product inside one 32-block, `acc` adds blocks in K order times the E8M0 scale,
     `h` is the SwiGLU epilogue."""
     _check_dims(dim, inter)
-    D, I, E, KT, RT = _i64(dim), _i64(inter), _i64(n_experts), _i64(topk), _i64(row_tile)
-    DB, B = _i64(dim // BLOCK), _i64(BLOCK)
+    D, I, E, KT, RT = i64(dim), i64(inter), i64(n_experts), i64(topk), i64(row_tile)
+    DB, B = i64(dim // BLOCK), i64(BLOCK)
 
     @T.prim_func(s_tir=True)
     def moe_gate_up(xq_h: T.handle, weights_h: T.handle, row_pair_h: T.handle,
@@ -179,7 +190,7 @@ def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
         xq = T.match_buffer(xq_h, (n, D), "float32")
         weights = T.match_buffer(weights_h, (n, KT), "float32")
         row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
-        tiles = T.match_buffer(tiles_h, (_nt(n * KT, RT, E), _i64(3)), "int32")
+        tiles = T.match_buffer(tiles_h, (_nt(n * KT, RT, E), i64(3)), "int32")
         h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
         xg = T.sblock_alloc_buffer((_nt(n * KT, RT, E), RT, D), "float32")
         wdec = T.sblock_alloc_buffer((_nt(n * KT, RT, E), 2, D, I), "float32")
@@ -190,15 +201,15 @@ def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                 vt, vr, vk = T.axis.remap("SSS", [t, r, k])
                 xg[vt, vr, vk] = T.if_then_else(
                     T.Cast("int32", vr) < tiles[vt, 2],
-                    xq[_idx(row_pair[_idx(tiles[vt, 1], n * KT - vr) + vr], n * KT) // KT, vk],
+                    xq[idx(row_pair[idx(tiles[vt, 1], n * KT - vr) + vr], n * KT) // KT, vk],
                     T.float32(0))
         for t, c, k, a in T.grid(_nt(n * KT, RT, E), 2, D, I):
             with T.sblock("wdec"):
                 vt, vc, vk, va = T.axis.remap("SSSS", [t, c, k, a])
                 if tiles[vt, 2] > 0:
                     wdec[vt, vc, vk, va] = T.if_then_else(
-                        vc == 0, _fp4(w1[_idx(tiles[vt, 0], E), va, vk // 2], vk),
-                        _fp4(w3[_idx(tiles[vt, 0], E), va, vk // 2], vk))
+                        vc == 0, fp4_element(w1[idx(tiles[vt, 0], E), va, vk // 2], vk),
+                        fp4_element(w3[idx(tiles[vt, 0], E), va, vk // 2], vk))
         for t, r, c, a, b, j in T.grid(_nt(n * KT, RT, E), RT, 2, I, DB, B):
             with T.sblock("part"):
                 vt, vr, vc, va, vb, vj = T.axis.remap("SSSSSR", [t, r, c, a, b, j])
@@ -214,9 +225,9 @@ def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                     acc[vt, vr, vc, va] = T.float32(0)
                 if T.Cast("int32", vr) < tiles[vt, 2]:
                     acc[vt, vr, vc, va] = acc[vt, vr, vc, va] + part[
-                        vt, vr, vc, va, vb] * _e8m0(T.if_then_else(
-                            vc == 0, s1[_idx(tiles[vt, 0], E), va, vb],
-                            s3[_idx(tiles[vt, 0], E), va, vb]))
+                        vt, vr, vc, va, vb] * e8m0_byte(T.if_then_else(
+                            vc == 0, s1[idx(tiles[vt, 0], E), va, vb],
+                            s3[idx(tiles[vt, 0], E), va, vb]))
         for t, r, a in T.grid(_nt(n * KT, RT, E), RT, I):
             with T.sblock("h"):
                 vt, vr, va = T.axis.remap("SSS", [t, r, a])
@@ -224,12 +235,12 @@ def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                         weights[0:n, 0:KT])
                 T.writes(h[0:n * KT, va])
                 if T.Cast("int32", vr) < tiles[vt, 2]:
-                    h[_idx(tiles[vt, 1], n * KT - vr) + vr, va] = _to_bf16(
-                        weights[_idx(row_pair[_idx(tiles[vt, 1], n * KT - vr) + vr], n * KT)
+                    h[idx(tiles[vt, 1], n * KT - vr) + vr, va] = _to_bf16(
+                        weights[idx(row_pair[idx(tiles[vt, 1], n * KT - vr) + vr], n * KT)
                                 // KT,
-                                _idx(row_pair[_idx(tiles[vt, 1], n * KT - vr) + vr], n * KT)
+                                idx(row_pair[idx(tiles[vt, 1], n * KT - vr) + vr], n * KT)
                                 % KT]
-                        * _silu_times(round_bf16(acc[vt, vr, 0, va]),
+                        * silu_times(round_bf16(acc[vt, vr, 0, va]),
                                       round_bf16(acc[vt, vr, 1, va]), swiglu_limit))
 
     return moe_gate_up
@@ -243,8 +254,8 @@ def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm
     blocks as `make_moe_gate_up` with one matrix; `o` rounds to bf16 (the oracle's fp4_linear
     output)."""
     _check_dims(dim, inter)
-    D, I, E, RT = _i64(dim), _i64(inter), _i64(n_experts), _i64(row_tile)
-    IB, B = _i64(inter // BLOCK), _i64(BLOCK)
+    D, I, E, RT = i64(dim), i64(inter), i64(n_experts), i64(row_tile)
+    IB, B = i64(inter // BLOCK), i64(BLOCK)
 
     @T.prim_func(s_tir=True)
     def moe_down(hq_h: T.handle, tiles_h: T.handle, w2: T.Buffer((E, D, I // 2), "uint8"),
@@ -252,7 +263,7 @@ def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm
         T.func_attr({"global_symbol": "moe_down", "tirx.noalias": True})
         p = T.int64()
         hq = T.match_buffer(hq_h, (p, I), "float32")
-        tiles = T.match_buffer(tiles_h, (_nt(p, RT, E), _i64(3)), "int32")
+        tiles = T.match_buffer(tiles_h, (_nt(p, RT, E), i64(3)), "int32")
         o = T.match_buffer(o_h, (p, D), "bfloat16")
         xg = T.sblock_alloc_buffer((_nt(p, RT, E), RT, I), "float32")
         wdec = T.sblock_alloc_buffer((_nt(p, RT, E), I, D), "float32")
@@ -262,13 +273,13 @@ def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm
             with T.sblock("xg"):
                 vt, vr, vk = T.axis.remap("SSS", [t, r, k])
                 xg[vt, vr, vk] = T.if_then_else(T.Cast("int32", vr) < tiles[vt, 2],
-                                                hq[_idx(tiles[vt, 1], p - vr) + vr, vk],
+                                                hq[idx(tiles[vt, 1], p - vr) + vr, vk],
                                                 T.float32(0))
         for t, k, d in T.grid(_nt(p, RT, E), I, D):
             with T.sblock("wdec"):
                 vt, vk, vd = T.axis.remap("SSS", [t, k, d])
                 if tiles[vt, 2] > 0:
-                    wdec[vt, vk, vd] = _fp4(w2[_idx(tiles[vt, 0], E), vd, vk // 2], vk)
+                    wdec[vt, vk, vd] = fp4_element(w2[idx(tiles[vt, 0], E), vd, vk // 2], vk)
         for t, r, d, b, j in T.grid(_nt(p, RT, E), RT, D, IB, B):
             with T.sblock("part"):
                 vt, vr, vd, vb, vj = T.axis.remap("SSSSR", [t, r, d, b, j])
@@ -283,15 +294,15 @@ def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm
                 with T.init():
                     acc[vt, vr, vd] = T.float32(0)
                 if T.Cast("int32", vr) < tiles[vt, 2]:
-                    acc[vt, vr, vd] = acc[vt, vr, vd] + part[vt, vr, vd, vb] * _e8m0(
-                        s2[_idx(tiles[vt, 0], E), vd, vb])
+                    acc[vt, vr, vd] = acc[vt, vr, vd] + part[vt, vr, vd, vb] * e8m0_byte(
+                        s2[idx(tiles[vt, 0], E), vd, vb])
         for t, r, d in T.grid(_nt(p, RT, E), RT, D):
             with T.sblock("o"):
                 vt, vr, vd = T.axis.remap("SSS", [t, r, d])
                 T.reads(acc[vt, vr, vd], tiles[vt, 1:3])
                 T.writes(o[0:p, vd])
                 if T.Cast("int32", vr) < tiles[vt, 2]:
-                    o[_idx(tiles[vt, 1], p - vr) + vr, vd] = _to_bf16(acc[vt, vr, vd])
+                    o[idx(tiles[vt, 1], p - vr) + vr, vd] = _to_bf16(acc[vt, vr, vd])
 
     return moe_down
 
@@ -302,7 +313,7 @@ def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm
 def make_moe_combine(*, dim: int, topk: int) -> tvm.tirx.PrimFunc:
     """(token_rows [n, topk], o bf16 [P, dim]) -> y fp32 [n, dim]: each token's rows added in
     expert-id order starting from 0.0, as the oracle's `y[rows] += ...` per unique expert."""
-    D, KT = _i64(dim), _i64(topk)
+    D, KT = i64(dim), i64(topk)
 
     @T.prim_func(s_tir=True)
     def moe_combine(token_rows_h: T.handle, o_h: T.handle, y_h: T.handle):
@@ -316,7 +327,7 @@ def make_moe_combine(*, dim: int, topk: int) -> tvm.tirx.PrimFunc:
                 vi, vd, vr = T.axis.remap("SSR", [i, d, r])
                 with T.init():
                     y[vi, vd] = T.float32(0)
-                y[vi, vd] = y[vi, vd] + _f32(o[_idx(token_rows[vi, vr], n * KT), vd])
+                y[vi, vd] = y[vi, vd] + bf16_to_f32(o[idx(token_rows[vi, vr], n * KT), vd])
 
     return moe_combine
 

@@ -38,7 +38,7 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from .common import TargetSpec, get_target
+from dsv41.graph.targets import TargetSpec, get_target
 
 # ---- shared helpers (also used by schedules/mhc.py and schedules/compressor.py) -------------
 

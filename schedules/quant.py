@@ -49,8 +49,9 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
+from dsv41.graph.targets import TargetSpec, get_target
 
-from .common import TargetSpec, e4m3_to_f32, get_target
+from .common import e4m3_to_f32
 from .gemm import e4m3_round, fp8_code, pow2_scale_byte
 
 FP8_BLOCK = fmt.FP8_BLOCK  # 32

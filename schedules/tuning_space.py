@@ -34,7 +34,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.sym import Analyzer
 
-from .common import TargetSpec
+from dsv41.graph.targets import TargetSpec
 
 KERNEL_FAMILIES = ("fp8_linear", "fp8_dequant", "sparse_attend", "index_scores", "quant_fp8",
                    "quant_fp4_kv", "quant_mxfp4", "qdq_mxfp4")

@@ -1,4 +1,4 @@
-"""`dsv41 bench kernels` (schedules/bench.py): the harness at tiny sizes (--quick).
+"""`dsv41 bench kernels` (compiler/bench_kernels.py): the harness at tiny sizes (--quick).
 
 What is checked: the JSON schema, that every number is positive and finite, that the derived
 columns are the stated arithmetic of the measured ones (GB/s = bytes / time, roofline = max of
@@ -19,8 +19,9 @@ import time
 import pytest
 import torch
 
+from dsv41.compiler import bench_kernels as bench
 from dsv41.graph import ops
-from dsv41.schedules import bench, moe
+from dsv41.schedules import moe
 
 ROW_KEYS = {"case", "family", "dims", "bytes", "flops", "kernel_s", "eager_s", "compile_s", "gbs",
             "gflops", "frac_bw", "frac_peak", "roofline_s", "bound", "roofline_ratio",

@@ -8,15 +8,9 @@ import pytest
 import torch
 import tvm
 
-from dsv41.compiler.capture import (
-    ENTRIES,
-    SELECTING,
-    capture,
-    entry_inputs,
-    load_cache_tensors,
-    selection_keys,
-)
+from dsv41.compiler.capture import capture
 from dsv41.graph.cache import drop_local_state, new_cache
+from dsv41.graph.entries import ENTRIES, SELECTING, entry_inputs, load_cache_tensors, selection_keys
 from dsv41.graph.phases import (
     Chunk,
     check_tokens,
@@ -47,7 +41,7 @@ def _fresh(model, capacity=128):
 
 
 def _same_cache(a, b):
-    from dsv41.compiler.capture import cache_names, cache_tensors
+    from dsv41.graph.entries import cache_names, cache_tensors
 
     for name, x, y in zip(cache_names(a), cache_tensors(a), cache_tensors(b), strict=True):
         assert torch.equal(x[:, : y.size(1)] if x.dim() > 1 else x,

@@ -146,8 +146,8 @@ def test_missing_file_wrong_config_target_and_tvm_version(small_artifact, small_
 
 def test_ids_and_positions_are_checked_before_the_compiled_gathers(small_case, small_model,
                                                                     compiled):
-    from dsv41.compiler.capture import entry_inputs
     from dsv41.graph.cache import new_cache
+    from dsv41.graph.entries import entry_inputs
 
     m = small_model
     c = new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.compiler.capture import cache_names, cache_tensors
 from dsv41.graph.cache import new_cache
+from dsv41.graph.entries import cache_names, cache_tensors
 from dsv41.runtime.artifact import Artifact
 from dsv41.runtime.compiled import CompiledPhases
 

@@ -21,7 +21,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
-from dsv41.schedules.common import get_target
+from dsv41.graph.targets import get_target
 from dsv41.schedules.cpu_rules import (
     CpuRulesConfig,
     apply_cpu_schedules,
@@ -180,16 +180,16 @@ def _entry_vms(entry: str, checkpoint: str):
 
 def _compare_entry(entry: str, case, model, tokens: torch.Tensor,
                    cache) -> tuple[float, float]:
-    from dsv41.compiler.capture import entry_inputs
-    from dsv41.graph.phases import _chunk
-    from dsv41.runtime.artifact import _to_tvm, weight_for
+    from dsv41.graph.entries import entry_inputs
+    from dsv41.graph.phases import new_chunk
+    from dsv41.runtime.artifact import to_tvm, weight_for
 
     plain, sched, names = _entry_vms(entry, str(case.checkpoint))
-    params = [_to_tvm(weight_for(model, n)) for n in names]
-    chunk = _chunk(model, cache, tokens)
+    params = [to_tvm(weight_for(model, n)) for n in names]
+    chunk = new_chunk(model, cache, tokens)
     inputs = entry_inputs(model, cache, entry, tokens, start=chunk.start,
                           hash_ids=chunk.hash_ids)
-    flat = [_to_tvm(x) for x in inputs]
+    flat = [to_tvm(x) for x in inputs]
     outs, ms = [], []
     for vm in (plain, sched):
         outs.append([o.numpy() for o in vm["main"](*flat, *params)])

@@ -26,8 +26,9 @@ import torch
 import tvm
 
 from dsv41.graph import ops
+from dsv41.graph.targets import get_target
 from dsv41.schedules import attention as A
-from dsv41.schedules.common import fp4_to_f32, get_target
+from dsv41.schedules.common import fp4_to_f32
 
 SMALL = dict(h=4, d=64)
 BENCH = dict(h=64, d=512, w=128, k=512)
@@ -53,7 +54,7 @@ def _kernel(kind: str, h: int, d: int, w: int, k: int, heads_per_group: int | No
     return tvm.compile(func, target=target.tvm_target())
 
 
-def _to_tvm(x: torch.Tensor):
+def to_tvm(x: torch.Tensor):
     if x.dtype == torch.bfloat16:
         return tvm.runtime.tensor(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
     return tvm.runtime.tensor(x.contiguous().numpy())
@@ -62,7 +63,7 @@ def _to_tvm(x: torch.Tensor):
 def _run(ex, inputs: list[torch.Tensor]) -> torch.Tensor:
     b, s, h, d = inputs[0].shape
     out = tvm.runtime.tensor(np.zeros((b, s, h, d), ml_dtypes.bfloat16))
-    ex(*[_to_tvm(x) for x in inputs], out)
+    ex(*[to_tvm(x) for x in inputs], out)
     return torch.from_numpy(out.numpy().view(np.int16)).view(torch.bfloat16)
 
 
@@ -419,6 +420,6 @@ def test_gpu_numerics(kind):
         inputs[-2][1, 0] = -1  # one row of batch 1 without global entries
         b, s, h, d = inputs[0].shape
         out = tvm.runtime.tensor(np.zeros((b, s, h, d), ml_dtypes.bfloat16), dev)
-        ex(*[tvm.runtime.tensor(_to_tvm(x).numpy(), dev) for x in inputs], out)
+        ex(*[tvm.runtime.tensor(to_tvm(x).numpy(), dev) for x in inputs], out)
         got = torch.from_numpy(out.numpy().view(np.int16)).view(torch.bfloat16)
         _assert_matches(got, _oracle(kind, inputs))

@@ -15,8 +15,8 @@ import tvm
 from tvm import relax
 
 from dsv41.graph import ops
+from dsv41.graph.targets import get_target
 from dsv41.schedules import cache_write
-from dsv41.schedules.common import get_target
 
 CPU = "cpu"
 

@@ -38,8 +38,8 @@ from dsv41.graph import ops
 from dsv41.graph.cache import GlobalStore
 from dsv41.graph.layers import apply_rope, fp32_linear, softmax_pool
 from dsv41.graph.model import Chunk, compress
+from dsv41.graph.targets import get_target
 from dsv41.schedules import compressor as C
-from dsv41.schedules.common import get_target
 
 CPU = get_target("cpu")
 EPS = 1e-20

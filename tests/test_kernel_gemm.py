@@ -22,8 +22,8 @@ import tvm
 
 from dsv41.graph import formats as fmt
 from dsv41.graph import ops
+from dsv41.graph.targets import get_target
 from dsv41.schedules import gemm
-from dsv41.schedules.common import get_target
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
 CPU = "cpu"

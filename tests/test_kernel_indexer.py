@@ -17,8 +17,8 @@ import torch
 import tvm
 
 from dsv41.graph import ops
+from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules import indexer as ix
-from dsv41.schedules.common import TargetSpec, get_target
 
 H, D, TOPK, TOPK_BLOCKS, BS = 4, 64, 8, 3, 4
 

@@ -30,8 +30,8 @@ from kernel_numerics import (
 )
 
 from dsv41.graph.layers import hc_mixes, hc_post, hc_pre, identity_pre
+from dsv41.graph.targets import get_target
 from dsv41.schedules import mhc as M
-from dsv41.schedules.common import get_target
 
 CPU = get_target("cpu")
 HC, ITERS, NORM_EPS, HC_EPS = 4, 20, 1e-20, 1e-6

@@ -20,8 +20,8 @@ import tvm
 from tvm import relax, tirx
 
 from dsv41.graph import ops
+from dsv41.graph.targets import get_target
 from dsv41.schedules import gemm, moe
-from dsv41.schedules.common import get_target
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
 CPU = "cpu"

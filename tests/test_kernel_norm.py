@@ -29,8 +29,8 @@ from kernel_numerics import (
 from tvm.script import tirx as T
 
 from dsv41.graph.layers import apply_rope, rms_norm
+from dsv41.graph.targets import get_target
 from dsv41.schedules import norm as N
-from dsv41.schedules.common import get_target
 
 CPU = get_target("cpu")
 EPS = 1e-20

@@ -23,8 +23,8 @@ from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
 from dsv41.graph import ops
+from dsv41.graph.targets import get_target
 from dsv41.schedules import quant
-from dsv41.schedules.common import get_target
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
 CPU = "cpu"
@@ -46,7 +46,7 @@ def _compiled(op: str, d: int, target_name: str = CPU):
         return tvm.compile(func, target=target.tvm_target())
 
 
-def _to_tvm(t: torch.Tensor, dev) -> tvm.runtime.Tensor:
+def to_tvm(t: torch.Tensor, dev) -> tvm.runtime.Tensor:
     arr = t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16) \
         if t.dtype == torch.bfloat16 else t.contiguous().numpy()
     return tvm.runtime.tensor(arr, dev)
@@ -64,7 +64,7 @@ def _run(op: str, x: torch.Tensor, target_name: str = CPU) -> list[torch.Tensor]
         data = d if op == "quant_fp8" else d // 2
         shapes = [((n, data), np.uint8), ((n, d // OPS[op][2]), np.uint8)]
     outs = [tvm.runtime.tensor(np.zeros(s, dt), dev) for s, dt in shapes]
-    _compiled(op, d, target_name)(_to_tvm(x.reshape(n, d), dev), *outs)
+    _compiled(op, d, target_name)(to_tvm(x.reshape(n, d), dev), *outs)
     res = []
     for o in outs:
         arr = o.numpy()

@@ -260,7 +260,8 @@ def test_ledger_cli_long_contexts(tmp_path, capsys, small_case):
 def test_switches_survive_export(small_case, small_model):
     """The captured graph is rebuilt from the model's switches: a switched export computes what
     the switched eager graph computes (about 2 minutes: two captures)."""
-    from dsv41.compiler.capture import capture, entry_inputs, selection_keys
+    from dsv41.compiler.capture import capture
+    from dsv41.graph.entries import entry_inputs, selection_keys
     from dsv41.graph.phases import engram_ids
 
     toks = torch.from_numpy(small_case.tokens)[None]

@@ -20,9 +20,10 @@ import pytest
 import tvm
 
 from dsv41.compiler import tune as tn
+from dsv41.compiler import tuning_db as tdb
 from dsv41.graph.config import preset
+from dsv41.graph.targets import get_target
 from dsv41.schedules import tuning_space as ts
-from dsv41.schedules.common import get_target
 
 KEY = ("fp8_linear", 64, 128, 1)  # n=64, k=128, decode rows hint
 SPEC = get_target("cpu")
@@ -62,7 +63,7 @@ def test_tiny_tune_writes_database_reruns_as_noop_and_compile_uses_it(tmp_path, 
     report = tn.tune(opts, progress=False, say=lambda _: None, tasks=[task])
     tdir = opts.artifact_dir / "tuning"
     assert tdir == tmp_path / f"tiny-{preset('small').config_hash()[:12]}" / "cpu" / "tuning"
-    assert {p.name for p in tdir.glob("*.json")} == {*tn.DB_FILES, tn.INDEX}
+    assert {p.name for p in tdir.glob("*.json")} == {*tdb.DB_FILES, tdb.INDEX}
     (res,) = report.results
     assert res.trials == 4 and res.new_trials == 4 and res.exact and res.apply
     assert res.best_s and res.hand_s and res.tuned_s
@@ -78,14 +79,14 @@ def test_tiny_tune_writes_database_reruns_as_noop_and_compile_uses_it(tmp_path, 
     name = task.function
     mod = tvm.IRModule({name: task.hand})
     out = schedule(mod, "cpu", (str(tdir), "decode"))
-    assert tn.tuned_functions(out) == [name]
-    assert tn.tuned_functions(schedule(mod, "cpu", (str(tdir), "prefill"))) == []  # per entry
+    assert tdb.tuned_functions(out) == [name]
+    assert tdb.tuned_functions(schedule(mod, "cpu", (str(tdir), "prefill"))) == []  # per entry
     damaged = tmp_path / "damaged"
     shutil.copytree(tdir, damaged)
-    with open(damaged / tn.DB_FILES[1], "a") as f:
+    with open(damaged / tdb.DB_FILES[1], "a") as f:
         f.write("{not json\n")
     with pytest.warns(UserWarning, match="keeps its hand schedule"):
-        assert tn.tuned_functions(schedule(mod, "cpu", (str(damaged), "decode"))) == []
+        assert tdb.tuned_functions(schedule(mod, "cpu", (str(damaged), "decode"))) == []
     # ... and it is right on a row count it was not tuned at (the trace replays symbolically)
     params = [tvm.tirx.decl_buffer(s, d, n) for s, d, n in (
         ((3, 128), "bfloat16", "x"), ((64, 128), "uint8", "w"), ((2, 4), "uint8", "s"),
@@ -109,9 +110,9 @@ def test_interrupted_run_resumes_from_the_database(tmp_path, task):
         raise Stop  # as if the run died once this round's records were committed
 
     with pytest.raises(Stop):
-        tn.tune_task(task, tn.open_database(tdir), SPEC, trials=4, per_round=2, seed=0,
+        tn.tune_task(task, tdb.open_database(tdir), SPEC, trials=4, per_round=2, seed=0,
                      on_round=killed_after_first_round)
-    assert tn.record_counts(tn.open_database(tdir)) == {tn._wl_hash(task.workload()): 2}
+    assert tdb.record_counts(tdb.open_database(tdir)) == {tdb.workload_hash(task.workload()): 2}
 
     with pytest.raises(ValueError, match="--resume"):
         tn.tune(_opts(tmp_path), progress=False, say=lambda _: None, tasks=[task])
@@ -154,8 +155,8 @@ def test_cli_tune_then_compile_in_a_fresh_process(tmp_path):
     subprocess.run([*base, "compile", "--config", str(config), "--entries", "decode",
                     "--out", str(tmp_path)], capture_output=True, text=True, check=True)
     m = json.loads((art / "manifest.json").read_text())
-    assert m["tuning_database_sha256"] == tn.database_hash(art / "tuning")
-    index = tn.read_index(art / "tuning")
+    assert m["tuning_database_sha256"] == tdb.database_hash(art / "tuning")
+    index = tdb.read_index(art / "tuning")
     used = sorted(d["function"] for d in index["tasks"]
                   if index["results"].get(d["name"], {}).get("apply"))
     assert used and m["tuning_applied"]["decode"] == used
@@ -166,6 +167,6 @@ def test_cli_tune_then_compile_in_a_fresh_process(tmp_path):
 
     args = load_config(config)
     assert list(built_entries(art, args, "cpu")) == ["decode"]
-    with open(art / "tuning" / tn.INDEX, "a") as f:
+    with open(art / "tuning" / tdb.INDEX, "a") as f:
         f.write("\n")
     assert built_entries(art, args, "cpu") == {}

@@ -375,8 +375,8 @@ def compile_kernel(family: str, target_name: str, static: tuple) -> tuple[object
     """(executable, seconds to schedule + compile) for one family at its static dims."""
     import tvm
 
+    from dsv41.graph.targets import get_target
     from dsv41.schedules import attention, gemm, indexer, moe
-    from dsv41.schedules.common import get_target
 
     kw = dict(static)
     t0 = time.perf_counter()
@@ -600,7 +600,7 @@ def run_case(case: Case, *, target_name: str, machine: Machine, repeat: int, bud
 
 def check_target(target_name: str) -> None:
     """Only the CPU is measured by this harness; a CUDA target is a clear error."""
-    from dsv41.schedules.common import get_target
+    from dsv41.graph.targets import get_target
 
     target = get_target(target_name)  # ValueError for an unknown name
     if target.is_cuda:

@@ -1,0 +1,114 @@
+"""The calling convention of the compiled entries, shared by the compiler (capture) and the
+runtime (compiled phases): entry names, the cache as a flat list of named tensors in a stable
+order, each entry's outputs, and the host half of a phase (the real inputs of an entry built from
+a cache and validated tokens). Nothing here compiles or runs TVM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import GlobalStore, ModelCache, WindowRing
+from .model import Model, rope_window
+
+ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft")
+SELECTING = ("prefill_all", "decode")  # also return the indexers' selections (for scoring)
+
+
+def selection_keys(plan) -> list[int]:
+    """Index sources in layer order, then -1 (the candidate blocks) if there is a source."""
+    keys = [p.layer for p in plan.backbone if p.runs_indexer]
+    return keys + ([-1] if any(p.candidate_source for p in plan.backbone) else [])
+
+
+def entry_outputs(plan, entry: str, template: ModelCache) -> list[str]:
+    """Names of an entry's outputs, in order."""
+    head = {"encoder": ["h", "pre"], "encoder_replay": ["h", "pre"],
+            "draft": ["draft_ids", "draft_logits", "confidence"]}.get(entry, ["logits"])
+    if entry in SELECTING:
+        head += [f"sel.{k}" for k in selection_keys(plan)]
+    return head + ([] if entry == "draft" else cache_names(template))
+
+
+# ---- the cache as a flat list --------------------------------------------------------------------
+
+
+def cache_names(cache: ModelCache) -> list[str]:
+    """Stable order of the cache tensors an entry takes and returns."""
+    names = []
+    for layer in sorted(cache.windows):
+        names += [f"window.{layer}.codes", f"window.{layer}.scales"]
+    for layer in sorted(cache.stores):
+        st = cache.stores[layer]
+        names += [f"store.{layer}.kv_codes", f"store.{layer}.kv_scales"]
+        if st.k_codes is not None:
+            names += [f"store.{layer}.k_codes", f"store.{layer}.k_scales"]
+        if st.tail_kv is not None:
+            names += [f"store.{layer}.tail_kv", f"store.{layer}.tail_score"]
+    return names + ["index_owner"]
+
+
+def cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
+    return [cache_tensor(cache, name) for name in cache_names(cache)]
+
+
+def cache_slot(cache: ModelCache, name: str):
+    """(object, attribute) holding the cache tensor `name`."""
+    if name == "index_owner":
+        return cache, "index_owner"
+    kind, layer, field = name.split(".")
+    return (cache.windows[int(layer)] if kind == "window" else cache.stores[int(layer)]), field
+
+
+def cache_tensor(cache: ModelCache, name: str) -> torch.Tensor:
+    obj, field = cache_slot(cache, name)
+    return getattr(obj, field)
+
+
+def load_cache_tensors(cache: ModelCache, tensors) -> None:
+    """Put an entry's returned cache tensors back into `cache`."""
+    names = cache_names(cache)
+    if len(tensors) != len(names):
+        raise ValueError(f"Expected {len(names)} cache tensors, got {len(tensors)}.")
+    for name, t in zip(names, tensors, strict=True):
+        setattr(*cache_slot(cache, name), t)
+
+
+def cache_view(template: ModelCache, tensors, start: torch.Tensor) -> ModelCache:
+    """A ModelCache view over the entry's input tensors (the template gives the structure)."""
+    it = dict(zip(cache_names(template), tensors, strict=True))
+    windows = {lay: WindowRing(it[f"window.{lay}.codes"], it[f"window.{lay}.scales"])
+               for lay in template.windows}
+    stores = {}
+    for lay, st in template.stores.items():
+        stores[lay] = GlobalStore(st.ratio, it[f"store.{lay}.kv_codes"],
+                                  it[f"store.{lay}.kv_scales"], it.get(f"store.{lay}.k_codes"),
+                                  it.get(f"store.{lay}.k_scales"), it.get(f"store.{lay}.tail_kv"),
+                                  it.get(f"store.{lay}.tail_score"))
+    return ModelCache(layout=template.layout, batch=start.size(0), pos=start, windows=windows,
+                      stores=stores, engram_history=None, kv_dtype=template.kv_dtype,
+                      index_owner=it["index_owner"])
+
+
+def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, floor=None,
+                 hash_ids=None, rope=None) -> tuple:
+    """The host half of a phase: real inputs for `entry` from a cache and validated tokens (or
+    the encoder stream for `decoder`, or the accepted token for `draft`). Engram ids must be
+    passed in (they advance the cache's lookback, so the caller computes them once); so may
+    RoPE tables a graph `Chunk` already holds for the same start."""
+    a = model.args
+    if entry == "draft":
+        s = a.dspark_block_size
+    elif entry == "decoder":
+        s = x[0].size(1)
+    else:
+        s = x.size(1)
+    start = cache.pos.clone() if start is None else start
+    floor = torch.zeros_like(start) if floor is None else floor
+    rope = rope_window(model, start, s) if rope is None else rope
+    if hash_ids is None:
+        n_eng = len(a.engram_layer_ids)
+        cols = (a.engram_max_ngram_size - 1) * a.engram_n_heads if n_eng else 0
+        hash_ids = torch.zeros(start.size(0), s, n_eng, cols, dtype=torch.int64)
+    return (x, start, floor, rope[True][0], rope[True][1], rope[False][0], rope[False][1],
+            hash_ids, *cache_tensors(cache))

@@ -1,0 +1,61 @@
+"""The deployment targets: our names for them and the TVM target each stands for. Shared by
+the kernels (`schedules/`), the compiler and the runtime's artifact check; TVM is imported only
+when a target is built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    name: str  # our name: cpu, cpu-x86-64, cuda-sm80, cuda-sm90, cuda-sm100
+    target: dict  # the TVM target as a dict
+    arch: str | None = None  # sm_80 ... for CUDA
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.arch is not None
+
+    def tvm_target(self):  # -> tvm.target.Target
+        import tvm
+
+        return tvm.target.Target(self.target)
+
+
+def _cuda(arch: str) -> TargetSpec:
+    return TargetSpec(
+        name=f"cuda-{arch.replace('_', '')}",
+        target={"kind": "cuda", "arch": arch, "max_threads_per_block": 1024,
+                "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
+        arch=arch,
+    )
+
+
+def target_names() -> tuple[str, ...]:
+    return ("cpu", "cpu-x86-64", "cuda-sm80", "cuda-sm90", "cuda-sm100")
+
+
+def get_target(name: str) -> TargetSpec:
+    """`cpu` is this machine's LLVM features; `cpu-x86-64` a portable baseline."""
+    import tvm
+
+    cores = os.cpu_count() or 1
+    # no FMA contraction: a*b - c*d must round like torch's separate multiply and subtract
+    # (RoPE, the head and every elementwise chain would otherwise drift by an ulp)
+    strict = {"fast-math-contract": False}
+    if name == "cpu":
+        # LLVM splits 512-bit vectors in two on CPUs it tunes to prefer 256 bits (Sapphire Rapids
+        # among them); our kernels vectorise for the full width, so the preference is turned off
+        # (a no-op on CPUs without AVX-512)
+        return TargetSpec("cpu", {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
+                                  "mattr": ["-prefer-256-bit"], "num-cores": cores, **strict})
+    if name == "cpu-x86-64":
+        return TargetSpec("cpu-x86-64", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                         "mcpu": "x86-64", "num-cores": cores, **strict})
+    for arch in ("sm_80", "sm_90", "sm_100"):
+        if name == f"cuda-{arch.replace('_', '')}":
+            return _cuda(arch)
+    raise ValueError(f"Unknown target {name!r}; known targets: {', '.join(target_names())}.")
