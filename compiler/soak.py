@@ -3,11 +3,13 @@ process's RSS sampled along the way (a leak shows as growth between the baseline
 last).
 
 Session `turn % sessions` takes each turn: a few random new tokens, then a few decoded. The DRAM
-pool holds about four snapshots (its TTL runs on a clock that advances `turn_seconds` per turn,
-so a session that comes back after `sessions` turns finds its snapshot, or finds it expired or
-evicted), and the SSD store about 60 blocks with no minimum lifetime (evicted least recently used
-first). A session whose next turn would pass max_seq_len is closed and a new one takes its place.
-The defaults fit the `small` preset (page 8: a 1.8 KB block file, snapshots of 4-11 KB).
+pool's budget holds about `pool_snapshots` snapshots (the layout's encoder snapshot plus one page
+of entries not yet in a block; its TTL runs on a clock that advances `turn_seconds` per turn, so
+a session that comes back after `sessions` turns finds its snapshot, or finds it expired or
+evicted), and the SSD store's capacity about `store_blocks` block files (one page of global
+entries plus ~1 KiB of header and index) with no minimum lifetime, so blocks are evicted least
+recently used first. A session whose next turn would pass max_seq_len is closed and a new one
+takes its place. The report says whether both tiers evicted.
 
     dsv41 bench soak [--checkpoint DIR | --preset small] [--artifact DIR] [--turns 500]
                      [--sessions 4] [--baseline-turn 50] [--sample-every 50] [--json out.json]
@@ -37,15 +39,15 @@ class SoakOptions:
     sample_every: int = 50
     seed: int = 0
     page_tokens: int = 8
-    pool_budget_bytes: int = 45_000
+    pool_snapshots: int = 4  # the pool's budget, in snapshots
     pool_ttl_s: float = 100.0
     turn_seconds: float = 20.0  # the pool's clock per turn
-    store_capacity_bytes: int = 108_000
+    store_blocks: int = 60  # the store's capacity, in block files
     json: Path | None = None
 
     def validate(self) -> None:
         for name in ("turns", "sessions", "baseline_turn", "sample_every", "page_tokens",
-                     "pool_budget_bytes", "store_capacity_bytes"):
+                     "pool_snapshots", "store_blocks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
@@ -93,6 +95,21 @@ class SoakReport:
         return last.pool_evictions + last.pool_expired > 0 and last.store_evictions > 0
 
 
+BLOCK_FILE_OVERHEAD = 1024  # a block file's header and array index, about (runtime/kv_store.py)
+
+
+def tier_bytes(opts: SoakOptions, checkpoint: Path) -> tuple[int, int]:
+    """(pool budget, store capacity) in bytes for the soak's counts of snapshots and blocks."""
+    from dsv41.graph.checkpoint import checkpoint_config
+    from dsv41.graph.layout import KVLayout, encoder_snapshot_bytes
+    from dsv41.graph.plan import build_plan
+
+    plan = build_plan(checkpoint_config(checkpoint))
+    page = KVLayout.from_plan(plan).global_bytes(opts.page_tokens)
+    return (opts.pool_snapshots * (encoder_snapshot_bytes(plan) + page),
+            opts.store_blocks * (page + BLOCK_FILE_OVERHEAD))
+
+
 class _TurnClock:
     """The pool's clock: seconds the soak has advanced it."""
 
@@ -111,10 +128,11 @@ def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
     from .cli import ensure_checkpoint
 
     ckpt = opts.checkpoint or ensure_checkpoint(opts.preset, opts.seed)
+    pool_bytes, store_bytes = tier_bytes(opts, ckpt)
     clock = _TurnClock()
     engine_opts = dict(page_tokens=opts.page_tokens, store_dir=store_dir,
-                       pool_budget_bytes=opts.pool_budget_bytes, pool_ttl_s=opts.pool_ttl_s,
-                       pool_clock=clock, store_capacity_bytes=opts.store_capacity_bytes,
+                       pool_budget_bytes=pool_bytes, pool_ttl_s=opts.pool_ttl_s,
+                       pool_clock=clock, store_capacity_bytes=store_bytes,
                        store_min_lifetime_s=0.0)
     if opts.artifact is not None:
         engine = Engine.load(opts.artifact, ckpt, **engine_opts)
@@ -127,7 +145,7 @@ def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
     report = SoakReport(options={k: str(v) if isinstance(v, Path) else v
                                  for k, v in asdict(opts).items()})
     say(f"soak: {engine.backend}, checkpoint {ckpt}, {opts.turns} turns over {opts.sessions} "
-        f"sessions")
+        f"sessions; pool budget {pool_bytes:,} B, store capacity {store_bytes:,} B")
     a = engine.model.args
     rng = np.random.default_rng(opts.seed)
     proc = psutil.Process()
@@ -182,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
     p.add_argument("--artifact", default=None, help="a compiled artifact (default: PyTorch)")
     for name in ("turns", "sessions", "baseline_turn", "sample_every", "seed", "page_tokens",
-                 "pool_budget_bytes", "store_capacity_bytes"):
+                 "pool_snapshots", "store_blocks"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("pool_ttl_s", "turn_seconds"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
