@@ -12,7 +12,8 @@ recently used first. A session whose next turn would pass max_seq_len is closed 
 takes its place. The report says whether both tiers evicted.
 
     dsv41 bench soak [--checkpoint DIR | --preset small] [--artifact DIR] [--turns 500]
-                     [--sessions 4] [--baseline-turn 50] [--sample-every 50] [--json out.json]
+                     [--sessions 4] [--baseline-turn 50] [--sample-every 50] [--threads N]
+                     [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class SoakOptions:
     pool_ttl_s: float = 100.0
     turn_seconds: float = 20.0  # the pool's clock per turn
     store_blocks: int = 60  # the store's capacity, in block files
+    threads: int | None = None  # torch's intra-op threads (None: as torch chose)
     json: Path | None = None
 
     def validate(self) -> None:
@@ -52,6 +54,9 @@ class SoakOptions:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
                                  f"got {v!r}.")
+        if self.threads is not None and (not isinstance(self.threads, int)
+                                         or isinstance(self.threads, bool) or self.threads < 1):
+            raise ValueError(f"--threads must be a positive integer, got {self.threads!r}.")
         if self.baseline_turn > self.turns:
             raise ValueError(f"--baseline-turn {self.baseline_turn} is past the last turn "
                              f"({self.turns}).")
@@ -122,11 +127,14 @@ class _TurnClock:
 
 def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
     import psutil
+    import torch
 
     from dsv41.runtime.engine import Engine
 
     from .cli import ensure_checkpoint
 
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
     ckpt = opts.checkpoint or ensure_checkpoint(opts.preset, opts.seed)
     pool_bytes, store_bytes = tier_bytes(opts, ckpt)
     clock = _TurnClock()
@@ -145,7 +153,8 @@ def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
     report = SoakReport(options={k: str(v) if isinstance(v, Path) else v
                                  for k, v in asdict(opts).items()})
     say(f"soak: {engine.backend}, checkpoint {ckpt}, {opts.turns} turns over {opts.sessions} "
-        f"sessions; pool budget {pool_bytes:,} B, store capacity {store_bytes:,} B")
+        f"sessions, {torch.get_num_threads()} torch threads; pool budget {pool_bytes:,} B, "
+        f"store capacity {store_bytes:,} B")
     a = engine.model.args
     rng = np.random.default_rng(opts.seed)
     proc = psutil.Process()
@@ -204,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("pool_ttl_s", "turn_seconds"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
     p.add_argument("--json", default=None, help="write the samples and the ratio here")
     return p
 
