@@ -83,7 +83,7 @@ class SoakSample:
 
 @dataclass
 class SoakReport:
-    options: dict
+    options: SoakOptions
     samples: list[SoakSample] = field(default_factory=list)
 
     def rss_at(self, turn: int) -> int:
@@ -92,7 +92,7 @@ class SoakReport:
     @property
     def ratio(self) -> float:
         """RSS at the last turn over RSS at the baseline turn."""
-        return self.rss_at(self.samples[-1].turn) / self.rss_at(self.options["baseline_turn"])
+        return self.rss_at(self.samples[-1].turn) / self.rss_at(self.options.baseline_turn)
 
     @property
     def tiers_evicting(self) -> bool:
@@ -150,8 +150,7 @@ def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
 
         engine = Engine.from_model(Model.from_checkpoint(ckpt),
                                    weights_hash=weights_fingerprint(ckpt), **engine_opts)
-    report = SoakReport(options={k: str(v) if isinstance(v, Path) else v
-                                 for k, v in asdict(opts).items()})
+    report = SoakReport(options=opts)
     say(f"soak: {engine.backend}, checkpoint {ckpt}, {opts.turns} turns over {opts.sessions} "
         f"sessions, {torch.get_num_threads()} torch threads; pool budget {pool_bytes:,} B, "
         f"store capacity {store_bytes:,} B")
@@ -196,8 +195,9 @@ def format_sample(s: SoakSample) -> str:
 
 
 def report_json(report: SoakReport) -> dict:
-    base, last = report.options["baseline_turn"], report.samples[-1].turn
-    return {"options": report.options, "samples": [asdict(s) for s in report.samples],
+    base, last = report.options.baseline_turn, report.samples[-1].turn
+    options = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(report.options).items()}
+    return {"options": options, "samples": [asdict(s) for s in report.samples],
             "rss_baseline_bytes": report.rss_at(base), "rss_last_bytes": report.rss_at(last),
             "rss_ratio": report.ratio, "tiers_evicting": report.tiers_evicting}
 

@@ -66,6 +66,7 @@ def test_soak_runs_every_tier_evicting_and_reports(small_case, tmp_path):
     assert last.pool_evictions + last.pool_expired > 0 and last.store_evictions > 0
     assert report.tiers_evicting
     doc = json.loads(json.dumps(report_json(report)))
+    assert doc["options"]["turns"] == 8 and doc["options"]["checkpoint"] == str(opts.checkpoint)
     assert doc["rss_baseline_bytes"] == report.samples[0].rss_bytes
     assert doc["rss_last_bytes"] == last.rss_bytes
     assert doc["rss_ratio"] == pytest.approx(last.rss_bytes / report.samples[0].rss_bytes)
