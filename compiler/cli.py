@@ -177,7 +177,7 @@ def cmd_bench(ns, rest: list[str]) -> int:
     if rest and rest[0] == "soak":
         from dsv41.compiler.soak import main as soak_main
 
-        return soak_main(rest[1:])
+        return soak_main(rest[1:], default_checkpoint=ensure_checkpoint)
     if rest and not rest[0].startswith("-"):
         raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
                          "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "

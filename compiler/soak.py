@@ -23,7 +23,8 @@ import gc
 import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -131,11 +132,11 @@ def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
 
     from dsv41.runtime.engine import Engine
 
-    from .cli import ensure_checkpoint
-
+    if opts.checkpoint is None:
+        raise ValueError("The soak needs a checkpoint folder (`main` resolves --preset to one).")
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
-    ckpt = opts.checkpoint or ensure_checkpoint(opts.preset, opts.seed)
+    ckpt = opts.checkpoint
     pool_bytes, store_bytes = tier_bytes(opts, ckpt)
     clock = _TurnClock()
     engine_opts = dict(page_tokens=opts.page_tokens, store_dir=store_dir,
@@ -218,11 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *,
+         default_checkpoint: Callable[[str, int], Path]) -> int:
+    """`default_checkpoint(preset, seed)`: the checkpoint folder when --checkpoint is not given
+    (the CLI's seeded checkpoint, written once)."""
     ns = build_parser().parse_args(argv)
     opts = SoakOptions(**{k: (Path(v) if k in ("checkpoint", "artifact", "json") and v else v)
                           for k, v in vars(ns).items()})
     opts.validate()
+    if opts.checkpoint is None:
+        opts = replace(opts, checkpoint=default_checkpoint(opts.preset, opts.seed))
     with tempfile.TemporaryDirectory(prefix="dsv41-soak-") as tmp:
         report = run_soak(opts, Path(tmp) / "store")
     base, last = opts.baseline_turn, report.samples[-1].turn

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from dsv41.compiler import cli
+from dsv41.compiler import cli, soak
 from dsv41.compiler.soak import SoakOptions, report_json, run_soak
 from dsv41.runtime.engine import Engine
 from dsv41.runtime.onednn import (
@@ -87,6 +87,23 @@ def test_soak_options_are_checked(field, value, match):
 def test_bench_soak_bad_argument_is_a_clear_error(capsys):
     assert cli.main(["bench", "soak", "--turns", "0"]) == 2
     assert "dsv41 bench: error: --turns must be a positive integer" in capsys.readouterr().err
+
+
+def test_bench_soak_resolves_the_preset_and_writes_its_json(small_case, tmp_path, capsys):
+    asked = []
+
+    def default_checkpoint(preset, seed):
+        asked.append((preset, seed))
+        return small_case.checkpoint
+
+    out = tmp_path / "soak.json"
+    argv = ["--turns", "2", "--sessions", "1", "--baseline-turn", "1", "--sample-every", "1",
+            "--seed", "3", "--json", str(out)]
+    assert soak.main(argv, default_checkpoint=default_checkpoint) == 0
+    assert asked == [("small", 3)]
+    doc = json.loads(out.read_text())
+    assert [s["turn"] for s in doc["samples"]] == [1, 2]
+    assert "RSS turn 1 " in capsys.readouterr().out
 
 
 _SHAPES = textwrap.dedent("""
