@@ -156,14 +156,20 @@ def cmd_compile(ns) -> int:
 
 
 def cmd_bench(ns, rest: list[str]) -> int:
-    """`dsv41 bench kernels ...`: single kernels; `dsv41 bench [options]`: end to end."""
+    """`dsv41 bench kernels ...`: single kernels; `dsv41 bench soak ...`: the soak;
+    `dsv41 bench [options]`: end to end."""
     if rest and rest[0] == "kernels":
         from dsv41.compiler.bench_kernels import main as bench_main
 
         return bench_main(rest[1:])
+    if rest and rest[0] == "soak":
+        from dsv41.compiler.soak import main as soak_main
+
+        return soak_main(rest[1:], default_checkpoint=ensure_checkpoint)
     if rest and not rest[0].startswith("-"):
         raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
-                         "end-to-end benchmark, `dsv41 bench kernels` the kernels.")
+                         "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "
+                         "bench soak` the soak.")
     from dsv41.compiler.bench import main as e2e_main
 
     return e2e_main(rest)
@@ -341,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("bench", add_help=False,
                         help="end to end: `dsv41 bench [--help]`; kernels: `dsv41 bench "
-                             "kernels [--help]`")
+                             "kernels [--help]`; soak: `dsv41 bench soak [--help]`")
     sp.set_defaults(func=cmd_bench, passthrough=True)
 
     sp = sub.add_parser("run", help="the agent-loop demo: long context, then short turns")
@@ -417,10 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dsv41.runtime.onednn import bound_onednn_caches
+
     ns, rest = build_parser().parse_known_args(argv)
     if rest and not getattr(ns, "passthrough", False):
         build_parser().parse_args(argv)  # reports the unknown arguments and exits
     try:
+        bound_onednn_caches()  # before any torch work of any command (runtime/onednn.py)
         if getattr(ns, "passthrough", False):
             return ns.func(ns, rest)
         return ns.func(ns)

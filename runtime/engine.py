@@ -53,6 +53,7 @@ from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
 from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, chunk_spans, resume_tail
 
+from .onednn import bound_onednn_caches
 from .requests import (
     RequestError,
     TurnLimits,
@@ -138,6 +139,7 @@ class Engine:
         from .kv_store import BlockWriter, KVStore
         from .snapshot_pool import SnapshotPool
 
+        bound_onednn_caches()  # before this process's first bf16 matmul (runtime/onednn.py)
         self.model, self.phases, self.options, self.backend = model, phases, options, backend
         self._pad = model.engram.pad_id if model.engram is not None else None
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
