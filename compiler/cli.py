@@ -463,7 +463,8 @@ def cmd_chat(ns) -> int:
     finally:
         batcher.stop()
         se.close()
-    print(f"summary: {summary.turns} replies, {summary.completion_tokens} tokens")
+    print(f"summary: {summary.turns} replies, {summary.completion_tokens} tokens, prompts of "
+          f"{', '.join(str(n) for n in summary.prompt_tokens) or 'none'} tokens")
     return 0
 
 

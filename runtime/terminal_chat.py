@@ -36,6 +36,7 @@ class ChatSettings:
 class ChatSummary:
     turns: int  # replies generated
     completion_tokens: int
+    prompt_tokens: tuple[int, ...]  # each reply's prompt length (the history grows)
 
 
 def run_chat(batcher: Batcher, tok: Tokenizer, settings: ChatSettings, stdin: TextIO,
@@ -45,6 +46,7 @@ def run_chat(batcher: Batcher, tok: Tokenizer, settings: ChatSettings, stdin: Te
     history = list(base)
     options = ChatOptions(thinking=settings.thinking)
     turns = tokens = 0
+    prompts: list[int] = []
     if prompt_format(tok) is PromptFormat.PLAIN:
         stdout.write(f"(the tokenizer {tok.file.path.name} has no chat markers: each turn is "
                      "the messages' texts joined, see runtime/prompts.py)\n")
@@ -90,4 +92,5 @@ def run_chat(batcher: Batcher, tok: Tokenizer, settings: ChatSettings, stdin: Te
         if ended in (FinishReason.STOP, FinishReason.LENGTH):
             history = [*turn, Message(Role.ASSISTANT, "".join(reply))]
             turns += 1
-    return ChatSummary(turns, tokens)
+            prompts.append(len(ids))
+    return ChatSummary(turns, tokens, tuple(prompts))
