@@ -40,6 +40,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .batcher import Batcher, FinishReason, QueueFull, Stream, TokenEvent
@@ -280,8 +281,10 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
         deadline = None if opts.request_timeout_s is None else \
             time.monotonic() + opts.request_timeout_s
         if req.stream:
+            # the background cancel covers a client gone before the first chunk was sent
             return StreamingResponse(sse(req, stream, deadline), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(stream.cancel))
         return await collect(req, stream, request, deadline)
 
     @app.post("/v1/chat/completions")
