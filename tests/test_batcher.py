@@ -292,6 +292,22 @@ def test_stop_strings_end_with_stop_and_are_not_emitted(small_model):
     assert stop not in "".join(ev.text for ev in events)
 
 
+def test_the_thread_serves_streams_and_stop_cancels_the_rest(small_model, alone):
+    b = Batcher(_engine(small_model))
+    b.start()
+    done = b.submit(*_req(1))
+    assert _tokens(done) == alone[1]  # iterating blocks until the thread has stepped
+    running = b.submit(REQUESTS[2][0], _greedy(100))
+    first = running.get(timeout=600)  # a guard against a hang, not a timing
+    assert first is not None and first.finish is None
+    b.stop()
+    rest = _events(running)
+    assert rest[-1].finish is FinishReason.CANCELLED and running.done
+    assert b.stats().cancelled == 1 and b.stats().finished == 1
+    with pytest.raises(RequestError, match="stopped"):
+        b.submit(*_req(1))
+
+
 def test_compiled_artifact_batches_like_the_graph(small_artifact, small_case):
     """The compiled decode entry (batch bound 64, caches written in place) under the batcher:
     requests at different lengths joining and leaving give each request's tokens alone."""
