@@ -73,7 +73,7 @@ from .requests import (
     check_turn,
 )
 from .salt import KeySalt
-from .sampling import SampledToken, Sampler
+from .sampling import SampledToken, Sampler, SamplingParams
 from .state import (
     block_arrays,
     check_block_tokens,
@@ -500,11 +500,15 @@ class Session:
 
     def send(self, token_ids: Sequence[int], *, max_new_tokens: int = 256,
              stop: Sequence[int] = (), temperature: float = 0.0, seed: int | None = None,
-             keep_logits: bool = False) -> Iterator[int]:
+             keep_logits: bool = False, sampling: SamplingParams | None = None
+             ) -> Iterator[int]:
         """Prefill the new tokens and yield up to `max_new_tokens` decoded tokens (stopping
-        after a token in `stop`). The turn's record is `session.turns[-1]`."""
+        after a token in `stop`). `sampling` replaces temperature / seed with the full sampler
+        (its max_tokens, when set, replaces max_new_tokens; its stop ids and EOS join `stop`).
+        The turn's record is `session.turns[-1]`."""
         req = self._request(token_ids, max_new_tokens=max_new_tokens, stop=stop,
-                            temperature=temperature, seed=seed, keep_logits=keep_logits)
+                            temperature=temperature, seed=seed, keep_logits=keep_logits,
+                            sampling=sampling)
         self._finish_open_turn()  # an abandoned turn ends (and is stored) before the next starts
         turn = self._begin(req)
         self._gen, self._open = self._decode(turn), turn
