@@ -358,3 +358,24 @@ def test_dsv41_chat_through_a_pipe(small_artifact, small_case):
     n1, n2 = 1 + len(tok.encode("w1w3 W3")), 1 + len(tok.encode("w1w3 W3" + reply + "w5"))
     assert n2 > n1 + 1
     assert re.search(rf"summary: 2 replies, \d+ tokens, prompts of {n1}, {n2} tokens", out)
+
+
+def test_dsv41_bench_serve_json(small_artifact, small_case, tmp_path, capsys):
+    from dsv41.compiler.cli import main
+
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--artifact", str(small_artifact), "--checkpoint",
+               str(small_case.checkpoint), "--clients", "1,2", "--requests", "1",
+               "--prompt-tokens", "8", "--max-tokens", "4", "--long-streams", "2",
+               "--long-prompt-tokens", "40", "--long-max-tokens", "8", "--prefill-chunk", "8",
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["serve"]
+    assert [r["clients"] for r in res["clients"]] == [1, 2]
+    assert [r["completion_tokens"] for r in res["clients"]] == [4, 8]  # ignore_eos: exact
+    for r in res["clients"]:
+        assert r["tokens_per_s"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0
+    lp = res["long_prompt"]
+    assert (lp["streams"], lp["long_prompt_tokens"]) == (2, 40) and lp["long_ttft_s"] > 0
+    assert res["prefill_chunk_tokens"] == 8
+    assert "summary: 1 clients" in capsys.readouterr().out
