@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 DEFAULT_CHECKPOINTS = Path("artifacts") / "checkpoints"
+ENGINE_STALL_CHUNK = 128  # `bench serve`'s engine-side stall row without --prefill-chunk
 
 
 def _args_from(ns):
@@ -540,6 +541,20 @@ def cmd_bench_serve(ns) -> int:
         with ServerThread(app) as server:
             result = run_serve_bench(server.host, server.port, se.model_name, opts,
                                      vocab_size=args.vocab_size)
+        batcher.stop()
+        batcher = None
+        if opts.long_streams:  # the same stall measured on the engine's side, no HTTP
+            from dsv41.runtime.batcher import measure_long_prompt_stall
+
+            stall = measure_long_prompt_stall(
+                se.engine, streams=opts.long_streams, stream_prompt=opts.prompt_tokens,
+                stream_tokens=opts.long_max_tokens, long_prompt=opts.long_prompt_tokens,
+                chunk_tokens=ns.prefill_chunk or ENGINE_STALL_CHUNK, seed=ns.seed)
+            result["long_prompt_engine"] = stall.to_dict()
+            print(f"  engine side: worst gap {stall.worst_gap_s * 1e3:.1f} ms during the "
+                  f"{stall.chunks}-chunk prefill ({stall.chunk_tokens} tokens a chunk, "
+                  f"{stall.chunk_s * 1e3:.1f} ms each), median gap "
+                  f"{stall.median_gap_s * 1e3:.1f} ms")
     finally:
         if batcher is not None:
             batcher.stop()
