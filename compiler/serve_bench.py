@@ -8,7 +8,7 @@ second (all tokens over the wall time of the round), TTFT p50 / p99, gap p50 / p
 
 The long-prompt row: `--long-streams` clients decode (long max_tokens); once each has its first
 token, one request with a `--long-prompt-tokens` prompt arrives. The gaps the decoding streams
-see while it is prefilled (from its arrival to its first token) against their gaps before it:
+see while it is prefilled (from its arrival to its first token) against their other gaps:
 with prefill chunks interleaved with decode steps, the largest gap is about one chunk's prefill
 plus one decode step, not the whole prompt's prefill.
 
@@ -169,7 +169,7 @@ class LongPromptRow:
     streams: int
     long_prompt_tokens: int
     long_ttft_s: float  # the long request's own time to first token
-    gap_before_p50_s: float  # the decoding streams' gaps before it arrived
+    gap_outside_p50_s: float  # the decoding streams' gaps outside its prefill (before, after)
     gap_during_max_s: float  # their largest gap while it was prefilled
     gap_during_p50_s: float
     gaps_during: int  # how many gaps fell in that interval
@@ -208,14 +208,11 @@ def long_prompt_round(host: str, port: int, model: str, opts: ServeBenchOptions,
     if errors:
         raise RuntimeError(f"{len(errors)} decoding streams failed: {errors[0]}")
     lo, hi = long.sent, long.token_times[0]
-    before, during = [], []
+    outside, during = [], []
     for t in traces:
         for a, b in zip(t.token_times, t.token_times[1:], strict=False):
-            if b <= lo:
-                before.append(b - a)
-            elif b > lo and a < hi:
-                during.append(b - a)
-    return LongPromptRow(n, opts.long_prompt_tokens, long.ttft, _percentile(before, 50),
+            (during if b > lo and a < hi else outside).append(b - a)
+    return LongPromptRow(n, opts.long_prompt_tokens, long.ttft, _percentile(outside, 50) or 0.0,
                          max(during) if during else 0.0, _percentile(during, 50) or 0.0,
                          len(during))
 
@@ -238,7 +235,7 @@ def run_serve_bench(host: str, port: int, model: str, opts: ServeBenchOptions, *
     if opts.long_streams:
         lr = long_prompt_round(host, port, model, opts, vocab_size, rng)
         progress(f"  long prompt ({lr.long_prompt_tokens} tokens) while {lr.streams} streams "
-                 f"decode: their gap p50 {lr.gap_before_p50_s * 1e3:.1f} ms before, max "
+                 f"decode: their gap p50 {lr.gap_outside_p50_s * 1e3:.1f} ms outside, max "
                  f"{lr.gap_during_max_s * 1e3:.1f} ms (p50 {lr.gap_during_p50_s * 1e3:.1f} ms) "
                  f"during its prefill (TTFT {lr.long_ttft_s * 1e3:.0f} ms)")
         out["long_prompt"] = asdict(lr)
