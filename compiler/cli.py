@@ -346,7 +346,12 @@ class ServingEngine:
     backend: str
     temp_store: object | None = None  # tempfile.TemporaryDirectory when no --store was given
 
-    def close(self) -> None:
+    closed: bool = False
+
+    def close(self) -> None:  # idempotent
+        if self.closed:
+            return
+        self.closed = True
         self.engine.close()
         if self.temp_store is not None:
             self.temp_store.cleanup()
@@ -404,14 +409,19 @@ def serving_engine(ns) -> ServingEngine:
 
 
 def _batcher(ns, se: ServingEngine):
+    """The batcher over `se`; on a bad option the engine is closed before the error goes up."""
     from dsv41.runtime.batcher import Batcher
 
-    for flag in ("max_running", "max_queue"):
-        if getattr(ns, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got "
-                             f"{getattr(ns, flag)}.")
-    return Batcher(se.engine, tokenizer=se.tokenizer, max_running=ns.max_running,
-                   max_queue=ns.max_queue, prefill_chunk_tokens=ns.prefill_chunk)
+    try:
+        for flag in ("max_running", "max_queue"):
+            if getattr(ns, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got "
+                                 f"{getattr(ns, flag)}.")
+        return Batcher(se.engine, tokenizer=se.tokenizer, max_running=ns.max_running,
+                       max_queue=ns.max_queue, prefill_chunk_tokens=ns.prefill_chunk)
+    except BaseException:
+        se.close()
+        raise
 
 
 def cmd_serve(ns) -> int:
@@ -424,11 +434,13 @@ def cmd_serve(ns) -> int:
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}.")
     timeout = None if ns.request_timeout <= 0 else ns.request_timeout
+    if ns.api_key is not None and not ns.api_key:
+        raise ValueError("--api-key must not be empty (leave it out for no key).")
     se = serving_engine(ns)
     args = se.engine.model.args
     opts = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
                          max_seq_len=args.max_seq_len, api_key=ns.api_key,
-                         request_timeout_s=timeout).validate()
+                         request_timeout_s=timeout)
     batcher = _batcher(ns, se)
     batcher.start()
     print(f"serving {se.model_name!r} ({se.backend}; tokenizer {se.tokenizer.file.path.name}, "
