@@ -7,10 +7,12 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .assets import ensure_artifact, ensure_checkpoint
+
+ENGINE_STALL_CHUNK = 128  # `bench serve`'s engine-side stall row without --prefill-chunk
 
 
 def _args_from(ns):
@@ -156,8 +158,10 @@ def cmd_compile(ns) -> int:
 
 
 def cmd_bench(ns, rest: list[str]) -> int:
-    """`dsv41 bench kernels ...`: single kernels; `dsv41 bench soak ...`: the soak;
-    `dsv41 bench [options]`: end to end."""
+    """`dsv41 bench kernels ...`: single kernels; `dsv41 bench soak ...`: the soak; `dsv41 bench
+    serve ...`: the HTTP server; `dsv41 bench [options]`: end to end."""
+    if rest and rest[0] == "serve":
+        return cmd_bench_serve(build_bench_serve_parser().parse_args(rest[1:]))
     if rest and rest[0] == "kernels":
         from dsv41.compiler.bench_kernels import main as bench_main
 
@@ -169,7 +173,7 @@ def cmd_bench(ns, rest: list[str]) -> int:
     if rest and not rest[0].startswith("-"):
         raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
                          "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "
-                         "bench soak` the soak.")
+                         "bench soak` the soak, `dsv41 bench serve` the HTTP server.")
     from dsv41.compiler.bench import main as e2e_main
 
     return e2e_main(rest)
@@ -292,6 +296,255 @@ def cmd_tune(ns) -> int:
           "schedules")
     if ns.compare_step:
         print(compare_step(opts))
+    return 0
+
+
+@dataclass
+class ServingEngine:
+    """What `serve`, `chat` and `bench serve` run on: the engine, its tokenizer and the served
+    model's name; `close()` ends the engine and removes the temporary store it made."""
+
+    engine: object  # runtime.engine.Engine
+    tokenizer: object  # runtime.tokenizer.Tokenizer
+    model_name: str
+    backend: str
+    temp_store: object | None = None  # tempfile.TemporaryDirectory when no --store was given
+
+    closed: bool = False
+
+    def close(self) -> None:  # idempotent
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.close()
+        if self.temp_store is not None:
+            self.temp_store.cleanup()
+
+
+def serving_engine(ns) -> ServingEngine:
+    """The engine as `dsv41 run` builds it: --artifact DIR, or the artifact for the checkpoint
+    (compiling what is missing), or --backend torch (the PyTorch graph); --checkpoint DIR or the
+    preset's seeded one; --store DIR (a new or empty folder, or a store to continue) or a fresh
+    temporary store removed at the end."""
+    import tempfile
+
+    from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
+    from dsv41.runtime.artifact import CED_ENTRIES
+    from dsv41.runtime.engine import Engine
+    from dsv41.runtime.tokenizer import Tokenizer
+
+    if ns.backend not in ("artifact", "torch"):
+        raise ValueError(f"--backend must be artifact or torch, got {ns.backend!r}.")
+    if ns.artifact and ns.backend == "torch":
+        raise ValueError("--artifact and --backend torch exclude each other.")
+    if ns.page_tokens < 1:
+        raise ValueError(f"--page-tokens must be positive, got {ns.page_tokens}.")
+    if ns.store is not None:
+        from dsv41.runtime.kv_store import FORMAT_VERSION, STORE_KIND
+        from dsv41.runtime.store_folder import check_folder
+
+        check_folder(Path(ns.store), kind=STORE_KIND, version=FORMAT_VERSION)
+    ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
+    args = checkpoint_config(ckpt)
+    tok = Tokenizer.for_model(args, ckpt)  # refused here when it does not fit the model
+    name = ns.model_name or (ckpt.name if ns.checkpoint else ns.preset)
+    temp = None
+    if ns.store is None:
+        temp = tempfile.TemporaryDirectory(prefix="dsv41-serve-store-")
+    opts = {"store_dir": Path(ns.store) if ns.store else Path(temp.name) / "store",
+            "page_tokens": ns.page_tokens}
+    try:
+        if ns.backend == "torch":
+            from dsv41.graph.model import Model
+
+            engine = Engine.from_model(Model.from_checkpoint(ckpt),
+                                       weights_hash=weights_fingerprint(ckpt), **opts)
+            backend = "PyTorch graph"
+        else:
+            art = Path(ns.artifact) if ns.artifact else ensure_artifact(
+                ckpt, ns.preset, ns.target, CED_ENTRIES, Path(ns.out))
+            engine = Engine.load(art, ckpt, **opts)
+            backend = f"artifact {art}"
+    except BaseException:
+        if temp is not None:
+            temp.cleanup()
+        raise
+    return ServingEngine(engine, tok, name, backend, temp)
+
+
+def _batcher(ns, se: ServingEngine):
+    """The batcher over `se`; on a bad option the engine is closed before the error goes up."""
+    from dsv41.runtime.batcher import Batcher
+
+    try:
+        for flag in ("max_running", "max_queue"):
+            if getattr(ns, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got "
+                                 f"{getattr(ns, flag)}.")
+        return Batcher(se.engine, tokenizer=se.tokenizer, max_running=ns.max_running,
+                       max_queue=ns.max_queue, prefill_chunk_tokens=ns.prefill_chunk)
+    except BaseException:
+        se.close()
+        raise
+
+
+def cmd_serve(ns) -> int:
+    import uvicorn
+
+    from dsv41.runtime.server import ServerOptions, create_app
+
+    shown = argparse.Namespace(**{**vars(ns), "api_key": "***" if ns.api_key else None})
+    _print_args("serve", shown)
+    if not 0 < ns.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {ns.port}.")
+    timeout = None if ns.request_timeout <= 0 else ns.request_timeout
+    if ns.api_key is not None and not ns.api_key:
+        raise ValueError("--api-key must not be empty (leave it out for no key).")
+    se = serving_engine(ns)
+    args = se.engine.model.args
+    opts = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
+                         max_seq_len=args.max_seq_len, api_key=ns.api_key,
+                         request_timeout_s=timeout)
+    batcher = _batcher(ns, se)
+    batcher.start()
+    print(f"serving {se.model_name!r} ({se.backend}; tokenizer {se.tokenizer.file.path.name}, "
+          f"{se.tokenizer.file.source.value}) on http://{ns.host}:{ns.port}/v1"
+          f"{' with an API key' if ns.api_key else ''}", flush=True)
+    try:
+        uvicorn.run(create_app(batcher, se.tokenizer, opts), host=ns.host, port=ns.port,
+                    log_level=ns.log_level)
+    finally:
+        batcher.stop()
+        st = batcher.stats()
+        se.close()
+    print(f"summary: {st.finished} requests finished, {st.cancelled} cancelled, "
+          f"{st.prompt_tokens} prompt and {st.completion_tokens} completion tokens")
+    return 0
+
+
+def cmd_chat(ns) -> int:
+    from dsv41.runtime.sampling import SamplingParams
+    from dsv41.runtime.terminal_chat import ChatSettings, run_chat
+
+    _print_args("chat", ns)
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed_sampling,
+                            max_tokens=ns.max_tokens).validate()
+    se = serving_engine(ns)
+    batcher = _batcher(ns, se)
+    batcher.start()
+    print(f"chat with {se.model_name!r} ({se.backend}); /reset clears the history, /exit ends",
+          flush=True)
+    try:
+        summary = run_chat(batcher, se.tokenizer, ChatSettings(params, ns.system, ns.thinking),
+                           sys.stdin, sys.stdout)
+    finally:
+        batcher.stop()
+        se.close()
+    print(f"summary: {summary.turns} replies, {summary.completion_tokens} tokens, prompts of "
+          f"{', '.join(str(n) for n in summary.prompt_tokens) or 'none'} tokens")
+    return 0
+
+
+def serving_opts(sp, *, server: bool) -> None:
+    """The engine and batcher options of `serve`, `chat` and `bench serve`."""
+    sp.add_argument("--artifact", default=None, help="a compiled artifact folder")
+    sp.add_argument("--backend", default="artifact",
+                    help="artifact (compiled; compiles what is missing) | torch")
+    sp.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
+    sp.add_argument("--preset", default="small", help="seeded checkpoint of this preset")
+    sp.add_argument("--seed", type=int, default=0, help="the seeded checkpoint's seed")
+    sp.add_argument("--store", default=None,
+                    help="the SSD store's folder: new or empty, or a store to continue (default:"
+                         " a fresh temporary store, removed at the end)")
+    sp.add_argument("--page-tokens", type=int, default=64,
+                    help="runtime-cache page and SSD block, in positions")
+    sp.add_argument("--target", default="cpu", help="the artifact's target")
+    sp.add_argument("--out", default="artifacts", help="where artifacts live")
+    sp.add_argument("--model-name", default=None,
+                    help="the served model's id (default: the preset, or the checkpoint folder)")
+    sp.add_argument("--max-running", type=int, default=16, help="sequences decoded together")
+    sp.add_argument("--max-queue", type=int, default=64,
+                    help="requests waiting for a slot (beyond: 429)" if server else
+                    "requests waiting for a slot")
+    sp.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill tokens per batcher step (default: the batcher's)")
+
+
+def build_bench_serve_parser() -> argparse.ArgumentParser:
+    sp = argparse.ArgumentParser(prog="dsv41 bench serve",
+                                 description="the HTTP server under concurrent streaming clients")
+    serving_opts(sp, server=True)
+    sp.add_argument("--clients", default="1,4,16", help="concurrent client counts")
+    sp.add_argument("--requests", type=int, default=2, help="requests per client, in turn")
+    sp.add_argument("--prompt-tokens", type=int, default=32)
+    sp.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    sp.add_argument("--long-streams", type=int, default=8,
+                    help="streams decoding while a long prompt arrives (0: no such row)")
+    sp.add_argument("--long-prompt-tokens", type=int, default=512)
+    sp.add_argument("--long-max-tokens", type=int, default=48,
+                    help="tokens each of those streams generates")
+    sp.add_argument("--json", default=None, help="write the rows as JSON here")
+    return sp
+
+
+def cmd_bench_serve(ns) -> int:
+    from dsv41.compiler.serve_bench import ServeBenchOptions, run_serve_bench
+    from dsv41.runtime.server import ServerOptions, ServerThread, create_app
+
+    _print_args("bench serve", ns)
+    try:
+        clients = tuple(int(c) for c in ns.clients.split(",") if c.strip())
+    except ValueError:
+        raise ValueError(f"--clients must be comma-separated counts, got {ns.clients!r}.") from None
+    se = serving_engine(ns)
+    args = se.engine.model.args
+    batcher = None
+    try:
+        opts = ServeBenchOptions(
+            clients=clients, requests=ns.requests, prompt_tokens=ns.prompt_tokens,
+            max_tokens=ns.max_tokens, long_streams=ns.long_streams,
+            long_prompt_tokens=ns.long_prompt_tokens, long_max_tokens=ns.long_max_tokens,
+            seed=ns.seed).validate(args.max_seq_len)
+        if max((*clients, ns.long_streams + 1)) > ns.max_running + ns.max_queue:
+            raise ValueError("--max-running + --max-queue must hold every client at once.")
+        batcher = _batcher(ns, se)
+        batcher.start()
+        app = create_app(batcher, se.tokenizer, ServerOptions(
+            model_name=se.model_name, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len))
+        print(f"bench serve: {se.model_name!r} ({se.backend}), --max-running "
+              f"{ns.max_running}; noisy when other work shares the machine")
+        t0 = time.time()
+        with ServerThread(app) as server:
+            result = run_serve_bench(server.host, server.port, se.model_name, opts,
+                                     vocab_size=args.vocab_size)
+        batcher.stop()
+        batcher = None
+        if opts.long_streams:  # the same stall measured on the engine's side, no HTTP
+            from dsv41.runtime.batcher import measure_long_prompt_stall
+
+            stall = measure_long_prompt_stall(
+                se.engine, streams=opts.long_streams, stream_prompt=opts.prompt_tokens,
+                stream_tokens=opts.long_max_tokens, long_prompt=opts.long_prompt_tokens,
+                chunk_tokens=ns.prefill_chunk or ENGINE_STALL_CHUNK, seed=ns.seed)
+            result["long_prompt_engine"] = stall.to_dict()
+            print(f"  engine side: worst gap {stall.worst_gap_s * 1e3:.1f} ms during the "
+                  f"{stall.chunks}-chunk prefill ({stall.chunk_tokens} tokens a chunk, "
+                  f"{stall.chunk_s * 1e3:.1f} ms each), median gap "
+                  f"{stall.median_gap_s * 1e3:.1f} ms")
+    finally:
+        if batcher is not None:
+            batcher.stop()
+        se.close()
+    result.update(backend=se.backend, max_running=ns.max_running,
+                  prefill_chunk_tokens=ns.prefill_chunk)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"serve": result}, indent=1))
+        print(f"json: {ns.json}")
+    rows = result["clients"]
+    print("summary: " + "; ".join(
+        f"{r['clients']} clients {r['tokens_per_s']:.1f} tok/s TTFT p50 "
+        f"{r['ttft_p50_s'] * 1e3:.0f} ms p99 {r['ttft_p99_s'] * 1e3:.0f} ms" for r in rows)
+        + f" ({time.time() - t0:.0f} s)")
     return 0
 
 
@@ -419,6 +672,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time the decode step compiled with and without the database "
                          "(compiles the decode entry twice)")
     sp.set_defaults(func=cmd_tune)
+
+    sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
+    serving_opts(sp, server=True)
+    sp.add_argument("--host", default="127.0.0.1", help="the address to bind (default: local)")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--api-key", default=None,
+                    help="require `Authorization: Bearer KEY` on /v1 (default: no key)")
+    sp.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds a request may run before it is cancelled (0: none)")
+    sp.add_argument("--log-level", default="info", help="uvicorn's log level")
+    sp.set_defaults(func=cmd_serve)
+
+    sp = sub.add_parser("chat", help="a terminal chat on the embedded engine (reads stdin)")
+    serving_opts(sp, server=False)
+    sp.add_argument("--system", default=None, help="a system message")
+    sp.add_argument("--thinking", action="store_true", help="thinking mode")
+    sp.add_argument("--max-tokens", type=int, default=64, help="tokens per reply at most")
+    sp.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    sp.add_argument("--top-p", type=float, default=1.0)
+    sp.add_argument("--seed-sampling", type=int, default=None, help="the sampler's seed")
+    sp.set_defaults(func=cmd_chat)
     return p
 
 

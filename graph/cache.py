@@ -260,3 +260,88 @@ def restore_local_state(cache: ModelCache, state: LocalState) -> None:
     cache.index_owner = state.index_owner
     cache.engram_history = state.engram_history
     cache.pos = state.pos
+
+
+# ---- slots: a stacked cache whose rows sequences join and leave ---------------------------------
+
+
+def with_rows(cache: ModelCache, rows: int) -> ModelCache:
+    """A copy of `cache` with `rows` sequence rows (at least its own): its rows first, then empty
+    ones (zeros, empty tails, no index-K owner; a joining sequence overwrites its row whole). A
+    batch of slots grows with this."""
+    if rows < cache.batch:
+        raise ValueError(f"with_rows cannot drop rows: {rows} < {cache.batch}.")
+    out = _shallow_copy(cache)
+    out.batch = rows
+    for obj, name in _batch_tensors(out):
+        t = getattr(obj, name)
+        fill = float("-inf") if name == "tail_score" else -1 if name == "index_owner" else 0
+        grown = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype)
+        grown[: t.size(0)] = t
+        setattr(obj, name, grown)
+    if cache.engram_history is not None:
+        pad = np.zeros((rows - cache.batch, cache.engram_history.shape[1]), np.int64)
+        out.engram_history = np.concatenate([cache.engram_history, pad], axis=0)
+    return out
+
+
+def put_sequence(dst: ModelCache, row: int, src: ModelCache) -> None:
+    """Copy the one sequence of `src` into row `row` of `dst` (in place). The row then equals
+    what `stack_caches` would hold for it: `src`'s entries, zeros past its capacity."""
+    if src.batch != 1 or not 0 <= row < dst.batch:
+        raise ValueError(f"put_sequence copies one sequence into a row of 0..{dst.batch - 1}; "
+                         f"got {src.batch} sequences for row {row}.")
+    if src.layout != dst.layout or src.kv_dtype != dst.kv_dtype:
+        raise ValueError("Only caches of the same model and KV dtype share a batch.")
+    if capacity_tokens(src) > capacity_tokens(dst):
+        raise ValueError(f"A sequence of capacity {capacity_tokens(src)} does not fit a batch "
+                         f"of capacity {capacity_tokens(dst)}; grow the batch first.")
+    for (obj, name), (sobj, sname) in zip(_batch_tensors(dst), _batch_tensors(src), strict=True):
+        d, s = getattr(obj, name)[row], getattr(sobj, sname)[0]
+        if d.shape == s.shape:
+            d.copy_(s)
+        else:  # a global store: the source's rows, then zeros
+            d[: s.size(0)].copy_(s)
+            d[s.size(0):].zero_()
+    if dst.engram_history is not None:
+        dst.engram_history[row] = src.engram_history[0]
+
+
+def move_sequence(cache: ModelCache, src: int, dst: int) -> None:
+    """Copy row `src` over row `dst` (in place): one row, every per-sequence tensor."""
+    if not (0 <= src < cache.batch and 0 <= dst < cache.batch):
+        raise ValueError(f"Rows must lie in 0..{cache.batch - 1}, got {src} and {dst}.")
+    for obj, name in _batch_tensors(cache):
+        t = getattr(obj, name)
+        t[dst] = t[src]
+    if cache.engram_history is not None:
+        cache.engram_history[dst] = cache.engram_history[src]
+
+
+def leading_rows(cache: ModelCache, n: int) -> ModelCache:
+    """A cache over rows [0, n) of `cache`, sharing its memory (views): a phase that writes in
+    place writes the batch; `write_back` copies what a phase replaced instead."""
+    if not 1 <= n <= cache.batch:
+        raise ValueError(f"leading_rows takes 1..{cache.batch} rows, got {n}.")
+    out = _shallow_copy(cache)
+    out.batch = n
+    for obj, name in _batch_tensors(out):
+        setattr(obj, name, getattr(obj, name)[:n])
+    if cache.engram_history is not None:
+        out.engram_history = cache.engram_history[:n]
+    return out
+
+
+def write_back(cache: ModelCache, view: ModelCache) -> None:
+    """After a phase ran on `leading_rows(cache, n)`: copy into `cache` every tensor the phase
+    replaced rather than wrote in place (a tensor still over the batch's memory is skipped)."""
+    n = view.batch
+    if capacity_tokens(view) != capacity_tokens(cache):
+        raise AssertionError("a phase grew a slot view; the batch must be grown before it runs")
+    for (obj, name), (vobj, vname) in zip(_batch_tensors(cache), _batch_tensors(view),
+                                          strict=True):
+        dst, src = getattr(obj, name)[:n], getattr(vobj, vname)
+        if src.data_ptr() != dst.data_ptr():
+            dst.copy_(src)
+    if cache.engram_history is not None:
+        cache.engram_history[:n] = view.engram_history

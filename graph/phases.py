@@ -50,6 +50,10 @@ from .model import (
 )
 
 DEFAULT_CHUNK_TOKENS = 2048  # the engine's prefill chunk (EngineOptions.prefill_chunk_tokens)
+# called between two chunks of a chunked prefill (the engine's batcher runs a decode step of the
+# running batch there, so a long prompt delays running streams by one chunk at a time); it may
+# raise to abandon the prefill (the caller then drops the cache)
+Pause = Callable[[], None]
 
 
 @dataclass
@@ -145,14 +149,15 @@ def forward_all(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Ch
 
 def prefill_exact(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
                   record: tuple[int, ...] = (), chunk_tokens: int | None = None,
-                  keep_rows: bool = False) -> PhaseResult:
+                  keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
     """Every block over every new token, each sequence continuing from its `cache.pos`. With
     `chunk_tokens`, in chunks (see `chunked_exact` for what the result keeps)."""
     tokens = check_tokens(model, tokens)
     if chunk_tokens is not None:
         return chunked_exact(lambda t: prefill_exact(model, cache, t, all_logits=all_logits,
                                                      record=record), tokens, chunk_tokens,
-                             all_logits=all_logits, keep_rows=keep_rows)
+                             all_logits=all_logits, keep_rows=keep_rows,
+                             between_chunks=between_chunks)
     chunk = new_chunk(model, cache, tokens, record)
     logits, x, main_hidden = forward_all(model, cache, tokens, chunk, all_logits)
     return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
@@ -265,7 +270,7 @@ def _joined(enc: EncoderOutput, res: PhaseResult) -> PhaseResult:
 
 def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
                 record: tuple[int, ...] = (), chunk_tokens: int | None = None,
-                keep_rows: bool = False) -> PhaseResult:
+                keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
     """CED prefill: `n_encoder * N + n_decoder * min(N, window)` token-layers instead of
     `n_layers * N`. Logits exist only for the replayed (last `window`) positions. With
     `chunk_tokens`, the encoder runs in chunks (see `chunked_encoder`)."""
@@ -274,7 +279,8 @@ def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = F
     else:
         enc = chunked_encoder(lambda t: encoder_prefill(model, cache, t, record),
                               check_tokens(model, tokens), chunk_tokens,
-                              window=model.args.window_size, keep_rows=keep_rows)
+                              window=model.args.window_size, keep_rows=keep_rows,
+                              between_chunks=between_chunks)
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 
@@ -329,7 +335,7 @@ def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
 
 def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logits: bool = False,
                    record: tuple[int, ...] = (), chunk_tokens: int | None = None,
-                   keep_rows: bool = False) -> PhaseResult:
+                   keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
     """Snapshot miss: encoder bounded replay, then decoder bounded replay. Token-layers:
     n_encoder * (min(window, L) + S) + n_decoder * min(window, min(window, L) + S). With
     `chunk_tokens`, the suffix runs in chunks (see `chunked_replay`)."""
@@ -340,7 +346,7 @@ def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logit
             lambda t: encoder_replay(model, cache, prefix, t, record),
             lambda t, floor: encoder_prefill(model, cache, t, record, floor=floor),
             check_tokens(model, suffix), chunk_tokens, window=model.args.window_size,
-            keep_rows=keep_rows)
+            keep_rows=keep_rows, between_chunks=between_chunks)
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 
@@ -373,7 +379,7 @@ def encode_cached_tail(model: Model, cache: ModelCache, cached, n: int,
 
 def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits: bool = False,
                    record: tuple[int, ...] = (), chunk_tokens: int | None = None,
-                   keep_rows: bool = False) -> PhaseResult:
+                   keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
     """A turn continuing a cache that holds its local state (live, or a snapshot restored over
     the prefix blocks) with decoder bounded replay at every prefill: the decoder rings are
     rebuilt from the last min(window, L + S) prompt tokens, whatever the decoder rings held
@@ -386,7 +392,8 @@ def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits
     t = resume_tail(model, cache, fresh.size(1))
     if t == 0:  # S >= window: the new tokens alone fill the decoder's window (chunked)
         return ced_prefill(model, cache, fresh, all_logits=all_logits, record=record,
-                           chunk_tokens=chunk_tokens, keep_rows=keep_rows)
+                           chunk_tokens=chunk_tokens, keep_rows=keep_rows,
+                           between_chunks=between_chunks)
     # S < window: the new tokens are fewer than one window, so one chunk at most
     tail = encode_cached_tail(model, cache, cached, t, record)
     enc = join_encoder(tail, encoder_prefill(model, cache, fresh, record),
@@ -458,20 +465,30 @@ def join_encoder(prev: EncoderOutput | None, new: EncoderOutput, *, window: int,
         _cat_rows({} if prev is None else prev.selections, new.selections) if keep_rows else {})
 
 
+def _paused(spans: list[tuple[int, int]], between_chunks: Pause | None):
+    """The spans, with `between_chunks()` called between consecutive ones."""
+    for n, span in enumerate(spans):
+        if n and between_chunks is not None:
+            between_chunks()
+        yield span
+
+
 def chunked_exact(run: Callable[[torch.Tensor], PhaseResult], tokens: torch.Tensor,
-                  chunk_tokens: int, *, all_logits: bool, keep_rows: bool) -> PhaseResult:
+                  chunk_tokens: int, *, all_logits: bool, keep_rows: bool,
+                  between_chunks: Pause | None = None) -> PhaseResult:
     """An exact prefill as consecutive calls of `run` (one chunk's prefill_exact)."""
     out = None
-    for b, e in chunk_spans(tokens.size(1), chunk_tokens):
+    for b, e in _paused(chunk_spans(tokens.size(1), chunk_tokens), between_chunks):
         out = join_results(out, run(tokens[:, b:e]), all_logits=all_logits, keep_rows=keep_rows)
     return out
 
 
 def chunked_encoder(encode: Callable[[torch.Tensor], EncoderOutput], tokens: torch.Tensor,
-                    chunk_tokens: int, *, window: int, keep_rows: bool) -> EncoderOutput:
+                    chunk_tokens: int, *, window: int, keep_rows: bool,
+                    between_chunks: Pause | None = None) -> EncoderOutput:
     """CED's encoder pass as consecutive calls of `encode` (one chunk's encoder_prefill)."""
     out = None
-    for b, e in chunk_spans(tokens.size(1), chunk_tokens):
+    for b, e in _paused(chunk_spans(tokens.size(1), chunk_tokens), between_chunks):
         out = join_encoder(out, encode(tokens[:, b:e]), window=window, keep_rows=keep_rows)
     return out
 
@@ -479,7 +496,7 @@ def chunked_encoder(encode: Callable[[torch.Tensor], EncoderOutput], tokens: tor
 def chunked_replay(replay: Callable[[torch.Tensor], EncoderOutput],
                    encode: Callable[[torch.Tensor, torch.Tensor], EncoderOutput],
                    suffix: torch.Tensor, chunk_tokens: int, *, window: int,
-                   keep_rows: bool) -> EncoderOutput:
+                   keep_rows: bool, between_chunks: Pause | None = None) -> EncoderOutput:
     """Encoder bounded replay with a chunked suffix: `replay` (encoder_replay over the prefix's
     last window and the suffix's first chunk), then `encode(chunk, floor)` for the others, each
     with its windows cut at the replay's first position, as the one-shot replay's suffix is."""
@@ -489,6 +506,8 @@ def chunked_replay(replay: Callable[[torch.Tensor], EncoderOutput],
     first = head.start  # (b,) the replay's first position: the window floor of every chunk
     out = join_encoder(None, head, window=window, keep_rows=keep_rows)
     for b, e in spans[1:]:
+        if between_chunks is not None:
+            between_chunks()
         out = join_encoder(out, encode(suffix[:, b:e], first), window=window,
                            keep_rows=keep_rows)
     return out

@@ -13,6 +13,7 @@ from dsv41.graph.entries import entry_inputs, load_cache_tensors, selection_keys
 from dsv41.graph.model import Model
 from dsv41.graph.phases import (
     EncoderOutput,
+    Pause,
     PhaseResult,
     check_tokens,
     chunked_encoder,
@@ -91,7 +92,7 @@ class CompiledPhases:
 
     def prefill_exact(self, model: Model, cache: ModelCache, tokens, *,
                       all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                      keep_rows: bool = False) -> PhaseResult:
+                      keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
         del record  # hidden states are a graph-only diagnostic
         self._check(model)
         tokens = check_tokens(self.model, tokens)
@@ -99,7 +100,7 @@ class CompiledPhases:
             return chunked_exact(lambda t: self.prefill_exact(model, cache, t,
                                                               all_logits=all_logits),
                                  tokens, chunk_tokens, all_logits=all_logits,
-                                 keep_rows=keep_rows)
+                                 keep_rows=keep_rows, between_chunks=between_chunks)
         chunk = new_chunk(self.model, cache, tokens)
         entry = "prefill_all" if all_logits else "prefill"
         if entry not in self.art.entries and "prefill_all" in self.art.entries:
@@ -178,7 +179,8 @@ class CompiledPhases:
 
     def resume_prefill(self, model: Model, cache: ModelCache, cached, fresh, *,
                        all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                       keep_rows: bool = False) -> PhaseResult:
+                       keep_rows: bool = False, between_chunks: Pause | None = None
+                       ) -> PhaseResult:
         """Decoder bounded replay on a continued cache (`phases.resume_prefill`): the tail of
         cached tokens through the `encoder_replay` entry with the cache's local state put back
         afterwards, the new tokens through `encoder`, then the decoder over both."""
@@ -189,7 +191,8 @@ class CompiledPhases:
         t = resume_tail(m, cache, fresh.size(1))
         if t == 0:  # S >= window: a CED prefill of the new tokens (chunked)
             return self.ced_prefill(model, cache, fresh, all_logits=all_logits,
-                                    chunk_tokens=chunk_tokens, keep_rows=keep_rows)
+                                    chunk_tokens=chunk_tokens, keep_rows=keep_rows,
+                                    between_chunks=between_chunks)
         enc = join_encoder(self.encode_cached_tail(model, cache, cached, t),
                            self.encoder_prefill(model, cache, fresh),  # S < window: one chunk
                            window=m.args.window_size, keep_rows=keep_rows)
@@ -212,7 +215,7 @@ class CompiledPhases:
 
     def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
                     all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                    keep_rows: bool = False) -> PhaseResult:
+                    keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
         """CED prefill: the encoder (in chunks with `chunk_tokens`), then the decoder's bounded
         replay."""
         tokens = check_tokens(self.model, tokens)
@@ -221,12 +224,13 @@ class CompiledPhases:
         else:
             enc = chunked_encoder(lambda t: self.encoder_prefill(model, cache, t), tokens,
                                   chunk_tokens, window=self.model.args.window_size,
-                                  keep_rows=keep_rows)
+                                  keep_rows=keep_rows, between_chunks=between_chunks)
         return self.decoder_replay(model, cache, enc, all_logits=all_logits)
 
     def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
                        all_logits: bool = False, chunk_tokens: int | None = None,
-                       keep_rows: bool = False) -> PhaseResult:
+                       keep_rows: bool = False, between_chunks: Pause | None = None
+                       ) -> PhaseResult:
         """Snapshot miss: encoder bounded replay (the suffix in chunks with `chunk_tokens`),
         then decoder bounded replay."""
         suffix = check_tokens(self.model, suffix)
@@ -236,5 +240,6 @@ class CompiledPhases:
             enc = chunked_replay(
                 lambda t: self.encoder_replay(model, cache, prefix, t),
                 lambda t, floor: self.encoder_prefill(model, cache, t, floor=floor),
-                suffix, chunk_tokens, window=self.model.args.window_size, keep_rows=keep_rows)
+                suffix, chunk_tokens, window=self.model.args.window_size, keep_rows=keep_rows,
+                between_chunks=between_chunks)
         return self.decoder_replay(model, cache, enc, all_logits=all_logits)

@@ -48,10 +48,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsv41.graph.cache import ModelCache, ensure_capacity, new_cache
+from dsv41.graph.cache import (
+    ModelCache,
+    capacity_tokens,
+    ensure_capacity,
+    leading_rows,
+    move_sequence,
+    new_cache,
+    put_sequence,
+    select_sequences,
+    with_rows,
+    write_back,
+)
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
-from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, chunk_spans, resume_tail
+from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, Pause, chunk_spans, resume_tail
 
 from .onednn import bound_onednn_caches
 from .requests import (
@@ -63,6 +74,7 @@ from .requests import (
     check_turn,
 )
 from .salt import KeySalt
+from .sampling import SampledToken, Sampler, SamplingParams
 from .state import (
     block_arrays,
     check_block_tokens,
@@ -101,6 +113,16 @@ class EngineOptions:
     # every prefill runs in chunks of at most this many tokens: transient memory O(chunk x
     # entries) instead of O(N x entries)
     prefill_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+
+@dataclass(frozen=True)
+class PrefillPacing:
+    """How a turn's prefill runs its chunks: their size (None: the engine's
+    `prefill_chunk_tokens`), and what runs between two of them (the batcher's decode step of
+    the running batch; it may raise to abandon the prefill, whose cache is then dropped)."""
+
+    chunk_tokens: int | None = None
+    between_chunks: Pause | None = None
 
 
 @dataclass
@@ -174,7 +196,7 @@ class Engine:
         self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes, ttl_s=options.pool_ttl_s,
                                  clock=options.pool_clock, sweep_interval_s=options.pool_sweep_s)
         self.sessions: dict[int, Session] = {}
-        self._stacked: ModelCache | None = None  # send_many's batch while it decodes
+        self._batches: list[DecodeBatch] = []  # decode batches with live rows (send_many, batcher)
         self._next_id = 1
         self.tier_counts = {t: 0 for t in ("live", "snapshot", "snapshot-ssd", "prefix", "cold")}
         self.token_counts = {"prefilled": 0, "replayed": 0, "decoder_replayed": 0, "decoded": 0}
@@ -228,6 +250,8 @@ class Engine:
         """End every session (each turn in flight is stored), drain and stop the SSD writer, and
         let the store's folder go (another engine or process may open it). The engine serves
         nothing after."""
+        for b in list(self._batches):
+            b.close()  # every turn still decoding ends (and is stored)
         for s in list(self.sessions.values()):
             s.close()
         if self.blocks is not None:
@@ -249,12 +273,13 @@ class Engine:
     def stats(self) -> EngineStats:
         live = [s.cache for s in self.sessions.values() if s.cache is not None]
         by_kind = {"window": 0, "main_kv": 0, "index_k": 0, "tails": 0}
-        for c in live:
+        for c in live + [b.cache for b in self._batches if b.cache is not None]:
             for k, v in c.nbytes().items():
                 by_kind[k] += v
         return EngineStats(
-            sessions_live=len(live), runtime_bytes=by_kind,
-            runtime_tokens=sum(int(c.pos[0]) for c in live),
+            sessions_live=len(live) + sum(len(b) for b in self._batches), runtime_bytes=by_kind,
+            runtime_tokens=sum(int(c.pos[0]) for c in live)
+            + sum(int(b.cache.pos[: len(b)].sum()) for b in self._batches if len(b)),
             runtime_budget=self.options.cache_budget_bytes, tiers=dict(self.tier_counts),
             tokens=dict(self.token_counts),
             store=None if self.blocks is None else self.blocks.store_stats(),
@@ -268,9 +293,7 @@ class Engine:
 
     def runtime_bytes(self) -> int:
         live = [s.cache for s in self.sessions.values() if s.cache is not None]
-        if self._stacked is not None:
-            live.append(self._stacked)
-        return sum(sum(c.nbytes().values()) for c in live)
+        return sum(sum(c.nbytes().values()) for c in live) + sum(b.nbytes() for b in self._batches)
 
     # ---- keys -----------------------------------------------------------------------------------
 
@@ -344,7 +367,8 @@ class Engine:
                     for t in (st.kv_codes, st.kv_scales, st.k_codes, st.k_scales)
                     if t is not None and t.size(1))
         used = self.runtime_bytes()
-        held = cache is self._stacked or any(s.cache is cache for s in self.sessions.values())
+        held = any(b.cache is cache for b in self._batches) or any(
+            s.cache is cache for s in self.sessions.values())
         if not held:
             extra += sum(cache.nbytes().values())
         if used + extra > self.options.cache_budget_bytes:
@@ -374,49 +398,30 @@ class Engine:
 
     def send_many(self, requests: Sequence[tuple[Session, Sequence[int], dict]]) -> list[list[int]]:
         """One turn for each of several sessions: their prefills one by one, then their decode
-        steps together in one batch (sequences at different lengths). Returns each session's
-        tokens."""
-        from dsv41.graph.cache import select_sequences, stack_caches
-
+        steps together in one `DecodeBatch` (sequences at different lengths; a finished one
+        leaves at once, the others go on). Returns each session's tokens."""
         checked = self._check_requests(requests)  # all of them, before any prefill
-        # the batch decodes every cache at the longest one's capacity: each is reserved (and
-        # counted against the budget) at that size before its prefill, so stacking grows nothing
-        longest = max((s._positions(req) for (s, _, _), req in zip(requests, checked,
-                                                                     strict=True)), default=0)
         for s, _, _ in requests:
             s._finish_open_turn()  # a turn `send` left unfinished ends (and is stored) first
+        batch = DecodeBatch(self)
         turns: list[_Turn] = []
         try:
             for (s, _, _), req in zip(requests, checked, strict=True):
-                turns.append(s._begin(req, positions=longest))
+                turns.append(batch.start(s, req))
         except BaseException:  # the turns already begun end as usual: nothing is lost
-            for (s, _, _), t in zip(requests, turns, strict=False):
-                s._end(t)
+            batch.close()
             raise
-        active = [i for i, t in enumerate(turns) if not t.done]
         t0 = time.perf_counter()
-        while active:
-            stacked = stack_caches([requests[i][0].cache for i in active])
-            for i in active:  # the stacked copy is what runs; the per-session ones are stale
-                requests[i][0].cache = None
-            self._stacked = stacked
-            while True:
-                toks = torch.tensor([[turns[i].next_token] for i in active])
-                res = self.phases.decode_step(self.model, stacked, toks)
-                for row, i in enumerate(active):
-                    requests[i][0].history.append(turns[i].next_token)
-                    turns[i].fed(res.logits[row, -1])
-                finished = [row for row, i in enumerate(active) if turns[i].done]
-                if finished:
-                    break
-            for row, i in enumerate(active):
-                requests[i][0].cache = select_sequences(stacked, [row])
-            self._stacked = None
-            active = [i for row, i in enumerate(active) if row not in finished]
-        per = (time.perf_counter() - t0) / max(1, len(requests))
-        for (s, _, _), t in zip(requests, turns, strict=True):
-            t.record.seconds["decode"] = per
-            s._end(t)
+        try:
+            while len(batch):
+                for s, t in batch.step():
+                    if t.done:
+                        t.record.seconds["decode"] = time.perf_counter() - t0
+                        batch.leave(s)
+        except BaseException:
+            batch.drop()  # a failed step left the rows in no known state: nothing is stored
+            raise
+        batch.close()
         return [list(t.tokens) for t in turns]
 
 
@@ -441,7 +446,10 @@ class _Turn:
     temperature: float
     generator: torch.Generator
     keep_logits: bool
+    sampler: Sampler | None = None  # the full sampler (SamplingParams); None: temperature
+    prompt: tuple[int, ...] = ()  # what the repetition penalty reads (the sequence before)
     tokens: list[int] = field(default_factory=list)
+    sampled: list[SampledToken] = field(default_factory=list)  # with a sampler: per token
     next_token: int = -1
     done: bool = False
     ended: bool = False  # Session._end ran: stored, its last token pending
@@ -450,7 +458,11 @@ class _Turn:
         """Choose the next token from fp32 logits (vocab,)."""
         if self.keep_logits:
             self.record.logits.append(logits.float().numpy().copy())
-        if self.temperature <= 0:
+        if self.sampler is not None:
+            chosen = self.sampler.sample(logits, generated=self.tokens, prompt=self.prompt)
+            self.sampled.append(chosen)
+            tok = chosen.token_id
+        elif self.temperature <= 0:
             tok = int(logits.argmax())
         else:
             probs = torch.softmax(logits.float() / self.temperature, dim=-1)
@@ -490,11 +502,15 @@ class Session:
 
     def send(self, token_ids: Sequence[int], *, max_new_tokens: int = 256,
              stop: Sequence[int] = (), temperature: float = 0.0, seed: int | None = None,
-             keep_logits: bool = False) -> Iterator[int]:
+             keep_logits: bool = False, sampling: SamplingParams | None = None
+             ) -> Iterator[int]:
         """Prefill the new tokens and yield up to `max_new_tokens` decoded tokens (stopping
-        after a token in `stop`). The turn's record is `session.turns[-1]`."""
+        after a token in `stop`). `sampling` replaces temperature / seed with the full sampler
+        (its max_tokens, when set, replaces max_new_tokens; its stop ids and EOS join `stop`).
+        The turn's record is `session.turns[-1]`."""
         req = self._request(token_ids, max_new_tokens=max_new_tokens, stop=stop,
-                            temperature=temperature, seed=seed, keep_logits=keep_logits)
+                            temperature=temperature, seed=seed, keep_logits=keep_logits,
+                            sampling=sampling)
         self._finish_open_turn()  # an abandoned turn ends (and is stored) before the next starts
         turn = self._begin(req)
         self._gen, self._open = self._decode(turn), turn
@@ -534,8 +550,9 @@ class Session:
         return len(self.history) + (self.pending is not None) + len(req.token_ids) \
             + req.max_new_tokens + 1
 
-    def _begin(self, req: TurnRequest, *, positions: int = 0) -> _Turn:
-        """positions: reserve at least this many (send_many's batch size); 0: the turn's own."""
+    def _begin(self, req: TurnRequest, *, positions: int = 0,
+               pacing: PrefillPacing = PrefillPacing()) -> _Turn:
+        """positions: reserve at least this many; 0: the turn's own."""
         e = self.engine
         fresh = ([] if self.pending is None else [self.pending]) + list(req.token_ids)
         max_new_tokens = req.max_new_tokens
@@ -543,8 +560,10 @@ class Session:
         e.admit(self, positions)
         gen = torch.Generator().manual_seed(0 if req.seed is None else req.seed)
         rec = TurnRecord(self.id, len(self.turns) + 1, "", 0, 0, 0, 0, 0, 0)
-        turn = _Turn(rec, max_new_tokens, req.stop, req.temperature, gen, req.keep_logits)
         tokens = self.history + fresh  # the whole sequence this turn's cache must hold
+        sampler = None if req.sampling is None else Sampler(req.sampling)
+        turn = _Turn(rec, max_new_tokens, req.stop, req.temperature, gen, req.keep_logits,
+                     sampler, tuple(tokens) if sampler is not None else ())
         t = time.perf_counter()
         start = self._restore(tokens)
         rec.seconds["restore"] = time.perf_counter() - t
@@ -554,7 +573,7 @@ class Session:
         try:
             e.reserve(start.cache, positions)
             self.cache = start.cache
-            res = self._prefill(start, tokens, rec)
+            res = self._prefill(start, tokens, rec, pacing)
         except Exception:
             self.cache = None  # the history stays in the tiers (or the session starts cold)
             raise
@@ -637,43 +656,44 @@ class Session:
             out.append(arrays)
         return out
 
-    def _prefill(self, start: _Start, tokens: list[int], rec: TurnRecord):
+    def _prefill(self, start: _Start, tokens: list[int], rec: TurnRecord,
+                 pacing: PrefillPacing):
         e, ph, m = self.engine, self.engine.phases, self.engine.model
         w = m.args.window_size
         cache, cut = start.cache, start.cached
+        chunks = {"chunk_tokens": pacing.chunk_tokens or e.options.prefill_chunk_tokens,
+                  "between_chunks": pacing.between_chunks}
         if start.tier == "prefix":
             res = ph.replay_prefill(m, cache, torch.tensor([tokens[:cut]]),
-                                    torch.tensor([tokens[cut:]]),
-                                    chunk_tokens=e.options.prefill_chunk_tokens)
+                                    torch.tensor([tokens[cut:]]), **chunks)
             rec.replayed = min(w, cut)
             rec.prefilled = len(tokens) - cut
             rec.decoder_replayed = min(w, rec.replayed + rec.prefilled)
         elif start.tier == "cold":
-            res = self._run(cache, torch.tensor([tokens]))
+            res = self._run(cache, torch.tensor([tokens]), chunks)
             rec.prefilled = len(tokens)
             rec.decoder_replayed = 0 if e.options.exact else min(w, len(tokens))
         else:  # live or snapshot: the cache holds tokens[:cut] with their local state
             new = torch.tensor([tokens[cut:]])
             rec.prefilled = new.size(1)
             if e.options.exact or e.options.decoder_carry:
-                res = self._run(cache, new)
+                res = self._run(cache, new, chunks)
                 rec.decoder_replayed = 0 if e.options.exact else min(w, new.size(1))
             else:
                 rec.replayed = resume_tail(m, cache, new.size(1))
-                res = ph.resume_prefill(m, cache, torch.tensor([tokens[:cut]]), new,
-                                        chunk_tokens=e.options.prefill_chunk_tokens)
+                res = ph.resume_prefill(m, cache, torch.tensor([tokens[:cut]]), new, **chunks)
                 rec.decoder_replayed = min(w, rec.replayed + rec.prefilled)
         rec.token_layers = res.token_layers
         for k in ("prefilled", "replayed", "decoder_replayed"):
             e.token_counts[k] += getattr(rec, k)
         return res
 
-    def _run(self, cache: ModelCache, tokens: torch.Tensor):
+    def _run(self, cache: ModelCache, tokens: torch.Tensor, chunks: dict):
+        """A cold (or carried-over) prefill; `chunks`: chunk_tokens and between_chunks."""
         e = self.engine
-        chunk = e.options.prefill_chunk_tokens
         if e.options.exact:
-            return e.phases.prefill_exact(e.model, cache, tokens, chunk_tokens=chunk)
-        return e.phases.ced_prefill(e.model, cache, tokens, chunk_tokens=chunk)
+            return e.phases.prefill_exact(e.model, cache, tokens, **chunks)
+        return e.phases.ced_prefill(e.model, cache, tokens, **chunks)
 
     def _decode(self, turn: _Turn) -> Iterator[int]:
         if turn.ended:  # ended before it was read (by the next send, or close): nothing to do
@@ -729,3 +749,147 @@ class Session:
         self._snapshot = key
         if e.options.exact:
             e.blocks.submit(e.history_key(self.history, "state"), arrays)
+
+
+class DecodeBatch:
+    """Turns decoding together in one stacked cache, a row (slot) per turn.
+
+    Rows [0, n) are the live turns. A joining turn's cache is copied into row n once (the
+    session then holds none); a leaving one is copied out to its session (which ends the turn:
+    stored in the tiers like any turn) and the last row is moved into its slot: one row copied,
+    nothing re-stacked. The decode step runs on rows [0, n) alone (`leading_rows`: views of the
+    batch's memory, what a phase replaces is copied back). The stacked cache is allocated at the
+    first join and grows only when a joining turn needs it: rows by doubling (up to
+    `max_rows`), capacity to the pages of the longest turn (each turn reserves its whole length
+    at its start, so a decode step never grows it); it is freed when the last turn leaves. Its
+    bytes count against the engine's runtime budget (`Engine.runtime_bytes`)."""
+
+    def __init__(self, engine: Engine, *, max_rows: int = 64):
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"A decode batch needs max_rows >= 1, got {max_rows!r}.")
+        self.engine, self.max_rows = engine, max_rows
+        self.cache: ModelCache | None = None
+        self.members: list[tuple[Session, _Turn]] = []  # row i's session and turn
+        engine._batches.append(self)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def nbytes(self) -> int:
+        return 0 if self.cache is None else sum(self.cache.nbytes().values())
+
+    def row_of(self, session: Session) -> int:
+        for row, (s, _) in enumerate(self.members):
+            if s is session:
+                return row
+        raise ValueError(f"Session {session.id} has no row in this decode batch.")
+
+    def _shape(self, tokens: int) -> tuple[int, int]:
+        """(rows, capacity in tokens) of the stacked cache once a turn of `tokens` joins."""
+        page = self.engine.options.page_tokens
+        want = -(-tokens // page) * page
+        if self.cache is None:
+            return 1, want
+        rows = self.cache.batch
+        if len(self.members) == rows:
+            rows = min(self.max_rows, 2 * rows)
+        return rows, max(capacity_tokens(self.cache), want)
+
+    def join_bytes(self, tokens: int) -> int:
+        """The bytes the stacked cache grows by when a turn of `tokens` positions joins."""
+        rows, cap = self._shape(tokens)
+        return max(0, rows * self.engine.cache_bytes(cap) - self.nbytes())
+
+    def start(self, session: Session, request: TurnRequest, *,
+              pacing: PrefillPacing = PrefillPacing()) -> _Turn:
+        """Begin a turn of `session` (restore, prefill, first token) and join it to the batch;
+        a turn already done after its prefill ends at once (stored) and does not join."""
+        if len(self.members) >= self.max_rows:
+            raise ValueError(f"The decode batch is full ({self.max_rows} rows).")
+        turn = session._begin(request, pacing=pacing)
+        if turn.done:
+            session._end(turn)
+            return turn
+        try:
+            self.join(session, turn)
+        except BaseException:
+            session._end(turn)
+            raise
+        return turn
+
+    def join(self, session: Session, turn: _Turn) -> int:
+        """Copy the session's cache into the next row (CacheFullError, with nothing changed, when
+        the grown batch would not fit the budget); returns the row."""
+        e, src = self.engine, session.cache
+        if turn.done or src is None or src.batch != 1:
+            raise ValueError("Only a live, unfinished turn of one sequence joins a batch.")
+        if len(self.members) >= self.max_rows:
+            raise ValueError(f"The decode batch is full ({self.max_rows} rows).")
+        rows, cap = self._shape(capacity_tokens(src))
+        grow = rows * e.cache_bytes(cap) - self.nbytes()
+        used = e.runtime_bytes()
+        if grow > 0 and used + grow > e.options.cache_budget_bytes:
+            raise CacheFullError(
+                f"The runtime cache needs {grow:,} more bytes for a decode batch of {rows} rows "
+                f"of {cap} positions; {used:,} of its {e.options.cache_budget_bytes:,} are in "
+                f"use.")
+        if self.cache is None:
+            self.cache = new_cache(e.model.plan, rows, cap, engram_pad=e._pad)
+        else:
+            if rows > self.cache.batch:
+                self.cache = with_rows(self.cache, rows)
+            ensure_capacity(self.cache, cap, exact=True)
+        row = len(self.members)
+        put_sequence(self.cache, row, src)
+        session.cache = None  # the batch's row is what runs now
+        self.members.append((session, turn))
+        return row
+
+    def step(self) -> list[tuple[Session, _Turn]]:
+        """One decode step of every live turn: each feeds its last sampled token and samples the
+        next. Returns the members in row order (a done one leaves with `leave`)."""
+        if not self.members:
+            return []
+        e = self.engine
+        view = leading_rows(self.cache, len(self.members))  # (n, ...) over the batch's memory
+        toks = torch.tensor([[t.next_token] for _, t in self.members])  # (n, 1)
+        res = e.phases.decode_step(e.model, view, toks)
+        write_back(self.cache, view)
+        members = list(self.members)
+        for row, (s, t) in enumerate(members):
+            s.history.append(t.next_token)
+            t.fed(res.logits[row, -1])
+        return members
+
+    def leave(self, session: Session) -> None:
+        """The session's turn leaves (done or not): its row is copied out to the session, the
+        last row moves into its slot, and the turn ends (stored in the tiers)."""
+        row = self.row_of(session)
+        s, turn = self.members[row]
+        s.cache = select_sequences(self.cache, [row])
+        last = len(self.members) - 1
+        if row != last:
+            move_sequence(self.cache, last, row)
+            self.members[row] = self.members[last]
+        self.members.pop()
+        if not self.members:
+            self.cache = None
+        s._end(turn)
+
+    def close(self) -> None:
+        """Every turn still here leaves (and is stored); the batch is done."""
+        while self.members:
+            self.leave(self.members[-1][0])
+        self.cache = None
+        if self in self.engine._batches:
+            self.engine._batches.remove(self)
+
+    def drop(self) -> None:
+        """After a failed step: let every row go unstored (the sessions hold no cache; their
+        next turn is planned from the tiers) and end the batch."""
+        for s, _ in self.members:
+            s.cache = None
+        self.members.clear()
+        self.cache = None
+        if self in self.engine._batches:
+            self.engine._batches.remove(self)

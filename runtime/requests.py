@@ -14,8 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsv41.graph.config import EOS_ID
+
+from .sampling import SamplingParams
+
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes [0, 2**64)
-TURN_OPTIONS = ("max_new_tokens", "stop", "temperature", "seed", "keep_logits")
+TURN_OPTIONS = ("max_new_tokens", "stop", "temperature", "seed", "keep_logits", "sampling")
 
 
 class RequestError(ValueError):
@@ -30,6 +34,8 @@ class TurnRequest:
     temperature: float  # finite, >= 0 (0: greedy)
     seed: int | None  # None or in [0, 2**64)
     keep_logits: bool
+    # the full sampler (runtime/sampling.py) instead of temperature / seed; None: those
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -73,10 +79,36 @@ def check_options(options) -> dict:
     return dict(options)
 
 
+def check_sampling(sampling, *, vocab_size: int, temperature, seed) -> SamplingParams | None:
+    """`sampling` validated (`SamplingParams.validate`), and not given together with the plain
+    temperature / seed options it replaces."""
+    if sampling is None:
+        return None
+    if not isinstance(sampling, SamplingParams):
+        raise RequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}.")
+    try:
+        sampling.validate(vocab_size)
+    except ValueError as e:
+        raise RequestError(str(e)) from e
+    if temperature != 0.0 or seed is not None:
+        raise RequestError("Give temperature and seed inside sampling (SamplingParams), not "
+                           "as separate options as well.")
+    if sampling.stop:
+        raise RequestError("Stop strings are matched on text: the engine's turn takes stop "
+                           "ids only; runtime.batcher.Batcher with a tokenizer matches them.")
+    return sampling
+
+
 def check_turn(token_ids, limits: TurnLimits, *, max_new_tokens=256, stop=(),
-               temperature=0.0, seed=None, keep_logits=False) -> TurnRequest:
-    """Every argument of a turn, or RequestError naming the first bad one."""
+               temperature=0.0, seed=None, keep_logits=False, sampling=None) -> TurnRequest:
+    """Every argument of a turn, or RequestError naming the first bad one. With `sampling`,
+    its `max_tokens` (when set) replaces `max_new_tokens`, and its stop ids (EOS unless
+    `ignore_eos`) join `stop`."""
     ids = check_token_ids(token_ids, vocab_size=limits.vocab_size)
+    params = check_sampling(sampling, vocab_size=limits.vocab_size, temperature=temperature,
+                            seed=seed)
+    if params is not None and params.max_tokens is not None:
+        max_new_tokens = params.max_tokens
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise RequestError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
     max_new = int(max_new_tokens)
@@ -100,8 +132,11 @@ def check_turn(token_ids, limits: TurnLimits, *, max_new_tokens=256, stop=(),
     if total > limits.max_seq_len:
         raise RequestError(f"The turn would reach {total} positions; the model's max_seq_len "
                            f"is {limits.max_seq_len}.")
-    return TurnRequest(ids, max_new, frozenset(int(s) for s in stop_ids), float(temperature),
-                       None if seed is None else int(seed), bool(keep_logits))
+    stops = frozenset(int(s) for s in stop_ids)
+    if params is not None:
+        stops |= params.stop_ids(EOS_ID)
+    return TurnRequest(ids, max_new, stops, float(temperature),
+                       None if seed is None else int(seed), bool(keep_logits), params)
 
 
 def check_transcript(transcript, *, vocab_size: int, max_seq_len: int) -> tuple[int, ...]:

@@ -30,8 +30,10 @@ def build() -> Tokenizer:
     # a stub word is `w<digits>` or ` W<digits>`; anything else is left as its own (unknown) piece
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"w[0-9]+| W[0-9]+"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(stub_spelling(t), special=True, normalized=False)
-                            for t in (0, 1, 2)])
+    # single_word: an added token never matches inside a longer stub word (`w1` is PAD, but
+    # `w146` is id 292, not `w1` + an unspellable `46`); alone it is the same id either way
+    tok.add_special_tokens([AddedToken(stub_spelling(t), special=True, normalized=False,
+                                       single_word=True) for t in (0, 1, 2)])
     return tok
 
 

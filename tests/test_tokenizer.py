@@ -69,6 +69,15 @@ def test_small_tokenizer_is_the_conformance_stub():
     np.testing.assert_array_equal(tok.engram_map(args), stub_token_map(512))
 
 
+def test_every_stub_spelling_encodes_back_to_its_id():
+    """The special spellings (`w0`, ` W0`, `w1`) never match inside a longer word: `w146` is one
+    id, not PAD + `46` (what a chat's history re-encodes)."""
+    tok = Tokenizer.for_model(preset("small"))
+    assert [tok.encode(tok.decode([t], skip_special=False)) for t in range(512)] == [
+        [t] for t in range(512)]
+    assert tok.encode("w1w146 W0w10 W1") == [2, 292, 1, 20, 3]
+
+
 def test_small_tokenizer_refuses_text_outside_the_stub():
     tok = Tokenizer.for_model(preset("small"))
     with pytest.raises(ValueError, match="cannot spell this text"):
