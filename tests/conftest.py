@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -49,18 +54,77 @@ def v41_model(v41_case):
     return Model.from_checkpoint(v41_case.checkpoint)
 
 
-# the entries compiled once per session for shared-small (compile, engine and run tests)
+# the entries compiled once for shared-small (compile, engine and run tests), kept between runs
 ARTIFACT_ENTRIES = ("prefill_all", "decode", "encoder", "decoder", "encoder_replay")
+PACKAGE = Path(__file__).resolve().parents[1]
+ARTIFACT_CACHE_KEEP = 3  # cached builds kept (the newest by use)
+
+
+# what a compile reads: the model and kernels, the compile pipeline, the manifest format
+COMPILE_SOURCES = ("graph", "schedules", "compiler/build.py", "compiler/capture.py",
+                   "compiler/lower.py", "compiler/tuning_db.py", "runtime/artifact.py")
+
+
+def compile_inputs_digest(*extra: str) -> str:
+    """sha256 over everything that shapes a compiled artifact: COMPILE_SOURCES (Python and the
+    preset JSON), TVM's version and `extra`. Any change to any of them is a different key, so a
+    cached build is never stale."""
+    import tvm
+
+    h = hashlib.sha256(tvm.__version__.encode())
+    for src in COMPILE_SOURCES:
+        path = PACKAGE / src
+        for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if f.suffix in (".py", ".json") and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(PACKAGE)).encode())
+                h.update(f.read_bytes())
+    for x in extra:
+        h.update(x.encode())
+    return h.hexdigest()[:24]
+
+
+def artifact_cache_root() -> Path:
+    """DSV41_TEST_CACHE, else ~/.cache/dsv41-tests: compiled test artifacts survive the run (CI
+    makes a fresh venv per run, the compile of the same code is not repeated)."""
+    root = os.environ.get("DSV41_TEST_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "dsv41-tests"
 
 
 @pytest.fixture(scope="session")
 def small_artifact(small_case, tmp_path_factory):
+    """shared-small's artifact with ARTIFACT_ENTRIES: reused from the cache when the code, the
+    config and TVM are the same (its manifest verified on load like any artifact), else compiled
+    and put there (renamed in whole, so a killed run leaves no partial entry)."""
     from dsv41.compiler.build import CompileOptions, compile_artifact
     from dsv41.graph.config import load_config
 
     args = load_config(small_case.checkpoint)
-    opts = CompileOptions(args=args, model_name="shared-small", target="cpu",
-                          out=tmp_path_factory.mktemp("artifacts"), entries=ARTIFACT_ENTRIES)
+    key = compile_inputs_digest(args.config_hash(), ",".join(ARTIFACT_ENTRIES))
+    cache = artifact_cache_root() / "artifacts"
+    done = cache / key
+    if (done / "done").is_file():
+        os.utime(done / "done")  # most recently used
+        return Path((done / "done").read_text())
+    work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=_made(cache)))
+    opts = CompileOptions(args=args, model_name="shared-small", target="cpu", out=work,
+                          entries=ARTIFACT_ENTRIES)
     report = compile_artifact(opts)
     print({e: round(sum(t.values()), 1) for e, t in report.seconds.items()})
-    return report.artifact_dir
+    final = done / report.artifact_dir.relative_to(work)
+    (work / "done").write_text(str(final))
+    try:
+        os.rename(work, done)
+    except OSError:  # another run finished the same key first: use its build
+        shutil.rmtree(work, ignore_errors=True)
+    for old in sorted((d for d in cache.iterdir() if (d / "done").is_file()),
+                      key=lambda d: (d / "done").stat().st_mtime)[:-ARTIFACT_CACHE_KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    for partial in cache.glob("*.*"):  # the work folders of killed runs, a day on
+        if time.time() - partial.stat().st_mtime > 86400:
+            shutil.rmtree(partial, ignore_errors=True)
+    return Path((done / "done").read_text())
+
+
+def _made(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    return d
