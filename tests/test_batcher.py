@@ -308,6 +308,24 @@ def test_the_thread_serves_streams_and_stop_cancels_the_rest(small_model, alone)
         b.submit(*_req(1))
 
 
+def test_a_finished_request_is_stored_and_the_next_sharing_its_prefix_hits(small_model,
+                                                                             tmp_path):
+    e = _engine(small_model, store_dir=tmp_path / "store")
+    b = Batcher(e)
+    ids = REQUESTS[LONG][0]  # 33 tokens: 4 blocks of 8, then a snapshot
+    first = b.submit(ids, _greedy(3))
+    _run(b)
+    toks = _tokens(first)
+    e.flush()
+    nxt = b.submit(ids + toks + [7, 8], _greedy(2))
+    _run(b)
+    # the first turn's history (prompt + the 2 tokens fed back) is what the tiers serve
+    assert (nxt.timing.tier, nxt.timing.reused_tokens) == ("snapshot", 35)
+    assert b.stats().tiers == {"cold": 1, "snapshot": 1}
+    assert e.stats().store.entries >= 4
+    e.close()
+
+
 def test_compiled_artifact_batches_like_the_graph(small_artifact, small_case):
     """The compiled decode entry (batch bound 64, caches written in place) under the batcher:
     requests at different lengths joining and leaving give each request's tokens alone."""
