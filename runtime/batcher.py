@@ -78,9 +78,11 @@ class RequestTiming:
     completion_tokens: int
     tier: str | None  # the tier that served its prefill (cold, snapshot, prefix, ...)
     reused_tokens: int  # leading prompt tokens the tiers held (not prefilled)
-    prefill_chunk_s: tuple[float, ...] = ()  # each prefill chunk but the last (between steps)
-    # the prefill's last piece: its last chunk, the decoder's bounded replay, the first token
-    # and the join to the batch (what runs after the last decode step between chunks)
+    # each piece of the prefill but the last (a decode step of the batch runs after each): the
+    # chunks, then (CED) the encoder pass's end before the decoder's bounded replay
+    prefill_chunk_s: tuple[float, ...] = ()
+    # the prefill's last piece (the decoder's bounded replay, or the only chunk), the first
+    # token and the join to the batch
     prefill_tail_s: float | None = None
     submitted_at: float = 0.0  # time.perf_counter() at submit (token i came at submitted_at +
     #   first_token_s + sum(per_token_s[:i]))
@@ -516,12 +518,12 @@ class StallReport:
     streams: int  # decoding when the long prompt arrived
     long_prompt_tokens: int
     chunk_tokens: int
-    chunks: int  # the long prompt's prefill chunks
+    chunks: int  # the long prompt's prefill pieces (chunks, then the decoder's replay)
     median_gap_s: float  # the running streams' per-token gap, median over the whole run
     worst_gap_s: float  # their worst gap while the long prompt was prefilled
-    chunk_s: float  # one prefill chunk (median of all but the last chunk)
+    chunk_s: float  # one prefill chunk (median of the pieces but the last)
     worst_chunk_s: float  # the longest of them
-    last_piece_s: float  # the last chunk + decoder bounded replay + first token + join
+    last_piece_s: float  # the last piece (decoder bounded replay) + first token + join
     extra_stall_s: float  # worst_gap_s - median_gap_s: what the long prompt added to a gap
     long_first_token_s: float  # the long prompt's submit to its first token
     gaps_during_prefill: int  # the streams' gaps that overlap the long prefill

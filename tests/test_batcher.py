@@ -131,8 +131,9 @@ def test_join_and_leave_mid_decode_leave_the_others_unchanged(small_model, alone
     b.step()
     assert b.stats().running == 2 and leaving.done  # left while the others decode
     assert [s.timing.completion_tokens for s in first] == [4, 3]
-    b.step()  # LONG: three decode steps of the batch between its chunks, which end both
-    assert len(long.timing.prefill_chunk_s) == 3
+    b.step()  # LONG: a decode step of the batch after each of its 4 chunks but the last and
+    # after its encoder pass (before the decoder's replay): four, which end both
+    assert len(long.timing.prefill_chunk_s) == 4
     assert all(s.done for s in first) and long.timing.completion_tokens == 2
     _run(b)
     for stream, i in zip([*first, leaving, long], (7, 15, 4, LONG), strict=True):
