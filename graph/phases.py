@@ -276,12 +276,13 @@ def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = F
     if chunk_tokens is None:
         enc = encoder_prefill(model, cache, tokens, record)
     else:
+        tokens = check_tokens(model, tokens)
         enc = chunked_encoder(lambda t: encoder_prefill(model, cache, t, record),
-                              check_tokens(model, tokens), chunk_tokens,
+                              tokens, chunk_tokens,
                               window=model.args.window_size, keep_rows=keep_rows,
                               between_chunks=between_chunks)
-        if between_chunks is not None:  # the decoder's replay is a piece of its own
-            between_chunks()
+        if between_chunks is not None and tokens.size(1) > chunk_tokens + 1:
+            between_chunks()  # after two or more chunks, the decoder's replay is a piece too
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 
@@ -343,13 +344,14 @@ def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logit
     if chunk_tokens is None:
         enc = encoder_replay(model, cache, prefix, suffix, record)
     else:
+        suffix = check_tokens(model, suffix)
         enc = chunked_replay(
             lambda t: encoder_replay(model, cache, prefix, t, record),
             lambda t, floor: encoder_prefill(model, cache, t, record, floor=floor),
-            check_tokens(model, suffix), chunk_tokens, window=model.args.window_size,
+            suffix, chunk_tokens, window=model.args.window_size,
             keep_rows=keep_rows, between_chunks=between_chunks)
-        if between_chunks is not None:
-            between_chunks()
+        if between_chunks is not None and suffix.size(1) > chunk_tokens + 1:
+            between_chunks()  # after two or more chunks, the decoder's replay is a piece too
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 
