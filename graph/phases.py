@@ -50,9 +50,10 @@ from .model import (
 )
 
 DEFAULT_CHUNK_TOKENS = 2048  # the engine's prefill chunk (EngineOptions.prefill_chunk_tokens)
-# called between two chunks of a chunked prefill (the engine's batcher runs a decode step of the
-# running batch there, so a long prompt delays running streams by one chunk at a time); it may
-# raise to abandon the prefill (the caller then drops the cache)
+# called between two pieces of a chunked prefill (two chunks, and the CED encoder pass and the
+# decoder's bounded replay): the engine's batcher runs a decode step of the running batch there,
+# so a long prompt delays running streams by one piece at a time; it may raise to abandon the
+# prefill (the caller then drops the cache)
 Pause = Callable[[], None]
 
 
@@ -277,10 +278,13 @@ def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = F
     if chunk_tokens is None:
         enc = encoder_prefill(model, cache, tokens, record)
     else:
+        tokens = check_tokens(model, tokens)
         enc = chunked_encoder(lambda t: encoder_prefill(model, cache, t, record),
-                              check_tokens(model, tokens), chunk_tokens,
+                              tokens, chunk_tokens,
                               window=model.args.window_size, keep_rows=keep_rows,
                               between_chunks=between_chunks)
+        if between_chunks is not None and tokens.size(1) > chunk_tokens + 1:
+            between_chunks()  # after two or more chunks, the decoder's replay is a piece too
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 
@@ -342,11 +346,14 @@ def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logit
     if chunk_tokens is None:
         enc = encoder_replay(model, cache, prefix, suffix, record)
     else:
+        suffix = check_tokens(model, suffix)
         enc = chunked_replay(
             lambda t: encoder_replay(model, cache, prefix, t, record),
             lambda t, floor: encoder_prefill(model, cache, t, record, floor=floor),
-            check_tokens(model, suffix), chunk_tokens, window=model.args.window_size,
+            suffix, chunk_tokens, window=model.args.window_size,
             keep_rows=keep_rows, between_chunks=between_chunks)
+        if between_chunks is not None and suffix.size(1) > chunk_tokens + 1:
+            between_chunks()  # after two or more chunks, the decoder's replay is a piece too
     return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
 
 

@@ -78,7 +78,12 @@ class RequestTiming:
     completion_tokens: int
     tier: str | None  # the tier that served its prefill (cold, snapshot, prefix, ...)
     reused_tokens: int  # leading prompt tokens the tiers held (not prefilled)
-    prefill_chunk_s: tuple[float, ...] = ()  # each prefill chunk but the last (between steps)
+    # each piece of the prefill but the last (a decode step of the batch runs after each): the
+    # chunks, then (CED) the encoder pass's end before the decoder's bounded replay
+    prefill_chunk_s: tuple[float, ...] = ()
+    # the prefill's last piece (the decoder's bounded replay, or the only chunk), the first
+    # token and the join to the batch
+    prefill_tail_s: float | None = None
     submitted_at: float = 0.0  # time.perf_counter() at submit (token i came at submitted_at +
     #   first_token_s + sum(per_token_s[:i]))
 
@@ -115,6 +120,7 @@ class Stream:
         self._last: float | None = None
         self._gaps: list[float] = []
         self._chunks: list[float] = []
+        self._tail: float | None = None
         self._prompt, self._completion = prompt_tokens, 0
         self._tier: str | None = None
         self._reused = 0
@@ -167,7 +173,7 @@ class Stream:
                 per_token_s=tuple(self._gaps), prompt_tokens=self._prompt,
                 completion_tokens=self._completion, tier=self._tier,
                 reused_tokens=self._reused, prefill_chunk_s=tuple(self._chunks),
-                submitted_at=self._submitted)
+                prefill_tail_s=self._tail, submitted_at=self._submitted)
 
     # ---- the batcher's side ---------------------------------------------------------------------
 
@@ -402,11 +408,13 @@ class Batcher:
             self._finish(req, FinishReason.ERROR, str(err))
             return
         record = req.turn.record
+        tail = time.perf_counter() - req.chunk_t
         with self._lock:
             self._tiers[record.tier] = self._tiers.get(record.tier, 0) + 1
             self._counts["prompt_tokens"] += len(req.prompt)
             with req.stream._lock:
                 req.stream._tier, req.stream._reused = record.tier, record.reused_tokens
+                req.stream._tail = tail
             if not req.turn.ended:
                 self._running[req.session.id] = req
         self._emit(req)
@@ -510,11 +518,13 @@ class StallReport:
     streams: int  # decoding when the long prompt arrived
     long_prompt_tokens: int
     chunk_tokens: int
-    chunks: int  # the long prompt's prefill chunks
+    chunks: int  # the long prompt's prefill pieces (chunks, then the decoder's replay)
     median_gap_s: float  # the running streams' per-token gap, median over the whole run
     worst_gap_s: float  # their worst gap while the long prompt was prefilled
-    chunk_s: float  # one prefill chunk (median of all but the last chunk)
+    chunk_s: float  # one prefill chunk (median of the pieces but the last)
     worst_chunk_s: float  # the longest of them
+    last_piece_s: float  # the last piece (decoder bounded replay) + first token + join
+    extra_stall_s: float  # worst_gap_s - median_gap_s: what the long prompt added to a gap
     long_first_token_s: float  # the long prompt's submit to its first token
     gaps_during_prefill: int  # the streams' gaps that overlap the long prefill
 
@@ -576,5 +586,6 @@ def measure_long_prompt_stall(engine: Engine, *, streams: int = 8, stream_prompt
         streams=streams, long_prompt_tokens=long_prompt, chunk_tokens=chunk_tokens,
         chunks=len(lt.prefill_chunk_s) + 1, median_gap_s=statistics.median(gaps),
         worst_gap_s=max(during), chunk_s=statistics.median(chunks),
-        worst_chunk_s=max(chunks), long_first_token_s=lt.first_token_s,
+        worst_chunk_s=max(chunks), last_piece_s=lt.prefill_tail_s,
+        extra_stall_s=max(during) - statistics.median(gaps), long_first_token_s=lt.first_token_s,
         gaps_during_prefill=len(during))

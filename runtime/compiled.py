@@ -225,6 +225,8 @@ class CompiledPhases:
             enc = chunked_encoder(lambda t: self.encoder_prefill(model, cache, t), tokens,
                                   chunk_tokens, window=self.model.args.window_size,
                                   keep_rows=keep_rows, between_chunks=between_chunks)
+            if between_chunks is not None and tokens.size(1) > chunk_tokens + 1:
+                between_chunks()  # after two or more chunks, the decoder's replay is a piece
         return self.decoder_replay(model, cache, enc, all_logits=all_logits)
 
     def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
@@ -242,4 +244,6 @@ class CompiledPhases:
                 lambda t, floor: self.encoder_prefill(model, cache, t, floor=floor),
                 suffix, chunk_tokens, window=self.model.args.window_size, keep_rows=keep_rows,
                 between_chunks=between_chunks)
+            if between_chunks is not None and suffix.size(1) > chunk_tokens + 1:
+                between_chunks()  # after two or more chunks, the decoder's replay is a piece
         return self.decoder_replay(model, cache, enc, all_logits=all_logits)

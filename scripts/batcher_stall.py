@@ -46,7 +46,9 @@ def main() -> None:
     print(f"summary: worst gap {report.worst_gap_s * 1e3:.1f} ms = "
           f"{report.worst_gap_s / report.median_gap_s:.1f}x the median gap "
           f"({report.median_gap_s * 1e3:.1f} ms), "
-          f"{report.worst_gap_s / report.chunk_s:.2f}x one chunk ({report.chunk_s * 1e3:.1f} ms)")
+          f"{report.worst_gap_s / report.chunk_s:.2f}x one chunk ({report.chunk_s * 1e3:.1f} ms); "
+          f"extra stall {report.extra_stall_s * 1e3:.1f} ms vs the last piece (decoder "
+          f"replay + join) {report.last_piece_s * 1e3:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -131,8 +131,9 @@ def test_join_and_leave_mid_decode_leave_the_others_unchanged(small_model, alone
     b.step()
     assert b.stats().running == 2 and leaving.done  # left while the others decode
     assert [s.timing.completion_tokens for s in first] == [4, 3]
-    b.step()  # LONG: three decode steps of the batch between its chunks, which end both
-    assert len(long.timing.prefill_chunk_s) == 3
+    b.step()  # LONG: a decode step of the batch after each of its 4 chunks but the last and
+    # after its encoder pass (before the decoder's replay): four, which end both
+    assert len(long.timing.prefill_chunk_s) == 4
     assert all(s.done for s in first) and long.timing.completion_tokens == 2
     _run(b)
     for stream, i in zip([*first, leaving, long], (7, 15, 4, LONG), strict=True):
@@ -306,6 +307,24 @@ def test_the_thread_serves_streams_and_stop_cancels_the_rest(small_model, alone)
     assert b.stats().cancelled == 1 and b.stats().finished == 1
     with pytest.raises(RequestError, match="stopped"):
         b.submit(*_req(1))
+
+
+def test_a_finished_request_is_stored_and_the_next_sharing_its_prefix_hits(small_model,
+                                                                             tmp_path):
+    e = _engine(small_model, store_dir=tmp_path / "store")
+    b = Batcher(e)
+    ids = REQUESTS[LONG][0]  # 33 tokens: 4 blocks of 8, then a snapshot
+    first = b.submit(ids, _greedy(3))
+    _run(b)
+    toks = _tokens(first)
+    e.flush()
+    nxt = b.submit(ids + toks + [7, 8], _greedy(2))
+    _run(b)
+    # the first turn's history (prompt + the 2 tokens fed back) is what the tiers serve
+    assert (nxt.timing.tier, nxt.timing.reused_tokens) == ("snapshot", 35)
+    assert b.stats().tiers == {"cold": 1, "snapshot": 1}
+    assert e.stats().store.entries >= 4
+    e.close()
 
 
 def test_compiled_artifact_batches_like_the_graph(small_artifact, small_case):
