@@ -91,7 +91,7 @@ def artifact_cache_root() -> Path:
 
 
 @pytest.fixture(scope="session")
-def small_artifact(small_case, tmp_path_factory):
+def small_artifact(small_case):
     """shared-small's artifact with ARTIFACT_ENTRIES: reused from the cache when the code, the
     config and TVM are the same (its manifest verified on load like any artifact), else compiled
     and put there (renamed in whole, so a killed run leaves no partial entry)."""
@@ -104,14 +104,15 @@ def small_artifact(small_case, tmp_path_factory):
     done = cache / key
     if (done / "done").is_file():
         os.utime(done / "done")  # most recently used
-        return Path((done / "done").read_text())
-    work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=_made(cache)))
+        return done / (done / "done").read_text()
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))
     opts = CompileOptions(args=args, model_name="shared-small", target="cpu", out=work,
                           entries=ARTIFACT_ENTRIES)
     report = compile_artifact(opts)
     print({e: round(sum(t.values()), 1) for e, t in report.seconds.items()})
-    final = done / report.artifact_dir.relative_to(work)
-    (work / "done").write_text(str(final))
+    # the artifact's path inside the entry, so the cache folder may move
+    (work / "done").write_text(str(report.artifact_dir.relative_to(work)))
     try:
         os.rename(work, done)
     except OSError:  # another run finished the same key first: use its build
@@ -122,9 +123,4 @@ def small_artifact(small_case, tmp_path_factory):
     for partial in cache.glob("*.*"):  # the work folders of killed runs, a day on
         if time.time() - partial.stat().st_mtime > 86400:
             shutil.rmtree(partial, ignore_errors=True)
-    return Path((done / "done").read_text())
-
-
-def _made(d: Path) -> Path:
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return done / (done / "done").read_text()
