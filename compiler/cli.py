@@ -372,8 +372,9 @@ def serving_engine(ns) -> ServingEngine:
     return ServingEngine(engine, tok, name, backend, temp)
 
 
-def _batcher(ns, se: ServingEngine):
-    """The batcher over `se`; on a bad option the engine is closed before the error goes up."""
+def _batcher(ns, se: ServingEngine, chunk_tokens: int | None = None):
+    """The batcher over `se` (prefill chunks of `chunk_tokens`, else --prefill-chunk, else the
+    engine's); on a bad option the engine is closed before the error goes up."""
     from dsv41.runtime.batcher import Batcher
 
     try:
@@ -382,7 +383,8 @@ def _batcher(ns, se: ServingEngine):
                 raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got "
                                  f"{getattr(ns, flag)}.")
         return Batcher(se.engine, tokenizer=se.tokenizer, max_running=ns.max_running,
-                       max_queue=ns.max_queue, prefill_chunk_tokens=ns.prefill_chunk)
+                       max_queue=ns.max_queue,
+                       prefill_chunk_tokens=chunk_tokens or ns.prefill_chunk)
     except BaseException:
         se.close()
         raise
@@ -507,7 +509,9 @@ def cmd_bench_serve(ns) -> int:
             seed=ns.seed).validate(args.max_seq_len)
         if max((*clients, ns.long_streams + 1)) > ns.max_running + ns.max_queue:
             raise ValueError("--max-running + --max-queue must hold every client at once.")
-        batcher = _batcher(ns, se)
+        # both long-prompt rows (over HTTP, and the engine's own) prefill in chunks of this size
+        chunk = ns.prefill_chunk or ENGINE_STALL_CHUNK
+        batcher = _batcher(ns, se, chunk)
         batcher.start()
         app = create_app(batcher, se.tokenizer, ServerOptions(
             model_name=se.model_name, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len))
@@ -525,7 +529,7 @@ def cmd_bench_serve(ns) -> int:
             stall = measure_long_prompt_stall(
                 se.engine, streams=opts.long_streams, stream_prompt=opts.prompt_tokens,
                 stream_tokens=opts.long_max_tokens, long_prompt=opts.long_prompt_tokens,
-                chunk_tokens=ns.prefill_chunk or ENGINE_STALL_CHUNK, seed=ns.seed)
+                chunk_tokens=chunk, seed=ns.seed)
             result["long_prompt_engine"] = stall.to_dict()
             print(f"  engine side: worst gap {stall.worst_gap_s * 1e3:.1f} ms during the "
                   f"{stall.chunks}-chunk prefill ({stall.chunk_tokens} tokens a chunk, "
@@ -536,7 +540,7 @@ def cmd_bench_serve(ns) -> int:
             batcher.stop()
         se.close()
     result.update(backend=se.backend, max_running=ns.max_running,
-                  prefill_chunk_tokens=ns.prefill_chunk)
+                  prefill_chunk_tokens=ns.prefill_chunk or ENGINE_STALL_CHUNK)
     if ns.json:
         Path(ns.json).write_text(json.dumps({"serve": result}, indent=1))
         print(f"json: {ns.json}")

@@ -178,28 +178,40 @@ class LongPromptRow:
 def long_prompt_round(host: str, port: int, model: str, opts: ServeBenchOptions,
                       vocab_size: int, rng: np.random.Generator) -> LongPromptRow:
     n = opts.long_streams
-    started = threading.Barrier(n + 1)
+    decoding = threading.Condition()  # counts the streams past their second token
+    ready = [0]
     traces = [RequestTrace(0.0) for _ in range(n)]
+    prompts = [[int(x) for x in rng.integers(3, vocab_size, opts.prompt_tokens)] for _ in range(n)]
     errors: list[BaseException] = []
 
-    def first(trace: RequestTrace) -> None:
+    def second(trace: RequestTrace) -> None:
+        # never blocks: a client that stopped reading would see its tokens late, in a burst
         if len(trace.token_times) == 2:  # two tokens: decoding, past its own prefill
-            started.wait()
+            with decoding:
+                ready[0] += 1
+                decoding.notify_all()
 
     def client(k: int) -> None:
         try:
             traces[k].sent = time.perf_counter()
-            prompt = [int(x) for x in rng.integers(3, vocab_size, opts.prompt_tokens)]
-            stream_completion(host, port, _body(model, prompt, opts.long_max_tokens), traces[k],
-                              on_token=first)
+            stream_completion(host, port, _body(model, prompts[k], opts.long_max_tokens), traces[k],
+                              on_token=second)
         except BaseException as e:
             errors.append(e)
-            started.abort()
+        finally:
+            with decoding:
+                decoding.notify_all()
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(n)]
     for th in threads:
         th.start()
-    started.wait(timeout=600)
+    with decoding:
+        if not decoding.wait_for(lambda: ready[0] == n or bool(errors), timeout=600):
+            raise RuntimeError(f"Only {ready[0]} of {n} streams were decoding after 600 s.")
+    if errors:
+        for th in threads:
+            th.join()
+        raise RuntimeError(f"{len(errors)} decoding streams failed: {errors[0]}")
     long_prompt = [int(x) for x in rng.integers(3, vocab_size, opts.long_prompt_tokens)]
     long = stream_completion(host, port, _body(model, long_prompt, 2),
                              RequestTrace(time.perf_counter()))

@@ -382,3 +382,37 @@ def test_dsv41_bench_serve_json(small_artifact, small_case, tmp_path, capsys):
     # the prefill's pieces: 40 / 8 = 5 encoder chunks, then the decoder's bounded replay
     assert (eng["streams"], eng["chunk_tokens"], eng["chunks"]) == (2, 8, 6)
     assert "summary: 1 clients" in capsys.readouterr().out
+
+
+def test_long_prompt_round_keeps_reading_every_stream(monkeypatch):
+    """The bench's decoding clients never stop reading: one stream's reads go on while the
+    others have not yet started (a client that blocked after its second token, as it once did
+    on a barrier, saw its queued tokens in a burst and reported the wait as a stall)."""
+    from dsv41.compiler import serve_bench
+    from dsv41.compiler.serve_bench import ServeBenchOptions, long_prompt_round
+
+    first_reading = threading.Event()  # the first stream has read a token past its second
+    lock, calls = threading.Lock(), []
+
+    def fake_stream(host, port, body, trace, on_token=None):
+        with lock:
+            calls.append(body["max_tokens"])
+            first = len(calls) == 1
+        if body["max_tokens"] == 2:  # the long request: two tokens
+            trace.token_times += [time.perf_counter(), time.perf_counter()]
+            return trace
+        if not first and not first_reading.wait(10):  # a failure's bound, not a timing
+            raise RuntimeError("the first stream stopped reading after its second token")
+        for _ in range(body["max_tokens"]):
+            trace.token_times.append(time.perf_counter())
+            if on_token is not None:
+                on_token(trace)
+            if first and len(trace.token_times) == 3:
+                first_reading.set()
+        return trace
+
+    monkeypatch.setattr(serve_bench, "stream_completion", fake_stream)
+    opts = ServeBenchOptions(long_streams=3, prompt_tokens=4, long_max_tokens=6,
+                             long_prompt_tokens=8)
+    row = long_prompt_round("127.0.0.1", 1, "m", opts, 64, np.random.default_rng(0))
+    assert row.streams == 3 and sorted(calls) == [2, 6, 6, 6]
