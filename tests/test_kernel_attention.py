@@ -385,7 +385,9 @@ def test_cpu_schedule_is_parallel_and_vectorised():
 # ---- CUDA ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100"])
+# one arch in the default run (a child-process build each, 20-35 s here); the others `slow`
+@pytest.mark.parametrize("arch", [pytest.param("sm80", marks=pytest.mark.slow), "sm90",
+                                  pytest.param("sm100", marks=pytest.mark.slow)])
 def test_cuda_builds_have_device_code(arch, tmp_path):
     from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
