@@ -14,7 +14,8 @@ is 0: off), `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalt
 `max_tokens` / chat's `max_completion_tokens` (chat default: until a stop or the model's
 max_seq_len; completions default 16, OpenAI's), `stop` (a string or a list), `stop_token_ids`,
 `ignore_eos`, chat `logprobs` + `top_logprobs`, completions `logprobs` (an int), `n` (1 only),
-chat `tools` (rendered into the prompt; the reply stays text) and
+chat `tools` (rendered into the prompt; a reply's DSML block comes back as `tool_calls` with
+finish_reason `tool_calls`, runtime/tool_calls.py) and
 `chat_template_kwargs.thinking` (thinking mode). Fields this server cannot honour (`echo`,
 `suffix`, `best_of` > 1, `logit_bias`, `min_tokens`, a non-text `response_format`) are 400s,
 never silently dropped.
@@ -28,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .chat import ChatOptions, messages_from_openai
-from .prompts import chat_prompt_ids, completion_prompt_ids
+from .chat import ChatFormat, ChatOptions, ToolCall, chat_format_for, messages_from_openai
+from .prompts import PromptFormat, chat_prompt_ids, completion_prompt_ids, prompt_format
 from .sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
 
@@ -83,6 +84,7 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: LogprobsForm
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    tool_format: ChatFormat | None = None  # chat with tools: replies are read for tool calls
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -213,9 +215,11 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int) -> Gen
         ids = chat_prompt_ids(tok, messages, ChatOptions(thinking=thinking, tools=tuple(tools)))
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
+    tool_format = chat_format_for(tok) if tools and prompt_format(tok) is PromptFormat.CHAT \
+        else None
     return GenerationRequest(Endpoint.CHAT, tuple(ids), params, stream, include_usage,
                              LogprobsForm.CHAT if want else LogprobsForm.NONE,
-                             id=f"chatcmpl-{uuid.uuid4().hex}")
+                             id=f"chatcmpl-{uuid.uuid4().hex}", tool_format=tool_format)
 
 
 def parse_completion(body, tok: Tokenizer, *, model_name: str,
@@ -290,12 +294,26 @@ def logprobs_body(tok: Tokenizer, form: LogprobsForm, tokens: Sequence[TokenOut]
             "text_offset": offsets}
 
 
+def tool_calls_body(calls: Sequence[ToolCall], *, indexed: bool = False) -> list[dict]:
+    """OpenAI's `tool_calls` list (a streamed delta's entries carry their `index`)."""
+    return [{**({"index": i} if indexed else {}), "id": f"call_{uuid.uuid4().hex[:24]}",
+             "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)]
+
+
 def response_body(req: GenerationRequest, model: str, text: str, finish_reason: str,
-                  logprobs: dict | None, usage: Usage) -> dict:
-    """The non-streaming answer."""
+                  logprobs: dict | None, usage: Usage,
+                  tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """The non-streaming answer; with `tool_calls` the message carries them (its content None
+    when there is no text besides) and the finish reason is `tool_calls`."""
     if req.endpoint is Endpoint.CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None,
+                       "tool_calls": tool_calls_body(tool_calls)}
+            finish_reason = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
         kind = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -306,12 +324,15 @@ def response_body(req: GenerationRequest, model: str, text: str, finish_reason: 
 
 def chunk_body(req: GenerationRequest, model: str, *, text: str | None,
                finish_reason: str | None = None, logprobs: dict | None = None,
-               role: bool = False) -> dict:
-    """One streamed chunk carrying a text delta (chat: `delta`; completions: `text`)."""
+               role: bool = False, tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """One streamed chunk carrying a text delta (chat: `delta`; completions: `text`), or a chat
+    delta with the reply's tool calls."""
     if req.endpoint is Endpoint.CHAT:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls_body(tool_calls, indexed=True)
         choice = {"index": 0, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         kind = "chat.completion.chunk"

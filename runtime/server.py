@@ -60,6 +60,7 @@ from .openai_api import (
     usage_chunk,
 )
 from .tokenizer import Tokenizer
+from .tool_calls import ToolCallFilter, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,13 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
         err = _finish_error(last)
         if err is not None:
             raise err
-        body = response_body(req, opts.model_name, "".join(parts), last.finish.value,
+        text, calls = "".join(parts), ()
+        if req.tool_format is not None and last.finish.value == "stop":
+            reply = parse_tool_calls(text, req.tool_format)
+            text, calls = reply.content, reply.calls
+        body = response_body(req, opts.model_name, text, last.finish.value,
                              logprobs_body(tokenizer, req.logprobs, tokens),
-                             usage(req, stream, len(tokens)))
+                             usage(req, stream, len(tokens)), tool_calls=calls)
         return JSONResponse(body)
 
     async def sse(req: GenerationRequest, stream: Stream,
@@ -232,6 +237,8 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
         model = opts.model_name
         n_tokens, offset = 0, 0
         reason = "cancelled"  # unless a finish event or the deadline says otherwise
+        # with tools, what may be a tool-call block is held back until the reply ends
+        held = None if req.tool_format is None else ToolCallFilter(req.tool_format)
         try:
             if req.endpoint is Endpoint.CHAT:
                 yield _sse(chunk_body(req, model, text="", role=True))
@@ -241,8 +248,9 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
                     n_tokens += 1
                 lp = logprobs_body(tokenizer, req.logprobs, [t] if t else [], offset)
                 offset += len(ev.text)
-                if ev.text or lp is not None:
-                    yield _sse(chunk_body(req, model, text=ev.text, logprobs=lp))
+                text = ev.text if held is None else held.feed(ev.text)
+                if text or lp is not None:
+                    yield _sse(chunk_body(req, model, text=text, logprobs=lp))
                 if ev.finish is not None:
                     reason = ev.finish.value
                     err = _finish_error(ev)
@@ -250,8 +258,17 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
                         metrics.rejected.inc(1, str(err.status))
                         yield _sse(err.body())
                     else:
+                        finish = reason
+                        if held is not None:
+                            reply = held.finish()
+                            if reply.content:
+                                yield _sse(chunk_body(req, model, text=reply.content))
+                            if reply.calls and reason == "stop":
+                                finish = "tool_calls"
+                                yield _sse(chunk_body(req, model, text=None,
+                                                      tool_calls=reply.calls))
                         yield _sse(chunk_body(req, model, text=None if req.endpoint is
-                                              Endpoint.CHAT else "", finish_reason=reason))
+                                              Endpoint.CHAT else "", finish_reason=finish))
                         if req.include_usage:
                             yield _sse(usage_chunk(req, model, usage(req, stream, n_tokens)))
             yield "data: [DONE]\n\n"
