@@ -25,9 +25,8 @@ def ensure_checkpoint(preset_name: str, seed: int = 0) -> Path:
 def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str, ...],
                     out: Path) -> Path:
     """The artifact for the checkpoint's config, compiling the entries it lacks."""
-    from tqdm import tqdm
-
     from dsv41.compiler.build import CompileOptions, compile_artifact, missing_entries
+    from dsv41.compiler.progress import CompileBar
     from dsv41.graph.config import load_config
 
     args = load_config(checkpoint)
@@ -38,15 +37,11 @@ def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str
         return opts.artifact_dir
     print(f"artifact: compiling {', '.join(todo)} for {target} into {opts.artifact_dir} "
           "(once; later runs reuse it)")
-    bar = tqdm(total=len(todo), desc="compile", unit="entry")
-
-    def progress(msg: str) -> None:
-        bar.write("  " + msg)
-        if "build" in msg:
-            bar.update(1)
-
-    report = compile_artifact(CompileOptions(args=args, model_name=name, target=target,
-                                             out=out, entries=todo), progress=progress)
-    bar.close()
+    bar = CompileBar(todo, desc="compile")
+    try:
+        report = compile_artifact(CompileOptions(args=args, model_name=name, target=target,
+                                                 out=out, entries=todo), progress=bar)
+    finally:
+        bar.close()
     print(f"compiled in {report.total_seconds:.0f} s")
     return report.artifact_dir

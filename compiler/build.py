@@ -9,6 +9,7 @@ order the manifest lists. CUDA targets are built in a child process that sees a 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -24,6 +25,7 @@ from dsv41.graph.plan import build_plan, format_plan
 from dsv41.runtime.artifact import FORMAT_VERSION  # the manifest format the runtime reads
 
 from .capture import capture, dim_symbols, static_bounds
+from .progress import CompileProgress, SilentProgress
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 ROWS_HINT = {"decode": 1, "draft": 4}  # GEMM schedule hint: rows per call (None: prefill)
@@ -101,11 +103,12 @@ def entry_signature(ep, template, plan, entry: str) -> dict:
     return sig
 
 
-def _dump(opts: CompileOptions, entry: str, phase: str, text: str) -> None:
+def _dump(opts: CompileOptions, entry: str, phase: str, text) -> None:
+    """`text`: a callable giving the IR's text (only called when dumping)."""
     if opts.debug_dump is None:
         return
     opts.debug_dump.mkdir(parents=True, exist_ok=True)
-    (opts.debug_dump / f"{entry}.{PHASES.index(phase)}-{phase}.txt").write_text(text)
+    (opts.debug_dump / f"{entry}.{PHASES.index(phase)}-{phase}.txt").write_text(text())
 
 
 def lowered_module(config: dict, entry: str, target: str):
@@ -250,17 +253,18 @@ def built_module(config: dict, entry: str, target: str, tuning: list | None = No
     return schedule(mod, target, tuple(tuning) if tuning else None)
 
 
-def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
-    import tvm
-
+def compile_artifact(opts: CompileOptions,
+                     progress: CompileProgress | None = None) -> CompileReport:
     from dsv41.graph.targets import get_target
+
+    from .tuning_db import tuned_functions
 
     spec = get_target(opts.target)
     out = opts.artifact_dir
     out.mkdir(parents=True, exist_ok=True)
     report = CompileReport(out)
     model = Model.placeholder(opts.args)
-    say = progress or (lambda msg: None)
+    say = progress or SilentProgress()
     kept = _verified_manifest(out, opts.args, opts.target)
     entries = {e: sig for e, sig in kept.get("entries", {}).items() if e not in opts.entries}
     for e in entries:
@@ -269,23 +273,24 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
         if e in kept.get("tuning_applied", {}):
             report.kept_tuned[e] = kept["tuning_applied"][e]
     if entries:
-        say(f"keeping the artifact's other entries: {', '.join(entries)}")
+        say.note(f"keeping the artifact's other entries: {', '.join(entries)}")
     for stale in out.glob("*.so"):
         if stale.stem not in entries and stale.stem not in opts.entries:
             stale.unlink()
     for entry in opts.entries:
         tuning = (str(out / "tuning"), entry) if (out / "tuning").is_dir() else None
         times = report.seconds.setdefault(entry, {})
-        t = time.perf_counter()
-        ep, template = capture(model, entry)
-        times["capture"] = time.perf_counter() - t
-        _dump(opts, entry, "capture", str(ep.graph_module.code))
-        say(f"{entry}: capture {times['capture']:.1f} s")
+
+        phase = functools.partial(_timed_phase, say, times, entry)
+        ep, template = phase("capture", capture, model, entry)
+        _dump(opts, entry, "capture", lambda e=ep: str(e.graph_module.code))
         entries[entry] = entry_signature(ep, template, model.plan, entry)
         lib = out / f"{entry}.so"
         if spec.is_cuda:
             from dsv41.schedules.cuda_build import build_cuda
 
+            name = "lower+fuse+schedule+build (CUDA child)"
+            say.started(entry, name)
             t = time.perf_counter()
             build_cuda("dsv41.compiler.build:built_module",
                        {"config": opts.args.to_dict(), "entry": entry, "target": opts.target,
@@ -293,43 +298,48 @@ def compile_artifact(opts: CompileOptions, progress=None) -> CompileReport:
                        opts.target, lib, timeout=3600,
                        pipeline="dsv41.compiler.build:finish_pipeline")
             times["build"] = time.perf_counter() - t
-            say(f"{entry}: lower+fuse+schedule+build (CUDA child) {times['build']:.1f} s")
+            say.finished(entry, name, times["build"], phases=len(PHASES) - 1)
             continue
         from .lower import lower
 
-        t = time.perf_counter()
-        mod = lower(ep, spec, rows_hint=ROWS_HINT.get(entry),
+        mod = phase("lower", lower, ep, spec, rows_hint=ROWS_HINT.get(entry),
                     bounds=entry_bounds(model, entry, ep, template))
-        times["lower"] = time.perf_counter() - t
-        _dump(opts, entry, "lower", mod.script(show_meta=False))
-        t = time.perf_counter()
-        mod, fused = fuse(mod, opts.target)
-        times["fuse"] = time.perf_counter() - t
+        _dump(opts, entry, "lower", lambda m=mod: m.script(show_meta=False))
+        mod, fused = phase("fuse", fuse, mod, opts.target)
         report.unfused.extend([] if fused else [entry])
-        _dump(opts, entry, "fuse", mod.script(show_meta=False))
-        t = time.perf_counter()
-        mod = schedule(mod, opts.target, tuning)
-        times["schedule"] = time.perf_counter() - t
-        from .tuning_db import tuned_functions
-
+        _dump(opts, entry, "fuse", lambda m=mod: m.script(show_meta=False))
+        mod = phase("schedule", schedule, mod, opts.target, tuning)
         report.tuned[entry] = tuned_functions(mod)
         if tuning:
-            say(f"{entry}: {len(report.tuned[entry])} tuned function(s) from the database")
-        _dump(opts, entry, "schedule", mod.script(show_meta=False))
-        t = time.perf_counter()
-        ex = tvm.compile(mod, target=spec.tvm_target(),
-                         relax_pipeline=finish_pipeline(opts.target))
-        ex.export_library(str(lib))
-        times["build"] = time.perf_counter() - t
-        say(f"{entry}: lower {times['lower']:.1f} s, fuse {times['fuse']:.1f} s, build "
-            f"{times['build']:.1f} s")
+            say.note(f"{entry}: {len(report.tuned[entry])} tuned function(s) from the database")
+        _dump(opts, entry, "schedule", lambda m=mod: m.script(show_meta=False))
+
+        phase("build", _build_library, mod, spec, lib)
     if opts.onnx:
         from .onnx_export import export_onnx
 
         for path in export_onnx(opts):
-            say(f"onnx: {path}")
+            say.note(f"onnx: {path}")
     write_manifest(opts, entries, report)
     return report
+
+
+def _timed_phase(say: CompileProgress, times: dict[str, float], entry: str, name: str, fn,
+                 *args, **kwargs):
+    """Run one phase of `entry`, telling `say` when it starts and ends; its seconds in `times`."""
+    say.started(entry, name)
+    t = time.perf_counter()
+    result = fn(*args, **kwargs)
+    times[name] = time.perf_counter() - t
+    say.finished(entry, name, times[name])
+    return result
+
+
+def _build_library(mod, spec, lib: Path) -> None:
+    import tvm
+
+    ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(spec.name))
+    ex.export_library(str(lib))
 
 
 def _verified_manifest(artifact_dir: Path, args: ModelArgs, target: str) -> dict:

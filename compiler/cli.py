@@ -110,9 +110,8 @@ def cmd_score(ns) -> int:
 
 
 def cmd_compile(ns) -> int:
-    from tqdm import tqdm
-
     from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact
+    from dsv41.compiler.progress import CompileBar
     from dsv41.graph.entries import ENTRIES
     from dsv41.graph.targets import target_names
 
@@ -135,15 +134,11 @@ def cmd_compile(ns) -> int:
                           onnx=ns.format == "onnx")
     print(f"compile: {opts.display()}")
     print(f"phases per entry: {' -> '.join(PHASES)}")
-    bar = tqdm(total=len(entries), desc="entries", unit="entry")
-
-    def progress(msg: str) -> None:
-        bar.write("  " + msg)
-        if "build" in msg:
-            bar.update(1)
-
-    report = compile_artifact(opts, progress=progress)
-    bar.close()
+    bar = CompileBar(entries, desc="compile")
+    try:
+        report = compile_artifact(opts, progress=bar)
+    finally:
+        bar.close()
     print(f"\nartifact: {report.artifact_dir}")
     print(f"{'entry':16s}" + "".join(f"{p:>10s}" for p in PHASES) + f"{'library':>12s}")
     for entry, times in report.seconds.items():

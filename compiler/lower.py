@@ -614,4 +614,26 @@ def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
     if bounds:
         main = main.with_attr("tir_var_upper_bound", bounds)
     mod["main"] = main
-    return mod
+    return clip_takes(mod)
+
+
+def clip_takes(mod: tvm.IRModule) -> tvm.IRModule:
+    """Every `relax.take` in mode "fast" (the importer's default: an index out of range reads
+    past the buffer, and TVM warns once per call site while building) becomes mode "clip". The
+    runtime validates the ids and positions it feeds the entries, so in range nothing changes;
+    an index the checks missed would read the nearest row, never outside the tensor."""
+    take = tvm.ir.Op.get("relax.take")
+
+    @relax.expr_functor.mutator
+    class ClipTakes(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if call.op.same_as(take) and call.attrs.mode == "fast":
+                return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+            return call
+
+    out = mod
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            out[gv] = ClipTakes(mod).visit_expr(func)
+    return out

@@ -169,16 +169,20 @@ def test_tokens_are_validated_before_the_graph(small_model):
     assert Chunk is not None
 
 
-def test_decode_lowering_reads_dense_weights_in_place(small_model):
+@pytest.fixture(scope="module")
+def draft_lowered(small_model):
+    from dsv41.compiler.build import lowered_module
+
+    return lowered_module(small_model.args.to_dict(), "draft", "cpu")
+
+
+def test_decode_lowering_reads_dense_weights_in_place(draft_lowered):
     """At decode row counts the bf16/fp32 linears and the grouped o-projection lower to the
     dense_gemv kernel: no weight matrix is cast, transposed or reshaped (a copy) as a whole per
     call (norm vectors are cast inside their fused elementwise kernels)."""
     from tvm import relax
 
-    from dsv41.compiler.build import lowered_module
-
-    mod = lowered_module(small_model.args.to_dict(), "draft", "cpu")
-    mod = relax.transform.DeadCodeElimination(["main"])(mod)
+    mod = relax.transform.DeadCodeElimination(["main"])(draft_lowered)
     main = mod["main"]
     params = set(main.params)
     copied = []
@@ -192,6 +196,40 @@ def test_decode_lowering_reads_dense_weights_in_place(small_model):
     assert not copied, copied
     gemvs = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith("k_dense_gemv")]
     assert len(gemvs) >= 2, gemvs  # the o-projection and the head at least
+
+
+def test_lowered_takes_never_read_out_of_bounds(draft_lowered):
+    """Every gather the importer writes as `relax.take` is lowered in mode "clip", not "fast"
+    (which reads past the buffer on a bad index and makes TVM warn at every call site)."""
+    from tvm import relax
+
+    modes = [b.value.attrs.mode for block in draft_lowered["main"].body.blocks
+             for b in block.bindings if isinstance(b.value, relax.Call)
+             and isinstance(b.value.op, tvm.ir.Op) and b.value.op.name == "relax.take"]
+    assert modes and set(modes) == {"clip"}, modes
+
+
+def test_clip_takes_keeps_in_range_gathers_and_clips_the_rest():
+    import numpy as np
+    from tvm import relax
+
+    from dsv41.compiler.lower import clip_takes
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 3), "float32"))
+    i = relax.Var("i", relax.TensorType((2,), "int64"))
+    with bb.function("main", [x, i]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.take(x, i, axis=0))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm.compile(clip_takes(bb.get()), target="llvm"), tvm.cpu())
+    xs = np.arange(12, dtype="float32").reshape(4, 3)
+
+    def take(ids):
+        return vm["main"](tvm.runtime.tensor(xs), tvm.runtime.tensor(np.array(ids))).numpy()
+
+    np.testing.assert_array_equal(take([3, 1]), xs[[3, 1]])
+    np.testing.assert_array_equal(take([9, -5]), xs[[3, 0]])
 
 
 def test_prefill_lowering_has_no_generic_einsum(small_model):
