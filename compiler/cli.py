@@ -31,6 +31,8 @@ def cmd_plan(ns) -> int:
     from dsv41.graph.plan import build_plan, format_plan
 
     names = PRESETS if ns.preset == "all" else (ns.preset,)
+    if ns.shards is not None:
+        return _shard_plan(ns, names)
     for name in names:
         args = _args_from(argparse.Namespace(preset=name, config=ns.config))
         plan = build_plan(args)
@@ -39,6 +41,23 @@ def cmd_plan(ns) -> int:
         print(format_plan(plan))
         if ns.config:
             break
+    return 0
+
+
+def _shard_plan(ns, names) -> int:
+    from dsv41.graph.bill import parse_contexts
+    from dsv41.graph.sharding import format_shard_plan, shard_plan, shard_plan_json
+
+    if not ns.config and len(names) != 1:
+        raise ValueError("--shards needs one --preset (or --config), not all of them.")
+    (context,) = parse_contexts(ns.context)
+    args = _args_from(argparse.Namespace(preset=names[0], config=ns.config))
+    plan = shard_plan(args, ns.shards)
+    print(f"== shard plan: {ns.config or names[0]} (config {args.config_hash()[:12]}) ==")
+    print(format_shard_plan(plan, context=context))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(shard_plan_json(plan, context=context), indent=1))
+        print(f"json: {ns.json}")
     return 0
 
 
@@ -558,6 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plan", help="print the layer plan")
     sp.add_argument("--preset", default="all", help="small | bench | full | long | all")
     sp.add_argument("--config", default=None)
+    sp.add_argument("--shards", type=int, default=None,
+                    help="the sharding plan over N workers (expert + tensor parallel) instead")
+    sp.add_argument("--context", default="1M",
+                    help="--shards: the one context the cache bytes are given at")
+    sp.add_argument("--json", default=None, help="--shards: also write the plan as JSON")
     sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("bill", help="the KV bill: global bytes per token and local state")
