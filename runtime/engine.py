@@ -43,6 +43,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
@@ -125,11 +126,21 @@ class PrefillPacing:
     between_chunks: Pause | None = None
 
 
+class Tier(StrEnum):
+    """What served a turn's start (a str: compares and prints as its value)."""
+
+    LIVE = "live"  # the session's own cache, still in the runtime cache
+    SNAPSHOT = "snapshot"  # SSD blocks + a DRAM-pool snapshot (encoder state)
+    SNAPSHOT_SSD = "snapshot-ssd"  # exact mode: SSD blocks + an SSD state record
+    PREFIX = "prefix"  # SSD blocks only: encoder bounded replay from their end
+    COLD = "cold"  # nothing: the whole prompt prefilled
+
+
 @dataclass
 class TurnRecord:
     session: int
     turn: int
-    tier: str  # live | snapshot | snapshot-ssd | prefix | cold
+    tier: Tier
     prefilled: int  # new tokens that entered the cache
     replayed: int  # cached tokens run through the encoder again (snapshot miss)
     decoder_replayed: int  # tokens through the decoder's bounded replay
@@ -198,7 +209,7 @@ class Engine:
         self.sessions: dict[int, Session] = {}
         self._batches: list[DecodeBatch] = []  # decode batches with live rows (send_many, batcher)
         self._next_id = 1
-        self.tier_counts = {t: 0 for t in ("live", "snapshot", "snapshot-ssd", "prefix", "cold")}
+        self.tier_counts = {t.value: 0 for t in Tier}
         self.token_counts = {"prefilled": 0, "replayed": 0, "decoder_replayed": 0, "decoded": 0}
 
     # ---- construction ---------------------------------------------------------------------------
@@ -431,7 +442,7 @@ class _Start:
     turn's sequence it holds, and the SSD blocks read for it."""
 
     cache: ModelCache
-    tier: str
+    tier: Tier
     cached: int
     keys: tuple[str, ...]
 
@@ -559,7 +570,9 @@ class Session:
         positions = max(positions, self._positions(req))
         e.admit(self, positions)
         gen = torch.Generator().manual_seed(0 if req.seed is None else req.seed)
-        rec = TurnRecord(self.id, len(self.turns) + 1, "", 0, 0, 0, 0, 0, 0)
+        rec = TurnRecord(session=self.id, turn=len(self.turns) + 1, tier=Tier.COLD, prefilled=0,
+                         replayed=0, decoder_replayed=0, decoded=0, token_layers=0,
+                         cached_blocks=0)  # tier and counts set as the turn runs
         tokens = self.history + fresh  # the whole sequence this turn's cache must hold
         sampler = None if req.sampling is None else Sampler(req.sampling)
         turn = _Turn(rec, max_new_tokens, req.stop, req.temperature, gen, req.keep_logits,
@@ -593,11 +606,11 @@ class Session:
         its logits start the turn), then the latest snapshot within the block after them."""
         e = self.engine
         if self.cache is not None:
-            return _Start(self.cache, "live", len(self.history), ())
+            return _Start(self.cache, Tier.LIVE, len(self.history), ())
         if e.store is None:
             if self.history:
                 raise RuntimeError("A released session needs the SSD store.")
-            return _Start(e._fresh_cache(), "cold", 0, ())
+            return _Start(e._fresh_cache(), Tier.COLD, 0, ())
         b = e.options.page_tokens
         keys = e.block_keys(tokens[:-1])
         n = e.blocks.lookup_prefix(keys)
@@ -619,12 +632,12 @@ class Session:
                 cache.index_owner = torch.tensor([index_owner_at(e.model.plan,
                                                                  len(blocks) * b)])
                 self.stored_blocks = len(blocks)
-                return _Start(cache, "prefix", len(blocks) * b, tuple(keys[: len(blocks)]))
+                return _Start(cache, Tier.PREFIX, len(blocks) * b, tuple(keys[: len(blocks)]))
         self.stored_blocks = 0
-        return _Start(e._fresh_cache(), "cold", 0, ())
+        return _Start(e._fresh_cache(), Tier.COLD, 0, ())
 
     def _find_state(self, tokens: list[int], keys: list[str],
-                    n: int) -> tuple[int, dict, str] | None:
+                    n: int) -> tuple[int, dict, Tier] | None:
         """(L, arrays, tier) of the longest snapshot of tokens[:L], L in the block after the n
         stored ones (and below len(tokens)): the DRAM pool first, then (exact mode) the SSD
         state records."""
@@ -640,11 +653,11 @@ class Session:
             if e.pool.contains(snap_key):
                 snap = e.pool.get(snap_key)
                 if snap is not None:
-                    return length, snap.arrays, "snapshot"
+                    return length, snap.arrays, Tier.SNAPSHOT
             if states and e.blocks.contains(state_key):
                 arrays = e.blocks.get(state_key)
                 if arrays is not None:
-                    return length, arrays, "snapshot-ssd"
+                    return length, arrays, Tier.SNAPSHOT_SSD
         return None
 
     def _blocks(self, keys: list[str]) -> list[dict]:
@@ -663,13 +676,13 @@ class Session:
         cache, cut = start.cache, start.cached
         chunks = {"chunk_tokens": pacing.chunk_tokens or e.options.prefill_chunk_tokens,
                   "between_chunks": pacing.between_chunks}
-        if start.tier == "prefix":
+        if start.tier is Tier.PREFIX:
             res = ph.replay_prefill(m, cache, torch.tensor([tokens[:cut]]),
                                     torch.tensor([tokens[cut:]]), **chunks)
             rec.replayed = min(w, cut)
             rec.prefilled = len(tokens) - cut
             rec.decoder_replayed = min(w, rec.replayed + rec.prefilled)
-        elif start.tier == "cold":
+        elif start.tier is Tier.COLD:
             res = self._run(cache, torch.tensor([tokens]), chunks)
             rec.prefilled = len(tokens)
             rec.decoder_replayed = 0 if e.options.exact else min(w, len(tokens))
