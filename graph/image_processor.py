@@ -161,7 +161,8 @@ def preprocess(image: Image.Image, args: ModelArgs) -> PreparedImage:
     p = args.vision_patch_size
     image = image.convert("RGB")
     grid = plan_image_grid(image.width, image.height, args)
-    if args.vision_max_wh_ratio is not None and image.width > image.height * args.vision_max_wh_ratio:
+    ratio = args.vision_max_wh_ratio
+    if ratio is not None and image.width > image.height * ratio:
         image = image.resize((grid.width, grid.height), Image.Resampling.BICUBIC)
     else:
         image = ImageOps.pad(image, (grid.width, grid.height), color=PAD_COLOR)
