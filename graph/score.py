@@ -43,6 +43,15 @@ class ScoreResult:
         np.savez(path, logits=self.logits, tokens=tokens, prefill=np.int64(self.prefill),
                  perplexity=np.float64(self.perplexity(tokens)), **self.selections, **self.hidden)
 
+    @classmethod
+    def from_npz(cls, path: str | Path) -> ScoreResult:
+        """What `to_npz` wrote (the token-layer count is not stored)."""
+        z = np.load(path)
+        fixed = {"logits", "tokens", "prefill", "perplexity"}
+        sel = {k: z[k] for k in z.files if k.startswith(("idx_", "cand_blocks_"))}
+        hidden = {k: z[k] for k in z.files if k not in fixed and k not in sel}
+        return cls(z["logits"], int(z["prefill"]), sel, hidden)
+
 
 def read_tokens(path: str | Path) -> np.ndarray:
     """A `.npy` array or a text file of whitespace-separated integer ids."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from dsv41.compiler.cli import main
 from dsv41.graph import vision
 from dsv41.graph.cache import new_cache
 from dsv41.graph.conformance import evaluate, load_case
@@ -25,7 +26,7 @@ from dsv41.graph.engram import empty_history, engram_hash
 from dsv41.graph.image_processor import PreparedImage, TokenType, plan_image_grid, preprocess
 from dsv41.graph.model import Model, engram_at, moe
 from dsv41.graph.phases import prefill_exact
-from dsv41.graph.score import GraphBackend, image_rows, score
+from dsv41.graph.score import GraphBackend, ScoreResult, image_rows, score
 
 CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
 
@@ -53,9 +54,21 @@ def image(vcase, vmodel) -> PreparedImage:
 
 
 @pytest.fixture(scope="module")
-def scored(vcase, vmodel, image):
-    return score(GraphBackend(vmodel, capacity=256), vcase.tokens, prefill=vcase.prefill,
-                 images=[image])
+def png(vcase, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("vision") / "image.png"
+    Image.fromarray(vcase.golden["image_rgb"], "RGB").save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def scored(vcase, png, tmp_path_factory):
+    """The case scored by `dsv41 score --images` (prompt + decode tokens, 216 prefilled)."""
+    root = tmp_path_factory.mktemp("score")
+    toks, out = root / "tokens.txt", root / "scored.npz"
+    toks.write_text(" ".join(str(t) for t in vcase.tokens))
+    assert main(["score", "--checkpoint", str(vcase.checkpoint), "--tokens", str(toks),
+                 "--prefill", str(vcase.prefill), "--images", str(png), "--out", str(out)]) == 0
+    return ScoreResult.from_npz(out)
 
 
 def test_preprocessing_equals_the_released_patches(vcase, image):
@@ -213,3 +226,27 @@ def test_small_image_planning_and_shrink(vmodel):
     assert tall.span_length <= a.vision_max_n_token
     with pytest.raises(ValueError, match="at least 1 x 1"):
         plan_image_grid(0, 5, a)
+
+
+def test_score_images_errors_are_clear(vcase, png, tmp_path, capsys, small_case):
+    toks = tmp_path / "t.txt"
+    prompt = vcase.golden["prompt_ids"]
+    base = ["score", "--checkpoint", str(vcase.checkpoint), "--tokens", str(toks),
+            "--out", str(tmp_path / "o.npz")]
+    toks.write_text(" ".join(str(t) for t in np.delete(prompt, 50)))
+    assert main([*base, "--images", str(png)]) == 2
+    assert "holds 193 image-id positions; its planned 12 x 15 grid needs 194" in (
+        capsys.readouterr().err)
+    toks.write_text(" ".join(str(t) for t in prompt))
+    assert main([*base, "--images", f"{png},{png}"]) == 2
+    assert "Image 1" in capsys.readouterr().err
+    assert main([*base, "--images", str(png), "--prefill", "100"]) == 2
+    assert "must lie in the prompt" in capsys.readouterr().err
+    assert main([*base, "--images", str(tmp_path / "none.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    assert main([*base, "--images", str(tmp_path / "bad.png")]) == 2
+    assert "could not be decoded" in capsys.readouterr().err
+    base[2] = str(small_case.checkpoint)
+    assert main([*base, "--images", str(png)]) == 2
+    assert "no vision.* tensors" in capsys.readouterr().err
