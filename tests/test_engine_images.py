@@ -152,5 +152,5 @@ def test_image_requests_are_clear_errors(model, small_model, tmp_path):
     resumed = _engine(model, store_dir=tmp_path / "store").session(
         transcript=[*TURN1, IMG, IMG, IMG, IMG, IMG])
     with pytest.raises(RequestError, match="has no image for it"):
-        list(resumed.send(TURN3))
+        list(resumed.send(TURN3, max_new_tokens=2))
     assert s.history == [] and s.turns == []
