@@ -617,7 +617,7 @@ class Session:
             turn.done = True
         return turn
 
-    def _restore(self, tokens: list[int], keyed: list[int] | None = None) -> _Start:
+    def _restore(self, tokens: list[int], keyed: Sequence[int] | None = None) -> _Start:
         """The cache this turn starts from, and the tier that gave it. Any session's records
         serve: the longest run of stored blocks of `tokens[:-1]` (the last token always runs:
         its logits start the turn), then the latest snapshot within the block after them.

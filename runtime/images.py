@@ -106,11 +106,11 @@ def encode_turn(model: Model, first: int, images: Sequence[TurnImage]) -> list[S
                          encode_image(model.w, model.args, im.image)) for im in images]
 
 
-def key_tokens(tokens: Sequence[int], images: Sequence[SessionImage]) -> list[int]:
+def key_tokens(tokens: Sequence[int], images: Sequence[SessionImage]) -> Sequence[int]:
     """`tokens` with each span position replaced by a negative value naming its image's content
-    and the position in the span (what the tiers' keys hash)."""
+    and the position in the span (what the tiers' keys hash); `tokens` itself without images."""
     if not images:
-        return list(tokens)
+        return tokens
     out = list(tokens)
     for im in images:
         base = int.from_bytes(im.digest[:8], "little") & _KEY_SPACE
