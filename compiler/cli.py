@@ -117,15 +117,40 @@ def cmd_score(ns) -> int:
                              "--backend torch.")
         phases = CompiledPhases(Artifact.load(ns.backend, args=model.args), model)
         label = f"artifact {ns.backend}"
+    images = _score_images(ns.images, model, tokens, ns.prefill)
     print(f"backend: {label}")
     res = score(GraphBackend(model, kv_dtype=ns.kv_dtype, phases=phases), tokens,
-                prefill=ns.prefill, mode=ns.mode, hidden_layers=hidden, progress=tqdm)
+                prefill=ns.prefill, mode=ns.mode, hidden_layers=hidden, progress=tqdm,
+                images=images)
     res.to_npz(ns.out, tokens)
     finite = np.isfinite(res.logits).all(-1).sum()
+    if images:
+        print(f"images: {len(images)}, spans of "
+              f"{', '.join(str(im.grid.span_length) for im in images)} positions")
     print(f"scored {len(tokens)} tokens ({res.prefill} prefilled, mode {ns.mode}) in "
           f"{time.time() - t0:.1f} s: {finite} logit rows, perplexity "
           f"{res.perplexity(tokens):.4f}, {res.token_layers} token-layers -> {ns.out}")
     return 0
+
+
+def _score_images(spec: str, model, tokens, prefill: int | None) -> list:
+    """`--images a.png,b.png`: each image preprocessed, its span found in the prompt (laid out
+    as the released `prepare_vl_inputs` writes it) and checked against its planned grid."""
+    from dsv41.graph.image_processor import load_image
+    from dsv41.graph.vision import find_spans
+
+    if not spec:
+        return []
+    if not model.vision:
+        raise ValueError("--images needs a checkpoint with a vision tower; this one holds no "
+                         "vision.* tensors.")
+    images = [load_image(Path(p), model.args) for p in spec.split(",")]
+    spans = find_spans(tokens, [im.grid for im in images], model.args.image_token_id)
+    p = len(tokens) if prefill is None else prefill
+    if spans[-1].end > p:
+        raise ValueError(f"Image {len(spans) - 1}'s span ends at {spans[-1].end}, past the "
+                         f"{p} prefilled tokens: image spans must lie in the prompt.")
+    return images
 
 
 def cmd_compile(ns) -> int:
@@ -607,6 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--backend", default="torch")
     sp.add_argument("--kv-dtype", default="fp4", choices=("fp4", "bf16"))
     sp.add_argument("--hidden-states", default="", help="e.g. 0,1,2,3")
+    sp.add_argument("--images", default="",
+                    help="comma-separated image files whose spans the prompt holds, in order")
     sp.add_argument("--out", required=True)
     sp.set_defaults(func=cmd_score)
 

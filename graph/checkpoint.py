@@ -11,9 +11,10 @@ Returned representation ("the uint8 bit route" used across dsv41): F8_E4M3, F8_E
 `torch.bfloat16`, F32 as `torch.float32`. Nothing is converted: the low-precision decoders in
 `graph.formats` work on the raw bytes, and the tensors stay views of the memory-mapped files.
 
-The layout covers the text model only. The released config enables a vision tower; its tensors
-(`vision.*`, `aligner.*`, `image_*`, the gates' `bias_vl`) are skipped by the loader when
-`vision_n_layers > 0`, because dsv41 serves text only.
+`param_spec` covers the text model. The vision tower's tensors (`vision.*`, `aligner.*`,
+`image_*`, the gates' `bias_vl`: `vision_spec`) are optional: `load_checkpoint` skips them when
+`vision_n_layers > 0`, and `load_vision` loads them (all or none) from a checkpoint that holds
+them. A model without them serves text only and refuses images.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ __all__ = [
     "param_spec",
     "checkpoint_nbytes",
     "load_checkpoint",
+    "vision_spec",
+    "load_vision",
     "checkpoint_config",
     "weights_fingerprint",
     "write_seeded_checkpoint",
@@ -390,8 +393,65 @@ def _locate(files: _Files, headers: list[_Header]) -> tuple[dict[str, _Header], 
     return where, problems
 
 
+def vision_spec(args: ModelArgs) -> dict[str, TensorSpec]:
+    """The vision tower's tensors (reference names and dtypes, `VISION.md`): the ViT, the
+    aligner, the three span delimiters and every MoE gate's `bias_vl` (DSpark's included,
+    unused). Empty when `vision_n_layers` is 0."""
+    a = args
+    if a.vision_n_layers <= 0:
+        return {}
+    d, p, r = a.vision_dim, a.vision_patch_size, a.vision_downsample_ratio
+    out = _linear("vision.patch_embed.proj", d, 3 * p * p, BF16)
+    out += _plain("vision.patch_embed.proj.bias", (d,), BF16)
+    for i in range(a.vision_n_layers):
+        b = f"vision.blocks.{i}."
+        out += _plain(f"{b}norm1.weight", (d,), F32)
+        out += _linear(f"{b}attn.wqkv", 3 * d, d, BF16) + _plain(f"{b}attn.wqkv.bias", (3 * d,),
+                                                                  BF16)
+        out += _linear(f"{b}attn.wo", d, d, BF16) + _plain(f"{b}attn.wo.bias", (d,), BF16)
+        out += _plain(f"{b}norm2.weight", (d,), F32)
+        out += _linear(f"{b}mlp.w1", 2 * a.vision_inter_dim, d, BF16)
+        out += _linear(f"{b}mlp.w2", d, a.vision_inter_dim, BF16)
+    out += _plain("vision.norm.weight", (d,), F32)
+    out += _linear("aligner.w1", a.dim, d * r * r, BF16) + _plain("aligner.w1.bias", (a.dim,),
+                                                                   BF16)
+    out += _linear("aligner.w2", a.dim, a.dim, BF16) + _plain("aligner.w2.bias", (a.dim,), BF16)
+    for name in ("image_start", "image_newline", "image_end"):
+        out += _plain(name, (a.dim,), BF16)
+    plan = build_plan(args)
+    for layer in plan.layers:
+        prefix = (f"layers.{layer.layer}" if layer.layer < a.n_layers
+                  else f"mtp.{layer.layer - a.n_layers}")
+        out += _plain(f"{prefix}.ffn.gate.bias_vl", (a.moe_config(layer.layer)[0],), F32)
+    return dict(out)
+
+
+def load_vision(path: str | Path, args: ModelArgs) -> dict[str, torch.Tensor] | None:
+    """The vision tower's tensors of a checkpoint, or None when it holds none of them (or
+    `vision_n_layers` is 0). A checkpoint with some but not all of them, or with one of the
+    wrong dtype or shape, is a ValueError naming every problem."""
+    spec = vision_spec(args)
+    if not spec:
+        return None
+    path = Path(path)
+    files = _checkpoint_files(path)
+    headers = [_read_header(p) for p in files.paths]
+    where, problems = _locate(files, headers)
+    if not any(name in where for name in spec):
+        return None
+    problems += _compare(spec, {n: h for n, h in where.items() if n in spec}, True, args)
+    if problems:
+        raise ValueError(_problem_report(path, problems))
+    loaded: dict[str, torch.Tensor] = {}
+    for h in headers:
+        names = [n for n in h.entries if n in spec and where[n] is h]
+        if names:
+            loaded.update(_load_shard(h, names))
+    return {name: loaded[name] for name in spec}
+
+
 def _is_vision(name: str) -> bool:
-    """Vision-tower tensors of the released checkpoint, which dsv41 (text only) skips."""
+    """Vision-tower tensors of the released checkpoint, which `load_checkpoint` skips."""
     return (name.startswith(("vision.", "aligner.", "image_start", "image_end", "image_newline"))
             or name.endswith(".gate.bias_vl"))
 

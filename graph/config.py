@@ -85,7 +85,7 @@ class ModelArgs:
     engram_head_dim: int = 256
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 99092
-    # vision: accepted so the released config loads, but dsv41 serves the text model only
+    # vision tower (graph/vision.py); used when the checkpoint holds its tensors
     vision_n_layers: int = 32
     vision_dim: int = 1024
     vision_n_heads: int = 16

@@ -182,16 +182,36 @@ def build_tables(args: ModelArgs, token_map: np.ndarray) -> EngramTables:
         primes=primes, offsets=offsets, max_ngram=args.engram_max_ngram_size)
 
 
-def engram_hash(t: EngramTables, history: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def _alive_sequence(t: EngramTables, history: np.ndarray, tokens: np.ndarray,
+                    dead: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(history + the chunk's compressed ids, the last dead index at or before each entry, -1
+    if none), both (b, n-1+s). Dead positions (image spans) read as pad."""
+    c = t.token_map[tokens]  # (b, s)
+    n1 = t.max_ngram - 1
+    last = np.full((tokens.shape[0], n1 + tokens.shape[1]), -1, dtype=np.int64)
+    if dead is not None:
+        dead = np.asarray(dead, dtype=bool)
+        c = np.where(dead, t.pad_id, c)
+        idx = np.where(dead, np.arange(n1, n1 + tokens.shape[1]), -1)
+        last[:, n1:] = np.maximum.accumulate(idx, axis=1)
+    return np.concatenate([history, c], axis=1), last
+
+
+def engram_hash(t: EngramTables, history: np.ndarray, tokens: np.ndarray,
+                dead: np.ndarray | None = None) -> np.ndarray:
     """Row ids for each new position. history: compressed ids of the max_ngram-1 tokens before
     the chunk, oldest first, pad where the sequence had not started ([b, max_ngram-1]);
-    tokens: raw ids [b, s]. Returns int64 [b, s, n_engram_layers, n_cols]."""
-    c = t.token_map[tokens]  # (b, s)
-    seq = np.concatenate([history, c], axis=1)  # (b, n-1+s)
+    tokens: raw ids [b, s]; dead: bool [b, s], positions no n-gram reaches into or across (an
+    image span: every entry at or before the latest dead position reads as pad, so a dead
+    position hashes the all-pad n-gram, as the released model). Returns int64
+    [b, s, n_engram_layers, n_cols]."""
+    seq, last = _alive_sequence(t, history, tokens, dead)  # (b, n-1+s)
     n1 = t.max_ngram - 1
     s = tokens.shape[1]
-    # lookback[..., k] = compressed id at p - k
-    look = np.stack([seq[:, n1 - k : n1 - k + s] for k in range(t.max_ngram)], axis=-1)
+    cut = last[:, n1:]  # (b, s) latest dead index at or before each new position
+    # lookback[..., k] = compressed id at p - k (pad at or before the latest dead position)
+    look = np.stack([np.where(np.arange(n1 - k, n1 - k + s) > cut, seq[:, n1 - k : n1 - k + s],
+                              t.pad_id) for k in range(t.max_ngram)], axis=-1)
     prod = look[:, :, None, :] * t.multipliers[None, None]  # (b, s, L, n)
     rolling = prod[..., 0]
     out = []
@@ -201,9 +221,12 @@ def engram_hash(t: EngramTables, history: np.ndarray, tokens: np.ndarray) -> np.
     return np.concatenate(out, axis=-1) + t.offsets[None, None]
 
 
-def engram_history_after(t: EngramTables, history: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """The lookback the next chunk starts from."""
-    seq = np.concatenate([history, t.token_map[tokens]], axis=1)
+def engram_history_after(t: EngramTables, history: np.ndarray, tokens: np.ndarray,
+                         dead: np.ndarray | None = None) -> np.ndarray:
+    """The lookback the next chunk starts from (pad at or before the chunk's last dead
+    position, so later chunks never reach back across an image span)."""
+    seq, last = _alive_sequence(t, history, tokens, dead)
+    seq = np.where(np.arange(seq.shape[1]) > last[:, -1:], seq, t.pad_id)
     return seq[:, -(t.max_ngram - 1) :]
 
 

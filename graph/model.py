@@ -34,6 +34,7 @@ from .layers import (
     rope_table,
 )
 from .plan import FULL, REUSE, ModelPlan, build_plan
+from .vision import SpanRows, check_vision_args, has_vision
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,21 @@ class Model:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, args: ModelArgs | None = None) -> Model:
-        from .checkpoint import checkpoint_config, load_checkpoint
+        from .checkpoint import checkpoint_config, load_checkpoint, load_vision
 
         args = args or checkpoint_config(path)
-        return cls.from_weights(args, load_checkpoint(path, args),
+        weights = load_checkpoint(path, args)
+        vision = load_vision(path, args)  # None: the checkpoint has no vision tower
+        if vision is not None:
+            check_vision_args(args)
+            weights.update(vision)
+        return cls.from_weights(args, weights,
                                 load_token_map(args, path) if args.engram_layer_ids else None)
+
+    @property
+    def vision(self) -> bool:
+        """Whether this model holds a vision tower (the checkpoint's `vision.*` tensors)."""
+        return has_vision(self.w)
 
     def p(self, layer: int, name: str) -> torch.Tensor:
         return self.w[f"{_prefix(self.args, layer)}.{name}"]
@@ -179,6 +190,7 @@ class Chunk:
     work: dict[int, int] = field(default_factory=dict)  # token-layer work per layer
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # recorded block outputs
     record: tuple[int, ...] = ()
+    image: SpanRows | None = None  # image-span positions of this chunk and their embeddings
 
     @property
     def end(self) -> torch.Tensor:
@@ -573,7 +585,10 @@ def output_proj(model: Model, layer: int, o: torch.Tensor, cos, sin) -> torch.Te
 # ---- MoE -----------------------------------------------------------------------------------------
 
 
-def moe(model: Model, layer: int, x: torch.Tensor) -> torch.Tensor:
+def moe(model: Model, layer: int, x: torch.Tensor,
+        vl_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """vl_mask bool (b, s): image-span positions, whose experts are picked with `bias_vl`
+    (the routing weights still come from the unbiased scores)."""
     a = model.args
     shape = x.shape
     x = x.reshape(-1, a.dim)
@@ -585,7 +600,10 @@ def moe(model: Model, layer: int, x: torch.Tensor) -> torch.Tensor:
         scores = scores.sigmoid()
     else:
         scores = torch.nn.functional.softplus(scores).sqrt()
-    _, ids = ops.stable_topk(scores + model.p(layer, "ffn.gate.bias"), k)
+    bias = model.p(layer, "ffn.gate.bias")  # (E,)
+    if vl_mask is not None:
+        bias = torch.where(vl_mask.reshape(-1, 1), model.p(layer, "ffn.gate.bias_vl"), bias)
+    _, ids = ops.stable_topk(scores + bias, k)
     weights = scores.gather(1, ids)
     if a.norm_topk_prob and k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -623,6 +641,15 @@ def engram(model: Model, layer: int, h: torch.Tensor, ids: torch.Tensor) -> torc
                        model.p(layer, "engram.k_weight"), a.norm_eps)
 
 
+def engram_at(model: Model, layer: int, h: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """A block's Engram over the chunk; image-span positions pass through (gate 0 there)."""
+    slot = model.args.engram_layer_ids.index(layer)
+    out = engram(model, layer, h, chunk.hash_ids[:, :, slot])  # (b, s, hc, d)
+    if chunk.image is None:
+        return out
+    return torch.where(chunk.image.mask[:, :, None, None], h, out)
+
+
 def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: torch.Tensor,
           chunk: Chunk, attn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: attention then MoE, each between hc_pre and hc_post. The attention collapses
@@ -630,8 +657,7 @@ def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: tor
     `pre`. Returns the new stream and this block's FFN `pre`."""
     a, p = model.args, model.plan.layers[layer]
     if p.engram:
-        slot = a.engram_layer_ids.index(layer)
-        h = engram(model, layer, h, chunk.hash_ids[:, :, slot])
+        h = engram_at(model, layer, h, chunk)
     if p.dspark_tap:
         chunk.taps.append(h.mean(dim=2))
     mix = (a.hc_mult, a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps)
@@ -643,7 +669,8 @@ def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: tor
     ffn_pre, post, comb = hc_mixes(h, model.p(layer, "hc_ffn_fn"), model.p(layer, "hc_ffn_scale"),
                                    model.p(layer, "hc_ffn_base"), *mix)
     x = rms_norm(hc_pre(h, attn_pre), model.p(layer, "ffn_norm.weight"), a.norm_eps)
-    h = hc_post(moe(model, layer, x), h, post, comb)
+    vl = chunk.image.mask if chunk.image is not None and layer < a.n_layers else None
+    h = hc_post(moe(model, layer, x, vl), h, post, comb)
     chunk.work[layer] = chunk.work.get(layer, 0) + chunk.length
     if layer in chunk.record:
         chunk.hidden[layer] = h

@@ -40,7 +40,7 @@ from .layers import hc_pre, identity_pre, rms_norm
 from .model import (
     Chunk,
     Model,
-    engram,
+    engram_at,
     final_norm,
     head,
     publish_main_kv,
@@ -48,6 +48,7 @@ from .model import (
     run_compressor,
     run_layers,
 )
+from .vision import SpanRows, splice
 
 DEFAULT_CHUNK_TOKENS = 2048  # the engine's prefill chunk (EngineOptions.prefill_chunk_tokens)
 # called between two pieces of a chunked prefill (two chunks, and the CED encoder pass and the
@@ -90,21 +91,25 @@ def check_tokens(model: Model, tokens: torch.Tensor) -> torch.Tensor:
     return tokens
 
 
-def engram_ids(model: Model, cache: ModelCache, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Engram hash ids of the new tokens (on the host), advancing the cache's lookback."""
+def engram_ids(model: Model, cache: ModelCache, tokens: torch.Tensor,
+               dead: np.ndarray | None = None) -> torch.Tensor | None:
+    """Engram hash ids of the new tokens (on the host), advancing the cache's lookback.
+    `dead` bool (b, s): image-span positions, which no n-gram reaches into or across."""
     if model.engram is None:
         return None
     np_tokens = tokens.numpy()
-    ids = as_tensor(engram_hash(model.engram, cache.engram_history, np_tokens))
-    cache.engram_history = engram_history_after(model.engram, cache.engram_history, np_tokens)
+    ids = as_tensor(engram_hash(model.engram, cache.engram_history, np_tokens, dead))
+    cache.engram_history = engram_history_after(model.engram, cache.engram_history, np_tokens,
+                                                dead)
     return ids
 
 
 def new_chunk(model: Model, cache: ModelCache, tokens: torch.Tensor, record=(), *,
               start: torch.Tensor | None = None, floor: torch.Tensor | None = None,
-              write_global: bool = True) -> Chunk:
+              write_global: bool = True, image: SpanRows | None = None) -> Chunk:
     """The host half of one phase call over `tokens` (b, s): batch and length checked against
-    the cache and max_seq_len, capacity ensured, RoPE tables and Engram ids for its positions."""
+    the cache and max_seq_len, capacity ensured, RoPE tables and Engram ids for its positions.
+    `image`: the chunk's image-span positions and their embeddings (`vision.span_rows`)."""
     if tokens.size(0) != cache.batch:
         raise ValueError(f"Batch of {tokens.size(0)} sequences does not match the cache's "
                          f"{cache.batch}.")
@@ -113,14 +118,31 @@ def new_chunk(model: Model, cache: ModelCache, tokens: torch.Tensor, record=(), 
     if end > model.args.max_seq_len:
         raise ValueError(f"The sequence would reach {end} tokens; this model's max_seq_len is "
                          f"{model.args.max_seq_len}.")
+    if image is not None:
+        check_image_rows(model, tokens, image)
     ensure_capacity(cache, end)
+    dead = None if image is None else image.mask.numpy()
     return Chunk(start=start, length=tokens.size(1), rope=rope_window(model, start, tokens.size(1)),
-                 hash_ids=engram_ids(model, cache, tokens), window_floor=floor,
-                 write_global=write_global, record=tuple(record))
+                 hash_ids=engram_ids(model, cache, tokens, dead), window_floor=floor,
+                 write_global=write_global, record=tuple(record), image=image)
 
 
-def embed(model: Model, tokens: torch.Tensor) -> torch.Tensor:
-    h = model.w["embed.weight"][tokens]  # (b, s, d) bf16
+def check_image_rows(model: Model, tokens: torch.Tensor, image: SpanRows) -> None:
+    """Image rows fit the chunk, the model has a tower, and every span position holds the image
+    id (as `prepare_vl_inputs` lays spans out)."""
+    if not model.vision:
+        raise ValueError("This model's checkpoint has no vision tower; it cannot take images.")
+    if tuple(image.mask.shape) != tuple(tokens.shape):
+        raise ValueError(f"The image rows cover {tuple(image.mask.shape)} positions; the chunk "
+                         f"holds {tuple(tokens.shape)}.")
+    if bool((tokens[image.mask] != model.args.image_token_id).any()):
+        raise ValueError(f"Every image-span position must hold the image id "
+                         f"{model.args.image_token_id}.")
+
+
+def embed(model: Model, tokens: torch.Tensor, image: SpanRows | None = None) -> torch.Tensor:
+    """Token embeddings, image-span positions overwritten (`vision.splice`), in hc copies."""
+    h = splice(model.w["embed.weight"][tokens], image)  # (b, s, d) bf16
     return h.unsqueeze(2).repeat(1, 1, model.args.hc_mult, 1)  # (b, s, hc, d)
 
 
@@ -139,7 +161,7 @@ def forward_all(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Ch
                 all_logits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The graph of `prefill_exact` / `decode_step`: pure tensor code over validated inputs
     (what torch.export captures). Returns (logits, final hidden, DSpark main hidden)."""
-    h = embed(model, tokens)
+    h = embed(model, tokens, chunk.image)
     pre = identity_pre(h)
     h, pre = run_layers(model, cache, h, pre, range(model.args.n_layers), chunk)
     x = final_norm(model, h, pre)
@@ -150,16 +172,23 @@ def forward_all(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Ch
 
 def prefill_exact(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
                   record: tuple[int, ...] = (), chunk_tokens: int | None = None,
-                  keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
+                  keep_rows: bool = False, between_chunks: Pause | None = None,
+                  image: SpanRows | None = None) -> PhaseResult:
     """Every block over every new token, each sequence continuing from its `cache.pos`. With
-    `chunk_tokens`, in chunks (see `chunked_exact` for what the result keeps)."""
+    `chunk_tokens`, in chunks (see `chunked_exact` for what the result keeps). `image`: the
+    new tokens' image-span rows (`vision.span_rows`); a span may cross chunks."""
     tokens = check_tokens(model, tokens)
     if chunk_tokens is not None:
-        return chunked_exact(lambda t: prefill_exact(model, cache, t, all_logits=all_logits,
-                                                     record=record), tokens, chunk_tokens,
-                             all_logits=all_logits, keep_rows=keep_rows,
-                             between_chunks=between_chunks)
-    chunk = new_chunk(model, cache, tokens, record)
+        first = cache.pos.clone()
+
+        def run(t: torch.Tensor) -> PhaseResult:
+            b = int(cache.pos[0] - first[0])  # every sequence advances alike
+            return prefill_exact(model, cache, t, all_logits=all_logits, record=record,
+                                 image=None if image is None else image.piece(b, b + t.size(1)))
+
+        return chunked_exact(run, tokens, chunk_tokens, all_logits=all_logits,
+                             keep_rows=keep_rows, between_chunks=between_chunks)
+    chunk = new_chunk(model, cache, tokens, record, image=image)
     logits, x, main_hidden = forward_all(model, cache, tokens, chunk, all_logits)
     return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
 
@@ -228,8 +257,7 @@ def decoder_global_kv(model: Model, cache: ModelCache, h: torch.Tensor, pre: tor
     layer = model.plan.decoder_start
     p = model.plan.layers[layer]
     if p.engram:
-        slot = model.args.engram_layer_ids.index(layer)
-        h = engram(model, layer, h, chunk.hash_ids[:, :, slot])
+        h = engram_at(model, layer, h, chunk)
     x = rms_norm(hc_pre(h, pre), model.p(layer, "attn_norm.weight"), model.args.norm_eps)
     c = run_compressor(model, cache, layer, x, chunk)
     if c is not None and chunk.write_global:

@@ -4,12 +4,15 @@ it, so any backend (this graph, a compiled artifact) is measured the same way.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
+
+from .image_processor import PreparedImage
 
 
 class Backend(Protocol):
@@ -40,6 +43,15 @@ class ScoreResult:
         np.savez(path, logits=self.logits, tokens=tokens, prefill=np.int64(self.prefill),
                  perplexity=np.float64(self.perplexity(tokens)), **self.selections, **self.hidden)
 
+    @classmethod
+    def from_npz(cls, path: str | Path) -> ScoreResult:
+        """What `to_npz` wrote (the token-layer count is not stored)."""
+        z = np.load(path)
+        fixed = {"logits", "tokens", "prefill", "perplexity"}
+        sel = {k: z[k] for k in z.files if k.startswith(("idx_", "cand_blocks_"))}
+        hidden = {k: z[k] for k in z.files if k not in fixed and k not in sel}
+        return cls(z["logits"], int(z["prefill"]), sel, hidden)
+
 
 def read_tokens(path: str | Path) -> np.ndarray:
     """A `.npy` array or a text file of whitespace-separated integer ids."""
@@ -62,15 +74,19 @@ def read_tokens(path: str | Path) -> np.ndarray:
 
 
 def score(backend: Backend, tokens: np.ndarray, *, prefill: int | None = None, mode: str = "exact",
-          hidden_layers: tuple[int, ...] = (), progress=None) -> ScoreResult:
-    """Teacher-forced logits of every position of `tokens`."""
+          hidden_layers: tuple[int, ...] = (), progress=None,
+          images: Sequence[PreparedImage] = ()) -> ScoreResult:
+    """Teacher-forced logits of every position of `tokens`. `images`: the images whose spans
+    the prompt holds, in order (laid out as the released `prepare_vl_inputs` writes them; the
+    backend checks each span against its image's grid); decode steps are text only."""
     n = len(tokens)
     p = n if prefill is None else prefill
     if not 1 <= p <= n:
         raise ValueError(f"--prefill must be in 1..{n} (the token count), got {p}.")
     if mode not in ("exact", "ced"):
         raise ValueError(f"mode must be 'exact' or 'ced', got {mode!r}.")
-    out = backend.prefill(tokens[:p], mode=mode, record=hidden_layers)
+    extra = {"images": list(images)} if images else {}
+    out = backend.prefill(tokens[:p], mode=mode, record=hidden_layers, **extra)
     rows = [out["logits"]]
     sel = {f"idx_prefill_L{k}" if k >= 0 else "cand_blocks_prefill": v
            for k, v in out.get("selections", {}).items()}
@@ -127,10 +143,18 @@ class GraphBackend:
         return {"logits": logits, "selections": sel, "hidden": hidden,
                 "token_layers": res.token_layers}
 
-    def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...] = ()) -> dict:
+    def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...] = (),
+                images: Sequence[PreparedImage] = ()) -> dict:
+        from . import phases as graph_phases
         from .cache import new_cache
 
         m = self.model
+        image, vis = None, {}
+        if images:
+            if mode != "exact" or self.phases is not graph_phases:
+                raise ValueError("Images are scored with the graph backend in exact mode only "
+                                 "(the CED phases and compiled artifacts take text).")
+            image, vis = image_rows(m, tokens, images)
         pad = m.engram.pad_id if m.engram is not None else None
         self.cache = new_cache(m.plan, 1, max(self.capacity, len(tokens) + 1),
                                kv_dtype=self.kv_dtype, engram_pad=pad)
@@ -138,9 +162,34 @@ class GraphBackend:
         run = self.phases.prefill_exact if mode == "exact" else self.phases.ced_prefill
         chunked = {} if self.chunk_tokens is None else {"chunk_tokens": self.chunk_tokens,
                                                          "keep_rows": True}
-        return self._out(run(m, self.cache, t, all_logits=True, record=record, **chunked),
-                         len(tokens))
+        if image is not None:
+            chunked["image"] = image
+        out = self._out(run(m, self.cache, t, all_logits=True, record=record, **chunked),
+                        len(tokens))
+        out["hidden"].update(vis)
+        return out
 
     def decode(self, token: int) -> dict:
         return self._out(self.phases.decode_step(self.model, self.cache,
                                                  torch.tensor([[token]])))
+
+
+def image_rows(model, tokens: np.ndarray, images: Sequence[PreparedImage]):
+    """A prompt's image-span rows (each span checked against its image's planned grid) and the
+    vision intermediates under the goldens' keys: `vit_output`, `aligner_embeddings` (rows of
+    every image, in order) and `input_embeddings` (the prompt's spliced embeddings)."""
+    from . import vision
+
+    if not model.vision:
+        raise ValueError("This model's checkpoint has no vision tower; it cannot score images.")
+    a = model.args
+    spans = vision.find_spans(tokens, [im.grid for im in images], a.image_token_id)
+    feats = [vision.vit(model.w, a, im.patches, im.grid.n_vit_h, im.grid.n_vit_w)
+             for im in images]
+    aligned = [vision.align(model.w, a, f, im.grid) for f, im in zip(feats, images, strict=True)]
+    rows = vision.span_rows(model.w, vision.token_types(len(tokens), spans), aligned)
+    embedded = vision.splice(model.w["embed.weight"][torch.from_numpy(
+        np.asarray(tokens, np.int64))][None], rows)
+    return rows, {"vit_output": torch.cat(feats).float().numpy(),
+                  "aligner_embeddings": torch.cat(aligned).float().numpy(),
+                  "input_embeddings": embedded[0].float().numpy()}

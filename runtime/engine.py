@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsv41.graph import phases as graph_phases
 from dsv41.graph.cache import (
     ModelCache,
     capacity_tokens,
@@ -65,6 +66,15 @@ from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
 from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, Pause, chunk_spans, resume_tail
 
+from .images import (
+    SessionImage,
+    TurnImage,
+    check_spans,
+    encode_turn,
+    expand_placeholders,
+    key_tokens,
+    segment_rows,
+)
 from .onednn import bound_onednn_caches
 from .requests import (
     RequestError,
@@ -503,6 +513,7 @@ class Session:
         self._gen = None
         self._open: _Turn | None = None  # the turn `_gen` plays
         self._snapshot: str | None = None  # the pool key of this session's last snapshot
+        self.images: list[SessionImage] = []  # the images of `history`, in order
         self.uid = uuid.uuid4().hex  # names the session in its snapshot key
 
     @property
@@ -513,19 +524,32 @@ class Session:
 
     def send(self, token_ids: Sequence[int], *, max_new_tokens: int = 256,
              stop: Sequence[int] = (), temperature: float = 0.0, seed: int | None = None,
-             keep_logits: bool = False, sampling: SamplingParams | None = None
-             ) -> Iterator[int]:
+             keep_logits: bool = False, sampling: SamplingParams | None = None,
+             images: Sequence = ()) -> Iterator[int]:
         """Prefill the new tokens and yield up to `max_new_tokens` decoded tokens (stopping
         after a token in `stop`). `sampling` replaces temperature / seed with the full sampler
         (its max_tokens, when set, replaces max_new_tokens; its stop ids and EOS join `stop`).
-        The turn's record is `session.turns[-1]`."""
+        `images` (PIL images, bytes, paths, base64 or data URLs): one per `image_token_id`
+        placeholder in `token_ids`, in any turn; the runtime lays out each span
+        (`runtime/images.py`). The turn's record is `session.turns[-1]`."""
+        turn_images: list[TurnImage] = []
+        if images or self.engine.model.vision:
+            self._check_images_supported(images)
+            token_ids, turn_images = expand_placeholders(self.engine.model, token_ids, images)
         req = self._request(token_ids, max_new_tokens=max_new_tokens, stop=stop,
                             temperature=temperature, seed=seed, keep_logits=keep_logits,
                             sampling=sampling)
         self._finish_open_turn()  # an abandoned turn ends (and is stored) before the next starts
-        turn = self._begin(req)
+        turn = self._begin(req, images=turn_images)
         self._gen, self._open = self._decode(turn), turn
         return self._gen
+
+    def _check_images_supported(self, images: Sequence) -> None:
+        e = self.engine
+        if images and (not e.options.exact or e.phases is not graph_phases):
+            raise RequestError("Images need the PyTorch graph backend in exact mode "
+                               "(Engine.from_model(..., exact=True)); the CED phases and "
+                               "compiled artifacts take text only.")
 
     def close(self) -> None:
         """End the session: its turn state is stored (as at every turn end) and its runtime
@@ -562,10 +586,16 @@ class Session:
             + req.max_new_tokens + 1
 
     def _begin(self, req: TurnRequest, *, positions: int = 0,
-               pacing: PrefillPacing = PrefillPacing()) -> _Turn:
-        """positions: reserve at least this many; 0: the turn's own."""
+               pacing: PrefillPacing = PrefillPacing(), images: Sequence[TurnImage] = ()
+               ) -> _Turn:
+        """positions: reserve at least this many; 0: the turn's own. images: the turn's new
+        images (their spans already laid out in `req.token_ids`)."""
         e = self.engine
         fresh = ([] if self.pending is None else [self.pending]) + list(req.token_ids)
+        seen = self.images + encode_turn(e.model, len(self.history) + (self.pending is not None),
+                                         images)
+        if e.model.vision:  # every image id of the sequence stands in a span it has an image for
+            check_spans(self.history + fresh, seen, e.model.args.image_token_id, 0)
         max_new_tokens = req.max_new_tokens
         positions = max(positions, self._positions(req))
         e.admit(self, positions)
@@ -578,7 +608,7 @@ class Session:
         turn = _Turn(rec, max_new_tokens, req.stop, req.temperature, gen, req.keep_logits,
                      sampler, tuple(tokens) if sampler is not None else ())
         t = time.perf_counter()
-        start = self._restore(tokens)
+        start = self._restore(tokens, key_tokens(tokens, seen))
         rec.seconds["restore"] = time.perf_counter() - t
         rec.tier, rec.cached_blocks = start.tier, len(start.keys)
         rec.reused_keys, rec.reused_tokens = list(start.keys), start.cached
@@ -586,12 +616,12 @@ class Session:
         try:
             e.reserve(start.cache, positions)
             self.cache = start.cache
-            res = self._prefill(start, tokens, rec, pacing)
+            res = self._prefill(start, tokens, rec, pacing, seen)
         except Exception:
             self.cache = None  # the history stays in the tiers (or the session starts cold)
             raise
         rec.seconds["prefill"] = time.perf_counter() - t
-        self.history = tokens
+        self.history, self.images = tokens, seen
         self.pending = None
         e.tier_counts[start.tier] += 1
         if max_new_tokens:
@@ -600,11 +630,13 @@ class Session:
             turn.done = True
         return turn
 
-    def _restore(self, tokens: list[int]) -> _Start:
+    def _restore(self, tokens: list[int], keyed: Sequence[int] | None = None) -> _Start:
         """The cache this turn starts from, and the tier that gave it. Any session's records
         serve: the longest run of stored blocks of `tokens[:-1]` (the last token always runs:
-        its logits start the turn), then the latest snapshot within the block after them."""
+        its logits start the turn), then the latest snapshot within the block after them.
+        `keyed`: the tokens the keys hash (image spans named by content, `images.key_tokens`)."""
         e = self.engine
+        tokens = tokens if keyed is None else keyed
         if self.cache is not None:
             return _Start(self.cache, Tier.LIVE, len(self.history), ())
         if e.store is None:
@@ -670,12 +702,15 @@ class Session:
         return out
 
     def _prefill(self, start: _Start, tokens: list[int], rec: TurnRecord,
-                 pacing: PrefillPacing):
+                 pacing: PrefillPacing, images: Sequence[SessionImage] = ()):
         e, ph, m = self.engine, self.engine.phases, self.engine.model
         w = m.args.window_size
         cache, cut = start.cache, start.cached
         chunks = {"chunk_tokens": pacing.chunk_tokens or e.options.prefill_chunk_tokens,
                   "between_chunks": pacing.between_chunks}
+        rows = segment_rows(m, images, 0 if start.tier is Tier.COLD else cut, len(tokens))
+        if rows is not None:  # exact mode only (send refuses images otherwise)
+            chunks["image"] = rows
         if start.tier is Tier.PREFIX:
             res = ph.replay_prefill(m, cache, torch.tensor([tokens[:cut]]),
                                     torch.tensor([tokens[cut:]]), **chunks)
@@ -747,12 +782,13 @@ class Session:
         e, b = self.engine, self.engine.options.page_tokens
         if len(self.history) != int(self.cache.pos[0]):
             raise AssertionError("history and cache position disagree")
-        keys = e.block_keys(self.history)
+        keyed = key_tokens(self.history, self.images)
+        keys = e.block_keys(keyed)
         for i in range(self.stored_blocks, len(keys)):
             e.blocks.submit(keys[i], block_arrays(self.cache, i, b))
         self.stored_blocks = len(keys)
         arrays = snapshot_arrays(self.cache, b, e._ring_layers)
-        key = e.history_key(self.history, "snapshot")
+        key = e.history_key(keyed, "snapshot")
         e.pool.put(key, arrays, {"session": self.id, "tokens": len(self.history)})
         if self._snapshot not in (None, key) and not any(
                 s._snapshot == self._snapshot for s in e.sessions.values() if s is not self):
@@ -761,7 +797,7 @@ class Session:
             e.pool.drop(self._snapshot)
         self._snapshot = key
         if e.options.exact:
-            e.blocks.submit(e.history_key(self.history, "state"), arrays)
+            e.blocks.submit(e.history_key(keyed, "state"), arrays)
 
 
 class DecodeBatch:
