@@ -109,6 +109,10 @@ class EngineOptions:
     decoder_carry: bool = False
     store_clock: Callable[[], float] = time.time
     pool_clock: Callable[[], float] = time.monotonic
+    # the DRAM snapshot pool on this Redis server (runtime/redis_pool.py; shared by every engine
+    # of the model that names it), instead of the in-process one; pool_budget_bytes is then its
+    # maxmemory (None: keep the server's), pool_ttl_s its keys' expiry
+    redis_url: str | None = None
     threads: int | None = None  # TVM's CPU pool (None: TVM_NUM_THREADS, else torch's count)
     # every prefill runs in chunks of at most this many tokens: transient memory O(chunk x
     # entries) instead of O(N x entries)
@@ -187,14 +191,22 @@ class Engine:
                              f"session's first page ({self._first_page:,} bytes with pages of "
                              f"{options.page_tokens} positions); raise it or lower page_tokens.")
         chunk_spans(1, options.prefill_chunk_tokens)  # a bad chunk size is refused up front
+        if options.redis_url is not None:
+            from .redis_pool import RedisSnapshotPool
+
+            self.pool = RedisSnapshotPool(options.redis_url, fingerprint=self._salt,
+                                          budget_bytes=options.pool_budget_bytes,
+                                          ttl_s=options.pool_ttl_s)
+        else:
+            self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes,
+                                     ttl_s=options.pool_ttl_s, clock=options.pool_clock,
+                                     sweep_interval_s=options.pool_sweep_s)
         self.store = self.blocks = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
                                  store_capacity_bytes, min_lifetime_s=options.store_min_lifetime_s,
                                  clock=options.store_clock, fingerprint=self._salt)
             self.blocks = BlockWriter(self.store)  # every block read and write goes through it
-        self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes, ttl_s=options.pool_ttl_s,
-                                 clock=options.pool_clock, sweep_interval_s=options.pool_sweep_s)
         self.sessions: dict[int, Session] = {}
         self._batches: list[DecodeBatch] = []  # decode batches with live rows (send_many, batcher)
         self._next_id = 1
@@ -258,6 +270,7 @@ class Engine:
             self.blocks.close()
         if self.store is not None:
             self.store.close()
+        self.pool.close()
         self.closed = True
 
     def __enter__(self) -> Engine:
