@@ -166,6 +166,10 @@ def cmd_bench(ns, rest: list[str]) -> int:
         from dsv41.compiler.bench_kernels import main as bench_main
 
         return bench_main(rest[1:])
+    if rest and rest[0] == "pool":
+        from dsv41.compiler.pool_bench import main as pool_main
+
+        return pool_main(rest[1:])
     if rest and rest[0] == "soak":
         from dsv41.compiler.soak import main as soak_main
 
@@ -173,7 +177,8 @@ def cmd_bench(ns, rest: list[str]) -> int:
     if rest and not rest[0].startswith("-"):
         raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
                          "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "
-                         "bench soak` the soak, `dsv41 bench serve` the HTTP server.")
+                         "bench soak` the soak, `dsv41 bench serve` the HTTP server, `dsv41 "
+                         "bench pool` the snapshot pool's put / get (in-process vs Redis).")
     from dsv41.compiler.bench import main as e2e_main
 
     return e2e_main(rest)
@@ -352,7 +357,7 @@ def serving_engine(ns) -> ServingEngine:
     if ns.store is None:
         temp = tempfile.TemporaryDirectory(prefix="dsv41-serve-store-")
     opts = {"store_dir": Path(ns.store) if ns.store else Path(temp.name) / "store",
-            "page_tokens": ns.page_tokens}
+            "page_tokens": ns.page_tokens, "redis_url": ns.redis_url}
     try:
         if ns.backend == "torch":
             from dsv41.graph.model import Model
@@ -468,6 +473,9 @@ def serving_opts(sp, *, server: bool) -> None:
                     "requests waiting for a slot")
     sp.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill tokens per batcher step (default: the batcher's)")
+    sp.add_argument("--redis-url", default=None,
+                    help="the DRAM snapshot pool on this Redis server, shared by every process "
+                         "that names it (default: an in-process pool)")
 
 
 def build_bench_serve_parser() -> argparse.ArgumentParser:

@@ -71,8 +71,11 @@ def encode_record(*, kind: str, key: str, fingerprint: bytes, created_at: float,
     header = json.dumps({"version": VERSION, "kind": kind, "key": key,
                          "fingerprint": fingerprint.hex(), "created_at": float(created_at),
                          "meta": meta, "arrays": specs}, separators=(",", ":")).encode()
-    body = b"".join([MAGIC, _LEN.pack(len(header)), header, *parts])
-    return body + hashlib.sha256(body).digest()
+    head = [MAGIC, _LEN.pack(len(header)), header]
+    h = hashlib.sha256()
+    for part in (*head, *parts):
+        h.update(part)
+    return b"".join([*head, *parts, h.digest()])  # one copy of the arrays' bytes
 
 
 def decode_record(data: bytes, *, kind: str, key: str, fingerprint: bytes) -> Record:
@@ -80,19 +83,19 @@ def decode_record(data: bytes, *, kind: str, key: str, fingerprint: bytes) -> Re
     kind, key or model)."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise RecordError(RecordFault.CORRUPTED, f"A record is bytes, not {type(data).__name__}.")
-    data = bytes(data)
+    data = memoryview(data).cast("B")  # slices below are views, not copies
     if len(data) < len(MAGIC) + _LEN.size + _SHA:
         raise RecordError(RecordFault.CORRUPTED, f"The record is truncated ({len(data)} bytes).")
     body, digest = data[:-_SHA], data[-_SHA:]
-    if hashlib.sha256(body).digest() != digest:
+    if hashlib.sha256(body).digest() != bytes(digest):
         raise RecordError(RecordFault.CORRUPTED, "The record's checksum does not match.")
-    if body[: len(MAGIC)] != MAGIC:
+    if bytes(body[: len(MAGIC)]) != MAGIC:
         raise RecordError(RecordFault.CORRUPTED, "The record does not start with its magic.")
     (n,) = _LEN.unpack_from(body, len(MAGIC))
     start = len(MAGIC) + _LEN.size
     try:
-        head = json.loads(body[start: start + n])
-        payload = memoryview(body)[start + n:]
+        head = json.loads(bytes(body[start: start + n]))
+        payload = body[start + n:]
         if head["version"] != VERSION:
             raise RecordError(RecordFault.CORRUPTED, f"Record version {head['version']} is not "
                               f"{VERSION}.")

@@ -285,3 +285,19 @@ def test_two_engines_share_one_pool(small_model, tmp_path, redis_server):
         got = list(sb.send(_prompt(1, 8), max_new_tokens=3))
         assert sb.turns[-1].tier == "snapshot"
         assert got == list(sa.send(_prompt(1, 8), max_new_tokens=3))
+
+
+def test_bench_pool_times_both_pools_on_the_bills_snapshot(redis_server):
+    from dsv41.compiler.pool_bench import PoolBenchOptions, run_pool_bench, snapshot_arrays_of
+    from dsv41.graph.config import preset
+    from dsv41.graph.layout import encoder_snapshot_bytes
+    from dsv41.graph.plan import build_plan
+
+    full = snapshot_arrays_of("full")
+    assert sum(a.nbytes for a in full.values()) == encoder_snapshot_bytes(
+        build_plan(preset("full"))) == 1_376_296  # `dsv41 bill --preset full`
+    r = run_pool_bench(PoolBenchOptions(preset="small", reps=2, redis_url=redis_server.url))
+    for name in ("in_process", "redis"):
+        assert r[name]["put_s"] > 0 and r[name]["get_s"] > 0 and r[name]["put_MBps"] > 0
+    assert r["redis"]["url"] == redis_server.url and not r["redis"]["started_here"]
+    assert r["snapshot_bytes"] == encoder_snapshot_bytes(build_plan(preset("small")))
