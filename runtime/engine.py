@@ -80,7 +80,9 @@ from .state import (
     check_block_tokens,
     index_owner_at,
     restore_blocks,
+    restore_runtime_state,
     restore_snapshot,
+    runtime_state_arrays,
     snapshot_arrays,
     snapshot_ring_layers,
 )
@@ -437,6 +439,43 @@ class Engine:
         batch.close()
         return [list(t.tokens) for t in turns]
 
+    # ---- EPD: a turn prefilled by another process (runtime/epd.py) ---------------------------
+
+    def adopt(self, tokens: Sequence[int], state: dict[str, np.ndarray], request: TurnRequest,
+              first: SampledToken, generator_state: bytes | None = None) -> tuple[Session, _Turn]:
+        """A new session whose cache is a prefill worker's handed-off runtime state of `tokens`
+        (`Session.runtime_state`), and its open turn with the first token already sampled
+        (`first`; `generator_state`: the sampler's generator after it). Join the turn to a
+        `DecodeBatch`; its end stores it in the tiers like any turn. ValueError when the state
+        does not fit this engine's cache."""
+        self._check_open()
+        if request.sampling is None:
+            raise RequestError("A handed-off turn carries its SamplingParams.")
+        s = self.session()
+        positions = len(tokens) + request.max_new_tokens + 1
+        try:
+            self.admit(s, positions)
+            cache = self._fresh_cache()
+            restore_runtime_state(cache, state, self.options.page_tokens)
+            if int(cache.pos[0]) != len(tokens):
+                raise ValueError(f"The handed-off state holds {int(cache.pos[0])} positions, "
+                                 f"its tokens {len(tokens)}.")
+            self.reserve(cache, positions)
+        except BaseException:
+            s.close()
+            raise
+        s.cache, s.history = cache, list(tokens)
+        sampler = Sampler(request.sampling)
+        if generator_state is not None:
+            sampler.generator.set_state(torch.frombuffer(bytearray(generator_state),
+                                                         dtype=torch.uint8))
+        rec = TurnRecord(s.id, 1, "handoff", 0, 0, 0, 0, 0, 0)
+        turn = _Turn(rec, request.max_new_tokens, request.stop, request.temperature,
+                     torch.Generator(), False, sampler, tuple(tokens))
+        turn.tokens, turn.sampled, turn.next_token = [first.token_id], [first], first.token_id
+        turn.done = len(turn.tokens) >= turn.max_new or first.token_id in turn.stop
+        return s, turn
+
 
 @dataclass(frozen=True)
 class _Start:
@@ -536,6 +575,28 @@ class Session:
         self.cache = None
         self.closed = True
         self.engine.sessions.pop(self.id, None)
+
+    def begin(self, request: TurnRequest, *,
+              pacing: PrefillPacing = PrefillPacing()) -> _Turn:
+        """An EPD prefill worker's turn (`request` from runtime.requests.check_turn): the
+        prefill and the first token, the cache left live for `runtime_state`; `finish` ends it
+        (stored in the tiers). Its decode runs elsewhere (`Engine.adopt`)."""
+        if self.closed:
+            raise RequestError(f"Session {self.id} is closed.")
+        self._finish_open_turn()
+        return self._begin(request, pacing=pacing)
+
+    def runtime_state(self) -> dict[str, np.ndarray]:
+        """The live cache's whole state (every complete block, every ring, tail and pointer:
+        runtime.state.runtime_state_arrays), what a decode worker restores."""
+        if self.cache is None or self.cache.batch != 1:
+            raise ValueError(f"Session {self.id} holds no live cache of one sequence.")
+        return runtime_state_arrays(self.cache, self.engine.options.page_tokens)
+
+    def finish(self, turn: _Turn) -> None:
+        """End a turn `begin` returned: its state goes to the tiers as at any turn's end."""
+        if not turn.ended:
+            self._end(turn)
 
     def _finish_open_turn(self) -> None:
         """End the turn `send` returned: a started generator ends in its `finally`; one never

@@ -1,0 +1,244 @@
+"""EPD workers (runtime/epd.py) over a real redis-server: a prefill worker hands its finished
+runtime state to decode workers, and the greedy tokens equal the single-process batcher's.
+
+The fast tests run the workers in this process (each with its own engine over the torch graph
+of shared-small, pages of 8); the slow one starts `dsv41 serve --role prefill|decode` processes
+and sends 8 concurrent requests over HTTP (the must-show deployment).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from dsv41.runtime.batcher import Batcher, FinishReason
+from dsv41.runtime.engine import Engine
+from dsv41.runtime.epd import DecodeWorker, EpdGateway, EpdKeys, EpdRequest, PrefillWorker
+from dsv41.runtime.sampling import SamplingParams
+
+PAGE = 8
+W = "w" * 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+LENGTHS = (5, 12, 19, 9)  # below, at and past a block boundary
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+PROMPTS = [_prompt(n, 100 + i) for i, n in enumerate(LENGTHS)]
+
+
+def _engine(model, store, **kw) -> Engine:
+    return Engine.from_model(model, weights_hash=W, page_tokens=PAGE, store_dir=store, **kw)
+
+
+def _tokens(stream) -> tuple[list[int], FinishReason]:
+    out, last = [], None
+    for ev in stream:
+        if ev.token_id is not None:
+            out.append(ev.token_id)
+        last = ev
+    return out, last.finish
+
+
+@pytest.fixture(scope="module")
+def single_process(small_model, tmp_path_factory):
+    """The single-process batcher's tokens for PROMPTS, submitted together."""
+    with _engine(small_model, tmp_path_factory.mktemp("ref") / "s") as e:
+        b = Batcher(e, max_running=8)
+        streams = [b.submit(p, GREEDY) for p in PROMPTS]
+        while b.step():
+            pass
+        out = [_tokens(s) for s in streams]
+        b.stop()
+    assert all(f is FinishReason.LENGTH and len(t) == 3 for t, f in out)
+    return [t for t, _ in out]
+
+
+class _Deployment:
+    """1 prefill + `decoders` decode workers and a gateway, in this process."""
+
+    def __init__(self, model, root: Path, url: str, decoders: int = 2):
+        self.client = redis.Redis.from_url(url)
+        self.engines = [_engine(model, root / f"e{i}", redis_url=url)
+                        for i in range(1 + decoders)]
+        self.prefill = PrefillWorker(self.engines[0], self.client)
+        self.decoders = [DecodeWorker(e, self.client, max_running=4) for e in self.engines[1:]]
+        a = model.args
+        self.gateway = EpdGateway(self.client, self.engines[0].key_salt.fingerprint(),
+                                  vocab_size=a.vocab_size, max_seq_len=a.max_seq_len)
+
+    def start(self) -> None:
+        for w in (self.prefill, *self.decoders):
+            w.start()
+
+    def close(self) -> None:
+        for w in (self.prefill, *self.decoders):
+            w.stop()
+        self.gateway.close()
+        for e in self.engines:
+            e.close()
+
+
+def test_request_record_round_trips_and_is_checked():
+    req = EpdRequest("r1", (3, 4, 5), SamplingParams(temperature=0.5, seed=7, stop_token_ids=(9,),
+                                                     max_tokens=4))
+    assert EpdRequest.from_json(req.to_json()) == req
+    turn = req.turn(512, 64)
+    assert turn.max_new_tokens == 4 and 9 in turn.stop
+    with pytest.raises(ValueError, match="no room"):
+        EpdRequest("r2", tuple(range(3, 67)), SamplingParams()).turn(512, 64)
+    with pytest.raises(ValueError, match="Token ids"):
+        EpdRequest("r3", (3, 600), SamplingParams()).turn(512, 64)
+
+
+def test_one_prefill_two_decode_workers_equal_the_single_process(small_model, tmp_path,
+                                                                 redis_server, single_process):
+    d = _Deployment(small_model, tmp_path, redis_server.url)
+    try:
+        d.start()
+        streams = [d.gateway.submit(p, GREEDY) for p in PROMPTS]
+        got = [_tokens(s) for s in streams]
+        assert [t for t, _ in got] == single_process
+        assert all(f is FinishReason.LENGTH for _, f in got)
+        assert d.prefill.counters.requests == len(PROMPTS)
+        assert sum(w.counters.requests for w in d.decoders) == len(PROMPTS)
+        assert sum(w.counters.handoffs_rejected for w in d.decoders) == 0
+        # the prefill worker persisted what the article persists: blocks and encoder snapshots
+        d.engines[0].flush()
+        st = d.engines[0].stats()
+        assert st.store.entries == sum(n // PAGE for n in LENGTHS)
+        keys = EpdKeys(d.engines[0].key_salt.fingerprint())
+        assert not d.client.keys(f"{keys.base}:handoff:*")  # every hand-off read and deleted
+        assert d.gateway.stats().finished == len(PROMPTS)
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("fault", ["corrupted", "missing"])
+def test_a_bad_hand_off_is_prefilled_again_never_used(small_model, tmp_path, redis_server,
+                                                      single_process, fault):
+    d = _Deployment(small_model, tmp_path, redis_server.url, decoders=1)
+    try:
+        stream = d.gateway.submit(PROMPTS[2], GREEDY)
+        while not d.prefill.step(block_ms=100):
+            pass
+        keys = EpdKeys(d.engines[0].key_salt.fingerprint())
+        (key,) = d.client.keys(f"{keys.base}:handoff:*")
+        if fault == "corrupted":
+            d.client.setrange(key, d.client.strlen(key) // 2, b"\x00\x01")
+        else:
+            d.client.delete(key)  # as an expired hand-off
+        while not stream.done:
+            d.decoders[0].step(block_ms=100)
+        assert _tokens(stream)[0] == single_process[2]
+        assert d.decoders[0].counters.handoffs_rejected == 1
+    finally:
+        d.close()
+
+
+def test_another_models_workers_never_see_the_request(small_model, tmp_path, redis_server):
+    a = _engine(small_model, tmp_path / "a", redis_url=redis_server.url)
+    b = Engine.from_model(small_model, weights_hash="x" * 64, page_tokens=PAGE,
+                          store_dir=tmp_path / "b", redis_url=redis_server.url)
+    try:
+        assert EpdKeys(a.key_salt.fingerprint()).prefill != EpdKeys(b.key_salt.fingerprint()) \
+            .prefill
+        client = redis.Redis.from_url(redis_server.url)
+        gw = EpdGateway(client, a.key_salt.fingerprint(), vocab_size=512, max_seq_len=64)
+        gw.submit(PROMPTS[0], GREEDY)
+        assert PrefillWorker(b, client).step(block_ms=50) == 0
+        assert PrefillWorker(a, client).step(block_ms=50) == 1
+        gw.close()
+    finally:
+        a.close()
+        b.close()
+
+
+# ---- the must-show deployment: separate processes over HTTP --------------------------------------
+
+def _wait_health(port: int, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker on port {port} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"worker on port {port} did not come up")
+
+
+@pytest.mark.slow
+def test_processes_1_prefill_2_decode_answer_8_concurrent_requests(small_case, small_model,
+                                                                   tmp_path, redis_server):
+    import httpx
+
+    from dsv41.graph.config import load_config
+    from dsv41.runtime.metrics import parse_metrics
+    from dsv41.runtime.server import free_port
+    from dsv41.runtime.tokenizer import Tokenizer
+
+    prompts = [_prompt(n, 200 + i) for i, n in enumerate((5, 9, 12, 16, 19, 23, 7, 30))]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tok = Tokenizer.for_model(load_config(small_case.checkpoint), small_case.checkpoint)
+    with _engine(small_model, tmp_path / "ref") as e:  # the single-process engine
+        b = Batcher(e, tokenizer=tok, max_running=8)
+        ref_streams = [b.submit(p, params) for p in prompts]
+        while b.step():
+            pass
+        ref = ["".join(ev.text for ev in s) for s in ref_streams]
+        b.stop()
+    roles = ("prefill", "decode", "decode")
+    ports = [free_port() for _ in roles]
+    env = {**os.environ, "TVM_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dsv41.compiler.cli", "serve", "--role", role, "--backend",
+         "torch", "--checkpoint", str(small_case.checkpoint), "--page-tokens", str(PAGE),
+         "--redis-url", redis_server.url, "--port", str(port), "--log-level", "warning",
+         "--store", str(tmp_path / f"store-{i}")], env=env, stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / f"worker-{i}.log", "w"))
+        for i, (role, port) in enumerate(zip(roles, ports, strict=True))]
+    try:
+        for port, proc in zip(ports, procs, strict=True):
+            _wait_health(port, proc)
+        results: list[list[int] | None] = [None] * len(prompts)
+
+        def ask(i: int) -> None:  # each request to another worker: any of them is a gateway
+            r = httpx.post(f"http://127.0.0.1:{ports[i % 3]}/v1/completions", timeout=600,
+                           json={"model": small_case.checkpoint.name, "prompt": prompts[i],
+                                 "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            results[i] = r.json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == ref and all(ref)
+        m = [parse_metrics(httpx.get(f"http://127.0.0.1:{p}/metrics").text) for p in ports]
+        assert m[0]['dsv41_epd_stage_requests_total{role="prefill"}'] == len(prompts)
+        assert m[1]['dsv41_epd_stage_requests_total{role="decode"}'] + \
+            m[2]['dsv41_epd_stage_requests_total{role="decode"}'] == len(prompts)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
