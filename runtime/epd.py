@@ -52,6 +52,7 @@ from enum import Enum
 from .batcher import BatcherStats, FinishReason, RequestTiming, TokenEvent
 from .chat import IncrementalDecoder
 from .engine import DecodeBatch, Engine
+from .metrics import RateWindow, ServerMetrics
 from .requests import RequestError, TurnLimits, TurnRequest, check_token_ids, check_turn
 from .sampling import SampledToken, SamplingParams, StopMatcher, TokenLogprob
 from .tokenizer import Tokenizer
@@ -160,7 +161,7 @@ class StageCounters:
     tokens: int = 0  # prompt tokens prefilled (prefill) or tokens decoded (decode)
     errors: int = 0
     handoffs_rejected: int = 0  # decode: records missing or failing a check (prefilled here)
-    started: float = field(default_factory=time.monotonic)
+    rate: RateWindow = field(default_factory=lambda: RateWindow(10.0))  # tokens, last 10 s
 
 
 class _Worker:
@@ -266,6 +267,7 @@ class PrefillWorker(_Worker):
         with self._lock:  # counted before the events go (a reader may look at once)
             self.counters.requests += 1
             self.counters.tokens += len(req.prompt)
+        self.counters.rate.add(len(req.prompt))
         try:
             if finish is None:
                 self._hand_off(req, s, turn)
@@ -331,6 +333,7 @@ class DecodeWorker(_Worker):
             with self._lock:  # counted before the events go (a reader may look at once)
                 self.counters.tokens += len(members)
                 self.counters.requests += len(done)
+            self.counters.rate.add(len(members))
             pipe.execute()
             for s in done:
                 self._leave(s)
@@ -611,3 +614,39 @@ class EpdGateway:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+class EpdServerMetrics(ServerMetrics):
+    """The server's metrics (the gateway's requests) and the worker's stage: its queue (the
+    stage's stream entries not yet taken or acknowledged), running rows, throughput."""
+
+    def __init__(self, worker: PrefillWorker | DecodeWorker, **kw):
+        super().__init__(**kw)
+        self.worker = worker
+
+    def render(self, stats) -> str:
+        w, role = self.worker, self.worker.role.value
+        with w._lock:
+            n = replace(w.counters)
+        rows = [
+            ("dsv41_epd_queue_length", "gauge", "Entries of this stage's stream waiting for "
+             "its workers (group lag + pending; -1: Redis unreachable).", w.queue_length()),
+            ("dsv41_epd_running_sequences", "gauge", "Sequences this worker runs now (decode: "
+             "rows of its batch).", w.running() if isinstance(w, DecodeWorker) else 0),
+            ("dsv41_epd_stage_tokens_per_second", "gauge", "Tokens this worker processed per "
+             "second over the last 10 s (prefill: prompt tokens; decode: decoded tokens).",
+             round(n.rate.rate(), 6)),
+            ("dsv41_epd_stage_requests_total", "counter", "Requests this worker finished its "
+             "stage of.", n.requests),
+            ("dsv41_epd_stage_tokens_total", "counter", "Tokens this worker processed (prefill: "
+             "prompt tokens; decode: decoded tokens).", n.tokens),
+            ("dsv41_epd_stage_errors_total", "counter", "Requests this worker failed.", n.errors),
+            ("dsv41_epd_handoffs_rejected_total", "counter", "Hand-offs missing or failing a "
+             "check (fingerprint, checksum, layout), prefilled again here.",
+             n.handoffs_rejected),
+        ]
+        lines = [super().render(stats).rstrip("\n")]
+        for name, kind, help_text, value in rows:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                      f'{name}{{role="{role}"}} {value}']
+        return "\n".join(lines) + "\n"

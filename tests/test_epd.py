@@ -219,7 +219,7 @@ def test_processes_1_prefill_2_decode_answer_8_concurrent_requests(small_case, s
 
         def ask(i: int) -> None:  # each request to another worker: any of them is a gateway
             r = httpx.post(f"http://127.0.0.1:{ports[i % 3]}/v1/completions", timeout=600,
-                           json={"model": small_case.checkpoint.name, "prompt": prompts[i],
+                           json={"model": Path(small_case.checkpoint).name, "prompt": prompts[i],
                                  "max_tokens": 4, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             results[i] = r.json()["choices"][0]["text"]
