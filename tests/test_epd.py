@@ -242,3 +242,54 @@ def test_processes_1_prefill_2_decode_answer_8_concurrent_requests(small_case, s
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_stop_strings_and_cancels_free_the_decode_row(small_case, small_model, tmp_path,
+                                                      redis_server, single_process):
+    """The gateway matches stop strings on the text (as the batcher does) and tells the decode
+    worker through the cancel key; so does a client that leaves."""
+    from dsv41.graph.config import load_config
+    from dsv41.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.for_model(load_config(small_case.checkpoint), small_case.checkpoint)
+    stop = tok.decode([single_process[0][1]])  # the second token's text
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=(stop,))
+    with _engine(small_model, tmp_path / "ref") as e:
+        b = Batcher(e, tokenizer=tok, max_running=2)
+        ref = b.submit(PROMPTS[0], params)
+        while b.step():
+            pass
+        ref_events = list(ref)
+        b.stop()
+    d = _Deployment(small_model, tmp_path, redis_server.url, decoders=1)
+    d.gateway.tokenizer = tok
+    worker = d.decoders[0]
+    try:
+        stopped = d.gateway.submit(PROMPTS[0], params)
+        left = d.gateway.submit(PROMPTS[1], replace_tokens(params, 40))
+        for _ in range(2):
+            while not d.prefill.step(block_ms=100):
+                pass
+        first = None
+        while first is None or first.token_id is None:
+            first = left.get(timeout=5)
+        left.cancel()  # the client of the second request leaves after its first token
+        steps = 0
+        while not stopped.done or len(worker.batch):
+            worker.step(block_ms=100)
+            steps += 1
+            assert steps < 30, "the decode rows were not let go"
+        events = list(stopped)
+        assert [(ev.token_id, ev.text, ev.finish) for ev in events] == \
+            [(ev.token_id, ev.text, ev.finish) for ev in ref_events]
+        assert events[-1].finish is FinishReason.STOP
+        assert worker.counters.tokens < 2 * 40 - 2 and worker.counters.requests == 0
+        assert d.gateway.stats().cancelled == 1 and d.gateway.stats().finished == 1
+    finally:
+        d.close()
+
+
+def replace_tokens(params: SamplingParams, n: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, stop=(), max_tokens=n)
