@@ -563,7 +563,12 @@ class EpdGateway:
             stream = RemoteStream(self, req.rid, len(req.prompt), turn, self.tokenizer,
                                   params.stop)
             self._active[req.rid] = stream
-        self.r.xadd(self.keys.prefill, {"req": req.to_json()})
+        try:
+            self.r.xadd(self.keys.prefill, {"req": req.to_json()})
+        except Exception as err:  # the queue server is down: the client retries later (429)
+            with self._lock:
+                self._active.pop(req.rid, None)
+            raise QueueFull(f"The queue server is unreachable ({err}); retry later.") from None
         return stream
 
     def cancel(self, stream: RemoteStream) -> None:

@@ -293,3 +293,25 @@ def replace_tokens(params: SamplingParams, n: int) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params, stop=(), max_tokens=n)
+
+
+def test_serve_role_needs_a_redis_url_and_a_known_role(capsys):
+    from dsv41.compiler import cli
+
+    assert cli.main(["serve", "--role", "decode", "--backend", "torch"]) != 0
+    assert "--role decode needs --redis-url" in capsys.readouterr().err
+    assert cli.main(["serve", "--role", "vision", "--backend", "torch"]) != 0
+    assert "--role must be all, prefill or decode" in capsys.readouterr().err
+
+
+def test_a_gateway_whose_queue_server_is_down_answers_retry_later():
+    from dsv41.runtime.batcher import QueueFull
+
+    client = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
+    gw = EpdGateway(client, bytes(32), vocab_size=512, max_seq_len=64)
+    try:
+        with pytest.raises(QueueFull, match="unreachable"):
+            gw.submit([3, 4, 5], GREEDY)
+        assert gw.stats().running == 0
+    finally:
+        gw.close()
