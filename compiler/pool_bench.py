@@ -75,6 +75,23 @@ def _time_pool(pool, arrays: dict[str, np.ndarray], reps: int, tag: str) -> dict
             "put_p90_s": float(np.quantile(puts, 0.9)), "get_p90_s": float(np.quantile(gets, 0.9))}
 
 
+def _time_codec(arrays: dict[str, np.ndarray], reps: int) -> dict:
+    """The record codec alone (runtime/wire.py: the copy and the sha256 each way), so the
+    Redis rows split into codec and server round trip."""
+    from dsv41.runtime.wire import decode_record, encode_record
+
+    enc, dec = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        value = encode_record(kind="snapshot", key="k", fingerprint=bytes(32), created_at=0.0,
+                              meta={}, arrays=arrays)
+        t1 = time.perf_counter()
+        decode_record(value, kind="snapshot", key="k", fingerprint=bytes(32))
+        dec.append(time.perf_counter() - t1)
+        enc.append(t1 - t0)
+    return {"codec_encode_s": statistics.median(enc), "codec_decode_s": statistics.median(dec)}
+
+
 def run_pool_bench(opts: PoolBenchOptions) -> dict:
     from dsv41.runtime.redis_pool import RedisSnapshotPool
     from dsv41.runtime.redis_server import RedisServer
@@ -95,6 +112,7 @@ def run_pool_bench(opts: PoolBenchOptions) -> dict:
         try:
             pool = RedisSnapshotPool(url, fingerprint=bytes(32), budget_bytes=None, ttl_s=600.0)
             out["redis"] = _time_pool(pool, arrays, opts.reps, "redis")
+            out["redis"].update(_time_codec(arrays, opts.reps))
             out["redis"]["url"] = url
             out["redis"]["server_version"] = _server_version(url)
             out["redis"]["started_here"] = server is not None
@@ -138,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>10}: put {t['put_s'] * 1e3:.3f} ms ({t['put_MBps']:.0f} MB/s, "
               f"{t['put_per_s']:.0f}/s)  get {t['get_s'] * 1e3:.3f} ms ({t['get_MBps']:.0f} "
               f"MB/s, {t['get_per_s']:.0f}/s)")
+    print(f"     codec: encode {r['redis']['codec_encode_s'] * 1e3:.3f} ms, decode "
+          f"{r['redis']['codec_decode_s'] * 1e3:.3f} ms (inside the Redis rows)")
     print(f"summary: Redis put {r['redis']['put_s'] / r['in_process']['put_s']:.1f}x, get "
           f"{r['redis']['get_s'] / r['in_process']['get_s']:.1f}x the in-process pool's time")
     if opts.json:

@@ -64,10 +64,10 @@ def encode_record(*, kind: str, key: str, fingerprint: bytes, created_at: float,
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray) or a.dtype.hasobject:
             raise ValueError(f"Array {name!r} must be a numpy array of plain values.")
-        data = np.ascontiguousarray(a).tobytes()
-        specs.append([name, a.dtype.str, list(a.shape), offset, len(data)])
+        data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # a view: join copies once
+        specs.append([name, a.dtype.str, list(a.shape), offset, data.size])
         parts.append(data)
-        offset += len(data)
+        offset += data.size
     header = json.dumps({"version": VERSION, "kind": kind, "key": key,
                          "fingerprint": fingerprint.hex(), "created_at": float(created_at),
                          "meta": meta, "arrays": specs}, separators=(",", ":")).encode()
@@ -75,7 +75,7 @@ def encode_record(*, kind: str, key: str, fingerprint: bytes, created_at: float,
     h = hashlib.sha256()
     for part in (*head, *parts):
         h.update(part)
-    return b"".join([*head, *parts, h.digest()])  # one copy of the arrays' bytes
+    return b"".join([*head, *parts, h.digest()])  # the one copy of the arrays' bytes
 
 
 def decode_record(data: bytes, *, kind: str, key: str, fingerprint: bytes) -> Record:
