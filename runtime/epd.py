@@ -147,6 +147,15 @@ def _event(token: SampledToken | None, finish: FinishReason | None, *, tier: str
     return {"e": json.dumps(e)}
 
 
+def _parse(fields: dict) -> EpdRequest | None:
+    """A queue entry's request; None (logged, dropped) when it is not one."""
+    try:
+        return EpdRequest.from_json(fields[b"req"])
+    except (KeyError, ValueError, TypeError) as e:
+        log.error("dropped a queue entry that is not a request: %s", e)
+        return None
+
+
 def _finish_of(turn) -> FinishReason | None:
     if not turn.done:
         return None
@@ -241,7 +250,9 @@ class PrefillWorker(_Worker):
         """Take and prefill at most one request; how many were taken."""
         entries = self._read(self.keys.prefill, PREFILL_GROUP, 1, block_ms)
         for mid, fields in entries:
-            self._prefill(EpdRequest.from_json(fields[b"req"]))
+            req = _parse(fields)
+            if req is not None:
+                self._prefill(req)
             self.r.xack(self.keys.prefill, PREFILL_GROUP, mid)
             self.r.xdel(self.keys.prefill, mid)
         return len(entries)
@@ -268,10 +279,10 @@ class PrefillWorker(_Worker):
             self.counters.requests += 1
             self.counters.tokens += len(req.prompt)
         self.counters.rate.add(len(req.prompt))
-        try:
+        try:  # the first token before the hand-off: the decode worker's tokens come after it
+            self.send(req.rid, _event(first, finish, tier=rec.tier, reused=rec.reused_tokens))
             if finish is None:
                 self._hand_off(req, s, turn)
-            self.send(req.rid, _event(first, finish, tier=rec.tier, reused=rec.reused_tokens))
         finally:
             s.finish(turn)  # the blocks to the SSD store, the encoder snapshot to the pool
             s.close()
@@ -316,7 +327,9 @@ class DecodeWorker(_Worker):
             entries = self._read(self.keys.decode, DECODE_GROUP, free,
                                  block_ms if not len(self.batch) else None)
             for mid, fields in entries:
-                self._join(fields[b"rid"].decode(), EpdRequest.from_json(fields[b"req"]))
+                req = _parse(fields)
+                if req is not None:
+                    self._join(req.rid, req)
                 self.r.xack(self.keys.decode, DECODE_GROUP, mid)
                 self.r.xdel(self.keys.decode, mid)
             taken = len(entries)

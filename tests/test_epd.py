@@ -315,3 +315,13 @@ def test_a_gateway_whose_queue_server_is_down_answers_retry_later():
         assert gw.stats().running == 0
     finally:
         gw.close()
+
+
+def test_a_queue_entry_that_is_not_a_request_is_dropped(small_model, tmp_path, redis_server):
+    with _engine(small_model, tmp_path / "a", redis_url=redis_server.url) as e:
+        client = redis.Redis.from_url(redis_server.url)
+        worker = PrefillWorker(e, client)
+        client.xadd(worker.keys.prefill, {"req": b"{not json"})
+        client.xadd(worker.keys.prefill, {"other": b"1"})
+        assert worker.step(block_ms=50) == 1 and worker.step(block_ms=50) == 1
+        assert worker.queue_length() == 0 and e.stats().tiers["cold"] == 0
