@@ -325,3 +325,51 @@ def test_a_queue_entry_that_is_not_a_request_is_dropped(small_model, tmp_path, r
         client.xadd(worker.keys.prefill, {"other": b"1"})
         assert worker.step(block_ms=50) == 1 and worker.step(block_ms=50) == 1
         assert worker.queue_length() == 0 and e.stats().tiers["cold"] == 0
+
+
+def test_the_handed_off_state_restores_the_cache_byte_for_byte(small_model, tmp_path):
+    from dsv41.runtime.requests import TurnLimits, check_turn
+    from dsv41.runtime.state import restore_runtime_state
+
+    with _engine(small_model, tmp_path / "a") as e:
+        s = e.session()
+        turn = s.begin(check_turn(PROMPTS[2], TurnLimits(512, 128, 0), sampling=GREEDY))
+        state = s.runtime_state()
+        cache = e._fresh_cache()
+        restore_runtime_state(cache, state, PAGE)
+        src = s.cache
+        assert int(cache.pos[0]) == int(src.pos[0]) == len(PROMPTS[2])
+        assert cache.index_owner.tolist() == src.index_owner.tolist()
+        for layer, ring in src.windows.items():
+            assert ring.codes.equal(cache.windows[layer].codes)
+            assert ring.scales.equal(cache.windows[layer].scales)
+        n = len(PROMPTS[2])
+        for layer, st in src.stores.items():
+            got = cache.stores[layer]
+            for name in ("kv_codes", "kv_scales", "k_codes", "k_scales"):
+                a, b = getattr(st, name), getattr(got, name)
+                if a is not None:
+                    assert a[:, : n // st.ratio].equal(b[:, : n // st.ratio]), (layer, name)
+            for name in ("tail_kv", "tail_score"):
+                if getattr(st, name) is not None:
+                    assert getattr(st, name).equal(getattr(got, name))
+        with pytest.raises(ValueError, match="neither a block"):
+            restore_runtime_state(e._fresh_cache(), {**state, "x.y": state["snap.pos"]}, PAGE)
+        s.finish(turn)
+
+
+def test_a_seeded_sampled_request_continues_its_generator(small_model, tmp_path, redis_server):
+    params = SamplingParams(temperature=0.9, top_k=50, seed=1234, max_tokens=4, ignore_eos=True)
+    with _engine(small_model, tmp_path / "ref") as e:
+        b = Batcher(e, max_running=2)
+        ref = b.submit(PROMPTS[1], params)
+        while b.step():
+            pass
+        want = _tokens(ref)[0]
+        b.stop()
+    d = _Deployment(small_model, tmp_path, redis_server.url, decoders=1)
+    try:
+        d.start()
+        assert _tokens(d.gateway.submit(PROMPTS[1], params))[0] == want
+    finally:
+        d.close()
