@@ -393,12 +393,19 @@ def _batcher(ns, se: ServingEngine):
         raise
 
 
+def _masked_url(url: str | None) -> str | None:
+    from dsv41.runtime.redis_pool import masked_url
+
+    return None if url is None else masked_url(url)
+
+
 def cmd_serve(ns) -> int:
     import uvicorn
 
     from dsv41.runtime.server import ServerOptions, create_app
 
-    shown = argparse.Namespace(**{**vars(ns), "api_key": "***" if ns.api_key else None})
+    shown = argparse.Namespace(**{**vars(ns), "api_key": "***" if ns.api_key else None,
+                                  "redis_url": _masked_url(ns.redis_url)})
     _print_args("serve", shown)
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}.")
@@ -457,7 +464,7 @@ def _serve_stage(ns, se: ServingEngine, opts) -> int:
         raise
     worker.start()
     print(f"serving {se.model_name!r} ({se.backend}) as the {ns.role} stage over "
-          f"{ns.redis_url} on http://{ns.host}:{ns.port}/v1", flush=True)
+          f"{_masked_url(ns.redis_url)} on http://{ns.host}:{ns.port}/v1", flush=True)
     try:
         uvicorn.run(create_app(gateway, se.tokenizer, opts, metrics=EpdServerMetrics(worker)),
                     host=ns.host, port=ns.port, log_level=ns.log_level)

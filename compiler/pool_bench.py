@@ -93,7 +93,7 @@ def _time_codec(arrays: dict[str, np.ndarray], reps: int) -> dict:
 
 
 def run_pool_bench(opts: PoolBenchOptions) -> dict:
-    from dsv41.runtime.redis_pool import RedisSnapshotPool
+    from dsv41.runtime.redis_pool import RedisSnapshotPool, masked_url
     from dsv41.runtime.redis_server import RedisServer
     from dsv41.runtime.snapshot_pool import SnapshotPool
 
@@ -113,7 +113,7 @@ def run_pool_bench(opts: PoolBenchOptions) -> dict:
             pool = RedisSnapshotPool(url, fingerprint=bytes(32), budget_bytes=None, ttl_s=600.0)
             out["redis"] = _time_pool(pool, arrays, opts.reps, "redis")
             out["redis"].update(_time_codec(arrays, opts.reps))
-            out["redis"]["url"] = url
+            out["redis"]["url"] = masked_url(url)
             out["redis"]["server_version"] = _server_version(url)
             out["redis"]["started_here"] = server is not None
             pool.close()

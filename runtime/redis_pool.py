@@ -94,6 +94,15 @@ class _Counters:
     restarts: int = 0
 
 
+def masked_url(url: str) -> str:
+    """A URL as logged or printed: its password (redis://user:secret@host) replaced by ***."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    userinfo, host = rest.rsplit("@", 1)
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
+
 def _positive(name: str, v) -> float:
     if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
@@ -113,7 +122,7 @@ class RedisSnapshotPool:
 
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"The Redis URL must start with redis://, rediss:// or unix://, "
-                             f"got {url!r}.")
+                             f"got {masked_url(url) if isinstance(url, str) else url!r}.")
         if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
             raise ValueError("The pool's fingerprint must be the 32-byte model key salt.")
         if budget_bytes is not None and (not isinstance(budget_bytes, int)
@@ -122,7 +131,7 @@ class RedisSnapshotPool:
                              f"{budget_bytes!r}.")
         if not isinstance(retry_s, int | float) or not math.isfinite(retry_s) or retry_s < 0:
             raise ValueError(f"retry_s must be a finite number >= 0, got {retry_s!r}.")
-        self.url, self.fingerprint = url, fingerprint
+        self.url, self.fingerprint = masked_url(url), fingerprint  # url: as logged
         self.ttl_s = _positive("ttl_s", ttl_s)
         self.timeout_s = _positive("timeout_s", timeout_s)
         self.retry_s, self.clock = float(retry_s), clock
@@ -148,7 +157,7 @@ class RedisSnapshotPool:
             self._check_server()  # a configuration problem is an error now, not a miss later
         except self._errors as e:
             log.warning("The Redis pool at %s is unreachable (%s); snapshots miss until it "
-                        "answers.", url, e)
+                        "answers.", self.url, e)
             self._count("unavailable")
             self._down_until = self.clock() + self.retry_s
 

@@ -301,3 +301,14 @@ def test_bench_pool_times_both_pools_on_the_bills_snapshot(redis_server):
         assert r[name]["put_s"] > 0 and r[name]["get_s"] > 0 and r[name]["put_MBps"] > 0
     assert r["redis"]["url"] == redis_server.url and not r["redis"]["started_here"]
     assert r["snapshot_bytes"] == encoder_snapshot_bytes(build_plan(preset("small")))
+
+
+def test_a_urls_password_is_never_printed():
+    from dsv41.runtime.redis_pool import masked_url
+
+    assert masked_url("redis://:s3cret@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
+    assert masked_url("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"
+    assert masked_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    with pytest.raises(ValueError) as e:
+        RedisSnapshotPool("http://:s3cret@h", fingerprint=FP)
+    assert "s3cret" not in str(e.value)
