@@ -205,6 +205,10 @@ def cmd_bench(ns, rest: list[str]) -> int:
         from dsv41.compiler.bench_kernels import main as bench_main
 
         return bench_main(rest[1:])
+    if rest and rest[0] == "pool":
+        from dsv41.compiler.pool_bench import main as pool_main
+
+        return pool_main(rest[1:])
     if rest and rest[0] == "soak":
         from dsv41.compiler.soak import main as soak_main
 
@@ -212,7 +216,8 @@ def cmd_bench(ns, rest: list[str]) -> int:
     if rest and not rest[0].startswith("-"):
         raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
                          "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "
-                         "bench soak` the soak, `dsv41 bench serve` the HTTP server.")
+                         "bench soak` the soak, `dsv41 bench serve` the HTTP server, `dsv41 "
+                         "bench pool` the snapshot pool's put / get (in-process vs Redis).")
     from dsv41.compiler.bench import main as e2e_main
 
     return e2e_main(rest)
@@ -391,7 +396,7 @@ def serving_engine(ns) -> ServingEngine:
     if ns.store is None:
         temp = tempfile.TemporaryDirectory(prefix="dsv41-serve-store-")
     opts = {"store_dir": Path(ns.store) if ns.store else Path(temp.name) / "store",
-            "page_tokens": ns.page_tokens}
+            "page_tokens": ns.page_tokens, "redis_url": ns.redis_url}
     try:
         if ns.backend == "torch":
             from dsv41.graph.model import Model
@@ -429,23 +434,37 @@ def _batcher(ns, se: ServingEngine, chunk_tokens: int | None = None):
         raise
 
 
+def _masked_url(url: str | None) -> str | None:
+    from dsv41.runtime.redis_pool import masked_url
+
+    return None if url is None else masked_url(url)
+
+
 def cmd_serve(ns) -> int:
     import uvicorn
 
     from dsv41.runtime.server import ServerOptions, create_app
 
-    shown = argparse.Namespace(**{**vars(ns), "api_key": "***" if ns.api_key else None})
+    shown = argparse.Namespace(**{**vars(ns), "api_key": "***" if ns.api_key else None,
+                                  "redis_url": _masked_url(ns.redis_url)})
     _print_args("serve", shown)
     if not 0 < ns.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {ns.port}.")
     timeout = None if ns.request_timeout <= 0 else ns.request_timeout
     if ns.api_key is not None and not ns.api_key:
         raise ValueError("--api-key must not be empty (leave it out for no key).")
+    if ns.role not in ("all", "prefill", "decode"):
+        raise ValueError(f"--role must be all, prefill or decode, got {ns.role!r}.")
+    if ns.role != "all" and not ns.redis_url:
+        raise ValueError(f"--role {ns.role} needs --redis-url: the stages meet on a Redis "
+                         "server (queues, hand-offs, the snapshot pool).")
     se = serving_engine(ns)
     args = se.engine.model.args
     opts = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
                          max_seq_len=args.max_seq_len, api_key=ns.api_key,
                          request_timeout_s=timeout)
+    if ns.role != "all":
+        return _serve_stage(ns, se, opts)
     batcher = _batcher(ns, se)
     batcher.start()
     print(f"serving {se.model_name!r} ({se.backend}; tokenizer {se.tokenizer.file.path.name}, "
@@ -460,6 +479,43 @@ def cmd_serve(ns) -> int:
         se.close()
     print(f"summary: {st.finished} requests finished, {st.cancelled} cancelled, "
           f"{st.prompt_tokens} prompt and {st.completion_tokens} completion tokens")
+    return 0
+
+
+def _serve_stage(ns, se: ServingEngine, opts) -> int:
+    """`serve --role prefill|decode`: the stage's worker on its engine, and the OpenAI server
+    in front of the queues (any worker takes requests); /metrics adds the stage's series."""
+    import redis
+    import uvicorn
+
+    from dsv41.runtime.epd import DecodeWorker, EpdGateway, EpdServerMetrics, PrefillWorker
+    from dsv41.runtime.server import create_app
+
+    try:
+        client = redis.Redis.from_url(ns.redis_url)
+        if ns.role == "prefill":
+            worker = PrefillWorker(se.engine, client)
+        else:
+            worker = DecodeWorker(se.engine, client, max_running=ns.max_running)
+        gateway = EpdGateway(client, se.engine.key_salt.fingerprint(),
+                             vocab_size=opts.vocab_size, max_seq_len=opts.max_seq_len,
+                             tokenizer=se.tokenizer, max_queue=ns.max_queue)
+    except BaseException:
+        se.close()
+        raise
+    worker.start()
+    print(f"serving {se.model_name!r} ({se.backend}) as the {ns.role} stage over "
+          f"{_masked_url(ns.redis_url)} on http://{ns.host}:{ns.port}/v1", flush=True)
+    try:
+        uvicorn.run(create_app(gateway, se.tokenizer, opts, metrics=EpdServerMetrics(worker)),
+                    host=ns.host, port=ns.port, log_level=ns.log_level)
+    finally:
+        worker.stop()
+        gateway.close()
+        n = worker.counters
+        se.close()
+    print(f"summary: {ns.role} stage finished {n.requests} requests, {n.tokens} tokens, "
+          f"{n.errors} errors, {n.handoffs_rejected} hand-offs rejected")
     return 0
 
 
@@ -509,6 +565,9 @@ def serving_opts(sp, *, server: bool) -> None:
                     "requests waiting for a slot")
     sp.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill tokens per batcher step (default: the batcher's)")
+    sp.add_argument("--redis-url", default=None,
+                    help="the DRAM snapshot pool on this Redis server, shared by every process "
+                         "that names it (default: an in-process pool)")
 
 
 def build_bench_serve_parser() -> argparse.ArgumentParser:
@@ -732,6 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds a request may run before it is cancelled (0: none)")
     sp.add_argument("--log-level", default="info", help="uvicorn's log level")
+    sp.add_argument("--role", default="all",
+                    help="all (one process) | prefill | decode: one EPD stage, its queues and "
+                         "hand-offs on --redis-url (runtime/epd.py)")
     sp.set_defaults(func=cmd_serve)
 
     sp = sub.add_parser("chat", help="a terminal chat on the embedded engine (reads stdin)")

@@ -91,7 +91,9 @@ from .state import (
     check_block_tokens,
     index_owner_at,
     restore_blocks,
+    restore_runtime_state,
     restore_snapshot,
+    runtime_state_arrays,
     snapshot_arrays,
     snapshot_ring_layers,
 )
@@ -120,6 +122,10 @@ class EngineOptions:
     decoder_carry: bool = False
     store_clock: Callable[[], float] = time.time
     pool_clock: Callable[[], float] = time.monotonic
+    # the DRAM snapshot pool on this Redis server (runtime/redis_pool.py; shared by every engine
+    # of the model that names it), instead of the in-process one; pool_budget_bytes is then its
+    # maxmemory (None: keep the server's), pool_ttl_s its keys' expiry
+    redis_url: str | None = None
     threads: int | None = None  # TVM's CPU pool (None: TVM_NUM_THREADS, else torch's count)
     # every prefill runs in chunks of at most this many tokens: transient memory O(chunk x
     # entries) instead of O(N x entries)
@@ -208,14 +214,22 @@ class Engine:
                              f"session's first page ({self._first_page:,} bytes with pages of "
                              f"{options.page_tokens} positions); raise it or lower page_tokens.")
         chunk_spans(1, options.prefill_chunk_tokens)  # a bad chunk size is refused up front
+        if options.redis_url is not None:
+            from .redis_pool import RedisSnapshotPool
+
+            self.pool = RedisSnapshotPool(options.redis_url, fingerprint=self._salt,
+                                          budget_bytes=options.pool_budget_bytes,
+                                          ttl_s=options.pool_ttl_s)
+        else:
+            self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes,
+                                     ttl_s=options.pool_ttl_s, clock=options.pool_clock,
+                                     sweep_interval_s=options.pool_sweep_s)
         self.store = self.blocks = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
                                  store_capacity_bytes, min_lifetime_s=options.store_min_lifetime_s,
                                  clock=options.store_clock, fingerprint=self._salt)
             self.blocks = BlockWriter(self.store)  # every block read and write goes through it
-        self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes, ttl_s=options.pool_ttl_s,
-                                 clock=options.pool_clock, sweep_interval_s=options.pool_sweep_s)
         self.sessions: dict[int, Session] = {}
         self._batches: list[DecodeBatch] = []  # decode batches with live rows (send_many, batcher)
         self._next_id = 1
@@ -279,6 +293,7 @@ class Engine:
             self.blocks.close()
         if self.store is not None:
             self.store.close()
+        self.pool.close()
         self.closed = True
 
     def __enter__(self) -> Engine:
@@ -445,6 +460,43 @@ class Engine:
         batch.close()
         return [list(t.tokens) for t in turns]
 
+    # ---- EPD: a turn prefilled by another process (runtime/epd.py) ---------------------------
+
+    def adopt(self, tokens: Sequence[int], state: dict[str, np.ndarray], request: TurnRequest,
+              first: SampledToken, generator_state: bytes | None = None) -> tuple[Session, _Turn]:
+        """A new session whose cache is a prefill worker's handed-off runtime state of `tokens`
+        (`Session.runtime_state`), and its open turn with the first token already sampled
+        (`first`; `generator_state`: the sampler's generator after it). Join the turn to a
+        `DecodeBatch`; its end stores it in the tiers like any turn. ValueError when the state
+        does not fit this engine's cache."""
+        self._check_open()
+        if request.sampling is None:
+            raise RequestError("A handed-off turn carries its SamplingParams.")
+        s = self.session()
+        positions = len(tokens) + request.max_new_tokens + 1
+        try:
+            self.admit(s, positions)
+            cache = self._fresh_cache()
+            restore_runtime_state(cache, state, self.options.page_tokens)
+            if int(cache.pos[0]) != len(tokens):
+                raise ValueError(f"The handed-off state holds {int(cache.pos[0])} positions, "
+                                 f"its tokens {len(tokens)}.")
+            self.reserve(cache, positions)
+        except BaseException:
+            s.close()
+            raise
+        s.cache, s.history = cache, list(tokens)
+        sampler = Sampler(request.sampling)
+        if generator_state is not None:
+            sampler.generator.set_state(torch.frombuffer(bytearray(generator_state),
+                                                         dtype=torch.uint8))
+        rec = TurnRecord(s.id, 1, "handoff", 0, 0, 0, 0, 0, 0)
+        turn = _Turn(rec, request.max_new_tokens, request.stop, request.temperature,
+                     torch.Generator(), False, sampler, tuple(tokens))
+        turn.tokens, turn.sampled, turn.next_token = [first.token_id], [first], first.token_id
+        turn.done = len(turn.tokens) >= turn.max_new or first.token_id in turn.stop
+        return s, turn
+
 
 @dataclass(frozen=True)
 class _Start:
@@ -558,6 +610,28 @@ class Session:
         self.cache = None
         self.closed = True
         self.engine.sessions.pop(self.id, None)
+
+    def begin(self, request: TurnRequest, *,
+              pacing: PrefillPacing = PrefillPacing()) -> _Turn:
+        """An EPD prefill worker's turn (`request` from runtime.requests.check_turn): the
+        prefill and the first token, the cache left live for `runtime_state`; `finish` ends it
+        (stored in the tiers). Its decode runs elsewhere (`Engine.adopt`)."""
+        if self.closed:
+            raise RequestError(f"Session {self.id} is closed.")
+        self._finish_open_turn()
+        return self._begin(request, pacing=pacing)
+
+    def runtime_state(self) -> dict[str, np.ndarray]:
+        """The live cache's whole state (every complete block, every ring, tail and pointer:
+        runtime.state.runtime_state_arrays), what a decode worker restores."""
+        if self.cache is None or self.cache.batch != 1:
+            raise ValueError(f"Session {self.id} holds no live cache of one sequence.")
+        return runtime_state_arrays(self.cache, self.engine.options.page_tokens)
+
+    def finish(self, turn: _Turn) -> None:
+        """End a turn `begin` returned: its state goes to the tiers as at any turn's end."""
+        if not turn.ended:
+            self._end(turn)
 
     def _finish_open_turn(self) -> None:
         """End the turn `send` returned: a started generator ends in its `finally`; one never

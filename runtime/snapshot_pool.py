@@ -162,11 +162,7 @@ class SnapshotPool:
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> bool:
         """Store a copy; False (and counted) when it is bigger than the whole budget."""
-        _check_key(key)
-        _check_arrays(arrays)
-        if not isinstance(meta, Mapping):
-            raise ValueError(f"meta must be a mapping, got {type(meta).__name__}.")
-        nbytes = sum(a.nbytes for a in arrays.values())
+        nbytes = check_put(key, arrays, meta)
         self._scheduled_sweep()
         if nbytes > self.budget_bytes:
             self._n.refused += 1
@@ -228,6 +224,10 @@ class SnapshotPool:
         self._n.expired += n
         return n
 
+    def close(self) -> None:
+        """Nothing to let go (the pool lives in this process); the Redis pool's counterpart
+        closes its connections."""
+
     def stats(self) -> SnapshotPoolStats:
         self._scheduled_sweep()
         return SnapshotPoolStats(entries=len(self.backend.keys()), bytes=self.backend.bytes(),
@@ -241,6 +241,20 @@ class SnapshotPool:
 
     def _is_expired(self, snap: Snapshot, now: float) -> bool:
         return now - snap.created_at >= self.ttl_s
+
+
+def check_put(key: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> int:
+    """A put's arguments checked (ValueError otherwise); the snapshot's nbytes."""
+    _check_key(key)
+    _check_arrays(arrays)
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"meta must be a mapping, got {type(meta).__name__}.")
+    return sum(a.nbytes for a in arrays.values())
+
+
+def check_key(key: str) -> None:
+    """A snapshot key is a non-empty string (ValueError otherwise)."""
+    _check_key(key)
 
 
 def _frozen_copy(a: np.ndarray) -> np.ndarray:

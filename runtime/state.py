@@ -222,3 +222,41 @@ def snapshot_nbytes(plan: ModelPlan, pos: int, block_tokens: int,
                   for s in layout.sources)
     engram = (a.engram_max_ngram_size - 1) * 8 if a.engram_layer_ids else 0
     return {"rings": rings, "tails": tails, "partial": partial, "pointers": 8 + 8 + engram}
+
+
+def runtime_state_arrays(cache: ModelCache, block_tokens: int) -> dict[str, np.ndarray]:
+    """A batch-1 cache's whole runtime state: every complete block (`block.<i>.<name>`) and the
+    snapshot of every ring, tail and pointer (`snap.<name>`), what an EPD decode worker restores
+    byte for byte (`restore_runtime_state`)."""
+    _single(cache)
+    out = {}
+    for i in range(int(cache.pos[0]) // block_tokens):
+        out.update({f"block.{i}.{k}": v for k, v in block_arrays(cache, i, block_tokens).items()})
+    out.update({f"snap.{k}": v for k, v in snapshot_arrays(cache, block_tokens, None).items()})
+    return out
+
+
+def restore_runtime_state(cache: ModelCache, arrays: dict[str, np.ndarray],
+                          block_tokens: int) -> None:
+    """Write `runtime_state_arrays` into a fresh batch-1 cache (ValueError when they do not
+    fit it)."""
+    blocks: dict[int, dict[str, np.ndarray]] = {}
+    snap = {}
+    for name, a in arrays.items():
+        kind, _, rest = name.partition(".")
+        if kind == "block":
+            i, _, field = rest.partition(".")
+            if not i.isdigit():
+                raise ValueError(f"State array {name!r} names no block.")
+            blocks.setdefault(int(i), {})[field] = a
+        elif kind == "snap":
+            snap[rest] = a
+        else:
+            raise ValueError(f"State array {name!r} is neither a block nor the snapshot.")
+    if sorted(blocks) != list(range(len(blocks))) or "pos" not in snap:
+        raise ValueError("The runtime state's blocks are not 0..n-1, or it has no position.")
+    if int(snap["pos"][0]) // block_tokens != len(blocks):
+        raise ValueError(f"The runtime state at position {int(snap['pos'][0])} holds "
+                         f"{len(blocks)} blocks of {block_tokens}.")
+    restore_blocks(cache, [blocks[i] for i in range(len(blocks))], block_tokens)
+    restore_snapshot(cache, snap, block_tokens, None)

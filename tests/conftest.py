@@ -124,3 +124,32 @@ def small_artifact(small_case):
         if time.time() - partial.stat().st_mtime > 86400:
             shutil.rmtree(partial, ignore_errors=True)
     return done / (done / "done").read_text()
+
+
+# ---- a redis-server of the test's own (runtime/redis_server.py) --------------------------------
+
+REQUIRE_REDIS = "DSV41_REQUIRE_REDIS"  # set (by .ci/run): a missing redis-server fails the tests
+
+
+def redis_or_skip() -> None:
+    """Skip (with the reason) when redis-server is not installed; fail instead under
+    DSV41_REQUIRE_REDIS=1, so CI never passes by skipping them."""
+    from dsv41.runtime.redis_server import redis_binary
+
+    if redis_binary() is None:
+        msg = "redis-server is not installed (apt-get install -y redis-server)"
+        if os.environ.get(REQUIRE_REDIS) == "1":
+            pytest.fail(f"{msg}, and {REQUIRE_REDIS}=1 requires it.")
+        pytest.skip(msg)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server on a free port in the test's folder; the test may kill, restart
+    and fill it. Stopped at the end."""
+    from dsv41.runtime.redis_server import RedisServer
+
+    redis_or_skip()
+    server = RedisServer.start(tmp_path / "redis")
+    yield server
+    server.stop()

@@ -1,0 +1,109 @@
+"""A local `redis-server` process in a folder of its own: for the tests (which kill, restart and
+fill it), `dsv41 bench pool` and a one-machine EPD deployment.
+
+    with RedisServer.start(tmp_dir) as server:      # a free port on 127.0.0.1
+        pool = RedisSnapshotPool(server.url, ...)
+        server.kill()                               # SIGKILL: the pool sees a dead server
+        server.restart()                            # same port, empty (nothing is saved)
+
+No persistence (`--save ''`, no AOF): a restart comes back empty, as a restarted cache does.
+`extra` passes more `--option value` arguments (e.g. `rename-command CONFIG ""`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+BINARY = "redis-server"
+
+
+def redis_binary() -> str | None:
+    """The path of `redis-server`, or None when it is not installed."""
+    return shutil.which(BINARY)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, folder: Path, port: int, extra: Sequence[str] = ()):
+        self.folder, self.port, self.extra = Path(folder), port, tuple(extra)
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def start(cls, folder: str | Path, *, port: int | None = None,
+              extra: Sequence[str] = ()) -> RedisServer:
+        if redis_binary() is None:
+            raise FileNotFoundError(f"`{BINARY}` is not installed (Debian: apt-get install -y "
+                                    "redis-server).")
+        server = cls(Path(folder), port or _free_port(), extra)
+        server.folder.mkdir(parents=True, exist_ok=True)
+        server._spawn()
+        return server
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _spawn(self, timeout_s: float = 20.0) -> None:
+        args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.folder), "--save", "", "--appendonly", "no",
+                "--protected-mode", "no", "--logfile", str(self.folder / "redis.log"),
+                *self.extra]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                log = (self.folder / "redis.log")
+                tail = log.read_text()[-500:] if log.exists() else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode} on port "
+                                   f"{self.port}: {tail}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                self.kill()
+                raise RuntimeError(f"redis-server did not answer on port {self.port} within "
+                                   f"{timeout_s:g} s.")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL, no shutdown: what a crash looks like to a client."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        """Kill, then start again on the same port, empty."""
+        self.kill()
+        self._spawn()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

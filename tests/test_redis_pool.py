@@ -1,0 +1,314 @@
+"""The DRAM snapshot pool on a real redis-server (runtime/redis_pool.py): keys, records, TTL as
+native expiry, the budget as maxmemory + volatile-lru, and its faults (server killed mid-run,
+restarted empty, a corrupted value, TTL expiry, memory full): each a counted miss, the turn
+served by bounded replay, its tokens equal to an engine whose pool missed the same snapshot.
+
+Each test starts its own redis-server (`redis_server` fixture, conftest.py); without the binary
+they skip, under DSV41_REQUIRE_REDIS=1 (.ci/run) they fail. Turns run on the torch graph over
+shared-small, pages of 8 positions.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from dsv41.runtime.engine import Engine
+from dsv41.runtime.redis_pool import KEY_PREFIX, POLICY, PoolConfigError, RedisSnapshotPool
+from dsv41.runtime.redis_server import RedisServer
+from dsv41.runtime.wire import encode_record
+
+PAGE = 8
+FP = bytes(range(32))
+W = "w" * 64
+# three turns of one session: 20 prompt tokens (2 full blocks, then a snapshot in block 2),
+# then two short continuations
+TURNS = ((20, 1, 2), (2, 2, 2), (3, 3, 1))  # (new tokens, seed, tokens to decode)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+def _state(seed: int = 0, n: int = 64) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"ring": rng.integers(0, 256, (n, 4), dtype=np.uint8),
+            "tail": rng.standard_normal(n).astype(np.float32),
+            "pos": np.array([n], dtype=np.int64)}
+
+
+def _pool(server: RedisServer, **kw) -> RedisSnapshotPool:
+    return RedisSnapshotPool(server.url, fingerprint=kw.pop("fingerprint", FP),
+                             budget_bytes=kw.pop("budget_bytes", 64 << 20),
+                             ttl_s=kw.pop("ttl_s", 60.0), retry_s=kw.pop("retry_s", 0.0), **kw)
+
+
+def _raw(server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(server.url)
+
+
+def _engine(model, store, **kw) -> Engine:
+    return Engine.from_model(model, weights_hash=W, page_tokens=PAGE, store_dir=store, **kw)
+
+
+def _play(engine: Engine, turns=TURNS, faults=None) -> tuple[list[list[int]], list[str]]:
+    """Each turn's tokens and tier; `faults[i]()` runs before turn i."""
+    s = engine.session()
+    out, tiers = [], []
+    for i, (n, seed, decode) in enumerate(turns):
+        if faults and i in faults:
+            faults[i]()
+        out.append(list(s.send(_prompt(n, seed), max_new_tokens=decode)))
+        tiers.append(s.turns[-1].tier)
+    return out, tiers
+
+
+@pytest.fixture(scope="module")
+def references(small_model, tmp_path_factory):
+    """(tokens, tiers) of the turns with an in-process pool that always hits, and with one that
+    always misses (a 1-byte budget refuses every snapshot)."""
+    root = tmp_path_factory.mktemp("refs")
+    with _engine(small_model, root / "hit") as e:
+        hit = _play(e)
+    with _engine(small_model, root / "miss", pool_budget_bytes=1) as e:
+        miss = _play(e)
+    assert hit[1] == ["cold", "snapshot", "snapshot"] and miss[1] == ["cold", "prefix", "prefix"]
+    return hit, miss
+
+
+# ---- the pool alone ------------------------------------------------------------------------------
+
+def test_roundtrip_one_key_with_the_fingerprint_and_a_native_ttl(redis_server):
+    pool = _pool(redis_server, ttl_s=30.0)
+    a = _state(1)
+    assert pool.put("k1", a, {"session": 3, "tokens": 64})
+    got = pool.get("k1")
+    assert got.meta == {"session": 3, "tokens": 64} and got.nbytes == sum(x.nbytes for x in
+                                                                          a.values())
+    for name in a:
+        assert got.arrays[name].dtype == a[name].dtype
+        assert got.arrays[name].tobytes() == a[name].tobytes()
+        assert got.arrays[name].flags.writeable
+    raw = _raw(redis_server)
+    assert raw.keys("*") == [f"{KEY_PREFIX}{FP.hex()}:k1".encode()]
+    assert 29_000 < raw.pttl(f"{KEY_PREFIX}{FP.hex()}:k1") <= 30_000
+    pool.get("k1")
+    assert 0 < raw.pttl(f"{KEY_PREFIX}{FP.hex()}:k1") <= 30_000  # a read does not extend it
+    st = pool.stats()
+    assert (st.entries, st.hits, st.misses, st.budget) == (1, 2, 0, 64 << 20)
+    assert pool.drop("k1") and not pool.contains("k1") and pool.get("k1") is None
+
+
+def test_connect_configures_maxmemory_and_the_policy(redis_server):
+    _pool(redis_server, budget_bytes=32 << 20)
+    cfg = _raw(redis_server).config_get("maxmemory*")
+    assert cfg["maxmemory"] == str(32 << 20) and cfg["maxmemory-policy"] == POLICY
+    # budget None keeps the server's maxmemory (the first process configured it)
+    assert _pool(redis_server, budget_bytes=None).budget_bytes == 32 << 20
+
+
+def test_config_refused_and_wrong_policy_is_a_clear_error(tmp_path):
+    from conftest import redis_or_skip
+
+    redis_or_skip()
+    with RedisServer.start(tmp_path / "r", extra=["--rename-command", "CONFIG", ""]) as s:
+        with pytest.raises(PoolConfigError, match="maxmemory-policy volatile-lru"):
+            _pool(s)
+    with RedisServer.start(tmp_path / "r2", extra=["--rename-command", "CONFIG", "",
+                                                   "--maxmemory", "8mb",
+                                                   "--maxmemory-policy", POLICY]) as s:
+        assert _pool(s).budget_bytes == 8 << 20  # the server's own settings are accepted
+
+
+def test_another_models_snapshot_is_never_served(redis_server):
+    mine, theirs = _pool(redis_server), _pool(redis_server, fingerprint=bytes(32))
+    theirs.put("k", _state(2), {})
+    assert mine.get("k") is None and not mine.contains("k")  # another key prefix
+    # a value of another model under this model's key: detected inside the value, deleted
+    value = encode_record(kind="snapshot", key="k", fingerprint=bytes(32), created_at=0.0,
+                          meta={}, arrays=_state(2))
+    _raw(redis_server).set(f"{KEY_PREFIX}{FP.hex()}:k", value, px=10_000)
+    assert mine.get("k") is None
+    st = mine.stats()
+    assert (st.foreign, st.misses, st.corrupted) == (1, 2, 0)
+    assert not _raw(redis_server).exists(f"{KEY_PREFIX}{FP.hex()}:k")
+    assert theirs.get("k") is not None
+
+
+def test_every_corrupted_byte_is_a_counted_miss(redis_server):
+    pool, raw = _pool(redis_server), _raw(redis_server)
+    rkey = f"{KEY_PREFIX}{FP.hex()}:k"
+    for i, where in enumerate((0.0, 0.01, 0.1, 0.5, 1.0)):
+        pool.put("k", _state(3), {})
+        at = min(int(where * raw.strlen(rkey)), raw.strlen(rkey) - 1)  # magic .. checksum
+        byte = raw.getrange(rkey, at, at)
+        raw.setrange(rkey, at, bytes([byte[0] ^ 0x20]))
+        assert pool.get("k") is None
+        assert pool.stats().corrupted == i + 1 and not raw.exists(rkey)
+    pool.put("k", _state(3), {})
+    raw.set(rkey, raw.getrange(rkey, 0, raw.strlen(rkey) - 10))  # truncated
+    assert pool.get("k") is None and pool.stats().corrupted == 6
+
+
+def test_expired_and_lost_are_told_apart(redis_server):
+    pool = _pool(redis_server, ttl_s=0.2)
+    pool.put("old", _state(4), {})
+    pool.put("gone", _state(5), {})
+    _raw(redis_server).delete(f"{KEY_PREFIX}{FP.hex()}:gone")  # as an eviction would
+    assert pool.get("gone") is None
+    time.sleep(0.4)
+    assert not pool.contains("old") and pool.get("old") is None
+    st = pool.stats()
+    assert (st.expired, st.lost, st.misses, st.hits) == (1, 1, 3, 0)
+
+
+def test_the_budget_evicts_least_recently_read_first(redis_server):
+    raw = _raw(redis_server)
+    used = int(raw.info("memory")["used_memory"])
+    big = {"a": np.zeros(1_000_000, dtype=np.uint8)}  # one allocation class below 1 MiB
+    budget = used + int(4.5 * (1 << 20))
+    pool = _pool(redis_server, budget_bytes=budget)
+    # the server's LRU clock ticks once a second: k1 is made the one least recently used
+    assert pool.put("k0", big, {}) and pool.put("k1", big, {})
+    time.sleep(1.1)
+    assert pool.put("k2", big, {}) and pool.get("k0") is not None
+    time.sleep(1.1)
+    assert pool.put("k3", big, {}) and pool.put("k4", big, {})
+    present = [k for k in ("k0", "k1", "k2", "k3", "k4") if pool.contains(k)]
+    assert "k1" not in present and {"k3", "k4"} <= set(present)
+    st = pool.stats()
+    assert st.evictions >= 1 and st.lost >= 1 and st.bytes <= budget
+    assert not pool.put("huge", {"a": np.zeros(budget + 1, dtype=np.uint8)}, {})
+    assert pool.stats().refused == 1
+
+
+def test_a_dead_server_is_misses_and_refused_writes_then_recovers(redis_server):
+    pool = _pool(redis_server, timeout_s=0.5)
+    pool.put("k", _state(6), {})
+    redis_server.kill()
+    assert pool.get("k") is None and not pool.contains("k") and not pool.put("k2", _state(6), {})
+    st = pool.stats()
+    assert st.unavailable >= 3 and st.write_errors == 1 and st.misses == 1
+    redis_server.restart()
+    assert pool.put("k3", _state(6), {}) and pool.get("k3") is not None
+    assert pool.stats().restarts == 1
+    assert _raw(redis_server).config_get("maxmemory-policy")["maxmemory-policy"] == POLICY
+
+
+def test_retry_window_skips_a_dead_server():
+    clock = [0.0]
+    pool = RedisSnapshotPool("redis://127.0.0.1:1/0", fingerprint=FP, budget_bytes=1 << 20,
+                             retry_s=5.0, timeout_s=0.5, clock=lambda: clock[0])
+    assert pool.stats().unavailable >= 1  # unreachable at connect: a warning, not an error
+    n = pool.stats().unavailable
+    assert pool.get("k") is None and pool.get("k") is None
+    assert pool.stats().unavailable == n + 2 and pool.stats().misses == 2  # skipped, no connect
+
+
+# ---- the engine on the Redis pool: faults are misses, outputs equal a run that missed ------------
+
+def test_engine_hits_through_redis_like_the_in_process_pool(small_model, tmp_path,
+                                                            redis_server, references):
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
+        assert _play(e) == references[0]
+        st = e.stats().pool
+        assert (st.hits, st.misses) == (2, 0)
+
+
+def test_server_killed_mid_run_then_restarted(small_model, tmp_path, redis_server, references):
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
+        e.pool.retry_s = 0.0  # try the server again at every call (the default waits 1 s)
+        got = _play(e, faults={1: redis_server.kill, 2: redis_server.restart})
+        assert got == references[1]  # turn 2 missed (server dead), turn 3 (its snapshot lost)
+        st = e.stats().pool
+        assert st.unavailable >= 1 and st.write_errors == 1 and st.restarts == 1
+        assert st.entries == 1  # turn 3's snapshot, on the restarted (reconfigured) server
+
+
+def test_server_restarted_empty(small_model, tmp_path, redis_server, references):
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
+        got = _play(e, TURNS[:2], faults={1: redis_server.restart})
+        assert got == (references[1][0][:2], references[1][1][:2])
+        st = e.stats().pool
+        assert (st.lost, st.misses, st.restarts, st.hits) == (1, 1, 1, 0)
+
+
+def test_corrupted_value(small_model, tmp_path, redis_server, references):
+    raw = _raw(redis_server)
+
+    def corrupt():
+        (key,) = raw.keys(f"{KEY_PREFIX}*")
+        raw.setrange(key, 1000, b"\xff\x00\xff")
+
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
+        got = _play(e, TURNS[:2], faults={1: corrupt})
+        assert got == (references[1][0][:2], references[1][1][:2])
+        st = e.stats().pool
+        assert (st.corrupted, st.misses, st.hits) == (1, 1, 0)
+
+
+def test_ttl_expiry(small_model, tmp_path, redis_server, references):
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url, pool_ttl_s=0.3) as e:
+        got = _play(e, TURNS[:2], faults={1: lambda: time.sleep(0.5)})
+        assert got == (references[1][0][:2], references[1][1][:2])
+        st = e.stats().pool
+        assert (st.expired, st.misses, st.hits) == (1, 1, 0)
+
+
+def test_memory_full(small_model, tmp_path, redis_server, references):
+    """The server holds more than the budget in keys without expiry, which volatile-lru may not
+    evict (another user's data): every snapshot write is refused (OOM), counted `full`."""
+    raw = _raw(redis_server)
+    for i in range(64):
+        raw.set(f"other:{i}", b"x" * (16 << 10))
+    budget = int(raw.info("memory")["used_memory"]) - (256 << 10)
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url,
+                 pool_budget_bytes=budget) as e:
+        got = _play(e, TURNS[:2])
+        assert got == (references[1][0][:2], references[1][1][:2])
+        st = e.stats().pool
+        assert (st.full, st.hits, st.budget) == (2, 0, budget)  # both turns' snapshots refused
+    assert raw.dbsize() == 64
+
+
+def test_two_engines_share_one_pool(small_model, tmp_path, redis_server):
+    """A session continued by another engine (another process would do the same): a history
+    shorter than a block needs no SSD block, only the shared snapshot."""
+    with _engine(small_model, tmp_path / "a", redis_url=redis_server.url) as a, \
+            _engine(small_model, tmp_path / "b", redis_url=redis_server.url) as b:
+        sa = a.session()
+        list(sa.send(_prompt(4, 7), max_new_tokens=2))
+        sb = b.session(transcript=sa.transcript)
+        got = list(sb.send(_prompt(1, 8), max_new_tokens=3))
+        assert sb.turns[-1].tier == "snapshot"
+        assert got == list(sa.send(_prompt(1, 8), max_new_tokens=3))
+
+
+def test_bench_pool_times_both_pools_on_the_bills_snapshot(redis_server):
+    from dsv41.compiler.pool_bench import PoolBenchOptions, run_pool_bench, snapshot_arrays_of
+    from dsv41.graph.config import preset
+    from dsv41.graph.layout import encoder_snapshot_bytes
+    from dsv41.graph.plan import build_plan
+
+    full = snapshot_arrays_of("full")
+    assert sum(a.nbytes for a in full.values()) == encoder_snapshot_bytes(
+        build_plan(preset("full"))) == 1_376_296  # `dsv41 bill --preset full`
+    r = run_pool_bench(PoolBenchOptions(preset="small", reps=2, redis_url=redis_server.url))
+    for name in ("in_process", "redis"):
+        assert r[name]["put_s"] > 0 and r[name]["get_s"] > 0 and r[name]["put_MBps"] > 0
+    assert r["redis"]["url"] == redis_server.url and not r["redis"]["started_here"]
+    assert r["snapshot_bytes"] == encoder_snapshot_bytes(build_plan(preset("small")))
+
+
+def test_a_urls_password_is_never_printed():
+    from dsv41.runtime.redis_pool import masked_url
+
+    assert masked_url("redis://:s3cret@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
+    assert masked_url("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"
+    assert masked_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    with pytest.raises(ValueError) as e:
+        RedisSnapshotPool("http://:s3cret@h", fingerprint=FP)
+    assert "s3cret" not in str(e.value)
