@@ -25,7 +25,7 @@ def ensure_checkpoint(preset_name: str, seed: int = 0) -> Path:
 def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str, ...],
                     out: Path) -> Path:
     """The artifact for the checkpoint's config, compiling the entries it lacks."""
-    from dsv41.compiler.build import CompileOptions, compile_artifact, missing_entries
+    from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact, missing_entries
     from dsv41.compiler.progress import CompileBar
     from dsv41.graph.config import load_config
 
@@ -37,7 +37,7 @@ def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str
         return opts.artifact_dir
     print(f"artifact: compiling {', '.join(todo)} for {target} into {opts.artifact_dir} "
           "(once; later runs reuse it)")
-    bar = CompileBar(todo, desc="compile")
+    bar = CompileBar(todo, PHASES, desc="compile")
     try:
         report = compile_artifact(CompileOptions(args=args, model_name=name, target=target,
                                                  out=out, entries=todo), progress=bar)

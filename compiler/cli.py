@@ -178,7 +178,7 @@ def cmd_compile(ns) -> int:
                           onnx=ns.format == "onnx")
     print(f"compile: {opts.display()}")
     print(f"phases per entry: {' -> '.join(PHASES)}")
-    bar = CompileBar(entries, desc="compile")
+    bar = CompileBar(entries, PHASES, desc="compile")
     try:
         report = compile_artifact(opts, progress=bar)
     finally:

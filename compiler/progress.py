@@ -1,7 +1,7 @@
 """What a person sees while `dsv41 compile` (or `dsv41 run`'s first compile) works: one bar over
 every phase of every entry, named by the phase now running, and one line per finished phase.
 
-    progress = CompileBar(entries=("encoder", "decode"), desc="compile")
+    progress = CompileBar(("encoder", "decode"), PHASES, desc="compile")
     compile_artifact(opts, progress=progress)   # calls started / finished / note
     progress.close()
 """
@@ -37,12 +37,11 @@ class SilentProgress:
 class CompileBar:
     """A tqdm bar of entries x phases; the running phase and its start time in the bar's text."""
 
-    def __init__(self, entries: tuple[str, ...], *, desc: str = "compile"):
+    def __init__(self, entries: tuple[str, ...], phases: tuple[str, ...], *,
+                 desc: str = "compile"):
         from tqdm import tqdm
 
-        from .build import PHASES
-
-        self.bar = tqdm(total=len(entries) * len(PHASES), desc=desc, unit="phase")
+        self.bar = tqdm(total=len(entries) * len(phases), desc=desc, unit="phase")
 
     def started(self, entry: str, phase: str) -> None:
         self.bar.set_postfix_str(f"{entry}: {phase} since {time.strftime('%H:%M:%S')}")

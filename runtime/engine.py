@@ -150,6 +150,7 @@ class Tier(StrEnum):
     SNAPSHOT_SSD = "snapshot-ssd"  # exact mode: SSD blocks + an SSD state record
     PREFIX = "prefix"  # SSD blocks only: encoder bounded replay from their end
     COLD = "cold"  # nothing: the whole prompt prefilled
+    HANDOFF = "handoff"  # an EPD prefill worker's runtime state (Engine.adopt)
 
 
 @dataclass
@@ -490,7 +491,8 @@ class Engine:
         if generator_state is not None:
             sampler.generator.set_state(torch.frombuffer(bytearray(generator_state),
                                                          dtype=torch.uint8))
-        rec = TurnRecord(s.id, 1, "handoff", 0, 0, 0, 0, 0, 0)
+        rec = TurnRecord(session=s.id, turn=1, tier=Tier.HANDOFF, prefilled=0, replayed=0,
+                         decoder_replayed=0, decoded=0, token_layers=0, cached_blocks=0)
         turn = _Turn(rec, request.max_new_tokens, request.stop, request.temperature,
                      torch.Generator(), False, sampler, tuple(tokens))
         turn.tokens, turn.sampled, turn.next_token = [first.token_id], [first], first.token_id
