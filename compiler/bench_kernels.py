@@ -478,9 +478,9 @@ def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
         return Prepared(lambda: ex(*args), out, lambda: ops.fp8_linear(x, wt, sc),
                         *_body_args(ops.fp8_linear, (x, wt, sc), nbytes, flops))
     if case.family == "moe":
-        inputs = gemm.example_inputs_moe_experts(n=d["n"], dim=d["dim"], inter=d["inter"],
-                                                 n_experts=d["n_experts"], topk=d["topk"])
-        gemm.check_expert_ids(inputs[2], d["n_experts"])
+        inputs = moe.example_inputs_moe_experts(n=d["n"], dim=d["dim"], inter=d["inter"],
+                                                n_experts=d["n_experts"], topk=d["topk"])
+        moe.check_expert_ids(inputs[2], d["n_experts"])
         limit = d["swiglu_limit"]
         # the same plan (buffer shapes, call order) as compiler/lower.py `_moe_experts`
         plan = moe.moe_experts_plan(target_name, dim=d["dim"], inter=d["inter"],

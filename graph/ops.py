@@ -5,7 +5,7 @@ oracle every kernel is tested against), and each has a fake kernel so `torch.exp
 it. Boundaries are chosen so that the graph around them is plain aten:
 
 - `fp8_linear`:    FP8 activation quantisation + block-scaled FP8 GEMM (weights in 32x32 tiles)
-- `fp8_dequant`, `fp4_dequant`: packed codes + scales -> values (exposed for tests and tools)
+- `fp8_dequant`:   E4M3 codes + E8M0 scales -> values
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
 - `indexer_topk`:  MXFP4 index-K sweep (relu, head-weighted sum) + top-k, ties to the lower position
@@ -115,17 +115,6 @@ def fp8_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 @fp8_dequant.register_fake
 def _(codes, scales):
     return codes.new_empty(codes.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("dsv41::fp4_dequant", mutates_args=())
-def fp4_dequant(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Main-KV FP4: packed E2M1 [..., D/2] with E4M3 scales per 16 [..., D/16] -> fp32."""
-    return fmt.torch_dequant_fp4_kv(packed, scales)
-
-
-@fp4_dequant.register_fake
-def _(packed, scales):
-    return packed.new_empty(*packed.shape[:-1], packed.size(-1) * 2, dtype=torch.float32)
 
 
 # ---- quantisers (each one kernel; the graph never bit-casts) -------------------------------
