@@ -280,6 +280,57 @@ def _scatter_rows(ctx: Lowering):
     return convert
 
 
+def _rms_norm(ctx: Lowering):
+    from dsv41.schedules import norm
+
+    def convert(node, importer):
+        x, weight = importer.env[node.args[0]], importer.env[node.args[1]]
+        eps = float(node.args[2])
+        d = _static(_shape(x)[-1])
+        gv = ctx.kernel(importer, ("rms_norm", d, eps),
+                        lambda: norm.build_rms_norm(ctx.target.name, d=d, eps=eps))
+        x2, lead = _rows(importer, x, 1)
+        y = _call(importer, gv, [x2, weight], _tensor(_shape(x2), BF16))
+        return _unrows(importer, y, lead)
+
+    return convert
+
+
+def _hc_pre_mix(ctx: Lowering):
+    """A sublayer's mHC entry (mixes + lagged collapse + RMSNorm) as one kernel."""
+    from dsv41.schedules import mhc
+
+    def convert(node, importer):
+        h, fn, scale, base, pre_in, weight = (importer.env[a] for a in node.args[:6])
+        hc, iters = int(node.args[6]), int(node.args[7])
+        norm_eps, hc_eps = float(node.args[8]), float(node.args[9])
+        b, s, _, d = _shape(h)
+        dims = dict(hc=hc, d=_static(d), iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
+        gv = ctx.kernel(importer, ("hc_pre_mix", *dims.values()),
+                        lambda: mhc.build_hc_pre_mix(ctx.target.name, **dims, with_norm=True))
+        f32 = "float32"
+        out = [_tensor([b, s, d], BF16), _tensor([b, s, hc], f32), _tensor([b, s, hc], f32),
+               _tensor([b, s, hc, hc], f32)]
+        res = _call(importer, gv, [h, fn, scale, base, pre_in, weight], out)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(4)]))
+
+    return convert
+
+
+def _hc_post(ctx: Lowering):
+    from dsv41.schedules import mhc
+
+    def convert(node, importer):
+        f, h, post, comb = (importer.env[a] for a in node.args[:4])
+        hc, d = (_static(v) for v in _shape(h)[2:])
+        gv = ctx.kernel(importer, ("hc_post", hc, d),
+                        lambda: mhc.build_hc_post(ctx.target.name, hc=hc, d=d))
+        return _call(importer, gv, [f, h, post, comb], _tensor(_shape(h), BF16))
+
+    return convert
+
+
 def _quant(ctx: Lowering, op: str):
     from dsv41.schedules import quant
 
@@ -567,6 +618,9 @@ def convert_map(ctx: Lowering) -> dict:
         "pool_topk.default": _indexer(ctx, "pool"),
         "moe_experts.default": _moe_experts(ctx),
         "scatter_rows.default": _scatter_rows(ctx),
+        "rms_norm.default": _rms_norm(ctx),
+        "hc_pre_mix.default": _hc_pre_mix(ctx),
+        "hc_post.default": _hc_post(ctx),
         "quant_fp8.default": _quant(ctx, "quant_fp8"),
         "quant_fp4_kv.default": _quant(ctx, "quant_fp4_kv"),
         "quant_mxfp4.default": _quant(ctx, "quant_mxfp4"),

@@ -14,6 +14,9 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
 - `moe_experts`:   the routed FP4 experts for the selected ids
 - `scatter_rows`:  cache writes: rows into given rows of a store or ring (compiled in place)
+- `rms_norm`:      RMSNorm of bf16 rows with a bf16 weight
+- `hc_pre_mix`:    a sublayer's mHC mixes of the stream + its collapse (lagged pre) + RMSNorm
+- `hc_post`:       the sublayer's output mixed back into the hc streams
 
 The oracles reproduce the released reference kernels' arithmetic (block order, bf16 rounding
 points) so that the graph matches the released model to its own noise floor.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import formats as fmt
+from . import layers
 
 FP8_BLOCK = 32
 ATTN_BLOCK = 64  # the reference sparse-attention kernel walks indices in blocks of 64
@@ -51,6 +55,59 @@ def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> to
 @scatter_rows.register_fake
 def _(dst, idx, rows):
     return torch.empty_like(dst)
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv41::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`layers.rms_norm` of bf16 rows x (..., d) with a bf16 weight (d,): bf16 (..., d)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"dsv41::rms_norm takes bf16 x and weight, got {x.dtype} and "
+                         f"{weight.dtype}.")
+    return layers.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+# ---- mHC (hyper-connections) -----------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv41::hc_pre_mix", mutates_args=())
+def hc_pre_mix(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+               pre_in: torch.Tensor, weight: torch.Tensor, hc: int, iters: int, norm_eps: float,
+               hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sublayer's entry, as `model.block` composes it: the mixes of the stream h (b, s, hc, d)
+    (`layers.hc_mixes`: pre, post (b, s, hc), comb (b, s, hc, hc), fp32) and the collapse with
+    the *lagged* pre_in, normed: x = rms_norm(hc_pre(h, pre_in), weight) (b, s, d) bf16.
+    Returns (x, pre, post, comb)."""
+    pre, post, comb = layers.hc_mixes(h, fn, scale, base, hc, iters, norm_eps, hc_eps)
+    x = layers.rms_norm(layers.hc_pre(h, pre_in), weight, norm_eps)
+    return x, pre, post, comb
+
+
+@hc_pre_mix.register_fake
+def _(h, fn, scale, base, pre_in, weight, hc, iters, norm_eps, hc_eps):
+    b, s, _, d = h.shape
+    f32 = torch.float32
+    return (h.new_empty(b, s, d), h.new_empty(b, s, hc, dtype=f32),
+            h.new_empty(b, s, hc, dtype=f32), h.new_empty(b, s, hc, hc, dtype=f32))
+
+
+@torch.library.custom_op("dsv41::hc_post", mutates_args=())
+def hc_post(f: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """h'_j = post_j * f + sum_i comb[i, j] * h_i (`layers.hc_post`): (b, s, hc, d) bf16."""
+    return layers.hc_post(f, h, post, comb)
+
+
+@hc_post.register_fake
+def _(f, h, post, comb):
+    return torch.empty_like(h, dtype=f.dtype)
 
 
 # ---- block-scaled GEMMs ----------------------------------------------------------------------
