@@ -58,7 +58,7 @@ import torch
 from dsv41.runtime.threads import default_tvm_pool, tvm_num_threads
 
 SCHEMA = "dsv41.bench.kernels/1"
-FAMILIES = ("attend", "indexer", "fp8", "moe")
+FAMILIES = ("attend", "indexer", "fp8", "moe", "gemv")
 COMPILE_NOTE = ("torch.compile (defaults, dynamo reset per case) of the oracle's plain Python "
                 "body; the registered custom op is opaque to Inductor (compiling it times eager)")
 MIN_SAMPLE_S = 0.01  # a timed sample repeats the call until it lasts at least this long
@@ -96,6 +96,8 @@ FORMULAS = {
     "moe": "bytes = u*(2*inter*(dim/2 + dim/32) + dim*(inter/2 + inter/32)) (the u distinct "
            "routed experts' FP4 w1, w3, w2 + scales) + 2*n*dim (x) + 12*n*topk (weights, ids) + "
            "4*n*dim (y); flops = 6*n*topk*dim*inter (three GEMMs per routed token)",
+    "gemv": "bytes = m*g*k*|x| (x, bf16 2 / fp32 4) + g*n*k*|w| (the weight as stored) + "
+            "4*m*g*n (fp32 y); flops = 2*m*g*n*k (dense_gemv: the grouped o-projection, the head)",
 }
 
 
@@ -283,6 +285,8 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
         lin = dict(n=256, k=128)
         moe = dict(dim=128, inter=64, n_experts=4, topk=2, swiglu_limit=a.swiglu_limit)
         attend_s, index_t, lin_m, moe_n = (1, 2), (1024, 4096), (1, 8), (1, 8)
+        decode_lin = {"wq_a": (64, 128)}
+        decode_gemv = {"wo_a": (2, 32, 64, "bfloat16"), "head": (1, 256, 128, "float32")}
     else:
         attn = dict(h=a.n_heads, d=a.head_dim, w=a.window_size, k=a.index_topk)
         idx = dict(heads=a.index_n_heads, dim=a.index_head_dim, topk=a.index_topk)
@@ -292,6 +296,16 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                    topk=a.n_activated_experts, swiglu_limit=a.swiglu_limit)
         attend_s, index_t, lin_m, moe_n = (1, 2, 3, 4), (1 << 13, 1 << 16, 1 << 18, 1 << 20), \
             (1, 128), (1, 128)
+        # the other hot decode GEMVs of a layer (n, k): the FP8 q / kv / o projections and the
+        # shared expert; the dense (bf16 / fp32 weight) GEMVs: the grouped o-projection and the
+        # head (groups, n, k, weight dtype)
+        hd = a.head_dim
+        decode_lin = {"wq_a": (a.q_lora_rank, a.dim), "wkv": (hd, a.dim),
+                      "wo_b": (a.dim, a.o_groups * a.o_lora_rank),
+                      "shared_w1": (a.moe_inter_dim, a.dim), "shared_w2": (a.dim, a.moe_inter_dim)}
+        decode_gemv = {"wo_a": (a.o_groups, a.o_lora_rank, a.n_heads * hd // a.o_groups,
+                                "bfloat16"),
+                       "head": (1, a.vocab_size, a.dim, "float32")}
     cases = [Case(f"attend-s{s}", "attend", tuple(attn.items()), (("b", 1), ("s", s)))
              for s in attend_s]
     cases += [Case(f"indexer-{_pow2_label(t)}", "indexer", tuple(idx.items()),
@@ -300,6 +314,11 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                    (*lin.items(), ("hint", m)), (("m", m),)) for m in lin_m]
     cases += [Case(f"moe-n{n}", "moe", (*moe.items(), ("hint", artifact_rows_hint(n))),
                    (("n", n),)) for n in moe_n]
+    cases += [Case(f"fp8-{name}-m1", "fp8", (("n", n), ("k", k), ("hint", 1)), (("m", 1),))
+              for name, (n, k) in decode_lin.items()]
+    cases += [Case(f"gemv-{name}-m1", "gemv",
+                   (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd)),
+                   (("m", 1),)) for name, (g, n, k, wd) in decode_gemv.items()]
     return cases
 
 
@@ -364,6 +383,19 @@ def fp8_traffic(*, m, n, k, **_) -> tuple[int, int]:
     return 2 * m * k + n * k + math.ceil(n / 32) * (k // 32) + 2 * m * n, 2 * m * n * k
 
 
+def gemv_traffic(*, m, groups, n, k, x_dtype, w_dtype, **_) -> tuple[int, int]:
+    size = {"bfloat16": 2, "float32": 4}
+    return (m * groups * k * size[x_dtype] + groups * n * k * size[w_dtype] + 4 * m * groups * n,
+            2 * m * groups * n * k)
+
+
+def dense_gemv_oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the lowering replaces with dense_gemv: the grouped linear `mgk,gnk->mgn` in fp32
+    over the weight as stored ([groups * n, k])."""
+    g = x.shape[1]
+    return torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(g, -1, w.shape[-1]))
+
+
 def moe_traffic(*, n, dim, inter, topk, experts_used, **_) -> tuple[int, int]:
     per_expert = 2 * inter * (dim // 2 + dim // 32) + dim * (inter // 2 + inter // 32)
     return (experts_used * per_expert + 2 * n * dim + 12 * n * topk + 4 * n * dim,
@@ -386,6 +418,8 @@ def compile_kernel(family: str, target_name: str, static: tuple) -> tuple[object
         func = indexer.build_indexer_topk(target_name, **kw)
     elif family == "fp8":
         func = gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"])
+    elif family == "gemv":  # the dense decode GEMV compiler/lower.py `_gemv_call` emits
+        func = gemm.build_dense_gemv(target_name, **kw)
     elif family == "moe":  # the split chain compiler/lower.py `_moe_experts` emits
         hint = kw.pop("hint")
         func = moe.build_moe_experts_split(target_name, **kw, n=hint)
@@ -477,10 +511,21 @@ def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
         nbytes, flops = fp8_traffic(**d)
         return Prepared(lambda: ex(*args), out, lambda: ops.fp8_linear(x, wt, sc),
                         *_body_args(ops.fp8_linear, (x, wt, sc), nbytes, flops))
+    if case.family == "gemv":
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(d["m"], d["groups"], d["k"], generator=gen).to(getattr(torch,
+                                                                              d["x_dtype"]))
+        wt = (torch.randn(d["groups"] * d["n"], d["k"], generator=gen) * d["k"] ** -0.5).to(
+            getattr(torch, d["w_dtype"]))
+        out = torch.empty(d["m"], d["groups"], d["n"])
+        args = [_tvm_view(t) for t in (x, wt, out)]
+        nbytes, flops = gemv_traffic(**d)
+        return Prepared(lambda: ex(*args), out, lambda: dense_gemv_oracle(x, wt),
+                        dense_gemv_oracle, (x, wt), nbytes, flops, "")
     if case.family == "moe":
-        inputs = gemm.example_inputs_moe_experts(n=d["n"], dim=d["dim"], inter=d["inter"],
-                                                 n_experts=d["n_experts"], topk=d["topk"])
-        gemm.check_expert_ids(inputs[2], d["n_experts"])
+        inputs = moe.example_inputs_moe_experts(n=d["n"], dim=d["dim"], inter=d["inter"],
+                                                n_experts=d["n_experts"], topk=d["topk"])
+        moe.check_expert_ids(inputs[2], d["n_experts"])
         limit = d["swiglu_limit"]
         # the same plan (buffer shapes, call order) as compiler/lower.py `_moe_experts`
         plan = moe.moe_experts_plan(target_name, dim=d["dim"], inter=d["inter"],
@@ -757,7 +802,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="cpu",
                    help="cpu | cpu-x86-64 (CUDA targets need a GPU: refused here)")
     p.add_argument("--cases", default=None,
-                   help="comma-separated case names or families (attend, indexer, fp8, moe)")
+                   help="comma-separated case names or families (attend, indexer, fp8, moe, "
+                   "gemv)")
     p.add_argument("--repeat", type=int, default=20, help="timed samples per measurement (max)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds per measurement before it stops early (default 1.5, quick "

@@ -138,7 +138,13 @@ def fuse(mod, target_name: str):
     else:
         from tvm.relax.backend.cpu_generic import pipeline as backend
     with target:
-        for p in [*backend.library_dispatch_passes(target), relax.transform.LegalizeOps(),
+        # reshape stays a Relax op: the VM lowers it to a view (vm.builtin.reshape) and memory
+        # planning counts it as an alias. Legalised, every reshape became a copy kernel with
+        # symbolic index arithmetic (2,099 calls per bench decode step), and TVM's
+        # RewriteDataflowReshape, which would turn them back into views, rejects our top-k
+        # kernels (see finish_pipeline).
+        legalize = relax.transform.LegalizeOps(skip_ops=["relax.reshape"])
+        for p in [*backend.library_dispatch_passes(target), legalize,
                   relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()]:
             mod = p(mod)
         try:

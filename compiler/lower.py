@@ -115,18 +115,24 @@ def _fp8_dequant(ctx: Lowering):
     return convert
 
 
-def _sparse_attend(ctx: Lowering):
+def _sparse_attend(ctx: Lowering, kind: str):
+    """sparse_attend (FP4 global entries: codes + scales) or sparse_attend_bf16 (a bf16 global
+    cache, `kv_dtype="bf16"`): the same kernel body over either store."""
     from dsv41.schedules import attention
 
+    n_tensors, build = {"fp4": (8, attention.build_sparse_attend),
+                        "bf16": (7, attention.build_sparse_attend_bf16)}[kind]
+
     def convert(node, importer):
-        args = [importer.env[a] for a in node.args[:8]]
-        scale = float(node.args[8])
-        q, win_idx, kv_idx = args[0], args[3], args[6]
+        args = [importer.env[a] for a in node.args[:n_tensors]]
+        scale = float(node.args[n_tensors])
+        q, win_idx, kv_idx = args[0], args[3], args[n_tensors - 2]
         _, _, h, d = _shape(q)
         dims = dict(h=_static(h), d=_static(d), w=_static(_shape(win_idx)[-1]),
                     k=_static(_shape(kv_idx)[-1]), softmax_scale=scale)
-        gv = ctx.kernel(importer, ("sparse_attend", *dims.values()),
-                        lambda: attention.build_sparse_attend(ctx.target.name, **dims))
+        name = "sparse_attend" if kind == "fp4" else "sparse_attend_bf16"
+        gv = ctx.kernel(importer, (name, *dims.values()),
+                        lambda: build(ctx.target.name, **dims))
         return _call(importer, gv, args, _tensor(_shape(q), BF16))
 
     return convert
@@ -274,15 +280,68 @@ def _scatter_rows(ctx: Lowering):
     return convert
 
 
+def _rms_norm(ctx: Lowering):
+    from dsv41.schedules import norm
+
+    def convert(node, importer):
+        x, weight = importer.env[node.args[0]], importer.env[node.args[1]]
+        eps = float(node.args[2])
+        d = _static(_shape(x)[-1])
+        gv = ctx.kernel(importer, ("rms_norm", d, eps),
+                        lambda: norm.build_rms_norm(ctx.target.name, d=d, eps=eps))
+        x2, lead = _rows(importer, x, 1)
+        y = _call(importer, gv, [x2, weight], _tensor(_shape(x2), BF16))
+        return _unrows(importer, y, lead)
+
+    return convert
+
+
+def _hc_pre_mix(ctx: Lowering):
+    """A sublayer's mHC entry (mixes + lagged collapse + RMSNorm) as one kernel."""
+    from dsv41.schedules import mhc
+
+    def convert(node, importer):
+        h, fn, scale, base, pre_in, weight = (importer.env[a] for a in node.args[:6])
+        hc, iters = int(node.args[6]), int(node.args[7])
+        norm_eps, hc_eps = float(node.args[8]), float(node.args[9])
+        b, s, _, d = _shape(h)
+        dims = dict(hc=hc, d=_static(d), iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
+        gv = ctx.kernel(importer, ("hc_pre_mix", *dims.values()),
+                        lambda: mhc.build_hc_pre_mix(ctx.target.name, **dims, with_norm=True))
+        f32 = "float32"
+        out = [_tensor([b, s, d], BF16), _tensor([b, s, hc], f32), _tensor([b, s, hc], f32),
+               _tensor([b, s, hc, hc], f32)]
+        res = _call(importer, gv, [h, fn, scale, base, pre_in, weight], out)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(4)]))
+
+    return convert
+
+
+def _hc_post(ctx: Lowering):
+    from dsv41.schedules import mhc
+
+    def convert(node, importer):
+        f, h, post, comb = (importer.env[a] for a in node.args[:4])
+        hc, d = (_static(v) for v in _shape(h)[2:])
+        gv = ctx.kernel(importer, ("hc_post", hc, d),
+                        lambda: mhc.build_hc_post(ctx.target.name, hc=hc, d=d))
+        return _call(importer, gv, [f, h, post, comb], _tensor(_shape(h), BF16))
+
+    return convert
+
+
 def _quant(ctx: Lowering, op: str):
     from dsv41.schedules import quant
+
+    build = {"quant_fp8": quant.build_quant_fp8, "quant_fp4_kv": quant.build_quant_fp4_kv,
+             "quant_mxfp4": quant.build_quant_mxfp4, "qdq_mxfp4": quant.build_qdq_mxfp4}[op]
 
     def convert(node, importer):
         x = importer.env[node.args[0]]
         d = _static(_shape(x)[-1])
         x2, lead = _rows(importer, x, 1)
         n = _shape(x2)[0]
-        build = getattr(quant, f"build_{op}")
         gv = ctx.kernel(importer, (op, d), lambda: build(ctx.target.name, d=d))
         if op == "qdq_mxfp4":
             y = _call(importer, gv, [x2], _tensor([n, d], BF16))
@@ -551,13 +610,17 @@ def convert_map(ctx: Lowering) -> dict:
     return {
         "fp8_linear.default": _fp8_linear(ctx),
         "fp8_dequant.default": _fp8_dequant(ctx),
-        "sparse_attend.default": _sparse_attend(ctx),
+        "sparse_attend.default": _sparse_attend(ctx, "fp4"),
+        "sparse_attend_bf16.default": _sparse_attend(ctx, "bf16"),
         "indexer_topk.default": _indexer(ctx, "flat"),
         "indexer_topk_shared.default": _indexer_shared(ctx),
         "hier_topk.default": _indexer(ctx, "hier"),
         "pool_topk.default": _indexer(ctx, "pool"),
         "moe_experts.default": _moe_experts(ctx),
         "scatter_rows.default": _scatter_rows(ctx),
+        "rms_norm.default": _rms_norm(ctx),
+        "hc_pre_mix.default": _hc_pre_mix(ctx),
+        "hc_post.default": _hc_post(ctx),
         "quant_fp8.default": _quant(ctx, "quant_fp8"),
         "quant_fp4_kv.default": _quant(ctx, "quant_fp4_kv"),
         "quant_mxfp4.default": _quant(ctx, "quant_mxfp4"),

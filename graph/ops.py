@@ -5,7 +5,7 @@ oracle every kernel is tested against), and each has a fake kernel so `torch.exp
 it. Boundaries are chosen so that the graph around them is plain aten:
 
 - `fp8_linear`:    FP8 activation quantisation + block-scaled FP8 GEMM (weights in 32x32 tiles)
-- `fp8_dequant`, `fp4_dequant`: packed codes + scales -> values (exposed for tests and tools)
+- `fp8_dequant`:   E4M3 codes + E8M0 scales -> values
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
 - `indexer_topk`:  MXFP4 index-K sweep (relu, head-weighted sum) + top-k, ties to the lower position
@@ -14,6 +14,9 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
 - `moe_experts`:   the routed FP4 experts for the selected ids
 - `scatter_rows`:  cache writes: rows into given rows of a store or ring (compiled in place)
+- `rms_norm`:      RMSNorm of bf16 rows with a bf16 weight
+- `hc_pre_mix`:    a sublayer's mHC mixes of the stream + its collapse (lagged pre) + RMSNorm
+- `hc_post`:       the sublayer's output mixed back into the hc streams
 
 The oracles reproduce the released reference kernels' arithmetic (block order, bf16 rounding
 points) so that the graph matches the released model to its own noise floor.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import formats as fmt
+from . import layers
 
 FP8_BLOCK = 32
 ATTN_BLOCK = 64  # the reference sparse-attention kernel walks indices in blocks of 64
@@ -51,6 +55,59 @@ def scatter_rows(dst: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> to
 @scatter_rows.register_fake
 def _(dst, idx, rows):
     return torch.empty_like(dst)
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv41::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`layers.rms_norm` of bf16 rows x (..., d) with a bf16 weight (d,): bf16 (..., d)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"dsv41::rms_norm takes bf16 x and weight, got {x.dtype} and "
+                         f"{weight.dtype}.")
+    return layers.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+# ---- mHC (hyper-connections) -----------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv41::hc_pre_mix", mutates_args=())
+def hc_pre_mix(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+               pre_in: torch.Tensor, weight: torch.Tensor, hc: int, iters: int, norm_eps: float,
+               hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sublayer's entry, as `model.block` composes it: the mixes of the stream h (b, s, hc, d)
+    (`layers.hc_mixes`: pre, post (b, s, hc), comb (b, s, hc, hc), fp32) and the collapse with
+    the *lagged* pre_in, normed: x = rms_norm(hc_pre(h, pre_in), weight) (b, s, d) bf16.
+    Returns (x, pre, post, comb)."""
+    pre, post, comb = layers.hc_mixes(h, fn, scale, base, hc, iters, norm_eps, hc_eps)
+    x = layers.rms_norm(layers.hc_pre(h, pre_in), weight, norm_eps)
+    return x, pre, post, comb
+
+
+@hc_pre_mix.register_fake
+def _(h, fn, scale, base, pre_in, weight, hc, iters, norm_eps, hc_eps):
+    b, s, _, d = h.shape
+    f32 = torch.float32
+    return (h.new_empty(b, s, d), h.new_empty(b, s, hc, dtype=f32),
+            h.new_empty(b, s, hc, dtype=f32), h.new_empty(b, s, hc, hc, dtype=f32))
+
+
+@torch.library.custom_op("dsv41::hc_post", mutates_args=())
+def hc_post(f: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """h'_j = post_j * f + sum_i comb[i, j] * h_i (`layers.hc_post`): (b, s, hc, d) bf16."""
+    return layers.hc_post(f, h, post, comb)
+
+
+@hc_post.register_fake
+def _(f, h, post, comb):
+    return torch.empty_like(h, dtype=f.dtype)
 
 
 # ---- block-scaled GEMMs ----------------------------------------------------------------------
@@ -115,17 +172,6 @@ def fp8_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 @fp8_dequant.register_fake
 def _(codes, scales):
     return codes.new_empty(codes.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("dsv41::fp4_dequant", mutates_args=())
-def fp4_dequant(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Main-KV FP4: packed E2M1 [..., D/2] with E4M3 scales per 16 [..., D/16] -> fp32."""
-    return fmt.torch_dequant_fp4_kv(packed, scales)
-
-
-@fp4_dequant.register_fake
-def _(packed, scales):
-    return packed.new_empty(*packed.shape[:-1], packed.size(-1) * 2, dtype=torch.float32)
 
 
 # ---- quantisers (each one kernel; the graph never bit-casts) -------------------------------

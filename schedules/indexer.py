@@ -1244,7 +1244,7 @@ def select_config(target: TargetSpec) -> SelectConfig:
     return SelectConfig(lanes=1, group=32, chunks=16 * max(cores, 1))
 
 
-# ---- per-op builders and runners ---------------------------------------------------------------
+# ---- per-op builders ---------------------------------------------------------------------------
 
 
 def _index_sweep(target: TargetSpec, heads: int, dim: int, n_alt: int = 0) -> tvm.tirx.PrimFunc:
@@ -1309,79 +1309,9 @@ def build_pool_topk(target_name: str = "cpu", *, heads: int, dim: int, topk: int
     })
 
 
-def build_indexer_kernels(target_name: str = "cpu", *, heads: int, dim: int, topk: int,
-                          topk_blocks: int, block_size: int) -> tvm.IRModule:
-    """All five PrimFuncs of the three ops in one module (one library, one CUDA build)."""
-    mod = build_hier_topk(target_name, heads=heads, dim=dim, topk=topk, topk_blocks=topk_blocks,
-                          block_size=block_size)
-    pool = build_pool_topk(target_name, heads=heads, dim=dim, topk=topk, block_size=block_size)
-    mod.update(pool)
-    return mod
-
-
 def padded(n: int) -> int:
     """Length of a score row for n entries (n rounded up to SCORE_PAD)."""
     return -(-n // SCORE_PAD) * SCORE_PAD
-
-
-def to_tvm(x: torch.Tensor, device):
-    x = x.contiguous()
-    if device is None or device.dlpack_device_type() == 1:  # kDLCPU: zero-copy
-        return tvm.runtime.from_dlpack(x)
-    import ml_dtypes  # noqa: PLC0415 - only needed off-CPU
-
-    arr = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if x.dtype == torch.bfloat16 \
-        else x.numpy()
-    return tvm.runtime.tensor(arr, device)
-
-
-def _to_torch(x) -> torch.Tensor:
-    if x.device.dlpack_device_type() == 1:
-        return torch.from_dlpack(x)
-    return torch.from_numpy(x.numpy())
-
-
-def _empty(shape, dtype, device):
-    out = torch.empty(shape, dtype=dtype)
-    return out, to_tvm(out, device)
-
-
-def run_indexer_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, *, device=None):
-    """Run a compiled build_indexer_topk module on torch tensors (the op's arguments)."""
-    b, s = q.shape[:2]
-    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
-    _, scores = _empty((b, s, padded(k_packed.shape[1])), torch.bfloat16, device)
-    _, pos = _empty((b, s, topk), torch.int32, device)
-    ex["index_scores"](*args, scores)
-    ex["select_positions"](scores, pos)
-    return _to_torch(pos)
-
-
-def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_blocks: int,
-                  block_size: int, *, device=None):
-    """Run a compiled build_hier_topk module; returns (positions, blocks)."""
-    del block_size  # baked into the module
-    b, s = q.shape[:2]
-    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
-    _, scores = _empty((b, s, padded(k_packed.shape[1])), torch.bfloat16, device)
-    _, pos = _empty((b, s, topk), torch.int32, device)
-    _, blk = _empty((b, s, topk_blocks), torch.int32, device)
-    ex["index_scores"](*args, scores)
-    ex["select_positions"](scores, pos)
-    ex["select_blocks"](scores, args[4], blk)
-    return _to_torch(pos), _to_torch(blk)
-
-
-def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
-                  block_size: int, *, device=None):
-    """Run a compiled build_pool_topk module on the op's arguments."""
-    b, s = q.shape[:2]
-    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens, blocks)]
-    _, scores = _empty((b, s, padded(blocks.shape[-1] * block_size)), torch.bfloat16, device)
-    _, pos = _empty((b, s, topk), torch.int32, device)
-    ex["pool_scores"](*args, scores)
-    ex["select_pool"](scores, args[5], pos)
-    return _to_torch(pos)
 
 
 # ---- realistic inputs ---------------------------------------------------------------------------

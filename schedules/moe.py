@@ -1,7 +1,7 @@
 """`moe_experts` as a chain of PrimFuncs whose intermediates the caller allocates (CPU and CUDA).
 
-The single-function kernel in gemm.py cannot target CUDA: its routing tables and per-pair
-activations are sized by the token count, and a CUDA kernel cannot allocate them. Here every
+A single-function kernel could not target CUDA: its routing tables and per-pair activations
+would be sized by the token count, and a CUDA kernel cannot allocate them. Here every
 token-sized buffer is an argument; Relax allocates them between the `call_tir`s that
 `moe_experts_plan` lists. The chain (n tokens, P = n * topk (token, slot) pairs, NT row tiles):
 
@@ -15,7 +15,7 @@ token-sized buffer is an argument; Relax allocates them between the `call_tir`s 
 5. `moe_down`      per (tile, column block): hq rows x decoded w2 tile -> o = bf16 [P, dim].
 6. `moe_combine`   y[i] = sum of token i's rows of o in expert-id order from 0, fp32 [n, dim].
 
-Numerics are those of gemm.make_moe_experts (see gemm.py's module docstring): activations
+Numerics are those of gemm.py's block-scaled GEMMs (see its module docstring): activations
 carried as their exact dequantised fp32 value, 32-blocks added in K order times the weight
 scale, bf16 rounding where the oracle rounds. NT = ceil(P / row_tile) + min(P, E) bounds the
 tile count: each non-empty expert adds at most one partial tile, and at most min(P, E) experts
@@ -26,24 +26,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
 
 from . import gemm
-from .common import round_bf16
-from .gemm import (
-    BLOCK,
+from .common import (
     bf16_to_f32,
     e8m0_byte,
     fp4_element,
     i64,
     idx,
+    round_bf16,
     round_bf16_bound,
     silu_times,
 )
+from .gemm import BLOCK
 
 # ---- shapes shared by the kernels and the plan ---------------------------------------------
 
@@ -80,11 +82,32 @@ def _check_dims(dim: int, inter: int) -> None:
 # ---- 1. routing ----------------------------------------------------------------------------
 
 
+def check_expert_ids(ids, n_experts: int) -> None:
+    """Host-side check before calling the chain: TVM gathers expert weights by id with no bounds
+    check, so an id outside [0, n_experts) would read out of bounds. A token naming the same
+    expert twice is rejected too: the oracle's `y[rows] += ...` then keeps one of the two
+    contributions (last write wins), which the kernels do not reproduce."""
+    t = torch.as_tensor(ids)
+    if t.dim() != 2:
+        raise ValueError("Expert ids must be a 2-D [tokens, k] tensor, "
+                         f"got shape {tuple(t.shape)}.")
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"Expert ids must be integers, got {t.dtype}.")
+    if t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= n_experts:
+        raise ValueError(f"Expert ids must lie in [0, {n_experts}), got values in [{lo}, {hi}].")
+    srt = torch.sort(t, dim=1).values
+    if t.size(1) > 1 and bool((srt[:, 1:] == srt[:, :-1]).any()):
+        raise ValueError("Each token must select distinct experts; found a repeated id in a row.")
+
+
 def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.PrimFunc:
     """ids int64 [n, topk] -> row_pair int32 [P] (sorted row -> pair q = token * topk + slot),
     token_rows int32 [n, topk] (token's sorted rows in expert-id order), tiles int32 [NT, 3]
     (expert, first sorted row, row count; unused tiles all zero). Ids are validated on the host
-    (gemm.check_expert_ids): in range and distinct per token."""
+    (`check_expert_ids`): in range and distinct per token."""
     E, KT, RT = i64(n_experts), i64(topk), i64(row_tile)
 
     @T.prim_func(s_tir=True)
@@ -410,13 +433,39 @@ def _schedule_expert_gemm_cuda(sch: s_tir.Schedule, config: MoeSplitConfig, out:
     sch.decompose_reduction(acc, b)
 
 
+def _schedule_grouped_gemm_cpu(sch: s_tir.Schedule, tn: int, wdec: str, part: str, acc: str,
+                               out: str) -> None:
+    """One grouped GEMM: per (tile, column block of tn) task, per 32-block decode the weight tile
+    once ([(2,) 32, tn] transposed) and reuse it for the tile's rows, vectorised over columns."""
+    part_b, acc_b, wdec_b = sch.get_sblock(part), sch.get_sblock(acc), sch.get_sblock(wdec)
+    out_b = sch.get_sblock(out)
+    # Anchored on the output block: reverse_compute_at would need the routing producer inside.
+    t, r, cols = sch.get_loops(out_b)
+    co, ci = sch.split(cols, [None, tn])
+    sch.reorder(t, co, r, ci)
+    sch.compute_at(acc_b, co)
+    loops = sch.get_loops(acc_b)[2:]  # (rows, [gate/up,] columns, 32-blocks)
+    b, rows, mats, cl = loops[-1], loops[0], loops[1:-2], loops[-2]
+    sch.reorder(b, rows, *mats, cl)
+    sch.compute_at(part_b, mats[-1] if mats else rows)
+    sch.compute_at(wdec_b, b)
+    pc, pj = sch.get_loops(part_b)[-2:]
+    sch.reorder(pj, pc)
+    sch.vectorize(pc)
+    sch.vectorize(sch.get_loops(wdec_b)[-1])
+    sch.vectorize(cl)
+    sch.vectorize(ci)
+    sch.parallel(sch.fuse(t, co))
+    sch.decompose_reduction(part_b, pj)
+    sch.decompose_reduction(acc_b, b)
+
+
 def _schedule_expert_gemm_cpu(sch: s_tir.Schedule, config: MoeSplitConfig, out: str) -> None:
-    """gemm.py's grouped-GEMM schedule (per (tile, column block) task, the weight tile decoded
-    once per 32-block and reused by the tile's rows), with the activation rows of each 32-block
+    """The grouped-GEMM schedule (per (tile, column block) task, the weight tile decoded once
+    per 32-block and reused by the tile's rows), with the activation rows of each 32-block
     gathered once into a [row_tile, 32] buffer next to the decoded weights (inlined, the
     row_pair/tiles lookups would run in the innermost loop)."""
-    cpu_config = gemm.MoeExpertsConfig(row_tile=config.row_tile, tn=config.tn)
-    gemm._schedule_expert_gemm(sch, cpu_config, get_target("cpu"), "wdec", "part", "acc", out)
+    _schedule_grouped_gemm_cpu(sch, config.tn, "wdec", "part", "acc", out)
     xg, wdec = sch.get_sblock("xg"), sch.get_sblock("wdec")
     sch.compute_at(xg, sch.get_loops(wdec)[1])  # (tile x column block, 32-block, ...)
     sch.vectorize(sch.get_loops(xg)[-1])
@@ -429,8 +478,8 @@ def _finish(sch: s_tir.Schedule) -> tvm.tirx.PrimFunc:
 def schedule_moe_gemm(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec,
                       out: str) -> tvm.tirx.PrimFunc:
     """Schedules `moe_gate_up` (out="h") or `moe_down` (out="o"). The data-dependent row
-    indices of the epilogue defeat s_tir's region-cover checks, so they are off (as for gemm.py's
-    moe_experts); the tests compare with the oracle instead."""
+    indices of the epilogue defeat s_tir's region-cover checks, so they are off; the tests
+    compare with the oracle instead."""
     sch = s_tir.Schedule(func, enable_check=False)
     if target.is_cuda:
         _schedule_expert_gemm_cuda(sch, config, out)
@@ -584,15 +633,6 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
                          for name, f in funcs.items()})
 
 
-def build_moe_experts_cuda(target_name: str, *, dim: int, inter: int, n_experts: int, topk: int,
-                           swiglu_limit: float, n: int | None = None) -> tvm.IRModule:
-    """`build_moe_experts_split` for a CUDA target (refuses CPU targets)."""
-    if not get_target(target_name).is_cuda:
-        raise ValueError(f"build_moe_experts_cuda needs a CUDA target, got {target_name!r}.")
-    return build_moe_experts_split(target_name, dim=dim, inter=inter, n_experts=n_experts,
-                                   topk=topk, swiglu_limit=swiglu_limit, n=n)
-
-
 def emit_moe_experts(bb, plan: MoePlan, inputs: list, kernel) -> object:
     """Emit the chain into a Relax BlockBuilder `bb`: one `call_tir` per plan call (Relax
     allocates the intermediates); `inputs` are the op's nine tensor arguments as Relax
@@ -616,3 +656,31 @@ def emit_moe_experts(bb, plan: MoePlan, inputs: list, kernel) -> object:
             for i, o in enumerate(call.outs):
                 env[o] = bb.emit(relax.TupleGetItem(res, i))
     return env[plan.output.name]
+
+
+# ---- example inputs for tests and benchmarks ----------------------------------------------
+
+
+def example_inputs_moe_experts(*, n: int, dim: int, inter: int, n_experts: int, topk: int,
+                               seed: int = 0) -> list[torch.Tensor]:
+    """[x, weights, ids, w1, s1, w3, s3, w2, s2] as the model routes: distinct ids per token
+    drawn from a skewed distribution (some experts popular, some unused at small n), weights
+    normalised per token, MXFP4 expert weights quantised from Gaussians."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g).to(torch.bfloat16)
+    popularity = torch.rand(n_experts, generator=g) ** 2 + 0.05
+    ids = torch.multinomial(popularity.expand(n, n_experts), topk, replacement=False,
+                            generator=g).to(torch.int64)
+    weights = torch.rand(n, topk, generator=g) + 0.1
+    weights = weights / weights.sum(dim=1, keepdim=True) * 1.5
+
+    def expert_weights(rows: int, cols: int):
+        w = torch.randn(n_experts * rows, cols, generator=g) * cols**-0.5
+        packed, scales = fmt.torch_quant_fp4_weight(w)
+        return (packed.view(n_experts, rows, cols // 2),
+                scales.view(n_experts, rows, cols // BLOCK))
+
+    w1, s1 = expert_weights(inter, dim)
+    w3, s3 = expert_weights(inter, dim)
+    w2, s2 = expert_weights(dim, inter)
+    return [x, weights, ids, w1, s1, w3, s3, w2, s2]

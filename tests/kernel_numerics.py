@@ -1,4 +1,4 @@
-"""Helpers shared by test_kernel_norm.py, test_kernel_mhc.py and test_kernel_compressor.py:
+"""Helpers shared by test_kernel_norm.py and test_kernel_mhc.py:
 torch <-> TVM views, bf16 comparisons, the GPU target of this machine."""
 
 from __future__ import annotations

@@ -92,11 +92,14 @@ def test_rows_are_positive_and_self_consistent(quick_report):
 def test_kernel_outputs_match_the_oracle(quick_report):
     """The harness compares the kernel's output with the eager oracle's on the timed inputs: the
     indexer's positions are exact; attention is bf16-rounding close (>= 99% equal in its own
-    tests), fp8_linear within 1 bf16 ulp, the experts fp32-close; a harness that fed the kernel
-    other inputs than the oracle would agree nowhere."""
+    tests), fp8_linear within 1 bf16 ulp, the experts fp32-close, the dense GEMV's fp32 sums
+    (another addition order than torch's, not rounded to bf16 here) within 1e-5; a harness that
+    fed the kernel other inputs than the oracle would agree nowhere."""
     for row in quick_report["rows"]:
         if row["family"] == "indexer":
             assert row["equal_fraction"] == 1.0, row["case"]
+        elif row["family"] == "gemv":
+            assert row["max_abs_diff"] < 1e-5, (row["case"], row["max_abs_diff"])
         else:
             assert row["equal_fraction"] >= 0.8, (row["case"], row["equal_fraction"])
             assert row["max_abs_diff"] < 0.1, (row["case"], row["max_abs_diff"])
@@ -162,13 +165,22 @@ def test_traffic_formulas_at_bench_sizes():
     per_expert = 2 * 512 * (512 + 32) + 1024 * (256 + 16)
     assert nbytes == 2 * per_expert + 2 * 1024 + 12 * 2 + 4 * 1024
     assert flops == 6 * 2 * 1024 * 512
+    # the head: one bf16 row against an fp32 [8192, 1024] weight
+    nbytes, flops = bench.gemv_traffic(m=1, groups=1, n=8192, k=1024, x_dtype="bfloat16",
+                                       w_dtype="float32")
+    assert nbytes == 2 * 1024 + 4 * 8192 * 1024 + 4 * 8192 and flops == 2 * 8192 * 1024
 
 
 def test_bench_cases_use_the_preset_sizes():
     cases = {c.name: c.d() for c in bench.default_cases("bench")}
     assert set(cases) == {"attend-s1", "attend-s2", "attend-s3", "attend-s4", "indexer-8K",
                           "indexer-64K", "indexer-256K", "indexer-1M", "fp8-gemv-m1",
-                          "fp8-gemm-m128", "moe-n1", "moe-n128"}
+                          "fp8-gemm-m128", "moe-n1", "moe-n128", "fp8-wq_a-m1", "fp8-wkv-m1",
+                          "fp8-wo_b-m1", "fp8-shared_w1-m1", "fp8-shared_w2-m1", "gemv-wo_a-m1",
+                          "gemv-head-m1"}
+    assert cases["fp8-wo_b-m1"] == {"n": 1024, "k": 8 * 512, "hint": 1, "m": 1}
+    assert cases["gemv-wo_a-m1"] == {"groups": 8, "n": 512, "k": 64 * 512 // 8,
+                                     "x_dtype": "bfloat16", "w_dtype": "bfloat16", "m": 1}
     assert cases["attend-s4"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 4}
     assert cases["indexer-1M"]["t"] == 1 << 20 and cases["indexer-1M"]["heads"] == 32
     assert (cases["fp8-gemm-m128"]["n"], cases["fp8-gemm-m128"]["k"]) == (32768, 512)
@@ -177,7 +189,8 @@ def test_bench_cases_use_the_preset_sizes():
     assert cases["moe-n1"]["hint"] == 1 and cases["moe-n128"]["hint"] is None
     assert [c.name for c in bench.select_cases(bench.default_cases("bench"),
                                                ["fp8", "moe-n1"])] == \
-        ["fp8-gemv-m1", "fp8-gemm-m128", "moe-n1"]
+        ["fp8-gemv-m1", "fp8-gemm-m128", "moe-n1", "fp8-wq_a-m1", "fp8-wkv-m1", "fp8-wo_b-m1",
+         "fp8-shared_w1-m1", "fp8-shared_w2-m1"]
     with pytest.raises(ValueError, match="Unknown case"):
         bench.select_cases(bench.default_cases("bench"), ["attention"])
 

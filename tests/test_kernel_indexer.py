@@ -23,10 +23,81 @@ from dsv41.schedules import indexer as ix
 H, D, TOPK, TOPK_BLOCKS, BS = 4, 64, 8, 3, 4
 
 
+def build_indexer_kernels(target_name: str = "cpu", *, heads: int, dim: int, topk: int,
+                          topk_blocks: int, block_size: int) -> tvm.IRModule:
+    """The five PrimFuncs of the three ops (the production builders `build_hier_topk` and
+    `build_pool_topk`) in one module: one compile serves every test."""
+    mod = ix.build_hier_topk(target_name, heads=heads, dim=dim, topk=topk,
+                             topk_blocks=topk_blocks, block_size=block_size)
+    mod.update(ix.build_pool_topk(target_name, heads=heads, dim=dim, topk=topk,
+                                  block_size=block_size))
+    return mod
+
+
+def to_tvm(x: torch.Tensor, device):
+    x = x.contiguous()
+    if device is None or device.dlpack_device_type() == 1:  # kDLCPU: zero-copy
+        return tvm.runtime.from_dlpack(x)
+    import ml_dtypes  # noqa: PLC0415 - only needed off-CPU
+
+    arr = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if x.dtype == torch.bfloat16 \
+        else x.numpy()
+    return tvm.runtime.tensor(arr, device)
+
+
+def _to_torch(x) -> torch.Tensor:
+    if x.device.dlpack_device_type() == 1:
+        return torch.from_dlpack(x)
+    return torch.from_numpy(x.numpy())
+
+
+def _empty(shape, dtype, device):
+    out = torch.empty(shape, dtype=dtype)
+    return out, to_tvm(out, device)
+
+
+def run_indexer_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, *, device=None):
+    """Run a compiled build_indexer_topk module on torch tensors (the op's arguments)."""
+    b, s = q.shape[:2]
+    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
+    _, scores = _empty((b, s, ix.padded(k_packed.shape[1])), torch.bfloat16, device)
+    _, pos = _empty((b, s, topk), torch.int32, device)
+    ex["index_scores"](*args, scores)
+    ex["select_positions"](scores, pos)
+    return _to_torch(pos)
+
+
+def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_blocks: int,
+                  block_size: int, *, device=None):
+    """Run a compiled build_hier_topk module; returns (positions, blocks)."""
+    del block_size  # baked into the module
+    b, s = q.shape[:2]
+    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens)]
+    _, scores = _empty((b, s, ix.padded(k_packed.shape[1])), torch.bfloat16, device)
+    _, pos = _empty((b, s, topk), torch.int32, device)
+    _, blk = _empty((b, s, topk_blocks), torch.int32, device)
+    ex["index_scores"](*args, scores)
+    ex["select_positions"](scores, pos)
+    ex["select_blocks"](scores, args[4], blk)
+    return _to_torch(pos), _to_torch(blk)
+
+
+def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
+                  block_size: int, *, device=None):
+    """Run a compiled build_pool_topk module on the op's arguments."""
+    b, s = q.shape[:2]
+    args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens, blocks)]
+    _, scores = _empty((b, s, ix.padded(blocks.shape[-1] * block_size)), torch.bfloat16, device)
+    _, pos = _empty((b, s, topk), torch.int32, device)
+    ex["pool_scores"](*args, scores)
+    ex["select_pool"](scores, args[5], pos)
+    return _to_torch(pos)
+
+
 @functools.cache
 def _cpu(heads: int = H, dim: int = D, topk: int = TOPK, topk_blocks: int = TOPK_BLOCKS,
          block_size: int = BS):
-    mod = ix.build_indexer_kernels("cpu", heads=heads, dim=dim, topk=topk,
+    mod = build_indexer_kernels("cpu", heads=heads, dim=dim, topk=topk,
                                    topk_blocks=topk_blocks, block_size=block_size)
     return tvm.compile(mod, target=get_target("cpu").tvm_target())
 
@@ -64,12 +135,12 @@ def test_scores_bit_exact(b, s, t):
 def test_three_ops_match_oracle(b, s, t):
     args = _inputs(b, s, t, seed=100 + t)
     ex = _cpu()
-    pos = ix.run_indexer_topk(ex, *args, TOPK)
+    pos = run_indexer_topk(ex, *args, TOPK)
     assert torch.equal(pos, ops.indexer_topk(*args, TOPK))
-    hpos, hblk = ix.run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS)
+    hpos, hblk = run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS)
     rpos, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
     assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
-    got = ix.run_pool_topk(ex, *args, rblk, TOPK, BS)
+    got = run_pool_topk(ex, *args, rblk, TOPK, BS)
     assert torch.equal(got, ops.pool_topk(*args, rblk, TOPK, BS))
 
 
@@ -79,11 +150,11 @@ def test_varying_lens_and_all_masked():
     lens = torch.tensor([[0, 1, 7, 50], [13, 0, 49, 2]])
     args = _inputs(2, 4, t, lens=lens, seed=7)
     ex = _cpu()
-    pos = ix.run_indexer_topk(ex, *args, TOPK)
+    pos = run_indexer_topk(ex, *args, TOPK)
     assert torch.equal(pos, ops.indexer_topk(*args, TOPK))
     assert torch.all(pos[0, 0] == -1) and torch.all(pos[1, 1] == -1)
     assert pos[0, 1].tolist() == [0] + [-1] * (TOPK - 1)
-    hpos, hblk = ix.run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS)
+    hpos, hblk = run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS)
     rpos, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
     assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
     assert torch.all(hblk[0, 0] == -1)
@@ -91,7 +162,7 @@ def test_varying_lens_and_all_masked():
         for si in range(4):
             if lens[bi, si] > 0:
                 assert (lens[bi, si].item() - 1) // BS in hblk[bi, si].tolist()
-    got = ix.run_pool_topk(ex, *args, rblk, TOPK, BS)
+    got = run_pool_topk(ex, *args, rblk, TOPK, BS)
     assert torch.equal(got, ops.pool_topk(*args, rblk, TOPK, BS))
 
 
@@ -102,11 +173,11 @@ def test_ties_go_to_lower_positions():
     q, kp, ks, w, lens = _inputs(1, 3, t, lens=lens, seed=3)
     w = torch.zeros_like(w)
     ex = _cpu()
-    pos = ix.run_indexer_topk(ex, q, kp, ks, w, lens, TOPK)
+    pos = run_indexer_topk(ex, q, kp, ks, w, lens, TOPK)
     assert torch.equal(pos, ops.indexer_topk(q, kp, ks, w, lens, TOPK))
     assert pos[0, 0].tolist() == list(range(TOPK))
     assert pos[0, 2].tolist() == [0, 1, 2] + [-1] * (TOPK - 3)
-    _, blk = ix.run_hier_topk(ex, q, kp, ks, w, lens, TOPK, TOPK_BLOCKS, BS)
+    _, blk = run_hier_topk(ex, q, kp, ks, w, lens, TOPK, TOPK_BLOCKS, BS)
     assert blk[0, 0].tolist() == [0, 1, 9]  # ties -> lowest blocks, plus the pinned newest
 
 
@@ -116,7 +187,7 @@ def test_pool_with_padding_and_partial_last_block():
     args = _inputs(2, 2, t, seed=11)
     blocks = torch.tensor([[[0, 3, 7, -1], [2, 5, -1, -1]], [[1, 5, 6, 7], [-1, -1, -1, -1]]],
                           dtype=torch.int32)
-    got = ix.run_pool_topk(_cpu(), *args, blocks, TOPK, BS)
+    got = run_pool_topk(_cpu(), *args, blocks, TOPK, BS)
     assert torch.equal(got, ops.pool_topk(*args, blocks, TOPK, BS))
     assert torch.all(got[1, 1] == -1)
 
@@ -170,11 +241,11 @@ def test_model_sizes_match():
     t, topk = 3000, 512
     ex = _cpu(heads=32, dim=128, topk=topk, topk_blocks=64, block_size=8)
     args = ix.example_inputs_indexer_topk(b=1, s=2, heads=32, dim=128, t=t, seed=1)
-    assert torch.equal(ix.run_indexer_topk(ex, *args, topk), ops.indexer_topk(*args, topk))
-    hpos, hblk = ix.run_hier_topk(ex, *args, topk, 64, 8)
+    assert torch.equal(run_indexer_topk(ex, *args, topk), ops.indexer_topk(*args, topk))
+    hpos, hblk = run_hier_topk(ex, *args, topk, 64, 8)
     rpos, rblk = ops.hier_topk(*args, topk, 64, 8)
     assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
-    assert torch.equal(ix.run_pool_topk(ex, *args, rblk, topk, 8),
+    assert torch.equal(run_pool_topk(ex, *args, rblk, topk, 8),
                        ops.pool_topk(*args, rblk, topk, 8))
 
 
@@ -353,8 +424,8 @@ def test_cpu_128k_matches_oracle():
     t = 131072
     ex = _cpu(heads=32, dim=128, topk=512, topk_blocks=2048, block_size=8)
     args = ix.example_inputs_indexer_topk(b=1, s=1, heads=32, dim=128, t=t, seed=2)
-    assert torch.equal(ix.run_indexer_topk(ex, *args, 512), ops.indexer_topk(*args, 512))
-    hpos, hblk = ix.run_hier_topk(ex, *args, 512, 2048, 8)
+    assert torch.equal(run_indexer_topk(ex, *args, 512), ops.indexer_topk(*args, 512))
+    hpos, hblk = run_hier_topk(ex, *args, 512, 2048, 8)
     rpos, rblk = ops.hier_topk(*args, 512, 2048, 8)
     assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
 
@@ -372,10 +443,12 @@ def test_cuda_build_has_device_code(target, tmp_path):
 
     if toolchain_problem():
         pytest.skip(toolchain_problem())
-    out = tmp_path / f"indexer_{target}.so"
-    build_cuda("dsv41.schedules.indexer:build_indexer_kernels",
-               dict(target_name=target, **CUDA_KW), target, out)
-    assert has_device_code(out, get_target(target).arch)
+    pool_kw = {k: v for k, v in CUDA_KW.items() if k != "topk_blocks"}
+    for builder, kw in (("build_hier_topk", CUDA_KW), ("build_pool_topk", pool_kw)):
+        out = tmp_path / f"{builder}_{target}.so"
+        build_cuda(f"dsv41.schedules.indexer:{builder}", dict(target_name=target, **kw), target,
+                   out)
+        assert has_device_code(out, get_target(target).arch), f"{builder} for {target}"
 
 
 def _gpu_device():
@@ -394,14 +467,14 @@ def test_gpu_matches_oracle(b, s, t):
                                                                                   "cuda-sm80")
     tgt = get_target(name).tvm_target()
     with tgt:
-        ex = tvm.compile(ix.build_indexer_kernels(name, **CUDA_KW), target=tgt)
+        ex = tvm.compile(build_indexer_kernels(name, **CUDA_KW), target=tgt)
     args = _inputs(b, s, t, seed=t)
-    assert torch.equal(ix.run_indexer_topk(ex, *args, TOPK, device=dev),
+    assert torch.equal(run_indexer_topk(ex, *args, TOPK, device=dev),
                        ops.indexer_topk(*args, TOPK))
-    hpos, hblk = ix.run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS, device=dev)
+    hpos, hblk = run_hier_topk(ex, *args, TOPK, TOPK_BLOCKS, BS, device=dev)
     rpos, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
     assert torch.equal(hpos, rpos) and torch.equal(hblk, rblk)
-    assert torch.equal(ix.run_pool_topk(ex, *args, rblk, TOPK, BS, device=dev),
+    assert torch.equal(run_pool_topk(ex, *args, rblk, TOPK, BS, device=dev),
                        ops.pool_topk(*args, rblk, TOPK, BS))
 
 

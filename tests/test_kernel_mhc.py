@@ -1,5 +1,6 @@
-"""Fused mHC kernels (schedules/mhc.py) against graph/layers.py `hc_mixes`, `hc_pre`, `hc_post`
-(and `rms_norm` for the fused norm).
+"""Fused mHC kernels (schedules/mhc.py) against the graph's ops `dsv41::hc_pre_mix` (with the
+norm: what the compiled entries run) and `dsv41::hc_post` (graph/ops.py), and against
+graph/layers.py `hc_mixes` + `hc_pre` for the kernel's variant without the norm.
 
 Tolerances:
 * x = hc_pre(h, pre_in) and hc_post: none (bit-exact; the oracle's sum order, products rounded
@@ -29,6 +30,7 @@ from kernel_numerics import (
     tv,
 )
 
+from dsv41.graph import ops
 from dsv41.graph.layers import hc_mixes, hc_post, hc_pre, identity_pre
 from dsv41.graph.targets import get_target
 from dsv41.schedules import mhc as M
@@ -60,8 +62,9 @@ def run_pre_mix(ins: list[torch.Tensor], iters: int = ITERS, with_norm: bool = F
 
 
 def oracle_pre_mix(ins, iters: int = ITERS):
-    weight = ins[5] if len(ins) > 5 else None
-    return M.hc_pre_mix_oracle(*ins[:5], weight, HC, iters, NORM_EPS, HC_EPS)
+    if len(ins) > 5:  # with the norm: the graph's op
+        return ops.hc_pre_mix(*ins[:6], HC, iters, NORM_EPS, HC_EPS)
+    return M.hc_pre_mix_oracle(*ins[:5], None, HC, iters, NORM_EPS, HC_EPS)
 
 
 def check_pre_mix(got, ref, with_norm: bool) -> None:
@@ -137,7 +140,7 @@ def test_post_bit_exact(b, s, d):
     f, h, post, comb = M.example_inputs_hc_post(b=b, s=s, hc=HC, d=d, seed=s)
     out = torch.empty_like(h)
     _post(d)(*[tv(t) for t in (f, h, post, comb, out)])
-    assert torch.equal(bits(out), bits(hc_post(f, h, post, comb)))
+    assert torch.equal(bits(out), bits(ops.hc_post(f, h, post, comb)))
 
 
 def test_post_random_weights_many_values():

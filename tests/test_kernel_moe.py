@@ -1,11 +1,11 @@
 """The split `moe_experts` chain of schedules/moe.py against the torch oracle (graph/ops.py).
 
-Tolerance: the chain performs the arithmetic of gemm.make_moe_experts (activations as exact
-dequantised fp32, 32-blocks added in K order times the weight scale, bf16 rounding where the
-oracle rounds), so on CPU it is compared bit for bit with that kernel; against the oracle it
-gets the same bound as tests/test_kernel_gemm.py (the order of the 32 additions inside a block
-and torch's vectorised exp may differ by 1 fp32 ulp: >= 99% of outputs bit-equal, the rest
-within 2 bf16 ulps). At these sizes it has in fact matched the oracle exactly.
+Tolerance: the chain keeps the activations as exact dequantised fp32, adds 32-blocks in K
+order times the weight scale and rounds to bf16 where the oracle rounds; the order of the 32
+additions inside a block and torch's vectorised exp may differ by 1 fp32 ulp, so >= 99% of
+outputs must be bit-equal to the oracle and the rest within 2 bf16 ulps (the bound of
+tests/test_kernel_gemm.py's GEMMs, doubled for the two chained GEMMs). At these sizes it has in
+fact matched the oracle exactly.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tvm import relax, tirx
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
-from dsv41.schedules import gemm, moe
+from dsv41.schedules import moe
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
 CPU = "cpu"
@@ -36,12 +36,6 @@ FULL = {"dim": 5120, "inter": 2304, "n_experts": 384, "topk": 6}
 def _split(topk: int, hint: int | None, target: str = CPU):
     mod = moe.build_moe_experts_split(target, topk=topk, swiglu_limit=LIMIT, n=hint, **DIMS)
     return tvm.compile(mod, target=get_target(target).tvm_target())
-
-
-@functools.cache
-def _monolithic(topk: int, hint: int | None):
-    func = gemm.build_moe_experts(CPU, topk=topk, swiglu_limit=LIMIT, n=hint, **DIMS)
-    return tvm.compile(func, target=get_target(CPU).tvm_target())
 
 
 def _tvm(t: torch.Tensor, dev=None) -> tvm.runtime.Tensor:
@@ -70,10 +64,10 @@ def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target
 
 
 def _case(n: int, topk: int, ids: torch.Tensor | None = None, seed: int = 0):
-    args = gemm.example_inputs_moe_experts(n=n, topk=topk, seed=seed, **DIMS)
+    args = moe.example_inputs_moe_experts(n=n, topk=topk, seed=seed, **DIMS)
     if ids is not None:
         args[2] = ids
-    gemm.check_expert_ids(args[2], DIMS["n_experts"])
+    moe.check_expert_ids(args[2], DIMS["n_experts"])
     return args
 
 
@@ -102,15 +96,27 @@ IDS7 = torch.tensor([[0, 5], [5, 0], [1, 5], [0, 3], [3, 1], [5, 3], [0, 1]])
 
 
 @pytest.mark.parametrize("hint", [1, None])
-def test_chain_matches_oracle_and_monolithic(hint):
+def test_chain_matches_oracle(hint):
     ex = _split(2, hint)
     for n, ids in ((1, None), (2, None), (7, IDS7), (40, None)):
         args = _case(n, 2, ids, seed=n)
         out = _y(_run_chain(ex, args, 2, hint))
         _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
-        mono = tvm.runtime.tensor(np.zeros((n, DIMS["dim"]), np.float32))
-        _monolithic(2, hint)(*[_tvm(t) for t in args], mono)
-        assert torch.equal(out, torch.from_numpy(mono.numpy())), f"n={n}"
+
+
+def test_check_expert_ids():
+    moe.check_expert_ids(torch.tensor([[0, 3], [2, 1]]), 4)
+    moe.check_expert_ids(torch.zeros(0, 2, dtype=torch.int64), 4)
+    bad = [
+        (r"in \[0, 4\)", torch.tensor([[0, 4]])),
+        (r"in \[0, 4\)", torch.tensor([[-1, 2]])),
+        ("distinct", torch.tensor([[1, 1]])),
+        ("integers", torch.tensor([[0.0, 1.0]])),
+        ("2-D", torch.tensor([0, 1])),
+    ]
+    for message, ids in bad:
+        with pytest.raises(ValueError, match=message):
+            moe.check_expert_ids(ids, 4)
 
 
 def test_chain_adds_in_expert_order():
@@ -209,8 +215,6 @@ def test_rejects_partial_blocks():
     with pytest.raises(ValueError, match="multiple of 32"):
         moe.build_moe_experts_split(CPU, dim=48, inter=64, n_experts=2, topk=1,
                                     swiglu_limit=0.0)
-    with pytest.raises(ValueError, match="CUDA target"):
-        moe.build_moe_experts_cuda(CPU, topk=2, swiglu_limit=0.0, **DIMS)
 
 
 # ---- CUDA builds -----------------------------------------------------------------------------
@@ -235,7 +239,7 @@ def _check_cuda_builds(tmp_path, dims, hint, targets):
         pytest.skip(problem)
     for target in targets:
         out = tmp_path / f"moe_{target}.so"
-        build_cuda("dsv41.schedules.moe:build_moe_experts_cuda",
+        build_cuda("dsv41.schedules.moe:build_moe_experts_split",
                    {"target_name": target, "swiglu_limit": LIMIT, "n": hint, **dims}, target,
                    out)
         arch = "sm_" + target.removeprefix("cuda-sm")
@@ -256,7 +260,7 @@ def test_cuda_builds_other_configs(tmp_path, dims, hint, targets):
 def test_cuda_module_is_thread_bound():
     """Every PrimFunc of the CUDA module binds blockIdx/threadIdx (an unbound one would
     silently become host code)."""
-    mod = moe.build_moe_experts_cuda("cuda-sm90", topk=2, swiglu_limit=LIMIT, **DIMS)
+    mod = moe.build_moe_experts_split("cuda-sm90", topk=2, swiglu_limit=LIMIT, **DIMS)
     for gv, func in mod.functions.items():
         assert func.attrs["tirx.is_scheduled"], gv.name_hint
         text = func.script()
