@@ -170,13 +170,38 @@ def cmd_bench(ns, rest: list[str]) -> int:
         from dsv41.compiler.soak import main as soak_main
 
         return soak_main(rest[1:], default_checkpoint=ensure_checkpoint)
+    if rest and rest[0] == "load":
+        from dsv41.compiler.bench_load import main as load_main
+
+        return load_main(rest[1:], default_checkpoint=ensure_checkpoint)
     if rest and not rest[0].startswith("-"):
         raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
                          "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "
-                         "bench soak` the soak, `dsv41 bench serve` the HTTP server.")
+                         "bench soak` the soak, `dsv41 bench serve` the HTTP server, `dsv41 "
+                         "bench load` the checkpoint load's peak memory.")
     from dsv41.compiler.bench import main as e2e_main
 
     return e2e_main(rest)
+
+
+def cmd_bundle(ns) -> int:
+    from dsv41.compiler.bundle import BundleOptions, write_bundle
+
+    _print_args("bundle", ns)
+    report = write_bundle(BundleOptions(artifacts=tuple(Path(a) for a in ns.artifact),
+                                        out=Path(ns.out),
+                                        case=None if ns.case is None else Path(ns.case)))
+    for name, info in report.artifacts.items():
+        print(f"  artifact {name}: {', '.join(info['entries'])}")
+    print(f"wrote {report.out}: {report.files} files, {report.total_bytes / (1 << 20):.1f} MiB; "
+          f"run it with `python {report.out}/gpu_check.py` (needs torch and numpy)")
+    return 0
+
+
+def cmd_selftest(ns, rest: list[str]) -> int:
+    from dsv41.compiler.selftest import main as selftest_main
+
+    return selftest_main(rest)
 
 
 def cmd_run(ns) -> int:
@@ -597,6 +622,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", default="tvm", choices=("tvm", "onnx"),
                     help="onnx: also export the captured graphs as ONNX (dsv41 domain)")
     sp.set_defaults(func=cmd_compile)
+
+    sp = sub.add_parser("bundle", help="a self-contained folder that runs artifacts with only "
+                                       "torch installed (and the GPU check)")
+    sp.add_argument("--artifact", action="append", required=True,
+                    help="an artifact folder (repeat for more)")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--case", default=None, help="a conformance case folder to carry")
+    sp.set_defaults(func=cmd_bundle)
+
+    sp = sub.add_parser("selftest", add_help=False,
+                        help="the device check: conformance, gpu kernel tests, decode roofline "
+                             "(`dsv41 selftest --help`)")
+    sp.set_defaults(func=cmd_selftest, passthrough=True)
 
     sp = sub.add_parser("bench", add_help=False,
                         help="end to end: `dsv41 bench [--help]`; kernels: `dsv41 bench "

@@ -88,7 +88,7 @@ def gpu_arch(dev: Device) -> str | None:
 def check_cuda(dev: Device, arch: str, target: str) -> None:
     """DeviceError unless `dev` is a GPU of `arch` that torch and TVM's runtime can both use."""
     if not torch.cuda.is_available():
-        raise DeviceError(f"The artifact is built for {target}, and this machine has no CUDA GPU "
+        raise DeviceError(f"{target} runs on a CUDA GPU, and this machine has no CUDA GPU "
                           f"that torch {torch.__version__} can use (a CUDA build of torch and a "
                           "GPU driver are needed).")
     if dev.index >= torch.cuda.device_count():
@@ -120,3 +120,10 @@ def load_tvm_cuda_runtime() -> None:
                                                    mode="RTLD_LOCAL")
     except (OSError, RuntimeError) as e:
         raise DeviceError(f"TVM's CUDA runtime (libtvm_runtime_cuda) does not load: {e}") from e
+
+
+def compiler_available() -> bool:
+    """Whether this process loaded TVM's compiler (False when TVM runs runtime-only)."""
+    import tvm
+
+    return "tvm_compiler" in tvm.base._LOADED_LIBS
