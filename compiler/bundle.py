@@ -13,7 +13,7 @@ installed: no pip install, no package index, no TVM compiler.
                           libtvm_runtime_extra, libtvm_runtime_cuda; not libtvm_compiler)
       lib/tvm_ffi/        TVM's FFI (its compiled core is this Python's ABI)
       lib/<deps>          the small third-party modules the runtime imports (ml_dtypes,
-                          safetensors, tqdm)
+                          safetensors, tqdm, tokenizers: the Engram map)
 
 `gpu_check.py` puts `lib/` first on `sys.path` and sets TVM_USE_RUNTIME_LIB=1, so the bundle's
 copies are what runs, whatever else is installed. Refused before anything is written: an output
@@ -40,7 +40,7 @@ TVM_RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_runtime_extra.so", "libtvm_runt
 # folders of the tvm / tvm_ffi packages no runtime import reads (headers, sources, the web
 # runtime, CMake files) and the compiler library
 SKIP_DIRS = {"__pycache__", "3rdparty", "include", "src", "web", "cmake", "lib64"}
-DEPS = ("ml_dtypes", "safetensors", "tqdm")  # imported by graph/ and runtime/; small
+DEPS = ("ml_dtypes", "safetensors", "tqdm", "tokenizers")  # what graph/ and runtime/ import
 
 ENTRY_SCRIPT = '''#!/usr/bin/env python3
 """The dsv41 device check, run from this bundle: `python gpu_check.py [--target cuda-sm90]
@@ -116,6 +116,20 @@ def _copy_tvm(lib: Path) -> None:
     _copy_tree(_module_dir("tvm_ffi"), lib / "tvm_ffi")
 
 
+CUDART = "libcudart.so.13"  # what libtvm_runtime_cuda needs (found through its $ORIGIN runpath)
+
+
+def _cudart() -> Path | None:
+    """This machine's CUDA runtime library of the version TVM's CUDA runtime links, if any."""
+    roots = [os.environ.get("CUDA_HOME", ""), *sorted(Path("/usr/local").glob("cuda*"))]
+    for root in roots:
+        for sub in ("lib", "lib64"):
+            p = Path(root) / sub / CUDART if root else None
+            if p is not None and p.is_file():
+                return p.resolve()
+    return None
+
+
 def _copy_dsv41(lib: Path) -> None:
     pkg = lib / "dsv41"
     for sub in ("graph", "runtime"):
@@ -173,6 +187,9 @@ def write_bundle(opts: BundleOptions) -> BundleReport:
         lib = work / "lib"
         _copy_dsv41(lib)
         _copy_tvm(lib)
+        cudart = _cudart()
+        if cudart is not None:  # a host whose torch brings another CUDA runtime still runs it
+            shutil.copy2(cudart, lib / "tvm" / "lib" / CUDART)
         for dep in DEPS:
             _copy_tree(_module_dir(dep), lib / dep)
         targets = sorted({info["target"] for _, info in infos.values()})
@@ -188,6 +205,7 @@ def write_bundle(opts: BundleOptions) -> BundleReport:
                              f"{opts.max_bytes / MiB:.0f} MiB allowed; bundle fewer entries.")
         manifest = {
             "format": FORMAT, "python": py, "needs": ["torch", "numpy"],
+            "cudart": None if cudart is None else CUDART,
             "artifacts": {n: info for n, (_, info) in infos.items()},
             "case": None if opts.case is None else "cases/shared-small",
             "total_bytes": total,

@@ -74,6 +74,7 @@ class SelftestReport:
     checks: list[Check] = field(default_factory=list)
     refused: str | None = None
     seconds: float = 0.0
+    environment: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -84,7 +85,7 @@ class SelftestReport:
         return {"selftest": {"target": self.target, "device": self.device,
                              "device_name": self.device_name, "refused": self.refused,
                              "passed": self.passed, "seconds": self.seconds,
-                             "checks": checks}}
+                             "environment": self.environment, "checks": checks}}
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -129,6 +130,18 @@ def device_bandwidth_gbs(device: torch.device, n_bytes: int = 1 << 30, reps: int
         _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n_bytes / best / 1e9
+
+
+def environment() -> dict:
+    """Where the code that runs comes from (a bundle runs its own copies) and which TVM."""
+    import tvm
+
+    import dsv41.runtime
+    from dsv41.runtime.device import compiler_available
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "tvm": tvm.__file__,
+            "dsv41_runtime": dsv41.runtime.__file__, "tvm_compiler_loaded": compiler_available(),
+            "cuda_available": torch.cuda.is_available()}
 
 
 def _sync(device: torch.device) -> None:
@@ -270,20 +283,24 @@ def run_selftest(opts: SelftestOptions, say=print) -> SelftestReport:
     except DeviceError as e:
         kind = "no GPU" if not torch.cuda.is_available() else "wrong device"
         return SelftestReport(opts.target, str(opts.device or "cuda:0"), "", refused=f"{kind}: "
-                              f"{e}", seconds=time.perf_counter() - start)
+                              f"{e}", seconds=time.perf_counter() - start,
+                              environment=environment())
     name = torch.cuda.get_device_name(dev.index) if dev.is_cuda else "cpu"
-    report = SelftestReport(opts.target, str(dev), name)
+    report = SelftestReport(opts.target, str(dev), name, environment=environment())
     deadline = start + opts.budget_s
-    for run in (lambda: check_conformance(opts, dev),
-                lambda: check_kernels(opts, deadline - time.perf_counter()),
-                lambda: check_decode(opts, dev, deadline)):
+    steps = (("conformance", lambda: check_conformance(opts, dev)),
+             ("kernels", lambda: check_kernels(opts, deadline - time.perf_counter())),
+             ("decode", lambda: check_decode(opts, dev, deadline)))
+    for name, run in steps:
         if time.perf_counter() > deadline:
-            report.checks.append(Check("(rest)", Status.SKIP, 0.0, "past the budget"))
-            break
+            report.checks.append(Check(name, Status.SKIP, 0.0, "past the budget"))
+            continue
+        t0 = time.perf_counter()
         try:
             check = run()
         except Exception as e:  # noqa: BLE001 -- a check that crashes is a failed check
-            check = Check("error", Status.FAIL, 0.0, f"{type(e).__name__}: {e}")
+            check = Check(name, Status.FAIL, time.perf_counter() - t0,
+                          f"{type(e).__name__}: {str(e)[:300]}")
         report.checks.append(check)
         say(f"  {check.name}: {check.status.value} ({check.seconds:.1f} s) {check.summary}")
     report.seconds = time.perf_counter() - start

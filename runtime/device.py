@@ -63,7 +63,8 @@ class Device:
 
 def device_for_target(target: str, requested: str | Device | None = None) -> Device:
     """The device an artifact built for `target` runs on: `requested`, else the target's kind
-    (`cuda:0` for a CUDA target); DeviceError when this process cannot run it there."""
+    (`cuda:0` for a CUDA target), with TVM's runtime libraries for it loaded; DeviceError when
+    this process cannot run it there."""
     arch = target_arch(target)
     dev = Device.parse(requested) if requested is not None else (
         Device(DeviceKind.CUDA) if arch else Device(DeviceKind.CPU))
@@ -72,6 +73,7 @@ def device_for_target(target: str, requested: str | Device | None = None) -> Dev
                           f"{'a CUDA GPU' if arch else 'the CPU'}, not on {dev}; compile it "
                           f"with `dsv41 compile --target {'cpu' if dev.is_cuda else 'cuda-smXX'}`"
                           " for that device.")
+    load_tvm_runtime_lib("tvm_runtime_extra")  # the CPU externs (sort, top-k) the VM calls
     if dev.is_cuda:
         check_cuda(dev, arch, target)
     return dev
@@ -99,27 +101,28 @@ def check_cuda(dev: Device, arch: str, target: str) -> None:
         raise DeviceError(f"The artifact is built for {target} ({arch}), and {dev} is "
                           f"{torch.cuda.get_device_name(dev.index)} ({have}); compile it with "
                           f"`dsv41 compile --target cuda-{have.replace('_', '')}`.")
-    load_tvm_cuda_runtime()
+    load_tvm_runtime_lib("tvm_runtime_cuda")
     if not dev.tvm().exist:
         raise DeviceError(f"TVM's CUDA runtime cannot open {dev} (torch can).")
 
 
-def load_tvm_cuda_runtime() -> None:
-    """Load `libtvm_runtime_cuda` next to `libtvm_runtime` if the import of TVM did not (it does
-    not when TVM runs runtime-only, `TVM_USE_RUNTIME_LIB=1`); DeviceError when it cannot load."""
+def load_tvm_runtime_lib(name: str) -> None:
+    """Load TVM's runtime sidecar `lib<name>` (tvm_runtime_extra: the CPU externs such as sort;
+    tvm_runtime_cuda: the CUDA device) next to `libtvm_runtime`, if the import of TVM did not:
+    it does not when TVM runs runtime-only (`TVM_USE_RUNTIME_LIB=1`). DeviceError when it cannot
+    load."""
     import tvm
     from tvm_ffi.libinfo import load_lib_ctypes
 
-    libs = tvm.base._LOADED_LIBS  # TVM's own record of the libraries it loaded
-    if "tvm_runtime_cuda" in libs:
+    libs = tvm.base._LOADED_LIBS  # TVM's own record of the libraries it loaded (public use)
+    if name in libs:
         return
     runtime_dir = Path(libs["tvm_runtime"]._name).resolve().parent
     try:
-        libs["tvm_runtime_cuda"] = load_lib_ctypes(package="tvm", target_name="tvm_runtime_cuda",
-                                                   extra_lib_paths=[runtime_dir],
-                                                   mode="RTLD_LOCAL")
+        libs[name] = load_lib_ctypes(package="tvm", target_name=name,
+                                     extra_lib_paths=[runtime_dir], mode="RTLD_LOCAL")
     except (OSError, RuntimeError) as e:
-        raise DeviceError(f"TVM's CUDA runtime (libtvm_runtime_cuda) does not load: {e}") from e
+        raise DeviceError(f"TVM's runtime library lib{name} does not load: {e}") from e
 
 
 def compiler_available() -> bool:
