@@ -118,6 +118,23 @@ def move_cache(cache, device: torch.device):
     return cache
 
 
+class PhasesOnDevice:
+    """Compiled phases whose caches are moved to the artifact's device before a prefill (the
+    scorer, `graph.score.GraphBackend`, allocates its cache on the host); a no-op on the CPU."""
+
+    def __init__(self, phases, device: torch.device):
+        self.phases, self.device = phases, device
+
+    def prefill_exact(self, model, cache, tokens, **kw):
+        return self.phases.prefill_exact(model, move_cache(cache, self.device), tokens, **kw)
+
+    def ced_prefill(self, model, cache, tokens, **kw):
+        return self.phases.ced_prefill(model, move_cache(cache, self.device), tokens, **kw)
+
+    def decode_step(self, model, cache, tokens, **kw):
+        return self.phases.decode_step(model, cache, tokens, **kw)
+
+
 def device_bandwidth_gbs(device: torch.device, n_bytes: int = 1 << 30, reps: int = 5) -> float:
     """Copy bandwidth of the device's memory (read + write counted), best of `reps`."""
     a = torch.empty(n_bytes, dtype=torch.uint8, device=device)
@@ -173,8 +190,8 @@ def check_conformance(opts: SelftestOptions, dev) -> Check:
                      f"decode under {', '.join(map(str, opts.artifacts)) or '(none given)'}")
     art = Artifact.load(art_dir, args=args, device=dev)
     model = Model.from_checkpoint(case.checkpoint, args, device=dev.torch)
-    res = score(GraphBackend(model, phases=CompiledPhases(art, model)), case.tokens,
-                prefill=case.prefill)
+    phases = PhasesOnDevice(CompiledPhases(art, model), dev.torch)
+    res = score(GraphBackend(model, phases=phases), case.tokens, prefill=case.prefill)
     rep = evaluate(case, res)
     status = Status.PASS if rep.conformant else Status.FAIL
     shown = {k: v for k, v in rep.metrics.items() if isinstance(v, int | float)}
