@@ -155,7 +155,7 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_out(out: Path) -> None:
+def check_bundle_folder(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"The bundle folder {out} exists and is not empty; name a new one.")
 
@@ -164,7 +164,7 @@ def write_bundle(opts: BundleOptions) -> BundleReport:
     """Write the bundle into a temporary sibling of `opts.out`, check its size, then rename it
     into place (a refused or failed bundle leaves nothing)."""
     out = Path(opts.out)
-    _check_out(out)
+    check_bundle_folder(out)
     if not opts.artifacts:
         raise ValueError("A bundle needs at least one artifact (--artifact DIR).")
     infos = {}
@@ -219,3 +219,30 @@ def write_bundle(opts: BundleOptions) -> BundleReport:
         raise
     return BundleReport(out, total, len(files) + 1,
                         {n: info for n, (_, info) in infos.items()})
+
+
+# ---- the GPU check's bundle ----------------------------------------------------------------------
+
+SMALL_ENTRIES = ("prefill_all", "decode")  # what the conformance check scores with
+BENCH_ENTRIES = ("decode",)  # what the decode check times
+
+
+def check_artifacts(target: str, case: Path, out: Path, say=print) -> tuple[Path, Path]:
+    """The artifacts `gpu_check.py` runs for `target`: shared-small's config (from the case's
+    checkpoint) with SMALL_ENTRIES and the bench preset with BENCH_ENTRIES, under `out`,
+    compiling the entries they lack (CUDA targets build real SASS here, without a GPU)."""
+    from dsv41.compiler.build import CompileOptions, compile_artifact, missing_entries
+    from dsv41.graph.config import load_config, preset
+
+    made = []
+    for name, args, entries in (("shared-small", load_config(Path(case) / "checkpoint"),
+                                 SMALL_ENTRIES), ("bench", preset("bench"), BENCH_ENTRIES)):
+        opts = CompileOptions(args=args, model_name=name, target=target, out=out,
+                              entries=entries)
+        todo = missing_entries(opts.artifact_dir, args, target, entries)
+        if todo:
+            say(f"compiling {', '.join(todo)} of {name} for {target} into {opts.artifact_dir}")
+            compile_artifact(CompileOptions(args=args, model_name=name, target=target, out=out,
+                                            entries=todo), progress=lambda m: say("  " + m))
+        made.append(opts.artifact_dir)
+    return made[0], made[1]

@@ -147,3 +147,20 @@ def test_selftest_refuses_without_a_gpu(tmp_path, capsys):
     report = json.loads(out.read_text())["selftest"]
     assert report["refused"].startswith("no GPU:") and report["checks"] == []
     assert report["passed"] is False
+
+
+def test_bundle_command_refuses_before_compiling(tmp_path, capsys):
+    from dsv41.compiler.cli import main
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("")
+    case = "../shared/conformance/shared-small"
+    assert main(["bundle", "--gpu-check", "cuda-sm90", "--case", case, "--out", str(full),
+                 "--artifacts-out", str(tmp_path / "arts")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert not (tmp_path / "arts").exists()  # nothing compiled
+    assert main(["bundle", "--gpu-check", "cuda-sm90", "--out", str(tmp_path / "o")]) == 2
+    assert "--gpu-check needs --case" in capsys.readouterr().err
+    assert main(["bundle", "--out", str(tmp_path / "o")]) == 2
+    assert "at least one artifact" in capsys.readouterr().err
