@@ -9,10 +9,11 @@ it is skipped with the reason), then a one-screen summary and a JSON file:
    against the case's bounds (`graph.conformance.evaluate`);
 2. kernels: the tests marked `gpu` (`pytest -m gpu`), where the test suite and TVM's compiler
    are installed (they build kernels); a runtime bundle has neither and says so;
-3. decode: the `bench` preset's compiled `decode` entry at each context (default 4K / 64K /
-   128K; synthetic caches, `compiler.bench.synthetic_cache`, moved to the device) on its seeded
-   checkpoint (written on this host when missing), ms per token against the step's bytes
-   (`graph.cost`) over this device's measured copy bandwidth: the fraction of HBM bandwidth.
+3. decode: the compiled `decode` entry of the checkpoint at `--bench-checkpoint` (the `bench`
+   preset's seeded checkpoint, written on this host when missing) at each context (default 4K /
+   64K / 128K; synthetic caches, `compiler.bench.synthetic_cache`, moved to the device), ms per
+   token against the step's bytes (`graph.cost`) over this device's measured copy bandwidth: the
+   fraction of HBM bandwidth.
 
 On a host that cannot run the target (no GPU, another arch) it refuses before any work: it
 prints why and writes the refusal to the JSON (exit status 2).
@@ -232,7 +233,7 @@ def check_kernels(opts: SelftestOptions, remaining_s: float) -> Check:
 
 def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
     from dsv41.compiler.bench import StepState, synthetic_cache
-    from dsv41.graph.checkpoint import write_seeded_checkpoint
+    from dsv41.graph.checkpoint import checkpoint_config, write_seeded_checkpoint
     from dsv41.graph.config import preset
     from dsv41.graph.cost import decode_step_cost
     from dsv41.graph.model import Model
@@ -240,14 +241,16 @@ def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
     from dsv41.runtime.compiled import CompiledPhases
 
     t0 = time.perf_counter()
-    args = preset("bench")
+    ckpt = Path(opts.bench_checkpoint)
+    have = (ckpt / "config.json").is_file()
+    args = checkpoint_config(ckpt) if have else preset("bench")
     art_dir = find_artifact(opts.artifacts, args.config_hash(), opts.target, ("decode",))
     if art_dir is None:
-        return Check("decode", Status.SKIP, 0.0, f"no {opts.target} artifact of the bench "
-                     f"preset with decode under {', '.join(map(str, opts.artifacts))}")
-    ckpt = Path(opts.bench_checkpoint)
+        return Check("decode", Status.SKIP, 0.0, f"no {opts.target} artifact of "
+                     f"{ckpt.name}'s config with decode under "
+                     f"{', '.join(map(str, opts.artifacts))}")
     wrote = None
-    if not (ckpt / "config.json").is_file():
+    if not have:  # the seeded bench checkpoint, written once on this host
         w0 = time.perf_counter()
         write_seeded_checkpoint(args, ckpt, seed=0)
         wrote = time.perf_counter() - w0

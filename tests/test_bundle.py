@@ -164,3 +164,21 @@ def test_bundle_command_refuses_before_compiling(tmp_path, capsys):
     assert "--gpu-check needs --case" in capsys.readouterr().err
     assert main(["bundle", "--out", str(tmp_path / "o")]) == 2
     assert "at least one artifact" in capsys.readouterr().err
+
+
+def test_selftest_decode_check_on_the_cpu(small_artifact, small_case, tmp_path):
+    """The decode check's whole path on the CPU (shared-small's checkpoint and artifact, short
+    contexts): one row per context with its ms per token and bytes; no HBM fraction without a
+    GPU."""
+    from dsv41.compiler.selftest import SelftestOptions, Status, check_decode
+    from dsv41.runtime.device import Device, DeviceKind
+
+    opts = SelftestOptions(target="cpu", artifacts=(small_artifact,),
+                           bench_checkpoint=small_case.checkpoint, contexts=(32, 64), reps=2)
+    check = check_decode(opts, Device(DeviceKind.CPU), deadline=float("inf"))
+    assert check.status is Status.PASS, check.summary
+    rows = check.data["rows"]
+    assert [r["context"] for r in rows] == [32, 64]
+    assert all(r["ms_per_token"] > 0 and r["bytes"] > 0 and r["hbm_fraction"] is None
+               for r in rows)
+    assert check.data["checkpoint_written_s"] is None
