@@ -213,14 +213,46 @@ def cmd_bench(ns, rest: list[str]) -> int:
         from dsv41.compiler.soak import main as soak_main
 
         return soak_main(rest[1:], default_checkpoint=ensure_checkpoint)
+    if rest and rest[0] == "load":
+        from dsv41.compiler.bench_load import main as load_main
+
+        return load_main(rest[1:], default_checkpoint=ensure_checkpoint)
     if rest and not rest[0].startswith("-"):
         raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
                          "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "
                          "bench soak` the soak, `dsv41 bench serve` the HTTP server, `dsv41 "
-                         "bench pool` the snapshot pool's put / get (in-process vs Redis).")
+                         "bench pool` the snapshot pool's put / get (in-process vs Redis), "
+                         "`dsv41 bench load` the checkpoint load's peak memory.")
     from dsv41.compiler.bench import main as e2e_main
 
     return e2e_main(rest)
+
+
+def cmd_bundle(ns) -> int:
+    from dsv41.compiler.bundle import BundleOptions, write_bundle
+
+    _print_args("bundle", ns)
+    artifacts = tuple(Path(a) for a in ns.artifact or ())
+    if ns.gpu_check is not None:  # the check's own artifacts, compiled when missing
+        from dsv41.compiler.bundle import check_artifacts, check_bundle_folder
+
+        if ns.case is None:
+            raise ValueError("--gpu-check needs --case (the shared-small conformance case).")
+        check_bundle_folder(Path(ns.out))  # refused before any compile
+        artifacts += check_artifacts(ns.gpu_check, Path(ns.case), Path(ns.artifacts_out))
+    report = write_bundle(BundleOptions(artifacts=artifacts, out=Path(ns.out),
+                                        case=None if ns.case is None else Path(ns.case)))
+    for name, info in report.artifacts.items():
+        print(f"  artifact {name}: {', '.join(info['entries'])}")
+    print(f"wrote {report.out}: {report.files} files, {report.total_bytes / (1 << 20):.1f} MiB; "
+          f"run it with `python {report.out}/gpu_check.py` (needs torch and numpy)")
+    return 0
+
+
+def cmd_selftest(ns, rest: list[str]) -> int:
+    from dsv41.compiler.selftest import main as selftest_main
+
+    return selftest_main(rest)
 
 
 def cmd_run(ns) -> int:
@@ -706,6 +738,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", default="tvm", choices=("tvm", "onnx"),
                     help="onnx: also export the captured graphs as ONNX (dsv41 domain)")
     sp.set_defaults(func=cmd_compile)
+
+    sp = sub.add_parser("bundle", help="a self-contained folder that runs artifacts with only "
+                                       "torch installed (and the GPU check)")
+    sp.add_argument("--artifact", action="append", default=None,
+                    help="an artifact folder (repeat for more)")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--case", default=None, help="a conformance case folder to carry")
+    sp.add_argument("--gpu-check", default=None, metavar="TARGET",
+                    help="also the artifacts gpu_check.py runs for TARGET (cuda-sm90: "
+                         "shared-small's prefill_all + decode, bench's decode), compiled into "
+                         "--artifacts-out when missing")
+    sp.add_argument("--artifacts-out", default="artifacts")
+    sp.set_defaults(func=cmd_bundle)
+
+    sp = sub.add_parser("selftest", add_help=False,
+                        help="the device check: conformance, gpu kernel tests, decode roofline "
+                             "(`dsv41 selftest --help`)")
+    sp.set_defaults(func=cmd_selftest, passthrough=True)
 
     sp = sub.add_parser("bench", add_help=False,
                         help="end to end: `dsv41 bench [--help]`; kernels: `dsv41 bench "

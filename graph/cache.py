@@ -83,8 +83,11 @@ class ModelCache:
 
 
 def new_cache(plan: ModelPlan, batch: int, capacity: int, *, kv_dtype: str = "fp4",
-              engram_pad: int | None = None) -> ModelCache:
-    """Allocate the state for `batch` sequences of up to `capacity` tokens."""
+              engram_pad: int | None = None,
+              device: str | torch.device = "cpu") -> ModelCache:
+    """Allocate the state for `batch` sequences of up to `capacity` tokens: the rings, stores and
+    index-K pointer on `device` (where the compiled entries read them), the positions and the
+    Engram lookback on the host (the host half of a phase reads them)."""
     if kv_dtype not in ("fp4", "bf16"):
         raise ValueError(f"kv_dtype must be 'fp4' or 'bf16', got {kv_dtype!r}.")
     if capacity <= 0 or batch <= 0:
@@ -93,35 +96,38 @@ def new_cache(plan: ModelPlan, batch: int, capacity: int, *, kv_dtype: str = "fp
     capacity = _round_tokens(layout, capacity)
     a = plan.args
     d, di = a.head_dim, a.index_head_dim
+    u8 = {"dtype": torch.uint8, "device": device}
     windows = {
-        lay: WindowRing(torch.zeros(batch, a.window_size, d, dtype=torch.uint8),
-                        torch.zeros(batch, a.window_size, d // 32, dtype=torch.uint8))
+        lay: WindowRing(torch.zeros(batch, a.window_size, d, **u8),
+                        torch.zeros(batch, a.window_size, d // 32, **u8))
         for lay in layout.window_layers
     }
     stores = {}
     for src in layout.sources:
         n = capacity // src.ratio
         if kv_dtype == "fp4":
-            kv = torch.zeros(batch, n, d // 2, dtype=torch.uint8)
-            ks = torch.zeros(batch, n, d // 16, dtype=torch.uint8)
+            kv = torch.zeros(batch, n, d // 2, dtype=torch.uint8, device=device)
+            ks = torch.zeros(batch, n, d // 16, dtype=torch.uint8, device=device)
         else:
-            kv = torch.zeros(batch, n, d, dtype=torch.bfloat16)
-            ks = torch.zeros(batch, n, 0, dtype=torch.uint8)
+            kv = torch.zeros(batch, n, d, dtype=torch.bfloat16, device=device)
+            ks = torch.zeros(batch, n, 0, dtype=torch.uint8, device=device)
         kc = ksc = None
         if src.index_k_bytes:
-            kc = torch.zeros(batch, n, di // 2, dtype=torch.uint8)
-            ksc = torch.zeros(batch, n, di // 32, dtype=torch.uint8)
+            kc = torch.zeros(batch, n, di // 2, dtype=torch.uint8, device=device)
+            ksc = torch.zeros(batch, n, di // 32, dtype=torch.uint8, device=device)
         tk = tsc = None
         if src.ratio > 1:
-            tk = torch.zeros(batch, src.ratio, d, dtype=torch.float32)
-            tsc = torch.full((batch, src.ratio, d), float("-inf"), dtype=torch.float32)
+            tk = torch.zeros(batch, src.ratio, d, dtype=torch.float32, device=device)
+            tsc = torch.full((batch, src.ratio, d), float("-inf"), dtype=torch.float32,
+                             device=device)
         stores[src.layer] = GlobalStore(src.ratio, kv, ks, kc, ksc, tk, tsc)
     hist = None
     if a.engram_layer_ids:
         pad = 0 if engram_pad is None else engram_pad
         hist = np.full((batch, a.engram_max_ngram_size - 1), pad, dtype=np.int64)
     return ModelCache(layout=layout, batch=batch, pos=torch.zeros(batch, dtype=torch.int64),
-                      windows=windows, stores=stores, engram_history=hist, kv_dtype=kv_dtype)
+                      windows=windows, stores=stores, engram_history=hist, kv_dtype=kv_dtype,
+                      index_owner=torch.full((batch,), -1, dtype=torch.int64, device=device))
 
 
 def _round_tokens(layout: KVLayout, tokens: int) -> int:
@@ -149,7 +155,7 @@ def ensure_capacity(cache: ModelCache, tokens: int, *, exact: bool = False) -> N
         def grow(t: torch.Tensor | None, new: int = new) -> torch.Tensor | None:
             if t is None:
                 return None
-            out = torch.zeros(t.size(0), new, *t.shape[2:], dtype=t.dtype)
+            out = torch.zeros(t.size(0), new, *t.shape[2:], dtype=t.dtype, device=t.device)
             out[:, : t.size(1)] = t
             return out
 
@@ -276,7 +282,7 @@ def with_rows(cache: ModelCache, rows: int) -> ModelCache:
     for obj, name in _batch_tensors(out):
         t = getattr(obj, name)
         fill = float("-inf") if name == "tail_score" else -1 if name == "index_owner" else 0
-        grown = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype)
+        grown = torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
         grown[: t.size(0)] = t
         setattr(obj, name, grown)
     if cache.engram_history is not None:

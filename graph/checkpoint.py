@@ -24,7 +24,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -532,31 +532,133 @@ def _load_shard(header: _Header, names: list[str]) -> dict[str, torch.Tensor]:
         return _load_shard_mmap(header, names)
 
 
-def load_checkpoint(path: str | Path, args: ModelArgs, *,
-                    strict: bool = True) -> dict[str, torch.Tensor]:
-    """Load a checkpoint directory (one file or shards, with or without an index) memory-mapped.
+ALIGNMENT = 64  # bytes: TVM imports a tensor by DLPack only at this alignment
+
+
+def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
+                    device: str | torch.device = "cpu",
+                    stacks: Mapping[str, Sequence[str]] | None = None,
+                    owned: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """Load a checkpoint directory (one file or shards, with or without an index).
 
     The whole layout is checked from the headers first, and every problem is reported in one
     ValueError (a missing, unexpected, mistyped or misshaped tensor names the tensor, the file
     and both dtypes/shapes), so a bad checkpoint is fixed in one round. `strict=False` allows
     missing and unexpected tensors (unexpected ones are not returned); a name stored twice or a
-    wrong dtype/shape is always an error. Returns tensors in `param_spec` order, as uint8 /
-    bfloat16 / float32 views of the files (see the module docstring).
+    wrong dtype/shape is always an error. Returns tensors in `param_spec` order as uint8 /
+    bfloat16 / float32 (see the module docstring), each stored once in memory:
+
+    - on the CPU, a tensor whose data is 64-byte aligned in its file is a view of the
+      memory-mapped file (no copy; its pages become resident when read);
+    - every other tensor (unaligned on the CPU, any on another `device`, those named in `owned`,
+      the members of `stacks`) is read from the file straight into its own allocation on
+      `device` (on a GPU through a bounded pinned staging buffer), never through the mapping,
+      so the host holds no second copy;
+    - `stacks` maps a new name to member names of one dtype and shape: the result holds that
+      name, the members stacked on a leading axis in the order given (written in place, member
+      by member), and not the members. A stack with a missing member is not returned.
     """
     path = Path(path)
+    device = torch.device(device)
     files = _checkpoint_files(path)
     headers = [_read_header(p) for p in files.paths]
     where, problems = _locate(files, headers)
     spec = param_spec(args)
     problems += _compare(spec, where, strict, args)
+    problems += _stack_problems(spec, stacks or {})
     if problems:
         raise ValueError(_problem_report(path, problems))
-    loaded: dict[str, torch.Tensor] = {}
-    for h in headers:
-        names = [n for n in h.entries if n in spec and where[n] is h]
-        if names:
-            loaded.update(_load_shard(h, names))
-    return {name: loaded[name] for name in spec if name in loaded}
+    members = {m for names in (stacks or {}).values() for m in names}
+    with _Reader(device) as reader:
+        loaded: dict[str, torch.Tensor] = {}
+        for h in headers:
+            names = [n for n in h.entries if n in spec and n not in members and where[n] is h]
+            mapped = [n for n in names if device.type == "cpu" and n not in owned
+                      and h.entries[n].start % ALIGNMENT == 0]
+            if mapped:
+                loaded.update(_load_shard(h, mapped))
+            for n in names:
+                if n not in loaded:
+                    loaded[n] = reader.read(h, n, _empty(h.entries[n], device))
+        out = {name: loaded[name] for name in spec if name in loaded}
+        for name, group in (stacks or {}).items():
+            if all(m in where for m in group):
+                first = where[group[0]].entries[group[0]]
+                stack = torch.empty((len(group), *first.shape), dtype=RETURNED_DTYPES[
+                    first.dtype], device=device)
+                for i, m in enumerate(group):
+                    reader.read(where[m], m, stack[i])
+                out[name] = stack
+    return out
+
+
+def _stack_problems(spec: Mapping[str, TensorSpec], stacks: Mapping[str, Sequence[str]]
+                    ) -> list[str]:
+    problems = []
+    for name, group in stacks.items():
+        specs = {(spec[m].dtype, spec[m].shape) if m in spec else None for m in group}
+        if not group or None in specs or len(specs) != 1 or name in spec:
+            problems.append(f"stack {name!r} needs a new name and members of the layout with "
+                            f"one dtype and shape, got {list(group)[:3]}")
+    return problems
+
+
+def _empty(e: _HeaderEntry, device: torch.device) -> torch.Tensor:
+    return torch.empty(e.shape, dtype=RETURNED_DTYPES[e.dtype], device=device)
+
+
+class _Reader:
+    """Reads tensors from their files into allocations of the caller's: directly on the CPU
+    (`os.preadv` into the tensor's memory), through one pinned staging buffer of at most
+    `STAGING_BYTES` elsewhere. Files stay open for the whole load."""
+
+    STAGING_BYTES = 64 << 20
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._files: dict[Path, int] = {}
+        self._staging: torch.Tensor | None = None
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._files:
+            self._files[path] = os.open(path, os.O_RDONLY)
+        return self._files[path]
+
+    def read(self, header: _Header, name: str, dest: torch.Tensor) -> torch.Tensor:
+        """Fill `dest` (contiguous, of the tensor's size) with `name`'s bytes; returns it."""
+        e = header.entries[name]
+        flat = dest.view(-1).view(torch.uint8) if dest.numel() else dest.view(torch.uint8)
+        assert flat.numel() == e.end - e.start, f"{name}: destination of the wrong size"
+        fd = self._fd(header.path)
+        if self.device.type == "cpu":
+            _pread_into(fd, e.start, flat.numpy(), header.path, name)
+            return dest
+        if self._staging is None:
+            self._staging = torch.empty(self.STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+        for off in range(0, flat.numel(), self.STAGING_BYTES):
+            n = min(self.STAGING_BYTES, flat.numel() - off)
+            _pread_into(fd, e.start + off, self._staging[:n].numpy(), header.path, name)
+            flat[off:off + n].copy_(self._staging[:n])
+        return dest
+
+
+def _pread_into(fd: int, offset: int, buf: np.ndarray, path: Path, name: str) -> None:
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ValueError(f"Checkpoint file {path} ended while reading tensor {name!r} "
+                             f"({done} of {len(view)} bytes read).")
+        done += n
 
 
 def checkpoint_config(path: str | Path) -> ModelArgs:

@@ -76,21 +76,29 @@ class Model:
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: dict[str, torch.Tensor],
                      token_map: np.ndarray | None = None) -> Model:
-        plan = build_plan(args)
+        """A model over in-memory weights under their official names: each layer's experts are
+        stacked (copied) here. `from_checkpoint` loads them stacked instead."""
         w = dict(weights)
+        stacked = {}
+        for name, members in expert_stacks(args).items():
+            stacked[name] = torch.stack([w.pop(m) for m in members])
+        return cls._assemble(args, {**w, **stacked}, token_map)
+
+    @classmethod
+    def _assemble(cls, args: ModelArgs, w: dict[str, torch.Tensor],
+                  token_map: np.ndarray | None) -> Model:
+        """The model over weights whose experts are stacked (`expert_stacks` names)."""
+        plan = build_plan(args)
         for name in _fp32_in_compute(args, plan):
             if name in w:
                 w[name] = w[name].float()
         experts = {}
         for layer in plan.layers:
             prefix = _prefix(args, layer.layer)
-            n_routed, _ = args.moe_config(layer.layer)
             stack = {}
             for k in ("w1", "w3", "w2"):
-                stack[k] = torch.stack([w.pop(f"{prefix}.ffn.experts.{e}.{k}.weight")
-                                        for e in range(n_routed)])
-                stack["s" + k[1]] = torch.stack([w.pop(f"{prefix}.ffn.experts.{e}.{k}.scale")
-                                                 for e in range(n_routed)])
+                stack[k] = w.pop(f"{prefix}.ffn.experts.{k}.weight")
+                stack["s" + k[1]] = w.pop(f"{prefix}.ffn.experts.{k}.scale")
             experts[layer.layer] = ExpertStack(**stack)
         engram = None
         if args.engram_layer_ids:
@@ -134,17 +142,30 @@ class Model:
         return cls(args, plan, w, experts, None, {})
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, args: ModelArgs | None = None) -> Model:
+    def from_checkpoint(cls, path: str | Path, args: ModelArgs | None = None, *,
+                        device: str | torch.device = "cpu") -> Model:
+        """Load a checkpoint onto `device` with each tensor stored once: on the CPU aligned
+        weights are views of the memory-mapped files; the expert stacks, the weights upcast to
+        fp32 and everything on another device are read from the files into their place
+        (`checkpoint.load_checkpoint`), so loading needs no second copy of any weight. The
+        vision tower's tensors come too when the checkpoint has them."""
         from .checkpoint import checkpoint_config, load_checkpoint, load_vision
 
         args = args or checkpoint_config(path)
-        weights = load_checkpoint(path, args)
+        plan = build_plan(args)
+        weights = load_checkpoint(path, args, device=device, stacks=expert_stacks(args),
+                                  owned=_fp32_in_compute(args, plan))
         vision = load_vision(path, args)  # None: the checkpoint has no vision tower
         if vision is not None:
             check_vision_args(args)
-            weights.update(vision)
-        return cls.from_weights(args, weights,
-                                load_token_map(args, path) if args.engram_layer_ids else None)
+            weights.update({k: v.to(device) for k, v in vision.items()})
+        return cls._assemble(args, weights,
+                             load_token_map(args, path) if args.engram_layer_ids else None)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (and where a runtime cache for them is allocated)."""
+        return self.w["embed.weight"].device
 
     @property
     def vision(self) -> bool:
@@ -158,6 +179,21 @@ class Model:
         """The behaviour fields, for rebuilding an equivalent Model (the captured graphs do)."""
         return {"reference_index_k": self.reference_index_k, "full_reindex": self.full_reindex,
                 "per_layer_selection": self.per_layer_selection}
+
+
+def expert_stacks(args: ModelArgs) -> dict[str, list[str]]:
+    """Each layer's routed-expert tensors, by the name of their stack: `<layer>.ffn.experts.w1.
+    weight` holds `<layer>.ffn.experts.<e>.w1.weight` for e = 0..n_routed-1 (and so on for w2,
+    w3 and the scales)."""
+    out = {}
+    for layer in build_plan(args).layers:
+        prefix = _prefix(args, layer.layer)
+        n_routed, _ = args.moe_config(layer.layer)
+        for k in ("w1", "w3", "w2"):
+            for part in ("weight", "scale"):
+                out[f"{prefix}.ffn.experts.{k}.{part}"] = [
+                    f"{prefix}.ffn.experts.{e}.{k}.{part}" for e in range(n_routed)]
+    return out
 
 
 def _prefix(args: ModelArgs, layer: int) -> str:

@@ -38,6 +38,14 @@ def target_names() -> tuple[str, ...]:
     return ("cpu", "cpu-x86-64", "cuda-sm80", "cuda-sm90", "cuda-sm100")
 
 
+def target_arch(name: str) -> str | None:
+    """The CUDA arch of a target (`sm_90`), None for a CPU target; needs no TVM (the runtime
+    checks an artifact's target with it without TVM's compiler)."""
+    if name not in target_names():
+        raise ValueError(f"Unknown target {name!r}; known targets: {', '.join(target_names())}.")
+    return "sm_" + name.removeprefix("cuda-sm") if name.startswith("cuda-") else None
+
+
 def get_target(name: str) -> TargetSpec:
     """`cpu` is this machine's LLVM features; `cpu-x86-64` a portable baseline."""
     import tvm

@@ -1,8 +1,11 @@
 """Load a compiled artifact: verify its manifest, bind weights, call entries on torch tensors.
 
-Nothing is compiled here. A tampered or missing file, an edited manifest, another model's
-config, an unknown target, a target this process cannot run, or a different TVM version is an
-`ArtifactError` that says which.
+Nothing is compiled here, and nothing here needs TVM's compiler (`TVM_USE_RUNTIME_LIB=1` runs
+it). A tampered or missing file, an edited manifest, another model's config, an unknown target, a
+target this process cannot run (a CUDA artifact without a GPU, a GPU of another arch), or a
+different TVM version is an `ArtifactError` that says which. The VM runs on the artifact's device
+(`runtime.device`): the weights bound are on it, inputs go there, outputs stay there (DLPack, no
+host copies).
 
 `manifest.json` carries `manifest_sha256`: the sha256 of the canonical JSON of every other field
 (`manifest_digest`), so each field the runtime trusts (the config, each entry's inputs, outputs,
@@ -19,6 +22,9 @@ from pathlib import Path
 import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
+from dsv41.graph.targets import target_names
+
+from .device import Device, DeviceError, DeviceKind, device_for_target
 
 FORMAT_VERSION = 2  # 2: manifest_sha256
 CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")  # what a CED engine runs
@@ -62,8 +68,6 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
     """Check the manifest against the files, this process's TVM, and (optionally) a config."""
     import tvm
 
-    from dsv41.graph.targets import get_target, target_names
-
     d = Path(artifact_dir)
     m = read_manifest(d)
     if m.get("format_version") != FORMAT_VERSION:
@@ -73,8 +77,11 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
     if target not in target_names():
         raise ArtifactError(f"{d}: unknown target {target!r} (known: "
                             f"{', '.join(target_names())}).")
-    if check_device and get_target(target).is_cuda and not tvm.cuda().exist:
-        raise ArtifactError(f"{d} is built for {target}, and this machine has no CUDA GPU.")
+    if check_device:
+        try:
+            device_for_target(target)
+        except DeviceError as e:
+            raise ArtifactError(f"{d}: {e}") from e
     built = m["versions"].get("tvm") if isinstance(m.get("versions"), dict) else None
     if built != tvm.__version__:
         raise ArtifactError(f"{d} was built with TVM {built}; this process has "
@@ -163,13 +170,25 @@ class Artifact:
     path: Path
     manifest: dict
     args: ModelArgs
+    device: Device = Device(DeviceKind.CPU)
     _vms: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
 
     @classmethod
-    def load(cls, artifact_dir: str | Path, *, args: ModelArgs | None = None) -> Artifact:
-        m = verify(artifact_dir, args=args)
-        return cls(Path(artifact_dir), m, args_from_dict(m["config"]))
+    def load(cls, artifact_dir: str | Path, *, args: ModelArgs | None = None,
+             device: str | Device | None = None) -> Artifact:
+        """Verify and open an artifact to run on `device` (default: its target's kind, `cpu` or
+        `cuda:0`); ArtifactError when this process cannot run it there."""
+        m = verify(artifact_dir, args=args, check_device=False)
+        try:
+            dev = device_for_target(m["target"]["name"], device)
+        except DeviceError as e:
+            raise ArtifactError(f"{artifact_dir}: {e}") from e
+        return cls(Path(artifact_dir), m, args_from_dict(m["config"]), dev)
+
+    @property
+    def target(self) -> str:
+        return self.manifest["target"]["name"]
 
     @property
     def entries(self) -> tuple[str, ...]:
@@ -188,20 +207,24 @@ class Artifact:
                     if list(t.shape) != [int(x) for x in p["shape"]]:
                         raise ArtifactError(f"Weight {p['param']} has shape {list(t.shape)}, "
                                             f"the artifact expects {p['shape']}.")
+                    if t.device != self.device.torch:
+                        raise ArtifactError(f"Weight {p['param']} is on {t.device}, the "
+                                            f"artifact runs on {self.device}: load the model "
+                                            f"there (Model.from_checkpoint(..., device=...)).")
                     cache[p["param"]] = to_tvm(t)
                 params.append(cache[p["param"]])
             self._params[entry] = params
 
     def _vm(self, entry: str):
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine  # (relax's own needs TVM's compiler)
 
         if entry not in self._vms:
             if entry not in self.manifest["entries"]:
                 raise ArtifactError(f"The artifact has no entry {entry!r} (it has "
                                     f"{', '.join(self.entries)}).")
             lib = tvm.runtime.load_module(str(self.path / f"{entry}.so"))
-            self._vms[entry] = relax.VirtualMachine(lib, tvm.cpu())
+            self._vms[entry] = VirtualMachine(lib, self.device.tvm())
         return self._vms[entry]
 
     def call(self, entry: str, inputs) -> list[torch.Tensor]:
@@ -214,5 +237,6 @@ class Artifact:
         flat = []
         for x in inputs:
             flat.extend(x if isinstance(x, tuple) else (x,))
-        out = self._vm(entry)["main"](*[to_tvm(x) for x in flat], *self._params[entry])
+        dev = self.device.torch
+        out = self._vm(entry)["main"](*[to_tvm(x.to(dev)) for x in flat], *self._params[entry])
         return [torch.from_dlpack(o) for o in out]

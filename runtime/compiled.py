@@ -81,7 +81,10 @@ class CompiledPhases:
         if entry != "draft":
             load_cache_tensors(cache, [named[n] for n in self.art.manifest["entries"][entry]
                                        ["cache"]])
-        return named
+        # logits, selections and drafts go to the host (a no-op on the CPU); the cache and the
+        # encoder stream (h, pre: the decoder's input) stay on the artifact's device
+        stays = set(self.art.manifest["entries"][entry].get("cache", ())) | {"h", "pre"}
+        return {k: v if k in stays else v.cpu() for k, v in named.items()}
 
     def _work(self, layers, n: int) -> dict[int, int]:
         return {lay: n for lay in layers}

@@ -240,17 +240,20 @@ class Engine:
     # ---- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, artifact_dir: str | Path, checkpoint_dir: str | Path, **options) -> Engine:
-        """A compiled artifact (verified against its manifest) and the checkpoint's weights."""
+    def load(cls, artifact_dir: str | Path, checkpoint_dir: str | Path, *,
+             device: str | None = None, **options) -> Engine:
+        """A compiled artifact (verified against its manifest) and the checkpoint's weights, run
+        on `device` (`cpu`, `cuda:N`; default: the artifact's target kind): weights, runtime
+        cache and the compiled entries live there."""
         from .artifact import Artifact, check_checkpoint_config, engine_entries
         from .compiled import CompiledPhases
         from .salt import artifact_backend
 
         opts = EngineOptions(**options)
-        art = Artifact.load(artifact_dir)
+        art = Artifact.load(artifact_dir, device=device)
         entries = engine_entries(art, exact=opts.exact)  # refused before any weight is read
         check_checkpoint_config(art, checkpoint_dir)
-        model = Model.from_checkpoint(checkpoint_dir, art.args)
+        model = Model.from_checkpoint(checkpoint_dir, art.args, device=art.device.torch)
         return cls(model, CompiledPhases(art, model, threads=opts.threads),
                    weights_hash=weights_fingerprint(checkpoint_dir),
                    options=opts, backend=f"artifact {Path(artifact_dir)}",
@@ -372,7 +375,8 @@ class Engine:
     # ---- the runtime cache ----------------------------------------------------------------------
 
     def _fresh_cache(self) -> ModelCache:
-        return new_cache(self.model.plan, 1, self.options.page_tokens, engram_pad=self._pad)
+        return new_cache(self.model.plan, 1, self.options.page_tokens, engram_pad=self._pad,
+                         device=self.model.device)
 
     def cache_bytes(self, tokens: int) -> int:
         """The bytes of one session's cache grown to hold `tokens` positions (whole pages)."""
@@ -738,7 +742,8 @@ class Session:
                 cache = e._fresh_cache()
                 restore_blocks(cache, blocks, b)
                 cache.index_owner = torch.tensor([index_owner_at(e.model.plan,
-                                                                 len(blocks) * b)])
+                                                                 len(blocks) * b)],
+                                                 device=e.model.device)
                 self.stored_blocks = len(blocks)
                 return _Start(cache, Tier.PREFIX, len(blocks) * b, tuple(keys[: len(blocks)]))
         self.stored_blocks = 0
@@ -959,7 +964,8 @@ class DecodeBatch:
                 f"of {cap} positions; {used:,} of its {e.options.cache_budget_bytes:,} are in "
                 f"use.")
         if self.cache is None:
-            self.cache = new_cache(e.model.plan, rows, cap, engram_pad=e._pad)
+            self.cache = new_cache(e.model.plan, rows, cap, engram_pad=e._pad,
+                                   device=e.model.device)
         else:
             if rows > self.cache.batch:
                 self.cache = with_rows(self.cache, rows)

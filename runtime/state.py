@@ -27,9 +27,11 @@ TAIL_FIELDS = ("tail_kv", "tail_score")
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
+    """Host copy of a cache tensor (on whatever device the runtime cache lives)."""
     if t.dtype == torch.bfloat16:
         t = t.view(torch.uint16)
-    return t.detach().contiguous().numpy().copy()
+    t = t.detach().contiguous()
+    return t.cpu().numpy() if t.device.type != "cpu" else t.numpy().copy()
 
 
 def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -39,7 +41,7 @@ def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     if t.dtype != like.dtype or tuple(t.shape[1:]) != tuple(like.shape[2:]):
         raise ValueError(f"Stored rows {tuple(t.shape)} {t.dtype} do not fit a cache tensor "
                          f"{tuple(like.shape)} {like.dtype}.")
-    return t
+    return t.to(like.device)
 
 
 def _whole(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -188,7 +190,8 @@ def restore_snapshot(cache: ModelCache, arrays: dict[str, np.ndarray], block_tok
             if t is not None:
                 rows = _torch(arrays[f"partial.{layer}.{name}"], t)
                 t[0, done // st.ratio: done // st.ratio + rows.size(0)] = rows
-    cache.index_owner = torch.from_numpy(arrays["index_owner"].copy())
+    cache.index_owner = torch.from_numpy(arrays["index_owner"].copy()).to(
+        cache.index_owner.device)
     if cache.engram_history is not None:
         cache.engram_history = arrays["engram_history"].copy()
     cache.pos = torch.full((1,), pos, dtype=torch.int64)

@@ -144,12 +144,47 @@ def test_load_conformance_bit_exact(case):
 @needs_conformance
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
 def test_loaded_tensors_are_views_of_the_mapped_file():
+    """64-byte aligned tensors are views of the mapping; the others (TVM cannot import them in
+    place) are read into aligned memory of their own, outside the mapping."""
     d = _case_dir("shared-small")
     weights = load_checkpoint(d, load_config(d))
+    header = ckpt._read_header(d / "model.safetensors")
     ranges = _file_ranges(d / "model.safetensors")
     assert ranges, "the checkpoint file is not memory-mapped"
+    aligned = {n for n, e in header.entries.items() if e.start % ckpt.ALIGNMENT == 0}
+    assert 0 < len(aligned) < len(weights)  # both kinds occur in this file
     for name, t in weights.items():
-        assert any(lo <= t.data_ptr() < hi for lo, hi in ranges), name
+        assert any(lo <= t.data_ptr() < hi for lo, hi in ranges) == (name in aligned), name
+        assert t.data_ptr() % ckpt.ALIGNMENT == 0, name
+
+
+@needs_conformance
+def test_stacks_and_owned_tensors_are_read_in_place_bit_exact():
+    """`stacks` gives the members stacked in the order named (bit-exact, outside the mapping,
+    the members themselves not returned); `owned` tensors are read, never mapped."""
+    d = _case_dir("shared-small")
+    args = load_config(d)
+    plain = load_checkpoint(d, args)
+    members = [f"layers.0.ffn.experts.{e}.w1.weight" for e in (2, 0, 1)]
+    got = load_checkpoint(d, args, stacks={"w1s": members}, owned={"norm.weight"},
+                          device="cpu")
+    assert "w1s" in got and not set(members) & set(got)
+    assert got["w1s"].shape == (3, *plain[members[0]].shape)
+    assert torch.equal(got["w1s"], torch.stack([plain[m] for m in members]))
+    ranges = _file_ranges(d / "model.safetensors")
+    for name in ("w1s", "norm.weight"):
+        assert not any(lo <= got[name].data_ptr() < hi for lo, hi in ranges), name
+    assert _bytes_of(got["norm.weight"]) == _bytes_of(plain["norm.weight"])
+
+
+@needs_conformance
+@pytest.mark.parametrize("stacks", [{"x": ["norm.weight", "embed.weight"]},
+                                    {"x": ["no.such.tensor"]}, {"embed.weight": ["norm.weight"]},
+                                    {"x": []}])
+def test_bad_stacks_are_refused(stacks):
+    d = _case_dir("shared-small")
+    with pytest.raises(ValueError, match="stack 'x'|stack 'embed.weight'"):
+        load_checkpoint(d, load_config(d), stacks=stacks)
 
 
 @needs_conformance

@@ -1,0 +1,127 @@
+"""The device-generic runtime: `Device` parsing, the refusals of a device that cannot run an
+artifact (a CUDA artifact without a GPU, another arch, a CPU artifact on a GPU), and the CPU
+engine constructed with an explicit device, bit for bit the engine over the graph's own loading
+of the same weights. The engine and refusal tests over the compiled artifact use the suite's
+shared-small artifact (conftest)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41.runtime.artifact import Artifact, ArtifactError, manifest_digest
+from dsv41.runtime.device import Device, DeviceError, DeviceKind, check_cuda, device_for_target
+
+TURNS = [[int(x) for x in np.random.default_rng(i).integers(3, 500, n)]
+         for i, n in ((1, 37), (2, 5))]
+
+
+@pytest.mark.parametrize(("text", "want"), [("cpu", Device(DeviceKind.CPU)),
+                                            ("cuda", Device(DeviceKind.CUDA, 0)),
+                                            ("cuda:3", Device(DeviceKind.CUDA, 3))])
+def test_device_parse(text, want):
+    assert Device.parse(text) == want
+    assert str(Device.parse(str(want))) == str(want)
+    assert Device.parse(want) is want
+
+
+@pytest.mark.parametrize("text", ["gpu", "cuda:x", "cpu:1", "", "cuda:-1"])
+def test_unknown_devices_are_refused(text):
+    with pytest.raises(DeviceError, match="Unknown device"):
+        Device.parse(text)
+
+
+def test_the_target_kind_is_the_default_device_and_must_match():
+    assert device_for_target("cpu") == Device(DeviceKind.CPU)
+    assert device_for_target("cpu-x86-64", "cpu") == Device(DeviceKind.CPU)
+    with pytest.raises(DeviceError, match="built for cpu runs on the CPU, not on cuda:0"):
+        device_for_target("cpu", "cuda:0")
+    with pytest.raises(DeviceError, match="built for cuda-sm90 runs on a CUDA GPU, not on cpu"):
+        device_for_target("cuda-sm90", "cpu")
+    with pytest.raises(ValueError, match="Unknown target"):
+        device_for_target("tpu-v9")
+
+
+def test_a_cuda_target_without_a_gpu_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(DeviceError, match="cuda-sm90 runs on a CUDA GPU, and this machine has "
+                                          "no CUDA GPU"):
+        device_for_target("cuda-sm90")
+
+
+def test_a_gpu_of_another_arch_is_refused(monkeypatch):
+    """The arch check on a (simulated) sm_80 GPU: an sm_90 artifact names both archs and the
+    compile command for this GPU; a device index past the GPUs is refused too."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100")
+    with pytest.raises(DeviceError, match=r"built for cuda-sm90 \(sm_90\), and cuda:0 is NVIDIA "
+                                          r"A100 \(sm_80\).*--target cuda-sm80"):
+        check_cuda(Device(DeviceKind.CUDA, 0), "sm_90", "cuda-sm90")
+    with pytest.raises(DeviceError, match="cuda:1 does not exist"):
+        check_cuda(Device(DeviceKind.CUDA, 1), "sm_80", "cuda-sm80")
+
+
+def _retargeted(src, dst, target: str):
+    """A copy of an artifact whose manifest names another target (digest recomputed): what the
+    loader sees of an artifact built for it, without building one."""
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["target"] = {**m["target"], "name": target}
+    m["manifest_sha256"] = manifest_digest(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_artifact_load_refuses_the_wrong_device(small_artifact, tmp_path):
+    with pytest.raises(ArtifactError, match="runs on the CPU, not on cuda:0"):
+        Artifact.load(small_artifact, device="cuda:0")
+    assert Artifact.load(small_artifact, device="cpu").device == Device(DeviceKind.CPU)
+    if torch.cuda.is_available():
+        return
+    cuda = _retargeted(small_artifact, tmp_path / "cuda", "cuda-sm90")
+    with pytest.raises(ArtifactError, match="this machine has no CUDA GPU"):
+        Artifact.load(cuda)
+
+
+def test_weights_on_another_device_are_refused_at_bind(small_artifact, small_model):
+    art = Artifact.load(small_artifact)
+    art.device = Device(DeviceKind.CUDA, 0)  # as if it ran on a GPU
+    with pytest.raises(ArtifactError, match="is on cpu, the artifact runs on cuda:0"):
+        art.bind(small_model)
+
+
+def test_cpu_engine_on_an_explicit_device_matches_the_graph_loaded_weights(small_artifact,
+                                                                           small_case):
+    """Engine.load(device="cpu") (weights loaded by `Model.from_checkpoint` onto the device:
+    views and in-place reads) gives bit for bit the logits and tokens of the same artifact over
+    the weights as loaded before devices (`load_checkpoint` views, experts `torch.stack`ed)."""
+    from dsv41.graph.checkpoint import load_checkpoint, weights_fingerprint
+    from dsv41.graph.model import Model
+    from dsv41.runtime.compiled import CompiledPhases
+    from dsv41.runtime.engine import Engine
+
+    art, ckpt = str(small_artifact), small_case.checkpoint
+    on_device = Engine.load(art, ckpt, device="cpu", page_tokens=8)
+    assert on_device.model.device == torch.device("cpu")
+    a = Artifact.load(art)
+    stacked = Model.from_weights(a.args, load_checkpoint(ckpt, a.args),
+                                 on_device.model.engram.token_map)
+    before = Engine(stacked, CompiledPhases(a, stacked), weights_hash=weights_fingerprint(ckpt),
+                    options=on_device.options, backend="before", backend_id="before")
+    runs = []
+    for engine in (on_device, before):
+        s = engine.session()
+        for ids in TURNS:
+            list(s.send(ids, max_new_tokens=3, keep_logits=True))
+        runs.append((s.transcript, [np.stack(t.logits) for t in s.turns]))
+    (tokens, logits), (tokens0, logits0) = runs
+    assert tokens == tokens0
+    for x, y in zip(logits, logits0, strict=True):
+        np.testing.assert_array_equal(x, y)
