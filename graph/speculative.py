@@ -3,7 +3,7 @@
 One speculative step of a sequence whose cache holds positions [0, p] and whose next token t
 (position p+1) is sampled but not yet fed:
 
-    d = draft_after(model, cache, t)                  # DSpark: B guesses for p+2..p+1+B
+    d = phases.draft_after(model, cache, t)                  # DSpark: B guesses for p+2..p+1+B
     v = verify_step(model, cache, [t, d_1..d_k])      # the backbone over 1+k tokens, one pass
     ... accept a prefix of the draft from v.logits (runtime/speculative.py) ...
     cut_back(model, cache, v, keep)                   # the cache as if `keep` decode steps ran
@@ -26,6 +26,7 @@ decoding to rounding, not bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,30 +34,13 @@ import torch
 
 from . import dspark
 from .cache import ModelCache, ensure_capacity
-from .dspark import Draft
 from .engram import engram_history_after
 from .layers import identity_pre
 from .model import FULL, Chunk, Model, final_norm, head, rope_window, run_layers
-from .phases import check_tokens, embed, engram_ids
+from .phases import PhaseResult, check_tokens, embed, engram_ids, prefill_exact
 
-
-def draft_after(model: Model, cache: ModelCache, token: torch.Tensor) -> Draft:
-    """DSpark's block after `token` (b,), the sampled token at position cache.pos (not yet
-    fed); the DSpark rings hold position cache.pos - 1 (a prefill, decode or verify seeded
-    them). Reads the cache only."""
-    if not model.plan.dspark:
-        raise ValueError("This model has no DSpark layers to draft with.")
-    token = torch.as_tensor(token).reshape(-1).long()
-    if token.numel() != cache.batch:
-        raise ValueError(f"draft_after takes one token per sequence ({cache.batch}), got "
-                         f"{token.numel()}.")
-    v = model.args.vocab_size
-    if int(token.min()) < 0 or int(token.max()) >= v:
-        raise ValueError(f"Token ids must lie in 0..{v - 1}.")
-    n = model.args.dspark_block_size
-    start = cache.pos.clone()
-    chunk = Chunk(start=start, length=n, rope=rope_window(model, start, n), hash_ids=None)
-    return dspark.draft(model, cache, token, chunk)
+# one decode step of a phase backend: (model, cache, tokens (b, 1)) -> PhaseResult
+Step = Callable[[Model, ModelCache, torch.Tensor], PhaseResult]
 
 
 @dataclass
@@ -123,10 +107,12 @@ def _tails(cache: ModelCache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
             if st.tail_kv is not None}
 
 
-def verify_step(model: Model, cache: ModelCache, tokens, *, one_pass: bool = False) -> Verified:
+def verify_step(model: Model, cache: ModelCache, tokens, *, one_pass: bool = False,
+                step: Step | None = None) -> Verified:
     """The backbone over `tokens` (b, n), 1 <= n <= 1 + dspark_block_size: the last sampled
     token and a draft prefix, at positions cache.pos.. (every sequence at its own). Logits at
-    every position; the cache then holds all n (DSpark rings seeded), until `cut_back`."""
+    every position; the cache then holds all n (DSpark rings seeded), until `cut_back`.
+    `step`: the decode step of the backend the decode steps run on (default the graph's)."""
     tokens = check_tokens(model, tokens)
     a = model.args
     b, n = tokens.shape
@@ -144,11 +130,10 @@ def verify_step(model: Model, cache: ModelCache, tokens, *, one_pass: bool = Fal
     ensure_capacity(cache, end)
     staged = _stage(model, cache, tokens)
     if not one_pass:
-        from .phases import prefill_exact
-
+        step = step or (lambda m, c, t: prefill_exact(m, c, t))
         logits, owners, work = [], [], {}
         for j in range(n):  # decode steps (each seeds the DSpark rings)
-            res = prefill_exact(model, cache, tokens[:, j:j + 1])
+            res = step(model, cache, tokens[:, j:j + 1])
             logits.append(res.logits)
             owners.append(cache.index_owner.clone())
             staged.tails_after.append(_tails(cache))
