@@ -217,12 +217,17 @@ def cmd_bench(ns, rest: list[str]) -> int:
         from dsv41.compiler.bench_load import main as load_main
 
         return load_main(rest[1:], default_checkpoint=ensure_checkpoint)
+    if rest and rest[0] == "spec":
+        from dsv41.compiler.spec_bench import main as spec_main
+
+        return spec_main(rest[1:], default_checkpoint=ensure_checkpoint)
     if rest and not rest[0].startswith("-"):
         raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
                          "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "
                          "bench soak` the soak, `dsv41 bench serve` the HTTP server, `dsv41 "
                          "bench pool` the snapshot pool's put / get (in-process vs Redis), "
-                         "`dsv41 bench load` the checkpoint load's peak memory.")
+                         "`dsv41 bench load` the checkpoint load's peak memory, "
+                         "`dsv41 bench spec` speculative decoding.")
     from dsv41.compiler.bench import main as e2e_main
 
     return e2e_main(rest)

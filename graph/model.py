@@ -224,6 +224,11 @@ class Chunk:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # recorded block outputs
     record: tuple[int, ...] = ()
     image: SpanRows | None = None  # image-span positions of this chunk and their embeddings
+    # a verify pass (graph/speculative.py): every token keeps a decode step's semantics. The
+    # index-K pointer per token (b, s), moved per token by the sources publishing at it; and
+    # the compressors' fp32 (kv, score) rows per KV source, kept to cut the tails back
+    token_owner: torch.Tensor | None = None
+    tail_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def end(self) -> torch.Tensor:
@@ -385,8 +390,14 @@ def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
                               model.p(layer, "attn.compressor.norm.weight"), model.args.norm_eps)
         ok = torch.full_like(x[..., 0], True, dtype=torch.bool)
         return Compressed(latent, chunk.start, ok, 1)
-    kv = fp32_linear(x, model.p(layer, "attn.compressor.wkv.weight"))  # (b, s, hd) fp32
-    score = fp32_linear(x, model.p(layer, "attn.compressor.wgate.weight"))
+    wkv, wgate = (model.p(layer, f"attn.compressor.{n}.weight") for n in ("wkv", "wgate"))
+    if chunk.tail_rows is None:
+        kv = fp32_linear(x, wkv)  # (b, s, hd) fp32
+        score = fp32_linear(x, wgate)
+    else:  # a verify pass: per position, at a decode step's GEMM shape (the same fp32 bits)
+        kv = torch.cat([fp32_linear(x[:, i:i + 1], wkv) for i in range(s)], dim=1)
+        score = torch.cat([fp32_linear(x[:, i:i + 1], wgate) for i in range(s)], dim=1)
+        chunk.tail_rows[layer] = (kv, score)
     start, end = chunk.start.unsqueeze(1), chunk.end.unsqueeze(1)  # (b, 1)
     g0 = chunk.start // m  # (b,)
     n_slots = s // m + 2  # enough group slots for any start % m
@@ -470,7 +481,9 @@ def index_keys(model: Model, cache: ModelCache, store: GlobalStore, chunk: Chunk
                      live_rows(store.k_scales, chunk, store.ratio))
     if not model.reference_index_k:
         return keys
-    pick = torch.zeros_like(cache.index_owner)
+    # a verify pass moves the pointer per token: pick is then (b, s)
+    owner_now = cache.index_owner if chunk.token_owner is None else chunk.token_owner
+    pick = torch.zeros_like(owner_now)
     for owner, other in cache.stores.items():
         if other is store or other.k_codes is None or other.ratio > store.ratio:
             continue
@@ -478,7 +491,7 @@ def index_keys(model: Model, cache: ModelCache, store: GlobalStore, chunk: Chunk
         # multiples of the largest ratio): its first T rows are the entries read
         keys.alt_codes.append(other.k_codes)
         keys.alt_scales.append(other.k_scales)
-        pick = torch.where(cache.index_owner == owner, len(keys.alt_codes), pick)
+        pick = torch.where(owner_now == owner, len(keys.alt_codes), pick)
     keys.pick = pick if keys.alt_codes else None
     return keys
 
@@ -509,6 +522,8 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
     if full_sweep and keys.alt_codes and torch.compiler.is_exporting():
         return ops.indexer_topk_shared(q, keys.codes, keys.scales, keys.alt_codes,
                                        keys.alt_scales, keys.pick, weights, lens, a.index_topk)
+    if keys.pick is not None and keys.pick.dim() == 2:
+        return _select_per_token(model, keys, q, weights, lens, full_sweep)
     # eager, and the candidate / pool sweeps (whose sources have no lower-ratio source to
     # share a pointer with in any preset): the keys as one tensor pair
     kc, ks = keys.materialised()
@@ -521,6 +536,24 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
     else:
         idx = ops.indexer_topk(q, kc, ks, weights, lens, a.index_topk)
     return idx
+
+
+def _select_per_token(model: Model, keys: IndexKeys, q: torch.Tensor, weights: torch.Tensor,
+                      lens: torch.Tensor, full_sweep: bool) -> torch.Tensor:
+    """A verify pass's full sweep under a per-token pointer (eager only): one sweep per store
+    the pointer may name, each token keeping the one its own pointer names (what that token's
+    decode step would have swept)."""
+    if torch.compiler.is_exporting() or not full_sweep:
+        raise ValueError("A per-token index-K pointer is supported for eager full sweeps only.")
+    k = model.args.index_topk
+    out = None
+    for option in range(len(keys.alt_codes) + 1):
+        pick = torch.full_like(keys.pick[:, 0], option)
+        kc, ks = ops.shared_index_k(keys.codes, keys.scales, keys.alt_codes, keys.alt_scales,
+                                    pick)
+        idx = ops.indexer_topk(q, kc, ks, weights, lens, k)
+        out = idx if out is None else torch.where((keys.pick == option).unsqueeze(-1), idx, out)
+    return out
 
 
 def run_compressor(model: Model, cache: ModelCache, layer: int, x: torch.Tensor,
@@ -537,6 +570,9 @@ def run_compressor(model: Model, cache: ModelCache, layer: int, x: torch.Tensor,
         if chunk.write_global:
             publish_index_k(model, layer, store, c, chunk)
         cache.index_owner = torch.where(c.ok.any(dim=1), layer, cache.index_owner)
+        if chunk.token_owner is not None:  # the tokens that complete a group publish
+            done = torch.remainder(chunk.pos + 1, store.ratio) == 0  # (b, s)
+            chunk.token_owner = torch.where(done, layer, chunk.token_owner)
     return c
 
 

@@ -211,6 +211,25 @@ def decode_step(model: Model, cache: ModelCache, tokens, *, draft: bool = False)
     return res
 
 
+def draft_after(model: Model, cache: ModelCache, token: torch.Tensor) -> Draft:
+    """DSpark's block after `token` (b,), the sampled token at position cache.pos (not yet
+    fed); the DSpark rings hold position cache.pos - 1 (a prefill, decode or verify seeded
+    them). Reads the cache only."""
+    if not model.plan.dspark:
+        raise ValueError("This model has no DSpark layers to draft with.")
+    token = torch.as_tensor(token).reshape(-1).long()
+    if token.numel() != cache.batch:
+        raise ValueError(f"draft_after takes one token per sequence ({cache.batch}), got "
+                         f"{token.numel()}.")
+    v = model.args.vocab_size
+    if int(token.min()) < 0 or int(token.max()) >= v:
+        raise ValueError(f"Token ids must lie in 0..{v - 1}.")
+    n = model.args.dspark_block_size
+    start = cache.pos.clone()
+    chunk = Chunk(start=start, length=n, rope=rope_window(model, start, n), hash_ids=None)
+    return dspark.draft(model, cache, token, chunk)
+
+
 # ---- CED: the Causal Encoder-Decoder pair -------------------------------------------------------
 
 

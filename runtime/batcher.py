@@ -204,6 +204,7 @@ class _Request:
     session: Session | None = None
     turn: object | None = None  # the engine's turn in flight
     chunk_t: float = 0.0  # when its current prefill chunk began
+    emitted: int = 0  # tokens of its turn already sent as events
 
 
 class _Abandoned(Exception):
@@ -447,12 +448,21 @@ class Batcher:
             self._emit(self._running[s.id])
 
     def _emit(self, req: _Request) -> None:
-        """The event of `req`'s latest token; the request ends on a stop, a stop string or its
-        length."""
+        """The events of `req`'s tokens not yet sent (one per step; several after a
+        speculative step), in order, until the request ends."""
         turn = req.turn
-        tok = turn.tokens[-1]
-        chosen = turn.sampled[-1]
-        final = turn.done
+        while req.emitted < len(turn.tokens):
+            req.emitted += 1
+            if self._emit_one(req, req.emitted - 1):
+                return
+
+    def _emit_one(self, req: _Request, i: int) -> bool:
+        """The event of token i of `req`'s turn; the request ends (True) on a stop, a stop
+        string or its length."""
+        turn = req.turn
+        tok = turn.tokens[i]
+        chosen = turn.sampled[i]
+        final = turn.done and i == len(turn.tokens) - 1
         text, stopped = self._text(req, tok, final)
         finish = None
         if stopped or (final and tok in turn.stop):
@@ -464,8 +474,9 @@ class Batcher:
             self._counts["completion_tokens"] += 1
         if finish is None:
             req.stream._put(event)
-        else:
-            self._finish(req, finish, event=event)
+            return False
+        self._finish(req, finish, event=event)
+        return True
 
     def _text(self, req: _Request, tok: int, final: bool) -> tuple[str, bool]:
         """(text to emit, a stop string matched). Stop ids' own text is never emitted."""

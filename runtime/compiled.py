@@ -130,6 +130,20 @@ class CompiledPhases:
             res.draft = Draft(named["draft_ids"], named["draft_logits"], named["confidence"])
         return res
 
+    def draft_after(self, model: Model, cache: ModelCache, token: torch.Tensor) -> Draft:
+        """DSpark's block after the sampled `token` (b,) at position cache.pos (the `draft`
+        entry; `graph.phases.draft_after`'s contract)."""
+        self._check(model)
+        token = torch.as_tensor(token).reshape(-1).long()
+        if token.numel() != cache.batch:
+            raise ValueError(f"draft_after takes one token per sequence ({cache.batch}), got "
+                             f"{token.numel()}.")
+        if "draft" not in self.art.entries:
+            raise ValueError("This artifact has no `draft` entry; compile it with --entries "
+                             "draft (and the others) to speculate.")
+        named = self._run("draft", cache, token, start=cache.pos)
+        return Draft(named["draft_ids"], named["draft_logits"], named["confidence"])
+
     def _encode(self, cache: ModelCache, tokens, *, replay_from=None, floor=None):
         entry = "encoder" if replay_from is None else "encoder_replay"
         floor = replay_from if replay_from is not None else floor

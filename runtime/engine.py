@@ -65,6 +65,7 @@ from dsv41.graph.cache import (
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
 from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, Pause, chunk_spans, resume_tail
+from dsv41.graph.speculative import Verified, cut_back, verify_step
 
 from .images import (
     SessionImage,
@@ -86,6 +87,7 @@ from .requests import (
 )
 from .salt import KeySalt
 from .sampling import SampledToken, Sampler, SamplingParams
+from .speculative import SpecPolicy, accept_draft_token, acceptance_probs
 from .state import (
     block_arrays,
     check_block_tokens,
@@ -130,6 +132,12 @@ class EngineOptions:
     # every prefill runs in chunks of at most this many tokens: transient memory O(chunk x
     # entries) instead of O(N x entries)
     prefill_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # DSpark speculative decoding (runtime/speculative.py): draft, verify up to `max_draft`
+    # tokens per step, k chosen by `Engine.spec_policy` from the confidence head and the
+    # measured step costs (`spec_clock`); greedy output and sampled distributions unchanged
+    speculative: bool = False
+    max_draft: int = 5
+    spec_clock: Callable[[], float] = time.perf_counter
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,9 @@ class TurnRecord:
     logits: list[np.ndarray] = field(default_factory=list)  # when asked for: prefill, then steps
     reused_keys: list[str] = field(default_factory=list)  # the SSD blocks read, in order
     reused_tokens: int = 0  # leading tokens the turn did not prefill (blocks + snapshot, or live)
+    drafted: int = 0  # draft tokens DSpark proposed (a whole block per draft pass)
+    verified: int = 0  # draft tokens the backbone checked (the k of every verify)
+    accepted: int = 0  # draft tokens kept
 
 
 @dataclass
@@ -225,6 +236,7 @@ class Engine:
             self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes,
                                      ttl_s=options.pool_ttl_s, clock=options.pool_clock,
                                      sweep_interval_s=options.pool_sweep_s)
+        self.spec_policy = self._spec_policy(options)
         self.store = self.blocks = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
@@ -236,6 +248,20 @@ class Engine:
         self._next_id = 1
         self.tier_counts = {t.value: 0 for t in Tier}
         self.token_counts = {"prefilled": 0, "replayed": 0, "decoder_replayed": 0, "decoded": 0}
+
+    def _spec_policy(self, options: EngineOptions) -> SpecPolicy | None:
+        if not options.speculative:
+            return None
+        a = self.model.args
+        if not self.model.plan.dspark:
+            raise ValueError("speculative=True needs a model with DSpark layers; this one has "
+                             "none.")
+        top = min(a.dspark_block_size, a.window_size - 1)
+        if isinstance(options.max_draft, bool) or not isinstance(options.max_draft, int) \
+                or not 0 <= options.max_draft <= top:
+            raise ValueError(f"max_draft must be a whole number from 0 to {top} (the DSpark "
+                             f"block), got {options.max_draft!r}.")
+        return SpecPolicy(options.max_draft)
 
     # ---- construction ---------------------------------------------------------------------------
 
@@ -555,6 +581,101 @@ class _Turn:
         self.record.decoded += 1
         self.sample(logits)
 
+    def fed_draft(self, logits: torch.Tensor, draft_token: int) -> bool:
+        """`fed` at a verified position whose draft token is `draft_token`: the token is chosen
+        by the speculative rule (the same distribution as `sample`); True if it is the draft
+        token."""
+        self.record.decoded += 1
+        if self.keep_logits:
+            self.record.logits.append(logits.float().numpy().copy())
+        if self.sampler is not None:
+            chosen, accepted = self.sampler.sample_draft(logits, draft_token,
+                                                         generated=self.tokens,
+                                                         prompt=self.prompt)
+            self.sampled.append(chosen)
+            tok = chosen.token_id
+        elif self.temperature <= 0:
+            tok = int(logits.argmax())
+            accepted = tok == draft_token
+        else:
+            probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+            got = accept_draft_token(probs, draft_token, generator=self.generator)
+            tok, accepted = got.token, got.accepted
+        self.tokens.append(tok)
+        self.next_token = tok
+        if len(self.tokens) >= self.max_new or tok in self.stop:
+            self.done = True
+        return accepted
+
+    def unread(self, n: int) -> None:
+        """Forget the last n tokens (sampled, never read by the caller)."""
+        del self.tokens[len(self.tokens) - n:]
+        del self.sampled[max(0, len(self.sampled) - n):]
+        if self.keep_logits:
+            del self.record.logits[len(self.record.logits) - n:]
+        self.record.decoded -= n
+        self.next_token = self.tokens[-1]
+
+
+@dataclass
+class _SpecStep:
+    """A speculative step of one row, kept so the caller's unread tokens can be cut back."""
+
+    verified: Verified | None  # None: a plain decode step
+    row: int
+    fed: int  # verified tokens kept
+    accepted: int  # draft tokens among the chosen ones
+
+
+def _speculative_step(e: Engine, cache: ModelCache,
+                      members: list[tuple[Session, _Turn]]) -> list[_SpecStep]:
+    """One step of every row with DSpark: a draft pass, a verify of the k drafts the policy
+    picks (one k for the batch, k = 0: a plain decode step), per-row acceptance, and the cache
+    cut back to each row's kept tokens. Never runs past a turn's max_new (so never past the
+    positions it reserved)."""
+    pol, clock, b = e.spec_policy, e.options.spec_clock, len(members)
+    now = torch.tensor([t.next_token for _, t in members])  # (b,)
+    room = min(t.max_new - len(t.tokens) for _, t in members)  # tokens still to produce
+    k, draft = 0, None
+    if room > 1 and pol.worth_drafting(b):
+        t0 = clock()
+        draft = e.phases.draft_after(e.model, cache, now)
+        pol.observe_draft(b, clock() - t0)
+        for _, t in members:
+            t.record.drafted += draft.ids.size(1) - 1
+        acc = acceptance_probs(draft.confidence.mean(dim=0))
+        k = min(pol.choose(b, acc), room - 1)
+    t0 = clock()
+    if k == 0:
+        res = e.phases.decode_step(e.model, cache, now.unsqueeze(1))
+        pol.observe_verify(b, 0, clock() - t0)
+        for row, (s, t) in enumerate(members):
+            s.history.append(t.next_token)
+            t.fed(res.logits[row, -1])
+        return [_SpecStep(None, row, 1, 0) for row in range(b)]
+    toks = torch.cat([now.unsqueeze(1), draft.ids[:, 1:1 + k]], dim=1)  # (b, 1 + k)
+    v = verify_step(e.model, cache, toks, step=e.phases.decode_step)
+    pol.observe_verify(b, k, clock() - t0)
+    steps = []
+    for row, (s, t) in enumerate(members):
+        t.record.verified += k
+        fed = accepted = 0
+        for i in range(k + 1):
+            s.history.append(int(toks[row, i]))
+            fed += 1
+            if i == k:
+                t.fed(v.logits[row, i])
+                break
+            if not t.fed_draft(v.logits[row, i], int(toks[row, i + 1])):
+                break
+            accepted += 1
+            if t.done:
+                break
+        t.record.accepted += accepted
+        steps.append(_SpecStep(v, row, fed, accepted))
+    cut_back(e.model, cache, v, [st.fed for st in steps])
+    return steps
+
 
 class Session:
     """One conversation. `history` is what its cache has processed; the last sampled token is
@@ -829,17 +950,34 @@ class Session:
             return
         e = self.engine
         t = time.perf_counter()
+        sent, last = 0, None
         try:
-            while turn.tokens:  # none when max_new_tokens is 0
-                yield turn.next_token
+            while sent < len(turn.tokens):  # none when max_new_tokens is 0
+                while sent < len(turn.tokens):  # a speculative step may bring several
+                    sent += 1  # counted before the yield: a caller leaving there has read it
+                    yield turn.tokens[sent - 1]
                 if turn.done:
                     break
+                if e.spec_policy is not None:
+                    last = _speculative_step(e, self.cache, [(self, turn)])[0]
+                    continue
                 res = e.phases.decode_step(e.model, self.cache, torch.tensor([[turn.next_token]]))
                 self.history.append(turn.next_token)
                 turn.fed(res.logits[0, -1])
         finally:
+            unread = len(turn.tokens) - sent
+            if unread and sent and last is not None and last.verified is not None:
+                self._cut_unread(turn, last, unread)
             turn.record.seconds["decode"] = time.perf_counter() - t
             self._end(turn)
+
+    def _cut_unread(self, turn: _Turn, last: _SpecStep, unread: int) -> None:
+        """The caller left with tokens of the last speculative step unread: the turn ends at
+        the last token it read (pending), the cache cut back to the tokens before it."""
+        cut_back(self.engine.model, self.cache, last.verified, [last.fed - unread])
+        del self.history[len(self.history) - unread:]
+        turn.record.accepted -= max(0, last.accepted - (last.fed - unread))
+        turn.unread(unread)
 
     def _end(self, turn: _Turn) -> None:
         """The last sampled token is pending (every earlier one was fed and is history). The
@@ -983,10 +1121,14 @@ class DecodeBatch:
             return []
         e = self.engine
         view = leading_rows(self.cache, len(self.members))  # (n, ...) over the batch's memory
+        members = list(self.members)
+        if e.spec_policy is not None:  # one k for the batch, acceptance per row
+            _speculative_step(e, view, members)
+            write_back(self.cache, view)
+            return members
         toks = torch.tensor([[t.next_token] for _, t in self.members])  # (n, 1)
         res = e.phases.decode_step(e.model, view, toks)
         write_back(self.cache, view)
-        members = list(self.members)
         for row, (s, t) in enumerate(members):
             s.history.append(t.next_token)
             t.fed(res.logits[row, -1])

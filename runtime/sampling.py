@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .speculative import accept_draft_token
+
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_STOP_STRINGS = 16
 
@@ -188,24 +190,49 @@ class Sampler:
         request's output ids so far, `prompt`: its prompt ids (repetition penalty only)."""
         if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.numel() == 0:
             raise ValueError("Sampler.sample takes one row of logits, a non-empty 1-D tensor.")
+        raw, penalised = self._prepared(logits, generated, prompt)
+        if self.params.greedy:
+            token = int(torch.argmax(penalised))  # the first maximum: lowest id on a tie
+        else:
+            probs = sampling_probs(penalised, self.params)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        return self._result(raw, token)
+
+    def sample_draft(self, logits: torch.Tensor, draft_token: int, generated: Sequence[int] = (),
+                     prompt: Sequence[int] = ()) -> tuple[SampledToken, bool]:
+        """The token at a verified draft position: greedy keeps the draft token iff it is the
+        argmax (the token is the argmax either way); otherwise the speculative rejection rule
+        against DSpark's greedy draft (runtime/speculative.py), so the token is distributed as
+        `sample` would draw it. Returns (token, whether it is the draft token)."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.numel() == 0:
+            raise ValueError("Sampler.sample_draft takes one row of logits, a non-empty 1-D "
+                             "tensor.")
+        raw, penalised = self._prepared(logits, generated, prompt)
+        if self.params.greedy:
+            token = int(torch.argmax(penalised))
+            return self._result(raw, token), token == draft_token
+        got = accept_draft_token(sampling_probs(penalised, self.params), draft_token,
+                                 generator=self.generator)
+        return self._result(raw, got.token), got.accepted
+
+    def _prepared(self, logits: torch.Tensor, generated: Sequence[int],
+                  prompt: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw fp32 logits on the host, penalised float64 logits)."""
         v = logits.shape[0]
         _ids(generated, v, "generated")  # O(output) per step, in torch
         raw = logits.detach().to("cpu", torch.float32)
         if not torch.isfinite(raw).any():
             raise ValueError("The logits have no finite value to sample from.")
+        return raw, apply_penalties(raw, self.params, generated, prompt)
+
+    def _result(self, raw: torch.Tensor, token: int) -> SampledToken:
         p = self.params
-        penalised = apply_penalties(raw, p, generated, prompt)
-        if p.greedy:
-            token = int(torch.argmax(penalised))  # the first maximum: lowest id on a tie
-        else:
-            probs = sampling_probs(penalised, p)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
         if p.logprobs is None:
             return SampledToken(token, None, ())
         logp = torch.log_softmax(raw.to(torch.float64), dim=0)
         top = ()
         if p.logprobs:
-            vals, ids = torch.topk(logp, min(p.logprobs, v))
+            vals, ids = torch.topk(logp, min(p.logprobs, raw.shape[0]))
             top = tuple(TokenLogprob(int(i), float(x)) for x, i in zip(vals, ids, strict=True))
         return SampledToken(token, float(logp[token]), top)
 

@@ -1,0 +1,458 @@
+"""DSpark speculative decoding: verify + cut back against decode steps (bit for bit), the engine
+with speculation against the engine without it (token for token, cache byte for byte), the
+rejection rule's distribution (chi-square), and the length policy on injected costs.
+
+shared-small: 6 layers, window 16, ratios up to 2 (m=2 groups), DSpark block 2; pages of 8."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41.graph import phases
+from dsv41.graph.cache import ModelCache, new_cache
+from dsv41.graph.dspark import Draft
+from dsv41.graph.phases import decode_step, prefill_exact
+from dsv41.graph.speculative import cut_back, verify_step
+from dsv41.runtime.engine import Engine
+from dsv41.runtime.sampling import Sampler, SamplingParams, apply_penalties, sampling_probs
+from dsv41.runtime.speculative import SpecPolicy, accept_draft_token, expected_tokens
+
+PAGE = 8
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+def _state(cache: ModelCache) -> dict[str, np.ndarray]:
+    """Every byte of a cache, by name."""
+    out = {"pos": cache.pos.numpy(), "index_owner": cache.index_owner.numpy()}
+    for lay, r in cache.windows.items():
+        out[f"ring{lay}.codes"], out[f"ring{lay}.scales"] = r.codes.numpy(), r.scales.numpy()
+    for lay, st in cache.stores.items():
+        for f in ("kv_codes", "kv_scales", "k_codes", "k_scales", "tail_kv", "tail_score"):
+            t = getattr(st, f)
+            if t is not None:
+                out[f"store{lay}.{f}"] = t.view(torch.uint8).numpy() if t.dtype == \
+                    torch.bfloat16 else t.numpy()
+    if cache.engram_history is not None:
+        out["engram_history"] = cache.engram_history
+    return out
+
+
+def _assert_same_cache(a: ModelCache, b: ModelCache) -> None:
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].shape == sb[k].shape and sa[k].tobytes() == sb[k].tobytes(), k
+
+
+# ---- the graph: verify + cut back == decode steps ---------------------------------------------
+
+
+@pytest.mark.parametrize("prefill,keep", [(20, 3), (21, 2), (20, 1), (31, 2)])
+def test_verify_then_cut_back_equals_decode_steps(small_case, small_model, prefill, keep):
+    """Even and odd starts (an m=2 group completed or left open by the kept tokens), past the
+    window (16: the rings have wrapped), every keep: logits and every cache byte equal those
+    of `keep` decode steps."""
+    m = small_model
+    toks = torch.from_numpy(small_case.tokens)[None]
+    ref, spec = (new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id) for _ in range(2))
+    prefill_exact(m, ref, toks[:, :prefill])
+    prefill_exact(m, spec, toks[:, :prefill])
+    want = torch.cat([decode_step(m, ref, toks[:, i:i + 1]).logits
+                      for i in range(prefill, prefill + keep)], dim=1)
+    v = verify_step(m, spec, toks[:, prefill:prefill + 3])
+    assert torch.equal(v.logits[:, :keep], want)
+    cut_back(m, spec, v, [keep])
+    _assert_same_cache(spec, ref)
+
+
+def test_one_pass_verify_keeps_each_tokens_pointer(small_case, small_model):
+    """The one-pass form (a compiled entry's): the per-token index-K pointer gives every token
+    its decode step's selections, and the cut-back cache equals the decode steps' (logits to
+    GEMM rounding only: eager CPU GEMMs are not row-invariant)."""
+    m = small_model
+    toks = torch.from_numpy(small_case.tokens)[None]
+    ref, spec = (new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id) for _ in range(2))
+    prefill_exact(m, ref, toks[:, :20])
+    prefill_exact(m, spec, toks[:, :20])
+    want = torch.cat([decode_step(m, ref, toks[:, i:i + 1]).logits for i in range(20, 23)], 1)
+    v = verify_step(m, spec, toks[:, 20:23], one_pass=True)
+    assert torch.equal(v.logits.argmax(-1), want.argmax(-1))
+    assert (v.logits - want).abs().max() < 1e-2
+    cut_back(m, spec, v, [3])
+    _assert_same_cache(spec, ref)
+
+
+def test_verify_and_cut_back_refuse_bad_input(small_model):
+    m = small_model
+    c = new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id)
+    with pytest.raises(ValueError, match="needs a prefill first"):
+        verify_step(m, c, [[5, 6]])
+    prefill_exact(m, c, [[5, 6, 7]])
+    with pytest.raises(ValueError, match="A verify pass takes 1..3 tokens"):
+        verify_step(m, c, [[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="Token ids must lie in"):
+        verify_step(m, c, [[5, 9999]])
+    v = verify_step(m, c, [[5, 6]])
+    for bad in ([0], [3], [1, 1]):
+        with pytest.raises(ValueError, match="cut_back keeps 1..2 tokens"):
+            cut_back(m, c, v, bad)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        phases.draft_after(m, c, torch.tensor([1, 2]))
+
+
+# ---- the engine: speculation changes nothing ---------------------------------------------------
+
+
+class Always(SpecPolicy):
+    """Drafts at every step and verifies k (capped by the block): no measured cost decides."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.k = k
+
+    def worth_drafting(self, batch: int) -> bool:
+        return True
+
+    def choose(self, batch: int, acceptance) -> int:
+        return self.k
+
+
+class ScriptedDraft:
+    """The graph's phases, with DSpark's draft replaced by one that is right for the first
+    `right[n % len(right)]` tokens of draft pass n (taken from a run without speculation)."""
+
+    def __init__(self, sequence: list[int], right: list[int], vocab: int):
+        self.sequence, self.right, self.vocab, self.calls = sequence, right, vocab, 0
+
+    def __getattr__(self, name):
+        return getattr(phases, name)
+
+    def draft_after(self, model, cache, token):
+        pos = int(cache.pos[0])  # `token` sits at pos; the draft guesses pos+1..pos+B
+        assert int(token[0]) == self.sequence[pos]
+        n = model.args.dspark_block_size
+        j = self.right[self.calls % len(self.right)]
+        self.calls += 1
+        ids = [int(token[0])]
+        for i in range(n):
+            good = self.sequence[pos + 1 + i]
+            ids.append(good if i < j else (good + 1) % self.vocab)
+        return Draft(torch.tensor([ids]), torch.zeros(1, n, self.vocab), torch.zeros(1, n))
+
+
+def _engine(model, **kw):
+    return Engine.from_model(model, weights_hash="w" * 64, page_tokens=PAGE, **kw)
+
+
+def test_forced_acceptance_pattern_counts_and_cache(small_model):
+    """A draft right for j = 0, 1, 2, 1 tokens in turn: the accepted counts are exactly those,
+    the tokens those of the run without speculation, and the session's cache after the turn
+    equals that run's byte for byte."""
+    m, prompt, n_new = small_model, _prompt(19, 4), 24
+    base = _engine(m)
+    s0 = base.session()
+    want = list(s0.send(prompt, max_new_tokens=n_new))
+    spec = _engine(m, speculative=True, max_draft=2)
+    spec.spec_policy = Always(2)
+    right = [0, 1, 2, 1]
+    spec.phases = ScriptedDraft(prompt + want, right, m.args.vocab_size)
+    s1 = spec.session()
+    got = list(s1.send(prompt, max_new_tokens=n_new))
+    assert got == want
+    rec = s1.turns[-1]
+    # every step yields accepted + 1 tokens, the last step capped by what is left to produce
+    # (a plain step when one token is left: no draft pass)
+    verified, accepted, passes, left = 0, 0, 0, n_new - 1
+    while left:
+        k = min(2, left - 1)
+        a = min(right[passes % len(right)], k) if k else 0
+        passes += k > 0
+        verified, accepted, left = verified + k, accepted + a, left - a - 1
+    assert (rec.drafted, rec.verified, rec.accepted) == (2 * passes, verified, accepted)
+    assert spec.phases.calls == passes
+    assert rec.decoded == s0.turns[-1].decoded == n_new - 1
+    assert s1.history == s0.history and s1.pending == s0.pending
+    _assert_same_cache(s1.cache, s0.cache)
+
+
+def test_left_turn_cuts_back_to_the_tokens_read(small_model):
+    """A caller leaving in the middle of a speculative step's tokens: the turn ends at the last
+    token it read, the cache as if it had decoded without speculation up to there."""
+    m, prompt = small_model, _prompt(19, 5)
+    base = _engine(m)
+    s0 = base.session()
+    want = list(s0.send(prompt, max_new_tokens=12))
+    spec = _engine(m, speculative=True, max_draft=2)
+    spec.spec_policy = Always(2)
+    spec.phases = ScriptedDraft(prompt + want, [2], m.args.vocab_size)
+    s1 = spec.session()
+    gen = s1.send(prompt, max_new_tokens=12)
+    got = [next(gen) for _ in range(5)]  # steps of 3 tokens: leaves after 1 of the 2nd's 3
+    gen.close()
+    assert got == want[:5]
+    s2 = _engine(m).session()
+    list(s2.send(prompt, max_new_tokens=5))
+    assert s1.history == s2.history and s1.pending == s2.pending == want[4]
+    assert s1.turns[-1].decoded == 4 and s1.turns[-1].accepted == 3
+    _assert_same_cache(s1.cache, s2.cache)
+
+
+def test_send_many_speculates_per_row(small_model):
+    """A decode batch of two sessions (different lengths), one k for the batch, acceptance
+    per row: the same tokens as without speculation."""
+    m = small_model
+    prompts = [_prompt(17, 6), _prompt(22, 7)]
+    base = _engine(m)
+    want = base.send_many([(base.session(), p, {"max_new_tokens": 9}) for p in prompts])
+    spec = _engine(m, speculative=True, max_draft=2)
+    spec.spec_policy = Always(2)
+    sessions = [spec.session() for _ in prompts]
+    got = spec.send_many([(s, p, {"max_new_tokens": 9}) for s, p in zip(sessions, prompts,
+                                                                         strict=True)])
+    assert got == want
+    assert all(s.turns[-1].verified > 0 for s in sessions)
+
+
+def test_batcher_streams_every_token_of_a_speculative_step(small_model):
+    """The continuous batcher over a speculating engine (drafts right for 2 tokens, so a step
+    brings 3): each stream gets every token, in order, the same as without speculation."""
+    from dsv41.runtime.batcher import Batcher
+
+    m = small_model
+    prompts = [_prompt(9, 11), _prompt(14, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = _engine(m)
+    want = [list(plain.session().send(p, max_new_tokens=8)) for p in prompts]
+    spec = _engine(m, speculative=True, max_draft=2)
+    spec.spec_policy = Always(2)
+    spec.phases = _PerSession(prompts, want, m.args.vocab_size)
+    b = Batcher(spec, max_running=4)
+    streams = [b.submit(p, params) for p in prompts]
+    while b.step():
+        pass
+    got = [[e.token_id for e in st if e.token_id is not None] for st in streams]
+    assert got == want
+
+
+class _PerSession(ScriptedDraft):
+    """Right drafts for whichever of several known sequences the row's position and token
+    match (a batch: one row per sequence)."""
+
+    def __init__(self, prompts, outputs, vocab):
+        super().__init__([], [2], vocab)
+        self.seqs = [p + o for p, o in zip(prompts, outputs, strict=True)]
+
+    def draft_after(self, model, cache, token):
+        n = model.args.dspark_block_size
+        rows = []
+        for pos, tok in zip(cache.pos.tolist(), token.tolist(), strict=True):
+            seq = next(q for q in self.seqs if pos < len(q) and q[pos] == tok)
+            rows.append([tok] + [seq[pos + 1 + i] if pos + 1 + i < len(seq) else 0
+                                 for i in range(n)])
+        b = len(rows)
+        return Draft(torch.tensor(rows), torch.zeros(b, n, self.vocab), torch.zeros(b, n))
+
+
+def _greedy_equality(model, tmp_path, n_new: int, right: list[int] | None = None):
+    """Two turns (the second after a snapshot restore from the tiers), greedy, a draft verified
+    at every step (DSpark's own, or with `right` one right for that many tokens in turn, from
+    the run without speculation): the same tokens as without speculation."""
+    turns = [_prompt(23, 8), _prompt(5, 9)]
+    out = []
+    for spec in (False, True):
+        e = _engine(model, store_dir=tmp_path / f"store{spec}", speculative=spec, max_draft=2)
+        if spec:
+            e.spec_policy = Always(2)
+            if right is not None:
+                seq = [t for ids, got in zip(turns, out[0], strict=True) for t in ids + got]
+                e.phases = ScriptedDraft(seq, right, model.args.vocab_size)
+        s = e.session()
+        out.append([list(s.send(t, max_new_tokens=n_new)) for t in turns])
+        if spec:
+            recs = s.turns
+            assert recs[1].tier == "snapshot"
+            assert all(r.verified > 0 for r in recs)
+            if right is not None:
+                assert all(r.accepted > 0 for r in recs)
+            print("accepted / verified per turn:", [(r.accepted, r.verified) for r in recs])
+        e.close()
+    assert out[0] == out[1]
+    return out[0]
+
+
+def test_greedy_with_speculation_equals_without(small_model, tmp_path):
+    _greedy_equality(small_model, tmp_path, 12)
+
+
+@pytest.fixture(scope="module")
+def long_model(small_case):
+    """shared-small's weights with room for 200+ tokens (max_seq_len is only a limit)."""
+    from dataclasses import replace
+
+    from dsv41.graph.checkpoint import checkpoint_config
+    from dsv41.graph.model import Model
+
+    args = replace(checkpoint_config(small_case.checkpoint), max_seq_len=512)
+    return Model.from_checkpoint(small_case.checkpoint, args)
+
+
+@pytest.mark.slow
+def test_greedy_with_speculation_equals_without_200_tokens(long_model, tmp_path):
+    """2 x 110 decoded tokens: many m=2 groups, window (16) wrap-arounds, a turn boundary with
+    a snapshot restore; drafts right for 2, 0, 1, 2, 1, 0 tokens in turn."""
+    out = _greedy_equality(long_model, tmp_path, 110, right=[2, 0, 1, 2, 1, 0])
+    assert sum(len(t) for t in out) >= 200
+
+
+def test_engine_refuses_bad_speculation_options(small_model):
+    for bad in (-1, 3, True, 1.5):
+        with pytest.raises(ValueError, match="max_draft must be a whole number from 0 to 2"):
+            _engine(small_model, speculative=True, max_draft=bad)
+    assert _engine(small_model).spec_policy is None
+
+
+# ---- the rejection rule's distribution ----------------------------------------------------------
+
+
+def _chi2_sf(stat: float, df: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of the counts under probs (cells with probability 0 must be empty)."""
+    n = counts.sum()
+    live = probs > 0
+    assert counts[~live].sum() == 0
+    exp = n * probs[live]
+    stat = float(((counts[live] - exp) ** 2 / exp).sum())
+    return _chi2_sf(stat, int(live.sum()) - 1)
+
+
+def test_speculative_sampler_draws_the_backbones_distribution():
+    """A small vocabulary, a draft token of high, low and zero backbone probability, with
+    penalties, temperature and top-k on: 20000 seeded draws each; chi-square against the
+    distribution `Sampler.sample` draws from (p-value > 1e-3), and the acceptance rate is
+    p(draft)."""
+    v = 8
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -3.0])
+    params = SamplingParams(temperature=0.8, top_k=6, frequency_penalty=0.3, seed=11)
+    generated = [0, 0, 6]
+    target = sampling_probs(apply_penalties(logits, params, generated), params).numpy()
+    for draft in (0, 4, 7):  # 7 is cut by top-k: never accepted
+        s = Sampler(params)
+        counts, kept = np.zeros(v), 0
+        for _ in range(20000):
+            tok, accepted = s.sample_draft(logits, draft, generated=generated)
+            counts[tok.token_id] += 1
+            kept += accepted
+        assert _chi2(counts, target) > 1e-3, (draft, counts)
+        assert abs(kept / 20000 - target[draft]) < 0.015
+    # reproducible under a seed
+    a, b = Sampler(params), Sampler(params)
+    assert [a.sample_draft(logits, 4)[0].token_id for _ in range(50)] == \
+        [b.sample_draft(logits, 4)[0].token_id for _ in range(50)]
+
+
+def test_rejection_rule_with_a_sampled_draft():
+    """A draft drawn from its own q (not a point mass): the output is still p."""
+    p = torch.tensor([0.1, 0.4, 0.2, 0.3], dtype=torch.float64)
+    q = torch.tensor([0.5, 0.1, 0.1, 0.3], dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    counts = np.zeros(4)
+    for _ in range(20000):
+        d = int(torch.multinomial(q, 1, generator=g))
+        counts[accept_draft_token(p, d, q, generator=g).token] += 1
+    assert _chi2(counts, p.numpy()) > 1e-3
+    with pytest.raises(ValueError, match="probability 0 under its own"):
+        accept_draft_token(p, 0, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="draft token in 0..3"):
+        accept_draft_token(p, 4)
+
+
+def test_greedy_sampler_keeps_the_argmax():
+    s = Sampler(SamplingParams(temperature=0.0))
+    logits = torch.tensor([0.0, 3.0, 1.0])
+    assert s.sample_draft(logits, 1)[0].token_id == 1 and s.sample_draft(logits, 1)[1]
+    tok, accepted = s.sample_draft(logits, 2)
+    assert tok.token_id == 1 and not accepted
+
+
+# ---- the length policy ------------------------------------------------------------------------
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1.875)
+    with pytest.raises(ValueError):
+        expected_tokens([0.5], 2)
+
+
+def test_policy_picks_zero_when_speculation_cannot_pay_and_more_when_it_can():
+    pol = SpecPolicy(5)
+    assert pol.choose(1, [0.9] * 5) == 0  # nothing measured: a plain step first
+    pol.observe_verify(1, 0, 0.010)
+    # verify of k costs (1 + k) decode steps (the decode-steps form): never pays
+    for k in range(1, 6):
+        pol.observe_verify(1, k, 0.010 * (1 + k))
+    pol.observe_draft(1, 0.002)
+    assert pol.choose(1, [0.99] * 5) == 0
+    assert not pol.worth_drafting(1)
+    # a one-pass verify: 10% more per draft token
+    fast = SpecPolicy(5)
+    fast.observe_verify(1, 0, 0.010)
+    for k in range(1, 6):
+        fast.observe_verify(1, k, 0.010 * (1 + 0.1 * k))
+    fast.observe_draft(1, 0.002)
+    assert fast.worth_drafting(1)
+    assert fast.choose(1, [0.9] * 5) == 5
+    assert fast.choose(1, [0.9, 0.9, 0.05, 0.05, 0.05]) == 2
+    assert fast.choose(1, [0.02] * 5) == 0
+    # per batch size: batch 8 measured where verifying costs much more
+    fast.observe_verify(8, 0, 0.020)
+    for k in range(1, 6):
+        fast.observe_verify(8, k, 0.020 * (1 + k))
+    assert fast.choose(8, [0.9] * 5) == 0 and fast.choose(1, [0.9] * 5) == 5
+
+
+def test_policy_moving_average_follows_the_engines_timings():
+    pol = SpecPolicy(2, alpha=0.5)
+    pol.observe_verify(1, 0, 1.0)
+    pol.observe_verify(1, 0, 3.0)
+    assert pol.cost(1, 0) == 2.0
+    assert pol.cost(1, 2) == 2.0  # unmeasured k: optimistic, as the largest measured below
+    with pytest.raises(ValueError, match="max_draft"):
+        SpecPolicy(-1)
+
+
+class FakeClock:
+    """Each call advances 1 ms: every step the engine times takes 1 ms."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_model):
+    """Verify costs (1 + k) plain steps (the graph's decode-steps form): the engine's policy
+    keeps k = 0 and never drafts, its own (fake-clock) timings keeping a plain step cheap;
+    the tokens are those of the plain engine."""
+    m, prompt = small_model, _prompt(19, 10)
+    want = list(_engine(m).session().send(prompt, max_new_tokens=10))
+    e = _engine(m, speculative=True, max_draft=2, spec_clock=FakeClock())
+    # injected: a plain step 10 ms, a verify of k (1 + k) x 10 ms, a draft 1 ms
+    e.spec_policy.observe_verify(1, 0, 0.010)
+    e.spec_policy.observe_verify(1, 1, 0.020)
+    e.spec_policy.observe_verify(1, 2, 0.030)
+    e.spec_policy.observe_draft(1, 0.001)
+    s = e.session()
+    assert list(s.send(prompt, max_new_tokens=10)) == want
+    assert (s.turns[-1].drafted, s.turns[-1].verified) == (0, 0)
