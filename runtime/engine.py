@@ -160,6 +160,9 @@ class Tier(StrEnum):
     COLD = "cold"  # nothing: the whole prompt prefilled
     HANDOFF = "handoff"  # an EPD prefill worker's runtime state (Engine.adopt)
 
+    def __repr__(self) -> str:  # in printed dicts and lists, as the plain string it stands for
+        return repr(self.value)
+
 
 @dataclass
 class TurnRecord:
