@@ -26,10 +26,7 @@ from .layers import (
     bf16_linear,
     engram_gate,
     fp32_linear,
-    hc_mixes,
-    hc_post,
     hc_pre,
-    rms_norm,
     rope_freqs,
     rope_table,
 )
@@ -389,7 +386,7 @@ def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
     m = store.ratio
     s = chunk.length
     if m == 1:
-        latent = rms_norm(bf16_linear(x, model.p(layer, "attn.compressor.wkv.weight")),
+        latent = ops.rms_norm(bf16_linear(x, model.p(layer, "attn.compressor.wkv.weight")),
                               model.p(layer, "attn.compressor.norm.weight"), model.args.norm_eps)
         ok = torch.full_like(x[..., 0], True, dtype=torch.bool)
         return Compressed(latent, chunk.start, ok, 1)
@@ -424,7 +421,7 @@ def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
     store.tail_score = torch.where(t_ok, torch.where((t_pos < start).unsqueeze(-1), old_score,
                                                      score.gather(1, t_src)), float("-inf"))
     pooled = (g_kv * g_score.softmax(dim=2)).sum(dim=2)  # (b, G, hd): softmax_pool, grouped
-    latent = rms_norm(pooled.to(BF16), model.p(layer, "attn.compressor.norm.weight"),
+    latent = ops.rms_norm(pooled.to(BF16), model.p(layer, "attn.compressor.norm.weight"),
                           model.args.norm_eps)
     ok = (g0.unsqueeze(1) + torch.arange(n_slots) + 1) * m <= end  # group complete by `end`
     return Compressed(latent, g0, ok, m)
@@ -433,7 +430,7 @@ def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
 def publish_index_k(model: Model, layer: int, store: GlobalStore, c: Compressed,
                     chunk: Chunk) -> None:
     a = model.args
-    k = rms_norm(bf16_linear(c.latent, model.p(layer, "attn.indexer.wk.weight")),
+    k = ops.rms_norm(bf16_linear(c.latent, model.p(layer, "attn.indexer.wk.weight")),
                      model.p(layer, "attn.indexer.k_norm.weight"), a.norm_eps)
     cos, sin = _rope_at(model, chunk, c.positions())
     codes, scales = ops.quant_mxfp4(apply_rope(k, cos, sin, a.rope_head_dim).float())
@@ -610,13 +607,13 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     b, s, _ = x.shape
     rd = a.rope_head_dim
     cos, sin = token_rope(model, chunk, p.ratio > 0)
-    qr = rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wq_a.weight"),
+    qr = ops.rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wq_a.weight"),
                                      model.p(layer, "attn.wq_a.scale")),
                       model.p(layer, "attn.q_norm.weight"), a.norm_eps)
     q = ops.fp8_linear(qr, model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
     q = apply_rope(q.unflatten(-1, (a.n_heads, a.head_dim)), cos, sin, rd)  # (b, s, h, hd)
 
-    kv = rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"),
+    kv = ops.rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"),
                                      model.p(layer, "attn.wkv.scale")),
                       model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
     win_codes, win_scales = ops.quant_fp8(apply_rope(kv, cos, sin, rd).float())
@@ -734,16 +731,17 @@ def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: tor
         chunk.taps.append(h.mean(dim=2))
     mix = (a.hc_mult, a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps)
     # x = rms_norm(hc_pre(h, pre)) with this sublayer's mixes of h: (b, s, d), (b, s, hc), ...
-    attn_pre, post, comb = hc_mixes(h, model.p(layer, "hc_attn_fn"),
-                                    model.p(layer, "hc_attn_scale"),
-                                    model.p(layer, "hc_attn_base"), *mix)
-    x = rms_norm(hc_pre(h, pre), model.p(layer, "attn_norm.weight"), a.norm_eps)
-    h = hc_post((attn or attention)(model, cache, layer, x, chunk), h, post, comb)
-    ffn_pre, post, comb = hc_mixes(h, model.p(layer, "hc_ffn_fn"), model.p(layer, "hc_ffn_scale"),
-                                   model.p(layer, "hc_ffn_base"), *mix)
-    x = rms_norm(hc_pre(h, attn_pre), model.p(layer, "ffn_norm.weight"), a.norm_eps)
+    x, attn_pre, post, comb = ops.hc_pre_mix(h, model.p(layer, "hc_attn_fn"),
+                                             model.p(layer, "hc_attn_scale"),
+                                             model.p(layer, "hc_attn_base"), pre,
+                                             model.p(layer, "attn_norm.weight"), *mix)
+    h = ops.hc_post((attn or attention)(model, cache, layer, x, chunk), h, post, comb)
+    x, ffn_pre, post, comb = ops.hc_pre_mix(h, model.p(layer, "hc_ffn_fn"),
+                                            model.p(layer, "hc_ffn_scale"),
+                                            model.p(layer, "hc_ffn_base"), attn_pre,
+                                            model.p(layer, "ffn_norm.weight"), *mix)
     vl = chunk.image.mask if chunk.image is not None and layer < a.n_layers else None
-    h = hc_post(moe(model, layer, x, vl), h, post, comb)  # (b, s, hc, d)
+    h = ops.hc_post(moe(model, layer, x, vl), h, post, comb)  # (b, s, hc, d)
     chunk.work[layer] = chunk.work.get(layer, 0) + chunk.length
     if layer in chunk.record:
         chunk.hidden[layer] = h
@@ -759,7 +757,7 @@ def run_layers(model: Model, cache: ModelCache, h: torch.Tensor, pre: torch.Tens
 
 def final_norm(model: Model, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """What the head reads: norm(hc_pre(h)) with the last block's FFN mix, bf16 (b, s, d)."""
-    return rms_norm(hc_pre(h, pre), model.w["norm.weight"], model.args.norm_eps)
+    return ops.rms_norm(hc_pre(h, pre), model.w["norm.weight"], model.args.norm_eps)
 
 
 def head(model: Model, x: torch.Tensor) -> torch.Tensor:
