@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from kernel_numerics import patch_fused_ops
 
 from dsv41.runtime.engine import Engine
 
@@ -79,19 +80,42 @@ def test_snapshot_miss_replays_window_plus_suffix(engine_args, small_model, tmp_
     assert r.token_layers == d * (w + suffix) + n_dec * min(w, w + suffix)
 
 
-def test_compiled_engine_tracks_the_graph_engine(engine_args, small_model, tmp_path):
-    """Same turns through the tiers on the artifact and on the graph: the first turn's logits
-    agree within the artifact-vs-graph bound of test_compile (rel L2 <= 0.2 per row)."""
+def test_compiled_engine_tracks_the_graph_engine(engine_args, small_model, small_case, tmp_path,
+                                                 monkeypatch):
+    """Same turns through the tiers on the artifact and on the graph; the first turn's logits:
+
+    * against the graph computing the fused mHC / RMSNorm ops with the CPU kernels the artifact
+      lowers them to (`patch_fused_ops`): rel L2 <= 1e-5. Every other compiled op follows its
+      oracle's order, so what remains is fp32 reduction order in a few generic ops (1.4e-7 when
+      the model ran the generic mHC);
+    * against the plain graph: within the conformance bound (rel L2 max, as test_compile's
+      artifact-vs-graph check). The kernels' mixes differ from torch's by fp32 rounding (2e-7,
+      test_kernel_mhc.py), and this seeded checkpoint amplifies such differences: on the graph,
+      random relative perturbations of 2e-7 on the mixes' post and comb move these logits by
+      0.013-0.252 rel L2 (8 seeds), the kernels themselves by 0.248; a transposed comb, a real
+      bug, moves them by only 0.139, which is why the first comparison is the sharp one."""
     art, ckpt = engine_args
     comp = Engine.load(art, ckpt, store_dir=tmp_path / "a", page_tokens=PAGE).session()
     graph = Engine.from_model(small_model, weights_hash="g", store_dir=tmp_path / "b",
                               page_tokens=PAGE).session()
+    with monkeypatch.context() as m:
+        patch_fused_ops(m)
+        same_ops = Engine.from_model(small_model, weights_hash="k", store_dir=tmp_path / "c",
+                                     page_tokens=PAGE).session()
+        for ids in TURNS[:2]:
+            list(same_ops.send(ids, max_new_tokens=2, keep_logits=True))
     for ids in TURNS[:2]:
         list(comp.send(ids, max_new_tokens=2, keep_logits=True))
         list(graph.send(ids, max_new_tokens=2, keep_logits=True))
         assert comp.turns[-1].tier == graph.turns[-1].tier
-    a, b = comp.turns[0].logits[0], graph.turns[0].logits[0]
-    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.2
+    assert [t.tier for t in same_ops.turns] == [t.tier for t in graph.turns]
+    a, k, b = (s.turns[0].logits[0] for s in (comp, same_ops, graph))
+    same = np.linalg.norm(a - k) / np.linalg.norm(k)
+    plain = np.linalg.norm(a - b) / np.linalg.norm(b)
+    print(f"compiled vs graph on the same kernels: rel L2 {same:.3g}; vs the plain graph "
+          f"{plain:.3g}")
+    assert same <= 1e-5
+    assert plain <= small_case.bounds["rel_l2_max"]
 
 
 def test_dsv41_run_on_the_artifact(engine_args, small_artifact, tmp_path):
