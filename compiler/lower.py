@@ -458,13 +458,16 @@ def _weight_2d(arg, w: relax.Expr, importer) -> relax.Expr:
 
 
 def _gemv_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr) -> relax.Expr:
-    """dense_gemv on x (m, g, k) and w (g * n, k) -> fp32 (m, g, n)."""
+    """x (m, g, k) times w (g * n, k) -> fp32 (m, g, n): dense_gemv in entries with a small row
+    hint (decode, drafts), dense_gemm (register-tiled over rows) in the others (prefill)."""
     from dsv41.schedules import gemm
 
     groups, k = (_static(v) for v in _shape(x3)[1:])
     n = _static(_shape(w2)[0]) // groups
-    key = ("dense_gemv", groups, n, k, x3.ty.dtype, w2.ty.dtype)
-    gv = ctx.kernel(importer, key, lambda: gemm.build_dense_gemv(
+    kind = "dense_gemv" if _use_gemv(ctx) else "dense_gemm"
+    build = gemm.build_dense_gemv if kind == "dense_gemv" else gemm.build_dense_gemm
+    key = (kind, groups, n, k, x3.ty.dtype, w2.ty.dtype)
+    gv = ctx.kernel(importer, key, lambda: build(
         ctx.target.name, groups=groups, n=n, k=k, x_dtype=x3.ty.dtype, w_dtype=w2.ty.dtype))
     m = _shape(x3)[0]
     return _call(importer, gv, [x3, w2], _tensor([m, groups, n], "float32"))
@@ -518,7 +521,7 @@ def _einsum(ctx: Lowering):
         dtype = ops[0].ty.dtype
         # The grouped o-projection on the CPU, at any row count: the generic einsum is an
         # unscheduled loop nest over an fp32 copy of the weight (1.6 s a layer at 128 prefill
-        # rows); dense_gemv keeps a 32-column weight tile in cache across the rows.
+        # rows); dense_gemv (decode) / dense_gemm (prefill) read the stored weight in place.
         if not ctx.target.is_cuda and _grouped_einsum(eq):
             xs, ws = (_widened_source(a, importer) for a in node.args[1])
             if _gemv_operands_ok(xs, ws):

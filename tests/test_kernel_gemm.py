@@ -362,6 +362,42 @@ def test_dense_gemv_matches_fp32_matmul(groups, n, k, x_dtype, w_dtype):
         assert bool(((out - ref).abs() <= 1e-6 * scale + 1e-30).all())
 
 
+@pytest.mark.parametrize("groups,n,k,x_dtype,w_dtype", [
+    (8, 64, 256, torch.bfloat16, torch.bfloat16),  # the grouped o-projection's form
+    (2, 96, 40, torch.bfloat16, torch.bfloat16),  # a column tile of gcd(96, 64) = 32
+    (1, 100, 96, torch.float32, torch.float32),  # the head's form; tn = gcd(100, 64) = 4
+    (3, 7, 48, torch.float32, torch.bfloat16),
+])
+def test_dense_gemm_matches_fp32_matmul(groups, n, k, x_dtype, w_dtype):
+    """The prefill form: fp32 products of the stored values summed in order over K, equal to
+    torch's fp32 einsum up to the order of the additions (relative 1e-6 of the row's magnitude),
+    at row counts that fill the 4-row tiles, leave a partial last tile, or are below a tile."""
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    ex = tvm.compile(gemm.build_dense_gemm(CPU, groups=groups, n=n, k=k, x_dtype=name[x_dtype],
+                                           w_dtype=name[w_dtype]),
+                     target=get_target(CPU).tvm_target())
+    gen = torch.Generator().manual_seed(n + 1)
+    w = torch.randn(groups, n, k, generator=gen).to(w_dtype)
+    for m in (1, 3, 8, 13):
+        x = torch.randn(m, groups, k, generator=gen).to(x_dtype)
+        out = _run(ex, [x, w.reshape(groups * n, k)], (m, groups, n), torch.float32)
+        ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float())
+        scale = torch.einsum("mgk,gnk->mgn", x.float().abs(), w.float().abs())
+        assert bool(((out - ref).abs() <= 1e-6 * scale + 1e-30).all()), m
+
+
+def test_dense_gemm_refuses_bad_tiles_dtypes_and_cuda():
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        gemm.make_dense_gemm(groups=1, n=8, k=8, x_dtype="float16", w_dtype="float32")
+    with pytest.raises(ValueError, match="rb >= 1"):
+        gemm.make_dense_gemm(groups=1, n=8, k=8, x_dtype="float32", w_dtype="float32", rb=0)
+    with pytest.raises(ValueError, match="no CUDA schedule"):
+        gemm.dense_gemm_config(get_target("cuda-sm90"), n=8, k=8)
+    func = gemm.make_dense_gemm(groups=1, n=8, k=8, x_dtype="float32", w_dtype="float32", rb=2)
+    with pytest.raises(ValueError, match="make_dense_gemm"):
+        gemm.schedule_dense_gemm(func, gemm.DenseGemmConfig(tn=8, rb=4), get_target(CPU))
+
+
 def test_dense_gemv_refuses_other_dtypes_and_cuda():
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         gemm.make_dense_gemv(groups=1, n=8, k=8, x_dtype="float16", w_dtype="float32")
