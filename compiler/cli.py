@@ -499,7 +499,8 @@ def cmd_serve(ns) -> int:
     args = se.engine.model.args
     opts = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
                          max_seq_len=args.max_seq_len, api_key=ns.api_key,
-                         request_timeout_s=timeout)
+                         request_timeout_s=timeout,
+                         image_token_id=args.image_token_id if se.engine.model.vision else None)
     if ns.role != "all":
         return _serve_stage(ns, se, opts)
     batcher = _batcher(ns, se)

@@ -228,6 +228,64 @@ def span_rows(w: Mapping[str, torch.Tensor], types: np.ndarray,
     return SpanRows(mask[None], rows[None])
 
 
+@dataclass(frozen=True)
+class PlacedSpan:
+    """One image's span at its place in a sequence: the row every span position takes
+    (`span_rows`: learned delimiters and the aligner rows)."""
+
+    start: int  # position of the span's first (IMAGE_START) token
+    rows: torch.Tensor  # bf16 (span_length, d)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.size(0)
+
+
+def place_span(w: Mapping[str, torch.Tensor], start: int, grid: ImageGrid,
+               embeddings: torch.Tensor) -> PlacedSpan:
+    """An image's span at `start`, from its grid and its aligned embeddings (L, d)."""
+    return PlacedSpan(start, span_rows(w, grid.span_types(), [embeddings]).rows[0])
+
+
+@dataclass(frozen=True)
+class SequenceImages:
+    """The image spans of one sequence at their absolute positions, in order and disjoint: the
+    rows of any segment of it (a prefill chunk, the window a bounded replay runs again) come
+    from here, so a phase that runs positions [b, e) splices exactly the rows they hold."""
+
+    spans: tuple[PlacedSpan, ...]
+
+    def __post_init__(self) -> None:
+        for a, b in zip(self.spans, self.spans[1:], strict=False):
+            if b.start < a.end:
+                raise ValueError(f"Image spans [{a.start}, {a.end}) and [{b.start}, {b.end}) "
+                                 "overlap; a sequence's spans must be disjoint and in order.")
+
+    def rows(self, begin: int, end: int) -> SpanRows | None:
+        """The span rows of positions [begin, end) as one sequence's chunk (None when no span
+        reaches into it); a span cut by the segment contributes its part."""
+        inside = [s for s in self.spans if s.start < end and s.end > begin]
+        if not inside:
+            return None
+        mask = torch.zeros(1, end - begin, dtype=torch.bool)  # (1, s)
+        rows = torch.zeros(1, end - begin, inside[0].rows.size(1), dtype=BF16)  # (1, s, d)
+        for s in inside:
+            lo, hi = max(begin, s.start), min(end, s.end)
+            mask[0, lo - begin: hi - begin] = True
+            rows[0, lo - begin: hi - begin] = s.rows[lo - s.start: hi - s.start]
+        return SpanRows(mask, rows)
+
+    def dead(self, begin: int, end: int) -> np.ndarray | None:
+        """bool (1, end - begin): the span positions of [begin, end) (Engram's dead ones), or
+        None when there are none."""
+        mask = np.zeros((1, max(0, end - begin)), dtype=bool)
+        for s in self.spans:
+            lo, hi = max(begin, s.start), min(end, s.end)
+            if lo < hi:
+                mask[0, lo - begin: hi - begin] = True
+        return mask if mask.any() else None
+
+
 def splice(h: torch.Tensor, image: SpanRows | None) -> torch.Tensor:
     """Token embeddings (b, s, d) with the span positions overwritten."""
     if image is None:

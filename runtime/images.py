@@ -15,21 +15,64 @@ image: an image prompt never hits a text prompt's records, nor another image's.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 
 from dsv41.graph.image_processor import PreparedImage, load_image, preprocess
 from dsv41.graph.model import Model
-from dsv41.graph.vision import SpanRows, encode_image, span_rows, span_tokens
+from dsv41.graph.vision import SequenceImages, encode_image, place_span, span_tokens
 
 from .requests import RequestError
 
 _KEY_SPACE = (1 << 62) - 1
+# what an OpenAI `image_url` data URI may hold: its declared type -> PIL's format name
+DATA_URI_FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
+MAX_IMAGE_BYTES = 20 << 20  # of one image's decoded data
+
+
+def data_uri_image(url: str) -> bytes:
+    """The bytes of an OpenAI `image_url` data URI (`data:image/png;base64,...` or
+    `image/jpeg`), checked before the request is queued: the type, the size, valid base64 and
+    data PIL recognises as the declared format (a RequestError, a 400's sentence, otherwise).
+    URLs are never fetched."""
+    if not isinstance(url, str):
+        raise RequestError("An image_url must be a string.")
+    if url.startswith(("http://", "https://")):
+        raise RequestError("Image URLs are not fetched by this server; send the image inline "
+                           "as a data URI (data:image/png;base64,...).")
+    head, sep, body = url.partition(",")
+    if not url.startswith("data:") or not sep or not head.endswith(";base64"):
+        raise RequestError("An image_url must be a base64 data URI: data:image/png;base64,... "
+                           "or data:image/jpeg;base64,....")
+    mime = head[len("data:"): -len(";base64")].strip().lower()
+    if mime not in DATA_URI_FORMATS:
+        raise RequestError(f"An image_url must hold a PNG or JPEG image (image/png, "
+                           f"image/jpeg), not {mime or 'no type'!r}.")
+    if len(body) > 4 * (MAX_IMAGE_BYTES // 3 + 1):
+        raise RequestError(f"The image is too large: about {len(body) * 3 // 4:,} bytes, "
+                           f"the limit is {MAX_IMAGE_BYTES:,}.")
+    try:
+        raw = base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError("The image_url's data is not valid base64.") from None
+    try:
+        found = Image.open(io.BytesIO(raw)).format  # the header only
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+        raise RequestError(f"The image_url's data could not be decoded as an image: {e}.") \
+            from None
+    if found != DATA_URI_FORMATS[mime]:
+        raise RequestError(f"The image_url declares {mime} but holds {found or 'unknown'} "
+                           "data.")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -133,19 +176,11 @@ def check_spans(tokens: Sequence[int], images: Sequence[SessionImage], image_tok
                            "images=[...] and one placeholder each.")
 
 
-def segment_rows(model: Model, images: Sequence[SessionImage], begin: int,
-                 end: int) -> SpanRows | None:
-    """The image-span rows of positions [begin, end) of the session's sequence (None when no
-    span reaches into it); a span cut by the segment contributes its part."""
-    a = model.args
-    inside = [im for im in images if im.start < end and im.end > begin]
-    if not inside:
+def sequence_images(model: Model, images: Sequence[SessionImage]) -> SequenceImages | None:
+    """The session's images as the phases take them: each span's rows at its position in the
+    sequence (None without images). Any segment a prefill runs (new tokens, a replayed window,
+    a cached tail, a chunk) reads its rows from here (`SequenceImages.rows`)."""
+    if not images:
         return None
-    mask = torch.zeros(1, end - begin, dtype=torch.bool)
-    rows = torch.zeros(1, end - begin, a.dim, dtype=torch.bfloat16)
-    for im in inside:
-        full = span_rows(model.w, im.image.grid.span_types(), [im.embeddings])  # whole span
-        lo, hi = max(begin, im.start), min(end, im.end)
-        mask[0, lo - begin: hi - begin] = True
-        rows[0, lo - begin: hi - begin] = full.rows[0, lo - im.start: hi - im.start]
-    return SpanRows(mask, rows)
+    return SequenceImages(tuple(place_span(model.w, im.start, im.image.grid, im.embeddings)
+                                for im in images))
