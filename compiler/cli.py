@@ -156,16 +156,17 @@ def _score_images(spec: str, model, tokens, prefill: int | None) -> list:
 def cmd_compile(ns) -> int:
     from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact
     from dsv41.compiler.progress import CompileBar
-    from dsv41.graph.entries import ENTRIES
+    from dsv41.graph.entries import ENTRIES, VISION_ENTRY
     from dsv41.graph.targets import target_names
 
     _print_args("compile", ns)
     if ns.target not in target_names():
         raise ValueError(f"Unknown target {ns.target!r}; targets: {', '.join(target_names())}.")
     entries = tuple(ns.entries.split(",")) if ns.entries else ENTRIES
-    bad = [e for e in entries if e not in ENTRIES]
+    known = (*ENTRIES, VISION_ENTRY)  # vision: only when named (a model with a tower)
+    bad = [e for e in entries if e not in known]
     if bad:
-        raise ValueError(f"Unknown entries {bad}; entries: {', '.join(ENTRIES)}.")
+        raise ValueError(f"Unknown entries {bad}; entries: {', '.join(known)}.")
     args = _args_from(ns)
     name = ns.preset
     if ns.config:  # a checkpoint's config.json is named after its folder
