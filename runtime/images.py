@@ -7,6 +7,12 @@ every span position, `graph.vision.span_tokens`). The session keeps its images (
 grid, content digest and aligned embeddings), so any later prefill over its history (a cold
 restart, a prefix of another turn) splices the same rows again.
 
+Phases: exact mode splices the new tokens' rows (`SequenceImages.rows`); the CED phases take
+the whole sequence's spans by position (`sequence_images`), so the encoder's chunks, the
+decoder's bounded replay and the encoder's bounded replays (a cached tail, a prefix hit's last
+window) each splice, route (`bias_vl`) and mark dead (Engram) exactly their own span positions.
+The OpenAI server's `image_url` parts arrive as data URIs, checked here (`data_uri_image`).
+
 Keys: every span position's id is the image id, so two images with one grid would give one key.
 `key_tokens` puts a negative value derived from the image's content digest at each span
 position instead (text ids are >= 0), so a block or snapshot key covering a span names the
