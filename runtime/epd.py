@@ -551,11 +551,16 @@ class EpdGateway:
         self._thread = threading.Thread(target=self._loop, name="dsv41-gateway", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteStream:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               images: Sequence = ()) -> RemoteStream:
         """Checked as the batcher checks (RequestError: a 400); QueueFull past max_queue
-        requests of this gateway in flight."""
+        requests of this gateway in flight. `images` (the batcher's argument) are refused:
+        there is no vision stage yet."""
         from .batcher import QueueFull
 
+        if images:
+            raise RequestError("This deployment's EPD workers take no images yet (there is no "
+                               "vision stage); serve images with --role all.")
         if not isinstance(params, SamplingParams):
             raise RequestError(f"submit() takes SamplingParams, got {type(params).__name__}.")
         try:
