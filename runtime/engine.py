@@ -513,13 +513,18 @@ class Engine:
     # ---- EPD: a turn prefilled by another process (runtime/epd.py) ---------------------------
 
     def adopt(self, tokens: Sequence[int], state: dict[str, np.ndarray], request: TurnRequest,
-              first: SampledToken, generator_state: bytes | None = None) -> tuple[Session, _Turn]:
+              first: SampledToken, generator_state: bytes | None = None,
+              images: Sequence[TurnImage] = ()) -> tuple[Session, _Turn]:
         """A new session whose cache is a prefill worker's handed-off runtime state of `tokens`
         (`Session.runtime_state`), and its open turn with the first token already sampled
         (`first`; `generator_state`: the sampler's generator after it). Join the turn to a
         `DecodeBatch`; its end stores it in the tiers like any turn. ValueError when the state
-        does not fit this engine's cache."""
+        does not fit this engine's cache. `images`: the prompt's images (spans at their
+        offsets in `tokens`), which the tiers' keys name."""
         self._check_open()
+        seen = encode_turn(self.model, 0, images)
+        if self.model.vision:
+            check_spans(list(tokens), seen, self.model.args.image_token_id, 0)
         if request.sampling is None:
             raise RequestError("A handed-off turn carries its SamplingParams.")
         s = self.session()
@@ -535,7 +540,7 @@ class Engine:
         except BaseException:
             s.close()
             raise
-        s.cache, s.history = cache, list(tokens)
+        s.cache, s.history, s.images = cache, list(tokens), seen
         sampler = Sampler(request.sampling)
         if generator_state is not None:
             sampler.generator.set_state(torch.frombuffer(bytearray(generator_state),
@@ -747,15 +752,16 @@ class Session:
         self.closed = True
         self.engine.sessions.pop(self.id, None)
 
-    def begin(self, request: TurnRequest, *,
-              pacing: PrefillPacing = PrefillPacing()) -> _Turn:
+    def begin(self, request: TurnRequest, *, pacing: PrefillPacing = PrefillPacing(),
+              images: Sequence[TurnImage] = ()) -> _Turn:
         """An EPD prefill worker's turn (`request` from runtime.requests.check_turn): the
         prefill and the first token, the cache left live for `runtime_state`; `finish` ends it
-        (stored in the tiers). Its decode runs elsewhere (`Engine.adopt`)."""
+        (stored in the tiers). Its decode runs elsewhere (`Engine.adopt`). `images`: the
+        turn's images, their spans laid out in `request` (encoded by a vision stage or not)."""
         if self.closed:
             raise RequestError(f"Session {self.id} is closed.")
         self._finish_open_turn()
-        return self._begin(request, pacing=pacing)
+        return self._begin(request, pacing=pacing, images=images)
 
     def runtime_state(self) -> dict[str, np.ndarray]:
         """The live cache's whole state (every complete block, every ring, tail and pointer:

@@ -33,11 +33,12 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from dsv41.graph.image_processor import PreparedImage, load_image, preprocess
+from dsv41.graph.image_processor import ImageGrid, PreparedImage, load_image, preprocess
 from dsv41.graph.model import Model
 from dsv41.graph.vision import SequenceImages, encode_image, place_span, span_tokens
 
 from .requests import RequestError
+from .wire import RecordError, RecordFault, decode_record, encode_record
 
 _KEY_SPACE = (1 << 62) - 1
 # what an OpenAI `image_url` data URI may hold: its declared type -> PIL's format name
@@ -98,11 +99,13 @@ class SessionImage:
 
 @dataclass(frozen=True)
 class TurnImage:
-    """An image of one turn's new tokens: its span's offset in them, before it is encoded."""
+    """An image of one turn's new tokens: its span's offset in them, and its aligned rows when
+    a vision stage already encoded it (None: the tower runs at the turn's prefill)."""
 
     offset: int
     image: PreparedImage
     digest: bytes
+    embeddings: torch.Tensor | None = None
 
 
 def _digest(image: PreparedImage) -> bytes:
@@ -149,10 +152,76 @@ def expand_placeholders(model: Model, token_ids: Sequence[int],
 
 
 def encode_turn(model: Model, first: int, images: Sequence[TurnImage]) -> list[SessionImage]:
-    """The vision stage: each new image through the ViT and aligner, its span placed at
-    `first` (the position of the turn's first new token) plus its offset."""
-    return [SessionImage(first + im.offset, im.image, im.digest,
-                         encode_image(model.w, model.args, im.image)) for im in images]
+    """The vision stage: each new image through the ViT and aligner (unless it comes encoded),
+    its span placed at `first` (the position of the turn's first new token) plus its offset."""
+    out = []
+    for im in images:
+        emb = im.embeddings
+        if emb is None:
+            emb = encode_image(model.w, model.args, im.image)
+        elif tuple(emb.shape) != (im.image.grid.n_embeddings, model.args.dim):
+            raise ValueError(f"An encoded image has rows {tuple(emb.shape)}; its grid needs "
+                             f"({im.image.grid.n_embeddings}, {model.args.dim}).")
+        out.append(SessionImage(first + im.offset, im.image, im.digest, emb))
+    return out
+
+
+# ---- images as records (the EPD stages' Redis keys, runtime/epd.py) ---------------------------
+
+IMAGE_KIND, FEATURES_KIND = "image", "image-features"
+
+
+def image_record(image: PreparedImage, digest: bytes, *, fingerprint: bytes,
+                 created_at: float) -> bytes:
+    """A prepared image (patches as their bf16 bits, the grid) keyed by its content digest."""
+    g = image.grid
+    return encode_record(kind=IMAGE_KIND, key=digest.hex(), fingerprint=fingerprint,
+                         created_at=created_at,
+                         meta={"grid": [g.width, g.height, g.n_vit_h, g.n_vit_w, g.n_llm_h,
+                                        g.n_llm_w]},
+                         arrays={"patches": image.patches.contiguous().view(torch.int16)
+                                 .numpy()})
+
+
+def read_image_record(data: bytes | None, key: str, *, fingerprint: bytes,
+                      args) -> PreparedImage:
+    """The prepared image of `image_record`; RecordError when it is missing, damaged, another
+    model's, or its patches are not the image its key names (the digest is recomputed)."""
+    rec = decode_record(data if data is not None else b"", kind=IMAGE_KIND, key=key,
+                        fingerprint=fingerprint)
+    try:
+        grid = ImageGrid(*(int(x) for x in rec.meta["grid"]))
+        p = args.vision_patch_size
+        patches = torch.from_numpy(np.ascontiguousarray(rec.arrays["patches"])).view(
+            torch.bfloat16).reshape(grid.n_patches, 3, p, p)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise RecordError(RecordFault.CORRUPTED, f"The image record is malformed ({e}).") from e
+    image = PreparedImage(patches, grid)
+    if _digest(image).hex() != key:
+        raise RecordError(RecordFault.CORRUPTED, "The image record's patches are not the image "
+                          "its key names.")
+    return image
+
+
+def features_record(embeddings: torch.Tensor, key: str, *, fingerprint: bytes,
+                    created_at: float) -> bytes:
+    """An image's aligned rows (bf16 bits), what the vision stage hands the prefill stage."""
+    return encode_record(kind=FEATURES_KIND, key=key, fingerprint=fingerprint,
+                         created_at=created_at, meta={},
+                         arrays={"rows": embeddings.contiguous().view(torch.int16).numpy()})
+
+
+def read_features_record(data: bytes | None, key: str, *, fingerprint: bytes,
+                         rows: int, dim: int) -> torch.Tensor:
+    """The rows of `features_record` (RecordError when missing, damaged or mis-shaped)."""
+    rec = decode_record(data if data is not None else b"", kind=FEATURES_KIND, key=key,
+                        fingerprint=fingerprint)
+    got = rec.arrays.get("rows")
+    if got is None or got.shape != (rows, dim):
+        raise RecordError(RecordFault.CORRUPTED, f"The image features have shape "
+                          f"{None if got is None else got.shape}; the grid needs "
+                          f"({rows}, {dim}).")
+    return torch.from_numpy(np.ascontiguousarray(got)).view(torch.bfloat16)
 
 
 def key_tokens(tokens: Sequence[int], images: Sequence[SessionImage]) -> Sequence[int]:

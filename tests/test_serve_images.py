@@ -192,22 +192,3 @@ def test_bad_images_are_400s_with_a_clear_message(served, monkeypatch):
     assert len(_chat(client, [{"role": "user", "content": [_part(_uri(png))]}],
                      stream=False)[0]) == 4
 
-
-def test_the_epd_gateway_refuses_images_clearly():
-    """EPD workers have no vision stage yet: the gateway (the server's batcher there) answers a
-    request with images with a RequestError (the server's 400), before any queue is touched."""
-    import redis
-
-    from dsv41.runtime.epd import EpdGateway
-    from dsv41.runtime.requests import RequestError
-    from dsv41.runtime.sampling import SamplingParams
-
-    client = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
-    gw = EpdGateway(client, bytes(32), vocab_size=512, max_seq_len=64)
-    try:
-        with pytest.raises(RequestError, match="take no images yet"):
-            gw.submit([0, 3, IMG], SamplingParams(temperature=0.0, max_tokens=2),
-                      [_image(1)])
-        assert gw.stats().running == 0
-    finally:
-        gw.close()
