@@ -199,7 +199,8 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
         return TokenOut(ev.token_id, ev.text, ev.logprob, ev.top)
 
     def usage(req: GenerationRequest, stream: Stream, n_tokens: int) -> Usage:
-        return Usage(len(req.prompt_ids), n_tokens, stream.timing.reused_tokens)
+        t = stream.timing  # its prompt as queued: each image placeholder counts as its span
+        return Usage(t.prompt_tokens, n_tokens, t.reused_tokens)
 
     async def collect(req: GenerationRequest, stream: Stream, request: Request,
                       deadline: float | None) -> JSONResponse:
