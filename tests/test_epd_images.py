@@ -206,3 +206,107 @@ def test_a_gateway_without_a_vision_model_refuses_images(model):
         assert gw.stats().running == 0
     finally:
         gw.close()
+
+
+def _wait_up(port: int, proc, timeout_s: float = 600.0) -> None:
+    import time
+
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker on port {port} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"worker on port {port} did not come up")
+
+
+@pytest.mark.slow
+def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_path,
+                                                                         redis_server):
+    """The must-show deployment: `dsv41 serve --role vision|prefill|decode` processes (the
+    checkpoint as released: an 84 x 42 image is scaled up to a 202-position span) and a
+    redis-server; 8 concurrent chats over HTTP, 4 with image_url parts, each sent to another
+    worker; the replies equal the single-process batcher's."""
+    import base64
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from dsv41.runtime.metrics import parse_metrics
+    from dsv41.runtime.server import free_port
+    from dsv41.runtime.tokenizer import Tokenizer
+
+    if not CASE.exists():
+        pytest.skip(f"conformance pack {CASE} is not present")
+    ckpt = CASE / "checkpoint"
+    model = Model.from_checkpoint(ckpt)
+    tok = Tokenizer.for_model(model.args, ckpt)
+
+    def uri(data: bytes) -> dict:
+        return {"type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+    texts = [f"w{3 + k} W{5 + k}" for k in range(8)]
+    chats, refs = [], []
+    for k, text in enumerate(texts):
+        ims = [[A], [], [B], [], [A], [], [C], []][k]  # one ~200-position span fits 256
+        content = [{"type": "text", "text": text}, *(uri(x) for x in ims)]
+        chats.append([{"role": "user", "content": content}])
+        refs.append(([tok.special.bos, *tok.encode(text), *[IMG] * len(ims)], ims))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with _engine(model, tmp_path / "ref") as e:  # the single-process engine
+        b = Batcher(e, tokenizer=tok, max_running=8)
+        streams = [b.submit(ids, params, ims) for ids, ims in refs]
+        while b.step():
+            pass
+        ref = ["".join(ev.text for ev in s) for s in streams]
+        b.stop()
+    roles = ("vision", "prefill", "decode", "decode")
+    ports = [free_port() for _ in roles]
+    env = {**os.environ, "TVM_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dsv41.compiler.cli", "serve", "--role", role, "--backend",
+         "torch", "--checkpoint", str(ckpt), "--page-tokens", str(PAGE),
+         "--redis-url", redis_server.url, "--port", str(port), "--log-level", "warning",
+         "--store", str(tmp_path / f"store-{i}")], env=env, stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / f"worker-{i}.log", "w"))
+        for i, (role, port) in enumerate(zip(roles, ports, strict=True))]
+    try:
+        for port, proc in zip(ports, procs, strict=True):
+            _wait_up(port, proc)
+        results: list = [None] * len(chats)
+
+        def ask(i: int) -> None:
+            r = httpx.post(f"http://127.0.0.1:{ports[i % 4]}/v1/chat/completions", timeout=600,
+                           json={"model": ckpt.name, "messages": chats[i], "max_tokens": 4,
+                                 "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            results[i] = r.json()["choices"][0]["message"]["content"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(chats))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == ref and all(ref)
+        m = [parse_metrics(httpx.get(f"http://127.0.0.1:{p}/metrics").text) for p in ports]
+        assert m[0]['dsv41_epd_stage_requests_total{role="vision"}'] == 4
+        assert m[1]['dsv41_epd_stage_requests_total{role="prefill"}'] == len(chats)
+        assert m[2]['dsv41_epd_stage_requests_total{role="decode"}'] + \
+            m[3]['dsv41_epd_stage_requests_total{role="decode"}'] == len(chats)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
