@@ -82,6 +82,7 @@ from .requests import (
     TurnLimits,
     TurnRequest,
     check_options,
+    check_token_ids,
     check_transcript,
     check_turn,
 )
@@ -461,7 +462,10 @@ class Engine:
             raise RequestError("Images need the PyTorch graph backend (Engine.from_model, "
                                "--backend torch); the compiled artifact's entries take text "
                                "only.")
-        return expand_placeholders(self.model, token_ids, images)
+        if isinstance(images, str | bytes) or not isinstance(images, Sequence):
+            raise RequestError("Images are given as a list, one per image placeholder.")
+        ids = check_token_ids(token_ids, vocab_size=self.model.args.vocab_size)
+        return expand_placeholders(self.model, ids, images)
 
     # ---- batched decode -------------------------------------------------------------------------
 
