@@ -41,7 +41,13 @@ from dsv41.graph.phases import (
     replay_prefill,
     resume_prefill,
 )
-from dsv41.graph.vision import SequenceImages, encode_image, place_span, span_rows
+from dsv41.graph.vision import (
+    PlacedSpan,
+    SequenceImages,
+    encode_image,
+    place_span,
+    span_rows,
+)
 from dsv41.runtime.engine import Engine, EngineOptions
 from dsv41.runtime.images import key_tokens
 from dsv41.runtime.requests import RequestError
@@ -373,3 +379,31 @@ def test_speculative_decoding_with_an_image_keeps_the_greedy_tokens(model):
         assert list(spec.send(ids, max_new_tokens=6, images=ims)) == \
             list(plain.send(ids, max_new_tokens=6, images=ims))
     assert sum(r.drafted for r in spec.turns) > 0
+
+
+def test_sequence_images_give_each_segment_its_own_rows(model):
+    """Any segment's rows (a chunk, a replayed window) are the whole sequence's rows at its
+    positions, a span cut anywhere; overlapping spans are refused."""
+    ids, spans = _layout(model, [*_text(3, 1), IMG, *_text(2, 2), IMG], [_png(1), _png(2)], 5)
+    seq = SequenceImages(tuple(spans))
+    end = 5 + len(ids)  # the turn starts at position 5
+    whole = seq.rows(0, end)
+    assert [s.start for s in spans] == [8, 15] and int(whole.mask.sum()) == 10
+    for size in (1, 2, 3, 4, 7):
+        masks, rows = [], []
+        for b in range(0, end, size):
+            e = min(end, b + size)
+            got = seq.rows(b, e)
+            if got is None:
+                assert seq.dead(b, e) is None
+                got = type(whole)(torch.zeros(1, e - b, dtype=torch.bool),
+                                  torch.zeros(1, e - b, model.args.dim, dtype=torch.bfloat16))
+            else:
+                np.testing.assert_array_equal(seq.dead(b, e), got.mask.numpy())
+            masks.append(got.mask)
+            rows.append(got.rows)
+        assert torch.equal(torch.cat(masks, 1), whole.mask)
+        assert torch.equal(torch.cat(rows, 1), whole.rows)
+    assert seq.rows(0, 8) is None and seq.rows(20, 30) is None
+    with pytest.raises(ValueError, match="overlap"):
+        SequenceImages((spans[0], PlacedSpan(spans[0].end - 1, spans[1].rows)))
