@@ -51,6 +51,7 @@ from dsv41.graph.vision import (
 from dsv41.runtime.engine import Engine, EngineOptions
 from dsv41.runtime.images import key_tokens
 from dsv41.runtime.requests import RequestError
+from dsv41.runtime.speculative import SpecPolicy
 from dsv41.runtime.state import index_owner_at, restore_blocks
 
 CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
@@ -371,10 +372,24 @@ def test_ced_fresh_process_equals_the_continued_session(model, tmp_path, redis_s
     e3.close()
 
 
+class _AlwaysDraft(SpecPolicy):
+    """Drafts and verifies one token at every step (no measured cost decides)."""
+
+    def worth_drafting(self, batch: int) -> bool:
+        return True
+
+    def choose(self, batch: int, acceptance) -> int:
+        return 1
+
+
 def test_speculative_decoding_with_an_image_keeps_the_greedy_tokens(model):
+    """DSpark drafts text after a prefill whose rings hold an image span: the greedy tokens
+    are the plain engine's."""
     a = _png(1)
     plain = _ced(model).session()
-    spec = _ced(model, speculative=True, max_draft=1).session()
+    engine = _ced(model, speculative=True, max_draft=1)
+    engine.spec_policy = _AlwaysDraft(1)
+    spec = engine.session()
     for ids, ims in [(TURN2, [a]), (TURN3, [])]:
         assert list(spec.send(ids, max_new_tokens=6, images=ims)) == \
             list(plain.send(ids, max_new_tokens=6, images=ims))
