@@ -19,7 +19,13 @@ from pathlib import Path
 import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
-from dsv41.graph.entries import ENTRIES, cache_names, entry_outputs
+from dsv41.graph.entries import (
+    ENTRIES,
+    VISION_ENTRY,
+    VISION_OUTPUTS,
+    cache_names,
+    entry_outputs,
+)
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
 from dsv41.runtime.artifact import FORMAT_VERSION  # the manifest format the runtime reads
@@ -93,8 +99,9 @@ def entry_signature(ep, template, plan, entry: str) -> dict:
             params.append({**desc, "param": spec.target})
         else:
             user.append(desc)
-    sig = {"inputs": user, "params": params, "cache": cache_names(template),
-           "outputs": entry_outputs(plan, entry, template),
+    vision = entry == VISION_ENTRY  # no cache: patches in, aligned rows out
+    sig = {"inputs": user, "params": params, "cache": [] if vision else cache_names(template),
+           "outputs": list(VISION_OUTPUTS) if vision else entry_outputs(plan, entry, template),
            # cache outputs are the input buffers, updated in place (ops.scatter_rows)
            "inplace_cache": True}
     sb = static_bounds(plan.args, entry)

@@ -21,6 +21,7 @@ from dsv41.graph.cache import ModelCache, new_cache
 from dsv41.graph.entries import (
     ENTRIES,
     SELECTING,
+    VISION_ENTRY,
     cache_names,
     cache_tensor,
     cache_tensors,
@@ -29,6 +30,7 @@ from dsv41.graph.entries import (
 )
 from dsv41.graph.model import Chunk, ExpertStack, Model, rope_margin
 from dsv41.graph.phases import decode_layers, encode_layers, forward_all
+from dsv41.graph.vision import tower
 
 # ---- the entry module -------------------------------------------------------------------------
 
@@ -224,8 +226,59 @@ def dim_symbols(ep, template: ModelCache) -> dict[str, str]:
     return out
 
 
+# ---- the vision entry ----------------------------------------------------------------------------
+
+
+class VisionGraph(torch.nn.Module):
+    """The `vision` entry: (patches, RoPE tables, cell indices) -> aligned rows (`vision.tower`),
+    the tower's weights as parameters under their official names (dots as double underscores);
+    storage-less placeholders of `checkpoint.vision_spec`'s shapes and dtypes."""
+
+    def __init__(self, args):
+        from dsv41.graph.checkpoint import RETURNED_DTYPES, vision_spec
+
+        super().__init__()
+        if args.vision_n_layers <= 0:
+            raise ValueError("The vision entry needs a model with a vision tower; this config's "
+                             "vision_n_layers is 0.")
+        self.args = args
+        self.weight_names = sorted(n for n in vision_spec(args)
+                                   if n.startswith(("vision.", "aligner.")))
+        specs = vision_spec(args)
+        for name in self.weight_names:
+            ghost = torch.zeros((), dtype=RETURNED_DTYPES[specs[name].dtype])
+            self.register_parameter(_param_name(name), torch.nn.Parameter(
+                ghost.expand(*specs[name].shape), requires_grad=False))
+
+    def forward(self, patches, cos, sin, cells):
+        """patches bf16 (N, 3, p, p); cos / sin fp32 (N, hd/2); cells int64 (L, r^2) in
+        [0, N] (validated by the caller: the gather does not bound-check)."""
+        w = {name: getattr(self, _param_name(name)) for name in self.weight_names}
+        return (tower(w, self.args, patches, cos, sin, cells),)
+
+
+def capture_vision(args, shapes: CaptureShapes = CaptureShapes()):
+    """torch.export the vision entry with symbolic patch and token counts (examples: a 3 x 6
+    patch grid, two aligned tokens). Returns (ExportedProgram, None): it takes no cache."""
+    module = VisionGraph(args)
+    p, r = args.vision_patch_size, args.vision_downsample_ratio
+    half = args.vision_dim // args.vision_n_heads // 2
+    n, cells = 18, 2
+    inputs = (torch.zeros(n, 3, p, p, dtype=torch.bfloat16), torch.zeros(n, half),
+              torch.zeros(n, half), torch.zeros(cells, r * r, dtype=torch.int64))
+    patches = Dim("patches", min=1, max=shapes.max_tokens)
+    tokens = Dim("cells", min=1, max=shapes.max_tokens)
+    dyn = {"patches": {0: patches}, "cos": {0: patches}, "sin": {0: patches},
+           "cells": {0: tokens}}
+    with torch.no_grad():
+        ep = torch.export.export(module, inputs, dynamic_shapes=dyn, strict=False)
+    return ep, None
+
+
 def capture(model: Model, entry: str, shapes: CaptureShapes = CaptureShapes()):
-    """torch.export one entry. Returns (ExportedProgram, cache template)."""
+    """torch.export one entry. Returns (ExportedProgram, cache template; None for vision)."""
+    if entry == VISION_ENTRY:
+        return capture_vision(model.args, shapes)
     inputs, template = example_inputs(model, entry, shapes)
     module = PhaseGraph(model, entry, template)
     dyn = dynamic_shapes(model, entry, template, shapes)

@@ -156,16 +156,17 @@ def _score_images(spec: str, model, tokens, prefill: int | None) -> list:
 def cmd_compile(ns) -> int:
     from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact
     from dsv41.compiler.progress import CompileBar
-    from dsv41.graph.entries import ENTRIES
+    from dsv41.graph.entries import ENTRIES, VISION_ENTRY
     from dsv41.graph.targets import target_names
 
     _print_args("compile", ns)
     if ns.target not in target_names():
         raise ValueError(f"Unknown target {ns.target!r}; targets: {', '.join(target_names())}.")
     entries = tuple(ns.entries.split(",")) if ns.entries else ENTRIES
-    bad = [e for e in entries if e not in ENTRIES]
+    known = (*ENTRIES, VISION_ENTRY)  # vision: only when named (a model with a tower)
+    bad = [e for e in entries if e not in known]
     if bad:
-        raise ValueError(f"Unknown entries {bad}; entries: {', '.join(ENTRIES)}.")
+        raise ValueError(f"Unknown entries {bad}; entries: {', '.join(known)}.")
     args = _args_from(ns)
     name = ns.preset
     if ns.config:  # a checkpoint's config.json is named after its folder
@@ -490,8 +491,8 @@ def cmd_serve(ns) -> int:
     timeout = None if ns.request_timeout <= 0 else ns.request_timeout
     if ns.api_key is not None and not ns.api_key:
         raise ValueError("--api-key must not be empty (leave it out for no key).")
-    if ns.role not in ("all", "prefill", "decode"):
-        raise ValueError(f"--role must be all, prefill or decode, got {ns.role!r}.")
+    if ns.role not in ("all", "vision", "prefill", "decode"):
+        raise ValueError(f"--role must be all, vision, prefill or decode, got {ns.role!r}.")
     if ns.role != "all" and not ns.redis_url:
         raise ValueError(f"--role {ns.role} needs --redis-url: the stages meet on a Redis "
                          "server (queues, hand-offs, the snapshot pool).")
@@ -499,7 +500,8 @@ def cmd_serve(ns) -> int:
     args = se.engine.model.args
     opts = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
                          max_seq_len=args.max_seq_len, api_key=ns.api_key,
-                         request_timeout_s=timeout)
+                         request_timeout_s=timeout,
+                         image_token_id=args.image_token_id if se.engine.model.vision else None)
     if ns.role != "all":
         return _serve_stage(ns, se, opts)
     batcher = _batcher(ns, se)
@@ -525,18 +527,29 @@ def _serve_stage(ns, se: ServingEngine, opts) -> int:
     import redis
     import uvicorn
 
-    from dsv41.runtime.epd import DecodeWorker, EpdGateway, EpdServerMetrics, PrefillWorker
+    from dsv41.runtime.epd import (
+        DecodeWorker,
+        EpdGateway,
+        EpdServerMetrics,
+        PrefillWorker,
+        VisionWorker,
+    )
     from dsv41.runtime.server import create_app
 
     try:
         client = redis.Redis.from_url(ns.redis_url)
-        if ns.role == "prefill":
+        if ns.role == "vision":
+            if not se.engine.model.vision:
+                raise ValueError("--role vision needs a checkpoint with a vision tower.")
+            worker = VisionWorker(se.engine, client)
+        elif ns.role == "prefill":
             worker = PrefillWorker(se.engine, client)
         else:
             worker = DecodeWorker(se.engine, client, max_running=ns.max_running)
         gateway = EpdGateway(client, se.engine.key_salt.fingerprint(),
                              vocab_size=opts.vocab_size, max_seq_len=opts.max_seq_len,
-                             tokenizer=se.tokenizer, max_queue=ns.max_queue)
+                             tokenizer=se.tokenizer, max_queue=ns.max_queue,
+                             model=se.engine.model)
     except BaseException:
         se.close()
         raise
@@ -847,8 +860,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a request may run before it is cancelled (0: none)")
     sp.add_argument("--log-level", default="info", help="uvicorn's log level")
     sp.add_argument("--role", default="all",
-                    help="all (one process) | prefill | decode: one EPD stage, its queues and "
-                         "hand-offs on --redis-url (runtime/epd.py)")
+                    help="all (one process) | vision | prefill | decode: one EPD stage, its queues "
+                         "and hand-offs on --redis-url (runtime/epd.py)")
     sp.set_defaults(func=cmd_serve)
 
     sp = sub.add_parser("chat", help="a terminal chat on the embedded engine (reads stdin)")

@@ -494,6 +494,8 @@ def _linear(ctx: Lowering):
                 y = _gemv_call(ctx, importer, x3, ws)
                 y = bb.emit(relax.op.reshape(y, [*lead, n]))
                 return _cast(importer, y, dtype)
+        if bias is not None:  # added in fp32 before the one rounding (the vision tower's)
+            bias = _in_fp32(importer, bias)
         y = bb.emit(relax.op.linear(_in_fp32(importer, x), _in_fp32(importer, w), bias,
                                     "float32"))
         return _cast(importer, y, dtype)

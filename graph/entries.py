@@ -13,6 +13,11 @@ from .model import Model, rope_window
 
 ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft")
 SELECTING = ("prefill_all", "decode")  # also return the indexers' selections (for scoring)
+# the vision tower (patches -> aligned rows, `vision.tower`): compiled only for a model with one
+# (`dsv41 compile --entries vision`); it takes no cache and returns the rows alone
+VISION_ENTRY = "vision"
+VISION_OUTPUTS = ("aligned",)
+VISION_INPUTS = ("patches", "cos", "sin", "cells")
 
 
 def selection_keys(plan) -> list[int]:

@@ -22,6 +22,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from .config import ModelArgs
 
 PAD_COLOR = (127, 127, 127)
+# the most pixels an image may have before it is decoded (its header is read first): the planning
+# shrinks any image to vision_max_n_token positions, so this bounds only the decoder's memory
+MAX_PIXELS = 1 << 26
 
 
 class TokenType(IntEnum):
@@ -127,9 +130,12 @@ def decode_image(data: bytes | str | Path) -> Image.Image:
     else:
         raw = _b64(data)
     try:
-        img = Image.open(io.BytesIO(raw))
+        img = Image.open(io.BytesIO(raw))  # reads the header only
+        if img.width * img.height > MAX_PIXELS:
+            raise ValueError(f"The image is {img.width} x {img.height} pixels; at most "
+                             f"{MAX_PIXELS:,} pixels are decoded.")
         img.load()
-    except (UnidentifiedImageError, OSError) as e:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"The image data could not be decoded by PIL: {e}.") from e
     return img.convert("RGB")
 

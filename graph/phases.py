@@ -22,6 +22,12 @@ The CED kinds keep only the last `window` rows of the encoder's stream between c
 decoder's bounded replay reads). The drivers (`chunked_exact`, `chunked_encoder`,
 `chunked_replay`) take the one-chunk halves as functions, so the compiled backend runs the same
 loop over its entries.
+
+Images: `prefill_exact` takes the new tokens' span rows (`image`, a `vision.SpanRows`); the CED
+kinds take the sequence's spans by absolute position (`images`, a `vision.SequenceImages`, one
+sequence), since they run segments the caller does not lay out itself (the replayed window, the
+cached tail, each chunk), and each segment splices the rows of its own positions, marks them
+dead for Engram and routes them with `bias_vl` (the decoder replay included).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from .model import (
     run_compressor,
     run_layers,
 )
-from .vision import SpanRows, splice
+from .vision import SequenceImages, SpanRows, splice
 
 DEFAULT_CHUNK_TOKENS = 2048  # the engine's prefill chunk (EngineOptions.prefill_chunk_tokens)
 # called between two pieces of a chunked prefill (two chunks, and the CED encoder pass and the
@@ -125,6 +131,18 @@ def new_chunk(model: Model, cache: ModelCache, tokens: torch.Tensor, record=(), 
     return Chunk(start=start, length=tokens.size(1), rope=rope_window(model, start, tokens.size(1)),
                  hash_ids=engram_ids(model, cache, tokens, dead), window_floor=floor,
                  write_global=write_global, record=tuple(record), image=image)
+
+
+def rows_at(images: SequenceImages | None, start: torch.Tensor, n: int) -> SpanRows | None:
+    """The image-span rows of the n positions from `start` (b,) of one sequence: what a CED
+    phase's chunk splices (None without images, or when no span reaches into it)."""
+    if images is None:
+        return None
+    if start.numel() != 1:
+        raise ValueError(f"Image spans are placed in one sequence; this phase runs "
+                         f"{start.numel()}.")
+    first = int(start[0])
+    return images.rows(first, first + n)
 
 
 def check_image_rows(model: Model, tokens: torch.Tensor, image: SpanRows) -> None:
@@ -248,7 +266,7 @@ class EncoderOutput:
 
 def encode_layers(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: Chunk):
     """The graph of `encoder_prefill` (and each half of `encoder_replay`)."""
-    h = embed(model, tokens)
+    h = embed(model, tokens, chunk.image)
     pre = identity_pre(h)
     h, pre = run_layers(model, cache, h, pre, range(model.plan.decoder_start), chunk)
     if model.plan.decoder_start < model.args.n_layers:
@@ -257,12 +275,16 @@ def encode_layers(model: Model, cache: ModelCache, tokens: torch.Tensor, chunk: 
 
 
 def encoder_prefill(model: Model, cache: ModelCache, tokens, record: tuple[int, ...] = (), *,
-                    floor: torch.Tensor | None = None) -> EncoderOutput:
+                    floor: torch.Tensor | None = None,
+                    images: SequenceImages | None = None) -> EncoderOutput:
     """The encoder blocks over every new token, then the decoder's global KV (the first decoder
     block's compressor and index K) from the encoder's output, without running the decoder.
-    `floor`: positions below it are outside every window (a replay segment's later chunks)."""
+    `floor`: positions below it are outside every window (a replay segment's later chunks).
+    `images`: the sequence's image spans (one sequence), spliced where the new tokens hold
+    them; every CED phase takes them so, by absolute position."""
     tokens = check_tokens(model, tokens)
-    chunk = new_chunk(model, cache, tokens, record, floor=floor)
+    chunk = new_chunk(model, cache, tokens, record, floor=floor,
+                      image=rows_at(images, cache.pos, tokens.size(1)))
     h, pre = encode_layers(model, cache, tokens, chunk)
     cache.pos = chunk.end
     return EncoderOutput(h, pre, chunk.hash_ids, chunk.start, chunk.work, chunk.hidden,
@@ -284,7 +306,8 @@ def decoder_global_kv(model: Model, cache: ModelCache, h: torch.Tensor, pre: tor
 
 
 def decoder_replay(model: Model, cache: ModelCache, enc: EncoderOutput, *,
-                   all_logits: bool = False, record: tuple[int, ...] = ()) -> PhaseResult:
+                   all_logits: bool = False, record: tuple[int, ...] = (),
+                   images: SequenceImages | None = None) -> PhaseResult:
     """The last `window` encoded tokens through the decoder blocks, each query's window cut to
     the replay segment (a query at i sees [max(s0, i - window + 1), i]). The decoder's global
     entries were written by `encoder_prefill` and are only read here."""
@@ -293,7 +316,7 @@ def decoder_replay(model: Model, cache: ModelCache, enc: EncoderOutput, *,
     chunk = Chunk(start=start, length=n, rope=rope_window(model, start, n),
                   hash_ids=None if enc.hash_ids is None else enc.hash_ids[:, -n:],
                   window_floor=start, record=tuple(record), write_global=False,
-                  update_tails=False)
+                  update_tails=False, image=rows_at(images, start, n))
     logits, x, main_hidden = decode_layers(model, cache, enc.h[:, -n:], enc.pre[:, -n:], chunk,
                                            all_logits)
     return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
@@ -318,32 +341,34 @@ def _joined(enc: EncoderOutput, res: PhaseResult) -> PhaseResult:
 
 def ced_prefill(model: Model, cache: ModelCache, tokens, *, all_logits: bool = False,
                 record: tuple[int, ...] = (), chunk_tokens: int | None = None,
-                keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
+                keep_rows: bool = False, between_chunks: Pause | None = None,
+                images: SequenceImages | None = None) -> PhaseResult:
     """CED prefill: `n_encoder * N + n_decoder * min(N, window)` token-layers instead of
     `n_layers * N`. Logits exist only for the replayed (last `window`) positions. With
     `chunk_tokens`, the encoder runs in chunks (see `chunked_encoder`)."""
     if chunk_tokens is None:
-        enc = encoder_prefill(model, cache, tokens, record)
+        enc = encoder_prefill(model, cache, tokens, record, images=images)
     else:
         tokens = check_tokens(model, tokens)
-        enc = chunked_encoder(lambda t: encoder_prefill(model, cache, t, record),
+        enc = chunked_encoder(lambda t: encoder_prefill(model, cache, t, record, images=images),
                               tokens, chunk_tokens,
                               window=model.args.window_size, keep_rows=keep_rows,
                               between_chunks=between_chunks)
         if between_chunks is not None and tokens.size(1) > chunk_tokens + 1:
             between_chunks()  # after two or more chunks, the decoder's replay is a piece too
-    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
+    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record,
+                                       images=images))
 
 
 # ---- bounded replay after a snapshot miss -------------------------------------------------------
 
 
 def prepare_replay(model: Model, cache: ModelCache, prefix: torch.Tensor,
-                   replay: int | None = None):
+                   replay: int | None = None, images: SequenceImages | None = None):
     """The host half of a snapshot-miss replay: check the cache holds exactly `prefix`, reset
     the lost tails, and restore the Engram lookback from the tokens before the replay. Returns
     (n replayed tokens, first replayed position per sequence); n is min(window, L), or
-    min(replay, L) when given."""
+    min(replay, L) when given. `images`: the prefix's image spans (dead Engram positions)."""
     big = int(cache.pos.max())
     if prefix.size(1) != big or bool((cache.pos != big).any()):
         raise ValueError(f"A replay needs every sequence's cache at the prefix length "
@@ -357,24 +382,28 @@ def prepare_replay(model: Model, cache: ModelCache, prefix: torch.Tensor,
             store.tail_score = torch.full_like(store.tail_score, float("-inf"))
     if model.engram is not None:
         lookback = prefix[:, : prefix.size(1) - n][:, -(model.engram.max_ngram - 1):]
+        begin = prefix.size(1) - n - lookback.size(1)
+        dead = None if images is None else images.dead(begin, begin + lookback.size(1))
         cache.engram_history = engram_history_after(
-            model.engram, empty_history(model.engram, cache.batch), lookback.numpy())
+            model.engram, empty_history(model.engram, cache.batch), lookback.numpy(), dead)
     return n, cache.pos - n
 
 
 def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
-                   record: tuple[int, ...] = ()) -> EncoderOutput:
+                   record: tuple[int, ...] = (), *,
+                   images: SequenceImages | None = None) -> EncoderOutput:
     """A prefix hit without its snapshot: the cache holds the global entries of `prefix` (b, L)
     but its encoder rings and compressor tails are lost. The last min(window, L) prefix tokens
     are replayed through the encoder to rebuild them (their windows cut at the replay start,
     cached global entries read and never rewritten), then the suffix runs as usual. Returns the
     encoder output of replay + suffix, for `decoder_replay`."""
     prefix, suffix = check_tokens(model, prefix), check_tokens(model, suffix)
-    n, first = prepare_replay(model, cache, prefix)
+    n, first = prepare_replay(model, cache, prefix, images=images)
     replay = new_chunk(model, cache, prefix[:, -n:], record, start=first, floor=first,
-                    write_global=False)
+                       write_global=False, image=rows_at(images, first, n))
     h1, pre1 = encode_layers(model, cache, prefix[:, -n:], replay)
-    new = new_chunk(model, cache, suffix, record, floor=first)
+    new = new_chunk(model, cache, suffix, record, floor=first,
+                    image=rows_at(images, cache.pos, suffix.size(1)))
     h2, pre2 = encode_layers(model, cache, suffix, new)
     cache.pos = new.end
     work = {k: replay.work.get(k, 0) + new.work.get(k, 0) for k in {*replay.work, *new.work}}
@@ -386,22 +415,25 @@ def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
 
 def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logits: bool = False,
                    record: tuple[int, ...] = (), chunk_tokens: int | None = None,
-                   keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
+                   keep_rows: bool = False, between_chunks: Pause | None = None,
+                   images: SequenceImages | None = None) -> PhaseResult:
     """Snapshot miss: encoder bounded replay, then decoder bounded replay. Token-layers:
     n_encoder * (min(window, L) + S) + n_decoder * min(window, min(window, L) + S). With
     `chunk_tokens`, the suffix runs in chunks (see `chunked_replay`)."""
     if chunk_tokens is None:
-        enc = encoder_replay(model, cache, prefix, suffix, record)
+        enc = encoder_replay(model, cache, prefix, suffix, record, images=images)
     else:
         suffix = check_tokens(model, suffix)
         enc = chunked_replay(
-            lambda t: encoder_replay(model, cache, prefix, t, record),
-            lambda t, floor: encoder_prefill(model, cache, t, record, floor=floor),
+            lambda t: encoder_replay(model, cache, prefix, t, record, images=images),
+            lambda t, floor: encoder_prefill(model, cache, t, record, floor=floor,
+                                             images=images),
             suffix, chunk_tokens, window=model.args.window_size,
             keep_rows=keep_rows, between_chunks=between_chunks)
         if between_chunks is not None and suffix.size(1) > chunk_tokens + 1:
             between_chunks()  # after two or more chunks, the decoder's replay is a piece too
-    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
+    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record,
+                                       images=images))
 
 
 # ---- decoder bounded replay on a continued cache ------------------------------------------------
@@ -414,16 +446,18 @@ def resume_tail(model: Model, cache: ModelCache, fresh_tokens: int) -> int:
 
 
 def encode_cached_tail(model: Model, cache: ModelCache, cached, n: int,
-                       record: tuple[int, ...] = ()) -> EncoderOutput:
+                       record: tuple[int, ...] = (), *,
+                       images: SequenceImages | None = None) -> EncoderOutput:
     """Encoder outputs of the last n of the `cached` (b, L) tokens the cache holds, by an
     encoder bounded replay cut at their first position (as `encoder_replay` runs it: tails
     reset, global entries read and never rewritten). The cache's own local state (rings, tails,
     pointers, Engram lookback) is left as it was."""
     saved = save_local_state(cache)
     try:
-        n, first = prepare_replay(model, cache, cached, replay=n)
+        n, first = prepare_replay(model, cache, cached, replay=n, images=images)
         tail = cached[:, -n:]
-        chunk = new_chunk(model, cache, tail, record, start=first, floor=first, write_global=False)
+        chunk = new_chunk(model, cache, tail, record, start=first, floor=first, write_global=False,
+                          image=rows_at(images, first, n))
         h, pre = encode_layers(model, cache, tail, chunk)
     finally:
         restore_local_state(cache, saved)
@@ -433,7 +467,8 @@ def encode_cached_tail(model: Model, cache: ModelCache, cached, n: int,
 
 def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits: bool = False,
                    record: tuple[int, ...] = (), chunk_tokens: int | None = None,
-                   keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
+                   keep_rows: bool = False, between_chunks: Pause | None = None,
+                   images: SequenceImages | None = None) -> PhaseResult:
     """A turn continuing a cache that holds its local state (live, or a snapshot restored over
     the prefix blocks) with decoder bounded replay at every prefill: the decoder rings are
     rebuilt from the last min(window, L + S) prompt tokens, whatever the decoder rings held
@@ -447,12 +482,13 @@ def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits
     if t == 0:  # S >= window: the new tokens alone fill the decoder's window (chunked)
         return ced_prefill(model, cache, fresh, all_logits=all_logits, record=record,
                            chunk_tokens=chunk_tokens, keep_rows=keep_rows,
-                           between_chunks=between_chunks)
+                           between_chunks=between_chunks, images=images)
     # S < window: the new tokens are fewer than one window, so one chunk at most
-    tail = encode_cached_tail(model, cache, cached, t, record)
-    enc = join_encoder(tail, encoder_prefill(model, cache, fresh, record),
+    tail = encode_cached_tail(model, cache, cached, t, record, images=images)
+    enc = join_encoder(tail, encoder_prefill(model, cache, fresh, record, images=images),
                        window=model.args.window_size, keep_rows=keep_rows)
-    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record))
+    return _joined(enc, decoder_replay(model, cache, enc, all_logits=all_logits, record=record,
+                                       images=images))
 
 
 # ---- chunked prefill -----------------------------------------------------------------------------

@@ -4,7 +4,11 @@ in the prompt, and the per-chunk splice the blocks read (`SpanRows`).
 
 All activations are bf16; every linear is a plain bf16 GEMM with bias; the ViT's RMSNorms use
 eps 1e-6 (`VISION_NORM_EPS`), not `norm_eps`. Weights live in `Model.w` under their official
-names (`checkpoint.vision_spec`).
+names (`checkpoint.vision_spec`). Each op that torch computes in fp32 inside a bf16 op (the
+attention's scores, softmax and sum; GELU, SiLU) is written out in fp32 with one rounding, and
+the aligner's r x r merge is a gather (`cell_index`), so `tower` is a pure tensor function of
+(patches, RoPE tables, cell indices): the graph the compiled `vision` entry captures, and the one
+`encode_image` runs.
 
 Notation: N = n_vit_h * n_vit_w patches, D = vision_dim, h heads, hd = D / h, p patch side,
 r = vision_downsample_ratio, L = n_llm_h * n_llm_w aligned tokens, d = dim.
@@ -78,6 +82,14 @@ def apply_rope_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) v per head over all N patches (bidirectional, no mask), q, k,
+    v bf16 (N, h, hd): scores, softmax and sum in fp32, rounded once to bf16 (torch's CPU
+    scaled_dot_product_attention accumulates in fp32 likewise)."""
+    scores = torch.einsum("nhd,mhd->hnm", q.float(), k.float()) * q.size(-1) ** -0.5
+    return torch.einsum("hnm,mhd->nhd", scores.softmax(dim=-1), v.float()).to(BF16)
+
+
 def vit_attention(w: Mapping[str, torch.Tensor], args: ModelArgs, i: int, x: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Bidirectional attention over the image's N patches, all head dims 2-D RoPE'd."""
@@ -85,21 +97,20 @@ def vit_attention(w: Mapping[str, torch.Tensor], args: ModelArgs, i: int, x: tor
     qkv = linear(x, w, f"vision.blocks.{i}.attn.wqkv")  # (N, 3D)
     q, k, v = qkv.view(n, 3, heads, -1).unbind(1)  # (N, h, hd) each
     q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-    return linear(o.transpose(0, 1).reshape(n, -1), w, f"vision.blocks.{i}.attn.wo")  # (N, D)
+    return linear(attend(q, k, v).reshape(n, -1), w, f"vision.blocks.{i}.attn.wo")  # (N, D)
 
 
 def vit_mlp(w: Mapping[str, torch.Tensor], i: int, x: torch.Tensor) -> torch.Tensor:
     """w2(silu(gate) * up), [gate | up] = w1(x); no biases, no clamp."""
     gate, up = linear(x, w, f"vision.blocks.{i}.mlp.w1").chunk(2, dim=-1)  # (N, inter) each
-    return linear(F.silu(gate) * up, w, f"vision.blocks.{i}.mlp.w2")
+    return linear(F.silu(gate.float()).to(BF16) * up, w, f"vision.blocks.{i}.mlp.w2")
 
 
-def vit(w: Mapping[str, torch.Tensor], args: ModelArgs, patches: torch.Tensor, n_h: int,
-        n_w: int) -> torch.Tensor:
-    """patches bf16 (N, 3, p, p) -> features bf16 (N, D) after the final RMSNorm."""
+def vit_rows(w: Mapping[str, torch.Tensor], args: ModelArgs, patches: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """patches bf16 (N, 3, p, p), the grid's RoPE tables (`rope_2d`) -> features bf16 (N, D)
+    after the final RMSNorm."""
     x = linear(patches.flatten(1).to(BF16), w, "vision.patch_embed.proj")  # (N, D)
-    cos, sin = rope_2d(n_h, n_w, args.vision_dim // args.vision_n_heads, args.vision_rope_theta)
     for i in range(args.vision_n_layers):
         b = f"vision.blocks.{i}"
         x = x + vit_attention(w, args, i, vit_norm(x, w[f"{b}.norm1.weight"]), cos, sin)
@@ -107,27 +118,69 @@ def vit(w: Mapping[str, torch.Tensor], args: ModelArgs, patches: torch.Tensor, n
     return vit_norm(x, w["vision.norm.weight"])
 
 
+def vit(w: Mapping[str, torch.Tensor], args: ModelArgs, patches: torch.Tensor, n_h: int,
+        n_w: int) -> torch.Tensor:
+    """patches bf16 (N, 3, p, p) of an n_h x n_w grid -> features bf16 (N, D)."""
+    cos, sin = rope_2d(n_h, n_w, args.vision_dim // args.vision_n_heads, args.vision_rope_theta)
+    return vit_rows(w, args, patches, cos, sin)
+
+
+def cell_index(grid: ImageGrid, r: int) -> torch.Tensor:
+    """int64 (L, r^2): for each aligned token (the r x r cells in row-major order), the patch
+    index of each of its positions in (row, column) order, or n_patches where the grid is
+    padded (bottom, right) to multiples of r."""
+    ky, kx = np.meshgrid(np.arange(r), np.arange(r), indexing="ij")  # (r, r)
+    rows = np.arange(grid.n_llm_h)[:, None, None, None] * r + ky  # (Lh, 1, r, r)
+    cols = np.arange(grid.n_llm_w)[None, :, None, None] * r + kx  # (1, Lw, r, r)
+    idx = np.where((rows < grid.n_vit_h) & (cols < grid.n_vit_w), rows * grid.n_vit_w + cols,
+                   grid.n_patches)  # (Lh, Lw, r, r)
+    return torch.from_numpy(idx.reshape(grid.n_embeddings, r * r).astype(np.int64))
+
+
+def align_cells(w: Mapping[str, torch.Tensor], feats: torch.Tensor,
+                cells: torch.Tensor) -> torch.Tensor:
+    """ViT features (N, D), `cell_index` (L, r^2) -> (L, d): each token's r x r features with
+    the channel slowest (F.unfold's order: c r^2 + ky r + kx), zeros at padded positions, then
+    w2(gelu(w1(x))) with the exact GELU."""
+    padded = torch.cat([feats, feats.new_zeros(1, feats.size(1))])  # (N + 1, D): N is zeros
+    x = padded[cells].transpose(1, 2).reshape(cells.size(0), -1)  # (L, D r^2)
+    x = F.gelu(linear(x, w, "aligner.w1").float()).to(BF16)
+    return linear(x, w, "aligner.w2")  # (L, d)
+
+
 def align(w: Mapping[str, torch.Tensor], args: ModelArgs, feats: torch.Tensor,
           grid: ImageGrid) -> torch.Tensor:
-    """ViT features (N, D) -> (L, d): zero-pad the grid to multiples of r (bottom, right), take
-    the r x r cells in row-major order with features (channel, row, column), then
-    w2(gelu(w1(x))) with the exact GELU."""
-    r = args.vision_downsample_ratio
-    x = feats.view(grid.n_vit_h, grid.n_vit_w, -1).permute(2, 0, 1)  # (D, nh, nw)
-    x = F.pad(x, (0, grid.n_llm_w * r - grid.n_vit_w, 0, grid.n_llm_h * r - grid.n_vit_h))
-    cells = F.unfold(x.unsqueeze(0), kernel_size=r, stride=r)[0].T  # (L, D r^2)
-    return linear(F.gelu(linear(cells, w, "aligner.w1")), w, "aligner.w2")  # (L, d)
+    """ViT features (N, D) -> (L, d): the grid zero-padded to multiples of r, its r x r cells
+    merged (`align_cells`)."""
+    return align_cells(w, feats, cell_index(grid, args.vision_downsample_ratio))
 
 
-def encode_image(w: Mapping[str, torch.Tensor], args: ModelArgs,
-                 image: PreparedImage) -> torch.Tensor:
-    """One image's aligned embeddings bf16 (L, d), the rows its IMAGE slots take."""
+def tower(w: Mapping[str, torch.Tensor], args: ModelArgs, patches: torch.Tensor,
+          cos: torch.Tensor, sin: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """The graph of `encode_image` (what the compiled `vision` entry captures): patches bf16
+    (N, 3, p, p), RoPE tables fp32 (N, hd/2), cell indices int64 (L, r^2) in [0, N] ->
+    aligned rows bf16 (L, d)."""
+    return align_cells(w, vit_rows(w, args, patches, cos, sin), cells)
+
+
+def tower_inputs(args: ModelArgs, image: PreparedImage
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host half of encoding one image: its patches checked against its grid, the grid's
+    RoPE tables and cell indices (what `tower` and the compiled entry take)."""
     g = image.grid
     if image.patches.shape != (g.n_patches, 3, args.vision_patch_size, args.vision_patch_size):
         raise ValueError(f"The image's patches have shape {tuple(image.patches.shape)}; its grid "
                          f"needs ({g.n_patches}, 3, {args.vision_patch_size}, "
                          f"{args.vision_patch_size}).")
-    return align(w, args, vit(w, args, image.patches, g.n_vit_h, g.n_vit_w), g)
+    cos, sin = rope_2d(g.n_vit_h, g.n_vit_w, args.vision_dim // args.vision_n_heads,
+                       args.vision_rope_theta)
+    return image.patches, cos, sin, cell_index(g, args.vision_downsample_ratio)
+
+
+def encode_image(w: Mapping[str, torch.Tensor], args: ModelArgs,
+                 image: PreparedImage) -> torch.Tensor:
+    """One image's aligned embeddings bf16 (L, d), the rows its IMAGE slots take."""
+    return tower(w, args, *tower_inputs(args, image))
 
 
 # ---- the span in the prompt ------------------------------------------------------------------
@@ -226,6 +279,64 @@ def span_rows(w: Mapping[str, torch.Tensor], types: np.ndarray,
     rows[slots] = flat
     mask = torch.from_numpy(types >= 0)
     return SpanRows(mask[None], rows[None])
+
+
+@dataclass(frozen=True)
+class PlacedSpan:
+    """One image's span at its place in a sequence: the row every span position takes
+    (`span_rows`: learned delimiters and the aligner rows)."""
+
+    start: int  # position of the span's first (IMAGE_START) token
+    rows: torch.Tensor  # bf16 (span_length, d)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.size(0)
+
+
+def place_span(w: Mapping[str, torch.Tensor], start: int, grid: ImageGrid,
+               embeddings: torch.Tensor) -> PlacedSpan:
+    """An image's span at `start`, from its grid and its aligned embeddings (L, d)."""
+    return PlacedSpan(start, span_rows(w, grid.span_types(), [embeddings]).rows[0])
+
+
+@dataclass(frozen=True)
+class SequenceImages:
+    """The image spans of one sequence at their absolute positions, in order and disjoint: the
+    rows of any segment of it (a prefill chunk, the window a bounded replay runs again) come
+    from here, so a phase that runs positions [b, e) splices exactly the rows they hold."""
+
+    spans: tuple[PlacedSpan, ...]
+
+    def __post_init__(self) -> None:
+        for a, b in zip(self.spans, self.spans[1:], strict=False):
+            if b.start < a.end:
+                raise ValueError(f"Image spans [{a.start}, {a.end}) and [{b.start}, {b.end}) "
+                                 "overlap; a sequence's spans must be disjoint and in order.")
+
+    def rows(self, begin: int, end: int) -> SpanRows | None:
+        """The span rows of positions [begin, end) as one sequence's chunk (None when no span
+        reaches into it); a span cut by the segment contributes its part."""
+        inside = [s for s in self.spans if s.start < end and s.end > begin]
+        if not inside:
+            return None
+        mask = torch.zeros(1, end - begin, dtype=torch.bool)  # (1, s)
+        rows = torch.zeros(1, end - begin, inside[0].rows.size(1), dtype=BF16)  # (1, s, d)
+        for s in inside:
+            lo, hi = max(begin, s.start), min(end, s.end)
+            mask[0, lo - begin: hi - begin] = True
+            rows[0, lo - begin: hi - begin] = s.rows[lo - s.start: hi - s.start]
+        return SpanRows(mask, rows)
+
+    def dead(self, begin: int, end: int) -> np.ndarray | None:
+        """bool (1, end - begin): the span positions of [begin, end) (Engram's dead ones), or
+        None when there are none."""
+        mask = np.zeros((1, max(0, end - begin)), dtype=bool)
+        for s in self.spans:
+            lo, hi = max(begin, s.start), min(end, s.end)
+            if lo < hi:
+                mask[0, lo - begin: hi - begin] = True
+        return mask if mask.any() else None
 
 
 def splice(h: torch.Tensor, image: SpanRows | None) -> torch.Tensor:

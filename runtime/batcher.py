@@ -37,6 +37,7 @@ from enum import Enum
 
 from .chat import IncrementalDecoder
 from .engine import DecodeBatch, Engine, PrefillPacing, Session
+from .images import TurnImage
 from .requests import RequestError, TurnLimits, TurnRequest, check_token_ids, check_turn
 from .sampling import SamplingParams, StopMatcher, TokenLogprob
 from .tokenizer import Tokenizer
@@ -201,6 +202,7 @@ class _Request:
     positions: int  # the cache positions its turn reserves
     decoder: IncrementalDecoder | None
     matcher: StopMatcher | None
+    images: tuple[TurnImage, ...] = ()  # decoded at submit, their spans laid out in `prompt`
     session: Session | None = None
     turn: object | None = None  # the engine's turn in flight
     chunk_t: float = 0.0  # when its current prefill chunk began
@@ -250,11 +252,15 @@ class Batcher:
 
     # ---- the client's side ----------------------------------------------------------------------
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Stream:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               images: Sequence = ()) -> Stream:
         """Queue a request; every argument checked first (RequestError, a 400-ready sentence):
         ids in the vocabulary, prompt + max_tokens within max_seq_len, params.validate(), a
-        cache that fits the runtime budget at all. QueueFull at the queue's bound."""
-        req = self._check(prompt_ids, params)
+        cache that fits the runtime budget at all. QueueFull at the queue's bound. `images`
+        (bytes, data URLs, PIL images): one per `image_token_id` placeholder of the prompt,
+        decoded here, on the caller's thread; each span is laid out in the prompt (its
+        positions count as prompt tokens) and the tower runs at the request's prefill."""
+        req = self._check(prompt_ids, params, images)
         with self._lock:
             if self._stopped or self._stopping:
                 raise RequestError("The batcher is stopped; it takes no more requests.")
@@ -267,7 +273,7 @@ class Batcher:
             self._work.notify_all()
         return req.stream
 
-    def _check(self, prompt_ids, params) -> _Request:
+    def _check(self, prompt_ids, params, images: Sequence = ()) -> _Request:
         e = self.engine
         a = e.model.args
         if not isinstance(params, SamplingParams):
@@ -277,6 +283,10 @@ class Batcher:
         except ValueError as err:
             raise RequestError(str(err)) from err
         ids = check_token_ids(prompt_ids, vocab_size=a.vocab_size, what="submit()")
+        if isinstance(images, str | bytes) or not isinstance(images, Sequence):
+            raise RequestError("submit() takes its images as a list (one per placeholder).")
+        expanded, turn_images = e.expand_images(ids, images)
+        ids = tuple(expanded)
         if params.stop and self.tokenizer is None:
             raise RequestError("Stop strings are matched on text; this batcher has no "
                                "tokenizer (give stop_token_ids instead).")
@@ -298,7 +308,7 @@ class Batcher:
         if self.tokenizer is not None:
             decoder = IncrementalDecoder(self.tokenizer)
             matcher = StopMatcher(params.stop) if params.stop else None
-        return _Request(None, ids, turn, positions, decoder, matcher)
+        return _Request(None, ids, turn, positions, decoder, matcher, tuple(turn_images))
 
     def _wake(self) -> None:
         with self._lock:
@@ -400,7 +410,8 @@ class Batcher:
         req.chunk_t = time.perf_counter()
         pacing = PrefillPacing(self.chunk_tokens, lambda: self._between_chunks(req))
         try:
-            req.turn = self._batch.start(req.session, req.turn_request, pacing=pacing)
+            req.turn = self._batch.start(req.session, req.turn_request, pacing=pacing,
+                                         images=req.images)
         except _Abandoned:
             self._finish(req, FinishReason.CANCELLED)
             return

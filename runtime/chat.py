@@ -28,7 +28,13 @@ the V4 models: `encoding/encoding_dsv4.py` of the DeepSeek-V4-Flash release on H
 
 Not rendered (see `ChatOptions`): the tool-schema section of the system prompt (the release's
 wording is its own prose; here a short description of the same DSML block is used, see
-`render_tools`), reasoning-effort prefixes, quick-instruction task tokens and images.
+`render_tools`), reasoning-effort prefixes and quick-instruction task tokens.
+
+Images: a user message's `image_url` content parts (OpenAI's) stand in its content as
+`IMAGE_SLOT` (U+FFFC, refused in text) with the URLs in `Message.images`; `encode_with_images`
+spells each slot as the model's `image_token_id`, the placeholder `Session.send(images=)` and
+the batcher replace by the image's span (as the released `prepare_vl_inputs` takes prompts).
+Text parts are joined by a blank line; an image part sits between its neighbours as it is.
 
 DeepSeek-V4.1's format (`encoding_dsv41.py` of the V4.1 release; SGLang's `encoding_dsv41.py`)
 differs in three ways `ChatFormat.V4_1` follows: `<｜System｜>` before every system message, a
@@ -56,6 +62,7 @@ THINK_CLOSE = "</think>"
 DSML = "｜DSML｜"
 SYSTEM = "<｜System｜>"  # V4.1 only
 MARKERS = (BOS, EOS, USER, ASSISTANT, THINK_OPEN, THINK_CLOSE, DSML)
+IMAGE_SLOT = "\ufffc"  # where an image part stands in a message's content (OBJECT REPLACEMENT)
 
 
 class ChatFormat(Enum):
@@ -93,6 +100,7 @@ class Message:
     reasoning: str = ""  # an assistant turn's reasoning (OpenAI-style `reasoning_content`)
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""  # a tool result's call id
+    images: tuple[str, ...] = ()  # the URLs of the IMAGE_SLOTs in `content`, in order
 
 
 @dataclass(frozen=True)
@@ -103,21 +111,46 @@ class ChatOptions:
     tools: tuple[dict, ...] = ()  # OpenAI `tools` entries ({"type": "function", "function": ...})
 
 
-def _text(value, where: str) -> str:
+def _plain(text: str, where: str) -> str:
+    if IMAGE_SLOT in text:
+        raise ValueError(f"{where}: the text holds U+FFFC, which stands for an image part here; "
+                         "send images as image_url parts.")
+    return text
+
+
+def _image_url(part: dict, where: str) -> str:
+    v = part.get("image_url")
+    url = v.get("url") if isinstance(v, dict) else v
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}: an image_url part must be {{'type': 'image_url', "
+                         "'image_url': {'url': 'data:image/png;base64,...'}}.")
+    return url
+
+
+def _content(value, where: str, role: Role) -> tuple[str, tuple[str, ...]]:
+    """A message's text (IMAGE_SLOT at each image part) and its image URLs."""
     if value is None:
-        return ""
+        return "", ()
     if isinstance(value, str):
-        return value
-    if isinstance(value, list):  # OpenAI content parts: text parts only
-        parts = []
-        for p in value:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(
-                    p.get("text"), str):
-                raise ValueError(f"{where}: only text content parts are supported, "
-                                 f"not {p!r:.80}.")
-            parts.append(p["text"])
-        return "\n\n".join(parts)
-    raise ValueError(f"{where}: content must be a string or a list of text parts.")
+        return _plain(value, where), ()
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: content must be a string or a list of content parts.")
+    pieces, images, after_text = [], [], False
+    for p in value:  # OpenAI content parts
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            pieces += ["\n\n"] * after_text + [_plain(p["text"], where)]
+            after_text = True
+        elif kind == "image_url":
+            if role is not Role.USER:
+                raise ValueError(f"{where}: only user messages may hold image parts.")
+            images.append(_image_url(p, where))
+            pieces.append(IMAGE_SLOT)
+            after_text = False
+        else:
+            raise ValueError(f"{where}: content parts must be text or image_url parts, "
+                             f"not {p!r:.80}.")
+    return "".join(pieces), tuple(images)
 
 
 def messages_from_openai(messages) -> tuple[Message, ...]:
@@ -149,8 +182,9 @@ def messages_from_openai(messages) -> tuple[Message, ...]:
         reasoning = m.get("reasoning_content") or ""
         if not isinstance(reasoning, str):
             raise ValueError(f"{where}.reasoning_content must be a string.")
-        out.append(Message(role, _text(m.get("content"), where), reasoning, tuple(calls),
-                           str(m.get("tool_call_id") or "")))
+        content, images = _content(m.get("content"), where, role)
+        out.append(Message(role, content, reasoning, tuple(calls),
+                           str(m.get("tool_call_id") or ""), images))
     return tuple(out)
 
 
@@ -202,9 +236,10 @@ def _merge_user_turns(messages: Sequence[Message]) -> list[Message]:
         if m.role in (Role.USER, Role.TOOL):
             part = m.content if m.role is Role.USER else f"<tool_result>{m.content}</tool_result>"
             if out and out[-1].role is Role.USER:
-                out[-1] = Message(Role.USER, out[-1].content + "\n\n" + part)
+                out[-1] = Message(Role.USER, out[-1].content + "\n\n" + part,
+                                  images=out[-1].images + m.images)
             else:
-                out.append(Message(Role.USER, part))
+                out.append(Message(Role.USER, part, images=m.images))
         else:
             out.append(m)
     return out
@@ -263,10 +298,37 @@ def check_chat_markers(tok: Tokenizer) -> None:
 
 
 def encode_chat(tok: Tokenizer, messages: Sequence[Message],
-                options: ChatOptions = ChatOptions()) -> list[int]:
-    """Prompt ids in the tokenizer's format (`chat_format_for`)."""
+                options: ChatOptions = ChatOptions(), *,
+                image_token_id: int | None = None) -> list[int]:
+    """Prompt ids in the tokenizer's format (`chat_format_for`), each image part as
+    `image_token_id` (`encode_with_images`)."""
     check_chat_markers(tok)
-    return tok.encode(render_chat(messages, options, chat_format_for(tok)))
+    return encode_with_images(tok, render_chat(messages, options, chat_format_for(tok)),
+                              image_token_id)
+
+
+def chat_images(messages: Sequence[Message]) -> tuple[str, ...]:
+    """The image URLs of a chat, in the order their slots stand in the prompt."""
+    return tuple(url for m in messages for url in m.images)
+
+
+def encode_with_images(tok: Tokenizer, text: str, image_token_id: int | None) -> list[int]:
+    """Ids of `text` with each IMAGE_SLOT spelled as `image_token_id` (the pieces between the
+    slots encoded on their own). ValueError when there are slots and no image id (a model
+    without a vision tower), or when the text itself spells the image id."""
+    pieces = text.split(IMAGE_SLOT)
+    if len(pieces) > 1 and image_token_id is None:
+        raise ValueError("This model has no vision tower: its chats take text parts only.")
+    ids: list[int] = []
+    for n, piece in enumerate(pieces):
+        if n:
+            ids.append(image_token_id)
+        got = tok.encode(piece) if piece else []
+        if image_token_id is not None and image_token_id in got:
+            raise ValueError(f"The text of the messages spells the image token (id "
+                             f"{image_token_id}); send each image as an image_url part.")
+        ids += got
+    return ids
 
 
 @dataclass

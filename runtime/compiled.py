@@ -9,7 +9,8 @@ import torch
 
 from dsv41.graph.cache import ModelCache, restore_local_state, save_local_state
 from dsv41.graph.dspark import Draft
-from dsv41.graph.entries import entry_inputs, load_cache_tensors, selection_keys
+from dsv41.graph.entries import VISION_ENTRY, entry_inputs, load_cache_tensors, selection_keys
+from dsv41.graph.image_processor import PreparedImage
 from dsv41.graph.model import Model
 from dsv41.graph.phases import (
     EncoderOutput,
@@ -24,6 +25,7 @@ from dsv41.graph.phases import (
     prepare_replay,
     resume_tail,
 )
+from dsv41.graph.vision import tower_inputs
 
 from .artifact import Artifact
 from .threads import default_tvm_pool
@@ -143,6 +145,20 @@ class CompiledPhases:
                              "draft (and the others) to speculate.")
         named = self._run("draft", cache, token, start=cache.pos)
         return Draft(named["draft_ids"], named["draft_logits"], named["confidence"])
+
+    def encode_image(self, model: Model, image: PreparedImage) -> torch.Tensor:
+        """One image's aligned rows bf16 (L, d) through the `vision` entry (`vision.tower`'s
+        contract; the host half is `vision.tower_inputs`)."""
+        self._check(model)
+        if VISION_ENTRY not in self.art.entries:
+            raise ValueError("This artifact has no `vision` entry; compile it with --entries "
+                             "vision (a model with a vision tower).")
+        patches, cos, sin, cells = tower_inputs(model.args, image)
+        n = patches.size(0)
+        if int(cells.min()) < 0 or int(cells.max()) > n:  # TVM's gathers do not bound-check
+            raise ValueError(f"Cell indices must lie in 0..{n} (n_patches is the zero row).")
+        (aligned,) = self.art.call(VISION_ENTRY, (patches.contiguous(), cos, sin, cells))
+        return aligned.cpu()
 
     def _encode(self, cache: ModelCache, tokens, *, replay_from=None, floor=None):
         entry = "encoder" if replay_from is None else "encoder_replay"

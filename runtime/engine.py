@@ -74,7 +74,7 @@ from .images import (
     encode_turn,
     expand_placeholders,
     key_tokens,
-    segment_rows,
+    sequence_images,
 )
 from .onednn import bound_onednn_caches
 from .requests import (
@@ -82,6 +82,7 @@ from .requests import (
     TurnLimits,
     TurnRequest,
     check_options,
+    check_token_ids,
     check_transcript,
     check_turn,
 )
@@ -447,6 +448,25 @@ class Engine:
                 f"{used:,} of its {self.options.cache_budget_bytes:,} are in use.")
         ensure_capacity(cache, want, exact=True)
 
+    # ---- images ---------------------------------------------------------------------------------
+
+    def expand_images(self, token_ids: Sequence[int],
+                      images: Sequence = ()) -> tuple[Sequence[int], list[TurnImage]]:
+        """A turn's ids with each `image_token_id` placeholder replaced by its image's span, and
+        the images (decoded, preprocessed: RequestError on a bad one) where the spans stand;
+        the ids as they are for a model without a tower and no images. Images need the graph
+        backend (any mode): the compiled entries take token ids only."""
+        if not images and not self.model.vision:
+            return token_ids, []
+        if images and self.phases is not graph_phases:
+            raise RequestError("Images need the PyTorch graph backend (Engine.from_model, "
+                               "--backend torch); the compiled artifact's entries take text "
+                               "only.")
+        if isinstance(images, str | bytes) or not isinstance(images, Sequence):
+            raise RequestError("Images are given as a list, one per image placeholder.")
+        ids = check_token_ids(token_ids, vocab_size=self.model.args.vocab_size)
+        return expand_placeholders(self.model, ids, images)
+
     # ---- batched decode -------------------------------------------------------------------------
 
     def _check_requests(self, requests) -> list[TurnRequest]:
@@ -497,13 +517,18 @@ class Engine:
     # ---- EPD: a turn prefilled by another process (runtime/epd.py) ---------------------------
 
     def adopt(self, tokens: Sequence[int], state: dict[str, np.ndarray], request: TurnRequest,
-              first: SampledToken, generator_state: bytes | None = None) -> tuple[Session, _Turn]:
+              first: SampledToken, generator_state: bytes | None = None,
+              images: Sequence[TurnImage] = ()) -> tuple[Session, _Turn]:
         """A new session whose cache is a prefill worker's handed-off runtime state of `tokens`
         (`Session.runtime_state`), and its open turn with the first token already sampled
         (`first`; `generator_state`: the sampler's generator after it). Join the turn to a
         `DecodeBatch`; its end stores it in the tiers like any turn. ValueError when the state
-        does not fit this engine's cache."""
+        does not fit this engine's cache. `images`: the prompt's images (spans at their
+        offsets in `tokens`), which the tiers' keys name."""
         self._check_open()
+        seen = encode_turn(self.model, 0, images)
+        if self.model.vision:
+            check_spans(list(tokens), seen, self.model.args.image_token_id, 0)
         if request.sampling is None:
             raise RequestError("A handed-off turn carries its SamplingParams.")
         s = self.session()
@@ -519,7 +544,7 @@ class Engine:
         except BaseException:
             s.close()
             raise
-        s.cache, s.history = cache, list(tokens)
+        s.cache, s.history, s.images = cache, list(tokens), seen
         sampler = Sampler(request.sampling)
         if generator_state is not None:
             sampler.generator.set_state(torch.frombuffer(bytearray(generator_state),
@@ -714,10 +739,7 @@ class Session:
         `images` (PIL images, bytes, paths, base64 or data URLs): one per `image_token_id`
         placeholder in `token_ids`, in any turn; the runtime lays out each span
         (`runtime/images.py`). The turn's record is `session.turns[-1]`."""
-        turn_images: list[TurnImage] = []
-        if images or self.engine.model.vision:
-            self._check_images_supported(images)
-            token_ids, turn_images = expand_placeholders(self.engine.model, token_ids, images)
+        token_ids, turn_images = self.engine.expand_images(token_ids, images)
         req = self._request(token_ids, max_new_tokens=max_new_tokens, stop=stop,
                             temperature=temperature, seed=seed, keep_logits=keep_logits,
                             sampling=sampling)
@@ -725,13 +747,6 @@ class Session:
         turn = self._begin(req, images=turn_images)
         self._gen, self._open = self._decode(turn), turn
         return self._gen
-
-    def _check_images_supported(self, images: Sequence) -> None:
-        e = self.engine
-        if images and (not e.options.exact or e.phases is not graph_phases):
-            raise RequestError("Images need the PyTorch graph backend in exact mode "
-                               "(Engine.from_model(..., exact=True)); the CED phases and "
-                               "compiled artifacts take text only.")
 
     def close(self) -> None:
         """End the session: its turn state is stored (as at every turn end) and its runtime
@@ -741,15 +756,16 @@ class Session:
         self.closed = True
         self.engine.sessions.pop(self.id, None)
 
-    def begin(self, request: TurnRequest, *,
-              pacing: PrefillPacing = PrefillPacing()) -> _Turn:
+    def begin(self, request: TurnRequest, *, pacing: PrefillPacing = PrefillPacing(),
+              images: Sequence[TurnImage] = ()) -> _Turn:
         """An EPD prefill worker's turn (`request` from runtime.requests.check_turn): the
         prefill and the first token, the cache left live for `runtime_state`; `finish` ends it
-        (stored in the tiers). Its decode runs elsewhere (`Engine.adopt`)."""
+        (stored in the tiers). Its decode runs elsewhere (`Engine.adopt`). `images`: the
+        turn's images, their spans laid out in `request` (encoded by a vision stage or not)."""
         if self.closed:
             raise RequestError(f"Session {self.id} is closed.")
         self._finish_open_turn()
-        return self._begin(request, pacing=pacing)
+        return self._begin(request, pacing=pacing, images=images)
 
     def runtime_state(self) -> dict[str, np.ndarray]:
         """The live cache's whole state (every complete block, every ring, tail and pointer:
@@ -913,9 +929,11 @@ class Session:
         cache, cut = start.cache, start.cached
         chunks = {"chunk_tokens": pacing.chunk_tokens or e.options.prefill_chunk_tokens,
                   "between_chunks": pacing.between_chunks}
-        rows = segment_rows(m, images, 0 if start.tier is Tier.COLD else cut, len(tokens))
-        if rows is not None:  # exact mode only (send refuses images otherwise)
-            chunks["image"] = rows
+        spans = sequence_images(m, images)  # the graph backend only (send refuses others)
+        if spans is not None and e.options.exact:  # the new tokens' rows
+            chunks["image"] = spans.rows(0 if start.tier is Tier.COLD else cut, len(tokens))
+        elif spans is not None:  # CED: each phase segment takes its rows by position
+            chunks["images"] = spans
         if start.tier is Tier.PREFIX:
             res = ph.replay_prefill(m, cache, torch.tensor([tokens[:cut]]),
                                     torch.tensor([tokens[cut:]]), **chunks)
@@ -1072,12 +1090,14 @@ class DecodeBatch:
         return max(0, rows * self.engine.cache_bytes(cap) - self.nbytes())
 
     def start(self, session: Session, request: TurnRequest, *,
-              pacing: PrefillPacing = PrefillPacing()) -> _Turn:
+              pacing: PrefillPacing = PrefillPacing(),
+              images: Sequence[TurnImage] = ()) -> _Turn:
         """Begin a turn of `session` (restore, prefill, first token) and join it to the batch;
-        a turn already done after its prefill ends at once (stored) and does not join."""
+        a turn already done after its prefill ends at once (stored) and does not join.
+        `images`: the turn's images, their spans laid out in `request` (`Engine.expand_images`)."""
         if len(self.members) >= self.max_rows:
             raise ValueError(f"The decode batch is full ({self.max_rows} rows).")
-        turn = session._begin(request, pacing=pacing)
+        turn = session._begin(request, pacing=pacing, images=images)
         if turn.done:
             session._end(turn)
             return turn

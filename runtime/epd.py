@@ -1,13 +1,22 @@
-"""EPD workers: prefill and decode as separately scaled processes over one Redis server.
+"""EPD workers: vision, prefill and decode as separately scaled processes over one Redis server.
 
+    dsv41 serve --role vision  --redis-url redis://host:6379/0 ...   # one or more (images)
     dsv41 serve --role prefill --redis-url redis://host:6379/0 ...   # one or more
     dsv41 serve --role decode  --redis-url redis://host:6379/0 ...   # one or more
 
-A request flows gateway -> prefill -> decode -> gateway. Every worker process is also a gateway
-(`EpdGateway`, the OpenAI server's front: any worker's `/v1` takes requests), so clients may
-talk to any of them. (A `vision` stage goes in front of prefill: `EpdRequest.image_keys` names
-image features stored by key; the prefill worker refuses a request that has any until that
-stage exists.)
+A request flows gateway -> [vision ->] prefill -> decode -> gateway. Every worker process is also
+a gateway (`EpdGateway`, the OpenAI server's front: any worker's `/v1` takes requests), so
+clients may talk to any of them.
+
+- Images: the gateway decodes and prepares each image (`runtime/images.py`: the patches, the
+  grid; its span laid out in the prompt), stores it as a record keyed by its content digest
+  (`EpdKeys.image`, a TTL) and sends the request to the vision stream; a vision worker runs the
+  tower once per image (an image already encoded is not encoded again) and stores its aligned
+  rows (`EpdKeys.features`), then passes the request on to the prefill stream. The prefill
+  worker splices those rows (features that expired or fail their check are encoded again
+  there: never a wrong answer), the decode worker reads the image records for the tiers' keys
+  (an image names its span's blocks and snapshots by content). A request whose image record
+  is gone ends with an error event.
 
 - The gateway checks the request (as the batcher does), adds it to the prefill stream and reads
   the request's reply stream: token ids with their logprobs, the tier, the finish. Text and
@@ -49,9 +58,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
+from dsv41.graph.model import Model
+from dsv41.graph.vision import encode_image
+
 from .batcher import BatcherStats, FinishReason, RequestTiming, TokenEvent
 from .chat import IncrementalDecoder
 from .engine import DecodeBatch, Engine
+from .images import (
+    TurnImage,
+    expand_placeholders,
+    features_record,
+    image_record,
+    read_features_record,
+    read_image_record,
+)
 from .metrics import RateWindow, ServerMetrics
 from .requests import RequestError, TurnLimits, TurnRequest, check_token_ids, check_turn
 from .sampling import SampledToken, SamplingParams, StopMatcher, TokenLogprob
@@ -61,10 +81,11 @@ from .wire import RecordError, RecordFault, decode_record, encode_record
 log = logging.getLogger(__name__)
 
 HANDOFF_KIND = "handoff"
-PREFILL_GROUP, DECODE_GROUP = "prefill", "decode"
+VISION_GROUP, PREFILL_GROUP, DECODE_GROUP = "vision", "prefill", "decode"
 
 
 class Role(Enum):
+    VISION = "vision"
     PREFILL = "prefill"
     DECODE = "decode"
     ALL = "all"  # the single-process server (runtime/batcher.py)
@@ -81,8 +102,18 @@ class EpdKeys:
         return f"dsv41:epd:{self.fingerprint.hex()[:32]}"
 
     @property
+    def vision(self) -> str:
+        return f"{self.base}:vision"
+
+    @property
     def prefill(self) -> str:
         return f"{self.base}:prefill"
+
+    def image(self, digest: str) -> str:
+        return f"{self.base}:image:{digest}"
+
+    def features(self, digest: str) -> str:
+        return f"{self.base}:features:{digest}"
 
     @property
     def decode(self) -> str:
@@ -105,19 +136,25 @@ class EpdRequest:
     rid: str
     prompt: tuple[int, ...]
     sampling: SamplingParams  # stop strings removed: they are the gateway's
-    image_keys: tuple[str, ...] = ()  # image features by key (the vision stage's output)
+    image_keys: tuple[str, ...] = ()  # each image's content digest (hex): its records' keys
+    image_offsets: tuple[int, ...] = ()  # where each image's span starts in `prompt`
 
     def to_json(self) -> str:
         return json.dumps({"rid": self.rid, "prompt": list(self.prompt),
-                           "sampling": asdict(self.sampling), "image_keys": list(self.image_keys)})
+                           "sampling": asdict(self.sampling), "image_keys": list(self.image_keys),
+                           "image_offsets": list(self.image_offsets)})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> EpdRequest:
         d = json.loads(text)
         s = dict(d["sampling"])
         s["stop"], s["stop_token_ids"] = tuple(s["stop"]), tuple(s["stop_token_ids"])
+        keys = tuple(str(k) for k in d.get("image_keys", ()))
+        offsets = tuple(int(o) for o in d.get("image_offsets", ()))
+        if len(keys) != len(offsets):
+            raise ValueError(f"The request names {len(keys)} images but {len(offsets)} spans.")
         return cls(str(d["rid"]), tuple(int(t) for t in d["prompt"]), SamplingParams(**s),
-                   tuple(d.get("image_keys", ())))
+                   keys, offsets)
 
     def turn(self, vocab_size: int, max_seq_len: int) -> TurnRequest:
         """The engine's turn of a new session (RequestError when it does not fit)."""
@@ -177,8 +214,10 @@ class _Worker:
     role: Role
 
     def __init__(self, engine: Engine, client, *, consumer: str | None = None,
-                 reply_ttl_s: float = 600.0, handoff_ttl_s: float = 120.0):
+                 reply_ttl_s: float = 600.0, handoff_ttl_s: float = 120.0,
+                 image_ttl_s: float = 600.0):
         self.engine, self.r = engine, client
+        self.image_ttl_ms = int(image_ttl_s * 1000)
         self.keys = EpdKeys(engine.key_salt.fingerprint())
         self.consumer = consumer or f"{self.role.value}-{uuid.uuid4().hex[:8]}"
         self.reply_ttl_ms, self.handoff_ttl_ms = int(reply_ttl_s * 1000), int(handoff_ttl_s * 1000)
@@ -190,8 +229,8 @@ class _Worker:
         self.vocab_size, self.max_seq_len = a.vocab_size, a.max_seq_len
         import redis
 
-        for stream, group in ((self.keys.prefill, PREFILL_GROUP), (self.keys.decode,
-                                                                    DECODE_GROUP)):
+        for stream, group in ((self.keys.vision, VISION_GROUP), (self.keys.prefill, PREFILL_GROUP),
+                              (self.keys.decode, DECODE_GROUP)):
             try:
                 self.r.xgroup_create(stream, group, id="0", mkstream=True)
             except redis.ResponseError as e:  # BUSYGROUP: another worker made it
@@ -205,8 +244,9 @@ class _Worker:
 
     def queue_length(self) -> int:
         """Entries of this stage's stream not yet read by its group (Redis' group lag)."""
-        stream, group = (self.keys.prefill, PREFILL_GROUP) if self.role is Role.PREFILL else \
-            (self.keys.decode, DECODE_GROUP)
+        stream, group = {Role.VISION: (self.keys.vision, VISION_GROUP),
+                         Role.PREFILL: (self.keys.prefill, PREFILL_GROUP)}.get(
+            self.role, (self.keys.decode, DECODE_GROUP))
         try:
             for g in self.r.xinfo_groups(stream):
                 if g["name"] in (group, group.encode()):
@@ -214,6 +254,31 @@ class _Worker:
         except Exception:  # the server is unreachable: no number rather than a failed scrape
             return -1
         return 0
+
+    def turn_images(self, req: EpdRequest) -> list[TurnImage]:
+        """The request's images from their records (RequestError when one is gone or fails its
+        check), each with the vision stage's rows when those are there and sound (else None:
+        the tower runs again where they are needed)."""
+        model, fp = self.engine.model, self.keys.fingerprint
+        out = []
+        for key, offset in zip(req.image_keys, req.image_offsets, strict=True):
+            try:
+                image = read_image_record(self.r.get(self.keys.image(key)), key,
+                                          fingerprint=fp, args=model.args)
+            except RecordError as e:
+                raise RequestError(f"The request's image {key[:16]} is gone or damaged ({e}); "
+                                   "send the request again.") from None
+            try:
+                rows = read_features_record(self.r.get(self.keys.features(key)), key,
+                                            fingerprint=fp, rows=image.grid.n_embeddings,
+                                            dim=model.args.dim)
+            except RecordError as e:
+                rows = None
+                if self.role is not Role.VISION:
+                    log.warning("image features %s unusable (%s); encoding them here",
+                                key[:16], e)
+            out.append(TurnImage(offset, image, bytes.fromhex(key), rows))
+        return out
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"dsv41-{self.role.value}",
@@ -241,6 +306,50 @@ class _Worker:
         return [(mid, fields) for _, entries in (got or []) for mid, fields in entries]
 
 
+class VisionWorker(_Worker):
+    """One request at a time from the vision stream: each of its images through the tower
+    (once per content), the rows stored for the prefill stage, the request passed on."""
+
+    role = Role.VISION
+
+    def step(self, block_ms: int | None = None) -> int:
+        """Take and encode at most one request; how many were taken."""
+        entries = self._read(self.keys.vision, VISION_GROUP, 1, block_ms)
+        for mid, fields in entries:
+            req = _parse(fields)
+            if req is not None:
+                self._encode(req)
+            self.r.xack(self.keys.vision, VISION_GROUP, mid)
+            self.r.xdel(self.keys.vision, mid)
+        return len(entries)
+
+    def _encode(self, req: EpdRequest) -> None:
+        if self.r.exists(self.keys.cancel(req.rid)):
+            return  # the client left while it waited
+        model, encoded = self.engine.model, 0
+        try:
+            for im in self.turn_images(req):
+                if im.embeddings is not None:
+                    continue  # this image's rows are there already (another request's)
+                rows = encode_image(model.w, model.args, im.image)
+                self.r.set(self.keys.features(im.digest.hex()),
+                           features_record(rows, im.digest.hex(),
+                                           fingerprint=self.keys.fingerprint,
+                                           created_at=time.time()), px=self.image_ttl_ms)
+                encoded += im.image.grid.n_patches
+        except Exception as e:
+            log.warning("request %s failed in its vision stage: %s", req.rid, e)
+            with self._lock:
+                self.counters.errors += 1
+            self.send(req.rid, _event(None, FinishReason.ERROR, error=str(e)))
+            return
+        self.r.xadd(self.keys.prefill, {"req": req.to_json()})
+        with self._lock:
+            self.counters.requests += 1
+            self.counters.tokens += encoded
+        self.counters.rate.add(encoded)
+
+
 class PrefillWorker(_Worker):
     """One request at a time from the prefill stream: prefill, first token, hand-off."""
 
@@ -262,10 +371,8 @@ class PrefillWorker(_Worker):
             return  # the client left while it waited
         s = self.engine.session()
         try:
-            if req.image_keys:
-                raise RequestError("This deployment has no vision stage: images are not "
-                                   "served yet.")
-            turn = s.begin(req.turn(self.vocab_size, self.max_seq_len))
+            turn = s.begin(req.turn(self.vocab_size, self.max_seq_len),
+                           images=self.turn_images(req))
         except Exception as e:
             s.close()
             log.warning("request %s failed in its prefill: %s", req.rid, e)
@@ -358,6 +465,11 @@ class DecodeWorker(_Worker):
         value = self.r.getdel(self.keys.handoff(rid))
         s = turn = None
         try:
+            images = self.turn_images(req)  # the tiers' keys name them by content
+        except RequestError as err:
+            self.send(rid, _event(None, FinishReason.ERROR, error=str(err)))
+            return
+        try:
             rec = decode_record(value if value is not None else b"", kind=HANDOFF_KIND, key=rid,
                                 fingerprint=self.keys.fingerprint)
             tokens = [int(t) for t in rec.meta["tokens"]]
@@ -367,7 +479,8 @@ class DecodeWorker(_Worker):
             if tokens != list(req.prompt) or EpdRequest.from_json(rec.meta["request"]) != req:
                 raise RecordError(RecordFault.FOREIGN, "The hand-off is of another request.")
             s, turn = e.adopt(tokens, rec.arrays, turn_req, first,
-                              bytes.fromhex(rec.meta["generator"]))
+                              bytes.fromhex(rec.meta["generator"]),
+                              images=images)
         except (RecordError, ValueError, KeyError, TypeError) as err:
             # missing, expired, damaged or not this request's: prefill here from the tiers
             # (the first token, already sent by the prefill worker, comes out the same)
@@ -377,7 +490,7 @@ class DecodeWorker(_Worker):
                 self.counters.handoffs_rejected += 1
             s = e.session()
             try:
-                turn = s.begin(turn_req)
+                turn = s.begin(turn_req, images=images)
             except Exception as err2:
                 s.close()
                 self.send(rid, _event(None, FinishReason.ERROR, error=str(err2)))
@@ -537,8 +650,12 @@ class EpdGateway:
 
     def __init__(self, client, fingerprint: bytes, *, vocab_size: int, max_seq_len: int,
                  tokenizer: Tokenizer | None = None, max_queue: int = 64,
-                 cancel_ttl_s: float = 600.0):
+                 cancel_ttl_s: float = 600.0, model: Model | None = None,
+                 image_ttl_s: float = 600.0):
+        """`model`: the deployment's model, when its requests may hold images (it prepares
+        them: planning, patches; the tower runs in the vision stage)."""
         self.r, self.keys = client, EpdKeys(fingerprint)
+        self.model, self.image_ttl_ms = model, int(image_ttl_s * 1000)
         self.vocab_size, self.max_seq_len, self.tokenizer = vocab_size, max_seq_len, tokenizer
         self.max_queue = max_queue
         self.cancel_ttl_ms = int(cancel_ttl_s * 1000)
@@ -551,11 +668,18 @@ class EpdGateway:
         self._thread = threading.Thread(target=self._loop, name="dsv41-gateway", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteStream:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               images: Sequence = ()) -> RemoteStream:
         """Checked as the batcher checks (RequestError: a 400); QueueFull past max_queue
-        requests of this gateway in flight."""
+        requests of this gateway in flight. `images` as the batcher's (one per placeholder):
+        prepared and stored here, the request queued for the vision stage."""
         from .batcher import QueueFull
 
+        if isinstance(images, str | bytes) or not isinstance(images, Sequence):
+            raise RequestError("submit() takes its images as a list (one per placeholder).")
+        if images and (self.model is None or not self.model.vision):
+            raise RequestError("This deployment's gateway takes no images: its model has no "
+                               "vision tower (or the gateway was given none).")
         if not isinstance(params, SamplingParams):
             raise RequestError(f"submit() takes SamplingParams, got {type(params).__name__}.")
         try:
@@ -565,9 +689,13 @@ class EpdGateway:
         if params.stop and self.tokenizer is None:
             raise RequestError("Stop strings are matched on text; this gateway has no "
                                "tokenizer (give stop_token_ids instead).")
-        req = EpdRequest(uuid.uuid4().hex, check_token_ids(prompt_ids, vocab_size=self.
-                                                           vocab_size, what="submit()"),
-                         replace(params, stop=()))
+        ids = check_token_ids(prompt_ids, vocab_size=self.vocab_size, what="submit()")
+        turn_images: list[TurnImage] = []
+        if self.model is not None and self.model.vision:
+            ids, turn_images = expand_placeholders(self.model, ids, images)
+        req = EpdRequest(uuid.uuid4().hex, tuple(ids), replace(params, stop=()),
+                         tuple(im.digest.hex() for im in turn_images),
+                         tuple(im.offset for im in turn_images))
         turn = req.turn(self.vocab_size, self.max_seq_len)
         with self._lock:
             if len(self._active) >= self.max_queue:
@@ -577,7 +705,14 @@ class EpdGateway:
                                   params.stop)
             self._active[req.rid] = stream
         try:
-            self.r.xadd(self.keys.prefill, {"req": req.to_json()})
+            pipe = self.r.pipeline(transaction=False)
+            for im in turn_images:  # what the vision, prefill and decode stages read
+                pipe.set(self.keys.image(im.digest.hex()),
+                         image_record(im.image, im.digest, fingerprint=self.keys.fingerprint,
+                                      created_at=time.time()), px=self.image_ttl_ms)
+            pipe.xadd(self.keys.vision if turn_images else self.keys.prefill,
+                      {"req": req.to_json()})
+            pipe.execute()
         except Exception as err:  # the queue server is down: the client retries later (429)
             with self._lock:
                 self._active.pop(req.rid, None)
@@ -638,7 +773,7 @@ class EpdServerMetrics(ServerMetrics):
     """The server's metrics (the gateway's requests) and the worker's stage: its queue (the
     stage's stream entries not yet taken or acknowledged), running rows, throughput."""
 
-    def __init__(self, worker: PrefillWorker | DecodeWorker, **kw):
+    def __init__(self, worker: VisionWorker | PrefillWorker | DecodeWorker, **kw):
         super().__init__(**kw)
         self.worker = worker
 
@@ -652,12 +787,13 @@ class EpdServerMetrics(ServerMetrics):
             ("dsv41_epd_running_sequences", "gauge", "Sequences this worker runs now (decode: "
              "rows of its batch).", w.running() if isinstance(w, DecodeWorker) else 0),
             ("dsv41_epd_stage_tokens_per_second", "gauge", "Tokens this worker processed per "
-             "second over the last 10 s (prefill: prompt tokens; decode: decoded tokens).",
+             "second over the last 10 s (vision: patches; prefill: prompt tokens; decode: "
+             "decoded tokens).",
              round(n.rate.rate(), 6)),
             ("dsv41_epd_stage_requests_total", "counter", "Requests this worker finished its "
              "stage of.", n.requests),
-            ("dsv41_epd_stage_tokens_total", "counter", "Tokens this worker processed (prefill: "
-             "prompt tokens; decode: decoded tokens).", n.tokens),
+            ("dsv41_epd_stage_tokens_total", "counter", "Tokens this worker processed (vision: "
+             "patches; prefill: prompt tokens; decode: decoded tokens).", n.tokens),
             ("dsv41_epd_stage_errors_total", "counter", "Requests this worker failed.", n.errors),
             ("dsv41_epd_handoffs_rejected_total", "counter", "Hand-offs missing or failing a "
              "check (fingerprint, checksum, layout), prefilled again here.",

@@ -16,7 +16,9 @@ max_seq_len; completions default 16, OpenAI's), `stop` (a string or a list), `st
 `ignore_eos`, chat `logprobs` + `top_logprobs`, completions `logprobs` (an int), `n` (1 only),
 chat `tools` (rendered into the prompt; a reply's DSML block comes back as `tool_calls` with
 finish_reason `tool_calls`, runtime/tool_calls.py) and
-`chat_template_kwargs.thinking` (thinking mode). Fields this server cannot honour (`echo`,
+`chat_template_kwargs.thinking` (thinking mode), user messages' `image_url` parts (base64 PNG or
+JPEG data URIs, for a model with a vision tower: checked here, decoded by the batcher; a bad
+one is a 400 naming what is wrong). Fields this server cannot honour (`echo`,
 `suffix`, `best_of` > 1, `logit_bias`, `min_tokens`, a non-text `response_format`) are 400s,
 never silently dropped.
 """
@@ -29,7 +31,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .chat import ChatFormat, ChatOptions, ToolCall, chat_format_for, messages_from_openai
+from .chat import (
+    ChatFormat,
+    ChatOptions,
+    ToolCall,
+    chat_format_for,
+    chat_images,
+    messages_from_openai,
+)
+from .images import data_uri_image
 from .prompts import PromptFormat, chat_prompt_ids, completion_prompt_ids, prompt_format
 from .sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from .tokenizer import Tokenizer
@@ -86,6 +96,8 @@ class GenerationRequest:
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     tool_format: ChatFormat | None = None  # chat with tools: replies are read for tool calls
     created: int = field(default_factory=lambda: int(time.time()))
+    # the image parts' data (PNG / JPEG bytes), one per image placeholder of prompt_ids, in order
+    images: tuple[bytes, ...] = ()
 
 
 def _get(body: Mapping, name: str, types: type | tuple[type, ...], what: str, default=None):
@@ -187,7 +199,10 @@ def _stream_flags(body: Mapping) -> tuple[bool, bool]:
     return stream, include
 
 
-def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int) -> GenerationRequest:
+def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
+               image_token_id: int | None = None) -> GenerationRequest:
+    """`image_token_id`: the model's image placeholder id (None: a model without a vision
+    tower, whose chats take text parts only)."""
     body = _body(body)
     _check_model(body, model_name)
     _check_unsupported(body)
@@ -212,14 +227,17 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int) -> Gen
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None,
                        vocab_size=vocab_size)
     try:
-        ids = chat_prompt_ids(tok, messages, ChatOptions(thinking=thinking, tools=tuple(tools)))
-    except ValueError as e:
+        ids = chat_prompt_ids(tok, messages, ChatOptions(thinking=thinking, tools=tuple(tools)),
+                              image_token_id=image_token_id)
+        images = tuple(data_uri_image(url) for url in chat_images(messages))
+    except ValueError as e:  # RequestError too (a bad image)
         raise bad_request(str(e), "messages") from None
     tool_format = chat_format_for(tok) if tools and prompt_format(tok) is PromptFormat.CHAT \
         else None
     return GenerationRequest(Endpoint.CHAT, tuple(ids), params, stream, include_usage,
                              LogprobsForm.CHAT if want else LogprobsForm.NONE,
-                             id=f"chatcmpl-{uuid.uuid4().hex}", tool_format=tool_format)
+                             id=f"chatcmpl-{uuid.uuid4().hex}", tool_format=tool_format,
+                             images=images)
 
 
 def parse_completion(body, tok: Tokenizer, *, model_name: str,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum
 
-from .chat import MARKERS, ChatOptions, Message, Role, encode_chat
+from .chat import MARKERS, ChatOptions, Message, Role, encode_chat, encode_with_images
 from .tokenizer import Tokenizer
 
 
@@ -34,12 +34,14 @@ def prompt_format(tok: Tokenizer) -> PromptFormat:
 
 
 def chat_prompt_ids(tok: Tokenizer, messages: Sequence[Message],
-                    options: ChatOptions | None = None) -> list[int]:
-    """The prompt ids of a chat, ending where the assistant writes; ValueError when the messages
-    cannot be spelled."""
+                    options: ChatOptions | None = None, *,
+                    image_token_id: int | None = None) -> list[int]:
+    """The prompt ids of a chat, ending where the assistant writes, each image part as
+    `image_token_id` (None: a model without images); ValueError when the messages cannot be
+    spelled."""
     options = options or ChatOptions()
     if prompt_format(tok) is PromptFormat.CHAT:
-        return encode_chat(tok, messages, options)
+        return encode_chat(tok, messages, options, image_token_id=image_token_id)
     if not any(m.role is Role.USER for m in messages):
         raise ValueError("A chat needs at least one user message.")
     for i, m in enumerate(messages):
@@ -51,7 +53,7 @@ def chat_prompt_ids(tok: Tokenizer, messages: Sequence[Message],
                          "cannot be offered.")
     ids = [tok.special.bos] if options.add_bos else []
     text = "".join(m.content for m in messages)
-    return ids + (tok.encode(text) if text else [])
+    return ids + encode_with_images(tok, text, image_token_id)
 
 
 def completion_prompt_ids(tok: Tokenizer, prompt, *, vocab_size: int) -> list[int]:

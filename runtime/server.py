@@ -72,6 +72,9 @@ class ServerOptions:
     request_timeout_s: float | None = 600.0  # None: no per-request timeout
     poll_s: float = 0.25  # how often a waiting handler looks at the client and the deadline
     max_waiting: int = 128  # handler threads waiting on streams at once (a bound, not a queue)
+    # the model's image placeholder id when it has a vision tower (chats then take image_url
+    # parts); None: text only
+    image_token_id: int | None = None
 
     def validate(self) -> ServerOptions:
         if not self.model_name:
@@ -160,7 +163,7 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
 
     def submit(req: GenerationRequest) -> Stream:
         try:
-            return batcher.submit(list(req.prompt_ids), req.params)
+            return batcher.submit(list(req.prompt_ids), req.params, req.images)
         except QueueFull as e:
             raise ApiError(429, f"The server's queue is full ({e}); retry later.",
                            type=ErrorType.RATE_LIMIT, code="rate_limit_exceeded") from None
@@ -196,7 +199,8 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
         return TokenOut(ev.token_id, ev.text, ev.logprob, ev.top)
 
     def usage(req: GenerationRequest, stream: Stream, n_tokens: int) -> Usage:
-        return Usage(len(req.prompt_ids), n_tokens, stream.timing.reused_tokens)
+        t = stream.timing  # its prompt as queued: each image placeholder counts as its span
+        return Usage(t.prompt_tokens, n_tokens, t.reused_tokens)
 
     async def collect(req: GenerationRequest, stream: Stream, request: Request,
                       deadline: float | None) -> JSONResponse:
@@ -291,9 +295,13 @@ def create_app(batcher: Batcher, tokenizer: Tokenizer, options: ServerOptions,
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
-        parse = parse_chat if endpoint is Endpoint.CHAT else parse_completion
-        req = await in_thread(lambda: parse(body, tokenizer, model_name=opts.model_name,
-                                            vocab_size=opts.vocab_size))
+        if endpoint is Endpoint.CHAT:
+            req = await in_thread(lambda: parse_chat(
+                body, tokenizer, model_name=opts.model_name, vocab_size=opts.vocab_size,
+                image_token_id=opts.image_token_id))
+        else:
+            req = await in_thread(lambda: parse_completion(
+                body, tokenizer, model_name=opts.model_name, vocab_size=opts.vocab_size))
         stream = await in_thread(submit, req)
         deadline = None if opts.request_timeout_s is None else \
             time.monotonic() + opts.request_timeout_s

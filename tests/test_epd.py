@@ -300,8 +300,8 @@ def test_serve_role_needs_a_redis_url_and_a_known_role(capsys):
 
     assert cli.main(["serve", "--role", "decode", "--backend", "torch"]) != 0
     assert "--role decode needs --redis-url" in capsys.readouterr().err
-    assert cli.main(["serve", "--role", "vision", "--backend", "torch"]) != 0
-    assert "--role must be all, prefill or decode" in capsys.readouterr().err
+    assert cli.main(["serve", "--role", "encoder", "--backend", "torch"]) != 0
+    assert "--role must be all, vision, prefill or decode" in capsys.readouterr().err
 
 
 def test_a_gateway_whose_queue_server_is_down_answers_retry_later():
