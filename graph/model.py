@@ -77,7 +77,8 @@ class Model:
     full_reindex: bool = False  # Reindex layers sweep every entry, not the candidate pool
     per_layer_selection: bool = False  # Reuse layers compute their own top-k (see `select`)
     # One worker of a sharded model (`sharding.py`): `w` and `experts` hold this worker's
-    # slices, and the layers meet the other workers through `shard.comm` where the plan says
+    # slices (and its rank, `shard.rank`), and the layers meet the other workers through
+    # `shard.comm` where the plan says
     shard: WorkerShard | None = None
 
     @classmethod
@@ -111,6 +112,8 @@ class Model:
             if shard is not None:
                 stack = {k: _with_null_expert(v) for k, v in stack.items()}
             experts[layer.layer] = ExpertStack(**stack)
+        if shard is not None:
+            w["shard.rank"] = torch.tensor([shard.worker], dtype=torch.int64)
         engram = None
         if args.engram_layer_ids:
             tmap = token_map if token_map is not None else load_token_map(args, None)
@@ -156,6 +159,8 @@ class Model:
                 stack["s" + k[1]] = ghost((len(held) + _null_experts(shard), *sspec.shape),
                                           torch.uint8)
             experts[layer.layer] = ExpertStack(**stack)
+        if shard is not None:
+            w["shard.rank"] = torch.tensor([shard.worker], dtype=torch.int64)
         return cls(args, plan, w, experts, None, {}, shard=shard)
 
     @classmethod
@@ -734,9 +739,10 @@ def moe(model: Model, layer: int, x: torch.Tensor,
     ex = model.experts[layer]
     if model.shard is not None:  # expert parallel: this worker's experts, the rest to its null
         n_routed, _ = a.moe_config(layer)
-        held = model.shard.experts(n_routed)
-        mine = (ids >= held.start) & (ids < held.stop)
-        ids = torch.where(mine, ids - held.start, len(held))  # len(held): the null expert
+        held = ex.w1.size(0) - 1  # the stack ends with the null expert
+        first = shard_first(model, n_routed)  # (1,) this worker's first expert id
+        mine = (ids >= first) & (ids < first + held)
+        ids = torch.where(mine, ids - first, held)
         weights = torch.where(mine, weights, 0.0)
     y = ops.moe_experts(x, weights, ids, ex.w1, ex.s1, ex.w3, ex.s3, ex.w2, ex.s2,
                         a.swiglu_limit)  # (n, d) fp32; a worker's: its experts' terms
@@ -834,6 +840,14 @@ def head(model: Model, x: torch.Tensor) -> torch.Tensor:
     return full.movedim(0, -1)
 
 
+def shard_first(model: Model, n: int) -> torch.Tensor:
+    """This worker's first index of n items split in contiguous blocks over the workers
+    (`sharding.expert_block`), int64 (1,). Computed from the rank the worker's weights hold
+    (`shard.rank`), not from a Python int, so one compiled library serves every worker."""
+    shards = model.shard.shards
+    return (model.w["shard.rank"] * n + shards - 1) // shards
+
+
 def embed_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:
     """Token embeddings (..., d) bf16. A sharded worker holds a slice of the vocabulary's rows:
     it looks up the ids in its slice, zeros elsewhere, and the workers' rows are all-reduced
@@ -841,7 +855,7 @@ def embed_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:
     table = model.w["embed.weight"]
     if model.shard is None:
         return table[ids]
-    rows = model.shard.rows(model.args.vocab_size)
-    mine = (ids >= rows.start) & (ids < rows.stop)
-    local = table[torch.where(mine, ids - rows.start, 0)]  # (..., d)
+    first = shard_first(model, model.args.vocab_size)  # (1,) this worker's first row
+    mine = (ids >= first) & (ids < first + table.size(0))
+    local = table[torch.where(mine, ids - first, 0)]  # (..., d)
     return model.shard.comm.all_reduce(torch.where(mine.unsqueeze(-1), local, 0.0).to(BF16))

@@ -223,11 +223,6 @@ class WorkerShard:
     def experts(self, n_routed: int) -> range:
         return expert_block(self.worker, self.shards, n_routed)
 
-    def rows(self, size: int) -> range:
-        """This worker's rows of a dimension split evenly (vocabulary, heads)."""
-        part = size // self.shards
-        return range(self.worker * part, (self.worker + 1) * part)
-
 
 def worker_slices(plan: ShardPlan, worker: int) -> dict[str, tuple[int, int, int] | None]:
     """Every checkpoint tensor `worker` reads: name -> (dim, start, stop) of its slice, or None

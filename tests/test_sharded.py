@@ -134,7 +134,8 @@ def test_a_worker_reads_only_its_slices(small_case):
     models, _ = load_workers(path, 2, args)
     for w, model in enumerate(models):
         cuts = worker_slices(plan, w)
-        assert set(model.w) == {n for n in cuts if ".ffn.experts." not in n}
+        assert set(model.w) == {n for n in cuts if ".ffn.experts." not in n} | {"shard.rank"}
+        assert model.w["shard.rank"].tolist() == [w]
         for name, cut in cuts.items():
             if ".ffn.experts." in name:
                 continue
