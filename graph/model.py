@@ -118,13 +118,18 @@ class Model:
         if args.engram_layer_ids:
             tmap = token_map if token_map is not None else load_token_map(args, None)
             engram = build_tables(args, tmap)
-        freqs = {
-            True: rope_freqs(args.rope_head_dim, args.original_seq_len, args.compress_rope_theta,
-                             args.rope_factor, args.beta_fast, args.beta_slow),
-            False: rope_freqs(args.rope_head_dim, 0, args.rope_theta, args.rope_factor,
-                              args.beta_fast, args.beta_slow),
-        }
-        return cls(args, plan, w, experts, engram, freqs, shard=shard)
+        return cls(args, plan, w, experts, engram, model_rope_freqs(args), shard=shard)
+
+    @classmethod
+    def host_half(cls, args: ModelArgs, token_map: np.ndarray | None = None) -> Model:
+        """What the host half of the phases reads (RoPE tables, Engram hashing, shapes for the
+        checks) and no weights (a `placeholder`'s): the controller of workers that hold them."""
+        model = cls.placeholder(args)
+        model.freqs = model_rope_freqs(args)
+        if args.engram_layer_ids:
+            model.engram = build_tables(args, token_map if token_map is not None
+                                        else load_token_map(args, None))
+        return model
 
     @classmethod
     def placeholder(cls, args: ModelArgs, shard: WorkerShard | None = None) -> Model:
@@ -214,6 +219,16 @@ class Model:
         """The behaviour fields, for rebuilding an equivalent Model (the captured graphs do)."""
         return {"reference_index_k": self.reference_index_k, "full_reindex": self.full_reindex,
                 "per_layer_selection": self.per_layer_selection}
+
+
+def model_rope_freqs(args: ModelArgs) -> dict[bool, torch.Tensor]:
+    """RoPE frequencies by kind: compressed layers (YaRN) and window-only layers."""
+    return {
+        True: rope_freqs(args.rope_head_dim, args.original_seq_len, args.compress_rope_theta,
+                         args.rope_factor, args.beta_fast, args.beta_slow),
+        False: rope_freqs(args.rope_head_dim, 0, args.rope_theta, args.rope_factor,
+                          args.beta_fast, args.beta_slow),
+    }
 
 
 def expert_stacks(args: ModelArgs, shard: WorkerShard | None = None) -> dict[str, list[str]]:
