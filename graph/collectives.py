@@ -110,18 +110,21 @@ class ThreadGroup:
             raise CollectiveError(f"The {what} did not complete: another worker failed or did "
                                   "not arrive (the group was aborted or timed out).") from e
 
-    def exchange(self, worker: int, x: torch.Tensor, what: str) -> list[torch.Tensor]:
-        """Every worker's `x`, in worker order (each worker gets the same list)."""
+    def exchange(self, worker: int, x: torch.Tensor, what: str, combine) -> torch.Tensor:
+        """combine(every worker's x, in worker order), computed by each worker while every `x`
+        is still alive (a compiled entry may reuse its buffer as soon as its call returns)."""
         self._slots[worker] = x
         self._wait(what)
         parts = list(self._slots)
-        shapes = {tuple(p.shape) for p in parts}
-        dtypes = {p.dtype for p in parts}
-        self._wait(what)  # nobody overwrites a slot before every worker has read them all
-        if len(shapes) != 1 or len(dtypes) != 1:
+        ok = len({tuple(p.shape) for p in parts}) == 1 and len({p.dtype for p in parts}) == 1
+        out = combine(parts) if ok else None
+        self._wait(what)  # nobody moves on (or overwrites a slot) before every worker is done
+        self._slots[worker] = None
+        if out is None:
             raise CollectiveError(f"The {what} got different shapes or dtypes from its workers: "
-                                  f"{sorted(shapes)}, {sorted(map(str, dtypes))}.")
-        return parts
+                                  f"{[tuple(p.shape) for p in parts]}, "
+                                  f"{[str(p.dtype) for p in parts]}.")
+        return out
 
 
 class ThreadMember:
@@ -131,10 +134,10 @@ class ThreadMember:
         self.group, self.worker, self.shards = group, worker, group.shards
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return sum_in_worker_order(self.group.exchange(self.worker, x, "all-reduce"))
+        return self.group.exchange(self.worker, x, "all-reduce", sum_in_worker_order)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_in_worker_order(self.group.exchange(self.worker, x, "all-gather"))
+        return self.group.exchange(self.worker, x, "all-gather", gather_in_worker_order)
 
 
 # ---- the captured graph's collectives ---------------------------------------------------------
@@ -179,7 +182,7 @@ class ExportCollectives:
         self.shards = shards
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(x.contiguous(), self.shards)
+        return all_reduce(x, self.shards)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather(x.contiguous(), self.shards)
+        return all_gather(x, self.shards)

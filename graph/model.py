@@ -859,8 +859,10 @@ def shard_first(model: Model, n: int) -> torch.Tensor:
     """This worker's first index of n items split in contiguous blocks over the workers
     (`sharding.expert_block`), int64 (1,). Computed from the rank the worker's weights hold
     (`shard.rank`), not from a Python int, so one compiled library serves every worker."""
-    shards = model.shard.shards
-    return (model.w["shard.rank"] * n + shards - 1) // shards
+    shards, rank = model.shard.shards, model.w["shard.rank"]
+    if n % shards == 0:
+        return rank * (n // shards)
+    return (rank * n + shards - 1) // shards  # uneven expert blocks (one library per worker)
 
 
 def embed_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:

@@ -183,3 +183,29 @@ def test_two_workers_equal_one_on_shared_small(small_case, one_worker):
 def test_sharded_backend_refuses_models_of_no_group(small_model):
     with pytest.raises(ValueError, match="worker models of one group"):
         ShardedBackend([small_model, small_model], ThreadGroup(2))
+
+
+@pytest.mark.parametrize("hint", [None, 1])  # the gemm and (CPU decode) gemv kernels
+def test_fp8_linear_f32_kernel_matches_its_oracle(hint):
+    """The fp32-output kernel (a row-parallel partial sum): the fp8_linear kernel's stages with
+    no bf16 rounding; its fp32 additions follow the kernel's order (the gemv adds all of K at
+    once), so outputs are within a few fp32 ulp of the oracle's: 1e-6 of the largest output."""
+    import ml_dtypes
+    import tvm
+
+    from dsv41.graph.targets import get_target
+    from dsv41.schedules import gemm
+
+    n, k = 64, 128
+    ex = tvm.compile(gemm.build_fp8_linear("cpu", n=n, k=k, m=hint, out_dtype="float32"),
+                     target=get_target("cpu").tvm_target())
+    for m in (1, 5):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
+        out = tvm.runtime.tensor(np.zeros((m, n), np.float32))
+        ex(tvm.runtime.tensor(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)),
+           tvm.runtime.tensor(weight.numpy()), tvm.runtime.tensor(scale.numpy()), out)
+        ref = ops.fp8_linear_f32(x, weight, scale)
+        got = torch.from_numpy(out.numpy())
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    with pytest.raises(ValueError, match="bfloat16 .* or float32"):
+        gemm.make_fp8_linear(n=n, k=k, out_dtype="float16")
