@@ -6,14 +6,17 @@ call (`CompiledPhases(ShardedArtifact..., Model.host_half(args))`).
     ...
     art.shutdown()
 
-Each worker loads its own weights on its own thread (`dsv41.shard.load_weights`: only its slices
-and experts, read straight from the safetensors files, `Model.from_checkpoint(..., shard=)`), and
-loads the entry's library; the controller holds no weights. A call copies the entry's inputs
-(tokens, positions, RoPE tables, Engram ids, the cache) to every worker, runs the entry on all of
-them, and returns worker 0's outputs (every worker's logits are checked equal: the collectives
-give all of them the same sums). The cache is whole on every worker (`sharding.py`), so keeping
-the host's copy and sending it each call is correct; keeping it resident on the workers (and
-sending only the new rows) is what a deployment needs next.
+Everything that can be checked is checked on the controller first (the checkpoint's config,
+every worker's shapes): TVM's ThreadedSession does not catch an error raised on a worker
+thread, which ends the process. Each worker then loads its own weights on its own thread
+(`dsv41.shard.load_weights`: only its slices and experts, read straight from the safetensors
+files, `Model.from_checkpoint(..., shard=)`) and the entry's library; the controller holds no
+weights. A call copies the entry's inputs (tokens, positions, RoPE tables, Engram ids, the
+cache) to every worker, runs the entry on all of them, and returns worker 0's outputs (every
+worker's logits are checked equal: the collectives give all of them the same sums). The cache
+is whole on every worker (`sharding.py`), so keeping the host's copy and sending it each call
+is correct; keeping it resident on the workers (and sending only the new rows) is what a
+deployment needs next.
 
 The CPU test collective (`CclBackend.CPU_TEST`): the PyPI wheel has no CPU collective library,
 so for a `ThreadedSession` (workers are threads of this process) `register_test_ccl` registers
@@ -70,6 +73,28 @@ def verify_sharded(artifact_dir: str | Path, *, args: ModelArgs | None = None) -
     if args is not None and args.config_hash() != config.config_hash():
         raise ArtifactError(f"{d} was compiled for another config.")
     return m
+
+
+def check_worker_shapes(manifest: dict, checkpoint: str | Path) -> None:
+    """ArtifactError unless the checkpoint is the artifact's model and every worker's share of
+    it has the shapes the library takes. Checked here, before any worker runs: an exception on
+    a ThreadedSession's worker thread is not caught by TVM and ends the process."""
+    from dsv41.graph.checkpoint import checkpoint_config
+
+    args = args_from_dict(manifest["config"])
+    if checkpoint_config(checkpoint).config_hash() != args.config_hash():
+        raise ArtifactError(f"The checkpoint {checkpoint} is not the model the sharded artifact "
+                            "was compiled for (its config differs).")
+    shards = int(manifest["shards"])
+    for w in range(shards):
+        model = Model.placeholder(args, WorkerShard(w, shards, ExportCollectives(shards)))
+        for entry, sig in manifest["entries"].items():
+            for p in sig["params"]:
+                shape = list(weight_for(model, p["param"]).shape)
+                if shape != [int(x) for x in p["shape"]]:
+                    raise ArtifactError(f"Worker {w}'s {p['param']} has shape {shape}; the "
+                                        f"{entry} library takes {p['shape']} (uneven shares "
+                                        "need a library per worker).")
 
 
 # ---- functions the workers run -------------------------------------------------------------
@@ -159,6 +184,7 @@ class ShardedArtifact:
         disco = load_disco()
         m = verify_sharded(artifact_dir, args=args)
         shards, ccl = int(m["shards"]), CclBackend(m["ccl"])
+        check_worker_shapes(m, checkpoint)  # a worker's own error would end the process
         register_worker_functions()
         if ccl is not CclBackend.CPU_TEST:
             check_ccl("nccl")  # the clear error where this TVM has no NCCL
