@@ -209,3 +209,26 @@ def test_fp8_linear_f32_kernel_matches_its_oracle(hint):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
     with pytest.raises(ValueError, match="bfloat16 .* or float32"):
         gemm.make_fp8_linear(n=n, k=k, out_dtype="float16")
+
+
+def test_dsv41_compile_shards_refuses_what_it_cannot_build(tmp_path, capsys):
+    from dsv41.compiler.cli import main
+
+    assert main(["compile", "--preset", "small", "--shards", "3", "--out", str(tmp_path)]) == 2
+    assert "do not split over 3" in capsys.readouterr().err
+    assert main(["compile", "--preset", "small", "--shards", "2", "--target", "cuda-sm90",
+                 "--out", str(tmp_path)]) == 2
+    assert "CPU targets only" in capsys.readouterr().err
+    assert main(["compile", "--preset", "small", "--shards", "1", "--out", str(tmp_path)]) == 2
+    assert "2 or more workers" in capsys.readouterr().err
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_uneven_expert_blocks_need_a_library_per_worker():
+    from dsv41.compiler.sharded import check_even_split
+    from dsv41.graph.config import preset
+
+    args = preset("small")
+    check_even_split(args, 2)  # 4 experts over 2
+    with pytest.raises(ValueError, match="do not split evenly over 2 workers"):
+        check_even_split(args.replace(n_routed_experts=3), 2)
