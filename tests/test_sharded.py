@@ -232,3 +232,30 @@ def test_uneven_expert_blocks_need_a_library_per_worker():
     check_even_split(args, 2)  # 4 experts over 2
     with pytest.raises(ValueError, match="do not split evenly over 2 workers"):
         check_even_split(args.replace(n_routed_experts=3), 2)
+
+
+def test_the_placeholder_worker_has_the_loaded_workers_shapes(small_case):
+    """What a sharded compile captures (a placeholder worker) is what a worker loads."""
+    from dsv41.graph.collectives import ExportCollectives
+    from dsv41.graph.model import Model
+    from dsv41.graph.sharding import WorkerShard
+
+    models, _ = load_workers(small_case.checkpoint, 2)
+    for w, loaded in enumerate(models):
+        ghost = Model.placeholder(loaded.args, WorkerShard(w, 2, ExportCollectives(2)))
+        assert {n: tuple(t.shape) for n, t in ghost.w.items()} == \
+            {n: tuple(t.shape) for n, t in loaded.w.items()}
+        for layer, ex in loaded.experts.items():
+            assert ghost.experts[layer].w2.shape == ex.w2.shape
+
+
+def test_a_slice_outside_the_tensor_is_refused(small_case):
+    args = load_config(small_case.checkpoint)
+    with pytest.raises(ValueError, match="is not a slice of dims 0 or 1"):
+        load_checkpoint(small_case.checkpoint, args, only={"embed.weight"},
+                        slices={"embed.weight": (0, 256, 1024)})
+    got = load_checkpoint(small_case.checkpoint, args, only={"embed.weight", "head.weight"},
+                          slices={"embed.weight": (1, 8, 24)})
+    whole = load_checkpoint(small_case.checkpoint, args)
+    assert set(got) == {"embed.weight", "head.weight"}
+    assert torch.equal(got["embed.weight"], whole["embed.weight"][:, 8:24])
