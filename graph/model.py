@@ -248,9 +248,10 @@ def expert_stacks(args: ModelArgs, shard: WorkerShard | None = None) -> dict[str
 
 
 def _null_experts(shard: WorkerShard | None) -> int:
-    """A worker's expert stack ends with one all-zero expert: the rows routed to other workers'
-    experts go there with weight 0 (adding exactly +0, and never a second time to one of this
-    worker's experts, which the expert kernels' per-row distinct ids require)."""
+    """A worker's expert stack ends with one all-zero expert: the pairs routed to other
+    workers' experts go there with weight 0, adding exactly +0 (the oracle's `y[rows] +=`
+    keeps one of a row's repeats, all zero; the kernels' route ranks repeats in slot order).
+    The worker still computes those pairs (zeros): skipping them is the route's next step."""
     return 0 if shard is None else 1
 
 
@@ -851,8 +852,8 @@ def head(model: Model, x: torch.Tensor) -> torch.Tensor:
     logits = torch.nn.functional.linear(x.float(), model.w["head.weight"])  # (b, s, V or V/N)
     if model.shard is None:
         return logits
-    full = model.shard.comm.all_gather(logits.movedim(-1, 0))  # (V, b, s), workers in order
-    return full.movedim(0, -1)
+    full = model.shard.comm.all_gather(logits.permute(2, 0, 1))  # (V, b, s), workers in order
+    return full.permute(1, 2, 0)
 
 
 def shard_first(model: Model, n: int) -> torch.Tensor:
