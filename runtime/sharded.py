@@ -249,30 +249,3 @@ class ShardedArtifact:
     def shutdown(self) -> None:
         self.session.shutdown()
 
-
-def load_engine(artifact_dir: str | Path, checkpoint_dir: str | Path, **options):
-    """An `Engine` (the same Session API as one device) over a sharded artifact's workers;
-    returns (engine, artifact): close the engine, then `artifact.shutdown()`."""
-    from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
-    from dsv41.graph.engram import load_token_map
-
-    from .artifact import engine_entries
-    from .compiled import CompiledPhases
-    from .engine import Engine, EngineOptions
-    from .salt import artifact_backend
-
-    opts = EngineOptions(**options)
-    args = checkpoint_config(checkpoint_dir)
-    art = ShardedArtifact.open(artifact_dir, checkpoint_dir, args=args)
-    try:
-        entries = engine_entries(art, exact=opts.exact)
-        host = Model.host_half(args, load_token_map(args, checkpoint_dir)
-                               if args.engram_layer_ids else None)
-        engine = Engine(host, CompiledPhases(art, host, threads=opts.threads),
-                        weights_hash=weights_fingerprint(checkpoint_dir), options=opts,
-                        backend=f"sharded artifact {Path(artifact_dir)} ({art.shards} workers)",
-                        backend_id=artifact_backend(art.manifest, entries) + f":{art.shards}")
-    except Exception:
-        art.shutdown()
-        raise
-    return engine, art
