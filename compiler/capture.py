@@ -52,6 +52,7 @@ class PhaseGraph(torch.nn.Module):
                              "switch.")
         self.args, self.plan, self.entry, self.template = model.args, model.plan, entry, template
         self.switches = model.switches()  # Python constants: they choose the traced code
+        self.shard = model.shard  # a sharded worker's graph: its collectives are export ops
         self.weight_names = sorted(model.w)
         for name in self.weight_names:
             self.register_parameter(_param_name(name),
@@ -66,7 +67,8 @@ class PhaseGraph(torch.nn.Module):
         experts = {layer: ExpertStack(**{k: getattr(self, f"experts__{layer}__{k}")
                                          for k in ("w1", "s1", "w3", "s3", "w2", "s2")})
                    for layer in sorted({p.layer for p in self.plan.layers})}
-        return Model(self.args, self.plan, w, experts, None, {}, **self.switches)
+        return Model(self.args, self.plan, w, experts, None, {}, shard=self.shard,
+                     **self.switches)
 
     def new_chunk(self, start, floor, s, ropes, hash_ids, **flags) -> Chunk:
         return Chunk(start=start, length=s, rope={True: (ropes[0], ropes[1]),

@@ -173,6 +173,8 @@ def cmd_compile(ns) -> int:
         cfg = Path(ns.config)
         name = cfg.parent.name if cfg.name == "config.json" else cfg.stem
         name = cfg.parent.parent.name if name == "checkpoint" else name
+    if ns.shards is not None:
+        return _compile_sharded(ns, args, name, entries if ns.entries else ("prefill_all",))
     opts = CompileOptions(args=args, model_name=name, target=ns.target, out=Path(ns.out),
                           entries=entries,
                           debug_dump=Path(ns.debug_dump) if ns.debug_dump else None,
@@ -194,6 +196,22 @@ def cmd_compile(ns) -> int:
     if report.unfused:
         print(f"note: TVM's FuseTIR refused {', '.join(report.unfused)}; built unfused.")
     print(f"total {report.total_seconds:.1f} s, {sum(report.sizes.values()) / 1e6:.1f} MB")
+    return 0
+
+
+def _compile_sharded(ns, args, name: str, entries: tuple[str, ...]) -> int:
+    """`dsv41 compile --shards N`: one worker's graph for every worker (compiler/sharded.py)."""
+    from dsv41.compiler.sharded import compile_sharded
+    from dsv41.graph.collectives import CclBackend
+
+    if ns.format != "tvm" or ns.debug_dump:
+        raise ValueError("--shards builds TVM libraries only (no --format onnx, --debug-dump).")
+    out = Path(ns.out) / f"{name}-{args.config_hash()[:12]}" / f"{ns.target}-shards{ns.shards}"
+    print(f"compile: model {name}, {ns.shards} workers, target {ns.target}, collectives "
+          f"{ns.ccl}, entries {', '.join(entries)}, out {out}")
+    path = compile_sharded(args, out, shards=ns.shards, entries=entries, target=ns.target,
+                           ccl=CclBackend(ns.ccl), model_name=name)
+    print(f"artifact: {path.parent}")
     return 0
 
 
@@ -755,6 +773,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--debug-dump", default=None, help="write the IR after each phase here")
     sp.add_argument("--format", default="tvm", choices=("tvm", "onnx"),
                     help="onnx: also export the captured graphs as ONNX (dsv41 domain)")
+    sp.add_argument("--shards", type=int, default=None,
+                    help="a sharded artifact: one worker's graph for N workers (CPU targets; "
+                         "default entries: prefill_all)")
+    sp.add_argument("--ccl", default="cpu-test", choices=("cpu-test", "disco"),
+                    help="--shards: the collectives: cpu-test (the in-process test "
+                         "collective, a ThreadedSession) or disco (the session's NCCL)")
     sp.set_defaults(func=cmd_compile)
 
     sp = sub.add_parser("bundle", help="a self-contained folder that runs artifacts with only "

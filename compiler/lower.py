@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
+from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
 
 BF16 = "bfloat16"
@@ -32,6 +33,7 @@ class Lowering:
     target: TargetSpec
     rows_hint: int | None = None  # decode: 1; drafts: a few; prefill: None (large)
     kernels: dict[tuple, relax.GlobalVar] = field(default_factory=dict)
+    ccl: CclBackend = CclBackend.DISCO  # a sharded entry's collectives
 
     def kernel(self, importer, key: tuple, make) -> relax.GlobalVar:
         if key not in self.kernels:
@@ -83,18 +85,41 @@ def _unrows(importer, y: relax.Expr, lead: list) -> relax.Expr:
 # ---- dsv41 ops ----------------------------------------------------------------------------------
 
 
-def _fp8_linear(ctx: Lowering):
+def _fp8_linear(ctx: Lowering, out_dtype: str = BF16):
+    """fp8_linear (bf16 out) or fp8_linear_f32 (fp32: a row-parallel partial sum)."""
     from dsv41.schedules import gemm
+
+    name = "fp8_linear" if out_dtype == BF16 else "fp8_linear_f32"
 
     def convert(node, importer):
         x, w, s = (importer.env[a] for a in node.args[:3])
         n, k = (_static(v) for v in _shape(w))
-        gv = ctx.kernel(importer, ("fp8_linear", n, k, ctx.rows_hint),
+        gv = ctx.kernel(importer, (name, n, k, ctx.rows_hint),
                         lambda: gemm.build_fp8_linear(ctx.target.name, n=n, k=k,
-                                                      m=ctx.rows_hint))
+                                                      m=ctx.rows_hint, out_dtype=out_dtype))
         x2, lead = _rows(importer, x, 1)
-        y = _call(importer, gv, [x2, w, s], _tensor([_shape(x2)[0], n], BF16))
+        y = _call(importer, gv, [x2, w, s], _tensor([_shape(x2)[0], n], out_dtype))
         return _unrows(importer, y, lead)
+
+    return convert
+
+
+def _collective(ctx: Lowering, op: str):
+    """dsv41::all_reduce / all_gather -> a destination-passing call of the sharded entry's
+    collective (`ctx.ccl`): disco's own functions, which run the session's NCCL, or the CPU
+    test collective. Both take disco's arguments (a sum; not within a group)."""
+
+    def convert(node, importer):
+        x = importer.env[node.args[0]]
+        shards = int(node.args[1])
+        not_in_group = relax.prim_value(tvm.tirx.IntImm("bool", 0))
+        if op == "allreduce":
+            args, out = [x, relax.ShapeExpr([0]), not_in_group], x.ty
+        else:
+            shape = _shape(x)
+            args, out = [x, not_in_group], _tensor([shape[0] * shards, *shape[1:]], x.ty.dtype)
+        return importer.block_builder.emit(
+            relax.call_dps_packed(ctx.ccl.function(op), args, out_ty=out))
 
     return convert
 
@@ -614,6 +639,9 @@ def _clamp(node, importer):
 def convert_map(ctx: Lowering) -> dict:
     return {
         "fp8_linear.default": _fp8_linear(ctx),
+        "fp8_linear_f32.default": _fp8_linear(ctx, "float32"),
+        "all_reduce.default": _collective(ctx, "allreduce"),
+        "all_gather.default": _collective(ctx, "allgather"),
         "fp8_dequant.default": _fp8_dequant(ctx),
         "sparse_attend.default": _sparse_attend(ctx, "fp4"),
         "sparse_attend_bf16.default": _sparse_attend(ctx, "bf16"),
@@ -646,14 +674,16 @@ def convert_map(ctx: Lowering) -> dict:
 
 
 def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
-          kernels: dict | None = None, bounds: dict[str, int] | None = None) -> tvm.IRModule:
+          kernels: dict | None = None, bounds: dict[str, int] | None = None,
+          ccl: CclBackend = CclBackend.DISCO) -> tvm.IRModule:
     """ExportedProgram -> Relax IRModule with one function `main`; weights stay parameters
     (`keep_params_as_input`), in the program's parameter order. `kernels`, when given, receives
-    each kernel's key -> GlobalVar (what `dsv41 tune` maps back to the kernels' factories)."""
+    each kernel's key -> GlobalVar (what `dsv41 tune` maps back to the kernels' factories).
+    `ccl`: the functions a sharded worker's collectives call."""
     from tvm.relax.frontend.torch import from_exported_program
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-    ctx = Lowering(target, rows_hint, {} if kernels is None else kernels)
+    ctx = Lowering(target, rows_hint, {} if kernels is None else kernels, ccl)
     convert = ExportedProgramImporter._convert_pytorch_tensor_to_tvm
 
     def no_weight_copies(t):

@@ -538,7 +538,10 @@ ALIGNMENT = 64  # bytes: TVM imports a tensor by DLPack only at this alignment
 def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
                     device: str | torch.device = "cpu",
                     stacks: Mapping[str, Sequence[str]] | None = None,
-                    owned: Collection[str] = ()) -> dict[str, torch.Tensor]:
+                    owned: Collection[str] = (),
+                    only: Collection[str] | None = None,
+                    slices: Mapping[str, tuple[int, int, int]] | None = None
+                    ) -> dict[str, torch.Tensor]:
     """Load a checkpoint directory (one file or shards, with or without an index).
 
     The whole layout is checked from the headers first, and every problem is reported in one
@@ -556,7 +559,12 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
       so the host holds no second copy;
     - `stacks` maps a new name to member names of one dtype and shape: the result holds that
       name, the members stacked on a leading axis in the order given (written in place, member
-      by member), and not the members. A stack with a missing member is not returned.
+      by member), and not the members. A stack with a missing member is not returned;
+    - `only` (a sharded worker's tensors): nothing else is read or returned (stack members
+      count as named);
+    - `slices` maps a name to (dim, start, stop): only that slice of dims 0 or 1 is read, from
+      the file straight into an allocation of the slice's size (the whole tensor is never
+      read), and returned under the name.
     """
     path = Path(path)
     device = torch.device(device)
@@ -569,12 +577,22 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
     if problems:
         raise ValueError(_problem_report(path, problems))
     members = {m for names in (stacks or {}).values() for m in names}
+    slices = slices or {}
+    for name, (dim, start, stop) in slices.items():
+        shape = spec[name].shape if name in spec else ()
+        if dim not in (0, 1) or dim >= len(shape) or not 0 <= start < stop <= shape[dim]:
+            raise ValueError(f"The slice ({dim}, {start}, {stop}) of {name} is not a slice of "
+                             f"dims 0 or 1 of its stored shape {shape}.")
     with _Reader(device) as reader:
         loaded: dict[str, torch.Tensor] = {}
         for h in headers:
-            names = [n for n in h.entries if n in spec and n not in members and where[n] is h]
+            names = [n for n in h.entries if n in spec and n not in members and where[n] is h
+                     and (only is None or n in only)]
+            for n in names:
+                if n in slices:
+                    loaded[n] = reader.read_slice(h, n, *slices[n])
             mapped = [n for n in names if device.type == "cpu" and n not in owned
-                      and h.entries[n].start % ALIGNMENT == 0]
+                      and n not in slices and h.entries[n].start % ALIGNMENT == 0]
             if mapped:
                 loaded.update(_load_shard(h, mapped))
             for n in names:
@@ -631,6 +649,27 @@ class _Reader:
         if path not in self._files:
             self._files[path] = os.open(path, os.O_RDONLY)
         return self._files[path]
+
+    def read_slice(self, header: _Header, name: str, dim: int, start: int,
+                   stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) start..stop of `name`, read into a new tensor of
+        that size on the CPU (one read for rows, one per row for columns), then moved to the
+        reader's device."""
+        e = header.entries[name]
+        shape = list(e.shape)
+        shape[dim] = stop - start
+        out = torch.empty(shape, dtype=RETURNED_DTYPES[e.dtype])
+        flat = out.view(-1).view(torch.uint8).numpy()
+        unit = _ITEMSIZE[e.dtype] * math.prod(e.shape[dim + 1:])  # bytes per index of `dim`
+        fd = self._fd(header.path)
+        if dim == 0:
+            _pread_into(fd, e.start + start * unit, flat, header.path, name)
+        else:
+            row, piece = unit * e.shape[1], unit * (stop - start)
+            for i in range(e.shape[0]):
+                _pread_into(fd, e.start + i * row + start * unit,
+                            flat[i * piece:(i + 1) * piece], header.path, name)
+        return out if self.device.type == "cpu" else out.to(self.device)
 
     def read(self, header: _Header, name: str, dest: torch.Tensor) -> torch.Tensor:
         """Fill `dest` (contiguous, of the tensor's size) with `name`'s bytes; returns it."""

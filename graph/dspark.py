@@ -21,6 +21,7 @@ from .model import (
     Chunk,
     Model,
     block,
+    embed_rows,
     head,
     output_proj,
     token_rope,
@@ -73,7 +74,8 @@ def _draft_attention(model: Model, cache: ModelCache, layer: int, x: torch.Tenso
                                  model.p(layer, "attn.wq_a.scale")),
                   model.p(layer, "attn.q_norm.weight"), a.norm_eps)
     q = ops.fp8_linear(qr, model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
-    q = apply_rope(q.unflatten(-1, (a.n_heads, a.head_dim)), cos, sin, a.rope_head_dim)
+    # (b, n, h, hd): h = n_heads, or a sharded worker's heads (its rows of wq_b)
+    q = apply_rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, a.rope_head_dim)
     kv = rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"),
                                  model.p(layer, "attn.wkv.scale")),
                   model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
@@ -103,7 +105,7 @@ def draft(model: Model, cache: ModelCache, token: torch.Tensor, chunk: Chunk) ->
     a = model.args
     n = a.dspark_block_size
     ids = torch.where(torch.arange(n) == 0, token.unsqueeze(1), a.dspark_noise_token_id)
-    h = model.w["embed.weight"][ids].unsqueeze(2).repeat(1, 1, a.hc_mult, 1)  # (b, B, hc, d)
+    h = embed_rows(model, ids).unsqueeze(2).repeat(1, 1, a.hc_mult, 1)  # (b, B, hc, d)
     pre = identity_pre(h)
     for p in model.plan.dspark:
         h, pre = block(model, cache, p.layer, h, pre, chunk, attn=_draft_attention)

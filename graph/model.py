@@ -31,6 +31,7 @@ from .layers import (
     rope_table,
 )
 from .plan import FULL, REUSE, ModelPlan, build_plan
+from .sharding import WorkerShard, shard_plan, sliced_spec, worker_slices
 from .vision import SpanRows, check_vision_args, has_vision
 
 
@@ -72,21 +73,27 @@ class Model:
     # defaults are the released behaviour. Python constants: under export they pick the code.
     full_reindex: bool = False  # Reindex layers sweep every entry, not the candidate pool
     per_layer_selection: bool = False  # Reuse layers compute their own top-k (see `select`)
+    # One worker of a sharded model (`sharding.py`): `w` and `experts` hold this worker's
+    # slices (and its rank, `shard.rank`), and the layers meet the other workers through
+    # `shard.comm` where the plan says
+    shard: WorkerShard | None = None
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: dict[str, torch.Tensor],
-                     token_map: np.ndarray | None = None) -> Model:
+                     token_map: np.ndarray | None = None, *,
+                     shard: WorkerShard | None = None) -> Model:
         """A model over in-memory weights under their official names: each layer's experts are
-        stacked (copied) here. `from_checkpoint` loads them stacked instead."""
+        stacked (copied) here. `from_checkpoint` loads them stacked instead. With `shard`,
+        `weights` are that worker's (`sharding.worker_slices`: its slices, its experts)."""
         w = dict(weights)
         stacked = {}
-        for name, members in expert_stacks(args).items():
+        for name, members in expert_stacks(args, shard).items():
             stacked[name] = torch.stack([w.pop(m) for m in members])
-        return cls._assemble(args, {**w, **stacked}, token_map)
+        return cls._assemble(args, {**w, **stacked}, token_map, shard)
 
     @classmethod
     def _assemble(cls, args: ModelArgs, w: dict[str, torch.Tensor],
-                  token_map: np.ndarray | None) -> Model:
+                  token_map: np.ndarray | None, shard: WorkerShard | None = None) -> Model:
         """The model over weights whose experts are stacked (`expert_stacks` names)."""
         plan = build_plan(args)
         for name in _fp32_in_compute(args, plan):
@@ -99,29 +106,42 @@ class Model:
             for k in ("w1", "w3", "w2"):
                 stack[k] = w.pop(f"{prefix}.ffn.experts.{k}.weight")
                 stack["s" + k[1]] = w.pop(f"{prefix}.ffn.experts.{k}.scale")
+            if shard is not None:
+                stack = {k: _with_null_expert(v) for k, v in stack.items()}
             experts[layer.layer] = ExpertStack(**stack)
+        if shard is not None:
+            w["shard.rank"] = torch.tensor([shard.worker], dtype=torch.int64)
         engram = None
         if args.engram_layer_ids:
             tmap = token_map if token_map is not None else load_token_map(args, None)
             engram = build_tables(args, tmap)
-        freqs = {
-            True: rope_freqs(args.rope_head_dim, args.original_seq_len, args.compress_rope_theta,
-                             args.rope_factor, args.beta_fast, args.beta_slow),
-            False: rope_freqs(args.rope_head_dim, 0, args.rope_theta, args.rope_factor,
-                              args.beta_fast, args.beta_slow),
-        }
-        return cls(args, plan, w, experts, engram, freqs)
+        return cls(args, plan, w, experts, engram, model_rope_freqs(args), shard=shard)
 
     @classmethod
-    def placeholder(cls, args: ModelArgs) -> Model:
+    def host_half(cls, args: ModelArgs, token_map: np.ndarray | None = None) -> Model:
+        """What the host half of the phases reads (RoPE tables, Engram hashing, shapes for the
+        checks) and no weights (a `placeholder`'s): the controller of workers that hold them."""
+        model = cls.placeholder(args)
+        model.freqs = model_rope_freqs(args)
+        if args.engram_layer_ids:
+            model.engram = build_tables(args, token_map if token_map is not None
+                                        else load_token_map(args, None))
+        return model
+
+    @classmethod
+    def placeholder(cls, args: ModelArgs, shard: WorkerShard | None = None) -> Model:
         """A model whose weights have the checkpoint's shapes and dtypes but no storage (zero-
-        stride views of one element): what capture and compilation need, at any size."""
+        stride views of one element): what capture and compilation need, at any size. With
+        `shard`, that worker's shapes (its slices and experts)."""
         from .checkpoint import RETURNED_DTYPES as LOADED_DTYPES
         from .checkpoint import param_spec
 
         plan = build_plan(args)
         fp32 = _fp32_in_compute(args, plan)
-        specs = param_spec(args)
+        specs = full = param_spec(args)
+        if shard is not None:
+            cuts = worker_slices(shard_plan(args, shard.shards), shard.worker)
+            specs = {n: sliced_spec(specs[n], cuts[n]) for n in specs if n in cuts}
 
         def ghost(shape, dtype):
             return torch.zeros((), dtype=dtype).expand(*shape)
@@ -132,35 +152,52 @@ class Model:
         for layer in plan.layers:
             prefix = _prefix(args, layer.layer)
             n_routed, _ = args.moe_config(layer.layer)
+            held = range(n_routed) if shard is None else shard.experts(n_routed)
             stack = {}
             for k in ("w1", "w3", "w2"):
-                spec = specs[f"{prefix}.ffn.experts.0.{k}.weight"]
-                sspec = specs[f"{prefix}.ffn.experts.0.{k}.scale"]
-                stack[k] = ghost((n_routed, *spec.shape), torch.uint8)
-                stack["s" + k[1]] = ghost((n_routed, *sspec.shape), torch.uint8)
+                spec = full[f"{prefix}.ffn.experts.0.{k}.weight"]
+                sspec = full[f"{prefix}.ffn.experts.0.{k}.scale"]
+                stack[k] = ghost((len(held) + _null_experts(shard), *spec.shape), torch.uint8)
+                stack["s" + k[1]] = ghost((len(held) + _null_experts(shard), *sspec.shape),
+                                          torch.uint8)
             experts[layer.layer] = ExpertStack(**stack)
-        return cls(args, plan, w, experts, None, {})
+        if shard is not None:
+            w["shard.rank"] = torch.tensor([shard.worker], dtype=torch.int64)
+        return cls(args, plan, w, experts, None, {}, shard=shard)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, args: ModelArgs | None = None, *,
-                        device: str | torch.device = "cpu") -> Model:
+                        device: str | torch.device = "cpu",
+                        shard: WorkerShard | None = None) -> Model:
         """Load a checkpoint onto `device` with each tensor stored once: on the CPU aligned
         weights are views of the memory-mapped files; the expert stacks, the weights upcast to
         fp32 and everything on another device are read from the files into their place
         (`checkpoint.load_checkpoint`), so loading needs no second copy of any weight. The
-        vision tower's tensors come too when the checkpoint has them."""
+        vision tower's tensors come too when the checkpoint has them.
+
+        With `shard`, one worker of a sharded model: only the tensors it holds are read (its
+        experts; its rows or columns of the split tensors, read straight from the files into
+        an allocation of the slice's size), never the whole model."""
         from .checkpoint import checkpoint_config, load_checkpoint, load_vision
 
         args = args or checkpoint_config(path)
         plan = build_plan(args)
-        weights = load_checkpoint(path, args, device=device, stacks=expert_stacks(args),
-                                  owned=_fp32_in_compute(args, plan))
+        cuts = None if shard is None else worker_slices(shard_plan(args, shard.shards),
+                                                        shard.worker)
+        weights = load_checkpoint(path, args, device=device, stacks=expert_stacks(args, shard),
+                                  owned=_fp32_in_compute(args, plan), only=cuts,
+                                  slices=None if cuts is None else
+                                  {n: c for n, c in cuts.items() if c is not None})
         vision = load_vision(path, args)  # None: the checkpoint has no vision tower
         if vision is not None:
+            if shard is not None:
+                raise ValueError("A sharded model has no vision tower yet; load the checkpoint "
+                                 "without a shard to use images.")
             check_vision_args(args)
             weights.update({k: v.to(device) for k, v in vision.items()})
         return cls._assemble(args, weights,
-                             load_token_map(args, path) if args.engram_layer_ids else None)
+                             load_token_map(args, path) if args.engram_layer_ids else None,
+                             shard)
 
     @property
     def device(self) -> torch.device:
@@ -181,19 +218,42 @@ class Model:
                 "per_layer_selection": self.per_layer_selection}
 
 
-def expert_stacks(args: ModelArgs) -> dict[str, list[str]]:
+def model_rope_freqs(args: ModelArgs) -> dict[bool, torch.Tensor]:
+    """RoPE frequencies by kind: compressed layers (YaRN) and window-only layers."""
+    return {
+        True: rope_freqs(args.rope_head_dim, args.original_seq_len, args.compress_rope_theta,
+                         args.rope_factor, args.beta_fast, args.beta_slow),
+        False: rope_freqs(args.rope_head_dim, 0, args.rope_theta, args.rope_factor,
+                          args.beta_fast, args.beta_slow),
+    }
+
+
+def expert_stacks(args: ModelArgs, shard: WorkerShard | None = None) -> dict[str, list[str]]:
     """Each layer's routed-expert tensors, by the name of their stack: `<layer>.ffn.experts.w1.
     weight` holds `<layer>.ffn.experts.<e>.w1.weight` for e = 0..n_routed-1 (and so on for w2,
-    w3 and the scales)."""
+    w3 and the scales); with `shard`, only the experts that worker holds."""
     out = {}
     for layer in build_plan(args).layers:
         prefix = _prefix(args, layer.layer)
         n_routed, _ = args.moe_config(layer.layer)
+        held = range(n_routed) if shard is None else shard.experts(n_routed)
         for k in ("w1", "w3", "w2"):
             for part in ("weight", "scale"):
                 out[f"{prefix}.ffn.experts.{k}.{part}"] = [
-                    f"{prefix}.ffn.experts.{e}.{k}.{part}" for e in range(n_routed)]
+                    f"{prefix}.ffn.experts.{e}.{k}.{part}" for e in held]
     return out
+
+
+def _null_experts(shard: WorkerShard | None) -> int:
+    """A worker's expert stack ends with one all-zero expert: the pairs routed to other
+    workers' experts go there with weight 0, adding exactly +0 (the oracle's `y[rows] +=`
+    keeps one of a row's repeats, all zero; the kernels' route ranks repeats in slot order).
+    The worker still computes those pairs (zeros): skipping them is the route's next step."""
+    return 0 if shard is None else 1
+
+
+def _with_null_expert(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
 
 
 def _prefix(args: ModelArgs, layer: int) -> str:
@@ -611,7 +671,8 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
                                      model.p(layer, "attn.wq_a.scale")),
                       model.p(layer, "attn.q_norm.weight"), a.norm_eps)
     q = ops.fp8_linear(qr, model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
-    q = apply_rope(q.unflatten(-1, (a.n_heads, a.head_dim)), cos, sin, rd)  # (b, s, h, hd)
+    # (b, s, h, hd): h = n_heads, or a worker's heads (its rows of wq_b)
+    q = apply_rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, rd)
 
     kv = ops.rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"),
                                      model.p(layer, "attn.wkv.scale")),
@@ -644,11 +705,22 @@ def output_proj(model: Model, layer: int, o: torch.Tensor, cos, sin) -> torch.Te
     a = model.args
     b, s = o.shape[:2]
     o = apply_rope(o, cos, sin, a.rope_head_dim, inverse=True)
-    o = o.view(b, s, a.o_groups, -1)  # (b, s, g, h*hd/g)
-    wo_a = model.p(layer, "attn.wo_a.weight").view(a.o_groups, a.o_lora_rank, -1)
-    o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
-    return ops.fp8_linear(o.flatten(2), model.p(layer, "attn.wo_b.weight"),
-                          model.p(layer, "attn.wo_b.scale"))
+    wo_a = model.p(layer, "attn.wo_a.weight")
+    groups = wo_a.size(0) // a.o_lora_rank  # o_groups, or a worker's (its rows of wo_a)
+    o = o.reshape(b, s, groups, -1)  # (b, s, g, h*hd/g)
+    o = torch.einsum("bsgd,grd->bsgr", o, wo_a.view(groups, a.o_lora_rank, -1))
+    return row_parallel(model, o.flatten(2), model.p(layer, "attn.wo_b.weight"),
+                        model.p(layer, "attn.wo_b.scale"))
+
+
+def row_parallel(model: Model, x: torch.Tensor, weight: torch.Tensor,
+                 scale: torch.Tensor) -> torch.Tensor:
+    """fp8_linear whose input columns may be split over workers (`wo_b`): a worker's fp32
+    partial sum over its columns, all-reduced, then rounded to bf16 once, as one worker
+    rounds. Only the order of the fp32 additions differs from one worker (K in N parts)."""
+    if model.shard is None:
+        return ops.fp8_linear(x, weight, scale)
+    return model.shard.comm.all_reduce(ops.fp8_linear_f32(x, weight, scale)).to(BF16)
 
 
 # ---- MoE -----------------------------------------------------------------------------------------
@@ -678,19 +750,31 @@ def moe(model: Model, layer: int, x: torch.Tensor,
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     weights = weights * a.route_scale
     ex = model.experts[layer]
+    if model.shard is not None:  # expert parallel: this worker's experts, the rest to its null
+        n_routed, _ = a.moe_config(layer)
+        held = ex.w1.size(0) - 1  # the stack ends with the null expert
+        first = shard_first(model, n_routed)  # (1,) this worker's first expert id
+        mine = (ids >= first) & (ids < first + held)
+        ids = torch.where(mine, ids - first, held)
+        weights = torch.where(mine, weights, 0.0)
     y = ops.moe_experts(x, weights, ids, ex.w1, ex.s1, ex.w3, ex.s3, ex.w2, ex.s2,
-                        a.swiglu_limit)
-    y = y + shared_expert(model, layer, x)
+                        a.swiglu_limit)  # (n, d) fp32; a worker's: its experts' terms
+    if model.shard is None:
+        y = y + shared_expert(model, layer, x)
+    else:  # one all-reduce for both partial sums; the shared one rounded once, as unsplit
+        both = model.shard.comm.all_reduce(torch.stack([y, shared_expert(model, layer, x)]))
+        y = both[0] + both[1].to(BF16)  # (n, d) fp32, as fp32 routed + bf16 shared unsplit
     return y.type_as(x).view(shape)
 
 
 def shared_expert(model: Model, layer: int, x: torch.Tensor) -> torch.Tensor:
-    def lin(name: str, v: torch.Tensor) -> torch.Tensor:
-        return ops.fp8_linear(v, model.p(layer, f"ffn.shared_experts.{name}.weight"),
-                              model.p(layer, f"ffn.shared_experts.{name}.scale"))
+    """bf16 (n, d); a sharded worker's is its fp32 partial sum (w1 / w3 rows, w2 columns)."""
+    def lin(name: str, v: torch.Tensor, linear=ops.fp8_linear) -> torch.Tensor:
+        return linear(v, model.p(layer, f"ffn.shared_experts.{name}.weight"),
+                      model.p(layer, f"ffn.shared_experts.{name}.scale"))
 
     h = ops.swiglu(lin("w1", x).float(), lin("w3", x).float(), model.args.swiglu_limit)
-    return lin("w2", h.to(BF16))
+    return lin("w2", h.to(BF16), ops.fp8_linear if model.shard is None else ops.fp8_linear_f32)
 
 
 # ---- Engram and the block ------------------------------------------------------------------------
@@ -761,5 +845,33 @@ def final_norm(model: Model, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor
 
 
 def head(model: Model, x: torch.Tensor) -> torch.Tensor:
-    """fp32 logits."""
-    return torch.nn.functional.linear(x.float(), model.w["head.weight"])
+    """fp32 logits (b, s, V). A sharded worker holds a slice of the vocabulary's rows: its
+    logits are all-gathered (exact: only data moves)."""
+    logits = torch.nn.functional.linear(x.float(), model.w["head.weight"])  # (b, s, V or V/N)
+    if model.shard is None:
+        return logits
+    full = model.shard.comm.all_gather(logits.permute(2, 0, 1))  # (V, b, s), workers in order
+    return full.permute(1, 2, 0)
+
+
+def shard_first(model: Model, n: int) -> torch.Tensor:
+    """This worker's first index of n items split in contiguous blocks over the workers
+    (`sharding.expert_block`), int64 (1,). Computed from the rank the worker's weights hold
+    (`shard.rank`), not from a Python int, so one compiled library serves every worker."""
+    shards, rank = model.shard.shards, model.w["shard.rank"]
+    if n % shards == 0:
+        return rank * (n // shards)
+    return (rank * n + shards - 1) // shards  # uneven expert blocks (one library per worker)
+
+
+def embed_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:
+    """Token embeddings (..., d) bf16. A sharded worker holds a slice of the vocabulary's rows:
+    it looks up the ids in its slice, zeros elsewhere, and the workers' rows are all-reduced
+    (exact: exactly one worker contributes a non-zero row)."""
+    table = model.w["embed.weight"]
+    if model.shard is None:
+        return table[ids]
+    first = shard_first(model, model.args.vocab_size)  # (1,) this worker's first row
+    mine = (ids >= first) & (ids < first + table.size(0))
+    local = table[torch.where(mine, ids - first, 0)]  # (..., d)
+    return model.shard.comm.all_reduce(torch.where(mine.unsqueeze(-1), local, 0.0).to(BF16))

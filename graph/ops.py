@@ -140,17 +140,32 @@ def _act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = x @ W^T. x: bf16 [..., K]; weight: E4M3 codes uint8 [N, K]; scale: E8M0 uint8
     [ceil(N/32), K/32]. The activation is quantised to FP8 per 32 first. Returns bf16 [..., N]."""
+    return _fp8_gemm_f32(x, weight, scale).to(torch.bfloat16)
+
+
+def _fp8_gemm_f32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     k, n = x.size(-1), weight.size(0)
     a, a_s = _act_quant(x.reshape(-1, k))
     b = fmt.torch_e4m3_decode(weight)
     b_s = fmt.torch_e8m0_decode(scale).repeat_interleave(FP8_BLOCK, dim=0)[:n]
-    y = _block_scaled_gemm(a, a_s, b, b_s, FP8_BLOCK)
-    return y.to(torch.bfloat16).reshape(*x.shape[:-1], n)
+    return _block_scaled_gemm(a, a_s, b, b_s, FP8_BLOCK).reshape(*x.shape[:-1], n)
 
 
 @fp8_linear.register_fake
 def _(x, weight, scale):
     return x.new_empty(*x.shape[:-1], weight.size(0), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsv41::fp8_linear_f32", mutates_args=())
+def fp8_linear_f32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear` before its bf16 rounding: fp32 [..., N]. A row-parallel worker's partial
+    sum over its input columns (`model.row_parallel`), rounded once after the all-reduce."""
+    return _fp8_gemm_f32(x, weight, scale)
+
+
+@fp8_linear_f32.register_fake
+def _(x, weight, scale):
+    return x.new_empty(*x.shape[:-1], weight.size(0), dtype=torch.float32)
 
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from .layers import hc_pre, identity_pre, rms_norm
 from .model import (
     Chunk,
     Model,
+    embed_rows,
     engram_at,
     final_norm,
     head,
@@ -160,7 +161,7 @@ def check_image_rows(model: Model, tokens: torch.Tensor, image: SpanRows) -> Non
 
 def embed(model: Model, tokens: torch.Tensor, image: SpanRows | None = None) -> torch.Tensor:
     """Token embeddings, image-span positions overwritten (`vision.splice`), in hc copies."""
-    h = splice(model.w["embed.weight"][tokens], image)  # (b, s, d) bf16
+    h = splice(embed_rows(model, tokens), image)  # (b, s, d) bf16
     return h.unsqueeze(2).repeat(1, 1, model.args.hc_mult, 1)  # (b, s, hc, d)
 
 

@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from .checkpoint import FP8_TILE, TensorSpec, param_spec
+from .collectives import Collectives
 from .config import ModelArgs
 from .layout import KVLayout
 from .plan import build_plan
@@ -196,6 +197,57 @@ def shard_plan(args: ModelArgs, shards: int) -> ShardPlan:
             _check_divides(name, spec, split, shards)
         tensors[name] = TensorShard(name, spec, split)
     return ShardPlan(args, shards, tensors, MEETINGS if shards > 1 else ())
+
+
+# ---- one worker's share ------------------------------------------------------------------------
+
+
+def expert_block(worker: int, shards: int, n_routed: int) -> range:
+    """The routed experts `worker` holds: e with e * shards // n_routed == worker (contiguous)."""
+    return range(-(-worker * n_routed // shards), -(-(worker + 1) * n_routed // shards))
+
+
+@dataclass(frozen=True)
+class WorkerShard:
+    """What a worker's model needs to know of the split: its rank, the worker count, and the
+    collectives it meets the others through (`graph/collectives.py`)."""
+
+    worker: int
+    shards: int
+    comm: Collectives = field(compare=False, repr=False)
+
+    def __post_init__(self):
+        if not 0 <= self.worker < self.shards:
+            raise ValueError(f"Worker {self.worker} is not one of {self.shards} workers.")
+
+    def experts(self, n_routed: int) -> range:
+        return expert_block(self.worker, self.shards, n_routed)
+
+
+def worker_slices(plan: ShardPlan, worker: int) -> dict[str, tuple[int, int, int] | None]:
+    """Every checkpoint tensor `worker` reads: name -> (dim, start, stop) of its slice, or None
+    for the whole tensor (replicated, host, and its own experts). Other workers' experts are
+    not listed."""
+    if not 0 <= worker < plan.shards:
+        raise ValueError(f"Worker {worker} is not one of the plan's {plan.shards} workers.")
+    out = {}
+    for name, t in plan.tensors.items():
+        if t.split is Split.EXPERT and t.owner != worker:
+            continue
+        out[name] = t.slice(worker, plan.shards)
+    return out
+
+
+def sliced_spec(spec: TensorSpec, cut: tuple[int, int, int] | None) -> TensorSpec:
+    """The spec of a worker's slice of a stored tensor."""
+    if cut is None:
+        return spec
+    dim, start, stop = cut
+    shape = list(spec.shape)
+    shape[dim] = stop - start
+    logical = list(spec.logical_shape)
+    logical[dim] = (stop - start) * spec.logical_shape[dim] // spec.shape[dim]  # FP4: packed x2
+    return replace(spec, shape=tuple(shape), logical_shape=tuple(logical))
 
 
 # ---- the printout -----------------------------------------------------------------------------

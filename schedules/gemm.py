@@ -154,9 +154,17 @@ def _row_f32(x, m, pad: int, row, col):
 # ---- fp8_linear -----------------------------------------------------------------------------
 
 
-def make_fp8_linear(*, n: int, k: int, row_pad: int = 1) -> tvm.tirx.PrimFunc:
+def _check_out_dtype(out_dtype: str) -> None:
+    if out_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"fp8_linear writes bfloat16 (fp8_linear) or float32 (fp8_linear_f32, "
+                         f"a row-parallel partial sum), not {out_dtype}.")
+
+
+def make_fp8_linear(*, n: int, k: int, row_pad: int = 1,
+                    out_dtype: str = "bfloat16") -> tvm.tirx.PrimFunc:
     """`fp8_linear(x, weight, scale) -> y`: x bf16 [m, k] (symbolic m; the compiler flattens
-    leading dims), weight E4M3 uint8 [n, k], scale E8M0 uint8 [ceil(n/32), k/32], y bf16 [m, n].
+    leading dims), weight E4M3 uint8 [n, k], scale E8M0 uint8 [ceil(n/32), k/32], y bf16 [m, n]
+    (out_dtype "float32": `fp8_linear_f32`, the sum before its rounding).
 
     Stages (named sblocks): `amax` + `xq` quantise the activation per 32 (fp32 dequantised value,
     see the module docstring); `wdec` decodes E4M3 weights into a transposed [k, n] layout
@@ -168,6 +176,7 @@ def make_fp8_linear(*, n: int, k: int, row_pad: int = 1) -> tvm.tirx.PrimFunc:
     rows read as zero): CUDA tiles them into shared memory, which needs a constant tile size."""
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
+    _check_out_dtype(out_dtype)
     N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
 
     @T.prim_func(s_tir=True)
@@ -176,7 +185,7 @@ def make_fp8_linear(*, n: int, k: int, row_pad: int = 1) -> tvm.tirx.PrimFunc:
         T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(x_h, (m, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, N), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), out_dtype)
         amax = T.sblock_alloc_buffer((_padded(m, row_pad), KB), "float32")
         xq = T.sblock_alloc_buffer((_padded(m, row_pad), K), "float32")
         wdec = T.sblock_alloc_buffer((K, N), "float32")
@@ -215,12 +224,12 @@ def make_fp8_linear(*, n: int, k: int, row_pad: int = 1) -> tvm.tirx.PrimFunc:
         for i, c in T.grid(m, N):
             with T.sblock("y"):
                 vi, vc = T.axis.remap("SS", [i, c])
-                y[vi, vc] = T.Cast("bfloat16", acc[vi, vc])
+                y[vi, vc] = T.Cast(out_dtype, acc[vi, vc])
 
     return fp8_linear
 
 
-def make_fp8_gemv(*, n: int, k: int) -> tvm.tirx.PrimFunc:
+def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` (same signature and result): one dot product over the
     whole of K per output, instead of one per 32-block.
 
@@ -234,6 +243,7 @@ def make_fp8_gemv(*, n: int, k: int) -> tvm.tirx.PrimFunc:
     decode (`e4m3_to_f32_via_f16`) is half the instructions of the integer route."""
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
+    _check_out_dtype(out_dtype)
     N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
 
     @T.prim_func(s_tir=True)
@@ -242,7 +252,7 @@ def make_fp8_gemv(*, n: int, k: int) -> tvm.tirx.PrimFunc:
         T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True})
         m = T.int64()
         x = T.match_buffer(x_h, (m, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, N), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), out_dtype)
         amax = T.sblock_alloc_buffer((m, KB), "float32")
         xq = T.sblock_alloc_buffer((m, K), "float32")
         xs = T.sblock_alloc_buffer((m, NB, K), "float32")
@@ -272,7 +282,7 @@ def make_fp8_gemv(*, n: int, k: int) -> tvm.tirx.PrimFunc:
         for i, c in T.grid(m, N):
             with T.sblock("y"):
                 vi, vc = T.axis.remap("SS", [i, c])
-                y[vi, vc] = T.Cast("bfloat16", acc[vi, vc])
+                y[vi, vc] = T.Cast(out_dtype, acc[vi, vc])
 
     return fp8_gemv
 
@@ -449,19 +459,21 @@ def _schedule_gemm(sch: s_tir.Schedule, config: Fp8LinearConfig, target: TargetS
     sch.decompose_reduction(acc, b)
 
 
-def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None
+def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None,
+                           out_dtype: str = "bfloat16"
                            ) -> tuple[tvm.tirx.PrimFunc, Fp8LinearConfig]:
     """The factory output the config's schedule expects, and the config."""
     config = fp8_linear_config(target, n=n, k=k, m=m)
     if config.kind == "gemv" and not target.is_cuda:
-        return make_fp8_gemv(n=n, k=k), config
-    return make_fp8_linear(n=n, k=k, row_pad=config.row_pad), config
+        return make_fp8_gemv(n=n, k=k, out_dtype=out_dtype), config
+    return make_fp8_linear(n=n, k=k, row_pad=config.row_pad, out_dtype=out_dtype), config
 
 
-def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None
-                     ) -> tvm.tirx.PrimFunc:
+def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None,
+                     out_dtype: str = "bfloat16") -> tvm.tirx.PrimFunc:
+    """fp8_linear's kernel (out_dtype "float32": fp8_linear_f32's, the same schedule)."""
     target = get_target(target_name)
-    func, config = unscheduled_fp8_linear(target, n=n, k=k, m=m)
+    func, config = unscheduled_fp8_linear(target, n=n, k=k, m=m, out_dtype=out_dtype)
     return schedule_fp8_linear(func, config, target)
 
 

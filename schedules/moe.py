@@ -107,7 +107,10 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.Prim
     """ids int64 [n, topk] -> row_pair int32 [P] (sorted row -> pair q = token * topk + slot),
     token_rows int32 [n, topk] (token's sorted rows in expert-id order), tiles int32 [NT, 3]
     (expert, first sorted row, row count; unused tiles all zero). Ids are validated on the host
-    (`check_expert_ids`): in range and distinct per token."""
+    (`check_expert_ids`): in range and distinct per token, except that a sharded worker sends
+    the pairs routed to other workers to its null expert (weight 0, `model.moe`), which may
+    repeat in a row: a repeated id takes the next rank in slot order, so every pair keeps its
+    own row."""
     E, KT, RT = i64(n_experts), i64(topk), i64(row_tile)
 
     @T.prim_func(s_tir=True)
@@ -137,10 +140,14 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.Prim
                     run[0] += counts[e]
                 for q in range(n * KT):
                     # place pair q at its expert's cursor; record it at its expert-order rank
+                    # (a repeated id ranks in slot order: a sharded worker's null expert)
                     run[1] = 0
                     for j2 in range(KT):
                         if ids[q // KT, j2] < ids[q // KT, q % KT]:
                             run[1] += 1
+                        if ids[q // KT, j2] == ids[q // KT, q % KT]:
+                            if j2 < q % KT:
+                                run[1] += 1
                     row_pair[cursor[ids[q // KT, q % KT]]] = T.Cast("int32", q)
                     token_rows[q // KT, T.Cast("int64", run[1])] = cursor[ids[q // KT, q % KT]]
                     cursor[ids[q // KT, q % KT]] += 1

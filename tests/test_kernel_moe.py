@@ -166,6 +166,22 @@ def test_route_tables():
     assert all((flat[expect[r0:r0 + rows]] == e).all() for e, r0, rows in used)
 
 
+def test_route_ranks_a_repeated_id_in_slot_order():
+    """A sharded worker sends the pairs of other workers' experts to its null expert with
+    weight 0 (graph/model.py `moe`), so an id may repeat in a row: each pair keeps its own row
+    (every row listed once in token_rows) and the chain still matches the oracle."""
+    null = DIMS["n_experts"] - 1
+    ids = torch.tensor([[0, null], [null, null], [1, null], [null, 2], [3, 4]])
+    args = moe.example_inputs_moe_experts(n=5, topk=2, seed=5, **DIMS)
+    args[2] = ids
+    args[1] = torch.where(ids == null, 0.0, args[1])
+    env = _run_chain(_split(2, None), args, 2, None)
+    assert sorted(env["token_rows"].numpy().flatten().tolist()) == list(range(10))
+    out = _y(env)
+    _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
+    assert not out[1].any()  # both pairs on the null expert: exactly zero
+
+
 def test_num_tiles_bound():
     """The bound holds for the worst case (every expert with a partial tile) and stays small for
     decode (P = topk), not n_experts."""

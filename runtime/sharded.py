@@ -1,0 +1,251 @@
+"""A sharded artifact on N TVM disco workers, behind the `Artifact` interface the compiled phases
+call (`CompiledPhases(ShardedArtifact..., Model.host_half(args))`).
+
+    art = ShardedArtifact.open(artifact_dir, checkpoint_dir)      # a ThreadedSession (CPU test)
+    phases = CompiledPhases(art, Model.host_half(args, token_map))
+    ...
+    art.shutdown()
+
+Everything that can be checked is checked on the controller first (the checkpoint's config,
+every worker's shapes): TVM's ThreadedSession does not catch an error raised on a worker
+thread, which ends the process. Each worker then loads its own weights on its own thread
+(`dsv41.shard.load_weights`: only its slices and experts, read straight from the safetensors
+files, `Model.from_checkpoint(..., shard=)`) and the entry's library; the controller holds no
+weights. A call copies the entry's inputs (tokens, positions, RoPE tables, Engram ids, the
+cache) to every worker, runs the entry on all of them, and returns worker 0's outputs (every
+worker's logits are checked equal: the collectives give all of them the same sums). The cache
+is whole on every worker (`sharding.py`), so keeping the host's copy and sending it each call
+is correct; keeping it resident on the workers (and sending only the new rows) is what a
+deployment needs next.
+
+The CPU test collective (`CclBackend.CPU_TEST`): the PyPI wheel has no CPU collective library,
+so for a `ThreadedSession` (workers are threads of this process) `register_test_ccl` registers
+`dsv41.test_ccl.allreduce` / `allgather` as TVM functions over a `ThreadGroup`. It is for tests
+and CPU checks only: a `CclBackend.DISCO` artifact calls disco's own functions, which run the
+session's NCCL (a TVM built with USE_NCCL=ON; `disco.check_ccl` says so where it is missing);
+this runner refuses those for now (GPU workers are not started here yet).
+
+`load_disco()` must have run before anything imported tvm (see `runtime/disco.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dsv41.graph.collectives import CclBackend, ExportCollectives, ThreadGroup
+from dsv41.graph.config import ModelArgs, args_from_dict
+from dsv41.graph.model import Model
+from dsv41.graph.sharding import WorkerShard
+
+from .artifact import ArtifactError, manifest_digest, read_manifest, sha256_file, to_tvm, weight_for
+from .disco import check_ccl, load_disco
+
+SHARDED_FORMAT = "dsv41-sharded-1"
+
+
+def verify_sharded(artifact_dir: str | Path, *, args: ModelArgs | None = None) -> dict:
+    """The manifest of a sharded artifact, checked against its files, this TVM and `args`."""
+    import tvm
+
+    d = Path(artifact_dir)
+    m = read_manifest(d)
+    if m.get("format") != SHARDED_FORMAT:
+        raise ArtifactError(f"{d} is not a sharded artifact ({SHARDED_FORMAT}); a one-worker "
+                            "artifact loads with Artifact.load.")
+    if m.get("manifest_sha256") != manifest_digest(m):
+        raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
+                            "corrupted). Recompile or restore it.")
+    if m["versions"]["tvm"] != tvm.__version__:
+        raise ArtifactError(f"{d} was built with TVM {m['versions']['tvm']}; this process has "
+                            f"{tvm.__version__}. Recompile it.")
+    for name, digest in m["files"].items():
+        if not (d / name).is_file() or sha256_file(d / name) != digest:
+            raise ArtifactError(f"{d}: {name} is missing or does not match its checksum.")
+    for entry in m["entries"]:
+        if f"{entry}.so" not in m["files"]:
+            raise ArtifactError(f"{d}: entry {entry} has no library in the manifest.")
+    config = args_from_dict(m["config"])
+    if config.config_hash() != m["config_hash"]:
+        raise ArtifactError(f"{d}: manifest config does not match its config hash.")
+    if args is not None and args.config_hash() != config.config_hash():
+        raise ArtifactError(f"{d} was compiled for another config.")
+    return m
+
+
+def check_worker_shapes(manifest: dict, checkpoint: str | Path) -> None:
+    """ArtifactError unless the checkpoint is the artifact's model and every worker's share of
+    it has the shapes the library takes. Checked here, before any worker runs: an exception on
+    a ThreadedSession's worker thread is not caught by TVM and ends the process."""
+    from dsv41.graph.checkpoint import checkpoint_config
+
+    args = args_from_dict(manifest["config"])
+    if checkpoint_config(checkpoint).config_hash() != args.config_hash():
+        raise ArtifactError(f"The checkpoint {checkpoint} is not the model the sharded artifact "
+                            "was compiled for (its config differs).")
+    shards = int(manifest["shards"])
+    for w in range(shards):
+        model = Model.placeholder(args, WorkerShard(w, shards, ExportCollectives(shards)))
+        for entry, sig in manifest["entries"].items():
+            for p in sig["params"]:
+                shape = list(weight_for(model, p["param"]).shape)
+                if shape != [int(x) for x in p["shape"]]:
+                    raise ArtifactError(f"Worker {w}'s {p['param']} has shape {shape}; the "
+                                        f"{entry} library takes {p['shape']} (uneven shares "
+                                        "need a library per worker).")
+
+
+# ---- functions the workers run -------------------------------------------------------------
+
+
+def _worker_id() -> int:
+    import tvm
+
+    return int(tvm.get_global_func("runtime.disco.worker_id")()[0])
+
+
+def register_worker_functions() -> None:
+    """`dsv41.shard.load_weights(checkpoint, shards, params_json)`: the calling worker's weights
+    for the named parameters, in order (its own share only); `dsv41.shard.item(array, i)`."""
+    import tvm_ffi
+
+    @tvm_ffi.register_global_func("dsv41.shard.load_weights", override=True)
+    def load_weights(checkpoint: str, shards: int, params_json: str):
+        w = _worker_id()
+        model = Model.from_checkpoint(checkpoint, shard=WorkerShard(
+            w, int(shards), ExportCollectives(int(shards))))  # the comm is the graph's
+        out = []
+        for p in json.loads(params_json):
+            t = weight_for(model, p["param"])
+            if list(t.shape) != [int(x) for x in p["shape"]]:
+                raise ArtifactError(f"Worker {w}: weight {p['param']} has shape "
+                                    f"{list(t.shape)}, the artifact expects {p['shape']}.")
+            out.append(to_tvm(t))
+        return out
+
+    @tvm_ffi.register_global_func("dsv41.shard.item", override=True)
+    def item(array, i: int):
+        return array[int(i)]
+
+
+def register_test_ccl(group: ThreadGroup) -> None:
+    """The CPU test collective over `group`, for a ThreadedSession of group.shards workers (see
+    the module docstring): disco's signatures, each worker's rank from disco."""
+    import tvm_ffi
+
+    def member():
+        return group.member(_worker_id())
+
+    @tvm_ffi.register_global_func("dsv41.test_ccl.allreduce", override=True)
+    def allreduce(send, reduce_kind, in_group, recv) -> None:
+        if int(reduce_kind[0]) != 0 or bool(in_group):
+            raise ValueError("The CPU test collective sums over all workers only.")
+        torch.from_dlpack(recv).copy_(member().all_reduce(torch.from_dlpack(send)))
+
+    @tvm_ffi.register_global_func("dsv41.test_ccl.allgather", override=True)
+    def allgather(send, in_group, recv) -> None:
+        if bool(in_group):
+            raise ValueError("The CPU test collective gathers over all workers only.")
+        torch.from_dlpack(recv).copy_(member().all_gather(torch.from_dlpack(send)))
+
+
+# ---- the artifact on N workers ----------------------------------------------------------------
+
+
+class ShardedArtifact:
+    """Duck-types `runtime.artifact.Artifact` (manifest, entries, bind, call) for
+    `CompiledPhases`; the weights are the workers'."""
+
+    def __init__(self, path: Path, manifest: dict, session, group: ThreadGroup | None,
+                 checkpoint: Path):
+        self.path, self.manifest, self.session, self.group = path, manifest, session, group
+        self.args = args_from_dict(manifest["config"])
+        self.shards = int(manifest["shards"])
+        self._modules: dict = {}
+        self._params: dict[str, list] = {}
+        params = {}
+        for sig in manifest["entries"].values():
+            for p in sig["params"]:
+                params.setdefault(p["param"], p)
+        names = list(params)
+        load = session.get_global_func("dsv41.shard.load_weights")
+        self._weights = load(str(checkpoint), self.shards, json.dumps(list(params.values())))
+        item = session.get_global_func("dsv41.shard.item")
+        by_name = {n: item(self._weights, i) for i, n in enumerate(names)}
+        for entry, sig in manifest["entries"].items():
+            self._params[entry] = [by_name[p["param"]] for p in sig["params"]]
+        session._sync_all()  # a worker that failed to load says so here
+
+    @classmethod
+    def open(cls, artifact_dir: str | Path, checkpoint: str | Path, *,
+             args: ModelArgs | None = None) -> ShardedArtifact:
+        disco = load_disco()
+        m = verify_sharded(artifact_dir, args=args)
+        shards, ccl = int(m["shards"]), CclBackend(m["ccl"])
+        check_worker_shapes(m, checkpoint)  # a worker's own error would end the process
+        register_worker_functions()
+        if ccl is not CclBackend.CPU_TEST:
+            check_ccl("nccl")  # the clear error where this TVM has no NCCL
+            raise ArtifactError(f"{artifact_dir} runs its collectives on NCCL: running it needs "
+                                "GPU workers (a ProcessSession per machine), which this runner "
+                                "does not start yet; the CPU test artifacts (--ccl cpu-test) "
+                                "run here.")
+        group = ThreadGroup(shards)
+        register_test_ccl(group)
+        session = disco.ThreadedSession(num_workers=shards)
+        try:
+            return cls(Path(artifact_dir), m, session, group, Path(checkpoint))
+        except Exception:
+            session.shutdown()
+            raise
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(self.manifest["entries"])
+
+    @property
+    def target(self) -> str:
+        return self.manifest["target"]["name"]
+
+    def bind(self, model) -> None:
+        """The host model gives the host half only: its config must be the artifact's."""
+        if model.args.config_hash() != self.args.config_hash():
+            raise ArtifactError("The host model's config differs from the artifact's.")
+
+    def _module(self, entry: str):
+        if entry not in self._modules:
+            self._modules[entry] = self.session.load_vm_module(str(self.path / f"{entry}.so"))
+        return self._modules[entry]
+
+    def _to_workers(self, t: torch.Tensor):
+        t = t.detach().cpu().contiguous()
+        d = self.session.empty(tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        host = to_tvm(t)
+        for w in range(self.shards):
+            d.debug_copy_from(w, host)
+        return d
+
+    def call(self, entry: str, inputs) -> list[torch.Tensor]:
+        """Run `entry` on every worker; worker 0's outputs (as `Artifact.call` returns them)."""
+        if entry not in self.manifest["entries"]:
+            raise ArtifactError(f"The sharded artifact {self.path} has no entry {entry!r} (it "
+                                f"has {', '.join(self.entries)}).")
+        flat = []
+        for x in inputs:
+            flat.extend(x if isinstance(x, tuple) else (x,))
+        args = [self._to_workers(x) for x in flat]
+        result = self._module(entry)["main"](*args, *self._params[entry])
+        outs = [torch.from_dlpack(o).clone() for o in result.debug_get_from_remote(0)]
+        for w in range(1, self.shards):
+            other = torch.from_dlpack(result.debug_get_from_remote(w)[0])
+            if not torch.equal(other, outs[0]):
+                raise ArtifactError(f"Worker {w}'s {self.manifest['entries'][entry]['outputs'][0]}"
+                                    " differs from worker 0's: the collectives did not give "
+                                    "every worker the same sums.")
+        return outs
+
+    def shutdown(self) -> None:
+        self.session.shutdown()
+
