@@ -17,9 +17,10 @@ Arithmetic shared by the GEMMs, and why it matches the oracle:
   decoded values is exact in fp32, so the only difference to the oracle is the order of the 32
   additions inside a block (torch's matmul picks its own): ~1 ulp of fp32 on a few partial
   sums, which shows up as 1 bf16 ulp on a small fraction of outputs.
-* The CPU decode GEMV (`make_fp8_gemv`) folds the weight scales into the activation instead
-  (again exact products) and sums all of K at once: a different order of fp32 additions, with
-  the same bound against the oracle.
+* The CPU decode GEMV (`make_fp8_gemv`) folds the weight scales (and the 2^8 of its fp16
+  weight decode) into the activation instead (again exact products) and sums all of K at once,
+  in vector lanes added pairwise at the end: a different order of fp32 additions, with the same
+  bound against the oracle.
 * Weights are decoded per tile (registers / local or shared memory), never as a full copy.
 
 TVM 0.27 traps met here (worked around below): a bf16 Cast inside a `Let` value is compiled as
@@ -595,7 +596,7 @@ def schedule_dense_gemv(func: tvm.tirx.PrimFunc, config: DenseGemvConfig,
                         target: TargetSpec) -> tvm.tirx.PrimFunc:
     """Parallel over (group, column tile); per row and group of `cb` columns a `vec`-lane partial
     sum over K per column (rfactor), held in registers, the activation loaded once for the cb
-    columns; then `lane_sum` adds each column's lanes pairwise."""
+    columns; then `vector_sum` adds each column's lanes pairwise."""
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock("y")
     i, g, c, j = sch.get_loops(blk)
