@@ -54,6 +54,30 @@ def e4m3_to_f32_via_f16(b):
                           T.reinterpret("float32", T.uint32(0x7FC00000)), val)
 
 
+def e4m3_to_f16_bits(b_u8):
+    """E4M3 byte (a uint8 expression) -> the bits (uint16) of the fp16 that equals its value
+    times 2^-8, for all 256 codes, the NaN codes 0x7f/0xff giving an fp16 NaN. All the work is
+    16-bit integer lanes, so a vectorised decode widens 32 codes per 512-bit register; the caller
+    converts with the exact fp16 -> fp32 hardware conversion and owes the factor 2^8.
+
+    Sign-extending the byte to 16 bits and shifting left by 7 puts the sign at bit 15 and
+    eeeemmm at bits 13..7 (the `e4m3_to_f32_via_f16` layout, bit 14 a copy of the sign, cleared
+    by the mask). Of those magnitudes only the NaN codes' 0x3f80 reaches 0x4000 when 0x80 is
+    added, so adding that sum's bit 14 turns exactly them into exponent 11111, mantissa 0x380:
+    a NaN. No compare or select is needed."""
+    sx = T.reinterpret("uint16", T.Cast("int16", T.reinterpret("int8", b_u8)))
+
+    def body(h):
+        return h + (((h & T.uint16(0x3FFF)) + T.uint16(0x80)) & T.uint16(0x4000))
+
+    return let((sx << T.uint16(7)) & T.uint16(0xBF80), body, "h16")
+
+
+def f16_bits_to_f32(h):
+    """uint16 fp16 bits -> fp32 (exact, the hardware conversion)."""
+    return T.Cast("float32", T.reinterpret("float16", h))
+
+
 def e8m0_to_f32(b):
     """E8M0 byte -> 2^(b-127) fp32; code 0 is 2^-127 (a subnormal), 0xff is NaN."""
     val = T.reinterpret("float32", b << T.uint32(23))

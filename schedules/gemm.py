@@ -17,9 +17,10 @@ Arithmetic shared by the GEMMs, and why it matches the oracle:
   decoded values is exact in fp32, so the only difference to the oracle is the order of the 32
   additions inside a block (torch's matmul picks its own): ~1 ulp of fp32 on a few partial
   sums, which shows up as 1 bf16 ulp on a small fraction of outputs.
-* The CPU decode GEMV (`make_fp8_gemv`) folds the weight scales into the activation instead
-  (again exact products) and sums all of K at once: a different order of fp32 additions, with
-  the same bound against the oracle.
+* The CPU decode GEMV (`make_fp8_gemv`) folds the weight scales (and the 2^8 of its fp16
+  weight decode) into the activation instead (again exact products) and sums all of K at once,
+  in vector lanes added pairwise at the end: a different order of fp32 additions, with the same
+  bound against the oracle.
 * Weights are decoded per tile (registers / local or shared memory), never as a full copy.
 
 TVM 0.27 traps met here (worked around below): a bf16 Cast inside a `Let` value is compiled as
@@ -44,10 +45,11 @@ from dsv41.graph.targets import TargetSpec, get_target
 
 from .common import (
     bf16_to_f32,
+    e4m3_to_f16_bits,
     e4m3_to_f32,
-    e4m3_to_f32_via_f16,
     e8m0_byte,
     e8m0_to_f32,
+    f16_bits_to_f32,
     i64,
     let,
     u32,
@@ -234,13 +236,17 @@ def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.Pr
     whole of K per output, instead of one per 32-block.
 
     Stages: `amax` + `xq` quantise the activation as in `make_fp8_linear`; `xs` multiplies it by
-    the weight scales of one 32-column tile (xs[i, cb, j] = xq[i, j] * 2^(s[cb, j/32] - 127),
-    exact: a power-of-two product of an exact value); `acc` sums xs * E4M3(weight) over all of K;
-    `y` rounds to bf16. Every product is exact, as in `make_fp8_linear`; only the order of the
-    fp32 additions differs from the oracle (K at once rather than block partials times scales),
-    which leaves >= 99% of outputs bit-equal and the rest within 1 bf16 ulp. Scheduled, the sum
-    runs as `vec` lanes held in a register with one horizontal add per output, and the weight
-    decode (`e4m3_to_f32_via_f16`) is half the instructions of the integer route."""
+    the weight scales of one 32-column tile and by 2^8 (xs[i, cb, j] = xq[i, j] *
+    2^(s[cb, j/32] - 127) * 2^8: power-of-two products of an exact value, exact while |xs| stays
+    below 2^128, i.e. for every activation-times-weight-scale below 2^120); `acc` sums xs times
+    the weight decoded as fp16 (`e4m3_to_f16_bits`: the E4M3 value times 2^-8, converted to fp32
+    exactly) over all of K, so each product is the exact xq * 2^(s-127) * E4M3(w); `y` rounds to
+    bf16. Every product is exact, as in `make_fp8_linear`; only the order of the fp32 additions
+    differs from the oracle (K at once rather than block partials times scales), which leaves
+    >= 99% of outputs bit-equal and the rest within 1 bf16 ulp. Scheduled (`_schedule_gemv_cpu`),
+    the sum runs as `vec` lanes per column in registers, `cb` columns at a time, and the lanes
+    are added pairwise at the end; the weight decode is six 16-bit integer operations per 32
+    codes plus the fp16 -> fp32 conversion."""
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
     _check_out_dtype(out_dtype)
@@ -271,14 +277,14 @@ def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.Pr
             with T.sblock("xs"):
                 vi, vcb, vj = T.axis.remap("SSS", [i, cb, j])
                 xs[vi, vcb, vj] = xq[vi, vj] * e8m0_to_f32(
-                    T.Cast("uint32", scale[vcb, vj // BLOCK]))
+                    T.Cast("uint32", scale[vcb, vj // BLOCK])) * T.float32(256.0)
         for i, c, j in T.grid(m, N, K):
             with T.sblock("acc"):
                 vi, vc, vj = T.axis.remap("SSR", [i, c, j])
                 with T.init():
                     acc[vi, vc] = T.float32(0)
-                acc[vi, vc] = acc[vi, vc] + xs[vi, vc // BLOCK, vj] * e4m3_to_f32_via_f16(
-                    T.Cast("uint32", weight[vc, vj]))
+                acc[vi, vc] = acc[vi, vc] + xs[vi, vc // BLOCK, vj] * f16_bits_to_f32(
+                    e4m3_to_f16_bits(weight[vc, vj]))
         for i, c in T.grid(m, N):
             with T.sblock("y"):
                 vi, vc = T.axis.remap("SS", [i, c])
@@ -302,7 +308,7 @@ class Fp8LinearConfig:
     tn: int = 32
     tm: int = 32
     rb: int = 4
-    cb: int = 1
+    cb: int = 1  # CUDA gemm: register columns per thread; CPU gemv: columns summed together
     warps: int = 8
     vec: int = 16
     row_pad: int = 1  # make_fp8_linear(row_pad=): CUDA gemm pads the activation rows to tm
@@ -316,7 +322,7 @@ def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = Non
             return Fp8LinearConfig("gemv", warps=8)
         return Fp8LinearConfig("gemm", tn=64, tm=64, rb=4, cb=4, row_pad=64)
     if m is not None and m <= 1:
-        return Fp8LinearConfig("gemv", tn=32, vec=16)
+        return Fp8LinearConfig("gemv", tn=BLOCK, cb=4, vec=32)
     if m is not None and m <= 4:
         return Fp8LinearConfig("gemm", tn=32, tm=4, rb=4)
     # tm 256: each decoded [32, tn] weight tile serves 256 rows (m 512, n 32768, k 512 on 2
@@ -325,10 +331,11 @@ def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = Non
     return Fp8LinearConfig("gemm", tn=32, tm=256, rb=4)
 
 
-def _schedule_act_quant_stage(sch: s_tir.Schedule, target: TargetSpec, amax: str, out: str
-                              ) -> None:
+def _schedule_act_quant_stage(sch: s_tir.Schedule, target: TargetSpec, amax: str, out: str,
+                              *, parallel: bool = True) -> None:
     """The per-32 amax + quantise stage: amax computed per group next to its 32 outputs;
-    CPU parallel over rows, CUDA one thread per 32-group."""
+    CPU parallel over rows (serial with parallel=False: the decode GEMV's one row is a few
+    hundred vector operations, less than waking the thread pool), CUDA one thread per 32-group."""
     blk = sch.get_sblock(out)
     i, j = sch.get_loops(blk)[-2:]
     jb, jj = sch.split(j, [None, BLOCK])
@@ -337,9 +344,10 @@ def _schedule_act_quant_stage(sch: s_tir.Schedule, target: TargetSpec, amax: str
         bx, tx = sch.split(sch.fuse(i, jb), [None, 128])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
-    else:
+        return
+    if parallel:
         sch.parallel(i)
-        sch.vectorize(jj)
+    sch.vectorize(jj)
 
 
 def schedule_fp8_linear(func: tvm.tirx.PrimFunc, config: Fp8LinearConfig,
@@ -348,7 +356,7 @@ def schedule_fp8_linear(func: tvm.tirx.PrimFunc, config: Fp8LinearConfig,
     `make_fp8_linear`."""
     sch = s_tir.Schedule(func)
     if not target.is_cuda:
-        _schedule_act_quant_stage(sch, target, "amax", "xq")
+        _schedule_act_quant_stage(sch, target, "amax", "xq", parallel=config.kind != "gemv")
     if config.kind == "gemv" and target.is_cuda:
         _schedule_gemv_cuda(sch, config)
     elif config.kind == "gemv":
@@ -358,25 +366,80 @@ def schedule_fp8_linear(func: tvm.tirx.PrimFunc, config: Fp8LinearConfig,
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
+def lane_split(sch: s_tir.Schedule, j, lanes: int) -> list:
+    """Split reduction loop j into (jo, h_1, ..., h_b), b = log2(lanes), each h two-way: lane
+    l = sum_i h_i 2^(b-i) of a `lanes`-wide partial sum (see `vector_sum`)."""
+    return sch.split(j, [None] + [2] * (lanes.bit_length() - 1))
+
+
+def vector_sum(sch: s_tir.Schedule, block: s_tir.SBlockRV, lanes: int,
+               cols: int = 1) -> tuple[s_tir.SBlockRV, list[s_tir.SBlockRV]]:
+    """Factor `block`'s reduction, whose innermost loops are `lane_split`'s (.., jo, [columns,]
+    h_1..h_b), into a `lanes`-wide vector sum over jo and a pairwise tree over the lanes: the
+    lanes l and l + lanes/2 are added as vectors, then l and l + lanes/4, ..., down to one
+    (log2(lanes) vector adds per output instead of `lanes` dependent scalar adds).
+
+    One rfactor per h, innermost first, always on the block that keeps the main loop nest (an
+    rfactor needs its block first in the nest; each write-back lands in a nest of its own).
+    Returns (the main block, the write-backs in dataflow order): the main block is vectorised
+    over its fused h loops; `place_lane_sums` moves the write-backs next to it.
+    `block`'s write buffer gets the lane dims appended."""
+    bits = lanes.bit_length() - 1
+    axis = len(sch.get(block).writes[0].region)
+    chain = [block]
+    for level in range(bits):
+        chain.append(sch.rfactor(sch.get_loops(chain[-1])[-1 - level], axis))
+    main = chain.pop()
+    if bits:
+        sch.vectorize(sch.fuse(*sch.get_loops(main)[-bits:]))
+    if cols > 1:
+        sch.unroll(sch.get_loops(main)[-2 if bits else -1])
+    return main, chain[::-1]
+
+
+def arrange_lane_sum(sch: s_tir.Schedule, wb: s_tir.SBlockRV, depth: int, rest: int,
+                     cols: int = 1) -> None:
+    """Loops of a `vector_sum` write-back that compute_at / reverse_compute_at put below loop
+    `depth`: they come in iter-var order, (half, `rest` lane bits, [columns]); make them
+    (columns unrolled, the two halves unrolled, the lanes as one vector)."""
+    below = sch.get_loops(wb)[depth + 1:]
+    half, lane_loops = below[0], below[1:1 + rest]
+    if cols > 1:
+        sch.reorder(below[-1], half, *lane_loops)
+        sch.unroll(below[-1])
+    sch.unroll(half)
+    if rest:
+        sch.vectorize(sch.fuse(*lane_loops))
+
+
+def place_lane_sums(sch: s_tir.Schedule, main: s_tir.SBlockRV, wbs: list[s_tir.SBlockRV],
+                    depth: int, lanes: int, cols: int = 1) -> None:
+    """Move `vector_sum`'s write-backs, in order, right after the main block's loop nest under
+    its loop `depth` (the column group), arranged by `arrange_lane_sum`."""
+    bits = lanes.bit_length() - 1
+    for w, wb in enumerate(wbs):
+        sch.reverse_compute_at(wb, sch.get_loops(main)[depth])
+        arrange_lane_sum(sch, wb, depth, bits - 1 - w, cols)
+
+
 def _schedule_gemv_cpu(sch: s_tir.Schedule, config: Fp8LinearConfig) -> None:
     """`make_fp8_gemv`: parallel over 32-column tiles; per tile and row the scaled activation
-    `xs` (K floats, in L1), then per column a `vec`-lane partial sum over K (rfactor) that stays
-    in a register, and one horizontal add."""
+    `xs` (K floats, in L1), then per group of `cb` columns a `vec`-lane partial sum over K per
+    column held in registers (cb independent chains that share the xs loads), and the lanes
+    added pairwise (`vector_sum`)."""
     acc = sch.get_sblock("acc")
     i, c, j = sch.get_loops(acc)
-    cb, ci = sch.split(c, [None, BLOCK])
-    jo, ji = sch.split(j, [None, config.vec])
-    sch.reorder(cb, i, ci, jo, ji)
-    rf = sch.rfactor(ji, 2)
-    cb, i, ci = sch.get_loops(rf)[:3]
-    sch.reverse_compute_at(acc, ci)
-    sch.reverse_compute_at(sch.get_sblock("y"), i)
+    cb, co, cc = sch.split(c, [None, BLOCK // config.cb, config.cb])
+    jo, *hs = lane_split(sch, j, config.vec)
+    sch.reorder(cb, i, co, jo, cc, *hs)
+    main, wbs = vector_sum(sch, acc, config.vec, config.cb)
+    place_lane_sums(sch, main, wbs, 2, config.vec, config.cb)
+    sch.reverse_compute_at(sch.get_sblock("y"), sch.get_loops(main)[1])
     xs = sch.get_sblock("xs")
-    sch.compute_at(xs, i)
-    sch.vectorize(sch.get_loops(xs)[-1])
-    sch.vectorize(sch.get_loops(rf)[-1])
-    sch.parallel(cb)
-    sch.decompose_reduction(rf, sch.get_loops(rf)[3])
+    sch.compute_at(xs, sch.get_loops(main)[1])
+    sch.vectorize(sch.split(sch.get_loops(xs)[-1], [None, 16])[1])
+    sch.parallel(sch.get_loops(main)[0])
+    sch.decompose_reduction(main, sch.get_loops(main)[3])
 
 
 def _schedule_gemv_cuda(sch: s_tir.Schedule, config: Fp8LinearConfig) -> None:
@@ -520,35 +583,46 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
 
 @dataclass(frozen=True)
 class DenseGemvConfig:
-    """tn output columns per parallel task; vec lanes of the K partial sums (CPU)."""
+    """tn output columns per parallel task; cb columns summed together (independent register
+    chains sharing the activation loads); vec lanes of each column's K partial sums (CPU)."""
 
     tn: int = 32
-    vec: int = 16
+    cb: int = 4
+    vec: int = 32
+
+
+def _lanes(k: int, most: int) -> int:
+    """The largest power of two <= most that divides k (a lane count that needs no tail)."""
+    lanes = most
+    while k % lanes:
+        lanes //= 2
+    return lanes
 
 
 def dense_gemv_config(target: TargetSpec, *, n: int, k: int) -> DenseGemvConfig:
     if target.is_cuda:
         raise ValueError("dense_gemv has no CUDA schedule: CUDA builds keep the generic "
                          "(dlight-scheduled) lowering of the dense linears.")
-    return DenseGemvConfig(tn=min(32, n), vec=min(16, k))
+    tn = min(32, n)
+    return DenseGemvConfig(tn=tn, cb=min(4, tn), vec=_lanes(k, 32))
 
 
 def schedule_dense_gemv(func: tvm.tirx.PrimFunc, config: DenseGemvConfig,
                         target: TargetSpec) -> tvm.tirx.PrimFunc:
-    """Parallel over (group, column tile); per column a `vec`-lane partial sum over K (rfactor)
-    held in a register, then one horizontal add."""
+    """Parallel over (group, column tile); per row and group of `cb` columns a `vec`-lane partial
+    sum over K per column (rfactor), held in registers, the activation loaded once for the cb
+    columns; then `vector_sum` adds each column's lanes pairwise."""
     sch = s_tir.Schedule(func)
     blk = sch.get_sblock("y")
     i, g, c, j = sch.get_loops(blk)
-    co, ci = sch.split(c, [None, config.tn])
-    jo, ji = sch.split(j, [None, config.vec])
-    sch.reorder(g, co, i, ci, jo, ji)
-    rf = sch.rfactor(ji, 3)
-    g, co, i, ci = sch.get_loops(rf)[:4]
-    sch.reverse_compute_at(blk, ci)
-    sch.vectorize(sch.get_loops(rf)[-1])
+    co, cg, cc = sch.split(c, [None, config.tn // config.cb, config.cb])
+    jo, *hs = lane_split(sch, j, config.vec)
+    sch.reorder(g, co, i, cg, jo, cc, *hs)
+    main, wbs = vector_sum(sch, blk, config.vec, config.cb)
+    place_lane_sums(sch, main, wbs, 3, config.vec, config.cb)
+    g, co = sch.get_loops(main)[:2]
     sch.parallel(sch.fuse(g, co))
-    sch.decompose_reduction(rf, sch.get_loops(rf)[3])
+    sch.decompose_reduction(main, sch.get_loops(main)[3])
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 

@@ -227,6 +227,35 @@ def test_e4m3_via_f16_decodes_every_code_exactly():
         assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
 
 
+def test_e4m3_f16_bits_decode_every_code_exactly():
+    """The decode GEMV's 16-bit route (`e4m3_to_f16_bits`, converted by the hardware and times
+    2^8) equals the format module on all 256 codes, NaN codes giving NaN, scalar and in 32
+    vector lanes (the lane count the GEMV uses)."""
+    from tvm import s_tir
+    from tvm.script import tirx as T
+
+    from dsv41.schedules.common import e4m3_to_f16_bits, f16_bits_to_f32
+
+    @T.prim_func(s_tir=True)
+    def decode(a: T.Buffer((256,), "uint8"), b: T.Buffer((256,), "float32")):
+        for i in range(256):
+            with T.sblock("d"):
+                vi = T.axis.remap("S", [i])
+                b[vi] = f16_bits_to_f32(e4m3_to_f16_bits(a[vi])) * T.float32(256.0)
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ref = torch.from_numpy(fmt.np_e4m3_decode(codes.numpy()).astype(np.float32))
+    assert int(ref.isnan().sum()) == 2
+    for lanes in (1, 32):
+        sch = s_tir.Schedule(decode)
+        if lanes > 1:
+            sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("d"))[0], [None, lanes])[1])
+        ex = tvm.compile(sch.mod["main"], target=get_target(CPU).tvm_target())
+        out = _run(ex, [codes], (256,), torch.float32)
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
+
+
 def test_fp8_gemv_nan_and_subnormal_weights():
     """Every E4M3 code as a weight (row c holds code c): NaN codes give NaN rows, the rest
     (subnormals included) match the oracle."""
