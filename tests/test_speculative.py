@@ -456,3 +456,16 @@ def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_m
     s = e.session()
     assert list(s.send(prompt, max_new_tokens=10)) == want
     assert (s.turns[-1].drafted, s.turns[-1].verified) == (0, 0)
+
+
+def test_spec_bench_refuses_bad_impls(tmp_path):
+    from dsv41.compiler.spec_bench import main
+
+    def no_checkpoint(preset, seed):
+        raise AssertionError("the options are checked before any checkpoint is made")
+
+    for argv, msg in ((["--impls", "artifact"], "go together"),
+                      (["--artifact", str(tmp_path)], "go together"),
+                      (["--impls", "graph,onnx"], "graph and/or artifact")):
+        with pytest.raises(ValueError, match=msg):
+            main(argv, default_checkpoint=no_checkpoint)
