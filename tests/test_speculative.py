@@ -230,7 +230,7 @@ def test_batcher_streams_every_token_of_a_speculative_step(small_model):
     want = [list(plain.session().send(p, max_new_tokens=8)) for p in prompts]
     spec = _engine(m, speculative=True, max_draft=2)
     spec.spec_policy = Always(2)
-    spec.phases = _PerSession(prompts, want, m.args.vocab_size)
+    spec.phases = PerSessionDraft(prompts, want, m.args.vocab_size)
     b = Batcher(spec, max_running=4)
     streams = [b.submit(p, params) for p in prompts]
     while b.step():
@@ -239,7 +239,7 @@ def test_batcher_streams_every_token_of_a_speculative_step(small_model):
     assert got == want
 
 
-class _PerSession(ScriptedDraft):
+class PerSessionDraft(ScriptedDraft):
     """Right drafts for whichever of several known sequences the row's position and token
     match (a batch: one row per sequence)."""
 

@@ -14,7 +14,14 @@ import pytest
 import torch
 from conftest import cached_artifact
 from kernel_numerics import patch_fused_ops
-from test_speculative import PAGE, Always, ScriptedDraft, assert_same_cache, prompt_tokens
+from test_speculative import (
+    PAGE,
+    Always,
+    PerSessionDraft,
+    ScriptedDraft,
+    assert_same_cache,
+    prompt_tokens,
+)
 
 from dsv41.graph.cache import new_cache, select_sequences, stack_caches
 from dsv41.graph.speculative import cut_back, verify_step
@@ -196,3 +203,23 @@ def test_compiled_engine_greedy_with_speculation_equals_without_200_tokens(long_
     out, recs = _compiled_greedy(long_model, compiled, tmp_path, 110, [2, 0, 1, 2, 1, 0])
     assert sum(len(t) for t in out) >= 200
     assert all(r.accepted > 0 for r in recs)
+
+
+def test_compiled_send_many_speculates_per_row(long_model, compiled, tmp_path):
+    """A compiled decode batch of two sessions at different lengths, one k for the batch,
+    acceptance per row (drafts right for 2 tokens): the same tokens as the compiled engine
+    without speculation, each batch step's verify one call of the entry."""
+    m = long_model
+    prompts = [prompt_tokens(17, 6), prompt_tokens(22, 7)]
+    base = _engine(m, compiled)
+    want = base.send_many([(base.session(), p, {"max_new_tokens": 9}) for p in prompts])
+    spec = _engine(m, compiled, speculative=True, max_draft=2)
+    spec.spec_policy = Always(2)
+    spec.phases = _Forward(compiled, PerSessionDraft(prompts, want, m.args.vocab_size))
+    sessions = [spec.session() for _ in prompts]
+    before = compiled.calls.get("verify", 0)
+    got = spec.send_many([(s, p, {"max_new_tokens": 9}) for s, p in zip(sessions, prompts,
+                                                                         strict=True)])
+    assert got == want
+    assert all(s.turns[-1].accepted > 0 for s in sessions)
+    assert compiled.calls["verify"] > before
