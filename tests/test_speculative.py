@@ -469,3 +469,45 @@ def test_spec_bench_refuses_bad_impls(tmp_path):
                       (["--impls", "graph,onnx"], "graph and/or artifact")):
         with pytest.raises(ValueError, match=msg):
             main(argv, default_checkpoint=no_checkpoint)
+
+
+# ---- the captured verify entry ----------------------------------------------------------------
+
+
+def test_captured_verify_entry_runs_the_one_pass_verify(small_model):
+    """The `verify` entry's captured program (torch.export, symbolic tokens), run eagerly on
+    the host half the compiled phases feed it: the graph's one-pass verify's logits to eager
+    GEMM rounding (its compressor GEMMs run over all rows at once), the same greedy tokens, and
+    after `cut_back` the same positions, index-K pointer and ring bytes. (The compiled entry
+    against compiled decode steps, bit for bit: tests/test_speculative_compiled.py, slow.)"""
+    from dsv41.compiler.capture import capture
+    from dsv41.graph.entries import cache_names, entry_inputs, entry_outputs, load_cache_tensors
+    from dsv41.graph.speculative import begin_verify, finish_verify, verify_chunk
+
+    m = small_model
+    ep, template = capture(m, "verify")
+    prog = ep.module()
+    names = entry_outputs(m.plan, "verify", template)
+    assert names[:3] == ["logits", "tail.1.kv", "tail.1.score"]
+    seq = prompt_tokens(30, 13)
+    for p, keep in ((20, 3), (21, 2)):
+        a, b = (new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id) for _ in range(2))
+        prefill_exact(m, a, [seq[:p]])
+        prefill_exact(m, b, [seq[:p]])
+        want = verify_step(m, a, [seq[p:p + 3]], one_pass=True)
+        toks, staged = begin_verify(m, b, [seq[p:p + 3]])
+        chunk, hist = verify_chunk(m, b, toks, staged)
+        out = prog(*entry_inputs(m, b, "verify", (toks, chunk.token_owner), start=chunk.start,
+                                 hash_ids=chunk.hash_ids, rope=chunk.rope))
+        named = dict(zip(names, out, strict=True))
+        load_cache_tensors(b, out[len(names) - len(cache_names(template)):])
+        tails = {lay: (named[f"tail.{lay}.kv"], named[f"tail.{lay}.score"])
+                 for lay in staged.tails}
+        got = finish_verify(m, b, toks, staged, hist, tails, named["logits"], {})
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        assert (got.logits - want.logits).abs().max() <= 1e-4 * want.logits.abs().max()
+        cut_back(m, a, want, [keep])
+        cut_back(m, b, got, [keep])
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.index_owner, b.index_owner)
+        for lay in a.windows:
+            assert torch.equal(a.windows[lay].codes, b.windows[lay].codes), lay
