@@ -34,7 +34,9 @@ from .capture import capture, dim_symbols, static_bounds
 from .progress import CompileProgress, SilentProgress
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
-ROWS_HINT = {"decode": 1, "draft": 4}  # GEMM schedule hint: rows per call (None: prefill)
+# GEMM schedule hint: rows per call (None: prefill). `verify` runs decode's per-row kernels
+# (each of its b(1+k) rows as a decode row: the same bits as decode steps)
+ROWS_HINT = {"decode": 1, "draft": 4, "verify": 1}
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,12 @@
 context and batch dims.
 
 Each entry is the pure-tensor half of a phase function (`forward_all`, `encode_layers`,
-`decode_layers`, `dspark.draft`); the host half (token and id validation, Engram hashing, RoPE
-tables, capacity) stays in Python and becomes the runtime's job. The cache is passed in as a flat
-list of tensors and the updated tensors are returned in the same order: TVM's importer drops
-torch.export's input mutations, so every cache write is an explicit output. Weights are module
-parameters, so they stay parameters of the compiled function and are never baked in.
+`decode_layers`, `dspark.draft`, `speculative.verify_forward`); the host half (token and id
+validation, Engram hashing, RoPE tables, capacity) stays in Python and becomes the runtime's
+job. The cache is passed in as a flat list of tensors and the updated tensors are returned in
+the same order: TVM's importer drops torch.export's input mutations, so every cache write is an
+explicit output. Weights are module parameters, so they stay parameters of the compiled function
+and are never baked in.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import Dim
 
-from dsv41.graph import dspark
+from dsv41.graph import dspark, speculative
 from dsv41.graph.cache import ModelCache, new_cache
 from dsv41.graph.entries import (
     ENTRIES,
@@ -27,6 +28,7 @@ from dsv41.graph.entries import (
     cache_tensors,
     cache_view,
     selection_keys,
+    tail_row_layers,
 )
 from dsv41.graph.model import Chunk, ExpertStack, Model, rope_margin
 from dsv41.graph.phases import decode_layers, encode_layers, forward_all
@@ -76,7 +78,8 @@ class PhaseGraph(torch.nn.Module):
                      hash_ids=hash_ids, window_floor=floor, **flags)
 
     def forward(self, x, start, floor, cos_c, sin_c, cos_u, sin_u, hash_ids, *cache_in):
-        """x: tokens (b, s) int64, or for `decoder` the encoder stream (h, pre) as a pair;
+        """x: tokens (b, s) int64, or for `decoder` the encoder stream (h, pre) as a pair, or
+        for `verify` (tokens, each token's index-K pointer before it), both (b, n) int64;
         start/floor (b,) int64; RoPE tables (b, s + 2M, rd/2); hash_ids (b, s, E, cols) int64
         (an empty (b, s, 0, 0) when the model has no Engram); then the cache tensors."""
         model = self._model()
@@ -88,6 +91,13 @@ class PhaseGraph(torch.nn.Module):
             chunk = self.new_chunk(start, None, n, ropes, None)
             d = dspark.draft(model, cache, x, chunk)
             return d.ids, d.logits, d.confidence
+        if self.entry == "verify":  # one pass over the sampled token and a draft prefix
+            tokens, owner = x
+            chunk = self.new_chunk(start, floor, tokens.size(1), ropes, ids, token_owner=owner,
+                                   tail_rows={})
+            logits = speculative.verify_forward(model, cache, tokens, chunk)
+            tails = [t for lay in tail_row_layers(self.template) for t in chunk.tail_rows[lay]]
+            return (logits, *tails, *cache_tensors(cache))
         if self.entry == "decoder":
             h, pre = x
             chunk = self.new_chunk(start, floor, h.size(1), ropes, ids, write_global=False,
@@ -108,6 +118,16 @@ class PhaseGraph(torch.nn.Module):
 # ---- example inputs and dynamic shapes -------------------------------------------------------
 
 
+def _verify_max(args) -> int:
+    """The verify entry's token bound (`speculative.verify_tokens`), which needs a DSpark block
+    (a pass of one token is a decode step, and torch.export would specialise a dim of 1)."""
+    n = speculative.verify_tokens(args)
+    if n < 2:
+        raise ValueError("The verify entry needs a model with a DSpark block (dspark_block_size "
+                         ">= 1) and a window of at least 2 tokens.")
+    return n
+
+
 @dataclass(frozen=True)
 class CaptureShapes:
     batch: int = 2  # not 1: torch.export specialises size-1 dims
@@ -123,7 +143,8 @@ def example_inputs(model: Model, entry: str, shapes: CaptureShapes):
     a = model.args
     b = shapes.batch
     s = {"decode": 1, "draft": a.dspark_block_size,
-         "decoder": min(shapes.tokens, a.window_size)}.get(entry, shapes.tokens)
+         "decoder": min(shapes.tokens, a.window_size),
+         "verify": min(shapes.tokens, _verify_max(a))}.get(entry, shapes.tokens)
     template = new_cache(model.plan, b, shapes.context)
     m = rope_margin(a)
     half = a.rope_head_dim // 2
@@ -138,6 +159,8 @@ def example_inputs(model: Model, entry: str, shapes: CaptureShapes):
     elif entry == "decoder":
         x = (torch.zeros(b, s, a.hc_mult, a.dim, dtype=torch.bfloat16),
              torch.zeros(b, s, a.hc_mult, dtype=torch.float32))
+    elif entry == "verify":
+        x = (torch.zeros(b, s, dtype=torch.int64), torch.zeros(b, s, dtype=torch.int64))
     else:
         x = torch.zeros(b, s, dtype=torch.int64)
     return (x, start, floor, *ropes, hash_ids, *cache_tensors(template)), template
@@ -154,6 +177,8 @@ def dynamic_shapes(model: Model, entry: str, template: ModelCache, shapes: Captu
         tok = None
     elif entry == "decoder":
         tok = Dim("tokens", min=1, max=a.window_size)
+    elif entry == "verify":
+        tok = Dim("tokens", min=1, max=_verify_max(a))
     else:
         tok = Dim("tokens", min=1, max=shapes.max_tokens)
 
@@ -166,7 +191,7 @@ def dynamic_shapes(model: Model, entry: str, template: ModelCache, shapes: Captu
     rope = {0: batch, 1: tok + 2 * m} if tok is not None else {0: batch}
     if entry == "draft":
         x = {0: batch}
-    elif entry == "decoder":
+    elif entry in ("decoder", "verify"):
         x = (tok_dims(), tok_dims())
     else:
         x = tok_dims()

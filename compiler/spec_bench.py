@@ -1,18 +1,25 @@
-"""`dsv41 bench spec`: DSpark speculative decoding's numbers on the PyTorch graph.
+"""`dsv41 bench spec`: DSpark speculative decoding's numbers on the PyTorch graph and on a
+compiled artifact.
 
 - verify cost: seconds of a verify of k = 0..max_draft drafts at each context (a synthetic
-  cache, `bench.synthetic_cache`), in the engine's form (1+k decode steps: bit-identical to
-  decoding) and the one-pass form (one forward over 1+k tokens: what a compiled verify entry
-  would run), with the draft pass's seconds;
+  cache, `bench.synthetic_cache`), in the engine's decode-steps form (1+k decode steps:
+  bit-identical to decoding) and the one-pass form (the graph: one forward over 1+k tokens;
+  an artifact: one call of its `verify` entry, bit-identical to its decode steps), with the
+  draft pass's seconds;
 - acceptance of DSpark's own drafts on the checkpoint in use (seeded random weights draft
   noise: their acceptance is near zero, which says nothing about trained weights);
 - at injected acceptance rates (a draft right at each position with probability r, and a
   confidence head that says r), the tokens/s the policy predicts from the measured costs (both
   forms), and the tokens/s the engine achieves with its own policy and timings, against plain
-  decoding.
+  decoding (the graph's engine verifies by decode steps; an artifact's by its verify entry).
+
+`--impls graph` (default) writes the JSON section `spec`; `--impls artifact --artifact DIR` the
+section `spec_artifact` (same fields; the engine in exact mode: the artifact's prefill_all,
+decode, draft and verify entries; the model's config is the artifact's).
 
     dsv41 bench spec [--preset small | --checkpoint DIR] [--contexts 256,896] [--max-draft N]
                      [--reps 3] [--tokens 24] [--rates 0.3,0.6,0.9] [--threads N] [--json F]
+                     [--impls graph,artifact] [--artifact DIR]
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +41,7 @@ from dsv41.graph import phases
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
 from dsv41.graph.speculative import cut_back, verify_step
-from dsv41.runtime.engine import Engine
+from dsv41.runtime.engine import Engine, EngineOptions
 from dsv41.runtime.speculative import SpecPolicy, expected_tokens
 
 
@@ -52,15 +60,17 @@ class FixedLength(SpecPolicy):
 
 
 class InjectedDraft:
-    """The graph's phases with DSpark's draft replaced: each draft token is the reference
-    run's token with probability `rate` (else a wrong one), the confidence head says `rate`."""
+    """A backend's phases (default the graph's) with DSpark's draft replaced: each draft token
+    is the reference run's token with probability `rate` (else a wrong one), the confidence
+    head says `rate`."""
 
-    def __init__(self, sequence: list[int], rate: float, vocab: int, seed: int):
-        self.sequence, self.rate, self.vocab = sequence, rate, vocab
+    def __init__(self, sequence: list[int], rate: float, vocab: int, seed: int,
+                 backend=phases):
+        self.sequence, self.rate, self.vocab, self.backend = sequence, rate, vocab, backend
         self.rng = np.random.default_rng(seed)
 
     def __getattr__(self, name):
-        return getattr(phases, name)
+        return getattr(self.backend, name)
 
     def draft_after(self, model, cache, token):
         pos, n = int(cache.pos[0]), model.args.dspark_block_size
@@ -81,16 +91,58 @@ def _median(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(out)
 
 
-def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: int) -> list[dict]:
+@dataclass(frozen=True)
+class Backend:
+    """What the bench runs on: the phases, the one-pass verify, and an engine over them."""
+
+    name: str  # the JSON's `backend`
+    phases: object  # graph.phases or runtime.compiled.CompiledPhases
+    one_pass: Callable[[Model, object, torch.Tensor], object]  # -> Verified
+    engine_field: str  # the verify cost the engine's own speculative step pays
+    engine: Callable[..., Engine]  # (**EngineOptions fields) -> Engine
+
+
+def graph_backend(model: Model) -> Backend:
+    return Backend("PyTorch graph", phases,
+                   lambda m, c, t: verify_step(m, c, t, one_pass=True), "steps_s",
+                   lambda **kw: Engine.from_model(model, weights_hash="bench-spec", **kw))
+
+
+def artifact_backend(model: Model, artifact_dir: Path) -> Backend:
+    """The artifact's compiled phases; its engine in exact mode (prefill_all, decode, draft,
+    verify: the entries a speculating exact engine runs)."""
+    from dsv41.runtime.artifact import Artifact
+    from dsv41.runtime.compiled import CompiledPhases
+
+    art = Artifact.load(artifact_dir, args=model.args)
+    missing = [e for e in ("prefill_all", "decode", "draft", "verify") if e not in art.entries]
+    if missing:
+        raise ValueError(f"{artifact_dir} lacks the entries {', '.join(missing)} this bench "
+                         f"runs; compile them with `dsv41 compile --entries "
+                         f"prefill_all,decode,draft,verify`.")
+    ph = CompiledPhases(art, model)
+
+    def engine(**kw) -> Engine:
+        return Engine(model, ph, weights_hash="bench-spec", backend=f"artifact {artifact_dir}",
+                      options=EngineOptions(exact=True, **kw))
+
+    return Backend(f"artifact {artifact_dir}", ph, ph.verify_step, "one_pass_s", engine)
+
+
+def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: int,
+                 backend: Backend | None = None) -> list[dict]:
+    be = backend or graph_backend(model)
     cache = synthetic_cache(model, context, seed=seed, margin=64 + 2 * reps * (max_draft + 2))
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    draft_s = _median(lambda: phases.draft_after(model, cache, torch.tensor([5])), reps)
+    draft_s = _median(lambda: be.phases.draft_after(model, cache, torch.tensor([5])), reps)
     for k in range(max_draft + 1):
         toks = torch.randint(3, model.args.vocab_size, (1, 1 + k), generator=gen)
 
         def run(one_pass: bool, toks=toks) -> None:
-            cut_back(model, cache, verify_step(model, cache, toks, one_pass=one_pass), [1])
+            v = be.one_pass(model, cache, toks) if one_pass else \
+                verify_step(model, cache, toks, step=be.phases.decode_step)
+            cut_back(model, cache, v, [1])
 
         rows.append({"context": context, "k": k, "steps_s": _median(lambda: run(False), reps),
                      "one_pass_s": _median(lambda: run(True), reps), "draft_s": draft_s})
@@ -116,22 +168,23 @@ def _decode_rate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], 
 
 
 def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens: int,
-                   rates, seed: int, say=print) -> dict:
+                   rates, seed: int, say=print, backend: Backend | None = None) -> dict:
     a = model.args
+    be = backend or graph_backend(model)
     if not model.plan.dspark:
         raise ValueError("This model has no DSpark layers to benchmark.")
     if not 1 <= max_draft <= min(a.dspark_block_size, a.window_size - 1):
         raise ValueError(f"--max-draft must lie in 1..{a.dspark_block_size}.")
-    out = {"backend": "PyTorch graph", "verify": [], "injected": []}
+    one = "verify entry" if be.engine_field == "one_pass_s" else "one pass"
+    out = {"backend": be.name, "verify": [], "injected": []}
     for n in contexts:
-        rows = verify_costs(model, n, max_draft, reps, seed)
+        rows = verify_costs(model, n, max_draft, reps, seed, be)
         out["verify"] += rows
         for r in rows:
-            say(f"verify context {n} k {r['k']}: decode-steps {r['steps_s'] * 1e3:.1f} ms, "
-                f"one pass {r['one_pass_s'] * 1e3:.1f} ms (draft {r['draft_s'] * 1e3:.1f} ms)")
+            say(f"verify context {n} k {r['k']}: decode-steps {r['steps_s'] * 1e3:.2f} ms, "
+                f"{one} {r['one_pass_s'] * 1e3:.2f} ms (draft {r['draft_s'] * 1e3:.2f} ms)")
     prompt = [int(x) for x in np.random.default_rng(seed).integers(3, a.vocab_size - 1, 32)]
-    e = Engine.from_model(model, weights_hash="bench-spec", speculative=True,
-                          max_draft=max_draft)
+    e = be.engine(speculative=True, max_draft=max_draft)
     e.spec_policy = FixedLength(max_draft)
     _, _, rec = _decode_rate(e, prompt, tokens)
     out["acceptance"] = {"tokens": tokens, "drafted": rec.drafted, "verified": rec.verified,
@@ -142,18 +195,16 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
                                  "weights"}
     say(f"acceptance of DSpark's drafts: {rec.accepted}/{rec.verified} "
         f"({out['acceptance']['rate']}) over {tokens} tokens (random weights accept little)")
-    ref, plain, _ = _decode_rate(Engine.from_model(model, weights_hash="bench-spec"), prompt,
-                                 tokens)
+    ref, plain, _ = _decode_rate(be.engine(), prompt, tokens)
     short = [r for r in out["verify"] if r["context"] == contexts[0]]
     for rate in rates:
         k_s, pred_s = predicted(short, rate, "steps_s")
         k_o, pred_o = predicted(short, rate, "one_pass_s")
-        e = Engine.from_model(model, weights_hash="bench-spec", speculative=True,
-                              max_draft=max_draft)
+        e = be.engine(speculative=True, max_draft=max_draft)
         for r in short:  # the measured costs seed the policy; the engine's timings follow
-            e.spec_policy.observe_verify(1, r["k"], r["steps_s"])
+            e.spec_policy.observe_verify(1, r["k"], r[be.engine_field])
         e.spec_policy.observe_draft(1, short[0]["draft_s"])
-        e.phases = InjectedDraft(prompt + ref, rate, a.vocab_size, seed)
+        e.phases = InjectedDraft(prompt + ref, rate, a.vocab_size, seed, be.phases)
         got, achieved, rec = _decode_rate(e, prompt, tokens)
         if got != ref:
             raise AssertionError("speculative greedy output differs from plain decoding")
@@ -161,10 +212,11 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
                "predicted_tok_s": pred_s, "predicted_one_pass_k": k_o,
                "predicted_one_pass_tok_s": pred_o, "achieved_tok_s": achieved,
                "plain_tok_s": plain, "verified": rec.verified, "accepted": rec.accepted,
-               "expected_tokens_per_verify": expected_tokens([rate] * max_draft, k_o)}
+               "expected_tokens_per_verify": expected_tokens([rate] * max_draft, k_o),
+               "engine_verify": be.engine_field}
         out["injected"].append(row)
         say(f"acceptance {rate}: predicted {pred_s:.1f} tok/s (k={k_s}, decode-steps verify), "
-            f"{pred_o:.1f} tok/s (k={k_o}, one-pass verify); achieved {achieved:.1f} tok/s "
+            f"{pred_o:.1f} tok/s (k={k_o}, {one} verify); achieved {achieved:.1f} tok/s "
             f"(verified {rec.verified}, accepted {rec.accepted}); plain {plain:.1f} tok/s")
     return out
 
@@ -181,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--impls", default="graph", help="graph and/or artifact, comma-separated")
+    p.add_argument("--artifact", default=None, help="the artifact of --impls artifact")
     return p
 
 
@@ -194,12 +248,27 @@ def main(argv: list[str] | None = None, *,
         raise ValueError("--reps must be >= 1 and --tokens >= 2.")
     if ns.threads:
         torch.set_num_threads(ns.threads)
+    impls = tuple(i.strip() for i in ns.impls.split(",") if i.strip())
+    if not impls or any(i not in ("graph", "artifact") for i in impls):
+        raise ValueError(f"--impls takes graph and/or artifact, got {ns.impls!r}.")
+    if ("artifact" in impls) != (ns.artifact is not None):
+        raise ValueError("--impls artifact and --artifact DIR go together.")
     ckpt = Path(ns.checkpoint) if ns.checkpoint else default_checkpoint(ns.preset, ns.seed)
-    model = Model.from_checkpoint(ckpt)
-    report = {"spec": run_spec_bench(model, contexts=parse_tokens(ns.contexts),
-                                     max_draft=ns.max_draft, reps=ns.reps, tokens=ns.tokens,
-                                     rates=rates, seed=ns.seed),
-              "checkpoint": str(ckpt), "threads": torch.get_num_threads()}
+    args = None
+    if ns.artifact is not None:  # the artifact's config (e.g. a longer max_seq_len)
+        from dsv41.runtime.artifact import Artifact
+
+        args = Artifact.load(ns.artifact).args
+    model = Model.from_checkpoint(ckpt, args)
+    kw = dict(contexts=parse_tokens(ns.contexts), max_draft=ns.max_draft, reps=ns.reps,
+              tokens=ns.tokens, rates=rates, seed=ns.seed)
+    report = {}
+    if "graph" in impls:
+        report["spec"] = run_spec_bench(model, **kw)
+    if "artifact" in impls:
+        report["spec_artifact"] = run_spec_bench(
+            model, **kw, backend=artifact_backend(model, Path(ns.artifact)))
+    report |= {"checkpoint": str(ckpt), "threads": torch.get_num_threads()}
     if ns.json:
         Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.json).write_text(json.dumps(report, indent=1))

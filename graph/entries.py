@@ -11,7 +11,8 @@ import torch
 from .cache import GlobalStore, ModelCache, WindowRing
 from .model import Model, rope_window
 
-ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft")
+ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft",
+           "verify")
 SELECTING = ("prefill_all", "decode")  # also return the indexers' selections (for scoring)
 # the vision tower (patches -> aligned rows, `vision.tower`): compiled only for a model with one
 # (`dsv41 compile --entries vision`); it takes no cache and returns the rows alone
@@ -26,10 +27,20 @@ def selection_keys(plan) -> list[int]:
     return keys + ([-1] if any(p.candidate_source for p in plan.backbone) else [])
 
 
+def tail_row_layers(template: ModelCache) -> list[int]:
+    """The KV sources whose compressors keep a partial-group tail (ratio > 1), in layer order:
+    the `verify` entry returns their fp32 rows of every verified token (`tail.<layer>.kv`,
+    `tail.<layer>.score`, (b, n, hd)), from which the host cuts the tails back."""
+    return [lay for lay in sorted(template.stores) if template.stores[lay].tail_kv is not None]
+
+
 def entry_outputs(plan, entry: str, template: ModelCache) -> list[str]:
     """Names of an entry's outputs, in order."""
     head = {"encoder": ["h", "pre"], "encoder_replay": ["h", "pre"],
             "draft": ["draft_ids", "draft_logits", "confidence"]}.get(entry, ["logits"])
+    if entry == "verify":
+        head = head + [f"tail.{lay}.{f}" for lay in tail_row_layers(template)
+                       for f in ("kv", "score")]
     if entry in SELECTING:
         head += [f"sel.{k}" for k in selection_keys(plan)]
     return head + ([] if entry == "draft" else cache_names(template))
@@ -100,11 +111,12 @@ def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, 
     """The host half of a phase: real inputs for `entry` from a cache and validated tokens (or
     the encoder stream for `decoder`, or the accepted token for `draft`). Engram ids must be
     passed in (they advance the cache's lookback, so the caller computes them once); so may
-    RoPE tables a graph `Chunk` already holds for the same start."""
+    RoPE tables a graph `Chunk` already holds for the same start. `verify` takes the pair
+    (tokens (b, n), each token's index-K pointer before it (b, n))."""
     a = model.args
     if entry == "draft":
         s = a.dspark_block_size
-    elif entry == "decoder":
+    elif entry in ("decoder", "verify"):
         s = x[0].size(1)
     else:
         s = x.size(1)

@@ -451,12 +451,14 @@ def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
         ok = torch.full_like(x[..., 0], True, dtype=torch.bool)
         return Compressed(latent, chunk.start, ok, 1)
     wkv, wgate = (model.p(layer, f"attn.compressor.{n}.weight") for n in ("wkv", "wgate"))
-    if chunk.tail_rows is None:
+    if chunk.tail_rows is None or torch.compiler.is_exporting():
+        # (compiled, every row runs the decode step's GEMV kernel: the same fp32 bits)
         kv = fp32_linear(x, wkv)  # (b, s, hd) fp32
         score = fp32_linear(x, wgate)
-    else:  # a verify pass: per position, at a decode step's GEMM shape (the same fp32 bits)
+    else:  # an eager verify pass: per position, at a decode step's GEMM shape
         kv = torch.cat([fp32_linear(x[:, i:i + 1], wkv) for i in range(s)], dim=1)
         score = torch.cat([fp32_linear(x[:, i:i + 1], wgate) for i in range(s)], dim=1)
+    if chunk.tail_rows is not None:  # a verify pass keeps them to cut the tails back
         chunk.tail_rows[layer] = (kv, score)
     start, end = chunk.start.unsqueeze(1), chunk.end.unsqueeze(1)  # (b, 1)
     g0 = chunk.start // m  # (b,)
@@ -579,11 +581,11 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
     lens = (chunk.pos + 1) // store.ratio  # (b, s) entries visible to each query
     keys = index_keys(model, cache, store, chunk)
     full_sweep = not p.candidate_source and not (src.uses_candidates and not model.full_reindex)
+    if keys.pick is not None and keys.pick.dim() == 2:
+        return _select_per_token(model, keys, q, weights, lens, full_sweep)
     if full_sweep and keys.alt_codes and torch.compiler.is_exporting():
         return ops.indexer_topk_shared(q, keys.codes, keys.scales, keys.alt_codes,
                                        keys.alt_scales, keys.pick, weights, lens, a.index_topk)
-    if keys.pick is not None and keys.pick.dim() == 2:
-        return _select_per_token(model, keys, q, weights, lens, full_sweep)
     # eager, and the candidate / pool sweeps (whose sources have no lower-ratio source to
     # share a pointer with in any preset): the keys as one tensor pair
     kc, ks = keys.materialised()
@@ -600,18 +602,18 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
 
 def _select_per_token(model: Model, keys: IndexKeys, q: torch.Tensor, weights: torch.Tensor,
                       lens: torch.Tensor, full_sweep: bool) -> torch.Tensor:
-    """A verify pass's full sweep under a per-token pointer (eager only): one sweep per store
-    the pointer may name, each token keeping the one its own pointer names (what that token's
+    """A verify pass's full sweep under a per-token pointer: one sweep per store the pointer
+    may name (`indexer_topk_shared` with every sequence's pick at that store, the kernel a
+    decode step runs), each token keeping the one its own pointer names (what that token's
     decode step would have swept)."""
-    if torch.compiler.is_exporting() or not full_sweep:
-        raise ValueError("A per-token index-K pointer is supported for eager full sweeps only.")
+    if not full_sweep:
+        raise ValueError("A per-token index-K pointer is supported for full sweeps only.")
     k = model.args.index_topk
     out = None
     for option in range(len(keys.alt_codes) + 1):
         pick = torch.full_like(keys.pick[:, 0], option)
-        kc, ks = ops.shared_index_k(keys.codes, keys.scales, keys.alt_codes, keys.alt_scales,
-                                    pick)
-        idx = ops.indexer_topk(q, kc, ks, weights, lens, k)
+        idx = ops.indexer_topk_shared(q, keys.codes, keys.scales, keys.alt_codes,
+                                      keys.alt_scales, pick, weights, lens, k)
         out = idx if out is None else torch.where((keys.pick == option).unsqueeze(-1), idx, out)
     return out
 

@@ -16,12 +16,16 @@ the pointer, the Engram lookback, the positions: O(k) rows, never a cache copy) 
 
 Two forms. `one_pass=False` (the default, the oracle): the 1+k tokens as consecutive decode
 steps inside the call, bit-identical to decoding by construction. `one_pass=True`: one forward
-over the 1+k tokens, the form a compiled verify entry runs (weights read once): the released
-index-K pointer moves per token, not per chunk (`Chunk.token_owner`), the head and the fp32
-compressor GEMMs run per position. Its selections and caches match the decode steps; its other
-GEMMs run at M = b(1+k) rows, and eager CPU GEMMs are not row-invariant (measured on
-shared-small: a 1-ulp change in an expert GEMM moves a logit by ~1e-3), so it agrees with
-decoding to rounding, not bit for bit.
+over the 1+k tokens (weights read once), split as the compiled `verify` entry runs it:
+`begin_verify` (checks, staging) and `verify_chunk` (RoPE, Engram ids, each token's index-K
+pointer) on the host, `verify_forward` the graph the entry captures, `finish_verify` on the host
+again (tails and Engram lookback per kept count). The released index-K pointer moves per token,
+not per chunk (`Chunk.token_owner`). Eagerly the head and the fp32 compressor GEMMs run per
+position; the other GEMMs run at M = b(1+k) rows, and eager CPU GEMMs are not row-invariant
+(measured on shared-small: a 1-ulp change in an expert GEMM moves a logit by ~1e-3), so the
+eager one-pass form agrees with decoding to rounding (equal selections and caches). Compiled,
+every row runs the decode entry's own per-row kernels (GEMV, MoE, attention, indexer), so the
+entry's logits equal compiled decode steps' (tests/test_speculative_compiled.py).
 """
 
 from __future__ import annotations
@@ -107,18 +111,15 @@ def _tails(cache: ModelCache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
             if st.tail_kv is not None}
 
 
-def verify_step(model: Model, cache: ModelCache, tokens, *, one_pass: bool = False,
-                step: Step | None = None) -> Verified:
-    """The backbone over `tokens` (b, n), 1 <= n <= 1 + dspark_block_size: the last sampled
-    token and a draft prefix, at positions cache.pos.. (every sequence at its own). Logits at
-    every position; the cache then holds all n (DSpark rings seeded), until `cut_back`.
-    `step`: the decode step of the backend the decode steps run on (default the graph's)."""
+def begin_verify(model: Model, cache: ModelCache, tokens) -> tuple[torch.Tensor, Staged]:
+    """The checks and the staging of a verify pass over `tokens` (b, n): validated tokens and
+    what the pass may overwrite (capacity for all n ensured first)."""
     tokens = check_tokens(model, tokens)
     a = model.args
     b, n = tokens.shape
     if b != cache.batch:
         raise ValueError(f"Batch of {b} sequences does not match the cache's {cache.batch}.")
-    if not 1 <= n <= 1 + a.dspark_block_size or n > a.window_size:
+    if not 1 <= n <= verify_tokens(a):
         raise ValueError(f"A verify pass takes 1..{1 + a.dspark_block_size} tokens (and at most "
                          f"the window, {a.window_size}), got {n}.")
     if int(cache.pos.min()) < 1:
@@ -128,7 +129,79 @@ def verify_step(model: Model, cache: ModelCache, tokens, *, one_pass: bool = Fal
         raise ValueError(f"The sequence would reach {end} tokens; this model's max_seq_len is "
                          f"{a.max_seq_len}.")
     ensure_capacity(cache, end)
-    staged = _stage(model, cache, tokens)
+    return tokens, _stage(model, cache, tokens)
+
+
+def verify_tokens(args) -> int:
+    """The most tokens one verify pass takes: the sampled token and a DSpark block (within the
+    window)."""
+    return min(1 + args.dspark_block_size, args.window_size)
+
+
+def verify_chunk(model: Model, cache: ModelCache, tokens: torch.Tensor,
+                 staged: Staged) -> tuple[Chunk, np.ndarray | None]:
+    """The host half of a one-pass verify: the chunk (RoPE tables, Engram ids, each token's
+    index-K pointer before it, an empty `tail_rows` for the compressors' rows) and the Engram
+    lookback before the pass (the ids advance the cache's). Sets `staged.owner_after`."""
+    start, n = staged.start, tokens.size(1)
+    staged.owner_after = step_owners(model, cache.index_owner, start.unsqueeze(1)
+                                     + torch.arange(n))
+    hist = cache.engram_history
+    chunk = Chunk(start=start, length=n, rope=rope_window(model, start, n),
+                  hash_ids=engram_ids(model, cache, tokens),
+                  token_owner=torch.cat([cache.index_owner.unsqueeze(1),
+                                         staged.owner_after[:, :-1]], dim=1),
+                  tail_rows={})
+    return chunk, hist
+
+
+def verify_forward(model: Model, cache: ModelCache, tokens: torch.Tensor,
+                   chunk: Chunk) -> torch.Tensor:
+    """The graph half of a one-pass verify (what the compiled `verify` entry captures): every
+    block once over the n tokens, each with its decode step's semantics (per-token index-K
+    pointer, the compressors' rows kept in `chunk.tail_rows`), the DSpark rings seeded. Returns
+    fp32 logits (b, n, vocab)."""
+    h = embed(model, tokens)  # (b, n, hc, d)
+    pre = identity_pre(h)
+    h, pre = run_layers(model, cache, h, pre, range(model.args.n_layers), chunk)
+    x = final_norm(model, h, pre)  # (b, n, d)
+    cache.pos = chunk.end
+    if torch.compiler.is_exporting():  # compiled: each row through the decode step's GEMV
+        logits = head(model, x)
+    else:  # eager: per position, at the GEMM shape of a decode step of this batch
+        logits = torch.cat([head(model, x[:, i:i + 1]) for i in range(chunk.length)], dim=1)
+    if chunk.taps and model.plan.dspark:
+        dspark.seed(model, cache, torch.cat(chunk.taps, dim=-1), chunk)
+    return logits
+
+
+def finish_verify(model: Model, cache: ModelCache, tokens: torch.Tensor, staged: Staged,
+                  hist: np.ndarray | None,
+                  tail_rows: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                  logits: torch.Tensor, work: dict[int, int]) -> Verified:
+    """After a one-pass verify (graph or compiled): the cache as after all n tokens (position,
+    index-K pointer), and what `cut_back` needs for each kept count (tails, Engram lookback)."""
+    start, n = staged.start, tokens.size(1)
+    cache.pos = start + n
+    cache.index_owner = staged.owner_after[:, -1].clone()
+    for j in range(n):
+        kept = start + j + 1
+        staged.tails_after.append({
+            lay: _tail_at(*staged.tails[lay], *tail_rows[lay], start, kept,
+                          cache.stores[lay].ratio) for lay in staged.tails})
+        staged.history_after.append(None if hist is None else engram_history_after(
+            model.engram, hist, tokens[:, : j + 1].numpy()))
+    return Verified(logits, staged, work)
+
+
+def verify_step(model: Model, cache: ModelCache, tokens, *, one_pass: bool = False,
+                step: Step | None = None) -> Verified:
+    """The backbone over `tokens` (b, n), 1 <= n <= 1 + dspark_block_size: the last sampled
+    token and a draft prefix, at positions cache.pos.. (every sequence at its own). Logits at
+    every position; the cache then holds all n (DSpark rings seeded), until `cut_back`.
+    `step`: the decode step of the backend the decode steps run on (default the graph's)."""
+    tokens, staged = begin_verify(model, cache, tokens)
+    n = tokens.size(1)
     if not one_pass:
         step = step or (lambda m, c, t: prefill_exact(m, c, t))
         logits, owners, work = [], [], {}
@@ -142,34 +215,10 @@ def verify_step(model: Model, cache: ModelCache, tokens, *, one_pass: bool = Fal
             work = {k: work.get(k, 0) + v for k, v in res.work.items()}
         staged.owner_after = torch.stack(owners, dim=1)
         return Verified(torch.cat(logits, dim=1), staged, work)
-    start = staged.start
-    hist = cache.engram_history
-    staged.owner_after = step_owners(model, cache.index_owner, start.unsqueeze(1)
-                                     + torch.arange(n))
-    tail_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    chunk = Chunk(start=start, length=n, rope=rope_window(model, start, n),
-                  hash_ids=engram_ids(model, cache, tokens),
-                  token_owner=torch.cat([cache.index_owner.unsqueeze(1),
-                                         staged.owner_after[:, :-1]], dim=1),
-                  tail_rows=tail_rows)
-    h = embed(model, tokens)  # (b, n, hc, d)
-    pre = identity_pre(h)
-    h, pre = run_layers(model, cache, h, pre, range(a.n_layers), chunk)
-    x = final_norm(model, h, pre)  # (b, n, d)
-    cache.pos = chunk.end
-    # per position: each row at the GEMM shape of a decode step of this batch
-    logits = torch.cat([head(model, x[:, i:i + 1]) for i in range(n)], dim=1)
-    if chunk.taps and model.plan.dspark:
-        dspark.seed(model, cache, torch.cat(chunk.taps, dim=-1), chunk)
-    cache.index_owner = staged.owner_after[:, -1].clone()
-    for j in range(n):
-        kept = start + j + 1
-        staged.tails_after.append({
-            lay: _tail_at(*staged.tails[lay], *tail_rows[lay], start, kept,
-                          cache.stores[lay].ratio) for lay in staged.tails})
-        staged.history_after.append(None if hist is None else engram_history_after(
-            model.engram, hist, tokens[:, : j + 1].numpy()))
-    return Verified(logits, staged, chunk.work)
+    chunk, hist = verify_chunk(model, cache, tokens, staged)
+    logits = verify_forward(model, cache, tokens, chunk)
+    return finish_verify(model, cache, tokens, staged, hist, chunk.tail_rows, logits,
+                         chunk.work)
 
 
 def _tail_at(old_kv, old_score, kv, score, start, end, m):

@@ -25,6 +25,13 @@ from dsv41.graph.phases import (
     prepare_replay,
     resume_tail,
 )
+from dsv41.graph.speculative import (
+    Verified,
+    begin_verify,
+    finish_verify,
+    verify_chunk,
+    verify_step,
+)
 from dsv41.graph.vision import tower_inputs
 
 from .artifact import Artifact
@@ -83,10 +90,12 @@ class CompiledPhases:
         if entry != "draft":
             load_cache_tensors(cache, [named[n] for n in self.art.manifest["entries"][entry]
                                        ["cache"]])
-        # logits, selections and drafts go to the host (a no-op on the CPU); the cache and the
-        # encoder stream (h, pre: the decoder's input) stay on the artifact's device
+        # logits, selections and drafts go to the host (a no-op on the CPU); the cache, the
+        # encoder stream (h, pre: the decoder's input) and a verify's compressor rows (cut back
+        # against the cache's tails) stay on the artifact's device
         stays = set(self.art.manifest["entries"][entry].get("cache", ())) | {"h", "pre"}
-        return {k: v if k in stays else v.cpu() for k, v in named.items()}
+        return {k: v if k in stays or k.startswith("tail.") else v.cpu()
+                for k, v in named.items()}
 
     def _work(self, layers, n: int) -> dict[int, int]:
         return {lay: n for lay in layers}
@@ -159,6 +168,23 @@ class CompiledPhases:
             raise ValueError(f"Cell indices must lie in 0..{n} (n_patches is the zero row).")
         (aligned,) = self.art.call(VISION_ENTRY, (patches.contiguous(), cos, sin, cells))
         return aligned.cpu()
+
+    def verify_step(self, model: Model, cache: ModelCache, tokens) -> Verified:
+        """`graph.speculative.verify_step`'s contract (logits at every position; staged for
+        `cut_back`) in one call of the `verify` entry: the 1+k tokens of every sequence as rows
+        of decode's own kernels, the weights read once. Without the entry, 1+k calls of the
+        decode entry (the same logits)."""
+        self._check(model)
+        if "verify" not in self.art.entries:
+            return verify_step(model, cache, tokens, step=self.decode_step)
+        tokens, staged = begin_verify(self.model, cache, tokens)
+        chunk, hist = verify_chunk(self.model, cache, tokens, staged)
+        named = self._run("verify", cache, (tokens, chunk.token_owner), start=chunk.start,
+                          hash_ids=chunk.hash_ids, rope=chunk.rope)
+        tails = {lay: (named[f"tail.{lay}.kv"], named[f"tail.{lay}.score"])
+                 for lay in staged.tails}
+        return finish_verify(self.model, cache, tokens, staged, hist, tails, named["logits"],
+                             self._work(range(self.model.args.n_layers), tokens.size(1)))
 
     def _encode(self, cache: ModelCache, tokens, *, replay_from=None, floor=None):
         entry = "encoder" if replay_from is None else "encoder_replay"

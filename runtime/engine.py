@@ -682,7 +682,10 @@ def _speculative_step(e: Engine, cache: ModelCache,
             t.fed(res.logits[row, -1])
         return [_SpecStep(None, row, 1, 0) for row in range(b)]
     toks = torch.cat([now.unsqueeze(1), draft.ids[:, 1:1 + k]], dim=1)  # (b, 1 + k)
-    v = verify_step(e.model, cache, toks, step=e.phases.decode_step)
+    # a compiled artifact's own verify (one call of its `verify` entry), else decode steps
+    own = getattr(e.phases, "verify_step", None)
+    v = own(e.model, cache, toks) if own is not None else \
+        verify_step(e.model, cache, toks, step=e.phases.decode_step)
     pol.observe_verify(b, k, clock() - t0)
     steps = []
     for row, (s, t) in enumerate(members):

@@ -57,7 +57,7 @@ def v41_model(v41_case):
 # the entries compiled once for shared-small (compile, engine and run tests), kept between runs
 ARTIFACT_ENTRIES = ("prefill_all", "decode", "encoder", "decoder", "encoder_replay")
 PACKAGE = Path(__file__).resolve().parents[1]
-ARTIFACT_CACHE_KEEP = 3  # cached builds kept (the newest by use)
+ARTIFACT_CACHE_KEEP = 4  # cached builds kept (the newest by use; two fixtures compile)
 
 
 # what a compile reads: the model and kernels, the compile pipeline, the manifest format
@@ -92,14 +92,19 @@ def artifact_cache_root() -> Path:
 
 @pytest.fixture(scope="session")
 def small_artifact(small_case):
-    """shared-small's artifact with ARTIFACT_ENTRIES: reused from the cache when the code, the
-    config and TVM are the same (its manifest verified on load like any artifact), else compiled
-    and put there (renamed in whole, so a killed run leaves no partial entry)."""
-    from dsv41.compiler.build import CompileOptions, compile_artifact
+    """shared-small's artifact with ARTIFACT_ENTRIES (`cached_artifact`)."""
     from dsv41.graph.config import load_config
 
-    args = load_config(small_case.checkpoint)
-    key = compile_inputs_digest(args.config_hash(), ",".join(ARTIFACT_ENTRIES))
+    return cached_artifact(load_config(small_case.checkpoint), "shared-small", ARTIFACT_ENTRIES)
+
+
+def cached_artifact(args, model_name: str, entries: tuple[str, ...]) -> Path:
+    """A CPU artifact of `entries` for `args`: reused from the cache when the code, the config,
+    the entries and TVM are the same (its manifest verified on load like any artifact), else
+    compiled and put there (renamed in whole, so a killed run leaves no partial entry)."""
+    from dsv41.compiler.build import CompileOptions, compile_artifact
+
+    key = compile_inputs_digest(args.config_hash(), ",".join(entries))
     cache = artifact_cache_root() / "artifacts"
     done = cache / key
     if (done / "done").is_file():
@@ -107,8 +112,8 @@ def small_artifact(small_case):
         return done / (done / "done").read_text()
     cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))
-    opts = CompileOptions(args=args, model_name="shared-small", target="cpu", out=work,
-                          entries=ARTIFACT_ENTRIES)
+    opts = CompileOptions(args=args, model_name=model_name, target="cpu", out=work,
+                          entries=entries)
     report = compile_artifact(opts)
     print({e: round(sum(t.values()), 1) for e, t in report.seconds.items()})
     # the artifact's path inside the entry, so the cache folder may move

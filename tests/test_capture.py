@@ -59,7 +59,7 @@ def _run(model, prog, cache, entry, x, **kw):
 
 def test_every_entry_is_known():
     assert set(ENTRIES) == {"prefill", "prefill_all", "decode", "encoder", "encoder_replay",
-                            "decoder", "draft"}
+                            "decoder", "draft", "verify"}
 
 
 def test_prefill_and_decode_match_eager(small_case, small_model, programs):

@@ -22,7 +22,7 @@ from dsv41.runtime.speculative import SpecPolicy, accept_draft_token, expected_t
 PAGE = 8
 
 
-def _prompt(n: int, seed: int = 0) -> list[int]:
+def prompt_tokens(n: int, seed: int = 0) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(3, 500, n)]
 
 
@@ -42,7 +42,7 @@ def _state(cache: ModelCache) -> dict[str, np.ndarray]:
     return out
 
 
-def _assert_same_cache(a: ModelCache, b: ModelCache) -> None:
+def assert_same_cache(a: ModelCache, b: ModelCache) -> None:
     sa, sb = _state(a), _state(b)
     assert sa.keys() == sb.keys()
     for k in sa:
@@ -67,7 +67,7 @@ def test_verify_then_cut_back_equals_decode_steps(small_case, small_model, prefi
     v = verify_step(m, spec, toks[:, prefill:prefill + 3])
     assert torch.equal(v.logits[:, :keep], want)
     cut_back(m, spec, v, [keep])
-    _assert_same_cache(spec, ref)
+    assert_same_cache(spec, ref)
 
 
 def test_one_pass_verify_keeps_each_tokens_pointer(small_case, small_model):
@@ -84,7 +84,7 @@ def test_one_pass_verify_keeps_each_tokens_pointer(small_case, small_model):
     assert torch.equal(v.logits.argmax(-1), want.argmax(-1))
     assert (v.logits - want).abs().max() < 1e-2
     cut_back(m, spec, v, [3])
-    _assert_same_cache(spec, ref)
+    assert_same_cache(spec, ref)
 
 
 def test_verify_and_cut_back_refuse_bad_input(small_model):
@@ -153,7 +153,7 @@ def test_forced_acceptance_pattern_counts_and_cache(small_model):
     """A draft right for j = 0, 1, 2, 1 tokens in turn: the accepted counts are exactly those,
     the tokens those of the run without speculation, and the session's cache after the turn
     equals that run's byte for byte."""
-    m, prompt, n_new = small_model, _prompt(19, 4), 24
+    m, prompt, n_new = small_model, prompt_tokens(19, 4), 24
     base = _engine(m)
     s0 = base.session()
     want = list(s0.send(prompt, max_new_tokens=n_new))
@@ -177,13 +177,13 @@ def test_forced_acceptance_pattern_counts_and_cache(small_model):
     assert spec.phases.calls == passes
     assert rec.decoded == s0.turns[-1].decoded == n_new - 1
     assert s1.history == s0.history and s1.pending == s0.pending
-    _assert_same_cache(s1.cache, s0.cache)
+    assert_same_cache(s1.cache, s0.cache)
 
 
 def test_left_turn_cuts_back_to_the_tokens_read(small_model):
     """A caller leaving in the middle of a speculative step's tokens: the turn ends at the last
     token it read, the cache as if it had decoded without speculation up to there."""
-    m, prompt = small_model, _prompt(19, 5)
+    m, prompt = small_model, prompt_tokens(19, 5)
     base = _engine(m)
     s0 = base.session()
     want = list(s0.send(prompt, max_new_tokens=12))
@@ -199,14 +199,14 @@ def test_left_turn_cuts_back_to_the_tokens_read(small_model):
     list(s2.send(prompt, max_new_tokens=5))
     assert s1.history == s2.history and s1.pending == s2.pending == want[4]
     assert s1.turns[-1].decoded == 4 and s1.turns[-1].accepted == 3
-    _assert_same_cache(s1.cache, s2.cache)
+    assert_same_cache(s1.cache, s2.cache)
 
 
 def test_send_many_speculates_per_row(small_model):
     """A decode batch of two sessions (different lengths), one k for the batch, acceptance
     per row: the same tokens as without speculation."""
     m = small_model
-    prompts = [_prompt(17, 6), _prompt(22, 7)]
+    prompts = [prompt_tokens(17, 6), prompt_tokens(22, 7)]
     base = _engine(m)
     want = base.send_many([(base.session(), p, {"max_new_tokens": 9}) for p in prompts])
     spec = _engine(m, speculative=True, max_draft=2)
@@ -224,13 +224,13 @@ def test_batcher_streams_every_token_of_a_speculative_step(small_model):
     from dsv41.runtime.batcher import Batcher
 
     m = small_model
-    prompts = [_prompt(9, 11), _prompt(14, 12)]
+    prompts = [prompt_tokens(9, 11), prompt_tokens(14, 12)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     plain = _engine(m)
     want = [list(plain.session().send(p, max_new_tokens=8)) for p in prompts]
     spec = _engine(m, speculative=True, max_draft=2)
     spec.spec_policy = Always(2)
-    spec.phases = _PerSession(prompts, want, m.args.vocab_size)
+    spec.phases = PerSessionDraft(prompts, want, m.args.vocab_size)
     b = Batcher(spec, max_running=4)
     streams = [b.submit(p, params) for p in prompts]
     while b.step():
@@ -239,7 +239,7 @@ def test_batcher_streams_every_token_of_a_speculative_step(small_model):
     assert got == want
 
 
-class _PerSession(ScriptedDraft):
+class PerSessionDraft(ScriptedDraft):
     """Right drafts for whichever of several known sequences the row's position and token
     match (a batch: one row per sequence)."""
 
@@ -262,7 +262,7 @@ def _greedy_equality(model, tmp_path, n_new: int, right: list[int] | None = None
     """Two turns (the second after a snapshot restore from the tiers), greedy, a draft verified
     at every step (DSpark's own, or with `right` one right for that many tokens in turn, from
     the run without speculation): the same tokens as without speculation."""
-    turns = [_prompt(23, 8), _prompt(5, 9)]
+    turns = [prompt_tokens(23, 8), prompt_tokens(5, 9)]
     out = []
     for spec in (False, True):
         e = _engine(model, store_dir=tmp_path / f"store{spec}", speculative=spec, max_draft=2)
@@ -445,7 +445,7 @@ def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_m
     """Verify costs (1 + k) plain steps (the graph's decode-steps form): the engine's policy
     keeps k = 0 and never drafts, its own (fake-clock) timings keeping a plain step cheap;
     the tokens are those of the plain engine."""
-    m, prompt = small_model, _prompt(19, 10)
+    m, prompt = small_model, prompt_tokens(19, 10)
     want = list(_engine(m).session().send(prompt, max_new_tokens=10))
     e = _engine(m, speculative=True, max_draft=2, spec_clock=FakeClock())
     # injected: a plain step 10 ms, a verify of k (1 + k) x 10 ms, a draft 1 ms
@@ -456,3 +456,58 @@ def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_m
     s = e.session()
     assert list(s.send(prompt, max_new_tokens=10)) == want
     assert (s.turns[-1].drafted, s.turns[-1].verified) == (0, 0)
+
+
+def test_spec_bench_refuses_bad_impls(tmp_path):
+    from dsv41.compiler.spec_bench import main
+
+    def no_checkpoint(preset, seed):
+        raise AssertionError("the options are checked before any checkpoint is made")
+
+    for argv, msg in ((["--impls", "artifact"], "go together"),
+                      (["--artifact", str(tmp_path)], "go together"),
+                      (["--impls", "graph,onnx"], "graph and/or artifact")):
+        with pytest.raises(ValueError, match=msg):
+            main(argv, default_checkpoint=no_checkpoint)
+
+
+# ---- the captured verify entry ----------------------------------------------------------------
+
+
+def test_captured_verify_entry_runs_the_one_pass_verify(small_model):
+    """The `verify` entry's captured program (torch.export, symbolic tokens), run eagerly on
+    the host half the compiled phases feed it: the graph's one-pass verify's logits to eager
+    GEMM rounding (its compressor GEMMs run over all rows at once), the same greedy tokens, and
+    after `cut_back` the same positions, index-K pointer and ring bytes. (The compiled entry
+    against compiled decode steps, bit for bit: tests/test_speculative_compiled.py, slow.)"""
+    from dsv41.compiler.capture import capture
+    from dsv41.graph.entries import cache_names, entry_inputs, entry_outputs, load_cache_tensors
+    from dsv41.graph.speculative import begin_verify, finish_verify, verify_chunk
+
+    m = small_model
+    ep, template = capture(m, "verify")
+    prog = ep.module()
+    names = entry_outputs(m.plan, "verify", template)
+    assert names[:3] == ["logits", "tail.1.kv", "tail.1.score"]
+    seq = prompt_tokens(30, 13)
+    for p, keep in ((20, 3), (21, 2)):
+        a, b = (new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id) for _ in range(2))
+        prefill_exact(m, a, [seq[:p]])
+        prefill_exact(m, b, [seq[:p]])
+        want = verify_step(m, a, [seq[p:p + 3]], one_pass=True)
+        toks, staged = begin_verify(m, b, [seq[p:p + 3]])
+        chunk, hist = verify_chunk(m, b, toks, staged)
+        out = prog(*entry_inputs(m, b, "verify", (toks, chunk.token_owner), start=chunk.start,
+                                 hash_ids=chunk.hash_ids, rope=chunk.rope))
+        named = dict(zip(names, out, strict=True))
+        load_cache_tensors(b, out[len(names) - len(cache_names(template)):])
+        tails = {lay: (named[f"tail.{lay}.kv"], named[f"tail.{lay}.score"])
+                 for lay in staged.tails}
+        got = finish_verify(m, b, toks, staged, hist, tails, named["logits"], {})
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        assert (got.logits - want.logits).abs().max() <= 1e-4 * want.logits.abs().max()
+        cut_back(m, a, want, [keep])
+        cut_back(m, b, got, [keep])
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.index_owner, b.index_owner)
+        for lay in a.windows:
+            assert torch.equal(a.windows[lay].codes, b.windows[lay].codes), lay
