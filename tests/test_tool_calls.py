@@ -105,7 +105,8 @@ class ScriptedBatcher:
     def __init__(self, tok: Tokenizer, text: str):
         self.tok, self.text = tok, text
 
-    def submit(self, prompt_ids, params):
+    def submit(self, prompt_ids, params, images=()):
+        assert not images, "these tests send text only"
         ids = self.tok.encode(self.text)
         events = [TokenEvent(t, self.tok.decode([t]), None, (), None) for t in ids[:-1]]
         events.append(TokenEvent(ids[-1], self.tok.decode([ids[-1]]), None, (),
