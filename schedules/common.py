@@ -142,6 +142,18 @@ def fp4_element(packed_u8, col):
     return fp4_to_f32((T.Cast("uint32", packed_u8) >> shift) & u32(0xF))
 
 
+def fp4_pair_f16_bits(packed_u8):
+    """A packed E2M1 byte (uint8) -> the uint16 bits of the two fp16s that equal its elements
+    times 2^-14, (low nibble = even element, high nibble = odd element). E2M1's sign / 2-bit
+    exponent / 1-bit mantissa land on fp16's sign, exponent bits 11..10 and mantissa bit 9, so
+    code 1 (0.5) is the fp16 subnormal 2^-15 and code 7 (6) is 1.5 * 2^-12: integer lanes only,
+    then the exact fp16 -> fp32 hardware conversion (`f16_bits_to_f32`); the caller owes 2^14."""
+    b = T.Cast("uint16", packed_u8)
+    lo = ((b & T.uint16(0x8)) << T.uint16(12)) | ((b & T.uint16(0x7)) << T.uint16(9))
+    hi = ((b & T.uint16(0x80)) << T.uint16(8)) | ((b & T.uint16(0x70)) << T.uint16(5))
+    return lo, hi
+
+
 def silu_times(gate, up, limit: float):
     """swiglu(gate, up, limit) as graph.ops.swiglu: clamps when limit > 0, then
     silu(g) * u with silu(g) = g / (1 + exp(-g)) (torch's CPU formula)."""

@@ -38,9 +38,12 @@ from . import gemm
 from .common import (
     bf16_to_f32,
     e8m0_byte,
+    f16_bits_to_f32,
     fp4_element,
+    fp4_pair_f16_bits,
     i64,
     idx,
+    let,
     round_bf16,
     round_bf16_bound,
     silu_times,
@@ -337,6 +340,129 @@ def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm
     return moe_down
 
 
+# ---- 3./5. the decode form: one dot product per (pair, output) ------------------------------
+#
+# At decode each expert sees one or two rows, so the tile kernels above decode a whole weight
+# tile for a single row, reading it across output columns (a strided gather of packed bytes).
+# The GEMV form walks each routed pair's weight rows along K instead: per sorted row rho (pair
+# q = row_pair[rho], expert ids[q]) and output column, a 16-lane partial sum over the packed
+# bytes, each byte's two elements against the activation split by parity (xg[rho, parity, j] =
+# xq[., 2j + parity] * 2^14), the weight scale applied per 32-block, the lanes added pairwise
+# at the end. Every product is exact (E4M3 activation x E2M1 weight x powers of two), as in
+# the tile kernels; only the order of the fp32 additions differs from the oracle (all of K at
+# once rather than per-block partials), the same kind of difference as gemm.make_fp8_gemv.
+# The outputs land at the same sorted rows, so route, qdq_h and combine are unchanged.
+
+
+def _gemv_term(xg, w, s, vr, va, vj, expert):
+    """Byte j of weight row va of `expert` against sorted row vr: (x_even * w_lo + x_odd *
+    w_hi) * scale (both products exact; the 2^14 of the fp16 decode is in xg)."""
+    def pair(byte):
+        lo, hi = fp4_pair_f16_bits(byte)
+        return xg[vr, 0, vj] * f16_bits_to_f32(lo) + xg[vr, 1, vj] * f16_bits_to_f32(hi)
+
+    return let(w[expert, va, vj], pair, "wb") * e8m0_byte(s[expert, va, vj // i64(BLOCK // 2)])
+
+
+def _expert_of(ids, row_pair, vr, p, kt, e):
+    """The expert of sorted row vr: ids at its pair q = row_pair[vr] (indices clamped)."""
+    q = idx(row_pair[vr], p)
+    return idx(ids[q // kt, q % kt], e)
+
+
+def make_moe_gate_up_gemv(*, dim: int, inter: int, n_experts: int, topk: int,
+                          swiglu_limit: float) -> tvm.tirx.PrimFunc:
+    """(xq fp32 [n, dim], weights fp32 [n, topk], ids int64 [n, topk], row_pair [P], w1, s1,
+    w3, s3) -> h bf16 [P, inter] at sorted rows, as `make_moe_gate_up` computes it. Blocks:
+    `xg` (the row's activation split by parity, times 2^14), `g` / `u` (the w1 / w3 dot
+    products), `h` (the SwiGLU epilogue)."""
+    _check_dims(dim, inter)
+    D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
+    DH, DB = i64(dim // 2), i64(dim // BLOCK)
+
+    @T.prim_func(s_tir=True)
+    def moe_gate_up(xq_h: T.handle, weights_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
+                    w1: T.Buffer((E, I, D // 2), "uint8"), s1: T.Buffer((E, I, DB), "uint8"),
+                    w3: T.Buffer((E, I, D // 2), "uint8"), s3: T.Buffer((E, I, DB), "uint8"),
+                    h_h: T.handle):
+        T.func_attr({"global_symbol": "moe_gate_up", "tirx.noalias": True})
+        n = T.int64()
+        xq = T.match_buffer(xq_h, (n, D), "float32")
+        weights = T.match_buffer(weights_h, (n, KT), "float32")
+        ids = T.match_buffer(ids_h, (n, KT), "int64")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+        xg = T.sblock_alloc_buffer((n * KT, 2, DH), "float32")
+        g = T.sblock_alloc_buffer((n * KT, I), "float32")
+        u = T.sblock_alloc_buffer((n * KT, I), "float32")
+        for r, par, j in T.grid(n * KT, 2, DH):
+            with T.sblock("xg"):
+                vr, vp, vj = T.axis.remap("SSS", [r, par, j])
+                xg[vr, vp, vj] = xq[idx(row_pair[vr], n * KT) // KT, vj * 2 + vp] * T.float32(
+                    16384.0)
+        for r, a, j in T.grid(n * KT, I, DH):
+            with T.sblock("g"):
+                vr, va, vj = T.axis.remap("SSR", [r, a, j])
+                with T.init():
+                    g[vr, va] = T.float32(0)
+                g[vr, va] = g[vr, va] + _gemv_term(
+                    xg, w1, s1, vr, va, vj, _expert_of(ids, row_pair, vr, n * KT, KT, E))
+        for r, a, j in T.grid(n * KT, I, DH):
+            with T.sblock("u"):
+                vr, va, vj = T.axis.remap("SSR", [r, a, j])
+                with T.init():
+                    u[vr, va] = T.float32(0)
+                u[vr, va] = u[vr, va] + _gemv_term(
+                    xg, w3, s3, vr, va, vj, _expert_of(ids, row_pair, vr, n * KT, KT, E))
+        for r, a in T.grid(n * KT, I):
+            with T.sblock("h"):
+                vr, va = T.axis.remap("SS", [r, a])
+                h[vr, va] = _to_bf16(
+                    weights[idx(row_pair[vr], n * KT) // KT, idx(row_pair[vr], n * KT) % KT]
+                    * silu_times(round_bf16(g[vr, va]), round_bf16(u[vr, va]), swiglu_limit))
+
+    return moe_gate_up
+
+
+def make_moe_down_gemv(*, dim: int, inter: int, n_experts: int, topk: int
+                       ) -> tvm.tirx.PrimFunc:
+    """(hq fp32 [P, inter], ids int64 [n, topk], row_pair [P], w2, s2) -> o bf16 [P, dim] at
+    sorted rows, as `make_moe_down` computes it, in the GEMV form of `make_moe_gate_up_gemv`."""
+    _check_dims(dim, inter)
+    D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
+    IH, IB = i64(inter // 2), i64(inter // BLOCK)
+
+    @T.prim_func(s_tir=True)
+    def moe_down(hq_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
+                 w2: T.Buffer((E, D, I // 2), "uint8"), s2: T.Buffer((E, D, IB), "uint8"),
+                 o_h: T.handle):
+        T.func_attr({"global_symbol": "moe_down", "tirx.noalias": True})
+        n = T.int64()
+        hq = T.match_buffer(hq_h, (n * KT, I), "float32")
+        ids = T.match_buffer(ids_h, (n, KT), "int64")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
+        xg = T.sblock_alloc_buffer((n * KT, 2, IH), "float32")
+        acc = T.sblock_alloc_buffer((n * KT, D), "float32")
+        for r, par, j in T.grid(n * KT, 2, IH):
+            with T.sblock("xg"):
+                vr, vp, vj = T.axis.remap("SSS", [r, par, j])
+                xg[vr, vp, vj] = hq[vr, vj * 2 + vp] * T.float32(16384.0)
+        for r, d, j in T.grid(n * KT, D, IH):
+            with T.sblock("acc"):
+                vr, vd, vj = T.axis.remap("SSR", [r, d, j])
+                with T.init():
+                    acc[vr, vd] = T.float32(0)
+                acc[vr, vd] = acc[vr, vd] + _gemv_term(
+                    xg, w2, s2, vr, vd, vj, _expert_of(ids, row_pair, vr, n * KT, KT, E))
+        for r, d in T.grid(n * KT, D):
+            with T.sblock("o"):
+                vr, vd = T.axis.remap("SS", [r, d])
+                o[vr, vd] = _to_bf16(acc[vr, vd])
+
+    return moe_down
+
+
 # ---- 6. combine ------------------------------------------------------------------------------
 
 
@@ -368,7 +494,8 @@ def make_moe_combine(*, dim: int, topk: int) -> tvm.tirx.PrimFunc:
 @dataclass(frozen=True)
 class MoeSplitConfig:
     """Tiling of the split chain. row_tile: rows of one expert per tile (the route's cut);
-    tn: output columns per parallel task (CPU) / thread block (CUDA). CUDA GEMMs: a
+    tn: output columns per parallel task (CPU) / thread block (CUDA); kind "gemv" (CPU decode):
+    each routed pair's weight rows walked along K, cb columns per group. CUDA GEMMs: a
     (row_tile x tn) tile per thread block, (row_tile/rb) x (tn/cb) threads, each an rb x cb
     register tile (x2 for gate/up); per 32-block the gathered activations and the decoded weight
     tile sit in shared memory. threads: per block of the elementwise/route-free CUDA kernels."""
@@ -378,6 +505,12 @@ class MoeSplitConfig:
     rb: int = 4
     cb: int = 4
     threads: int = 128
+    kind: str = "tiles"  # CPU decode: "gemv" (`make_moe_gate_up_gemv` / `make_moe_down_gemv`)
+    vec: int = 16  # gemv: lanes of each partial sum (packed bytes, one 32-block)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("tiles", "gemv"):
+            raise ValueError(f"MoeSplitConfig.kind is 'tiles' or 'gemv', got {self.kind!r}.")
 
 
 def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int, topk: int,
@@ -390,7 +523,12 @@ def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int
         if decode:
             return MoeSplitConfig(row_tile=8, tn=tn, rb=1, cb=tn // 32)
         return MoeSplitConfig(row_tile=32, tn=tn, rb=4, cb=tn // 16)
-    return MoeSplitConfig(row_tile=4 if decode else 16, tn=32)
+    if decode:
+        # one or two rows per expert: the tile kernels' [32, tn] weight decode served a single
+        # row from a strided read (bench preset, one token: 2.1 ms per layer single-threaded,
+        # 7.6x the chain's byte floor)
+        return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv")
+    return MoeSplitConfig(row_tile=16, tn=32)
 
 
 def _schedule_expert_gemm_cuda(sch: s_tir.Schedule, config: MoeSplitConfig, out: str) -> None:
@@ -478,6 +616,35 @@ def _schedule_expert_gemm_cpu(sch: s_tir.Schedule, config: MoeSplitConfig, out: 
     sch.vectorize(sch.get_loops(xg)[-1])
 
 
+def _schedule_expert_gemv_cpu(sch: s_tir.Schedule, config: MoeSplitConfig, out: str,
+                              sums: tuple[str, ...]) -> None:
+    """The GEMV form (`make_moe_gate_up_gemv` / `make_moe_down_gemv`). Each dot product in
+    `sums` is its own parallel nest over (sorted row, `tn` output columns): per group of `cb`
+    columns a `vec`-lane partial sum over the packed bytes (cb independent chains sharing the
+    activation loads), the lanes added pairwise (`gemm.vector_sum`). The parity split of the
+    activation rows (`xg`) and the epilogue `out` are small nests of their own (one more
+    parallel launch each, a few microseconds, against fusing gate and up into one nest)."""
+    for name in sums:
+        blk = sch.get_sblock(name)
+        r, a, j = sch.get_loops(blk)
+        ao, ai, ac = sch.split(a, [None, config.tn // config.cb, config.cb])
+        jo, *hs = gemm.lane_split(sch, j, config.vec)
+        sch.reorder(r, ao, ai, jo, ac, *hs)
+        sch.fuse(r, ao)
+        main, wbs = gemm.vector_sum(sch, blk, config.vec, config.cb)
+        gemm.place_lane_sums(sch, main, wbs, 1, config.vec, config.cb)
+        sch.parallel(sch.get_loops(main)[0])
+        sch.decompose_reduction(main, sch.get_loops(main)[2])
+    xg = sch.get_sblock("xg")
+    r, par, j = sch.get_loops(xg)
+    sch.vectorize(sch.split(j, [None, 16])[1])
+    out_b = sch.get_sblock(out)
+    r, a = sch.get_loops(out_b)
+    ao, ai = sch.split(a, [None, 16])
+    sch.parallel(sch.fuse(r, ao))
+    sch.vectorize(ai)
+
+
 def _finish(sch: s_tir.Schedule) -> tvm.tirx.PrimFunc:
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
@@ -492,6 +659,18 @@ def schedule_moe_gemm(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: T
         _schedule_expert_gemm_cuda(sch, config, out)
     else:
         _schedule_expert_gemm_cpu(sch, config, out)
+    return _finish(sch)
+
+
+def schedule_moe_gemv(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec,
+                      out: str) -> tvm.tirx.PrimFunc:
+    """Schedules `moe_gate_up_gemv` (out="h") or `moe_down_gemv` (out="o"), CPU only (CUDA
+    decode keeps the tile kernels: `moe_split_config` never picks "gemv" there)."""
+    if target.is_cuda:
+        raise ValueError("The GEMV form of the routed experts is a CPU schedule; CUDA decode "
+                         "uses the tile kernels (moe_split_config).")
+    sch = s_tir.Schedule(func, enable_check=False)
+    _schedule_expert_gemv_cpu(sch, config, out, ("g", "u") if out == "h" else ("acc",))
     return _finish(sch)
 
 
@@ -603,13 +782,14 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
         buf("h", (p, inter), "bfloat16"), buf("hq", (p, inter), "float32"),
         buf("o", (p, dim), "bfloat16"),
     )
+    rows = ("ids", "row_pair") if config.kind == "gemv" else ("row_pair", "tiles")
     calls = (
         MoeCall("moe_route", ("ids",), ("row_pair", "token_rows", "tiles")),
         MoeCall("moe_qdq_x", ("x",), ("xq",)),
-        MoeCall("moe_gate_up", ("xq", "weights", "row_pair", "tiles", "w1", "s1", "w3", "s3"),
-                ("h",)),
+        MoeCall("moe_gate_up", ("xq", "weights", *rows, "w1", "s1", "w3", "s3"), ("h",)),
         MoeCall("moe_qdq_h", ("h",), ("hq",)),
-        MoeCall("moe_down", ("hq", "tiles", "w2", "s2"), ("o",)),
+        MoeCall("moe_down", ("hq", rows[1], "w2", "s2") if config.kind == "tiles"
+                else ("hq", *rows, "w2", "s2"), ("o",)),
         MoeCall("moe_combine", ("token_rows", "o"), ("y",)),
     )
     return MoePlan(inputs, intermediates, buf("y", (n, dim), "float32"), calls)
@@ -627,15 +807,23 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
         "moe_route": schedule_moe_route(
             make_moe_route(n_experts=n_experts, topk=topk, row_tile=cfg.row_tile), cfg, target),
         "moe_qdq_x": schedule_moe_qdq(make_moe_qdq(k=dim, name="moe_qdq_x"), cfg, target),
-        "moe_gate_up": schedule_moe_gemm(
-            make_moe_gate_up(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
-                             swiglu_limit=swiglu_limit, row_tile=cfg.row_tile), cfg, target, "h"),
         "moe_qdq_h": schedule_moe_qdq(make_moe_qdq(k=inter, name="moe_qdq_h"), cfg, target),
-        "moe_down": schedule_moe_gemm(
-            make_moe_down(dim=dim, inter=inter, n_experts=n_experts, row_tile=cfg.row_tile),
-            cfg, target, "o"),
         "moe_combine": schedule_moe_combine(make_moe_combine(dim=dim, topk=topk), cfg, target),
     }
+    if cfg.kind == "gemv":
+        funcs["moe_gate_up"] = schedule_moe_gemv(
+            make_moe_gate_up_gemv(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
+                                  swiglu_limit=swiglu_limit), cfg, target, "h")
+        funcs["moe_down"] = schedule_moe_gemv(
+            make_moe_down_gemv(dim=dim, inter=inter, n_experts=n_experts, topk=topk),
+            cfg, target, "o")
+    else:
+        funcs["moe_gate_up"] = schedule_moe_gemm(
+            make_moe_gate_up(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
+                             swiglu_limit=swiglu_limit, row_tile=cfg.row_tile), cfg, target, "h")
+        funcs["moe_down"] = schedule_moe_gemm(
+            make_moe_down(dim=dim, inter=inter, n_experts=n_experts, row_tile=cfg.row_tile),
+            cfg, target, "o")
     return tvm.IRModule({tvm.ir.GlobalVar(name): f.with_attr("global_symbol", name)
                          for name, f in funcs.items()})
 
