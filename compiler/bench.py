@@ -92,6 +92,7 @@ class BenchOptions:
     threads: int = 0  # 0: torch's default; TVM is set to the same
     profile: str = "auto"  # auto: when a 64K target is missed | always | never
     profile_context: int = TARGET_CONTEXT
+    profile_top: int = 15  # rows of the profile table (the JSON keeps the same rows)
     json: Path | None = None
     plots: Path | None = None
     seed: int = 0
@@ -110,6 +111,8 @@ class BenchOptions:
             raise ValueError(f"--budget-s must be positive, got {self.budget_s}.")
         if self.profile not in ("auto", "always", "never"):
             raise ValueError(f"--profile must be auto, always or never, got {self.profile!r}.")
+        if self.profile_top < 1:
+            raise ValueError(f"--profile-top must be at least 1, got {self.profile_top}.")
         if self.tier_context <= 0 or self.tier_suffix <= 0 or self.prefill_tokens < 0:
             raise ValueError("--tier-context and --tier-suffix must be positive, "
                              "--prefill-tokens non-negative.")
@@ -907,7 +910,8 @@ def _maybe_profile(report, cells, phases, model, cache, n, opts, say) -> dict | 
     state = StepState.of(cache)
     out = {"context": n, "ratios": vs}
     try:
-        out["artifact"] = profile_artifact_step(phases["artifact"].art, model, cache)
+        out["artifact"] = profile_artifact_step(phases["artifact"].art, model, cache,
+                                                top=opts.profile_top)
     except Exception as e:  # the profile is a diagnostic: report why it is missing
         out["artifact_error"] = f"{type(e).__name__}: {e}"
     for impl in ("eager", "compile"):
@@ -1169,6 +1173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch and TVM threads (0: torch's)")
     p.add_argument("--profile", default="auto", choices=("auto", "always", "never"))
     p.add_argument("--profile-context", default="64K")
+    p.add_argument("--profile-top", type=int, default=15,
+                   help="rows of the decode-step profile (functions by time)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--plots", default=None, help="write PNG plots into this folder")
     p.add_argument("--seed", type=int, default=0)
@@ -1188,6 +1194,7 @@ def options_from(ns) -> BenchOptions:
         prefill_chunk_tokens=ns.prefill_chunk, tiers=ns.tiers, tier_context=ns.tier_context,
         tier_suffix=ns.tier_suffix, tier_impls=split(ns.tier_impls), threads=ns.threads,
         profile=ns.profile, profile_context=parse_tokens(ns.profile_context)[0],
+        profile_top=ns.profile_top,
         json=Path(ns.json) if ns.json else None, plots=Path(ns.plots) if ns.plots else None,
         seed=ns.seed)
 

@@ -176,15 +176,21 @@ def _indexer(ctx: Lowering, kind: str):
         if kind == "pool":
             blocks = importer.env[node.args[5]]
             topk, block_size = int(node.args[6]), int(node.args[7])
-            nb = _shape(blocks)[-1]
             mod = indexer.build_pool_topk(ctx.target.name, heads=heads, dim=dim, topk=topk,
                                           block_size=block_size)
             key = ("pool", heads, dim, topk, block_size)
-            sweep = ctx.kernel(importer, (*key, "scores"), lambda: mod["pool_scores"])
-            pick = ctx.kernel(importer, (*key, "select"), lambda: mod["select_pool"])
-            pool_ty = _tensor([b, s, (nb * block_size + pad - 1) // pad * pad], BF16)
-            scores = _call(importer, sweep, [q, kc, ks, wts, lens, blocks], pool_ty)
-            return _call(importer, pick, [scores, blocks], _tensor([b, s, topk], "int32"))
+            names = {"pool_scores": (*key, "scores"), "select_pool": (*key, "select"),
+                     "pool_gather": (*key, "gather"), "pool_mask": (*key, "mask"),
+                     "index_scores": ("index_scores", heads, dim)}  # the flat sweep's own
+
+            def kernel(name):
+                return ctx.kernel(importer, names[name], lambda: mod[name])
+
+            scores = indexer.emit_pool_scores(importer.block_builder, mod, kernel,
+                                              [q, kc, ks, wts, lens, blocks],
+                                              block_size=block_size)
+            return _call(importer, kernel("select_pool"), [scores, blocks],
+                         _tensor([b, s, topk], "int32"))
         topk = int(node.args[5])
         flat = {}
 

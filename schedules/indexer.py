@@ -341,6 +341,155 @@ def make_pool_scores(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimF
     return pool_scores
 
 
+# ---- the pool sweep as a gather + the AVX-512 full sweep + a mask (CPU with AVX-512) -----------
+#
+# The pool's B * block_size positions are gathered into a contiguous key store per query (1.1 MB
+# at the released pool of 2048 x 8 and dim 128), the hand-vectorised full sweep scores it
+# (each (b, s) query a batch row of its own, every gathered entry visible), and a mask puts -inf
+# where the block is -1 or the position is not visible. Each score depends only on q, the key
+# and the weights, and both sweeps are bit-identical to `ops.index_scores`, so the result is the
+# bits of `make_pool_scores`; the scheduled pool sweep decoded keys into fp32 per tile and ran
+# the dot in fp32 (11.5 ms per call on the bench preset, 2 cores) where the full sweep's int8
+# dot runs at ~1M entries per 30 ms.
+
+
+def pool_gathers(target: TargetSpec, *, heads: int, dim: int) -> bool:
+    """Whether pool_scores lowers to the gather chain on `target` (`emit_pool_scores`)."""
+    return sweep_config(target, heads=heads, dim=dim).avx512
+
+
+def make_pool_gather(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimFunc:
+    """(q, k_packed, k_scales, weights, lens, blocks) -> qg [b*s, 1, H, D], kg [b*s, P, D/2],
+    sg [b*s, P, D/32], wg [b*s, 1, H], lg [b*s, 1] (= P: every entry visible to the sweep),
+    valid int8 [b, s, P]; P = pad128(B * block_size). Entry j of query (b, s) is key row
+    blocks[b, s, j // bs] * bs + j % bs (clamped into the store; invalid entries are masked by
+    `valid`: block -1, past the pool, or not visible)."""
+    _check_dim(dim)
+    H, D, BS = T.int64(heads), T.int64(dim), T.int64(block_size)
+
+    def blk(BL, vb, vs, vj, nb):
+        return T.Select(vj < nb * BS, BL[vb, vs, T.min(vj // BS, nb - T.int64(1))], -1)
+
+    def pos(BL, vb, vs, vj, nb):
+        return T.Cast("int64", blk(BL, vb, vs, vj, nb)) * BS + vj % BS
+
+    @T.prim_func(s_tir=True)
+    def pool_gather(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, w_h: T.handle,
+                    lens_h: T.handle, blocks_h: T.handle, qg_h: T.handle, kg_h: T.handle,
+                    sg_h: T.handle, wg_h: T.handle, lg_h: T.handle, valid_h: T.handle):
+        T.func_attr({"global_symbol": "pool_gather", "tirx.noalias": True})
+        b, s, t, nb = T.int64(), T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (b, s, H, D), "bfloat16")
+        KP = T.match_buffer(kp_h, (b, t, D // 2), "uint8")
+        KS = T.match_buffer(ks_h, (b, t, D // 32), "uint8")
+        W = T.match_buffer(w_h, (b, s, H), "bfloat16")
+        L = T.match_buffer(lens_h, (b, s), "int64")
+        BL = T.match_buffer(blocks_h, (b, s, nb), "int32")
+        QG = T.match_buffer(qg_h, (b * s, T.int64(1), H, D), "bfloat16")
+        KG = T.match_buffer(kg_h, (b * s, _pad(nb * BS), D // 2), "uint8")
+        SG = T.match_buffer(sg_h, (b * s, _pad(nb * BS), D // 32), "uint8")
+        WG = T.match_buffer(wg_h, (b * s, T.int64(1), H), "bfloat16")
+        LG = T.match_buffer(lg_h, (b * s, T.int64(1)), "int64")
+        V = T.match_buffer(valid_h, (b, s, _pad(nb * BS)), "int8")
+        for i0, i1, i2, i3 in T.grid(b, s, H, D):
+            with T.sblock("qg"):
+                vb, vs, vh, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                QG[vb * s + vs, T.int64(0), vh, vd] = Q[vb, vs, vh, vd]
+        for i0, i1, i2 in T.grid(b, s, H):
+            with T.sblock("wg"):
+                vb, vs, vh = T.axis.remap("SSS", [i0, i1, i2])
+                WG[vb * s + vs, T.int64(0), vh] = W[vb, vs, vh]
+        for i0, i1 in T.grid(b, s):
+            with T.sblock("lg"):
+                vb, vs = T.axis.remap("SS", [i0, i1])
+                LG[vb * s + vs, T.int64(0)] = _pad(nb * BS)
+        for i0, i1, i2, i3 in T.grid(b, s, _pad(nb * BS), D // 2):
+            with T.sblock("kg"):
+                vb, vs, vj, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                KG[vb * s + vs, vj, vd] = KP[
+                    vb, T.max(T.min(pos(BL, vb, vs, vj, nb), t - T.int64(1)), T.int64(0)), vd]
+        for i0, i1, i2, i3 in T.grid(b, s, _pad(nb * BS), D // 32):
+            with T.sblock("sg"):
+                vb, vs, vj, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                SG[vb * s + vs, vj, vd] = KS[
+                    vb, T.max(T.min(pos(BL, vb, vs, vj, nb), t - T.int64(1)), T.int64(0)), vd]
+        for i0, i1, i2 in T.grid(b, s, _pad(nb * BS)):
+            with T.sblock("valid"):
+                vb, vs, vj = T.axis.remap("SSS", [i0, i1, i2])
+                V[vb, vs, vj] = T.Cast("int8", (blk(BL, vb, vs, vj, nb) >= 0)
+                                       & (pos(BL, vb, vs, vj, nb) < T.min(L[vb, vs], t)))
+
+    return pool_gather
+
+
+def make_pool_mask() -> tvm.tirx.PrimFunc:
+    """(raw bf16 [b*s, 1, P] from the full sweep over the gathered store, valid int8 [b, s, P])
+    -> scores bf16 [b, s, P]: raw where valid, -inf elsewhere (`make_pool_scores`'s result)."""
+
+    @T.prim_func(s_tir=True)
+    def pool_mask(raw_h: T.handle, valid_h: T.handle, out_h: T.handle):
+        T.func_attr({"global_symbol": "pool_mask", "tirx.noalias": True})
+        b, s, p = T.int64(), T.int64(), T.int64()
+        R = T.match_buffer(raw_h, (b * s, T.int64(1), p), "bfloat16")
+        V = T.match_buffer(valid_h, (b, s, p), "int8")
+        O = T.match_buffer(out_h, (b, s, p), "bfloat16")
+        for i0, i1, i2 in T.grid(b, s, p):
+            with T.sblock("mask"):
+                vb, vs, vj = T.axis.remap("SSS", [i0, i1, i2])
+                O[vb, vs, vj] = T.Select(V[vb, vs, vj] != T.int8(0),
+                                         R[vb * s + vs, T.int64(0), vj], _neg_inf_bf16())
+
+    return pool_mask
+
+
+def schedule_pool_gather(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """CPU: the key rows copied in parallel over (query, entry), bytes vectorised; the rest is
+    tiny (q, weights, one length per query) or one vector pass (valid)."""
+    sch = s_tir.Schedule(func, enable_check=False)
+    for name in ("kg", "valid"):
+        loops = sch.get_loops(sch.get_sblock(name))
+        sch.parallel(sch.fuse(*loops[:2]))
+    sch.vectorize(sch.get_loops(sch.get_sblock("kg"))[-1])
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def schedule_pool_mask(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    sch = s_tir.Schedule(func)
+    i0, i1, i2 = sch.get_loops(sch.get_sblock("mask"))
+    sch.parallel(sch.fuse(i0, i1))
+    sch.vectorize(sch.split(i2, [None, 64])[1])
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def emit_pool_scores(bb, mod: tvm.IRModule, kernel, args: list, *, block_size: int):
+    """Emit pool_scores(q, k_packed, k_scales, weights, lens, blocks) into a Relax BlockBuilder:
+    one call of the scheduled sweep `pool_scores`, or (on the targets `pool_gathers` names) the
+    chain `pool_gather` -> `index_scores` -> `pool_mask`, as `mod` (`build_pool_topk`) holds
+    them; `kernel(name)` returns the GlobalVar of its PrimFunc `name`. Returns the bf16 scores
+    [b, s, pad128(B * block_size)] expression. The lowering of `dsv41::pool_topk`'s sweep is
+    this function, and the kernel tests run it."""
+    from tvm import relax
+
+    q, kp, ks, w, lens, blocks = args
+    b, s, heads, dim = q.ty.shape.values
+    nb = blocks.ty.shape.values[-1]
+    p = (nb * block_size + SCORE_PAD - 1) // SCORE_PAD * SCORE_PAD
+
+    def ty(shape, dtype):
+        return relax.TensorType(shape, dtype)
+
+    if not any(gv.name_hint == "pool_gather" for gv in mod.get_global_vars()):
+        return bb.emit(relax.call_tir(kernel("pool_scores"), args, ty([b, s, p], "bfloat16")))
+    outs = bb.emit(relax.call_tir(kernel("pool_gather"), args, [
+        ty([b * s, 1, heads, dim], "bfloat16"), ty([b * s, p, dim // 2], "uint8"),
+        ty([b * s, p, dim // 32], "uint8"), ty([b * s, 1, heads], "bfloat16"),
+        ty([b * s, 1], "int64"), ty([b, s, p], "int8")]))
+    qg, kg, sg, wg, lg, valid = (bb.emit(relax.TupleGetItem(outs, i)) for i in range(6))
+    raw = bb.emit(relax.call_tir(kernel("index_scores"), [qg, kg, sg, wg, lg],
+                                 ty([b * s, 1, p], "bfloat16")))
+    return bb.emit(relax.call_tir(kernel("pool_mask"), [raw, valid], ty([b, s, p], "bfloat16")))
+
+
 # ---- the AVX-512 full sweep ------------------------------------------------------------------
 
 _U32X16, _I32X16, _F32X16 = "uint32x16", "int32x16", "float32x16"
@@ -1301,11 +1450,21 @@ def build_hier_topk(target_name: str = "cpu", *, heads: int, dim: int, topk: int
 def build_pool_topk(target_name: str = "cpu", *, heads: int, dim: int, topk: int,
                     block_size: int) -> tvm.IRModule:
     """pool_topk = pool_scores(q, k_packed, k_scales, weights, lens, blocks) -> scores
-    [b, s, pad128(B * block_size)], then select_pool(scores, blocks) -> positions."""
+    [b, s, pad128(B * block_size)], then select_pool(scores, blocks) -> positions. On AVX-512
+    CPUs the sweep is the chain pool_gather / index_scores / pool_mask (`emit_pool_scores`)."""
     target = get_target(target_name)
+    select = _select(target, topk=topk, kind="pool", block_size=block_size)
+    if pool_gathers(target, heads=heads, dim=dim):
+        return tvm.IRModule({
+            "pool_gather": schedule_pool_gather(
+                make_pool_gather(heads=heads, dim=dim, block_size=block_size)),
+            "index_scores": _index_sweep(target, heads, dim),
+            "pool_mask": schedule_pool_mask(make_pool_mask()),
+            "select_pool": select,
+        })
     return tvm.IRModule({
         "pool_scores": _pool_sweep(target, heads, dim, block_size),
-        "select_pool": _select(target, topk=topk, kind="pool", block_size=block_size),
+        "select_pool": select,
     })
 
 

@@ -29,8 +29,12 @@ def build_indexer_kernels(target_name: str = "cpu", *, heads: int, dim: int, top
     `build_pool_topk`) in one module: one compile serves every test."""
     mod = ix.build_hier_topk(target_name, heads=heads, dim=dim, topk=topk,
                              topk_blocks=topk_blocks, block_size=block_size)
-    mod.update(ix.build_pool_topk(target_name, heads=heads, dim=dim, topk=topk,
-                                  block_size=block_size))
+    pool = ix.build_pool_topk(target_name, heads=heads, dim=dim, topk=topk,
+                              block_size=block_size)
+    have = {gv.name_hint for gv in mod.get_global_vars()}
+    for gv, func in pool.functions.items():  # the pool chain's index_scores is the same sweep
+        if gv.name_hint not in have:
+            mod[gv.name_hint] = func
     return mod
 
 
@@ -85,11 +89,22 @@ def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_bloc
 def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
                   block_size: int, *, device=None):
     """Run a compiled build_pool_topk module on the op's arguments."""
-    b, s = q.shape[:2]
+    b, s, heads, dim = q.shape
     args = [to_tvm(x, device) for x in (q, k_packed, k_scales, weights, lens, blocks)]
-    _, scores = _empty((b, s, ix.padded(blocks.shape[-1] * block_size)), torch.bfloat16, device)
+    p = ix.padded(blocks.shape[-1] * block_size)
+    _, scores = _empty((b, s, p), torch.bfloat16, device)
     _, pos = _empty((b, s, topk), torch.int32, device)
-    ex["pool_scores"](*args, scores)
+    if ex.jit().implements_function("pool_gather", query_imports=True):  # emit_pool_scores
+        outs = [_empty(shape, dtype, device)[1] for shape, dtype in (
+            ((b * s, 1, heads, dim), torch.bfloat16), ((b * s, p, dim // 2), torch.uint8),
+            ((b * s, p, dim // 32), torch.uint8), ((b * s, 1, heads), torch.bfloat16),
+            ((b * s, 1), torch.int64), ((b, s, p), torch.int8))]
+        _, raw = _empty((b * s, 1, p), torch.bfloat16, device)
+        ex["pool_gather"](*args, *outs)
+        ex["index_scores"](*outs[:5], raw)
+        ex["pool_mask"](raw, outs[5], scores)
+    else:
+        ex["pool_scores"](*args, scores)
     ex["select_pool"](scores, args[5], pos)
     return _to_torch(pos)
 
@@ -190,6 +205,35 @@ def test_pool_with_padding_and_partial_last_block():
     got = run_pool_topk(_cpu(), *args, blocks, TOPK, BS)
     assert torch.equal(got, ops.pool_topk(*args, blocks, TOPK, BS))
     assert torch.all(got[1, 1] == -1)
+
+
+def test_pool_emission_matches_oracle():
+    """The Relax emission the lowering uses (`ix.emit_pool_scores` + select_pool, symbolic
+    shapes), on the CPU target's chain, against the oracle; the chain is the one picked for
+    AVX-512 CPUs (the scheduled pool sweep elsewhere)."""
+    from tvm import relax, tirx
+
+    mod = ix.build_pool_topk("cpu", heads=H, dim=D, topk=TOPK, block_size=BS)
+    b, s, t, nb = (tirx.Var(n, "int64") for n in ("b", "s", "t", "nb"))
+    shapes = [((b, s, H, D), "bfloat16"), ((b, t, D // 2), "uint8"), ((b, t, D // 32), "uint8"),
+              ((b, s, H), "bfloat16"), ((b, s), "int64"), ((b, s, nb), "int32")]
+    params = [relax.Var(f"a{i}", relax.TensorType(sh, dt)) for i, (sh, dt) in enumerate(shapes)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            scores = ix.emit_pool_scores(bb, mod, lambda f: bb.add_func(mod[f], f), params,
+                                         block_size=BS)
+            out = bb.emit_output(relax.call_tir(bb.add_func(mod["select_pool"], "select_pool"),
+                                                [scores, params[5]],
+                                                relax.TensorType((b, s, TOPK), "int32")))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), target=get_target("cpu").tvm_target()),
+                              tvm.cpu())
+    for bsz, sq, tt, seed in ((1, 1, 60, 1), (2, 3, 37, 2)):
+        args = _inputs(bsz, sq, tt, seed=seed)
+        _, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
+        got = torch.from_dlpack(vm["main"](*[to_tvm(x, None) for x in (*args, rblk)]))
+        assert torch.equal(got, ops.pool_topk(*args, rblk, TOPK, BS))
 
 
 def _select_ref(kind, scores, aux):
