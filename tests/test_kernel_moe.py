@@ -192,12 +192,13 @@ def test_num_tiles_bound():
         assert need <= moe.num_tiles(pairs, row_tile, experts)
 
 
-def test_plan_matches_module():
+@pytest.mark.parametrize("hint", [None, 1])
+def test_plan_matches_module(hint):
     """Every call names a PrimFunc of the module with as many parameters as args + outs, and
-    every intermediate is written before it is read."""
-    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, **DIMS)
+    every intermediate is written before it is read (tile and GEMV builds)."""
+    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, n=hint, **DIMS)
     n = tirx.Var("n", "int64")
-    plan = moe.moe_experts_plan(CPU, n=n, topk=2, **DIMS)
+    plan = moe.moe_experts_plan(CPU, n=n, topk=2, n_hint=hint, **DIMS)
     ready = {b.name for b in plan.inputs}
     for call in plan.calls:
         assert len(mod[call.func].params) == len(call.args) + len(call.outs), call.func
@@ -207,11 +208,13 @@ def test_plan_matches_module():
     assert {b.name for b in plan.intermediates} <= ready
 
 
-def test_relax_chain_symbolic_n():
+@pytest.mark.parametrize("hint", [None, 1])
+def test_relax_chain_symbolic_n(hint):
     """The plan emitted as a Relax call_tir chain with a symbolic token count: Relax allocates
-    the intermediates (shapes with min() included) and the result matches the oracle."""
-    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, **DIMS)
-    plan = moe.moe_experts_plan(CPU, n=tirx.Var("n", "int64"), topk=2, **DIMS)
+    the intermediates (shapes with min() included) and the result matches the oracle; hint 1
+    is the decode build (the GEMV form of gate/up and down on CPU)."""
+    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, n=hint, **DIMS)
+    plan = moe.moe_experts_plan(CPU, n=tirx.Var("n", "int64"), topk=2, n_hint=hint, **DIMS)
     bb = relax.BlockBuilder()
     params = [relax.Var(b.name, relax.TensorType(b.shape, b.dtype)) for b in plan.inputs]
     with bb.function("main", params):
@@ -296,3 +299,18 @@ def test_chain_gpu_matches_oracle(hint):
         env = _run_chain(ex, args, 2, hint, target.name, tvm.cuda())
         out = torch.from_numpy(env["y"].numpy())
         _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
+
+
+def test_config_kinds():
+    """CPU decode takes the GEMV form, CPU prefill and every CUDA build the tile kernels; an
+    unknown kind is refused."""
+    def kind(target, n):
+        return moe.moe_split_config(get_target(target), n=n, topk=2, **DIMS).kind
+
+    assert kind(CPU, 1) == "gemv" and kind(CPU, None) == "tiles"
+    assert kind("cuda-sm90", 1) == "tiles" and kind("cuda-sm90", None) == "tiles"
+    with pytest.raises(ValueError, match="'tiles' or 'gemv'"):
+        moe.MoeSplitConfig(kind="dense")
+    with pytest.raises(ValueError, match="CPU schedule"):
+        moe.schedule_moe_gemv(moe.make_moe_down_gemv(topk=2, **DIMS),
+                              moe.MoeSplitConfig(kind="gemv"), get_target("cuda-sm90"), "o")
