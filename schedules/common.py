@@ -39,21 +39,6 @@ def e4m3_to_f32(b):
                           T.reinterpret("float32", T.uint32(0x7FC00000)), val)
 
 
-def e4m3_to_f32_via_f16(b):
-    """E4M3 byte -> fp32 through the hardware fp16 -> fp32 conversion; same values as
-    `e4m3_to_f32` for all 256 codes, in about half the vector instructions (CPU decode loops).
-
-    The byte's exponent and mantissa bits, shifted into an fp16 (sign to bit 15, eeeemmm to bits
-    13..7), are the E4M3 value times 2^-8 for every code: fp16's bias is 8 above E4M3's, and fp16
-    subnormals (E4M3 exponent 0) keep E4M3's subnormal spacing. The conversion to fp32 is exact
-    and the product by 2^8 is exact (results are normal fp32), so no denormal fp32 arithmetic is
-    involved (a denormal operand makes x86 multiplies microcode-assisted, ~4x slower here)."""
-    h = ((b & T.uint32(0x80)) << T.uint32(8)) | ((b & T.uint32(0x7F)) << T.uint32(7))
-    val = T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", h))) * T.float32(256.0)
-    return T.if_then_else((b & T.uint32(0x7F)) == T.uint32(0x7F),
-                          T.reinterpret("float32", T.uint32(0x7FC00000)), val)
-
-
 def e4m3_to_f16_bits(b_u8):
     """E4M3 byte (a uint8 expression) -> the bits (uint16) of the fp16 that equals its value
     times 2^-8, for all 256 codes, the NaN codes 0x7f/0xff giving an fp16 NaN. All the work is
@@ -61,8 +46,9 @@ def e4m3_to_f16_bits(b_u8):
     converts with the exact fp16 -> fp32 hardware conversion and owes the factor 2^8.
 
     Sign-extending the byte to 16 bits and shifting left by 7 puts the sign at bit 15 and
-    eeeemmm at bits 13..7 (the `e4m3_to_f32_via_f16` layout, bit 14 a copy of the sign, cleared
-    by the mask). Of those magnitudes only the NaN codes' 0x3f80 reaches 0x4000 when 0x80 is
+    eeeemmm at bits 13..7 (fp16's bias is 8 above E4M3's, and fp16 subnormals keep E4M3's
+    subnormal spacing, so these bits are the value times 2^-8; bit 14, a copy of the sign, is
+    cleared by the mask). Of those magnitudes only the NaN codes' 0x3f80 reaches 0x4000 when 0x80 is
     added, so adding that sum's bit 14 turns exactly them into exponent 11111, mantissa 0x380:
     a NaN. No compare or select is needed."""
     sx = T.reinterpret("uint16", T.Cast("int16", T.reinterpret("int8", b_u8)))

@@ -547,6 +547,12 @@ def _load_f32(buf, *idx):
     return bf16_to_f32(buf[idx]) if buf.dtype == "bfloat16" else buf[idx]
 
 
+def _check_dense_dtypes(kernel: str, *dtypes: str) -> None:
+    for dt in dtypes:
+        if dt not in ("bfloat16", "float32"):
+            raise ValueError(f"{kernel} reads bfloat16 or float32, got {dt}.")
+
+
 def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
                     ) -> tvm.tirx.PrimFunc:
     """y[i, g, c] = sum_j fp32(x[i, g, j]) * fp32(w[g * n + c, j]), y fp32: the decode form of the
@@ -559,9 +565,7 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
     Products of two bf16/fp32 values are rounded once in fp32 as in torch; the sum over K runs in
     `vec` lanes and a final horizontal add (torch's order is its own), so results agree with the
     oracle to fp32 rounding, not bit for bit."""
-    for dt in (x_dtype, w_dtype):
-        if dt not in ("bfloat16", "float32"):
-            raise ValueError(f"dense_gemv reads bfloat16 or float32, got {dt}.")
+    _check_dense_dtypes("dense_gemv", x_dtype, w_dtype)
     G, N, K = i64(groups), i64(n), i64(k)
 
     @T.prim_func(s_tir=True)
@@ -645,9 +649,7 @@ def make_dense_gemm(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str, 
     carries a predicate, and `y` stores the m real rows. Products are rounded once in fp32 as in
     torch; the K additions run in order (the GEMV's run in `vec` lanes, then a horizontal add),
     so the two forms agree to fp32 rounding."""
-    for dt in (x_dtype, w_dtype):
-        if dt not in ("bfloat16", "float32"):
-            raise ValueError(f"dense_gemm reads bfloat16 or float32, got {dt}.")
+    _check_dense_dtypes("dense_gemm", x_dtype, w_dtype)
     if rb < 1:
         raise ValueError(f"dense_gemm needs rb >= 1 rows per tile, got {rb}.")
     G, N, K, RB = i64(groups), i64(n), i64(k), i64(rb)
