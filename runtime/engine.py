@@ -462,8 +462,13 @@ class Engine:
         if not images and not self.model.vision:
             return token_ids, []
         if images and self.phases is not graph_phases:
+            check = getattr(self.phases, "check_images", None)
+            if check is None:
+                raise RequestError(f"This engine's backend ({self.backend}) takes no images; "
+                                   "use the graph backend or a compiled artifact with the "
+                                   "`vision` entry.")
             try:
-                self.phases.check_images()
+                check()
             except ValueError as e:
                 raise RequestError(str(e)) from e
         if isinstance(images, str | bytes) or not isinstance(images, Sequence):
