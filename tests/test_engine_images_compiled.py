@@ -239,3 +239,53 @@ def test_span_inputs_are_validated(vcase, vmodel, compiled):
     assert int(cache.pos[0]) == 0
     compiled.prefill_exact(vmodel, cache, tokens, image=rows)  # the good rows run
     assert int(cache.pos[0]) == 4
+
+
+def test_serve_on_the_artifact_takes_an_image_part(vcase, vart, png):
+    """`dsv41 serve`'s app over the artifact engine (`--artifact`): a chat whose user message
+    holds an `image_url` data URI part, talked to with the `openai` client, replies greedily
+    token for token as the artifact engine's own `Session.send` on the same ids and image."""
+    import base64
+    import io
+
+    import openai
+
+    from dsv41.runtime.batcher import Batcher
+    from dsv41.runtime.server import ServerOptions, ServerThread, create_app
+    from dsv41.runtime.tokenizer import Tokenizer
+
+    buf = io.BytesIO()
+    png.save(buf, format="PNG")
+    data = buf.getvalue()
+    args = load_config(vcase.checkpoint)
+    tok = Tokenizer.for_model(args, vcase.checkpoint)
+    ids = [tok.special.bos, *tok.encode("w3 W3"), IMG, *tok.encode("w4")]
+    alone = Engine.load(vart, vcase.checkpoint, page_tokens=256)
+    want = [tok.decode([t], skip_special=False)
+            for t in alone.session().send(ids, max_new_tokens=4, images=[data])]
+    alone.close()
+    engine = Engine.load(vart, vcase.checkpoint, page_tokens=256)
+    batcher = Batcher(engine, tokenizer=tok, max_running=2, max_queue=4)
+    batcher.start()
+    opts = ServerOptions(model_name="vision-small", vocab_size=args.vocab_size,
+                         max_seq_len=args.max_seq_len, image_token_id=args.image_token_id)
+    srv = ServerThread(create_app(batcher, tok, opts)).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=600)
+        uri = f"data:image/png;base64,{base64.b64encode(data).decode()}"
+        r = client.chat.completions.create(
+            model="vision-small", max_tokens=4, temperature=0, logprobs=True,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "w3 W3"},
+                {"type": "image_url", "image_url": {"url": uri}},
+                {"type": "text", "text": "w4"}]}])
+        got = [e.token for e in r.choices[0].logprobs.content]
+        print("served", got, "engine alone", want)
+        assert got == want
+        assert r.usage.prompt_tokens == len(ids) - 1 + SPAN  # the placeholder became the span
+    finally:
+        srv.stop()
+        batcher.stop()
+        engine.close()
