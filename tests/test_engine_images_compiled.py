@@ -219,7 +219,8 @@ def test_artifact_engine_takes_the_case_image(vcase, vart, vmodel, png, tf_compi
     gt, gl = got["graph"]
     e = _rel(logits, gl)
     print("artifact engine vs graph engine: tokens", toks, gt, "rel L2", e.round(3))
-    assert _rel(logits[0], gl[0]) <= b["rel_l2_max"]
+    same = next((i for i, (x, y) in enumerate(zip(toks, gt, strict=True)) if x != y), len(gt))
+    assert same >= 1 and e[:same + 1].max() <= b["rel_l2_max"]  # the rows both chains reach
     art.close()
     ref.close()
 
