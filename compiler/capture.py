@@ -29,10 +29,11 @@ from dsv41.graph.entries import (
     cache_view,
     selection_keys,
     tail_row_layers,
+    takes_spans,
 )
 from dsv41.graph.model import Chunk, ExpertStack, Model, rope_margin
 from dsv41.graph.phases import decode_layers, encode_layers, forward_all
-from dsv41.graph.vision import tower
+from dsv41.graph.vision import tower, unpacked_rows
 
 # ---- the entry module -------------------------------------------------------------------------
 
@@ -55,10 +56,15 @@ class PhaseGraph(torch.nn.Module):
         self.args, self.plan, self.entry, self.template = model.args, model.plan, entry, template
         self.switches = model.switches()  # Python constants: they choose the traced code
         self.shard = model.shard  # a sharded worker's graph: its collectives are export ops
-        self.weight_names = sorted(model.w)
+        self.spans = takes_spans(model.args, entry)
+        weights = dict(model.w)
+        if self.spans:  # the gates' `bias_vl`, which the span positions route with
+            weights.update({n: w for n, w in _vision_ghosts(model.args).items()
+                            if n.endswith(".ffn.gate.bias_vl") and n not in weights})
+        self.weight_names = sorted(weights)
         for name in self.weight_names:
             self.register_parameter(_param_name(name),
-                                    torch.nn.Parameter(model.w[name], requires_grad=False))
+                                    torch.nn.Parameter(weights[name], requires_grad=False))
         for layer, ex in model.experts.items():
             for k in ("w1", "s1", "w3", "s3", "w2", "s2"):
                 self.register_parameter(f"experts__{layer}__{k}",
@@ -80,9 +86,17 @@ class PhaseGraph(torch.nn.Module):
     def forward(self, x, start, floor, cos_c, sin_c, cos_u, sin_u, hash_ids, *cache_in):
         """x: tokens (b, s) int64, or for `decoder` the encoder stream (h, pre) as a pair, or
         for `verify` (tokens, each token's index-K pointer before it), both (b, n) int64;
-        start/floor (b,) int64; RoPE tables (b, s + 2M, rd/2); hash_ids (b, s, E, cols) int64
-        (an empty (b, s, 0, 0) when the model has no Engram); then the cache tensors."""
+        for the entries that prefill a model with a vision tower (`entries.takes_spans`), x
+        ends with the chunk's span rows (span_index (b, s) int64, span_rows (n + 1, d) bf16:
+        `vision.packed_rows`); start/floor (b,) int64; RoPE tables (b, s + 2M, rd/2); hash_ids
+        (b, s, E, cols) int64 (an empty (b, s, 0, 0) when the model has no Engram); then the
+        cache tensors."""
         model = self._model()
+        image = None
+        if self.spans:
+            *x, span_index, span_rows = x
+            x = tuple(x) if len(x) > 1 else x[0]
+            image = unpacked_rows(span_index, span_rows)
         cache = cache_view(self.template, cache_in, start)
         ropes = (cos_c, sin_c, cos_u, sin_u)
         ids = hash_ids if model.args.engram_layer_ids else None
@@ -101,11 +115,11 @@ class PhaseGraph(torch.nn.Module):
         if self.entry == "decoder":
             h, pre = x
             chunk = self.new_chunk(start, floor, h.size(1), ropes, ids, write_global=False,
-                                update_tails=False)
+                                   update_tails=False, image=image)
             logits, _, _ = decode_layers(model, cache, h, pre, chunk, all_logits=True)
             return (logits, *cache_tensors(cache))
         chunk = self.new_chunk(start, floor, x.size(1), ropes, ids,
-                            write_global=self.entry != "encoder_replay")
+                               write_global=self.entry != "encoder_replay", image=image)
         if self.entry in ("encoder", "encoder_replay"):
             h, pre = encode_layers(model, cache, x, chunk)
             return (h, pre, *cache_tensors(cache))
@@ -163,6 +177,9 @@ def example_inputs(model: Model, entry: str, shapes: CaptureShapes):
         x = (torch.zeros(b, s, dtype=torch.int64), torch.zeros(b, s, dtype=torch.int64))
     else:
         x = torch.zeros(b, s, dtype=torch.int64)
+    if takes_spans(a, entry):  # two span rows and the zero row (not 1: it would specialise)
+        x = (*(x if isinstance(x, tuple) else (x,)), torch.zeros(b, s, dtype=torch.int64),
+             torch.zeros(3, a.dim, dtype=torch.bfloat16))
     return (x, start, floor, *ropes, hash_ids, *cache_tensors(template)), template
 
 
@@ -195,6 +212,9 @@ def dynamic_shapes(model: Model, entry: str, template: ModelCache, shapes: Captu
         x = (tok_dims(), tok_dims())
     else:
         x = tok_dims()
+    if takes_spans(a, entry):  # span_index (b, s), span_rows (n + 1, d)
+        rows = Dim("span_rows", min=1, max=shapes.max_tokens + 1)
+        x = (*(x if isinstance(x, tuple) else (x,)), tok_dims(), {0: rows})
     cache = []
     for name in cache_names(template):
         t = cache_tensor(template, name)
@@ -251,6 +271,14 @@ def dim_symbols(ep, template: ModelCache) -> dict[str, str]:
                 out["ctx"] = str(val.shape[1])
                 break
     return out
+
+
+def _vision_ghosts(args) -> dict[str, torch.Tensor]:
+    """Storage-less placeholders of `checkpoint.vision_spec`'s tensors (shapes and dtypes)."""
+    from dsv41.graph.checkpoint import RETURNED_DTYPES, vision_spec
+
+    return {name: torch.zeros((), dtype=RETURNED_DTYPES[spec.dtype]).expand(*spec.shape)
+            for name, spec in vision_spec(args).items()}
 
 
 # ---- the vision entry ----------------------------------------------------------------------------

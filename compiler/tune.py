@@ -746,7 +746,8 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
                            context=opts.shape.context)
     inputs, _ = example_inputs(Model.placeholder(opts.args), entry, shapes)
     flat = [t for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
-    flat[1] = torch.full_like(flat[1], opts.shape.context - 1)  # start: the cache is full
+    at = len(inputs[0]) if isinstance(inputs[0], tuple) else 1  # start, after x's tensors
+    flat[at] = torch.full_like(flat[at], opts.shape.context - 1)  # start: the cache is full
     args = [to_tvm(t) for t in flat]
     params = read_manifest(artifact_dir)["entries"][entry]["params"]
     from .assets import DEFAULT_CHECKPOINTS

@@ -10,6 +10,7 @@ import torch
 
 from .cache import GlobalStore, ModelCache, WindowRing
 from .model import Model, rope_window
+from .vision import SpanRows, packed_rows
 
 ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft",
            "verify")
@@ -19,6 +20,16 @@ SELECTING = ("prefill_all", "decode")  # also return the indexers' selections (f
 VISION_ENTRY = "vision"
 VISION_OUTPUTS = ("aligned",)
 VISION_INPUTS = ("patches", "cos", "sin", "cells")
+# the entries that prefill take a chunk's image-span rows (`vision.packed_rows`) after their
+# tokens, or the decoder after the encoder stream: x = (tokens, span_index, span_rows) or
+# (h, pre, span_index, span_rows); only for a model with a vision tower (a text model's entries
+# are unchanged)
+SPAN_ENTRIES = ("prefill", "prefill_all", "encoder", "encoder_replay", "decoder")
+
+
+def takes_spans(args, entry: str) -> bool:
+    """Whether `entry` of a model with these args takes image-span rows."""
+    return entry in SPAN_ENTRIES and args.vision_n_layers > 0
 
 
 def selection_keys(plan) -> list[int]:
@@ -107,12 +118,13 @@ def cache_view(template: ModelCache, tensors, start: torch.Tensor) -> ModelCache
 
 
 def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, floor=None,
-                 hash_ids=None, rope=None) -> tuple:
+                 hash_ids=None, rope=None, image: SpanRows | None = None) -> tuple:
     """The host half of a phase: real inputs for `entry` from a cache and validated tokens (or
     the encoder stream for `decoder`, or the accepted token for `draft`). Engram ids must be
     passed in (they advance the cache's lookback, so the caller computes them once); so may
     RoPE tables a graph `Chunk` already holds for the same start. `verify` takes the pair
-    (tokens (b, n), each token's index-K pointer before it (b, n))."""
+    (tokens (b, n), each token's index-K pointer before it (b, n)). `image`: the chunk's
+    image-span rows, appended to x as `vision.packed_rows` for the entries that take them."""
     a = model.args
     if entry == "draft":
         s = a.dspark_block_size
@@ -127,5 +139,11 @@ def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, 
         n_eng = len(a.engram_layer_ids)
         cols = (a.engram_max_ngram_size - 1) * a.engram_n_heads if n_eng else 0
         hash_ids = torch.zeros(start.size(0), s, n_eng, cols, dtype=torch.int64)
+    if takes_spans(a, entry):
+        x = (*(x if isinstance(x, tuple) else (x,)),
+             *packed_rows(image, start.size(0), s, a.dim))
+    elif image is not None:
+        raise ValueError(f"The {entry} entry of this model takes no image-span rows (it has "
+                         f"{'no' if a.vision_n_layers <= 0 else 'a'} vision tower).")
     return (x, start, floor, rope[True][0], rope[True][1], rope[False][0], rope[False][1],
             hash_ids, *cache_tensors(cache))

@@ -344,3 +344,30 @@ def splice(h: torch.Tensor, image: SpanRows | None) -> torch.Tensor:
     if image is None:
         return h
     return torch.where(image.mask.unsqueeze(-1), image.rows.to(h.dtype), h)
+
+
+# ---- the compiled entries' span inputs ---------------------------------------------------------
+
+
+def packed_rows(image: SpanRows | None, batch: int, length: int,
+                dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's span rows as the compiled entries take them: `span_index` int64 (b, s), 0 off
+    the spans and k at the position taking row k of `span_rows` bf16 (n + 1, d), whose row 0 is
+    zeros (so a text chunk passes one zero row and an all-zero index)."""
+    index = torch.zeros(batch * length, dtype=torch.int64)  # (b s,)
+    if image is None:
+        return index.view(batch, length), torch.zeros(1, dim, dtype=BF16)
+    if tuple(image.mask.shape) != (batch, length):
+        raise ValueError(f"The image rows cover {tuple(image.mask.shape)} positions; the chunk "
+                         f"holds ({batch}, {length}).")
+    mask = image.mask.reshape(-1)  # (b s,)
+    index[mask] = torch.arange(1, int(mask.sum()) + 1)
+    rows = torch.cat([torch.zeros(1, dim, dtype=BF16), image.rows.reshape(-1, dim)[mask].to(BF16)])
+    return index.view(batch, length), rows
+
+
+def unpacked_rows(span_index: torch.Tensor, span_rows: torch.Tensor) -> SpanRows:
+    """The graph half of `packed_rows`: span_index int64 (b, s) in [0, n] (validated by the
+    caller: the gather does not bound-check), span_rows bf16 (n + 1, d) -> the chunk's
+    `SpanRows` (mask: index > 0; rows: zeros off the spans, as `span_rows` builds them)."""
+    return SpanRows(span_index > 0, span_rows[span_index])  # (b, s), (b, s, d)

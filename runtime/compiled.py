@@ -9,7 +9,13 @@ import torch
 
 from dsv41.graph.cache import ModelCache, restore_local_state, save_local_state
 from dsv41.graph.dspark import Draft
-from dsv41.graph.entries import VISION_ENTRY, entry_inputs, load_cache_tensors, selection_keys
+from dsv41.graph.entries import (
+    VISION_ENTRY,
+    entry_inputs,
+    load_cache_tensors,
+    selection_keys,
+    takes_spans,
+)
 from dsv41.graph.image_processor import PreparedImage
 from dsv41.graph.model import Model
 from dsv41.graph.phases import (
@@ -24,6 +30,7 @@ from dsv41.graph.phases import (
     new_chunk,
     prepare_replay,
     resume_tail,
+    rows_at,
 )
 from dsv41.graph.speculative import (
     Verified,
@@ -32,7 +39,7 @@ from dsv41.graph.speculative import (
     verify_chunk,
     verify_step,
 )
-from dsv41.graph.vision import tower_inputs
+from dsv41.graph.vision import SequenceImages, SpanRows, tower_inputs
 
 from .artifact import Artifact
 from .threads import default_tvm_pool
@@ -60,6 +67,17 @@ class CompiledPhases:
             s = a.dspark_block_size
         else:
             s = (x[0] if isinstance(x, tuple) else x).size(1)
+        if takes_spans(a, entry):
+            span_index, span_rows = x[-2], x[-1]
+            b = start.size(0)
+            if tuple(span_index.shape) != (b, s) or span_rows.dim() != 2 \
+                    or span_rows.size(1) != a.dim or span_rows.dtype != torch.bfloat16:
+                raise ValueError(f"The span inputs have shapes {tuple(span_index.shape)} and "
+                                 f"{tuple(span_rows.shape)} ({span_rows.dtype}); the chunk needs "
+                                 f"({b}, {s}) and (n + 1, {a.dim}) bf16.")
+            if int(span_index.min()) < 0 or int(span_index.max()) >= span_rows.size(0):
+                raise ValueError(f"Span row indices must lie in 0..{span_rows.size(0) - 1}; got "
+                                 f"{int(span_index.min())}..{int(span_index.max())}.")
         if int(start.min()) < 0 or int((floor > start).sum()) or int(floor.min()) < 0:
             raise ValueError(f"Bad positions: start {start.tolist()}, floor {floor.tolist()}.")
         if entry != "draft" and int(start.max()) + s > capacity_tokens(cache):
@@ -97,6 +115,27 @@ class CompiledPhases:
         return {k: v if k in stays or k.startswith("tail.") else v.cpu()
                 for k, v in named.items()}
 
+    def check_images(self) -> None:
+        """ValueError unless this artifact can take images: the `vision` entry, and backbone
+        entries that take span rows (compiled from a model with a vision tower)."""
+        a = self.model.args
+        if a.vision_n_layers <= 0 or not self.model.vision:
+            raise ValueError("This model has no vision tower; it cannot take images.")
+        if VISION_ENTRY not in self.art.entries:
+            raise ValueError(f"The artifact {self.art.path} has no `vision` entry; compile it "
+                             f"with `dsv41 compile --entries {','.join(self.art.entries)},"
+                             "vision` to take images.")
+        old = [e for e in self.art.entries if takes_spans(a, e)
+               and len(self.art.manifest["entries"][e]["inputs"]) != self._span_inputs(e)]
+        if old:
+            raise ValueError(f"The artifact's entries {', '.join(old)} take no image-span rows "
+                             "(compiled before they did); compile them again to take images.")
+
+    def _span_inputs(self, entry: str) -> int:
+        """The user inputs a span-taking entry has: x's tensors, the 7 others, the cache."""
+        x = 4 if entry == "decoder" else 3
+        return x + 7 + len(self.art.manifest["entries"][entry]["cache"])
+
     def _work(self, layers, n: int) -> dict[int, int]:
         return {lay: n for lay in layers}
 
@@ -106,23 +145,32 @@ class CompiledPhases:
 
     def prefill_exact(self, model: Model, cache: ModelCache, tokens, *,
                       all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                      keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
+                      keep_rows: bool = False, between_chunks: Pause | None = None,
+                      image: SpanRows | None = None) -> PhaseResult:
+        """`phases.prefill_exact`'s contract; `image`: the new tokens' span rows."""
         del record  # hidden states are a graph-only diagnostic
         self._check(model)
         tokens = check_tokens(self.model, tokens)
         if chunk_tokens is not None:
-            return chunked_exact(lambda t: self.prefill_exact(model, cache, t,
-                                                              all_logits=all_logits),
-                                 tokens, chunk_tokens, all_logits=all_logits,
+            first = cache.pos.clone()
+
+            def run(t: torch.Tensor) -> PhaseResult:
+                b = int(cache.pos[0] - first[0])  # every sequence advances alike
+                return self.prefill_exact(model, cache, t, all_logits=all_logits,
+                                          image=None if image is None
+                                          else image.piece(b, b + t.size(1)))
+
+            return chunked_exact(run, tokens, chunk_tokens, all_logits=all_logits,
                                  keep_rows=keep_rows, between_chunks=between_chunks)
-        chunk = new_chunk(self.model, cache, tokens)
+        chunk = new_chunk(self.model, cache, tokens, image=image)
         entry = "prefill_all" if all_logits else "prefill"
         if entry not in self.art.entries and "prefill_all" in self.art.entries:
             entry = "prefill_all"  # the same graph, with every position's logits
-        if tokens.size(1) == 1 and not all_logits and "decode" in self.art.entries:
+        if tokens.size(1) == 1 and not all_logits and "decode" in self.art.entries \
+                and image is None:
             entry = "decode"
         named = self._run(entry, cache, tokens, start=chunk.start, hash_ids=chunk.hash_ids,
-                          rope=chunk.rope)
+                          rope=chunk.rope, image=image)
         cache.pos = chunk.end
         sel = {k: named[f"sel.{k}"] for k in selection_keys(self.plan) if f"sel.{k}" in named}
         logits = named["logits"] if all_logits else named["logits"][:, -1:]
@@ -186,44 +234,48 @@ class CompiledPhases:
         return finish_verify(self.model, cache, tokens, staged, hist, tails, named["logits"],
                              self._work(range(self.model.args.n_layers), tokens.size(1)))
 
-    def _encode(self, cache: ModelCache, tokens, *, replay_from=None, floor=None):
+    def _encode(self, cache: ModelCache, tokens, *, replay_from=None, floor=None,
+                images: SequenceImages | None = None):
         entry = "encoder" if replay_from is None else "encoder_replay"
         floor = replay_from if replay_from is not None else floor
         start = replay_from if entry == "encoder_replay" else None
-        chunk = new_chunk(self.model, cache, tokens, start=start, floor=floor)
+        image = rows_at(images, cache.pos if start is None else start, tokens.size(1))
+        chunk = new_chunk(self.model, cache, tokens, start=start, floor=floor, image=image)
         named = self._run(entry, cache, tokens, start=chunk.start, floor=chunk.floor,
-                          hash_ids=chunk.hash_ids, rope=chunk.rope)
+                          hash_ids=chunk.hash_ids, rope=chunk.rope, image=image)
         return named["h"], named["pre"], chunk
 
     def encoder_prefill(self, model: Model, cache: ModelCache, tokens, record=(), *,
-                        floor=None) -> EncoderOutput:
-        """The `encoder` entry over the new tokens (windows cut below `floor`)."""
+                        floor=None, images: SequenceImages | None = None) -> EncoderOutput:
+        """The `encoder` entry over the new tokens (windows cut below `floor`; `images`: the
+        sequence's spans by position, as every CED phase takes them)."""
         del record
         self._check(model)
         tokens = check_tokens(self.model, tokens)
-        h, pre, chunk = self._encode(cache, tokens, floor=floor)
+        h, pre, chunk = self._encode(cache, tokens, floor=floor, images=images)
         cache.pos = chunk.end
         return EncoderOutput(h, pre, chunk.hash_ids, chunk.start,
                              self._work(self.plan.encoder_layers, tokens.size(1)), {}, {})
 
     def encoder_replay(self, model: Model, cache: ModelCache, prefix, suffix,
-                       record=()) -> EncoderOutput:
+                       record=(), *, images: SequenceImages | None = None) -> EncoderOutput:
         """Snapshot miss: the `encoder_replay` entry over the prefix's last window, then the
         `encoder` entry over the suffix (windows cut at the replay's first position)."""
         del record
         self._check(model)
         m = self.model
         prefix, suffix = check_tokens(m, prefix), check_tokens(m, suffix)
-        n, first = prepare_replay(m, cache, prefix)
-        h1, p1, c1 = self._encode(cache, prefix[:, -n:], replay_from=first)
-        h2, p2, c2 = self._encode(cache, suffix, floor=first)
+        n, first = prepare_replay(m, cache, prefix, images=images)
+        h1, p1, c1 = self._encode(cache, prefix[:, -n:], replay_from=first, images=images)
+        h2, p2, c2 = self._encode(cache, suffix, floor=first, images=images)
         cache.pos = c2.end
         ids = None if c2.hash_ids is None else torch.cat([c1.hash_ids, c2.hash_ids], 1)
         return EncoderOutput(torch.cat([h1, h2], 1), torch.cat([p1, p2], 1), ids, first,
                              self._work(self.plan.encoder_layers, n + suffix.size(1)), {}, {})
 
     def decoder_replay(self, model: Model, cache: ModelCache, enc: EncoderOutput, *,
-                       all_logits: bool = False, record=()) -> PhaseResult:
+                       all_logits: bool = False, record=(),
+                       images: SequenceImages | None = None) -> PhaseResult:
         """The `decoder` entry over the last `window` encoded tokens."""
         del record
         self._check(model)
@@ -231,15 +283,16 @@ class CompiledPhases:
         first = enc.start + enc.h.size(1) - n
         named = self._run("decoder", cache, (enc.h[:, -n:], enc.pre[:, -n:]), start=first,
                           floor=first,
-                          hash_ids=None if enc.hash_ids is None else enc.hash_ids[:, -n:])
+                          hash_ids=None if enc.hash_ids is None else enc.hash_ids[:, -n:],
+                          image=rows_at(images, first, n))
         logits = named["logits"] if all_logits else named["logits"][:, -1:]
         work = {**enc.work, **self._work(self.plan.decoder_layers, n)}
         return PhaseResult(logits, work)
 
     def resume_prefill(self, model: Model, cache: ModelCache, cached, fresh, *,
                        all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                       keep_rows: bool = False, between_chunks: Pause | None = None
-                       ) -> PhaseResult:
+                       keep_rows: bool = False, between_chunks: Pause | None = None,
+                       images: SequenceImages | None = None) -> PhaseResult:
         """Decoder bounded replay on a continued cache (`phases.resume_prefill`): the tail of
         cached tokens through the `encoder_replay` entry with the cache's local state put back
         afterwards, the new tokens through `encoder`, then the decoder over both."""
@@ -251,22 +304,24 @@ class CompiledPhases:
         if t == 0:  # S >= window: a CED prefill of the new tokens (chunked)
             return self.ced_prefill(model, cache, fresh, all_logits=all_logits,
                                     chunk_tokens=chunk_tokens, keep_rows=keep_rows,
-                                    between_chunks=between_chunks)
-        enc = join_encoder(self.encode_cached_tail(model, cache, cached, t),
-                           self.encoder_prefill(model, cache, fresh),  # S < window: one chunk
+                                    between_chunks=between_chunks, images=images)
+        enc = join_encoder(self.encode_cached_tail(model, cache, cached, t, images=images),
+                           # S < window: one chunk
+                           self.encoder_prefill(model, cache, fresh, images=images),
                            window=m.args.window_size, keep_rows=keep_rows)
-        return self.decoder_replay(model, cache, enc, all_logits=all_logits)
+        return self.decoder_replay(model, cache, enc, all_logits=all_logits, images=images)
 
     def encode_cached_tail(self, model: Model, cache: ModelCache, cached, n: int,
-                           record=()) -> EncoderOutput:
+                           record=(), *, images: SequenceImages | None = None) -> EncoderOutput:
         """`phases.encode_cached_tail`: the last n cached tokens through the `encoder_replay`
         entry, with the cache's local state put back afterwards."""
         del record
         self._check(model)
         saved = save_local_state(cache)
         try:
-            n, first = prepare_replay(self.model, cache, cached, replay=n)
-            h, pre, chunk = self._encode(cache, cached[:, -n:], replay_from=first)
+            n, first = prepare_replay(self.model, cache, cached, replay=n, images=images)
+            h, pre, chunk = self._encode(cache, cached[:, -n:], replay_from=first,
+                                         images=images)
         finally:
             restore_local_state(cache, saved)
         return EncoderOutput(h, pre, chunk.hash_ids, first,
@@ -274,35 +329,37 @@ class CompiledPhases:
 
     def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
                     all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                    keep_rows: bool = False, between_chunks: Pause | None = None) -> PhaseResult:
+                    keep_rows: bool = False, between_chunks: Pause | None = None,
+                    images: SequenceImages | None = None) -> PhaseResult:
         """CED prefill: the encoder (in chunks with `chunk_tokens`), then the decoder's bounded
         replay."""
         tokens = check_tokens(self.model, tokens)
         if chunk_tokens is None:
-            enc = self.encoder_prefill(model, cache, tokens)
+            enc = self.encoder_prefill(model, cache, tokens, images=images)
         else:
-            enc = chunked_encoder(lambda t: self.encoder_prefill(model, cache, t), tokens,
-                                  chunk_tokens, window=self.model.args.window_size,
+            enc = chunked_encoder(lambda t: self.encoder_prefill(model, cache, t, images=images),
+                                  tokens, chunk_tokens, window=self.model.args.window_size,
                                   keep_rows=keep_rows, between_chunks=between_chunks)
             if between_chunks is not None and tokens.size(1) > chunk_tokens + 1:
                 between_chunks()  # after two or more chunks, the decoder's replay is a piece
-        return self.decoder_replay(model, cache, enc, all_logits=all_logits)
+        return self.decoder_replay(model, cache, enc, all_logits=all_logits, images=images)
 
     def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
                        all_logits: bool = False, chunk_tokens: int | None = None,
-                       keep_rows: bool = False, between_chunks: Pause | None = None
-                       ) -> PhaseResult:
+                       keep_rows: bool = False, between_chunks: Pause | None = None,
+                       images: SequenceImages | None = None) -> PhaseResult:
         """Snapshot miss: encoder bounded replay (the suffix in chunks with `chunk_tokens`),
         then decoder bounded replay."""
         suffix = check_tokens(self.model, suffix)
         if chunk_tokens is None:
-            enc = self.encoder_replay(model, cache, prefix, suffix)
+            enc = self.encoder_replay(model, cache, prefix, suffix, images=images)
         else:
             enc = chunked_replay(
-                lambda t: self.encoder_replay(model, cache, prefix, t),
-                lambda t, floor: self.encoder_prefill(model, cache, t, floor=floor),
+                lambda t: self.encoder_replay(model, cache, prefix, t, images=images),
+                lambda t, floor: self.encoder_prefill(model, cache, t, floor=floor,
+                                                      images=images),
                 suffix, chunk_tokens, window=self.model.args.window_size, keep_rows=keep_rows,
                 between_chunks=between_chunks)
             if between_chunks is not None and suffix.size(1) > chunk_tokens + 1:
                 between_chunks()  # after two or more chunks, the decoder's replay is a piece
-        return self.decoder_replay(model, cache, enc, all_logits=all_logits)
+        return self.decoder_replay(model, cache, enc, all_logits=all_logits, images=images)

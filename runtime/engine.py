@@ -63,9 +63,11 @@ from dsv41.graph.cache import (
     write_back,
 )
 from dsv41.graph.checkpoint import weights_fingerprint
+from dsv41.graph.image_processor import PreparedImage
 from dsv41.graph.model import Model
 from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, Pause, chunk_spans, resume_tail
 from dsv41.graph.speculative import Verified, cut_back, verify_step
+from dsv41.graph.vision import encode_image
 
 from .images import (
     SessionImage,
@@ -454,18 +456,32 @@ class Engine:
                       images: Sequence = ()) -> tuple[Sequence[int], list[TurnImage]]:
         """A turn's ids with each `image_token_id` placeholder replaced by its image's span, and
         the images (decoded, preprocessed: RequestError on a bad one) where the spans stand;
-        the ids as they are for a model without a tower and no images. Images need the graph
-        backend (any mode): the compiled entries take token ids only."""
+        the ids as they are for a model without a tower and no images. An artifact engine
+        needs the `vision` entry and backbone entries that take span rows
+        (`CompiledPhases.check_images`)."""
         if not images and not self.model.vision:
             return token_ids, []
         if images and self.phases is not graph_phases:
-            raise RequestError("Images need the PyTorch graph backend (Engine.from_model, "
-                               "--backend torch); the compiled artifact's entries take text "
-                               "only.")
+            check = getattr(self.phases, "check_images", None)
+            if check is None:
+                raise RequestError(f"This engine's backend ({self.backend}) takes no images; "
+                                   "use the graph backend or a compiled artifact with the "
+                                   "`vision` entry.")
+            try:
+                check()
+            except ValueError as e:
+                raise RequestError(str(e)) from e
         if isinstance(images, str | bytes) or not isinstance(images, Sequence):
             raise RequestError("Images are given as a list, one per image placeholder.")
         ids = check_token_ids(token_ids, vocab_size=self.model.args.vocab_size)
         return expand_placeholders(self.model, ids, images)
+
+    def encode_image(self, image: PreparedImage) -> torch.Tensor:
+        """One image's aligned rows bf16 (L, d): the graph's tower, or the artifact's `vision`
+        entry."""
+        if self.phases is graph_phases:
+            return encode_image(self.model.w, self.model.args, image)
+        return self.phases.encode_image(self.model, image)
 
     # ---- batched decode -------------------------------------------------------------------------
 
@@ -526,7 +542,7 @@ class Engine:
         does not fit this engine's cache. `images`: the prompt's images (spans at their
         offsets in `tokens`), which the tiers' keys name."""
         self._check_open()
-        seen = encode_turn(self.model, 0, images)
+        seen = encode_turn(self.model, 0, images, encode=self.encode_image)
         if self.model.vision:
             check_spans(list(tokens), seen, self.model.args.image_token_id, 0)
         if request.sampling is None:
@@ -816,7 +832,7 @@ class Session:
         e = self.engine
         fresh = ([] if self.pending is None else [self.pending]) + list(req.token_ids)
         seen = self.images + encode_turn(e.model, len(self.history) + (self.pending is not None),
-                                         images)
+                                         images, encode=e.encode_image)
         if e.model.vision:  # every image id of the sequence stands in a span it has an image for
             check_spans(self.history + fresh, seen, e.model.args.image_token_id, 0)
         max_new_tokens = req.max_new_tokens
@@ -932,7 +948,7 @@ class Session:
         cache, cut = start.cache, start.cached
         chunks = {"chunk_tokens": pacing.chunk_tokens or e.options.prefill_chunk_tokens,
                   "between_chunks": pacing.between_chunks}
-        spans = sequence_images(m, images)  # the graph backend only (send refuses others)
+        spans = sequence_images(m, images)  # (an artifact's send checked it takes images)
         if spans is not None and e.options.exact:  # the new tokens' rows
             chunks["image"] = spans.rows(0 if start.tier is Tier.COLD else cut, len(tokens))
         elif spans is not None:  # CED: each phase segment takes its rows by position

@@ -25,7 +25,7 @@ import base64
 import binascii
 import hashlib
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,14 +151,18 @@ def expand_placeholders(model: Model, token_ids: Sequence[int],
     return out + ids[prev:], turn
 
 
-def encode_turn(model: Model, first: int, images: Sequence[TurnImage]) -> list[SessionImage]:
+def encode_turn(model: Model, first: int, images: Sequence[TurnImage], *,
+                encode: Callable[[PreparedImage], torch.Tensor] | None = None
+                ) -> list[SessionImage]:
     """The vision stage: each new image through the ViT and aligner (unless it comes encoded),
-    its span placed at `first` (the position of the turn's first new token) plus its offset."""
+    its span placed at `first` (the position of the turn's first new token) plus its offset.
+    `encode`: the tower to run (an artifact's `vision` entry); default the graph's."""
     out = []
     for im in images:
         emb = im.embeddings
         if emb is None:
-            emb = encode_image(model.w, model.args, im.image)
+            emb = encode(im.image) if encode is not None else \
+                encode_image(model.w, model.args, im.image)
         elif tuple(emb.shape) != (im.image.grid.n_embeddings, model.args.dim):
             raise ValueError(f"An encoded image has rows {tuple(emb.shape)}; its grid needs "
                              f"({im.image.grid.n_embeddings}, {model.args.dim}).")

@@ -173,11 +173,19 @@ def test_image_requests_are_clear_errors(model, small_model, tmp_path):
         s.send(TURN2)
     with pytest.raises(RequestError, match="could not be decoded"):
         s.send(TURN2, images=[b"not a png"])
-    # phases other than the graph's (a compiled artifact's) take no images: refused before
-    # any phase runs (this stand-in has none)
-    compiled = Engine(model, SimpleNamespace(), weights_hash="v" * 64,
+    # phases other than the graph's take images only when they say so (`check_images`, as
+    # `CompiledPhases` does): refused before any phase runs (these stand-ins have none)
+    other = Engine(model, SimpleNamespace(), weights_hash="v" * 64,
+                   options=EngineOptions(page_tokens=PAGE), backend="other").session()
+    with pytest.raises(RequestError, match=r"backend \(other\) takes no images"):
+        other.send(TURN2, images=[a])
+
+    def no_vision_entry():
+        raise ValueError("The artifact has no `vision` entry; compile it with ...")
+
+    compiled = Engine(model, SimpleNamespace(check_images=no_vision_entry), weights_hash="v" * 64,
                       options=EngineOptions(page_tokens=PAGE), backend="artifact").session()
-    with pytest.raises(RequestError, match="graph backend"):
+    with pytest.raises(RequestError, match="no `vision` entry"):
         compiled.send(TURN2, images=[a])
     text = Engine.from_model(small_model, weights_hash="v" * 64, page_tokens=PAGE,
                              exact=True).session()
