@@ -3,10 +3,11 @@ TVM's runtime libraries loaded globally before anything imports tvm, which pytes
 done): `python tests/sharded_engine.py ARTIFACT CHECKPOINT STORE TURNS_JSON OUT.npz`.
 
 Three engines of the same options (exact, pages of PAGE positions, 4 greedy tokens a turn):
-`live` runs every turn on one session, the later ones on its live cache; `stored` runs the
-first two turns with an SSD store and closes; `resumed`, a new engine on that store, resumes the
-transcript and runs the third turn from the store. Writes each run's tokens, greedy logits and
-tiers, and the bytes sent to the workers per call of each entry (`ShardedArtifact.traffic`)."""
+`live` runs every turn on one session (no store), the later ones on its live cache; `stored`
+runs the first two turns with an SSD store and closes; `resumed`, a new engine on that store,
+resumes the transcript and runs the third turn from the store. Writes each run's tokens and
+greedy logits; prints the tiers and the live engine's traffic per entry
+(`ShardedArtifact.traffic`)."""
 
 from __future__ import annotations
 
