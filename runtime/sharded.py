@@ -11,12 +11,14 @@ every worker's shapes): TVM's ThreadedSession does not catch an error raised on 
 thread, which ends the process. Each worker then loads its own weights on its own thread
 (`dsv41.shard.load_weights`: only its slices and experts, read straight from the safetensors
 files, `Model.from_checkpoint(..., shard=)`) and the entry's library; the controller holds no
-weights. A call copies the entry's inputs (tokens, positions, RoPE tables, Engram ids, the
-cache) to every worker, runs the entry on all of them, and returns worker 0's outputs (every
-worker's logits are checked equal: the collectives give all of them the same sums). The cache
-is whole on every worker (`sharding.py`), so keeping the host's copy and sending it each call
-is correct; keeping it resident on the workers (and sending only the new rows) is what a
-deployment needs next.
+weights. A call copies the entry's inputs (tokens, positions, RoPE tables, Engram ids, and the
+cache tensors the workers do not hold) to every worker, runs the entry on all of them, and
+returns worker 0's outputs (every worker's logits are checked equal: the collectives give all of
+them the same sums). The cache is whole on every worker (`sharding.py`), computed from those
+same sums, and the controller keeps its own copy of it (the engine's tiers read it: SSD blocks,
+DRAM snapshots); each worker also keeps its cache outputs, so the next call on the same,
+unchanged host tensors sends only the step's inputs (`Resident`; `traffic()` counts the bytes
+sent, received and kept). `Engine.load` runs this artifact when the manifest says it is one.
 
 The CPU test collective (`CclBackend.CPU_TEST`): the PyPI wheel has no CPU collective library,
 so for a `ThreadedSession` (workers are threads of this process) `register_test_ccl` registers
@@ -31,6 +33,7 @@ this runner refuses those for now (GPU workers are not started here yet).
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,6 +58,17 @@ class Traffic:
     calls: int = 0
     sent_bytes: int = 0  # host tensors copied to the workers
     received_bytes: int = 0  # worker tensors copied back (worker 0's outputs, the others' logits)
+    resident_bytes: int = 0  # inputs not sent: the workers still held them (summed over workers)
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A cache tensor the workers hold: the output they returned, and the host copy of it (by
+    reference and version: the same tensor, not changed in place since, holds the same bytes)."""
+
+    host: weakref.ref
+    version: int
+    on_workers: object  # DRef: each worker's own output (equal on every worker, see `call`)
 
 
 def verify_sharded(artifact_dir: str | Path, *, args: ModelArgs | None = None) -> dict:
@@ -226,6 +240,7 @@ class ShardedArtifact:
         self.shards = int(manifest["shards"])
         self._modules: dict = {}
         self._traffic: dict[str, Traffic] = {}
+        self._resident: dict[int, Resident] = {}  # by id() of the host tensor
         self._params: dict[str, list] = {}
         params = {}
         for sig in manifest["entries"].values():
@@ -234,7 +249,7 @@ class ShardedArtifact:
         names = list(params)
         load = session.get_global_func("dsv41.shard.load_weights")
         self._weights = load(str(checkpoint), self.shards, json.dumps(list(params.values())))
-        item = session.get_global_func("dsv41.shard.item")
+        item = self._item = session.get_global_func("dsv41.shard.item")
         by_name = {n: item(self._weights, i) for i, n in enumerate(names)}
         for entry, sig in manifest["entries"].items():
             self._params[entry] = [by_name[p["param"]] for p in sig["params"]]
@@ -297,6 +312,16 @@ class ShardedArtifact:
         return self._modules[entry]
 
     def _to_workers(self, t: torch.Tensor, count: Traffic):
+        """The workers' copy of `t`: the one they hold when `t` is a cache tensor they returned
+        and the host has not changed since (torch counts every in-place write in `_version`; the
+        runtime never writes a cache tensor through a numpy view: runtime/state.py copies), else
+        a fresh copy sent to each. A held copy is lent to this one call: the entry updates its
+        cache inputs in place (`inplace_cache`), so it no longer matches `t` after; the call's
+        cache output takes it over (`call`)."""
+        held = self._resident.pop(id(t), None)
+        if held is not None and held.host() is t and held.version == t._version:
+            count.resident_bytes += t.nbytes * self.shards
+            return held.on_workers
         t = t.detach().cpu().contiguous()
         d = self.session.empty(tuple(t.shape), str(t.dtype).replace("torch.", ""))
         host = to_tvm(t)
@@ -305,14 +330,29 @@ class ShardedArtifact:
         count.sent_bytes += t.nbytes * self.shards
         return d
 
+    def _keep(self, host: torch.Tensor, on_workers) -> None:
+        """Remember that the workers hold `host` (until the host tensor is freed)."""
+        key = id(host)
+
+        def forget(_ref, key=key, table=self._resident) -> None:
+            table.pop(key, None)
+
+        self._resident[key] = Resident(weakref.ref(host, forget), host._version, on_workers)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the cache tensors each worker holds across calls."""
+        return sum(r.host().nbytes for r in self._resident.values() if r.host() is not None)
+
     def call(self, entry: str, inputs) -> list[torch.Tensor]:
-        """Run `entry` on every worker; worker 0's outputs (as `Artifact.call` returns them)."""
+        """Run `entry` on every worker; worker 0's outputs (as `Artifact.call` returns them).
+        The cache outputs stay on the workers too, so the next call sends only what changed."""
         if self.session is None:
             raise ArtifactError(f"The workers of the sharded artifact {self.path} have been "
                                 "shut down; open it again to run it.")
         if entry not in self.manifest["entries"]:
             raise ArtifactError(f"The sharded artifact {self.path} has no entry {entry!r} (it "
                                 f"has {', '.join(self.entries)}).")
+        sig = self.manifest["entries"][entry]
         count = self._traffic.setdefault(entry, Traffic())
         count.calls += 1
         flat = []
@@ -322,13 +362,18 @@ class ShardedArtifact:
         result = self._module(entry)["main"](*args, *self._params[entry])
         outs = [torch.from_dlpack(o).clone() for o in result.debug_get_from_remote(0)]
         count.received_bytes += sum(o.nbytes for o in outs)
+        logits = self._item(result, 0)
         for w in range(1, self.shards):
-            other = torch.from_dlpack(result.debug_get_from_remote(w)[0])
+            other = torch.from_dlpack(logits.debug_get_from_remote(w))
             count.received_bytes += other.nbytes
             if not torch.equal(other, outs[0]):
-                raise ArtifactError(f"Worker {w}'s {self.manifest['entries'][entry]['outputs'][0]}"
-                                    " differs from worker 0's: the collectives did not give "
-                                    "every worker the same sums.")
+                raise ArtifactError(f"Worker {w}'s {sig['outputs'][0]} differs from worker 0's: "
+                                    "the collectives did not give every worker the same sums.")
+        # every worker's cache is whole and computed from the same sums as its logits (the
+        # collectives' results, equal on every worker), so each keeps its own
+        for name in sig.get("cache", ()):
+            i = sig["outputs"].index(name)
+            self._keep(outs[i], self._item(result, i))
         return outs
 
     def traffic(self) -> dict[str, dict[str, int]]:

@@ -107,8 +107,20 @@ ENGINE_TURNS = [[int(x) for x in np.random.default_rng(i).integers(3, 500, n)]
                 for i, n in ((1, 37), (2, 5), (3, 11))]
 
 
-def test_an_engine_on_two_workers_tracks_the_one_worker_engine(sharded_artifact, small_artifact,
-                                                               small_case, tmp_path):
+@pytest.fixture(scope="module")
+def engine_run(sharded_artifact, small_case, tmp_path_factory) -> tuple[dict, dict]:
+    """tests/sharded_engine.py's report and arrays (its own process: disco), run once."""
+    d = tmp_path_factory.mktemp("engine")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("sharded_engine.py")),
+                           str(sharded_artifact), str(small_case.checkpoint), str(d / "store"),
+                           json.dumps(ENGINE_TURNS), str(d / "two.npz")],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), dict(np.load(d / "two.npz"))
+
+
+def test_an_engine_on_two_workers_tracks_the_one_worker_engine(engine_run, small_artifact,
+                                                               small_case):
     """The same Engine / Session API over the 2 disco workers (tests/sharded_engine.py, a
     process of its own): three exact turns on one live session (no store: the later turns on
     its live cache), and the first two with an SSD store (the second from the DRAM snapshot the
@@ -120,16 +132,9 @@ def test_an_engine_on_two_workers_tracks_the_one_worker_engine(sharded_artifact,
     these turns, measured, every row is bit-identical, rel L2 0)."""
     from dsv41.runtime.engine import Engine
 
-    out = tmp_path / "two.npz"
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("sharded_engine.py")),
-                           str(sharded_artifact), str(small_case.checkpoint),
-                           str(tmp_path / "store"), json.dumps(ENGINE_TURNS), str(out)],
-                          capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report, two = engine_run
     assert report["tiers"] == {"live": ["cold", "live", "live"], "stored": ["cold", "snapshot"],
                                "resumed": ["snapshot-ssd"]}
-    two = np.load(out)
     for k in range(2):
         for part in ("tokens", "logits"):
             np.testing.assert_array_equal(two[f"stored.{k}.{part}"], two[f"live.{k}.{part}"])
@@ -146,6 +151,31 @@ def test_an_engine_on_two_workers_tracks_the_one_worker_engine(sharded_artifact,
         assert two[f"live.{k}.tokens"].tolist() == tokens
         rels.extend(rel)
     print(f"2-worker vs 1-worker engine: logits rel L2 max {max(rels):.3g}, median "
-          f"{np.median(rels):.3g}; bytes per call {report['traffic']}")
+          f"{np.median(rels):.3g}; traffic over the turns {report['traffic']}")
     assert max(rels) <= small_case.bounds["rel_l2_max"]
     assert np.median(rels) < 0.05
+
+
+def test_the_cache_stays_on_the_workers_and_only_changes_are_sent(engine_run,
+                                                                  sharded_artifact):
+    """A decode step on a cache the workers hold sends only the step's inputs (tokens,
+    positions, RoPE rows, Engram ids) and gives the logits of the same step on a copy sent
+    whole; the tensors a step lent to the workers (updated there in place) and a tensor changed
+    on the host in place are sent again (tests/sharded_engine.py, `resident_steps`)."""
+    report, got = engine_run
+    sent = report["step_bytes"]
+    m = json.loads((sharded_artifact / "manifest.json").read_text())["entries"]["decode"]
+    step = sum(int(np.prod([int(d) if d.isdigit() else 1 for d in i["shape"]]))  # batch 1
+               * np.dtype(i["dtype"]).itemsize for i in m["inputs"][:-len(m["cache"])])
+    assert step == 1784  # x, start, floor 8 each; 4 RoPE tables (13, 8) fp32; Engram ids (2, 6)
+    assert sent["same.resident"] == SHARDS * step
+    assert sent["same.sent"] == sent["lent.resident"] == SHARDS * (step + sent["cache"])
+    assert sent["changed.resident"] == SHARDS * (step + sent["ring"])
+    for case in ("same.sent", "lent.resident"):
+        np.testing.assert_array_equal(got[f"step.{case}"], got["step.same.resident"])
+    np.testing.assert_array_equal(got["step.changed.resident"], got["step.changed.sent"])
+    assert not np.array_equal(got["step.changed.sent"], got["step.unchanged.sent"])
+    per_step = report["traffic"]["decode"]
+    print(f"decode over the turns: {per_step['calls']} steps sent {per_step['sent_bytes']} "
+          f"bytes, kept {per_step['resident_bytes']} on the workers; one step sends "
+          f"{sent['same.resident']} bytes resident, {sent['same.sent']} whole")
