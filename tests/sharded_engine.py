@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dsv41.graph.entries import cache_tensors, load_cache_tensors  # noqa: E402
+from dsv41.runtime.artifact import ArtifactError  # noqa: E402
 from dsv41.runtime.engine import Engine  # noqa: E402
 
 PAGE = 8
@@ -83,6 +84,12 @@ def main(artifact: str, checkpoint: str, store: str, turns_json: str, out: str) 
         live = run_turns(e, s, turns)
         traffic = e.phases.art.traffic()
         steps, step_bytes = resident_steps(e, s)
+        art = e.phases.art
+    try:  # the engine's close ended its workers
+        art.call("decode", ())
+        closed = "ran"
+    except ArtifactError as err:
+        closed = str(err)
     with Engine.load(artifact, checkpoint, store_dir=store, **opts) as e:
         s = e.session()
         stored = run_turns(e, s, turns[:2])
@@ -98,7 +105,7 @@ def main(artifact: str, checkpoint: str, store: str, turns_json: str, out: str) 
     np.savez(out, **arrays)
     print(json.dumps({"tiers": {"live": live["tiers"], "stored": stored["tiers"],
                                 "resumed": resumed["tiers"]}, "traffic": traffic,
-                      "step_bytes": step_bytes}))
+                      "step_bytes": step_bytes, "after_close": closed}))
 
 
 if __name__ == "__main__":

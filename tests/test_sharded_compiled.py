@@ -135,6 +135,7 @@ def test_an_engine_on_two_workers_tracks_the_one_worker_engine(engine_run, small
     report, two = engine_run
     assert report["tiers"] == {"live": ["cold", "live", "live"], "stored": ["cold", "snapshot"],
                                "resumed": ["snapshot-ssd"]}
+    assert "have been shut down" in report["after_close"]  # Engine.close ended the workers
     for k in range(2):
         for part in ("tokens", "logits"):
             np.testing.assert_array_equal(two[f"stored.{k}.{part}"], two[f"live.{k}.{part}"])
