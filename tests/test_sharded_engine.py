@@ -100,3 +100,16 @@ def test_another_models_checkpoint_is_refused(tmp_path, checkpoint):
     other = load_case(case_dir("shared-v41-small")).checkpoint
     with pytest.raises(ArtifactError, match="has another config than artifact"):
         Engine.load(d, other, exact=True)
+
+
+def test_a_process_that_imported_tvm_without_disco_is_told_so(tmp_path, checkpoint):
+    """Everything checks out, then the workers cannot start here: pytest's process imported tvm
+    before `load_disco()` (a real run calls it first, as tests/sharded_engine.py does)."""
+    import tvm
+
+    from dsv41.runtime.disco import DiscoUnavailable
+
+    assert tvm.runtime.disco is None  # the precondition: this process has no disco
+    d = stand_in(tmp_path / "art", checkpoint)
+    with pytest.raises(DiscoUnavailable, match=r"call dsv41.runtime.disco.load_disco\(\) before"):
+        Engine.load(d, checkpoint, exact=True)
