@@ -34,6 +34,7 @@ class Lowering:
     rows_hint: int | None = None  # decode: 1; drafts: a few; prefill: None (large)
     kernels: dict[tuple, relax.GlobalVar] = field(default_factory=dict)
     ccl: CclBackend = CclBackend.DISCO  # a sharded entry's collectives
+    null_expert: bool = False  # a sharded worker's expert stacks end with the null expert
 
     def kernel(self, importer, key: tuple, make) -> relax.GlobalVar:
         if key not in self.kernels:
@@ -273,14 +274,15 @@ def _moe_experts(ctx: Lowering):
         dim = _static(_shape(x)[-1])
         topk = _static(_shape(args[2])[-1])
         dims = dict(dim=dim, inter=inter, n_experts=n_experts, topk=topk)
-        key = ("moe", *dims.values(), limit, ctx.rows_hint)
+        key = ("moe", *dims.values(), limit, ctx.rows_hint) + (("null",) if ctx.null_expert
+                                                                 else ())
         mod = None
 
         def module():
             nonlocal mod
             if mod is None:
                 mod = moe.build_moe_experts_split(ctx.target.name, **dims, swiglu_limit=limit,
-                                                  n=ctx.rows_hint)
+                                                  n=ctx.rows_hint, null_expert=ctx.null_expert)
             return mod
 
         plan = moe.moe_experts_plan(ctx.target.name, **dims, n=_shape(x)[0],
@@ -681,15 +683,16 @@ def convert_map(ctx: Lowering) -> dict:
 
 def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
           kernels: dict | None = None, bounds: dict[str, int] | None = None,
-          ccl: CclBackend = CclBackend.DISCO) -> tvm.IRModule:
+          ccl: CclBackend = CclBackend.DISCO, null_expert: bool = False) -> tvm.IRModule:
     """ExportedProgram -> Relax IRModule with one function `main`; weights stay parameters
     (`keep_params_as_input`), in the program's parameter order. `kernels`, when given, receives
     each kernel's key -> GlobalVar (what `dsv41 tune` maps back to the kernels' factories).
-    `ccl`: the functions a sharded worker's collectives call."""
+    `ccl`: the functions a sharded worker's collectives call; `null_expert`: a sharded worker's
+    graph, whose expert stacks end with the null expert (its pairs skip the GEMMs)."""
     from tvm.relax.frontend.torch import from_exported_program
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-    ctx = Lowering(target, rows_hint, {} if kernels is None else kernels, ccl)
+    ctx = Lowering(target, rows_hint, {} if kernels is None else kernels, ccl, null_expert)
     convert = ExportedProgramImporter._convert_pytorch_tensor_to_tvm
 
     def no_weight_copies(t):

@@ -74,7 +74,8 @@ def compile_sharded(args: ModelArgs, out: str | Path, *, shards: int,
         ep, template = capture(model, entry)
         sigs[entry] = entry_signature(ep, template, model.plan, entry)
         mod = lower(ep, spec, rows_hint=ROWS_HINT.get(entry),
-                    bounds=entry_bounds(model, entry, ep, template), ccl=ccl)
+                    bounds=entry_bounds(model, entry, ep, template), ccl=ccl,
+                    null_expert=True)  # the pairs routed to other workers cost nothing
         mod, _ = fuse(mod, target)
         mod = schedule(mod, target)
         ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(target))

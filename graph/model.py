@@ -248,7 +248,8 @@ def _null_experts(shard: WorkerShard | None) -> int:
     """A worker's expert stack ends with one all-zero expert: the pairs routed to other
     workers' experts go there with weight 0, adding exactly +0 (the oracle's `y[rows] +=`
     keeps one of a row's repeats, all zero; the kernels' route ranks repeats in slot order).
-    The worker still computes those pairs (zeros): skipping them is the route's next step."""
+    The compiled worker skips those pairs (`schedules.moe.make_moe_route(null_expert=True)`:
+    no tiles, no GEMM work); the oracle computes them (zeros)."""
     return 0 if shard is None else 1
 
 

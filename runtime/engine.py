@@ -202,12 +202,14 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Model, phases, *, weights_hash: str, options: EngineOptions,
-                 backend: str, backend_id: str = "graph"):
+                 backend: str, backend_id: str = "graph",
+                 on_close: Callable[[], None] | None = None):
         from .kv_store import BlockWriter, KVStore
         from .snapshot_pool import SnapshotPool
 
         bound_onednn_caches()  # before this process's first bf16 matmul (runtime/onednn.py)
         self.model, self.phases, self.options, self.backend = model, phases, options, backend
+        self._on_close = on_close  # what the engine's backend frees at close (disco workers)
         self._pad = model.engram.pad_id if model.engram is not None else None
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
         # what a snapshot holds (its layout salts every key through KeySalt's exact and
@@ -273,23 +275,44 @@ class Engine:
 
     @classmethod
     def load(cls, artifact_dir: str | Path, checkpoint_dir: str | Path, *,
-             device: str | None = None, **options) -> Engine:
+             device: str | None = None, shards: int | None = None, **options) -> Engine:
         """A compiled artifact (verified against its manifest) and the checkpoint's weights, run
         on `device` (`cpu`, `cuda:N`; default: the artifact's target kind): weights, runtime
-        cache and the compiled entries live there."""
-        from .artifact import Artifact, check_checkpoint_config, engine_entries
+        cache and the compiled entries live there. A sharded artifact (`dsv41 compile --shards
+        N`, known by its manifest) runs on its N disco workers, each holding its own share of
+        the weights (runtime/sharded.py); the caches and tiers stay here. `shards`, when given,
+        is the worker count expected (an ArtifactError when the artifact has another)."""
+        from .artifact import Artifact, ArtifactError, check_checkpoint_config, engine_entries
         from .compiled import CompiledPhases
         from .salt import artifact_backend
+        from .sharded import ShardedArtifact, is_sharded, read_sharded
 
         opts = EngineOptions(**options)
-        art = Artifact.load(artifact_dir, device=device)
+        sharded = is_sharded(artifact_dir)
+        if sharded:
+            art = read_sharded(artifact_dir, shards=shards, device=device)
+        elif shards not in (None, 1):
+            raise ArtifactError(f"{artifact_dir} is a one-worker artifact; {shards!r} workers "
+                                "were asked for (compile it with `dsv41 compile --shards N`).")
+        else:
+            art = Artifact.load(artifact_dir, device=device)
         entries = engine_entries(art, exact=opts.exact)  # refused before any weight is read
         check_checkpoint_config(art, checkpoint_dir)
-        model = Model.from_checkpoint(checkpoint_dir, art.args, device=art.device.torch)
-        return cls(model, CompiledPhases(art, model, threads=opts.threads),
-                   weights_hash=weights_fingerprint(checkpoint_dir),
-                   options=opts, backend=f"artifact {Path(artifact_dir)}",
-                   backend_id=artifact_backend(art.manifest, entries))
+        if sharded:
+            art = ShardedArtifact.start(art, checkpoint_dir)  # the workers read their weights
+            model = art.host_model(checkpoint_dir)
+        else:
+            model = Model.from_checkpoint(checkpoint_dir, art.args, device=art.device.torch)
+        try:
+            return cls(model, CompiledPhases(art, model, threads=opts.threads),
+                       weights_hash=weights_fingerprint(checkpoint_dir),
+                       options=opts, backend=f"artifact {Path(artifact_dir)}",
+                       backend_id=artifact_backend(art.manifest, entries),
+                       on_close=art.shutdown if sharded else None)
+        except Exception:
+            if sharded:
+                art.shutdown()  # the workers end with the engine that was not made
+            raise
 
     @classmethod
     def from_model(cls, model: Model, *, weights_hash: str, **options) -> Engine:
@@ -330,6 +353,8 @@ class Engine:
         if self.store is not None:
             self.store.close()
         self.pool.close()
+        if self._on_close is not None and not self.closed:
+            self._on_close()
         self.closed = True
 
     def __enter__(self) -> Engine:

@@ -106,15 +106,20 @@ def check_expert_ids(ids, n_experts: int) -> None:
         raise ValueError("Each token must select distinct experts; found a repeated id in a row.")
 
 
-def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.PrimFunc:
+def make_moe_route(*, n_experts: int, topk: int, row_tile: int,
+                   null_expert: bool = False) -> tvm.tirx.PrimFunc:
     """ids int64 [n, topk] -> row_pair int32 [P] (sorted row -> pair q = token * topk + slot),
     token_rows int32 [n, topk] (token's sorted rows in expert-id order), tiles int32 [NT, 3]
     (expert, first sorted row, row count; unused tiles all zero). Ids are validated on the host
     (`check_expert_ids`): in range and distinct per token, except that a sharded worker sends
     the pairs routed to other workers to its null expert (weight 0, `model.moe`), which may
     repeat in a row: a repeated id takes the next rank in slot order, so every pair keeps its
-    own row."""
+    own row. `null_expert`: the last expert is that null expert (a sharded worker's stack): its
+    pairs get no tiles, so the GEMMs skip them, and token_rows -1, so the combine adds exactly
+    the +0.0 their zero weights gave (their rows of h and o are never written)."""
     E, KT, RT = i64(n_experts), i64(topk), i64(row_tile)
+    NULL = i64(n_experts - 1) if null_expert else i64(-1)  # -1: no id is the null expert
+    TILED = i64(n_experts - 1) if null_expert else E  # the experts that get tiles
 
     @T.prim_func(s_tir=True)
     def moe_route(ids_h: T.handle, row_pair_h: T.handle, token_rows_h: T.handle,
@@ -152,12 +157,13 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int) -> tvm.tirx.Prim
                             if j2 < q % KT:
                                 run[1] += 1
                     row_pair[cursor[ids[q // KT, q % KT]]] = T.Cast("int32", q)
-                    token_rows[q // KT, T.Cast("int64", run[1])] = cursor[ids[q // KT, q % KT]]
+                    token_rows[q // KT, T.Cast("int64", run[1])] = T.if_then_else(
+                        ids[q // KT, q % KT] == NULL, T.int32(-1), cursor[ids[q // KT, q % KT]])
                     cursor[ids[q // KT, q % KT]] += 1
                 for t, c in T.grid(_nt(n * KT, RT, E), i64(3)):
                     tiles[t, c] = 0
                 run[0] = 0  # tiles written; cursor[e] is now the end of e's run
-                for e in range(E):
+                for e in range(TILED):
                     for j in range((counts[e] + T.int32(row_tile - 1)) // T.int32(row_tile)):
                         tiles[T.Cast("int64", run[0]), 0] = T.Cast("int32", e)
                         tiles[T.Cast("int64", run[0]), 1] = cursor[e] - counts[e] + j * row_tile
@@ -468,7 +474,8 @@ def make_moe_down_gemv(*, dim: int, inter: int, n_experts: int, topk: int
 
 def make_moe_combine(*, dim: int, topk: int) -> tvm.tirx.PrimFunc:
     """(token_rows [n, topk], o bf16 [P, dim]) -> y fp32 [n, dim]: each token's rows added in
-    expert-id order starting from 0.0, as the oracle's `y[rows] += ...` per unique expert."""
+    expert-id order starting from 0.0, as the oracle's `y[rows] += ...` per unique expert; a
+    row -1 (a null-expert pair, `make_moe_route`) adds +0.0, what its zero weights gave."""
     D, KT = i64(dim), i64(topk)
 
     @T.prim_func(s_tir=True)
@@ -483,7 +490,9 @@ def make_moe_combine(*, dim: int, topk: int) -> tvm.tirx.PrimFunc:
                 vi, vd, vr = T.axis.remap("SSR", [i, d, r])
                 with T.init():
                     y[vi, vd] = T.float32(0)
-                y[vi, vd] = y[vi, vd] + bf16_to_f32(o[idx(token_rows[vi, vr], n * KT), vd])
+                y[vi, vd] = y[vi, vd] + T.if_then_else(
+                    token_rows[vi, vr] >= 0, bf16_to_f32(o[idx(token_rows[vi, vr], n * KT), vd]),
+                    T.float32(0))
 
     return moe_combine
 
@@ -796,16 +805,19 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
 
 
 def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts: int,
-                            topk: int, swiglu_limit: float, n: int | None = None
-                            ) -> tvm.IRModule:
+                            topk: int, swiglu_limit: float, n: int | None = None,
+                            null_expert: bool = False) -> tvm.IRModule:
     """The six scheduled PrimFuncs of the chain (global symbols as in `moe_experts_plan`),
-    thread-bound on CUDA, parallel/vectorised on CPU. n is the token-count hint."""
+    thread-bound on CUDA, parallel/vectorised on CPU. n is the token-count hint; null_expert:
+    the last expert is a sharded worker's null expert, whose pairs cost no GEMM work
+    (`make_moe_route`)."""
     _check_dims(dim, inter)
     target = get_target(target_name)
     cfg = moe_split_config(target, dim=dim, inter=inter, n_experts=n_experts, topk=topk, n=n)
     funcs = {
         "moe_route": schedule_moe_route(
-            make_moe_route(n_experts=n_experts, topk=topk, row_tile=cfg.row_tile), cfg, target),
+            make_moe_route(n_experts=n_experts, topk=topk, row_tile=cfg.row_tile,
+                           null_expert=null_expert), cfg, target),
         "moe_qdq_x": schedule_moe_qdq(make_moe_qdq(k=dim, name="moe_qdq_x"), cfg, target),
         "moe_qdq_h": schedule_moe_qdq(make_moe_qdq(k=inter, name="moe_qdq_h"), cfg, target),
         "moe_combine": schedule_moe_combine(make_moe_combine(dim=dim, topk=topk), cfg, target),

@@ -33,8 +33,9 @@ FULL = {"dim": 5120, "inter": 2304, "n_experts": 384, "topk": 6}
 
 
 @functools.cache
-def _split(topk: int, hint: int | None, target: str = CPU):
-    mod = moe.build_moe_experts_split(target, topk=topk, swiglu_limit=LIMIT, n=hint, **DIMS)
+def _split(topk: int, hint: int | None, target: str = CPU, null_expert: bool = False):
+    mod = moe.build_moe_experts_split(target, topk=topk, swiglu_limit=LIMIT, n=hint,
+                                      null_expert=null_expert, **DIMS)
     return tvm.compile(mod, target=get_target(target).tvm_target())
 
 
@@ -45,19 +46,22 @@ def _tvm(t: torch.Tensor, dev=None) -> tvm.runtime.Tensor:
     return tvm.runtime.tensor(arr, dev or tvm.cpu())
 
 
-def _zeros(buf: moe.MoeBuffer, dev=None) -> tvm.runtime.Tensor:
+def _zeros(buf: moe.MoeBuffer, dev=None, fill: float = 0.0) -> tvm.runtime.Tensor:
     dtype = ml_dtypes.bfloat16 if buf.dtype == "bfloat16" else buf.dtype
-    return tvm.runtime.tensor(np.zeros([int(s) for s in buf.shape], dtype), dev or tvm.cpu())
+    value = fill if buf.dtype in ("bfloat16", "float32") else 0
+    return tvm.runtime.tensor(np.full([int(s) for s in buf.shape], value, dtype),
+                              dev or tvm.cpu())
 
 
 def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target: str = CPU,
-               dev=None) -> dict[str, tvm.runtime.Tensor]:
-    """Run the plan's calls in order with caller-allocated intermediates, as Relax would."""
+               dev=None, fill: float = 0.0) -> dict[str, tvm.runtime.Tensor]:
+    """Run the plan's calls in order with caller-allocated intermediates, as Relax would (`fill`:
+    their float contents before the chain; Relax leaves them uninitialised)."""
     n = args[0].shape[0]
     plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, **DIMS)
     env = {b.name: _tvm(t, dev) for b, t in zip(plan.inputs, args, strict=True)}
     for b in (*plan.intermediates, plan.output):
-        env[b.name] = _zeros(b, dev)
+        env[b.name] = _zeros(b, dev, fill)
     for call in plan.calls:
         ex[call.func](*[env[a] for a in call.args], *[env[o] for o in call.outs])
     return env
@@ -180,6 +184,33 @@ def test_route_ranks_a_repeated_id_in_slot_order():
     out = _y(env)
     _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
     assert not out[1].any()  # both pairs on the null expert: exactly zero
+
+
+@pytest.mark.parametrize("hint", [1, None])
+def test_a_sharded_workers_null_expert_costs_no_gemm_and_changes_no_bit(hint):
+    """`null_expert` (a sharded worker's chain: the last expert is its null expert, taking the
+    pairs routed to other workers with weight 0): those pairs get no tiles, so neither GEMM
+    touches them (their rows of h and o, NaN here, are never written or read), and y is bit for
+    bit the chain that computes them, itself within the oracle's bound."""
+    null = DIMS["n_experts"] - 1
+    ids = torch.tensor([[0, null], [null, null], [1, null], [null, 2], [3, 4], [null, 0]])
+    args = moe.example_inputs_moe_experts(n=6, topk=2, seed=6, **DIMS)
+    args[2] = ids
+    args[1] = torch.where(ids == null, 0.0, args[1])
+    every = _run_chain(_split(2, hint), args, 2, hint)
+    skip = _run_chain(_split(2, hint, null_expert=True), args, 2, hint, fill=float("nan"))
+    tiles = skip["tiles"].numpy()
+    used = tiles[tiles[:, 2] > 0]
+    assert null not in used[:, 0].tolist()
+    assert int(used[:, 2].sum()) == int((ids != null).sum())  # the GEMMs' rows: 7 of 12
+    token_rows = skip["token_rows"].numpy()
+    # the null expert's pairs rank last in expert-id order: -1 in the last slots
+    assert (token_rows == -1).sum(axis=1).tolist() == (ids == null).sum(dim=1).tolist()
+    assert (token_rows[1] == -1).all() and (token_rows[4] >= 0).all()
+    y = _y(skip)
+    assert torch.equal(y.view(torch.int32), _y(every).view(torch.int32))  # every bit
+    _assert_close_to_oracle(y, ops.moe_experts(*args, LIMIT))
+    assert not y[1].any()
 
 
 def test_num_tiles_bound():
