@@ -151,10 +151,16 @@ class GraphBackend:
         m = self.model
         image, vis = None, {}
         if images:
-            if mode != "exact" or self.phases is not graph_phases:
-                raise ValueError("Images are scored with the graph backend in exact mode only "
-                                 "(the CED phases and compiled artifacts take text).")
-            image, vis = image_rows(m, tokens, images)
+            if mode != "exact":
+                raise ValueError("Images are scored in exact mode only (the released "
+                                 "reference's own path); use --mode exact.")
+            encode = None
+            if self.phases is not graph_phases:  # a compiled artifact: its `vision` entry
+                self.phases.check_images()
+
+                def encode(im):
+                    return self.phases.encode_image(m, im)
+            image, vis = image_rows(m, tokens, images, encode=encode)
         pad = m.engram.pad_id if m.engram is not None else None
         self.cache = new_cache(m.plan, 1, max(self.capacity, len(tokens) + 1),
                                kv_dtype=self.kv_dtype, engram_pad=pad)
@@ -174,22 +180,29 @@ class GraphBackend:
                                                  torch.tensor([[token]])))
 
 
-def image_rows(model, tokens: np.ndarray, images: Sequence[PreparedImage]):
+def image_rows(model, tokens: np.ndarray, images: Sequence[PreparedImage], *, encode=None):
     """A prompt's image-span rows (each span checked against its image's planned grid) and the
-    vision intermediates under the goldens' keys: `vit_output`, `aligner_embeddings` (rows of
-    every image, in order) and `input_embeddings` (the prompt's spliced embeddings)."""
+    vision intermediates under the goldens' keys: `vit_output` (graph tower only),
+    `aligner_embeddings` (rows of every image, in order) and `input_embeddings` (the prompt's
+    spliced embeddings). `encode(image)` -> aligned rows replaces the graph's tower (a compiled
+    artifact's `vision` entry: `CompiledPhases.encode_image`)."""
     from . import vision
 
     if not model.vision:
         raise ValueError("This model's checkpoint has no vision tower; it cannot score images.")
     a = model.args
     spans = vision.find_spans(tokens, [im.grid for im in images], a.image_token_id)
-    feats = [vision.vit(model.w, a, im.patches, im.grid.n_vit_h, im.grid.n_vit_w)
-             for im in images]
-    aligned = [vision.align(model.w, a, f, im.grid) for f, im in zip(feats, images, strict=True)]
+    vis = {}
+    if encode is None:
+        feats = [vision.vit(model.w, a, im.patches, im.grid.n_vit_h, im.grid.n_vit_w)
+                 for im in images]
+        aligned = [vision.align(model.w, a, f, im.grid)
+                   for f, im in zip(feats, images, strict=True)]
+        vis["vit_output"] = torch.cat(feats).float().numpy()
+    else:
+        aligned = [encode(im) for im in images]
     rows = vision.span_rows(model.w, vision.token_types(len(tokens), spans), aligned)
     embedded = vision.splice(model.w["embed.weight"][torch.from_numpy(
         np.asarray(tokens, np.int64))][None], rows)
-    return rows, {"vit_output": torch.cat(feats).float().numpy(),
-                  "aligner_embeddings": torch.cat(aligned).float().numpy(),
+    return rows, {**vis, "aligner_embeddings": torch.cat(aligned).float().numpy(),
                   "input_embeddings": embedded[0].float().numpy()}

@@ -189,6 +189,28 @@ def test_compiled_image_prompt_is_conformant(vcase, vmodel, tf_compiled):
         "rel_l2_decode_max"]
 
 
+def test_score_with_images_on_the_artifact(vcase, vart, vmodel, compiled, png, tmp_path,
+                                           tf_compiled):
+    """`dsv41 score --backend ART --images case.png` (the CLI, as a user scores the case): the
+    compiled vision entry's rows in the compiled prefill, then decode steps; the logits are the
+    teacher-forced compiled run's above bit for bit (so conformant with it), the aligned rows
+    are reported, and CED mode is refused with the reason."""
+    from dsv41.compiler.cli import main as cli
+    from dsv41.graph.score import GraphBackend, score
+
+    img, toks, out = tmp_path / "case.png", tmp_path / "case.txt", tmp_path / "s.npz"
+    png.save(img)
+    toks.write_text(" ".join(str(int(t)) for t in vcase.tokens))
+    assert cli(["score", "--checkpoint", str(vcase.checkpoint), "--tokens", str(toks),
+                "--prefill", str(vcase.prefill), "--backend", vart, "--images", str(img),
+                "--out", str(out)]) == 0
+    got = np.load(out)
+    assert np.array_equal(got["logits"], tf_compiled.logits)
+    with pytest.raises(ValueError, match="exact mode only"):
+        score(GraphBackend(vmodel, phases=compiled), vcase.tokens, prefill=vcase.prefill,
+              mode="ced", images=[preprocess(png, vmodel.args)])
+
+
 def test_artifact_engine_takes_the_case_image(vcase, vart, vmodel, png, tf_compiled):
     """Exact mode: the artifact engine's prompt logits are the compiled prefill's (bit for
     bit), its greedy chain stays within the case's bounds of the golden up to the first flip
