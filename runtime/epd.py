@@ -59,7 +59,6 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 from dsv41.graph.model import Model
-from dsv41.graph.vision import encode_image
 
 from .batcher import BatcherStats, FinishReason, RequestTiming, TokenEvent
 from .chat import IncrementalDecoder
@@ -326,12 +325,12 @@ class VisionWorker(_Worker):
     def _encode(self, req: EpdRequest) -> None:
         if self.r.exists(self.keys.cancel(req.rid)):
             return  # the client left while it waited
-        model, encoded = self.engine.model, 0
+        encoded = 0
         try:
             for im in self.turn_images(req):
                 if im.embeddings is not None:
                     continue  # this image's rows are there already (another request's)
-                rows = encode_image(model.w, model.args, im.image)
+                rows = self.engine.encode_image(im.image)  # the artifact's `vision` entry
                 self.r.set(self.keys.features(im.digest.hex()),
                            features_record(rows, im.digest.hex(),
                                            fingerprint=self.keys.fingerprint,
