@@ -900,6 +900,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_disco_first(ns) -> bool:
+    """A command given a sharded artifact (`--artifact DIR`) runs it on disco workers, whose
+    runtime libraries must be loaded before anything imports tvm: load them first thing.
+    Whether it did."""
+    from dsv41.runtime.disco import is_sharded_dir, load_disco
+
+    art = getattr(ns, "artifact", None)
+    if isinstance(art, str) and is_sharded_dir(art):
+        load_disco()
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     from dsv41.runtime.onednn import bound_onednn_caches
 
@@ -907,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(ns, "passthrough", False):
         build_parser().parse_args(argv)  # reports the unknown arguments and exits
     try:
+        load_disco_first(ns)
         bound_onednn_caches()  # before any torch work of any command (runtime/onednn.py)
         if getattr(ns, "passthrough", False):
             return ns.func(ns, rest)

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
 RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_runtime_extra.so")
+SHARDED_FORMAT = "dsv41-sharded-1"  # a sharded artifact's manifest format (runtime/sharded.py)
 
 
 class DiscoUnavailable(RuntimeError):
@@ -33,6 +35,16 @@ def tvm_lib_dir() -> Path:
     if spec is None or spec.origin is None:
         raise DiscoUnavailable("TVM is not installed (no `tvm` package).")
     return Path(spec.origin).parent / "lib"
+
+
+def is_sharded_dir(artifact_dir: str | Path) -> bool:
+    """Whether `artifact_dir` holds a sharded artifact (its manifest's format), read without
+    importing tvm: a process that will run one calls `load_disco` first (the CLI does)."""
+    try:
+        manifest = json.loads((Path(artifact_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == SHARDED_FORMAT
 
 
 def load_disco():

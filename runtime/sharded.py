@@ -45,9 +45,7 @@ from dsv41.graph.model import Model
 from dsv41.graph.sharding import WorkerShard, shard_plan, shard_plan_json
 
 from .artifact import ArtifactError, manifest_digest, read_manifest, sha256_file, to_tvm, weight_for
-from .disco import check_ccl, load_disco
-
-SHARDED_FORMAT = "dsv41-sharded-1"
+from .disco import SHARDED_FORMAT, check_ccl, load_disco
 
 
 @dataclass

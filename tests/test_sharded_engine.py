@@ -113,3 +113,30 @@ def test_a_process_that_imported_tvm_without_disco_is_told_so(tmp_path, checkpoi
     d = stand_in(tmp_path / "art", checkpoint)
     with pytest.raises(DiscoUnavailable, match=r"call dsv41.runtime.disco.load_disco\(\) before"):
         Engine.load(d, checkpoint, exact=True)
+
+
+def test_cli_loads_disco_first_for_a_sharded_artifact(tmp_path):
+    """`dsv41 run / serve --artifact DIR` on a sharded artifact: the CLI loads disco's runtime
+    libraries before anything imports tvm (else the engine would refuse with DiscoUnavailable);
+    a one-worker artifact, a missing folder or a broken manifest leave the process alone."""
+    import subprocess
+    import sys
+
+    sharded, plain, broken = (tmp_path / n for n in ("sharded", "plain", "broken"))
+    for d, text in ((sharded, json.dumps({"format": SHARDED_FORMAT})),
+                    (plain, json.dumps({"format": 2})), (broken, "{not json")):
+        d.mkdir()
+        (d / "manifest.json").write_text(text)
+    script = (
+        "import argparse, sys\n"
+        "from dsv41.compiler.cli import load_disco_first\n"
+        "for d in sys.argv[1:]:\n"
+        "    print(load_disco_first(argparse.Namespace(artifact=d)))\n"
+        "import tvm\n"
+        "print(tvm.runtime.disco is not None)\n")
+    for dirs, want in (([str(sharded)], ["True", "True"]),
+                       ([str(plain), str(broken), str(tmp_path / "none")],
+                        ["False", "False", "False", "False"])):
+        out = subprocess.run([sys.executable, "-c", script, *dirs], capture_output=True,
+                             text=True, check=True, timeout=120)
+        assert out.stdout.split() == want, out.stderr
