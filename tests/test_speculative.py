@@ -622,3 +622,40 @@ def test_captured_verify_entry_runs_the_one_pass_verify(small_model):
         assert torch.equal(a.pos, b.pos) and torch.equal(a.index_owner, b.index_owner)
         for lay in a.windows:
             assert torch.equal(a.windows[lay].codes, b.windows[lay].codes), lay
+
+
+def test_spec_bench_policy_rows_and_injected_draft_pays_the_draft_pass():
+    """`bench spec`'s injected rows: the engine policy's own prediction and steps per k, and
+    the injected draft still runs the backend's draft pass (the step pays for it)."""
+    from dsv41.compiler.spec_bench import InjectedDraft, policy_state
+
+    pol = SpecPolicy(2)
+    _measured(pol, 1, [0.010, 0.011, 0.012], 0.001)
+    before = dict(pol.samples)
+    pol.observe_verify(1, 2, 0.012)
+    pol.observe_verify(1, 2, 0.012)
+    row = policy_state(pol, 0.9, before)
+    assert row["policy_k"] == 2 and row["steps_by_k"] == {"0": 0, "1": 0, "2": 2}
+    assert row["policy_tok_s"] == pytest.approx(expected_tokens([0.9, 0.9], 2) / 0.013)
+    assert row["policy_step_s"] == pytest.approx({"0": 0.010, "1": 0.011, "2": 0.012})
+
+    class Backend:
+        calls = 0
+
+        def draft_after(self, model, cache, token):
+            Backend.calls += 1
+
+    class Args:
+        dspark_block_size = 3
+
+    class M:
+        args = Args()
+
+    class C:
+        pos = torch.tensor([1])
+
+    inj = InjectedDraft([7, 8, 9, 10, 11, 12], 0.5, 50, 0, Backend())
+    d = inj.draft_after(M(), C(), torch.tensor([8]))
+    assert Backend.calls == 1 and d.ids.shape == (1, 4) and int(d.ids[0, 0]) == 8
+    assert all(int(t) in (g, g + 1) for t, g in zip(d.ids[0, 1:], [9, 10, 11], strict=True))
+    assert torch.sigmoid(d.confidence).allclose(torch.full((1, 3), 0.5))
