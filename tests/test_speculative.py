@@ -139,8 +139,9 @@ class ScriptedDraft:
         j = self.right[self.calls % len(self.right)]
         self.calls += 1
         ids = [int(token[0])]
-        for i in range(n):
-            good = self.sequence[pos + 1 + i]
+        for i in range(n):  # past the known sequence (a turn's end: never verified), 0
+            q = pos + 1 + i
+            good = self.sequence[q] if q < len(self.sequence) else 0
             ids.append(good if i < j else (good + 1) % self.vocab)
         return Draft(torch.tensor([ids]), torch.zeros(1, n, self.vocab), torch.zeros(1, n))
 
