@@ -9,17 +9,21 @@ compiled artifact.
 - acceptance of DSpark's own drafts on the checkpoint in use (seeded random weights draft
   noise: their acceptance is near zero, which says nothing about trained weights);
 - at injected acceptance rates (a draft right at each position with probability r, and a
-  confidence head that says r), the tokens/s the policy predicts from the measured costs (both
-  forms), and the tokens/s the engine achieves with its own policy and timings, against plain
-  decoding (the graph's engine verifies by decode steps; an artifact's by its verify entry).
+  confidence head that says r; the real draft pass still runs and is paid for), the tokens/s
+  the policy predicts from the measured costs (both forms, at the first context), and, from
+  an engine whose policy learned its own timings in a first session, what that policy
+  predicts (`policy_*`: its k, tokens/s, per-k step seconds, steps taken per k) and the
+  tokens/s it achieves in a second session, against plain decoding timed the same way (the
+  graph's engine verifies by decode steps; an artifact's by its verify entry). The engine
+  runs at a context of --prompt-tokens + --tokens.
 
 `--impls graph` (default) writes the JSON section `spec`; `--impls artifact --artifact DIR` the
 section `spec_artifact` (same fields; the engine in exact mode: the artifact's prefill_all,
 decode, draft and verify entries; the model's config is the artifact's).
 
     dsv41 bench spec [--preset small | --checkpoint DIR] [--contexts 256,896] [--max-draft N]
-                     [--reps 3] [--tokens 24] [--rates 0.3,0.6,0.9] [--threads N] [--json F]
-                     [--impls graph,artifact] [--artifact DIR]
+                     [--reps 3] [--tokens 24] [--prompt-tokens 32] [--rates 0.3,0.6,0.9]
+                     [--threads N] [--json F] [--impls graph,artifact] [--artifact DIR]
 """
 
 from __future__ import annotations
@@ -60,9 +64,9 @@ class FixedLength(SpecPolicy):
 
 
 class InjectedDraft:
-    """A backend's phases (default the graph's) with DSpark's draft replaced: each draft token
-    is the reference run's token with probability `rate` (else a wrong one), the confidence
-    head says `rate`."""
+    """A backend's phases (default the graph's) with DSpark's draft replaced: the backend's own
+    draft pass runs (the step pays for it), then each draft token is the reference run's token
+    with probability `rate` (else a wrong one) and the confidence head says `rate`."""
 
     def __init__(self, sequence: list[int], rate: float, vocab: int, seed: int,
                  backend=phases):
@@ -73,6 +77,7 @@ class InjectedDraft:
         return getattr(self.backend, name)
 
     def draft_after(self, model, cache, token):
+        self.backend.draft_after(model, cache, token)  # its cost, not its tokens
         pos, n = int(cache.pos[0]), model.args.dspark_block_size
         ids = [int(token[0])]
         for i in range(n):
@@ -151,7 +156,7 @@ def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: in
 
 def predicted(costs: list[dict], rate: float, field: str) -> tuple[int, float]:
     """(k, tokens/s) the policy picks from measured costs at acceptance `rate`."""
-    pol = SpecPolicy(len(costs) - 1)
+    pol = SpecPolicy(len(costs) - 1, warmup=0)  # medians of warm calls
     for row in costs:
         pol.observe_verify(1, row["k"], row[field])
     pol.observe_draft(1, costs[0]["draft_s"])
@@ -167,8 +172,29 @@ def _decode_rate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], 
     return out, rec.decoded / rec.seconds["decode"], rec
 
 
+def _learned_rate(engine: Engine, prompt: list[int], n: int):
+    """`_decode_rate` of a second session, after one that warms the engine up (first calls of
+    every entry at its shapes) and lets its policy learn its costs, as a serving engine has."""
+    _decode_rate(engine, prompt, n)
+    return _decode_rate(engine, prompt, n)
+
+
+def policy_state(pol: SpecPolicy, rate: float, before: dict) -> dict:
+    """What the engine's policy measured (per k: steps taken since `before`, its moving
+    averages) and what it predicts from them at acceptance `rate`."""
+    acc = [rate] * pol.max_draft
+    k = pol.choose(1, acc)
+    steps = {j: pol.samples.get(("verify", (1, j)), 0) - before.get(("verify", (1, j)), 0)
+             for j in range(pol.max_draft + 1)}
+    return {"policy_k": k, "policy_tok_s": pol.rate(1, k, acc),
+            "policy_step_s": {str(j): pol.verify_s.get((1, j)) for j in steps},
+            "policy_draft_s": pol.draft_s.get(1), "steps_by_k": {str(j): n for j, n in
+                                                                 steps.items()}}
+
+
 def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens: int,
-                   rates, seed: int, say=print, backend: Backend | None = None) -> dict:
+                   rates, seed: int, say=print, backend: Backend | None = None,
+                   prompt_tokens: int = 32) -> dict:
     a = model.args
     be = backend or graph_backend(model)
     if not model.plan.dspark:
@@ -183,7 +209,8 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
         for r in rows:
             say(f"verify context {n} k {r['k']}: decode-steps {r['steps_s'] * 1e3:.2f} ms, "
                 f"{one} {r['one_pass_s'] * 1e3:.2f} ms (draft {r['draft_s'] * 1e3:.2f} ms)")
-    prompt = [int(x) for x in np.random.default_rng(seed).integers(3, a.vocab_size - 1, 32)]
+    prompt = [int(x) for x in np.random.default_rng(seed).integers(3, a.vocab_size - 1,
+                                                                    prompt_tokens)]
     e = be.engine(speculative=True, max_draft=max_draft)
     e.spec_policy = FixedLength(max_draft)
     _, _, rec = _decode_rate(e, prompt, tokens)
@@ -195,16 +222,17 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
                                  "weights"}
     say(f"acceptance of DSpark's drafts: {rec.accepted}/{rec.verified} "
         f"({out['acceptance']['rate']}) over {tokens} tokens (random weights accept little)")
-    ref, plain, _ = _decode_rate(be.engine(), prompt, tokens)
+    ref, plain, _ = _learned_rate(be.engine(), prompt, tokens)
     short = [r for r in out["verify"] if r["context"] == contexts[0]]
     for rate in rates:
         k_s, pred_s = predicted(short, rate, "steps_s")
         k_o, pred_o = predicted(short, rate, "one_pass_s")
+        # the engine's own policy, on its own timings (a learning session first, then the
+        # timed one); the draft pass runs and is paid for, its tokens injected
         e = be.engine(speculative=True, max_draft=max_draft)
-        for r in short:  # the measured costs seed the policy; the engine's timings follow
-            e.spec_policy.observe_verify(1, r["k"], r[be.engine_field])
-        e.spec_policy.observe_draft(1, short[0]["draft_s"])
         e.phases = InjectedDraft(prompt + ref, rate, a.vocab_size, seed, be.phases)
+        _decode_rate(e, prompt, tokens)
+        before = dict(e.spec_policy.samples)
         got, achieved, rec = _decode_rate(e, prompt, tokens)
         if got != ref:
             raise AssertionError("speculative greedy output differs from plain decoding")
@@ -213,11 +241,15 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
                "predicted_one_pass_tok_s": pred_o, "achieved_tok_s": achieved,
                "plain_tok_s": plain, "verified": rec.verified, "accepted": rec.accepted,
                "expected_tokens_per_verify": expected_tokens([rate] * max_draft, k_o),
-               "engine_verify": be.engine_field}
+               "engine_verify": be.engine_field, "engine_context": len(prompt) + tokens,
+               **policy_state(e.spec_policy, rate, before)}
         out["injected"].append(row)
+        steps = ", ".join(f"k={j}: {n}" for j, n in row["steps_by_k"].items() if n)
         say(f"acceptance {rate}: predicted {pred_s:.1f} tok/s (k={k_s}, decode-steps verify), "
-            f"{pred_o:.1f} tok/s (k={k_o}, {one} verify); achieved {achieved:.1f} tok/s "
-            f"(verified {rec.verified}, accepted {rec.accepted}); plain {plain:.1f} tok/s")
+            f"{pred_o:.1f} tok/s (k={k_o}, {one} verify) at context {contexts[0]}; the "
+            f"engine's policy predicts {row['policy_tok_s']:.1f} tok/s (k={row['policy_k']}) "
+            f"from its own timings, achieves {achieved:.1f} tok/s (steps {steps}; verified "
+            f"{rec.verified}, accepted {rec.accepted}); plain {plain:.1f} tok/s")
     return out
 
 
@@ -229,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tokens", type=int, default=24, help="decoded tokens per engine run")
+    p.add_argument("--prompt-tokens", type=int, default=32,
+                   help="the engine runs' prompt (their context)")
     p.add_argument("--rates", default="0.3,0.6,0.9")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
     p.add_argument("--json", default=None)
@@ -244,8 +278,8 @@ def main(argv: list[str] | None = None, *,
     rates = tuple(float(r) for r in ns.rates.split(","))
     if any(not 0.0 < r < 1.0 for r in rates):
         raise ValueError(f"--rates must lie strictly between 0 and 1, got {ns.rates!r}.")
-    if ns.reps < 1 or ns.tokens < 2:
-        raise ValueError("--reps must be >= 1 and --tokens >= 2.")
+    if ns.reps < 1 or ns.tokens < 2 or ns.prompt_tokens < 1:
+        raise ValueError("--reps must be >= 1, --tokens >= 2 and --prompt-tokens >= 1.")
     if ns.threads:
         torch.set_num_threads(ns.threads)
     impls = tuple(i.strip() for i in ns.impls.split(",") if i.strip())
@@ -261,7 +295,7 @@ def main(argv: list[str] | None = None, *,
         args = Artifact.load(ns.artifact).args
     model = Model.from_checkpoint(ckpt, args)
     kw = dict(contexts=parse_tokens(ns.contexts), max_draft=ns.max_draft, reps=ns.reps,
-              tokens=ns.tokens, rates=rates, seed=ns.seed)
+              tokens=ns.tokens, rates=rates, seed=ns.seed, prompt_tokens=ns.prompt_tokens)
     report = {}
     if "graph" in impls:
         report["spec"] = run_spec_bench(model, **kw)

@@ -709,29 +709,30 @@ def _speculative_step(e: Engine, cache: ModelCache,
     if room > 1 and pol.worth_drafting(b):
         t0 = clock()
         draft = e.phases.draft_after(e.model, cache, now)
-        pol.observe_draft(b, clock() - t0)
+        acc = acceptance_probs(draft.confidence.mean(dim=0))
+        pol.observe_draft(b, clock() - t0, acc)
         for _, t in members:
             t.record.drafted += draft.ids.size(1) - 1
-        acc = acceptance_probs(draft.confidence.mean(dim=0))
         k = min(pol.choose(b, acc), room - 1)
+    # the policy is told what the whole step costs by the path it takes (the host's sampling,
+    # acceptance and cut-back included), the draft pass apart
     t0 = clock()
     if k == 0:
         res = e.phases.decode_step(e.model, cache, now.unsqueeze(1))
-        pol.observe_verify(b, 0, clock() - t0)
         for row, (s, t) in enumerate(members):
             s.history.append(t.next_token)
             t.fed(res.logits[row, -1])
+        pol.observe_verify(b, 0, clock() - t0)
         return [_SpecStep(None, row, 1, 0) for row in range(b)]
     toks = torch.cat([now.unsqueeze(1), draft.ids[:, 1:1 + k]], dim=1)  # (b, 1 + k)
     # a compiled artifact's own verify (one call of its `verify` entry), else decode steps
     own = getattr(e.phases, "verify_step", None)
     v = own(e.model, cache, toks) if own is not None else \
         verify_step(e.model, cache, toks, step=e.phases.decode_step)
-    pol.observe_verify(b, k, clock() - t0)
-    steps = []
+    steps, judged = [], []  # judged: draft tokens the rule kept or rejected (not cut by done)
     for row, (s, t) in enumerate(members):
         t.record.verified += k
-        fed = accepted = 0
+        fed = accepted = rejected = 0
         for i in range(k + 1):
             s.history.append(int(toks[row, i]))
             fed += 1
@@ -739,13 +740,18 @@ def _speculative_step(e: Engine, cache: ModelCache,
                 t.fed(v.logits[row, i])
                 break
             if not t.fed_draft(v.logits[row, i], int(toks[row, i + 1])):
+                rejected = 1
                 break
             accepted += 1
             if t.done:
                 break
         t.record.accepted += accepted
         steps.append(_SpecStep(v, row, fed, accepted))
+        judged.append(accepted + rejected)
     cut_back(e.model, cache, v, [st.fed for st in steps])
+    pol.observe_verify(b, k, clock() - t0)
+    for st, n in zip(steps, judged, strict=True):
+        pol.observe_accepted(b, n, st.accepted)
     return steps
 
 

@@ -12,10 +12,21 @@ Length (`SpecPolicy`): DSpark's confidence head scores each draft position; read
 probability a_i that draft token i is accepted once the ones before it were, the expected
 tokens a verify of k drafts yields are 1 + sum_{j<=k} prod_{i<=j} a_i. The policy picks the
 k in 0..max_draft (0: no speculation, a plain decode step) that maximises those tokens over
-the measured seconds of a draft plus a verify of k at the current batch size (moving averages
-per (batch, k), kept up to date from the engine's own timings). A k never measured counts as
-costing what the largest measured smaller k costs (optimistic, so it is tried once and then
-known); before anything is measured the policy picks 0.
+the measured seconds of the step at the current batch size: for k > 0 the draft pass plus
+the rest of a speculative step (the verify by the path the engine takes, the acceptance, the
+cut-back), for k = 0 a plain decode step, no draft (moving averages per (batch, k), from the
+engine's own timings of whole steps). What keeps the costs true:
+- the first `warmup` measurements of each (batch, k) and of the draft pass are left out (the
+  first call of an entry at a shape pays allocation and page-ins; a k so far measured only
+  cold counts as not measured);
+- a plain step runs at least every `refresh` steps, so the baseline follows the context
+  (it would go stale while the policy speculates);
+- the policy drafts only when some k > 0 would pay at the acceptance measured so far (the
+  lower of the kept fraction per position and the confidence head's average: a draft `choose`
+  would not verify, or whose tokens are rejected, is a wasted pass), and every `refresh` steps
+  to measure it again.
+A k never measured counts as costing what the largest measured smaller k costs (optimistic,
+so it is tried and then known); before a plain step is measured the policy picks 0.
 """
 
 from __future__ import annotations
@@ -89,32 +100,80 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 @dataclass
 class SpecPolicy:
     """Verify-length choice from the confidence head and measured costs (see the module
-    docstring). `observe` records a step's seconds; `choose` picks k."""
+    docstring). The engine reports every step it takes: `observe_draft` (the draft pass),
+    `observe_verify` (the rest of the step: k = 0 a plain decode step, k > 0 the verify call,
+    the acceptance and the cut-back, by whatever path the engine runs: the compiled `verify`
+    entry or decode steps) and `observe_accepted` (how far each row's draft was right);
+    `worth_drafting` decides whether to draft at all, `choose` picks k."""
 
     max_draft: int
     alpha: float = 0.2  # weight of a new measurement in the moving average
+    refresh: int = 16  # speculating, a plain step (drafting or not: a draft) every `refresh`
+    warmup: int = 1  # first measurements of each (batch, k) and draft batch left out
     verify_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch, k) -> s
     draft_s: dict[int, float] = field(default_factory=dict)  # batch -> s
+    accepted: dict[int, list[float]] = field(default_factory=dict)  # batch -> per position
+    confidence: dict[int, list[float]] = field(default_factory=dict)  # batch -> per position
+    samples: dict[tuple, int] = field(default_factory=dict)  # measurements per key
+    steps: dict[int, int] = field(default_factory=dict)  # batch -> steps observed
+    last_plain: dict[int, int] = field(default_factory=dict)  # batch -> step of the last k = 0
+    last_draft: dict[int, int] = field(default_factory=dict)  # batch -> step of the last draft
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft, int) or self.max_draft < 0:
             raise ValueError(f"max_draft must be a whole number >= 0, got {self.max_draft!r}.")
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"alpha must lie in (0, 1], got {self.alpha!r}.")
+        if not isinstance(self.refresh, int) or self.refresh < 1:
+            raise ValueError(f"refresh must be a whole number >= 1, got {self.refresh!r}.")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be a whole number >= 0, got {self.warmup!r}.")
 
-    @staticmethod
-    def _avg(table: dict, key, seconds: float, alpha: float) -> None:
+    def _avg(self, table: dict, key, seconds: float, name: str) -> None:
+        """The moving average, after the first `warmup` measurements of the key."""
         if not seconds >= 0.0:
             raise ValueError(f"A measured time must be >= 0 seconds, got {seconds!r}.")
+        n = self.samples.get((name, key), 0)
+        self.samples[(name, key)] = n + 1
+        if n < self.warmup:
+            return
         old = table.get(key)
-        table[key] = seconds if old is None else (1 - alpha) * old + alpha * seconds
+        table[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
     def observe_verify(self, batch: int, k: int, seconds: float) -> None:
-        """A verify of k drafts (k = 0: a decode step) took `seconds` at this batch size."""
-        self._avg(self.verify_s, (batch, k), seconds, self.alpha)
+        """A step of k drafts took `seconds` at this batch size, the draft pass not included
+        (k = 0: a plain decode step); one call per step."""
+        if not 0 <= k <= self.max_draft:
+            raise ValueError(f"k must lie in 0..{self.max_draft}, got {k}.")
+        self._avg(self.verify_s, (batch, k), seconds, "verify")
+        step = self.steps.get(batch, 0) + 1
+        self.steps[batch] = step
+        if k == 0:
+            self.last_plain[batch] = step
 
-    def observe_draft(self, batch: int, seconds: float) -> None:
-        self._avg(self.draft_s, batch, seconds, self.alpha)
+    def observe_draft(self, batch: int, seconds: float,
+                      acceptance: Sequence[float] | None = None) -> None:
+        """A draft pass took `seconds` at this batch size (before the step's `observe_verify`);
+        `acceptance`: what its confidence head said (`acceptance_probs`)."""
+        self._avg(self.draft_s, batch, seconds, "draft")
+        self.last_draft[batch] = self.steps.get(batch, 0) + 1
+        if acceptance is not None:
+            c = self.confidence.setdefault(batch, [1.0] * self.max_draft)
+            for i, a in enumerate(acceptance[:self.max_draft]):
+                if not 0.0 <= a <= 1.0:
+                    raise ValueError(f"Acceptance probabilities lie in [0, 1], got {a}.")
+                c[i] = (1 - self.alpha) * c[i] + self.alpha * a
+
+    def observe_accepted(self, batch: int, k: int, accepted: int) -> None:
+        """A row of a verify had k of its draft tokens judged and kept `accepted` of them:
+        positions 1..accepted were accepted, position accepted+1 (if <= k) rejected (positions
+        after it, or cut by the turn's end, say nothing)."""
+        if not 0 <= accepted <= k <= self.max_draft:
+            raise ValueError(f"accepted must lie in 0..k and k in 0..{self.max_draft}, got "
+                             f"{accepted} of {k}.")
+        a = self.accepted.setdefault(batch, [1.0] * self.max_draft)
+        for i in range(min(accepted + 1, k)):
+            a[i] = (1 - self.alpha) * a[i] + self.alpha * (1.0 if i < accepted else 0.0)
 
     def cost(self, batch: int, k: int) -> float | None:
         """Seconds of a step with k drafts (draft pass included), None if nothing is known."""
@@ -134,23 +193,35 @@ class SpecPolicy:
             return None
         return expected_tokens(acceptance, k) / max(c, 1e-12)
 
-    def worth_drafting(self, batch: int) -> bool:
-        """Whether some k > 0 could beat a plain step even if every draft token were accepted
-        (else the draft pass itself is skipped)."""
-        if self.max_draft == 0 or self.cost(batch, 0) is None:
-            return False
-        sure = [1.0] * self.max_draft
-        base = self.rate(batch, 0, sure)
-        return any((r := self.rate(batch, k, sure)) is not None and r > base
-                   for k in range(1, self.max_draft + 1))
-
-    def choose(self, batch: int, acceptance: Sequence[float]) -> int:
-        """The k in 0..min(max_draft, len(acceptance)) with the most predicted tokens/s."""
-        if self.cost(batch, 0) is None:
-            return 0  # measure a plain step first
+    def _best(self, batch: int, acceptance: Sequence[float]) -> int:
         best, best_rate = 0, self.rate(batch, 0, acceptance)
         for k in range(1, min(self.max_draft, len(acceptance)) + 1):
             r = self.rate(batch, k, acceptance)
             if r is not None and r > best_rate:
                 best, best_rate = k, r
         return best
+
+    def worth_drafting(self, batch: int) -> bool:
+        """Whether to draft at this step: not before a plain step is measured, and not when a
+        plain step is due (its cost is re-measured every `refresh` steps, so the baseline
+        follows the context); else when some k > 0 beats a plain step at the acceptance
+        so far (per position the lower of the measured acceptance and the confidence head's
+        average: drafting pays only if `choose` will verify and the drafts are kept; 1 where
+        nothing is known yet), and every `refresh` steps regardless (both re-measured)."""
+        if self.max_draft == 0 or self.cost(batch, 0) is None:
+            return False
+        step = self.steps.get(batch, 0) + 1  # the step about to run
+        if step - self.last_plain.get(batch, 0) > self.refresh:
+            return False
+        sure = [1.0] * self.max_draft
+        likely = [min(a, c) for a, c in zip(self.accepted.get(batch, sure),
+                                            self.confidence.get(batch, sure), strict=True)]
+        if self._best(batch, likely) > 0:
+            return True
+        return step - self.last_draft.get(batch, 0) > self.refresh
+
+    def choose(self, batch: int, acceptance: Sequence[float]) -> int:
+        """The k in 0..min(max_draft, len(acceptance)) with the most predicted tokens/s."""
+        if self.cost(batch, 0) is None:
+            return 0  # measure a plain step first
+        return self._best(batch, acceptance)

@@ -139,8 +139,9 @@ class ScriptedDraft:
         j = self.right[self.calls % len(self.right)]
         self.calls += 1
         ids = [int(token[0])]
-        for i in range(n):
-            good = self.sequence[pos + 1 + i]
+        for i in range(n):  # past the known sequence (a turn's end: never verified), 0
+            q = pos + 1 + i
+            good = self.sequence[q] if q < len(self.sequence) else 0
             ids.append(good if i < j else (good + 1) % self.vocab)
         return Draft(torch.tensor([ids]), torch.zeros(1, n, self.vocab), torch.zeros(1, n))
 
@@ -393,69 +394,180 @@ def test_expected_tokens():
         expected_tokens([0.5], 2)
 
 
+def _measured(pol: SpecPolicy, batch: int, verify: list[float], draft: float) -> None:
+    """Injected costs: a plain step verify[0] seconds, a step of k drafts verify[k], a draft
+    pass `draft` (each observed warmup + 1 times)."""
+    for _ in range(pol.warmup + 1):
+        for k, s in enumerate(verify):
+            pol.observe_verify(batch, k, s)
+        pol.observe_draft(batch, draft)
+
+
 def test_policy_picks_zero_when_speculation_cannot_pay_and_more_when_it_can():
     pol = SpecPolicy(5)
     assert pol.choose(1, [0.9] * 5) == 0  # nothing measured: a plain step first
-    pol.observe_verify(1, 0, 0.010)
     # verify of k costs (1 + k) decode steps (the decode-steps form): never pays
-    for k in range(1, 6):
-        pol.observe_verify(1, k, 0.010 * (1 + k))
-    pol.observe_draft(1, 0.002)
+    _measured(pol, 1, [0.010 * (1 + k) for k in range(6)], 0.002)
     assert pol.choose(1, [0.99] * 5) == 0
     assert not pol.worth_drafting(1)
     # a one-pass verify: 10% more per draft token
     fast = SpecPolicy(5)
-    fast.observe_verify(1, 0, 0.010)
-    for k in range(1, 6):
-        fast.observe_verify(1, k, 0.010 * (1 + 0.1 * k))
-    fast.observe_draft(1, 0.002)
+    _measured(fast, 1, [0.010 * (1 + 0.1 * k) for k in range(6)], 0.002)
     assert fast.worth_drafting(1)
     assert fast.choose(1, [0.9] * 5) == 5
     assert fast.choose(1, [0.9, 0.9, 0.05, 0.05, 0.05]) == 2
     assert fast.choose(1, [0.02] * 5) == 0
     # per batch size: batch 8 measured where verifying costs much more
-    fast.observe_verify(8, 0, 0.020)
-    for k in range(1, 6):
-        fast.observe_verify(8, k, 0.020 * (1 + k))
+    _measured(fast, 8, [0.020 * (1 + k) for k in range(6)], 0.002)
     assert fast.choose(8, [0.9] * 5) == 0 and fast.choose(1, [0.9] * 5) == 5
+    # the draft pass counts: at 20 ms it eats what a verify of 2 gains at acceptance 0.5
+    slow_draft = SpecPolicy(5)
+    _measured(slow_draft, 1, [0.010 * (1 + 0.1 * k) for k in range(6)], 0.020)
+    assert fast.choose(1, [0.5] * 5) == 2 and slow_draft.choose(1, [0.5] * 5) == 0
 
 
 def test_policy_moving_average_follows_the_engines_timings():
     pol = SpecPolicy(2, alpha=0.5)
+    pol.observe_verify(1, 0, 9.0)  # the warm-up call: left out
+    assert pol.cost(1, 0) is None and pol.choose(1, [1.0, 1.0]) == 0
     pol.observe_verify(1, 0, 1.0)
     pol.observe_verify(1, 0, 3.0)
     assert pol.cost(1, 0) == 2.0
     assert pol.cost(1, 2) == 2.0  # unmeasured k: optimistic, as the largest measured below
-    with pytest.raises(ValueError, match="max_draft"):
-        SpecPolicy(-1)
+    pol.observe_verify(1, 2, 50.0)  # measured only cold: still counts as not measured
+    assert pol.cost(1, 2) == 2.0
+    for bad, msg in ((dict(max_draft=-1), "max_draft"), (dict(max_draft=2, refresh=0), "refresh"),
+                     (dict(max_draft=2, warmup=-1), "warmup")):
+        with pytest.raises(ValueError, match=msg):
+            SpecPolicy(**bad)
+    with pytest.raises(ValueError, match="k must lie in 0..2"):
+        pol.observe_verify(1, 3, 1.0)
+    with pytest.raises(ValueError, match="accepted must lie"):
+        pol.observe_accepted(1, 1, 2)
 
 
-class FakeClock:
-    """Each call advances 1 ms: every step the engine times takes 1 ms."""
+def test_policy_refreshes_the_plain_cost_and_stops_drafting_what_is_rejected():
+    pol = SpecPolicy(2, warmup=0, refresh=4)
+    _measured(pol, 1, [0.010, 0.011, 0.012], 0.001)  # steps 1..3
+    assert pol.last_plain[1] == 1
+    for _ in range(2):  # steps 4, 5: speculating (draft, verify of 2, both kept)
+        assert pol.worth_drafting(1) and pol.choose(1, [0.9, 0.9]) == 2
+        pol.observe_draft(1, 0.001, [0.9, 0.9])
+        pol.observe_verify(1, 2, 0.012)
+        pol.observe_accepted(1, 2, 2)
+    assert not pol.worth_drafting(1)  # step 6: 5 steps since the last plain one
+    pol.observe_verify(1, 0, 0.008)  # the plain step got cheaper
+    assert pol.verify_s[(1, 0)] == pytest.approx(0.8 * 0.010 + 0.2 * 0.008)
+    assert pol.worth_drafting(1)
+    # every draft rejected at its first position: the measured acceptance falls, drafting
+    # stops but for a probe draft every `refresh` steps (declined by `choose` at a low head)
+    drafted = []
+    for _ in range(40):
+        if pol.worth_drafting(1):
+            drafted.append(pol.steps[1] + 1)
+            pol.observe_draft(1, 0.001, [0.9, 0.9])
+            pol.observe_verify(1, 2, 0.012)
+            pol.observe_accepted(1, 1, 0)
+        else:
+            pol.observe_verify(1, 0, 0.010)
+    assert pol.accepted[1][0] < 0.2 and pol.accepted[1][1] == 1.0  # position 2: never judged
+    late = [d for d in drafted if d > drafted[0] + 20]
+    assert late and all(b - a == 5 for a, b in zip(late, late[1:], strict=False))
+    # a confidence head that expects rejection stops drafting too
+    sure = SpecPolicy(2, warmup=0)
+    _measured(sure, 1, [0.010, 0.011, 0.012], 0.001)
+    assert sure.worth_drafting(1)
+    for _ in range(30):
+        sure.observe_draft(1, 0.001, [0.01, 0.01])
+    assert not sure.worth_drafting(1)
+
+
+class Clock:
+    """A fake clock that moves only when a phase call says it took time."""
 
     def __init__(self):
         self.t = 0.0
 
     def __call__(self) -> float:
-        self.t += 0.001
         return self.t
 
 
-def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_model):
-    """Verify costs (1 + k) plain steps (the graph's decode-steps form): the engine's policy
-    keeps k = 0 and never drafts, its own (fake-clock) timings keeping a plain step cheap;
-    the tokens are those of the plain engine."""
-    m, prompt = small_model, prompt_tokens(19, 10)
-    want = list(_engine(m).session().send(prompt, max_new_tokens=10))
-    e = _engine(m, speculative=True, max_draft=2, spec_clock=FakeClock())
-    # injected: a plain step 10 ms, a verify of k (1 + k) x 10 ms, a draft 1 ms
-    e.spec_policy.observe_verify(1, 0, 0.010)
-    e.spec_policy.observe_verify(1, 1, 0.020)
-    e.spec_policy.observe_verify(1, 2, 0.030)
-    e.spec_policy.observe_draft(1, 0.001)
+class CostedPhases(ScriptedDraft):
+    """The graph's phases on a fake clock: a decode step takes `plain` seconds, the draft pass
+    `draft`, the artifact-style `verify_step` (what the engine calls when the backend has one)
+    `verify[k]` for k drafts; drafts right for `right` tokens in turn. Counts the calls."""
+
+    def __init__(self, sequence, right, vocab, clock: Clock, *, plain: float, draft: float,
+                 verify: list[float]):
+        super().__init__(sequence, right, vocab)
+        self.clock, self.plain, self.draft, self.verify = clock, plain, draft, verify
+        self.verified: list[int] = []  # k of every verify_step call
+        self.decodes = 0
+
+    def decode_step(self, model, cache, tokens, **kw):
+        self.clock.t += self.plain
+        self.decodes += 1
+        return phases.decode_step(model, cache, tokens, **kw)
+
+    def draft_after(self, model, cache, token):
+        self.clock.t += self.draft
+        return super().draft_after(model, cache, token)
+
+    def verify_step(self, model, cache, tokens):
+        k = tokens.size(1) - 1
+        self.clock.t += self.verify[k]
+        self.verified.append(k)
+        return verify_step(model, cache, tokens)  # the decode steps' logits (the oracle)
+
+
+def _costed_run(m, verify: list[float], right: list[int], n_new: int = 30):
+    prompt = prompt_tokens(19, 10)
+    want = list(_engine(m).session().send(prompt, max_new_tokens=n_new))
+    clock = Clock()
+    e = _engine(m, speculative=True, max_draft=2, spec_clock=clock)
+    e.phases = CostedPhases(prompt + want, right, m.args.vocab_size, clock, plain=0.010,
+                            draft=0.001, verify=verify)
     s = e.session()
-    assert list(s.send(prompt, max_new_tokens=10)) == want
-    assert (s.turns[-1].drafted, s.turns[-1].verified) == (0, 0)
+    assert list(s.send(prompt, max_new_tokens=n_new)) == want
+    return e, s.turns[-1]
+
+
+def test_engine_feeds_the_policy_the_measured_verify_entry_cost(small_model):
+    """A backend with its own verify (the compiled entry): the policy's costs are exactly the
+    injected seconds of the path taken (the verify call for k > 0, a decode step for k = 0,
+    the draft pass apart); where verifying 2 costs 12 ms against a plain 10 ms and drafts are
+    right, the engine speculates at k = 2 from its own timings, verifying only through the
+    backend's verify."""
+    e, rec = _costed_run(small_model, [0.010, 0.011, 0.012], right=[2])
+    pol, ph = e.spec_policy, e.phases
+    assert pol.verify_s[(1, 0)] == pytest.approx(0.010)
+    assert pol.verify_s[(1, 2)] == pytest.approx(0.012)
+    assert pol.draft_s[1] == pytest.approx(0.001)
+    assert pol.accepted[1] == [1.0, 1.0]
+    assert pol.worth_drafting(1) or pol.steps[1] - pol.last_plain[1] >= pol.refresh
+    assert pol.choose(1, [0.5, 0.5]) == 2
+    assert pol.verify_s[(1, 1)] == pytest.approx(0.011)
+    # two plain steps (the first a warm-up), k = 2 and k = 1 tried twice each (unmeasured k
+    # counts as cheap), then k = 2 (a 2-token step at 1.75 expected tokens / 13 ms beats k = 1's
+    # 1.5 / 12 ms at the head's 0.5), the last step capped at 1 by the turn's 30 tokens
+    assert ph.verified == [2, 2, 1, 1, 2, 2, 2, 2, 2, 1]
+    assert ph.decodes == pol.samples[("verify", (1, 0))] == 2  # no decode step in a verify
+    assert rec.verified == sum(ph.verified) and rec.accepted == rec.verified
+
+
+def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_model):
+    """Verify costs (1 + k) plain steps (a decode-steps verify): once the engine has measured
+    k = 1 and 2 (each past its warm-up call), it stops drafting (a probe draft every `refresh`
+    steps, which `choose` declines); the tokens are those of the plain engine."""
+    e, rec = _costed_run(small_model, [0.010, 0.020, 0.030], right=[2], n_new=40)
+    pol, ph = e.spec_policy, e.phases
+    assert pol.verify_s[(1, 1)] == pytest.approx(0.020)
+    assert pol.verify_s[(1, 2)] == pytest.approx(0.030)
+    assert ph.verified == [2, 2, 1, 1]  # explored, each k twice (warm-up + measured)
+    assert not pol.worth_drafting(1) and pol.choose(1, [0.99, 0.99]) == 0
+    # 39 tokens: 2 plain steps, 10 from the 4 verifies (drafts right), 27 plain steps; 5
+    # drafts: the 4 verified and one probe (`refresh` = 16 steps after the last)
+    assert (ph.decodes, ph.calls, rec.verified, rec.accepted) == (29, 5, 6, 6)
 
 
 def test_spec_bench_refuses_bad_impls(tmp_path):
@@ -511,3 +623,40 @@ def test_captured_verify_entry_runs_the_one_pass_verify(small_model):
         assert torch.equal(a.pos, b.pos) and torch.equal(a.index_owner, b.index_owner)
         for lay in a.windows:
             assert torch.equal(a.windows[lay].codes, b.windows[lay].codes), lay
+
+
+def test_spec_bench_policy_rows_and_injected_draft_pays_the_draft_pass():
+    """`bench spec`'s injected rows: the engine policy's own prediction and steps per k, and
+    the injected draft still runs the backend's draft pass (the step pays for it)."""
+    from dsv41.compiler.spec_bench import InjectedDraft, policy_state
+
+    pol = SpecPolicy(2)
+    _measured(pol, 1, [0.010, 0.011, 0.012], 0.001)
+    before = dict(pol.samples)
+    pol.observe_verify(1, 2, 0.012)
+    pol.observe_verify(1, 2, 0.012)
+    row = policy_state(pol, 0.9, before)
+    assert row["policy_k"] == 2 and row["steps_by_k"] == {"0": 0, "1": 0, "2": 2}
+    assert row["policy_tok_s"] == pytest.approx(expected_tokens([0.9, 0.9], 2) / 0.013)
+    assert row["policy_step_s"] == pytest.approx({"0": 0.010, "1": 0.011, "2": 0.012})
+
+    class Backend:
+        calls = 0
+
+        def draft_after(self, model, cache, token):
+            Backend.calls += 1
+
+    class Args:
+        dspark_block_size = 3
+
+    class M:
+        args = Args()
+
+    class C:
+        pos = torch.tensor([1])
+
+    inj = InjectedDraft([7, 8, 9, 10, 11, 12], 0.5, 50, 0, Backend())
+    d = inj.draft_after(M(), C(), torch.tensor([8]))
+    assert Backend.calls == 1 and d.ids.shape == (1, 4) and int(d.ids[0, 0]) == 8
+    assert all(int(t) in (g, g + 1) for t, g in zip(d.ids[0, 1:], [9, 10, 11], strict=True))
+    assert torch.sigmoid(d.confidence).allclose(torch.full((1, 3), 0.5))

@@ -71,6 +71,25 @@ def compiled(spec_artifact, long_model):
     return Counting(spec_artifact, long_model)
 
 
+@pytest.fixture(scope="module")
+def block5_model(small_case):
+    """shared-small's weights with a DSpark block of 5, the released one (DSpark's weights do
+    not depend on it: it is how many positions a pass drafts), so verifies of k = 3..5 run;
+    max_seq_len 512 for 200+ tokens."""
+    from dsv41.graph.checkpoint import checkpoint_config
+    from dsv41.graph.model import Model
+
+    args = replace(checkpoint_config(small_case.checkpoint), max_seq_len=512,
+                   dspark_block_size=5)
+    return Model.from_checkpoint(small_case.checkpoint, args)
+
+
+@pytest.fixture(scope="module")
+def block5_compiled(block5_model):
+    return Counting(cached_artifact(block5_model.args, "shared-small-512-b5", ENTRIES),
+                    block5_model)
+
+
 def _prefilled(model, ph, tokens: list[int]):
     c = new_cache(model.plan, 1, 64, engram_pad=model.engram.pad_id)
     ph.prefill_exact(model, c, torch.tensor([tokens]))
@@ -84,7 +103,20 @@ def test_compiled_verify_equals_compiled_decode_steps(long_model, compiled, pref
     open; past the 16-wide window: the rings have wrapped), verified together in one call of
     the verify entry; each row's logits equal those of its own decode steps at batch 1, bit
     for bit, and after `cut_back` each row's cache equals theirs byte for byte."""
-    m = long_model
+    _verify_equals_decode_steps(long_model, compiled, prefills, keeps)
+
+
+@pytest.mark.parametrize("prefills,keeps", [((20,), (6,)), ((21,), (5,)), ((31, 18), (4, 6)),
+                                            ((13, 24), (3, 1))])
+def test_compiled_verify_of_3_to_5_drafts_equals_compiled_decode_steps(block5_model,
+                                                                       block5_compiled,
+                                                                       prefills, keeps):
+    """The same at a DSpark block of 5: one call over 6 tokens per row (the window, 16, wraps
+    inside the pass for the rows past it), kept 3..6."""
+    _verify_equals_decode_steps(block5_model, block5_compiled, prefills, keeps)
+
+
+def _verify_equals_decode_steps(m, compiled, prefills, keeps) -> None:
     n = 1 + m.args.dspark_block_size  # the sampled token and a whole draft block
     seqs = [prompt_tokens(p + n, seed=30 + i) for i, p in enumerate(prefills)]
     refs, want = [], []
@@ -144,7 +176,8 @@ def _engine(model, phases, **kw):
                   options=EngineOptions(exact=True, page_tokens=PAGE, **kw))
 
 
-def _compiled_greedy(model, phases, tmp_path, n_new: int, right: list[int] | None):
+def _compiled_greedy(model, phases, tmp_path, n_new: int, right: list[int] | None,
+                     max_draft: int = 2):
     """Two turns (the second after a snapshot restore), greedy, a draft verified at every
     step by the verify entry (DSpark's own compiled draft, or with `right` one right for that
     many tokens in turn): the same tokens as the compiled engine without speculation."""
@@ -152,9 +185,9 @@ def _compiled_greedy(model, phases, tmp_path, n_new: int, right: list[int] | Non
     out, recs = [], None
     for spec in (False, True):
         e = _engine(model, phases, store_dir=tmp_path / f"store{spec}", speculative=spec,
-                    max_draft=2)
+                    max_draft=max_draft)
         if spec:
-            e.spec_policy = Always(2)
+            e.spec_policy = Always(max_draft)
             if right is not None:
                 seq = [t for ids, got in zip(turns, out[0], strict=True) for t in ids + got]
                 scripted = ScriptedDraft(seq, right, model.args.vocab_size)
@@ -223,3 +256,29 @@ def test_compiled_send_many_speculates_per_row(long_model, compiled, tmp_path):
     assert got == want
     assert all(s.turns[-1].accepted > 0 for s in sessions)
     assert compiled.calls["verify"] > before
+
+
+def test_compiled_engine_greedy_with_3_to_5_drafts_equals_without_200_tokens(block5_model,
+                                                                            block5_compiled,
+                                                                            tmp_path):
+    """2 x 110 decoded tokens on the compiled engine at a DSpark block of 5, a verify of 5
+    drafts at every step (fewer only at a turn's end) by one call of the verify entry; drafts
+    right for 5, 3, 0, 4, 1, 5, 2 tokens in turn (accepted runs of 3..5 across m=2 groups,
+    window wrap-arounds inside a pass, a turn boundary with a snapshot restore)."""
+    before = block5_compiled.calls.get("verify", 0)
+    out, recs = _compiled_greedy(block5_model, block5_compiled, tmp_path, 110,
+                                 [5, 3, 0, 4, 1, 5, 2], max_draft=5)
+    assert sum(len(t) for t in out) >= 200
+    right = [5, 3, 0, 4, 1, 5, 2]
+    passes, want = 0, []  # per turn (verified, accepted), the draft pattern running on
+    for _ in recs:
+        verified = accepted = 0
+        left = 110 - 1  # the first token comes from the prefill
+        while left:
+            k = min(5, left - 1)
+            a = min(right[passes % len(right)], k) if k else 0
+            passes += k > 0
+            verified, accepted, left = verified + k, accepted + a, left - a - 1
+        want.append((verified, accepted))
+    assert [(r.verified, r.accepted) for r in recs] == want
+    assert block5_compiled.calls["verify"] - before == passes
