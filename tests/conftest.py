@@ -41,6 +41,21 @@ def v41_case():
 
 
 @pytest.fixture(scope="session")
+def vcase():
+    """The shared-vision-small conformance case (made with the released vision code)."""
+    from dsv41.graph.conformance import load_case
+
+    return load_case(case_dir("shared-vision-small"))
+
+
+@pytest.fixture(scope="session")
+def vmodel(vcase):
+    from dsv41.graph.model import Model
+
+    return Model.from_checkpoint(vcase.checkpoint)
+
+
+@pytest.fixture(scope="session")
 def small_model(small_case):
     from dsv41.graph.model import Model
 

@@ -26,9 +26,8 @@ from dsv41.graph import model as graph_model
 from dsv41.graph import phases as graph_phases
 from dsv41.graph.cache import new_cache
 from dsv41.graph.config import load_config
-from dsv41.graph.conformance import against, evaluate, load_case
+from dsv41.graph.conformance import against, evaluate
 from dsv41.graph.image_processor import preprocess
-from dsv41.graph.model import Model
 from dsv41.graph.score import ScoreResult
 from dsv41.graph.vision import encode_image, find_spans, span_rows, token_types
 from dsv41.runtime.artifact import Artifact
@@ -46,20 +45,8 @@ SPAN = 194  # the case's image span
 
 
 @pytest.fixture(scope="module")
-def vcase():
-    if not CASE.exists():
-        pytest.skip(f"conformance pack {CASE} is not present")
-    return load_case(CASE)
-
-
-@pytest.fixture(scope="module")
 def vart(vcase):
     return str(cached_artifact(load_config(vcase.checkpoint), "shared-vision-small", ENTRIES))
-
-
-@pytest.fixture(scope="module")
-def vmodel(vcase):
-    return Model.from_checkpoint(vcase.checkpoint)
 
 
 @pytest.fixture(scope="module")

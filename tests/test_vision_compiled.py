@@ -16,7 +16,6 @@ import pytest
 from PIL import Image
 
 from dsv41.compiler.build import CompileOptions, compile_artifact
-from dsv41.graph.conformance import load_case
 from dsv41.graph.image_processor import preprocess
 from dsv41.graph.model import Model
 from dsv41.graph.vision import encode_image
@@ -29,13 +28,6 @@ CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
-
-
-@pytest.fixture(scope="module")
-def vcase():
-    if not CASE.exists():
-        pytest.skip(f"conformance pack {CASE} is not present")
-    return load_case(CASE)
 
 
 @pytest.fixture(scope="module")
