@@ -41,7 +41,7 @@ from dsv41.graph.speculative import (
 )
 from dsv41.graph.vision import SequenceImages, SpanRows, tower_inputs
 
-from .artifact import Artifact
+from .artifact import Artifact, ArtifactError
 from .threads import default_tvm_pool
 
 
@@ -101,6 +101,14 @@ class CompiledPhases:
 
     def _run(self, entry: str, cache: ModelCache, x, **kw) -> dict[str, torch.Tensor]:
         inputs = entry_inputs(self.model, cache, entry, x, **kw)
+        given = sum(len(t) if isinstance(t, tuple) else 1 for t in inputs)
+        declared = len(self.art.manifest["entries"][entry]["inputs"])
+        if given != declared:  # else TVM stops with an argument-count InternalError
+            raise ArtifactError(
+                f"The {entry} entry of {self.art.path} takes {declared} inputs; this runtime "
+                f"calls it with {given} (the artifact was compiled by another version of dsv41, "
+                "e.g. before the prefill entries of a model with a vision tower took image-span "
+                "rows): recompile it.")
         self._check_inputs(entry, cache, inputs)
         out = self.art.call(entry, inputs)
         names = self.art.manifest["entries"][entry]["outputs"]

@@ -206,3 +206,19 @@ def test_compiled_engine_chunks_every_prefill_kind(engine_args, small_model, tmp
             n = len(TURNS[0])
             assert runs[1][0].token_layers == d * n + (a.n_layers - d) * min(n, a.window_size)
             assert [t.tier for t in runs[1]] == ["cold", "prefix"]
+
+
+def test_an_entry_called_with_other_inputs_than_compiled_is_refused(engine_args, tmp_path):
+    """An artifact whose entry was compiled with other inputs than this runtime passes (another
+    dsv41 version: e.g. before the prefill entries of a model with a vision tower took
+    image-span rows) is refused with the reason, not a TVM argument-count error."""
+    from dsv41.runtime.artifact import ArtifactError
+
+    engine = Engine.load(*engine_args, exact=True, store_dir=tmp_path / "s", page_tokens=PAGE)
+    art = engine.phases.art
+    for entry in art.manifest["entries"].values():
+        entry["inputs"] = entry["inputs"][:-1]  # as an older compile declared them
+    with pytest.raises(ArtifactError, match="takes .* inputs; this runtime calls it with .* "
+                                            "recompile it"):
+        list(engine.session().send(TURNS[0], max_new_tokens=1))
+    engine.close()
