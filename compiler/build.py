@@ -37,6 +37,9 @@ PHASES = ("capture", "lower", "fuse", "schedule", "build")
 # GEMM schedule hint: rows per call (None: prefill). `verify` runs decode's per-row kernels
 # (each of its b(1+k) rows as a decode row: the same bits as decode steps)
 ROWS_HINT = {"decode": 1, "draft": 4, "verify": 1}
+# entries whose calls have few rows: one token (or 1 + k) per sequence, and the CED decoder's
+# replay (at most `window` tokens); their pool sweep gathers per query (indexer.build_pool_topk)
+BOUNDED_ROWS = frozenset({"decode", "draft", "verify", "decoder"})
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,8 @@ def lowered_module(config: dict, entry: str, target: str):
     model = Model.placeholder(args)
     ep, template = capture(model, entry)
     return lower(ep, get_target(target), rows_hint=ROWS_HINT.get(entry),
-                 bounds=entry_bounds(model, entry, ep, template))
+                 bounds=entry_bounds(model, entry, ep, template),
+                 bounded_rows=entry in BOUNDED_ROWS)
 
 
 def fuse(mod, target_name: str):
@@ -318,7 +322,8 @@ def compile_artifact(opts: CompileOptions,
         from .lower import lower
 
         mod = phase("lower", lower, ep, spec, rows_hint=ROWS_HINT.get(entry),
-                    bounds=entry_bounds(model, entry, ep, template))
+                    bounds=entry_bounds(model, entry, ep, template),
+                    bounded_rows=entry in BOUNDED_ROWS)
         _dump(opts, entry, "lower", lambda m=mod: m.script(show_meta=False))
         mod, fused = phase("fuse", fuse, mod, opts.target)
         report.unfused.extend([] if fused else [entry])

@@ -35,6 +35,7 @@ class Lowering:
     kernels: dict[tuple, relax.GlobalVar] = field(default_factory=dict)
     ccl: CclBackend = CclBackend.DISCO  # a sharded entry's collectives
     null_expert: bool = False  # a sharded worker's expert stacks end with the null expert
+    bounded_rows: bool = False  # rows per call bounded (decode, verify, draft, the CED decoder)
 
     def kernel(self, importer, key: tuple, make) -> relax.GlobalVar:
         if key not in self.kernels:
@@ -178,7 +179,7 @@ def _indexer(ctx: Lowering, kind: str):
             blocks = importer.env[node.args[5]]
             topk, block_size = int(node.args[6]), int(node.args[7])
             mod = indexer.build_pool_topk(ctx.target.name, heads=heads, dim=dim, topk=topk,
-                                          block_size=block_size)
+                                          block_size=block_size, gather=ctx.bounded_rows)
             key = ("pool", heads, dim, topk, block_size)
             names = {"pool_scores": (*key, "scores"), "select_pool": (*key, "select"),
                      "pool_gather": (*key, "gather"), "pool_mask": (*key, "mask"),
@@ -683,16 +684,20 @@ def convert_map(ctx: Lowering) -> dict:
 
 def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
           kernels: dict | None = None, bounds: dict[str, int] | None = None,
-          ccl: CclBackend = CclBackend.DISCO, null_expert: bool = False) -> tvm.IRModule:
+          ccl: CclBackend = CclBackend.DISCO, null_expert: bool = False,
+          bounded_rows: bool = False) -> tvm.IRModule:
     """ExportedProgram -> Relax IRModule with one function `main`; weights stay parameters
     (`keep_params_as_input`), in the program's parameter order. `kernels`, when given, receives
     each kernel's key -> GlobalVar (what `dsv41 tune` maps back to the kernels' factories).
     `ccl`: the functions a sharded worker's collectives call; `null_expert`: a sharded worker's
-    graph, whose expert stacks end with the null expert (its pairs skip the GEMMs)."""
+    graph, whose expert stacks end with the null expert (its pairs skip the GEMMs);
+    `bounded_rows`: the entry's calls have few rows (`build.BOUNDED_ROWS`), so the pool sweep
+    may gather per query (`indexer.build_pool_topk`)."""
     from tvm.relax.frontend.torch import from_exported_program
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-    ctx = Lowering(target, rows_hint, {} if kernels is None else kernels, ccl, null_expert)
+    ctx = Lowering(target, rows_hint, {} if kernels is None else kernels, ccl, null_expert,
+                   bounded_rows)
     convert = ExportedProgramImporter._convert_pytorch_tensor_to_tvm
 
     def no_weight_copies(t):

@@ -31,7 +31,15 @@ from dsv41.graph.targets import get_target
 from dsv41.runtime.artifact import manifest_digest, sha256_file
 from dsv41.runtime.sharded import SHARDED_FORMAT
 
-from .build import ROWS_HINT, entry_bounds, entry_signature, finish_pipeline, fuse, schedule
+from .build import (
+    BOUNDED_ROWS,
+    ROWS_HINT,
+    entry_bounds,
+    entry_signature,
+    finish_pipeline,
+    fuse,
+    schedule,
+)
 from .capture import capture
 from .lower import lower
 
@@ -75,7 +83,8 @@ def compile_sharded(args: ModelArgs, out: str | Path, *, shards: int,
         sigs[entry] = entry_signature(ep, template, model.plan, entry)
         mod = lower(ep, spec, rows_hint=ROWS_HINT.get(entry),
                     bounds=entry_bounds(model, entry, ep, template), ccl=ccl,
-                    null_expert=True)  # the pairs routed to other workers cost nothing
+                    null_expert=True,  # the pairs routed to other workers cost nothing
+                    bounded_rows=entry in BOUNDED_ROWS)
         mod, _ = fuse(mod, target)
         mod = schedule(mod, target)
         ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(target))

@@ -189,13 +189,14 @@ def _entry_module(opts: TuneOptions, entry: str):
     from dsv41.graph.model import Model
     from dsv41.graph.targets import get_target
 
-    from .build import ROWS_HINT, fuse
+    from .build import BOUNDED_ROWS, ROWS_HINT, fuse
     from .capture import capture
     from .lower import lower
 
     ep, _ = capture(Model.placeholder(opts.args), entry)
     kernels: dict = {}
-    mod = lower(ep, get_target(opts.target), rows_hint=ROWS_HINT.get(entry), kernels=kernels)
+    mod = lower(ep, get_target(opts.target), rows_hint=ROWS_HINT.get(entry), kernels=kernels,
+                bounded_rows=entry in BOUNDED_ROWS)
     mod, _ = fuse(mod, opts.target)
     return mod, {gv.name_hint: key for key, gv in kernels.items()}
 

@@ -1448,13 +1448,16 @@ def build_hier_topk(target_name: str = "cpu", *, heads: int, dim: int, topk: int
 
 
 def build_pool_topk(target_name: str = "cpu", *, heads: int, dim: int, topk: int,
-                    block_size: int) -> tvm.IRModule:
+                    block_size: int, gather: bool = True) -> tvm.IRModule:
     """pool_topk = pool_scores(q, k_packed, k_scales, weights, lens, blocks) -> scores
     [b, s, pad128(B * block_size)], then select_pool(scores, blocks) -> positions. On AVX-512
-    CPUs the sweep is the chain pool_gather / index_scores / pool_mask (`emit_pool_scores`)."""
+    CPUs the sweep is the chain pool_gather / index_scores / pool_mask (`emit_pool_scores`)
+    unless `gather` is False: the gathered store is 68 B per pool entry and query (1.1 MB per
+    query at the released pool), so entries with many rows per call (an exact prefill chunk:
+    2048 rows, 2.3 GB) keep the scheduled sweep, which decodes per tile."""
     target = get_target(target_name)
     select = _select(target, topk=topk, kind="pool", block_size=block_size)
-    if pool_gathers(target, heads=heads, dim=dim):
+    if gather and pool_gathers(target, heads=heads, dim=dim):
         return tvm.IRModule({
             "pool_gather": schedule_pool_gather(
                 make_pool_gather(heads=heads, dim=dim, block_size=block_size)),

@@ -207,6 +207,23 @@ def test_pool_with_padding_and_partial_last_block():
     assert torch.all(got[1, 1] == -1)
 
 
+def test_scheduled_pool_sweep_for_entries_with_many_rows():
+    """Entries whose calls carry many rows (an exact prefill chunk) keep the scheduled pool
+    sweep (`gather=False`: no per-query gathered store); it matches the oracle too. The
+    compiler gathers only for the bounded entries (`build.BOUNDED_ROWS`)."""
+    from dsv41.compiler.build import BOUNDED_ROWS
+
+    assert {"decode", "verify", "draft", "decoder"} == BOUNDED_ROWS
+    mod = ix.build_pool_topk("cpu", heads=H, dim=D, topk=TOPK, block_size=BS, gather=False)
+    assert {gv.name_hint for gv in mod.get_global_vars()} == {"pool_scores", "select_pool"}
+    ex = tvm.compile(mod, target=get_target("cpu").tvm_target())
+    for b, s, t in ((1, 1, 60), (2, 3, 37)):
+        args = _inputs(b, s, t, seed=40 + t)
+        _, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
+        assert torch.equal(run_pool_topk(ex, *args, rblk, TOPK, BS),
+                           ops.pool_topk(*args, rblk, TOPK, BS))
+
+
 def test_pool_emission_matches_oracle():
     """The Relax emission the lowering uses (`ix.emit_pool_scores` + select_pool, symbolic
     shapes), on the CPU target's chain, against the oracle; the chain is the one picked for
