@@ -274,6 +274,28 @@ def make_index_scores(*, heads: int, dim: int, n_alt: int = 0) -> tvm.tirx.PrimF
     return index_scores
 
 
+def _pool_block(BL, vb, vs, vj, nb, bs):
+    """Block id of pool entry j of query (vb, vs) (-1 past the pool's nb blocks)."""
+    return T.Select(vj < nb * bs, BL[vb, vs, T.min(vj // bs, nb - T.int64(1))], -1)
+
+
+def _pool_position(BL, vb, vs, vj, nb, bs):
+    """Key position of pool entry j: its block times bs plus j's offset in the block."""
+    return T.Cast("int64", _pool_block(BL, vb, vs, vj, nb, bs)) * bs + vj % bs
+
+
+def _pool_row(BL, vb, vs, vj, nb, bs, t):
+    """The key row entry j reads: its position clamped into the store of t rows (an invalid
+    entry reads a valid row and is masked by `_pool_visible`)."""
+    return T.max(T.min(_pool_position(BL, vb, vs, vj, nb, bs), t - T.int64(1)), T.int64(0))
+
+
+def _pool_visible(BL, L, vb, vs, vj, nb, bs, t):
+    """Entry j is scored: its block is not -1 and its position is visible (below lens and t)."""
+    return (_pool_block(BL, vb, vs, vj, nb, bs) >= 0) \
+        & (_pool_position(BL, vb, vs, vj, nb, bs) < T.min(L[vb, vs], t))
+
+
 def make_pool_scores(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimFunc:
     """Pool sweep: (q, k_packed, k_scales, weights, lens, blocks) -> scores bf16
     [b, s, pad(B * block_size)]; entry j is position blocks[j // bs] * bs + j % bs, -inf where
@@ -282,12 +304,6 @@ def make_pool_scores(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimF
     che, nc = _head_chunks(heads)
     H, D, C, NC = T.int64(heads), T.int64(dim), T.int64(che), T.int64(nc)
     BS = T.int64(block_size)
-
-    def blk(BL, vb, vs, vj, nb):  # block id of pool entry j (-1 past the pool)
-        return T.Select(vj < nb * BS, BL[vb, vs, T.min(vj // BS, nb - T.int64(1))], -1)
-
-    def pos(BL, vb, vs, vj, nb):
-        return T.Cast("int64", blk(BL, vb, vs, vj, nb)) * BS + vj % BS
 
     @T.prim_func(s_tir=True)
     def pool_scores(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, w_h: T.handle,
@@ -313,7 +329,7 @@ def make_pool_scores(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimF
             with T.sblock("k_dec"):  # invalid entries decode a clamped position (masked later)
                 vb, vs, vj, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
                 kd[vb, vs, vj, vd] = _decode(
-                    KP, KS, vb, T.max(T.min(pos(BL, vb, vs, vj, nb), t - T.int64(1)), T.int64(0)),
+                    KP, KS, vb, _pool_row(BL, vb, vs, vj, nb, BS, t),
                     vd)
         for i0, i1, i2, i3, i4 in T.grid(b, s, H, _pad(nb * BS), D):
             with T.sblock("dot"):
@@ -333,8 +349,7 @@ def make_pool_scores(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimF
             with T.sblock("score"):
                 vb, vs, vj = T.axis.remap("SSS", [i0, i1, i2])
                 O[vb, vs, vj] = T.Select(
-                    (blk(BL, vb, vs, vj, nb) >= 0)
-                    & (pos(BL, vb, vs, vj, nb) < T.min(L[vb, vs], t)),
+                    _pool_visible(BL, L, vb, vs, vj, nb, BS, t),
                     T.Cast("bfloat16", _chunk_sum(part, vb, vs, vj, nc)),
                     _neg_inf_bf16())
 
@@ -366,12 +381,6 @@ def make_pool_gather(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimF
     `valid`: block -1, past the pool, or not visible)."""
     _check_dim(dim)
     H, D, BS = T.int64(heads), T.int64(dim), T.int64(block_size)
-
-    def blk(BL, vb, vs, vj, nb):
-        return T.Select(vj < nb * BS, BL[vb, vs, T.min(vj // BS, nb - T.int64(1))], -1)
-
-    def pos(BL, vb, vs, vj, nb):
-        return T.Cast("int64", blk(BL, vb, vs, vj, nb)) * BS + vj % BS
 
     @T.prim_func(s_tir=True)
     def pool_gather(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, w_h: T.handle,
@@ -407,17 +416,16 @@ def make_pool_gather(*, heads: int, dim: int, block_size: int) -> tvm.tirx.PrimF
             with T.sblock("kg"):
                 vb, vs, vj, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
                 KG[vb * s + vs, vj, vd] = KP[
-                    vb, T.max(T.min(pos(BL, vb, vs, vj, nb), t - T.int64(1)), T.int64(0)), vd]
+                    vb, _pool_row(BL, vb, vs, vj, nb, BS, t), vd]
         for i0, i1, i2, i3 in T.grid(b, s, _pad(nb * BS), D // 32):
             with T.sblock("sg"):
                 vb, vs, vj, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
                 SG[vb * s + vs, vj, vd] = KS[
-                    vb, T.max(T.min(pos(BL, vb, vs, vj, nb), t - T.int64(1)), T.int64(0)), vd]
+                    vb, _pool_row(BL, vb, vs, vj, nb, BS, t), vd]
         for i0, i1, i2 in T.grid(b, s, _pad(nb * BS)):
             with T.sblock("valid"):
                 vb, vs, vj = T.axis.remap("SSS", [i0, i1, i2])
-                V[vb, vs, vj] = T.Cast("int8", (blk(BL, vb, vs, vj, nb) >= 0)
-                                       & (pos(BL, vb, vs, vj, nb) < T.min(L[vb, vs], t)))
+                V[vb, vs, vj] = T.Cast("int8", _pool_visible(BL, L, vb, vs, vj, nb, BS, t))
 
     return pool_gather
 
