@@ -143,15 +143,20 @@ class ThreadMember:
 # ---- the captured graph's collectives ---------------------------------------------------------
 
 
+def _one_worker(op: str, x: torch.Tensor, shards: int) -> torch.Tensor:
+    """The eager body of both collectives: only one worker exists outside a compiled entry."""
+    if shards != 1:
+        raise ValueError(f"dsv41::{op} over {shards} workers runs in a compiled sharded "
+                         "entry (the disco session's collective); eager sharded runs use a "
+                         "ThreadGroup.")
+    return x.clone()
+
+
 @torch.library.custom_op("dsv41::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, shards: int) -> torch.Tensor:
     """Sum over `shards` workers (a sharded entry's collective; lowered to the disco session's
     all-reduce). Eagerly only the one-worker case exists: the identity."""
-    if shards != 1:
-        raise ValueError(f"dsv41::all_reduce over {shards} workers runs in a compiled sharded "
-                         "entry (the disco session's collective); eager sharded runs use a "
-                         "ThreadGroup.")
-    return x.clone()
+    return _one_worker("all_reduce", x, shards)
 
 
 @all_reduce.register_fake
@@ -163,11 +168,7 @@ def _(x, shards):
 def all_gather(x: torch.Tensor, shards: int) -> torch.Tensor:
     """Concatenation over `shards` workers along dim 0 (lowered to the disco session's
     all-gather). Eagerly only the one-worker case exists: a copy."""
-    if shards != 1:
-        raise ValueError(f"dsv41::all_gather over {shards} workers runs in a compiled sharded "
-                         "entry (the disco session's collective); eager sharded runs use a "
-                         "ThreadGroup.")
-    return x.clone()
+    return _one_worker("all_gather", x, shards)
 
 
 @all_gather.register_fake
