@@ -791,14 +791,15 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
         buf("h", (p, inter), "bfloat16"), buf("hq", (p, inter), "float32"),
         buf("o", (p, dim), "bfloat16"),
     )
-    rows = ("ids", "row_pair") if config.kind == "gemv" else ("row_pair", "tiles")
+    # which rows each GEMM reads: the GEMV form its pairs' experts, the tiles their runs
+    gate_rows, down_rows = ((("ids", "row_pair"),) * 2 if config.kind == "gemv"
+                            else (("row_pair", "tiles"), ("tiles",)))
     calls = (
         MoeCall("moe_route", ("ids",), ("row_pair", "token_rows", "tiles")),
         MoeCall("moe_qdq_x", ("x",), ("xq",)),
-        MoeCall("moe_gate_up", ("xq", "weights", *rows, "w1", "s1", "w3", "s3"), ("h",)),
+        MoeCall("moe_gate_up", ("xq", "weights", *gate_rows, "w1", "s1", "w3", "s3"), ("h",)),
         MoeCall("moe_qdq_h", ("h",), ("hq",)),
-        MoeCall("moe_down", ("hq", rows[1], "w2", "s2") if config.kind == "tiles"
-                else ("hq", *rows, "w2", "s2"), ("o",)),
+        MoeCall("moe_down", ("hq", *down_rows, "w2", "s2"), ("o",)),
         MoeCall("moe_combine", ("token_rows", "o"), ("y",)),
     )
     return MoePlan(inputs, intermediates, buf("y", (n, dim), "float32"), calls)
