@@ -5,7 +5,9 @@ when a target is built.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 from dataclasses import dataclass
 
 
@@ -46,6 +48,41 @@ def target_arch(name: str) -> str | None:
     return "sm_" + name.removeprefix("cuda-sm") if name.startswith("cuda-") else None
 
 
+AMX_MATTR = ("+amx-tile", "+amx-int8", "+amx-bf16")
+_ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl: ask for an extended state component
+_XFEATURE_XTILEDATA = 18  # the AMX tile data
+_SYS_ARCH_PRCTL = 158  # x86-64
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def request_amx() -> bool:
+    """Ask Linux for this process's permission to use AMX tile data (needed before the first AMX
+    instruction, or it faults; granted once for every thread of the process, asking again is a
+    no-op). False where the CPU, the OS or the kernel version does not offer it."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    if not {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags():
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+
+
+def uses_amx(target: dict) -> bool:
+    """Whether code built for a TVM target dict may run AMX instructions."""
+    return any(f in AMX_MATTR for f in target.get("mattr", ()))
+
+
 def get_target(name: str) -> TargetSpec:
     """`cpu` is this machine's LLVM features; `cpu-x86-64` a portable baseline."""
     import tvm
@@ -58,8 +95,13 @@ def get_target(name: str) -> TargetSpec:
         # LLVM splits 512-bit vectors in two on CPUs it tunes to prefer 256 bits (Sapphire Rapids
         # among them); our kernels vectorise for the full width, so the preference is turned off
         # (a no-op on CPUs without AVX-512)
+        # AMX where this process may use it (LLVM names the CPU of a VM by its AVX-512 subset,
+        # without AMX, even when the host grants it): asking for the permission here lets any
+        # process that builds for `cpu` also run what it built
+        amx = list(AMX_MATTR) if request_amx() else []
         return TargetSpec("cpu", {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
-                                  "mattr": ["-prefer-256-bit"], "num-cores": cores, **strict})
+                                  "mattr": ["-prefer-256-bit", *amx], "num-cores": cores,
+                                  **strict})
     if name == "cpu-x86-64":
         return TargetSpec("cpu-x86-64", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
                                          "mcpu": "x86-64", "num-cores": cores, **strict})

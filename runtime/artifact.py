@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
-from dsv41.graph.targets import target_names
+from dsv41.graph.targets import request_amx, target_names, uses_amx
 
 from .device import Device, DeviceError, DeviceKind, device_for_target
 
@@ -63,6 +63,15 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     return m
 
 
+def check_cpu_features(d: Path, m: dict) -> None:
+    """An artifact built with AMX kernels runs only in a process that holds AMX permission (it
+    is asked for here); elsewhere its first tile instruction would kill the process."""
+    tvm_target = m["target"].get("tvm")
+    if isinstance(tvm_target, dict) and uses_amx(tvm_target) and not request_amx():
+        raise ArtifactError(f"{d} was compiled with AMX kernels, which this CPU or OS does not "
+                            "offer to this process. Recompile it on this machine.")
+
+
 def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
            check_device: bool = True) -> dict:
     """Check the manifest against the files, this process's TVM, and (optionally) a config."""
@@ -82,6 +91,7 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
             device_for_target(target)
         except DeviceError as e:
             raise ArtifactError(f"{d}: {e}") from e
+        check_cpu_features(d, m)
     built = m["versions"].get("tvm") if isinstance(m.get("versions"), dict) else None
     if built != tvm.__version__:
         raise ArtifactError(f"{d} was built with TVM {built}; this process has "
@@ -184,6 +194,8 @@ class Artifact:
             dev = device_for_target(m["target"]["name"], device)
         except DeviceError as e:
             raise ArtifactError(f"{artifact_dir}: {e}") from e
+        if dev.kind == DeviceKind.CPU:
+            check_cpu_features(Path(artifact_dir), m)
         return cls(Path(artifact_dir), m, args_from_dict(m["config"]), dev)
 
     @property

@@ -147,3 +147,46 @@ def silu_times(gate, up, limit: float):
         up = T.max(T.min(up, T.float32(limit)), T.float32(-limit))
         gate = T.min(gate, T.float32(limit))
     return let(gate, lambda g: g / (T.float32(1) + T.exp(-g)) * up, "gate")
+
+
+# ---- AMX tiles (Intel Advanced Matrix Extensions) ----------------------------------------------
+# A kernel that uses them names tile registers 0..7 by number (the LLVM intrinsics take them as
+# immediates), configures all eight as 16 rows x 64 bytes once per parallel task (`amx_configure`),
+# and releases them at the end of the task. The process must hold the kernel's AMX permission
+# (`graph.targets.request_amx`, which `get_target("cpu")` and the artifact loader call).
+
+AMX_ROWS = 16  # rows of every tile
+AMX_BYTES = 64  # bytes per tile row: 32 bf16, 16 fp32 / int32, 64 int8
+
+
+def has_amx_bf16(target) -> bool:
+    """Whether kernels for `target` (a TargetSpec) may use AMX-BF16 tiles."""
+    from tvm.target import codegen  # noqa: PLC0415
+
+    return not target.is_cuda and all(
+        bool(codegen.target_has_features(f, target.tvm_target())) for f in ("amx-tile",
+                                                                             "amx-bf16"))
+
+
+def amx(op: str, *args):
+    """One AMX instruction (`llvm.x86.<op>`): tile numbers are `T.int8` immediates."""
+    return T.evaluate(T.call_llvm_intrin("void", f"llvm.x86.{op}", *args))
+
+
+@T.macro
+def amx_configure(cfg):
+    """Fill the 64-byte tile configuration `cfg` (a local uint8 buffer) and load it: palette 1,
+    tiles 0..7 each AMX_ROWS x AMX_BYTES."""
+    for t in range(64):
+        cfg[t] = T.uint8(0)
+    cfg[0] = T.uint8(1)
+    for t in range(8):
+        cfg[16 + 2 * t] = T.uint8(AMX_BYTES)  # bytes per row (uint16, little end)
+        cfg[48 + t] = T.uint8(AMX_ROWS)
+    amx("ldtilecfg", T.address_of(cfg[0]))
+
+
+def bf16_bits_of_exact(v):
+    """The bf16 bits (uint16) of an fp32 value that bf16 holds exactly (its low 16 bits are
+    zero: decoded E4M3 values, their power-of-two multiples): no rounding is needed."""
+    return T.Cast("uint16", T.reinterpret("uint32", v) >> T.uint32(16))

@@ -125,3 +125,26 @@ def test_cpu_engine_on_an_explicit_device_matches_the_graph_loaded_weights(small
     assert tokens == tokens0
     for x, y in zip(logits, logits0, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_an_amx_artifact_is_refused_where_amx_is_not_granted(small_artifact, tmp_path,
+                                                              monkeypatch):
+    """An artifact whose target names AMX loads only where the process gets AMX permission
+    (asked for at load); elsewhere its first tile instruction would kill the process."""
+    import dsv41.runtime.artifact as artifact_module
+
+    dst = tmp_path / "amx"
+    shutil.copytree(small_artifact, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    tvm_target = dict(m["target"]["tvm"])
+    tvm_target["mattr"] = sorted({*tvm_target.get("mattr", []), "+amx-tile", "+amx-bf16"})
+    m["target"] = {**m["target"], "tvm": tvm_target}
+    m["manifest_sha256"] = manifest_digest(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    asked = []
+    monkeypatch.setattr(artifact_module, "request_amx", lambda: asked.append(1) or False)
+    with pytest.raises(ArtifactError, match="compiled with AMX kernels"):
+        Artifact.load(dst)
+    monkeypatch.setattr(artifact_module, "request_amx", lambda: asked.append(1) or True)
+    assert Artifact.load(dst).device == Device(DeviceKind.CPU)
+    assert len(asked) == 2

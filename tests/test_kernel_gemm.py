@@ -24,7 +24,7 @@ from dsv41.graph import formats as fmt
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
 from dsv41.schedules import gemm
-from dsv41.schedules.common import bf16_to_f32, i64
+from dsv41.schedules.common import bf16_to_f32, has_amx_bf16, i64
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
 CPU = "cpu"
@@ -170,10 +170,70 @@ def test_fp8_linear_matches_oracle(hint, n):
 
 def test_fp8_linear_config_kinds():
     cpu, cuda = get_target(CPU), get_target("cuda-sm90")
+    amx = has_amx_bf16(cpu)
     assert gemm.fp8_linear_config(cpu, n=64, k=64, m=1).kind == "gemv"
-    assert gemm.fp8_linear_config(cpu, n=64, k=64).kind == "gemm"
+    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=4).kind == "gemm"
+    assert gemm.fp8_linear_config(cpu, n=64, k=64).kind == ("amx" if amx else "gemm")
+    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=160).kind == ("amx" if amx else "gemm")
+    assert gemm.fp8_linear_config(cpu, n=100, k=64).kind == "gemm"  # n not whole 32-panels
+    assert gemm.fp8_linear_config(get_target("cpu-x86-64"), n=64, k=64).kind == "gemm"
+    assert not has_amx_bf16(cuda)
     assert gemm.fp8_linear_config(cuda, n=64, k=64, m=2).kind == "gemv"
     assert gemm.fp8_linear_config(cuda, n=64, k=64).row_pad == 64
+
+
+needs_amx = pytest.mark.skipif(not has_amx_bf16(get_target(CPU)),
+                               reason="this CPU (or OS) offers no AMX-BF16")
+
+
+@needs_amx
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_fp8_linear_amx_matches_oracle(out_dtype):
+    """The AMX kernel over row counts that fill, cross and fall short of its 32-row tiles and
+    blocks of 64 rows (three blocks at m 130), with several 32-column panels and K-blocks."""
+    n, k = 96, 128
+    ex = _compiled("make_fp8_linear_amx", n=n, k=k, block_rows=64, out_dtype=out_dtype)
+    for m in (1, 5, 31, 32, 33, 64, 100, 130):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
+        if out_dtype == "float32":
+            out = _run(ex, [x, weight, scale], (m, n), torch.float32)
+            ref = ops.fp8_linear_f32(x, weight, scale)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        else:
+            out = _run(ex, [x, weight, scale], (m, n), torch.bfloat16)
+            _assert_gemm_close(out, ops.fp8_linear(x, weight, scale))
+
+
+@needs_amx
+def test_fp8_linear_amx_extreme_activations_and_nan_weights():
+    k, n = 64, 32
+    x = _quant_cases()[-12:]
+    _, weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=3)
+    weight[5, 7] = 0x7F  # an E4M3 NaN code: its column is NaN wherever the oracle's is
+    ex = _compiled("make_fp8_linear_amx", n=n, k=k, block_rows=32)
+    out = _run(ex, [x, weight, scale], (x.shape[0], n), torch.bfloat16)
+    ref = ops.fp8_linear(x, weight, scale)
+    out, ref = out.float(), ref.float()
+    assert bool(torch.isnan(out[:, 5]).all()) and bool(torch.isnan(ref[:, 5]).all())
+    # The oracle sums the unscaled weights and overflows (to +-inf, or NaN from inf - inf) on
+    # the huge rows where the AMX kernel, which folds the weight scale in first, still holds the
+    # finite sum: there the result is beyond any activation a model produces
+    over = ~torch.isfinite(ref)
+    over[:, 5] = False
+    assert over.any()
+    assert bool((~torch.isfinite(out[over]) | (out[over].abs() > 1e30)).all())
+    finite = torch.isfinite(ref)
+    assert bool(torch.isfinite(out[finite]).all())
+    rows = finite[:, torch.arange(n) != 5].all(1)
+    assert rows.sum() >= 6
+    _assert_gemm_close(out[rows][:, torch.arange(n) != 5], ref[rows][:, torch.arange(n) != 5])
+
+
+def test_fp8_linear_amx_refuses_partial_panels():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        gemm.make_fp8_linear_amx(n=100, k=64, block_rows=32)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        gemm.make_fp8_linear_amx(n=64, k=64, block_rows=48)
 
 
 def test_fp8_linear_row_padded_definition():
@@ -192,8 +252,11 @@ def test_fp8_linear_extreme_activations():
     k, n = 64, 32
     x = _quant_cases()[-12:]
     _, weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=3)
-    out = _run(_compiled("build_fp8_linear", n=n, k=k, m=None), [x, weight, scale],
-               (x.shape[0], n), torch.bfloat16)
+    tile = gemm.schedule_fp8_linear(gemm.make_fp8_linear(n=n, k=k),
+                                    gemm.Fp8LinearConfig("gemm", tn=32, tm=256, rb=4),
+                                    get_target(CPU))  # the tile kernel (AMX: the test below)
+    ex = tvm.compile(tile, target=get_target(CPU).tvm_target())
+    out = _run(ex, [x, weight, scale], (x.shape[0], n), torch.bfloat16)
     ref = ops.fp8_linear(x, weight, scale)
     finite = torch.isfinite(ref.float())
     assert torch.equal(torch.isfinite(out.float()), finite)
