@@ -451,6 +451,35 @@ def test_dense_gemm_matches_fp32_matmul(groups, n, k, x_dtype, w_dtype):
         assert bool(((out - ref).abs() <= 1e-6 * scale + 1e-30).all()), m
 
 
+@needs_amx
+def test_dense_gemm_amx_matches_fp32_matmul():
+    """The AMX form (bf16 x and w): exact products summed in fp32 in the tiles' order, at row
+    counts below, at and across its 32-row tiles and blocks of 64 rows, 3 groups x 2 panels."""
+    groups, n, k = 3, 64, 96
+    ex = _compiled("make_dense_gemm_amx", groups=groups, n=n, k=k, block_rows=64)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(groups, n, k, generator=gen).to(torch.bfloat16)
+    for m in (1, 31, 32, 33, 70, 130):
+        x = torch.randn(m, groups, k, generator=gen).to(torch.bfloat16)
+        out = _run(ex, [x, w.reshape(groups * n, k)], (m, groups, n), torch.float32)
+        ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float())
+        scale = torch.einsum("mgk,gnk->mgn", x.float().abs(), w.float().abs())
+        assert bool(((out - ref).abs() <= 1e-6 * scale + 1e-30).all()), m
+
+
+def test_dense_gemm_config_kinds():
+    cpu = get_target(CPU)
+    amx = "amx" if has_amx_bf16(cpu) else "tile"
+    bf = {"x_dtype": "bfloat16", "w_dtype": "bfloat16"}
+    assert gemm.dense_gemm_config(cpu, n=512, k=4096, **bf).kind == amx
+    assert gemm.dense_gemm_config(cpu, n=512, k=4096, **bf).block_rows in (128, 32)
+    assert gemm.dense_gemm_config(cpu, n=512, k=4096, x_dtype="float32",
+                                  w_dtype="bfloat16").kind == "tile"  # fp32 products: not exact
+    assert gemm.dense_gemm_config(cpu, n=96, k=40, **bf).kind == "tile"
+    with pytest.raises(ValueError, match="multiples of 32"):
+        gemm.make_dense_gemm_amx(groups=1, n=64, k=40, block_rows=32)
+
+
 def test_dense_gemm_refuses_bad_tiles_dtypes_and_cuda():
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         gemm.make_dense_gemm(groups=1, n=8, k=8, x_dtype="float16", w_dtype="float32")
