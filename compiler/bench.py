@@ -19,7 +19,6 @@ reported as skipped with the reason; no number is ever made up for it.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
@@ -1068,71 +1067,11 @@ def write_plots(report: BenchReport, out_dir: Path) -> list[Path]:
     return paths
 
 
-# ---- command line -------------------------------------------------------------------------------
+# ---- the command --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dsv41 bench", description="End-to-end benchmark: decode against context, prefill "
-        "and time to first token, for the compiled artifact, PyTorch eager and torch.compile. "
-        "`dsv41 bench kernels --help` benchmarks single kernels.")
-    p.add_argument("--preset", default="bench", help="small | bench | full (seeded checkpoint)")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
-    p.add_argument("--artifact", default=None, help="an artifact folder (default: under --out)")
-    p.add_argument("--out", default="artifacts", help="where artifacts live")
-    p.add_argument("--target", default="cpu")
-    p.add_argument("--no-compile", action="store_true",
-                   help="never compile missing artifact entries")
-    p.add_argument("--contexts", default="4K,16K,64K,256K",
-                   help="decode contexts, e.g. 4K,64K,1M (K=1024)")
-    p.add_argument("--impls", default=",".join(IMPLS), help="decode implementations")
-    p.add_argument("--reps", type=int, default=5, help="timed decode steps per cell")
-    p.add_argument("--budget-s", type=float, default=120.0,
-                   help="seconds one implementation may spend at one context")
-    p.add_argument("--prefill-tokens", type=int, default=1024, help="0: no prefill")
-    p.add_argument("--prefill-impls", default="artifact,eager")
-    p.add_argument("--prefill-reps", type=int, default=3)
-    p.add_argument("--prefill-lengths", default=None,
-                   help="a prefill row per prompt length, e.g. 8K,32K,128K (default: "
-                        "--prefill-tokens)")
-    p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help="prefill chunk in tokens (the engine's default)")
-    p.add_argument("--tiers", dest="tiers", action="store_true", default=True)
-    p.add_argument("--no-tiers", dest="tiers", action="store_false")
-    p.add_argument("--tier-context", type=int, default=1024, help="the cold turn's prompt")
-    p.add_argument("--tier-suffix", type=int, default=32, help="later turns' new tokens")
-    p.add_argument("--tier-impls", default="artifact,eager")
-    p.add_argument("--threads", type=int, default=0, help="torch and TVM threads (0: torch's)")
-    p.add_argument("--profile", default="auto", choices=("auto", "always", "never"))
-    p.add_argument("--profile-context", default="64K")
-    p.add_argument("--profile-top", type=int, default=15,
-                   help="rows of the decode-step profile (functions by time)")
-    p.add_argument("--json", default=None, help="write the report as JSON here")
-    p.add_argument("--plots", default=None, help="write PNG plots into this folder")
-    p.add_argument("--seed", type=int, default=0)
-    return p
-
-
-def options_from(ns) -> BenchOptions:
-    split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())  # noqa: E731
-    return BenchOptions(
-        preset=ns.preset, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
-        artifact=Path(ns.artifact) if ns.artifact else None, out=Path(ns.out),
-        target=ns.target, compile_missing=not ns.no_compile, contexts=parse_tokens(ns.contexts),
-        impls=split(ns.impls), reps=ns.reps, budget_s=ns.budget_s,
-        prefill_tokens=ns.prefill_tokens, prefill_impls=split(ns.prefill_impls),
-        prefill_reps=ns.prefill_reps,
-        prefill_lengths=parse_tokens(ns.prefill_lengths) if ns.prefill_lengths else (),
-        prefill_chunk_tokens=ns.prefill_chunk, tiers=ns.tiers, tier_context=ns.tier_context,
-        tier_suffix=ns.tier_suffix, tier_impls=split(ns.tier_impls), threads=ns.threads,
-        profile=ns.profile, profile_context=parse_tokens(ns.profile_context)[0],
-        profile_top=ns.profile_top,
-        json=Path(ns.json) if ns.json else None, plots=Path(ns.plots) if ns.plots else None,
-        seed=ns.seed)
-
-
-def main(argv: list[str] | None = None) -> int:
-    opts = options_from(build_parser().parse_args(argv))
+def run_command(opts: BenchOptions) -> int:
+    """`dsv41 bench`: the benchmark, its text report, the JSON and the plots."""
     opts.validate()
     print(f"dsv41 bench: {opts.display()}")
     t0 = time.time()

@@ -37,7 +37,6 @@ below it can beat the DRAM roofline (ratio < 1), which the table shows rather th
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
@@ -616,54 +615,39 @@ def format_parts(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# ---- CLI -----------------------------------------------------------------------------------------
+# ---- the command --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dsv41 bench kernels",
-        description="Time each TIR kernel against its PyTorch oracle (eager and torch.compile) "
-                    "on this machine's measured roofline.")
-    p.add_argument("--preset", default="bench", help="small | bench | full (sizes of the cases)")
-    p.add_argument("--target", default="cpu",
-                   help="cpu | cpu-x86-64 (CUDA targets need a GPU: refused here)")
-    p.add_argument("--cases", default=None,
-                   help="comma-separated case names or families (attend, indexer, fp8, moe, "
-                   "gemv)")
-    p.add_argument("--repeat", type=int, default=20, help="timed samples per measurement (max)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds per measurement before it stops early (default 1.5, quick "
-                        "0.3)")
-    p.add_argument("--json", default=None, help="write machine numbers + rows here")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny sizes, short probes: a smoke run of the harness, not a measurement")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    p.add_argument("--stat", default="median", choices=("median", "min"),
-                   help="statistic of the samples the table reports (min: least disturbed by "
-                        "other processes on a shared machine)")
-    p.add_argument("--list", action="store_true", help="list the cases and exit")
-    return p
+@dataclass(frozen=True)
+class KernelBenchOptions:
+    """`dsv41 bench kernels`."""
+
+    preset: str = "bench"  # sizes of the cases
+    target: str = "cpu"
+    cases: tuple[str, ...] | None = None  # case names or families (None: all)
+    repeat: int = 20  # timed samples per measurement (max)
+    budget_s: float | None = None  # per measurement (None: 1.5 s, quick 0.3 s)
+    json: Path | None = None
+    quick: bool = False  # tiny sizes, short probes: a smoke run of the harness
+    use_compile: bool = True  # the torch.compile column
+    stat: str = "median"  # median | min
+    list_cases: bool = False  # list the cases and stop
 
 
-def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    wanted = [c.strip() for c in ns.cases.split(",") if c.strip()] if ns.cases else None
-    try:
-        if ns.list:
-            for c in select_cases(default_cases(ns.preset, quick=ns.quick), wanted):
-                print(f"{c.name:16s} {c.d()}")
-            return 0
-        print(f"bench kernels: preset {'quick (tiny sizes)' if ns.quick else ns.preset}, target "
-              f"{ns.target}, cases {ns.cases or 'all'}, repeat {ns.repeat}, stat {ns.stat}, "
-              f"torch.compile {'off' if ns.no_compile else 'on'}, json {ns.json or '-'}")
-        report = run_benchmark(ns.preset, ns.target, wanted, ns.repeat, quick=ns.quick,
-                               use_compile=not ns.no_compile, budget_s=ns.budget,
-                               stat=ns.stat)
-    except ValueError as e:
-        print(f"dsv41 bench kernels: error: {e}", file=sys.stderr)
-        return 2
-    if ns.json:
-        write_report(report, ns.json)
+def run_command(opts: KernelBenchOptions) -> int:
+    """The benchmark (or the case list), its table and legend; the report to `opts.json`."""
+    if opts.list_cases:
+        for c in select_cases(default_cases(opts.preset, quick=opts.quick), opts.cases):
+            print(f"{c.name:16s} {c.d()}")
+        return 0
+    print(f"bench kernels: preset {'quick (tiny sizes)' if opts.quick else opts.preset}, target "
+          f"{opts.target}, cases {','.join(opts.cases) if opts.cases else 'all'}, repeat "
+          f"{opts.repeat}, stat {opts.stat}, torch.compile {'on' if opts.use_compile else 'off'}"
+          f", json {opts.json or '-'}")
+    report = run_benchmark(opts.preset, opts.target, opts.cases, opts.repeat, quick=opts.quick,
+                           use_compile=opts.use_compile, budget_s=opts.budget_s, stat=opts.stat)
+    if opts.json:
+        write_report(report, opts.json)
     print(format_machine(report["machine"]))
     print(format_table(report["rows"]))
     parts = format_parts(report["rows"])
@@ -672,9 +656,5 @@ def main(argv: list[str] | None = None) -> int:
     print(LEGEND.format(stat=report["settings"]["stat"]))
     print(f"{len(report['rows'])} cases in {report['wall_s']:.0f} s; load avg at the end "
           f"{report['load_avg_end'][0]:.2f} (other processes share these cores)"
-          + (f"; JSON -> {ns.json}" if ns.json else ""))
+          + (f"; JSON -> {opts.json}" if opts.json else ""))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,8 @@
 """What every `dsv41 bench ...` measures with and reports through: timing (best of, median of,
 the budgeted sampler of single kernels), threads, peak memory, this machine's roofline (memory
 bandwidth and fp32 GEMM rate), the number formatters and table printer of the text reports,
-and JSON writing.
+and JSON writing. torch is imported where it is used: the CLI's parser reads the option
+dataclasses of modules that import this one.
 
 Timing follows one rule: a warm-up call first (thread pools, lazy initialisation), then timed
 calls; `time_call` loops fast calls so that one sample outlasts the timer (>= `MIN_SAMPLE_S`)
@@ -21,8 +22,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from dsv41.runtime.threads import size_tvm_pool, tvm_num_threads
 
@@ -91,6 +90,8 @@ def time_call(fn: Callable[[], object], *, repeat: int, budget_s: float,
 def set_threads(n: int) -> dict:
     """The same number of threads for torch and TVM (TVM's pool otherwise takes half the
     hardware threads). Call before TVM starts its pool."""
+    import torch
+
     n = n or torch.get_num_threads()
     torch.set_num_threads(n)
     return {"torch": torch.get_num_threads(), "tvm": size_tvm_pool(n), "requested": n}
@@ -166,6 +167,8 @@ def measure_bandwidth(n_bytes: int, reps: int = 5) -> tuple[float, float]:
     """(copy, triad) GB/s, best of `reps`, multi-threaded torch ops over float32 arrays of
     n_bytes each. Bytes counted: copy 2 x n_bytes (read + write), triad 3 x n_bytes; the
     write-allocate read is not counted (STREAM's convention)."""
+    import torch
+
     n = n_bytes // 4
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
     t_copy = best_time(lambda: a.copy_(b), reps)
@@ -175,6 +178,8 @@ def measure_bandwidth(n_bytes: int, reps: int = 5) -> tuple[float, float]:
 
 def measure_gemm(size: int, reps: int = 5) -> float:
     """fp32 GFLOP/s of torch.mm at size x size x size, best of `reps`."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g)
     b = torch.randn(size, size, generator=g)
@@ -209,6 +214,8 @@ def cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
 
 def measure_machine(*, quick: bool = False) -> Machine:
     """Bandwidth and compute peak of this machine as the kernels see it (all cores)."""
+    import torch
+
     load = os.getloadavg()
     stream = (32 << 20) if quick else (512 << 20)
     copy, triad = measure_bandwidth(stream, reps=3 if quick else 5)
