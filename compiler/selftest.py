@@ -376,7 +376,7 @@ def options_from(ns) -> SelftestOptions:
         artifacts=tuple(Path(x) for x in ns.artifacts.split(",") if x),
         case=None if ns.case is None else Path(ns.case),
         bench_checkpoint=Path(ns.bench_checkpoint),
-        contexts=tuple(parse_tokens(x) for x in ns.contexts.split(",") if x), reps=ns.reps,
+        contexts=parse_tokens(ns.contexts), reps=ns.reps,
         budget_s=ns.budget_s, tests=None if ns.tests is None else Path(ns.tests),
         json_out=Path(ns.json))
 
