@@ -744,45 +744,39 @@ def _bench_spec_args(p) -> None:
     p.add_argument("--artifact", default=None, help="the artifact of --impls artifact")
 
 
+def _verb(sub, name: str, help_: str, add_args, func, options, description: str | None = None,
+          **defaults) -> None:
+    """One sub-verb: its options, its command and its options dataclass builder."""
+    sp = sub.add_parser(name, help=help_, description=description or help_)
+    add_args(sp)
+    sp.set_defaults(func=func, options=options, **defaults)
+
+
 def _bench_parsers(bench) -> None:
     """`dsv41 bench <sub-verb>`: e2e (the default), kernels, serve, pool, soak, load, spec."""
     sub = bench.add_subparsers(dest="bench_verb", required=True, metavar="SUB-VERB")
-    sp = sub.add_parser(
-        "e2e", help="the default: decode against context, prefill and time to first token",
-        description="End-to-end benchmark: decode against context, prefill and time to first "
-        "token, for the compiled artifact, PyTorch eager and torch.compile. `dsv41 bench "
-        "kernels --help` benchmarks single kernels.")
-    _bench_e2e_args(sp)
-    sp.set_defaults(func=cmd_bench, options=bench_options)
-    sp = sub.add_parser(
-        "kernels", help="each TIR kernel against its PyTorch oracle, on a roofline",
-        description="Time each TIR kernel against its PyTorch oracle (eager and torch.compile) "
-                    "on this machine's measured roofline.")
-    _bench_kernels_args(sp)
-    sp.set_defaults(func=cmd_bench_kernels, options=bench_kernels_options,
-                    error_prog="bench kernels")
-    sp = sub.add_parser("serve", help="the HTTP server under concurrent streaming clients",
-                        description="the HTTP server under concurrent streaming clients")
-    _bench_serve_args(sp)
-    sp.set_defaults(func=cmd_bench_serve, options=bench_serve_options)
-    sp = sub.add_parser("pool", help="snapshot put / get: in-process pool vs Redis",
-                        description="snapshot put / get: in-process pool vs Redis")
-    _bench_pool_args(sp)
-    sp.set_defaults(func=cmd_bench_pool, options=bench_pool_options)
-    sp = sub.add_parser("soak", help="many turns with every tier evicting; RSS sampled",
-                        description="many turns over rotating sessions with every tier "
-                                    "evicting, and the process's RSS sampled along the way")
-    _bench_soak_args(sp)
-    sp.set_defaults(func=cmd_bench_soak, options=bench_soak_options)
-    sp = sub.add_parser("load", help="peak RSS while loading a checkpoint",
-                        description="peak RSS while loading a checkpoint")
-    _bench_load_args(sp)
-    sp.set_defaults(func=cmd_bench_load, options=bench_load_options)
-    sp = sub.add_parser("spec", help="DSpark speculative decoding: verify, acceptance, tok/s",
-                        description="DSpark speculative decoding's numbers on the PyTorch graph "
-                                    "and on a compiled artifact")
-    _bench_spec_args(sp)
-    sp.set_defaults(func=cmd_bench_spec, options=bench_spec_options)
+    _verb(sub, "e2e", "the default: decode against context, prefill and time to first token",
+          _bench_e2e_args, cmd_bench, bench_options,
+          "End-to-end benchmark: decode against context, prefill and time to first token, for "
+          "the compiled artifact, PyTorch eager and torch.compile. `dsv41 bench kernels --help` "
+          "benchmarks single kernels.")
+    _verb(sub, "kernels", "each TIR kernel against its PyTorch oracle, on a roofline",
+          _bench_kernels_args, cmd_bench_kernels, bench_kernels_options,
+          "Time each TIR kernel against its PyTorch oracle (eager and torch.compile) on this "
+          "machine's measured roofline.", error_prog="bench kernels")
+    _verb(sub, "serve", "the HTTP server under concurrent streaming clients", _bench_serve_args,
+          cmd_bench_serve, bench_serve_options)
+    _verb(sub, "pool", "snapshot put / get: in-process pool vs Redis", _bench_pool_args,
+          cmd_bench_pool, bench_pool_options)
+    _verb(sub, "soak", "many turns with every tier evicting; RSS sampled", _bench_soak_args,
+          cmd_bench_soak, bench_soak_options,
+          "many turns over rotating sessions with every tier evicting, and the process's RSS "
+          "sampled along the way")
+    _verb(sub, "load", "peak RSS while loading a checkpoint", _bench_load_args, cmd_bench_load,
+          bench_load_options)
+    _verb(sub, "spec", "DSpark speculative decoding: verify, acceptance, tok/s", _bench_spec_args,
+          cmd_bench_spec, bench_spec_options,
+          "DSpark speculative decoding's numbers on the PyTorch graph and on a compiled artifact")
 
 
 def with_default_bench_verb(argv: list[str]) -> list[str]:
