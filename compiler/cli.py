@@ -92,71 +92,22 @@ def cmd_checkpoint(ns) -> int:
     return 0
 
 
-def cmd_score(ns) -> int:
-    import numpy as np
-    from tqdm import tqdm
+def score_options(ns):
+    """`dsv41 score` -> scoring.ScoreOptions."""
+    from dsv41.compiler.scoring import ScoreOptions
 
-    from dsv41.graph.model import Model
-    from dsv41.graph.score import GraphBackend, read_tokens, score
+    return ScoreOptions(
+        checkpoint=Path(ns.checkpoint), tokens=Path(ns.tokens), out=Path(ns.out),
+        prefill=ns.prefill, mode=ns.mode, backend=ns.backend, kv_dtype=ns.kv_dtype,
+        hidden_states=tuple(int(x) for x in ns.hidden_states.split(",")) if ns.hidden_states
+        else (), images=tuple(Path(p) for p in ns.images.split(",")) if ns.images else ())
+
+
+def cmd_score(ns) -> int:
+    from dsv41.compiler.scoring import score_command
 
     _print_args("score", ns)
-    tokens = read_tokens(ns.tokens)
-    hidden = tuple(int(x) for x in ns.hidden_states.split(",")) if ns.hidden_states else ()
-    t0 = time.time()
-    model = Model.from_checkpoint(ns.checkpoint)
-    for h in hidden:
-        if not 0 <= h < model.args.n_layers:
-            raise ValueError(f"--hidden-states {h} is not a block of 0..{model.args.n_layers - 1}.")
-    phases, label = None, "the PyTorch graph"
-    if ns.backend != "torch":
-        from dsv41.runtime.artifact import Artifact
-        from dsv41.runtime.compiled import CompiledPhases
-
-        if not Path(ns.backend).is_dir():
-            raise ValueError(f"--backend {ns.backend!r} is neither 'torch' nor an artifact "
-                             "directory.")
-        if hidden:
-            raise ValueError("--hidden-states needs --backend torch (artifacts return logits, "
-                             "selections and cache state only).")
-        if ns.kv_dtype != "fp4":
-            raise ValueError("Compiled artifacts hold the FP4 cache; --kv-dtype bf16 needs "
-                             "--backend torch.")
-        phases = CompiledPhases(Artifact.load(ns.backend, args=model.args), model)
-        label = f"artifact {ns.backend}"
-    images = _score_images(ns.images, model, tokens, ns.prefill)
-    print(f"backend: {label}")
-    res = score(GraphBackend(model, kv_dtype=ns.kv_dtype, phases=phases), tokens,
-                prefill=ns.prefill, mode=ns.mode, hidden_layers=hidden, progress=tqdm,
-                images=images)
-    res.to_npz(ns.out, tokens)
-    finite = np.isfinite(res.logits).all(-1).sum()
-    if images:
-        print(f"images: {len(images)}, spans of "
-              f"{', '.join(str(im.grid.span_length) for im in images)} positions")
-    print(f"scored {len(tokens)} tokens ({res.prefill} prefilled, mode {ns.mode}) in "
-          f"{time.time() - t0:.1f} s: {finite} logit rows, perplexity "
-          f"{res.perplexity(tokens):.4f}, {res.token_layers} token-layers -> {ns.out}")
-    return 0
-
-
-def _score_images(spec: str, model, tokens, prefill: int | None) -> list:
-    """`--images a.png,b.png`: each image preprocessed, its span found in the prompt (laid out
-    as the released `prepare_vl_inputs` writes it) and checked against its planned grid."""
-    from dsv41.graph.image_processor import load_image
-    from dsv41.graph.vision import find_spans
-
-    if not spec:
-        return []
-    if not model.vision:
-        raise ValueError("--images needs a checkpoint with a vision tower; this one holds no "
-                         "vision.* tensors.")
-    images = [load_image(Path(p), model.args) for p in spec.split(",")]
-    spans = find_spans(tokens, [im.grid for im in images], model.args.image_token_id)
-    p = len(tokens) if prefill is None else prefill
-    if spans[-1].end > p:
-        raise ValueError(f"Image {len(spans) - 1}'s span ends at {spans[-1].end}, past the "
-                         f"{p} prefilled tokens: image spans must lie in the prompt.")
-    return images
+    return score_command(score_options(ns))
 
 
 def _check_target(target: str) -> None:
@@ -291,51 +242,28 @@ def cmd_run(ns) -> int:
     return 0
 
 
-def cmd_ledger(ns) -> int:
-    from tqdm import tqdm
-
-    from dsv41.compiler.bench import parse_tokens, synthetic_cache
+def ledger_options(ns):
+    """`dsv41 ledger` -> ledger_command.LedgerCommandOptions."""
+    from dsv41.compiler.bench import parse_tokens
+    from dsv41.compiler.ledger_command import LedgerCommandOptions
     from dsv41.graph.bill import parse_contexts
-    from dsv41.graph.ledger import (
-        SWITCHES,
-        LedgerOptions,
-        format_ledger,
-        ledger_json,
-        long_switches,
-        run_ledger,
-    )
-    from dsv41.graph.model import Model
+    from dsv41.graph.ledger import SWITCHES, LedgerOptions
 
-    _print_args("ledger", ns)
     switches = tuple(s.strip() for s in ns.switches.split(",")) if ns.switches else \
         tuple(SWITCHES)
-    opts = LedgerOptions(
+    ledger = LedgerOptions(
         contexts=parse_contexts(ns.contexts) if ns.contexts.strip() else (), decode=ns.decode,
         switches=switches, suffix=ns.suffix, seed=ns.seed,
         long_contexts=parse_tokens(ns.long_contexts) if ns.long_contexts else ())
-    ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
-    t0 = time.time()
-    model = Model.from_checkpoint(ckpt)
-    print(f"checkpoint: {ckpt}")
-    total = len(opts.contexts) * len(opts.switches) + \
-        len(opts.long_contexts) * len(long_switches(opts))
-    bar = tqdm(total=total, desc="ledger", unit="cmp")
+    return LedgerCommandOptions(ledger, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
+                                preset=ns.preset, json=Path(ns.json) if ns.json else None)
 
-    def progress(rec) -> None:
-        bar.update(1)
-        bar.set_postfix_str(f"{rec.switch} @ {rec.context} ({rec.source}): KL {rec.kl_mean:.3g}")
 
-    def cache_at(n: int):
-        return synthetic_cache(model, n, seed=ns.seed)
+def cmd_ledger(ns) -> int:
+    from dsv41.compiler.ledger_command import run_command
 
-    ledger = run_ledger(model, opts, progress=progress, cache_at=cache_at)
-    bar.close()
-    print(format_ledger(ledger))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(ledger_json(ledger), indent=1))
-        print(f"json: {ns.json}")
-    print(f"{len(ledger.records)} comparisons in {time.time() - t0:.1f} s")
-    return 0
+    _print_args("ledger", ns)
+    return run_command(ledger_options(ns))
 
 
 def tune_options(ns):
@@ -829,7 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--images", default="",
                     help="comma-separated image files whose spans the prompt holds, in order")
     sp.add_argument("--out", required=True)
-    sp.set_defaults(func=cmd_score)
+    sp.set_defaults(func=cmd_score, options=score_options)
 
     sp = sub.add_parser("compile", help="compile the model's phases into an artifact")
     _model_opts(sp)
@@ -915,7 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated subset of ced,replay,fp4_kv,candidate_pool,"
                          "decoder_carry,shared_selection (default all)")
     sp.add_argument("--json", default=None, help="write the records as JSON here")
-    sp.set_defaults(func=cmd_ledger)
+    sp.set_defaults(func=cmd_ledger, options=ledger_options)
 
     sp = sub.add_parser("tune", help="MetaSchedule the artifact's kernels (database in tuning/)")
     _model_opts(sp)

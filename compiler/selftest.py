@@ -32,7 +32,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv41.compiler.measure import write_json
+from dsv41.compiler.measure import best_time, write_json
 
 if TYPE_CHECKING:  # annotations only: the parser (`add_arguments`) loads without torch
     import torch
@@ -140,19 +140,18 @@ class PhasesOnDevice:
 
 
 def device_bandwidth_gbs(device: torch.device, n_bytes: int = 1 << 30, reps: int = 5) -> float:
-    """Copy bandwidth of the device's memory (read + write counted), best of `reps`."""
+    """Copy bandwidth of the device's memory (read + write counted), best of `reps` after a
+    warm-up copy; each copy waits for the device (so the next starts on an idle one)."""
     import torch
 
     a = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(reps + 1):
-        _sync(device)
-        t0 = time.perf_counter()
+
+    def copy() -> None:
         b.copy_(a)
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n_bytes / best / 1e9
+
+    return 2 * n_bytes / best_time(copy, reps) / 1e9
 
 
 def environment() -> dict:

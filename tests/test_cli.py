@@ -110,7 +110,9 @@ def test_each_verb_builds_its_options_with_the_documented_defaults():
     from dsv41.compiler.bench_kernels import KernelBenchOptions
     from dsv41.compiler.bench_load import LoadBenchOptions
     from dsv41.compiler.build import CompileOptions
+    from dsv41.compiler.ledger_command import LedgerCommandOptions
     from dsv41.compiler.pool_bench import PoolBenchOptions
+    from dsv41.compiler.scoring import ScoreOptions
     from dsv41.compiler.selftest import SelftestOptions
     from dsv41.compiler.serve_bench import BenchServeOptions
     from dsv41.compiler.serving import ChatOptions, ServeOptions, ServingOptions
@@ -145,6 +147,13 @@ def test_each_verb_builds_its_options_with_the_documented_defaults():
         == BenchServeOptions(ServingOptions(backend="torch", seed=4),
                              ServeBenchOptions(clients=(2, 3), seed=4))
     assert _options(["serve", "--request-timeout", "0"]).request_timeout_s is None
+    assert _options(["ledger"]) == LedgerCommandOptions()
+    assert _options(["score", "--checkpoint", "c", "--tokens", "t", "--out", "o"]) == \
+        ScoreOptions(checkpoint=Path("c"), tokens=Path("t"), out=Path("o"))
+    assert _options(["score", "--checkpoint", "c", "--tokens", "t", "--out", "o",
+                     "--hidden-states", "0,2", "--images", "a.png,b.png"]) == ScoreOptions(
+        Path("c"), Path("t"), Path("o"), hidden_states=(0, 2),
+        images=(Path("a.png"), Path("b.png")))
 
 
 def test_verbs_refuse_bad_options_before_any_work(capsys):
