@@ -11,7 +11,7 @@ implementations of the same phase graphs (the compiled artifact, PyTorch eager, 
 - time to first token of agent-loop turns through the Engine: cold, snapshot hit and snapshot
   miss (the DRAM snapshot expired: bounded replay from the SSD prefix blocks).
 - the roofline: the bytes and FLOPs of one decode step (`graph.cost`) against this machine's
-  measured bandwidth and fp32 GEMM peak (`bench_kernels.measure_machine`).
+  measured bandwidth and fp32 GEMM peak (`measure.measure_machine`).
 
 A cell that would run past its time budget, or a context whose cache does not fit in memory, is
 reported as skipped with the reason; no number is ever made up for it.
@@ -19,9 +19,7 @@ reported as skipped with the reason; no number is ever made up for it.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
 import os
 import statistics
@@ -33,6 +31,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from dsv41.compiler.measure import (
+    current_rss,
+    gib,
+    measure_machine,
+    mem_available,
+    ms,
+    pct,
+    peak_rss,
+    reset_peak_rss,
+    roof_point,
+    set_threads,
+    table,
+    times,
+    write_json,
+)
 
 IMPLS = ("artifact", "eager", "compile")
 LABELS = {"artifact": "compiled artifact (TVM)", "eager": "PyTorch eager",
@@ -267,12 +281,11 @@ def ratios(report: BenchReport) -> list[dict]:
 
 
 def roofline_row(impl: str, cost, seconds: float | None, machine: dict) -> RooflineRow:
-    bw, peak = machine["bandwidth_gbs"], machine["gemm_gflops"]
-    gbs = cost.bytes / seconds / 1e9 if seconds else None
-    gfl = cost.flops / seconds / 1e9 if seconds else None
+    r = roof_point(cost.bytes, cost.flops, seconds, bandwidth_gbs=machine["bandwidth_gbs"],
+                   gemm_gflops=machine["gemm_gflops"])
     return RooflineRow(impl, cost.context, cost.weight_bytes, cost.kv_bytes, cost.flops, seconds,
-                       gbs, gbs / bw if gbs else None, gfl, gfl / peak if gfl else None,
-                       cost.bytes / (bw * 1e9))
+                       r.achieved_gbs, r.bandwidth_frac, r.achieved_gflops, r.compute_frac,
+                       r.bytes_floor_s)
 
 
 def targets(report: BenchReport) -> dict:
@@ -296,16 +309,6 @@ def cache_bytes(plan, context: int) -> int:
     per_tok = sum((s.main_kv_bytes + s.index_k_bytes) / s.ratio for s in lay.sources)
     return int(per_tok * context) + len(lay.window_layers) * lay.window * \
         lay.window_entry_bytes + lay.tail_bytes
-
-
-def mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _fill(codes: torch.Tensor, scales: torch.Tensor, rows: int, quant, gen: torch.Generator,
@@ -437,26 +440,7 @@ def make_phases(impl: str, model, artifact_dir: Path | None, entries: tuple[str,
     return CompiledPhases(Artifact.load(artifact_dir, args=model.args), model)
 
 
-# ---- threads ------------------------------------------------------------------------------------
-
-
-def set_threads(n: int) -> dict:
-    """The same number of threads for torch and TVM (TVM's pool otherwise takes half the
-    hardware threads). Call before TVM starts its pool."""
-    from dsv41.runtime.threads import size_tvm_pool
-
-    n = n or torch.get_num_threads()
-    torch.set_num_threads(n)
-    return {"torch": torch.get_num_threads(), "tvm": size_tvm_pool(n), "requested": n}
-
-
 # ---- decode -------------------------------------------------------------------------------------
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def projected_skip(cell: DecodeCell, previous: DecodeCell | None, budget_s: float) -> str | None:
@@ -527,35 +511,6 @@ def memory_skip(plan, context: int, weights_loaded: bool = True) -> str | None:
 
 
 # ---- prefill and turns --------------------------------------------------------------------------
-
-
-def _proc_status_kib(field_name: str) -> int | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Reset the process's peak resident set (Linux VmHWM) so the next reading is the peak of
-    what follows; False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def peak_rss() -> int | None:
-    return _proc_status_kib("VmHWM")
-
-
-def current_rss() -> int | None:
-    return _proc_status_kib("VmRSS")
 
 
 def model_bytes(model) -> int:
@@ -828,7 +783,6 @@ def check_contexts(model, contexts: tuple[int, ...]) -> None:
 def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchReport:
     from tqdm import tqdm
 
-    from dsv41.compiler.bench_kernels import measure_machine
     from dsv41.graph.checkpoint import weights_fingerprint
     from dsv41.graph.cost import decode_step_cost
     from dsv41.graph.model import Model
@@ -877,7 +831,7 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
         previous = {c.impl: c for c in cells}
         cost = decode_step_cost(model.args, n)
         report.roofline += [roofline_row(c.impl, cost, c.median_s, machine) for c in cells]
-        bar.write("  " + "  ".join(f"{c.impl} {_ms(c.median_s)}" for c in cells))
+        bar.write("  " + "  ".join(f"{c.impl} {ms(c.median_s)}" for c in cells))
     bar.close()
 
     if opts.prefill_tokens:
@@ -940,29 +894,6 @@ def _compile_seconds(report: BenchReport, phases: dict) -> None:
 # ---- output -------------------------------------------------------------------------------------
 
 
-def _ms(s: float | None) -> str:
-    return "-" if s is None else f"{s * 1e3:.1f} ms"
-
-
-def _gib(v: int | None) -> str:
-    return "-" if v is None else f"{v / 2**30:.2f} GiB"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v * 100:.1f}%"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    w = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i])  # noqa: E731
-                               for i, c in enumerate(r))
-    return "\n".join([line(header), "  ".join("-" * x for x in w), *map(line, rows)])
-
-
 def format_report(report: BenchReport) -> str:
     o, m = report.options, report.machine
     impls = list(o.impls)
@@ -977,10 +908,10 @@ def format_report(report: BenchReport) -> str:
     for n in (o.contexts if report.decode else ()):  # no decode rows when nothing decoded
         cells = [report.cell(i, n) for i in impls]
         r = next(x for x in ratios(report) if x["context"] == n)
-        rows.append([str(n), *[_ms(c.median_s) if c and not c.skipped else "skipped"
+        rows.append([str(n), *[ms(c.median_s) if c and not c.skipped else "skipped"
                                for c in cells], _ratio(r, "eager"), _ratio(r, "compile"),
                      f"{max((c.load_avg or 0) for c in cells):.2f}"])
-    out.append(_table(["context", *[f"{i} ms/tok" for i in impls], "art/eager", "art/compile",
+    out.append(table(["context", *[f"{i} ms/tok" for i in impls], "art/eager", "art/compile",
                        "load"], rows))
     skipped = [c for c in report.decode if c.skipped]
     for c in skipped:
@@ -990,11 +921,11 @@ def format_report(report: BenchReport) -> str:
     rows = []
     for r in report.roofline:
         rows.append([str(r.context), r.impl, f"{r.weight_bytes / 1e6:.0f}",
-                     f"{r.kv_bytes / 1e6:.1f}", f"{r.flops / 1e9:.2f}", _ms(r.floor_s),
-                     _ms(r.seconds),
+                     f"{r.kv_bytes / 1e6:.1f}", f"{r.flops / 1e9:.2f}", ms(r.floor_s),
+                     ms(r.seconds),
                      "-" if r.achieved_gbs is None else f"{r.achieved_gbs:.2f}",
-                     _pct(r.bandwidth_frac), _pct(r.compute_frac)])
-    out.append(_table(["context", "impl", "weights MB", "KV MB", "GFLOP", "floor", "time",
+                     pct(r.bandwidth_frac), pct(r.compute_frac)])
+    out.append(table(["context", "impl", "weights MB", "KV MB", "GFLOP", "floor", "time",
                        "GB/s", "of BW", "of peak"], rows))
     if report.compile_s:
         out += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in
@@ -1003,31 +934,31 @@ def format_report(report: BenchReport) -> str:
         out += ["", f"prefill (CED from an empty cache, chunks of {o.prefill_chunk_tokens}, "
                 f"median of up to {o.prefill_reps}; peak RSS of the prefill; roofline against "
                 f"the fp32 GEMM rate {m['gemm_gflops']:.1f} GFLOP/s):"]
-        out.append(_table(["impl", "tokens", "median", "tokens/s", "peak RSS", "weights",
+        out.append(table(["impl", "tokens", "median", "tokens/s", "peak RSS", "weights",
                            "cache", "peak-w-c", "GFLOP", "GFLOP/s", "of GEMM", "note"],
-                          [[p.impl, str(p.tokens), _ms(p.median_s),
+                          [[p.impl, str(p.tokens), ms(p.median_s),
                             "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.1f}",
-                            _gib(p.peak_rss_bytes), _gib(p.weights_bytes), _gib(p.cache_bytes),
-                            _gib(p.peak_over_weights_cache_bytes),
+                            gib(p.peak_rss_bytes), gib(p.weights_bytes), gib(p.cache_bytes),
+                            gib(p.peak_over_weights_cache_bytes),
                             "-" if p.flops is None else f"{p.flops / 1e9:.0f}",
                             "-" if p.achieved_gflops is None else f"{p.achieved_gflops:.1f}",
-                            _pct(p.gemm_frac), p.skipped or ""] for p in report.prefill]))
+                            pct(p.gemm_frac), p.skipped or ""] for p in report.prefill]))
     if report.tiers:
         out += ["", f"time to first token per turn (one sample each; turn 1 {o.tier_context} "
                 f"tokens, turns 2-3 {o.tier_suffix} new tokens; then a new session in a new "
                 f"engine: turn 1's prompt + {o.tier_suffix} new tokens):"]
-        out.append(_table(["impl", "tier", "served by", "TTFT", "restore", "prefill",
+        out.append(table(["impl", "tier", "served by", "TTFT", "restore", "prefill",
                            "replayed"],
-                          [[t.impl, TIER_LABELS[t.expected], t.tier, _ms(t.ttft_s),
-                            _ms(t.seconds.get("restore")), _ms(t.seconds.get("prefill")),
+                          [[t.impl, TIER_LABELS[t.expected], t.tier, ms(t.ttft_s),
+                            ms(t.seconds.get("restore")), ms(t.seconds.get("prefill")),
                             str(t.replayed)] for t in report.tiers]))
         for impl, x in new_session_speedup(report).items():
             out.append(f"{impl}: prefix hit in a new session reaches its first token {x:.1f}x "
                        f"faster than the cold turn")
     tg = targets(report)
-    out += ["", f"bar at {tg['context']}: artifact vs torch.compile {_x(tg['vs_compile'])} "
+    out += ["", f"bar at {tg['context']}: artifact vs torch.compile {times(tg['vs_compile'])} "
             f"(need {TARGET_VS_COMPILE:g}x: {_verdict(tg['met_vs_compile'])}), vs eager "
-            f"{_x(tg['vs_eager'])} (need {TARGET_VS_EAGER:g}x: {_verdict(tg['met_vs_eager'])})"]
+            f"{times(tg['vs_eager'])} (need {TARGET_VS_EAGER:g}x: {_verdict(tg['met_vs_eager'])})"]
     if report.profile:
         out += ["", format_profile(report.profile)]
     out += [f"note: {n}" for n in report.notes]
@@ -1037,7 +968,7 @@ def format_report(report: BenchReport) -> str:
 def _ratio(r: dict, other: str) -> str:
     if r[f"vs_{other}"] is None and r.get(f"vs_{other}_at_least"):
         return f">{r[f'vs_{other}_at_least']:.1f}x"
-    return _x(r[f"vs_{other}"])
+    return times(r[f"vs_{other}"])
 
 
 def _verdict(met: bool | None) -> str:
@@ -1136,71 +1067,11 @@ def write_plots(report: BenchReport, out_dir: Path) -> list[Path]:
     return paths
 
 
-# ---- command line -------------------------------------------------------------------------------
+# ---- the command --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dsv41 bench", description="End-to-end benchmark: decode against context, prefill "
-        "and time to first token, for the compiled artifact, PyTorch eager and torch.compile. "
-        "`dsv41 bench kernels --help` benchmarks single kernels.")
-    p.add_argument("--preset", default="bench", help="small | bench | full (seeded checkpoint)")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
-    p.add_argument("--artifact", default=None, help="an artifact folder (default: under --out)")
-    p.add_argument("--out", default="artifacts", help="where artifacts live")
-    p.add_argument("--target", default="cpu")
-    p.add_argument("--no-compile", action="store_true",
-                   help="never compile missing artifact entries")
-    p.add_argument("--contexts", default="4K,16K,64K,256K",
-                   help="decode contexts, e.g. 4K,64K,1M (K=1024)")
-    p.add_argument("--impls", default=",".join(IMPLS), help="decode implementations")
-    p.add_argument("--reps", type=int, default=5, help="timed decode steps per cell")
-    p.add_argument("--budget-s", type=float, default=120.0,
-                   help="seconds one implementation may spend at one context")
-    p.add_argument("--prefill-tokens", type=int, default=1024, help="0: no prefill")
-    p.add_argument("--prefill-impls", default="artifact,eager")
-    p.add_argument("--prefill-reps", type=int, default=3)
-    p.add_argument("--prefill-lengths", default=None,
-                   help="a prefill row per prompt length, e.g. 8K,32K,128K (default: "
-                        "--prefill-tokens)")
-    p.add_argument("--prefill-chunk", type=int, default=2048,
-                   help="prefill chunk in tokens (the engine's default)")
-    p.add_argument("--tiers", dest="tiers", action="store_true", default=True)
-    p.add_argument("--no-tiers", dest="tiers", action="store_false")
-    p.add_argument("--tier-context", type=int, default=1024, help="the cold turn's prompt")
-    p.add_argument("--tier-suffix", type=int, default=32, help="later turns' new tokens")
-    p.add_argument("--tier-impls", default="artifact,eager")
-    p.add_argument("--threads", type=int, default=0, help="torch and TVM threads (0: torch's)")
-    p.add_argument("--profile", default="auto", choices=("auto", "always", "never"))
-    p.add_argument("--profile-context", default="64K")
-    p.add_argument("--profile-top", type=int, default=15,
-                   help="rows of the decode-step profile (functions by time)")
-    p.add_argument("--json", default=None, help="write the report as JSON here")
-    p.add_argument("--plots", default=None, help="write PNG plots into this folder")
-    p.add_argument("--seed", type=int, default=0)
-    return p
-
-
-def options_from(ns) -> BenchOptions:
-    split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())  # noqa: E731
-    return BenchOptions(
-        preset=ns.preset, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
-        artifact=Path(ns.artifact) if ns.artifact else None, out=Path(ns.out),
-        target=ns.target, compile_missing=not ns.no_compile, contexts=parse_tokens(ns.contexts),
-        impls=split(ns.impls), reps=ns.reps, budget_s=ns.budget_s,
-        prefill_tokens=ns.prefill_tokens, prefill_impls=split(ns.prefill_impls),
-        prefill_reps=ns.prefill_reps,
-        prefill_lengths=parse_tokens(ns.prefill_lengths) if ns.prefill_lengths else (),
-        prefill_chunk_tokens=ns.prefill_chunk, tiers=ns.tiers, tier_context=ns.tier_context,
-        tier_suffix=ns.tier_suffix, tier_impls=split(ns.tier_impls), threads=ns.threads,
-        profile=ns.profile, profile_context=parse_tokens(ns.profile_context)[0],
-        profile_top=ns.profile_top,
-        json=Path(ns.json) if ns.json else None, plots=Path(ns.plots) if ns.plots else None,
-        seed=ns.seed)
-
-
-def main(argv: list[str] | None = None) -> int:
-    opts = options_from(build_parser().parse_args(argv))
+def run_command(opts: BenchOptions) -> int:
+    """`dsv41 bench`: the benchmark, its text report, the JSON and the plots."""
     opts.validate()
     print(f"dsv41 bench: {opts.display()}")
     t0 = time.time()
@@ -1208,8 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_report(report))
     if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(report_json(report), indent=1))
+        write_json(opts.json, report_json(report))
         print(f"json: {opts.json}")
     if opts.plots:
         print("plots: " + ", ".join(str(p) for p in write_plots(report, opts.plots)))

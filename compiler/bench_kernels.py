@@ -37,16 +37,10 @@ below it can beat the DRAM roofline (ratio < 1), which the table shows rather th
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
 import os
-import platform
-import re
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,13 +49,25 @@ from pathlib import Path
 
 import torch
 
-from dsv41.runtime.threads import default_tvm_pool, tvm_num_threads
+from dsv41.compiler.measure import (
+    MIN_SAMPLE_S,
+    Machine,
+    Timing,
+    format_machine,
+    measure_machine,
+    ms_cell,
+    roof_point,
+    table,
+    time_call,
+    times,
+    write_json,
+)
+from dsv41.runtime.threads import default_tvm_pool
 
 SCHEMA = "dsv41.bench.kernels/1"
 FAMILIES = ("attend", "indexer", "fp8", "moe", "gemv")
 COMPILE_NOTE = ("torch.compile (defaults, dynamo reset per case) of the oracle's plain Python "
                 "body; the registered custom op is opaque to Inductor (compiling it times eager)")
-MIN_SAMPLE_S = 0.01  # a timed sample repeats the call until it lasts at least this long
 
 ROW_FIELDS = {
     "bytes, flops": "the case's compulsory traffic and work (FORMULAS)",
@@ -99,154 +105,6 @@ FORMULAS = {
     "gemv": "bytes = m*g*k*|x| (x, bf16 2 / fp32 4) + g*n*k*|w| (the weight as stored) + "
             "4*m*g*n (fp32 y); flops = 2*m*g*n*k (dense_gemv: the grouped o-projection, the head)",
 }
-
-
-# ---- the machine -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the roofline is drawn from. bandwidth_gbs = max(copy, triad); gemm_gflops = the best
-    torch.mm fp32 rate; theoretical_gflops = cores x clock x fp32 FLOPs per cycle (None without
-    a clock)."""
-
-    cpu: str
-    cores: int
-    torch_threads: int
-    tvm_threads: int  # threads of TVM's pool while timing (`default_tvm_pool`)
-    copy_gbs: float
-    triad_gbs: float
-    bandwidth_gbs: float
-    stream_mib: float  # size of one streamed array
-    gemm_gflops: float
-    gemm_size: int
-    clock_ghz: float | None
-    clock_source: str
-    flops_per_cycle: int | None
-    theoretical_gflops: float | None
-    load_avg_start: tuple[float, float, float]
-    notes: tuple[str, ...] = ()
-
-
-def _best_time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_bandwidth(n_bytes: int, reps: int = 5) -> tuple[float, float]:
-    """(copy, triad) GB/s, best of `reps`, multi-threaded torch ops over float32 arrays of
-    n_bytes each. Bytes counted: copy 2 x n_bytes (read + write), triad 3 x n_bytes; the
-    write-allocate read is not counted (STREAM's convention)."""
-    n = n_bytes // 4
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    t_copy = _best_time(lambda: a.copy_(b), reps)
-    t_triad = _best_time(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
-    return 2 * 4 * n / t_copy / 1e9, 3 * 4 * n / t_triad / 1e9
-
-
-def measure_gemm(size: int, reps: int = 5) -> float:
-    """fp32 GFLOP/s of torch.mm at size x size x size, best of `reps`."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g)
-    b = torch.randn(size, size, generator=g)
-    out = torch.empty(size, size)
-    t = _best_time(lambda: torch.mm(a, b, out=out), reps)
-    return 2 * size**3 / t / 1e9
-
-
-def _cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
-    """(model name, flags, clock GHz, where the clock came from): lscpu's max MHz when given,
-    else /proc/cpuinfo's current MHz (a VM often reports only that)."""
-    model, flags, ghz, source = platform.processor() or platform.machine(), set(), None, "none"
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        lscpu = ""
-    for line in lscpu.splitlines():
-        key, _, val = line.partition(":")
-        key, val = key.strip(), val.strip()
-        if key == "Model name":
-            model = val
-        elif key == "Flags":
-            flags = set(val.split())
-        elif key == "CPU max MHz" and val:
-            ghz, source = float(val) / 1000, "lscpu CPU max MHz"
-    if ghz is None and Path("/proc/cpuinfo").exists():
-        m = re.search(r"^cpu MHz\s*:\s*([\d.]+)", Path("/proc/cpuinfo").read_text(), re.M)
-        if m:
-            ghz, source = float(m.group(1)) / 1000, "/proc/cpuinfo cpu MHz"
-    return model, flags, ghz, source
-
-
-def measure_machine(*, quick: bool = False) -> Machine:
-    """Bandwidth and compute peak of this machine as the kernels see it (all cores)."""
-    load = os.getloadavg()
-    stream = (32 << 20) if quick else (512 << 20)
-    copy, triad = measure_bandwidth(stream, reps=3 if quick else 5)
-    size = 512 if quick else 2048
-    gflops = measure_gemm(size, reps=3 if quick else 5)
-    model, flags, ghz, source = _cpu_flags_and_clock()
-    cores = os.cpu_count() or 1
-    # two FMA ports x 16 (AVX-512) or 8 (AVX2) fp32 lanes x 2 FLOPs; an assumption about the
-    # core (true for Xeon Gold/Platinum since Skylake-SP), stated in the notes
-    per_cycle = 64 if "avx512f" in flags else 32 if "fma" in flags else None
-    theo = cores * ghz * per_cycle if ghz and per_cycle else None
-    notes = []
-    if per_cycle:
-        notes.append(f"theoretical peak assumes 2 FMA ports x {per_cycle // 4} fp32 lanes")
-    if quick:
-        notes.append("quick: 32 MiB streams may sit in cache; bandwidth is not DRAM's")
-    if tvm_num_threads() != torch.get_num_threads():
-        notes.append(f"TVM's pool has {tvm_num_threads()} threads, torch {torch.get_num_threads()}:"
-                     " the kernels and the roofline do not use the same cores")
-    return Machine(cpu=model, cores=cores, torch_threads=torch.get_num_threads(),
-                   tvm_threads=tvm_num_threads(), copy_gbs=copy,
-                   triad_gbs=triad, bandwidth_gbs=max(copy, triad), stream_mib=stream / 2**20,
-                   gemm_gflops=gflops, gemm_size=size, clock_ghz=ghz, clock_source=source,
-                   flops_per_cycle=per_cycle, theoretical_gflops=theo, load_avg_start=load,
-                   notes=tuple(notes))
-
-
-# ---- timing --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Timing:
-    median_s: float
-    min_s: float  # the fastest sample: less disturbed by other processes than the median
-    samples: int  # timed samples (each the mean of `number` calls)
-    number: int  # calls per sample
-
-
-def time_call(fn: Callable[[], object], *, repeat: int, budget_s: float,
-              warmed: bool = False) -> Timing:
-    """Median time of one call of fn. A warm-up call first (the first call of a kernel or op can
-    be far slower: thread pools, lazy init), unless the caller has just run fn (warmed=True);
-    then one timed call sizes the samples, and a call slower than the budget is the only
-    sample (the slow oracles are timed once)."""
-    if not warmed:
-        fn()
-    t0 = time.perf_counter()
-    fn()
-    first_s = time.perf_counter() - t0
-    if first_s >= budget_s or repeat == 1:
-        return Timing(first_s, first_s, 1, 1)
-    number = max(1, min(10_000, int(MIN_SAMPLE_S / max(first_s, 1e-9))))
-    samples: list[float] = []
-    spent = 0.0
-    while len(samples) < repeat and (not samples or spent < budget_s):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        dt = time.perf_counter() - t0
-        samples.append(dt / number)
-        spent += dt
-    return Timing(statistics.median(samples), min(samples), len(samples), number)
 
 
 # ---- cases ---------------------------------------------------------------------------------------
@@ -600,9 +458,8 @@ def run_case(case: Case, *, target_name: str, machine: Machine, repeat: int, bud
         return None if t is None else t.median_s if stat == "median" else t.min_s
 
     k, t_e, t_c = pick(t_kernel), pick(t_eager), pick(t_comp)
-    roof_bw, roof_fl = prep.bytes / (machine.bandwidth_gbs * 1e9), \
-        prep.flops / (machine.gemm_gflops * 1e9)
-    roofline_s = max(roof_bw, roof_fl)
+    roof = roof_point(prep.bytes, prep.flops, k, bandwidth_gbs=machine.bandwidth_gbs,
+                      gemm_gflops=machine.gemm_gflops)
     row = {
         "case": case.name,
         "family": case.family,
@@ -612,13 +469,13 @@ def run_case(case: Case, *, target_name: str, machine: Machine, repeat: int, bud
         "kernel_s": k,
         "eager_s": t_e,
         "compile_s": t_c,
-        "gbs": prep.bytes / k / 1e9,
-        "gflops": prep.flops / k / 1e9,
-        "frac_bw": prep.bytes / k / 1e9 / machine.bandwidth_gbs,
-        "frac_peak": prep.flops / k / 1e9 / machine.gemm_gflops,
-        "roofline_s": roofline_s,
-        "bound": "memory" if roof_bw >= roof_fl else "compute",
-        "roofline_ratio": k / roofline_s,
+        "gbs": roof.achieved_gbs,
+        "gflops": roof.achieved_gflops,
+        "frac_bw": roof.bandwidth_frac,
+        "frac_peak": roof.compute_frac,
+        "roofline_s": roof.floor_s,
+        "bound": roof.bound,
+        "roofline_ratio": k / roof.floor_s,
         "speedup_eager": t_e / k,
         "speedup_compile": t_c / k if t_comp else None,
         "min_s": {"kernel": t_kernel.min_s, "eager": t_eager.min_s,
@@ -715,35 +572,10 @@ def bench_kernels(preset_name: str = "bench", target_name: str = "cpu",
 
 
 def write_report(report: dict, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(path, report, final_newline=True)
 
 
 # ---- the table -----------------------------------------------------------------------------------
-
-
-def _ms(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1e3:.3f}" if s < 0.1 else f"{s * 1e3:.1f}"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x" if v < 100 else f"{v:.0f}x"
-
-
-def format_machine(m: dict) -> str:
-    """The report's machine numbers (a `Machine` as a dict) in four lines or so."""
-    theo = (f", theoretical {m['theoretical_gflops']:.0f} GFLOP/s ({m['cores']} cores x "
-            f"{m['clock_ghz']:.2f} GHz [{m['clock_source']}] x {m['flops_per_cycle']} "
-            "FLOP/cycle)" if m["theoretical_gflops"] else "")
-    lines = [f"machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, "
-             f"TVM threads {m['tvm_threads']}, load avg {m['load_avg_start'][0]:.2f}",
-             f"  bandwidth {m['bandwidth_gbs']:.1f} GB/s (copy {m['copy_gbs']:.1f}, triad "
-             f"{m['triad_gbs']:.1f}; {m['stream_mib']:.0f} MiB arrays)",
-             f"  fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s (torch.mm {m['gemm_size']}^3){theo}"]
-    lines += [f"  note: {n}" for n in m["notes"]]
-    return "\n".join(lines)
 
 
 LEGEND = (
@@ -756,22 +588,15 @@ LEGEND = (
 
 def format_table(rows: list[dict]) -> str:
     """Aligned text: times in ms, rates, roofline and speedups, one row per case."""
-    head = ("case", "kernel ms", "eager ms", "compile ms", "vs eager", "vs compile", "GB/s",
-            "%BW", "GFLOP/s", "%peak", "roof ms", "bound", "/roof", "note")
-    body = [(r["case"], _ms(r["kernel_s"]), _ms(r["eager_s"]), _ms(r["compile_s"]),
-             _x(r["speedup_eager"]), _x(r["speedup_compile"]), f"{r['gbs']:.1f}",
+    head = ["case", "kernel ms", "eager ms", "compile ms", "vs eager", "vs compile", "GB/s",
+            "%BW", "GFLOP/s", "%peak", "roof ms", "bound", "/roof", "note"]
+    body = [[r["case"], ms_cell(r["kernel_s"]), ms_cell(r["eager_s"]), ms_cell(r["compile_s"]),
+             times(r["speedup_eager"], whole_from=100),
+             times(r["speedup_compile"], whole_from=100), f"{r['gbs']:.1f}",
              f"{100 * r['frac_bw']:.0f}%", f"{r['gflops']:.1f}", f"{100 * r['frac_peak']:.0f}%",
-             _ms(r["roofline_s"]), r["bound"], f"{r['roofline_ratio']:.2f}", r["note"])
+             ms_cell(r["roofline_s"]), r["bound"], f"{r['roofline_ratio']:.2f}", r["note"]]
             for r in rows]
-    widths = [max(len(str(x[i])) for x in (head, *body)) for i in range(len(head) - 1)]
-
-    def line(cells):
-        left = [str(cells[0]).ljust(widths[0])]
-        mid = [str(c).rjust(w) for c, w in zip(cells[1:-1], widths[1:], strict=True)]
-        return "  ".join(left + mid + [str(cells[-1])]).rstrip()
-
-    rule = "-" * (sum(widths) + 2 * (len(widths)))
-    return "\n".join([line(head), rule, *(line(r) for r in body)])
+    return table(head, body, free_last=True)
 
 
 def format_parts(rows: list[dict]) -> str:
@@ -783,61 +608,46 @@ def format_parts(rows: list[dict]) -> str:
         if not parts:
             continue
         total = sum(p["time_s"] for p in parts.values())
-        cells = [f"{name} {_ms(p['time_s'])} ({100 * p['time_s'] / total:.0f}%)"
+        cells = [f"{name} {ms_cell(p['time_s'])} ({100 * p['time_s'] / total:.0f}%)"
                  for name, p in parts.items()]
         lines.append(f"  {r['case']} parts, ms: " + ", ".join(cells)
-                     + f"; sum {_ms(total)} vs chain {_ms(r['kernel_s'])}")
+                     + f"; sum {ms_cell(total)} vs chain {ms_cell(r['kernel_s'])}")
     return "\n".join(lines)
 
 
-# ---- CLI -----------------------------------------------------------------------------------------
+# ---- the command --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dsv41 bench kernels",
-        description="Time each TIR kernel against its PyTorch oracle (eager and torch.compile) "
-                    "on this machine's measured roofline.")
-    p.add_argument("--preset", default="bench", help="small | bench | full (sizes of the cases)")
-    p.add_argument("--target", default="cpu",
-                   help="cpu | cpu-x86-64 (CUDA targets need a GPU: refused here)")
-    p.add_argument("--cases", default=None,
-                   help="comma-separated case names or families (attend, indexer, fp8, moe, "
-                   "gemv)")
-    p.add_argument("--repeat", type=int, default=20, help="timed samples per measurement (max)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds per measurement before it stops early (default 1.5, quick "
-                        "0.3)")
-    p.add_argument("--json", default=None, help="write machine numbers + rows here")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny sizes, short probes: a smoke run of the harness, not a measurement")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    p.add_argument("--stat", default="median", choices=("median", "min"),
-                   help="statistic of the samples the table reports (min: least disturbed by "
-                        "other processes on a shared machine)")
-    p.add_argument("--list", action="store_true", help="list the cases and exit")
-    return p
+@dataclass(frozen=True)
+class KernelBenchOptions:
+    """`dsv41 bench kernels`."""
+
+    preset: str = "bench"  # sizes of the cases
+    target: str = "cpu"
+    cases: tuple[str, ...] | None = None  # case names or families (None: all)
+    repeat: int = 20  # timed samples per measurement (max)
+    budget_s: float | None = None  # per measurement (None: 1.5 s, quick 0.3 s)
+    json: Path | None = None
+    quick: bool = False  # tiny sizes, short probes: a smoke run of the harness
+    use_compile: bool = True  # the torch.compile column
+    stat: str = "median"  # median | min
+    list_cases: bool = False  # list the cases and stop
 
 
-def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    wanted = [c.strip() for c in ns.cases.split(",") if c.strip()] if ns.cases else None
-    try:
-        if ns.list:
-            for c in select_cases(default_cases(ns.preset, quick=ns.quick), wanted):
-                print(f"{c.name:16s} {c.d()}")
-            return 0
-        print(f"bench kernels: preset {'quick (tiny sizes)' if ns.quick else ns.preset}, target "
-              f"{ns.target}, cases {ns.cases or 'all'}, repeat {ns.repeat}, stat {ns.stat}, "
-              f"torch.compile {'off' if ns.no_compile else 'on'}, json {ns.json or '-'}")
-        report = run_benchmark(ns.preset, ns.target, wanted, ns.repeat, quick=ns.quick,
-                               use_compile=not ns.no_compile, budget_s=ns.budget,
-                               stat=ns.stat)
-    except ValueError as e:
-        print(f"dsv41 bench kernels: error: {e}", file=sys.stderr)
-        return 2
-    if ns.json:
-        write_report(report, ns.json)
+def run_command(opts: KernelBenchOptions) -> int:
+    """The benchmark (or the case list), its table and legend; the report to `opts.json`."""
+    if opts.list_cases:
+        for c in select_cases(default_cases(opts.preset, quick=opts.quick), opts.cases):
+            print(f"{c.name:16s} {c.d()}")
+        return 0
+    print(f"bench kernels: preset {'quick (tiny sizes)' if opts.quick else opts.preset}, target "
+          f"{opts.target}, cases {','.join(opts.cases) if opts.cases else 'all'}, repeat "
+          f"{opts.repeat}, stat {opts.stat}, torch.compile {'on' if opts.use_compile else 'off'}"
+          f", json {opts.json or '-'}")
+    report = run_benchmark(opts.preset, opts.target, opts.cases, opts.repeat, quick=opts.quick,
+                           use_compile=opts.use_compile, budget_s=opts.budget_s, stat=opts.stat)
+    if opts.json:
+        write_report(report, opts.json)
     print(format_machine(report["machine"]))
     print(format_table(report["rows"]))
     parts = format_parts(report["rows"])
@@ -846,9 +656,5 @@ def main(argv: list[str] | None = None) -> int:
     print(LEGEND.format(stat=report["settings"]["stat"]))
     print(f"{len(report['rows'])} cases in {report['wall_s']:.0f} s; load avg at the end "
           f"{report['load_avg_end'][0]:.2f} (other processes share these cores)"
-          + (f"; JSON -> {ns.json}" if ns.json else ""))
+          + (f"; JSON -> {opts.json}" if opts.json else ""))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

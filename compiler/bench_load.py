@@ -13,12 +13,15 @@ time: memory-mapped weights become resident when first read) and the peak is rea
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from dsv41.compiler.assets import ensure_checkpoint
+from dsv41.compiler.measure import write_json
 
 MiB = 1 << 20
 TARGET_RATIO = 1.1  # the issue's bound: peak RSS within 1.1x of the resident bytes
@@ -75,7 +78,7 @@ def measure_in_this_process(checkpoint: Path, device: str) -> LoadMemory:
     """The measurement itself; run it in a fresh process (`measure_load`)."""
     import time
 
-    from dsv41.compiler.bench import current_rss, peak_rss, reset_peak_rss
+    from dsv41.compiler.measure import current_rss, peak_rss, reset_peak_rss
     from dsv41.graph.checkpoint import checkpoint_config, checkpoint_nbytes
     from dsv41.graph.model import Model
     from dsv41.runtime.artifact import to_tvm
@@ -100,8 +103,8 @@ def measure_in_this_process(checkpoint: Path, device: str) -> LoadMemory:
 
 def measure_load(checkpoint: Path, device: str = "cpu") -> LoadMemory:
     """`measure_in_this_process` in a fresh Python process."""
-    res = subprocess.run([sys.executable, "-m", "dsv41.compiler.bench_load", "--child",
-                          "--checkpoint", str(checkpoint), "--device", device],
+    res = subprocess.run([sys.executable, "-m", "dsv41.compiler.bench_load", str(checkpoint),
+                          device],
                          capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"The load measurement failed:\n{res.stderr[-3000:]}")
@@ -118,29 +121,29 @@ def report(m: LoadMemory) -> str:
             f"read\n  ratio {m.ratio:.3f} to the resident bytes ({verdict} {TARGET_RATIO}x)")
 
 
-def main(argv: list[str], *, default_checkpoint=None) -> int:
-    p = argparse.ArgumentParser(prog="dsv41 bench load",
-                                description="peak RSS while loading a checkpoint")
-    p.add_argument("--preset", default="bench")
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", default=None)
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ns = p.parse_args(argv)
-    if ns.child:
-        print(json.dumps(asdict(measure_in_this_process(Path(ns.checkpoint), ns.device))))
-        return 0
-    if ns.checkpoint is None and default_checkpoint is None:
-        raise ValueError("Name a checkpoint with --checkpoint DIR.")
-    ckpt = Path(ns.checkpoint) if ns.checkpoint else default_checkpoint(ns.preset)
-    m = measure_load(ckpt, ns.device)
+@dataclass(frozen=True)
+class LoadBenchOptions:
+    """`dsv41 bench load`."""
+
+    preset: str = "bench"  # whose seeded checkpoint, without a checkpoint folder
+    checkpoint: Path | None = None
+    device: str = "cpu"
+    json: Path | None = None
+
+
+def run_command(opts: LoadBenchOptions, *,
+                default_checkpoint: Callable[[str], Path] = ensure_checkpoint) -> int:
+    """The measurement in a fresh process, printed and written to the JSON.
+    `default_checkpoint(preset)`: the checkpoint without `opts.checkpoint`."""
+    ckpt = opts.checkpoint or default_checkpoint(opts.preset)
+    m = measure_load(ckpt, opts.device)
     print(report(m))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps({"load": {**asdict(m),
-                                                      "within_target": m.within_target}},
-                                            indent=2) + "\n")
+    if opts.json:
+        write_json(opts.json, {"load": {**asdict(m), "within_target": m.within_target}},
+                   indent=2, final_newline=True)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # the child of `measure_load`: CHECKPOINT DEVICE, JSON out
+    checkpoint, device = sys.argv[1:3]
+    print(json.dumps(asdict(measure_in_this_process(Path(checkpoint), device))))

@@ -35,7 +35,7 @@ MiB = 1 << 20
 DEFAULT_MAX_BYTES = 64 * MiB
 FORMAT = 1
 PACKAGE = Path(__file__).resolve().parents[1]  # the dsv41 source tree (graph/, runtime/, ...)
-COMPILER_FILES = ("__init__.py", "selftest.py", "bench.py")  # what gpu_check.py imports
+COMPILER_FILES = ("__init__.py", "selftest.py", "bench.py", "measure.py")  # gpu_check.py's
 TVM_RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_runtime_extra.so", "libtvm_runtime_cuda.so")
 # folders of the tvm / tvm_ffi packages no runtime import reads (headers, sources, the web
 # runtime, CMake files) and the compiler library

@@ -1,5 +1,10 @@
-"""`dsv41 <verb>`: each verb parses and validates, prints its arguments, then calls one API
-function and ends with a short summary."""
+"""`dsv41 <verb>`: one parser tree (`build_parser`: every verb, `dsv41 bench <sub-verb>` and
+`dsv41 selftest` as its subparsers). Each verb parses and validates, prints its arguments, builds
+one options dataclass (`ns.options(ns)` where the verb has one) and calls one API function of
+the package that owns the work, then ends with a short summary.
+
+`dsv41 bench [options]` (no sub-verb) is `dsv41 bench e2e [options]`: `main` names the default
+sub-verb before parsing (`with_default_bench_verb`), the one dispatch outside argparse."""
 
 from __future__ import annotations
 
@@ -7,12 +12,13 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from .assets import ensure_artifact, ensure_checkpoint
 
-ENGINE_STALL_CHUNK = 128  # `bench serve`'s engine-side stall row without --prefill-chunk
+BENCH_VERBS = ("e2e", "kernels", "serve", "pool", "soak", "load", "spec")
+HIDDEN = ("func", "options", "error_prog")  # parser plumbing, never printed as an argument
 
 
 def _args_from(ns):
@@ -21,8 +27,8 @@ def _args_from(ns):
     return resolve_args(getattr(ns, "preset", None), getattr(ns, "config", None))
 
 
-def _print_args(verb: str, ns) -> None:
-    shown = {k: v for k, v in vars(ns).items() if k != "func"}
+def _print_args(verb: str, ns, hide: tuple[str, ...] = ()) -> None:
+    shown = {k: v for k, v in vars(ns).items() if k not in (*HIDDEN, *hide)}
     print(f"dsv41 {verb} " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in shown.items()))
 
 
@@ -86,102 +92,76 @@ def cmd_checkpoint(ns) -> int:
     return 0
 
 
-def cmd_score(ns) -> int:
-    import numpy as np
-    from tqdm import tqdm
+def score_options(ns):
+    """`dsv41 score` -> scoring.ScoreOptions."""
+    from dsv41.compiler.scoring import ScoreOptions
 
-    from dsv41.graph.model import Model
-    from dsv41.graph.score import GraphBackend, read_tokens, score
+    return ScoreOptions(
+        checkpoint=Path(ns.checkpoint), tokens=Path(ns.tokens), out=Path(ns.out),
+        prefill=ns.prefill, mode=ns.mode, backend=ns.backend, kv_dtype=ns.kv_dtype,
+        hidden_states=tuple(int(x) for x in ns.hidden_states.split(",")) if ns.hidden_states
+        else (), images=tuple(Path(p) for p in ns.images.split(",")) if ns.images else ())
+
+
+def cmd_score(ns) -> int:
+    from dsv41.compiler.scoring import score_command
 
     _print_args("score", ns)
-    tokens = read_tokens(ns.tokens)
-    hidden = tuple(int(x) for x in ns.hidden_states.split(",")) if ns.hidden_states else ()
-    t0 = time.time()
-    model = Model.from_checkpoint(ns.checkpoint)
-    for h in hidden:
-        if not 0 <= h < model.args.n_layers:
-            raise ValueError(f"--hidden-states {h} is not a block of 0..{model.args.n_layers - 1}.")
-    phases, label = None, "the PyTorch graph"
-    if ns.backend != "torch":
-        from dsv41.runtime.artifact import Artifact
-        from dsv41.runtime.compiled import CompiledPhases
-
-        if not Path(ns.backend).is_dir():
-            raise ValueError(f"--backend {ns.backend!r} is neither 'torch' nor an artifact "
-                             "directory.")
-        if hidden:
-            raise ValueError("--hidden-states needs --backend torch (artifacts return logits, "
-                             "selections and cache state only).")
-        if ns.kv_dtype != "fp4":
-            raise ValueError("Compiled artifacts hold the FP4 cache; --kv-dtype bf16 needs "
-                             "--backend torch.")
-        phases = CompiledPhases(Artifact.load(ns.backend, args=model.args), model)
-        label = f"artifact {ns.backend}"
-    images = _score_images(ns.images, model, tokens, ns.prefill)
-    print(f"backend: {label}")
-    res = score(GraphBackend(model, kv_dtype=ns.kv_dtype, phases=phases), tokens,
-                prefill=ns.prefill, mode=ns.mode, hidden_layers=hidden, progress=tqdm,
-                images=images)
-    res.to_npz(ns.out, tokens)
-    finite = np.isfinite(res.logits).all(-1).sum()
-    if images:
-        print(f"images: {len(images)}, spans of "
-              f"{', '.join(str(im.grid.span_length) for im in images)} positions")
-    print(f"scored {len(tokens)} tokens ({res.prefill} prefilled, mode {ns.mode}) in "
-          f"{time.time() - t0:.1f} s: {finite} logit rows, perplexity "
-          f"{res.perplexity(tokens):.4f}, {res.token_layers} token-layers -> {ns.out}")
-    return 0
+    return score_command(score_options(ns))
 
 
-def _score_images(spec: str, model, tokens, prefill: int | None) -> list:
-    """`--images a.png,b.png`: each image preprocessed, its span found in the prompt (laid out
-    as the released `prepare_vl_inputs` writes it) and checked against its planned grid."""
-    from dsv41.graph.image_processor import load_image
-    from dsv41.graph.vision import find_spans
-
-    if not spec:
-        return []
-    if not model.vision:
-        raise ValueError("--images needs a checkpoint with a vision tower; this one holds no "
-                         "vision.* tensors.")
-    images = [load_image(Path(p), model.args) for p in spec.split(",")]
-    spans = find_spans(tokens, [im.grid for im in images], model.args.image_token_id)
-    p = len(tokens) if prefill is None else prefill
-    if spans[-1].end > p:
-        raise ValueError(f"Image {len(spans) - 1}'s span ends at {spans[-1].end}, past the "
-                         f"{p} prefilled tokens: image spans must lie in the prompt.")
-    return images
-
-
-def cmd_compile(ns) -> int:
-    from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact
-    from dsv41.compiler.progress import CompileBar
-    from dsv41.graph.entries import ENTRIES, VISION_ENTRY
+def _check_target(target: str) -> None:
     from dsv41.graph.targets import target_names
 
-    _print_args("compile", ns)
-    if ns.target not in target_names():
-        raise ValueError(f"Unknown target {ns.target!r}; targets: {', '.join(target_names())}.")
-    entries = tuple(ns.entries.split(",")) if ns.entries else ENTRIES
+    if target not in target_names():
+        raise ValueError(f"Unknown target {target!r}; targets: {', '.join(target_names())}.")
+
+
+def _model_name(ns) -> str:
+    """The preset, or a --config's folder name (a checkpoint's config.json is named after its
+    folder): how `compile` and `tune` name the artifact."""
+    if not ns.config:
+        return ns.preset
+    cfg = Path(ns.config)
+    name = cfg.parent.name if cfg.name == "config.json" else cfg.stem
+    return cfg.parent.parent.name if name == "checkpoint" else name
+
+
+def _compile_entries(ns, default: tuple[str, ...]) -> tuple[str, ...]:
+    from dsv41.graph.entries import ENTRIES, VISION_ENTRY
+
+    entries = tuple(ns.entries.split(",")) if ns.entries else default
     known = (*ENTRIES, VISION_ENTRY)  # vision: only when named (a model with a tower)
     bad = [e for e in entries if e not in known]
     if bad:
         raise ValueError(f"Unknown entries {bad}; entries: {', '.join(known)}.")
-    args = _args_from(ns)
-    name = ns.preset
-    if ns.config:  # a checkpoint's config.json is named after its folder
-        cfg = Path(ns.config)
-        name = cfg.parent.name if cfg.name == "config.json" else cfg.stem
-        name = cfg.parent.parent.name if name == "checkpoint" else name
-    if ns.shards is not None:
-        return _compile_sharded(ns, args, name, entries if ns.entries else ("prefill_all",))
-    opts = CompileOptions(args=args, model_name=name, target=ns.target, out=Path(ns.out),
-                          entries=entries,
+    return entries
+
+
+def compile_options(ns):
+    """`dsv41 compile` (one artifact) -> build.CompileOptions."""
+    from dsv41.compiler.build import CompileOptions
+    from dsv41.graph.entries import ENTRIES
+
+    _check_target(ns.target)
+    entries = _compile_entries(ns, ENTRIES)
+    return CompileOptions(args=_args_from(ns), model_name=_model_name(ns), target=ns.target,
+                          out=Path(ns.out), entries=entries,
                           debug_dump=Path(ns.debug_dump) if ns.debug_dump else None,
                           onnx=ns.format == "onnx")
+
+
+def cmd_compile(ns) -> int:
+    from dsv41.compiler.build import PHASES, compile_artifact
+    from dsv41.compiler.progress import CompileBar
+
+    _print_args("compile", ns)
+    if ns.shards is not None:
+        return _compile_sharded(ns)
+    opts = compile_options(ns)
     print(f"compile: {opts.display()}")
     print(f"phases per entry: {' -> '.join(PHASES)}")
-    bar = CompileBar(entries, PHASES, desc="compile")
+    bar = CompileBar(opts.entries, PHASES, desc="compile")
     try:
         report = compile_artifact(opts, progress=bar)
     finally:
@@ -199,10 +179,14 @@ def cmd_compile(ns) -> int:
     return 0
 
 
-def _compile_sharded(ns, args, name: str, entries: tuple[str, ...]) -> int:
+def _compile_sharded(ns) -> int:
     """`dsv41 compile --shards N`: one worker's graph for every worker (compiler/sharded.py)."""
     from dsv41.compiler.sharded import compile_sharded
     from dsv41.graph.collectives import CclBackend
+
+    _check_target(ns.target)
+    entries = _compile_entries(ns, ("prefill_all",))
+    args, name = _args_from(ns), _model_name(ns)
 
     if ns.format != "tvm" or ns.debug_dump:
         raise ValueError("--shards builds TVM libraries only (no --format onnx, --debug-dump).")
@@ -213,43 +197,6 @@ def _compile_sharded(ns, args, name: str, entries: tuple[str, ...]) -> int:
                            ccl=CclBackend(ns.ccl), model_name=name)
     print(f"artifact: {path.parent}")
     return 0
-
-
-def cmd_bench(ns, rest: list[str]) -> int:
-    """`dsv41 bench kernels ...`: single kernels; `dsv41 bench soak ...`: the soak; `dsv41 bench
-    serve ...`: the HTTP server; `dsv41 bench [options]`: end to end."""
-    if rest and rest[0] == "serve":
-        return cmd_bench_serve(build_bench_serve_parser().parse_args(rest[1:]))
-    if rest and rest[0] == "kernels":
-        from dsv41.compiler.bench_kernels import main as bench_main
-
-        return bench_main(rest[1:])
-    if rest and rest[0] == "pool":
-        from dsv41.compiler.pool_bench import main as pool_main
-
-        return pool_main(rest[1:])
-    if rest and rest[0] == "soak":
-        from dsv41.compiler.soak import main as soak_main
-
-        return soak_main(rest[1:], default_checkpoint=ensure_checkpoint)
-    if rest and rest[0] == "load":
-        from dsv41.compiler.bench_load import main as load_main
-
-        return load_main(rest[1:], default_checkpoint=ensure_checkpoint)
-    if rest and rest[0] == "spec":
-        from dsv41.compiler.spec_bench import main as spec_main
-
-        return spec_main(rest[1:], default_checkpoint=ensure_checkpoint)
-    if rest and not rest[0].startswith("-"):
-        raise ValueError(f"Unknown benchmark {rest[0]!r}; `dsv41 bench [options]` runs the "
-                         "end-to-end benchmark, `dsv41 bench kernels` the kernels, `dsv41 "
-                         "bench soak` the soak, `dsv41 bench serve` the HTTP server, `dsv41 "
-                         "bench pool` the snapshot pool's put / get (in-process vs Redis), "
-                         "`dsv41 bench load` the checkpoint load's peak memory, "
-                         "`dsv41 bench spec` speculative decoding.")
-    from dsv41.compiler.bench import main as e2e_main
-
-    return e2e_main(rest)
 
 
 def cmd_bundle(ns) -> int:
@@ -271,12 +218,6 @@ def cmd_bundle(ns) -> int:
     print(f"wrote {report.out}: {report.files} files, {report.total_bytes / (1 << 20):.1f} MiB; "
           f"run it with `python {report.out}/gpu_check.py` (needs torch and numpy)")
     return 0
-
-
-def cmd_selftest(ns, rest: list[str]) -> int:
-    from dsv41.compiler.selftest import main as selftest_main
-
-    return selftest_main(rest)
 
 
 def cmd_run(ns) -> int:
@@ -301,80 +242,51 @@ def cmd_run(ns) -> int:
     return 0
 
 
-def cmd_ledger(ns) -> int:
-    from tqdm import tqdm
-
-    from dsv41.compiler.bench import parse_tokens, synthetic_cache
+def ledger_options(ns):
+    """`dsv41 ledger` -> ledger_command.LedgerCommandOptions."""
+    from dsv41.compiler.bench import parse_tokens
+    from dsv41.compiler.ledger_command import LedgerCommandOptions
     from dsv41.graph.bill import parse_contexts
-    from dsv41.graph.ledger import (
-        SWITCHES,
-        LedgerOptions,
-        format_ledger,
-        ledger_json,
-        long_switches,
-        run_ledger,
-    )
-    from dsv41.graph.model import Model
+    from dsv41.graph.ledger import SWITCHES, LedgerOptions
 
-    _print_args("ledger", ns)
     switches = tuple(s.strip() for s in ns.switches.split(",")) if ns.switches else \
         tuple(SWITCHES)
-    opts = LedgerOptions(
+    ledger = LedgerOptions(
         contexts=parse_contexts(ns.contexts) if ns.contexts.strip() else (), decode=ns.decode,
         switches=switches, suffix=ns.suffix, seed=ns.seed,
         long_contexts=parse_tokens(ns.long_contexts) if ns.long_contexts else ())
-    ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
-    t0 = time.time()
-    model = Model.from_checkpoint(ckpt)
-    print(f"checkpoint: {ckpt}")
-    total = len(opts.contexts) * len(opts.switches) + \
-        len(opts.long_contexts) * len(long_switches(opts))
-    bar = tqdm(total=total, desc="ledger", unit="cmp")
-
-    def progress(rec) -> None:
-        bar.update(1)
-        bar.set_postfix_str(f"{rec.switch} @ {rec.context} ({rec.source}): KL {rec.kl_mean:.3g}")
-
-    def cache_at(n: int):
-        return synthetic_cache(model, n, seed=ns.seed)
-
-    ledger = run_ledger(model, opts, progress=progress, cache_at=cache_at)
-    bar.close()
-    print(format_ledger(ledger))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(ledger_json(ledger), indent=1))
-        print(f"json: {ns.json}")
-    print(f"{len(ledger.records)} comparisons in {time.time() - t0:.1f} s")
-    return 0
+    return LedgerCommandOptions(ledger, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
+                                preset=ns.preset, json=Path(ns.json) if ns.json else None)
 
 
-def cmd_tune(ns) -> int:
-    from dsv41.compiler.tune import (
-        TuneOptions,
-        compare_step,
-        format_results,
-        list_tasks,
-        tune,
-    )
-    from dsv41.compiler.tuning_db import database_hash
-    from dsv41.graph.targets import target_names
+def cmd_ledger(ns) -> int:
+    from dsv41.compiler.ledger_command import run_command
+
+    _print_args("ledger", ns)
+    return run_command(ledger_options(ns))
+
+
+def tune_options(ns):
+    """`dsv41 tune` -> tune.TuneOptions."""
+    from dsv41.compiler.tune import TuneOptions
     from dsv41.schedules.tuning_space import PhaseShape
 
-    _print_args("tune", ns)
-    if ns.target not in target_names():
-        raise ValueError(f"Unknown target {ns.target!r}; targets: {', '.join(target_names())}.")
-    name = ns.preset
-    if ns.config:  # named as `dsv41 compile` names the artifact
-        cfg = Path(ns.config)
-        name = cfg.parent.name if cfg.name == "config.json" else cfg.stem
-        name = cfg.parent.parent.name if name == "checkpoint" else name
-    opts = TuneOptions(
-        args=_args_from(ns), model_name=name, target=ns.target, out=Path(ns.out),
+    _check_target(ns.target)
+    return TuneOptions(
+        args=_args_from(ns), model_name=_model_name(ns), target=ns.target, out=Path(ns.out),
         entries=tuple(e for e in ns.entries.split(",") if e),
         ops=tuple(o for o in ns.ops.split(",") if o), trials=ns.trials,
         per_round=ns.per_round, shape=PhaseShape(batch=ns.batch, tokens=ns.tokens,
                                                  context=ns.context),
         resume=ns.resume, seed=ns.seed, prefer=ns.prefer)
+
+
+def cmd_tune(ns) -> int:
+    from dsv41.compiler.tune import compare_step, format_results, list_tasks, tune
+    from dsv41.compiler.tuning_db import database_hash
+
+    _print_args("tune", ns)
+    opts = tune_options(ns)
     print(f"tune: {opts.display()}")
     if ns.list:
         for t in list_tasks(opts):
@@ -399,218 +311,220 @@ def cmd_tune(ns) -> int:
     return 0
 
 
-@dataclass
-class ServingEngine:
-    """What `serve`, `chat` and `bench serve` run on: the engine, its tokenizer and the served
-    model's name; `close()` ends the engine and removes the temporary store it made."""
-
-    engine: object  # runtime.engine.Engine
-    tokenizer: object  # runtime.tokenizer.Tokenizer
-    model_name: str
-    backend: str
-    temp_store: object | None = None  # tempfile.TemporaryDirectory when no --store was given
-
-    closed: bool = False
-
-    def close(self) -> None:  # idempotent
-        if self.closed:
-            return
-        self.closed = True
-        self.engine.close()
-        if self.temp_store is not None:
-            self.temp_store.cleanup()
+# ---- serve, chat (compiler/serving.py) ----------------------------------------------------------
 
 
-def serving_engine(ns) -> ServingEngine:
-    """The engine as `dsv41 run` builds it: --artifact DIR, or the artifact for the checkpoint
-    (compiling what is missing), or --backend torch (the PyTorch graph); --checkpoint DIR or the
-    preset's seeded one; --store DIR (a new or empty folder, or a store to continue) or a fresh
-    temporary store removed at the end."""
-    import tempfile
+def serving_options(ns):
+    """The engine and batcher options `serve`, `chat` and `bench serve` share."""
+    from dsv41.compiler.serving import ServingOptions
 
-    from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
-    from dsv41.runtime.artifact import CED_ENTRIES
-    from dsv41.runtime.engine import Engine
-    from dsv41.runtime.tokenizer import Tokenizer
-
-    if ns.backend not in ("artifact", "torch"):
-        raise ValueError(f"--backend must be artifact or torch, got {ns.backend!r}.")
-    if ns.artifact and ns.backend == "torch":
-        raise ValueError("--artifact and --backend torch exclude each other.")
-    if ns.page_tokens < 1:
-        raise ValueError(f"--page-tokens must be positive, got {ns.page_tokens}.")
-    if ns.store is not None:
-        from dsv41.runtime.kv_store import FORMAT_VERSION, STORE_KIND
-        from dsv41.runtime.store_folder import check_folder
-
-        check_folder(Path(ns.store), kind=STORE_KIND, version=FORMAT_VERSION)
-    ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
-    args = checkpoint_config(ckpt)
-    tok = Tokenizer.for_model(args, ckpt)  # refused here when it does not fit the model
-    name = ns.model_name or (ckpt.name if ns.checkpoint else ns.preset)
-    temp = None
-    if ns.store is None:
-        temp = tempfile.TemporaryDirectory(prefix="dsv41-serve-store-")
-    opts = {"store_dir": Path(ns.store) if ns.store else Path(temp.name) / "store",
-            "page_tokens": ns.page_tokens, "redis_url": ns.redis_url}
-    try:
-        if ns.backend == "torch":
-            from dsv41.graph.model import Model
-
-            engine = Engine.from_model(Model.from_checkpoint(ckpt),
-                                       weights_hash=weights_fingerprint(ckpt), **opts)
-            backend = "PyTorch graph"
-        else:
-            art = Path(ns.artifact) if ns.artifact else ensure_artifact(
-                ckpt, ns.preset, ns.target, CED_ENTRIES, Path(ns.out))
-            engine = Engine.load(art, ckpt, **opts)
-            backend = f"artifact {art}"
-    except BaseException:
-        if temp is not None:
-            temp.cleanup()
-        raise
-    return ServingEngine(engine, tok, name, backend, temp)
+    path = lambda v: None if v is None else Path(v)  # noqa: E731
+    return ServingOptions(
+        artifact=path(ns.artifact), backend=ns.backend, checkpoint=path(ns.checkpoint),
+        preset=ns.preset, seed=ns.seed, store=path(ns.store), page_tokens=ns.page_tokens,
+        target=ns.target, out=Path(ns.out), model_name=ns.model_name,
+        max_running=ns.max_running, max_queue=ns.max_queue, prefill_chunk=ns.prefill_chunk,
+        redis_url=ns.redis_url)
 
 
-def _batcher(ns, se: ServingEngine, chunk_tokens: int | None = None):
-    """The batcher over `se` (prefill chunks of `chunk_tokens`, else --prefill-chunk, else the
-    engine's); on a bad option the engine is closed before the error goes up."""
-    from dsv41.runtime.batcher import Batcher
+def serve_options(ns):
+    """`dsv41 serve` -> serving.ServeOptions."""
+    from dsv41.compiler.serving import ServeOptions
 
-    try:
-        for flag in ("max_running", "max_queue"):
-            if getattr(ns, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got "
-                                 f"{getattr(ns, flag)}.")
-        return Batcher(se.engine, tokenizer=se.tokenizer, max_running=ns.max_running,
-                       max_queue=ns.max_queue,
-                       prefill_chunk_tokens=chunk_tokens or ns.prefill_chunk)
-    except BaseException:
-        se.close()
-        raise
-
-
-def _masked_url(url: str | None) -> str | None:
-    from dsv41.runtime.redis_pool import masked_url
-
-    return None if url is None else masked_url(url)
+    return ServeOptions(serving_options(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
+                        request_timeout_s=None if ns.request_timeout <= 0 else ns.request_timeout,
+                        log_level=ns.log_level, role=ns.role).validate()
 
 
 def cmd_serve(ns) -> int:
-    import uvicorn
+    from dsv41.compiler.serving import masked_url, serve
 
-    from dsv41.runtime.server import ServerOptions, create_app
-
-    shown = argparse.Namespace(**{**vars(ns), "api_key": "***" if ns.api_key else None,
-                                  "redis_url": _masked_url(ns.redis_url)})
-    _print_args("serve", shown)
-    if not 0 < ns.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {ns.port}.")
-    timeout = None if ns.request_timeout <= 0 else ns.request_timeout
-    if ns.api_key is not None and not ns.api_key:
-        raise ValueError("--api-key must not be empty (leave it out for no key).")
-    if ns.role not in ("all", "vision", "prefill", "decode"):
-        raise ValueError(f"--role must be all, vision, prefill or decode, got {ns.role!r}.")
-    if ns.role != "all" and not ns.redis_url:
-        raise ValueError(f"--role {ns.role} needs --redis-url: the stages meet on a Redis "
-                         "server (queues, hand-offs, the snapshot pool).")
-    se = serving_engine(ns)
-    args = se.engine.model.args
-    opts = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
-                         max_seq_len=args.max_seq_len, api_key=ns.api_key,
-                         request_timeout_s=timeout,
-                         image_token_id=args.image_token_id if se.engine.model.vision else None)
-    if ns.role != "all":
-        return _serve_stage(ns, se, opts)
-    batcher = _batcher(ns, se)
-    batcher.start()
-    print(f"serving {se.model_name!r} ({se.backend}; tokenizer {se.tokenizer.file.path.name}, "
-          f"{se.tokenizer.file.source.value}) on http://{ns.host}:{ns.port}/v1"
-          f"{' with an API key' if ns.api_key else ''}", flush=True)
-    try:
-        uvicorn.run(create_app(batcher, se.tokenizer, opts), host=ns.host, port=ns.port,
-                    log_level=ns.log_level)
-    finally:
-        batcher.stop()
-        st = batcher.stats()
-        se.close()
-    print(f"summary: {st.finished} requests finished, {st.cancelled} cancelled, "
-          f"{st.prompt_tokens} prompt and {st.completion_tokens} completion tokens")
-    return 0
+    _print_args("serve", argparse.Namespace(**{
+        **vars(ns), "api_key": "***" if ns.api_key else None,
+        "redis_url": masked_url(ns.redis_url)}))
+    return serve(serve_options(ns))
 
 
-def _serve_stage(ns, se: ServingEngine, opts) -> int:
-    """`serve --role prefill|decode`: the stage's worker on its engine, and the OpenAI server
-    in front of the queues (any worker takes requests); /metrics adds the stage's series."""
-    import redis
-    import uvicorn
+def chat_options(ns):
+    """`dsv41 chat` -> serving.ChatOptions."""
+    from dsv41.compiler.serving import ChatOptions
 
-    from dsv41.runtime.epd import (
-        DecodeWorker,
-        EpdGateway,
-        EpdServerMetrics,
-        PrefillWorker,
-        VisionWorker,
-    )
-    from dsv41.runtime.server import create_app
-
-    try:
-        client = redis.Redis.from_url(ns.redis_url)
-        if ns.role == "vision":
-            if not se.engine.model.vision:
-                raise ValueError("--role vision needs a checkpoint with a vision tower.")
-            worker = VisionWorker(se.engine, client)
-        elif ns.role == "prefill":
-            worker = PrefillWorker(se.engine, client)
-        else:
-            worker = DecodeWorker(se.engine, client, max_running=ns.max_running)
-        gateway = EpdGateway(client, se.engine.key_salt.fingerprint(),
-                             vocab_size=opts.vocab_size, max_seq_len=opts.max_seq_len,
-                             tokenizer=se.tokenizer, max_queue=ns.max_queue,
-                             model=se.engine.model)
-    except BaseException:
-        se.close()
-        raise
-    worker.start()
-    print(f"serving {se.model_name!r} ({se.backend}) as the {ns.role} stage over "
-          f"{_masked_url(ns.redis_url)} on http://{ns.host}:{ns.port}/v1", flush=True)
-    try:
-        uvicorn.run(create_app(gateway, se.tokenizer, opts, metrics=EpdServerMetrics(worker)),
-                    host=ns.host, port=ns.port, log_level=ns.log_level)
-    finally:
-        worker.stop()
-        gateway.close()
-        n = worker.counters
-        se.close()
-    print(f"summary: {ns.role} stage finished {n.requests} requests, {n.tokens} tokens, "
-          f"{n.errors} errors, {n.handoffs_rejected} hand-offs rejected")
-    return 0
+    return ChatOptions(serving_options(ns), system=ns.system, thinking=ns.thinking,
+                       max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                       seed_sampling=ns.seed_sampling)
 
 
 def cmd_chat(ns) -> int:
-    from dsv41.runtime.sampling import SamplingParams
-    from dsv41.runtime.terminal_chat import ChatSettings, run_chat
+    from dsv41.compiler.serving import chat
 
     _print_args("chat", ns)
-    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed_sampling,
-                            max_tokens=ns.max_tokens).validate()
-    se = serving_engine(ns)
-    batcher = _batcher(ns, se)
-    batcher.start()
-    print(f"chat with {se.model_name!r} ({se.backend}); /reset clears the history, /exit ends",
-          flush=True)
+    return chat(chat_options(ns))
+
+
+# ---- bench <sub-verb> ---------------------------------------------------------------------------
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def bench_options(ns):
+    """`dsv41 bench [e2e]` -> bench.BenchOptions."""
+    from dsv41.compiler.bench import BenchOptions, parse_tokens
+
+    return BenchOptions(
+        preset=ns.preset, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
+        artifact=Path(ns.artifact) if ns.artifact else None, out=Path(ns.out),
+        target=ns.target, compile_missing=not ns.no_compile, contexts=parse_tokens(ns.contexts),
+        impls=_split(ns.impls), reps=ns.reps, budget_s=ns.budget_s,
+        prefill_tokens=ns.prefill_tokens, prefill_impls=_split(ns.prefill_impls),
+        prefill_reps=ns.prefill_reps,
+        prefill_lengths=parse_tokens(ns.prefill_lengths) if ns.prefill_lengths else (),
+        prefill_chunk_tokens=ns.prefill_chunk, tiers=ns.tiers, tier_context=ns.tier_context,
+        tier_suffix=ns.tier_suffix, tier_impls=_split(ns.tier_impls), threads=ns.threads,
+        profile=ns.profile, profile_context=parse_tokens(ns.profile_context)[0],
+        profile_top=ns.profile_top,
+        json=Path(ns.json) if ns.json else None, plots=Path(ns.plots) if ns.plots else None,
+        seed=ns.seed)
+
+
+def cmd_bench(ns) -> int:
+    from dsv41.compiler.bench import run_command
+
+    return run_command(bench_options(ns))
+
+
+def bench_kernels_options(ns):
+    """`dsv41 bench kernels` -> bench_kernels.KernelBenchOptions."""
+    from dsv41.compiler.bench_kernels import KernelBenchOptions
+
+    return KernelBenchOptions(
+        preset=ns.preset, target=ns.target, cases=_split(ns.cases or "") or None,
+        repeat=ns.repeat, budget_s=ns.budget, json=Path(ns.json) if ns.json else None,
+        quick=ns.quick, use_compile=not ns.no_compile, stat=ns.stat, list_cases=ns.list)
+
+
+def cmd_bench_kernels(ns) -> int:
+    from dsv41.compiler.bench_kernels import run_command
+
+    return run_command(bench_kernels_options(ns))
+
+
+def bench_serve_options(ns):
+    """`dsv41 bench serve` -> serve_bench.BenchServeOptions."""
+    from dsv41.compiler.serve_bench import BenchServeOptions, ServeBenchOptions
+
     try:
-        summary = run_chat(batcher, se.tokenizer, ChatSettings(params, ns.system, ns.thinking),
-                           sys.stdin, sys.stdout)
-    finally:
-        batcher.stop()
-        se.close()
-    print(f"summary: {summary.turns} replies, {summary.completion_tokens} tokens, prompts of "
-          f"{', '.join(str(n) for n in summary.prompt_tokens) or 'none'} tokens")
-    return 0
+        clients = tuple(int(c) for c in ns.clients.split(",") if c.strip())
+    except ValueError:
+        raise ValueError(f"--clients must be comma-separated counts, got {ns.clients!r}.") from None
+    bench = ServeBenchOptions(
+        clients=clients, requests=ns.requests, prompt_tokens=ns.prompt_tokens,
+        max_tokens=ns.max_tokens, long_streams=ns.long_streams,
+        long_prompt_tokens=ns.long_prompt_tokens, long_max_tokens=ns.long_max_tokens,
+        seed=ns.seed)
+    return BenchServeOptions(serving_options(ns), bench, Path(ns.json) if ns.json else None)
 
 
-def serving_opts(sp, *, server: bool) -> None:
+def cmd_bench_serve(ns) -> int:
+    from dsv41.compiler.serve_bench import run_command
+
+    _print_args("bench serve", ns, hide=("verb", "bench_verb"))
+    return run_command(bench_serve_options(ns))
+
+
+def bench_pool_options(ns):
+    """`dsv41 bench pool` -> pool_bench.PoolBenchOptions."""
+    from dsv41.compiler.pool_bench import PoolBenchOptions
+
+    return PoolBenchOptions(ns.preset, ns.reps, ns.redis_url,
+                            Path(ns.json) if ns.json else None).validate()
+
+
+def cmd_bench_pool(ns) -> int:
+    from dsv41.compiler.pool_bench import run_command
+
+    return run_command(bench_pool_options(ns))
+
+
+def bench_soak_options(ns):
+    """`dsv41 bench soak` -> soak.SoakOptions (the checkpoint resolved when the soak runs)."""
+    from dsv41.compiler.soak import SoakOptions
+
+    kw = {f.name: getattr(ns, f.name) for f in fields(SoakOptions)}
+    for k in ("checkpoint", "artifact", "json"):
+        kw[k] = Path(kw[k]) if kw[k] else None
+    opts = SoakOptions(**kw)
+    opts.validate()
+    return opts
+
+
+def cmd_bench_soak(ns) -> int:
+    from dsv41.compiler.soak import run_command
+
+    return run_command(bench_soak_options(ns))
+
+
+def bench_load_options(ns):
+    """`dsv41 bench load` -> bench_load.LoadBenchOptions."""
+    from dsv41.compiler.bench_load import LoadBenchOptions
+
+    return LoadBenchOptions(preset=ns.preset,
+                            checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
+                            device=ns.device, json=Path(ns.json) if ns.json else None)
+
+
+def cmd_bench_load(ns) -> int:
+    from dsv41.compiler.bench_load import run_command
+
+    return run_command(bench_load_options(ns))
+
+
+def bench_spec_options(ns):
+    """`dsv41 bench spec` -> spec_bench.SpecBenchOptions."""
+    from dsv41.compiler.bench import parse_tokens
+    from dsv41.compiler.spec_bench import SpecBenchOptions
+
+    try:
+        rates = tuple(float(r) for r in ns.rates.split(","))
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers, got {ns.rates!r}.") from None
+    return SpecBenchOptions(
+        preset=ns.preset, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
+        contexts=parse_tokens(ns.contexts), max_draft=ns.max_draft, reps=ns.reps,
+        tokens=ns.tokens, prompt_tokens=ns.prompt_tokens, rates=rates, threads=ns.threads,
+        json=Path(ns.json) if ns.json else None, seed=ns.seed, impls=_split(ns.impls),
+        artifact=Path(ns.artifact) if ns.artifact is not None else None).validate()
+
+
+def cmd_bench_spec(ns) -> int:
+    from dsv41.compiler.spec_bench import run_command
+
+    return run_command(bench_spec_options(ns))
+
+
+def selftest_options(ns):
+    """`dsv41 selftest` -> selftest.SelftestOptions."""
+    from dsv41.compiler.selftest import options_from
+
+    return options_from(ns)
+
+
+def cmd_selftest(ns) -> int:
+    from dsv41.compiler.selftest import run_command
+
+    return run_command(selftest_options(ns))
+
+
+# ---- the parser tree ----------------------------------------------------------------------------
+
+
+def _model_opts(sp, default="small") -> None:
+    sp.add_argument("--preset", default=default, help="small | bench | full | long")
+    sp.add_argument("--config", default=None, help="a config.json (inference or HF form)")
+
+
+def _serving_args(sp, *, server: bool) -> None:
     """The engine and batcher options of `serve`, `chat` and `bench serve`."""
     sp.add_argument("--artifact", default=None, help="a compiled artifact folder")
     sp.add_argument("--backend", default="artifact",
@@ -638,10 +552,66 @@ def serving_opts(sp, *, server: bool) -> None:
                          "that names it (default: an in-process pool)")
 
 
-def build_bench_serve_parser() -> argparse.ArgumentParser:
-    sp = argparse.ArgumentParser(prog="dsv41 bench serve",
-                                 description="the HTTP server under concurrent streaming clients")
-    serving_opts(sp, server=True)
+def _bench_e2e_args(p) -> None:
+    p.add_argument("--preset", default="bench", help="small | bench | full (seeded checkpoint)")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
+    p.add_argument("--artifact", default=None, help="an artifact folder (default: under --out)")
+    p.add_argument("--out", default="artifacts", help="where artifacts live")
+    p.add_argument("--target", default="cpu")
+    p.add_argument("--no-compile", action="store_true",
+                   help="never compile missing artifact entries")
+    p.add_argument("--contexts", default="4K,16K,64K,256K",
+                   help="decode contexts, e.g. 4K,64K,1M (K=1024)")
+    p.add_argument("--impls", default="artifact,eager,compile", help="decode implementations")
+    p.add_argument("--reps", type=int, default=5, help="timed decode steps per cell")
+    p.add_argument("--budget-s", type=float, default=120.0,
+                   help="seconds one implementation may spend at one context")
+    p.add_argument("--prefill-tokens", type=int, default=1024, help="0: no prefill")
+    p.add_argument("--prefill-impls", default="artifact,eager")
+    p.add_argument("--prefill-reps", type=int, default=3)
+    p.add_argument("--prefill-lengths", default=None,
+                   help="a prefill row per prompt length, e.g. 8K,32K,128K (default: "
+                        "--prefill-tokens)")
+    p.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="prefill chunk in tokens (the engine's default)")
+    p.add_argument("--tiers", dest="tiers", action="store_true", default=True)
+    p.add_argument("--no-tiers", dest="tiers", action="store_false")
+    p.add_argument("--tier-context", type=int, default=1024, help="the cold turn's prompt")
+    p.add_argument("--tier-suffix", type=int, default=32, help="later turns' new tokens")
+    p.add_argument("--tier-impls", default="artifact,eager")
+    p.add_argument("--threads", type=int, default=0, help="torch and TVM threads (0: torch's)")
+    p.add_argument("--profile", default="auto", choices=("auto", "always", "never"))
+    p.add_argument("--profile-context", default="64K")
+    p.add_argument("--profile-top", type=int, default=15,
+                   help="rows of the decode-step profile (functions by time)")
+    p.add_argument("--json", default=None, help="write the report as JSON here")
+    p.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _bench_kernels_args(p) -> None:
+    p.add_argument("--preset", default="bench", help="small | bench | full (sizes of the cases)")
+    p.add_argument("--target", default="cpu",
+                   help="cpu | cpu-x86-64 (CUDA targets need a GPU: refused here)")
+    p.add_argument("--cases", default=None,
+                   help="comma-separated case names or families (attend, indexer, fp8, moe, "
+                   "gemv)")
+    p.add_argument("--repeat", type=int, default=20, help="timed samples per measurement (max)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds per measurement before it stops early (default 1.5, quick "
+                        "0.3)")
+    p.add_argument("--json", default=None, help="write machine numbers + rows here")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, short probes: a smoke run of the harness, not a measurement")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    p.add_argument("--stat", default="median", choices=("median", "min"),
+                   help="statistic of the samples the table reports (min: least disturbed by "
+                        "other processes on a shared machine)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+
+
+def _bench_serve_args(sp) -> None:
+    _serving_args(sp, server=True)
     sp.add_argument("--clients", default="1,4,16", help="concurrent client counts")
     sp.add_argument("--requests", type=int, default=2, help="requests per client, in turn")
     sp.add_argument("--prompt-tokens", type=int, default=32)
@@ -652,79 +622,104 @@ def build_bench_serve_parser() -> argparse.ArgumentParser:
     sp.add_argument("--long-max-tokens", type=int, default=48,
                     help="tokens each of those streams generates")
     sp.add_argument("--json", default=None, help="write the rows as JSON here")
-    return sp
 
 
-def cmd_bench_serve(ns) -> int:
-    from dsv41.compiler.serve_bench import ServeBenchOptions, run_serve_bench
-    from dsv41.runtime.server import ServerOptions, ServerThread, create_app
+def _bench_pool_args(p) -> None:
+    p.add_argument("--preset", default="full", help="whose encoder snapshot (default: full)")
+    p.add_argument("--reps", type=int, default=50, help="put + get repetitions (medians)")
+    p.add_argument("--redis-url", default=None,
+                   help="a Redis server (default: start a local redis-server on a free port)")
+    p.add_argument("--json", default=None, help="write {\"pool\": {...}} here")
 
-    _print_args("bench serve", ns)
-    try:
-        clients = tuple(int(c) for c in ns.clients.split(",") if c.strip())
-    except ValueError:
-        raise ValueError(f"--clients must be comma-separated counts, got {ns.clients!r}.") from None
-    se = serving_engine(ns)
-    args = se.engine.model.args
-    batcher = None
-    try:
-        opts = ServeBenchOptions(
-            clients=clients, requests=ns.requests, prompt_tokens=ns.prompt_tokens,
-            max_tokens=ns.max_tokens, long_streams=ns.long_streams,
-            long_prompt_tokens=ns.long_prompt_tokens, long_max_tokens=ns.long_max_tokens,
-            seed=ns.seed).validate(args.max_seq_len)
-        if max((*clients, ns.long_streams + 1)) > ns.max_running + ns.max_queue:
-            raise ValueError("--max-running + --max-queue must hold every client at once.")
-        # both long-prompt rows (over HTTP, and the engine's own) prefill in chunks of this size
-        chunk = ns.prefill_chunk or ENGINE_STALL_CHUNK
-        batcher = _batcher(ns, se, chunk)
-        batcher.start()
-        app = create_app(batcher, se.tokenizer, ServerOptions(
-            model_name=se.model_name, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len))
-        print(f"bench serve: {se.model_name!r} ({se.backend}), --max-running "
-              f"{ns.max_running}; noisy when other work shares the machine")
-        t0 = time.time()
-        with ServerThread(app) as server:
-            result = run_serve_bench(server.host, server.port, se.model_name, opts,
-                                     vocab_size=args.vocab_size)
-        batcher.stop()
-        batcher = None
-        if opts.long_streams:  # the same stall measured on the engine's side, no HTTP
-            from dsv41.runtime.batcher import measure_long_prompt_stall
 
-            stall = measure_long_prompt_stall(
-                se.engine, streams=opts.long_streams, stream_prompt=opts.prompt_tokens,
-                stream_tokens=opts.long_max_tokens, long_prompt=opts.long_prompt_tokens,
-                chunk_tokens=chunk, seed=ns.seed)
-            result["long_prompt_engine"] = stall.to_dict()
-            print(f"  engine side: worst gap {stall.worst_gap_s * 1e3:.1f} ms during the "
-                  f"{stall.chunks}-chunk prefill ({stall.chunk_tokens} tokens a chunk, "
-                  f"{stall.chunk_s * 1e3:.1f} ms each), median gap "
-                  f"{stall.median_gap_s * 1e3:.1f} ms")
-    finally:
-        if batcher is not None:
-            batcher.stop()
-        se.close()
-    result.update(backend=se.backend, max_running=ns.max_running,
-                  prefill_chunk_tokens=ns.prefill_chunk or ENGINE_STALL_CHUNK)
-    if ns.json:
-        Path(ns.json).write_text(json.dumps({"serve": result}, indent=1))
-        print(f"json: {ns.json}")
-    rows = result["clients"]
-    print("summary: " + "; ".join(
-        f"{r['clients']} clients {r['tokens_per_s']:.1f} tok/s TTFT p50 "
-        f"{r['ttft_p50_s'] * 1e3:.0f} ms p99 {r['ttft_p99_s'] * 1e3:.0f} ms" for r in rows)
-        + f" ({time.time() - t0:.0f} s)")
-    return 0
+def _bench_soak_args(p) -> None:
+    from dsv41.compiler.soak import SoakOptions
+
+    d = SoakOptions()
+    p.add_argument("--preset", default=d.preset, help="seeded checkpoint of this preset")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
+    p.add_argument("--artifact", default=None, help="a compiled artifact (default: PyTorch)")
+    for name in ("turns", "sessions", "baseline_turn", "sample_every", "seed", "page_tokens",
+                 "pool_snapshots", "store_blocks"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("pool_ttl_s", "turn_seconds"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
+    p.add_argument("--json", default=None, help="write the samples and the ratio here")
+
+
+def _bench_load_args(p) -> None:
+    p.add_argument("--preset", default="bench")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None)
+
+
+def _bench_spec_args(p) -> None:
+    p.add_argument("--preset", default="small", help="small | bench | full (seeded checkpoint)")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--contexts", default="256,896")
+    p.add_argument("--max-draft", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=24, help="decoded tokens per engine run")
+    p.add_argument("--prompt-tokens", type=int, default=32,
+                   help="the engine runs' prompt (their context)")
+    p.add_argument("--rates", default="0.3,0.6,0.9")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--impls", default="graph", help="graph and/or artifact, comma-separated")
+    p.add_argument("--artifact", default=None, help="the artifact of --impls artifact")
+
+
+def _verb(sub, name: str, help_: str, add_args, func, options, description: str | None = None,
+          **defaults) -> None:
+    """One sub-verb: its options, its command and its options dataclass builder."""
+    sp = sub.add_parser(name, help=help_, description=description or help_)
+    add_args(sp)
+    sp.set_defaults(func=func, options=options, **defaults)
+
+
+def _bench_parsers(bench) -> None:
+    """`dsv41 bench <sub-verb>`: e2e (the default), kernels, serve, pool, soak, load, spec."""
+    sub = bench.add_subparsers(dest="bench_verb", required=True, metavar="SUB-VERB")
+    _verb(sub, "e2e", "the default: decode against context, prefill and time to first token",
+          _bench_e2e_args, cmd_bench, bench_options,
+          "End-to-end benchmark: decode against context, prefill and time to first token, for "
+          "the compiled artifact, PyTorch eager and torch.compile. `dsv41 bench kernels --help` "
+          "benchmarks single kernels.")
+    _verb(sub, "kernels", "each TIR kernel against its PyTorch oracle, on a roofline",
+          _bench_kernels_args, cmd_bench_kernels, bench_kernels_options,
+          "Time each TIR kernel against its PyTorch oracle (eager and torch.compile) on this "
+          "machine's measured roofline.", error_prog="bench kernels")
+    _verb(sub, "serve", "the HTTP server under concurrent streaming clients", _bench_serve_args,
+          cmd_bench_serve, bench_serve_options)
+    _verb(sub, "pool", "snapshot put / get: in-process pool vs Redis", _bench_pool_args,
+          cmd_bench_pool, bench_pool_options)
+    _verb(sub, "soak", "many turns with every tier evicting; RSS sampled", _bench_soak_args,
+          cmd_bench_soak, bench_soak_options,
+          "many turns over rotating sessions with every tier evicting, and the process's RSS "
+          "sampled along the way")
+    _verb(sub, "load", "peak RSS while loading a checkpoint", _bench_load_args, cmd_bench_load,
+          bench_load_options)
+    _verb(sub, "spec", "DSpark speculative decoding: verify, acceptance, tok/s", _bench_spec_args,
+          cmd_bench_spec, bench_spec_options,
+          "DSpark speculative decoding's numbers on the PyTorch graph and on a compiled artifact")
+
+
+def with_default_bench_verb(argv: list[str]) -> list[str]:
+    """`dsv41 bench [options]` -> `dsv41 bench e2e [options]` (argparse has no optional
+    sub-verb); `dsv41 bench --help` lists the sub-verbs, an unknown word is argparse's error."""
+    if argv[:1] == ["bench"] and (len(argv) == 1 or (argv[1].startswith("-")
+                                                     and argv[1] not in ("-h", "--help"))):
+        return ["bench", "e2e", *argv[1:]]
+    return argv
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The one parser of every verb and sub-verb."""
     p = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash deployment tools")
     sub = p.add_subparsers(dest="verb", required=True)
-
-    def model_opts(sp, default="small"):
-        sp.add_argument("--preset", default=default, help="small | bench | full | long")
-        sp.add_argument("--config", default=None, help="a config.json (inference or HF form)")
 
     sp = sub.add_parser("plan", help="print the layer plan")
     sp.add_argument("--preset", default="all", help="small | bench | full | long | all")
@@ -737,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("bill", help="the KV bill: global bytes per token and local state")
-    model_opts(sp, "full")
+    _model_opts(sp, "full")
     sp.add_argument("--context", default="128K,1M", help="e.g. 128K,1M (K=1e3, Ki=1024)")
     sp.add_argument("--kv-dtype", default="fp4", choices=("fp4", "bf16"))
     sp.add_argument("--chart", default=None, help="write a PNG chart here")
@@ -745,7 +740,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_bill)
 
     sp = sub.add_parser("checkpoint", help="write a seeded checkpoint in the official layout")
-    model_opts(sp)
+    _model_opts(sp)
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--overwrite", action="store_true")
@@ -762,10 +757,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--images", default="",
                     help="comma-separated image files whose spans the prompt holds, in order")
     sp.add_argument("--out", required=True)
-    sp.set_defaults(func=cmd_score)
+    sp.set_defaults(func=cmd_score, options=score_options)
 
     sp = sub.add_parser("compile", help="compile the model's phases into an artifact")
-    model_opts(sp)
+    _model_opts(sp)
     sp.add_argument("--target", default="cpu",
                     help="cpu | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100")
     sp.add_argument("--out", default="artifacts")
@@ -779,7 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ccl", default="cpu-test", choices=("cpu-test", "disco"),
                     help="--shards: the collectives: cpu-test (the in-process test "
                          "collective, a ThreadedSession) or disco (the session's NCCL)")
-    sp.set_defaults(func=cmd_compile)
+    sp.set_defaults(func=cmd_compile, options=compile_options)
 
     sp = sub.add_parser("bundle", help="a self-contained folder that runs artifacts with only "
                                        "torch installed (and the GPU check)")
@@ -794,15 +789,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--artifacts-out", default="artifacts")
     sp.set_defaults(func=cmd_bundle)
 
-    sp = sub.add_parser("selftest", add_help=False,
-                        help="the device check: conformance, gpu kernel tests, decode roofline "
-                             "(`dsv41 selftest --help`)")
-    sp.set_defaults(func=cmd_selftest, passthrough=True)
+    from dsv41.compiler.selftest import DESCRIPTION, add_arguments
 
-    sp = sub.add_parser("bench", add_help=False,
-                        help="end to end: `dsv41 bench [--help]`; kernels: `dsv41 bench "
-                             "kernels [--help]`; soak: `dsv41 bench soak [--help]`")
-    sp.set_defaults(func=cmd_bench, passthrough=True)
+    sp = sub.add_parser("selftest", description=DESCRIPTION,
+                        help="the device check: conformance, gpu kernel tests, decode roofline")
+    add_arguments(sp)
+    sp.set_defaults(func=cmd_selftest, options=selftest_options)
+
+    sp = sub.add_parser("bench", help="benchmarks: `dsv41 bench [e2e] [options]` end to end "
+                                      "(the default), or a sub-verb: kernels, serve, pool, "
+                                      "soak, load, spec (`dsv41 bench SUB-VERB --help`)",
+                        description="Benchmarks. `dsv41 bench [options]` runs the end-to-end "
+                                    "benchmark (sub-verb e2e, the default).")
+    _bench_parsers(sp)
 
     sp = sub.add_parser("run", help="the agent-loop demo: long context, then short turns")
     sp.add_argument("--preset", default="small")
@@ -844,10 +843,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated subset of ced,replay,fp4_kv,candidate_pool,"
                          "decoder_carry,shared_selection (default all)")
     sp.add_argument("--json", default=None, help="write the records as JSON here")
-    sp.set_defaults(func=cmd_ledger)
+    sp.set_defaults(func=cmd_ledger, options=ledger_options)
 
     sp = sub.add_parser("tune", help="MetaSchedule the artifact's kernels (database in tuning/)")
-    model_opts(sp)
+    _model_opts(sp)
     sp.add_argument("--target", default="cpu",
                     help="cpu | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100 (CUDA: on a GPU)")
     sp.add_argument("--trials", type=int, default=64,
@@ -872,10 +871,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--compare-step", action="store_true",
                     help="also time the decode step compiled with and without the database "
                          "(compiles the decode entry twice)")
-    sp.set_defaults(func=cmd_tune)
+    sp.set_defaults(func=cmd_tune, options=tune_options)
 
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
-    serving_opts(sp, server=True)
+    _serving_args(sp, server=True)
     sp.add_argument("--host", default="127.0.0.1", help="the address to bind (default: local)")
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--api-key", default=None,
@@ -886,18 +885,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--role", default="all",
                     help="all (one process) | vision | prefill | decode: one EPD stage, its queues "
                          "and hand-offs on --redis-url (runtime/epd.py)")
-    sp.set_defaults(func=cmd_serve)
+    sp.set_defaults(func=cmd_serve, options=serve_options)
 
     sp = sub.add_parser("chat", help="a terminal chat on the embedded engine (reads stdin)")
-    serving_opts(sp, server=False)
+    _serving_args(sp, server=False)
     sp.add_argument("--system", default=None, help="a system message")
     sp.add_argument("--thinking", action="store_true", help="thinking mode")
     sp.add_argument("--max-tokens", type=int, default=64, help="tokens per reply at most")
     sp.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     sp.add_argument("--top-p", type=float, default=1.0)
     sp.add_argument("--seed-sampling", type=int, default=None, help="the sampler's seed")
-    sp.set_defaults(func=cmd_chat)
+    sp.set_defaults(func=cmd_chat, options=chat_options)
     return p
+
 
 
 def load_disco_first(ns) -> bool:
@@ -916,17 +916,14 @@ def load_disco_first(ns) -> bool:
 def main(argv: list[str] | None = None) -> int:
     from dsv41.runtime.onednn import bound_onednn_caches
 
-    ns, rest = build_parser().parse_known_args(argv)
-    if rest and not getattr(ns, "passthrough", False):
-        build_parser().parse_args(argv)  # reports the unknown arguments and exits
+    argv = with_default_bench_verb(list(sys.argv[1:] if argv is None else argv))
+    ns = build_parser().parse_args(argv)
     try:
         load_disco_first(ns)
         bound_onednn_caches()  # before any torch work of any command (runtime/onednn.py)
-        if getattr(ns, "passthrough", False):
-            return ns.func(ns, rest)
         return ns.func(ns)
     except ValueError as e:
-        print(f"dsv41 {ns.verb}: error: {e}", file=sys.stderr)
+        print(f"dsv41 {getattr(ns, 'error_prog', ns.verb)}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -13,8 +13,6 @@ verifies and decodes it. JSON: `{"pool": {...}}`.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -22,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from dsv41.compiler.measure import write_json
 
 
 @dataclass(frozen=True)
@@ -133,21 +133,9 @@ def _server_version(url: str) -> str:
         r.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv41 bench pool",
-                                description="snapshot put / get: in-process pool vs Redis")
-    p.add_argument("--preset", default="full", help="whose encoder snapshot (default: full)")
-    p.add_argument("--reps", type=int, default=50, help="put + get repetitions (medians)")
-    p.add_argument("--redis-url", default=None,
-                   help="a Redis server (default: start a local redis-server on a free port)")
-    p.add_argument("--json", default=None, help="write {\"pool\": {...}} here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    opts = PoolBenchOptions(ns.preset, ns.reps, ns.redis_url,
-                            Path(ns.json) if ns.json else None).validate()
+def run_command(opts: PoolBenchOptions) -> int:
+    """`dsv41 bench pool`: the rows printed, {"pool": ...} written to the JSON."""
+    opts.validate()
     print(f"bench pool: preset={opts.preset} reps={opts.reps} redis_url={opts.redis_url}")
     r = run_pool_bench(opts)
     print(f"snapshot: {r['snapshot_bytes']:,} bytes in {r['arrays']} arrays ({opts.preset})")
@@ -161,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"summary: Redis put {r['redis']['put_s'] / r['in_process']['put_s']:.1f}x, get "
           f"{r['redis']['get_s'] / r['in_process']['get_s']:.1f}x the in-process pool's time")
     if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps({"pool": r}, indent=1))
+        write_json(opts.json, {"pool": r})
         print(f"json: {opts.json}")
     return 0

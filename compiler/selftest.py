@@ -22,7 +22,6 @@ prints why and writes the refusal to the JSON (exit status 2).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -31,8 +30,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from dsv41.compiler.measure import best_time, write_json
+
+if TYPE_CHECKING:  # annotations only: the parser (`add_arguments`) loads without torch
+    import torch
 
 DEFAULT_CONTEXTS = (4096, 65536, 131072)
 REFUSED = 2  # exit status of a refusal (the device cannot run the target)
@@ -137,21 +140,23 @@ class PhasesOnDevice:
 
 
 def device_bandwidth_gbs(device: torch.device, n_bytes: int = 1 << 30, reps: int = 5) -> float:
-    """Copy bandwidth of the device's memory (read + write counted), best of `reps`."""
+    """Copy bandwidth of the device's memory (read + write counted), best of `reps` after a
+    warm-up copy; each copy waits for the device (so the next starts on an idle one)."""
+    import torch
+
     a = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(reps + 1):
-        _sync(device)
-        t0 = time.perf_counter()
+
+    def copy() -> None:
         b.copy_(a)
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n_bytes / best / 1e9
+
+    return 2 * n_bytes / best_time(copy, reps) / 1e9
 
 
 def environment() -> dict:
     """Where the code that runs comes from (a bundle runs its own copies) and which TVM."""
+    import torch
     import tvm
 
     import dsv41.runtime
@@ -164,6 +169,8 @@ def environment() -> dict:
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
@@ -232,6 +239,8 @@ def check_kernels(opts: SelftestOptions, remaining_s: float) -> Check:
 
 
 def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
+    import torch
+
     from dsv41.compiler.bench import StepState, synthetic_cache
     from dsv41.graph.checkpoint import checkpoint_config, write_seeded_checkpoint
     from dsv41.graph.config import preset
@@ -295,6 +304,8 @@ def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
 
 
 def run_selftest(opts: SelftestOptions, say=print) -> SelftestReport:
+    import torch
+
     from dsv41.runtime.device import DeviceError, device_for_target
 
     start = time.perf_counter()
@@ -338,9 +349,11 @@ def summary(report: SelftestReport) -> str:
     return "\n".join(lines)
 
 
-def build_parser(prog: str = "dsv41 selftest") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="the device check (see compiler/"
-                                "selftest.py)")
+DESCRIPTION = "the device check (see compiler/selftest.py)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `dsv41 selftest` (and of a bundle's gpu_check.py)."""
     p.add_argument("--target", default="cuda-sm90")
     p.add_argument("--device", default=None, help="cpu | cuda:N (default: the target's kind)")
     p.add_argument("--artifacts", default="artifacts", help="comma-separated folders searched "
@@ -352,7 +365,6 @@ def build_parser(prog: str = "dsv41 selftest") -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=480.0)
     p.add_argument("--tests", default=None, help="the test suite folder (kernel tests)")
     p.add_argument("--json", default="selftest.json")
-    return p
 
 
 def options_from(ns) -> SelftestOptions:
@@ -363,21 +375,28 @@ def options_from(ns) -> SelftestOptions:
         artifacts=tuple(Path(x) for x in ns.artifacts.split(",") if x),
         case=None if ns.case is None else Path(ns.case),
         bench_checkpoint=Path(ns.bench_checkpoint),
-        contexts=tuple(parse_tokens(x) for x in ns.contexts.split(",") if x), reps=ns.reps,
+        contexts=parse_tokens(ns.contexts), reps=ns.reps,
         budget_s=ns.budget_s, tests=None if ns.tests is None else Path(ns.tests),
         json_out=Path(ns.json))
 
 
 def main(argv: list[str], *, defaults: dict | None = None, prog: str = "dsv41 selftest") -> int:
-    p = build_parser(prog)
+    """A bundle's gpu_check.py: `dsv41 selftest`'s options under another program name and
+    defaults (the bundle's own folders)."""
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(p)
     if defaults:
         p.set_defaults(**defaults)
-    opts = options_from(p.parse_args(argv))
+    return run_command(options_from(p.parse_args(argv)))
+
+
+def run_command(opts: SelftestOptions) -> int:
+    """The checks in turn, the summary, the JSON; REFUSED, 1 on a failure, else 0."""
     print(f"selftest: target {opts.target}, budget {opts.budget_s:.0f} s, TVM "
           f"{'runtime-only' if os.environ.get('TVM_USE_RUNTIME_LIB') == '1' else 'full'}")
     report = run_selftest(opts)
     print(summary(report))
-    opts.json_out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    write_json(opts.json_out, report.to_json(), indent=2, final_newline=True)
     print(f"json: {opts.json_out}")
     if report.refused:
         return REFUSED

@@ -24,8 +24,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from dsv41.compiler.measure import write_json
+from dsv41.compiler.serving import ServingOptions, make_batcher, serving_engine
 
 
 @dataclass(frozen=True)
@@ -253,3 +257,72 @@ def run_serve_bench(host: str, port: int, model: str, opts: ServeBenchOptions, *
         out["long_prompt"] = asdict(lr)
     return out
 
+
+
+# ---- `dsv41 bench serve` ------------------------------------------------------------------------
+
+ENGINE_STALL_CHUNK = 128  # the engine-side stall row's prefill chunk without --prefill-chunk
+
+
+@dataclass(frozen=True)
+class BenchServeOptions:
+    """`dsv41 bench serve`: the engine and batcher it serves, the clients' rounds, the JSON."""
+
+    serving: ServingOptions = ServingOptions()
+    bench: ServeBenchOptions = ServeBenchOptions()
+    json: Path | None = None
+
+
+def run_command(opts: BenchServeOptions) -> int:
+    """The server on a local port under the client rounds, then the long prompt's stall seen
+    from the engine's side (no HTTP); prints the rows, writes {"serve": ...} to the JSON."""
+    from dsv41.runtime.batcher import measure_long_prompt_stall
+    from dsv41.runtime.server import ServerOptions, ServerThread, create_app
+
+    sv = opts.serving
+    se = serving_engine(sv)
+    args = se.engine.model.args
+    batcher = None
+    try:
+        bench = opts.bench.validate(args.max_seq_len)
+        if max((*bench.clients, bench.long_streams + 1)) > sv.max_running + sv.max_queue:
+            raise ValueError("--max-running + --max-queue must hold every client at once.")
+        # both long-prompt rows (over HTTP, and the engine's own) prefill in chunks of this size
+        chunk = sv.prefill_chunk or ENGINE_STALL_CHUNK
+        batcher = make_batcher(sv, se, chunk)
+        batcher.start()
+        app = create_app(batcher, se.tokenizer, ServerOptions(
+            model_name=se.model_name, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len))
+        print(f"bench serve: {se.model_name!r} ({se.backend}), --max-running "
+              f"{sv.max_running}; noisy when other work shares the machine")
+        t0 = time.time()
+        with ServerThread(app) as server:
+            result = run_serve_bench(server.host, server.port, se.model_name, bench,
+                                     vocab_size=args.vocab_size)
+        batcher.stop()
+        batcher = None
+        if bench.long_streams:  # the same stall measured on the engine's side, no HTTP
+            stall = measure_long_prompt_stall(
+                se.engine, streams=bench.long_streams, stream_prompt=bench.prompt_tokens,
+                stream_tokens=bench.long_max_tokens, long_prompt=bench.long_prompt_tokens,
+                chunk_tokens=chunk, seed=sv.seed)
+            result["long_prompt_engine"] = stall.to_dict()
+            print(f"  engine side: worst gap {stall.worst_gap_s * 1e3:.1f} ms during the "
+                  f"{stall.chunks}-chunk prefill ({stall.chunk_tokens} tokens a chunk, "
+                  f"{stall.chunk_s * 1e3:.1f} ms each), median gap "
+                  f"{stall.median_gap_s * 1e3:.1f} ms")
+    finally:
+        if batcher is not None:
+            batcher.stop()
+        se.close()
+    result.update(backend=se.backend, max_running=sv.max_running,
+                  prefill_chunk_tokens=sv.prefill_chunk or ENGINE_STALL_CHUNK)
+    if opts.json:
+        write_json(opts.json, {"serve": result})
+        print(f"json: {opts.json}")
+    rows = result["clients"]
+    print("summary: " + "; ".join(
+        f"{r['clients']} clients {r['tokens_per_s']:.1f} tok/s TTFT p50 "
+        f"{r['ttft_p50_s'] * 1e3:.0f} ms p99 {r['ttft_p99_s'] * 1e3:.0f} ms" for r in rows)
+        + f" ({time.time() - t0:.0f} s)")
+    return 0

@@ -18,9 +18,7 @@ takes its place. The report says whether both tiers evicted.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,6 +26,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+
+from dsv41.compiler.assets import ensure_checkpoint
+from dsv41.compiler.measure import write_json
 
 
 @dataclass(frozen=True)
@@ -203,29 +204,10 @@ def report_json(report: SoakReport) -> dict:
             "rss_ratio": report.ratio, "tiers_evicting": report.tiers_evicting}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    d = SoakOptions()
-    p = argparse.ArgumentParser(prog="dsv41 bench soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default=d.preset, help="seeded checkpoint of this preset")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
-    p.add_argument("--artifact", default=None, help="a compiled artifact (default: PyTorch)")
-    for name in ("turns", "sessions", "baseline_turn", "sample_every", "seed", "page_tokens",
-                 "pool_snapshots", "store_blocks"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("pool_ttl_s", "turn_seconds"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
-    p.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
-    p.add_argument("--json", default=None, help="write the samples and the ratio here")
-    return p
-
-
-def main(argv: list[str] | None = None, *,
-         default_checkpoint: Callable[[str, int], Path]) -> int:
-    """`default_checkpoint(preset, seed)`: the checkpoint folder when --checkpoint is not given
-    (the CLI's seeded checkpoint, written once)."""
-    ns = build_parser().parse_args(argv)
-    opts = SoakOptions(**{k: (Path(v) if k in ("checkpoint", "artifact", "json") and v else v)
-                          for k, v in vars(ns).items()})
+def run_command(opts: SoakOptions, *,
+                default_checkpoint: Callable[[str, int], Path] = ensure_checkpoint) -> int:
+    """`dsv41 bench soak`. `default_checkpoint(preset, seed)`: the checkpoint folder when
+    `opts.checkpoint` is None (the preset's seeded checkpoint, written once)."""
     opts.validate()
     if opts.checkpoint is None:
         opts = replace(opts, checkpoint=default_checkpoint(opts.preset, opts.seed))
@@ -236,7 +218,6 @@ def main(argv: list[str] | None = None, *,
           f"{report.rss_at(last) / 2**20:.1f} MiB, ratio {report.ratio:.4f} "
           f"({(report.ratio - 1) * 100:+.2f}%); tiers evicting: {report.tiers_evicting}")
     if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(report_json(report), indent=1))
+        write_json(opts.json, report_json(report))
         print(f"json: {opts.json}")
     return 0

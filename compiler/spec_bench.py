@@ -28,11 +28,7 @@ decode, draft and verify entries; the model's config is the artifact's).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsv41.compiler.bench import parse_tokens, synthetic_cache
+from dsv41.compiler.assets import ensure_checkpoint
+from dsv41.compiler.bench import synthetic_cache
+from dsv41.compiler.measure import median_time, write_json
 from dsv41.graph import phases
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
@@ -87,15 +85,6 @@ class InjectedDraft:
         return Draft(torch.tensor([ids]), torch.zeros(1, n, self.vocab), conf)
 
 
-def _median(fn: Callable[[], object], reps: int) -> float:
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
-
-
 @dataclass(frozen=True)
 class Backend:
     """What the bench runs on: the phases, the one-pass verify, and an engine over them."""
@@ -140,7 +129,7 @@ def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: in
     cache = synthetic_cache(model, context, seed=seed, margin=64 + 2 * reps * (max_draft + 2))
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    draft_s = _median(lambda: be.phases.draft_after(model, cache, torch.tensor([5])), reps)
+    draft_s = median_time(lambda: be.phases.draft_after(model, cache, torch.tensor([5])), reps)
     for k in range(max_draft + 1):
         toks = torch.randint(3, model.args.vocab_size, (1, 1 + k), generator=gen)
 
@@ -149,8 +138,8 @@ def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: in
                 verify_step(model, cache, toks, step=be.phases.decode_step)
             cut_back(model, cache, v, [1])
 
-        rows.append({"context": context, "k": k, "steps_s": _median(lambda: run(False), reps),
-                     "one_pass_s": _median(lambda: run(True), reps), "draft_s": draft_s})
+        rows.append({"context": context, "k": k, "steps_s": median_time(lambda: run(False), reps),
+                     "one_pass_s": median_time(lambda: run(True), reps), "draft_s": draft_s})
     return rows
 
 
@@ -253,58 +242,63 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv41 bench spec", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="small", help="small | bench | full (seeded checkpoint)")
-    p.add_argument("--checkpoint", default=None)
-    p.add_argument("--contexts", default="256,896")
-    p.add_argument("--max-draft", type=int, default=5)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=24, help="decoded tokens per engine run")
-    p.add_argument("--prompt-tokens", type=int, default=32,
-                   help="the engine runs' prompt (their context)")
-    p.add_argument("--rates", default="0.3,0.6,0.9")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--impls", default="graph", help="graph and/or artifact, comma-separated")
-    p.add_argument("--artifact", default=None, help="the artifact of --impls artifact")
-    return p
+@dataclass(frozen=True)
+class SpecBenchOptions:
+    """`dsv41 bench spec`."""
+
+    preset: str = "small"  # whose seeded checkpoint, without a checkpoint folder
+    checkpoint: Path | None = None
+    contexts: tuple[int, ...] = (256, 896)
+    max_draft: int = 5
+    reps: int = 3
+    tokens: int = 24  # decoded tokens per engine run
+    prompt_tokens: int = 32  # the engine runs' prompt (their context)
+    rates: tuple[float, ...] = (0.3, 0.6, 0.9)
+    threads: int = 0  # torch threads (0: torch's)
+    json: Path | None = None
+    seed: int = 0
+    impls: tuple[str, ...] = ("graph",)  # graph and/or artifact
+    artifact: Path | None = None  # the artifact of impls "artifact"
+
+    def validate(self) -> SpecBenchOptions:
+        if any(not 0.0 < r < 1.0 for r in self.rates):
+            raise ValueError(f"--rates must lie strictly between 0 and 1, got "
+                             f"{','.join(map(str, self.rates))!r}.")
+        if self.reps < 1 or self.tokens < 2 or self.prompt_tokens < 1:
+            raise ValueError("--reps must be >= 1, --tokens >= 2 and --prompt-tokens >= 1.")
+        if not self.impls or any(i not in ("graph", "artifact") for i in self.impls):
+            raise ValueError(f"--impls takes graph and/or artifact, got "
+                             f"{','.join(self.impls)!r}.")
+        if ("artifact" in self.impls) != (self.artifact is not None):
+            raise ValueError("--impls artifact and --artifact DIR go together.")
+        return self
 
 
-def main(argv: list[str] | None = None, *,
-         default_checkpoint: Callable[[str, int], Path]) -> int:
-    ns = build_parser().parse_args(argv)
-    rates = tuple(float(r) for r in ns.rates.split(","))
-    if any(not 0.0 < r < 1.0 for r in rates):
-        raise ValueError(f"--rates must lie strictly between 0 and 1, got {ns.rates!r}.")
-    if ns.reps < 1 or ns.tokens < 2 or ns.prompt_tokens < 1:
-        raise ValueError("--reps must be >= 1, --tokens >= 2 and --prompt-tokens >= 1.")
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
-    impls = tuple(i.strip() for i in ns.impls.split(",") if i.strip())
-    if not impls or any(i not in ("graph", "artifact") for i in impls):
-        raise ValueError(f"--impls takes graph and/or artifact, got {ns.impls!r}.")
-    if ("artifact" in impls) != (ns.artifact is not None):
-        raise ValueError("--impls artifact and --artifact DIR go together.")
-    ckpt = Path(ns.checkpoint) if ns.checkpoint else default_checkpoint(ns.preset, ns.seed)
+def run_command(opts: SpecBenchOptions, *,
+                default_checkpoint: Callable[[str, int], Path] = ensure_checkpoint) -> int:
+    """`dsv41 bench spec`: the rows printed, the report to the JSON.
+    `default_checkpoint(preset, seed)`: the checkpoint without `opts.checkpoint`."""
+    opts.validate()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    ckpt = opts.checkpoint or default_checkpoint(opts.preset, opts.seed)
     args = None
-    if ns.artifact is not None:  # the artifact's config (e.g. a longer max_seq_len)
+    if opts.artifact is not None:  # the artifact's config (e.g. a longer max_seq_len)
         from dsv41.runtime.artifact import Artifact
 
-        args = Artifact.load(ns.artifact).args
+        args = Artifact.load(opts.artifact).args
     model = Model.from_checkpoint(ckpt, args)
-    kw = dict(contexts=parse_tokens(ns.contexts), max_draft=ns.max_draft, reps=ns.reps,
-              tokens=ns.tokens, rates=rates, seed=ns.seed, prompt_tokens=ns.prompt_tokens)
+    kw = dict(contexts=opts.contexts, max_draft=opts.max_draft, reps=opts.reps,
+              tokens=opts.tokens, rates=opts.rates, seed=opts.seed,
+              prompt_tokens=opts.prompt_tokens)
     report = {}
-    if "graph" in impls:
+    if "graph" in opts.impls:
         report["spec"] = run_spec_bench(model, **kw)
-    if "artifact" in impls:
+    if "artifact" in opts.impls:
         report["spec_artifact"] = run_spec_bench(
-            model, **kw, backend=artifact_backend(model, Path(ns.artifact)))
+            model, **kw, backend=artifact_backend(model, opts.artifact))
     report |= {"checkpoint": str(ckpt), "threads": torch.get_num_threads()}
-    if ns.json:
-        Path(ns.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.json).write_text(json.dumps(report, indent=1))
-        print(f"json: {ns.json}")
+    if opts.json:
+        write_json(opts.json, report)
+        print(f"json: {opts.json}")
     return 0

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from dsv41.compiler import bench_kernels as bench
+from dsv41.compiler import measure
+from dsv41.compiler.cli import main as cli_main
 from dsv41.graph import ops
 from dsv41.schedules import moe
 
@@ -34,8 +36,8 @@ ROW_KEYS = {"case", "family", "dims", "bytes", "flops", "kernel_s", "eager_s", "
 def quick_report(tmp_path_factory):
     """One --quick run of every case through the CLI (no torch.compile: ~15 s)."""
     path = tmp_path_factory.mktemp("bench") / "kernels.json"
-    rc = bench.main(["--quick", "--no-compile", "--repeat", "3", "--budget", "0.05",
-                     "--json", str(path)])
+    rc = cli_main(["bench", "kernels", "--quick", "--no-compile", "--repeat", "3", "--budget",
+                   "0.05", "--json", str(path)])
     assert rc == 0
     return json.loads(path.read_text())
 
@@ -202,24 +204,24 @@ def test_time_call_budget_rule():
         calls.append(1)
         time.sleep(0.03)
 
-    t = bench.time_call(slow, repeat=5, budget_s=0.01)  # slower than the budget: timed once
+    t = measure.time_call(slow, repeat=5, budget_s=0.01)  # slower than the budget: timed once
     assert (t.samples, t.number, len(calls)) == (1, 1, 2)  # warm-up + the one timed call
     assert t.median_s >= 0.03
     calls.clear()
-    t = bench.time_call(slow, repeat=3, budget_s=10.0, warmed=True)
+    t = measure.time_call(slow, repeat=3, budget_s=10.0, warmed=True)
     assert (t.samples, t.number, len(calls)) == (3, 1, 4)  # sizing call + 3 samples
     assert 0.03 <= t.median_s < 0.3
-    t = bench.time_call(lambda: None, repeat=2, budget_s=1.0)
+    t = measure.time_call(lambda: None, repeat=2, budget_s=1.0)
     assert t.number > 1  # fast calls are looped so a sample outlasts the timer's resolution
 
 
 def test_cli_refuses_cuda_and_unknown_cases(capsys):
-    assert bench.main(["--quick", "--target", "cuda-sm90"]) == 2
+    assert cli_main(["bench", "kernels", "--quick", "--target", "cuda-sm90"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
-    assert bench.main(["--quick", "--cases", "nope"]) == 2
+    assert cli_main(["bench", "kernels", "--quick", "--cases", "nope"]) == 2
     assert "Unknown case" in capsys.readouterr().err
-    assert bench.main(["--quick", "--target", "tpu"]) == 2
-    assert bench.main(["--list", "--cases", "indexer"]) == 0
+    assert cli_main(["bench", "kernels", "--quick", "--target", "tpu"]) == 2
+    assert cli_main(["bench", "kernels", "--list", "--cases", "indexer"]) == 0
     out = capsys.readouterr().out
     assert "indexer-1M" in out and "attend" not in out
 
@@ -230,7 +232,7 @@ def test_table_is_aligned(quick_report):
     # the 12 right-justified cells after the case name end at the same columns in every row
     ends = {tuple([m.end() for m in re.finditer(r"\S+", line)][1:13]) for line in lines[2:]}
     assert len(ends) == 1
-    assert "machine:" in bench.format_machine(quick_report["machine"])
+    assert "machine:" in measure.format_machine(quick_report["machine"])
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.compiler.bench_load import main, measure_load, model_tensors
+from dsv41.compiler.bench_load import measure_load, model_tensors
+from dsv41.compiler.cli import main as cli_main
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
@@ -23,7 +24,8 @@ def test_load_measurement_counts_the_model_bytes(small_case, small_model, tmp_pa
     assert 0 < m.load_peak_bytes <= m.touched_peak_bytes
     assert m.ratio == pytest.approx(m.touched_peak_bytes / m.resident_bytes)
     out = tmp_path / "load.json"
-    assert main(["--checkpoint", str(small_case.checkpoint), "--json", str(out)]) == 0
+    assert cli_main(["bench", "load", "--checkpoint", str(small_case.checkpoint), "--json",
+                     str(out)]) == 0
     assert "ratio" in capsys.readouterr().out
     got = json.loads(out.read_text())["load"]
     assert got["resident_bytes"] == m.resident_bytes and "within_target" in got

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import replace
+from pathlib import Path
 
-from dsv41.compiler.cli import main
+import numpy as np
+import pytest
+
+from dsv41.compiler.bench import BenchOptions
+from dsv41.compiler.cli import BENCH_VERBS, build_parser, main, with_default_bench_verb
+from dsv41.compiler.serve_bench import ServeBenchOptions
 
 
 def test_plan_all_presets(capsys):
@@ -47,3 +53,121 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, small_case):
                "--out", str(tmp_path / "o.npz")])
     assert rc == 2 and "Token ids must lie in" in capsys.readouterr().err
     assert main(["bill", "--context", "0"]) == 2
+
+
+# ---- the one parser tree ------------------------------------------------------------------------
+
+VERBS = (["plan"], ["bill"], ["checkpoint"], ["score"], ["compile"], ["bundle"], ["selftest"],
+         ["bench"], *(["bench", v] for v in BENCH_VERBS), ["run"], ["ledger"], ["tune"],
+         ["serve"], ["chat"])
+
+
+def test_every_verb_and_sub_verb_has_help(capsys):
+    for argv in ([], *VERBS):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--help"])
+        assert e.value.code == 0, argv
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: {' '.join(['dsv41', *argv])} "), argv
+    required = {"checkpoint": ["--out", "o"], "bundle": ["--out", "o"],
+                "score": ["--checkpoint", "c", "--tokens", "t", "--out", "o"]}
+    for argv in VERBS:  # the tree dispatches every verb and sub-verb to its command
+        ns = build_parser().parse_args(with_default_bench_verb([*argv,
+                                                                *required.get(argv[0], [])]))
+        assert ns.func.__name__ == "cmd_" + "_".join(argv).replace("bench_e2e", "bench")
+
+
+def test_bad_input_is_an_argparse_error(capsys):
+    for argv, msg in ((["bench", "nope"], "invalid choice: 'nope'"),
+                      (["bench", "--reps", "x"], "invalid int value: 'x'"),
+                      (["bench", "kernels", "--stat", "mean"], "invalid choice: 'mean'"),
+                      (["bench", "serve", "--port", "1"], "unrecognized arguments: --port"),
+                      (["bench", "soak", "--turns", "1.5"], "invalid int value: '1.5'"),
+                      (["selftest", "--reps", "many"], "invalid int value: 'many'"),
+                      (["plan", "--nope"], "unrecognized arguments: --nope"),
+                      (["nope"], "invalid choice: 'nope'")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
+        assert msg in capsys.readouterr().err, argv
+
+
+def test_bench_without_a_sub_verb_is_e2e():
+    assert with_default_bench_verb(["bench"]) == ["bench", "e2e"]
+    assert with_default_bench_verb(["bench", "--reps", "2"]) == ["bench", "e2e", "--reps", "2"]
+    for argv in (["bench", "kernels"], ["bench", "--help"], ["bench", "nope"], ["plan"], []):
+        assert with_default_bench_verb(argv) == argv
+    ns = build_parser().parse_args(with_default_bench_verb(["bench", "--contexts", "4K"]))
+    assert ns.options(ns) == BenchOptions(contexts=(4096,))
+
+
+def _options(argv):
+    ns = build_parser().parse_args(with_default_bench_verb(argv))
+    return ns.options(ns)
+
+
+def test_each_verb_builds_its_options_with_the_documented_defaults():
+    from dsv41.compiler.bench_kernels import KernelBenchOptions
+    from dsv41.compiler.bench_load import LoadBenchOptions
+    from dsv41.compiler.build import CompileOptions
+    from dsv41.compiler.ledger_command import LedgerCommandOptions
+    from dsv41.compiler.pool_bench import PoolBenchOptions
+    from dsv41.compiler.scoring import ScoreOptions
+    from dsv41.compiler.selftest import SelftestOptions
+    from dsv41.compiler.serve_bench import BenchServeOptions
+    from dsv41.compiler.serving import ChatOptions, ServeOptions, ServingOptions
+    from dsv41.compiler.soak import SoakOptions
+    from dsv41.compiler.spec_bench import SpecBenchOptions
+    from dsv41.compiler.tune import TuneOptions
+    from dsv41.graph.config import preset
+    from dsv41.graph.entries import ENTRIES
+    from dsv41.schedules.tuning_space import PhaseShape
+
+    assert _options(["bench"]) == _options(["bench", "e2e"]) == BenchOptions()
+    assert _options(["bench", "kernels"]) == KernelBenchOptions()
+    assert _options(["bench", "serve"]) == BenchServeOptions()
+    assert _options(["bench", "pool"]) == PoolBenchOptions()
+    assert _options(["bench", "soak"]) == SoakOptions()
+    assert _options(["bench", "load"]) == LoadBenchOptions()
+    assert _options(["bench", "spec"]) == SpecBenchOptions()
+    assert _options(["selftest"]) == replace(SelftestOptions(), artifacts=(Path("artifacts"),))
+    assert _options(["serve"]) == ServeOptions()
+    assert _options(["chat"]) == ChatOptions()
+    assert _options(["compile"]) == CompileOptions(args=preset("small"), model_name="small",
+                                                   target="cpu", entries=ENTRIES)
+    assert _options(["tune"]) == TuneOptions(
+        args=preset("small"), model_name="small", target="cpu",
+        shape=PhaseShape(batch=1, tokens=256, context=8192))
+    # every flag reaches its field
+    assert _options(["bench", "kernels", "--cases", "indexer, moe", "--no-compile", "--quick",
+                     "--stat", "min", "--json", "k.json", "--list"]) == KernelBenchOptions(
+        cases=("indexer", "moe"), use_compile=False, quick=True, stat="min",
+        json=Path("k.json"), list_cases=True)
+    assert _options(["bench", "serve", "--backend", "torch", "--clients", "2,3", "--seed", "4"]) \
+        == BenchServeOptions(ServingOptions(backend="torch", seed=4),
+                             ServeBenchOptions(clients=(2, 3), seed=4))
+    assert _options(["serve", "--request-timeout", "0"]).request_timeout_s is None
+    assert _options(["ledger"]) == LedgerCommandOptions()
+    assert _options(["score", "--checkpoint", "c", "--tokens", "t", "--out", "o"]) == \
+        ScoreOptions(checkpoint=Path("c"), tokens=Path("t"), out=Path("o"))
+    assert _options(["score", "--checkpoint", "c", "--tokens", "t", "--out", "o",
+                     "--hidden-states", "0,2", "--images", "a.png,b.png"]) == ScoreOptions(
+        Path("c"), Path("t"), Path("o"), hidden_states=(0, 2),
+        images=(Path("a.png"), Path("b.png")))
+
+
+def test_verbs_refuse_bad_options_before_any_work(capsys):
+    for argv, msg in ((["bench", "spec", "--rates", "0.5,1.5"], "strictly between 0 and 1"),
+                      (["bench", "spec", "--rates", "x"], "comma-separated numbers"),
+                      (["bench", "serve", "--clients", "a"], "comma-separated counts"),
+                      (["bench", "pool", "--reps", "0"], "--reps must be at least 1"),
+                      (["bench", "--contexts", "0"], "must be positive"),
+                      (["serve", "--port", "0"], "--port must be in 1..65535"),
+                      (["serve", "--role", "decode"], "needs --redis-url"),
+                      (["compile", "--target", "tpu"], "Unknown target 'tpu'"),
+                      (["compile", "--entries", "nope"], "Unknown entries"),
+                      (["tune", "--target", "tpu"], "Unknown target 'tpu'")):
+        with pytest.raises(ValueError, match=msg):
+            _options(argv)
+    assert main(["bench", "kernels", "--target", "tpu"]) == 2
+    assert "dsv41 bench kernels: error: " in capsys.readouterr().err

@@ -99,7 +99,8 @@ def test_bench_soak_resolves_the_preset_and_writes_its_json(small_case, tmp_path
     out = tmp_path / "soak.json"
     argv = ["--turns", "2", "--sessions", "1", "--baseline-turn", "1", "--sample-every", "1",
             "--seed", "3", "--json", str(out)]
-    assert soak.main(argv, default_checkpoint=default_checkpoint) == 0
+    opts = cli.bench_soak_options(cli.build_parser().parse_args(["bench", "soak", *argv]))
+    assert soak.run_command(opts, default_checkpoint=default_checkpoint) == 0
     assert asked == [("small", 3)]
     doc = json.loads(out.read_text())
     assert [s["turn"] for s in doc["samples"]] == [1, 2]

@@ -571,7 +571,8 @@ def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_m
 
 
 def test_spec_bench_refuses_bad_impls(tmp_path):
-    from dsv41.compiler.spec_bench import main
+    from dsv41.compiler.cli import bench_spec_options, build_parser
+    from dsv41.compiler.spec_bench import run_command
 
     def no_checkpoint(preset, seed):
         raise AssertionError("the options are checked before any checkpoint is made")
@@ -579,8 +580,9 @@ def test_spec_bench_refuses_bad_impls(tmp_path):
     for argv, msg in ((["--impls", "artifact"], "go together"),
                       (["--artifact", str(tmp_path)], "go together"),
                       (["--impls", "graph,onnx"], "graph and/or artifact")):
+        ns = build_parser().parse_args(["bench", "spec", *argv])
         with pytest.raises(ValueError, match=msg):
-            main(argv, default_checkpoint=no_checkpoint)
+            run_command(bench_spec_options(ns), default_checkpoint=no_checkpoint)
 
 
 # ---- the captured verify entry ----------------------------------------------------------------
