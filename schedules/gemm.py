@@ -350,7 +350,7 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
                     for j in range(i64(BLOCK)):
                         amax[0] = T.max(amax[0], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
                     byte[0] = pow2_scale_byte(amax[0])
-                    for j in range(i64(BLOCK // 2)):
+                    for j in T.vectorized(i64(BLOCK // 2)):
                         xt[i // BLOCK, b * 16 + j, i % BLOCK] = pair(x, i, b * BLOCK + j * 2,
                                                                      byte[0])
                 else:  # padded rows: zero
