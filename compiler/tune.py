@@ -756,7 +756,7 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     ckpt = DEFAULT_CHECKPOINTS / f"{opts.model_name}-seed0"  # where `ensure_checkpoint` writes
     if (ckpt / "config.json").is_file():
         model = Model.from_checkpoint(ckpt)
-        return args + [to_tvm(weight_for(model, p["param"])) for p in params], str(ckpt)
+        return args + [to_tvm(weight_for(model, p["param"], p)) for p in params], str(ckpt)
     import ml_dtypes
 
     rng = np.random.default_rng(0)

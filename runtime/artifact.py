@@ -167,12 +167,21 @@ def to_tvm(t: torch.Tensor):
     return tvm.runtime.from_dlpack(t)
 
 
-def weight_for(model, param: str) -> torch.Tensor:
-    """The checkpoint tensor behind a compiled entry's parameter name (see capture.PhaseGraph)."""
+def weight_for(model, param: str, spec: dict | None = None) -> torch.Tensor:
+    """The checkpoint tensor behind a compiled entry's parameter name (see capture.PhaseGraph).
+
+    A model loaded without a vision tower has no gate `bias_vl`, which the span entries of a
+    config with one take as a parameter: the route reads it only at image-span positions, and
+    such a model refuses images, so zeros of the declared shape stand in (`spec`: the entry's
+    parameter record) and never reach an output."""
     if param.startswith("experts__"):
         _, layer, k = param.split("__")
         return getattr(model.experts[int(layer)], k)
-    return model.w[param.replace("__", ".")]
+    name = param.replace("__", ".")
+    if name.endswith(".gate.bias_vl") and not model.vision and spec is not None:
+        return torch.zeros([int(x) for x in spec["shape"]], dtype=getattr(torch, spec["dtype"]),
+                           device=model.w[name.removesuffix("_vl")].device)
+    return model.w[name]
 
 
 @dataclass
@@ -215,7 +224,7 @@ class Artifact:
             params = []
             for p in sig["params"]:
                 if p["param"] not in cache:
-                    t = weight_for(model, p["param"])
+                    t = weight_for(model, p["param"], p)
                     if list(t.shape) != [int(x) for x in p["shape"]]:
                         raise ArtifactError(f"Weight {p['param']} has shape {list(t.shape)}, "
                                             f"the artifact expects {p['shape']}.")

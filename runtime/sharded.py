@@ -163,7 +163,7 @@ def check_worker_shapes(manifest: dict, checkpoint: str | Path) -> None:
         model = Model.placeholder(args, WorkerShard(w, shards, ExportCollectives(shards)))
         for entry, sig in manifest["entries"].items():
             for p in sig["params"]:
-                shape = list(weight_for(model, p["param"]).shape)
+                shape = list(weight_for(model, p["param"], p).shape)
                 if shape != [int(x) for x in p["shape"]]:
                     raise ArtifactError(f"Worker {w}'s {p['param']} has shape {shape}; the "
                                         f"{entry} library takes {p['shape']} (uneven shares "
@@ -191,7 +191,7 @@ def register_worker_functions() -> None:
             w, int(shards), ExportCollectives(int(shards))))  # the comm is the graph's
         out = []
         for p in json.loads(params_json):
-            t = weight_for(model, p["param"])
+            t = weight_for(model, p["param"], p)
             if list(t.shape) != [int(x) for x in p["shape"]]:
                 raise ArtifactError(f"Worker {w}: weight {p['param']} has shape "
                                     f"{list(t.shape)}, the artifact expects {p['shape']}.")
