@@ -148,3 +148,26 @@ def test_an_amx_artifact_is_refused_where_amx_is_not_granted(small_artifact, tmp
     monkeypatch.setattr(artifact_module, "request_amx", lambda: asked.append(1) or True)
     assert Artifact.load(dst).device == Device(DeviceKind.CPU)
     assert len(asked) == 2
+
+
+def test_a_text_only_model_binds_zeros_for_the_span_entries_gate_bias_vl():
+    """The span entries of a config with a vision tower take every gate's `bias_vl`; a model
+    loaded from a checkpoint without the tower has none, and reads it only at image-span
+    positions, which it refuses: zeros of the declared shape stand in. With the tower the
+    checkpoint's tensor is bound, and any other missing weight is still an error."""
+    from types import SimpleNamespace
+
+    from dsv41.runtime.artifact import weight_for
+
+    spec = {"param": "layers__3__ffn__gate__bias_vl", "shape": ["16"], "dtype": "float32"}
+    bias = torch.arange(16, dtype=torch.float32)
+    text_only = SimpleNamespace(vision=False, w={"layers.3.ffn.gate.bias": bias})
+    got = weight_for(text_only, spec["param"], spec)
+    assert got.dtype == torch.float32 and got.shape == (16,) and not bool(got.any())
+    with_tower = SimpleNamespace(vision=True, w={"layers.3.ffn.gate.bias": bias,
+                                                 "layers.3.ffn.gate.bias_vl": bias + 1})
+    assert torch.equal(weight_for(with_tower, spec["param"], spec), bias + 1)
+    with pytest.raises(KeyError):  # no parameter record: nothing to shape zeros after
+        weight_for(text_only, "layers__3__ffn__gate__bias_vl")
+    with pytest.raises(KeyError):
+        weight_for(text_only, "layers__3__attn__wq_a__weight", spec)
