@@ -258,7 +258,7 @@ def _scatter_rows(ctx: Lowering):
 
     def convert(node, importer):
         dst, idx, new = (importer.env[a] for a in node.args[:3])
-        key = ScatterRowsKey(width=static(shape(dst)[-1]), dtype=dst.ty.dtype)
+        key = ScatterRowsKey(width=static(shape(dst)[-1]), dtype=str(dst.ty.dtype))
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
         return importer.block_builder.emit(
             relax.call_tir_inplace(gv, [dst, idx, new], [0], out_ty=dst.ty))
@@ -348,7 +348,7 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr) -> relax
     groups, k = (static(v) for v in shape(x3)[1:])
     n = static(shape(w2)[0]) // groups
     kind = DenseGemvKey if use_gemv(ctx) else DenseGemmKey
-    key = kind(groups=groups, n=n, k=k, x_dtype=x3.ty.dtype, w_dtype=w2.ty.dtype)
+    key = kind(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=str(w2.ty.dtype))
     gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
     m = shape(x3)[0]
     return call(importer, gv, [x3, w2], tensor([m, groups, n], "float32"))
