@@ -262,27 +262,18 @@ def moe_traffic(*, n, dim, inter, topk, experts_used, **_) -> tuple[int, int]:
 
 @functools.cache
 def compile_kernel(family: str, target_name: str, static: tuple) -> tuple[object, float]:
-    """(executable, seconds to schedule + compile) for one family at its static dims."""
+    """(executable, seconds to schedule + compile) for one family at its static dims: the
+    kernel registry's builder for the family (`compiler.kernels`: the kernels the lowering
+    emits, e.g. moe's split chain, gemv's dense decode GEMV)."""
     import tvm
 
     from dsv41.graph.targets import get_target
-    from dsv41.schedules import attention, gemm, indexer, moe
 
-    kw = dict(static)
+    from .kernels import bench_kernel
+
+    make = bench_kernel(family).build
     t0 = time.perf_counter()
-    if family == "attend":
-        func = attention.build_sparse_attend(target_name, **kw, softmax_scale=kw["d"] ** -0.5)
-    elif family == "indexer":
-        func = indexer.build_indexer_topk(target_name, **kw)
-    elif family == "fp8":
-        func = gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"])
-    elif family == "gemv":  # the dense decode GEMV compiler/lower.py `_gemv_call` emits
-        func = gemm.build_dense_gemv(target_name, **kw)
-    elif family == "moe":  # the split chain compiler/lower.py `_moe_experts` emits
-        hint = kw.pop("hint")
-        func = moe.build_moe_experts_split(target_name, **kw, n=hint)
-    else:
-        raise AssertionError(f"unknown family {family}")
+    func = make(target_name, dict(static))
     ex = tvm.compile(func, target=get_target(target_name).tvm_target())
     return ex, time.perf_counter() - t0
 

@@ -115,26 +115,88 @@ def entry_signature(ep, template, plan, entry: str) -> dict:
     return sig
 
 
-def _dump(opts: CompileOptions, entry: str, phase: str, text) -> None:
+# ---- the phases (one function each) and the driver compile, the CUDA child and tune share ----
+
+
+def lower_entry(model: Model, entry: str, ep, template, spec, kernels: dict | None = None):
+    """The lower phase: the captured entry -> Relax, with the entry's row hint, static bounds
+    and bounded-rows choice. `kernels` receives each kernel's key -> GlobalVar."""
+    from .lower import lower
+
+    return lower(ep, spec, rows_hint=ROWS_HINT.get(entry), kernels=kernels,
+                 bounds=entry_bounds(model, entry, ep, template),
+                 bounded_rows=entry in BOUNDED_ROWS)
+
+
+@dataclass
+class EntryRun:
+    """One entry through the pipeline: what its phases made (None where a phase did not run)."""
+
+    entry: str
+    ep: object = None  # capture: the ExportedProgram
+    template: object = None  # capture: the cache template
+    module: object = None  # the Relax module after the last phase that ran
+    fused: bool | None = None  # fuse: TVM's FuseTIR accepted every group
+    kernels: dict = field(default_factory=dict)  # lower: kernel key -> GlobalVar
+
+
+def run_phases(model: Model, entry: str, target: str, *, until: str = "build",
+               lib: Path | None = None, tuning: tuple[str, str] | None = None,
+               dump: Path | None = None, say: CompileProgress | None = None,
+               times: dict[str, float] | None = None) -> EntryRun:
+    """capture -> lower -> fuse -> schedule -> build of one entry, through phase `until`
+    (PHASES), each phase timed into `times` and reported to `say`; `dump`: a folder that
+    receives the IR after each phase (`<entry>.<i>-<phase>.txt`); `tuning` as `schedule`'s;
+    `lib`: where build writes the library."""
+    from dsv41.graph.targets import get_target
+
+    assert until in PHASES, f"unknown phase {until!r}"
+    spec = get_target(target)
+    step = functools.partial(_timed_phase, say or SilentProgress(),
+                             {} if times is None else times, entry)
+    last = PHASES.index(until)
+    run = EntryRun(entry)
+    run.ep, run.template = step("capture", capture, model, entry)
+    _dump(dump, entry, "capture", lambda: str(run.ep.graph_module.code))
+    if last >= PHASES.index("lower"):
+        run.module = step("lower", lower_entry, model, entry, run.ep, run.template, spec,
+                          run.kernels)
+        _dump(dump, entry, "lower", lambda: run.module.script(show_meta=False))
+    if last >= PHASES.index("fuse"):
+        run.module, run.fused = step("fuse", fuse, run.module, target)
+        _dump(dump, entry, "fuse", lambda: run.module.script(show_meta=False))
+    if last >= PHASES.index("schedule"):
+        run.module = step("schedule", schedule, run.module, target, tuning)
+        _dump(dump, entry, "schedule", lambda: run.module.script(show_meta=False))
+    if last >= PHASES.index("build"):
+        assert lib is not None, "the build phase needs the library's path"
+        step("build", _build_library, run.module, spec, lib)
+    return run
+
+
+def _dump(folder: Path | None, entry: str, phase: str, text) -> None:
     """`text`: a callable giving the IR's text (only called when dumping)."""
-    if opts.debug_dump is None:
+    if folder is None:
         return
-    opts.debug_dump.mkdir(parents=True, exist_ok=True)
-    (opts.debug_dump / f"{entry}.{PHASES.index(phase)}-{phase}.txt").write_text(text())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{entry}.{PHASES.index(phase)}-{phase}.txt").write_text(text())
+
+
+def _timed_phase(say: CompileProgress, times: dict[str, float], entry: str, name: str, fn,
+                 *args, **kwargs):
+    """Run one phase of `entry`, telling `say` when it starts and ends; its seconds in `times`."""
+    say.started(entry, name)
+    t = time.perf_counter()
+    result = fn(*args, **kwargs)
+    times[name] = time.perf_counter() - t
+    say.finished(entry, name, times[name])
+    return result
 
 
 def lowered_module(config: dict, entry: str, target: str):
-    """Capture + lower one entry (also the CUDA child's builder: it runs under the stub)."""
-    from dsv41.graph.targets import get_target
-
-    from .lower import lower
-
-    args = args_from_dict(config)
-    model = Model.placeholder(args)
-    ep, template = capture(model, entry)
-    return lower(ep, get_target(target), rows_hint=ROWS_HINT.get(entry),
-                 bounds=entry_bounds(model, entry, ep, template),
-                 bounded_rows=entry in BOUNDED_ROWS)
+    """Capture + lower one entry."""
+    return run_phases(Model.placeholder(args_from_dict(config)), entry, target,
+                      until="lower").module
 
 
 def fuse(mod, target_name: str):
@@ -267,9 +329,10 @@ def _has_root(sch) -> bool:
 
 
 def built_module(config: dict, entry: str, target: str, tuning: list | None = None):
-    """The CUDA child's builder: the scheduled module, ready for tvm.compile."""
-    mod, _ = fuse(lowered_module(config, entry, target), target)
-    return schedule(mod, target, tuple(tuning) if tuning else None)
+    """The CUDA child's builder (it runs under the stub): the scheduled module, ready for
+    tvm.compile."""
+    return run_phases(Model.placeholder(args_from_dict(config)), entry, target,
+                      until="schedule", tuning=tuple(tuning) if tuning else None).module
 
 
 def compile_artifact(opts: CompileOptions,
@@ -299,42 +362,18 @@ def compile_artifact(opts: CompileOptions,
     for entry in opts.entries:
         tuning = (str(out / "tuning"), entry) if (out / "tuning").is_dir() else None
         times = report.seconds.setdefault(entry, {})
-
-        phase = functools.partial(_timed_phase, say, times, entry)
-        ep, template = phase("capture", capture, model, entry)
-        _dump(opts, entry, "capture", lambda e=ep: str(e.graph_module.code))
-        entries[entry] = entry_signature(ep, template, model.plan, entry)
         lib = out / f"{entry}.so"
+        # CUDA: capture here (the signature), the rest in a child under the stub libcuda
+        run = run_phases(model, entry, opts.target, until="capture" if spec.is_cuda else "build",
+                         lib=lib, tuning=tuning, dump=opts.debug_dump, say=say, times=times)
+        entries[entry] = entry_signature(run.ep, run.template, model.plan, entry)
         if spec.is_cuda:
-            from dsv41.schedules.cuda_build import build_cuda
-
-            name = "lower+fuse+schedule+build (CUDA child)"
-            say.started(entry, name)
-            t = time.perf_counter()
-            build_cuda("dsv41.compiler.build:built_module",
-                       {"config": opts.args.to_dict(), "entry": entry, "target": opts.target,
-                        "tuning": list(tuning) if tuning else None},
-                       opts.target, lib, timeout=3600,
-                       pipeline="dsv41.compiler.build:finish_pipeline")
-            times["build"] = time.perf_counter() - t
-            say.finished(entry, name, times["build"], phases=len(PHASES) - 1)
+            _build_cuda_child(opts, entry, tuning, lib, say, times)
             continue
-        from .lower import lower
-
-        mod = phase("lower", lower, ep, spec, rows_hint=ROWS_HINT.get(entry),
-                    bounds=entry_bounds(model, entry, ep, template),
-                    bounded_rows=entry in BOUNDED_ROWS)
-        _dump(opts, entry, "lower", lambda m=mod: m.script(show_meta=False))
-        mod, fused = phase("fuse", fuse, mod, opts.target)
-        report.unfused.extend([] if fused else [entry])
-        _dump(opts, entry, "fuse", lambda m=mod: m.script(show_meta=False))
-        mod = phase("schedule", schedule, mod, opts.target, tuning)
-        report.tuned[entry] = tuned_functions(mod)
+        report.unfused.extend([] if run.fused else [entry])
+        report.tuned[entry] = tuned_functions(run.module)
         if tuning:
             say.note(f"{entry}: {len(report.tuned[entry])} tuned function(s) from the database")
-        _dump(opts, entry, "schedule", lambda m=mod: m.script(show_meta=False))
-
-        phase("build", _build_library, mod, spec, lib)
     if opts.onnx:
         from .onnx_export import export_onnx
 
@@ -344,15 +383,21 @@ def compile_artifact(opts: CompileOptions,
     return report
 
 
-def _timed_phase(say: CompileProgress, times: dict[str, float], entry: str, name: str, fn,
-                 *args, **kwargs):
-    """Run one phase of `entry`, telling `say` when it starts and ends; its seconds in `times`."""
+def _build_cuda_child(opts: CompileOptions, entry: str, tuning, lib: Path,
+                      say: CompileProgress, times: dict[str, float]) -> None:
+    """lower + fuse + schedule + build of a CUDA entry in a child process that sees a stub
+    libcuda (`schedules.cuda_build`): `built_module` there, then `finish_pipeline`."""
+    from dsv41.schedules.cuda_build import build_cuda
+
+    name = "lower+fuse+schedule+build (CUDA child)"
     say.started(entry, name)
     t = time.perf_counter()
-    result = fn(*args, **kwargs)
-    times[name] = time.perf_counter() - t
-    say.finished(entry, name, times[name])
-    return result
+    build_cuda("dsv41.compiler.build:built_module",
+               {"config": opts.args.to_dict(), "entry": entry, "target": opts.target,
+                "tuning": list(tuning) if tuning else None},
+               opts.target, lib, timeout=3600, pipeline="dsv41.compiler.build:finish_pipeline")
+    times["build"] = time.perf_counter() - t
+    say.finished(entry, name, times["build"], phases=len(PHASES) - 1)
 
 
 def _build_library(mod, spec, lib: Path) -> None:

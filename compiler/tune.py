@@ -170,7 +170,9 @@ def _source_digest() -> str:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     files = sorted([*(root / "graph").glob("*.py"), *(root / "schedules").glob("*.py"),
-                    *(root / "compiler" / n for n in ("capture.py", "lower.py", "build.py"))])
+                    *(root / "compiler" / n for n in ("capture.py", "lower.py", "build.py",
+                                                      "kernels.py", "kernel_keys.py",
+                                                      "relax_ops.py"))])
     for p in files:
         h.update(p.name.encode())
         h.update(p.read_bytes())
@@ -185,20 +187,14 @@ def fingerprint(opts: TuneOptions) -> dict:
 
 
 def _entry_module(opts: TuneOptions, entry: str):
-    """The entry's fused module exactly as `compile` builds it, and its kernels' keys."""
+    """The entry's fused module exactly as `compile` builds it (the same phases,
+    `build.run_phases`), and its kernels' keys by function name."""
     from dsv41.graph.model import Model
-    from dsv41.graph.targets import get_target
 
-    from .build import BOUNDED_ROWS, ROWS_HINT, fuse
-    from .capture import capture
-    from .lower import lower
+    from .build import run_phases
 
-    ep, _ = capture(Model.placeholder(opts.args), entry)
-    kernels: dict = {}
-    mod = lower(ep, get_target(opts.target), rows_hint=ROWS_HINT.get(entry), kernels=kernels,
-                bounded_rows=entry in BOUNDED_ROWS)
-    mod, _ = fuse(mod, opts.target)
-    return mod, {gv.name_hint: key for key, gv in kernels.items()}
+    run = run_phases(Model.placeholder(opts.args), entry, opts.target, until="fuse")
+    return run.module, {gv.name_hint: key for key, gv in run.kernels.items()}
 
 
 def _entry_values(opts: TuneOptions, main, entry: str, batch: int) -> dict:
@@ -222,6 +218,8 @@ def entry_tasks(opts: TuneOptions, entry: str, mod, kernel_keys: dict) -> list[T
     from dsv41.graph.targets import get_target
     from dsv41.schedules import tuning_space as ts
 
+    from .kernels import kernel_label, unscheduled
+
     spec = get_target(opts.target)
     main = mod["main"]
     values = _entry_values(opts, main, entry, opts.shape.batch)
@@ -236,13 +234,13 @@ def entry_tasks(opts: TuneOptions, entry: str, mod, kernel_keys: dict) -> list[T
             continue
         key = kernel_keys.get(name)
         if key is not None:
-            unsched = ts.unscheduled_kernel(key, spec)
+            unsched = unscheduled(key, spec)
             if unsched is None:
                 continue
             unsched = ts.as_module_kernel(unsched)
             if ts.signature(unsched) != ts.signature(func):
                 continue  # a config-specific variant with another signature: not replaceable
-            kind, family, label = "kernel", key[0], ts.kernel_label(key)
+            kind, family, label = "kernel", key.family, kernel_label(key)
         else:
             if func.attrs is not None and func.attrs.get("tirx.is_scheduled"):
                 continue

@@ -80,48 +80,11 @@ class Task:
         return workload_of(self.func, self.values)
 
 
-# ---- the unscheduled kernels behind lowering keys ------------------------------------------------
-
-
-def unscheduled_kernel(key: tuple, target: TargetSpec) -> tirx.PrimFunc | None:
-    """The factory output behind one of `compiler.lower`'s kernel keys, before its schedule (the
-    config's structural choices applied), or None for a family that is not tuned."""
-    from . import attention, gemm, indexer, quant
-
-    family = key[0]
-    if family == "fp8_linear":
-        _, n, k, rows = key
-        func, config = gemm.unscheduled_fp8_linear(target, n=n, k=k, m=rows)
-        return None if config.kind == "amx" else func  # written scheduled: nothing to search
-    if family == "fp8_dequant":
-        return gemm.make_fp8_dequant(d=key[1])
-    if family == "sparse_attend":
-        _, h, d, w, k, scale = key
-        cfg = attention.sparse_attend_config(target, h=h, d=d, w=w, k=k)
-        return attention.make_sparse_attend(h=h, d=d, w=w, k=k, softmax_scale=scale,
-                                            heads_per_group=cfg.heads_per_group,
-                                            stage_rows=cfg.stage_rows,
-                                            vector_decode=cfg.vector_decode)
-    if family == "index_scores":
-        return indexer.make_index_scores(heads=key[1], dim=key[2])
-    if family in ("quant_fp8", "quant_fp4_kv", "quant_mxfp4", "qdq_mxfp4"):
-        return getattr(quant, f"make_{family}")(d=key[1])
-    return None
-
-
-def kernel_label(key: tuple) -> str:
-    family, dims = key[0], key[1:]
-    if family == "fp8_linear":
-        return f"fp8_linear n={dims[0]} k={dims[1]}"
-    if family == "sparse_attend":
-        return f"sparse_attend h={dims[0]} d={dims[1]} w={dims[2]} k={dims[3]}"
-    if family == "index_scores":
-        return f"index_scores heads={dims[0]} dim={dims[1]}"
-    return f"{family} d={dims[0]}"
+# ---- the kernels behind lowering keys (compiler/kernels.py makes their tasks) ----------------
 
 
 def as_module_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """The attributes `compiler.lower.Lowering.kernel` gives a kernel it adds to a module."""
+    """The attributes `compiler.relax_ops.Lowering.kernel` gives a kernel it adds to a module."""
     return func.without_attr("global_symbol").with_attr("op_pattern", 8)
 
 
@@ -376,35 +339,3 @@ def _index_input(family: str, i: int, shapes: list[list[int]], dtype: str, rng) 
 def signature(func: tirx.PrimFunc) -> list[tuple[str, int]]:
     """(dtype, rank) per parameter: what a replacement function must keep."""
     return [(str(b.dtype), len(b.shape)) for b in func.params]
-
-
-def hand_kernel(key: tuple, target_name: str) -> tirx.PrimFunc | None:
-    """The hand-scheduled kernel `compiler.lower` adds for a key (families with a one-function
-    builder), with the module's attributes: a task can then be made without capturing a graph."""
-    from . import gemm, quant
-
-    family = key[0]
-    if family == "fp8_linear":
-        func = gemm.build_fp8_linear(target_name, n=key[1], k=key[2], m=key[3])
-    elif family == "fp8_dequant":
-        func = gemm.build_fp8_dequant(target_name, d=key[1])
-    elif family in ("quant_fp8", "quant_fp4_kv", "quant_mxfp4", "qdq_mxfp4"):
-        func = getattr(quant, f"build_{family}")(target_name, d=key[1])
-    else:
-        return None
-    return as_module_kernel(func)
-
-
-def kernel_task(key: tuple, target: TargetSpec, *, entry: str, values: dict[str, int],
-                calls: int = 1) -> Task:
-    """A task for one kernel key at the given values of its symbolic dims (no graph needed)."""
-    import tvm_ffi
-
-    func = as_module_kernel(unscheduled_kernel(key, target))
-    hand = hand_kernel(key, target.name)
-    assert hand is not None and signature(func) == signature(hand), f"no hand kernel for {key}"
-    name = "k_" + "_".join(str(k) for k in key)
-    return Task(name=f"{entry}.{name}", entry=entry, kind="kernel", family=key[0],
-                function=name, key=str(tvm_ffi.structural_hash(hand)), func=func, hand=hand,
-                values=dict(values), calls=calls, flops=math.nan,
-                label=f"{kernel_label(key)} [{','.join(f'{k}={v}' for k, v in values.items())}]")

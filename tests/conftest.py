@@ -77,7 +77,8 @@ ARTIFACT_CACHE_KEEP = 4  # cached builds kept (the newest by use; two fixtures c
 
 # what a compile reads: the model and kernels, the compile pipeline, the manifest format
 COMPILE_SOURCES = ("graph", "schedules", "compiler/build.py", "compiler/capture.py",
-                   "compiler/lower.py", "compiler/tuning_db.py", "runtime/artifact.py")
+                   "compiler/lower.py", "compiler/kernels.py", "compiler/kernel_keys.py",
+                   "compiler/relax_ops.py", "compiler/tuning_db.py", "runtime/artifact.py")
 
 
 def compile_inputs_digest(*extra: str) -> str:

@@ -1,16 +1,17 @@
 """Every kernel factory in `schedules/` is reachable from the compile pipeline.
 
 A kernel factory is a top-level function of a `schedules/` module named `make_*`, `build_*` or
-`schedule_*`. The roots are the names `compiler/lower.py` (the dsv41 ops' and aten
-overrides' lowering) and `compiler/build.py` (the default schedules, the CUDA build) reference in
-a `schedules/` module; from them the scan follows, through the source, every name a reachable
-function references: a top-level name of its own module, `module.name` of an imported
-`schedules/` module, or a name from-imported from one. A factory no root reaches is code no
+`schedule_*`. The roots are the names `compiler/kernels.py` (the kernel registry: the dsv41
+ops' converters), `compiler/lower.py` (the aten overrides) and `compiler/build.py` (the default
+schedules, the CUDA build) reference in a `schedules/` module; from them the scan follows,
+through the source, every name a reachable function references: a top-level name of its own
+module, `module.name` of an imported `schedules/` module, or a name from-imported from one.
+A factory no root reaches is code no
 compiled entry runs: wire it into the lowering or delete it (a kernel only a test needs lives in
 that test).
 
 Static on purpose: a lowering that picks its builder through `getattr(module, f"build_{op}")`
-is invisible here, so lower.py names its builders explicitly (one table per op family).
+is invisible here, so the registry names its builders explicitly (one table per op family).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOTS = ("compiler/lower.py", "compiler/build.py")
+ROOTS = ("compiler/lower.py", "compiler/kernels.py", "compiler/build.py")
 FACTORY_PREFIXES = ("make_", "build_", "schedule_")
 
 
@@ -117,7 +118,7 @@ def factories() -> set[tuple[str, str]]:
 
 
 def test_the_scan_follows_calls_across_modules():
-    """A guard for the check below: lower.py names gemm.build_fp8_linear, which calls
+    """A guard for the check below: kernels.py names gemm.build_fp8_linear, which calls
     make_fp8_linear (same module); moe's chain reaches gemm's helpers through `gemm.x`; build.py
     reaches cpu_rules through a function-level from-import."""
     seen = reachable()
@@ -132,4 +133,4 @@ def test_the_scan_follows_calls_across_modules():
 def test_every_kernel_factory_is_reachable_from_the_lowering():
     unreached = sorted(f"schedules/{m}.py: {n}" for m, n in factories() - reachable())
     assert not unreached, ("kernel factories no compiled entry reaches (wire them into "
-                           "compiler/lower.py or delete them):\n  " + "\n  ".join(unreached))
+                           "compiler/kernels.py or delete them):\n  " + "\n  ".join(unreached))

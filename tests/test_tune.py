@@ -19,13 +19,15 @@ import numpy as np
 import pytest
 import tvm
 
+from dsv41.compiler import kernels
 from dsv41.compiler import tune as tn
 from dsv41.compiler import tuning_db as tdb
+from dsv41.compiler.kernel_keys import Fp8LinearKey
 from dsv41.graph.config import preset
 from dsv41.graph.targets import get_target
 from dsv41.schedules import tuning_space as ts
 
-KEY = ("fp8_linear", 64, 128, 1)  # n=64, k=128, decode rows hint
+KEY = Fp8LinearKey(n=64, k=128, m=1)  # decode rows hint
 SPEC = get_target("cpu")
 
 
@@ -37,7 +39,7 @@ def _opts(tmp_path: Path, **kw) -> tn.TuneOptions:
 
 @pytest.fixture(scope="module")
 def task():
-    return ts.kernel_task(KEY, SPEC, entry="decode", values={"m": 1})
+    return kernels.kernel_task(KEY, SPEC, entry="decode", values={"m": 1})
 
 
 def _snapshot(d: Path) -> dict[str, bytes]:

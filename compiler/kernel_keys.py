@@ -1,0 +1,239 @@
+"""The typed key of every kernel the lowering adds to a module: one frozen dataclass per kernel
+kind, whose fields are the static dims the kernel is built for.
+
+A key is what `Lowering.kernel` dedups on (one function per key in a module), what names the
+function (`function_name`: `k_` + the key's parts, the names tuning databases record tasks
+by), and what `compiler.kernels` maps to the kind's factory, config, schedule, converter and
+tuning task. `to_dict` / `key_from_dict` are the one serialised form (JSON-ready).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+BF16 = "bfloat16"
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """Base of the keys: `kind` names the kernel kind (the first part of the function name)."""
+
+    kind: ClassVar[str]
+
+    def parts(self) -> tuple:
+        """kind, then the fields in order: what the function name is made of."""
+        return (self.kind, *(getattr(self, f.name) for f in fields(self)))
+
+    @property
+    def family(self) -> str:
+        """The first part of the name: the tuning family (`tuning_space.KERNEL_FAMILIES`)."""
+        return str(self.parts()[0])
+
+    @property
+    def function_name(self) -> str:
+        return "k_" + "_".join(str(p).replace(".", "p").replace("-", "m") for p in self.parts())
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+@dataclass(frozen=True)
+class Fp8LinearKey(KernelKey):
+    """fp8_linear (bf16 out) / fp8_linear_f32 (fp32: a row-parallel partial sum)."""
+
+    kind: ClassVar[str] = "fp8_linear"
+    n: int
+    k: int
+    m: int | None  # the rows hint (decode 1, drafts 4, prefill None)
+    out_dtype: str = BF16
+
+    def parts(self) -> tuple:
+        name = "fp8_linear" if self.out_dtype == BF16 else "fp8_linear_f32"
+        return (name, self.n, self.k, self.m)
+
+
+@dataclass(frozen=True)
+class Fp8DequantKey(KernelKey):
+    kind: ClassVar[str] = "fp8_dequant"
+    d: int
+
+
+@dataclass(frozen=True)
+class SparseAttendKey(KernelKey):
+    """sparse_attend over FP4 global entries (kv "fp4") or a bf16 global cache (kv "bf16")."""
+
+    kind: ClassVar[str] = "sparse_attend"
+    h: int
+    d: int
+    w: int
+    k: int
+    softmax_scale: float
+    kv: str = "fp4"
+
+    def parts(self) -> tuple:
+        name = "sparse_attend" if self.kv == "fp4" else "sparse_attend_bf16"
+        return (name, self.h, self.d, self.w, self.k, self.softmax_scale)
+
+    def dims(self) -> dict:
+        return dict(h=self.h, d=self.d, w=self.w, k=self.k, softmax_scale=self.softmax_scale)
+
+
+@dataclass(frozen=True)
+class IndexScoresKey(KernelKey):
+    """The indexer's score sweep over one store."""
+
+    kind: ClassVar[str] = "index_scores"
+    heads: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class IndexScoresSharedKey(KernelKey):
+    """The sweep over the own store and `n_alt` alternates (indexer_topk_shared)."""
+
+    kind: ClassVar[str] = "index_scores_shared"
+    heads: int
+    dim: int
+    n_alt: int
+
+
+@dataclass(frozen=True)
+class SelectPositionsKey(KernelKey):
+    kind: ClassVar[str] = "select_positions"
+    topk: int
+
+
+@dataclass(frozen=True)
+class SelectBlocksKey(KernelKey):
+    kind: ClassVar[str] = "select_blocks"
+    topk_blocks: int
+    block_size: int
+
+
+POOL_FUNCS = ("scores", "select", "gather", "mask")  # -> pool_scores, select_pool, ...
+
+
+@dataclass(frozen=True)
+class PoolKey(KernelKey):
+    """One function of the candidate-pool sweep (`indexer.build_pool_topk`)."""
+
+    kind: ClassVar[str] = "pool"
+    heads: int
+    dim: int
+    topk: int
+    block_size: int
+    func: str  # one of POOL_FUNCS
+
+    def __post_init__(self):
+        assert self.func in POOL_FUNCS, f"pool function {self.func!r} is not one of {POOL_FUNCS}"
+
+
+@dataclass(frozen=True)
+class MoeKey(KernelKey):
+    """One kernel of the routed experts' chain (`moe.build_moe_experts_split`)."""
+
+    kind: ClassVar[str] = "moe"
+    dim: int
+    inter: int
+    n_experts: int
+    topk: int
+    swiglu_limit: float
+    n_hint: int | None
+    null_expert: bool
+    func: str  # the chain's function (moe_route, moe_qdq_x, ...)
+
+    def parts(self) -> tuple:
+        return ("moe", self.dim, self.inter, self.n_experts, self.topk, self.swiglu_limit,
+                self.n_hint, *(("null",) if self.null_expert else ()), self.func)
+
+    def dims(self) -> dict:
+        return dict(dim=self.dim, inter=self.inter, n_experts=self.n_experts, topk=self.topk)
+
+
+@dataclass(frozen=True)
+class ScatterRowsKey(KernelKey):
+    kind: ClassVar[str] = "scatter_rows"
+    width: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RmsNormKey(KernelKey):
+    kind: ClassVar[str] = "rms_norm"
+    d: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class HcPreMixKey(KernelKey):
+    kind: ClassVar[str] = "hc_pre_mix"
+    hc: int
+    d: int
+    iters: int
+    norm_eps: float
+    hc_eps: float
+
+
+@dataclass(frozen=True)
+class HcPostKey(KernelKey):
+    kind: ClassVar[str] = "hc_post"
+    hc: int
+    d: int
+
+
+QUANT_OPS = ("quant_fp8", "quant_fp4_kv", "quant_mxfp4", "qdq_mxfp4")
+
+
+@dataclass(frozen=True)
+class QuantKey(KernelKey):
+    """One of the activation / cache quantisers (its op names the kernel)."""
+
+    kind: ClassVar[str] = "quant"
+    op: str  # one of QUANT_OPS
+    d: int
+
+    def __post_init__(self):
+        assert self.op in QUANT_OPS, f"quant op {self.op!r} is not one of {QUANT_OPS}"
+
+    def parts(self) -> tuple:
+        return (self.op, self.d)
+
+
+@dataclass(frozen=True)
+class DenseGemvKey(KernelKey):
+    """x (m, g, k) times w (g * n, k) -> fp32 (m, g, n), one row at a time (decode, drafts)."""
+
+    kind: ClassVar[str] = "dense_gemv"
+    groups: int
+    n: int
+    k: int
+    x_dtype: str
+    w_dtype: str
+
+    def dims(self) -> dict:
+        return dict(groups=self.groups, n=self.n, k=self.k, x_dtype=self.x_dtype,
+                    w_dtype=self.w_dtype)
+
+
+@dataclass(frozen=True)
+class DenseGemmKey(DenseGemvKey):
+    """The same product register-tiled over rows (prefill)."""
+
+    kind: ClassVar[str] = "dense_gemm"
+
+
+KEY_KINDS: dict[str, type[KernelKey]] = {
+    cls.kind: cls for cls in (Fp8LinearKey, Fp8DequantKey, SparseAttendKey, IndexScoresKey,
+                              IndexScoresSharedKey, SelectPositionsKey, SelectBlocksKey, PoolKey,
+                              MoeKey, ScatterRowsKey, RmsNormKey, HcPreMixKey, HcPostKey,
+                              QuantKey, DenseGemvKey, DenseGemmKey)}
+
+
+def key_from_dict(d: dict) -> KernelKey:
+    """The key `KernelKey.to_dict` wrote."""
+    kind = d.get("kind")
+    if kind not in KEY_KINDS:
+        raise ValueError(f"Unknown kernel kind {kind!r}; the known kinds are "
+                         f"{', '.join(KEY_KINDS)}.")
+    return KEY_KINDS[kind](**{k: v for k, v in d.items() if k != "kind"})

@@ -1,0 +1,579 @@
+"""The kernel registry: for every kernel kind the lowering emits, where it is chosen, built,
+tuned and benchmarked, in one table (`REGISTRY`).
+
+An entry is one op family of `schedules/`: the typed keys of the kernels it adds
+(`kernel_keys`), its factory (the `build_*` that makes, configures and schedules it), the config
+chooser and schedule function the factory applies, the lowering converter of each torch op that
+emits it, how a tuning task gets the unscheduled function behind a key (`task`), and which
+`dsv41 bench kernels` family times it (`bench`, with the static dims -> kernel build).
+
+`compiler.lower` takes the custom ops' converters from here (`converters`), `compiler.tune`
+makes its kernel tasks from here (`unscheduled`, `kernel_task`), and `bench kernels` compiles
+its cases from here (`bench_kernel`). The converters below map each `dsv41::` op to its kernel
+through `call_tir` (leading dims flattened to the kernel's row dim, then restored); each kernel
+is built once per key and shared by every call site (`Lowering.kernel`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+
+from dsv41.graph.targets import TargetSpec
+from dsv41.schedules import attention, cache_write, gemm, indexer, mhc, moe, norm, quant
+
+from .kernel_keys import (
+    BF16,
+    DenseGemmKey,
+    DenseGemvKey,
+    Fp8DequantKey,
+    Fp8LinearKey,
+    HcPostKey,
+    HcPreMixKey,
+    IndexScoresKey,
+    IndexScoresSharedKey,
+    KernelKey,
+    MoeKey,
+    PoolKey,
+    QuantKey,
+    RmsNormKey,
+    ScatterRowsKey,
+    SelectBlocksKey,
+    SelectPositionsKey,
+    SparseAttendKey,
+)
+from .relax_ops import Lowering, call, rows, shape, static, tensor, unrows
+
+Converter = Callable[[Lowering], Callable]  # the per-module converter of one torch op
+
+
+# ---- the custom ops' converters -----------------------------------------------------------------
+
+
+def _fp8_linear(ctx: Lowering, out_dtype: str = BF16):
+    """fp8_linear (bf16 out) or fp8_linear_f32 (fp32: a row-parallel partial sum)."""
+
+    def convert(node, importer):
+        x, w, s = (importer.env[a] for a in node.args[:3])
+        n, k = (static(v) for v in shape(w))
+        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, out_dtype=out_dtype)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        x2, lead = rows(importer, x, 1)
+        y = call(importer, gv, [x2, w, s], tensor([shape(x2)[0], n], out_dtype))
+        return unrows(importer, y, lead)
+
+    return convert
+
+
+def _collective(ctx: Lowering, op: str):
+    """dsv41::all_reduce / all_gather -> a destination-passing call of the sharded entry's
+    collective (`ctx.ccl`): disco's own functions, which run the session's NCCL, or the CPU
+    test collective. Both take disco's arguments (a sum; not within a group). No kernel."""
+
+    def convert(node, importer):
+        x = importer.env[node.args[0]]
+        shards = int(node.args[1])
+        not_in_group = relax.prim_value(tvm.tirx.IntImm("bool", 0))
+        if op == "allreduce":
+            args, out = [x, relax.ShapeExpr([0]), not_in_group], x.ty
+        else:
+            dims = shape(x)
+            args, out = [x, not_in_group], tensor([dims[0] * shards, *dims[1:]], x.ty.dtype)
+        return importer.block_builder.emit(
+            relax.call_dps_packed(ctx.ccl.function(op), args, out_ty=out))
+
+    return convert
+
+
+def _fp8_dequant(ctx: Lowering):
+    def convert(node, importer):
+        codes, scales = (importer.env[a] for a in node.args[:2])
+        key = Fp8DequantKey(d=static(shape(codes)[-1]))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        c2, lead = rows(importer, codes, 1)
+        s2, _ = rows(importer, scales, 1)
+        y = call(importer, gv, [c2, s2], tensor([shape(c2)[0], key.d], "float32"))
+        return unrows(importer, y, lead)
+
+    return convert
+
+
+def _sparse_attend(ctx: Lowering, kv: str):
+    """sparse_attend (FP4 global entries: codes + scales) or sparse_attend_bf16 (a bf16 global
+    cache, `kv_dtype="bf16"`): the same kernel body over either store."""
+    n_tensors = {"fp4": 8, "bf16": 7}[kv]
+
+    def convert(node, importer):
+        args = [importer.env[a] for a in node.args[:n_tensors]]
+        scale = float(node.args[n_tensors])
+        q, win_idx, kv_idx = args[0], args[3], args[n_tensors - 2]
+        _, _, h, d = shape(q)
+        key = SparseAttendKey(h=static(h), d=static(d), w=static(shape(win_idx)[-1]),
+                              k=static(shape(kv_idx)[-1]), softmax_scale=scale, kv=kv)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        return call(importer, gv, args, tensor(shape(q), BF16))
+
+    return convert
+
+
+def _indexer(ctx: Lowering, kind: str):
+    def convert(node, importer):
+        q, kc, ks, wts, lens = (importer.env[a] for a in node.args[:5])
+        b, s, heads, dim = shape(q)
+        heads, dim = static(heads), static(dim)
+        t = shape(kc)[1]
+        pad = indexer.SCORE_PAD
+        scores_ty = tensor([b, s, (t + pad - 1) // pad * pad], BF16)
+        if kind == "pool":
+            blocks = importer.env[node.args[5]]
+            topk, block_size = int(node.args[6]), int(node.args[7])
+            mod = indexer.build_pool_topk(ctx.target.name, heads=heads, dim=dim, topk=topk,
+                                          block_size=block_size, gather=ctx.bounded_rows)
+
+            def pool(func):
+                return PoolKey(heads=heads, dim=dim, topk=topk, block_size=block_size, func=func)
+
+            keys = {"pool_scores": pool("scores"), "select_pool": pool("select"),
+                    "pool_gather": pool("gather"), "pool_mask": pool("mask"),
+                    "index_scores": IndexScoresKey(heads=heads, dim=dim)}  # the flat sweep's
+
+            def kernel(name):
+                return ctx.kernel(importer, keys[name], lambda: mod[name])
+
+            scores = indexer.emit_pool_scores(importer.block_builder, mod, kernel,
+                                              [q, kc, ks, wts, lens, blocks],
+                                              block_size=block_size)
+            return call(importer, kernel("select_pool"), [scores, blocks],
+                        tensor([b, s, topk], "int32"))
+        topk = int(node.args[5])
+        flat = {}
+
+        def flat_mod():
+            if not flat:
+                flat["mod"] = indexer.build_indexer_topk(ctx.target.name, heads=heads, dim=dim,
+                                                         topk=topk)
+            return flat["mod"]
+
+        sweep = ctx.kernel(importer, IndexScoresKey(heads=heads, dim=dim),
+                           lambda: flat_mod()["index_scores"])
+        pick = ctx.kernel(importer, SelectPositionsKey(topk=topk),
+                          lambda: flat_mod()["select_positions"])
+        scores = call(importer, sweep, [q, kc, ks, wts, lens], scores_ty)
+        idx = call(importer, pick, [scores], tensor([b, s, topk], "int32"))
+        if kind == "flat":
+            return idx
+        topk_blocks, block_size = int(node.args[6]), int(node.args[7])
+        blk = ctx.kernel(importer, SelectBlocksKey(topk_blocks=topk_blocks,
+                                                   block_size=block_size),
+                         lambda: indexer.build_hier_topk(
+                             ctx.target.name, heads=heads, dim=dim, topk=topk,
+                             topk_blocks=topk_blocks, block_size=block_size)["select_blocks"])
+        blocks = call(importer, blk, [scores, lens], tensor([b, s, topk_blocks], "int32"))
+        return importer.block_builder.emit(relax.Tuple([idx, blocks]))
+
+    return convert
+
+
+def _indexer_shared(ctx: Lowering):
+    """indexer_topk_shared: the sweep takes the own store, the alternates (unused slots get the
+    own store again, never read) and the per-sequence pick; no store is copied."""
+
+    def convert(node, importer):
+        q, kc, ks = (importer.env[a] for a in node.args[:3])
+        alt_c = [importer.env[a] for a in node.args[3]]
+        alt_s = [importer.env[a] for a in node.args[4]]
+        pick, wts, lens = (importer.env[a] for a in node.args[5:8])
+        topk = int(node.args[8])
+        n_alt = len(alt_c)
+        if n_alt > indexer.MAX_ALT:
+            raise ValueError(f"An indexer shares its index-K pointer with {n_alt} other stores; "
+                             f"the compiled sweep takes at most {indexer.MAX_ALT}.")
+        b, s, heads, dim = shape(q)
+        heads, dim = static(heads), static(dim)
+        t = shape(kc)[1]
+        pad = indexer.SCORE_PAD
+        mod = {}
+
+        def module():
+            if not mod:
+                mod["m"] = indexer.build_indexer_topk(ctx.target.name, heads=heads, dim=dim,
+                                                      topk=topk, n_alt=n_alt)
+            return mod["m"]
+
+        sweep = ctx.kernel(importer, IndexScoresSharedKey(heads=heads, dim=dim, n_alt=n_alt),
+                           lambda: module()["index_scores_shared"])
+        pick_fn = ctx.kernel(importer, SelectPositionsKey(topk=topk),
+                             lambda: module()["select_positions"])
+        slots = []
+        for i in range(indexer.MAX_ALT):
+            slots += [alt_c[i], alt_s[i]] if i < n_alt else [kc, ks]
+        scores = call(importer, sweep, [q, kc, ks, *slots, pick, wts, lens],
+                      tensor([b, s, (t + pad - 1) // pad * pad], BF16))
+        return call(importer, pick_fn, [scores], tensor([b, s, topk], "int32"))
+
+    return convert
+
+
+def _moe_experts(ctx: Lowering):
+    """The routed experts as the six-kernel chain of `schedules.moe` (Relax allocates the
+    token-sized intermediates between the calls, which CUDA needs)."""
+
+    def convert(node, importer):
+        args = [importer.env[a] for a in node.args[:9]]
+        limit = float(node.args[9])
+        x, w1 = args[0], args[3]
+        n_experts, inter = (static(v) for v in shape(w1)[:2])
+        dims = dict(dim=static(shape(x)[-1]), inter=inter, n_experts=n_experts,
+                    topk=static(shape(args[2])[-1]))
+        mod = None
+
+        def module():
+            nonlocal mod
+            if mod is None:
+                mod = moe.build_moe_experts_split(ctx.target.name, **dims, swiglu_limit=limit,
+                                                  n=ctx.rows_hint, null_expert=ctx.null_expert)
+            return mod
+
+        def kernel(func):
+            key = MoeKey(**dims, swiglu_limit=limit, n_hint=ctx.rows_hint,
+                         null_expert=ctx.null_expert, func=func)
+            return ctx.kernel(importer, key, lambda: module()[func])
+
+        plan = moe.moe_experts_plan(ctx.target.name, **dims, n=shape(x)[0],
+                                    n_hint=ctx.rows_hint)
+        return moe.emit_moe_experts(importer.block_builder, plan, args, kernel)
+
+    return convert
+
+
+def _scatter_rows(ctx: Lowering):
+    """A cache write, in place: the kernel writes the new rows into the store or ring the
+    entry was given (`call_tir_inplace`), and the result aliases that input. The graph never
+    reads a cache tensor's old value after writing it (each write replaces the tensor), which is
+    what an in-place call requires."""
+
+    def convert(node, importer):
+        dst, idx, new = (importer.env[a] for a in node.args[:3])
+        key = ScatterRowsKey(width=static(shape(dst)[-1]), dtype=str(dst.ty.dtype))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        return importer.block_builder.emit(
+            relax.call_tir_inplace(gv, [dst, idx, new], [0], out_ty=dst.ty))
+
+    return convert
+
+
+def _rms_norm(ctx: Lowering):
+    def convert(node, importer):
+        x, weight = importer.env[node.args[0]], importer.env[node.args[1]]
+        key = RmsNormKey(d=static(shape(x)[-1]), eps=float(node.args[2]))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        x2, lead = rows(importer, x, 1)
+        y = call(importer, gv, [x2, weight], tensor(shape(x2), BF16))
+        return unrows(importer, y, lead)
+
+    return convert
+
+
+def _hc_pre_mix(ctx: Lowering):
+    """A sublayer's mHC entry (mixes + lagged collapse + RMSNorm) as one kernel."""
+
+    def convert(node, importer):
+        h, fn, scale, base, pre_in, weight = (importer.env[a] for a in node.args[:6])
+        hc, iters = int(node.args[6]), int(node.args[7])
+        b, s, _, d = shape(h)
+        key = HcPreMixKey(hc=hc, d=static(d), iters=iters, norm_eps=float(node.args[8]),
+                          hc_eps=float(node.args[9]))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        f32 = "float32"
+        out = [tensor([b, s, d], BF16), tensor([b, s, hc], f32), tensor([b, s, hc], f32),
+               tensor([b, s, hc, hc], f32)]
+        res = call(importer, gv, [h, fn, scale, base, pre_in, weight], out)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(4)]))
+
+    return convert
+
+
+def _hc_post(ctx: Lowering):
+    def convert(node, importer):
+        f, h, post, comb = (importer.env[a] for a in node.args[:4])
+        hc, d = (static(v) for v in shape(h)[2:])
+        key = HcPostKey(hc=hc, d=d)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        return call(importer, gv, [f, h, post, comb], tensor(shape(h), BF16))
+
+    return convert
+
+
+def _quant(ctx: Lowering, op: str):
+    def convert(node, importer):
+        x = importer.env[node.args[0]]
+        key = QuantKey(op=op, d=static(shape(x)[-1]))
+        d = key.d
+        x2, lead = rows(importer, x, 1)
+        n = shape(x2)[0]
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        if op == "qdq_mxfp4":
+            y = call(importer, gv, [x2], tensor([n, d], BF16))
+            return unrows(importer, y, lead)
+        code_w, scale_w = {"quant_fp8": (d, d // 32), "quant_fp4_kv": (d // 2, d // 16),
+                           "quant_mxfp4": (d // 2, d // 32)}[op]
+        out = [tensor([n, code_w], "uint8"), tensor([n, scale_w], "uint8")]
+        pair = call(importer, gv, [x2], out)
+        bb = importer.block_builder
+        codes = unrows(importer, bb.emit(relax.TupleGetItem(pair, 0)), lead)
+        scales = unrows(importer, bb.emit(relax.TupleGetItem(pair, 1)), lead)
+        return bb.emit(relax.Tuple([codes, scales]))
+
+    return convert
+
+
+GEMV_ROWS = 4  # row hints up to this (decode, drafts) lower dense linears to `dense_gemv`
+
+
+def use_gemv(ctx: Lowering) -> bool:
+    """Dense linears of this module lower to `dense_gemv` (CPU, a small row hint)."""
+    return (not ctx.target.is_cuda and ctx.rows_hint is not None
+            and ctx.rows_hint <= GEMV_ROWS)
+
+
+def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr) -> relax.Expr:
+    """x (m, g, k) times w (g * n, k) -> fp32 (m, g, n): dense_gemv in entries with a small row
+    hint (decode, drafts), dense_gemm (register-tiled over rows) in the others (prefill). The
+    aten `linear` / `einsum` overrides of `compiler.lower` emit it."""
+    groups, k = (static(v) for v in shape(x3)[1:])
+    n = static(shape(w2)[0]) // groups
+    kind = DenseGemvKey if use_gemv(ctx) else DenseGemmKey
+    key = kind(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=str(w2.ty.dtype))
+    gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+    m = shape(x3)[0]
+    return call(importer, gv, [x3, w2], tensor([m, groups, n], "float32"))
+
+
+# ---- the registry -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchKernel:
+    """How `dsv41 bench kernels` builds one family's kernel from a case's static dims (its
+    inputs and oracle are `bench_kernels.prepare`'s, per family)."""
+
+    family: str  # the bench family name (`bench_kernels.FAMILIES`)
+    build: Callable[[str, dict], object]  # (target name, static dims) -> PrimFunc / IRModule
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """One op family: its keys, factory, config, schedule, converters, tuning task, bench."""
+
+    name: str
+    keys: tuple[type[KernelKey], ...]  # the kernel kinds its converters add
+    factory: Callable  # schedules' build_* (make + config + schedule)
+    config: Callable | None  # schedules' config chooser (None: no choices)
+    schedule: Callable | None  # schedules' schedule function (None: hand-written TIR)
+    converters: Mapping[str, Converter] = field(default_factory=dict)  # torch op -> converter
+    # the scheduled kernel from its key alone (one-function families; the others are parts of
+    # a module their converter builds from the node's dims)
+    build: Callable[[KernelKey, str], tvm.tirx.PrimFunc] | None = None
+    # the unscheduled function a tuning task tunes for a key (None: the kind is not tuned)
+    task: Callable[[KernelKey, TargetSpec], tvm.tirx.PrimFunc | None] | None = None
+    bench: BenchKernel | None = None
+
+
+def _quant_factory(op: str) -> Callable:
+    return {"quant_fp8": quant.build_quant_fp8, "quant_fp4_kv": quant.build_quant_fp4_kv,
+            "quant_mxfp4": quant.build_quant_mxfp4, "qdq_mxfp4": quant.build_qdq_mxfp4}[op]
+
+
+def _quant_unscheduled(op: str) -> Callable:
+    return {"quant_fp8": quant.make_quant_fp8, "quant_fp4_kv": quant.make_quant_fp4_kv,
+            "quant_mxfp4": quant.make_quant_mxfp4, "qdq_mxfp4": quant.make_qdq_mxfp4}[op]
+
+
+def _fp8_linear_task(key: Fp8LinearKey, target: TargetSpec):
+    if key.out_dtype != BF16:
+        return None  # fp8_linear_f32 (sharded partial sums) is not a tuned family
+    func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m)
+    return None if config.kind == "amx" else func  # written scheduled: nothing to search
+
+
+def _sparse_attend_build(key: SparseAttendKey, target_name: str):
+    factory = attention.build_sparse_attend if key.kv == "fp4" else \
+        attention.build_sparse_attend_bf16
+    return factory(target_name, **key.dims())
+
+
+def _sparse_attend_task(key: SparseAttendKey, target: TargetSpec):
+    if key.kv != "fp4":
+        return None
+    cfg = attention.sparse_attend_config(target, h=key.h, d=key.d, w=key.w, k=key.k)
+    return attention.make_sparse_attend(**key.dims(), heads_per_group=cfg.heads_per_group,
+                                        stage_rows=cfg.stage_rows,
+                                        vector_decode=cfg.vector_decode)
+
+
+def _index_scores_task(key: KernelKey, target: TargetSpec):
+    if not isinstance(key, IndexScoresKey):
+        return None  # the selects and the pool chain are not tuned (tuning_space docstring)
+    return indexer.make_index_scores(heads=key.heads, dim=key.dim)
+
+
+def _bench_attend(target_name: str, kw: dict):
+    return attention.build_sparse_attend(target_name, **kw, softmax_scale=kw["d"] ** -0.5)
+
+
+def _bench_fp8(target_name: str, kw: dict):
+    return gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"])
+
+
+def _bench_moe(target_name: str, kw: dict):  # the split chain `_moe_experts` emits
+    rest = {k: v for k, v in kw.items() if k != "hint"}
+    return moe.build_moe_experts_split(target_name, **rest, n=kw["hint"])
+
+
+def _dense_build(key: DenseGemvKey, target_name: str):
+    factory = gemm.build_dense_gemm if isinstance(key, DenseGemmKey) else gemm.build_dense_gemv
+    return factory(target_name, **key.dims())
+
+
+REGISTRY: tuple[KernelEntry, ...] = (
+    KernelEntry(
+        "fp8_linear", (Fp8LinearKey,), gemm.build_fp8_linear, gemm.fp8_linear_config,
+        gemm.schedule_fp8_linear,
+        {"fp8_linear.default": _fp8_linear,
+         "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32")},
+        build=lambda key, t: gemm.build_fp8_linear(t, n=key.n, k=key.k, m=key.m,
+                                                   out_dtype=key.out_dtype),
+        task=_fp8_linear_task, bench=BenchKernel("fp8", _bench_fp8)),
+    KernelEntry(
+        "fp8_dequant", (Fp8DequantKey,), gemm.build_fp8_dequant, gemm.dequant_config,
+        gemm.schedule_dequant, {"fp8_dequant.default": _fp8_dequant},
+        build=lambda key, t: gemm.build_fp8_dequant(t, d=key.d),
+        task=lambda key, _t: gemm.make_fp8_dequant(d=key.d)),
+    KernelEntry(
+        "sparse_attend", (SparseAttendKey,), attention.build_sparse_attend,
+        attention.sparse_attend_config, attention.schedule_sparse_attend,
+        {"sparse_attend.default": lambda ctx: _sparse_attend(ctx, "fp4"),
+         "sparse_attend_bf16.default": lambda ctx: _sparse_attend(ctx, "bf16")},
+        build=_sparse_attend_build, task=_sparse_attend_task,
+        bench=BenchKernel("attend", _bench_attend)),
+    KernelEntry(
+        "indexer", (IndexScoresKey, IndexScoresSharedKey, SelectPositionsKey, SelectBlocksKey,
+                    PoolKey),
+        indexer.build_indexer_topk, indexer.sweep_config, indexer.schedule_index_scores,
+        {"indexer_topk.default": lambda ctx: _indexer(ctx, "flat"),
+         "indexer_topk_shared.default": _indexer_shared,
+         "hier_topk.default": lambda ctx: _indexer(ctx, "hier"),
+         "pool_topk.default": lambda ctx: _indexer(ctx, "pool")},
+        task=_index_scores_task,
+        bench=BenchKernel("indexer", lambda t, kw: indexer.build_indexer_topk(t, **kw))),
+    KernelEntry(
+        "moe", (MoeKey,), moe.build_moe_experts_split, moe.moe_split_config,
+        moe.schedule_moe_gemm, {"moe_experts.default": _moe_experts},
+        bench=BenchKernel("moe", _bench_moe)),
+    KernelEntry(
+        "scatter_rows", (ScatterRowsKey,), cache_write.build_scatter_rows, None,
+        cache_write.schedule_scatter_rows, {"scatter_rows.default": _scatter_rows},
+        build=lambda key, t: cache_write.build_scatter_rows(t, width=key.width,
+                                                            dtype=key.dtype)),
+    KernelEntry(
+        "rms_norm", (RmsNormKey,), norm.build_rms_norm, norm.norm_config,
+        norm.schedule_rms_norm, {"rms_norm.default": _rms_norm},
+        build=lambda key, t: norm.build_rms_norm(t, d=key.d, eps=key.eps)),
+    KernelEntry(
+        "mhc", (HcPreMixKey, HcPostKey), mhc.build_hc_pre_mix, mhc.mhc_config,
+        mhc.schedule_hc_pre_mix, {"hc_pre_mix.default": _hc_pre_mix, "hc_post.default": _hc_post},
+        build=lambda key, t: (
+            mhc.build_hc_pre_mix(t, hc=key.hc, d=key.d, iters=key.iters, norm_eps=key.norm_eps,
+                                 hc_eps=key.hc_eps, with_norm=True)
+            if isinstance(key, HcPreMixKey) else mhc.build_hc_post(t, hc=key.hc, d=key.d))),
+    KernelEntry(
+        "quant", (QuantKey,), quant.build_quant_fp8, quant.quant_config, quant.schedule_quant,
+        {f"{op}.default": (lambda ctx, op=op: _quant(ctx, op))
+         for op in ("quant_fp8", "quant_fp4_kv", "quant_mxfp4", "qdq_mxfp4")},
+        build=lambda key, t: _quant_factory(key.op)(t, d=key.d),
+        task=lambda key, _t: _quant_unscheduled(key.op)(d=key.d)),
+    KernelEntry(
+        "dense", (DenseGemvKey, DenseGemmKey), gemm.build_dense_gemv, gemm.dense_gemv_config,
+        gemm.schedule_dense_gemv, {},  # emitted by lower's aten linear / einsum overrides
+        build=_dense_build,
+        bench=BenchKernel("gemv", lambda t, kw: gemm.build_dense_gemv(t, **kw))),
+)
+
+COLLECTIVES: dict[str, Converter] = {  # dsv41 ops without a kernel: calls of the entry's ccl
+    "all_reduce.default": lambda ctx: _collective(ctx, "allreduce"),
+    "all_gather.default": lambda ctx: _collective(ctx, "allgather"),
+}
+
+
+def entry_of(key: KernelKey) -> KernelEntry:
+    """The registry entry of a key's kind."""
+    for entry in REGISTRY:
+        if type(key) in entry.keys:
+            return entry
+    raise AssertionError(f"no registry entry for {type(key).__name__}")
+
+
+def build(key: KernelKey, target_name: str) -> tvm.tirx.PrimFunc:
+    """The scheduled kernel of a one-function kind, from its key."""
+    entry = entry_of(key)
+    assert entry.build is not None, f"{entry.name} kernels are built by their converter"
+    return entry.build(key, target_name)
+
+
+def converters(ctx: Lowering) -> dict:
+    """torch op -> converter, for every custom op (`compiler.lower.convert_map` adds the aten
+    overrides)."""
+    out = {op: make(ctx) for op, make in COLLECTIVES.items()}
+    for entry in REGISTRY:
+        out.update({op: make(ctx) for op, make in entry.converters.items()})
+    return out
+
+
+def unscheduled(key: KernelKey, target: TargetSpec) -> tvm.tirx.PrimFunc | None:
+    """The factory output behind a key before its schedule (the config's structural choices
+    applied), or None for a kind that is not tuned."""
+    entry = entry_of(key)
+    return None if entry.task is None else entry.task(key, target)
+
+
+def kernel_label(key: KernelKey) -> str:
+    """A short description of a tuned kernel (the tuning table's task column)."""
+    if isinstance(key, Fp8LinearKey):
+        return f"fp8_linear n={key.n} k={key.k}"
+    if isinstance(key, SparseAttendKey):
+        return f"sparse_attend h={key.h} d={key.d} w={key.w} k={key.k}"
+    if isinstance(key, IndexScoresKey):
+        return f"index_scores heads={key.heads} dim={key.dim}"
+    return f"{key.family} d={key.parts()[1]}"
+
+
+def kernel_task(key: KernelKey, target: TargetSpec, *, entry: str, values: dict[str, int],
+                calls: int = 1):
+    """A tuning task for one kernel key at the given values of its symbolic dims (no graph
+    needed): the unscheduled function against the hand kernel `build` makes."""
+    import tvm_ffi
+
+    from dsv41.schedules.tuning_space import Task, as_module_kernel, signature
+
+    func = as_module_kernel(unscheduled(key, target))
+    hand = as_module_kernel(build(key, target.name))
+    assert signature(func) == signature(hand), f"no hand kernel for {key}"
+    name = key.function_name
+    return Task(name=f"{entry}.{name}", entry=entry, kind="kernel", family=key.family,
+                function=name, key=str(tvm_ffi.structural_hash(hand)), func=func, hand=hand,
+                values=dict(values), calls=calls, flops=math.nan,
+                label=f"{kernel_label(key)} [{','.join(f'{k}={v}' for k, v in values.items())}]")
+
+
+def bench_kernel(family: str) -> BenchKernel:
+    """The registry's builder for a `bench kernels` family."""
+    for entry in REGISTRY:
+        if entry.bench is not None and entry.bench.family == family:
+            return entry.bench
+    raise ValueError(f"No kernel benchmark family {family!r}; the registry has "
+                     f"{', '.join(e.bench.family for e in REGISTRY if e.bench)}.")

@@ -1,0 +1,77 @@
+"""What every lowering converter shares: the per-module `Lowering` state (target, row hint, the
+kernels already added) and the few Relax helpers a converter builds its calls with.
+
+Kept apart from `lower` (the importer and the aten overrides) and `kernels` (the registry and
+the custom ops' converters), which both build on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+
+from dsv41.graph.collectives import CclBackend
+from dsv41.graph.targets import TargetSpec
+
+from .kernel_keys import KernelKey
+
+BF16 = "bfloat16"
+
+
+@dataclass
+class Lowering:
+    """Per-module state: the target, a row-count hint for GEMM schedules, and the kernels already
+    added (so each static shape is built and added once)."""
+
+    target: TargetSpec
+    rows_hint: int | None = None  # decode: 1; drafts: a few; prefill: None (large)
+    kernels: dict[KernelKey, relax.GlobalVar] = field(default_factory=dict)
+    ccl: CclBackend = CclBackend.DISCO  # a sharded entry's collectives
+    null_expert: bool = False  # a sharded worker's expert stacks end with the null expert
+    bounded_rows: bool = False  # rows per call bounded (decode, verify, draft, the CED decoder)
+
+    def kernel(self, importer, key: KernelKey, make) -> relax.GlobalVar:
+        """The GlobalVar of the kernel `key` names, `make()` added to the module the first time
+        (named `key.function_name`)."""
+        if key not in self.kernels:
+            func = make().without_attr("global_symbol")  # named by the module, not the kernel
+            func = func.with_attr("op_pattern", 8)  # kOpaque: a whole kernel, never fused
+            self.kernels[key] = importer.block_builder.add_func(func, key.function_name)
+        return self.kernels[key]
+
+
+def shape(x: relax.Expr) -> list:
+    return list(x.ty.shape.values)
+
+
+def static(v) -> int:
+    if isinstance(v, int):
+        return v
+    if isinstance(v, tvm.tirx.IntImm):
+        return int(v.value)
+    raise ValueError(f"Expected a static dimension, got {v}.")
+
+
+def rows(importer, x: relax.Expr, keep: int) -> tuple[relax.Expr, list]:
+    """Flatten all but the last `keep` dims into one row dim. Returns (x2, leading dims)."""
+    dims = shape(x)
+    lead, tail = dims[: len(dims) - keep], dims[len(dims) - keep :]
+    n = tvm.tirx.IntImm("int64", 1)
+    for v in lead:
+        n = n * v
+    return importer.block_builder.emit(relax.op.reshape(x, [n, *tail])), lead
+
+
+def tensor(dims, dtype) -> relax.TensorType:
+    return relax.TensorType(dims, dtype)
+
+
+def call(importer, gv, args, out):
+    return importer.block_builder.emit(relax.call_tir(gv, args, out_ty=out))
+
+
+def unrows(importer, y: relax.Expr, lead: list) -> relax.Expr:
+    dims = shape(y)
+    return importer.block_builder.emit(relax.op.reshape(y, [*lead, *dims[1:]]))
