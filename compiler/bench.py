@@ -424,12 +424,13 @@ class TorchCompiledEntries:
 
 
 def make_phases(impl: str, model, artifact_dir: Path | None, entries: tuple[str, ...]):
-    """An object with the phase functions' signatures (`decode_step`, `ced_prefill`, ...)."""
-    from dsv41.graph import phases
+    """The `graph.phases_api.Phases` of one implementation: the graph's (eager), the artifact's
+    entries compiled by torch.compile (compile), or by TVM (artifact)."""
+    from dsv41.graph.phases_api import GraphPhases
     from dsv41.runtime.compiled import CompiledPhases
 
     if impl == "eager":
-        return phases
+        return GraphPhases()
     if impl == "compile":
         return CompiledPhases(TorchCompiledEntries(model, entries), model)
     from dsv41.runtime.artifact import Artifact

@@ -49,7 +49,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsv41.graph import phases as graph_phases
 from dsv41.graph.cache import (
     ModelCache,
     capacity_tokens,
@@ -66,8 +65,8 @@ from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.image_processor import PreparedImage
 from dsv41.graph.model import Model
 from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, Pause, chunk_spans, resume_tail
+from dsv41.graph.phases_api import GraphPhases, Phases
 from dsv41.graph.speculative import Verified, cut_back, verify_step
-from dsv41.graph.vision import encode_image
 
 from .images import (
     SessionImage,
@@ -201,14 +200,15 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Model, phases, *, weights_hash: str, options: EngineOptions,
+    def __init__(self, model: Model, phases: Phases, *, weights_hash: str, options: EngineOptions,
                  backend: str, backend_id: str = "graph",
                  on_close: Callable[[], None] | None = None):
         from .kv_store import BlockWriter, KVStore
         from .snapshot_pool import SnapshotPool
 
         bound_onednn_caches()  # before this process's first bf16 matmul (runtime/onednn.py)
-        self.model, self.phases, self.options, self.backend = model, phases, options, backend
+        self.model, self.options, self.backend = model, options, backend
+        self.phases: Phases = phases
         self._on_close = on_close  # what the engine's backend frees at close (disco workers)
         self._pad = model.engram.pad_id if model.engram is not None else None
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
@@ -317,10 +317,8 @@ class Engine:
     @classmethod
     def from_model(cls, model: Model, *, weights_hash: str, **options) -> Engine:
         """The PyTorch graph's own phases (the oracle backend; no artifact)."""
-        from dsv41.graph import phases
-
-        return cls(model, phases, weights_hash=weights_hash, options=EngineOptions(**options),
-                   backend="PyTorch graph")
+        return cls(model, GraphPhases(), weights_hash=weights_hash,
+                   options=EngineOptions(**options), backend="PyTorch graph")
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -486,14 +484,14 @@ class Engine:
         (`CompiledPhases.check_images`)."""
         if not images and not self.model.vision:
             return token_ids, []
-        if images and self.phases is not graph_phases:
+        if images:
             check = getattr(self.phases, "check_images", None)
             if check is None:
                 raise RequestError(f"This engine's backend ({self.backend}) takes no images; "
                                    "use the graph backend or a compiled artifact with the "
                                    "`vision` entry.")
             try:
-                check()
+                check(self.model)
             except ValueError as e:
                 raise RequestError(str(e)) from e
         if isinstance(images, str | bytes) or not isinstance(images, Sequence):
@@ -504,8 +502,6 @@ class Engine:
     def encode_image(self, image: PreparedImage) -> torch.Tensor:
         """One image's aligned rows bf16 (L, d): the graph's tower, or the artifact's `vision`
         entry."""
-        if self.phases is graph_phases:
-            return encode_image(self.model.w, self.model.args, image)
         return self.phases.encode_image(self.model, image)
 
     # ---- batched decode -------------------------------------------------------------------------
