@@ -166,6 +166,16 @@ class Tier(StrEnum):
         return repr(self.value)
 
 
+class StateKind(StrEnum):
+    """The tier records of a session's state after a prefix (each salts its own keys)."""
+
+    SNAPSHOT = "snapshot"  # the DRAM pool's snapshot of the local state (encoder rings, tails)
+    STATE = "state"  # exact mode: the SSD record of the whole runtime state
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 @dataclass
 class TurnRecord:
     session: int
@@ -397,14 +407,14 @@ class Engine:
 
         return block_keys(tokens, self.options.page_tokens, self._salt)
 
-    def history_key(self, tokens: Sequence[int], kind: str) -> str:
-        """The key of a tier record (`kind`: snapshot | state) of the state after `tokens`."""
+    def history_key(self, tokens: Sequence[int], kind: StateKind) -> str:
+        """The key of a tier record of the state after `tokens`."""
         b = self.options.page_tokens
         n = len(tokens) // b
         keys = self.block_keys(tokens[: n * b])
         return self.state_keys(tokens, keys, kind, len(tokens), len(tokens))[0][1]
 
-    def state_keys(self, tokens: Sequence[int], keys: Sequence[str], kind: str, lo: int,
+    def state_keys(self, tokens: Sequence[int], keys: Sequence[str], kind: StateKind, lo: int,
                    hi: int) -> list[tuple[int, str]]:
         """(L, key of the state after tokens[:L]) for L in lo..hi, all within one block: chained
         on the key of the last complete block before L (`keys`: the block keys of `tokens`),
@@ -945,8 +955,8 @@ class Session:
         lo, hi = max(1, n * b), min(len(tokens) - 1, (n + 1) * b - 1)
         if hi < lo:
             return None
-        snaps = e.state_keys(tokens, keys, "snapshot", lo, hi)
-        states = e.state_keys(tokens, keys, "state", lo, hi) if e.options.exact else []
+        snaps = e.state_keys(tokens, keys, StateKind.SNAPSHOT, lo, hi)
+        states = e.state_keys(tokens, keys, StateKind.STATE, lo, hi) if e.options.exact else []
         for (length, snap_key), (_, state_key) in zip(reversed(snaps),
                                                       reversed(states or snaps), strict=True):
             if e.pool.contains(snap_key):
@@ -1074,7 +1084,7 @@ class Session:
             e.blocks.submit(keys[i], block_arrays(self.cache, i, b))
         self.stored_blocks = len(keys)
         arrays = snapshot_arrays(self.cache, b, e._ring_layers)
-        key = e.history_key(keyed, "snapshot")
+        key = e.history_key(keyed, StateKind.SNAPSHOT)
         e.pool.put(key, arrays, {"session": self.id, "tokens": len(self.history)})
         if self._snapshot not in (None, key) and not any(
                 s._snapshot == self._snapshot for s in e.sessions.values() if s is not self):
@@ -1083,7 +1093,7 @@ class Session:
             e.pool.drop(self._snapshot)
         self._snapshot = key
         if e.options.exact:
-            e.blocks.submit(e.history_key(keyed, "state"), arrays)
+            e.blocks.submit(e.history_key(keyed, StateKind.STATE), arrays)
 
 
 class DecodeBatch:

@@ -1,7 +1,8 @@
 """The typed contracts each backend implements with one set of signatures: `Phases` (the graph,
 a compiled artifact and the torch.compile peer), `EntryBackend` (an artifact and the peer's
-entries). A method whose parameters (names, kinds, defaults, annotations) or return annotation
-drift from the protocol's fails here, before any caller meets the difference."""
+entries), `StorageTier` (the SSD store and its writer, the DRAM pool, the Redis pool). A method
+whose parameters (names, kinds, defaults, annotations) or return annotation drift from the
+protocol's fails here, before any caller meets the difference."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from dsv41.compiler.bench import TorchCompiledEntries
 from dsv41.graph.phases_api import GraphPhases, Phases
 from dsv41.runtime.artifact import Artifact
 from dsv41.runtime.compiled import CompiledPhases, EntryBackend
+from dsv41.runtime.kv_store import BlockWriter, KVStore, model_fingerprint
+from dsv41.runtime.redis_pool import RedisSnapshotPool
+from dsv41.runtime.snapshot_pool import SnapshotPool
+from dsv41.runtime.tiers import StorageTier
 
 
 def protocol_members(protocol) -> list[str]:
@@ -21,7 +26,7 @@ def protocol_members(protocol) -> list[str]:
                   or isinstance(vars(protocol)[n], property))
 
 
-def signature_drift(protocol, impl) -> list[str]:
+def signature_drift(protocol, impl, *, returns: bool = True) -> list[str]:
     """Every way `impl`'s public methods differ from `protocol`'s (empty when they agree)."""
     out = []
     for name in protocol_members(protocol):
@@ -35,6 +40,8 @@ def signature_drift(protocol, impl) -> list[str]:
                 out.append(f"{impl.__name__}.{name} is not a property")
             continue
         a, b = inspect.signature(want), inspect.signature(got)
+        if not returns:  # a generic protocol: each implementation names its own entry / stats
+            a, b = a.replace(return_annotation=a.empty), b.replace(return_annotation=b.empty)
         if a != b:
             out.append(f"{impl.__name__}.{name}{b} != {protocol.__name__}.{name}{a}")
     return out
@@ -83,3 +90,21 @@ def test_a_drifting_signature_is_caught():
 
 def test_the_graph_phases_are_phases():
     assert isinstance(GraphPhases(), Phases)
+
+
+@pytest.mark.parametrize("impl", [KVStore, BlockWriter, SnapshotPool, RedisSnapshotPool])
+def test_every_storage_tier_has_the_protocols_signatures(impl):
+    assert protocol_members(StorageTier) == ["drop", "get", "put", "stats"]
+    assert signature_drift(StorageTier, impl, returns=False) == []
+
+
+def test_the_ssd_store_its_writer_and_the_dram_pool_are_tiers(tmp_path):
+    fp = model_fingerprint("cfg", "weights", 1)
+    store = KVStore(tmp_path, capacity_bytes=1 << 20, fingerprint=fp)
+    writer = BlockWriter(store)
+    try:
+        for tier in (store, writer, SnapshotPool(budget_bytes=1 << 20)):
+            assert isinstance(tier, StorageTier), type(tier).__name__
+    finally:
+        writer.close()
+        store.close()
