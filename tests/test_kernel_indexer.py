@@ -18,6 +18,7 @@ import tvm
 
 from dsv41.graph import ops
 from dsv41.graph.targets import TargetSpec, get_target
+from dsv41.runtime.tensors import host_torch, to_tvm
 from dsv41.schedules import indexer as ix
 
 H, D, TOPK, TOPK_BLOCKS, BS = 4, 64, 8, 3, 4
@@ -38,23 +39,6 @@ def build_indexer_kernels(target_name: str = "cpu", *, heads: int, dim: int, top
     return mod
 
 
-def to_tvm(x: torch.Tensor, device):
-    x = x.contiguous()
-    if device is None or device.dlpack_device_type() == 1:  # kDLCPU: zero-copy
-        return tvm.runtime.from_dlpack(x)
-    import ml_dtypes  # noqa: PLC0415 - only needed off-CPU
-
-    arr = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if x.dtype == torch.bfloat16 \
-        else x.numpy()
-    return tvm.runtime.tensor(arr, device)
-
-
-def _to_torch(x) -> torch.Tensor:
-    if x.device.dlpack_device_type() == 1:
-        return torch.from_dlpack(x)
-    return torch.from_numpy(x.numpy())
-
-
 def _empty(shape, dtype, device):
     out = torch.empty(shape, dtype=dtype)
     return out, to_tvm(out, device)
@@ -68,7 +52,7 @@ def run_indexer_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, *, dev
     _, pos = _empty((b, s, topk), torch.int32, device)
     ex["index_scores"](*args, scores)
     ex["select_positions"](scores, pos)
-    return _to_torch(pos)
+    return host_torch(pos)
 
 
 def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_blocks: int,
@@ -83,7 +67,7 @@ def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_bloc
     ex["index_scores"](*args, scores)
     ex["select_positions"](scores, pos)
     ex["select_blocks"](scores, args[4], blk)
-    return _to_torch(pos), _to_torch(blk)
+    return host_torch(pos), host_torch(blk)
 
 
 def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
@@ -106,7 +90,7 @@ def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
     else:
         ex["pool_scores"](*args, scores)
     ex["select_pool"](scores, args[5], pos)
-    return _to_torch(pos)
+    return host_torch(pos)
 
 
 @functools.cache
