@@ -273,6 +273,7 @@ class ChunkTrace:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # `record` blocks' outputs
     selections: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> top-k
     candidates: torch.Tensor | None = None  # the candidate source's block pool (b, s, B) int32
+    candidate_layer: int | None = None  # the candidate source that chose them
     taps: list[torch.Tensor] = field(default_factory=list)  # DSpark tap inputs (b, s, d)
     # a verify pass: the compressors' fp32 (kv, score) rows per KV source (b, s, hd), kept to
     # cut the tails back (`Chunk.keep_tail_rows`)
@@ -282,9 +283,12 @@ class ChunkTrace:
         """The selections under the phase results' keys (`entries.selection_keys`): each index
         source by layer, and the candidate pool under -1 (the entries' `sel.-1` output, the
         scores' `cand_blocks`)."""
-        if self.candidates is None:
-            return dict(self.selections)
-        return {**self.selections, -1: self.candidates}
+        out = {}
+        for layer, sel in self.selections.items():  # -1 where the candidate source put it
+            out[layer] = sel
+            if layer == self.candidate_layer and self.candidates is not None:
+                out[-1] = self.candidates
+        return out
 
 
 @dataclass
@@ -716,7 +720,7 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
             chunk.selection = select(model, cache, layer, store, x, qr, chunk)
             chunk.trace.selections[layer] = chunk.selection
             if p.candidate_source:
-                chunk.trace.candidates = chunk.blocks
+                chunk.trace.candidates, chunk.trace.candidate_layer = chunk.blocks, layer
         idx = chunk.selection
         if p.role == REUSE and model.per_layer_selection:
             idx = chunk.trace.selections[layer] = select(model, cache, layer, store, x, qr, chunk)
