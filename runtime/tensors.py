@@ -21,6 +21,10 @@ def to_tvm(t: torch.Tensor, device=None):
     import tvm
 
     t = t.contiguous()
+    if t.numel() == 0:  # torch gives an empty tensor strides TVM does not take as compact
+        if device is None:
+            device = tvm.cpu() if t.device.type == "cpu" else tvm.cuda(t.device.index or 0)
+        return tvm.runtime.empty(tuple(t.shape), str(t.dtype).removeprefix("torch."), device)
     if device is not None and device.dlpack_device_type() != _KDL_CPU and t.device.type == "cpu":
         return tvm.runtime.tensor(host_array(t), device)
     if t.data_ptr() % _ALIGN:

@@ -40,3 +40,11 @@ def test_bf16_and_bytes_keep_their_exact_bits():
     assert torch.equal(host_torch(on_host_device).view(torch.int16), bits)
     codes = torch.tensor([0, 7, 128, 255], dtype=torch.uint8)
     assert to_tvm(codes).numpy().tolist() == [0, 7, 128, 255]
+
+
+def test_an_empty_tensor_is_a_compact_empty_tvm_tensor():
+    """(torch's strides of a size-0 dim are not compact to TVM's argument checks.)"""
+    e = torch.zeros(2, 0, 16, dtype=torch.int32)[:, :, :8]
+    a = to_tvm(e)
+    assert tuple(a.shape) == (2, 0, 8) and str(a.dtype) == "int32"
+    assert to_torch(a).shape == (2, 0, 8)
