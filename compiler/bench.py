@@ -427,12 +427,13 @@ class TorchCompiledEntries:
 
 
 def make_phases(impl: str, model, artifact_dir: Path | None, entries: tuple[str, ...]):
-    """An object with the phase functions' signatures (`decode_step`, `ced_prefill`, ...)."""
-    from dsv41.graph import phases
+    """The `graph.phases_api.Phases` of one implementation: the graph's (eager), the artifact's
+    entries compiled by torch.compile (compile), or by TVM (artifact)."""
+    from dsv41.graph.phases_api import GraphPhases
     from dsv41.runtime.compiled import CompiledPhases
 
     if impl == "eager":
-        return phases
+        return GraphPhases()
     if impl == "compile":
         return CompiledPhases(TorchCompiledEntries(model, entries), model)
     from dsv41.runtime.artifact import Artifact
@@ -686,7 +687,7 @@ def profile_artifact_step(artifact, model, cache, top: int = 15) -> list[dict]:
 
     from dsv41.graph.entries import entry_inputs
     from dsv41.graph.phases import check_tokens, new_chunk
-    from dsv41.runtime.artifact import to_tvm
+    from dsv41.runtime.tensors import to_tvm
 
     tokens = check_tokens(model, torch.tensor([[DECODE_TOKEN]]))
     chunk = new_chunk(model, cache, tokens)

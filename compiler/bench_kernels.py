@@ -202,9 +202,9 @@ def select_cases(cases: list[Case], wanted: Sequence[str] | None) -> list[Case]:
 
 
 def _tvm_view(x: torch.Tensor):
-    import tvm
+    from dsv41.runtime.tensors import to_tvm
 
-    return tvm.runtime.from_dlpack(x.contiguous())
+    return to_tvm(x)
 
 
 @dataclass

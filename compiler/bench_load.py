@@ -81,7 +81,7 @@ def measure_in_this_process(checkpoint: Path, device: str) -> LoadMemory:
     from dsv41.compiler.measure import current_rss, peak_rss, reset_peak_rss
     from dsv41.graph.checkpoint import checkpoint_config, checkpoint_nbytes
     from dsv41.graph.model import Model
-    from dsv41.runtime.artifact import to_tvm
+    from dsv41.runtime.tensors import to_tvm
 
     args = checkpoint_config(checkpoint)
     if not reset_peak_rss():

@@ -108,9 +108,10 @@ class PhaseGraph(torch.nn.Module):
         if self.entry == "verify":  # one pass over the sampled token and a draft prefix
             tokens, owner = x
             chunk = self.new_chunk(start, floor, tokens.size(1), ropes, ids, token_owner=owner,
-                                   tail_rows={})
+                                   keep_tail_rows=True)
             logits = speculative.verify_forward(model, cache, tokens, chunk)
-            tails = [t for lay in tail_row_layers(self.template) for t in chunk.tail_rows[lay]]
+            rows = chunk.trace.tail_rows
+            tails = [t for lay in tail_row_layers(self.template) for t in rows[lay]]
             return (logits, *tails, *cache_tensors(cache))
         if self.entry == "decoder":
             h, pre = x
@@ -124,7 +125,7 @@ class PhaseGraph(torch.nn.Module):
             h, pre = encode_layers(model, cache, x, chunk)
             return (h, pre, *cache_tensors(cache))
         logits, _, _ = forward_all(model, cache, x, chunk, all_logits=self.entry == "prefill_all")
-        sel = [chunk.selections[k] for k in selection_keys(self.plan)] \
+        sel = [chunk.trace.keyed_selections()[k] for k in selection_keys(self.plan)] \
             if self.entry in SELECTING else []
         return (logits, *sel, *cache_tensors(cache))
 

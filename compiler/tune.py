@@ -737,7 +737,8 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     import tvm
 
     from dsv41.graph.model import Model
-    from dsv41.runtime.artifact import read_manifest, to_tvm, weight_for
+    from dsv41.runtime.artifact import read_manifest, weight_for
+    from dsv41.runtime.tensors import to_tvm
 
     from .capture import CaptureShapes, example_inputs
 

@@ -265,10 +265,39 @@ def _prefix(args: ModelArgs, layer: int) -> str:
 
 
 @dataclass
+class ChunkTrace:
+    """What the blocks of one forward record as they run: the phase's outputs besides its logits
+    and the cache, read once the forward returns (`Chunk.trace`)."""
+
+    work: dict[int, int] = field(default_factory=dict)  # token-layer work per layer
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # `record` blocks' outputs
+    selections: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> top-k
+    candidates: torch.Tensor | None = None  # the candidate source's block pool (b, s, B) int32
+    candidate_layer: int | None = None  # the candidate source that chose them
+    taps: list[torch.Tensor] = field(default_factory=list)  # DSpark tap inputs (b, s, d)
+    # a verify pass: the compressors' fp32 (kv, score) rows per KV source (b, s, hd), kept to
+    # cut the tails back (`Chunk.keep_tail_rows`)
+    tail_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def keyed_selections(self) -> dict[int, torch.Tensor]:
+        """The selections under the phase results' keys (`entries.selection_keys`): each index
+        source by layer, and the candidate pool under -1 (the entries' `sel.-1` output, the
+        scores' `cand_blocks`)."""
+        out = {}
+        for layer, sel in self.selections.items():  # -1 where the candidate source put it
+            out[layer] = sel
+            if layer == self.candidate_layer and self.candidates is not None:
+                out[-1] = self.candidates
+        return out
+
+
+@dataclass
 class Chunk:
-    """What the blocks of one forward share. Positions are tensors, one start per sequence, so a
-    batch may mix sequences at different lengths and `torch.export` sees no Python ints that
-    depend on the cache (only `length`, which is the token dim)."""
+    """The inputs the blocks of one forward share, the running state they pass each other
+    (`selection`, `blocks`, `token_owner`), and the `trace` of what they output. Positions are
+    tensors, one start per sequence, so a batch may mix sequences at different lengths and
+    `torch.export` sees no Python ints that depend on the cache (only `length`, which is the
+    token dim)."""
 
     start: torch.Tensor  # int64 (b,): position of the first new token, per sequence
     length: int  # s new tokens (a symbolic dim under export)
@@ -277,19 +306,17 @@ class Chunk:
     window_floor: torch.Tensor | None = None  # int64 (b,): positions below are outside windows
     write_global: bool = True  # False: cached global entries are read, never rewritten
     update_tails: bool = True  # False: the compressors do not run at all (decoder replay)
-    selection: torch.Tensor | None = None  # latest index source's top-k (b, s, k) int32
-    blocks: torch.Tensor | None = None  # candidate pool (b, s, B) int32
-    taps: list[torch.Tensor] = field(default_factory=list)  # DSpark tap inputs (b, s, d)
-    selections: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> top-k
-    work: dict[int, int] = field(default_factory=dict)  # token-layer work per layer
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # recorded block outputs
-    record: tuple[int, ...] = ()
+    record: tuple[int, ...] = ()  # layers whose block outputs the trace keeps
     image: SpanRows | None = None  # image-span positions of this chunk and their embeddings
     # a verify pass (graph/speculative.py): every token keeps a decode step's semantics. The
     # index-K pointer per token (b, s), moved per token by the sources publishing at it; and
-    # the compressors' fp32 (kv, score) rows per KV source, kept to cut the tails back
+    # the compressors' fp32 rows kept in the trace to cut the tails back
     token_owner: torch.Tensor | None = None
-    tail_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    keep_tail_rows: bool = False
+    # running state, block to block
+    selection: torch.Tensor | None = None  # latest index source's top-k (b, s, k) int32
+    blocks: torch.Tensor | None = None  # candidate pool (b, s, B) int32
+    trace: ChunkTrace = field(default_factory=ChunkTrace)
 
     @property
     def end(self) -> torch.Tensor:
@@ -452,15 +479,15 @@ def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
         ok = torch.full_like(x[..., 0], True, dtype=torch.bool)
         return Compressed(latent, chunk.start, ok, 1)
     wkv, wgate = (model.p(layer, f"attn.compressor.{n}.weight") for n in ("wkv", "wgate"))
-    if chunk.tail_rows is None or torch.compiler.is_exporting():
+    if not chunk.keep_tail_rows or torch.compiler.is_exporting():
         # (compiled, every row runs the decode step's GEMV kernel: the same fp32 bits)
         kv = fp32_linear(x, wkv)  # (b, s, hd) fp32
         score = fp32_linear(x, wgate)
     else:  # an eager verify pass: per position, at a decode step's GEMM shape
         kv = torch.cat([fp32_linear(x[:, i:i + 1], wkv) for i in range(s)], dim=1)
         score = torch.cat([fp32_linear(x[:, i:i + 1], wgate) for i in range(s)], dim=1)
-    if chunk.tail_rows is not None:  # a verify pass keeps them to cut the tails back
-        chunk.tail_rows[layer] = (kv, score)
+    if chunk.keep_tail_rows:  # a verify pass keeps them to cut the tails back
+        chunk.trace.tail_rows[layer] = (kv, score)
     start, end = chunk.start.unsqueeze(1), chunk.end.unsqueeze(1)  # (b, 1)
     g0 = chunk.start // m  # (b,)
     n_slots = s // m + 2  # enough group slots for any start % m
@@ -691,12 +718,12 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
         c = run_compressor(model, cache, layer, x, chunk)
         if p.runs_indexer:
             chunk.selection = select(model, cache, layer, store, x, qr, chunk)
-            chunk.selections[layer] = chunk.selection
+            chunk.trace.selections[layer] = chunk.selection
             if p.candidate_source:
-                chunk.selections[-1] = chunk.blocks
+                chunk.trace.candidates, chunk.trace.candidate_layer = chunk.blocks, layer
         idx = chunk.selection
         if p.role == REUSE and model.per_layer_selection:
-            idx = chunk.selections[layer] = select(model, cache, layer, store, x, qr, chunk)
+            idx = chunk.trace.selections[layer] = select(model, cache, layer, store, x, qr, chunk)
         if c is not None and chunk.write_global:
             publish_main_kv(model, store, c, chunk, cache.kv_dtype)
     o = attend(model, cache, layer, q, win, store, idx, chunk)
@@ -815,7 +842,7 @@ def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: tor
     if p.engram:
         h = engram_at(model, layer, h, chunk)
     if p.dspark_tap:
-        chunk.taps.append(h.mean(dim=2))
+        chunk.trace.taps.append(h.mean(dim=2))
     mix = (a.hc_mult, a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps)
     # x = rms_norm(hc_pre(h, pre)) with this sublayer's mixes of h: (b, s, d), (b, s, hc), ...
     x, attn_pre, post, comb = ops.hc_pre_mix(h, model.p(layer, "hc_attn_fn"),
@@ -829,9 +856,9 @@ def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: tor
                                             model.p(layer, "ffn_norm.weight"), *mix)
     vl = chunk.image.mask if chunk.image is not None and layer < a.n_layers else None
     h = ops.hc_post(moe(model, layer, x, vl), h, post, comb)  # (b, s, hc, d)
-    chunk.work[layer] = chunk.work.get(layer, 0) + chunk.length
+    chunk.trace.work[layer] = chunk.trace.work.get(layer, 0) + chunk.length
     if layer in chunk.record:
-        chunk.hidden[layer] = h
+        chunk.trace.hidden[layer] = h
     return h, ffn_pre
 
 

@@ -166,7 +166,7 @@ def embed(model: Model, tokens: torch.Tensor, image: SpanRows | None = None) -> 
 
 
 def _main_hidden(chunk: Chunk) -> torch.Tensor | None:
-    return torch.cat(chunk.taps, dim=-1) if chunk.taps else None
+    return torch.cat(chunk.trace.taps, dim=-1) if chunk.trace.taps else None
 
 
 def _seed_dspark(model: Model, cache: ModelCache, chunk: Chunk) -> torch.Tensor | None:
@@ -209,7 +209,8 @@ def prefill_exact(model: Model, cache: ModelCache, tokens, *, all_logits: bool =
                              keep_rows=keep_rows, between_chunks=between_chunks)
     chunk = new_chunk(model, cache, tokens, record, image=image)
     logits, x, main_hidden = forward_all(model, cache, tokens, chunk, all_logits)
-    return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
+    return PhaseResult(logits, chunk.trace.work, chunk.trace.hidden, x,
+                       chunk.trace.keyed_selections(), main_hidden)
 
 
 def decode_step(model: Model, cache: ModelCache, tokens, *, draft: bool = False) -> PhaseResult:
@@ -288,8 +289,8 @@ def encoder_prefill(model: Model, cache: ModelCache, tokens, record: tuple[int, 
                       image=rows_at(images, cache.pos, tokens.size(1)))
     h, pre = encode_layers(model, cache, tokens, chunk)
     cache.pos = chunk.end
-    return EncoderOutput(h, pre, chunk.hash_ids, chunk.start, chunk.work, chunk.hidden,
-                         chunk.selections)
+    return EncoderOutput(h, pre, chunk.hash_ids, chunk.start, chunk.trace.work,
+                         chunk.trace.hidden, chunk.trace.keyed_selections())
 
 
 def decoder_global_kv(model: Model, cache: ModelCache, h: torch.Tensor, pre: torch.Tensor,
@@ -320,7 +321,8 @@ def decoder_replay(model: Model, cache: ModelCache, enc: EncoderOutput, *,
                   update_tails=False, image=rows_at(images, start, n))
     logits, x, main_hidden = decode_layers(model, cache, enc.h[:, -n:], enc.pre[:, -n:], chunk,
                                            all_logits)
-    return PhaseResult(logits, chunk.work, chunk.hidden, x, chunk.selections, main_hidden)
+    return PhaseResult(logits, chunk.trace.work, chunk.trace.hidden, x,
+                       chunk.trace.keyed_selections(), main_hidden)
 
 
 def decode_layers(model: Model, cache: ModelCache, h: torch.Tensor, pre: torch.Tensor,
@@ -407,11 +409,11 @@ def encoder_replay(model: Model, cache: ModelCache, prefix, suffix,
                     image=rows_at(images, cache.pos, suffix.size(1)))
     h2, pre2 = encode_layers(model, cache, suffix, new)
     cache.pos = new.end
-    work = {k: replay.work.get(k, 0) + new.work.get(k, 0) for k in {*replay.work, *new.work}}
+    work = _sum_work(replay.trace.work, new.trace.work)
     ids = None if new.hash_ids is None else torch.cat([replay.hash_ids, new.hash_ids], dim=1)
     return EncoderOutput(torch.cat([h1, h2], dim=1), torch.cat([pre1, pre2], dim=1), ids,
-                         first, work, {**replay.hidden, **new.hidden},
-                         {**replay.selections, **new.selections})
+                         first, work, {**replay.trace.hidden, **new.trace.hidden},
+                         {**replay.trace.keyed_selections(), **new.trace.keyed_selections()})
 
 
 def replay_prefill(model: Model, cache: ModelCache, prefix, suffix, *, all_logits: bool = False,
@@ -462,8 +464,8 @@ def encode_cached_tail(model: Model, cache: ModelCache, cached, n: int,
         h, pre = encode_layers(model, cache, tail, chunk)
     finally:
         restore_local_state(cache, saved)
-    return EncoderOutput(h, pre, chunk.hash_ids, first, chunk.work, chunk.hidden,
-                         chunk.selections)
+    return EncoderOutput(h, pre, chunk.hash_ids, first, chunk.trace.work, chunk.trace.hidden,
+                         chunk.trace.keyed_selections())
 
 
 def resume_prefill(model: Model, cache: ModelCache, cached, fresh, *, all_logits: bool = False,

@@ -122,11 +122,11 @@ class GraphBackend:
         graph's own; `dsv41.runtime.compiled.CompiledPhases` scores a compiled artifact).
         `chunk_tokens`: the prefill runs in chunks of at most that many tokens (every row's
         selections kept, as a one-shot prefill returns them)."""
-        from . import phases as graph_phases
+        from .phases_api import GraphPhases, Phases
 
         self.model, self.kv_dtype, self.capacity = model, kv_dtype, capacity
         self.chunk_tokens = chunk_tokens
-        self.phases = phases or graph_phases
+        self.phases: Phases = phases or GraphPhases()
         self.cache = None
 
     def _out(self, res, n_rows: int | None = None) -> dict:
@@ -145,8 +145,8 @@ class GraphBackend:
 
     def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...] = (),
                 images: Sequence[PreparedImage] = ()) -> dict:
-        from . import phases as graph_phases
         from .cache import new_cache
+        from .phases_api import GraphPhases
 
         m = self.model
         image, vis = None, {}
@@ -155,8 +155,10 @@ class GraphBackend:
                 raise ValueError("Images are scored in exact mode only (the released "
                                  "reference's own path); use --mode exact.")
             encode = None
-            if self.phases is not graph_phases:  # a compiled artifact: its `vision` entry
-                self.phases.check_images()
+            # another backend than the graph (which also records the tower's `vit_output`):
+            # its own encoder (a compiled artifact's `vision` entry)
+            if not isinstance(self.phases, GraphPhases):
+                self.phases.check_images(m)
 
                 def encode(im):
                     return self.phases.encode_image(m, im)

@@ -141,7 +141,7 @@ def verify_tokens(args) -> int:
 def verify_chunk(model: Model, cache: ModelCache, tokens: torch.Tensor,
                  staged: Staged) -> tuple[Chunk, np.ndarray | None]:
     """The host half of a one-pass verify: the chunk (RoPE tables, Engram ids, each token's
-    index-K pointer before it, an empty `tail_rows` for the compressors' rows) and the Engram
+    index-K pointer before it, the compressors' rows kept in its trace) and the Engram
     lookback before the pass (the ids advance the cache's). Sets `staged.owner_after`."""
     start, n = staged.start, tokens.size(1)
     staged.owner_after = step_owners(model, cache.index_owner, start.unsqueeze(1)
@@ -151,7 +151,7 @@ def verify_chunk(model: Model, cache: ModelCache, tokens: torch.Tensor,
                   hash_ids=engram_ids(model, cache, tokens),
                   token_owner=torch.cat([cache.index_owner.unsqueeze(1),
                                          staged.owner_after[:, :-1]], dim=1),
-                  tail_rows={})
+                  keep_tail_rows=True)
     return chunk, hist
 
 
@@ -159,8 +159,8 @@ def verify_forward(model: Model, cache: ModelCache, tokens: torch.Tensor,
                    chunk: Chunk) -> torch.Tensor:
     """The graph half of a one-pass verify (what the compiled `verify` entry captures): every
     block once over the n tokens, each with its decode step's semantics (per-token index-K
-    pointer, the compressors' rows kept in `chunk.tail_rows`), the DSpark rings seeded. Returns
-    fp32 logits (b, n, vocab)."""
+    pointer, the compressors' rows kept in `chunk.trace.tail_rows`), the DSpark rings seeded.
+    Returns fp32 logits (b, n, vocab)."""
     h = embed(model, tokens)  # (b, n, hc, d)
     pre = identity_pre(h)
     h, pre = run_layers(model, cache, h, pre, range(model.args.n_layers), chunk)
@@ -170,8 +170,8 @@ def verify_forward(model: Model, cache: ModelCache, tokens: torch.Tensor,
         logits = head(model, x)
     else:  # eager: per position, at the GEMM shape of a decode step of this batch
         logits = torch.cat([head(model, x[:, i:i + 1]) for i in range(chunk.length)], dim=1)
-    if chunk.taps and model.plan.dspark:
-        dspark.seed(model, cache, torch.cat(chunk.taps, dim=-1), chunk)
+    if chunk.trace.taps and model.plan.dspark:
+        dspark.seed(model, cache, torch.cat(chunk.trace.taps, dim=-1), chunk)
     return logits
 
 
@@ -217,8 +217,8 @@ def verify_step(model: Model, cache: ModelCache, tokens, *, one_pass: bool = Fal
         return Verified(torch.cat(logits, dim=1), staged, work)
     chunk, hist = verify_chunk(model, cache, tokens, staged)
     logits = verify_forward(model, cache, tokens, chunk)
-    return finish_verify(model, cache, tokens, staged, hist, chunk.tail_rows, logits,
-                         chunk.work)
+    return finish_verify(model, cache, tokens, staged, hist, chunk.trace.tail_rows, logits,
+                         chunk.trace.work)
 
 
 def _tail_at(old_kv, old_score, kv, score, start, end, m):

@@ -25,6 +25,7 @@ from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.targets import request_amx, target_names, uses_amx
 
 from .device import Device, DeviceError, DeviceKind, device_for_target
+from .tensors import to_torch, to_tvm
 
 FORMAT_VERSION = 2  # 2: manifest_sha256
 CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")  # what a CED engine runs
@@ -158,15 +159,6 @@ def check_checkpoint_config(art: Artifact, checkpoint_dir: str | Path) -> None:
                             f"{shown or 'fields'}{' ...' if len(diff) > 6 else ''}.")
 
 
-def to_tvm(t: torch.Tensor):
-    import tvm
-
-    t = t.contiguous()
-    if t.data_ptr() % 64:  # DLPack import needs 64-byte aligned data
-        t = t.clone()
-    return tvm.runtime.from_dlpack(t)
-
-
 def weight_for(model, param: str, spec: dict | None = None) -> torch.Tensor:
     """The checkpoint tensor behind a compiled entry's parameter name (see capture.PhaseGraph).
 
@@ -260,4 +252,4 @@ class Artifact:
             flat.extend(x if isinstance(x, tuple) else (x,))
         dev = self.device.torch
         out = self._vm(entry)["main"](*[to_tvm(x.to(dev)) for x in flat], *self._params[entry])
-        return [torch.from_dlpack(o) for o in out]
+        return [to_torch(o) for o in out]

@@ -1,9 +1,13 @@
 """The phase functions over a compiled artifact: the host half of each phase (validation, Engram
 hashing, RoPE tables, capacity) from `dsv41.graph.phases`, the graph half from the artifact's
-entries. Same signatures and results as the graph's phases, so the two can be compared anywhere.
+entries. Same signatures and results as the graph's phases (`graph.phases_api.Phases`, which
+both implement), so the two can be compared anywhere. The entries come from an `EntryBackend`:
+a loaded artifact (`runtime.artifact.Artifact`), or `dsv41 bench`'s torch.compile peer.
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -41,12 +45,30 @@ from dsv41.graph.speculative import (
 )
 from dsv41.graph.vision import SequenceImages, SpanRows, tower_inputs
 
-from .artifact import Artifact, ArtifactError
+from .artifact import ArtifactError
 from .threads import default_tvm_pool
 
 
+@runtime_checkable
+class EntryBackend(Protocol):
+    """Compiled entries by name: their manifest (`entries` -> inputs, outputs, cache names),
+    bound once to a model's weights, each called on its user inputs (torch tensors, nested
+    pairs flattened in order)."""
+
+    manifest: dict[str, Any]
+
+    @property
+    def entries(self) -> tuple[str, ...]: ...
+
+    def bind(self, model) -> None: ...
+
+    def call(self, entry: str, inputs) -> list[torch.Tensor]: ...
+
+
 class CompiledPhases:
-    def __init__(self, artifact: Artifact, model: Model, *, threads: int | None = None):
+    """`Phases` over compiled entries: the host half here, the graph half in the entries."""
+
+    def __init__(self, artifact: EntryBackend, model: Model, *, threads: int | None = None):
         """threads: TVM's CPU pool size (None: TVM_NUM_THREADS if set, else torch's thread
         count; TVM alone would take half the hardware threads)."""
         default_tvm_pool(threads)
@@ -123,9 +145,10 @@ class CompiledPhases:
         return {k: v if k in stays or k.startswith("tail.") else v.cpu()
                 for k, v in named.items()}
 
-    def check_images(self) -> None:
+    def check_images(self, model: Model) -> None:
         """ValueError unless this artifact can take images: the `vision` entry, and backbone
         entries that take span rows (compiled from a model with a vision tower)."""
+        self._check(model)
         a = self.model.args
         if a.vision_n_layers <= 0 or not self.model.vision:
             raise ValueError("This model has no vision tower; it cannot take images.")
@@ -152,8 +175,9 @@ class CompiledPhases:
             raise ValueError("These compiled phases are bound to another model's weights.")
 
     def prefill_exact(self, model: Model, cache: ModelCache, tokens, *,
-                      all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                      keep_rows: bool = False, between_chunks: Pause | None = None,
+                      all_logits: bool = False, record: tuple[int, ...] = (),
+                      chunk_tokens: int | None = None, keep_rows: bool = False,
+                      between_chunks: Pause | None = None,
                       image: SpanRows | None = None) -> PhaseResult:
         """`phases.prefill_exact`'s contract; `image`: the new tokens' span rows."""
         del record  # hidden states are a graph-only diagnostic
@@ -253,8 +277,9 @@ class CompiledPhases:
                           hash_ids=chunk.hash_ids, rope=chunk.rope, image=image)
         return named["h"], named["pre"], chunk
 
-    def encoder_prefill(self, model: Model, cache: ModelCache, tokens, record=(), *,
-                        floor=None, images: SequenceImages | None = None) -> EncoderOutput:
+    def encoder_prefill(self, model: Model, cache: ModelCache, tokens,
+                        record: tuple[int, ...] = (), *, floor: torch.Tensor | None = None,
+                        images: SequenceImages | None = None) -> EncoderOutput:
         """The `encoder` entry over the new tokens (windows cut below `floor`; `images`: the
         sequence's spans by position, as every CED phase takes them)."""
         del record
@@ -266,7 +291,8 @@ class CompiledPhases:
                              self._work(self.plan.encoder_layers, tokens.size(1)), {}, {})
 
     def encoder_replay(self, model: Model, cache: ModelCache, prefix, suffix,
-                       record=(), *, images: SequenceImages | None = None) -> EncoderOutput:
+                       record: tuple[int, ...] = (), *,
+                       images: SequenceImages | None = None) -> EncoderOutput:
         """Snapshot miss: the `encoder_replay` entry over the prefix's last window, then the
         `encoder` entry over the suffix (windows cut at the replay's first position)."""
         del record
@@ -282,7 +308,7 @@ class CompiledPhases:
                              self._work(self.plan.encoder_layers, n + suffix.size(1)), {}, {})
 
     def decoder_replay(self, model: Model, cache: ModelCache, enc: EncoderOutput, *,
-                       all_logits: bool = False, record=(),
+                       all_logits: bool = False, record: tuple[int, ...] = (),
                        images: SequenceImages | None = None) -> PhaseResult:
         """The `decoder` entry over the last `window` encoded tokens."""
         del record
@@ -298,8 +324,9 @@ class CompiledPhases:
         return PhaseResult(logits, work)
 
     def resume_prefill(self, model: Model, cache: ModelCache, cached, fresh, *,
-                       all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                       keep_rows: bool = False, between_chunks: Pause | None = None,
+                       all_logits: bool = False, record: tuple[int, ...] = (),
+                       chunk_tokens: int | None = None, keep_rows: bool = False,
+                       between_chunks: Pause | None = None,
                        images: SequenceImages | None = None) -> PhaseResult:
         """Decoder bounded replay on a continued cache (`phases.resume_prefill`): the tail of
         cached tokens through the `encoder_replay` entry with the cache's local state put back
@@ -320,7 +347,8 @@ class CompiledPhases:
         return self.decoder_replay(model, cache, enc, all_logits=all_logits, images=images)
 
     def encode_cached_tail(self, model: Model, cache: ModelCache, cached, n: int,
-                           record=(), *, images: SequenceImages | None = None) -> EncoderOutput:
+                           record: tuple[int, ...] = (), *,
+                           images: SequenceImages | None = None) -> EncoderOutput:
         """`phases.encode_cached_tail`: the last n cached tokens through the `encoder_replay`
         entry, with the cache's local state put back afterwards."""
         del record
@@ -336,11 +364,13 @@ class CompiledPhases:
                              self._work(self.plan.encoder_layers, n), {}, {})
 
     def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
-                    all_logits: bool = False, record=(), chunk_tokens: int | None = None,
-                    keep_rows: bool = False, between_chunks: Pause | None = None,
+                    all_logits: bool = False, record: tuple[int, ...] = (),
+                    chunk_tokens: int | None = None, keep_rows: bool = False,
+                    between_chunks: Pause | None = None,
                     images: SequenceImages | None = None) -> PhaseResult:
         """CED prefill: the encoder (in chunks with `chunk_tokens`), then the decoder's bounded
         replay."""
+        del record
         tokens = check_tokens(self.model, tokens)
         if chunk_tokens is None:
             enc = self.encoder_prefill(model, cache, tokens, images=images)
@@ -353,11 +383,13 @@ class CompiledPhases:
         return self.decoder_replay(model, cache, enc, all_logits=all_logits, images=images)
 
     def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
-                       all_logits: bool = False, chunk_tokens: int | None = None,
-                       keep_rows: bool = False, between_chunks: Pause | None = None,
+                       all_logits: bool = False, record: tuple[int, ...] = (),
+                       chunk_tokens: int | None = None, keep_rows: bool = False,
+                       between_chunks: Pause | None = None,
                        images: SequenceImages | None = None) -> PhaseResult:
         """Snapshot miss: encoder bounded replay (the suffix in chunks with `chunk_tokens`),
         then decoder bounded replay."""
+        del record
         suffix = check_tokens(self.model, suffix)
         if chunk_tokens is None:
             enc = self.encoder_replay(model, cache, prefix, suffix, images=images)

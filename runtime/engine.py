@@ -49,7 +49,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsv41.graph import phases as graph_phases
 from dsv41.graph.cache import (
     ModelCache,
     capacity_tokens,
@@ -66,8 +65,8 @@ from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.image_processor import PreparedImage
 from dsv41.graph.model import Model
 from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS, Pause, chunk_spans, resume_tail
+from dsv41.graph.phases_api import GraphPhases, Phases
 from dsv41.graph.speculative import Verified, cut_back, verify_step
-from dsv41.graph.vision import encode_image
 
 from .images import (
     SessionImage,
@@ -167,6 +166,16 @@ class Tier(StrEnum):
         return repr(self.value)
 
 
+class StateKind(StrEnum):
+    """The tier records of a session's state after a prefix (each salts its own keys)."""
+
+    SNAPSHOT = "snapshot"  # the DRAM pool's snapshot of the local state (encoder rings, tails)
+    STATE = "state"  # exact mode: the SSD record of the whole runtime state
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 @dataclass
 class TurnRecord:
     session: int
@@ -201,14 +210,15 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Model, phases, *, weights_hash: str, options: EngineOptions,
+    def __init__(self, model: Model, phases: Phases, *, weights_hash: str, options: EngineOptions,
                  backend: str, backend_id: str = "graph",
                  on_close: Callable[[], None] | None = None):
         from .kv_store import BlockWriter, KVStore
         from .snapshot_pool import SnapshotPool
 
         bound_onednn_caches()  # before this process's first bf16 matmul (runtime/onednn.py)
-        self.model, self.phases, self.options, self.backend = model, phases, options, backend
+        self.model, self.options, self.backend = model, options, backend
+        self.phases: Phases = phases
         self._on_close = on_close  # what the engine's backend frees at close (disco workers)
         self._pad = model.engram.pad_id if model.engram is not None else None
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
@@ -317,10 +327,8 @@ class Engine:
     @classmethod
     def from_model(cls, model: Model, *, weights_hash: str, **options) -> Engine:
         """The PyTorch graph's own phases (the oracle backend; no artifact)."""
-        from dsv41.graph import phases
-
-        return cls(model, phases, weights_hash=weights_hash, options=EngineOptions(**options),
-                   backend="PyTorch graph")
+        return cls(model, GraphPhases(), weights_hash=weights_hash,
+                   options=EngineOptions(**options), backend="PyTorch graph")
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -399,14 +407,14 @@ class Engine:
 
         return block_keys(tokens, self.options.page_tokens, self._salt)
 
-    def history_key(self, tokens: Sequence[int], kind: str) -> str:
-        """The key of a tier record (`kind`: snapshot | state) of the state after `tokens`."""
+    def history_key(self, tokens: Sequence[int], kind: StateKind) -> str:
+        """The key of a tier record of the state after `tokens`."""
         b = self.options.page_tokens
         n = len(tokens) // b
         keys = self.block_keys(tokens[: n * b])
         return self.state_keys(tokens, keys, kind, len(tokens), len(tokens))[0][1]
 
-    def state_keys(self, tokens: Sequence[int], keys: Sequence[str], kind: str, lo: int,
+    def state_keys(self, tokens: Sequence[int], keys: Sequence[str], kind: StateKind, lo: int,
                    hi: int) -> list[tuple[int, str]]:
         """(L, key of the state after tokens[:L]) for L in lo..hi, all within one block: chained
         on the key of the last complete block before L (`keys`: the block keys of `tokens`),
@@ -486,14 +494,14 @@ class Engine:
         (`CompiledPhases.check_images`)."""
         if not images and not self.model.vision:
             return token_ids, []
-        if images and self.phases is not graph_phases:
+        if images:
             check = getattr(self.phases, "check_images", None)
             if check is None:
                 raise RequestError(f"This engine's backend ({self.backend}) takes no images; "
                                    "use the graph backend or a compiled artifact with the "
                                    "`vision` entry.")
             try:
-                check()
+                check(self.model)
             except ValueError as e:
                 raise RequestError(str(e)) from e
         if isinstance(images, str | bytes) or not isinstance(images, Sequence):
@@ -504,8 +512,6 @@ class Engine:
     def encode_image(self, image: PreparedImage) -> torch.Tensor:
         """One image's aligned rows bf16 (L, d): the graph's tower, or the artifact's `vision`
         entry."""
-        if self.phases is graph_phases:
-            return encode_image(self.model.w, self.model.args, image)
         return self.phases.encode_image(self.model, image)
 
     # ---- batched decode -------------------------------------------------------------------------
@@ -949,8 +955,8 @@ class Session:
         lo, hi = max(1, n * b), min(len(tokens) - 1, (n + 1) * b - 1)
         if hi < lo:
             return None
-        snaps = e.state_keys(tokens, keys, "snapshot", lo, hi)
-        states = e.state_keys(tokens, keys, "state", lo, hi) if e.options.exact else []
+        snaps = e.state_keys(tokens, keys, StateKind.SNAPSHOT, lo, hi)
+        states = e.state_keys(tokens, keys, StateKind.STATE, lo, hi) if e.options.exact else []
         for (length, snap_key), (_, state_key) in zip(reversed(snaps),
                                                       reversed(states or snaps), strict=True):
             if e.pool.contains(snap_key):
@@ -1078,7 +1084,7 @@ class Session:
             e.blocks.submit(keys[i], block_arrays(self.cache, i, b))
         self.stored_blocks = len(keys)
         arrays = snapshot_arrays(self.cache, b, e._ring_layers)
-        key = e.history_key(keyed, "snapshot")
+        key = e.history_key(keyed, StateKind.SNAPSHOT)
         e.pool.put(key, arrays, {"session": self.id, "tokens": len(self.history)})
         if self._snapshot not in (None, key) and not any(
                 s._snapshot == self._snapshot for s in e.sessions.values() if s is not self):
@@ -1087,7 +1093,7 @@ class Session:
             e.pool.drop(self._snapshot)
         self._snapshot = key
         if e.options.exact:
-            e.blocks.submit(e.history_key(keyed, "state"), arrays)
+            e.blocks.submit(e.history_key(keyed, StateKind.STATE), arrays)
 
 
 class DecodeBatch:

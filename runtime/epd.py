@@ -75,11 +75,11 @@ from .metrics import RateWindow, ServerMetrics
 from .requests import RequestError, TurnLimits, TurnRequest, check_token_ids, check_turn
 from .sampling import SampledToken, SamplingParams, StopMatcher, TokenLogprob
 from .tokenizer import Tokenizer
-from .wire import RecordError, RecordFault, decode_record, encode_record
+from .wire import RecordError, RecordFault, RecordKind, decode_record, encode_record
 
 log = logging.getLogger(__name__)
 
-HANDOFF_KIND = "handoff"
+HANDOFF_KIND = RecordKind.HANDOFF
 VISION_GROUP, PREFILL_GROUP, DECODE_GROUP = "vision", "prefill", "decode"
 
 

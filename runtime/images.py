@@ -38,7 +38,7 @@ from dsv41.graph.model import Model
 from dsv41.graph.vision import SequenceImages, encode_image, place_span, span_tokens
 
 from .requests import RequestError
-from .wire import RecordError, RecordFault, decode_record, encode_record
+from .wire import RecordError, RecordFault, RecordKind, decode_record, encode_record
 
 _KEY_SPACE = (1 << 62) - 1
 # what an OpenAI `image_url` data URI may hold: its declared type -> PIL's format name
@@ -172,7 +172,7 @@ def encode_turn(model: Model, first: int, images: Sequence[TurnImage], *,
 
 # ---- images as records (the EPD stages' Redis keys, runtime/epd.py) ---------------------------
 
-IMAGE_KIND, FEATURES_KIND = "image", "image-features"
+IMAGE_KIND, FEATURES_KIND = RecordKind.IMAGE, RecordKind.FEATURES
 
 
 def image_record(image: PreparedImage, digest: bytes, *, fingerprint: bytes,

@@ -62,10 +62,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .store_folder import FolderLock, claim_folder
+from .tiers import NO_META
 
 FORMAT_VERSION = 1
 STORE_KIND = "dsv41-kv-store"
@@ -190,6 +192,7 @@ class KVStoreStats:
     foreign: int  # files deleted for another model's fingerprint or another file format version
     read_errors: int = 0  # reads that failed (I/O error, not a regular file): misses, not deleted
     write_errors: int = 0  # writes or deletions that failed (permission, space, wrong file type)
+    drops: int = 0  # drop() that removed a stored block
 
 
 @dataclass(slots=True)
@@ -204,6 +207,7 @@ class _Counters:
     foreign: int = 0
     read_errors: int = 0
     write_errors: int = 0
+    drops: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,11 +277,14 @@ class KVStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def put(self, key: str, arrays: Mapping[str, np.ndarray]) -> bool:
+    def put(self, key: str, arrays: Mapping[str, np.ndarray],
+            meta: Mapping[str, Any] = NO_META) -> bool:
         """Store a block; True when it is (now or already) stored, False when refused (no room,
-        or the write failed: counted in `write_errors` and logged once)."""
+        or the write failed: counted in `write_errors` and logged once). A block is arrays
+        only: `meta` (the tier interface's) must be empty."""
         _check_key(key)
         _check_arrays(arrays)
+        _check_no_meta(meta)
         self._check_open()
         if key in self._index:
             self._touch(key)
@@ -333,6 +340,18 @@ class KVStore:
         self._touch(key)
         self._n.hits += 1
         return arrays
+
+    def drop(self, key: str) -> bool:
+        """Forget a block and delete its file; True when it was stored. Only a regular file
+        of the store's own name is deleted (never a link's target); a deletion that fails is
+        counted in `write_errors` and the file is found again by a later start's scan."""
+        _check_key(key)
+        self._check_open()
+        if key not in self._index:
+            return False
+        self._remove(key)
+        self._n.drops += 1
+        return True
 
     def contains(self, key: str) -> bool:
         _check_key(key)
@@ -552,6 +571,14 @@ def _check_header(buf: bytes, key: str, fingerprint: bytes,
     return "ok", _Header(payload_len, created_at, sha)
 
 
+def _check_no_meta(meta: Mapping[str, Any]) -> None:
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"meta must be a mapping, got {type(meta).__name__}.")
+    if meta:
+        raise ValueError(f"A KV block holds arrays only; the SSD store keeps no metadata (got "
+                         f"{', '.join(sorted(map(str, meta)))}).")
+
+
 def _check_key(key: str) -> None:
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise ValueError(f"A block key must be 64 lowercase hex characters, got {key!r}.")
@@ -593,6 +620,7 @@ class BlockWriterStats:
     refused: int  # queued blocks the store refused (full of young entries)
     failed: int  # queued blocks whose write raised (the block is dropped; the store is intact)
     served_queued: int  # get() answered from the queue
+    dropped_queued: int = 0  # drop() that removed a block still queued (never written)
 
 
 class BlockWriter:
@@ -620,7 +648,9 @@ class BlockWriter:
         self._lock = threading.Lock()  # guards the store
         self._cond = threading.Condition()  # guards the queue and counters
         self._closed = False
-        self._n = {"submitted": 0, "written": 0, "refused": 0, "failed": 0, "served_queued": 0}
+        self._n = {"submitted": 0, "written": 0, "refused": 0, "failed": 0, "served_queued": 0,
+                   "dropped_queued": 0}
+        self._writing: str | None = None  # the key the thread is writing now
         self.last_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="dsv41-block-writer", daemon=True)
         self._thread.start()
@@ -647,6 +677,30 @@ class BlockWriter:
             self._n["submitted"] += 1
             self._cond.notify_all()
         return True
+
+    def put(self, key: str, arrays: Mapping[str, np.ndarray],
+            meta: Mapping[str, Any] = NO_META) -> bool:
+        """The tier interface's put: `submit`, True once the block is queued (now or already);
+        whether the store then keeps it is counted in `stats` (written / refused / failed).
+        A block is arrays only: `meta` must be empty."""
+        _check_no_meta(meta)
+        self.submit(key, arrays)
+        return True
+
+    def drop(self, key: str) -> bool:
+        """Forget a block, queued or stored (`KVStore.drop`); True when it was either. A block
+        being written when called is dropped once its write ends."""
+        _check_key(key)
+        with self._cond:
+            while self._writing == key:
+                self._cond.wait()
+            queued = self._queue.pop(key, None) is not None
+            if queued:
+                self._n["dropped_queued"] += 1
+                self._cond.notify_all()
+        with self._lock:
+            stored = self.store.drop(key)
+        return queued or stored
 
     def get(self, key: str) -> dict[str, np.ndarray] | None:
         """The block's arrays (fresh, writable) from the queue or the store, or None."""
@@ -713,6 +767,7 @@ class BlockWriter:
                 if not self._queue:  # closed and drained
                     return
                 key, arrays = next(iter(self._queue.items()))
+                self._writing = key
             outcome = "failed"
             try:
                 with self._lock:
@@ -721,6 +776,7 @@ class BlockWriter:
                 self.last_error = e
             with self._cond:
                 del self._queue[key]
+                self._writing = None
                 self._n[outcome] += 1
                 self._cond.notify_all()
 

@@ -43,12 +43,13 @@ from typing import Any
 import numpy as np
 
 from .snapshot_pool import Snapshot, check_key, check_put, default_budget_bytes
-from .wire import RecordError, RecordFault, decode_record, encode_record
+from .tiers import NO_META
+from .wire import RecordError, RecordFault, RecordKind, decode_record, encode_record
 
 log = logging.getLogger(__name__)
 
 POLICY = "volatile-lru"
-KIND = "snapshot"
+KIND = RecordKind.SNAPSHOT
 KEY_PREFIX = "dsv41:snap:"
 WRITTEN_MEMORY = 65536  # keys this process remembers writing (to tell `expired` from `lost`)
 
@@ -219,7 +220,8 @@ class RedisSnapshotPool:
     def _rkey(self, key: str) -> str:
         return self.prefix + key
 
-    def put(self, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> bool:
+    def put(self, key: str, arrays: Mapping[str, np.ndarray],
+            meta: Mapping[str, Any] = NO_META) -> bool:
         """Store the snapshot under its key with the TTL; False (counted) when it is bigger
         than the budget, the server is unreachable or full."""
         nbytes = check_put(key, arrays, meta)

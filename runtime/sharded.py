@@ -44,8 +44,9 @@ from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.model import Model
 from dsv41.graph.sharding import WorkerShard, shard_plan, shard_plan_json
 
-from .artifact import ArtifactError, manifest_digest, read_manifest, sha256_file, to_tvm, weight_for
+from .artifact import ArtifactError, manifest_digest, read_manifest, sha256_file, weight_for
 from .disco import SHARDED_FORMAT, check_ccl, load_disco
+from .tensors import to_torch, to_tvm
 
 
 @dataclass
@@ -215,13 +216,13 @@ def register_test_ccl(group: ThreadGroup) -> None:
     def allreduce(send, reduce_kind, in_group, recv) -> None:
         if int(reduce_kind[0]) != 0 or bool(in_group):
             raise ValueError("The CPU test collective sums over all workers only.")
-        torch.from_dlpack(recv).copy_(member().all_reduce(torch.from_dlpack(send)))
+        to_torch(recv).copy_(member().all_reduce(to_torch(send)))
 
     @tvm_ffi.register_global_func("dsv41.test_ccl.allgather", override=True)
     def allgather(send, in_group, recv) -> None:
         if bool(in_group):
             raise ValueError("The CPU test collective gathers over all workers only.")
-        torch.from_dlpack(recv).copy_(member().all_gather(torch.from_dlpack(send)))
+        to_torch(recv).copy_(member().all_gather(to_torch(send)))
 
 
 # ---- the artifact on N workers ----------------------------------------------------------------
@@ -358,11 +359,11 @@ class ShardedArtifact:
             flat.extend(x if isinstance(x, tuple) else (x,))
         args = [self._to_workers(x, count) for x in flat]
         result = self._module(entry)["main"](*args, *self._params[entry])
-        outs = [torch.from_dlpack(o).clone() for o in result.debug_get_from_remote(0)]
+        outs = [to_torch(o).clone() for o in result.debug_get_from_remote(0)]
         count.received_bytes += sum(o.nbytes for o in outs)
         logits = self._item(result, 0)
         for w in range(1, self.shards):
-            other = torch.from_dlpack(logits.debug_get_from_remote(w))
+            other = to_torch(logits.debug_get_from_remote(w))
             count.received_bytes += other.nbytes
             if not torch.equal(other, outs[0]):
                 raise ArtifactError(f"Worker {w}'s {sig['outputs'][0]} differs from worker 0's: "

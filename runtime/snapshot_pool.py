@@ -29,6 +29,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .tiers import NO_META
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
@@ -160,7 +162,8 @@ class SnapshotPool:
         self._last_sweep = -math.inf
         self._n = _Counters()
 
-    def put(self, key: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> bool:
+    def put(self, key: str, arrays: Mapping[str, np.ndarray],
+            meta: Mapping[str, Any] = NO_META) -> bool:
         """Store a copy; False (and counted) when it is bigger than the whole budget."""
         nbytes = check_put(key, arrays, meta)
         self._scheduled_sweep()

@@ -20,7 +20,7 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,18 @@ MAGIC = b"DSV41REC"
 VERSION = 1
 _LEN = struct.Struct("<I")
 _SHA = 32
+
+
+class RecordKind(StrEnum):
+    """What a record holds (a str: written into the header as its value)."""
+
+    SNAPSHOT = "snapshot"  # a session's local state in the shared pool (runtime/redis_pool.py)
+    HANDOFF = "handoff"  # an EPD prefill worker's runtime state (runtime/epd.py)
+    IMAGE = "image"  # an image's bytes, by digest (runtime/images.py)
+    FEATURES = "image-features"  # an image's tower rows (runtime/images.py)
+
+    def __repr__(self) -> str:  # in messages, as the plain string it stands for
+        return repr(self.value)
 
 
 class RecordFault(Enum):
@@ -48,7 +60,7 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    kind: str  # what the record holds, e.g. "snapshot", "handoff"
+    kind: RecordKind  # what the record holds
     key: str  # the name it was stored under
     fingerprint: str  # hex of the model fingerprint (runtime.salt.KeySalt) that wrote it
     created_at: float  # wall-clock seconds at encode
@@ -57,7 +69,7 @@ class Record:
     nbytes: int  # sum of the arrays' nbytes
 
 
-def encode_record(*, kind: str, key: str, fingerprint: bytes, created_at: float,
+def encode_record(*, kind: RecordKind, key: str, fingerprint: bytes, created_at: float,
                   meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
     """The record's bytes (arrays in C order; `meta` must be JSON-serialisable)."""
     specs, parts, offset = [], [], 0
@@ -78,7 +90,7 @@ def encode_record(*, kind: str, key: str, fingerprint: bytes, created_at: float,
     return b"".join([*head, *parts, h.digest()])  # the one copy of the arrays' bytes
 
 
-def decode_record(data: bytes, *, kind: str, key: str, fingerprint: bytes) -> Record:
+def decode_record(data: bytes, *, kind: RecordKind, key: str, fingerprint: bytes) -> Record:
     """The record in `data`, or RecordError: CORRUPTED (checksum or layout), FOREIGN (another
     kind, key or model)."""
     if not isinstance(data, bytes | bytearray | memoryview):

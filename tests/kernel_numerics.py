@@ -11,10 +11,12 @@ import pytest
 import torch
 import tvm
 
+from dsv41.runtime.tensors import to_tvm
+
 
 def tv(t: torch.Tensor):
-    """A zero-copy TVM view of a (contiguous) torch tensor."""
-    return tvm.runtime.from_dlpack(t.contiguous())
+    """A zero-copy TVM view of a (contiguous) torch tensor (`runtime.tensors.to_tvm`)."""
+    return to_tvm(t)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -38,8 +40,8 @@ def assert_within_one_bf16_ulp(got: torch.Tensor, ref: torch.Tensor, min_exact: 
 
 
 def to_device(t: torch.Tensor, dev):
-    """A copy of a torch tensor on a TVM device (bf16 through ml_dtypes)."""
-    return tvm.runtime.tensor(tv(t).numpy(), dev)
+    """A torch tensor on a TVM device (a copy onto a GPU: `runtime.tensors.to_tvm`)."""
+    return to_tvm(t, dev)
 
 
 def from_device(a) -> torch.Tensor:

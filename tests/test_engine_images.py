@@ -180,7 +180,7 @@ def test_image_requests_are_clear_errors(model, small_model, tmp_path):
     with pytest.raises(RequestError, match=r"backend \(other\) takes no images"):
         other.send(TURN2, images=[a])
 
-    def no_vision_entry():
+    def no_vision_entry(model):
         raise ValueError("The artifact has no `vision` entry; compile it with ...")
 
     compiled = Engine(model, SimpleNamespace(check_images=no_vision_entry), weights_hash="v" * 64,

@@ -27,6 +27,7 @@ import tvm
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
+from dsv41.runtime.tensors import to_tvm
 from dsv41.schedules import attention as A
 from dsv41.schedules.common import fp4_to_f32
 
@@ -52,12 +53,6 @@ def _kernel(kind: str, h: int, d: int, w: int, k: int, heads_per_group: int | No
         func = A.schedule_sparse_attend(
             make(**dims, heads_per_group=heads_per_group, stage_rows=stage_rows), cfg, target)
     return tvm.compile(func, target=target.tvm_target())
-
-
-def to_tvm(x: torch.Tensor):
-    if x.dtype == torch.bfloat16:
-        return tvm.runtime.tensor(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
-    return tvm.runtime.tensor(x.contiguous().numpy())
 
 
 def _run(ex, inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -422,6 +417,6 @@ def test_gpu_numerics(kind):
         inputs[-2][1, 0] = -1  # one row of batch 1 without global entries
         b, s, h, d = inputs[0].shape
         out = tvm.runtime.tensor(np.zeros((b, s, h, d), ml_dtypes.bfloat16), dev)
-        ex(*[tvm.runtime.tensor(to_tvm(x).numpy(), dev) for x in inputs], out)
+        ex(*[to_tvm(x, dev) for x in inputs], out)
         got = torch.from_numpy(out.numpy().view(np.int16)).view(torch.bfloat16)
         _assert_matches(got, _oracle(kind, inputs))

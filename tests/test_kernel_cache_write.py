@@ -16,6 +16,7 @@ from tvm import relax
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
+from dsv41.runtime.tensors import to_torch, to_tvm
 from dsv41.schedules import cache_write
 
 CPU = "cpu"
@@ -48,8 +49,8 @@ def test_scatter_rows_matches_oracle(dtype):
     want = ops.scatter_rows(dst, idx, rows)
     got = dst.clone()
     name = str(dtype).replace("torch.", "")
-    _kernel(dst.size(-1), name)(tvm.runtime.from_dlpack(got), tvm.runtime.from_dlpack(idx),
-                                tvm.runtime.from_dlpack(rows))
+    _kernel(dst.size(-1), name)(to_tvm(got), to_tvm(idx),
+                                to_tvm(rows))
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     # the oracle wrote exactly the in-range rows and left every other row as it was
     changed = (want != dst).any(dim=-1)
@@ -93,9 +94,9 @@ def test_inplace_call_writes_the_callers_buffer():
     vm.set_instrument(count)
     store = torch.zeros(1, 1000, d, dtype=torch.uint8)
     new = torch.full((1, 2, d), 7, dtype=torch.uint8)
-    res = vm["main"](tvm.runtime.from_dlpack(store),
-                     tvm.runtime.from_dlpack(torch.tensor([[500, 501]])),
-                     tvm.runtime.from_dlpack(new))
-    assert torch.from_dlpack(res).data_ptr() == store.data_ptr()
+    res = vm["main"](to_tvm(store),
+                     to_tvm(torch.tensor([[500, 501]])),
+                     to_tvm(new))
+    assert to_torch(res).data_ptr() == store.data_ptr()
     assert store[0, 500:502].eq(7).all() and int(store.sum()) == 7 * 2 * d
     assert allocated == []

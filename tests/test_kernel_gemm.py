@@ -23,6 +23,7 @@ import tvm
 from dsv41.graph import formats as fmt
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
+from dsv41.runtime.tensors import to_torch, to_tvm
 from dsv41.schedules import gemm
 from dsv41.schedules.common import bf16_to_f32, has_amx_bf16, i64
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
@@ -38,25 +39,12 @@ def _compiled(builder: str, **kwargs):
     return tvm.compile(func, target=get_target(CPU).tvm_target())
 
 
-def _tvm(t: torch.Tensor) -> tvm.runtime.Tensor:
-    if t.dtype == torch.bfloat16:
-        return tvm.runtime.tensor(t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16))
-    return tvm.runtime.tensor(t.contiguous().numpy())
-
-
-def _torch(a: tvm.runtime.Tensor) -> torch.Tensor:
-    arr = a.numpy()
-    if arr.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(arr)
-
-
 def _run(ex, inputs: list[torch.Tensor], out_shape, out_dtype) -> torch.Tensor:
     np_dtype = ml_dtypes.bfloat16 if out_dtype == torch.bfloat16 else \
         torch.empty(0, dtype=out_dtype).numpy().dtype
     out = tvm.runtime.tensor(np.zeros(out_shape, dtype=np_dtype))
-    ex(*[_tvm(t) for t in inputs], out)
-    return _torch(out)
+    ex(*[to_tvm(t) for t in inputs], out)
+    return to_torch(out)
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -141,10 +129,10 @@ def test_act_quant_bit_exact():
     ex = tvm.compile(make_fp8_act_quant(k=64), target=get_target(CPU).tvm_target())
     codes = tvm.runtime.tensor(np.zeros(x.shape, np.uint8))
     scales = tvm.runtime.tensor(np.zeros((x.shape[0], 2), np.uint8))
-    ex(_tvm(x), codes, scales)
+    ex(to_tvm(x), codes, scales)
     ref_codes, ref_scales = fmt.torch_quant_fp8(x.float())
-    assert torch.equal(_torch(scales), ref_scales)
-    assert torch.equal(_torch(codes), ref_codes)
+    assert torch.equal(to_torch(scales), ref_scales)
+    assert torch.equal(to_torch(codes), ref_codes)
 
 
 def test_act_quant_rejects_partial_block():
@@ -376,8 +364,8 @@ def test_fp8_linear_gpu_matches_oracle(m_hint):
     for m in (1, 3, 17, 64, 130):
         x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
         out = tvm.runtime.tensor(np.zeros((m, n), ml_dtypes.bfloat16), dev)
-        ex(*[tvm.runtime.tensor(_tvm(t).numpy(), dev) for t in (x, weight, scale)], out)
-        _assert_gemm_close(_torch(out.copyto(tvm.cpu())), ops.fp8_linear(x, weight, scale))
+        ex(*[to_tvm(t, dev) for t in (x, weight, scale)], out)
+        _assert_gemm_close(to_torch(out.copyto(tvm.cpu())), ops.fp8_linear(x, weight, scale))
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ import tvm
 
 from dsv41.graph import ops
 from dsv41.graph.targets import TargetSpec, get_target
+from dsv41.runtime.tensors import host_torch, to_torch, to_tvm
 from dsv41.schedules import indexer as ix
 
 H, D, TOPK, TOPK_BLOCKS, BS = 4, 64, 8, 3, 4
@@ -38,23 +39,6 @@ def build_indexer_kernels(target_name: str = "cpu", *, heads: int, dim: int, top
     return mod
 
 
-def to_tvm(x: torch.Tensor, device):
-    x = x.contiguous()
-    if device is None or device.dlpack_device_type() == 1:  # kDLCPU: zero-copy
-        return tvm.runtime.from_dlpack(x)
-    import ml_dtypes  # noqa: PLC0415 - only needed off-CPU
-
-    arr = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if x.dtype == torch.bfloat16 \
-        else x.numpy()
-    return tvm.runtime.tensor(arr, device)
-
-
-def _to_torch(x) -> torch.Tensor:
-    if x.device.dlpack_device_type() == 1:
-        return torch.from_dlpack(x)
-    return torch.from_numpy(x.numpy())
-
-
 def _empty(shape, dtype, device):
     out = torch.empty(shape, dtype=dtype)
     return out, to_tvm(out, device)
@@ -68,7 +52,7 @@ def run_indexer_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, *, dev
     _, pos = _empty((b, s, topk), torch.int32, device)
     ex["index_scores"](*args, scores)
     ex["select_positions"](scores, pos)
-    return _to_torch(pos)
+    return host_torch(pos)
 
 
 def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_blocks: int,
@@ -83,7 +67,7 @@ def run_hier_topk(ex, q, k_packed, k_scales, weights, lens, topk: int, topk_bloc
     ex["index_scores"](*args, scores)
     ex["select_positions"](scores, pos)
     ex["select_blocks"](scores, args[4], blk)
-    return _to_torch(pos), _to_torch(blk)
+    return host_torch(pos), host_torch(blk)
 
 
 def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
@@ -106,7 +90,7 @@ def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
     else:
         ex["pool_scores"](*args, scores)
     ex["select_pool"](scores, args[5], pos)
-    return _to_torch(pos)
+    return host_torch(pos)
 
 
 @functools.cache
@@ -139,8 +123,8 @@ def test_scores_bit_exact(b, s, t):
     args = _inputs(b, s, t, seed=t)
     ex = _cpu()
     scores = torch.empty(b, s, ix.padded(t), dtype=torch.bfloat16)
-    ex["index_scores"](*[tvm.runtime.from_dlpack(x) for x in args],
-                       tvm.runtime.from_dlpack(scores))
+    ex["index_scores"](*[to_tvm(x) for x in args],
+                       to_tvm(scores))
     ref = ops.index_scores(*args)
     assert torch.equal(_bits(scores[..., :t]), _bits(ref))
     assert torch.all(scores[..., t:] == float("-inf"))
@@ -249,7 +233,7 @@ def test_pool_emission_matches_oracle():
     for bsz, sq, tt, seed in ((1, 1, 60, 1), (2, 3, 37, 2)):
         args = _inputs(bsz, sq, tt, seed=seed)
         _, rblk = ops.hier_topk(*args, TOPK, TOPK_BLOCKS, BS)
-        got = torch.from_dlpack(vm["main"](*[to_tvm(x, None) for x in (*args, rblk)]))
+        got = to_torch(vm["main"](*[to_tvm(x, None) for x in (*args, rblk)]))
         assert torch.equal(got, ops.pool_topk(*args, rblk, TOPK, BS))
 
 
@@ -293,7 +277,7 @@ def test_select_heavy_ties_and_signed_zeros(kind):
     out = torch.empty(b, s, 8, dtype=torch.int32)
     inp = scores_pool if kind == "pool" else scores
     args = [inp] + ([aux.contiguous()] if aux is not None else []) + [out]
-    _select_ex(kind)(*[tvm.runtime.from_dlpack(x) for x in args])
+    _select_ex(kind)(*[to_tvm(x) for x in args])
     assert torch.equal(out, _select_ref(kind, scores, aux))
 
 
@@ -334,8 +318,8 @@ def _sweep_matches(ex, b, s, t, heads, dim, seed, q=None):
     if q is not None:
         args[0] = q(args[0])
     scores = torch.empty(b, s, ix.padded(t), dtype=torch.bfloat16)
-    ex["index_scores"](*[tvm.runtime.from_dlpack(x) for x in args],
-                       tvm.runtime.from_dlpack(scores))
+    ex["index_scores"](*[to_tvm(x) for x in args],
+                       to_tvm(scores))
     assert torch.equal(_bits(scores[..., :t]), _bits(ops.index_scores(*args)))
     assert torch.all(scores[..., t:] == float("-inf"))
 
@@ -440,7 +424,7 @@ def test_select_group_sizes(group, chunks):
             aux = lens
             inp = scores.masked_fill(torch.arange(p) >= lens.unsqueeze(-1), float("-inf"))
         out = torch.empty(b, s, 8, dtype=torch.int32)
-        f(*[tvm.runtime.from_dlpack(x) for x in [inp] + ([aux] if aux is not None else [])
+        f(*[to_tvm(x) for x in [inp] + ([aux] if aux is not None else [])
             + [out]])
         assert torch.equal(out, _select_ref(kind, inp, aux)), kind
 
@@ -574,7 +558,7 @@ def test_shared_sweep_reads_the_store_the_pointer_names(kind, n_alt, t):
     for i in range(ix.MAX_ALT):
         slots += [alt_c[i], alt_s[i]] if i < n_alt else [kp, ks]
     scores = torch.empty(b, s, ix.padded(t), dtype=torch.bfloat16)
-    _shared(n_alt, kind)(*[tvm.runtime.from_dlpack(x) for x in (q, kp, ks, *slots, pick, w, lens,
+    _shared(n_alt, kind)(*[to_tvm(x) for x in (q, kp, ks, *slots, pick, w, lens,
                                                                 scores)])
     assert torch.equal(_bits(scores[..., :t]), _bits(ref))
     assert torch.all(scores[..., t:] == float("-inf"))

@@ -21,6 +21,7 @@ from tvm import relax, tirx
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
+from dsv41.runtime.tensors import to_tvm
 from dsv41.schedules import moe
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
@@ -39,13 +40,6 @@ def _split(topk: int, hint: int | None, target: str = CPU, null_expert: bool = F
     return tvm.compile(mod, target=get_target(target).tvm_target())
 
 
-def _tvm(t: torch.Tensor, dev=None) -> tvm.runtime.Tensor:
-    arr = t.contiguous()
-    arr = arr.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 \
-        else arr.numpy()
-    return tvm.runtime.tensor(arr, dev or tvm.cpu())
-
-
 def _zeros(buf: moe.MoeBuffer, dev=None, fill: float = 0.0) -> tvm.runtime.Tensor:
     dtype = ml_dtypes.bfloat16 if buf.dtype == "bfloat16" else buf.dtype
     value = fill if buf.dtype in ("bfloat16", "float32") else 0
@@ -59,7 +53,7 @@ def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target
     their float contents before the chain; Relax leaves them uninitialised)."""
     n = args[0].shape[0]
     plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, **DIMS)
-    env = {b.name: _tvm(t, dev) for b, t in zip(plan.inputs, args, strict=True)}
+    env = {b.name: to_tvm(t, dev) for b, t in zip(plan.inputs, args, strict=True)}
     for b in (*plan.intermediates, plan.output):
         env[b.name] = _zeros(b, dev, fill)
     for call in plan.calls:
@@ -257,7 +251,7 @@ def test_relax_chain_symbolic_n(hint):
                               tvm.cpu())
     for n in (1, 9):
         args = _case(n, 2, seed=20 + n)
-        y = torch.from_numpy(vm["main"](*[_tvm(t) for t in args]).numpy())
+        y = torch.from_numpy(vm["main"](*[to_tvm(t) for t in args]).numpy())
         _assert_close_to_oracle(y, ops.moe_experts(*args, LIMIT))
 
 

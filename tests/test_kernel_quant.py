@@ -24,6 +24,7 @@ from tvm.script import tirx as T
 from dsv41.graph import formats as fmt
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
+from dsv41.runtime.tensors import to_tvm
 from dsv41.schedules import quant
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
@@ -44,12 +45,6 @@ def _compiled(op: str, d: int, target_name: str = CPU):
     func = getattr(quant, f"build_{op}")(target_name, d=d)
     with target.tvm_target():
         return tvm.compile(func, target=target.tvm_target())
-
-
-def to_tvm(t: torch.Tensor, dev) -> tvm.runtime.Tensor:
-    arr = t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16) \
-        if t.dtype == torch.bfloat16 else t.contiguous().numpy()
-    return tvm.runtime.tensor(arr, dev)
 
 
 def _run(op: str, x: torch.Tensor, target_name: str = CPU) -> list[torch.Tensor]:

@@ -637,3 +637,93 @@ def test_writer_counts_refusals_and_failures_and_goes_on(tmp_path):
     assert st2.contains(key(4)) and not st2.contains(key(3))
     assert not list((tmp_path / "two").rglob("*.tmp"))
     w.close()
+
+
+# -- drop -------------------------------------------------------------------------------------
+
+def test_drop_deletes_exactly_that_blocks_file(tmp_path):
+    clock = Clock(1000.0)
+    s = store(tmp_path, clock)
+    keys = [key(i) for i in range(3)]
+    for i, k in enumerate(keys):
+        assert s.put(k, block(i))
+    kept = {k: path_of(tmp_path, k).read_bytes() for k in (keys[0], keys[2])}
+    size = len(kept[keys[0]])
+    assert s.drop(keys[1])
+    assert not path_of(tmp_path, keys[1]).exists() and not s.contains(keys[1])
+    assert {k: path_of(tmp_path, k).read_bytes() for k in kept} == kept  # the others untouched
+    st = s.stats()
+    assert (st.entries, st.bytes, st.drops, st.evictions, st.write_errors) == (2, 2 * size, 1, 0,
+                                                                                0)
+    assert list(s._index) == [keys[0], keys[2]]  # LRU order of the others unchanged
+    assert not s.drop(keys[1]) and s.stats().drops == 1  # gone: nothing to drop
+    assert s.get(keys[1]) is None
+    np.testing.assert_array_equal(s.get(keys[2])["kv"], block(2)["kv"])
+    assert s.lookup_prefix(keys) == 1
+    s.close()
+    after = store(tmp_path, clock)  # a restart does not bring it back
+    assert sorted(after._index) == sorted(kept) and not after.contains(keys[1])
+    after.close()
+
+
+def test_drop_never_follows_a_link_and_checks_its_key(tmp_path):
+    s = store(tmp_path, Clock(1000.0))
+    k = key(5)
+    assert s.put(k, block(5))
+    p = path_of(tmp_path, k)
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"not the store's")
+    p.unlink()
+    p.symlink_to(target)  # the block's name now points elsewhere
+    assert s.drop(k)
+    assert target.read_bytes() == b"not the store's" and p.is_symlink()
+    assert not s.contains(k) and s.stats().entries == 0
+    for bad in ("", "x" * 64, key(1).upper(), 7):
+        with pytest.raises(ValueError):
+            s.drop(bad)
+    with pytest.raises(ValueError, match="no metadata"):
+        s.put(key(6), block(6), {"session": "a"})
+    assert not s.contains(key(6))
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        s.drop(k)
+
+
+def test_writer_drop_removes_a_queued_or_a_stored_block(tmp_path):
+    """A queued block is taken off the queue (never written), a stored one deleted; a drop
+    waits for the one write in progress, as a read does."""
+    import threading
+    import time
+
+    from dsv41.runtime.kv_store import BlockWriter
+
+    clock = Clock(1000.0)
+    st = GatedStore(tmp_path, capacity_bytes=1 << 30, fingerprint=FP, min_lifetime_s=LIFE,
+                    clock=clock)
+    w = BlockWriter(st)
+    assert w.put(key(0), block(0))
+    st.gate.set()
+    w.drain()
+    st.gate.clear()
+    assert w.put(key(1), block(1)) and w.put(key(2), block(2))  # key(1) waits at the gate
+    out = []
+    dropping = threading.Thread(target=lambda: out.append(w.drop(key(2))))
+    dropping.start()
+    while w.stats().dropped_queued == 0:  # off the queue at once; the store's half waits
+        time.sleep(0.001)
+    assert w.stats().queued == 1  # key(1), in its write
+    st.gate.set()
+    dropping.join()
+    w.drain()
+    assert out == [True] and w.get(key(2)) is None
+    assert w.drop(key(0))  # stored: its file deleted
+    assert not w.drop(key(0)) and not w.drop(key(3))
+    assert st.order == [key(0), key(1)]  # key(2) was never written
+    assert sorted(p.name for p in tmp_path.rglob("*.blk")) == [f"{key(1)}.blk"]
+    np.testing.assert_array_equal(w.get(key(1))["kv"], block(1)["kv"])
+    s = w.stats()
+    assert (s.queued, s.submitted, s.written, s.dropped_queued) == (0, 3, 2, 1)
+    assert w.store_stats().drops == 1 and w.store_stats().entries == 1
+    with pytest.raises(ValueError, match="no metadata"):
+        w.put(key(4), block(4), {"x": 1})
+    w.close()

@@ -190,10 +190,10 @@ def test_fp8_linear_f32_kernel_matches_its_oracle(hint):
     """The fp32-output kernel (a row-parallel partial sum): the fp8_linear kernel's stages with
     no bf16 rounding; its fp32 additions follow the kernel's order (the gemv adds all of K at
     once), so outputs are within a few fp32 ulp of the oracle's: 1e-6 of the largest output."""
-    import ml_dtypes
     import tvm
 
     from dsv41.graph.targets import get_target
+    from dsv41.runtime.tensors import to_tvm
     from dsv41.schedules import gemm
 
     n, k = 64, 128
@@ -202,8 +202,7 @@ def test_fp8_linear_f32_kernel_matches_its_oracle(hint):
     for m in (1, 5):
         x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
         out = tvm.runtime.tensor(np.zeros((m, n), np.float32))
-        ex(tvm.runtime.tensor(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)),
-           tvm.runtime.tensor(weight.numpy()), tvm.runtime.tensor(scale.numpy()), out)
+        ex(to_tvm(x), to_tvm(weight), to_tvm(scale), out)
         ref = ops.fp8_linear_f32(x, weight, scale)
         got = torch.from_numpy(out.numpy())
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * float(ref.abs().max()))

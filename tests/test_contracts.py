@@ -1,0 +1,110 @@
+"""The typed contracts each backend implements with one set of signatures: `Phases` (the graph,
+a compiled artifact and the torch.compile peer), `EntryBackend` (an artifact and the peer's
+entries), `StorageTier` (the SSD store and its writer, the DRAM pool, the Redis pool). A method
+whose parameters (names, kinds, defaults, annotations) or return annotation drift from the
+protocol's fails here, before any caller meets the difference."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from dsv41.compiler.bench import TorchCompiledEntries
+from dsv41.graph.phases_api import GraphPhases, Phases
+from dsv41.runtime.artifact import Artifact
+from dsv41.runtime.compiled import CompiledPhases, EntryBackend
+from dsv41.runtime.kv_store import BlockWriter, KVStore, model_fingerprint
+from dsv41.runtime.redis_pool import RedisSnapshotPool
+from dsv41.runtime.snapshot_pool import SnapshotPool
+from dsv41.runtime.tiers import StorageTier
+
+
+def protocol_members(protocol) -> list[str]:
+    own = {n for n in vars(protocol) if not n.startswith("_")}
+    return sorted(n for n in own if callable(vars(protocol)[n])
+                  or isinstance(vars(protocol)[n], property))
+
+
+def signature_drift(protocol, impl, *, returns: bool = True) -> list[str]:
+    """Every way `impl`'s public methods differ from `protocol`'s (empty when they agree)."""
+    out = []
+    for name in protocol_members(protocol):
+        want = vars(protocol)[name]
+        got = inspect.getattr_static(impl, name, None)
+        if got is None:
+            out.append(f"{impl.__name__} lacks {name}")
+            continue
+        if isinstance(want, property):
+            if not isinstance(got, property):
+                out.append(f"{impl.__name__}.{name} is not a property")
+            continue
+        a, b = inspect.signature(want), inspect.signature(got)
+        if not returns:  # a generic protocol: each implementation names its own entry / stats
+            a, b = a.replace(return_annotation=a.empty), b.replace(return_annotation=b.empty)
+        if a != b:
+            out.append(f"{impl.__name__}.{name}{b} != {protocol.__name__}.{name}{a}")
+    return out
+
+
+PHASES = ["prefill_exact", "decode_step", "draft_after", "verify_step", "encoder_prefill",
+          "encoder_replay", "encode_cached_tail", "decoder_replay", "ced_prefill",
+          "replay_prefill", "resume_prefill", "encode_image", "check_images"]
+
+
+def test_the_phases_protocol_names_every_phase():
+    assert protocol_members(Phases) == sorted(PHASES)
+
+
+@pytest.mark.parametrize("impl", [GraphPhases, CompiledPhases])
+def test_every_phases_backend_has_the_protocols_signatures(impl):
+    """The graph and the compiled phases (which the torch.compile peer of `dsv41 bench` runs
+    over its own entries) agree with `Phases` on every method."""
+    assert signature_drift(Phases, impl) == []
+
+
+@pytest.mark.parametrize("impl", [Artifact, TorchCompiledEntries])
+def test_every_entry_backend_has_the_protocols_signatures(impl):
+    assert protocol_members(EntryBackend) == ["bind", "call", "entries"]
+    assert signature_drift(EntryBackend, impl) == []
+
+
+def test_a_drifting_signature_is_caught():
+    """The check itself: a parameter renamed, a default changed or a method missing is a
+    difference."""
+
+    class Renamed(GraphPhases):
+        def decode_step(self, model, cache, tokens, *, drafts: bool = False):
+            raise AssertionError
+
+    class Defaulted(GraphPhases):
+        def check_images(self, model=None) -> None:
+            raise AssertionError
+
+    assert [d.split("(")[0] for d in signature_drift(Phases, Renamed)] == \
+        ["Renamed.decode_step"]
+    assert [d.split("(")[0] for d in signature_drift(Phases, Defaulted)] == \
+        ["Defaulted.check_images"]
+    assert signature_drift(Phases, object) == [f"object lacks {n}" for n in sorted(PHASES)]
+
+
+def test_the_graph_phases_are_phases():
+    assert isinstance(GraphPhases(), Phases)
+
+
+@pytest.mark.parametrize("impl", [KVStore, BlockWriter, SnapshotPool, RedisSnapshotPool])
+def test_every_storage_tier_has_the_protocols_signatures(impl):
+    assert protocol_members(StorageTier) == ["drop", "get", "put", "stats"]
+    assert signature_drift(StorageTier, impl, returns=False) == []
+
+
+def test_the_ssd_store_its_writer_and_the_dram_pool_are_tiers(tmp_path):
+    fp = model_fingerprint("cfg", "weights", 1)
+    store = KVStore(tmp_path, capacity_bytes=1 << 20, fingerprint=fp)
+    writer = BlockWriter(store)
+    try:
+        for tier in (store, writer, SnapshotPool(budget_bytes=1 << 20)):
+            assert isinstance(tier, StorageTier), type(tier).__name__
+    finally:
+        writer.close()
+        store.close()
