@@ -40,7 +40,14 @@ from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec, get_target
 
-from .common import e4m3_to_f32, e8m0_to_f32, fp4_to_f32, round_bf16
+from .common import (
+    e4m3_to_f32,
+    e4m3_to_f32_select,
+    e8m0_to_f32,
+    fp4_to_f32,
+    has_avx512,
+    round_bf16,
+)
 
 ATTN_BLOCK = 64  # entries per online-softmax block (graph.ops.ATTN_BLOCK)
 FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values
@@ -98,33 +105,10 @@ def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> Spar
         groups -= 1
     return SparseAttendConfig(heads_per_group=h // groups, stage_rows=ATTN_BLOCK, vector=16,
                               unroll_rows=8, threads=1,
-                              vector_decode=_has_avx512(target) and d % 16 == 0)
-
-
-def _has_avx512(target: TargetSpec) -> bool:
-    from tvm.target import codegen  # noqa: PLC0415
-
-    return bool(codegen.target_has_features("avx512f", target.tvm_target()))
+                              vector_decode=has_avx512(target) and d % 16 == 0)
 
 
 # ---- vector decoders (the vector_decode staging) -----------------------------------------------
-
-
-def _e4m3(b):
-    """E4M3 byte (uint32 lanes) -> fp32 with Select (vectorises), bit-identical to
-    common.e4m3_to_f32: NaN for 0x7f/0xff, subnormals m * 2^-9, -0.0 for 0x80."""
-    lanes = tvm.DataType(str(b.ty)).lanes
-    f32, u32 = ("float32", "uint32") if lanes == 1 else (f"float32x{lanes}", f"uint32x{lanes}")
-    s = (b >> T.uint32(7)) & T.uint32(1)
-    e = (b >> T.uint32(3)) & T.uint32(15)
-    m = b & T.uint32(7)
-    normal = T.reinterpret(f32, (s << T.uint32(31)) | ((e + T.uint32(120)) << T.uint32(23))
-                           | (m << T.uint32(20)))
-    sub = T.reinterpret(f32, T.reinterpret(u32, T.Cast(f32, m) * T.float32(2.0**-9))
-                        | (s << T.uint32(31)))
-    val = T.Select(e == T.uint32(0), sub, normal)
-    nan = T.uint32(0x7FC00000) if lanes == 1 else T.broadcast(T.uint32(0x7FC00000), lanes)
-    return T.Select((b & T.uint32(0x7F)) == T.uint32(0x7F), T.reinterpret(f32, nan), val)
 
 
 def _exp(x):
@@ -272,7 +256,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     @T.macro
     def row_fp8(bufs, kst, vb, j, row):  # 16 values at a time
         for c in range(D // T.int64(16)):
-            kst[j, T.ramp(c * T.int64(16), 1, 16)] = _e4m3(T.Cast(
+            kst[j, T.ramp(c * T.int64(16), 1, 16)] = e4m3_to_f32_select(T.Cast(
                 "uint32x16", bufs[0].vload([vb, row, c * T.int64(16)], "uint8x16"))) \
                 * T.broadcast(e8m0_to_f32(u32(bufs[1][vb, row, c // T.int64(2)])), 16)
 
@@ -284,7 +268,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                     "float32x16", bufs[3][0].vload([vb, row, c * T.int64(16)], "bfloat16x16"))
         else:  # FP4: both nibbles of 8 bytes interleaved, looked up in the E2M1 table
             for g in T.vectorized(D // T.int64(FP4_BLOCK)):
-                sc[g] = _e4m3(u32(bufs[3][1][vb, row, g]))
+                sc[g] = e4m3_to_f32_select(u32(bufs[3][1][vb, row, g]))
             for g in range(D // T.int64(FP4_BLOCK)):
                 kst[j, T.ramp(g * T.int64(16), 1, 16)] = T.call_llvm_pure_intrin(
                     "float32x16", "llvm.x86.avx512.permvar.sf.512", tbl.vload([0], "float32x16"),

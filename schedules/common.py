@@ -149,6 +149,54 @@ def silu_times(gate, up, limit: float):
     return let(gate, lambda g: g / (T.float32(1) + T.exp(-g)) * up, "gate")
 
 
+# ---- CPU features of a target ------------------------------------------------------------------
+
+
+def has_features(target, *features: str) -> bool:
+    """Whether code for `target` (a TargetSpec; never a CUDA one) may use every LLVM feature
+    named (`avx512f`, `avx512vnni`, `amx-bf16`, ...)."""
+    from tvm.target import codegen  # noqa: PLC0415
+
+    return not target.is_cuda and all(
+        bool(codegen.target_has_features(f, target.tvm_target())) for f in features)
+
+
+def has_avx512(target) -> bool:
+    return has_features(target, "avx512f")
+
+
+# ---- decoders that vectorise (Select, no conditional loads) -----------------------------------
+
+
+def e4m3_to_f32_select(b):
+    """E4M3 byte (uint32 lanes) -> fp32 with Select (vectorises), bit-identical to
+    common.e4m3_to_f32: NaN for 0x7f/0xff, subnormals m * 2^-9, -0.0 for 0x80."""
+    lanes = tvm.DataType(str(b.ty)).lanes
+    f32, u32 = ("float32", "uint32") if lanes == 1 else (f"float32x{lanes}", f"uint32x{lanes}")
+    s = (b >> T.uint32(7)) & T.uint32(1)
+    e = (b >> T.uint32(3)) & T.uint32(15)
+    m = b & T.uint32(7)
+    normal = T.reinterpret(f32, (s << T.uint32(31)) | ((e + T.uint32(120)) << T.uint32(23))
+                           | (m << T.uint32(20)))
+    sub = T.reinterpret(f32, T.reinterpret(u32, T.Cast(f32, m) * T.float32(2.0**-9))
+                        | (s << T.uint32(31)))
+    val = T.Select(e == T.uint32(0), sub, normal)
+    nan = T.uint32(0x7FC00000) if lanes == 1 else T.broadcast(T.uint32(0x7FC00000), lanes)
+    return T.Select((b & T.uint32(0x7F)) == T.uint32(0x7F), T.reinterpret(f32, nan), val)
+
+
+def fp4_to_f32_select(n):
+    """E2M1 nibble (uint32) -> fp32, exact; built from Select (no conditional loads) so that the
+    decode vectorises (common.fp4_to_f32 uses if_then_else, which the vectoriser scalarises)."""
+    s = (n >> T.uint32(3)) & T.uint32(1)
+    e = (n >> T.uint32(1)) & T.uint32(3)
+    m = n & T.uint32(1)
+    normal = T.reinterpret("float32", (s << T.uint32(31)) | ((e + T.uint32(126)) << T.uint32(23))
+                           | (m << T.uint32(22)))
+    sub = T.reinterpret("float32", (s << T.uint32(31)) | (m * T.uint32(0x3F000000)))  # +-0.5
+    return T.Select(e == T.uint32(0), sub, normal)
+
+
 # ---- AMX tiles (Intel Advanced Matrix Extensions) ----------------------------------------------
 # A kernel that uses them names tile registers 0..7 by number (the LLVM intrinsics take them as
 # immediates), configures all eight as 16 rows x 64 bytes once per parallel task (`amx_configure`),
@@ -161,11 +209,7 @@ AMX_BYTES = 64  # bytes per tile row: 32 bf16, 16 fp32 / int32, 64 int8
 
 def has_amx_bf16(target) -> bool:
     """Whether kernels for `target` (a TargetSpec) may use AMX-BF16 tiles."""
-    from tvm.target import codegen  # noqa: PLC0415
-
-    return not target.is_cuda and all(
-        bool(codegen.target_has_features(f, target.tvm_target())) for f in ("amx-tile",
-                                                                             "amx-bf16"))
+    return has_features(target, "amx-tile", "amx-bf16")
 
 
 def amx(op: str, *args):

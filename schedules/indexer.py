@@ -49,7 +49,7 @@ from tvm.script import tirx as T
 from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
 
-from .common import round_bf16
+from .common import fp4_to_f32_select, has_avx512, has_features, round_bf16
 
 SCORE_PAD = 128  # score rows are padded to a multiple of this (every CPU/GPU tile divides it)
 HEAD_CHUNK = 16  # torch's CPU sum reduces rows in sequential chunks of 16 (ATen multi_row_sum)
@@ -59,18 +59,6 @@ MAX_ALT = 3  # alternate index-K stores the shared sweep takes (`index_scores_sh
 
 
 # ---- TIR expression helpers ------------------------------------------------------------------
-
-
-def _fp4(n):
-    """E2M1 nibble (uint32) -> fp32, exact; built from Select (no conditional loads) so that the
-    decode vectorises (common.fp4_to_f32 uses if_then_else, which the vectoriser scalarises)."""
-    s = (n >> T.uint32(3)) & T.uint32(1)
-    e = (n >> T.uint32(1)) & T.uint32(3)
-    m = n & T.uint32(1)
-    normal = T.reinterpret("float32", (s << T.uint32(31)) | ((e + T.uint32(126)) << T.uint32(23))
-                           | (m << T.uint32(22)))
-    sub = T.reinterpret("float32", (s << T.uint32(31)) | (m * T.uint32(0x3F000000)))  # +-0.5
-    return T.Select(e == T.uint32(0), sub, normal)
 
 
 def _e8m0(b):
@@ -84,7 +72,7 @@ def _decode(KP, KS, vb, pos, vd):
     """Index-key element (b, pos, d) -> fp32 (exact)."""
     byte = T.Cast("uint32", KP[vb, pos, vd // 2])
     nib = (byte >> T.Cast("uint32", (vd % 2) * 4)) & T.uint32(15)
-    return _fp4(nib) * _e8m0(T.Cast("uint32", KS[vb, pos, vd // 32]))
+    return fp4_to_f32_select(nib) * _e8m0(T.Cast("uint32", KS[vb, pos, vd // 32]))
 
 
 def _decode_shared(KPs, KSs, PK, vb, pos, vd):
@@ -97,7 +85,7 @@ def _decode_shared(KPs, KSs, PK, vb, pos, vd):
         byte = T.if_then_else(use, KPs[i][vb, pos, vd // 2], byte)
         scale = T.if_then_else(use, KSs[i][vb, pos, vd // 32], scale)
     nib = (T.Cast("uint32", byte) >> T.Cast("uint32", (vd % 2) * 4)) & T.uint32(15)
-    return _fp4(nib) * _e8m0(T.Cast("uint32", scale))
+    return fp4_to_f32_select(nib) * _e8m0(T.Cast("uint32", scale))
 
 
 def _check_alt(n_alt: int) -> None:
@@ -782,9 +770,9 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
             iacc = T.alloc_buffer((HB, TT), "int32", scope="local")  # VNNI: one key block
             part = T.alloc_buffer((nc, TT), "float32", scope="local")  # head-chunk sums
             for i in T.unroll(16):
-                tbl[i] = _fp4(T.Cast("uint32", i))
+                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
             for i in range(64):  # the table repeats in each 128-bit lane (vpshufb)
-                lut8[i] = T.Cast("int8", _fp4(T.Cast("uint32", i % 16)) * T.float32(2)
+                lut8[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16)) * T.float32(2)
                                  + T.float32(12))
             vb = task // tasks(t)
             sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
@@ -841,9 +829,9 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
             iacc = T.alloc_buffer((HB, TT), "int32", scope="local")  # VNNI: one key block
             part = T.alloc_buffer((nc, TT), "float32", scope="local")  # head-chunk sums
             for i in T.unroll(16):
-                tbl[i] = _fp4(T.Cast("uint32", i))
+                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
             for i in range(64):  # the table repeats in each 128-bit lane (vpshufb)
-                lut8[i] = T.Cast("int8", _fp4(T.Cast("uint32", i % 16)) * T.float32(2)
+                lut8[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16)) * T.float32(2)
                                  + T.float32(12))
             vb = task // tasks(t)
             # the shared index-K pointer: this row's keys are the first t rows of the store
@@ -902,17 +890,6 @@ class SweepConfig:
     vnni: bool = False  # avx512: the int8 dot (AVX-512 VNNI + BW; exact q only, see factory)
 
 
-def _has_features(target: TargetSpec, *features: str) -> bool:
-    from tvm.target import codegen  # noqa: PLC0415
-
-    return not target.is_cuda and all(
-        bool(codegen.target_has_features(f, target.tvm_target())) for f in features)
-
-
-def _has_avx512(target: TargetSpec) -> bool:
-    return _has_features(target, "avx512f")
-
-
 def sweep_config(target: TargetSpec, *, heads: int, dim: int, pool: bool = False) -> SweepConfig:
     """CUDA: 128 threads, one score entry each. CPU with AVX-512, full sweep: the hand-vectorised
     kernel, 16 tasks per core (even halves of T; tasks, not tiles, so the per-task buffers are
@@ -926,9 +903,9 @@ def sweep_config(target: TargetSpec, *, heads: int, dim: int, pool: bool = False
     if target.is_cuda:
         return SweepConfig(tile=128, head_block=1, kdec_vector_d=False)
     cores = max(int(target.target.get("num-cores", 1)), 1)
-    vnni = dim % 128 == 0 and _has_features(target, "avx512f", "avx512bw", "avx512vnni")
+    vnni = dim % 128 == 0 and has_features(target, "avx512f", "avx512bw", "avx512vnni")
     hb = math.gcd(heads, 8 if vnni else 4)
-    if not pool and _has_avx512(target) and avx512_sweep_supported(heads=heads, dim=dim,
+    if not pool and has_avx512(target) and avx512_sweep_supported(heads=heads, dim=dim,
                                                                    head_block=hb):
         return SweepConfig(tile=32 if vnni else 64, head_block=hb, kdec_vector_d=False,
                            avx512=True, max_tasks=16 * cores, vnni=vnni)

@@ -29,7 +29,7 @@ from dsv41.graph import ops
 from dsv41.graph.targets import get_target
 from dsv41.runtime.tensors import to_tvm
 from dsv41.schedules import attention as A
-from dsv41.schedules.common import fp4_to_f32
+from dsv41.schedules.common import e4m3_to_f32_select, fp4_to_f32, has_avx512
 
 SMALL = dict(h=4, d=64)
 BENCH = dict(h=64, d=512, w=128, k=512)
@@ -213,7 +213,7 @@ def test_vector_e4m3_is_bit_exact():
     @T.prim_func
     def dec(codes: T.Buffer((256,), "uint8"), out: T.Buffer((256,), "float32")):
         for i in range(16):
-            out[T.ramp(i * 16, 1, 16)] = A._e4m3(T.Cast("uint32x16",
+            out[T.ramp(i * 16, 1, 16)] = e4m3_to_f32_select(T.Cast("uint32x16",
                                                         codes.vload([i * 16], "uint8x16")))
 
     codes = np.arange(256, dtype=np.uint8)
@@ -226,7 +226,7 @@ def test_vector_e4m3_is_bit_exact():
     assert np.array_equal(got[ok].view(np.uint32), ref[ok].view(np.uint32))
 
 
-@pytest.mark.skipif(not A._has_avx512(get_target("cpu")), reason="this CPU has no AVX-512")
+@pytest.mark.skipif(not has_avx512(get_target("cpu")), reason="this CPU has no AVX-512")
 def test_vector_fp4_lookup_is_bit_exact():
     """All 256 packed bytes (both nibbles, low first) through _nibbles and the E2M1 table."""
     from tvm.script import tirx as T

@@ -20,6 +20,7 @@ from dsv41.graph import ops
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.runtime.tensors import host_torch, to_torch, to_tvm
 from dsv41.schedules import indexer as ix
+from dsv41.schedules.common import has_avx512, has_features
 
 H, D, TOPK, TOPK_BLOCKS, BS = 4, 64, 8, 3, 4
 
@@ -296,8 +297,8 @@ def test_model_sizes_match():
 
 # ---- the AVX-512 sweep and the portable (scheduled) one --------------------------------------
 
-HAS_AVX512 = ix._has_avx512(get_target("cpu"))
-HAS_VNNI = ix._has_features(get_target("cpu"), "avx512f", "avx512bw", "avx512vnni")
+HAS_AVX512 = has_avx512(get_target("cpu"))
+HAS_VNNI = has_features(get_target("cpu"), "avx512f", "avx512bw", "avx512vnni")
 
 
 @functools.cache
