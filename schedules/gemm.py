@@ -298,6 +298,20 @@ def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.Pr
     return fp8_gemv
 
 
+def _row_tiles(m):
+    """The 32-row tiles of m rows (the AMX kernels pad the last one with zero rows)."""
+    return (m + i64(BLOCK - 1)) // i64(BLOCK)
+
+
+def amx_block_rows(k: int) -> int:
+    """Rows per block of the AMX GEMMs: a block's rearranged activation (block_rows x k bf16)
+    stays near 512 KB of the 2 MB L2 while every weight panel passes over it. m 2048 on one
+    core: fp8 n 1024 k 4096 233 GFLOP/s at 128 rows (197 at 512), n 32768 k 512 267 at 512
+    rows (the tile kernel 19-39); the grouped o-projection (g 8, n 512, k 4096, m 512) 141 ms
+    at 128 rows, 516-656 on the tile kernel."""
+    return BLOCK * max(1, min(16, 16384 // k))
+
+
 def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
                         out_dtype: str = "bfloat16") -> tvm.tirx.PrimFunc:
     """The CPU prefill form of `fp8_linear` on AMX-BF16 tiles (same signature and result; n a
@@ -324,9 +338,6 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
     N, K, KB, NB, K2 = i64(n), i64(k), i64(k // BLOCK), i64(n // BLOCK), i64(k // 2)
     TPB = i64(block_rows // BLOCK)  # 32-row tiles per block
 
-    def tiles(m):
-        return (m + i64(BLOCK - 1)) // i64(BLOCK)
-
     def pair(x, i, col, byte):  # two quantised activations as one uint32 of bf16 bits
         lo = bf16_bits_of_exact(fp8_qdq(bf16_to_f32(x[i, col]), byte))
         hi = bf16_bits_of_exact(fp8_qdq(bf16_to_f32(x[i, col + 1]), byte))
@@ -340,8 +351,8 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
         m = T.int64()
         x = T.match_buffer(x_h, (m, K), "bfloat16")
         y = T.match_buffer(y_h, (m, N), out_dtype)
-        xt = T.alloc_buffer((tiles(m), K2, i64(BLOCK)), "uint32")
-        for i in T.parallel(tiles(m) * i64(BLOCK)):
+        xt = T.alloc_buffer((_row_tiles(m), K2, i64(BLOCK)), "uint32")
+        for i in T.parallel(_row_tiles(m) * i64(BLOCK)):
             amax = T.alloc_buffer((1,), "float32", scope="local")
             byte = T.alloc_buffer((1,), "uint32", scope="local")
             for b in range(KB):
@@ -356,7 +367,7 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
                 else:  # padded rows: zero
                     for j in range(i64(BLOCK // 2)):
                         xt[i // BLOCK, b * 16 + j, i % BLOCK] = u32(0)
-        for blk in range((tiles(m) + TPB - i64(1)) // TPB):
+        for blk in range((_row_tiles(m) + TPB - i64(1)) // TPB):
             for p in T.parallel(NB):
                 cfg = T.alloc_buffer((64,), "uint8", scope="local")
                 wbf = T.alloc_buffer((i64(BLOCK), K), "uint16")
@@ -368,7 +379,7 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
                                 T.Cast("uint32", scale[p, kb])))
                 amx_configure(cfg)
                 for t in range(TPB):
-                    if blk * TPB + t < tiles(m):
+                    if blk * TPB + t < _row_tiles(m):
                         amx_dot_32x32(wbf, 0, K * 2, xt, blk * TPB + t, KB, yt)
                         for r in range(i64(BLOCK)):
                             if (blk * TPB + t) * BLOCK + r < m:
@@ -413,10 +424,7 @@ def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = Non
     if m is not None and m <= 4:
         return Fp8LinearConfig("gemm", tn=32, tm=4, rb=4)
     if n % BLOCK == 0 and has_amx_bf16(target):
-        # a block's quantised rows (block_rows x k bf16) stay near 512 KB of the 2 MB L2 while
-        # every weight panel passes over them; m 2048 on one core: n 1024 k 4096 233 GFLOP/s
-        # at 128 rows (197 at 512), n 32768 k 512 267 at 512 rows (old kernel 19-39)
-        return Fp8LinearConfig("amx", tm=BLOCK * max(1, min(16, 16384 // k)))
+        return Fp8LinearConfig("amx", tm=amx_block_rows(k))
     # tm 256: each decoded [32, tn] weight tile serves 256 rows (m 512, n 32768, k 512 on 2
     # loaded cores: 384-425 ms against 706-728 ms at tm 32; tm 512: 331-383 ms). The sum order
     # per output does not depend on the tiling, so results are the same bits.
@@ -790,9 +798,6 @@ def make_dense_gemm_amx(*, groups: int, n: int, k: int, block_rows: int) -> tvm.
     G, N, K, KB, K2 = i64(groups), i64(n), i64(k), i64(k // BLOCK), i64(k // 2)
     NP, TPB = i64(n // BLOCK), i64(block_rows // BLOCK)
 
-    def tiles(m):
-        return (m + i64(BLOCK - 1)) // i64(BLOCK)
-
     @T.prim_func
     def dense_gemm(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
         T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
@@ -800,23 +805,24 @@ def make_dense_gemm_amx(*, groups: int, n: int, k: int, block_rows: int) -> tvm.
         m = T.int64()
         x = T.match_buffer(x_h, (m, G, K), "bfloat16")
         y = T.match_buffer(y_h, (m, G, N), "float32")
-        xt = T.alloc_buffer((G * tiles(m), K2, i64(BLOCK)), "uint32")
-        for task in T.parallel(G * tiles(m)):  # (group, 32-row tile)
+        xt = T.alloc_buffer((G * _row_tiles(m), K2, i64(BLOCK)), "uint32")
+        for task in T.parallel(G * _row_tiles(m)):  # (group, 32-row tile)
             for r, j in T.grid(i64(BLOCK), K2):
-                if task % tiles(m) * BLOCK + r < m:
+                if task % _row_tiles(m) * BLOCK + r < m:
                     xt[task, j, r] = T.reinterpret("uint32", x.vload(
-                        [task % tiles(m) * BLOCK + r, task // tiles(m), j * 2], "bfloat16x2"))
+                        [task % _row_tiles(m) * BLOCK + r, task // _row_tiles(m), j * 2],
+                        "bfloat16x2"))
                 else:  # padded rows: zero
                     xt[task, j, r] = u32(0)
-        for blk in range((tiles(m) + TPB - i64(1)) // TPB):
+        for blk in range((_row_tiles(m) + TPB - i64(1)) // TPB):
             for task in T.parallel(G * NP):
                 cfg = T.alloc_buffer((64,), "uint8", scope="local")
                 yt = T.alloc_buffer((i64(BLOCK), i64(BLOCK)), "float32")
                 amx_configure(cfg)
                 for t in range(TPB):
-                    if blk * TPB + t < tiles(m):
+                    if blk * TPB + t < _row_tiles(m):
                         amx_dot_32x32(w, task * BLOCK, K * 2, xt,
-                                      task // NP * tiles(m) + blk * TPB + t, KB, yt)
+                                      task // NP * _row_tiles(m) + blk * TPB + t, KB, yt)
                         for r in range(i64(BLOCK)):
                             if (blk * TPB + t) * BLOCK + r < m:
                                 for c in T.vectorized(i64(BLOCK)):
@@ -849,9 +855,7 @@ def dense_gemm_config(target: TargetSpec, *, n: int, k: int, x_dtype: str | None
                          "(dlight-scheduled) lowering of the dense linears.")
     if (x_dtype == w_dtype == "bfloat16" and n % BLOCK == 0 and k % BLOCK == 0
             and has_amx_bf16(target)):
-        # the grouped o-projection's shape (g 8, n 512, k 4096, m 512, one core): 141 ms on
-        # AMX at 128 rows per block, 516-656 on the tile kernel
-        return DenseGemmConfig(kind="amx", block_rows=BLOCK * max(1, min(16, 16384 // k)))
+        return DenseGemmConfig(kind="amx", block_rows=amx_block_rows(k))
     return DenseGemmConfig(tn=math.gcd(n, 64), rb=4)
 
 
