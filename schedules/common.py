@@ -187,13 +187,16 @@ def e4m3_to_f32_select(b):
 
 def fp4_to_f32_select(n):
     """E2M1 nibble (uint32) -> fp32, exact; built from Select (no conditional loads) so that the
-    decode vectorises (common.fp4_to_f32 uses if_then_else, which the vectoriser scalarises)."""
+    decode vectorises (common.fp4_to_f32 uses if_then_else, which the vectoriser scalarises).
+    `n` may also be a uint32 vector (the result has its lanes)."""
+    lanes = tvm.DataType(str(n.ty)).lanes
+    f32 = "float32" if lanes == 1 else f"float32x{lanes}"
     s = (n >> T.uint32(3)) & T.uint32(1)
     e = (n >> T.uint32(1)) & T.uint32(3)
     m = n & T.uint32(1)
-    normal = T.reinterpret("float32", (s << T.uint32(31)) | ((e + T.uint32(126)) << T.uint32(23))
+    normal = T.reinterpret(f32, (s << T.uint32(31)) | ((e + T.uint32(126)) << T.uint32(23))
                            | (m << T.uint32(22)))
-    sub = T.reinterpret("float32", (s << T.uint32(31)) | (m * T.uint32(0x3F000000)))  # +-0.5
+    sub = T.reinterpret(f32, (s << T.uint32(31)) | (m * T.uint32(0x3F000000)))  # +-0.5
     return T.Select(e == T.uint32(0), sub, normal)
 
 

@@ -299,6 +299,7 @@ def test_model_sizes_match():
 
 HAS_AVX512 = has_avx512(get_target("cpu"))
 HAS_VNNI = has_features(get_target("cpu"), "avx512f", "avx512bw", "avx512vnni")
+HAS_AVX2 = has_features(get_target("cpu"), "avx2")
 
 
 @functools.cache
@@ -308,6 +309,10 @@ def _sweep_ex(kind: str, heads: int, dim: int, max_tasks: int = 32):
         f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=vnni,
                                         tile=32 if vnni else 64,
                                         head_block=min(8 if vnni else 4, heads))
+        return tvm.compile(f, target=get_target("cpu").tvm_target())
+    if kind == "avx2":  # the 256-bit form with the vpmaddubsw int8 dot
+        f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=True,
+                                        lanes=8, tile=16, head_block=min(8, heads))
         return tvm.compile(f, target=get_target("cpu").tvm_target())
     mod = ix.build_indexer_topk("cpu-x86-64", heads=heads, dim=dim, topk=TOPK)
     return tvm.compile(tvm.IRModule({"index_scores": mod["index_scores"]}),
@@ -348,6 +353,18 @@ def test_vnni_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
     _sweep_matches(_sweep_ex("vnni", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
 
 
+@pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2")
+@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", [
+    (16, 128, 2, 1, 1000, 3),  # ragged tasks; one head chunk
+    (32, 128, 1, 3, 300, 32),  # the model's dims, prefill-like s, a partial last tile
+    (64, 128, 1, 1, 1, 32),  # 1 token; 4 head chunks
+    (4, 128, 2, 2, 37, 32),  # heads < 8: a 4-head block
+    (32, 256, 1, 2, 129, 32),  # two 64-d transposes per entry x 2
+])
+def test_avx2_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
+    _sweep_matches(_sweep_ex("avx2", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
+
+
 def _zero_block(q):  # a q block of 32 zeros (no exponent to take)
     q = q.clone()
     q[..., 0, 32:64] = 0
@@ -374,6 +391,13 @@ def test_vnni_sweep_q_off_the_grid(change):
     _sweep_matches(_sweep_ex("vnni", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
 
 
+@pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2")
+@pytest.mark.parametrize("change", [_zero_block, _not_qdq, _tiny_block])
+def test_avx2_sweep_q_off_the_grid(change):
+    """As on VNNI: the AVX2 kernel's fp32 dot (E2M1 by a select chain) takes such a q."""
+    _sweep_matches(_sweep_ex("avx2", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
+
+
 def test_portable_cpu_sweep_is_bit_exact():
     """cpu-x86-64 (no AVX-512) keeps the scheduled sweep; it runs on any x86-64."""
     assert not ix.sweep_config(get_target("cpu-x86-64"), heads=32, dim=128).avx512
@@ -385,9 +409,21 @@ def test_sweep_config_choices():
     assert not cuda.avx512 and cuda.tile == 128
     assert not ix.sweep_config(get_target("cpu"), heads=32, dim=128, pool=True).avx512
     assert not ix.sweep_config(get_target("cpu"), heads=32, dim=96).avx512  # 12-word rows
-    assert ix.sweep_config(get_target("cpu"), heads=32, dim=128).avx512 == HAS_AVX512
-    assert ix.sweep_config(get_target("cpu"), heads=32, dim=128).vnni == HAS_VNNI
+    host = ix.sweep_config(get_target("cpu"), heads=32, dim=128)
+    assert host.avx512 == (HAS_AVX512 or HAS_AVX2)
+    assert host.vnni == (HAS_VNNI if HAS_AVX512 else HAS_AVX2)
+    assert host.lanes == (16 if HAS_AVX512 else 8 if HAS_AVX2 else 16)
     assert not ix.sweep_config(get_target("cpu"), heads=8, dim=64).vnni  # dim % 128
+    # AVX2 without AVX-512 (Zen 3): the 256-bit kernel with the vpmaddubsw dot, no zmm
+    zen = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver3"})
+    cfg = ix.sweep_config(zen, heads=32, dim=128)
+    assert cfg.avx512 and cfg.vnni and (cfg.lanes, cfg.tile, cfg.head_block) == (8, 16, 8)
+    asm = tvm.compile(ix._index_sweep(zen, 32, 128), target=zen.tvm_target()) \
+        .mod.inspect_source("s")
+    assert "vpmaddubsw" in asm and "ymm" in asm and "zmm" not in asm
+    assert not ix.sweep_config(zen, heads=32, dim=64).avx512  # AVX2 needs dim % 128
+    with pytest.raises(ValueError, match="lanes"):
+        ix.make_index_scores_avx512(heads=32, dim=128, lanes=8)  # AVX2 has the int8 dot only
     # AVX-512 without VNNI (Skylake-SP): the fp32 dot, and its kernel has no VNNI code
     skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
     cfg = ix.sweep_config(skx, heads=32, dim=128)
