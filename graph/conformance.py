@@ -40,9 +40,55 @@ class Case:
         return self.info["noise_floor"]["acceptance"]["bounds"]
 
     @property
+    def noise_worst(self) -> dict:
+        """The reference's own worst spread: its teacher-forced reruns with only the GEMM
+        summation order changed (other thread counts, reversed and shuffled contractions),
+        elementwise worst over them (`case.json["noise_floor"]["worst"]`)."""
+        return self.info["noise_floor"]["worst"]
+
+    @property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(int(k.rsplit("L", 1)[1]) for k in self.golden if
                      k.startswith("hidden_after_L"))
+
+
+def golden_arithmetic_here() -> bool:
+    """Whether torch's CPU GEMMs on this machine sum in the goldens' order, so that the graph can
+    reproduce them bit for bit. The goldens were computed with torch 2.13 on CPU, 2 threads
+    (`case.json["thread_sensitivity"]`: bit-reproducible only with that count, since MKL's fp32
+    GEMM order depends on it); the graph matched them bit for bit on an Intel CPU with AVX-512
+    (hidden states before the first indexer, the small case's selections and logits). On a CPU
+    without AVX-512 (AMD Zen 3: torch's capability AVX2) MKL and oneDNN run other kernels, whose
+    last bits differ: there the graph is as close as the reference's own reruns
+    (`within_noise_floor`), e.g. shared-v41-small's hidden state after block 0 at rel L2
+    2.1e-4 against the reruns' 3.9e-4."""
+    import torch
+
+    intel = "GenuineIntel" in _cpuinfo()
+    return intel and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def within_noise_floor(case: Case, m: dict, *, hidden: tuple[str, ...] = ()) -> list[str]:
+    """The metrics of `evaluate` against the reference's own worst spread (`Case.noise_worst`,
+    factor 1 where the acceptance bounds allow 2): what a machine whose GEMMs sum in another
+    order (see `golden_arithmetic_here`) must still meet. Only the hidden states named in
+    `hidden` are checked (the later blocks follow selection flips, which the floor's few
+    reruns do not bound elementwise)."""
+    w = case.noise_worst
+    bounds = {k: w[k] for k in ("rel_l2_max", "rel_l2_p90", "rel_l2_median", "kl_mean", "kl_max")}
+    bounds |= {f"{k}_min": w[k] for k in ("top1_agreement", "top1_agreement_confident")}
+    bounds["index_jaccard_mean_min"] = dict(w["index_jaccard_mean"])
+    bounds["hidden_states_rel_l2_max"] = {k: w["hidden_states"][k]["rel_l2_max"] for k in hidden}
+    bounds["hidden_states_rel_l2_median"] = {k: w["hidden_states"][k]["rel_l2_median"]
+                                             for k in hidden}
+    return _failures(m, bounds)
 
 
 def load_case(root: str | Path) -> Case:

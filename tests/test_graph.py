@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv41.graph.cache import new_cache
-from dsv41.graph.conformance import evaluate
+from dsv41.graph.conformance import evaluate, golden_arithmetic_here, within_noise_floor
 from dsv41.graph.engram import build_tables, empty_history, engram_hash, load_token_map
 from dsv41.graph.phases import ced_prefill, decode_step, prefill_exact
 from dsv41.graph.score import GraphBackend, score
@@ -38,6 +38,10 @@ def test_small_exact_conformant_and_tight(small_case, small_model):
     rep = evaluate(small_case, r)
     print(rep.metrics)
     assert rep.conformant, rep.failures
+    if not golden_arithmetic_here():  # other GEMM kernels: as close as the reference's reruns
+        assert not within_noise_floor(small_case, rep.metrics), within_noise_floor(
+            small_case, rep.metrics)
+        return
     assert rep.metrics["rel_l2_max"] < 1e-5
     assert all(v == 1.0 for v in rep.metrics["index_jaccard_mean"].values())
 
@@ -48,8 +52,13 @@ def test_v41_small_exact_conformant(v41_case, v41_model):
     rep = evaluate(v41_case, r)
     print(rep.metrics)
     assert rep.conformant, rep.failures
+    before = ("hidden_after_L0", "hidden_after_L1")  # the blocks before the first indexer
+    if not golden_arithmetic_here():  # other GEMM kernels: as close as the reference's reruns
+        fails = within_noise_floor(v41_case, rep.metrics, hidden=before)
+        assert not [f for f in fails if f.startswith("hidden_after")], fails
+        return
     # before the first indexer the graph is the released arithmetic: bit-identical
-    for k in ("hidden_after_L0", "hidden_after_L1"):
+    for k in before:
         assert rep.metrics["hidden_states"][k]["rel_l2_max"] == 0.0
 
 

@@ -16,6 +16,7 @@ import torch
 
 from dsv41.compiler.cli import main
 from dsv41.graph.cache import new_cache
+from dsv41.graph.conformance import golden_arithmetic_here
 from dsv41.graph.ledger import (
     SWITCHES,
     Ledger,
@@ -48,6 +49,9 @@ def released(small_case, small_model):
     return _run(small_model, toks, small_case.prefill)
 
 
+@pytest.mark.skipif(not golden_arithmetic_here(),
+                    reason="bit-exact to the goldens only where torch's CPU GEMMs sum in their "
+                    "order (Intel AVX-512); elsewhere the conformance tests bound the graph")
 def test_switch_defaults_are_the_released_graph(small_case, small_model, released):
     m = small_model
     assert not m.full_reindex and not m.per_layer_selection

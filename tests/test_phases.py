@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsv41.graph.cache import drop_local_state, new_cache, select_sequences, stack_caches
+from dsv41.graph.conformance import golden_arithmetic_here
 from dsv41.graph.phases import (
     decode_step,
     prefill_exact,
@@ -34,6 +35,9 @@ def _drafts(case, model):
     return out
 
 
+@pytest.mark.skipif(not golden_arithmetic_here(),
+                    reason="bit-exact to the goldens only where torch's CPU GEMMs sum in their "
+                    "order (Intel AVX-512); elsewhere the conformance tests bound the graph")
 def test_dspark_small_bit_exact(small_case, small_model):
     g = small_case.golden
     for k, d in enumerate(_drafts(small_case, small_model)):
