@@ -398,7 +398,7 @@ def _fp8_linear_task(key: Fp8LinearKey, target: TargetSpec):
     if key.out_dtype != BF16:
         return None  # fp8_linear_f32 (sharded partial sums) is not a tuned family
     func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m)
-    return None if config.kind == "amx" else func  # written scheduled: nothing to search
+    return None if config.prescheduled else func  # written scheduled: nothing to search
 
 
 def _sparse_attend_build(key: SparseAttendKey, target_name: str):

@@ -22,10 +22,10 @@ import tvm
 
 from dsv41.graph import formats as fmt
 from dsv41.graph import ops
-from dsv41.graph.targets import get_target
+from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.runtime.tensors import to_torch, to_tvm
 from dsv41.schedules import gemm
-from dsv41.schedules.common import bf16_to_f32, has_amx_bf16, i64
+from dsv41.schedules.common import bf16_to_f32, has_amx_bf16, has_avx512, has_features, i64
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
 CPU = "cpu"
@@ -159,7 +159,11 @@ def test_fp8_linear_matches_oracle(hint, n):
 def test_fp8_linear_config_kinds():
     cpu, cuda = get_target(CPU), get_target("cuda-sm90")
     amx = has_amx_bf16(cpu)
-    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=1).kind == "gemv"
+    avx2 = has_features(cpu, "avx2", "fma", "f16c") and not has_avx512(cpu)
+    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=1).kind == ("gemv_avx2" if avx2 else "gemv")
+    skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
+    assert gemm.fp8_linear_config(skx, n=64, k=64, m=1).kind == "gemv"
+    assert gemm.fp8_linear_config(get_target("cpu-x86-64"), n=64, k=64, m=1).kind == "gemv"
     assert gemm.fp8_linear_config(cpu, n=64, k=64, m=4).kind == "gemm"
     assert gemm.fp8_linear_config(cpu, n=64, k=64).kind == ("amx" if amx else "gemm")
     assert gemm.fp8_linear_config(cpu, n=64, k=64, m=160).kind == ("amx" if amx else "gemm")
@@ -292,6 +296,49 @@ def test_fp8_gemv_nan_and_subnormal_weights():
     ref = ops.fp8_linear(x, weight, scale)
     assert torch.equal(out.isnan(), ref.isnan()) and int(out.isnan().sum()) == 4
     _assert_gemm_close(out.nan_to_num(), ref.nan_to_num())
+
+
+needs_avx2 = pytest.mark.skipif(not has_features(get_target(CPU), "avx2", "fma", "f16c"),
+                                reason="this CPU has no AVX2 + FMA + F16C")
+
+
+@needs_avx2
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_fp8_gemv_avx2_edge_codes_and_lone_nans(out_dtype):
+    """The AVX2 decode GEMV (`make_fp8_gemv_avx2`): random weights, except whole columns of
+    the codes at the fp16 subnormal edge of its decode (0x01..0x07, 0x81..0x87, with zeros),
+    of the largest and smallest normal codes (0x7e, 0xfe, 0x08, 0x88), and one NaN code (0x7f
+    or 0xff) in single columns among many (first, middle and last 32-block of K, first and last
+    column of a tile, the partial last tile); n not a multiple of 32, several rows."""
+    n, k = 100, 256
+
+    def codes(*c):  # the codes repeated over K
+        return torch.tensor(c, dtype=torch.int32).to(torch.uint8).repeat(k // len(c) + 1)[:k]
+
+    ex = _compiled("make_fp8_gemv_avx2", n=n, k=k, out_dtype=out_dtype)
+    for m in (1, 3):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
+        weight[2] = codes(*range(1, 8), 0, *range(0x81, 0x88), 0x80)
+        weight[33] = codes(0x7E, 0x08, 0xFE, 0x88, 0x7E, 0x7E, 0x88)
+        weight[65] = codes(*range(0x81, 0x88), 1, 2)
+        nans = {0: (0x7F, 0), 31: (0xFF, k - 1), 32: (0x7F, 130), 57: (0xFF, 31), 99: (0x7F, 64)}
+        for c, (code, j) in nans.items():
+            weight[c, j] = code
+        if out_dtype == "float32":
+            out = _run(ex, [x, weight, scale], (m, n), torch.float32)
+            ref = ops.fp8_linear_f32(x, weight, scale)
+        else:
+            out = _run(ex, [x, weight, scale], (m, n), torch.bfloat16)
+            ref = ops.fp8_linear(x, weight, scale)
+        out, ref = out.float(), ref.float()
+        nan_cols = torch.zeros(n, dtype=torch.bool)
+        nan_cols[list(nans)] = True
+        assert torch.equal(ref.isnan(), nan_cols.expand(m, n))
+        assert torch.equal(out.isnan(), ref.isnan())
+        if out_dtype == "float32":
+            torch.testing.assert_close(out[:, ~nan_cols], ref[:, ~nan_cols], rtol=1e-5, atol=1e-5)
+        else:
+            _assert_gemm_close(out[:, ~nan_cols], ref[:, ~nan_cols])
 
 
 # ---- dequantisation -------------------------------------------------------------------------
