@@ -90,7 +90,10 @@ class SparseAttendConfig:
 def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> SparseAttendConfig:
     """CPU: as few head groups as keep every core busy on one decode token (each group decodes
     the entries again; at h = 64 on 2 cores: 2 groups of 32), whole 64-entry blocks staged once
-    and reused for PV, 16 fp32 lanes. CUDA: 8 heads per thread block and as many staged fp32
+    and reused for PV, 16 fp32 lanes; the QK register tile is 8 entries x the group's heads with
+    AVX-512 (32 zmm) and 2 entries without (16 ymm: at h 64, d 512, w 128, k 512 on one Zen 3
+    core 2.5-2.7 ms against 3.5-3.8 at 8 or 4 entries, 2.9-3.7 at 1, 3.0 with 8 lanes at 1 or 2,
+    4.0 with 32 lanes). CUDA: 8 heads per thread block and as many staged fp32
     rows as fit 16 KiB (8 at d = 512), so staged rows, accumulator (8 x d) and logits stay
     within 48 KiB of static shared memory; q is read from global memory (L1)."""
     if target.is_cuda:
@@ -103,9 +106,10 @@ def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> Spar
     groups = max(1, min(cores, h // 16))
     while h % groups:
         groups -= 1
+    avx512 = has_avx512(target)
     return SparseAttendConfig(heads_per_group=h // groups, stage_rows=ATTN_BLOCK, vector=16,
-                              unroll_rows=8, threads=1,
-                              vector_decode=has_avx512(target) and d % 16 == 0)
+                              unroll_rows=8 if avx512 else 2, threads=1,
+                              vector_decode=avx512 and d % 16 == 0)
 
 
 # ---- vector decoders (the vector_decode staging) -----------------------------------------------
