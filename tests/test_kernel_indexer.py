@@ -341,26 +341,23 @@ def test_avx512_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
     _sweep_matches(_sweep_ex("avx512", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", [
+INT8_SWEEP_CASES = [  # (heads, dim, b, s, t, max_tasks) of the int8 dots (VNNI, AVX2)
     (16, 128, 2, 1, 1000, 3),  # ragged tasks; one head chunk
     (32, 128, 1, 3, 300, 32),  # the model's dims, prefill-like s, a partial last tile
     (64, 128, 1, 1, 1, 32),  # 1 token; 4 head chunks
     (4, 128, 2, 2, 37, 32),  # heads < 8: a 4-head block
-    (32, 256, 1, 2, 129, 32),  # two 16-word chunks per entry
-])
+    (32, 256, 1, 2, 129, 32),  # two 16-word (AVX2: 2 x 2 8-word) chunks per entry
+]
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", INT8_SWEEP_CASES)
 def test_vnni_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
     _sweep_matches(_sweep_ex("vnni", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2")
-@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", [
-    (16, 128, 2, 1, 1000, 3),  # ragged tasks; one head chunk
-    (32, 128, 1, 3, 300, 32),  # the model's dims, prefill-like s, a partial last tile
-    (64, 128, 1, 1, 1, 32),  # 1 token; 4 head chunks
-    (4, 128, 2, 2, 37, 32),  # heads < 8: a 4-head block
-    (32, 256, 1, 2, 129, 32),  # two 64-d transposes per entry x 2
-])
+@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", INT8_SWEEP_CASES)
 def test_avx2_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
     _sweep_matches(_sweep_ex("avx2", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
 
