@@ -189,6 +189,9 @@ class RooflineRow:
     achieved_gflops: float | None
     compute_frac: float | None
     floor_s: float  # bytes / bandwidth: the fastest a memory-bound step can be
+    flops_floor_s: float = 0.0  # flops / fp32 GEMM rate: the fastest a compute-bound step can be
+    roof_s: float = 0.0  # the step's roofline: the larger of the two floors
+    roof_frac: float | None = None  # roof_s / seconds
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,8 @@ def roofline_row(impl: str, cost, seconds: float | None, machine: dict) -> Roofl
                    gemm_gflops=machine["gemm_gflops"])
     return RooflineRow(impl, cost.context, cost.weight_bytes, cost.kv_bytes, cost.flops, seconds,
                        r.achieved_gbs, r.bandwidth_frac, r.achieved_gflops, r.compute_frac,
-                       r.bytes_floor_s)
+                       r.bytes_floor_s, r.flops_floor_s, r.floor_s,
+                       r.floor_s / seconds if seconds else None)
 
 
 def targets(report: BenchReport) -> dict:
@@ -923,11 +927,13 @@ def format_report(report: BenchReport) -> str:
     for r in report.roofline:
         rows.append([str(r.context), r.impl, f"{r.weight_bytes / 1e6:.0f}",
                      f"{r.kv_bytes / 1e6:.1f}", f"{r.flops / 1e9:.2f}", ms(r.floor_s),
-                     ms(r.seconds),
+                     ms(r.flops_floor_s), ms(r.seconds),
                      "-" if r.achieved_gbs is None else f"{r.achieved_gbs:.2f}",
-                     pct(r.bandwidth_frac), pct(r.compute_frac)])
-    out.append(table(["context", "impl", "weights MB", "KV MB", "GFLOP", "floor", "time",
-                       "GB/s", "of BW", "of peak"], rows))
+                     pct(r.bandwidth_frac), pct(r.compute_frac), pct(r.roof_frac)])
+    out.append(table(["context", "impl", "weights MB", "KV MB", "GFLOP", "floor",
+                       "flop floor", "time", "GB/s", "of BW", "of peak", "of roof"], rows))
+    out.append("  floor: bytes / bandwidth; flop floor: FLOPs / the fp32 GEMM rate; of roof: the "
+               "larger floor / time")
     if report.compile_s:
         out += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in
                                              report.compile_s.items())]

@@ -179,6 +179,9 @@ def test_ratios_roofline_and_targets(small_model):
     assert row.bandwidth_frac == pytest.approx(cost.bytes / 0.1 / 1e9 / 10.0)
     assert row.compute_frac == pytest.approx(cost.flops / 0.1 / 1e9 / 100.0)
     assert row.floor_s == pytest.approx(cost.bytes / 10e9)
+    assert row.flops_floor_s == pytest.approx(cost.flops / 100e9)
+    assert row.roof_s == pytest.approx(max(cost.bytes / 10e9, cost.flops / 100e9))
+    assert row.roof_frac == pytest.approx(row.roof_s / 0.1)
     t = B.targets(r)
     assert t["met_vs_eager"] is False and t["met_vs_compile"] is None
     assert B.speedup(None, 1.0) is None and B.speedup(2.0, 1.0) == 2.0
