@@ -486,8 +486,7 @@ def emit_pool_scores(bb, mod: tvm.IRModule, kernel, args: list, *, block_size: i
     return bb.emit(relax.call_tir(kernel("pool_mask"), [raw, valid], ty([b, s, p], "bfloat16")))
 
 
-# ---- the AVX-512 full sweep ------------------------------------------------------------------
-
+# ---- the hand-vectorised full sweep (AVX-512, or AVX2 with lanes=8) --------------------------
 
 
 def _transpose_pairs(bit: int, lanes: int = 16) -> tuple[list[int], list[int]]:
@@ -557,8 +556,9 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
     if tile % lanes:
         raise ValueError(f"tile must be a multiple of lanes ({lanes}); got {tile}.")
     if not avx512_sweep_supported(heads=heads, dim=dim, head_block=head_block, lanes=lanes):
-        raise ValueError(f"The AVX-512 sweep needs dim 32, 64 or a multiple of 128 and a head "
-                         f"block dividing {che}; got dim={dim}, head_block={head_block}.")
+        dims = "a multiple of 128" if lanes == 8 else "32, 64 or a multiple of 128"
+        raise ValueError(f"The {'AVX2' if lanes == 8 else 'AVX-512'} sweep needs dim {dims} and "
+                         f"a head block dividing {che}; got dim={dim}, head_block={head_block}.")
     if max_tasks <= 0:
         raise ValueError(f"max_tasks must be positive; got {max_tasks}.")
     if vnni and dim % 128:
