@@ -300,6 +300,7 @@ def test_model_sizes_match():
 HAS_AVX512 = has_avx512(get_target("cpu"))
 HAS_VNNI = has_features(get_target("cpu"), "avx512f", "avx512bw", "avx512vnni")
 HAS_AVX2 = has_features(get_target("cpu"), "avx2")
+HAS_AMX_INT8 = has_features(get_target("cpu"), "amx-tile", "amx-int8", "avx512vbmi", "avx512vnni")
 
 
 @functools.cache
@@ -310,6 +311,10 @@ def _sweep_ex(kind: str, heads: int, dim: int, max_tasks: int = 32):
                                         tile=32 if vnni else 64,
                                         head_block=min(8 if vnni else 4, heads))
         return tvm.compile(f, target=get_target("cpu").tvm_target())
+    if kind == "amx":  # the dot on AMX-INT8 tiles where the keys allow, else VNNI
+        f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=True,
+                                        tile=32, head_block=8, amx=True)
+        return tvm.compile(f, target=get_target("cpu").tvm_target())
     if kind == "avx2":  # the 256-bit form with the vpmaddubsw int8 dot
         f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=True,
                                         lanes=8, tile=16, head_block=min(8, heads))
@@ -319,14 +324,21 @@ def _sweep_ex(kind: str, heads: int, dim: int, max_tasks: int = 32):
                        target=get_target("cpu-x86-64").tvm_target())
 
 
-def _sweep_matches(ex, b, s, t, heads, dim, seed, q=None):
+def _sweep_matches(ex, b, s, t, heads, dim, seed, q=None, ks=None):
+    """The kernel's scores are the oracle's bits (NaN where the oracle's are: its payload is
+    not compared); q / ks: changes to the inputs."""
     args = _inputs(b, s, t, seed=seed, heads=heads, dim=dim)
     if q is not None:
         args[0] = q(args[0])
+    if ks is not None:
+        args[2] = ks(args[2])
     scores = torch.empty(b, s, ix.padded(t), dtype=torch.bfloat16)
     ex["index_scores"](*[to_tvm(x) for x in args],
                        to_tvm(scores))
-    assert torch.equal(_bits(scores[..., :t]), _bits(ops.index_scores(*args)))
+    ref = ops.index_scores(*args)
+    nan = ref.isnan()
+    assert torch.equal(scores[..., :t].isnan(), nan)
+    assert torch.equal(_bits(scores[..., :t])[~nan], _bits(ref)[~nan])
     assert torch.all(scores[..., t:] == float("-inf"))
 
 
@@ -362,6 +374,80 @@ def test_avx2_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
     _sweep_matches(_sweep_ex("avx2", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
 
 
+AMX_SWEEP_CASES = [  # (heads, dim, b, s, t, max_tasks): heads a multiple of 32, dim 128
+    (32, 128, 1, 1, 5000, 4),  # decode: runs of 40 tiles per task, a partial last tile
+    (32, 128, 1, 3, 300, 32),  # prefill-like s: items pipelined within a tile
+    (64, 128, 1, 1, 1, 32),  # 1 token; 2 passes of 32 heads, 4 head chunks
+    (32, 128, 2, 2, 1000, 3),  # batch 2, ragged tasks
+]
+
+
+@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
+@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", AMX_SWEEP_CASES)
+def test_amx_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
+    _sweep_matches(_sweep_ex("amx", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
+
+
+def _wide_key_span(ks):  # every 7th entry's block 2 code 5 over its others: that tile on VNNI
+    ks = ks.clone()
+    ks[:, ::7, 2] = (ks[:, ::7, :].int().max(dim=-1).values + 5).clamp(max=254).to(torch.uint8)
+    return ks
+
+
+def _some_wide_tiles(ks):  # the first entry of every third 32-entry tile: AMX and VNNI tiles mix
+    ks = ks.clone()
+    ks[:, ::96, 0] = (ks[:, ::96, 0].int() + 6).clamp(max=254).to(torch.uint8)
+    return ks
+
+
+def _nan_code(ks):  # an E8M0 NaN scale (code 255) in a few entries
+    ks = ks.clone()
+    ks[:, 33, 1] = 255
+    ks[:, 700, 3] = 255
+    return ks
+
+
+def _wide_q_span(q):  # one head's first block 2^-6 of the others: the whole call on VNNI
+    q = q.clone()
+    q[..., 3, :32] = (q[..., 3, :32].float() * 2.0**-6).bfloat16()
+    return q
+
+
+def _q_span_3(q):  # a span of exactly 3 binades still takes AMX
+    q = q.clone()
+    q[..., 5, 32:64] = (q[..., 5, 32:64].float() * 2.0**-3).bfloat16()
+    return q
+
+
+@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
+@pytest.mark.parametrize("ks", [_wide_key_span, _some_wide_tiles])
+def test_amx_sweep_key_fallbacks(ks):
+    """Tiles whose keys the shifted int8 operands cannot hold (a block code 4+ over the entry's
+    least) take the VNNI dot, between AMX tiles; the same bits either way."""
+    _sweep_matches(_sweep_ex("amx", 32, 128, 4), 1, 2, 3000, 32, 128, seed=9, ks=ks)
+
+
+@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
+def test_amx_sweep_nan_code_as_vnni():
+    """A NaN scale code sends its tile to the VNNI dot: the VNNI kernel's scores exactly (both
+    take relu(NaN) as 0 where the oracle keeps NaN: a code the quantiser emits only for NaN
+    activations)."""
+    args = _inputs(1, 2, 3000, seed=9, heads=32, dim=128)
+    args[2] = _nan_code(args[2])
+    out = {}
+    for kind in ("amx", "vnni"):
+        out[kind] = torch.empty(1, 2, ix.padded(3000), dtype=torch.bfloat16)
+        _sweep_ex(kind, 32, 128, 4)["index_scores"](*[to_tvm(x) for x in args],
+                                                     to_tvm(out[kind]))
+    assert torch.equal(_bits(out["amx"]), _bits(out["vnni"]))
+
+
+@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
+@pytest.mark.parametrize("change", [_wide_q_span, _q_span_3])
+def test_amx_sweep_q_spans(change):
+    _sweep_matches(_sweep_ex("amx", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
+
+
 def _zero_block(q):  # a q block of 32 zeros (no exponent to take)
     q = q.clone()
     q[..., 0, 32:64] = 0
@@ -388,6 +474,13 @@ def test_vnni_sweep_q_off_the_grid(change):
     _sweep_matches(_sweep_ex("vnni", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
 
 
+@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
+@pytest.mark.parametrize("change", [_zero_block, _not_qdq, _tiny_block])
+def test_amx_sweep_q_off_the_grid(change):
+    """As on VNNI: a zero block stays on the int8 (AMX) path, the others go to the fp32 dot."""
+    _sweep_matches(_sweep_ex("amx", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
+
+
 @pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2")
 @pytest.mark.parametrize("change", [_zero_block, _not_qdq, _tiny_block])
 def test_avx2_sweep_q_off_the_grid(change):
@@ -411,6 +504,17 @@ def test_sweep_config_choices():
     assert host.vnni == (HAS_VNNI if HAS_AVX512 else HAS_AVX2)
     assert host.lanes == (16 if HAS_AVX512 else 8 if HAS_AVX2 else 16)
     assert not ix.sweep_config(get_target("cpu"), heads=8, dim=64).vnni  # dim % 128
+    assert host.amx == HAS_AMX_INT8
+    assert not ix.sweep_config(get_target("cpu"), heads=16, dim=128).amx  # heads % 32
+    if HAS_AMX_INT8:
+        asm = tvm.compile(ix._index_sweep(get_target("cpu"), 32, 128),
+                          target=get_target("cpu").tvm_target()).mod.inspect_source("s")
+        assert "tdpbssd" in asm and "vpermb" in asm and "vpdpbusd" in asm  # + the VNNI fallback
+    with pytest.raises(ValueError, match="AMX"):
+        ix.make_index_scores_avx512(heads=32, dim=128, vnni=True, tile=64, amx=True)
+    with pytest.raises(ValueError, match="AMX"):
+        ix.make_index_scores_avx512(heads=16, dim=128, vnni=True, tile=32, head_block=8,
+                                    amx=True)
     # AVX2 without AVX-512 (Zen 3): the 256-bit kernel with the vpmaddubsw dot, no zmm
     zen = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver3"})
     cfg = ix.sweep_config(zen, heads=32, dim=128)
