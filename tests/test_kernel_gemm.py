@@ -284,6 +284,25 @@ def test_e4m3_f16_bits_decode_every_code_exactly():
         assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
 
 
+@pytest.mark.parametrize("k", [512, 2048])
+def test_fp8_gemv_column_groups(k):
+    """The AVX-512 decode GEMV sums one column at a time up to K 1024 and 4 together above
+    (`fp8_linear_config`); both match the oracle, and their sum orders are the same bits."""
+    skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
+    assert gemm.fp8_linear_config(skx, n=64, k=k, m=1).cb == (1 if k <= 1024 else 4)
+    n = 64
+    x, weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=k)
+    outs = []
+    for cb in (1, 4):
+        func = gemm.schedule_fp8_linear(gemm.make_fp8_gemv(n=n, k=k),
+                                        gemm.Fp8LinearConfig("gemv", cb=cb, vec=32),
+                                        get_target(CPU))
+        ex = tvm.compile(func, target=get_target(CPU).tvm_target())
+        outs.append(_run(ex, [x, weight, scale], (1, n), torch.bfloat16))
+        _assert_gemm_close(outs[-1], ops.fp8_linear(x, weight, scale))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
 def test_fp8_gemv_nan_and_subnormal_weights():
     """Every E4M3 code as a weight (row c holds code c): NaN codes give NaN rows, the rest
     (subnormals included) match the oracle."""
