@@ -17,8 +17,8 @@ Arithmetic shared by the GEMMs, and why it matches the oracle:
   decoded values is exact in fp32, so the only difference to the oracle is the order of the 32
   additions inside a block (torch's matmul picks its own): ~1 ulp of fp32 on a few partial
   sums, which shows up as 1 bf16 ulp on a small fraction of outputs.
-* The CPU decode GEMV (`make_fp8_gemv`; on AVX2 without AVX-512 `make_fp8_gemv_avx2`, the
-  same arithmetic hand-vectorised) folds the weight scales (and the 2^8 of its fp16
+* The CPU decode GEMV (`make_fp8_gemv`; on x86 at K <= 2048 `make_fp8_gemv_avx2`, the
+  same arithmetic hand-vectorised on 256- or 512-bit vectors) folds the weight scales (and the 2^8 of its fp16
   weight decode) into the activation instead (again exact products) and sums all of K at once,
   in vector lanes added pairwise at the end: a different order of fp32 additions, with the same
   bound against the oracle.
@@ -301,50 +301,62 @@ def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.Pr
     return fp8_gemv
 
 
-def _f16_bits_even_odd_avx2(codes):
-    """32 E4M3 codes (uint8x32) -> (even, odd): the uint16x16 fp16 bits of codes 0, 2, .., 30 and
-    of codes 1, 3, .., 31, each the E4M3 value times 2^-8 as `common.e4m3_to_f16_bits`, except
-    that the NaN codes give a finite value (the caller flags them). vpmaddubsw with the unsigned
-    bytes (128, 0) (or (0, 128)) against the signed codes is the code sign-extended and shifted
-    left by 7 in one instruction (|128 * code| <= 2^14: no saturation); the mask clears bit 14
-    (a copy of the sign), as in `e4m3_to_f16_bits`."""
+def _f16_bits_even_odd(codes, lanes: int):
+    """4 x lanes E4M3 codes (uint8) -> (even, odd): the fp16 bits (2 x lanes uint16 each) of
+    codes 0, 2, .. and of codes 1, 3, .., each the E4M3 value times 2^-8 as
+    `common.e4m3_to_f16_bits`, except that the NaN codes give a finite value (the caller flags
+    them). vpmaddubsw with the unsigned bytes (128, 0) (or (0, 128)) against the signed codes is
+    the code sign-extended and shifted left by 7 in one instruction (|128 * code| <= 2^14: no
+    saturation); the mask clears bit 14 (a copy of the sign), as in `e4m3_to_f16_bits`."""
+    words, nb = 2 * lanes, 4 * lanes
+    name = "llvm.x86.avx2.pmadd.ub.sw" if lanes == 8 else "llvm.x86.avx512.pmaddubs.w.512"
     out = []
     for pattern in (0x0080, 0x8000):  # the byte 128 at the even / the odd positions
-        h = T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw",
-                                    T.reinterpret("int8x32", T.broadcast(T.uint16(pattern), 16)),
-                                    T.reinterpret("int8x32", codes))
-        out.append(T.reinterpret("uint16x16", h) & T.broadcast(T.uint16(0xBF80), 16))
+        h = T.call_llvm_pure_intrin(f"int16x{words}", name,
+                                    T.reinterpret(f"int8x{nb}",
+                                                  T.broadcast(T.uint16(pattern), words)),
+                                    T.reinterpret(f"int8x{nb}", codes))
+        out.append(T.reinterpret(f"uint16x{words}", h) & T.broadcast(T.uint16(0xBF80), words))
     return out
 
 
-def _f16x8_to_f32(h16, half: int):
-    """Lanes 8 * half .. 8 * half + 7 of uint16x16 fp16 bits as float32x8 (vcvtph2ps)."""
-    lanes = list(range(8 * half, 8 * half + 8))
-    return T.Cast("float32x8", T.reinterpret("float16x8", T.Shuffle([h16], lanes)))
+def _f16_to_f32(h16, half: int, lanes: int):
+    """Lanes lanes * half .. of 2 x lanes fp16 bits as float32 lanes (vcvtph2ps)."""
+    idx = list(range(lanes * half, lanes * half + lanes))
+    return T.Cast(f"float32x{lanes}", T.reinterpret(f"float16x{lanes}", T.Shuffle([h16], idx)))
 
 
-def _avx2_block_source(j):
-    """Slot j (0..31) of a 32-block in the AVX2 GEMV's activation layout -> the K offset it holds:
-    slots 0-7 take offsets 0, 2, .., 14, 8-15 take 16, .., 30, 16-23 take 1, .., 15 and 24-31
-    take 17, .., 31, the order in which `_f16_bits_even_odd_avx2` and two halves each decode."""
-    return (j // 8 % 2) * 16 + 2 * (j % 8) + j // 16
+def _gemv_slot_source(j, lanes: int):
+    """Slot j (0 .. 4 x lanes - 1) of a chunk in the hand-vectorised GEMV's activation layout ->
+    the offset in the chunk it holds: the four decoded vectors of `_f16_bits_even_odd` are the
+    even codes' two halves, then the odd codes' (lanes 8: slots 0-7 take offsets 0, 2, .., 14,
+    8-15 take 16, .., 30, 16-23 take 1, .., 15 and 24-31 take 17, .., 31)."""
+    return (j // lanes % 2) * (2 * lanes) + 2 * (j % lanes) + j // (2 * lanes)
 
 
-def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.PrimFunc:
-    """The CPU decode form of `fp8_linear` for x86 with AVX2 + FMA + F16C and no AVX-512 (same
-    signature and result as `make_fp8_gemv`), hand-vectorised: its loops are the schedule.
+def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
+                       prefetch: int = 0) -> tvm.tirx.PrimFunc:
+    """The CPU decode form of `fp8_linear` for x86 with AVX2 + FMA + F16C (same signature and
+    result as `make_fp8_gemv`), hand-vectorised: its loops are the schedule. `lanes` 8: 256-bit
+    vectors (CPUs without AVX-512); 16: 512-bit (AVX-512 BW), k a multiple of 64. `prefetch`:
+    columns ahead of the one being summed whose weights are prefetched (0: none).
 
     The activation is quantised once per row (`xq`, as `make_fp8_gemv`'s stages, its K offsets
-    stored per 32-block in the order `_avx2_block_source` gives). Per 32-column tile (a parallel
-    task) and row, `xs` = xq * 2^(s - 127) * 2^8 with the tile's weight scales (the same exact
-    products and range as `make_fp8_gemv`), then one column at a time, so the weights stream from
-    memory in address order: per 32 codes one 32-byte load, two vpmaddubsw + masks give their
-    fp16 bits times 2^-8 (`_f16_bits_even_odd_avx2`), four vcvtph2ps (exact) and four FMAs into
-    four 8-lane accumulators (32 lanes per column, added pairwise at the end: every product is
-    exact, only the order of the fp32 additions differs from the oracle, as `make_fp8_gemv`).
-    NaN weights: the column's max of code & 0x7f over K (vpmaxub, two operations per 32 codes
-    instead of the four 16-bit operations per 16 codes of the NaN fix) is 0x7f exactly when one
-    of its codes is 0x7f / 0xff, and then its output is NaN.
+    stored per chunk of 4 x lanes codes in the order `_gemv_slot_source` gives). Per 32-column
+    tile (a parallel task) and row, `xs` = xq * 2^(s - 127) * 2^8 with the tile's weight scales
+    (the same exact products and range as `make_fp8_gemv`), then one column at a time, so the
+    weights stream from memory in address order: per chunk one load of 4 x lanes codes, two
+    vpmaddubsw + masks give their fp16 bits times 2^-8 (`_f16_bits_even_odd`), four vcvtph2ps
+    (exact) and four FMAs into four accumulators of `lanes` lanes (added pairwise at the end:
+    every product is exact, only the order of the fp32 additions differs from the oracle, as
+    `make_fp8_gemv`). NaN weights: the column's max of code & 0x7f over K (vpmaxub, two
+    operations per chunk instead of the four 16-bit operations per 16 codes of the NaN fix) is
+    0x7f exactly when one of its codes is 0x7f / 0xff, and then its output is NaN.
+
+    On a Xeon with AVX-512 (2 threads, weights cycled through more than the L3, so read from
+    memory), n 32768 k 512: lanes 8 2.63 ms without prefetch, 1.28 ms prefetching 4 columns
+    (2 KB) ahead (8: 1.32, 16: 1.35; the same 16 MB from the L3: 0.94-1.04 either way); the
+    scheduled `make_fp8_gemv` 0.97-1.22 ms from memory, 0.54 from the L3.
 
     Measured on one Zen 3 core shared with other jobs (TVM_NUM_THREADS=1, 5th percentile of 300
     calls interleaved with `make_fp8_gemv` scheduled as "gemv" cb 4 vec 32, in brackets; ranges
@@ -361,42 +373,58 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.ti
     instead of 4 accumulators per column, within noise."""
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
+    if lanes not in (8, 16) or k % (4 * lanes):
+        raise ValueError(f"The hand-vectorised fp8 GEMV takes lanes 8 or 16 and k a multiple of "
+                         f"4 x lanes; got lanes={lanes}, k={k}.")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0 columns; got {prefetch}.")
     _check_out_dtype(out_dtype)
     N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
-    ACC = 4  # 8-lane accumulators per column, one per decoded vector of a 32-block
+    LN, CL = lanes, 4 * lanes  # fp32 lanes per vector; codes per chunk (one load)
+    NCH = i64(k // CL)  # chunks per column
+    ACC = 4  # accumulators per column, one per decoded vector of a chunk
 
-    def f32x8(buf, off):
-        return buf[T.ramp(off, 1, 8)]
+    def f32v(buf, off):
+        return buf[T.ramp(off, 1, LN)]
 
     @T.macro
-    def fma8(acc, xs, kb, q, w):  # accumulator q += xs slots 8q .. 8q + 7 of block kb * w
-        acc[T.ramp(q * 8, 1, 8)] = f32x8(acc, q * 8) + f32x8(xs, kb * BLOCK + q * 8) * w
+    def fma(acc, xs, ch, q, w):  # accumulator q += xs slots LN q .. of chunk ch * w
+        acc[T.ramp(q * LN, 1, LN)] = f32v(acc, q * LN) + f32v(xs, ch * CL + q * LN) * w
 
     @T.macro
     def column_sum(weight, xs, acc, flg, col):
-        """acc[q * 8 ..] += xs[.., slots 8q ..] * w[col, ..] over K; flg = max(code & 0x7f)."""
-        for q in T.unroll(ACC * 8):
+        """acc[q * LN ..] += xs[.., slots LN q ..] * w[col, ..] over K; flg = max(code & 0x7f)."""
+        for q in T.unroll(ACC * LN):
             acc[q] = T.float32(0)
-        for t in T.vectorized(i64(BLOCK)):
+        for t in T.vectorized(i64(CL)):
             flg[t] = T.uint8(0)
-        for kb in range(KB):
-            codes = weight.vload([col, kb * BLOCK], "uint8x32")  # [32] uint8
-            h = _f16_bits_even_odd_avx2(codes)  # [even, odd]
-            fma8(acc, xs, kb, 0, _f16x8_to_f32(h[0], 0))
-            fma8(acc, xs, kb, 1, _f16x8_to_f32(h[0], 1))
-            fma8(acc, xs, kb, 2, _f16x8_to_f32(h[1], 0))
-            fma8(acc, xs, kb, 3, _f16x8_to_f32(h[1], 1))
-            flg[T.ramp(0, 1, 32)] = T.max(flg[T.ramp(0, 1, 32)],
-                                          codes & T.broadcast(T.uint8(0x7F), 32))
+        for ch in range(NCH):
+            if prefetch > 0:
+                T.evaluate(T.call_llvm_intrin(
+                    "void", "llvm.prefetch.p0", T.address_of(
+                        weight[T.min(col + prefetch, N - i64(1)), ch * CL]), 0, 3, 1))
+            codes = weight.vload([col, ch * CL], f"uint8x{CL}")
+            h = _f16_bits_even_odd(codes, LN)  # [even, odd]
+            fma(acc, xs, ch, 0, _f16_to_f32(h[0], 0, LN))
+            fma(acc, xs, ch, 1, _f16_to_f32(h[0], 1, LN))
+            fma(acc, xs, ch, 2, _f16_to_f32(h[1], 0, LN))
+            fma(acc, xs, ch, 3, _f16_to_f32(h[1], 1, LN))
+            flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
+                                          codes & T.broadcast(T.uint8(0x7F), CL))
 
-    def lane_total(acc):  # the 32 lanes of a column added pairwise
-        v = (f32x8(acc, 0) + f32x8(acc, 8)) + (f32x8(acc, 16) + f32x8(acc, 24))
-        v = T.Shuffle([v], [0, 1, 2, 3]) + T.Shuffle([v], [4, 5, 6, 7])
-        v = T.Shuffle([v], [0, 1]) + T.Shuffle([v], [2, 3])
-        return T.Shuffle([v], [0]) + T.Shuffle([v], [1])
+    def lane_total(acc):  # the 4 x LN lanes of a column added pairwise
+        v = (f32v(acc, 0) + f32v(acc, LN)) + (f32v(acc, 2 * LN) + f32v(acc, 3 * LN))
+        width = LN
+        while width > 1:
+            width //= 2
+            v = T.Shuffle([v], list(range(width))) + T.Shuffle([v], list(range(width, 2 * width)))
+        return v
 
-    def has_nan(flg):  # some byte is 0x7f: the top bit of flg + 1 (vpmovmskb)
-        top = T.reinterpret("int8x32", flg[T.ramp(0, 1, 32)] + T.broadcast(T.uint8(1), 32))
+    def has_nan(flg):  # some byte is 0x7f: the top bit of flg + 1 (vpmovmskb over 32 bytes)
+        f32b = flg[T.ramp(0, 1, 32)]
+        if CL == 64:
+            f32b = T.max(f32b, flg[T.ramp(32, 1, 32)])
+        top = T.reinterpret("int8x32", f32b + T.broadcast(T.uint8(1), 32))
         return T.call_llvm_pure_intrin("int32", "llvm.x86.avx2.pmovmskb", top) != 0
 
     @T.prim_func
@@ -407,24 +435,27 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.ti
         m = T.int64()
         x = T.match_buffer(x_h, (m, K), "bfloat16")
         y = T.match_buffer(y_h, (m, N), out_dtype)
-        xq = T.alloc_buffer((m, K), "float32")  # per 32-block in _avx2_block_source order
+        amax = T.alloc_buffer((m, KB), "float32")
+        xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
         for i, b in T.grid(m, KB):
-            amax = T.alloc_buffer((1,), "float32", scope="local")
-            amax[0] = T.min_value("float32")
+            amax[i, b] = T.min_value("float32")
             for j in range(i64(BLOCK)):
-                amax[0] = T.max(amax[0], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
-            for j in T.vectorized(i64(BLOCK)):
-                xq[i, b * BLOCK + j] = fp8_qdq(bf16_to_f32(x[i, b * BLOCK + _avx2_block_source(j)]),
-                                               pow2_scale_byte(amax[0]))
+                amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+        for i, ch in T.grid(m, NCH):
+            for j in T.vectorized(i64(CL)):
+                xq[i, ch * CL + j] = fp8_qdq(
+                    bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
+                    pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
         for p in T.parallel(NB):
             xs = T.alloc_buffer((K,), "float32")
-            acc = T.alloc_buffer((ACC * 8,), "float32", scope="local")
-            flg = T.alloc_buffer((BLOCK,), "uint8", scope="local")
+            acc = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            flg = T.alloc_buffer((CL,), "uint8", scope="local")
             for i in range(m):
-                for jo in range(K // i64(16)):
-                    for ji in T.vectorized(i64(16)):
-                        xs[jo * 16 + ji] = xq[i, jo * 16 + ji] * e8m0_to_f32(T.Cast(
-                            "uint32", scale[p, (jo * 16 + ji) // BLOCK])) * T.float32(256.0)
+                for ch in range(NCH):
+                    for j in T.vectorized(i64(CL)):
+                        xs[ch * CL + j] = xq[i, ch * CL + j] * e8m0_to_f32(T.Cast(
+                            "uint32", scale[p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
+                            ) * T.float32(256.0)
                 for c in range(i64(BLOCK)):
                     # a partial last tile reads its last column again and stores nothing
                     column_sum(weight, xs, acc, flg, T.min(p * BLOCK + c, N - i64(1)))
@@ -534,7 +565,7 @@ class Fp8LinearConfig:
     """Tiling of `fp8_linear`. kind: "gemv" (decode: one row; on CPU `make_fp8_gemv`, a dot
     product over all of K in `vec` lanes per output, weights decoded in registers), "gemv_avx2"
     (the CPU decode on x86 with AVX2 and no AVX-512: `make_fp8_gemv_avx2`, written scheduled,
-    no parameters), "gemm"
+    no parameters), "gemv_avx512" (its 512-bit form, `prefetch` columns ahead), "gemm"
     (weight tile decoded once into a transposed [32, tn] buffer and reused by tm rows, vectorised
     over N) or "amx" (CPUs with AMX-BF16: `make_fp8_linear_amx`, tm rows per block).
     CPU gemm: tn output columns per parallel task, tm rows per tile, rb rows held in registers.
@@ -550,11 +581,12 @@ class Fp8LinearConfig:
     warps: int = 8
     vec: int = 16
     row_pad: int = 1  # make_fp8_linear(row_pad=): CUDA gemm pads the activation rows to tm
+    prefetch: int = 0  # gemv_avx512: columns ahead whose weights are prefetched
 
     @property
     def prescheduled(self) -> bool:
         """Whether the kind's factory writes its own loops (no schedule, nothing to tune)."""
-        return self.kind in ("amx", "gemv_avx2")
+        return self.kind in ("amx", "gemv_avx2", "gemv_avx512")
 
 
 def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = None
@@ -567,12 +599,15 @@ def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = Non
     if m is not None and m <= 1:
         if has_features(target, "avx2", "fma", "f16c") and not has_avx512(target):
             return Fp8LinearConfig("gemv_avx2")  # measurements: make_fp8_gemv_avx2
-        # cb: columns summed together. From memory (weights cycled through more than the
-        # L3, 2 threads of a Xeon with AVX-512): 4 columns of K 4096 (a 4 KB row each) are 4
-        # streams, 22 GB/s against 11 one at a time; at K 512 the 4 rows are one 2 KB stretch
-        # read out of order, 10.4 GB/s against 13.8-17.3 one at a time (n 32768: 1.60 ms against
-        # 0.97-1.22; n 4096 0.204 against 0.130); K 1024 and 1536 within noise. The sum order
-        # per column does not depend on cb: the same bits.
+        # From memory (weights cycled through more than the L3), 2 threads of a Xeon with
+        # AVX-512: up to K 2048 the hand-vectorised kernel one column at a time, prefetching
+        # ~8 KB ahead (n 32768 k 512 0.83-0.87 ms, n 1024 k 512 0.030, n 5120 k 1536 0.45,
+        # against 1.00-1.24, 0.050 and 0.70 scheduled with cb 1, 1.60, 0.045 and 0.76 with
+        # cb 4); above, the scheduled one with 4 columns summed together, 4 streams of a
+        # 4 KB row each (n 1024 k 4096 0.196 ms against 0.237 hand-vectorised, 0.367 cb 1).
+        # The scheduled kernel at K 512 is one 2 KB stretch read out of order with cb 4: cb 1.
+        if k <= 2048 and k % 64 == 0 and has_features(target, "avx512bw", "fma", "f16c"):
+            return Fp8LinearConfig("gemv_avx512", prefetch=max(2, 8192 // k))
         return Fp8LinearConfig("gemv", tn=BLOCK, cb=1 if k <= 1024 else 4, vec=32)
     if m is not None and m <= 4:
         return Fp8LinearConfig("gemm", tn=32, tm=4, rb=4)
@@ -787,6 +822,9 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
         return make_fp8_linear_amx(n=n, k=k, block_rows=config.tm, out_dtype=out_dtype), config
     if config.kind == "gemv_avx2":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype), config
+    if config.kind == "gemv_avx512":
+        return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, lanes=16,
+                                  prefetch=config.prefetch), config
     if config.kind == "gemv" and not target.is_cuda:
         return make_fp8_gemv(n=n, k=k, out_dtype=out_dtype), config
     return make_fp8_linear(n=n, k=k, row_pad=config.row_pad, out_dtype=out_dtype), config

@@ -160,9 +160,14 @@ def test_fp8_linear_config_kinds():
     cpu, cuda = get_target(CPU), get_target("cuda-sm90")
     amx = has_amx_bf16(cpu)
     avx2 = has_features(cpu, "avx2", "fma", "f16c") and not has_avx512(cpu)
-    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=1).kind == ("gemv_avx2" if avx2 else "gemv")
+    avx512 = has_features(cpu, "avx512bw", "fma", "f16c")
+    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=1).kind == (
+        "gemv_avx2" if avx2 else "gemv_avx512" if avx512 else "gemv")
     skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
-    assert gemm.fp8_linear_config(skx, n=64, k=64, m=1).kind == "gemv"
+    cfg = gemm.fp8_linear_config(skx, n=64, k=512, m=1)
+    assert cfg.kind == "gemv_avx512" and cfg.prefetch == 16 and cfg.prescheduled
+    assert gemm.fp8_linear_config(skx, n=64, k=4096, m=1).kind == "gemv"  # 4 columns at once
+    assert gemm.fp8_linear_config(skx, n=64, k=96, m=1).kind == "gemv"  # k % 64
     assert gemm.fp8_linear_config(get_target("cpu-x86-64"), n=64, k=64, m=1).kind == "gemv"
     assert gemm.fp8_linear_config(cpu, n=64, k=64, m=4).kind == "gemm"
     assert gemm.fp8_linear_config(cpu, n=64, k=64).kind == ("amx" if amx else "gemm")
@@ -286,10 +291,10 @@ def test_e4m3_f16_bits_decode_every_code_exactly():
 
 @pytest.mark.parametrize("k", [512, 2048])
 def test_fp8_gemv_column_groups(k):
-    """The AVX-512 decode GEMV sums one column at a time up to K 1024 and 4 together above
+    """The scheduled decode GEMV sums one column at a time up to K 1024 and 4 together above
     (`fp8_linear_config`); both match the oracle, and their sum orders are the same bits."""
-    skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
-    assert gemm.fp8_linear_config(skx, n=64, k=k, m=1).cb == (1 if k <= 1024 else 4)
+    base = get_target("cpu-x86-64")
+    assert gemm.fp8_linear_config(base, n=64, k=k, m=1).cb == (1 if k <= 1024 else 4)
     n = 64
     x, weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=k)
     outs = []
@@ -321,10 +326,18 @@ needs_avx2 = pytest.mark.skipif(not has_features(get_target(CPU), "avx2", "fma",
                                 reason="this CPU has no AVX2 + FMA + F16C")
 
 
-@needs_avx2
-@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
-def test_fp8_gemv_avx2_edge_codes_and_lone_nans(out_dtype):
-    """The AVX2 decode GEMV (`make_fp8_gemv_avx2`): random weights, except whole columns of
+needs_avx512bw = pytest.mark.skipif(not has_features(get_target(CPU), "avx512bw", "fma", "f16c"),
+                                    reason="this CPU has no AVX-512 BW + FMA + F16C")
+
+
+@pytest.mark.parametrize("out_dtype,lanes,prefetch", [
+    pytest.param("bfloat16", 8, 0, marks=needs_avx2),
+    pytest.param("float32", 8, 0, marks=needs_avx2),
+    pytest.param("bfloat16", 16, 16, marks=needs_avx512bw),
+    pytest.param("float32", 16, 3, marks=needs_avx512bw)])
+def test_fp8_gemv_avx2_edge_codes_and_lone_nans(out_dtype, lanes, prefetch):
+    """The hand-vectorised decode GEMV (`make_fp8_gemv_avx2`, 256- and 512-bit, prefetching
+    past the last column or not): random weights, except whole columns of
     the codes at the fp16 subnormal edge of its decode (0x01..0x07, 0x81..0x87, with zeros),
     of the largest and smallest normal codes (0x7e, 0xfe, 0x08, 0x88), and one NaN code (0x7f
     or 0xff) in single columns among many (first, middle and last 32-block of K, first and last
@@ -334,7 +347,8 @@ def test_fp8_gemv_avx2_edge_codes_and_lone_nans(out_dtype):
     def codes(*c):  # the codes repeated over K
         return torch.tensor(c, dtype=torch.int32).to(torch.uint8).repeat(k // len(c) + 1)[:k]
 
-    ex = _compiled("make_fp8_gemv_avx2", n=n, k=k, out_dtype=out_dtype)
+    ex = _compiled("make_fp8_gemv_avx2", n=n, k=k, out_dtype=out_dtype, lanes=lanes,
+                   prefetch=prefetch)
     for m in (1, 3):
         x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
         weight[2] = codes(*range(1, 8), 0, *range(0x81, 0x88), 0x80)
