@@ -19,9 +19,9 @@ Arithmetic shared by the GEMMs, and why it matches the oracle:
   sums, which shows up as 1 bf16 ulp on a small fraction of outputs.
 * The CPU decode GEMV (`make_fp8_gemv`; on x86 at K <= 2048 `make_fp8_gemv_avx2`, the
   same arithmetic hand-vectorised on 256- or 512-bit vectors) folds the weight scales (and
-  the 2^8 of its fp16 weight decode) into the activation instead (again exact products) and sums all of K at once,
-  in vector lanes added pairwise at the end: a different order of fp32 additions, with the same
-  bound against the oracle.
+  the 2^8 of its fp16 weight decode) into the activation instead (again exact products) and
+  sums all of K at once, in vector lanes added pairwise at the end: a different order of fp32
+  additions, with the same bound against the oracle.
 * Weights are decoded per tile (registers / local or shared memory), never as a full copy.
 
 TVM 0.27 traps met here (worked around below): a bf16 Cast inside a `Let` value is compiled as
