@@ -41,6 +41,8 @@ from .common import (
     f16_bits_to_f32,
     fp4_element,
     fp4_pair_f16_bits,
+    fp4_to_f32_select,
+    has_features,
     i64,
     idx,
     let,
@@ -469,6 +471,156 @@ def make_moe_down_gemv(*, dim: int, inter: int, n_experts: int, topk: int
     return moe_down
 
 
+# ---- the GEMV form hand-vectorised (AVX-512) ----------------------------------------------------
+# Per output column one walk along its packed row, 16 bytes (one 32-block) per step: the bytes
+# widened to 32-bit lanes index (vpermps reads the low 4 bits of each lane: the low nibble as
+# is, the high one after a shift) a 16-entry table of the E2M1 values times the block's E8M0
+# scale, so the weights arrive decoded and scaled in two instructions; the even elements
+# multiply-add into one 16-lane accumulator, the odd into another (every product exact: fma =
+# multiply + add), added together and then pairwise over the lanes at the end. The scaled table
+# is the oracle's dequantised weight (E2M1 x 2^(s - 127)), exact wherever it is finite. The next
+# columns' rows are prefetched GEMV_PREFETCH columns ahead (weights stream from memory at
+# decode). Only the order of the fp32 additions differs from the oracle.
+
+GEMV_LANES = 16
+GEMV_PREFETCH = 4  # columns ahead whose packed rows are prefetched
+
+
+def _permps(tbl, idx):
+    return T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", tbl,
+                                   T.reinterpret("int32x16", idx))
+
+
+def _fma16(a, b, c):
+    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
+
+
+@T.macro
+def _fp4_row_dot(acc, c0, w, s, e, a, xe, xo, r, nblk, tbl, rows):
+    """acc[c0] (even) and acc[c0 + 1] (odd) += the 16-lane partial dot of packed row w[e, a]
+    (nblk 32-blocks, E8M0 scales s[e, a]) with the activation row r split by parity (xe, xo);
+    one 64-byte line of row a + GEMV_PREFETCH (of `rows`) is prefetched every 4 blocks."""
+    for blk in range(nblk):
+        if blk % 4 == 0:
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), blk * 16]), 0, 3, 1))
+        ts = tbl[T.ramp(0, 1, 16)] * T.broadcast(e8m0_byte(s[e, a, blk]), 16)
+        dw = T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))
+        acc[c0, T.ramp(0, 1, 16)] = _fma16(xe[r, T.ramp(blk * 16, 1, 16)], _permps(ts, dw),
+                                           acc[c0, T.ramp(0, 1, 16)])
+        acc[c0 + 1, T.ramp(0, 1, 16)] = _fma16(
+            xo[r, T.ramp(blk * 16, 1, 16)], _permps(ts, dw >> T.broadcast(T.uint32(4), 16)),
+            acc[c0 + 1, T.ramp(0, 1, 16)])
+
+
+def _lane_total(acc, c0):
+    """(acc[c0] + acc[c0 + 1]) added pairwise over its 16 lanes."""
+    v = acc[c0, T.ramp(0, 1, 16)] + acc[c0 + 1, T.ramp(0, 1, 16)]
+    width = 16
+    while width > 1:
+        width //= 2
+        v = T.Shuffle([v], list(range(width))) + T.Shuffle([v], list(range(width, 2 * width)))
+    return v
+
+
+@T.macro
+def _zero_acc(acc, n_acc):
+    for c in T.unroll(n_acc):
+        for j in T.vectorized(16):
+            acc[c, j] = T.float32(0)
+
+
+def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
+                                 swiglu_limit: float) -> tvm.tirx.PrimFunc:
+    """`make_moe_gate_up_gemv`'s signature and result, hand-vectorised for AVX-512 (see the
+    section comment; written scheduled): parallel over (sorted row, 32 output columns); per
+    column the w1 and w3 rows walked together (four independent accumulators), then the SwiGLU
+    epilogue. dim a multiple of 32."""
+    _check_dims(dim, inter)
+    D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
+    DH, DB, IT = i64(dim // 2), i64(dim // BLOCK), i64((inter + BLOCK - 1) // BLOCK)
+
+    @T.prim_func
+    def moe_gate_up(xq_h: T.handle, weights_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
+                    w1: T.Buffer((E, I, D // 2), "uint8"), s1: T.Buffer((E, I, DB), "uint8"),
+                    w3: T.Buffer((E, I, D // 2), "uint8"), s3: T.Buffer((E, I, DB), "uint8"),
+                    h_h: T.handle):
+        T.func_attr({"global_symbol": "moe_gate_up", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        n = T.int64()
+        xq = T.match_buffer(xq_h, (n, D), "float32")
+        weights = T.match_buffer(weights_h, (n, KT), "float32")
+        ids = T.match_buffer(ids_h, (n, KT), "int64")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+        xe = T.alloc_buffer((n * KT, DH), "float32")  # the row's activation, even elements
+        xo = T.alloc_buffer((n * KT, DH), "float32")  # odd elements
+        for r, j in T.grid(n * KT, DH):
+            xe[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2]
+            xo[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2 + 1]
+        for task in T.parallel(n * KT * IT):
+            tbl = T.alloc_buffer((16,), "float32", scope="local")
+            acc = T.alloc_buffer((4, 16), "float32", scope="local")
+            for i in T.unroll(16):
+                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
+            r = task // IT
+            e = _expert_of(ids, row_pair, r, n * KT, KT, E)
+            q = idx(row_pair[r], n * KT)
+            for c in range(i64(BLOCK)):
+                if (task % IT) * BLOCK + c < I:
+                    _zero_acc(acc, 4)
+                    _fp4_row_dot(acc, 0, w1, s1, e, (task % IT) * BLOCK + c, xe, xo, r, DB,
+                                 tbl, I)
+                    _fp4_row_dot(acc, 2, w3, s3, e, (task % IT) * BLOCK + c, xe, xo, r, DB,
+                                 tbl, I)
+                    h[r, (task % IT) * BLOCK + c] = _to_bf16(weights[q // KT, q % KT] * silu_times(
+                        round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 2)),
+                        swiglu_limit))
+
+    return moe_gate_up
+
+
+def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
+                              ) -> tvm.tirx.PrimFunc:
+    """`make_moe_down_gemv`'s signature and result, hand-vectorised as
+    `make_moe_gate_up_gemv_avx512`."""
+    _check_dims(dim, inter)
+    D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
+    IH, IB, DT = i64(inter // 2), i64(inter // BLOCK), i64((dim + BLOCK - 1) // BLOCK)
+
+    @T.prim_func
+    def moe_down(hq_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
+                 w2: T.Buffer((E, D, I // 2), "uint8"), s2: T.Buffer((E, D, IB), "uint8"),
+                 o_h: T.handle):
+        T.func_attr({"global_symbol": "moe_down", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        n = T.int64()
+        hq = T.match_buffer(hq_h, (n * KT, I), "float32")
+        ids = T.match_buffer(ids_h, (n, KT), "int64")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
+        xe = T.alloc_buffer((n * KT, IH), "float32")
+        xo = T.alloc_buffer((n * KT, IH), "float32")
+        for r, j in T.grid(n * KT, IH):
+            xe[r, j] = hq[r, j * 2]
+            xo[r, j] = hq[r, j * 2 + 1]
+        for task in T.parallel(n * KT * DT):
+            tbl = T.alloc_buffer((16,), "float32", scope="local")
+            acc = T.alloc_buffer((2, 16), "float32", scope="local")
+            for i in T.unroll(16):
+                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
+            r = task // DT
+            e = _expert_of(ids, row_pair, r, n * KT, KT, E)
+            for c in range(i64(BLOCK)):
+                if (task % DT) * BLOCK + c < D:
+                    _zero_acc(acc, 2)
+                    _fp4_row_dot(acc, 0, w2, s2, e, (task % DT) * BLOCK + c, xe, xo, r, IB,
+                                 tbl, D)
+                    o[r, (task % DT) * BLOCK + c] = _to_bf16(_lane_total(acc, 0))
+
+    return moe_down
+
+
 # ---- 6. combine ------------------------------------------------------------------------------
 
 
@@ -516,6 +668,7 @@ class MoeSplitConfig:
     threads: int = 128
     kind: str = "tiles"  # CPU decode: "gemv" (`make_moe_gate_up_gemv` / `make_moe_down_gemv`)
     vec: int = 16  # gemv: lanes of each partial sum (packed bytes, one 32-block)
+    avx512: bool = False  # gemv: the hand-vectorised kernels (`make_moe_gate_up_gemv_avx512`)
 
     def __post_init__(self) -> None:
         if self.kind not in ("tiles", "gemv"):
@@ -536,7 +689,8 @@ def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int
         # one or two rows per expert: the tile kernels' [32, tn] weight decode served a single
         # row from a strided read (bench preset, one token: 2.1 ms per layer single-threaded,
         # 7.6x the chain's byte floor)
-        return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv")
+        return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv",
+                              avx512=has_features(target, "avx512f", "fma"))
     return MoeSplitConfig(row_tile=16, tn=32)
 
 
@@ -823,7 +977,12 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
         "moe_qdq_h": schedule_moe_qdq(make_moe_qdq(k=inter, name="moe_qdq_h"), cfg, target),
         "moe_combine": schedule_moe_combine(make_moe_combine(dim=dim, topk=topk), cfg, target),
     }
-    if cfg.kind == "gemv":
+    if cfg.kind == "gemv" and cfg.avx512:
+        funcs["moe_gate_up"] = make_moe_gate_up_gemv_avx512(
+            dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit)
+        funcs["moe_down"] = make_moe_down_gemv_avx512(dim=dim, inter=inter,
+                                                      n_experts=n_experts, topk=topk)
+    elif cfg.kind == "gemv":
         funcs["moe_gate_up"] = schedule_moe_gemv(
             make_moe_gate_up_gemv(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
                                   swiglu_limit=swiglu_limit), cfg, target, "h")

@@ -23,6 +23,7 @@ from dsv41.graph import ops
 from dsv41.graph.targets import get_target
 from dsv41.runtime.tensors import to_tvm
 from dsv41.schedules import moe
+from dsv41.schedules.common import has_features
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
 CPU = "cpu"
@@ -99,6 +100,41 @@ def test_chain_matches_oracle(hint):
     for n, ids in ((1, None), (2, None), (7, IDS7), (40, None)):
         args = _case(n, 2, ids, seed=n)
         out = _y(_run_chain(ex, args, 2, hint))
+        _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
+
+
+@functools.cache
+def _gemv_pair(form: str, dims: tuple):
+    """moe_gate_up and moe_down of the decode GEMV form: "scheduled" (`schedule_moe_gemv`) or
+    "avx512" (hand-vectorised), compiled for the host."""
+    d = dict(dims)
+    target = get_target(CPU)
+    if form == "avx512":
+        funcs = {"moe_gate_up": moe.make_moe_gate_up_gemv_avx512(topk=2, swiglu_limit=LIMIT, **d),
+                 "moe_down": moe.make_moe_down_gemv_avx512(topk=2, **d)}
+    else:
+        cfg = moe.MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv")
+        funcs = {"moe_gate_up": moe.schedule_moe_gemv(moe.make_moe_gate_up_gemv(
+                     topk=2, swiglu_limit=LIMIT, **d), cfg, target, "h"),
+                 "moe_down": moe.schedule_moe_gemv(moe.make_moe_down_gemv(topk=2, **d), cfg,
+                                                   target, "o")}
+    return {name: tvm.compile(f, target=target.tvm_target())[name] for name, f in funcs.items()}
+
+
+@pytest.mark.skipif(not has_features(get_target(CPU), "avx512f", "fma"),
+                    reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("form", ["scheduled", "avx512"])
+def test_decode_gemv_forms_match_oracle(form):
+    """Both decode GEMV forms in the chain (the host's other kernels around them): the scheduled
+    one, which CPUs without AVX-512 take, and the hand-vectorised one (partial 32-column tiles:
+    inter 96 and dim 64 against 32-column tasks; one and several tokens, shared experts)."""
+    chain = _split(2, 1)
+    pair = _gemv_pair(form, tuple(DIMS.items()))
+    ex = {name: pair[name] if name in pair else chain[name] for name in
+          ("moe_route", "moe_qdq_x", "moe_gate_up", "moe_qdq_h", "moe_down", "moe_combine")}
+    for n, ids in ((1, None), (2, None), (7, IDS7)):
+        args = _case(n, 2, ids, seed=n + 3)
+        out = _y(_run_chain(ex, args, 2, 1))
         _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
 
 
@@ -333,6 +369,9 @@ def test_config_kinds():
         return moe.moe_split_config(get_target(target), n=n, topk=2, **DIMS).kind
 
     assert kind(CPU, 1) == "gemv" and kind(CPU, None) == "tiles"
+    host = moe.moe_split_config(get_target(CPU), n=1, topk=2, **DIMS)
+    assert host.avx512 == has_features(get_target(CPU), "avx512f", "fma")
+    assert not moe.moe_split_config(get_target("cpu-x86-64"), n=1, topk=2, **DIMS).avx512
     assert kind("cuda-sm90", 1) == "tiles" and kind("cuda-sm90", None) == "tiles"
     with pytest.raises(ValueError, match="'tiles' or 'gemv'"):
         moe.MoeSplitConfig(kind="dense")
