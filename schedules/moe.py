@@ -472,7 +472,8 @@ def make_moe_down_gemv(*, dim: int, inter: int, n_experts: int, topk: int
 
 
 # ---- the GEMV form hand-vectorised (AVX-512) ----------------------------------------------------
-# Per output column one walk along its packed row, 16 bytes (one 32-block) per step: the bytes
+# Per output column one walk along its packed row (gate and up together), 16 bytes (one 32-block)
+# per step, the block's E8M0 scale decoded for the whole row first (vectorised): the bytes
 # widened to 32-bit lanes index (vpermps reads the low 4 bits of each lane: the low nibble as
 # is, the high one after a shift) a 16-entry table of the E2M1 values times the block's E8M0
 # scale, so the weights arrive decoded and scaled in two instructions; the even elements
@@ -496,26 +497,32 @@ def _fma16(a, b, c):
 
 
 @T.macro
-def _fp4_row_dot(acc, c0, w, s, e, a, xe, xo, r, nblk, tbl, rows):
-    """acc[c0] (even) and acc[c0 + 1] (odd) += the 16-lane partial dot of packed row w[e, a]
-    (nblk 32-blocks, E8M0 scales s[e, a]) with the activation row r split by parity (xe, xo);
-    one 64-byte line of row a + GEMV_PREFETCH (of `rows`) is prefetched every 4 blocks."""
-    for blk in range(nblk):
-        if blk % 4 == 0:
-            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), blk * 16]), 0, 3, 1))
-        ts = tbl[T.ramp(0, 1, 16)] * T.broadcast(e8m0_byte(s[e, a, blk]), 16)
-        dw = T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))
-        acc[c0, T.ramp(0, 1, 16)] = _fma16(xe[r, T.ramp(blk * 16, 1, 16)], _permps(ts, dw),
-                                           acc[c0, T.ramp(0, 1, 16)])
-        acc[c0 + 1, T.ramp(0, 1, 16)] = _fma16(
-            xo[r, T.ramp(blk * 16, 1, 16)], _permps(ts, dw >> T.broadcast(T.uint32(4), 16)),
-            acc[c0 + 1, T.ramp(0, 1, 16)])
+def _fp4_block(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
+    """acc[c, 0] (even elements) and acc[c, 1] (odd) += block blk of packed row w[e, a] (its
+    E8M0 scale already fp32 in sc[c, blk]) times the activation row r split by parity (xe,
+    xo). The scaled table and the widened bytes are written twice; LLVM computes them once."""
+    acc[c, 0, T.ramp(0, 1, 16)] = _fma16(
+        xe[r, T.ramp(blk * 16, 1, 16)],
+        _permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
+                T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))),
+        acc[c, 0, T.ramp(0, 1, 16)])
+    acc[c, 1, T.ramp(0, 1, 16)] = _fma16(
+        xo[r, T.ramp(blk * 16, 1, 16)],
+        _permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
+                T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))
+                >> T.broadcast(T.uint32(4), 16)),
+        acc[c, 1, T.ramp(0, 1, 16)])
 
 
-def _lane_total(acc, c0):
-    """(acc[c0] + acc[c0 + 1]) added pairwise over its 16 lanes."""
-    v = acc[c0, T.ramp(0, 1, 16)] + acc[c0 + 1, T.ramp(0, 1, 16)]
+def _prefetch_row(w, e, a, rows, blk):
+    """Prefetch the 64-byte line at block blk of row a + GEMV_PREFETCH (of `rows`)."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+        w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), blk * 16]), 0, 3, 1))
+
+
+def _lane_total(acc, c):
+    """acc[c]'s even and odd partial sums added, then pairwise over the 16 lanes."""
+    v = acc[c, 0, T.ramp(0, 1, 16)] + acc[c, 1, T.ramp(0, 1, 16)]
     width = 16
     while width > 1:
         width //= 2
@@ -525,9 +532,9 @@ def _lane_total(acc, c0):
 
 @T.macro
 def _zero_acc(acc, n_acc):
-    for c in T.unroll(n_acc):
+    for c, p in T.grid(n_acc, 2):
         for j in T.vectorized(16):
-            acc[c, j] = T.float32(0)
+            acc[c, p, j] = T.float32(0)
 
 
 def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
@@ -560,7 +567,8 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
             xo[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2 + 1]
         for task in T.parallel(n * KT * IT):
             tbl = T.alloc_buffer((16,), "float32", scope="local")
-            acc = T.alloc_buffer((4, 16), "float32", scope="local")
+            acc = T.alloc_buffer((2, 2, 16), "float32", scope="local")  # gate, up x parity
+            sc = T.alloc_buffer((2, DB), "float32", scope="local")  # the row's scales
             for i in T.unroll(16):
                 tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
             r = task // IT
@@ -568,13 +576,19 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
             q = idx(row_pair[r], n * KT)
             for c in range(i64(BLOCK)):
                 if (task % IT) * BLOCK + c < I:
-                    _zero_acc(acc, 4)
-                    _fp4_row_dot(acc, 0, w1, s1, e, (task % IT) * BLOCK + c, xe, xo, r, DB,
-                                 tbl, I)
-                    _fp4_row_dot(acc, 2, w3, s3, e, (task % IT) * BLOCK + c, xe, xo, r, DB,
-                                 tbl, I)
-                    h[r, (task % IT) * BLOCK + c] = _to_bf16(weights[q // KT, q % KT] * silu_times(
-                        round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 2)),
+                    a = T.meta_var((task % IT) * BLOCK + c)
+                    _zero_acc(acc, 2)
+                    for blk in T.vectorized(DB):
+                        sc[0, blk] = e8m0_byte(s1[e, a, blk])
+                        sc[1, blk] = e8m0_byte(s3[e, a, blk])
+                    for blk in range(DB):
+                        if blk % 4 == 0:
+                            _prefetch_row(w1, e, a, I, blk)
+                            _prefetch_row(w3, e, a, I, blk)
+                        _fp4_block(acc, 0, w1, sc, e, a, xe, xo, r, blk, tbl)
+                        _fp4_block(acc, 1, w3, sc, e, a, xe, xo, r, blk, tbl)
+                    h[r, a] = _to_bf16(weights[q // KT, q % KT] * silu_times(
+                        round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
                         swiglu_limit))
 
     return moe_gate_up
@@ -606,17 +620,23 @@ def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
             xo[r, j] = hq[r, j * 2 + 1]
         for task in T.parallel(n * KT * DT):
             tbl = T.alloc_buffer((16,), "float32", scope="local")
-            acc = T.alloc_buffer((2, 16), "float32", scope="local")
+            acc = T.alloc_buffer((1, 2, 16), "float32", scope="local")
+            sc = T.alloc_buffer((1, IB), "float32", scope="local")
             for i in T.unroll(16):
                 tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
             r = task // DT
             e = _expert_of(ids, row_pair, r, n * KT, KT, E)
             for c in range(i64(BLOCK)):
                 if (task % DT) * BLOCK + c < D:
-                    _zero_acc(acc, 2)
-                    _fp4_row_dot(acc, 0, w2, s2, e, (task % DT) * BLOCK + c, xe, xo, r, IB,
-                                 tbl, D)
-                    o[r, (task % DT) * BLOCK + c] = _to_bf16(_lane_total(acc, 0))
+                    a = T.meta_var((task % DT) * BLOCK + c)
+                    _zero_acc(acc, 1)
+                    for blk in T.vectorized(IB):
+                        sc[0, blk] = e8m0_byte(s2[e, a, blk])
+                    for blk in range(IB):
+                        if blk % 4 == 0:
+                            _prefetch_row(w2, e, a, D, blk)
+                        _fp4_block(acc, 0, w2, sc, e, a, xe, xo, r, blk, tbl)
+                    o[r, a] = _to_bf16(_lane_total(acc, 0))
 
     return moe_down
 
