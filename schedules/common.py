@@ -76,9 +76,14 @@ def round_bf16(x):
     """fp32 -> nearest bf16 (ties to even) -> fp32, as torch's `.to(bfloat16).float()`.
 
     Done on the bits: TVM folds a Cast(f32, Cast(bf16, x)) pair away. NaN stays NaN."""
+    return T.if_then_else(x != x, x, round_bf16_finite(x))
+
+
+def round_bf16_finite(x):
+    """`round_bf16` of a value known not to be NaN: the rounding on the bits alone."""
     u = T.reinterpret("uint32", x)
-    r = (u + ((u >> T.uint32(16)) & T.uint32(1)) + T.uint32(0x7FFF)) & T.uint32(0xFFFF0000)
-    return T.if_then_else(x != x, x, T.reinterpret("float32", r))
+    return T.reinterpret("float32", (u + ((u >> T.uint32(16)) & T.uint32(1)) + T.uint32(0x7FFF))
+                         & T.uint32(0xFFFF0000))
 
 
 # ---- small TIR expression helpers shared by the GEMM and MoE kernels --------------------------
@@ -147,6 +152,25 @@ def silu_times(gate, up, limit: float):
         up = T.max(T.min(up, T.float32(limit)), T.float32(-limit))
         gate = T.min(gate, T.float32(limit))
     return let(gate, lambda g: g / (T.float32(1) + T.exp(-g)) * up, "gate")
+
+
+def prefetch(addr):
+    """Prefetch the cache line at `addr` (an address_of) into all cache levels, for reading."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", addr, 0, 3, 1))
+
+
+def pairwise_lane_sum(v, lanes: int):
+    """The `lanes` lanes of vector v added pairwise (halves, then quarters, ..) to one lane."""
+    while lanes > 1:
+        lanes //= 2
+        v = T.Shuffle([v], list(range(lanes))) + T.Shuffle([v], list(range(lanes, 2 * lanes)))
+    return v
+
+
+def permps(tbl, idx):
+    """vpermps: lane i of the result is lane (idx lane i & 15) of the float32x16 table `tbl`."""
+    return T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", tbl,
+                                   T.reinterpret("int32x16", idx))
 
 
 # ---- CPU features of a target ------------------------------------------------------------------

@@ -60,8 +60,10 @@ from .common import (
     has_features,
     i64,
     let,
+    pairwise_lane_sum,
     u32,
 )
+from .common import prefetch as prefetch_line
 
 BLOCK = 32  # FP8/MXFP4 quantisation group along K, and the weight tile edge
 
@@ -400,9 +402,7 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             flg[t] = T.uint8(0)
         for ch in range(NCH):
             if prefetch > 0:
-                T.evaluate(T.call_llvm_intrin(
-                    "void", "llvm.prefetch.p0", T.address_of(
-                        weight[T.min(col + prefetch, N - i64(1)), ch * CL]), 0, 3, 1))
+                prefetch_line(T.address_of(weight[T.min(col + prefetch, N - i64(1)), ch * CL]))
             codes = weight.vload([col, ch * CL], f"uint8x{CL}")
             h = _f16_bits_even_odd(codes, LN)  # [even, odd]
             fma(acc, xs, ch, 0, _f16_to_f32(h[0], 0, LN))
@@ -413,12 +413,8 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                                           codes & T.broadcast(T.uint8(0x7F), CL))
 
     def lane_total(acc):  # the 4 x LN lanes of a column added pairwise
-        v = (f32v(acc, 0) + f32v(acc, LN)) + (f32v(acc, 2 * LN) + f32v(acc, 3 * LN))
-        width = LN
-        while width > 1:
-            width //= 2
-            v = T.Shuffle([v], list(range(width))) + T.Shuffle([v], list(range(width, 2 * width)))
-        return v
+        return pairwise_lane_sum(
+            (f32v(acc, 0) + f32v(acc, LN)) + (f32v(acc, 2 * LN) + f32v(acc, 3 * LN)), LN)
 
     def has_nan(flg):  # some byte is 0x7f: the top bit of flg + 1 (vpmovmskb over 32 bytes)
         f32b = flg[T.ramp(0, 1, 32)]

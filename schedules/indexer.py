@@ -50,7 +50,15 @@ from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
 
 from .common import amx as amx_instr
-from .common import amx_configure, fp4_to_f32_select, has_avx512, has_features, round_bf16
+from .common import (
+    amx_configure,
+    fp4_to_f32_select,
+    has_avx512,
+    has_features,
+    permps,
+    round_bf16,
+    round_bf16_finite,
+)
 
 SCORE_PAD = 128  # score rows are padded to a multiple of this (every CPU/GPU tile divides it)
 HEAD_CHUNK = 16  # torch's CPU sum reduces rows in sequential chunks of 16 (ATen multi_row_sum)
@@ -527,13 +535,6 @@ def _code_max(w):
     return T.max(T.max(_code(w, 0), _code(w, 1)), T.max(_code(w, 2), _code(w, 3)))
 
 
-def _round_bf16_finite(x):
-    """`round_bf16` of a value that is not NaN (no NaN case)."""
-    u = T.reinterpret("uint32", x)
-    return T.reinterpret("float32", (u + ((u >> T.uint32(16)) & T.uint32(1)) + T.uint32(0x7FFF))
-                         & T.uint32(0xFFFF0000))
-
-
 def _permb(lut, idx):
     """vpermb: byte i of the result is lut[idx byte i & 63] (a uint32x16 index vector)."""
     return T.call_llvm_pure_intrin("int8x64", "llvm.x86.avx512.permvar.qi.512",
@@ -657,9 +658,7 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         if LN == 8:  # vpermps holds 8 entries: a select chain instead
             return fp4_to_f32_select((words >> T.broadcast(T.uint32(4 * n), LN))
                                      & T.broadcast(T.uint32(15), LN))
-        idx = T.reinterpret(I32V, words >> T.broadcast(T.uint32(4 * n), 16))
-        return T.call_llvm_pure_intrin(F32V, "llvm.x86.avx512.permvar.sf.512",
-                                       tbl.vload([0], F32V), idx)
+        return permps(tbl.vload([0], F32V), words >> T.broadcast(T.uint32(4 * n), 16))
 
     @T.macro
     def stage(rows, bit):
@@ -845,9 +844,8 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                                   | (kmn[e] + qlim[1] > AMX_EXP_HI), 1, 0)
             for blk in T.unroll(4):
                 for e in T.vectorized(TT):
-                    shv[blk, e] = T.Cast("uint32", T.Cast("int32", (ksw[e] >> T.uint32(8 * blk))
-                                                          & T.uint32(255)) - kmn[e]) * T.uint32(
-                                                              0x10101010)
+                    shv[blk, e] = T.Cast("uint32", _code(ksw[e], blk) - kmn[e]) * T.uint32(
+                        0x10101010)
             ok[0] = 1
             for e in range(TT):
                 ok[0] = ok[0] & (1 - bad[e])
@@ -862,7 +860,7 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                 part[c, e] = T.float32(0)
         for h in range(H):
             for e in T.vectorized(TT):
-                part[h // che, e] = part[h // che, e] + round_bf16(T.max(_round_bf16_finite(
+                part[h // che, e] = part[h // che, e] + round_bf16(T.max(round_bf16_finite(
                     T.Cast("float32", cb[pend[3], h, e]) * (ksm[pend[4], e]
                                                             * qs[vb, pend[2], h])),
                     T.float32(0)) * wf[vb, pend[2], h])
@@ -1021,6 +1019,67 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
             if pend[0] == T.int64(1):
                 amx_finish(cb, ksm, pend, part, wf, qs, O, L, vb, t)
 
+    @T.macro
+    def prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qlim, b, s):
+        """q and w to fp32 once (serial: tiny next to the sweep), then the int8 (and AMX)
+        forms of q and the flag that picks the dot."""
+        for r in range(b * s):
+            for h in range(H):
+                wf[r // s, r % s, h] = T.Cast("float32", W[r // s, r % s, h])
+                for d in T.vectorized(D):
+                    qf[r // s, r % s, h, d] = T.Cast("float32", Q[r // s, r % s, h, d])
+        flag[0] = 0
+        if vnni:
+            prep_q(qf, qw, qsc, corr, qex, flag, mx, cs, wd, b, s)
+            if amx:
+                prep_amx(qw, qex, qa, qs, qlim, flag, cs, wd, b, s)
+
+    @T.macro
+    def sweep_task(KPx, KSx, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim, qa, qs):
+        """One parallel task of the sweep over the key store KPx / KSx: its buffers (allocated
+        once per task, not per tile), tables and AMX tile configuration, its tiles
+        (`sweep_tiles`), the tiles released."""
+        kd = T.alloc_buffer((D, TT), "float32", scope="local")  # decoded keys, [d, entry]
+        kq = T.alloc_buffer((NQ, TT), "int32", scope="local")  # VNNI: key byte quads
+        sc = T.alloc_buffer((NBLK, TT), "float32", scope="local")  # E8M0 scales
+        rows = T.alloc_buffer((nwb, LN), "uint32", scope="local")  # the transpose
+        # the 16 E2M1 values in code order; vpermps reads only the low 4 bits of each
+        # index lane, so a nibble needs a shift but no mask
+        tbl = T.alloc_buffer((16,), "float32", scope="local")
+        lut8 = T.alloc_buffer((4 * LN,), "int8", scope="local")  # VNNI: 2 * E2M1 + 12
+        acc = T.alloc_buffer((HB, TT), "float32", scope="local")
+        iacc = T.alloc_buffer((HB, TT), "int32", scope="local")  # VNNI: one key block
+        i16 = T.alloc_buffer((HB, TT * 2), "int16", scope="local")  # AVX2: pair sums
+        part = T.alloc_buffer((nc, TT), "float32", scope="local")  # head-chunk sums
+        kmn = T.alloc_buffer((TT,), "int32", scope="local")  # AMX: least key code
+        ksm = T.alloc_buffer((2, TT), "float32", scope="local")  # AMX: its scale (2 slots)
+        ksw = T.alloc_buffer((TT,), "uint32", scope="local")  # an entry's 4 E8M0 codes
+        pend = T.alloc_buffer((5,), "int64", scope="local")  # AMX: the pending item
+        tog = T.alloc_buffer((2,), "int64", scope="local")  # AMX: cb, ksm slots
+        shv = T.alloc_buffer((NBLK, TT), "uint32", scope="local")  # AMX: key shifts x 16
+        bad = T.alloc_buffer((TT,), "int32", scope="local")  # AMX: 1 if the key cannot
+        ok = T.alloc_buffer((1,), "int32", scope="local")  # AMX: 1 if the tile takes it
+        lut64 = T.alloc_buffer((64,), "int8", scope="local")  # AMX: (2 * E2M1) << shift
+        cb = T.alloc_buffer((2, H, TT), "int32", scope="local")  # AMX: the int32 dots
+        cfg = T.alloc_buffer((64,), "uint8", scope="local")  # AMX: tile configuration
+        for i in T.unroll(16):
+            tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
+        for i in range(4 * LN):  # the table repeats in each 128-bit lane (vpshufb)
+            lut8[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16)) * T.float32(2)
+                             + T.float32(12))
+        if amx:
+            for i in range(64):  # code n, shift j at 16 j + n (vpermb reads 6 index bits)
+                lut64[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16))
+                                  * T.Cast("float32", T.int32(2) << (i // 16)))
+            if flag[0] == 2:
+                amx_configure(cfg)
+        sweep_tiles(KPx, KSx, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd, kq, sc,
+                    rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv, bad, ok, qlim,
+                    lut64, qa, qs, cb, pend, tog)
+        if amx:
+            if flag[0] == 2:
+                amx_instr("tilerelease")
+
     @T.prim_func
     def index_scores(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, w_h: T.handle,
                      lens_h: T.handle, out_h: T.handle):
@@ -1045,58 +1104,11 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         mx = T.alloc_buffer((1,), "float32")
         cs = T.alloc_buffer((1,), "int32")
         wd = T.alloc_buffer((1,), "int32")
-        for r in range(b * s):  # q, w to fp32 once (serial: tiny next to the sweep)
-            for h in range(H):
-                wf[r // s, r % s, h] = T.Cast("float32", W[r // s, r % s, h])
-                for d in T.vectorized(D):
-                    qf[r // s, r % s, h, d] = T.Cast("float32", Q[r // s, r % s, h, d])
-        flag[0] = 0
-        if vnni:
-            prep_q(qf, qw, qsc, corr, qex, flag, mx, cs, wd, b, s)
-            if amx:
-                prep_amx(qw, qex, qa, qs, qlim, flag, cs, wd, b, s)
+        prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qlim, b, s)
         for task in T.parallel(b * tasks(t)):
-            kd = T.alloc_buffer((D, TT), "float32", scope="local")  # decoded keys, [d, entry]
-            kq = T.alloc_buffer((NQ, TT), "int32", scope="local")  # VNNI: key byte quads
-            sc = T.alloc_buffer((NBLK, TT), "float32", scope="local")  # E8M0 scales
-            rows = T.alloc_buffer((nwb, LN), "uint32", scope="local")  # the transpose
-            # the 16 E2M1 values in code order; vpermps reads only the low 4 bits of each
-            # index lane, so a nibble needs a shift but no mask
-            tbl = T.alloc_buffer((16,), "float32", scope="local")
-            lut8 = T.alloc_buffer((4 * LN,), "int8", scope="local")  # VNNI: 2 * E2M1 + 12
-            acc = T.alloc_buffer((HB, TT), "float32", scope="local")
-            iacc = T.alloc_buffer((HB, TT), "int32", scope="local")  # VNNI: one key block
-            i16 = T.alloc_buffer((HB, TT * 2), "int16", scope="local")  # AVX2: pair sums
-            part = T.alloc_buffer((nc, TT), "float32", scope="local")  # head-chunk sums
-            kmn = T.alloc_buffer((TT,), "int32", scope="local")  # AMX: least key code
-            ksm = T.alloc_buffer((2, TT), "float32", scope="local")  # AMX: its scale (2 slots)
-            ksw = T.alloc_buffer((TT,), "uint32", scope="local")  # an entry's 4 E8M0 codes
-            pend = T.alloc_buffer((5,), "int64", scope="local")  # AMX: the pending item
-            tog = T.alloc_buffer((2,), "int64", scope="local")  # AMX: cb, ksm slots
-            shv = T.alloc_buffer((NBLK, TT), "uint32", scope="local")  # AMX: key shifts x 16
-            bad = T.alloc_buffer((TT,), "int32", scope="local")  # AMX: 1 if the key cannot
-            ok = T.alloc_buffer((1,), "int32", scope="local")  # AMX: 1 if the tile takes it
-            lut64 = T.alloc_buffer((64,), "int8", scope="local")  # AMX: (2 * E2M1) << shift
-            cb = T.alloc_buffer((2, H, TT), "int32", scope="local")  # AMX: the int32 dots
-            cfg = T.alloc_buffer((64,), "uint8", scope="local")  # AMX: tile configuration
-            for i in T.unroll(16):
-                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
-            for i in range(4 * LN):  # the table repeats in each 128-bit lane (vpshufb)
-                lut8[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16)) * T.float32(2)
-                                 + T.float32(12))
-            if amx:
-                for i in range(64):  # code n, shift j at 16 j + n (vpermb reads 6 index bits)
-                    lut64[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16))
-                                      * T.Cast("float32", T.int32(2) << (i // 16)))
-                if flag[0] == 2:
-                    amx_configure(cfg)
             vb = task // tasks(t)
-            sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                        kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
-            if amx:
-                if flag[0] == 2:
-                    amx_instr("tilerelease")
+            sweep_task(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                       qa, qs)
 
     @T.prim_func
     def index_scores_shared(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, a1_h: T.handle,
@@ -1132,96 +1144,41 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         mx = T.alloc_buffer((1,), "float32")
         cs = T.alloc_buffer((1,), "int32")
         wd = T.alloc_buffer((1,), "int32")
-        for r in range(b * s):  # q, w to fp32 once (serial: tiny next to the sweep)
-            for h in range(H):
-                wf[r // s, r % s, h] = T.Cast("float32", W[r // s, r % s, h])
-                for d in T.vectorized(D):
-                    qf[r // s, r % s, h, d] = T.Cast("float32", Q[r // s, r % s, h, d])
-        flag[0] = 0
-        if vnni:
-            prep_q(qf, qw, qsc, corr, qex, flag, mx, cs, wd, b, s)
-            if amx:
-                prep_amx(qw, qex, qa, qs, qlim, flag, cs, wd, b, s)
+        prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qlim, b, s)
         for task in T.parallel(b * tasks(t)):
-            kd = T.alloc_buffer((D, TT), "float32", scope="local")  # decoded keys, [d, entry]
-            kq = T.alloc_buffer((NQ, TT), "int32", scope="local")  # VNNI: key byte quads
-            sc = T.alloc_buffer((NBLK, TT), "float32", scope="local")  # E8M0 scales
-            rows = T.alloc_buffer((nwb, LN), "uint32", scope="local")  # the transpose
-            # the 16 E2M1 values in code order; vpermps reads only the low 4 bits of each
-            # index lane, so a nibble needs a shift but no mask
-            tbl = T.alloc_buffer((16,), "float32", scope="local")
-            lut8 = T.alloc_buffer((4 * LN,), "int8", scope="local")  # VNNI: 2 * E2M1 + 12
-            acc = T.alloc_buffer((HB, TT), "float32", scope="local")
-            iacc = T.alloc_buffer((HB, TT), "int32", scope="local")  # VNNI: one key block
-            i16 = T.alloc_buffer((HB, TT * 2), "int16", scope="local")  # AVX2: pair sums
-            part = T.alloc_buffer((nc, TT), "float32", scope="local")  # head-chunk sums
-            kmn = T.alloc_buffer((TT,), "int32", scope="local")  # AMX: least key code
-            ksm = T.alloc_buffer((2, TT), "float32", scope="local")  # AMX: its scale (2 slots)
-            ksw = T.alloc_buffer((TT,), "uint32", scope="local")  # an entry's 4 E8M0 codes
-            pend = T.alloc_buffer((5,), "int64", scope="local")  # AMX: the pending item
-            tog = T.alloc_buffer((2,), "int64", scope="local")  # AMX: cb, ksm slots
-            shv = T.alloc_buffer((NBLK, TT), "uint32", scope="local")  # AMX: key shifts x 16
-            bad = T.alloc_buffer((TT,), "int32", scope="local")  # AMX: 1 if the key cannot
-            ok = T.alloc_buffer((1,), "int32", scope="local")  # AMX: 1 if the tile takes it
-            lut64 = T.alloc_buffer((64,), "int8", scope="local")  # AMX: (2 * E2M1) << shift
-            cb = T.alloc_buffer((2, H, TT), "int32", scope="local")  # AMX: the int32 dots
-            cfg = T.alloc_buffer((64,), "uint8", scope="local")  # AMX: tile configuration
-            for i in T.unroll(16):
-                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
-            for i in range(4 * LN):  # the table repeats in each 128-bit lane (vpshufb)
-                lut8[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16)) * T.float32(2)
-                                 + T.float32(12))
-            if amx:
-                for i in range(64):  # code n, shift j at 16 j + n (vpermb reads 6 index bits)
-                    lut64[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16))
-                                      * T.Cast("float32", T.int32(2) << (i // 16)))
-                if flag[0] == 2:
-                    amx_configure(cfg)
             vb = task // tasks(t)
             # the shared index-K pointer: this row's keys are the first t rows of the store
             # the pointer names (an alternate's own row count is at least t)
             if n_alt == 1:
                 if PK[vb] == T.int64(1):
-                    sweep_tiles(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
+                    sweep_task(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
                 else:
-                    sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
+                    sweep_task(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
             elif n_alt == 2:
                 if PK[vb] == T.int64(1):
-                    sweep_tiles(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
+                    sweep_task(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
                 elif PK[vb] == T.int64(2):
-                    sweep_tiles(A2, S2, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
+                    sweep_task(A2, S2, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
                 else:
-                    sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
+                    sweep_task(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
             else:
                 if PK[vb] == T.int64(1):
-                    sweep_tiles(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
+                    sweep_task(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
                 elif PK[vb] == T.int64(2):
-                    sweep_tiles(A2, S2, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
+                    sweep_task(A2, S2, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
                 elif PK[vb] == T.int64(3):
-                    sweep_tiles(A3, S3, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
+                    sweep_task(A3, S3, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
                 else:
-                    sweep_tiles(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd,
-                                kq, sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv,
-                                bad, ok, qlim, lut64, qa, qs, cb, pend, tog)
-            if amx:
-                if flag[0] == 2:
-                    amx_instr("tilerelease")
+                    sweep_task(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                               qa, qs)
 
     if n_alt:
         return index_scores_shared

@@ -46,6 +46,9 @@ from .common import (
     i64,
     idx,
     let,
+    pairwise_lane_sum,
+    permps,
+    prefetch,
     round_bf16,
     round_bf16_bound,
     silu_times,
@@ -483,13 +486,7 @@ def make_moe_down_gemv(*, dim: int, inter: int, n_experts: int, topk: int
 # columns' rows are prefetched GEMV_PREFETCH columns ahead (weights stream from memory at
 # decode). Only the order of the fp32 additions differs from the oracle.
 
-GEMV_LANES = 16
 GEMV_PREFETCH = 4  # columns ahead whose packed rows are prefetched
-
-
-def _permps(tbl, idx):
-    return T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", tbl,
-                                   T.reinterpret("int32x16", idx))
 
 
 def _fma16(a, b, c):
@@ -503,12 +500,12 @@ def _fp4_block(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
     xo). The scaled table and the widened bytes are written twice; LLVM computes them once."""
     acc[c, 0, T.ramp(0, 1, 16)] = _fma16(
         xe[r, T.ramp(blk * 16, 1, 16)],
-        _permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
+        permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
                 T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))),
         acc[c, 0, T.ramp(0, 1, 16)])
     acc[c, 1, T.ramp(0, 1, 16)] = _fma16(
         xo[r, T.ramp(blk * 16, 1, 16)],
-        _permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
+        permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
                 T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))
                 >> T.broadcast(T.uint32(4), 16)),
         acc[c, 1, T.ramp(0, 1, 16)])
@@ -516,18 +513,12 @@ def _fp4_block(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
 
 def _prefetch_row(w, e, a, rows, blk):
     """Prefetch the 64-byte line at block blk of row a + GEMV_PREFETCH (of `rows`)."""
-    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-        w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), blk * 16]), 0, 3, 1))
+    return prefetch(T.address_of(w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), blk * 16]))
 
 
 def _lane_total(acc, c):
     """acc[c]'s even and odd partial sums added, then pairwise over the 16 lanes."""
-    v = acc[c, 0, T.ramp(0, 1, 16)] + acc[c, 1, T.ramp(0, 1, 16)]
-    width = 16
-    while width > 1:
-        width //= 2
-        v = T.Shuffle([v], list(range(width))) + T.Shuffle([v], list(range(width, 2 * width)))
-    return v
+    return pairwise_lane_sum(acc[c, 0, T.ramp(0, 1, 16)] + acc[c, 1, T.ramp(0, 1, 16)], 16)
 
 
 @T.macro
