@@ -910,6 +910,17 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
             amx_instr("tilestored64", T.int8(7), T.address_of(cb[slot, mp * 32 + 16, 16]), krow)
 
     @T.macro
+    def dec_vector(kd, kq, rows, tbl, lut8, sc, flag, m0, g):
+        """The key decode for the vector dots: int8 quads while flag is 1 or 2, else fp32."""
+        if vnni:
+            if flag[0] >= 1:
+                dec_int(kq, rows, lut8, m0, g)
+            else:
+                dec_fp32(kd, rows, tbl, sc, m0, g)
+        else:
+            dec_fp32(kd, rows, tbl, sc, m0, g)
+
+    @T.macro
     def head_terms(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag, part, vb, vs):
         """part[chunk, e] += the heads' terms of query vs, head_block heads at a time in
         registers (the int8 dot while flag is 1 or 2, else the fp32 one)."""
@@ -981,17 +992,10 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                     if amx:
                         if ok[0] == 1:
                             dec_amx(kq, rows, lut64, shv, m0, g)
-                        elif flag[0] >= 1:
-                            dec_int(kq, rows, lut8, m0, g)
                         else:
-                            dec_fp32(kd, rows, tbl, sc, m0, g)
-                    elif vnni:
-                        if flag[0] == 1:
-                            dec_int(kq, rows, lut8, m0, g)
-                        else:
-                            dec_fp32(kd, rows, tbl, sc, m0, g)
+                            dec_vector(kd, kq, rows, tbl, lut8, sc, flag, m0, g)
                     else:
-                        dec_fp32(kd, rows, tbl, sc, m0, g)
+                        dec_vector(kd, kq, rows, tbl, lut8, sc, flag, m0, g)
                 for vs in range(s):
                     if amx:
                         if ok[0] == 1:
