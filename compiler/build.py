@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
+from dsv41.graph.engram import host_resident
 from dsv41.graph.entries import (
     ENTRIES,
+    HOST_INPUTS,
     VISION_ENTRY,
     VISION_OUTPUTS,
     cache_names,
@@ -91,8 +93,10 @@ def entry_bounds(model: Model, entry: str, ep, template) -> dict[str, int] | Non
     return bounds
 
 
-def entry_signature(ep, template, plan, entry: str) -> dict:
-    """Inputs (user inputs with symbolic shapes), cache tensor names and parameter order."""
+def entry_signature(ep, template, plan, entry: str, *, host_engram: bool = True) -> dict:
+    """Inputs (user inputs with symbolic shapes), cache tensor names and parameter order;
+    `host_engram` (the entry was lowered so, `lower.lower`): the Engram tables and the hash ids
+    are marked `host`, read in host memory whatever the artifact's device."""
     specs = ep.graph_signature.input_specs
     user, params = [], []
     nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
@@ -101,9 +105,11 @@ def entry_signature(ep, template, plan, entry: str) -> dict:
         desc = {"name": spec.arg.name, "dtype": str(val.dtype).replace("torch.", ""),
                 "shape": [str(d) for d in val.shape]}
         if spec.kind.name == "PARAMETER":
-            params.append({**desc, "param": spec.target})
+            host = host_engram and host_resident(spec.target)
+            params.append({**desc, "param": spec.target, **({"host": True} if host else {})})
         else:
-            user.append(desc)
+            host = host_engram and spec.arg.name in HOST_INPUTS
+            user.append({**desc, **({"host": True} if host else {})})
     vision = entry == VISION_ENTRY  # no cache: patches in, aligned rows out
     sig = {"inputs": user, "params": params, "cache": [] if vision else cache_names(template),
            "outputs": list(VISION_OUTPUTS) if vision else entry_outputs(plan, entry, template),

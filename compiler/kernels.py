@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
+from dsv41.graph.ops import ENGRAM_ROWS_FUNC
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import attention, cache_write, gemm, indexer, mhc, moe, norm, quant
 
@@ -85,6 +86,31 @@ def _collective(ctx: Lowering, op: str):
             args, out = [x, not_in_group], tensor([dims[0] * shards, *dims[1:]], x.ty.dtype)
         return importer.block_builder.emit(
             relax.call_dps_packed(ctx.ccl.function(op), args, out_ty=out))
+
+    return convert
+
+
+def _engram_rows(ctx: Lowering):
+    """dsv41::engram_rows -> a call of the host runtime's `ENGRAM_ROWS_FUNC` with the hash ids,
+    the slot and the two tables, which stay in host memory (`runtime.engram_host` gathers the
+    rows ahead, on its own thread, and hands them over on the entry's device). No kernel. A
+    sharded worker's entry (`ctx.host_engram` False) gathers them itself with `take`."""
+
+    def convert(node, importer):
+        bb = importer.block_builder
+        ids, table, scale = (importer.env[a] for a in (node.args[0], node.args[2], node.args[3]))
+        slot = int(node.args[1])
+        b, s, _, cols = shape(ids)
+        out = [tensor([b, s, cols, shape(t)[1]], t.ty.dtype) for t in (table, scale)]
+        if ctx.host_engram:
+            pair = bb.emit(relax.op.call_pure_packed(
+                ENGRAM_ROWS_FUNC, ids, relax.prim_value(slot), table, scale,
+                ty_args=relax.TupleType(out)))
+            return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(pair, i)) for i in (0, 1)]))
+        own = bb.emit(relax.op.squeeze(relax.op.strided_slice(ids, axes=[2], begin=[slot],
+                                                               end=[slot + 1]), axis=[2]))
+        return bb.emit(relax.Tuple([bb.emit(relax.op.take(t, own, axis=0))
+                                    for t in (table, scale)]))
 
     return convert
 
@@ -508,6 +534,9 @@ COLLECTIVES: dict[str, Converter] = {  # dsv41 ops without a kernel: calls of th
     "all_reduce.default": lambda ctx: _collective(ctx, "allreduce"),
     "all_gather.default": lambda ctx: _collective(ctx, "allgather"),
 }
+HOST_CALLS: dict[str, Converter] = {  # dsv41 ops without a kernel: calls of the host runtime
+    "engram_rows.default": _engram_rows,
+}
 
 
 def entry_of(key: KernelKey) -> KernelEntry:
@@ -528,7 +557,7 @@ def build(key: KernelKey, target_name: str) -> tvm.tirx.PrimFunc:
 def converters(ctx: Lowering) -> dict:
     """torch op -> converter, for every custom op (`compiler.lower.convert_map` adds the aten
     overrides)."""
-    out = {op: make(ctx) for op, make in COLLECTIVES.items()}
+    out = {op: make(ctx) for op, make in (*COLLECTIVES.items(), *HOST_CALLS.items())}
     for entry in REGISTRY:
         out.update({op: make(ctx) for op, make in entry.converters.items()})
     return out

@@ -80,11 +80,12 @@ def compile_sharded(args: ModelArgs, out: str | Path, *, shards: int,
     for entry in entries:
         t = time.perf_counter()
         ep, template = capture(model, entry)
-        sigs[entry] = entry_signature(ep, template, model.plan, entry)
+        sigs[entry] = entry_signature(ep, template, model.plan, entry, host_engram=False)
         mod = lower(ep, spec, rows_hint=ROWS_HINT.get(entry),
                     bounds=entry_bounds(model, entry, ep, template), ccl=ccl,
                     null_expert=True,  # the pairs routed to other workers cost nothing
-                    bounded_rows=entry in BOUNDED_ROWS)
+                    bounded_rows=entry in BOUNDED_ROWS,
+                    host_engram=False)  # a worker process may not have the host runtime
         mod, _ = fuse(mod, target)
         mod = schedule(mod, target)
         ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(target))

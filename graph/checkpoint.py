@@ -540,8 +540,8 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
                     stacks: Mapping[str, Sequence[str]] | None = None,
                     owned: Collection[str] = (),
                     only: Collection[str] | None = None,
-                    slices: Mapping[str, tuple[int, int, int]] | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    slices: Mapping[str, tuple[int, int, int]] | None = None,
+                    host: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Load a checkpoint directory (one file or shards, with or without an index).
 
     The whole layout is checked from the headers first, and every problem is reported in one
@@ -564,7 +564,9 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
       count as named);
     - `slices` maps a name to (dim, start, stop): only that slice of dims 0 or 1 is read, from
       the file straight into an allocation of the slice's size (the whole tensor is never
-      read), and returned under the name.
+      read), and returned under the name;
+    - `host` names tensors that stay in host memory whatever `device` is (the Engram tables,
+      `entries.host_resident`): loaded as on the CPU (views of the mapping when aligned).
     """
     path = Path(path)
     device = torch.device(device)
@@ -591,13 +593,15 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
             for n in names:
                 if n in slices:
                     loaded[n] = reader.read_slice(h, n, *slices[n])
-            mapped = [n for n in names if device.type == "cpu" and n not in owned
-                      and n not in slices and h.entries[n].start % ALIGNMENT == 0]
+            mapped = [n for n in names if (device.type == "cpu" or n in host)
+                      and n not in owned and n not in slices
+                      and h.entries[n].start % ALIGNMENT == 0]
             if mapped:
                 loaded.update(_load_shard(h, mapped))
             for n in names:
                 if n not in loaded:
-                    loaded[n] = reader.read(h, n, _empty(h.entries[n], device))
+                    on = torch.device("cpu") if n in host else device
+                    loaded[n] = reader.read(h, n, _empty(h.entries[n], on))
         out = {name: loaded[name] for name in spec if name in loaded}
         for name, group in (stacks or {}).items():
             if all(m in where for m in group):
@@ -677,7 +681,7 @@ class _Reader:
         flat = dest.view(-1).view(torch.uint8) if dest.numel() else dest.view(torch.uint8)
         assert flat.numel() == e.end - e.start, f"{name}: destination of the wrong size"
         fd = self._fd(header.path)
-        if self.device.type == "cpu":
+        if dest.device.type == "cpu":
             _pread_into(fd, e.start, flat.numpy(), header.path, name)
             return dest
         if self._staging is None:

@@ -19,6 +19,24 @@ import torch
 from .config import ModelArgs, engram_prime_buckets
 from .vocab import find_tokenizer_file
 
+# the tensors that stay in host memory whatever the model's device: the Engram tables (a compiled
+# entry gets their rows from the host runtime, `ops.engram_rows`)
+HOST_TABLES = ("engram.embed.weight", "engram.embed.scale")
+
+
+def host_resident(name: str) -> bool:
+    """Whether the checkpoint tensor `name` (dotted, or an entry's parameter name with double
+    underscores) stays in host memory when the model runs on a GPU."""
+    return name.replace("__", ".").endswith(HOST_TABLES)
+
+
+def engram_table_layer(name: str) -> int | None:
+    """The layer of an Engram codes table (`layers.<l>.engram.embed.weight`, dotted or not)."""
+    parts = name.replace("__", ".").split(".")
+    if parts[0] == "layers" and ".".join(parts[2:]) == HOST_TABLES[0]:
+        return int(parts[1])
+    return None
+
 
 @dataclass(frozen=True)
 class EngramTables:

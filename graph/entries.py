@@ -27,6 +27,11 @@ VISION_INPUTS = ("patches", "cos", "sin", "cells")
 SPAN_ENTRIES = ("prefill", "prefill_all", "encoder", "encoder_replay", "decoder")
 
 
+# an entry's input read on the host whatever its device: the hash ids the host Engram call
+# receives (with the tables, `engram.host_resident`)
+HOST_INPUTS = ("hash_ids",)
+
+
 def takes_spans(args, entry: str) -> bool:
     """Whether `entry` of a model with these args takes image-span rows."""
     return entry in SPAN_ENTRIES and args.vision_n_layers > 0

@@ -19,7 +19,7 @@ import torch
 from . import ops
 from .cache import GlobalStore, ModelCache, WindowRing
 from .config import ModelArgs
-from .engram import EngramTables, build_tables, load_token_map
+from .engram import EngramTables, build_tables, host_resident, load_token_map
 from .layers import (
     BF16,
     apply_rope,
@@ -173,12 +173,14 @@ class Model:
         weights are views of the memory-mapped files; the expert stacks, the weights upcast to
         fp32 and everything on another device are read from the files into their place
         (`checkpoint.load_checkpoint`), so loading needs no second copy of any weight. The
-        vision tower's tensors come too when the checkpoint has them.
+        vision tower's tensors come too when the checkpoint has them. The Engram tables stay in
+        host memory whatever `device` is (`engram.host_resident`): their rows are gathered
+        there and copied to the device (`ops.engram_rows`).
 
         With `shard`, one worker of a sharded model: only the tensors it holds are read (its
         experts; its rows or columns of the split tensors, read straight from the files into
         an allocation of the slice's size), never the whole model."""
-        from .checkpoint import checkpoint_config, load_checkpoint, load_vision
+        from .checkpoint import checkpoint_config, load_checkpoint, load_vision, param_spec
 
         args = args or checkpoint_config(path)
         plan = build_plan(args)
@@ -187,7 +189,8 @@ class Model:
         weights = load_checkpoint(path, args, device=device, stacks=expert_stacks(args, shard),
                                   owned=_fp32_in_compute(args, plan), only=cuts,
                                   slices=None if cuts is None else
-                                  {n: c for n, c in cuts.items() if c is not None})
+                                  {n: c for n, c in cuts.items() if c is not None},
+                                  host=[n for n in param_spec(args) if host_resident(n)])
         vision = load_vision(path, args)  # None: the checkpoint has no vision tower
         if vision is not None:
             if shard is not None:
@@ -810,11 +813,16 @@ def shared_expert(model: Model, layer: int, x: torch.Tensor) -> torch.Tensor:
 # ---- Engram and the block ------------------------------------------------------------------------
 
 
-def engram(model: Model, layer: int, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """ids (b, s, cols) int64, validated against the table size by the caller."""
+def engram(model: Model, layer: int, h: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+    """hash_ids (b, s, E, cols) int64 of every Engram layer, validated against the table sizes
+    by the caller. The tables may live in host memory while h is on a GPU: their rows come to
+    h's device."""
     a = model.args
-    codes = model.p(layer, "engram.embed.weight")[ids]  # (b, s, cols, ed)
-    scales = model.p(layer, "engram.embed.scale")[ids]  # (b, s, cols, ed/32)
+    codes, scales = ops.engram_rows(hash_ids, a.engram_layer_ids.index(layer),
+                                    model.p(layer, "engram.embed.weight"),
+                                    model.p(layer, "engram.embed.scale"))
+    if codes.device != h.device:  # (b, s, cols, ed), (b, s, cols, ed/32)
+        codes, scales = codes.to(h.device), scales.to(h.device)
     values = ops.fp8_dequant(codes, scales).to(BF16)
     kv = ops.fp8_linear(values.flatten(-2), model.p(layer, "engram.wkv.weight"),
                         model.p(layer, "engram.wkv.scale"))
@@ -826,8 +834,7 @@ def engram(model: Model, layer: int, h: torch.Tensor, ids: torch.Tensor) -> torc
 
 def engram_at(model: Model, layer: int, h: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     """A block's Engram over the chunk; image-span positions pass through (gate 0 there)."""
-    slot = model.args.engram_layer_ids.index(layer)
-    out = engram(model, layer, h, chunk.hash_ids[:, :, slot])  # (b, s, hc, d)
+    out = engram(model, layer, h, chunk.hash_ids)  # (b, s, hc, d)
     if chunk.image is None:
         return out
     return torch.where(chunk.image.mask[:, :, None, None], h, out)

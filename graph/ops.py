@@ -17,6 +17,9 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `rms_norm`:      RMSNorm of bf16 rows with a bf16 weight
 - `hc_pre_mix`:    a sublayer's mHC mixes of the stream + its collapse (lagged pre) + RMSNorm
 - `hc_post`:       the sublayer's output mixed back into the hc streams
+- `engram_rows`:   an Engram layer's table rows at the chunk's hash ids (no kernel: compiled, it
+                   is a call of the host runtime, which keeps the tables in host memory and
+                   gathers the rows ahead of the block that reads them, `runtime.engram_host`)
 
 The oracles reproduce the released reference kernels' arithmetic (block order, bf16 rounding
 points) so that the graph matches the released model to its own noise floor.
@@ -187,6 +190,29 @@ def fp8_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 @fp8_dequant.register_fake
 def _(codes, scales):
     return codes.new_empty(codes.shape, dtype=torch.float32)
+
+
+# ---- Engram table rows (host-resident tables) ---------------------------------------------
+
+ENGRAM_ROWS_FUNC = "dsv41.engram_rows"  # the host function a compiled entry calls for them
+
+
+@torch.library.custom_op("dsv41::engram_rows", mutates_args=())
+def engram_rows(hash_ids: torch.Tensor, slot: int, table: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of one Engram layer's table at the hash ids of its slot: hash_ids int64
+    (b, s, E, cols) (every id already checked against the table by the caller), table uint8
+    E4M3 codes (rows, ed), scale uint8 E8M0 (rows, ed/32) -> codes (b, s, cols, ed) and scales
+    (b, s, cols, ed/32), on the table's device (exact copies: a gather)."""
+    ids = hash_ids[:, :, slot].to(table.device)  # (b, s, cols)
+    return table[ids], scale[ids]
+
+
+@engram_rows.register_fake
+def _(hash_ids, slot, table, scale):
+    b, s, _, cols = hash_ids.shape
+    return (table.new_empty((b, s, cols, table.size(1))),
+            scale.new_empty((b, s, cols, scale.size(1))))
 
 
 # ---- quantisers (each one kernel; the graph never bit-casts) -------------------------------

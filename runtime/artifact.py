@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
+from dsv41.graph.engram import engram_table_layer
 from dsv41.graph.targets import request_amx, target_names, uses_amx
 
 from .device import Device, DeviceError, DeviceKind, device_for_target
+from .engram_host import EngramPrefetcher, EngramTable, EngramTiming
 from .tensors import to_torch, to_tvm
 
 FORMAT_VERSION = 2  # 2: manifest_sha256
@@ -182,8 +184,11 @@ class Artifact:
     manifest: dict
     args: ModelArgs
     device: Device = Device(DeviceKind.CPU)
+    engram_prefetch: bool = True  # gather the host Engram rows ahead (`runtime.engram_host`)
     _vms: dict = field(default_factory=dict)
     _params: dict = field(default_factory=dict)
+    _engram: dict = field(default_factory=dict)  # entry -> its EngramTables (host-resident)
+    _prefetcher: EngramPrefetcher | None = None
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, args: ModelArgs | None = None,
@@ -208,7 +213,8 @@ class Artifact:
         return tuple(self.manifest["entries"])
 
     def bind(self, model) -> None:
-        """Weights for every entry (TVM views of the model's tensors; no copies when aligned)."""
+        """Weights for every entry (TVM views of the model's tensors; no copies when aligned).
+        Parameters the manifest marks `host` (the Engram tables) stay in host memory."""
         if model.args.config_hash() != self.args.config_hash():
             raise ArtifactError("The weights' config differs from the artifact's.")
         cache: dict[str, object] = {}
@@ -220,13 +226,41 @@ class Artifact:
                     if list(t.shape) != [int(x) for x in p["shape"]]:
                         raise ArtifactError(f"Weight {p['param']} has shape {list(t.shape)}, "
                                             f"the artifact expects {p['shape']}.")
-                    if t.device != self.device.torch:
+                    where = torch.device("cpu") if p.get("host") else self.device.torch
+                    if t.device != where:
                         raise ArtifactError(f"Weight {p['param']} is on {t.device}, the "
-                                            f"artifact runs on {self.device}: load the model "
-                                            f"there (Model.from_checkpoint(..., device=...)).")
+                                            f"artifact reads it on {where}: load the model with "
+                                            "Model.from_checkpoint(..., device=...) for "
+                                            f"{self.device}.")
                     cache[p["param"]] = to_tvm(t)
                 params.append(cache[p["param"]])
             self._params[entry] = params
+            self._engram[entry] = self._engram_tables(model, sig, cache)
+        self._prefetcher = EngramPrefetcher(self.device, prefetch=self.engram_prefetch)
+
+    def _engram_tables(self, model, sig: dict, bound: dict) -> tuple[EngramTable, ...]:
+        """The host Engram tables an entry's host calls read, as the very buffers bound."""
+        out = []
+        for p in sig["params"]:
+            layer = engram_table_layer(p["param"]) if p.get("host") else None
+            if layer is not None:
+                scales = p["param"].removesuffix("weight") + "scale"
+                out.append(EngramTable(model.args.engram_layer_ids.index(layer),
+                                       to_torch(bound[p["param"]]), to_torch(bound[scales])))
+        return tuple(out)
+
+    def set_engram_prefetch(self, on: bool) -> None:
+        """Gather the host Engram rows ahead on a background thread (on), or when the entry
+        reaches its first Engram layer (off): the same rows either way."""
+        self.engram_prefetch = bool(on)
+        if self._prefetcher is not None:
+            self._prefetcher.prefetch = self.engram_prefetch
+
+    def engram_timing(self, *, reset: bool = False) -> EngramTiming:
+        """The Engram gathers' time and the part of it the entries did not wait for."""
+        if self._prefetcher is None:
+            return EngramTiming()
+        return self._prefetcher.reset_timing() if reset else self._prefetcher.timing
 
     def _vm(self, entry: str):
         import tvm
@@ -251,5 +285,19 @@ class Artifact:
         for x in inputs:
             flat.extend(x if isinstance(x, tuple) else (x,))
         dev = self.device.torch
-        out = self._vm(entry)["main"](*[to_tvm(x.to(dev)) for x in flat], *self._params[entry])
+        sig = self.manifest["entries"][entry]["inputs"]
+        # inputs the manifest marks `host` (the Engram hash ids) stay on the host
+        args = [to_tvm(x if i < len(sig) and sig[i].get("host") else x.to(dev))
+                for i, x in enumerate(flat)]
+        vm = self._vm(entry)
+        keys = ()
+        tables = self._engram.get(entry, ())
+        if tables:
+            ids = next(to_torch(a) for a, s in zip(args, sig, strict=False) if s.get("host"))
+            keys = self._prefetcher.post(ids, tables)
+        try:
+            out = vm["main"](*args, *self._params[entry])
+        finally:
+            if keys:
+                self._prefetcher.finish(keys)
         return [to_torch(o) for o in out]

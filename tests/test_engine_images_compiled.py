@@ -145,8 +145,7 @@ def _moe_without_mask(model, layer, x, vl_mask=None):
 
 
 def _engram_without_mask(model, layer, h, chunk):
-    slot = model.args.engram_layer_ids.index(layer)
-    return graph_model.engram(model, layer, h, chunk.hash_ids[:, :, slot])
+    return graph_model.engram(model, layer, h, chunk.hash_ids)
 
 
 def _prompt(vcase) -> list[int]:

@@ -63,7 +63,8 @@ def test_every_kernel_kind_has_exactly_one_entry():
 
 
 def test_every_custom_op_has_exactly_one_converter():
-    given = [op for e in kernels.REGISTRY for op in e.converters] + list(kernels.COLLECTIVES)
+    given = [op for e in kernels.REGISTRY for op in e.converters] + list(kernels.COLLECTIVES) \
+        + list(kernels.HOST_CALLS)
     assert len(given) == len(set(given)), "an op converted by two entries"
     assert {op.removesuffix(".default") for op in given} == _custom_ops()
 
