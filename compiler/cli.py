@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .assets import ensure_artifact, ensure_checkpoint
 
-BENCH_VERBS = ("e2e", "kernels", "serve", "pool", "soak", "load", "spec")
+BENCH_VERBS = ("e2e", "kernels", "serve", "pool", "soak", "load", "spec", "engram")
 HIDDEN = ("func", "options", "error_prog")  # parser plumbing, never printed as an argument
 
 
@@ -480,6 +480,26 @@ def cmd_bench_load(ns) -> int:
     return run_command(bench_load_options(ns))
 
 
+def bench_engram_options(ns):
+    """`dsv41 bench engram` -> engram_bench.EngramBenchOptions."""
+    from dsv41.compiler.bench import parse_tokens
+    from dsv41.compiler.engram_bench import EngramBenchOptions
+
+    return EngramBenchOptions(
+        artifact=Path(ns.artifact) if ns.artifact else None,
+        checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
+        preset=ns.preset, device=ns.device,
+        prompt_tokens=parse_tokens(ns.prompt_tokens),
+        decode_steps=ns.decode_steps, reps=ns.reps, threads=ns.threads,
+        json=Path(ns.json) if ns.json else None)
+
+
+def cmd_bench_engram(ns) -> int:
+    from dsv41.compiler.engram_bench import run_command
+
+    return run_command(bench_engram_options(ns))
+
+
 def bench_spec_options(ns):
     """`dsv41 bench spec` -> spec_bench.SpecBenchOptions."""
     from dsv41.compiler.bench import parse_tokens
@@ -655,6 +675,20 @@ def _bench_load_args(p) -> None:
     p.add_argument("--json", default=None)
 
 
+def _bench_engram_args(p) -> None:
+    p.add_argument("--artifact", default=None,
+                   help="a compiled artifact with prefill (or prefill_all) and decode entries "
+                        "(needed)")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
+    p.add_argument("--preset", default="bench", help="the seeded checkpoint's preset")
+    p.add_argument("--device", default=None, help="cpu or cuda:N (default: the artifact's)")
+    p.add_argument("--prompt-tokens", default="512,2048", help="prompt lengths, e.g. 512,4K")
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--reps", type=int, default=2, help="timed repeats per mode (after a warm-up)")
+    p.add_argument("--threads", type=int, default=None, help="TVM's CPU pool")
+    p.add_argument("--json", default=None)
+
+
 def _bench_spec_args(p) -> None:
     p.add_argument("--preset", default="small", help="small | bench | full (seeded checkpoint)")
     p.add_argument("--checkpoint", default=None)
@@ -681,7 +715,8 @@ def _verb(sub, name: str, help_: str, add_args, func, options, description: str 
 
 
 def _bench_parsers(bench) -> None:
-    """`dsv41 bench <sub-verb>`: e2e (the default), kernels, serve, pool, soak, load, spec."""
+    """`dsv41 bench <sub-verb>`: e2e (the default), kernels, serve, pool, soak, load, spec,
+    engram."""
     sub = bench.add_subparsers(dest="bench_verb", required=True, metavar="SUB-VERB")
     _verb(sub, "e2e", "the default: decode against context, prefill and time to first token",
           _bench_e2e_args, cmd_bench, bench_options,
@@ -705,6 +740,11 @@ def _bench_parsers(bench) -> None:
     _verb(sub, "spec", "DSpark speculative decoding: verify, acceptance, tok/s", _bench_spec_args,
           cmd_bench_spec, bench_spec_options,
           "DSpark speculative decoding's numbers on the PyTorch graph and on a compiled artifact")
+    _verb(sub, "engram", "host-resident Engram: the gathers and the part of them hidden",
+          _bench_engram_args, cmd_bench_engram, bench_engram_options,
+          "Host-resident Engram on a compiled artifact: per prefill and decode call, the rows' "
+          "gather time, the time the entry waited for them and the part hidden behind its "
+          "first blocks, with prefetch on and off (outputs compared bit for bit)")
 
 
 def with_default_bench_verb(argv: list[str]) -> list[str]:

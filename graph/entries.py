@@ -28,8 +28,9 @@ SPAN_ENTRIES = ("prefill", "prefill_all", "encoder", "encoder_replay", "decoder"
 
 
 # an entry's input read on the host whatever its device: the hash ids the host Engram call
-# receives (with the tables, `engram.host_resident`)
+# receives (with the tables, `engram.host_resident`), at this position of `entry_inputs`
 HOST_INPUTS = ("hash_ids",)
+HASH_IDS_AT = 7
 
 
 def takes_spans(args, entry: str) -> bool:
@@ -151,4 +152,4 @@ def entry_inputs(model: Model, cache: ModelCache, entry: str, x, *, start=None, 
         raise ValueError(f"The {entry} entry of this model takes no image-span rows (it has "
                          f"{'no' if a.vision_n_layers <= 0 else 'a'} vision tower).")
     return (x, start, floor, rope[True][0], rope[True][1], rope[False][0], rope[False][1],
-            hash_ids, *cache_tensors(cache))
+            hash_ids, *cache_tensors(cache))  # hash_ids at HASH_IDS_AT

@@ -23,6 +23,7 @@ import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.engram import engram_table_layer
+from dsv41.graph.entries import HASH_IDS_AT
 from dsv41.graph.targets import request_amx, target_names, uses_amx
 
 from .device import Device, DeviceError, DeviceKind, device_for_target
@@ -285,16 +286,14 @@ class Artifact:
         for x in inputs:
             flat.extend(x if isinstance(x, tuple) else (x,))
         dev = self.device.torch
-        sig = self.manifest["entries"][entry]["inputs"]
-        # inputs the manifest marks `host` (the Engram hash ids) stay on the host
-        args = [to_tvm(x if i < len(sig) and sig[i].get("host") else x.to(dev))
-                for i, x in enumerate(flat)]
+        tables = self._engram.get(entry, ())  # host Engram tables: the hash ids stay on the host
+        at = sum(len(x) if isinstance(x, tuple) else 1 for x in inputs[:HASH_IDS_AT]) \
+            if tables else -1
+        args = [to_tvm(x if i == at else x.to(dev)) for i, x in enumerate(flat)]
         vm = self._vm(entry)
         keys = ()
-        tables = self._engram.get(entry, ())
-        if tables:
-            ids = next(to_torch(a) for a, s in zip(args, sig, strict=False) if s.get("host"))
-            keys = self._prefetcher.post(ids, tables)
+        if tables:  # the rows' gathers, posted for the very ids buffer the entry receives
+            keys = self._prefetcher.post(to_torch(args[at]), tables)
         try:
             out = vm["main"](*args, *self._params[entry])
         finally:

@@ -101,6 +101,7 @@ from .state import (
     snapshot_arrays,
     snapshot_ring_layers,
 )
+from .transfer import Transfers
 
 FORMAT_VERSION = 1  # of the tier records (part of every key)
 
@@ -139,6 +140,9 @@ class EngineOptions:
     # measured step costs (`spec_clock`); greedy output and sampled distributions unchanged
     speculative: bool = False
     max_draft: int = 5
+    # an artifact's host-resident Engram rows gathered ahead on a background thread while the
+    # entry's first blocks run (False: when the entry reaches the layer; the same rows)
+    engram_prefetch: bool = True
     spec_clock: Callable[[], float] = time.perf_counter
 
 
@@ -306,6 +310,7 @@ class Engine:
                                 "were asked for (compile it with `dsv41 compile --shards N`).")
         else:
             art = Artifact.load(artifact_dir, device=device)
+            art.set_engram_prefetch(opts.engram_prefetch)
         entries = engine_entries(art, exact=opts.exact)  # refused before any weight is read
         check_checkpoint_config(art, checkpoint_dir)
         if sharded:
@@ -928,8 +933,10 @@ class Session:
             blocks = self._blocks(keys[: length // b])
             if len(blocks) == length // b:
                 cache = e._fresh_cache()
-                restore_blocks(cache, blocks, b)
-                restore_snapshot(cache, arrays, b, e._ring_layers)
+                io = Transfers(e.model.device)  # one batch of copies, waited for on the device
+                restore_blocks(cache, blocks, b, io)
+                restore_snapshot(cache, arrays, b, e._ring_layers, io)
+                io.ready_for_compute()
                 self.stored_blocks = len(blocks)
                 return _Start(cache, tier, length, tuple(keys[: len(blocks)]))
         if not e.options.exact:
@@ -1080,10 +1087,14 @@ class Session:
             raise AssertionError("history and cache position disagree")
         keyed = key_tokens(self.history, self.images)
         keys = e.block_keys(keyed)
-        for i in range(self.stored_blocks, len(keys)):
-            e.blocks.submit(keys[i], block_arrays(self.cache, i, b))
+        io = Transfers(e.model.device)  # every copy of the turn's end, then one wait
+        new = [(keys[i], block_arrays(self.cache, i, b, io))
+               for i in range(self.stored_blocks, len(keys))]
+        arrays = snapshot_arrays(self.cache, b, e._ring_layers, io)
+        io.ready_for_host()
+        for key, block in new:
+            e.blocks.submit(key, block)
         self.stored_blocks = len(keys)
-        arrays = snapshot_arrays(self.cache, b, e._ring_layers)
         key = e.history_key(keyed, StateKind.SNAPSHOT)
         e.pool.put(key, arrays, {"session": self.id, "tokens": len(self.history)})
         if self._snapshot not in (None, key) and not any(

@@ -22,34 +22,31 @@ import torch
 from dsv41.graph.cache import ModelCache, ensure_capacity
 from dsv41.graph.plan import FULL, ModelPlan
 
+from .transfer import Transfers
+
 STORE_FIELDS = ("kv_codes", "kv_scales", "k_codes", "k_scales")
 TAIL_FIELDS = ("tail_kv", "tail_score")
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    """Host copy of a cache tensor (on whatever device the runtime cache lives)."""
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.uint16)
-    t = t.detach().contiguous()
-    return t.cpu().numpy() if t.device.type != "cpu" else t.numpy().copy()
+def _rows_into(io: Transfers, a: np.ndarray, t: torch.Tensor, r0: int, what: str) -> int:
+    """Stored rows `a` into rows r0.. of sequence 0 of the store tensor `t`; their count."""
+    if a.ndim != t.dim() - 1 or tuple(a.shape[1:]) != tuple(t.shape[2:]):
+        raise ValueError(f"Stored rows {tuple(a.shape)} of {what} do not fit a cache tensor "
+                         f"{tuple(t.shape)} {t.dtype}.")
+    n = a.shape[0]
+    if r0 + n > t.size(1):
+        raise ValueError(f"Stored rows of {what} end at {r0 + n}, past the cache's {t.size(1)}.")
+    io.into(a, t[0, r0:r0 + n])
+    return n
 
 
-def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if like.dtype == torch.bfloat16:
-        t = t.view(torch.bfloat16)
-    if t.dtype != like.dtype or tuple(t.shape[1:]) != tuple(like.shape[2:]):
-        raise ValueError(f"Stored rows {tuple(t.shape)} {t.dtype} do not fit a cache tensor "
-                         f"{tuple(like.shape)} {like.dtype}.")
-    return t.to(like.device)
-
-
-def _whole(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+def _whole(io: Transfers, a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """A batch-1 tensor shaped like `like` (1, ...) from its stored row."""
-    t = _torch(a, like)
-    if tuple(t.shape) != tuple(like.shape[1:]):
-        raise ValueError(f"Stored state {tuple(t.shape)} does not fit {tuple(like.shape)}.")
-    return t.unsqueeze(0).clone()
+    if tuple(a.shape) != tuple(like.shape[1:]):
+        raise ValueError(f"Stored state {tuple(a.shape)} does not fit {tuple(like.shape)}.")
+    out = torch.empty_like(like)
+    io.into(a, out[0])
+    return out
 
 
 def check_block_tokens(ratios, block_tokens: int) -> None:
@@ -69,31 +66,45 @@ def _single(cache: ModelCache) -> None:
         raise ValueError(f"Tier records hold one sequence; this cache has {cache.batch}.")
 
 
-def block_arrays(cache: ModelCache, index: int, block_tokens: int) -> dict[str, np.ndarray]:
-    """Prefix block `index` of a batch-1 cache (its positions must all be processed)."""
+def _device(cache: ModelCache) -> torch.device:
+    """Where the cache's tensors live (the rings, stores and pointer share a device)."""
+    return cache.index_owner.device
+
+
+def block_arrays(cache: ModelCache, index: int, block_tokens: int,
+                 io: Transfers | None = None) -> dict[str, np.ndarray]:
+    """Prefix block `index` of a batch-1 cache (its positions must all be processed). With
+    `io`, its copies join that batch (the arrays hold their data after `io.ready_for_host`)."""
     _single(cache)
     check_block_tokens(_ratios(cache), block_tokens)
     end = (index + 1) * block_tokens
     if index < 0 or end > int(cache.pos[0]):
         raise ValueError(f"Block {index} ends at {end}, past the {int(cache.pos[0])} cached "
                          "tokens: its entries are not final yet.")
+    mine = io is None
+    io = Transfers(_device(cache)) if mine else io
     out = {}
     for layer, st in sorted(cache.stores.items()):
         r0, r1 = index * block_tokens // st.ratio, end // st.ratio
         for name in STORE_FIELDS:
             t = getattr(st, name)
             if t is not None:
-                out[f"{layer}.{name}"] = _np(t[0, r0:r1])
+                out[f"{layer}.{name}"] = io.out(t[0, r0:r1])
+    if mine:
+        io.ready_for_host()
     return out
 
 
 def restore_blocks(cache: ModelCache, blocks: list[dict[str, np.ndarray]],
-                   block_tokens: int) -> None:
-    """Write prefix blocks 0..n-1 into a fresh batch-1 cache and set its position to n*B."""
+                   block_tokens: int, io: Transfers | None = None) -> None:
+    """Write prefix blocks 0..n-1 into a fresh batch-1 cache and set its position to n*B. With
+    `io`, its copies join that batch (the cache holds them after `io.ready_for_compute`)."""
     _single(cache)
     check_block_tokens(_ratios(cache), block_tokens)
     n = len(blocks) * block_tokens
     ensure_capacity(cache, n, exact=True)
+    mine = io is None
+    io = Transfers(_device(cache)) if mine else io
     for i, arrays in enumerate(blocks):
         for layer, st in cache.stores.items():
             r0, r1 = i * block_tokens // st.ratio, (i + 1) * block_tokens // st.ratio
@@ -104,10 +115,12 @@ def restore_blocks(cache: ModelCache, blocks: list[dict[str, np.ndarray]],
                 key = f"{layer}.{name}"
                 if key not in arrays:
                     raise ValueError(f"Block {i} has no {key}.")
-                rows = _torch(arrays[key], t)
-                if rows.size(0) != r1 - r0:
-                    raise ValueError(f"Block {i} {key} has {rows.size(0)} rows, not {r1 - r0}.")
-                t[0, r0:r1] = rows
+                if arrays[key].shape[:1] != (r1 - r0,):
+                    raise ValueError(f"Block {i} {key} has {arrays[key].shape[:1]} rows, not "
+                                     f"{r1 - r0}.")
+                _rows_into(io, arrays[key], t, r0, f"block {i} {key}")
+    if mine:
+        io.ready_for_compute()
     cache.pos = torch.full((1,), n, dtype=torch.int64)
 
 
@@ -132,37 +145,44 @@ def snapshot_ring_layers(plan: ModelPlan, *, all_rings: bool) -> tuple[int, ...]
 
 
 def snapshot_arrays(cache: ModelCache, block_tokens: int,
-                    ring_layers: tuple[int, ...] | None = None) -> dict[str, np.ndarray]:
+                    ring_layers: tuple[int, ...] | None = None,
+                    io: Transfers | None = None) -> dict[str, np.ndarray]:
     """The state beyond the prefix blocks (see the module docstring); `ring_layers`: the rings
-    it holds (None: all)."""
+    it holds (None: all); `io` as for `block_arrays`."""
     _single(cache)
     check_block_tokens(_ratios(cache), block_tokens)
+    mine = io is None
+    io = Transfers(_device(cache)) if mine else io
     pos = int(cache.pos[0])
     done = pos // block_tokens * block_tokens
     out = {"pos": np.array([pos], dtype=np.int64),
-           "index_owner": _np(cache.index_owner)}
+           "index_owner": io.out(cache.index_owner)}
     for layer in _rings(cache, ring_layers):
         ring = cache.windows[layer]
-        out[f"ring.{layer}.codes"] = _np(ring.codes[0])
-        out[f"ring.{layer}.scales"] = _np(ring.scales[0])
+        out[f"ring.{layer}.codes"] = io.out(ring.codes[0])
+        out[f"ring.{layer}.scales"] = io.out(ring.scales[0])
     for layer, st in sorted(cache.stores.items()):
         for name in TAIL_FIELDS:
             t = getattr(st, name)
             if t is not None:
-                out[f"{layer}.{name}"] = _np(t[0])
+                out[f"{layer}.{name}"] = io.out(t[0])
         for name in STORE_FIELDS:
             t = getattr(st, name)
             if t is not None:
-                out[f"partial.{layer}.{name}"] = _np(t[0, done // st.ratio: pos // st.ratio])
+                out[f"partial.{layer}.{name}"] = io.out(t[0, done // st.ratio: pos // st.ratio])
     if cache.engram_history is not None:
         out["engram_history"] = cache.engram_history.copy()
+    if mine:
+        io.ready_for_host()
     return out
 
 
 def restore_snapshot(cache: ModelCache, arrays: dict[str, np.ndarray], block_tokens: int,
-                     ring_layers: tuple[int, ...] | None = None) -> None:
+                     ring_layers: tuple[int, ...] | None = None,
+                     io: Transfers | None = None) -> None:
     """Complete a cache holding the prefix blocks up to the snapshot's last complete block.
-    `ring_layers`: the rings the snapshot must hold, exactly (None: all); others stay empty."""
+    `ring_layers`: the rings the snapshot must hold, exactly (None: all); others stay empty.
+    `io` as for `restore_blocks`."""
     _single(cache)
     pos = int(arrays["pos"][0])
     done = pos // block_tokens * block_tokens
@@ -176,22 +196,27 @@ def restore_snapshot(cache: ModelCache, arrays: dict[str, np.ndarray], block_tok
         raise ValueError(f"The snapshot holds the rings of layers {have}; this engine restores "
                          f"those of {list(want)}.")
     ensure_capacity(cache, pos, exact=True)
+    mine = io is None
+    io = Transfers(_device(cache)) if mine else io
     for layer in want:
         ring = cache.windows[layer]
-        ring.codes = _whole(arrays[f"ring.{layer}.codes"], ring.codes)
-        ring.scales = _whole(arrays[f"ring.{layer}.scales"], ring.scales)
+        ring.codes = _whole(io, arrays[f"ring.{layer}.codes"], ring.codes)
+        ring.scales = _whole(io, arrays[f"ring.{layer}.scales"], ring.scales)
     for layer, st in cache.stores.items():
         for name in TAIL_FIELDS:
             t = getattr(st, name)
             if t is not None:
-                setattr(st, name, _whole(arrays[f"{layer}.{name}"], t))
+                setattr(st, name, _whole(io, arrays[f"{layer}.{name}"], t))
         for name in STORE_FIELDS:
             t = getattr(st, name)
             if t is not None:
-                rows = _torch(arrays[f"partial.{layer}.{name}"], t)
-                t[0, done // st.ratio: done // st.ratio + rows.size(0)] = rows
-    cache.index_owner = torch.from_numpy(arrays["index_owner"].copy()).to(
-        cache.index_owner.device)
+                _rows_into(io, arrays[f"partial.{layer}.{name}"], t, done // st.ratio,
+                           f"the snapshot's partial {layer}.{name}")
+    owner = torch.empty_like(cache.index_owner)
+    io.into(arrays["index_owner"], owner)
+    cache.index_owner = owner
+    if mine:
+        io.ready_for_compute()
     if cache.engram_history is not None:
         cache.engram_history = arrays["engram_history"].copy()
     cache.pos = torch.full((1,), pos, dtype=torch.int64)
