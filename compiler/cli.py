@@ -682,7 +682,7 @@ def _bench_engram_args(p) -> None:
     p.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
     p.add_argument("--preset", default="bench", help="the seeded checkpoint's preset")
     p.add_argument("--device", default=None, help="cpu or cuda:N (default: the artifact's)")
-    p.add_argument("--prompt-tokens", default="512,2048", help="prompt lengths, e.g. 512,4K")
+    p.add_argument("--prompt-tokens", default="128,512", help="prompt lengths, e.g. 128,4K")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--reps", type=int, default=2, help="timed repeats per mode (after a warm-up)")
     p.add_argument("--threads", type=int, default=None, help="TVM's CPU pool")

@@ -15,7 +15,7 @@ order alternating per repeat), report per phase call:
 and `identical`: whether every logit of every repeat is bit-equal with prefetch on and off.
 
     dsv41 bench engram --artifact DIR [--checkpoint DIR | --preset bench] [--device cpu]
-                       [--prompt-tokens 512,2048] [--decode-steps 8] [--reps 2] [--threads N]
+                       [--prompt-tokens 128,512] [--decode-steps 8] [--reps 2] [--threads N]
                        [--json F]
 """
 
@@ -40,7 +40,7 @@ class EngramBenchOptions:
     checkpoint: Path | None = None  # None: the preset's seeded checkpoint
     preset: str = "bench"
     device: str | None = None  # None: the artifact's target kind
-    prompt_tokens: tuple[int, ...] = (512, 2048)
+    prompt_tokens: tuple[int, ...] = (128, 512)
     decode_steps: int = 8
     reps: int = 2
     threads: int | None = None
