@@ -232,6 +232,7 @@ def check_artifacts(target: str, case: Path, out: Path, say=print) -> tuple[Path
     checkpoint) with SMALL_ENTRIES and the bench preset with BENCH_ENTRIES, under `out`,
     compiling the entries they lack (CUDA targets build real SASS here, without a GPU)."""
     from dsv41.compiler.build import CompileOptions, compile_artifact, missing_entries
+    from dsv41.compiler.progress import LineProgress
     from dsv41.graph.config import load_config, preset
 
     made = []
@@ -243,6 +244,6 @@ def check_artifacts(target: str, case: Path, out: Path, say=print) -> tuple[Path
         if todo:
             say(f"compiling {', '.join(todo)} of {name} for {target} into {opts.artifact_dir}")
             compile_artifact(CompileOptions(args=args, model_name=name, target=target, out=out,
-                                            entries=todo), progress=lambda m: say("  " + m))
+                                            entries=todo), progress=LineProgress(say))
         made.append(opts.artifact_dir)
     return made[0], made[1]

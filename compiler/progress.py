@@ -9,9 +9,11 @@ every phase of every entry, named by the phase now running, and one line per fin
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 
+@runtime_checkable
 class CompileProgress(Protocol):
     """compile_artifact's progress events (build.PHASES names the phases)."""
 
@@ -32,6 +34,22 @@ class SilentProgress:
 
     def note(self, text: str) -> None:
         pass
+
+
+class LineProgress:
+    """A line per finished phase and per note through `say` (a log, where a bar would not do)."""
+
+    def __init__(self, say: Callable[[str], object] = print, prefix: str = "  "):
+        self.say, self.prefix = say, prefix
+
+    def started(self, entry: str, phase: str) -> None:
+        pass
+
+    def finished(self, entry: str, phase: str, seconds: float, *, phases: int = 1) -> None:
+        self.say(f"{self.prefix}{entry}: {phase} {seconds:.1f} s")
+
+    def note(self, text: str) -> None:
+        self.say(self.prefix + text)
 
 
 class CompileBar:

@@ -166,6 +166,33 @@ def test_bundle_command_refuses_before_compiling(tmp_path, capsys):
     assert "at least one artifact" in capsys.readouterr().err
 
 
+def test_gpu_check_artifacts_compile_what_is_missing_with_a_progress_log(tmp_path,
+                                                                        monkeypatch):
+    """`check_artifacts` compiles the entries the check's two artifacts lack, reporting through
+    a CompileProgress (a bare callable once crashed it at the first phase)."""
+    from dsv41.compiler import build, bundle
+    from dsv41.compiler.progress import CompileProgress
+
+    calls = []
+
+    def compile_artifact(opts, progress=None):
+        assert isinstance(progress, CompileProgress)
+        progress.started("decode", "capture")
+        progress.finished("decode", "capture", 1.25)
+        progress.note("built")
+        calls.append((opts.model_name, opts.target, opts.entries))
+
+    monkeypatch.setattr(build, "compile_artifact", compile_artifact)
+    lines = []
+    small, bench = bundle.check_artifacts("cuda-sm90",
+                                          Path("../shared/conformance/shared-small"),
+                                          tmp_path, say=lines.append)
+    assert calls == [("shared-small", "cuda-sm90", bundle.SMALL_ENTRIES),
+                     ("bench", "cuda-sm90", bundle.BENCH_ENTRIES)]
+    assert small.parent.parent == bench.parent.parent == tmp_path
+    assert "  decode: capture 1.2 s" in lines and "  built" in lines
+
+
 def test_selftest_decode_check_on_the_cpu(small_artifact, small_case, tmp_path):
     """The decode check's whole path on the CPU (shared-small's checkpoint and artifact, short
     contexts): one row per context with its ms per token and bytes; no HBM fraction without a
