@@ -1,15 +1,18 @@
 """`dsv41 selftest`: the device check a GPU machine runs, from a full install or from a bundle
 (`dsv41 bundle`; there `python gpu_check.py`, no install).
 
-Three checks, each timed, within one budget (default 8 minutes; a check that would start past
+Four checks, each timed, within one budget (default 8 minutes; a check that would start past
 it is skipped with the reason), then a one-screen summary and a JSON file:
 
 1. conformance: the `shared-small` case scored on the device with the compiled artifact of its
-   config (its `prefill_all` and `decode` entries; weights loaded onto the device), every metric
-   against the case's bounds (`graph.conformance.evaluate`);
-2. kernels: the tests marked `gpu` (`pytest -m gpu`), where the test suite and TVM's compiler
+   config (its `prefill_all` and `decode` entries; weights loaded onto the device, the Engram
+   tables in host memory), every metric against the case's bounds (`graph.conformance.evaluate`);
+2. engram: the same artifact's prefill and decode steps with the host Engram rows gathered
+   ahead (copied to the device on a side stream) and inside the entry, bit for bit, with the
+   gathers' time and the part hidden (`check_engram`);
+3. kernels: the tests marked `gpu` (`pytest -m gpu`), where the test suite and TVM's compiler
    are installed (they build kernels); a runtime bundle has neither and says so;
-3. decode: the compiled `decode` entry of the checkpoint at `--bench-checkpoint` (the `bench`
+4. decode: the compiled `decode` entry of the checkpoint at `--bench-checkpoint` (the `bench`
    preset's seeded checkpoint, written on this host when missing) at each context (default 4K /
    64K / 128K; synthetic caches, `compiler.bench.synthetic_cache`, moved to the device), ms per
    token against the step's bytes (`graph.cost`) over this device's measured copy bandwidth: the
@@ -211,6 +214,60 @@ def check_conformance(opts: SelftestOptions, dev) -> Check:
                   "failures": rep.failures})
 
 
+def check_engram(opts: SelftestOptions, dev, prompt: int = 48, steps: int = 3) -> Check:
+    """Host-resident Engram on the device: the `shared-small` artifact's prefill of the case's
+    first `prompt` tokens and `steps` greedy decode steps, with the rows gathered ahead on the
+    host (and copied over on a side stream) and inside the entry: every logit bit-equal, and
+    the gathers' time and the part of it the entries did not wait for."""
+    import torch
+
+    from dsv41.graph.cache import new_cache
+    from dsv41.graph.config import load_config
+    from dsv41.graph.conformance import load_case
+    from dsv41.graph.model import Model
+    from dsv41.runtime.artifact import Artifact
+    from dsv41.runtime.compiled import CompiledPhases
+
+    t0 = time.perf_counter()
+    if opts.case is None or not (Path(opts.case) / "case.json").is_file():
+        return Check("engram", Status.SKIP, 0.0, f"no conformance case at {opts.case}")
+    case = load_case(opts.case)
+    args = load_config(case.checkpoint)
+    art_dir = find_artifact(opts.artifacts, args.config_hash(), opts.target,
+                            ("prefill_all", "decode"))
+    if art_dir is None or not args.engram_layer_ids:
+        return Check("engram", Status.SKIP, 0.0, f"no {opts.target} artifact of {case.name} "
+                     "with Engram layers")
+    art = Artifact.load(art_dir, args=args, device=dev)
+    if not any(p.get("host") for sig in art.manifest["entries"].values()
+               for p in sig["params"]):
+        return Check("engram", Status.SKIP, 0.0, f"{art_dir} gathers Engram on the device "
+                     "(compiled before the tables were host-resident)")
+    model = Model.from_checkpoint(case.checkpoint, args, device=dev.torch)
+    phases = CompiledPhases(art, model)
+    tokens = torch.as_tensor(case.tokens[:prompt], dtype=torch.int64)[None]
+    pad = model.engram.pad_id if model.engram is not None else None
+    logits, timing = {}, {}
+    for prefetch in (True, False):
+        art.set_engram_prefetch(prefetch)
+        art.engram_timing(reset=True)
+        cache = new_cache(model.plan, 1, prompt + steps + 8, engram_pad=pad, device=dev.torch)
+        res = phases.prefill_exact(model, cache, tokens)
+        got = [res.logits.float().cpu()]
+        for _ in range(steps):
+            res = phases.decode_step(model, cache, res.logits[:, -1].argmax(-1, keepdim=True))
+            got.append(res.logits.float().cpu())
+        logits[prefetch], timing[prefetch] = got, art.engram_timing(reset=True).to_dict()
+    art.set_engram_prefetch(True)
+    same = all(torch.equal(a, b) for a, b in zip(logits[True], logits[False], strict=True))
+    on = timing[True]
+    line = (f"prefetch on and off {'bit-equal' if same else 'DIFFER'}; gathers "
+            f"{on['gather_ms']:.2f} ms over {on['calls']} calls, {on['hidden_ms']:.2f} ms hidden")
+    return Check("engram", Status.PASS if same else Status.FAIL, time.perf_counter() - t0,
+                 line, {"artifact": str(art_dir), "identical": same, "prefetch_on": on,
+                        "prefetch_off": timing[False]})
+
+
 def check_kernels(opts: SelftestOptions, remaining_s: float) -> Check:
     """`pytest -m gpu` over the suite, where it and TVM's compiler are installed."""
     from dsv41.runtime.device import compiler_available
@@ -320,6 +377,7 @@ def run_selftest(opts: SelftestOptions, say=print) -> SelftestReport:
     report = SelftestReport(opts.target, str(dev), name, environment=environment())
     deadline = start + opts.budget_s
     steps = (("conformance", lambda: check_conformance(opts, dev)),
+             ("engram", lambda: check_engram(opts, dev)),
              ("kernels", lambda: check_kernels(opts, deadline - time.perf_counter())),
              ("decode", lambda: check_decode(opts, dev, deadline)))
     for name, run in steps:

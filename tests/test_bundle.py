@@ -93,14 +93,16 @@ def _run_bundle(python: str, bundle: Path, tmp_path: Path) -> dict:
 
 
 def test_small_bundle_runs_its_own_copies_runtime_only(small_bundle, tmp_path):
-    """The bundle's gpu_check.py on the CPU: shared-small within its bounds, from the bundle's
-    own dsv41 and TVM (not the installed ones), without TVM's compiler."""
+    """The bundle's gpu_check.py on the CPU: shared-small within its bounds and its host Engram
+    prefetch bit-equal to none, from the bundle's own dsv41 and TVM (not the installed ones),
+    without TVM's compiler."""
     report = _run_bundle(sys.executable, small_bundle.out, tmp_path)
     env = report["environment"]
     root = str(small_bundle.out.resolve())
     assert env["tvm"].startswith(root) and env["dsv41_runtime"].startswith(root), env
     assert env["tvm_compiler_loaded"] is False
-    assert [c["status"] for c in report["checks"]] == ["pass", "skip", "skip"]
+    assert [c["name"] for c in report["checks"]] == ["conformance", "engram", "kernels", "decode"]
+    assert [c["status"] for c in report["checks"]] == ["pass", "pass", "skip", "skip"]
 
 
 @pytest.mark.slow
@@ -209,3 +211,19 @@ def test_selftest_decode_check_on_the_cpu(small_artifact, small_case, tmp_path):
     assert all(r["ms_per_token"] > 0 and r["bytes"] > 0 and r["hbm_fraction"] is None
                for r in rows)
     assert check.data["checkpoint_written_s"] is None
+
+
+def test_selftest_engram_check_on_the_cpu(small_artifact, small_case):
+    """The Engram check's whole path on the CPU: shared-small's artifact with its tables in
+    host memory, prefetch on and off bit-equal, the gathers timed and counted."""
+    from dsv41.compiler.selftest import SelftestOptions, Status, check_engram
+    from dsv41.runtime.device import Device, DeviceKind
+
+    opts = SelftestOptions(target="cpu", artifacts=(small_artifact,),
+                           case=small_case.root)
+    check = check_engram(opts, Device(DeviceKind.CPU), prompt=20, steps=2)
+    assert check.status is Status.PASS, check.summary
+    on, off = check.data["prefetch_on"], check.data["prefetch_off"]
+    assert check.data["identical"] and on["calls"] == off["calls"] == 3
+    assert on["rows"] == off["rows"] > 0 and on["gather_ms"] > 0
+    assert off["hidden_ms"] == 0.0  # gathered inside the entry: nothing hidden

@@ -144,3 +144,69 @@ def test_prefetch_on_and_off_give_identical_outputs(small_artifact, small_case, 
         assert np.array_equal(a, b)
     assert rows[True] == rows[False]
     assert rows[True] % (2 * cols) == 0 and rows[True] >= 2 * cols * (29 + 7)
+
+
+def _cuda() -> Device:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU that torch can use on this machine")
+    return Device(DeviceKind.CUDA, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_gpu_gathers_come_to_the_device_bit_for_bit(prefetch):
+    dev = _cuda()
+    from dsv41.runtime.device import load_tvm_runtime_lib
+
+    load_tvm_runtime_lib("tvm_runtime_cuda")
+    tables, ids = _tables(), _ids()
+    pre = EngramPrefetcher(dev, prefetch=prefetch)
+    keys = pre.post(ids, tables)
+    for t in tables:
+        codes, scales = _call(ids, t)
+        assert codes.device.type == "cuda"
+        want = engram_rows(ids, t.slot, t.codes, t.scales)
+        assert torch.equal(codes.cpu(), want[0]) and torch.equal(scales.cpu(), want[1])
+    pre.finish(keys)
+
+
+@pytest.mark.gpu
+def test_gpu_transfers_round_trip_through_pinned_staging():
+    from dsv41.runtime.transfer import Transfers
+
+    dev = _cuda().torch
+    src = torch.randint(0, 256, (3, 40, 16), dtype=torch.uint8, device=dev)
+    bf = torch.randn(5, 8, device=dev).to(torch.bfloat16)
+    io = Transfers(dev)
+    a, b = io.out(src[1]), io.out(bf)
+    io.ready_for_host()
+    assert np.array_equal(a, src[1].cpu().numpy())
+    assert np.array_equal(b, bf.cpu().view(torch.uint16).numpy())
+    dest, dest_bf = torch.zeros_like(src), torch.zeros_like(bf)
+    io = Transfers(dev)
+    io.into(a, dest[2])
+    io.into(b, dest_bf)
+    io.ready_for_compute()
+    assert torch.equal(dest[2], src[1]) and torch.equal(dest_bf, bf)
+    assert int(dest[:2].count_nonzero()) == 0
+
+
+def test_cpu_transfers_copy_once_and_refuse_what_does_not_fit():
+    from dsv41.runtime.transfer import Transfers
+
+    src = torch.arange(24, dtype=torch.int16).view(2, 3, 4).to(torch.bfloat16)
+    bits = src[1].view(torch.uint16).numpy().copy()
+    io = Transfers("cpu")
+    a = io.out(src[1])
+    io.ready_for_host()
+    src[1, 0, 0] = 99  # the array is the caller's own copy
+    assert a.dtype == np.uint16 and np.array_equal(a, bits)
+    dest = torch.zeros(2, 3, 4, dtype=torch.bfloat16)
+    io = Transfers("cpu")
+    io.into(a, dest[0])
+    io.ready_for_compute()
+    assert torch.equal(dest[0], torch.from_numpy(a).view(torch.bfloat16))
+    with pytest.raises(ValueError, match="do not fit"):
+        io.into(a[:2], dest[0])
+    with pytest.raises(ValueError, match="do not fit"):
+        io.into(a.astype(np.int32), dest[0])
