@@ -180,25 +180,37 @@ def _sync(device: torch.device) -> None:
 # ---- the checks ----------------------------------------------------------------------------------
 
 
-def check_conformance(opts: SelftestOptions, dev) -> Check:
+def case_artifact(opts: SelftestOptions, check: str):
+    """(case, its config, the artifact of its config with prefill_all and decode), or the
+    check's SKIP saying which is missing."""
     from dsv41.graph.config import load_config
-    from dsv41.graph.conformance import evaluate, load_case
+    from dsv41.graph.conformance import load_case
+
+    if opts.case is None or not (Path(opts.case) / "case.json").is_file():
+        return Check(check, Status.SKIP, 0.0, f"no conformance case at {opts.case}")
+    case = load_case(opts.case)
+    args = load_config(case.checkpoint)
+    art_dir = find_artifact(opts.artifacts, args.config_hash(), opts.target,
+                            ("prefill_all", "decode"))
+    if art_dir is None:
+        return Check(check, Status.SKIP, 0.0,
+                     f"no {opts.target} artifact of {case.name}'s config with prefill_all and "
+                     f"decode under {', '.join(map(str, opts.artifacts)) or '(none given)'}")
+    return case, args, art_dir
+
+
+def check_conformance(opts: SelftestOptions, dev) -> Check:
+    from dsv41.graph.conformance import evaluate
     from dsv41.graph.model import Model
     from dsv41.graph.score import GraphBackend, score
     from dsv41.runtime.artifact import Artifact
     from dsv41.runtime.compiled import CompiledPhases
 
     t0 = time.perf_counter()
-    if opts.case is None or not (Path(opts.case) / "case.json").is_file():
-        return Check("conformance", Status.SKIP, 0.0, f"no conformance case at {opts.case}")
-    case = load_case(opts.case)
-    args = load_config(case.checkpoint)
-    art_dir = find_artifact(opts.artifacts, args.config_hash(), opts.target,
-                            ("prefill_all", "decode"))
-    if art_dir is None:
-        return Check("conformance", Status.SKIP, 0.0,
-                     f"no {opts.target} artifact of {case.name}'s config with prefill_all and "
-                     f"decode under {', '.join(map(str, opts.artifacts)) or '(none given)'}")
+    found = case_artifact(opts, "conformance")
+    if isinstance(found, Check):
+        return found
+    case, args, art_dir = found
     art = Artifact.load(art_dir, args=args, device=dev)
     model = Model.from_checkpoint(case.checkpoint, args, device=dev.torch)
     phases = PhasesOnDevice(CompiledPhases(art, model), dev.torch)
@@ -222,22 +234,17 @@ def check_engram(opts: SelftestOptions, dev, prompt: int = 48, steps: int = 3) -
     import torch
 
     from dsv41.graph.cache import new_cache
-    from dsv41.graph.config import load_config
-    from dsv41.graph.conformance import load_case
     from dsv41.graph.model import Model
     from dsv41.runtime.artifact import Artifact
     from dsv41.runtime.compiled import CompiledPhases
 
     t0 = time.perf_counter()
-    if opts.case is None or not (Path(opts.case) / "case.json").is_file():
-        return Check("engram", Status.SKIP, 0.0, f"no conformance case at {opts.case}")
-    case = load_case(opts.case)
-    args = load_config(case.checkpoint)
-    art_dir = find_artifact(opts.artifacts, args.config_hash(), opts.target,
-                            ("prefill_all", "decode"))
-    if art_dir is None or not args.engram_layer_ids:
-        return Check("engram", Status.SKIP, 0.0, f"no {opts.target} artifact of {case.name} "
-                     "with Engram layers")
+    found = case_artifact(opts, "engram")
+    if isinstance(found, Check):
+        return found
+    case, args, art_dir = found
+    if not args.engram_layer_ids:
+        return Check("engram", Status.SKIP, 0.0, f"{case.name}'s config has no Engram layers")
     art = Artifact.load(art_dir, args=args, device=dev)
     if not any(p.get("host") for sig in art.manifest["entries"].values()
                for p in sig["params"]):

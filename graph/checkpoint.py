@@ -566,7 +566,7 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
       the file straight into an allocation of the slice's size (the whole tensor is never
       read), and returned under the name;
     - `host` names tensors that stay in host memory whatever `device` is (the Engram tables,
-      `entries.host_resident`): loaded as on the CPU (views of the mapping when aligned).
+      `engram.host_resident`): loaded as on the CPU (views of the mapping when aligned).
     """
     path = Path(path)
     device = torch.device(device)

@@ -190,7 +190,9 @@ class Model:
                                   owned=_fp32_in_compute(args, plan), only=cuts,
                                   slices=None if cuts is None else
                                   {n: c for n, c in cuts.items() if c is not None},
-                                  host=[n for n in param_spec(args) if host_resident(n)])
+                                  # a sharded worker's entries gather Engram on its device
+                                  host=() if shard is not None else
+                                  [n for n in param_spec(args) if host_resident(n)])
         vision = load_vision(path, args)  # None: the checkpoint has no vision tower
         if vision is not None:
             if shard is not None:

@@ -230,9 +230,9 @@ class Artifact:
                     where = torch.device("cpu") if p.get("host") else self.device.torch
                     if t.device != where:
                         raise ArtifactError(f"Weight {p['param']} is on {t.device}, the "
-                                            f"artifact reads it on {where}: load the model with "
-                                            "Model.from_checkpoint(..., device=...) for "
-                                            f"{self.device}.")
+                                            f"artifact runs on {self.device} and reads it on "
+                                            f"{where}: load the model with "
+                                            "Model.from_checkpoint(..., device=...).")
                     cache[p["param"]] = to_tvm(t)
                 params.append(cache[p["param"]])
             self._params[entry] = params
@@ -289,7 +289,7 @@ class Artifact:
         tables = self._engram.get(entry, ())  # host Engram tables: the hash ids stay on the host
         at = sum(len(x) if isinstance(x, tuple) else 1 for x in inputs[:HASH_IDS_AT]) \
             if tables else -1
-        args = [to_tvm(x if i == at else x.to(dev)) for i, x in enumerate(flat)]
+        args = [to_tvm(x.cpu() if i == at else x.to(dev)) for i, x in enumerate(flat)]
         vm = self._vm(entry)
         keys = ()
         if tables:  # the rows' gathers, posted for the very ids buffer the entry receives
