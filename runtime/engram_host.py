@@ -194,6 +194,9 @@ class EngramPrefetcher:
         got = job.future.result() if job.future is not None else job.run()
         if got.ready is not None:
             got.ready.synchronize()  # the device copies are done (they ran beside the blocks)
+            compute = torch.cuda.current_stream(self.device.torch)  # the entry's kernels read
+            got.codes.record_stream(compute)  # them there: no reuse of their memory before
+            got.scales.record_stream(compute)
         waited = time.perf_counter() - t
         with self._lock:
             self.timing.gather_s += got.seconds
