@@ -87,16 +87,13 @@ def run_engram_bench(opts: EngramBenchOptions, say=print) -> dict:
     art = Artifact.load(opts.artifact, device=opts.device)
     if not art.args.engram_layer_ids:
         raise ArtifactError(f"{opts.artifact} is a model without Engram layers.")
-    for need in ("decode",):
-        if need not in art.entries:
-            raise ArtifactError(f"{opts.artifact} has no `{need}` entry; compile it with "
-                                "`dsv41 compile --entries prefill,decode`.")
+    if "decode" not in art.entries:
+        raise ArtifactError(f"{opts.artifact} has no `decode` entry; compile it with "
+                            "`dsv41 compile --entries prefill,decode`.")
     if "prefill" not in art.entries and "prefill_all" not in art.entries:
         raise ArtifactError(f"{opts.artifact} has no prefill entry; compile it with "
                             "`dsv41 compile --entries prefill,decode`.")
-    hosted = [p["param"] for sig in art.manifest["entries"].values() for p in sig["params"]
-              if p.get("host")]
-    if not hosted:
+    if not art.hosts_engram:
         raise ArtifactError(f"{opts.artifact} gathers its Engram rows on the device (compiled "
                             "before the tables were host-resident); recompile it.")
     ckpt = opts.checkpoint or ensure_checkpoint(opts.preset)

@@ -246,8 +246,7 @@ def check_engram(opts: SelftestOptions, dev, prompt: int = 48, steps: int = 3) -
     if not args.engram_layer_ids:
         return Check("engram", Status.SKIP, 0.0, f"{case.name}'s config has no Engram layers")
     art = Artifact.load(art_dir, args=args, device=dev)
-    if not any(p.get("host") for sig in art.manifest["entries"].values()
-               for p in sig["params"]):
+    if not art.hosts_engram:
         return Check("engram", Status.SKIP, 0.0, f"{art_dir} gathers Engram on the device "
                      "(compiled before the tables were host-resident)")
     model = Model.from_checkpoint(case.checkpoint, args, device=dev.torch)

@@ -19,7 +19,7 @@ import torch
 from . import ops
 from .cache import GlobalStore, ModelCache, WindowRing
 from .config import ModelArgs
-from .engram import EngramTables, build_tables, host_resident, load_token_map
+from .engram import HOST_TABLES, EngramTables, build_tables, load_token_map
 from .layers import (
     BF16,
     apply_rope,
@@ -180,7 +180,7 @@ class Model:
         With `shard`, one worker of a sharded model: only the tensors it holds are read (its
         experts; its rows or columns of the split tensors, read straight from the files into
         an allocation of the slice's size), never the whole model."""
-        from .checkpoint import checkpoint_config, load_checkpoint, load_vision, param_spec
+        from .checkpoint import checkpoint_config, load_checkpoint, load_vision
 
         args = args or checkpoint_config(path)
         plan = build_plan(args)
@@ -191,8 +191,7 @@ class Model:
                                   slices=None if cuts is None else
                                   {n: c for n, c in cuts.items() if c is not None},
                                   # a sharded worker's entries gather Engram on its device
-                                  host=() if shard is not None else
-                                  [n for n in param_spec(args) if host_resident(n)])
+                                  host=() if shard is not None else host_tables(args))
         vision = load_vision(path, args)  # None: the checkpoint has no vision tower
         if vision is not None:
             if shard is not None:
@@ -264,6 +263,12 @@ def _with_null_expert(t: torch.Tensor) -> torch.Tensor:
 
 def _prefix(args: ModelArgs, layer: int) -> str:
     return f"layers.{layer}" if layer < args.n_layers else f"mtp.{layer - args.n_layers}"
+
+
+def host_tables(args: ModelArgs) -> list[str]:
+    """The checkpoint names of the Engram tables, which stay in host memory on any device
+    (`engram.host_resident`)."""
+    return [f"{_prefix(args, layer)}.{t}" for layer in args.engram_layer_ids for t in HOST_TABLES]
 
 
 # ---- per-chunk context -------------------------------------------------------------------------

@@ -250,6 +250,13 @@ class Artifact:
                                        to_torch(bound[p["param"]]), to_torch(bound[scales])))
         return tuple(out)
 
+    @property
+    def hosts_engram(self) -> bool:
+        """Whether its entries read Engram tables in host memory (compiled by a dsv41 with the
+        host-resident Engram; an older artifact gathers them on its device)."""
+        return any(p.get("host") for sig in self.manifest["entries"].values()
+                   for p in sig["params"])
+
     def set_engram_prefetch(self, on: bool) -> None:
         """Gather the host Engram rows ahead on a background thread (on), or when the entry
         reaches its first Engram layer (off): the same rows either way."""

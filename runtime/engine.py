@@ -140,10 +140,10 @@ class EngineOptions:
     # measured step costs (`spec_clock`); greedy output and sampled distributions unchanged
     speculative: bool = False
     max_draft: int = 5
+    spec_clock: Callable[[], float] = time.perf_counter
     # an artifact's host-resident Engram rows gathered ahead on a background thread while the
     # entry's first blocks run (False: when the entry reaches the layer; the same rows)
     engram_prefetch: bool = True
-    spec_clock: Callable[[], float] = time.perf_counter
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,8 @@ class EngramPrefetcher:
     def gather(self, ids: torch.Tensor, table: EngramTable) -> _Gathered:
         """The rows of `table` at the slot's ids, on this device."""
         t = time.perf_counter()
-        flat = ids[:, :, table.slot].reshape(-1)  # (b * s * cols,)
-        lead = ids[:, :, table.slot].shape  # (b, s, cols)
+        own = ids[:, :, table.slot]  # (b, s, cols)
+        flat, lead = own.reshape(-1), own.shape
         pin = self.device.is_cuda
         rows = []
         for src in (table.codes, table.scales):
@@ -201,7 +201,7 @@ class EngramPrefetcher:
         with self._lock:
             self.timing.gather_s += got.seconds
             self.timing.wait_s += waited
-            self.timing.rows += got.codes[..., 0].numel()
+            self.timing.rows += got.codes.numel() // got.codes.size(-1)
             self.timing.bytes += got.codes.numel() + got.scales.numel()
         return to_tvm(got.codes), to_tvm(got.scales)
 

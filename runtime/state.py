@@ -28,22 +28,18 @@ STORE_FIELDS = ("kv_codes", "kv_scales", "k_codes", "k_scales")
 TAIL_FIELDS = ("tail_kv", "tail_score")
 
 
-def _rows_into(io: Transfers, a: np.ndarray, t: torch.Tensor, r0: int, what: str) -> int:
-    """Stored rows `a` into rows r0.. of sequence 0 of the store tensor `t`; their count."""
-    if a.ndim != t.dim() - 1 or tuple(a.shape[1:]) != tuple(t.shape[2:]):
-        raise ValueError(f"Stored rows {tuple(a.shape)} of {what} do not fit a cache tensor "
-                         f"{tuple(t.shape)} {t.dtype}.")
-    n = a.shape[0]
-    if r0 + n > t.size(1):
-        raise ValueError(f"Stored rows of {what} end at {r0 + n}, past the cache's {t.size(1)}.")
-    io.into(a, t[0, r0:r0 + n])
-    return n
+def _rows_into(io: Transfers, a: np.ndarray, t: torch.Tensor, r0: int, what: str) -> None:
+    """Stored rows `a` into rows r0.. of sequence 0 of the store tensor `t` (`io.into` refuses
+    rows of another shape or dtype)."""
+    if a.ndim == 0 or r0 + a.shape[0] > t.size(1):
+        raise ValueError(f"Stored rows {tuple(a.shape)} of {what} do not fit rows {r0}.. of a "
+                         f"cache tensor {tuple(t.shape)}.")
+    io.into(a, t[0, r0:r0 + a.shape[0]])
 
 
 def _whole(io: Transfers, a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """A batch-1 tensor shaped like `like` (1, ...) from its stored row."""
-    if tuple(a.shape) != tuple(like.shape[1:]):
-        raise ValueError(f"Stored state {tuple(a.shape)} does not fit {tuple(like.shape)}.")
+    """A batch-1 tensor shaped like `like` (1, ...) from its stored row (`io.into` refuses
+    another shape or dtype)."""
     out = torch.empty_like(like)
     io.into(a, out[0])
     return out
