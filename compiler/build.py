@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from dsv41.compiler.capture import capture, dim_symbols, static_bounds
+from dsv41.compiler.progress import CompileProgress, SilentProgress
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.engram import host_resident
 from dsv41.graph.entries import (
@@ -30,10 +32,7 @@ from dsv41.graph.entries import (
 )
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
-from dsv41.runtime.artifact import FORMAT_VERSION  # the manifest format the runtime reads
-
-from .capture import capture, dim_symbols, static_bounds
-from .progress import CompileProgress, SilentProgress
+from dsv41.runtime.backends.artifact import FORMAT_VERSION  # the manifest format the runtime reads
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 # GEMM schedule hint: rows per call (None: prefill). `verify` runs decode's per-row kernels
@@ -127,7 +126,7 @@ def entry_signature(ep, template, plan, entry: str, *, host_engram: bool = True)
 def lower_entry(model: Model, entry: str, ep, template, spec, kernels: dict | None = None):
     """The lower phase: the captured entry -> Relax, with the entry's row hint, static bounds
     and bounded-rows choice. `kernels` receives each kernel's key -> GlobalVar."""
-    from .lower import lower
+    from dsv41.compiler.lower import lower
 
     return lower(ep, spec, rows_hint=ROWS_HINT.get(entry), kernels=kernels,
                  bounds=entry_bounds(model, entry, ep, template),
@@ -269,7 +268,7 @@ def schedule(mod, target_name: str, tuning: tuple[str, str] | None = None):
     from dsv41.graph.targets import get_target
 
     if tuning is not None:
-        from .tuning_db import apply_tuning
+        from dsv41.compiler.tuning_db import apply_tuning
 
         mod = apply_tuning(mod, target_name, *tuning)
 
@@ -343,9 +342,8 @@ def built_module(config: dict, entry: str, target: str, tuning: list | None = No
 
 def compile_artifact(opts: CompileOptions,
                      progress: CompileProgress | None = None) -> CompileReport:
+    from dsv41.compiler.tuning_db import tuned_functions
     from dsv41.graph.targets import get_target
-
-    from .tuning_db import tuned_functions
 
     spec = get_target(opts.target)
     out = opts.artifact_dir
@@ -381,7 +379,7 @@ def compile_artifact(opts: CompileOptions,
         if tuning:
             say.note(f"{entry}: {len(report.tuned[entry])} tuned function(s) from the database")
     if opts.onnx:
-        from .onnx_export import export_onnx
+        from dsv41.compiler.onnx_export import export_onnx
 
         for path in export_onnx(opts):
             say.note(f"onnx: {path}")
@@ -417,9 +415,8 @@ def _verified_manifest(artifact_dir: Path, args: ModelArgs, target: str) -> dict
     """The manifest of an existing artifact for the same config, target and TVM whose files
     verify and whose entries were built with the tuning database now in its `tuning/`; {}
     otherwise (such an artifact contributes nothing: its entries are compiled again)."""
-    from dsv41.runtime.artifact import ArtifactError, verify
-
-    from .tuning_db import database_hash
+    from dsv41.compiler.tuning_db import database_hash
+    from dsv41.runtime.backends.artifact import ArtifactError, verify
 
     if not (artifact_dir / "manifest.json").is_file():
         return {}
@@ -448,9 +445,8 @@ def missing_entries(artifact_dir: Path, args: ModelArgs, target: str,
 def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -> Path:
     import tvm
 
+    from dsv41.compiler.tuning_db import database_hash
     from dsv41.graph.targets import get_target
-
-    from .tuning_db import database_hash
 
     out = opts.artifact_dir
     readme = out / "README.md"
@@ -458,9 +454,9 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         f"# dsv41 artifact: {opts.model_name} for {opts.target}\n\n"
         f"Config hash {opts.args.config_hash()}. One library per entry "
         f"({', '.join(entries)}); weights are not inside: load them with "
-        "`dsv41.runtime.engine.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
+        "`dsv41.runtime.engine.engine.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
         "`manifest.json` (checksums, config, target, TVM version) first.\n")
-    from dsv41.runtime.artifact import manifest_digest, sha256_file
+    from dsv41.runtime.backends.artifact import manifest_digest, sha256_file
 
     files = {p.name: sha256_file(p) for p in sorted(out.iterdir())
              if p.is_file() and p.name != "manifest.json"}

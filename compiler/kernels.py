@@ -23,11 +23,7 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
-from dsv41.graph.ops import ENGRAM_ROWS_FUNC
-from dsv41.graph.targets import TargetSpec
-from dsv41.schedules import attention, cache_write, gemm, indexer, mhc, moe, norm, quant
-
-from .kernel_keys import (
+from dsv41.compiler.kernel_keys import (
     BF16,
     DenseGemmKey,
     DenseGemvKey,
@@ -47,7 +43,10 @@ from .kernel_keys import (
     SelectPositionsKey,
     SparseAttendKey,
 )
-from .relax_ops import Lowering, call, rows, shape, static, tensor, unrows
+from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
+from dsv41.graph.ops import ENGRAM_ROWS_FUNC
+from dsv41.graph.targets import TargetSpec
+from dsv41.schedules import attention, cache_write, gemm, indexer, mhc, moe, norm, quant
 
 Converter = Callable[[Lowering], Callable]  # the per-module converter of one torch op
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from dsv41.compiler.kernels import converters, dense_call, use_gemv
+from dsv41.compiler.relax_ops import BF16, Lowering, rows, shape, static, unrows
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
-
-from .kernels import converters, dense_call, use_gemv
-from .relax_ops import BF16, Lowering, rows, shape, static, unrows
 
 # ---- aten overrides and additions ------------------------------------------------------------
 

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
+from dsv41.compiler.capture import capture
 from dsv41.graph.entries import ENTRIES
-
-from .capture import capture
 
 ONNX_DTYPES = {
     torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int32: 6, torch.int64: 7,

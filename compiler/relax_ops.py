@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 import tvm
 from tvm import relax
 
+from dsv41.compiler.kernel_keys import KernelKey
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
-
-from .kernel_keys import KernelKey
 
 BF16 = "bfloat16"
 

@@ -22,16 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dsv41.graph.collectives import CclBackend, ExportCollectives
-from dsv41.graph.config import ModelArgs
-from dsv41.graph.model import Model
-from dsv41.graph.plan import build_plan
-from dsv41.graph.sharding import WorkerShard, expert_block, shard_plan, shard_plan_json
-from dsv41.graph.targets import get_target
-from dsv41.runtime.artifact import manifest_digest, sha256_file
-from dsv41.runtime.sharded import SHARDED_FORMAT
-
-from .build import (
+from dsv41.compiler.build import (
     BOUNDED_ROWS,
     ROWS_HINT,
     entry_bounds,
@@ -40,8 +31,16 @@ from .build import (
     fuse,
     schedule,
 )
-from .capture import capture
-from .lower import lower
+from dsv41.compiler.capture import capture
+from dsv41.compiler.lower import lower
+from dsv41.graph.collectives import CclBackend, ExportCollectives
+from dsv41.graph.config import ModelArgs
+from dsv41.graph.model import Model
+from dsv41.graph.plan import build_plan
+from dsv41.graph.sharding import WorkerShard, expert_block, shard_plan, shard_plan_json
+from dsv41.graph.targets import get_target
+from dsv41.runtime.backends.artifact import manifest_digest, sha256_file
+from dsv41.runtime.backends.sharded import SHARDED_FORMAT
 
 
 def check_even_split(args: ModelArgs, shards: int) -> None:

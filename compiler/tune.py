@@ -48,10 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv41.graph.config import ModelArgs
-from dsv41.schedules.tuning_space import PhaseShape, Task
-
-from .tuning_db import (
+from dsv41.compiler.tuning_db import (
     FAILED_S,
     INDEX,
     INDEX_FORMAT,
@@ -67,6 +64,8 @@ from .tuning_db import (
     workload_hash,
     write_index,
 )
+from dsv41.graph.config import ModelArgs
+from dsv41.schedules.tuning_space import PhaseShape, Task
 
 APPLY_MARGIN = 0.02  # a tuned function replaces the hand schedule only when this much faster
 VERIFY_ROUNDS = 5  # alternating timings of hand and tuned function in a verification
@@ -189,19 +188,17 @@ def fingerprint(opts: TuneOptions) -> dict:
 def _entry_module(opts: TuneOptions, entry: str):
     """The entry's fused module exactly as `compile` builds it (the same phases,
     `build.run_phases`), and its kernels' keys by function name."""
+    from dsv41.compiler.build import run_phases
     from dsv41.graph.model import Model
-
-    from .build import run_phases
 
     run = run_phases(Model.placeholder(opts.args), entry, opts.target, until="fuse")
     return run.module, {gv.name_hint: key for key, gv in run.kernels.items()}
 
 
 def _entry_values(opts: TuneOptions, main, entry: str, batch: int) -> dict:
+    from dsv41.compiler.capture import CaptureShapes, example_inputs
     from dsv41.graph.model import Model
     from dsv41.schedules.tuning_space import bind_entry_vars
-
-    from .capture import CaptureShapes, example_inputs
 
     shapes = CaptureShapes(batch=batch, tokens=opts.shape.tokens, context=opts.shape.context)
     inputs, _ = example_inputs(Model.placeholder(opts.args), entry, shapes)
@@ -215,10 +212,9 @@ def entry_tasks(opts: TuneOptions, entry: str, mod, kernel_keys: dict) -> list[T
     import tvm
     import tvm_ffi
 
+    from dsv41.compiler.kernels import kernel_label, unscheduled
     from dsv41.graph.targets import get_target
     from dsv41.schedules import tuning_space as ts
-
-    from .kernels import kernel_label, unscheduled
 
     spec = get_target(opts.target)
     main = mod["main"]
@@ -339,7 +335,7 @@ def _hand(task: Task, spec):
     """What compile builds for the task's function without tuning (build.schedule on it)."""
     import tvm
 
-    from .build import schedule
+    from dsv41.compiler.build import schedule
 
     return schedule(tvm.IRModule({"main": task.hand}), spec.name)["main"]
 
@@ -736,11 +732,10 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     import torch
     import tvm
 
+    from dsv41.compiler.capture import CaptureShapes, example_inputs
     from dsv41.graph.model import Model
-    from dsv41.runtime.artifact import read_manifest, weight_for
-    from dsv41.runtime.tensors import to_tvm
-
-    from .capture import CaptureShapes, example_inputs
+    from dsv41.runtime.backends.artifact import read_manifest, weight_for
+    from dsv41.runtime.backends.tensors import to_tvm
 
     shapes = CaptureShapes(batch=opts.shape.batch, tokens=opts.shape.tokens,
                            context=opts.shape.context)
@@ -750,7 +745,7 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     flat[at] = torch.full_like(flat[at], opts.shape.context - 1)  # start: the cache is full
     args = [to_tvm(t) for t in flat]
     params = read_manifest(artifact_dir)["entries"][entry]["params"]
-    from .assets import DEFAULT_CHECKPOINTS
+    from dsv41.graph.checkpoint import DEFAULT_CHECKPOINTS
 
     ckpt = DEFAULT_CHECKPOINTS / f"{opts.model_name}-seed0"  # where `ensure_checkpoint` writes
     if (ckpt / "config.json").is_file():
@@ -783,9 +778,8 @@ def compare_step(opts: TuneOptions, rounds: int = 7) -> str:
     import tvm
     from tvm import relax
 
+    from dsv41.compiler.build import CompileOptions, compile_artifact
     from dsv41.graph.targets import get_target
-
-    from .build import CompileOptions, compile_artifact
 
     if "decode" not in opts.entries:
         raise ValueError("--compare-step times the decode entry; tune --entries decode.")

@@ -21,10 +21,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .config import PRESETS, ModelArgs, preset
-from .cost import decode_step_costs
-from .layout import KVLayout, SourceLayout, encoder_snapshot
-from .plan import build_plan
+from dsv41.graph.config import PRESETS, ModelArgs, preset
+from dsv41.graph.cost import decode_step_costs
+from dsv41.graph.layout import KVLayout, SourceLayout, encoder_snapshot
+from dsv41.graph.plan import build_plan
 
 DEFAULT_CONTEXTS = (131_072, 1_048_576)
 GB = 10**9

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .layout import KVLayout
-from .plan import ModelPlan
+from dsv41.graph.layout import KVLayout
+from dsv41.graph.plan import ModelPlan
 
 
 @dataclass

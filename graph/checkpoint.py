@@ -35,9 +35,12 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .config import ModelArgs, load_config, save_config
-from .formats import np_quant_fp8, np_quant_fp8_weight
-from .plan import LayerPlan, build_plan
+from dsv41.graph.config import ModelArgs, load_config, save_config
+from dsv41.graph.formats import np_quant_fp8, np_quant_fp8_weight
+from dsv41.graph.plan import LayerPlan, build_plan
+
+# where the CLI keeps the seeded checkpoints of the presets (`dsv41 run`, `bench`, `tune`, `serve`)
+DEFAULT_CHECKPOINTS = Path("artifacts") / "checkpoints"
 
 __all__ = [
     "TensorSpec",

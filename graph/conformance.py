@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .score import ScoreResult
+from dsv41.graph.score import ScoreResult
 
 
 @dataclass

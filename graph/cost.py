@@ -29,10 +29,10 @@ from enum import Enum
 
 import numpy as np
 
-from .checkpoint import E8M0, FP4, FP8, param_spec
-from .config import ModelArgs
-from .layout import KVLayout
-from .plan import LOCAL, build_plan
+from dsv41.graph.checkpoint import E8M0, FP4, FP8, param_spec
+from dsv41.graph.config import ModelArgs
+from dsv41.graph.layout import KVLayout
+from dsv41.graph.plan import LOCAL, build_plan
 
 PRECISION_WEIGHT = {"bf16": 1.0, "fp8": 0.5, "fp4": 0.25}  # the article's counting
 

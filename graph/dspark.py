@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
-from .cache import ModelCache
-from .layers import apply_rope, hc_pre, identity_pre, rms_norm
-from .model import (
+from dsv41.graph import ops
+from dsv41.graph.cache import ModelCache
+from dsv41.graph.layers import apply_rope, hc_pre, identity_pre, rms_norm
+from dsv41.graph.model import (
     Chunk,
     Model,
     block,

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ModelArgs, engram_prime_buckets
-from .vocab import find_tokenizer_file
+from dsv41.graph.config import ModelArgs, engram_prime_buckets
+from dsv41.graph.vocab import find_tokenizer_file
 
 # the tensors that stay in host memory whatever the model's device: the Engram tables (a compiled
 # entry gets their rows from the host runtime, `ops.engram_rows`)

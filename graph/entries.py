@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .cache import GlobalStore, ModelCache, WindowRing
-from .model import Model, rope_window
-from .vision import SpanRows, packed_rows
+from dsv41.graph.cache import GlobalStore, ModelCache, WindowRing
+from dsv41.graph.model import Model, rope_window
+from dsv41.graph.vision import SpanRows, packed_rows
 
 ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft",
            "verify")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .config import ModelArgs
+from dsv41.graph.config import ModelArgs
 
 PAD_COLOR = (127, 127, 127)
 # the most pixels an image may have before it is decoded (its header is read first): the planning

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import formats as fmt
-from .plan import ModelPlan
+from dsv41.graph import formats as fmt
+from dsv41.graph.plan import ModelPlan
 
 
 @dataclass(frozen=True, slots=True)

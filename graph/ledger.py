@@ -33,10 +33,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .cache import ModelCache, drop_local_state, new_cache, select_sequences
-from .model import Model
-from .phases import ced_prefill, decode_step, prefill_exact, replay_prefill, resume_prefill
-from .plan import REINDEX, REUSE
+from dsv41.graph.cache import ModelCache, drop_local_state, new_cache, select_sequences
+from dsv41.graph.model import Model
+from dsv41.graph.phases import (
+    ced_prefill,
+    decode_step,
+    prefill_exact,
+    replay_prefill,
+    resume_prefill,
+)
+from dsv41.graph.plan import REINDEX, REUSE
 
 
 @dataclass(frozen=True)

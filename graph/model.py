@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import ops
-from .cache import GlobalStore, ModelCache, WindowRing
-from .config import ModelArgs
-from .engram import HOST_TABLES, EngramTables, build_tables, load_token_map
-from .layers import (
+from dsv41.graph import ops
+from dsv41.graph.cache import GlobalStore, ModelCache, WindowRing
+from dsv41.graph.config import ModelArgs
+from dsv41.graph.engram import HOST_TABLES, EngramTables, build_tables, load_token_map
+from dsv41.graph.layers import (
     BF16,
     apply_rope,
     bf16_linear,
@@ -30,9 +30,9 @@ from .layers import (
     rope_freqs,
     rope_table,
 )
-from .plan import FULL, REUSE, ModelPlan, build_plan
-from .sharding import WorkerShard, shard_plan, sliced_spec, worker_slices
-from .vision import SpanRows, check_vision_args, has_vision
+from dsv41.graph.plan import FULL, REUSE, ModelPlan, build_plan
+from dsv41.graph.sharding import WorkerShard, shard_plan, sliced_spec, worker_slices
+from dsv41.graph.vision import SpanRows, check_vision_args, has_vision
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ class Model:
         """A model whose weights have the checkpoint's shapes and dtypes but no storage (zero-
         stride views of one element): what capture and compilation need, at any size. With
         `shard`, that worker's shapes (its slices and experts)."""
-        from .checkpoint import RETURNED_DTYPES as LOADED_DTYPES
-        from .checkpoint import param_spec
+        from dsv41.graph.checkpoint import RETURNED_DTYPES as LOADED_DTYPES
+        from dsv41.graph.checkpoint import param_spec
 
         plan = build_plan(args)
         fp32 = _fp32_in_compute(args, plan)
@@ -180,7 +180,7 @@ class Model:
         With `shard`, one worker of a sharded model: only the tensors it holds are read (its
         experts; its rows or columns of the split tensors, read straight from the files into
         an allocation of the slice's size), never the whole model."""
-        from .checkpoint import checkpoint_config, load_checkpoint, load_vision
+        from dsv41.graph.checkpoint import checkpoint_config, load_checkpoint, load_vision
 
         args = args or checkpoint_config(path)
         plan = build_plan(args)

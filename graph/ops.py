@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from . import formats as fmt
-from . import layers
+from dsv41.graph import formats as fmt
+from dsv41.graph import layers
 
 FP8_BLOCK = 32
 ATTN_BLOCK = 64  # the reference sparse-attention kernel walks indices in blocks of 64

@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import dspark
-from .cache import ModelCache, ensure_capacity, restore_local_state, save_local_state
-from .dspark import Draft
-from .engram import as_tensor, empty_history, engram_hash, engram_history_after
-from .layers import hc_pre, identity_pre, rms_norm
-from .model import (
+from dsv41.graph import dspark
+from dsv41.graph.cache import ModelCache, ensure_capacity, restore_local_state, save_local_state
+from dsv41.graph.dspark import Draft
+from dsv41.graph.engram import as_tensor, empty_history, engram_hash, engram_history_after
+from dsv41.graph.layers import hc_pre, identity_pre, rms_norm
+from dsv41.graph.model import (
     Chunk,
     Model,
     embed_rows,
@@ -55,7 +55,7 @@ from .model import (
     run_compressor,
     run_layers,
 )
-from .vision import SequenceImages, SpanRows, splice
+from dsv41.graph.vision import SequenceImages, SpanRows, splice
 
 DEFAULT_CHUNK_TOKENS = 2048  # the engine's prefill chunk (EngineOptions.prefill_chunk_tokens)
 # called between two pieces of a chunked prefill (two chunks, and the CED encoder pass and the

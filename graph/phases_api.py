@@ -14,14 +14,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import phases, speculative, vision
-from .cache import ModelCache
-from .dspark import Draft
-from .image_processor import PreparedImage
-from .model import Model
-from .phases import EncoderOutput, Pause, PhaseResult
-from .speculative import Verified
-from .vision import SequenceImages, SpanRows
+from dsv41.graph import phases, speculative, vision
+from dsv41.graph.cache import ModelCache
+from dsv41.graph.dspark import Draft
+from dsv41.graph.image_processor import PreparedImage
+from dsv41.graph.model import Model
+from dsv41.graph.phases import EncoderOutput, Pause, PhaseResult
+from dsv41.graph.speculative import Verified
+from dsv41.graph.vision import SequenceImages, SpanRows
 
 
 @runtime_checkable

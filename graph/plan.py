@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelArgs
+from dsv41.graph.config import ModelArgs
 
 LOCAL, FULL, REINDEX, REUSE = "local", "full", "reindex", "reuse"
 

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .image_processor import PreparedImage
+from dsv41.graph.image_processor import PreparedImage
 
 
 class Backend(Protocol):
@@ -119,10 +119,10 @@ class GraphBackend:
     def __init__(self, model, *, kv_dtype: str = "fp4", capacity: int = 4096, phases=None,
                  chunk_tokens: int | None = None):
         """`phases`: an object with prefill_exact / ced_prefill / decode_step (default: the
-        graph's own; `dsv41.runtime.compiled.CompiledPhases` scores a compiled artifact).
+        graph's own; `dsv41.runtime.backends.compiled.CompiledPhases` scores a compiled artifact).
         `chunk_tokens`: the prefill runs in chunks of at most that many tokens (every row's
         selections kept, as a one-shot prefill returns them)."""
-        from .phases_api import GraphPhases, Phases
+        from dsv41.graph.phases_api import GraphPhases, Phases
 
         self.model, self.kv_dtype, self.capacity = model, kv_dtype, capacity
         self.chunk_tokens = chunk_tokens
@@ -145,8 +145,8 @@ class GraphBackend:
 
     def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...] = (),
                 images: Sequence[PreparedImage] = ()) -> dict:
-        from .cache import new_cache
-        from .phases_api import GraphPhases
+        from dsv41.graph.cache import new_cache
+        from dsv41.graph.phases_api import GraphPhases
 
         m = self.model
         image, vis = None, {}
@@ -188,7 +188,7 @@ def image_rows(model, tokens: np.ndarray, images: Sequence[PreparedImage], *, en
     `aligner_embeddings` (rows of every image, in order) and `input_embeddings` (the prompt's
     spliced embeddings). `encode(image)` -> aligned rows replaces the graph's tower (a compiled
     artifact's `vision` entry: `CompiledPhases.encode_image`)."""
-    from . import vision
+    from dsv41.graph import vision
 
     if not model.vision:
         raise ValueError("This model's checkpoint has no vision tower; it cannot score images.")

@@ -29,12 +29,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from .checkpoint import checkpoint_config
-from .collectives import CollectiveError, ThreadGroup
-from .config import ModelArgs
-from .model import Model
-from .score import GraphBackend
-from .sharding import WorkerShard, shard_plan
+from dsv41.graph.checkpoint import checkpoint_config
+from dsv41.graph.collectives import CollectiveError, ThreadGroup
+from dsv41.graph.config import ModelArgs
+from dsv41.graph.model import Model
+from dsv41.graph.score import GraphBackend
+from dsv41.graph.sharding import WorkerShard, shard_plan
 
 T = TypeVar("T")
 

@@ -41,11 +41,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from .checkpoint import FP8_TILE, TensorSpec, param_spec
-from .collectives import Collectives
-from .config import ModelArgs
-from .layout import KVLayout
-from .plan import build_plan
+from dsv41.graph.checkpoint import FP8_TILE, TensorSpec, param_spec
+from dsv41.graph.collectives import Collectives
+from dsv41.graph.config import ModelArgs
+from dsv41.graph.layout import KVLayout
+from dsv41.graph.plan import build_plan
 
 
 class Split(Enum):

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import dspark
-from .cache import ModelCache, ensure_capacity
-from .engram import engram_history_after
-from .layers import identity_pre
-from .model import FULL, Chunk, Model, final_norm, head, rope_window, run_layers
-from .phases import PhaseResult, check_tokens, embed, engram_ids, prefill_exact
+from dsv41.graph import dspark
+from dsv41.graph.cache import ModelCache, ensure_capacity
+from dsv41.graph.engram import engram_history_after
+from dsv41.graph.layers import identity_pre
+from dsv41.graph.model import FULL, Chunk, Model, final_norm, head, rope_window, run_layers
+from dsv41.graph.phases import PhaseResult, check_tokens, embed, engram_ids, prefill_exact
 
 # one decode step of a phase backend: (model, cache, tokens (b, 1)) -> PhaseResult
 Step = Callable[[Model, ModelCache, torch.Tensor], PhaseResult]

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import ModelArgs
-from .image_processor import ImageGrid, PreparedImage, TokenType
+from dsv41.graph.config import ModelArgs
+from dsv41.graph.image_processor import ImageGrid, PreparedImage, TokenType
 
 BF16 = torch.bfloat16
 VISION_NORM_EPS = 1e-6  # hard-coded in the released ViT (not a config field)

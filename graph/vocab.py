@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from .config import ModelArgs
+from dsv41.graph.config import ModelArgs
 
 SMALL_TOKENIZER_JSON = Path(__file__).with_name("presets") / "small_tokenizer.json"
 SMALL_VOCAB = 512  # the conformance config's vocab_size; the stub spells all of it

@@ -39,8 +39,7 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec, get_target
-
-from .common import (
+from dsv41.schedules.common import (
     e4m3_to_f32,
     e4m3_to_f32_select,
     e8m0_to_f32,

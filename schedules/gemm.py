@@ -43,8 +43,7 @@ from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
-
-from .common import (
+from dsv41.schedules.common import (
     amx,
     amx_configure,
     amx_dot_32x32,
@@ -63,7 +62,7 @@ from .common import (
     pairwise_lane_sum,
     u32,
 )
-from .common import prefetch as prefetch_line
+from dsv41.schedules.common import prefetch as prefetch_line
 
 BLOCK = 32  # FP8/MXFP4 quantisation group along K, and the weight tile edge
 

@@ -48,9 +48,8 @@ from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
-
-from .common import amx as amx_instr
-from .common import (
+from dsv41.schedules.common import amx as amx_instr
+from dsv41.schedules.common import (
     amx_configure,
     fp4_to_f32_select,
     has_avx512,

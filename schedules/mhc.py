@@ -45,9 +45,8 @@ from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec, get_target
-
-from .common import round_bf16
-from .norm import BenchCase, BenchData, check_lanes, f32_of_bf16, mul_bf16, neg
+from dsv41.schedules.common import round_bf16
+from dsv41.schedules.norm import BenchCase, BenchData, check_lanes, f32_of_bf16, mul_bf16, neg
 
 
 def _sigmoid(x):

@@ -33,9 +33,8 @@ from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
-
-from . import gemm
-from .common import (
+from dsv41.schedules import gemm
+from dsv41.schedules.common import (
     bf16_to_f32,
     e8m0_byte,
     f16_bits_to_f32,
@@ -53,7 +52,7 @@ from .common import (
     round_bf16_bound,
     silu_times,
 )
-from .gemm import BLOCK
+from dsv41.schedules.gemm import BLOCK
 
 # ---- shapes shared by the kernels and the plan ---------------------------------------------
 

@@ -50,9 +50,8 @@ from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
-
-from .common import e4m3_to_f32
-from .gemm import e4m3_round, fp8_code, pow2_scale_byte
+from dsv41.schedules.common import e4m3_to_f32
+from dsv41.schedules.gemm import e4m3_round, fp8_code, pow2_scale_byte
 
 FP8_BLOCK = fmt.FP8_BLOCK  # 32
 MX_BLOCK = fmt.MXFP4_BLOCK  # 32

@@ -14,8 +14,8 @@ import json
 
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
-from dsv41.runtime.batcher import measure_long_prompt_stall
-from dsv41.runtime.engine import Engine
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.serving.batcher import measure_long_prompt_stall
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ ARTIFACT_CACHE_KEEP = 4  # cached builds kept (the newest by use; two fixtures c
 # what a compile reads: the model and kernels, the compile pipeline, the manifest format
 COMPILE_SOURCES = ("graph", "schedules", "compiler/build.py", "compiler/capture.py",
                    "compiler/lower.py", "compiler/kernels.py", "compiler/kernel_keys.py",
-                   "compiler/relax_ops.py", "compiler/tuning_db.py", "runtime/artifact.py")
+                   "compiler/relax_ops.py", "compiler/tuning_db.py", "runtime/backends/artifact.py")
 
 
 def compile_inputs_digest(*extra: str) -> str:
@@ -155,7 +155,7 @@ REQUIRE_REDIS = "DSV41_REQUIRE_REDIS"  # set (by .ci/run): a missing redis-serve
 def redis_or_skip() -> None:
     """Skip (with the reason) when redis-server is not installed; fail instead under
     DSV41_REQUIRE_REDIS=1, so CI never passes by skipping them."""
-    from dsv41.runtime.redis_server import redis_binary
+    from dsv41.runtime.tiers.redis_server import redis_binary
 
     if redis_binary() is None:
         msg = "redis-server is not installed (apt-get install -y redis-server)"
@@ -168,7 +168,7 @@ def redis_or_skip() -> None:
 def redis_server(tmp_path):
     """A fresh redis-server on a free port in the test's folder; the test may kill, restart
     and fill it. Stopped at the end."""
-    from dsv41.runtime.redis_server import RedisServer
+    from dsv41.runtime.tiers.redis_server import RedisServer
 
     redis_or_skip()
     server = RedisServer.start(tmp_path / "redis")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import tvm
 
-from dsv41.runtime.tensors import to_tvm
+from dsv41.runtime.backends.tensors import to_tvm
 
 
 def tv(t: torch.Tensor):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from dsv41.runtime.disco import load_disco
+from dsv41.runtime.backends.disco import load_disco
 
 load_disco()  # first: before anything below imports tvm
 
@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dsv41.graph.entries import cache_tensors, load_cache_tensors  # noqa: E402
-from dsv41.runtime.artifact import ArtifactError  # noqa: E402
-from dsv41.runtime.engine import Engine  # noqa: E402
+from dsv41.runtime.backends.artifact import ArtifactError  # noqa: E402
+from dsv41.runtime.engine.engine import Engine  # noqa: E402
 
 PAGE = 8
 NEW_TOKENS = 4

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from dsv41.runtime.disco import load_disco
+from dsv41.runtime.backends.disco import load_disco
 
 load_disco()  # first: before anything below imports tvm
 
@@ -15,8 +15,8 @@ from dsv41.graph.conformance import load_case  # noqa: E402
 from dsv41.graph.engram import load_token_map  # noqa: E402
 from dsv41.graph.model import Model  # noqa: E402
 from dsv41.graph.score import GraphBackend, score  # noqa: E402
-from dsv41.runtime.compiled import CompiledPhases  # noqa: E402
-from dsv41.runtime.sharded import ShardedArtifact  # noqa: E402
+from dsv41.runtime.backends.compiled import CompiledPhases  # noqa: E402
+from dsv41.runtime.backends.sharded import ShardedArtifact  # noqa: E402
 
 
 def main(artifact: str, case_dir: str, out: str) -> None:

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.runtime.batcher import Batcher, FinishReason, QueueFull
-from dsv41.runtime.engine import DecodeBatch, Engine
-from dsv41.runtime.requests import RequestError, TurnLimits, check_turn
-from dsv41.runtime.sampling import SamplingParams
-from dsv41.runtime.tokenizer import Tokenizer
+from dsv41.runtime.engine.engine import DecodeBatch, Engine
+from dsv41.runtime.engine.requests import RequestError, TurnLimits, check_turn
+from dsv41.runtime.engine.sampling import SamplingParams
+from dsv41.runtime.serving.batcher import Batcher, FinishReason, QueueFull
+from dsv41.runtime.serving.tokenizer import Tokenizer
 
 PAGE, CHUNK = 8, 8
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv41.compiler import bench as B
-from dsv41.compiler.cli import main as cli_main
+from dsv41.compiler.tools.bench import e2e as B
+from dsv41.compiler.tools.cli.parser import main as cli_main
 from dsv41.graph.cost import decode_step_cost
 from dsv41.graph.formats import torch_dequant_fp4_kv, torch_dequant_fp8, torch_dequant_mxfp4
 

@@ -19,9 +19,9 @@ import time
 import pytest
 import torch
 
-from dsv41.compiler import bench_kernels as bench
-from dsv41.compiler import measure
-from dsv41.compiler.cli import main as cli_main
+from dsv41.compiler.tools.bench import kernels as bench
+from dsv41.compiler.tools.bench import measure
+from dsv41.compiler.tools.cli.parser import main as cli_main
 from dsv41.graph import ops
 from dsv41.schedules import moe
 

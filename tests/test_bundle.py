@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.compiler.bundle import DEFAULT_MAX_BYTES, BundleOptions, write_bundle
+from dsv41.compiler.tools.bundle import DEFAULT_MAX_BYTES, BundleOptions, write_bundle
 
 IDS = [int(x) for x in np.random.default_rng(5).integers(3, 500, 29)]
 
 RUNTIME_ONLY = r"""
 import json, sys
 import numpy as np
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.device import compiler_available
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.backends.device import compiler_available
 art, ckpt, ids, out = sys.argv[1:5]
 e = Engine.load(art, ckpt, device="cpu", page_tokens=8)
 s = e.session()
@@ -40,7 +40,7 @@ def _clean_env(**extra) -> dict:
 
 
 def test_cpu_engine_runs_runtime_only_bit_for_bit(small_artifact, small_case, tmp_path):
-    from dsv41.runtime.engine import Engine
+    from dsv41.runtime.engine.engine import Engine
 
     art, ckpt = str(small_artifact), str(small_case.checkpoint)
     out = tmp_path / "turn.npz"
@@ -137,7 +137,7 @@ def test_bundle_refusals_leave_nothing(small_artifact, tmp_path):
 
 
 def test_selftest_refuses_without_a_gpu(tmp_path, capsys):
-    from dsv41.compiler.selftest import REFUSED, main
+    from dsv41.compiler.tools.selftest import REFUSED, main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")
@@ -152,7 +152,7 @@ def test_selftest_refuses_without_a_gpu(tmp_path, capsys):
 
 
 def test_bundle_command_refuses_before_compiling(tmp_path, capsys):
-    from dsv41.compiler.cli import main
+    from dsv41.compiler.tools.cli.parser import main
 
     full = tmp_path / "full"
     full.mkdir()
@@ -172,8 +172,9 @@ def test_gpu_check_artifacts_compile_what_is_missing_with_a_progress_log(tmp_pat
                                                                         monkeypatch):
     """`check_artifacts` compiles the entries the check's two artifacts lack, reporting through
     a CompileProgress (a bare callable once crashed it at the first phase)."""
-    from dsv41.compiler import build, bundle
+    from dsv41.compiler import build
     from dsv41.compiler.progress import CompileProgress
+    from dsv41.compiler.tools import bundle
 
     calls = []
 
@@ -199,8 +200,8 @@ def test_selftest_decode_check_on_the_cpu(small_artifact, small_case, tmp_path):
     """The decode check's whole path on the CPU (shared-small's checkpoint and artifact, short
     contexts): one row per context with its ms per token and bytes; no HBM fraction without a
     GPU."""
-    from dsv41.compiler.selftest import SelftestOptions, Status, check_decode
-    from dsv41.runtime.device import Device, DeviceKind
+    from dsv41.compiler.tools.selftest import SelftestOptions, Status, check_decode
+    from dsv41.runtime.backends.device import Device, DeviceKind
 
     opts = SelftestOptions(target="cpu", artifacts=(small_artifact,),
                            bench_checkpoint=small_case.checkpoint, contexts=(32, 64), reps=2)
@@ -216,8 +217,8 @@ def test_selftest_decode_check_on_the_cpu(small_artifact, small_case, tmp_path):
 def test_selftest_engram_check_on_the_cpu(small_artifact, small_case):
     """The Engram check's whole path on the CPU: shared-small's artifact with its tables in
     host memory, prefetch on and off bit-equal, the gathers timed and counted."""
-    from dsv41.compiler.selftest import SelftestOptions, Status, check_engram
-    from dsv41.runtime.device import Device, DeviceKind
+    from dsv41.compiler.tools.selftest import SelftestOptions, Status, check_engram
+    from dsv41.runtime.backends.device import Device, DeviceKind
 
     opts = SelftestOptions(target="cpu", artifacts=(small_artifact,),
                            case=small_case.root)

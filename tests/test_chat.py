@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsv41.graph.config import preset
-from dsv41.runtime.chat import (
+from dsv41.runtime.serving.chat_format import (
     ChatOptions,
     IncrementalDecoder,
     Message,
@@ -15,7 +15,7 @@ from dsv41.runtime.chat import (
     messages_from_openai,
     render_chat,
 )
-from dsv41.runtime.tokenizer import Tokenizer
+from dsv41.runtime.serving.tokenizer import Tokenizer
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -167,7 +167,7 @@ def test_incremental_decoder_on_the_stub(stub):
 
 
 def test_v41_format():
-    from dsv41.runtime.chat import ChatFormat
+    from dsv41.runtime.serving.chat_format import ChatFormat
 
     msgs = messages_from_openai([
         {"role": "system", "content": "Be brief."},
@@ -191,7 +191,7 @@ def test_format_follows_the_tokenizer(deepseek):
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as HFTokenizer
 
-    from dsv41.runtime.chat import ChatFormat, chat_format_for
+    from dsv41.runtime.serving.chat_format import ChatFormat, chat_format_for
 
     assert chat_format_for(deepseek) is ChatFormat.V4
     backend = HFTokenizer.from_file(str(deepseek.file.path))

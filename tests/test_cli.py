@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv41.compiler.bench import BenchOptions
-from dsv41.compiler.cli import BENCH_VERBS, build_parser, main, with_default_bench_verb
-from dsv41.compiler.serve_bench import ServeBenchOptions
+from dsv41.compiler.tools.bench.e2e import BenchOptions
+from dsv41.compiler.tools.bench.serve import ServeBenchOptions
+from dsv41.compiler.tools.cli.parser import BENCH_VERBS, build_parser, main, with_default_bench_verb
 
 
 def test_plan_all_presets(capsys):
@@ -107,17 +107,17 @@ def _options(argv):
 
 
 def test_each_verb_builds_its_options_with_the_documented_defaults():
-    from dsv41.compiler.bench_kernels import KernelBenchOptions
-    from dsv41.compiler.bench_load import LoadBenchOptions
     from dsv41.compiler.build import CompileOptions
-    from dsv41.compiler.ledger_command import LedgerCommandOptions
-    from dsv41.compiler.pool_bench import PoolBenchOptions
-    from dsv41.compiler.scoring import ScoreOptions
-    from dsv41.compiler.selftest import SelftestOptions
-    from dsv41.compiler.serve_bench import BenchServeOptions
-    from dsv41.compiler.serving import ChatOptions, ServeOptions, ServingOptions
-    from dsv41.compiler.soak import SoakOptions
-    from dsv41.compiler.spec_bench import SpecBenchOptions
+    from dsv41.compiler.tools.bench.kernels import KernelBenchOptions
+    from dsv41.compiler.tools.bench.load import LoadBenchOptions
+    from dsv41.compiler.tools.bench.pool import PoolBenchOptions
+    from dsv41.compiler.tools.bench.serve import BenchServeOptions
+    from dsv41.compiler.tools.bench.soak import SoakOptions
+    from dsv41.compiler.tools.bench.spec import SpecBenchOptions
+    from dsv41.compiler.tools.ledger import LedgerCommandOptions
+    from dsv41.compiler.tools.scoring import ScoreOptions
+    from dsv41.compiler.tools.selftest import SelftestOptions
+    from dsv41.compiler.tools.serving import ChatOptions, ServeOptions, ServingOptions
     from dsv41.compiler.tune import TuneOptions
     from dsv41.graph.config import preset
     from dsv41.graph.entries import ENTRIES

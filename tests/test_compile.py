@@ -20,8 +20,8 @@ from dsv41.compiler.build import CompileOptions
 from dsv41.graph.config import load_config
 from dsv41.graph.conformance import evaluate
 from dsv41.graph.score import GraphBackend, score
-from dsv41.runtime.artifact import Artifact, ArtifactError
-from dsv41.runtime.compiled import CompiledPhases
+from dsv41.runtime.backends.artifact import Artifact, ArtifactError
+from dsv41.runtime.backends.compiled import CompiledPhases
 
 
 @pytest.fixture(scope="session")
@@ -98,7 +98,7 @@ def test_score_cli_in_a_fresh_process(small_case, small_artifact, tmp_path, comp
     toks = tmp_path / "tokens.npy"
     np.save(toks, small_case.tokens)
     out = tmp_path / "logits.npz"
-    cmd = [sys.executable, "-m", "dsv41.compiler.cli", "score", "--checkpoint",
+    cmd = [sys.executable, "-m", "dsv41.compiler.tools.cli", "score", "--checkpoint",
            str(small_case.checkpoint), "--tokens", str(toks), "--prefill",
            str(small_case.prefill), "--backend", str(small_artifact), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

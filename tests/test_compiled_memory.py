@@ -15,8 +15,8 @@ import torch
 
 from dsv41.graph.cache import new_cache
 from dsv41.graph.entries import cache_names, cache_tensors
-from dsv41.runtime.artifact import Artifact
-from dsv41.runtime.compiled import CompiledPhases
+from dsv41.runtime.backends.artifact import Artifact
+from dsv41.runtime.backends.compiled import CompiledPhases
 
 PROMPT = 20  # tokens prefilled before the measured step
 

@@ -10,14 +10,14 @@ import inspect
 
 import pytest
 
-from dsv41.compiler.bench import TorchCompiledEntries
+from dsv41.compiler.tools.bench.e2e import TorchCompiledEntries
 from dsv41.graph.phases_api import GraphPhases, Phases
-from dsv41.runtime.artifact import Artifact
-from dsv41.runtime.compiled import CompiledPhases, EntryBackend
-from dsv41.runtime.kv_store import BlockWriter, KVStore, model_fingerprint
-from dsv41.runtime.redis_pool import RedisSnapshotPool
-from dsv41.runtime.snapshot_pool import SnapshotPool
-from dsv41.runtime.tiers import StorageTier
+from dsv41.runtime.backends.artifact import Artifact
+from dsv41.runtime.backends.compiled import CompiledPhases, EntryBackend
+from dsv41.runtime.tiers.base import StorageTier
+from dsv41.runtime.tiers.dram_pool import SnapshotPool
+from dsv41.runtime.tiers.redis_pool import RedisSnapshotPool
+from dsv41.runtime.tiers.ssd_store import BlockWriter, KVStore, model_fingerprint
 
 
 def protocol_members(protocol) -> list[str]:

@@ -182,8 +182,8 @@ def _compare_entry(entry: str, case, model, tokens: torch.Tensor,
                    cache) -> tuple[float, float]:
     from dsv41.graph.entries import entry_inputs
     from dsv41.graph.phases import new_chunk
-    from dsv41.runtime.artifact import weight_for
-    from dsv41.runtime.tensors import to_tvm
+    from dsv41.runtime.backends.artifact import weight_for
+    from dsv41.runtime.backends.tensors import to_tvm
 
     plain, sched, names = _entry_vms(entry, str(case.checkpoint))
     params = [to_tvm(weight_for(model, n)) for n in names]

@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.runtime.artifact import Artifact, ArtifactError, manifest_digest
-from dsv41.runtime.device import Device, DeviceError, DeviceKind, check_cuda, device_for_target
+from dsv41.runtime.backends.artifact import Artifact, ArtifactError, manifest_digest
+from dsv41.runtime.backends.device import (
+    Device,
+    DeviceError,
+    DeviceKind,
+    check_cuda,
+    device_for_target,
+)
 
 TURNS = [[int(x) for x in np.random.default_rng(i).integers(3, 500, n)]
          for i, n in ((1, 37), (2, 5))]
@@ -104,8 +110,8 @@ def test_cpu_engine_on_an_explicit_device_matches_the_graph_loaded_weights(small
     the weights as loaded before devices (`load_checkpoint` views, experts `torch.stack`ed)."""
     from dsv41.graph.checkpoint import load_checkpoint, weights_fingerprint
     from dsv41.graph.model import Model
-    from dsv41.runtime.compiled import CompiledPhases
-    from dsv41.runtime.engine import Engine
+    from dsv41.runtime.backends.compiled import CompiledPhases
+    from dsv41.runtime.engine.engine import Engine
 
     art, ckpt = str(small_artifact), small_case.checkpoint
     on_device = Engine.load(art, ckpt, device="cpu", page_tokens=8)
@@ -131,7 +137,7 @@ def test_an_amx_artifact_is_refused_where_amx_is_not_granted(small_artifact, tmp
                                                               monkeypatch):
     """An artifact whose target names AMX loads only where the process gets AMX permission
     (asked for at load); elsewhere its first tile instruction would kill the process."""
-    import dsv41.runtime.artifact as artifact_module
+    import dsv41.runtime.backends.artifact as artifact_module
 
     dst = tmp_path / "amx"
     shutil.copytree(small_artifact, dst)
@@ -157,7 +163,7 @@ def test_a_text_only_model_binds_zeros_for_the_span_entries_gate_bias_vl():
     checkpoint's tensor is bound, and any other missing weight is still an error."""
     from types import SimpleNamespace
 
-    from dsv41.runtime.artifact import weight_for
+    from dsv41.runtime.backends.artifact import weight_for
 
     spec = {"param": "layers__3__ffn__gate__bias_vl", "shape": ["16"], "dtype": "float32"}
     bias = torch.arange(16, dtype=torch.float32)

@@ -15,7 +15,7 @@ import torch
 from dsv41.graph.bill import make_bill
 from dsv41.graph.config import preset
 from dsv41.graph.model import Model
-from dsv41.runtime.engine import CacheFullError, Engine
+from dsv41.runtime.engine.engine import CacheFullError, Engine
 
 PAGE = 8
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from kernel_numerics import patch_fused_ops
 
-from dsv41.runtime.engine import Engine
+from dsv41.runtime.engine.engine import Engine
 
 PAGE = 8
 TURNS = [[int(x) for x in np.random.default_rng(i).integers(3, 500, n)]
@@ -21,7 +21,7 @@ TURNS = [[int(x) for x in np.random.default_rng(i).integers(3, 500, n)]
 RESUME = r"""
 import json, sys
 import numpy as np
-from dsv41.runtime.engine import Engine
+from dsv41.runtime.engine.engine import Engine
 art, ckpt, store, transcript, ids, out = sys.argv[1:7]
 e = Engine.load(art, ckpt, exact=True, store_dir=store, page_tokens=8)
 s = e.session(transcript=json.loads(transcript))
@@ -121,7 +121,8 @@ def test_compiled_engine_tracks_the_graph_engine(engine_args, small_model, small
 def test_dsv41_run_on_the_artifact(engine_args, small_artifact, tmp_path):
     _, ckpt = engine_args
     root = small_artifact.parent.parent  # <out>/<model>-<hash>/<target>
-    cmd = [sys.executable, "-m", "dsv41.compiler.cli", "run", "--checkpoint", ckpt, "--preset",
+    cmd = [sys.executable, "-m", "dsv41.compiler.tools.cli", "run", "--checkpoint", ckpt,
+           "--preset",
            "shared-small", "--out", str(root), "--store", str(tmp_path / "store"),
            "--context", "40", "--turns", "3", "--suffix", "8", "--decode", "4",
            "--page-tokens", "8", "--restart-between-turns"]
@@ -162,8 +163,8 @@ def test_compiled_chunked_exact_prefill_is_conformant(engine_args, small_case, c
     from dsv41.graph.conformance import against, evaluate
     from dsv41.graph.model import Model
     from dsv41.graph.score import GraphBackend, score
-    from dsv41.runtime.artifact import Artifact
-    from dsv41.runtime.compiled import CompiledPhases
+    from dsv41.runtime.backends.artifact import Artifact
+    from dsv41.runtime.backends.compiled import CompiledPhases
 
     art, ckpt = engine_args
     model = Model.from_checkpoint(ckpt)
@@ -212,7 +213,7 @@ def test_an_entry_called_with_other_inputs_than_compiled_is_refused(engine_args,
     """An artifact whose entry was compiled with other inputs than this runtime passes (another
     dsv41 version: e.g. before the prefill entries of a model with a vision tower took
     image-span rows) is refused with the reason, not a TVM argument-count error."""
-    from dsv41.runtime.artifact import ArtifactError
+    from dsv41.runtime.backends.artifact import ArtifactError
 
     engine = Engine.load(*engine_args, exact=True, store_dir=tmp_path / "s", page_tokens=PAGE)
     art = engine.phases.art

@@ -53,11 +53,11 @@ from dsv41.graph.vision import (
     place_span,
     span_rows,
 )
-from dsv41.runtime.engine import Engine, EngineOptions
-from dsv41.runtime.images import key_tokens
-from dsv41.runtime.requests import RequestError
-from dsv41.runtime.speculative import SpecPolicy
-from dsv41.runtime.state import index_owner_at, restore_blocks
+from dsv41.runtime.engine.engine import Engine, EngineOptions
+from dsv41.runtime.engine.images import key_tokens
+from dsv41.runtime.engine.requests import RequestError
+from dsv41.runtime.engine.speculative import SpecPolicy
+from dsv41.runtime.engine.state import index_owner_at, restore_blocks
 
 CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
 PAGE = 8

@@ -30,10 +30,10 @@ from dsv41.graph.conformance import against, evaluate
 from dsv41.graph.image_processor import preprocess
 from dsv41.graph.score import ScoreResult
 from dsv41.graph.vision import encode_image, find_spans, span_rows, token_types
-from dsv41.runtime.artifact import Artifact
-from dsv41.runtime.compiled import CompiledPhases
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.requests import RequestError
+from dsv41.runtime.backends.artifact import Artifact
+from dsv41.runtime.backends.compiled import CompiledPhases
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine.requests import RequestError
 
 pytestmark = pytest.mark.slow  # compiles shared-vision-small's entries once (cached after)
 
@@ -181,7 +181,7 @@ def test_score_with_images_on_the_artifact(vcase, vart, vmodel, compiled, png, t
     compiled vision entry's rows in the compiled prefill, then decode steps; the logits are the
     teacher-forced compiled run's above bit for bit (so conformant with it), the aligned rows
     are reported, and CED mode is refused with the reason."""
-    from dsv41.compiler.cli import main as cli
+    from dsv41.compiler.tools.cli.parser import main as cli
     from dsv41.graph.score import GraphBackend, score
 
     img, toks, out = tmp_path / "case.png", tmp_path / "case.txt", tmp_path / "s.npz"
@@ -314,9 +314,9 @@ def test_serve_on_the_artifact_takes_an_image_part(vcase, vart, png):
 
     import openai
 
-    from dsv41.runtime.batcher import Batcher
-    from dsv41.runtime.server import ServerOptions, ServerThread, create_app
-    from dsv41.runtime.tokenizer import Tokenizer
+    from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
+    from dsv41.runtime.serving.batcher import Batcher
+    from dsv41.runtime.serving.tokenizer import Tokenizer
 
     buf = io.BytesIO()
     png.save(buf, format="PNG")

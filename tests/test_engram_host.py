@@ -12,10 +12,10 @@ import tvm_ffi
 
 from dsv41.graph.engram import engram_table_layer, host_resident
 from dsv41.graph.ops import ENGRAM_ROWS_FUNC, engram_rows
-from dsv41.runtime.device import Device, DeviceKind
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.engram_host import EngramPrefetcher, EngramTable, engram_board
-from dsv41.runtime.tensors import to_torch, to_tvm
+from dsv41.runtime.backends.device import Device, DeviceKind
+from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, engram_board
+from dsv41.runtime.backends.tensors import to_torch, to_tvm
+from dsv41.runtime.engine.engine import Engine
 
 CPU = Device(DeviceKind.CPU)
 
@@ -156,7 +156,7 @@ def _cuda() -> Device:
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_gpu_gathers_come_to_the_device_bit_for_bit(prefetch):
     dev = _cuda()
-    from dsv41.runtime.device import load_tvm_runtime_lib
+    from dsv41.runtime.backends.device import load_tvm_runtime_lib
 
     load_tvm_runtime_lib("tvm_runtime_cuda")
     tables, ids = _tables(), _ids()
@@ -172,7 +172,7 @@ def test_gpu_gathers_come_to_the_device_bit_for_bit(prefetch):
 
 @pytest.mark.gpu
 def test_gpu_transfers_round_trip_through_pinned_staging():
-    from dsv41.runtime.transfer import Transfers
+    from dsv41.runtime.engine.transfer import Transfers
 
     dev = _cuda().torch
     src = torch.randint(0, 256, (3, 40, 16), dtype=torch.uint8, device=dev)
@@ -192,7 +192,7 @@ def test_gpu_transfers_round_trip_through_pinned_staging():
 
 
 def test_cpu_transfers_copy_once_and_refuse_what_does_not_fit():
-    from dsv41.runtime.transfer import Transfers
+    from dsv41.runtime.engine.transfer import Transfers
 
     src = torch.arange(24, dtype=torch.int16).view(2, 3, 4).to(torch.bfloat16)
     bits = src[1].view(torch.uint16).numpy().copy()

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import redis
 
-from dsv41.runtime.batcher import Batcher, FinishReason
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.epd import DecodeWorker, EpdGateway, EpdKeys, EpdRequest, PrefillWorker
-from dsv41.runtime.sampling import SamplingParams
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine.sampling import SamplingParams
+from dsv41.runtime.serving.batcher import Batcher, FinishReason
+from dsv41.runtime.serving.epd import DecodeWorker, EpdGateway, EpdKeys, EpdRequest, PrefillWorker
 
 PAGE = 8
 W = "w" * 64
@@ -188,9 +188,9 @@ def test_processes_1_prefill_2_decode_answer_8_concurrent_requests(small_case, s
     import httpx
 
     from dsv41.graph.config import load_config
-    from dsv41.runtime.metrics import parse_metrics
-    from dsv41.runtime.server import free_port
-    from dsv41.runtime.tokenizer import Tokenizer
+    from dsv41.runtime.serving.app import free_port
+    from dsv41.runtime.serving.metrics import parse_metrics
+    from dsv41.runtime.serving.tokenizer import Tokenizer
 
     prompts = [_prompt(n, 200 + i) for i, n in enumerate((5, 9, 12, 16, 19, 23, 7, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -206,7 +206,7 @@ def test_processes_1_prefill_2_decode_answer_8_concurrent_requests(small_case, s
     ports = [free_port() for _ in roles]
     env = {**os.environ, "TVM_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "dsv41.compiler.cli", "serve", "--role", role, "--backend",
+        [sys.executable, "-m", "dsv41.compiler.tools.cli", "serve", "--role", role, "--backend",
          "torch", "--checkpoint", str(small_case.checkpoint), "--page-tokens", str(PAGE),
          "--redis-url", redis_server.url, "--port", str(port), "--log-level", "warning",
          "--store", str(tmp_path / f"store-{i}")], env=env, stdout=subprocess.DEVNULL,
@@ -249,7 +249,7 @@ def test_stop_strings_and_cancels_free_the_decode_row(small_case, small_model, t
     """The gateway matches stop strings on the text (as the batcher does) and tells the decode
     worker through the cancel key; so does a client that leaves."""
     from dsv41.graph.config import load_config
-    from dsv41.runtime.tokenizer import Tokenizer
+    from dsv41.runtime.serving.tokenizer import Tokenizer
 
     tok = Tokenizer.for_model(load_config(small_case.checkpoint), small_case.checkpoint)
     stop = tok.decode([single_process[0][1]])  # the second token's text
@@ -296,7 +296,7 @@ def replace_tokens(params: SamplingParams, n: int) -> SamplingParams:
 
 
 def test_serve_role_needs_a_redis_url_and_a_known_role(capsys):
-    from dsv41.compiler import cli
+    from dsv41.compiler.tools.cli import parser as cli
 
     assert cli.main(["serve", "--role", "decode", "--backend", "torch"]) != 0
     assert "--role decode needs --redis-url" in capsys.readouterr().err
@@ -305,7 +305,7 @@ def test_serve_role_needs_a_redis_url_and_a_known_role(capsys):
 
 
 def test_a_gateway_whose_queue_server_is_down_answers_retry_later():
-    from dsv41.runtime.batcher import QueueFull
+    from dsv41.runtime.serving.batcher import QueueFull
 
     client = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
     gw = EpdGateway(client, bytes(32), vocab_size=512, max_seq_len=64)
@@ -328,8 +328,8 @@ def test_a_queue_entry_that_is_not_a_request_is_dropped(small_model, tmp_path, r
 
 
 def test_the_handed_off_state_restores_the_cache_byte_for_byte(small_model, tmp_path):
-    from dsv41.runtime.requests import TurnLimits, check_turn
-    from dsv41.runtime.state import restore_runtime_state
+    from dsv41.runtime.engine.requests import TurnLimits, check_turn
+    from dsv41.runtime.engine.state import restore_runtime_state
 
     with _engine(small_model, tmp_path / "a") as e:
         s = e.session()

@@ -20,9 +20,10 @@ from PIL import Image
 
 from dsv41.graph.config import load_config
 from dsv41.graph.model import Model
-from dsv41.runtime.batcher import Batcher, FinishReason
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.epd import (
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine.sampling import SamplingParams
+from dsv41.runtime.serving.batcher import Batcher, FinishReason
+from dsv41.runtime.serving.epd import (
     DecodeWorker,
     EpdGateway,
     EpdKeys,
@@ -30,7 +31,6 @@ from dsv41.runtime.epd import (
     PrefillWorker,
     VisionWorker,
 )
-from dsv41.runtime.sampling import SamplingParams
 
 CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
 PAGE = 8
@@ -199,7 +199,7 @@ def test_a_gateway_without_a_vision_model_refuses_images(model):
     client = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
     gw = EpdGateway(client, bytes(32), vocab_size=512, max_seq_len=256)
     try:
-        from dsv41.runtime.requests import RequestError
+        from dsv41.runtime.engine.requests import RequestError
 
         with pytest.raises(RequestError, match="takes no images"):
             gw.submit([0, 3, IMG], GREEDY, [A])
@@ -240,9 +240,9 @@ def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_pat
 
     import httpx
 
-    from dsv41.runtime.metrics import parse_metrics
-    from dsv41.runtime.server import free_port
-    from dsv41.runtime.tokenizer import Tokenizer
+    from dsv41.runtime.serving.app import free_port
+    from dsv41.runtime.serving.metrics import parse_metrics
+    from dsv41.runtime.serving.tokenizer import Tokenizer
 
     if not CASE.exists():
         pytest.skip(f"conformance pack {CASE} is not present")
@@ -273,7 +273,7 @@ def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_pat
     ports = [free_port() for _ in roles]
     env = {**os.environ, "TVM_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "dsv41.compiler.cli", "serve", "--role", role, "--backend",
+        [sys.executable, "-m", "dsv41.compiler.tools.cli", "serve", "--role", role, "--backend",
          "torch", "--checkpoint", str(ckpt), "--page-tokens", str(PAGE),
          "--redis-url", redis_server.url, "--port", str(port), "--log-level", "warning",
          "--store", str(tmp_path / f"store-{i}")], env=env, stdout=subprocess.DEVNULL,

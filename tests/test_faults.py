@@ -22,15 +22,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv41.compiler import cli
 from dsv41.compiler.build import CompileOptions, CompileReport, write_manifest
+from dsv41.compiler.tools.cli import parser as cli
 from dsv41.graph.config import load_config
-from dsv41.runtime import kv_store
-from dsv41.runtime.artifact import Artifact, ArtifactError, check_checkpoint_config, verify
-from dsv41.runtime.engine import CacheFullError, Engine
-from dsv41.runtime.kv_store import KVStore, model_fingerprint
-from dsv41.runtime.requests import RequestError
-from dsv41.runtime.store_folder import MARKER_NAME, StoreBusyError, StoreFolderError
+from dsv41.runtime.backends.artifact import Artifact, ArtifactError, check_checkpoint_config, verify
+from dsv41.runtime.engine.engine import CacheFullError, Engine
+from dsv41.runtime.engine.requests import RequestError
+from dsv41.runtime.tiers.base import ssd_store as kv_store
+from dsv41.runtime.tiers.ssd_store import KVStore, model_fingerprint
+from dsv41.runtime.tiers.store_folder import MARKER_NAME, StoreBusyError, StoreFolderError
 
 PAGE = 8
 FP = model_fingerprint("cfg", "weights", 1)
@@ -343,7 +343,7 @@ def test_full_disk_is_a_refused_write_logged_once(tmp_path, monkeypatch, caplog)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(kv_store.os, "fsync", full)
-    with caplog.at_level(logging.WARNING, logger="dsv41.runtime.kv_store"):
+    with caplog.at_level(logging.WARNING, logger="dsv41.runtime.tiers.ssd_store"):
         assert not s.put(_key(4), _block(4))
         assert not s.put(_key(5), _block(5))
     monkeypatch.undo()
@@ -383,7 +383,7 @@ def test_read_only_store_the_turn_completes_and_keeps_its_tokens(small_model, tm
 
 OPEN_IN_CHILD = r"""
 import sys
-from dsv41.runtime.kv_store import KVStore, model_fingerprint
+from dsv41.runtime.tiers.ssd_store import KVStore, model_fingerprint
 try:
     KVStore(sys.argv[1], capacity_bytes=1 << 20, fingerprint=model_fingerprint("c", "w", 1))
 except ValueError as e:

@@ -27,7 +27,7 @@ import tvm
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
-from dsv41.runtime.tensors import to_tvm
+from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.schedules import attention as A
 from dsv41.schedules.common import e4m3_to_f32_select, fp4_to_f32, has_avx512
 

@@ -16,7 +16,7 @@ from tvm import relax
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
-from dsv41.runtime.tensors import to_torch, to_tvm
+from dsv41.runtime.backends.tensors import to_torch, to_tvm
 from dsv41.schedules import cache_write
 
 CPU = "cpu"

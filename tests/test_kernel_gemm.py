@@ -23,7 +23,7 @@ import tvm
 from dsv41.graph import formats as fmt
 from dsv41.graph import ops
 from dsv41.graph.targets import TargetSpec, get_target
-from dsv41.runtime.tensors import to_torch, to_tvm
+from dsv41.runtime.backends.tensors import to_torch, to_tvm
 from dsv41.schedules import gemm
 from dsv41.schedules.common import bf16_to_f32, has_amx_bf16, has_avx512, has_features, i64
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem

@@ -18,7 +18,7 @@ import tvm
 
 from dsv41.graph import ops
 from dsv41.graph.targets import TargetSpec, get_target
-from dsv41.runtime.tensors import host_torch, to_torch, to_tvm
+from dsv41.runtime.backends.tensors import host_torch, to_torch, to_tvm
 from dsv41.schedules import indexer as ix
 from dsv41.schedules.common import has_avx512, has_features
 

@@ -21,7 +21,7 @@ from tvm import relax, tirx
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
-from dsv41.runtime.tensors import to_tvm
+from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.schedules import moe
 from dsv41.schedules.common import has_features
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem

@@ -24,7 +24,7 @@ from tvm.script import tirx as T
 from dsv41.graph import formats as fmt
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
-from dsv41.runtime.tensors import to_tvm
+from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.schedules import quant
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 

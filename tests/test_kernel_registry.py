@@ -13,7 +13,6 @@ import pytest
 
 from dsv41.compiler import kernel_keys as kk
 from dsv41.compiler import kernels
-from dsv41.compiler.bench_kernels import FAMILIES
 from dsv41.compiler.kernel_keys import (
     KEY_KINDS,
     Fp8LinearKey,
@@ -22,6 +21,7 @@ from dsv41.compiler.kernel_keys import (
     QuantKey,
     key_from_dict,
 )
+from dsv41.compiler.tools.bench.kernels import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = (  # one key of every kind

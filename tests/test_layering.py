@@ -4,7 +4,16 @@ at module level or inside a function):
     graph      <- imports no other package of dsv41
     schedules  <- graph
     runtime    <- graph (a deployment runs an artifact with TVM's runtime alone: no compiler)
-    compiler   <- graph, schedules, runtime (and the CLI, which lives in it)
+    compiler   <- graph, schedules, runtime (the compiler proper, and on top of it the tools:
+                  compiler.tools, the CLI and the benchmarks)
+
+and inside the packages, between their rooms (subpackages):
+
+    compiler (proper)   imports nothing of compiler.tools
+    runtime.tiers       imports no runtime.engine, runtime.serving or runtime.backends
+    runtime.serving     imports no backend internals (runtime.backends: only the public
+                        faces named in SERVING_MAY_USE)
+    runtime.backends    imports no runtime.engine or runtime.serving
 
 and no module imports a private name (`_x`) of another module, and the module import graph has
 no cycle (function-level imports included: they hide cycles, they do not remove them).
@@ -67,13 +76,13 @@ def all_imports() -> list[Import]:
 
 def test_the_scan_sees_every_package_and_both_kinds_of_import():
     """A guard for the checks below: the scan finds the modules and resolves relative,
-    absolute and function-level imports (runtime.compiled imports graph.phases at top level,
-    compiler.cli imports compiler.build inside its verbs)."""
+    absolute and function-level imports (runtime.backends.compiled imports
+    graph.phases at top level, compiler.tools.assets imports compiler.build inside a function)."""
     found = {(i.module, i.target) for i in all_imports()}
     assert {p.split(".")[0] for p in modules()} == set(ALLOWED)
-    assert ("runtime.compiled", "graph.phases") in found
-    assert ("runtime.compiled", "runtime.artifact") in found  # `from .artifact import`
-    assert ("compiler.cli", "compiler.build") in found  # inside a function
+    assert ("runtime.backends.compiled", "graph.phases") in found
+    assert ("runtime.backends.compiled", "runtime.backends.artifact") in found
+    assert ("compiler.tools.assets", "compiler.build") in found  # inside a function
 
 
 def test_imports_follow_the_package_order():
@@ -144,3 +153,55 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_module_import_graph_has_no_cycle():
     assert cycles(module_graph()) == []
+
+
+# room -> the rooms (module prefixes) of its own package it must not import
+ROOM_RULES = {
+    "compiler": ("compiler.tools",),  # the compiler proper (compiler.tools is exempt below)
+    "runtime.tiers": ("runtime.engine", "runtime.serving", "runtime.backends"),
+    "runtime.backends": ("runtime.engine", "runtime.serving"),
+    "runtime.serving": ("runtime.backends",),
+}
+# what serving may take from the backends: where an engine is built from options (the artifact's
+# entry sets) and the torch <-> TVM converter are public faces, not internals
+SERVING_MAY_USE = frozenset()
+
+
+def room_of(module: str) -> str | None:
+    if module.startswith("compiler.tools"):
+        return None  # the tools may import anything below them
+    return max((r for r in ROOM_RULES if module == r or module.startswith(r + ".")),
+               key=len, default=None)
+
+
+def test_the_rooms_import_only_what_their_rules_allow():
+    bad = []
+    for i in all_imports():
+        room = room_of(i.module)
+        if room is None:
+            continue
+        for t in (i.target, *(f"{i.target}.{n}" for n in i.names)):
+            if t in SERVING_MAY_USE:
+                continue
+            if any(t == f or t.startswith(f + ".") for f in ROOM_RULES[room]):
+                bad.append(f"{i.module}:{i.line} ({room}) imports {t}")
+                break
+    assert not bad, "imports across the rooms against their rules:\n" + "\n".join(bad)
+
+
+def test_the_room_rules_catch_an_import_against_them():
+    assert room_of("compiler.build") == "compiler"
+    assert room_of("compiler.tools.cli.parser") is None
+    assert room_of("runtime.tiers.ssd_store") == "runtime.tiers"
+    assert room_of("runtime.serving.app") == "runtime.serving"
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists every folder with an __init__.py (setuptools installs only those)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {"dsv41." + ".".join(p.parent.relative_to(ROOT).parts)
+             for pkg in ALLOWED for p in (ROOT / pkg).rglob("__init__.py")}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))

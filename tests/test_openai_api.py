@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dsv41.graph.config import preset
-from dsv41.runtime.chat import ChatOptions, Message, Role, ToolCall
-from dsv41.runtime.metrics import (
+from dsv41.runtime.engine.sampling import TokenLogprob
+from dsv41.runtime.serving.chat_format import ChatOptions, Message, Role, ToolCall
+from dsv41.runtime.serving.metrics import (
     Counter,
     FinishTiming,
     Histogram,
@@ -15,7 +16,7 @@ from dsv41.runtime.metrics import (
     ServerMetrics,
     parse_metrics,
 )
-from dsv41.runtime.openai_api import (
+from dsv41.runtime.serving.openai_api import (
     ApiError,
     Endpoint,
     LogprobsForm,
@@ -25,14 +26,13 @@ from dsv41.runtime.openai_api import (
     parse_chat,
     parse_completion,
 )
-from dsv41.runtime.prompts import (
+from dsv41.runtime.serving.prompts import (
     PromptFormat,
     chat_prompt_ids,
     completion_prompt_ids,
     prompt_format,
 )
-from dsv41.runtime.sampling import TokenLogprob
-from dsv41.runtime.tokenizer import Tokenizer
+from dsv41.runtime.serving.tokenizer import Tokenizer
 
 MODEL = "small"
 

@@ -16,10 +16,15 @@ import numpy as np
 import pytest
 import redis
 
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.redis_pool import KEY_PREFIX, POLICY, PoolConfigError, RedisSnapshotPool
-from dsv41.runtime.redis_server import RedisServer
-from dsv41.runtime.wire import encode_record
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.tiers.redis_pool import (
+    KEY_PREFIX,
+    POLICY,
+    PoolConfigError,
+    RedisSnapshotPool,
+)
+from dsv41.runtime.tiers.redis_server import RedisServer
+from dsv41.runtime.tiers.wire import encode_record
 
 PAGE = 8
 FP = bytes(range(32))
@@ -288,7 +293,7 @@ def test_two_engines_share_one_pool(small_model, tmp_path, redis_server):
 
 
 def test_bench_pool_times_both_pools_on_the_bills_snapshot(redis_server):
-    from dsv41.compiler.pool_bench import PoolBenchOptions, run_pool_bench, snapshot_arrays_of
+    from dsv41.compiler.tools.bench.pool import PoolBenchOptions, run_pool_bench, snapshot_arrays_of
     from dsv41.graph.config import preset
     from dsv41.graph.layout import encoder_snapshot_bytes
     from dsv41.graph.plan import build_plan
@@ -304,7 +309,7 @@ def test_bench_pool_times_both_pools_on_the_bills_snapshot(redis_server):
 
 
 def test_a_urls_password_is_never_printed():
-    from dsv41.runtime.redis_pool import masked_url
+    from dsv41.runtime.tiers.redis_pool import masked_url
 
     assert masked_url("redis://:s3cret@10.0.0.5:6379/0") == "redis://:***@10.0.0.5:6379/0"
     assert masked_url("rediss://user:s3cret@h/1") == "rediss://user:***@h/1"

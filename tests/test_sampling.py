@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsv41.runtime.sampling import (
+from dsv41.runtime.engine.sampling import (
     SampledToken,
     Sampler,
     SamplingParams,

@@ -25,11 +25,11 @@ import openai
 import pytest
 
 from dsv41.graph.config import load_config
-from dsv41.runtime.batcher import Batcher
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.metrics import parse_metrics
-from dsv41.runtime.server import ServerOptions, ServerThread, create_app, free_port
-from dsv41.runtime.tokenizer import Tokenizer
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app, free_port
+from dsv41.runtime.serving.batcher import Batcher
+from dsv41.runtime.serving.metrics import parse_metrics
+from dsv41.runtime.serving.tokenizer import Tokenizer
 
 MODEL = "shared-small"
 KEY = "test-key"
@@ -274,7 +274,7 @@ def test_cancelled_stream_frees_its_slot(served):
 def test_queue_bound_429_and_request_timeout(small_model, served):
     """On a batcher nobody steps (never started), so what waits stays queued: the queue bound
     and the timeout are then certain, whatever the machine's speed."""
-    from dsv41.runtime.sampling import SamplingParams
+    from dsv41.runtime.engine.sampling import SamplingParams
 
     args, tok = served["args"], served["tok"]
     engine = Engine.from_model(small_model, weights_hash="test")  # never runs a phase here
@@ -314,7 +314,8 @@ def test_queue_bound_429_and_request_timeout(small_model, served):
 def test_dsv41_serve_process(small_artifact, small_case, tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dsv41.compiler.cli", "serve", "--artifact", str(small_artifact),
+        [sys.executable, "-m", "dsv41.compiler.tools.cli", "serve", "--artifact",
+         str(small_artifact),
          "--checkpoint", str(small_case.checkpoint), "--port", str(port), "--api-key", KEY,
          "--store", str(tmp_path / "store"), "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -344,7 +345,8 @@ def test_dsv41_serve_process(small_artifact, small_case, tmp_path):
 def test_dsv41_chat_through_a_pipe(small_artifact, small_case):
     tok = Tokenizer.for_model(load_config(small_case.checkpoint), small_case.checkpoint)
     res = subprocess.run(
-        [sys.executable, "-m", "dsv41.compiler.cli", "chat", "--artifact", str(small_artifact),
+        [sys.executable, "-m", "dsv41.compiler.tools.cli", "chat", "--artifact",
+         str(small_artifact),
          "--checkpoint", str(small_case.checkpoint), "--max-tokens", "4", "--system", "w1"],
         input="w3 W3\n\nhello\nw5\n/exit\nw9\n", capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -361,7 +363,7 @@ def test_dsv41_chat_through_a_pipe(small_artifact, small_case):
 
 
 def test_dsv41_bench_serve_json(small_artifact, small_case, tmp_path, capsys):
-    from dsv41.compiler.cli import main
+    from dsv41.compiler.tools.cli.parser import main
 
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--artifact", str(small_artifact), "--checkpoint",
@@ -388,8 +390,8 @@ def test_long_prompt_round_keeps_reading_every_stream(monkeypatch):
     """The bench's decoding clients never stop reading: one stream's reads go on while the
     others have not yet started (a client that blocked after its second token, as it once did
     on a barrier, saw its queued tokens in a burst and reported the wait as a stall)."""
-    from dsv41.compiler import serve_bench
-    from dsv41.compiler.serve_bench import ServeBenchOptions, long_prompt_round
+    from dsv41.compiler.tools.bench import serve as serve_bench
+    from dsv41.compiler.tools.bench.serve import ServeBenchOptions, long_prompt_round
 
     first_reading = threading.Event()  # the first stream has read a token past its second
     lock, calls = threading.Lock(), []

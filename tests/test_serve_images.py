@@ -24,12 +24,12 @@ from PIL import Image
 
 from dsv41.graph.config import load_config
 from dsv41.graph.model import Model
-from dsv41.runtime import images as runtime_images
-from dsv41.runtime.batcher import Batcher
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.openai_api import ApiError, parse_chat
-from dsv41.runtime.server import ServerOptions, ServerThread, create_app
-from dsv41.runtime.tokenizer import Tokenizer
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine.engine import images as runtime_images
+from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
+from dsv41.runtime.serving.batcher import Batcher
+from dsv41.runtime.serving.openai_api import ApiError, parse_chat
+from dsv41.runtime.serving.tokenizer import Tokenizer
 
 CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
 MODEL = "vision-small"

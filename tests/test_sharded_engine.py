@@ -17,9 +17,9 @@ from conftest import case_dir
 from dsv41.graph.config import load_config
 from dsv41.graph.conformance import load_case
 from dsv41.graph.sharding import shard_plan, shard_plan_json
-from dsv41.runtime.artifact import ArtifactError, manifest_digest, sha256_file
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.sharded import SHARDED_FORMAT, is_sharded, read_sharded
+from dsv41.runtime.backends.artifact import ArtifactError, manifest_digest, sha256_file
+from dsv41.runtime.backends.sharded import SHARDED_FORMAT, is_sharded, read_sharded
+from dsv41.runtime.engine.engine import Engine
 
 SHARDS = 2
 
@@ -107,11 +107,12 @@ def test_a_process_that_imported_tvm_without_disco_is_told_so(tmp_path, checkpoi
     before `load_disco()` (a real run calls it first, as tests/sharded_engine.py does)."""
     import tvm
 
-    from dsv41.runtime.disco import DiscoUnavailable
+    from dsv41.runtime.backends.disco import DiscoUnavailable
 
     assert tvm.runtime.disco is None  # the precondition: this process has no disco
     d = stand_in(tmp_path / "art", checkpoint)
-    with pytest.raises(DiscoUnavailable, match=r"call dsv41.runtime.disco.load_disco\(\) before"):
+    with pytest.raises(DiscoUnavailable,
+                       match=r"call\s+dsv41.runtime.backends.disco.load_disco\(\) before"):
         Engine.load(d, checkpoint, exact=True)
 
 
@@ -129,7 +130,7 @@ def test_cli_loads_disco_first_for_a_sharded_artifact(tmp_path):
         (d / "manifest.json").write_text(text)
     script = (
         "import argparse, sys\n"
-        "from dsv41.compiler.cli import load_disco_first\n"
+        "from dsv41.compiler.tools.cli.parser import load_disco_first\n"
         "for d in sys.argv[1:]:\n"
         "    print(load_disco_first(argparse.Namespace(artifact=d)))\n"
         "import tvm\n"

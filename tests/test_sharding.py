@@ -80,7 +80,7 @@ def test_worker_counts_that_split():
 
 
 def test_dsv41_plan_shards(tmp_path, capsys):
-    from dsv41.compiler.cli import main
+    from dsv41.compiler.tools.cli.parser import main
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--preset", "full", "--shards", "8", "--json", str(out)]) == 0
@@ -106,7 +106,7 @@ def test_disco_needs_the_loader_and_then_runs_two_cpu_workers():
     # the wheel as it is: tvm.runtime.disco is None
     assert _run("import tvm; print(tvm.runtime.disco is None)").strip() == "True"
     out = _run(
-        "from dsv41.runtime.disco import load_disco\n"
+        "from dsv41.runtime.backends.disco import load_disco\n"
         "disco = load_disco()\n"
         "for kind in (disco.ThreadedSession, disco.ProcessSession):\n"
         "    s = kind(num_workers=2)\n"
@@ -119,14 +119,14 @@ def test_disco_needs_the_loader_and_then_runs_two_cpu_workers():
 def test_disco_loader_is_clear_when_too_late_and_without_nccl():
     out = _run(
         "import tvm\n"
-        "from dsv41.runtime.disco import DiscoUnavailable, load_disco\n"
+        "from dsv41.runtime.backends.disco import DiscoUnavailable, load_disco\n"
         "try:\n"
         "    load_disco()\n"
         "except DiscoUnavailable as e:\n"
         "    print('late:', e)\n")
     assert "before anything imports tvm" in out
     out = _run(
-        "from dsv41.runtime.disco import DiscoUnavailable, check_ccl, load_disco\n"
+        "from dsv41.runtime.backends.disco import DiscoUnavailable, check_ccl, load_disco\n"
         "load_disco()\n"
         "try:\n"
         "    check_ccl('nccl')\n"

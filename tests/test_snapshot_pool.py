@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsv41.runtime.snapshot_pool import (
+from dsv41.runtime.tiers.dram_pool import (
     InProcessBackend,
     Snapshot,
     SnapshotBackend,
@@ -234,7 +234,7 @@ def test_expired_entries_are_freed_on_schedule_without_a_put_needing_room():
 def test_default_budget_is_a_tenth_of_host_memory():
     import psutil
 
-    from dsv41.runtime.snapshot_pool import default_budget_bytes
+    from dsv41.runtime.tiers.dram_pool import default_budget_bytes
 
     total = psutil.virtual_memory().total
     assert default_budget_bytes() == int(total * 0.10)

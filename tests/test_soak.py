@@ -12,14 +12,15 @@ import textwrap
 
 import pytest
 
-from dsv41.compiler import cli, soak
-from dsv41.compiler.soak import SoakOptions, report_json, run_soak
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.onednn import (
+from dsv41.compiler.tools.bench import soak
+from dsv41.compiler.tools.bench.soak import SoakOptions, report_json, run_soak
+from dsv41.compiler.tools.cli import parser as cli
+from dsv41.runtime.backends.onednn import (
     DEFAULT_ONEDNN_CACHE_CAPACITY,
     ONEDNN_CACHE_VARIABLES,
     bound_onednn_caches,
 )
+from dsv41.runtime.engine.engine import Engine
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def test_bench_soak_resolves_the_preset_and_writes_its_json(small_case, tmp_path
 
 _SHAPES = textwrap.dedent("""
     import sys, psutil, torch
-    from dsv41.runtime.onednn import bound_onednn_caches
+    from dsv41.runtime.backends.onednn import bound_onednn_caches
     if sys.argv[1] != "default":
         bound_onednn_caches(int(sys.argv[1]))
     torch.set_num_threads(1)

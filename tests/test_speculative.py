@@ -15,9 +15,14 @@ from dsv41.graph.cache import ModelCache, new_cache
 from dsv41.graph.dspark import Draft
 from dsv41.graph.phases import decode_step, prefill_exact
 from dsv41.graph.speculative import cut_back, verify_step
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.sampling import Sampler, SamplingParams, apply_penalties, sampling_probs
-from dsv41.runtime.speculative import SpecPolicy, accept_draft_token, expected_tokens
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    sampling_probs,
+)
+from dsv41.runtime.engine.speculative import SpecPolicy, accept_draft_token, expected_tokens
 
 PAGE = 8
 
@@ -222,7 +227,7 @@ def test_send_many_speculates_per_row(small_model):
 def test_batcher_streams_every_token_of_a_speculative_step(small_model):
     """The continuous batcher over a speculating engine (drafts right for 2 tokens, so a step
     brings 3): each stream gets every token, in order, the same as without speculation."""
-    from dsv41.runtime.batcher import Batcher
+    from dsv41.runtime.serving.batcher import Batcher
 
     m = small_model
     prompts = [prompt_tokens(9, 11), prompt_tokens(14, 12)]
@@ -571,8 +576,8 @@ def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_m
 
 
 def test_spec_bench_refuses_bad_impls(tmp_path):
-    from dsv41.compiler.cli import bench_spec_options, build_parser
-    from dsv41.compiler.spec_bench import run_command
+    from dsv41.compiler.tools.bench.spec import run_command
+    from dsv41.compiler.tools.cli.parser import bench_spec_options, build_parser
 
     def no_checkpoint(preset, seed):
         raise AssertionError("the options are checked before any checkpoint is made")
@@ -630,7 +635,7 @@ def test_captured_verify_entry_runs_the_one_pass_verify(small_model):
 def test_spec_bench_policy_rows_and_injected_draft_pays_the_draft_pass():
     """`bench spec`'s injected rows: the engine policy's own prediction and steps per k, and
     the injected draft still runs the backend's draft pass (the step pays for it)."""
-    from dsv41.compiler.spec_bench import InjectedDraft, policy_state
+    from dsv41.compiler.tools.bench.spec import InjectedDraft, policy_state
 
     pol = SpecPolicy(2)
     _measured(pol, 1, [0.010, 0.011, 0.012], 0.001)

@@ -49,8 +49,8 @@ class Counting:
     """CompiledPhases that count the entries they call."""
 
     def __init__(self, artifact, model):
-        from dsv41.runtime.artifact import Artifact
-        from dsv41.runtime.compiled import CompiledPhases
+        from dsv41.runtime.backends.artifact import Artifact
+        from dsv41.runtime.backends.compiled import CompiledPhases
 
         self.inner = CompiledPhases(Artifact.load(artifact), model)
         self.calls: dict[str, int] = {}
@@ -170,7 +170,7 @@ def test_compiled_verify_refuses_bad_input(long_model, compiled):
 
 
 def _engine(model, phases, **kw):
-    from dsv41.runtime.engine import Engine, EngineOptions
+    from dsv41.runtime.engine.engine import Engine, EngineOptions
 
     return Engine(model, phases, weights_hash="w" * 64, backend="artifact (test)",
                   options=EngineOptions(exact=True, page_tokens=PAGE, **kw))

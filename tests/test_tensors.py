@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import tvm
 
-from dsv41.runtime.tensors import host_array, host_torch, to_torch, to_tvm
+from dsv41.runtime.backends.tensors import host_array, host_torch, to_torch, to_tvm
 
 
 def test_a_contiguous_aligned_host_tensor_is_shared_not_copied():

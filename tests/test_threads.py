@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsv41.runtime.threads import default_tvm_pool, size_tvm_pool, tvm_num_threads
+from dsv41.runtime.backends.threads import default_tvm_pool, size_tvm_pool, tvm_num_threads
 
 
 def test_pool_follows_torch_unless_chosen(monkeypatch):
@@ -21,8 +21,8 @@ def test_pool_follows_torch_unless_chosen(monkeypatch):
 
 
 def test_engine_option_sizes_the_pool(small_artifact, small_model):
-    from dsv41.runtime.artifact import Artifact
-    from dsv41.runtime.compiled import CompiledPhases
+    from dsv41.runtime.backends.artifact import Artifact
+    from dsv41.runtime.backends.compiled import CompiledPhases
 
     n = torch.get_num_threads()
     try:

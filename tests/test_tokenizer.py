@@ -29,7 +29,7 @@ from dsv41.graph.vocab import (
     deepseek_v4_tokenizer_json,
     find_tokenizer_file,
 )
-from dsv41.runtime.tokenizer import Tokenizer
+from dsv41.runtime.serving.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ import httpx
 import pytest
 
 from dsv41.graph.config import preset
-from dsv41.runtime.batcher import FinishReason, RequestTiming, TokenEvent
-from dsv41.runtime.chat import DSML, ChatFormat, ToolCall, render_tool_calls
-from dsv41.runtime.server import ServerOptions, ServerThread, create_app
-from dsv41.runtime.tokenizer import Tokenizer
-from dsv41.runtime.tool_calls import ToolCallFilter, parse_tool_calls
+from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
+from dsv41.runtime.serving.batcher import FinishReason, RequestTiming, TokenEvent
+from dsv41.runtime.serving.chat_format import DSML, ChatFormat, ToolCall, render_tool_calls
+from dsv41.runtime.serving.tokenizer import Tokenizer
+from dsv41.runtime.serving.tool_calls import ToolCallFilter, parse_tool_calls
 
 CALLS = (ToolCall("get_weather", json.dumps({"city": "Paris", "days": 3})),
          ToolCall("search", json.dumps({"q": "a \"quoted\"\nline", "filters": {"lang": ["fr"]}})))

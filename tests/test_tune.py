@@ -132,7 +132,7 @@ def test_cuda_without_gpu_is_refused_and_writes_nothing(tmp_path, capsys):
     with pytest.raises(ValueError, match="no database was written|No database was written"):
         tn.tune(opts, progress=False)
     assert not any(tmp_path.iterdir())
-    from dsv41.compiler.cli import main
+    from dsv41.compiler.tools.cli.parser import main
 
     assert main(["tune", "--preset", "small", "--target", "cuda-sm90", "--out",
                  str(tmp_path)]) == 2
@@ -147,7 +147,7 @@ def test_cli_tune_then_compile_in_a_fresh_process(tmp_path):
     from conftest import case_dir
 
     config = case_dir("shared-small") / "checkpoint" / "config.json"
-    base = [sys.executable, "-m", "dsv41.compiler.cli"]
+    base = [sys.executable, "-m", "dsv41.compiler.tools.cli"]
     tune_cmd = [*base, "tune", "--config", str(config), "--ops", "dense", "--trials", "4",
                 "--per-round", "4", "--prefer", "tuned", "--out", str(tmp_path)]
     first = subprocess.run(tune_cmd, capture_output=True, text=True, check=True)

@@ -19,8 +19,8 @@ from dsv41.compiler.build import CompileOptions, compile_artifact
 from dsv41.graph.image_processor import preprocess
 from dsv41.graph.model import Model
 from dsv41.graph.vision import encode_image
-from dsv41.runtime.artifact import Artifact
-from dsv41.runtime.compiled import CompiledPhases
+from dsv41.runtime.backends.artifact import Artifact
+from dsv41.runtime.backends.compiled import CompiledPhases
 
 CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
 

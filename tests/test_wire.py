@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsv41.runtime.wire import RecordError, RecordFault, decode_record, encode_record
+from dsv41.runtime.tiers.wire import RecordError, RecordFault, decode_record, encode_record
 
 FP = bytes(range(32))
 

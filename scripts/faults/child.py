@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from dsv41.graph.model import Model
-from dsv41.runtime.engine import Engine
-from dsv41.runtime.store_folder import StoreBusyError
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.tiers.store_folder import StoreBusyError
 
 torch.set_num_threads(1)
 store, mode, seed, turns = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -1,0 +1,47 @@
+"""What a verb needs before it runs, made once and reused: the seeded checkpoint of a preset
+(under artifacts/checkpoints/) and an artifact holding the entries a command runs (compiled into
+artifacts/ when missing). Used by `dsv41 run`, `bench`, `tune` and `serve`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsv41.graph.checkpoint import DEFAULT_CHECKPOINTS
+
+
+def ensure_checkpoint(preset_name: str, seed: int = 0) -> Path:
+    """The seeded checkpoint for a preset, written once under artifacts/checkpoints/."""
+    from dsv41.graph.checkpoint import write_seeded_checkpoint
+    from dsv41.graph.config import preset
+
+    out = DEFAULT_CHECKPOINTS / f"{preset_name}-seed{seed}"
+    if not (out / "config.json").exists():
+        print(f"writing a seeded {preset_name} checkpoint to {out} ...")
+        write_seeded_checkpoint(preset(preset_name), out, seed=seed, progress=True)
+    return out
+
+
+def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str, ...],
+                    out: Path) -> Path:
+    """The artifact for the checkpoint's config, compiling the entries it lacks."""
+    from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact, missing_entries
+    from dsv41.compiler.progress import CompileBar
+    from dsv41.graph.config import load_config
+
+    args = load_config(checkpoint)
+    opts = CompileOptions(args=args, model_name=name, target=target, out=out, entries=entries)
+    todo = missing_entries(opts.artifact_dir, args, target, entries)
+    if not todo:
+        print(f"artifact: {opts.artifact_dir} (entries {', '.join(entries)} present)")
+        return opts.artifact_dir
+    print(f"artifact: compiling {', '.join(todo)} for {target} into {opts.artifact_dir} "
+          "(once; later runs reuse it)")
+    bar = CompileBar(todo, PHASES, desc="compile")
+    try:
+        report = compile_artifact(CompileOptions(args=args, model_name=name, target=target,
+                                                 out=out, entries=todo), progress=bar)
+    finally:
+        bar.close()
+    print(f"compiled in {report.total_seconds:.0f} s")
+    return report.artifact_dir

@@ -1,0 +1,1094 @@
+"""`dsv41 bench`: the end-to-end benchmark of one machine, one set of weights, three
+implementations of the same phase graphs (the compiled artifact, PyTorch eager, torch.compile).
+
+- decode: one token (batch 1) from a cache holding N positions. Prefilling 256K tokens is out of
+  reach on a CPU, so the cache is synthetic: every ring and store row up to N filled with
+  format-valid entries (the graph's own quantisers over random values), the compressor tails
+  empty (N is a multiple of every ratio), the position, index-K pointer and Engram lookback those
+  of N processed tokens. Each step is timed from the same state (the few per-step fields are reset
+  between calls); implementations alternate within each repetition, in rotating order.
+- prefill: CED prefill of a prompt from an empty cache (tokens per second).
+- time to first token of agent-loop turns through the Engine: cold, snapshot hit and snapshot
+  miss (the DRAM snapshot expired: bounded replay from the SSD prefix blocks).
+- the roofline: the bytes and FLOPs of one decode step (`graph.cost`) against this machine's
+  measured bandwidth and fp32 GEMM peak (`measure.measure_machine`).
+
+A cell that would run past its time budget, or a context whose cache does not fit in memory, is
+reported as skipped with the reason; no number is ever made up for it.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsv41.compiler.tools.bench.measure import (
+    current_rss,
+    gib,
+    measure_machine,
+    mem_available,
+    ms,
+    pct,
+    peak_rss,
+    reset_peak_rss,
+    roof_point,
+    set_threads,
+    table,
+    times,
+    write_json,
+)
+
+IMPLS = ("artifact", "eager", "compile")
+LABELS = {"artifact": "compiled artifact (TVM)", "eager": "PyTorch eager",
+          "compile": "torch.compile (Inductor)"}
+TIERS = ("cold", "snapshot", "prefix")  # prefix = snapshot miss: bounded replay
+TIER_LABELS = {"cold": "cold", "snapshot": "snapshot hit", "prefix": "snapshot miss",
+               "prefix-new-session": "prefix hit, new session"}
+TARGET_CONTEXT, TARGET_VS_COMPILE, TARGET_VS_EAGER = 65536, 2.0, 5.0
+SCHEMA = "dsv41.bench/1"
+DECODE_TOKEN = 5  # the token fed to every timed decode step (not a special id)
+
+
+# ---- options ------------------------------------------------------------------------------------
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    """'4K,64K,1M' -> (4096, 65536, 1048576): K = 1024, M = 1024^2 (contexts are powers of two)."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20}.get(part[-1].upper(), 1)
+        digits = part[:-1] if mult > 1 else part
+        try:
+            n = int(float(digits) * mult)
+        except ValueError as e:
+            raise ValueError(f"Cannot read {part!r} as a token count (e.g. 4096, 64K, 1M).") from e
+        if n <= 0:
+            raise ValueError(f"Token counts must be positive, got {part!r}.")
+        out.append(n)
+    if not out:
+        raise ValueError(f"No token counts in {text!r}.")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    preset: str = "bench"
+    checkpoint: Path | None = None  # default: the preset's seeded checkpoint
+    artifact: Path | None = None  # default: <out>/<preset>-<config hash>/<target>
+    out: Path = Path("artifacts")
+    target: str = "cpu"
+    compile_missing: bool = True  # compile the artifact entries it lacks (never the runtime)
+    contexts: tuple[int, ...] = (4096, 16384, 65536, 262144)
+    impls: tuple[str, ...] = IMPLS
+    reps: int = 5  # timed decode steps per (implementation, context)
+    budget_s: float = 120.0  # per cell: time spent on one implementation at one context
+    prefill_tokens: int = 1024  # 0: no prefill rows
+    prefill_impls: tuple[str, ...] = ("artifact", "eager")
+    prefill_reps: int = 3
+    prefill_lengths: tuple[int, ...] = ()  # a prefill row per length (empty: prefill_tokens)
+    prefill_chunk_tokens: int = 2048  # the engine's default chunk (EngineOptions)
+    tiers: bool = True
+    tier_context: int = 1024  # the first turn's prompt (cold)
+    tier_suffix: int = 32  # each later turn's new tokens
+    tier_impls: tuple[str, ...] = ("artifact", "eager")
+    threads: int = 0  # 0: torch's default; TVM is set to the same
+    profile: str = "auto"  # auto: when a 64K target is missed | always | never
+    profile_context: int = TARGET_CONTEXT
+    profile_top: int = 15  # rows of the profile table (the JSON keeps the same rows)
+    json: Path | None = None
+    plots: Path | None = None
+    seed: int = 0
+
+    def display(self) -> str:
+        d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+        return ", ".join(f"{k}={v}" for k, v in d.items())
+
+    def validate(self) -> None:
+        bad = [i for i in (*self.impls, *self.prefill_impls, *self.tier_impls) if i not in IMPLS]
+        if bad:
+            raise ValueError(f"Unknown implementations {bad}; choose from {', '.join(IMPLS)}.")
+        if self.reps < 1 or self.prefill_reps < 1:
+            raise ValueError("--reps and --prefill-reps must be at least 1.")
+        if self.budget_s <= 0:
+            raise ValueError(f"--budget-s must be positive, got {self.budget_s}.")
+        if self.profile not in ("auto", "always", "never"):
+            raise ValueError(f"--profile must be auto, always or never, got {self.profile!r}.")
+        if self.profile_top < 1:
+            raise ValueError(f"--profile-top must be at least 1, got {self.profile_top}.")
+        if self.tier_context <= 0 or self.tier_suffix <= 0 or self.prefill_tokens < 0:
+            raise ValueError("--tier-context and --tier-suffix must be positive, "
+                             "--prefill-tokens non-negative.")
+        if self.prefill_chunk_tokens < 2:
+            raise ValueError(f"--prefill-chunk must be at least 2 tokens, got "
+                             f"{self.prefill_chunk_tokens}.")
+
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        """The prompt lengths the prefill rows measure (none when prefill_tokens is 0)."""
+        if not self.prefill_tokens:
+            return ()
+        return self.prefill_lengths or (self.prefill_tokens,)
+
+
+# ---- records ------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeCell:
+    """One implementation at one context."""
+
+    impl: str
+    context: int
+    samples_s: list[float] = field(default_factory=list)  # timed steps (after the first)
+    first_s: float | None = None  # the first step at this context (torch.compile: compiles)
+    skipped: str | None = None  # why there are no samples
+    logits_diff: float | None = None  # max |logits - eager's| of the first step (same state)
+    load_avg: float | None = None  # 1-minute load average when the cell finished
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.samples_s) if self.samples_s else None
+
+    @property
+    def min_s(self) -> float | None:
+        return min(self.samples_s) if self.samples_s else None
+
+    @property
+    def spent_s(self) -> float:
+        return sum(self.samples_s) + (self.first_s or 0.0)
+
+    def as_dict(self) -> dict:
+        return {"impl": self.impl, "context": self.context, "median_s": self.median_s,
+                "min_s": self.min_s, "samples_s": self.samples_s, "first_s": self.first_s,
+                "skipped": self.skipped,
+                "logits_max_abs_diff_vs_eager": self.logits_diff, "load_avg": self.load_avg}
+
+
+@dataclass(frozen=True)
+class RooflineRow:
+    impl: str
+    context: int
+    weight_bytes: int
+    kv_bytes: int
+    flops: int
+    seconds: float | None
+    achieved_gbs: float | None
+    bandwidth_frac: float | None
+    achieved_gflops: float | None
+    compute_frac: float | None
+    floor_s: float  # bytes / bandwidth: the fastest a memory-bound step can be
+    flops_floor_s: float = 0.0  # flops / fp32 GEMM rate: the fastest a compute-bound step can be
+    roof_s: float = 0.0  # the step's roofline: the larger of the two floors
+    roof_frac: float | None = None  # roof_s / seconds
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    impl: str
+    tokens: int
+    samples_s: tuple[float, ...]
+    skipped: str | None = None
+    chunk_tokens: int | None = None  # the prefill ran in chunks of at most this many tokens
+    # memory (Linux: VmHWM reset before each timed prefill); the largest over the samples
+    peak_rss_bytes: int | None = None
+    rss_before_bytes: int | None = None  # resident just before the prefill (cache allocated)
+    weights_bytes: int | None = None  # the loaded weights (model tensors)
+    cache_bytes: int | None = None  # the cache the prompt filled (its allocation)
+    peak_over_weights_cache_bytes: int | None = None  # peak RSS - weights - cache
+    # the prefill's roofline (graph.cost.prefill_cost, CED, the same chunks)
+    flops: int | None = None
+    cost_bytes: int | None = None
+    achieved_gflops: float | None = None
+    gemm_frac: float | None = None  # achieved FLOP rate / the measured fp32 GEMM rate
+    load_avg: float | None = None  # 1-minute load average when the row finished
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.samples_s) if self.samples_s else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        m = self.median_s
+        return self.tokens / m if m else None
+
+
+@dataclass(frozen=True)
+class TierRow:
+    impl: str
+    tier: str  # the tier the engine reported (cold | snapshot | prefix)
+    expected: str  # the tier the turn was set up for
+    new_tokens: int
+    ttft_s: float  # send() until the first token
+    seconds: dict[str, float]  # the engine's per-phase seconds (restore, prefill, offload)
+    prefilled: int
+    replayed: int
+    reused_tokens: int = 0  # leading tokens served by the tiers (blocks + snapshot)
+
+
+@dataclass
+class BenchReport:
+    options: BenchOptions
+    machine: dict
+    threads: dict
+    artifact: str | None
+    weights: str
+    decode: list[DecodeCell] = field(default_factory=list)
+    roofline: list[RooflineRow] = field(default_factory=list)
+    prefill: list[PrefillRow] = field(default_factory=list)
+    tiers: list[TierRow] = field(default_factory=list)
+    compile_s: dict[str, float] = field(default_factory=dict)
+    profile: dict | None = None
+    load_avg: dict[str, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def cell(self, impl: str, context: int) -> DecodeCell | None:
+        return next((c for c in self.decode if c.impl == impl and c.context == context), None)
+
+
+# ---- arithmetic ---------------------------------------------------------------------------------
+
+
+def speedup(base_s: float | None, s: float | None) -> float | None:
+    """How many times faster `s` is than `base_s` (None when either is missing)."""
+    if not base_s or not s:
+        return None
+    return base_s / s
+
+
+def ratios(report: BenchReport) -> list[dict]:
+    """Per context: the artifact's speedup over eager and over torch.compile (medians)."""
+    out = []
+    for n in report.options.contexts:
+        art = report.cell("artifact", n)
+        row = {"context": n}
+        for other in ("eager", "compile"):
+            c = report.cell(other, n)
+            row[f"vs_{other}"] = speedup(c and c.median_s, art and art.median_s)
+            # a cell whose one step ran past the budget still bounds the ratio from below
+            row[f"vs_{other}_at_least"] = speedup(c.first_s, art and art.median_s) \
+                if c is not None and c.median_s is None and c.first_s else None
+        out.append(row)
+    return out
+
+
+def roofline_row(impl: str, cost, seconds: float | None, machine: dict) -> RooflineRow:
+    r = roof_point(cost.bytes, cost.flops, seconds, bandwidth_gbs=machine["bandwidth_gbs"],
+                   gemm_gflops=machine["gemm_gflops"])
+    return RooflineRow(impl, cost.context, cost.weight_bytes, cost.kv_bytes, cost.flops, seconds,
+                       r.achieved_gbs, r.bandwidth_frac, r.achieved_gflops, r.compute_frac,
+                       r.bytes_floor_s, r.flops_floor_s, r.floor_s,
+                       r.floor_s / seconds if seconds else None)
+
+
+def targets(report: BenchReport) -> dict:
+    """The issue's bar at 64K: >= 2x torch.compile and >= 5x eager."""
+    r = next((x for x in ratios(report) if x["context"] == TARGET_CONTEXT), None)
+    vc, ve = (r or {}).get("vs_compile"), (r or {}).get("vs_eager")
+    return {"context": TARGET_CONTEXT, "vs_compile": vc, "vs_eager": ve,
+            "need_vs_compile": TARGET_VS_COMPILE, "need_vs_eager": TARGET_VS_EAGER,
+            "met_vs_compile": None if vc is None else vc >= TARGET_VS_COMPILE,
+            "met_vs_eager": None if ve is None else ve >= TARGET_VS_EAGER}
+
+
+# ---- the synthetic cache ------------------------------------------------------------------------
+
+
+def cache_bytes(plan, context: int) -> int:
+    """Bytes of one sequence's cache at `context` positions (rings, stores, tails)."""
+    from dsv41.graph.layout import KVLayout
+
+    lay = KVLayout.from_plan(plan)
+    per_tok = sum((s.main_kv_bytes + s.index_k_bytes) / s.ratio for s in lay.sources)
+    return int(per_tok * context) + len(lay.window_layers) * lay.window * \
+        lay.window_entry_bytes + lay.tail_bytes
+
+
+def _fill(codes: torch.Tensor, scales: torch.Tensor, rows: int, quant, gen: torch.Generator,
+          dim: int, chunk: int = 8192) -> None:
+    """Rows [0, rows) of (b=1) codes/scales: the quantiser's output over N(0, 1) values."""
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        x = torch.randn(r1 - r0, dim, generator=gen)
+        c, s = quant(x)
+        codes[0, r0:r1], scales[0, r0:r1] = c, s
+
+
+def synthetic_cache(model, context: int, *, seed: int = 0, margin: int = 64):
+    """A batch-1 cache as if `context` tokens had been processed: every window slot and every
+    store row below context // ratio hold format-valid entries of random values, the tails are
+    empty (context is a multiple of every ratio), and pos, the index-K pointer and the Engram
+    lookback match `context` processed tokens. Capacity is context + margin positions."""
+    from dsv41.graph import ops
+    from dsv41.graph.cache import new_cache
+    from dsv41.graph.engram import empty_history, engram_history_after
+    from dsv41.runtime.engine.state import index_owner_at
+
+    plan, a = model.plan, model.args
+    check_contexts(model, (context,))
+    pad = model.engram.pad_id if model.engram is not None else None
+    cache = new_cache(plan, 1, context + margin, engram_pad=pad)
+    gen = torch.Generator().manual_seed(seed)
+    filled = min(context, a.window_size)  # slot p % W holds position p
+    for ring in cache.windows.values():
+        _fill(ring.codes, ring.scales, filled, ops.quant_fp8, gen, a.head_dim)
+    for st in cache.stores.values():
+        rows = context // st.ratio
+        _fill(st.kv_codes, st.kv_scales, rows, ops.quant_fp4_kv, gen, a.head_dim)
+        if st.k_codes is not None:
+            _fill(st.k_codes, st.k_scales, rows, ops.quant_mxfp4, gen, a.index_head_dim)
+    cache.pos = torch.tensor([context], dtype=torch.int64)
+    cache.index_owner = torch.tensor([index_owner_at(plan, context)], dtype=torch.int64)
+    if model.engram is not None:
+        rng = np.random.default_rng(seed)
+        recent = rng.integers(3, a.vocab_size - 1, size=(1, model.engram.max_ngram - 1))
+        cache.engram_history = engram_history_after(model.engram, empty_history(model.engram, 1),
+                                                    recent)
+    return cache
+
+
+@dataclass
+class StepState:
+    """The per-step fields of a cache, to put it back before each timed step (the big tensors
+    change in one ring slot and one row per store, rewritten identically by every step)."""
+
+    pos: torch.Tensor
+    index_owner: torch.Tensor
+    engram_history: np.ndarray | None
+
+    @classmethod
+    def of(cls, cache) -> StepState:
+        h = cache.engram_history
+        return cls(cache.pos.clone(), cache.index_owner.clone(), None if h is None else h.copy())
+
+    def restore(self, cache) -> None:
+        cache.pos = self.pos.clone()
+        cache.index_owner = self.index_owner.clone()
+        cache.engram_history = None if self.engram_history is None else self.engram_history.copy()
+        for st in cache.stores.values():
+            if st.tail_kv is not None:
+                st.tail_kv = torch.zeros_like(st.tail_kv)
+                st.tail_score = torch.full_like(st.tail_score, float("-inf"))
+
+
+# ---- the three implementations ------------------------------------------------------------------
+
+
+class TorchCompiledEntries:
+    """The artifact's calling convention (`bind`, `call`, `manifest`) over `torch.compile` of the
+    artifact's own entry graphs: each entry is captured exactly as `dsv41 compile` captures it
+    (`capture.capture`, symbolic batch, tokens and context), and the exported program is
+    compiled by Inductor with dynamic shapes instead of by TVM, so one compilation serves every
+    context, and `runtime.compiled.CompiledPhases` runs it with the same host half. (Compiling
+    the eager phase code instead graph-breaks at every data-dependent slice and recompiles per
+    layer.) Capture and compile happen at an entry's first call; their seconds are kept."""
+
+    def __init__(self, model, entries: tuple[str, ...]):
+        from dsv41.graph.cache import new_cache
+        from dsv41.graph.entries import cache_names, entry_outputs
+
+        self.model = model
+        template = new_cache(model.plan, 1, 64)  # structure only
+        names = cache_names(template)
+        self.manifest = {"entries": {e: {"outputs": entry_outputs(model.plan, e, template),
+                                         "cache": names} for e in entries}}
+        self._fns: dict[str, Callable] = {}
+        self.seconds: dict[str, dict[str, float]] = {}  # entry -> capture / first call
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(self.manifest["entries"])
+
+    def bind(self, model) -> None:
+        assert model is self.model, "TorchCompiledEntries is built for one model"
+
+    def call(self, entry: str, inputs) -> list[torch.Tensor]:
+        from dsv41.compiler.capture import capture
+
+        first = entry not in self._fns
+        if first:
+            t0 = time.perf_counter()
+            ep, _ = capture(self.model, entry)
+            self.seconds[entry] = {"capture": time.perf_counter() - t0}
+            self._fns[entry] = torch.compile(ep.module(), dynamic=True)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = list(self._fns[entry](*inputs))
+        if first:
+            self.seconds[entry]["first_call"] = time.perf_counter() - t0
+        return out
+
+
+def make_phases(impl: str, model, artifact_dir: Path | None, entries: tuple[str, ...]):
+    """The `graph.phases_api.Phases` of one implementation: the graph's (eager), the artifact's
+    entries compiled by torch.compile (compile), or by TVM (artifact)."""
+    from dsv41.graph.phases_api import GraphPhases
+    from dsv41.runtime.backends.compiled import CompiledPhases
+
+    if impl == "eager":
+        return GraphPhases()
+    if impl == "compile":
+        return CompiledPhases(TorchCompiledEntries(model, entries), model)
+    from dsv41.runtime.backends.artifact import Artifact
+
+    return CompiledPhases(Artifact.load(artifact_dir, args=model.args), model)
+
+
+# ---- decode -------------------------------------------------------------------------------------
+
+
+def projected_skip(cell: DecodeCell, previous: DecodeCell | None, budget_s: float) -> str | None:
+    """Skip a cell whose first step, scaled linearly from the last context, would overrun."""
+    if previous is None or previous.median_s is None:
+        if previous is not None and previous.skipped:
+            return f"skipped at {previous.context} ({previous.skipped})"
+        return None
+    est = previous.median_s * cell.context / previous.context
+    if est > budget_s:
+        return (f"projected {est:.1f} s per step (from {previous.median_s:.2f} s at "
+                f"{previous.context}) > budget {budget_s:.0f} s")
+    return None
+
+
+def bench_decode_context(runners: dict[str, Callable], cache, context: int, opts: BenchOptions,
+                         previous: dict[str, DecodeCell], say=print,
+                         compiles: frozenset[str] = frozenset()) -> list[DecodeCell]:
+    """Interleaved repetitions of one decode step per implementation from the same state.
+    Implementations in `compiles` compile at their first step here: that step is outside the
+    budget (its time is reported as compile time)."""
+    state = StepState.of(cache)
+    token = torch.tensor([[DECODE_TOKEN]])
+    cells = {impl: DecodeCell(impl, context) for impl in runners}
+    for impl, cell in cells.items():
+        cell.skipped = projected_skip(cell, previous.get(impl), opts.budget_s)
+    order = list(runners)
+    first: dict[str, torch.Tensor] = {}
+    for rep in range(opts.reps + 1):  # rep 0: each implementation's first step
+        for impl in order[rep % len(order):] + order[: rep % len(order)]:
+            cell = cells[impl]
+            spent = cell.spent_s - (cell.first_s or 0.0) * (impl in compiles)
+            if cell.skipped or (rep and (spent >= opts.budget_s or cell.first_s is None)):
+                continue
+            state.restore(cache)
+            t0 = time.perf_counter()
+            res = runners[impl](cache, token)
+            dt = time.perf_counter() - t0
+            if rep == 0:
+                first[impl] = res.logits[0, -1].float()
+                cell.first_s = dt
+                if dt >= opts.budget_s and impl not in compiles:
+                    cell.skipped = (f"the first step took {dt:.1f} s, over the budget of "
+                                    f"{opts.budget_s:.0f} s")
+            else:
+                cell.samples_s.append(dt)
+    state.restore(cache)
+    for impl, cell in cells.items():
+        if "eager" in first and impl in first:
+            cell.logits_diff = float((first[impl] - first["eager"]).abs().max())
+    for cell in cells.values():
+        cell.load_avg = os.getloadavg()[0]
+        if not cell.skipped and len(cell.samples_s) < opts.reps:
+            say(f"  {cell.impl} @ {context}: {len(cell.samples_s)} of {opts.reps} reps within "
+                f"the {opts.budget_s:.0f} s budget")
+    return list(cells.values())
+
+
+def memory_skip(plan, context: int, weights_loaded: bool = True) -> str | None:
+    """A context whose cache (three copies: the cache, an entry's outputs, temporaries) does not
+    fit in the memory available now."""
+    need = 3 * cache_bytes(plan, context)
+    avail = mem_available()
+    if avail is not None and need > avail:
+        return (f"cache needs ~{need / 2**30:.1f} GiB (3 copies), {avail / 2**30:.1f} GiB "
+                "available")
+    return None
+
+
+# ---- prefill and turns --------------------------------------------------------------------------
+
+
+def model_bytes(model) -> int:
+    """Bytes of the loaded weights (dense tensors and expert stacks; views counted once)."""
+    seen, total = set(), 0
+    tensors = list(model.w.values())
+    for ex in model.experts.values():
+        tensors += [ex.w1, ex.s1, ex.w3, ex.s3, ex.w2, ex.s2]
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _measured_prefill(ph, model, n: int, tokens: torch.Tensor, chunk: int):
+    """One CED prefill of `tokens` from a fresh cache: (seconds, peak RSS, RSS before, cache
+    bytes)."""
+    from dsv41.graph.cache import new_cache
+
+    pad = model.engram.pad_id if model.engram is not None else None
+    cache = new_cache(model.plan, 1, n + 64, engram_pad=pad)
+    gc.collect()
+    before = current_rss()
+    tracked = reset_peak_rss()
+    t0 = time.perf_counter()
+    ph.ced_prefill(model, cache, tokens, chunk_tokens=chunk)
+    dt = time.perf_counter() - t0
+    peak = peak_rss() if tracked else None
+    nbytes = sum(cache.nbytes().values())
+    del cache
+    gc.collect()
+    return dt, peak, before, nbytes
+
+
+def bench_prefill(phases_by_impl: dict, model, opts: BenchOptions,
+                  machine: dict | None = None) -> list[PrefillRow]:
+    """CED prefill (in chunks of `prefill_chunk_tokens`) from an empty cache at each prompt
+    length; each implementation warms up once on one chunk, then `prefill_reps` timed
+    prefills per length, interleaved. A length whose projection from the previous one (linear
+    in the tokens, a lower bound: the sweeps grow faster) exceeds the budget is skipped."""
+    from dsv41.graph.cost import PrefillMode, prefill_cost
+
+    rng = np.random.default_rng(opts.seed)
+    lengths = opts.prefill_rows
+    tokens_all = torch.tensor(rng.integers(3, model.args.vocab_size - 1, size=(1, max(lengths))))
+    chunk = opts.prefill_chunk_tokens
+    order = list(phases_by_impl)
+    weights = model_bytes(model)
+    skipped: dict[str, str | None] = {i: None for i in order}
+    last: dict[str, tuple[int, float]] = {}
+    for impl in order:  # warm-up (and compiles): one chunk of the shortest length
+        n = min(min(lengths), chunk)
+        dt = _measured_prefill(phases_by_impl[impl], model, n, tokens_all[:, :n], chunk)[0]
+        last[impl] = (n, dt)
+        if dt >= opts.budget_s:
+            skipped[impl] = f"the first prefill ({n} tokens) took {dt:.1f} s, over the budget"
+    rows = []
+    for n in lengths:
+        cost = prefill_cost(model.args, n, mode=PrefillMode.CED, chunk_tokens=chunk)
+        samples: dict[str, list[float]] = {i: [] for i in order}
+        mem: dict[str, list[tuple]] = {i: [] for i in order}
+        why: dict[str, str | None] = dict(skipped)
+        for impl in order:
+            if why[impl] is None and impl in last:
+                n0, dt0 = last[impl]
+                est = dt0 * n / n0
+                if est > opts.budget_s:
+                    why[impl] = (f"projected {est:.0f} s (from {dt0:.1f} s at {n0} tokens) > "
+                                 f"budget {opts.budget_s:.0f} s")
+        for rep in range(opts.prefill_reps):
+            for impl in order[rep % len(order):] + order[: rep % len(order)]:
+                if why[impl] or (rep and sum(samples[impl]) >= opts.budget_s):
+                    continue
+                dt, peak, before, nbytes = _measured_prefill(
+                    phases_by_impl[impl], model, n, tokens_all[:, :n], chunk)
+                samples[impl].append(dt)
+                mem[impl].append((peak, before, nbytes))
+                last[impl] = (n, dt)
+        for impl in order:
+            m = mem[impl]
+            peak = max((x[0] for x in m if x[0] is not None), default=None)
+            before = max((x[1] for x in m if x[1] is not None), default=None)
+            nbytes = m[0][2] if m else None
+            med = statistics.median(samples[impl]) if samples[impl] else None
+            gfl = cost.flops / med / 1e9 if med else None
+            rows.append(PrefillRow(
+                impl, n, tuple(samples[impl]), why[impl], chunk, peak, before, weights, nbytes,
+                None if peak is None or nbytes is None else peak - weights - nbytes,
+                cost.flops, cost.bytes, gfl,
+                None if gfl is None or not machine else gfl / machine["gemm_gflops"],
+                os.getloadavg()[0]))
+            if why[impl]:
+                skipped[impl] = skipped[impl] or why[impl]  # longer lengths are skipped too
+    return rows
+
+
+class _Clock:
+    """The snapshot pool's clock, moved past its TTL to turn a snapshot hit into a miss."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _turn(session, ids: list[int]):
+    t0 = time.perf_counter()  # send() plans and prefills the turn before returning
+    gen = session.send(ids, max_new_tokens=1)
+    next(gen)
+    ttft = time.perf_counter() - t0
+    for _ in gen:
+        pass
+    return ttft, session.turns[-1]
+
+
+def new_session_speedup(report) -> dict[str, float]:
+    """Per implementation: cold TTFT / TTFT of the prefix hit in a new session."""
+    cold = {t.impl: t.ttft_s for t in report.tiers if t.expected == "cold"}
+    return {t.impl: cold[t.impl] / t.ttft_s for t in report.tiers
+            if t.expected == "prefix-new-session" and t.impl in cold and t.ttft_s > 0}
+
+
+def bench_tiers(impl: str, phases, model, weights_hash: str, opts: BenchOptions) -> list[TierRow]:
+    """Three turns of one session: a cold prompt, a suffix served from the DRAM snapshot, and a
+    suffix after the snapshot expired (bounded replay from the SSD prefix blocks); then a new
+    session in a new engine over the same store (what a new process sees) whose prompt shares
+    the first turn's prompt and adds a suffix: a prefix hit on the first conversation's
+    blocks."""
+    from dsv41.runtime.engine.engine import Engine, EngineOptions
+
+    rng = np.random.default_rng(opts.seed)
+    hi = model.args.vocab_size - 1
+    clock = _Clock()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dsv41-bench-store-") as store:
+        eo = EngineOptions(store_dir=store, page_tokens=64, pool_clock=clock, pool_ttl_s=60.0)
+        engine = Engine(model, phases, weights_hash=weights_hash, options=eo, backend=impl)
+        session = engine.session()
+        first = []
+        for expected, n in (("cold", opts.tier_context), ("snapshot", opts.tier_suffix),
+                            ("prefix", opts.tier_suffix), ("prefix-new-session",
+                                                            opts.tier_suffix)):
+            if expected == "prefix":
+                clock.t += 2 * eo.pool_ttl_s  # the snapshot expires: a miss
+            ids = [int(x) for x in rng.integers(3, hi, size=n)]
+            if expected == "cold":
+                first = ids
+            if expected == "prefix-new-session":
+                engine.close()  # drains its SSD writer; the new engine rebuilds the index
+                engine = Engine(model, phases, weights_hash=weights_hash, options=eo,
+                                backend=impl)
+                session = engine.session()
+                ids = first + ids
+            ttft, rec = _turn(session, ids)
+            rows.append(TierRow(impl, rec.tier, expected, n, ttft,
+                                {k: float(v) for k, v in rec.seconds.items()}, rec.prefilled,
+                                rec.replayed, rec.reused_tokens))
+        engine.close()
+    return rows
+
+
+# ---- profile ------------------------------------------------------------------------------------
+
+
+def profile_artifact_step(artifact, model, cache, top: int = 15) -> list[dict]:
+    """Per-function time of one artifact decode step: the Relax VM's instrument hook around
+    every call the VM makes (kernels and builtins; a few microseconds of hook each)."""
+    import tvm
+    from tvm import relax
+
+    from dsv41.graph.entries import entry_inputs
+    from dsv41.graph.phases import check_tokens, new_chunk
+    from dsv41.runtime.backends.tensors import to_tvm
+
+    tokens = check_tokens(model, torch.tensor([[DECODE_TOKEN]]))
+    chunk = new_chunk(model, cache, tokens)
+    inputs = entry_inputs(model, cache, "decode", tokens, start=chunk.start,
+                          hash_ids=chunk.hash_ids, rope=chunk.rope)
+    flat = [to_tvm(t) for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact.path / "decode.so")),
+                              tvm.cpu())
+    vm["main"](*flat, *artifact._params["decode"])  # warm-up
+    by: dict[str, list[float]] = {}
+    started: list[float] = []
+
+    def hook(func, name, before_run, ret_value, *args):
+        if before_run:
+            started.append(time.perf_counter())
+        else:
+            by.setdefault(str(name), []).append(time.perf_counter() - started.pop())
+        return 0  # VMInstrumentReturnKind.NO_OP
+
+    vm.set_instrument(hook)
+    t0 = time.perf_counter()
+    vm["main"](*flat, *artifact._params["decode"])
+    wall = time.perf_counter() - t0
+    total = sum(sum(v) for v in by.values()) or 1.0
+    out = [{"name": k, "calls": len(v), "ms": sum(v) * 1e3, "share": sum(v) / total}
+           for k, v in by.items()]
+    out.append({"name": "(whole step, instrumented)", "calls": 1, "ms": wall * 1e3,
+                "share": wall / total})
+    return sorted(out, key=lambda r: -r["ms"])[:top]
+
+
+def profile_torch_step(fn: Callable[[], object], top: int = 15) -> list[dict]:
+    """Per-op self CPU time of one step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ev) or 1.0
+    return [{"name": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1e3,
+             "share": e.self_cpu_time_total / total} for e in ev[:top]]
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def resolve_inputs(opts: BenchOptions, say=print) -> tuple[Path, Path | None]:
+    """(checkpoint, artifact dir or None when no implementation needs it)."""
+    from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
+
+    ckpt = opts.checkpoint or ensure_checkpoint(opts.preset, opts.seed)
+    wanted = set(opts.impls) | set(opts.prefill_impls if opts.prefill_tokens else ()) | \
+        set(opts.tier_impls if opts.tiers else ())
+    if "artifact" not in wanted:
+        return ckpt, None
+    entries = ("decode",) if "artifact" in opts.impls else ()
+    if opts.prefill_tokens and "artifact" in opts.prefill_impls:
+        entries += ("encoder", "decoder")  # the prefill rows run CED prefills only
+    if opts.tiers and "artifact" in opts.tier_impls:
+        entries += tuple(e for e in ("encoder", "decoder", "encoder_replay") if e not in entries)
+    if opts.artifact is not None:
+        from dsv41.compiler.build import missing_entries
+        from dsv41.graph.config import load_config
+
+        todo = missing_entries(opts.artifact, load_config(ckpt), opts.target, entries)
+        if todo:
+            raise ValueError(f"{opts.artifact} lacks the entries {', '.join(todo)}; compile "
+                             "them or leave --artifact out to compile into --out.")
+        return ckpt, opts.artifact
+    if not opts.compile_missing:
+        from dsv41.compiler.build import CompileOptions
+        from dsv41.graph.config import load_config
+
+        d = CompileOptions(args=load_config(ckpt), model_name=opts.preset, target=opts.target,
+                           out=opts.out, entries=entries).artifact_dir
+        return ckpt, d
+    return ckpt, ensure_artifact(ckpt, opts.preset, opts.target, entries, opts.out)
+
+
+def check_contexts(model, contexts: tuple[int, ...]) -> None:
+    """Refuse, before anything is measured, a decode context the model cannot decode from: the
+    token at position N needs N + 1 <= max_seq_len, and the synthetic cache needs N to be a
+    positive multiple of every compression ratio."""
+    top = max([1, *(p.ratio for p in model.plan.kv_sources)])
+    limit = model.args.max_seq_len
+    longest = (limit - 1) // top * top
+    for n in contexts:
+        if n <= 0 or n % top or n > longest:
+            raise ValueError(f"Cannot decode from a context of {n} positions: it must be a "
+                             f"positive multiple of {top} and at most {longest} (max_seq_len "
+                             f"{limit} leaves room for the decoded token), e.g. 1023K.")
+
+
+def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchReport:
+    from tqdm import tqdm
+
+    from dsv41.graph.checkpoint import weights_fingerprint
+    from dsv41.graph.cost import decode_step_cost
+    from dsv41.graph.model import Model
+
+    opts.validate()
+    threads = set_threads(opts.threads)
+    load0 = list(os.getloadavg())
+    ckpt, art_dir = resolve_inputs(opts, say)
+    say(f"threads: torch {threads['torch']}, TVM {threads['tvm']}; checkpoint {ckpt}; "
+        f"artifact {art_dir}")
+    machine = asdict(measure_machine())
+    say(f"machine: bandwidth {machine['bandwidth_gbs']:.1f} GB/s, fp32 GEMM "
+        f"{machine['gemm_gflops']:.1f} GFLOP/s, load {load0[0]:.2f}")
+    model = Model.from_checkpoint(ckpt)
+    if opts.impls:  # decode contexts matter only when something decodes
+        check_contexts(model, opts.contexts)
+    report = BenchReport(opts, machine, threads, None if art_dir is None else str(art_dir),
+                         str(ckpt), load_avg={"start": load0})
+    whash = weights_fingerprint(ckpt)
+    all_impls = dict.fromkeys((*opts.impls, *(opts.prefill_impls if opts.prefill_rows else ()),
+                               *(opts.tier_impls if opts.tiers else ())))
+    entries = ("decode", "encoder", "decoder", "encoder_replay")
+    phases = {i: make_phases(i, model, art_dir, entries) for i in all_impls}
+
+    # decode against context
+    runners = {i: (lambda cache, tok, ph=phases[i]: ph.decode_step(model, cache, tok))
+               for i in opts.impls}
+    previous: dict[str, DecodeCell] = {}
+    bar = tqdm(opts.contexts if opts.impls else (), desc="decode", unit="ctx")
+    for n in bar:
+        bar.set_postfix_str(f"context {n}")
+        why = memory_skip(model.plan, n)
+        if why:
+            cells = [DecodeCell(i, n, skipped=why) for i in opts.impls]
+        else:
+            cache = synthetic_cache(model, n, seed=opts.seed)
+            cells = bench_decode_context(runners, cache, n, opts, previous, say=bar.write,
+                                         compiles=frozenset() if previous else
+                                         frozenset({"compile"}))
+            if opts.profile != "never" and n == opts.profile_context:
+                report.profile = _maybe_profile(report, cells, phases, model, cache, n, opts,
+                                                bar.write)
+            del cache
+            gc.collect()
+        report.decode += cells
+        previous = {c.impl: c for c in cells}
+        cost = decode_step_cost(model.args, n)
+        report.roofline += [roofline_row(c.impl, cost, c.median_s, machine) for c in cells]
+        bar.write("  " + "  ".join(f"{c.impl} {ms(c.median_s)}" for c in cells))
+    bar.close()
+
+    if opts.prefill_tokens:
+        say(f"prefill: CED over {', '.join(map(str, opts.prefill_rows))} tokens in chunks of "
+            f"{opts.prefill_chunk_tokens} ({', '.join(opts.prefill_impls)})")
+        report.prefill = bench_prefill({i: phases[i] for i in opts.prefill_impls}, model, opts,
+                                       machine)
+    if opts.tiers:
+        for impl in opts.tier_impls:
+            say(f"turns: {impl}")
+            report.tiers += bench_tiers(impl, phases[impl], model, whash, opts)
+    _compile_seconds(report, phases)
+    report.load_avg["end"] = list(os.getloadavg())
+    return report
+
+
+def _maybe_profile(report, cells, phases, model, cache, n, opts, say) -> dict | None:
+    """The profile of the artifact's step at `n` (and of eager's, to compare), when asked for
+    or when the artifact misses the 2x / 5x bar at this context."""
+    by = {c.impl: c for c in cells}
+    art = by.get("artifact")
+    if art is None or art.median_s is None:
+        return None
+    vs = {o: speedup(by[o].median_s, art.median_s) for o in ("eager", "compile") if o in by}
+    missed = (vs.get("compile") or math.inf) < TARGET_VS_COMPILE or \
+        (vs.get("eager") or math.inf) < TARGET_VS_EAGER
+    if opts.profile == "auto" and not missed:
+        return None
+    say(f"  profiling the decode step at {n} (ratios {vs})")
+    state = StepState.of(cache)
+    out = {"context": n, "ratios": vs}
+    try:
+        out["artifact"] = profile_artifact_step(phases["artifact"].art, model, cache,
+                                                top=opts.profile_top)
+    except Exception as e:  # the profile is a diagnostic: report why it is missing
+        out["artifact_error"] = f"{type(e).__name__}: {e}"
+    for impl in ("eager", "compile"):
+        if impl in phases and impl in by and by[impl].median_s is not None:
+            state.restore(cache)
+            tok = torch.tensor([[DECODE_TOKEN]])
+            out[impl] = profile_torch_step(
+                lambda ph=phases[impl], tok=tok: ph.decode_step(model, cache, tok))
+    state.restore(cache)
+    return out
+
+
+def _compile_seconds(report: BenchReport, phases: dict) -> None:
+    """torch.compile's capture (torch.export) and Inductor compile seconds per entry (the first
+    call less a steady decode step), and its first step at each later context (recompiles)."""
+    ph = phases.get("compile")
+    if ph is None:
+        return
+    for entry, sec in ph.art.seconds.items():
+        report.compile_s[f"{entry} capture"] = sec["capture"]
+        if "first_call" in sec:
+            report.compile_s[f"{entry} first call (Inductor compile + 1 call)"] = \
+                sec["first_call"]
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def format_report(report: BenchReport) -> str:
+    o, m = report.options, report.machine
+    impls = list(o.impls)
+    out = [f"machine: {m['cpu']}, {m['cores']} cores; threads torch {report.threads['torch']}, "
+           f"TVM {report.threads['tvm']}; bandwidth {m['bandwidth_gbs']:.1f} GB/s, fp32 GEMM "
+           f"{m['gemm_gflops']:.1f} GFLOP/s; load avg start {report.load_avg['start'][0]:.2f}, "
+           f"end {report.load_avg.get('end', [math.nan])[0]:.2f}",
+           f"weights: {report.weights}; artifact: {report.artifact}", "",
+           "decode, batch 1, one token from a synthetic cache of N positions (median of "
+           f"{o.reps} interleaved steps):"]
+    rows = []
+    for n in (o.contexts if report.decode else ()):  # no decode rows when nothing decoded
+        cells = [report.cell(i, n) for i in impls]
+        r = next(x for x in ratios(report) if x["context"] == n)
+        rows.append([str(n), *[ms(c.median_s) if c and not c.skipped else "skipped"
+                               for c in cells], _ratio(r, "eager"), _ratio(r, "compile"),
+                     f"{max((c.load_avg or 0) for c in cells):.2f}"])
+    out.append(table(["context", *[f"{i} ms/tok" for i in impls], "art/eager", "art/compile",
+                       "load"], rows))
+    skipped = [c for c in report.decode if c.skipped]
+    for c in skipped:
+        out.append(f"  skipped {c.impl} @ {c.context}: {c.skipped}")
+    out += ["", f"roofline (one decode step; bandwidth {m['bandwidth_gbs']:.1f} GB/s, peak "
+            f"{m['gemm_gflops']:.1f} GFLOP/s):"]
+    rows = []
+    for r in report.roofline:
+        rows.append([str(r.context), r.impl, f"{r.weight_bytes / 1e6:.0f}",
+                     f"{r.kv_bytes / 1e6:.1f}", f"{r.flops / 1e9:.2f}", ms(r.floor_s),
+                     ms(r.flops_floor_s), ms(r.seconds),
+                     "-" if r.achieved_gbs is None else f"{r.achieved_gbs:.2f}",
+                     pct(r.bandwidth_frac), pct(r.compute_frac), pct(r.roof_frac)])
+    out.append(table(["context", "impl", "weights MB", "KV MB", "GFLOP", "floor",
+                       "flop floor", "time", "GB/s", "of BW", "of peak", "of roof"], rows))
+    out.append("  floor: bytes / bandwidth; flop floor: FLOPs / the fp32 GEMM rate; of roof: the "
+               "larger floor / time")
+    if report.compile_s:
+        out += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in
+                                             report.compile_s.items())]
+    if report.prefill:
+        out += ["", f"prefill (CED from an empty cache, chunks of {o.prefill_chunk_tokens}, "
+                f"median of up to {o.prefill_reps}; peak RSS of the prefill; roofline against "
+                f"the fp32 GEMM rate {m['gemm_gflops']:.1f} GFLOP/s):"]
+        out.append(table(["impl", "tokens", "median", "tokens/s", "peak RSS", "weights",
+                           "cache", "peak-w-c", "GFLOP", "GFLOP/s", "of GEMM", "note"],
+                          [[p.impl, str(p.tokens), ms(p.median_s),
+                            "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.1f}",
+                            gib(p.peak_rss_bytes), gib(p.weights_bytes), gib(p.cache_bytes),
+                            gib(p.peak_over_weights_cache_bytes),
+                            "-" if p.flops is None else f"{p.flops / 1e9:.0f}",
+                            "-" if p.achieved_gflops is None else f"{p.achieved_gflops:.1f}",
+                            pct(p.gemm_frac), p.skipped or ""] for p in report.prefill]))
+    if report.tiers:
+        out += ["", f"time to first token per turn (one sample each; turn 1 {o.tier_context} "
+                f"tokens, turns 2-3 {o.tier_suffix} new tokens; then a new session in a new "
+                f"engine: turn 1's prompt + {o.tier_suffix} new tokens):"]
+        out.append(table(["impl", "tier", "served by", "TTFT", "restore", "prefill",
+                           "replayed"],
+                          [[t.impl, TIER_LABELS[t.expected], t.tier, ms(t.ttft_s),
+                            ms(t.seconds.get("restore")), ms(t.seconds.get("prefill")),
+                            str(t.replayed)] for t in report.tiers]))
+        for impl, x in new_session_speedup(report).items():
+            out.append(f"{impl}: prefix hit in a new session reaches its first token {x:.1f}x "
+                       f"faster than the cold turn")
+    tg = targets(report)
+    out += ["", f"bar at {tg['context']}: artifact vs torch.compile {times(tg['vs_compile'])} "
+            f"(need {TARGET_VS_COMPILE:g}x: {_verdict(tg['met_vs_compile'])}), vs eager "
+            f"{times(tg['vs_eager'])} (need {TARGET_VS_EAGER:g}x: {_verdict(tg['met_vs_eager'])})"]
+    if report.profile:
+        out += ["", format_profile(report.profile)]
+    out += [f"note: {n}" for n in report.notes]
+    return "\n".join(out)
+
+
+def _ratio(r: dict, other: str) -> str:
+    if r[f"vs_{other}"] is None and r.get(f"vs_{other}_at_least"):
+        return f">{r[f'vs_{other}_at_least']:.1f}x"
+    return times(r[f"vs_{other}"])
+
+
+def _verdict(met: bool | None) -> str:
+    return "not measured" if met is None else "met" if met else "NOT met"
+
+
+def format_profile(p: dict) -> str:
+    out = [f"profile of one decode step at {p['context']}:"]
+    for impl in ("artifact", "eager", "compile"):
+        rows = p.get(impl)
+        if rows:
+            out.append(f"  {impl} (top {len(rows)} by time):")
+            out += [f"    {r['ms']:9.2f} ms {r['share'] * 100:5.1f}% {r['calls']:5d}x  "
+                    f"{r['name'][:70]}" for r in rows]
+        elif p.get(f"{impl}_error"):
+            out.append(f"  {impl}: no profile ({p[f'{impl}_error']})")
+    return "\n".join(out)
+
+
+def report_json(report: BenchReport) -> dict:
+    o = asdict(report.options)
+    o = {k: (str(v) if isinstance(v, Path) else v) for k, v in o.items()}
+    return {"schema": SCHEMA, "options": o, "machine": report.machine,
+            "threads": report.threads, "artifact": report.artifact, "weights": report.weights,
+            "load_avg": report.load_avg,
+            "decode": [c.as_dict() for c in report.decode], "ratios": ratios(report),
+            "roofline": [asdict(r) for r in report.roofline],
+            "prefill": [{**asdict(p), "median_s": p.median_s, "tokens_per_s": p.tokens_per_s}
+                        for p in report.prefill],
+            "ttft": [asdict(t) for t in report.tiers], "compile_s": report.compile_s,
+            "ttft_new_session_speedup": new_session_speedup(report),
+            "targets": targets(report), "profile": report.profile, "notes": report.notes}
+
+
+def write_plots(report: BenchReport, out_dir: Path) -> list[Path]:
+    """decode_vs_context.png (ms per token against context, log-x, with the roofline floor) and
+    phases.png (TTFT per tier split into restore / prefill, and the step's top kernels)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for impl in report.options.impls:
+        pts = [(c.context, c.median_s * 1e3) for c in report.decode
+               if c.impl == impl and c.median_s]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=LABELS[impl])
+    floor = sorted({(r.context, r.floor_s * 1e3) for r in report.roofline})
+    if floor:
+        ax.plot(*zip(*floor, strict=True), "k--", label="roofline floor (bytes / bandwidth)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (positions in the cache)")
+    ax.set_ylabel("ms per decoded token")
+    ax.set_title(f"decode step, {report.options.preset} preset, batch 1")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    p = out_dir / "decode_vs_context.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    prof = (report.profile or {}).get("artifact")
+    fig, axes = plt.subplots(1, 2 if prof else 1, figsize=(13 if prof else 7, 4.5))
+    axes = np.atleast_1d(axes)
+    ax = axes[0]
+    labels, restore, prefill = [], [], []
+    for t in report.tiers:
+        labels.append(f"{t.impl}\n{TIER_LABELS[t.expected]}")
+        restore.append(t.seconds.get("restore", 0.0) * 1e3)
+        prefill.append(t.seconds.get("prefill", 0.0) * 1e3)
+    if labels:
+        x = np.arange(len(labels))
+        ax.bar(x, restore, label="restore")
+        ax.bar(x, prefill, bottom=restore, label="prefill")
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_yscale("log")
+        ax.legend()
+    ax.set_ylabel("ms")
+    ax.set_title("time to first token by tier and phase")
+    if prof:
+        ax = axes[1]
+        names = [r["name"][:40] for r in prof][::-1]
+        ax.barh(names, [r["ms"] for r in prof][::-1])
+        ax.set_xlabel("ms per decode step")
+        ax.set_title(f"artifact decode step at {report.profile['context']}: top kernels")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    p = out_dir / "phases.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def run_command(opts: BenchOptions) -> int:
+    """`dsv41 bench`: the benchmark, its text report, the JSON and the plots."""
+    opts.validate()
+    print(f"dsv41 bench: {opts.display()}")
+    t0 = time.time()
+    report = run_bench(opts)
+    print()
+    print(format_report(report))
+    if opts.json:
+        write_json(opts.json, report_json(report))
+        print(f"json: {opts.json}")
+    if opts.plots:
+        print("plots: " + ", ".join(str(p) for p in write_plots(report, opts.plots)))
+    print(f"total {time.time() - t0:.0f} s")
+    return 0

@@ -1,0 +1,304 @@
+"""`dsv41 bench spec`: DSpark speculative decoding's numbers on the PyTorch graph and on a
+compiled artifact.
+
+- verify cost: seconds of a verify of k = 0..max_draft drafts at each context (a synthetic
+  cache, `bench.synthetic_cache`), in the engine's decode-steps form (1+k decode steps:
+  bit-identical to decoding) and the one-pass form (the graph: one forward over 1+k tokens;
+  an artifact: one call of its `verify` entry, bit-identical to its decode steps), with the
+  draft pass's seconds;
+- acceptance of DSpark's own drafts on the checkpoint in use (seeded random weights draft
+  noise: their acceptance is near zero, which says nothing about trained weights);
+- at injected acceptance rates (a draft right at each position with probability r, and a
+  confidence head that says r; the real draft pass still runs and is paid for), the tokens/s
+  the policy predicts from the measured costs (both forms, at the first context), and, from
+  an engine whose policy learned its own timings in a first session, what that policy
+  predicts (`policy_*`: its k, tokens/s, per-k step seconds, steps taken per k) and the
+  tokens/s it achieves in a second session, against plain decoding timed the same way (the
+  graph's engine verifies by decode steps; an artifact's by its verify entry). The engine
+  runs at a context of --prompt-tokens + --tokens.
+
+`--impls graph` (default) writes the JSON section `spec`; `--impls artifact --artifact DIR` the
+section `spec_artifact` (same fields; the engine in exact mode: the artifact's prefill_all,
+decode, draft and verify entries; the model's config is the artifact's).
+
+    dsv41 bench spec [--preset small | --checkpoint DIR] [--contexts 256,896] [--max-draft N]
+                     [--reps 3] [--tokens 24] [--prompt-tokens 32] [--rates 0.3,0.6,0.9]
+                     [--threads N] [--json F] [--impls graph,artifact] [--artifact DIR]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsv41.compiler.tools.assets import ensure_checkpoint
+from dsv41.compiler.tools.bench.e2e import synthetic_cache
+from dsv41.compiler.tools.bench.measure import median_time, write_json
+from dsv41.graph import phases
+from dsv41.graph.dspark import Draft
+from dsv41.graph.model import Model
+from dsv41.graph.speculative import cut_back, verify_step
+from dsv41.runtime.engine.engine import Engine, EngineOptions
+from dsv41.runtime.engine.speculative import SpecPolicy, expected_tokens
+
+
+class FixedLength(SpecPolicy):
+    """Drafts at every step and verifies k drafts (for measuring acceptance)."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.k = k
+
+    def worth_drafting(self, batch: int) -> bool:
+        return True
+
+    def choose(self, batch: int, acceptance) -> int:
+        return self.k
+
+
+class InjectedDraft:
+    """A backend's phases (default the graph's) with DSpark's draft replaced: the backend's own
+    draft pass runs (the step pays for it), then each draft token is the reference run's token
+    with probability `rate` (else a wrong one) and the confidence head says `rate`."""
+
+    def __init__(self, sequence: list[int], rate: float, vocab: int, seed: int,
+                 backend=phases):
+        self.sequence, self.rate, self.vocab, self.backend = sequence, rate, vocab, backend
+        self.rng = np.random.default_rng(seed)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def draft_after(self, model, cache, token):
+        self.backend.draft_after(model, cache, token)  # its cost, not its tokens
+        pos, n = int(cache.pos[0]), model.args.dspark_block_size
+        ids = [int(token[0])]
+        for i in range(n):
+            good = self.sequence[pos + 1 + i] if pos + 1 + i < len(self.sequence) else 0
+            ids.append(good if self.rng.random() < self.rate else (good + 1) % self.vocab)
+        conf = torch.full((1, n), math.log(self.rate / (1 - self.rate)))
+        return Draft(torch.tensor([ids]), torch.zeros(1, n, self.vocab), conf)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the bench runs on: the phases, the one-pass verify, and an engine over them."""
+
+    name: str  # the JSON's `backend`
+    phases: object  # graph.phases or runtime.compiled.CompiledPhases
+    one_pass: Callable[[Model, object, torch.Tensor], object]  # -> Verified
+    engine_field: str  # the verify cost the engine's own speculative step pays
+    engine: Callable[..., Engine]  # (**EngineOptions fields) -> Engine
+
+
+def graph_backend(model: Model) -> Backend:
+    return Backend("PyTorch graph", phases,
+                   lambda m, c, t: verify_step(m, c, t, one_pass=True), "steps_s",
+                   lambda **kw: Engine.from_model(model, weights_hash="bench-spec", **kw))
+
+
+def artifact_backend(model: Model, artifact_dir: Path) -> Backend:
+    """The artifact's compiled phases; its engine in exact mode (prefill_all, decode, draft,
+    verify: the entries a speculating exact engine runs)."""
+    from dsv41.runtime.backends.artifact import Artifact
+    from dsv41.runtime.backends.compiled import CompiledPhases
+
+    art = Artifact.load(artifact_dir, args=model.args)
+    missing = [e for e in ("prefill_all", "decode", "draft", "verify") if e not in art.entries]
+    if missing:
+        raise ValueError(f"{artifact_dir} lacks the entries {', '.join(missing)} this bench "
+                         f"runs; compile them with `dsv41 compile --entries "
+                         f"prefill_all,decode,draft,verify`.")
+    ph = CompiledPhases(art, model)
+
+    def engine(**kw) -> Engine:
+        return Engine(model, ph, weights_hash="bench-spec", backend=f"artifact {artifact_dir}",
+                      options=EngineOptions(exact=True, **kw))
+
+    return Backend(f"artifact {artifact_dir}", ph, ph.verify_step, "one_pass_s", engine)
+
+
+def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: int,
+                 backend: Backend | None = None) -> list[dict]:
+    be = backend or graph_backend(model)
+    cache = synthetic_cache(model, context, seed=seed, margin=64 + 2 * reps * (max_draft + 2))
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    draft_s = median_time(lambda: be.phases.draft_after(model, cache, torch.tensor([5])), reps)
+    for k in range(max_draft + 1):
+        toks = torch.randint(3, model.args.vocab_size, (1, 1 + k), generator=gen)
+
+        def run(one_pass: bool, toks=toks) -> None:
+            v = be.one_pass(model, cache, toks) if one_pass else \
+                verify_step(model, cache, toks, step=be.phases.decode_step)
+            cut_back(model, cache, v, [1])
+
+        rows.append({"context": context, "k": k, "steps_s": median_time(lambda: run(False), reps),
+                     "one_pass_s": median_time(lambda: run(True), reps), "draft_s": draft_s})
+    return rows
+
+
+def predicted(costs: list[dict], rate: float, field: str) -> tuple[int, float]:
+    """(k, tokens/s) the policy picks from measured costs at acceptance `rate`."""
+    pol = SpecPolicy(len(costs) - 1, warmup=0)  # medians of warm calls
+    for row in costs:
+        pol.observe_verify(1, row["k"], row[field])
+    pol.observe_draft(1, costs[0]["draft_s"])
+    acc = [rate] * (len(costs) - 1)
+    k = pol.choose(1, acc)
+    return k, pol.rate(1, k, acc)
+
+
+def _decode_rate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], float, object]:
+    s = engine.session()
+    out = list(s.send(prompt, max_new_tokens=n))
+    rec = s.turns[-1]
+    return out, rec.decoded / rec.seconds["decode"], rec
+
+
+def _learned_rate(engine: Engine, prompt: list[int], n: int):
+    """`_decode_rate` of a second session, after one that warms the engine up (first calls of
+    every entry at its shapes) and lets its policy learn its costs, as a serving engine has."""
+    _decode_rate(engine, prompt, n)
+    return _decode_rate(engine, prompt, n)
+
+
+def policy_state(pol: SpecPolicy, rate: float, before: dict) -> dict:
+    """What the engine's policy measured (per k: steps taken since `before`, its moving
+    averages) and what it predicts from them at acceptance `rate`."""
+    acc = [rate] * pol.max_draft
+    k = pol.choose(1, acc)
+    steps = {j: pol.samples.get(("verify", (1, j)), 0) - before.get(("verify", (1, j)), 0)
+             for j in range(pol.max_draft + 1)}
+    return {"policy_k": k, "policy_tok_s": pol.rate(1, k, acc),
+            "policy_step_s": {str(j): pol.verify_s.get((1, j)) for j in steps},
+            "policy_draft_s": pol.draft_s.get(1), "steps_by_k": {str(j): n for j, n in
+                                                                 steps.items()}}
+
+
+def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens: int,
+                   rates, seed: int, say=print, backend: Backend | None = None,
+                   prompt_tokens: int = 32) -> dict:
+    a = model.args
+    be = backend or graph_backend(model)
+    if not model.plan.dspark:
+        raise ValueError("This model has no DSpark layers to benchmark.")
+    if not 1 <= max_draft <= min(a.dspark_block_size, a.window_size - 1):
+        raise ValueError(f"--max-draft must lie in 1..{a.dspark_block_size}.")
+    one = "verify entry" if be.engine_field == "one_pass_s" else "one pass"
+    out = {"backend": be.name, "verify": [], "injected": []}
+    for n in contexts:
+        rows = verify_costs(model, n, max_draft, reps, seed, be)
+        out["verify"] += rows
+        for r in rows:
+            say(f"verify context {n} k {r['k']}: decode-steps {r['steps_s'] * 1e3:.2f} ms, "
+                f"{one} {r['one_pass_s'] * 1e3:.2f} ms (draft {r['draft_s'] * 1e3:.2f} ms)")
+    prompt = [int(x) for x in np.random.default_rng(seed).integers(3, a.vocab_size - 1,
+                                                                    prompt_tokens)]
+    e = be.engine(speculative=True, max_draft=max_draft)
+    e.spec_policy = FixedLength(max_draft)
+    _, _, rec = _decode_rate(e, prompt, tokens)
+    out["acceptance"] = {"tokens": tokens, "drafted": rec.drafted, "verified": rec.verified,
+                         "accepted": rec.accepted,
+                         "rate": rec.accepted / rec.verified if rec.verified else None,
+                         "note": "DSpark's own drafts on these weights; seeded random weights "
+                                 "draft noise, so their acceptance says nothing about trained "
+                                 "weights"}
+    say(f"acceptance of DSpark's drafts: {rec.accepted}/{rec.verified} "
+        f"({out['acceptance']['rate']}) over {tokens} tokens (random weights accept little)")
+    ref, plain, _ = _learned_rate(be.engine(), prompt, tokens)
+    short = [r for r in out["verify"] if r["context"] == contexts[0]]
+    for rate in rates:
+        k_s, pred_s = predicted(short, rate, "steps_s")
+        k_o, pred_o = predicted(short, rate, "one_pass_s")
+        # the engine's own policy, on its own timings (a learning session first, then the
+        # timed one); the draft pass runs and is paid for, its tokens injected
+        e = be.engine(speculative=True, max_draft=max_draft)
+        e.phases = InjectedDraft(prompt + ref, rate, a.vocab_size, seed, be.phases)
+        _decode_rate(e, prompt, tokens)
+        before = dict(e.spec_policy.samples)
+        got, achieved, rec = _decode_rate(e, prompt, tokens)
+        if got != ref:
+            raise AssertionError("speculative greedy output differs from plain decoding")
+        row = {"rate": rate, "context": contexts[0], "predicted_k": k_s,
+               "predicted_tok_s": pred_s, "predicted_one_pass_k": k_o,
+               "predicted_one_pass_tok_s": pred_o, "achieved_tok_s": achieved,
+               "plain_tok_s": plain, "verified": rec.verified, "accepted": rec.accepted,
+               "expected_tokens_per_verify": expected_tokens([rate] * max_draft, k_o),
+               "engine_verify": be.engine_field, "engine_context": len(prompt) + tokens,
+               **policy_state(e.spec_policy, rate, before)}
+        out["injected"].append(row)
+        steps = ", ".join(f"k={j}: {n}" for j, n in row["steps_by_k"].items() if n)
+        say(f"acceptance {rate}: predicted {pred_s:.1f} tok/s (k={k_s}, decode-steps verify), "
+            f"{pred_o:.1f} tok/s (k={k_o}, {one} verify) at context {contexts[0]}; the "
+            f"engine's policy predicts {row['policy_tok_s']:.1f} tok/s (k={row['policy_k']}) "
+            f"from its own timings, achieves {achieved:.1f} tok/s (steps {steps}; verified "
+            f"{rec.verified}, accepted {rec.accepted}); plain {plain:.1f} tok/s")
+    return out
+
+
+@dataclass(frozen=True)
+class SpecBenchOptions:
+    """`dsv41 bench spec`."""
+
+    preset: str = "small"  # whose seeded checkpoint, without a checkpoint folder
+    checkpoint: Path | None = None
+    contexts: tuple[int, ...] = (256, 896)
+    max_draft: int = 5
+    reps: int = 3
+    tokens: int = 24  # decoded tokens per engine run
+    prompt_tokens: int = 32  # the engine runs' prompt (their context)
+    rates: tuple[float, ...] = (0.3, 0.6, 0.9)
+    threads: int = 0  # torch threads (0: torch's)
+    json: Path | None = None
+    seed: int = 0
+    impls: tuple[str, ...] = ("graph",)  # graph and/or artifact
+    artifact: Path | None = None  # the artifact of impls "artifact"
+
+    def validate(self) -> SpecBenchOptions:
+        if any(not 0.0 < r < 1.0 for r in self.rates):
+            raise ValueError(f"--rates must lie strictly between 0 and 1, got "
+                             f"{','.join(map(str, self.rates))!r}.")
+        if self.reps < 1 or self.tokens < 2 or self.prompt_tokens < 1:
+            raise ValueError("--reps must be >= 1, --tokens >= 2 and --prompt-tokens >= 1.")
+        if not self.impls or any(i not in ("graph", "artifact") for i in self.impls):
+            raise ValueError(f"--impls takes graph and/or artifact, got "
+                             f"{','.join(self.impls)!r}.")
+        if ("artifact" in self.impls) != (self.artifact is not None):
+            raise ValueError("--impls artifact and --artifact DIR go together.")
+        return self
+
+
+def run_command(opts: SpecBenchOptions, *,
+                default_checkpoint: Callable[[str, int], Path] = ensure_checkpoint) -> int:
+    """`dsv41 bench spec`: the rows printed, the report to the JSON.
+    `default_checkpoint(preset, seed)`: the checkpoint without `opts.checkpoint`."""
+    opts.validate()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    ckpt = opts.checkpoint or default_checkpoint(opts.preset, opts.seed)
+    args = None
+    if opts.artifact is not None:  # the artifact's config (e.g. a longer max_seq_len)
+        from dsv41.runtime.backends.artifact import Artifact
+
+        args = Artifact.load(opts.artifact).args
+    model = Model.from_checkpoint(ckpt, args)
+    kw = dict(contexts=opts.contexts, max_draft=opts.max_draft, reps=opts.reps,
+              tokens=opts.tokens, rates=opts.rates, seed=opts.seed,
+              prompt_tokens=opts.prompt_tokens)
+    report = {}
+    if "graph" in opts.impls:
+        report["spec"] = run_spec_bench(model, **kw)
+    if "artifact" in opts.impls:
+        report["spec_artifact"] = run_spec_bench(
+            model, **kw, backend=artifact_backend(model, opts.artifact))
+    report |= {"checkpoint": str(ckpt), "threads": torch.get_num_threads()}
+    if opts.json:
+        write_json(opts.json, report)
+        print(f"json: {opts.json}")
+    return 0

@@ -1,0 +1,1 @@
+"""`dsv41 <verb>`: the command line."""

@@ -1,0 +1,285 @@
+"""What `dsv41 serve`, `dsv41 chat` and `dsv41 bench serve` run on: the engine (an artifact, or
+the PyTorch graph) with its tokenizer, the batcher in front of it, and the two front ends (the
+OpenAI-compatible HTTP server, one process or one EPD stage; the terminal chat).
+
+It lives in `compiler/` because an engine over a checkpoint without its artifact compiles the
+missing entries first (`assets.ensure_artifact`); everything it starts is `runtime/`'s.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
+
+BACKENDS = ("artifact", "torch")
+ROLES = ("all", "vision", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """The engine and batcher options of `serve`, `chat` and `bench serve`."""
+
+    artifact: Path | None = None  # a compiled artifact folder (default: compiled when missing)
+    backend: str = "artifact"  # artifact | torch
+    checkpoint: Path | None = None  # default: the preset's seeded checkpoint
+    preset: str = "small"
+    seed: int = 0  # the seeded checkpoint's seed
+    store: Path | None = None  # the SSD store (default: a fresh temporary store)
+    page_tokens: int = 64
+    target: str = "cpu"
+    out: Path = Path("artifacts")  # where artifacts live
+    model_name: str | None = None  # default: the preset, or the checkpoint folder's name
+    max_running: int = 16
+    max_queue: int = 64
+    prefill_chunk: int | None = None  # default: the batcher's
+    redis_url: str | None = None  # the shared DRAM snapshot pool (default: in-process)
+
+    def validate(self) -> ServingOptions:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be artifact or torch, got {self.backend!r}.")
+        if self.artifact and self.backend == "torch":
+            raise ValueError("--artifact and --backend torch exclude each other.")
+        if self.page_tokens < 1:
+            raise ValueError(f"--page-tokens must be positive, got {self.page_tokens}.")
+        return self
+
+
+@dataclass
+class ServingEngine:
+    """The engine, its tokenizer and the served model's name; `close()` ends the engine and
+    removes the temporary store it made."""
+
+    engine: object  # runtime.engine.Engine
+    tokenizer: object  # runtime.tokenizer.Tokenizer
+    model_name: str
+    backend: str
+    temp_store: object | None = None  # tempfile.TemporaryDirectory when no store was given
+
+    closed: bool = False
+
+    def close(self) -> None:  # idempotent
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.close()
+        if self.temp_store is not None:
+            self.temp_store.cleanup()
+
+
+def serving_engine(opts: ServingOptions) -> ServingEngine:
+    """The engine as `dsv41 run` builds it: the artifact folder, or the artifact for the
+    checkpoint (compiling what is missing), or the PyTorch graph; the checkpoint folder or the
+    preset's seeded one; the store folder (a new or empty folder, or a store to continue) or a
+    fresh temporary store removed at the end."""
+    import tempfile
+
+    from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
+    from dsv41.runtime.backends.artifact import CED_ENTRIES
+    from dsv41.runtime.engine.engine import Engine
+    from dsv41.runtime.serving.tokenizer import Tokenizer
+
+    opts.validate()
+    if opts.store is not None:
+        from dsv41.runtime.tiers.ssd_store import FORMAT_VERSION, STORE_KIND
+        from dsv41.runtime.tiers.store_folder import check_folder
+
+        check_folder(opts.store, kind=STORE_KIND, version=FORMAT_VERSION)
+    ckpt = opts.checkpoint or ensure_checkpoint(opts.preset, opts.seed)
+    args = checkpoint_config(ckpt)
+    tok = Tokenizer.for_model(args, ckpt)  # refused here when it does not fit the model
+    name = opts.model_name or (ckpt.name if opts.checkpoint else opts.preset)
+    temp = None
+    if opts.store is None:
+        temp = tempfile.TemporaryDirectory(prefix="dsv41-serve-store-")
+    kw = {"store_dir": opts.store if opts.store else Path(temp.name) / "store",
+          "page_tokens": opts.page_tokens, "redis_url": opts.redis_url}
+    try:
+        if opts.backend == "torch":
+            from dsv41.graph.model import Model
+
+            engine = Engine.from_model(Model.from_checkpoint(ckpt),
+                                       weights_hash=weights_fingerprint(ckpt), **kw)
+            backend = "PyTorch graph"
+        else:
+            art = opts.artifact or ensure_artifact(ckpt, opts.preset, opts.target, CED_ENTRIES,
+                                                   opts.out)
+            engine = Engine.load(art, ckpt, **kw)
+            backend = f"artifact {art}"
+    except BaseException:
+        if temp is not None:
+            temp.cleanup()
+        raise
+    return ServingEngine(engine, tok, name, backend, temp)
+
+
+def make_batcher(opts: ServingOptions, se: ServingEngine, chunk_tokens: int | None = None):
+    """The batcher over `se` (prefill chunks of `chunk_tokens`, else the options', else the
+    engine's); on a bad option the engine is closed before the error goes up."""
+    from dsv41.runtime.serving.batcher import Batcher
+
+    try:
+        for flag in ("max_running", "max_queue"):
+            if getattr(opts, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got "
+                                 f"{getattr(opts, flag)}.")
+        return Batcher(se.engine, tokenizer=se.tokenizer, max_running=opts.max_running,
+                       max_queue=opts.max_queue,
+                       prefill_chunk_tokens=chunk_tokens or opts.prefill_chunk)
+    except BaseException:
+        se.close()
+        raise
+
+
+def masked_url(url: str | None) -> str | None:
+    """A Redis URL without its password (None stays None)."""
+    from dsv41.runtime.tiers.redis_pool import masked_url as mask
+
+    return None if url is None else mask(url)
+
+
+# ---- `dsv41 serve` ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    serving: ServingOptions = ServingOptions()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # require `Authorization: Bearer KEY` on /v1
+    request_timeout_s: float | None = 600.0  # None: no timeout
+    log_level: str = "info"  # uvicorn's
+    role: str = "all"  # all (one process) | vision | prefill | decode (one EPD stage)
+
+    def validate(self) -> ServeOptions:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}.")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty (leave it out for no key).")
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be all, vision, prefill or decode, got "
+                             f"{self.role!r}.")
+        if self.role != "all" and not self.serving.redis_url:
+            raise ValueError(f"--role {self.role} needs --redis-url: the stages meet on a Redis "
+                             "server (queues, hand-offs, the snapshot pool).")
+        return self
+
+
+def serve(opts: ServeOptions) -> int:
+    """The OpenAI-compatible server until it is stopped; one process, or one EPD stage."""
+    import uvicorn
+
+    from dsv41.runtime.serving.app import ServerOptions, create_app
+
+    opts.validate()
+    se = serving_engine(opts.serving)
+    args = se.engine.model.args
+    server = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
+                           max_seq_len=args.max_seq_len, api_key=opts.api_key,
+                           request_timeout_s=opts.request_timeout_s,
+                           image_token_id=args.image_token_id if se.engine.model.vision else None)
+    if opts.role != "all":
+        return _serve_stage(opts, se, server)
+    batcher = make_batcher(opts.serving, se)
+    batcher.start()
+    print(f"serving {se.model_name!r} ({se.backend}; tokenizer {se.tokenizer.file.path.name}, "
+          f"{se.tokenizer.file.source.value}) on http://{opts.host}:{opts.port}/v1"
+          f"{' with an API key' if opts.api_key else ''}", flush=True)
+    try:
+        uvicorn.run(create_app(batcher, se.tokenizer, server), host=opts.host, port=opts.port,
+                    log_level=opts.log_level)
+    finally:
+        batcher.stop()
+        st = batcher.stats()
+        se.close()
+    print(f"summary: {st.finished} requests finished, {st.cancelled} cancelled, "
+          f"{st.prompt_tokens} prompt and {st.completion_tokens} completion tokens")
+    return 0
+
+
+def _serve_stage(opts: ServeOptions, se: ServingEngine, server) -> int:
+    """`serve --role prefill|decode`: the stage's worker on its engine, and the OpenAI server
+    in front of the queues (any worker takes requests); /metrics adds the stage's series."""
+    import redis
+    import uvicorn
+
+    from dsv41.runtime.serving.app import create_app
+    from dsv41.runtime.serving.epd import (
+        DecodeWorker,
+        EpdGateway,
+        EpdServerMetrics,
+        PrefillWorker,
+        VisionWorker,
+    )
+
+    try:
+        client = redis.Redis.from_url(opts.serving.redis_url)
+        if opts.role == "vision":
+            if not se.engine.model.vision:
+                raise ValueError("--role vision needs a checkpoint with a vision tower.")
+            worker = VisionWorker(se.engine, client)
+        elif opts.role == "prefill":
+            worker = PrefillWorker(se.engine, client)
+        else:
+            worker = DecodeWorker(se.engine, client, max_running=opts.serving.max_running)
+        gateway = EpdGateway(client, se.engine.key_salt.fingerprint(),
+                             vocab_size=server.vocab_size, max_seq_len=server.max_seq_len,
+                             tokenizer=se.tokenizer, max_queue=opts.serving.max_queue,
+                             model=se.engine.model)
+    except BaseException:
+        se.close()
+        raise
+    worker.start()
+    print(f"serving {se.model_name!r} ({se.backend}) as the {opts.role} stage over "
+          f"{masked_url(opts.serving.redis_url)} on http://{opts.host}:{opts.port}/v1",
+          flush=True)
+    try:
+        uvicorn.run(create_app(gateway, se.tokenizer, server, metrics=EpdServerMetrics(worker)),
+                    host=opts.host, port=opts.port, log_level=opts.log_level)
+    finally:
+        worker.stop()
+        gateway.close()
+        n = worker.counters
+        se.close()
+    print(f"summary: {opts.role} stage finished {n.requests} requests, {n.tokens} tokens, "
+          f"{n.errors} errors, {n.handoffs_rejected} hand-offs rejected")
+    return 0
+
+
+# ---- `dsv41 chat` -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    serving: ServingOptions = ServingOptions()
+    system: str | None = None  # a system message
+    thinking: bool = False
+    max_tokens: int = 64  # per reply
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed_sampling: int | None = None  # the sampler's seed
+
+
+def chat(opts: ChatOptions, stdin=None, stdout=None) -> int:
+    """A terminal chat on the embedded engine (stdin / stdout by default)."""
+    from dsv41.runtime.engine.sampling import SamplingParams
+    from dsv41.runtime.serving.terminal_chat import ChatSettings, run_chat
+
+    params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p,
+                            seed=opts.seed_sampling, max_tokens=opts.max_tokens).validate()
+    se = serving_engine(opts.serving)
+    batcher = make_batcher(opts.serving, se)
+    batcher.start()
+    print(f"chat with {se.model_name!r} ({se.backend}); /reset clears the history, /exit ends",
+          flush=True)
+    try:
+        summary = run_chat(batcher, se.tokenizer, ChatSettings(params, opts.system, opts.thinking),
+                           stdin or sys.stdin, stdout or sys.stdout)
+    finally:
+        batcher.stop()
+        se.close()
+    print(f"summary: {summary.turns} replies, {summary.completion_tokens} tokens, prompts of "
+          f"{', '.join(str(n) for n in summary.prompt_tokens) or 'none'} tokens")
+    return 0

@@ -1,0 +1,308 @@
+"""Load a compiled artifact: verify its manifest, bind weights, call entries on torch tensors.
+
+Nothing is compiled here, and nothing here needs TVM's compiler (`TVM_USE_RUNTIME_LIB=1` runs
+it). A tampered or missing file, an edited manifest, another model's config, an unknown target, a
+target this process cannot run (a CUDA artifact without a GPU, a GPU of another arch), or a
+different TVM version is an `ArtifactError` that says which. The VM runs on the artifact's device
+(`runtime.device`): the weights bound are on it, inputs go there, outputs stay there (DLPack, no
+host copies).
+
+`manifest.json` carries `manifest_sha256`: the sha256 of the canonical JSON of every other field
+(`manifest_digest`), so each field the runtime trusts (the config, each entry's inputs, outputs,
+cache names and parameter order, the file checksums) is covered; the loader recomputes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsv41.graph.config import ModelArgs, args_from_dict
+from dsv41.graph.engram import engram_table_layer
+from dsv41.graph.entries import HASH_IDS_AT
+from dsv41.graph.targets import request_amx, target_names, uses_amx
+from dsv41.runtime.backends.device import Device, DeviceError, DeviceKind, device_for_target
+from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, EngramTiming
+from dsv41.runtime.backends.tensors import to_torch, to_tvm
+
+FORMAT_VERSION = 2  # 2: manifest_sha256
+CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")  # what a CED engine runs
+EXACT_ENTRIES = ("prefill", "decode")  # an exact engine (prefill_all serves for prefill)
+
+
+class ArtifactError(ValueError):
+    """The artifact cannot be used as it is."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces) of every field but the digest."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
+def read_manifest(artifact_dir: str | Path) -> dict:
+    path = Path(artifact_dir) / "manifest.json"
+    if not path.is_file():
+        raise ArtifactError(f"{artifact_dir} is not a dsv41 artifact: no manifest.json.")
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e}).") from e
+    if not isinstance(m, dict):
+        raise ArtifactError(f"{path} does not hold a manifest (a JSON object).")
+    return m
+
+
+def check_cpu_features(d: Path, m: dict) -> None:
+    """An artifact built with AMX kernels runs only in a process that holds AMX permission (it
+    is asked for here); elsewhere its first tile instruction would kill the process."""
+    tvm_target = m["target"].get("tvm")
+    if isinstance(tvm_target, dict) and uses_amx(tvm_target) and not request_amx():
+        raise ArtifactError(f"{d} was compiled with AMX kernels, which this CPU or OS does not "
+                            "offer to this process. Recompile it on this machine.")
+
+
+def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
+           check_device: bool = True) -> dict:
+    """Check the manifest against the files, this process's TVM, and (optionally) a config."""
+    import tvm
+
+    d = Path(artifact_dir)
+    m = read_manifest(d)
+    if m.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{d}: artifact format {m.get('format_version')}, this runtime "
+                            f"reads {FORMAT_VERSION}. Recompile it.")
+    target = m["target"].get("name") if isinstance(m.get("target"), dict) else None
+    if target not in target_names():
+        raise ArtifactError(f"{d}: unknown target {target!r} (known: "
+                            f"{', '.join(target_names())}).")
+    if check_device:
+        try:
+            device_for_target(target)
+        except DeviceError as e:
+            raise ArtifactError(f"{d}: {e}") from e
+        check_cpu_features(d, m)
+    built = m["versions"].get("tvm") if isinstance(m.get("versions"), dict) else None
+    if built != tvm.__version__:
+        raise ArtifactError(f"{d} was built with TVM {built}; this process has "
+                            f"{tvm.__version__}. Recompile it.")
+    # every field accepted below is covered (the refusals above hold whatever the digest says)
+    if m.get("manifest_sha256") != manifest_digest(m):
+        raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
+                            "corrupted). Recompile or restore it.")
+    for name, digest in m.get("files", {}).items():
+        p = d / name
+        if not p.is_file():
+            raise ArtifactError(f"{d}: {name} is missing.")
+        if sha256_file(p) != digest:
+            raise ArtifactError(f"{d}: {name} does not match its checksum in manifest.json "
+                                "(modified or corrupted). Recompile or restore it.")
+    config = args_from_dict(m["config"])
+    if config.config_hash() != m.get("config_hash"):
+        raise ArtifactError(f"{d}: manifest config does not match its config hash.")
+    if args is not None and args.config_hash() != config.config_hash():
+        diff = [k for k, v in args.to_dict().items() if m["config"].get(k) != v]
+        raise ArtifactError(f"{d} was compiled for another config (differs in: "
+                            f"{', '.join(diff[:8]) or 'fields'}).")
+    for entry in m.get("entries", {}):
+        if f"{entry}.so" not in m.get("files", {}):
+            raise ArtifactError(f"{d}: entry {entry} has no library in the manifest.")
+    return m
+
+
+def engine_entries(art: Artifact, *, exact: bool) -> tuple[str, ...]:
+    """The entries an engine of this mode runs, or ArtifactError naming the missing ones."""
+    have = set(art.entries)
+    wanted = EXACT_ENTRIES if exact else CED_ENTRIES
+    got = tuple("prefill_all" if e == "prefill" and e not in have and "prefill_all" in have
+                else e for e in wanted)
+    missing = [e for e in got if e not in have]
+    if missing:
+        mode = "an exact engine" if exact else "a CED engine (exact=False)"
+        raise ArtifactError(f"{art.path} lacks the entries {', '.join(missing)} that {mode} "
+                            f"runs (it has {', '.join(sorted(have))}); compile them with "
+                            f"`dsv41 compile --entries {','.join(missing)}`.")
+    return got
+
+
+def check_checkpoint_config(art: Artifact, checkpoint_dir: str | Path) -> None:
+    """The checkpoint's own config.json must be the artifact's config: ArtifactError naming the
+    differing fields, or saying it is missing or unreadable."""
+    from dsv41.graph.checkpoint import checkpoint_config
+
+    path = Path(checkpoint_dir)
+    if not (path / "config.json").is_file() and not (path.is_file() and
+                                                      (path.parent / "config.json").is_file()):
+        raise ArtifactError(f"Checkpoint {path} has no config.json; the runtime does not load "
+                            "weights whose config it cannot compare with the artifact's.")
+    try:
+        ckpt = checkpoint_config(path)
+    except ValueError as e:
+        raise ArtifactError(f"Checkpoint {path}: its config.json is invalid ({e}).") from e
+    if ckpt.config_hash() != art.args.config_hash():
+        mine, theirs = ckpt.to_dict(), art.args.to_dict()
+        diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        shown = ", ".join(f"{k} (checkpoint {mine.get(k)!r}, artifact {theirs.get(k)!r})"
+                          for k in diff[:6])
+        raise ArtifactError(f"Checkpoint {path} has another config than artifact {art.path}: "
+                            f"{shown or 'fields'}{' ...' if len(diff) > 6 else ''}.")
+
+
+def weight_for(model, param: str, spec: dict | None = None) -> torch.Tensor:
+    """The checkpoint tensor behind a compiled entry's parameter name (see capture.PhaseGraph).
+
+    A model loaded without a vision tower has no gate `bias_vl`, which the span entries of a
+    config with one take as a parameter: the route reads it only at image-span positions, and
+    such a model refuses images, so zeros of the declared shape stand in (`spec`: the entry's
+    parameter record) and never reach an output."""
+    if param.startswith("experts__"):
+        _, layer, k = param.split("__")
+        return getattr(model.experts[int(layer)], k)
+    name = param.replace("__", ".")
+    if name.endswith(".gate.bias_vl") and not model.vision and spec is not None:
+        return torch.zeros([int(x) for x in spec["shape"]], dtype=getattr(torch, spec["dtype"]),
+                           device=model.w[name.removesuffix("_vl")].device)
+    return model.w[name]
+
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: dict
+    args: ModelArgs
+    device: Device = Device(DeviceKind.CPU)
+    engram_prefetch: bool = True  # gather the host Engram rows ahead (`runtime.engram_host`)
+    _vms: dict = field(default_factory=dict)
+    _params: dict = field(default_factory=dict)
+    _engram: dict = field(default_factory=dict)  # entry -> its EngramTables (host-resident)
+    _prefetcher: EngramPrefetcher | None = None
+
+    @classmethod
+    def load(cls, artifact_dir: str | Path, *, args: ModelArgs | None = None,
+             device: str | Device | None = None) -> Artifact:
+        """Verify and open an artifact to run on `device` (default: its target's kind, `cpu` or
+        `cuda:0`); ArtifactError when this process cannot run it there."""
+        m = verify(artifact_dir, args=args, check_device=False)
+        try:
+            dev = device_for_target(m["target"]["name"], device)
+        except DeviceError as e:
+            raise ArtifactError(f"{artifact_dir}: {e}") from e
+        if dev.kind == DeviceKind.CPU:
+            check_cpu_features(Path(artifact_dir), m)
+        return cls(Path(artifact_dir), m, args_from_dict(m["config"]), dev)
+
+    @property
+    def target(self) -> str:
+        return self.manifest["target"]["name"]
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(self.manifest["entries"])
+
+    def bind(self, model) -> None:
+        """Weights for every entry (TVM views of the model's tensors; no copies when aligned).
+        Parameters the manifest marks `host` (the Engram tables) stay in host memory."""
+        if model.args.config_hash() != self.args.config_hash():
+            raise ArtifactError("The weights' config differs from the artifact's.")
+        cache: dict[str, object] = {}
+        for entry, sig in self.manifest["entries"].items():
+            params = []
+            for p in sig["params"]:
+                if p["param"] not in cache:
+                    t = weight_for(model, p["param"], p)
+                    if list(t.shape) != [int(x) for x in p["shape"]]:
+                        raise ArtifactError(f"Weight {p['param']} has shape {list(t.shape)}, "
+                                            f"the artifact expects {p['shape']}.")
+                    where = torch.device("cpu") if p.get("host") else self.device.torch
+                    if t.device != where:
+                        raise ArtifactError(f"Weight {p['param']} is on {t.device}, the "
+                                            f"artifact runs on {self.device} and reads it on "
+                                            f"{where}: load the model with "
+                                            "Model.from_checkpoint(..., device=...).")
+                    cache[p["param"]] = to_tvm(t)
+                params.append(cache[p["param"]])
+            self._params[entry] = params
+            self._engram[entry] = self._engram_tables(model, sig, cache)
+        self._prefetcher = EngramPrefetcher(self.device, prefetch=self.engram_prefetch)
+
+    def _engram_tables(self, model, sig: dict, bound: dict) -> tuple[EngramTable, ...]:
+        """The host Engram tables an entry's host calls read, as the very buffers bound."""
+        out = []
+        for p in sig["params"]:
+            layer = engram_table_layer(p["param"]) if p.get("host") else None
+            if layer is not None:
+                scales = p["param"].removesuffix("weight") + "scale"
+                out.append(EngramTable(model.args.engram_layer_ids.index(layer),
+                                       to_torch(bound[p["param"]]), to_torch(bound[scales])))
+        return tuple(out)
+
+    @property
+    def hosts_engram(self) -> bool:
+        """Whether its entries read Engram tables in host memory (compiled by a dsv41 with the
+        host-resident Engram; an older artifact gathers them on its device)."""
+        return any(p.get("host") for sig in self.manifest["entries"].values()
+                   for p in sig["params"])
+
+    def set_engram_prefetch(self, on: bool) -> None:
+        """Gather the host Engram rows ahead on a background thread (on), or when the entry
+        reaches its first Engram layer (off): the same rows either way."""
+        self.engram_prefetch = bool(on)
+        if self._prefetcher is not None:
+            self._prefetcher.prefetch = self.engram_prefetch
+
+    def engram_timing(self, *, reset: bool = False) -> EngramTiming:
+        """The Engram gathers' time and the part of it the entries did not wait for."""
+        if self._prefetcher is None:
+            return EngramTiming()
+        return self._prefetcher.reset_timing() if reset else self._prefetcher.timing
+
+    def _vm(self, entry: str):
+        import tvm
+        from tvm.runtime.vm import VirtualMachine  # (relax's own needs TVM's compiler)
+
+        if entry not in self._vms:
+            if entry not in self.manifest["entries"]:
+                raise ArtifactError(f"The artifact has no entry {entry!r} (it has "
+                                    f"{', '.join(self.entries)}).")
+            lib = tvm.runtime.load_module(str(self.path / f"{entry}.so"))
+            self._vms[entry] = VirtualMachine(lib, self.device.tvm())
+        return self._vms[entry]
+
+    def call(self, entry: str, inputs) -> list[torch.Tensor]:
+        """Run an entry on its user inputs (torch tensors, nested pairs flattened in order)."""
+        if entry not in self.manifest["entries"]:
+            raise ArtifactError(f"The artifact {self.path} has no entry {entry!r} (it has "
+                                f"{', '.join(self.entries)}).")
+        if entry not in self._params:
+            raise ArtifactError("Call Artifact.bind(model) before running entries.")
+        flat = []
+        for x in inputs:
+            flat.extend(x if isinstance(x, tuple) else (x,))
+        dev = self.device.torch
+        tables = self._engram.get(entry, ())  # host Engram tables: the hash ids stay on the host
+        at = sum(len(x) if isinstance(x, tuple) else 1 for x in inputs[:HASH_IDS_AT]) \
+            if tables else -1
+        args = [to_tvm(x.cpu() if i == at else x.to(dev)) for i, x in enumerate(flat)]
+        vm = self._vm(entry)
+        keys = ()
+        if tables:  # the rows' gathers, posted for the very ids buffer the entry receives
+            keys = self._prefetcher.post(to_torch(args[at]), tables)
+        try:
+            out = vm["main"](*args, *self._params[entry])
+        finally:
+            if keys:
+                self._prefetcher.finish(keys)
+        return [to_torch(o) for o in out]

@@ -1,0 +1,281 @@
+"""Choosing the next token from logits, and stopping on text.
+
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=1, stop=("\\n\\n",)).validate(vocab)
+    sampler = Sampler(params)
+    tok = sampler.sample(logits, generated=out_ids, prompt=prompt_ids)  # one row of fp32 logits
+    matcher = StopMatcher(params.stop)
+    r = matcher.feed(text_delta)  # r.text to emit, r.stopped
+
+The order of the logit processing is the one vLLM and HF apply: penalties on the raw logits
+(repetition over prompt and output, HF/CTRL rule: a seen token's positive logit divided by the
+penalty, a negative one multiplied; presence and frequency over the output, OpenAI rule:
+`l -= presence * [count > 0] + frequency * count`), then temperature, then top-k, min-p (a token
+below `min_p` times the top probability is dropped) and top-p (the smallest set of most likely
+tokens whose mass reaches `top_p`), then one draw. Temperature 0 is greedy: the argmax of the
+penalised logits, the lowest id on an exact tie. Logprobs are those of the model's own
+distribution (log-softmax of the logits as given), so they do not move with the sampling knobs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.runtime.engine.speculative import accept_draft_token
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
+MAX_STOP_STRINGS = 16
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings. `validate` is the single check; its messages are full
+    sentences a server can return as 400s."""
+
+    temperature: float = 1.0  # 0 = greedy; at most 2 (OpenAI's range)
+    top_p: float = 1.0  # (0, 1]; 1 = off
+    top_k: int = 0  # 0 = off, else keep the k most likely
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    seed: int | None = None  # None: a fresh seed per Sampler
+    max_tokens: int | None = None  # None: until a stop or the context limit
+    stop: tuple[str, ...] = ()  # matched on the text, across token boundaries
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # EOS is a stop unless this is set
+    logprobs: int | None = None  # None: none; N: the sampled token's and the top N (0..20)
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """This object, or a ValueError naming the first bad field."""
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be a number from 0 to 2, not {self.temperature!r}.")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number above 0 and at most 1, not {self.top_p!r}.")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be a whole number >= 0 (0 turns it off), "
+                             f"not {self.top_k!r}.")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number from 0 to 1, not {self.min_p!r}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be a number from -2 to 2, not {v!r}.")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number above 0 (1 turns it off), "
+                             f"not {self.repetition_penalty!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a whole number from 0 to 2**63 - 1, "
+                             f"not {self.seed!r}.")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a whole number >= 1, not {self.max_tokens!r}.")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a tuple of strings, not {self.stop!r}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, "
+                             f"not {len(self.stop)}.")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty.")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (whole numbers >= 0), "
+                             f"not {self.stop_token_ids!r}.")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids holds {bad[0]}, outside the model's "
+                                 f"{vocab_size} token ids.")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, not {self.ignore_eos!r}.")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be a whole number from 0 to {MAX_LOGPROBS}, "
+                             f"not {self.logprobs!r}.")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def stop_ids(self, eos_id: int) -> frozenset[int]:
+        """The ids that end generation: `stop_token_ids`, and EOS unless `ignore_eos`."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.add(eos_id)
+        return frozenset(ids)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # natural log, under the model's distribution
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None  # the chosen token's; None unless params.logprobs is set
+    top: tuple[TokenLogprob, ...]  # the `params.logprobs` most likely, most likely first
+
+
+def _ids(ids, v: int, name: str) -> torch.Tensor:
+    t = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= v):
+        raise ValueError(f"The {name} ids must lie in 0..{v - 1}, the logits' vocabulary.")
+    return t
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
+                    prompt: Sequence[int] = ()) -> torch.Tensor:
+    """Penalised float64 logits (see the module docstring); a new tensor. The ids are only read
+    by the penalties that are on (a long prompt costs nothing without a repetition penalty)."""
+    out = logits.to(torch.float64).clone()
+    v = out.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(v, dtype=torch.bool)
+        seen[_ids(prompt, v, "prompt")] = True
+        seen[_ids(generated, v, "generated")] = True
+        r = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if params.presence_penalty or params.frequency_penalty:
+        counts = torch.bincount(_ids(generated, v, "generated"), minlength=v).to(torch.float64)
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    return out
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float64 distribution one draw is made from, after temperature and the truncations;
+    `logits` already penalised, params not greedy."""
+    scaled = logits / params.temperature
+    if params.top_k and params.top_k < scaled.shape[0]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = torch.where(scaled >= kth, scaled, -math.inf)  # ties at the k-th are kept
+    probs = torch.softmax(scaled, dim=0)
+    if params.min_p > 0.0:
+        probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True, stable=True)
+        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass of the more likely tokens
+        keep_sorted = before < params.top_p * sorted_p.sum()  # the first token is always kept
+        keep = torch.zeros_like(keep_sorted)
+        keep[order] = keep_sorted
+        probs = torch.where(keep, probs, 0.0)
+    return probs / probs.sum()
+
+
+class Sampler:
+    """One request's sampler: its own generator, so a seeded request draws the same tokens
+    whatever else shares the batch."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params.validate()
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8)) >> 1
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, generated: Sequence[int] = (),
+               prompt: Sequence[int] = ()) -> SampledToken:
+        """The next token from one row of logits (fp32 [vocab], any device); `generated`: this
+        request's output ids so far, `prompt`: its prompt ids (repetition penalty only)."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.numel() == 0:
+            raise ValueError("Sampler.sample takes one row of logits, a non-empty 1-D tensor.")
+        raw, penalised = self._prepared(logits, generated, prompt)
+        if self.params.greedy:
+            token = int(torch.argmax(penalised))  # the first maximum: lowest id on a tie
+        else:
+            probs = sampling_probs(penalised, self.params)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        return self._result(raw, token)
+
+    def sample_draft(self, logits: torch.Tensor, draft_token: int, generated: Sequence[int] = (),
+                     prompt: Sequence[int] = ()) -> tuple[SampledToken, bool]:
+        """The token at a verified draft position: greedy keeps the draft token iff it is the
+        argmax (the token is the argmax either way); otherwise the speculative rejection rule
+        against DSpark's greedy draft (runtime/speculative.py), so the token is distributed as
+        `sample` would draw it. Returns (token, whether it is the draft token)."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.numel() == 0:
+            raise ValueError("Sampler.sample_draft takes one row of logits, a non-empty 1-D "
+                             "tensor.")
+        raw, penalised = self._prepared(logits, generated, prompt)
+        if self.params.greedy:
+            token = int(torch.argmax(penalised))
+            return self._result(raw, token), token == draft_token
+        got = accept_draft_token(sampling_probs(penalised, self.params), draft_token,
+                                 generator=self.generator)
+        return self._result(raw, got.token), got.accepted
+
+    def _prepared(self, logits: torch.Tensor, generated: Sequence[int],
+                  prompt: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw fp32 logits on the host, penalised float64 logits)."""
+        v = logits.shape[0]
+        _ids(generated, v, "generated")  # O(output) per step, in torch
+        raw = logits.detach().to("cpu", torch.float32)
+        if not torch.isfinite(raw).any():
+            raise ValueError("The logits have no finite value to sample from.")
+        return raw, apply_penalties(raw, self.params, generated, prompt)
+
+    def _result(self, raw: torch.Tensor, token: int) -> SampledToken:
+        p = self.params
+        if p.logprobs is None:
+            return SampledToken(token, None, ())
+        logp = torch.log_softmax(raw.to(torch.float64), dim=0)
+        top = ()
+        if p.logprobs:
+            vals, ids = torch.topk(logp, min(p.logprobs, raw.shape[0]))
+            top = tuple(TokenLogprob(int(i), float(x)) for x, i in zip(vals, ids, strict=True))
+        return SampledToken(token, float(logp[token]), top)
+
+
+@dataclass(frozen=True)
+class StopCheck:
+    text: str  # the text that may be emitted now
+    stopped: bool  # a stop string matched: emit `text`, then end the request
+    stop: str | None  # the stop string that matched
+
+
+class StopMatcher:
+    """Stop strings matched on the generated text as it streams, across token boundaries. Text
+    that could still be the start of a stop string is held back until it is decided; the stop
+    string itself is never emitted (OpenAI's behaviour)."""
+
+    def __init__(self, stops: Sequence[str]):
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError("stop strings must be non-empty strings.")
+        self.stops = tuple(stops)
+        self._held = ""
+        self.done = False
+
+    def feed(self, delta: str) -> StopCheck:
+        if self.done:
+            raise ValueError("StopMatcher.feed after a stop string matched.")
+        text = self._held + delta
+        hits = [(text.find(s), -len(s), s) for s in self.stops if s in text]
+        if hits:
+            pos, _, stop = min(hits)  # earliest; the longest at the same place
+            self._held = ""
+            self.done = True
+            return StopCheck(text[:pos], True, stop)
+        hold = 0
+        for s in self.stops:  # the longest tail of the text that begins some stop string
+            for n in range(min(len(s) - 1, len(text)), hold, -1):
+                if s.startswith(text[-n:]):
+                    hold = n
+                    break
+        self._held = text[len(text) - hold:]
+        return StopCheck(text[:len(text) - hold], False, None)
+
+    def flush(self) -> str:
+        """At the end without a stop string (EOS, a stop id, max_tokens): the held-back text."""
+        out, self._held = self._held, ""
+        return out

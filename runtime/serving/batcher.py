@@ -1,0 +1,619 @@
+"""Continuous batching: requests join and leave one running decode batch between steps.
+
+    batcher = Batcher(engine, tokenizer=tok, max_running=16, max_queue=64)
+    batcher.start()                                   # or call batcher.step() yourself
+    stream = batcher.submit(prompt_ids, SamplingParams(temperature=0.0, max_tokens=64))
+    for event in stream:                              # a TokenEvent per token, the last finishes
+        print(event.text, end="")
+    batcher.stop()
+
+One step: cancelled requests leave the batch; the head of the queue is admitted when a row is
+free and its cache fits the runtime budget (first come, first served: the head waits until it
+fits and the rest wait behind it, so no request starves); its prefill runs in chunks of
+`prefill_chunk_tokens` with one decode step of the running batch between two chunks (a long new
+prompt holds the running streams up for one chunk at a time); then one decode step of the
+running batch. The batch is the engine's `DecodeBatch` (a stacked cache with a row per request:
+a joining request's cache is copied into a free row once, a leaving one's row is copied out and
+the last row moved into its slot), so nothing is re-stacked when requests come and go.
+
+Each request is a new engine session: prefix hits come from the tiers (SSD blocks, DRAM
+snapshots), and a finished request's turn is stored there like any turn. Sampling is the
+engine's (`runtime.sampling.Sampler`, seeded per request: the same seed gives the same tokens
+whatever shares the batch). With a tokenizer, each request's text is decoded incrementally and
+its stop strings matched on it (a matched stop string ends the request and is never emitted).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from dsv41.runtime.engine.engine import DecodeBatch, Engine, PrefillPacing, Session
+from dsv41.runtime.engine.images import TurnImage
+from dsv41.runtime.engine.requests import (
+    RequestError,
+    TurnLimits,
+    TurnRequest,
+    check_token_ids,
+    check_turn,
+)
+from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
+from dsv41.runtime.serving.chat_format import IncrementalDecoder
+from dsv41.runtime.serving.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 64  # the compiled decode entry's static batch bound
+
+
+class FinishReason(Enum):
+    """Why a request ended; the values are OpenAI's finish_reason strings where one exists."""
+
+    STOP = "stop"  # EOS, a stop id or a stop string
+    LENGTH = "length"  # max_tokens, or the model's max_seq_len reached
+    CANCELLED = "cancelled"  # Stream.cancel() (client gone, timeout), or Batcher.stop()
+    ERROR = "error"  # the engine failed on this request (message in TokenEvent.error)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One per generated token; the last event of a stream has `finish` set."""
+
+    token_id: int | None  # None only on a final event that carries no token
+    text: str  # detokenised delta, stop strings withheld ("" with no tokenizer)
+    logprob: float | None  # the token's, when the request asked for logprobs
+    top: tuple[TokenLogprob, ...]  # the `logprobs` most likely, most likely first
+    finish: FinishReason | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Filled as the request runs (seconds, time.perf_counter based)."""
+
+    queued_s: float  # submit to the start of its prefill (so far, while it waits)
+    first_token_s: float | None  # submit to its first token
+    per_token_s: tuple[float, ...]  # gaps between consecutive tokens
+    prompt_tokens: int
+    completion_tokens: int
+    tier: str | None  # the tier that served its prefill (cold, snapshot, prefix, ...)
+    reused_tokens: int  # leading prompt tokens the tiers held (not prefilled)
+    # each piece of the prefill but the last (a decode step of the batch runs after each): the
+    # chunks, then (CED) the encoder pass's end before the decoder's bounded replay
+    prefill_chunk_s: tuple[float, ...] = ()
+    # the prefill's last piece (the decoder's bounded replay, or the only chunk), the first
+    # token and the join to the batch
+    prefill_tail_s: float | None = None
+    submitted_at: float = 0.0  # time.perf_counter() at submit (token i came at submitted_at +
+    #   first_token_s + sum(per_token_s[:i]))
+
+
+class QueueFull(Exception):
+    """submit() while the waiting queue is at its bound (a server answers 429)."""
+
+
+@dataclass(frozen=True)
+class BatcherStats:
+    queued: int  # waiting for admission
+    running: int  # in the decode batch
+    finished: int  # ended with STOP, LENGTH or ERROR
+    cancelled: int  # ended with CANCELLED
+    prompt_tokens: int  # of the admitted requests
+    completion_tokens: int  # tokens generated
+    tiers: Mapping[str, int]  # turns per tier that served them (cold, snapshot, prefix, ...)
+
+
+class Stream:
+    """One request's events, returned by `Batcher.submit`; thread-safe."""
+
+    def __init__(self, sid: int, prompt_tokens: int, wake):
+        self.id = sid
+        self._events: queue.Queue[TokenEvent] = queue.Queue()
+        self._lock = threading.Lock()
+        self._wake = wake  # tells the batcher there is work (a cancel)
+        self._cancel = threading.Event()
+        self._finished = False  # the final event is queued
+        self._read_final = False  # ... and was read
+        self._submitted = time.perf_counter()
+        self._started: float | None = None
+        self._first: float | None = None
+        self._last: float | None = None
+        self._gaps: list[float] = []
+        self._chunks: list[float] = []
+        self._tail: float | None = None
+        self._prompt, self._completion = prompt_tokens, 0
+        self._tier: str | None = None
+        self._reused = 0
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        """Blocks for each next event; ends after the final one."""
+        while True:
+            event = self.get()
+            if event is None:
+                return
+            yield event
+            if event.finish is not None:
+                return
+
+    def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """The next event; None on timeout, or once the final event was read."""
+        if self._read_final:
+            return None
+        try:
+            event = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if event.finish is not None:
+            self._read_final = True
+        return event
+
+    def cancel(self) -> None:
+        """Idempotent; the request leaves the batch (or the queue) at the next step."""
+        if not self._cancel.is_set():
+            self._cancel.set()
+            self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        """The request has ended (its final event is queued)."""
+        return self._finished
+
+    @property
+    def timing(self) -> RequestTiming:
+        with self._lock:
+            now = time.perf_counter()
+            queued = (self._started if self._started is not None else now) - self._submitted
+            return RequestTiming(
+                queued_s=queued,
+                first_token_s=None if self._first is None else self._first - self._submitted,
+                per_token_s=tuple(self._gaps), prompt_tokens=self._prompt,
+                completion_tokens=self._completion, tier=self._tier,
+                reused_tokens=self._reused, prefill_chunk_s=tuple(self._chunks),
+                prefill_tail_s=self._tail, submitted_at=self._submitted)
+
+    # ---- the batcher's side ---------------------------------------------------------------------
+
+    def _put(self, event: TokenEvent) -> None:
+        with self._lock:
+            if self._finished:
+                raise AssertionError(f"stream {self.id} got an event after its final one")
+            if event.token_id is not None:
+                now = time.perf_counter()
+                if self._first is None:
+                    self._first = now
+                else:
+                    self._gaps.append(now - self._last)
+                self._last = now
+                self._completion += 1
+            self._finished = event.finish is not None
+        self._events.put(event)
+
+
+@dataclass(eq=False)
+class _Request:
+    stream: Stream
+    prompt: tuple[int, ...]
+    turn_request: TurnRequest  # checked at submit: the engine's turn of a new session
+    positions: int  # the cache positions its turn reserves
+    decoder: IncrementalDecoder | None
+    matcher: StopMatcher | None
+    images: tuple[TurnImage, ...] = ()  # decoded at submit, their spans laid out in `prompt`
+    session: Session | None = None
+    turn: object | None = None  # the engine's turn in flight
+    chunk_t: float = 0.0  # when its current prefill chunk began
+    emitted: int = 0  # tokens of its turn already sent as events
+
+
+class _Abandoned(Exception):
+    """Raised between prefill chunks when the request being prefilled was cancelled."""
+
+
+class Batcher:
+    """The engine's continuous batcher (see the module docstring). The engine is driven only
+    from the thread that steps (start()'s, or the caller of step()); submit, cancel, stats and
+    the streams may be used from any thread."""
+
+    def __init__(self, engine: Engine, *, tokenizer: Tokenizer | None = None,
+                 max_running: int = 16, max_queue: int = 64,
+                 prefill_chunk_tokens: int | None = None):
+        from dsv41.graph.phases import chunk_spans
+
+        if not isinstance(max_running, int) or not 1 <= max_running <= MAX_ROWS:
+            raise ValueError(f"max_running must be an integer from 1 to {MAX_ROWS}, "
+                             f"got {max_running!r}.")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}.")
+        if prefill_chunk_tokens is not None:
+            chunk_spans(1, prefill_chunk_tokens)  # refused here if it is not a chunk size
+        if tokenizer is not None and tokenizer.n_ids > engine.model.args.vocab_size:
+            raise ValueError(f"The tokenizer's {tokenizer.n_ids} ids do not fit the model's "
+                             f"{engine.model.args.vocab_size}.")
+        self.engine, self.tokenizer = engine, tokenizer
+        self.max_running, self.max_queue = max_running, max_queue
+        self.chunk_tokens = prefill_chunk_tokens
+        self._batch = DecodeBatch(engine, max_rows=max_running)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()  # one stepper at a time
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}  # by session id, in the batch
+        self._next_id = 1
+        self._counts = {"finished": 0, "cancelled": 0, "prompt_tokens": 0,
+                        "completion_tokens": 0}
+        self._tiers: dict[str, int] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stopped = False
+
+    # ---- the client's side ----------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               images: Sequence = ()) -> Stream:
+        """Queue a request; every argument checked first (RequestError, a 400-ready sentence):
+        ids in the vocabulary, prompt + max_tokens within max_seq_len, params.validate(), a
+        cache that fits the runtime budget at all. QueueFull at the queue's bound. `images`
+        (bytes, data URLs, PIL images): one per `image_token_id` placeholder of the prompt,
+        decoded here, on the caller's thread; each span is laid out in the prompt (its
+        positions count as prompt tokens) and the tower runs at the request's prefill."""
+        req = self._check(prompt_ids, params, images)
+        with self._lock:
+            if self._stopped or self._stopping:
+                raise RequestError("The batcher is stopped; it takes no more requests.")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"The queue holds {len(self._waiting)} requests, its bound; "
+                                f"retry later.")
+            req.stream = Stream(self._next_id, len(req.prompt), self._wake)
+            self._next_id += 1
+            self._waiting.append(req)
+            self._work.notify_all()
+        return req.stream
+
+    def _check(self, prompt_ids, params, images: Sequence = ()) -> _Request:
+        e = self.engine
+        a = e.model.args
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"submit() takes SamplingParams, got {type(params).__name__}.")
+        try:
+            params.validate(a.vocab_size)
+        except ValueError as err:
+            raise RequestError(str(err)) from err
+        ids = check_token_ids(prompt_ids, vocab_size=a.vocab_size, what="submit()")
+        if isinstance(images, str | bytes) or not isinstance(images, Sequence):
+            raise RequestError("submit() takes its images as a list (one per placeholder).")
+        expanded, turn_images = e.expand_images(ids, images)
+        ids = tuple(expanded)
+        if params.stop and self.tokenizer is None:
+            raise RequestError("Stop strings are matched on text; this batcher has no "
+                               "tokenizer (give stop_token_ids instead).")
+        room = a.max_seq_len - len(ids)
+        if room < 1:
+            raise RequestError(f"The prompt's {len(ids)} tokens leave no room to generate "
+                               f"within the model's max_seq_len of {a.max_seq_len}.")
+        # stop strings are the batcher's (on text); the engine's turn sees stop ids only
+        turn = check_turn(ids, TurnLimits(a.vocab_size, a.max_seq_len, 0),
+                          max_new_tokens=room, sampling=replace(params, stop=()))
+        positions = len(ids) + turn.max_new_tokens + 1  # as Session reserves its turn
+        alone = 2 * e.cache_bytes(positions)  # its own cache, then its row in the batch
+        if alone > e.options.cache_budget_bytes:
+            raise RequestError(f"The request needs {alone:,} bytes of runtime cache for "
+                               f"{positions} positions; the budget is "
+                               f"{e.options.cache_budget_bytes:,}. Lower max_tokens or the "
+                               f"prompt.")
+        decoder = matcher = None
+        if self.tokenizer is not None:
+            decoder = IncrementalDecoder(self.tokenizer)
+            matcher = StopMatcher(params.stop) if params.stop else None
+        return _Request(None, ids, turn, positions, decoder, matcher, tuple(turn_images))
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._work.notify_all()
+
+    def stats(self) -> BatcherStats:
+        with self._lock:
+            return BatcherStats(queued=len(self._waiting), running=len(self._running),
+                                tiers=dict(self._tiers), **self._counts)
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One iteration: cancelled requests leave, the head of the queue is admitted (its
+        prefill chunked, one decode step of the running batch between two chunks), then one
+        decode step of the running batch. Returns whether work remains."""
+        with self._step_lock:
+            self._reap()
+            self._admit()
+            self._decode()
+            with self._lock:
+                return bool(self._waiting or self._running)
+
+    def start(self) -> None:
+        """A daemon thread running step() while there is work (idle otherwise)."""
+        with self._lock:
+            if self._stopped or self._stopping:
+                raise RuntimeError("The batcher is stopped; make a new one.")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._loop, name="dsv41-batcher",
+                                            daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread; every unfinished stream finishes CANCELLED (a running request's
+        turn is stored, as at any end). The batcher takes no requests after."""
+        with self._lock:
+            self._stopping = True
+            self._work.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._step_lock:
+            for req in list(self._running.values()):
+                self._finish(req, FinishReason.CANCELLED)
+            with self._lock:
+                waiting, self._waiting = list(self._waiting), deque()
+            for req in waiting:
+                self._finish(req, FinishReason.CANCELLED)
+            self._batch.close()
+            with self._lock:
+                self._stopped = True
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+            try:
+                busy = self.step()
+            except Exception as err:  # a bug: no stream may hang on it
+                log.exception("batcher step failed")
+                self._fail_all(f"The engine failed: {err}")
+                busy = False
+            if not busy:
+                with self._lock:
+                    if not self._stopping and not self._waiting and not self._running:
+                        self._work.wait()
+
+    # ---- one step's parts -----------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Cancelled requests leave: the running ones free their row now."""
+        for req in [r for r in self._running.values() if r.stream.cancelled]:
+            self._finish(req, FinishReason.CANCELLED)
+        with self._lock:
+            gone = [r for r in self._waiting if r.stream.cancelled]
+            for r in gone:
+                self._waiting.remove(r)
+        for r in gone:
+            self._finish(r, FinishReason.CANCELLED)
+
+    def _fits(self, req: _Request) -> bool:
+        e = self.engine
+        need = e.cache_bytes(req.positions) + self._batch.join_bytes(req.positions)
+        return e.runtime_bytes() + need <= e.options.cache_budget_bytes
+
+    def _admit(self) -> None:
+        with self._lock:
+            if not self._waiting or len(self._running) >= self.max_running:
+                return
+            req = self._waiting[0]
+            if not self._fits(req):
+                return  # it waits for running requests to leave (and so do those behind it)
+            self._waiting.popleft()
+            req.stream._started = time.perf_counter()
+        req.session = self.engine.session()
+        req.chunk_t = time.perf_counter()
+        pacing = PrefillPacing(self.chunk_tokens, lambda: self._between_chunks(req))
+        try:
+            req.turn = self._batch.start(req.session, req.turn_request, pacing=pacing,
+                                         images=req.images)
+        except _Abandoned:
+            self._finish(req, FinishReason.CANCELLED)
+            return
+        except Exception as err:  # CacheFullError, or a failure of the phases
+            log.warning("request %d failed in its prefill: %s", req.stream.id, err)
+            self._finish(req, FinishReason.ERROR, str(err))
+            return
+        record = req.turn.record
+        tail = time.perf_counter() - req.chunk_t
+        with self._lock:
+            self._tiers[record.tier] = self._tiers.get(record.tier, 0) + 1
+            self._counts["prompt_tokens"] += len(req.prompt)
+            with req.stream._lock:
+                req.stream._tier, req.stream._reused = record.tier, record.reused_tokens
+                req.stream._tail = tail
+            if not req.turn.ended:
+                self._running[req.session.id] = req
+        self._emit(req)
+
+    def _between_chunks(self, req: _Request) -> None:
+        """Between two chunks of `req`'s prefill: the running batch's decode step."""
+        now = time.perf_counter()
+        with req.stream._lock:
+            req.stream._chunks.append(now - req.chunk_t)
+        if req.stream.cancelled or self._stopping:
+            raise _Abandoned()
+        self._reap()
+        self._decode()
+        req.chunk_t = time.perf_counter()
+
+    def _decode(self) -> None:
+        if not len(self._batch):
+            return
+        try:
+            members = self._batch.step()
+        except Exception as err:
+            log.exception("decode step failed")
+            self._batch.drop()  # the rows are in no known state: nothing of them is stored
+            self._batch = DecodeBatch(self.engine, max_rows=self.max_running)
+            for req in list(self._running.values()):
+                self._finish(req, FinishReason.ERROR, f"The decode step failed: {err}",
+                             in_batch=False)
+            return
+        for s, _ in members:
+            self._emit(self._running[s.id])
+
+    def _emit(self, req: _Request) -> None:
+        """The events of `req`'s tokens not yet sent (one per step; several after a
+        speculative step), in order, until the request ends."""
+        turn = req.turn
+        while req.emitted < len(turn.tokens):
+            req.emitted += 1
+            if self._emit_one(req, req.emitted - 1):
+                return
+
+    def _emit_one(self, req: _Request, i: int) -> bool:
+        """The event of token i of `req`'s turn; the request ends (True) on a stop, a stop
+        string or its length."""
+        turn = req.turn
+        tok = turn.tokens[i]
+        chosen = turn.sampled[i]
+        final = turn.done and i == len(turn.tokens) - 1
+        text, stopped = self._text(req, tok, final)
+        finish = None
+        if stopped or (final and tok in turn.stop):
+            finish = FinishReason.STOP
+        elif final:
+            finish = FinishReason.LENGTH
+        event = TokenEvent(tok, text, chosen.logprob, chosen.top, finish)
+        with self._lock:
+            self._counts["completion_tokens"] += 1
+        if finish is None:
+            req.stream._put(event)
+            return False
+        self._finish(req, finish, event=event)
+        return True
+
+    def _text(self, req: _Request, tok: int, final: bool) -> tuple[str, bool]:
+        """(text to emit, a stop string matched). Stop ids' own text is never emitted."""
+        if req.decoder is None:
+            return "", False
+        delta = "" if tok in req.turn.stop else req.decoder.feed(tok)
+        if final:
+            delta += req.decoder.flush()
+        if req.matcher is None:
+            return delta, False
+        check = req.matcher.feed(delta)
+        if check.stopped or not final:
+            return check.text, check.stopped
+        return check.text + req.matcher.flush(), False
+
+    def _finish(self, req: _Request, reason: FinishReason, error: str | None = None, *,
+                event: TokenEvent | None = None, in_batch: bool = True) -> None:
+        """End `req`: out of the batch (its turn stored), its session closed, then the final
+        event queued (`event`, its last token's, or a token-less one)."""
+        s = req.session
+        if s is not None:
+            if in_batch and req.turn is not None and not req.turn.ended:
+                self._batch.leave(s)
+            with self._lock:
+                self._running.pop(s.id, None)
+            s.close()
+        with self._lock:
+            self._counts["cancelled" if reason is FinishReason.CANCELLED else "finished"] += 1
+        req.stream._put(event or TokenEvent(None, "", None, (), reason, error))
+
+    def _fail_all(self, message: str) -> None:
+        with self._step_lock:
+            self._batch.drop()
+            self._batch = DecodeBatch(self.engine, max_rows=self.max_running)
+            for req in list(self._running.values()):
+                self._finish(req, FinishReason.ERROR, message, in_batch=False)
+            with self._lock:
+                waiting, self._waiting = list(self._waiting), deque()
+            for req in waiting:
+                self._finish(req, FinishReason.ERROR, message)
+
+
+# ---- measuring: a long prompt arriving while streams decode ------------------------------------
+
+
+@dataclass(frozen=True)
+class StallReport:
+    """How long a long prompt's prefill holds up the running streams (seconds)."""
+
+    streams: int  # decoding when the long prompt arrived
+    long_prompt_tokens: int
+    chunk_tokens: int
+    chunks: int  # the long prompt's prefill pieces (chunks, then the decoder's replay)
+    median_gap_s: float  # the running streams' per-token gap, median over the whole run
+    worst_gap_s: float  # their worst gap while the long prompt was prefilled
+    chunk_s: float  # one prefill chunk (median of the pieces but the last)
+    worst_chunk_s: float  # the longest of them
+    last_piece_s: float  # the last piece (decoder bounded replay) + first token + join
+    extra_stall_s: float  # worst_gap_s - median_gap_s: what the long prompt added to a gap
+    long_first_token_s: float  # the long prompt's submit to its first token
+    gaps_during_prefill: int  # the streams' gaps that overlap the long prefill
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def token_times(timing: RequestTiming) -> list[float]:
+    """perf_counter time of each token of a request."""
+    if timing.first_token_s is None:
+        return []
+    t = [timing.submitted_at + timing.first_token_s]
+    for gap in timing.per_token_s:
+        t.append(t[-1] + gap)
+    return t
+
+
+def measure_long_prompt_stall(engine: Engine, *, streams: int = 8, stream_prompt: int = 16,
+                              stream_tokens: int = 32, long_prompt: int = 2048,
+                              chunk_tokens: int = 256, warm_tokens: int = 4,
+                              seed: int = 0) -> StallReport:
+    """`streams` greedy requests decode (each `stream_prompt` random ids, `stream_tokens`
+    tokens); once each has `warm_tokens`, a `long_prompt`-token request arrives, prefilled in
+    chunks of `chunk_tokens` with one decode step of the batch between two chunks. Compares the
+    running streams' worst per-token gap during that prefill with their median gap and with one
+    chunk's time. The engine must hold prompt + tokens within max_seq_len."""
+    import numpy as np
+
+    a = engine.model.args
+    rng = np.random.default_rng(seed)
+    ids = [[int(x) for x in rng.integers(3, a.vocab_size, stream_prompt)] for _ in range(streams)]
+    long_ids = [int(x) for x in rng.integers(3, a.vocab_size, long_prompt)]
+    b = Batcher(engine, max_running=streams + 1, max_queue=streams + 1,
+                prefill_chunk_tokens=chunk_tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=stream_tokens, ignore_eos=True)
+    running = [b.submit(x, greedy) for x in ids]
+    while min(s.timing.completion_tokens for s in running) < warm_tokens:
+        b.step()
+    long = b.submit(long_ids, replace(greedy, max_tokens=2))
+    while not long.done or not all(s.done for s in running):
+        b.step()
+    lt = long.timing
+    start = lt.submitted_at
+    end = start + lt.first_token_s
+    gaps, during = [], []
+    for s in running:
+        times = token_times(s.timing)
+        for t0, t1 in zip(times, times[1:], strict=False):
+            gaps.append(t1 - t0)
+            if t1 > start and t0 < end:
+                during.append(t1 - t0)
+    if lt.completion_tokens < 1 or not during:
+        raise RuntimeError("The streams ended before the long prompt's prefill; give them "
+                           "more stream_tokens.")
+    if max(s.timing.completion_tokens for s in running) < stream_tokens:
+        raise RuntimeError("A running stream did not finish its tokens.")
+    chunks = lt.prefill_chunk_s or (lt.first_token_s,)
+    return StallReport(
+        streams=streams, long_prompt_tokens=long_prompt, chunk_tokens=chunk_tokens,
+        chunks=len(lt.prefill_chunk_s) + 1, median_gap_s=statistics.median(gaps),
+        worst_gap_s=max(during), chunk_s=statistics.median(chunks),
+        worst_chunk_s=max(chunks), last_piece_s=lt.prefill_tail_s,
+        extra_stall_s=max(during) - statistics.median(gaps), long_first_token_s=lt.first_token_s,
+        gaps_during_prefill=len(during))

@@ -1,0 +1,374 @@
+"""The OpenAI API's JSON, in and out: request bodies -> typed requests, events -> response bodies.
+
+    req = parse_chat(body, tok, model_name=..., vocab_size=...)  # ApiError on a bad request
+    req.prompt_ids, req.params                                     # what the batcher takes
+    chunk = chat_chunk(ids, req, delta={"content": "w3"}, ...)    # one SSE `data:` object
+
+No HTTP here (runtime/server.py does that), so everything is testable on plain dicts. A bad field
+is an `ApiError` carrying OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`.
+
+The fields read (others are ignored, as OpenAI's own SDK fields `user`, `metadata` are):
+`model` (must be the served one: 404 `model_not_found` otherwise), `messages` / `prompt`,
+`stream`, `stream_options.include_usage`, `temperature` (default 1), `top_p`, `top_k` (vLLM's -1
+is 0: off), `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `seed`,
+`max_tokens` / chat's `max_completion_tokens` (chat default: until a stop or the model's
+max_seq_len; completions default 16, OpenAI's), `stop` (a string or a list), `stop_token_ids`,
+`ignore_eos`, chat `logprobs` + `top_logprobs`, completions `logprobs` (an int), `n` (1 only),
+chat `tools` (rendered into the prompt; a reply's DSML block comes back as `tool_calls` with
+finish_reason `tool_calls`, runtime/tool_calls.py) and
+`chat_template_kwargs.thinking` (thinking mode), user messages' `image_url` parts (base64 PNG or
+JPEG data URIs, for a model with a vision tower: checked here, decoded by the batcher; a bad
+one is a 400 naming what is wrong). Fields this server cannot honour (`echo`,
+`suffix`, `best_of` > 1, `logit_bias`, `min_tokens`, a non-text `response_format`) are 400s,
+never silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from dsv41.runtime.engine.images import data_uri_image
+from dsv41.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from dsv41.runtime.serving.chat_format import (
+    ChatFormat,
+    ChatOptions,
+    ToolCall,
+    chat_format_for,
+    chat_images,
+    messages_from_openai,
+)
+from dsv41.runtime.serving.prompts import (
+    PromptFormat,
+    chat_prompt_ids,
+    completion_prompt_ids,
+    prompt_format,
+)
+from dsv41.runtime.serving.tokenizer import Tokenizer
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ErrorType(Enum):
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    NOT_FOUND = "not_found_error"
+    RATE_LIMIT = "rate_limit_error"
+    TIMEOUT = "timeout_error"
+    SERVER = "server_error"
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: ErrorType = ErrorType.INVALID_REQUEST,
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type.value, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+class Endpoint(Enum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+
+class LogprobsForm(Enum):
+    NONE = "none"
+    CHAT = "chat"  # choices[].logprobs.content[] with top_logprobs lists
+    COMPLETIONS = "completions"  # tokens / token_logprobs / top_logprobs dicts / text_offset
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    endpoint: Endpoint
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    logprobs: LogprobsForm
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    tool_format: ChatFormat | None = None  # chat with tools: replies are read for tool calls
+    created: int = field(default_factory=lambda: int(time.time()))
+    # the image parts' data (PNG / JPEG bytes), one per image placeholder of prompt_ids, in order
+    images: tuple[bytes, ...] = ()
+
+
+def _get(body: Mapping, name: str, types: type | tuple[type, ...], what: str, default=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad_request(f"{name} must be {what}, not {v!r}.", name)
+    if not isinstance(v, types):
+        raise bad_request(f"{name} must be {what}, not {v!r:.60}.", name)
+    return v
+
+
+def _check_model(body: Mapping, model_name: str) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model is required: the name of the served model "
+                          f"({model_name!r}).", "model")
+    if model != model_name:
+        raise ApiError(404, f"The model {model!r} does not exist; this server serves "
+                       f"{model_name!r}.", type=ErrorType.NOT_FOUND, param="model",
+                       code="model_not_found")
+
+
+def _check_unsupported(body: Mapping) -> None:
+    if body.get("echo"):
+        raise bad_request("echo is not supported by this server.", "echo")
+    if body.get("suffix") not in (None, ""):
+        raise bad_request("suffix is not supported by this server.", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise bad_request("best_of must be 1: this server returns one choice per request.",
+                          "best_of")
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported by this server.", "logit_bias")
+    if body.get("min_tokens") not in (None, 0):
+        raise bad_request("min_tokens is not supported by this server.", "min_tokens")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
+        raise bad_request("response_format must be {\"type\": \"text\"}: structured output is "
+                          "not supported by this server.", "response_format")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad_request(f"n must be 1: this server returns one choice per request, not "
+                          f"{n!r}.", "n")
+
+
+def _stop(body: Mapping) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise bad_request("stop must be a string or a list of strings.", "stop")
+
+
+def _sampling(body: Mapping, *, max_tokens, logprobs: int | None,
+              vocab_size: int) -> SamplingParams:
+    top_k = body.get("top_k", 0)
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list):
+        raise bad_request("stop_token_ids must be a list of token ids.", "stop_token_ids")
+
+    def value(name: str, default):
+        v = body.get(name)
+        return default if v is None else v
+
+    params = SamplingParams(
+        temperature=value("temperature", 1.0), top_p=value("top_p", 1.0),
+        top_k=0 if top_k in (None, -1) else top_k, min_p=value("min_p", 0.0),
+        presence_penalty=value("presence_penalty", 0.0),
+        frequency_penalty=value("frequency_penalty", 0.0),
+        repetition_penalty=value("repetition_penalty", 1.0), seed=body.get("seed"),
+        max_tokens=max_tokens, stop=_stop(body), stop_token_ids=tuple(stop_ids),
+        ignore_eos=value("ignore_eos", False), logprobs=logprobs)
+    try:
+        return params.validate(vocab_size)
+    except ValueError as e:
+        msg = str(e)
+        param = msg.split(" ", 1)[0] if msg.split(" ", 1)[0] in body else None
+        raise bad_request(msg, param) from None
+
+
+def _body(body) -> Mapping:
+    if not isinstance(body, Mapping):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def _stream_flags(body: Mapping) -> tuple[bool, bool]:
+    stream = _get(body, "stream", bool, "true or false", False)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, Mapping):
+        raise bad_request("stream_options must be an object.", "stream_options")
+    include = _get(opts or {}, "include_usage", bool, "true or false", False)
+    if opts is not None and not stream:
+        raise bad_request("stream_options is only allowed with stream: true.", "stream_options")
+    return stream, include
+
+
+def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
+               image_token_id: int | None = None) -> GenerationRequest:
+    """`image_token_id`: the model's image placeholder id (None: a model without a vision
+    tower, whose chats take text parts only)."""
+    body = _body(body)
+    _check_model(body, model_name)
+    _check_unsupported(body)
+    stream, include_usage = _stream_flags(body)
+    try:
+        messages = messages_from_openai(body.get("messages"))
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    kwargs = _get(body, "chat_template_kwargs", dict, "an object", {})
+    thinking = _get(kwargs, "thinking", bool, "true or false", False)
+    tools = _get(body, "tools", list, "a list of tools", [])
+    want = _get(body, "logprobs", bool, "true or false", False)
+    top = _get(body, "top_logprobs", int, "a whole number", None)
+    if top is not None and not want:
+        raise bad_request("top_logprobs needs logprobs: true.", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be a whole number from 0 to {MAX_LOGPROBS}, "
+                          f"not {top}.", "top_logprobs")
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None,
+                       vocab_size=vocab_size)
+    try:
+        ids = chat_prompt_ids(tok, messages, ChatOptions(thinking=thinking, tools=tuple(tools)),
+                              image_token_id=image_token_id)
+        images = tuple(data_uri_image(url) for url in chat_images(messages))
+    except ValueError as e:  # RequestError too (a bad image)
+        raise bad_request(str(e), "messages") from None
+    tool_format = chat_format_for(tok) if tools and prompt_format(tok) is PromptFormat.CHAT \
+        else None
+    return GenerationRequest(Endpoint.CHAT, tuple(ids), params, stream, include_usage,
+                             LogprobsForm.CHAT if want else LogprobsForm.NONE,
+                             id=f"chatcmpl-{uuid.uuid4().hex}", tool_format=tool_format,
+                             images=images)
+
+
+def parse_completion(body, tok: Tokenizer, *, model_name: str,
+                     vocab_size: int) -> GenerationRequest:
+    body = _body(body)
+    _check_model(body, model_name)
+    _check_unsupported(body)
+    stream, include_usage = _stream_flags(body)
+    logprobs = _get(body, "logprobs", int, "a whole number", None)
+    max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size)
+    try:
+        ids = completion_prompt_ids(tok, body.get("prompt"), vocab_size=vocab_size)
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from None
+    return GenerationRequest(Endpoint.COMPLETIONS, tuple(ids), params, stream, include_usage,
+                             LogprobsForm.NONE if logprobs is None else LogprobsForm.COMPLETIONS)
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """One generated token as the response shows it."""
+
+    token_id: int
+    text: str  # its share of the streamed text (may be "" while held back)
+    logprob: float | None
+    top: tuple[TokenLogprob, ...]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the tiers (not prefilled)
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def _token_str(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special=False)
+
+
+def _entry(tok: Tokenizer, token_id: int, logprob: float) -> dict:
+    s = _token_str(tok, token_id)
+    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+
+def logprobs_body(tok: Tokenizer, form: LogprobsForm, tokens: Sequence[TokenOut],
+                  text_offset: int = 0) -> dict | None:
+    """The `logprobs` object of a choice or a chunk; None when none were asked for."""
+    if form is LogprobsForm.NONE:
+        return None
+    if form is LogprobsForm.CHAT:
+        return {"content": [
+            {**_entry(tok, t.token_id, t.logprob),
+             "top_logprobs": [_entry(tok, x.token_id, x.logprob) for x in t.top]}
+            for t in tokens]}
+    offsets, at = [], text_offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.text)
+    return {"tokens": [_token_str(tok, t.token_id) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{_token_str(tok, x.token_id): x.logprob for x in t.top}
+                             for t in tokens],
+            "text_offset": offsets}
+
+
+def tool_calls_body(calls: Sequence[ToolCall], *, indexed: bool = False) -> list[dict]:
+    """OpenAI's `tool_calls` list (a streamed delta's entries carry their `index`)."""
+    return [{**({"index": i} if indexed else {}), "id": f"call_{uuid.uuid4().hex[:24]}",
+             "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)]
+
+
+def response_body(req: GenerationRequest, model: str, text: str, finish_reason: str,
+                  logprobs: dict | None, usage: Usage,
+                  tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """The non-streaming answer; with `tool_calls` the message carries them (its content None
+    when there is no text besides) and the finish reason is `tool_calls`."""
+    if req.endpoint is Endpoint.CHAT:
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None,
+                       "tool_calls": tool_calls_body(tool_calls)}
+            finish_reason = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        kind = "text_completion"
+    return {"id": req.id, "object": kind, "created": req.created, "model": model,
+            "choices": [choice], "usage": usage.body()}
+
+
+def chunk_body(req: GenerationRequest, model: str, *, text: str | None,
+               finish_reason: str | None = None, logprobs: dict | None = None,
+               role: bool = False, tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """One streamed chunk carrying a text delta (chat: `delta`; completions: `text`), or a chat
+    delta with the reply's tool calls."""
+    if req.endpoint is Endpoint.CHAT:
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls_body(tool_calls, indexed=True)
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        kind = "text_completion"
+    return {"id": req.id, "object": kind, "created": req.created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(req: GenerationRequest, model: str, usage: Usage) -> dict:
+    """The last chunk with `stream_options.include_usage`: no choices, the usage."""
+    kind = "chat.completion.chunk" if req.endpoint is Endpoint.CHAT else "text_completion"
+    return {"id": req.id, "object": kind, "created": req.created, "model": model,
+            "choices": [], "usage": usage.body()}

@@ -1,0 +1,353 @@
+"""The DRAM snapshot pool on a Redis server, shared by every engine process (on any machine) of
+one model: the same calls as `SnapshotPool` (put, get, contains, drop, sweep, stats, close).
+
+    pool = RedisSnapshotPool("redis://10.0.0.5:6379/0", fingerprint=salt, budget_bytes=8 << 30,
+                             ttl_s=600)
+
+Choices, stated once:
+- One Redis string per snapshot, `dsv41:snap:<model fingerprint hex>:<key>`, its value a
+  `runtime.wire` record (header with kind, key and fingerprint; sha256 of all of it), so another
+  model's engines never read it and a damaged value is detected, deleted and counted, never
+  served.
+- The TTL is the key's native expiry (`SET ... PX`), from the write; a read does not extend it.
+- The byte budget is the server's `maxmemory` with the `volatile-lru` policy (every key here
+  has an expiry, so the server evicts the least recently read snapshots first; Redis samples
+  its LRU, it is not exact). At connect and after every server restart (a new `run_id`, seen
+  at the next put) the pool sets both with CONFIG SET; a server that refuses CONFIG (renamed or
+  disabled) must already run with `volatile-lru` and a non-zero `maxmemory`, else the pool is
+  refused with a ValueError naming the redis.conf lines. `maxmemory` counts all of the server's
+  memory (keys, overheads, other users), not only the snapshots' array bytes.
+  `budget_bytes=None` keeps the server's `maxmemory` when it has one (several processes share
+  one pool: the first configures it), else uses `snapshot_pool.default_budget_bytes()`.
+- Faults are misses, counted, never errors in a turn: a server down or slow (connection
+  refused, a timeout of `timeout_s`) is `unavailable` (and for `retry_s` seconds after, calls
+  skip the server and miss at once, so a dead pool costs a turn no more than one timeout); a
+  value that fails its checks is `corrupted` / `foreign` (and deleted); a snapshot this process
+  wrote that is gone before its TTL is `lost` (evicted under the budget, or the server
+  restarted); one gone after its TTL is `expired`; a put the server refuses for memory (every
+  evictable key already gone: `OOM`) is `full`. The engine then replays (encoder bounded
+  replay from the SSD blocks), as for any snapshot miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dsv41.runtime.tiers.base import NO_META
+from dsv41.runtime.tiers.dram_pool import Snapshot, check_key, check_put, default_budget_bytes
+from dsv41.runtime.tiers.wire import (
+    RecordError,
+    RecordFault,
+    RecordKind,
+    decode_record,
+    encode_record,
+)
+
+log = logging.getLogger(__name__)
+
+POLICY = "volatile-lru"
+KIND = RecordKind.SNAPSHOT
+KEY_PREFIX = "dsv41:snap:"
+WRITTEN_MEMORY = 65536  # keys this process remembers writing (to tell `expired` from `lost`)
+
+
+class PoolConfigError(ValueError):
+    """The Redis server cannot hold the pool under its budget (policy or maxmemory wrong, and
+    CONFIG refused)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisPoolStats:
+    """The in-process pool's fields (same names) and the Redis faults."""
+
+    entries: int  # this model's snapshots on the server now
+    bytes: int  # the server's used_memory (all of it: keys, overheads, other users)
+    budget: int  # the server's maxmemory
+    hits: int  # get() that returned a snapshot
+    misses: int  # get() that returned None, every fault below included
+    expired: int  # misses of keys this process wrote whose TTL had passed
+    evictions: int  # the server's evicted_keys since this pool connected (all its clients)
+    refused: int  # put() of a snapshot bigger than the whole budget (never sent)
+    lost: int  # misses of keys this process wrote, gone before their TTL (evicted, restart)
+    corrupted: int  # values that failed the checksum or layout checks (deleted)
+    foreign: int  # values of another model, kind or key (deleted)
+    unavailable: int  # calls that failed or were skipped because the server was unreachable
+    full: int  # put() refused by the server for memory (OOM)
+    write_errors: int  # put() that did not reach the server (unreachable)
+    restarts: int  # server restarts seen (a new run_id at a put): the pool was reconfigured
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    expired: int = 0
+    refused: int = 0
+    lost: int = 0
+    corrupted: int = 0
+    foreign: int = 0
+    unavailable: int = 0
+    full: int = 0
+    write_errors: int = 0
+    restarts: int = 0
+
+
+def masked_url(url: str) -> str:
+    """A URL as logged or printed: its password (redis://user:secret@host) replaced by ***."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    userinfo, host = rest.rsplit("@", 1)
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
+
+def _positive(name: str, v) -> float:
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}.")
+    return float(v)
+
+
+class RedisSnapshotPool:
+    """See the module docstring. Thread-safe (the redis client pools its connections; the
+    counters have a lock)."""
+
+    def __init__(self, url: str, *, fingerprint: bytes, budget_bytes: int | None = None,
+                 ttl_s: float = 600.0, timeout_s: float = 1.0, retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"The Redis URL must start with redis://, rediss:// or unix://, "
+                             f"got {masked_url(url) if isinstance(url, str) else url!r}.")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
+            raise ValueError("The pool's fingerprint must be the 32-byte model key salt.")
+        if budget_bytes is not None and (not isinstance(budget_bytes, int)
+                                         or isinstance(budget_bytes, bool) or budget_bytes <= 0):
+            raise ValueError(f"budget_bytes must be a positive int or None, got "
+                             f"{budget_bytes!r}.")
+        if not isinstance(retry_s, int | float) or not math.isfinite(retry_s) or retry_s < 0:
+            raise ValueError(f"retry_s must be a finite number >= 0, got {retry_s!r}.")
+        self.url, self.fingerprint = masked_url(url), fingerprint  # url: as logged
+        self.ttl_s = _positive("ttl_s", ttl_s)
+        self.timeout_s = _positive("timeout_s", timeout_s)
+        self.retry_s, self.clock = float(retry_s), clock
+        self.prefix = f"{KEY_PREFIX}{fingerprint.hex()}:"
+        self._want_budget = budget_bytes
+        self.budget_bytes = budget_bytes or 0  # the server's maxmemory once configured
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._response_error = redis.ResponseError
+        self._oom = redis.exceptions.OutOfMemoryError  # "OOM command not allowed ..."
+        # one immediate reconnect on a broken connection (a restarted server's first reply),
+        # none on a timeout: a failure is seen here, counted, and the server skipped for retry_s
+        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                       socket_connect_timeout=timeout_s,
+                                       retry=Retry(NoBackoff(), 1,
+                                                   supported_errors=(redis.ConnectionError,)))
+        self._lock = threading.Lock()
+        self._n = _Counters()
+        self._down_until = -math.inf
+        self._run_id: str | None = None
+        self._evicted0 = 0
+        self._written: OrderedDict[str, float] = OrderedDict()  # key -> expiry (wall clock)
+        try:
+            self._check_server()  # a configuration problem is an error now, not a miss later
+        except self._errors as e:
+            log.warning("The Redis pool at %s is unreachable (%s); snapshots miss until it "
+                        "answers.", self.url, e)
+            self._count("unavailable")
+            self._down_until = self.clock() + self.retry_s
+
+    # ---- configuration ---------------------------------------------------------------------------
+
+    def _check_server(self) -> None:
+        """Configure (or check) maxmemory and the policy when the server is new to this pool."""
+        info = self._r.info("server")
+        if info["run_id"] == self._run_id:
+            return
+        if self._run_id is not None:
+            self._count("restarts")
+            log.warning("The Redis pool at %s restarted; configuring it again.", self.url)
+        self._configure()
+        self._run_id = info["run_id"]
+        self._evicted0 = int(self._r.info("stats").get("evicted_keys", 0))
+
+    def _configure(self) -> None:
+        mem = self._r.info("memory")
+        budget = self._want_budget
+        if budget is None:
+            budget = int(mem.get("maxmemory", 0)) or default_budget_bytes()
+        try:
+            self._r.config_set("maxmemory", str(budget))
+            self._r.config_set("maxmemory-policy", POLICY)
+        except self._response_error as e:  # CONFIG renamed or disabled: check what it runs
+            mem = self._r.info("memory")
+            policy, maxmem = mem.get("maxmemory_policy"), int(mem.get("maxmemory", 0))
+            if policy != POLICY or maxmem <= 0:
+                raise PoolConfigError(
+                    f"The Redis server at {self.url} refused CONFIG ({e}) and runs with "
+                    f"maxmemory {maxmem} and policy {policy!r}; the snapshot pool needs a byte "
+                    f"budget with LRU eviction of expiring keys: set `maxmemory {budget}` and "
+                    f"`maxmemory-policy {POLICY}` in its redis.conf.") from None
+            self.budget_bytes = maxmem
+            return
+        self.budget_bytes = budget
+
+    # ---- the pool's calls ------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self._n, name, getattr(self._n, name) + n)
+
+    def _up(self) -> bool:
+        """Whether to try the server now (not within retry_s of a failure); counts a skip."""
+        if self.clock() < self._down_until:
+            self._count("unavailable")
+            return False
+        return True
+
+    def _failed(self, e: Exception) -> None:
+        if self.clock() >= self._down_until:
+            log.warning("The Redis pool at %s failed: %s; snapshots miss for %g s.", self.url,
+                        e, self.retry_s)
+        self._count("unavailable")
+        self._down_until = self.clock() + self.retry_s
+
+    def _rkey(self, key: str) -> str:
+        return self.prefix + key
+
+    def put(self, key: str, arrays: Mapping[str, np.ndarray],
+            meta: Mapping[str, Any] = NO_META) -> bool:
+        """Store the snapshot under its key with the TTL; False (counted) when it is bigger
+        than the budget, the server is unreachable or full."""
+        nbytes = check_put(key, arrays, meta)
+        if not self._up():
+            self._count("write_errors")
+            return False
+        try:
+            self._check_server()
+            if nbytes > self.budget_bytes:
+                self._count("refused")
+                return False
+            now = time.time()
+            value = encode_record(kind=KIND, key=key, fingerprint=self.fingerprint,
+                                  created_at=now, meta=dict(meta), arrays=dict(arrays))
+            self._r.set(self._rkey(key), value, px=max(1, int(self.ttl_s * 1000)))
+        except self._errors as e:
+            self._failed(e)
+            self._count("write_errors")
+            return False
+        except PoolConfigError as e:  # a restarted server that runs with another policy
+            log.error("%s", e)
+            self._count("write_errors")
+            return False
+        except self._response_error as e:
+            if not isinstance(e, self._oom) and "OOM" not in str(e):
+                raise
+            self._count("full")
+            return False
+        with self._lock:
+            self._written.pop(key, None)
+            self._written[key] = now + self.ttl_s
+            while len(self._written) > WRITTEN_MEMORY:
+                self._written.popitem(last=False)
+        return True
+
+    def get(self, key: str) -> Snapshot | None:
+        """The snapshot (fresh arrays), or None: absent, expired, evicted, damaged (deleted) or
+        the server unreachable; every miss counted."""
+        check_key(key)
+        if not self._up():
+            self._count("misses")
+            return None
+        try:
+            value = self._r.get(self._rkey(key))
+        except self._errors as e:
+            self._failed(e)
+            self._count("misses")
+            return None
+        if value is None:
+            self._absent(key)
+            return None
+        try:
+            rec = decode_record(value, kind=KIND, key=key, fingerprint=self.fingerprint)
+        except RecordError as e:
+            log.warning("Snapshot %s… in the Redis pool is unusable (%s); deleted.", key[:16], e)
+            self._count("corrupted" if e.fault is RecordFault.CORRUPTED else "foreign")
+            self._count("misses")
+            self.drop(key)
+            return None
+        self._count("hits")
+        return Snapshot(key, rec.arrays, rec.meta, rec.created_at, rec.nbytes)
+
+    def contains(self, key: str) -> bool:
+        """Whether the server holds a snapshot under `key` (a damaged value is found by get).
+        Counted only when it misses a snapshot this process wrote (the engine asks about every
+        position of a block; the others were never written)."""
+        check_key(key)
+        if not self._up():
+            return False
+        try:
+            present = bool(self._r.exists(self._rkey(key)))
+        except self._errors as e:
+            self._failed(e)
+            return False
+        if not present:
+            with self._lock:
+                ours = key in self._written
+            if ours:
+                self._absent(key)
+        return present
+
+    def _absent(self, key: str) -> None:
+        """A miss of an absent key: `expired` or `lost` when this process wrote it."""
+        with self._lock:
+            expiry = self._written.pop(key, None)
+        if expiry is not None:
+            self._count("expired" if time.time() >= expiry else "lost")
+        self._count("misses")
+
+    def drop(self, key: str) -> bool:
+        """Delete the snapshot; True when it was present (False too when unreachable)."""
+        check_key(key)
+        if not self._up():
+            return False
+        try:
+            return bool(self._r.delete(self._rkey(key)))
+        except self._errors as e:
+            self._failed(e)
+            return False
+
+    def sweep(self) -> int:
+        """Nothing to do: the server expires keys itself."""
+        return 0
+
+    def stats(self) -> RedisPoolStats:
+        entries = used = evicted = 0
+        if self.clock() >= self._down_until:  # (a skipped scrape is not counted)
+            try:
+                entries = sum(1 for _ in self._r.scan_iter(match=self.prefix + "*", count=1000))
+                used = int(self._r.info("memory").get("used_memory", 0))
+                evicted = int(self._r.info("stats").get("evicted_keys", 0)) - self._evicted0
+            except self._errors as e:
+                self._failed(e)
+        with self._lock:
+            n = self._n
+            return RedisPoolStats(
+                entries=entries, bytes=used, budget=self.budget_bytes, hits=n.hits,
+                misses=n.misses, expired=n.expired, evictions=max(0, evicted), refused=n.refused,
+                lost=n.lost, corrupted=n.corrupted, foreign=n.foreign, unavailable=n.unavailable,
+                full=n.full, write_errors=n.write_errors, restarts=n.restarts)
+
+    def close(self) -> None:
+        self._r.close()

@@ -1,0 +1,787 @@
+"""The SSD tier of the global KV cache: prefix blocks on disk, kept across restarts, each kept for
+at least a guaranteed minimum lifetime.
+
+A block is addressed by a chained hash of its tokens (`block_keys`), so a key names the whole
+prefix up to and including its block, and the model fingerprint salts every key: two models never
+share a key. Every file is self-describing (magic, format version, key, model fingerprint, payload
+length and checksum, all covered by a header checksum), so a damaged, truncated, renamed or
+foreign file is detected, deleted and counted, never served.
+
+File layout of `<root>/<key[:2]>/<key>.blk` (all integers little-endian):
+
+    offset  size  field
+    0       8     magic b"DSV4KVB\\0"
+    8       4     u32 file format version (FORMAT_VERSION)
+    12      32    key, raw (the 64 hex chars of the file name, decoded)
+    44      32    model fingerprint (`model_fingerprint`)
+    76      8     u64 payload length
+    84      8     f64 created_at, unix seconds from the store's clock
+    92      32    sha256 of the payload
+    124     32    sha256 of bytes 0..124 (the header checksum)
+    156     ...   payload (`encode_block`)
+
+The payload is a u64 index length, the index as canonical JSON (sorted keys, no spaces) listing
+each array's name, dtype string (numpy `dtype.str`, e.g. "<f4"), shape, offset and byte count,
+zero padding to a 64-byte boundary, then each array's C-order bytes at a 64-byte-aligned offset
+from the start of that data region. Arrays are written in name order, so equal blocks give equal
+bytes. bf16 travels as uint16; numpy's own kinds b/i/u/f/c are accepted, nothing else.
+
+Last access survives a restart as the file's mtime: a write sets it to created_at and a hit sets
+it to the clock's time (`os.utime`), and the scan at construction orders the LRU list by
+max(created_at, mtime).
+
+The root is a marked store folder (`store_folder`): created and marked on first use, a non-empty
+folder without the marker is refused, and one owner holds it at a time (an advisory lock; a
+second `KVStore` on it, in any process, gets `StoreBusyError`): the index lives in memory, and the
+scan at construction removes temporary files left by a crashed writer. The scan never follows a
+symbolic link and deletes only regular files at an entry's path (`<shard>/<key>.blk`, or a
+writer's temporary name).
+
+Store I/O failures (permission, space, a directory or FIFO where a block should be, a file where
+a shard folder should be) never escape: a failed read is a miss (`read_errors`), a failed write is
+a refused write (`write_errors`), each kind logged once per store. Reads check the file type
+before reading and open without blocking, so a special file never hangs a get.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import stat
+import struct
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsv41.runtime.tiers.base import NO_META
+from dsv41.runtime.tiers.store_folder import FolderLock, claim_folder
+
+FORMAT_VERSION = 1
+STORE_KIND = "dsv41-kv-store"
+MAGIC = b"DSV4KVB\x00"
+_FIELDS = struct.Struct("<8sI32s32sQd32s")  # magic, version, key, fingerprint, len, created, sha
+HEADER_SIZE = _FIELDS.size + 32  # + sha256 of the fields above
+_ALIGN = 64
+_DTYPE_KINDS = "biufc"
+_KEY_RE = re.compile(r"[0-9a-f]{64}")
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+_TMP_RE = re.compile(r"\.[0-9a-f]{64}\.\d+\.[0-9a-f]{8}\.tmp")
+_INT64_MAX = np.iinfo(np.int64).max
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_log = logging.getLogger(__name__)
+
+
+def model_fingerprint(config_hash: str, weights_hash: str, format_version: int) -> bytes:
+    """32 bytes that name the model whose KV a block holds: the config, the weights and the
+    version of the KV tensor layout (not the file format, which has its own FORMAT_VERSION)."""
+    for name, value in (("config_hash", config_hash), ("weights_hash", weights_hash)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}.")
+    if not isinstance(format_version, int) or isinstance(format_version, bool) \
+            or format_version < 0:
+        raise ValueError(f"format_version must be a non-negative int, got {format_version!r}.")
+    doc = {"config_hash": config_hash, "weights_hash": weights_hash,
+           "format_version": format_version}
+    canon = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(b"dsv41-kv-fingerprint\x00" + canon).digest()
+
+
+def block_keys(token_ids: Sequence[int], block_tokens: int, fingerprint: bytes) -> list[str]:
+    """One key per complete block of `block_tokens` tokens; a partial trailing block has none.
+
+    key_i = sha256(fingerprint || digest_{i-1} || block_i as little-endian int64).hexdigest(),
+    where digest_{i-1} is the raw 32-byte digest of the previous key (empty for the first block).
+    The chain makes a key name its whole prefix; only hashlib is used, so keys agree across
+    processes and machines.
+    """
+    if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
+        raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}.")
+    _check_fingerprint(fingerprint)
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1:
+        raise ValueError(f"token_ids must be one-dimensional, got shape {ids.shape}.")
+    if ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(f"token_ids must be integers that fit int64, got dtype {ids.dtype}.")
+    if ids.size and ids.dtype.kind == "u" and int(ids.max()) > _INT64_MAX:
+        raise ValueError("token_ids must fit int64.")
+    ids = ids.astype("<i8")
+    keys, prev = [], b""
+    for i in range(len(ids) // block_tokens):
+        block = ids[i * block_tokens:(i + 1) * block_tokens]
+        h = hashlib.sha256(fingerprint + prev + block.tobytes())
+        keys.append(h.hexdigest())
+        prev = h.digest()
+    return keys
+
+
+def encode_block(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """The payload bytes of a block; deterministic (name order, fixed padding, canonical JSON)."""
+    _check_arrays(arrays)
+    index, chunks, offset = [], [], 0
+    for name in sorted(arrays):
+        a = arrays[name]
+        pad = -offset % _ALIGN
+        chunks.append(b"\x00" * pad)
+        offset += pad
+        index.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
+                      "offset": offset, "nbytes": a.nbytes})
+        chunks.append(a.tobytes(order="C"))
+        offset += a.nbytes
+    head = json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
+    lead = struct.pack("<Q", len(head)) + head
+    return lead + b"\x00" * (-len(lead) % _ALIGN) + b"".join(chunks)
+
+
+def decode_block(payload: bytes | bytearray) -> dict[str, np.ndarray]:
+    """The arrays of a payload; ValueError when it is malformed. The arrays view `payload`, so
+    they are writable when it is a bytearray."""
+    try:
+        (n,) = struct.unpack_from("<Q", payload, 0)
+        index = json.loads(bytes(payload[8:8 + n]).decode())
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"Block index is unreadable ({e}).") from e
+    if 8 + n > len(payload) or not isinstance(index, list):
+        raise ValueError("Block index is malformed.")
+    start = 8 + n + (-(8 + n) % _ALIGN)
+    out: dict[str, np.ndarray] = {}
+    for item in index:
+        try:
+            name, dtype = item["name"], np.dtype(item["dtype"])
+            shape, off, nbytes = tuple(item["shape"]), item["offset"], item["nbytes"]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"Block index entry {item!r} is malformed.") from e
+        if not isinstance(name, str) or name in out or dtype.kind not in _DTYPE_KINDS \
+                or not all(isinstance(d, int) and d >= 0 for d in shape) \
+                or not isinstance(off, int) or off < 0 \
+                or nbytes != math.prod(shape) * dtype.itemsize \
+                or start + off + nbytes > len(payload):
+            raise ValueError(f"Block index entry {item!r} is inconsistent.")
+        if nbytes == 0:
+            out[name] = np.empty(shape, dtype)
+        else:
+            out[name] = np.frombuffer(payload, dtype, math.prod(shape), start + off).reshape(shape)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreStats:
+    entries: int  # blocks indexed now
+    bytes: int  # sum of their file sizes, headers included
+    capacity: int  # capacity_bytes
+    hits: int  # get() that returned a block
+    misses: int  # get() that returned None (absent, or found bad and deleted)
+    writes: int  # put() that wrote a new file
+    refused_writes: int  # put() refused: bigger than capacity, only younger entries to evict,
+    # or the write failed (write_errors)
+    evictions: int  # entries removed to make room (all at least min_lifetime_s old)
+    corrupt: int  # files deleted for bad magic/header/checksum, wrong key, bad index, misplaced
+    truncated: int  # files deleted for being shorter than their header says
+    foreign: int  # files deleted for another model's fingerprint or another file format version
+    read_errors: int = 0  # reads that failed (I/O error, not a regular file): misses, not deleted
+    write_errors: int = 0  # writes or deletions that failed (permission, space, wrong file type)
+    drops: int = 0  # drop() that removed a stored block
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    refused_writes: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    truncated: int = 0
+    foreign: int = 0
+    read_errors: int = 0
+    write_errors: int = 0
+    drops: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    size: int  # bytes of the file, header included
+    created_at: float  # clock() when written (from the header); starts the minimum lifetime
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    payload_len: int
+    created_at: float
+    payload_sha256: bytes
+
+
+class KVStore:
+    """Prefix blocks on disk under a byte capacity, with a minimum lifetime.
+
+    Eviction order: when a put does not fit, entries at least `min_lifetime_s` old (by
+    created_at) are chosen least recently used first until the new file fits. If all of those
+    together do not free enough, nothing is evicted and the put is refused (counted in
+    `refused_writes`): an entry younger than the lifetime is never evicted. A get hit and a put
+    of a present key make the entry most recently used; `contains`/`lookup_prefix` do not.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, capacity_bytes: int, fingerprint: bytes,
+                 min_lifetime_s: float = 72 * 3600, clock: Callable[[], float] = time.time):
+        if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) \
+                or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}.")
+        if not isinstance(min_lifetime_s, int | float) or isinstance(min_lifetime_s, bool) \
+                or not math.isfinite(min_lifetime_s) or min_lifetime_s < 0:
+            raise ValueError(f"min_lifetime_s must be a finite number >= 0, got "
+                             f"{min_lifetime_s!r}.")
+        if not callable(clock):
+            raise ValueError("clock must be a callable returning unix seconds.")
+        _check_fingerprint(fingerprint)
+        self.root = Path(root)
+        self._lock: FolderLock = claim_folder(self.root, kind=STORE_KIND, version=FORMAT_VERSION)
+        self.capacity_bytes = capacity_bytes
+        self.min_lifetime_s = float(min_lifetime_s)
+        self.fingerprint = bytes(fingerprint)
+        self.clock = clock
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._n = _Counters()
+        self._logged: set[str] = set()  # failure kinds already logged (once each)
+        try:
+            self._scan()
+        except BaseException:
+            self._lock.close()
+            raise
+
+    # -- public ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Let the folder go (another owner may open it); the store serves nothing after."""
+        self._lock.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._lock.held
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def put(self, key: str, arrays: Mapping[str, np.ndarray],
+            meta: Mapping[str, Any] = NO_META) -> bool:
+        """Store a block; True when it is (now or already) stored, False when refused (no room,
+        or the write failed: counted in `write_errors` and logged once). A block is arrays
+        only: `meta` (the tier interface's) must be empty."""
+        _check_key(key)
+        _check_arrays(arrays)
+        _check_no_meta(meta)
+        self._check_open()
+        if key in self._index:
+            self._touch(key)
+            return True
+        payload = encode_block(arrays)
+        size = HEADER_SIZE + len(payload)
+        now = self.clock()
+        victims = self._plan_eviction(size, now)
+        if victims is None:
+            self._n.refused_writes += 1
+            return False
+        for victim in victims:
+            self._remove(victim)
+            self._n.evictions += 1
+        try:
+            self._write(key, payload, now)
+        except OSError as e:
+            self._failed("write", f"writing block {key}", e)
+            self._n.refused_writes += 1
+            return False
+        self._index[key] = _Entry(size, now)
+        self._bytes += size
+        self._n.writes += 1
+        return True
+
+    def get(self, key: str) -> dict[str, np.ndarray] | None:
+        """The block's arrays (fresh, writable), or None. A bad file is deleted and counted."""
+        _check_key(key)
+        self._check_open()
+        if key not in self._index:
+            self._n.misses += 1
+            return None
+        try:
+            verdict, arrays = self._read(key)
+        except FileNotFoundError:  # removed behind our back: forget it
+            self._bytes -= self._index.pop(key).size
+            self._n.misses += 1
+            return None
+        except OSError as e:  # unreadable (permission, a link, I/O): a miss; the file stays
+            self._failed("read", f"reading block {key}", e)
+            self._bytes -= self._index.pop(key).size
+            self._n.misses += 1
+            return None
+        if verdict == "special":  # not a regular file: not ours to delete, never read
+            self._failed("read", f"block {key}", OSError(errno.EINVAL, "not a regular file"))
+            self._bytes -= self._index.pop(key).size
+            self._n.misses += 1
+            return None
+        if arrays is None:
+            self._discard(key, verdict)
+            self._n.misses += 1
+            return None
+        self._touch(key)
+        self._n.hits += 1
+        return arrays
+
+    def drop(self, key: str) -> bool:
+        """Forget a block and delete its file; True when it was stored. Only a regular file
+        of the store's own name is deleted (never a link's target); a deletion that fails is
+        counted in `write_errors` and the file is found again by a later start's scan."""
+        _check_key(key)
+        self._check_open()
+        if key not in self._index:
+            return False
+        self._remove(key)
+        self._n.drops += 1
+        return True
+
+    def contains(self, key: str) -> bool:
+        _check_key(key)
+        return key in self._index
+
+    def lookup_prefix(self, keys: Iterable[str]) -> int:
+        """How many leading keys are stored (index only: no payload is read, no LRU change)."""
+        keys = list(keys)
+        for key in keys:
+            _check_key(key)
+        n = 0
+        for key in keys:
+            if key not in self._index:
+                break
+            n += 1
+        return n
+
+    def stats(self) -> KVStoreStats:
+        return KVStoreStats(entries=len(self._index), bytes=self._bytes,
+                            capacity=self.capacity_bytes, **asdict(self._n))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.blk"
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"The KV store at {self.root} is closed.")
+
+    def _failed(self, kind: str, what: str, error: OSError) -> None:
+        """Count a read or write failure; log the first of each kind and errno."""
+        setattr(self._n, f"{kind}_errors", getattr(self._n, f"{kind}_errors") + 1)
+        tag = f"{kind}/{error.errno}"
+        if tag not in self._logged:
+            self._logged.add(tag)
+            _log.warning("KV store %s: %s failed (%s); served as a miss / refused write, "
+                         "further %s errors of this kind are only counted.", self.root, what,
+                         error.strerror or error, kind)
+
+    def _plan_eviction(self, size: int, now: float) -> list[str] | None:
+        """Keys to evict so that `size` more bytes fit, or None when it cannot fit."""
+        if size > self.capacity_bytes:
+            return None
+        need = self._bytes + size - self.capacity_bytes
+        victims: list[str] = []
+        for key, entry in self._index.items():
+            if need <= 0:
+                break
+            if now - entry.created_at >= self.min_lifetime_s:
+                victims.append(key)
+                need -= entry.size
+        return victims if need <= 0 else None
+
+    def _touch(self, key: str) -> None:
+        self._index.move_to_end(key)
+        now = self.clock()
+        try:  # last access survives a restart as the mtime; a failure only loses that hint
+            os.utime(self._path(key), (now, now))
+        except OSError:
+            pass
+
+    def _remove(self, key: str) -> None:
+        """Forget an entry and delete its file (a failed deletion is counted; the scan of a
+        later start finds the file again)."""
+        self._bytes -= self._index.pop(key).size
+        self._unlink(self._path(key))
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):  # only ever a regular file of ours
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._failed("write", f"deleting {path.name}", e)
+
+    def _discard(self, key: str, verdict: str) -> None:
+        assert verdict in ("corrupt", "truncated", "foreign"), verdict
+        self._remove(key)
+        setattr(self._n, verdict, getattr(self._n, verdict) + 1)
+
+    def _write(self, key: str, payload: bytes, created_at: float) -> None:
+        """Write-temp, fsync, rename, fsync the directory: a crash leaves the old state or the
+        new file whole, plus at most a temporary file that the next scan removes."""
+        path = self._path(key)
+        try:
+            shard_mode = os.lstat(path.parent).st_mode
+        except FileNotFoundError:
+            path.parent.mkdir()
+            _fsync_dir(self.root)
+        else:
+            if not stat.S_ISDIR(shard_mode):  # a file, or a link the store never follows
+                raise OSError(errno.ENOTDIR, f"shard {path.parent.name} is not a folder")
+        fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, bytes.fromhex(key), self.fingerprint,
+                              len(payload), created_at, hashlib.sha256(payload).digest())
+        header = fields + hashlib.sha256(fields).digest()
+        tmp = path.parent / f".{key}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        try:
+            with open(tmp, "xb") as f:
+                f.write(header)
+                f.write(payload)
+                f.flush()
+                os.utime(f.fileno(), (created_at, created_at))
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the first failure is the one to report
+                tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+
+    def _read(self, key: str) -> tuple[str, dict[str, np.ndarray] | None]:
+        """("ok", arrays) or (verdict, None) with verdict one of corrupt/truncated/foreign, or
+        special (not a regular file; never read, so a FIFO or device cannot block or feed it).
+        """
+        path = self._path(key)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return "special", None
+        with open(os.open(path, _READ_FLAGS), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):  # replaced between the two looks
+                return "special", None
+            size = st.st_size
+            verdict, header = _check_header(f.read(HEADER_SIZE), key, self.fingerprint, size)
+            if header is None:
+                return verdict, None
+            payload = bytearray(header.payload_len)
+            if f.readinto(payload) != header.payload_len:
+                return "truncated", None
+        if hashlib.sha256(payload).digest() != header.payload_sha256:
+            return "corrupt", None
+        try:
+            return "ok", decode_block(payload)
+        except ValueError:
+            return "corrupt", None
+
+    def _scan(self) -> None:
+        """Rebuild the index from headers (payloads are verified on get). Temporary files of a
+        crashed writer are removed; bad entry files are deleted and counted; anything that is
+        not a regular file at an entry's path (other names, links, folders, FIFOs) is left
+        alone, and no link is followed."""
+        found: list[tuple[float, str, _Entry]] = []
+        for shard in self._listing(self.root):
+            if not (_SHARD_RE.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False)):
+                continue
+            for item in self._listing(shard):
+                name = item.name
+                if not item.is_file(follow_symlinks=False):
+                    continue
+                path = Path(item.path)
+                if _TMP_RE.fullmatch(name):
+                    self._unlink(path)
+                    continue
+                key = name[:-4]
+                if not (name.endswith(".blk") and _KEY_RE.fullmatch(key)):
+                    continue
+                if key[:2] != shard.name:  # misplaced: get() would never find it
+                    self._unlink(path)
+                    self._n.corrupt += 1
+                    continue
+                try:
+                    with open(os.open(path, _READ_FLAGS), "rb") as f:
+                        st = os.fstat(f.fileno())
+                        if not stat.S_ISREG(st.st_mode):
+                            continue
+                        verdict, header = _check_header(f.read(HEADER_SIZE), key,
+                                                        self.fingerprint, st.st_size)
+                except OSError as e:
+                    self._failed("read", f"scanning {name}", e)
+                    continue
+                if header is None:
+                    self._unlink(path)
+                    setattr(self._n, verdict, getattr(self._n, verdict) + 1)
+                    continue
+                last_access = max(header.created_at, st.st_mtime)
+                found.append((last_access, key, _Entry(st.st_size, header.created_at)))
+        for _, key, entry in sorted(found, key=lambda t: (t[0], t[1])):
+            self._index[key] = entry
+            self._bytes += entry.size
+
+    def _listing(self, folder: Path) -> list[os.DirEntry]:
+        try:
+            with os.scandir(folder) as it:
+                return sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            self._failed("read", f"listing {folder.name}", e)
+            return []
+
+
+def _check_header(buf: bytes, key: str, fingerprint: bytes,
+                  file_size: int) -> tuple[str, _Header | None]:
+    """("ok", header) or (verdict, None); checks in the order the fields can be trusted."""
+    if len(buf) < len(MAGIC):
+        return ("truncated" if MAGIC.startswith(buf) else "corrupt"), None
+    if buf[:len(MAGIC)] != MAGIC:
+        return "corrupt", None
+    if len(buf) < len(MAGIC) + 4:
+        return "truncated", None
+    (version,) = struct.unpack_from("<I", buf, len(MAGIC))
+    if version != FORMAT_VERSION:
+        return "foreign", None
+    if len(buf) < HEADER_SIZE:
+        return "truncated", None
+    fields = buf[:_FIELDS.size]
+    if hashlib.sha256(fields).digest() != buf[_FIELDS.size:HEADER_SIZE]:
+        return "corrupt", None
+    _, _, raw_key, fp, payload_len, created_at, sha = _FIELDS.unpack(fields)
+    if fp != fingerprint:  # another model's block (its key differs too, being salted)
+        return "foreign", None
+    if raw_key.hex() != key:  # a file renamed to another key's name
+        return "corrupt", None
+    if file_size < HEADER_SIZE + payload_len:
+        return "truncated", None
+    if file_size > HEADER_SIZE + payload_len or not math.isfinite(created_at):
+        return "corrupt", None
+    return "ok", _Header(payload_len, created_at, sha)
+
+
+def _check_no_meta(meta: Mapping[str, Any]) -> None:
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"meta must be a mapping, got {type(meta).__name__}.")
+    if meta:
+        raise ValueError(f"A KV block holds arrays only; the SSD store keeps no metadata (got "
+                         f"{', '.join(sorted(map(str, meta)))}).")
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(f"A block key must be 64 lowercase hex characters, got {key!r}.")
+
+
+def _check_fingerprint(fingerprint: bytes) -> None:
+    if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
+        raise ValueError("fingerprint must be the 32 bytes returned by model_fingerprint(), got "
+                         f"{fingerprint!r}.")
+
+
+def _check_arrays(arrays: Mapping[str, np.ndarray]) -> None:
+    if not isinstance(arrays, Mapping):
+        raise ValueError(f"A block must be a mapping of name to numpy array, got "
+                         f"{type(arrays).__name__}.")
+    for name, a in arrays.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Array names must be non-empty strings, got {name!r}.")
+        if not isinstance(a, np.ndarray):
+            raise ValueError(f"Array {name!r} must be a numpy array, got {type(a).__name__}.")
+        if a.dtype.kind not in _DTYPE_KINDS:
+            raise ValueError(f"Array {name!r} has dtype {a.dtype}; a block holds bool, int, "
+                             "uint, float or complex arrays (bf16 as uint16).")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWriterStats:
+    queued: int  # blocks waiting for (or in) their write now
+    submitted: int  # submit() calls that queued a block (a key already queued is not)
+    written: int  # queued blocks the store accepted (written, or already present)
+    refused: int  # queued blocks the store refused (full of young entries)
+    failed: int  # queued blocks whose write raised (the block is dropped; the store is intact)
+    served_queued: int  # get() answered from the queue
+    dropped_queued: int = 0  # drop() that removed a block still queued (never written)
+
+
+class BlockWriter:
+    """Writes a store's blocks on a background thread, so a turn does not wait for its files.
+
+    `submit` queues a block (its arrays are the caller's own copies, kept read-only); one thread
+    writes the queue in submission order through `KVStore.put` (checksummed, fsynced, renamed),
+    so a crash loses at most the blocks still queued and never exposes a partial file (a
+    temporary file it leaves is removed by the next scan). Reads go through the writer: a block
+    still queued is served from the queue, and `contains` / `lookup_prefix` count queued
+    blocks as stored. The store is touched only under one lock (it is not thread-safe), so a
+    read waits at most for the one block being written. `drain()` waits until the queue is
+    empty; `close()` drains and stops the thread. With more than `max_queued` blocks queued,
+    `submit` waits for room.
+    """
+
+    def __init__(self, store: KVStore, *, max_queued: int = 4096):
+        import threading
+
+        if not isinstance(max_queued, int) or isinstance(max_queued, bool) or max_queued < 1:
+            raise ValueError(f"max_queued must be a positive int, got {max_queued!r}.")
+        self.store = store
+        self.max_queued = max_queued
+        self._queue: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()  # guards the store
+        self._cond = threading.Condition()  # guards the queue and counters
+        self._closed = False
+        self._n = {"submitted": 0, "written": 0, "refused": 0, "failed": 0, "served_queued": 0,
+                   "dropped_queued": 0}
+        self._writing: str | None = None  # the key the thread is writing now
+        self.last_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dsv41-block-writer", daemon=True)
+        self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))  # a normal exit drains the queue
+
+    def submit(self, key: str, arrays: Mapping[str, np.ndarray]) -> bool:
+        """Queue a block; False when the key is already queued (a stored key is only
+        touched when its turn comes)."""
+        _check_key(key)
+        _check_arrays(arrays)
+        frozen = {}
+        for name, a in arrays.items():
+            a = np.array(a, copy=True, order="C")
+            a.flags.writeable = False
+            frozen[name] = a
+        with self._cond:
+            if self._closed:
+                raise ValueError("This block writer is closed.")
+            if key in self._queue:
+                return False
+            while len(self._queue) >= self.max_queued:
+                self._cond.wait()
+            self._queue[key] = frozen
+            self._n["submitted"] += 1
+            self._cond.notify_all()
+        return True
+
+    def put(self, key: str, arrays: Mapping[str, np.ndarray],
+            meta: Mapping[str, Any] = NO_META) -> bool:
+        """The tier interface's put: `submit`, True once the block is queued (now or already);
+        whether the store then keeps it is counted in `stats` (written / refused / failed).
+        A block is arrays only: `meta` must be empty."""
+        _check_no_meta(meta)
+        self.submit(key, arrays)
+        return True
+
+    def drop(self, key: str) -> bool:
+        """Forget a block, queued or stored (`KVStore.drop`); True when it was either. A block
+        being written when called is dropped once its write ends."""
+        _check_key(key)
+        with self._cond:
+            while self._writing == key:
+                self._cond.wait()
+            queued = self._queue.pop(key, None) is not None
+            if queued:
+                self._n["dropped_queued"] += 1
+                self._cond.notify_all()
+        with self._lock:
+            stored = self.store.drop(key)
+        return queued or stored
+
+    def get(self, key: str) -> dict[str, np.ndarray] | None:
+        """The block's arrays (fresh, writable) from the queue or the store, or None."""
+        _check_key(key)
+        with self._cond:
+            queued = self._queue.get(key)
+            if queued is not None:
+                self._n["served_queued"] += 1
+                return {name: np.array(a, copy=True) for name, a in queued.items()}
+        with self._lock:
+            return self.store.get(key)
+
+    def contains(self, key: str) -> bool:
+        _check_key(key)
+        with self._cond:
+            if key in self._queue:
+                return True
+        with self._lock:
+            return self.store.contains(key)
+
+    def lookup_prefix(self, keys: Iterable[str]) -> int:
+        """How many leading keys are queued or stored (no payload read, no LRU change)."""
+        keys = list(keys)
+        for key in keys:
+            _check_key(key)
+        with self._cond:
+            queued = set(self._queue)
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in queued and not self.store.contains(key):
+                    break
+                n += 1
+        return n
+
+    def drain(self) -> None:
+        """Wait until every queued block is written (or refused, or failed)."""
+        with self._cond:
+            while self._queue:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Drain, then stop the thread; later submits are refused with ValueError. Runs at
+        interpreter exit too (a writer nobody closed still drains before the process ends)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def stats(self) -> BlockWriterStats:
+        with self._cond:
+            return BlockWriterStats(queued=len(self._queue), **self._n)
+
+    def store_stats(self) -> KVStoreStats:
+        """The store's stats, read while no write is in progress."""
+        with self._lock:
+            return self.store.stats()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:  # closed and drained
+                    return
+                key, arrays = next(iter(self._queue.items()))
+                self._writing = key
+            outcome = "failed"
+            try:
+                with self._lock:
+                    outcome = "written" if self.store.put(key, arrays) else "refused"
+            except Exception as e:  # noqa: BLE001 - the block is dropped, the writer goes on
+                self.last_error = e
+            with self._cond:
+                del self._queue[key]
+                self._writing = None
+                self._n[outcome] += 1
+                self._cond.notify_all()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    writer = ref()
+    if writer is not None:
+        writer.close()
