@@ -27,6 +27,7 @@ from dsv41.graph.checkpoint import (
     weights_fingerprint,
     write_seeded_checkpoint,
 )
+from dsv41.graph.checkpoint import load as ckpt_load
 from dsv41.graph.config import load_config, preset
 from dsv41.graph.formats import np_dequant_fp8, np_dequant_fp8_weight, np_e8m0_decode
 
@@ -148,14 +149,14 @@ def test_loaded_tensors_are_views_of_the_mapped_file():
     place) are read into aligned memory of their own, outside the mapping."""
     d = _case_dir("shared-small")
     weights = load_checkpoint(d, load_config(d))
-    header = ckpt._read_header(d / "model.safetensors")
+    header = ckpt_load._read_header(d / "model.safetensors")
     ranges = _file_ranges(d / "model.safetensors")
     assert ranges, "the checkpoint file is not memory-mapped"
-    aligned = {n for n, e in header.entries.items() if e.start % ckpt.ALIGNMENT == 0}
+    aligned = {n for n, e in header.entries.items() if e.start % ckpt_load.ALIGNMENT == 0}
     assert 0 < len(aligned) < len(weights)  # both kinds occur in this file
     for name, t in weights.items():
         assert any(lo <= t.data_ptr() < hi for lo, hi in ranges) == (name in aligned), name
-        assert t.data_ptr() % ckpt.ALIGNMENT == 0, name
+        assert t.data_ptr() % ckpt_load.ALIGNMENT == 0, name
 
 
 @needs_conformance
@@ -193,10 +194,10 @@ def test_own_mmap_reader_matches_safetensors():
     """The fallback reader (for a torch that lacks a float8 dtype) gives the same bits, also as
     views of a mapping of the file."""
     file = _case_dir("shared-small") / "model.safetensors"
-    header = ckpt._read_header(file)
+    header = ckpt_load._read_header(file)
     names = list(header.entries)
-    ours = ckpt._load_shard_mmap(header, names)
-    theirs = ckpt._load_shard_safetensors(header, names)
+    ours = ckpt_load._load_shard_mmap(header, names)
+    theirs = ckpt_load._load_shard_safetensors(header, names)
     ranges = _file_ranges(file)
     for name in names:
         assert ours[name].dtype == theirs[name].dtype, name
@@ -349,8 +350,8 @@ def test_fingerprint_is_content_based(tmp_path):
 @needs_conformance
 def test_fingerprint_samples_large_files(tmp_path, monkeypatch):
     """Above the full-hash limit only the header, size and 64 chunks count."""
-    monkeypatch.setattr(ckpt, "_FULL_HASH_LIMIT", 1 << 20)
-    monkeypatch.setattr(ckpt, "_SAMPLE_BYTES", 1024)
+    monkeypatch.setattr(ckpt_load, "_FULL_HASH_LIMIT", 1 << 20)
+    monkeypatch.setattr(ckpt_load, "_SAMPLE_BYTES", 1024)
     data = bytearray((_case_dir("shared-small") / "model.safetensors").read_bytes())
     copy = tmp_path / "model.safetensors"
     copy.write_bytes(bytes(data))
