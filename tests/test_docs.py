@@ -41,12 +41,12 @@ def _cli():
     try:
         point = entry_points(group="console_scripts")["dsv41"]
         main, modules = point.load(), [importlib.import_module(point.module)]
-    except KeyError:  # not installed: the package itself
+    except (KeyError, ImportError, AttributeError):  # not installed, or installed before a move
         modules, main = [], None
-    package = importlib.import_module("dsv41.compiler.tools.cli")
-    modules.append(package)
-    with contextlib.suppress(ImportError):
-        modules.append(importlib.import_module("dsv41.compiler.tools.cli.parser"))
+    modules.append(importlib.import_module("dsv41.compiler.tools.cli"))
+    for name in ("main", "parser"):
+        with contextlib.suppress(ImportError):
+            modules.append(importlib.import_module(f"dsv41.compiler.tools.cli.{name}"))
     main = main or next(m.main for m in modules if hasattr(m, "main"))
     build_parser = next(m.build_parser for m in modules if hasattr(m, "build_parser"))
     normalise = next((m.with_default_bench_verb for m in modules
