@@ -10,7 +10,6 @@ order the manifest lists. CUDA targets are built in a child process that sees a 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,16 @@ import torch
 
 from dsv41.compiler.capture import capture, dim_symbols, static_bounds
 from dsv41.compiler.progress import CompileProgress, SilentProgress
+from dsv41.graph.artifact_format import (
+    ArtifactTarget,
+    EntryBounds,
+    EntrySpec,
+    Manifest,
+    TensorSpec,
+    freeze,
+    sha256_file,
+    write_manifest_file,
+)
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.engram import host_resident
 from dsv41.graph.entries import (
@@ -27,12 +36,13 @@ from dsv41.graph.entries import (
     HOST_INPUTS,
     VISION_ENTRY,
     VISION_OUTPUTS,
+    Entry,
     cache_names,
     entry_outputs,
 )
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
-from dsv41.runtime.backends.artifact import FORMAT_VERSION  # the manifest format the runtime reads
+from dsv41.graph.targets import TargetName
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 # GEMM schedule hint: rows per call (None: prefill). `verify` runs decode's per-row kernels
@@ -92,7 +102,7 @@ def entry_bounds(model: Model, entry: str, ep, template) -> dict[str, int] | Non
     return bounds
 
 
-def entry_signature(ep, template, plan, entry: str, *, host_engram: bool = True) -> dict:
+def entry_signature(ep, template, plan, entry: str, *, host_engram: bool = True) -> EntrySpec:
     """Inputs (user inputs with symbolic shapes), cache tensor names and parameter order;
     `host_engram` (the entry was lowered so, `lower.lower`): the Engram tables and the hash ids
     are marked `host`, read in host memory whatever the artifact's device."""
@@ -102,22 +112,22 @@ def entry_signature(ep, template, plan, entry: str, *, host_engram: bool = True)
     for spec in specs:
         val = nodes[spec.arg.name].meta.get("val")
         desc = {"name": spec.arg.name, "dtype": str(val.dtype).replace("torch.", ""),
-                "shape": [str(d) for d in val.shape]}
+                "shape": tuple(str(d) for d in val.shape)}
         if spec.kind.name == "PARAMETER":
             host = host_engram and host_resident(spec.target)
-            params.append({**desc, "param": spec.target, **({"host": True} if host else {})})
+            params.append(TensorSpec(**desc, param=spec.target, host=True if host else None))
         else:
             host = host_engram and spec.arg.name in HOST_INPUTS
-            user.append({**desc, **({"host": True} if host else {})})
+            user.append(TensorSpec(**desc, host=True if host else None))
     vision = entry == VISION_ENTRY  # no cache: patches in, aligned rows out
-    sig = {"inputs": user, "params": params, "cache": [] if vision else cache_names(template),
-           "outputs": list(VISION_OUTPUTS) if vision else entry_outputs(plan, entry, template),
-           # cache outputs are the input buffers, updated in place (ops.scatter_rows)
-           "inplace_cache": True}
     sb = static_bounds(plan.args, entry)
-    if sb is not None:
-        sig["static_bounds"] = sb.to_dict()
-    return sig
+    return EntrySpec(
+        inputs=tuple(user), params=tuple(params),
+        cache=() if vision else tuple(cache_names(template)),
+        outputs=VISION_OUTPUTS if vision else tuple(entry_outputs(plan, entry, template)),
+        # cache outputs are the input buffers, updated in place (ops.scatter_rows)
+        inplace_cache=True,
+        static_bounds=None if sb is None else EntryBounds(sb.batch, sb.context_tokens))
 
 
 # ---- the phases (one function each) and the driver compile, the CUDA child and tune share ----
@@ -352,12 +362,13 @@ def compile_artifact(opts: CompileOptions,
     model = Model.placeholder(opts.args)
     say = progress or SilentProgress()
     kept = _verified_manifest(out, opts.args, opts.target)
-    entries = {e: sig for e, sig in kept.get("entries", {}).items() if e not in opts.entries}
+    entries = {e: sig for e, sig in (kept.entries if kept else {}).items()
+               if e not in opts.entries}
     for e in entries:
         report.seconds[e] = {}
-        report.kept_seconds[e] = kept.get("compile_seconds", {}).get(e, {})
-        if e in kept.get("tuning_applied", {}):
-            report.kept_tuned[e] = kept["tuning_applied"][e]
+        report.kept_seconds[e] = dict((kept.compile_seconds or {}).get(e, {}))
+        if e in (kept.tuning_applied or {}):
+            report.kept_tuned[e] = list(kept.tuning_applied[e])
     if entries:
         say.note(f"keeping the artifact's other entries: {', '.join(entries)}")
     for stale in out.glob("*.so"):
@@ -411,27 +422,28 @@ def _build_library(mod, spec, lib: Path) -> None:
     ex.export_library(str(lib))
 
 
-def _verified_manifest(artifact_dir: Path, args: ModelArgs, target: str) -> dict:
+def _verified_manifest(artifact_dir: Path, args: ModelArgs, target: str) -> Manifest | None:
     """The manifest of an existing artifact for the same config, target and TVM whose files
-    verify and whose entries were built with the tuning database now in its `tuning/`; {}
+    verify and whose entries were built with the tuning database now in its `tuning/`; None
     otherwise (such an artifact contributes nothing: its entries are compiled again)."""
     from dsv41.compiler.tuning_db import database_hash
     from dsv41.runtime.backends.artifact import ArtifactError, verify
 
     if not (artifact_dir / "manifest.json").is_file():
-        return {}
+        return None
     try:
         m = verify(artifact_dir, args=args, check_device=False)
     except (ArtifactError, ValueError, KeyError):
-        return {}
-    if m.get("tuning_database_sha256") != database_hash(artifact_dir / "tuning"):
-        return {}
-    return m if m["target"]["name"] == target else {}
+        return None
+    if m.tuning_database_sha256 != database_hash(artifact_dir / "tuning"):
+        return None
+    return m if m.target.name == target else None
 
 
-def built_entries(artifact_dir: Path, args: ModelArgs, target: str) -> dict[str, dict]:
+def built_entries(artifact_dir: Path, args: ModelArgs, target: str) -> dict[str, EntrySpec]:
     """The verified entries of an existing artifact (see `_verified_manifest`)."""
-    return dict(_verified_manifest(artifact_dir, args, target).get("entries", {}))
+    m = _verified_manifest(artifact_dir, args, target)
+    return {} if m is None else dict(m.entries)
 
 
 def missing_entries(artifact_dir: Path, args: ModelArgs, target: str,
@@ -439,10 +451,11 @@ def missing_entries(artifact_dir: Path, args: ModelArgs, target: str,
     have = built_entries(artifact_dir, args, target)
     # prefill_all is prefill with every position's logits: it serves for prefill
     return tuple(e for e in wanted if e not in have
-                 and not (e == "prefill" and "prefill_all" in have))
+                 and not (e == Entry.PREFILL and Entry.PREFILL_ALL in have))
 
 
-def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -> Path:
+def write_manifest(opts: CompileOptions, entries: dict[str, EntrySpec],
+                   report: CompileReport) -> Path:
     import tvm
 
     from dsv41.compiler.tuning_db import database_hash
@@ -456,34 +469,27 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         f"({', '.join(entries)}); weights are not inside: load them with "
         "`dsv41.runtime.engine.engine.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
         "`manifest.json` (checksums, config, target, TVM version) first.\n")
-    from dsv41.runtime.backends.artifact import manifest_digest, sha256_file
-
     files = {p.name: sha256_file(p) for p in sorted(out.iterdir())
              if p.is_file() and p.name != "manifest.json"}
     report.sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     db_hash = database_hash(out / "tuning")
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "model": opts.model_name,
-        "config": opts.args.to_dict(),
-        "config_hash": opts.args.config_hash(),
-        "layer_plan": format_plan(build_plan(opts.args)).splitlines(),
-        "target": {"name": opts.target, "tvm": get_target(opts.target).target},
-        "versions": {"tvm": tvm.__version__, "torch": torch.__version__},
-        "entries": entries,
-        "tuning_database_sha256": db_hash,
-        "tuning_applied": {**report.kept_tuned, **report.tuned},
-        "files": files,
-        "compile_seconds": {**report.kept_seconds, **{e: t for e, t in report.seconds.items()
-                                                       if t}},
-        "created_unix": int(time.time()),
-        "built_on": os.uname().nodename,
-    }
-    manifest["manifest_sha256"] = manifest_digest(manifest)  # covers every field above
-    path = out / "manifest.json"
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, path)
+    manifest = Manifest(
+        model=opts.model_name,
+        config=freeze(opts.args.to_dict()),
+        config_hash=opts.args.config_hash(),
+        layer_plan=tuple(format_plan(build_plan(opts.args)).splitlines()),
+        target=ArtifactTarget(TargetName(opts.target), freeze(get_target(opts.target).target)),
+        versions=freeze({"tvm": tvm.__version__, "torch": torch.__version__}),
+        entries=freeze({Entry(e): sig for e, sig in entries.items()}),
+        tuning_database_sha256=db_hash,
+        tuning_applied=freeze({**report.kept_tuned, **report.tuned}),
+        files=freeze(files),
+        compile_seconds=freeze({**report.kept_seconds, **{e: t for e, t in
+                                                           report.seconds.items() if t}}),
+        created_unix=int(time.time()),
+        built_on=os.uname().nodename,
+    )
+    path = write_manifest_file(out, manifest)  # sealed: its digest covers every field above
     report.sizes["manifest.json"] = path.stat().st_size
     return path
 

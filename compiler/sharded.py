@@ -15,8 +15,6 @@ a CUDA build runs in a child process (`schedules/cuda_build.py`) that does not t
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
@@ -33,14 +31,20 @@ from dsv41.compiler.build import (
 )
 from dsv41.compiler.capture import capture
 from dsv41.compiler.lower import lower
+from dsv41.graph.artifact_format import (
+    ArtifactTarget,
+    ShardedManifest,
+    freeze,
+    sha256_file,
+    write_manifest_file,
+)
 from dsv41.graph.collectives import CclBackend, ExportCollectives
 from dsv41.graph.config import ModelArgs
+from dsv41.graph.entries import Entry
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan
 from dsv41.graph.sharding import WorkerShard, expert_block, shard_plan, shard_plan_json
-from dsv41.graph.targets import get_target
-from dsv41.runtime.backends.artifact import manifest_digest, sha256_file
-from dsv41.runtime.backends.sharded import SHARDED_FORMAT
+from dsv41.graph.targets import TargetName, get_target
 
 
 def check_even_split(args: ModelArgs, shards: int) -> None:
@@ -94,24 +98,18 @@ def compile_sharded(args: ModelArgs, out: str | Path, *, shards: int,
     plan = shard_plan(args, shards)
     files = {p.name: sha256_file(p) for p in sorted(out.iterdir())
              if p.is_file() and p.suffix == ".so" and p.stem in entries}
-    manifest = {
-        "format": SHARDED_FORMAT,
-        "model": model_name,
-        "config": args.to_dict(),
-        "config_hash": args.config_hash(),
-        "target": {"name": target, "tvm": spec.target},
-        "versions": {"tvm": tvm.__version__, "torch": torch.__version__},
-        "shards": shards,
-        "ccl": ccl.value,
-        "plan": shard_plan_json(plan, context=args.max_seq_len),
-        "entries": sigs,
-        "files": files,
-        "compile_seconds": seconds,
-        "created_unix": int(time.time()),
-    }
-    manifest["manifest_sha256"] = manifest_digest(manifest)
-    path = out / "manifest.json"
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, path)
-    return path
+    manifest = ShardedManifest(
+        model=model_name,
+        config=freeze(args.to_dict()),
+        config_hash=args.config_hash(),
+        target=ArtifactTarget(TargetName(target), freeze(spec.target)),
+        versions=freeze({"tvm": tvm.__version__, "torch": torch.__version__}),
+        shards=shards,
+        ccl=ccl,
+        plan=freeze(shard_plan_json(plan, context=args.max_seq_len)),
+        entries=freeze({Entry(e): sig for e, sig in sigs.items()}),
+        files=freeze(files),
+        compile_seconds=freeze(seconds),
+        created_unix=int(time.time()),
+    )
+    return write_manifest_file(out, manifest)

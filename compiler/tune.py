@@ -741,30 +741,31 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
                            context=opts.shape.context)
     inputs, _ = example_inputs(Model.placeholder(opts.args), entry, shapes)
     flat = [t for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
-    at = len(inputs[0]) if isinstance(inputs[0], tuple) else 1  # start, after x's tensors
+    spec = read_manifest(artifact_dir).entries[entry]
+    at = spec.input_index("start")  # the flat inputs are the entry's declared inputs, in order
     flat[at] = torch.full_like(flat[at], opts.shape.context - 1)  # start: the cache is full
     args = [to_tvm(t) for t in flat]
-    params = read_manifest(artifact_dir)["entries"][entry]["params"]
+    params = spec.params
     from dsv41.graph.checkpoint import DEFAULT_CHECKPOINTS
 
     ckpt = DEFAULT_CHECKPOINTS / f"{opts.model_name}-seed0"  # where `ensure_checkpoint` writes
     if (ckpt / "config.json").is_file():
         model = Model.from_checkpoint(ckpt)
-        return args + [to_tvm(weight_for(model, p["param"], p)) for p in params], str(ckpt)
+        return args + [to_tvm(weight_for(model, p.param, p)) for p in params], str(ckpt)
     import ml_dtypes
 
     rng = np.random.default_rng(0)
     for p in params:
-        shape = [int(x) for x in p["shape"]]
-        last = p["param"].rsplit("__", 1)[-1]
-        if p["dtype"] == "uint8" and last in ("scale", "s1", "s2", "s3"):
+        shape = p.dims
+        last = p.param.rsplit("__", 1)[-1]
+        if p.dtype == "uint8" and last in ("scale", "s1", "s2", "s3"):
             a = rng.integers(120, 128, size=shape, dtype=np.uint8)
-        elif p["dtype"] == "uint8":
+        elif p.dtype == "uint8":
             a = rng.integers(0, 0x7F, size=shape, dtype=np.uint8) | (
                 rng.integers(0, 2, size=shape, dtype=np.uint8) << 7)
         else:
             a = (rng.standard_normal(shape, dtype=np.float32) * 0.05)
-            a = a.astype(ml_dtypes.bfloat16 if p["dtype"] == "bfloat16" else p["dtype"])
+            a = a.astype(ml_dtypes.bfloat16 if p.dtype == "bfloat16" else p.dtype)
         args.append(tvm.runtime.tensor(a, dev))
     return args, "random format-valid weights (no seeded checkpoint)"
 

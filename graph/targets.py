@@ -9,6 +9,17 @@ import ctypes
 import os
 import platform
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class TargetName(StrEnum):
+    """Our name of a deployment target (an artifact's `target.name`, `dsv41 compile --target`)."""
+
+    CPU = "cpu"
+    CPU_X86_64 = "cpu-x86-64"
+    CUDA_SM80 = "cuda-sm80"
+    CUDA_SM90 = "cuda-sm90"
+    CUDA_SM100 = "cuda-sm100"
 
 
 @dataclass(frozen=True)
@@ -36,8 +47,8 @@ def _cuda(arch: str) -> TargetSpec:
     )
 
 
-def target_names() -> tuple[str, ...]:
-    return ("cpu", "cpu-x86-64", "cuda-sm80", "cuda-sm90", "cuda-sm100")
+def target_names() -> tuple[TargetName, ...]:
+    return tuple(TargetName)
 
 
 def target_arch(name: str) -> str | None:

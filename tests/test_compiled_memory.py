@@ -9,6 +9,8 @@ Not counted: scratch a TIR kernel allocates inside itself (TVMBackendAllocWorksp
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -93,11 +95,15 @@ def test_decode_allocates_the_same_bytes_at_any_context(compiled, small_model):
 
 
 def test_decode_beyond_its_static_bounds_is_refused(compiled, small_model, monkeypatch):
-    bounds = compiled.art.manifest["entries"]["decode"]["static_bounds"]
+    m = compiled.art.manifest
+    bounds = m.entries["decode"].static_bounds
     with pytest.raises(ValueError, match="batches of up to"):
-        compiled.decode_step(small_model, new_cache(small_model.plan, bounds["batch"] + 1, 64),
-                             torch.zeros(bounds["batch"] + 1, 1, dtype=torch.int64))
-    monkeypatch.setitem(bounds, "context_tokens", 128)  # a cache of 256 tokens is then too big
+        compiled.decode_step(small_model, new_cache(small_model.plan, bounds.batch + 1, 64),
+                             torch.zeros(bounds.batch + 1, 1, dtype=torch.int64))
+    smaller = dataclasses.replace(m.entries["decode"], static_bounds=dataclasses.replace(
+        bounds, context_tokens=128))  # a cache of 256 tokens is then too big
+    monkeypatch.setattr(compiled.art, "manifest", dataclasses.replace(
+        m, entries={**m.entries, "decode": smaller}))
     with pytest.raises(ValueError, match="planned for caches of up to 128 tokens"):
         compiled.decode_step(small_model, new_cache(small_model.plan, 1, 256),
                              torch.zeros(1, 1, dtype=torch.int64))

@@ -175,7 +175,7 @@ def _entry_vms(entry: str, checkpoint: str):
     for m in (mod, apply_cpu_schedules(mod, spec)):
         ex = tvm.compile(m, target=spec.tvm_target(), relax_pipeline=finish_pipeline("cpu"))
         vms.append(relax.VirtualMachine(ex, tvm.cpu()))
-    return vms[0], vms[1], [p["param"] for p in sig["params"]]
+    return vms[0], vms[1], [p.param for p in sig.params]
 
 
 def _compare_entry(entry: str, case, model, tokens: torch.Tensor,

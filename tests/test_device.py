@@ -163,16 +163,17 @@ def test_a_text_only_model_binds_zeros_for_the_span_entries_gate_bias_vl():
     checkpoint's tensor is bound, and any other missing weight is still an error."""
     from types import SimpleNamespace
 
-    from dsv41.runtime.backends.artifact import weight_for
+    from dsv41.runtime.backends.artifact import TensorSpec, weight_for
 
-    spec = {"param": "layers__3__ffn__gate__bias_vl", "shape": ["16"], "dtype": "float32"}
+    spec = TensorSpec(name="p_layers__3__ffn__gate__bias_vl", dtype="float32", shape=("16",),
+                      param="layers__3__ffn__gate__bias_vl")
     bias = torch.arange(16, dtype=torch.float32)
     text_only = SimpleNamespace(vision=False, w={"layers.3.ffn.gate.bias": bias})
-    got = weight_for(text_only, spec["param"], spec)
+    got = weight_for(text_only, spec.param, spec)
     assert got.dtype == torch.float32 and got.shape == (16,) and not bool(got.any())
     with_tower = SimpleNamespace(vision=True, w={"layers.3.ffn.gate.bias": bias,
                                                  "layers.3.ffn.gate.bias_vl": bias + 1})
-    assert torch.equal(weight_for(with_tower, spec["param"], spec), bias + 1)
+    assert torch.equal(weight_for(with_tower, spec.param, spec), bias + 1)
     with pytest.raises(KeyError):  # no parameter record: nothing to shape zeros after
         weight_for(text_only, "layers__3__ffn__gate__bias_vl")
     with pytest.raises(KeyError):

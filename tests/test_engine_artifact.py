@@ -4,6 +4,7 @@ engine against the graph engine, and `dsv41 run` end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -217,8 +218,8 @@ def test_an_entry_called_with_other_inputs_than_compiled_is_refused(engine_args,
 
     engine = Engine.load(*engine_args, exact=True, store_dir=tmp_path / "s", page_tokens=PAGE)
     art = engine.phases.art
-    for entry in art.manifest["entries"].values():
-        entry["inputs"] = entry["inputs"][:-1]  # as an older compile declared them
+    art.manifest = dataclasses.replace(art.manifest, entries={  # as an older compile declared
+        e: dataclasses.replace(s, inputs=s.inputs[:-1]) for e, s in art.manifest.entries.items()})
     with pytest.raises(ArtifactError, match="takes .* inputs; this runtime calls it with .* "
                                             "recompile it"):
         list(engine.session().send(TURNS[0], max_new_tokens=1))
@@ -234,7 +235,8 @@ def test_a_backend_that_declares_no_inputs_is_called_unchecked(engine_args, tmp_
     want = list(engine.session().send(TURNS[0], max_new_tokens=2))
     engine.close()
     engine = Engine.load(*engine_args, exact=True, store_dir=tmp_path / "b", page_tokens=PAGE)
-    for entry in engine.phases.art.manifest["entries"].values():
-        del entry["inputs"]
+    art = engine.phases.art
+    art.manifest = dataclasses.replace(art.manifest, entries={
+        e: dataclasses.replace(s, inputs=None) for e, s in art.manifest.entries.items()})
     assert list(engine.session().send(TURNS[0], max_new_tokens=2)) == want
     engine.close()

@@ -24,6 +24,7 @@ import pytest
 
 from dsv41.compiler.build import CompileOptions, CompileReport, write_manifest
 from dsv41.compiler.tools.cli import parser as cli
+from dsv41.graph.artifact_format import EntrySpec
 from dsv41.graph.config import load_config
 from dsv41.runtime.backends.artifact import Artifact, ArtifactError, check_checkpoint_config, verify
 from dsv41.runtime.engine.engine import CacheFullError, Engine
@@ -226,7 +227,8 @@ def _fake_artifact(root: Path, args, entries=("encoder", "decoder", "encoder_rep
            "cache": [], "outputs": ["logits"]}
     for e in entries:
         (d / f"{e}.so").write_bytes(f"placeholder library {e}".encode())
-    write_manifest(opts, {e: json.loads(json.dumps(sig)) for e in entries}, CompileReport(d))
+    spec = EntrySpec.from_json(sig, "the fake entry")
+    write_manifest(opts, {e: spec for e in entries}, CompileReport(d))
     return d
 
 

@@ -49,7 +49,8 @@ def stand_in(d: Path, checkpoint: Path, *, entries=("prefill_all", "decode"),
         "config_hash": args.config_hash(), "target": {"name": "cpu", "tvm": "llvm"},
         "versions": {"tvm": tvm.__version__}, "shards": shards, "ccl": "cpu-test",
         "plan": shard_plan_json(shard_plan(args, shards), context=args.max_seq_len),
-        "entries": {e: {} for e in entries},
+        "entries": {e: {"inputs": [], "params": [], "cache": [], "outputs": ["logits"]}
+                    for e in entries},
         "files": {f"{e}.so": sha256_file(d / f"{e}.so") for e in entries}})
     return d
 

@@ -44,7 +44,7 @@ def compiled(vcase, tmp_path_factory):
 def test_compiled_vision_entry_matches_the_graph_tower(vcase, compiled):
     model, phases, art = compiled
     assert art.entries == ("vision",)
-    assert art.manifest["entries"]["vision"]["outputs"] == ["aligned"]
+    assert art.manifest.entries["vision"].outputs == ("aligned",)
     b = vcase.bounds
     lo, mid = (b[k]["aligner_embeddings"] for k in ("hidden_states_rel_l2_max",
                                                      "hidden_states_rel_l2_median"))

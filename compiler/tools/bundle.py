@@ -145,8 +145,8 @@ def _artifact_info(path: Path) -> dict:
     from dsv41.runtime.backends.artifact import verify
 
     m = verify(path, check_device=False)
-    return {"target": m["target"]["name"], "config_hash": m["config_hash"],
-            "entries": sorted(m["entries"])}
+    return {"target": str(m.target.name), "config_hash": m.config_hash,
+            "entries": sorted(str(e) for e in m.entries)}
 
 
 def _digest(path: Path) -> str:

@@ -109,8 +109,8 @@ def find_artifact(dirs, config_hash: str, target: str, entries: tuple[str, ...])
                 m = read_manifest(manifest.parent)
             except ArtifactError:
                 continue
-            if (m.get("config_hash") == config_hash and m.get("target", {}).get("name") == target
-                    and set(entries) <= set(m.get("entries", {}))):
+            if (m.config_hash == config_hash and m.target.name == target
+                    and set(entries) <= set(m.entries)):
                 return manifest.parent
     return None
 

@@ -7,53 +7,46 @@ different TVM version is an `ArtifactError` that says which. The VM runs on the 
 (`runtime.device`): the weights bound are on it, inputs go there, outputs stay there (DLPack, no
 host copies).
 
-`manifest.json` carries `manifest_sha256`: the sha256 of the canonical JSON of every other field
-(`manifest_digest`), so each field the runtime trusts (the config, each entry's inputs, outputs,
-cache names and parameter order, the file checksums) is covered; the loader recomputes it.
+`manifest.json` (`graph.artifact_format.Manifest`, typed) carries `manifest_sha256`: the sha256
+of the canonical JSON of every other field (`manifest_digest`), so each field the runtime trusts
+(the config, each entry's inputs, outputs, cache names and parameter order, the file checksums)
+is covered; the loader recomputes it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from dsv41.graph.artifact_format import (  # noqa: F401 (the format's names, re-exported)
+    FORMAT_VERSION,
+    ArtifactError,
+    EntrySpec,
+    Manifest,
+    TensorSpec,
+    manifest_digest,
+    sha256_file,
+    thaw,
+)
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.engram import engram_table_layer
-from dsv41.graph.entries import HASH_IDS_AT
-from dsv41.graph.targets import request_amx, target_names, uses_amx
+from dsv41.graph.entries import ENTRY_ARGS, HASH_IDS, Entry
+from dsv41.graph.targets import request_amx, uses_amx
 from dsv41.runtime.backends.device import Device, DeviceError, DeviceKind, device_for_target
 from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, EngramTiming
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
 
-FORMAT_VERSION = 2  # 2: manifest_sha256
-CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")  # what a CED engine runs
-EXACT_ENTRIES = ("prefill", "decode")  # an exact engine (prefill_all serves for prefill)
+# what a CED engine runs
+CED_ENTRIES = (Entry.ENCODER, Entry.DECODER, Entry.ENCODER_REPLAY, Entry.DECODE)
+EXACT_ENTRIES = (Entry.PREFILL, Entry.DECODE)  # an exact engine (prefill_all serves for prefill)
 
 
-class ArtifactError(ValueError):
-    """The artifact cannot be used as it is."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def manifest_digest(manifest: dict) -> str:
-    """sha256 of the canonical JSON (sorted keys, no spaces) of every field but the digest."""
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
-                          .encode()).hexdigest()
-
-
-def read_manifest(artifact_dir: str | Path) -> dict:
+def read_manifest_json(artifact_dir: str | Path) -> dict:
+    """The manifest's JSON object as written (any format), or ArtifactError saying why not."""
     path = Path(artifact_dir) / "manifest.json"
     if not path.is_file():
         raise ArtifactError(f"{artifact_dir} is not a dsv41 artifact: no manifest.json.")
@@ -66,59 +59,57 @@ def read_manifest(artifact_dir: str | Path) -> dict:
     return m
 
 
-def check_cpu_features(d: Path, m: dict) -> None:
+def read_manifest(artifact_dir: str | Path) -> Manifest:
+    """A one-worker artifact's manifest, typed (not verified against its files: `verify`)."""
+    return Manifest.from_json(read_manifest_json(artifact_dir), where=str(artifact_dir))
+
+
+def check_cpu_features(d: Path, m: Manifest) -> None:
     """An artifact built with AMX kernels runs only in a process that holds AMX permission (it
     is asked for here); elsewhere its first tile instruction would kill the process."""
-    tvm_target = m["target"].get("tvm")
+    tvm_target = thaw(m.target.tvm)
     if isinstance(tvm_target, dict) and uses_amx(tvm_target) and not request_amx():
         raise ArtifactError(f"{d} was compiled with AMX kernels, which this CPU or OS does not "
                             "offer to this process. Recompile it on this machine.")
 
 
 def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
-           check_device: bool = True) -> dict:
+           check_device: bool = True) -> Manifest:
     """Check the manifest against the files, this process's TVM, and (optionally) a config."""
     import tvm
 
     d = Path(artifact_dir)
-    m = read_manifest(d)
-    if m.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{d}: artifact format {m.get('format_version')}, this runtime "
-                            f"reads {FORMAT_VERSION}. Recompile it.")
-    target = m["target"].get("name") if isinstance(m.get("target"), dict) else None
-    if target not in target_names():
-        raise ArtifactError(f"{d}: unknown target {target!r} (known: "
-                            f"{', '.join(target_names())}).")
+    m = read_manifest(d)  # the format version and the target's name first, then every key
     if check_device:
         try:
-            device_for_target(target)
+            device_for_target(m.target.name)
         except DeviceError as e:
             raise ArtifactError(f"{d}: {e}") from e
         check_cpu_features(d, m)
-    built = m["versions"].get("tvm") if isinstance(m.get("versions"), dict) else None
+    built = m.versions["tvm"]
     if built != tvm.__version__:
         raise ArtifactError(f"{d} was built with TVM {built}; this process has "
                             f"{tvm.__version__}. Recompile it.")
     # every field accepted below is covered (the refusals above hold whatever the digest says)
-    if m.get("manifest_sha256") != manifest_digest(m):
+    if m.manifest_sha256 != m.digest():
         raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
                             "corrupted). Recompile or restore it.")
-    for name, digest in m.get("files", {}).items():
+    for name, digest in m.files.items():
         p = d / name
         if not p.is_file():
             raise ArtifactError(f"{d}: {name} is missing.")
         if sha256_file(p) != digest:
             raise ArtifactError(f"{d}: {name} does not match its checksum in manifest.json "
                                 "(modified or corrupted). Recompile or restore it.")
-    config = args_from_dict(m["config"])
-    if config.config_hash() != m.get("config_hash"):
+    config = args_from_dict(thaw(m.config))
+    if config.config_hash() != m.config_hash:
         raise ArtifactError(f"{d}: manifest config does not match its config hash.")
     if args is not None and args.config_hash() != config.config_hash():
-        diff = [k for k, v in args.to_dict().items() if m["config"].get(k) != v]
+        diff = [k for k, v in args.to_dict().items() if thaw(m.config.get(k)) != v]
         raise ArtifactError(f"{d} was compiled for another config (differs in: "
                             f"{', '.join(diff[:8]) or 'fields'}).")
-    for entry in m.get("entries", {}):
-        if f"{entry}.so" not in m.get("files", {}):
+    for entry in m.entries:
+        if f"{entry}.so" not in m.files:
             raise ArtifactError(f"{d}: entry {entry} has no library in the manifest.")
     return m
 
@@ -127,8 +118,8 @@ def engine_entries(art: Artifact, *, exact: bool) -> tuple[str, ...]:
     """The entries an engine of this mode runs, or ArtifactError naming the missing ones."""
     have = set(art.entries)
     wanted = EXACT_ENTRIES if exact else CED_ENTRIES
-    got = tuple("prefill_all" if e == "prefill" and e not in have and "prefill_all" in have
-                else e for e in wanted)
+    got = tuple(Entry.PREFILL_ALL if e == Entry.PREFILL and e not in have
+                and Entry.PREFILL_ALL in have else e for e in wanted)
     missing = [e for e in got if e not in have]
     if missing:
         mode = "an exact engine" if exact else "a CED engine (exact=False)"
@@ -161,7 +152,7 @@ def check_checkpoint_config(art: Artifact, checkpoint_dir: str | Path) -> None:
                             f"{shown or 'fields'}{' ...' if len(diff) > 6 else ''}.")
 
 
-def weight_for(model, param: str, spec: dict | None = None) -> torch.Tensor:
+def weight_for(model, param: str, spec: TensorSpec | None = None) -> torch.Tensor:
     """The checkpoint tensor behind a compiled entry's parameter name (see capture.PhaseGraph).
 
     A model loaded without a vision tower has no gate `bias_vl`, which the span entries of a
@@ -173,7 +164,7 @@ def weight_for(model, param: str, spec: dict | None = None) -> torch.Tensor:
         return getattr(model.experts[int(layer)], k)
     name = param.replace("__", ".")
     if name.endswith(".gate.bias_vl") and not model.vision and spec is not None:
-        return torch.zeros([int(x) for x in spec["shape"]], dtype=getattr(torch, spec["dtype"]),
+        return torch.zeros(spec.dims, dtype=getattr(torch, spec.dtype),
                            device=model.w[name.removesuffix("_vl")].device)
     return model.w[name]
 
@@ -181,7 +172,7 @@ def weight_for(model, param: str, spec: dict | None = None) -> torch.Tensor:
 @dataclass
 class Artifact:
     path: Path
-    manifest: dict
+    manifest: Manifest
     args: ModelArgs
     device: Device = Device(DeviceKind.CPU)
     engram_prefetch: bool = True  # gather the host Engram rows ahead (`runtime.engram_host`)
@@ -197,20 +188,25 @@ class Artifact:
         `cuda:0`); ArtifactError when this process cannot run it there."""
         m = verify(artifact_dir, args=args, check_device=False)
         try:
-            dev = device_for_target(m["target"]["name"], device)
+            dev = device_for_target(m.target.name, device)
         except DeviceError as e:
             raise ArtifactError(f"{artifact_dir}: {e}") from e
         if dev.kind == DeviceKind.CPU:
             check_cpu_features(Path(artifact_dir), m)
-        return cls(Path(artifact_dir), m, args_from_dict(m["config"]), dev)
+        return cls(Path(artifact_dir), m, args_from_dict(thaw(m.config)), dev)
 
     @property
     def target(self) -> str:
-        return self.manifest["target"]["name"]
+        return self.manifest.target.name
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return tuple(self.manifest["entries"])
+        return tuple(self.manifest.entries)
+
+    @property
+    def specs(self) -> Mapping[str, EntrySpec]:
+        """Each entry's calling convention (`EntryBackend.specs`)."""
+        return self.manifest.entries
 
     def bind(self, model) -> None:
         """Weights for every entry (TVM views of the model's tensors; no copies when aligned).
@@ -218,43 +214,42 @@ class Artifact:
         if model.args.config_hash() != self.args.config_hash():
             raise ArtifactError("The weights' config differs from the artifact's.")
         cache: dict[str, object] = {}
-        for entry, sig in self.manifest["entries"].items():
+        for entry, sig in self.manifest.entries.items():
             params = []
-            for p in sig["params"]:
-                if p["param"] not in cache:
-                    t = weight_for(model, p["param"], p)
-                    if list(t.shape) != [int(x) for x in p["shape"]]:
-                        raise ArtifactError(f"Weight {p['param']} has shape {list(t.shape)}, "
-                                            f"the artifact expects {p['shape']}.")
-                    where = torch.device("cpu") if p.get("host") else self.device.torch
+            for p in sig.params:
+                if p.param not in cache:
+                    t = weight_for(model, p.param, p)
+                    if list(t.shape) != p.dims:
+                        raise ArtifactError(f"Weight {p.param} has shape {list(t.shape)}, "
+                                            f"the artifact expects {list(p.shape)}.")
+                    where = torch.device("cpu") if p.on_host else self.device.torch
                     if t.device != where:
-                        raise ArtifactError(f"Weight {p['param']} is on {t.device}, the "
+                        raise ArtifactError(f"Weight {p.param} is on {t.device}, the "
                                             f"artifact runs on {self.device} and reads it on "
                                             f"{where}: load the model with "
                                             "Model.from_checkpoint(..., device=...).")
-                    cache[p["param"]] = to_tvm(t)
-                params.append(cache[p["param"]])
+                    cache[p.param] = to_tvm(t)
+                params.append(cache[p.param])
             self._params[entry] = params
             self._engram[entry] = self._engram_tables(model, sig, cache)
         self._prefetcher = EngramPrefetcher(self.device, prefetch=self.engram_prefetch)
 
-    def _engram_tables(self, model, sig: dict, bound: dict) -> tuple[EngramTable, ...]:
+    def _engram_tables(self, model, sig: EntrySpec, bound: dict) -> tuple[EngramTable, ...]:
         """The host Engram tables an entry's host calls read, as the very buffers bound."""
         out = []
-        for p in sig["params"]:
-            layer = engram_table_layer(p["param"]) if p.get("host") else None
+        for p in sig.host_params:
+            layer = engram_table_layer(p.param)
             if layer is not None:
-                scales = p["param"].removesuffix("weight") + "scale"
+                scales = p.param.removesuffix("weight") + "scale"
                 out.append(EngramTable(model.args.engram_layer_ids.index(layer),
-                                       to_torch(bound[p["param"]]), to_torch(bound[scales])))
+                                       to_torch(bound[p.param]), to_torch(bound[scales])))
         return tuple(out)
 
     @property
     def hosts_engram(self) -> bool:
         """Whether its entries read Engram tables in host memory (compiled by a dsv41 with the
         host-resident Engram; an older artifact gathers them on its device)."""
-        return any(p.get("host") for sig in self.manifest["entries"].values()
-                   for p in sig["params"])
+        return any(sig.host_params for sig in self.manifest.entries.values())
 
     def set_engram_prefetch(self, on: bool) -> None:
         """Gather the host Engram rows ahead on a background thread (on), or when the entry
@@ -274,7 +269,7 @@ class Artifact:
         from tvm.runtime.vm import VirtualMachine  # (relax's own needs TVM's compiler)
 
         if entry not in self._vms:
-            if entry not in self.manifest["entries"]:
+            if entry not in self.manifest.entries:
                 raise ArtifactError(f"The artifact has no entry {entry!r} (it has "
                                     f"{', '.join(self.entries)}).")
             lib = tvm.runtime.load_module(str(self.path / f"{entry}.so"))
@@ -283,7 +278,7 @@ class Artifact:
 
     def call(self, entry: str, inputs) -> list[torch.Tensor]:
         """Run an entry on its user inputs (torch tensors, nested pairs flattened in order)."""
-        if entry not in self.manifest["entries"]:
+        if entry not in self.manifest.entries:
             raise ArtifactError(f"The artifact {self.path} has no entry {entry!r} (it has "
                                 f"{', '.join(self.entries)}).")
         if entry not in self._params:
@@ -293,8 +288,7 @@ class Artifact:
             flat.extend(x if isinstance(x, tuple) else (x,))
         dev = self.device.torch
         tables = self._engram.get(entry, ())  # host Engram tables: the hash ids stay on the host
-        at = sum(len(x) if isinstance(x, tuple) else 1 for x in inputs[:HASH_IDS_AT]) \
-            if tables else -1
+        at = self._hash_ids_at(entry, inputs) if tables else -1
         args = [to_tvm(x.cpu() if i == at else x.to(dev)) for i, x in enumerate(flat)]
         vm = self._vm(entry)
         keys = ()
@@ -306,3 +300,11 @@ class Artifact:
             if keys:
                 self._prefetcher.finish(keys)
         return [to_torch(o) for o in out]
+
+    def _hash_ids_at(self, entry: str, inputs) -> int:
+        """Where the hash ids stand among the flat inputs: by name, in the entry's declared
+        inputs, or (none declared) in the calling convention after x's tensors."""
+        spec = self.manifest.entries[entry]
+        if spec.inputs is not None:
+            return spec.input_index(HASH_IDS)
+        return (len(inputs[0]) if isinstance(inputs[0], tuple) else 1) + ENTRY_ARGS.index(HASH_IDS)

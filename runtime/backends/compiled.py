@@ -7,13 +7,16 @@ a loaded artifact (`runtime.artifact.Artifact`), or `dsv41 bench`'s torch.compil
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from dsv41.graph.artifact_format import EntrySpec
 from dsv41.graph.cache import ModelCache, restore_local_state, save_local_state
 from dsv41.graph.dspark import Draft
 from dsv41.graph.entries import (
+    ENTRY_ARGS,
     VISION_ENTRY,
     entry_inputs,
     load_cache_tensors,
@@ -50,11 +53,11 @@ from dsv41.runtime.backends.threads import default_tvm_pool
 
 @runtime_checkable
 class EntryBackend(Protocol):
-    """Compiled entries by name: their manifest (`entries` -> inputs, outputs, cache names),
+    """Compiled entries by name: their calling conventions (`specs`: inputs, outputs, cache),
     bound once to a model's weights, each called on its user inputs (torch tensors, nested
     pairs flattened in order)."""
 
-    manifest: dict[str, Any]
+    specs: Mapping[str, EntrySpec]
 
     @property
     def entries(self) -> tuple[str, ...]: ...
@@ -104,14 +107,14 @@ class CompiledPhases:
         if entry != "draft" and int(start.max()) + s > capacity_tokens(cache):
             raise ValueError(f"Positions up to {int(start.max()) + s} exceed the cache capacity "
                              f"of {capacity_tokens(cache)} tokens.")
-        bounds = self.art.manifest["entries"][entry].get("static_bounds")
+        bounds = self.art.specs[entry].static_bounds
         if bounds is not None:
-            if start.size(0) > bounds["batch"]:
+            if start.size(0) > bounds.batch:
                 raise ValueError(f"The {entry} entry is planned for batches of up to "
-                                 f"{bounds['batch']} sequences; got {start.size(0)}.")
-            if capacity_tokens(cache) > bounds["context_tokens"] and cache.stores:
+                                 f"{bounds.batch} sequences; got {start.size(0)}.")
+            if capacity_tokens(cache) > bounds.context_tokens and cache.stores:
                 raise ValueError(f"The {entry} entry is planned for caches of up to "
-                                 f"{bounds['context_tokens']} tokens; this cache holds "
+                                 f"{bounds.context_tokens} tokens; this cache holds "
                                  f"{capacity_tokens(cache)}.")
         if hash_ids.numel():
             for slot, layer in enumerate(a.engram_layer_ids):
@@ -125,7 +128,7 @@ class CompiledPhases:
         given = sum(len(t) if isinstance(t, tuple) else 1 for t in inputs)
         # an artifact's manifest lists the inputs; the torch.compile peer captures the same
         # entry graph at its first call from these very inputs, so it declares none
-        declared = self.art.manifest["entries"][entry].get("inputs")
+        declared = self.art.specs[entry].inputs
         if declared is not None and given != len(declared):  # else TVM stops with an
             # argument-count InternalError
             raise ArtifactError(
@@ -135,15 +138,14 @@ class CompiledPhases:
                 "rows): recompile it.")
         self._check_inputs(entry, cache, inputs)
         out = self.art.call(entry, inputs)
-        names = self.art.manifest["entries"][entry]["outputs"]
+        names = self.art.specs[entry].outputs
         named = dict(zip(names, out, strict=True))
         if entry != "draft":
-            load_cache_tensors(cache, [named[n] for n in self.art.manifest["entries"][entry]
-                                       ["cache"]])
+            load_cache_tensors(cache, [named[n] for n in self.art.specs[entry].cache])
         # logits, selections and drafts go to the host (a no-op on the CPU); the cache, the
         # encoder stream (h, pre: the decoder's input) and a verify's compressor rows (cut back
         # against the cache's tails) stay on the artifact's device
-        stays = set(self.art.manifest["entries"][entry].get("cache", ())) | {"h", "pre"}
+        stays = set(self.art.specs[entry].cache) | {"h", "pre"}
         return {k: v if k in stays or k.startswith("tail.") else v.cpu()
                 for k, v in named.items()}
 
@@ -159,15 +161,15 @@ class CompiledPhases:
                              f"with `dsv41 compile --entries {','.join(self.art.entries)},"
                              "vision` to take images.")
         old = [e for e in self.art.entries if takes_spans(a, e)
-               and len(self.art.manifest["entries"][e]["inputs"]) != self._span_inputs(e)]
+               and len(self.art.specs[e].inputs) != self._span_inputs(e)]
         if old:
             raise ValueError(f"The artifact's entries {', '.join(old)} take no image-span rows "
                              "(compiled before they did); compile them again to take images.")
 
     def _span_inputs(self, entry: str) -> int:
-        """The user inputs a span-taking entry has: x's tensors, the 7 others, the cache."""
+        """The user inputs a span-taking entry has: x's tensors, ENTRY_ARGS, the cache."""
         x = 4 if entry == "decoder" else 3
-        return x + 7 + len(self.art.manifest["entries"][entry]["cache"])
+        return x + len(ENTRY_ARGS) + len(self.art.specs[entry].cache)
 
     def _work(self, layers, n: int) -> dict[int, int]:
         return {lay: n for lay in layers}

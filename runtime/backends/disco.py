@@ -21,8 +21,9 @@ import json
 import sys
 from pathlib import Path
 
+from dsv41.graph.artifact_format import SHARDED_FORMAT  # a sharded artifact's manifest format
+
 RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_runtime_extra.so")
-SHARDED_FORMAT = "dsv41-sharded-1"  # a sharded artifact's manifest format (runtime/sharded.py)
 
 
 class DiscoUnavailable(RuntimeError):

@@ -34,20 +34,24 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from dsv41.graph import artifact_format as fmt
 from dsv41.graph.collectives import CclBackend, ExportCollectives, ThreadGroup
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.model import Model
 from dsv41.graph.sharding import WorkerShard, shard_plan, shard_plan_json
 from dsv41.runtime.backends.artifact import (
     ArtifactError,
-    manifest_digest,
-    read_manifest,
+    EntrySpec,
+    TensorSpec,
+    read_manifest_json,
     sha256_file,
+    thaw,
     weight_for,
 )
 from dsv41.runtime.backends.disco import SHARDED_FORMAT, check_ccl, load_disco
@@ -75,29 +79,27 @@ class Resident:
     on_workers: object  # DRef: each worker's own output (equal on every worker, see `call`)
 
 
-def verify_sharded(artifact_dir: str | Path, *, args: ModelArgs | None = None) -> dict:
+def verify_sharded(artifact_dir: str | Path, *,
+                   args: ModelArgs | None = None) -> fmt.ShardedManifest:
     """The manifest of a sharded artifact, checked against its files, this TVM and `args`."""
     import tvm
 
     d = Path(artifact_dir)
-    m = read_manifest(d)
-    if m.get("format") != SHARDED_FORMAT:
-        raise ArtifactError(f"{d} is not a sharded artifact ({SHARDED_FORMAT}); a one-worker "
-                            "artifact loads with Artifact.load.")
-    if m.get("manifest_sha256") != manifest_digest(m):
+    m = fmt.ShardedManifest.from_json(read_manifest_json(d), where=str(d))
+    if m.manifest_sha256 != m.digest():
         raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
                             "corrupted). Recompile or restore it.")
-    if m["versions"]["tvm"] != tvm.__version__:
-        raise ArtifactError(f"{d} was built with TVM {m['versions']['tvm']}; this process has "
+    if m.versions["tvm"] != tvm.__version__:
+        raise ArtifactError(f"{d} was built with TVM {m.versions['tvm']}; this process has "
                             f"{tvm.__version__}. Recompile it.")
-    for name, digest in m["files"].items():
+    for name, digest in m.files.items():
         if not (d / name).is_file() or sha256_file(d / name) != digest:
             raise ArtifactError(f"{d}: {name} is missing or does not match its checksum.")
-    for entry in m["entries"]:
-        if f"{entry}.so" not in m["files"]:
+    for entry in m.entries:
+        if f"{entry}.so" not in m.files:
             raise ArtifactError(f"{d}: entry {entry} has no library in the manifest.")
-    config = args_from_dict(m["config"])
-    if config.config_hash() != m["config_hash"]:
+    config = args_from_dict(thaw(m.config))
+    if config.config_hash() != m.config_hash:
         raise ArtifactError(f"{d}: manifest config does not match its config hash.")
     if args is not None and args.config_hash() != config.config_hash():
         raise ArtifactError(f"{d} was compiled for another config.")
@@ -106,7 +108,7 @@ def verify_sharded(artifact_dir: str | Path, *, args: ModelArgs | None = None) -
 
 def is_sharded(artifact_dir: str | Path) -> bool:
     """Whether the artifact's manifest is a sharded one (`dsv41 compile --shards N`)."""
-    return read_manifest(artifact_dir).get("format") == SHARDED_FORMAT
+    return read_manifest_json(artifact_dir).get("format") == SHARDED_FORMAT
 
 
 @dataclass(frozen=True)
@@ -115,19 +117,19 @@ class ShardedManifest:
     entries, its config against the checkpoint's) without reading any weight."""
 
     path: Path
-    manifest: dict
+    manifest: fmt.ShardedManifest
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return tuple(self.manifest["entries"])
+        return tuple(self.manifest.entries)
 
     @property
     def args(self) -> ModelArgs:
-        return args_from_dict(self.manifest["config"])
+        return args_from_dict(thaw(self.manifest.config))
 
     @property
     def shards(self) -> int:
-        return int(self.manifest["shards"])
+        return self.manifest.shards
 
 
 def read_sharded(artifact_dir: str | Path, *, args: ModelArgs | None = None,
@@ -136,7 +138,7 @@ def read_sharded(artifact_dir: str | Path, *, args: ModelArgs | None = None,
     config, and its worker count and device the caller's (`shards`, `device`: None takes the
     artifact's)."""
     m = verify_sharded(artifact_dir, args=args)
-    n = int(m["shards"])
+    n = m.shards
     if shards is not None and (isinstance(shards, bool) or shards != n):
         raise ArtifactError(f"{artifact_dir} was compiled for {n} workers; {shards!r} were "
                             "asked for. Recompile it with `dsv41 compile --shards "
@@ -144,35 +146,35 @@ def read_sharded(artifact_dir: str | Path, *, args: ModelArgs | None = None,
     if device is not None and device != "cpu":
         raise ArtifactError(f"Sharded artifacts run on CPU disco workers so far; device "
                             f"{device!r} was asked for.")
-    config = args_from_dict(m["config"])
+    config = args_from_dict(thaw(m.config))
     planned = json.loads(json.dumps(shard_plan_json(shard_plan(config, n),
                                                     context=config.max_seq_len)))
-    if m.get("plan") != planned:
+    if thaw(m.plan) != planned:
         raise ArtifactError(f"{artifact_dir}: the sharding plan in its manifest is not the plan "
                             f"of its config over {n} workers (built by another planner). "
                             "Recompile it.")
     return ShardedManifest(Path(artifact_dir), m)
 
 
-def check_worker_shapes(manifest: dict, checkpoint: str | Path) -> None:
+def check_worker_shapes(manifest: fmt.ShardedManifest, checkpoint: str | Path) -> None:
     """ArtifactError unless the checkpoint is the artifact's model and every worker's share of
     it has the shapes the library takes. Checked here, before any worker runs: an exception on
     a ThreadedSession's worker thread is not caught by TVM and ends the process."""
     from dsv41.graph.checkpoint import checkpoint_config
 
-    args = args_from_dict(manifest["config"])
+    args = args_from_dict(thaw(manifest.config))
     if checkpoint_config(checkpoint).config_hash() != args.config_hash():
         raise ArtifactError(f"The checkpoint {checkpoint} is not the model the sharded artifact "
                             "was compiled for (its config differs).")
-    shards = int(manifest["shards"])
+    shards = manifest.shards
     for w in range(shards):
         model = Model.placeholder(args, WorkerShard(w, shards, ExportCollectives(shards)))
-        for entry, sig in manifest["entries"].items():
-            for p in sig["params"]:
-                shape = list(weight_for(model, p["param"], p).shape)
-                if shape != [int(x) for x in p["shape"]]:
-                    raise ArtifactError(f"Worker {w}'s {p['param']} has shape {shape}; the "
-                                        f"{entry} library takes {p['shape']} (uneven shares "
+        for entry, sig in manifest.entries.items():
+            for p in sig.params:
+                shape = list(weight_for(model, p.param, p).shape)
+                if shape != p.dims:
+                    raise ArtifactError(f"Worker {w}'s {p.param} has shape {shape}; the "
+                                        f"{entry} library takes {list(p.shape)} (uneven shares "
                                         "need a library per worker).")
 
 
@@ -196,11 +198,12 @@ def register_worker_functions() -> None:
         model = Model.from_checkpoint(checkpoint, shard=WorkerShard(
             w, int(shards), ExportCollectives(int(shards))))  # the comm is the graph's
         out = []
-        for p in json.loads(params_json):
-            t = weight_for(model, p["param"], p)
-            if list(t.shape) != [int(x) for x in p["shape"]]:
-                raise ArtifactError(f"Worker {w}: weight {p['param']} has shape "
-                                    f"{list(t.shape)}, the artifact expects {p['shape']}.")
+        for i, obj in enumerate(json.loads(params_json)):
+            p = TensorSpec.from_json(obj, f"parameter {i}", param=True)
+            t = weight_for(model, p.param, p)
+            if list(t.shape) != p.dims:
+                raise ArtifactError(f"Worker {w}: weight {p.param} has shape "
+                                    f"{list(t.shape)}, the artifact expects {list(p.shape)}.")
             out.append(to_tvm(t))
         return out
 
@@ -237,26 +240,27 @@ class ShardedArtifact:
     """Duck-types `runtime.artifact.Artifact` (manifest, entries, bind, call) for
     `CompiledPhases`; the weights are the workers'."""
 
-    def __init__(self, path: Path, manifest: dict, session, group: ThreadGroup | None,
-                 checkpoint: Path):
+    def __init__(self, path: Path, manifest: fmt.ShardedManifest, session,
+                 group: ThreadGroup | None, checkpoint: Path):
         self.path, self.manifest, self.session, self.group = path, manifest, session, group
-        self.args = args_from_dict(manifest["config"])
-        self.shards = int(manifest["shards"])
+        self.args = args_from_dict(thaw(manifest.config))
+        self.shards = manifest.shards
         self._modules: dict = {}
         self._traffic: dict[str, Traffic] = {}
         self._resident: dict[int, Resident] = {}  # by id() of the host tensor
         self._params: dict[str, list] = {}
         params = {}
-        for sig in manifest["entries"].values():
-            for p in sig["params"]:
-                params.setdefault(p["param"], p)
+        for sig in manifest.entries.values():
+            for p in sig.params:
+                params.setdefault(p.param, p)
         names = list(params)
         load = session.get_global_func("dsv41.shard.load_weights")
-        self._weights = load(str(checkpoint), self.shards, json.dumps(list(params.values())))
+        self._weights = load(str(checkpoint), self.shards,
+                             json.dumps([p.to_json() for p in params.values()]))
         item = self._item = session.get_global_func("dsv41.shard.item")
         by_name = {n: item(self._weights, i) for i, n in enumerate(names)}
-        for entry, sig in manifest["entries"].items():
-            self._params[entry] = [by_name[p["param"]] for p in sig["params"]]
+        for entry, sig in manifest.entries.items():
+            self._params[entry] = [by_name[p.param] for p in sig.params]
         session._sync_all()  # a worker that failed to load says so here
 
     @classmethod
@@ -271,7 +275,7 @@ class ShardedArtifact:
         """A disco session of `spec.shards` workers, each holding its own share of the
         checkpoint's weights (checked against the libraries first)."""
         disco = load_disco()
-        m, shards, ccl = spec.manifest, spec.shards, CclBackend(spec.manifest["ccl"])
+        m, shards, ccl = spec.manifest, spec.shards, spec.manifest.ccl
         check_worker_shapes(m, checkpoint)  # a worker's own error would end the process
         register_worker_functions()
         if ccl is not CclBackend.CPU_TEST:
@@ -299,11 +303,16 @@ class ShardedArtifact:
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return tuple(self.manifest["entries"])
+        return tuple(self.manifest.entries)
+
+    @property
+    def specs(self) -> Mapping[str, EntrySpec]:
+        """Each entry's calling convention (`EntryBackend.specs`)."""
+        return self.manifest.entries
 
     @property
     def target(self) -> str:
-        return self.manifest["target"]["name"]
+        return self.manifest.target.name
 
     def bind(self, model) -> None:
         """The host model gives the host half only: its config must be the artifact's."""
@@ -353,10 +362,10 @@ class ShardedArtifact:
         if self.session is None:
             raise ArtifactError(f"The workers of the sharded artifact {self.path} have been "
                                 "shut down; open it again to run it.")
-        if entry not in self.manifest["entries"]:
+        if entry not in self.manifest.entries:
             raise ArtifactError(f"The sharded artifact {self.path} has no entry {entry!r} (it "
                                 f"has {', '.join(self.entries)}).")
-        sig = self.manifest["entries"][entry]
+        sig = self.manifest.entries[entry]
         count = self._traffic.setdefault(entry, Traffic())
         count.calls += 1
         flat = []
@@ -371,12 +380,12 @@ class ShardedArtifact:
             other = to_torch(logits.debug_get_from_remote(w))
             count.received_bytes += other.nbytes
             if not torch.equal(other, outs[0]):
-                raise ArtifactError(f"Worker {w}'s {sig['outputs'][0]} differs from worker 0's: "
+                raise ArtifactError(f"Worker {w}'s {sig.outputs[0]} differs from worker 0's: "
                                     "the collectives did not give every worker the same sums.")
         # every worker's cache is whole and computed from the same sums as its logits (the
         # collectives' results, equal on every worker), so each keeps its own
-        for name in sig.get("cache", ()):
-            i = sig["outputs"].index(name)
+        for name in sig.cache:
+            i = sig.outputs.index(name)
             self._keep(outs[i], self._item(result, i))
         return outs
 

@@ -14,6 +14,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+from dsv41.graph.artifact_format import Manifest, ShardedManifest
+
 
 @dataclass(frozen=True)
 class KeySalt:
@@ -39,10 +41,10 @@ class KeySalt:
         return hashlib.sha256(b"dsv41-key-salt\x00" + canon).digest()
 
 
-def artifact_backend(manifest: dict, entries: tuple[str, ...]) -> str:
+def artifact_backend(manifest: Manifest | ShardedManifest, entries: tuple[str, ...]) -> str:
     """The backend name of an artifact: its target and the digests of the libraries of the
     entries an engine runs (adding another entry later does not orphan the store)."""
-    files = manifest.get("files", {})
+    files = manifest.files
     libs = {f"{e}.so": files.get(f"{e}.so") for e in sorted(entries)}
     digest = hashlib.sha256(json.dumps(libs, sort_keys=True).encode()).hexdigest()
-    return f"artifact:{manifest['target']['name']}:{digest}"
+    return f"artifact:{manifest.target.name}:{digest}"

@@ -386,7 +386,7 @@ class StepState:
 
 
 class TorchCompiledEntries:
-    """The artifact's calling convention (`bind`, `call`, `manifest`) over `torch.compile` of the
+    """The artifact's calling convention (`bind`, `call`, `specs`) over `torch.compile` of the
     artifact's own entry graphs: each entry is captured exactly as `dsv41 compile` captures it
     (`capture.capture`, symbolic batch, tokens and context), and the exported program is
     compiled by Inductor with dynamic shapes instead of by TVM, so one compilation serves every
@@ -395,20 +395,21 @@ class TorchCompiledEntries:
     layer.) Capture and compile happen at an entry's first call; their seconds are kept."""
 
     def __init__(self, model, entries: tuple[str, ...]):
+        from dsv41.graph.artifact_format import EntrySpec
         from dsv41.graph.cache import new_cache
         from dsv41.graph.entries import cache_names, entry_outputs
 
         self.model = model
         template = new_cache(model.plan, 1, 64)  # structure only
-        names = cache_names(template)
-        self.manifest = {"entries": {e: {"outputs": entry_outputs(model.plan, e, template),
-                                         "cache": names} for e in entries}}
+        names = tuple(cache_names(template))
+        self.specs = {e: EntrySpec(outputs=tuple(entry_outputs(model.plan, e, template)),
+                                   cache=names) for e in entries}  # inputs: none declared
         self._fns: dict[str, Callable] = {}
         self.seconds: dict[str, dict[str, float]] = {}  # entry -> capture / first call
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return tuple(self.manifest["entries"])
+        return tuple(self.specs)
 
     def bind(self, model) -> None:
         assert model is self.model, "TorchCompiledEntries is built for one model"
