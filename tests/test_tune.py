@@ -21,6 +21,7 @@ import tvm
 
 from dsv41.compiler import kernels
 from dsv41.compiler import tune as tn
+from dsv41.compiler import tune_task as tt
 from dsv41.compiler import tuning_db as tdb
 from dsv41.compiler.kernel_keys import Fp8LinearKey
 from dsv41.graph.config import preset
@@ -97,8 +98,8 @@ def test_tiny_tune_writes_database_reruns_as_noop_and_compile_uses_it(tmp_path, 
         ((3, 64), "bfloat16", "y"))]
     got = []
     for func in (out[name], task.hand):
-        rt = tn._build(func, SPEC)
-        args = tn._args(ts.task_inputs("fp8_linear", params, seed=1), tvm.cpu())
+        rt = tt.build_function(func, SPEC)
+        args = tt.device_args(ts.task_inputs("fp8_linear", params, seed=1), tvm.cpu())
         rt["main"](*args)
         got.append(args[-1].numpy().astype(np.float32))
     np.testing.assert_array_equal(got[0], got[1])
@@ -114,7 +115,7 @@ def test_interrupted_run_resumes_from_the_database(tmp_path, task):
         raise Stop  # as if the run died once this round's records were committed
 
     with pytest.raises(Stop):
-        tn.tune_task(task, tdb.open_database(tdir), SPEC, trials=4, per_round=2, seed=0,
+        tt.tune_task(task, tdb.open_database(tdir), SPEC, trials=4, per_round=2, seed=0,
                      on_round=killed_after_first_round)
     assert tdb.record_counts(tdb.open_database(tdir)) == {tdb.workload_hash(task.workload()): 2}
 
