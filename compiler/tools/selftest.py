@@ -14,7 +14,7 @@ it is skipped with the reason), then a one-screen summary and a JSON file:
    are installed (they build kernels); a runtime bundle has neither and says so;
 4. decode: the compiled `decode` entry of the checkpoint at `--bench-checkpoint` (the `bench`
    preset's seeded checkpoint, written on this host when missing) at each context (default 4K /
-   64K / 128K; synthetic caches, `compiler.bench.synthetic_cache`, moved to the device), ms per
+   64K / 128K; synthetic caches, `compiler.tools.bench.synthetic`, moved to the device), ms per
    token against the step's bytes (`graph.cost`) over this device's measured copy bandwidth: the
    fraction of HBM bandwidth.
 
@@ -35,7 +35,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv41.compiler.tools.bench.measure import best_time, write_json
+from dsv41.compiler.tools.bench.measure import best_time, parse_tokens, write_json
 
 if TYPE_CHECKING:  # annotations only: the parser (`add_arguments`) loads without torch
     import torch
@@ -304,7 +304,7 @@ def check_kernels(opts: SelftestOptions, remaining_s: float) -> Check:
 def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
     import torch
 
-    from dsv41.compiler.tools.bench.e2e import StepState, synthetic_cache
+    from dsv41.compiler.tools.bench.synthetic import StepState, synthetic_cache
     from dsv41.graph.checkpoint import checkpoint_config, write_seeded_checkpoint
     from dsv41.graph.config import preset
     from dsv41.graph.cost import decode_step_cost
@@ -432,8 +432,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from(ns) -> SelftestOptions:
-    from dsv41.compiler.tools.bench.e2e import parse_tokens
-
     return SelftestOptions(
         target=ns.target, device=ns.device,
         artifacts=tuple(Path(x) for x in ns.artifacts.split(",") if x),

@@ -2,7 +2,7 @@
 compiled artifact.
 
 - verify cost: seconds of a verify of k = 0..max_draft drafts at each context (a synthetic
-  cache, `bench.synthetic_cache`), in the engine's decode-steps form (1+k decode steps:
+  cache, `bench.synthetic`), in the engine's decode-steps form (1+k decode steps:
   bit-identical to decoding) and the one-pass form (the graph: one forward over 1+k tokens;
   an artifact: one call of its `verify` entry, bit-identical to its decode steps), with the
   draft pass's seconds;
@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from dsv41.compiler.tools.assets import ensure_checkpoint
-from dsv41.compiler.tools.bench.e2e import synthetic_cache
 from dsv41.compiler.tools.bench.measure import median_time, write_json
+from dsv41.compiler.tools.bench.synthetic import synthetic_cache
 from dsv41.graph import phases
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
