@@ -15,7 +15,7 @@ import torch
 from dsv41.compiler.tools.bench import e2e as B
 from dsv41.compiler.tools.bench import synthetic as S
 from dsv41.compiler.tools.bench.measure import parse_tokens
-from dsv41.compiler.tools.cli.parser import main as cli_main
+from dsv41.compiler.tools.cli.main import main as cli_main
 from dsv41.graph.cost import decode_step_cost
 from dsv41.graph.formats import torch_dequant_fp4_kv, torch_dequant_fp8, torch_dequant_mxfp4
 

@@ -10,7 +10,8 @@ import pytest
 
 from dsv41.compiler.tools.bench.e2e import BenchOptions
 from dsv41.compiler.tools.bench.serve import ServeBenchOptions
-from dsv41.compiler.tools.cli.parser import BENCH_VERBS, build_parser, main, with_default_bench_verb
+from dsv41.compiler.tools.cli.bench import BENCH_VERBS, with_default_bench_verb
+from dsv41.compiler.tools.cli.main import build_parser, main
 
 
 def test_plan_all_presets(capsys):

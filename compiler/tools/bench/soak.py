@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41.compiler.tools.assets import ensure_checkpoint
 from dsv41.compiler.tools.bench.measure import write_json
 
 
@@ -205,10 +204,13 @@ def report_json(report: SoakReport) -> dict:
 
 
 def run_command(opts: SoakOptions, *,
-                default_checkpoint: Callable[[str, int], Path] = ensure_checkpoint) -> int:
+                default_checkpoint: Callable[[str, int], Path] | None = None) -> int:
     """`dsv41 bench soak`. `default_checkpoint(preset, seed)`: the checkpoint folder when
-    `opts.checkpoint` is None (the preset's seeded checkpoint, written once)."""
+    `opts.checkpoint` is None (default: the preset's seeded checkpoint, written once)."""
     opts.validate()
+    if default_checkpoint is None:
+        # assets imports torch: `dsv41 --help` reads SoakOptions' defaults without it
+        from dsv41.compiler.tools.assets import ensure_checkpoint as default_checkpoint
     if opts.checkpoint is None:
         opts = replace(opts, checkpoint=default_checkpoint(opts.preset, opts.seed))
     with tempfile.TemporaryDirectory(prefix="dsv41-soak-") as tmp:
