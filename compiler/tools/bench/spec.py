@@ -43,6 +43,8 @@ from dsv41.graph import phases
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
 from dsv41.graph.speculative import cut_back, verify_step
+from dsv41.runtime.backends.artifact import Artifact
+from dsv41.runtime.backends.compiled import CompiledPhases
 from dsv41.runtime.engine.engine import Engine, EngineOptions
 from dsv41.runtime.engine.speculative import SpecPolicy, expected_tokens
 
@@ -105,9 +107,6 @@ def graph_backend(model: Model) -> Backend:
 def artifact_backend(model: Model, artifact_dir: Path) -> Backend:
     """The artifact's compiled phases; its engine in exact mode (prefill_all, decode, draft,
     verify: the entries a speculating exact engine runs)."""
-    from dsv41.runtime.backends.artifact import Artifact
-    from dsv41.runtime.backends.compiled import CompiledPhases
-
     art = Artifact.load(artifact_dir, args=model.args)
     missing = [e for e in ("prefill_all", "decode", "draft", "verify") if e not in art.entries]
     if missing:
@@ -284,8 +283,6 @@ def run_command(opts: SpecBenchOptions, *,
     ckpt = opts.checkpoint or default_checkpoint(opts.preset, opts.seed)
     args = None
     if opts.artifact is not None:  # the artifact's config (e.g. a longer max_seq_len)
-        from dsv41.runtime.backends.artifact import Artifact
-
         args = Artifact.load(opts.artifact).args
     model = Model.from_checkpoint(ckpt, args)
     kw = dict(contexts=opts.contexts, max_draft=opts.max_draft, reps=opts.reps,
