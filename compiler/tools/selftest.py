@@ -20,6 +20,9 @@ it is skipped with the reason), then a one-screen summary and a JSON file:
 
 On a host that cannot run the target (no GPU, another arch) it refuses before any work: it
 prints why and writes the refusal to the JSON (exit status 2).
+
+torch, TVM and the graph modules that import torch are imported inside the checks: the parser
+(`add_arguments`, which `dsv41 --help` reads) and a refusal load without them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import dsv41.runtime
 from dsv41.compiler.tools.bench.measure import best_time, parse_tokens, write_json
+from dsv41.graph.config import load_config, preset
 
 if TYPE_CHECKING:  # annotations only: the parser (`add_arguments`) loads without torch
     import torch
@@ -162,7 +167,6 @@ def environment() -> dict:
     import torch
     import tvm
 
-    import dsv41.runtime
     from dsv41.runtime.backends.device import compiler_available
 
     return {"python": sys.version.split()[0], "torch": torch.__version__, "tvm": tvm.__file__,
@@ -183,7 +187,6 @@ def _sync(device: torch.device) -> None:
 def case_artifact(opts: SelftestOptions, check: str):
     """(case, its config, the artifact of its config with prefill_all and decode), or the
     check's SKIP saying which is missing."""
-    from dsv41.graph.config import load_config
     from dsv41.graph.conformance import load_case
 
     if opts.case is None or not (Path(opts.case) / "case.json").is_file():
@@ -306,7 +309,6 @@ def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
 
     from dsv41.compiler.tools.bench.synthetic import StepState, synthetic_cache
     from dsv41.graph.checkpoint import checkpoint_config, write_seeded_checkpoint
-    from dsv41.graph.config import preset
     from dsv41.graph.cost import decode_step_cost
     from dsv41.graph.model import Model
     from dsv41.runtime.backends.artifact import Artifact

@@ -1,12 +1,14 @@
-"""`dsv41 score`: teacher-forced logits of a token sequence (compiler/tools/scoring.py, which
-imports torch only when it scores)."""
+"""`dsv41 score`: teacher-forced logits of a token sequence (compiler/tools/scoring.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsv41.compiler.tools.cli.common import print_args
-from dsv41.compiler.tools.scoring import ScoreOptions, score_command
+
+if TYPE_CHECKING:
+    from dsv41.compiler.tools.scoring import ScoreOptions
 
 
 def add_parser(sub) -> None:
@@ -25,6 +27,8 @@ def add_parser(sub) -> None:
 
 
 def options(ns) -> ScoreOptions:
+    from dsv41.compiler.tools.scoring import ScoreOptions
+
     return ScoreOptions(
         checkpoint=Path(ns.checkpoint), tokens=Path(ns.tokens), out=Path(ns.out),
         prefill=ns.prefill, mode=ns.mode, backend=ns.backend, kv_dtype=ns.kv_dtype,
@@ -33,5 +37,7 @@ def options(ns) -> ScoreOptions:
 
 
 def run(ns) -> int:
+    from dsv41.compiler.tools.scoring import score_command
+
     print_args("score", ns)
     return score_command(options(ns))
