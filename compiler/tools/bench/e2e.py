@@ -1,12 +1,14 @@
 """`dsv41 bench`: the end-to-end benchmark of one machine, one set of weights, three
-implementations of the same phase graphs (the compiled artifact, PyTorch eager, torch.compile).
+implementations of the same phase graphs (the compiled artifact, PyTorch eager, torch.compile
+of the artifact's entry graphs: `torch_peer.py`).
 
 - decode: one token (batch 1) from a cache holding N positions. Prefilling 256K tokens is out of
-  reach on a CPU, so the cache is synthetic: every ring and store row up to N filled with
-  format-valid entries (the graph's own quantisers over random values), the compressor tails
-  empty (N is a multiple of every ratio), the position, index-K pointer and Engram lookback those
-  of N processed tokens. Each step is timed from the same state (the few per-step fields are reset
-  between calls); implementations alternate within each repetition, in rotating order.
+  reach on a CPU, so the cache is synthetic (`synthetic.py`): every ring and store row up to N
+  filled with format-valid entries (the graph's own quantisers over random values), the
+  compressor tails empty (N is a multiple of every ratio), the position, index-K pointer and
+  Engram lookback those of N processed tokens. Each step is timed from the same state (the few
+  per-step fields are reset between calls); implementations alternate within each repetition,
+  in rotating order.
 - prefill: CED prefill of a prompt from an empty cache (tokens per second).
 - time to first token of agent-loop turns through the Engine: cold, snapshot hit and snapshot
   miss (the DRAM snapshot expired: bounded replay from the SSD prefix blocks).
