@@ -83,6 +83,9 @@ class Impl(StrEnum):
     EAGER = "eager"  # the graph's phases, PyTorch eager
     COMPILE = "compile"  # the artifact's entry graphs compiled by torch.compile
 
+    def __repr__(self) -> str:  # the reports print tuples and dicts of these as plain names
+        return repr(self.value)
+
 
 class Profile(StrEnum):
     """When the decode step is profiled (`--profile`)."""
@@ -90,6 +93,9 @@ class Profile(StrEnum):
     AUTO = "auto"  # when a 64K target is missed
     ALWAYS = "always"
     NEVER = "never"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 IMPLS = tuple(Impl)
