@@ -359,7 +359,7 @@ def run_spec(ns) -> int:
 def _verb(sub, name: BenchVerb, help_: str, add_args, func, options,
           description: str | None = None, **defaults) -> None:
     """One sub-verb: its options, its command and its options dataclass builder."""
-    sp = sub.add_parser(name, help=help_, description=description or help_)
+    sp = sub.add_parser(name.value, help=help_, description=description or help_)
     add_args(sp)
     sp.set_defaults(func=func, options=options, **defaults)
 
