@@ -1,6 +1,7 @@
-"""`dsv41 bench` (compiler/bench.py): the synthetic cache matches a really prefilled one in
-everything but its values, a reset step is repeatable, and the report's arithmetic, budget
-skipping, JSON and plots. No timed asserts: timings are whatever the machine gives."""
+"""`dsv41 bench` (compiler/tools/bench/e2e.py, synthetic.py): the synthetic cache matches a
+really prefilled one in everything but its values, a reset step is repeatable, and the report's
+arithmetic, budget skipping, JSON and plots. No timed asserts: timings are whatever the machine
+gives."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from dsv41.compiler.tools.bench import e2e as B
-from dsv41.compiler.tools.cli.parser import main as cli_main
+from dsv41.compiler.tools.bench import synthetic as S
+from dsv41.compiler.tools.bench.measure import parse_tokens
+from dsv41.compiler.tools.cli.main import main as cli_main
 from dsv41.graph.cost import decode_step_cost
 from dsv41.graph.formats import torch_dequant_fp4_kv, torch_dequant_fp8, torch_dequant_mxfp4
 
@@ -20,10 +23,10 @@ N = 32  # a multiple of every ratio, past the small model's window
 
 
 def test_parse_tokens():
-    assert B.parse_tokens("4K,64K, 1M,512") == (4096, 65536, 1 << 20, 512)
+    assert parse_tokens("4K,64K, 1M,512") == (4096, 65536, 1 << 20, 512)
     for bad in ("", "x", "0", "-4K"):
         with pytest.raises(ValueError):
-            B.parse_tokens(bad)
+            parse_tokens(bad)
 
 
 def _rows_filled(t: torch.Tensor) -> torch.Tensor:
@@ -32,7 +35,7 @@ def _rows_filled(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def synthetic(small_model):
-    return B.synthetic_cache(small_model, N, seed=0)
+    return S.synthetic_cache(small_model, N, seed=0)
 
 
 def test_synthetic_cache_matches_a_prefilled_one(small_model, synthetic):
@@ -75,7 +78,7 @@ def test_reset_step_is_repeatable(small_model, synthetic):
     step starts from the same state (same logits, pos back to N)."""
     from dsv41.graph import phases
 
-    state = B.StepState.of(synthetic)
+    state = S.StepState.of(synthetic)
     tok = torch.tensor([[B.DECODE_TOKEN]])
     a = phases.decode_step(small_model, synthetic, tok).logits
     assert int(synthetic.pos) == N + 1 and torch.isfinite(a).all()
@@ -88,7 +91,7 @@ def test_reset_step_is_repeatable(small_model, synthetic):
 
 def test_synthetic_cache_rejects_partial_groups(small_model):
     with pytest.raises(ValueError, match="multiple"):
-        B.synthetic_cache(small_model, N + 1)
+        S.synthetic_cache(small_model, N + 1)
 
 
 # ---- budget and interleaving, with stand-in implementations --------------------------------------
@@ -224,10 +227,10 @@ def test_check_contexts_refuses_undecodable_contexts_before_measuring(small_mode
     top = max(p.ratio for p in small_model.plan.kv_sources)
     limit = small_model.args.max_seq_len
     longest = (limit - 1) // top * top
-    B.check_contexts(small_model, (top, longest))
+    S.check_contexts(small_model, (top, longest))
     for bad in (0, limit, longest + top, top + 1):
         with pytest.raises(ValueError, match="Cannot decode from a context"):
-            B.check_contexts(small_model, (top, bad))
+            S.check_contexts(small_model, (top, bad))
 
 
 def test_prefill_rows_per_length_with_memory_and_roofline(small_model):

@@ -21,7 +21,7 @@ import torch
 
 from dsv41.compiler.tools.bench import kernels as bench
 from dsv41.compiler.tools.bench import measure
-from dsv41.compiler.tools.cli.parser import main as cli_main
+from dsv41.compiler.tools.cli.main import main as cli_main
 from dsv41.graph import ops
 from dsv41.schedules import moe
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsv41.compiler.tools.bench.load import measure_load, model_tensors
-from dsv41.compiler.tools.cli.parser import main as cli_main
+from dsv41.compiler.tools.cli.main import main as cli_main
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),

@@ -152,7 +152,7 @@ def test_selftest_refuses_without_a_gpu(tmp_path, capsys):
 
 
 def test_bundle_command_refuses_before_compiling(tmp_path, capsys):
-    from dsv41.compiler.tools.cli.parser import main
+    from dsv41.compiler.tools.cli.main import main
 
     full = tmp_path / "full"
     full.mkdir()

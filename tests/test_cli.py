@@ -10,7 +10,8 @@ import pytest
 
 from dsv41.compiler.tools.bench.e2e import BenchOptions
 from dsv41.compiler.tools.bench.serve import ServeBenchOptions
-from dsv41.compiler.tools.cli.parser import BENCH_VERBS, build_parser, main, with_default_bench_verb
+from dsv41.compiler.tools.cli.bench import BENCH_VERBS, with_default_bench_verb
+from dsv41.compiler.tools.cli.main import build_parser, main
 
 
 def test_plan_all_presets(capsys):
@@ -74,7 +75,11 @@ def test_every_verb_and_sub_verb_has_help(capsys):
     for argv in VERBS:  # the tree dispatches every verb and sub-verb to its command
         ns = build_parser().parse_args(with_default_bench_verb([*argv,
                                                                 *required.get(argv[0], [])]))
-        assert ns.func.__name__ == "cmd_" + "_".join(argv).replace("bench_e2e", "bench")
+        # a verb's module's `run`; a bench sub-verb's `run_<sub-verb>` of cli/bench.py
+        module, name = ("bench", f"run_{argv[1] if argv[1:] else 'e2e'}") \
+            if argv[0] == "bench" else (argv[0], "run")
+        assert (ns.func.__module__, ns.func.__name__) == \
+            (f"dsv41.compiler.tools.cli.{module}", name), argv
 
 
 def test_bad_input_is_an_argparse_error(capsys):

@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from dsv41.compiler.tools.bench.e2e import TorchCompiledEntries
+from dsv41.compiler.tools.bench.torch_peer import TorchCompiledEntries
 from dsv41.graph.phases_api import GraphPhases, Phases
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases, EntryBackend

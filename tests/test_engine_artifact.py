@@ -227,7 +227,7 @@ def test_an_entry_called_with_other_inputs_than_compiled_is_refused(engine_args,
 
 
 def test_a_backend_that_declares_no_inputs_is_called_unchecked(engine_args, tmp_path):
-    """The torch.compile peer (`compiler.bench.TorchCompiledEntries`) captures each entry at its
+    """The torch.compile peer (`compiler.tools.bench.torch_peer`) captures each entry at its
     first call from the inputs it is given, so its manifest lists no inputs: the count check
     is for artifacts only, and such a backend is called (here: the artifact itself with its
     input lists removed, which must give the same tokens)."""

@@ -183,7 +183,7 @@ def test_score_with_images_on_the_artifact(vcase, vart, vmodel, compiled, png, t
     compiled vision entry's rows in the compiled prefill, then decode steps; the logits are the
     teacher-forced compiled run's above bit for bit (so conformant with it), the aligned rows
     are reported, and CED mode is refused with the reason."""
-    from dsv41.compiler.tools.cli.parser import main as cli
+    from dsv41.compiler.tools.cli.main import main as cli
     from dsv41.graph.score import GraphBackend, score
 
     img, toks, out = tmp_path / "case.png", tmp_path / "case.txt", tmp_path / "s.npz"

@@ -296,7 +296,7 @@ def replace_tokens(params: SamplingParams, n: int) -> SamplingParams:
 
 
 def test_serve_role_needs_a_redis_url_and_a_known_role(capsys):
-    from dsv41.compiler.tools.cli import parser as cli
+    from dsv41.compiler.tools.cli import main as cli
 
     assert cli.main(["serve", "--role", "decode", "--backend", "torch"]) != 0
     assert "--role decode needs --redis-url" in capsys.readouterr().err

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from dsv41.compiler.build import CompileOptions, CompileReport, write_manifest
-from dsv41.compiler.tools.cli import parser as cli
+from dsv41.compiler.tools.cli import main as cli
 from dsv41.graph.artifact_format import EntrySpec
 from dsv41.graph.config import load_config
 from dsv41.runtime.backends.artifact import Artifact, ArtifactError, check_checkpoint_config, verify

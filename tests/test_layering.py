@@ -191,7 +191,7 @@ def test_the_rooms_import_only_what_their_rules_allow():
 
 def test_the_room_rules_catch_an_import_against_them():
     assert room_of("compiler.build") == "compiler"
-    assert room_of("compiler.tools.cli.parser") is None
+    assert room_of("compiler.tools.cli.main") is None
     assert room_of("runtime.tiers.ssd_store") == "runtime.tiers"
     assert room_of("runtime.serving.app") == "runtime.serving"
 

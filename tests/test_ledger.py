@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.compiler.tools.cli.parser import main
+from dsv41.compiler.tools.cli.main import main
 from dsv41.graph.cache import new_cache
 from dsv41.graph.conformance import golden_arithmetic_here
 from dsv41.graph.ledger import (

@@ -363,7 +363,7 @@ def test_dsv41_chat_through_a_pipe(small_artifact, small_case):
 
 
 def test_dsv41_bench_serve_json(small_artifact, small_case, tmp_path, capsys):
-    from dsv41.compiler.tools.cli.parser import main
+    from dsv41.compiler.tools.cli.main import main
 
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--artifact", str(small_artifact), "--checkpoint",

@@ -211,7 +211,7 @@ def test_fp8_linear_f32_kernel_matches_its_oracle(hint):
 
 
 def test_dsv41_compile_shards_refuses_what_it_cannot_build(tmp_path, capsys):
-    from dsv41.compiler.tools.cli.parser import main
+    from dsv41.compiler.tools.cli.main import main
 
     assert main(["compile", "--preset", "small", "--shards", "3", "--out", str(tmp_path)]) == 2
     assert "do not split over 3" in capsys.readouterr().err

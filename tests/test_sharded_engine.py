@@ -131,7 +131,7 @@ def test_cli_loads_disco_first_for_a_sharded_artifact(tmp_path):
         (d / "manifest.json").write_text(text)
     script = (
         "import argparse, sys\n"
-        "from dsv41.compiler.tools.cli.parser import load_disco_first\n"
+        "from dsv41.compiler.tools.cli.main import load_disco_first\n"
         "for d in sys.argv[1:]:\n"
         "    print(load_disco_first(argparse.Namespace(artifact=d)))\n"
         "import tvm\n"

@@ -80,7 +80,7 @@ def test_worker_counts_that_split():
 
 
 def test_dsv41_plan_shards(tmp_path, capsys):
-    from dsv41.compiler.tools.cli.parser import main
+    from dsv41.compiler.tools.cli.main import main
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--preset", "full", "--shards", "8", "--json", str(out)]) == 0

@@ -14,7 +14,8 @@ import pytest
 
 from dsv41.compiler.tools.bench import soak
 from dsv41.compiler.tools.bench.soak import SoakOptions, report_json, run_soak
-from dsv41.compiler.tools.cli import parser as cli
+from dsv41.compiler.tools.cli import main as cli
+from dsv41.compiler.tools.cli.bench import soak_options
 from dsv41.runtime.backends.onednn import (
     DEFAULT_ONEDNN_CACHE_CAPACITY,
     ONEDNN_CACHE_VARIABLES,
@@ -100,7 +101,7 @@ def test_bench_soak_resolves_the_preset_and_writes_its_json(small_case, tmp_path
     out = tmp_path / "soak.json"
     argv = ["--turns", "2", "--sessions", "1", "--baseline-turn", "1", "--sample-every", "1",
             "--seed", "3", "--json", str(out)]
-    opts = cli.bench_soak_options(cli.build_parser().parse_args(["bench", "soak", *argv]))
+    opts = soak_options(cli.build_parser().parse_args(["bench", "soak", *argv]))
     assert soak.run_command(opts, default_checkpoint=default_checkpoint) == 0
     assert asked == [("small", 3)]
     doc = json.loads(out.read_text())

@@ -577,7 +577,8 @@ def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_m
 
 def test_spec_bench_refuses_bad_impls(tmp_path):
     from dsv41.compiler.tools.bench.spec import run_command
-    from dsv41.compiler.tools.cli.parser import bench_spec_options, build_parser
+    from dsv41.compiler.tools.cli.bench import spec_options
+    from dsv41.compiler.tools.cli.main import build_parser
 
     def no_checkpoint(preset, seed):
         raise AssertionError("the options are checked before any checkpoint is made")
@@ -587,7 +588,7 @@ def test_spec_bench_refuses_bad_impls(tmp_path):
                       (["--impls", "graph,onnx"], "graph and/or artifact")):
         ns = build_parser().parse_args(["bench", "spec", *argv])
         with pytest.raises(ValueError, match=msg):
-            run_command(bench_spec_options(ns), default_checkpoint=no_checkpoint)
+            run_command(spec_options(ns), default_checkpoint=no_checkpoint)
 
 
 # ---- the captured verify entry ----------------------------------------------------------------

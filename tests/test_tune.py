@@ -133,7 +133,7 @@ def test_cuda_without_gpu_is_refused_and_writes_nothing(tmp_path, capsys):
     with pytest.raises(ValueError, match="no database was written|No database was written"):
         tn.tune(opts, progress=False)
     assert not any(tmp_path.iterdir())
-    from dsv41.compiler.tools.cli.parser import main
+    from dsv41.compiler.tools.cli.main import main
 
     assert main(["tune", "--preset", "small", "--target", "cuda-sm90", "--out",
                  str(tmp_path)]) == 2

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dsv41.compiler.tools.cli.parser import main
+from dsv41.compiler.tools.cli.main import main
 from dsv41.graph import vision
 from dsv41.graph.cache import new_cache
 from dsv41.graph.conformance import evaluate

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsv41.graph.checkpoint import DEFAULT_CHECKPOINTS
+from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact, missing_entries
+from dsv41.compiler.progress import CompileBar
+from dsv41.graph.checkpoint import DEFAULT_CHECKPOINTS, write_seeded_checkpoint
+from dsv41.graph.config import load_config, preset
 
 
 def ensure_checkpoint(preset_name: str, seed: int = 0) -> Path:
     """The seeded checkpoint for a preset, written once under artifacts/checkpoints/."""
-    from dsv41.graph.checkpoint import write_seeded_checkpoint
-    from dsv41.graph.config import preset
-
     out = DEFAULT_CHECKPOINTS / f"{preset_name}-seed{seed}"
     if not (out / "config.json").exists():
         print(f"writing a seeded {preset_name} checkpoint to {out} ...")
@@ -25,10 +25,6 @@ def ensure_checkpoint(preset_name: str, seed: int = 0) -> Path:
 def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str, ...],
                     out: Path) -> Path:
     """The artifact for the checkpoint's config, compiling the entries it lacks."""
-    from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact, missing_entries
-    from dsv41.compiler.progress import CompileBar
-    from dsv41.graph.config import load_config
-
     args = load_config(checkpoint)
     opts = CompileOptions(args=args, model_name=name, target=target, out=out, entries=entries)
     todo = missing_entries(opts.artifact_dir, args, target, entries)

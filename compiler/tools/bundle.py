@@ -31,13 +31,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv41.compiler.progress import LineProgress
+from dsv41.graph.config import load_config, preset
+
 MiB = 1 << 20
 DEFAULT_MAX_BYTES = 64 * MiB
 FORMAT = 1
 PACKAGE = Path(__file__).resolve().parents[2]  # the dsv41 source tree (graph/, runtime/, ...)
 # of compiler/, what gpu_check.py runs: the check and the bench modules it reads
 COMPILER_FILES = ("__init__.py", "tools/__init__.py", "tools/selftest.py",
-                  "tools/bench/__init__.py", "tools/bench/e2e.py", "tools/bench/measure.py")
+                  "tools/bench/__init__.py", "tools/bench/measure.py",
+                  "tools/bench/synthetic.py")
 TVM_RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_runtime_extra.so", "libtvm_runtime_cuda.so")
 # folders of the tvm / tvm_ffi packages no runtime import reads (headers, sources, the web
 # runtime, CMake files) and the compiler library
@@ -142,7 +146,7 @@ def _copy_dsv41(lib: Path) -> None:
 
 
 def _artifact_info(path: Path) -> dict:
-    from dsv41.runtime.backends.artifact import verify
+    from dsv41.runtime.backends.artifact import verify  # torch: as check_artifacts' build
 
     m = verify(path, check_device=False)
     return {"target": str(m.target.name), "config_hash": m.config_hash,
@@ -233,9 +237,8 @@ def check_artifacts(target: str, case: Path, out: Path, say=print) -> tuple[Path
     """The artifacts `gpu_check.py` runs for `target`: shared-small's config (from the case's
     checkpoint) with SMALL_ENTRIES and the bench preset with BENCH_ENTRIES, under `out`,
     compiling the entries they lack (CUDA targets build real SASS here, without a GPU)."""
+    # torch: compiler.build imports it; `dsv41 --help` reads this module's parser inputs without it
     from dsv41.compiler.build import CompileOptions, compile_artifact, missing_entries
-    from dsv41.compiler.progress import LineProgress
-    from dsv41.graph.config import load_config, preset
 
     made = []
     for name, args, entries in (("shared-small", load_config(Path(case) / "checkpoint"),

@@ -1,5 +1,5 @@
 """`dsv41 ledger`: the approximations ledger of `graph/ledger.py` on a checkpoint, with a progress
-bar, the bench's synthetic caches for the long contexts (`bench.synthetic_cache`), the table and
+bar, the bench's synthetic caches for the long contexts (`bench.synthetic`), the table and
 the JSON."""
 
 from __future__ import annotations
@@ -9,8 +9,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from dsv41.compiler.tools.assets import ensure_checkpoint
-from dsv41.graph.ledger import LedgerOptions
+from dsv41.compiler.tools.bench.measure import write_json
+from dsv41.compiler.tools.bench.synthetic import synthetic_cache
+from dsv41.graph.ledger import (
+    LedgerOptions,
+    format_ledger,
+    ledger_json,
+    long_switches,
+    run_ledger,
+)
+from dsv41.graph.model import Model
 
 
 @dataclass(frozen=True)
@@ -25,13 +36,6 @@ def run_command(opts: LedgerCommandOptions, *,
                 default_checkpoint: Callable[[str, int], Path] = ensure_checkpoint) -> int:
     """Every comparison, then the table (and JSON). `default_checkpoint(preset, seed)`: the
     checkpoint without `opts.checkpoint`."""
-    from tqdm import tqdm
-
-    from dsv41.compiler.tools.bench.e2e import synthetic_cache
-    from dsv41.compiler.tools.bench.measure import write_json
-    from dsv41.graph.ledger import format_ledger, ledger_json, long_switches, run_ledger
-    from dsv41.graph.model import Model
-
     lo = opts.ledger
     ckpt = opts.checkpoint or default_checkpoint(opts.preset, lo.seed)
     t0 = time.time()

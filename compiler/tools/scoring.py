@@ -7,6 +7,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from tqdm import tqdm
+
+from dsv41.graph.image_processor import load_image
+from dsv41.graph.model import Model
+from dsv41.graph.score import GraphBackend, read_tokens, score
+from dsv41.graph.vision import find_spans
+from dsv41.runtime.backends.artifact import Artifact
+from dsv41.runtime.backends.compiled import CompiledPhases
+
 
 @dataclass(frozen=True)
 class ScoreOptions:
@@ -23,12 +33,6 @@ class ScoreOptions:
 
 def score_command(opts: ScoreOptions) -> int:
     """Load, check the options against the model, score, write the .npz and print a line."""
-    import numpy as np
-    from tqdm import tqdm
-
-    from dsv41.graph.model import Model
-    from dsv41.graph.score import GraphBackend, read_tokens, score
-
     tokens = read_tokens(opts.tokens)
     hidden = opts.hidden_states
     t0 = time.time()
@@ -38,9 +42,6 @@ def score_command(opts: ScoreOptions) -> int:
             raise ValueError(f"--hidden-states {h} is not a block of 0..{model.args.n_layers - 1}.")
     phases, label = None, "the PyTorch graph"
     if opts.backend != "torch":
-        from dsv41.runtime.backends.artifact import Artifact
-        from dsv41.runtime.backends.compiled import CompiledPhases
-
         if not Path(opts.backend).is_dir():
             raise ValueError(f"--backend {opts.backend!r} is neither 'torch' nor an artifact "
                              "directory.")
@@ -71,9 +72,6 @@ def score_command(opts: ScoreOptions) -> int:
 def _score_images(paths: tuple[Path, ...], model, tokens, prefill: int | None) -> list:
     """Each image preprocessed, its span found in the prompt (laid out as the released
     `prepare_vl_inputs` writes it) and checked against its planned grid."""
-    from dsv41.graph.image_processor import load_image
-    from dsv41.graph.vision import find_spans
-
     if not paths:
         return []
     if not model.vision:

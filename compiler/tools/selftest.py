@@ -14,12 +14,15 @@ it is skipped with the reason), then a one-screen summary and a JSON file:
    are installed (they build kernels); a runtime bundle has neither and says so;
 4. decode: the compiled `decode` entry of the checkpoint at `--bench-checkpoint` (the `bench`
    preset's seeded checkpoint, written on this host when missing) at each context (default 4K /
-   64K / 128K; synthetic caches, `compiler.bench.synthetic_cache`, moved to the device), ms per
+   64K / 128K; synthetic caches, `compiler.tools.bench.synthetic`, moved to the device), ms per
    token against the step's bytes (`graph.cost`) over this device's measured copy bandwidth: the
    fraction of HBM bandwidth.
 
 On a host that cannot run the target (no GPU, another arch) it refuses before any work: it
 prints why and writes the refusal to the JSON (exit status 2).
+
+torch, TVM and the graph modules that import torch are imported inside the checks: the parser
+(`add_arguments`, which `dsv41 --help` reads) and a refusal load without them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv41.compiler.tools.bench.measure import best_time, write_json
+import dsv41.runtime
+from dsv41.compiler.tools.bench.measure import best_time, parse_tokens, write_json
+from dsv41.graph.config import load_config, preset
 
 if TYPE_CHECKING:  # annotations only: the parser (`add_arguments`) loads without torch
     import torch
@@ -162,7 +167,6 @@ def environment() -> dict:
     import torch
     import tvm
 
-    import dsv41.runtime
     from dsv41.runtime.backends.device import compiler_available
 
     return {"python": sys.version.split()[0], "torch": torch.__version__, "tvm": tvm.__file__,
@@ -183,7 +187,6 @@ def _sync(device: torch.device) -> None:
 def case_artifact(opts: SelftestOptions, check: str):
     """(case, its config, the artifact of its config with prefill_all and decode), or the
     check's SKIP saying which is missing."""
-    from dsv41.graph.config import load_config
     from dsv41.graph.conformance import load_case
 
     if opts.case is None or not (Path(opts.case) / "case.json").is_file():
@@ -304,9 +307,8 @@ def check_kernels(opts: SelftestOptions, remaining_s: float) -> Check:
 def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
     import torch
 
-    from dsv41.compiler.tools.bench.e2e import StepState, synthetic_cache
+    from dsv41.compiler.tools.bench.synthetic import StepState, synthetic_cache
     from dsv41.graph.checkpoint import checkpoint_config, write_seeded_checkpoint
-    from dsv41.graph.config import preset
     from dsv41.graph.cost import decode_step_cost
     from dsv41.graph.model import Model
     from dsv41.runtime.backends.artifact import Artifact
@@ -432,8 +434,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from(ns) -> SelftestOptions:
-    from dsv41.compiler.tools.bench.e2e import parse_tokens
-
     return SelftestOptions(
         target=ns.target, device=ns.device,
         artifacts=tuple(Path(x) for x in ns.artifacts.split(",") if x),

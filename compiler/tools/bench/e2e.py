@@ -1,12 +1,14 @@
 """`dsv41 bench`: the end-to-end benchmark of one machine, one set of weights, three
-implementations of the same phase graphs (the compiled artifact, PyTorch eager, torch.compile).
+implementations of the same phase graphs (the compiled artifact, PyTorch eager, torch.compile
+of the artifact's entry graphs: `torch_peer.py`).
 
 - decode: one token (batch 1) from a cache holding N positions. Prefilling 256K tokens is out of
-  reach on a CPU, so the cache is synthetic: every ring and store row up to N filled with
-  format-valid entries (the graph's own quantisers over random values), the compressor tails
-  empty (N is a multiple of every ratio), the position, index-K pointer and Engram lookback those
-  of N processed tokens. Each step is timed from the same state (the few per-step fields are reset
-  between calls); implementations alternate within each repetition, in rotating order.
+  reach on a CPU, so the cache is synthetic (`synthetic.py`): every ring and store row up to N
+  filled with format-valid entries (the graph's own quantisers over random values), the
+  compressor tails empty (N is a multiple of every ratio), the position, index-K pointer and
+  Engram lookback those of N processed tokens. Each step is timed from the same state (the few
+  per-step fields are reset between calls); implementations alternate within each repetition,
+  in rotating order.
 - prefill: CED prefill of a prompt from an empty cache (tokens per second).
 - time to first token of agent-loop turns through the Engine: cold, snapshot hit and snapshot
   miss (the DRAM snapshot expired: bounded replay from the SSD prefix blocks).
@@ -27,11 +29,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
 
+from dsv41.compiler.build import CompileOptions, missing_entries
+from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
 from dsv41.compiler.tools.bench.measure import (
     current_rss,
     gib,
@@ -47,10 +54,53 @@ from dsv41.compiler.tools.bench.measure import (
     times,
     write_json,
 )
+from dsv41.compiler.tools.bench.synthetic import (
+    StepState,
+    cache_bytes,
+    check_contexts,
+    synthetic_cache,
+)
+from dsv41.compiler.tools.bench.torch_peer import TorchCompiledEntries
+from dsv41.graph.cache import new_cache
+from dsv41.graph.checkpoint import weights_fingerprint
+from dsv41.graph.config import load_config
+from dsv41.graph.cost import PrefillMode, decode_step_cost, prefill_cost
+from dsv41.graph.entries import entry_inputs
+from dsv41.graph.model import Model
+from dsv41.graph.phases import check_tokens, new_chunk
+from dsv41.graph.phases_api import GraphPhases
+from dsv41.runtime.backends.artifact import Artifact
+from dsv41.runtime.backends.compiled import CompiledPhases
+from dsv41.runtime.backends.tensors import to_tvm
+from dsv41.runtime.engine.engine import Engine, EngineOptions
 
-IMPLS = ("artifact", "eager", "compile")
-LABELS = {"artifact": "compiled artifact (TVM)", "eager": "PyTorch eager",
-          "compile": "torch.compile (Inductor)"}
+
+class Impl(StrEnum):
+    """The implementations of the same phase graphs (`--impls`, `--prefill-impls`,
+    `--tier-impls`); a member is its own name in the text and JSON reports."""
+
+    ARTIFACT = "artifact"  # the compiled artifact (TVM)
+    EAGER = "eager"  # the graph's phases, PyTorch eager
+    COMPILE = "compile"  # the artifact's entry graphs compiled by torch.compile
+
+    def __repr__(self) -> str:  # the reports print tuples and dicts of these as plain names
+        return repr(self.value)
+
+
+class Profile(StrEnum):
+    """When the decode step is profiled (`--profile`)."""
+
+    AUTO = "auto"  # when a 64K target is missed
+    ALWAYS = "always"
+    NEVER = "never"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+IMPLS = tuple(Impl)
+LABELS = {Impl.ARTIFACT: "compiled artifact (TVM)", Impl.EAGER: "PyTorch eager",
+          Impl.COMPILE: "torch.compile (Inductor)"}
 TIERS = ("cold", "snapshot", "prefix")  # prefix = snapshot miss: bounded replay
 TIER_LABELS = {"cold": "cold", "snapshot": "snapshot hit", "prefix": "snapshot miss",
                "prefix-new-session": "prefix hit, new session"}
@@ -62,26 +112,6 @@ DECODE_TOKEN = 5  # the token fed to every timed decode step (not a special id)
 # ---- options ------------------------------------------------------------------------------------
 
 
-def parse_tokens(text: str) -> tuple[int, ...]:
-    """'4K,64K,1M' -> (4096, 65536, 1048576): K = 1024, M = 1024^2 (contexts are powers of two)."""
-    out = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20}.get(part[-1].upper(), 1)
-        digits = part[:-1] if mult > 1 else part
-        try:
-            n = int(float(digits) * mult)
-        except ValueError as e:
-            raise ValueError(f"Cannot read {part!r} as a token count (e.g. 4096, 64K, 1M).") from e
-        if n <= 0:
-            raise ValueError(f"Token counts must be positive, got {part!r}.")
-        out.append(n)
-    if not out:
-        raise ValueError(f"No token counts in {text!r}.")
-    return tuple(out)
-
-
 @dataclass(frozen=True)
 class BenchOptions:
     preset: str = "bench"
@@ -91,20 +121,20 @@ class BenchOptions:
     target: str = "cpu"
     compile_missing: bool = True  # compile the artifact entries it lacks (never the runtime)
     contexts: tuple[int, ...] = (4096, 16384, 65536, 262144)
-    impls: tuple[str, ...] = IMPLS
+    impls: tuple[Impl, ...] = IMPLS
     reps: int = 5  # timed decode steps per (implementation, context)
     budget_s: float = 120.0  # per cell: time spent on one implementation at one context
     prefill_tokens: int = 1024  # 0: no prefill rows
-    prefill_impls: tuple[str, ...] = ("artifact", "eager")
+    prefill_impls: tuple[Impl, ...] = (Impl.ARTIFACT, Impl.EAGER)
     prefill_reps: int = 3
     prefill_lengths: tuple[int, ...] = ()  # a prefill row per length (empty: prefill_tokens)
     prefill_chunk_tokens: int = 2048  # the engine's default chunk (EngineOptions)
     tiers: bool = True
     tier_context: int = 1024  # the first turn's prompt (cold)
     tier_suffix: int = 32  # each later turn's new tokens
-    tier_impls: tuple[str, ...] = ("artifact", "eager")
+    tier_impls: tuple[Impl, ...] = (Impl.ARTIFACT, Impl.EAGER)
     threads: int = 0  # 0: torch's default; TVM is set to the same
-    profile: str = "auto"  # auto: when a 64K target is missed | always | never
+    profile: Profile = Profile.AUTO
     profile_context: int = TARGET_CONTEXT
     profile_top: int = 15  # rows of the profile table (the JSON keeps the same rows)
     json: Path | None = None
@@ -123,7 +153,7 @@ class BenchOptions:
             raise ValueError("--reps and --prefill-reps must be at least 1.")
         if self.budget_s <= 0:
             raise ValueError(f"--budget-s must be positive, got {self.budget_s}.")
-        if self.profile not in ("auto", "always", "never"):
+        if self.profile not in tuple(Profile):
             raise ValueError(f"--profile must be auto, always or never, got {self.profile!r}.")
         if self.profile_top < 1:
             raise ValueError(f"--profile-top must be at least 1, got {self.profile_top}.")
@@ -271,9 +301,9 @@ def ratios(report: BenchReport) -> list[dict]:
     """Per context: the artifact's speedup over eager and over torch.compile (medians)."""
     out = []
     for n in report.options.contexts:
-        art = report.cell("artifact", n)
+        art = report.cell(Impl.ARTIFACT, n)
         row = {"context": n}
-        for other in ("eager", "compile"):
+        for other in (Impl.EAGER, Impl.COMPILE):
             c = report.cell(other, n)
             row[f"vs_{other}"] = speedup(c and c.median_s, art and art.median_s)
             # a cell whose one step ran past the budget still bounds the ratio from below
@@ -302,147 +332,16 @@ def targets(report: BenchReport) -> dict:
             "met_vs_eager": None if ve is None else ve >= TARGET_VS_EAGER}
 
 
-# ---- the synthetic cache ------------------------------------------------------------------------
-
-
-def cache_bytes(plan, context: int) -> int:
-    """Bytes of one sequence's cache at `context` positions (rings, stores, tails)."""
-    from dsv41.graph.layout import KVLayout
-
-    lay = KVLayout.from_plan(plan)
-    per_tok = sum((s.main_kv_bytes + s.index_k_bytes) / s.ratio for s in lay.sources)
-    return int(per_tok * context) + len(lay.window_layers) * lay.window * \
-        lay.window_entry_bytes + lay.tail_bytes
-
-
-def _fill(codes: torch.Tensor, scales: torch.Tensor, rows: int, quant, gen: torch.Generator,
-          dim: int, chunk: int = 8192) -> None:
-    """Rows [0, rows) of (b=1) codes/scales: the quantiser's output over N(0, 1) values."""
-    for r0 in range(0, rows, chunk):
-        r1 = min(rows, r0 + chunk)
-        x = torch.randn(r1 - r0, dim, generator=gen)
-        c, s = quant(x)
-        codes[0, r0:r1], scales[0, r0:r1] = c, s
-
-
-def synthetic_cache(model, context: int, *, seed: int = 0, margin: int = 64):
-    """A batch-1 cache as if `context` tokens had been processed: every window slot and every
-    store row below context // ratio hold format-valid entries of random values, the tails are
-    empty (context is a multiple of every ratio), and pos, the index-K pointer and the Engram
-    lookback match `context` processed tokens. Capacity is context + margin positions."""
-    from dsv41.graph import ops
-    from dsv41.graph.cache import new_cache
-    from dsv41.graph.engram import empty_history, engram_history_after
-    from dsv41.runtime.engine.state import index_owner_at
-
-    plan, a = model.plan, model.args
-    check_contexts(model, (context,))
-    pad = model.engram.pad_id if model.engram is not None else None
-    cache = new_cache(plan, 1, context + margin, engram_pad=pad)
-    gen = torch.Generator().manual_seed(seed)
-    filled = min(context, a.window_size)  # slot p % W holds position p
-    for ring in cache.windows.values():
-        _fill(ring.codes, ring.scales, filled, ops.quant_fp8, gen, a.head_dim)
-    for st in cache.stores.values():
-        rows = context // st.ratio
-        _fill(st.kv_codes, st.kv_scales, rows, ops.quant_fp4_kv, gen, a.head_dim)
-        if st.k_codes is not None:
-            _fill(st.k_codes, st.k_scales, rows, ops.quant_mxfp4, gen, a.index_head_dim)
-    cache.pos = torch.tensor([context], dtype=torch.int64)
-    cache.index_owner = torch.tensor([index_owner_at(plan, context)], dtype=torch.int64)
-    if model.engram is not None:
-        rng = np.random.default_rng(seed)
-        recent = rng.integers(3, a.vocab_size - 1, size=(1, model.engram.max_ngram - 1))
-        cache.engram_history = engram_history_after(model.engram, empty_history(model.engram, 1),
-                                                    recent)
-    return cache
-
-
-@dataclass
-class StepState:
-    """The per-step fields of a cache, to put it back before each timed step (the big tensors
-    change in one ring slot and one row per store, rewritten identically by every step)."""
-
-    pos: torch.Tensor
-    index_owner: torch.Tensor
-    engram_history: np.ndarray | None
-
-    @classmethod
-    def of(cls, cache) -> StepState:
-        h = cache.engram_history
-        return cls(cache.pos.clone(), cache.index_owner.clone(), None if h is None else h.copy())
-
-    def restore(self, cache) -> None:
-        cache.pos = self.pos.clone()
-        cache.index_owner = self.index_owner.clone()
-        cache.engram_history = None if self.engram_history is None else self.engram_history.copy()
-        for st in cache.stores.values():
-            if st.tail_kv is not None:
-                st.tail_kv = torch.zeros_like(st.tail_kv)
-                st.tail_score = torch.full_like(st.tail_score, float("-inf"))
-
-
 # ---- the three implementations ------------------------------------------------------------------
-
-
-class TorchCompiledEntries:
-    """The artifact's calling convention (`bind`, `call`, `specs`) over `torch.compile` of the
-    artifact's own entry graphs: each entry is captured exactly as `dsv41 compile` captures it
-    (`capture.capture`, symbolic batch, tokens and context), and the exported program is
-    compiled by Inductor with dynamic shapes instead of by TVM, so one compilation serves every
-    context, and `runtime.compiled.CompiledPhases` runs it with the same host half. (Compiling
-    the eager phase code instead graph-breaks at every data-dependent slice and recompiles per
-    layer.) Capture and compile happen at an entry's first call; their seconds are kept."""
-
-    def __init__(self, model, entries: tuple[str, ...]):
-        from dsv41.graph.artifact_format import EntrySpec
-        from dsv41.graph.cache import new_cache
-        from dsv41.graph.entries import cache_names, entry_outputs
-
-        self.model = model
-        template = new_cache(model.plan, 1, 64)  # structure only
-        names = tuple(cache_names(template))
-        self.specs = {e: EntrySpec(outputs=tuple(entry_outputs(model.plan, e, template)),
-                                   cache=names) for e in entries}  # inputs: none declared
-        self._fns: dict[str, Callable] = {}
-        self.seconds: dict[str, dict[str, float]] = {}  # entry -> capture / first call
-
-    @property
-    def entries(self) -> tuple[str, ...]:
-        return tuple(self.specs)
-
-    def bind(self, model) -> None:
-        assert model is self.model, "TorchCompiledEntries is built for one model"
-
-    def call(self, entry: str, inputs) -> list[torch.Tensor]:
-        from dsv41.compiler.capture import capture
-
-        first = entry not in self._fns
-        if first:
-            t0 = time.perf_counter()
-            ep, _ = capture(self.model, entry)
-            self.seconds[entry] = {"capture": time.perf_counter() - t0}
-            self._fns[entry] = torch.compile(ep.module(), dynamic=True)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = list(self._fns[entry](*inputs))
-        if first:
-            self.seconds[entry]["first_call"] = time.perf_counter() - t0
-        return out
 
 
 def make_phases(impl: str, model, artifact_dir: Path | None, entries: tuple[str, ...]):
     """The `graph.phases_api.Phases` of one implementation: the graph's (eager), the artifact's
     entries compiled by torch.compile (compile), or by TVM (artifact)."""
-    from dsv41.graph.phases_api import GraphPhases
-    from dsv41.runtime.backends.compiled import CompiledPhases
-
-    if impl == "eager":
+    if impl == Impl.EAGER:
         return GraphPhases()
-    if impl == "compile":
+    if impl == Impl.COMPILE:
         return CompiledPhases(TorchCompiledEntries(model, entries), model)
-    from dsv41.runtime.backends.artifact import Artifact
-
     return CompiledPhases(Artifact.load(artifact_dir, args=model.args), model)
 
 
@@ -495,8 +394,8 @@ def bench_decode_context(runners: dict[str, Callable], cache, context: int, opts
                 cell.samples_s.append(dt)
     state.restore(cache)
     for impl, cell in cells.items():
-        if "eager" in first and impl in first:
-            cell.logits_diff = float((first[impl] - first["eager"]).abs().max())
+        if Impl.EAGER in first and impl in first:
+            cell.logits_diff = float((first[impl] - first[Impl.EAGER]).abs().max())
     for cell in cells.values():
         cell.load_avg = os.getloadavg()[0]
         if not cell.skipped and len(cell.samples_s) < opts.reps:
@@ -536,8 +435,6 @@ def model_bytes(model) -> int:
 def _measured_prefill(ph, model, n: int, tokens: torch.Tensor, chunk: int):
     """One CED prefill of `tokens` from a fresh cache: (seconds, peak RSS, RSS before, cache
     bytes)."""
-    from dsv41.graph.cache import new_cache
-
     pad = model.engram.pad_id if model.engram is not None else None
     cache = new_cache(model.plan, 1, n + 64, engram_pad=pad)
     gc.collect()
@@ -559,8 +456,6 @@ def bench_prefill(phases_by_impl: dict, model, opts: BenchOptions,
     length; each implementation warms up once on one chunk, then `prefill_reps` timed
     prefills per length, interleaved. A length whose projection from the previous one (linear
     in the tokens, a lower bound: the sweeps grow faster) exceeds the budget is skipped."""
-    from dsv41.graph.cost import PrefillMode, prefill_cost
-
     rng = np.random.default_rng(opts.seed)
     lengths = opts.prefill_rows
     tokens_all = torch.tensor(rng.integers(3, model.args.vocab_size - 1, size=(1, max(lengths))))
@@ -648,8 +543,6 @@ def bench_tiers(impl: str, phases, model, weights_hash: str, opts: BenchOptions)
     session in a new engine over the same store (what a new process sees) whose prompt shares
     the first turn's prompt and adds a suffix: a prefix hit on the first conversation's
     blocks."""
-    from dsv41.runtime.engine.engine import Engine, EngineOptions
-
     rng = np.random.default_rng(opts.seed)
     hi = model.args.vocab_size - 1
     clock = _Clock()
@@ -687,12 +580,8 @@ def bench_tiers(impl: str, phases, model, weights_hash: str, opts: BenchOptions)
 def profile_artifact_step(artifact, model, cache, top: int = 15) -> list[dict]:
     """Per-function time of one artifact decode step: the Relax VM's instrument hook around
     every call the VM makes (kernels and builtins; a few microseconds of hook each)."""
-    import tvm
+    import tvm  # the artifact's profile only: the eager and compile columns never load TVM
     from tvm import relax
-
-    from dsv41.graph.entries import entry_inputs
-    from dsv41.graph.phases import check_tokens, new_chunk
-    from dsv41.runtime.backends.tensors import to_tvm
 
     tokens = check_tokens(model, torch.tensor([[DECODE_TOKEN]]))
     chunk = new_chunk(model, cache, tokens)
@@ -726,8 +615,6 @@ def profile_artifact_step(artifact, model, cache, top: int = 15) -> list[dict]:
 
 def profile_torch_step(fn: Callable[[], object], top: int = 15) -> list[dict]:
     """Per-op self CPU time of one step (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
@@ -741,58 +628,30 @@ def profile_torch_step(fn: Callable[[], object], top: int = 15) -> list[dict]:
 
 def resolve_inputs(opts: BenchOptions, say=print) -> tuple[Path, Path | None]:
     """(checkpoint, artifact dir or None when no implementation needs it)."""
-    from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
-
     ckpt = opts.checkpoint or ensure_checkpoint(opts.preset, opts.seed)
     wanted = set(opts.impls) | set(opts.prefill_impls if opts.prefill_tokens else ()) | \
         set(opts.tier_impls if opts.tiers else ())
-    if "artifact" not in wanted:
+    if Impl.ARTIFACT not in wanted:
         return ckpt, None
-    entries = ("decode",) if "artifact" in opts.impls else ()
-    if opts.prefill_tokens and "artifact" in opts.prefill_impls:
+    entries = ("decode",) if Impl.ARTIFACT in opts.impls else ()
+    if opts.prefill_tokens and Impl.ARTIFACT in opts.prefill_impls:
         entries += ("encoder", "decoder")  # the prefill rows run CED prefills only
-    if opts.tiers and "artifact" in opts.tier_impls:
+    if opts.tiers and Impl.ARTIFACT in opts.tier_impls:
         entries += tuple(e for e in ("encoder", "decoder", "encoder_replay") if e not in entries)
     if opts.artifact is not None:
-        from dsv41.compiler.build import missing_entries
-        from dsv41.graph.config import load_config
-
         todo = missing_entries(opts.artifact, load_config(ckpt), opts.target, entries)
         if todo:
             raise ValueError(f"{opts.artifact} lacks the entries {', '.join(todo)}; compile "
                              "them or leave --artifact out to compile into --out.")
         return ckpt, opts.artifact
     if not opts.compile_missing:
-        from dsv41.compiler.build import CompileOptions
-        from dsv41.graph.config import load_config
-
         d = CompileOptions(args=load_config(ckpt), model_name=opts.preset, target=opts.target,
                            out=opts.out, entries=entries).artifact_dir
         return ckpt, d
     return ckpt, ensure_artifact(ckpt, opts.preset, opts.target, entries, opts.out)
 
 
-def check_contexts(model, contexts: tuple[int, ...]) -> None:
-    """Refuse, before anything is measured, a decode context the model cannot decode from: the
-    token at position N needs N + 1 <= max_seq_len, and the synthetic cache needs N to be a
-    positive multiple of every compression ratio."""
-    top = max([1, *(p.ratio for p in model.plan.kv_sources)])
-    limit = model.args.max_seq_len
-    longest = (limit - 1) // top * top
-    for n in contexts:
-        if n <= 0 or n % top or n > longest:
-            raise ValueError(f"Cannot decode from a context of {n} positions: it must be a "
-                             f"positive multiple of {top} and at most {longest} (max_seq_len "
-                             f"{limit} leaves room for the decoded token), e.g. 1023K.")
-
-
 def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchReport:
-    from tqdm import tqdm
-
-    from dsv41.graph.checkpoint import weights_fingerprint
-    from dsv41.graph.cost import decode_step_cost
-    from dsv41.graph.model import Model
-
     opts.validate()
     threads = set_threads(opts.threads)
     load0 = list(os.getloadavg())
@@ -827,8 +686,8 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
             cache = synthetic_cache(model, n, seed=opts.seed)
             cells = bench_decode_context(runners, cache, n, opts, previous, say=bar.write,
                                          compiles=frozenset() if previous else
-                                         frozenset({"compile"}))
-            if opts.profile != "never" and n == opts.profile_context:
+                                         frozenset({Impl.COMPILE}))
+            if opts.profile != Profile.NEVER and n == opts.profile_context:
                 report.profile = _maybe_profile(report, cells, phases, model, cache, n, opts,
                                                 bar.write)
             del cache
@@ -858,23 +717,23 @@ def _maybe_profile(report, cells, phases, model, cache, n, opts, say) -> dict | 
     """The profile of the artifact's step at `n` (and of eager's, to compare), when asked for
     or when the artifact misses the 2x / 5x bar at this context."""
     by = {c.impl: c for c in cells}
-    art = by.get("artifact")
+    art = by.get(Impl.ARTIFACT)
     if art is None or art.median_s is None:
         return None
-    vs = {o: speedup(by[o].median_s, art.median_s) for o in ("eager", "compile") if o in by}
-    missed = (vs.get("compile") or math.inf) < TARGET_VS_COMPILE or \
-        (vs.get("eager") or math.inf) < TARGET_VS_EAGER
-    if opts.profile == "auto" and not missed:
+    vs = {o: speedup(by[o].median_s, art.median_s) for o in (Impl.EAGER, Impl.COMPILE) if o in by}
+    missed = (vs.get(Impl.COMPILE) or math.inf) < TARGET_VS_COMPILE or \
+        (vs.get(Impl.EAGER) or math.inf) < TARGET_VS_EAGER
+    if opts.profile == Profile.AUTO and not missed:
         return None
     say(f"  profiling the decode step at {n} (ratios {vs})")
     state = StepState.of(cache)
     out = {"context": n, "ratios": vs}
     try:
-        out["artifact"] = profile_artifact_step(phases["artifact"].art, model, cache,
+        out[Impl.ARTIFACT] = profile_artifact_step(phases[Impl.ARTIFACT].art, model, cache,
                                                 top=opts.profile_top)
     except Exception as e:  # the profile is a diagnostic: report why it is missing
         out["artifact_error"] = f"{type(e).__name__}: {e}"
-    for impl in ("eager", "compile"):
+    for impl in (Impl.EAGER, Impl.COMPILE):
         if impl in phases and impl in by and by[impl].median_s is not None:
             state.restore(cache)
             tok = torch.tensor([[DECODE_TOKEN]])
@@ -887,7 +746,7 @@ def _maybe_profile(report, cells, phases, model, cache, n, opts, say) -> dict | 
 def _compile_seconds(report: BenchReport, phases: dict) -> None:
     """torch.compile's capture (torch.export) and Inductor compile seconds per entry (the first
     call less a steady decode step), and its first step at each later context (recompiles)."""
-    ph = phases.get("compile")
+    ph = phases.get(Impl.COMPILE)
     if ph is None:
         return
     for entry, sec in ph.art.seconds.items():
@@ -915,7 +774,7 @@ def format_report(report: BenchReport) -> str:
         cells = [report.cell(i, n) for i in impls]
         r = next(x for x in ratios(report) if x["context"] == n)
         rows.append([str(n), *[ms(c.median_s) if c and not c.skipped else "skipped"
-                               for c in cells], _ratio(r, "eager"), _ratio(r, "compile"),
+                               for c in cells], _ratio(r, Impl.EAGER), _ratio(r, Impl.COMPILE),
                      f"{max((c.load_avg or 0) for c in cells):.2f}"])
     out.append(table(["context", *[f"{i} ms/tok" for i in impls], "art/eager", "art/compile",
                        "load"], rows))
@@ -985,7 +844,7 @@ def _verdict(met: bool | None) -> str:
 
 def format_profile(p: dict) -> str:
     out = [f"profile of one decode step at {p['context']}:"]
-    for impl in ("artifact", "eager", "compile"):
+    for impl in (Impl.ARTIFACT, Impl.EAGER, Impl.COMPILE):
         rows = p.get(impl)
         if rows:
             out.append(f"  {impl} (top {len(rows)} by time):")
@@ -1014,7 +873,7 @@ def report_json(report: BenchReport) -> dict:
 def write_plots(report: BenchReport, out_dir: Path) -> list[Path]:
     """decode_vs_context.png (ms per token against context, log-x, with the roofline floor) and
     phases.png (TTFT per tier split into restore / prefill, and the step's top kernels)."""
-    import matplotlib
+    import matplotlib  # optional, and slow to import: only when plots are asked for
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1042,7 +901,7 @@ def write_plots(report: BenchReport, out_dir: Path) -> list[Path]:
     plt.close(fig)
     paths.append(p)
 
-    prof = (report.profile or {}).get("artifact")
+    prof = (report.profile or {}).get(Impl.ARTIFACT)
     fig, axes = plt.subplots(1, 2 if prof else 1, figsize=(13 if prof else 7, 4.5))
     axes = np.atleast_1d(axes)
     ax = axes[0]

@@ -30,6 +30,10 @@ import torch
 
 from dsv41.compiler.tools.assets import ensure_checkpoint
 from dsv41.compiler.tools.bench.measure import write_json
+from dsv41.graph.cache import new_cache
+from dsv41.graph.model import Model
+from dsv41.runtime.backends.artifact import Artifact, ArtifactError, check_checkpoint_config
+from dsv41.runtime.backends.compiled import CompiledPhases
 
 MODES = (True, False)  # prefetch on, off
 
@@ -76,11 +80,6 @@ def _row(n: int, phase: str, prefetch: bool, samples: list) -> EngramRow:
 
 
 def run_engram_bench(opts: EngramBenchOptions, say=print) -> dict:
-    from dsv41.graph.cache import new_cache
-    from dsv41.graph.model import Model
-    from dsv41.runtime.backends.artifact import Artifact, ArtifactError, check_checkpoint_config
-    from dsv41.runtime.backends.compiled import CompiledPhases
-
     if opts.artifact is None:
         raise ValueError("dsv41 bench engram measures a compiled artifact: give --artifact DIR "
                          "(`dsv41 compile --entries prefill,decode`).")

@@ -48,7 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import tvm
+from tqdm import tqdm
 
+from dsv41.compiler.kernels import bench_kernel
 from dsv41.compiler.tools.bench.measure import (
     MIN_SAMPLE_S,
     Machine,
@@ -62,7 +65,12 @@ from dsv41.compiler.tools.bench.measure import (
     times,
     write_json,
 )
+from dsv41.graph import ops
+from dsv41.graph.config import preset
+from dsv41.graph.targets import get_target
+from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.runtime.backends.threads import default_tvm_pool
+from dsv41.schedules import attention, gemm, indexer, moe
 
 SCHEMA = "dsv41.bench.kernels/1"
 FAMILIES = ("attend", "indexer", "fp8", "moe", "gemv")
@@ -134,8 +142,6 @@ def _pow2_label(n: int) -> str:
 def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Case]:
     """The issue-4 cases at the preset's real sizes; `quick` uses tiny fixed sizes instead (a
     smoke run of the whole harness in seconds, not a measurement)."""
-    from dsv41.graph.config import preset
-
     a = preset(preset_name)
     if quick:
         attn = dict(h=4, d=64, w=16, k=32)
@@ -202,8 +208,6 @@ def select_cases(cases: list[Case], wanted: Sequence[str] | None) -> list[Case]:
 
 
 def _tvm_view(x: torch.Tensor):
-    from dsv41.runtime.backends.tensors import to_tvm
-
     return to_tvm(x)
 
 
@@ -265,11 +269,6 @@ def compile_kernel(family: str, target_name: str, static: tuple) -> tuple[object
     """(executable, seconds to schedule + compile) for one family at its static dims: the
     kernel registry's builder for the family (`compiler.kernels`: the kernels the lowering
     emits, e.g. moe's split chain, gemv's dense decode GEMV)."""
-    import tvm
-
-    from dsv41.compiler.kernels import bench_kernel
-    from dsv41.graph.targets import get_target
-
     make = bench_kernel(family).build
     t0 = time.perf_counter()
     func = make(target_name, dict(static))
@@ -319,9 +318,6 @@ def moe_chain(ex, plan, inputs: Sequence[torch.Tensor]
 def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
     """Inputs at the case's sizes and the three callables over them (target_name: the one
     `ex` was compiled for)."""
-    from dsv41.graph import ops
-    from dsv41.schedules import attention, gemm, indexer, moe
-
     d = case.d()
     if case.family == "attend":
         inputs = attention.example_inputs_sparse_attend(b=d["b"], s=d["s"], h=d["h"], d=d["d"],
@@ -492,12 +488,8 @@ def run_case(case: Case, *, target_name: str, machine: Machine, repeat: int, bud
 
 def check_target(target_name: str) -> None:
     """Only the CPU is measured by this harness; a CUDA target is a clear error."""
-    from dsv41.graph.targets import get_target
-
     target = get_target(target_name)  # ValueError for an unknown name
     if target.is_cuda:
-        import tvm
-
         why = ("this machine has no CUDA GPU" if not tvm.cuda().exist
                else "GPU timing is not implemented in this harness yet")
         raise ValueError(f"Measuring target {target_name} needs a CUDA GPU and a GPU timing "
@@ -511,8 +503,6 @@ def run_benchmark(preset_name: str = "bench", target_name: str = "cpu",
                   stat: str = "median", progress: bool = True) -> dict:
     """Measure the machine and run the selected cases; returns the JSON report (schema,
     settings, machine, formulas, rows)."""
-    from tqdm import tqdm
-
     check_target(target_name)
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1; got {repeat}.")

@@ -16,12 +16,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from dsv41.compiler.tools.assets import ensure_checkpoint
-from dsv41.compiler.tools.bench.measure import write_json
+from dsv41.compiler.tools.bench.measure import current_rss, peak_rss, reset_peak_rss, write_json
+from dsv41.graph.checkpoint import checkpoint_config, checkpoint_nbytes
+from dsv41.graph.model import Model
+from dsv41.runtime.backends.tensors import to_tvm
 
 MiB = 1 << 20
 TARGET_RATIO = 1.1  # the issue's bound: peak RSS within 1.1x of the resident bytes
@@ -66,8 +72,6 @@ def _tensor_bytes(tensors) -> int:
 def _touch(tensors) -> None:
     """Read every byte of every tensor (`max` over 16 MiB pieces of its bytes: no temporary
     beyond the piece, unlike `sum`, which widens to int64)."""
-    import torch
-
     for t in tensors:
         flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous()
         for i in range(0, flat.numel(), 16 * MiB):
@@ -76,13 +80,6 @@ def _touch(tensors) -> None:
 
 def measure_in_this_process(checkpoint: Path, device: str) -> LoadMemory:
     """The measurement itself; run it in a fresh process (`measure_load`)."""
-    import time
-
-    from dsv41.compiler.tools.bench.measure import current_rss, peak_rss, reset_peak_rss
-    from dsv41.graph.checkpoint import checkpoint_config, checkpoint_nbytes
-    from dsv41.graph.model import Model
-    from dsv41.runtime.backends.tensors import to_tvm
-
     args = checkpoint_config(checkpoint)
     if not reset_peak_rss():
         raise ValueError("Measuring the peak resident set needs Linux's /proc/self/clear_refs.")

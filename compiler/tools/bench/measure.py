@@ -1,8 +1,8 @@
 """What every `dsv41 bench ...` measures with and reports through: timing (best of, median of,
 the budgeted sampler of single kernels), threads, peak memory, this machine's roofline (memory
 bandwidth and fp32 GEMM rate), the number formatters and table printer of the text reports,
-and JSON writing. torch is imported where it is used: the CLI's parser reads the option
-dataclasses of modules that import this one.
+JSON writing, and `parse_tokens` (the token counts of their options). torch is imported where
+it is used: the CLI's parser and the bundle's selftest read this module without it.
 
 Timing follows one rule: a warm-up call first (thread pools, lazy initialisation), then timed
 calls; `time_call` loops fast calls so that one sample outlasts the timer (>= `MIN_SAMPLE_S`)
@@ -26,6 +26,29 @@ from pathlib import Path
 from dsv41.runtime.backends.threads import size_tvm_pool, tvm_num_threads
 
 MIN_SAMPLE_S = 0.01  # a timed sample repeats the call until it lasts at least this long
+
+
+# ---- token counts (the options of every benchmark) ---------------------------------------------
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    """'4K,64K,1M' -> (4096, 65536, 1048576): K = 1024, M = 1024^2 (contexts are powers of two)."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20}.get(part[-1].upper(), 1)
+        digits = part[:-1] if mult > 1 else part
+        try:
+            n = int(float(digits) * mult)
+        except ValueError as e:
+            raise ValueError(f"Cannot read {part!r} as a token count (e.g. 4096, 64K, 1M).") from e
+        if n <= 0:
+            raise ValueError(f"Token counts must be positive, got {part!r}.")
+        out.append(n)
+    if not out:
+        raise ValueError(f"No token counts in {text!r}.")
+    return tuple(out)
 
 
 # ---- timing -------------------------------------------------------------------------------------

@@ -22,6 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from dsv41.compiler.tools.bench.measure import write_json
+from dsv41.graph.config import preset as preset_args
+from dsv41.graph.plan import build_plan
+from dsv41.runtime.tiers.dram_pool import SnapshotPool
+from dsv41.runtime.tiers.redis_pool import RedisSnapshotPool, masked_url
+from dsv41.runtime.tiers.redis_server import RedisServer
+from dsv41.runtime.tiers.wire import decode_record, encode_record
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,8 @@ class PoolBenchOptions:
 
 def snapshot_arrays_of(preset: str, seed: int = 0) -> dict[str, np.ndarray]:
     """Random arrays laid out as the preset's encoder snapshot, its exact bytes in total."""
-    from dsv41.graph.config import preset as preset_args
+    # torch: graph.layout imports it, and `dsv41 --help` reads PoolBenchOptions without it
     from dsv41.graph.layout import encoder_snapshot
-    from dsv41.graph.plan import build_plan
 
     snap = encoder_snapshot(build_plan(preset_args(preset)))
     rng = np.random.default_rng(seed)
@@ -78,8 +83,6 @@ def _time_pool(pool, arrays: dict[str, np.ndarray], reps: int, tag: str) -> dict
 def _time_codec(arrays: dict[str, np.ndarray], reps: int) -> dict:
     """The record codec alone (runtime/wire.py: the copy and the sha256 each way), so the
     Redis rows split into codec and server round trip."""
-    from dsv41.runtime.tiers.wire import decode_record, encode_record
-
     enc, dec = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -93,10 +96,6 @@ def _time_codec(arrays: dict[str, np.ndarray], reps: int) -> dict:
 
 
 def run_pool_bench(opts: PoolBenchOptions) -> dict:
-    from dsv41.runtime.tiers.dram_pool import SnapshotPool
-    from dsv41.runtime.tiers.redis_pool import RedisSnapshotPool, masked_url
-    from dsv41.runtime.tiers.redis_server import RedisServer
-
     arrays = snapshot_arrays_of(opts.preset)
     nbytes = sum(a.nbytes for a in arrays.values())
     out = {"preset": opts.preset, "snapshot_bytes": nbytes, "arrays": len(arrays),
@@ -124,7 +123,7 @@ def run_pool_bench(opts: PoolBenchOptions) -> dict:
 
 
 def _server_version(url: str) -> str:
-    import redis
+    import redis  # optional: only the Redis rows need the client
 
     r = redis.Redis.from_url(url)
     try:

@@ -14,6 +14,9 @@ takes its place. The report says whether both tiers evicted.
     dsv41 bench soak [--checkpoint DIR | --preset small] [--artifact DIR] [--turns 500]
                      [--sessions 4] [--baseline-turn 50] [--sample-every 50] [--threads N]
                      [--json out.json]
+
+torch, the engine and the graph modules that import torch are imported where the soak runs:
+`dsv41 --help` reads `SoakOptions`' defaults without them.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41.compiler.tools.assets import ensure_checkpoint
 from dsv41.compiler.tools.bench.measure import write_json
+from dsv41.graph.plan import build_plan
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,6 @@ def tier_bytes(opts: SoakOptions, checkpoint: Path) -> tuple[int, int]:
     """(pool budget, store capacity) in bytes for the soak's counts of snapshots and blocks."""
     from dsv41.graph.checkpoint import checkpoint_config
     from dsv41.graph.layout import KVLayout, encoder_snapshot_bytes
-    from dsv41.graph.plan import build_plan
 
     plan = build_plan(checkpoint_config(checkpoint))
     page = KVLayout.from_plan(plan).global_bytes(opts.page_tokens)
@@ -205,10 +207,13 @@ def report_json(report: SoakReport) -> dict:
 
 
 def run_command(opts: SoakOptions, *,
-                default_checkpoint: Callable[[str, int], Path] = ensure_checkpoint) -> int:
+                default_checkpoint: Callable[[str, int], Path] | None = None) -> int:
     """`dsv41 bench soak`. `default_checkpoint(preset, seed)`: the checkpoint folder when
-    `opts.checkpoint` is None (the preset's seeded checkpoint, written once)."""
+    `opts.checkpoint` is None (default: the preset's seeded checkpoint, written once)."""
     opts.validate()
+    if default_checkpoint is None:
+        # assets imports torch: `dsv41 --help` reads SoakOptions' defaults without it
+        from dsv41.compiler.tools.assets import ensure_checkpoint as default_checkpoint
     if opts.checkpoint is None:
         opts = replace(opts, checkpoint=default_checkpoint(opts.preset, opts.seed))
     with tempfile.TemporaryDirectory(prefix="dsv41-soak-") as tmp:

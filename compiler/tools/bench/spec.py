@@ -2,7 +2,7 @@
 compiled artifact.
 
 - verify cost: seconds of a verify of k = 0..max_draft drafts at each context (a synthetic
-  cache, `bench.synthetic_cache`), in the engine's decode-steps form (1+k decode steps:
+  cache, `bench.synthetic`), in the engine's decode-steps form (1+k decode steps:
   bit-identical to decoding) and the one-pass form (the graph: one forward over 1+k tokens;
   an artifact: one call of its `verify` entry, bit-identical to its decode steps), with the
   draft pass's seconds;
@@ -37,12 +37,14 @@ import numpy as np
 import torch
 
 from dsv41.compiler.tools.assets import ensure_checkpoint
-from dsv41.compiler.tools.bench.e2e import synthetic_cache
 from dsv41.compiler.tools.bench.measure import median_time, write_json
+from dsv41.compiler.tools.bench.synthetic import synthetic_cache
 from dsv41.graph import phases
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
 from dsv41.graph.speculative import cut_back, verify_step
+from dsv41.runtime.backends.artifact import Artifact
+from dsv41.runtime.backends.compiled import CompiledPhases
 from dsv41.runtime.engine.engine import Engine, EngineOptions
 from dsv41.runtime.engine.speculative import SpecPolicy, expected_tokens
 
@@ -105,9 +107,6 @@ def graph_backend(model: Model) -> Backend:
 def artifact_backend(model: Model, artifact_dir: Path) -> Backend:
     """The artifact's compiled phases; its engine in exact mode (prefill_all, decode, draft,
     verify: the entries a speculating exact engine runs)."""
-    from dsv41.runtime.backends.artifact import Artifact
-    from dsv41.runtime.backends.compiled import CompiledPhases
-
     art = Artifact.load(artifact_dir, args=model.args)
     missing = [e for e in ("prefill_all", "decode", "draft", "verify") if e not in art.entries]
     if missing:
@@ -284,8 +283,6 @@ def run_command(opts: SpecBenchOptions, *,
     ckpt = opts.checkpoint or default_checkpoint(opts.preset, opts.seed)
     args = None
     if opts.artifact is not None:  # the artifact's config (e.g. a longer max_seq_len)
-        from dsv41.runtime.backends.artifact import Artifact
-
         args = Artifact.load(opts.artifact).args
     model = Model.from_checkpoint(ckpt, args)
     kw = dict(contexts=opts.contexts, max_draft=opts.max_draft, reps=opts.reps,

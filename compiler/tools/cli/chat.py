@@ -1,0 +1,40 @@
+"""`dsv41 chat`: a terminal chat on the embedded engine, reading stdin
+(compiler/tools/serving.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dsv41.compiler.tools.cli.common import print_args
+from dsv41.compiler.tools.cli.serve import serving_args, serving_options
+
+if TYPE_CHECKING:
+    from dsv41.compiler.tools.serving import ChatOptions
+
+
+def add_parser(sub) -> None:
+    sp = sub.add_parser("chat", help="a terminal chat on the embedded engine (reads stdin)")
+    serving_args(sp, server=False)
+    sp.add_argument("--system", default=None, help="a system message")
+    sp.add_argument("--thinking", action="store_true", help="thinking mode")
+    sp.add_argument("--max-tokens", type=int, default=64, help="tokens per reply at most")
+    sp.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    sp.add_argument("--top-p", type=float, default=1.0)
+    sp.add_argument("--seed-sampling", type=int, default=None, help="the sampler's seed")
+    sp.set_defaults(func=run, options=options)
+
+
+def options(ns) -> ChatOptions:
+    """`dsv41 chat` -> serving.ChatOptions."""
+    from dsv41.compiler.tools.serving import ChatOptions
+
+    return ChatOptions(serving_options(ns), system=ns.system, thinking=ns.thinking,
+                       max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                       seed_sampling=ns.seed_sampling)
+
+
+def run(ns) -> int:
+    from dsv41.compiler.tools.serving import chat
+
+    print_args("chat", ns)
+    return chat(options(ns))

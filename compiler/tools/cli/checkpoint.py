@@ -1,0 +1,27 @@
+"""`dsv41 checkpoint`: a seeded checkpoint in the official layout (graph/checkpoint.py)."""
+
+from __future__ import annotations
+
+import time
+
+from dsv41.compiler.tools.cli.common import args_from, model_opts, print_args
+
+
+def add_parser(sub) -> None:
+    sp = sub.add_parser("checkpoint", help="write a seeded checkpoint in the official layout")
+    model_opts(sp)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--overwrite", action="store_true")
+    sp.set_defaults(func=run)
+
+
+def run(ns) -> int:
+    from dsv41.graph.checkpoint import write_seeded_checkpoint
+
+    print_args("checkpoint", ns)
+    t0 = time.time()
+    out = write_seeded_checkpoint(args_from(ns), ns.out, seed=ns.seed, progress=True,
+                                  overwrite=ns.overwrite)
+    print(f"wrote {out} in {time.time() - t0:.1f} s")
+    return 0

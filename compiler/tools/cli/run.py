@@ -1,0 +1,58 @@
+"""`dsv41 run`: the agent-loop demo, a long context then short turns
+(runtime/engine/agent_loop.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from dsv41.compiler.tools.cli.common import print_args
+
+
+def add_parser(sub) -> None:
+    sp = sub.add_parser("run", help="the agent-loop demo: long context, then short turns")
+    sp.add_argument("--preset", default="small")
+    sp.add_argument("--checkpoint", default=None)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--context", type=int, default=512)
+    sp.add_argument("--turns", type=int, default=3)
+    sp.add_argument("--suffix", type=int, default=32, help="new tokens per turn")
+    sp.add_argument("--decode", type=int, default=16, help="tokens decoded per turn")
+    sp.add_argument("--exact", action="store_true", help="exact phases throughout (no CED)")
+    sp.add_argument("--restart-between-turns", action="store_true",
+                    help="a new engine per turn: only the SSD store carries over")
+    sp.add_argument("--backend", default="artifact", help="artifact (compiled) | torch")
+    sp.add_argument("--target", default="cpu", help="the artifact's target")
+    sp.add_argument("--out", default="artifacts", help="where artifacts live")
+    sp.add_argument("--store", default=None,
+                    help="the SSD store's folder: new or empty, or a store to continue with "
+                         "--keep-store (default: a fresh temporary store, removed at the end)")
+    sp.add_argument("--page-tokens", type=int, default=64,
+                    help="runtime-cache page and SSD block, in positions")
+    sp.add_argument("--keep-store", action="store_true",
+                    help="continue from the --store folder's contents (without it that folder "
+                         "must be new or empty; dsv41 run never deletes a folder)")
+    sp.set_defaults(func=run)
+
+
+def run(ns) -> int:
+    from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
+    from dsv41.runtime.backends.artifact import CED_ENTRIES, EXACT_ENTRIES
+    from dsv41.runtime.engine.agent_loop import AgentLoopConfig, run_agent_loop
+
+    print_args("run", ns)
+    ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
+    cfg = AgentLoopConfig(
+        checkpoint=ckpt, artifact=None, store_dir=None if ns.store is None else Path(ns.store),
+        context=ns.context, turns=ns.turns, suffix=ns.suffix, decode=ns.decode, exact=ns.exact,
+        restart_between_turns=ns.restart_between_turns, keep_store=ns.keep_store,
+        page_tokens=ns.page_tokens, seed=ns.seed)
+    cfg.validate()  # arguments and the store folder, before anything is compiled
+    artifact = None
+    if ns.backend == "artifact":
+        artifact = ensure_artifact(ckpt, ns.preset, ns.target,
+                                   EXACT_ENTRIES if ns.exact else CED_ENTRIES, Path(ns.out))
+    elif ns.backend != "torch":
+        raise ValueError(f"--backend must be artifact or torch, got {ns.backend!r}.")
+    run_agent_loop(replace(cfg, artifact=artifact))
+    return 0

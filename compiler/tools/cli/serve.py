@@ -1,0 +1,89 @@
+"""`dsv41 serve`: an OpenAI-compatible HTTP server with continuous batching
+(compiler/tools/serving.py); also the engine and batcher options `chat` and `bench serve` share
+(`serving_args`, `serving_options`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsv41.compiler.tools.cli.common import print_args
+
+if TYPE_CHECKING:
+    from dsv41.compiler.tools.serving import ServeOptions, ServingOptions
+
+
+def serving_args(sp, *, server: bool) -> None:
+    """The engine and batcher options of `serve`, `chat` and `bench serve`."""
+    sp.add_argument("--artifact", default=None, help="a compiled artifact folder")
+    sp.add_argument("--backend", default="artifact",
+                    help="artifact (compiled; compiles what is missing) | torch")
+    sp.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
+    sp.add_argument("--preset", default="small", help="seeded checkpoint of this preset")
+    sp.add_argument("--seed", type=int, default=0, help="the seeded checkpoint's seed")
+    sp.add_argument("--store", default=None,
+                    help="the SSD store's folder: new or empty, or a store to continue (default:"
+                         " a fresh temporary store, removed at the end)")
+    sp.add_argument("--page-tokens", type=int, default=64,
+                    help="runtime-cache page and SSD block, in positions")
+    sp.add_argument("--target", default="cpu", help="the artifact's target")
+    sp.add_argument("--out", default="artifacts", help="where artifacts live")
+    sp.add_argument("--model-name", default=None,
+                    help="the served model's id (default: the preset, or the checkpoint folder)")
+    sp.add_argument("--max-running", type=int, default=16, help="sequences decoded together")
+    sp.add_argument("--max-queue", type=int, default=64,
+                    help="requests waiting for a slot (beyond: 429)" if server else
+                    "requests waiting for a slot")
+    sp.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill tokens per batcher step (default: the batcher's)")
+    sp.add_argument("--redis-url", default=None,
+                    help="the DRAM snapshot pool on this Redis server, shared by every process "
+                         "that names it (default: an in-process pool)")
+
+
+def add_parser(sub) -> None:
+    sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
+    serving_args(sp, server=True)
+    sp.add_argument("--host", default="127.0.0.1", help="the address to bind (default: local)")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--api-key", default=None,
+                    help="require `Authorization: Bearer KEY` on /v1 (default: no key)")
+    sp.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds a request may run before it is cancelled (0: none)")
+    sp.add_argument("--log-level", default="info", help="uvicorn's log level")
+    sp.add_argument("--role", default="all",
+                    help="all (one process) | vision | prefill | decode: one EPD stage, its queues "
+                         "and hand-offs on --redis-url (runtime/epd.py)")
+    sp.set_defaults(func=run, options=options)
+
+
+def serving_options(ns) -> ServingOptions:
+    """The engine and batcher options `serve`, `chat` and `bench serve` share."""
+    from dsv41.compiler.tools.serving import ServingOptions
+
+    path = lambda v: None if v is None else Path(v)  # noqa: E731
+    return ServingOptions(
+        artifact=path(ns.artifact), backend=ns.backend, checkpoint=path(ns.checkpoint),
+        preset=ns.preset, seed=ns.seed, store=path(ns.store), page_tokens=ns.page_tokens,
+        target=ns.target, out=Path(ns.out), model_name=ns.model_name,
+        max_running=ns.max_running, max_queue=ns.max_queue, prefill_chunk=ns.prefill_chunk,
+        redis_url=ns.redis_url)
+
+
+def options(ns) -> ServeOptions:
+    """`dsv41 serve` -> serving.ServeOptions."""
+    from dsv41.compiler.tools.serving import ServeOptions
+
+    return ServeOptions(serving_options(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
+                        request_timeout_s=None if ns.request_timeout <= 0 else ns.request_timeout,
+                        log_level=ns.log_level, role=ns.role).validate()
+
+
+def run(ns) -> int:
+    from dsv41.compiler.tools.serving import masked_url, serve
+
+    print_args("serve", argparse.Namespace(**{
+        **vars(ns), "api_key": "***" if ns.api_key else None,
+        "redis_url": masked_url(ns.redis_url)}))
+    return serve(options(ns))
