@@ -31,9 +31,8 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
 
 from dsv41.runtime.engine.engine import DecodeBatch, Engine, PrefillPacing, Session
 from dsv41.runtime.engine.images import TurnImage
@@ -44,70 +43,20 @@ from dsv41.runtime.engine.requests import (
     check_token_ids,
     check_turn,
 )
-from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
+from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher
 from dsv41.runtime.serving.chat_format import IncrementalDecoder
+from dsv41.runtime.serving.frontend import (
+    BatcherStats,
+    FinishReason,
+    QueueFull,
+    RequestTiming,
+    TokenEvent,
+)
 from dsv41.runtime.serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the compiled decode entry's static batch bound
-
-
-class FinishReason(Enum):
-    """Why a request ended; the values are OpenAI's finish_reason strings where one exists."""
-
-    STOP = "stop"  # EOS, a stop id or a stop string
-    LENGTH = "length"  # max_tokens, or the model's max_seq_len reached
-    CANCELLED = "cancelled"  # Stream.cancel() (client gone, timeout), or Batcher.stop()
-    ERROR = "error"  # the engine failed on this request (message in TokenEvent.error)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One per generated token; the last event of a stream has `finish` set."""
-
-    token_id: int | None  # None only on a final event that carries no token
-    text: str  # detokenised delta, stop strings withheld ("" with no tokenizer)
-    logprob: float | None  # the token's, when the request asked for logprobs
-    top: tuple[TokenLogprob, ...]  # the `logprobs` most likely, most likely first
-    finish: FinishReason | None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """Filled as the request runs (seconds, time.perf_counter based)."""
-
-    queued_s: float  # submit to the start of its prefill (so far, while it waits)
-    first_token_s: float | None  # submit to its first token
-    per_token_s: tuple[float, ...]  # gaps between consecutive tokens
-    prompt_tokens: int
-    completion_tokens: int
-    tier: str | None  # the tier that served its prefill (cold, snapshot, prefix, ...)
-    reused_tokens: int  # leading prompt tokens the tiers held (not prefilled)
-    # each piece of the prefill but the last (a decode step of the batch runs after each): the
-    # chunks, then (CED) the encoder pass's end before the decoder's bounded replay
-    prefill_chunk_s: tuple[float, ...] = ()
-    # the prefill's last piece (the decoder's bounded replay, or the only chunk), the first
-    # token and the join to the batch
-    prefill_tail_s: float | None = None
-    submitted_at: float = 0.0  # time.perf_counter() at submit (token i came at submitted_at +
-    #   first_token_s + sum(per_token_s[:i]))
-
-
-class QueueFull(Exception):
-    """submit() while the waiting queue is at its bound (a server answers 429)."""
-
-
-@dataclass(frozen=True)
-class BatcherStats:
-    queued: int  # waiting for admission
-    running: int  # in the decode batch
-    finished: int  # ended with STOP, LENGTH or ERROR
-    cancelled: int  # ended with CANCELLED
-    prompt_tokens: int  # of the admitted requests
-    completion_tokens: int  # tokens generated
-    tiers: Mapping[str, int]  # turns per tier that served them (cold, snapshot, prefix, ...)
 
 
 class Stream:

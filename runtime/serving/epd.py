@@ -81,8 +81,14 @@ from dsv41.runtime.engine.sampling import (
     StopMatcher,
     TokenLogprob,
 )
-from dsv41.runtime.serving.batcher import BatcherStats, FinishReason, RequestTiming, TokenEvent
 from dsv41.runtime.serving.chat_format import IncrementalDecoder
+from dsv41.runtime.serving.frontend import (
+    BatcherStats,
+    FinishReason,
+    QueueFull,
+    RequestTiming,
+    TokenEvent,
+)
 from dsv41.runtime.serving.metrics import RateWindow, ServerMetrics
 from dsv41.runtime.serving.tokenizer import Tokenizer
 from dsv41.runtime.tiers.wire import (
@@ -688,8 +694,6 @@ class EpdGateway:
         """Checked as the batcher checks (RequestError: a 400); QueueFull past max_queue
         requests of this gateway in flight. `images` as the batcher's (one per placeholder):
         prepared and stored here, the request queued for the vision stage."""
-        from dsv41.runtime.serving.batcher import QueueFull
-
         if isinstance(images, str | bytes) or not isinstance(images, Sequence):
             raise RequestError("submit() takes its images as a list (one per placeholder).")
         if images and (self.model is None or not self.model.vision):
