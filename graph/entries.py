@@ -14,6 +14,11 @@ from dsv41.graph.vision import SpanRows, packed_rows
 
 ENTRIES = ("prefill", "prefill_all", "decode", "encoder", "encoder_replay", "decoder", "draft",
            "verify")
+# the entry sets an engine runs: a CED engine (what `dsv41 serve` and `chat` compile and load) and
+# an exact one (prefill_all serves for prefill); the runtime checks an artifact has them, the
+# compiler's tools compile the missing ones
+CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")
+EXACT_ENTRIES = ("prefill", "decode")
 SELECTING = ("prefill_all", "decode")  # also return the indexers' selections (for scoring)
 # the vision tower (patches -> aligned rows, `vision.tower`): compiled only for a model with one
 # (`dsv41 compile --entries vision`); it takes no cache and returns the rows alone

@@ -23,15 +23,13 @@ import torch
 
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.engram import engram_table_layer
-from dsv41.graph.entries import HASH_IDS_AT
+from dsv41.graph.entries import CED_ENTRIES, EXACT_ENTRIES, HASH_IDS_AT
 from dsv41.graph.targets import request_amx, target_names, uses_amx
 from dsv41.runtime.backends.device import Device, DeviceError, DeviceKind, device_for_target
 from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, EngramTiming
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
 
 FORMAT_VERSION = 2  # 2: manifest_sha256
-CED_ENTRIES = ("encoder", "decoder", "encoder_replay", "decode")  # what a CED engine runs
-EXACT_ENTRIES = ("prefill", "decode")  # an exact engine (prefill_all serves for prefill)
 
 
 class ArtifactError(ValueError):

@@ -56,7 +56,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from enum import Enum
+from enum import StrEnum
 
 from dsv41.graph.model import Model
 from dsv41.runtime.engine.engine import DecodeBatch, Engine
@@ -105,7 +105,9 @@ HANDOFF_KIND = RecordKind.HANDOFF
 VISION_GROUP, PREFILL_GROUP, DECODE_GROUP = "vision", "prefill", "decode"
 
 
-class Role(Enum):
+class Role(StrEnum):
+    """A serving process's part (the strings are `dsv41 serve --role`'s)."""
+
     VISION = "vision"
     PREFILL = "prefill"
     DECODE = "decode"

@@ -311,12 +311,12 @@ def cmd_tune(ns) -> int:
     return 0
 
 
-# ---- serve, chat (compiler/serving.py) ----------------------------------------------------------
+# ---- serve, chat (runtime/serving/assembly.py) --------------------------------------------------
 
 
 def serving_options(ns):
     """The engine and batcher options `serve`, `chat` and `bench serve` share."""
-    from dsv41.compiler.tools.serving import ServingOptions
+    from dsv41.runtime.serving.assembly import ServingOptions
 
     path = lambda v: None if v is None else Path(v)  # noqa: E731
     return ServingOptions(
@@ -329,7 +329,7 @@ def serving_options(ns):
 
 def serve_options(ns):
     """`dsv41 serve` -> serving.ServeOptions."""
-    from dsv41.compiler.tools.serving import ServeOptions
+    from dsv41.runtime.serving.assembly import ServeOptions
 
     return ServeOptions(serving_options(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
                         request_timeout_s=None if ns.request_timeout <= 0 else ns.request_timeout,
@@ -337,17 +337,18 @@ def serve_options(ns):
 
 
 def cmd_serve(ns) -> int:
-    from dsv41.compiler.tools.serving import masked_url, serve
+    from dsv41.compiler.tools.assets import COMPILING
+    from dsv41.runtime.serving.assembly import masked_url, serve
 
     _print_args("serve", argparse.Namespace(**{
         **vars(ns), "api_key": "***" if ns.api_key else None,
         "redis_url": masked_url(ns.redis_url)}))
-    return serve(serve_options(ns))
+    return serve(serve_options(ns), COMPILING)
 
 
 def chat_options(ns):
     """`dsv41 chat` -> serving.ChatOptions."""
-    from dsv41.compiler.tools.serving import ChatOptions
+    from dsv41.runtime.serving.assembly import ChatOptions
 
     return ChatOptions(serving_options(ns), system=ns.system, thinking=ns.thinking,
                        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
@@ -355,10 +356,11 @@ def chat_options(ns):
 
 
 def cmd_chat(ns) -> int:
-    from dsv41.compiler.tools.serving import chat
+    from dsv41.compiler.tools.assets import COMPILING
+    from dsv41.runtime.serving.assembly import chat
 
     _print_args("chat", ns)
-    return chat(chat_options(ns))
+    return chat(chat_options(ns), COMPILING)
 
 
 # ---- bench <sub-verb> ---------------------------------------------------------------------------
