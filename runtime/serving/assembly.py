@@ -26,12 +26,12 @@ from dsv41.runtime.engine.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.app import ServerOptions, create_app
 from dsv41.runtime.serving.batcher import Batcher
-from dsv41.runtime.serving.epd import (
+from dsv41.runtime.serving.epd import Role
+from dsv41.runtime.serving.epd_gateway import EpdGateway
+from dsv41.runtime.serving.epd_stages import (
     DecodeWorker,
-    EpdGateway,
     EpdServerMetrics,
     PrefillWorker,
-    Role,
     VisionWorker,
 )
 from dsv41.runtime.serving.terminal_chat import ChatSettings, run_chat
