@@ -34,6 +34,9 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
+from dsv41.graph.phases import chunk_spans
 from dsv41.runtime.engine.engine import DecodeBatch, Engine, PrefillPacing, Session
 from dsv41.runtime.engine.images import TurnImage
 from dsv41.runtime.engine.requests import (
@@ -176,8 +179,6 @@ class Batcher:
     def __init__(self, engine: Engine, *, tokenizer: Tokenizer | None = None,
                  max_running: int = 16, max_queue: int = 64,
                  prefill_chunk_tokens: int | None = None):
-        from dsv41.graph.phases import chunk_spans
-
         if not isinstance(max_running, int) or not 1 <= max_running <= MAX_ROWS:
             raise ValueError(f"max_running must be an integer from 1 to {MAX_ROWS}, "
                              f"got {max_running!r}.")
@@ -528,8 +529,6 @@ def measure_long_prompt_stall(engine: Engine, *, streams: int = 8, stream_prompt
     chunks of `chunk_tokens` with one decode step of the batch between two chunks. Compares the
     running streams' worst per-token gap during that prefill with their median gap and with one
     chunk's time. The engine must hold prompt + tokens within max_seq_len."""
-    import numpy as np
-
     a = engine.model.args
     rng = np.random.default_rng(seed)
     ids = [[int(x) for x in rng.integers(3, a.vocab_size, stream_prompt)] for _ in range(streams)]
