@@ -278,7 +278,7 @@ def run_command(opts: BenchServeOptions) -> int:
     """The server on a local port under the client rounds, then the long prompt's stall seen
     from the engine's side (no HTTP); prints the rows, writes {"serve": ...} to the JSON."""
     from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
-    from dsv41.runtime.serving.batcher import measure_long_prompt_stall
+    from dsv41.runtime.serving.stall import measure_long_prompt_stall
 
     sv = opts.serving
     se = serving_engine(sv, COMPILING)
