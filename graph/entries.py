@@ -33,6 +33,11 @@ ENTRIES = (Entry.PREFILL, Entry.PREFILL_ALL, Entry.DECODE, Entry.ENCODER, Entry.
            Entry.DECODER, Entry.DRAFT, Entry.VERIFY)
 # also return the indexers' selections (for scoring)
 SELECTING = (Entry.PREFILL_ALL, Entry.DECODE)
+# the entry sets an engine runs: a CED engine (what `dsv41 serve` and `chat` compile and load) and
+# an exact one (prefill_all serves for prefill); the runtime checks an artifact has them, the
+# compiler's tools compile the missing ones
+CED_ENTRIES = (Entry.ENCODER, Entry.DECODER, Entry.ENCODER_REPLAY, Entry.DECODE)
+EXACT_ENTRIES = (Entry.PREFILL, Entry.DECODE)
 # the vision tower (patches -> aligned rows, `vision.tower`): compiled only for a model with one
 # (`dsv41 compile --entries vision`); it takes no cache and returns the rows alone
 VISION_ENTRY = Entry.VISION

@@ -4,7 +4,7 @@ streams' worst per-token gap during its prefill vs their median gap and vs one p
     python scripts/batcher_stall.py --artifact ART_DIR --checkpoint CKPT [--long 896] \\
         [--chunk 128] [--streams 8] [--json out.json]
 
-The measuring is `runtime.batcher.measure_long_prompt_stall` (what `dsv41 bench serve` calls).
+The measuring is `runtime.serving.stall.measure_long_prompt_stall` (what `dsv41 bench serve` calls).
 Without --artifact the PyTorch graph of the checkpoint runs (slow on a CPU)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
 from dsv41.runtime.engine.engine import Engine
-from dsv41.runtime.serving.batcher import measure_long_prompt_stall
+from dsv41.runtime.serving.stall import measure_long_prompt_stall
 
 
 def main() -> None:

@@ -122,10 +122,10 @@ def test_each_verb_builds_its_options_with_the_documented_defaults():
     from dsv41.compiler.tools.ledger import LedgerCommandOptions
     from dsv41.compiler.tools.scoring import ScoreOptions
     from dsv41.compiler.tools.selftest import SelftestOptions
-    from dsv41.compiler.tools.serving import ChatOptions, ServeOptions, ServingOptions
     from dsv41.compiler.tune import TuneOptions
     from dsv41.graph.config import preset
     from dsv41.graph.entries import ENTRIES
+    from dsv41.runtime.serving.assembly import ChatOptions, ServeOptions, ServingOptions
     from dsv41.schedules.tuning_space import PhaseShape
 
     assert _options(["bench"]) == _options(["bench", "e2e"]) == BenchOptions()

@@ -1,6 +1,8 @@
 """The typed contracts each backend implements with one set of signatures: `Phases` (the graph,
 a compiled artifact and the torch.compile peer), `EntryBackend` (an artifact and the peer's
-entries), `StorageTier` (the SSD store and its writer, the DRAM pool, the Redis pool). A method
+entries), `StorageTier` (the SSD store and its writer, the DRAM pool, the Redis pool), `Frontend`
+(the continuous batcher and the EPD gateway, what the OpenAI server serves) with its
+`EventStream` (their streams), `ArtifactSource` (the compiler's, for the serving assembly). A method
 whose parameters (names, kinds, defaults, annotations) or return annotation drift from the
 protocol's fails here, before any caller meets the difference."""
 
@@ -10,10 +12,15 @@ import inspect
 
 import pytest
 
+from dsv41.compiler.tools.assets import CompilingSource
 from dsv41.compiler.tools.bench.torch_peer import TorchCompiledEntries
 from dsv41.graph.phases_api import GraphPhases, Phases
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases, EntryBackend
+from dsv41.runtime.serving.assembly import ArtifactSource
+from dsv41.runtime.serving.batcher import Batcher, Stream
+from dsv41.runtime.serving.epd_gateway import EpdGateway, RemoteStream
+from dsv41.runtime.serving.frontend import EventStream, Frontend
 from dsv41.runtime.tiers.base import StorageTier
 from dsv41.runtime.tiers.dram_pool import SnapshotPool
 from dsv41.runtime.tiers.redis_pool import RedisSnapshotPool
@@ -108,3 +115,52 @@ def test_the_ssd_store_its_writer_and_the_dram_pool_are_tiers(tmp_path):
     finally:
         writer.close()
         store.close()
+
+
+def test_the_frontend_protocol_names_what_the_server_uses():
+    """create_app and its routers call `submit` and `stats` on the frontend, and `get`,
+    `cancel` and `timing` on the streams it returns: nothing else."""
+    assert protocol_members(Frontend) == ["stats", "submit"]
+    assert protocol_members(EventStream) == ["cancel", "get", "timing"]
+
+
+@pytest.mark.parametrize("impl", [Batcher, EpdGateway])
+def test_every_frontend_has_the_protocols_signatures(impl):
+    """Parameters alike; `submit` returns each frontend's own stream class (an `EventStream`,
+    checked below), `stats` the one BatcherStats."""
+    assert signature_drift(Frontend, impl, returns=False) == []
+    assert inspect.signature(impl.stats).return_annotation == \
+        inspect.signature(Frontend.stats).return_annotation == "BatcherStats"
+
+
+@pytest.mark.parametrize("impl", [Stream, RemoteStream])
+def test_every_frontends_stream_has_the_protocols_signatures(impl):
+    assert signature_drift(EventStream, impl) == []
+
+
+def test_a_drifting_frontend_is_caught():
+    """A renamed parameter, a dropped default, a plain method for a property, a member gone."""
+
+    class Renamed(Batcher):
+        def submit(self, prompt_ids, params, image=()):
+            raise AssertionError
+
+    class NoImages(EpdGateway):
+        def submit(self, prompt_ids, params):
+            raise AssertionError
+
+    class TimingCalled(Stream):
+        def timing(self):
+            raise AssertionError
+
+    assert [d.split("(")[0] for d in signature_drift(Frontend, Renamed, returns=False)] == \
+        ["Renamed.submit"]
+    assert [d.split("(")[0] for d in signature_drift(Frontend, NoImages, returns=False)] == \
+        ["NoImages.submit"]
+    assert signature_drift(EventStream, TimingCalled) == ["TimingCalled.timing is not a property"]
+    assert signature_drift(Frontend, object) == ["object lacks stats", "object lacks submit"]
+
+
+def test_the_compilers_artifact_source_is_one():
+    assert protocol_members(ArtifactSource) == ["artifact", "checkpoint"]
+    assert signature_drift(ArtifactSource, CompilingSource) == []

@@ -22,7 +22,9 @@ import redis
 from dsv41.runtime.engine.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher, FinishReason
-from dsv41.runtime.serving.epd import DecodeWorker, EpdGateway, EpdKeys, EpdRequest, PrefillWorker
+from dsv41.runtime.serving.epd import EpdKeys, EpdRequest
+from dsv41.runtime.serving.epd_gateway import EpdGateway
+from dsv41.runtime.serving.epd_stages import DecodeWorker, PrefillWorker
 
 PAGE = 8
 W = "w" * 64

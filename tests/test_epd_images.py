@@ -23,14 +23,9 @@ from dsv41.graph.model import Model
 from dsv41.runtime.engine.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher, FinishReason
-from dsv41.runtime.serving.epd import (
-    DecodeWorker,
-    EpdGateway,
-    EpdKeys,
-    EpdRequest,
-    PrefillWorker,
-    VisionWorker,
-)
+from dsv41.runtime.serving.epd import EpdKeys, EpdRequest
+from dsv41.runtime.serving.epd_gateway import EpdGateway
+from dsv41.runtime.serving.epd_stages import DecodeWorker, PrefillWorker, VisionWorker
 
 CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
 PAGE = 8

@@ -162,8 +162,8 @@ ROOM_RULES = {
     "runtime.backends": ("runtime.engine", "runtime.serving"),
     "runtime.serving": ("runtime.backends",),
 }
-# what serving may take from the backends: where an engine is built from options (the artifact's
-# entry sets) and the torch <-> TVM converter are public faces, not internals
+# what serving may take from the backends: nothing (the engine room builds an engine; the entry
+# sets the serving assembly asks for are graph.entries' contract)
 SERVING_MAY_USE = frozenset()
 
 

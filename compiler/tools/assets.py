@@ -41,3 +41,20 @@ def ensure_artifact(checkpoint: Path, name: str, target: str, entries: tuple[str
         bar.close()
     print(f"compiled in {report.total_seconds:.0f} s")
     return report.artifact_dir
+
+
+class CompilingSource:
+    """The `runtime.serving.assembly.ArtifactSource` of `dsv41 serve`, `chat` and `bench serve`:
+    a preset's seeded checkpoint written once, an artifact's missing entries compiled."""
+
+    def checkpoint(self, preset: str, seed: int) -> Path:
+        """The seeded checkpoint folder of `preset` (written when missing)."""
+        return ensure_checkpoint(preset, seed)
+
+    def artifact(self, checkpoint: Path, name: str, target: str, entries: tuple[str, ...],
+                 out: Path) -> Path:
+        """The artifact folder of `checkpoint`'s config under `out`, with `entries`."""
+        return ensure_artifact(checkpoint, name, target, entries, out)
+
+
+COMPILING = CompilingSource()  # stateless: one for every verb

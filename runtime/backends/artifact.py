@@ -34,15 +34,17 @@ from dsv41.graph.artifact_format import (  # noqa: F401 (the format's names, re-
 )
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.engram import engram_table_layer
-from dsv41.graph.entries import ENTRY_ARGS, HASH_IDS, Entry
+from dsv41.graph.entries import (  # noqa: F401 (the entry sets, re-exported)
+    CED_ENTRIES,
+    ENTRY_ARGS,
+    EXACT_ENTRIES,
+    HASH_IDS,
+    Entry,
+)
 from dsv41.graph.targets import request_amx, uses_amx
 from dsv41.runtime.backends.device import Device, DeviceError, DeviceKind, device_for_target
 from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, EngramTiming
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
-
-# what a CED engine runs
-CED_ENTRIES = (Entry.ENCODER, Entry.DECODER, Entry.ENCODER_REPLAY, Entry.DECODE)
-EXACT_ENTRIES = (Entry.PREFILL, Entry.DECODE)  # an exact engine (prefill_all serves for prefill)
 
 
 def read_manifest_json(artifact_dir: str | Path) -> dict:

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import logging
 import queue
-import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
 
+from dsv41.graph.phases import chunk_spans
 from dsv41.runtime.engine.engine import DecodeBatch, Engine, PrefillPacing, Session
 from dsv41.runtime.engine.images import TurnImage
 from dsv41.runtime.engine.requests import (
@@ -44,70 +43,20 @@ from dsv41.runtime.engine.requests import (
     check_token_ids,
     check_turn,
 )
-from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
+from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher
 from dsv41.runtime.serving.chat_format import IncrementalDecoder
+from dsv41.runtime.serving.frontend import (
+    BatcherStats,
+    FinishReason,
+    QueueFull,
+    RequestTiming,
+    TokenEvent,
+)
 from dsv41.runtime.serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # the compiled decode entry's static batch bound
-
-
-class FinishReason(Enum):
-    """Why a request ended; the values are OpenAI's finish_reason strings where one exists."""
-
-    STOP = "stop"  # EOS, a stop id or a stop string
-    LENGTH = "length"  # max_tokens, or the model's max_seq_len reached
-    CANCELLED = "cancelled"  # Stream.cancel() (client gone, timeout), or Batcher.stop()
-    ERROR = "error"  # the engine failed on this request (message in TokenEvent.error)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One per generated token; the last event of a stream has `finish` set."""
-
-    token_id: int | None  # None only on a final event that carries no token
-    text: str  # detokenised delta, stop strings withheld ("" with no tokenizer)
-    logprob: float | None  # the token's, when the request asked for logprobs
-    top: tuple[TokenLogprob, ...]  # the `logprobs` most likely, most likely first
-    finish: FinishReason | None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """Filled as the request runs (seconds, time.perf_counter based)."""
-
-    queued_s: float  # submit to the start of its prefill (so far, while it waits)
-    first_token_s: float | None  # submit to its first token
-    per_token_s: tuple[float, ...]  # gaps between consecutive tokens
-    prompt_tokens: int
-    completion_tokens: int
-    tier: str | None  # the tier that served its prefill (cold, snapshot, prefix, ...)
-    reused_tokens: int  # leading prompt tokens the tiers held (not prefilled)
-    # each piece of the prefill but the last (a decode step of the batch runs after each): the
-    # chunks, then (CED) the encoder pass's end before the decoder's bounded replay
-    prefill_chunk_s: tuple[float, ...] = ()
-    # the prefill's last piece (the decoder's bounded replay, or the only chunk), the first
-    # token and the join to the batch
-    prefill_tail_s: float | None = None
-    submitted_at: float = 0.0  # time.perf_counter() at submit (token i came at submitted_at +
-    #   first_token_s + sum(per_token_s[:i]))
-
-
-class QueueFull(Exception):
-    """submit() while the waiting queue is at its bound (a server answers 429)."""
-
-
-@dataclass(frozen=True)
-class BatcherStats:
-    queued: int  # waiting for admission
-    running: int  # in the decode batch
-    finished: int  # ended with STOP, LENGTH or ERROR
-    cancelled: int  # ended with CANCELLED
-    prompt_tokens: int  # of the admitted requests
-    completion_tokens: int  # tokens generated
-    tiers: Mapping[str, int]  # turns per tier that served them (cold, snapshot, prefix, ...)
 
 
 class Stream:
@@ -227,8 +176,6 @@ class Batcher:
     def __init__(self, engine: Engine, *, tokenizer: Tokenizer | None = None,
                  max_running: int = 16, max_queue: int = 64,
                  prefill_chunk_tokens: int | None = None):
-        from dsv41.graph.phases import chunk_spans
-
         if not isinstance(max_running, int) or not 1 <= max_running <= MAX_ROWS:
             raise ValueError(f"max_running must be an integer from 1 to {MAX_ROWS}, "
                              f"got {max_running!r}.")
@@ -534,86 +481,3 @@ class Batcher:
                 waiting, self._waiting = list(self._waiting), deque()
             for req in waiting:
                 self._finish(req, FinishReason.ERROR, message)
-
-
-# ---- measuring: a long prompt arriving while streams decode ------------------------------------
-
-
-@dataclass(frozen=True)
-class StallReport:
-    """How long a long prompt's prefill holds up the running streams (seconds)."""
-
-    streams: int  # decoding when the long prompt arrived
-    long_prompt_tokens: int
-    chunk_tokens: int
-    chunks: int  # the long prompt's prefill pieces (chunks, then the decoder's replay)
-    median_gap_s: float  # the running streams' per-token gap, median over the whole run
-    worst_gap_s: float  # their worst gap while the long prompt was prefilled
-    chunk_s: float  # one prefill chunk (median of the pieces but the last)
-    worst_chunk_s: float  # the longest of them
-    last_piece_s: float  # the last piece (decoder bounded replay) + first token + join
-    extra_stall_s: float  # worst_gap_s - median_gap_s: what the long prompt added to a gap
-    long_first_token_s: float  # the long prompt's submit to its first token
-    gaps_during_prefill: int  # the streams' gaps that overlap the long prefill
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def token_times(timing: RequestTiming) -> list[float]:
-    """perf_counter time of each token of a request."""
-    if timing.first_token_s is None:
-        return []
-    t = [timing.submitted_at + timing.first_token_s]
-    for gap in timing.per_token_s:
-        t.append(t[-1] + gap)
-    return t
-
-
-def measure_long_prompt_stall(engine: Engine, *, streams: int = 8, stream_prompt: int = 16,
-                              stream_tokens: int = 32, long_prompt: int = 2048,
-                              chunk_tokens: int = 256, warm_tokens: int = 4,
-                              seed: int = 0) -> StallReport:
-    """`streams` greedy requests decode (each `stream_prompt` random ids, `stream_tokens`
-    tokens); once each has `warm_tokens`, a `long_prompt`-token request arrives, prefilled in
-    chunks of `chunk_tokens` with one decode step of the batch between two chunks. Compares the
-    running streams' worst per-token gap during that prefill with their median gap and with one
-    chunk's time. The engine must hold prompt + tokens within max_seq_len."""
-    import numpy as np
-
-    a = engine.model.args
-    rng = np.random.default_rng(seed)
-    ids = [[int(x) for x in rng.integers(3, a.vocab_size, stream_prompt)] for _ in range(streams)]
-    long_ids = [int(x) for x in rng.integers(3, a.vocab_size, long_prompt)]
-    b = Batcher(engine, max_running=streams + 1, max_queue=streams + 1,
-                prefill_chunk_tokens=chunk_tokens)
-    greedy = SamplingParams(temperature=0.0, max_tokens=stream_tokens, ignore_eos=True)
-    running = [b.submit(x, greedy) for x in ids]
-    while min(s.timing.completion_tokens for s in running) < warm_tokens:
-        b.step()
-    long = b.submit(long_ids, replace(greedy, max_tokens=2))
-    while not long.done or not all(s.done for s in running):
-        b.step()
-    lt = long.timing
-    start = lt.submitted_at
-    end = start + lt.first_token_s
-    gaps, during = [], []
-    for s in running:
-        times = token_times(s.timing)
-        for t0, t1 in zip(times, times[1:], strict=False):
-            gaps.append(t1 - t0)
-            if t1 > start and t0 < end:
-                during.append(t1 - t0)
-    if lt.completion_tokens < 1 or not during:
-        raise RuntimeError("The streams ended before the long prompt's prefill; give them "
-                           "more stream_tokens.")
-    if max(s.timing.completion_tokens for s in running) < stream_tokens:
-        raise RuntimeError("A running stream did not finish its tokens.")
-    chunks = lt.prefill_chunk_s or (lt.first_token_s,)
-    return StallReport(
-        streams=streams, long_prompt_tokens=long_prompt, chunk_tokens=chunk_tokens,
-        chunks=len(lt.prefill_chunk_s) + 1, median_gap_s=statistics.median(gaps),
-        worst_gap_s=max(during), chunk_s=statistics.median(chunks),
-        worst_chunk_s=max(chunks), last_piece_s=lt.prefill_tail_s,
-        extra_stall_s=max(during) - statistics.median(gaps), long_first_token_s=lt.first_token_s,
-        gaps_during_prefill=len(during))

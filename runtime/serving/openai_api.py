@@ -4,8 +4,9 @@
     req.prompt_ids, req.params                                     # what the batcher takes
     chunk = chat_chunk(ids, req, delta={"content": "w3"}, ...)    # one SSE `data:` object
 
-No HTTP here (runtime/server.py does that), so everything is testable on plain dicts. A bad field
-is an `ApiError` carrying OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`.
+No HTTP here (runtime/serving/app.py and its routers do that), so everything is testable on
+plain dicts. A bad field is an `ApiError` carrying OpenAI's error shape: `{"error": {"message",
+"type", "param", "code"}}`.
 
 The fields read (others are ignored, as OpenAI's own SDK fields `user`, `metadata` are):
 `model` (must be the served one: 404 `model_not_found` otherwise), `messages` / `prompt`,

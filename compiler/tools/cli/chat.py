@@ -1,5 +1,5 @@
 """`dsv41 chat`: a terminal chat on the embedded engine, reading stdin
-(compiler/tools/serving.py)."""
+(runtime/serving/assembly.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dsv41.compiler.tools.cli.common import print_args
 from dsv41.compiler.tools.cli.serve import serving_args, serving_options
 
 if TYPE_CHECKING:
-    from dsv41.compiler.tools.serving import ChatOptions
+    from dsv41.runtime.serving.assembly import ChatOptions
 
 
 def add_parser(sub) -> None:
@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 def options(ns) -> ChatOptions:
     """`dsv41 chat` -> serving.ChatOptions."""
-    from dsv41.compiler.tools.serving import ChatOptions
+    from dsv41.runtime.serving.assembly import ChatOptions
 
     return ChatOptions(serving_options(ns), system=ns.system, thinking=ns.thinking,
                        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
@@ -34,7 +34,8 @@ def options(ns) -> ChatOptions:
 
 
 def run(ns) -> int:
-    from dsv41.compiler.tools.serving import chat
+    from dsv41.compiler.tools.assets import COMPILING
+    from dsv41.runtime.serving.assembly import chat
 
     print_args("chat", ns)
-    return chat(options(ns))
+    return chat(options(ns), COMPILING)

@@ -1,5 +1,5 @@
 """`dsv41 serve`: an OpenAI-compatible HTTP server with continuous batching
-(compiler/tools/serving.py); also the engine and batcher options `chat` and `bench serve` share
+(runtime/serving/assembly.py); also the engine and batcher options `chat` and `bench serve` share
 (`serving_args`, `serving_options`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from dsv41.compiler.tools.cli.common import print_args
 
 if TYPE_CHECKING:
-    from dsv41.compiler.tools.serving import ServeOptions, ServingOptions
+    from dsv41.runtime.serving.assembly import ServeOptions, ServingOptions
 
 
 def serving_args(sp, *, server: bool) -> None:
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 
 def serving_options(ns) -> ServingOptions:
     """The engine and batcher options `serve`, `chat` and `bench serve` share."""
-    from dsv41.compiler.tools.serving import ServingOptions
+    from dsv41.runtime.serving.assembly import ServingOptions
 
     path = lambda v: None if v is None else Path(v)  # noqa: E731
     return ServingOptions(
@@ -73,7 +73,7 @@ def serving_options(ns) -> ServingOptions:
 
 def options(ns) -> ServeOptions:
     """`dsv41 serve` -> serving.ServeOptions."""
-    from dsv41.compiler.tools.serving import ServeOptions
+    from dsv41.runtime.serving.assembly import ServeOptions
 
     return ServeOptions(serving_options(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
                         request_timeout_s=None if ns.request_timeout <= 0 else ns.request_timeout,
@@ -81,9 +81,10 @@ def options(ns) -> ServeOptions:
 
 
 def run(ns) -> int:
-    from dsv41.compiler.tools.serving import masked_url, serve
+    from dsv41.compiler.tools.assets import COMPILING
+    from dsv41.runtime.serving.assembly import masked_url, serve
 
     print_args("serve", argparse.Namespace(**{
         **vars(ns), "api_key": "***" if ns.api_key else None,
         "redis_url": masked_url(ns.redis_url)}))
-    return serve(options(ns))
+    return serve(options(ns), COMPILING)

@@ -2,20 +2,67 @@
 the PyTorch graph) with its tokenizer, the batcher in front of it, and the two front ends (the
 OpenAI-compatible HTTP server, one process or one EPD stage; the terminal chat).
 
-It lives in `compiler/` because an engine over a checkpoint without its artifact compiles the
-missing entries first (`assets.ensure_artifact`); everything it starts is `runtime/`'s.
+A checkpoint or an artifact the options do not name comes from an `ArtifactSource`: the CLI
+passes the compiler's (compiler/tools/assets.py: a seeded checkpoint written, the missing
+entries compiled); a deployment without the compiler names both folders and passes none.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
+from typing import Protocol
 
-from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
+import redis
+import uvicorn
 
-BACKENDS = ("artifact", "torch")
-ROLES = ("all", "vision", "prefill", "decode")
+from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
+from dsv41.graph.entries import CED_ENTRIES
+from dsv41.graph.model import Model
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine.sampling import SamplingParams
+from dsv41.runtime.serving.app import ServerOptions, create_app
+from dsv41.runtime.serving.batcher import Batcher
+from dsv41.runtime.serving.epd import Role
+from dsv41.runtime.serving.epd_gateway import EpdGateway
+from dsv41.runtime.serving.epd_stages import (
+    DecodeWorker,
+    EpdServerMetrics,
+    PrefillWorker,
+    VisionWorker,
+)
+from dsv41.runtime.serving.terminal_chat import ChatSettings, run_chat
+from dsv41.runtime.serving.tokenizer import Tokenizer
+from dsv41.runtime.tiers.redis_pool import masked_url as mask
+from dsv41.runtime.tiers.ssd_store import FORMAT_VERSION, STORE_KIND
+from dsv41.runtime.tiers.store_folder import check_folder
+
+
+class ServingBackend(StrEnum):
+    """What the engine runs (the strings are `--backend`'s)."""
+
+    ARTIFACT = "artifact"  # a compiled artifact
+    TORCH = "torch"  # the PyTorch graph (no compiled entries)
+
+
+BACKENDS = tuple(ServingBackend)
+ROLES = tuple(Role)  # all (one process) | vision | prefill | decode (one EPD stage)
+
+
+class ArtifactSource(Protocol):
+    """Where what the options leave out comes from. compiler/tools/assets.py's `COMPILING`
+    writes a preset's seeded checkpoint and compiles an artifact's missing entries; the runtime
+    itself never compiles (it imports nothing of the compiler)."""
+
+    def checkpoint(self, preset: str, seed: int) -> Path:
+        """The seeded checkpoint folder of `preset` (written when missing)."""
+
+    def artifact(self, checkpoint: Path, name: str, target: str, entries: tuple[str, ...],
+                 out: Path) -> Path:
+        """The artifact folder of `checkpoint`'s config under `out`, with `entries`."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +70,7 @@ class ServingOptions:
     """The engine and batcher options of `serve`, `chat` and `bench serve`."""
 
     artifact: Path | None = None  # a compiled artifact folder (default: compiled when missing)
-    backend: str = "artifact"  # artifact | torch
+    backend: ServingBackend = ServingBackend.ARTIFACT
     checkpoint: Path | None = None  # default: the preset's seeded checkpoint
     preset: str = "small"
     seed: int = 0  # the seeded checkpoint's seed
@@ -37,10 +84,14 @@ class ServingOptions:
     prefill_chunk: int | None = None  # default: the batcher's
     redis_url: str | None = None  # the shared DRAM snapshot pool (default: in-process)
 
+    def __post_init__(self):  # the CLI's strings as the enum (a bad one is validate()'s)
+        if self.backend in BACKENDS:
+            object.__setattr__(self, "backend", ServingBackend(self.backend))
+
     def validate(self) -> ServingOptions:
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be artifact or torch, got {self.backend!r}.")
-        if self.artifact and self.backend == "torch":
+        if self.artifact and self.backend == ServingBackend.TORCH:
             raise ValueError("--artifact and --backend torch exclude each other.")
         if self.page_tokens < 1:
             raise ValueError(f"--page-tokens must be positive, got {self.page_tokens}.")
@@ -52,11 +103,11 @@ class ServingEngine:
     """The engine, its tokenizer and the served model's name; `close()` ends the engine and
     removes the temporary store it made."""
 
-    engine: object  # runtime.engine.Engine
-    tokenizer: object  # runtime.tokenizer.Tokenizer
+    engine: Engine
+    tokenizer: Tokenizer
     model_name: str
-    backend: str
-    temp_store: object | None = None  # tempfile.TemporaryDirectory when no store was given
+    backend: str  # described for the banner: "PyTorch graph" or "artifact <folder>"
+    temp_store: tempfile.TemporaryDirectory | None = None  # when no store was given
 
     closed: bool = False
 
@@ -69,25 +120,22 @@ class ServingEngine:
             self.temp_store.cleanup()
 
 
-def serving_engine(opts: ServingOptions) -> ServingEngine:
+def _no_source(what: str):
+    raise ValueError(f"No {what} was given and nothing here can make one (the compiler is not "
+                     f"part of the runtime): name it, or run through `dsv41`, which compiles "
+                     f"what is missing.")
+
+
+def serving_engine(opts: ServingOptions, source: ArtifactSource | None = None) -> ServingEngine:
     """The engine as `dsv41 run` builds it: the artifact folder, or the artifact for the
-    checkpoint (compiling what is missing), or the PyTorch graph; the checkpoint folder or the
-    preset's seeded one; the store folder (a new or empty folder, or a store to continue) or a
-    fresh temporary store removed at the end."""
-    import tempfile
-
-    from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
-    from dsv41.runtime.backends.artifact import CED_ENTRIES
-    from dsv41.runtime.engine.engine import Engine
-    from dsv41.runtime.serving.tokenizer import Tokenizer
-
+    checkpoint (from `source`: compiling what is missing), or the PyTorch graph; the checkpoint
+    folder or the preset's seeded one (from `source`); the store folder (a new or empty folder,
+    or a store to continue) or a fresh temporary store removed at the end."""
     opts.validate()
     if opts.store is not None:
-        from dsv41.runtime.tiers.ssd_store import FORMAT_VERSION, STORE_KIND
-        from dsv41.runtime.tiers.store_folder import check_folder
-
         check_folder(opts.store, kind=STORE_KIND, version=FORMAT_VERSION)
-    ckpt = opts.checkpoint or ensure_checkpoint(opts.preset, opts.seed)
+    ckpt = opts.checkpoint or (source.checkpoint(opts.preset, opts.seed) if source else
+                               _no_source("checkpoint (--checkpoint)"))
     args = checkpoint_config(ckpt)
     tok = Tokenizer.for_model(args, ckpt)  # refused here when it does not fit the model
     name = opts.model_name or (ckpt.name if opts.checkpoint else opts.preset)
@@ -97,15 +145,14 @@ def serving_engine(opts: ServingOptions) -> ServingEngine:
     kw = {"store_dir": opts.store if opts.store else Path(temp.name) / "store",
           "page_tokens": opts.page_tokens, "redis_url": opts.redis_url}
     try:
-        if opts.backend == "torch":
-            from dsv41.graph.model import Model
-
+        if opts.backend == ServingBackend.TORCH:
             engine = Engine.from_model(Model.from_checkpoint(ckpt),
                                        weights_hash=weights_fingerprint(ckpt), **kw)
             backend = "PyTorch graph"
         else:
-            art = opts.artifact or ensure_artifact(ckpt, opts.preset, opts.target, CED_ENTRIES,
-                                                   opts.out)
+            art = opts.artifact or (
+                source.artifact(ckpt, opts.preset, opts.target, CED_ENTRIES, opts.out)
+                if source else _no_source("artifact (--artifact)"))
             engine = Engine.load(art, ckpt, **kw)
             backend = f"artifact {art}"
     except BaseException:
@@ -115,11 +162,10 @@ def serving_engine(opts: ServingOptions) -> ServingEngine:
     return ServingEngine(engine, tok, name, backend, temp)
 
 
-def make_batcher(opts: ServingOptions, se: ServingEngine, chunk_tokens: int | None = None):
+def make_batcher(opts: ServingOptions, se: ServingEngine,
+                 chunk_tokens: int | None = None) -> Batcher:
     """The batcher over `se` (prefill chunks of `chunk_tokens`, else the options', else the
     engine's); on a bad option the engine is closed before the error goes up."""
-    from dsv41.runtime.serving.batcher import Batcher
-
     try:
         for flag in ("max_running", "max_queue"):
             if getattr(opts, flag) < 1:
@@ -135,8 +181,6 @@ def make_batcher(opts: ServingOptions, se: ServingEngine, chunk_tokens: int | No
 
 def masked_url(url: str | None) -> str | None:
     """A Redis URL without its password (None stays None)."""
-    from dsv41.runtime.tiers.redis_pool import masked_url as mask
-
     return None if url is None else mask(url)
 
 
@@ -151,7 +195,11 @@ class ServeOptions:
     api_key: str | None = None  # require `Authorization: Bearer KEY` on /v1
     request_timeout_s: float | None = 600.0  # None: no timeout
     log_level: str = "info"  # uvicorn's
-    role: str = "all"  # all (one process) | vision | prefill | decode (one EPD stage)
+    role: Role = Role.ALL  # one process, or one EPD stage
+
+    def __post_init__(self):  # the CLI's strings as the enum (a bad one is validate()'s)
+        if self.role in ROLES:
+            object.__setattr__(self, "role", Role(self.role))
 
     def validate(self) -> ServeOptions:
         if not 0 < self.port < 65536:
@@ -161,26 +209,22 @@ class ServeOptions:
         if self.role not in ROLES:
             raise ValueError(f"--role must be all, vision, prefill or decode, got "
                              f"{self.role!r}.")
-        if self.role != "all" and not self.serving.redis_url:
+        if self.role != Role.ALL and not self.serving.redis_url:
             raise ValueError(f"--role {self.role} needs --redis-url: the stages meet on a Redis "
                              "server (queues, hand-offs, the snapshot pool).")
         return self
 
 
-def serve(opts: ServeOptions) -> int:
+def serve(opts: ServeOptions, source: ArtifactSource | None = None) -> int:
     """The OpenAI-compatible server until it is stopped; one process, or one EPD stage."""
-    import uvicorn
-
-    from dsv41.runtime.serving.app import ServerOptions, create_app
-
     opts.validate()
-    se = serving_engine(opts.serving)
+    se = serving_engine(opts.serving, source)
     args = se.engine.model.args
     server = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
                            max_seq_len=args.max_seq_len, api_key=opts.api_key,
                            request_timeout_s=opts.request_timeout_s,
                            image_token_id=args.image_token_id if se.engine.model.vision else None)
-    if opts.role != "all":
+    if opts.role != Role.ALL:
         return _serve_stage(opts, se, server)
     batcher = make_batcher(opts.serving, se)
     batcher.start()
@@ -199,28 +243,17 @@ def serve(opts: ServeOptions) -> int:
     return 0
 
 
-def _serve_stage(opts: ServeOptions, se: ServingEngine, server) -> int:
-    """`serve --role prefill|decode`: the stage's worker on its engine, and the OpenAI server
-    in front of the queues (any worker takes requests); /metrics adds the stage's series."""
-    import redis
-    import uvicorn
-
-    from dsv41.runtime.serving.app import create_app
-    from dsv41.runtime.serving.epd import (
-        DecodeWorker,
-        EpdGateway,
-        EpdServerMetrics,
-        PrefillWorker,
-        VisionWorker,
-    )
-
+def _serve_stage(opts: ServeOptions, se: ServingEngine, server: ServerOptions) -> int:
+    """`serve --role vision|prefill|decode`: the stage's worker on its engine, and the OpenAI
+    server in front of the queues (any worker takes requests); /metrics adds the stage's
+    series."""
     try:
         client = redis.Redis.from_url(opts.serving.redis_url)
-        if opts.role == "vision":
+        if opts.role == Role.VISION:
             if not se.engine.model.vision:
                 raise ValueError("--role vision needs a checkpoint with a vision tower.")
             worker = VisionWorker(se.engine, client)
-        elif opts.role == "prefill":
+        elif opts.role == Role.PREFILL:
             worker = PrefillWorker(se.engine, client)
         else:
             worker = DecodeWorker(se.engine, client, max_running=opts.serving.max_running)
@@ -262,14 +295,12 @@ class ChatOptions:
     seed_sampling: int | None = None  # the sampler's seed
 
 
-def chat(opts: ChatOptions, stdin=None, stdout=None) -> int:
+def chat(opts: ChatOptions, source: ArtifactSource | None = None, *, stdin=None,
+         stdout=None) -> int:
     """A terminal chat on the embedded engine (stdin / stdout by default)."""
-    from dsv41.runtime.engine.sampling import SamplingParams
-    from dsv41.runtime.serving.terminal_chat import ChatSettings, run_chat
-
     params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p,
                             seed=opts.seed_sampling, max_tokens=opts.max_tokens).validate()
-    se = serving_engine(opts.serving)
+    se = serving_engine(opts.serving, source)
     batcher = make_batcher(opts.serving, se)
     batcher.start()
     print(f"chat with {se.model_name!r} ({se.backend}); /reset clears the history, /exit ends",

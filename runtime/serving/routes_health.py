@@ -1,0 +1,24 @@
+"""`GET /health` and `GET /metrics` (Prometheus text, runtime/serving/metrics.py, over the
+frontend's stats): open without the API key, for load balancers and scrapers."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+
+from dsv41.runtime.serving.state import AppState
+
+
+def health_router(st: AppState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @router.get("/metrics")
+    async def metrics_text():
+        text = st.metrics.render(st.frontend.stats())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return router
