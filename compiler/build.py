@@ -42,7 +42,7 @@ from dsv41.graph.entries import (
 )
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
-from dsv41.graph.targets import TargetName
+from dsv41.graph.targets import TargetName, TargetSpec
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 # GEMM schedule hint: rows per call (None: prefill). `verify` runs decode's per-row kernels
@@ -62,6 +62,13 @@ class CompileOptions:
     entries: tuple[str, ...] = ENTRIES
     debug_dump: Path | None = None
     onnx: bool = False  # also write <entry>.onnx (the captured graph, for inspection)
+    # CPU targets: entries built at once, each in a process of its own (the pipeline is one
+    # thread; the libraries and the manifest are the same whatever the count)
+    jobs: int = 1
+
+    def __post_init__(self) -> None:
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {self.jobs}.")
 
     def display(self) -> str:
         return (f"model {self.model_name} (config {self.args.config_hash()[:12]}), target "
@@ -374,21 +381,26 @@ def compile_artifact(opts: CompileOptions,
     for stale in out.glob("*.so"):
         if stale.stem not in entries and stale.stem not in opts.entries:
             stale.unlink()
-    for entry in opts.entries:
-        tuning = (str(out / "tuning"), entry) if (out / "tuning").is_dir() else None
-        times = report.seconds.setdefault(entry, {})
-        lib = out / f"{entry}.so"
-        # CUDA: capture here (the signature), the rest in a child under the stub libcuda
-        run = run_phases(model, entry, opts.target, until="capture" if spec.is_cuda else "build",
-                         lib=lib, tuning=tuning, dump=opts.debug_dump, say=say, times=times)
-        entries[entry] = entry_signature(run.ep, run.template, model.plan, entry)
-        if spec.is_cuda:
-            _build_cuda_child(opts, entry, tuning, lib, say, times)
-            continue
-        report.unfused.extend([] if run.fused else [entry])
-        report.tuned[entry] = tuned_functions(run.module)
-        if tuning:
-            say.note(f"{entry}: {len(report.tuned[entry])} tuned function(s) from the database")
+    if entry_jobs_ran(opts, spec):
+        entries.update(_build_entries_in_processes(opts, report, say))
+    else:
+        for entry in opts.entries:
+            tuning = (str(out / "tuning"), entry) if (out / "tuning").is_dir() else None
+            times = report.seconds.setdefault(entry, {})
+            lib = out / f"{entry}.so"
+            # CUDA: capture here (the signature), the rest in a child under the stub libcuda
+            until = "capture" if spec.is_cuda else "build"
+            run = run_phases(model, entry, opts.target, until=until, lib=lib, tuning=tuning,
+                             dump=opts.debug_dump, say=say, times=times)
+            entries[entry] = entry_signature(run.ep, run.template, model.plan, entry)
+            if spec.is_cuda:
+                _build_cuda_child(opts, entry, tuning, lib, say, times)
+                continue
+            report.unfused.extend([] if run.fused else [entry])
+            report.tuned[entry] = tuned_functions(run.module)
+            if tuning:
+                say.note(f"{entry}: {len(report.tuned[entry])} tuned function(s) from the "
+                         "database")
     if opts.onnx:
         from dsv41.compiler.onnx_export import export_onnx
 
@@ -396,6 +408,78 @@ def compile_artifact(opts: CompileOptions,
             say.note(f"onnx: {path}")
     write_manifest(opts, entries, report)
     return report
+
+
+def entry_jobs_ran(opts: CompileOptions, spec: TargetSpec) -> bool:
+    """Whether compile_artifact builds the entries in processes of their own (`jobs`)."""
+    return opts.jobs > 1 and not spec.is_cuda and len(opts.entries) > 1
+
+
+@dataclass(frozen=True)
+class EntryJob:
+    """One CPU entry built in a process of its own: what `run_phases` needs, by value."""
+
+    config: dict
+    entry: str
+    target: str
+    lib: Path
+    tuning: tuple[str, str] | None
+    dump: Path | None
+
+
+@dataclass(frozen=True)
+class EntryJobResult:
+    entry: str
+    spec: EntrySpec
+    fused: bool
+    tuned: list[str]
+    seconds: dict[str, float]
+
+
+def build_entry_job(job: EntryJob) -> EntryJobResult:
+    """capture -> build of one entry (a worker process's whole task)."""
+    from dsv41.compiler.tuning_db import tuned_functions
+
+    model = Model.placeholder(args_from_dict(job.config))
+    times: dict[str, float] = {}
+    run = run_phases(model, job.entry, job.target, lib=job.lib, tuning=job.tuning,
+                     dump=job.dump, times=times)
+    return EntryJobResult(job.entry, entry_signature(run.ep, run.template, model.plan, job.entry),
+                          bool(run.fused), tuned_functions(run.module), times)
+
+
+def _build_entries_in_processes(opts: CompileOptions, report: CompileReport,
+                                say: CompileProgress) -> dict[str, EntrySpec]:
+    """Every entry of `opts` built by `build_entry_job` in `opts.jobs` spawned processes; the
+    results in the order of `opts.entries` (the manifest does not depend on which finished
+    first)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    out = opts.artifact_dir
+    tuning = (out / "tuning").is_dir()
+    jobs = [EntryJob(opts.args.to_dict(), e, opts.target, out / f"{e}.so",
+                     (str(out / "tuning"), e) if tuning else None, opts.debug_dump)
+            for e in opts.entries]
+    name = "capture..build (own process)"
+    results: dict[str, EntryJobResult] = {}
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding TVM's threads
+    with ProcessPoolExecutor(max_workers=min(opts.jobs, len(jobs)), mp_context=ctx) as pool:
+        futures = {pool.submit(build_entry_job, j): j.entry for j in jobs}
+        for e in opts.entries:
+            say.started(e, name)
+        for f in as_completed(futures):
+            r = f.result()
+            results[r.entry] = r
+            say.finished(r.entry, name, sum(r.seconds.values()), phases=len(PHASES))
+    for e in opts.entries:
+        r = results[e]
+        report.seconds[e] = dict(r.seconds)
+        report.unfused.extend([] if r.fused else [e])
+        report.tuned[e] = list(r.tuned)
+        if tuning:
+            say.note(f"{e}: {len(r.tuned)} tuned function(s) from the database")
+    return {e: results[e].spec for e in opts.entries}
 
 
 def _build_cuda_child(opts: CompileOptions, entry: str, tuning, lib: Path,

@@ -128,8 +128,9 @@ def cached_artifact(args, model_name: str, entries: tuple[str, ...]) -> Path:
         return done / (done / "done").read_text()
     cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))
+    # the entries in two processes at once (the pipeline is one thread; same libraries)
     opts = CompileOptions(args=args, model_name=model_name, target="cpu", out=work,
-                          entries=entries)
+                          entries=entries, jobs=min(2, os.cpu_count() or 1))
     report = compile_artifact(opts)
     print({e: round(sum(t.values()), 1) for e, t in report.seconds.items()})
     # the artifact's path inside the entry, so the cache folder may move

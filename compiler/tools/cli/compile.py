@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--debug-dump", default=None, help="write the IR after each phase here")
     sp.add_argument("--format", default="tvm", choices=("tvm", "onnx"),
                     help="onnx: also export the captured graphs as ONNX (dsv41 domain)")
+    sp.add_argument("--jobs", type=int, default=1,
+                    help="CPU targets: entries built at once, each in a process of its own")
     sp.add_argument("--shards", type=int, default=None,
                     help="a sharded artifact: one worker's graph for N workers (CPU targets; "
                          "default entries: prefill_all)")
@@ -58,7 +60,7 @@ def options(ns) -> CompileOptions:
     return CompileOptions(args=args_from(ns), model_name=model_name(ns), target=ns.target,
                           out=Path(ns.out), entries=entries_of(ns),
                           debug_dump=Path(ns.debug_dump) if ns.debug_dump else None,
-                          onnx=ns.format == "onnx")
+                          onnx=ns.format == "onnx", jobs=ns.jobs)
 
 
 def run(ns) -> int:
