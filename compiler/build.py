@@ -454,7 +454,7 @@ def write_manifest(opts: CompileOptions, entries: dict, report: CompileReport) -
         f"# dsv41 artifact: {opts.model_name} for {opts.target}\n\n"
         f"Config hash {opts.args.config_hash()}. One library per entry "
         f"({', '.join(entries)}); weights are not inside: load them with "
-        "`dsv41.runtime.engine.engine.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
+        "`dsv41.runtime.engine.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
         "`manifest.json` (checksums, config, target, TVM version) first.\n")
     from dsv41.runtime.backends.artifact import manifest_digest, sha256_file
 

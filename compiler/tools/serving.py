@@ -78,7 +78,7 @@ def serving_engine(opts: ServingOptions) -> ServingEngine:
 
     from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
     from dsv41.runtime.backends.artifact import CED_ENTRIES
-    from dsv41.runtime.engine.engine import Engine
+    from dsv41.runtime.engine import Engine
     from dsv41.runtime.serving.tokenizer import Tokenizer
 
     opts.validate()

@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from dsv41.runtime.engine.engine import DecodeBatch, Engine, PrefillPacing, Session
+from dsv41.runtime.engine import DecodeBatch, Engine, PrefillPacing, Session
 from dsv41.runtime.engine.images import TurnImage
 from dsv41.runtime.engine.requests import (
     RequestError,

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import DecodeBatch, Engine
+from dsv41.runtime.engine import DecodeBatch, Engine
 from dsv41.runtime.engine.images import (
     TurnImage,
     expand_placeholders,

@@ -536,6 +536,7 @@ def _measured_prefill(ph, model, n: int, tokens: torch.Tensor, chunk: int):
     """One CED prefill of `tokens` from a fresh cache: (seconds, peak RSS, RSS before, cache
     bytes)."""
     from dsv41.graph.cache import new_cache
+    from dsv41.graph.phases_api import PrefillPacing
 
     pad = model.engram.pad_id if model.engram is not None else None
     cache = new_cache(model.plan, 1, n + 64, engram_pad=pad)
@@ -543,7 +544,7 @@ def _measured_prefill(ph, model, n: int, tokens: torch.Tensor, chunk: int):
     before = current_rss()
     tracked = reset_peak_rss()
     t0 = time.perf_counter()
-    ph.ced_prefill(model, cache, tokens, chunk_tokens=chunk)
+    ph.ced_prefill(model, cache, tokens, pacing=PrefillPacing(chunk_tokens=chunk))
     dt = time.perf_counter() - t0
     peak = peak_rss() if tracked else None
     nbytes = sum(cache.nbytes().values())
@@ -647,7 +648,7 @@ def bench_tiers(impl: str, phases, model, weights_hash: str, opts: BenchOptions)
     session in a new engine over the same store (what a new process sees) whose prompt shares
     the first turn's prompt and adds a suffix: a prefix hit on the first conversation's
     blocks."""
-    from dsv41.runtime.engine.engine import Engine, EngineOptions
+    from dsv41.runtime.engine import Engine, EngineOptions
 
     rng = np.random.default_rng(opts.seed)
     hi = model.args.vocab_size - 1
