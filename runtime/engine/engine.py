@@ -88,7 +88,7 @@ class Engine:
                  backend: str, backend_id: str = "graph",
                  on_close: Callable[[], None] | None = None):
         bound_onednn_caches()  # before this process's first bf16 matmul (runtime/onednn.py)
-        self.model, self.options, self.backend = model, options, backend
+        self.model, self._options, self.backend = model, options, backend
         self.phases: Phases = phases
         self._on_close = on_close  # what the engine's backend frees at close (disco workers)
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
@@ -129,6 +129,15 @@ class Engine:
         self._next_id = 1
         self.tier_counts = {t.value: 0 for t in Tier}
         self.token_counts = {"prefilled": 0, "replayed": 0, "decoder_replayed": 0, "decoded": 0}
+
+    @property
+    def options(self) -> EngineOptions:
+        return self._options
+
+    @options.setter
+    def options(self, options: EngineOptions) -> None:
+        """New options reach the parts that read them (the budget, the planner)."""
+        self._options = self.budget.options = self.planner.options = options
 
     def _spec_policy(self, options: EngineOptions) -> SpecPolicy | None:
         if not options.speculative:
