@@ -52,7 +52,15 @@ from dsv41.graph.image_processor import PreparedImage
 from dsv41.graph.model import Model
 from dsv41.graph.phases import chunk_spans
 from dsv41.graph.phases_api import GraphPhases, Phases
+from dsv41.runtime.backends.artifact import (
+    Artifact,
+    ArtifactError,
+    check_checkpoint_config,
+    engine_entries,
+)
+from dsv41.runtime.backends.compiled import CompiledPhases
 from dsv41.runtime.backends.onednn import bound_onednn_caches
+from dsv41.runtime.backends.sharded import ShardedArtifact, is_sharded, read_sharded
 from dsv41.runtime.engine.batch import DecodeBatch
 from dsv41.runtime.engine.budget import CacheBudget
 from dsv41.runtime.engine.images import TurnImage, check_spans, encode_turn, expand_placeholders
@@ -164,17 +172,6 @@ class Engine:
         N`, known by its manifest) runs on its N disco workers, each holding its own share of
         the weights (runtime/sharded.py); the caches and tiers stay here. `shards`, when given,
         is the worker count expected (an ArtifactError when the artifact has another)."""
-        # TVM's runtime and the compiled backends load only for an artifact engine (the graph
-        # backend, `from_model`, runs without them)
-        from dsv41.runtime.backends.artifact import (
-            Artifact,
-            ArtifactError,
-            check_checkpoint_config,
-            engine_entries,
-        )
-        from dsv41.runtime.backends.compiled import CompiledPhases
-        from dsv41.runtime.backends.sharded import ShardedArtifact, is_sharded, read_sharded
-
         opts = EngineOptions(**options)
         sharded = is_sharded(artifact_dir)
         if sharded:
