@@ -28,7 +28,7 @@ from dsv41.graph.config import load_config
 from dsv41.runtime.backends.artifact import Artifact, ArtifactError, check_checkpoint_config, verify
 from dsv41.runtime.engine import CacheFullError, Engine
 from dsv41.runtime.engine.requests import RequestError
-from dsv41.runtime.tiers.base import ssd_store as kv_store
+from dsv41.runtime.tiers import ssd_store as kv_store
 from dsv41.runtime.tiers.ssd_store import KVStore, model_fingerprint
 from dsv41.runtime.tiers.store_folder import MARKER_NAME, StoreBusyError, StoreFolderError
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv41.runtime.tiers.base import ssd_store as kv_store
+from dsv41.runtime.tiers import ssd_store as kv_store
 from dsv41.runtime.tiers.ssd_store import (
     HEADER_SIZE,
     MAGIC,
