@@ -551,7 +551,7 @@ def write_manifest(opts: CompileOptions, entries: dict[str, EntrySpec],
         f"# dsv41 artifact: {opts.model_name} for {opts.target}\n\n"
         f"Config hash {opts.args.config_hash()}. One library per entry "
         f"({', '.join(entries)}); weights are not inside: load them with "
-        "`dsv41.runtime.engine.engine.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
+        "`dsv41.runtime.engine.Engine.load(artifact_dir, checkpoint_dir)`, which verifies "
         "`manifest.json` (checksums, config, target, TVM version) first.\n")
     files = {p.name: sha256_file(p) for p in sorted(out.iterdir())
              if p.is_file() and p.name != "manifest.json"}

@@ -10,6 +10,7 @@ outputs the result keeps (a graph-only diagnostic: the compiled backends keep no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -24,14 +25,31 @@ from dsv41.graph.speculative import Verified
 from dsv41.graph.vision import SequenceImages, SpanRows
 
 
+@dataclass(frozen=True)
+class PrefillPacing:
+    """How a prefill runs its segment: in chunks of at most `chunk_tokens` tokens (None: one
+    pass; the engine reads None as its own `prefill_chunk_tokens`), with `between_chunks` called
+    between two pieces (the batcher's decode step of the running batch; it may raise to abandon
+    the prefill, whose cache is then dropped), and, chunked, every row of the result kept
+    (`keep_rows`: what a one-pass prefill returns; else only the last `window` rows the decoder's
+    bounded replay reads). The one value the engine, the `Phases` protocol and every backend
+    pass down (`graph.phases` documents each field's effect)."""
+
+    chunk_tokens: int | None = None
+    between_chunks: Pause | None = None
+    keep_rows: bool = False
+
+
+DEFAULT_PACING = PrefillPacing()  # every prefill phase's default: one pass (the engine: its chunks)
+
+
 @runtime_checkable
 class Phases(Protocol):
     """What `graph.phases` documents, as methods (see each function there for its contract)."""
 
     def prefill_exact(self, model: Model, cache: ModelCache, tokens, *,
                       all_logits: bool = False, record: tuple[int, ...] = (),
-                      chunk_tokens: int | None = None, keep_rows: bool = False,
-                      between_chunks: Pause | None = None,
+                      pacing: PrefillPacing = DEFAULT_PACING,
                       image: SpanRows | None = None) -> PhaseResult: ...
 
     def decode_step(self, model: Model, cache: ModelCache, tokens, *,
@@ -59,20 +77,17 @@ class Phases(Protocol):
 
     def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
                     all_logits: bool = False, record: tuple[int, ...] = (),
-                    chunk_tokens: int | None = None, keep_rows: bool = False,
-                    between_chunks: Pause | None = None,
+                    pacing: PrefillPacing = DEFAULT_PACING,
                     images: SequenceImages | None = None) -> PhaseResult: ...
 
     def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
                        all_logits: bool = False, record: tuple[int, ...] = (),
-                       chunk_tokens: int | None = None, keep_rows: bool = False,
-                       between_chunks: Pause | None = None,
+                       pacing: PrefillPacing = DEFAULT_PACING,
                        images: SequenceImages | None = None) -> PhaseResult: ...
 
     def resume_prefill(self, model: Model, cache: ModelCache, cached, fresh, *,
                        all_logits: bool = False, record: tuple[int, ...] = (),
-                       chunk_tokens: int | None = None, keep_rows: bool = False,
-                       between_chunks: Pause | None = None,
+                       pacing: PrefillPacing = DEFAULT_PACING,
                        images: SequenceImages | None = None) -> PhaseResult: ...
 
     def encode_image(self, model: Model, image: PreparedImage) -> torch.Tensor:
@@ -90,12 +105,11 @@ class GraphPhases:
 
     def prefill_exact(self, model: Model, cache: ModelCache, tokens, *,
                       all_logits: bool = False, record: tuple[int, ...] = (),
-                      chunk_tokens: int | None = None, keep_rows: bool = False,
-                      between_chunks: Pause | None = None,
+                      pacing: PrefillPacing = DEFAULT_PACING,
                       image: SpanRows | None = None) -> PhaseResult:
         return phases.prefill_exact(model, cache, tokens, all_logits=all_logits, record=record,
-                                    chunk_tokens=chunk_tokens, keep_rows=keep_rows,
-                                    between_chunks=between_chunks, image=image)
+                                    chunk_tokens=pacing.chunk_tokens, keep_rows=pacing.keep_rows,
+                                    between_chunks=pacing.between_chunks, image=image)
 
     def decode_step(self, model: Model, cache: ModelCache, tokens, *,
                     draft: bool = False) -> PhaseResult:
@@ -131,32 +145,29 @@ class GraphPhases:
 
     def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
                     all_logits: bool = False, record: tuple[int, ...] = (),
-                    chunk_tokens: int | None = None, keep_rows: bool = False,
-                    between_chunks: Pause | None = None,
+                    pacing: PrefillPacing = DEFAULT_PACING,
                     images: SequenceImages | None = None) -> PhaseResult:
         return phases.ced_prefill(model, cache, tokens, all_logits=all_logits, record=record,
-                                  chunk_tokens=chunk_tokens, keep_rows=keep_rows,
-                                  between_chunks=between_chunks, images=images)
+                                  chunk_tokens=pacing.chunk_tokens, keep_rows=pacing.keep_rows,
+                                  between_chunks=pacing.between_chunks, images=images)
 
     def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
                        all_logits: bool = False, record: tuple[int, ...] = (),
-                       chunk_tokens: int | None = None, keep_rows: bool = False,
-                       between_chunks: Pause | None = None,
+                       pacing: PrefillPacing = DEFAULT_PACING,
                        images: SequenceImages | None = None) -> PhaseResult:
         return phases.replay_prefill(model, cache, prefix, suffix, all_logits=all_logits,
-                                     record=record, chunk_tokens=chunk_tokens,
-                                     keep_rows=keep_rows, between_chunks=between_chunks,
-                                     images=images)
+                                     record=record, chunk_tokens=pacing.chunk_tokens,
+                                     keep_rows=pacing.keep_rows,
+                                     between_chunks=pacing.between_chunks, images=images)
 
     def resume_prefill(self, model: Model, cache: ModelCache, cached, fresh, *,
                        all_logits: bool = False, record: tuple[int, ...] = (),
-                       chunk_tokens: int | None = None, keep_rows: bool = False,
-                       between_chunks: Pause | None = None,
+                       pacing: PrefillPacing = DEFAULT_PACING,
                        images: SequenceImages | None = None) -> PhaseResult:
         return phases.resume_prefill(model, cache, cached, fresh, all_logits=all_logits,
-                                     record=record, chunk_tokens=chunk_tokens,
-                                     keep_rows=keep_rows, between_chunks=between_chunks,
-                                     images=images)
+                                     record=record, chunk_tokens=pacing.chunk_tokens,
+                                     keep_rows=pacing.keep_rows,
+                                     between_chunks=pacing.between_chunks, images=images)
 
     def encode_image(self, model: Model, image: PreparedImage) -> torch.Tensor:
         """The graph's tower (`vision.encode_image`)."""

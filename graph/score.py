@@ -146,7 +146,7 @@ class GraphBackend:
     def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...] = (),
                 images: Sequence[PreparedImage] = ()) -> dict:
         from dsv41.graph.cache import new_cache
-        from dsv41.graph.phases_api import GraphPhases
+        from dsv41.graph.phases_api import GraphPhases, PrefillPacing
 
         m = self.model
         image, vis = None, {}
@@ -168,8 +168,8 @@ class GraphBackend:
                                kv_dtype=self.kv_dtype, engram_pad=pad)
         t = torch.from_numpy(np.asarray(tokens, np.int64))[None]
         run = self.phases.prefill_exact if mode == "exact" else self.phases.ced_prefill
-        chunked = {} if self.chunk_tokens is None else {"chunk_tokens": self.chunk_tokens,
-                                                         "keep_rows": True}
+        chunked = {} if self.chunk_tokens is None else {
+            "pacing": PrefillPacing(chunk_tokens=self.chunk_tokens, keep_rows=True)}
         if image is not None:
             chunked["image"] = image
         out = self._out(run(m, self.cache, t, all_logits=True, record=record, **chunked),

@@ -14,7 +14,7 @@ import json
 
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.serving.stall import measure_long_prompt_stall
 
 

@@ -21,7 +21,7 @@ import torch
 from dsv41.graph import ops
 from dsv41.graph.conformance import load_case
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 
 PROMPT = [int(x) for x in np.random.default_rng(1).integers(3, 500, 37)]  # the test's turn 1
 

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from dsv41.graph.entries import cache_tensors, load_cache_tensors  # noqa: E402
 from dsv41.runtime.backends.artifact import ArtifactError  # noqa: E402
-from dsv41.runtime.engine.engine import Engine  # noqa: E402
+from dsv41.runtime.engine import Engine  # noqa: E402
 
 PAGE = 8
 NEW_TOKENS = 4

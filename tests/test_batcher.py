@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.runtime.engine.engine import DecodeBatch, Engine
+from dsv41.runtime.engine import DecodeBatch, Engine
 from dsv41.runtime.engine.requests import RequestError, TurnLimits, check_turn
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher, FinishReason, QueueFull

@@ -22,7 +22,7 @@ IDS = [int(x) for x in np.random.default_rng(5).integers(3, 500, 29)]
 RUNTIME_ONLY = r"""
 import json, sys
 import numpy as np
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.backends.device import compiler_available
 art, ckpt, ids, out = sys.argv[1:5]
 e = Engine.load(art, ckpt, device="cpu", page_tokens=8)
@@ -40,7 +40,7 @@ def _clean_env(**extra) -> dict:
 
 
 def test_cpu_engine_runs_runtime_only_bit_for_bit(small_artifact, small_case, tmp_path):
-    from dsv41.runtime.engine.engine import Engine
+    from dsv41.runtime.engine import Engine
 
     art, ckpt = str(small_artifact), str(small_case.checkpoint)
     out = tmp_path / "turn.npz"

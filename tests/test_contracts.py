@@ -8,7 +8,9 @@ protocol's fails here, before any caller meets the difference."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import typing
 
 import pytest
 
@@ -17,6 +19,8 @@ from dsv41.compiler.tools.bench.torch_peer import TorchCompiledEntries
 from dsv41.graph.phases_api import GraphPhases, Phases
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases, EntryBackend
+from dsv41.runtime.engine.planner import Holds, Level, Offloaded, TurnPlan, TurnPlanner
+from dsv41.runtime.engine.records import Tier
 from dsv41.runtime.serving.assembly import ArtifactSource
 from dsv41.runtime.serving.batcher import Batcher, Stream
 from dsv41.runtime.serving.epd_gateway import EpdGateway, RemoteStream
@@ -101,7 +105,7 @@ def test_the_graph_phases_are_phases():
 
 @pytest.mark.parametrize("impl", [KVStore, BlockWriter, SnapshotPool, RedisSnapshotPool])
 def test_every_storage_tier_has_the_protocols_signatures(impl):
-    assert protocol_members(StorageTier) == ["drop", "get", "put", "stats"]
+    assert protocol_members(StorageTier) == ["close", "contains", "drop", "get", "put", "stats"]
     assert signature_drift(StorageTier, impl, returns=False) == []
 
 
@@ -164,3 +168,42 @@ def test_a_drifting_frontend_is_caught():
 def test_the_compilers_artifact_source_is_one():
     assert protocol_members(ArtifactSource) == ["artifact", "checkpoint"]
     assert signature_drift(ArtifactSource, CompilingSource) == []
+
+
+@pytest.mark.parametrize("result", [TurnPlan, Offloaded, Level])
+def test_the_planners_results_are_frozen_typed_dataclasses(result):
+    """The planner answers with small frozen records (never tuples), every field typed."""
+    assert dataclasses.is_dataclass(result) and result.__dataclass_params__.frozen
+    fields = dataclasses.fields(result)
+    assert fields and all(f.type not in (None, "", inspect.Parameter.empty) for f in fields)
+    hints = typing.get_type_hints(result)
+    assert set(hints) == {f.name for f in fields}
+
+
+def test_the_turn_plan_fields_and_the_planners_signatures():
+    assert [f.name for f in dataclasses.fields(TurnPlan)] == ["cache", "tier", "cached", "keys"]
+    assert typing.get_type_hints(TurnPlan)["tier"] is Tier
+    restore = inspect.signature(TurnPlanner.restore)
+    assert list(restore.parameters) == ["self", "keyed", "live", "live_tokens", "resumed"]
+    assert restore.return_annotation == "TurnPlan"
+    offload = inspect.signature(TurnPlanner.offload)
+    assert list(offload.parameters) == ["self", "cache", "history", "images", "session",
+                                        "stored_blocks", "previous", "shared"]
+    assert offload.return_annotation == "Offloaded"
+
+
+def test_the_restore_order_is_one_table_of_levels():
+    """Live first, cold last; the state levels before the blocks alone; exact mode keeps SSD
+    state records instead of prefix blocks; no SSD store: only live and cold."""
+    from dsv41.runtime.engine.options import EngineOptions
+    from dsv41.runtime.engine.planner import tier_levels
+
+    pool, ssd = object(), object()
+    ced = tier_levels(EngineOptions(), pool, ssd)
+    assert [lv.tier for lv in ced] == [Tier.LIVE, Tier.SNAPSHOT, Tier.PREFIX, Tier.COLD]
+    assert [lv.holds for lv in ced] == [Holds.CACHE, Holds.STATE, Holds.BLOCKS, Holds.NOTHING]
+    assert ced[1].source is pool and ced[2].source is ssd
+    exact = tier_levels(EngineOptions(exact=True), pool, ssd)
+    assert [lv.tier for lv in exact] == [Tier.LIVE, Tier.SNAPSHOT, Tier.SNAPSHOT_SSD, Tier.COLD]
+    assert exact[2].source is ssd
+    assert [lv.tier for lv in tier_levels(EngineOptions(), pool, None)] == [Tier.LIVE, Tier.COLD]

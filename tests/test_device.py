@@ -111,7 +111,7 @@ def test_cpu_engine_on_an_explicit_device_matches_the_graph_loaded_weights(small
     from dsv41.graph.checkpoint import load_checkpoint, weights_fingerprint
     from dsv41.graph.model import Model
     from dsv41.runtime.backends.compiled import CompiledPhases
-    from dsv41.runtime.engine.engine import Engine
+    from dsv41.runtime.engine import Engine
 
     art, ckpt = str(small_artifact), small_case.checkpoint
     on_device = Engine.load(art, ckpt, device="cpu", page_tokens=8)

@@ -15,7 +15,7 @@ import torch
 from dsv41.graph.bill import make_bill
 from dsv41.graph.config import preset
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import CacheFullError, Engine
+from dsv41.runtime.engine import CacheFullError, Engine
 
 PAGE = 8
 
@@ -139,7 +139,7 @@ def test_runtime_bytes_per_token_equal_the_bill(small_model, tmp_path):
 def test_full_preset_allocation_at_1m_tokens_is_890_bytes_per_token():
     model = Model.placeholder(preset("full"))
     e = Engine.from_model(model, weights_hash="0" * 64, cache_budget_bytes=8 << 30)
-    cache = e._fresh_cache()
+    cache = e.new_cache()
     e.reserve(cache, 1_000_000)  # not a whole number of 256-position pages
     nb = cache.nbytes()
     cap = min(st.capacity * st.ratio for st in cache.stores.values())

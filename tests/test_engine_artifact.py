@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from kernel_numerics import patch_fused_ops
 
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 
 PAGE = 8
 TURNS = [[int(x) for x in np.random.default_rng(i).integers(3, 500, n)]
@@ -22,7 +22,7 @@ TURNS = [[int(x) for x in np.random.default_rng(i).integers(3, 500, n)]
 RESUME = r"""
 import json, sys
 import numpy as np
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 art, ckpt, store, transcript, ids, out = sys.argv[1:7]
 e = Engine.load(art, ckpt, exact=True, store_dir=store, page_tokens=8)
 s = e.session(transcript=json.loads(transcript))

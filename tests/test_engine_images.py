@@ -53,7 +53,7 @@ from dsv41.graph.vision import (
     place_span,
     span_rows,
 )
-from dsv41.runtime.engine.engine import Engine, EngineOptions
+from dsv41.runtime.engine import Engine, EngineOptions
 from dsv41.runtime.engine.images import key_tokens
 from dsv41.runtime.engine.requests import RequestError
 from dsv41.runtime.engine.speculative import SpecPolicy

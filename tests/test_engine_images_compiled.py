@@ -34,7 +34,7 @@ from dsv41.graph.score import ScoreResult
 from dsv41.graph.vision import encode_image, find_spans, span_rows, token_types
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.requests import RequestError
 
 pytestmark = pytest.mark.slow  # compiles shared-vision-small's entries once (cached after)

@@ -16,7 +16,7 @@ import torch
 from dsv41.graph.cache import new_cache
 from dsv41.graph.layout import encoder_snapshot_bytes
 from dsv41.graph.phases import ced_prefill, replay_prefill
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.state import (
     index_owner_at,
     restore_blocks,

@@ -15,7 +15,7 @@ from dsv41.graph.ops import ENGRAM_ROWS_FUNC, engram_rows
 from dsv41.runtime.backends.device import Device, DeviceKind
 from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, engram_board
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 
 CPU = Device(DeviceKind.CPU)
 

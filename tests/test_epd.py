@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import redis
 
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher, FinishReason
 from dsv41.runtime.serving.epd import EpdKeys, EpdRequest
@@ -337,7 +337,7 @@ def test_the_handed_off_state_restores_the_cache_byte_for_byte(small_model, tmp_
         s = e.session()
         turn = s.begin(check_turn(PROMPTS[2], TurnLimits(512, 128, 0), sampling=GREEDY))
         state = s.runtime_state()
-        cache = e._fresh_cache()
+        cache = e.new_cache()
         restore_runtime_state(cache, state, PAGE)
         src = s.cache
         assert int(cache.pos[0]) == int(src.pos[0]) == len(PROMPTS[2])
@@ -356,7 +356,7 @@ def test_the_handed_off_state_restores_the_cache_byte_for_byte(small_model, tmp_
                 if getattr(st, name) is not None:
                     assert getattr(st, name).equal(getattr(got, name))
         with pytest.raises(ValueError, match="neither a block"):
-            restore_runtime_state(e._fresh_cache(), {**state, "x.y": state["snap.pos"]}, PAGE)
+            restore_runtime_state(e.new_cache(), {**state, "x.y": state["snap.pos"]}, PAGE)
         s.finish(turn)
 
 

@@ -20,7 +20,7 @@ from PIL import Image
 
 from dsv41.graph.config import load_config
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher, FinishReason
 from dsv41.runtime.serving.epd import EpdKeys, EpdRequest

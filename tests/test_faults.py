@@ -27,7 +27,7 @@ from dsv41.compiler.tools.cli import main as cli
 from dsv41.graph.artifact_format import EntrySpec
 from dsv41.graph.config import load_config
 from dsv41.runtime.backends.artifact import Artifact, ArtifactError, check_checkpoint_config, verify
-from dsv41.runtime.engine.engine import CacheFullError, Engine
+from dsv41.runtime.engine import CacheFullError, Engine
 from dsv41.runtime.engine.requests import RequestError
 from dsv41.runtime.tiers import ssd_store as kv_store
 from dsv41.runtime.tiers.ssd_store import KVStore, model_fingerprint
@@ -161,7 +161,7 @@ def test_key_salt_covers_page_policy_switches_weights(small_model):
               _engine(small_model, weights_hash="v" * 64), _engine(switched)]
     state = base.history_key(ids, "state")
     for other in others:
-        assert other._salt != base._salt
+        assert other.key_salt.fingerprint() != base.key_salt.fingerprint()
         assert other.history_key(ids, "state") != state
         assert other.block_keys(ids)[:1] != base.block_keys(ids)[:1]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.tiers.redis_pool import (
     KEY_PREFIX,
     POLICY,

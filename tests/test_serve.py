@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from dsv41.graph.config import load_config
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app, free_port
 from dsv41.runtime.serving.batcher import Batcher
 from dsv41.runtime.serving.metrics import parse_metrics

@@ -130,7 +130,7 @@ def test_an_engine_on_two_workers_tracks_the_one_worker_engine(engine_run, small
     logits row is within the conformance bound on rel L2, the median within 0.05 (the bounds of
     the prefill test above: the kernels add in another order, see the module docstring; on
     these turns, measured, every row is bit-identical, rel L2 0)."""
-    from dsv41.runtime.engine.engine import Engine
+    from dsv41.runtime.engine import Engine
 
     report, two = engine_run
     assert report["tiers"] == {"live": ["cold", "live", "live"], "stored": ["cold", "snapshot"],

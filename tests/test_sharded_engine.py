@@ -19,7 +19,7 @@ from dsv41.graph.conformance import load_case
 from dsv41.graph.sharding import shard_plan, shard_plan_json
 from dsv41.runtime.backends.artifact import ArtifactError, manifest_digest, sha256_file
 from dsv41.runtime.backends.sharded import SHARDED_FORMAT, is_sharded, read_sharded
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 
 SHARDS = 2
 

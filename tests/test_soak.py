@@ -21,7 +21,7 @@ from dsv41.runtime.backends.onednn import (
     ONEDNN_CACHE_VARIABLES,
     bound_onednn_caches,
 )
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from dsv41.graph.cache import ModelCache, new_cache
 from dsv41.graph.dspark import Draft
 from dsv41.graph.phases import decode_step, prefill_exact
 from dsv41.graph.speculative import cut_back, verify_step
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.sampling import (
     Sampler,
     SamplingParams,

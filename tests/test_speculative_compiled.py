@@ -170,7 +170,7 @@ def test_compiled_verify_refuses_bad_input(long_model, compiled):
 
 
 def _engine(model, phases, **kw):
-    from dsv41.runtime.engine.engine import Engine, EngineOptions
+    from dsv41.runtime.engine import Engine, EngineOptions
 
     return Engine(model, phases, weights_hash="w" * 64, backend="artifact (test)",
                   options=EngineOptions(exact=True, page_tokens=PAGE, **kw))

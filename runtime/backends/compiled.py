@@ -27,7 +27,6 @@ from dsv41.graph.image_processor import PreparedImage
 from dsv41.graph.model import Model
 from dsv41.graph.phases import (
     EncoderOutput,
-    Pause,
     PhaseResult,
     check_tokens,
     chunked_encoder,
@@ -39,6 +38,7 @@ from dsv41.graph.phases import (
     resume_tail,
     rows_at,
 )
+from dsv41.graph.phases_api import DEFAULT_PACING, PrefillPacing
 from dsv41.graph.speculative import (
     Verified,
     begin_verify,
@@ -180,14 +180,13 @@ class CompiledPhases:
 
     def prefill_exact(self, model: Model, cache: ModelCache, tokens, *,
                       all_logits: bool = False, record: tuple[int, ...] = (),
-                      chunk_tokens: int | None = None, keep_rows: bool = False,
-                      between_chunks: Pause | None = None,
+                      pacing: PrefillPacing = DEFAULT_PACING,
                       image: SpanRows | None = None) -> PhaseResult:
         """`phases.prefill_exact`'s contract; `image`: the new tokens' span rows."""
         del record  # hidden states are a graph-only diagnostic
         self._check(model)
         tokens = check_tokens(self.model, tokens)
-        if chunk_tokens is not None:
+        if pacing.chunk_tokens is not None:
             first = cache.pos.clone()
 
             def run(t: torch.Tensor) -> PhaseResult:
@@ -196,8 +195,9 @@ class CompiledPhases:
                                           image=None if image is None
                                           else image.piece(b, b + t.size(1)))
 
-            return chunked_exact(run, tokens, chunk_tokens, all_logits=all_logits,
-                                 keep_rows=keep_rows, between_chunks=between_chunks)
+            return chunked_exact(run, tokens, pacing.chunk_tokens, all_logits=all_logits,
+                                 keep_rows=pacing.keep_rows,
+                                 between_chunks=pacing.between_chunks)
         chunk = new_chunk(self.model, cache, tokens, image=image)
         entry = "prefill_all" if all_logits else "prefill"
         if entry not in self.art.entries and "prefill_all" in self.art.entries:
@@ -329,8 +329,7 @@ class CompiledPhases:
 
     def resume_prefill(self, model: Model, cache: ModelCache, cached, fresh, *,
                        all_logits: bool = False, record: tuple[int, ...] = (),
-                       chunk_tokens: int | None = None, keep_rows: bool = False,
-                       between_chunks: Pause | None = None,
+                       pacing: PrefillPacing = DEFAULT_PACING,
                        images: SequenceImages | None = None) -> PhaseResult:
         """Decoder bounded replay on a continued cache (`phases.resume_prefill`): the tail of
         cached tokens through the `encoder_replay` entry with the cache's local state put back
@@ -341,13 +340,12 @@ class CompiledPhases:
         cached, fresh = check_tokens(m, cached), check_tokens(m, fresh)
         t = resume_tail(m, cache, fresh.size(1))
         if t == 0:  # S >= window: a CED prefill of the new tokens (chunked)
-            return self.ced_prefill(model, cache, fresh, all_logits=all_logits,
-                                    chunk_tokens=chunk_tokens, keep_rows=keep_rows,
-                                    between_chunks=between_chunks, images=images)
+            return self.ced_prefill(model, cache, fresh, all_logits=all_logits, pacing=pacing,
+                                    images=images)
         enc = join_encoder(self.encode_cached_tail(model, cache, cached, t, images=images),
                            # S < window: one chunk
                            self.encoder_prefill(model, cache, fresh, images=images),
-                           window=m.args.window_size, keep_rows=keep_rows)
+                           window=m.args.window_size, keep_rows=pacing.keep_rows)
         return self.decoder_replay(model, cache, enc, all_logits=all_logits, images=images)
 
     def encode_cached_tail(self, model: Model, cache: ModelCache, cached, n: int,
@@ -369,11 +367,11 @@ class CompiledPhases:
 
     def ced_prefill(self, model: Model, cache: ModelCache, tokens, *,
                     all_logits: bool = False, record: tuple[int, ...] = (),
-                    chunk_tokens: int | None = None, keep_rows: bool = False,
-                    between_chunks: Pause | None = None,
+                    pacing: PrefillPacing = DEFAULT_PACING,
                     images: SequenceImages | None = None) -> PhaseResult:
         """CED prefill: the encoder (in chunks with `chunk_tokens`), then the decoder's bounded
         replay."""
+        chunk_tokens, between_chunks = pacing.chunk_tokens, pacing.between_chunks
         del record
         tokens = check_tokens(self.model, tokens)
         if chunk_tokens is None:
@@ -381,18 +379,18 @@ class CompiledPhases:
         else:
             enc = chunked_encoder(lambda t: self.encoder_prefill(model, cache, t, images=images),
                                   tokens, chunk_tokens, window=self.model.args.window_size,
-                                  keep_rows=keep_rows, between_chunks=between_chunks)
+                                  keep_rows=pacing.keep_rows, between_chunks=between_chunks)
             if between_chunks is not None and tokens.size(1) > chunk_tokens + 1:
                 between_chunks()  # after two or more chunks, the decoder's replay is a piece
         return self.decoder_replay(model, cache, enc, all_logits=all_logits, images=images)
 
     def replay_prefill(self, model: Model, cache: ModelCache, prefix, suffix, *,
                        all_logits: bool = False, record: tuple[int, ...] = (),
-                       chunk_tokens: int | None = None, keep_rows: bool = False,
-                       between_chunks: Pause | None = None,
+                       pacing: PrefillPacing = DEFAULT_PACING,
                        images: SequenceImages | None = None) -> PhaseResult:
         """Snapshot miss: encoder bounded replay (the suffix in chunks with `chunk_tokens`),
         then decoder bounded replay."""
+        chunk_tokens, between_chunks = pacing.chunk_tokens, pacing.between_chunks
         del record
         suffix = check_tokens(self.model, suffix)
         if chunk_tokens is None:
@@ -402,7 +400,8 @@ class CompiledPhases:
                 lambda t: self.encoder_replay(model, cache, prefix, t, images=images),
                 lambda t, floor: self.encoder_prefill(model, cache, t, floor=floor,
                                                       images=images),
-                suffix, chunk_tokens, window=self.model.args.window_size, keep_rows=keep_rows,
+                suffix, chunk_tokens, window=self.model.args.window_size,
+                keep_rows=pacing.keep_rows,
                 between_chunks=between_chunks)
             if between_chunks is not None and suffix.size(1) > chunk_tokens + 1:
                 between_chunks()  # after two or more chunks, the decoder's replay is a piece

@@ -23,7 +23,12 @@ import numpy as np
 from tqdm import tqdm
 
 from dsv41.graph.bill import make_bill
-from dsv41.runtime.engine.engine import Engine, TurnRecord
+from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
+from dsv41.graph.model import Model
+from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine.records import TurnRecord
+from dsv41.runtime.tiers.ssd_store import FORMAT_VERSION, STORE_KIND
+from dsv41.runtime.tiers.store_folder import check_folder
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,6 @@ class AgentLoopConfig:
 
     def validate(self) -> None:
         """Every argument, the model's length and the store folder, before any work."""
-        from dsv41.graph.checkpoint import checkpoint_config
-        from dsv41.runtime.tiers.ssd_store import FORMAT_VERSION, STORE_KIND
-        from dsv41.runtime.tiers.store_folder import check_folder
-
         for name in ("context", "turns", "suffix", "decode", "page_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
@@ -71,9 +72,6 @@ def _engine(cfg: AgentLoopConfig) -> Engine:
     opts = {"exact": cfg.exact, "store_dir": cfg.store_dir, "page_tokens": cfg.page_tokens}
     if cfg.artifact is not None:
         return Engine.load(cfg.artifact, cfg.checkpoint, **opts)
-    from dsv41.graph.checkpoint import weights_fingerprint
-    from dsv41.graph.model import Model
-
     return Engine.from_model(Model.from_checkpoint(cfg.checkpoint),
                              weights_hash=weights_fingerprint(cfg.checkpoint), **opts)
 

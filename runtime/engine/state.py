@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dsv41.graph.cache import ModelCache, ensure_capacity
+from dsv41.graph.layout import KVLayout
 from dsv41.graph.plan import FULL, ModelPlan
 from dsv41.runtime.engine.transfer import Transfers
 
@@ -233,8 +234,6 @@ def snapshot_nbytes(plan: ModelPlan, pos: int, block_tokens: int,
     layer), `tails` (fp32 kv + score of m x d per ratio>1 KV source), `partial` (the global
     entries of the last incomplete block), `pointers` (position, index-K pointer, Engram
     lookback)."""
-    from dsv41.graph.layout import KVLayout
-
     a = plan.args
     check_block_tokens([s.ratio for s in plan.kv_sources], block_tokens)
     layout = KVLayout.from_plan(plan, kv_dtype=kv_dtype)

@@ -22,7 +22,7 @@ import uvicorn
 from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
 from dsv41.graph.entries import CED_ENTRIES
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.app import ServerOptions, create_app
 from dsv41.runtime.serving.batcher import Batcher

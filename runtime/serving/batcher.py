@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from dsv41.graph.phases import chunk_spans
-from dsv41.runtime.engine.engine import DecodeBatch, Engine, PrefillPacing, Session
+from dsv41.runtime.engine import DecodeBatch, Engine, PrefillPacing, Session
 from dsv41.runtime.engine.images import TurnImage
 from dsv41.runtime.engine.requests import (
     RequestError,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import redis
 
-from dsv41.runtime.engine.engine import DecodeBatch, Engine
+from dsv41.runtime.engine import DecodeBatch, Engine
 from dsv41.runtime.engine.images import (
     TurnImage,
     features_record,

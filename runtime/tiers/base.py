@@ -3,7 +3,8 @@
 host-DRAM snapshot pool (`snapshot_pool.SnapshotPool`) and the shared Redis pool
 (`redis_pool.RedisSnapshotPool`). Each stores named arrays under a 64-hex (SSD) or session key
 and answers with its own entry (a block's arrays, or a `Snapshot`) and its own stats record;
-the calls and their arguments are the same.
+the calls and their arguments are the same (what the engine's `TurnPlanner` and `Engine.close`
+call of every tier).
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ class StorageTier(Protocol[Entry, Stats]):
 
     def drop(self, key: str) -> bool:
         """Forget the entry; True when it was present."""
+        ...
+
+    def contains(self, key: str) -> bool:
+        """Whether an entry is stored under `key` (a cheap check before `get`; `get` may still
+        find it bad or gone)."""
+        ...
+
+    def close(self) -> None:
+        """Let the tier's resources go (files, threads, connections); it serves nothing after."""
         ...
 
     def stats(self) -> Stats:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+import psutil
 
 from dsv41.runtime.tiers.base import NO_META
 
@@ -123,8 +124,6 @@ HOST_MEMORY_SHARE = 0.10  # of the host's memory, the pool's default budget (the
 
 def default_budget_bytes() -> int:
     """10% of this host's physical memory (psutil)."""
-    import psutil
-
     return int(psutil.virtual_memory().total * HOST_MEMORY_SHARE)
 
 

@@ -56,6 +56,7 @@ import os
 import re
 import stat
 import struct
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -638,8 +639,6 @@ class BlockWriter:
     """
 
     def __init__(self, store: KVStore, *, max_queued: int = 4096):
-        import threading
-
         if not isinstance(max_queued, int) or isinstance(max_queued, bool) or max_queued < 1:
             raise ValueError(f"max_queued must be a positive int, got {max_queued!r}.")
         self.store = store

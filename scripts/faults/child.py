@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 from dsv41.runtime.tiers.store_folder import StoreBusyError
 
 torch.set_num_threads(1)

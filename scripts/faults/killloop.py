@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 
 torch.set_num_threads(1)
 store, rounds = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 20

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dsv41.graph.model import Model
-from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine import Engine
 
 store, rounds = Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 20
 here = Path(__file__).parent

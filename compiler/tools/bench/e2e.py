@@ -68,11 +68,11 @@ from dsv41.graph.cost import PrefillMode, decode_step_cost, prefill_cost
 from dsv41.graph.entries import entry_inputs
 from dsv41.graph.model import Model
 from dsv41.graph.phases import check_tokens, new_chunk
-from dsv41.graph.phases_api import GraphPhases
+from dsv41.graph.phases_api import GraphPhases, PrefillPacing
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
 from dsv41.runtime.backends.tensors import to_tvm
-from dsv41.runtime.engine.engine import Engine, EngineOptions
+from dsv41.runtime.engine import Engine, EngineOptions
 
 
 class Impl(StrEnum):
@@ -441,7 +441,7 @@ def _measured_prefill(ph, model, n: int, tokens: torch.Tensor, chunk: int):
     before = current_rss()
     tracked = reset_peak_rss()
     t0 = time.perf_counter()
-    ph.ced_prefill(model, cache, tokens, chunk_tokens=chunk)
+    ph.ced_prefill(model, cache, tokens, pacing=PrefillPacing(chunk_tokens=chunk))
     dt = time.perf_counter() - t0
     peak = peak_rss() if tracked else None
     nbytes = sum(cache.nbytes().values())

@@ -133,7 +133,7 @@ def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
     import psutil
     import torch
 
-    from dsv41.runtime.engine.engine import Engine
+    from dsv41.runtime.engine import Engine
 
     if opts.checkpoint is None:
         raise ValueError("The soak needs a checkpoint folder (`main` resolves --preset to one).")

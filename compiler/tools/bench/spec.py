@@ -45,7 +45,7 @@ from dsv41.graph.model import Model
 from dsv41.graph.speculative import cut_back, verify_step
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
-from dsv41.runtime.engine.engine import Engine, EngineOptions
+from dsv41.runtime.engine import Engine, EngineOptions
 from dsv41.runtime.engine.speculative import SpecPolicy, expected_tokens
 
 

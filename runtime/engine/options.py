@@ -1,0 +1,52 @@
+"""The engine's options and its one refusal of a turn for room (`CacheFullError`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS
+
+FORMAT_VERSION = 1  # of the tier records (part of every key)
+
+
+class CacheFullError(RuntimeError):
+    """The runtime cache's byte budget cannot hold a session's next turn."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    exact: bool = False  # exact phases throughout (no CED, no bounded replay)
+    page_tokens: int = 256  # runtime-cache page and SSD block, in positions
+    cache_budget_bytes: int = 4 << 30  # runtime cache (all live sessions)
+    store_dir: str | Path | None = None  # SSD global-KV store (None: sessions stay live)
+    store_capacity_bytes: int = 64 << 30
+    store_min_lifetime_s: float = 72 * 3600.0
+    pool_budget_bytes: int | None = None  # DRAM snapshot pool (None: 10% of host memory)
+    pool_ttl_s: float = 600.0
+    pool_sweep_s: float = 1.0  # expired snapshots are freed by the first pool call after this
+    # keep the decoder and DSpark rings in the snapshot and run only the new tokens through the
+    # decoder (the carry-over of before issue 17); default False: decoder bounded replay of the
+    # last `window` tokens at every prefill, as the article describes. Salts every state key.
+    decoder_carry: bool = False
+    store_clock: Callable[[], float] = time.time
+    pool_clock: Callable[[], float] = time.monotonic
+    # the DRAM snapshot pool on this Redis server (runtime/redis_pool.py; shared by every engine
+    # of the model that names it), instead of the in-process one; pool_budget_bytes is then its
+    # maxmemory (None: keep the server's), pool_ttl_s its keys' expiry
+    redis_url: str | None = None
+    threads: int | None = None  # TVM's CPU pool (None: TVM_NUM_THREADS, else torch's count)
+    # every prefill runs in chunks of at most this many tokens: transient memory O(chunk x
+    # entries) instead of O(N x entries)
+    prefill_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # DSpark speculative decoding (runtime/speculative.py): draft, verify up to `max_draft`
+    # tokens per step, k chosen by `Engine.spec_policy` from the confidence head and the
+    # measured step costs (`spec_clock`); greedy output and sampled distributions unchanged
+    speculative: bool = False
+    max_draft: int = 5
+    spec_clock: Callable[[], float] = time.perf_counter
+    # an artifact's host-resident Engram rows gathered ahead on a background thread while the
+    # entry's first blocks run (False: when the entry reaches the layer; the same rows)
+    engram_prefetch: bool = True

@@ -1,0 +1,66 @@
+"""What the engine reports: the tier that served a turn, the kinds of state record, each turn's
+record and the engine's stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+
+class Tier(StrEnum):
+    """What served a turn's start (a str: compares and prints as its value)."""
+
+    LIVE = "live"  # the session's own cache, still in the runtime cache
+    SNAPSHOT = "snapshot"  # SSD blocks + a DRAM-pool snapshot (encoder state)
+    SNAPSHOT_SSD = "snapshot-ssd"  # exact mode: SSD blocks + an SSD state record
+    PREFIX = "prefix"  # SSD blocks only: encoder bounded replay from their end
+    COLD = "cold"  # nothing: the whole prompt prefilled
+    HANDOFF = "handoff"  # an EPD prefill worker's runtime state (Engine.adopt)
+
+    def __repr__(self) -> str:  # in printed dicts and lists, as the plain string it stands for
+        return repr(self.value)
+
+
+class StateKind(StrEnum):
+    """The tier records of a session's state after a prefix (each salts its own keys)."""
+
+    SNAPSHOT = "snapshot"  # the DRAM pool's snapshot of the local state (encoder rings, tails)
+    STATE = "state"  # exact mode: the SSD record of the whole runtime state
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+@dataclass
+class TurnRecord:
+    session: int
+    turn: int
+    tier: Tier
+    prefilled: int  # new tokens that entered the cache
+    replayed: int  # cached tokens run through the encoder again (snapshot miss)
+    decoder_replayed: int  # tokens through the decoder's bounded replay
+    decoded: int
+    token_layers: int  # work of the prefill (tokens x blocks)
+    cached_blocks: int  # SSD prefix blocks the turn started from (reused: len(reused_keys))
+    seconds: dict[str, float] = field(default_factory=dict)
+    logits: list[np.ndarray] = field(default_factory=list)  # when asked for: prefill, then steps
+    reused_keys: list[str] = field(default_factory=list)  # the SSD blocks read, in order
+    reused_tokens: int = 0  # leading tokens the turn did not prefill (blocks + snapshot, or live)
+    drafted: int = 0  # draft tokens DSpark proposed (a whole block per draft pass)
+    verified: int = 0  # draft tokens the backbone checked (the k of every verify)
+    accepted: int = 0  # draft tokens kept
+
+
+@dataclass
+class EngineStats:
+    sessions_live: int
+    runtime_bytes: dict[str, int]  # live allocations by kind (window, main_kv, index_k, tails)
+    runtime_tokens: int  # positions the live caches hold
+    runtime_budget: int
+    tiers: dict[str, int]  # turns served per tier
+    tokens: dict[str, int]  # prefilled, replayed, decoder_replayed, decoded
+    store: object | None  # KVStoreStats
+    pool: object | None  # SnapshotPoolStats
+    writer: object | None = None  # BlockWriterStats
