@@ -233,6 +233,7 @@ def test_check_contexts_refuses_undecodable_contexts_before_measuring(small_mode
             S.check_contexts(small_model, (top, bad))
 
 
+@pytest.mark.slow
 def test_prefill_rows_per_length_with_memory_and_roofline(small_model):
     """A row per prompt length: the samples, the chunk, peak RSS around the prefill (at least
     what was resident before it), the cache the prompt filled, and the prefill's own roofline

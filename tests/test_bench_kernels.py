@@ -46,6 +46,7 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
 
 
+@pytest.mark.slow
 def test_report_schema_and_machine(quick_report):
     r = quick_report
     assert r["schema"] == bench.SCHEMA

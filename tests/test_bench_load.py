@@ -15,6 +15,7 @@ from dsv41.compiler.tools.cli.main import main as cli_main
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
                     reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.slow
 def test_load_measurement_counts_the_model_bytes(small_case, small_model, tmp_path, capsys):
     from dsv41.graph.checkpoint import checkpoint_nbytes
 

@@ -62,6 +62,7 @@ def test_every_entry_is_known():
                             "decoder", "draft", "verify"}
 
 
+@pytest.mark.slow
 def test_prefill_and_decode_match_eager(small_case, small_model, programs):
     m = small_model
     toks = torch.from_numpy(small_case.tokens)[None]
@@ -82,6 +83,7 @@ def test_prefill_and_decode_match_eager(small_case, small_model, programs):
         _same_cache(comp, eager)
 
 
+@pytest.mark.slow
 def test_prefill_continuation_batch_of_two(small_case, small_model, programs):
     """A continuation chunk (start > 0) for two sequences at different positions."""
     from dsv41.graph.cache import select_sequences, stack_caches

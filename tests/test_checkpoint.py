@@ -481,6 +481,7 @@ def test_full_preset_is_refused_with_its_size(tmp_path):
 
 
 @needs_conformance
+@pytest.mark.slow
 def test_seeded_activations_stay_in_the_released_ranges(seeded_small, v41_model):
     """The seeded `small` checkpoint's residual stream keeps the conformance checkpoint's scale
     through the stack (the point of the weight statistics): per-block RMS within 2x."""

@@ -62,6 +62,7 @@ def test_v41_small_exact_conformant(v41_case, v41_model):
         assert rep.metrics["hidden_states"][k]["rel_l2_max"] == 0.0
 
 
+@pytest.mark.slow
 def test_continuation_consistency(small_case, small_model):
     """prefill(P) + decode steps == prefill(all), and two chunks == one chunk."""
     m, toks = small_model, torch.from_numpy(small_case.tokens)[None]

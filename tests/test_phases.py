@@ -46,6 +46,7 @@ def test_dspark_small_bit_exact(small_case, small_model):
         np.testing.assert_array_equal(d.confidence[0].numpy(), g["dspark_confidence"][k])
 
 
+@pytest.mark.slow
 def test_dspark_v41_within_bounds(v41_case, v41_model):
     g, bounds = v41_case.golden, v41_case.bounds
     drafts = _drafts(v41_case, v41_model)
@@ -77,6 +78,7 @@ def _snapshot_miss(model, prefix):
     return c
 
 
+@pytest.mark.slow
 def test_encoder_replay_short_prefix_is_exact(small_case, small_model):
     """L + S <= window: the replay covers the whole history, so it equals exact mode."""
     m, toks = small_model, torch.from_numpy(small_case.tokens)[None]

@@ -75,6 +75,7 @@ def test_verify_then_cut_back_equals_decode_steps(small_case, small_model, prefi
     assert_same_cache(spec, ref)
 
 
+@pytest.mark.slow
 def test_one_pass_verify_keeps_each_tokens_pointer(small_case, small_model):
     """The one-pass form (a compiled entry's): the per-token index-K pointer gives every token
     its decode step's selections, and the cut-back cache equals the decode steps' (logits to
@@ -155,6 +156,7 @@ def _engine(model, **kw):
     return Engine.from_model(model, weights_hash="w" * 64, page_tokens=PAGE, **kw)
 
 
+@pytest.mark.slow
 def test_forced_acceptance_pattern_counts_and_cache(small_model):
     """A draft right for j = 0, 1, 2, 1 tokens in turn: the accepted counts are exactly those,
     the tokens those of the run without speculation, and the session's cache after the turn
@@ -186,6 +188,7 @@ def test_forced_acceptance_pattern_counts_and_cache(small_model):
     assert_same_cache(s1.cache, s0.cache)
 
 
+@pytest.mark.slow
 def test_left_turn_cuts_back_to_the_tokens_read(small_model):
     """A caller leaving in the middle of a speculative step's tokens: the turn ends at the last
     token it read, the cache as if it had decoded without speculation up to there."""
@@ -208,6 +211,7 @@ def test_left_turn_cuts_back_to_the_tokens_read(small_model):
     assert_same_cache(s1.cache, s2.cache)
 
 
+@pytest.mark.slow
 def test_send_many_speculates_per_row(small_model):
     """A decode batch of two sessions (different lengths), one k for the batch, acceptance
     per row: the same tokens as without speculation."""
@@ -224,6 +228,7 @@ def test_send_many_speculates_per_row(small_model):
     assert all(s.turns[-1].verified > 0 for s in sessions)
 
 
+@pytest.mark.slow
 def test_batcher_streams_every_token_of_a_speculative_step(small_model):
     """The continuous batcher over a speculating engine (drafts right for 2 tokens, so a step
     brings 3): each stream gets every token, in order, the same as without speculation."""
@@ -291,6 +296,7 @@ def _greedy_equality(model, tmp_path, n_new: int, right: list[int] | None = None
     return out[0]
 
 
+@pytest.mark.slow
 def test_greedy_with_speculation_equals_without(small_model, tmp_path):
     _greedy_equality(small_model, tmp_path, 12)
 
@@ -340,6 +346,7 @@ def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
     return _chi2_sf(stat, int(live.sum()) - 1)
 
 
+@pytest.mark.slow
 def test_speculative_sampler_draws_the_backbones_distribution():
     """A small vocabulary, a draft token of high, low and zero backbone probability, with
     penalties, temperature and top-k on: 20000 seeded draws each; chi-square against the
@@ -537,6 +544,7 @@ def _costed_run(m, verify: list[float], right: list[int], n_new: int = 30):
     return e, s.turns[-1]
 
 
+@pytest.mark.slow
 def test_engine_feeds_the_policy_the_measured_verify_entry_cost(small_model):
     """A backend with its own verify (the compiled entry): the policy's costs are exactly the
     injected seconds of the path taken (the verify call for k > 0, a decode step for k = 0,
@@ -560,6 +568,7 @@ def test_engine_feeds_the_policy_the_measured_verify_entry_cost(small_model):
     assert rec.verified == sum(ph.verified) and rec.accepted == rec.verified
 
 
+@pytest.mark.slow
 def test_engine_stops_speculating_when_its_own_timings_say_it_cannot_pay(small_model):
     """Verify costs (1 + k) plain steps (a decode-steps verify): once the engine has measured
     k = 1 and 2 (each past its warm-up call), it stops drafting (a probe draft every `refresh`

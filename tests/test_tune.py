@@ -63,6 +63,7 @@ def test_task_shapes_and_workload(task):
     assert 0 <= arrays[6].min() and arrays[6].max() < 300  # global rows
 
 
+@pytest.mark.slow
 def test_tiny_tune_writes_database_reruns_as_noop_and_compile_uses_it(tmp_path, task):
     opts = _opts(tmp_path)
     report = tn.tune(opts, progress=False, say=lambda _: None, tasks=[task])

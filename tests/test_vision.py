@@ -138,6 +138,7 @@ def _prompt_rows(model, tokens, image, *, split=None, chunk_tokens=None):
     return torch.cat([first, second]).numpy()
 
 
+@pytest.mark.slow
 def test_image_in_a_later_turn_and_across_chunks(vcase, vmodel, image, scored):
     """An image arriving in the second turn (its span starting at 12 of a continued cache) and
     a span cut by the prefill's chunks both match the one-shot prefill within the bounds."""

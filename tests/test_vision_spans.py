@@ -72,6 +72,7 @@ def _cache_equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("with_image", [False, True])
+@pytest.mark.slow
 def test_span_entries_equal_the_graph_bit_for_bit(vmodel, chunk_rows, with_image):
     tokens, rows = chunk_rows
     image = rows if with_image else None
