@@ -47,12 +47,14 @@ def main() -> None:
     per = Counter()
     for m in mods:
         rel = m.relative_to(a.root)
-        per[rel.parts[0]] += lines(m)
-        if len(rel.parts) > 2:
-            per["/".join(rel.parts[:-1])] += lines(m)
+        per[rel.parts[0]] += lines(m)  # the package, subpackages included
+        for depth in range(2, len(rel.parts)):  # each subpackage, its own subpackages included
+            per["/".join(rel.parts[:depth])] += lines(m)
+        if len(rel.parts) == 2:
+            per[f"{rel.parts[0]}/*.py"] += lines(m)  # the package's own modules
     print("lines per package and subpackage:")
     for k in sorted(per):
-        print(f"  {k + '/':32s} {per[k]:6d}")
+        print(f"  {k if k.endswith('.py') else k + '/':32s} {per[k]:6d}")
     print(f"  {'total':32s} {sum(per[p] for p in PACKAGES):6d}  ({len(mods)} modules)")
     print(f"the {a.largest} largest modules:")
     for m in sorted(mods, key=lines, reverse=True)[: a.largest]:
