@@ -418,7 +418,7 @@ def test_one_owner_per_store_folder(tmp_path):
 # ---- 6. the runtime-cache budget covers every allocation -------------------------------------
 
 def test_budget_covers_each_sessions_first_page(small_model):
-    one = sum(_engine(small_model)._fresh_cache().nbytes().values())  # a session, one page
+    one = sum(_engine(small_model).new_cache().nbytes().values())  # a session, one page
     e = _engine(small_model, cache_budget_bytes=2 * one + one // 2)
     a, b, c = e.session(), e.session(), e.session()
     list(a.send(_prompt(4, 1), max_new_tokens=1))  # 4 + 1 + 1 positions: one page

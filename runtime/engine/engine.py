@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +98,6 @@ class Engine:
                  on_close: Callable[[], None] | None = None):
         bound_onednn_caches()  # before this process's first bf16 matmul (runtime/onednn.py)
         self.model, self._options, self.backend = model, options, backend
-        self.phases: Phases = phases
         self._on_close = on_close  # what the engine's backend frees at close (disco workers)
         check_block_tokens([src.ratio for src in model.plan.kv_sources], options.page_tokens)
         # salts every key: everything that changes what a stored record means (runtime/salt.py)
@@ -121,8 +121,7 @@ class Engine:
             self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes,
                                      ttl_s=options.pool_ttl_s, clock=options.pool_clock,
                                      sweep_interval_s=options.pool_sweep_s)
-        self.spec_policy = self._spec_policy(options)
-        self.stepper = Stepper(phases, model, self.spec_policy, options.spec_clock)
+        self.stepper = Stepper(phases, model, self._spec_policy(options), options.spec_clock)
         self.store = self.blocks = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
@@ -146,6 +145,26 @@ class Engine:
     def options(self, options: EngineOptions) -> None:
         """New options reach the parts that read them (the budget, the planner)."""
         self._options = self.budget.options = self.planner.options = options
+
+    @property
+    def phases(self) -> Phases:
+        """The compiled (or graph) phases every prefill and decode step runs."""
+        return self.stepper.phases
+
+    @phases.setter
+    def phases(self, phases: Phases) -> None:
+        """Replaced phases reach the decode steps."""
+        self.stepper = replace(self.stepper, phases=phases)
+
+    @property
+    def spec_policy(self) -> SpecPolicy | None:
+        """DSpark's length policy, the one the decode steps run with (None: plain decode)."""
+        return self.stepper.policy
+
+    @spec_policy.setter
+    def spec_policy(self, policy: SpecPolicy | None) -> None:
+        """A replaced policy reaches the decode steps."""
+        self.stepper = replace(self.stepper, policy=policy)
 
     def _spec_policy(self, options: EngineOptions) -> SpecPolicy | None:
         if not options.speculative:
