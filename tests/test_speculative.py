@@ -14,6 +14,7 @@ from dsv41.graph import phases
 from dsv41.graph.cache import ModelCache, new_cache
 from dsv41.graph.dspark import Draft
 from dsv41.graph.phases import decode_step, prefill_exact
+from dsv41.graph.phases_api import GraphPhases
 from dsv41.graph.speculative import cut_back, verify_step
 from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.sampling import (
@@ -128,6 +129,9 @@ class Always(SpecPolicy):
         return self.k
 
 
+GRAPH_PHASES = GraphPhases()
+
+
 class ScriptedDraft:
     """The graph's phases, with DSpark's draft replaced by one that is right for the first
     `right[n % len(right)]` tokens of draft pass n (taken from a run without speculation)."""
@@ -135,8 +139,8 @@ class ScriptedDraft:
     def __init__(self, sequence: list[int], right: list[int], vocab: int):
         self.sequence, self.right, self.vocab, self.calls = sequence, right, vocab, 0
 
-    def __getattr__(self, name):
-        return getattr(phases, name)
+    def __getattr__(self, name):  # everything else: the graph's phases (the Phases protocol)
+        return getattr(GRAPH_PHASES, name)
 
     def draft_after(self, model, cache, token):
         pos = int(cache.pos[0])  # `token` sits at pos; the draft guesses pos+1..pos+B
@@ -519,7 +523,7 @@ class CostedPhases(ScriptedDraft):
     def decode_step(self, model, cache, tokens, **kw):
         self.clock.t += self.plain
         self.decodes += 1
-        return phases.decode_step(model, cache, tokens, **kw)
+        return GRAPH_PHASES.decode_step(model, cache, tokens, **kw)
 
     def draft_after(self, model, cache, token):
         self.clock.t += self.draft
