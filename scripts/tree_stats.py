@@ -44,7 +44,7 @@ def function_imports(path: Path) -> list[tuple[int, str]]:
             for node in ast.walk(fn):
                 if isinstance(node, ast.Import | ast.ImportFrom):
                     line = text[node.lineno - 1].strip()
-                    if "#" not in line and (why := reason_above(text, node.lineno)):
+                    if why := reason_above(text, node.lineno):
                         line = f"{line}  {why}"
                     out.append((node.lineno, line))
     return sorted(set(out))
