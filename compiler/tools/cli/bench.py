@@ -12,6 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv41.compiler.tools.bench.e2e_records import IMPLS, BenchOptions, Impl, Profile
 from dsv41.compiler.tools.bench.measure import parse_tokens
 from dsv41.compiler.tools.bench.pool import PoolBenchOptions
 from dsv41.compiler.tools.bench.pool import run_command as run_pool_command
@@ -21,7 +22,6 @@ from dsv41.compiler.tools.cli.common import path_or_none, print_args, split
 from dsv41.compiler.tools.cli.serve import serving_args, serving_options
 
 if TYPE_CHECKING:
-    from dsv41.compiler.tools.bench.e2e import BenchOptions, Impl
     from dsv41.compiler.tools.bench.engram import EngramBenchOptions
     from dsv41.compiler.tools.bench.kernels import KernelBenchOptions
     from dsv41.compiler.tools.bench.load import LoadBenchOptions
@@ -97,17 +97,11 @@ def e2e_args(p) -> None:
 def impls_of(text: str) -> tuple[Impl | str, ...]:
     """'artifact,eager' -> (Impl.ARTIFACT, Impl.EAGER); an unknown name stays a string, for
     `BenchOptions.validate` to refuse with every bad name of the three lists."""
-    # heavy: torch; dsv41 --help loads no verb's work
-    from dsv41.compiler.tools.bench.e2e import IMPLS, Impl
-
     return tuple(Impl(x) if x in IMPLS else x for x in split(text))
 
 
 def e2e_options(ns) -> BenchOptions:
     """`dsv41 bench [e2e]` -> e2e.BenchOptions."""
-    # heavy: torch; dsv41 --help loads no verb's work
-    from dsv41.compiler.tools.bench.e2e import BenchOptions, Profile
-
     return BenchOptions(
         preset=ns.preset, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
         artifact=Path(ns.artifact) if ns.artifact else None, out=Path(ns.out),
