@@ -10,14 +10,17 @@ order the manifest lists. CUDA targets are built in a child process that sees a 
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dsv41.compiler.capture import capture, dim_symbols, static_bounds
+from dsv41.compiler.onnx_export import export_onnx
 from dsv41.compiler.progress import CompileProgress, SilentProgress
 from dsv41.graph.artifact_format import (
     ArtifactTarget,
@@ -42,7 +45,9 @@ from dsv41.graph.entries import (
 )
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
-from dsv41.graph.targets import TargetName, TargetSpec
+from dsv41.graph.targets import TargetName, TargetSpec, get_target
+from dsv41.runtime.backends.artifact import ArtifactError, verify
+from dsv41.schedules.cuda_build import build_cuda
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 # GEMM schedule hint: rows per call (None: prefill). `verify` runs decode's per-row kernels
@@ -143,6 +148,7 @@ def entry_signature(ep, template, plan, entry: str, *, host_engram: bool = True)
 def lower_entry(model: Model, entry: str, ep, template, spec, kernels: dict | None = None):
     """The lower phase: the captured entry -> Relax, with the entry's row hint, static bounds
     and bounded-rows choice. `kernels` receives each kernel's key -> GlobalVar."""
+    # heavy: TVM; tests patch lower.lower (build imports without TVM)
     from dsv41.compiler.lower import lower
 
     return lower(ep, spec, rows_hint=ROWS_HINT.get(entry), kernels=kernels,
@@ -170,7 +176,6 @@ def run_phases(model: Model, entry: str, target: str, *, until: str = "build",
     (PHASES), each phase timed into `times` and reported to `say`; `dump`: a folder that
     receives the IR after each phase (`<entry>.<i>-<phase>.txt`); `tuning` as `schedule`'s;
     `lib`: where build writes the library."""
-    from dsv41.graph.targets import get_target
 
     assert until in PHASES, f"unknown phase {until!r}"
     spec = get_target(target)
@@ -225,14 +230,14 @@ def fuse(mod, target_name: str):
     """Library dispatch (sort/scan), legalisation, then operator fusion. Returns (module,
     fused?): when TVM's FuseTIR rejects a fused group, the module is built unfused (each
     legalised op its own loop nest) rather than not at all, and the report says so."""
-    from tvm import relax
-
-    from dsv41.graph.targets import get_target
+    from tvm import relax  # heavy: TVM (build imports without it: assets, bench e2e)
 
     target = get_target(target_name).tvm_target()
     if get_target(target_name).is_cuda:
+        # heavy: TVM (build imports without it: assets, bench e2e)
         from tvm.relax.backend.cuda import pipeline as backend
     else:
+        # heavy: TVM (build imports without it: assets, bench e2e)
         from tvm.relax.backend.cpu_generic import pipeline as backend
     with target:
         # reshape stays a Relax op: the VM lowers it to a view (vm.builtin.reshape) and memory
@@ -254,15 +259,15 @@ def fuse(mod, target_name: str):
 def finish_pipeline(target_name: str):
     """What tvm.compile still has to do after `fuse` and `schedule`: dataflow lowering and
     finalisation (memory planning, VM codegen)."""
-    import tvm
-
-    from dsv41.graph.targets import get_target
+    import tvm  # heavy: TVM (build imports without it: assets, bench e2e)
 
     spec = get_target(target_name)
     target = spec.tvm_target()
     if spec.is_cuda:
+        # heavy: TVM (build imports without it: assets, bench e2e)
         from tvm.relax.backend.cuda import pipeline as backend
     else:
+        # heavy: TVM (build imports without it: assets, bench e2e)
         from tvm.relax.backend.cpu_generic import pipeline as backend
 
     @tvm.transform.module_pass(opt_level=0)
@@ -282,18 +287,19 @@ def schedule(mod, target_name: str, tuning: tuple[str, str] | None = None):
     parallel / vectorised loop nests that keep every reduction's order (`cpu_rules`), so the
     results are bit-identical to the unscheduled module. `tuning` = (tuning folder, entry):
     first, the functions `dsv41 tune` verified are replaced by their tuned versions."""
-    from dsv41.graph.targets import get_target
 
     if tuning is not None:
+        # heavy: tuning_db loads TVM (build imports without it)
         from dsv41.compiler.tuning_db import apply_tuning
 
         mod = apply_tuning(mod, target_name, *tuning)
 
     spec = get_target(target_name)
     if not spec.is_cuda:
-        from dsv41.schedules.cpu_rules import apply_cpu_schedules
+        from dsv41.schedules.cpu_rules import apply_cpu_schedules  # heavy: the CPU rules load TVM
 
         return apply_cpu_schedules(mod, spec)
+    # heavy: TVM (build imports without it: assets, bench e2e)
     import tvm
     from tvm.s_tir import dlight as dl
 
@@ -317,7 +323,7 @@ def schedule(mod, target_name: str, tuning: tuple[str, str] | None = None):
 def _bind_flat(func):
     """The simplest GPU schedule: per block, the spatial loops fused and bound to blocks of 256
     threads; reduction loops stay sequential per thread (so results keep the serial order)."""
-    from tvm import s_tir
+    from tvm import s_tir  # heavy: TVM (build imports without it: assets, bench e2e)
 
     sch = s_tir.Schedule(func)
     root = sch.get_sblock("root") if _has_root(sch) else None
@@ -359,8 +365,8 @@ def built_module(config: dict, entry: str, target: str, tuning: list | None = No
 
 def compile_artifact(opts: CompileOptions,
                      progress: CompileProgress | None = None) -> CompileReport:
+    # heavy: tuning_db loads TVM (build imports without it)
     from dsv41.compiler.tuning_db import tuned_functions
-    from dsv41.graph.targets import get_target
 
     spec = get_target(opts.target)
     out = opts.artifact_dir
@@ -402,7 +408,6 @@ def compile_artifact(opts: CompileOptions,
                 say.note(f"{entry}: {len(report.tuned[entry])} tuned function(s) from the "
                          "database")
     if opts.onnx:
-        from dsv41.compiler.onnx_export import export_onnx
 
         for path in export_onnx(opts):
             say.note(f"onnx: {path}")
@@ -438,6 +443,7 @@ class EntryJobResult:
 
 def build_entry_job(job: EntryJob) -> EntryJobResult:
     """capture -> build of one entry (a worker process's whole task)."""
+    # heavy: tuning_db loads TVM (build imports without it)
     from dsv41.compiler.tuning_db import tuned_functions
 
     model = Model.placeholder(args_from_dict(job.config))
@@ -453,8 +459,6 @@ def _build_entries_in_processes(opts: CompileOptions, report: CompileReport,
     """Every entry of `opts` built by `build_entry_job` in `opts.jobs` spawned processes; the
     results in the order of `opts.entries` (the manifest does not depend on which finished
     first)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     out = opts.artifact_dir
     tuning = (out / "tuning").is_dir()
@@ -486,7 +490,6 @@ def _build_cuda_child(opts: CompileOptions, entry: str, tuning, lib: Path,
                       say: CompileProgress, times: dict[str, float]) -> None:
     """lower + fuse + schedule + build of a CUDA entry in a child process that sees a stub
     libcuda (`schedules.cuda_build`): `built_module` there, then `finish_pipeline`."""
-    from dsv41.schedules.cuda_build import build_cuda
 
     name = "lower+fuse+schedule+build (CUDA child)"
     say.started(entry, name)
@@ -500,7 +503,7 @@ def _build_cuda_child(opts: CompileOptions, entry: str, tuning, lib: Path,
 
 
 def _build_library(mod, spec, lib: Path) -> None:
-    import tvm
+    import tvm  # heavy: TVM (build imports without it: assets, bench e2e)
 
     ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(spec.name))
     ex.export_library(str(lib))
@@ -510,8 +513,8 @@ def _verified_manifest(artifact_dir: Path, args: ModelArgs, target: str) -> Mani
     """The manifest of an existing artifact for the same config, target and TVM whose files
     verify and whose entries were built with the tuning database now in its `tuning/`; None
     otherwise (such an artifact contributes nothing: its entries are compiled again)."""
+    # heavy: tuning_db loads TVM (build imports without it)
     from dsv41.compiler.tuning_db import database_hash
-    from dsv41.runtime.backends.artifact import ArtifactError, verify
 
     if not (artifact_dir / "manifest.json").is_file():
         return None
@@ -540,10 +543,10 @@ def missing_entries(artifact_dir: Path, args: ModelArgs, target: str,
 
 def write_manifest(opts: CompileOptions, entries: dict[str, EntrySpec],
                    report: CompileReport) -> Path:
-    import tvm
+    import tvm  # heavy: TVM (build imports without it: assets, bench e2e)
 
+    # heavy: tuning_db loads TVM (build imports without it)
     from dsv41.compiler.tuning_db import database_hash
-    from dsv41.graph.targets import get_target
 
     out = opts.artifact_dir
     readme = out / "README.md"

@@ -19,6 +19,7 @@ from torch.export import Dim
 
 from dsv41.graph import dspark, speculative
 from dsv41.graph.cache import ModelCache, new_cache
+from dsv41.graph.checkpoint import RETURNED_DTYPES, vision_spec
 from dsv41.graph.entries import (
     ENTRIES,
     SELECTING,
@@ -276,7 +277,6 @@ def dim_symbols(ep, template: ModelCache) -> dict[str, str]:
 
 def _vision_ghosts(args) -> dict[str, torch.Tensor]:
     """Storage-less placeholders of `checkpoint.vision_spec`'s tensors (shapes and dtypes)."""
-    from dsv41.graph.checkpoint import RETURNED_DTYPES, vision_spec
 
     return {name: torch.zeros((), dtype=RETURNED_DTYPES[spec.dtype]).expand(*spec.shape)
             for name, spec in vision_spec(args).items()}
@@ -291,8 +291,6 @@ class VisionGraph(torch.nn.Module):
     storage-less placeholders of `checkpoint.vision_spec`'s shapes and dtypes."""
 
     def __init__(self, args):
-        from dsv41.graph.checkpoint import RETURNED_DTYPES, vision_spec
-
         super().__init__()
         if args.vision_n_layers <= 0:
             raise ValueError("The vision entry needs a model with a vision tower; this config's "

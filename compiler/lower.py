@@ -15,8 +15,11 @@ Kernels are built once per key (`kernel_keys`) and shared by every call site.
 
 from __future__ import annotations
 
+import torch
 import tvm
-from tvm import relax
+from tvm import relax, te, tirx
+from tvm.relax.frontend.torch import from_exported_program
+from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from dsv41.compiler.kernels import converters, dense_call, use_gemv
 from dsv41.compiler.relax_ops import BF16, Lowering, rows, shape, static, unrows
@@ -36,7 +39,6 @@ def _round_to_bf16(importer, x: relax.Expr) -> relax.Expr:
     """fp32 -> bf16, round to nearest even, on the bits. A plain cast is folded away by TVM's
     simplifier when a fused kernel immediately casts back to fp32 (Cast(f32, Cast(bf16, v)) ->
     v), which silently drops torch's bf16 rounding; bit arithmetic cannot be folded."""
-    from tvm import te, tirx
 
     def rnd(v):
         u = tirx.reinterpret("uint32", v)
@@ -62,7 +64,6 @@ def _cast(importer, x: relax.Expr, dtype: str) -> relax.Expr:
 
 def _to_dtype(node, importer):
     """aten.to(dtype) / _to_copy / type_as, with the exact fp32 -> bf16 rounding."""
-    import torch
 
     x = importer.env[node.args[0]]
     target = node.kwargs.get("dtype")
@@ -79,7 +80,6 @@ def _widened_source(arg, importer) -> relax.Expr:
     """The operand before a bf16 -> fp32 cast (`x.float()`), else the operand itself: the GEMV
     widens in registers, so the cast copy is never made (for a weight, a full fp32 copy per
     call)."""
-    import torch
 
     src = importer.env[arg]
     if not isinstance(arg, torch.fx.Node) or str(arg.target) not in (
@@ -98,7 +98,6 @@ def _weight_2d(arg, w: relax.Expr, importer) -> relax.Expr:
     """w as a 2-D [rows, k] tensor: for a `view` of a 2-D tensor (the grouped o-projection's
     `wo_a.view(g, r, -1)`), the tensor before the view. A Relax reshape of a function parameter
     is legalised into a full copy on every call; the kernel indexes the stored layout instead."""
-    import torch
 
     if len(shape(w)) == 2:
         return w
@@ -283,8 +282,6 @@ def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
     `bounded_rows`: the entry's calls have few rows (`build.BOUNDED_ROWS`), so the pool sweep
     may gather per query (`indexer.build_pool_topk`); `host_engram`: the Engram tables are
     host-resident and their rows a call of the host runtime (`kernels._engram_rows`)."""
-    from tvm.relax.frontend.torch import from_exported_program
-    from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
     ctx = Lowering(target, rows_hint, {} if kernels is None else kernels, ccl, null_expert,
                    bounded_rows, host_engram)

@@ -18,6 +18,7 @@ import torch
 
 from dsv41.compiler.capture import capture
 from dsv41.graph.entries import ENTRIES
+from dsv41.graph.model import Model
 
 ONNX_DTYPES = {
     torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int32: 6, torch.int64: 7,
@@ -26,8 +27,8 @@ ONNX_DTYPES = {
 
 
 def _value_info(name: str, val):
-    import onnx
-    from onnx import helper
+    import onnx  # heavy: onnx (~1 s): build imports this module; only --format onnx needs it
+    from onnx import helper  # heavy: onnx, as above
 
     if not isinstance(val, torch.Tensor):
         return helper.make_empty_tensor_value_info(name)
@@ -51,8 +52,8 @@ def _attr_value(v):
 
 def graph_to_onnx(ep, name: str):
     """An ExportedProgram -> onnx.ModelProto (structure, shapes and dtypes only)."""
-    import onnx
-    from onnx import helper
+    import onnx  # heavy: onnx (~1 s): build imports this module; only --format onnx needs it
+    from onnx import helper  # heavy: onnx, as above
 
     nodes, inputs, outputs = [], [], []
     for n in ep.graph.nodes:
@@ -109,9 +110,7 @@ def graph_to_onnx(ep, name: str):
 
 def export_onnx(opts) -> list[Path]:
     """One .onnx per entry into the artifact directory."""
-    import onnx
-
-    from dsv41.graph.model import Model
+    import onnx  # heavy: onnx (~1 s): build imports this module; only --format onnx needs it
 
     model = Model.placeholder(opts.args)
     out = []

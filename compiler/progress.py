@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from tqdm import tqdm
+
 
 @runtime_checkable
 class CompileProgress(Protocol):
@@ -57,7 +59,6 @@ class CompileBar:
 
     def __init__(self, entries: tuple[str, ...], phases: tuple[str, ...], *,
                  desc: str = "compile"):
-        from tqdm import tqdm
 
         self.bar = tqdm(total=len(entries) * len(phases), desc=desc, unit="phase")
 

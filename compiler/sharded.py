@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import tvm
 
 from dsv41.compiler.build import (
     BOUNDED_ROWS,
@@ -66,7 +67,6 @@ def compile_sharded(args: ModelArgs, out: str | Path, *, shards: int,
                     say=print) -> Path:
     """Build `entries` of the worker graph into `out` (one library per entry, every worker's),
     and write its manifest. Returns the manifest's path."""
-    import tvm
 
     spec = get_target(target)
     if spec.is_cuda:

@@ -40,11 +40,23 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
+import torch
+import tvm
+import tvm_ffi
+from tqdm import tqdm
+from tvm import relax
+
+from dsv41.compiler.build import CompileOptions, compile_artifact, run_phases
+from dsv41.compiler.capture import CaptureShapes, example_inputs
+from dsv41.compiler.kernels import kernel_label, unscheduled
 from dsv41.compiler.tune_task import (
     Unsupported,
     build_function,
@@ -70,8 +82,14 @@ from dsv41.compiler.tuning_db import (
     workload_hash,
     write_index,
 )
+from dsv41.graph.checkpoint import DEFAULT_CHECKPOINTS
 from dsv41.graph.config import ModelArgs
-from dsv41.schedules.tuning_space import PhaseShape, Task
+from dsv41.graph.model import Model
+from dsv41.graph.targets import get_target
+from dsv41.runtime.backends.artifact import read_manifest, weight_for
+from dsv41.runtime.backends.tensors import to_tvm
+from dsv41.schedules import tuning_space as ts
+from dsv41.schedules.tuning_space import OPS, PhaseShape, Task, bind_entry_vars, task_inputs
 
 
 @dataclass(frozen=True)
@@ -143,12 +161,10 @@ class TuneReport:
 
 def check_target(target_name: str) -> None:
     """CUDA candidates are measured on a GPU of this machine; refuse clearly without one."""
-    from dsv41.graph.targets import get_target
 
     spec = get_target(target_name)
     if not spec.is_cuda:
         return
-    import tvm
 
     if not tvm.cuda().exist:
         raise ValueError(
@@ -176,8 +192,6 @@ def _source_digest() -> str:
 
 
 def fingerprint(opts: TuneOptions) -> dict:
-    import tvm
-
     return {"tvm": tvm.__version__, "config": opts.args.config_hash(), "target": opts.target,
             "entries": list(opts.entries), "shape": vars(opts.shape), "code": _source_digest()}
 
@@ -185,18 +199,12 @@ def fingerprint(opts: TuneOptions) -> dict:
 def _entry_module(opts: TuneOptions, entry: str):
     """The entry's fused module exactly as `compile` builds it (the same phases,
     `build.run_phases`), and its kernels' keys by function name."""
-    from dsv41.compiler.build import run_phases
-    from dsv41.graph.model import Model
 
     run = run_phases(Model.placeholder(opts.args), entry, opts.target, until="fuse")
     return run.module, {gv.name_hint: key for key, gv in run.kernels.items()}
 
 
 def _entry_values(opts: TuneOptions, main, entry: str, batch: int) -> dict:
-    from dsv41.compiler.capture import CaptureShapes, example_inputs
-    from dsv41.graph.model import Model
-    from dsv41.schedules.tuning_space import bind_entry_vars
-
     shapes = CaptureShapes(batch=batch, tokens=opts.shape.tokens, context=opts.shape.context)
     inputs, _ = example_inputs(Model.placeholder(opts.args), entry, shapes)
     flat = [t for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
@@ -206,12 +214,6 @@ def _entry_values(opts: TuneOptions, main, entry: str, batch: int) -> dict:
 def entry_tasks(opts: TuneOptions, entry: str, mod, kernel_keys: dict) -> list[Task]:
     """The tasks of one entry's fused module (tuning_space docstring): kernels of the tuned
     families, and the heaviest dense generic ops."""
-    import tvm
-    import tvm_ffi
-
-    from dsv41.compiler.kernels import kernel_label, unscheduled
-    from dsv41.graph.targets import get_target
-    from dsv41.schedules import tuning_space as ts
 
     spec = get_target(opts.target)
     main = mod["main"]
@@ -299,8 +301,6 @@ def extract_tasks(opts: TuneOptions, say: Callable[[str], None],
 
 
 def select_tasks(tasks: list[Task], ops: tuple[str, ...]) -> list[Task]:
-    from dsv41.schedules.tuning_space import OPS
-
     if not ops:
         return list(tasks)
     names = {t.name for t in tasks} | {t.function for t in tasks}
@@ -332,9 +332,6 @@ def tune(opts: TuneOptions, progress: bool = True, say: Callable[[str], None] = 
     """Extract (or reuse) the tasks, top every selected task up to opts.trials records, verify
     the tasks whose best record changed, and write tasks.json. See the module docstring.
     `tasks` replaces the extraction (tests, and callers that build tasks themselves)."""
-    from tqdm import tqdm
-
-    from dsv41.graph.targets import get_target
 
     if opts.trials < 1 or opts.per_round < 1:
         raise ValueError("--trials and --per-round must be at least 1.")
@@ -442,8 +439,6 @@ def _best_digest(db, t: Task) -> str | None:
 
 
 def _quick_hand_time(t: Task, spec, seed: int) -> float | None:
-    from dsv41.schedules.tuning_space import task_inputs
-
     try:
         rt = build_function(hand_function(t, spec), spec)
         args = device_args(task_inputs(t.family, list(t.workload()["main"].params), seed=seed),
@@ -505,14 +500,6 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     """Inputs at the tuning shape (the cache full up to `context`, the new token at its end) and
     the weights: a seeded checkpoint of the preset when one exists, else format-valid random
     values (FP8/FP4 codes without NaN codes, E8M0 scales near 1)."""
-    import numpy as np
-    import torch
-    import tvm
-
-    from dsv41.compiler.capture import CaptureShapes, example_inputs
-    from dsv41.graph.model import Model
-    from dsv41.runtime.backends.artifact import read_manifest, weight_for
-    from dsv41.runtime.backends.tensors import to_tvm
 
     shapes = CaptureShapes(batch=opts.shape.batch, tokens=opts.shape.tokens,
                            context=opts.shape.context)
@@ -523,13 +510,11 @@ def _step_args(opts: TuneOptions, artifact_dir: Path, entry: str, dev):
     flat[at] = torch.full_like(flat[at], opts.shape.context - 1)  # start: the cache is full
     args = [to_tvm(t) for t in flat]
     params = spec.params
-    from dsv41.graph.checkpoint import DEFAULT_CHECKPOINTS
 
     ckpt = DEFAULT_CHECKPOINTS / f"{opts.model_name}-seed0"  # where `ensure_checkpoint` writes
     if (ckpt / "config.json").is_file():
         model = Model.from_checkpoint(ckpt)
         return args + [to_tvm(weight_for(model, p.param, p)) for p in params], str(ckpt)
-    import ml_dtypes
 
     rng = np.random.default_rng(0)
     for p in params:
@@ -551,13 +536,6 @@ def compare_step(opts: TuneOptions, rounds: int = 7) -> str:
     """Compile the decode entry twice, into the artifact (its tuning database applied) and into a
     temporary artifact without one (hand schedules); then time the two steps on the same inputs
     and weights, alternating, and report the fastest call of each."""
-    import tempfile
-
-    import tvm
-    from tvm import relax
-
-    from dsv41.compiler.build import CompileOptions, compile_artifact
-    from dsv41.graph.targets import get_target
 
     if "decode" not in opts.entries:
         raise ValueError("--compare-step times the decode entry; tune --entries decode.")

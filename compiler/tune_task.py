@@ -6,11 +6,17 @@ the best trace against the hand schedule (`verify_task`). `compiler/tune.py` run
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import types
 from collections.abc import Callable
 
+import numpy as np
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+from dsv41.compiler.build import schedule
 from dsv41.compiler.tuning_db import (
     FAILED_S,
     best_record,
@@ -19,7 +25,7 @@ from dsv41.compiler.tuning_db import (
     trace_digest,
     workload_hash,
 )
-from dsv41.schedules.tuning_space import Task
+from dsv41.schedules.tuning_space import SPACE_FALLBACKS, Task, search_space, task_inputs
 
 APPLY_MARGIN = 0.02  # a tuned function replaces the hand schedule only when this much faster
 VERIFY_ROUNDS = 5  # alternating timings of hand and tuned function in a verification
@@ -27,7 +33,6 @@ VERIFY_ROUNDS = 5  # alternating timings of hand and tuned function in a verific
 
 def device_of(spec):
     """The TVM device a target's functions run on here."""
-    import tvm
 
     return tvm.cuda() if spec.is_cuda else tvm.cpu()
 
@@ -36,8 +41,6 @@ def device_of(spec):
 
 
 def build_function(func, spec):
-    import tvm
-
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     with spec.tvm_target():
         return tvm.tirx.build(mod, target=spec.tvm_target())
@@ -45,16 +48,11 @@ def build_function(func, spec):
 
 def hand_function(task: Task, spec):
     """What compile builds for the task's function without tuning (build.schedule on it)."""
-    import tvm
-
-    from dsv41.compiler.build import schedule
 
     return schedule(tvm.IRModule({"main": task.hand}), spec.name)["main"]
 
 
 def device_args(arrays, dev):
-    import tvm
-
     return [tvm.runtime.tensor(a, dev) for a in arrays]
 
 
@@ -71,8 +69,6 @@ def time_function(rt_mod, args, dev, budget_s: float = 0.05) -> float:
 
 def _measure(cands, args, dev, target) -> list:
     """Build and time each candidate; failures become error results (FAILED_S in the DB)."""
-    import tvm
-    from tvm.s_tir import meta_schedule as ms
 
     results = []
     for c in cands:
@@ -102,8 +98,6 @@ def _without_tensor_intrinsics():
 
 
 def _quiet_logger():
-    import logging
-
     log = logging.getLogger("dsv41.tune.metaschedule")
     log.setLevel(logging.WARNING)
     return log
@@ -115,9 +109,6 @@ class Unsupported(Exception):
 
 def _context(task: Task, wl, spec, per_round: int, rand_state: int, cores: int):
     """A tune context and its design spaces, trying the rule sets of SPACE_FALLBACKS in turn."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from dsv41.schedules.tuning_space import SPACE_FALLBACKS, search_space
 
     errors = []
     for drop in SPACE_FALLBACKS:
@@ -144,9 +135,6 @@ def tune_task(task: Task, db, spec, *, trials: int, per_round: int, seed: int,
               on_round: Callable[[int, float | None], None] = lambda n, best: None) -> int:
     """Search one task until its workload has `trials` records; returns the number measured.
     on_round(candidates measured, best seconds so far) after every committed round."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from dsv41.schedules.tuning_space import task_inputs
 
     wl = task.workload()
     workload = db.commit_workload(wl)
@@ -195,8 +183,6 @@ def tune_task(task: Task, db, spec, *, trials: int, per_round: int, seed: int,
 
 
 def same_outputs(a, b, cuda: bool) -> bool:
-    import numpy as np
-
     if a.dtype.kind in "iub":
         return bool(np.array_equal(a, b))
     a, b = a.astype(np.float32), b.astype(np.float32)
@@ -209,7 +195,6 @@ def same_outputs(a, b, cuda: bool) -> bool:
 def verify_task(task: Task, db, spec, seed: int = 0, prefer: str = "faster") -> dict:
     """Replay the best record onto the symbolic function, build it, compare it with the hand
     schedule on the same inputs and time both. Returns the verdict stored in tasks.json."""
-    from dsv41.schedules.tuning_space import task_inputs
 
     wl = task.workload()
     verdict: dict = {"trials": record_counts(db).get(workload_hash(wl), 0), "apply": False,

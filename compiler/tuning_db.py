@@ -15,6 +15,12 @@ import os
 import warnings
 from pathlib import Path
 
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.schedule import Instruction, Trace
+
 from dsv41.schedules.tuning_space import Task
 
 INDEX = "tasks.json"
@@ -25,8 +31,6 @@ TUNED_ATTR = "dsv41.tuned"  # set on a function compile replaced with a tuned on
 
 
 def task_json(t: Task) -> dict:
-    import tvm
-
     return {"name": t.name, "entry": t.entry, "kind": t.kind, "family": t.family,
             "function": t.function, "key": t.key, "label": t.label, "values": t.values,
             "calls": t.calls, "flops": t.flops if t.flops == t.flops else None,
@@ -35,8 +39,6 @@ def task_json(t: Task) -> dict:
 
 
 def task_from_json(d: dict) -> Task:
-    import tvm
-
     return Task(name=d["name"], entry=d["entry"], kind=d["kind"], family=d["family"],
                 function=d["function"], key=d["key"], func=tvm.ir.load_json(d["func"]),
                 hand=tvm.ir.load_json(d["hand"]), values=d["values"], calls=d["calls"],
@@ -61,15 +63,11 @@ def write_index(tuning_dir: Path, index: dict) -> None:
 
 
 def open_database(tuning_dir: Path):
-    from tvm.s_tir import meta_schedule as ms
-
     tuning_dir.mkdir(parents=True, exist_ok=True)
     return ms.database.JSONDatabase(work_dir=str(tuning_dir))
 
 
 def workload_hash(mod) -> int:
-    import tvm_ffi
-
     return tvm_ffi.structural_hash(mod)
 
 
@@ -104,8 +102,6 @@ def generalise(trace):
     one); on the symbolic function it tiles a symbolic loop the same way with the outer loop
     covering the rest (MetaSchedule's own replay cannot: it samples `None` for a symbolic
     extent and rejects it)."""
-    from tvm import tirx
-    from tvm.s_tir.schedule import Instruction, Trace
 
     subst: dict = {}
     insts, decisions = [], {}
@@ -138,7 +134,6 @@ def substitute(x, subst: dict):
 
 def replay(func, trace, task_name: str):
     """The symbolic function scheduled by a tuned trace (marked scheduled and tuned)."""
-    from tvm import s_tir
 
     sch = s_tir.Schedule(func)
     generalise(trace).apply_to_schedule(sch, remove_postproc=False)
@@ -166,8 +161,6 @@ def apply_tuning(mod, target_name: str, tuning_dir: str | Path, entry: str):
     """build.schedule's hook: replace every function of `mod` that a verified task of `entry`
     recorded (by structural hash) with the task's best trace replayed onto its symbolic
     function. Returns the module (unchanged without a database or applicable tasks)."""
-    import tvm
-    import tvm_ffi
 
     tuning_dir = Path(tuning_dir)
     index = read_index(tuning_dir)
@@ -206,7 +199,6 @@ def apply_tuning(mod, target_name: str, tuning_dir: str | Path, entry: str):
 
 def tuned_functions(mod) -> list[str]:
     """Names of the module's functions that came from the tuning database."""
-    import tvm
 
     return sorted(gv.name_hint for gv, f in mod.functions.items()
                   if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -346,7 +347,6 @@ class Manifest:
 
     def sealed(self) -> Manifest:
         """This manifest with its digest (`manifest_sha256`) over every other field."""
-        from dataclasses import replace
 
         return replace(self, manifest_sha256=self.digest())
 
@@ -413,14 +413,11 @@ class ShardedManifest:
         return manifest_digest(self.to_json())
 
     def sealed(self) -> ShardedManifest:
-        from dataclasses import replace
-
         return replace(self, manifest_sha256=self.digest())
 
 
 def write_manifest_file(folder: Path, manifest: Manifest | ShardedManifest) -> Path:
     """`folder/manifest.json`, sealed and replaced whole (a killed write leaves the old one)."""
-    import os
 
     path = folder / "manifest.json"
     tmp = folder / "manifest.json.tmp"

@@ -569,6 +569,7 @@ def bill_chart(bill: Bill, path: str | Path) -> Path:
 
     Uses a bare `Figure` on the Agg canvas rather than pyplot, so no display, no global figure
     registry and no backend switch leak into the caller's process."""
+    # heavy: matplotlib (~0.6 s), only for bill --chart
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from dsv41.graph.score import ScoreResult
 
@@ -62,7 +63,6 @@ def golden_arithmetic_here() -> bool:
     last bits differ: there the graph is as close as the reference's own reruns
     (`within_noise_floor`), e.g. shared-v41-small's hidden state after block 0 at rel L2
     2.1e-4 against the reruns' 3.9e-4."""
-    import torch
 
     intel = "GenuineIntel" in _cpuinfo()
     return intel and torch.backends.cpu.get_cpu_capability().startswith("AVX512")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Regex, Tokenizer, normalizers
 
 from dsv41.graph.config import ModelArgs, engram_prime_buckets
 from dsv41.graph.vocab import find_tokenizer_file
@@ -85,8 +86,6 @@ _LONE_SPACE = "\ue000"
 
 
 def _engram_normalizer():
-    from tokenizers import Regex, normalizers
-
     return normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(),
         normalizers.Lowercase(), normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
@@ -167,7 +166,6 @@ def load_token_map(args: ModelArgs, checkpoint_dir: str | Path | None) -> np.nda
             return tmap
     found = find_tokenizer_file(args, checkpoint_dir)
     if found is not None:
-        from tokenizers import Tokenizer
 
         return check_token_map(args, derive_token_map(Tokenizer.from_file(str(found.path))),
                                str(found.path))

@@ -18,6 +18,8 @@ import torch
 
 from dsv41.graph import ops
 from dsv41.graph.cache import GlobalStore, ModelCache, WindowRing
+from dsv41.graph.checkpoint import RETURNED_DTYPES as LOADED_DTYPES
+from dsv41.graph.checkpoint import checkpoint_config, load_checkpoint, load_vision, param_spec
 from dsv41.graph.config import ModelArgs
 from dsv41.graph.engram import HOST_TABLES, EngramTables, build_tables, load_token_map
 from dsv41.graph.layers import (
@@ -133,8 +135,6 @@ class Model:
         """A model whose weights have the checkpoint's shapes and dtypes but no storage (zero-
         stride views of one element): what capture and compilation need, at any size. With
         `shard`, that worker's shapes (its slices and experts)."""
-        from dsv41.graph.checkpoint import RETURNED_DTYPES as LOADED_DTYPES
-        from dsv41.graph.checkpoint import param_spec
 
         plan = build_plan(args)
         fp32 = _fp32_in_compute(args, plan)
@@ -180,7 +180,6 @@ class Model:
         With `shard`, one worker of a sharded model: only the tensors it holds are read (its
         experts; its rows or columns of the split tensors, read straight from the files into
         an allocation of the slice's size), never the whole model."""
-        from dsv41.graph.checkpoint import checkpoint_config, load_checkpoint, load_vision
 
         args = args or checkpoint_config(path)
         plan = build_plan(args)

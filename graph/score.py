@@ -12,6 +12,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from dsv41.graph import vision
+from dsv41.graph.cache import new_cache
 from dsv41.graph.image_processor import PreparedImage
 
 
@@ -122,6 +124,7 @@ class GraphBackend:
         graph's own; `dsv41.runtime.backends.compiled.CompiledPhases` scores a compiled artifact).
         `chunk_tokens`: the prefill runs in chunks of at most that many tokens (every row's
         selections kept, as a one-shot prefill returns them)."""
+        # heavy: loads the model and checkpoint code (~1 s) that ScoreResult's importers skip
         from dsv41.graph.phases_api import GraphPhases, Phases
 
         self.model, self.kv_dtype, self.capacity = model, kv_dtype, capacity
@@ -145,7 +148,7 @@ class GraphBackend:
 
     def prefill(self, tokens: np.ndarray, *, mode: str, record: tuple[int, ...] = (),
                 images: Sequence[PreparedImage] = ()) -> dict:
-        from dsv41.graph.cache import new_cache
+        # heavy: loads the model and checkpoint code (~1 s) that ScoreResult's importers skip
         from dsv41.graph.phases_api import GraphPhases, PrefillPacing
 
         m = self.model
@@ -188,7 +191,6 @@ def image_rows(model, tokens: np.ndarray, images: Sequence[PreparedImage], *, en
     `aligner_embeddings` (rows of every image, in order) and `input_embeddings` (the prompt's
     spliced embeddings). `encode(image)` -> aligned rows replaces the graph's tower (a compiled
     artifact's `vision` entry: `CompiledPhases.encode_image`)."""
-    from dsv41.graph import vision
 
     if not model.vision:
         raise ValueError("This model's checkpoint has no vision tower; it cannot score images.")

@@ -33,7 +33,7 @@ class TargetSpec:
         return self.arch is not None
 
     def tvm_target(self):  # -> tvm.target.Target
-        import tvm
+        import tvm  # heavy: TVM (~4 s); the CLI and the runtime read targets without it
 
         return tvm.target.Target(self.target)
 
@@ -96,7 +96,7 @@ def uses_amx(target: dict) -> bool:
 
 def get_target(name: str) -> TargetSpec:
     """`cpu` is this machine's LLVM features; `cpu-x86-64` a portable baseline."""
-    import tvm
+    import tvm  # heavy: TVM (~4 s); the CLI and the runtime read targets without it
 
     cores = os.cpu_count() or 1
     # no FMA contraction: a*b - c*d must round like torch's separate multiply and subtract

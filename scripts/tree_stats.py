@@ -24,8 +24,18 @@ def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
+def reason_above(text: list[str], line: int) -> str:
+    """The comment above an import (`# why`), over the imports of its group; '' if none."""
+    i = line - 2
+    while i >= 0 and text[i].strip().startswith(("import ", "from ")):
+        i -= 1
+    above = text[i].strip() if i >= 0 else ""
+    return above if above.startswith("#") else ""
+
+
 def function_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, source) of every import statement inside a function body."""
+    """(line, source) of every import statement inside a function body; the source with its
+    reason when the comment is on the line above (or above its group of imports)."""
     src = path.read_text()
     text = src.splitlines()
     out = []
@@ -33,7 +43,10 @@ def function_imports(path: Path) -> list[tuple[int, str]]:
         if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
             for node in ast.walk(fn):
                 if isinstance(node, ast.Import | ast.ImportFrom):
-                    out.append((node.lineno, text[node.lineno - 1].strip()))
+                    line = text[node.lineno - 1].strip()
+                    if why := reason_above(text, node.lineno):
+                        line = f"{line}  {why}"
+                    out.append((node.lineno, line))
     return sorted(set(out))
 
 

@@ -106,6 +106,7 @@ class SelftestReport:
 def find_artifact(dirs, config_hash: str, target: str, entries: tuple[str, ...]) -> Path | None:
     """The first artifact under `dirs` (an artifact folder, or a folder of them at any depth)
     built for `target` and this config that has `entries`."""
+    # heavy: torch (see the module docstring)
     from dsv41.runtime.backends.artifact import ArtifactError, read_manifest
 
     for root in dirs:
@@ -122,6 +123,7 @@ def find_artifact(dirs, config_hash: str, target: str, entries: tuple[str, ...])
 
 def move_cache(cache, device: torch.device):
     """The cache's tensors (`graph.entries.cache_names`) moved to `device`, in place."""
+    # heavy: torch (see the module docstring)
     from dsv41.graph.entries import cache_names, cache_slot
 
     for name in cache_names(cache):
@@ -150,7 +152,7 @@ class PhasesOnDevice:
 def device_bandwidth_gbs(device: torch.device, n_bytes: int = 1 << 30, reps: int = 5) -> float:
     """Copy bandwidth of the device's memory (read + write counted), best of `reps` after a
     warm-up copy; each copy waits for the device (so the next starts on an idle one)."""
-    import torch
+    import torch  # heavy: torch (see the module docstring)
 
     a = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
@@ -164,9 +166,10 @@ def device_bandwidth_gbs(device: torch.device, n_bytes: int = 1 << 30, reps: int
 
 def environment() -> dict:
     """Where the code that runs comes from (a bundle runs its own copies) and which TVM."""
-    import torch
-    import tvm
+    import torch  # heavy: torch (see the module docstring)
+    import tvm  # heavy: TVM (see the module docstring)
 
+    # heavy: torch (see the module docstring)
     from dsv41.runtime.backends.device import compiler_available
 
     return {"python": sys.version.split()[0], "torch": torch.__version__, "tvm": tvm.__file__,
@@ -176,7 +179,7 @@ def environment() -> dict:
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        import torch
+        import torch  # heavy: torch (see the module docstring)
 
         torch.cuda.synchronize(device)
 
@@ -187,7 +190,7 @@ def _sync(device: torch.device) -> None:
 def case_artifact(opts: SelftestOptions, check: str):
     """(case, its config, the artifact of its config with prefill_all and decode), or the
     check's SKIP saying which is missing."""
-    from dsv41.graph.conformance import load_case
+    from dsv41.graph.conformance import load_case  # heavy: torch (see the module docstring)
 
     if opts.case is None or not (Path(opts.case) / "case.json").is_file():
         return Check(check, Status.SKIP, 0.0, f"no conformance case at {opts.case}")
@@ -203,6 +206,7 @@ def case_artifact(opts: SelftestOptions, check: str):
 
 
 def check_conformance(opts: SelftestOptions, dev) -> Check:
+    # heavy: torch (see the module docstring)
     from dsv41.graph.conformance import evaluate
     from dsv41.graph.model import Model
     from dsv41.graph.score import GraphBackend, score
@@ -234,8 +238,9 @@ def check_engram(opts: SelftestOptions, dev, prompt: int = 48, steps: int = 3) -
     first `prompt` tokens and `steps` greedy decode steps, with the rows gathered ahead on the
     host (and copied over on a side stream) and inside the entry: every logit bit-equal, and
     the gathers' time and the part of it the entries did not wait for."""
-    import torch
+    import torch  # heavy: torch (see the module docstring)
 
+    # heavy: torch (see the module docstring)
     from dsv41.graph.cache import new_cache
     from dsv41.graph.model import Model
     from dsv41.runtime.backends.artifact import Artifact
@@ -279,6 +284,7 @@ def check_engram(opts: SelftestOptions, dev, prompt: int = 48, steps: int = 3) -
 
 def check_kernels(opts: SelftestOptions, remaining_s: float) -> Check:
     """`pytest -m gpu` over the suite, where it and TVM's compiler are installed."""
+    # heavy: torch (see the module docstring)
     from dsv41.runtime.backends.device import compiler_available
 
     if opts.tests is None or not Path(opts.tests).is_dir():
@@ -305,8 +311,9 @@ def check_kernels(opts: SelftestOptions, remaining_s: float) -> Check:
 
 
 def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
-    import torch
+    import torch  # heavy: torch (see the module docstring)
 
+    # heavy: torch (see the module docstring)
     from dsv41.compiler.tools.bench.synthetic import StepState, synthetic_cache
     from dsv41.graph.checkpoint import checkpoint_config, write_seeded_checkpoint
     from dsv41.graph.cost import decode_step_cost
@@ -369,8 +376,9 @@ def check_decode(opts: SelftestOptions, dev, deadline: float) -> Check:
 
 
 def run_selftest(opts: SelftestOptions, say=print) -> SelftestReport:
-    import torch
+    import torch  # heavy: torch (see the module docstring)
 
+    # heavy: torch (see the module docstring)
     from dsv41.runtime.backends.device import DeviceError, device_for_target
 
     start = time.perf_counter()

@@ -32,6 +32,7 @@ from dsv41.graph.artifact_format import (  # noqa: F401 (the format's names, re-
     sha256_file,
     thaw,
 )
+from dsv41.graph.checkpoint import checkpoint_config
 from dsv41.graph.config import ModelArgs, args_from_dict
 from dsv41.graph.engram import engram_table_layer
 from dsv41.graph.entries import (  # noqa: F401 (the entry sets, re-exported)
@@ -78,7 +79,7 @@ def check_cpu_features(d: Path, m: Manifest) -> None:
 def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
            check_device: bool = True) -> Manifest:
     """Check the manifest against the files, this process's TVM, and (optionally) a config."""
-    import tvm
+    import tvm  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     d = Path(artifact_dir)
     m = read_manifest(d)  # the format version and the target's name first, then every key
@@ -134,7 +135,6 @@ def engine_entries(art: Artifact, *, exact: bool) -> tuple[str, ...]:
 def check_checkpoint_config(art: Artifact, checkpoint_dir: str | Path) -> None:
     """The checkpoint's own config.json must be the artifact's config: ArtifactError naming the
     differing fields, or saying it is missing or unreadable."""
-    from dsv41.graph.checkpoint import checkpoint_config
 
     path = Path(checkpoint_dir)
     if not (path / "config.json").is_file() and not (path.is_file() and
@@ -267,6 +267,7 @@ class Artifact:
         return self._prefetcher.reset_timing() if reset else self._prefetcher.timing
 
     def _vm(self, entry: str):
+        # order: tvm loads only after disco's libraries (disco.load_disco)
         import tvm
         from tvm.runtime.vm import VirtualMachine  # (relax's own needs TVM's compiler)
 

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from dsv41.graph.artifact_format import EntrySpec
-from dsv41.graph.cache import ModelCache, restore_local_state, save_local_state
+from dsv41.graph.cache import ModelCache, capacity_tokens, restore_local_state, save_local_state
 from dsv41.graph.dspark import Draft
 from dsv41.graph.entries import (
     ENTRY_ARGS,
@@ -81,7 +81,6 @@ class CompiledPhases:
     def _check_inputs(self, entry: str, cache: ModelCache, inputs) -> None:
         """Every id and position that reaches a compiled gather is checked here (TVM's gathers
         do not bound-check)."""
-        from dsv41.graph.cache import capacity_tokens
 
         x, start, floor, hash_ids = inputs[0], inputs[1], inputs[2], inputs[7]
         a = self.model.args

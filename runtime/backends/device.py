@@ -56,7 +56,7 @@ class Device:
         return torch.device(str(self))
 
     def tvm(self):  # -> tvm.runtime.Device
-        import tvm
+        import tvm  # order: tvm loads only after disco's libraries (disco.load_disco)
 
         return tvm.cuda(self.index) if self.is_cuda else tvm.cpu(0)
 
@@ -111,6 +111,7 @@ def load_tvm_runtime_lib(name: str) -> None:
     tvm_runtime_cuda: the CUDA device) next to `libtvm_runtime`, if the import of TVM did not:
     it does not when TVM runs runtime-only (`TVM_USE_RUNTIME_LIB=1`). DeviceError when it cannot
     load."""
+    # order: tvm loads only after disco's libraries (disco.load_disco)
     import tvm
     from tvm_ffi.libinfo import load_lib_ctypes
 
@@ -127,6 +128,6 @@ def load_tvm_runtime_lib(name: str) -> None:
 
 def compiler_available() -> bool:
     """Whether this process loaded TVM's compiler (False when TVM runs runtime-only)."""
-    import tvm
+    import tvm  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     return "tvm_compiler" in tvm.base._LOADED_LIBS

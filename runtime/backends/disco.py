@@ -51,7 +51,7 @@ def is_sharded_dir(artifact_dir: str | Path) -> bool:
 def load_disco():
     """The `tvm.runtime.disco` module, loading TVM's runtime libraries globally first."""
     if "tvm" in sys.modules:
-        import tvm
+        import tvm  # order: tvm loads here, after disco's libraries
 
         disco = getattr(tvm.runtime, "disco", None)
         if disco is None:
@@ -69,7 +69,7 @@ def load_disco():
         if not path.is_file():
             raise DiscoUnavailable(f"{path} is missing: this TVM build has no disco runtime.")
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    import tvm
+    import tvm  # order: tvm loads here, after disco's libraries
 
     disco = getattr(tvm.runtime, "disco", None)
     if disco is None:
@@ -80,7 +80,7 @@ def load_disco():
 
 def check_ccl(backend: str = "nccl") -> None:
     """A clear error when this TVM has no `backend` collectives (the PyPI wheel has none)."""
-    import tvm
+    import tvm  # order: tvm loads here, after disco's libraries
 
     if backend not in ("nccl", "rccl"):
         raise DiscoUnavailable(f"disco's collectives are nccl or rccl, not {backend!r}.")

@@ -121,7 +121,7 @@ class EngramBoard:
 @functools.cache
 def engram_board() -> EngramBoard:
     """The process's board, with `ENGRAM_ROWS_FUNC` registered to it (the first time)."""
-    import tvm_ffi
+    import tvm_ffi  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     board = EngramBoard()
     tvm_ffi.register_global_func(ENGRAM_ROWS_FUNC, board.claim, override=True)

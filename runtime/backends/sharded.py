@@ -41,8 +41,10 @@ from pathlib import Path
 import torch
 
 from dsv41.graph import artifact_format as fmt
+from dsv41.graph.checkpoint import checkpoint_config
 from dsv41.graph.collectives import CclBackend, ExportCollectives, ThreadGroup
 from dsv41.graph.config import ModelArgs, args_from_dict
+from dsv41.graph.engram import load_token_map
 from dsv41.graph.model import Model
 from dsv41.graph.sharding import WorkerShard, shard_plan, shard_plan_json
 from dsv41.runtime.backends.artifact import (
@@ -82,7 +84,7 @@ class Resident:
 def verify_sharded(artifact_dir: str | Path, *,
                    args: ModelArgs | None = None) -> fmt.ShardedManifest:
     """The manifest of a sharded artifact, checked against its files, this TVM and `args`."""
-    import tvm
+    import tvm  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     d = Path(artifact_dir)
     m = fmt.ShardedManifest.from_json(read_manifest_json(d), where=str(d))
@@ -160,7 +162,6 @@ def check_worker_shapes(manifest: fmt.ShardedManifest, checkpoint: str | Path) -
     """ArtifactError unless the checkpoint is the artifact's model and every worker's share of
     it has the shapes the library takes. Checked here, before any worker runs: an exception on
     a ThreadedSession's worker thread is not caught by TVM and ends the process."""
-    from dsv41.graph.checkpoint import checkpoint_config
 
     args = args_from_dict(thaw(manifest.config))
     if checkpoint_config(checkpoint).config_hash() != args.config_hash():
@@ -182,7 +183,7 @@ def check_worker_shapes(manifest: fmt.ShardedManifest, checkpoint: str | Path) -
 
 
 def _worker_id() -> int:
-    import tvm
+    import tvm  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     return int(tvm.get_global_func("runtime.disco.worker_id")()[0])
 
@@ -190,7 +191,7 @@ def _worker_id() -> int:
 def register_worker_functions() -> None:
     """`dsv41.shard.load_weights(checkpoint, shards, params_json)`: the calling worker's weights
     for the named parameters, in order (its own share only); `dsv41.shard.item(array, i)`."""
-    import tvm_ffi
+    import tvm_ffi  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     @tvm_ffi.register_global_func("dsv41.shard.load_weights", override=True)
     def load_weights(checkpoint: str, shards: int, params_json: str):
@@ -215,7 +216,7 @@ def register_worker_functions() -> None:
 def register_test_ccl(group: ThreadGroup) -> None:
     """The CPU test collective over `group`, for a ThreadedSession of group.shards workers (see
     the module docstring): disco's signatures, each worker's rank from disco."""
-    import tvm_ffi
+    import tvm_ffi  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     def member():
         return group.member(_worker_id())
@@ -296,7 +297,6 @@ class ShardedArtifact:
     def host_model(self, checkpoint: str | Path) -> Model:
         """The controller's model: the host half of the phases (no weights; the Engram tables
         from the checkpoint's token map)."""
-        from dsv41.graph.engram import load_token_map
 
         return Model.host_half(self.args, load_token_map(self.args, checkpoint)
                                if self.args.engram_layer_ids else None)

@@ -18,7 +18,7 @@ def to_tvm(t: torch.Tensor, device=None):
     """`t` as a `tvm.runtime.Tensor`: a view of its data (made contiguous and aligned first when
     it is not), or with `device` (a `tvm.runtime.Device`) other than the host and `t` on the
     host, a copy there."""
-    import tvm
+    import tvm  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     t = t.contiguous()
     if t.numel() == 0:  # torch gives an empty tensor strides TVM does not take as compact
@@ -52,7 +52,7 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     """A host tensor's data as numpy (bf16 as `ml_dtypes.bfloat16`, which numpy lacks), for the
     copy onto another device."""
     if t.dtype == torch.bfloat16:
-        import ml_dtypes
+        import ml_dtypes  # heavy: ml_dtypes (~0.7 s), for bf16 host copies only
 
         return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.contiguous().numpy()

@@ -11,7 +11,7 @@ import os
 
 
 def tvm_num_threads() -> int:
-    import tvm
+    import tvm  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     return int(tvm.get_global_func("runtime.NumThreads")())
 
@@ -19,7 +19,7 @@ def tvm_num_threads() -> int:
 def size_tvm_pool(n: int) -> int:
     """TVM's CPU pool at n threads: TVM_NUM_THREADS caps the pool (and sizes it when it is
     created later); a pool that already exists at another size is rebuilt. Returns its size."""
-    import tvm
+    import tvm  # order: tvm loads only after disco's libraries (disco.load_disco)
 
     if n < 1:
         raise ValueError(f"A thread pool needs at least 1 thread, got {n}.")
@@ -32,7 +32,7 @@ def size_tvm_pool(n: int) -> int:
 def default_tvm_pool(threads: int | None = None) -> int:
     """`threads` when given; else an explicit TVM_NUM_THREADS is kept as set; else torch's
     thread count (the cores the process may use). Returns the pool size."""
-    import torch
+    import torch  # heavy: torch; the CLI imports this module before any work
 
     if threads is not None:
         return size_tvm_pool(threads)

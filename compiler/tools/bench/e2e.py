@@ -17,6 +17,9 @@ of the artifact's entry graphs: `torch_peer.py`).
 
 A cell that would run past its time budget, or a context whose cache does not fit in memory, is
 reported as skipped with the reason; no number is ever made up for it.
+
+The options, records and their arithmetic are in `e2e_records.py`; the text, JSON and plot
+reports in `e2e_report.py` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from enum import StrEnum
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -39,19 +41,37 @@ from tqdm import tqdm
 
 from dsv41.compiler.build import CompileOptions, missing_entries
 from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
+from dsv41.compiler.tools.bench.e2e_records import (  # noqa: F401 - re-exported (CLI, tests)
+    DECODE_TOKEN,
+    IMPLS,
+    SCHEMA,
+    TARGET_VS_COMPILE,
+    TARGET_VS_EAGER,
+    BenchOptions,
+    BenchReport,
+    DecodeCell,
+    Impl,
+    PrefillRow,
+    Profile,
+    TierRow,
+    ratios,
+    roofline_row,
+    speedup,
+    targets,
+)
+from dsv41.compiler.tools.bench.e2e_report import (  # noqa: F401 - re-exported (CLI, tests)
+    format_report,
+    report_json,
+    write_plots,
+)
 from dsv41.compiler.tools.bench.measure import (
     current_rss,
-    gib,
     measure_machine,
     mem_available,
     ms,
-    pct,
     peak_rss,
     reset_peak_rss,
-    roof_point,
     set_threads,
-    table,
-    times,
     write_json,
 )
 from dsv41.compiler.tools.bench.synthetic import (
@@ -73,264 +93,6 @@ from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
 from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.runtime.engine import Engine, EngineOptions
-
-
-class Impl(StrEnum):
-    """The implementations of the same phase graphs (`--impls`, `--prefill-impls`,
-    `--tier-impls`); a member is its own name in the text and JSON reports."""
-
-    ARTIFACT = "artifact"  # the compiled artifact (TVM)
-    EAGER = "eager"  # the graph's phases, PyTorch eager
-    COMPILE = "compile"  # the artifact's entry graphs compiled by torch.compile
-
-    def __repr__(self) -> str:  # the reports print tuples and dicts of these as plain names
-        return repr(self.value)
-
-
-class Profile(StrEnum):
-    """When the decode step is profiled (`--profile`)."""
-
-    AUTO = "auto"  # when a 64K target is missed
-    ALWAYS = "always"
-    NEVER = "never"
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
-IMPLS = tuple(Impl)
-LABELS = {Impl.ARTIFACT: "compiled artifact (TVM)", Impl.EAGER: "PyTorch eager",
-          Impl.COMPILE: "torch.compile (Inductor)"}
-TIERS = ("cold", "snapshot", "prefix")  # prefix = snapshot miss: bounded replay
-TIER_LABELS = {"cold": "cold", "snapshot": "snapshot hit", "prefix": "snapshot miss",
-               "prefix-new-session": "prefix hit, new session"}
-TARGET_CONTEXT, TARGET_VS_COMPILE, TARGET_VS_EAGER = 65536, 2.0, 5.0
-SCHEMA = "dsv41.bench/1"
-DECODE_TOKEN = 5  # the token fed to every timed decode step (not a special id)
-
-
-# ---- options ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    preset: str = "bench"
-    checkpoint: Path | None = None  # default: the preset's seeded checkpoint
-    artifact: Path | None = None  # default: <out>/<preset>-<config hash>/<target>
-    out: Path = Path("artifacts")
-    target: str = "cpu"
-    compile_missing: bool = True  # compile the artifact entries it lacks (never the runtime)
-    contexts: tuple[int, ...] = (4096, 16384, 65536, 262144)
-    impls: tuple[Impl, ...] = IMPLS
-    reps: int = 5  # timed decode steps per (implementation, context)
-    budget_s: float = 120.0  # per cell: time spent on one implementation at one context
-    prefill_tokens: int = 1024  # 0: no prefill rows
-    prefill_impls: tuple[Impl, ...] = (Impl.ARTIFACT, Impl.EAGER)
-    prefill_reps: int = 3
-    prefill_lengths: tuple[int, ...] = ()  # a prefill row per length (empty: prefill_tokens)
-    prefill_chunk_tokens: int = 2048  # the engine's default chunk (EngineOptions)
-    tiers: bool = True
-    tier_context: int = 1024  # the first turn's prompt (cold)
-    tier_suffix: int = 32  # each later turn's new tokens
-    tier_impls: tuple[Impl, ...] = (Impl.ARTIFACT, Impl.EAGER)
-    threads: int = 0  # 0: torch's default; TVM is set to the same
-    profile: Profile = Profile.AUTO
-    profile_context: int = TARGET_CONTEXT
-    profile_top: int = 15  # rows of the profile table (the JSON keeps the same rows)
-    json: Path | None = None
-    plots: Path | None = None
-    seed: int = 0
-
-    def display(self) -> str:
-        d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
-        return ", ".join(f"{k}={v}" for k, v in d.items())
-
-    def validate(self) -> None:
-        bad = [i for i in (*self.impls, *self.prefill_impls, *self.tier_impls) if i not in IMPLS]
-        if bad:
-            raise ValueError(f"Unknown implementations {bad}; choose from {', '.join(IMPLS)}.")
-        if self.reps < 1 or self.prefill_reps < 1:
-            raise ValueError("--reps and --prefill-reps must be at least 1.")
-        if self.budget_s <= 0:
-            raise ValueError(f"--budget-s must be positive, got {self.budget_s}.")
-        if self.profile not in tuple(Profile):
-            raise ValueError(f"--profile must be auto, always or never, got {self.profile!r}.")
-        if self.profile_top < 1:
-            raise ValueError(f"--profile-top must be at least 1, got {self.profile_top}.")
-        if self.tier_context <= 0 or self.tier_suffix <= 0 or self.prefill_tokens < 0:
-            raise ValueError("--tier-context and --tier-suffix must be positive, "
-                             "--prefill-tokens non-negative.")
-        if self.prefill_chunk_tokens < 2:
-            raise ValueError(f"--prefill-chunk must be at least 2 tokens, got "
-                             f"{self.prefill_chunk_tokens}.")
-
-    @property
-    def prefill_rows(self) -> tuple[int, ...]:
-        """The prompt lengths the prefill rows measure (none when prefill_tokens is 0)."""
-        if not self.prefill_tokens:
-            return ()
-        return self.prefill_lengths or (self.prefill_tokens,)
-
-
-# ---- records ------------------------------------------------------------------------------------
-
-
-@dataclass
-class DecodeCell:
-    """One implementation at one context."""
-
-    impl: str
-    context: int
-    samples_s: list[float] = field(default_factory=list)  # timed steps (after the first)
-    first_s: float | None = None  # the first step at this context (torch.compile: compiles)
-    skipped: str | None = None  # why there are no samples
-    logits_diff: float | None = None  # max |logits - eager's| of the first step (same state)
-    load_avg: float | None = None  # 1-minute load average when the cell finished
-
-    @property
-    def median_s(self) -> float | None:
-        return statistics.median(self.samples_s) if self.samples_s else None
-
-    @property
-    def min_s(self) -> float | None:
-        return min(self.samples_s) if self.samples_s else None
-
-    @property
-    def spent_s(self) -> float:
-        return sum(self.samples_s) + (self.first_s or 0.0)
-
-    def as_dict(self) -> dict:
-        return {"impl": self.impl, "context": self.context, "median_s": self.median_s,
-                "min_s": self.min_s, "samples_s": self.samples_s, "first_s": self.first_s,
-                "skipped": self.skipped,
-                "logits_max_abs_diff_vs_eager": self.logits_diff, "load_avg": self.load_avg}
-
-
-@dataclass(frozen=True)
-class RooflineRow:
-    impl: str
-    context: int
-    weight_bytes: int
-    kv_bytes: int
-    flops: int
-    seconds: float | None
-    achieved_gbs: float | None
-    bandwidth_frac: float | None
-    achieved_gflops: float | None
-    compute_frac: float | None
-    floor_s: float  # bytes / bandwidth: the fastest a memory-bound step can be
-    flops_floor_s: float = 0.0  # flops / fp32 GEMM rate: the fastest a compute-bound step can be
-    roof_s: float = 0.0  # the step's roofline: the larger of the two floors
-    roof_frac: float | None = None  # roof_s / seconds
-
-
-@dataclass(frozen=True)
-class PrefillRow:
-    impl: str
-    tokens: int
-    samples_s: tuple[float, ...]
-    skipped: str | None = None
-    chunk_tokens: int | None = None  # the prefill ran in chunks of at most this many tokens
-    # memory (Linux: VmHWM reset before each timed prefill); the largest over the samples
-    peak_rss_bytes: int | None = None
-    rss_before_bytes: int | None = None  # resident just before the prefill (cache allocated)
-    weights_bytes: int | None = None  # the loaded weights (model tensors)
-    cache_bytes: int | None = None  # the cache the prompt filled (its allocation)
-    peak_over_weights_cache_bytes: int | None = None  # peak RSS - weights - cache
-    # the prefill's roofline (graph.cost.prefill_cost, CED, the same chunks)
-    flops: int | None = None
-    cost_bytes: int | None = None
-    achieved_gflops: float | None = None
-    gemm_frac: float | None = None  # achieved FLOP rate / the measured fp32 GEMM rate
-    load_avg: float | None = None  # 1-minute load average when the row finished
-
-    @property
-    def median_s(self) -> float | None:
-        return statistics.median(self.samples_s) if self.samples_s else None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        m = self.median_s
-        return self.tokens / m if m else None
-
-
-@dataclass(frozen=True)
-class TierRow:
-    impl: str
-    tier: str  # the tier the engine reported (cold | snapshot | prefix)
-    expected: str  # the tier the turn was set up for
-    new_tokens: int
-    ttft_s: float  # send() until the first token
-    seconds: dict[str, float]  # the engine's per-phase seconds (restore, prefill, offload)
-    prefilled: int
-    replayed: int
-    reused_tokens: int = 0  # leading tokens served by the tiers (blocks + snapshot)
-
-
-@dataclass
-class BenchReport:
-    options: BenchOptions
-    machine: dict
-    threads: dict
-    artifact: str | None
-    weights: str
-    decode: list[DecodeCell] = field(default_factory=list)
-    roofline: list[RooflineRow] = field(default_factory=list)
-    prefill: list[PrefillRow] = field(default_factory=list)
-    tiers: list[TierRow] = field(default_factory=list)
-    compile_s: dict[str, float] = field(default_factory=dict)
-    profile: dict | None = None
-    load_avg: dict[str, list[float]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    def cell(self, impl: str, context: int) -> DecodeCell | None:
-        return next((c for c in self.decode if c.impl == impl and c.context == context), None)
-
-
-# ---- arithmetic ---------------------------------------------------------------------------------
-
-
-def speedup(base_s: float | None, s: float | None) -> float | None:
-    """How many times faster `s` is than `base_s` (None when either is missing)."""
-    if not base_s or not s:
-        return None
-    return base_s / s
-
-
-def ratios(report: BenchReport) -> list[dict]:
-    """Per context: the artifact's speedup over eager and over torch.compile (medians)."""
-    out = []
-    for n in report.options.contexts:
-        art = report.cell(Impl.ARTIFACT, n)
-        row = {"context": n}
-        for other in (Impl.EAGER, Impl.COMPILE):
-            c = report.cell(other, n)
-            row[f"vs_{other}"] = speedup(c and c.median_s, art and art.median_s)
-            # a cell whose one step ran past the budget still bounds the ratio from below
-            row[f"vs_{other}_at_least"] = speedup(c.first_s, art and art.median_s) \
-                if c is not None and c.median_s is None and c.first_s else None
-        out.append(row)
-    return out
-
-
-def roofline_row(impl: str, cost, seconds: float | None, machine: dict) -> RooflineRow:
-    r = roof_point(cost.bytes, cost.flops, seconds, bandwidth_gbs=machine["bandwidth_gbs"],
-                   gemm_gflops=machine["gemm_gflops"])
-    return RooflineRow(impl, cost.context, cost.weight_bytes, cost.kv_bytes, cost.flops, seconds,
-                       r.achieved_gbs, r.bandwidth_frac, r.achieved_gflops, r.compute_frac,
-                       r.bytes_floor_s, r.flops_floor_s, r.floor_s,
-                       r.floor_s / seconds if seconds else None)
-
-
-def targets(report: BenchReport) -> dict:
-    """The issue's bar at 64K: >= 2x torch.compile and >= 5x eager."""
-    r = next((x for x in ratios(report) if x["context"] == TARGET_CONTEXT), None)
-    vc, ve = (r or {}).get("vs_compile"), (r or {}).get("vs_eager")
-    return {"context": TARGET_CONTEXT, "vs_compile": vc, "vs_eager": ve,
-            "need_vs_compile": TARGET_VS_COMPILE, "need_vs_eager": TARGET_VS_EAGER,
-            "met_vs_compile": None if vc is None else vc >= TARGET_VS_COMPILE,
-            "met_vs_eager": None if ve is None else ve >= TARGET_VS_EAGER}
-
 
 # ---- the three implementations ------------------------------------------------------------------
 
@@ -530,13 +292,6 @@ def _turn(session, ids: list[int]):
     return ttft, session.turns[-1]
 
 
-def new_session_speedup(report) -> dict[str, float]:
-    """Per implementation: cold TTFT / TTFT of the prefix hit in a new session."""
-    cold = {t.impl: t.ttft_s for t in report.tiers if t.expected == "cold"}
-    return {t.impl: cold[t.impl] / t.ttft_s for t in report.tiers
-            if t.expected == "prefix-new-session" and t.impl in cold and t.ttft_s > 0}
-
-
 def bench_tiers(impl: str, phases, model, weights_hash: str, opts: BenchOptions) -> list[TierRow]:
     """Three turns of one session: a cold prompt, a suffix served from the DRAM snapshot, and a
     suffix after the snapshot expired (bounded replay from the SSD prefix blocks); then a new
@@ -581,7 +336,7 @@ def profile_artifact_step(artifact, model, cache, top: int = 15) -> list[dict]:
     """Per-function time of one artifact decode step: the Relax VM's instrument hook around
     every call the VM makes (kernels and builtins; a few microseconds of hook each)."""
     import tvm  # the artifact's profile only: the eager and compile columns never load TVM
-    from tvm import relax
+    from tvm import relax  # heavy: TVM, as above
 
     tokens = check_tokens(model, torch.tensor([[DECODE_TOKEN]]))
     chunk = new_chunk(model, cache, tokens)
@@ -754,184 +509,6 @@ def _compile_seconds(report: BenchReport, phases: dict) -> None:
         if "first_call" in sec:
             report.compile_s[f"{entry} first call (Inductor compile + 1 call)"] = \
                 sec["first_call"]
-
-
-# ---- output -------------------------------------------------------------------------------------
-
-
-def format_report(report: BenchReport) -> str:
-    o, m = report.options, report.machine
-    impls = list(o.impls)
-    out = [f"machine: {m['cpu']}, {m['cores']} cores; threads torch {report.threads['torch']}, "
-           f"TVM {report.threads['tvm']}; bandwidth {m['bandwidth_gbs']:.1f} GB/s, fp32 GEMM "
-           f"{m['gemm_gflops']:.1f} GFLOP/s; load avg start {report.load_avg['start'][0]:.2f}, "
-           f"end {report.load_avg.get('end', [math.nan])[0]:.2f}",
-           f"weights: {report.weights}; artifact: {report.artifact}", "",
-           "decode, batch 1, one token from a synthetic cache of N positions (median of "
-           f"{o.reps} interleaved steps):"]
-    rows = []
-    for n in (o.contexts if report.decode else ()):  # no decode rows when nothing decoded
-        cells = [report.cell(i, n) for i in impls]
-        r = next(x for x in ratios(report) if x["context"] == n)
-        rows.append([str(n), *[ms(c.median_s) if c and not c.skipped else "skipped"
-                               for c in cells], _ratio(r, Impl.EAGER), _ratio(r, Impl.COMPILE),
-                     f"{max((c.load_avg or 0) for c in cells):.2f}"])
-    out.append(table(["context", *[f"{i} ms/tok" for i in impls], "art/eager", "art/compile",
-                       "load"], rows))
-    skipped = [c for c in report.decode if c.skipped]
-    for c in skipped:
-        out.append(f"  skipped {c.impl} @ {c.context}: {c.skipped}")
-    out += ["", f"roofline (one decode step; bandwidth {m['bandwidth_gbs']:.1f} GB/s, peak "
-            f"{m['gemm_gflops']:.1f} GFLOP/s):"]
-    rows = []
-    for r in report.roofline:
-        rows.append([str(r.context), r.impl, f"{r.weight_bytes / 1e6:.0f}",
-                     f"{r.kv_bytes / 1e6:.1f}", f"{r.flops / 1e9:.2f}", ms(r.floor_s),
-                     ms(r.flops_floor_s), ms(r.seconds),
-                     "-" if r.achieved_gbs is None else f"{r.achieved_gbs:.2f}",
-                     pct(r.bandwidth_frac), pct(r.compute_frac), pct(r.roof_frac)])
-    out.append(table(["context", "impl", "weights MB", "KV MB", "GFLOP", "floor",
-                       "flop floor", "time", "GB/s", "of BW", "of peak", "of roof"], rows))
-    out.append("  floor: bytes / bandwidth; flop floor: FLOPs / the fp32 GEMM rate; of roof: the "
-               "larger floor / time")
-    if report.compile_s:
-        out += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in
-                                             report.compile_s.items())]
-    if report.prefill:
-        out += ["", f"prefill (CED from an empty cache, chunks of {o.prefill_chunk_tokens}, "
-                f"median of up to {o.prefill_reps}; peak RSS of the prefill; roofline against "
-                f"the fp32 GEMM rate {m['gemm_gflops']:.1f} GFLOP/s):"]
-        out.append(table(["impl", "tokens", "median", "tokens/s", "peak RSS", "weights",
-                           "cache", "peak-w-c", "GFLOP", "GFLOP/s", "of GEMM", "note"],
-                          [[p.impl, str(p.tokens), ms(p.median_s),
-                            "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.1f}",
-                            gib(p.peak_rss_bytes), gib(p.weights_bytes), gib(p.cache_bytes),
-                            gib(p.peak_over_weights_cache_bytes),
-                            "-" if p.flops is None else f"{p.flops / 1e9:.0f}",
-                            "-" if p.achieved_gflops is None else f"{p.achieved_gflops:.1f}",
-                            pct(p.gemm_frac), p.skipped or ""] for p in report.prefill]))
-    if report.tiers:
-        out += ["", f"time to first token per turn (one sample each; turn 1 {o.tier_context} "
-                f"tokens, turns 2-3 {o.tier_suffix} new tokens; then a new session in a new "
-                f"engine: turn 1's prompt + {o.tier_suffix} new tokens):"]
-        out.append(table(["impl", "tier", "served by", "TTFT", "restore", "prefill",
-                           "replayed"],
-                          [[t.impl, TIER_LABELS[t.expected], t.tier, ms(t.ttft_s),
-                            ms(t.seconds.get("restore")), ms(t.seconds.get("prefill")),
-                            str(t.replayed)] for t in report.tiers]))
-        for impl, x in new_session_speedup(report).items():
-            out.append(f"{impl}: prefix hit in a new session reaches its first token {x:.1f}x "
-                       f"faster than the cold turn")
-    tg = targets(report)
-    out += ["", f"bar at {tg['context']}: artifact vs torch.compile {times(tg['vs_compile'])} "
-            f"(need {TARGET_VS_COMPILE:g}x: {_verdict(tg['met_vs_compile'])}), vs eager "
-            f"{times(tg['vs_eager'])} (need {TARGET_VS_EAGER:g}x: {_verdict(tg['met_vs_eager'])})"]
-    if report.profile:
-        out += ["", format_profile(report.profile)]
-    out += [f"note: {n}" for n in report.notes]
-    return "\n".join(out)
-
-
-def _ratio(r: dict, other: str) -> str:
-    if r[f"vs_{other}"] is None and r.get(f"vs_{other}_at_least"):
-        return f">{r[f'vs_{other}_at_least']:.1f}x"
-    return times(r[f"vs_{other}"])
-
-
-def _verdict(met: bool | None) -> str:
-    return "not measured" if met is None else "met" if met else "NOT met"
-
-
-def format_profile(p: dict) -> str:
-    out = [f"profile of one decode step at {p['context']}:"]
-    for impl in (Impl.ARTIFACT, Impl.EAGER, Impl.COMPILE):
-        rows = p.get(impl)
-        if rows:
-            out.append(f"  {impl} (top {len(rows)} by time):")
-            out += [f"    {r['ms']:9.2f} ms {r['share'] * 100:5.1f}% {r['calls']:5d}x  "
-                    f"{r['name'][:70]}" for r in rows]
-        elif p.get(f"{impl}_error"):
-            out.append(f"  {impl}: no profile ({p[f'{impl}_error']})")
-    return "\n".join(out)
-
-
-def report_json(report: BenchReport) -> dict:
-    o = asdict(report.options)
-    o = {k: (str(v) if isinstance(v, Path) else v) for k, v in o.items()}
-    return {"schema": SCHEMA, "options": o, "machine": report.machine,
-            "threads": report.threads, "artifact": report.artifact, "weights": report.weights,
-            "load_avg": report.load_avg,
-            "decode": [c.as_dict() for c in report.decode], "ratios": ratios(report),
-            "roofline": [asdict(r) for r in report.roofline],
-            "prefill": [{**asdict(p), "median_s": p.median_s, "tokens_per_s": p.tokens_per_s}
-                        for p in report.prefill],
-            "ttft": [asdict(t) for t in report.tiers], "compile_s": report.compile_s,
-            "ttft_new_session_speedup": new_session_speedup(report),
-            "targets": targets(report), "profile": report.profile, "notes": report.notes}
-
-
-def write_plots(report: BenchReport, out_dir: Path) -> list[Path]:
-    """decode_vs_context.png (ms per token against context, log-x, with the roofline floor) and
-    phases.png (TTFT per tier split into restore / prefill, and the step's top kernels)."""
-    import matplotlib  # optional, and slow to import: only when plots are asked for
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for impl in report.options.impls:
-        pts = [(c.context, c.median_s * 1e3) for c in report.decode
-               if c.impl == impl and c.median_s]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=LABELS[impl])
-    floor = sorted({(r.context, r.floor_s * 1e3) for r in report.roofline})
-    if floor:
-        ax.plot(*zip(*floor, strict=True), "k--", label="roofline floor (bytes / bandwidth)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (positions in the cache)")
-    ax.set_ylabel("ms per decoded token")
-    ax.set_title(f"decode step, {report.options.preset} preset, batch 1")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    p = out_dir / "decode_vs_context.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
-
-    prof = (report.profile or {}).get(Impl.ARTIFACT)
-    fig, axes = plt.subplots(1, 2 if prof else 1, figsize=(13 if prof else 7, 4.5))
-    axes = np.atleast_1d(axes)
-    ax = axes[0]
-    labels, restore, prefill = [], [], []
-    for t in report.tiers:
-        labels.append(f"{t.impl}\n{TIER_LABELS[t.expected]}")
-        restore.append(t.seconds.get("restore", 0.0) * 1e3)
-        prefill.append(t.seconds.get("prefill", 0.0) * 1e3)
-    if labels:
-        x = np.arange(len(labels))
-        ax.bar(x, restore, label="restore")
-        ax.bar(x, prefill, bottom=restore, label="prefill")
-        ax.set_xticks(x, labels, fontsize=8)
-        ax.set_yscale("log")
-        ax.legend()
-    ax.set_ylabel("ms")
-    ax.set_title("time to first token by tier and phase")
-    if prof:
-        ax = axes[1]
-        names = [r["name"][:40] for r in prof][::-1]
-        ax.barh(names, [r["ms"] for r in prof][::-1])
-        ax.set_xlabel("ms per decode step")
-        ax.set_title(f"artifact decode step at {report.profile['context']}: top kernels")
-        ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    p = out_dir / "phases.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
-    return paths
 
 
 # ---- the command --------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def time_call(fn: Callable[[], object], *, repeat: int, budget_s: float,
 def set_threads(n: int) -> dict:
     """The same number of threads for torch and TVM (TVM's pool otherwise takes half the
     hardware threads). Call before TVM starts its pool."""
-    import torch
+    import torch  # heavy: torch; dsv41 --help imports this module
 
     n = n or torch.get_num_threads()
     torch.set_num_threads(n)
@@ -190,7 +190,7 @@ def measure_bandwidth(n_bytes: int, reps: int = 5) -> tuple[float, float]:
     """(copy, triad) GB/s, best of `reps`, multi-threaded torch ops over float32 arrays of
     n_bytes each. Bytes counted: copy 2 x n_bytes (read + write), triad 3 x n_bytes; the
     write-allocate read is not counted (STREAM's convention)."""
-    import torch
+    import torch  # heavy: torch; dsv41 --help imports this module
 
     n = n_bytes // 4
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
@@ -201,7 +201,7 @@ def measure_bandwidth(n_bytes: int, reps: int = 5) -> tuple[float, float]:
 
 def measure_gemm(size: int, reps: int = 5) -> float:
     """fp32 GFLOP/s of torch.mm at size x size x size, best of `reps`."""
-    import torch
+    import torch  # heavy: torch; dsv41 --help imports this module
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g)
@@ -237,7 +237,7 @@ def cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
 
 def measure_machine(*, quick: bool = False) -> Machine:
     """Bandwidth and compute peak of this machine as the kernels see it (all cores)."""
-    import torch
+    import torch  # heavy: torch; dsv41 --help imports this module
 
     load = os.getloadavg()
     stream = (32 << 20) if quick else (512 << 20)

@@ -30,7 +30,9 @@ import numpy as np
 
 from dsv41.compiler.tools.assets import COMPILING
 from dsv41.compiler.tools.bench.measure import write_json
+from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
 from dsv41.runtime.serving.assembly import ServingOptions, make_batcher, serving_engine
+from dsv41.runtime.serving.stall import measure_long_prompt_stall
 
 
 @dataclass(frozen=True)
@@ -277,8 +279,6 @@ class BenchServeOptions:
 def run_command(opts: BenchServeOptions) -> int:
     """The server on a local port under the client rounds, then the long prompt's stall seen
     from the engine's side (no HTTP); prints the rows, writes {"serve": ...} to the JSON."""
-    from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
-    from dsv41.runtime.serving.stall import measure_long_prompt_stall
 
     sv = opts.serving
     se = serving_engine(sv, COMPILING)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from dsv41.compiler.tools.bench.measure import write_json
 from dsv41.graph.plan import build_plan
@@ -110,6 +111,7 @@ BLOCK_FILE_OVERHEAD = 1024  # a block file's header and array index, about (runt
 
 def tier_bytes(opts: SoakOptions, checkpoint: Path) -> tuple[int, int]:
     """(pool budget, store capacity) in bytes for the soak's counts of snapshots and blocks."""
+    # heavy: torch (see the module docstring)
     from dsv41.graph.checkpoint import checkpoint_config
     from dsv41.graph.layout import KVLayout, encoder_snapshot_bytes
 
@@ -130,10 +132,9 @@ class _TurnClock:
 
 
 def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
-    import psutil
-    import torch
+    import torch  # heavy: torch (see the module docstring)
 
-    from dsv41.runtime.engine import Engine
+    from dsv41.runtime.engine import Engine  # heavy: torch (see the module docstring)
 
     if opts.checkpoint is None:
         raise ValueError("The soak needs a checkpoint folder (`main` resolves --preset to one).")
@@ -149,6 +150,7 @@ def run_soak(opts: SoakOptions, store_dir: Path, say=print) -> SoakReport:
     if opts.artifact is not None:
         engine = Engine.load(opts.artifact, ckpt, **engine_opts)
     else:
+        # heavy: torch (see the module docstring)
         from dsv41.graph.checkpoint import weights_fingerprint
         from dsv41.graph.model import Model
 

@@ -12,6 +12,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv41.compiler.tools.bench.e2e_records import IMPLS, BenchOptions, Impl, Profile
 from dsv41.compiler.tools.bench.measure import parse_tokens
 from dsv41.compiler.tools.bench.pool import PoolBenchOptions
 from dsv41.compiler.tools.bench.pool import run_command as run_pool_command
@@ -21,7 +22,6 @@ from dsv41.compiler.tools.cli.common import path_or_none, print_args, split
 from dsv41.compiler.tools.cli.serve import serving_args, serving_options
 
 if TYPE_CHECKING:
-    from dsv41.compiler.tools.bench.e2e import BenchOptions, Impl
     from dsv41.compiler.tools.bench.engram import EngramBenchOptions
     from dsv41.compiler.tools.bench.kernels import KernelBenchOptions
     from dsv41.compiler.tools.bench.load import LoadBenchOptions
@@ -97,15 +97,11 @@ def e2e_args(p) -> None:
 def impls_of(text: str) -> tuple[Impl | str, ...]:
     """'artifact,eager' -> (Impl.ARTIFACT, Impl.EAGER); an unknown name stays a string, for
     `BenchOptions.validate` to refuse with every bad name of the three lists."""
-    from dsv41.compiler.tools.bench.e2e import IMPLS, Impl
-
     return tuple(Impl(x) if x in IMPLS else x for x in split(text))
 
 
 def e2e_options(ns) -> BenchOptions:
     """`dsv41 bench [e2e]` -> e2e.BenchOptions."""
-    from dsv41.compiler.tools.bench.e2e import BenchOptions, Profile
-
     return BenchOptions(
         preset=ns.preset, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
         artifact=Path(ns.artifact) if ns.artifact else None, out=Path(ns.out),
@@ -123,6 +119,7 @@ def e2e_options(ns) -> BenchOptions:
 
 
 def run_e2e(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.e2e import run_command
 
     return run_command(e2e_options(ns))
@@ -154,6 +151,7 @@ def kernels_args(p) -> None:
 
 def kernels_options(ns) -> KernelBenchOptions:
     """`dsv41 bench kernels` -> kernels.KernelBenchOptions."""
+    # heavy: TVM; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.kernels import KernelBenchOptions
 
     return KernelBenchOptions(
@@ -163,6 +161,7 @@ def kernels_options(ns) -> KernelBenchOptions:
 
 
 def run_kernels(ns) -> int:
+    # heavy: TVM; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.kernels import run_command
 
     return run_command(kernels_options(ns))
@@ -187,6 +186,7 @@ def serve_args(sp) -> None:
 
 def serve_options(ns) -> BenchServeOptions:
     """`dsv41 bench serve` -> serve.BenchServeOptions."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.serve import BenchServeOptions, ServeBenchOptions
 
     try:
@@ -202,6 +202,7 @@ def serve_options(ns) -> BenchServeOptions:
 
 
 def run_serve(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.serve import run_command
 
     print_args("bench serve", ns, hide=("verb", "bench_verb"))
@@ -266,6 +267,7 @@ def load_args(p) -> None:
 
 def load_options(ns) -> LoadBenchOptions:
     """`dsv41 bench load` -> load.LoadBenchOptions."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.load import LoadBenchOptions
 
     return LoadBenchOptions(preset=ns.preset,
@@ -274,6 +276,7 @@ def load_options(ns) -> LoadBenchOptions:
 
 
 def run_load(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.load import run_command
 
     return run_command(load_options(ns))
@@ -298,6 +301,7 @@ def engram_args(p) -> None:
 
 def engram_options(ns) -> EngramBenchOptions:
     """`dsv41 bench engram` -> engram.EngramBenchOptions."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.engram import EngramBenchOptions
 
     return EngramBenchOptions(
@@ -309,6 +313,7 @@ def engram_options(ns) -> EngramBenchOptions:
 
 
 def run_engram(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.engram import run_command
 
     return run_command(engram_options(ns))
@@ -333,6 +338,7 @@ def spec_args(p) -> None:
 
 def spec_options(ns) -> SpecBenchOptions:
     """`dsv41 bench spec` -> spec.SpecBenchOptions."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.spec import SpecBenchOptions
 
     try:
@@ -348,6 +354,7 @@ def spec_options(ns) -> SpecBenchOptions:
 
 
 def run_spec(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.spec import run_command
 
     return run_command(spec_options(ns))

@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
 
 
 def run(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.graph.bill import bill_chart, bill_json, format_bill, make_bill, parse_contexts
 
     print_args("bill", ns)

@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
 
 def options(ns) -> ChatOptions:
     """`dsv41 chat` -> serving.ChatOptions."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.runtime.serving.assembly import ChatOptions
 
     return ChatOptions(serving_options(ns), system=ns.system, thinking=ns.thinking,
@@ -34,6 +35,7 @@ def options(ns) -> ChatOptions:
 
 
 def run(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.assets import COMPILING
     from dsv41.runtime.serving.assembly import chat
 

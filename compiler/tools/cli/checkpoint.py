@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
 
 
 def run(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.graph.checkpoint import write_seeded_checkpoint
 
     print_args("checkpoint", ns)

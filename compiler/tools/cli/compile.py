@@ -42,6 +42,7 @@ def add_parser(sub) -> None:
 
 def entries_of(ns, default: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """--entries, checked against the graph's entries (default: every entry but vision)."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.graph.entries import ENTRIES, VISION_ENTRY
 
     entries = tuple(ns.entries.split(",")) if ns.entries else default or ENTRIES
@@ -54,6 +55,7 @@ def entries_of(ns, default: tuple[str, ...] | None = None) -> tuple[str, ...]:
 
 def options(ns) -> CompileOptions:
     """`dsv41 compile` (one artifact) -> build.CompileOptions."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.build import CompileOptions
 
     check_target(ns.target)
@@ -64,6 +66,7 @@ def options(ns) -> CompileOptions:
 
 
 def run(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.build import PHASES, compile_artifact
 
     print_args("compile", ns)
@@ -92,6 +95,7 @@ def run(ns) -> int:
 
 def run_sharded(ns) -> int:
     """`dsv41 compile --shards N`: one worker's graph for every worker (compiler/sharded.py)."""
+    # heavy: TVM and torch; dsv41 --help loads no verb's work
     from dsv41.compiler.sharded import compile_sharded
     from dsv41.graph.collectives import CclBackend
 

@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
 
 def options(ns) -> LedgerCommandOptions:
     """`dsv41 ledger` -> ledger.LedgerCommandOptions."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.ledger import LedgerCommandOptions
     from dsv41.graph.bill import parse_contexts
     from dsv41.graph.ledger import SWITCHES, LedgerOptions
@@ -50,6 +51,7 @@ def options(ns) -> LedgerCommandOptions:
 
 
 def run(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.ledger import run_command
 
     print_args("ledger", ns)

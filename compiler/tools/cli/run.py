@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
 
 
 def run(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
     from dsv41.runtime.backends.artifact import CED_ENTRIES, EXACT_ENTRIES
     from dsv41.runtime.engine.agent_loop import AgentLoopConfig, run_agent_loop

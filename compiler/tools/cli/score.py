@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
 
 
 def options(ns) -> ScoreOptions:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.scoring import ScoreOptions
 
     return ScoreOptions(
@@ -37,6 +38,7 @@ def options(ns) -> ScoreOptions:
 
 
 def run(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.scoring import score_command
 
     print_args("score", ns)

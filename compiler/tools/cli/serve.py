@@ -60,6 +60,7 @@ def add_parser(sub) -> None:
 
 def serving_options(ns) -> ServingOptions:
     """The engine and batcher options `serve`, `chat` and `bench serve` share."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.runtime.serving.assembly import ServingOptions
 
     path = lambda v: None if v is None else Path(v)  # noqa: E731
@@ -73,6 +74,7 @@ def serving_options(ns) -> ServingOptions:
 
 def options(ns) -> ServeOptions:
     """`dsv41 serve` -> serving.ServeOptions."""
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.runtime.serving.assembly import ServeOptions
 
     return ServeOptions(serving_options(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
@@ -81,6 +83,7 @@ def options(ns) -> ServeOptions:
 
 
 def run(ns) -> int:
+    # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.assets import COMPILING
     from dsv41.runtime.serving.assembly import masked_url, serve
 

@@ -50,6 +50,7 @@ def add_parser(sub) -> None:
 
 def options(ns) -> TuneOptions:
     """`dsv41 tune` -> tune.TuneOptions."""
+    # heavy: TVM; dsv41 --help loads no verb's work
     from dsv41.compiler.tune import TuneOptions
     from dsv41.schedules.tuning_space import PhaseShape
 
@@ -64,6 +65,7 @@ def options(ns) -> TuneOptions:
 
 
 def run(ns) -> int:
+    # heavy: TVM; dsv41 --help loads no verb's work
     from dsv41.compiler.tune import compare_step, format_results, list_tasks, tune
     from dsv41.compiler.tuning_db import database_hash
 
