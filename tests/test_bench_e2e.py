@@ -238,13 +238,13 @@ def test_prefill_rows_per_length_with_memory_and_roofline(small_model):
     """A row per prompt length: the samples, the chunk, peak RSS around the prefill (at least
     what was resident before it), the cache the prompt filled, and the prefill's own roofline
     from graph.cost (CED, the same chunks) against the machine's GEMM rate."""
-    from dsv41.graph import phases
     from dsv41.graph.cache import new_cache
     from dsv41.graph.cost import PrefillMode, prefill_cost
+    from dsv41.graph.phases_api import GraphPhases
 
     opts = B.BenchOptions(preset="small", prefill_lengths=(24, 40), prefill_chunk_tokens=7,
                           prefill_reps=1, budget_s=600.0)
-    rows = B.bench_prefill({"eager": phases}, small_model, opts, {"gemm_gflops": 50.0})
+    rows = B.bench_prefill({"eager": GraphPhases()}, small_model, opts, {"gemm_gflops": 50.0})
     assert [(r.impl, r.tokens, len(r.samples_s), r.chunk_tokens) for r in rows] == [
         ("eager", 24, 1, 7), ("eager", 40, 1, 7)]
     for r in rows:
