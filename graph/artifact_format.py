@@ -25,8 +25,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from dsv41.graph.collectives import CclBackend
-from dsv41.graph.entries import Entry
+from dsv41.graph.ccl import CclBackend
+from dsv41.graph.entry_names import Entry
 from dsv41.graph.targets import TargetName
 
 FORMAT_VERSION = 2  # 2: manifest_sha256

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from enum import Enum
 from typing import Protocol
 
 import torch
+
+from dsv41.graph.ccl import CclBackend  # noqa: F401 - re-exported: what a sharded entry calls
 
 
 class Collectives(Protocol):
@@ -36,20 +37,6 @@ class Collectives(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
-
-
-class CclBackend(Enum):
-    """The functions a compiled sharded entry calls for its collectives, with disco's
-    signatures: allreduce(send, reduce_kind: Shape (0 = sum), in_group: bool, recv) and
-    allgather(send, in_group: bool, recv); recv is the output (destination passing)."""
-
-    DISCO = "disco"  # runtime.disco.*: the session's NCCL / RCCL (GPUs; a TVM with USE_NCCL)
-    CPU_TEST = "cpu-test"  # dsv41.test_ccl.*: a ThreadGroup in a ThreadedSession (tests, CPU)
-
-    def function(self, op: str) -> str:
-        if op not in ("allreduce", "allgather"):
-            raise ValueError(f"Unknown collective {op!r}; allreduce or allgather.")
-        return f"{'runtime.disco' if self is CclBackend.DISCO else 'dsv41.test_ccl'}.{op}"
 
 
 class CollectiveError(RuntimeError):

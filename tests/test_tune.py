@@ -144,13 +144,14 @@ def test_cuda_without_gpu_is_refused_and_writes_nothing(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_tune_then_compile_in_a_fresh_process(tmp_path):
-    """The whole command on shared-small's decode entry: extraction, a tiny tune of the head's
-    matmul, a rerun that does nothing, and `dsv41 compile` in a new process using it."""
+    """The whole command on shared-small's decode entry: extraction, a tiny tune of the
+    activations' FP8 quantiser (decode's matmuls are the hand GEMV kernels, which have no
+    tuning task), a rerun that does nothing, and `dsv41 compile` in a new process using it."""
     from conftest import case_dir
 
     config = case_dir("shared-small") / "checkpoint" / "config.json"
     base = [sys.executable, "-m", "dsv41.compiler.tools.cli"]
-    tune_cmd = [*base, "tune", "--config", str(config), "--ops", "dense", "--trials", "4",
+    tune_cmd = [*base, "tune", "--config", str(config), "--ops", "quant_fp8", "--trials", "4",
                 "--per-round", "4", "--prefer", "tuned", "--out", str(tmp_path)]
     first = subprocess.run(tune_cmd, capture_output=True, text=True, check=True)
     assert "tuning time" in first.stdout
