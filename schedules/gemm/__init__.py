@@ -77,6 +77,7 @@ from dsv41.schedules.gemm.lanes import (
 )
 from dsv41.schedules.gemm.linear import (
     Fp8LinearConfig,
+    bf16_value,
     build_fp8_linear,
     example_inputs_fp8_linear,
     fp8_linear_config,
@@ -87,6 +88,7 @@ from dsv41.schedules.gemm.linear import (
 )
 
 __all__ = [
+    "bf16_value",
     "amx_block_rows",
     "arrange_lane_sum",
     "BLOCK",

@@ -24,6 +24,7 @@ from dsv41.schedules.common import (
     has_features,
     i64,
 )
+from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm.amx import amx_block_rows, make_fp8_linear_amx
 from dsv41.schedules.gemm.avx2_gemv import make_fp8_gemv_avx2
 from dsv41.schedules.gemm.fp8 import (
@@ -106,6 +107,11 @@ def make_fp8_linear(*, n: int, k: int, row_pad: int = 1,
     return fp8_linear
 
 
+def bf16_value(x, i, j):
+    """Element (i, j) of a bf16 matrix as fp32 (the value `block_amax` reads)."""
+    return bf16_to_f32(x[i, j])
+
+
 def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` (same signature and result): one dot product over the
     whole of K per output, instead of one per 32-block.
@@ -138,12 +144,7 @@ def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.Pr
         xq = T.sblock_alloc_buffer((m, K), "float32")
         xs = T.sblock_alloc_buffer((m, NB, K), "float32")
         acc = T.sblock_alloc_buffer((m, N), "float32")
-        for i, b, j in T.grid(m, KB, i64(BLOCK)):
-            with T.sblock("amax"):
-                vi, vb, vj = T.axis.remap("SSR", [i, b, j])
-                with T.init():
-                    amax[vi, vb] = T.min_value("float32")
-                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(bf16_to_f32(x[vi, vb * BLOCK + vj])))
+        block_amax(amax, x, m, KB, BLOCK, bf16_value)
         for i, j in T.grid(m, K):
             with T.sblock("xq"):
                 vi, vj = T.axis.remap("SS", [i, j])

@@ -14,6 +14,7 @@ from dsv41.schedules.common import (
     idx,
     round_bf16_bound,
 )
+from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm import BLOCK
 
 # ---- shapes shared by the kernels and the plan ---------------------------------------------
@@ -155,12 +156,7 @@ def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
         a = T.match_buffer(a_h, (m, K), "bfloat16")
         out = T.match_buffer(out_h, (m, K), "float32")
         amax = T.sblock_alloc_buffer((m, KB), "float32")
-        for i, b, j in T.grid(m, KB, i64(BLOCK)):
-            with T.sblock("amax"):
-                vi, vb, vj = T.axis.remap("SSR", [i, b, j])
-                with T.init():
-                    amax[vi, vb] = T.min_value("float32")
-                amax[vi, vb] = T.max(amax[vi, vb], T.fabs(bf16_to_f32(a[vi, vb * BLOCK + vj])))
+        block_amax(amax, a, m, KB, BLOCK, gemm.bf16_value)
         for i, j in T.grid(m, K):
             with T.sblock("xq"):
                 vi, vj = T.axis.remap("SS", [i, j])
