@@ -101,6 +101,10 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
     def vector_of(xr, vb, vs, kk):
         return xr[kk]
 
+    # one macro object per expansion (see common.stages)
+    sum_of_squares, norm_sum_of_squares = lane_sum_of_squares(), lane_sum_of_squares()
+    sinkhorn_first, sinkhorn_round = sinkhorn_pass(), sinkhorn_pass()
+
     @T.macro
     def body(h, fn, scale, base, pre_in, weight, x, pre, post, comb):
         b = h.shape[0]
@@ -145,7 +149,7 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
                 xsp = T.sblock_alloc_buffer((NL,), "float32")
                 xss = T.sblock_alloc_buffer((1,), "float32")
                 # ---- the sum of squares over hc*d, the logits
-                lane_sum_of_squares(sqp, ssq, L, KL, hval, h, vb, vs, ("sq", "ssq"))
+                sum_of_squares(sqp, ssq, L, KL, hval, h, vb, vs, ("sq", "ssq"))
                 for j, ln in T.grid(MX, L):
                     with T.sblock("msum"):
                         vj, vl = T.axis.remap("SR", [j, ln])
@@ -176,9 +180,9 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
                     with T.sblock("cexp"):
                         vi, vj = T.axis.remap("SS", [i, j])
                         cb[vi, vj] = T.exp(z[HC2 + vi * HC + vj] - rmax[vi])
-                sinkhorn_pass(cb, rs0, cs0, HC, hc_eps, True, "0")
+                sinkhorn_first(cb, rs0, cs0, HC, hc_eps, True, "0")
                 for _it in range(rounds):
-                    sinkhorn_pass(cb, rs, cs, HC, hc_eps, False, "")
+                    sinkhorn_round(cb, rs, cs, HC, hc_eps, False, "")
                 for i, j in T.grid(HC, HC):
                     with T.sblock("comb"):
                         vi, vj = T.axis.remap("SS", [i, j])
@@ -189,7 +193,7 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
                         with T.sblock("xr"):
                             vc = T.axis.remap("S", [c])
                             xr[vc] = round_bf16(_collapse(h, pre_in, vb, vs, vc, (), hc))
-                    lane_sum_of_squares(xsp, xss, NL, DL, vector_of, xr, vb, vs, ("xsq", "xss"))
+                    norm_sum_of_squares(xsp, xss, NL, DL, vector_of, xr, vb, vs, ("xsq", "xss"))
                     for c in range(D):
                         with T.sblock("x"):
                             vc = T.axis.remap("S", [c])

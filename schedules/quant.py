@@ -198,6 +198,8 @@ def make_quant_fp8(*, d: int) -> tvm.tirx.PrimFunc:
     def fp8_scale_byte(amax):
         return T.Cast("uint8", pow2_scale_byte(amax))
 
+    amax_stage = abs_bits_amax_scale_byte()
+
     @T.prim_func(s_tir=True)
     def quant_fp8(x_h: T.handle, codes_h: T.handle, scales_h: T.handle):
         T.func_attr({"global_symbol": "quant_fp8", "tirx.noalias": True})
@@ -208,7 +210,7 @@ def make_quant_fp8(*, d: int) -> tvm.tirx.PrimFunc:
         amax = T.sblock_alloc_buffer((n, G), "int32")
         sbyte = T.sblock_alloc_buffer((n, G), "uint8")
         for i, g in T.grid(n, G):
-            abs_bits_amax_scale_byte(amax, sbyte, x, i, g, B, abs_bits_of, fp8_scale_byte)
+            amax_stage(amax, sbyte, x, i, g, B, abs_bits_of, fp8_scale_byte)
             with T.sblock("scale"):
                 vi, vg = T.axis.remap("SS", [i, g])
                 scales[vi, vg] = sbyte[vi, vg]
@@ -235,6 +237,8 @@ def _make_quant_fp4(*, d: int, group: int, name: str, scale_byte, thresholds, bf
     def abs_bits_of(x, i, j):
         return _abs_bits(val(x, i, j))
 
+    amax_stage = abs_bits_amax_scale_byte()
+
     if bf16_out:
         @T.prim_func(s_tir=True)
         def qdq(x_h: T.handle, y_h: T.handle):
@@ -245,7 +249,7 @@ def _make_quant_fp4(*, d: int, group: int, name: str, scale_byte, thresholds, bf
             amax = T.sblock_alloc_buffer((n, G), "int32")
             sbyte = T.sblock_alloc_buffer((n, G), "uint8")
             for i, g in T.grid(n, G):
-                abs_bits_amax_scale_byte(amax, sbyte, x, i, g, B, abs_bits_of, scale_byte)
+                amax_stage(amax, sbyte, x, i, g, B, abs_bits_of, scale_byte)
                 for j in range(B):
                     with T.sblock("code"):
                         vi, vg, vj = T.axis.remap("SSS", [i, g, j])
@@ -265,7 +269,7 @@ def _make_quant_fp4(*, d: int, group: int, name: str, scale_byte, thresholds, bf
         amax = T.sblock_alloc_buffer((n, G), "int32")
         sbyte = T.sblock_alloc_buffer((n, G), "uint8")
         for i, g in T.grid(n, G):
-            abs_bits_amax_scale_byte(amax, sbyte, x, i, g, B, abs_bits_of, scale_byte)
+            amax_stage(amax, sbyte, x, i, g, B, abs_bits_of, scale_byte)
             with T.sblock("scale"):
                 vi, vg = T.axis.remap("SS", [i, g])
                 scales[vi, vg] = sbyte[vi, vg]

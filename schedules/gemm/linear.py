@@ -132,6 +132,7 @@ def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.Pr
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
     check_out_dtype(out_dtype)
     N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
+    amax_stage = block_amax()  # a fresh macro per kernel (see common.stages)
 
     @T.prim_func(s_tir=True)
     def fp8_gemv(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -144,7 +145,7 @@ def make_fp8_gemv(*, n: int, k: int, out_dtype: str = "bfloat16") -> tvm.tirx.Pr
         xq = T.sblock_alloc_buffer((m, K), "float32")
         xs = T.sblock_alloc_buffer((m, NB, K), "float32")
         acc = T.sblock_alloc_buffer((m, N), "float32")
-        block_amax(amax, x, m, KB, BLOCK, bf16_value)
+        amax_stage(amax, x, m, KB, BLOCK, bf16_value)
         for i, j in T.grid(m, K):
             with T.sblock("xq"):
                 vi, vj = T.axis.remap("SS", [i, j])

@@ -148,6 +148,7 @@ def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
     """a bf16 [m, k] -> fp32 [m, k]: the exact value e4m3(a / s) * s with the per-32 E8M0 scale
     s of `formats.torch_quant_fp8` (what the oracle's `_act_quant` feeds its GEMM)."""
     K, KB = i64(k), i64(k // BLOCK)
+    amax_stage = block_amax()  # a fresh macro per kernel (see common.stages)
 
     @T.prim_func(s_tir=True)
     def qdq(a_h: T.handle, out_h: T.handle):
@@ -156,7 +157,7 @@ def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
         a = T.match_buffer(a_h, (m, K), "bfloat16")
         out = T.match_buffer(out_h, (m, K), "float32")
         amax = T.sblock_alloc_buffer((m, KB), "float32")
-        block_amax(amax, a, m, KB, BLOCK, gemm.bf16_value)
+        amax_stage(amax, a, m, KB, BLOCK, gemm.bf16_value)
         for i, j in T.grid(m, K):
             with T.sblock("xq"):
                 vi, vj = T.axis.remap("SS", [i, j])
