@@ -46,6 +46,7 @@ from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.common import round_bf16
+from dsv41.schedules.common.stages import lane_sum_of_squares, sinkhorn_pass
 from dsv41.schedules.norm import BenchCase, BenchData, check_lanes, f32_of_bf16, mul_bf16, neg
 
 
@@ -97,6 +98,13 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
     def hval(h, vb, vs, kk):  # element kk of the flattened (hc, d) stream, fp32
         return f32_of_bf16(h[vb, vs, kk // D, kk % D])
 
+    def vector_of(xr, vb, vs, kk):
+        return xr[kk]
+
+    # one macro object per expansion (see common.stages)
+    sum_of_squares, norm_sum_of_squares = lane_sum_of_squares(), lane_sum_of_squares()
+    sinkhorn_first, sinkhorn_round = sinkhorn_pass(), sinkhorn_pass()
+
     @T.macro
     def body(h, fn, scale, base, pre_in, weight, x, pre, post, comb):
         b = h.shape[0]
@@ -141,19 +149,7 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
                 xsp = T.sblock_alloc_buffer((NL,), "float32")
                 xss = T.sblock_alloc_buffer((1,), "float32")
                 # ---- the sum of squares over hc*d, the logits
-                for ln, kk in T.grid(L, KL):
-                    with T.sblock("sq"):
-                        vl, vk = T.axis.remap("SR", [ln, kk])
-                        with T.init():
-                            sqp[vl] = T.float32(0)
-                        sqp[vl] = sqp[vl] + hval(h, vb, vs, vk * L + vl) \
-                            * hval(h, vb, vs, vk * L + vl)
-                for ln in range(L):
-                    with T.sblock("ssq"):
-                        vl = T.axis.remap("R", [ln])
-                        with T.init():
-                            ssq[0] = T.float32(0)
-                        ssq[0] = ssq[0] + sqp[vl]
+                sum_of_squares(sqp, ssq, L, KL, hval, h, vb, vs, ("sq", "ssq"))
                 for j, ln in T.grid(MX, L):
                     with T.sblock("msum"):
                         vj, vl = T.axis.remap("SR", [j, ln])
@@ -184,47 +180,9 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
                     with T.sblock("cexp"):
                         vi, vj = T.axis.remap("SS", [i, j])
                         cb[vi, vj] = T.exp(z[HC2 + vi * HC + vj] - rmax[vi])
-                for i, j in T.grid(HC, HC):
-                    with T.sblock("rsum0"):
-                        vi, vj = T.axis.remap("SR", [i, j])
-                        with T.init():
-                            rs0[vi] = T.float32(0)
-                        rs0[vi] = rs0[vi] + cb[vi, vj]
-                for i, j in T.grid(HC, HC):
-                    with T.sblock("rnorm0"):
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        cb[vi, vj] = cb[vi, vj] / rs0[vi] + T.float32(hc_eps)
-                for j, i in T.grid(HC, HC):
-                    with T.sblock("csum0"):
-                        vj, vi = T.axis.remap("SR", [j, i])
-                        with T.init():
-                            cs0[vj] = T.float32(0)
-                        cs0[vj] = cs0[vj] + cb[vi, vj]
-                for i, j in T.grid(HC, HC):
-                    with T.sblock("cnorm0"):
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        cb[vi, vj] = cb[vi, vj] / (cs0[vj] + T.float32(hc_eps))
+                sinkhorn_first(cb, rs0, cs0, HC, hc_eps, True, "0")
                 for _it in range(rounds):
-                    for i, j in T.grid(HC, HC):
-                        with T.sblock("rsum"):
-                            vi, vj = T.axis.remap("SR", [i, j])
-                            with T.init():
-                                rs[vi] = T.float32(0)
-                            rs[vi] = rs[vi] + cb[vi, vj]
-                    for i, j in T.grid(HC, HC):
-                        with T.sblock("rnorm"):
-                            vi, vj = T.axis.remap("SS", [i, j])
-                            cb[vi, vj] = cb[vi, vj] / (rs[vi] + T.float32(hc_eps))
-                    for j, i in T.grid(HC, HC):
-                        with T.sblock("csum"):
-                            vj, vi = T.axis.remap("SR", [j, i])
-                            with T.init():
-                                cs[vj] = T.float32(0)
-                            cs[vj] = cs[vj] + cb[vi, vj]
-                    for i, j in T.grid(HC, HC):
-                        with T.sblock("cnorm"):
-                            vi, vj = T.axis.remap("SS", [i, j])
-                            cb[vi, vj] = cb[vi, vj] / (cs[vj] + T.float32(hc_eps))
+                    sinkhorn_round(cb, rs, cs, HC, hc_eps, False, "")
                 for i, j in T.grid(HC, HC):
                     with T.sblock("comb"):
                         vi, vj = T.axis.remap("SS", [i, j])
@@ -235,18 +193,7 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
                         with T.sblock("xr"):
                             vc = T.axis.remap("S", [c])
                             xr[vc] = round_bf16(_collapse(h, pre_in, vb, vs, vc, (), hc))
-                    for ln, kk in T.grid(NL, DL):
-                        with T.sblock("xsq"):
-                            vl, vk = T.axis.remap("SR", [ln, kk])
-                            with T.init():
-                                xsp[vl] = T.float32(0)
-                            xsp[vl] = xsp[vl] + xr[vk * NL + vl] * xr[vk * NL + vl]
-                    for ln in range(NL):
-                        with T.sblock("xss"):
-                            vl = T.axis.remap("R", [ln])
-                            with T.init():
-                                xss[0] = T.float32(0)
-                            xss[0] = xss[0] + xsp[vl]
+                    norm_sum_of_squares(xsp, xss, NL, DL, vector_of, xr, vb, vs, ("xsq", "xss"))
                     for c in range(D):
                         with T.sblock("x"):
                             vc = T.axis.remap("S", [c])

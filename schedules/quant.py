@@ -51,6 +51,7 @@ from tvm.script import tirx as T
 from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.common import e4m3_to_f32
+from dsv41.schedules.common.stages import abs_bits_amax_scale_byte
 from dsv41.schedules.gemm import e4m3_round, fp8_code, pow2_scale_byte
 
 FP8_BLOCK = fmt.FP8_BLOCK  # 32
@@ -191,6 +192,14 @@ def make_quant_fp8(*, d: int) -> tvm.tirx.PrimFunc:
     _check(d, FP8_BLOCK, "quant_fp8")
     D, G, B = _i64(d), _i64(d // FP8_BLOCK), _i64(FP8_BLOCK)
 
+    def abs_bits_of(x, i, j):
+        return _abs_bits(x[i, j])
+
+    def fp8_scale_byte(amax):
+        return T.Cast("uint8", pow2_scale_byte(amax))
+
+    amax_stage = abs_bits_amax_scale_byte()
+
     @T.prim_func(s_tir=True)
     def quant_fp8(x_h: T.handle, codes_h: T.handle, scales_h: T.handle):
         T.func_attr({"global_symbol": "quant_fp8", "tirx.noalias": True})
@@ -201,16 +210,7 @@ def make_quant_fp8(*, d: int) -> tvm.tirx.PrimFunc:
         amax = T.sblock_alloc_buffer((n, G), "int32")
         sbyte = T.sblock_alloc_buffer((n, G), "uint8")
         for i, g in T.grid(n, G):
-            for j in range(B):
-                with T.sblock("amax"):
-                    vi, vg, vj = T.axis.remap("SSR", [i, g, j])
-                    with T.init():
-                        amax[vi, vg] = T.int32(0)
-                    amax[vi, vg] = T.max(amax[vi, vg], _abs_bits(x[vi, vg * B + vj]))
-            with T.sblock("sbyte"):
-                vi, vg = T.axis.remap("SS", [i, g])
-                sbyte[vi, vg] = T.Cast("uint8", pow2_scale_byte(
-                    T.reinterpret("float32", amax[vi, vg])))
+            amax_stage(amax, sbyte, x, i, g, B, abs_bits_of, fp8_scale_byte)
             with T.sblock("scale"):
                 vi, vg = T.axis.remap("SS", [i, g])
                 scales[vi, vg] = sbyte[vi, vg]
@@ -234,6 +234,11 @@ def _make_quant_fp4(*, d: int, group: int, name: str, scale_byte, thresholds, bf
     def val(x, i, j):
         return _f32_of_bf16(x[i, j]) if bf16_out else x[i, j]
 
+    def abs_bits_of(x, i, j):
+        return _abs_bits(val(x, i, j))
+
+    amax_stage = abs_bits_amax_scale_byte()
+
     if bf16_out:
         @T.prim_func(s_tir=True)
         def qdq(x_h: T.handle, y_h: T.handle):
@@ -244,15 +249,7 @@ def _make_quant_fp4(*, d: int, group: int, name: str, scale_byte, thresholds, bf
             amax = T.sblock_alloc_buffer((n, G), "int32")
             sbyte = T.sblock_alloc_buffer((n, G), "uint8")
             for i, g in T.grid(n, G):
-                for j in range(B):
-                    with T.sblock("amax"):
-                        vi, vg, vj = T.axis.remap("SSR", [i, g, j])
-                        with T.init():
-                            amax[vi, vg] = T.int32(0)
-                        amax[vi, vg] = T.max(amax[vi, vg], _abs_bits(val(x, vi, vg * B + vj)))
-                with T.sblock("sbyte"):
-                    vi, vg = T.axis.remap("SS", [i, g])
-                    sbyte[vi, vg] = scale_byte(T.reinterpret("float32", amax[vi, vg]))
+                amax_stage(amax, sbyte, x, i, g, B, abs_bits_of, scale_byte)
                 for j in range(B):
                     with T.sblock("code"):
                         vi, vg, vj = T.axis.remap("SSS", [i, g, j])
@@ -272,15 +269,7 @@ def _make_quant_fp4(*, d: int, group: int, name: str, scale_byte, thresholds, bf
         amax = T.sblock_alloc_buffer((n, G), "int32")
         sbyte = T.sblock_alloc_buffer((n, G), "uint8")
         for i, g in T.grid(n, G):
-            for j in range(B):
-                with T.sblock("amax"):
-                    vi, vg, vj = T.axis.remap("SSR", [i, g, j])
-                    with T.init():
-                        amax[vi, vg] = T.int32(0)
-                    amax[vi, vg] = T.max(amax[vi, vg], _abs_bits(val(x, vi, vg * B + vj)))
-            with T.sblock("sbyte"):
-                vi, vg = T.axis.remap("SS", [i, g])
-                sbyte[vi, vg] = scale_byte(T.reinterpret("float32", amax[vi, vg]))
+            amax_stage(amax, sbyte, x, i, g, B, abs_bits_of, scale_byte)
             with T.sblock("scale"):
                 vi, vg = T.axis.remap("SS", [i, g])
                 scales[vi, vg] = sbyte[vi, vg]

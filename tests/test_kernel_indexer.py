@@ -507,7 +507,7 @@ def test_sweep_config_choices():
     assert host.amx == HAS_AMX_INT8
     assert not ix.sweep_config(get_target("cpu"), heads=16, dim=128).amx  # heads % 32
     if HAS_AMX_INT8:
-        asm = tvm.compile(ix._index_sweep(get_target("cpu"), 32, 128),
+        asm = tvm.compile(ix.index_sweep(get_target("cpu"), 32, 128),
                           target=get_target("cpu").tvm_target()).mod.inspect_source("s")
         assert "tdpbssd" in asm and "vpermb" in asm and "vpdpbusd" in asm  # + the VNNI fallback
     with pytest.raises(ValueError, match="AMX"):
@@ -519,7 +519,7 @@ def test_sweep_config_choices():
     zen = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver3"})
     cfg = ix.sweep_config(zen, heads=32, dim=128)
     assert cfg.avx512 and cfg.vnni and (cfg.lanes, cfg.tile, cfg.head_block) == (8, 16, 8)
-    asm = tvm.compile(ix._index_sweep(zen, 32, 128), target=zen.tvm_target()) \
+    asm = tvm.compile(ix.index_sweep(zen, 32, 128), target=zen.tvm_target()) \
         .mod.inspect_source("s")
     assert "vpmaddubsw" in asm and "ymm" in asm and "zmm" not in asm
     assert not ix.sweep_config(zen, heads=32, dim=64).avx512  # AVX2 needs dim % 128
@@ -529,7 +529,7 @@ def test_sweep_config_choices():
     skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
     cfg = ix.sweep_config(skx, heads=32, dim=128)
     assert cfg.avx512 and not cfg.vnni and (cfg.tile, cfg.head_block) == (64, 4)
-    asm = tvm.compile(ix._index_sweep(skx, 32, 128), target=skx.tvm_target()) \
+    asm = tvm.compile(ix.index_sweep(skx, 32, 128), target=skx.tvm_target()) \
         .mod.inspect_source("s")
     assert "vpdpbusd" not in asm and "zmm" in asm
     with pytest.raises(ValueError, match="VNNI"):
@@ -675,7 +675,7 @@ def _shared(n_alt: int, kind: str, dim: int = D):
     else:
         if not ix.sweep_config(target, heads=H, dim=dim).avx512:
             pytest.skip("this CPU has no AVX-512 full sweep")
-        func = ix._index_sweep(target, H, dim, n_alt)
+        func = ix.index_sweep(target, H, dim, n_alt)
     return tvm.compile(func, target=target.tvm_target())
 
 

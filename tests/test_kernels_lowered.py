@@ -39,7 +39,8 @@ class Source:
 
 def _schedules_module(node: ast.ImportFrom, module: str) -> str | None:
     """The schedules module a from-import reads (`from .gemm import x`, `from dsv41.schedules
-    import gemm` -> None: that form imports modules, see `_read`)."""
+    import gemm` -> None: that form imports modules, see `_read`); a module of a family package
+    is named by its dotted path below schedules (`indexer.sweep`)."""
     if node.level:
         return node.module if module.startswith("schedules.") and node.module else None
     name = node.module or ""
@@ -48,7 +49,8 @@ def _schedules_module(node: ast.ImportFrom, module: str) -> str | None:
 
 def _read(rel: str) -> Source:
     path = ROOT / rel
-    module = ".".join(Path(rel).with_suffix("").parts)
+    parts = Path(rel).with_suffix("").parts
+    module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     tree = ast.parse(path.read_text(), str(path))
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
     for n in tree.body:  # module-level tables (`_MAKERS = {...}`) are followed like functions
@@ -90,8 +92,16 @@ def _references(src: Source, node: ast.AST) -> set[tuple[str, str]]:
 
 
 def schedules_sources() -> dict[str, Source]:
-    return {p.stem: _read(f"schedules/{p.name}")
-            for p in sorted((ROOT / "schedules").glob("*.py")) if p.stem != "__init__"}
+    """Every module below schedules/ by its dotted name there (`gemm`, `indexer.sweep`): a
+    family package's `__init__` is the package's own name."""
+    out = {}
+    for p in sorted((ROOT / "schedules").rglob("*.py")):
+        rel = p.relative_to(ROOT / "schedules").with_suffix("").parts
+        if rel == ("__init__",):
+            continue
+        name = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+        out[name] = _read(str(p.relative_to(ROOT)))
+    return out
 
 
 def reachable() -> set[tuple[str, str]]:
@@ -109,6 +119,8 @@ def reachable() -> set[tuple[str, str]]:
         node = sources[mod].functions.get(name)
         if node is not None:
             todo |= _references(sources[mod], node) - seen
+        elif name in sources[mod].imported:  # a package's re-export: follow it to its module
+            todo.add(sources[mod].imported[name])
     return seen
 
 
@@ -118,12 +130,13 @@ def factories() -> set[tuple[str, str]]:
 
 
 def test_the_scan_follows_calls_across_modules():
-    """A guard for the check below: kernels.py names gemm.build_fp8_linear, which calls
-    make_fp8_linear (same module); moe's chain reaches gemm's helpers through `gemm.x`; build.py
-    reaches cpu_rules through a function-level from-import."""
+    """A guard for the check below: kernels.py names gemm.build_fp8_linear, a re-export of
+    gemm.linear's, which calls make_fp8_linear (same module); moe's chain reaches gemm's
+    helpers through `gemm.x`; build.py reaches cpu_rules through a function-level from-import."""
     seen = reachable()
     assert ("gemm", "build_fp8_linear") in seen
-    assert ("gemm", "make_fp8_linear") in seen
+    assert ("gemm.linear", "make_fp8_linear") in seen
+    assert ("indexer.x86_sweep", "make_index_scores_avx512") in seen  # via indexer.build
     assert ("moe", "emit_moe_experts") in seen
     assert ("gemm", "pow2_scale_byte") in seen  # moe.make_moe_qdq -> gemm.pow2_scale_byte
     assert ("cpu_rules", "schedule_prim_func") in seen  # build.py -> apply_cpu_schedules -> ...
@@ -131,6 +144,7 @@ def test_the_scan_follows_calls_across_modules():
 
 
 def test_every_kernel_factory_is_reachable_from_the_lowering():
-    unreached = sorted(f"schedules/{m}.py: {n}" for m, n in factories() - reachable())
+    unreached = sorted(f"schedules/{m.replace('.', '/')}.py: {n}"
+                       for m, n in factories() - reachable())
     assert not unreached, ("kernel factories no compiled entry reaches (wire them into "
                            "compiler/kernels.py or delete them):\n  " + "\n  ".join(unreached))

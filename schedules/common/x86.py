@@ -1,0 +1,106 @@
+"""x86 specifics: LLVM intrinsics (prefetch, vpermps, AMX tile instructions and macros) and the
+CPU feature checks of a target (AVX-512, AMX-BF16)."""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+
+def prefetch(addr):
+    """Prefetch the cache line at `addr` (an address_of) into all cache levels, for reading."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", addr, 0, 3, 1))
+
+
+def pairwise_lane_sum(v, lanes: int):
+    """The `lanes` lanes of vector v added pairwise (halves, then quarters, ..) to one lane."""
+    while lanes > 1:
+        lanes //= 2
+        v = T.Shuffle([v], list(range(lanes))) + T.Shuffle([v], list(range(lanes, 2 * lanes)))
+    return v
+
+
+def permps(tbl, idx):
+    """vpermps: lane i of the result is lane (idx lane i & 15) of the float32x16 table `tbl`."""
+    return T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", tbl,
+                                   T.reinterpret("int32x16", idx))
+
+
+# ---- CPU features of a target ------------------------------------------------------------------
+
+
+def has_features(target, *features: str) -> bool:
+    """Whether code for `target` (a TargetSpec; never a CUDA one) may use every LLVM feature
+    named (`avx512f`, `avx512vnni`, `amx-bf16`, ...)."""
+    from tvm.target import codegen  # noqa: PLC0415
+
+    return not target.is_cuda and all(
+        bool(codegen.target_has_features(f, target.tvm_target())) for f in features)
+
+
+def has_avx512(target) -> bool:
+    return has_features(target, "avx512f")
+
+
+# ---- AMX tiles (Intel Advanced Matrix Extensions) ----------------------------------------------
+# A kernel that uses them names tile registers 0..7 by number (the LLVM intrinsics take them as
+# immediates), configures all eight as 16 rows x 64 bytes once per parallel task (`amx_configure`),
+# and releases them at the end of the task. The process must hold the kernel's AMX permission
+# (`graph.targets.request_amx`, which `get_target("cpu")` and the artifact loader call).
+
+AMX_ROWS = 16  # rows of every tile
+AMX_BYTES = 64  # bytes per tile row: 32 bf16, 16 fp32 / int32, 64 int8
+
+
+def has_amx_bf16(target) -> bool:
+    """Whether kernels for `target` (a TargetSpec) may use AMX-BF16 tiles."""
+    return has_features(target, "amx-tile", "amx-bf16")
+
+
+def amx(op: str, *args):
+    """One AMX instruction (`llvm.x86.<op>`): tile numbers are `T.int8` immediates."""
+    return T.evaluate(T.call_llvm_intrin("void", f"llvm.x86.{op}", *args))
+
+
+@T.macro
+def amx_configure(cfg):
+    """Fill the 64-byte tile configuration `cfg` (a local uint8 buffer) and load it: palette 1,
+    tiles 0..7 each AMX_ROWS x AMX_BYTES."""
+    for t in range(64):
+        cfg[t] = T.uint8(0)
+    cfg[0] = T.uint8(1)
+    for t in range(8):
+        cfg[16 + 2 * t] = T.uint8(AMX_BYTES)  # bytes per row (uint16, little end)
+        cfg[48 + t] = T.uint8(AMX_ROWS)
+    amx("ldtilecfg", T.address_of(cfg[0]))
+
+
+def bf16_bits_of_exact(v):
+    """The bf16 bits (uint16) of an fp32 value that bf16 holds exactly (its low 16 bits are
+    zero: decoded E4M3 values, their power-of-two multiples): no rounding is needed."""
+    return T.Cast("uint16", T.reinterpret("uint32", v) >> T.uint32(16))
+
+
+@T.macro
+def amx_dot_32x32(a, a_row, row_bytes, b, b_tile, kblocks, yt):
+    """yt[c, r] = sum over k of a[a_row + c, k] * B[k, r] for 32 columns c x 32 rows r, on tile
+    registers 0..7 (configured by `amx_configure`): `a` holds bf16 (bits) rows of row_bytes,
+    read in place as A tiles (16 rows x 32 K); `b[b_tile]` is [k/2, 32] uint32 bf16 pairs,
+    AMX's B layout (a row: one K pair for each of 32 rows, 128 bytes apart); kblocks blocks of
+    32 K. Tiles 4..7 accumulate the 2 x 2 output tiles in fp32; `yt` is [32, 32] fp32."""
+    amx("tilezero", T.int8(4))
+    amx("tilezero", T.int8(5))
+    amx("tilezero", T.int8(6))
+    amx("tilezero", T.int8(7))
+    for kb in range(kblocks):
+        amx("tileloadd64", T.int8(0), T.address_of(a[a_row, kb * 32]), row_bytes)
+        amx("tileloadd64", T.int8(1), T.address_of(a[a_row + 16, kb * 32]), row_bytes)
+        amx("tileloadd64", T.int8(2), T.address_of(b[b_tile, kb * 16, 0]), T.int64(128))
+        amx("tileloadd64", T.int8(3), T.address_of(b[b_tile, kb * 16, 16]), T.int64(128))
+        amx("tdpbf16ps", T.int8(4), T.int8(0), T.int8(2))
+        amx("tdpbf16ps", T.int8(5), T.int8(0), T.int8(3))
+        amx("tdpbf16ps", T.int8(6), T.int8(1), T.int8(2))
+        amx("tdpbf16ps", T.int8(7), T.int8(1), T.int8(3))
+    amx("tilestored64", T.int8(4), T.address_of(yt[0, 0]), T.int64(128))
+    amx("tilestored64", T.int8(5), T.address_of(yt[0, 16]), T.int64(128))
+    amx("tilestored64", T.int8(6), T.address_of(yt[16, 0]), T.int64(128))
+    amx("tilestored64", T.int8(7), T.address_of(yt[16, 16]), T.int64(128))

@@ -1,0 +1,179 @@
+"""The hand-vectorised FP8 decode GEMV for AVX2 / AVX-512 (`make_fp8_gemv_avx2`): E4M3
+weights widened through fp16 bits in integer lanes."""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm.script import tirx as T
+
+from dsv41.schedules.common import (
+    bf16_to_f32,
+    e8m0_to_f32,
+    i64,
+    pairwise_lane_sum,
+    u32,
+)
+from dsv41.schedules.common import prefetch as prefetch_line
+from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
+
+
+def _f16_bits_even_odd(codes, lanes: int):
+    """4 x lanes E4M3 codes (uint8) -> (even, odd): the fp16 bits (2 x lanes uint16 each) of
+    codes 0, 2, .. and of codes 1, 3, .., each the E4M3 value times 2^-8 as
+    `common.e4m3_to_f16_bits`, except that the NaN codes give a finite value (the caller flags
+    them). vpmaddubsw with the unsigned bytes (128, 0) (or (0, 128)) against the signed codes is
+    the code sign-extended and shifted left by 7 in one instruction (|128 * code| <= 2^14: no
+    saturation); the mask clears bit 14 (a copy of the sign), as in `e4m3_to_f16_bits`."""
+    words, nb = 2 * lanes, 4 * lanes
+    name = "llvm.x86.avx2.pmadd.ub.sw" if lanes == 8 else "llvm.x86.avx512.pmaddubs.w.512"
+    out = []
+    for pattern in (0x0080, 0x8000):  # the byte 128 at the even / the odd positions
+        h = T.call_llvm_pure_intrin(f"int16x{words}", name,
+                                    T.reinterpret(f"int8x{nb}",
+                                                  T.broadcast(T.uint16(pattern), words)),
+                                    T.reinterpret(f"int8x{nb}", codes))
+        out.append(T.reinterpret(f"uint16x{words}", h) & T.broadcast(T.uint16(0xBF80), words))
+    return out
+
+
+def _f16_to_f32(h16, half: int, lanes: int):
+    """Lanes lanes * half .. of 2 x lanes fp16 bits as float32 lanes (vcvtph2ps)."""
+    idx = list(range(lanes * half, lanes * half + lanes))
+    return T.Cast(f"float32x{lanes}", T.reinterpret(f"float16x{lanes}", T.Shuffle([h16], idx)))
+
+
+def _gemv_slot_source(j, lanes: int):
+    """Slot j (0 .. 4 x lanes - 1) of a chunk in the hand-vectorised GEMV's activation layout ->
+    the offset in the chunk it holds: the four decoded vectors of `_f16_bits_even_odd` are the
+    even codes' two halves, then the odd codes' (lanes 8: slots 0-7 take offsets 0, 2, .., 14,
+    8-15 take 16, .., 30, 16-23 take 1, .., 15 and 24-31 take 17, .., 31)."""
+    return (j // lanes % 2) * (2 * lanes) + 2 * (j % lanes) + j // (2 * lanes)
+
+
+def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
+                       prefetch: int = 0) -> tvm.tirx.PrimFunc:
+    """The CPU decode form of `fp8_linear` for x86 with AVX2 + FMA + F16C (same signature and
+    result as `make_fp8_gemv`), hand-vectorised: its loops are the schedule. `lanes` 8: 256-bit
+    vectors (CPUs without AVX-512); 16: 512-bit (AVX-512 BW), k a multiple of 64. `prefetch`:
+    columns ahead of the one being summed whose weights are prefetched (0: none).
+
+    The activation is quantised once per row (`xq`, as `make_fp8_gemv`'s stages, its K offsets
+    stored per chunk of 4 x lanes codes in the order `_gemv_slot_source` gives). Per 32-column
+    tile (a parallel task) and row, `xs` = xq * 2^(s - 127) * 2^8 with the tile's weight scales
+    (the same exact products and range as `make_fp8_gemv`), then one column at a time, so the
+    weights stream from memory in address order: per chunk one load of 4 x lanes codes, two
+    vpmaddubsw + masks give their fp16 bits times 2^-8 (`_f16_bits_even_odd`), four vcvtph2ps
+    (exact) and four FMAs into four accumulators of `lanes` lanes (added pairwise at the end:
+    every product is exact, only the order of the fp32 additions differs from the oracle, as
+    `make_fp8_gemv`). NaN weights: the column's max of code & 0x7f over K (vpmaxub, two
+    operations per chunk instead of the four 16-bit operations per 16 codes of the NaN fix) is
+    0x7f exactly when one of its codes is 0x7f / 0xff, and then its output is NaN.
+
+    On a Xeon with AVX-512 (2 threads, weights cycled through more than the L3, so read from
+    memory), n 32768 k 512: lanes 8 2.63 ms without prefetch, 1.28 ms prefetching 4 columns
+    (2 KB) ahead (8: 1.32, 16: 1.35; the same 16 MB from the L3: 0.94-1.04 either way); the
+    scheduled `make_fp8_gemv` 0.97-1.22 ms from memory, 0.54 from the L3.
+
+    Measured on one Zen 3 core shared with other jobs (TVM_NUM_THREADS=1, 5th percentile of 300
+    calls interleaved with `make_fp8_gemv` scheduled as "gemv" cb 4 vec 32, in brackets; ranges
+    over two runs, in which a numpy sum of 64 MiB ran at 9-13 GB/s median, 11-15 best): n 32768
+    k 512 (16 MB) 2.5-3.0 ms = 5.7-6.6 GB/s (5.1-5.7 ms), n 1024 k 4096 0.40-0.46 ms = 9.1-10.6
+    GB/s (0.61-0.67 ms), n 512 k 1024 0.061-0.076 ms (0.090-0.097), n 1024 k 512 0.069-0.070 ms
+    (0.074-0.097), n 4096 k 512 0.26 ms (0.28-0.41). n 4096 k 4096, the same 16 MB in 8x fewer
+    columns, ran 10-20% faster per byte than n 32768 k 512, likely the per-column epilogue
+    (lane sum, NaN test, bf16 store) at k 512 (a fully unrolled K loop did not change it).
+    Interleaving 4 columns (as cb 4) ran n 32768 k 512 at 2.5 GB/s whatever the decode: each
+    512-byte row is then one of four short streams, which the hardware prefetcher does not
+    follow; software prefetches 1-16 KB ahead of one column made it 2-5% slower; the vpmaddubsw
+    decode ran within noise of a vpunpcklbw + vpsraw one and 2-5% ahead of a vpmovsxbw one; 2
+    instead of 4 accumulators per column, within noise."""
+    if k % BLOCK:
+        raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
+    if lanes not in (8, 16) or k % (4 * lanes):
+        raise ValueError(f"The hand-vectorised fp8 GEMV takes lanes 8 or 16 and k a multiple of "
+                         f"4 x lanes; got lanes={lanes}, k={k}.")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0 columns; got {prefetch}.")
+    check_out_dtype(out_dtype)
+    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
+    LN, CL = lanes, 4 * lanes  # fp32 lanes per vector; codes per chunk (one load)
+    NCH = i64(k // CL)  # chunks per column
+    ACC = 4  # accumulators per column, one per decoded vector of a chunk
+
+    def f32v(buf, off):
+        return buf[T.ramp(off, 1, LN)]
+
+    @T.macro
+    def fma(acc, xs, ch, q, w):  # accumulator q += xs slots LN q .. of chunk ch * w
+        acc[T.ramp(q * LN, 1, LN)] = f32v(acc, q * LN) + f32v(xs, ch * CL + q * LN) * w
+
+    @T.macro
+    def column_sum(weight, xs, acc, flg, col):
+        """acc[q * LN ..] += xs[.., slots LN q ..] * w[col, ..] over K; flg = max(code & 0x7f)."""
+        for q in T.unroll(ACC * LN):
+            acc[q] = T.float32(0)
+        for t in T.vectorized(i64(CL)):
+            flg[t] = T.uint8(0)
+        for ch in range(NCH):
+            if prefetch > 0:
+                prefetch_line(T.address_of(weight[T.min(col + prefetch, N - i64(1)), ch * CL]))
+            codes = weight.vload([col, ch * CL], f"uint8x{CL}")
+            h = _f16_bits_even_odd(codes, LN)  # [even, odd]
+            fma(acc, xs, ch, 0, _f16_to_f32(h[0], 0, LN))
+            fma(acc, xs, ch, 1, _f16_to_f32(h[0], 1, LN))
+            fma(acc, xs, ch, 2, _f16_to_f32(h[1], 0, LN))
+            fma(acc, xs, ch, 3, _f16_to_f32(h[1], 1, LN))
+            flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
+                                          codes & T.broadcast(T.uint8(0x7F), CL))
+
+    def lane_total(acc):  # the 4 x LN lanes of a column added pairwise
+        return pairwise_lane_sum(
+            (f32v(acc, 0) + f32v(acc, LN)) + (f32v(acc, 2 * LN) + f32v(acc, 3 * LN)), LN)
+
+    def has_nan(flg):  # some byte is 0x7f: the top bit of flg + 1 (vpmovmskb over 32 bytes)
+        f32b = flg[T.ramp(0, 1, 32)]
+        if CL == 64:
+            f32b = T.max(f32b, flg[T.ramp(32, 1, 32)])
+        top = T.reinterpret("int8x32", f32b + T.broadcast(T.uint8(1), 32))
+        return T.call_llvm_pure_intrin("int32", "llvm.x86.avx2.pmovmskb", top) != 0
+
+    @T.prim_func
+    def fp8_gemv(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                 scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), out_dtype)
+        amax = T.alloc_buffer((m, KB), "float32")
+        xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
+        for i, b in T.grid(m, KB):
+            amax[i, b] = T.min_value("float32")
+            for j in range(i64(BLOCK)):
+                amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+        for i, ch in T.grid(m, NCH):
+            for j in T.vectorized(i64(CL)):
+                xq[i, ch * CL + j] = fp8_qdq(
+                    bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
+                    pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
+        for p in T.parallel(NB):
+            xs = T.alloc_buffer((K,), "float32")
+            acc = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            flg = T.alloc_buffer((CL,), "uint8", scope="local")
+            for i in range(m):
+                for ch in range(NCH):
+                    for j in T.vectorized(i64(CL)):
+                        xs[ch * CL + j] = xq[i, ch * CL + j] * e8m0_to_f32(T.Cast(
+                            "uint32", scale[p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
+                            ) * T.float32(256.0)
+                for c in range(i64(BLOCK)):
+                    # a partial last tile reads its last column again and stores nothing
+                    column_sum(weight, xs, acc, flg, T.min(p * BLOCK + c, N - i64(1)))
+                    if p * BLOCK + c < N:
+                        y[i, p * BLOCK + c] = T.Cast(out_dtype, T.Select(
+                            has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)),
+                            lane_total(acc)))
+
+    return fp8_gemv

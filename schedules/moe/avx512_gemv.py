@@ -1,0 +1,179 @@
+"""The hand-vectorised AVX-512 expert GEMVs (decode): FP4 weight blocks decoded by table
+lookup in registers, columns prefetched ahead."""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import tirx as T
+
+from dsv41.schedules.common import (
+    e8m0_byte,
+    fp4_to_f32_select,
+    i64,
+    idx,
+    pairwise_lane_sum,
+    permps,
+    prefetch,
+    round_bf16,
+    silu_times,
+)
+from dsv41.schedules.gemm import BLOCK
+from dsv41.schedules.moe.experts import expert_of
+from dsv41.schedules.moe.route import check_dims, to_bf16
+
+# ---- the GEMV form hand-vectorised (AVX-512) ----------------------------------------------------
+# Per output column one walk along its packed row (gate and up together), 16 bytes (one 32-block)
+# per step, the block's E8M0 scale decoded for the whole row first (vectorised): the bytes
+# widened to 32-bit lanes index (vpermps reads the low 4 bits of each lane: the low nibble as
+# is, the high one after a shift) a 16-entry table of the E2M1 values times the block's E8M0
+# scale, so the weights arrive decoded and scaled in two instructions; the even elements
+# multiply-add into one 16-lane accumulator, the odd into another (every product exact: fma =
+# multiply + add), added together and then pairwise over the lanes at the end. The scaled table
+# is the oracle's dequantised weight (E2M1 x 2^(s - 127)), exact wherever it is finite. The next
+# columns' rows are prefetched GEMV_PREFETCH columns ahead (weights stream from memory at
+# decode). Only the order of the fp32 additions differs from the oracle.
+
+GEMV_PREFETCH = 4  # columns ahead whose packed rows are prefetched
+
+
+def _fma16(a, b, c):
+    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
+
+
+@T.macro
+def _fp4_block(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
+    """acc[c, 0] (even elements) and acc[c, 1] (odd) += block blk of packed row w[e, a] (its
+    E8M0 scale already fp32 in sc[c, blk]) times the activation row r split by parity (xe,
+    xo). The scaled table and the widened bytes are written twice; LLVM computes them once."""
+    acc[c, 0, T.ramp(0, 1, 16)] = _fma16(
+        xe[r, T.ramp(blk * 16, 1, 16)],
+        permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
+                T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))),
+        acc[c, 0, T.ramp(0, 1, 16)])
+    acc[c, 1, T.ramp(0, 1, 16)] = _fma16(
+        xo[r, T.ramp(blk * 16, 1, 16)],
+        permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
+                T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))
+                >> T.broadcast(T.uint32(4), 16)),
+        acc[c, 1, T.ramp(0, 1, 16)])
+
+
+def _prefetch_row(w, e, a, rows, blk):
+    """Prefetch the 64-byte line at block blk of row a + GEMV_PREFETCH (of `rows`)."""
+    return prefetch(T.address_of(w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), blk * 16]))
+
+
+def _lane_total(acc, c):
+    """acc[c]'s even and odd partial sums added, then pairwise over the 16 lanes."""
+    return pairwise_lane_sum(acc[c, 0, T.ramp(0, 1, 16)] + acc[c, 1, T.ramp(0, 1, 16)], 16)
+
+
+@T.macro
+def _zero_acc(acc, n_acc):
+    for c, p in T.grid(n_acc, 2):
+        for j in T.vectorized(16):
+            acc[c, p, j] = T.float32(0)
+
+
+def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
+                                 swiglu_limit: float) -> tvm.tirx.PrimFunc:
+    """`make_moe_gate_up_gemv`'s signature and result, hand-vectorised for AVX-512 (see the
+    section comment; written scheduled): parallel over (sorted row, 32 output columns); per
+    column the w1 and w3 rows walked together (four independent accumulators), then the SwiGLU
+    epilogue. dim a multiple of 32."""
+    check_dims(dim, inter)
+    D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
+    DH, DB, IT = i64(dim // 2), i64(dim // BLOCK), i64((inter + BLOCK - 1) // BLOCK)
+
+    @T.prim_func
+    def moe_gate_up(xq_h: T.handle, weights_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
+                    w1: T.Buffer((E, I, D // 2), "uint8"), s1: T.Buffer((E, I, DB), "uint8"),
+                    w3: T.Buffer((E, I, D // 2), "uint8"), s3: T.Buffer((E, I, DB), "uint8"),
+                    h_h: T.handle):
+        T.func_attr({"global_symbol": "moe_gate_up", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        n = T.int64()
+        xq = T.match_buffer(xq_h, (n, D), "float32")
+        weights = T.match_buffer(weights_h, (n, KT), "float32")
+        ids = T.match_buffer(ids_h, (n, KT), "int64")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+        xe = T.alloc_buffer((n * KT, DH), "float32")  # the row's activation, even elements
+        xo = T.alloc_buffer((n * KT, DH), "float32")  # odd elements
+        for r, j in T.grid(n * KT, DH):
+            xe[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2]
+            xo[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2 + 1]
+        for task in T.parallel(n * KT * IT):
+            tbl = T.alloc_buffer((16,), "float32", scope="local")
+            acc = T.alloc_buffer((2, 2, 16), "float32", scope="local")  # gate, up x parity
+            sc = T.alloc_buffer((2, DB), "float32", scope="local")  # the row's scales
+            for i in T.unroll(16):
+                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
+            r = task // IT
+            e = expert_of(ids, row_pair, r, n * KT, KT, E)
+            q = idx(row_pair[r], n * KT)
+            for c in range(i64(BLOCK)):
+                if (task % IT) * BLOCK + c < I:
+                    a = T.meta_var((task % IT) * BLOCK + c)
+                    _zero_acc(acc, 2)
+                    for blk in T.vectorized(DB):
+                        sc[0, blk] = e8m0_byte(s1[e, a, blk])
+                        sc[1, blk] = e8m0_byte(s3[e, a, blk])
+                    for blk in range(DB):
+                        if blk % 4 == 0:
+                            _prefetch_row(w1, e, a, I, blk)
+                            _prefetch_row(w3, e, a, I, blk)
+                        _fp4_block(acc, 0, w1, sc, e, a, xe, xo, r, blk, tbl)
+                        _fp4_block(acc, 1, w3, sc, e, a, xe, xo, r, blk, tbl)
+                    h[r, a] = to_bf16(weights[q // KT, q % KT] * silu_times(
+                        round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
+                        swiglu_limit))
+
+    return moe_gate_up
+
+
+def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
+                              ) -> tvm.tirx.PrimFunc:
+    """`make_moe_down_gemv`'s signature and result, hand-vectorised as
+    `make_moe_gate_up_gemv_avx512`."""
+    check_dims(dim, inter)
+    D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
+    IH, IB, DT = i64(inter // 2), i64(inter // BLOCK), i64((dim + BLOCK - 1) // BLOCK)
+
+    @T.prim_func
+    def moe_down(hq_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
+                 w2: T.Buffer((E, D, I // 2), "uint8"), s2: T.Buffer((E, D, IB), "uint8"),
+                 o_h: T.handle):
+        T.func_attr({"global_symbol": "moe_down", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        n = T.int64()
+        hq = T.match_buffer(hq_h, (n * KT, I), "float32")
+        ids = T.match_buffer(ids_h, (n, KT), "int64")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
+        xe = T.alloc_buffer((n * KT, IH), "float32")
+        xo = T.alloc_buffer((n * KT, IH), "float32")
+        for r, j in T.grid(n * KT, IH):
+            xe[r, j] = hq[r, j * 2]
+            xo[r, j] = hq[r, j * 2 + 1]
+        for task in T.parallel(n * KT * DT):
+            tbl = T.alloc_buffer((16,), "float32", scope="local")
+            acc = T.alloc_buffer((1, 2, 16), "float32", scope="local")
+            sc = T.alloc_buffer((1, IB), "float32", scope="local")
+            for i in T.unroll(16):
+                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
+            r = task // DT
+            e = expert_of(ids, row_pair, r, n * KT, KT, E)
+            for c in range(i64(BLOCK)):
+                if (task % DT) * BLOCK + c < D:
+                    a = T.meta_var((task % DT) * BLOCK + c)
+                    _zero_acc(acc, 1)
+                    for blk in T.vectorized(IB):
+                        sc[0, blk] = e8m0_byte(s2[e, a, blk])
+                    for blk in range(IB):
+                        if blk % 4 == 0:
+                            _prefetch_row(w2, e, a, D, blk)
+                        _fp4_block(acc, 0, w2, sc, e, a, xe, xo, r, blk, tbl)
+                    o[r, a] = to_bf16(_lane_total(acc, 0))
+
+    return moe_down
