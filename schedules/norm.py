@@ -11,7 +11,7 @@ elements (by one bf16 ulp; measured ~1e-5 of them). On CUDA, nvcc's fast math ma
 approximate too (same bound, fewer exact).
 
 bf16 inputs are widened on the bits (`f32_of_bf16`): TVM 0.27 miscompiles a bf16 Cast inside a
-Let (schedules/gemm.py). The outputs use `T.Cast("bfloat16", .)`, which rounds to nearest even
+Let (schedules/gemm/). The outputs use `T.Cast("bfloat16", .)`, which rounds to nearest even
 (checked on ties). `mul_bf16` forms a bf16 x fp32 product so that FMA contraction cannot change
 its rounding (TVM's LLVM backend forms FMAs even with `fast-math-contract` off, and nvcc
 contracts by default).

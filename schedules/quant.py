@@ -7,7 +7,7 @@ division, flush-to-zero):
 
 * Group amax is an int32 max over the |x| bit patterns (order-preserving for non-negative
   floats; vectorises without fast-math flags, and no flush-to-zero can touch it).
-* FP8 (E4M3 codes, E8M0 scale): the helpers of schedules/gemm.py (`pow2_scale_byte`,
+* FP8 (E4M3 codes, E8M0 scale): the helpers of schedules/gemm/ (`pow2_scale_byte`,
   `fp8_code`): integer bit work plus one product with an exact power-of-two reciprocal. The
   product only underflows where the code is 0 anyway.
 * E2M1 codes (both FP4 formats): the oracle rounds r = fp32(x / s) to E2M1 with RNE. E2M1 has
@@ -34,7 +34,7 @@ the oracle, but their codes differ from the oracle's (which divides by the NaN s
 the saturated code for every element): FP8 gives unspecified codes, MXFP4 gives 0 | sign for
 finite elements and 7 | sign for inf/NaN ones. FP4-KV gives an unspecified scale byte and codes.
 
-TVM 0.27 traps avoided (see gemm.py): no bf16 Cast inside a Let, `T.Select` rather than
+TVM 0.27 traps avoided (see schedules/gemm/): no bf16 Cast inside a Let, `T.Select` rather than
 `if_then_else` on vector lanes, signed compares only.
 """
 
@@ -173,7 +173,7 @@ def _bf16_of_mx(code, scale_byte):
 
 
 def _f32_of_bf16(x):
-    """bf16 -> fp32 on the bits (a plain Cast can be miscompiled inside a Let, see gemm.py)."""
+    """bf16 -> fp32 on the bits (a plain Cast can be miscompiled inside a Let, see schedules/gemm/)."""
     return T.reinterpret("float32", T.Cast("uint32", T.reinterpret("uint16", x)) << _u32(16))
 
 

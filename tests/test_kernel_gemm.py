@@ -1,4 +1,4 @@
-"""TIR kernels of schedules/gemm.py against the torch oracles in graph/ops.py and graph/formats.py.
+"""TIR kernels of schedules/gemm/ against the torch oracles in graph/ops.py and graph/formats.py.
 
 Tolerances:
 * activation quantisation (the stage fp8_linear fuses, as a kernel of its own here),

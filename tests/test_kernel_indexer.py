@@ -1,4 +1,4 @@
-"""Indexer kernels (schedules/indexer.py) against the torch oracles in graph/ops.py.
+"""Indexer kernels (schedules/indexer/) against the torch oracles in graph/ops.py.
 
 Tolerance: none. The sweep reproduces the oracle's bf16 roundings and torch's head-sum order, so
 scores are compared bit for bit, and selections (positions, blocks) must be identical. This holds

@@ -1,4 +1,4 @@
-"""The split `moe_experts` chain of schedules/moe.py against the torch oracle (graph/ops.py).
+"""The split `moe_experts` chain of schedules/moe/ against the torch oracle (graph/ops.py).
 
 Tolerance: the chain keeps the activations as exact dequantised fp32, adds 32-blocks in K
 order times the weight scale and rounds to bf16 where the oracle rounds; the order of the 32

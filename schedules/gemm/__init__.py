@@ -1,6 +1,6 @@
 """Block-scaled GEMMs and dequantisation: `fp8_linear`, the decode `dense_gemv`, `fp8_dequant`
 (oracles in graph/ops.py, number formats in graph/formats.py; the routed experts' chain, which
-shares this arithmetic: schedules/moe.py).
+shares this arithmetic: schedules/moe/).
 
 Arithmetic shared by the GEMMs, and why it matches the oracle:
 
@@ -28,7 +28,7 @@ TVM 0.27 traps met here (worked around below): a bf16 Cast inside a `Let` value 
 an integer conversion (so bf16 is widened on the bits, `bf16_to_f32`); unsigned compares against a
 Let-bound var crash the simplifier (signed compares instead); an intermediate buffer sized by a
 symbolic dim cannot live in a CUDA kernel (the CUDA fp8_linear fuses its quantisation stage;
-schedules/moe.py passes the routed experts' token-sized buffers as arguments).
+schedules/moe/ passes the routed experts' token-sized buffers as arguments).
 """
 
 from dsv41.schedules.gemm.amx import (

@@ -15,7 +15,7 @@ token-sized buffer is an argument; Relax allocates them between the `call_tir`s 
 5. `moe_down`      per (tile, column block): hq rows x decoded w2 tile -> o = bf16 [P, dim].
 6. `moe_combine`   y[i] = sum of token i's rows of o in expert-id order from 0, fp32 [n, dim].
 
-Numerics are those of gemm.py's block-scaled GEMMs (see its module docstring): activations
+Numerics are those of schedules/gemm/'s block-scaled GEMMs (see its module docstring): activations
 carried as their exact dequantised fp32 value, 32-blocks added in K order times the weight
 scale, bf16 rounding where the oracle rounds. NT = ceil(P / row_tile) + min(P, E) bounds the
 tile count: each non-empty expert adds at most one partial tile, and at most min(P, E) experts

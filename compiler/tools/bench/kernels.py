@@ -5,7 +5,7 @@ For every case the harness measures three implementations of one op on the same 
 * `kernel`:  the TVM kernel from `schedules/`, compiled once per static configuration and called
              through its packed function on zero-copy DLPack views (host-side index checks and
              tensor conversion are not timed). A kernel the compiled model runs as a chain is
-             timed as that chain: `moe` is the six-kernel split of `schedules/moe.py` that
+             timed as that chain: `moe` is the six-kernel split of `schedules/moe/` that
              compiler/lower.py emits (route, qdq, gate_up, qdq, down, combine), built for the
              artifact's row hint, its intermediates allocated once outside the timed call (as
              Relax's memory plan reuses them), each kernel also timed alone (`parts`);
