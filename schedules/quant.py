@@ -173,7 +173,7 @@ def _bf16_of_mx(code, scale_byte):
 
 
 def _f32_of_bf16(x):
-    """bf16 -> fp32 on the bits (a plain Cast can be miscompiled inside a Let, see schedules/gemm/)."""
+    """bf16 -> fp32 on the bits (a plain Cast can be miscompiled inside a Let: schedules/gemm/)."""
     return T.reinterpret("float32", T.Cast("uint32", T.reinterpret("uint16", x)) << _u32(16))
 
 
