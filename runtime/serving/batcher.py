@@ -26,7 +26,6 @@ its stop strings matched on it (a matched stop string ends the request and is ne
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -45,6 +44,7 @@ from dsv41.runtime.engine.requests import (
 )
 from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher
 from dsv41.runtime.serving.chat_format import IncrementalDecoder
+from dsv41.runtime.serving.event_log import EventLog
 from dsv41.runtime.serving.frontend import (
     BatcherStats,
     FinishReason,
@@ -64,44 +64,17 @@ class Stream:
 
     def __init__(self, sid: int, prompt_tokens: int, wake):
         self.id = sid
-        self._events: queue.Queue[TokenEvent] = queue.Queue()
-        self._lock = threading.Lock()
+        self.log = EventLog(prompt_tokens, f"stream {sid}")  # events, and the timing they make
         self._wake = wake  # tells the batcher there is work (a cancel)
         self._cancel = threading.Event()
-        self._finished = False  # the final event is queued
-        self._read_final = False  # ... and was read
-        self._submitted = time.perf_counter()
-        self._started: float | None = None
-        self._first: float | None = None
-        self._last: float | None = None
-        self._gaps: list[float] = []
-        self._chunks: list[float] = []
-        self._tail: float | None = None
-        self._prompt, self._completion = prompt_tokens, 0
-        self._tier: str | None = None
-        self._reused = 0
 
     def __iter__(self) -> Iterator[TokenEvent]:
         """Blocks for each next event; ends after the final one."""
-        while True:
-            event = self.get()
-            if event is None:
-                return
-            yield event
-            if event.finish is not None:
-                return
+        return iter(self.log)
 
     def get(self, timeout: float | None = None) -> TokenEvent | None:
         """The next event; None on timeout, or once the final event was read."""
-        if self._read_final:
-            return None
-        try:
-            event = self._events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if event.finish is not None:
-            self._read_final = True
-        return event
+        return self.log.get(timeout)
 
     def cancel(self) -> None:
         """Idempotent; the request leaves the batch (or the queue) at the next step."""
@@ -116,37 +89,16 @@ class Stream:
     @property
     def done(self) -> bool:
         """The request has ended (its final event is queued)."""
-        return self._finished
+        return self.log.finished
 
     @property
     def timing(self) -> RequestTiming:
-        with self._lock:
-            now = time.perf_counter()
-            queued = (self._started if self._started is not None else now) - self._submitted
-            return RequestTiming(
-                queued_s=queued,
-                first_token_s=None if self._first is None else self._first - self._submitted,
-                per_token_s=tuple(self._gaps), prompt_tokens=self._prompt,
-                completion_tokens=self._completion, tier=self._tier,
-                reused_tokens=self._reused, prefill_chunk_s=tuple(self._chunks),
-                prefill_tail_s=self._tail, submitted_at=self._submitted)
+        return self.log.timing()
 
     # ---- the batcher's side ---------------------------------------------------------------------
 
     def _put(self, event: TokenEvent) -> None:
-        with self._lock:
-            if self._finished:
-                raise AssertionError(f"stream {self.id} got an event after its final one")
-            if event.token_id is not None:
-                now = time.perf_counter()
-                if self._first is None:
-                    self._first = now
-                else:
-                    self._gaps.append(now - self._last)
-                self._last = now
-                self._completion += 1
-            self._finished = event.finish is not None
-        self._events.put(event)
+        self.log.put(event)
 
 
 @dataclass(eq=False)
@@ -358,7 +310,7 @@ class Batcher:
             if not self._fits(req):
                 return  # it waits for running requests to leave (and so do those behind it)
             self._waiting.popleft()
-            req.stream._started = time.perf_counter()
+            req.stream.log.started = time.perf_counter()
         req.session = self.engine.session()
         req.chunk_t = time.perf_counter()
         pacing = PrefillPacing(self.chunk_tokens, lambda: self._between_chunks(req))
@@ -377,9 +329,9 @@ class Batcher:
         with self._lock:
             self._tiers[record.tier] = self._tiers.get(record.tier, 0) + 1
             self._counts["prompt_tokens"] += len(req.prompt)
-            with req.stream._lock:
-                req.stream._tier, req.stream._reused = record.tier, record.reused_tokens
-                req.stream._tail = tail
+            events = req.stream.log
+            with events.lock:
+                events.tier, events.reused, events.tail = record.tier, record.reused_tokens, tail
             if not req.turn.ended:
                 self._running[req.session.id] = req
         self._emit(req)
@@ -387,8 +339,8 @@ class Batcher:
     def _between_chunks(self, req: _Request) -> None:
         """Between two chunks of `req`'s prefill: the running batch's decode step."""
         now = time.perf_counter()
-        with req.stream._lock:
-            req.stream._chunks.append(now - req.chunk_t)
+        with req.stream.log.lock:
+            req.stream.log.chunks.append(now - req.chunk_t)
         if req.stream.cancelled or self._stopping:
             raise _Abandoned()
         self._reap()

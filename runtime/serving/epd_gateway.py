@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from dsv41.graph.model import Model
@@ -20,6 +19,7 @@ from dsv41.runtime.engine.requests import RequestError, TurnRequest, check_token
 from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
 from dsv41.runtime.serving.chat_format import IncrementalDecoder
 from dsv41.runtime.serving.epd import EpdKeys, EpdRequest
+from dsv41.runtime.serving.event_log import EventLog
 from dsv41.runtime.serving.frontend import (
     BatcherStats,
     FinishReason,
@@ -39,49 +39,27 @@ class RemoteStream:
     def __init__(self, gateway: EpdGateway, rid: str, prompt_tokens: int, turn: TurnRequest,
                  tokenizer: Tokenizer | None, stops: Sequence[str]):
         self.gateway, self.rid = gateway, rid
-        self._events: queue.Queue[TokenEvent] = queue.Queue()
-        self._q_empty = queue.Empty
+        # events, and the timing they make (queued: the gateway cannot see the workers' queue)
+        self.log = EventLog(prompt_tokens, f"request {rid}")
+        self.log.started = self.log.submitted
         self._lock = threading.Lock()
         self._stop_ids = turn.stop
         self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self._matcher = StopMatcher(tuple(stops)) if stops else None
-        self._submitted = time.perf_counter()
-        self._first: float | None = None
-        self._last: float | None = None
-        self._gaps: list[float] = []
-        self._prompt, self._completion = prompt_tokens, 0
-        self._tier: str | None = None
-        self._reused = 0
         self._cancelled = False
-        self._finished = False
         self.ended_here = False  # a stop string ended it: the workers must be told
-        self._read_final = False
         self.last_id = "0-0"
 
-    def __iter__(self):
-        while True:
-            ev = self.get()
-            if ev is None:
-                return
-            yield ev
-            if ev.finish is not None:
-                return
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return iter(self.log)
 
     def get(self, timeout: float | None = None) -> TokenEvent | None:
-        if self._read_final:
-            return None
-        try:
-            ev = self._events.get(timeout=timeout)
-        except self._q_empty:
-            return None
-        if ev.finish is not None:
-            self._read_final = True
-        return ev
+        return self.log.get(timeout)
 
     def cancel(self) -> None:
         """Idempotent; a no-op once the request has ended."""
         with self._lock:
-            if self._cancelled or self._finished:
+            if self._cancelled or self.log.finished:
                 return
             self._cancelled = True
         self.gateway.cancel(self)
@@ -92,24 +70,19 @@ class RemoteStream:
 
     @property
     def done(self) -> bool:
-        return self._finished
+        return self.log.finished
 
     @property
     def timing(self) -> RequestTiming:
-        with self._lock:
-            return RequestTiming(
-                queued_s=0.0,
-                first_token_s=None if self._first is None else self._first - self._submitted,
-                per_token_s=tuple(self._gaps), prompt_tokens=self._prompt,
-                completion_tokens=self._completion, tier=self._tier, reused_tokens=self._reused,
-                submitted_at=self._submitted)
+        return self.log.timing()
 
     def feed(self, e: dict) -> bool:
         """One event from the reply stream; True when the request has ended."""
-        if self._finished:
+        if self.log.finished:
             return True
         if "tier" in e:
-            self._tier, self._reused = e["tier"], int(e["reused"])
+            with self.log.lock:
+                self.log.tier, self.log.reused = e["tier"], int(e["reused"])
         finish = FinishReason(e["fin"]) if "fin" in e else None
         if "t" not in e:
             self._put(TokenEvent(None, "", None, (), finish, e.get("err")))
@@ -138,17 +111,7 @@ class RemoteStream:
         return check.text + self._matcher.flush(), False
 
     def _put(self, ev: TokenEvent) -> None:
-        with self._lock:
-            if ev.token_id is not None:
-                now = time.perf_counter()
-                if self._first is None:
-                    self._first = now
-                else:
-                    self._gaps.append(now - self._last)
-                self._last = now
-                self._completion += 1
-            self._finished = ev.finish is not None
-        self._events.put(ev)
+        self.log.put(ev)
 
 
 class EpdGateway:
@@ -235,10 +198,11 @@ class EpdGateway:
             if self._active.pop(stream.rid, None) is None:
                 return
             self._counts["cancelled" if reason is FinishReason.CANCELLED else "finished"] += 1
-            self._counts["prompt_tokens"] += stream._prompt
-            self._counts["completion_tokens"] += stream._completion
-            if stream._tier is not None:
-                self._tiers[stream._tier] = self._tiers.get(stream._tier, 0) + 1
+            t = stream.timing
+            self._counts["prompt_tokens"] += t.prompt_tokens
+            self._counts["completion_tokens"] += t.completion_tokens
+            if t.tier is not None:
+                self._tiers[t.tier] = self._tiers.get(t.tier, 0) + 1
         self.r.delete(self.keys.out(stream.rid))
 
     def _loop(self) -> None:
