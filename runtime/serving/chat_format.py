@@ -148,11 +148,12 @@ def check_chat_markers(tok: Tokenizer) -> None:
 
 
 def encode_chat(tok: Tokenizer, messages: Sequence[Message],
-                options: ChatOptions = ChatOptions(), *,
+                options: ChatOptions | None = None, *,
                 image_token_id: int | None = None) -> list[int]:
     """Prompt ids of `render_segments`: each marker its id, each image `image_token_id`, the
     runs between them encoded whole, added tokens matched in the format's words only."""
     check_chat_markers(tok)
+    options = options or ChatOptions()
     pieces: list[int | str] = []  # ids, and runs of ordinary text
     for seg in render_segments(messages, options):
         if seg.kind is SegmentKind.MARKER:

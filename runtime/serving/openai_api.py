@@ -19,9 +19,9 @@ chat `tools` (rendered into the prompt; a reply's DSML block comes back as `tool
 finish_reason `tool_calls`, runtime/serving/tool_calls.py),
 `chat_template_kwargs.thinking` (thinking mode; default false: chat mode) and
 `reasoning_effort` (`low` 50, `high` 75, `max` 100 or a whole number 1-100; default high; it
-only shows in thinking mode, and anything else is a 400), user messages' `image_url` parts (base64 PNG or
-JPEG data URIs, for a model with a vision tower: checked here, decoded by the batcher; a bad
-one is a 400 naming what is wrong). Fields this server cannot honour (`echo`,
+only shows in thinking mode, and anything else is a 400), user messages' `image_url` parts
+(base64 PNG or JPEG data URIs, for a model with a vision tower: checked here, decoded by the
+batcher; a bad one is a 400 naming what is wrong). Fields this server cannot honour (`echo`,
 `suffix`, `best_of` > 1, `logit_bias`, `min_tokens`, a non-text `response_format`) are 400s,
 never silently dropped.
 """

@@ -1,7 +1,8 @@
 """DeepSeek-V4.1's chat prompt, byte for byte as its release renders it: typed messages in, a
 sequence of typed segments out (format markers, the format's own words, a client's text, images).
 
-    segs = render_segments(messages, ChatOptions(thinking=True, effort=ReasoningEffort.parse("max")))
+    options = ChatOptions(thinking=True, effort=ReasoningEffort.parse("max"))
+    segs = render_segments(messages, options)      # Segment(kind, text), in prompt order
     text = render_chat(messages, options)          # the segments joined: the release's string
 
 The reference is `encoding/encoding.py` of deepseek-ai/DeepSeek-V4.1-Flash (revision dba1be0a,
