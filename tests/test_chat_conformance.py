@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from tests.conftest import CONFORMANCE
+from conftest import CONFORMANCE
 
 CHAT = CONFORMANCE / "chat"
 CASES = sorted(CHAT.glob("chat-*.json")) if CHAT.is_dir() else []

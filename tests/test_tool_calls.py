@@ -1,7 +1,8 @@
 """Tool calls read back out of replies (runtime/serving/tool_calls.py): the V4.1 DSML block
-release_format renders parses to the same calls (namespaced names included); malformed or cut blocks stay text; streaming holds back exactly the block and
-the whitespace before it; the server answers them as OpenAI's `tool_calls` (non-streaming and
-streamed), on a scripted batcher with the released vocabulary's tokenizer."""
+release_format renders parses to the same calls (namespaced names included); malformed or cut
+blocks stay text; streaming holds back exactly the block and the whitespace before it; the server
+answers them as OpenAI's `tool_calls` (non-streaming and streamed), on a scripted batcher with the
+released vocabulary's tokenizer."""
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ tokenizer.json) gets the model's chat format (`chat_format.encode_chat`). The `s
 stub vocabulary (`w{k}` / ` W{k}`, 512 ids) has no markers, so a chat on it is
 `PromptFormat.PLAIN`: BOS, then the messages' texts in order with nothing between them (encoded
 as ordinary text). Roles leave no trace there, so tool calls and tool results, which the format
-spells with markers, are refused rather than silently dropped. This is what lets `dsv41 serve --preset small` and `dsv41 chat --preset small`
-take chats at all; the model's answers are stub text.
+spells with markers, are refused rather than silently dropped. This is what lets
+`dsv41 serve --preset small` and `dsv41 chat --preset small` take chats at all; the model's
+answers are stub text.
 """
 
 from __future__ import annotations
