@@ -293,7 +293,7 @@ def _turns(messages: Sequence[Message], tools: bool) -> list[_Turn]:
             else:
                 turns.append(_Turn(Message(Role.USER), [block]))
         else:
-            turns.append(_Turn(m, [], tools=tools and i == 0))
+            turns.append(_Turn(m, [], tools=tools and i == 0 and m.role is Role.SYSTEM))
     return turns
 
 
