@@ -188,7 +188,8 @@ def chat_images(messages: Sequence[Message]) -> tuple[str, ...]:
 def encode_with_images(tok: Tokenizer, text: str, image_token_id: int | None) -> list[int]:
     """Ids of a client's `text` (ordinary text, `Tokenizer.encode_text`) with each IMAGE_SLOT
     spelled as `image_token_id`. ValueError when there are slots and no image id (a model
-    without a vision tower)."""
+    without a vision tower), or when the text itself spells the image id (the stub vocabulary's
+    image id is an ordinary word)."""
     pieces = text.split(IMAGE_SLOT)
     if len(pieces) > 1 and image_token_id is None:
         raise ValueError("This model has no vision tower: its chats take text parts only.")
@@ -196,7 +197,11 @@ def encode_with_images(tok: Tokenizer, text: str, image_token_id: int | None) ->
     for n, piece in enumerate(pieces):
         if n:
             ids.append(image_token_id)
-        ids += tok.encode_text(piece) if piece else []
+        got = tok.encode_text(piece) if piece else []
+        if image_token_id is not None and image_token_id in got:
+            raise ValueError(f"The text of the messages spells the image token (id "
+                             f"{image_token_id}); send each image as an image_url part.")
+        ids += got
     return ids
 
 
