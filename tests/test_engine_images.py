@@ -22,12 +22,12 @@ selections amplify float rounding (as the README notes for the mHC kernels)."""
 from __future__ import annotations
 
 import io
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from conftest import CONFORMANCE
 from PIL import Image
 
 from dsv41.graph.cache import drop_local_state, new_cache
@@ -59,7 +59,7 @@ from dsv41.runtime.engine.requests import RequestError
 from dsv41.runtime.engine.speculative import SpecPolicy
 from dsv41.runtime.engine.state import index_owner_at, restore_blocks
 
-CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
+CASE = CONFORMANCE / "shared-vision-small"
 PAGE = 8
 IMG = 510  # the case's image_token_id
 

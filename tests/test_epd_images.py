@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from conftest import CONFORMANCE
 from PIL import Image
 
 from dsv41.graph.config import load_config
@@ -27,7 +28,7 @@ from dsv41.runtime.serving.epd import EpdKeys, EpdRequest
 from dsv41.runtime.serving.epd_gateway import EpdGateway
 from dsv41.runtime.serving.epd_stages import DecodeWorker, PrefillWorker, VisionWorker
 
-CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
+CASE = CONFORMANCE / "shared-vision-small"
 PAGE = 8
 IMG = 510
 W = "v" * 64

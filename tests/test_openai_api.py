@@ -215,3 +215,20 @@ def test_server_metrics_render():
     assert got['dsv41_time_per_output_token_seconds_bucket{le="0.01"}'] == 1
     assert got["dsv41_time_per_output_token_seconds_count"] == 2
     assert got["dsv41_generation_tokens_per_second"] == 0.3  # 3 tokens over the 10 s window
+
+
+def test_chat_reads_thinking_and_reasoning_effort(stub):
+    from dsv41.runtime.serving.openai_api import chat_prompt
+
+    base = {"messages": [{"role": "user", "content": "w3"}]}
+    assert chat_prompt(base).options == ChatOptions()  # chat mode, effort high (75)
+    opts = chat_prompt({**base, "reasoning_effort": "max",
+                        "chat_template_kwargs": {"thinking": True}}).options
+    assert opts.thinking and opts.effort.budget == 100
+    assert chat_prompt({**base, "reasoning_effort": 30}).options.effort.budget == 30
+    for bad in ("medium", 0, "75"):
+        with pytest.raises(ApiError, match="reasoning_effort must be") as e:
+            chat(stub, reasoning_effort=bad)
+        assert e.value.status == 400 and e.value.param == "reasoning_effort"
+    with pytest.raises(ApiError, match="thinking must be true or false"):
+        chat(stub, chat_template_kwargs={"thinking": "yes"})

@@ -15,11 +15,11 @@ import io
 import struct
 import threading
 import zlib
-from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
+from conftest import CONFORMANCE
 from PIL import Image
 
 from dsv41.graph.config import load_config
@@ -31,7 +31,7 @@ from dsv41.runtime.serving.batcher import Batcher
 from dsv41.runtime.serving.openai_api import ApiError, parse_chat
 from dsv41.runtime.serving.tokenizer import Tokenizer
 
-CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
+CASE = CONFORMANCE / "shared-vision-small"
 MODEL = "vision-small"
 IMG = 510
 PAGE = 256  # one page holds the whole max_seq_len: every request is served cold

@@ -1,7 +1,8 @@
-"""Tool calls read back out of replies (runtime/tool_calls.py): the block chat.py renders parses
-to the same calls; malformed or cut blocks stay text; streaming holds back exactly the block and
-the whitespace before it; the server answers them as OpenAI's `tool_calls` (non-streaming and
-streamed), on a scripted batcher with the released DeepSeek-V4 tokenizer."""
+"""Tool calls read back out of replies (runtime/serving/tool_calls.py): the V4.1 DSML block
+release_format renders parses to the same calls (namespaced names included); malformed or cut
+blocks stay text; streaming holds back exactly the block and the whitespace before it; the server
+answers them as OpenAI's `tool_calls` (non-streaming and streamed), on a scripted batcher with the
+released vocabulary's tokenizer."""
 
 from __future__ import annotations
 
@@ -14,59 +15,62 @@ import pytest
 from dsv41.graph.config import preset
 from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
 from dsv41.runtime.serving.batcher import FinishReason, RequestTiming, TokenEvent
-from dsv41.runtime.serving.chat_format import DSML, ChatFormat, ToolCall, render_tool_calls
+from dsv41.runtime.serving.release_format import DSML, ToolCall, render_tool_calls
 from dsv41.runtime.serving.tokenizer import Tokenizer
 from dsv41.runtime.serving.tool_calls import ToolCallFilter, parse_tool_calls
 
 CALLS = (ToolCall("get_weather", json.dumps({"city": "Paris", "days": 3})),
-         ToolCall("search", json.dumps({"q": "a \"quoted\"\nline", "filters": {"lang": ["fr"]}})))
+         ToolCall("web::search",
+                  json.dumps({"q": "a \"quoted\"\nline", "filters": {"lang": ["fr"]}})))
 
 
-@pytest.mark.parametrize("fmt", list(ChatFormat))
-def test_rendered_calls_parse_back(fmt):
-    text = "Let me check.\n\n" + render_tool_calls(CALLS, fmt)
-    reply = parse_tool_calls(text, fmt)
+def test_rendered_calls_parse_back():
+    text = "Let me check.\n\n" + render_tool_calls(CALLS)
+    assert f'<{DSML} invoke name="web::search">' in text  # V4.1's tags: a leading space
+    reply = parse_tool_calls(text)
     assert reply.content == "Let me check."
-    assert [c.name for c in reply.calls] == ["get_weather", "search"]
+    assert [c.name for c in reply.calls] == ["get_weather", "web::search"]
     assert [json.loads(c.arguments) for c in reply.calls] == [json.loads(c.arguments)
                                                               for c in CALLS]
-    only = parse_tool_calls(render_tool_calls(CALLS[:1], fmt), fmt)
+    only = parse_tool_calls(render_tool_calls(CALLS[:1]))
     assert only.content == "" and len(only.calls) == 1
 
 
 @pytest.mark.parametrize("broken", [
     lambda b: b[:-5],  # cut by max_tokens: no closing tag
     lambda b: b.replace('string="false">3<', 'string="false">3x<'),  # not JSON
-    lambda b: b.replace(f"<{DSML}invoke name", f"junk\n<{DSML}invoke name", 1),  # stray text
-    lambda b: b.replace(f'<{DSML}invoke name="get_weather">', "<invoke>"),  # no invoke at all
+    lambda b: b.replace(f"<{DSML} invoke name", f"junk\n<{DSML} invoke name", 1),  # stray text
+    lambda b: b.replace(f'<{DSML} invoke name="get_weather">', "<invoke>"),  # no invoke at all
 ])
 def test_a_malformed_block_stays_text(broken):
-    text = "Sure.\n\n" + broken(render_tool_calls(CALLS[:1], ChatFormat.V4))
-    reply = parse_tool_calls(text, ChatFormat.V4)
+    text = "Sure.\n\n" + broken(render_tool_calls(CALLS[:1]))
+    reply = parse_tool_calls(text)
     assert reply.calls == () and reply.content == text
 
 
-def test_the_other_formats_tags_are_not_calls():
-    text = render_tool_calls(CALLS, ChatFormat.V4_1)
-    assert parse_tool_calls(text, ChatFormat.V4).calls == ()
+def test_v4s_tags_are_not_calls():
+    v4 = render_tool_calls(CALLS).replace(f"{DSML} calls", f"{DSML}tool_calls").replace(
+        f"{DSML} ", DSML)
+    assert f"<{DSML}tool_calls>\n<{DSML}invoke" in v4
+    assert parse_tool_calls(v4).calls == ()
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
 def test_streaming_holds_back_exactly_the_block(step):
-    block = render_tool_calls(CALLS, ChatFormat.V4)
+    block = render_tool_calls(CALLS)
     text = "Checking <the> weather.\n\n" + block
-    f = ToolCallFilter(ChatFormat.V4)
+    f = ToolCallFilter()
     out = "".join(f.feed(text[i:i + step]) for i in range(0, len(text), step))
     assert out == "Checking <the> weather." and f.streamed == out
     reply = f.finish()
     assert reply.content == "" and reply.calls and \
-        [c.name for c in reply.calls] == ["get_weather", "search"]
+        [c.name for c in reply.calls] == ["get_weather", "web::search"]
 
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_streaming_text_without_a_block_is_all_streamed(step):
-    text = f"a < b and <｜DS but no block\n\n<{DSML}tool_ca"  # ends in a partial opening tag
-    f = ToolCallFilter(ChatFormat.V4)
+    text = f"a < b and <｜DS but no block\n\n<{DSML} cal"  # ends in a partial opening tag
+    f = ToolCallFilter()
     out = "".join(f.feed(text[i:i + step]) for i in range(0, len(text), step))
     assert text.startswith(out) and len(out) < len(text)
     reply = f.finish()
@@ -118,7 +122,7 @@ class ScriptedBatcher:
 
 
 @pytest.fixture(scope="module")
-def v4_tokenizer():
+def deepseek():
     return Tokenizer.for_model(preset("full"))
 
 
@@ -133,11 +137,11 @@ def _serve(tok, text):
     return ServerThread(app)
 
 
-def test_server_answers_tool_calls(v4_tokenizer):
-    reply = "Checking.\n\n" + render_tool_calls(CALLS[:1], ChatFormat.V4)
+def test_server_answers_tool_calls(deepseek):
+    reply = "Checking.\n\n" + render_tool_calls(CALLS[:1])
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}],
             "tools": TOOLS, "max_tokens": 200}
-    with _serve(v4_tokenizer, reply) as srv:
+    with _serve(deepseek, reply) as srv:
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60).json()
         choice = r["choices"][0]
         assert choice["finish_reason"] == "tool_calls"

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import CONFORMANCE
 from PIL import Image
 
 from dsv41.compiler.tools.cli.main import main
@@ -28,7 +29,7 @@ from dsv41.graph.model import Model, engram_at, moe
 from dsv41.graph.phases import prefill_exact
 from dsv41.graph.score import GraphBackend, ScoreResult, image_rows, score
 
-CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
+CASE = CONFORMANCE / "shared-vision-small"
 
 
 def _rel(a, b):

@@ -9,10 +9,9 @@ patch grid, r = 3) must agree as well."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import CONFORMANCE
 from PIL import Image
 
 from dsv41.compiler.build import CompileOptions, compile_artifact
@@ -22,7 +21,7 @@ from dsv41.graph.vision import encode_image
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
 
-CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "shared-vision-small"
+CASE = CONFORMANCE / "shared-vision-small"
 
 
 def _rel(a, b):

@@ -137,8 +137,8 @@ class Generation:
         if err is not None:
             raise err
         text, calls = "".join(parts), ()
-        if req.tool_format is not None and last.finish.value == "stop":
-            reply = parse_tool_calls(text, req.tool_format)
+        if req.reads_tool_calls and last.finish.value == "stop":
+            reply = parse_tool_calls(text)
             text, calls = reply.content, reply.calls
         body = response_body(req, self.state.opts.model_name, text, last.finish.value,
                              logprobs_body(self.state.tokenizer, req.logprobs, tokens),
@@ -152,7 +152,7 @@ class Generation:
         n_tokens, offset = 0, 0
         reason = "cancelled"  # unless a finish event or the deadline says otherwise
         # with tools, what may be a tool-call block is held back until the reply ends
-        held = None if req.tool_format is None else ToolCallFilter(req.tool_format)
+        held = ToolCallFilter() if req.reads_tool_calls else None
         try:
             if req.endpoint is Endpoint.CHAT:
                 yield _sse(chunk_body(req, model, text="", role=True))

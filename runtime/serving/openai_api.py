@@ -16,10 +16,12 @@ is 0: off), `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalt
 max_seq_len; completions default 16, OpenAI's), `stop` (a string or a list), `stop_token_ids`,
 `ignore_eos`, chat `logprobs` + `top_logprobs`, completions `logprobs` (an int), `n` (1 only),
 chat `tools` (rendered into the prompt; a reply's DSML block comes back as `tool_calls` with
-finish_reason `tool_calls`, runtime/tool_calls.py) and
-`chat_template_kwargs.thinking` (thinking mode), user messages' `image_url` parts (base64 PNG or
-JPEG data URIs, for a model with a vision tower: checked here, decoded by the batcher; a bad
-one is a 400 naming what is wrong). Fields this server cannot honour (`echo`,
+finish_reason `tool_calls`, runtime/serving/tool_calls.py),
+`chat_template_kwargs.thinking` (thinking mode; default false: chat mode) and
+`reasoning_effort` (`low` 50, `high` 75, `max` 100 or a whole number 1-100; default high; it
+only shows in thinking mode, and anything else is a 400), user messages' `image_url` parts
+(base64 PNG or JPEG data URIs, for a model with a vision tower: checked here, decoded by the
+batcher; a bad one is a 400 naming what is wrong). Fields this server cannot honour (`echo`,
 `suffix`, `best_of` > 1, `logit_bias`, `min_tokens`, a non-text `response_format`) are 400s,
 never silently dropped.
 """
@@ -35,10 +37,10 @@ from enum import Enum
 from dsv41.runtime.engine.images import data_uri_image
 from dsv41.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from dsv41.runtime.serving.chat_format import (
-    ChatFormat,
     ChatOptions,
+    Message,
+    ReasoningEffort,
     ToolCall,
-    chat_format_for,
     chat_images,
     messages_from_openai,
 )
@@ -100,7 +102,7 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     logprobs: LogprobsForm
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    tool_format: ChatFormat | None = None  # chat with tools: replies are read for tool calls
+    reads_tool_calls: bool = False  # chat with tools: replies are read for DSML tool calls
     created: int = field(default_factory=lambda: int(time.time()))
     # the image parts' data (PNG / JPEG bytes), one per image placeholder of prompt_ids, in order
     images: tuple[bytes, ...] = ()
@@ -205,6 +207,35 @@ def _stream_flags(body: Mapping) -> tuple[bool, bool]:
     return stream, include
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat request's prompt is made of."""
+
+    messages: tuple[Message, ...]
+    options: ChatOptions
+
+
+def chat_prompt(body: Mapping) -> ChatPrompt:
+    """The messages and the format's options of a chat request: `messages`, `tools`,
+    `chat_template_kwargs.thinking` (default false: chat mode) and `reasoning_effort` (`low`,
+    `high`, `max` or 1-100; default high = 75; rendered in thinking mode only)."""
+    try:
+        messages = messages_from_openai(body.get("messages"))
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    kwargs = _get(body, "chat_template_kwargs", dict, "an object", {})
+    thinking = _get(kwargs, "thinking", bool, "true or false", False)
+    tools = _get(body, "tools", list, "a list of tools", [])
+    effort = ReasoningEffort()
+    if body.get("reasoning_effort") is not None:
+        try:
+            effort = ReasoningEffort.parse(body["reasoning_effort"])
+        except ValueError as e:
+            raise bad_request(str(e), "reasoning_effort") from None
+    return ChatPrompt(messages, ChatOptions(thinking=thinking, effort=effort,
+                                            tools=tuple(tools)))
+
+
 def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
                image_token_id: int | None = None) -> GenerationRequest:
     """`image_token_id`: the model's image placeholder id (None: a model without a vision
@@ -213,13 +244,7 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
     _check_model(body, model_name)
     _check_unsupported(body)
     stream, include_usage = _stream_flags(body)
-    try:
-        messages = messages_from_openai(body.get("messages"))
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
-    kwargs = _get(body, "chat_template_kwargs", dict, "an object", {})
-    thinking = _get(kwargs, "thinking", bool, "true or false", False)
-    tools = _get(body, "tools", list, "a list of tools", [])
+    chat = chat_prompt(body)
     want = _get(body, "logprobs", bool, "true or false", False)
     top = _get(body, "top_logprobs", int, "a whole number", None)
     if top is not None and not want:
@@ -233,16 +258,14 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None,
                        vocab_size=vocab_size)
     try:
-        ids = chat_prompt_ids(tok, messages, ChatOptions(thinking=thinking, tools=tuple(tools)),
-                              image_token_id=image_token_id)
-        images = tuple(data_uri_image(url) for url in chat_images(messages))
+        ids = chat_prompt_ids(tok, chat.messages, chat.options, image_token_id=image_token_id)
+        images = tuple(data_uri_image(url) for url in chat_images(chat.messages))
     except ValueError as e:  # RequestError too (a bad image)
         raise bad_request(str(e), "messages") from None
-    tool_format = chat_format_for(tok) if tools and prompt_format(tok) is PromptFormat.CHAT \
-        else None
+    reads = bool(chat.options.tools) and prompt_format(tok) is PromptFormat.CHAT
     return GenerationRequest(Endpoint.CHAT, tuple(ids), params, stream, include_usage,
                              LogprobsForm.CHAT if want else LogprobsForm.NONE,
-                             id=f"chatcmpl-{uuid.uuid4().hex}", tool_format=tool_format,
+                             id=f"chatcmpl-{uuid.uuid4().hex}", reads_tool_calls=reads,
                              images=images)
 
 

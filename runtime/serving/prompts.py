@@ -5,12 +5,13 @@
     ids = completion_prompt_ids(tok, "w3 W3")      # BOS + the text's ids
 
 A tokenizer with DeepSeek's chat markers (the released vocabulary, a checkpoint's own
-tokenizer.json) gets the model's chat format (`chat.encode_chat`). The `small` preset's stub
-vocabulary (`w{k}` / ` W{k}`, 512 ids) has no markers, so a chat on it is `PromptFormat.PLAIN`:
-BOS, then the messages' texts in order with nothing between them. Roles leave no trace there, so
-tool calls and tool results, which the format spells with markers, are refused rather than
-silently dropped. This is what lets `dsv41 serve --preset small` and `dsv41 chat --preset small`
-take chats at all; the model's answers are stub text.
+tokenizer.json) gets the model's chat format (`chat_format.encode_chat`). The `small` preset's
+stub vocabulary (`w{k}` / ` W{k}`, 512 ids) has no markers, so a chat on it is
+`PromptFormat.PLAIN`: BOS, then the messages' texts in order with nothing between them (encoded
+as ordinary text; an image part without the blank lines the chat format puts around it). Roles
+leave no trace there, so tool calls and tool results, which the format spells with markers, are
+refused rather than silently dropped. This is what lets `dsv41 serve --preset small` and
+`dsv41 chat --preset small` take chats at all; the model's answers are stub text.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from dsv41.runtime.serving.chat_format import (
+    IMAGE_SLOT,
     MARKERS,
     ChatOptions,
     Message,
@@ -30,7 +32,7 @@ from dsv41.runtime.serving.tokenizer import Tokenizer
 
 
 class PromptFormat(Enum):
-    CHAT = "deepseek-chat"  # the DeepSeek V4 / V4.1 chat format (runtime/chat.py)
+    CHAT = "deepseek-chat"  # DeepSeek-V4.1's chat format (release_format, chat_format)
     PLAIN = "plain"  # no chat markers in the vocabulary: BOS + the messages' texts
 
 
@@ -60,6 +62,8 @@ def chat_prompt_ids(tok: Tokenizer, messages: Sequence[Message],
                          "cannot be offered.")
     ids = [tok.special.bos] if options.add_bos else []
     text = "".join(m.content for m in messages)
+    # the stub spells no whitespace: an image part stands without the blank lines around it
+    text = text.replace("\n\n" + IMAGE_SLOT, IMAGE_SLOT).replace(IMAGE_SLOT + "\n\n", IMAGE_SLOT)
     return ids + encode_with_images(tok, text, image_token_id)
 
 

