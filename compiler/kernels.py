@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from dsv41.compiler.kernel_keys import (
@@ -47,6 +48,7 @@ from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor
 from dsv41.graph.ops import ENGRAM_ROWS_FUNC
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import attention, cache_write, gemm, indexer, mhc, moe, norm, quant
+from dsv41.schedules.tuning_space import Task, as_module_kernel, signature
 
 Converter = Callable[[Lowering], Callable]  # the per-module converter of one torch op
 
@@ -584,9 +586,7 @@ def kernel_task(key: KernelKey, target: TargetSpec, *, entry: str, values: dict[
                 calls: int = 1):
     """A tuning task for one kernel key at the given values of its symbolic dims (no graph
     needed): the unscheduled function against the hand kernel `build` makes."""
-    import tvm_ffi
 
-    from dsv41.schedules.tuning_space import Task, as_module_kernel, signature
 
     func = as_module_kernel(unscheduled(key, target))
     hand = as_module_kernel(build(key, target.name))

@@ -38,6 +38,7 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from dsv41.graph import formats as fmt
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.common import (
     e4m3_to_f32,
@@ -492,7 +493,6 @@ def example_inputs_sparse_attend(*, b: int = 1, s: int = 1, h: int = 64, d: int 
     where query i sees the up-to-w newest of `context` + i + 1 positions (ascending, -1 padded),
     and k distinct ascending global rows out of n (-1 padded when n < k). softmax_scale is
     d ** -0.5 by convention (it is not a tensor)."""
-    from dsv41.graph import formats as fmt
 
     gen = torch.Generator().manual_seed(seed)
     n = 4 * k if n is None else n

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
+from tvm.target.codegen import llvm_get_vector_width
 from tvm_ffi import structural_equal
 from tvm_ffi.structural import structural_walk
 
@@ -51,7 +52,6 @@ def cpu_rules_config(target: TargetSpec) -> CpuRulesConfig:
 
     Symbolic dims are guessed at 1 (decode batch 1): a tiny per-token op is not worth waking the
     thread pool, and large ops are large because of their static dims."""
-    from tvm.target.codegen import llvm_get_vector_width
 
     t = target.tvm_target()
     bits = llvm_get_vector_width(t)

@@ -44,6 +44,8 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from dsv41.graph.config import preset
+from dsv41.graph.layers import hc_mixes, hc_post, hc_pre, rms_norm
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.common import round_bf16
 from dsv41.schedules.common.stages import lane_sum_of_squares, sinkhorn_pass
@@ -468,7 +470,6 @@ def example_inputs_hc_pre_mix(*, b: int, s: int, hc: int, d: int, with_norm: boo
 def example_inputs_hc_post(*, b: int, s: int, hc: int, d: int, seed: int = 0
                            ) -> list[torch.Tensor]:
     """[f, h, post, comb]: post in (0, 2), comb doubly stochastic-ish (from hc_mixes itself)."""
-    from dsv41.graph.layers import hc_mixes
 
     h, fn, scale, base, _ = example_inputs_hc_pre_mix(b=b, s=s, hc=hc, d=d, seed=seed)
     _, post, comb = hc_mixes(h, fn, scale, base, hc, 20, 1e-20, 1e-6)
@@ -479,7 +480,6 @@ def example_inputs_hc_post(*, b: int, s: int, hc: int, d: int, seed: int = 0
 
 def hc_pre_mix_oracle(h, fn, scale, base, pre_in, weight, hc, iters, norm_eps, hc_eps):
     """The graph's functions as `block` composes them: (x, pre, post, comb)."""
-    from dsv41.graph.layers import hc_mixes, hc_pre, rms_norm
 
     pre, post, comb = hc_mixes(h, fn, scale, base, hc, iters, norm_eps, hc_eps)
     x = hc_pre(h, pre_in)
@@ -489,7 +489,6 @@ def hc_pre_mix_oracle(h, fn, scale, base, pre_in, weight, hc, iters, norm_eps, h
 
 
 def _post_oracle(f, h, post, comb):
-    from dsv41.graph.layers import hc_post
 
     return hc_post(f, h, post, comb)
 
@@ -500,7 +499,6 @@ def bench_cases(preset_name: str = "bench", tokens: tuple[int, ...] = (1, 128, 2
     hc_mult, b = 1 and s tokens. bytes: h once (2*s*hc*d) + fn (4*mix*hc*d) + x out (2*s*d) for
     pre_mix; f + h in, h' out (2*s*d*(1 + 2*hc)) for post. flops: 2*mix*hc*d per token (the
     dots) for pre_mix, 4*hc*hc*d per token for post (the other terms are negligible)."""
-    from dsv41.graph.config import preset
 
     a = preset(preset_name)
     hc, d = a.hc_mult, a.dim

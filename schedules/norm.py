@@ -30,6 +30,8 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from dsv41.graph.config import preset
+from dsv41.graph.layers import rms_norm
 from dsv41.graph.targets import TargetSpec, get_target
 
 # ---- shared helpers (also used by schedules/mhc.py) ------------------------------------------
@@ -224,7 +226,6 @@ def example_inputs_rms_norm(*, n: int, d: int, seed: int = 0) -> list[torch.Tens
 
 
 def _norm_oracle(x, w, eps):
-    from dsv41.graph.layers import rms_norm
 
     return rms_norm(x, w, eps)
 
@@ -234,7 +235,6 @@ def bench_cases(preset_name: str = "bench", tokens: tuple[int, ...] = (1, 128, 2
     """RMSNorm at the model's three widths (attn/ffn norm: dim, q_norm: q_lora_rank, kv_norm:
     head_dim) for each token count (b = 1). bytes: bf16 in + out + weight; flops: 4 per element
     (square-add, two products)."""
-    from dsv41.graph.config import preset
 
     a = preset(preset_name)
     eps, hd = a.norm_eps, a.head_dim

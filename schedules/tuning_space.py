@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad
 from tvm.sym import Analyzer
+from tvm_ffi.structural import structural_walk
 
 from dsv41.graph.targets import TargetSpec
 
@@ -187,7 +189,6 @@ def free_vars(func: tirx.PrimFunc) -> list[tirx.Var]:
 
 
 def _vars_in(expr) -> list[tirx.Var]:
-    from tvm_ffi.structural import structural_walk
 
     found: list = []
     structural_walk(expr, lambda n: found.append(n) if isinstance(n, tirx.Var) else None)
@@ -240,8 +241,6 @@ def has_reduction(func: tirx.PrimFunc) -> bool:
 def data_dependent(func: tirx.PrimFunc) -> bool:
     """True if any access index reads a buffer (a gather/scatter: random inputs could be out of
     range) or the function calls anything external (sorts, library calls)."""
-    from tvm.ir.expr import TensorLoad
-    from tvm_ffi.structural import structural_walk
 
     found = []
 

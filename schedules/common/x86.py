@@ -4,6 +4,7 @@ CPU feature checks of a target (AVX-512, AMX-BF16)."""
 from __future__ import annotations
 
 from tvm.script import tirx as T
+from tvm.target import codegen
 
 
 def prefetch(addr):
@@ -31,7 +32,6 @@ def permps(tbl, idx):
 def has_features(target, *features: str) -> bool:
     """Whether code for `target` (a TargetSpec; never a CUDA one) may use every LLVM feature
     named (`avx512f`, `avx512vnni`, `amx-bf16`, ...)."""
-    from tvm.target import codegen  # noqa: PLC0415
 
     return not target.is_cuda and all(
         bool(codegen.target_has_features(f, target.tvm_target())) for f in features)

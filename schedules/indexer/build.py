@@ -7,6 +7,7 @@ import torch
 import tvm
 
 from dsv41.graph import formats as fmt
+from dsv41.graph import ops
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.indexer.configs import schedule_index_scores, select_config, sweep_config
 from dsv41.schedules.indexer.pool import (
@@ -128,7 +129,6 @@ def example_inputs_pool_topk(*, topk_blocks: int = 2048, block_size: int = 8,
                              **kwargs) -> list[torch.Tensor]:
     """[q, k_packed, k_scales, weights, lens, blocks] with blocks = a hier_topk candidate pool
     (ascending, -1 padded) computed by the oracle from an independent set of scores."""
-    from dsv41.graph import ops  # noqa: PLC0415 - the oracle, only for realistic pools
 
     q, kp, ks, w, lens = example_inputs_indexer_topk(**kwargs)
     src = example_inputs_indexer_topk(**{**kwargs, "seed": kwargs.get("seed", 0) + 1})

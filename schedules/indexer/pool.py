@@ -4,7 +4,7 @@ pool's keys, sweep them with the full sweep, mask what is not visible."""
 from __future__ import annotations
 
 import tvm
-from tvm import s_tir
+from tvm import relax, s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec
@@ -223,7 +223,6 @@ def emit_pool_scores(bb, mod: tvm.IRModule, kernel, args: list, *, block_size: i
     them; `kernel(name)` returns the GlobalVar of its PrimFunc `name`. Returns the bf16 scores
     [b, s, pad128(B * block_size)] expression. The lowering of `dsv41::pool_topk`'s sweep is
     this function, and the kernel tests run it."""
-    from tvm import relax
 
     q, kp, ks, w, lens, blocks = args
     b, s, heads, dim = q.ty.shape.values

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import tvm
+from tvm import relax
 
 from dsv41.graph import formats as fmt
 from dsv41.graph.targets import get_target
@@ -157,7 +158,6 @@ def emit_moe_experts(bb, plan: MoePlan, inputs: list, kernel) -> object:
     expressions, `kernel(name)` returns the GlobalVar of the chain's PrimFunc `name` (added to
     the module once by the caller). Returns the y [n, dim] fp32 expression. The lowering of
     `dsv41::moe_experts` is this function."""
-    from tvm import relax
 
     if len(inputs) != len(plan.inputs):
         raise ValueError(f"moe_experts takes {len(plan.inputs)} tensors, got {len(inputs)}.")
