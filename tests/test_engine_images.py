@@ -56,7 +56,7 @@ from dsv41.graph.vision import (
 from dsv41.runtime.engine import Engine, EngineOptions
 from dsv41.runtime.engine.images import key_tokens
 from dsv41.runtime.engine.requests import RequestError
-from dsv41.runtime.engine.speculative import SpecPolicy
+from dsv41.runtime.engine.speculative import FixedLength
 from dsv41.runtime.engine.state import index_owner_at, restore_blocks
 
 CASE = CONFORMANCE / "shared-vision-small"
@@ -390,23 +390,13 @@ def test_ced_fresh_process_equals_the_continued_session(model, tmp_path, redis_s
     e3.close()
 
 
-class _AlwaysDraft(SpecPolicy):
-    """Drafts and verifies one token at every step (no measured cost decides)."""
-
-    def worth_drafting(self, batch: int) -> bool:
-        return True
-
-    def choose(self, batch: int, acceptance) -> int:
-        return 1
-
-
 def test_speculative_decoding_with_an_image_keeps_the_greedy_tokens(model):
     """DSpark drafts text after a prefill whose rings hold an image span: the greedy tokens
     are the plain engine's."""
     a = _png(1)
     plain = _ced(model).session()
     engine = _ced(model, speculative=True, max_draft=1)
-    engine.spec_policy = _AlwaysDraft(1)
+    engine.spec_policy = FixedLength(1)  # drafts and verifies one token at every step
     spec = engine.session()
     assert list(spec.send(TURN2, max_new_tokens=4, images=[a])) == \
         list(plain.send(TURN2, max_new_tokens=4, images=[a]))

@@ -23,7 +23,12 @@ from dsv41.runtime.engine.sampling import (
     apply_penalties,
     sampling_probs,
 )
-from dsv41.runtime.engine.speculative import SpecPolicy, accept_draft_token, expected_tokens
+from dsv41.runtime.engine.speculative import (
+    FixedLength,
+    SpecPolicy,
+    accept_draft_token,
+    expected_tokens,
+)
 
 PAGE = 8
 
@@ -115,20 +120,6 @@ def test_verify_and_cut_back_refuse_bad_input(small_model):
 # ---- the engine: speculation changes nothing ---------------------------------------------------
 
 
-class Always(SpecPolicy):
-    """Drafts at every step and verifies k (capped by the block): no measured cost decides."""
-
-    def __init__(self, k: int):
-        super().__init__(k)
-        self.k = k
-
-    def worth_drafting(self, batch: int) -> bool:
-        return True
-
-    def choose(self, batch: int, acceptance) -> int:
-        return self.k
-
-
 GRAPH_PHASES = GraphPhases()
 
 
@@ -170,7 +161,7 @@ def test_forced_acceptance_pattern_counts_and_cache(small_model):
     s0 = base.session()
     want = list(s0.send(prompt, max_new_tokens=n_new))
     spec = _engine(m, speculative=True, max_draft=2)
-    spec.spec_policy = Always(2)
+    spec.spec_policy = FixedLength(2)
     right = [0, 1, 2, 1]
     spec.phases = ScriptedDraft(prompt + want, right, m.args.vocab_size)
     s1 = spec.session()
@@ -201,7 +192,7 @@ def test_left_turn_cuts_back_to_the_tokens_read(small_model):
     s0 = base.session()
     want = list(s0.send(prompt, max_new_tokens=12))
     spec = _engine(m, speculative=True, max_draft=2)
-    spec.spec_policy = Always(2)
+    spec.spec_policy = FixedLength(2)
     spec.phases = ScriptedDraft(prompt + want, [2], m.args.vocab_size)
     s1 = spec.session()
     gen = s1.send(prompt, max_new_tokens=12)
@@ -224,7 +215,7 @@ def test_send_many_speculates_per_row(small_model):
     base = _engine(m)
     want = base.send_many([(base.session(), p, {"max_new_tokens": 9}) for p in prompts])
     spec = _engine(m, speculative=True, max_draft=2)
-    spec.spec_policy = Always(2)
+    spec.spec_policy = FixedLength(2)
     sessions = [spec.session() for _ in prompts]
     got = spec.send_many([(s, p, {"max_new_tokens": 9}) for s, p in zip(sessions, prompts,
                                                                          strict=True)])
@@ -244,7 +235,7 @@ def test_batcher_streams_every_token_of_a_speculative_step(small_model):
     plain = _engine(m)
     want = [list(plain.session().send(p, max_new_tokens=8)) for p in prompts]
     spec = _engine(m, speculative=True, max_draft=2)
-    spec.spec_policy = Always(2)
+    spec.spec_policy = FixedLength(2)
     spec.phases = PerSessionDraft(prompts, want, m.args.vocab_size)
     b = Batcher(spec, max_running=4)
     streams = [b.submit(p, params) for p in prompts]
@@ -282,7 +273,7 @@ def _greedy_equality(model, tmp_path, n_new: int, right: list[int] | None = None
     for spec in (False, True):
         e = _engine(model, store_dir=tmp_path / f"store{spec}", speculative=spec, max_draft=2)
         if spec:
-            e.spec_policy = Always(2)
+            e.spec_policy = FixedLength(2)
             if right is not None:
                 seq = [t for ids, got in zip(turns, out[0], strict=True) for t in ids + got]
                 e.phases = ScriptedDraft(seq, right, model.args.vocab_size)

@@ -16,7 +16,6 @@ from conftest import cached_artifact
 from kernel_numerics import patch_fused_ops
 from test_speculative import (
     PAGE,
-    Always,
     PerSessionDraft,
     ScriptedDraft,
     assert_same_cache,
@@ -25,6 +24,7 @@ from test_speculative import (
 
 from dsv41.graph.cache import new_cache, select_sequences, stack_caches
 from dsv41.graph.speculative import cut_back, verify_step
+from dsv41.runtime.engine.speculative import FixedLength
 
 pytestmark = pytest.mark.slow
 
@@ -187,7 +187,7 @@ def _compiled_greedy(model, phases, tmp_path, n_new: int, right: list[int] | Non
         e = _engine(model, phases, store_dir=tmp_path / f"store{spec}", speculative=spec,
                     max_draft=max_draft)
         if spec:
-            e.spec_policy = Always(max_draft)
+            e.spec_policy = FixedLength(max_draft)
             if right is not None:
                 seq = [t for ids, got in zip(turns, out[0], strict=True) for t in ids + got]
                 scripted = ScriptedDraft(seq, right, model.args.vocab_size)
@@ -247,7 +247,7 @@ def test_compiled_send_many_speculates_per_row(long_model, compiled, tmp_path):
     base = _engine(m, compiled)
     want = base.send_many([(base.session(), p, {"max_new_tokens": 9}) for p in prompts])
     spec = _engine(m, compiled, speculative=True, max_draft=2)
-    spec.spec_policy = Always(2)
+    spec.spec_policy = FixedLength(2)
     spec.phases = _Forward(compiled, PerSessionDraft(prompts, want, m.args.vocab_size))
     sessions = [spec.session() for _ in prompts]
     before = compiled.calls.get("verify", 0)

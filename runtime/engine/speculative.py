@@ -225,3 +225,18 @@ class SpecPolicy:
         if self.cost(batch, 0) is None:
             return 0  # measure a plain step first
         return self._best(batch, acceptance)
+
+
+class FixedLength(SpecPolicy):
+    """Drafts at every step and verifies k drafts, whatever the measured costs say (for
+    measuring acceptance, and for tests that need speculation at every step)."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.k = k
+
+    def worth_drafting(self, batch: int) -> bool:
+        return True
+
+    def choose(self, batch: int, acceptance) -> int:
+        return self.k

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from dsv41.graph.phases import chunk_spans
@@ -44,12 +44,11 @@ from dsv41.runtime.engine.requests import (
 )
 from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher
 from dsv41.runtime.serving.chat_format import IncrementalDecoder
-from dsv41.runtime.serving.event_log import EventLog
+from dsv41.runtime.serving.event_log import EventLog, LoggedStream
 from dsv41.runtime.serving.frontend import (
     BatcherStats,
     FinishReason,
     QueueFull,
-    RequestTiming,
     TokenEvent,
 )
 from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -59,7 +58,7 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64  # the compiled decode entry's static batch bound
 
 
-class Stream:
+class Stream(LoggedStream):
     """One request's events, returned by `Batcher.submit`; thread-safe."""
 
     def __init__(self, sid: int, prompt_tokens: int, wake):
@@ -67,14 +66,6 @@ class Stream:
         self.log = EventLog(prompt_tokens, f"stream {sid}")  # events, and the timing they make
         self._wake = wake  # tells the batcher there is work (a cancel)
         self._cancel = threading.Event()
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        """Blocks for each next event; ends after the final one."""
-        return iter(self.log)
-
-    def get(self, timeout: float | None = None) -> TokenEvent | None:
-        """The next event; None on timeout, or once the final event was read."""
-        return self.log.get(timeout)
 
     def cancel(self) -> None:
         """Idempotent; the request leaves the batch (or the queue) at the next step."""
@@ -85,15 +76,6 @@ class Stream:
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
-
-    @property
-    def done(self) -> bool:
-        """The request has ended (its final event is queued)."""
-        return self.log.finished
-
-    @property
-    def timing(self) -> RequestTiming:
-        return self.log.timing()
 
     # ---- the batcher's side ---------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 from dsv41.graph.model import Model
@@ -19,12 +19,11 @@ from dsv41.runtime.engine.requests import RequestError, TurnRequest, check_token
 from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher, TokenLogprob
 from dsv41.runtime.serving.chat_format import IncrementalDecoder
 from dsv41.runtime.serving.epd import EpdKeys, EpdRequest
-from dsv41.runtime.serving.event_log import EventLog
+from dsv41.runtime.serving.event_log import EventLog, LoggedStream
 from dsv41.runtime.serving.frontend import (
     BatcherStats,
     FinishReason,
     QueueFull,
-    RequestTiming,
     TokenEvent,
 )
 from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -32,7 +31,7 @@ from dsv41.runtime.serving.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class RemoteStream:
+class RemoteStream(LoggedStream):
     """One request's events as the batcher's `Stream` gives them (get, cancel, timing, done),
     fed by the gateway's reader thread from the request's reply stream."""
 
@@ -50,12 +49,6 @@ class RemoteStream:
         self.ended_here = False  # a stop string ended it: the workers must be told
         self.last_id = "0-0"
 
-    def __iter__(self) -> Iterator[TokenEvent]:
-        return iter(self.log)
-
-    def get(self, timeout: float | None = None) -> TokenEvent | None:
-        return self.log.get(timeout)
-
     def cancel(self) -> None:
         """Idempotent; a no-op once the request has ended."""
         with self._lock:
@@ -67,14 +60,6 @@ class RemoteStream:
     @property
     def cancelled(self) -> bool:
         return self._cancelled
-
-    @property
-    def done(self) -> bool:
-        return self.log.finished
-
-    @property
-    def timing(self) -> RequestTiming:
-        return self.log.timing()
 
     def feed(self, e: dict) -> bool:
         """One event from the reply stream; True when the request has ended."""

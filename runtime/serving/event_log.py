@@ -91,3 +91,28 @@ class EventLog:
                 self.completion += 1
             self.finished = event.finish is not None
         self._events.put(event)
+
+
+class LoggedStream:
+    """The reading side of an `EventStream` over an `EventLog` (`self.log`): what the batcher's
+    `Stream` and the gateway's `RemoteStream` share; each adds its own `cancel`."""
+
+    log: EventLog
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        """Blocks for each next event; ends after the final one."""
+        return iter(self.log)
+
+    def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """The next event; None on timeout, or once the final event was read."""
+        return self.log.get(timeout)
+
+    @property
+    def done(self) -> bool:
+        """The request has ended (its final event is queued)."""
+        return self.log.finished
+
+    @property
+    def timing(self) -> RequestTiming:
+        """The request's timing so far."""
+        return self.log.timing()

@@ -46,21 +46,7 @@ from dsv41.graph.speculative import cut_back, verify_step
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
 from dsv41.runtime.engine import Engine, EngineOptions
-from dsv41.runtime.engine.speculative import SpecPolicy, expected_tokens
-
-
-class FixedLength(SpecPolicy):
-    """Drafts at every step and verifies k drafts (for measuring acceptance)."""
-
-    def __init__(self, k: int):
-        super().__init__(k)
-        self.k = k
-
-    def worth_drafting(self, batch: int) -> bool:
-        return True
-
-    def choose(self, batch: int, acceptance) -> int:
-        return self.k
+from dsv41.runtime.engine.speculative import FixedLength, SpecPolicy, expected_tokens
 
 
 class InjectedDraft:
