@@ -224,7 +224,10 @@ def test_name_with_and_without_prefix_is_an_error(release, tmp_path):
     path = _copy(release, tmp_path)
     _rewrite(path, lambda t: t | ({f"model.{WO_A}": t[WO_A].clone()} if WO_A in t else {}))
     msg = _error(path)
-    assert WO_A in msg and "model-00001-of-00002.safetensors" in msg
+    assert WO_A in msg and "twice" in msg and INDEX_FILE in msg
+    (path / INDEX_FILE).unlink()  # the shard's own header says it too
+    msg = _error(path)
+    assert WO_A in msg and "twice" in msg and "model-00001-of-00002.safetensors" in msg
 
 
 # ---- broken files ---------------------------------------------------------------------------
