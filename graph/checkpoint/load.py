@@ -278,9 +278,14 @@ def dequantize_fp8_tiles(codes: torch.Tensor, scales: torch.Tensor, tile: int) -
     ceil(in/tile)] (uint8 bytes both): each code to fp32, times its tile's 2^e (exact), rounded
     once to bf16 -- `inference/convert.py`'s dequantization, bit for bit."""
     rows, cols = codes.shape
-    scale = torch_e8m0_decode(scales).repeat_interleave(tile, 0)[:rows]
-    scale = scale.repeat_interleave(tile, 1)[:, :cols]
-    return (torch_e4m3_decode(codes) * scale).to(torch.bfloat16)
+    grid_rows, grid_cols = scales.shape
+    values = torch_e4m3_decode(codes)
+    scale = torch_e8m0_decode(scales)
+    if (grid_rows * tile, grid_cols * tile) == (rows, cols):  # whole tiles: scale in place
+        tiles = values.view(grid_rows, tile, grid_cols, tile)
+        return tiles.mul_(scale[:, None, :, None]).view(rows, cols).to(torch.bfloat16)
+    scale = scale.repeat_interleave(tile, 0)[:rows].repeat_interleave(tile, 1)[:, :cols]
+    return values.mul_(scale).to(torch.bfloat16)
 
 
 def _problem_report(path: Path, problems: list[str], limit: int = 20) -> str:
