@@ -352,7 +352,12 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
                     only: Collection[str] | None = None,
                     slices: Mapping[str, tuple[int, int, int]] | None = None,
                     host: Collection[str] = ()) -> dict[str, torch.Tensor]:
-    """Load a checkpoint directory (one file or shards, with or without an index).
+    """Load a checkpoint directory (one file or shards, with or without an index), in the
+    converted layout or the hub's (`release`): names may carry a `model.` prefix, and a
+    `release_fp8_names` tensor (`wo_a`) stored as FP8 E4M3 + E8M0 `.scale` is dequantized
+    once, here, to the BF16 of the layout (`dequantize_fp8_tiles`, its tile read from the
+    scale's shape), into an allocation of its own: at `full` size 43 x 8192 x 4096, 1.34 GiB
+    of FP8 read, 2.69 GiB of BF16 made, ~0.41 s per layer on 2 CPU threads (~18 s in all).
 
     The whole layout is checked from the headers first, and every problem is reported in one
     ValueError (a missing, unexpected, mistyped or misshaped tensor names the tensor, the file
