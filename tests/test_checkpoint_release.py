@@ -270,3 +270,10 @@ def test_missing_scale_names_tensor_and_file(release, tmp_path):
     _rewrite(path, lambda t: {k: v for k, v in t.items() if k != scale})
     msg = _error(path)
     assert WO_A in msg and scale in msg and "model-00001-of-00002.safetensors" in msg
+
+
+def test_sharded_worker_reads_its_slice_of_fp8_wo_a(release, converted):
+    """A sharded worker's `only` / `slices` apply to the dequantized wo_a as to any tensor."""
+    kw = {"only": {WO_A}, "slices": {WO_A: (0, 64, 128)}}
+    a, b = load_checkpoint(release, SMALL, **kw), load_checkpoint(converted, SMALL, **kw)
+    assert a.keys() == {WO_A} and a[WO_A].shape == (64, 128) and torch.equal(a[WO_A], b[WO_A])
