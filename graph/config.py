@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 # Token ids of the released vocabulary (SPEC section 1).
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -241,25 +243,80 @@ HF_RENAMES: dict[str, str] = {
     "candidate_source_layer_id": "candidate_source_layer",
     "max_position_embeddings": "max_seq_len",
     "engram_pad_token_id": "engram_pad_id",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
 }
-# HF keys that carry no model information for dsv41 (bookkeeping of the HF loader).
-HF_IGNORED = frozenset({
-    "architectures", "model_type", "torch_dtype", "transformers_version", "auto_map",
-    "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "use_cache",
-    "num_key_value_heads", "initializer_range", "attention_bias", "attention_dropout",
-    "quantization_config", "hidden_act", "dtype",
-})
+# `vision_config` key -> ModelArgs field (the ViT of graph/vision.py).
+HF_VISION_RENAMES: dict[str, str] = {
+    "num_hidden_layers": "vision_n_layers",
+    "hidden_size": "vision_dim",
+    "num_attention_heads": "vision_n_heads",
+    "intermediate_size": "vision_inter_dim",
+    "patch_size": "vision_patch_size",
+    "rope_theta": "vision_rope_theta",
+    "downsample_ratio": "vision_downsample_ratio",
+    "max_image_tokens": "vision_max_n_token",
+    "min_pixels": "vision_min_pixels",
+    "max_wh_ratio": "vision_max_wh_ratio",
+}
+# HF keys that no ModelArgs field holds but whose value decides the math: dsv41 accepts only
+# the value it implements. key -> (accepted values, what dsv41 implements).
+HF_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "topk_method": (("noaux_tc",), "routing by top-k of score + bias, weighted by the unbiased "
+                    "scores (noaux_tc)"),
+    "n_group": ((1, None), "no group-limited routing"),
+    "topk_group": ((1, None), "no group-limited routing"),
+    "hidden_act": (("silu",), "SwiGLU experts"),
+    "num_key_value_heads": ((1,), "one latent KV entry per token shared by every head"),
+    "attention_bias": ((False, None), "attention projections without bias"),
+    "tie_word_embeddings": ((False, None), "an output head of its own (head.weight)"),
+    "first_k_dense_replace": ((0, None), "a MoE FFN in every layer"),
+    "moe_layer_freq": ((1, None), "a MoE FFN in every layer"),
+    "num_hash_layers": ((0, None), "no hash-routed layers"),
+    "bos_token_id": ((BOS_ID,), f"BOS id {BOS_ID}"),
+    "eos_token_id": ((EOS_ID, [EOS_ID]), f"EOS id {EOS_ID}"),
+    "pad_token_id": ((PAD_ID, None), f"PAD id {PAD_ID}"),
+}
+# HF keys that do not change what dsv41 computes: accepted, each recorded as a note saying why.
+HF_NOTED: dict[str, str] = {
+    "architectures": "the HF model class",
+    "model_type": "the HF model class",
+    "transformers_version": "the writer's transformers version",
+    "auto_map": "HF remote-code classes",
+    "_name_or_path": "where HF loaded it from",
+    "use_cache": "an HF generation switch",
+    "initializer_range": "training initialisation",
+    "attention_dropout": "dropout, off at inference",
+    "ep_size": "HF's expert-parallel world size (dsv41 shards with its own plan)",
+    "intermediate_size": "the dense-MLP width; dsv41's layers have none (first_k_dense_replace 0)",
+    "torch_dtype": "the dtype HF casts unquantised parameters to; dsv41 reads each tensor's "
+                   "dtype from the files",
+}
+# keys whose value dsv41 derives from ModelArgs: key -> the value dsv41 implements
+_HF_DERIVED = {
+    "qk_nope_head_dim": lambda a: a.head_dim - a.rope_head_dim,
+    "v_head_dim": lambda a: a.head_dim,
+    "kv_lora_rank": lambda a: a.head_dim,
+}
+_FP8_WEIGHT_TILE = 32  # graph.formats.WEIGHT_TILE: the one FP8 weight tile the kernels read
+_TORCH_DTYPES = ("bfloat16", "float16", "float32")  # an HF `dtype`; fp8/bf16 is ModelArgs.dtype
 
 
-def args_from_hf(cfg: dict[str, Any], *, source: str = "config") -> ModelArgs:
-    """Build from the Hugging Face form: fields under `text_config`, renamed keys, YaRN under
-    `rope_scaling`. A key that maps to nothing, or two keys that map to one field with different
-    values, is an error naming them."""
+def args_from_hf(cfg: dict[str, Any], *, source: str = "config",
+                 notes: list[str] | None = None) -> ModelArgs:
+    """Build from the Hugging Face form (the hub's `config.json`): fields under `text_config`
+    and `vision_config`, renamed keys, YaRN under `rope_scaling`, storage formats under
+    `quantization_config`. Every key is mapped to its ModelArgs field (`HF_RENAMES`), checked
+    to hold the value dsv41 implements (`HF_FIXED`, `_HF_DERIVED`, the quantisation), or
+    accepted as bookkeeping that does not change the math (`HF_NOTED`; one line per key is
+    appended to `notes`). Anything else -- an unknown key, a value dsv41 cannot honour, two
+    keys that set one field differently -- is a ValueError naming the key and its value."""
     top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
-    text = dict(cfg.get("text_config", {}))
-    # vision_config describes the ViT, which dsv41 does not serve (text model only)
+    text = dict(cfg.get("text_config") or {})
+    vision = dict(cfg.get("vision_config") or {})
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
+    derived: dict[str, Any] = {}
+    notes = [] if notes is None else notes
 
     def put(name: str, value: Any, key: str) -> None:
         if name in out and out[name] != _coerce(name, value):
@@ -271,32 +328,126 @@ def args_from_hf(cfg: dict[str, Any], *, source: str = "config") -> ModelArgs:
     for scope in (top, text):
         for key, value in scope.items():
             if key == "rope_scaling":
-                if value is None:
-                    continue
-                rs = dict(value)
-                kind = rs.pop("rope_type", rs.pop("type", "yarn"))
-                _check(kind == "yarn", f"{source}: rope_scaling type {kind!r} is not 'yarn'.")
-                for rk, name in (("factor", "rope_factor"), ("beta_fast", "beta_fast"),
-                                 ("beta_slow", "beta_slow"),
-                                 ("original_max_position_embeddings", "original_seq_len")):
-                    if rk in rs:
-                        put(name, rs.pop(rk), f"rope_scaling.{rk}")
-                rs.pop("mscale", None)
-                rs.pop("mscale_all_dim", None)
-                _check(not rs, f"{source}: unknown rope_scaling field(s) {sorted(rs)}.")
-                continue
-            if key in HF_IGNORED:
-                continue
-            name = HF_RENAMES.get(key, key)
-            if name not in _FIELD_NAMES:
-                raise ValueError(f"{source}: unknown config field {key!r}; it maps to no "
-                                 "ModelArgs field.")
-            put(name, value, key)
-    return ModelArgs(**out)
+                _hf_rope_scaling(value, put, source)
+            elif key == "quantization_config":
+                _hf_quantization(value, put, source)
+            elif key in ("dtype", "torch_dtype") and value in _TORCH_DTYPES:
+                notes.append(f"{key} = {value!r}: {HF_NOTED['torch_dtype']}")
+            elif key in HF_FIXED:
+                allowed, meaning = HF_FIXED[key]
+                _check(value in allowed, f"{source}: {key!r} = {value!r} cannot be honoured: "
+                       f"dsv41 implements {meaning} ({key} = {allowed[0]!r}).")
+            elif key in _HF_DERIVED:
+                derived[key] = value
+            elif key in HF_NOTED:
+                notes.append(f"{key} = {value!r}: {HF_NOTED[key]}")
+            else:
+                name = HF_RENAMES.get(key, key)
+                if name not in _FIELD_NAMES:
+                    raise ValueError(f"{source}: unknown config field {key!r} = {value!r}; it "
+                                     "maps to no ModelArgs field and dsv41 cannot tell whether "
+                                     "it changes the model.")
+                put(name, value, key)
+    for key, value in vision.items():
+        if key == "model_type":
+            notes.append(f"vision_config.{key} = {value!r}: {HF_NOTED[key]}")
+            continue
+        _check(key in HF_VISION_RENAMES, f"{source}: unknown vision_config field {key!r} = "
+               f"{value!r}; it maps to no ModelArgs field.")
+        put(HF_VISION_RENAMES[key], value, f"vision_config.{key}")
+    args = ModelArgs(**out)
+    for key, value in derived.items():
+        want = _HF_DERIVED[key](args)
+        _check(value == want, f"{source}: {key!r} = {value!r} cannot be honoured: dsv41 "
+               f"derives it from the other fields as {want}.")
+    return args
 
 
-def load_config(path: str | Path) -> ModelArgs:
-    """Read an inference or Hugging Face `config.json` (the form is told by `text_config`)."""
+def _hf_rope_scaling(value: Any, put, source: str) -> None:
+    if value is None:
+        return
+    rs = dict(value)
+    kind = rs.pop("rope_type", rs.pop("type", "yarn"))
+    _check(kind == "yarn", f"{source}: rope_scaling type {kind!r} is not 'yarn'.")
+    for rk, name in (("factor", "rope_factor"), ("beta_fast", "beta_fast"),
+                     ("beta_slow", "beta_slow"),
+                     ("original_max_position_embeddings", "original_seq_len"),
+                     ("rope_theta", "rope_theta")):
+        if rk in rs:
+            put(name, rs.pop(rk), f"rope_scaling.{rk}")
+    rs.pop("mscale", None)
+    rs.pop("mscale_all_dim", None)
+    _check(not rs, f"{source}: unknown rope_scaling field(s) {sorted(rs)}.")
+
+
+def _hf_quantization(value: Any, put, source: str) -> None:
+    """The storage formats: FP8 E4M3 weights in 32x32 tiles with power-of-two (ue8m0) scales,
+    activations quantised on the fly, routed experts as `expert_dtype`."""
+    if value is None:
+        return
+    q = dict(value)
+    method = q.pop("quant_method", "fp8")
+    _check(method == "fp8", f"{source}: quantization_config.quant_method = {method!r} cannot "
+           "be honoured: dsv41 reads the FP8 release ('fp8').")
+    put("dtype", "fp8", "quantization_config.quant_method")
+    if "expert_dtype" in q:
+        put("expert_dtype", q.pop("expert_dtype"), "quantization_config.expert_dtype")
+    for key, want in (("fmt", "e4m3"), ("scale_fmt", "ue8m0"), ("activation_scheme", "dynamic"),
+                      ("weight_block_size", [_FP8_WEIGHT_TILE, _FP8_WEIGHT_TILE])):
+        if key in q:
+            got = q.pop(key)
+            got = list(got) if isinstance(got, (list, tuple)) else got
+            _check(got == want, f"{source}: quantization_config.{key} = {got!r} cannot be "
+                   f"honoured: dsv41 implements {want!r}.")
+    _check(not q, f"{source}: unknown quantization_config field(s) {sorted(q)}.")
+
+
+def hf_config(args: ModelArgs) -> dict[str, Any]:
+    """The hub's `config.json` form of `args` (the inverse of `args_from_hf`): the HF
+    bookkeeping keys, the storage formats under `quantization_config`, the text model under
+    `text_config` with the hub's names, the ViT under `vision_config`."""
+    d = args.to_dict()
+    text_names = {v: k for k, v in HF_RENAMES.items()}
+    vision_names = {v: k for k, v in HF_VISION_RENAMES.items()}
+    text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
+    vision: dict[str, Any] = {"model_type": "deepseek_v41_vision"}
+    for name, value in d.items():
+        if name in ("dtype", "expert_dtype", "image_token_id") or name in (
+                "rope_factor", "beta_fast", "beta_slow", "original_seq_len"):
+            continue
+        if name in vision_names:
+            vision[vision_names[name]] = value
+        else:
+            text[text_names.get(name, name)] = value
+    text.update(topk_method="noaux_tc", hidden_act="silu", num_key_value_heads=1,
+                tie_word_embeddings=False, attention_bias=False, attention_dropout=0.0,
+                initializer_range=0.02,
+                rope_scaling={"type": "yarn", "factor": args.rope_factor,
+                              "beta_fast": args.beta_fast, "beta_slow": args.beta_slow,
+                              "original_max_position_embeddings": args.original_seq_len})
+    out: dict[str, Any] = {
+        "architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
+        "transformers_version": "4.57.0", "dtype": "bfloat16",
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+        "image_token_id": args.image_token_id, "tie_word_embeddings": False,
+    }
+    if args.dtype == "fp8":
+        out["quantization_config"] = {
+            "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [_FP8_WEIGHT_TILE, _FP8_WEIGHT_TILE],
+            "expert_dtype": args.expert_dtype}
+    else:
+        text["dtype"] = args.dtype
+        text["expert_dtype"] = args.expert_dtype
+    out["text_config"] = text
+    out["vision_config"] = vision
+    return out
+
+
+def load_config(path: str | Path, *, notes: list[str] | None = None) -> ModelArgs:
+    """Read an inference or Hugging Face `config.json` (the form is told by `text_config`).
+    The HF form's bookkeeping keys are appended to `notes` (and logged at INFO)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -308,7 +459,11 @@ def load_config(path: str | Path) -> ModelArgs:
         raise ValueError(f"Config file {path} is not valid JSON: {e}.") from e
     _check(isinstance(d, dict), f"Config file {path} must hold a JSON object.")
     if "text_config" in d or "hidden_size" in d:
-        return args_from_hf(d, source=str(path))
+        notes = [] if notes is None else notes
+        args = args_from_hf(d, source=str(path), notes=notes)
+        for note in notes:
+            _log.info("%s: accepted %s", path, note)
+        return args
     return args_from_dict(d, source=str(path))
 
 
@@ -439,5 +594,5 @@ def resolve_args(preset_name: str | None = None, config: str | Path | None = Non
 
 __all__ = [
     "ModelArgs", "PRESETS", "preset", "load_config", "save_config", "args_from_dict",
-    "args_from_hf", "resolve_args", "engram_prime_buckets",
+    "args_from_hf", "hf_config", "resolve_args", "engram_prime_buckets",
 ]

@@ -22,15 +22,30 @@ from dsv41.graph.checkpoint.spec import (
     FP4,
     FP4_GROUP,
     FP8,
+    FP8_TILE,
     INDEX_FILE,
     ITEMSIZE,
+    RELEASE_FP8_SUFFIX,
+    RELEASE_FP8_TILE,
     SINGLE_FILE,
     GiB,
     TensorSpec,
     param_spec,
+    release_spec,
 )
-from dsv41.graph.config import ModelArgs, save_config
-from dsv41.graph.formats import np_quant_fp8, np_quant_fp8_weight
+from dsv41.graph.config import ModelArgs, hf_config, save_config
+from dsv41.graph.formats import (
+    E4M3_MAX,
+    FP8_AMAX_FLOOR,
+    FP8_MAX_INV,
+    np_e4m3_encode,
+    np_e8m0_decode,
+    np_quant_fp8,
+    np_quant_fp8_weight,
+    np_round_scale_pow2,
+)
+
+LAYOUTS = ("converted", "release")
 
 # =============================================================================================
 # Seeded checkpoints
@@ -118,8 +133,23 @@ def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(np.float32)
 
 
-def _make_tensor(name: str, s: TensorSpec, seed: int) -> dict[str, np.ndarray]:
-    """Arrays (stored layout) for `name`; a quantised weight also yields its `.scale`."""
+def _quant_fp8_tiles(w: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """`np_quant_fp8_weight` with square tiles of any size (the power-of-two scale of each
+    tile's amax, codes E4M3 of value / scale): the hub's FP8 `wo_a` at a tile other than 32."""
+    rows, cols = -(-w.shape[0] // tile), -(-w.shape[1] // tile)
+    padded = np.zeros((rows * tile, cols * tile), np.float32)
+    padded[: w.shape[0], : w.shape[1]] = w
+    amax = np.abs(padded.reshape(rows, tile, cols, tile)).max(axis=(1, 3))
+    scale_bytes = np_round_scale_pow2(np.maximum(amax, np.float32(FP8_AMAX_FLOOR)), FP8_MAX_INV)
+    scale = np_e8m0_decode(scale_bytes).repeat(tile, 0).repeat(tile, 1)[: w.shape[0], : w.shape[1]]
+    return np_e4m3_encode(np.clip(w / scale, -E4M3_MAX, E4M3_MAX)), scale_bytes
+
+
+def _make_tensor(name: str, s: TensorSpec, seed: int,
+                 wo_a_tile: int = FP8_TILE) -> dict[str, np.ndarray]:
+    """Arrays (stored layout) for `name`; a quantised weight also yields its `.scale`. The
+    values depend on the name and seed only, so the release layout's FP8 `wo_a` encodes the
+    values the converted layout stores as BF16."""
     rng = _rng(seed, name)
     if s.kind == FP4:
         return _fp4_expert(name, s, rng)
@@ -127,6 +157,8 @@ def _make_tensor(name: str, s: TensorSpec, seed: int) -> dict[str, np.ndarray]:
     if s.kind == FP8:
         if name.endswith("engram.embed.weight"):
             codes, scales = np_quant_fp8(values, ENGRAM_GROUP)
+        elif name.endswith(RELEASE_FP8_SUFFIX) and wo_a_tile != FP8_TILE:
+            codes, scales = _quant_fp8_tiles(values, wo_a_tile)
         else:
             codes, scales = np_quant_fp8_weight(values)
         return {name: codes, _scale_name(name): scales}
@@ -152,8 +184,22 @@ def _plan_shards(spec: Mapping[str, TensorSpec], max_shard_bytes: int) -> list[l
     return shards
 
 
-def _shard_names(count: int) -> list[str]:
-    if count == 1:
+def _is_engram_table(name: str) -> bool:
+    return ".engram.embed." in name
+
+
+def _plan_release_shards(spec: Mapping[str, TensorSpec], max_shard_bytes: int
+                         ) -> list[list[str]]:
+    """The hub's sharding: the model, then the Engram tables in final shards of their own (the
+    host-resident part, memory-mapped apart from everything the device reads)."""
+    tables = {n: s for n, s in spec.items() if _is_engram_table(n)}
+    rest = {n: s for n, s in spec.items() if n not in tables}
+    return _plan_shards(rest, max_shard_bytes) + (_plan_shards(tables, max_shard_bytes)
+                                                   if tables else [])
+
+
+def _shard_names(count: int, single: bool = True) -> list[str]:
+    if count == 1 and single:
         return [SINGLE_FILE]
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
@@ -178,7 +224,8 @@ def _header_bytes(order: list[str], spec: Mapping[str, TensorSpec]) -> bytes:
 
 
 def _write_shard(path: Path, names: list[str], spec: Mapping[str, TensorSpec], seed: int,
-                 pending: dict[str, np.ndarray], bar: tqdm | None) -> None:
+                 pending: dict[str, np.ndarray], bar: tqdm | None,
+                 wo_a_tile: int = FP8_TILE) -> None:
     """Stream one safetensors file: the header is known from the spec, then each tensor is
     generated and written, so memory stays at one tensor (plus its pending scale)."""
     order = _data_order(names, spec)
@@ -188,7 +235,7 @@ def _write_shard(path: Path, names: list[str], spec: Mapping[str, TensorSpec], s
         for name in order:
             s = spec[name]
             if name not in pending:
-                made = _make_tensor(_owner(name, s), spec[_owner(name, s)], seed)
+                made = _make_tensor(_owner(name, s), spec[_owner(name, s)], seed, wo_a_tile)
                 pending.update(made)
             arr = np.ascontiguousarray(pending.pop(name))
             assert arr.nbytes == s.nbytes and arr.shape == s.shape, f"{name}: generated wrong size"
@@ -228,8 +275,16 @@ def _clear_old_checkpoint(out_dir: Path, overwrite: bool) -> None:
 def write_seeded_checkpoint(args: ModelArgs, out_dir: str | Path, *, seed: int = 0,
                             progress: bool = False, max_shard_bytes: int = 2 * GiB,
                             max_total_bytes: int = 64 * GiB,
-                            overwrite: bool = False) -> Path:
+                            overwrite: bool = False, layout: str = "converted",
+                            wo_a_tile: int = RELEASE_FP8_TILE) -> Path:
     """Write a random checkpoint in the official layout, plus `config.json`, into `out_dir`.
+
+    `layout`: "converted" (default) is the layout `inference/convert.py` writes (`wo_a` BF16,
+    the inference `config.json`); "release" is the hub's files as downloaded: `wo_a` FP8 E4M3
+    with an E8M0 `.scale` per `wo_a_tile` x `wo_a_tile` tile, always `model-*-of-*.safetensors`
+    shards with `model.safetensors.index.json`, the Engram tables in final shards of their own,
+    and the hub-style `config.json` (`config.hf_config`). Both hold the same values: the
+    release `wo_a` dequantized is the converted one rounded through FP8.
 
     The values follow the released checkpoint's statistics (conformance README, "Weight
     statistics for seeded checkpoints"), so a synthetic stack behaves like the real one. They
@@ -243,29 +298,38 @@ def write_seeded_checkpoint(args: ModelArgs, out_dir: str | Path, *, seed: int =
         raise ValueError(f"The seed of a seeded checkpoint must be non-negative, got {seed}.")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}.")
+    if layout not in LAYOUTS:
+        raise ValueError(f"Unknown checkpoint layout {layout!r}; choose one of "
+                         f"{', '.join(LAYOUTS)}.")
+    if wo_a_tile <= 0 or wo_a_tile & (wo_a_tile - 1):
+        raise ValueError(f"wo_a_tile must be a power of two, got {wo_a_tile}.")
+    release = layout == "release"
     out_dir = Path(out_dir)
-    spec = param_spec(args)
+    spec = release_spec(args, wo_a_tile) if release else param_spec(args)
     total = sum(s.nbytes for s in spec.values())
     _check_total_size(args, total, max_total_bytes)
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_free_disk(total, out_dir)
     _clear_old_checkpoint(out_dir, overwrite)
-    shards = _plan_shards(spec, max_shard_bytes)
-    files = _shard_names(len(shards))
+    shards = (_plan_release_shards if release else _plan_shards)(spec, max_shard_bytes)
+    files = _shard_names(len(shards), single=not release)
     bar = _progress_bar(total, progress)
     pending: dict[str, np.ndarray] = {}
     try:
         for file, names in zip(files, shards, strict=True):
-            _write_shard(out_dir / file, names, spec, seed, pending, bar)
+            _write_shard(out_dir / file, names, spec, seed, pending, bar, wo_a_tile)
     finally:
         if bar is not None:
             bar.close()
     assert not pending, f"generated but never written: {sorted(pending)[:3]}"
-    if len(files) > 1:
+    if len(files) > 1 or release:
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    save_config(args, out_dir / "config.json")
+    if release:
+        (out_dir / "config.json").write_text(json.dumps(hf_config(args), indent=2) + "\n")
+    else:
+        save_config(args, out_dir / "config.json")
     return out_dir
 
 

@@ -232,6 +232,50 @@ def param_spec(args: ModelArgs) -> dict[str, TensorSpec]:
     return spec
 
 
+# BF16 tensors of the layout that the hub's files ship as FP8 E4M3 plus an E8M0 `.scale` per
+# square tile (`inference/convert.py` dequantizes them to BF16 for its demo). The loader accepts
+# both forms and dequantizes the FP8 one once, at load, to the BF16 the graph uses.
+RELEASE_FP8_SUFFIX = ".attn.wo_a.weight"
+RELEASE_FP8_TILE = FP8_TILE  # the tile `checkpoint --layout release` writes (the hub's 32x32)
+
+
+def release_fp8_names(spec: dict[str, TensorSpec]) -> tuple[str, ...]:
+    """The tensors of `spec` that a release (hub) checkpoint may store as FP8 + scale."""
+    return tuple(n for n, s in spec.items() if n.endswith(RELEASE_FP8_SUFFIX) and s.kind == BF16)
+
+
+def fp8_scale_tile(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> int | None:
+    """The square tile of an FP8 weight's E8M0 scale, read from the two shapes: the smallest
+    power of two t with scale_shape == (ceil(out / t), ceil(in / t)), or None when there is
+    none. Two powers of two that both fit cover each axis the same way (a larger one fits only
+    where a whole axis lies in one tile), so the choice never changes the dequantized values."""
+    if len(weight_shape) != 2 or len(scale_shape) != 2:
+        return None
+    t = 1
+    while t <= 2 * max(weight_shape, default=1):
+        if scale_shape == (math.ceil(weight_shape[0] / t), math.ceil(weight_shape[1] / t)):
+            return t
+        t *= 2
+    return None
+
+
+def release_spec(args: ModelArgs, tile: int = RELEASE_FP8_TILE) -> dict[str, TensorSpec]:
+    """The layout of the hub's checkpoint: `param_spec` with each `release_fp8_names` tensor
+    stored as FP8 E4M3 plus its E8M0 `.scale` of `tile` x `tile` tiles (next to the weight)."""
+    out: dict[str, TensorSpec] = {}
+    spec = param_spec(args)
+    fp8 = set(release_fp8_names(spec))
+    for name, s in spec.items():
+        if name not in fp8:
+            out[name] = s
+            continue
+        (rows, cols) = s.shape
+        out[name] = TensorSpec(_KINDS[FP8][0], s.shape, s.shape, FP8)
+        scale = (math.ceil(rows / tile), math.ceil(cols / tile))
+        out[name[: -len("weight")] + "scale"] = TensorSpec(_KINDS[E8M0][0], scale, scale, E8M0)
+    return out
+
+
 def checkpoint_nbytes(args: ModelArgs) -> int:
     """Bytes of tensor data in the checkpoint for `args` (headers excluded)."""
     return sum(s.nbytes for s in param_spec(args).values())

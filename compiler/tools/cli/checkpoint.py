@@ -1,4 +1,5 @@
-"""`dsv41 checkpoint`: a seeded checkpoint in the official layout (graph/checkpoint.py)."""
+"""`dsv41 checkpoint`: a seeded checkpoint in the official layout (graph/checkpoint/): the
+converted layout (`inference/convert.py`'s, the default) or the hub's (`--layout release`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--overwrite", action="store_true")
+    sp.add_argument("--layout", choices=("converted", "release"), default="converted",
+                    help="converted: convert.py's files (wo_a BF16, inference config.json); "
+                         "release: the hub's (FP8 wo_a + scale, index + shards, HF config.json)")
     sp.set_defaults(func=run)
 
 
@@ -23,6 +27,6 @@ def run(ns) -> int:
     print_args("checkpoint", ns)
     t0 = time.time()
     out = write_seeded_checkpoint(args_from(ns), ns.out, seed=ns.seed, progress=True,
-                                  overwrite=ns.overwrite)
+                                  overwrite=ns.overwrite, layout=ns.layout)
     print(f"wrote {out} in {time.time() - t0:.1f} s")
     return 0
