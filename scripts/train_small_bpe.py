@@ -11,8 +11,8 @@ configs' ids elsewhere:
     505 .. 509  `<｜User｜>`, `<｜Assistant｜>`, `<think>`, `</think>`, `｜DSML｜`: V4.1's chat
                 format's markers, added tokens flagged as in the release (non-special)
     510         `<｜deepseek_image｜>`: `shared-vision-small`'s image_token_id
-    511         `<｜System｜>`: the small configs' `dspark_noise_token_id`, as the release's noise id
-                128799 is its `<｜System｜>` (special, as the release flags it)
+    511         `<｜System｜>`: the small configs' `dspark_noise_token_id`, as the release's
+                noise id 128799 is its `<｜System｜>` (special, as the release flags it)
 
 Pre-tokenizer and decoder are DeepSeek's (digits in runs of up to 3, CJK runs, its word regex,
 then bytes), the BPE has no unknown token: every string is bytes, so every string is spelled

