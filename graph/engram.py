@@ -67,7 +67,8 @@ def hash_multipliers(layer_ids: tuple[int, ...], max_ngram: int, compressed_voca
 def stub_token_map(vocab_size: int) -> np.ndarray:
     """The conformance stub tokenizer's map: ids 2k and 2k+1 spell `w{k}` and ` W{k}`, which
     normalise alike, so compressed(t) = t // 2. Used only for a vocabulary no tokenizer is
-    shipped for (the `bench` preset); `presets/small_tokenizer.json` derives to the same map."""
+    shipped for (the `bench` preset); `presets/small_stub_tokenizer.json` derives to the same map,
+    the 512-id models' (`vocab.find_tokenizer_file`)."""
     return np.arange(vocab_size, dtype=np.int64) // 2
 
 
@@ -166,9 +167,8 @@ def load_token_map(args: ModelArgs, checkpoint_dir: str | Path | None) -> np.nda
             return tmap
     found = find_tokenizer_file(args, checkpoint_dir)
     if found is not None:
-
-        return check_token_map(args, derive_token_map(Tokenizer.from_file(str(found.path))),
-                               str(found.path))
+        path = found.engram_source  # the small BPE's model hashes with the stub's map
+        return check_token_map(args, derive_token_map(Tokenizer.from_file(str(path))), str(path))
     tmap = stub_token_map(args.vocab_size)
     if int(tmap.max()) + 1 != args.engram_compressed_vocab_size:
         raise ValueError(

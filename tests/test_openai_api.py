@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsv41.graph.config import preset
+from dsv41.graph.vocab import SMALL_STUB_JSON, TokenizerSource
 from dsv41.runtime.engine.sampling import TokenLogprob
 from dsv41.runtime.serving.chat_format import ChatOptions, Message, Role, ToolCall
 from dsv41.runtime.serving.metrics import (
@@ -39,7 +40,9 @@ MODEL = "small"
 
 @pytest.fixture(scope="module")
 def stub():
-    return Tokenizer.for_model(preset("small"))
+    """The conformance stub vocabulary (`w{k}` / ` W{k}`, no chat markers): a vocabulary
+    without DeepSeek's markers, so prompts are PLAIN."""
+    return Tokenizer.from_file(SMALL_STUB_JSON, preset("small"), TokenizerSource.SMALL_STUB)
 
 
 def chat(stub, **body):

@@ -2,11 +2,11 @@
 talked to with the official `openai` client, on the PyTorch graph in CED mode (the default).
 
 The model is shared-vision-small's with `vision_min_pixels` 1 (planning only), so an 84 x 42
-image takes a 5-position span; its vocabulary is the stub's (`w{k}` / ` W{k}`, no chat markers),
-so a chat is BOS + the messages' texts, each image part as the image id 510 (`w255`'s id),
-which the batcher replaces by the image's span. Greedy replies must equal, token for token, the
-engine's own `Session.send(ids, images=[...])` on the same ids. Every bad image is a 400 whose
-message names what is wrong."""
+image takes a 5-position span; its vocabulary is the small byte-level BPE, whose id 510 is
+`<｜deepseek_image｜>`, so a chat is in DeepSeek-V4.1's format with each image part as the image
+id 510, which the batcher replaces by the image's span. Greedy replies must equal, token for
+token, the engine's own `Session.send(ids, images=[...])` on the same ids. Every bad image is a
+400 whose message names what is wrong."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine import images as runtime_images
 from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
 from dsv41.runtime.serving.batcher import Batcher
+from dsv41.runtime.serving.chat_format import messages_from_openai
 from dsv41.runtime.serving.openai_api import ApiError, parse_chat
+from dsv41.runtime.serving.prompts import chat_prompt_ids
 from dsv41.runtime.serving.tokenizer import Tokenizer
 
 CASE = CONFORMANCE / "shared-vision-small"
@@ -108,16 +110,17 @@ def test_chats_with_images_equal_the_engine(served):
     engine's alone, the prompt counted with the spans."""
     tok, client = served["tok"], served["client"]
     a, b = _image(1), _image(2, "JPEG")
-    chats = [
-        ([{"role": "user", "content": [_text("w3 W3"), _part(_uri(a)), _text("w4")]}],
-         [tok.special.bos, *tok.encode("w3 W3"), IMG, *tok.encode("w4")], [a], False),
+    convos = [
+        ([{"role": "user", "content": [_text("w3 W3"), _part(_uri(a)), _text("w4")]}], [a],
+         False),
         ([{"role": "system", "content": "w7"},
           {"role": "user", "content": [_part(_uri(b, "image/jpeg")), _text("w5"),
-                                       _part(_uri(a))]}],
-         [tok.special.bos, *tok.encode("w7"), IMG, *tok.encode("w5"), IMG], [b, a], True),
-        ([{"role": "user", "content": "w3 W3w4"}],
-         [tok.special.bos, *tok.encode("w3 W3w4")], [], True),
+                                       _part(_uri(a))]}], [b, a], True),
+        ([{"role": "user", "content": "w3 W3w4"}], [], True),
     ]
+    chats = [(msgs, chat_prompt_ids(tok, messages_from_openai(msgs), image_token_id=IMG), ims,
+              stream) for msgs, ims, stream in convos]
+    assert [ids.count(IMG) for _, ids, ims, _ in chats] == [len(ims) for _, _, ims, _ in chats]
     want = [[tok.decode([t], skip_special=False) for t in _alone(served, ids, ims, 4)]
             for _, ids, ims, _ in chats]
     got: list = [None] * len(chats)
@@ -169,7 +172,6 @@ def test_bad_images_are_400s_with_a_clear_message(served, monkeypatch):
         ([_part("cat.png")], "base64 data URI"),
         ([_part(_uri(png[: len(png) // 2]))], "could not be decoded"),  # truncated
         ([_part(_uri(_png_header(9000, 8000)))], "at most 67,108,864 pixels"),
-        ([_text("w255")], "spells the image token"),  # the image id typed as text
         ([{"type": "image_url"}], "an image_url part must be"),
     ]
     for content, match in cases:

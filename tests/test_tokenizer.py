@@ -25,6 +25,8 @@ from dsv41.graph.engram import (
 )
 from dsv41.graph.vocab import (
     DEEPSEEK_V4_VOCAB,
+    SMALL_BPE_JSON,
+    SMALL_STUB_JSON,
     TokenizerSource,
     deepseek_v4_tokenizer_json,
     find_tokenizer_file,
@@ -35,6 +37,12 @@ from dsv41.runtime.serving.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def deepseek():
     return Tokenizer.for_model(preset("full"))
+
+
+@pytest.fixture(scope="module")
+def stub():
+    """The conformance stub vocabulary: the 512-id models' Engram map derives from it."""
+    return Tokenizer.from_file(SMALL_STUB_JSON, preset("small"), TokenizerSource.SMALL_STUB)
 
 
 def test_compress_rule_cases():
@@ -58,40 +66,49 @@ def test_compress_rule_needs_matching_lengths():
         compress_token_texts(["a"], [])
 
 
-def test_small_tokenizer_is_the_conformance_stub():
+def test_small_tokenizer_is_the_bpe_with_the_stubs_engram_map():
     args = preset("small")
     tok = Tokenizer.for_model(args)
-    assert tok.file.source is TokenizerSource.SMALL_STUB and tok.n_ids == 512
-    assert [tok.decode([t], skip_special=False) for t in range(4)] == ["w0", " W0", "w1", " W1"]
-    assert tok.encode("w3 W3w255") == [6, 7, 510]
-    assert tok.decode([0, 6, 7, 1]) == "w3 W3"  # BOS / EOS are special: left out
-    assert tok.is_special(0) and tok.is_special(1) and tok.is_special(2) and not tok.is_special(3)
+    assert tok.file.source is TokenizerSource.SMALL_BPE and tok.n_ids == 512
+    assert tok.file.path == SMALL_BPE_JSON and tok.file.engram_source == SMALL_STUB_JSON
     np.testing.assert_array_equal(tok.engram_map(args), stub_token_map(512))
+    np.testing.assert_array_equal(load_token_map(args, None), stub_token_map(512))
+    # the BPE's own derived map is not the config's: why the stub's is the model's
+    assert derive_token_map(tok.backend).n_compressed != args.engram_compressed_vocab_size
 
 
-def test_every_stub_spelling_encodes_back_to_its_id():
+def test_stub_spells_its_words(stub):
+    assert [stub.decode([t], skip_special=False) for t in range(4)] == ["w0", " W0", "w1", " W1"]
+    assert stub.encode("w3 W3w255") == [6, 7, 510]
+    assert stub.decode([0, 6, 7, 1]) == "w3 W3"  # BOS / EOS are special: left out
+    assert stub.is_special(0) and stub.is_special(1) and stub.is_special(2)
+    assert not stub.is_special(3)
+    np.testing.assert_array_equal(stub.engram_map(preset("small")), stub_token_map(512))
+
+
+def test_every_stub_spelling_encodes_back_to_its_id(stub):
     """The special spellings (`w0`, ` W0`, `w1`) never match inside a longer word: `w146` is one
     id, not PAD + `46` (what a chat's history re-encodes)."""
-    tok = Tokenizer.for_model(preset("small"))
-    assert [tok.encode(tok.decode([t], skip_special=False)) for t in range(512)] == [
+    assert [stub.encode(stub.decode([t], skip_special=False)) for t in range(512)] == [
         [t] for t in range(512)]
-    assert tok.encode("w1w146 W0w10 W1") == [2, 292, 1, 20, 3]
+    assert stub.encode("w1w146 W0w10 W1") == [2, 292, 1, 20, 3]
 
 
-def test_small_tokenizer_refuses_text_outside_the_stub():
-    tok = Tokenizer.for_model(preset("small"))
+def test_stub_refuses_text_outside_its_words(stub):
     with pytest.raises(ValueError, match="cannot spell this text"):
-        tok.encode("hello w1")
+        stub.encode("hello w1")
     with pytest.raises(ValueError, match="outside the tokenizer's 512 ids"):
-        tok.decode([512])
+        stub.decode([512])
 
 
 @pytest.mark.parametrize("fixture", ["small_case", "v41_case"])
 def test_conformance_hashes_from_the_derived_map(fixture, request):
-    """The checkpoints ship no tokenizer: the small stub's derived map must give the goldens."""
+    """The checkpoints ship no tokenizer: their text goes through the small BPE, their Engram
+    map is the stub's derived map, which must give the goldens."""
     case = request.getfixturevalue(fixture)
     args = load_config(case.checkpoint)
-    assert find_tokenizer_file(args, case.checkpoint).source is TokenizerSource.SMALL_STUB
+    found = find_tokenizer_file(args, case.checkpoint)
+    assert found.source is TokenizerSource.SMALL_BPE and found.engram_source == SMALL_STUB_JSON
     t = build_tables(args, load_token_map(args, case.checkpoint))
     ids = engram_hash(t, empty_history(t, 1), case.tokens[None])[0]
     np.testing.assert_array_equal(ids, case.golden["engram_hash_ids"])
@@ -122,11 +139,10 @@ def test_deepseek_v4_engram_map_count_is_the_released_one(deepseek):
         assert ia is not None and ib is not None and tmap[ia] == tmap[ib]
 
 
-def test_wrong_tokenizer_is_refused(deepseek, tmp_path):
+def test_wrong_tokenizer_is_refused(deepseek, stub, tmp_path):
     full, small = preset("full"), preset("small")
     with pytest.raises(ValueError, match="do not fit"):
         Tokenizer.from_file(deepseek.file.path, small)
-    stub = Tokenizer.for_model(small)
     with pytest.raises(ValueError, match="derives 256 Engram compressed ids"):
         stub.engram_map(full)
     # a checkpoint whose tokenizer.json has 512 distinct words: 512 compressed ids, not 256
@@ -139,7 +155,7 @@ def test_wrong_tokenizer_is_refused(deepseek, tmp_path):
 
 def test_padded_vocab_maps_extra_ids_to_the_compressed_pad(tmp_path):
     args = replace(preset("small"), vocab_size=520)
-    src = json.loads((find_tokenizer_file(preset("small"), None).path).read_text())
+    src = json.loads(SMALL_STUB_JSON.read_text())
     (tmp_path / "tokenizer.json").write_text(json.dumps(src))
     tmap = load_token_map(args, tmp_path)
     assert tmap.shape == (520,)
@@ -162,6 +178,6 @@ def test_bad_tokenizer_file(tmp_path):
 
 
 def test_derive_matches_backend_decode():
-    tok = HFTokenizer.from_file(str(find_tokenizer_file(preset("small"), None).path))
+    tok = HFTokenizer.from_file(str(find_tokenizer_file(preset("small"), None).engram_source))
     m = derive_token_map(tok)
     assert m.n_compressed == 256 and m.token_map.shape == (512,)

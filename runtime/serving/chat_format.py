@@ -138,8 +138,8 @@ def messages_from_openai(messages) -> tuple[Message, ...]:
 
 
 def check_chat_markers(tok: Tokenizer) -> None:
-    """The format's markers must be single tokens of `tok`; the small preset's stub vocabulary
-    has none, so it takes completions (`w{k}` / ` W{k}` text), not chats."""
+    """The format's markers must be single tokens of `tok` (the conformance stub vocabulary has
+    none: `prompts` writes its chats PLAIN)."""
     missing = [m for m in MARKERS if tok.token_to_id(m) is None]
     if missing:
         raise ValueError(f"The tokenizer {tok.file.path.name} ({tok.file.source.value}) has no "

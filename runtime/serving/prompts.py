@@ -2,16 +2,15 @@
 
     fmt = prompt_format(tok)                       # CHAT when it has DeepSeek's chat markers
     ids = chat_prompt_ids(tok, messages, ChatOptions())
-    ids = completion_prompt_ids(tok, "w3 W3")      # BOS + the text's ids
+    ids = completion_prompt_ids(tok, "Hello")      # BOS + the text's ids
 
-A tokenizer with DeepSeek's chat markers (the released vocabulary, a checkpoint's own
-tokenizer.json) gets the model's chat format (`chat_format.encode_chat`). The `small` preset's
-stub vocabulary (`w{k}` / ` W{k}`, 512 ids) has no markers, so a chat on it is
-`PromptFormat.PLAIN`: BOS, then the messages' texts in order with nothing between them (encoded
-as ordinary text; an image part without the blank lines the chat format puts around it). Roles
-leave no trace there, so tool calls and tool results, which the format spells with markers, are
-refused rather than silently dropped. This is what lets `dsv41 serve --preset small` and
-`dsv41 chat --preset small` take chats at all; the model's answers are stub text.
+A tokenizer with DeepSeek's chat markers (the released vocabulary, the `small` preset's
+byte-level BPE, a checkpoint's own tokenizer.json) gets the model's chat format
+(`chat_format.encode_chat`). A vocabulary without them (a checkpoint's own, or the conformance
+stub `w{k}` / ` W{k}`) makes a chat `PromptFormat.PLAIN`: BOS, then the messages' texts in
+order with nothing between them (encoded as ordinary text; an image part without the blank lines
+the chat format puts around it). Roles leave no trace there, so tool calls and tool results,
+which the format spells with markers, are refused rather than silently dropped.
 """
 
 from __future__ import annotations

