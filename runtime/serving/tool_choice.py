@@ -36,6 +36,7 @@ import json
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 import torch
 
@@ -173,6 +174,11 @@ class TokenTexts:
     @property
     def vocab_size(self) -> int:
         return len(self.texts)
+
+    @cached_property
+    def avoid_calls(self) -> AvoidText:
+        """tool_choice none's constraint, one per vocabulary (so its masks are shared)."""
+        return AvoidText(self, OPEN_CALLS.rstrip("\n"))
 
 
 class _CharConstraint:
@@ -541,5 +547,5 @@ class ToolChoice:
         if self.kind is ChoiceKind.AUTO:
             return None
         if self.kind is ChoiceKind.NONE:
-            return AvoidText(texts, OPEN_CALLS.rstrip("\n"))
+            return texts.avoid_calls
         return DsmlConstraint(texts, self.tools, parallel=self.parallel, thinking=thinking)
