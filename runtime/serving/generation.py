@@ -203,7 +203,7 @@ class Generation:
                             rest = calls.finish()
                             if rest:
                                 yield _sse(chunk_body(req, model, text=rest))
-                            if calls.calls and reason == "stop":
+                            if calls.calls and calls.closed and reason == "stop":
                                 finish = "tool_calls"
                         yield _sse(chunk_body(req, model, text=None if req.endpoint is
                                               Endpoint.CHAT else "", finish_reason=finish))
