@@ -185,7 +185,6 @@ def test_thinking_reasons_first():
      "must describe an object"),
     ([{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {}, "required": ["x"]}}}], "not one of its properties"),
-    ([{"type": "function", "function": {"name": "f"}}] * 2, "given twice"),
     ([{"type": "function", "function": {"name": 'a"b'}}], "without quotes"),
 ])
 def test_bad_tools(tools, match):

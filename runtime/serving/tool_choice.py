@@ -118,7 +118,7 @@ def tool_specs(tools) -> tuple[ToolSpec, ...]:
 
     if not isinstance(tools, list):
         raise ValueError("tools must be a list of tools.")
-    out, names = [], set()
+    out = []
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(t, Mapping) or t.get("type", "function") != "function" or \
@@ -126,9 +126,6 @@ def tool_specs(tools) -> tuple[ToolSpec, ...]:
             raise ValueError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}.")
         fn = t["function"]
         name = _check_name(fn.get("name"), f"{where}.function.name")
-        if name in names:
-            raise ValueError(f"{where}.function.name {name!r} is given twice.")
-        names.add(name)
         schema = fn.get("parameters", {"type": "object", "properties": {}})
         where = f"{where}.function.parameters"
         if not isinstance(schema, Mapping):
