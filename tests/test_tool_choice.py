@@ -223,3 +223,46 @@ def test_a_dead_end_is_a_constraint_error_and_rolls_back():
     assert s.constraint_state(ids[:1]) == c.walk(c.start(), f"<{DSML}")
     with pytest.raises(ConstraintError):
         s.constraint_state([TEXTS.texts.index("a")])
+
+
+class _DeadEnd:
+    """A constraint that allows token 7, then nothing."""
+
+    vocab_size = 512
+
+    def start(self):
+        return 0
+
+    def allowed(self, state):
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[7] = state == 0
+        return mask
+
+    def advance(self, state, token):
+        return 1 if state == 0 and token == 7 else None
+
+
+def test_a_dead_end_fails_its_request_alone(small_model):
+    """In the batcher on shared-small's graph: the constrained request runs into a dead end
+    and finishes `error`; its neighbour's seeded tokens are those it gets alone."""
+    from dsv41.runtime.engine import Engine
+    from dsv41.runtime.serving.batcher import Batcher, FinishReason
+
+    def run(with_dead_end: bool):
+        engine = Engine.from_model(small_model, weights_hash="w" * 64, page_tokens=8,
+                                   prefill_chunk_tokens=8)
+        b = Batcher(engine, max_running=4)
+        dead = b.submit([5, 6, 7], SamplingParams(temperature=1.0, seed=1, max_tokens=6,
+                                                  ignore_eos=True, constraint=_DeadEnd())) \
+            if with_dead_end else None
+        ok = b.submit([9, 10, 11, 12], SamplingParams(temperature=1.0, seed=2, max_tokens=6,
+                                                      ignore_eos=True))
+        while b.step():
+            pass
+        return (list(dead) if dead else None), list(ok)
+
+    dead, ok = run(True)
+    assert [e.token_id for e in dead[:-1]] == [7]
+    assert dead[-1].finish is FinishReason.ERROR and "allows no token" in dead[-1].error
+    assert ok[-1].finish is FinishReason.LENGTH
+    assert [e.token_id for e in ok] == [e.token_id for e in run(False)[1]]
