@@ -122,7 +122,7 @@ def test_tools_without_a_system_message_get_an_empty_one():
     schema = json.dumps(WEATHER["function"], ensure_ascii=False)
     assert text == (f"{B}{S}\n\n" + TOOLS_TEMPLATE.replace("{schemas}", f"{schema}\n{schema}")
                     + f"{U}hello{A}</think>")
-    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+    with pytest.raises(ApiError, match=r"tools\[0\] must be"):  # a 400 before rendering
         render({"messages": CONVO, "tools": [{"type": "function"}]})
 
 

@@ -159,9 +159,14 @@ def test_server_answers_tool_calls(deepseek):
                     chunks.append(json.loads(line[6:]))
         deltas = [c["choices"][0]["delta"] for c in chunks]
         assert "".join(d.get("content") or "" for d in deltas) == "Checking."
-        (streamed,) = [tc for d in deltas for tc in d.get("tool_calls", ())]
-        assert streamed["index"] == 0 and streamed["function"]["name"] == "get_weather"
-        assert json.loads(streamed["function"]["arguments"]) == {"city": "Paris", "days": 3}
+        # streamed piece by piece: index, id and name first, then the arguments' pieces
+        first, *rest = [tc for d in deltas for tc in d.get("tool_calls", ())]
+        assert first["index"] == 0 and first["function"]["name"] == "get_weather"
+        assert first["id"].startswith("call_") and rest and all(
+            tc["index"] == 0 and "id" not in tc for tc in rest)
+        arguments = first["function"]["arguments"] + "".join(
+            tc["function"]["arguments"] for tc in rest)
+        assert json.loads(arguments) == {"city": "Paris", "days": 3}
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
         # without tools in the request, the same reply is text, as generated

@@ -14,14 +14,21 @@ below `min_p` times the top probability is dropped) and top-p (the smallest set 
 tokens whose mass reaches `top_p`), then one draw. Temperature 0 is greedy: the argmax of the
 penalised logits, the lowest id on an exact tie. Logprobs are those of the model's own
 distribution (log-softmax of the logits as given), so they do not move with the sampling knobs.
+
+A request may carry a `LogitsConstraint` (`SamplingParams.constraint`): after the penalties, the
+tokens it does not allow in the request's current state are set to -inf, before temperature and
+the truncations (vLLM's and SGLang's order for grammar masks). Its states are values, derived from
+the request's own output ids (`Sampler` keeps one per output token), so a speculative step's
+unread tokens roll it back for free and one constraint object can serve many requests.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -37,6 +44,29 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+@runtime_checkable
+class LogitsConstraint(Protocol):
+    """Which tokens may come next, as a function of a state that the sampled tokens advance.
+
+    States are immutable values; `allowed` may memoise on them. A state from which no token is
+    allowed (`allowed` all False) is a dead end: the request fails alone (`ConstraintError`)."""
+
+    vocab_size: int  # the mask's length: ids at or past it are never allowed
+
+    def start(self) -> Hashable:
+        """The state before the first output token."""
+
+    def allowed(self, state: Hashable) -> torch.Tensor:
+        """A bool mask (vocab_size,): True for the tokens allowed in `state`."""
+
+    def advance(self, state: Hashable, token: int) -> Hashable | None:
+        """The state after `token`; None when `token` is not allowed in `state`."""
+
+
+class ConstraintError(ValueError):
+    """A request's constraint allows no token (or was handed one it does not allow)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +87,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # EOS is a stop unless this is set
     logprobs: int | None = None  # None: none; N: the sampled token's and the top N (0..20)
+    # the tokens allowed next (tool_choice's DSML grammar); None: any token
+    constraint: LogitsConstraint | None = None
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """This object, or a ValueError naming the first bad field."""
@@ -103,6 +135,14 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be a whole number from 0 to {MAX_LOGPROBS}, "
                              f"not {self.logprobs!r}.")
+        if self.constraint is not None:
+            c = self.constraint
+            if not isinstance(c, LogitsConstraint) or not _is_int(getattr(c, "vocab_size", None)):
+                raise ValueError(f"constraint must be a LogitsConstraint (vocab_size, start, "
+                                 f"allowed, advance), not {type(c).__name__}.")
+            if vocab_size is not None and c.vocab_size > vocab_size:
+                raise ValueError(f"The constraint's {c.vocab_size} token ids do not fit the "
+                                 f"model's {vocab_size}.")
         return self
 
     @property
@@ -183,6 +223,45 @@ class Sampler:
         self.params = params.validate()
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8)) >> 1
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        c = params.constraint
+        # states[i]: the constraint's state after the first i output tokens (fed[:i])
+        self._states = [] if c is None else [c.start()]
+        self._fed: list[int] = []
+
+    def constraint_state(self, generated: Sequence[int]) -> Hashable:
+        """The constraint's state after `generated` (the request's output so far): the states
+        past it are forgotten (tokens a speculative step did not keep), the missing ones
+        advanced over."""
+        c, n = self.params.constraint, len(generated)
+        keep = 0
+        while keep < min(n, len(self._fed)) and self._fed[keep] == generated[keep]:
+            keep += 1
+        del self._fed[keep:], self._states[keep + 1:]
+        for tok in generated[keep:]:
+            nxt = c.advance(self._states[-1], int(tok))
+            if nxt is None:
+                raise ConstraintError(f"The output token {int(tok)} is not allowed by the "
+                                      f"request's constraint.")
+            self._states.append(nxt)
+            self._fed.append(int(tok))
+        return self._states[n]
+
+    def _masked(self, penalised: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
+        """`penalised` with the tokens the constraint does not allow now set to -inf."""
+        c = self.params.constraint
+        if c is None:
+            return penalised
+        mask = c.allowed(self.constraint_state(generated))
+        v = penalised.shape[0]
+        assert mask.dtype == torch.bool and mask.shape == (c.vocab_size,), \
+            f"a constraint's mask must be bool ({c.vocab_size},), not {mask.dtype} {mask.shape}"
+        ok = torch.zeros(v, dtype=torch.bool)
+        ok[:min(v, c.vocab_size)] = mask[:v]
+        ok &= torch.isfinite(penalised)
+        if not ok.any():
+            raise ConstraintError("The request's constraint allows no token here (its grammar "
+                                  "cannot go on with this tokenizer's tokens).")
+        return penalised.masked_fill(~ok, -math.inf)
 
     def sample(self, logits: torch.Tensor, generated: Sequence[int] = (),
                prompt: Sequence[int] = ()) -> SampledToken:
@@ -191,6 +270,7 @@ class Sampler:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.numel() == 0:
             raise ValueError("Sampler.sample takes one row of logits, a non-empty 1-D tensor.")
         raw, penalised = self._prepared(logits, generated, prompt)
+        penalised = self._masked(penalised, generated)
         if self.params.greedy:
             token = int(torch.argmax(penalised))  # the first maximum: lowest id on a tie
         else:
@@ -208,6 +288,7 @@ class Sampler:
             raise ValueError("Sampler.sample_draft takes one row of logits, a non-empty 1-D "
                              "tensor.")
         raw, penalised = self._prepared(logits, generated, prompt)
+        penalised = self._masked(penalised, generated)
         if self.params.greedy:
             token = int(torch.argmax(penalised))
             return self._result(raw, token), token == draft_token

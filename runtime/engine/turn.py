@@ -14,7 +14,7 @@ from dsv41.graph.model import Model
 from dsv41.graph.phases_api import Phases
 from dsv41.graph.speculative import Verified, cut_back, verify_step
 from dsv41.runtime.engine.records import TurnRecord
-from dsv41.runtime.engine.sampling import SampledToken, Sampler
+from dsv41.runtime.engine.sampling import ConstraintError, SampledToken, Sampler
 from dsv41.runtime.engine.speculative import SpecPolicy, accept_draft_token, acceptance_probs
 
 # a row of a decode step: the history its fed tokens join, and its turn
@@ -38,13 +38,18 @@ class Turn:
     next_token: int = -1
     done: bool = False
     ended: bool = False  # the session ended it: stored, its last token pending
+    # why this turn alone failed (its sampler's constraint allowed no token); it ended done
+    failure: str | None = None
 
     def sample(self, logits: torch.Tensor) -> None:
         """Choose the next token from fp32 logits (vocab,)."""
         if self.keep_logits:
             self.record.logits.append(logits.float().numpy().copy())
         if self.sampler is not None:
-            chosen = self.sampler.sample(logits, generated=self.tokens, prompt=self.prompt)
+            try:
+                chosen = self.sampler.sample(logits, generated=self.tokens, prompt=self.prompt)
+            except ConstraintError as e:
+                return self._fail(str(e))
             self.sampled.append(chosen)
             tok = chosen.token_id
         elif self.temperature <= 0:
@@ -69,9 +74,13 @@ class Turn:
         if self.keep_logits:
             self.record.logits.append(logits.float().numpy().copy())
         if self.sampler is not None:
-            chosen, accepted = self.sampler.sample_draft(logits, draft_token,
-                                                         generated=self.tokens,
-                                                         prompt=self.prompt)
+            try:
+                chosen, accepted = self.sampler.sample_draft(logits, draft_token,
+                                                             generated=self.tokens,
+                                                             prompt=self.prompt)
+            except ConstraintError as e:
+                self._fail(str(e))
+                return False
             self.sampled.append(chosen)
             tok = chosen.token_id
         elif self.temperature <= 0:
@@ -86,6 +95,16 @@ class Turn:
         if len(self.tokens) >= self.max_new or tok in self.stop:
             self.done = True
         return accepted
+
+    def _fail(self, reason: str) -> None:
+        """This turn alone fails (the batch goes on): it ends on a stop id (EOS when it is one)
+        with `failure` set, so its caller reports an error, never the token."""
+        self.failure = reason
+        tok = min(self.stop) if self.stop else 0
+        self.sampled.append(SampledToken(tok, None, ()))
+        self.tokens.append(tok)
+        self.next_token = tok
+        self.done = True
 
     def unread(self, n: int) -> None:
         """Forget the last n tokens (sampled, never read by the caller)."""

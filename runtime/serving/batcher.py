@@ -363,6 +363,9 @@ class Batcher:
         final = turn.done and i == len(turn.tokens) - 1
         text, stopped = self._text(req, tok, final)
         finish = None
+        if final and turn.failure is not None:
+            self._finish(req, FinishReason.ERROR, turn.failure)
+            return True
         if stopped or (final and tok in turn.stop):
             finish = FinishReason.STOP
         elif final:

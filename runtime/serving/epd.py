@@ -134,6 +134,10 @@ class EpdRequest:
     image_offsets: tuple[int, ...] = ()  # where each image's span starts in `prompt`
 
     def to_json(self) -> str:
+        if self.sampling.constraint is not None:
+            raise ValueError("The EPD stages do not carry logits constraints (tool_choice "
+                             "required, a named function or none with tools); serve such "
+                             "requests without EPD.")
         return json.dumps({"rid": self.rid, "prompt": list(self.prompt),
                            "sampling": asdict(self.sampling), "image_keys": list(self.image_keys),
                            "image_offsets": list(self.image_offsets)})
@@ -143,6 +147,7 @@ class EpdRequest:
         d = json.loads(text)
         s = dict(d["sampling"])
         s["stop"], s["stop_token_ids"] = tuple(s["stop"]), tuple(s["stop_token_ids"])
+        s.pop("constraint", None)
         keys = tuple(str(k) for k in d.get("image_keys", ()))
         offsets = tuple(int(o) for o in d.get("image_offsets", ()))
         if len(keys) != len(offsets):

@@ -27,13 +27,19 @@ from dsv41.runtime.serving.openai_api import (
     GenerationRequest,
     TokenOut,
     Usage,
+    call_deltas_body,
     chunk_body,
     logprobs_body,
     response_body,
     usage_chunk,
 )
 from dsv41.runtime.serving.state import AppState
-from dsv41.runtime.serving.tool_calls import ToolCallFilter, parse_tool_calls
+from dsv41.runtime.serving.tool_calls import (
+    ReasoningFilter,
+    ToolCallStream,
+    parse_tool_calls,
+    split_reasoning,
+)
 
 
 class _Ended(Exception):
@@ -136,13 +142,16 @@ class Generation:
         err = _finish_error(last)
         if err is not None:
             raise err
-        text, calls = "".join(parts), ()
+        text, calls, reasoning = "".join(parts), (), None
+        if req.thinking:
+            reasoning, text = split_reasoning(text)
         if req.reads_tool_calls and last.finish.value == "stop":
             reply = parse_tool_calls(text)
-            text, calls = reply.content, reply.calls
+            text, calls = reply.content, reply.calls[:None if req.parallel_tool_calls else 1]
         body = response_body(req, self.state.opts.model_name, text, last.finish.value,
                              logprobs_body(self.state.tokenizer, req.logprobs, tokens),
-                             _usage(stream, len(tokens)), tool_calls=calls)
+                             _usage(stream, len(tokens)), tool_calls=calls,
+                             reasoning=reasoning)
         return JSONResponse(body)
 
     async def sse(self, req: GenerationRequest, stream: EventStream,
@@ -151,8 +160,19 @@ class Generation:
             self.state.metrics
         n_tokens, offset = 0, 0
         reason = "cancelled"  # unless a finish event or the deadline says otherwise
-        # with tools, what may be a tool-call block is held back until the reply ends
-        held = ToolCallFilter() if req.reads_tool_calls else None
+        # thinking: the reasoning split off; with tools, a DSML block streamed call by call
+        think = ReasoningFilter() if req.thinking else None
+        calls = ToolCallStream(req.parallel_tool_calls) if req.reads_tool_calls else None
+        call_ids: dict[int, str] = {}
+
+        def pieces(text: str):
+            """The chunks' (reasoning, content, call deltas) of a piece of the reply."""
+            reasoning, content = think.feed(text) if think is not None else (None, text)
+            deltas = []
+            if calls is not None and content:
+                content, deltas = calls.feed(content)
+            return reasoning or None, content, call_deltas_body(deltas, call_ids)
+
         try:
             if req.endpoint is Endpoint.CHAT:
                 yield _sse(chunk_body(req, model, text="", role=True))
@@ -162,9 +182,11 @@ class Generation:
                     n_tokens += 1
                 lp = logprobs_body(tokenizer, req.logprobs, [t] if t else [], offset)
                 offset += len(ev.text)
-                text = ev.text if held is None else held.feed(ev.text)
-                if text or lp is not None:
-                    yield _sse(chunk_body(req, model, text=text, logprobs=lp))
+                reasoning, text, deltas = pieces(ev.text)
+                if reasoning or text or deltas or lp is not None:
+                    quiet = req.endpoint is Endpoint.CHAT and not text and (reasoning or deltas)
+                    yield _sse(chunk_body(req, model, text=None if quiet else text, logprobs=lp,
+                                          reasoning=reasoning, call_deltas=deltas))
                 if ev.finish is not None:
                     reason = ev.finish.value
                     err = _finish_error(ev)
@@ -173,14 +195,16 @@ class Generation:
                         yield _sse(err.body())
                     else:
                         finish = reason
-                        if held is not None:
-                            reply = held.finish()
-                            if reply.content:
-                                yield _sse(chunk_body(req, model, text=reply.content))
-                            if reply.calls and reason == "stop":
+                        if think is not None and not think.closed:
+                            rest = think.flush()
+                            if rest:
+                                yield _sse(chunk_body(req, model, text=None, reasoning=rest))
+                        if calls is not None:
+                            rest = calls.finish()
+                            if rest:
+                                yield _sse(chunk_body(req, model, text=rest))
+                            if calls.calls and calls.closed and reason == "stop":
                                 finish = "tool_calls"
-                                yield _sse(chunk_body(req, model, text=None,
-                                                      tool_calls=reply.calls))
                         yield _sse(chunk_body(req, model, text=None if req.endpoint is
                                               Endpoint.CHAT else "", finish_reason=finish))
                         if req.include_usage:

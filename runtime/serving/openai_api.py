@@ -15,8 +15,12 @@ is 0: off), `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalt
 `max_tokens` / chat's `max_completion_tokens` (chat default: until a stop or the model's
 max_seq_len; completions default 16, OpenAI's), `stop` (a string or a list), `stop_token_ids`,
 `ignore_eos`, chat `logprobs` + `top_logprobs`, completions `logprobs` (an int), `n` (1 only),
-chat `tools` (rendered into the prompt; a reply's DSML block comes back as `tool_calls` with
-finish_reason `tool_calls`, runtime/serving/tool_calls.py),
+chat `tools` (each checked, its `parameters` a JSON Schema of an object: a 400 names the bad one;
+rendered into the prompt; a reply's DSML block comes back as `tool_calls` with finish_reason
+`tool_calls`, runtime/serving/tool_calls.py), `tool_choice` (`none`: the block's opening is
+masked and nothing is read as a call; `auto`; `required` or a named function: the reply is
+constrained to a well-formed call, runtime/serving/tool_choice.py) and `parallel_tool_calls`
+(false: one call), assistant messages' `reasoning_content`,
 `chat_template_kwargs.thinking` (thinking mode; default false: chat mode) and
 `reasoning_effort` (`low` 50, `high` 75, `max` 100 or a whole number 1-100; default high; it
 only shows in thinking mode, and anything else is a 400), user messages' `image_url` parts
@@ -30,8 +34,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from dsv41.runtime.engine.images import data_uri_image
@@ -51,6 +55,8 @@ from dsv41.runtime.serving.prompts import (
     prompt_format,
 )
 from dsv41.runtime.serving.tokenizer import Tokenizer
+from dsv41.runtime.serving.tool_calls import CallDelta
+from dsv41.runtime.serving.tool_choice import ChoiceKind, TokenTexts, ToolChoice, tool_specs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -103,6 +109,8 @@ class GenerationRequest:
     logprobs: LogprobsForm
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     reads_tool_calls: bool = False  # chat with tools: replies are read for DSML tool calls
+    parallel_tool_calls: bool = True  # off: only a reply's first call is returned
+    thinking: bool = False  # chat in thinking mode: the text before `</think>` is reasoning
     created: int = field(default_factory=lambda: int(time.time()))
     # the image parts' data (PNG / JPEG bytes), one per image placeholder of prompt_ids, in order
     images: tuple[bytes, ...] = ()
@@ -213,6 +221,7 @@ class ChatPrompt:
 
     messages: tuple[Message, ...]
     options: ChatOptions
+    tool_choice: ToolChoice
 
 
 def chat_prompt(body: Mapping) -> ChatPrompt:
@@ -232,14 +241,25 @@ def chat_prompt(body: Mapping) -> ChatPrompt:
             effort = ReasoningEffort.parse(body["reasoning_effort"])
         except ValueError as e:
             raise bad_request(str(e), "reasoning_effort") from None
+    try:
+        specs = tool_specs(tools)
+    except ValueError as e:
+        raise bad_request(str(e), "tools") from None
+    parallel = _get(body, "parallel_tool_calls", bool, "true or false", True)
+    try:
+        choice = ToolChoice.parse(body.get("tool_choice"), specs, parallel=parallel)
+    except ValueError as e:
+        raise bad_request(str(e), "tool_choice") from None
     return ChatPrompt(messages, ChatOptions(thinking=thinking, effort=effort,
-                                            tools=tuple(tools)))
+                                            tools=tuple(tools)), choice)
 
 
 def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
-               image_token_id: int | None = None) -> GenerationRequest:
+               image_token_id: int | None = None,
+               texts: Callable[[], TokenTexts] | None = None) -> GenerationRequest:
     """`image_token_id`: the model's image placeholder id (None: a model without a vision
-    tower, whose chats take text parts only)."""
+    tower, whose chats take text parts only). `texts`: the tokenizer's token texts, built
+    once by the caller (`TokenTexts.of(tok)` otherwise), for `tool_choice`'s constraints."""
     body = _body(body)
     _check_model(body, model_name)
     _check_unsupported(body)
@@ -262,11 +282,22 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
         images = tuple(data_uri_image(url) for url in chat_images(chat.messages))
     except ValueError as e:  # RequestError too (a bad image)
         raise bad_request(str(e), "messages") from None
-    reads = bool(chat.options.tools) and prompt_format(tok) is PromptFormat.CHAT
+    chat_form = prompt_format(tok) is PromptFormat.CHAT
+    choice = chat.tool_choice
+    if choice.kind in (ChoiceKind.REQUIRED, ChoiceKind.NAMED) and not chat_form:
+        raise bad_request(f"tool_choice {choice.kind.value!r} needs the chat format; this "
+                          f"tokenizer ({tok.file.source.value}) renders plain prompts.",
+                          "tool_choice")
+    if chat_form and choice.tools and choice.kind is not ChoiceKind.AUTO:
+        constraint = choice.constraint(texts() if texts else TokenTexts.of(tok),
+                                       thinking=chat.options.thinking)
+        params = replace(params, constraint=constraint)
     return GenerationRequest(Endpoint.CHAT, tuple(ids), params, stream, include_usage,
                              LogprobsForm.CHAT if want else LogprobsForm.NONE,
-                             id=f"chatcmpl-{uuid.uuid4().hex}", reads_tool_calls=reads,
-                             images=images)
+                             id=f"chatcmpl-{uuid.uuid4().hex}",
+                             reads_tool_calls=chat_form and choice.reads_calls,
+                             parallel_tool_calls=choice.parallel,
+                             thinking=chat_form and chat.options.thinking, images=images)
 
 
 def parse_completion(body, tok: Tokenizer, *, model_name: str,
@@ -350,13 +381,17 @@ def tool_calls_body(calls: Sequence[ToolCall], *, indexed: bool = False) -> list
 
 def response_body(req: GenerationRequest, model: str, text: str, finish_reason: str,
                   logprobs: dict | None, usage: Usage,
-                  tool_calls: Sequence[ToolCall] = ()) -> dict:
+                  tool_calls: Sequence[ToolCall] = (), reasoning: str | None = None) -> dict:
     """The non-streaming answer; with `tool_calls` the message carries them (its content None
-    when there is no text besides) and the finish reason is `tool_calls`."""
+    when there is no text besides) and the finish reason is `tool_calls`; in thinking mode the
+    message's `reasoning_content` (its content None when the reply is only reasoning)."""
     if req.endpoint is Endpoint.CHAT:
         message = {"role": "assistant", "content": text}
-        if tool_calls:
+        if reasoning is not None:
             message = {"role": "assistant", "content": text or None,
+                       "reasoning_content": reasoning}
+        if tool_calls:
+            message = {**message, "content": text or None,
                        "tool_calls": tool_calls_body(tool_calls)}
             finish_reason = "tool_calls"
         choice = {"index": 0, "message": message, "logprobs": logprobs,
@@ -369,17 +404,37 @@ def response_body(req: GenerationRequest, model: str, text: str, finish_reason: 
             "choices": [choice], "usage": usage.body()}
 
 
+def call_deltas_body(deltas: Sequence[CallDelta], ids: dict[int, str]) -> list[dict]:
+    """A chunk's `delta.tool_calls`: a call's first piece carries its `id`, `type` and name
+    (`ids`: the stream's call ids by index, made here on first use)."""
+    out = []
+    for d in deltas:
+        if d.name is not None:
+            ids[d.index] = f"call_{uuid.uuid4().hex[:24]}"
+            out.append({"index": d.index, "id": ids[d.index], "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}})
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
+
+
 def chunk_body(req: GenerationRequest, model: str, *, text: str | None,
                finish_reason: str | None = None, logprobs: dict | None = None,
-               role: bool = False, tool_calls: Sequence[ToolCall] = ()) -> dict:
-    """One streamed chunk carrying a text delta (chat: `delta`; completions: `text`), or a chat
-    delta with the reply's tool calls."""
+               role: bool = False, tool_calls: Sequence[ToolCall] = (),
+               reasoning: str | None = None, call_deltas: Sequence[dict] = ()) -> dict:
+    """One streamed chunk carrying a text delta (chat: `delta`; completions: `text`), a
+    reasoning delta (`delta.reasoning_content`), pieces of tool calls (`call_deltas`, from
+    `call_deltas_body`), or a chat delta with whole tool calls."""
     if req.endpoint is Endpoint.CHAT:
         delta = {"role": "assistant"} if role else {}
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls_body(tool_calls, indexed=True)
+        if call_deltas:
+            delta["tool_calls"] = list(call_deltas)
         choice = {"index": 0, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         kind = "chat.completion.chunk"

@@ -33,6 +33,7 @@ from dsv41.runtime.serving.release_format import (
     DSML,
     INVOKE_TAG,
     PARAM_TAG,
+    THINK_CLOSE,
     ToolCall,
 )
 
@@ -146,3 +147,181 @@ class ToolCallFilter:
     @property
     def streamed(self) -> str:
         return self._streamed
+
+
+# ---- reasoning and streamed calls ---------------------------------------------------------------
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """A thinking-mode reply's (reasoning, content): the text before the first `</think>` and
+    the text after it; all reasoning when it never closed (cut by max_tokens)."""
+    at = text.find(THINK_CLOSE)
+    if at < 0:
+        return text, ""
+    return text[:at], text[at + len(THINK_CLOSE):]
+
+
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that begins `marker` (and is shorter than it)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ReasoningFilter:
+    """`split_reasoning` while the reply streams: each piece of text splits into the reasoning
+    and the content it holds for certain; a possible start of `</think>` is held back, and the
+    marker itself is in neither."""
+
+    def __init__(self):
+        self._held = ""
+        self.closed = False  # `</think>` was seen: the rest is content
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self.closed:
+            return "", text
+        self._held += text
+        at = self._held.find(THINK_CLOSE)
+        if at >= 0:
+            self.closed = True
+            held, self._held = self._held, ""
+            return held[:at], held[at + len(THINK_CLOSE):]
+        cut = len(self._held) - _partial(self._held, THINK_CLOSE)
+        out, self._held = self._held[:cut], self._held[cut:]
+        return out, ""
+
+    def flush(self) -> str:
+        """At the end: the held reasoning (an unfinished `</think>` is text)."""
+        out, self._held = self._held, ""
+        return out
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """One piece of a streamed tool call (OpenAI's `delta.tool_calls[i]`): the first of a call
+    carries its `name`, the rest pieces of its `arguments` JSON, in order."""
+
+    index: int
+    name: str | None  # the first piece only
+    arguments: str
+
+
+def _stream_patterns() -> dict[str, re.Pattern]:
+    block, invoke, param = (re.escape(t) for t in (CALLS_TAG, INVOKE_TAG, PARAM_TAG))
+    d = re.escape(DSML)
+    return {
+        "open": re.compile(rf"<{d}{block}>\n"),
+        "invoke": re.compile(rf'\n?<{d}{invoke} name="(?P<name>[^"]+)">\n'),
+        "param": re.compile(rf'\n?<{d}{param} name="(?P<key>[^"]+)" string="(?P<str>true|false)">'
+                            rf"(?P<value>.*?)</{d}{param}>", re.S),
+        "end_invoke": re.compile(rf"\n?</{d}{invoke}>"),
+        "end": re.compile(rf"\n?</{d}{block}>"),
+    }
+
+
+STREAM = _stream_patterns()
+
+
+class ToolCallStream:
+    """A reply's content and its tool calls while it streams: content until a DSML block opens
+    (what may be its start held back, as `ToolCallFilter` does), then each call as it is
+    written: its name once its invoke tag is whole, its arguments one whole parameter at a time
+    (`{"k": v` then `, "k2": v2` ... then `}`: the pieces join to `json.dumps` of the arguments,
+    as `parse_tool_calls` gives them). With `parallel` off only the first call is streamed.
+
+    A block that breaks off (max_tokens, a parameter that is not JSON, text between the tags)
+    stops the calls there: `finish` returns the unread rest as content, so nothing the model
+    wrote is lost; the calls already streamed stand."""
+
+    def __init__(self, parallel: bool = True):
+        self._filter = ToolCallFilter()
+        self.parallel = parallel
+        self._buf = ""  # the block's text, from its opening tag
+        self._pos = 0  # how much of it is read
+        self._where = "open"  # what comes next: open, invoke (or end), param (or end_invoke)
+        self._args = 0  # parameters of the open call so far
+        self.calls = 0  # calls read
+        self.closed = False  # the block's closing tag was read
+        self.broken = False  # text that is not the block's next element
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """(content for certain, call pieces) of this piece of the reply."""
+        if not self._filter._in_block:
+            content = self._filter.feed(text)
+            if not self._filter._in_block:
+                return content, []
+            self._buf, self._filter._held = self._filter._held.lstrip(), ""
+            return content, self._read()
+        self._buf += text
+        return "", self._read()
+
+    def _emit(self) -> bool:
+        return self.parallel or self.calls == 1
+
+    def _read(self) -> list[CallDelta]:
+        out: list[CallDelta] = []
+        while not (self.closed or self.broken):
+            rest = self._buf[self._pos:]
+            nexts = {"open": ("open",), "invoke": ("invoke", "end"),
+                     "param": ("param", "end_invoke")}[self._where]
+            m = kind = None
+            for kind in nexts:
+                m = STREAM[kind].match(self._buf, self._pos)
+                if m is not None:
+                    break
+            if m is None:
+                # broken once the rest can no longer begin any expected element
+                self.broken = bool(rest) and not any(
+                    _could_begin(rest, kind) for kind in nexts)
+                return out
+            self._pos = m.end()
+            if kind == "open":
+                self._where = "invoke"
+            elif kind == "invoke":
+                self.calls += 1
+                self._where, self._args = "param", 0
+                if self._emit():
+                    out.append(CallDelta(self.calls - 1, m.group("name"), ""))
+            elif kind == "param":
+                value = m.group("value")
+                if m.group("str") == "false":
+                    try:
+                        value = json.loads(value)
+                    except json.JSONDecodeError:
+                        self._pos = m.start()
+                        self.broken = True
+                        return out
+                piece = ("{" if not self._args else ", ") + json.dumps(m.group("key")) + \
+                    ": " + json.dumps(value, ensure_ascii=False)
+                self._args += 1
+                if self._emit():
+                    out.append(CallDelta(self.calls - 1, None, piece))
+            elif kind == "end_invoke":
+                self._where = "invoke"
+                if self._emit():
+                    out.append(CallDelta(self.calls - 1, None, "}" if self._args else "{}"))
+            else:
+                self.closed = True
+        return out
+
+    def finish(self) -> str:
+        """At the end: the content not yet streamed (text after a closed block, an unread or
+        broken rest, or the whole held text when no call was read)."""
+        if not self._filter._in_block:
+            return self._filter.finish().content
+        if not self.calls:
+            return self._buf
+        rest = self._buf[self._pos:]
+        return rest.strip() if self.closed else rest
+
+
+def _could_begin(rest: str, kind: str) -> bool:
+    """Whether `rest` may still grow into the element `kind` (its fixed start so far)."""
+    block, invoke, param = CALLS_TAG, INVOKE_TAG, PARAM_TAG
+    starts = {"open": [f"<{DSML}{block}>\n"],
+              "invoke": [f'<{DSML}{invoke} name="', f'\n<{DSML}{invoke} name="'],
+              "param": [f'<{DSML}{param} name="', f'\n<{DSML}{param} name="'],
+              "end_invoke": [f"</{DSML}{invoke}>", f"\n</{DSML}{invoke}>"],
+              "end": [f"</{DSML}{block}>", f"\n</{DSML}{block}>"]}[kind]
+    return any(s.startswith(rest) or rest.startswith(s) for s in starts)
