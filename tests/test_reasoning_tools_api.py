@@ -13,6 +13,7 @@ import json
 import pytest
 
 from dsv41.graph.config import preset
+from dsv41.graph.vocab import SMALL_STUB_JSON, TokenizerSource
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.frontend import FinishReason, RequestTiming, TokenEvent
 from dsv41.runtime.serving.generation import Generation
@@ -46,7 +47,8 @@ REPLY = "Let me think </thin about it.</think>Checking.\n\n" + BLOCK
 
 @pytest.fixture(scope="module")
 def stub():
-    return Tokenizer.for_model(preset("small"))
+    """The conformance stub vocabulary (no chat markers: prompts are plain)."""
+    return Tokenizer.from_file(SMALL_STUB_JSON, preset("small"), TokenizerSource.SMALL_STUB)
 
 
 class _Script:
@@ -242,3 +244,16 @@ def test_the_stub_offers_no_tools(stub):
     """The stub renders plain prompts: tools cannot be offered at all (400)."""
     with pytest.raises(ApiError, match="tools cannot be offered"):
         _chat(stub, tools=[TOOL], tool_choice="required")
+
+
+def test_the_small_presets_own_tokenizer_offers_tools():
+    """The small preset's default vocabulary (the byte-level BPE with the chat markers) takes
+    tools: `required` attaches the DSML constraint, which lets the block's opening through."""
+    tok = Tokenizer.for_model(preset("small"))
+    req = _chat(tok, tools=[TOOL], tool_choice="required")
+    c = req.params.constraint
+    assert isinstance(c, DsmlConstraint) and req.reads_tool_calls
+    state = c.start()
+    for t in tok.encode(f"<{DSML} calls>\n"):
+        assert c.allowed(state)[t], tok.decode([t], skip_special=False)
+        state = c.advance(state, t)

@@ -14,7 +14,7 @@ import pytest
 
 from dsv41.graph.config import preset
 from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
-from dsv41.runtime.serving.batcher import FinishReason, RequestTiming, TokenEvent
+from dsv41.runtime.serving.frontend import FinishReason, RequestTiming, TokenEvent
 from dsv41.runtime.serving.release_format import DSML, ToolCall, render_tool_calls
 from dsv41.runtime.serving.tokenizer import Tokenizer
 from dsv41.runtime.serving.tool_calls import ToolCallFilter, parse_tool_calls
