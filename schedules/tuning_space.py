@@ -258,7 +258,7 @@ def data_dependent(func: tirx.PrimFunc) -> bool:
 
 
 def estimate_flops(mod: tvm.IRModule) -> float:
-    from tvm.s_tir.analysis import estimate_tir_flops
+    from tvm.s_tir.analysis import estimate_tir_flops  # heavy: s_tir's analysis, for tuning only
 
     try:
         return float(estimate_tir_flops(mod))
@@ -280,7 +280,7 @@ def search_space(target: TargetSpec, drop: tuple[str, ...] = ()):
     (it reorders fp32 sums), the weight-layout rewrite (weights keep the checkpoint layout) and
     the rule classes named in `drop`. The rules are given explicitly, so nothing needs TVM's
     tensor-intrinsic registry."""
-    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir import meta_schedule as ms  # heavy: MetaSchedule (~1 s), for tuning only
 
     kind = "cuda" if target.is_cuda else "llvm"
     rules = [r for r in ms.schedule_rule.ScheduleRule.create(kind)
@@ -300,7 +300,7 @@ def task_inputs(family: str, params: list[tirx.Buffer], seed: int = 0) -> list[n
     ~ N(0, 1); bytes (FP8/FP4 codes, E8M0/E4M3 scales) in 0x30..0x4f, finite in every format;
     integer index inputs valid for the family (window and global rows, visible lengths), zero
     for dense ops (which never index with them)."""
-    import ml_dtypes
+    import ml_dtypes  # heavy: ~0.7 s, only for a tuning task's random inputs
 
     rng = np.random.default_rng(seed)
     shapes = [[int(d) for d in b.shape] for b in params]

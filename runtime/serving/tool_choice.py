@@ -39,6 +39,7 @@ from enum import Enum
 from functools import cached_property
 
 import torch
+from jsonschema import Draft202012Validator, SchemaError
 
 from dsv41.runtime.serving.release_format import (
     CALLS_TAG,
@@ -114,8 +115,6 @@ def tool_specs(tools) -> tuple[ToolSpec, ...]:
     """Each tool of a request checked: `{"type": "function", "function": {"name", "parameters"}}`
     with `parameters` a valid JSON Schema (Draft 2020-12) of an object. ValueError names the
     first bad one and why."""
-    from jsonschema import Draft202012Validator, SchemaError
-
     if not isinstance(tools, list):
         raise ValueError("tools must be a list of tools.")
     out = []
