@@ -8,8 +8,9 @@ Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON, or server-
 `stream: true`: one `data: {chunk}` per token, then a chunk with the finish reason, with
 `stream_options.include_usage` a last chunk with the usage, then `data: [DONE]`), `GET
 /v1/models`, `GET /health`, `GET /metrics` (Prometheus text, runtime/metrics.py), one router
-per family (routes_chat, routes_completions, routes_models, routes_health; the two generation
-families share generation.py). Requests are parsed by openai_api.py; the server only moves
+per family (routes_chat, routes_completions, routes_models, routes_health, routes_tokenize:
+`POST /tokenize`, a prompt's ids and spelling; the two generation families share
+generation.py). Requests are parsed by openai_api.py; the server only moves
 events from a frontend's `EventStream` to the client. This module is the app around them: the
 errors' shape, the API key, the routers joined.
 
@@ -50,6 +51,7 @@ from dsv41.runtime.serving.routes_chat import chat_router
 from dsv41.runtime.serving.routes_completions import completions_router
 from dsv41.runtime.serving.routes_health import health_router
 from dsv41.runtime.serving.routes_models import models_router
+from dsv41.runtime.serving.routes_tokenize import tokenize_router
 from dsv41.runtime.serving.state import AppState, ServerOptions
 from dsv41.runtime.serving.tokenizer import Tokenizer
 
@@ -96,7 +98,7 @@ def create_app(frontend: Frontend, tokenizer: Tokenizer, options: ServerOptions,
     state = AppState(frontend, tokenizer, opts, metrics, check_key)
     gen = Generation(state)
     for router in (chat_router(gen), completions_router(gen), models_router(state),
-                   health_router(state)):
+                   health_router(state), tokenize_router(state)):
         app.include_router(router)
     return app
 
