@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -277,3 +278,23 @@ def test_sharded_worker_reads_its_slice_of_fp8_wo_a(release, converted):
     kw = {"only": {WO_A}, "slices": {WO_A: (0, 64, 128)}}
     a, b = load_checkpoint(release, SMALL, **kw), load_checkpoint(converted, SMALL, **kw)
     assert a.keys() == {WO_A} and a[WO_A].shape == (64, 128) and torch.equal(a[WO_A], b[WO_A])
+
+
+def test_release_layout_through_the_compiled_artifact(small_artifact, small_case, tmp_path):
+    """The compiled shared-small artifact with the hub's layout of seeded weights and with
+    their converted layout: the same tokens and bit-identical logits of every turn."""
+    from dsv41.runtime.engine import Engine
+
+    args = load_config(small_case.checkpoint)
+    rel = write_seeded_checkpoint(args, tmp_path / "release", seed=3, layout="release")
+    conv = _convert(rel, tmp_path / "converted")
+    prompt = [0, 17, 301, 44, 5, 260, 99, 3, 480, 12, 77, 150, 9, 31]
+    runs = []
+    for path in (rel, conv):
+        engine = Engine.load(small_artifact, path)
+        s = engine.session()
+        toks = list(s.send(prompt, max_new_tokens=4, keep_logits=True))
+        runs.append((toks, s.turns[-1].logits))
+        engine.close()
+    assert runs[0][0] == runs[1][0] and len(runs[0][1]) == 4
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
