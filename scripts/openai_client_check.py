@@ -75,10 +75,11 @@ def effort_lines(base_url: str) -> dict:
 
 
 def tool_choice_checks(c: openai.OpenAI, model: str, n: int) -> dict:
-    def one(seed: int, choice):
+    def one(seed: int, choice, parallel: bool):
         r = c.chat.completions.create(model=model, messages=MSGS, tools=[CLOCK],
                                       tool_choice=choice, temperature=1.0, seed=seed,
-                                      max_tokens=96)
+                                      parallel_tool_calls=parallel,
+                                      max_tokens=260)  # the small BPE spells a call in ~150
         m = r.choices[0]
         calls = m.message.tool_calls or []
         good = [x for x in calls if x.function.name == "get_time"
@@ -87,9 +88,13 @@ def tool_choice_checks(c: openai.OpenAI, model: str, n: int) -> dict:
 
     out = {}
     named = {"type": "function", "function": {"name": "get_time"}}
-    for label, choice in (("required", "required"), ("named", named), ("none", "none")):
+    # one call per reply (parallel off): a reply ends after its call. With parallel calls on,
+    # random weights may go on calling until max_tokens cuts the block (reported apart).
+    for label, choice, parallel in (("required", "required", False), ("named", named, False),
+                                    ("none", "none", False),
+                                    ("required_parallel", "required", True)):
         with ThreadPoolExecutor(8) as pool:
-            res = list(pool.map(lambda s, ch=choice: one(s, ch), range(n)))
+            res = list(pool.map(lambda s, ch=choice, p=parallel: one(s, ch, p), range(n)))
         out[label] = {"requests": n,
                       "with_a_well_formed_call": sum(1 for _, k, g in res if k and g == k),
                       "with_any_call": sum(1 for _, k, _ in res if k),
