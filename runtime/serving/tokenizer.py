@@ -110,13 +110,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, special-token spellings (`<｜User｜>`, `<think>`) included as their
         ids; no BOS is added."""
-        if not isinstance(text, str):
-            raise ValueError(f"Text to encode must be a string, not {type(text).__name__}.")
-        try:
-            return self.backend.encode(text, add_special_tokens=False).ids
-        except Exception as e:  # a vocabulary without an unknown token (the small stub)
-            raise ValueError(f"The tokenizer {self.file.path.name} ({self.file.source.value}) "
-                             f"cannot spell this text: {e}") from e
+        return self._encode_with(self.backend, text)
 
     @cached_property
     def _literal(self) -> HFTokenizer:
@@ -134,10 +128,13 @@ class Tokenizer:
     def encode_text(self, text: str) -> list[int]:
         """Ids of `text` as ordinary text: an added token's spelling inside it (`<｜User｜>`,
         `<think>`) is encoded as the characters it is made of, never as the token's id."""
+        return self._encode_with(self._literal, text)
+
+    def _encode_with(self, backend: HFTokenizer, text: str) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"Text to encode must be a string, not {type(text).__name__}.")
         try:
-            return self._literal.encode(text, add_special_tokens=False).ids
+            return backend.encode(text, add_special_tokens=False).ids
         except Exception as e:  # a vocabulary without an unknown token (the small stub)
             raise ValueError(f"The tokenizer {self.file.path.name} ({self.file.source.value}) "
                              f"cannot spell this text: {e}") from e
