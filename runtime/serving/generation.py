@@ -226,12 +226,7 @@ class Generation:
         st = self.state
         st.metrics.requests.inc(1, endpoint.value)
         st.check_key(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
-        req = await st.in_thread(parse, body)
+        req = await st.in_thread(parse, await st.json_body(request))
         stream = await st.in_thread(self.submit, req)
         deadline = None if st.opts.request_timeout_s is None else \
             time.monotonic() + st.opts.request_timeout_s

@@ -1,24 +1,20 @@
 """`POST /v1/completions`: OpenAI's legacy text completion (a prompt as text or token ids),
-parsed by openai_api.parse_completion and answered by the generation handler."""
+parsed by openai_api.parse_completion (`AppState.parse_completion`) and answered by the
+generation handler."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from dsv41.runtime.serving.generation import Generation
-from dsv41.runtime.serving.openai_api import Endpoint, parse_completion
+from dsv41.runtime.serving.openai_api import Endpoint
 
 
 def completions_router(gen: Generation) -> APIRouter:
     router = APIRouter()
-    st = gen.state
-
-    def parse(body):
-        return parse_completion(body, st.tokenizer, model_name=st.opts.model_name,
-                                vocab_size=st.opts.vocab_size)
 
     @router.post("/v1/completions")
     async def completions(request: Request):
-        return await gen.generate(request, Endpoint.COMPLETIONS, parse)
+        return await gen.generate(request, Endpoint.COMPLETIONS, gen.state.parse_completion)
 
     return router

@@ -7,18 +7,11 @@ section, the DSML blocks)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 from fastapi import APIRouter, Request
 
-from dsv41.runtime.serving.openai_api import (
-    ApiError,
-    GenerationRequest,
-    bad_request,
-    parse_chat,
-    parse_completion,
-)
+from dsv41.runtime.serving.openai_api import GenerationRequest, bad_request
 from dsv41.runtime.serving.state import AppState
 
 
@@ -32,21 +25,12 @@ def tokenize_router(st: AppState) -> APIRouter:
             raise bad_request("/tokenize takes either `messages` (a chat) or `prompt` (a "
                               "completion).")
         body = {"model": st.opts.model_name, **body}  # the served model unless named
-        if "messages" in body:
-            return parse_chat(body, st.tokenizer, model_name=st.opts.model_name,
-                              vocab_size=st.opts.vocab_size,
-                              image_token_id=st.opts.image_token_id)
-        return parse_completion(body, st.tokenizer, model_name=st.opts.model_name,
-                                vocab_size=st.opts.vocab_size)
+        return st.parse_chat(body) if "messages" in body else st.parse_completion(body)
 
     @router.post("/tokenize")
     async def tokenize(request: Request):
         st.check_key(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
-        req = await st.in_thread(parse, body)
+        req = await st.in_thread(parse, await st.json_body(request))
         ids = list(req.prompt_ids)
         text = None if st.tokenizer is None else st.tokenizer.decode(ids, skip_special=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": st.opts.max_seq_len,

@@ -4,16 +4,25 @@ state: each app has its own, and each router closes over it."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import anyio
 from fastapi import Request
 
 from dsv41.runtime.serving.frontend import Frontend
 from dsv41.runtime.serving.metrics import ServerMetrics
+from dsv41.runtime.serving.openai_api import (
+    ApiError,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
 from dsv41.runtime.serving.tokenizer import Tokenizer
+from dsv41.runtime.serving.tool_choice import TokenTexts
 
 
 @dataclass(frozen=True)
@@ -59,3 +68,26 @@ class AppState:
         if not self.limiter:
             self.limiter.append(anyio.CapacityLimiter(self.opts.max_waiting))
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter[0])
+
+    async def json_body(self, request: Request):
+        """The request's body as JSON (an ApiError 400 when it is not)."""
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"The request body is not valid JSON: {e}.") from None
+
+    @cached_property
+    def token_texts(self) -> TokenTexts:
+        """Each token id's text, for tool_choice's constraints: built on the first constrained
+        request, once per app."""
+        return TokenTexts.of(self.tokenizer)
+
+    def parse_chat(self, body) -> GenerationRequest:
+        return parse_chat(body, self.tokenizer, model_name=self.opts.model_name,
+                          vocab_size=self.opts.vocab_size,
+                          image_token_id=self.opts.image_token_id,
+                          texts=lambda: self.token_texts)
+
+    def parse_completion(self, body) -> GenerationRequest:
+        return parse_completion(body, self.tokenizer, model_name=self.opts.model_name,
+                                vocab_size=self.opts.vocab_size)
