@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
 
 from dsv41.runtime.serving.release_format import (
     CALLS_TAG,
@@ -47,14 +49,26 @@ class ToolCallReply:
 BLOCK_OPEN = f"<{DSML}{CALLS_TAG}>"
 
 
+# one parameter of an invoke: its key, whether the value is a plain string, the value
+PARAM_TEXT = (rf'<{re.escape(DSML)}{re.escape(PARAM_TAG)} name="(?P<key>[^"]+)" '
+              rf'string="(?P<str>true|false)">(?P<value>.*?)</{re.escape(DSML)}'
+              rf"{re.escape(PARAM_TAG)}>")
+
+
+def param_value(m: re.Match) -> object:
+    """A matched parameter's value: the string as it is, else its JSON (ValueError when it is
+    not JSON)."""
+    value = m.group("value")
+    return value if m.group("str") == "true" else json.loads(value)
+
+
 def _patterns() -> tuple[re.Pattern, re.Pattern, re.Pattern]:
-    block, invoke, param = (re.escape(t) for t in (CALLS_TAG, INVOKE_TAG, PARAM_TAG))
+    block, invoke = (re.escape(t) for t in (CALLS_TAG, INVOKE_TAG))
     d = re.escape(DSML)
     whole = re.compile(rf"<{d}{block}>\n(?P<body>.*?)\n</{d}{block}>", re.S)
     one_invoke = re.compile(rf'<{d}{invoke} name="(?P<name>[^"]+)">\n(?P<params>.*?)'
                             rf"\n?</{d}{invoke}>", re.S)
-    one_param = re.compile(rf'<{d}{param} name="(?P<key>[^"]+)" string="(?P<str>true|false)">'
-                           rf"(?P<value>.*?)</{d}{param}>", re.S)
+    one_param = re.compile(PARAM_TEXT, re.S)
     return whole, one_invoke, one_param
 
 
@@ -72,13 +86,10 @@ def _calls(body: str, one_invoke: re.Pattern, one_param: re.Pattern) -> tuple[To
         for p in one_param.finditer(params):
             if params[p_at:p.start()].strip():
                 return ()
-            value = p.group("value")
-            if p.group("str") == "false":
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError:
-                    return ()
-            args[p.group("key")] = value
+            try:
+                args[p.group("key")] = param_value(p)
+            except json.JSONDecodeError:
+                return ()
             p_at = p.end()
         if params[p_at:].strip():
             return ()
@@ -102,6 +113,14 @@ def parse_tool_calls(text: str) -> ToolCallReply:
     return ToolCallReply(before + "\n\n" + after if before and after else before or after, calls)
 
 
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that begins `marker` (and is shorter than it)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
 class ToolCallFilter:
     """Streams a reply's content while holding back what may be the start of a tool-call block
     (and the whitespace before it); `finish` parses what was held."""
@@ -122,18 +141,21 @@ class ToolCallFilter:
             self._in_block = True
             cut = len(self._held[:at].rstrip())
         else:
-            cut = len(self._held) - self._partial_open()
+            cut = len(self._held) - _partial(self._held, self._open)
             cut = len(self._held[:cut].rstrip())  # whitespace may precede a block
         out, self._held = self._held[:cut], self._held[cut:]
         self._streamed += out
         return out
 
-    def _partial_open(self) -> int:
-        """Length of the longest end of the held text that begins the block's opening tag."""
-        for k in range(min(len(self._open) - 1, len(self._held)), 0, -1):
-            if self._held.endswith(self._open[:k]):
-                return k
-        return 0
+    @property
+    def in_block(self) -> bool:
+        """The block's opening tag was seen (what follows is held, not streamed)."""
+        return self._in_block
+
+    def take_held(self) -> str:
+        """The held text, handed over (the filter holds nothing after)."""
+        held, self._held = self._held, ""
+        return held
 
     def finish(self) -> ToolCallReply:
         """What was held: the calls (and any content after the block), or, when the held text
@@ -159,14 +181,6 @@ def split_reasoning(text: str) -> tuple[str, str]:
     if at < 0:
         return text, ""
     return text[:at], text[at + len(THINK_CLOSE):]
-
-
-def _partial(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker` (and is shorter than it)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 class ReasoningFilter:
@@ -207,20 +221,33 @@ class CallDelta:
     arguments: str
 
 
-def _stream_patterns() -> dict[str, re.Pattern]:
-    block, invoke, param = (re.escape(t) for t in (CALLS_TAG, INVOKE_TAG, PARAM_TAG))
+class Element(Enum):
+    """The elements of a DSML block, in the order a streamed block is read."""
+
+    OPEN = "open"  # the block's opening tag
+    INVOKE = "invoke"  # a call's opening tag, with its name
+    PARAM = "param"  # one whole parameter
+    END_INVOKE = "end_invoke"
+    END = "end"  # the block's closing tag
+
+
+def _stream_patterns() -> MappingProxyType[Element, re.Pattern]:
+    block, invoke = (re.escape(t) for t in (CALLS_TAG, INVOKE_TAG))
     d = re.escape(DSML)
-    return {
-        "open": re.compile(rf"<{d}{block}>\n"),
-        "invoke": re.compile(rf'\n?<{d}{invoke} name="(?P<name>[^"]+)">\n'),
-        "param": re.compile(rf'\n?<{d}{param} name="(?P<key>[^"]+)" string="(?P<str>true|false)">'
-                            rf"(?P<value>.*?)</{d}{param}>", re.S),
-        "end_invoke": re.compile(rf"\n?</{d}{invoke}>"),
-        "end": re.compile(rf"\n?</{d}{block}>"),
-    }
+    return MappingProxyType({
+        Element.OPEN: re.compile(rf"<{d}{block}>\n"),
+        Element.INVOKE: re.compile(rf'\n?<{d}{invoke} name="(?P<name>[^"]+)">\n'),
+        Element.PARAM: re.compile(rf"\n?{PARAM_TEXT}", re.S),
+        Element.END_INVOKE: re.compile(rf"\n?</{d}{invoke}>"),
+        Element.END: re.compile(rf"\n?</{d}{block}>"),
+    })
 
 
 STREAM = _stream_patterns()
+# what may come next, by where the reader is
+NEXT = MappingProxyType({Element.OPEN: (Element.OPEN,),
+                         Element.INVOKE: (Element.INVOKE, Element.END),
+                         Element.PARAM: (Element.PARAM, Element.END_INVOKE)})
 
 
 class ToolCallStream:
@@ -239,7 +266,7 @@ class ToolCallStream:
         self.parallel = parallel
         self._buf = ""  # the block's text, from its opening tag
         self._pos = 0  # how much of it is read
-        self._where = "open"  # what comes next: open, invoke (or end), param (or end_invoke)
+        self._where = Element.OPEN  # what comes next: open, invoke (or end), param (or end_invoke)
         self._args = 0  # parameters of the open call so far
         self.calls = 0  # calls read
         self.closed = False  # the block's closing tag was read
@@ -247,11 +274,11 @@ class ToolCallStream:
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         """(content for certain, call pieces) of this piece of the reply."""
-        if not self._filter._in_block:
+        if not self._filter.in_block:
             content = self._filter.feed(text)
-            if not self._filter._in_block:
+            if not self._filter.in_block:
                 return content, []
-            self._buf, self._filter._held = self._filter._held.lstrip(), ""
+            self._buf = self._filter.take_held().lstrip()
             return content, self._read()
         self._buf += text
         return "", self._read()
@@ -263,8 +290,7 @@ class ToolCallStream:
         out: list[CallDelta] = []
         while not (self.closed or self.broken):
             rest = self._buf[self._pos:]
-            nexts = {"open": ("open",), "invoke": ("invoke", "end"),
-                     "param": ("param", "end_invoke")}[self._where]
+            nexts = NEXT[self._where]
             m = kind = None
             for kind in nexts:
                 m = STREAM[kind].match(self._buf, self._pos)
@@ -276,29 +302,27 @@ class ToolCallStream:
                     _could_begin(rest, kind) for kind in nexts)
                 return out
             self._pos = m.end()
-            if kind == "open":
-                self._where = "invoke"
-            elif kind == "invoke":
+            if kind == Element.OPEN:
+                self._where = Element.INVOKE
+            elif kind == Element.INVOKE:
                 self.calls += 1
-                self._where, self._args = "param", 0
+                self._where, self._args = Element.PARAM, 0
                 if self._emit():
                     out.append(CallDelta(self.calls - 1, m.group("name"), ""))
-            elif kind == "param":
-                value = m.group("value")
-                if m.group("str") == "false":
-                    try:
-                        value = json.loads(value)
-                    except json.JSONDecodeError:
-                        self._pos = m.start()
-                        self.broken = True
-                        return out
+            elif kind == Element.PARAM:
+                try:
+                    value = param_value(m)
+                except json.JSONDecodeError:
+                    self._pos = m.start()
+                    self.broken = True
+                    return out
                 piece = ("{" if not self._args else ", ") + json.dumps(m.group("key")) + \
                     ": " + json.dumps(value, ensure_ascii=False)
                 self._args += 1
                 if self._emit():
                     out.append(CallDelta(self.calls - 1, None, piece))
-            elif kind == "end_invoke":
-                self._where = "invoke"
+            elif kind == Element.END_INVOKE:
+                self._where = Element.INVOKE
                 if self._emit():
                     out.append(CallDelta(self.calls - 1, None, "}" if self._args else "{}"))
             else:
@@ -308,7 +332,7 @@ class ToolCallStream:
     def finish(self) -> str:
         """At the end: the content not yet streamed (text after a closed block, an unread or
         broken rest, or the whole held text when no call was read)."""
-        if not self._filter._in_block:
+        if not self._filter.in_block:
             return self._filter.finish().content
         if not self.calls:
             return self._buf
@@ -316,12 +340,12 @@ class ToolCallStream:
         return rest.strip() if self.closed else rest
 
 
-def _could_begin(rest: str, kind: str) -> bool:
+def _could_begin(rest: str, kind: Element) -> bool:
     """Whether `rest` may still grow into the element `kind` (its fixed start so far)."""
     block, invoke, param = CALLS_TAG, INVOKE_TAG, PARAM_TAG
-    starts = {"open": [f"<{DSML}{block}>\n"],
-              "invoke": [f'<{DSML}{invoke} name="', f'\n<{DSML}{invoke} name="'],
-              "param": [f'<{DSML}{param} name="', f'\n<{DSML}{param} name="'],
-              "end_invoke": [f"</{DSML}{invoke}>", f"\n</{DSML}{invoke}>"],
-              "end": [f"</{DSML}{block}>", f"\n</{DSML}{block}>"]}[kind]
+    starts = {Element.OPEN: [f"<{DSML}{block}>\n"],
+              Element.INVOKE: [f'<{DSML}{invoke} name="', f'\n<{DSML}{invoke} name="'],
+              Element.PARAM: [f'<{DSML}{param} name="', f'\n<{DSML}{param} name="'],
+              Element.END_INVOKE: [f"</{DSML}{invoke}>", f"\n</{DSML}{invoke}>"],
+              Element.END: [f"</{DSML}{block}>", f"\n</{DSML}{block}>"]}[kind]
     return any(s.startswith(rest) or rest.startswith(s) for s in starts)
