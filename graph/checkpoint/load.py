@@ -26,6 +26,7 @@ from dsv41.graph.checkpoint.spec import (
     fp8_scale_tile,
     param_spec,
     release_fp8_names,
+    scale_name,
     vision_spec,
 )
 from dsv41.graph.config import ModelArgs, load_config
@@ -218,7 +219,7 @@ def _compare(spec: Mapping[str, TensorSpec], where: Mapping[str, _Header], stric
     """Every difference between the files and the layout, as one sentence per tensor. `fp8`:
     the tensors stored in the hub's FP8 form (`_release_fp8`), whose scales are expected."""
     problems = []
-    scales = {_scale_name(n) for n in fp8}
+    scales = {scale_name(n) for n in fp8}
     for name, s in spec.items():
         if name not in where:
             if strict:
@@ -242,10 +243,6 @@ def _compare(spec: Mapping[str, TensorSpec], where: Mapping[str, _Header], stric
     return problems
 
 
-def _scale_name(weight_name: str) -> str:
-    return weight_name[: -len("weight")] + "scale"
-
-
 def _release_fp8(spec: Mapping[str, TensorSpec], where: Mapping[str, _Header]
                  ) -> tuple[set[str], dict[str, int], list[str]]:
     """The tensors stored in the hub's form (FP8 E4M3 where the layout has BF16, with an E8M0
@@ -256,7 +253,7 @@ def _release_fp8(spec: Mapping[str, TensorSpec], where: Mapping[str, _Header]
     tiles: dict[str, int] = {}
     problems = []
     for name in sorted(stored):
-        w, scale = where[name].entries[name], _scale_name(name)
+        w, scale = where[name].entries[name], scale_name(name)
         if scale not in where:
             problems.append(f"tensor {name!r} in {where[name].path.name} is F8_E4M3 but its "
                             f"scale {scale!r} is missing")
@@ -440,7 +437,7 @@ def _read_fp8(reader: _Reader, where: Mapping[str, _Header], name: str, tile: in
     graph uses (then sliced to `piece` and moved to `device`): its own allocation, never a
     view of the file."""
     cpu = torch.device("cpu")
-    scale = _scale_name(name)
+    scale = scale_name(name)
     codes = reader.read(where[name], name, _empty(where[name].entries[name], cpu))
     scales = reader.read(where[scale], scale, _empty(where[scale].entries[scale], cpu))
     out = dequantize_fp8_tiles(codes, scales, tile)

@@ -32,6 +32,7 @@ from dsv41.graph.checkpoint.spec import (
     TensorSpec,
     param_spec,
     release_spec,
+    scale_name,
 )
 from dsv41.graph.config import ModelArgs, hf_config, save_config
 from dsv41.graph.formats import (
@@ -119,11 +120,7 @@ def _fp4_expert(name: str, s: TensorSpec, rng: np.random.Generator) -> dict[str,
     base = round(math.log2(fan_in ** -0.5 * gain / _E2M1_UNIFORM_RMS))
     jitter = rng.integers(-1, 2, size=(out, fan_in // FP4_GROUP))
     scales = (base + 127 + jitter).astype(np.uint8)
-    return {name: codes, _scale_name(name): scales}
-
-
-def _scale_name(weight_name: str) -> str:
-    return weight_name[: -len("weight")] + "scale"
+    return {name: codes, scale_name(name): scales}
 
 
 def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -161,7 +158,7 @@ def _make_tensor(name: str, s: TensorSpec, seed: int,
             codes, scales = _quant_fp8_tiles(values, wo_a_tile)
         else:
             codes, scales = np_quant_fp8_weight(values)
-        return {name: codes, _scale_name(name): scales}
+        return {name: codes, scale_name(name): scales}
     return {name: _encode(values, s.dtype)}
 
 

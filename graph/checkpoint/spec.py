@@ -239,6 +239,11 @@ RELEASE_FP8_SUFFIX = ".attn.wo_a.weight"
 RELEASE_FP8_TILE = FP8_TILE  # the tile `checkpoint --layout release` writes (the hub's 32x32)
 
 
+def scale_name(weight_name: str) -> str:
+    """The name of a block-scaled weight's E8M0 scale (`....weight` -> `....scale`)."""
+    return weight_name[: -len("weight")] + "scale"
+
+
 def release_fp8_names(spec: dict[str, TensorSpec]) -> tuple[str, ...]:
     """The tensors of `spec` that a release (hub) checkpoint may store as FP8 + scale."""
     return tuple(n for n, s in spec.items() if n.endswith(RELEASE_FP8_SUFFIX) and s.kind == BF16)
@@ -272,7 +277,7 @@ def release_spec(args: ModelArgs, tile: int = RELEASE_FP8_TILE) -> dict[str, Ten
         (rows, cols) = s.shape
         out[name] = TensorSpec(_KINDS[FP8][0], s.shape, s.shape, FP8)
         scale = (math.ceil(rows / tile), math.ceil(cols / tile))
-        out[name[: -len("weight")] + "scale"] = TensorSpec(_KINDS[E8M0][0], scale, scale, E8M0)
+        out[scale_name(name)] = TensorSpec(_KINDS[E8M0][0], scale, scale, E8M0)
     return out
 
 
