@@ -61,6 +61,13 @@ IMAGE_SLOT = "\ufffc"  # where an image part stands in a Message's content (OBJE
 
 # the DSML tag names (V4.1: a leading space; V4 had `tool_calls` / `invoke` / `parameter`)
 CALLS_TAG, INVOKE_TAG, PARAM_TAG = " calls", " invoke", " parameter"
+# the block's tags as the release writes them (one per line; the closing ones after a newline)
+OPEN_CALLS = f"<{DSML}{CALLS_TAG}>\n"
+CLOSE_CALLS = f"\n</{DSML}{CALLS_TAG}>"
+OPEN_INVOKE = f'<{DSML}{INVOKE_TAG} name="'
+CLOSE_INVOKE = f"\n</{DSML}{INVOKE_TAG}>"
+OPEN_PARAM = f'<{DSML}{PARAM_TAG} name="'
+CLOSE_PARAM = f"</{DSML}{PARAM_TAG}>"
 
 EFFORT_LINE = ("Reasoning Effort: {budget} (range 1-100, the higher the value, the more thorough "
                "the reasoning)\n\n")
@@ -236,20 +243,20 @@ def _call_arguments(call: ToolCall) -> dict:
 def tool_calls_segments(calls: Sequence[ToolCall]) -> list[Segment]:
     """The DSML block: one invoke per call, one parameter per argument (a string as is, any
     other value as JSON), one tag per line."""
-    out = [_fmt(f"<{DSML}{CALLS_TAG}>\n")]
+    out = [_fmt(OPEN_CALLS)]
     for n, c in enumerate(calls):
         out += [_fmt("\n")] * bool(n)
-        out += [_fmt(f'<{DSML}{INVOKE_TAG} name="'), Segment(SegmentKind.TEXT, c.name),
+        out += [_fmt(OPEN_INVOKE), Segment(SegmentKind.TEXT, c.name),
                 _fmt('">\n')]
         for k, (key, v) in enumerate(_call_arguments(c).items()):
             is_str = isinstance(v, str)
             out += [_fmt("\n")] * bool(k)
-            out += [_fmt(f'<{DSML}{PARAM_TAG} name="'), Segment(SegmentKind.TEXT, key),
+            out += [_fmt(OPEN_PARAM), Segment(SegmentKind.TEXT, key),
                     _fmt(f'" string="{"true" if is_str else "false"}">'),
                     Segment(SegmentKind.TEXT, v if is_str else _json(v)),
-                    _fmt(f"</{DSML}{PARAM_TAG}>")]
-        out.append(_fmt(f"\n</{DSML}{INVOKE_TAG}>"))
-    return out + [_fmt(f"\n</{DSML}{CALLS_TAG}>")]
+                    _fmt(CLOSE_PARAM)]
+        out.append(_fmt(CLOSE_INVOKE))
+    return out + [_fmt(CLOSE_CALLS)]
 
 
 def render_tool_calls(calls: Sequence[ToolCall]) -> str:

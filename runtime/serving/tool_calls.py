@@ -32,8 +32,13 @@ from types import MappingProxyType
 
 from dsv41.runtime.serving.release_format import (
     CALLS_TAG,
+    CLOSE_CALLS,
+    CLOSE_INVOKE,
     DSML,
     INVOKE_TAG,
+    OPEN_CALLS,
+    OPEN_INVOKE,
+    OPEN_PARAM,
     PARAM_TAG,
     THINK_CLOSE,
     ToolCall,
@@ -46,7 +51,7 @@ class ToolCallReply:
     calls: tuple[ToolCall, ...]  # empty when the reply calls no tool
 
 
-BLOCK_OPEN = f"<{DSML}{CALLS_TAG}>"
+BLOCK_OPEN = OPEN_CALLS.rstrip("\n")  # the opening tag alone
 
 
 # one parameter of an invoke: its key, whether the value is a plain string, the value
@@ -342,10 +347,9 @@ class ToolCallStream:
 
 def _could_begin(rest: str, kind: Element) -> bool:
     """Whether `rest` may still grow into the element `kind` (its fixed start so far)."""
-    block, invoke, param = CALLS_TAG, INVOKE_TAG, PARAM_TAG
-    starts = {Element.OPEN: [f"<{DSML}{block}>\n"],
-              Element.INVOKE: [f'<{DSML}{invoke} name="', f'\n<{DSML}{invoke} name="'],
-              Element.PARAM: [f'<{DSML}{param} name="', f'\n<{DSML}{param} name="'],
-              Element.END_INVOKE: [f"</{DSML}{invoke}>", f"\n</{DSML}{invoke}>"],
-              Element.END: [f"</{DSML}{block}>", f"\n</{DSML}{block}>"]}[kind]
+    starts = {Element.OPEN: [OPEN_CALLS],
+              Element.INVOKE: [OPEN_INVOKE, "\n" + OPEN_INVOKE],
+              Element.PARAM: [OPEN_PARAM, "\n" + OPEN_PARAM],
+              Element.END_INVOKE: [CLOSE_INVOKE[1:], CLOSE_INVOKE],
+              Element.END: [CLOSE_CALLS[1:], CLOSE_CALLS]}[kind]
     return any(s.startswith(rest) or rest.startswith(s) for s in starts)

@@ -42,10 +42,13 @@ import torch
 from jsonschema import Draft202012Validator, SchemaError
 
 from dsv41.runtime.serving.release_format import (
-    CALLS_TAG,
+    CLOSE_CALLS,
+    CLOSE_INVOKE,
+    CLOSE_PARAM,
     DSML,
-    INVOKE_TAG,
-    PARAM_TAG,
+    OPEN_CALLS,
+    OPEN_INVOKE,
+    OPEN_PARAM,
     THINK_CLOSE,
 )
 from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -256,12 +259,6 @@ class AvoidText(_CharConstraint):
 
 # ---- the DSML grammar ---------------------------------------------------------------------------
 
-OPEN_CALLS = f"<{DSML}{CALLS_TAG}>\n"
-CLOSE_CALLS = f"\n</{DSML}{CALLS_TAG}>"
-OPEN_INVOKE = f'<{DSML}{INVOKE_TAG} name="'
-CLOSE_INVOKE = f"\n</{DSML}{INVOKE_TAG}>"
-OPEN_PARAM = f'<{DSML}{PARAM_TAG} name="'
-CLOSE_PARAM = f"</{DSML}{PARAM_TAG}>"
 CLOSE_GUARD = len(f"</{DSML}")  # past this much of CLOSE_PARAM, a free string must finish it
 
 _DIGITS = "0123456789"
