@@ -270,7 +270,6 @@ class Sampler:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 1 or logits.numel() == 0:
             raise ValueError("Sampler.sample takes one row of logits, a non-empty 1-D tensor.")
         raw, penalised = self._prepared(logits, generated, prompt)
-        penalised = self._masked(penalised, generated)
         if self.params.greedy:
             token = int(torch.argmax(penalised))  # the first maximum: lowest id on a tie
         else:
@@ -288,7 +287,6 @@ class Sampler:
             raise ValueError("Sampler.sample_draft takes one row of logits, a non-empty 1-D "
                              "tensor.")
         raw, penalised = self._prepared(logits, generated, prompt)
-        penalised = self._masked(penalised, generated)
         if self.params.greedy:
             token = int(torch.argmax(penalised))
             return self._result(raw, token), token == draft_token
@@ -298,13 +296,14 @@ class Sampler:
 
     def _prepared(self, logits: torch.Tensor, generated: Sequence[int],
                   prompt: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(raw fp32 logits on the host, penalised float64 logits)."""
+        """(raw fp32 logits on the host, penalised float64 logits, the constraint's mask
+        applied)."""
         v = logits.shape[0]
         _ids(generated, v, "generated")  # O(output) per step, in torch
         raw = logits.detach().to("cpu", torch.float32)
         if not torch.isfinite(raw).any():
             raise ValueError("The logits have no finite value to sample from.")
-        return raw, apply_penalties(raw, self.params, generated, prompt)
+        return raw, self._masked(apply_penalties(raw, self.params, generated, prompt), generated)
 
     def _result(self, raw: torch.Tensor, token: int) -> SampledToken:
         p = self.params
