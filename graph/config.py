@@ -12,8 +12,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 # Token ids of the released vocabulary (SPEC section 1).
@@ -246,7 +248,7 @@ HF_RENAMES: dict[str, str] = {
     "dspark_num_experts_per_tok": "dspark_n_activated_experts",
 }
 # `vision_config` key -> ModelArgs field (the ViT of graph/vision.py).
-HF_VISION_RENAMES: dict[str, str] = {
+HF_VISION_RENAMES: Mapping[str, str] = MappingProxyType({
     "num_hidden_layers": "vision_n_layers",
     "hidden_size": "vision_dim",
     "num_attention_heads": "vision_n_heads",
@@ -257,10 +259,10 @@ HF_VISION_RENAMES: dict[str, str] = {
     "max_image_tokens": "vision_max_n_token",
     "min_pixels": "vision_min_pixels",
     "max_wh_ratio": "vision_max_wh_ratio",
-}
+})
 # HF keys that no ModelArgs field holds but whose value decides the math: dsv41 accepts only
 # the value it implements. key -> (accepted values, what dsv41 implements).
-HF_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+HF_FIXED: Mapping[str, tuple[tuple[Any, ...], str]] = MappingProxyType({
     "topk_method": (("noaux_tc",), "routing by top-k of score + bias, weighted by the unbiased "
                     "scores (noaux_tc)"),
     "n_group": ((1, None), "no group-limited routing"),
@@ -275,9 +277,9 @@ HF_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
     "bos_token_id": ((BOS_ID,), f"BOS id {BOS_ID}"),
     "eos_token_id": ((EOS_ID, [EOS_ID]), f"EOS id {EOS_ID}"),
     "pad_token_id": ((PAD_ID, None), f"PAD id {PAD_ID}"),
-}
+})
 # HF keys that do not change what dsv41 computes: accepted, each recorded as a note saying why.
-HF_NOTED: dict[str, str] = {
+HF_NOTED: Mapping[str, str] = MappingProxyType({
     "architectures": "the HF model class",
     "model_type": "the HF model class",
     "transformers_version": "the writer's transformers version",
@@ -290,14 +292,16 @@ HF_NOTED: dict[str, str] = {
     "intermediate_size": "the dense-MLP width; dsv41's layers have none (first_k_dense_replace 0)",
     "torch_dtype": "the dtype HF casts unquantised parameters to; dsv41 reads each tensor's "
                    "dtype from the files",
-}
+})
 # keys whose value dsv41 derives from ModelArgs: key -> the value dsv41 implements
-_HF_DERIVED = {
+_HF_DERIVED = MappingProxyType({
     "qk_nope_head_dim": lambda a: a.head_dim - a.rope_head_dim,
     "v_head_dim": lambda a: a.head_dim,
     "kv_lora_rank": lambda a: a.head_dim,
-}
-_FP8_WEIGHT_TILE = 32  # graph.formats.WEIGHT_TILE: the one FP8 weight tile the kernels read
+})
+# graph.formats.WEIGHT_TILE, the one FP8 weight tile the kernels read (not imported: this
+# module stays free of torch, which graph.formats loads)
+_FP8_WEIGHT_TILE = 32
 _TORCH_DTYPES = ("bfloat16", "float16", "float32")  # an HF `dtype`; fp8/bf16 is ModelArgs.dtype
 
 
