@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import time
 
-from dsv41.compiler.tools.cli.common import args_from, model_opts, print_args
+from dsv41.compiler.tools.cli.common import args_from, model_opts, natural, print_args
 
 
 def add_parser(sub) -> None:
     sp = sub.add_parser("checkpoint", help="write a seeded checkpoint in the official layout")
     model_opts(sp)
     sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--seed", type=natural, default=0)
     sp.add_argument("--overwrite", action="store_true")
     sp.add_argument("--layout", choices=("converted", "release"), default="converted",
                     help="converted: convert.py's files (wo_a BF16, inference config.json); "

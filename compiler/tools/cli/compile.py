@@ -10,6 +10,7 @@ from dsv41.compiler.progress import CompileBar
 from dsv41.compiler.tools.cli.common import (
     args_from,
     check_target,
+    count,
     model_name,
     model_opts,
     print_args,
@@ -29,9 +30,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--debug-dump", default=None, help="write the IR after each phase here")
     sp.add_argument("--format", default="tvm", choices=("tvm", "onnx"),
                     help="onnx: also export the captured graphs as ONNX (dsv41 domain)")
-    sp.add_argument("--jobs", type=int, default=1,
+    sp.add_argument("--jobs", type=count, default=1,
                     help="CPU targets: entries built at once, each in a process of its own")
-    sp.add_argument("--shards", type=int, default=None,
+    sp.add_argument("--shards", type=count, default=None,
                     help="a sharded artifact: one worker's graph for N workers (CPU targets; "
                          "default entries: prefill_all)")
     sp.add_argument("--ccl", default="cpu-test", choices=("cpu-test", "disco"),
