@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import time
 
-from dsv41.compiler.tools.cli.common import args_from, model_opts, natural, print_args
+from dsv41.compiler.tools.cli.common import (
+    args_from,
+    model_opts,
+    natural,
+    out_folder,
+    print_args,
+)
 
 
 def add_parser(sub) -> None:
@@ -26,7 +32,7 @@ def run(ns) -> int:
 
     print_args("checkpoint", ns)
     t0 = time.time()
-    out = write_seeded_checkpoint(args_from(ns), ns.out, seed=ns.seed, progress=True,
-                                  overwrite=ns.overwrite, layout=ns.layout)
+    out = write_seeded_checkpoint(args_from(ns), out_folder(ns.out), seed=ns.seed,
+                                  progress=True, overwrite=ns.overwrite, layout=ns.layout)
     print(f"wrote {out} in {time.time() - t0:.1f} s")
     return 0

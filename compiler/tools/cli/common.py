@@ -45,6 +45,20 @@ def model_name(ns) -> str:
     return cfg.parent.parent.name if name == "checkpoint" else name
 
 
+def out_folder(value: str, flag: str = "--out") -> Path:
+    """A folder a verb writes into: new (made later) or an existing folder; ValueError when it,
+    or the nearest part of it that exists, is a file or anything else but a folder."""
+    path = Path(value)
+    for part in (path, *path.parents):
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                what = "it is" if part == path else f"{part} is"
+                raise ValueError(f"{flag} {value} cannot be a folder: {what} an existing file "
+                                 "(or a broken link), not a folder.")
+            break
+    return path
+
+
 def split(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 

@@ -13,6 +13,7 @@ from dsv41.compiler.tools.cli.common import (
     count,
     model_name,
     model_opts,
+    out_folder,
     print_args,
 )
 
@@ -61,7 +62,7 @@ def options(ns) -> CompileOptions:
 
     check_target(ns.target)
     return CompileOptions(args=args_from(ns), model_name=model_name(ns), target=ns.target,
-                          out=Path(ns.out), entries=entries_of(ns),
+                          out=out_folder(ns.out), entries=entries_of(ns),
                           debug_dump=Path(ns.debug_dump) if ns.debug_dump else None,
                           onnx=ns.format == "onnx", jobs=ns.jobs)
 
@@ -106,7 +107,8 @@ def run_sharded(ns) -> int:
 
     if ns.format != "tvm" or ns.debug_dump:
         raise ValueError("--shards builds TVM libraries only (no --format onnx, --debug-dump).")
-    out = Path(ns.out) / f"{name}-{args.config_hash()[:12]}" / f"{ns.target}-shards{ns.shards}"
+    out = out_folder(ns.out) / f"{name}-{args.config_hash()[:12]}" / \
+        f"{ns.target}-shards{ns.shards}"
     print(f"compile: model {name}, {ns.shards} workers, target {ns.target}, collectives "
           f"{ns.ccl}, entries {', '.join(entries)}, out {out}")
     path = compile_sharded(args, out, shards=ns.shards, entries=entries, target=ns.target,

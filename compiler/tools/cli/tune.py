@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv41.compiler.tools.cli.common import (
@@ -13,6 +12,7 @@ from dsv41.compiler.tools.cli.common import (
     model_name,
     model_opts,
     natural,
+    out_folder,
     print_args,
 )
 
@@ -58,7 +58,8 @@ def options(ns) -> TuneOptions:
 
     check_target(ns.target)
     return TuneOptions(
-        args=args_from(ns), model_name=model_name(ns), target=ns.target, out=Path(ns.out),
+        args=args_from(ns), model_name=model_name(ns), target=ns.target,
+        out=out_folder(ns.out),
         entries=tuple(e for e in ns.entries.split(",") if e),
         ops=tuple(o for o in ns.ops.split(",") if o), trials=ns.trials,
         per_round=ns.per_round, shape=PhaseShape(batch=ns.batch, tokens=ns.tokens,
