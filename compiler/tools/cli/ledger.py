@@ -24,8 +24,12 @@ def add_parser(sub) -> None:
                     help="candidate_pool and shared_selection also over the bench's synthetic "
                          "cache of these many positions, decode steps scored (e.g. 32K,64K; "
                          "K = 1024)")
-    sp.add_argument("--decode", type=count, default=8, help="teacher-forced steps scored after it")
+    sp.add_argument("--decode", type=natural, default=8,
+                    help="teacher-forced steps scored after it")
     sp.add_argument("--suffix", type=count, default=32, help="replay: new tokens after the prefix")
+    sp.add_argument("--carry-suffix", type=count, default=None,
+                    help="decoder_carry: the second turn's new tokens (default: half the decoder "
+                         "window; a whole window or more makes carry-over equal the replay)")
     sp.add_argument("--switches", default="",
                     help="comma-separated subset of ced,replay,fp4_kv,candidate_pool,"
                          "decoder_carry,shared_selection (default all)")
@@ -44,7 +48,7 @@ def options(ns) -> LedgerCommandOptions:
         tuple(SWITCHES)
     ledger = LedgerOptions(
         contexts=parse_contexts(ns.contexts) if ns.contexts.strip() else (), decode=ns.decode,
-        switches=switches, suffix=ns.suffix, seed=ns.seed,
+        switches=switches, suffix=ns.suffix, seed=ns.seed, carry_suffix=ns.carry_suffix,
         long_contexts=parse_tokens(ns.long_contexts) if ns.long_contexts else ())
     return LedgerCommandOptions(ledger, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
                                 preset=ns.preset, json=Path(ns.json) if ns.json else None)
