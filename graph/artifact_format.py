@@ -10,6 +10,14 @@ neither reads the other's dicts.
 field (`manifest_digest`), so each field the runtime trusts (the config, each entry's inputs,
 outputs, cache names and parameter order, the file checksums) is covered. A key the format does
 not know, a missing one or one of another type is refused when read, never carried along.
+
+What the digest protects, and what it does not (docs/compile-and-targets.md, "Threat model"):
+it is unkeyed, so it catches accidental corruption and mismatched files (a manifest edited by
+hand, a library of another build, a truncated copy), not a deliberate change by someone who can
+write the folder: they can recompute it. With a key configured (`KEY_FILE_ENV` names a file of
+secret bytes), the writer also records `manifest_hmac`, HMAC-SHA256 under that key of the same
+canonical JSON, and `check_seal` requires and verifies it, so an edit (two same-shape weights'
+names swapped in an entry's parameters, the digest recomputed) is refused without the key.
 Nested JSON the format does not interpret (the config, the TVM target, the sharding plan) is
 kept read-only (`MappingProxyType`, tuples) and given back as plain JSON by `thaw`.
 """
@@ -17,6 +25,7 @@ kept read-only (`MappingProxyType`, tuples) and given back as plain JSON by `tha
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 from collections.abc import Mapping
@@ -32,6 +41,9 @@ from dsv41.graph.targets import TargetName
 FORMAT_VERSION = 2  # 2: manifest_sha256
 SHARDED_FORMAT = "dsv41-sharded-1"  # a sharded artifact's manifest `format` (runtime/sharded.py)
 DIGEST_KEY = "manifest_sha256"
+HMAC_KEY = "manifest_hmac"  # present when the writer had an artifact key
+KEY_FILE_ENV = "DSV41_ARTIFACT_KEY_FILE"  # a file of secret bytes: seal and verify with HMAC
+SEAL_KEYS = (DIGEST_KEY, HMAC_KEY)  # the fields neither seal covers (they are the seals)
 
 
 class ArtifactError(ValueError):
@@ -46,11 +58,62 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _canonical(manifest: Mapping) -> bytes:
+    """The canonical JSON (sorted keys, no spaces) of every field but the seals."""
+    body = {k: v for k, v in thaw(manifest).items() if k not in SEAL_KEYS}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
 def manifest_digest(manifest: Mapping) -> str:
-    """sha256 of the canonical JSON (sorted keys, no spaces) of every field but the digest."""
-    body = {k: v for k, v in thaw(manifest).items() if k != DIGEST_KEY}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
-                          .encode()).hexdigest()
+    """sha256 of the canonical JSON (sorted keys, no spaces) of every field but the seals."""
+    return hashlib.sha256(_canonical(manifest)).hexdigest()
+
+
+def manifest_hmac(manifest: Mapping, key: bytes) -> str:
+    """HMAC-SHA256 under `key` of the same canonical JSON `manifest_digest` hashes."""
+    return hmac.new(key, _canonical(manifest), hashlib.sha256).hexdigest()
+
+
+def artifact_key(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The artifact key: the bytes of the file `KEY_FILE_ENV` names (surrounding whitespace
+    stripped), None when it is not set; ArtifactError when it names no readable, non-empty
+    regular file (a key configured but unusable never means "no key")."""
+    env = os.environ if environ is None else environ
+    name = env.get(KEY_FILE_ENV)
+    if not name:
+        return None
+    path = Path(name)
+    if not path.is_file():
+        raise ArtifactError(f"{KEY_FILE_ENV} names {path}, which is not a regular file; point "
+                            "it at the artifact key's file, or unset it.")
+    try:
+        with path.open("rb") as f:
+            key = f.read(4097).strip()
+    except OSError as e:
+        raise ArtifactError(f"{KEY_FILE_ENV} names {path}, which cannot be read ({e}).") from e
+    if not key or len(key) > 4096:
+        raise ArtifactError(f"{KEY_FILE_ENV} names {path}, which must hold 1 to 4096 bytes of "
+                            "key (it is empty or larger).")
+    return key
+
+
+def check_seal(m: Manifest | ShardedManifest, where: str, key: bytes | None) -> None:
+    """The manifest's digest, and with a key its HMAC (required then): ArtifactError saying
+    which does not match. Without a key a manifest_hmac present is not checked (there is
+    nothing to check it with)."""
+    if m.manifest_sha256 != m.digest():
+        raise ArtifactError(f"{where}: manifest.json does not match its manifest_sha256 (edited "
+                            "or corrupted). Recompile or restore it.")
+    if key is None:
+        return
+    if m.manifest_hmac is None:
+        raise ArtifactError(f"{where}: manifest.json has no manifest_hmac, and an artifact key "
+                            f"is configured ({KEY_FILE_ENV}): compile it with that key set, or "
+                            "unset it to load unkeyed artifacts.")
+    if not hmac.compare_digest(m.manifest_hmac, manifest_hmac(m.to_json(), key)):
+        raise ArtifactError(f"{where}: manifest.json does not match its manifest_hmac under the "
+                            f"configured artifact key ({KEY_FILE_ENV}): edited after it was "
+                            "sealed, or sealed with another key. Recompile it with this key.")
 
 
 def freeze(value: Any) -> Any:
@@ -294,6 +357,7 @@ class Manifest:
     created_unix: int | None = None
     built_on: str | None = None  # the host name
     manifest_sha256: str | None = None  # None: not yet sealed (`sealed`)
+    manifest_hmac: str | None = None  # sealed with an artifact key (`artifact_key`); else None
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "manifest.json") -> Manifest:
@@ -322,7 +386,8 @@ class Manifest:
                 compile_seconds=freeze(f.take("compile_seconds", dict, required=False)),
                 created_unix=f.take("created_unix", int, required=False),
                 built_on=f.take("built_on", str, required=False),
-                manifest_sha256=f.take(DIGEST_KEY, str, required=False))
+                manifest_sha256=f.take(DIGEST_KEY, str, required=False),
+                manifest_hmac=f.take(HMAC_KEY, str, required=False))
         f.done()
         return m
 
@@ -340,15 +405,18 @@ class Manifest:
         _put(out, "created_unix", self.created_unix)
         _put(out, "built_on", self.built_on)
         _put(out, DIGEST_KEY, self.manifest_sha256)
+        _put(out, HMAC_KEY, self.manifest_hmac)
         return out
 
     def digest(self) -> str:
         return manifest_digest(self.to_json())
 
-    def sealed(self) -> Manifest:
-        """This manifest with its digest (`manifest_sha256`) over every other field."""
-
-        return replace(self, manifest_sha256=self.digest())
+    def sealed(self, key: bytes | None = None) -> Manifest:
+        """This manifest with its digest (`manifest_sha256`) over every other field, and with
+        `key` its HMAC (`manifest_hmac`) over the same."""
+        body = self.to_json()
+        return replace(self, manifest_sha256=manifest_digest(body),
+                       manifest_hmac=None if key is None else manifest_hmac(body, key))
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +438,7 @@ class ShardedManifest:
     compile_seconds: Mapping[str, float] | None = None
     created_unix: int | None = None
     manifest_sha256: str | None = None
+    manifest_hmac: str | None = None
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "manifest.json") -> ShardedManifest:
@@ -393,7 +462,8 @@ class ShardedManifest:
                 files=freeze(f.take("files", dict)),
                 compile_seconds=freeze(f.take("compile_seconds", dict, required=False)),
                 created_unix=f.take("created_unix", int, required=False),
-                manifest_sha256=f.take(DIGEST_KEY, str, required=False))
+                manifest_sha256=f.take(DIGEST_KEY, str, required=False),
+                manifest_hmac=f.take(HMAC_KEY, str, required=False))
         f.done()
         return m
 
@@ -407,20 +477,24 @@ class ShardedManifest:
         _put(out, "compile_seconds", thaw(self.compile_seconds))
         _put(out, "created_unix", self.created_unix)
         _put(out, DIGEST_KEY, self.manifest_sha256)
+        _put(out, HMAC_KEY, self.manifest_hmac)
         return out
 
     def digest(self) -> str:
         return manifest_digest(self.to_json())
 
-    def sealed(self) -> ShardedManifest:
-        return replace(self, manifest_sha256=self.digest())
+    def sealed(self, key: bytes | None = None) -> ShardedManifest:
+        body = self.to_json()
+        return replace(self, manifest_sha256=manifest_digest(body),
+                       manifest_hmac=None if key is None else manifest_hmac(body, key))
 
 
 def write_manifest_file(folder: Path, manifest: Manifest | ShardedManifest) -> Path:
-    """`folder/manifest.json`, sealed and replaced whole (a killed write leaves the old one)."""
+    """`folder/manifest.json`, sealed (with an HMAC too when `artifact_key` gives a key) and
+    replaced whole (a killed write leaves the old one)."""
 
     path = folder / "manifest.json"
     tmp = folder / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest.sealed().to_json(), indent=1))
+    tmp.write_text(json.dumps(manifest.sealed(artifact_key()).to_json(), indent=1))
     os.replace(tmp, path)
     return path

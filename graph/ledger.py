@@ -74,7 +74,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "tokens through the decoder (`ced_prefill` of the suffix on the live CED cache), so "
            "decoding reads decoder rings the first turn left; the record's `released_*` fields "
            "give the released design on the same turns: decoder bounded replay of the last "
-           "`window` prompt tokens at every prefill (`phases.resume_prefill`)",
+           "`window` prompt tokens at every prefill (`phases.resume_prefill`). The second turn "
+           "has `carry_suffix` new tokens (default half the window): a turn of a whole window "
+           "or more rewrites every decoder ring entry decoding reads, so both designs (and a "
+           "one-shot CED prefill) would give the same numbers",
            "the live cache continued exactly: `prefill_exact` of the first turn, then of the "
            "suffix"),
     Switch("shared_selection",
@@ -128,6 +131,7 @@ class LedgerRecord:
     # exact side, so the carry-over's cost or benefit reads off one record (else None)
     released_kl_mean: float | None = None
     released_top1: float | None = None
+    turn_tokens: int | None = None  # decoder_carry only: the second turn's new tokens
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,8 @@ class LedgerOptions:
     suffix: int = 32  # replay: new tokens after the cached prefix (context = prefix + suffix)
     seed: int = 0  # the prompt's ids
     long_contexts: tuple[int, ...] = ()  # selection switches over a given cache of N positions
+    # decoder_carry: the second turn's new tokens (None: half the decoder window, `carry_turn`)
+    carry_suffix: int | None = None
 
     def __post_init__(self) -> None:
         bad = [s for s in self.switches if s not in SWITCHES]
@@ -158,6 +164,9 @@ class LedgerOptions:
             raise ValueError(f"The number of decode steps must be >= 0, got {self.decode}.")
         if self.suffix < 1:
             raise ValueError(f"The replay suffix must be >= 1 token, got {self.suffix}.")
+        if self.carry_suffix is not None and self.carry_suffix < 1:
+            raise ValueError(f"The carry-over turn must have >= 1 new token, got "
+                             f"{self.carry_suffix}.")
 
 
 @dataclass
@@ -370,6 +379,16 @@ def run_ledger(model: Model, opts: LedgerOptions, progress=None, cache_at=None) 
     return ledger
 
 
+def carry_turn(model: Model, opts: LedgerOptions, n: int) -> int:
+    """decoder_carry's second turn at context n: `opts.carry_suffix` new tokens, by default half
+    the decoder window, where carry-over and the released replay differ (the turn's decode reads
+    ring entries the first turn wrote under carry-over, rebuilt by the replay otherwise); at
+    most n - 1 (the first turn keeps a token)."""
+    k = opts.carry_suffix if opts.carry_suffix is not None else \
+        max(1, model.args.window_size // 2)
+    return min(k, n - 1)
+
+
 def measure(model: Model, name: str, tokens: np.ndarray, n: int, opts: LedgerOptions,
             released=None) -> LedgerRecord:
     """One comparison. `released()` may return a cached exact-mode trace of this context."""
@@ -380,10 +399,12 @@ def measure(model: Model, name: str, tokens: np.ndarray, n: int, opts: LedgerOpt
     if name == "replay":
         return make_record(name, n, *run_replay_pair(model, tokens, n, d, min(opts.suffix, n - 1)))
     if name == "decoder_carry":
-        exact, carry, replayed = run_carry_traces(model, tokens, n, d, min(opts.suffix, n - 1))
+        k = carry_turn(model, opts, n)
+        exact, carry, replayed = run_carry_traces(model, tokens, n, d, k)
         rel = make_record(name, n, exact, replayed)
         return dataclasses.replace(make_record(name, n, exact, carry),
-                                   released_kl_mean=rel.kl_mean, released_top1=rel.top1)
+                                   released_kl_mean=rel.kl_mean, released_top1=rel.top1,
+                                   turn_tokens=k)
     if name == "fp4_kv":
         return make_record(name, n, run_trace(model, tokens, n, d, kv_dtype="bf16"), released())
     if name in _SELECTION_SWITCHES:
@@ -423,8 +444,9 @@ def format_ledger(ledger: Ledger) -> str:
                     f"{r.rel_l2_median:>10.3g} {r.rel_l2_max:>10.3g} {ovl:>8} {r.seconds:>6.1f}s")
     for r in ledger.records:
         if r.released_kl_mean is not None:
-            rows.append(f"{r.switch} at {r.context}: carry-over KL mean {r.kl_mean:.3g}, top-1 "
-                        f"{r.top1:.3f}; released (decoder replay at every prefill) KL mean "
+            rows.append(f"{r.switch} at {r.context} (a second turn of {r.turn_tokens} new "
+                        f"tokens): carry-over KL mean {r.kl_mean:.3g}, top-1 {r.top1:.3f}; "
+                        f"released (decoder replay at every prefill) KL mean "
                         f"{r.released_kl_mean:.3g}, top-1 {r.released_top1:.3f}")
     rows.append("")
     rows.append(f"KL(exact || approx) in nats over the prompt's last position + {o.decode} "

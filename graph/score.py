@@ -4,6 +4,7 @@ it, so any backend (this graph, a compiled artifact) is measured the same way.""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,19 +56,36 @@ class ScoreResult:
         return cls(z["logits"], int(z["prefill"]), sel, hidden)
 
 
-def read_tokens(path: str | Path) -> np.ndarray:
-    """A `.npy` array or a text file of whitespace-separated integer ids."""
+MAX_TOKEN_FILE_BYTES = 64 << 20  # a token file is read whole; above this it is refused
+
+
+def read_tokens(path: str | Path, max_bytes: int = MAX_TOKEN_FILE_BYTES) -> np.ndarray:
+    """A `.npy` array or a text file of whitespace-separated integer ids: a regular file of at
+    most `max_bytes` (a folder, a device such as /dev/zero or a pipe is refused before any
+    read, and no more than `max_bytes` + 1 bytes are ever read)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"Token file {path} does not exist.")
+    if not path.is_file():
+        raise ValueError(f"Token file {path} is not a regular file (a folder, device or pipe); "
+                         "give a .npy file or a text file of ids.")
+    with path.open("rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"Token file {path} is larger than {max_bytes} bytes; a token file "
+                         "that large is refused.")
     if path.suffix == ".npy":
-        arr = np.load(path)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{path} holds {arr.dtype}, not integer token ids.")
+        try:
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"{path} is not a valid .npy file ({e}).") from e
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
+            raise ValueError(f"{path} holds {getattr(arr, 'dtype', type(arr).__name__)}, not "
+                             "integer token ids.")
     else:
         try:
-            arr = np.array([int(t) for t in path.read_text().split()], dtype=np.int64)
-        except ValueError as e:
+            arr = np.array([int(t) for t in data.decode("ascii").split()], dtype=np.int64)
+        except (ValueError, OverflowError) as e:
             raise ValueError(f"{path} must hold whitespace-separated integer ids: {e}.") from e
     arr = np.asarray(arr, dtype=np.int64).reshape(-1)
     if arr.size == 0:

@@ -15,12 +15,15 @@ import pytest
 from dsv41.compiler.build import CompileOptions, CompileReport, write_manifest
 from dsv41.graph.artifact_format import (
     FORMAT_VERSION,
+    KEY_FILE_ENV,
     SHARDED_FORMAT,
     ArtifactError,
     EntrySpec,
     Manifest,
     ShardedManifest,
+    artifact_key,
     manifest_digest,
+    manifest_hmac,
 )
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.config import SMALL_CONFIG_JSON, load_config
@@ -198,3 +201,86 @@ def test_entry_and_target_names_are_str_enums():
     assert f"{Entry.ENCODER_REPLAY}.so" == "encoder_replay.so"
     assert target_names() == ("cpu", "cpu-x86-64", "cuda-sm80", "cuda-sm90", "cuda-sm100")
     assert all(isinstance(t, TargetName) for t in target_names())
+
+
+# ---- the seals: the unkeyed digest, and the HMAC under an artifact key ---------------------------
+
+
+def _keyed_artifact(root: Path, monkeypatch, key: bytes | None) -> Path:
+    """The compiler's writer over placeholder libraries, with `key` as the artifact key (None:
+    none configured); decode takes two weights of one shape."""
+    key_file = root / "artifact.key"
+    root.mkdir()
+    if key is None:
+        monkeypatch.delenv(KEY_FILE_ENV, raising=False)
+    else:
+        key_file.write_bytes(key + b"\n")
+        monkeypatch.setenv(KEY_FILE_ENV, str(key_file))
+    opts = CompileOptions(args=load_config(SMALL_CONFIG_JSON), model_name="fmt", target="cpu",
+                          out=root / "out")
+    d = opts.artifact_dir
+    d.mkdir(parents=True)
+    sig = _entry("decode")
+    sig["params"] = [_tensor(f"p_layers__{i}__attn__wq_a__weight", "float8_e4m3fn", ("64", "256"),
+                             param=f"layers__{i}__attn__wq_a__weight") for i in (0, 1)]
+    (d / "decode.so").write_bytes(b"placeholder library decode")
+    write_manifest(opts, {"decode": EntrySpec.from_json(sig, "decode")}, CompileReport(d))
+    return d
+
+
+def _swap_weights_and_reseal(d: Path) -> None:
+    """The two same-shape weights trade places; the digest recomputed, the HMAC left as it was
+    (whoever edits it has no key)."""
+    raw = _raw(d)
+    p = raw["entries"]["decode"]["params"]
+    p[0]["param"], p[1]["param"] = p[1]["param"], p[0]["param"]
+    raw["manifest_sha256"] = manifest_digest(raw)
+    (d / "manifest.json").write_text(json.dumps(raw, indent=1))
+
+
+def test_with_an_artifact_key_a_swap_of_weights_with_the_digest_recomputed_is_refused(
+        tmp_path, monkeypatch):
+    d = _keyed_artifact(tmp_path / "keyed", monkeypatch, b"secret key")
+    raw = _raw(d)
+    assert raw["manifest_hmac"] == manifest_hmac(raw, b"secret key")
+    assert list(raw)[-2:] == ["manifest_sha256", "manifest_hmac"]
+    assert verify(d).manifest_hmac == raw["manifest_hmac"]
+    _swap_weights_and_reseal(d)
+    with pytest.raises(ArtifactError, match=f"^{d}: manifest.json does not match its "
+                       "manifest_hmac under the configured artifact key"):
+        verify(d)
+    # sealed with another key: refused the same way
+    d2 = _keyed_artifact(tmp_path / "other", monkeypatch, b"another key")
+    monkeypatch.setenv(KEY_FILE_ENV, str(tmp_path / "keyed" / "artifact.key"))
+    with pytest.raises(ArtifactError, match="sealed with another key"):
+        verify(d2)
+
+
+def test_without_a_key_the_digest_alone_is_checked(tmp_path, monkeypatch):
+    """The threat model's limit: unkeyed, a writer of the folder can recompute the digest."""
+    d = _keyed_artifact(tmp_path / "plain", monkeypatch, None)
+    assert "manifest_hmac" not in _raw(d)
+    _swap_weights_and_reseal(d)
+    assert verify(d).entries[Entry.DECODE].params[0].param == "layers__1__attn__wq_a__weight"
+
+
+def test_a_configured_key_requires_a_keyed_manifest_and_a_usable_key_file(tmp_path,
+                                                                          monkeypatch):
+    d = _keyed_artifact(tmp_path / "plain", monkeypatch, None)
+    key = tmp_path / "k"
+    key.write_bytes(b"k")
+    monkeypatch.setenv(KEY_FILE_ENV, str(key))
+    with pytest.raises(ArtifactError, match=f"^{d}: manifest.json has no manifest_hmac, and an "
+                       f"artifact key is configured \\({KEY_FILE_ENV}\\)"):
+        verify(d)
+    for bad, why in ((tmp_path / "none", "which is not a regular file"),
+                     (tmp_path, "which is not a regular file"),
+                     (tmp_path / "empty", "which must hold 1 to 4096 bytes")):
+        if bad.name == "empty":
+            bad.write_bytes(b" \n")
+        with pytest.raises(ArtifactError, match=f"^{KEY_FILE_ENV} names {bad}, {why}"):
+            artifact_key({KEY_FILE_ENV: str(bad)})
+        monkeypatch.setenv(KEY_FILE_ENV, str(bad))  # the loader says so too, never "no key"
+        with pytest.raises(ArtifactError, match=why):
+            verify(d)
+    assert artifact_key({}) is None and artifact_key({KEY_FILE_ENV: str(key)}) == b"k"

@@ -378,7 +378,8 @@ def seeded_small(tmp_path_factory):
 
 def test_seeded_small_loads_and_is_deterministic(seeded_small, tmp_path):
     args = preset("small")
-    assert sorted(p.name for p in seeded_small.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in seeded_small.iterdir()) == [
+        ".dsv41-checkpoint.json", "config.json", "model.safetensors"]
     assert checkpoint_config(seeded_small) == args
     weights = load_checkpoint(seeded_small, args)
     assert list(weights) == list(param_spec(args))

@@ -286,7 +286,7 @@ def test_decoder_carry_switch_reports_both_designs(small_case, small_model):
     ring entry decoding reads under both designs, so carry-over and the released replay agree
     exactly; a shorter suffix leaves carry-over reading the first turn's rings, so they differ."""
     m = small_model
-    short, long_ = (run_ledger(m, LedgerOptions(contexts=(30,), decode=2, suffix=k,
+    short, long_ = (run_ledger(m, LedgerOptions(contexts=(30,), decode=2, carry_suffix=k,
                                                 switches=("decoder_carry",))).records[0]
                     for k in (4, 20))
     for r in (short, long_):
@@ -296,4 +296,18 @@ def test_decoder_carry_switch_reports_both_designs(small_case, small_model):
     assert short.kl_mean != short.released_kl_mean
     text = format_ledger(Ledger(LedgerOptions(contexts=(30,), switches=("decoder_carry",)),
                                 [short]))
-    assert "decoder_carry at 30: carry-over KL mean" in text
+    assert "decoder_carry at 30 (a second turn of 4 new tokens): carry-over KL mean" in text
+
+
+def test_decoder_carry_scores_the_turn_where_carry_over_and_replay_differ(small_model):
+    """By default (`dsv41 ledger`'s options) the carry-over turn is shorter than the decoder
+    window (16 here), as the engine test where carry-over changes a second turn's output
+    (test_engine_tiers): its row is not the `ced` row again, and carry-over and the released
+    replay give different numbers."""
+    ced, carry = run_ledger(small_model, LedgerOptions(
+        contexts=(30,), decode=1, switches=("ced", "decoder_carry"))).records
+    assert (ced.switch, carry.switch) == ("ced", "decoder_carry")
+    assert carry.turn_tokens == small_model.args.window_size // 2 == 8
+    assert carry.kl_mean > 0 and carry.released_kl_mean > 0
+    assert (carry.kl_mean, carry.rel_l2_median) != (ced.kl_mean, ced.rel_l2_median)
+    assert carry.kl_mean != carry.released_kl_mean

@@ -426,8 +426,10 @@ def summary(report: SelftestReport) -> str:
 DESCRIPTION = "the device check (see compiler/selftest.py)"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `dsv41 selftest` (and of a bundle's gpu_check.py)."""
+def add_arguments(p: argparse.ArgumentParser, *, count=int, seconds=float) -> None:
+    """The options of `dsv41 selftest` (and of a bundle's gpu_check.py); `count`, `seconds`:
+    the argparse types of --reps and --budget-s (`dsv41 selftest` passes the CLI's checked ones,
+    `cli.common`; a bundle has no CLI)."""
     p.add_argument("--target", default="cuda-sm90")
     p.add_argument("--device", default=None, help="cpu | cuda:N (default: the target's kind)")
     p.add_argument("--artifacts", default="artifacts", help="comma-separated folders searched "
@@ -435,8 +437,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case", default=None, help="the shared-small conformance case")
     p.add_argument("--bench-checkpoint", default=str(SelftestOptions.bench_checkpoint))
     p.add_argument("--contexts", default="4K,64K,128K")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--budget-s", type=float, default=480.0)
+    p.add_argument("--reps", type=count, default=5)
+    p.add_argument("--budget-s", type=seconds, default=480.0)
     p.add_argument("--tests", default=None, help="the test suite folder (kernel tests)")
     p.add_argument("--json", default="selftest.json")
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -260,13 +261,57 @@ def _check_free_disk(total: int, out_dir: Path) -> None:
                          f"{free / 1e9:.1f} GB free under {out_dir}.")
 
 
-def _clear_old_checkpoint(out_dir: Path, overwrite: bool) -> None:
-    old = sorted(out_dir.glob("*.safetensors")) + sorted(out_dir.glob(INDEX_FILE))
-    if old and not overwrite:
-        raise ValueError(f"Output directory {out_dir} already holds a checkpoint "
-                         f"({old[0].name}, ...); pass overwrite=True to replace it.")
-    for p in old:
-        p.unlink()
+WRITTEN_FILES = ".dsv41-checkpoint.json"  # the files write_seeded_checkpoint wrote in a folder
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _ours(name: str) -> bool:
+    """A file name this writer writes (a hostile WRITTEN_FILES can name nothing else)."""
+    return name in (SINGLE_FILE, INDEX_FILE, "config.json") or bool(_SHARD_NAME.fullmatch(name))
+
+
+def _written_files(out_dir: Path) -> frozenset[str]:
+    """The files an earlier write_seeded_checkpoint recorded in `out_dir` (none: no record)."""
+    path = out_dir / WRITTEN_FILES
+    if not path.is_file():
+        return frozenset()
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"Output directory {out_dir}: its {WRITTEN_FILES} is unreadable ({e}); "
+                         "remove it or choose another folder.") from e
+    if not isinstance(files, list):
+        raise ValueError(f"Output directory {out_dir}: its {WRITTEN_FILES} lists no files.")
+    return frozenset(f for f in files if isinstance(f, str) and _ours(f))
+
+
+def _prepare_out_dir(out_dir: Path, files: list[str], overwrite: bool) -> None:
+    """Refuse a folder that holds anything but a checkpoint this writer wrote (unless
+    `overwrite`: then beside files it did not write, none of which it would replace or mix into
+    the checkpoint); with `overwrite`, remove only the files the earlier write recorded. Then
+    record `files` (before any is written, so a killed write's files are known as ours)."""
+    present = {p.name for p in out_dir.iterdir()} - {WRITTEN_FILES}
+    recorded = _written_files(out_dir)  # and their `.partial` forms (a killed write's)
+    ours = {f for f in present if f.removesuffix(".partial") in recorded}
+    foreign = present - ours
+    if present and not overwrite:
+        if ours:
+            raise ValueError(f"Output directory {out_dir} already holds a checkpoint "
+                             f"({sorted(ours)[0]}, ...); pass overwrite=True (--overwrite) to "
+                             "replace it.")
+        raise ValueError(f"Output directory {out_dir} is not empty ({sorted(present)[0]}, ...) "
+                         "and holds no checkpoint written here; choose a new or empty folder.")
+    clash = sorted(f for f in foreign if f in (*files, "config.json", INDEX_FILE)
+                   or f.endswith(".safetensors"))
+    if clash:
+        raise ValueError(f"Output directory {out_dir} holds {', '.join(clash[:4])}, which no "
+                         "seeded checkpoint write recorded there; --overwrite replaces only the "
+                         "files an earlier write recorded. Choose a new or empty folder.")
+    for name in sorted(ours):
+        (out_dir / name).unlink()
+    record = out_dir / (WRITTEN_FILES + ".partial")
+    record.write_text(json.dumps({"files": [*files, "config.json"]}, indent=1) + "\n")
+    os.replace(record, out_dir / WRITTEN_FILES)
 
 
 def write_seeded_checkpoint(args: ModelArgs, out_dir: str | Path, *, seed: int = 0,
@@ -290,6 +335,10 @@ def write_seeded_checkpoint(args: ModelArgs, out_dir: str | Path, *, seed: int =
     `model.safetensors.index.json`. Tensors are generated and written one at a time, so memory
     stays near the largest tensor. Raises ValueError when the checkpoint would exceed
     `max_total_bytes` (the `full` preset) or the free disk space.
+
+    `out_dir` must be new or empty, or (with `overwrite`) hold a checkpoint written here: the
+    files written are recorded in `WRITTEN_FILES`, and `overwrite` removes only those, never a
+    file this function did not write (`_prepare_out_dir`).
     """
     if seed < 0:
         raise ValueError(f"The seed of a seeded checkpoint must be non-negative, got {seed}.")
@@ -307,9 +356,10 @@ def write_seeded_checkpoint(args: ModelArgs, out_dir: str | Path, *, seed: int =
     _check_total_size(args, total, max_total_bytes)
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_free_disk(total, out_dir)
-    _clear_old_checkpoint(out_dir, overwrite)
     shards = (_plan_release_shards if release else _plan_shards)(spec, max_shard_bytes)
     files = _shard_names(len(shards), single=not release)
+    index = len(files) > 1 or release
+    _prepare_out_dir(out_dir, [*files, *([INDEX_FILE] if index else [])], overwrite)
     bar = _progress_bar(total, progress)
     pending: dict[str, np.ndarray] = {}
     try:
@@ -319,7 +369,7 @@ def write_seeded_checkpoint(args: ModelArgs, out_dir: str | Path, *, seed: int =
         if bar is not None:
             bar.close()
     assert not pending, f"generated but never written: {sorted(pending)[:3]}"
-    if len(files) > 1 or release:
+    if index:
         weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -10,7 +10,9 @@ host copies).
 `manifest.json` (`graph.artifact_format.Manifest`, typed) carries `manifest_sha256`: the sha256
 of the canonical JSON of every other field (`manifest_digest`), so each field the runtime trusts
 (the config, each entry's inputs, outputs, cache names and parameter order, the file checksums)
-is covered; the loader recomputes it.
+is covered; the loader recomputes it. The digest is unkeyed (it catches corruption and mismatched
+files, not a writer of the folder); with `DSV41_ARTIFACT_KEY_FILE` set the manifest's
+`manifest_hmac` is required and verified under that key (`artifact_format.check_seal`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dsv41.graph.artifact_format import (  # noqa: F401 (the format's names, re-
     EntrySpec,
     Manifest,
     TensorSpec,
+    artifact_key,
+    check_seal,
     manifest_digest,
     sha256_file,
     thaw,
@@ -93,10 +97,9 @@ def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,
     if built != tvm.__version__:
         raise ArtifactError(f"{d} was built with TVM {built}; this process has "
                             f"{tvm.__version__}. Recompile it.")
-    # every field accepted below is covered (the refusals above hold whatever the digest says)
-    if m.manifest_sha256 != m.digest():
-        raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
-                            "corrupted). Recompile or restore it.")
+    # every field accepted below is covered (the refusals above hold whatever the digest says);
+    # with an artifact key configured, its HMAC too (`graph.artifact_format.check_seal`)
+    check_seal(m, str(d), artifact_key())
     for name, digest in m.files.items():
         p = d / name
         if not p.is_file():

@@ -88,9 +88,7 @@ def verify_sharded(artifact_dir: str | Path, *,
 
     d = Path(artifact_dir)
     m = fmt.ShardedManifest.from_json(read_manifest_json(d), where=str(d))
-    if m.manifest_sha256 != m.digest():
-        raise ArtifactError(f"{d}: manifest.json does not match its manifest_sha256 (edited or "
-                            "corrupted). Recompile or restore it.")
+    fmt.check_seal(m, str(d), fmt.artifact_key())  # the digest; with a key, the HMAC
     if m.versions["tvm"] != tvm.__version__:
         raise ArtifactError(f"{d} was built with TVM {m.versions['tvm']}; this process has "
                             f"{tvm.__version__}. Recompile it.")

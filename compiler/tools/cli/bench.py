@@ -18,8 +18,16 @@ from dsv41.compiler.tools.bench.pool import PoolBenchOptions
 from dsv41.compiler.tools.bench.pool import run_command as run_pool_command
 from dsv41.compiler.tools.bench.soak import SoakOptions
 from dsv41.compiler.tools.bench.soak import run_command as run_soak_command
-from dsv41.compiler.tools.cli.common import path_or_none, print_args, split
-from dsv41.compiler.tools.cli.serve import serving_args, serving_options
+from dsv41.compiler.tools.cli.common import (
+    count,
+    counts,
+    natural,
+    path_or_none,
+    positive_seconds,
+    print_args,
+    split,
+)
+from dsv41.compiler.tools.cli.serve import check_redis, serving_args, serving_options
 
 if TYPE_CHECKING:
     from dsv41.compiler.tools.bench.engram import EngramBenchOptions
@@ -68,30 +76,30 @@ def e2e_args(p) -> None:
     p.add_argument("--contexts", default="4K,16K,64K,256K",
                    help="decode contexts, e.g. 4K,64K,1M (K=1024)")
     p.add_argument("--impls", default="artifact,eager,compile", help="decode implementations")
-    p.add_argument("--reps", type=int, default=5, help="timed decode steps per cell")
-    p.add_argument("--budget-s", type=float, default=120.0,
+    p.add_argument("--reps", type=count, default=5, help="timed decode steps per cell")
+    p.add_argument("--budget-s", type=positive_seconds, default=120.0,
                    help="seconds one implementation may spend at one context")
-    p.add_argument("--prefill-tokens", type=int, default=1024, help="0: no prefill")
+    p.add_argument("--prefill-tokens", type=natural, default=1024, help="0: no prefill")
     p.add_argument("--prefill-impls", default="artifact,eager")
-    p.add_argument("--prefill-reps", type=int, default=3)
+    p.add_argument("--prefill-reps", type=count, default=3)
     p.add_argument("--prefill-lengths", default=None,
                    help="a prefill row per prompt length, e.g. 8K,32K,128K (default: "
                         "--prefill-tokens)")
-    p.add_argument("--prefill-chunk", type=int, default=2048,
+    p.add_argument("--prefill-chunk", type=count, default=2048,
                    help="prefill chunk in tokens (the engine's default)")
     p.add_argument("--tiers", dest="tiers", action="store_true", default=True)
     p.add_argument("--no-tiers", dest="tiers", action="store_false")
-    p.add_argument("--tier-context", type=int, default=1024, help="the cold turn's prompt")
-    p.add_argument("--tier-suffix", type=int, default=32, help="later turns' new tokens")
+    p.add_argument("--tier-context", type=count, default=1024, help="the cold turn's prompt")
+    p.add_argument("--tier-suffix", type=count, default=32, help="later turns' new tokens")
     p.add_argument("--tier-impls", default="artifact,eager")
-    p.add_argument("--threads", type=int, default=0, help="torch and TVM threads (0: torch's)")
+    p.add_argument("--threads", type=natural, default=0, help="torch and TVM threads (0: torch's)")
     p.add_argument("--profile", default="auto", choices=("auto", "always", "never"))
     p.add_argument("--profile-context", default="64K")
-    p.add_argument("--profile-top", type=int, default=15,
+    p.add_argument("--profile-top", type=count, default=15,
                    help="rows of the decode-step profile (functions by time)")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--plots", default=None, help="write PNG plots into this folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=natural, default=0)
 
 
 def impls_of(text: str) -> tuple[Impl | str, ...]:
@@ -135,8 +143,8 @@ def kernels_args(p) -> None:
     p.add_argument("--cases", default=None,
                    help="comma-separated case names or families (attend, indexer, fp8, moe, "
                    "gemv)")
-    p.add_argument("--repeat", type=int, default=20, help="timed samples per measurement (max)")
-    p.add_argument("--budget", type=float, default=None,
+    p.add_argument("--repeat", type=count, default=20, help="timed samples per measurement (max)")
+    p.add_argument("--budget", type=positive_seconds, default=None,
                    help="seconds per measurement before it stops early (default 1.5, quick "
                         "0.3)")
     p.add_argument("--json", default=None, help="write machine numbers + rows here")
@@ -172,14 +180,14 @@ def run_kernels(ns) -> int:
 
 def serve_args(sp) -> None:
     serving_args(sp, server=True)
-    sp.add_argument("--clients", default="1,4,16", help="concurrent client counts")
-    sp.add_argument("--requests", type=int, default=2, help="requests per client, in turn")
-    sp.add_argument("--prompt-tokens", type=int, default=32)
-    sp.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
-    sp.add_argument("--long-streams", type=int, default=8,
+    sp.add_argument("--clients", type=counts, default="1,4,16", help="concurrent client counts")
+    sp.add_argument("--requests", type=count, default=2, help="requests per client, in turn")
+    sp.add_argument("--prompt-tokens", type=count, default=32)
+    sp.add_argument("--max-tokens", type=count, default=32, help="tokens generated per request")
+    sp.add_argument("--long-streams", type=natural, default=8,
                     help="streams decoding while a long prompt arrives (0: no such row)")
-    sp.add_argument("--long-prompt-tokens", type=int, default=512)
-    sp.add_argument("--long-max-tokens", type=int, default=48,
+    sp.add_argument("--long-prompt-tokens", type=count, default=512)
+    sp.add_argument("--long-max-tokens", type=count, default=48,
                     help="tokens each of those streams generates")
     sp.add_argument("--json", default=None, help="write the rows as JSON here")
 
@@ -189,12 +197,8 @@ def serve_options(ns) -> BenchServeOptions:
     # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.bench.serve import BenchServeOptions, ServeBenchOptions
 
-    try:
-        clients = tuple(int(c) for c in ns.clients.split(",") if c.strip())
-    except ValueError:
-        raise ValueError(f"--clients must be comma-separated counts, got {ns.clients!r}.") from None
     bench = ServeBenchOptions(
-        clients=clients, requests=ns.requests, prompt_tokens=ns.prompt_tokens,
+        clients=ns.clients, requests=ns.requests, prompt_tokens=ns.prompt_tokens,
         max_tokens=ns.max_tokens, long_streams=ns.long_streams,
         long_prompt_tokens=ns.long_prompt_tokens, long_max_tokens=ns.long_max_tokens,
         seed=ns.seed)
@@ -206,7 +210,9 @@ def run_serve(ns) -> int:
     from dsv41.compiler.tools.bench.serve import run_command
 
     print_args("bench serve", ns, hide=("verb", "bench_verb"))
-    return run_command(serve_options(ns))
+    opts = serve_options(ns)
+    check_redis(ns.redis_url)  # before the model loads
+    return run_command(opts)
 
 
 # ---- pool, soak, load ---------------------------------------------------------------------------
@@ -214,7 +220,7 @@ def run_serve(ns) -> int:
 
 def pool_args(p) -> None:
     p.add_argument("--preset", default="full", help="whose encoder snapshot (default: full)")
-    p.add_argument("--reps", type=int, default=50, help="put + get repetitions (medians)")
+    p.add_argument("--reps", type=count, default=50, help="put + get repetitions (medians)")
     p.add_argument("--redis-url", default=None,
                    help="a Redis server (default: start a local redis-server on a free port)")
     p.add_argument("--json", default=None, help="write {\"pool\": {...}} here")
@@ -237,10 +243,12 @@ def soak_args(p) -> None:
     p.add_argument("--artifact", default=None, help="a compiled artifact (default: PyTorch)")
     for name in ("turns", "sessions", "baseline_turn", "sample_every", "seed", "page_tokens",
                  "pool_snapshots", "store_blocks"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+        p.add_argument("--" + name.replace("_", "-"), type=natural if name == "seed" else count,
+                       default=getattr(d, name))
     for name in ("pool_ttl_s", "turn_seconds"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
-    p.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
+        p.add_argument("--" + name.replace("_", "-"), type=positive_seconds,
+                       default=getattr(d, name))
+    p.add_argument("--threads", type=count, default=None, help="torch's threads (default: its own)")
     p.add_argument("--json", default=None, help="write the samples and the ratio here")
 
 
@@ -293,9 +301,9 @@ def engram_args(p) -> None:
     p.add_argument("--preset", default="bench", help="the seeded checkpoint's preset")
     p.add_argument("--device", default=None, help="cpu or cuda:N (default: the artifact's)")
     p.add_argument("--prompt-tokens", default="128,512", help="prompt lengths, e.g. 128,4K")
-    p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--reps", type=int, default=2, help="timed repeats per mode (after a warm-up)")
-    p.add_argument("--threads", type=int, default=None, help="TVM's CPU pool")
+    p.add_argument("--decode-steps", type=count, default=8)
+    p.add_argument("--reps", type=count, default=2, help="timed repeats per mode (after a warm-up)")
+    p.add_argument("--threads", type=count, default=None, help="TVM's CPU pool")
     p.add_argument("--json", default=None)
 
 
@@ -323,15 +331,15 @@ def spec_args(p) -> None:
     p.add_argument("--preset", default="small", help="small | bench | full (seeded checkpoint)")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--contexts", default="256,896")
-    p.add_argument("--max-draft", type=int, default=5)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=24, help="decoded tokens per engine run")
-    p.add_argument("--prompt-tokens", type=int, default=32,
+    p.add_argument("--max-draft", type=count, default=5)
+    p.add_argument("--reps", type=count, default=3)
+    p.add_argument("--tokens", type=count, default=24, help="decoded tokens per engine run")
+    p.add_argument("--prompt-tokens", type=count, default=32,
                    help="the engine runs' prompt (their context)")
     p.add_argument("--rates", default="0.3,0.6,0.9")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    p.add_argument("--threads", type=natural, default=0, help="torch threads (0: torch's)")
     p.add_argument("--json", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=natural, default=0)
     p.add_argument("--impls", default="graph", help="graph and/or artifact, comma-separated")
     p.add_argument("--artifact", default=None, help="the artifact of --impls artifact")
 

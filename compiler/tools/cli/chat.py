@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dsv41.compiler.tools.cli.common import print_args
-from dsv41.compiler.tools.cli.serve import serving_args, serving_options
+from dsv41.compiler.tools.cli.common import count, natural, print_args, probability, seconds
+from dsv41.compiler.tools.cli.serve import check_redis, serving_args, serving_options
 
 if TYPE_CHECKING:
     from dsv41.runtime.serving.assembly import ChatOptions
@@ -17,10 +17,10 @@ def add_parser(sub) -> None:
     serving_args(sp, server=False)
     sp.add_argument("--system", default=None, help="a system message")
     sp.add_argument("--thinking", action="store_true", help="thinking mode")
-    sp.add_argument("--max-tokens", type=int, default=64, help="tokens per reply at most")
-    sp.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    sp.add_argument("--top-p", type=float, default=1.0)
-    sp.add_argument("--seed-sampling", type=int, default=None, help="the sampler's seed")
+    sp.add_argument("--max-tokens", type=count, default=64, help="tokens per reply at most")
+    sp.add_argument("--temperature", type=seconds, default=0.0, help="0: greedy")
+    sp.add_argument("--top-p", type=probability, default=1.0)
+    sp.add_argument("--seed-sampling", type=natural, default=None, help="the sampler's seed")
     sp.set_defaults(func=run, options=options)
 
 
@@ -40,4 +40,6 @@ def run(ns) -> int:
     from dsv41.runtime.serving.assembly import chat
 
     print_args("chat", ns)
-    return chat(options(ns), COMPILING)
+    opts = options(ns)
+    check_redis(ns.redis_url)  # before the model loads
+    return chat(opts, COMPILING)

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import time
 
-from dsv41.compiler.tools.cli.common import args_from, model_opts, print_args
+from dsv41.compiler.tools.cli.common import (
+    args_from,
+    model_opts,
+    natural,
+    out_folder,
+    print_args,
+)
 
 
 def add_parser(sub) -> None:
     sp = sub.add_parser("checkpoint", help="write a seeded checkpoint in the official layout")
     model_opts(sp)
     sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--seed", type=natural, default=0)
     sp.add_argument("--overwrite", action="store_true")
     sp.add_argument("--layout", choices=("converted", "release"), default="converted",
                     help="converted: convert.py's files (wo_a BF16, inference config.json); "
@@ -26,7 +32,7 @@ def run(ns) -> int:
 
     print_args("checkpoint", ns)
     t0 = time.time()
-    out = write_seeded_checkpoint(args_from(ns), ns.out, seed=ns.seed, progress=True,
-                                  overwrite=ns.overwrite, layout=ns.layout)
+    out = write_seeded_checkpoint(args_from(ns), out_folder(ns.out), seed=ns.seed,
+                                  progress=True, overwrite=ns.overwrite, layout=ns.layout)
     print(f"wrote {out} in {time.time() - t0:.1f} s")
     return 0

@@ -10,8 +10,10 @@ from dsv41.compiler.progress import CompileBar
 from dsv41.compiler.tools.cli.common import (
     args_from,
     check_target,
+    count,
     model_name,
     model_opts,
+    out_folder,
     print_args,
 )
 
@@ -29,9 +31,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--debug-dump", default=None, help="write the IR after each phase here")
     sp.add_argument("--format", default="tvm", choices=("tvm", "onnx"),
                     help="onnx: also export the captured graphs as ONNX (dsv41 domain)")
-    sp.add_argument("--jobs", type=int, default=1,
+    sp.add_argument("--jobs", type=count, default=1,
                     help="CPU targets: entries built at once, each in a process of its own")
-    sp.add_argument("--shards", type=int, default=None,
+    sp.add_argument("--shards", type=count, default=None,
                     help="a sharded artifact: one worker's graph for N workers (CPU targets; "
                          "default entries: prefill_all)")
     sp.add_argument("--ccl", default="cpu-test", choices=("cpu-test", "disco"),
@@ -60,7 +62,7 @@ def options(ns) -> CompileOptions:
 
     check_target(ns.target)
     return CompileOptions(args=args_from(ns), model_name=model_name(ns), target=ns.target,
-                          out=Path(ns.out), entries=entries_of(ns),
+                          out=out_folder(ns.out), entries=entries_of(ns),
                           debug_dump=Path(ns.debug_dump) if ns.debug_dump else None,
                           onnx=ns.format == "onnx", jobs=ns.jobs)
 
@@ -105,7 +107,8 @@ def run_sharded(ns) -> int:
 
     if ns.format != "tvm" or ns.debug_dump:
         raise ValueError("--shards builds TVM libraries only (no --format onnx, --debug-dump).")
-    out = Path(ns.out) / f"{name}-{args.config_hash()[:12]}" / f"{ns.target}-shards{ns.shards}"
+    out = out_folder(ns.out) / f"{name}-{args.config_hash()[:12]}" / \
+        f"{ns.target}-shards{ns.shards}"
     print(f"compile: model {name}, {ns.shards} workers, target {ns.target}, collectives "
           f"{ns.ccl}, entries {', '.join(entries)}, out {out}")
     path = compile_sharded(args, out, shards=ns.shards, entries=entries, target=ns.target,

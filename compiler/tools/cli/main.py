@@ -55,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         load_disco_first(ns)
         bound_onednn_caches()  # before any torch work of any command (runtime/onednn.py)
         return ns.func(ns)
-    except ValueError as e:
+    except ValueError as e:  # bad input: a sentence, argparse's exit code
         print(f"dsv41 {getattr(ns, 'error_prog', ns.verb)}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the environment refused (a permission, a full disk): one line
+        print(f"dsv41 {getattr(ns, 'error_prog', ns.verb)}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dsv41.compiler.tools.cli.common import args_from
+from dsv41.compiler.tools.cli.common import args_from, count
 from dsv41.graph.config import PRESETS
 from dsv41.graph.plan import build_plan, format_plan
 
@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     sp = sub.add_parser("plan", help="print the layer plan")
     sp.add_argument("--preset", default="all", help="small | bench | full | long | all")
     sp.add_argument("--config", default=None)
-    sp.add_argument("--shards", type=int, default=None,
+    sp.add_argument("--shards", type=count, default=None,
                     help="the sharding plan over N workers (expert + tensor parallel) instead")
     sp.add_argument("--context", default="1M",
                     help="--shards: the one context the cache bytes are given at")

@@ -6,18 +6,18 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from dsv41.compiler.tools.cli.common import print_args
+from dsv41.compiler.tools.cli.common import count, natural, print_args
 
 
 def add_parser(sub) -> None:
     sp = sub.add_parser("run", help="the agent-loop demo: long context, then short turns")
     sp.add_argument("--preset", default="small")
     sp.add_argument("--checkpoint", default=None)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--context", type=int, default=512)
-    sp.add_argument("--turns", type=int, default=3)
-    sp.add_argument("--suffix", type=int, default=32, help="new tokens per turn")
-    sp.add_argument("--decode", type=int, default=16, help="tokens decoded per turn")
+    sp.add_argument("--seed", type=natural, default=0)
+    sp.add_argument("--context", type=count, default=512)
+    sp.add_argument("--turns", type=count, default=3)
+    sp.add_argument("--suffix", type=count, default=32, help="new tokens per turn")
+    sp.add_argument("--decode", type=count, default=16, help="tokens decoded per turn")
     sp.add_argument("--exact", action="store_true", help="exact phases throughout (no CED)")
     sp.add_argument("--restart-between-turns", action="store_true",
                     help="a new engine per turn: only the SSD store carries over")
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     sp.add_argument("--store", default=None,
                     help="the SSD store's folder: new or empty, or a store to continue with "
                          "--keep-store (default: a fresh temporary store, removed at the end)")
-    sp.add_argument("--page-tokens", type=int, default=64,
+    sp.add_argument("--page-tokens", type=count, default=64,
                     help="runtime-cache page and SSD block, in positions")
     sp.add_argument("--keep-store", action="store_true",
                     help="continue from the --store folder's contents (without it that folder "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv41.compiler.tools.cli.common import print_args
+from dsv41.compiler.tools.cli.common import count, print_args
 
 if TYPE_CHECKING:
     from dsv41.compiler.tools.scoring import ScoreOptions
@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     sp = sub.add_parser("score", help="teacher-forced logits of a token sequence")
     sp.add_argument("--checkpoint", required=True)
     sp.add_argument("--tokens", required=True, help=".npy or whitespace-separated ids")
-    sp.add_argument("--prefill", type=int, default=None, help="tokens prefilled at position 0")
+    sp.add_argument("--prefill", type=count, default=None, help="tokens prefilled at position 0")
     sp.add_argument("--mode", default="exact", choices=("exact", "ced"))
     sp.add_argument("--backend", default="torch")
     sp.add_argument("--kv-dtype", default="fp4", choices=("fp4", "bf16"))

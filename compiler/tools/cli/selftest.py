@@ -3,6 +3,7 @@ gpu_check.py shares; torch-free until it runs)."""
 
 from __future__ import annotations
 
+from dsv41.compiler.tools.cli.common import count, positive_seconds
 from dsv41.compiler.tools.selftest import (
     DESCRIPTION,
     SelftestOptions,
@@ -15,7 +16,7 @@ from dsv41.compiler.tools.selftest import (
 def add_parser(sub) -> None:
     sp = sub.add_parser("selftest", description=DESCRIPTION,
                         help="the device check: conformance, gpu kernel tests, decode roofline")
-    add_arguments(sp)
+    add_arguments(sp, count=count, seconds=positive_seconds)
     sp.set_defaults(func=run, options=options)
 
 

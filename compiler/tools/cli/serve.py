@@ -8,10 +8,36 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv41.compiler.tools.cli.common import print_args
+from dsv41.compiler.tools.cli.common import count, natural, print_args, seconds
 
 if TYPE_CHECKING:
     from dsv41.runtime.serving.assembly import ServeOptions, ServingOptions
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def check_redis(url: str | None, *, timeout_s: float = 5.0) -> None:
+    """A --redis-url must answer a PING before anything is loaded: a ValueError naming the
+    (password-masked) URL and why, instead of a traceback once the model is up."""
+    if url is None:
+        return
+    import redis  # the client alone (no torch)
+
+    from dsv41.runtime.tiers.redis_pool import masked_url
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s,
+                                      socket_timeout=timeout_s)
+    except ValueError as e:
+        raise ValueError(f"--redis-url {masked_url(url)} is not a Redis URL ({e}).") from None
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise ValueError(f"--redis-url {masked_url(url)}: no Redis server answers there "
+                         f"({e}).") from None
+    finally:
+        client.close()
 
 
 def serving_args(sp, *, server: bool) -> None:
@@ -21,21 +47,21 @@ def serving_args(sp, *, server: bool) -> None:
                     help="artifact (compiled; compiles what is missing) | torch")
     sp.add_argument("--checkpoint", default=None, help="a checkpoint folder (wins over --preset)")
     sp.add_argument("--preset", default="small", help="seeded checkpoint of this preset")
-    sp.add_argument("--seed", type=int, default=0, help="the seeded checkpoint's seed")
+    sp.add_argument("--seed", type=natural, default=0, help="the seeded checkpoint's seed")
     sp.add_argument("--store", default=None,
                     help="the SSD store's folder: new or empty, or a store to continue (default:"
                          " a fresh temporary store, removed at the end)")
-    sp.add_argument("--page-tokens", type=int, default=64,
+    sp.add_argument("--page-tokens", type=count, default=64,
                     help="runtime-cache page and SSD block, in positions")
     sp.add_argument("--target", default="cpu", help="the artifact's target")
     sp.add_argument("--out", default="artifacts", help="where artifacts live")
     sp.add_argument("--model-name", default=None,
                     help="the served model's id (default: the preset, or the checkpoint folder)")
-    sp.add_argument("--max-running", type=int, default=16, help="sequences decoded together")
-    sp.add_argument("--max-queue", type=int, default=64,
+    sp.add_argument("--max-running", type=count, default=16, help="sequences decoded together")
+    sp.add_argument("--max-queue", type=count, default=64,
                     help="requests waiting for a slot (beyond: 429)" if server else
                     "requests waiting for a slot")
-    sp.add_argument("--prefill-chunk", type=int, default=None,
+    sp.add_argument("--prefill-chunk", type=count, default=None,
                     help="prefill tokens per batcher step (default: the batcher's)")
     sp.add_argument("--redis-url", default=None,
                     help="the DRAM snapshot pool on this Redis server, shared by every process "
@@ -46,13 +72,14 @@ def add_parser(sub) -> None:
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
     serving_args(sp, server=True)
     sp.add_argument("--host", default="127.0.0.1", help="the address to bind (default: local)")
-    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--port", type=count, default=8000)
     sp.add_argument("--api-key", default=None,
                     help="require `Authorization: Bearer KEY` on /v1 (default: no key)")
-    sp.add_argument("--request-timeout", type=float, default=600.0,
+    sp.add_argument("--request-timeout", type=seconds, default=600.0,
                     help="seconds a request may run before it is cancelled (0: none)")
-    sp.add_argument("--log-level", default="info", help="uvicorn's log level")
-    sp.add_argument("--role", default="all",
+    sp.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="uvicorn's log level")
+    sp.add_argument("--role", default="all", choices=("all", "vision", "prefill", "decode"),
                     help="all (one process) | vision | prefill | decode: one EPD stage, its queues "
                          "and hand-offs on --redis-url (runtime/epd.py)")
     sp.set_defaults(func=run, options=options)
@@ -90,4 +117,6 @@ def run(ns) -> int:
     print_args("serve", argparse.Namespace(**{
         **vars(ns), "api_key": "***" if ns.api_key else None,
         "redis_url": masked_url(ns.redis_url)}))
-    return serve(options(ns), COMPILING)
+    opts = options(ns)  # every option checked, then the Redis server, then the model loads
+    check_redis(ns.redis_url)
+    return serve(opts, COMPILING)

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv41.compiler.tools.cli.common import (
     args_from,
     check_target,
+    count,
     model_name,
     model_opts,
+    natural,
+    out_folder,
     print_args,
 )
 
@@ -23,7 +25,7 @@ def add_parser(sub) -> None:
     model_opts(sp)
     sp.add_argument("--target", default="cpu",
                     help="cpu | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100 (CUDA: on a GPU)")
-    sp.add_argument("--trials", type=int, default=64,
+    sp.add_argument("--trials", type=count, default=64,
                     help="measured candidates per task, counted in the database")
     sp.add_argument("--ops", default="",
                     help="comma-separated op families (fp8_linear, sparse_attend, index_scores, "
@@ -32,14 +34,14 @@ def add_parser(sub) -> None:
     sp.add_argument("--resume", action="store_true",
                     help="add to the database an earlier (or interrupted) run left")
     sp.add_argument("--entries", default="decode", help="entries whose kernels are tuned")
-    sp.add_argument("--context", type=int, default=8192, help="cache tokens at tuning time")
-    sp.add_argument("--tokens", type=int, default=256, help="tokens per call (not decode)")
-    sp.add_argument("--batch", type=int, default=1, help="sequences per call")
-    sp.add_argument("--per-round", type=int, default=8, help="candidates per search round")
+    sp.add_argument("--context", type=count, default=8192, help="cache tokens at tuning time")
+    sp.add_argument("--tokens", type=count, default=256, help="tokens per call (not decode)")
+    sp.add_argument("--batch", type=count, default=1, help="sequences per call")
+    sp.add_argument("--per-round", type=count, default=8, help="candidates per search round")
     sp.add_argument("--prefer", default="faster", choices=("faster", "tuned"),
                     help="use a tuned function when faster than the hand schedule (default), "
                          "or whenever its outputs match")
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--seed", type=natural, default=0)
     sp.add_argument("--out", default="artifacts", help="where artifacts live")
     sp.add_argument("--list", action="store_true", help="list the tasks and exit")
     sp.add_argument("--compare-step", action="store_true",
@@ -56,7 +58,8 @@ def options(ns) -> TuneOptions:
 
     check_target(ns.target)
     return TuneOptions(
-        args=args_from(ns), model_name=model_name(ns), target=ns.target, out=Path(ns.out),
+        args=args_from(ns), model_name=model_name(ns), target=ns.target,
+        out=out_folder(ns.out),
         entries=tuple(e for e in ns.entries.split(",") if e),
         ops=tuple(o for o in ns.ops.split(",") if o), trials=ns.trials,
         per_round=ns.per_round, shape=PhaseShape(batch=ns.batch, tokens=ns.tokens,
