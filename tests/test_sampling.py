@@ -51,7 +51,7 @@ def close(freq, want):
     ("min_p", 1.1, "min_p"),
     ("presence_penalty", 3.0, "presence_penalty must be a number from -2 to 2"),
     ("frequency_penalty", -2.5, "frequency_penalty"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be a number above 0"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be a number from 0.01 to 100"),
     ("seed", -1, "seed must be a whole number"),
     ("seed", "7", "seed"),
     ("max_tokens", 0, "max_tokens must be a whole number >= 1"),
