@@ -192,7 +192,7 @@ def _ids(ids, v: int, name: str) -> torch.Tensor:
     return t
 
 
-def check_logits(logits: torch.Tensor, what: str = "The logits") -> None:
+def check_logits(logits: torch.Tensor, what: str = "The model's logits") -> None:
     """SamplingError unless one row of logits can be sampled from: no NaN, no +inf (either
     makes the distribution NaN, and argmax would pick it), and at least one finite value (-inf
     is a token that cannot come)."""
@@ -334,7 +334,7 @@ class Sampler:
         v = logits.shape[0]
         _ids(generated, v, "generated")  # O(output) per step, in torch
         raw = logits.detach().to("cpu", torch.float32)
-        check_logits(raw, "The model's logits")
+        check_logits(raw)
         penalised = apply_penalties(raw, self.params, generated, prompt)
         check_logits(penalised, "The penalised logits")
         return raw, self._masked(penalised, generated)
