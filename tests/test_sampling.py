@@ -89,7 +89,7 @@ RP = "repetition_penalty must be a number from 0.01 to 100 (1 turns it off)"
      f"presence_penalty must be a number from -2 to 2, not {-10**400!r}."),
     ("min_p", 10**400, f"min_p must be a number from 0 to 1, not {10**400!r}."),
     ("top_p", math.inf, "top_p must be a number above 0 and at most 1, not inf."),
-])
+], ids=lambda v: v if isinstance(v, str) and len(v) < 24 else repr(v)[:8])
 def test_validate_bounds_every_number_and_says_the_range(field, value, message):
     with pytest.raises(ValueError) as err:
         replace(SamplingParams(), **{field: value}).validate(vocab_size=512)
@@ -258,7 +258,7 @@ def test_stop_earliest_match_wins_within_one_delta():
     ("repetition_penalty", 5e-324, f"{RP}, not 5e-324."),
     ("temperature", 10**400, f"temperature must be a number from 0 to 2, not {10**400!r}."),
     ("frequency_penalty", math.nan, "frequency_penalty must be a number from -2 to 2, not nan."),
-])
+], ids=lambda v: v if isinstance(v, str) and len(v) < 24 else repr(v)[:8])
 def test_the_api_answers_an_out_of_range_parameter_with_a_400_naming_it(field, value, message):
     """The body as a JSON client sends it (a 401-digit int, NaN) through the OpenAI parsing:
     a 400 with the parameter and its range, never a 500."""
