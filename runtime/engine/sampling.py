@@ -14,6 +14,9 @@ below `min_p` times the top probability is dropped) and top-p (the smallest set 
 tokens whose mass reaches `top_p`), then one draw. Temperature 0 is greedy: the argmax of the
 penalised logits, the lowest id on an exact tie. Logprobs are those of the model's own
 distribution (log-softmax of the logits as given), so they do not move with the sampling knobs.
+Every knob has a range that keeps this arithmetic finite (`SamplingParams.validate`); logits
+holding NaN or +inf, or a distribution that comes out non-finite all the same, are a
+`SamplingError` (the request fails alone), never a token.
 
 A request may carry a `LogitsConstraint` (`SamplingParams.constraint`): after the penalties, the
 tokens it does not allow in the request's current state are set to -inf, before temperature and

@@ -21,6 +21,11 @@ snapshots), and a finished request's turn is stored there like any turn. Samplin
 engine's (`runtime.sampling.Sampler`, seeded per request: the same seed gives the same tokens
 whatever shares the batch). With a tokenizer, each request's text is decoded incrementally and
 its stop strings matched on it (a matched stop string ends the request and is never emitted).
+
+A request's own failure ends it alone with an error event: its next token cannot be chosen (the
+turn's `failure`: logits that are not finite, its constraint's error), or its text cannot be
+made (a sampled id its tokenizer lacks, its stop strings); the other rows decode on. Only a
+failed decode step of the whole batch (the model's pass) ends every running request.
 """
 
 from __future__ import annotations
