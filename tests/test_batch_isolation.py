@@ -12,6 +12,7 @@ shared-small (vocabulary 512); pages of 8, prefill chunks of 8; greedy requests,
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from dsv41.graph.vocab import SMALL_STUB_JSON, TokenizerSource
 from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.records import Tier, TurnRecord
 from dsv41.runtime.engine.sampling import Sampler, SamplingParams, StopMatcher
-from dsv41.runtime.engine.turn import Turn
+from dsv41.runtime.engine.turn import Turn, TurnFailed
 from dsv41.runtime.serving.batcher import Batcher, FinishReason
 from dsv41.runtime.serving.tokenizer import Tokenizer
 
@@ -237,3 +238,16 @@ def test_a_turn_fails_alone_on_nan_logits_plain_or_speculative(sampler, temperat
     t = _turn(sampler, temperature)
     assert t.fed_draft(logits, 2) is False
     assert (t.done, t.failure, t.tokens) == (True, NAN_ERROR, [1])
+
+
+def test_session_send_raises_where_its_turn_failed(small_model, monkeypatch):
+    """Session.send (no batcher): the tokens before the failure, then TurnFailed with the clear
+    error, never the stop id that stands in for the missing token."""
+    _poison(monkeypatch, at=2)
+    s = _engine(small_model).session()
+    gen = s.send(GOOD[0][0], sampling=replace(POISONED, temperature=0.0))
+    got = [next(gen), next(gen)]
+    assert got == [114, 252]  # GOOD[0]'s greedy tokens alone
+    with pytest.raises(TurnFailed, match=r"^The model's logits hold NaN or \+inf values"):
+        next(gen)
+    s.close()

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 Row = tuple[list[int], "Turn"]
 
 
+class TurnFailed(RuntimeError):
+    """Raised to a turn's reader (`Session.send`) where the turn failed (`Turn.failure`): its
+    next token could not be chosen. The tokens before it were real; nothing stands for it."""
+
+
 def sampling_failure(error: Exception) -> str:
     """The message a turn fails with when its next token cannot be chosen: the sampler's own
     sentence for what it refuses (SamplingError, ConstraintError, both ValueErrors), else the
