@@ -7,6 +7,7 @@ exact."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import replace
@@ -17,6 +18,7 @@ import torch
 from dsv41.runtime.engine.sampling import (
     SampledToken,
     Sampler,
+    SamplingError,
     SamplingParams,
     StopMatcher,
     apply_penalties,
@@ -51,7 +53,7 @@ def close(freq, want):
     ("min_p", 1.1, "min_p"),
     ("presence_penalty", 3.0, "presence_penalty must be a number from -2 to 2"),
     ("frequency_penalty", -2.5, "frequency_penalty"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be a number above 0"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be a number from 0.01 to 100"),
     ("seed", -1, "seed must be a whole number"),
     ("seed", "7", "seed"),
     ("max_tokens", 0, "max_tokens must be a whole number >= 1"),
@@ -67,6 +69,61 @@ def close(freq, want):
 def test_validate_names_the_bad_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         replace(SamplingParams(), **{field: value}).validate(vocab_size=512)
+
+
+RP = "repetition_penalty must be a number from 0.01 to 100 (1 turns it off)"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    # issue 38: 5e-324 divides a seen logit to inf (NaN probabilities); 1e300 the same way
+    ("repetition_penalty", 5e-324, f"{RP}, not 5e-324."),
+    ("repetition_penalty", 0.009, f"{RP}, not 0.009."),
+    ("repetition_penalty", 100.5, f"{RP}, not 100.5."),
+    ("repetition_penalty", 1e300, f"{RP}, not 1e+300."),
+    ("repetition_penalty", math.inf, f"{RP}, not inf."),
+    ("repetition_penalty", math.nan, f"{RP}, not nan."),
+    # an int too large for a float was an OverflowError (a 500), not a range refusal
+    ("repetition_penalty", 10**400, f"{RP}, not {10**400!r}."),
+    ("temperature", 10**400, f"temperature must be a number from 0 to 2, not {10**400!r}."),
+    ("presence_penalty", -10**400,
+     f"presence_penalty must be a number from -2 to 2, not {-10**400!r}."),
+    ("min_p", 10**400, f"min_p must be a number from 0 to 1, not {10**400!r}."),
+    ("top_p", math.inf, "top_p must be a number above 0 and at most 1, not inf."),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 24 else repr(v)[:8])
+def test_validate_bounds_every_number_and_says_the_range(field, value, message):
+    with pytest.raises(ValueError) as err:
+        replace(SamplingParams(), **{field: value}).validate(vocab_size=512)
+    assert str(err.value) == message
+
+
+def test_validate_accepts_the_ends_of_the_ranges():
+    for rp in (0.01, 100, 1):
+        assert SamplingParams(repetition_penalty=rp).validate(512).repetition_penalty == rp
+    p = SamplingParams(temperature=2, top_p=5e-324, min_p=1, presence_penalty=-2,
+                       frequency_penalty=2, top_k=10**400, seed=2**63 - 1)
+    assert p.validate(512) is p
+
+
+def test_tiny_temperature_samples_the_argmax():
+    """A temperature above 0 but tiny (5e-324 is in OpenAI's [0, 2]) made logits / t inf and
+    the distribution NaN; the logits are shifted to a maximum of 0 first, so it is the argmax."""
+    for t in (5e-324, 1e-310):
+        s = Sampler(SamplingParams(temperature=t, seed=0))
+        assert [s.sample(LOGITS).token_id for _ in range(5)] == [0] * 5
+    with_penalty = Sampler(SamplingParams(temperature=5e-324, repetition_penalty=100, seed=0))
+    assert with_penalty.sample(LOGITS, generated=[0]).token_id == 1
+
+
+def test_nan_or_posinf_logits_are_refused_not_sampled():
+    """NaN (argmax took its index) or +inf (NaN probabilities) in a row of logits: a
+    SamplingError, greedy or not."""
+    for params in (SamplingParams(temperature=0.0), SamplingParams(seed=0, top_k=2)):
+        for bad in (math.nan, math.inf):
+            logits = torch.tensor([0.1, bad, 0.2, -math.inf])
+            with pytest.raises(SamplingError) as err:
+                Sampler(params).sample(logits)
+            assert str(err.value) == ("The model's logits hold NaN or +inf values: no token "
+                                      "can be sampled from them.")
 
 
 def test_validate_accepts_good_params():
@@ -195,3 +252,23 @@ def test_stop_earliest_match_wins_within_one_delta():
     m = StopMatcher(["x"])
     r = m.feed("xyz")
     assert (r.text, r.stopped) == ("", True)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("repetition_penalty", 5e-324, f"{RP}, not 5e-324."),
+    ("temperature", 10**400, f"temperature must be a number from 0 to 2, not {10**400!r}."),
+    ("frequency_penalty", math.nan, "frequency_penalty must be a number from -2 to 2, not nan."),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 24 else repr(v)[:8])
+def test_the_api_answers_an_out_of_range_parameter_with_a_400_naming_it(field, value, message):
+    """The body as a JSON client sends it (a 401-digit int, NaN) through the OpenAI parsing:
+    a 400 with the parameter and its range, never a 500."""
+    from dsv41.graph.config import preset
+    from dsv41.graph.vocab import SMALL_STUB_JSON, TokenizerSource
+    from dsv41.runtime.serving.openai_api import ApiError, parse_completion
+    from dsv41.runtime.serving.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(SMALL_STUB_JSON, preset("small"), TokenizerSource.SMALL_STUB)
+    body = json.loads(json.dumps({"model": "small", "prompt": [1, 9], field: value}))
+    with pytest.raises(ApiError) as err:
+        parse_completion(body, tok, model_name="small", vocab_size=512)
+    assert (err.value.status, err.value.param, err.value.message) == (400, field, message)

@@ -14,6 +14,9 @@ below `min_p` times the top probability is dropped) and top-p (the smallest set 
 tokens whose mass reaches `top_p`), then one draw. Temperature 0 is greedy: the argmax of the
 penalised logits, the lowest id on an exact tie. Logprobs are those of the model's own
 distribution (log-softmax of the logits as given), so they do not move with the sampling knobs.
+Every knob has a range that keeps this arithmetic finite (`SamplingParams.validate`); logits
+holding NaN or +inf, or a distribution that comes out non-finite all the same, are a
+`SamplingError` (the request fails alone), never a token.
 
 A request may carry a `LogitsConstraint` (`SamplingParams.constraint`): after the penalties, the
 tokens it does not allow in the request's current state are set to -inf, before temperature and
@@ -36,6 +39,11 @@ from dsv41.runtime.engine.speculative import accept_draft_token
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_STOP_STRINGS = 16
+# repetition_penalty's range: a seen logit is divided (positive) or multiplied (negative) by it,
+# so a bounded factor keeps every float32 logit finite after it (and the ratio between two
+# tokens' odds within 100x either way of 1; vLLM and HF only ask for > 0, which lets 5e-324
+# turn a logit into inf and the distribution into NaN)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 def _is_int(v) -> bool:
@@ -43,7 +51,11 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
+    """A real number that compares exactly: any int (never converted to a float, so 10**400
+    is simply out of every range), or a finite float."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    return isinstance(v, int) or math.isfinite(v)
 
 
 @runtime_checkable
@@ -69,6 +81,11 @@ class ConstraintError(ValueError):
     """A request's constraint allows no token (or was handed one it does not allow)."""
 
 
+class SamplingError(ValueError):
+    """A request's logits or sampling distribution are not finite: nothing can be sampled (the
+    request fails alone)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling settings. `validate` is the single check; its messages are full
@@ -80,7 +97,7 @@ class SamplingParams:
     min_p: float = 0.0  # [0, 1]; 0 = off
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
-    repetition_penalty: float = 1.0  # > 0; 1 = off
+    repetition_penalty: float = 1.0  # [0.01, 100] (REPETITION_PENALTY_RANGE); 1 = off
     seed: int | None = None  # None: a fresh seed per Sampler
     max_tokens: int | None = None  # None: until a stop or the context limit
     stop: tuple[str, ...] = ()  # matched on the text, across token boundaries
@@ -105,9 +122,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_number(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be a number from -2 to 2, not {v!r}.")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a number above 0 (1 turns it off), "
-                             f"not {self.repetition_penalty!r}.")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be a number from {lo:g} to {hi:g} (1 "
+                             f"turns it off), not {self.repetition_penalty!r}.")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a whole number from 0 to 2**63 - 1, "
                              f"not {self.seed!r}.")
@@ -177,6 +195,17 @@ def _ids(ids, v: int, name: str) -> torch.Tensor:
     return t
 
 
+def check_logits(logits: torch.Tensor, what: str = "The model's logits") -> None:
+    """SamplingError unless one row of logits can be sampled from: no NaN, no +inf (either
+    makes the distribution NaN, and argmax would pick it), and at least one finite value (-inf
+    is a token that cannot come)."""
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        raise SamplingError(f"{what} hold NaN or +inf values: no token can be sampled from "
+                            f"them.")
+    if not bool(torch.isfinite(logits).any()):
+        raise SamplingError(f"{what} have no finite value to sample from.")
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
                     prompt: Sequence[int] = ()) -> torch.Tensor:
     """Penalised float64 logits (see the module docstring); a new tensor. The ids are only read
@@ -197,8 +226,11 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, generated: Seq
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The float64 distribution one draw is made from, after temperature and the truncations;
-    `logits` already penalised, params not greedy."""
-    scaled = logits / params.temperature
+    `logits` already penalised, params not greedy. The logits are shifted to a maximum of 0
+    before the temperature divides them, so any temperature above 0 gives finite values (a
+    tiny one makes it the argmax, not inf / inf); SamplingError if the distribution is not
+    finite all the same (logits holding NaN or +inf)."""
+    scaled = (logits - logits.max()) / params.temperature
     if params.top_k and params.top_k < scaled.shape[0]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = torch.where(scaled >= kth, scaled, -math.inf)  # ties at the k-th are kept
@@ -212,7 +244,11 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         keep = torch.zeros_like(keep_sorted)
         keep[order] = keep_sorted
         probs = torch.where(keep, probs, 0.0)
-    return probs / probs.sum()
+    total = probs.sum()
+    if not bool(torch.isfinite(probs).all()) or not total > 0:
+        raise SamplingError("The request's sampling distribution came out non-finite (NaN or "
+                            "inf probabilities): no token can be drawn from it.")
+    return probs / total
 
 
 class Sampler:
@@ -301,9 +337,10 @@ class Sampler:
         v = logits.shape[0]
         _ids(generated, v, "generated")  # O(output) per step, in torch
         raw = logits.detach().to("cpu", torch.float32)
-        if not torch.isfinite(raw).any():
-            raise ValueError("The logits have no finite value to sample from.")
-        return raw, self._masked(apply_penalties(raw, self.params, generated, prompt), generated)
+        check_logits(raw)
+        penalised = apply_penalties(raw, self.params, generated, prompt)
+        check_logits(penalised, "The penalised logits")
+        return raw, self._masked(penalised, generated)
 
     def _result(self, raw: torch.Tensor, token: int) -> SampledToken:
         p = self.params

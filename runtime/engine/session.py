@@ -30,7 +30,7 @@ from dsv41.runtime.engine.records import Tier, TurnRecord
 from dsv41.runtime.engine.requests import RequestError, TurnLimits, TurnRequest, check_turn
 from dsv41.runtime.engine.sampling import Sampler, SamplingParams
 from dsv41.runtime.engine.state import runtime_state_arrays
-from dsv41.runtime.engine.turn import SpecStep, Turn
+from dsv41.runtime.engine.turn import SpecStep, Turn, TurnFailed
 
 
 class Session:
@@ -238,6 +238,8 @@ class Session:
         try:
             while sent < len(turn.tokens):  # none when max_new_tokens is 0
                 while sent < len(turn.tokens):  # a speculative step may bring several
+                    if turn.failure is not None and sent == len(turn.tokens) - 1:
+                        raise TurnFailed(turn.failure)  # its last token stands for no token
                     sent += 1  # counted before the yield: a caller leaving there has read it
                     yield turn.tokens[sent - 1]
                 if turn.done:

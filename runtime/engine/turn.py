@@ -4,6 +4,7 @@ verify the k drafts the policy picks, keep each row's accepted run, cut the cach
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -14,11 +15,28 @@ from dsv41.graph.model import Model
 from dsv41.graph.phases_api import Phases
 from dsv41.graph.speculative import Verified, cut_back, verify_step
 from dsv41.runtime.engine.records import TurnRecord
-from dsv41.runtime.engine.sampling import ConstraintError, SampledToken, Sampler
+from dsv41.runtime.engine.sampling import SampledToken, Sampler, check_logits
 from dsv41.runtime.engine.speculative import SpecPolicy, accept_draft_token, acceptance_probs
+
+log = logging.getLogger(__name__)
 
 # a row of a decode step: the history its fed tokens join, and its turn
 Row = tuple[list[int], "Turn"]
+
+
+class TurnFailed(RuntimeError):
+    """Raised to a turn's reader (`Session.send`) where the turn failed (`Turn.failure`): its
+    next token could not be chosen. The tokens before it were real; nothing stands for it."""
+
+
+def sampling_failure(error: Exception) -> str:
+    """The message a turn fails with when its next token cannot be chosen: the sampler's own
+    sentence for what it refuses (SamplingError, ConstraintError, both ValueErrors), else the
+    error named (a constraint's bug, torch refusing a distribution)."""
+    if isinstance(error, ValueError):
+        return str(error)
+    log.warning("a turn's sampling failed", exc_info=error)  # a bug (a constraint's, ours)
+    return f"Sampling this request's next token failed ({type(error).__name__}: {error})."
 
 
 @dataclass
@@ -38,29 +56,35 @@ class Turn:
     next_token: int = -1
     done: bool = False
     ended: bool = False  # the session ended it: stored, its last token pending
-    # why this turn alone failed (its sampler's constraint allowed no token); it ended done
+    # why this turn alone failed (no token could be chosen: non-finite logits or distribution,
+    # its constraint's dead end or error); it ended done
     failure: str | None = None
 
     def sample(self, logits: torch.Tensor) -> None:
-        """Choose the next token from fp32 logits (vocab,)."""
+        """Choose the next token from fp32 logits (vocab,). A failure to choose one (logits or
+        a distribution that is not finite, the constraint's dead end or its own error) fails
+        this turn alone (`failure`), never the batch it decodes in."""
         if self.keep_logits:
             self.record.logits.append(logits.float().numpy().copy())
-        if self.sampler is not None:
-            try:
-                chosen = self.sampler.sample(logits, generated=self.tokens, prompt=self.prompt)
-            except ConstraintError as e:
-                return self._fail(str(e))
-            self.sampled.append(chosen)
-            tok = chosen.token_id
-        elif self.temperature <= 0:
-            tok = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=self.generator))
+        try:
+            tok = self._choose(logits)
+        except Exception as e:  # noqa: BLE001 -- any error of this row's sampling is its own
+            return self._fail(sampling_failure(e))
         self.tokens.append(tok)
         self.next_token = tok
         if len(self.tokens) >= self.max_new or tok in self.stop:
             self.done = True
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        if self.sampler is not None:
+            chosen = self.sampler.sample(logits, generated=self.tokens, prompt=self.prompt)
+            self.sampled.append(chosen)
+            return chosen.token_id
+        check_logits(logits)
+        if self.temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def fed(self, logits: torch.Tensor) -> None:
         self.record.decoded += 1
@@ -73,28 +97,31 @@ class Turn:
         self.record.decoded += 1
         if self.keep_logits:
             self.record.logits.append(logits.float().numpy().copy())
-        if self.sampler is not None:
-            try:
-                chosen, accepted = self.sampler.sample_draft(logits, draft_token,
-                                                             generated=self.tokens,
-                                                             prompt=self.prompt)
-            except ConstraintError as e:
-                self._fail(str(e))
-                return False
-            self.sampled.append(chosen)
-            tok = chosen.token_id
-        elif self.temperature <= 0:
-            tok = int(logits.argmax())
-            accepted = tok == draft_token
-        else:
-            probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-            got = accept_draft_token(probs, draft_token, generator=self.generator)
-            tok, accepted = got.token, got.accepted
+        try:
+            tok, accepted = self._choose_draft(logits, draft_token)
+        except Exception as e:  # noqa: BLE001 -- as in `sample`: this row fails alone
+            self._fail(sampling_failure(e))
+            return False
         self.tokens.append(tok)
         self.next_token = tok
         if len(self.tokens) >= self.max_new or tok in self.stop:
             self.done = True
         return accepted
+
+    def _choose_draft(self, logits: torch.Tensor, draft_token: int) -> tuple[int, bool]:
+        if self.sampler is not None:
+            chosen, accepted = self.sampler.sample_draft(logits, draft_token,
+                                                         generated=self.tokens,
+                                                         prompt=self.prompt)
+            self.sampled.append(chosen)
+            return chosen.token_id, accepted
+        check_logits(logits)
+        if self.temperature <= 0:
+            tok = int(logits.argmax())
+            return tok, tok == draft_token
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        got = accept_draft_token(probs, draft_token, generator=self.generator)
+        return got.token, got.accepted
 
     def _fail(self, reason: str) -> None:
         """This turn alone fails (the batch goes on): it ends on a stop id (EOS when it is one)

@@ -21,6 +21,11 @@ snapshots), and a finished request's turn is stored there like any turn. Samplin
 engine's (`runtime.sampling.Sampler`, seeded per request: the same seed gives the same tokens
 whatever shares the batch). With a tokenizer, each request's text is decoded incrementally and
 its stop strings matched on it (a matched stop string ends the request and is never emitted).
+
+A request's own failure ends it alone with an error event: its next token cannot be chosen (the
+turn's `failure`: logits that are not finite, its constraint's error), or its text cannot be
+made (a sampled id its tokenizer lacks, its stop strings); the other rows decode on. Only a
+failed decode step of the whole batch (the model's pass) ends every running request.
 """
 
 from __future__ import annotations
@@ -346,6 +351,19 @@ class Batcher:
             self._emit(self._running[s.id])
 
     def _emit(self, req: _Request) -> None:
+        """The events of `req`'s tokens not yet sent; an error of its own (its text: the
+        tokenizer, its stop strings) ends `req` alone, never the batch or the other events."""
+        try:
+            self._emit_tokens(req)
+        except Exception as err:  # noqa: BLE001 -- this request's failure, not the batch's
+            log.warning("request %d failed emitting its tokens", req.stream.id, exc_info=err)
+            if req.stream.done:  # its final event went out: the failure came after
+                return
+            in_batch = any(s is req.session for s, _ in self._batch.members)
+            self._finish(req, FinishReason.ERROR, f"The request failed at token {req.emitted} "
+                         f"of its output: {err}", in_batch=in_batch)
+
+    def _emit_tokens(self, req: _Request) -> None:
         """The events of `req`'s tokens not yet sent (one per step; several after a
         speculative step), in order, until the request ends."""
         turn = req.turn
@@ -361,11 +379,11 @@ class Batcher:
         tok = turn.tokens[i]
         chosen = turn.sampled[i]
         final = turn.done and i == len(turn.tokens) - 1
-        text, stopped = self._text(req, tok, final)
-        finish = None
-        if final and turn.failure is not None:
+        if final and turn.failure is not None:  # its last token stands for no token
             self._finish(req, FinishReason.ERROR, turn.failure)
             return True
+        text, stopped = self._text(req, tok, final)
+        finish = None
         if stopped or (final and tok in turn.stop):
             finish = FinishReason.STOP
         elif final:
