@@ -270,7 +270,7 @@ class ReplyEvent:
                        _whole(e["reused"]) if tier is not None else 0,
                        None if err is None else str(err))
         except (KeyError, ValueError, TypeError, UnicodeDecodeError) as err:
-            raise ValueError(f"A reply event is malformed ({type(err).__name__}: {err}).") \
+            raise ValueError(f"The reply event is malformed ({type(err).__name__}: {err}).") \
                 from None
 
 

@@ -303,8 +303,8 @@ class EpdGateway:
         try:
             ev = ReplyEvent.from_fields(fields)
         except ValueError as err:
-            self.fail(s, f"The request's reply stream held an event this gateway cannot read "
-                         f"({err}); send the request again.")
+            self.fail(s, f"The request's reply stream held an event this gateway cannot read; "
+                         f"send the request again. {err}")
             return True
         if ev.attempt != s.req.attempt:
             return False  # an earlier attempt's (it was queued again)
@@ -347,8 +347,7 @@ class EpdGateway:
             where = (f"the queue server lost it while it waited in the "
                      f"{holder[len(QUEUED):]} queue (was Redis restarted?)")
         else:
-            where = (f"the worker running it, {holder}, stopped (its lease was not renewed "
-                     f"for {self.lease_grace_s:g} s)")
+            where = f"the worker running it, {holder}, stopped (its heartbeat lapsed)"
         if s.next_seq == 0 and s.req.attempt + 1 < self.max_attempts and not s.log.finished:
             log.warning("request %s lost (%s); queued again", s.rid, where)
             s.req = replace(s.req, attempt=s.req.attempt + 1)
