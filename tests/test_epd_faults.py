@@ -113,8 +113,8 @@ def test_after_a_redis_restart_new_requests_complete_and_lost_ones_end_or_run_ag
         assert _outcome(fresh) == (reference[1], FinishReason.LENGTH, None)
         if max_attempts == 1:
             assert _outcome(queued) == ([], FinishReason.ERROR, (
-                "The request was lost: the queue server lost it while it waited in the prefill "
-                "queue (was Redis restarted?); send it again."))
+                "The request was lost: the queue server restarted and lost what it held of it "
+                "(it was last seen in the prefill queue); send it again."))
         else:
             assert _outcome(queued) == (reference[0], FinishReason.LENGTH, None)
         assert d.prefill.counters.regrouped + d.decode.counters.regrouped >= 1

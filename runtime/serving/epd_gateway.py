@@ -62,6 +62,7 @@ class RemoteStream(LoggedStream):
         self.next_seq = 0  # the sequence number of the next event to deliver
         self.holder: str | None = None  # its lease when last read (`queued:<stage>`, a worker)
         self.lease_gone_since: float | None = None  # monotonic time the lease was first missed
+        self.server_restarted = False  # Redis restarted (a new run_id) while it was in flight
 
     def cancel(self) -> None:
         """Idempotent; a no-op once the request has ended."""
@@ -156,6 +157,10 @@ class EpdGateway:
         self._stop = threading.Event()
         self._reader_gone: str | None = None  # why the reader thread ended (None: it runs)
         self._next_check = 0.0
+        try:  # the Redis server's run id (a new one: it restarted, and lost what it held)
+            self._run_id: str | None = self.r.info("server").get("run_id")
+        except Exception:  # unreachable now: the first lease check reads it
+            self._run_id = None
         self._thread = threading.Thread(target=self._loop, name="dsv41-gateway", daemon=True)
         self._thread.start()
 
@@ -331,6 +336,11 @@ class EpdGateway:
         streams = [s for s in streams if not s.log.finished]
         if not streams:
             return
+        run_id = self.r.info("server").get("run_id")
+        if self._run_id is not None and run_id != self._run_id:
+            for s in streams:  # what Redis held of them is gone
+                s.server_restarted = True
+        self._run_id = run_id
         held = self.r.mget([self.keys.lease(s.rid) for s in streams])
         now = time.monotonic()
         for s, value in zip(streams, held, strict=True):
@@ -343,7 +353,12 @@ class EpdGateway:
 
     def _lost(self, s: RemoteStream) -> None:
         holder = s.holder or f"{QUEUED}prefill"
-        if holder.startswith(QUEUED):
+        seen = (f"in the {holder[len(QUEUED):]} queue" if holder.startswith(QUEUED)
+                else f"with {holder}")
+        if s.server_restarted:
+            where = (f"the queue server restarted and lost what it held of it (it was last "
+                     f"seen {seen})")
+        elif holder.startswith(QUEUED):
             where = (f"the queue server lost it while it waited in the "
                      f"{holder[len(QUEUED):]} queue (was Redis restarted?)")
         else:
@@ -351,7 +366,7 @@ class EpdGateway:
         if s.next_seq == 0 and s.req.attempt + 1 < self.max_attempts and not s.log.finished:
             log.warning("request %s lost (%s); queued again", s.rid, where)
             s.req = replace(s.req, attempt=s.req.attempt + 1)
-            s.holder, s.lease_gone_since = None, None
+            s.holder, s.lease_gone_since, s.server_restarted = None, None, False
             try:
                 self._enqueue(s)
                 return
