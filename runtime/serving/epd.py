@@ -37,6 +37,23 @@ clients may talk to any of them.
   that is missing (expired) or fails a check is counted and the request prefilled here from
   the tiers instead (its first token was already sent, the same one: never a wrong answer).
 
+Faults (nothing lost, nothing twice, nothing wedged):
+
+- Idempotency: an entry names its request and attempt (`EpdRequest.attempt`); a worker claims
+  each (request, attempt, stage) once (`EpdKeys.claim`, SET NX), so an entry delivered twice
+  (a redelivery, a retry) is skipped. Each reply event carries its attempt and a sequence number
+  (`ReplyEvent`: the prefill worker's first token is 0, the decode worker's tokens 1, 2, ...):
+  the gateway delivers each once and in order, drops what it has seen or another attempt's, and
+  fails the request on a gap (events lost with a restarted Redis) rather than skip a token.
+- Liveness: `EpdKeys.lease(rid)` says where a request is: `queued:<stage>` while it waits in a
+  stream, else the consumer name of the worker running it, whose heartbeat thread renews the
+  lease (a short TTL) and writes it again after a Redis restart. The gateway reads its
+  requests' leases; one gone for longer than its grace means the worker died (or Redis lost
+  the queued entry): a request that has no event yet is queued again as its next attempt, any
+  other ends with an error that says which.
+- A Redis restart without persistence deletes the consumer groups: a worker whose read answers
+  NOGROUP makes its group again (`ensure_group`) and carries on.
+
 Why Redis streams: the pool's server is already there; a consumer group hands each entry to
 exactly one of the workers reading it (start more processes of a stage to scale it), keeps a
 per-group lag (the queue length `/metrics` shows) and acknowledgements; a reply stream per
@@ -59,6 +76,8 @@ import logging
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
+import redis
+
 from dsv41.runtime.engine.requests import (
     RequestError,
     TurnLimits,
@@ -66,7 +85,7 @@ from dsv41.runtime.engine.requests import (
     check_token_ids,
     check_turn,
 )
-from dsv41.runtime.engine.sampling import SampledToken, SamplingParams
+from dsv41.runtime.engine.sampling import SampledToken, SamplingParams, TokenLogprob
 from dsv41.runtime.serving.frontend import FinishReason
 from dsv41.runtime.tiers.wire import RecordKind
 
@@ -74,6 +93,7 @@ log = logging.getLogger(__name__)
 
 HANDOFF_KIND = RecordKind.HANDOFF
 VISION_GROUP, PREFILL_GROUP, DECODE_GROUP = "vision", "prefill", "decode"
+QUEUED = "queued:"  # a lease's value while the request waits in a stream: `queued:<stage>`
 
 
 class Role(StrEnum):
@@ -122,6 +142,24 @@ class EpdKeys:
     def cancel(self, rid: str) -> str:
         return f"{self.base}:cancel:{rid}"
 
+    def lease(self, rid: str) -> str:
+        """Where the request is: `queued:<stage>`, or the consumer running it (a short TTL)."""
+        return f"{self.base}:lease:{rid}"
+
+    def claim(self, rid: str, attempt: int, stage: str) -> str:
+        """Set once (NX) by the worker that takes this stage of this attempt of the request."""
+        return f"{self.base}:claim:{rid}:{attempt}:{stage}"
+
+
+def ensure_group(client, stream: str, group: str) -> None:
+    """The stream's consumer group, made (with the stream) unless it is there; its new
+    readers get every entry the stream holds (a restarted Redis: those queued since)."""
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as e:  # BUSYGROUP: another worker made it
+        if "BUSYGROUP" not in str(e):
+            raise
+
 
 @dataclass(frozen=True)
 class EpdRequest:
@@ -132,6 +170,7 @@ class EpdRequest:
     sampling: SamplingParams  # stop strings removed: they are the gateway's
     image_keys: tuple[str, ...] = ()  # each image's content digest (hex): its records' keys
     image_offsets: tuple[int, ...] = ()  # where each image's span starts in `prompt`
+    attempt: int = 0  # the gateway queues a lost request again as its next attempt
 
     def to_json(self) -> str:
         if self.sampling.constraint is not None:
@@ -140,7 +179,8 @@ class EpdRequest:
                              "requests without EPD.")
         return json.dumps({"rid": self.rid, "prompt": list(self.prompt),
                            "sampling": asdict(self.sampling), "image_keys": list(self.image_keys),
-                           "image_offsets": list(self.image_offsets)})
+                           "image_offsets": list(self.image_offsets),
+                           "attempt": self.attempt})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> EpdRequest:
@@ -152,8 +192,12 @@ class EpdRequest:
         offsets = tuple(int(o) for o in d.get("image_offsets", ()))
         if len(keys) != len(offsets):
             raise ValueError(f"The request names {len(keys)} images but {len(offsets)} spans.")
+        attempt = d.get("attempt", 0)
+        if type(attempt) is not int or attempt < 0:
+            raise ValueError(f"The request's attempt must be a whole number >= 0, got "
+                             f"{attempt!r}.")
         return cls(str(d["rid"]), tuple(int(t) for t in d["prompt"]), SamplingParams(**s),
-                   keys, offsets)
+                   keys, offsets, attempt)
 
     def turn(self, vocab_size: int, max_seq_len: int) -> TurnRequest:
         """The engine's turn of a new session (RequestError when it does not fit)."""
@@ -166,11 +210,13 @@ class EpdRequest:
                           sampling=self.sampling)
 
 
-def reply_event(token: SampledToken | None, finish: FinishReason | None, *,
-                tier: str | None = None, reused: int | None = None,
+def reply_event(token: SampledToken | None, finish: FinishReason | None, *, seq: int,
+                attempt: int, tier: str | None = None, reused: int | None = None,
                 error: str | None = None) -> dict:
-    """One event of a request's reply stream (the gateway's `RemoteStream.feed` reads it)."""
-    e: dict = {}
+    """One event of a request's reply stream (the gateway reads it as a `ReplyEvent`): `seq`
+    the token's place in the reply (0: the prefill worker's first token), `attempt` the
+    request's (`EpdRequest.attempt`)."""
+    e: dict = {"q": seq, "a": attempt}
     if token is not None:
         e["t"] = token.token_id
         if token.logprob is not None:
@@ -183,6 +229,55 @@ def reply_event(token: SampledToken | None, finish: FinishReason | None, *,
     if error is not None:
         e["err"] = error
     return {"e": json.dumps(e)}
+
+
+@dataclass(frozen=True)
+class ReplyEvent:
+    """One reply-stream event as the gateway reads it (`reply_event` writes it)."""
+
+    seq: int  # the token's place in the reply (an error-only event: the place it would take)
+    attempt: int  # the request attempt that sent it
+    token: SampledToken | None
+    finish: FinishReason | None
+    tier: str | None = None  # the prefill's tier and reused tokens (the first token's event)
+    reused: int = 0
+    error: str | None = None
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> ReplyEvent:
+        """ValueError (a full sentence) when the entry is not a well-formed event."""
+        try:
+            raw = fields[b"e"] if b"e" in fields else fields["e"]
+            e = json.loads(raw)
+            if not isinstance(e, dict):
+                raise TypeError("not an object")
+            seq, attempt = e["q"], e["a"]
+            if type(seq) is not int or type(attempt) is not int or seq < 0 or attempt < 0:
+                raise TypeError("its sequence number or attempt is not a whole number >= 0")
+            token = None
+            if "t" in e:
+                lp = e.get("lp")
+                token = SampledToken(_whole(e["t"]), None if lp is None else float(lp),
+                                     tuple(TokenLogprob(_whole(i), float(x))
+                                           for i, x in e.get("top", ())))
+            finish = FinishReason(e["fin"]) if "fin" in e else None
+            if token is None and finish is None:
+                raise TypeError("it has neither a token nor a finish")
+            tier = e.get("tier")
+            err = e.get("err")
+            return cls(seq, attempt, token, finish,
+                       None if tier is None else str(tier),
+                       _whole(e["reused"]) if tier is not None else 0,
+                       None if err is None else str(err))
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as err:
+            raise ValueError(f"The reply event is malformed ({type(err).__name__}: {err}).") \
+                from None
+
+
+def _whole(x) -> int:
+    if type(x) is not int:
+        raise TypeError(f"{x!r} is not a whole number")
+    return x
 
 
 def parse_entry(fields: dict) -> EpdRequest | None:
