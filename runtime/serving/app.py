@@ -19,7 +19,11 @@ Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 40
 message as it is), 401 for a missing or wrong API key (when one is set; /health and /metrics
 stay open), 404 for an unknown model or path, 429 when the batcher's queue is full, 504 when a
 non-streaming request outlives the per-request timeout (a stream gets an error event, then
-`[DONE]`), 500 when the engine failed on the request.
+`[DONE]`), 500 when the engine failed on the request; 413 for a body over the size limit, 408
+for a head or body that arrives too slowly, 400 for JSON nested past the depth limit
+(http_limits.py: `ServerOptions.limits`, enforced by the app's `BodyLimits` middleware and, for
+the head timeout and the connection cap, by the uvicorn configuration of `run_server` and
+`ServerThread`). `GET /openapi.json` describes the endpoints and their bodies (api_schema.py).
 
 Cancellation: a client that goes away cancels its stream (`Stream.cancel()`; the sequence
 leaves the batch at the next step), as does the timeout; both are counted in /metrics
