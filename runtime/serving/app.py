@@ -121,8 +121,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 def run_server(app, host: str, port: int, limits: HttpLimits, *,
                log_level: str = "info") -> None:
     """uvicorn serving `app` under `limits` (its head timeout and connection cap; the body's
-    limits are the app's) until it is stopped: `dsv41 serve`."""
-    uvicorn.Server(server_config(app, host, port, limits, log_level=log_level)).run()
+    limits are the app's) until it is stopped (Ctrl-C / SIGINT ends it normally): `dsv41 serve`.
+    Exits with status 3 when it could not start (the port taken), as `uvicorn.run` does."""
+    server = uvicorn.Server(server_config(app, host, port, limits, log_level=log_level))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        raise SystemExit(3)
 
 
 class ServerThread:
