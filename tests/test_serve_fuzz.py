@@ -143,6 +143,27 @@ def test_any_json_maps_to_a_request_or_a_400(tok, texts, body):
         assert all(0 <= t < 512 for t in req.prompt_ids)
 
 
+PROSE = st.lists(st.sampled_from(["a", "B", "é", "e\u0301", "漢字", "ｱ", "1", "2024", " ", "  ",
+                                  "\n", "\r\n", "\t", ".", ",", "'s", "-", "😀", "\u00a0",
+                                  "<｜User｜>", "<think>", "x"]), max_size=60).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=PROSE, size=st.integers(1, 12))
+def test_a_prompt_counted_in_chunks_has_its_whole_count(tok, text, size):
+    """Cut at spaces between letters into chunks of any size, a text counts the tokens it has
+    encoded whole, as ordinary text and with its added tokens (so a count over the context
+    proves the prompt too long)."""
+    budget = replace(TextBudget.of(tok, 1 << 30), chunk_chars=size, long_chars=1 << 30)
+    assert budget.word_cuts and budget.max_token_bytes == 21
+    literal, added = len(tok.encode_text(text)), len(tok.encode(text))
+    assert budget.count(tok, text) == literal
+    assert budget.count(tok, text, literal=False) == added
+    # a chunk too long to tokenize is bounded by its bytes: never more than the count
+    short = replace(budget, long_chars=size)
+    assert short.count(tok, text) <= literal and short.count(tok, text, literal=False) <= added
+
+
 # ---- hypothesis: the chat format -----------------------------------------------------------------
 
 # a client's text: pieces of the markers' spellings, the markers themselves, or any text

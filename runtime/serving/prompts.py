@@ -78,6 +78,10 @@ class TextBudget:
     max_tokens: int
     word_cuts: bool
     max_token_bytes: int | None
+    chunk_chars: int = CHUNK_CHARS  # text tokenized at once while it is counted
+    # a chunk longer than this (no space between letters to cut it at) is bounded by its
+    # bytes over max_token_bytes, not tokenized
+    long_chars: int = CHUNK_CHARS
 
     @classmethod
     def of(cls, tok: Tokenizer, max_seq_len: int) -> TextBudget:
@@ -94,8 +98,6 @@ class TextBudget:
         tokenizer's pieces allow (`word_cuts`), and no larger than the count (so a count over
         `max_tokens` proves the text too long). `literal`: as `encode_text` spells it;
         otherwise as `encode` does (added tokens' spellings are their ids)."""
-        if 4 * len(text) <= self.max_tokens:
-            return 0  # at most one token a byte: it fits, whatever it holds
         if not (self.word_cuts and self.max_token_bytes):
             return 0
         pieces = [text] if literal else tok.split_added_tokens(text)
@@ -104,8 +106,8 @@ class TextBudget:
             if isinstance(piece, int):
                 n += 1
                 continue
-            for chunk in _chunks(piece):
-                if len(chunk) > CHUNK_CHARS:  # one piece of many letters: bounded by its bytes
+            for chunk in _chunks(piece, self.chunk_chars):
+                if len(chunk) > self.long_chars:  # one piece of many letters: bounded by its bytes
                     n += math.ceil(len(chunk.encode("utf-8", "surrogatepass"))
                                    / self.max_token_bytes)
                 else:
@@ -114,6 +116,11 @@ class TextBudget:
                     return n
         return n
 
+    def fits(self, chars: int) -> bool:
+        """Whether text of `chars` characters fits whatever it holds (a byte-level token covers
+        at least one byte, a character at most 4): then it need not be counted."""
+        return 4 * chars <= self.max_tokens
+
     def check(self, n: int, what: str) -> None:
         if n > self.max_tokens:
             raise ValueError(f"{what} is longer than the model's context: it has more than "
@@ -121,14 +128,14 @@ class TextBudget:
                              f"{self.max_tokens + 1} (one position is left to generate).")
 
 
-def _chunks(text: str):
-    """`text` cut at spaces between letters into chunks of about CHUNK_CHARS (one is longer
-    only where no such space is)."""
+def _chunks(text: str, size: int):
+    """`text` cut at spaces between letters into chunks of about `size` characters (one is
+    longer only where no such space is)."""
     at = 0
-    while len(text) - at > CHUNK_CHARS:
-        m = _WORD_SPACE.search(text, at + CHUNK_CHARS // 2, at + CHUNK_CHARS + 1)
+    while len(text) - at > size:
+        m = _WORD_SPACE.search(text, at + size // 2, at + size + 1)
         if m is None:
-            m = _WORD_SPACE.search(text, at + CHUNK_CHARS + 1)
+            m = _WORD_SPACE.search(text, at + size + 1)
         end = len(text) if m is None else m.start()
         yield text[at:end]
         at = end
@@ -151,8 +158,10 @@ def _chat_count(tok: Tokenizer, messages: Sequence[Message], options: ChatOption
                 budget: TextBudget) -> int:
     """`budget.count` of a chat in the chat format: its runs of text as `encode_chat` cuts
     them, each marker and image one id (stopping once over the budget)."""
-    n, run = 0, ""
     segments = render_segments(messages, options)
+    if budget.fits(sum(len(seg.text) for seg in segments)):
+        return 0
+    n, run = 0, ""
     for seg in [*segments, None]:
         pieces: list[int | str] = [-1]
         if seg is not None and seg.kind is SegmentKind.FORMAT:
@@ -196,7 +205,7 @@ def chat_prompt_ids(tok: Tokenizer, messages: Sequence[Message],
     text = "".join(m.content for m in messages)
     # the stub spells no whitespace: an image part stands without the blank lines around it
     text = text.replace("\n\n" + IMAGE_SLOT, IMAGE_SLOT).replace(IMAGE_SLOT + "\n\n", IMAGE_SLOT)
-    if budget is not None:
+    if budget is not None and not budget.fits(len(text)):
         budget.check(len(ids) + sum(budget.count(tok, t) for t in text.split(IMAGE_SLOT)),
                      "The chat")
     return ids + encode_with_images(tok, text, image_token_id)
@@ -212,7 +221,7 @@ def completion_prompt_ids(tok: Tokenizer, prompt, *, vocab_size: int,
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty.")
-        if budget is not None:
+        if budget is not None and not budget.fits(len(prompt)):
             budget.check(1 + budget.count(tok, prompt, literal=False), "The prompt")
         return [tok.special.bos] + tok.encode(prompt)
     if isinstance(prompt, list) and prompt and all(
