@@ -33,7 +33,14 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from dsv41.graph.image_processor import ImageGrid, PreparedImage, load_image, preprocess
+from dsv41.graph.image_processor import (
+    MAX_PIXELS,
+    ImageGrid,
+    PreparedImage,
+    load_image,
+    plan_image_grid,
+    preprocess,
+)
 from dsv41.graph.model import Model
 from dsv41.graph.vision import SequenceImages, encode_image, place_span, span_tokens
 from dsv41.runtime.engine.requests import RequestError
@@ -77,10 +84,12 @@ def data_uri_image(url: str) -> bytes:
     except (binascii.Error, ValueError):
         raise RequestError("The image_url's data is not valid base64.") from None
     try:
-        found = Image.open(io.BytesIO(raw)).format  # the header only
+        head = Image.open(io.BytesIO(raw))  # the header only
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
         raise RequestError(f"The image_url's data could not be decoded as an image: {e}.") \
             from None
+    found = head.format
+    _check_pixels(head.width, head.height)
     if found != DATA_URI_FORMATS[mime]:
         raise RequestError(f"The image_url declares {mime} but holds {found or 'unknown'} "
                            "data.")
@@ -121,6 +130,72 @@ def _digest(image: PreparedImage) -> bytes:
     return h.digest()
 
 
+def _check_pixels(width: int, height: int) -> None:
+    if width * height > MAX_PIXELS:
+        raise RequestError(f"The image is {width} x {height} pixels; at most {MAX_PIXELS:,} "
+                           "pixels are decoded.")
+
+
+def _is_file(text: str) -> bool:
+    if text.startswith(("data:", "http://", "https://")):
+        return False
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a base64 string too long for a file name
+        return False
+
+
+def image_size(image) -> tuple[int, int] | None:
+    """An image's width and height from its header alone (PIL opens lazily: nothing is
+    decoded), for what `prepare` takes; None when the header cannot be read (`prepare` then
+    says why)."""
+    if isinstance(image, PreparedImage):
+        return image.grid.width, image.grid.height
+    if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image
+        return tuple(image.size)
+    try:
+        if isinstance(image, Path) or (isinstance(image, str) and _is_file(image)):
+            source = io.BytesIO(Path(image).read_bytes())
+        elif isinstance(image, bytes):
+            source = io.BytesIO(image)
+        elif isinstance(image, str):
+            source = io.BytesIO(base64.b64decode(image.partition(",")[2] if image.startswith(
+                "data:") else image, validate=True))
+        else:
+            return None
+        with Image.open(source) as head:
+            return head.width, head.height
+    except (UnidentifiedImageError, OSError, ValueError, binascii.Error,
+            Image.DecompressionBombError):
+        return None
+
+
+def check_spans_fit(model: Model, token_ids: Sequence[int], where: Sequence[int],
+                    images: Sequence) -> None:
+    """The turn's length with each placeholder at `where` replaced by its image's span, planned
+    from the images' headers, must leave a position to generate within max_seq_len, and each
+    image must be within the pixel cap: checked before any image is decoded (decoding one at
+    the cap takes hundreds of MB)."""
+    a = model.args
+    positions = len(token_ids) - len(where)
+    for raw in images:
+        size = image_size(raw)
+        if size is None:
+            continue  # prepare() names the problem
+        _check_pixels(*size)
+        if isinstance(raw, PreparedImage):
+            positions += raw.grid.span_length
+            continue
+        try:
+            positions += plan_image_grid(*size, a).span_length
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+    if positions >= a.max_seq_len:
+        raise RequestError(f"The prompt with its {len(images)} image span(s) takes {positions} "
+                           f"positions, leaving no room to generate within the model's "
+                           f"max_seq_len of {a.max_seq_len}.")
+
+
 def prepare(model: Model, image) -> PreparedImage:
     """A PIL image, raw bytes, a path, a base64 string or data URL -> the tower's input."""
     if isinstance(image, PreparedImage):
@@ -146,6 +221,7 @@ def expand_placeholders(model: Model, token_ids: Sequence[int],
         raise RequestError(f"The tokens hold {len(where)} image placeholder(s) (id "
                            f"{a.image_token_id}) for {len(images)} image(s); each image needs "
                            "exactly one.")
+    check_spans_fit(model, ids, where, images)
     out, turn, prev = [], [], 0
     for pos, raw in zip(where, images, strict=True):
         prepared = prepare(model, raw)

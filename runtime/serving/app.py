@@ -19,7 +19,11 @@ Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 40
 message as it is), 401 for a missing or wrong API key (when one is set; /health and /metrics
 stay open), 404 for an unknown model or path, 429 when the batcher's queue is full, 504 when a
 non-streaming request outlives the per-request timeout (a stream gets an error event, then
-`[DONE]`), 500 when the engine failed on the request.
+`[DONE]`), 500 when the engine failed on the request; 413 for a body over the size limit, 408
+for a head or body that arrives too slowly, 400 for JSON nested past the depth limit
+(http_limits.py: `ServerOptions.limits`, enforced by the app's `BodyLimits` middleware and, for
+the head timeout and the connection cap, by the uvicorn configuration of `run_server` and
+`ServerThread`). `GET /openapi.json` describes the endpoints and their bodies (api_schema.py).
 
 Cancellation: a client that goes away cancels its stream (`Stream.cancel()`; the sequence
 leaves the batch at the next step), as does the timeout; both are counted in /metrics
@@ -45,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv41.runtime.serving.frontend import Frontend
 from dsv41.runtime.serving.generation import Generation
+from dsv41.runtime.serving.http_limits import BodyLimits, HttpLimits, server_config
 from dsv41.runtime.serving.metrics import ServerMetrics
 from dsv41.runtime.serving.openai_api import ApiError, ErrorType
 from dsv41.runtime.serving.routes_chat import chat_router
@@ -55,7 +60,8 @@ from dsv41.runtime.serving.routes_tokenize import tokenize_router
 from dsv41.runtime.serving.state import AppState, ServerOptions
 from dsv41.runtime.serving.tokenizer import Tokenizer
 
-__all__ = ["ServerOptions", "ServerThread", "create_app", "free_port"]
+__all__ = ["HttpLimits", "ServerOptions", "ServerThread", "create_app", "free_port",
+           "run_server"]
 
 
 def create_app(frontend: Frontend, tokenizer: Tokenizer, options: ServerOptions,
@@ -64,7 +70,10 @@ def create_app(frontend: Frontend, tokenizer: Tokenizer, options: ServerOptions,
     construction); the app never stops it."""
     opts = options.validate()
     metrics = metrics or ServerMetrics()
-    app = FastAPI(title="dsv41", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dsv41", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # every body read whole within the size and time limits before a handler sees it
+    app.add_middleware(BodyLimits, limits=opts.limits,
+                       on_reject=lambda status: metrics.rejected.inc(1, str(status)))
 
     def error(e: ApiError) -> JSONResponse:
         metrics.rejected.inc(1, str(e.status))
@@ -109,13 +118,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class ServerThread:
-    """uvicorn serving `app` on a background thread (tests, `dsv41 bench serve`)."""
+def run_server(app, host: str, port: int, limits: HttpLimits, *,
+               log_level: str = "info") -> None:
+    """uvicorn serving `app` under `limits` (its head timeout and connection cap; the body's
+    limits are the app's) until it is stopped (Ctrl-C / SIGINT ends it normally): `dsv41 serve`.
+    Exits with status 3 when it could not start (the port taken), as `uvicorn.run` does."""
+    server = uvicorn.Server(server_config(app, host, port, limits, log_level=log_level))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        raise SystemExit(3)
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None):
+
+class ServerThread:
+    """uvicorn serving `app` on a background thread (tests, `dsv41 bench serve`), under
+    `limits` (the head timeout and connection cap; give the app's `ServerOptions.limits`)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None,
+                 limits: HttpLimits | None = None):
         self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port,
-                                                    log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(server_config(app, host, self.port, limits or HttpLimits(),
+                                                   log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, name="dsv41-serve", daemon=True)
 
     @property

@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Protocol
 
 import redis
-import uvicorn
 
 from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
 from dsv41.graph.entries import CED_ENTRIES
 from dsv41.graph.model import Model
 from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
-from dsv41.runtime.serving.app import ServerOptions, create_app
+from dsv41.runtime.serving.app import ServerOptions, create_app, run_server
 from dsv41.runtime.serving.batcher import Batcher
 from dsv41.runtime.serving.epd import Role
 from dsv41.runtime.serving.epd_gateway import EpdGateway
@@ -232,8 +231,8 @@ def serve(opts: ServeOptions, source: ArtifactSource | None = None) -> int:
           f"{se.tokenizer.file.source.value}) on http://{opts.host}:{opts.port}/v1"
           f"{' with an API key' if opts.api_key else ''}", flush=True)
     try:
-        uvicorn.run(create_app(batcher, se.tokenizer, server), host=opts.host, port=opts.port,
-                    log_level=opts.log_level)
+        run_server(create_app(batcher, se.tokenizer, server), opts.host, opts.port,
+                   server.limits, log_level=opts.log_level)
     finally:
         batcher.stop()
         st = batcher.stats()
@@ -269,8 +268,8 @@ def _serve_stage(opts: ServeOptions, se: ServingEngine, server: ServerOptions) -
           f"{masked_url(opts.serving.redis_url)} on http://{opts.host}:{opts.port}/v1",
           flush=True)
     try:
-        uvicorn.run(create_app(gateway, se.tokenizer, server, metrics=EpdServerMetrics(worker)),
-                    host=opts.host, port=opts.port, log_level=opts.log_level)
+        run_server(create_app(gateway, se.tokenizer, server, metrics=EpdServerMetrics(worker)),
+                   opts.host, opts.port, server.limits, log_level=opts.log_level)
     finally:
         worker.stop()
         gateway.close()

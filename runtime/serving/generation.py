@@ -227,7 +227,8 @@ class Generation:
         st.metrics.requests.inc(1, endpoint.value)
         st.check_key(request)
         req = await st.in_thread(parse, await st.json_body(request))
-        stream = await st.in_thread(self.submit, req)
+        submit = st.in_decode_thread if req.images else st.in_thread
+        stream = await submit(self.submit, req)
         deadline = None if st.opts.request_timeout_s is None else \
             time.monotonic() + st.opts.request_timeout_s
         if req.stream:

@@ -50,6 +50,7 @@ from dsv41.runtime.serving.chat_format import (
 )
 from dsv41.runtime.serving.prompts import (
     PromptFormat,
+    TextBudget,
     chat_prompt_ids,
     completion_prompt_ids,
     prompt_format,
@@ -256,10 +257,13 @@ def chat_prompt(body: Mapping) -> ChatPrompt:
 
 def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
                image_token_id: int | None = None,
-               texts: Callable[[], TokenTexts] | None = None) -> GenerationRequest:
+               texts: Callable[[], TokenTexts] | None = None,
+               budget: TextBudget | None = None) -> GenerationRequest:
     """`image_token_id`: the model's image placeholder id (None: a model without a vision
     tower, whose chats take text parts only). `texts`: the tokenizer's token texts, built
-    once by the caller (`TokenTexts.of(tok)` otherwise), for `tool_choice`'s constraints."""
+    once by the caller (`TokenTexts.of(tok)` otherwise), for `tool_choice`'s constraints.
+    `budget`: the context's (`TextBudget.of`, built once by the caller): a prompt longer than
+    the context is a 400 before it is tokenized whole (None: the batcher's check only)."""
     body = _body(body)
     _check_model(body, model_name)
     _check_unsupported(body)
@@ -278,7 +282,8 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None,
                        vocab_size=vocab_size)
     try:
-        ids = chat_prompt_ids(tok, chat.messages, chat.options, image_token_id=image_token_id)
+        ids = chat_prompt_ids(tok, chat.messages, chat.options, image_token_id=image_token_id,
+                              budget=budget)
         images = tuple(data_uri_image(url) for url in chat_images(chat.messages))
     except ValueError as e:  # RequestError too (a bad image)
         raise bad_request(str(e), "messages") from None
@@ -300,8 +305,9 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
                              thinking=chat_form and chat.options.thinking, images=images)
 
 
-def parse_completion(body, tok: Tokenizer, *, model_name: str,
-                     vocab_size: int) -> GenerationRequest:
+def parse_completion(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
+                     budget: TextBudget | None = None) -> GenerationRequest:
+    """`budget`: as parse_chat's."""
     body = _body(body)
     _check_model(body, model_name)
     _check_unsupported(body)
@@ -310,7 +316,8 @@ def parse_completion(body, tok: Tokenizer, *, model_name: str,
     max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size)
     try:
-        ids = completion_prompt_ids(tok, body.get("prompt"), vocab_size=vocab_size)
+        ids = completion_prompt_ids(tok, body.get("prompt"), vocab_size=vocab_size,
+                                    budget=budget)
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
     return GenerationRequest(Endpoint.COMPLETIONS, tuple(ids), params, stream, include_usage,

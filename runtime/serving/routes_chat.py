@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from dsv41.runtime.serving.api_schema import chat_body, request_body
 from dsv41.runtime.serving.generation import Generation
 from dsv41.runtime.serving.openai_api import Endpoint
 
@@ -13,7 +14,8 @@ from dsv41.runtime.serving.openai_api import Endpoint
 def chat_router(gen: Generation) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions",
+                 openapi_extra=request_body(chat_body(gen.state.opts.model_name)))
     async def chat_completions(request: Request):
         return await gen.generate(request, Endpoint.CHAT, gen.state.parse_chat)
 

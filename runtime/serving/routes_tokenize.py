@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from fastapi import APIRouter, Request
 
+from dsv41.runtime.serving.api_schema import request_body, tokenize_body
 from dsv41.runtime.serving.openai_api import GenerationRequest, bad_request
 from dsv41.runtime.serving.state import AppState
 
@@ -27,7 +28,7 @@ def tokenize_router(st: AppState) -> APIRouter:
         body = {"model": st.opts.model_name, **body}  # the served model unless named
         return st.parse_chat(body) if "messages" in body else st.parse_completion(body)
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=request_body(tokenize_body(st.opts.model_name)))
     async def tokenize(request: Request):
         st.check_key(request)
         req = await st.in_thread(parse, await st.json_body(request))
