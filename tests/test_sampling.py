@@ -20,6 +20,7 @@ from dsv41.runtime.engine.sampling import (
     Sampler,
     SamplingError,
     SamplingParams,
+    StopCheck,
     StopMatcher,
     apply_penalties,
     sampling_probs,
@@ -245,10 +246,10 @@ def test_stop_string_false_start_is_released():
     assert m.flush() == "S"
 
 
-def test_stop_earliest_match_wins_within_one_delta():
-    m = StopMatcher(["cd", "bcde"])
+def test_stop_first_completed_wins_within_one_delta():
+    m = StopMatcher(["cd", "bcde"])  # "cd" is complete before "bcde" is, in any stream
     r = m.feed("abcdef")
-    assert (r.text, r.stop) == ("a", "bcde")
+    assert (r.text, r.stop) == ("ab", "cd")
     m = StopMatcher(["x"])
     r = m.feed("xyz")
     assert (r.text, r.stopped) == ("", True)
@@ -272,3 +273,17 @@ def test_the_api_answers_an_out_of_range_parameter_with_a_400_naming_it(field, v
     with pytest.raises(ApiError) as err:
         parse_completion(body, tok, model_name="small", vocab_size=512)
     assert (err.value.status, err.value.param, err.value.message) == (400, field, message)
+
+
+def test_a_stop_string_inside_another_stops_where_it_completes_first_however_the_text_arrives():
+    for parts in (["aba"], ["ab", "a"], ["a", "b", "a"]):
+        m = StopMatcher(["aba", "b"])
+        shown = ""
+        for p in parts:
+            got = m.feed(p)
+            shown += got.text
+            if got.stopped:
+                break
+        assert (shown, got.stopped, got.stop) == ("a", True, "b"), parts
+    m = StopMatcher(["xab", "ab"])  # both end at the same place: the longer one
+    assert m.feed("zxab") == StopCheck("z", True, "xab")

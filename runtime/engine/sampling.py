@@ -377,12 +377,15 @@ class StopMatcher:
         if self.done:
             raise ValueError("StopMatcher.feed after a stop string matched.")
         text = self._held + delta
-        hits = [(text.find(s), -len(s), s) for s in self.stops if s in text]
+        # the stop string completed first (its first occurrence ends earliest), the longest of
+        # those ending there: what a stream cut anywhere sees first, so the answer never depends
+        # on how the text arrived ("b" inside "aba": "ab" | "a" and "aba" both stop at "b")
+        hits = [(text.find(s) + len(s), -len(s), s) for s in self.stops if s in text]
         if hits:
-            pos, _, stop = min(hits)  # earliest; the longest at the same place
+            end, neg, stop = min(hits)
             self._held = ""
             self.done = True
-            return StopCheck(text[:pos], True, stop)
+            return StopCheck(text[:end + neg], True, stop)
         hold = 0
         for s in self.stops:  # the longest tail of the text that begins some stop string
             for n in range(min(len(s) - 1, len(text)), hold, -1):
