@@ -383,7 +383,7 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
     s = store(tmp_path, Clock())
     k = key(3)
 
-    def crash(src, dst):
+    def crash(src, dst, **dir_fds):
         raise OSError("simulated crash at rename")
 
     monkeypatch.setattr(kv_store.os, "replace", crash)
