@@ -82,7 +82,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv41.runtime.tiers.base import NO_META
+from dsv41.runtime.tiers.base import NO_META, ArrayCheck
 from dsv41.runtime.tiers.store_folder import FolderLock, claim_folder
 
 FORMAT_VERSION = 1
@@ -304,13 +304,13 @@ class KVStore:
         self.close()
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray],
-            meta: Mapping[str, Any] = NO_META) -> bool:
+            meta: Mapping[str, Any] = NO_META, *, holder: str | None = None) -> bool:
         """Store a block; True when it is (now or already) stored, False when refused (no room,
         or the write failed: counted in `write_errors` and logged once). A block is arrays
-        only: `meta` (the tier interface's) must be empty."""
+        only: `meta` and `holder` (the tier interface's) must be empty."""
         _check_key(key)
         _check_arrays(arrays)
-        _check_no_meta(meta)
+        _check_no_meta(meta, holder)
         self._check_open()
         if not self._folder_is_ours():
             self._n.refused_writes += 1
@@ -339,8 +339,7 @@ class KVStore:
         self._n.writes += 1
         return True
 
-    def get(self, key: str, check: Callable[[dict[str, np.ndarray]], None] | None = None
-            ) -> dict[str, np.ndarray] | None:
+    def get(self, key: str, *, check: ArrayCheck | None = None) -> dict[str, np.ndarray] | None:
         """The block's arrays (fresh, writable), or None. A bad file is deleted and counted.
         `check`: the reader's own test of the arrays (names, shapes, dtypes it expects); a
         ValueError from it makes the file a counted `corrupt` miss, deleted like any bad file."""
@@ -380,11 +379,13 @@ class KVStore:
         self._n.hits += 1
         return arrays
 
-    def drop(self, key: str) -> bool:
+    def drop(self, key: str, *, holder: str | None = None) -> bool:
         """Forget a block and delete its file; True when it was stored. Only a regular file
         of the store's own name is deleted (never a link's target); a deletion that fails is
-        counted in `write_errors` and the file is found again by a later start's scan."""
+        counted in `write_errors` and the file is found again by a later start's scan. A block
+        has no holders (`holder` must be None)."""
         _check_key(key)
+        _check_no_meta(NO_META, holder)
         self._check_open()
         if not self._folder_is_ours() or key not in self._index:
             return False
@@ -668,12 +669,15 @@ def _check_header(buf: bytes, key: str, fingerprint: bytes,
     return "ok", _Header(payload_len, created_at, sha)
 
 
-def _check_no_meta(meta: Mapping[str, Any]) -> None:
+def _check_no_meta(meta: Mapping[str, Any], holder: str | None = None) -> None:
     if not isinstance(meta, Mapping):
         raise ValueError(f"meta must be a mapping, got {type(meta).__name__}.")
     if meta:
         raise ValueError(f"A KV block holds arrays only; the SSD store keeps no metadata (got "
                          f"{', '.join(sorted(map(str, meta)))}).")
+    if holder is not None:
+        raise ValueError(f"A KV block has no holders (it serves every sequence with its "
+                         f"prefix); got holder {holder!r}.")
 
 
 def _check_key(key: str) -> None:
@@ -766,18 +770,19 @@ class BlockWriter:
         return True
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray],
-            meta: Mapping[str, Any] = NO_META) -> bool:
+            meta: Mapping[str, Any] = NO_META, *, holder: str | None = None) -> bool:
         """The tier interface's put: `submit`, True once the block is queued (now or already);
         whether the store then keeps it is counted in `stats` (written / refused / failed).
-        A block is arrays only: `meta` must be empty."""
-        _check_no_meta(meta)
+        A block is arrays only: `meta` and `holder` must be empty."""
+        _check_no_meta(meta, holder)
         self.submit(key, arrays)
         return True
 
-    def drop(self, key: str) -> bool:
+    def drop(self, key: str, *, holder: str | None = None) -> bool:
         """Forget a block, queued or stored (`KVStore.drop`); True when it was either. A block
-        being written when called is dropped once its write ends."""
+        being written when called is dropped once its write ends. No holders (None)."""
         _check_key(key)
+        _check_no_meta(NO_META, holder)
         with self._cond:
             while self._writing == key:
                 self._cond.wait()
@@ -789,8 +794,9 @@ class BlockWriter:
             stored = self.store.drop(key)
         return queued or stored
 
-    def get(self, key: str) -> dict[str, np.ndarray] | None:
-        """The block's arrays (fresh, writable) from the queue or the store, or None."""
+    def get(self, key: str, *, check: ArrayCheck | None = None) -> dict[str, np.ndarray] | None:
+        """The block's arrays (fresh, writable) from the queue or the store, or None. `check`
+        as for `KVStore.get`, on a stored block (a queued one is this process's own)."""
         _check_key(key)
         with self._cond:
             queued = self._queue.get(key)
@@ -798,7 +804,7 @@ class BlockWriter:
                 self._n["served_queued"] += 1
                 return {name: np.array(a, copy=True) for name, a in queued.items()}
         with self._lock:
-            return self.store.get(key)
+            return self.store.get(key, check=check)
 
     def contains(self, key: str) -> bool:
         _check_key(key)
