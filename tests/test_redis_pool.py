@@ -107,25 +107,59 @@ def test_roundtrip_one_key_with_the_fingerprint_and_a_native_ttl(redis_server):
     assert pool.drop("k1") and not pool.contains("k1") and pool.get("k1") is None
 
 
-def test_connect_configures_maxmemory_and_the_policy(redis_server):
-    _pool(redis_server, budget_bytes=32 << 20)
-    cfg = _raw(redis_server).config_get("maxmemory*")
-    assert cfg["maxmemory"] == str(32 << 20) and cfg["maxmemory-policy"] == POLICY
-    # budget None keeps the server's maxmemory (the first process configured it)
-    assert _pool(redis_server, budget_bytes=None).budget_bytes == 32 << 20
-
-
-def test_config_refused_and_wrong_policy_is_a_clear_error(tmp_path):
+def test_our_own_server_runs_with_a_budget_and_the_policy(tmp_path):
+    """The one server the runtime configures is the one it starts (runtime/redis_server.py)."""
     from conftest import redis_or_skip
 
     redis_or_skip()
-    with RedisServer.start(tmp_path / "r", extra=["--rename-command", "CONFIG", ""]) as s:
-        with pytest.raises(PoolConfigError, match="maxmemory-policy volatile-lru"):
-            _pool(s)
-    with RedisServer.start(tmp_path / "r2", extra=["--rename-command", "CONFIG", "",
-                                                   "--maxmemory", "8mb",
-                                                   "--maxmemory-policy", POLICY]) as s:
+    with RedisServer.start(tmp_path / "r", maxmemory_bytes=32 << 20) as s:
+        cfg = _raw(s).config_get("maxmemory*")
+        assert cfg["maxmemory"] == str(32 << 20) and cfg["maxmemory-policy"] == POLICY
+        assert _pool(s, budget_bytes=None).budget_bytes == 32 << 20  # the server's maxmemory
+        assert _pool(s, budget_bytes=8 << 20).budget_bytes == 8 << 20  # a smaller cap
+        assert _pool(s, budget_bytes=64 << 20).budget_bytes == 32 << 20
+        assert _raw(s).config_get("maxmemory")["maxmemory"] == str(32 << 20)  # untouched
+
+
+def test_a_server_with_config_disabled_and_a_budget_is_accepted(tmp_path):
+    from conftest import redis_or_skip
+
+    redis_or_skip()
+    with RedisServer.start(tmp_path / "r2", maxmemory_bytes=8 << 20,
+                           extra=["--rename-command", "CONFIG", ""]) as s:
         assert _pool(s).budget_bytes == 8 << 20  # the server's own settings are accepted
+
+
+def test_a_users_server_is_never_reconfigured(tmp_path):
+    """A server the user gives us keeps its settings: an evicting one with a budget is used as
+    it is (whatever budget the pool asks for), an unbounded or non-evicting one is refused with
+    a clear error naming the redis.conf lines, and left as it was (issue 38: the pool used to
+    CONFIG SET maxmemory and the policy on any server, and never restored them)."""
+    from conftest import redis_or_skip
+
+    redis_or_skip()
+    users = {"ok": ["--maxmemory", "16mb", "--maxmemory-policy", "allkeys-lru"],
+             "unbounded": ["--maxmemory", "0"],
+             "noeviction": ["--maxmemory-policy", "noeviction"]}
+    for name, extra in users.items():
+        with RedisServer.start(tmp_path / name, extra=extra) as s:
+            before = _raw(s).config_get("maxmemory*")
+            if name == "ok":
+                assert _pool(s, budget_bytes=64 << 20).budget_bytes == 16 << 20
+                assert _pool(s, budget_bytes=None).put("k", _state(1), {})
+            else:
+                with pytest.raises(PoolConfigError) as err:
+                    _pool(s, budget_bytes=32 << 20)
+                policy = "noeviction" if name == "noeviction" else POLICY
+                maxmem = 0 if name == "unbounded" else s.maxmemory_bytes
+                assert str(err.value) == (
+                    f"The Redis server at {s.url} runs with maxmemory {maxmem} and "
+                    f"maxmemory-policy {policy!r}: the snapshot pool needs a byte bound and a "
+                    f"policy that evicts expiring keys, and it never changes a server's "
+                    f"settings. Set `maxmemory {32 << 20}` and `maxmemory-policy {POLICY}` in "
+                    f"its redis.conf (or with CONFIG SET), or leave --redis-url out to use the "
+                    f"in-process pool.")
+            assert _raw(s).config_get("maxmemory*") == before
 
 
 def test_another_models_snapshot_is_never_served(redis_server):
@@ -175,7 +209,8 @@ def test_the_budget_evicts_least_recently_read_first(redis_server):
     used = int(raw.info("memory")["used_memory"])
     big = {"a": np.zeros(1_000_000, dtype=np.uint8)}  # one allocation class below 1 MiB
     budget = used + int(4.5 * (1 << 20))
-    pool = _pool(redis_server, budget_bytes=budget)
+    raw.config_set("maxmemory", str(budget))  # the test's own server (the pool never sets it)
+    pool = _pool(redis_server, budget_bytes=None)
     # the server's LRU clock ticks once a second: k1 is made the one least recently used
     assert pool.put("k0", big, {}) and pool.put("k1", big, {})
     time.sleep(1.1)
@@ -270,8 +305,8 @@ def test_memory_full(small_model, tmp_path, redis_server, references):
     for i in range(64):
         raw.set(f"other:{i}", b"x" * (16 << 10))
     budget = int(raw.info("memory")["used_memory"]) - (256 << 10)
-    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url,
-                 pool_budget_bytes=budget) as e:
+    raw.config_set("maxmemory", str(budget))  # the test's own server (the pool never sets it)
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
         got = _play(e, TURNS[:2])
         assert got == (references[1][0][:2], references[1][1][:2])
         st = e.stats().pool
