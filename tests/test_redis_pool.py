@@ -352,3 +352,79 @@ def test_a_urls_password_is_never_printed():
     with pytest.raises(ValueError) as e:
         RedisSnapshotPool("http://:s3cret@h", fingerprint=FP)
     assert "s3cret" not in str(e.value)
+
+
+# ---- issue 38: holds across engines, records this engine cannot restore ---------------------------
+
+def test_holds_one_snapshot_many_holders(redis_server):
+    """A drop with a holder lets go of that hold only; the snapshot goes with its last holder,
+    and a holder that never held it deletes nothing."""
+    pool, raw = _pool(redis_server), _raw(redis_server)
+    assert pool.put("k", _state(1), {}, holder="a") and pool.put("k", _state(1), {}, holder="b")
+    assert raw.smembers(f"{pool.hold_prefix}k") == {b"a", b"b"}
+    assert not pool.drop("k", holder="x") and not pool.drop("k", holder="a")
+    assert pool.contains("k") and not pool.drop("k", holder="a")
+    assert pool.drop("k", holder="b") and not pool.contains("k") and raw.dbsize() == 0
+
+
+def test_a_session_moving_on_never_deletes_another_engines_snapshot(small_model, tmp_path,
+                                                                     redis_server):
+    """Two engines (two processes of a deployment) on one pool, a session on each with one
+    history: the first moving on used to delete the snapshot the second needs (the engine only
+    knew its own sessions), so the second was served cold with other tokens."""
+    p1, p2, p3 = _prompt(5, 7), _prompt(1, 8), _prompt(1, 9)  # under a block: the snapshot alone
+    with _engine(small_model, tmp_path / "a", redis_url=redis_server.url) as a, \
+            _engine(small_model, tmp_path / "b", redis_url=redis_server.url) as b:
+        sa, sb = a.session(), b.session()
+        assert list(sa.send(p1, max_new_tokens=1)) == list(sb.send(p1, max_new_tokens=1))
+        list(sa.send(p2, max_new_tokens=1))  # a moves on: it lets go of its hold only
+        got = list(sb.send(p3, max_new_tokens=3))
+        assert sb.turns[-1].tier == "snapshot"
+        assert (b.stats().pool.hits, b.stats().pool.misses) == (1, 0)
+    with _engine(small_model, tmp_path / "ref") as ref:
+        s = ref.session()
+        list(s.send(p1, max_new_tokens=1))
+        want = list(s.send(p3, max_new_tokens=3))
+        assert s.turns[-1].tier == "snapshot"
+    assert got == want
+
+
+def _refit(arrays: dict, how: str) -> dict:
+    """The snapshot's arrays with its first ring array missing, reshaped or retyped."""
+    name = min(k for k in arrays if k.startswith("ring."))
+    out = dict(arrays)
+    if how == "missing":
+        del out[name]
+    elif how == "reshaped":
+        out[name] = out[name].reshape(-1)
+    else:
+        out[name] = out[name].view(np.int8) if out[name].dtype != np.int8 \
+            else out[name].view(np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("how", ["missing", "reshaped", "retyped"])
+def test_a_well_formed_record_this_engine_cannot_restore_is_a_deleted_miss(
+        small_model, tmp_path, redis_server, references, how):
+    """A record with the right kind, key, fingerprint and checksum whose arrays do not fit the
+    engine used to raise out of the turn (and stay, failing that prefix on every engine until
+    its TTL): now a miss, counted `corrupted`, deleted, the turn served as any miss."""
+    from dsv41.runtime.tiers.wire import decode_record
+
+    raw = _raw(redis_server)
+
+    def refit():
+        (rkey,) = raw.keys(f"{KEY_PREFIX}*")
+        key = rkey.decode()[len(f"{KEY_PREFIX}{e.keys.salt.hex()}:"):]
+        rec = decode_record(raw.get(rkey), kind="snapshot", key=key, fingerprint=e.keys.salt)
+        value = encode_record(kind="snapshot", key=key, fingerprint=e.keys.salt,
+                              created_at=rec.created_at, meta=rec.meta,
+                              arrays=_refit(rec.arrays, how))
+        raw.set(rkey, value, px=60_000)
+
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
+        got = _play(e, TURNS[:2], faults={1: refit})
+        assert got == (references[1][0][:2], references[1][1][:2])
+        st = e.stats().pool
+        assert (st.corrupted, st.misses, st.hits) == (1, 1, 0)
+        assert len(raw.keys(f"{KEY_PREFIX}*")) == 1  # the bad one deleted; turn 2's stored
