@@ -428,3 +428,31 @@ def test_a_well_formed_record_this_engine_cannot_restore_is_a_deleted_miss(
         st = e.stats().pool
         assert (st.corrupted, st.misses, st.hits) == (1, 1, 0)
         assert len(raw.keys(f"{KEY_PREFIX}*")) == 1  # the bad one deleted; turn 2's stored
+
+
+def test_server_lost_inside_a_turn_then_restarted_is_misses_never_errors(small_model, tmp_path,
+                                                                          redis_server):
+    """The server dies while a turn decodes (after its restore, before its snapshot is
+    written) and comes back empty: the turn ends normally (its write counted), the next turn
+    misses (`lost` is not counted: the write never landed) and replays from the SSD blocks with
+    the tokens of an engine whose pool lost that snapshot too."""
+    def play(e, during=None, before_last=None):
+        s, out = e.session(), []
+        for i, (n, seed, decode) in enumerate(TURNS):
+            if i == 2 and before_last:
+                before_last()
+            gen = s.send(_prompt(n, seed), max_new_tokens=decode)
+            toks = [next(gen)]
+            if i == 1 and during:
+                during()
+            out.append(toks + list(gen))
+        return out, [r.tier for r in s.turns]
+
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
+        e.pool.retry_s = 0.0
+        got = play(e, during=redis_server.kill, before_last=redis_server.restart)
+        st = e.stats().pool
+        assert (st.write_errors, st.restarts, st.hits) == (1, 1, 1) and st.unavailable >= 1
+    with _engine(small_model, tmp_path / "ref") as ref:  # its pool loses turn 2's snapshot
+        want = play(ref, before_last=lambda: [ref.pool.drop(k) for k in ref.pool.backend.keys()])
+    assert got == want and got[1] == ["cold", "snapshot", "prefix"]
