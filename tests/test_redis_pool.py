@@ -354,7 +354,7 @@ def test_a_urls_password_is_never_printed():
     assert "s3cret" not in str(e.value)
 
 
-# ---- issue 38: holds across engines, records this engine cannot restore ---------------------------
+# ---- issue 38: holds across engines, records this engine cannot restore --------------------------
 
 def test_holds_one_snapshot_many_holders(redis_server):
     """A drop with a holder lets go of that hold only; the snapshot goes with its last holder,
