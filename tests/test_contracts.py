@@ -188,7 +188,7 @@ def test_the_turn_plan_fields_and_the_planners_signatures():
     assert restore.return_annotation == "TurnPlan"
     offload = inspect.signature(TurnPlanner.offload)
     assert list(offload.parameters) == ["self", "cache", "history", "images", "session",
-                                        "stored_blocks", "previous", "shared"]
+                                        "holder", "stored_blocks", "previous"]
     assert offload.return_annotation == "Offloaded"
 
 

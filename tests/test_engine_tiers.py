@@ -244,3 +244,25 @@ def test_resume_prefill_rows_are_the_replayed_tail_then_the_new_tokens(small_mod
     assert tail.selections and res.selections.keys() >= tail.selections.keys()
     for k, rows in tail.selections.items():  # the tail's selections, then the new tokens'
         assert torch.equal(res.selections[k], torch.cat([rows, fresh.selections[k]], 1)), k
+
+
+def test_a_stored_block_this_engine_cannot_restore_ends_the_prefix(small_model, tmp_path):
+    """A block file with the right key, fingerprint and checksums whose arrays do not fit the
+    engine (here: one reshaped) used to raise out of the turn; now the store counts it corrupt
+    and deletes it, the prefix ends before it, and the turn's tokens are a cold run's."""
+    e = _engine(small_model, tmp_path / "store")
+    a = e.session()
+    _send(a, _prompt(20, 1), n=1)
+    e.flush()
+    keys = e.block_keys(a.history)
+    bad = e.blocks.get(keys[0])
+    name = min(bad)
+    bad[name] = bad[name].reshape(-1)
+    assert e.blocks.drop(keys[0]) and e.store.put(keys[0], bad)
+    b = e.session()
+    toks, _ = _send(b, a.transcript + [5])
+    assert (b.turns[-1].tier, b.turns[-1].reused_keys) == ("cold", [])
+    assert e.stats().store.corrupt == 1 and not e.store.contains(keys[0])
+    e.close()
+    ref = _engine(small_model).session()
+    assert toks == _send(ref, a.transcript + [5])[0]

@@ -383,7 +383,7 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
     s = store(tmp_path, Clock())
     k = key(3)
 
-    def crash(src, dst):
+    def crash(src, dst, **dir_fds):
         raise OSError("simulated crash at rename")
 
     monkeypatch.setattr(kv_store.os, "replace", crash)
@@ -727,3 +727,82 @@ def test_writer_drop_removes_a_queued_or_a_stored_block(tmp_path):
     with pytest.raises(ValueError, match="no metadata"):
         w.put(key(4), block(4), {"x": 1})
     w.close()
+
+
+# -- the folder the store opened: links, a replaced folder, clock steps (issue 38) ---------------
+
+def test_a_shard_swapped_for_a_link_never_reads_or_deletes_outside_the_store(tmp_path):
+    """The shard folder of a stored block is replaced by a link to a folder outside the store
+    holding a same-named (bad) file after the scan: the store reads nothing there and deletes
+    nothing there (it used to read the bad file through the link and delete it as corrupt)."""
+    root, outside = tmp_path / "s", tmp_path / "outside"
+    s = store(root, Clock())
+    k, k2 = key(1), key(1)[:2] + key(2)[2:]
+    assert s.put(k, block(1))
+    outside.mkdir()
+    (outside / f"{k}.blk").write_bytes(b"not a block, and not the store's")
+    (root / k[:2] / f"{k}.blk").unlink()
+    (root / k[:2]).rmdir()
+    (root / k[:2]).symlink_to(outside, target_is_directory=True)
+    assert s.get(k) is None
+    assert not s.put(k2, block(2)) and not s.drop(k)
+    assert sorted(p.name for p in outside.iterdir()) == [f"{k}.blk"]
+    assert (outside / f"{k}.blk").read_bytes() == b"not a block, and not the store's"
+    st = s.stats()
+    assert (st.read_errors, st.write_errors, st.corrupt, st.misses, st.entries) == (1, 1, 0, 1, 0)
+
+
+def test_a_store_folder_replaced_under_a_running_store_disables_it(tmp_path, caplog):
+    """The folder is removed and made again by a new owner while the store is open: the old
+    store never writes into the new owner's folder; it disables itself with a logged error."""
+    import shutil
+
+    root = tmp_path / "s"
+    s = store(root, Clock())
+    assert s.put(key(1), block(1))
+    shutil.rmtree(root)
+    root.mkdir()
+    new = store(root, Clock())  # the new owner
+    with caplog.at_level("ERROR", logger=kv_store.__name__):
+        assert not s.put(key(2), block(2))
+        assert s.get(key(1)) is None and not s.contains(key(1)) and not s.drop(key(1))
+    assert sorted(p.name for p in root.iterdir()) == [MARKER_NAME]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"KV store {root}: the folder was removed or replaced since the store opened it; the "
+        "SSD tier is disabled (every read misses, every write is refused) until the engine is "
+        "restarted on a store folder."]
+    st = s.stats()
+    assert (st.disabled, st.refused_writes, st.writes, st.misses) == (True, 1, 1, 1)
+    assert new.put(key(3), block(3)) and not new.stats().disabled
+    assert s.lookup_prefix([key(3)]) == 0  # the new owner's blocks are not the old store's
+
+
+YEAR = 365 * 24 * 3600.0
+
+
+def test_a_clock_stepped_ahead_then_back_never_pins_a_full_store(tmp_path):
+    """Blocks written while the clock ran a year ahead are of unknown age once it steps back
+    (beyond MAX_CLOCK_SKEW_S): evicted first, in this process and after a restart, instead of
+    staying 'younger than the lifetime' for a year while the full store refuses every write.
+    A stamp within the skew is still trusted."""
+    clock = Clock(1000.0)
+    probe = store(tmp_path / "probe", clock)
+    probe.put(key(0), block(0))
+    size = probe.stats().bytes
+    s = store(tmp_path / "s", clock, capacity=2 * size)
+    clock.t = 1000.0 + YEAR
+    assert s.put(key(1), block(0)) and s.put(key(2), block(0))
+    clock.t = 1010.0  # stepped back
+    assert s.put(key(3), block(0))  # key(1), of unknown age and least recently used, goes
+    assert present(s, [key(i) for i in range(5)]) == [key(2), key(3)]
+    s.close()
+    s2 = store(tmp_path / "s", clock, capacity=2 * size)  # a restart sees the same
+    assert s2.put(key(4), block(0))
+    assert present(s2, [key(i) for i in range(5)]) == [key(3), key(4)]
+    assert s2.stats().evictions == 1 and s2.stats().refused_writes == 0
+    # within the skew: trusted, so the minimum lifetime still protects both young entries
+    clock.t = 1010.0 + kv_store.MAX_CLOCK_SKEW_S - 10
+    s2.drop(key(3))
+    assert s2.put(key(1), block(0))
+    clock.t = 1011.0
+    assert not s2.put(key(2), block(0)) and s2.stats().refused_writes == 1

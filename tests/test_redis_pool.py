@@ -107,25 +107,59 @@ def test_roundtrip_one_key_with_the_fingerprint_and_a_native_ttl(redis_server):
     assert pool.drop("k1") and not pool.contains("k1") and pool.get("k1") is None
 
 
-def test_connect_configures_maxmemory_and_the_policy(redis_server):
-    _pool(redis_server, budget_bytes=32 << 20)
-    cfg = _raw(redis_server).config_get("maxmemory*")
-    assert cfg["maxmemory"] == str(32 << 20) and cfg["maxmemory-policy"] == POLICY
-    # budget None keeps the server's maxmemory (the first process configured it)
-    assert _pool(redis_server, budget_bytes=None).budget_bytes == 32 << 20
-
-
-def test_config_refused_and_wrong_policy_is_a_clear_error(tmp_path):
+def test_our_own_server_runs_with_a_budget_and_the_policy(tmp_path):
+    """The one server the runtime configures is the one it starts (runtime/redis_server.py)."""
     from conftest import redis_or_skip
 
     redis_or_skip()
-    with RedisServer.start(tmp_path / "r", extra=["--rename-command", "CONFIG", ""]) as s:
-        with pytest.raises(PoolConfigError, match="maxmemory-policy volatile-lru"):
-            _pool(s)
-    with RedisServer.start(tmp_path / "r2", extra=["--rename-command", "CONFIG", "",
-                                                   "--maxmemory", "8mb",
-                                                   "--maxmemory-policy", POLICY]) as s:
+    with RedisServer.start(tmp_path / "r", maxmemory_bytes=32 << 20) as s:
+        cfg = _raw(s).config_get("maxmemory*")
+        assert cfg["maxmemory"] == str(32 << 20) and cfg["maxmemory-policy"] == POLICY
+        assert _pool(s, budget_bytes=None).budget_bytes == 32 << 20  # the server's maxmemory
+        assert _pool(s, budget_bytes=8 << 20).budget_bytes == 8 << 20  # a smaller cap
+        assert _pool(s, budget_bytes=64 << 20).budget_bytes == 32 << 20
+        assert _raw(s).config_get("maxmemory")["maxmemory"] == str(32 << 20)  # untouched
+
+
+def test_a_server_with_config_disabled_and_a_budget_is_accepted(tmp_path):
+    from conftest import redis_or_skip
+
+    redis_or_skip()
+    with RedisServer.start(tmp_path / "r2", maxmemory_bytes=8 << 20,
+                           extra=["--rename-command", "CONFIG", ""]) as s:
         assert _pool(s).budget_bytes == 8 << 20  # the server's own settings are accepted
+
+
+def test_a_users_server_is_never_reconfigured(tmp_path):
+    """A server the user gives us keeps its settings: an evicting one with a budget is used as
+    it is (whatever budget the pool asks for), an unbounded or non-evicting one is refused with
+    a clear error naming the redis.conf lines, and left as it was (issue 38: the pool used to
+    CONFIG SET maxmemory and the policy on any server, and never restored them)."""
+    from conftest import redis_or_skip
+
+    redis_or_skip()
+    users = {"ok": ["--maxmemory", "16mb", "--maxmemory-policy", "allkeys-lru"],
+             "unbounded": ["--maxmemory", "0"],
+             "noeviction": ["--maxmemory-policy", "noeviction"]}
+    for name, extra in users.items():
+        with RedisServer.start(tmp_path / name, extra=extra) as s:
+            before = _raw(s).config_get("maxmemory*")
+            if name == "ok":
+                assert _pool(s, budget_bytes=64 << 20).budget_bytes == 16 << 20
+                assert _pool(s, budget_bytes=None).put("k", _state(1), {})
+            else:
+                with pytest.raises(PoolConfigError) as err:
+                    _pool(s, budget_bytes=32 << 20)
+                policy = "noeviction" if name == "noeviction" else POLICY
+                maxmem = 0 if name == "unbounded" else s.maxmemory_bytes
+                assert str(err.value) == (
+                    f"The Redis server at {s.url} runs with maxmemory {maxmem} and "
+                    f"maxmemory-policy {policy!r}: the snapshot pool needs a byte bound and a "
+                    f"policy that evicts expiring keys, and it never changes a server's "
+                    f"settings. Set `maxmemory {32 << 20}` and `maxmemory-policy {POLICY}` in "
+                    f"its redis.conf (or with CONFIG SET), or leave --redis-url out to use the "
+                    f"in-process pool.")
+            assert _raw(s).config_get("maxmemory*") == before
 
 
 def test_another_models_snapshot_is_never_served(redis_server):
@@ -175,7 +209,8 @@ def test_the_budget_evicts_least_recently_read_first(redis_server):
     used = int(raw.info("memory")["used_memory"])
     big = {"a": np.zeros(1_000_000, dtype=np.uint8)}  # one allocation class below 1 MiB
     budget = used + int(4.5 * (1 << 20))
-    pool = _pool(redis_server, budget_bytes=budget)
+    raw.config_set("maxmemory", str(budget))  # the test's own server (the pool never sets it)
+    pool = _pool(redis_server, budget_bytes=None)
     # the server's LRU clock ticks once a second: k1 is made the one least recently used
     assert pool.put("k0", big, {}) and pool.put("k1", big, {})
     time.sleep(1.1)
@@ -270,8 +305,8 @@ def test_memory_full(small_model, tmp_path, redis_server, references):
     for i in range(64):
         raw.set(f"other:{i}", b"x" * (16 << 10))
     budget = int(raw.info("memory")["used_memory"]) - (256 << 10)
-    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url,
-                 pool_budget_bytes=budget) as e:
+    raw.config_set("maxmemory", str(budget))  # the test's own server (the pool never sets it)
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
         got = _play(e, TURNS[:2])
         assert got == (references[1][0][:2], references[1][1][:2])
         st = e.stats().pool
@@ -317,3 +352,107 @@ def test_a_urls_password_is_never_printed():
     with pytest.raises(ValueError) as e:
         RedisSnapshotPool("http://:s3cret@h", fingerprint=FP)
     assert "s3cret" not in str(e.value)
+
+
+# ---- issue 38: holds across engines, records this engine cannot restore --------------------------
+
+def test_holds_one_snapshot_many_holders(redis_server):
+    """A drop with a holder lets go of that hold only; the snapshot goes with its last holder,
+    and a holder that never held it deletes nothing."""
+    pool, raw = _pool(redis_server), _raw(redis_server)
+    assert pool.put("k", _state(1), {}, holder="a") and pool.put("k", _state(1), {}, holder="b")
+    assert raw.smembers(f"{pool.hold_prefix}k") == {b"a", b"b"}
+    assert not pool.drop("k", holder="x") and not pool.drop("k", holder="a")
+    assert pool.contains("k") and not pool.drop("k", holder="a")
+    assert pool.drop("k", holder="b") and not pool.contains("k") and raw.dbsize() == 0
+
+
+def test_a_session_moving_on_never_deletes_another_engines_snapshot(small_model, tmp_path,
+                                                                     redis_server):
+    """Two engines (two processes of a deployment) on one pool, a session on each with one
+    history: the first moving on used to delete the snapshot the second needs (the engine only
+    knew its own sessions), so the second was served cold with other tokens."""
+    p1, p2, p3 = _prompt(5, 7), _prompt(1, 8), _prompt(1, 9)  # under a block: the snapshot alone
+    with _engine(small_model, tmp_path / "a", redis_url=redis_server.url) as a, \
+            _engine(small_model, tmp_path / "b", redis_url=redis_server.url) as b:
+        sa, sb = a.session(), b.session()
+        assert list(sa.send(p1, max_new_tokens=1)) == list(sb.send(p1, max_new_tokens=1))
+        list(sa.send(p2, max_new_tokens=1))  # a moves on: it lets go of its hold only
+        got = list(sb.send(p3, max_new_tokens=3))
+        assert sb.turns[-1].tier == "snapshot"
+        assert (b.stats().pool.hits, b.stats().pool.misses) == (1, 0)
+    with _engine(small_model, tmp_path / "ref") as ref:
+        s = ref.session()
+        list(s.send(p1, max_new_tokens=1))
+        want = list(s.send(p3, max_new_tokens=3))
+        assert s.turns[-1].tier == "snapshot"
+    assert got == want
+
+
+def _refit(arrays: dict, how: str) -> dict:
+    """The snapshot's arrays with its first ring array missing, reshaped or retyped."""
+    name = min(k for k in arrays if k.startswith("ring."))
+    out = dict(arrays)
+    if how == "missing":
+        del out[name]
+    elif how == "reshaped":
+        out[name] = out[name].reshape(-1)
+    else:
+        out[name] = out[name].view(np.int8) if out[name].dtype != np.int8 \
+            else out[name].view(np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("how", ["missing", "reshaped", "retyped"])
+def test_a_well_formed_record_this_engine_cannot_restore_is_a_deleted_miss(
+        small_model, tmp_path, redis_server, references, how):
+    """A record with the right kind, key, fingerprint and checksum whose arrays do not fit the
+    engine used to raise out of the turn (and stay, failing that prefix on every engine until
+    its TTL): now a miss, counted `corrupted`, deleted, the turn served as any miss."""
+    from dsv41.runtime.tiers.wire import decode_record
+
+    raw = _raw(redis_server)
+
+    def refit():
+        (rkey,) = raw.keys(f"{KEY_PREFIX}*")
+        key = rkey.decode()[len(f"{KEY_PREFIX}{e.keys.salt.hex()}:"):]
+        rec = decode_record(raw.get(rkey), kind="snapshot", key=key, fingerprint=e.keys.salt)
+        value = encode_record(kind="snapshot", key=key, fingerprint=e.keys.salt,
+                              created_at=rec.created_at, meta=rec.meta,
+                              arrays=_refit(rec.arrays, how))
+        raw.set(rkey, value, px=60_000)
+
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
+        got = _play(e, TURNS[:2], faults={1: refit})
+        assert got == (references[1][0][:2], references[1][1][:2])
+        st = e.stats().pool
+        assert (st.corrupted, st.misses, st.hits) == (1, 1, 0)
+        assert len(raw.keys(f"{KEY_PREFIX}*")) == 1  # the bad one deleted; turn 2's stored
+
+
+def test_server_lost_inside_a_turn_then_restarted_is_misses_never_errors(small_model, tmp_path,
+                                                                          redis_server):
+    """The server dies while a turn decodes (after its restore, before its snapshot is
+    written) and comes back empty: the turn ends normally (its write counted), the next turn
+    misses (`lost` is not counted: the write never landed) and replays from the SSD blocks with
+    the tokens of an engine whose pool lost that snapshot too."""
+    def play(e, during=None, before_last=None):
+        s, out = e.session(), []
+        for i, (n, seed, decode) in enumerate(TURNS):
+            if i == 2 and before_last:
+                before_last()
+            gen = s.send(_prompt(n, seed), max_new_tokens=decode)
+            toks = [next(gen)]
+            if i == 1 and during:
+                during()
+            out.append(toks + list(gen))
+        return out, [r.tier for r in s.turns]
+
+    with _engine(small_model, tmp_path / "s", redis_url=redis_server.url) as e:
+        e.pool.retry_s = 0.0
+        got = play(e, during=redis_server.kill, before_last=redis_server.restart)
+        st = e.stats().pool
+        assert (st.write_errors, st.restarts, st.hits) == (1, 1, 1) and st.unavailable >= 1
+    with _engine(small_model, tmp_path / "ref") as ref:  # its pool loses turn 2's snapshot
+        want = play(ref, before_last=lambda: [ref.pool.drop(k) for k in ref.pool.backend.keys()])
+    assert got == want and got[1] == ["cold", "snapshot", "prefix"]

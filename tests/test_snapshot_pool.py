@@ -242,3 +242,29 @@ def test_default_budget_is_a_tenth_of_host_memory():
     assert SnapshotPool(budget_bytes=123, ttl_s=1.0).budget_bytes == 123
     with pytest.raises(ValueError, match="sweep_interval_s"):
         SnapshotPool(budget_bytes=1, sweep_interval_s=-1.0)
+
+
+def test_holds_a_snapshot_goes_with_its_last_holder():
+    """Two sessions at one state share one snapshot: a drop with a holder lets go of that hold
+    only; a holder that never held it deletes nothing; eviction forgets the holds too."""
+    p = pool(Clock())
+    assert p.put("k", state(0), holder="a") and p.put("k", state(0), holder="b")
+    assert not p.drop("k", holder="x") and not p.drop("k", holder="a")
+    assert not p.drop("k", holder="a") and p.contains("k")
+    assert p.drop("k", holder="b") and not p.contains("k")
+    assert p.put("k", state(0), holder="a") and p.put("j", state(1))
+    assert not p.drop("j", holder="a") and p.contains("j")  # held by nobody: a drops nothing
+    with pytest.raises(ValueError, match="holder must be a non-empty string"):
+        p.put("k", state(0), holder="")
+
+
+def test_a_snapshot_the_reader_refuses_is_a_deleted_counted_miss():
+    p = pool(Clock())
+    p.put("k", state(0))
+
+    def refuse(arrays):
+        raise ValueError("no")
+
+    assert p.get("k", check=refuse) is None and not p.contains("k")
+    st = p.stats()
+    assert (st.corrupted, st.misses, st.hits, st.entries) == (1, 1, 0, 0)

@@ -275,11 +275,6 @@ class Engine:
         """A closed session leaves the engine's table."""
         self.sessions.pop(session.id, None)
 
-    def snapshot_shared(self, key: str, besides: Session) -> bool:
-        """Whether a session other than `besides` stands at the pool snapshot `key` (two
-        sessions with one history share one snapshot)."""
-        return any(s.snapshot_key == key for s in self.sessions.values() if s is not besides)
-
     def track(self, batch: DecodeBatch) -> None:
         """A decode batch whose rows count against the runtime budget (until `untrack`)."""
         self._batches.append(batch)

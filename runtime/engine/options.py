@@ -34,8 +34,8 @@ class EngineOptions:
     store_clock: Callable[[], float] = time.time
     pool_clock: Callable[[], float] = time.monotonic
     # the DRAM snapshot pool on this Redis server (runtime/redis_pool.py; shared by every engine
-    # of the model that names it), instead of the in-process one; pool_budget_bytes is then its
-    # maxmemory (None: keep the server's), pool_ttl_s its keys' expiry
+    # of the model that names it), instead of the in-process one; its maxmemory and policy are
+    # read, never set (pool_budget_bytes, when smaller, caps a snapshot), pool_ttl_s its expiry
     redis_url: str | None = None
     threads: int | None = None  # TVM's CPU pool (None: TVM_NUM_THREADS, else torch's count)
     # every prefill runs in chunks of at most this many tokens: transient memory O(chunk x

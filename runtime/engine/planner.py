@@ -35,6 +35,8 @@ from dsv41.runtime.engine.options import EngineOptions
 from dsv41.runtime.engine.records import StateKind, Tier
 from dsv41.runtime.engine.state import (
     block_arrays,
+    check_block,
+    check_snapshot,
     index_owner_at,
     restore_blocks,
     restore_snapshot,
@@ -165,13 +167,16 @@ class TurnPlanner:
         lo, hi = max(1, n * b), min(len(keyed) - 1, (n + 1) * b - 1)
         if hi < lo:
             return None
-        found = None
+        found, cache = None, None
         candidates = [self.keys.state_keys(keyed, keys, lv.kind, lo, hi) for lv in run]
         for at in reversed(range(hi - lo + 1)):
             for lv, states in zip(run, candidates, strict=True):
                 length, key = states[at]
                 if lv.source.contains(key):
-                    entry = lv.source.get(key)
+                    cache = self.new_cache() if cache is None else cache
+                    # a record this engine cannot restore (an array missing, reshaped or
+                    # retyped) is a miss the tier counts and deletes, never an error
+                    entry = lv.source.get(key, check=self._fits_state(cache, length))
                     if entry is not None:
                         found = length, entry_arrays(entry), lv.tier
                         break
@@ -180,10 +185,9 @@ class TurnPlanner:
         if found is None:
             return None
         length, arrays, tier = found
-        blocks = self._blocks(keys[: length // b])
+        blocks = self._blocks(keys[: length // b], cache)
         if len(blocks) != length // b:
             return None
-        cache = self.new_cache()
         io = Transfers(self.model.device)  # one batch of copies, waited for on the device
         restore_blocks(cache, blocks, b, io)
         restore_snapshot(cache, arrays, b, self.ring_layers, io)
@@ -193,34 +197,44 @@ class TurnPlanner:
     def _from_blocks(self, level: Level, keys: list[str]) -> TurnPlan | None:
         """The longest run of stored blocks alone (encoder bounded replay from their end)."""
         b = self.options.page_tokens
-        blocks = self._blocks(keys[: self.blocks.lookup_prefix(keys)])
+        cache = self.new_cache()
+        blocks = self._blocks(keys[: self.blocks.lookup_prefix(keys)], cache)
         if not blocks:
             return None
-        cache = self.new_cache()
         restore_blocks(cache, blocks, b)
         cache.index_owner = torch.tensor([index_owner_at(self.model.plan, len(blocks) * b)],
                                          device=self.model.device)
         return TurnPlan(cache, level.tier, len(blocks) * b, tuple(keys[: len(blocks)]))
 
-    def _blocks(self, keys: list[str]) -> list[dict]:
+    def _blocks(self, keys: list[str], cache: ModelCache) -> list[dict]:
+        """The stored blocks of `keys`, up to the first missing or bad one (a block whose
+        arrays do not fit `cache` is bad: counted and deleted by the store)."""
+        b = self.options.page_tokens
         out = []
         for k in keys:
-            arrays = self.blocks.get(k)
+            arrays = self.blocks.get(k, check=lambda a: check_block(cache, a, b))
             if arrays is None:  # missing, or bad and now deleted: the prefix ends here
                 break
             out.append(arrays)
         return out
 
+    def _fits_state(self, cache: ModelCache, length: int) -> Callable[[dict], None]:
+        """The check of a state record keyed at `length`: exactly the arrays this engine's
+        snapshot of a `length`-token sequence has (`state.check_snapshot`)."""
+        b, rings = self.options.page_tokens, self.ring_layers
+        return lambda arrays: check_snapshot(cache, arrays, length, b, rings)
+
     # ---- the turn's end -------------------------------------------------------------------------
 
     def offload(self, cache: ModelCache, history: list[int], images: Sequence[SessionImage], *,
-                session: int, stored_blocks: int, previous: str | None,
-                shared: Callable[[str], bool]) -> Offloaded:
+                session: int, holder: str, stored_blocks: int,
+                previous: str | None) -> Offloaded:
         """The new complete blocks (after the `stored_blocks` known stored) to the SSD writer's
         queue (written in the background: a refused one is found missing by the next turn's
-        walk, which then writes it again), the snapshot to the pool (exact mode: also to the SSD
-        store). `previous`: the session's last snapshot key, dropped from the pool when the
-        session has moved past it and no other session stands there (`shared`)."""
+        walk, which then writes it again), the snapshot to the pool, held by `holder` (the
+        session's uid; exact mode: also to the SSD store). `previous`: the session's last
+        snapshot key, which it lets go of once it has moved past it: the pool deletes it only
+        when no other session, of this engine or any other on the pool, holds it."""
         b = self.options.page_tokens
         if len(history) != int(cache.pos[0]):
             raise AssertionError("history and cache position disagree")
@@ -233,11 +247,9 @@ class TurnPlanner:
         for key, block in new:
             self.blocks.submit(key, block)
         key = self.keys.history_key(keyed, StateKind.SNAPSHOT)
-        self.pool.put(key, arrays, {"session": session, "tokens": len(history)})
-        if previous not in (None, key) and not shared(previous):
-            # this session has moved past its previous turn, and no other session of this
-            # engine stands at that state (two sessions with one history share one snapshot)
-            self.pool.drop(previous)
+        self.pool.put(key, arrays, {"session": session, "tokens": len(history)}, holder=holder)
+        if previous not in (None, key):  # moved past it: this session's hold goes (only)
+            self.pool.drop(previous, holder=holder)
         if self.options.exact:
             self.blocks.submit(self.keys.history_key(keyed, StateKind.STATE), arrays)
         return Offloaded(len(keys), key)

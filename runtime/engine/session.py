@@ -49,7 +49,7 @@ class Session:
         self._open: Turn | None = None  # the turn `_gen` plays
         self.snapshot_key: str | None = None  # the pool key of this session's last snapshot
         self.images: list[SessionImage] = []  # the images of `history`, in order
-        self.uid = uuid.uuid4().hex  # names the session in its snapshot key
+        self.uid = uuid.uuid4().hex  # names the session's hold on its pool snapshot
 
     @property
     def transcript(self) -> list[int]:
@@ -269,9 +269,8 @@ class Session:
         t = time.perf_counter()
         if e.planner.offloads:
             done = e.planner.offload(self.cache, self.history, self.images, session=self.id,
-                                     stored_blocks=self.stored_blocks,
-                                     previous=self.snapshot_key,
-                                     shared=lambda key: e.snapshot_shared(key, besides=self))
+                                     holder=self.uid, stored_blocks=self.stored_blocks,
+                                     previous=self.snapshot_key)
             self.stored_blocks, self.snapshot_key = done.stored_blocks, done.snapshot
             self.cache = None
         turn.record.seconds["offload"] = time.perf_counter() - t

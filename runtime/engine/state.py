@@ -282,3 +282,68 @@ def restore_runtime_state(cache: ModelCache, arrays: dict[str, np.ndarray],
                          f"{len(blocks)} blocks of {block_tokens}.")
     restore_blocks(cache, [blocks[i] for i in range(len(blocks))], block_tokens)
     restore_snapshot(cache, snap, block_tokens, None)
+
+
+def _host_dtype(t: torch.Tensor) -> np.dtype:
+    """The dtype of `t`'s host array in a tier record (bf16 travels as its uint16 bits)."""
+    if t.dtype == torch.bfloat16:
+        return np.dtype(np.uint16)
+    return torch.empty(0, dtype=t.dtype).numpy().dtype
+
+
+def _expect(arrays: dict[str, np.ndarray], want: dict[str, tuple[tuple[int, ...], np.dtype]],
+            what: str) -> None:
+    """ValueError naming the first difference between `arrays` and `want` (name -> shape,
+    dtype): a missing or unknown array, another shape or another dtype."""
+    missing, unknown = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
+    if missing or unknown:
+        raise ValueError(f"{what} lacks arrays {missing} and has unknown arrays {unknown}.")
+    for name, (shape, dtype) in want.items():
+        a = arrays[name]
+        if not isinstance(a, np.ndarray) or tuple(a.shape) != shape or a.dtype != dtype:
+            raise ValueError(f"{what}'s {name} is {getattr(a, 'dtype', type(a).__name__)} "
+                             f"{tuple(getattr(a, 'shape', ()))}; this engine reads {dtype} "
+                             f"{shape}.")
+
+
+def check_block(cache: ModelCache, arrays: dict[str, np.ndarray], block_tokens: int) -> None:
+    """ValueError unless `arrays` are exactly a prefix block `block_arrays` gives this cache
+    (every name, shape and dtype), checked before any of it is restored."""
+    want = {}
+    for layer, st in sorted(cache.stores.items()):
+        for name in STORE_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                want[f"{layer}.{name}"] = ((block_tokens // st.ratio, *t.shape[2:]),
+                                           _host_dtype(t))
+    _expect(arrays, want, "The block")
+
+
+def check_snapshot(cache: ModelCache, arrays: dict[str, np.ndarray], pos: int,
+                   block_tokens: int, ring_layers: tuple[int, ...] | None) -> None:
+    """ValueError unless `arrays` are exactly what `snapshot_arrays` gives this cache at `pos`
+    (the position its key names) with these rings: every name, shape and dtype, and the
+    position itself, checked before any of it is restored."""
+    done = pos // block_tokens * block_tokens
+    want = {"pos": ((1,), np.dtype(np.int64)),
+            "index_owner": (tuple(cache.index_owner.shape), _host_dtype(cache.index_owner))}
+    for layer in _rings(cache, ring_layers):
+        ring = cache.windows[layer]
+        want[f"ring.{layer}.codes"] = (tuple(ring.codes.shape[1:]), _host_dtype(ring.codes))
+        want[f"ring.{layer}.scales"] = (tuple(ring.scales.shape[1:]), _host_dtype(ring.scales))
+    for layer, st in sorted(cache.stores.items()):
+        for name in TAIL_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                want[f"{layer}.{name}"] = (tuple(t.shape[1:]), _host_dtype(t))
+        for name in STORE_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                want[f"partial.{layer}.{name}"] = ((pos // st.ratio - done // st.ratio,
+                                                    *t.shape[2:]), _host_dtype(t))
+    if cache.engram_history is not None:
+        want["engram_history"] = (tuple(cache.engram_history.shape), cache.engram_history.dtype)
+    _expect(arrays, want, "The snapshot")
+    if int(arrays["pos"][0]) != pos:
+        raise ValueError(f"The snapshot is at position {int(arrays['pos'][0])}; its key names "
+                         f"position {pos}.")

@@ -15,6 +15,11 @@ Choices, stated once:
   expired state is freed while the pool is in use, not only when a later put needs room.
 - Recency lives in the backend (`keys()` is least recently used first, `touch` marks use), so a
   shared backend such as Redis can keep one LRU order for all processes that use it.
+- Holds: a put with a `holder` (a session's uid) records that holder at the snapshot; a drop with
+  a holder lets go of that hold only, and removes the snapshot when no holder remains. Two
+  sessions at one state share one snapshot, and one moving on never removes the other's.
+- `get(key, check=...)`: a snapshot whose arrays the reader's check refuses is removed and
+  counted (`corrupted`), a miss, like any damaged entry.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import psutil
 
-from dsv41.runtime.tiers.base import NO_META
+from dsv41.runtime.tiers.base import NO_META, ArrayCheck
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +113,7 @@ class SnapshotPoolStats:
     expired: int  # snapshots removed because their TTL had passed (on get, by a sweep)
     evictions: int  # live snapshots removed, least recently used first, to make room
     refused: int  # put() of a snapshot bigger than the whole budget
+    corrupted: int = 0  # snapshots the reader's check refused (removed; each also a miss)
 
 
 @dataclass(slots=True)
@@ -117,6 +123,7 @@ class _Counters:
     expired: int = 0
     evictions: int = 0
     refused: int = 0
+    corrupted: int = 0
 
 
 HOST_MEMORY_SHARE = 0.10  # of the host's memory, the pool's default budget (the article's)
@@ -160,11 +167,14 @@ class SnapshotPool:
         self.sweep_interval_s = float(sweep_interval_s)
         self._last_sweep = -math.inf
         self._n = _Counters()
+        self._holders: dict[str, set[str]] = {}  # key -> the holders standing at it
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray],
-            meta: Mapping[str, Any] = NO_META) -> bool:
-        """Store a copy; False (and counted) when it is bigger than the whole budget."""
+            meta: Mapping[str, Any] = NO_META, *, holder: str | None = None) -> bool:
+        """Store a copy (held by `holder`, besides any holders it has); False (and counted)
+        when it is bigger than the whole budget."""
         nbytes = check_put(key, arrays, meta)
+        check_holder(holder)
         self._scheduled_sweep()
         if nbytes > self.budget_bytes:
             self._n.refused += 1
@@ -176,15 +186,18 @@ class SnapshotPool:
         for victim in self.backend.keys():
             if self.backend.bytes() + nbytes <= self.budget_bytes:
                 break
-            self.backend.delete(victim)
+            self._remove(victim)
             self._n.evictions += 1
         assert self.backend.bytes() + nbytes <= self.budget_bytes, "eviction did not make room"
         stored = {name: _frozen_copy(a) for name, a in arrays.items()}
         self.backend.put(Snapshot(key, stored, copy.deepcopy(dict(meta)), now, nbytes))
+        if holder is not None:
+            self._holders.setdefault(key, set()).add(holder)
         return True
 
-    def get(self, key: str) -> Snapshot | None:
-        """A copy of the snapshot, or None when absent or expired (an expired one is removed)."""
+    def get(self, key: str, *, check: ArrayCheck | None = None) -> Snapshot | None:
+        """A copy of the snapshot, or None when absent, expired or refused by `check` (an
+        expired or refused one is removed)."""
         _check_key(key)
         self._scheduled_sweep()
         snap = self.backend.get(key)
@@ -192,13 +205,21 @@ class SnapshotPool:
             self._n.misses += 1
             return None
         if self._is_expired(snap, self.clock()):
-            self.backend.delete(key)
+            self._remove(key)
             self._n.expired += 1
             self._n.misses += 1
             return None
+        arrays = {name: np.array(a, copy=True) for name, a in snap.arrays.items()}
+        if check is not None:
+            try:
+                check(arrays)
+            except ValueError:
+                self._remove(key)
+                self._n.corrupted += 1
+                self._n.misses += 1
+                return None
         self.backend.touch(key)
         self._n.hits += 1
-        arrays = {name: np.array(a, copy=True) for name, a in snap.arrays.items()}
         return Snapshot(snap.key, arrays, copy.deepcopy(snap.meta), snap.created_at, snap.nbytes)
 
     def contains(self, key: str) -> bool:
@@ -209,10 +230,19 @@ class SnapshotPool:
         snap = self.backend.get(key)
         return snap is not None and not self._is_expired(snap, self.clock())
 
-    def drop(self, key: str) -> bool:
-        """Forget a session's snapshot (e.g. the session ended); True when it was present."""
+    def drop(self, key: str, *, holder: str | None = None) -> bool:
+        """Forget a snapshot; True when it was present and is now gone. With `holder`: that
+        holder lets go, and the snapshot goes only when it was its last holder."""
         _check_key(key)
-        return self.backend.delete(key)
+        check_holder(holder)
+        if holder is not None:
+            holders = self._holders.get(key)
+            if holders is None or holder not in holders:
+                return False  # not this holder's: never removed by it
+            holders.discard(holder)
+            if holders:
+                return False
+        return self._remove(key)
 
     def sweep(self) -> int:
         """Remove every expired snapshot; how many were removed."""
@@ -221,7 +251,7 @@ class SnapshotPool:
         for key in self.backend.keys():
             snap = self.backend.get(key)
             if snap is not None and self._is_expired(snap, now):
-                self.backend.delete(key)
+                self._remove(key)
                 n += 1
         self._n.expired += n
         return n
@@ -235,7 +265,8 @@ class SnapshotPool:
         return SnapshotPoolStats(entries=len(self.backend.keys()), bytes=self.backend.bytes(),
                                  budget=self.budget_bytes, hits=self._n.hits,
                                  misses=self._n.misses, expired=self._n.expired,
-                                 evictions=self._n.evictions, refused=self._n.refused)
+                                 evictions=self._n.evictions, refused=self._n.refused,
+                                 corrupted=self._n.corrupted)
 
     def _scheduled_sweep(self) -> None:
         if self.clock() - self._last_sweep >= self.sweep_interval_s:
@@ -243,6 +274,11 @@ class SnapshotPool:
 
     def _is_expired(self, snap: Snapshot, now: float) -> bool:
         return now - snap.created_at >= self.ttl_s
+
+    def _remove(self, key: str) -> bool:
+        """The snapshot and its holds gone; True when it was present."""
+        self._holders.pop(key, None)
+        return self.backend.delete(key)
 
 
 def check_put(key: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> int:
@@ -257,6 +293,12 @@ def check_put(key: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any
 def check_key(key: str) -> None:
     """A snapshot key is a non-empty string (ValueError otherwise)."""
     _check_key(key)
+
+
+def check_holder(holder: str | None) -> None:
+    """A holder is None or a non-empty string (ValueError otherwise)."""
+    if holder is not None and (not isinstance(holder, str) or not holder):
+        raise ValueError(f"A snapshot holder must be a non-empty string, got {holder!r}.")
 
 
 def _frozen_copy(a: np.ndarray) -> np.ndarray:

@@ -10,15 +10,21 @@ Choices, stated once:
   model's engines never read it and a damaged value is detected, deleted and counted, never
   served.
 - The TTL is the key's native expiry (`SET ... PX`), from the write; a read does not extend it.
-- The byte budget is the server's `maxmemory` with the `volatile-lru` policy (every key here
-  has an expiry, so the server evicts the least recently read snapshots first; Redis samples
-  its LRU, it is not exact). At connect and after every server restart (a new `run_id`, seen
-  at the next put) the pool sets both with CONFIG SET; a server that refuses CONFIG (renamed or
-  disabled) must already run with `volatile-lru` and a non-zero `maxmemory`, else the pool is
-  refused with a ValueError naming the redis.conf lines. `maxmemory` counts all of the server's
-  memory (keys, overheads, other users), not only the snapshots' array bytes.
-  `budget_bytes=None` keeps the server's `maxmemory` when it has one (several processes share
-  one pool: the first configures it), else uses `snapshot_pool.default_budget_bytes()`.
+- Holds: a put with a `holder` (a session's uid) adds it to the snapshot's set of holders,
+  `dsv41:hold:<model fingerprint hex>:<key>` (same TTL, written in one MULTI with the value); a
+  drop with a holder removes that holder and deletes the snapshot only when the set is then
+  empty (one Lua script, atomic on the server). Sessions of every process that stand at one
+  state share one snapshot, and a session moving on never deletes one another session holds.
+- The pool never changes the server's settings (it may be the user's, shared with others): it
+  reads `maxmemory` and `maxmemory-policy` at connect and after every server restart (a new
+  `run_id`, seen at the next put) and refuses a server without a byte bound (`maxmemory 0`) or
+  whose policy never evicts (`noeviction`) with a `PoolConfigError` (a ValueError) naming the
+  redis.conf lines. Any evicting policy is accepted; `volatile-lru` (every key here has an
+  expiry, so the least recently read snapshots go first; Redis samples its LRU) is the one to
+  use. `maxmemory` counts all of the server's memory (keys, overheads, other users), not only
+  the snapshots' bytes. The pool's budget is the server's `maxmemory`, or `budget_bytes` when
+  smaller (a snapshot bigger than the budget is refused, never sent). A server of our own
+  (`redis_server.RedisServer`) is started with both set.
 - Faults are misses, counted, never errors in a turn: a server down or slow (connection
   refused, a timeout of `timeout_s`) is `unavailable` (and for `retry_s` seconds after, calls
   skip the server and miss at once, so a dead pool costs a turn no more than one timeout); a
@@ -42,8 +48,14 @@ from typing import Any
 
 import numpy as np
 
-from dsv41.runtime.tiers.base import NO_META
-from dsv41.runtime.tiers.dram_pool import Snapshot, check_key, check_put, default_budget_bytes
+from dsv41.runtime.tiers.base import NO_META, ArrayCheck
+from dsv41.runtime.tiers.dram_pool import (
+    Snapshot,
+    check_holder,
+    check_key,
+    check_put,
+    default_budget_bytes,
+)
 from dsv41.runtime.tiers.wire import (
     RecordError,
     RecordFault,
@@ -60,9 +72,21 @@ KEY_PREFIX = "dsv41:snap:"
 WRITTEN_MEMORY = 65536  # keys this process remembers writing (to tell `expired` from `lost`)
 
 
+HOLD_PREFIX = "dsv41:hold:"
+# the snapshot (KEYS[1]) goes only when ARGV[1] was a holder of it (KEYS[2]) and the last one
+RELEASE_SCRIPT = """
+if redis.call('SREM', KEYS[2], ARGV[1]) == 1 and redis.call('SCARD', KEYS[2]) == 0 then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+EVICTING_POLICIES = frozenset({"volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl",
+                               "allkeys-lru", "allkeys-lfu", "allkeys-random"})
+
+
 class PoolConfigError(ValueError):
-    """The Redis server cannot hold the pool under its budget (policy or maxmemory wrong, and
-    CONFIG refused)."""
+    """The Redis server cannot hold the pool under a budget (no maxmemory, or a policy that
+    never evicts); the pool does not change a server's settings."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +107,7 @@ class RedisPoolStats:
     unavailable: int  # calls that failed or were skipped because the server was unreachable
     full: int  # put() refused by the server for memory (OOM)
     write_errors: int  # put() that did not reach the server (unreachable)
-    restarts: int  # server restarts seen (a new run_id at a put): the pool was reconfigured
+    restarts: int  # server restarts seen (a new run_id at a put): its settings checked again
 
 
 @dataclass(slots=True)
@@ -144,6 +168,7 @@ class RedisSnapshotPool:
         self.timeout_s = _positive("timeout_s", timeout_s)
         self.retry_s, self.clock = float(retry_s), clock
         self.prefix = f"{KEY_PREFIX}{fingerprint.hex()}:"
+        self.hold_prefix = f"{HOLD_PREFIX}{fingerprint.hex()}:"
         self._want_budget = budget_bytes
         self.budget_bytes = budget_bytes or 0  # the server's maxmemory once configured
         self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -155,6 +180,7 @@ class RedisSnapshotPool:
                                        socket_connect_timeout=timeout_s,
                                        retry=Retry(NoBackoff(), 1,
                                                    supported_errors=(redis.ConnectionError,)))
+        self._release = self._r.register_script(RELEASE_SCRIPT)  # EVALSHA, EVAL when unknown
         self._lock = threading.Lock()
         self._n = _Counters()
         self._down_until = -math.inf
@@ -172,37 +198,32 @@ class RedisSnapshotPool:
     # ---- configuration ---------------------------------------------------------------------------
 
     def _check_server(self) -> None:
-        """Configure (or check) maxmemory and the policy when the server is new to this pool."""
+        """Check maxmemory and the policy when the server is new to this pool (never set)."""
         info = self._r.info("server")
         if info["run_id"] == self._run_id:
             return
         if self._run_id is not None:
             self._count("restarts")
-            log.warning("The Redis pool at %s restarted; configuring it again.", self.url)
-        self._configure()
+            log.warning("The Redis pool at %s restarted; checking its settings again.", self.url)
+        self._check_settings()
         self._run_id = info["run_id"]
         self._evicted0 = int(self._r.info("stats").get("evicted_keys", 0))
 
-    def _configure(self) -> None:
+    def _check_settings(self) -> None:
+        """The server's maxmemory and policy, read (INFO, not CONFIG): PoolConfigError when
+        snapshots would grow without bound or be refused once it is full."""
         mem = self._r.info("memory")
-        budget = self._want_budget
-        if budget is None:
-            budget = int(mem.get("maxmemory", 0)) or default_budget_bytes()
-        try:
-            self._r.config_set("maxmemory", str(budget))
-            self._r.config_set("maxmemory-policy", POLICY)
-        except self._response_error as e:  # CONFIG renamed or disabled: check what it runs
-            mem = self._r.info("memory")
-            policy, maxmem = mem.get("maxmemory_policy"), int(mem.get("maxmemory", 0))
-            if policy != POLICY or maxmem <= 0:
-                raise PoolConfigError(
-                    f"The Redis server at {self.url} refused CONFIG ({e}) and runs with "
-                    f"maxmemory {maxmem} and policy {policy!r}; the snapshot pool needs a byte "
-                    f"budget with LRU eviction of expiring keys: set `maxmemory {budget}` and "
-                    f"`maxmemory-policy {POLICY}` in its redis.conf.") from None
-            self.budget_bytes = maxmem
-            return
-        self.budget_bytes = budget
+        policy, maxmem = mem.get("maxmemory_policy"), int(mem.get("maxmemory", 0))
+        if maxmem <= 0 or policy not in EVICTING_POLICIES:
+            want = self._want_budget or default_budget_bytes()
+            raise PoolConfigError(
+                f"The Redis server at {self.url} runs with maxmemory {maxmem} and "
+                f"maxmemory-policy {policy!r}: the snapshot pool needs a byte bound and a policy "
+                f"that evicts expiring keys, and it never changes a server's settings. Set "
+                f"`maxmemory {want}` and `maxmemory-policy {POLICY}` in its redis.conf (or with "
+                f"CONFIG SET), or leave --redis-url out to use the in-process pool.")
+        self.budget_bytes = maxmem if self._want_budget is None \
+            else min(self._want_budget, maxmem)
 
     # ---- the pool's calls ------------------------------------------------------------------------
 
@@ -227,11 +248,16 @@ class RedisSnapshotPool:
     def _rkey(self, key: str) -> str:
         return self.prefix + key
 
+    def _hkey(self, key: str) -> str:
+        return self.hold_prefix + key
+
     def put(self, key: str, arrays: Mapping[str, np.ndarray],
-            meta: Mapping[str, Any] = NO_META) -> bool:
-        """Store the snapshot under its key with the TTL; False (counted) when it is bigger
-        than the budget, the server is unreachable or full."""
+            meta: Mapping[str, Any] = NO_META, *, holder: str | None = None) -> bool:
+        """Store the snapshot under its key with the TTL (held by `holder`, besides any
+        holders it has); False (counted) when it is bigger than the budget, the server is
+        unreachable or full."""
         nbytes = check_put(key, arrays, meta)
+        check_holder(holder)
         if not self._up():
             self._count("write_errors")
             return False
@@ -243,7 +269,13 @@ class RedisSnapshotPool:
             now = time.time()
             value = encode_record(kind=KIND, key=key, fingerprint=self.fingerprint,
                                   created_at=now, meta=dict(meta), arrays=dict(arrays))
-            self._r.set(self._rkey(key), value, px=max(1, int(self.ttl_s * 1000)))
+            px = max(1, int(self.ttl_s * 1000))
+            with self._r.pipeline(transaction=True) as tx:  # the value and its hold together
+                tx.set(self._rkey(key), value, px=px)
+                if holder is not None:
+                    tx.sadd(self._hkey(key), holder)
+                    tx.pexpire(self._hkey(key), px)
+                tx.execute()
         except self._errors as e:
             self._failed(e)
             self._count("write_errors")
@@ -264,9 +296,9 @@ class RedisSnapshotPool:
                 self._written.popitem(last=False)
         return True
 
-    def get(self, key: str) -> Snapshot | None:
-        """The snapshot (fresh arrays), or None: absent, expired, evicted, damaged (deleted) or
-        the server unreachable; every miss counted."""
+    def get(self, key: str, *, check: ArrayCheck | None = None) -> Snapshot | None:
+        """The snapshot (fresh arrays), or None: absent, expired, evicted, damaged or refused by
+        `check` (deleted), or the server unreachable; every miss counted."""
         check_key(key)
         if not self._up():
             self._count("misses")
@@ -282,6 +314,12 @@ class RedisSnapshotPool:
             return None
         try:
             rec = decode_record(value, kind=KIND, key=key, fingerprint=self.fingerprint)
+            if check is not None:
+                try:
+                    check(rec.arrays)
+                except ValueError as e:
+                    raise RecordError(RecordFault.CORRUPTED, f"its arrays do not fit this "
+                                      f"engine: {e}") from None
         except RecordError as e:
             log.warning("Snapshot %s… in the Redis pool is unusable (%s); deleted.", key[:16], e)
             self._count("corrupted" if e.fault is RecordFault.CORRUPTED else "foreign")
@@ -318,13 +356,22 @@ class RedisSnapshotPool:
             self._count("expired" if time.time() >= expiry else "lost")
         self._count("misses")
 
-    def drop(self, key: str) -> bool:
-        """Delete the snapshot; True when it was present (False too when unreachable)."""
+    def drop(self, key: str, *, holder: str | None = None) -> bool:
+        """Delete the snapshot; True when it was present and is now gone (False too when
+        unreachable). With `holder`: that holder lets go, and the snapshot goes only when it was
+        its last holder (atomic on the server)."""
         check_key(key)
+        check_holder(holder)
         if not self._up():
             return False
         try:
-            return bool(self._r.delete(self._rkey(key)))
+            if holder is not None:
+                return bool(self._release(keys=[self._rkey(key), self._hkey(key)],
+                                          args=[holder]))
+            with self._r.pipeline(transaction=True) as tx:
+                tx.delete(self._rkey(key))
+                tx.delete(self._hkey(key))
+                return bool(tx.execute()[0])
         except self._errors as e:
             self._failed(e)
             return False

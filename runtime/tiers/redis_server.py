@@ -7,7 +7,10 @@ fill it), `dsv41 bench pool` and a one-machine EPD deployment.
         server.restart()                            # same port, empty (nothing is saved)
 
 No persistence (`--save ''`, no AOF): a restart comes back empty, as a restarted cache does.
-`extra` passes more `--option value` arguments (e.g. `rename-command CONFIG ""`).
+This is the one Redis server the runtime configures (the snapshot pool only reads a server's
+settings): it starts with `maxmemory` (`maxmemory_bytes`, default 10% of the host's memory, as
+the in-process pool) and `maxmemory-policy volatile-lru`. `extra` passes more `--option value`
+arguments after those (e.g. `rename-command CONFIG ""`, or other memory settings).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from dsv41.runtime.tiers.dram_pool import default_budget_bytes
+from dsv41.runtime.tiers.redis_pool import POLICY
 
 BINARY = "redis-server"
 
@@ -34,17 +40,25 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, folder: Path, port: int, extra: Sequence[str] = ()):
+    def __init__(self, folder: Path, port: int, extra: Sequence[str] = (),
+                 maxmemory_bytes: int | None = None):
         self.folder, self.port, self.extra = Path(folder), port, tuple(extra)
+        self.maxmemory_bytes = default_budget_bytes() if maxmemory_bytes is None \
+            else maxmemory_bytes
         self.proc: subprocess.Popen | None = None
 
     @classmethod
-    def start(cls, folder: str | Path, *, port: int | None = None,
-              extra: Sequence[str] = ()) -> RedisServer:
+    def start(cls, folder: str | Path, *, port: int | None = None, extra: Sequence[str] = (),
+              maxmemory_bytes: int | None = None) -> RedisServer:
         if redis_binary() is None:
             raise FileNotFoundError(f"`{BINARY}` is not installed (Debian: apt-get install -y "
                                     "redis-server).")
-        server = cls(Path(folder), port or _free_port(), extra)
+        if maxmemory_bytes is not None and (not isinstance(maxmemory_bytes, int)
+                                            or isinstance(maxmemory_bytes, bool)
+                                            or maxmemory_bytes <= 0):
+            raise ValueError(f"maxmemory_bytes must be a positive int or None, got "
+                             f"{maxmemory_bytes!r}.")
+        server = cls(Path(folder), port or _free_port(), extra, maxmemory_bytes)
         server.folder.mkdir(parents=True, exist_ok=True)
         server._spawn()
         return server
@@ -57,6 +71,7 @@ class RedisServer:
         args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.folder), "--save", "", "--appendonly", "no",
                 "--protected-mode", "no", "--logfile", str(self.folder / "redis.log"),
+                "--maxmemory", str(self.maxmemory_bytes), "--maxmemory-policy", POLICY,
                 *self.extra]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)

@@ -37,6 +37,21 @@ scan at construction removes temporary files left by a crashed writer. The scan 
 symbolic link and deletes only regular files at an entry's path (`<shard>/<key>.blk`, or a
 writer's temporary name).
 
+Every file operation is confined to the folder the store opened: the root is held open as a
+directory descriptor (the one its lock is on), each shard is opened relative to it with
+`O_NOFOLLOW`, and each file relative to its shard with `O_NOFOLLOW` (open, stat, unlink, rename,
+utime), so a shard or block swapped for a symbolic link later is an I/O error (a miss, counted),
+never a read or a deletion outside the store. Before every get, put and drop the store checks
+that its path still names the folder it opened (same device and inode, not removed): a folder
+removed or replaced under a running engine disables the store (logged once as an error; every
+get misses, every put is refused), so it never writes into another owner's folder.
+
+Time: ages come from the store's clock (wall seconds, kept in headers and mtimes so they survive a
+restart), trusted within `MAX_CLOCK_SKEW_S`: an entry stamped further in the future than that (the
+clock stepped back after it was written, or it was written while the clock ran ahead) is of
+unknown age, so it is never protected by the minimum lifetime and is the first evicted; a clock
+fault can never pin a full store.
+
 Store I/O failures (permission, space, a directory or FIFO where a block should be, a file where
 a shard folder should be) never escape: a failed read is a miss (`read_errors`), a failed write is
 a refused write (`write_errors`), each kind logged once per store. Reads check the file type
@@ -67,7 +82,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv41.runtime.tiers.base import NO_META
+from dsv41.runtime.tiers.base import NO_META, ArrayCheck
 from dsv41.runtime.tiers.store_folder import FolderLock, claim_folder
 
 FORMAT_VERSION = 1
@@ -82,6 +97,9 @@ _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _TMP_RE = re.compile(r"\.[0-9a-f]{64}\.\d+\.[0-9a-f]{8}\.tmp")
 _INT64_MAX = np.iinfo(np.int64).max
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_CLOCK_SKEW_S = 300.0  # how far in the future a timestamp is still trusted (then: unknown age)
 _log = logging.getLogger(__name__)
 
 
@@ -194,6 +212,7 @@ class KVStoreStats:
     read_errors: int = 0  # reads that failed (I/O error, not a regular file): misses, not deleted
     write_errors: int = 0  # writes or deletions that failed (permission, space, wrong file type)
     drops: int = 0  # drop() that removed a stored block
+    disabled: bool = False  # the folder was removed or replaced under the store: serves nothing
 
 
 @dataclass(slots=True)
@@ -227,8 +246,10 @@ class _Header:
 class KVStore:
     """Prefix blocks on disk under a byte capacity, with a minimum lifetime.
 
-    Eviction order: when a put does not fit, entries at least `min_lifetime_s` old (by
-    created_at) are chosen least recently used first until the new file fits. If all of those
+    Eviction order: when a put does not fit, entries of unknown age (stamped more than
+    `MAX_CLOCK_SKEW_S` in the future) are chosen first, then entries at least
+    `min_lifetime_s` old (by created_at), least recently used first, until the new file fits.
+    If all of those
     together do not free enough, nothing is evicted and the put is refused (counted in
     `refused_writes`): an entry younger than the lifetime is never evicted. A get hit and a put
     of a present key make the entry most recently used; `contains`/`lookup_prefix` do not.
@@ -248,6 +269,10 @@ class KVStore:
         _check_fingerprint(fingerprint)
         self.root = Path(root)
         self._lock: FolderLock = claim_folder(self.root, kind=STORE_KIND, version=FORMAT_VERSION)
+        self._dir = self._lock.fd  # the folder opened: every path below is relative to it
+        opened = os.fstat(self._dir)
+        self._identity = (opened.st_dev, opened.st_ino)
+        self._disabled: str | None = None  # why the folder is no longer ours, once it is not
         self.capacity_bytes = capacity_bytes
         self.min_lifetime_s = float(min_lifetime_s)
         self.fingerprint = bytes(fingerprint)
@@ -279,14 +304,17 @@ class KVStore:
         self.close()
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray],
-            meta: Mapping[str, Any] = NO_META) -> bool:
+            meta: Mapping[str, Any] = NO_META, *, holder: str | None = None) -> bool:
         """Store a block; True when it is (now or already) stored, False when refused (no room,
         or the write failed: counted in `write_errors` and logged once). A block is arrays
-        only: `meta` (the tier interface's) must be empty."""
+        only: `meta` and `holder` (the tier interface's) must be empty."""
         _check_key(key)
         _check_arrays(arrays)
-        _check_no_meta(meta)
+        _check_no_meta(meta, holder)
         self._check_open()
+        if not self._folder_is_ours():
+            self._n.refused_writes += 1
+            return False
         if key in self._index:
             self._touch(key)
             return True
@@ -311,11 +339,13 @@ class KVStore:
         self._n.writes += 1
         return True
 
-    def get(self, key: str) -> dict[str, np.ndarray] | None:
-        """The block's arrays (fresh, writable), or None. A bad file is deleted and counted."""
+    def get(self, key: str, *, check: ArrayCheck | None = None) -> dict[str, np.ndarray] | None:
+        """The block's arrays (fresh, writable), or None. A bad file is deleted and counted.
+        `check`: the reader's own test of the arrays (names, shapes, dtypes it expects); a
+        ValueError from it makes the file a counted `corrupt` miss, deleted like any bad file."""
         _check_key(key)
         self._check_open()
-        if key not in self._index:
+        if not self._folder_is_ours() or key not in self._index:
             self._n.misses += 1
             return None
         try:
@@ -334,6 +364,13 @@ class KVStore:
             self._bytes -= self._index.pop(key).size
             self._n.misses += 1
             return None
+        if arrays is not None and check is not None:
+            try:
+                check(arrays)
+            except ValueError as e:
+                _log.warning("KV store %s: block %s does not fit this engine (%s); deleted.",
+                             self.root, key, e)
+                verdict, arrays = "corrupt", None
         if arrays is None:
             self._discard(key, verdict)
             self._n.misses += 1
@@ -342,13 +379,15 @@ class KVStore:
         self._n.hits += 1
         return arrays
 
-    def drop(self, key: str) -> bool:
+    def drop(self, key: str, *, holder: str | None = None) -> bool:
         """Forget a block and delete its file; True when it was stored. Only a regular file
         of the store's own name is deleted (never a link's target); a deletion that fails is
-        counted in `write_errors` and the file is found again by a later start's scan."""
+        counted in `write_errors` and the file is found again by a later start's scan. A block
+        has no holders (`holder` must be None)."""
         _check_key(key)
+        _check_no_meta(NO_META, holder)
         self._check_open()
-        if key not in self._index:
+        if not self._folder_is_ours() or key not in self._index:
             return False
         self._remove(key)
         self._n.drops += 1
@@ -356,7 +395,7 @@ class KVStore:
 
     def contains(self, key: str) -> bool:
         _check_key(key)
-        return key in self._index
+        return self._disabled is None and key in self._index
 
     def lookup_prefix(self, keys: Iterable[str]) -> int:
         """How many leading keys are stored (index only: no payload is read, no LRU change)."""
@@ -365,23 +404,40 @@ class KVStore:
             _check_key(key)
         n = 0
         for key in keys:
-            if key not in self._index:
+            if self._disabled is not None or key not in self._index:
                 break
             n += 1
         return n
 
     def stats(self) -> KVStoreStats:
         return KVStoreStats(entries=len(self._index), bytes=self._bytes,
-                            capacity=self.capacity_bytes, **asdict(self._n))
+                            capacity=self.capacity_bytes, disabled=self._disabled is not None,
+                            **asdict(self._n))
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{key}.blk"
 
     def _check_open(self) -> None:
         if self.closed:
             raise ValueError(f"The KV store at {self.root} is closed.")
+
+    def _folder_is_ours(self) -> bool:
+        """Whether the store's path still names the folder it opened (same device and inode,
+        not removed). The first time it does not, the store disables itself (logged once)."""
+        if self._disabled is not None:
+            return False
+        try:
+            now, opened = os.stat(self.root), os.fstat(self._dir)
+        except OSError as e:
+            why = f"cannot be checked ({e.strerror or e})"
+        else:
+            if (now.st_dev, now.st_ino) == self._identity and opened.st_nlink > 0:
+                return True
+            why = "was removed or replaced since the store opened it"
+        self._disabled = why
+        _log.error("KV store %s: the folder %s; the SSD tier is disabled (every read misses, "
+                   "every write is refused) until the engine is restarted on a store folder.",
+                   self.root, why)
+        return False
 
     def _failed(self, kind: str, what: str, error: OSError) -> None:
         """Count a read or write failure; log the first of each kind and errno."""
@@ -394,24 +450,34 @@ class KVStore:
                          error.strerror or error, kind)
 
     def _plan_eviction(self, size: int, now: float) -> list[str] | None:
-        """Keys to evict so that `size` more bytes fit, or None when it cannot fit."""
+        """Keys to evict so that `size` more bytes fit, or None when it cannot fit: entries of
+        unknown age first, then those at least min_lifetime_s old, least recently used first."""
         if size > self.capacity_bytes:
             return None
         need = self._bytes + size - self.capacity_bytes
+        unknown = [k for k, e in self._index.items() if e.created_at > now + MAX_CLOCK_SKEW_S]
+        old = [k for k, e in self._index.items()
+               if now + MAX_CLOCK_SKEW_S >= e.created_at and now - e.created_at
+               >= self.min_lifetime_s]
         victims: list[str] = []
-        for key, entry in self._index.items():
+        for key in unknown + old:
             if need <= 0:
                 break
-            if now - entry.created_at >= self.min_lifetime_s:
-                victims.append(key)
-                need -= entry.size
+            victims.append(key)
+            need -= self._index[key].size
         return victims if need <= 0 else None
+
+    def _shard(self, key: str, *, create: bool = False) -> contextlib.AbstractContextManager[int]:
+        """The shard folder of `key`, opened relative to the store's folder without following
+        a link (ELOOP / ENOTDIR when it is one, or a file); created when `create`."""
+        return _opened_dir(key[:2], self._dir, create=create)
 
     def _touch(self, key: str) -> None:
         self._index.move_to_end(key)
         now = self.clock()
         try:  # last access survives a restart as the mtime; a failure only loses that hint
-            os.utime(self._path(key), (now, now))
+            with self._shard(key) as shard:
+                os.utime(f"{key}.blk", (now, now), dir_fd=shard, follow_symlinks=False)
         except OSError:
             pass
 
@@ -419,16 +485,23 @@ class KVStore:
         """Forget an entry and delete its file (a failed deletion is counted; the scan of a
         later start finds the file again)."""
         self._bytes -= self._index.pop(key).size
-        self._unlink(self._path(key))
-
-    def _unlink(self, path: Path) -> None:
         try:
-            if stat.S_ISREG(os.lstat(path).st_mode):  # only ever a regular file of ours
-                path.unlink()
+            with self._shard(key) as shard:
+                self._unlink(shard, f"{key}.blk")
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # the shard is a link, a file, or unreadable: nothing deleted
+            self._failed("write", f"deleting {key}.blk", e)
+
+    def _unlink(self, shard: int, name: str) -> None:
+        """Delete `name` in the open shard, only ever a regular file of ours (never a link)."""
+        try:
+            if stat.S_ISREG(os.stat(name, dir_fd=shard, follow_symlinks=False).st_mode):
+                os.unlink(name, dir_fd=shard)
         except FileNotFoundError:
             pass
         except OSError as e:
-            self._failed("write", f"deleting {path.name}", e)
+            self._failed("write", f"deleting {name}", e)
 
     def _discard(self, key: str, verdict: str) -> None:
         assert verdict in ("corrupt", "truncated", "foreign"), verdict
@@ -438,51 +511,44 @@ class KVStore:
     def _write(self, key: str, payload: bytes, created_at: float) -> None:
         """Write-temp, fsync, rename, fsync the directory: a crash leaves the old state or the
         new file whole, plus at most a temporary file that the next scan removes."""
-        path = self._path(key)
-        try:
-            shard_mode = os.lstat(path.parent).st_mode
-        except FileNotFoundError:
-            path.parent.mkdir()
-            _fsync_dir(self.root)
-        else:
-            if not stat.S_ISDIR(shard_mode):  # a file, or a link the store never follows
-                raise OSError(errno.ENOTDIR, f"shard {path.parent.name} is not a folder")
         fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, bytes.fromhex(key), self.fingerprint,
                               len(payload), created_at, hashlib.sha256(payload).digest())
         header = fields + hashlib.sha256(fields).digest()
-        tmp = path.parent / f".{key}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-        try:
-            with open(tmp, "xb") as f:
-                f.write(header)
-                f.write(payload)
-                f.flush()
-                os.utime(f.fileno(), (created_at, created_at))
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):  # the first failure is the one to report
-                tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
+        tmp = f".{key}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        with self._shard(key, create=True) as shard:
+            try:
+                with open(os.open(tmp, _WRITE_FLAGS, 0o644, dir_fd=shard), "wb") as f:
+                    f.write(header)
+                    f.write(payload)
+                    f.flush()
+                    os.utime(f.fileno(), (created_at, created_at))
+                    os.fsync(f.fileno())
+                os.replace(tmp, f"{key}.blk", src_dir_fd=shard, dst_dir_fd=shard)
+            except BaseException:
+                with contextlib.suppress(OSError):  # the first failure is the one to report
+                    os.unlink(tmp, dir_fd=shard)
+                raise
+            os.fsync(shard)
 
     def _read(self, key: str) -> tuple[str, dict[str, np.ndarray] | None]:
         """("ok", arrays) or (verdict, None) with verdict one of corrupt/truncated/foreign, or
         special (not a regular file; never read, so a FIFO or device cannot block or feed it).
         """
-        path = self._path(key)
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return "special", None
-        with open(os.open(path, _READ_FLAGS), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):  # replaced between the two looks
+        name = f"{key}.blk"
+        with self._shard(key) as shard:
+            if not stat.S_ISREG(os.stat(name, dir_fd=shard, follow_symlinks=False).st_mode):
                 return "special", None
-            size = st.st_size
-            verdict, header = _check_header(f.read(HEADER_SIZE), key, self.fingerprint, size)
-            if header is None:
-                return verdict, None
-            payload = bytearray(header.payload_len)
-            if f.readinto(payload) != header.payload_len:
-                return "truncated", None
+            with open(os.open(name, _READ_FLAGS, dir_fd=shard), "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):  # replaced between the two looks
+                    return "special", None
+                size = st.st_size
+                verdict, header = _check_header(f.read(HEADER_SIZE), key, self.fingerprint, size)
+                if header is None:
+                    return verdict, None
+                payload = bytearray(header.payload_len)
+                if f.readinto(payload) != header.payload_len:
+                    return "truncated", None
         if hashlib.sha256(payload).digest() != header.payload_sha256:
             return "corrupt", None
         try:
@@ -494,53 +560,84 @@ class KVStore:
         """Rebuild the index from headers (payloads are verified on get). Temporary files of a
         crashed writer are removed; bad entry files are deleted and counted; anything that is
         not a regular file at an entry's path (other names, links, folders, FIFOs) is left
-        alone, and no link is followed."""
+        alone, and no link is followed. An entry stamped in the future (beyond the skew) is
+        first in the LRU order: of unknown age, it is the first evicted."""
         found: list[tuple[float, str, _Entry]] = []
-        for shard in self._listing(self.root):
-            if not (_SHARD_RE.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False)):
+        now = self.clock()
+        for shard_name in self._listing(self._dir, "the store folder"):
+            if not _SHARD_RE.fullmatch(shard_name):
                 continue
-            for item in self._listing(shard):
-                name = item.name
-                if not item.is_file(follow_symlinks=False):
-                    continue
-                path = Path(item.path)
-                if _TMP_RE.fullmatch(name):
-                    self._unlink(path)
-                    continue
-                key = name[:-4]
-                if not (name.endswith(".blk") and _KEY_RE.fullmatch(key)):
-                    continue
-                if key[:2] != shard.name:  # misplaced: get() would never find it
-                    self._unlink(path)
-                    self._n.corrupt += 1
-                    continue
-                try:
-                    with open(os.open(path, _READ_FLAGS), "rb") as f:
-                        st = os.fstat(f.fileno())
-                        if not stat.S_ISREG(st.st_mode):
-                            continue
-                        verdict, header = _check_header(f.read(HEADER_SIZE), key,
-                                                        self.fingerprint, st.st_size)
-                except OSError as e:
-                    self._failed("read", f"scanning {name}", e)
-                    continue
-                if header is None:
-                    self._unlink(path)
-                    setattr(self._n, verdict, getattr(self._n, verdict) + 1)
-                    continue
-                last_access = max(header.created_at, st.st_mtime)
-                found.append((last_access, key, _Entry(st.st_size, header.created_at)))
+            try:
+                with _opened_dir(shard_name, self._dir, create=False) as shard:
+                    found += self._scan_shard(shard, shard_name, now)
+            except OSError:  # not a folder, or a link: not ours, left alone
+                continue
         for _, key, entry in sorted(found, key=lambda t: (t[0], t[1])):
             self._index[key] = entry
             self._bytes += entry.size
 
-    def _listing(self, folder: Path) -> list[os.DirEntry]:
+    def _scan_shard(self, shard: int, shard_name: str,
+                    now: float) -> list[tuple[float, str, _Entry]]:
+        found = []
+        for name in self._listing(shard, shard_name):
+            try:
+                if not stat.S_ISREG(os.stat(name, dir_fd=shard, follow_symlinks=False).st_mode):
+                    continue
+            except OSError:
+                continue
+            if _TMP_RE.fullmatch(name):
+                self._unlink(shard, name)
+                continue
+            key = name[:-4]
+            if not (name.endswith(".blk") and _KEY_RE.fullmatch(key)):
+                continue
+            if key[:2] != shard_name:  # misplaced: get() would never find it
+                self._unlink(shard, name)
+                self._n.corrupt += 1
+                continue
+            try:
+                with open(os.open(name, _READ_FLAGS, dir_fd=shard), "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    verdict, header = _check_header(f.read(HEADER_SIZE), key,
+                                                    self.fingerprint, st.st_size)
+            except OSError as e:
+                self._failed("read", f"scanning {name}", e)
+                continue
+            if header is None:
+                self._unlink(shard, name)
+                setattr(self._n, verdict, getattr(self._n, verdict) + 1)
+                continue
+            last_access = max(header.created_at, st.st_mtime)
+            if header.created_at > now + MAX_CLOCK_SKEW_S:
+                last_access = -math.inf
+            found.append((last_access, key, _Entry(st.st_size, header.created_at)))
+        return found
+
+    def _listing(self, folder: int, what: str) -> list[str]:
         try:
-            with os.scandir(folder) as it:
-                return sorted(it, key=lambda e: e.name)
+            return sorted(os.listdir(folder))
         except OSError as e:
-            self._failed("read", f"listing {folder.name}", e)
+            self._failed("read", f"listing {what}", e)
             return []
+
+
+@contextlib.contextmanager
+def _opened_dir(name: str, parent: int, *, create: bool):
+    """A child folder of the open folder `parent`, opened without following a link."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+        os.mkdir(name, 0o755, dir_fd=parent)
+        os.fsync(parent)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _check_header(buf: bytes, key: str, fingerprint: bytes,
@@ -572,12 +669,15 @@ def _check_header(buf: bytes, key: str, fingerprint: bytes,
     return "ok", _Header(payload_len, created_at, sha)
 
 
-def _check_no_meta(meta: Mapping[str, Any]) -> None:
+def _check_no_meta(meta: Mapping[str, Any], holder: str | None = None) -> None:
     if not isinstance(meta, Mapping):
         raise ValueError(f"meta must be a mapping, got {type(meta).__name__}.")
     if meta:
         raise ValueError(f"A KV block holds arrays only; the SSD store keeps no metadata (got "
                          f"{', '.join(sorted(map(str, meta)))}).")
+    if holder is not None:
+        raise ValueError(f"A KV block has no holders (it serves every sequence with its "
+                         f"prefix); got holder {holder!r}.")
 
 
 def _check_key(key: str) -> None:
@@ -603,14 +703,6 @@ def _check_arrays(arrays: Mapping[str, np.ndarray]) -> None:
         if a.dtype.kind not in _DTYPE_KINDS:
             raise ValueError(f"Array {name!r} has dtype {a.dtype}; a block holds bool, int, "
                              "uint, float or complex arrays (bf16 as uint16).")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -678,18 +770,19 @@ class BlockWriter:
         return True
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray],
-            meta: Mapping[str, Any] = NO_META) -> bool:
+            meta: Mapping[str, Any] = NO_META, *, holder: str | None = None) -> bool:
         """The tier interface's put: `submit`, True once the block is queued (now or already);
         whether the store then keeps it is counted in `stats` (written / refused / failed).
-        A block is arrays only: `meta` must be empty."""
-        _check_no_meta(meta)
+        A block is arrays only: `meta` and `holder` must be empty."""
+        _check_no_meta(meta, holder)
         self.submit(key, arrays)
         return True
 
-    def drop(self, key: str) -> bool:
+    def drop(self, key: str, *, holder: str | None = None) -> bool:
         """Forget a block, queued or stored (`KVStore.drop`); True when it was either. A block
-        being written when called is dropped once its write ends."""
+        being written when called is dropped once its write ends. No holders (None)."""
         _check_key(key)
+        _check_no_meta(NO_META, holder)
         with self._cond:
             while self._writing == key:
                 self._cond.wait()
@@ -701,8 +794,9 @@ class BlockWriter:
             stored = self.store.drop(key)
         return queued or stored
 
-    def get(self, key: str) -> dict[str, np.ndarray] | None:
-        """The block's arrays (fresh, writable) from the queue or the store, or None."""
+    def get(self, key: str, *, check: ArrayCheck | None = None) -> dict[str, np.ndarray] | None:
+        """The block's arrays (fresh, writable) from the queue or the store, or None. `check`
+        as for `KVStore.get`, on a stored block (a queued one is this process's own)."""
         _check_key(key)
         with self._cond:
             queued = self._queue.get(key)
@@ -710,7 +804,7 @@ class BlockWriter:
                 self._n["served_queued"] += 1
                 return {name: np.array(a, copy=True) for name, a in queued.items()}
         with self._lock:
-            return self.store.get(key)
+            return self.store.get(key, check=check)
 
     def contains(self, key: str) -> bool:
         _check_key(key)

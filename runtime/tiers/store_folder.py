@@ -117,6 +117,13 @@ class FolderLock:
     def held(self) -> bool:
         return self._finalizer.alive
 
+    @property
+    def fd(self) -> int:
+        """The folder, open (O_DIRECTORY): the lock is on it, and a store opens every path in
+        it relative to this descriptor (`dir_fd`), so its I/O stays in the folder it claimed."""
+        assert self.held, "the folder lock is closed"
+        return self._fd
+
     def close(self) -> None:
         self._finalizer()  # closing the descriptor releases the flock
 
