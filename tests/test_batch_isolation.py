@@ -251,3 +251,29 @@ def test_session_send_raises_where_its_turn_failed(small_model, monkeypatch):
     with pytest.raises(TurnFailed, match=r"^The model's logits hold NaN or \+inf values"):
         next(gen)
     s.close()
+
+
+def test_a_failed_turn_stores_nothing_and_the_session_goes_on(small_model, monkeypatch,
+                                                              tmp_path):
+    """A turn that failed (its logits not finite) leaves nothing of its state in the tiers: the
+    SSD store and the pool hold what they held before it, so a poisoned state is never served
+    as a prefix; the session's next turn works, planned from what was stored before."""
+    e = Engine.from_model(small_model, weights_hash="w" * 64, page_tokens=PAGE,
+                          prefill_chunk_tokens=CHUNK, store_dir=tmp_path / "store")
+    s = e.session()
+    list(s.send(_ids(17, 3), sampling=_greedy(2)))  # a good first turn: two blocks stored
+    e.flush()
+    before = (e.stats().store.writes, e.stats().store.entries, e.stats().pool.entries)
+    assert before[:2] == (2, 2)
+    _poison(monkeypatch, at=2)
+    gen = s.send(_ids(16, 5), sampling=replace(POISONED, temperature=0.0))
+    assert len([next(gen), next(gen)]) == 2
+    with pytest.raises(TurnFailed):
+        next(gen)
+    e.flush()
+    assert (e.stats().store.writes, e.stats().store.entries, e.stats().pool.entries) == before
+    assert s.pending is None and s.cache is None
+    monkeypatch.undo()
+    assert len(list(s.send([9, 10], sampling=_greedy(3)))) == 3
+    s.close()
+    e.close()

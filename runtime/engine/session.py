@@ -267,7 +267,12 @@ class Session:
         self.pending = turn.tokens[-1] if turn.tokens else None
         e.token_counts["decoded"] += turn.record.decoded
         t = time.perf_counter()
-        if e.planner.offloads:
+        if turn.failure is not None:
+            # its last token stands for no token, and the state that gave logits no token can
+            # be chosen from is not stored: the session's next turn is planned from the tiers
+            # as they were before this one (nothing of it served to another request)
+            self.pending, self.cache = None, None
+        elif e.planner.offloads:
             done = e.planner.offload(self.cache, self.history, self.images, session=self.id,
                                      holder=self.uid, stored_blocks=self.stored_blocks,
                                      previous=self.snapshot_key)
