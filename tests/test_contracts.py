@@ -26,9 +26,10 @@ from dsv41.runtime.serving.batcher import Batcher, Stream
 from dsv41.runtime.serving.epd_gateway import EpdGateway, RemoteStream
 from dsv41.runtime.serving.frontend import EventStream, Frontend
 from dsv41.runtime.tiers.base import StorageTier
+from dsv41.runtime.tiers.block_writer import BlockWriter
 from dsv41.runtime.tiers.dram_pool import SnapshotPool
 from dsv41.runtime.tiers.redis_pool import RedisSnapshotPool
-from dsv41.runtime.tiers.ssd_store import BlockWriter, KVStore, model_fingerprint
+from dsv41.runtime.tiers.ssd_store import KVStore, model_fingerprint
 
 
 def protocol_members(protocol) -> list[str]:

@@ -547,7 +547,7 @@ class GatedStore(KVStore):
 
 
 def test_writer_serves_queued_blocks_and_writes_in_submission_order(tmp_path):
-    from dsv41.runtime.tiers.ssd_store import BlockWriter
+    from dsv41.runtime.tiers.block_writer import BlockWriter
 
     clock = Clock(1000.0)
     st = GatedStore(tmp_path, capacity_bytes=1 << 30, fingerprint=FP, min_lifetime_s=LIFE,
@@ -582,7 +582,7 @@ def test_writer_serves_queued_blocks_and_writes_in_submission_order(tmp_path):
 def test_writer_crash_loses_only_queued_blocks(tmp_path):
     """A new store over the folder while blocks are still queued (what a crash leaves) sees the
     written blocks whole and nothing of the others."""
-    from dsv41.runtime.tiers.ssd_store import BlockWriter
+    from dsv41.runtime.tiers.block_writer import BlockWriter
 
     clock = Clock(1000.0)
     st = GatedStore(tmp_path, capacity_bytes=1 << 30, fingerprint=FP, min_lifetime_s=LIFE,
@@ -605,7 +605,7 @@ def test_writer_crash_loses_only_queued_blocks(tmp_path):
 
 
 def test_writer_counts_refusals_and_failures_and_goes_on(tmp_path):
-    from dsv41.runtime.tiers.ssd_store import BlockWriter
+    from dsv41.runtime.tiers.block_writer import BlockWriter
 
     clock = Clock(1000.0)
     size = HEADER_SIZE + len(encode_block(block(0)))
@@ -695,7 +695,7 @@ def test_writer_drop_removes_a_queued_or_a_stored_block(tmp_path):
     import threading
     import time
 
-    from dsv41.runtime.tiers.ssd_store import BlockWriter
+    from dsv41.runtime.tiers.block_writer import BlockWriter
 
     clock = Clock(1000.0)
     st = GatedStore(tmp_path, capacity_bytes=1 << 30, fingerprint=FP, min_lifetime_s=LIFE,

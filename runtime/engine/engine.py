@@ -87,9 +87,10 @@ from dsv41.runtime.engine.state import (
 )
 from dsv41.runtime.engine.turn import Row, SpecStep, Stepper, Turn
 from dsv41.runtime.tiers.base import StorageTier
+from dsv41.runtime.tiers.block_writer import BlockWriter
 from dsv41.runtime.tiers.dram_pool import SnapshotPool
 from dsv41.runtime.tiers.redis_pool import RedisSnapshotPool
-from dsv41.runtime.tiers.ssd_store import BlockWriter, KVStore
+from dsv41.runtime.tiers.ssd_store import KVStore
 
 
 class Engine:

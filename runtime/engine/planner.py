@@ -44,8 +44,8 @@ from dsv41.runtime.engine.state import (
 )
 from dsv41.runtime.engine.transfer import Transfers
 from dsv41.runtime.tiers.base import StorageTier
+from dsv41.runtime.tiers.block_writer import BlockWriter
 from dsv41.runtime.tiers.dram_pool import Snapshot
-from dsv41.runtime.tiers.ssd_store import BlockWriter
 
 
 class Holds(Enum):
