@@ -112,7 +112,7 @@ def test_after_a_redis_restart_new_requests_complete_and_lost_ones_end_or_run_ag
         fresh = d.gateway.submit(PROMPTS[1], GREEDY)
         assert _outcome(fresh) == (reference[1], FinishReason.LENGTH, None)
         if max_attempts == 1:
-            assert _outcome(queued) == ([], FinishReason.ERROR, (
+            assert _outcome(queued) == ([], FinishReason.UNAVAILABLE, (
                 "The request was lost: the queue server restarted and lost what it held of it "
                 "(it was last seen in the prefill queue); send it again."))
         else:
@@ -180,7 +180,7 @@ def test_a_gap_in_the_reply_events_is_an_error_never_a_skipped_token(gateway):
     out = EpdKeys(FP).out(stream.rid)
     gateway.r.xadd(out, _event(q=0, a=0, t=7, tier="cold", reused=0))
     gateway.r.xadd(out, _event(q=3, a=0, t=9, fin="length"))
-    assert _outcome(stream, 5) == ([7], FinishReason.ERROR, (
+    assert _outcome(stream, 5) == ([7], FinishReason.UNAVAILABLE, (
         "The request's events 1 to 2 were lost (the queue server restarted?); send the "
         "request again."))
 
@@ -201,7 +201,7 @@ def test_a_gap_in_the_reply_events_is_an_error_never_a_skipped_token(gateway):
 def test_a_malformed_event_fails_its_request_and_the_reader_goes_on(gateway, fields, why):
     bad, good = gateway.submit([3, 4, 5], GREEDY), gateway.submit([6, 7], GREEDY)
     gateway.r.xadd(EpdKeys(FP).out(bad.rid), fields)
-    assert _outcome(bad, 5) == ([], FinishReason.ERROR, (
+    assert _outcome(bad, 5) == ([], FinishReason.UNAVAILABLE, (
         "The request's reply stream held an event this gateway cannot read; send the request "
         f"again. The reply event is malformed ({why})."))
     later = gateway.submit([8, 9], GREEDY)  # a request after the bad event is served
@@ -230,8 +230,8 @@ def test_if_the_reader_thread_ends_its_requests_fail_at_once_and_new_ones_too(ga
     gateway.r = _ReaderKiller(gateway.r)
     message = ("This gateway's reader thread stopped, so it cannot take requests; send them to "
                "another worker or restart this one.")
-    assert _outcome(running, 5) == ([], FinishReason.ERROR, message)
-    assert _outcome(gateway.submit([6, 7], GREEDY), 1) == ([], FinishReason.ERROR, message)
+    assert _outcome(running, 5) == ([], FinishReason.UNAVAILABLE, message)
+    assert _outcome(gateway.submit([6, 7], GREEDY), 1) == ([], FinishReason.UNAVAILABLE, message)
     assert gateway.stats().running == 0
 
 
@@ -249,7 +249,7 @@ def test_a_decode_worker_that_dies_mid_generation_ends_its_request_with_an_error
         assert first == reference[3][:2]
         worker = d.decode.consumer
         d.decode.stop()  # as a killed process: no more steps, no more heartbeats
-        assert _outcome(stream, 10) == ([], FinishReason.ERROR, (
+        assert _outcome(stream, 10) == ([], FinishReason.UNAVAILABLE, (
             f"The request was lost: the worker running it, {worker}, stopped (its heartbeat "
             "lapsed); send it again."))
     finally:

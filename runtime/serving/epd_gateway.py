@@ -193,7 +193,8 @@ class EpdGateway:
         turn = req.turn(self.vocab_size, self.max_seq_len)
         stream = RemoteStream(self, req, turn, self.tokenizer, params.stop, turn_images)
         if self._reader_gone is not None:  # nothing would read its events: an error at once
-            stream._put(TokenEvent(None, "", None, (), FinishReason.ERROR, self._reader_gone))
+            stream._put(TokenEvent(None, "", None, (), FinishReason.UNAVAILABLE,
+                                   self._reader_gone))
             return stream
         with self._lock:
             if len(self._active) >= self.max_queue:
@@ -228,12 +229,14 @@ class EpdGateway:
         stream._put(TokenEvent(None, "", None, (), FinishReason.CANCELLED))
         self._retire(stream, FinishReason.CANCELLED)
 
-    def fail(self, stream: RemoteStream, message: str) -> None:
-        """End the request with an error (the workers told to drop it)."""
+    def fail(self, stream: RemoteStream, message: str,
+             reason: FinishReason = FinishReason.ERROR) -> None:
+        """End the request with an error (the workers told to drop it): ERROR, or UNAVAILABLE
+        where the request was lost on its way and may be sent again."""
         log.warning("request %s failed: %s", stream.rid, message)
         self._tell_workers(stream)
-        stream._put(TokenEvent(None, "", None, (), FinishReason.ERROR, message))
-        self._retire(stream, FinishReason.ERROR)
+        stream._put(TokenEvent(None, "", None, (), reason, message))
+        self._retire(stream, reason)
 
     def _tell_workers(self, stream: RemoteStream) -> None:
         try:
@@ -276,9 +279,9 @@ class EpdGateway:
                 with self._lock:
                     streams = list(self._active.values())
                 for s in streams:
-                    s._put(TokenEvent(None, "", None, (), FinishReason.ERROR,
+                    s._put(TokenEvent(None, "", None, (), FinishReason.UNAVAILABLE,
                                       self._reader_gone))
-                    self._retire(s, FinishReason.ERROR)
+                    self._retire(s, FinishReason.UNAVAILABLE)
 
     def _poll(self) -> None:
         with self._lock:
@@ -309,7 +312,7 @@ class EpdGateway:
             ev = ReplyEvent.from_fields(fields)
         except ValueError as err:
             self.fail(s, f"The request's reply stream held an event this gateway cannot read; "
-                         f"send the request again. {err}")
+                         f"send the request again. {err}", FinishReason.UNAVAILABLE)
             return True
         if ev.attempt != s.req.attempt:
             return False  # an earlier attempt's (it was queued again)
@@ -317,7 +320,8 @@ class EpdGateway:
             if ev.seq < s.next_seq:
                 return False  # delivered already (an event sent twice)
             self.fail(s, f"The request's events {s.next_seq} to {ev.seq - 1} were lost (the "
-                         "queue server restarted?); send the request again.")
+                         "queue server restarted?); send the request again.",
+                      FinishReason.UNAVAILABLE)
             return True
         try:
             ended = s.feed(ev)
@@ -372,7 +376,7 @@ class EpdGateway:
                 return
             except Exception as err:
                 where += f", and queueing it again failed ({err})"
-        self.fail(s, f"The request was lost: {where}; send it again.")
+        self.fail(s, f"The request was lost: {where}; send it again.", FinishReason.UNAVAILABLE)
 
     def stats(self) -> BatcherStats:
         with self._lock:

@@ -25,6 +25,9 @@ class FinishReason(Enum):
     LENGTH = "length"  # max_tokens, or the model's max_seq_len reached
     CANCELLED = "cancelled"  # Stream.cancel() (client gone, timeout), or Batcher.stop()
     ERROR = "error"  # the engine failed on this request (message in TokenEvent.error)
+    # the server lost the request on its way (an EPD worker or the queue's server went away, its
+    # events could not be read): nothing wrong with it, sending it again may succeed (HTTP 503)
+    UNAVAILABLE = "unavailable"
 
 
 @dataclass(frozen=True)

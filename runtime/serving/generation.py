@@ -59,6 +59,9 @@ def _finish_error(ev: TokenEvent) -> ApiError | None:
     if ev.finish is FinishReason.ERROR:
         return ApiError(500, f"The engine failed on this request: {ev.error or 'no message'}",
                         type=ErrorType.SERVER)
+    if ev.finish is FinishReason.UNAVAILABLE:
+        return ApiError(503, f"The server lost this request on its way: {ev.error or 'no message'}",
+                        type=ErrorType.SERVER)
     if ev.finish is FinishReason.CANCELLED:
         return ApiError(503, "The request was cancelled by the server (it is stopping).",
                         type=ErrorType.SERVER)
