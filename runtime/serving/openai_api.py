@@ -368,16 +368,53 @@ class TokenOut:
     top: tuple[TokenLogprob, ...]
 
 
+class CacheTier(Enum):
+    """Where a prompt's cached tokens came from (the usage's `dsv41_prompt_cache`): each hit
+    counted once, at the tier that held the state the turn resumed from."""
+
+    RUNTIME = "runtime_cache_tokens"  # live: the session's own cache (or an EPD handoff)
+    DRAM_POOL = "dram_pool_tokens"  # snapshot: SSD blocks + the DRAM pool's encoder state
+    SSD_STORE = "ssd_store_tokens"  # SSD blocks (prefix), or blocks + an SSD state record
+
+
+# the engine's tiers (records.Tier's values) by the tier their hit is counted at; cold: none
+TIER_OF = {"live": CacheTier.RUNTIME, "handoff": CacheTier.RUNTIME,
+           "snapshot": CacheTier.DRAM_POOL, "snapshot-ssd": CacheTier.SSD_STORE,
+           "prefix": CacheTier.SSD_STORE}
+
+
+@dataclass(frozen=True)
+class PromptCache:
+    """How a request's prompt was served (RequestTiming's, from the engine's TurnRecord)."""
+
+    tier: str | None = None  # the engine tier that served the prefill (None: not started)
+    replayed: int = 0  # cached tokens run through the encoder again (a snapshot miss, prefix)
+    decoder_replayed: int = 0  # tokens through the decoder's bounded replay
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the tiers (not prefilled)
+    cache: PromptCache = PromptCache()
 
     def body(self) -> dict:
+        """OpenAI's usage, DeepSeek's spelling of the cache hit (`prompt_cache_hit_tokens`,
+        `prompt_cache_miss_tokens`: the DeepSeek API's fields) and `dsv41_prompt_cache`: the
+        hit by tier (they sum to `cached_tokens`), the tier and the replayed tokens."""
+        hit = self.cached_tokens
+        by_tier = dict.fromkeys((t.value for t in CacheTier), 0)
+        if hit and self.cache.tier in TIER_OF:
+            by_tier[TIER_OF[self.cache.tier].value] = hit
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": hit},
+                "prompt_cache_hit_tokens": hit,
+                "prompt_cache_miss_tokens": self.prompt_tokens - hit,
+                "dsv41_prompt_cache": {"tier": self.cache.tier, **by_tier,
+                                       "replayed_tokens": self.cache.replayed,
+                                       "decoder_replayed_tokens": self.cache.decoder_replayed}}
 
 
 def _token_str(tok: Tokenizer, token_id: int) -> str:

@@ -135,7 +135,7 @@ class ResponseFormat:
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(self.schema),
                                                                     overrides=JSON_OPTIONS)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # a schema JSON cannot spell (NaN, a huge int)
             raise ValueError(f"response_format's schema cannot be read: {e}") from None
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar,
                                                                                vocab.lltok)
