@@ -35,8 +35,10 @@ def vocab(tok) -> GrammarVocab:
     return GrammarVocab.of(tok)
 
 
-def schema_of(seed: int) -> dict:
-    """A random schema whose every instance is short (strings, arrays and digits bounded)."""
+def schema_of(seed: int, max_props: int = 4) -> dict:
+    """A random schema whose every instance is short (strings, arrays and digits bounded: a
+    model, random weights included, may repeat a digit for ever where the schema allows it);
+    `max_props`: the most properties an object has."""
     rng = random.Random(seed)
 
     def value(depth: int) -> dict:
@@ -50,7 +52,8 @@ def schema_of(seed: int) -> dict:
             return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
         if kind == "number":
             lo = rng.randint(-10, 10)
-            return {"type": "number", "minimum": lo, "maximum": lo + rng.randint(1, 20)}
+            return {"type": "number", "minimum": lo, "maximum": lo + rng.randint(1, 20),
+                    "multipleOf": rng.choice([0.5, 0.25, 0.125])}  # digits bounded, exact
         if kind == "boolean":
             return {"type": "boolean"}
         if kind == "enum":
@@ -62,7 +65,7 @@ def schema_of(seed: int) -> dict:
 
     def obj(depth: int) -> dict:
         names = rng.sample(["id", "name", "city", "tags", "score", "ok", "kind", "meta"],
-                           rng.randint(1, 4))
+                           rng.randint(1, max_props))
         props = {k: value(depth) for k in names}
         return {"type": "object", "properties": props,
                 "required": rng.sample(names, rng.randint(1, len(names))),

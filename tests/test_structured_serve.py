@@ -160,3 +160,20 @@ def test_version(served):
     r = httpx.get(served["url"] + "/version", timeout=60)
     assert r.json() == {"version": version("dsv41"), "model": MODEL,
                         "llguidance": version("llguidance")}
+
+
+@pytest.mark.slow
+def test_100_seeded_requests_over_20_schemas_validate(served, client):
+    """The issue's check through the client: 100 sampled requests (temperature 1, seeded) over
+    test_structured's 20 generated schemas, every reply parsed and validated."""
+    from test_structured import schema_of
+
+    for i in range(20):
+        schema = schema_of(i, max_props=2)  # a reply fits shared-small's 128 positions
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                      "strict": True}}
+        for seed in range(5):
+            r = client.chat.completions.create(model=MODEL, messages=MSGS, seed=100 * i + seed,
+                                               response_format=fmt)
+            assert r.choices[0].finish_reason == "stop", (i, seed, r.choices[0].message.content)
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
