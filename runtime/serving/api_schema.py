@@ -36,6 +36,14 @@ _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "description": {"type": "string"},
         "parameters": {"type": "object"}}}}}
+_RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"],
+     "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"enum": ["json_schema"]},
+        "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+            "schema": {"type": "object"}, "strict": _BOOL}}}}]}
 
 
 def _sampling(model_name: str) -> dict:
@@ -56,6 +64,7 @@ def _sampling(model_name: str) -> dict:
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "ignore_eos": _BOOL,
         "n": {"type": "integer", "enum": [1]},
+        "response_format": _RESPONSE_FORMAT,
     }
 
 
@@ -103,6 +112,16 @@ def tokenize_body(model_name: str) -> dict:
                                              "reasoning_effort", "chat_template_kwargs")}},
         {"type": "object", "required": ["prompt"],
          "properties": {"model": chat["model"], "prompt": _prompt()}}]}
+
+
+def detokenize_body(model_name: str) -> dict:
+    """`POST /detokenize`: token ids (`tokens`, vLLM's name, or `ids`)."""
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    model = {"type": "string", "enum": [model_name]}
+    return {"anyOf": [
+        {"type": "object", "required": ["tokens"], "properties": {"model": model,
+                                                                 "tokens": ids}},
+        {"type": "object", "required": ["ids"], "properties": {"model": model, "ids": ids}}]}
 
 
 def request_body(schema: dict) -> dict:

@@ -319,6 +319,7 @@ class Batcher:
             events = req.stream.log
             with events.lock:
                 events.tier, events.reused, events.tail = record.tier, record.reused_tokens, tail
+                events.replayed = (record.replayed, record.decoder_replayed)
             if not req.turn.ended:
                 self._running[req.session.id] = req
         self._emit(req)

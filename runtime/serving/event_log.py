@@ -36,6 +36,7 @@ class EventLog:
         self.prompt, self.completion = prompt_tokens, 0
         self.tier: str | None = None
         self.reused = 0
+        self.replayed = (0, 0)  # the prefill's (encoder, decoder) replayed tokens
 
     # ---- the consumer's side --------------------------------------------------------------------
 
@@ -72,7 +73,8 @@ class EventLog:
                 per_token_s=tuple(self._gaps), prompt_tokens=self.prompt,
                 completion_tokens=self.completion, tier=self.tier, reused_tokens=self.reused,
                 prefill_chunk_s=tuple(self.chunks), prefill_tail_s=self.tail,
-                submitted_at=self.submitted)
+                submitted_at=self.submitted, replayed_tokens=self.replayed[0],
+                decoder_replayed_tokens=self.replayed[1])
 
     # ---- the producer's side --------------------------------------------------------------------
 

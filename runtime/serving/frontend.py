@@ -61,6 +61,8 @@ class RequestTiming:
     prefill_tail_s: float | None = None
     submitted_at: float = 0.0  # time.perf_counter() at submit (token i came at submitted_at +
     #   first_token_s + sum(per_token_s[:i]))
+    replayed_tokens: int = 0  # reused tokens run through the encoder again (TurnRecord's)
+    decoder_replayed_tokens: int = 0  # tokens through the decoder's bounded replay
 
 
 class QueueFull(Exception):

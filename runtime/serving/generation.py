@@ -25,6 +25,7 @@ from dsv41.runtime.serving.openai_api import (
     Endpoint,
     ErrorType,
     GenerationRequest,
+    PromptCache,
     TokenOut,
     Usage,
     call_deltas_body,
@@ -76,7 +77,8 @@ def _token_out(ev: TokenEvent) -> TokenOut | None:
 
 def _usage(stream: EventStream, n_tokens: int) -> Usage:
     t = stream.timing  # its prompt as queued: each image placeholder counts as its span
-    return Usage(t.prompt_tokens, n_tokens, t.reused_tokens)
+    return Usage(t.prompt_tokens, n_tokens, t.reused_tokens,
+                 PromptCache(t.tier, t.replayed_tokens, t.decoder_replayed_tokens))
 
 
 class Generation:

@@ -20,14 +20,16 @@ rendered into the prompt; a reply's DSML block comes back as `tool_calls` with f
 `tool_calls`, runtime/serving/tool_calls.py), `tool_choice` (`none`: the block's opening is
 masked and nothing is read as a call; `auto`; `required` or a named function: the reply is
 constrained to a well-formed call, runtime/serving/tool_choice.py) and `parallel_tool_calls`
-(false: one call), assistant messages' `reasoning_content`,
+(false: one call), `response_format` (`text`; `json_object` or `json_schema` with `name`,
+`schema`, `strict`: the reply is constrained to JSON that satisfies the schema, on chat and
+completions, runtime/serving/structured.py; a schema feature the grammar engine cannot enforce
+is a 400 naming it), assistant messages' `reasoning_content`,
 `chat_template_kwargs.thinking` (thinking mode; default false: chat mode) and
 `reasoning_effort` (`low` 50, `high` 75, `max` 100 or a whole number 1-100; default high; it
 only shows in thinking mode, and anything else is a 400), user messages' `image_url` parts
 (base64 PNG or JPEG data URIs, for a model with a vision tower: checked here, decoded by the
 batcher; a bad one is a 400 naming what is wrong). Fields this server cannot honour (`echo`,
-`suffix`, `best_of` > 1, `logit_bias`, `min_tokens`, a non-text `response_format`) are 400s,
-never silently dropped.
+`suffix`, `best_of` > 1, `logit_bias`, `min_tokens`) are 400s, never silently dropped.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from dsv41.runtime.serving.prompts import (
     completion_prompt_ids,
     prompt_format,
 )
+from dsv41.runtime.serving.structured import FormatKind, GrammarVocab, ResponseFormat
 from dsv41.runtime.serving.tokenizer import Tokenizer
 from dsv41.runtime.serving.tool_calls import CallDelta
 from dsv41.runtime.serving.tool_choice import ChoiceKind, TokenTexts, ToolChoice, tool_specs
@@ -151,10 +154,6 @@ def _check_unsupported(body: Mapping) -> None:
         raise bad_request("logit_bias is not supported by this server.", "logit_bias")
     if body.get("min_tokens") not in (None, 0):
         raise bad_request("min_tokens is not supported by this server.", "min_tokens")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
-        raise bad_request("response_format must be {\"type\": \"text\"}: structured output is "
-                          "not supported by this server.", "response_format")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
         raise bad_request(f"n must be 1: this server returns one choice per request, not "
@@ -197,6 +196,30 @@ def _sampling(body: Mapping, *, max_tokens, logprobs: int | None,
         msg = str(e)
         param = msg.split(" ", 1)[0] if msg.split(" ", 1)[0] in body else None
         raise bad_request(msg, param) from None
+
+
+def _structured(body: Mapping, params: SamplingParams, vocab: Callable[[], GrammarVocab],
+                *, thinking: bool = False,
+                texts: Callable[[], TokenTexts] | None = None) -> SamplingParams:
+    """`params` with `response_format`'s constraint (structured.py) when it asks for JSON."""
+    try:
+        fmt = ResponseFormat.parse(body.get("response_format"))
+    except ValueError as e:
+        raise bad_request(str(e), "response_format") from None
+    if fmt.kind is FormatKind.TEXT:
+        return params
+    if params.ignore_eos:
+        raise bad_request("ignore_eos cannot be combined with a JSON response_format: the "
+                          "reply ends with EOS once its JSON is whole.", "ignore_eos")
+    if params.constraint is not None:
+        raise bad_request("A JSON response_format cannot be combined with tool_choice "
+                          "\"required\", a named function or \"none\" with tools.",
+                          "response_format")
+    try:
+        constraint = fmt.constraint(vocab(), thinking=thinking, texts=texts)
+    except ValueError as e:
+        raise bad_request(str(e), "response_format") from None
+    return replace(params, constraint=constraint)
 
 
 def _body(body) -> Mapping:
@@ -258,12 +281,15 @@ def chat_prompt(body: Mapping) -> ChatPrompt:
 def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
                image_token_id: int | None = None,
                texts: Callable[[], TokenTexts] | None = None,
-               budget: TextBudget | None = None) -> GenerationRequest:
+               budget: TextBudget | None = None,
+               grammar: Callable[[], GrammarVocab] | None = None) -> GenerationRequest:
     """`image_token_id`: the model's image placeholder id (None: a model without a vision
     tower, whose chats take text parts only). `texts`: the tokenizer's token texts, built
     once by the caller (`TokenTexts.of(tok)` otherwise), for `tool_choice`'s constraints.
     `budget`: the context's (`TextBudget.of`, built once by the caller): a prompt longer than
-    the context is a 400 before it is tokenized whole (None: the batcher's check only)."""
+    the context is a 400 before it is tokenized whole (None: the batcher's check only).
+    `grammar`: the tokenizer as llguidance sees it, built once by the caller
+    (`GrammarVocab.of(tok)` otherwise), for `response_format`'s constraint."""
     body = _body(body)
     _check_model(body, model_name)
     _check_unsupported(body)
@@ -297,6 +323,9 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
         constraint = choice.constraint(texts() if texts else TokenTexts.of(tok),
                                        thinking=chat.options.thinking)
         params = replace(params, constraint=constraint)
+    params = _structured(body, params, grammar or (lambda: GrammarVocab.of(tok)),
+                         thinking=chat_form and chat.options.thinking,
+                         texts=texts or (lambda: TokenTexts.of(tok)))
     return GenerationRequest(Endpoint.CHAT, tuple(ids), params, stream, include_usage,
                              LogprobsForm.CHAT if want else LogprobsForm.NONE,
                              id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -306,8 +335,9 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
 
 
 def parse_completion(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
-                     budget: TextBudget | None = None) -> GenerationRequest:
-    """`budget`: as parse_chat's."""
+                     budget: TextBudget | None = None,
+                     grammar: Callable[[], GrammarVocab] | None = None) -> GenerationRequest:
+    """`budget`, `grammar`: as parse_chat's."""
     body = _body(body)
     _check_model(body, model_name)
     _check_unsupported(body)
@@ -315,6 +345,7 @@ def parse_completion(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
     logprobs = _get(body, "logprobs", int, "a whole number", None)
     max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size)
+    params = _structured(body, params, grammar or (lambda: GrammarVocab.of(tok)))
     try:
         ids = completion_prompt_ids(tok, body.get("prompt"), vocab_size=vocab_size,
                                     budget=budget)
@@ -337,16 +368,53 @@ class TokenOut:
     top: tuple[TokenLogprob, ...]
 
 
+class CacheTier(Enum):
+    """Where a prompt's cached tokens came from (the usage's `dsv41_prompt_cache`): each hit
+    counted once, at the tier that held the state the turn resumed from."""
+
+    RUNTIME = "runtime_cache_tokens"  # live: the session's own cache (or an EPD handoff)
+    DRAM_POOL = "dram_pool_tokens"  # snapshot: SSD blocks + the DRAM pool's encoder state
+    SSD_STORE = "ssd_store_tokens"  # SSD blocks (prefix), or blocks + an SSD state record
+
+
+# the engine's tiers (records.Tier's values) by the tier their hit is counted at; cold: none
+TIER_OF = {"live": CacheTier.RUNTIME, "handoff": CacheTier.RUNTIME,
+           "snapshot": CacheTier.DRAM_POOL, "snapshot-ssd": CacheTier.SSD_STORE,
+           "prefix": CacheTier.SSD_STORE}
+
+
+@dataclass(frozen=True)
+class PromptCache:
+    """How a request's prompt was served (RequestTiming's, from the engine's TurnRecord)."""
+
+    tier: str | None = None  # the engine tier that served the prefill (None: not started)
+    replayed: int = 0  # cached tokens run through the encoder again (a snapshot miss, prefix)
+    decoder_replayed: int = 0  # tokens through the decoder's bounded replay
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the tiers (not prefilled)
+    cache: PromptCache = PromptCache()
 
     def body(self) -> dict:
+        """OpenAI's usage, DeepSeek's spelling of the cache hit (`prompt_cache_hit_tokens`,
+        `prompt_cache_miss_tokens`: the DeepSeek API's fields) and `dsv41_prompt_cache`: the
+        hit by tier (they sum to `cached_tokens`), the tier and the replayed tokens."""
+        hit = self.cached_tokens
+        by_tier = dict.fromkeys((t.value for t in CacheTier), 0)
+        if hit and self.cache.tier in TIER_OF:
+            by_tier[TIER_OF[self.cache.tier].value] = hit
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": hit},
+                "prompt_cache_hit_tokens": hit,
+                "prompt_cache_miss_tokens": self.prompt_tokens - hit,
+                "dsv41_prompt_cache": {"tier": self.cache.tier, **by_tier,
+                                       "replayed_tokens": self.cache.replayed,
+                                       "decoder_replayed_tokens": self.cache.decoder_replayed}}
 
 
 def _token_str(tok: Tokenizer, token_id: int) -> str:

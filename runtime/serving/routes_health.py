@@ -1,7 +1,11 @@
-"""`GET /health` and `GET /metrics` (Prometheus text, runtime/serving/metrics.py, over the
-frontend's stats): open without the API key, for load balancers and scrapers."""
+"""`GET /health`, `GET /version` (vLLM's shape, `{"version": ...}`: the installed dsv41's, with
+the served model and the grammar engine's) and `GET /metrics` (Prometheus text,
+runtime/serving/metrics.py, over the frontend's stats): open without the API key, for load
+balancers and scrapers."""
 
 from __future__ import annotations
+
+from importlib.metadata import version
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
@@ -15,6 +19,11 @@ def health_router(st: AppState) -> APIRouter:
     @router.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @router.get("/version")
+    async def server_version():
+        return {"version": version("dsv41"), "model": st.opts.model_name,
+                "llguidance": version("llguidance")}
 
     @router.get("/metrics")
     async def metrics_text():

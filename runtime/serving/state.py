@@ -21,6 +21,7 @@ from dsv41.runtime.serving.openai_api import (
     parse_completion,
 )
 from dsv41.runtime.serving.prompts import TextBudget
+from dsv41.runtime.serving.structured import GrammarVocab
 from dsv41.runtime.serving.tokenizer import Tokenizer
 from dsv41.runtime.serving.tool_choice import TokenTexts
 
@@ -99,6 +100,12 @@ class AppState:
         return TokenTexts.of(self.tokenizer)
 
     @cached_property
+    def grammar_vocab(self) -> GrammarVocab:
+        """The tokenizer as llguidance sees it, for response_format's constraints: built on the
+        first structured request, once per app."""
+        return GrammarVocab.of(self.tokenizer)
+
+    @cached_property
     def text_budget(self) -> TextBudget:
         """How prompts are measured against the context before they are tokenized whole:
         built on the first request, once per app."""
@@ -108,8 +115,10 @@ class AppState:
         return parse_chat(body, self.tokenizer, model_name=self.opts.model_name,
                           vocab_size=self.opts.vocab_size,
                           image_token_id=self.opts.image_token_id,
-                          texts=lambda: self.token_texts, budget=self.text_budget)
+                          texts=lambda: self.token_texts, budget=self.text_budget,
+                          grammar=lambda: self.grammar_vocab)
 
     def parse_completion(self, body) -> GenerationRequest:
         return parse_completion(body, self.tokenizer, model_name=self.opts.model_name,
-                                vocab_size=self.opts.vocab_size, budget=self.text_budget)
+                                vocab_size=self.opts.vocab_size, budget=self.text_budget,
+                                grammar=lambda: self.grammar_vocab)

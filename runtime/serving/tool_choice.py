@@ -179,6 +179,12 @@ class TokenTexts:
         """tool_choice none's constraint, one per vocabulary (so its masks are shared)."""
         return AvoidText(self, OPEN_CALLS.rstrip("\n"))
 
+    @cached_property
+    def avoid_think_close(self) -> AvoidText:
+        """Reasoning under response_format: `</think>` never spelled by smaller tokens (the
+        structured constraint allows its own token), one per vocabulary."""
+        return AvoidText(self, THINK_CLOSE)
+
 
 class _CharConstraint:
     """A LogitsConstraint from a character automaton: `step(state, ch) -> state | None`,
