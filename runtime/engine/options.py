@@ -74,7 +74,7 @@ class EngineOptions:
     # head and the measured step costs (`spec_clock`); greedy output and sampled distributions
     # unchanged. A SpecMode (its string, or a bool: True AUTO, False OFF)
     speculative: SpecMode = SpecMode.OFF
-    max_draft: int = 5
+    max_draft: int | None = None  # None: the DSpark block (within the window)
     spec_clock: Callable[[], float] = time.perf_counter
     # an artifact's host-resident Engram rows gathered ahead on a background thread while the
     # entry's first blocks run (False: when the entry reaches the layer; the same rows)

@@ -27,6 +27,16 @@ log = logging.getLogger(__name__)
 SPEC_ENTRIES = (Entry.DRAFT, Entry.VERIFY)  # what a speculating artifact engine calls
 
 
+def compiled_entries(entries: tuple[str, ...], speculative: SpecMode,
+                     args) -> tuple[str, ...]:
+    """The entries an on-demand compile makes for an engine of `entries` (CED or exact):
+    with DSpark's `draft` and `verify` unless speculation is off or the model (ModelArgs)
+    has no DSpark layers."""
+    if speculative == SpecMode.OFF or not has_dspark(args):
+        return tuple(entries)
+    return tuple(entries) + SPEC_ENTRIES
+
+
 def compile_command(artifact_dir: Path, checkpoint_dir: Path, entries) -> str:
     """The `dsv41 compile` command that adds `entries` to this artifact folder
     (`<out>/<name>-<config hash>/<target>`, as `dsv41 compile` names it)."""
@@ -73,6 +83,8 @@ def spec_policy(model, options: EngineOptions, *, entries_ok: bool = True) -> Sp
     a = model.args
     top = min(a.dspark_block_size, a.window_size - 1)
     low = 1 if mode == SpecMode.ON else 0
+    if options.max_draft is None:
+        return SpecPolicy(top, floor=low)
     if isinstance(options.max_draft, bool) or not isinstance(options.max_draft, int) \
             or not low <= options.max_draft <= top:
         raise ValueError(f"max_draft must be a whole number from {low} to {top} (the DSpark "
