@@ -85,6 +85,41 @@ class TurnRecord:
         return None if not self.spec_steps else 1.0 + self.accepted / self.spec_steps
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """DSpark's work for a request (`of` a turn's record) or a server (their `plus`)."""
+
+    steps: int = 0  # decode steps that verified drafts (k >= 1)
+    verified_at: tuple[int, ...] = ()  # per draft position j (index j - 1): drafts verified
+    accepted_at: tuple[int, ...] = ()  # ... and kept
+
+    @classmethod
+    def of(cls, record: TurnRecord) -> SpecCounts:
+        return cls(record.spec_steps, tuple(record.verified_at), tuple(record.accepted_at))
+
+    def plus(self, other: SpecCounts) -> SpecCounts:
+        def add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+            n = max(len(a), len(b))
+            return tuple(x + y for x, y in zip(a + (0,) * (n - len(a)), b + (0,) * (n - len(b)),
+                                               strict=True))
+        return SpecCounts(self.steps + other.steps, add(self.verified_at, other.verified_at),
+                          add(self.accepted_at, other.accepted_at))
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens put to the backbone's verify."""
+        return sum(self.verified_at)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_at)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per speculative step (accepted drafts and the backbone's own token)."""
+        return None if not self.steps else 1.0 + self.accepted / self.steps
+
+
 @dataclass
 class EngineStats:
     sessions_live: int

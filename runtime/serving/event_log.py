@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.serving.frontend import RequestTiming, TokenEvent
 
 
@@ -36,6 +37,7 @@ class EventLog:
         self.prompt, self.completion = prompt_tokens, 0
         self.tier: str | None = None
         self.reused = 0
+        self.speculative: SpecCounts | None = None  # DSpark's drafts (set as it finishes)
 
     # ---- the consumer's side --------------------------------------------------------------------
 
@@ -72,7 +74,7 @@ class EventLog:
                 per_token_s=tuple(self._gaps), prompt_tokens=self.prompt,
                 completion_tokens=self.completion, tier=self.tier, reused_tokens=self.reused,
                 prefill_chunk_s=tuple(self.chunks), prefill_tail_s=self.tail,
-                submitted_at=self.submitted)
+                submitted_at=self.submitted, speculative=self.speculative)
 
     # ---- the producer's side --------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
+from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.engine.sampling import SamplingParams, TokenLogprob
 
 
@@ -58,6 +59,7 @@ class RequestTiming:
     prefill_tail_s: float | None = None
     submitted_at: float = 0.0  # time.perf_counter() at submit (token i came at submitted_at +
     #   first_token_s + sum(per_token_s[:i]))
+    speculative: SpecCounts | None = None  # DSpark's drafts for it (None: no speculation)
 
 
 class QueueFull(Exception):
@@ -73,6 +75,8 @@ class BatcherStats:
     prompt_tokens: int  # of the admitted requests
     completion_tokens: int  # tokens generated
     tiers: Mapping[str, int]  # turns per tier that served them (cold, snapshot, prefix, ...)
+    speculative: SpecCounts | None = None  # DSpark's drafts of the finished requests (None:
+    #   the engine does not speculate)
 
 
 @runtime_checkable

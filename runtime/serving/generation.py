@@ -73,7 +73,7 @@ def _token_out(ev: TokenEvent) -> TokenOut | None:
 
 def _usage(stream: EventStream, n_tokens: int) -> Usage:
     t = stream.timing  # its prompt as queued: each image placeholder counts as its span
-    return Usage(t.prompt_tokens, n_tokens, t.reused_tokens)
+    return Usage(t.prompt_tokens, n_tokens, t.reused_tokens, t.speculative)
 
 
 class Generation:

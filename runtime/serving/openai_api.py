@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from dsv41.runtime.engine.images import data_uri_image
+from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from dsv41.runtime.serving.chat_format import (
     ChatOptions,
@@ -342,11 +343,17 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the tiers (not prefilled)
+    speculative: SpecCounts | None = None  # DSpark's drafts (None: no speculation)
 
     def body(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.speculative is not None:  # an extension field (OpenAI's clients keep extras)
+            s = self.speculative
+            out["speculative"] = {"drafted": s.drafted, "accepted": s.accepted,
+                                  "mean_accepted_length": s.mean_accepted_length}
+        return out
 
 
 def _token_str(tok: Tokenizer, token_id: int) -> str:
