@@ -26,6 +26,7 @@ from dsv41.graph.bill import make_bill
 from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
 from dsv41.graph.model import Model
 from dsv41.runtime.engine.engine import Engine
+from dsv41.runtime.engine.options import SpecMode, spec_mode
 from dsv41.runtime.engine.records import TurnRecord
 from dsv41.runtime.tiers.ssd_store import FORMAT_VERSION, STORE_KIND
 from dsv41.runtime.tiers.store_folder import check_folder
@@ -45,6 +46,11 @@ class AgentLoopConfig:
     keep_store: bool = False  # start from the store's current contents
     page_tokens: int = 64  # runtime-cache page and SSD block
     seed: int = 0
+    speculative: SpecMode = SpecMode.OFF  # DSpark (EngineOptions.speculative; the CLI's: auto)
+    max_draft: int | None = None  # None: the DSpark block
+
+    def __post_init__(self):  # the CLI's string as the enum (a bad one is refused)
+        object.__setattr__(self, "speculative", spec_mode(self.speculative))
 
     def validate(self) -> None:
         """Every argument, the model's length and the store folder, before any work."""
@@ -69,7 +75,8 @@ class AgentLoopConfig:
 
 
 def _engine(cfg: AgentLoopConfig) -> Engine:
-    opts = {"exact": cfg.exact, "store_dir": cfg.store_dir, "page_tokens": cfg.page_tokens}
+    opts = {"exact": cfg.exact, "store_dir": cfg.store_dir, "page_tokens": cfg.page_tokens,
+            "speculative": cfg.speculative, "max_draft": cfg.max_draft}
     if cfg.artifact is not None:
         return Engine.load(cfg.artifact, cfg.checkpoint, **opts)
     return Engine.from_model(Model.from_checkpoint(cfg.checkpoint),

@@ -79,6 +79,7 @@ from dsv41.runtime.engine.requests import (
 from dsv41.runtime.engine.salt import KeySalt, artifact_backend
 from dsv41.runtime.engine.sampling import SampledToken, Sampler
 from dsv41.runtime.engine.session import Session
+from dsv41.runtime.engine.spec_setup import check_spec_entries, spec_policy
 from dsv41.runtime.engine.speculative import SpecPolicy
 from dsv41.runtime.engine.state import (
     check_block_tokens,
@@ -96,7 +97,7 @@ from dsv41.runtime.tiers.ssd_store import KVStore
 class Engine:
     def __init__(self, model: Model, phases: Phases, *, weights_hash: str, options: EngineOptions,
                  backend: str, backend_id: str = "graph",
-                 on_close: Callable[[], None] | None = None):
+                 on_close: Callable[[], None] | None = None, spec_entries: bool = True):
         bound_onednn_caches()  # before this process's first bf16 matmul (runtime/onednn.py)
         self.model, self._options, self.backend = model, options, backend
         self._on_close = on_close  # what the engine's backend frees at close (disco workers)
@@ -122,7 +123,9 @@ class Engine:
             self.pool = SnapshotPool(budget_bytes=options.pool_budget_bytes,
                                      ttl_s=options.pool_ttl_s, clock=options.pool_clock,
                                      sweep_interval_s=options.pool_sweep_s)
-        self.stepper = Stepper(phases, model, self._spec_policy(options), options.spec_clock)
+        # `spec_entries`: whether the backend has DSpark's entries (`check_spec_entries`)
+        self.stepper = Stepper(phases, model, spec_policy(model, options, entries_ok=spec_entries),
+                               options.spec_clock)
         self.store = self.blocks = None
         if options.store_dir is not None:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
@@ -167,20 +170,6 @@ class Engine:
         """A replaced policy reaches the decode steps."""
         self.stepper = replace(self.stepper, policy=policy)
 
-    def _spec_policy(self, options: EngineOptions) -> SpecPolicy | None:
-        if not options.speculative:
-            return None
-        a = self.model.args
-        if not self.model.plan.dspark:
-            raise ValueError("speculative=True needs a model with DSpark layers; this one has "
-                             "none.")
-        top = min(a.dspark_block_size, a.window_size - 1)
-        if isinstance(options.max_draft, bool) or not isinstance(options.max_draft, int) \
-                or not 0 <= options.max_draft <= top:
-            raise ValueError(f"max_draft must be a whole number from 0 to {top} (the DSpark "
-                             f"block), got {options.max_draft!r}.")
-        return SpecPolicy(options.max_draft)
-
     # ---- construction ---------------------------------------------------------------------------
 
     @classmethod
@@ -203,6 +192,7 @@ class Engine:
             art = Artifact.load(artifact_dir, device=device)
             art.set_engram_prefetch(opts.engram_prefetch)
         entries = engine_entries(art, exact=opts.exact)  # refused before any weight is read
+        speculates = check_spec_entries(art, Path(checkpoint_dir), opts)  # so is `on` without
         check_checkpoint_config(art, checkpoint_dir)
         if sharded:
             art = ShardedArtifact.start(art, checkpoint_dir)  # the workers read their weights
@@ -214,7 +204,7 @@ class Engine:
                        weights_hash=weights_fingerprint(checkpoint_dir),
                        options=opts, backend=f"artifact {Path(artifact_dir)}",
                        backend_id=artifact_backend(art.manifest, entries),
-                       on_close=art.shutdown if sharded else None)
+                       on_close=art.shutdown if sharded else None, spec_entries=speculates)
         except Exception:
             if sharded:
                 art.shutdown()  # the workers end with the engine that was not made

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from dsv41.graph.phases import DEFAULT_CHUNK_TOKENS
@@ -14,6 +15,33 @@ FORMAT_VERSION = 1  # of the tier records (part of every key)
 
 class CacheFullError(RuntimeError):
     """The runtime cache's byte budget cannot hold a session's next turn."""
+
+
+class SpecMode(StrEnum):
+    """DSpark speculative decoding (the strings are `--speculative`'s)."""
+
+    AUTO = "auto"  # speculate while it pays (the policy drops to k = 0, and probes to come back);
+    # off without DSpark layers, or on an artifact without the `draft` and `verify` entries
+    ON = "on"  # every step drafts and verifies k >= 1 (refused without DSpark or the entries)
+    OFF = "off"  # plain decode steps
+
+
+SPEC_MODES = tuple(SpecMode)
+
+
+def spec_mode(value: SpecMode | str | bool) -> SpecMode:
+    """`speculative` as the enum: a mode or its string; True is AUTO (the adaptive policy the
+    flag meant before the modes), False OFF. ValueError for anything else."""
+    if isinstance(value, bool):
+        return SpecMode.AUTO if value else SpecMode.OFF
+    if isinstance(value, str) and value in SPEC_MODES:
+        return SpecMode(value)
+    raise ValueError(f"speculative must be auto, on or off, got {value!r}.")
+
+
+def has_dspark(args) -> bool:
+    """Whether a model of these args (ModelArgs) has DSpark layers to draft with."""
+    return bool(args.dspark_block_size) and args.n_mtp_layers > 0
 
 
 @dataclass(frozen=True)
@@ -42,11 +70,15 @@ class EngineOptions:
     # entries) instead of O(N x entries)
     prefill_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     # DSpark speculative decoding (runtime/speculative.py): draft, verify up to `max_draft`
-    # tokens per step, k chosen by `Engine.spec_policy` from the confidence head and the
-    # measured step costs (`spec_clock`); greedy output and sampled distributions unchanged
-    speculative: bool = False
-    max_draft: int = 5
+    # tokens per row and step, each row's k chosen by `Engine.spec_policy` from its confidence
+    # head and the measured step costs (`spec_clock`); greedy output and sampled distributions
+    # unchanged. A SpecMode (its string, or a bool: True AUTO, False OFF)
+    speculative: SpecMode = SpecMode.OFF
+    max_draft: int | None = None  # None: the DSpark block (within the window)
     spec_clock: Callable[[], float] = time.perf_counter
     # an artifact's host-resident Engram rows gathered ahead on a background thread while the
     # entry's first blocks run (False: when the entry reaches the layer; the same rows)
     engram_prefetch: bool = True
+
+    def __post_init__(self) -> None:  # the mode as the enum (ValueError for a bad one)
+        object.__setattr__(self, "speculative", spec_mode(self.speculative))

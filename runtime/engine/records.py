@@ -51,6 +51,73 @@ class TurnRecord:
     drafted: int = 0  # draft tokens DSpark proposed (a whole block per draft pass)
     verified: int = 0  # draft tokens the backbone checked (the k of every verify)
     accepted: int = 0  # draft tokens kept
+    spec_steps: int = 0  # decode steps of this turn that verified drafts (its k >= 1)
+    # per draft position j (index j - 1): the steps that verified a draft token there, and
+    # those that kept it (sums: `verified`, `accepted`)
+    verified_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def count_verify(self, k: int, accepted: int) -> None:
+        """A decode step verified k of this turn's draft tokens and kept `accepted`."""
+        if k == 0:
+            return
+        grow = k - len(self.verified_at)
+        if grow > 0:
+            self.verified_at += [0] * grow
+            self.accepted_at += [0] * grow
+        self.spec_steps += 1
+        self.verified += k
+        self.accepted += accepted
+        for j in range(k):
+            self.verified_at[j] += 1
+            self.accepted_at[j] += j < accepted
+
+    def unaccept(self, accepted: int, kept: int) -> None:
+        """The last step's `accepted` draft tokens cut to the first `kept` (its reader left)."""
+        for j in range(kept, accepted):
+            self.accepted_at[j] -= 1
+        self.accepted -= max(0, accepted - kept)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per speculative step: its accepted draft tokens and the backbone's own
+        (vLLM's "mean acceptance length"); None before one ran."""
+        return None if not self.spec_steps else 1.0 + self.accepted / self.spec_steps
+
+
+@dataclass(frozen=True)
+class SpecCounts:
+    """DSpark's work for a request (`of` a turn's record) or a server (their `plus`)."""
+
+    steps: int = 0  # decode steps that verified drafts (k >= 1)
+    verified_at: tuple[int, ...] = ()  # per draft position j (index j - 1): drafts verified
+    accepted_at: tuple[int, ...] = ()  # ... and kept
+
+    @classmethod
+    def of(cls, record: TurnRecord) -> SpecCounts:
+        return cls(record.spec_steps, tuple(record.verified_at), tuple(record.accepted_at))
+
+    def plus(self, other: SpecCounts) -> SpecCounts:
+        def add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+            n = max(len(a), len(b))
+            return tuple(x + y for x, y in zip(a + (0,) * (n - len(a)), b + (0,) * (n - len(b)),
+                                               strict=True))
+        return SpecCounts(self.steps + other.steps, add(self.verified_at, other.verified_at),
+                          add(self.accepted_at, other.accepted_at))
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens put to the backbone's verify."""
+        return sum(self.verified_at)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_at)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per speculative step (accepted drafts and the backbone's own token)."""
+        return None if not self.steps else 1.0 + self.accepted / self.steps
 
 
 @dataclass

@@ -257,7 +257,7 @@ class Session:
         the last token it read (pending), the cache cut back to the tokens before it."""
         cut_back(self.engine.model, self.cache, last.verified, [last.fed - unread])
         del self.history[len(self.history) - unread:]
-        turn.record.accepted -= max(0, last.accepted - (last.fed - unread))
+        turn.record.unaccept(last.accepted, min(last.accepted, last.fed - unread))
         turn.unread(unread)
 
     def _end(self, turn: Turn) -> None:

@@ -27,6 +27,12 @@ engine's own timings of whole steps). What keeps the costs true:
   to measure it again.
 A k never measured counts as costing what the largest measured smaller k costs (optimistic,
 so it is tried and then known); before a plain step is measured the policy picks 0.
+
+A length per request (`choose_rows`): each row of a batch gets its own k, from its own
+confidence-head scores and the measured cost of a step of k at the batch size, within what its
+turn has left to produce. The engine verifies every row to the largest k (the verify entry
+takes one length per call) and judges each row's own k drafts only, so a row's tokens are
+those it would get alone. `floor` = 1 (`speculative=on`): drafting at every step, k >= 1.
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ class SpecPolicy:
     alpha: float = 0.2  # weight of a new measurement in the moving average
     refresh: int = 16  # speculating, a plain step (drafting or not: a draft) every `refresh`
     warmup: int = 1  # first measurements of each (batch, k) and draft batch left out
+    floor: int = 0  # the least k (1: speculate at every step, `speculative=on`)
     verify_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch, k) -> s
     draft_s: dict[int, float] = field(default_factory=dict)  # batch -> s
     accepted: dict[int, list[float]] = field(default_factory=dict)  # batch -> per position
@@ -128,6 +135,9 @@ class SpecPolicy:
             raise ValueError(f"refresh must be a whole number >= 1, got {self.refresh!r}.")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a whole number >= 0, got {self.warmup!r}.")
+        if self.floor not in (0, 1) or self.floor > self.max_draft:
+            raise ValueError(f"floor must be 0 or 1 (and at most max_draft), got "
+                             f"{self.floor!r}.")
 
     def _avg(self, table: dict, key, seconds: float, name: str) -> None:
         """The moving average, after the first `warmup` measurements of the key."""
@@ -193,11 +203,16 @@ class SpecPolicy:
             return None
         return expected_tokens(acceptance, k) / max(c, 1e-12)
 
-    def _best(self, batch: int, acceptance: Sequence[float]) -> int:
-        best, best_rate = 0, self.rate(batch, 0, acceptance)
-        for k in range(1, min(self.max_draft, len(acceptance)) + 1):
+    def _best(self, batch: int, acceptance: Sequence[float], cap: int | None = None,
+              floor: int = 0) -> int:
+        """The k in floor..top (top: max_draft, the scores, `cap`) with the most predicted
+        tokens per second (an unknown rate never wins; floor when none is known)."""
+        top = min(self.max_draft, len(acceptance), self.max_draft if cap is None else cap)
+        best = min(floor, max(top, 0))
+        best_rate = self.rate(batch, best, acceptance)
+        for k in range(best + 1, top + 1):
             r = self.rate(batch, k, acceptance)
-            if r is not None and r > best_rate:
+            if r is not None and (best_rate is None or r > best_rate):
                 best, best_rate = k, r
         return best
 
@@ -208,6 +223,8 @@ class SpecPolicy:
         so far (per position the lower of the measured acceptance and the confidence head's
         average: drafting pays only if `choose` will verify and the drafts are kept; 1 where
         nothing is known yet), and every `refresh` steps regardless (both re-measured)."""
+        if self.floor:
+            return True
         if self.max_draft == 0 or self.cost(batch, 0) is None:
             return False
         step = self.steps.get(batch, 0) + 1  # the step about to run
@@ -221,10 +238,23 @@ class SpecPolicy:
         return step - self.last_draft.get(batch, 0) > self.refresh
 
     def choose(self, batch: int, acceptance: Sequence[float]) -> int:
-        """The k in 0..min(max_draft, len(acceptance)) with the most predicted tokens/s."""
-        if self.cost(batch, 0) is None:
+        """The k in floor..min(max_draft, len(acceptance)) with the most predicted tokens/s."""
+        if self.cost(batch, 0) is None and not self.floor:
             return 0  # measure a plain step first
-        return self._best(batch, acceptance)
+        return self._best(batch, acceptance, floor=self.floor)
+
+    def choose_rows(self, batch: int, acceptances: Sequence[Sequence[float]],
+                    caps: Sequence[int]) -> list[int]:
+        """A k per row of a batch: `choose` on the row's own scores (`acceptance_probs` of
+        its confidence head), within `caps` (the drafts its turn can still use: what it has
+        left to produce, less the bonus token)."""
+        if len(acceptances) != len(caps) or len(caps) != batch:
+            raise ValueError(f"choose_rows takes scores and a cap for each of the {batch} "
+                             f"rows, got {len(acceptances)} and {len(caps)}.")
+        if self.cost(batch, 0) is None and not self.floor:
+            return [0] * batch  # measure a plain step first
+        return [self._best(batch, a, max(c, 0), self.floor)
+                for a, c in zip(acceptances, caps, strict=True)]
 
 
 class FixedLength(SpecPolicy):
@@ -240,3 +270,6 @@ class FixedLength(SpecPolicy):
 
     def choose(self, batch: int, acceptance) -> int:
         return self.k
+
+    def choose_rows(self, batch: int, acceptances, caps) -> list[int]:
+        return [max(0, min(self.k, c)) for c in caps]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.graph.cache import ModelCache
+from dsv41.graph.cache import ModelCache, capacity_tokens
 from dsv41.graph.model import Model
 from dsv41.graph.phases_api import Phases
 from dsv41.graph.speculative import Verified, cut_back, verify_step
@@ -179,21 +179,27 @@ class Stepper:
         return [SpecStep(None, row, 1, 0) for row in range(len(rows))]
 
     def speculative(self, cache: ModelCache, rows: Sequence[Row]) -> list[SpecStep]:
-        """A draft pass, a verify of the k drafts the policy picks (one k for the batch, k = 0:
-        a plain decode step), per-row acceptance, and the cache cut back to each row's kept
-        tokens. Never runs past a turn's max_new (so never past the positions it reserved)."""
+        """A draft pass, a k per row (`SpecPolicy.choose_rows`: its own confidence, 0
+        included), one verify of every row to the largest k (the positions past a row's own k
+        verified and discarded: its tokens are those it would get alone), per-row acceptance,
+        and the cache cut back to each row's kept tokens. Never judges past a turn's max_new,
+        never writes past the cache's capacity."""
         pol, clock, b, m = self.policy, self.clock, len(rows), self.model
         now = torch.tensor([t.next_token for _, t in rows])  # (b,)
-        room = min(t.max_new - len(t.tokens) for _, t in rows)  # tokens still to produce
-        k, draft = 0, None
-        if room > 1 and pol.worth_drafting(b):
+        # drafts each row can still use: what it has left to produce, less the bonus token
+        caps = [t.max_new - len(t.tokens) - 1 for _, t in rows]
+        # and every row is verified to the largest k: within capacity and max_seq_len
+        room = min(capacity_tokens(cache), m.args.max_seq_len) - int(cache.pos.max()) - 1
+        ks, draft = [0] * b, None
+        if max(caps) > 0 and room > 0 and pol.worth_drafting(b):
             t0 = clock()
             draft = self.phases.draft_after(m, cache, now)
-            acc = acceptance_probs(draft.confidence.mean(dim=0))
-            pol.observe_draft(b, clock() - t0, acc)
+            pol.observe_draft(b, clock() - t0, acceptance_probs(draft.confidence.mean(dim=0)))
             for _, t in rows:
                 t.record.drafted += draft.ids.size(1) - 1
-            k = min(pol.choose(b, acc), room - 1)
+            scores = [acceptance_probs(c) for c in draft.confidence]
+            ks = pol.choose_rows(b, scores, [min(c, room) for c in caps])
+        k = max(ks)
         # the policy is told what the whole step costs by the path it takes (the host's
         # sampling, acceptance and cut-back included), the draft pass apart
         t0 = clock()
@@ -207,13 +213,12 @@ class Stepper:
         v = own(m, cache, toks) if own is not None else \
             verify_step(m, cache, toks, step=self.phases.decode_step)
         steps, judged = [], []  # judged: draft tokens the rule kept or rejected (not cut by done)
-        for row, (history, t) in enumerate(rows):
-            t.record.verified += k
+        for row, ((history, t), kr) in enumerate(zip(rows, ks, strict=True)):
             fed = accepted = rejected = 0
-            for i in range(k + 1):
+            for i in range(kr + 1):
                 history.append(int(toks[row, i]))
                 fed += 1
-                if i == k:
+                if i == kr:
                     t.fed(v.logits[row, i])
                     break
                 if not t.fed_draft(v.logits[row, i], int(toks[row, i + 1])):
@@ -222,7 +227,7 @@ class Stepper:
                 accepted += 1
                 if t.done:
                     break
-            t.record.accepted += accepted
+            t.record.count_verify(kr, accepted)
             steps.append(SpecStep(v, row, fed, accepted))
             judged.append(accepted + rejected)
         cut_back(m, cache, v, [st.fed for st in steps])

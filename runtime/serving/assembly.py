@@ -22,7 +22,9 @@ from dsv41.graph.checkpoint import checkpoint_config, weights_fingerprint
 from dsv41.graph.entries import CED_ENTRIES
 from dsv41.graph.model import Model
 from dsv41.runtime.engine import Engine
+from dsv41.runtime.engine.options import SPEC_MODES, SpecMode
 from dsv41.runtime.engine.sampling import SamplingParams
+from dsv41.runtime.engine.spec_setup import compiled_entries
 from dsv41.runtime.serving.app import ServerOptions, create_app, run_server
 from dsv41.runtime.serving.batcher import Batcher
 from dsv41.runtime.serving.epd import Role
@@ -82,10 +84,16 @@ class ServingOptions:
     max_queue: int = 64
     prefill_chunk: int | None = None  # default: the batcher's
     redis_url: str | None = None  # the shared DRAM snapshot pool (default: in-process)
+    # DSpark speculation (`EngineOptions.speculative`; auto is off without DSpark layers) and
+    # the most draft tokens a row verifies per step (None: the DSpark block)
+    speculative: SpecMode = SpecMode.AUTO
+    max_draft: int | None = None
 
-    def __post_init__(self):  # the CLI's strings as the enum (a bad one is validate()'s)
+    def __post_init__(self):  # the CLI's strings as the enums (a bad one is validate()'s)
         if self.backend in BACKENDS:
             object.__setattr__(self, "backend", ServingBackend(self.backend))
+        if self.speculative in SPEC_MODES:
+            object.__setattr__(self, "speculative", SpecMode(self.speculative))
 
     def validate(self) -> ServingOptions:
         if self.backend not in BACKENDS:
@@ -94,6 +102,11 @@ class ServingOptions:
             raise ValueError("--artifact and --backend torch exclude each other.")
         if self.page_tokens < 1:
             raise ValueError(f"--page-tokens must be positive, got {self.page_tokens}.")
+        if self.speculative not in SPEC_MODES:
+            raise ValueError(f"--speculative must be auto, on or off, got "
+                             f"{self.speculative!r}.")
+        if self.max_draft is not None and self.speculative == SpecMode.OFF:
+            raise ValueError("--max-draft and --speculative off exclude each other.")
         return self
 
 
@@ -142,7 +155,8 @@ def serving_engine(opts: ServingOptions, source: ArtifactSource | None = None) -
     if opts.store is None:
         temp = tempfile.TemporaryDirectory(prefix="dsv41-serve-store-")
     kw = {"store_dir": opts.store if opts.store else Path(temp.name) / "store",
-          "page_tokens": opts.page_tokens, "redis_url": opts.redis_url}
+          "page_tokens": opts.page_tokens, "redis_url": opts.redis_url,
+          "speculative": opts.speculative, "max_draft": opts.max_draft}
     try:
         if opts.backend == ServingBackend.TORCH:
             engine = Engine.from_model(Model.from_checkpoint(ckpt),
@@ -150,7 +164,8 @@ def serving_engine(opts: ServingOptions, source: ArtifactSource | None = None) -
             backend = "PyTorch graph"
         else:
             art = opts.artifact or (
-                source.artifact(ckpt, opts.preset, opts.target, CED_ENTRIES, opts.out)
+                source.artifact(ckpt, opts.preset, opts.target,
+                                compiled_entries(CED_ENTRIES, opts.speculative, args), opts.out)
                 if source else _no_source("artifact (--artifact)"))
             engine = Engine.load(art, ckpt, **kw)
             backend = f"artifact {art}"

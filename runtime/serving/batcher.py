@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from dsv41.graph.phases import chunk_spans
 from dsv41.runtime.engine import DecodeBatch, Engine, PrefillPacing, Session
 from dsv41.runtime.engine.images import TurnImage
+from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.engine.requests import (
     RequestError,
     TurnLimits,
@@ -138,6 +139,8 @@ class Batcher:
         self._counts = {"finished": 0, "cancelled": 0, "prompt_tokens": 0,
                         "completion_tokens": 0}
         self._tiers: dict[str, int] = {}
+        # DSpark's drafts of the finished requests (None: the engine does not speculate)
+        self._spec = None if getattr(engine, "spec_policy", None) is None else SpecCounts()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stopped = False
@@ -209,7 +212,7 @@ class Batcher:
     def stats(self) -> BatcherStats:
         with self._lock:
             return BatcherStats(queued=len(self._waiting), running=len(self._running),
-                                tiers=dict(self._tiers), **self._counts)
+                                tiers=dict(self._tiers), speculative=self._spec, **self._counts)
 
     # ---- stepping -------------------------------------------------------------------------------
 
@@ -420,6 +423,12 @@ class Batcher:
         if s is not None:
             if in_batch and req.turn is not None and not req.turn.ended:
                 self._batch.leave(s)
+            if self._spec is not None and req.turn is not None:
+                counts = SpecCounts.of(req.turn.record)
+                with req.stream.log.lock:
+                    req.stream.log.speculative = counts
+                with self._lock:
+                    self._spec = self._spec.plus(counts)
             with self._lock:
                 self._running.pop(s.id, None)
             s.close()

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.serving.frontend import RequestTiming, TokenEvent
 
 
@@ -37,6 +38,7 @@ class EventLog:
         self.tier: str | None = None
         self.reused = 0
         self.replayed = (0, 0)  # the prefill's (encoder, decoder) replayed tokens
+        self.speculative: SpecCounts | None = None  # DSpark's drafts (set as it finishes)
 
     # ---- the consumer's side --------------------------------------------------------------------
 
@@ -74,7 +76,7 @@ class EventLog:
                 completion_tokens=self.completion, tier=self.tier, reused_tokens=self.reused,
                 prefill_chunk_s=tuple(self.chunks), prefill_tail_s=self.tail,
                 submitted_at=self.submitted, replayed_tokens=self.replayed[0],
-                decoder_replayed_tokens=self.replayed[1])
+                decoder_replayed_tokens=self.replayed[1], speculative=self.speculative)
 
     # ---- the producer's side --------------------------------------------------------------------
 

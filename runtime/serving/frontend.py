@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
+from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.engine.sampling import SamplingParams, TokenLogprob
 
 
@@ -63,6 +64,7 @@ class RequestTiming:
     #   first_token_s + sum(per_token_s[:i]))
     replayed_tokens: int = 0  # reused tokens run through the encoder again (TurnRecord's)
     decoder_replayed_tokens: int = 0  # tokens through the decoder's bounded replay
+    speculative: SpecCounts | None = None  # DSpark's drafts for it (None: no speculation)
 
 
 class QueueFull(Exception):
@@ -78,6 +80,8 @@ class BatcherStats:
     prompt_tokens: int  # of the admitted requests
     completion_tokens: int  # tokens generated
     tiers: Mapping[str, int]  # turns per tier that served them (cold, snapshot, prefix, ...)
+    speculative: SpecCounts | None = None  # DSpark's drafts of the finished requests (None:
+    #   the engine does not speculate)
 
 
 @runtime_checkable

@@ -78,7 +78,7 @@ def _token_out(ev: TokenEvent) -> TokenOut | None:
 def _usage(stream: EventStream, n_tokens: int) -> Usage:
     t = stream.timing  # its prompt as queued: each image placeholder counts as its span
     return Usage(t.prompt_tokens, n_tokens, t.reused_tokens,
-                 PromptCache(t.tier, t.replayed_tokens, t.decoder_replayed_tokens))
+                 PromptCache(t.tier, t.replayed_tokens, t.decoder_replayed_tokens), t.speculative)
 
 
 class Generation:

@@ -214,10 +214,34 @@ class ServerMetrics:
                              "Turns served per engine tier (cold, snapshot, prefix, ...)."))
         for tier, n in sorted(stats.tiers.items()):
             lines.append(f"dsv41_tier_hits_total{_labels({'tier': tier})} {_number(n)}")
+        spec = getattr(stats, "speculative", None)
+        if spec is not None:  # a speculating engine: DSpark's drafts of the finished requests
+            lines.extend(spec_lines(spec))
         for metric in (self.requests, self.rejected, self.finished, self.ttft, self.per_token,
                        self.queue_time):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
+
+
+def spec_lines(spec) -> list[str]:
+    """DSpark's series from a `SpecCounts`: draft tokens verified and accepted per draft
+    position (1 = the first token after the backbone's own), the speculative steps, and the
+    mean accepted length (tokens per speculative step)."""
+    lines = _header("dsv41_spec_draft_tokens_total", "counter",
+                    "Draft tokens put to the verify, per draft position.")
+    lines += [f"dsv41_spec_draft_tokens_total{_labels({'position': str(j + 1)})} {_number(n)}"
+              for j, n in enumerate(spec.verified_at)]
+    lines += _header("dsv41_spec_accepted_tokens_total", "counter",
+                     "Draft tokens accepted, per draft position.")
+    lines += [f"dsv41_spec_accepted_tokens_total{_labels({'position': str(j + 1)})} "
+              f"{_number(n)}" for j, n in enumerate(spec.accepted_at)]
+    lines += _header("dsv41_spec_steps_total", "counter",
+                     "Decode steps of a request that verified drafts.")
+    lines.append(f"dsv41_spec_steps_total {_number(spec.steps)}")
+    lines += _header("dsv41_spec_mean_accepted_length", "gauge",
+                     "Tokens per speculative step (accepted drafts and the backbone's own).")
+    lines.append(f"dsv41_spec_mean_accepted_length {_number(spec.mean_accepted_length or 0.0)}")
+    return lines
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from dsv41.runtime.engine.images import data_uri_image
+from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from dsv41.runtime.serving.chat_format import (
     ChatOptions,
@@ -398,23 +399,30 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the tiers (not prefilled)
     cache: PromptCache = PromptCache()
+    speculative: SpecCounts | None = None  # DSpark's drafts (None: no speculation)
 
     def body(self) -> dict:
         """OpenAI's usage, DeepSeek's spelling of the cache hit (`prompt_cache_hit_tokens`,
         `prompt_cache_miss_tokens`: the DeepSeek API's fields) and `dsv41_prompt_cache`: the
-        hit by tier (they sum to `cached_tokens`), the tier and the replayed tokens."""
+        hit by tier (they sum to `cached_tokens`), the tier and the replayed tokens; with
+        speculation, `speculative` (an extension field: OpenAI's clients keep extras)."""
         hit = self.cached_tokens
         by_tier = dict.fromkeys((t.value for t in CacheTier), 0)
         if hit and self.cache.tier in TIER_OF:
             by_tier[TIER_OF[self.cache.tier].value] = hit
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": hit},
-                "prompt_cache_hit_tokens": hit,
-                "prompt_cache_miss_tokens": self.prompt_tokens - hit,
-                "dsv41_prompt_cache": {"tier": self.cache.tier, **by_tier,
-                                       "replayed_tokens": self.cache.replayed,
-                                       "decoder_replayed_tokens": self.cache.decoder_replayed}}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": hit},
+               "prompt_cache_hit_tokens": hit,
+               "prompt_cache_miss_tokens": self.prompt_tokens - hit,
+               "dsv41_prompt_cache": {"tier": self.cache.tier, **by_tier,
+                                      "replayed_tokens": self.cache.replayed,
+                                      "decoder_replayed_tokens": self.cache.decoder_replayed}}
+        if self.speculative is not None:
+            s = self.speculative
+            out["speculative"] = {"drafted": s.drafted, "accepted": s.accepted,
+                                  "mean_accepted_length": s.mean_accepted_length}
+        return out
 
 
 def _token_str(tok: Tokenizer, token_id: int) -> str:

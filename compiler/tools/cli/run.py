@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dsv41.compiler.tools.cli.common import count, natural, print_args
+from dsv41.compiler.tools.cli.serve import speculation_args
 
 
 def add_parser(sub) -> None:
@@ -32,14 +33,17 @@ def add_parser(sub) -> None:
     sp.add_argument("--keep-store", action="store_true",
                     help="continue from the --store folder's contents (without it that folder "
                          "must be new or empty; dsv41 run never deletes a folder)")
+    speculation_args(sp)
     sp.set_defaults(func=run)
 
 
 def run(ns) -> int:
     # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
+    from dsv41.graph.checkpoint import checkpoint_config
     from dsv41.runtime.backends.artifact import CED_ENTRIES, EXACT_ENTRIES
     from dsv41.runtime.engine.agent_loop import AgentLoopConfig, run_agent_loop
+    from dsv41.runtime.engine.spec_setup import compiled_entries
 
     print_args("run", ns)
     ckpt = Path(ns.checkpoint) if ns.checkpoint else ensure_checkpoint(ns.preset, ns.seed)
@@ -47,12 +51,14 @@ def run(ns) -> int:
         checkpoint=ckpt, artifact=None, store_dir=None if ns.store is None else Path(ns.store),
         context=ns.context, turns=ns.turns, suffix=ns.suffix, decode=ns.decode, exact=ns.exact,
         restart_between_turns=ns.restart_between_turns, keep_store=ns.keep_store,
-        page_tokens=ns.page_tokens, seed=ns.seed)
+        page_tokens=ns.page_tokens, seed=ns.seed, speculative=ns.speculative,
+        max_draft=ns.max_draft)
     cfg.validate()  # arguments and the store folder, before anything is compiled
     artifact = None
     if ns.backend == "artifact":
-        artifact = ensure_artifact(ckpt, ns.preset, ns.target,
-                                   EXACT_ENTRIES if ns.exact else CED_ENTRIES, Path(ns.out))
+        entries = compiled_entries(EXACT_ENTRIES if ns.exact else CED_ENTRIES, cfg.speculative,
+                                   checkpoint_config(ckpt))
+        artifact = ensure_artifact(ckpt, ns.preset, ns.target, entries, Path(ns.out))
     elif ns.backend != "torch":
         raise ValueError(f"--backend must be artifact or torch, got {ns.backend!r}.")
     run_agent_loop(replace(cfg, artifact=artifact))

@@ -66,6 +66,21 @@ def serving_args(sp, *, server: bool) -> None:
     sp.add_argument("--redis-url", default=None,
                     help="the DRAM snapshot pool on this Redis server, shared by every process "
                          "that names it (default: an in-process pool)")
+    speculation_args(sp)
+
+
+SPECULATIVE = ("auto", "on", "off")  # runtime.engine.options.SpecMode's strings
+
+
+def speculation_args(sp) -> None:
+    """DSpark speculation: `serve`, `chat`, `bench serve` and `run`."""
+    sp.add_argument("--speculative", default="auto", choices=SPECULATIVE,
+                    help="DSpark speculative decoding: auto (while it pays; off without DSpark "
+                         "layers), on (every step; the artifact needs the draft and verify "
+                         "entries, which the on-demand compile adds), off")
+    sp.add_argument("--max-draft", type=count, default=None,
+                    help="draft tokens a request verifies per step at most (default: the "
+                         "DSpark block)")
 
 
 def add_parser(sub) -> None:
@@ -96,7 +111,7 @@ def serving_options(ns) -> ServingOptions:
         preset=ns.preset, seed=ns.seed, store=path(ns.store), page_tokens=ns.page_tokens,
         target=ns.target, out=Path(ns.out), model_name=ns.model_name,
         max_running=ns.max_running, max_queue=ns.max_queue, prefill_chunk=ns.prefill_chunk,
-        redis_url=ns.redis_url)
+        redis_url=ns.redis_url, speculative=ns.speculative, max_draft=ns.max_draft)
 
 
 def options(ns) -> ServeOptions:
