@@ -252,7 +252,7 @@ def test_usage_and_metrics_count_a_scripted_draft(small_model):
         pass
     want = [ev.token_id for ev in st0 if ev.token_id is not None]
     assert plain.stats().speculative is None and st0.timing.speculative is None
-    assert "speculative" not in Usage(11, 7, 0, st0.timing.speculative).body()
+    assert "speculative" not in Usage(11, 7, 0, speculative=st0.timing.speculative).body()
     e = _engine(m, speculative="on")
     e.spec_policy = FixedLength(2)
     e.phases = ScriptedDraft(prompt + want, [2, 1], m.args.vocab_size)
@@ -263,7 +263,7 @@ def test_usage_and_metrics_count_a_scripted_draft(small_model):
     assert [ev.token_id for ev in st if ev.token_id is not None] == want
     counts = SpecCounts(2, (2, 2), (2, 1))
     assert st.timing.speculative == counts and b.stats().speculative == counts
-    assert Usage(11, 7, 0, st.timing.speculative).body()["speculative"] == {
+    assert Usage(11, 7, 0, speculative=st.timing.speculative).body()["speculative"] == {
         "drafted": 4, "accepted": 3, "mean_accepted_length": 2.5}
     text = ServerMetrics().render(b.stats())
     got = {k: v for k, v in parse_metrics(text).items() if k.startswith("dsv41_spec_")}
