@@ -251,3 +251,23 @@ def test_checkpoint_overwrite_removes_only_the_files_it_wrote(tmp_path, capsys):
     assert _checkpoint(out, capsys, "--overwrite", "--seed", "1") == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(["NOTES.md", *written])
     assert (out / "NOTES.md").read_text() == "mine"
+
+
+def test_serve_limit_flags_reach_the_server_options():
+    """`dsv41 serve`'s limit flags (issue 38's limits as options): parsed into HttpLimits on
+    ServeOptions; nonsense refused while parsing."""
+    from dsv41.compiler.tools.cli.main import build_parser
+    from dsv41.runtime.serving.http_limits import HttpLimits
+
+    ns = build_parser().parse_args(["serve", "--max-body-mib", "4", "--max-json-depth", "9",
+                                    "--header-timeout", "2.5", "--body-timeout", "7",
+                                    "--max-connections", "20"])
+    assert ns.options(ns).limits == HttpLimits(max_body_bytes=4 << 20, max_json_depth=9,
+                                               header_timeout_s=2.5, body_timeout_s=7.0,
+                                               max_connections=20)
+    assert build_parser().parse_args(["serve"]).options(
+        build_parser().parse_args(["serve"])).limits == HttpLimits()
+    for bad in (["--max-body-mib", "0"], ["--header-timeout", "nan"],
+                ["--body-timeout", "0"], ["--max-connections", "-1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])

@@ -35,6 +35,7 @@ from dsv41.runtime.serving.epd_stages import (
     PrefillWorker,
     VisionWorker,
 )
+from dsv41.runtime.serving.http_limits import HttpLimits
 from dsv41.runtime.serving.terminal_chat import ChatSettings, run_chat
 from dsv41.runtime.serving.tokenizer import Tokenizer
 from dsv41.runtime.tiers.redis_pool import masked_url as mask
@@ -210,6 +211,7 @@ class ServeOptions:
     request_timeout_s: float | None = 600.0  # None: no timeout
     log_level: str = "info"  # uvicorn's
     role: Role = Role.ALL  # one process, or one EPD stage
+    limits: HttpLimits = HttpLimits()  # body size and time, head time, connections, JSON depth
 
     def __post_init__(self):  # the CLI's strings as the enum (a bad one is validate()'s)
         if self.role in ROLES:
@@ -236,7 +238,7 @@ def serve(opts: ServeOptions, source: ArtifactSource | None = None) -> int:
     args = se.engine.model.args
     server = ServerOptions(model_name=se.model_name, vocab_size=args.vocab_size,
                            max_seq_len=args.max_seq_len, api_key=opts.api_key,
-                           request_timeout_s=opts.request_timeout_s,
+                           request_timeout_s=opts.request_timeout_s, limits=opts.limits,
                            image_token_id=args.image_token_id if se.engine.model.vision else None)
     if opts.role != Role.ALL:
         return _serve_stage(opts, se, server)

@@ -8,7 +8,13 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv41.compiler.tools.cli.common import count, natural, print_args, seconds
+from dsv41.compiler.tools.cli.common import (
+    count,
+    natural,
+    positive_seconds,
+    print_args,
+    seconds,
+)
 
 if TYPE_CHECKING:
     from dsv41.runtime.serving.assembly import ServeOptions, ServingOptions
@@ -97,7 +103,32 @@ def add_parser(sub) -> None:
     sp.add_argument("--role", default="all", choices=("all", "vision", "prefill", "decode"),
                     help="all (one process) | vision | prefill | decode: one EPD stage, its queues "
                          "and hand-offs on --redis-url (runtime/epd.py)")
+    limit_args(sp)
     sp.set_defaults(func=run, options=options)
+
+
+def limit_args(sp) -> None:
+    """What a client may send and how long it may take (runtime/serving/http_limits.py)."""
+    sp.add_argument("--max-body-mib", type=count, default=32,
+                    help="a request body's size in MiB (beyond: 413; room for one image)")
+    sp.add_argument("--max-json-depth", type=count, default=64,
+                    help="arrays and objects nested in a body (beyond: 400)")
+    sp.add_argument("--header-timeout", type=positive_seconds, default=10.0,
+                    help="seconds for a request's head (beyond: 408, connection closed)")
+    sp.add_argument("--body-timeout", type=positive_seconds, default=60.0,
+                    help="seconds for a body's last byte after its head (beyond: 408)")
+    sp.add_argument("--max-connections", type=count, default=1024,
+                    help="connections open at once (keep it under the open-file limit)")
+
+
+def http_limits(ns):
+    """`serve`'s limit flags as runtime.serving.http_limits.HttpLimits."""
+    # heavy: the serving package (fastapi, uvicorn); dsv41 --help loads no verb's work
+    from dsv41.runtime.serving.http_limits import HttpLimits
+
+    return HttpLimits(max_body_bytes=ns.max_body_mib << 20, max_json_depth=ns.max_json_depth,
+                      header_timeout_s=ns.header_timeout, body_timeout_s=ns.body_timeout,
+                      max_connections=ns.max_connections).validate()
 
 
 def serving_options(ns) -> ServingOptions:
@@ -121,7 +152,8 @@ def options(ns) -> ServeOptions:
 
     return ServeOptions(serving_options(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
                         request_timeout_s=None if ns.request_timeout <= 0 else ns.request_timeout,
-                        log_level=ns.log_level, role=ns.role).validate()
+                        log_level=ns.log_level, role=ns.role,
+                        limits=http_limits(ns)).validate()
 
 
 def run(ns) -> int:
