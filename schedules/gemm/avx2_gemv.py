@@ -53,7 +53,7 @@ def _gemv_slot_source(j, lanes: int):
 
 
 def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
-                       prefetch: int = 0) -> tvm.tirx.PrimFunc:
+                       prefetch: int = 0, rows: int = 1) -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` for x86 with AVX2 + FMA + F16C (same signature and
     result as `make_fp8_gemv`), hand-vectorised: its loops are the schedule. `lanes` 8: 256-bit
     vectors (CPUs without AVX-512); 16: 512-bit (AVX-512 BW), k a multiple of 64. `prefetch`:
@@ -88,7 +88,16 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     512-byte row is then one of four short streams, which the hardware prefetcher does not
     follow; software prefetches 1-16 KB ahead of one column made it 2-5% slower; the vpmaddubsw
     decode ran within noise of a vpunpcklbw + vpsraw one and 2-5% ahead of a vpmovsxbw one; 2
-    instead of 4 accumulators per column, within noise."""
+    instead of 4 accumulators per column, within noise.
+
+    `rows` > 1: the verify form (`fp8_gemv_rows`), same signature and result, every row's
+    output bit-identical to this kernel's on that row alone: the rows go in groups of `rows`
+    (the verify entry's 1 + k), and per column each chunk of weights is loaded and decoded once
+    for the whole group, then added into each row's own four accumulators in the single-row
+    order (same chunks, same slots, same pairwise lane sum). The weights are read and decoded
+    once per group instead of once per row."""
+    if rows < 1:
+        raise ValueError(f"The fp8 GEMV takes rows >= 1 per group; got rows={rows}.")
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
     if lanes not in (8, 16) or k % (4 * lanes):
@@ -176,4 +185,79 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                             has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)),
                             lane_total(acc)))
 
-    return fp8_gemv
+    if rows == 1:
+        return fp8_gemv
+    R = i64(rows)
+
+    @T.macro
+    def fma_row(acc, xs, r, ch, q, w):  # row r's accumulator q += its xs slots LN q .. * w
+        acc[T.ramp((r * ACC + q) * LN, 1, LN)] = f32v(acc, (r * ACC + q) * LN) + f32v(
+            xs, r * K + ch * CL + q * LN) * w
+
+    def row_total(acc, r):  # row r's 4 x LN lanes added as `lane_total` adds one row's
+        a = (r * ACC) * LN
+        return pairwise_lane_sum((f32v(acc, a) + f32v(acc, a + LN))
+                                 + (f32v(acc, a + 2 * LN) + f32v(acc, a + 3 * LN)), LN)
+
+    @T.prim_func
+    def fp8_gemv_rows(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                      scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), out_dtype)
+        amax = T.alloc_buffer((m, KB), "float32")
+        xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
+        for i, b in T.grid(m, KB):
+            amax[i, b] = T.min_value("float32")
+            for j in range(i64(BLOCK)):
+                amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+        for i, ch in T.grid(m, NCH):
+            for j in T.vectorized(i64(CL)):
+                xq[i, ch * CL + j] = fp8_qdq(
+                    bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
+                    pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
+        for p in T.parallel(NB):
+            xs = T.alloc_buffer((R * K,), "float32")
+            acc = T.alloc_buffer((R * ACC * LN,), "float32", scope="local")
+            flg = T.alloc_buffer((CL,), "uint8", scope="local")
+            for g in range((m + R - i64(1)) // R):
+                # rows past m (the last group only) take row m - 1's values, never stored
+                for r, ch in T.grid(R, NCH):
+                    for j in T.vectorized(i64(CL)):
+                        xs[r * K + ch * CL + j] = xq[T.min(g * R + r, m - i64(1)),
+                                                     ch * CL + j] * e8m0_to_f32(T.Cast(
+                            "uint32", scale[p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
+                            ) * T.float32(256.0)
+                for c in range(i64(BLOCK)):
+                    for t in T.unroll(R * ACC * LN):
+                        acc[t] = T.float32(0)
+                    for t in T.vectorized(i64(CL)):
+                        flg[t] = T.uint8(0)
+                    for ch in range(NCH):
+                        col = T.min(p * BLOCK + c, N - i64(1))
+                        if prefetch > 0:
+                            prefetch_line(T.address_of(
+                                weight[T.min(col + prefetch, N - i64(1)), ch * CL]))
+                        codes = weight.vload([col, ch * CL], f"uint8x{CL}")
+                        h = _f16_bits_even_odd(codes, LN)  # [even, odd]
+                        w0 = _f16_to_f32(h[0], 0, LN)
+                        w1 = _f16_to_f32(h[0], 1, LN)
+                        w2 = _f16_to_f32(h[1], 0, LN)
+                        w3 = _f16_to_f32(h[1], 1, LN)
+                        for r in T.unroll(R):
+                            if g * R + r < m:
+                                fma_row(acc, xs, r, ch, 0, w0)
+                                fma_row(acc, xs, r, ch, 1, w1)
+                                fma_row(acc, xs, r, ch, 2, w2)
+                                fma_row(acc, xs, r, ch, 3, w3)
+                        flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
+                                                      codes & T.broadcast(T.uint8(0x7F), CL))
+                    for r in range(R):
+                        if g * R + r < m and p * BLOCK + c < N:
+                            y[g * R + r, p * BLOCK + c] = T.Cast(out_dtype, T.Select(
+                                has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)),
+                                row_total(acc, r)))
+
+    return fp8_gemv_rows
