@@ -18,6 +18,8 @@ from dsv41.schedules.common import (
 from dsv41.schedules.common import prefetch as prefetch_line
 from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
 
+MAX_ROWS = 8  # rows per group of the verify form (1 + the DSpark block; the default block is 5)
+
 
 def _f16_bits_even_odd(codes, lanes: int):
     """4 x lanes E4M3 codes (uint8) -> (even, odd): the fp16 bits (2 x lanes uint16 each) of
@@ -96,8 +98,8 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     for the whole group, then added into each row's own four accumulators in the single-row
     order (same chunks, same slots, same pairwise lane sum). The weights are read and decoded
     once per group instead of once per row."""
-    if rows < 1:
-        raise ValueError(f"The fp8 GEMV takes rows >= 1 per group; got rows={rows}.")
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
     if lanes not in (8, 16) or k % (4 * lanes):
@@ -190,14 +192,79 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     R = i64(rows)
 
     @T.macro
-    def fma_row(acc, xs, r, ch, q, w):  # row r's accumulator q += its xs slots LN q .. * w
-        acc[T.ramp((r * ACC + q) * LN, 1, LN)] = f32v(acc, (r * ACC + q) * LN) + f32v(
-            xs, r * K + ch * CL + q * LN) * w
+    def row_zero(acc, here):
+        if here:  # static: this row is one of the group's
+            for t in T.unroll(ACC * LN):
+                acc[t] = T.float32(0)
 
-    def row_total(acc, r):  # row r's 4 x LN lanes added as `lane_total` adds one row's
-        a = (r * ACC) * LN
-        return pairwise_lane_sum((f32v(acc, a) + f32v(acc, a + LN))
-                                 + (f32v(acc, a + 2 * LN) + f32v(acc, a + 3 * LN)), LN)
+    @T.macro
+    def row_fma(acc, xs, here, r, ch, w0, w1, w2, w3):  # row r's 4 FMAs of chunk ch
+        if here:  # static
+            acc[T.ramp(0, 1, LN)] = f32v(acc, 0) + f32v(xs, r * K + ch * CL) * w0
+            acc[T.ramp(LN, 1, LN)] = f32v(acc, LN) + f32v(xs, r * K + ch * CL + LN) * w1
+            acc[T.ramp(2 * LN, 1, LN)] = f32v(acc, 2 * LN) + f32v(
+                xs, r * K + ch * CL + 2 * LN) * w2
+            acc[T.ramp(3 * LN, 1, LN)] = f32v(acc, 3 * LN) + f32v(
+                xs, r * K + ch * CL + 3 * LN) * w3
+
+    @T.macro
+    def row_store(y, acc, flg, here, row, col):
+        if here:  # static
+            if col < N:
+                y[row, col] = T.Cast(out_dtype, T.Select(
+                    has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)), lane_total(acc)))
+
+    @T.macro
+    def group_columns(weight, xs, y, p, row0, nr, accs, flg):
+        """The 32 columns of tile p for the nr rows from row0 (nr static: every update
+        unconditional, so the accumulators stay in registers)."""
+        a0, a1, a2, a3, a4, a5, a6, a7 = accs
+        for c in range(i64(BLOCK)):
+            row_zero(a0, nr > 0)
+            row_zero(a1, nr > 1)
+            row_zero(a2, nr > 2)
+            row_zero(a3, nr > 3)
+            row_zero(a4, nr > 4)
+            row_zero(a5, nr > 5)
+            row_zero(a6, nr > 6)
+            row_zero(a7, nr > 7)
+            for t in T.vectorized(i64(CL)):
+                flg[t] = T.uint8(0)
+            for ch in range(NCH):
+                col = T.min(p * BLOCK + c, N - i64(1))
+                if prefetch > 0:
+                    prefetch_line(T.address_of(weight[T.min(col + prefetch, N - i64(1)),
+                                                      ch * CL]))
+                codes = weight.vload([col, ch * CL], f"uint8x{CL}")
+                h = _f16_bits_even_odd(codes, LN)  # [even, odd]
+                w0 = _f16_to_f32(h[0], 0, LN)
+                w1 = _f16_to_f32(h[0], 1, LN)
+                w2 = _f16_to_f32(h[1], 0, LN)
+                w3 = _f16_to_f32(h[1], 1, LN)
+                row_fma(a0, xs, nr > 0, 0, ch, w0, w1, w2, w3)
+                row_fma(a1, xs, nr > 1, 1, ch, w0, w1, w2, w3)
+                row_fma(a2, xs, nr > 2, 2, ch, w0, w1, w2, w3)
+                row_fma(a3, xs, nr > 3, 3, ch, w0, w1, w2, w3)
+                row_fma(a4, xs, nr > 4, 4, ch, w0, w1, w2, w3)
+                row_fma(a5, xs, nr > 5, 5, ch, w0, w1, w2, w3)
+                row_fma(a6, xs, nr > 6, 6, ch, w0, w1, w2, w3)
+                row_fma(a7, xs, nr > 7, 7, ch, w0, w1, w2, w3)
+                flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
+                                              codes & T.broadcast(T.uint8(0x7F), CL))
+            row_store(y, a0, flg, nr > 0, row0, p * BLOCK + c)
+            row_store(y, a1, flg, nr > 1, row0 + 1, p * BLOCK + c)
+            row_store(y, a2, flg, nr > 2, row0 + 2, p * BLOCK + c)
+            row_store(y, a3, flg, nr > 3, row0 + 3, p * BLOCK + c)
+            row_store(y, a4, flg, nr > 4, row0 + 4, p * BLOCK + c)
+            row_store(y, a5, flg, nr > 5, row0 + 5, p * BLOCK + c)
+            row_store(y, a6, flg, nr > 6, row0 + 6, p * BLOCK + c)
+            row_store(y, a7, flg, nr > 7, row0 + 7, p * BLOCK + c)
+
+    @T.macro
+    def group_if(weight, xs, y, p, row0, live, nr, accs, flg):
+        if nr <= rows:  # static: a group of nr rows exists
+            if live == nr:
+                group_columns(weight, xs, y, p, row0, nr, accs, flg)
 
     @T.prim_func
     def fp8_gemv_rows(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -220,44 +287,32 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                     pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
         for p in T.parallel(NB):
             xs = T.alloc_buffer((R * K,), "float32")
-            acc = T.alloc_buffer((R * ACC * LN,), "float32", scope="local")
+            # one accumulator buffer per row of a group (those past `rows` are never used)
+            a0 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            a1 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            a2 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            a3 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            a4 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            a5 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            a6 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            a7 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
             flg = T.alloc_buffer((CL,), "uint8", scope="local")
+            accs = T.meta_var((a0, a1, a2, a3, a4, a5, a6, a7))
             for g in range((m + R - i64(1)) // R):
-                # rows past m (the last group only) take row m - 1's values, never stored
-                for r, ch in T.grid(R, NCH):
+                live = T.min(m - g * R, R)  # rows in this group (the last may have fewer)
+                for r, ch in T.grid(live, NCH):
                     for j in T.vectorized(i64(CL)):
-                        xs[r * K + ch * CL + j] = xq[T.min(g * R + r, m - i64(1)),
-                                                     ch * CL + j] * e8m0_to_f32(T.Cast(
-                            "uint32", scale[p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
-                            ) * T.float32(256.0)
-                for c in range(i64(BLOCK)):
-                    for t in T.unroll(R * ACC * LN):
-                        acc[t] = T.float32(0)
-                    for t in T.vectorized(i64(CL)):
-                        flg[t] = T.uint8(0)
-                    for ch in range(NCH):
-                        col = T.min(p * BLOCK + c, N - i64(1))
-                        if prefetch > 0:
-                            prefetch_line(T.address_of(
-                                weight[T.min(col + prefetch, N - i64(1)), ch * CL]))
-                        codes = weight.vload([col, ch * CL], f"uint8x{CL}")
-                        h = _f16_bits_even_odd(codes, LN)  # [even, odd]
-                        w0 = _f16_to_f32(h[0], 0, LN)
-                        w1 = _f16_to_f32(h[0], 1, LN)
-                        w2 = _f16_to_f32(h[1], 0, LN)
-                        w3 = _f16_to_f32(h[1], 1, LN)
-                        for r in T.unroll(R):
-                            if g * R + r < m:
-                                fma_row(acc, xs, r, ch, 0, w0)
-                                fma_row(acc, xs, r, ch, 1, w1)
-                                fma_row(acc, xs, r, ch, 2, w2)
-                                fma_row(acc, xs, r, ch, 3, w3)
-                        flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
-                                                      codes & T.broadcast(T.uint8(0x7F), CL))
-                    for r in range(R):
-                        if g * R + r < m and p * BLOCK + c < N:
-                            y[g * R + r, p * BLOCK + c] = T.Cast(out_dtype, T.Select(
-                                has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)),
-                                row_total(acc, r)))
+                        xs[r * K + ch * CL + j] = xq[g * R + r, ch * CL + j] * e8m0_to_f32(
+                            T.Cast("uint32", scale[
+                                p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
+                        ) * T.float32(256.0)
+                group_if(weight, xs, y, p, g * R, live, 1, accs, flg)
+                group_if(weight, xs, y, p, g * R, live, 2, accs, flg)
+                group_if(weight, xs, y, p, g * R, live, 3, accs, flg)
+                group_if(weight, xs, y, p, g * R, live, 4, accs, flg)
+                group_if(weight, xs, y, p, g * R, live, 5, accs, flg)
+                group_if(weight, xs, y, p, g * R, live, 6, accs, flg)
+                group_if(weight, xs, y, p, g * R, live, 7, accs, flg)
+                group_if(weight, xs, y, p, g * R, live, 8, accs, flg)
 
     return fp8_gemv_rows
