@@ -47,10 +47,11 @@ class Fp8LinearKey(KernelKey):
     k: int
     m: int | None  # the rows hint (decode 1, drafts 4, prefill None)
     out_dtype: str = BF16
+    rows: int = 1  # the verify entry's rows per sequence (1 + k; 1 elsewhere)
 
     def parts(self) -> tuple:
         name = "fp8_linear" if self.out_dtype == BF16 else "fp8_linear_f32"
-        return (name, self.n, self.k, self.m)
+        return (name, self.n, self.k, self.m) + ((f"r{self.rows}",) if self.rows > 1 else ())
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ def _fp8_linear(ctx: Lowering, out_dtype: str = BF16):
     def convert(node, importer):
         x, w, s = (importer.env[a] for a in node.args[:3])
         n, k = (static(v) for v in shape(w))
-        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, out_dtype=out_dtype)
+        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, out_dtype=out_dtype,
+                           rows=ctx.verify_rows)
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
         x2, lead = rows(importer, x, 1)
         y = call(importer, gv, [x2, w, s], tensor([shape(x2)[0], n], out_dtype))
@@ -424,7 +425,8 @@ def _quant_unscheduled(op: str) -> Callable:
 def _fp8_linear_task(key: Fp8LinearKey, target: TargetSpec):
     if key.out_dtype != BF16:
         return None  # fp8_linear_f32 (sharded partial sums) is not a tuned family
-    func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m)
+    func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m,
+                                               rows=key.rows)
     return None if config.prescheduled else func  # written scheduled: nothing to search
 
 
@@ -474,7 +476,7 @@ REGISTRY: tuple[KernelEntry, ...] = (
         {"fp8_linear.default": _fp8_linear,
          "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32")},
         build=lambda key, t: gemm.build_fp8_linear(t, n=key.n, k=key.k, m=key.m,
-                                                   out_dtype=key.out_dtype),
+                                                   out_dtype=key.out_dtype, rows=key.rows),
         task=_fp8_linear_task, bench=BenchKernel("fp8", _bench_fp8)),
     KernelEntry(
         "fp8_dequant", (Fp8DequantKey,), gemm.build_fp8_dequant, gemm.dequant_config,
