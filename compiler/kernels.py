@@ -456,7 +456,8 @@ def _bench_attend(target_name: str, kw: dict):
 
 
 def _bench_fp8(target_name: str, kw: dict):
-    return gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"])
+    return gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"],
+                                 rows=kw.get("rows", 1))
 
 
 def _bench_moe(target_name: str, kw: dict):  # the split chain `_moe_experts` emits

@@ -180,6 +180,14 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                    (("n", n),)) for n in moe_n]
     cases += [Case(f"fp8-{name}-m1", "fp8", (("n", n), ("k", k), ("hint", 1)), (("m", 1),))
               for name, (n, k) in decode_lin.items()]
+    # the verify entry's FP8 linears (its 1 + k rows in groups sharing each weight load, bit
+    # for bit the decode kernel per row): against m x the fp8-...-m1 case of the same weight
+    verify_rows = 1 + a.dspark_block_size
+    verify_lin = {"wq_b": (lin["n"], lin["k"])} if quick else \
+        {"wq_b": (lin["n"], lin["k"]), "wq_a": decode_lin["wq_a"]}
+    cases += [Case(f"fp8-verify-{name}-m{m}", "fp8",
+                   (("n", n), ("k", k), ("hint", 1), ("rows", verify_rows)), (("m", m),))
+              for name, (n, k) in verify_lin.items() for m in range(1, verify_rows + 1)]
     cases += [Case(f"gemv-{name}-m1", "gemv",
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd)),
                    (("m", 1),)) for name, (g, n, k, wd) in decode_gemv.items()]
