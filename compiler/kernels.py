@@ -263,16 +263,17 @@ def _moe_experts(ctx: Lowering):
             nonlocal mod
             if mod is None:
                 mod = moe.build_moe_experts_split(ctx.target.name, **dims, swiglu_limit=limit,
-                                                  n=ctx.rows_hint, null_expert=ctx.null_expert)
+                                                  n=ctx.rows_hint, null_expert=ctx.null_expert,
+                                                  rows=ctx.verify_rows)
             return mod
 
         def kernel(func):
             key = MoeKey(**dims, swiglu_limit=limit, n_hint=ctx.rows_hint,
-                         null_expert=ctx.null_expert, func=func)
+                         null_expert=ctx.null_expert, func=func, rows=ctx.verify_rows)
             return ctx.kernel(importer, key, lambda: module()[func])
 
         plan = moe.moe_experts_plan(ctx.target.name, **dims, n=shape(x)[0],
-                                    n_hint=ctx.rows_hint)
+                                    n_hint=ctx.rows_hint, rows=ctx.verify_rows)
         return moe.emit_moe_experts(importer.block_builder, plan, args, kernel)
 
     return convert
