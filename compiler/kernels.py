@@ -463,7 +463,7 @@ def _bench_fp8(target_name: str, kw: dict):
 
 def _bench_moe(target_name: str, kw: dict):  # the split chain `_moe_experts` emits
     rest = {k: v for k, v in kw.items() if k != "hint"}
-    return moe.build_moe_experts_split(target_name, **rest, n=kw["hint"])
+    return moe.build_moe_experts_split(target_name, **rest, n=kw["hint"])  # verify: rows too
 
 
 def _dense_build(key: DenseGemvKey, target_name: str):

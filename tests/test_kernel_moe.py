@@ -162,7 +162,7 @@ def test_verify_chain_rows_bit_identical_to_decode():
     expert, an expert with more rows than a tile, unused experts, partial 32-column tasks."""
     assert moe.moe_split_config(get_target(CPU), n=1, topk=2, rows=6, **DIMS).rows
     decode, verify = _split(2, 1), _verify_chain()
-    cases = [(n, None) for n in range(1, 7)] + [(6, IDS6), (6, IDS6_MIXED)]
+    cases = [(1, None), (2, None), (5, None), (6, IDS6), (6, IDS6_MIXED)]
     for n, ids in cases:
         args = _case(n, 2, ids, seed=n + 11)
         y = _y(_run_chain(verify, args, 2, 1, rows=6))

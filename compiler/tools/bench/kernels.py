@@ -188,6 +188,10 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
     cases += [Case(f"fp8-verify-{name}-m{m}", "fp8",
                    (("n", n), ("k", k), ("hint", 1), ("rows", verify_rows)), (("m", m),))
               for name, (n, k) in verify_lin.items() for m in range(1, verify_rows + 1)]
+    # the verify entry's routed experts (each route tile's rows share the weight loads): against
+    # the decode chain on one token (moe-n1) m times
+    cases += [Case(f"moe-verify-n{m}", "moe", (*moe.items(), ("hint", 1), ("rows", verify_rows)),
+                   (("n", m),)) for m in range(1, verify_rows + 1)]
     cases += [Case(f"gemv-{name}-m1", "gemv",
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd)),
                    (("m", 1),)) for name, (g, n, k, wd) in decode_gemv.items()]
@@ -382,7 +386,7 @@ def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
         # the same plan (buffer shapes, call order) as compiler/lower.py `_moe_experts`
         plan = moe.moe_experts_plan(target_name, dim=d["dim"], inter=d["inter"],
                                     n_experts=d["n_experts"], topk=d["topk"], n=d["n"],
-                                    n_hint=d["hint"])
+                                    n_hint=d["hint"], rows=d.get("rows", 1))
         chain, out, parts = moe_chain(ex, plan, inputs)
         used = int(torch.unique(inputs[2]).numel())
         nbytes, flops = moe_traffic(**d, experts_used=used)
