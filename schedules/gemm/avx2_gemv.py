@@ -190,44 +190,51 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     if rows == 1:
         return fp8_gemv
     R = i64(rows)
+    TILES = 8  # 32-column tiles per parallel task
+
+    def row_total(acc, r):  # row r's 4 x LN lanes added as `lane_total` adds one row's
+        a = r * ACC * LN
+        return pairwise_lane_sum((f32v(acc, a) + f32v(acc, a + LN))
+                                 + (f32v(acc, a + 2 * LN) + f32v(acc, a + 3 * LN)), LN)
 
     @T.macro
-    def row_zero(acc, here):
-        if here:  # static: this row is one of the group's
+    def row_zero(acc, r, here):
+        if here:  # static: row r is one of the group's
             for t in T.unroll(ACC * LN):
-                acc[t] = T.float32(0)
+                acc[r * ACC * LN + t] = T.float32(0)
+
+    @T.macro
+    def fma_at(acc, xs, a, x, q, w):  # accumulator q of the row at a += its xs slots LN q ..
+        acc[T.ramp(a + q * LN, 1, LN)] = f32v(acc, a + q * LN) + f32v(xs, x + q * LN) * w
 
     @T.macro
     def row_fma(acc, xs, here, r, ch, w0, w1, w2, w3):  # row r's 4 FMAs of chunk ch
         if here:  # static
-            acc[T.ramp(0, 1, LN)] = f32v(acc, 0) + f32v(xs, r * K + ch * CL) * w0
-            acc[T.ramp(LN, 1, LN)] = f32v(acc, LN) + f32v(xs, r * K + ch * CL + LN) * w1
-            acc[T.ramp(2 * LN, 1, LN)] = f32v(acc, 2 * LN) + f32v(
-                xs, r * K + ch * CL + 2 * LN) * w2
-            acc[T.ramp(3 * LN, 1, LN)] = f32v(acc, 3 * LN) + f32v(
-                xs, r * K + ch * CL + 3 * LN) * w3
+            fma_at(acc, xs, r * ACC * LN, r * K + ch * CL, 0, w0)
+            fma_at(acc, xs, r * ACC * LN, r * K + ch * CL, 1, w1)
+            fma_at(acc, xs, r * ACC * LN, r * K + ch * CL, 2, w2)
+            fma_at(acc, xs, r * ACC * LN, r * K + ch * CL, 3, w3)
 
     @T.macro
-    def row_store(y, acc, flg, here, row, col):
+    def row_store(y, acc, flg, r, here, row, col):
         if here:  # static
             if col < N:
                 y[row, col] = T.Cast(out_dtype, T.Select(
-                    has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)), lane_total(acc)))
+                    has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)), row_total(acc, r)))
 
     @T.macro
-    def group_columns(weight, xs, y, p, row0, nr, accs, flg):
+    def group_columns(weight, xs, y, p, row0, nr, acc, flg):
         """The 32 columns of tile p for the nr rows from row0 (nr static: every update
         unconditional, so the accumulators stay in registers)."""
-        a0, a1, a2, a3, a4, a5, a6, a7 = accs
         for c in range(i64(BLOCK)):
-            row_zero(a0, nr > 0)
-            row_zero(a1, nr > 1)
-            row_zero(a2, nr > 2)
-            row_zero(a3, nr > 3)
-            row_zero(a4, nr > 4)
-            row_zero(a5, nr > 5)
-            row_zero(a6, nr > 6)
-            row_zero(a7, nr > 7)
+            row_zero(acc, 0, nr > 0)
+            row_zero(acc, 1, nr > 1)
+            row_zero(acc, 2, nr > 2)
+            row_zero(acc, 3, nr > 3)
+            row_zero(acc, 4, nr > 4)
+            row_zero(acc, 5, nr > 5)
+            row_zero(acc, 6, nr > 6)
+            row_zero(acc, 7, nr > 7)
             for t in T.vectorized(i64(CL)):
                 flg[t] = T.uint8(0)
             for ch in range(NCH):
@@ -241,30 +248,30 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 w1 = _f16_to_f32(h[0], 1, LN)
                 w2 = _f16_to_f32(h[1], 0, LN)
                 w3 = _f16_to_f32(h[1], 1, LN)
-                row_fma(a0, xs, nr > 0, 0, ch, w0, w1, w2, w3)
-                row_fma(a1, xs, nr > 1, 1, ch, w0, w1, w2, w3)
-                row_fma(a2, xs, nr > 2, 2, ch, w0, w1, w2, w3)
-                row_fma(a3, xs, nr > 3, 3, ch, w0, w1, w2, w3)
-                row_fma(a4, xs, nr > 4, 4, ch, w0, w1, w2, w3)
-                row_fma(a5, xs, nr > 5, 5, ch, w0, w1, w2, w3)
-                row_fma(a6, xs, nr > 6, 6, ch, w0, w1, w2, w3)
-                row_fma(a7, xs, nr > 7, 7, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 0, 0, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 1, 1, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 2, 2, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 3, 3, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 4, 4, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 5, 5, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 6, 6, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 7, 7, ch, w0, w1, w2, w3)
                 flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
                                               codes & T.broadcast(T.uint8(0x7F), CL))
-            row_store(y, a0, flg, nr > 0, row0, p * BLOCK + c)
-            row_store(y, a1, flg, nr > 1, row0 + 1, p * BLOCK + c)
-            row_store(y, a2, flg, nr > 2, row0 + 2, p * BLOCK + c)
-            row_store(y, a3, flg, nr > 3, row0 + 3, p * BLOCK + c)
-            row_store(y, a4, flg, nr > 4, row0 + 4, p * BLOCK + c)
-            row_store(y, a5, flg, nr > 5, row0 + 5, p * BLOCK + c)
-            row_store(y, a6, flg, nr > 6, row0 + 6, p * BLOCK + c)
-            row_store(y, a7, flg, nr > 7, row0 + 7, p * BLOCK + c)
+            row_store(y, acc, flg, 0, nr > 0, row0, p * BLOCK + c)
+            row_store(y, acc, flg, 1, nr > 1, row0 + 1, p * BLOCK + c)
+            row_store(y, acc, flg, 2, nr > 2, row0 + 2, p * BLOCK + c)
+            row_store(y, acc, flg, 3, nr > 3, row0 + 3, p * BLOCK + c)
+            row_store(y, acc, flg, 4, nr > 4, row0 + 4, p * BLOCK + c)
+            row_store(y, acc, flg, 5, nr > 5, row0 + 5, p * BLOCK + c)
+            row_store(y, acc, flg, 6, nr > 6, row0 + 6, p * BLOCK + c)
+            row_store(y, acc, flg, 7, nr > 7, row0 + 7, p * BLOCK + c)
 
     @T.macro
-    def group_if(weight, xs, y, p, row0, live, nr, accs, flg):
+    def group_if(weight, xs, y, p, row0, live, nr, acc, flg):
         if nr <= rows:  # static: a group of nr rows exists
             if live == nr:
-                group_columns(weight, xs, y, p, row0, nr, accs, flg)
+                group_columns(weight, xs, y, p, row0, nr, acc, flg)
 
     @T.prim_func
     def fp8_gemv_rows(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -285,34 +292,30 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 xq[i, ch * CL + j] = fp8_qdq(
                     bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
                     pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
-        for p in T.parallel(NB):
+        for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
+            # buffers once per TILES tiles: a workspace allocation per 32-column tile cost
+            # more than the tile's sums at k 512
             xs = T.alloc_buffer((R * K,), "float32")
-            # one accumulator buffer per row of a group (those past `rows` are never used)
-            a0 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
-            a1 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
-            a2 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
-            a3 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
-            a4 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
-            a5 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
-            a6 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
-            a7 = T.alloc_buffer((ACC * LN,), "float32", scope="local")
+            acc = T.alloc_buffer((R * ACC * LN,), "float32", scope="local")  # row r at r*ACC*LN
             flg = T.alloc_buffer((CL,), "uint8", scope="local")
-            accs = T.meta_var((a0, a1, a2, a3, a4, a5, a6, a7))
-            for g in range((m + R - i64(1)) // R):
-                live = T.min(m - g * R, R)  # rows in this group (the last may have fewer)
-                for r, ch in T.grid(live, NCH):
-                    for j in T.vectorized(i64(CL)):
-                        xs[r * K + ch * CL + j] = xq[g * R + r, ch * CL + j] * e8m0_to_f32(
-                            T.Cast("uint32", scale[
-                                p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
-                        ) * T.float32(256.0)
-                group_if(weight, xs, y, p, g * R, live, 1, accs, flg)
-                group_if(weight, xs, y, p, g * R, live, 2, accs, flg)
-                group_if(weight, xs, y, p, g * R, live, 3, accs, flg)
-                group_if(weight, xs, y, p, g * R, live, 4, accs, flg)
-                group_if(weight, xs, y, p, g * R, live, 5, accs, flg)
-                group_if(weight, xs, y, p, g * R, live, 6, accs, flg)
-                group_if(weight, xs, y, p, g * R, live, 7, accs, flg)
-                group_if(weight, xs, y, p, g * R, live, 8, accs, flg)
+            for pi in range(i64(TILES)):
+                if po * TILES + pi < NB:
+                    p = T.meta_var(po * TILES + pi)
+                    for g in range((m + R - i64(1)) // R):
+                        live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
+                        for r, ch in T.grid(live, NCH):
+                            for j in T.vectorized(i64(CL)):
+                                xs[r * K + ch * CL + j] = xq[g * R + r, ch * CL + j] * e8m0_to_f32(
+                                    T.Cast("uint32", scale[
+                                        p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
+                                ) * T.float32(256.0)
+                        group_if(weight, xs, y, p, g * R, live, 1, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 2, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 3, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 4, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 5, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 6, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 7, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 8, acc, flg)
 
     return fp8_gemv_rows
