@@ -377,8 +377,8 @@ def test_fp8_gemv_avx2_edge_codes_and_lone_nans(out_dtype, lanes, prefetch):
 @pytest.mark.parametrize("lanes,rows,out_dtype", [
     pytest.param(8, 3, "bfloat16", marks=needs_avx2),
     pytest.param(8, 6, "float32", marks=[needs_avx2, pytest.mark.slow]),
-    pytest.param(16, 3, "float32", marks=needs_avx512bw),
-    pytest.param(16, 6, "bfloat16", marks=[needs_avx512bw, pytest.mark.slow])])
+    pytest.param(16, 3, "float32", marks=[needs_avx512bw, pytest.mark.slow]),
+    pytest.param(16, 6, "bfloat16", marks=needs_avx512bw)])  # the verify entry's (block 5)
 def test_fp8_gemv_rows_bit_identical_to_single_row(lanes, rows, out_dtype):
     """The verify form of the hand GEMV (`make_fp8_gemv_avx2(rows=)`: rows in groups that share
     each weight load) gives every row the exact bits the decode kernel gives that row alone, at
@@ -412,17 +412,18 @@ def test_fp8_gemv_rows_refuses_bad_group():
 
 def test_fp8_linear_config_verify_rows():
     """The verify entry's FP8 linears (rows > 1): the hand GEMV kinds take groups of up to
-    `VERIFY_GROUP_ROWS`; the scheduled GEMV, the tile GEMM and CUDA keep decode's kernel."""
+    `VERIFY_GROUP_ROWS` (all the rows, at most 8); the scheduled GEMV, the tile GEMM and CUDA
+    keep decode's kernel."""
     skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
     hsw = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "haswell"})
-    group = gemm.VERIFY_GROUP_ROWS
-    assert group == 3
+    assert gemm.VERIFY_GROUP_ROWS == gemm.MAX_ROWS == 8
     cfg = gemm.fp8_linear_config(skx, n=64, k=512, m=1, rows=6)
-    assert (cfg.kind, cfg.rows, cfg.prefetch) == ("gemv_avx512", 3, 16)
+    assert (cfg.kind, cfg.rows, cfg.prefetch) == ("gemv_avx512", 6, 16)
+    assert gemm.fp8_linear_config(skx, n=64, k=512, m=1, rows=9).rows == 8
     assert gemm.fp8_linear_config(skx, n=64, k=512, m=1, rows=2).rows == 2
     assert gemm.fp8_linear_config(skx, n=64, k=512, m=1).rows == 1  # decode
     assert gemm.fp8_linear_config(hsw, n=64, k=4096, m=1, rows=6) == gemm.Fp8LinearConfig(
-        "gemv_avx2", rows=3)
+        "gemv_avx2", rows=6)
     assert gemm.fp8_linear_config(skx, n=64, k=4096, m=1, rows=6).rows == 1  # scheduled gemv
     assert gemm.fp8_linear_config(get_target("cuda-sm90"), n=64, k=512, m=1, rows=6).rows == 1
 

@@ -26,7 +26,7 @@ from dsv41.schedules.common import (
 )
 from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm.amx import amx_block_rows, make_fp8_linear_amx
-from dsv41.schedules.gemm.avx2_gemv import make_fp8_gemv_avx2
+from dsv41.schedules.gemm.avx2_gemv import MAX_ROWS, make_fp8_gemv_avx2
 from dsv41.schedules.gemm.fp8 import (
     BLOCK,
     check_out_dtype,
@@ -200,13 +200,13 @@ class Fp8LinearConfig:
         return self.kind in ("amx", "gemv_avx2", "gemv_avx512")
 
 
-# Rows per group of the verify form of the hand GEMV. Measured on one core of an AMD EPYC (Zen
-# 4, AVX-512; weights n 4096 k 1024 cycled through 64 MB, so read from memory; median of 80
-# calls, single-row kernel per row in brackets): m 5 1.08 ms with groups of 3 (1.43), 1.31 with
-# 4, 1.38 with 6; m 6 1.17 (1.74), 1.73, 1.91. Each row's 4 accumulators stay in registers at
-# any group size; what a larger group costs is its scaled activations (rows x k fp32, re-read
-# per column), which at 3 rows of k <= 2048 stay in the L1/L2 the weights stream past.
-VERIFY_GROUP_ROWS = 3
+# Rows per group of the verify form of the hand GEMV: all of the verify entry's (up to the
+# kernel's MAX_ROWS). Measured on one core of an AMD EPYC (Zen 4, AVX-512; 2 cores shared with
+# other jobs, load 5-6), weights cycled through 64 MB (read from memory), fastest of 40 calls,
+# groups of 1 (decode's kernel over the rows) / 3 / 6: n 4096 k 1024 m 5 1.85 / 1.62 / 1.36 ms,
+# m 6 2.18 / 1.79 / 1.55 (one row alone 0.38); n 2048 k 2048 m 5 1.72 / 1.55 / 1.33; n 32768
+# k 512 m 5 8.06 / 6.98 / 5.91, m 6 9.63 / 7.75 / 6.72 (one row 1.71).
+VERIFY_GROUP_ROWS = MAX_ROWS
 
 
 def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = None,
