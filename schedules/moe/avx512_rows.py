@@ -31,6 +31,9 @@ from dsv41.schedules.moe.avx512_gemv import GEMV_PREFETCH
 from dsv41.schedules.moe.route import check_dims, tile_count, to_bf16
 
 MAX_TILE_ROWS = 4  # rows of one expert per tile the verify form takes (the decode row_tile)
+# 32-column tiles per parallel task: a task's buffers are workspace allocations, which cost as
+# much as one column tile's sums at the bench preset's sizes
+TASK_TILES = 8
 
 
 def _fma16(a, b, c):
@@ -46,9 +49,10 @@ def _decoded(w, sc, c, e, a, blk, tbl, high: bool):
     return permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16), codes)
 
 
-def _lane_total(acc, c):
-    """acc[c]'s even and odd partial sums added, then pairwise over the 16 lanes."""
-    return pairwise_lane_sum(acc[c, 0, T.ramp(0, 1, 16)] + acc[c, 1, T.ramp(0, 1, 16)], 16)
+def _lane_total(acc, i, c):
+    """Row i's acc[c] even and odd partial sums added, then pairwise over the 16 lanes."""
+    return pairwise_lane_sum(acc[i, c, 0, T.ramp(0, 1, 16)] + acc[i, c, 1, T.ramp(0, 1, 16)],
+                             16)
 
 
 def _check_row_tile(row_tile: int) -> None:
@@ -65,46 +69,46 @@ def make_moe_gate_up_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: 
     _check_row_tile(row_tile)
     D, I, E, KT, RT = i64(dim), i64(inter), i64(n_experts), i64(topk), i64(row_tile)
     DH, DB, IT = i64(dim // 2), i64(dim // BLOCK), i64((inter + BLOCK - 1) // BLOCK)
+    ITG = (IT + i64(TASK_TILES - 1)) // i64(TASK_TILES)  # tasks per route tile
 
     @T.macro
-    def zero(acc, here):
-        if here:  # static: the row is one of the tile's
+    def zero(acc, i, here):
+        if here:  # static: row i is one of the tile's
             for c, p in T.grid(2, 2):
                 for j in T.vectorized(16):
-                    acc[c, p, j] = T.float32(0)
+                    acc[i, c, p, j] = T.float32(0)
 
     @T.macro
-    def fma_row(acc, here, xe, xo, row, blk, g0, g1, u0, u1):
+    def fma_row(acc, i, here, xe, xo, row, blk, g0, g1, u0, u1):
         if here:  # static
-            acc[0, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], g0,
-                                                 acc[0, 0, T.ramp(0, 1, 16)])
-            acc[0, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], g1,
-                                                 acc[0, 1, T.ramp(0, 1, 16)])
-            acc[1, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], u0,
-                                                 acc[1, 0, T.ramp(0, 1, 16)])
-            acc[1, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], u1,
-                                                 acc[1, 1, T.ramp(0, 1, 16)])
+            acc[i, 0, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], g0,
+                                                    acc[i, 0, 0, T.ramp(0, 1, 16)])
+            acc[i, 0, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], g1,
+                                                    acc[i, 0, 1, T.ramp(0, 1, 16)])
+            acc[i, 1, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], u0,
+                                                    acc[i, 1, 0, T.ramp(0, 1, 16)])
+            acc[i, 1, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], u1,
+                                                    acc[i, 1, 1, T.ramp(0, 1, 16)])
 
     @T.macro
-    def store_row(h, acc, here, weights, row_pair, row, a, p):
+    def store_row(h, acc, i, here, weights, row_pair, row, a, p):
         if here:  # static
             h[row, a] = to_bf16(
                 weights[idx(row_pair[row], p) // KT, idx(row_pair[row], p) % KT]
-                * silu_times(round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
-                             swiglu_limit))
+                * silu_times(round_bf16(_lane_total(acc, i, 0)),
+                             round_bf16(_lane_total(acc, i, 1)), swiglu_limit))
 
     @T.macro
     def columns(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, nr, col0, p, tbl, sc,
-                accs):
+                acc):
         """The tile's 32 columns from col0 for its nr (static) rows from r0."""
-        a0, a1, a2, a3 = accs
         for c in range(i64(BLOCK)):
             if col0 + c < I:
                 a = T.meta_var(col0 + c)
-                zero(a0, nr > 0)
-                zero(a1, nr > 1)
-                zero(a2, nr > 2)
-                zero(a3, nr > 3)
+                zero(acc, 0, nr > 0)
+                zero(acc, 1, nr > 1)
+                zero(acc, 2, nr > 2)
+                zero(acc, 3, nr > 3)
                 for blk in T.vectorized(DB):
                     sc[0, blk] = e8m0_byte(s1[e, a, blk])
                     sc[1, blk] = e8m0_byte(s3[e, a, blk])
@@ -118,22 +122,22 @@ def make_moe_gate_up_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                     g1 = _decoded(w1, sc, 0, e, a, blk, tbl, True)
                     u0 = _decoded(w3, sc, 1, e, a, blk, tbl, False)
                     u1 = _decoded(w3, sc, 1, e, a, blk, tbl, True)
-                    fma_row(a0, nr > 0, xe, xo, r0, blk, g0, g1, u0, u1)
-                    fma_row(a1, nr > 1, xe, xo, r0 + 1, blk, g0, g1, u0, u1)
-                    fma_row(a2, nr > 2, xe, xo, r0 + 2, blk, g0, g1, u0, u1)
-                    fma_row(a3, nr > 3, xe, xo, r0 + 3, blk, g0, g1, u0, u1)
-                store_row(h, a0, nr > 0, weights, row_pair, r0, a, p)
-                store_row(h, a1, nr > 1, weights, row_pair, r0 + 1, a, p)
-                store_row(h, a2, nr > 2, weights, row_pair, r0 + 2, a, p)
-                store_row(h, a3, nr > 3, weights, row_pair, r0 + 3, a, p)
+                    fma_row(acc, 0, nr > 0, xe, xo, r0, blk, g0, g1, u0, u1)
+                    fma_row(acc, 1, nr > 1, xe, xo, r0 + 1, blk, g0, g1, u0, u1)
+                    fma_row(acc, 2, nr > 2, xe, xo, r0 + 2, blk, g0, g1, u0, u1)
+                    fma_row(acc, 3, nr > 3, xe, xo, r0 + 3, blk, g0, g1, u0, u1)
+                store_row(h, acc, 0, nr > 0, weights, row_pair, r0, a, p)
+                store_row(h, acc, 1, nr > 1, weights, row_pair, r0 + 1, a, p)
+                store_row(h, acc, 2, nr > 2, weights, row_pair, r0 + 2, a, p)
+                store_row(h, acc, 3, nr > 3, weights, row_pair, r0 + 3, a, p)
 
     @T.macro
     def rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, nr, col0, p, tbl,
-                sc, accs):
+                sc, acc):
         if nr <= row_tile:  # static: a tile of nr rows exists
             if live == nr:
                 columns(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, nr, col0, p, tbl,
-                        sc, accs)
+                        sc, acc)
 
     @T.prim_func
     def moe_gate_up(xq_h: T.handle, weights_h: T.handle, row_pair_h: T.handle,
@@ -153,29 +157,28 @@ def make_moe_gate_up_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: 
         for r, j in T.grid(n * KT, DH):
             xe[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2]
             xo[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2 + 1]
-        for task in T.parallel(tile_count(n * KT, RT, E) * IT):
-            tbl = T.alloc_buffer((16,), "float32", scope="local")
-            sc = T.alloc_buffer((2, DB), "float32", scope="local")  # the column's scales
-            a0 = T.alloc_buffer((2, 2, 16), "float32", scope="local")  # gate, up x parity
-            a1 = T.alloc_buffer((2, 2, 16), "float32", scope="local")
-            a2 = T.alloc_buffer((2, 2, 16), "float32", scope="local")
-            a3 = T.alloc_buffer((2, 2, 16), "float32", scope="local")
-            accs = T.meta_var((a0, a1, a2, a3))
-            for i in T.unroll(16):
-                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
-            t = task // IT
-            e = idx(T.Cast("int64", tiles[t, 0]), E)
-            r0 = T.Cast("int64", tiles[t, 1])
+        for task in T.parallel(tile_count(n * KT, RT, E) * ITG):
+            t = task // ITG
             live = T.Cast("int64", tiles[t, 2])  # 0: an unused tile
-            col0 = (task % IT) * BLOCK
-            rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, 1, col0,
-                    n * KT, tbl, sc, accs)
-            rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, 2, col0,
-                    n * KT, tbl, sc, accs)
-            rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, 3, col0,
-                    n * KT, tbl, sc, accs)
-            rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, 4, col0,
-                    n * KT, tbl, sc, accs)
+            if live > 0:  # buffers once per task: TASK_TILES column tiles of one route tile
+                tbl = T.alloc_buffer((16,), "float32", scope="local")
+                sc = T.alloc_buffer((2, DB), "float32", scope="local")  # the column's scales
+                acc = T.alloc_buffer((RT, 2, 2, 16), "float32", scope="local")  # row, g/u, parity
+                for i in T.unroll(16):
+                    tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
+                e = idx(T.Cast("int64", tiles[t, 0]), E)
+                r0 = T.Cast("int64", tiles[t, 1])
+                for ct in range(i64(TASK_TILES)):
+                    if (task % ITG) * TASK_TILES + ct < IT:
+                        col0 = T.meta_var(((task % ITG) * TASK_TILES + ct) * BLOCK)
+                        rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, 1,
+                                col0, n * KT, tbl, sc, acc)
+                        rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, 2,
+                                col0, n * KT, tbl, sc, acc)
+                        rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, 3,
+                                col0, n * KT, tbl, sc, acc)
+                        rows_if(h, xe, xo, weights, row_pair, w1, s1, w3, s3, e, r0, live, 4,
+                                col0, n * KT, tbl, sc, acc)
 
     return moe_gate_up
 
@@ -188,37 +191,37 @@ def make_moe_down_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: int
     _check_row_tile(row_tile)
     D, I, E, RT = i64(dim), i64(inter), i64(n_experts), i64(row_tile)
     IH, IB, DT = i64(inter // 2), i64(inter // BLOCK), i64((dim + BLOCK - 1) // BLOCK)
+    DTG = (DT + i64(TASK_TILES - 1)) // i64(TASK_TILES)  # tasks per route tile
 
     @T.macro
-    def zero(acc, here):
+    def zero(acc, i, here):
         if here:  # static
             for p in range(2):
                 for j in T.vectorized(16):
-                    acc[0, p, j] = T.float32(0)
+                    acc[i, 0, p, j] = T.float32(0)
 
     @T.macro
-    def fma_row(acc, here, xe, xo, row, blk, d0, d1):
+    def fma_row(acc, i, here, xe, xo, row, blk, d0, d1):
         if here:  # static
-            acc[0, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], d0,
-                                                 acc[0, 0, T.ramp(0, 1, 16)])
-            acc[0, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], d1,
-                                                 acc[0, 1, T.ramp(0, 1, 16)])
+            acc[i, 0, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], d0,
+                                                    acc[i, 0, 0, T.ramp(0, 1, 16)])
+            acc[i, 0, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], d1,
+                                                    acc[i, 0, 1, T.ramp(0, 1, 16)])
 
     @T.macro
-    def store_row(o, acc, here, row, a):
+    def store_row(o, acc, i, here, row, a):
         if here:  # static
-            o[row, a] = to_bf16(_lane_total(acc, 0))
+            o[row, a] = to_bf16(_lane_total(acc, i, 0))
 
     @T.macro
-    def columns(o, xe, xo, w2, s2, e, r0, nr, col0, tbl, sc, accs):
-        a0, a1, a2, a3 = accs
+    def columns(o, xe, xo, w2, s2, e, r0, nr, col0, tbl, sc, acc):
         for c in range(i64(BLOCK)):
             if col0 + c < D:
                 a = T.meta_var(col0 + c)
-                zero(a0, nr > 0)
-                zero(a1, nr > 1)
-                zero(a2, nr > 2)
-                zero(a3, nr > 3)
+                zero(acc, 0, nr > 0)
+                zero(acc, 1, nr > 1)
+                zero(acc, 2, nr > 2)
+                zero(acc, 3, nr > 3)
                 for blk in T.vectorized(IB):
                     sc[0, blk] = e8m0_byte(s2[e, a, blk])
                 for blk in range(IB):
@@ -227,20 +230,20 @@ def make_moe_down_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: int
                                                  blk * 16]))
                     d0 = _decoded(w2, sc, 0, e, a, blk, tbl, False)
                     d1 = _decoded(w2, sc, 0, e, a, blk, tbl, True)
-                    fma_row(a0, nr > 0, xe, xo, r0, blk, d0, d1)
-                    fma_row(a1, nr > 1, xe, xo, r0 + 1, blk, d0, d1)
-                    fma_row(a2, nr > 2, xe, xo, r0 + 2, blk, d0, d1)
-                    fma_row(a3, nr > 3, xe, xo, r0 + 3, blk, d0, d1)
-                store_row(o, a0, nr > 0, r0, a)
-                store_row(o, a1, nr > 1, r0 + 1, a)
-                store_row(o, a2, nr > 2, r0 + 2, a)
-                store_row(o, a3, nr > 3, r0 + 3, a)
+                    fma_row(acc, 0, nr > 0, xe, xo, r0, blk, d0, d1)
+                    fma_row(acc, 1, nr > 1, xe, xo, r0 + 1, blk, d0, d1)
+                    fma_row(acc, 2, nr > 2, xe, xo, r0 + 2, blk, d0, d1)
+                    fma_row(acc, 3, nr > 3, xe, xo, r0 + 3, blk, d0, d1)
+                store_row(o, acc, 0, nr > 0, r0, a)
+                store_row(o, acc, 1, nr > 1, r0 + 1, a)
+                store_row(o, acc, 2, nr > 2, r0 + 2, a)
+                store_row(o, acc, 3, nr > 3, r0 + 3, a)
 
     @T.macro
-    def rows_if(o, xe, xo, w2, s2, e, r0, live, nr, col0, tbl, sc, accs):
+    def rows_if(o, xe, xo, w2, s2, e, r0, live, nr, col0, tbl, sc, acc):
         if nr <= row_tile:  # static
             if live == nr:
-                columns(o, xe, xo, w2, s2, e, r0, nr, col0, tbl, sc, accs)
+                columns(o, xe, xo, w2, s2, e, r0, nr, col0, tbl, sc, acc)
 
     @T.prim_func
     def moe_down(hq_h: T.handle, tiles_h: T.handle, w2: T.Buffer((E, D, I // 2), "uint8"),
@@ -256,24 +259,23 @@ def make_moe_down_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: int
         for r, j in T.grid(p, IH):
             xe[r, j] = hq[r, j * 2]
             xo[r, j] = hq[r, j * 2 + 1]
-        for task in T.parallel(tile_count(p, RT, E) * DT):
-            tbl = T.alloc_buffer((16,), "float32", scope="local")
-            sc = T.alloc_buffer((1, IB), "float32", scope="local")
-            a0 = T.alloc_buffer((1, 2, 16), "float32", scope="local")
-            a1 = T.alloc_buffer((1, 2, 16), "float32", scope="local")
-            a2 = T.alloc_buffer((1, 2, 16), "float32", scope="local")
-            a3 = T.alloc_buffer((1, 2, 16), "float32", scope="local")
-            accs = T.meta_var((a0, a1, a2, a3))
-            for i in T.unroll(16):
-                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
-            t = task // DT
-            e = idx(T.Cast("int64", tiles[t, 0]), E)
-            r0 = T.Cast("int64", tiles[t, 1])
+        for task in T.parallel(tile_count(p, RT, E) * DTG):
+            t = task // DTG
             live = T.Cast("int64", tiles[t, 2])  # 0: an unused tile
-            col0 = (task % DT) * BLOCK
-            rows_if(o, xe, xo, w2, s2, e, r0, live, 1, col0, tbl, sc, accs)
-            rows_if(o, xe, xo, w2, s2, e, r0, live, 2, col0, tbl, sc, accs)
-            rows_if(o, xe, xo, w2, s2, e, r0, live, 3, col0, tbl, sc, accs)
-            rows_if(o, xe, xo, w2, s2, e, r0, live, 4, col0, tbl, sc, accs)
+            if live > 0:
+                tbl = T.alloc_buffer((16,), "float32", scope="local")
+                sc = T.alloc_buffer((1, IB), "float32", scope="local")
+                acc = T.alloc_buffer((RT, 1, 2, 16), "float32", scope="local")
+                for i in T.unroll(16):
+                    tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
+                e = idx(T.Cast("int64", tiles[t, 0]), E)
+                r0 = T.Cast("int64", tiles[t, 1])
+                for ct in range(i64(TASK_TILES)):
+                    if (task % DTG) * TASK_TILES + ct < DT:
+                        col0 = T.meta_var(((task % DTG) * TASK_TILES + ct) * BLOCK)
+                        rows_if(o, xe, xo, w2, s2, e, r0, live, 1, col0, tbl, sc, acc)
+                        rows_if(o, xe, xo, w2, s2, e, r0, live, 2, col0, tbl, sc, acc)
+                        rows_if(o, xe, xo, w2, s2, e, r0, live, 3, col0, tbl, sc, acc)
+                        rows_if(o, xe, xo, w2, s2, e, r0, live, 4, col0, tbl, sc, acc)
 
     return moe_down
