@@ -237,11 +237,13 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             row_zero(acc, 7, nr > 7)
             for t in T.vectorized(i64(CL)):
                 flg[t] = T.uint8(0)
+            if prefetch > 0:  # the whole row `prefetch` columns ahead, before the sums: a
+                # prefetch inside the chunk loop keeps LLVM from holding the sums in registers
+                for ch in range(NCH):
+                    prefetch_line(T.address_of(weight[T.min(p * BLOCK + c + prefetch,
+                                                            N - i64(1)), ch * CL]))
             for ch in range(NCH):
                 col = T.min(p * BLOCK + c, N - i64(1))
-                if prefetch > 0:
-                    prefetch_line(T.address_of(weight[T.min(col + prefetch, N - i64(1)),
-                                                      ch * CL]))
                 codes = weight.vload([col, ch * CL], f"uint8x{CL}")
                 h = _f16_bits_even_odd(codes, LN)  # [even, odd]
                 w0 = _f16_to_f32(h[0], 0, LN)

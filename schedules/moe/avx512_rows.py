@@ -8,7 +8,9 @@ w1 / w3), 16 bytes (one 32-block) per step: the block's bytes widened and looked
 scaled E2M1 table once (even and odd nibbles, as `avx512_gemv._fp4_block`), then for each row
 of the tile the two FMAs into that row's own even / odd accumulators with its activation. A
 tile has 1..row_tile rows, known only at run time: each count has its own copy of the column
-loop (`rows_if`), so every accumulator update is unconditional and stays in registers."""
+loop (`rows_if`), so every accumulator update is unconditional and stays in registers. The
+next columns' rows are prefetched before a column's sums, not inside them: LLVM does not keep
+the accumulators in registers across a loop that holds a prefetch (it may read any memory)."""
 
 from __future__ import annotations
 
@@ -112,16 +114,16 @@ def make_moe_gate_up_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                 for blk in T.vectorized(DB):
                     sc[0, blk] = e8m0_byte(s1[e, a, blk])
                     sc[1, blk] = e8m0_byte(s3[e, a, blk])
+                for line in range((DB + i64(3)) // i64(4)):  # before the sums (module docstring)
+                    prefetch(T.address_of(w1[e, T.min(a + i64(GEMV_PREFETCH), I - i64(1)),
+                                             line * 64]))
+                    prefetch(T.address_of(w3[e, T.min(a + i64(GEMV_PREFETCH), I - i64(1)),
+                                             line * 64]))
                 for blk in range(DB):
-                    if blk % 4 == 0:
-                        prefetch(T.address_of(w1[e, T.min(a + i64(GEMV_PREFETCH), I - i64(1)),
-                                                 blk * 16]))
-                        prefetch(T.address_of(w3[e, T.min(a + i64(GEMV_PREFETCH), I - i64(1)),
-                                                 blk * 16]))
-                    g0 = _decoded(w1, sc, 0, e, a, blk, tbl, False)
-                    g1 = _decoded(w1, sc, 0, e, a, blk, tbl, True)
-                    u0 = _decoded(w3, sc, 1, e, a, blk, tbl, False)
-                    u1 = _decoded(w3, sc, 1, e, a, blk, tbl, True)
+                    g0 = T.meta_var(_decoded(w1, sc, 0, e, a, blk, tbl, False))
+                    g1 = T.meta_var(_decoded(w1, sc, 0, e, a, blk, tbl, True))
+                    u0 = T.meta_var(_decoded(w3, sc, 1, e, a, blk, tbl, False))
+                    u1 = T.meta_var(_decoded(w3, sc, 1, e, a, blk, tbl, True))
                     fma_row(acc, 0, nr > 0, xe, xo, r0, blk, g0, g1, u0, u1)
                     fma_row(acc, 1, nr > 1, xe, xo, r0 + 1, blk, g0, g1, u0, u1)
                     fma_row(acc, 2, nr > 2, xe, xo, r0 + 2, blk, g0, g1, u0, u1)
@@ -224,12 +226,12 @@ def make_moe_down_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: int
                 zero(acc, 3, nr > 3)
                 for blk in T.vectorized(IB):
                     sc[0, blk] = e8m0_byte(s2[e, a, blk])
+                for line in range((IB + i64(3)) // i64(4)):  # before the sums
+                    prefetch(T.address_of(w2[e, T.min(a + i64(GEMV_PREFETCH), D - i64(1)),
+                                             line * 64]))
                 for blk in range(IB):
-                    if blk % 4 == 0:
-                        prefetch(T.address_of(w2[e, T.min(a + i64(GEMV_PREFETCH), D - i64(1)),
-                                                 blk * 16]))
-                    d0 = _decoded(w2, sc, 0, e, a, blk, tbl, False)
-                    d1 = _decoded(w2, sc, 0, e, a, blk, tbl, True)
+                    d0 = T.meta_var(_decoded(w2, sc, 0, e, a, blk, tbl, False))
+                    d1 = T.meta_var(_decoded(w2, sc, 0, e, a, blk, tbl, True))
                     fma_row(acc, 0, nr > 0, xe, xo, r0, blk, d0, d1)
                     fma_row(acc, 1, nr > 1, xe, xo, r0 + 1, blk, d0, d1)
                     fma_row(acc, 2, nr > 2, xe, xo, r0 + 2, blk, d0, d1)
