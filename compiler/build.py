@@ -45,13 +45,15 @@ from dsv41.graph.entries import (
 )
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
+from dsv41.graph.speculative import verify_tokens
 from dsv41.graph.targets import TargetName, TargetSpec, get_target
 from dsv41.runtime.backends.artifact import ArtifactError, verify
 from dsv41.schedules.cuda_build import build_cuda
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
 # GEMM schedule hint: rows per call (None: prefill). `verify` runs decode's per-row kernels
-# (each of its b(1+k) rows as a decode row: the same bits as decode steps)
+# (each of its b(1+k) rows as a decode row: the same bits as decode steps), its FP8 GEMVs on
+# x86 in row groups sharing each weight load (`lower(verify_rows=)`), bit-identical per row
 ROWS_HINT = {"decode": 1, "draft": 4, "verify": 1}
 # entries whose calls have few rows: one token (or 1 + k) per sequence, and the CED decoder's
 # replay (at most `window` tokens); their pool sweep gathers per query (indexer.build_pool_topk)
@@ -153,7 +155,8 @@ def lower_entry(model: Model, entry: str, ep, template, spec, kernels: dict | No
 
     return lower(ep, spec, rows_hint=ROWS_HINT.get(entry), kernels=kernels,
                  bounds=entry_bounds(model, entry, ep, template),
-                 bounded_rows=entry in BOUNDED_ROWS)
+                 bounded_rows=entry in BOUNDED_ROWS,
+                 verify_rows=verify_tokens(model.args) if entry == "verify" else 1)
 
 
 @dataclass

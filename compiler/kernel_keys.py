@@ -47,10 +47,11 @@ class Fp8LinearKey(KernelKey):
     k: int
     m: int | None  # the rows hint (decode 1, drafts 4, prefill None)
     out_dtype: str = BF16
+    rows: int = 1  # the verify entry's rows per sequence (1 + k; 1 elsewhere)
 
     def parts(self) -> tuple:
         name = "fp8_linear" if self.out_dtype == BF16 else "fp8_linear_f32"
-        return (name, self.n, self.k, self.m)
+        return (name, self.n, self.k, self.m) + ((f"r{self.rows}",) if self.rows > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -142,10 +143,12 @@ class MoeKey(KernelKey):
     n_hint: int | None
     null_expert: bool
     func: str  # the chain's function (moe_route, moe_qdq_x, ...)
+    rows: int = 1  # the verify entry's rows per sequence (1 + k; 1 elsewhere)
 
     def parts(self) -> tuple:
         return ("moe", self.dim, self.inter, self.n_experts, self.topk, self.swiglu_limit,
-                self.n_hint, *(("null",) if self.null_expert else ()), self.func)
+                self.n_hint, *(("null",) if self.null_expert else ()),
+                *((f"r{self.rows}",) if self.rows > 1 else ()), self.func)
 
     def dims(self) -> dict:
         return dict(dim=self.dim, inter=self.inter, n_experts=self.n_experts, topk=self.topk)

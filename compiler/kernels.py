@@ -62,7 +62,8 @@ def _fp8_linear(ctx: Lowering, out_dtype: str = BF16):
     def convert(node, importer):
         x, w, s = (importer.env[a] for a in node.args[:3])
         n, k = (static(v) for v in shape(w))
-        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, out_dtype=out_dtype)
+        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, out_dtype=out_dtype,
+                           rows=ctx.verify_rows)
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
         x2, lead = rows(importer, x, 1)
         y = call(importer, gv, [x2, w, s], tensor([shape(x2)[0], n], out_dtype))
@@ -262,16 +263,17 @@ def _moe_experts(ctx: Lowering):
             nonlocal mod
             if mod is None:
                 mod = moe.build_moe_experts_split(ctx.target.name, **dims, swiglu_limit=limit,
-                                                  n=ctx.rows_hint, null_expert=ctx.null_expert)
+                                                  n=ctx.rows_hint, null_expert=ctx.null_expert,
+                                                  rows=ctx.verify_rows)
             return mod
 
         def kernel(func):
             key = MoeKey(**dims, swiglu_limit=limit, n_hint=ctx.rows_hint,
-                         null_expert=ctx.null_expert, func=func)
+                         null_expert=ctx.null_expert, func=func, rows=ctx.verify_rows)
             return ctx.kernel(importer, key, lambda: module()[func])
 
         plan = moe.moe_experts_plan(ctx.target.name, **dims, n=shape(x)[0],
-                                    n_hint=ctx.rows_hint)
+                                    n_hint=ctx.rows_hint, rows=ctx.verify_rows)
         return moe.emit_moe_experts(importer.block_builder, plan, args, kernel)
 
     return convert
@@ -424,7 +426,8 @@ def _quant_unscheduled(op: str) -> Callable:
 def _fp8_linear_task(key: Fp8LinearKey, target: TargetSpec):
     if key.out_dtype != BF16:
         return None  # fp8_linear_f32 (sharded partial sums) is not a tuned family
-    func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m)
+    func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m,
+                                               rows=key.rows)
     return None if config.prescheduled else func  # written scheduled: nothing to search
 
 
@@ -454,12 +457,13 @@ def _bench_attend(target_name: str, kw: dict):
 
 
 def _bench_fp8(target_name: str, kw: dict):
-    return gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"])
+    return gemm.build_fp8_linear(target_name, n=kw["n"], k=kw["k"], m=kw["hint"],
+                                 rows=kw.get("rows", 1))
 
 
 def _bench_moe(target_name: str, kw: dict):  # the split chain `_moe_experts` emits
     rest = {k: v for k, v in kw.items() if k != "hint"}
-    return moe.build_moe_experts_split(target_name, **rest, n=kw["hint"])
+    return moe.build_moe_experts_split(target_name, **rest, n=kw["hint"])  # verify: rows too
 
 
 def _dense_build(key: DenseGemvKey, target_name: str):
@@ -474,7 +478,7 @@ REGISTRY: tuple[KernelEntry, ...] = (
         {"fp8_linear.default": _fp8_linear,
          "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32")},
         build=lambda key, t: gemm.build_fp8_linear(t, n=key.n, k=key.k, m=key.m,
-                                                   out_dtype=key.out_dtype),
+                                                   out_dtype=key.out_dtype, rows=key.rows),
         task=_fp8_linear_task, bench=BenchKernel("fp8", _bench_fp8)),
     KernelEntry(
         "fp8_dequant", (Fp8DequantKey,), gemm.build_fp8_dequant, gemm.dequant_config,

@@ -273,7 +273,8 @@ def convert_map(ctx: Lowering) -> dict:
 def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
           kernels: dict | None = None, bounds: dict[str, int] | None = None,
           ccl: CclBackend = CclBackend.DISCO, null_expert: bool = False,
-          bounded_rows: bool = False, host_engram: bool = True) -> tvm.IRModule:
+          bounded_rows: bool = False, host_engram: bool = True,
+          verify_rows: int = 1) -> tvm.IRModule:
     """ExportedProgram -> Relax IRModule with one function `main`; weights stay parameters
     (`keep_params_as_input`), in the program's parameter order. `kernels`, when given, receives
     each kernel's key -> GlobalVar (what `dsv41 tune` maps back to the kernels' factories).
@@ -281,10 +282,12 @@ def lower(ep, target: TargetSpec, *, rows_hint: int | None = None,
     graph, whose expert stacks end with the null expert (its pairs skip the GEMMs);
     `bounded_rows`: the entry's calls have few rows (`build.BOUNDED_ROWS`), so the pool sweep
     may gather per query (`indexer.build_pool_topk`); `host_engram`: the Engram tables are
-    host-resident and their rows a call of the host runtime (`kernels._engram_rows`)."""
+    host-resident and their rows a call of the host runtime (`kernels._engram_rows`);
+    `verify_rows`: the verify entry's rows per sequence (its FP8 GEMVs share weight loads
+    across them, `gemm.fp8_linear_config`)."""
 
     ctx = Lowering(target, rows_hint, {} if kernels is None else kernels, ccl, null_expert,
-                   bounded_rows, host_engram)
+                   bounded_rows, host_engram, verify_rows)
     convert = ExportedProgramImporter._convert_pytorch_tensor_to_tvm
 
     def no_weight_copies(t):

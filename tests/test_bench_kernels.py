@@ -117,10 +117,12 @@ def _moe_funcs(row: dict) -> list[str]:
 
 def test_moe_rows_time_the_split_chain(quick_report):
     """The moe cases time compiler/lower.py's chain (route, qdq, gate_up, qdq, down, combine),
-    built for the artifact's row hint (1 at one row, None above), with each kernel's time in
-    call order; the chain matches the oracle as closely as in tests/test_kernel_moe.py."""
+    built for the artifact's row hint (1 at one row, None above; the verify entry's at 2 rows,
+    hint 1), with each kernel's time in call order; the chain matches the oracle as closely as
+    in tests/test_kernel_moe.py."""
     rows = [r for r in quick_report["rows"] if r["family"] == "moe"]
-    assert [(r["dims"]["n"], r["dims"]["hint"]) for r in rows] == [(1, 1), (8, None)]
+    assert [(r["dims"]["n"], r["dims"]["hint"], r["dims"].get("rows", 1)) for r in rows] == [
+        (1, 1, 1), (8, None, 1), (2, 1, 6)]
     for row in rows:
         assert list(row["parts"]) == _moe_funcs(row) == [
             "moe_route", "moe_qdq_x", "moe_gate_up", "moe_qdq_h", "moe_down", "moe_combine"]
@@ -180,7 +182,14 @@ def test_bench_cases_use_the_preset_sizes():
                           "indexer-64K", "indexer-256K", "indexer-1M", "fp8-gemv-m1",
                           "fp8-gemm-m128", "moe-n1", "moe-n128", "fp8-wq_a-m1", "fp8-wkv-m1",
                           "fp8-wo_b-m1", "fp8-shared_w1-m1", "fp8-shared_w2-m1", "gemv-wo_a-m1",
-                          "gemv-head-m1"}
+                          "gemv-head-m1",
+                          *(f"{f}-{form}-{w}{m}" for f, w in (("fp8", "wq_b-m"), ("moe", "n"))
+                            for form in ("verify", "rowwise") for m in range(1, 7))}
+    # the verify entry's kernels at 1 + dspark_block_size rows, weights cycled through 64 MB+
+    assert cases["fp8-verify-wq_b-m5"] == {"n": 32768, "k": 512, "hint": 1, "rows": 6, "m": 5,
+                                           "copies": 4}
+    assert cases["fp8-rowwise-wq_b-m5"]["rows"] == 1
+    assert (cases["moe-verify-n3"]["rows"], cases["moe-verify-n3"]["copies"]) == (6, 6)
     assert cases["fp8-wo_b-m1"] == {"n": 1024, "k": 8 * 512, "hint": 1, "m": 1}
     assert cases["gemv-wo_a-m1"] == {"groups": 8, "n": 512, "k": 64 * 512 // 8,
                                      "x_dtype": "bfloat16", "w_dtype": "bfloat16", "m": 1}
@@ -193,7 +202,8 @@ def test_bench_cases_use_the_preset_sizes():
     assert [c.name for c in bench.select_cases(bench.default_cases("bench"),
                                                ["fp8", "moe-n1"])] == \
         ["fp8-gemv-m1", "fp8-gemm-m128", "moe-n1", "fp8-wq_a-m1", "fp8-wkv-m1", "fp8-wo_b-m1",
-         "fp8-shared_w1-m1", "fp8-shared_w2-m1"]
+         "fp8-shared_w1-m1", "fp8-shared_w2-m1",
+         *(f"fp8-{form}-wq_b-m{m}" for form in ("verify", "rowwise") for m in range(1, 7))]
     with pytest.raises(ValueError, match="Unknown case"):
         bench.select_cases(bench.default_cases("bench"), ["attention"])
 

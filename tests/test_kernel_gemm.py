@@ -374,6 +374,60 @@ def test_fp8_gemv_avx2_edge_codes_and_lone_nans(out_dtype, lanes, prefetch):
             _assert_gemm_close(out[:, ~nan_cols], ref[:, ~nan_cols])
 
 
+@pytest.mark.parametrize("lanes,rows,out_dtype", [
+    pytest.param(8, 3, "bfloat16", marks=needs_avx2),
+    pytest.param(8, 6, "float32", marks=[needs_avx2, pytest.mark.slow]),
+    pytest.param(16, 3, "float32", marks=[needs_avx512bw, pytest.mark.slow]),
+    pytest.param(16, 6, "bfloat16", marks=needs_avx512bw)])  # the verify entry's (block 5)
+def test_fp8_gemv_rows_bit_identical_to_single_row(lanes, rows, out_dtype):
+    """The verify form of the hand GEMV (`make_fp8_gemv_avx2(rows=)`: rows in groups that share
+    each weight load) gives every row the exact bits the decode kernel gives that row alone, at
+    m = 1..6 (one group, full or partial) and m = 7, 13 (several groups, a partial last one);
+    n not a multiple of 32 (a partial last tile), a NaN weight, all-zero and extreme rows."""
+    n, k = 100, 256
+    dtype = torch.bfloat16 if out_dtype == "bfloat16" else torch.float32
+    one = _compiled("make_fp8_gemv_avx2", n=n, k=k, out_dtype=out_dtype, lanes=lanes,
+                    prefetch=3 if lanes == 16 else 0)
+    multi = _compiled("make_fp8_gemv_avx2", n=n, k=k, out_dtype=out_dtype, lanes=lanes,
+                      prefetch=3 if lanes == 16 else 0, rows=rows)
+    for m in (1, 2, 3, 4, 5, 6, 7, 13):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
+        weight[40, 77] = 0x7F  # a NaN column
+        x[m // 2] = 0  # an all-zero row (the amax floor)
+        x[-1, :32] = torch.tensor(3.0e38).to(torch.bfloat16)  # near the bf16 top
+        out = _run(multi, [x, weight, scale], (m, n), dtype)
+        for i in range(m):
+            ref = _run(one, [x[i:i + 1].clone(), weight, scale], (1, n), dtype)
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(out[i:i + 1].view(bits), ref.view(bits)), (m, i)
+        assert int(out.isnan().sum()) == m  # column 40 of every row, nothing else
+
+
+def test_fp8_gemv_rows_refuses_bad_group():
+    for rows in (0, 9):
+        with pytest.raises(ValueError, match=f"The fp8 GEMV takes 1..8 rows per group; got "
+                                             f"rows={rows}."):
+            gemm.make_fp8_gemv_avx2(n=64, k=256, rows=rows)
+
+
+def test_fp8_linear_config_verify_rows():
+    """The verify entry's FP8 linears (rows > 1): the hand GEMV kinds take groups of up to
+    `VERIFY_GROUP_ROWS` (all the rows, at most 8); the scheduled GEMV, the tile GEMM and CUDA
+    keep decode's kernel."""
+    skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
+    hsw = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "haswell"})
+    assert gemm.VERIFY_GROUP_ROWS == gemm.MAX_ROWS == 8
+    cfg = gemm.fp8_linear_config(skx, n=64, k=512, m=1, rows=6)
+    assert (cfg.kind, cfg.rows, cfg.prefetch) == ("gemv_avx512", 6, 16)
+    assert gemm.fp8_linear_config(skx, n=64, k=512, m=1, rows=9).rows == 8
+    assert gemm.fp8_linear_config(skx, n=64, k=512, m=1, rows=2).rows == 2
+    assert gemm.fp8_linear_config(skx, n=64, k=512, m=1).rows == 1  # decode
+    assert gemm.fp8_linear_config(hsw, n=64, k=4096, m=1, rows=6) == gemm.Fp8LinearConfig(
+        "gemv_avx2", rows=6)
+    assert gemm.fp8_linear_config(skx, n=64, k=4096, m=1, rows=6).rows == 1  # scheduled gemv
+    assert gemm.fp8_linear_config(get_target("cuda-sm90"), n=64, k=512, m=1, rows=6).rows == 1
+
+
 # ---- dequantisation -------------------------------------------------------------------------
 
 

@@ -49,11 +49,12 @@ def _zeros(buf: moe.MoeBuffer, dev=None, fill: float = 0.0) -> tvm.runtime.Tenso
 
 
 def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target: str = CPU,
-               dev=None, fill: float = 0.0) -> dict[str, tvm.runtime.Tensor]:
+               dev=None, fill: float = 0.0, rows: int = 1) -> dict[str, tvm.runtime.Tensor]:
     """Run the plan's calls in order with caller-allocated intermediates, as Relax would (`fill`:
-    their float contents before the chain; Relax leaves them uninitialised)."""
+    their float contents before the chain; Relax leaves them uninitialised; `rows`: the verify
+    entry's chain)."""
     n = args[0].shape[0]
-    plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, **DIMS)
+    plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, rows=rows, **DIMS)
     env = {b.name: to_tvm(t, dev) for b, t in zip(plan.inputs, args, strict=True)}
     for b in (*plan.intermediates, plan.output):
         env[b.name] = _zeros(b, dev, fill)
@@ -136,6 +137,58 @@ def test_decode_gemv_forms_match_oracle(form):
         args = _case(n, 2, ids, seed=n + 3)
         out = _y(_run_chain(ex, args, 2, 1))
         _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
+
+
+needs_avx512 = pytest.mark.skipif(not has_features(get_target(CPU), "avx512f", "fma"),
+                                  reason="this CPU has no AVX-512")
+
+
+@functools.cache
+def _verify_chain():
+    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, n=1, rows=6, **DIMS)
+    return tvm.compile(mod, target=get_target(CPU).tvm_target())
+
+
+# six tokens on experts 0 and 5 (tiles of 4 + 2 rows each); then mixed runs of 1..3 rows
+IDS6 = torch.tensor([[0, 5], [5, 0], [0, 5], [5, 0], [0, 5], [5, 0]])
+IDS6_MIXED = torch.tensor([[0, 5], [5, 1], [1, 5], [2, 3], [3, 0], [4, 0]])
+
+
+@needs_avx512
+def test_verify_chain_rows_bit_identical_to_decode():
+    """The verify entry's chain (`rows` > 1: each route tile's rows share every weight load,
+    `make_moe_gate_up_rows_avx512` / `make_moe_down_rows_avx512`) gives every token the exact
+    fp32 y the decode chain gives that token alone: 1..6 tokens, tiles of 1..4 rows of one
+    expert, an expert with more rows than a tile, unused experts, partial 32-column tasks."""
+    assert moe.moe_split_config(get_target(CPU), n=1, topk=2, rows=6, **DIMS).rows
+    decode, verify = _split(2, 1), _verify_chain()
+    cases = [(1, None), (2, None), (5, None), (6, IDS6), (6, IDS6_MIXED)]
+    for n, ids in cases:
+        args = _case(n, 2, ids, seed=n + 11)
+        y = _y(_run_chain(verify, args, 2, 1, rows=6))
+        for i in range(n):
+            one = [t[i:i + 1].clone() if j < 3 else t for j, t in enumerate(args)]
+            ref = _y(_run_chain(decode, one, 2, 1))
+            assert torch.equal(y[i:i + 1].view(torch.int32), ref.view(torch.int32)), (n, i)
+
+
+def test_verify_config_and_refusals():
+    """Only the hand-vectorised decode GEMVs have the verify form; a tile of more rows than it
+    unrolls is refused."""
+    skx = get_target("cpu-x86-64").__class__(
+        "cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
+    assert moe.moe_split_config(skx, n=1, topk=2, rows=6, **DIMS).rows
+    assert not moe.moe_split_config(skx, n=1, topk=2, **DIMS).rows  # decode
+    assert not moe.moe_split_config(skx, n=None, topk=2, rows=6, **DIMS).rows  # prefill tiles
+    assert not moe.moe_split_config(get_target("cpu-x86-64"), n=1, topk=2, rows=6, **DIMS).rows
+    assert not moe.moe_split_config(get_target("cuda-sm90"), n=1, topk=2, rows=6, **DIMS).rows
+    plan = moe.moe_experts_plan(CPU, n=3, n_hint=1, topk=2, rows=6, **DIMS)
+    if has_features(get_target(CPU), "avx512f", "fma"):
+        assert plan.calls[2].args[2:4] == ("row_pair", "tiles")
+        assert plan.calls[4].args[:2] == ("hq", "tiles")
+    with pytest.raises(ValueError, match=r"The verify expert GEMVs take tiles of 1\.\.4 rows; "
+                                         r"got row_tile=5\."):
+        moe.make_moe_down_rows_avx512(row_tile=5, topk=2, **DIMS)
 
 
 def test_check_expert_ids():

@@ -37,6 +37,7 @@ from dsv41.schedules.gemm.amx import (
     make_fp8_linear_amx,
 )
 from dsv41.schedules.gemm.avx2_gemv import (
+    MAX_ROWS,
     make_fp8_gemv_avx2,
 )
 from dsv41.schedules.gemm.dense import (
@@ -76,6 +77,7 @@ from dsv41.schedules.gemm.lanes import (
     vector_sum,
 )
 from dsv41.schedules.gemm.linear import (
+    VERIFY_GROUP_ROWS,
     Fp8LinearConfig,
     bf16_value,
     build_fp8_linear,
@@ -119,6 +121,7 @@ __all__ = [
     "make_fp8_gemv_avx2",
     "make_fp8_linear",
     "make_fp8_linear_amx",
+    "MAX_ROWS",
     "place_lane_sums",
     "pow2_scale",
     "pow2_scale_byte",
@@ -129,4 +132,5 @@ __all__ = [
     "unscheduled_dense_gemm",
     "unscheduled_fp8_linear",
     "vector_sum",
+    "VERIFY_GROUP_ROWS",
 ]

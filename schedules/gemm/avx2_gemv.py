@@ -18,6 +18,8 @@ from dsv41.schedules.common import (
 from dsv41.schedules.common import prefetch as prefetch_line
 from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
 
+MAX_ROWS = 8  # rows per group of the verify form (1 + the DSpark block; the default block is 5)
+
 
 def _f16_bits_even_odd(codes, lanes: int):
     """4 x lanes E4M3 codes (uint8) -> (even, odd): the fp16 bits (2 x lanes uint16 each) of
@@ -53,7 +55,7 @@ def _gemv_slot_source(j, lanes: int):
 
 
 def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
-                       prefetch: int = 0) -> tvm.tirx.PrimFunc:
+                       prefetch: int = 0, rows: int = 1) -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` for x86 with AVX2 + FMA + F16C (same signature and
     result as `make_fp8_gemv`), hand-vectorised: its loops are the schedule. `lanes` 8: 256-bit
     vectors (CPUs without AVX-512); 16: 512-bit (AVX-512 BW), k a multiple of 64. `prefetch`:
@@ -88,7 +90,16 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     512-byte row is then one of four short streams, which the hardware prefetcher does not
     follow; software prefetches 1-16 KB ahead of one column made it 2-5% slower; the vpmaddubsw
     decode ran within noise of a vpunpcklbw + vpsraw one and 2-5% ahead of a vpmovsxbw one; 2
-    instead of 4 accumulators per column, within noise."""
+    instead of 4 accumulators per column, within noise.
+
+    `rows` > 1: the verify form (`fp8_gemv_rows`), same signature and result, every row's
+    output bit-identical to this kernel's on that row alone: the rows go in groups of `rows`
+    (the verify entry's 1 + k), and per column each chunk of weights is loaded and decoded once
+    for the whole group, then added into each row's own four accumulators in the single-row
+    order (same chunks, same slots, same pairwise lane sum). The weights are read and decoded
+    once per group instead of once per row."""
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
     if k % BLOCK:
         raise ValueError(f"fp8_linear needs k a multiple of {BLOCK}, got {k}.")
     if lanes not in (8, 16) or k % (4 * lanes):
@@ -176,4 +187,137 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                             has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)),
                             lane_total(acc)))
 
-    return fp8_gemv
+    if rows == 1:
+        return fp8_gemv
+    R = i64(rows)
+    TILES = 8  # 32-column tiles per parallel task
+
+    def row_total(acc, r):  # row r's 4 x LN lanes added as `lane_total` adds one row's
+        a = r * ACC * LN
+        return pairwise_lane_sum((f32v(acc, a) + f32v(acc, a + LN))
+                                 + (f32v(acc, a + 2 * LN) + f32v(acc, a + 3 * LN)), LN)
+
+    @T.macro
+    def row_zero(acc, r, here):
+        if here:  # static: row r is one of the group's
+            for t in T.unroll(ACC * LN):
+                acc[r * ACC * LN + t] = T.float32(0)
+
+    @T.macro
+    def fma_at(acc, xs, a, x, q, w):  # accumulator q of the row at a += its xs slots LN q ..
+        acc[T.ramp(a + q * LN, 1, LN)] = f32v(acc, a + q * LN) + f32v(xs, x + q * LN) * w
+
+    @T.macro
+    def row_fma(acc, xs, here, r, ch, w0, w1, w2, w3):  # row r's 4 FMAs of chunk ch
+        if here:  # static
+            fma_at(acc, xs, r * ACC * LN, r * K + ch * CL, 0, w0)
+            fma_at(acc, xs, r * ACC * LN, r * K + ch * CL, 1, w1)
+            fma_at(acc, xs, r * ACC * LN, r * K + ch * CL, 2, w2)
+            fma_at(acc, xs, r * ACC * LN, r * K + ch * CL, 3, w3)
+
+    @T.macro
+    def row_store(y, acc, flg, r, here, row, col):
+        if here:  # static
+            if col < N:
+                y[row, col] = T.Cast(out_dtype, T.Select(
+                    has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)), row_total(acc, r)))
+
+    @T.macro
+    def group_columns(weight, xs, y, p, row0, nr, acc, flg):
+        """The 32 columns of tile p for the nr rows from row0 (nr static: every update
+        unconditional, so the accumulators stay in registers)."""
+        for c in range(i64(BLOCK)):
+            row_zero(acc, 0, nr > 0)
+            row_zero(acc, 1, nr > 1)
+            row_zero(acc, 2, nr > 2)
+            row_zero(acc, 3, nr > 3)
+            row_zero(acc, 4, nr > 4)
+            row_zero(acc, 5, nr > 5)
+            row_zero(acc, 6, nr > 6)
+            row_zero(acc, 7, nr > 7)
+            for t in T.vectorized(i64(CL)):
+                flg[t] = T.uint8(0)
+            if prefetch > 0:  # the whole row `prefetch` columns ahead, before the sums: a
+                # prefetch inside the chunk loop keeps LLVM from holding the sums in registers
+                for ch in range(NCH):
+                    prefetch_line(T.address_of(weight[T.min(p * BLOCK + c + prefetch,
+                                                            N - i64(1)), ch * CL]))
+            for ch in range(NCH):
+                col = T.min(p * BLOCK + c, N - i64(1))
+                codes = weight.vload([col, ch * CL], f"uint8x{CL}")
+                h = _f16_bits_even_odd(codes, LN)  # [even, odd]
+                w0 = _f16_to_f32(h[0], 0, LN)
+                w1 = _f16_to_f32(h[0], 1, LN)
+                w2 = _f16_to_f32(h[1], 0, LN)
+                w3 = _f16_to_f32(h[1], 1, LN)
+                row_fma(acc, xs, nr > 0, 0, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 1, 1, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 2, 2, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 3, 3, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 4, 4, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 5, 5, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 6, 6, ch, w0, w1, w2, w3)
+                row_fma(acc, xs, nr > 7, 7, ch, w0, w1, w2, w3)
+                flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
+                                              codes & T.broadcast(T.uint8(0x7F), CL))
+            row_store(y, acc, flg, 0, nr > 0, row0, p * BLOCK + c)
+            row_store(y, acc, flg, 1, nr > 1, row0 + 1, p * BLOCK + c)
+            row_store(y, acc, flg, 2, nr > 2, row0 + 2, p * BLOCK + c)
+            row_store(y, acc, flg, 3, nr > 3, row0 + 3, p * BLOCK + c)
+            row_store(y, acc, flg, 4, nr > 4, row0 + 4, p * BLOCK + c)
+            row_store(y, acc, flg, 5, nr > 5, row0 + 5, p * BLOCK + c)
+            row_store(y, acc, flg, 6, nr > 6, row0 + 6, p * BLOCK + c)
+            row_store(y, acc, flg, 7, nr > 7, row0 + 7, p * BLOCK + c)
+
+    @T.macro
+    def group_if(weight, xs, y, p, row0, live, nr, acc, flg):
+        if nr <= rows:  # static: a group of nr rows exists
+            if live == nr:
+                group_columns(weight, xs, y, p, row0, nr, acc, flg)
+
+    @T.prim_func
+    def fp8_gemv_rows(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                      scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), out_dtype)
+        amax = T.alloc_buffer((m, KB), "float32")
+        xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
+        for i, b in T.grid(m, KB):
+            amax[i, b] = T.min_value("float32")
+            for j in range(i64(BLOCK)):
+                amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+        for i, ch in T.grid(m, NCH):
+            for j in T.vectorized(i64(CL)):
+                xq[i, ch * CL + j] = fp8_qdq(
+                    bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
+                    pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
+        for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
+            # buffers once per TILES tiles: a workspace allocation per 32-column tile cost
+            # more than the tile's sums at k 512
+            xs = T.alloc_buffer((R * K,), "float32")
+            acc = T.alloc_buffer((R * ACC * LN,), "float32", scope="local")  # row r at r*ACC*LN
+            flg = T.alloc_buffer((CL,), "uint8", scope="local")
+            for pi in range(i64(TILES)):
+                if po * TILES + pi < NB:
+                    p = T.meta_var(po * TILES + pi)
+                    for g in range((m + R - i64(1)) // R):
+                        live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
+                        for r, ch in T.grid(live, NCH):
+                            for j in T.vectorized(i64(CL)):
+                                xs[r * K + ch * CL + j] = xq[g * R + r, ch * CL + j] * e8m0_to_f32(
+                                    T.Cast("uint32", scale[
+                                        p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
+                                ) * T.float32(256.0)
+                        group_if(weight, xs, y, p, g * R, live, 1, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 2, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 3, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 4, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 5, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 6, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 7, acc, flg)
+                        group_if(weight, xs, y, p, g * R, live, 8, acc, flg)
+
+    return fp8_gemv_rows

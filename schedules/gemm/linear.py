@@ -26,7 +26,7 @@ from dsv41.schedules.common import (
 )
 from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm.amx import amx_block_rows, make_fp8_linear_amx
-from dsv41.schedules.gemm.avx2_gemv import make_fp8_gemv_avx2
+from dsv41.schedules.gemm.avx2_gemv import MAX_ROWS, make_fp8_gemv_avx2
 from dsv41.schedules.gemm.fp8 import (
     BLOCK,
     check_out_dtype,
@@ -192,6 +192,7 @@ class Fp8LinearConfig:
     vec: int = 16
     row_pad: int = 1  # make_fp8_linear(row_pad=): CUDA gemm pads the activation rows to tm
     prefetch: int = 0  # gemv_avx512: columns ahead whose weights are prefetched
+    rows: int = 1  # gemv_avx2 / gemv_avx512: rows per group of the verify form (1: decode's)
 
     @property
     def prescheduled(self) -> bool:
@@ -199,16 +200,29 @@ class Fp8LinearConfig:
         return self.kind in ("amx", "gemv_avx2", "gemv_avx512")
 
 
-def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = None
-                      ) -> Fp8LinearConfig:
-    """m is a hint for the row count this build will mostly see (None: prefill, large)."""
+# Rows per group of the verify form of the hand GEMV: all of the verify entry's (up to the
+# kernel's MAX_ROWS). Measured on one core of an AMD EPYC (Zen 4, AVX-512; 2 cores shared with
+# other jobs, load 5-6), weights cycled through 64 MB (read from memory), fastest of 40 calls,
+# groups of 1 (decode's kernel over the rows) / 3 / 6: n 4096 k 1024 m 5 1.85 / 1.62 / 1.36 ms,
+# m 6 2.18 / 1.79 / 1.55 (one row alone 0.38); n 2048 k 2048 m 5 1.72 / 1.55 / 1.33; n 32768
+# k 512 m 5 8.06 / 6.98 / 5.91, m 6 9.63 / 7.75 / 6.72 (one row 1.71).
+VERIFY_GROUP_ROWS = MAX_ROWS
+
+
+def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = None,
+                      rows: int = 1) -> Fp8LinearConfig:
+    """m is a hint for the row count this build will mostly see (None: prefill, large). rows
+    > 1: the verify entry's calls (m = 1 hint, up to `rows` rows per sequence): the hand GEMV
+    kinds take their rows in groups that share each weight load (bit-identical per row to
+    decode's); the other kinds run decode's kernel unchanged."""
     if target.is_cuda:
         if m is not None and m <= 4:
             return Fp8LinearConfig("gemv", warps=8)
         return Fp8LinearConfig("gemm", tn=64, tm=64, rb=4, cb=4, row_pad=64)
     if m is not None and m <= 1:
+        group = min(rows, VERIFY_GROUP_ROWS)
         if has_features(target, "avx2", "fma", "f16c") and not has_avx512(target):
-            return Fp8LinearConfig("gemv_avx2")  # measurements: make_fp8_gemv_avx2
+            return Fp8LinearConfig("gemv_avx2", rows=group)  # measurements: make_fp8_gemv_avx2
         # From memory (weights cycled through more than the L3), 2 threads of a Xeon with
         # AVX-512: up to K 2048 the hand-vectorised kernel one column at a time, prefetching
         # ~8 KB ahead (n 32768 k 512 0.83-0.87 ms, n 1024 k 512 0.030, n 5120 k 1536 0.45,
@@ -217,7 +231,7 @@ def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = Non
         # 4 KB row each (n 1024 k 4096 0.196 ms against 0.237 hand-vectorised, 0.367 cb 1).
         # The scheduled kernel at K 512 is one 2 KB stretch read out of order with cb 4: cb 1.
         if k <= 2048 and k % 64 == 0 and has_features(target, "avx512bw", "fma", "f16c"):
-            return Fp8LinearConfig("gemv_avx512", prefetch=max(2, 8192 // k))
+            return Fp8LinearConfig("gemv_avx512", prefetch=max(2, 8192 // k), rows=group)
         return Fp8LinearConfig("gemv", tn=BLOCK, cb=1 if k <= 1024 else 4, vec=32)
     if m is not None and m <= 4:
         return Fp8LinearConfig("gemm", tn=32, tm=4, rb=4)
@@ -368,27 +382,28 @@ def _schedule_gemm(sch: s_tir.Schedule, config: Fp8LinearConfig, target: TargetS
 
 
 def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None,
-                           out_dtype: str = "bfloat16"
+                           out_dtype: str = "bfloat16", rows: int = 1
                            ) -> tuple[tvm.tirx.PrimFunc, Fp8LinearConfig]:
     """The factory output the config's schedule expects, and the config."""
-    config = fp8_linear_config(target, n=n, k=k, m=m)
+    config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
     if config.kind == "amx":
         return make_fp8_linear_amx(n=n, k=k, block_rows=config.tm, out_dtype=out_dtype), config
     if config.kind == "gemv_avx2":
-        return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype), config
+        return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, rows=config.rows), config
     if config.kind == "gemv_avx512":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, lanes=16,
-                                  prefetch=config.prefetch), config
+                                  prefetch=config.prefetch, rows=config.rows), config
     if config.kind == "gemv" and not target.is_cuda:
         return make_fp8_gemv(n=n, k=k, out_dtype=out_dtype), config
     return make_fp8_linear(n=n, k=k, row_pad=config.row_pad, out_dtype=out_dtype), config
 
 
 def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None,
-                     out_dtype: str = "bfloat16") -> tvm.tirx.PrimFunc:
-    """fp8_linear's kernel (out_dtype "float32": fp8_linear_f32's, the same schedule)."""
+                     out_dtype: str = "bfloat16", rows: int = 1) -> tvm.tirx.PrimFunc:
+    """fp8_linear's kernel (out_dtype "float32": fp8_linear_f32's, the same schedule); rows > 1:
+    the verify entry's (`fp8_linear_config`)."""
     target = get_target(target_name)
-    func, config = unscheduled_fp8_linear(target, n=n, k=k, m=m, out_dtype=out_dtype)
+    func, config = unscheduled_fp8_linear(target, n=n, k=k, m=m, out_dtype=out_dtype, rows=rows)
     return schedule_fp8_linear(func, config, target)
 
 

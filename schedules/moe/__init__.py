@@ -27,6 +27,11 @@ from dsv41.schedules.moe.avx512_gemv import (
     make_moe_down_gemv_avx512,
     make_moe_gate_up_gemv_avx512,
 )
+from dsv41.schedules.moe.avx512_rows import (
+    MAX_TILE_ROWS,
+    make_moe_down_rows_avx512,
+    make_moe_gate_up_rows_avx512,
+)
 from dsv41.schedules.moe.configs import (
     MoeSplitConfig,
     moe_split_config,
@@ -67,6 +72,9 @@ __all__ = [
     "GEMV_PREFETCH",
     "make_moe_combine",
     "make_moe_down",
+    "make_moe_down_rows_avx512",
+    "make_moe_gate_up_rows_avx512",
+    "MAX_TILE_ROWS",
     "make_moe_down_gemv",
     "make_moe_down_gemv_avx512",
     "make_moe_gate_up",

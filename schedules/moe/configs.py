@@ -34,6 +34,9 @@ class MoeSplitConfig:
     kind: str = "tiles"  # CPU decode: "gemv" (`make_moe_gate_up_gemv` / `make_moe_down_gemv`)
     vec: int = 16  # gemv: lanes of each partial sum (packed bytes, one 32-block)
     avx512: bool = False  # gemv: the hand-vectorised kernels (`make_moe_gate_up_gemv_avx512`)
+    # gemv + avx512, the verify entry: each route tile's rows share the weight loads
+    # (`make_moe_gate_up_rows_avx512`), bit-identical per row to the decode kernels
+    rows: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("tiles", "gemv"):
@@ -41,9 +44,11 @@ class MoeSplitConfig:
 
 
 def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int, topk: int,
-                     n: int | None = None) -> MoeSplitConfig:
+                     n: int | None = None, rows: int = 1) -> MoeSplitConfig:
     """n is a hint for the token count (None: prefill); decode wants short tiles, since each
-    expert then sees one or two rows."""
+    expert then sees one or two rows. rows > 1: the verify entry's calls (1 + k rows per
+    sequence), whose hand-vectorised GEMVs take the route's tiles (the rows of one expert)
+    and read each weight once per tile."""
     decode = n is not None and n * topk <= 4 * n_experts
     if target.is_cuda:
         tn = 64 if min(dim, inter) % 64 == 0 else 32
@@ -54,8 +59,9 @@ def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int
         # one or two rows per expert: the tile kernels' [32, tn] weight decode served a single
         # row from a strided read (bench preset, one token: 2.1 ms per layer single-threaded,
         # 7.6x the chain's byte floor)
-        return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv",
-                              avx512=has_features(target, "avx512f", "fma"))
+        avx512 = has_features(target, "avx512f", "fma")
+        return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv", avx512=avx512,
+                              rows=avx512 and rows > 1)
     return MoeSplitConfig(row_tile=16, tn=32)
 
 

@@ -13,6 +13,7 @@ from dsv41.graph import formats as fmt
 from dsv41.graph.targets import get_target
 from dsv41.schedules.gemm import BLOCK
 from dsv41.schedules.moe.avx512_gemv import make_moe_down_gemv_avx512, make_moe_gate_up_gemv_avx512
+from dsv41.schedules.moe.avx512_rows import make_moe_down_rows_avx512, make_moe_gate_up_rows_avx512
 from dsv41.schedules.moe.configs import (
     moe_split_config,
     schedule_moe_combine,
@@ -71,12 +72,12 @@ class MoePlan:
 
 
 def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, topk: int, n,
-                     n_hint: int | None = None) -> MoePlan:
-    """The call_tir chain of `build_moe_experts_split(target_name, ..., n=n_hint)` for n tokens
-    (an int, or an int64 tirx Var for a symbolic batch). Shapes use the same row tile as the
-    module, so pass the same target and hint."""
+                     n_hint: int | None = None, rows: int = 1) -> MoePlan:
+    """The call_tir chain of `build_moe_experts_split(target_name, ..., n=n_hint, rows=rows)`
+    for n tokens (an int, or an int64 tirx Var for a symbolic batch). Shapes use the same row
+    tile as the module, so pass the same target, hint and rows."""
     config = moe_split_config(get_target(target_name), dim=dim, inter=inter,
-                              n_experts=n_experts, topk=topk, n=n_hint)
+                              n_experts=n_experts, topk=topk, n=n_hint, rows=rows)
     p = n * topk
     nt = num_tiles(p, config.row_tile, n_experts)
     E = n_experts
@@ -98,7 +99,8 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
         buf("o", (p, dim), "bfloat16"),
     )
     # which rows each GEMM reads: the GEMV form its pairs' experts, the tiles their runs
-    gate_rows, down_rows = ((("ids", "row_pair"),) * 2 if config.kind == "gemv"
+    gate_rows, down_rows = ((("ids", "row_pair"),) * 2
+                            if config.kind == "gemv" and not config.rows
                             else (("row_pair", "tiles"), ("tiles",)))
     calls = (
         MoeCall("moe_route", ("ids",), ("row_pair", "token_rows", "tiles")),
@@ -113,14 +115,15 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
 
 def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts: int,
                             topk: int, swiglu_limit: float, n: int | None = None,
-                            null_expert: bool = False) -> tvm.IRModule:
+                            null_expert: bool = False, rows: int = 1) -> tvm.IRModule:
     """The six scheduled PrimFuncs of the chain (global symbols as in `moe_experts_plan`),
     thread-bound on CUDA, parallel/vectorised on CPU. n is the token-count hint; null_expert:
     the last expert is a sharded worker's null expert, whose pairs cost no GEMM work
-    (`make_moe_route`)."""
+    (`make_moe_route`); rows > 1: the verify entry's (`moe_split_config`)."""
     check_dims(dim, inter)
     target = get_target(target_name)
-    cfg = moe_split_config(target, dim=dim, inter=inter, n_experts=n_experts, topk=topk, n=n)
+    cfg = moe_split_config(target, dim=dim, inter=inter, n_experts=n_experts, topk=topk, n=n,
+                           rows=rows)
     funcs = {
         "moe_route": schedule_moe_route(
             make_moe_route(n_experts=n_experts, topk=topk, row_tile=cfg.row_tile,
@@ -129,7 +132,14 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
         "moe_qdq_h": schedule_moe_qdq(make_moe_qdq(k=inter, name="moe_qdq_h"), cfg, target),
         "moe_combine": schedule_moe_combine(make_moe_combine(dim=dim, topk=topk), cfg, target),
     }
-    if cfg.kind == "gemv" and cfg.avx512:
+    if cfg.rows:
+        funcs["moe_gate_up"] = make_moe_gate_up_rows_avx512(
+            dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit,
+            row_tile=cfg.row_tile)
+        funcs["moe_down"] = make_moe_down_rows_avx512(dim=dim, inter=inter,
+                                                      n_experts=n_experts, topk=topk,
+                                                      row_tile=cfg.row_tile)
+    elif cfg.kind == "gemv" and cfg.avx512:
         funcs["moe_gate_up"] = make_moe_gate_up_gemv_avx512(
             dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit)
         funcs["moe_down"] = make_moe_down_gemv_avx512(dim=dim, inter=inter,

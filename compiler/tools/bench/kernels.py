@@ -180,6 +180,23 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                    (("n", n),)) for n in moe_n]
     cases += [Case(f"fp8-{name}-m1", "fp8", (("n", n), ("k", k), ("hint", 1)), (("m", 1),))
               for name, (n, k) in decode_lin.items()]
+    # the verify entry's kernels at its 1 + k rows: "verify" the row-group forms (each weight
+    # load shared by the rows, bit for bit decode's kernel per row), "rowwise" decode's kernels
+    # over the same rows (what the entry ran before); weights cycled through `copies` copies
+    # (64 MB and more: read from memory, as a decode step reads them, not from the L3)
+    verify_rows = 1 + a.dspark_block_size
+    wq_b = (lin["n"], lin["k"])
+    fp8_copies = 1 if quick else max(1, -(-(64 << 20) // (wq_b[0] * wq_b[1])))
+    moe_bytes = moe["n_experts"] * 3 * moe["dim"] * moe["inter"] * 17 // 32
+    moe_copies = 1 if quick else max(1, -(-(64 << 20) // moe_bytes))
+    forms = (("verify", verify_rows),) if quick else (("verify", verify_rows), ("rowwise", 1))
+    ms = (2,) if quick else range(1, verify_rows + 1)
+    for form, rows in forms:
+        cases += [Case(f"fp8-{form}-wq_b-m{m}", "fp8",
+                       (("n", wq_b[0]), ("k", wq_b[1]), ("hint", 1), ("rows", rows)),
+                       (("m", m), ("copies", fp8_copies))) for m in ms]
+        cases += [Case(f"moe-{form}-n{m}", "moe", (*moe.items(), ("hint", 1), ("rows", rows)),
+                       (("n", m), ("copies", moe_copies))) for m in ms]
     cases += [Case(f"gemv-{name}-m1", "gemv",
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd)),
                    (("m", 1),)) for name, (g, n, k, wd) in decode_gemv.items()]
@@ -291,6 +308,23 @@ def _body_args(op, args: tuple, nbytes: int, flops: int) -> tuple:
     return fn, args, nbytes, flops, note
 
 
+def _cycled_calls(calls: list[Callable[[], None]]) -> Callable[[], None]:
+    """One call per invocation, in turn (weights at several addresses: each call reads its
+    copy from memory, not from a cache the previous call filled)."""
+    turn = [0]
+
+    def call():
+        calls[turn[0]]()
+        turn[0] = (turn[0] + 1) % len(calls)
+
+    return call
+
+
+def _cycled(ex, argsets: list[list]) -> Callable[[], None]:
+    """`ex` over each argument set in turn (`_cycled_calls`)."""
+    return _cycled_calls([functools.partial(ex, *args) for args in argsets])
+
+
 def _torch_buffer(buf) -> torch.Tensor:
     """An uninitialised tensor for a plan buffer (Relax does not zero its allocations)."""
     return torch.empty([int(s) for s in buf.shape], dtype=getattr(torch, buf.dtype))
@@ -351,9 +385,10 @@ def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
     if case.family == "fp8":
         x, wt, sc = gemm.example_inputs_fp8_linear(m=d["m"], n=d["n"], k=d["k"])
         out = torch.empty(d["m"], d["n"], dtype=torch.bfloat16)
-        args = [_tvm_view(t) for t in (x, wt, sc, out)]
+        sets = [(x, wt, sc)] + [(x, wt.clone(), sc.clone()) for _ in range(d.get("copies", 1) - 1)]
+        kernel = _cycled(ex, [[_tvm_view(t) for t in (*s, out)] for s in sets])
         nbytes, flops = fp8_traffic(**d)
-        return Prepared(lambda: ex(*args), out, lambda: ops.fp8_linear(x, wt, sc),
+        return Prepared(kernel, out, lambda: ops.fp8_linear(x, wt, sc),
                         *_body_args(ops.fp8_linear, (x, wt, sc), nbytes, flops))
     if case.family == "gemv":
         gen = torch.Generator().manual_seed(0)
@@ -374,8 +409,13 @@ def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
         # the same plan (buffer shapes, call order) as compiler/lower.py `_moe_experts`
         plan = moe.moe_experts_plan(target_name, dim=d["dim"], inter=d["inter"],
                                     n_experts=d["n_experts"], topk=d["topk"], n=d["n"],
-                                    n_hint=d["hint"])
+                                    n_hint=d["hint"], rows=d.get("rows", 1))
         chain, out, parts = moe_chain(ex, plan, inputs)
+        if d.get("copies", 1) > 1:  # the same weights at other addresses, cycled
+            chains = [chain] + [moe_chain(ex, plan, [*inputs[:3], *(t.clone() for t in
+                                                                   inputs[3:])])[0]
+                                for _ in range(d["copies"] - 1)]
+            chain = _cycled_calls(chains)
         used = int(torch.unique(inputs[2]).numel())
         nbytes, flops = moe_traffic(**d, experts_used=used)
         return Prepared(chain, out, lambda: ops.moe_experts(*inputs, limit),
