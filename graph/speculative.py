@@ -24,8 +24,11 @@ not per chunk (`Chunk.token_owner`). Eagerly the head and the fp32 compressor GE
 position; the other GEMMs run at M = b(1+k) rows, and eager CPU GEMMs are not row-invariant
 (measured on shared-small: a 1-ulp change in an expert GEMM moves a logit by ~1e-3), so the
 eager one-pass form agrees with decoding to rounding (equal selections and caches). Compiled,
-every row runs the decode entry's own per-row kernels (GEMV, MoE, attention, indexer), so the
-entry's logits equal compiled decode steps' (tests/test_speculative_compiled.py).
+every row keeps the decode entry's reduction order: on x86 the FP8 GEMVs (the hand AVX2 /
+AVX-512 GEMV) and the AVX-512 routed experts run the verify rows in groups that share each
+weight load and decode (`rows` forms, bit-identical per row to the decode kernels), while
+attention, the indexer and the other kernels still run row by row, so the entry's logits equal
+compiled decode steps' (tests/test_speculative_compiled.py).
 """
 
 from __future__ import annotations
