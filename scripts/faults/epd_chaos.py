@@ -7,11 +7,17 @@ gateway over a real redis-server, one prefill and two decode worker processes, w
   - Redis is restarted (no persistence: streams, groups, leases, hand-offs gone).
 
 Every request must end complete (its exact greedy tokens, checked against the single-process
-batcher) and unduplicated, or with a clear error, within its timeout; none may hang. Prints one
+batcher) and unduplicated, or with a clear error, within its timeout; none may hang. The workers
+run the PyTorch graph, whose batched decode is not row-invariant (eager GEMMs and reductions
+round differently with the batch's rows and capacity: a request's greedy tokens can change with
+what it shares a batch with, in one process as in EPD), so the exact check decodes each request
+in a batch of its own (`--decode-rows 1`, the default) against each request run alone; with
+`--decode-rows N` the decode workers batch, and `wrong` also counts that variation. Prints one
 JSON summary as its last line: completed, errored (reason -> count), duplicated (more tokens
 than asked for), wrong (tokens that are not the reference's), hung, wall_s, faults.
 
 usage: python epd_chaos.py WORK [--clients 16] [--max-tokens 32] [--timeout-s 120]
+                            [--decode-rows 1]
 """
 import argparse
 import json
@@ -45,6 +51,7 @@ p.add_argument("work", type=Path)
 p.add_argument("--clients", type=int, default=16)
 p.add_argument("--max-tokens", type=int, default=32)
 p.add_argument("--timeout-s", type=float, default=120.0)
+p.add_argument("--decode-rows", type=int, default=1, help="a decode worker's batch (1: exact)")
 args = p.parse_args()
 logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
 torch.set_num_threads(1)
@@ -58,7 +65,7 @@ server = RedisServer.start(args.work / "redis")
 roles = ("prefill", "decode", "decode")
 children = [subprocess.Popen(
     [sys.executable, str(here / "epd_worker.py"), role, server.url, str(args.work / f"store-{i}"),
-     HEARTBEAT_S, LEASE_TTL_S], stdout=subprocess.PIPE, text=True,
+     HEARTBEAT_S, LEASE_TTL_S, str(args.decode_rows)], stdout=subprocess.PIPE, text=True,
     stderr=open(args.work / f"worker-{i}.log", "w"))
     for i, role in enumerate(roles)]
 try:
@@ -71,7 +78,7 @@ try:
     with Engine.from_model(model, weights_hash="w" * 64, page_tokens=8,
                            store_dir=args.work / "ref") as e:
         fingerprint = e.key_salt.fingerprint()
-        b = Batcher(e, max_running=args.clients)
+        b = Batcher(e, max_running=args.decode_rows)
         streams = [b.submit(q, params) for q in prompts]
         while b.step():
             pass
