@@ -150,6 +150,18 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
         top = T.reinterpret("int8x32", f32b + T.broadcast(T.uint8(1), 32))
         return T.call_llvm_pure_intrin("int32", "llvm.x86.avx2.pmovmskb", top) != 0
 
+    @T.macro
+    def quantise_rows(x, amax, xq, m):  # each row's activation once (both forms share it)
+        for i, b in T.grid(m, KB):
+            amax[i, b] = T.min_value("float32")
+            for j in range(i64(BLOCK)):
+                amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+        for i, ch in T.grid(m, NCH):
+            for j in T.vectorized(i64(CL)):
+                xq[i, ch * CL + j] = fp8_qdq(
+                    bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
+                    pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
+
     @T.prim_func
     def fp8_gemv(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
                  scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
@@ -160,15 +172,7 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
         y = T.match_buffer(y_h, (m, N), out_dtype)
         amax = T.alloc_buffer((m, KB), "float32")
         xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
-        for i, b in T.grid(m, KB):
-            amax[i, b] = T.min_value("float32")
-            for j in range(i64(BLOCK)):
-                amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
-        for i, ch in T.grid(m, NCH):
-            for j in T.vectorized(i64(CL)):
-                xq[i, ch * CL + j] = fp8_qdq(
-                    bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
-                    pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
+        quantise_rows(x, amax, xq, m)
         for p in T.parallel(NB):
             xs = T.alloc_buffer((K,), "float32")
             acc = T.alloc_buffer((ACC * LN,), "float32", scope="local")
@@ -285,15 +289,7 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
         y = T.match_buffer(y_h, (m, N), out_dtype)
         amax = T.alloc_buffer((m, KB), "float32")
         xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
-        for i, b in T.grid(m, KB):
-            amax[i, b] = T.min_value("float32")
-            for j in range(i64(BLOCK)):
-                amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
-        for i, ch in T.grid(m, NCH):
-            for j in T.vectorized(i64(CL)):
-                xq[i, ch * CL + j] = fp8_qdq(
-                    bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
-                    pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
+        quantise_rows(x, amax, xq, m)
         for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
             # buffers once per TILES tiles: a workspace allocation per 32-column tile cost
             # more than the tile's sums at k 512
