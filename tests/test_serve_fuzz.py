@@ -224,3 +224,18 @@ def test_streamed_stop_matching_equals_the_whole_text(text, stops, cuts):
     if stop is None:
         shown += m.flush()
     assert (shown, stop) == whole(text, stops)
+
+
+def test_counting_in_one_character_chunks_ends(tok):
+    """Found by the property above (it hung CI): with chunks of one character, a cut right at
+    a space between letters gave an empty chunk and the count never moved on. Run on a thread
+    so a regression fails here instead of hanging the suite."""
+    import threading
+
+    budget = replace(TextBudget.of(tok, 1 << 30), chunk_chars=1, long_chars=1 << 30)
+    got: list[int] = []
+    worker = threading.Thread(target=lambda: got.append(budget.count(tok, "ab cd ef")),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert got == [len(tok.encode_text("ab cd ef"))]

@@ -133,7 +133,9 @@ def _chunks(text: str, size: int):
     longer only where no such space is)."""
     at = 0
     while len(text) - at > size:
-        m = _WORD_SPACE.search(text, at + size // 2, at + size + 1)
+        # from one character on at least, so every chunk holds one (a space right at `at`
+        # would cut an empty chunk and never move on)
+        m = _WORD_SPACE.search(text, at + max(1, size // 2), at + size + 1)
         if m is None:
             m = _WORD_SPACE.search(text, at + size + 1)
         end = len(text) if m is None else m.start()
