@@ -392,7 +392,7 @@ def test_dsv41_bench_serve_json(small_artifact, small_case, tmp_path, capsys):
                str(small_case.checkpoint), "--clients", "1,2", "--requests", "1",
                "--prompt-tokens", "8", "--max-tokens", "4", "--long-streams", "2",
                "--long-prompt-tokens", "40", "--long-max-tokens", "8", "--prefill-chunk", "8",
-               "--json", str(out)])
+               "--structured-clients", "1,2", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())["serve"]
     assert [r["clients"] for r in res["clients"]] == [1, 2]
@@ -405,7 +405,16 @@ def test_dsv41_bench_serve_json(small_artifact, small_case, tmp_path, capsys):
     eng = res["long_prompt_engine"]  # the batcher's own measurement, chunks of 8
     # the prefill's pieces: 40 / 8 = 5 encoder chunks, then the decoder's bounded replay
     assert (eng["streams"], eng["chunk_tokens"], eng["chunks"]) == (2, 8, 6)
-    assert "summary: 1 clients" in capsys.readouterr().out
+    # the structured-output row: the same rounds plain and json_schema (strict)
+    st = res["structured"]
+    assert [r["clients"] for r in st] == [1, 2]
+    assert [r["plain_completion_tokens"] for r in st] == [4, 8]
+    for r in st:
+        assert 1 <= r["json_schema_completion_tokens"] <= 4 * r["clients"]
+        assert r["json_schema_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0
+        assert r["tokens_per_s_ratio"] == r["json_schema_tokens_per_s"] / r["plain_tokens_per_s"]
+    out_text = capsys.readouterr().out
+    assert "summary: 1 clients" in out_text and "2 clients json_schema:" in out_text
 
 
 def test_long_prompt_round_keeps_reading_every_stream(monkeypatch):
