@@ -188,7 +188,9 @@ class ServerMetrics:
         r, m = self.registry, ("model_name",)
 
         def hist(name: str, help_text: str, buckets) -> Histogram:
-            return Histogram(name, help_text, m, buckets=buckets, registry=r)
+            h = Histogram(name, help_text, m, buckets=buckets, registry=r)
+            h.labels(model_name)  # shown (empty) before the first observation
+            return h
 
         self.requests = Counter(
             "dsv41:requests", "HTTP requests received per endpoint.", (*m, "endpoint"), registry=r
