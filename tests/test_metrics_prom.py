@@ -72,8 +72,13 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 1) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = httpx.post(url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["usage"]
@@ -88,15 +93,24 @@ def _serve(engine: Engine, tok: Tokenizer):
     batcher = Batcher(engine, tokenizer=tok, max_running=4, max_queue=8)
     batcher.start()
     a = engine.model.args
-    srv = ServerThread(create_app(batcher, tok, ServerOptions(
-        model_name=MODEL, vocab_size=a.vocab_size, max_seq_len=a.max_seq_len))).start()
+    srv = ServerThread(
+        create_app(
+            batcher,
+            tok,
+            ServerOptions(model_name=MODEL, vocab_size=a.vocab_size, max_seq_len=a.max_seq_len),
+        )
+    ).start()
     return batcher, srv
 
 
 @pytest.fixture(scope="module")
 def served(small_model, tok, tmp_path_factory):
-    engine = Engine.from_model(small_model, weights_hash="m" * 64, page_tokens=PAGE,
-                               store_dir=tmp_path_factory.mktemp("store"))
+    engine = Engine.from_model(
+        small_model,
+        weights_hash="m" * 64,
+        page_tokens=PAGE,
+        store_dir=tmp_path_factory.mktemp("store"),
+    )
     batcher, srv = _serve(engine, tok)
     yield {"url": srv.url, "engine": engine}
     srv.stop()
@@ -109,9 +123,15 @@ def test_every_vllm_series_is_there_with_vllms_type_and_model_name(served):
     fams = _families(served["url"])
     assert {name: fams[name].type for name in VLLM_SERIES if name in fams} == VLLM_SERIES
     assert not set(VLLM_SPEC_SERIES) & set(fams)  # this engine does not speculate
-    for name in (*VLLM_SERIES, "dsv41:tier_hits", "dsv41:tier_hit_tokens",
-                 "dsv41:prompt_cache_hit_tokens", "dsv41:ssd_store_bytes",
-                 "dsv41:snapshot_pool_hits", "dsv41:requests_rejected"):
+    for name in (
+        *VLLM_SERIES,
+        "dsv41:tier_hits",
+        "dsv41:tier_hit_tokens",
+        "dsv41:prompt_cache_hit_tokens",
+        "dsv41:ssd_store_bytes",
+        "dsv41:snapshot_pool_hits",
+        "dsv41:requests_rejected",
+    ):
         assert all(s.labels.get("model_name") == MODEL for s in fams[name].samples), name
     assert fams["dsv41:ssd_store_read_errors"].type == "counter"
     assert fams["dsv41:ssd_store_bytes"].type == "gauge"
@@ -129,9 +149,13 @@ CACHES = ("runtime_cache", "dram_pool", "ssd_store")
 def _tier_view(got: dict[str, float]) -> dict[str, float]:
     keys = [k % t for k in TIER_SERIES for t in ("cold", "snapshot", "prefix", "live")]
     keys += [f'dsv41:prompt_cache_hit_tokens_total{{cache="{c}"}}' for c in CACHES]
-    keys += ["vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-             "dsv41:replayed_tokens_total", 'dsv41:snapshot_pool_hits_total{pool="dram"}',
-             'dsv41:snapshot_pool_misses_total{pool="dram"}']
+    keys += [
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "dsv41:replayed_tokens_total",
+        'dsv41:snapshot_pool_hits_total{pool="dram"}',
+        'dsv41:snapshot_pool_misses_total{pool="dram"}',
+    ]
     return {k: got.get(k, 0.0) for k in keys}
 
 
@@ -150,19 +174,25 @@ def test_tier_series_follow_a_conversation_cold_snapshot_prefix(served):
     steps = [("cold", first), ("snapshot", first + [9, 10]), ("prefix", first[:18] + _prompt(5, 2))]
     want = {
         "cold": {'dsv41:tier_hits_total{tier="cold"}': 1, "vllm:prefix_cache_queries_total": 21},
-        "snapshot": {'dsv41:tier_hits_total{tier="snapshot"}': 1,
-                     'dsv41:tier_hit_tokens_total{tier="snapshot"}': 21,
-                     'dsv41:prompt_cache_hit_tokens_total{cache="dram_pool"}': 21,
-                     "vllm:prefix_cache_queries_total": 23, "vllm:prefix_cache_hits_total": 21,
-                     'dsv41:snapshot_pool_hits_total{pool="dram"}': 1,
-                     # the window's cached tokens the 2 new ones do not cover, through the
-                     # encoder again (the decoder's bounded replay reads their outputs)
-                     "dsv41:replayed_tokens_total": w - 2},
-        "prefix": {'dsv41:tier_hits_total{tier="prefix"}': 1,
-                   'dsv41:tier_hit_tokens_total{tier="prefix"}': 16,
-                   'dsv41:prompt_cache_hit_tokens_total{cache="ssd_store"}': 16,
-                   "vllm:prefix_cache_queries_total": 23, "vllm:prefix_cache_hits_total": 16,
-                   "dsv41:replayed_tokens_total": min(w, 16)},
+        "snapshot": {
+            'dsv41:tier_hits_total{tier="snapshot"}': 1,
+            'dsv41:tier_hit_tokens_total{tier="snapshot"}': 21,
+            'dsv41:prompt_cache_hit_tokens_total{cache="dram_pool"}': 21,
+            "vllm:prefix_cache_queries_total": 23,
+            "vllm:prefix_cache_hits_total": 21,
+            'dsv41:snapshot_pool_hits_total{pool="dram"}': 1,
+            # the window's cached tokens the 2 new ones do not cover, through the
+            # encoder again (the decoder's bounded replay reads their outputs)
+            "dsv41:replayed_tokens_total": w - 2,
+        },
+        "prefix": {
+            'dsv41:tier_hits_total{tier="prefix"}': 1,
+            'dsv41:tier_hit_tokens_total{tier="prefix"}': 16,
+            'dsv41:prompt_cache_hit_tokens_total{cache="ssd_store"}': 16,
+            "vllm:prefix_cache_queries_total": 23,
+            "vllm:prefix_cache_hits_total": 16,
+            "dsv41:replayed_tokens_total": min(w, 16),
+        },
     }
     for tier, prompt in steps:
         before = _tier_view(_metrics(url))
@@ -185,29 +215,70 @@ def test_the_collector_maps_every_engine_tier_to_its_cache():
     from dsv41.runtime.tiers.redis_pool import RedisPoolStats
     from dsv41.runtime.tiers.ssd_store import KVStoreStats
 
-    tokens = {"live": 5, "handoff": 7, "snapshot": 11, "snapshot-ssd": 13, "prefix": 17,
-              "cold": 0}
-    store = KVStoreStats(entries=3, bytes=300, capacity=1000, hits=4, misses=2, writes=3,
-                         refused_writes=0, evictions=1, corrupt=1, truncated=1, foreign=0,
-                         read_errors=2)
-    pool = RedisPoolStats(entries=1, bytes=64, budget=128, hits=6, misses=3, expired=0,
-                          evictions=0, refused=0, lost=0, corrupted=0, foreign=0,
-                          unavailable=0, full=0, write_errors=0, restarts=0)
+    tokens = {"live": 5, "handoff": 7, "snapshot": 11, "snapshot-ssd": 13, "prefix": 17, "cold": 0}
+    store = KVStoreStats(
+        entries=3,
+        bytes=300,
+        capacity=1000,
+        hits=4,
+        misses=2,
+        writes=3,
+        refused_writes=0,
+        evictions=1,
+        corrupt=1,
+        truncated=1,
+        foreign=0,
+        read_errors=2,
+    )
+    pool = RedisPoolStats(
+        entries=1,
+        bytes=64,
+        budget=128,
+        hits=6,
+        misses=3,
+        expired=0,
+        evictions=0,
+        refused=0,
+        lost=0,
+        corrupted=0,
+        foreign=0,
+        unavailable=0,
+        full=0,
+        write_errors=0,
+        restarts=0,
+    )
     from dsv41.runtime.serving.frontend import TierStores
 
-    stats = BatcherStats(0, 0, 6, 0, 60, 6, dict.fromkeys(tokens, 1), tier_tokens=tokens,
-                         stores=TierStores(store, pool))
+    stats = BatcherStats(
+        0,
+        0,
+        6,
+        0,
+        60,
+        6,
+        dict.fromkeys(tokens, 1),
+        tier_tokens=tokens,
+        stores=TierStores(store, pool),
+    )
     m = ServerMetrics(MODEL)
     m.watch(lambda: stats)
     got = parse_metrics(m.render())
-    assert {c: got[f'dsv41:prompt_cache_hit_tokens_total{{cache="{c}"}}'] for c in CACHES} == \
-        {"runtime_cache": 12, "dram_pool": 11, "ssd_store": 30}
+    assert {c: got[f'dsv41:prompt_cache_hit_tokens_total{{cache="{c}"}}'] for c in CACHES} == {
+        "runtime_cache": 12,
+        "dram_pool": 11,
+        "ssd_store": 30,
+    }
     assert got["vllm:prefix_cache_hits_total"] == 53
-    assert (got["dsv41:ssd_store_bytes"], got["dsv41:ssd_store_read_errors_total"],
-            got["dsv41:ssd_store_evictions_total"], got["dsv41:ssd_store_corrupt_total"]) == \
-        (300, 2, 1, 2)
-    assert (got['dsv41:snapshot_pool_hits_total{pool="redis"}'],
-            got['dsv41:snapshot_pool_misses_total{pool="redis"}']) == (6, 3)
+    assert (
+        got["dsv41:ssd_store_bytes"],
+        got["dsv41:ssd_store_read_errors_total"],
+        got["dsv41:ssd_store_evictions_total"],
+        got["dsv41:ssd_store_corrupt_total"],
+    ) == (300, 2, 1, 2)
+    assert (
+        got['dsv41:snapshot_pool_hits_total{pool="redis"}'],
+        got['dsv41:snapshot_pool_misses_total{pool="redis"}'],
+    ) == (6, 3)
 
 
 def test_two_apps_in_one_process_keep_their_own_counts(tok, small_model):
@@ -218,20 +289,36 @@ def test_two_apps_in_one_process_keep_their_own_counts(tok, small_model):
     try:
         a = engine.model.args
         m2 = ServerMetrics(MODEL)
-        s2 = ServerThread(create_app(b1, tok, ServerOptions(
-            model_name=MODEL, vocab_size=a.vocab_size, max_seq_len=a.max_seq_len),
-            metrics=m2)).start()
+        s2 = ServerThread(
+            create_app(
+                b1,
+                tok,
+                ServerOptions(model_name=MODEL, vocab_size=a.vocab_size, max_seq_len=a.max_seq_len),
+                metrics=m2,
+            )
+        ).start()
         try:
             _complete(s1.url, _prompt(5, 3))
             key = 'dsv41:requests_total{endpoint="completions"}'
             assert _metrics(s1.url)[key] == 1 and key not in _metrics(s2.url)
             with pytest.raises(ValueError, match="already watch a frontend"):
-                create_app(b1, tok, ServerOptions(model_name=MODEL, vocab_size=a.vocab_size,
-                                                  max_seq_len=a.max_seq_len), metrics=m2)
+                create_app(
+                    b1,
+                    tok,
+                    ServerOptions(
+                        model_name=MODEL, vocab_size=a.vocab_size, max_seq_len=a.max_seq_len
+                    ),
+                    metrics=m2,
+                )
             with pytest.raises(ValueError, match="serves 'other'"):
-                create_app(b1, tok, ServerOptions(model_name="other", vocab_size=a.vocab_size,
-                                                  max_seq_len=a.max_seq_len),
-                           metrics=ServerMetrics(MODEL))
+                create_app(
+                    b1,
+                    tok,
+                    ServerOptions(
+                        model_name="other", vocab_size=a.vocab_size, max_seq_len=a.max_seq_len
+                    ),
+                    metrics=ServerMetrics(MODEL),
+                )
         finally:
             s2.stop()
     finally:
@@ -243,8 +330,9 @@ def test_two_apps_in_one_process_keep_their_own_counts(tok, small_model):
 def test_spec_counters_move_by_what_the_usage_reports(small_model, tok):
     """A server whose engine speculates (`on`: DSpark drafts every step): one request's usage
     `speculative` and the spec series' deltas are the same numbers, in vLLM's names."""
-    engine = Engine.from_model(small_model, weights_hash="m" * 64, page_tokens=PAGE,
-                               speculative="on")
+    engine = Engine.from_model(
+        small_model, weights_hash="m" * 64, page_tokens=PAGE, speculative="on"
+    )
     batcher, srv = _serve(engine, tok)
     try:
         fams = _families(srv.url)
@@ -257,10 +345,11 @@ def test_spec_counters_move_by_what_the_usage_reports(small_model, tok):
         d = {k: after[k] - before.get(k, 0) for k in after if "spec_decode" in k}
         assert d["vllm:spec_decode_num_drafts_total"] == spec.steps
         assert d["vllm:spec_decode_num_draft_tokens_total"] == usage["speculative"]["drafted"]
-        assert d["vllm:spec_decode_num_accepted_tokens_total"] == \
-            usage["speculative"]["accepted"]
-        per_pos = [d.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}',
-                         0) for j in range(len(spec.accepted_at))]
+        assert d["vllm:spec_decode_num_accepted_tokens_total"] == usage["speculative"]["accepted"]
+        per_pos = [
+            d.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}', 0)
+            for j in range(len(spec.accepted_at))
+        ]
         assert per_pos == list(spec.accepted_at)
         assert usage["speculative"]["drafted"] == spec.drafted >= 1
     finally:
