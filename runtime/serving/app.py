@@ -55,7 +55,9 @@ from dsv41.runtime.serving.openai_api import ApiError, ErrorType
 from dsv41.runtime.serving.routes_chat import chat_router
 from dsv41.runtime.serving.routes_completions import completions_router
 from dsv41.runtime.serving.routes_health import health_router
+from dsv41.runtime.serving.routes_messages import messages_router
 from dsv41.runtime.serving.routes_models import models_router
+from dsv41.runtime.serving.routes_responses import responses_router
 from dsv41.runtime.serving.routes_tokenize import tokenize_router
 from dsv41.runtime.serving.state import AppState, ServerOptions
 from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -107,7 +109,8 @@ def create_app(frontend: Frontend, tokenizer: Tokenizer, options: ServerOptions,
     state = AppState(frontend, tokenizer, opts, metrics, check_key)
     gen = Generation(state)
     for router in (chat_router(gen), completions_router(gen), models_router(state),
-                   health_router(state), tokenize_router(state)):
+                   health_router(state), tokenize_router(state), messages_router(gen),
+                   responses_router(gen)):
         app.include_router(router)
     return app
 
