@@ -23,6 +23,7 @@ release's format has no mark for it); an assistant's `text`, `thinking` (its
 message are joined by a blank line, as chat content parts are. `cache_control` is accepted and
 unused (prompt caching here is automatic). Fields this server cannot honour (documents, URL
 image sources, `redacted_thinking`, server tools, `mcp_servers`, `container`, `output_format`,
+`output_config.format`,
 an assistant message last: prefilling a reply) are 400s naming them; other fields are ignored,
 as openai_api ignores unknown fields.
 
@@ -219,9 +220,11 @@ def _tools(body: Mapping) -> list[dict]:
         if t.get("type", "custom") != "custom":
             raise _where(where, f"server tools ({t.get('type')!r:.60}) are not supported by "
                          "this server; give client tools (name, description, input_schema).")
-        fn = {"name": t.get("name"), "parameters": t.get("input_schema")}
+        # OpenAI's key order (the release renders each function's JSON as it is ordered)
+        fn = {"name": t.get("name")}
         if "description" in t:
             fn["description"] = t["description"]
+        fn["parameters"] = t.get("input_schema")
         if not isinstance(fn["parameters"], Mapping):
             raise _where(where, "a tool needs an `input_schema` (a JSON Schema object).")
         out.append({"type": "function", "function": fn})
@@ -284,6 +287,10 @@ def chat_body(body, *, counting: bool = False) -> dict:
     for name in UNSUPPORTED:
         if body.get(name):
             raise bad_request(f"{name} is not supported by this server.", name)
+    config = body.get("output_config")
+    if isinstance(config, Mapping) and config.get("format") is not None:
+        raise bad_request("output_config.format is not supported by this server.",
+                          "output_config")
     max_tokens = body.get("max_tokens")
     if max_tokens is None and not counting:
         raise bad_request("max_tokens is required: the most tokens the reply may have.",
