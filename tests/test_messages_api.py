@@ -227,7 +227,7 @@ def test_errors_are_anthropics_shape_and_x_api_key(served):
 # ---- tool use, on a scripted frontend with the released tokenizer ------------------------------
 
 
-def _serve(tok, batcher):
+def serve_scripted(tok, batcher):
     args = preset("full")
     return ServerThread(create_app(batcher, tok, ServerOptions(
         model_name="m", vocab_size=args.vocab_size, max_seq_len=args.max_seq_len)))
@@ -238,7 +238,7 @@ def test_tool_use_blocks_whole_and_streamed(deepseek):
     kw = {"model": "m", "max_tokens": 200, "tools": [WEATHER],
           "thinking": {"type": "enabled", "budget_tokens": 100},
           "messages": [{"role": "user", "content": "Weather in Paris?"}]}
-    with _serve(deepseek, ScriptedBatcher(deepseek, reply)) as srv:
+    with serve_scripted(deepseek, ScriptedBatcher(deepseek, reply)) as srv:
         claude = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
         r = claude.messages.create(**kw)
         assert r.stop_reason == "tool_use" and r.stop_sequence is None
@@ -272,7 +272,7 @@ class FailingBatcher(ScriptedBatcher):
 def test_an_engine_failure_mid_stream_is_an_error_event(deepseek):
     body = {"model": "m", "max_tokens": 20, "stream": True,
             "messages": [{"role": "user", "content": "w"}]}
-    with _serve(deepseek, FailingBatcher(deepseek, "")) as srv:
+    with serve_scripted(deepseek, FailingBatcher(deepseek, "")) as srv:
         raw = httpx.post(srv.url + "/v1/messages", json=body, timeout=60).text
         r = httpx.post(srv.url + "/v1/messages", json={**body, "stream": False}, timeout=60)
     last = raw.strip().split("\n\n")[-1].split("\n")

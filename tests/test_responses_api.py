@@ -14,7 +14,7 @@ import openai
 import pytest
 import test_serve
 import test_tool_calls
-from test_messages_api import CHAT, WEATHER, _serve
+from test_messages_api import CHAT, WEATHER, serve_scripted
 from test_tool_calls import CALLS, ScriptedBatcher
 
 from dsv41.runtime.serving.openai_api import parse_chat
@@ -136,7 +136,7 @@ def test_refused_fields_are_400s(client):
 def test_function_call_whole_and_streamed(deepseek):
     reply = "Checking.\n\n" + render_tool_calls(CALLS[:1])
     kw = {"model": "m", "input": "Weather in Paris?", "tools": [TOOL]}
-    with _serve(deepseek, ScriptedBatcher(deepseek, reply)) as srv:
+    with serve_scripted(deepseek, ScriptedBatcher(deepseek, reply)) as srv:
         oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         r = oai.responses.create(**kw)
         msg, call = r.output
