@@ -10,7 +10,9 @@ Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON, or server-
 /v1/models`, `GET /health`, `GET /metrics` (Prometheus text, runtime/metrics.py), one router
 per family (routes_chat, routes_completions, routes_models, routes_health, routes_tokenize:
 `POST /tokenize`, a prompt's ids and spelling; the two generation families share
-generation.py). Requests are parsed by openai_api.py; the server only moves
+generation.py; routes_messages: Anthropic's `POST /v1/messages` and its count_tokens, and
+routes_responses: OpenAI's `POST /v1/responses`, both translated into chat requests and read by
+turn_reply.py). Requests are parsed by openai_api.py; the server only moves
 events from a frontend's `EventStream` to the client. This module is the app around them: the
 errors' shape, the API key, the routers joined.
 
