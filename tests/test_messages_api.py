@@ -15,19 +15,24 @@ import anthropic
 import httpx
 import pytest
 import test_serve
+import test_serve_fuzz
 import test_tool_calls
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_tool_calls import CALLS, ScriptedBatcher, ScriptedStream
 
 from dsv41.graph.config import preset
 from dsv41.runtime.serving.anthropic_api import chat_body
 from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
 from dsv41.runtime.serving.frontend import FinishReason, TokenEvent
-from dsv41.runtime.serving.openai_api import parse_chat
+from dsv41.runtime.serving.openai_api import ApiError, parse_chat
+from dsv41.runtime.serving.prompts import TextBudget
 from dsv41.runtime.serving.release_format import render_tool_calls
 
 MODEL, KEY = test_serve.MODEL, test_serve.KEY
 served, client = test_serve.served, test_serve.client  # the served app and its client (fixtures)
 deepseek = test_tool_calls.deepseek  # the released tokenizer (fixture)
+tok, JSON = test_serve_fuzz.tok, test_serve_fuzz.JSON  # shared-small's tokenizer (fixture)
 GREEDY = {"temperature": 0}  # (the anthropic SDK 2.x has no sampling arguments: the body's)
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -281,3 +286,35 @@ def test_an_engine_failure_mid_stream_is_an_error_event(deepseek):
         "type": "api_error", "message": "The engine failed on this request: boom"}}
     assert "event: content_block_delta" in raw and "message_stop" not in raw
     assert (r.status_code, r.json()["error"]["type"]) == (500, "api_error")
+
+
+# ---- any body: a request or a 400 ---------------------------------------------------------------
+
+BLOCK = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking",
+                              "document", "x"])},
+    optional={k: JSON for k in ("text", "id", "name", "input", "tool_use_id", "content",
+                                "thinking", "source", "is_error")})
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"])},
+                                optional={"content": st.text(max_size=8)
+                                          | st.lists(BLOCK, max_size=3) | JSON})
+FIELDS = ["max_tokens", "system", "tools", "tool_choice", "thinking", "stop_sequences",
+          "metadata", "temperature", "top_k", "stream", "mcp_servers", "output_config"]
+BODY = st.one_of(JSON, st.builds(
+    lambda ms, d: {"model": MODEL, "max_tokens": 4, "messages": ms, **d},
+    st.lists(MESSAGE, max_size=3) | JSON, st.dictionaries(st.sampled_from(FIELDS), JSON,
+                                                          max_size=4)))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=BODY, counting=st.booleans())
+def test_any_json_maps_to_a_request_or_a_400(tok, body, counting):
+    """Whatever the body, the translation and the chat parse give a request or an ApiError
+    (400, or 404 for another model), never another exception."""
+    try:
+        req = parse_chat(chat_body(body, counting=counting), tok, model_name=MODEL,
+                         vocab_size=512, budget=TextBudget.of(tok, 128))
+    except ApiError as e:
+        assert e.status in (400, 404) and e.message
+        return
+    assert all(0 <= t < 512 for t in req.prompt_ids)

@@ -13,17 +13,22 @@ import jsonschema
 import openai
 import pytest
 import test_serve
+import test_serve_fuzz
 import test_tool_calls
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_messages_api import CHAT, WEATHER, serve_scripted
 from test_tool_calls import CALLS, ScriptedBatcher
 
-from dsv41.runtime.serving.openai_api import parse_chat
+from dsv41.runtime.serving.openai_api import ApiError, parse_chat
+from dsv41.runtime.serving.prompts import TextBudget
 from dsv41.runtime.serving.release_format import render_tool_calls
 from dsv41.runtime.serving.responses_api import chat_body
 
 MODEL = test_serve.MODEL
 served, client = test_serve.served, test_serve.client  # the served app and its client (fixtures)
 deepseek = test_tool_calls.deepseek  # the released tokenizer (fixture)
+tok, JSON = test_serve_fuzz.tok, test_serve_fuzz.JSON  # shared-small's tokenizer (fixture)
 TOOL = {"type": "function", "name": "get_weather", "description": WEATHER["description"],
         "parameters": WEATHER["input_schema"]}
 # CHAT (test_messages_api) as Responses input items
@@ -153,3 +158,37 @@ def test_function_call_whole_and_streamed(deepseek):
         assert events[-1].type == "response.completed"
         assert [o.type for o in final.output] == ["message", "function_call"]
         assert final.output[1].arguments == call.arguments
+
+
+# ---- any body: a request or a 400 ---------------------------------------------------------------
+
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_image", "input_file"])},
+    optional={"text": JSON, "image_url": JSON})
+ITEM = st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output",
+                              "reasoning", "item_reference", "x"])},
+    optional={"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+              "content": st.text(max_size=8) | st.lists(PART, max_size=2) | JSON,
+              **{k: JSON for k in ("call_id", "name", "arguments", "output", "summary")}})
+FIELDS = ["instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
+          "reasoning", "text", "store", "stream", "previous_response_id", "truncation",
+          "parallel_tool_calls"]
+BODY = st.one_of(JSON, st.builds(
+    lambda items, d: {"model": MODEL, "input": items, **d},
+    st.lists(ITEM, max_size=3) | JSON, st.dictionaries(st.sampled_from(FIELDS), JSON,
+                                                       max_size=4)))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=BODY)
+def test_any_json_maps_to_a_request_or_a_400(tok, body):
+    """Whatever the body, the translation and the chat parse give a request or an ApiError
+    (400, or 404 for another model), never another exception."""
+    try:
+        req = parse_chat(chat_body(body), tok, model_name=MODEL, vocab_size=512,
+                         budget=TextBudget.of(tok, 128))
+    except ApiError as e:
+        assert e.status in (400, 404) and e.message
+        return
+    assert all(0 <= t < 512 for t in req.prompt_ids)
