@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -17,7 +18,7 @@ import test_serve_fuzz
 import test_tool_calls
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_messages_api import CHAT, WEATHER, serve_scripted
+from test_messages_api import CHAT, WEATHER, FailingBatcher, serve_scripted
 from test_tool_calls import CALLS, ScriptedBatcher
 
 from dsv41.runtime.serving.openai_api import ApiError, parse_chat
@@ -192,3 +193,18 @@ def test_any_json_maps_to_a_request_or_a_400(tok, body):
         assert e.status in (400, 404) and e.message
         return
     assert all(0 <= t < 512 for t in req.prompt_ids)
+
+
+def test_an_engine_failure_mid_stream_is_an_error_then_failed(deepseek):
+    body = {"model": "m", "input": "w", "stream": True}
+    with serve_scripted(deepseek, FailingBatcher(deepseek, "")) as srv:
+        raw = httpx.post(srv.url + "/v1/responses", json=body, timeout=60).text
+    events = [json.loads(e.split("\n")[1][6:]) for e in raw.strip().split("\n\n")]
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "error",
+        "response.failed"]
+    assert events[-2] == {"type": "error", "code": "server_error", "param": None,
+                          "message": "The engine failed on this request: boom",
+                          "sequence_number": 5}
+    assert events[-1]["response"]["status"] == "failed"
