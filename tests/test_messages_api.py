@@ -229,6 +229,29 @@ def test_errors_are_anthropics_shape_and_x_api_key(served):
     assert count.json() == {"input_tokens": 6}
 
 
+@pytest.mark.parametrize("path, body, first", [
+    ("/v1/messages", {"max_tokens": 100, "messages": [{"role": "user", "content": "w3 W3w4"}]},
+     "event: content_block_delta"),
+    ("/v1/responses", {"max_output_tokens": 100, "input": "w3 W3w4"},
+     "event: response.output_text.delta")])
+def test_a_client_gone_cancels_its_stream(served, path, body, first):
+    """Leaving a stream after its first delta frees the slot (seen in /metrics) and counts
+    the request cancelled: the greedy reply would run 100 tokens."""
+    before = test_serve.metrics(served)
+    body = {"model": MODEL, **body, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served["url"] + path, json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line == first:
+                assert test_serve.metrics(served)["dsv41_running_sequences"] == 1
+                break  # leaving the block closes the connection
+    test_serve.wait_for(lambda: test_serve.metrics(served)["dsv41_running_sequences"] == 0,
+                        "the slot's release")
+    after = test_serve.metrics(served)
+    key = 'dsv41_requests_finished_total{reason="cancelled"}'
+    assert after[key] == before[key] + 1
+    assert after["dsv41_completion_tokens_total"] - before["dsv41_completion_tokens_total"] < 100
+
+
 # ---- tool use, on a scripted frontend with the released tokenizer ------------------------------
 
 
