@@ -126,7 +126,8 @@ def messages_router(gen: Generation) -> APIRouter:
     @router.post("/v1/messages", openapi_extra=request_body(messages_body(model)))
     async def messages(request: Request):
         try:
-            req, stream, deadline = await start(gen, request, "messages", check_key, parse)
+            _, req, stream, deadline = await start(gen, request, "messages", check_key,
+                                                   parse)
             msg_id = new_id("msg_")
             if req.stream:
                 return StreamingResponse(events(req, stream, deadline, msg_id),

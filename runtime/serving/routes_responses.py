@@ -82,8 +82,9 @@ def responses_router(gen: Generation) -> APIRouter:
 
     @router.post("/v1/responses", openapi_extra=request_body(responses_body(model)))
     async def responses(request: Request):
-        req, stream, deadline = await start(gen, request, "responses", st.check_key, parse)
-        body = await st.json_body(request)  # parsed again: echoed in the response object
+        # the body is echoed in the response object (its settings)
+        body, req, stream, deadline = await start(gen, request, "responses", st.check_key,
+                                                  parse)
         resp_id, created = new_id("resp_"), int(time.time())
         if req.stream:
             return StreamingResponse(events(req, stream, deadline, body, resp_id, created),

@@ -5,7 +5,7 @@ same prompt, sampling, tool and reasoning machinery as `/v1/chat/completions`), 
 same frontend through `Generation.submit`, then read its events here, whole or piece by piece,
 and write them in their own shape:
 
-    req, stream, deadline = await start(gen, request, "messages", check_key, parse)
+    _, req, stream, deadline = await start(gen, request, "messages", check_key, parse)
     reply = await whole(gen, req, stream, request, deadline)   # Reply, or None: the client left
     async for item in pieces(gen, req, stream, deadline):      # Piece ... then one TurnEnd
         ...
@@ -123,18 +123,20 @@ class _Ending:
 async def start(gen: Generation, request: Request, label: str,
                 check_key: Callable[[Request], None],
                 parse: Callable[[object], GenerationRequest]
-                ) -> tuple[GenerationRequest, EventStream, float | None]:
+                ) -> tuple[object, GenerationRequest, EventStream, float | None]:
     """Count the request under `label`, check its key, parse its body (`parse` on a worker
-    thread: it tokenizes) and submit it, as `Generation.generate` does."""
+    thread: it tokenizes) and submit it, as `Generation.generate` does: (the body's JSON, the
+    request, its stream, its deadline)."""
     st = gen.state
     st.metrics.requests.inc(1, label)
     check_key(request)
-    req = await st.in_thread(parse, await st.json_body(request))
+    body = await st.json_body(request)
+    req = await st.in_thread(parse, body)
     submit = st.in_decode_thread if req.images else st.in_thread
     stream = await submit(gen.submit, req)
     deadline = None if st.opts.request_timeout_s is None else \
         time.monotonic() + st.opts.request_timeout_s
-    return req, stream, deadline
+    return body, req, stream, deadline
 
 
 async def whole(gen: Generation, req: GenerationRequest, stream: EventStream,
