@@ -156,7 +156,7 @@ class RooflineRow:
     achieved_gflops: float | None
     compute_frac: float | None
     floor_s: float  # bytes / bandwidth: the fastest a memory-bound step can be
-    flops_floor_s: float = 0.0  # flops / fp32 GEMM rate: the fastest a compute-bound step can be
+    flops_floor_s: float = 0.0  # flops / compute roof: the fastest a compute-bound step can be
     roof_s: float = 0.0  # the step's roofline: the larger of the two floors
     roof_frac: float | None = None  # roof_s / seconds
 
@@ -251,8 +251,10 @@ def ratios(report: BenchReport) -> list[dict]:
 
 
 def roofline_row(impl: str, cost, seconds: float | None, machine: dict) -> RooflineRow:
+    """The step against the best-of-N bandwidth and the best matrix rate of the step's dtypes
+    (`roof.py`; a machine record without one falls back to the fp32 GEMM rate)."""
     r = roof_point(cost.bytes, cost.flops, seconds, bandwidth_gbs=machine["bandwidth_gbs"],
-                   gemm_gflops=machine["gemm_gflops"])
+                   gemm_gflops=machine.get("compute_gflops") or machine["gemm_gflops"])
     return RooflineRow(impl, cost.context, cost.weight_bytes, cost.kv_bytes, cost.flops, seconds,
                        r.achieved_gbs, r.bandwidth_frac, r.achieved_gflops, r.compute_frac,
                        r.bytes_floor_s, r.flops_floor_s, r.floor_s,
