@@ -7,8 +7,9 @@
 - Compute: the best matrix rate of each dtype the step's kernels can use on this CPU: fp32 FMA
   always, bf16 dot products where lscpu lists `avx512_bf16` or `amx_bf16`, int8 dot products
   (VNNI) where it lists `avx512_vnni`, `avx_vnni` or `amx_int8`. Measured with torch matmuls
-  (oneDNN: `torch.mm` in fp32 and bf16, `torch._int_mm` in int8), best of `reps`; the roof is the
-  fastest of them (a step whose FLOPs all ran at that rate could not be faster).
+  (`torch.mm` in fp32 and bf16, oneDNN; int8 the faster of `torch._int_mm` and FBGEMM's
+  quantized linear), best of `reps`; the roof is the fastest of them (a step whose FLOPs all
+  ran at that rate could not be faster).
 
 torch is imported where it is used: the CLI's parser reads this module without it.
 """
@@ -20,7 +21,10 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 
 BANDWIDTH_PASSES = 5  # STREAM-like passes of `dsv41 bench` (each reported)
-COMPUTE_METHOD = "torch matmul (oneDNN): torch.mm fp32 / bf16, torch._int_mm int8"
+COMPUTE_METHOD = (
+    "torch matmuls: torch.mm fp32 / bf16 (oneDNN), int8 the faster of "
+    "torch._int_mm and FBGEMM's quantized.linear"
+)
 
 
 class Dtype(StrEnum):
@@ -67,11 +71,11 @@ def stream_passes(n_bytes: int, passes: int = BANDWIDTH_PASSES) -> tuple[StreamP
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
     a.copy_(b)
     torch.add(b, c, alpha=3.0, out=a)
-    t0 = time.perf_counter()
     out = []
+    t0 = time.perf_counter()
     for _ in range(passes):
-        at = time.perf_counter() - t0
         t = time.perf_counter()
+        at, t0 = (t - t0, t0) if out else (0.0, t)
         a.copy_(b)
         t_copy = time.perf_counter() - t
         t = time.perf_counter()
@@ -93,21 +97,46 @@ def fastest_s(fn, reps: int) -> float:
     return best
 
 
+def int8_rates(size: int, reps: int = 5) -> dict[str, float]:
+    """GOP/s of a size^3 int8 matmul two ways: `torch._int_mm` (int32 out; not VNNI-tuned on
+    every build) and FBGEMM's quantized linear (VNNI where the CPU has it, with requantisation
+    on top); the roof takes the faster."""
+    import warnings
+
+    import torch  # heavy: torch; dsv41 --help imports this module
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (size, size), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 128, (size, size), generator=g, dtype=torch.int8)
+    out = {"torch._int_mm": 2 * size**3 / fastest_s(lambda: torch._int_mm(a, b), reps) / 1e9}
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        with warnings.catch_warnings():  # quantized tensors are deprecated; FBGEMM is not
+            warnings.simplefilter("ignore")
+            engine, torch.backends.quantized.engine = torch.backends.quantized.engine, "fbgemm"
+            x = torch.randn(size, size, generator=g)
+            qx = torch.quantize_per_tensor(x, 0.05, 128, torch.quint8)
+            qw = torch.quantize_per_tensor(
+                torch.randn(size, size, generator=g), 0.05, 0, torch.qint8
+            )
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+            t = fastest_s(lambda: torch.ops.quantized.linear(qx, packed, 0.1, 128), reps)
+            torch.backends.quantized.engine = engine
+        out["fbgemm quantized.linear"] = 2 * size**3 / t / 1e9
+    return out
+
+
 def measure_matmul(dtype: Dtype, size: int, reps: int = 5) -> float:
     """GFLOP/s (GOP/s for int8) of a size^3 matmul in `dtype`, best of `reps`."""
     import torch  # heavy: torch; dsv41 --help imports this module
 
     g = torch.Generator().manual_seed(0)
     if dtype == Dtype.INT8:
-        a = torch.randint(-128, 128, (size, size), generator=g, dtype=torch.int8)
-        b = torch.randint(-128, 128, (size, size), generator=g, dtype=torch.int8)
-        t = fastest_s(lambda: torch._int_mm(a, b), reps)
-    else:
-        dt = torch.float32 if dtype == Dtype.FP32 else torch.bfloat16
-        a = torch.randn(size, size, generator=g).to(dt)
-        b = torch.randn(size, size, generator=g).to(dt)
-        out = torch.empty(size, size, dtype=dt)
-        t = fastest_s(lambda: torch.mm(a, b, out=out), reps)
+        return max(int8_rates(size, reps).values())
+    dt = torch.float32 if dtype == Dtype.FP32 else torch.bfloat16
+    a = torch.randn(size, size, generator=g).to(dt)
+    b = torch.randn(size, size, generator=g).to(dt)
+    out = torch.empty(size, size, dtype=dt)
+    t = fastest_s(lambda: torch.mm(a, b, out=out), reps)
     return 2 * size**3 / t / 1e9
 
 
