@@ -23,6 +23,7 @@ from dsv41.compiler.tools.bench.e2e_records import (
     targets,
 )
 from dsv41.compiler.tools.bench.measure import gib, ms, pct, table, times
+from dsv41.compiler.tools.bench.profile import format_layers
 
 # ---- output -------------------------------------------------------------------------------------
 
@@ -120,6 +121,12 @@ def format_profile(p: dict) -> str:
                     f"{r['name'][:70]}" for r in rows]
         elif p.get(f"{impl}_error"):
             out.append(f"  {impl}: no profile ({p[f'{impl}_error']})")
+    layers = p.get("artifact_layers") or {}
+    if layers:
+        out.append("  artifact kernels per layer kind (decode; prefill: one chunk of "
+                   f"{layers.get('prefill', {}).get('tokens', '-')} tokens):")
+        for phase, prof in layers.items():
+            out += ["  " + line for line in format_layers(phase, prof)]
     return "\n".join(out)
 
 
