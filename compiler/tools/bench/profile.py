@@ -64,6 +64,12 @@ def param_layer(param: str, n_layers: int) -> int | None:
     return n_layers + i if m.group(1) == "mtp" else i
 
 
+def data_address(a) -> int | None:
+    """A `tvm.runtime.Tensor` argument's data address (None for shapes and scalars)."""
+    data_ptr = getattr(a, "data_ptr", None)
+    return None if data_ptr is None else data_ptr()
+
+
 def layer_kind(plan, layer: int) -> str:
     """local | full | reindex | reuse for a backbone layer, dspark for a DSpark layer."""
     p = plan.layers[layer]
@@ -101,17 +107,11 @@ class Recorder:
                 self.owner[t.data_ptr()] = MODEL if layer is None else layer
 
     def group_of(self, args) -> int | str | None:
-        """The layer (or MODEL) whose weights a call reads; None when it reads none."""
-        found = None
-        for a in args:
-            data_ptr = getattr(a, "data_ptr", None)  # a tvm.runtime.Tensor's data address
-            if data_ptr is None:
-                continue
-            g = self.owner.get(data_ptr())
-            if isinstance(g, int):
-                return g
-            found = g if g is not None else found
-        return found
+        """The layer whose weights a call reads (the lowest, should it read several), else
+        MODEL when it reads weights outside every layer, else None."""
+        found = {g for a in args if (g := self.owner.get(data_address(a))) is not None}
+        layers = [g for g in found if isinstance(g, int)]
+        return min(layers) if layers else (MODEL if found else None)
 
     def hook_for_call(self, entry: str) -> Callable:
         log = CallLog(entry)
