@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from dsv41.compiler.build import CompileOptions, missing_entries
 from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
+from dsv41.compiler.tools.bench.contend import contending
 from dsv41.compiler.tools.bench.e2e_records import (  # noqa: F401 - re-exported (CLI, tests)
     DECODE_TOKEN,
     IMPLS,
@@ -162,6 +163,21 @@ def bench_decode_context(runners: dict[str, Callable], cache, context: int, opts
             say(f"  {cell.impl} @ {context}: {len(cell.samples_s)} of {opts.reps} reps within "
                 f"the {opts.budget_s:.0f} s budget")
     return list(cells.values())
+
+
+def contended_cells(runners: dict[str, Callable], cache, context: int, opts: BenchOptions,
+                    quiet: list[DecodeCell], say=print) -> list[DecodeCell]:
+    """The artifact's cell (else the first implementation's) again, beside `opts.contend`
+    busy loops at nice 19 (`contend.py`); its quiet cell was just measured."""
+    impl = Impl.ARTIFACT if Impl.ARTIFACT in runners else next(iter(runners))
+    done = next(c for c in quiet if c.impl == impl)
+    if done.median_s is None:
+        return [DecodeCell(impl, context, skipped=f"no quiet figure ({done.skipped})")]
+    with contending(opts.contend):
+        cells = bench_decode_context({impl: runners[impl]}, cache, context, opts, {}, say=say)
+    say(f"  {impl} beside {opts.contend} busy loop(s): {ms(cells[0].median_s)} "
+        f"(quiet {ms(done.median_s)})")
+    return cells
 
 
 def memory_skip(plan, context: int, weights_loaded: bool = True) -> str | None:
@@ -404,6 +420,8 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
             cells = bench_decode_context(runners, cache, n, opts, previous, say=bar.write,
                                          compiles=frozenset() if previous else
                                          frozenset({Impl.COMPILE}))
+            if opts.contend:
+                report.contended += contended_cells(runners, cache, n, opts, cells, bar.write)
             if opts.profile != Profile.NEVER and n == opts.profile_context:
                 report.profile = _maybe_profile(report, cells, phases, model, cache, n, opts,
                                                 bar.write)

@@ -42,6 +42,7 @@ TIERS = ("cold", "snapshot", "prefix")  # prefix = snapshot miss: bounded replay
 TIER_LABELS = {"cold": "cold", "snapshot": "snapshot hit", "prefix": "snapshot miss",
                "prefix-new-session": "prefix hit, new session"}
 TARGET_CONTEXT, TARGET_VS_COMPILE, TARGET_VS_EAGER = 65536, 2.0, 5.0
+TARGET_CONTENDED = 1.3  # a step beside --contend 1: at most this times the quiet one
 SCHEMA = "dsv41.bench/1"
 DECODE_TOKEN = 5  # the token fed to every timed decode step (not a special id)
 
@@ -77,6 +78,7 @@ class BenchOptions:
     json: Path | None = None
     plots: Path | None = None
     seed: int = 0
+    contend: int = 0  # busy-loop processes at nice 19 beside a second, contended decode pass
 
     def display(self) -> str:
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -97,6 +99,9 @@ class BenchOptions:
         if self.tier_context <= 0 or self.tier_suffix <= 0 or self.prefill_tokens < 0:
             raise ValueError("--tier-context and --tier-suffix must be positive, "
                              "--prefill-tokens non-negative.")
+        if self.contend < 0:
+            raise ValueError(f"--contend must be a number of processes >= 0, got "
+                             f"{self.contend}.")
         if self.prefill_chunk_tokens < 2:
             raise ValueError(f"--prefill-chunk must be at least 2 tokens, got "
                              f"{self.prefill_chunk_tokens}.")
@@ -218,6 +223,7 @@ class BenchReport:
     compile_s: dict[str, float] = field(default_factory=dict)
     profile: dict | None = None
     load_avg: dict[str, list[float]] = field(default_factory=dict)
+    contended: list[DecodeCell] = field(default_factory=list)  # the same cells, --contend N
     notes: list[str] = field(default_factory=list)
 
     def cell(self, impl: str, context: int) -> DecodeCell | None:
@@ -269,6 +275,23 @@ def targets(report: BenchReport) -> dict:
             "need_vs_compile": TARGET_VS_COMPILE, "need_vs_eager": TARGET_VS_EAGER,
             "met_vs_compile": None if vc is None else vc >= TARGET_VS_COMPILE,
             "met_vs_eager": None if ve is None else ve >= TARGET_VS_EAGER}
+
+
+def contention(report: BenchReport) -> dict | None:
+    """Per contended cell: its quiet median, its contended median and their ratio (the issue's
+    bar: at most 1.3x with one busy loop at 64K)."""
+    if not report.options.contend:
+        return None
+    rows = []
+    for c in report.contended:
+        q = report.cell(c.impl, c.context)
+        qm = q.median_s if q is not None else None
+        rows.append({"impl": c.impl, "context": c.context, "quiet_median_s": qm,
+                     "contended_median_s": c.median_s, "quiet_min_s": q.min_s if q else None,
+                     "contended_min_s": c.min_s,
+                     "ratio": c.median_s / qm if qm and c.median_s else None})
+    return {"processes": report.options.contend, "nice": 19, "target_ratio": TARGET_CONTENDED,
+            "rows": rows}
 
 
 def new_session_speedup(report) -> dict[str, float]:

@@ -29,7 +29,7 @@ from dsv41.compiler.tools.bench.roof import (
     measure_compute,
     stream_passes,
 )
-from dsv41.runtime.backends.threads import size_tvm_pool, tvm_num_threads
+from dsv41.runtime.backends.threads import pool_config, size_tvm_pool, tvm_num_threads
 
 MIN_SAMPLE_S = 0.01  # a timed sample repeats the call until it lasts at least this long
 
@@ -123,7 +123,9 @@ def set_threads(n: int) -> dict:
 
     n = n or torch.get_num_threads()
     torch.set_num_threads(n)
-    return {"torch": torch.get_num_threads(), "tvm": size_tvm_pool(n), "requested": n}
+    tvm = size_tvm_pool(n)
+    return {"torch": torch.get_num_threads(), "tvm": tvm, "requested": n,
+            "tvm_pool": pool_config().to_dict()}
 
 
 def _proc_status_bytes(field_name: str) -> int | None:

@@ -16,10 +16,11 @@ any layer's weights are `entry` (the embedding, Engram hashing), those reading w
 every layer (the final norm, the head) `model`. Layer kinds are the plan's roles (local, full,
 reindex, reuse) and `dspark` for the DSpark layers.
 
-The VM's overhead: the step's wall time, uninstrumented (best of a few), less the kernels' and
-host functions' own time measured by the hook. The hook's own time between calls (Python, a few
-microseconds each) lets TVM's idle workers fall asleep, so the hook's kernel times are upper
-bounds and the overhead, if anything, under-stated; the counts are exact.
+The VM's overhead: the time inside its builtins, plus whatever of the step's uninstrumented wall
+time (best of a few) the kernels, builtins and host functions measured by the hook leave over
+(the interpreter between calls). The hook's own time between calls (Python, a few microseconds
+each) lets TVM's idle workers fall asleep, so the hook's kernel times are upper bounds and the
+overhead, if anything, under-stated; the counts are exact.
 """
 
 from __future__ import annotations
