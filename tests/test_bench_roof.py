@@ -4,6 +4,7 @@ roofline computed from the best pass."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 
 import pytest
@@ -71,3 +72,48 @@ def test_roofline_fraction_uses_best_bandwidth_and_compute_roof():
     assert row.bandwidth_frac == pytest.approx(16.0 / 20.0)
     old = roofline_row("artifact", cost, 0.5, {"bandwidth_gbs": 20.0, "gemm_gflops": 100.0})
     assert old.flops_floor_s == pytest.approx(4.0)  # a record without a compute roof: fp32
+
+
+# ---- --contend N --------------------------------------------------------------------------------
+
+
+def test_contending_runs_busy_loops_at_nice_19_and_stops_them():
+    from dsv41.compiler.tools.bench.contend import contending
+
+    with contending(2) as c:
+        assert c.processes == 2 and len(c.pids) == 2 and c.to_dict() == {"processes": 2,
+                                                                           "nice": 19}
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in c.pids] == [19, 19]
+    for pid in c.pids:  # reaped: no such process any more
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with contending(0) as none:
+        assert none.pids == ()
+    with pytest.raises(ValueError, match="--contend takes a number of busy-loop processes >= 0, "
+                                         "got -1."):
+        with contending(-1):
+            pass
+
+
+def test_contend_option_and_report():
+    from dsv41.compiler.tools.bench.e2e_records import (
+        BenchOptions,
+        BenchReport,
+        DecodeCell,
+        contention,
+    )
+    from dsv41.compiler.tools.cli.main import main
+
+    with pytest.raises(ValueError, match="--contend must be a number of processes >= 0, got -2."):
+        BenchOptions(contend=-2).validate()
+    with pytest.raises(SystemExit):
+        main(["bench", "--contend", "-1"])
+    report = BenchReport(BenchOptions(contend=1, contexts=(64,)), {}, {}, None, "w")
+    assert contention(BenchReport(BenchOptions(), {}, {}, None, "w")) is None
+    report.decode.append(DecodeCell("artifact", 64, samples_s=[0.010, 0.012, 0.011]))
+    report.contended.append(DecodeCell("artifact", 64, samples_s=[0.013, 0.0143, 0.020]))
+    c = contention(report)
+    assert (c["processes"], c["nice"], c["target_ratio"]) == (1, 19, 1.3)
+    row = c["rows"][0]
+    assert (row["quiet_median_s"], row["contended_median_s"]) == (0.011, 0.0143)
+    assert row["ratio"] == pytest.approx(1.3) and row["quiet_min_s"] == 0.010
