@@ -147,3 +147,24 @@ def test_names_and_params():
     assert param_layer("mtp__0__attn__wkv__weight", 6) == 6
     assert param_layer("experts__4__w1", 6) == 4
     assert param_layer("head__weight", 6) is None
+
+
+def test_bench_profile_report_of_the_artifact(phases, small_model):
+    """`dsv41 bench --profile`'s artifact part (e2e.profile_artifact) and its text report."""
+    from dsv41.compiler.tools.bench.e2e import BenchOptions, profile_artifact
+    from dsv41.compiler.tools.bench.e2e_report import format_profile
+
+    m = small_model
+    cache = new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id)
+    phases.decode_step(m, cache, torch.tensor([PROMPT[:1]]))
+    state = StepState.of(cache)
+    opts = BenchOptions(prefill_tokens=8, prefill_chunk_tokens=8, profile_top=3)
+    layers = profile_artifact(phases, m, cache, state, opts)
+    assert set(layers) == {"decode", "prefill"} and layers["prefill"]["tokens"] == 8  # min(chunk, max(prompt, 16))
+    assert len(layers["decode"]["top"]) == 3
+    text = format_profile({"context": 64, "artifact": layers["decode"]["top"],
+                           "artifact_layers": layers})
+    assert "artifact kernels per layer kind (decode; prefill: one chunk of 8 tokens):" in text
+    for phase in ("decode", "prefill"):
+        k = layers[phase]["by_kind"]["reindex"]
+        assert f"reindex  layers [5]: kernels per layer {k['kernels_per_layer']}" in text
