@@ -160,7 +160,8 @@ def test_bench_profile_report_of_the_artifact(phases, small_model):
     state = StepState.of(cache)
     opts = BenchOptions(prefill_tokens=8, prefill_chunk_tokens=8, profile_top=3)
     layers = profile_artifact(phases, m, cache, state, opts)
-    assert set(layers) == {"decode", "prefill"} and layers["prefill"]["tokens"] == 8  # min(chunk, max(prompt, 16))
+    assert set(layers) == {"decode", "prefill"}
+    assert layers["prefill"]["tokens"] == 8  # one chunk: min(chunk, max(prompt, 16))
     assert len(layers["decode"]["top"]) == 3
     text = format_profile({"context": 64, "artifact": layers["decode"]["top"],
                            "artifact_layers": layers})
