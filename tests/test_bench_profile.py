@@ -43,8 +43,11 @@ def independent_layers(art, model, run) -> list[tuple[str, set]]:
     for entry in art.entries:
         for param, t in art.bound_params(entry):
             head, _, rest = param.partition("__")
-            layer = int(rest.split("__")[0]) + (n if head == "mtp" else 0) \
-                if head in ("layers", "mtp", "experts") else MODEL
+            layer = (
+                int(rest.split("__")[0]) + (n if head == "mtp" else 0)
+                if head in ("layers", "mtp", "experts")
+                else MODEL
+            )
             owner[t.data_ptr()] = layer
     seen: list[tuple[str, set]] = []
 
@@ -54,9 +57,18 @@ def independent_layers(art, model, run) -> list[tuple[str, set]]:
         def hook(func, name, before_run, ret_value, *args):
             name = str(name)
             if before_run and not name.startswith("vm.builtin.") and "." not in name:
-                seen.append((name, {owner[a.data_ptr()] for a in args
-                                    if hasattr(a, "data_ptr") and a.data_ptr() in owner}))
+                seen.append(
+                    (
+                        name,
+                        {
+                            owner[a.data_ptr()]
+                            for a in args
+                            if hasattr(a, "data_ptr") and a.data_ptr() in owner
+                        },
+                    )
+                )
             return 0
+
         return hook
 
     with art.instrumented(make):
@@ -88,8 +100,9 @@ def check_profile(prof, seen, model) -> None:
     layers = {int(k): v for k, v in prof["layers"].items() if k.isdigit()}
     kernels = [x for x in seen if x[1] is not None]
     assert prof["kernels"] == len(kernels) == sum(v["kernels"] for v in prof["layers"].values())
-    assert {(int(k) if k.isdigit() else k): v["kernels"] for k, v in prof["layers"].items()} \
-        == expected_counts(seen)
+    assert {
+        (int(k) if k.isdigit() else k): v["kernels"] for k, v in prof["layers"].items()
+    } == expected_counts(seen)
     assert set(layers) == set(range(len(plan.layers)))  # every layer, DSpark's included
     for i, row in layers.items():
         assert row["kind"] == (DSPARK if plan.layers[i].stage == DSPARK else plan.layers[i].role)
@@ -110,8 +123,14 @@ def test_decode_profile_counts_kernels_per_layer_kind(phases, small_model):
     # shared-small's Engram layers gather on the host, once each per call
     assert prof["host_calls"] == len(m.args.engram_layer_ids)
     assert {k: v["layers"] for k, v in prof["by_kind"].items()} == {
-        "local": [0], "full": [1, 3], "reuse": [2, 4], "reindex": [5], DSPARK: [6],
-        ENTRY: [ENTRY], MODEL: [MODEL]}
+        "local": [0],
+        "full": [1, 3],
+        "reuse": [2, 4],
+        "reindex": [5],
+        DSPARK: [6],
+        ENTRY: [ENTRY],
+        MODEL: [MODEL],
+    }
     state.restore(cache)
     seen = independent_layers(phases.art, m, lambda: phases.decode_step(m, cache, tok))
     check_profile(prof, seen, m)
@@ -132,8 +151,10 @@ def test_prefill_profile_runs_encoder_and_decoder(phases, small_model):
 
 def test_instrumented_is_one_at_a_time_and_cleans_up(phases):
     art = phases.art
-    with art.instrumented(lambda entry: None), pytest.raises(ArtifactError,
-                                                             match="already instrumented"):
+    with (
+        art.instrumented(lambda entry: None),
+        pytest.raises(ArtifactError, match="already instrumented"),
+    ):
         with art.instrumented(lambda entry: None):
             pass
     assert art._instrument is None and art._vms == {}
@@ -163,8 +184,9 @@ def test_bench_profile_report_of_the_artifact(phases, small_model):
     assert set(layers) == {"decode", "prefill"}
     assert layers["prefill"]["tokens"] == 8  # one chunk: min(chunk, max(prompt, 16))
     assert len(layers["decode"]["top"]) == 3
-    text = format_profile({"context": 64, "artifact": layers["decode"]["top"],
-                           "artifact_layers": layers})
+    text = format_profile(
+        {"context": 64, "artifact": layers["decode"]["top"], "artifact_layers": layers}
+    )
     assert "artifact kernels per layer kind (decode; prefill: one chunk of 8 tokens):" in text
     for phase in ("decode", "prefill"):
         k = layers[phase]["by_kind"]["reindex"]

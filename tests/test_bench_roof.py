@@ -81,16 +81,16 @@ def test_contending_runs_busy_loops_at_nice_19_and_stops_them():
     from dsv41.compiler.tools.bench.contend import contending
 
     with contending(2) as c:
-        assert c.processes == 2 and len(c.pids) == 2 and c.to_dict() == {"processes": 2,
-                                                                           "nice": 19}
+        assert c.processes == 2 and len(c.pids) == 2 and c.to_dict() == {"processes": 2, "nice": 19}
         assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in c.pids] == [19, 19]
     for pid in c.pids:  # reaped: no such process any more
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     with contending(0) as none:
         assert none.pids == ()
-    with pytest.raises(ValueError, match="--contend takes a number of busy-loop processes >= 0, "
-                                         "got -1."):
+    with pytest.raises(
+        ValueError, match="--contend takes a number of busy-loop processes >= 0, got -1."
+    ):
         with contending(-1):
             pass
 
