@@ -65,14 +65,14 @@ def test_pool_is_configured_before_tvm_starts_it():
     code = ("import os\n"
             "from dsv41.runtime.backends.threads import pool_config, size_tvm_pool\n"
             "assert 'TVM_THREAD_POOL_SPIN_COUNT' not in os.environ\n"
-            "size_tvm_pool(2)\n"
+            "size_tvm_pool(1)\n"
             "print(os.environ['TVM_THREAD_POOL_SPIN_COUNT'], pool_config().to_dict())\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("TVM_THREAD_POOL_SPIN_COUNT", "TVM_NUM_THREADS", "TVM_BIND_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "0 {'threads': 2, 'spin_count': 0, 'bind_threads': True}"
+    assert out.stdout.strip() == "0 {'threads': 1, 'spin_count': 0, 'bind_threads': True}"
 
 
 def nice_of_thread(run) -> tuple[int, int]:
