@@ -101,8 +101,6 @@ class Recorder:
         self.n_layers = n_layers
         self.owner: dict[int, int | str] = {}  # data pointer of a bound weight -> its group
         for entry in artifact.entries:
-            if entry not in artifact.specs:
-                continue
             for param, t in artifact.bound_params(entry):
                 layer = param_layer(param, n_layers)
                 self.owner[t.data_ptr()] = MODEL if layer is None else layer
