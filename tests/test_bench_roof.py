@@ -117,3 +117,22 @@ def test_contend_option_and_report():
     row = c["rows"][0]
     assert (row["quiet_median_s"], row["contended_median_s"]) == (0.011, 0.0143)
     assert row["ratio"] == pytest.approx(1.3) and row["quiet_min_s"] == 0.010
+
+
+def test_roofline_row_names_its_compute_roof():
+    cost = StepCost(4096, 1_000_000, 0, 2_000_000_000, 0.0, 1)
+    assert (
+        roofline_row(
+            "eager",
+            cost,
+            None,
+            {"bandwidth_gbs": 1.0, "gemm_gflops": 100.0, "compute_gflops": 250.0},
+        ).compute_gflops
+        == 250.0
+    )
+    assert (
+        roofline_row(
+            "eager", cost, None, {"bandwidth_gbs": 1.0, "gemm_gflops": 100.0}
+        ).compute_gflops
+        == 100.0
+    )

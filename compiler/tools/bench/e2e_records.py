@@ -164,6 +164,7 @@ class RooflineRow:
     flops_floor_s: float = 0.0  # flops / compute roof: the fastest a compute-bound step can be
     roof_s: float = 0.0  # the step's roofline: the larger of the two floors
     roof_frac: float | None = None  # roof_s / seconds
+    compute_gflops: float | None = None  # the compute roof flops_floor_s and compute_frac used
 
 
 @dataclass(frozen=True)
@@ -259,12 +260,13 @@ def ratios(report: BenchReport) -> list[dict]:
 def roofline_row(impl: str, cost, seconds: float | None, machine: dict) -> RooflineRow:
     """The step against the best-of-N bandwidth and the best matrix rate of the step's dtypes
     (`roof.py`; a machine record without one falls back to the fp32 GEMM rate)."""
+    rate = machine.get("compute_gflops") or machine["gemm_gflops"]
     r = roof_point(cost.bytes, cost.flops, seconds, bandwidth_gbs=machine["bandwidth_gbs"],
-                   gemm_gflops=machine.get("compute_gflops") or machine["gemm_gflops"])
+                   gemm_gflops=rate)
     return RooflineRow(impl, cost.context, cost.weight_bytes, cost.kv_bytes, cost.flops, seconds,
                        r.achieved_gbs, r.bandwidth_frac, r.achieved_gflops, r.compute_frac,
                        r.bytes_floor_s, r.flops_floor_s, r.floor_s,
-                       r.floor_s / seconds if seconds else None)
+                       r.floor_s / seconds if seconds else None, rate)
 
 
 def targets(report: BenchReport) -> dict:
