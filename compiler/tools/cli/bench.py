@@ -100,6 +100,9 @@ def e2e_args(p) -> None:
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--plots", default=None, help="write PNG plots into this folder")
     p.add_argument("--seed", type=natural, default=0)
+    p.add_argument("--contend", type=natural, default=0,
+                   help="N busy-loop processes at nice 19 beside a second decode pass (the "
+                        "artifact's), reported with the quiet figure (0: none)")
 
 
 def impls_of(text: str) -> tuple[Impl | str, ...]:
@@ -123,7 +126,7 @@ def e2e_options(ns) -> BenchOptions:
         profile=Profile(ns.profile), profile_context=parse_tokens(ns.profile_context)[0],
         profile_top=ns.profile_top,
         json=Path(ns.json) if ns.json else None, plots=Path(ns.plots) if ns.plots else None,
-        seed=ns.seed)
+        seed=ns.seed, contend=ns.contend)
 
 
 def run_e2e(ns) -> int:
