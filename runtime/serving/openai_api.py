@@ -320,9 +320,13 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
         raise bad_request(f"tool_choice {choice.kind.value!r} needs the chat format; this "
                           f"tokenizer ({tok.file.source.value}) renders plain prompts.",
                           "tool_choice")
-    if chat_form and choice.tools and choice.kind is not ChoiceKind.AUTO:
-        constraint = choice.constraint(texts() if texts else TokenTexts.of(tok),
-                                       thinking=chat.options.thinking)
+    if chat_form and choice.tools and (choice.kind is not ChoiceKind.AUTO or choice.strict_auto):
+        try:  # the calls follow the tools' schemas (an llguidance grammar)
+            constraint = choice.constraint(texts() if texts else TokenTexts.of(tok),
+                                           thinking=chat.options.thinking,
+                                           vocab=grammar() if grammar else GrammarVocab.of(tok))
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
         params = replace(params, constraint=constraint)
     params = _structured(body, params, grammar or (lambda: GrammarVocab.of(tok)),
                          thinking=chat_form and chat.options.thinking,
