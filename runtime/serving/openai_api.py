@@ -308,12 +308,6 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
         max_tokens = body.get("max_tokens")
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None,
                        vocab_size=vocab_size)
-    try:
-        ids = chat_prompt_ids(tok, chat.messages, chat.options, image_token_id=image_token_id,
-                              budget=budget)
-        images = tuple(data_uri_image(url) for url in chat_images(chat.messages))
-    except ValueError as e:  # RequestError too (a bad image)
-        raise bad_request(str(e), "messages") from None
     chat_form = prompt_format(tok) is PromptFormat.CHAT
     choice = chat.tool_choice
     if choice.kind in (ChoiceKind.REQUIRED, ChoiceKind.NAMED) and not chat_form:
@@ -328,6 +322,12 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
         except ValueError as e:
             raise bad_request(str(e), "tools") from None
         params = replace(params, constraint=constraint)
+    try:
+        ids = chat_prompt_ids(tok, chat.messages, chat.options, image_token_id=image_token_id,
+                              budget=budget)
+        images = tuple(data_uri_image(url) for url in chat_images(chat.messages))
+    except ValueError as e:  # RequestError too (a bad image)
+        raise bad_request(str(e), "messages") from None
     params = _structured(body, params, grammar or (lambda: GrammarVocab.of(tok)),
                          thinking=chat_form and chat.options.thinking,
                          texts=texts or (lambda: TokenTexts.of(tok)))

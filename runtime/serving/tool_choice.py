@@ -53,7 +53,12 @@ from dsv41.runtime.serving.release_format import (
 )
 from dsv41.runtime.serving.structured import GrammarConstraint, GrammarVocab
 from dsv41.runtime.serving.token_texts import AvoidText, CharConstraint, TokenTexts
-from dsv41.runtime.serving.tool_grammar import BlockMode, block_grammar, check_grammar
+from dsv41.runtime.serving.tool_grammar import (
+    FORBIDDEN,
+    BlockMode,
+    block_grammar,
+    check_grammar,
+)
 
 __all__ = ["AvoidText", "ChoiceKind", "DsmlConstraint", "TokenTexts", "ToolChoice", "ToolSpec",
            "tool_specs"]  # AvoidText, TokenTexts: token_texts.py's, kept importable from here
@@ -104,9 +109,9 @@ def _param(name: str, schema, where: str) -> ParamSpec:
         values = schema["enum"]
         if not isinstance(values, list) or not values:
             raise ValueError(f"{where}.properties.{name}.enum must be a non-empty list.")
-        if any(isinstance(v, str) and (DSML in v or "<" in v) for v in values):
-            raise ValueError(f"{where}.properties.{name}.enum holds a string with '<' or "
-                             f"{DSML}; a DSML value cannot spell it.")
+        if any(isinstance(v, str) and FORBIDDEN in v for v in values):
+            raise ValueError(f"{where}.properties.{name}.enum holds a string with "
+                             f"{FORBIDDEN}; a DSML value cannot spell it.")
         return ParamSpec(name, (ValueKind.ENUM,), tuple(values))
     t = schema.get("type")
     if isinstance(t, str) and t in _TYPES:

@@ -40,6 +40,7 @@ arguments are checked after generation (`ToolChoice.check_call`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from enum import Enum
 
@@ -268,5 +269,11 @@ def check_grammar(grammar: str, lltok: llguidance.LLTokenizer) -> None:
     """ValueError with llguidance's reason when it cannot enforce the grammar (an unimplemented
     schema keyword, a regex feature, a bad `$ref`)."""
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
-    if failed:
-        raise ValueError(" ".join(messages[0].split()))
+    if failed:  # the reason, without llguidance's excerpt of the grammar
+        why = messages[0].split("failed to compile JSON schema: ", 1)[-1]
+        lines = []
+        for line in why.splitlines():
+            if re.match(r"\s*\d+ \|", line):
+                break
+            lines.append(line)
+        raise ValueError(" ".join(" ".join(lines).split()))
