@@ -310,10 +310,6 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
                        vocab_size=vocab_size)
     chat_form = prompt_format(tok) is PromptFormat.CHAT
     choice = chat.tool_choice
-    if choice.kind in (ChoiceKind.REQUIRED, ChoiceKind.NAMED) and not chat_form:
-        raise bad_request(f"tool_choice {choice.kind.value!r} needs the chat format; this "
-                          f"tokenizer ({tok.file.source.value}) renders plain prompts.",
-                          "tool_choice")
     if chat_form and choice.tools and (choice.kind is not ChoiceKind.AUTO or choice.strict_auto):
         try:  # the calls follow the tools' schemas (an llguidance grammar)
             constraint = choice.constraint(texts() if texts else TokenTexts.of(tok),
@@ -328,6 +324,10 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
         images = tuple(data_uri_image(url) for url in chat_images(chat.messages))
     except ValueError as e:  # RequestError too (a bad image)
         raise bad_request(str(e), "messages") from None
+    if choice.kind in (ChoiceKind.REQUIRED, ChoiceKind.NAMED) and not chat_form:
+        raise bad_request(f"tool_choice {choice.kind.value!r} needs the chat format; this "
+                          f"tokenizer ({tok.file.source.value}) renders plain prompts.",
+                          "tool_choice")
     params = _structured(body, params, grammar or (lambda: GrammarVocab.of(tok)),
                          thinking=chat_form and chat.options.thinking,
                          texts=texts or (lambda: TokenTexts.of(tok)))

@@ -33,8 +33,9 @@ class TokenTexts:
     def of(cls, tok: Tokenizer) -> TokenTexts:
         texts = tuple(tok.decode([i], skip_special=False) for i in range(tok.n_ids))
         eos = tok.special.eos
-        return cls(texts, eos, frozenset(i for i in range(tok.n_ids)
-                                         if tok.is_special(i) and i != eos))
+        return cls(
+            texts, eos, frozenset(i for i in range(tok.n_ids) if tok.is_special(i) and i != eos)
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -83,8 +84,11 @@ class CharConstraint:
     def advance(self, state, token: int):
         if token == self.texts.eos:
             return ("eos",) if self.final(state) else None
-        if not 0 <= token < self.vocab_size or token in self.texts.banned or \
-                not self.texts.texts[token]:
+        if (
+            not 0 <= token < self.vocab_size
+            or token in self.texts.banned
+            or not self.texts.texts[token]
+        ):
             return None
         return self.walk(state, self.texts.texts[token])
 

@@ -78,8 +78,21 @@ def _esc(s: str) -> str:
 
 
 NO_CLOSE = _avoiding(FORBIDDEN)  # a string without `</｜DSML｜`
-RAW_KEYS = frozenset({"type", "minLength", "maxLength", "description", "title", "default",
-                      "examples", "$comment", "deprecated", "readOnly", "writeOnly"})
+RAW_KEYS = frozenset(
+    {
+        "type",
+        "minLength",
+        "maxLength",
+        "description",
+        "title",
+        "default",
+        "examples",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+    }
+)
 STRING_KEYS = ("pattern", "format", "enum", "const")  # a string schema that keeps its own rule
 
 
@@ -113,17 +126,33 @@ def guard_strings(schema, defs: Mapping | None = None):
     out = {}
     for k, v in schema.items():
         if k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
-            out[k] = {n: guard_strings(s) for n, s in v.items()} if isinstance(v, Mapping) \
-                else v
-        elif k in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf",
-                   "not", "contains", "if", "then", "else", "propertyNames",
-                   "unevaluatedProperties", "unevaluatedItems", "additionalItems"):
+            out[k] = {n: guard_strings(s) for n, s in v.items()} if isinstance(v, Mapping) else v
+        elif k in (
+            "items",
+            "additionalProperties",
+            "prefixItems",
+            "anyOf",
+            "oneOf",
+            "allOf",
+            "not",
+            "contains",
+            "if",
+            "then",
+            "else",
+            "propertyNames",
+            "unevaluatedProperties",
+            "unevaluatedItems",
+            "additionalItems",
+        ):
             out[k] = guard_strings(v)
         else:
             out[k] = v
     types = _types(schema)
-    if (types is None or "string" in types) and not any(k in schema for k in STRING_KEYS) \
-            and "$ref" not in schema:
+    if (
+        (types is None or "string" in types)
+        and not any(k in schema for k in STRING_KEYS)
+        and "$ref" not in schema
+    ):
         out["pattern"] = f"^{NO_CLOSE}$"
     if defs:
         for key in ("$defs", "definitions"):
@@ -165,10 +194,13 @@ def value_alternatives(name: str, schema, root: Mapping) -> list[tuple[str, str,
         out = []
         for v in values:
             if isinstance(v, str) and FORBIDDEN in v:
-                raise ValueError(f"properties.{name} has the value {v!r:.60}, which spells "
-                                 f"{FORBIDDEN}; a DSML value cannot.")
-            flag, text = ("true", v) if isinstance(v, str) else \
-                ("false", json.dumps(v, ensure_ascii=False))
+                raise ValueError(
+                    f"properties.{name} has the value {v!r:.60}, which spells "
+                    f"{FORBIDDEN}; a DSML value cannot."
+                )
+            flag, text = (
+                ("true", v) if isinstance(v, str) else ("false", json.dumps(v, ensure_ascii=False))
+            )
             out.append((flag, _lit(text + END_PARAM), True))  # whole: no lexeme a prefix
         return out
     types = _types(schema)
@@ -189,8 +221,10 @@ def _param_rules(rule: str, key: str, schema, root: Mapping) -> list[str]:
         head = _lit(f'{OPEN_PARAM}{key}" string="{flag}">')
         if raw:
             alts.append(f"{head} {rule}_raw{j}")
-            rules += [f"{rule}_raw{j}[lazy]: {rule.upper()}_RAW{j}",
-                      f"{rule.upper()}_RAW{j}: {expr}"]
+            rules += [
+                f"{rule}_raw{j}[lazy]: {rule.upper()}_RAW{j}",
+                f"{rule.upper()}_RAW{j}: {expr}",
+            ]
         else:
             alts.append(f"{head} {rule}_v{j} {_lit(END_PARAM)}")
             rules.append(f"{rule}_v{j}: {expr}")
@@ -204,8 +238,9 @@ def _params_rule(rule: str, params: Sequence[str], required: Sequence[bool]) -> 
     for j, p in enumerate(params):
         if any(required[:j]):
             break
-        rest = " ".join(q + ("" if r else "?") for q, r in
-                        zip(params[j + 1:], required[j + 1:], strict=True))
+        rest = " ".join(
+            q + ("" if r else "?") for q, r in zip(params[j + 1 :], required[j + 1 :], strict=True)
+        )
         alts.append(f"{p} {rest}".strip())
     return f"{rule}: " + " | ".join(alts)
 
@@ -214,11 +249,13 @@ def _loose_param_rules(rule: str, keys: Sequence[str]) -> list[str]:
     """A non-strict tool's parameters under a lazy grammar: its own keys, any values."""
     names = " | ".join(_lit(k) for k in keys)
     raw, js = _lit('" string="true">'), _lit('" string="false">')
-    return [f"{rule}: {rule}_one+",
-            f"{rule}_one: {_lit(OPEN_PARAM)} ({names}) ({raw} {rule}_raw | {rule}_json)",
-            f"{rule}_raw[lazy]: {rule.upper()}_RAW",
-            f"{rule.upper()}_RAW: {_raw_string({})}",
-            f"{rule}_json: {js} {_json_value({}, {})} {_lit(END_PARAM)}"]
+    return [
+        f"{rule}: {rule}_one+",
+        f"{rule}_one: {_lit(OPEN_PARAM)} ({names}) ({raw} {rule}_raw | {rule}_json)",
+        f"{rule}_raw[lazy]: {rule.upper()}_RAW",
+        f"{rule.upper()}_RAW: {_raw_string({})}",
+        f"{rule}_json: {js} {_json_value({}, {})} {_lit(END_PARAM)}",
+    ]
 
 
 def tool_rules(rule: str, name: str, schema: Mapping, *, loose: bool = False) -> list[str]:
@@ -243,8 +280,9 @@ def tool_rules(rule: str, name: str, schema: Mapping, *, loose: bool = False) ->
     return [f"{rule}: {head} ({' | '.join(alts)})", *lines]
 
 
-def block_grammar(tools: Sequence[tuple[str, Mapping, bool]], *, parallel: bool,
-                  mode: BlockMode) -> str:
+def block_grammar(
+    tools: Sequence[tuple[str, Mapping, bool]], *, parallel: bool, mode: BlockMode
+) -> str:
     """The Lark grammar of a reply's DSML block over `tools` ((name, parameters schema,
     constrained)); `mode`: the whole reply is the block, or free text that may start one."""
     assert tools, "a block needs a tool"
@@ -253,15 +291,19 @@ def block_grammar(tools: Sequence[tuple[str, Mapping, bool]], *, parallel: bool,
     for i, (name, schema, constrained) in enumerate(tools):
         lines += tool_rules(f"t{i}", name, schema, loose=not constrained)
         invokes.append(f"t{i}")
-    lines += [f"invoke: {' | '.join(invokes)}",
-              f"calls: invoke{'+' if parallel else ''} {_lit(CLOSE_CALLS[1:])}"]
+    lines += [
+        f"invoke: {' | '.join(invokes)}",
+        f"calls: invoke{'+' if parallel else ''} {_lit(CLOSE_CALLS[1:])}",
+    ]
     if mode is BlockMode.REQUIRED:
         lines.insert(1, f"start: {_lit(OPEN_CALLS)} calls")
     else:
         opening = OPEN_CALLS.rstrip("\n")
-        lines[1:1] = ["start: FREE | head calls",
-                      f"FREE: /(?s:.*)/ & ~{_regex(f'(?s:.*){_esc(opening)}(?s:.*)')}",
-                      f"head[lazy]: {_regex(f'(?s:.*){_esc(OPEN_CALLS)}')}"]
+        lines[1:1] = [
+            "start: FREE | head calls",
+            f"FREE: /(?s:.*)/ & ~{_regex(f'(?s:.*){_esc(opening)}(?s:.*)')}",
+            f"head[lazy]: {_regex(f'(?s:.*){_esc(OPEN_CALLS)}')}",
+        ]
     return "\n".join(lines) + "\n"
 
 
