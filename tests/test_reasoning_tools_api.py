@@ -27,6 +27,7 @@ from dsv41.runtime.serving.openai_api import (
 )
 from dsv41.runtime.serving.release_format import DSML
 from dsv41.runtime.serving.state import AppState, ServerOptions
+from dsv41.runtime.serving.structured import GrammarConstraint
 from dsv41.runtime.serving.tokenizer import Tokenizer
 from dsv41.runtime.serving.tool_calls import (
     ReasoningFilter,
@@ -34,7 +35,7 @@ from dsv41.runtime.serving.tool_calls import (
     parse_tool_calls,
     split_reasoning,
 )
-from dsv41.runtime.serving.tool_choice import AvoidText, DsmlConstraint, TokenTexts
+from dsv41.runtime.serving.tool_choice import AvoidText, TokenTexts
 
 MODEL = "small"
 BLOCK = (f'<{DSML} calls>\n<{DSML} invoke name="get_weather">\n'
@@ -226,7 +227,7 @@ def test_tool_choice_sets_the_constraint():
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
         req = chat(tool_choice=choice, parallel_tool_calls=False)
         c = req.params.constraint
-        assert isinstance(c, DsmlConstraint) and req.reads_tool_calls
+        assert isinstance(c, GrammarConstraint) and req.reads_tool_calls
         assert not req.parallel_tool_calls
         ids = tok.encode(f'<{DSML} calls>\n<{DSML} invoke name="f">\n')
         state = c.start()
@@ -248,11 +249,11 @@ def test_the_stub_offers_no_tools(stub):
 
 def test_the_small_presets_own_tokenizer_offers_tools():
     """The small preset's default vocabulary (the byte-level BPE with the chat markers) takes
-    tools: `required` attaches the DSML constraint, which lets the block's opening through."""
+    tools: `required` attaches the DSML grammar, which lets the block's opening through."""
     tok = Tokenizer.for_model(preset("small"))
     req = _chat(tok, tools=[TOOL], tool_choice="required")
     c = req.params.constraint
-    assert isinstance(c, DsmlConstraint) and req.reads_tool_calls
+    assert isinstance(c, GrammarConstraint) and req.reads_tool_calls
     state = c.start()
     for t in tok.encode(f"<{DSML} calls>\n"):
         assert c.allowed(state)[t], tok.decode([t], skip_special=False)

@@ -308,22 +308,26 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
         max_tokens = body.get("max_tokens")
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None,
                        vocab_size=vocab_size)
+    chat_form = prompt_format(tok) is PromptFormat.CHAT
+    choice = chat.tool_choice
+    if chat_form and choice.tools and (choice.kind is not ChoiceKind.AUTO or choice.strict_auto):
+        try:  # the calls follow the tools' schemas (an llguidance grammar)
+            constraint = choice.constraint(texts() if texts else TokenTexts.of(tok),
+                                           thinking=chat.options.thinking,
+                                           vocab=grammar() if grammar else GrammarVocab.of(tok))
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+        params = replace(params, constraint=constraint)
     try:
         ids = chat_prompt_ids(tok, chat.messages, chat.options, image_token_id=image_token_id,
                               budget=budget)
         images = tuple(data_uri_image(url) for url in chat_images(chat.messages))
     except ValueError as e:  # RequestError too (a bad image)
         raise bad_request(str(e), "messages") from None
-    chat_form = prompt_format(tok) is PromptFormat.CHAT
-    choice = chat.tool_choice
     if choice.kind in (ChoiceKind.REQUIRED, ChoiceKind.NAMED) and not chat_form:
         raise bad_request(f"tool_choice {choice.kind.value!r} needs the chat format; this "
                           f"tokenizer ({tok.file.source.value}) renders plain prompts.",
                           "tool_choice")
-    if chat_form and choice.tools and choice.kind is not ChoiceKind.AUTO:
-        constraint = choice.constraint(texts() if texts else TokenTexts.of(tok),
-                                       thinking=chat.options.thinking)
-        params = replace(params, constraint=constraint)
     params = _structured(body, params, grammar or (lambda: GrammarVocab.of(tok)),
                          thinking=chat_form and chat.options.thinking,
                          texts=texts or (lambda: TokenTexts.of(tok)))

@@ -46,8 +46,8 @@ import torch
 from jsonschema import Draft202012Validator, SchemaError
 
 from dsv41.runtime.serving.release_format import THINK_CLOSE
+from dsv41.runtime.serving.token_texts import AvoidText, TokenTexts
 from dsv41.runtime.serving.tokenizer import Tokenizer
-from dsv41.runtime.serving.tool_choice import AvoidText, TokenTexts
 
 # llguidance's JSON options: json.dumps's separators, no other whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

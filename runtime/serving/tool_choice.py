@@ -33,13 +33,12 @@ their length (a free string ends when the model closes it), so a reply cut by ma
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from functools import cached_property
 
-import torch
 from jsonschema import Draft202012Validator, SchemaError
+from jsonschema.exceptions import best_match
 
 from dsv41.runtime.serving.release_format import (
     CLOSE_CALLS,
@@ -50,10 +49,19 @@ from dsv41.runtime.serving.release_format import (
     OPEN_INVOKE,
     OPEN_PARAM,
     THINK_CLOSE,
+    ToolCall,
 )
-from dsv41.runtime.serving.tokenizer import Tokenizer
+from dsv41.runtime.serving.structured import GrammarConstraint, GrammarVocab
+from dsv41.runtime.serving.token_texts import AvoidText, CharConstraint, TokenTexts
+from dsv41.runtime.serving.tool_grammar import (
+    FORBIDDEN,
+    BlockMode,
+    block_grammar,
+    check_grammar,
+)
 
-MAX_MEMO = 4096  # masks kept per constraint object
+__all__ = ["AvoidText", "ChoiceKind", "DsmlConstraint", "TokenTexts", "ToolChoice", "ToolSpec",
+           "tool_specs"]  # AvoidText, TokenTexts: token_texts.py's, kept importable from here
 
 
 # ---- the tools ----------------------------------------------------------------------------------
@@ -81,6 +89,13 @@ class ToolSpec:
     name: str
     params: tuple[ParamSpec, ...]  # in the schema's order
     required: frozenset[str]
+    schema: str = '{"type": "object", "properties": {}}'  # `parameters` as JSON text
+    strict: bool = False  # `function.strict`: under `auto` its calls are grammar-constrained
+    index: int = 0  # its place in the request's `tools`
+
+    @property
+    def parameters(self) -> dict:
+        return json.loads(self.schema)
 
 
 _TYPES = {"string": ValueKind.STRING, "integer": ValueKind.INTEGER, "number": ValueKind.NUMBER,
@@ -94,9 +109,9 @@ def _param(name: str, schema, where: str) -> ParamSpec:
         values = schema["enum"]
         if not isinstance(values, list) or not values:
             raise ValueError(f"{where}.properties.{name}.enum must be a non-empty list.")
-        if any(isinstance(v, str) and (DSML in v or "<" in v) for v in values):
-            raise ValueError(f"{where}.properties.{name}.enum holds a string with '<' or "
-                             f"{DSML}; a DSML value cannot spell it.")
+        if any(isinstance(v, str) and FORBIDDEN in v for v in values):
+            raise ValueError(f"{where}.properties.{name}.enum holds a string with "
+                             f"{FORBIDDEN}; a DSML value cannot spell it.")
         return ParamSpec(name, (ValueKind.ENUM,), tuple(values))
     t = schema.get("type")
     if isinstance(t, str) and t in _TYPES:
@@ -147,120 +162,17 @@ def tool_specs(tools) -> tuple[ToolSpec, ...]:
         if missing:
             raise ValueError(f"{where}.required names {missing[0]!r}, which is not one of its "
                              f"properties.")
-        out.append(ToolSpec(name, params, required))
+        strict = fn.get("strict", False)
+        if not isinstance(strict, bool):
+            raise ValueError(f"tools[{i}].function.strict must be true or false, not "
+                             f"{strict!r:.60}.")
+        try:
+            text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            raise ValueError(f"{where} holds a number JSON cannot spell (NaN or infinity).") \
+                from None
+        out.append(ToolSpec(name, params, required, text, strict, i))
     return tuple(out)
-
-
-# ---- the token texts ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class TokenTexts:
-    """Each token id's text (`decode([id])`, special tokens spelled), for the constraints; built
-    once per tokenizer (a few seconds on the released 129,280 ids)."""
-
-    texts: tuple[str, ...]
-    eos: int
-    banned: frozenset[int]  # special tokens other than EOS: never allowed under a constraint
-
-    @classmethod
-    def of(cls, tok: Tokenizer) -> TokenTexts:
-        texts = tuple(tok.decode([i], skip_special=False) for i in range(tok.n_ids))
-        eos = tok.special.eos
-        return cls(texts, eos, frozenset(i for i in range(tok.n_ids)
-                                         if tok.is_special(i) and i != eos))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.texts)
-
-    @cached_property
-    def avoid_calls(self) -> AvoidText:
-        """tool_choice none's constraint, one per vocabulary (so its masks are shared)."""
-        return AvoidText(self, OPEN_CALLS.rstrip("\n"))
-
-    @cached_property
-    def avoid_think_close(self) -> AvoidText:
-        """Reasoning under response_format: `</think>` never spelled by smaller tokens (the
-        structured constraint allows its own token), one per vocabulary."""
-        return AvoidText(self, THINK_CLOSE)
-
-
-class _CharConstraint:
-    """A LogitsConstraint from a character automaton: `step(state, ch) -> state | None`,
-    `final(state)` (EOS allowed; a final state takes no character). Masks memoised per state;
-    tokens grouped by first character so a state that takes few characters checks few tokens."""
-
-    def __init__(self, texts: TokenTexts):
-        self.texts = texts
-        self.vocab_size = texts.vocab_size
-        self._memo: dict[Hashable, torch.Tensor] = {}
-        by_first: dict[str, list[int]] = {}
-        for i, s in enumerate(texts.texts):
-            if s and i not in texts.banned and i != texts.eos:
-                by_first.setdefault(s[0], []).append(i)
-        self._by_first = by_first
-
-    def step(self, state, ch: str):
-        raise NotImplementedError
-
-    def final(self, state) -> bool:
-        raise NotImplementedError
-
-    def walk(self, state, text: str):
-        for ch in text:
-            state = self.step(state, ch)
-            if state is None:
-                return None
-        return state
-
-    def advance(self, state, token: int):
-        if token == self.texts.eos:
-            return ("eos",) if self.final(state) else None
-        if not 0 <= token < self.vocab_size or token in self.texts.banned or \
-                not self.texts.texts[token]:
-            return None
-        return self.walk(state, self.texts.texts[token])
-
-    def allowed(self, state) -> torch.Tensor:
-        mask = self._memo.get(state)
-        if mask is not None:
-            return mask
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        if state != ("eos",):
-            if self.final(state):
-                mask[self.texts.eos] = True
-            for first, ids in self._by_first.items():
-                after = self.step(state, first)
-                if after is None:
-                    continue
-                for i in ids:
-                    if self.walk(after, self.texts.texts[i][1:]) is not None:
-                        mask[i] = True
-        if len(self._memo) < MAX_MEMO:
-            self._memo[state] = mask
-        return mask
-
-
-class AvoidText(_CharConstraint):
-    """Any reply that never spells `text` (tool_choice none: the DSML block's opening tag).
-    State: how much of `text` the output's end matches."""
-
-    def __init__(self, texts: TokenTexts, text: str):
-        assert text and text[0] not in text[1:], "AvoidText's naive restart needs a unique start"
-        super().__init__(texts)
-        self.text = text
-
-    def start(self):
-        return 0
-
-    def step(self, k: int, ch: str):
-        if ch == self.text[k]:
-            return None if k + 1 == len(self.text) else k + 1
-        return 1 if ch == self.text[0] else 0
-
-    def final(self, k) -> bool:
-        return True
 
 
 # ---- the DSML grammar ---------------------------------------------------------------------------
@@ -299,7 +211,7 @@ def _json(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-class DsmlConstraint(_CharConstraint):
+class DsmlConstraint(CharConstraint):
     """tool_choice `required` or a named function: the reply is one DSML block of the allowed
     tools (see the module docstring). States are nested tuples:
 
@@ -541,10 +453,77 @@ class ToolChoice:
     def reads_calls(self) -> bool:
         return self.kind is not ChoiceKind.NONE and bool(self.tools)
 
-    def constraint(self, texts: TokenTexts, *, thinking: bool):
-        """The request's LogitsConstraint (None: `auto`, free)."""
-        if self.kind is ChoiceKind.AUTO:
+    @property
+    def strict_auto(self) -> bool:
+        """`auto` with a `strict: true` tool: a call, once started, is grammar-constrained."""
+        return self.kind is ChoiceKind.AUTO and any(t.strict for t in self.tools)
+
+    def grammar(self, lltok) -> str | None:
+        """The llguidance grammar of the calls (None: `none`, or `auto` without a strict tool);
+        ValueError naming the tool and the schema feature llguidance cannot enforce."""
+        if self.kind is ChoiceKind.NONE or (self.kind is ChoiceKind.AUTO and
+                                            not self.strict_auto):
             return None
+        auto = self.kind is ChoiceKind.AUTO
+        tools = []
+        for t in self.tools:
+            try:
+                tools.append((t.name, t.parameters, t.strict or not auto))
+            except ValueError as e:
+                raise ValueError(f"tools[{t.index}].function.parameters.{e}") from None
+        try:
+            grammar = block_grammar(tools, parallel=self.parallel,
+                                    mode=BlockMode.AUTO if auto else BlockMode.REQUIRED)
+        except ValueError as e:
+            bad = next(t for t in self.tools if _fails(t, lltok) is not None)
+            raise ValueError(f"tools[{bad.index}].function.parameters.{e}") from None
+        try:
+            check_grammar(grammar, lltok)
+        except ValueError:
+            bad = next((t for t in self.tools if (t.strict or not auto)
+                        and _fails(t, lltok) is not None), self.tools[0])
+            why = _fails(bad, lltok) or "the tools' grammar"
+            raise ValueError(f"tools[{bad.index}].function.parameters uses a feature this "
+                             f"server cannot enforce: {why}") from None
+        return grammar
+
+    def constraint(self, texts: TokenTexts, *, thinking: bool, vocab: GrammarVocab | None = None):
+        """The request's LogitsConstraint (None: free). With `vocab` (the tokenizer as
+        llguidance sees it) the calls follow the tools' schemas (tool_grammar.py), and `auto`
+        with a strict tool is a lazy grammar; without it (a vocabulary llguidance cannot read)
+        the DSML automaton checks names, keys and scalar types, and `auto` is free."""
         if self.kind is ChoiceKind.NONE:
             return texts.avoid_calls
-        return DsmlConstraint(texts, self.tools, parallel=self.parallel, thinking=thinking)
+        if vocab is None:
+            if self.kind is ChoiceKind.AUTO:
+                return None
+            return DsmlConstraint(texts, self.tools, parallel=self.parallel, thinking=thinking)
+        grammar = self.grammar(vocab.lltok)
+        if grammar is None:
+            return None
+        return GrammarConstraint(vocab, grammar, texts.avoid_think_close if thinking else None)
+
+    def check_call(self, call: ToolCall) -> str | None:
+        """Why a parsed call's arguments do not satisfy its tool's schema (None: they do, or the
+        call was grammar-constrained); for `auto` replies whose tools are not strict."""
+        tool = next((t for t in self.tools if t.name == call.name), None)
+        if tool is None:
+            return f"{call.name!r:.60} is not one of the request's tools."
+        if self.kind in (ChoiceKind.REQUIRED, ChoiceKind.NAMED) or tool.strict:
+            return None
+        err = best_match(Draft202012Validator(tool.parameters).iter_errors(
+            json.loads(call.arguments)))
+        if err is None:
+            return None
+        where = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
+        return f"arguments{where}: {err.message}"
+
+
+def _fails(tool: ToolSpec, lltok) -> str | None:
+    """llguidance's reason for not enforcing one tool's grammar (None: it can)."""
+    try:
+        check_grammar(block_grammar([(tool.name, tool.parameters, True)], parallel=False,
+                                    mode=BlockMode.REQUIRED), lltok)
+    except ValueError as e:
+        return str(e)
+    return None
