@@ -19,7 +19,8 @@ chat `tools` (each checked, its `parameters` a JSON Schema of an object: a 400 n
 rendered into the prompt; a reply's DSML block comes back as `tool_calls` with finish_reason
 `tool_calls`, runtime/serving/tool_calls.py), `tool_choice` (`none`: the block's opening is
 masked and nothing is read as a call; `auto`; `required` or a named function: the reply is
-constrained to a well-formed call, runtime/serving/tool_choice.py) and `parallel_tool_calls`
+constrained to a call whose arguments follow the tool's schema, runtime/serving/tool_grammar.py;
+strict tools under `auto`: once the reply opens a call) and `parallel_tool_calls`
 (false: one call), `response_format` (`text`; `json_object` or `json_schema` with `name`,
 `schema`, `strict`: the reply is constrained to JSON that satisfies the schema, on chat and
 completions, runtime/serving/structured.py; a schema feature the grammar engine cannot enforce
