@@ -9,13 +9,18 @@ whole max_seq_len, so every request is served cold and greedy outputs are exact)
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import numpy as np
 import pytest
+import test_serve
 
 from dsv41.runtime.engine import DecodeBatch, Engine
 from dsv41.runtime.engine.batch import sample_request
-from dsv41.runtime.engine.requests import TurnLimits, check_turn
+from dsv41.runtime.engine.requests import RequestError, TurnLimits, check_turn
 from dsv41.runtime.engine.sampling import SamplingParams, sample_seed
+from dsv41.runtime.serving.batcher import Batcher
 
 PAGE = 128
 
@@ -107,3 +112,158 @@ def test_samples_done_at_the_first_token_never_join(engine):
     for s, _ in held:
         s.close()
     assert engine.stats().sessions_live == 0
+
+
+def test_batcher_queues_n_samples_until_their_rows_are_free(engine):
+    """A request of 4 samples on a batcher of 4 rows, one of them busy: it waits (4 queued)
+    until the running request leaves, then runs as 4 rows, its prompt prefilled once. More
+    samples than the batcher has rows, or more than 16, are refused at submit."""
+    b = Batcher(engine, max_running=4, max_queue=4)
+    try:
+        busy = b.submit(prompt_ids(3), SamplingParams(temperature=0, max_tokens=4,
+                                                      ignore_eos=True))
+        b.step()
+        assert (b.stats().running, b.stats().queued) == (1, 0)
+        prompt = prompt_ids(4)
+        before = engine.token_counts["prefilled"]
+        group = b.submit_samples(prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=3,
+                                                        ignore_eos=True), 4)
+        assert (b.stats().running, b.stats().queued) == (1, 4)
+        b.step()
+        assert (b.stats().running, b.stats().queued) == (1, 4)  # 3 rows free: it waits
+        while not busy.done:
+            b.step()
+        b.step()
+        assert (b.stats().running, b.stats().queued) == (4, 0)
+        assert engine.token_counts["prefilled"] - before == len(prompt)
+        while b.step():
+            pass
+        events = []
+        while (ev := group.get(0)) is not None:
+            events.append(ev)
+        assert sorted(e.index for e in events if e.token_id is not None) == [0] * 3 + [1] * 3 \
+            + [2] * 3 + [3] * 3
+        assert [e.finish.value for e in events if e.finish] == ["length"] * 4
+        with pytest.raises(RequestError, match=r"^5 samples need 5 rows of the running batch "
+                           r"at once; this server runs at most 4 \(max_running\)\.$"):
+            b.submit_samples(prompt, SamplingParams(max_tokens=2), 5)
+        with pytest.raises(RequestError, match=r"^A request takes 1 to 16 samples, not 17\.$"):
+            b.submit_samples(prompt, SamplingParams(max_tokens=2), 17)
+    finally:
+        b.stop()
+    assert engine.stats().sessions_live == 0
+
+
+# ---- the OpenAI API (test_serve's server: max_running 16) ---------------------------------------
+
+served, client = test_serve.served, test_serve.client
+MODEL, NO_EOS = test_serve.MODEL, test_serve.NO_EOS
+
+
+def completions(client, *, n: int, seed: int | None, stream: bool = False, **kw):
+    """(texts by index, token strings by index, finish reasons, usage) of a completion."""
+    r = client.completions.create(model=MODEL, prompt=prompt_ids(20), max_tokens=6, n=n,
+                                  seed=seed, logprobs=0, stream=stream, extra_body=NO_EOS, **kw)
+    if not stream:
+        assert [c.index for c in r.choices] == list(range(n))
+        return ([c.text for c in r.choices], [c.logprobs.tokens for c in r.choices],
+                [c.finish_reason for c in r.choices], r.usage)
+    texts, toks, finish, usage = [""] * n, [[] for _ in range(n)], [None] * n, None
+    for chunk in r:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            toks[c.index] += c.logprobs.tokens if c.logprobs else []
+            finish[c.index] = c.finish_reason or finish[c.index]
+    return texts, toks, finish, usage
+
+
+def test_n4_seeded_streaming_and_not(served, client):
+    """n=4 seeded: 4 choices of 6 tokens, the same seed the same 4 (streamed or not), sample 0
+    the n=1 request's (its seed is the request's own), the others their own streams; the
+    usage counts the prompt once and every choice's tokens."""
+    one = completions(client, n=1, seed=5)
+    got = completions(client, n=4, seed=5)
+    assert got[1] == completions(client, n=4, seed=5)[1]
+    streamed = completions(client, n=4, seed=5, stream=True,
+                           stream_options={"include_usage": True})
+    assert streamed[:3] == got[:3]
+    assert got[1][0] == one[1][0] and got[2] == ["length"] * 4
+    assert len({tuple(t) for t in got[1]}) > 1
+    assert (got[3].prompt_tokens, got[3].completion_tokens) == (one[3].prompt_tokens, 24)
+    assert (streamed[3].prompt_tokens, streamed[3].completion_tokens) == (
+        one[3].prompt_tokens, 24)
+
+
+def test_greedy_n4_chat_is_four_times_the_n1_answer_prefilled_once(served, client):
+    engine = served["batcher"].engine
+    msgs = [{"role": "user", "content": "w3 w1"}]
+    kw = {"model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0,
+          "extra_body": NO_EOS}
+    one = client.chat.completions.create(**kw)
+    before = engine.token_counts["prefilled"]
+    four = client.chat.completions.create(**kw, n=4)
+    assert engine.token_counts["prefilled"] - before == one.usage.prompt_tokens
+    assert [c.message.content for c in four.choices] == [one.choices[0].message.content] * 4
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert four.usage.completion_tokens == 4 * one.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**kw, n=4, stream=True))
+    texts, roles = [""] * 4, [0] * 4
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            roles[c.index] += c.delta.role == "assistant"
+    assert texts == [one.choices[0].message.content] * 4 and roles == [1] * 4
+
+
+def test_best_of_returns_the_n_best_samples_by_mean_logprob(served, client):
+    """best_of=4, n=2 draws the 4 samples n=4 draws with the same seed (one seed stream per
+    sample) and returns the 2 of highest mean token logprob, best first."""
+    r4 = client.completions.create(model=MODEL, prompt=prompt_ids(21), max_tokens=6, n=4,
+                                   seed=9, logprobs=0, extra_body=NO_EOS)
+    means = [float(np.mean(c.logprobs.token_logprobs)) for c in r4.choices]
+    order = sorted(range(4), key=lambda i: -means[i])[:2]
+    best = client.completions.create(model=MODEL, prompt=prompt_ids(21), max_tokens=6, n=2,
+                                     best_of=4, seed=9, extra_body=NO_EOS)
+    assert [c.text for c in best.choices] == [r4.choices[i].text for i in order]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.choices[0].logprobs is None  # not asked for: used for the rank alone
+    assert best.usage.completion_tokens == 24  # every sample's tokens
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"n": 17}, "n must be a whole number from 1 to 16, not 17."),
+    ({"n": 0}, "n must be a whole number from 1 to 16, not 0."),
+    ({"n": 3, "best_of": 2}, "best_of (2) must be at least n (3): the n best of best_of "
+     "samples are returned."),
+    ({"n": 1, "best_of": 2, "stream": True}, "best_of cannot be streamed"),
+])
+def test_bad_n_is_a_400(served, extra, match):
+    body = {"model": MODEL, "prompt": prompt_ids(22), "max_tokens": 2, **extra}
+    r = httpx.post(served["url"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and match in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] in ("n", "best_of")
+
+
+def test_cancelled_n4_request_frees_all_four_rows(served):
+    """A streamed n=4 request holds 4 rows (the batcher's running count and /metrics); the
+    client leaving frees all four, and every sample is counted cancelled."""
+    b = served["batcher"]
+    before, cancelled = test_serve.metrics(served), b.stats().cancelled
+    room = served["args"].max_seq_len - 12
+    body = {"model": MODEL, "prompt": prompt_ids(23), "max_tokens": room, "ignore_eos": True,
+            "temperature": 1.0, "seed": 1, "n": 4, "stream": True}
+    with httpx.stream("POST", served["url"] + "/v1/completions", json=body, timeout=600) as r:
+        seen = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+            if seen == {0, 1, 2, 3}:
+                assert b.stats().running == 4
+                assert test_serve.metrics(served)["dsv41_running_sequences"] == 4
+                break  # leaving the block closes the connection
+    test_serve.wait_for(lambda: b.stats().running == 0, "the rows' release")
+    after = test_serve.metrics(served)
+    assert after["dsv41_running_sequences"] == 0 and b.stats().cancelled == cancelled + 4
+    assert after["dsv41_batcher_cancelled_total"] == before["dsv41_batcher_cancelled_total"] + 4
+    assert b.engine.stats().sessions_live == 0
