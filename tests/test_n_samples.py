@@ -56,10 +56,20 @@ def test_sample_seed_derivation():
     assert sample_seed(8, 1) != sample_seed(7, 1)
 
 
-def test_forked_rows_decode_as_independent_prefills(engine):
-    """4 seeded samples of one prompt: prefilled once (the engine's prefilled tokens grow by
-    the prompt alone), each sample's tokens exactly those of a fresh session prefilling the
-    prompt itself with the sample's derived seed."""
+@pytest.fixture(scope="module")
+def graph_engine(small_model):
+    e = Engine.from_model(small_model, weights_hash="f" * 64, page_tokens=PAGE)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("backend", ["artifact", "graph"])
+def test_forked_rows_decode_as_independent_prefills(backend, request):
+    """4 seeded samples of one prompt, on the compiled artifact and on the PyTorch graph:
+    prefilled once (the engine's prefilled tokens grow by the prompt alone), each sample's
+    tokens exactly those of a fresh session prefilling the prompt itself with the sample's
+    derived seed."""
+    engine = request.getfixturevalue("engine" if backend == "artifact" else "graph_engine")
     prompt = prompt_ids(1)
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
     req = turn_request(engine, prompt, params)
@@ -86,6 +96,35 @@ def test_forked_rows_decode_as_independent_prefills(engine):
         s.close()
     batch.close()
     assert engine.stats().sessions_live == 0
+
+
+def test_only_sample_0_is_stored_in_the_tiers(small_artifact, small_case, tmp_path):
+    """With an SSD store and the DRAM pool, the samples' turns end like any turn, but only
+    sample 0's history reaches the tiers: one snapshot in the pool, and sample 0's transcript
+    resumes from it while another sample's is served cold."""
+    e = Engine.load(small_artifact, small_case.checkpoint, store_dir=tmp_path / "store",
+                    page_tokens=PAGE)
+    try:
+        prompt = prompt_ids(5)
+        params = SamplingParams(temperature=1.0, seed=2, max_tokens=4, ignore_eos=True)
+        batch = DecodeBatch(e, max_rows=4)
+        samples = batch.start_samples(e.session(), turn_request(e, prompt, params), 3)
+        decode_all(batch)
+        transcripts = [s.transcript for s, _ in samples]
+        assert len({tuple(t) for t in transcripts}) == 3
+        for s, _ in samples:
+            s.close()
+        batch.close()
+        assert e.pool.stats().entries == 1
+        tiers = []
+        for t in transcripts[:2]:
+            s = e.session(t)
+            list(s.send([7], max_new_tokens=1))
+            tiers.append(s.turns[-1].tier)
+            s.close()
+        assert tiers == ["snapshot", "cold"]
+    finally:
+        e.close()
 
 
 def test_samples_done_at_the_first_token_never_join(engine):

@@ -155,7 +155,7 @@ def test_bad_completion_requests(stub):
                                ({"logprobs": True}, "logprobs", "a whole number"),
                                ({"suffix": "w1"}, "suffix", "not supported"),
                                ({"n": 3, "best_of": 2}, "best_of",
-                                "best_of (2) must be at least n (3)"),
+                                r"best_of \(2\) must be at least n \(3\)"),
                                ({"best_of": 3, "stream": True}, "best_of",
                                 "best_of cannot be streamed"),
                                ({"best_of": 0}, "best_of", "from 1 to 16, not 0")):
