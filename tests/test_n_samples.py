@@ -306,3 +306,29 @@ def test_cancelled_n4_request_frees_all_four_rows(served):
     assert after["dsv41_running_sequences"] == 0 and b.stats().cancelled == cancelled + 4
     assert after["dsv41_batcher_cancelled_total"] == before["dsv41_batcher_cancelled_total"] + 4
     assert b.engine.stats().sessions_live == 0
+
+
+class OneSample:
+    """A frontend without `submit_samples` (as the EPD gateway): requests of one sample only."""
+
+    def __init__(self, batcher: Batcher):
+        self.batcher = batcher
+
+    def submit(self, prompt_ids, params, images=()):
+        return self.batcher.submit(prompt_ids, params, images)
+
+    def stats(self):
+        return self.batcher.stats()
+
+
+def test_a_frontend_of_one_sample_answers_n_with_a_400(served):
+    from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
+
+    a = served["args"]
+    opts = ServerOptions(model_name=MODEL, vocab_size=a.vocab_size, max_seq_len=a.max_seq_len)
+    with ServerThread(create_app(OneSample(served["batcher"]), served["tok"], opts)) as srv:
+        body = {"model": MODEL, "prompt": prompt_ids(24), "max_tokens": 2, "temperature": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "n": 2}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "This server's frontend serves one sample per request; n and best_of must be 1, not 2.")
