@@ -285,8 +285,9 @@ def test_bad_n_is_a_400(served, extra, match):
 
 
 def test_cancelled_n4_request_frees_all_four_rows(served):
-    """A streamed n=4 request holds 4 rows (the batcher's running count and /metrics); the
-    client leaving frees all four, and every sample is counted cancelled."""
+    """A streamed n=4 request holds 4 rows (the batcher's running count and /metrics'
+    `vllm:num_requests_running`, which counts the batch's rows); the client leaving frees all
+    four, every sample counted cancelled by the batcher, the request once as aborted."""
     b = served["batcher"]
     before, cancelled = test_serve.metrics(served), b.stats().cancelled
     room = served["args"].max_seq_len - 12
@@ -299,12 +300,16 @@ def test_cancelled_n4_request_frees_all_four_rows(served):
                 seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
             if seen == {0, 1, 2, 3}:
                 assert b.stats().running == 4
-                assert test_serve.metrics(served)["dsv41_running_sequences"] == 4
+                assert test_serve.metrics(served)["vllm:num_requests_running"] == 4
                 break  # leaving the block closes the connection
     test_serve.wait_for(lambda: b.stats().running == 0, "the rows' release")
     after = test_serve.metrics(served)
-    assert after["dsv41_running_sequences"] == 0 and b.stats().cancelled == cancelled + 4
-    assert after["dsv41_batcher_cancelled_total"] == before["dsv41_batcher_cancelled_total"] + 4
+    assert after["vllm:num_requests_running"] == 0 and b.stats().cancelled == cancelled + 4
+    # four rows cancelled, one request aborted
+    key = "dsv41:batcher_cancelled_total"
+    assert after[key] == before[key] + 4
+    key = 'vllm:request_success_total{finished_reason="abort"}'
+    assert after[key] == before[key] + 1
     assert b.engine.stats().sessions_live == 0
 
 

@@ -141,7 +141,7 @@ class Generation:
     def record(self, stream: EventStream, reason: str) -> None:
         t = stream.timing
         self.state.metrics.observe_finish(reason, FinishTiming(
-            t.queued_s, t.first_token_s, t.per_token_s, t.completion_tokens))
+            t.queued_s, t.first_token_s, t.per_token_s, t.completion_tokens, t.prompt_tokens))
 
     def timeout_error(self) -> ApiError:
         return ApiError(504, f"The request did not finish within the server's request timeout "
@@ -234,14 +234,14 @@ class Generation:
                     reason = ev.finish.value if ev.index == 0 else reason
                     err = _finish_error(ev)
                     if err is not None:
-                        metrics.rejected.inc(1, str(err.status))
+                        metrics.count_rejected(err.status)
                         yield _sse(err.body())
                     elif req.include_usage and not open_:
                         yield _sse(usage_chunk(req, model, _usage(stream, n_tokens)))
             yield "data: [DONE]\n\n"
         except _Ended as e:
             reason = e.reason
-            metrics.rejected.inc(1, "504")
+            metrics.count_rejected(504)
             yield _sse(self.timeout_error().body())
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away (the response task is cancelled)
@@ -253,7 +253,7 @@ class Generation:
         """Count, authenticate, parse (`parse(body)` on a worker thread: it tokenizes), submit,
         then answer in JSON or as a stream."""
         st = self.state
-        st.metrics.requests.inc(1, endpoint.value)
+        st.metrics.count_request(endpoint.value)
         st.check_key(request)
         req = await st.in_thread(parse, await st.json_body(request))
         submit = st.in_decode_thread if req.images else st.in_thread

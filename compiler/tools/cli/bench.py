@@ -189,6 +189,9 @@ def serve_args(sp) -> None:
     sp.add_argument("--long-prompt-tokens", type=count, default=512)
     sp.add_argument("--long-max-tokens", type=count, default=48,
                     help="tokens each of those streams generates")
+    sp.add_argument("--structured-clients", type=counts, default="1,8",
+                    help="client counts of the structured-output row (json_schema requests "
+                    "against plain ones)")
     sp.add_argument("--json", default=None, help="write the rows as JSON here")
 
 
@@ -201,7 +204,7 @@ def serve_options(ns) -> BenchServeOptions:
         clients=ns.clients, requests=ns.requests, prompt_tokens=ns.prompt_tokens,
         max_tokens=ns.max_tokens, long_streams=ns.long_streams,
         long_prompt_tokens=ns.long_prompt_tokens, long_max_tokens=ns.long_max_tokens,
-        seed=ns.seed)
+        seed=ns.seed, structured_clients=ns.structured_clients)
     return BenchServeOptions(serving_options(ns), bench, Path(ns.json) if ns.json else None)
 
 
