@@ -11,7 +11,9 @@ Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON, or server-
 runtime/serving/metrics.py: vLLM's series names where vLLM has one), one router
 per family (routes_chat, routes_completions, routes_models, routes_health, routes_tokenize:
 `POST /tokenize`, a prompt's ids and spelling; the two generation families share
-generation.py). Requests are parsed by openai_api.py; the server only moves
+generation.py; routes_messages: Anthropic's `POST /v1/messages` and its count_tokens, and
+routes_responses: OpenAI's `POST /v1/responses`, both translated into chat requests and read by
+turn_reply.py). Requests are parsed by openai_api.py; the server only moves
 events from a frontend's `EventStream` to the client. This module is the app around them: the
 errors' shape, the API key, the routers joined.
 
@@ -56,7 +58,9 @@ from dsv41.runtime.serving.openai_api import ApiError, ErrorType
 from dsv41.runtime.serving.routes_chat import chat_router
 from dsv41.runtime.serving.routes_completions import completions_router
 from dsv41.runtime.serving.routes_health import health_router
+from dsv41.runtime.serving.routes_messages import messages_router
 from dsv41.runtime.serving.routes_models import models_router
+from dsv41.runtime.serving.routes_responses import responses_router
 from dsv41.runtime.serving.routes_tokenize import tokenize_router
 from dsv41.runtime.serving.state import AppState, ServerOptions
 from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -112,7 +116,8 @@ def create_app(frontend: Frontend, tokenizer: Tokenizer, options: ServerOptions,
     state = AppState(frontend, tokenizer, opts, metrics, check_key)
     gen = Generation(state)
     for router in (chat_router(gen), completions_router(gen), models_router(state),
-                   health_router(state), tokenize_router(state)):
+                   health_router(state), tokenize_router(state), messages_router(gen),
+                   responses_router(gen)):
         app.include_router(router)
     return app
 

@@ -58,7 +58,7 @@ from dsv41.runtime.serving.tool_calls import (
 )
 
 
-class _Ended(Exception):
+class Ended(Exception):
     """The request ended without a finish event: the client left or the deadline passed."""
 
     def __init__(self, reason: str):
@@ -70,7 +70,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _finish_error(ev: TokenEvent) -> ApiError | None:
+def finish_error(ev: TokenEvent) -> ApiError | None:
     """The error a final event stands for, if it is not a normal end."""
     if ev.finish is FinishReason.ERROR:
         return ApiError(500, f"The engine failed on this request: {ev.error or 'no message'}",
@@ -90,7 +90,7 @@ def _token_out(ev: TokenEvent) -> TokenOut | None:
     return TokenOut(ev.token_id, ev.text, ev.logprob, ev.top)
 
 
-def _usage(stream: EventStream, n_tokens: int) -> Usage:
+def stream_usage(stream: EventStream, n_tokens: int) -> Usage:
     t = stream.timing  # its prompt as queued: each image placeholder counts as its span
     return Usage(t.prompt_tokens, n_tokens, t.reused_tokens,
                  PromptCache(t.tier, t.replayed_tokens, t.decoder_replayed_tokens), t.speculative)
@@ -149,7 +149,7 @@ class Generation:
 
     async def events(self, stream: EventStream, request: Request | None,
                      deadline: float | None, samples: int = 1) -> AsyncIterator[TokenEvent]:
-        """The stream's events, until the final events of its `samples`; raises _Ended (after
+        """The stream's events, until the final events of its `samples`; raises Ended (after
         cancelling it) when the client leaves (checked here when `request` is given:
         non-streaming) or the deadline passes."""
         open_ = samples
@@ -164,10 +164,10 @@ class Generation:
                 continue
             if request is not None and await request.is_disconnected():
                 stream.cancel()
-                raise _Ended("cancelled")
+                raise Ended("cancelled")
             if deadline is not None and time.monotonic() > deadline:
                 stream.cancel()
-                raise _Ended("timeout")
+                raise Ended("timeout")
 
     async def collect(self, req: GenerationRequest, stream: EventStream, request: Request,
                       deadline: float | None) -> Response:
@@ -182,7 +182,7 @@ class Generation:
                     c.tokens.append(t)
                 c.last = ev
             reason = got[0].last.finish.value
-        except _Ended as e:
+        except Ended as e:
             reason = ended = e.reason
         finally:
             stream.cancel()  # a no-op once finished; frees the slot if the handler is torn down
@@ -192,12 +192,12 @@ class Generation:
         if ended == "cancelled":
             return Response(status_code=499)  # the client is gone; nobody reads this
         for c in got:
-            err = _finish_error(c.last)
+            err = finish_error(c.last)
             if err is not None:
                 raise err
         chosen = best_of(got, req.n) if req.samples > req.n else got
         choices = [self._choice(req, c, i) for i, c in enumerate(chosen)]
-        usage = _usage(stream, sum(len(c.tokens) for c in got))
+        usage = stream_usage(stream, sum(len(c.tokens) for c in got))
         return JSONResponse(choices_body(req, self.state.opts.model_name, choices, usage))
 
     def _choice(self, req: GenerationRequest, c: _Choice, index: int) -> dict:
@@ -232,14 +232,14 @@ class Generation:
                 if ev.finish is not None:
                     open_ -= 1
                     reason = ev.finish.value if ev.index == 0 else reason
-                    err = _finish_error(ev)
+                    err = finish_error(ev)
                     if err is not None:
                         metrics.count_rejected(err.status)
                         yield _sse(err.body())
                     elif req.include_usage and not open_:
-                        yield _sse(usage_chunk(req, model, _usage(stream, n_tokens)))
+                        yield _sse(usage_chunk(req, model, stream_usage(stream, n_tokens)))
             yield "data: [DONE]\n\n"
-        except _Ended as e:
+        except Ended as e:
             reason = e.reason
             metrics.count_rejected(504)
             yield _sse(self.timeout_error().body())
@@ -303,7 +303,7 @@ class _StreamedChoice:
             quiet = req.endpoint is Endpoint.CHAT and not text and (reasoning or deltas)
             out.append(self._chunk(text=None if quiet else text, logprobs=lp,
                                    reasoning=reasoning, call_deltas=deltas))
-        if ev.finish is None or _finish_error(ev) is not None:
+        if ev.finish is None or finish_error(ev) is not None:
             return out
         finish = ev.finish.value
         if self.think is not None and not self.think.closed:
