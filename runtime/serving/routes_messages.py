@@ -94,7 +94,7 @@ def messages_router(gen: Generation) -> APIRouter:
                            "key the server was started with.", type=ErrorType.AUTHENTICATION)
 
     def failed(e: ApiError) -> JSONResponse:
-        st.metrics.rejected.inc(1, str(e.status))
+        st.metrics.count_rejected(e.status)
         return JSONResponse(error_body(e), status_code=e.status)
 
     def parse(body) -> GenerationRequest:
@@ -120,7 +120,7 @@ def messages_router(gen: Generation) -> APIRouter:
                            "usage": usage_body(item.usage)})
                 yield sse({"type": "message_stop"})
         except ApiError as e:
-            st.metrics.rejected.inc(1, str(e.status))
+            st.metrics.count_rejected(e.status)
             yield sse(error_body(e))
 
     @router.post("/v1/messages", openapi_extra=request_body(messages_body(model)))
@@ -145,7 +145,7 @@ def messages_router(gen: Generation) -> APIRouter:
                  openapi_extra=request_body(messages_body(model, counting=True)))
     async def count_tokens(request: Request):
         try:
-            st.metrics.requests.inc(1, "messages_count_tokens")
+            st.metrics.count_request("messages_count_tokens")
             check_key(request)
             body = await st.json_body(request)
             req = await st.in_thread(lambda: st.parse_chat(chat_body(body, counting=True)))

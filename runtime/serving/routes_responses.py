@@ -70,7 +70,7 @@ def responses_router(gen: Generation) -> APIRouter:
                     "response.incomplete"
                 yield sse({"type": kind, "response": final})
         except ApiError as e:
-            st.metrics.rejected.inc(1, str(e.status))
+            st.metrics.count_rejected(e.status)
             yield sse({"type": "error", "code": e.code or e.type.value, "message": e.message,
                        "param": e.param})
             failed = {**response(items.done, None), "status": "failed",

@@ -128,7 +128,7 @@ async def start(gen: Generation, request: Request, label: str,
     thread: it tokenizes) and submit it, as `Generation.generate` does: (the body's JSON, the
     request, its stream, its deadline)."""
     st = gen.state
-    st.metrics.requests.inc(1, label)
+    st.metrics.count_request(label)
     check_key(request)
     body = await st.json_body(request)
     req = await st.in_thread(parse, body)
