@@ -292,18 +292,19 @@ def test_restart_scan_drops_bad_headers_and_keeps_good_ones(tmp_path):
         misplaced.write_bytes(paths[5].read_bytes())
     foreign_root = tmp_path / "other"
     store(foreign_root, Clock(), fp=FP_OTHER).put(key(7), block(7))
-    for p in foreign_root.rglob("*.blk"):
-        target = tmp_path / p.relative_to(foreign_root)
-        target.parent.mkdir(exist_ok=True)
-        os.replace(p, target)
+    (theirs,) = foreign_root.rglob("*.blk")
+    target = tmp_path / theirs.relative_to(foreign_root)
+    target.parent.mkdir(exist_ok=True)
+    os.replace(theirs, target)  # another model's entry (an engine sharing the folder): kept
     (tmp_path / "README.txt").write_text("not ours")
 
-    s.close()  # one owner per folder: the restart
+    s.close()  # the restart
     s2 = store(tmp_path, clock)
     st = s2.stats()
-    assert (st.corrupt, st.truncated, st.foreign) == (2 + (key(5)[:2] != "00"), 1, 1)
+    assert (st.corrupt, st.truncated, st.foreign) == (2 + (key(5)[:2] != "00"), 1, 0)
     assert [s2.contains(k) for k in keys] == [False, False, False, False, True, True]
-    assert st.entries == 2 and st.bytes == 2 * good
+    assert not s2.contains(key(7)) and target.exists()
+    assert (st.entries, st.others, st.bytes) == (2, 1, 2 * good + target.stat().st_size)
     assert s2.get(keys[4]) is None and s2.stats().corrupt == st.corrupt + 1
     assert_bit_exact(s2.get(keys[5]), block(5))
     assert (tmp_path / "README.txt").exists() and not misplaced.exists()
