@@ -620,10 +620,13 @@ class KVStore:
                     os.fsync(fd)
                 with self._folder.exclusive():
                     try:
-                        os.stat(f"{key}.blk", dir_fd=shard, follow_symlinks=False)
-                        return "present"
+                        there = os.stat(f"{key}.blk", dir_fd=shard, follow_symlinks=False)
                     except FileNotFoundError:
                         pass
+                    else:  # another owner's entry, or something not ours to replace
+                        if stat.S_ISREG(there.st_mode):
+                            return "present"
+                        raise OSError(errno.EEXIST, "not a regular file at the block's path")
                     usage = self._make_room(size, created_at)
                     if usage is None:
                         return "full"
