@@ -97,8 +97,8 @@ _INT64_MAX = np.iinfo(np.int64).max
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-USAGE_NAME = "DSV41-STORE.usage"  # the folder's bytes in use (u64 LE, then it xor _USAGE_CHECK)
-_USAGE = struct.Struct("<QQ")
+USAGE_NAME = "DSV41-STORE.usage"  # the folder's ledger: bytes in use, generation (`_Ledger`)
+_USAGE = struct.Struct("<QQQ")  # bytes, generation, their xor with _USAGE_CHECK
 _USAGE_CHECK = 0x5A5A_5A5A_5A5A_5A5A
 MAX_CLOCK_SKEW_S = 300.0  # how far in the future a timestamp is still trusted (then: unknown age)
 _log = logging.getLogger(__name__)
@@ -247,6 +247,13 @@ class _Entry:
 
 
 @dataclass(frozen=True, slots=True)
+class _Ledger:
+    bytes: int  # the folder's bytes in use (exact after a scan; deletions of bad files and
+    # drops leave it high, which only brings the next rescan sooner)
+    generation: int  # bumped by every owner's change (publication, eviction, deletion)
+
+
+@dataclass(frozen=True, slots=True)
 class _Header:
     payload_len: int
     created_at: float
@@ -302,13 +309,14 @@ class KVStore:
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._others = 0  # entries of the index that are another model's
+        self._generation = -1  # the ledger's generation this index reflects (-1: none yet)
         self._n = _Counters()
         self._logged: set[str] = set()  # failure kinds already logged (once each)
         try:
             with self._folder.exclusive():
                 self._scan(self.clock())
                 if self._index or self._read_usage() is not None:
-                    self._write_usage(self._bytes)  # the truth now (a scan is exact)
+                    self._changed(self._bytes)  # the truth now (a scan is exact)
         except BaseException:
             self._folder.close()
             raise
@@ -422,6 +430,7 @@ class KVStore:
             return False
         with self._folder.exclusive():
             self._remove(key)
+            self._changed()
         self._n.drops += 1
         return True
 
@@ -595,6 +604,7 @@ class KVStore:
         try:
             with self._folder.exclusive(), self._shard(key) as shard:
                 self._unlink(shard, f"{key}.blk", ino)
+                self._changed()
         except OSError as e:
             self._failed("write", f"deleting {key}.blk", e)
         setattr(self._n, verdict, getattr(self._n, verdict) + 1)
@@ -634,7 +644,7 @@ class KVStore:
                     os.fsync(shard)
                     self._index_entry(key, _Entry(size, created_at, os.fstat(fd).st_ino),
                                       adopted=False)
-                    self._write_usage(usage + size)
+                    self._changed(usage + size)
                     return "written"
             finally:
                 with contextlib.suppress(OSError):  # gone when published
@@ -643,24 +653,39 @@ class KVStore:
 
     def _make_room(self, size: int, now: float) -> int | None:
         """Under the folder lock: the folder's bytes in use once room for `size` more is made
-        (evicting by the rule, after a rescan of the folder), or None when it cannot be."""
-        usage = self._read_usage()
-        if usage is not None and usage + size <= self.capacity_bytes:
-            return usage
-        self._scan(now)
-        self._n.rescans += 1
+        (evicting by the rule), or None when it cannot be. The index plans the eviction when
+        no other owner changed the folder since this one's last change or scan (the ledger's
+        generation says so); otherwise the folder is rescanned first (every owner's files)."""
+        ledger = self._read_usage()
+        if ledger is not None and ledger.bytes + size <= self.capacity_bytes:
+            return ledger.bytes
+        if ledger is None or ledger.generation != self._generation:
+            self._scan(now)
+            self._n.rescans += 1
         victims = self._plan_eviction(size, now)
         if victims is None:
-            self._write_usage(self._bytes)
+            self._changed(self._bytes)
             return None
         for victim in victims:
             self._remove(victim)
             self._n.evictions += 1
         return self._bytes
 
-    def _read_usage(self) -> int | None:
-        """The ledger of bytes in use (None when absent or damaged: then the folder is
-        rescanned)."""
+    def _changed(self, usage: int | None = None) -> None:
+        """Under the folder lock, after this owner changed the folder: the ledger's next
+        generation (with `usage` bytes in use, else the ledger's own count), which this index
+        reflects."""
+        ledger = self._read_usage()
+        if usage is None:
+            if ledger is None:
+                return  # no ledger yet: the next put that needs room rescans anyway
+            usage = ledger.bytes
+        generation = (0 if ledger is None else ledger.generation) + 1
+        if self._write_usage(_Ledger(usage, generation)):
+            self._generation = generation
+
+    def _read_usage(self) -> _Ledger | None:
+        """The ledger (None when absent or damaged: then the folder is rescanned)."""
         try:
             with open(os.open(USAGE_NAME, _READ_FLAGS, dir_fd=self._dir), "rb") as f:
                 raw = f.read(_USAGE.size + 1)
@@ -668,21 +693,25 @@ class KVStore:
             return None
         if len(raw) != _USAGE.size:
             return None
-        value, check = _USAGE.unpack(raw)
-        return value if check == value ^ _USAGE_CHECK else None
+        value, generation, check = _USAGE.unpack(raw)
+        return _Ledger(value, generation) if check == value ^ generation ^ _USAGE_CHECK else None
 
-    def _write_usage(self, value: int) -> None:
-        """Overwrite the ledger in place (16 bytes, a value and its check), under the lock; a
-        damaged ledger only costs a rescan."""
+    def _write_usage(self, ledger: _Ledger) -> bool:
+        """Overwrite the ledger in place (24 bytes), under the lock; a damaged ledger only
+        costs a rescan. False when the write failed (counted)."""
+        raw = _USAGE.pack(ledger.bytes, ledger.generation,
+                          ledger.bytes ^ ledger.generation ^ _USAGE_CHECK)
         try:
             fd = os.open(USAGE_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o644, dir_fd=self._dir)
             try:
-                os.pwrite(fd, _USAGE.pack(value, value ^ _USAGE_CHECK), 0)
+                os.pwrite(fd, raw, 0)
             finally:
                 os.close(fd)
         except OSError as e:
             self._failed("write", "writing the usage ledger", e)
+            return False
+        return True
 
     def _read(self, key: str) -> tuple[str, dict[str, np.ndarray] | None, _Entry | None]:
         """("ok", arrays, entry) or (verdict, None, entry) with verdict one of corrupt /
