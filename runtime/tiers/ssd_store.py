@@ -3,42 +3,25 @@ at least a guaranteed minimum lifetime.
 
 A block is addressed by a chained hash of its tokens (`block_keys`), so a key names the whole
 prefix up to and including its block, and the model fingerprint salts every key: two models never
-share a key. Every file is self-describing (magic, format version, key, model fingerprint, payload
-length and checksum, all covered by a header checksum), so a damaged, truncated, renamed or
-foreign file is detected, deleted and counted, never served.
+share a key. Every file is self-describing (`block_file`: magic, format version, key, model
+fingerprint, payload length and checksum, all covered by a header checksum), so a damaged,
+truncated, renamed or foreign file is detected, deleted and counted, never served. Files live at
+`<root>/<key[:2]>/<key>.blk`.
 
-File layout of `<root>/<key[:2]>/<key>.blk` (all integers little-endian):
-
-    offset  size  field
-    0       8     magic b"DSV4KVB\\0"
-    8       4     u32 file format version (FORMAT_VERSION)
-    12      32    key, raw (the 64 hex chars of the file name, decoded)
-    44      32    model fingerprint (`model_fingerprint`)
-    76      8     u64 payload length
-    84      8     f64 created_at, unix seconds from the store's clock
-    92      32    sha256 of the payload
-    124     32    sha256 of bytes 0..124 (the header checksum)
-    156     ...   payload (`encode_block`)
-
-The payload is a u64 index length, the index as canonical JSON (sorted keys, no spaces) listing
-each array's name, dtype string (numpy `dtype.str`, e.g. "<f4"), shape, offset and byte count,
-zero padding to a 64-byte boundary, then each array's C-order bytes at a 64-byte-aligned offset
-from the start of that data region. Arrays are written in name order, so equal blocks give equal
-bytes. bf16 travels as uint16; numpy's own kinds b/i/u/f/c are accepted, nothing else.
-
-Last access survives a restart as the file's mtime: a write sets it to created_at and a hit sets
-it to the clock's time (`os.utime`), and the scan at construction orders the LRU list by
-max(created_at, mtime).
+Last access survives a restart, and is shared by every owner, as the file's mtime: a write sets
+it to created_at and a hit sets it to the clock's time (`os.utime`), and a scan orders the LRU
+list by max(created_at, mtime).
 
 The root is a marked store folder (`store_folder`): created and marked on first use, a non-empty
-folder without the marker is refused, and one owner holds it at a time (an advisory lock; a
-second `KVStore` on it, in any process, gets `StoreBusyError`): the index lives in memory, and the
-scan at construction removes temporary files left by a crashed writer. The scan never follows a
-symbolic link and deletes only regular files at an entry's path (`<shard>/<key>.blk`, or a
-writer's temporary name).
+folder without the marker is refused. Any number of owners (processes, or stores in one process)
+share it, each with its own in-memory index (`KVStore`: how they stay consistent). A scan removes
+temporary files whose writer is gone (a live writer holds a lock on its temporary file); it never
+follows a symbolic link and deletes only regular files at an entry's path (`<shard>/<key>.blk`,
+or a writer's temporary name). Another model's entries (an engine with other options sharing
+the folder) are kept and counted in the bytes in use, evicted by the same rules, never served.
 
 Every file operation is confined to the folder the store opened: the root is held open as a
-directory descriptor (the one its lock is on), each shard is opened relative to it with
+directory descriptor (the one the folder's lock is taken on), each shard is opened relative to it with
 `O_NOFOLLOW`, and each file relative to its shard with `O_NOFOLLOW` (open, stat, unlink, rename,
 utime), so a shard or block swapped for a symbolic link later is an I/O error (a miss, counted),
 never a read or a deletion outside the store. Before every get, put and drop the store checks
@@ -64,7 +47,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import logging
 import math
 import os
@@ -73,7 +55,7 @@ import stat
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,19 +63,34 @@ from typing import Any
 import numpy as np
 
 from dsv41.runtime.tiers.base import NO_META, ArrayCheck
+from dsv41.runtime.tiers.block_file import (
+    FINGERPRINT_SPAN,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    block_keys,
+    check_arrays,
+    check_fingerprint,
+    check_header,
+    check_key,
+    check_no_meta,
+    decode_block,
+    encode_block,
+    is_key,
+    model_fingerprint,
+    pack_header,
+)
 from dsv41.runtime.tiers.store_folder import StoreFolder, claim_folder
 
-FORMAT_VERSION = 1
+__all__ = [  # the store, and the entry files' names its callers use (from block_file)
+    "FORMAT_VERSION", "HEADER_SIZE", "MAGIC", "MAX_CLOCK_SKEW_S", "STORE_KIND", "USAGE_NAME",
+    "KVStore", "KVStoreStats", "block_keys", "check_arrays", "check_key", "check_no_meta",
+    "decode_block", "encode_block", "model_fingerprint",
+]
+
 STORE_KIND = "dsv41-kv-store"
-MAGIC = b"DSV4KVB\x00"
-_FIELDS = struct.Struct("<8sI32s32sQd32s")  # magic, version, key, fingerprint, len, created, sha
-HEADER_SIZE = _FIELDS.size + 32  # + sha256 of the fields above
-_ALIGN = 64
-_DTYPE_KINDS = "biufc"
-_KEY_RE = re.compile(r"[0-9a-f]{64}")
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _TMP_RE = re.compile(r"\.[0-9a-f]{64}\.\d+\.[0-9a-f]{8}\.tmp")
-_INT64_MAX = np.iinfo(np.int64).max
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -102,98 +99,6 @@ _USAGE = struct.Struct("<QQQ")  # bytes, generation, their xor with _USAGE_CHECK
 _USAGE_CHECK = 0x5A5A_5A5A_5A5A_5A5A
 MAX_CLOCK_SKEW_S = 300.0  # how far in the future a timestamp is still trusted (then: unknown age)
 _log = logging.getLogger(__name__)
-
-
-def model_fingerprint(config_hash: str, weights_hash: str, format_version: int) -> bytes:
-    """32 bytes that name the model whose KV a block holds: the config, the weights and the
-    version of the KV tensor layout (not the file format, which has its own FORMAT_VERSION)."""
-    for name, value in (("config_hash", config_hash), ("weights_hash", weights_hash)):
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{name} must be a non-empty string, got {value!r}.")
-    if not isinstance(format_version, int) or isinstance(format_version, bool) \
-            or format_version < 0:
-        raise ValueError(f"format_version must be a non-negative int, got {format_version!r}.")
-    doc = {"config_hash": config_hash, "weights_hash": weights_hash,
-           "format_version": format_version}
-    canon = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(b"dsv41-kv-fingerprint\x00" + canon).digest()
-
-
-def block_keys(token_ids: Sequence[int], block_tokens: int, fingerprint: bytes) -> list[str]:
-    """One key per complete block of `block_tokens` tokens; a partial trailing block has none.
-
-    key_i = sha256(fingerprint || digest_{i-1} || block_i as little-endian int64).hexdigest(),
-    where digest_{i-1} is the raw 32-byte digest of the previous key (empty for the first block).
-    The chain makes a key name its whole prefix; only hashlib is used, so keys agree across
-    processes and machines.
-    """
-    if not isinstance(block_tokens, int) or isinstance(block_tokens, bool) or block_tokens <= 0:
-        raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}.")
-    _check_fingerprint(fingerprint)
-    ids = np.asarray(token_ids)
-    if ids.ndim != 1:
-        raise ValueError(f"token_ids must be one-dimensional, got shape {ids.shape}.")
-    if ids.size and ids.dtype.kind not in "iu":
-        raise ValueError(f"token_ids must be integers that fit int64, got dtype {ids.dtype}.")
-    if ids.size and ids.dtype.kind == "u" and int(ids.max()) > _INT64_MAX:
-        raise ValueError("token_ids must fit int64.")
-    ids = ids.astype("<i8")
-    keys, prev = [], b""
-    for i in range(len(ids) // block_tokens):
-        block = ids[i * block_tokens:(i + 1) * block_tokens]
-        h = hashlib.sha256(fingerprint + prev + block.tobytes())
-        keys.append(h.hexdigest())
-        prev = h.digest()
-    return keys
-
-
-def encode_block(arrays: Mapping[str, np.ndarray]) -> bytes:
-    """The payload bytes of a block; deterministic (name order, fixed padding, canonical JSON)."""
-    check_arrays(arrays)
-    index, chunks, offset = [], [], 0
-    for name in sorted(arrays):
-        a = arrays[name]
-        pad = -offset % _ALIGN
-        chunks.append(b"\x00" * pad)
-        offset += pad
-        index.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
-                      "offset": offset, "nbytes": a.nbytes})
-        chunks.append(a.tobytes(order="C"))
-        offset += a.nbytes
-    head = json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
-    lead = struct.pack("<Q", len(head)) + head
-    return lead + b"\x00" * (-len(lead) % _ALIGN) + b"".join(chunks)
-
-
-def decode_block(payload: bytes | bytearray) -> dict[str, np.ndarray]:
-    """The arrays of a payload; ValueError when it is malformed. The arrays view `payload`, so
-    they are writable when it is a bytearray."""
-    try:
-        (n,) = struct.unpack_from("<Q", payload, 0)
-        index = json.loads(bytes(payload[8:8 + n]).decode())
-    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"Block index is unreadable ({e}).") from e
-    if 8 + n > len(payload) or not isinstance(index, list):
-        raise ValueError("Block index is malformed.")
-    start = 8 + n + (-(8 + n) % _ALIGN)
-    out: dict[str, np.ndarray] = {}
-    for item in index:
-        try:
-            name, dtype = item["name"], np.dtype(item["dtype"])
-            shape, off, nbytes = tuple(item["shape"]), item["offset"], item["nbytes"]
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"Block index entry {item!r} is malformed.") from e
-        if not isinstance(name, str) or name in out or dtype.kind not in _DTYPE_KINDS \
-                or not all(isinstance(d, int) and d >= 0 for d in shape) \
-                or not isinstance(off, int) or off < 0 \
-                or nbytes != math.prod(shape) * dtype.itemsize \
-                or start + off + nbytes > len(payload):
-            raise ValueError(f"Block index entry {item!r} is inconsistent.")
-        if nbytes == 0:
-            out[name] = np.empty(shape, dtype)
-        else:
-            out[name] = np.frombuffer(payload, dtype, math.prod(shape), start + off).reshape(shape)
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,13 +158,6 @@ class _Ledger:
     generation: int  # bumped by every owner's change (publication, eviction, deletion)
 
 
-@dataclass(frozen=True, slots=True)
-class _Header:
-    payload_len: int
-    created_at: float
-    payload_sha256: bytes
-
-
 class KVStore:
     """Prefix blocks on disk under a byte capacity, with a minimum lifetime, shared by any
     number of processes (each with its own `KVStore` and in-memory index) on one folder.
@@ -294,7 +192,7 @@ class KVStore:
                              f"{min_lifetime_s!r}.")
         if not callable(clock):
             raise ValueError("clock must be a callable returning unix seconds.")
-        _check_fingerprint(fingerprint)
+        check_fingerprint(fingerprint)
         self.root = Path(root)
         self._folder: StoreFolder = claim_folder(self.root, kind=STORE_KIND,
                                                  version=FORMAT_VERSION)
@@ -530,7 +428,7 @@ class KVStore:
                     return entry.ours
                 with open(os.open(f"{key}.blk", _READ_FLAGS, dir_fd=shard), "rb") as f:
                     st = os.fstat(f.fileno())
-                    verdict, header = _check_header(f.read(HEADER_SIZE), key, self.fingerprint,
+                    verdict, header = check_header(f.read(HEADER_SIZE), key, self.fingerprint,
                                                     st.st_size)
         except OSError:  # absent (or unreadable: get counts it)
             self._forget(key)
@@ -615,9 +513,7 @@ class KVStore:
         shard. "written", "present" (another owner's file is there) or "full" (no room by the
         eviction rule). A crash leaves the old state or the new file whole, plus at most a
         temporary file that a scan removes once its writer's lock on it is gone."""
-        fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, bytes.fromhex(key), self.fingerprint,
-                              len(payload), created_at, hashlib.sha256(payload).digest())
-        header = fields + hashlib.sha256(fields).digest()
+        header = pack_header(key, self.fingerprint, payload, created_at)
         size = HEADER_SIZE + len(payload)
         with self._shard(key, create=True) as shard:
             fd, tmp = _open_temp(shard, key)
@@ -726,7 +622,7 @@ class KVStore:
                 if not stat.S_ISREG(st.st_mode):  # replaced between the two looks
                     return "special", None, None
                 size = st.st_size
-                verdict, header = _check_header(f.read(HEADER_SIZE), key, self.fingerprint, size)
+                verdict, header = check_header(f.read(HEADER_SIZE), key, self.fingerprint, size)
                 if header is None:
                     return verdict, None, _Entry(size, 0.0, st.st_ino)
                 entry = _Entry(size, header.created_at, st.st_ino)
@@ -780,7 +676,7 @@ class KVStore:
                 self._remove_abandoned(shard, name)
                 continue
             key = name[:-4]
-            if not (name.endswith(".blk") and _KEY_RE.fullmatch(key)):
+            if not (name.endswith(".blk") and is_key(key)):
                 continue
             if key[:2] != shard_name:  # misplaced: get() would never find it
                 self._unlink(shard, name)
@@ -811,9 +707,9 @@ class KVStore:
         except OSError as e:
             self._failed("read", f"scanning {name}", e)
             return None
-        verdict, header = _check_header(buf, key, self.fingerprint, st.st_size)
+        verdict, header = check_header(buf, key, self.fingerprint, st.st_size)
         if verdict == "foreign":  # another model's (a sibling engine's) entry: kept, not served
-            _, theirs = _check_header(buf, key, buf[44:76], st.st_size)
+            _, theirs = check_header(buf, key, buf[FINGERPRINT_SPAN], st.st_size)
             if theirs is not None:
                 return _Entry(st.st_size, theirs.created_at, st.st_ino, ours=False)
         if header is None:
@@ -883,66 +779,3 @@ def _opened_dir(name: str, parent: int, *, create: bool):
         os.close(fd)
 
 
-def _check_header(buf: bytes, key: str, fingerprint: bytes,
-                  file_size: int) -> tuple[str, _Header | None]:
-    """("ok", header) or (verdict, None); checks in the order the fields can be trusted."""
-    if len(buf) < len(MAGIC):
-        return ("truncated" if MAGIC.startswith(buf) else "corrupt"), None
-    if buf[:len(MAGIC)] != MAGIC:
-        return "corrupt", None
-    if len(buf) < len(MAGIC) + 4:
-        return "truncated", None
-    (version,) = struct.unpack_from("<I", buf, len(MAGIC))
-    if version != FORMAT_VERSION:
-        return "foreign", None
-    if len(buf) < HEADER_SIZE:
-        return "truncated", None
-    fields = buf[:_FIELDS.size]
-    if hashlib.sha256(fields).digest() != buf[_FIELDS.size:HEADER_SIZE]:
-        return "corrupt", None
-    _, _, raw_key, fp, payload_len, created_at, sha = _FIELDS.unpack(fields)
-    if fp != fingerprint:  # another model's block (its key differs too, being salted)
-        return "foreign", None
-    if raw_key.hex() != key:  # a file renamed to another key's name
-        return "corrupt", None
-    if file_size < HEADER_SIZE + payload_len:
-        return "truncated", None
-    if file_size > HEADER_SIZE + payload_len or not math.isfinite(created_at):
-        return "corrupt", None
-    return "ok", _Header(payload_len, created_at, sha)
-
-
-def check_no_meta(meta: Mapping[str, Any], holder: str | None = None) -> None:
-    if not isinstance(meta, Mapping):
-        raise ValueError(f"meta must be a mapping, got {type(meta).__name__}.")
-    if meta:
-        raise ValueError(f"A KV block holds arrays only; the SSD store keeps no metadata (got "
-                         f"{', '.join(sorted(map(str, meta)))}).")
-    if holder is not None:
-        raise ValueError(f"A KV block has no holders (it serves every sequence with its "
-                         f"prefix); got holder {holder!r}.")
-
-
-def check_key(key: str) -> None:
-    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise ValueError(f"A block key must be 64 lowercase hex characters, got {key!r}.")
-
-
-def _check_fingerprint(fingerprint: bytes) -> None:
-    if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
-        raise ValueError("fingerprint must be the 32 bytes returned by model_fingerprint(), got "
-                         f"{fingerprint!r}.")
-
-
-def check_arrays(arrays: Mapping[str, np.ndarray]) -> None:
-    if not isinstance(arrays, Mapping):
-        raise ValueError(f"A block must be a mapping of name to numpy array, got "
-                         f"{type(arrays).__name__}.")
-    for name, a in arrays.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"Array names must be non-empty strings, got {name!r}.")
-        if not isinstance(a, np.ndarray):
-            raise ValueError(f"Array {name!r} must be a numpy array, got {type(a).__name__}.")
-        if a.dtype.kind not in _DTYPE_KINDS:
-            raise ValueError(f"Array {name!r} has dtype {a.dtype}; a block holds bool, int, "
-                             "uint, float or complex arrays (bf16 as uint16).")
