@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dsv41.runtime.tiers.ssd_store import HEADER_SIZE, KVStore, encode_block, model_fingerprint
 
@@ -285,3 +286,48 @@ def test_no_process_evicts_another_ones_young_entry(tmp_path):
     clock[0] = 1102.0
     assert not mine.put(key("m", 2), content(key("m", 2)))
     assert mine.get(key("o", 1))["kv"].tobytes() == content(key("o", 1))["kv"].tobytes()
+
+
+# -- `dsv41 serve`'s persistent default store -------------------------------------------------
+
+def test_serve_keeps_a_persistent_store_in_the_users_cache_folder(small_case, tmp_path,
+                                                                   monkeypatch):
+    from dsv41.compiler.tools.cli.main import build_parser
+    from dsv41.graph.checkpoint import weights_fingerprint
+    from dsv41.runtime.serving.assembly import ServingOptions, default_store_folder, serving_engine
+
+    ckpt = Path(small_case.checkpoint)
+    model_id = weights_fingerprint(ckpt)[:16]
+    assert default_store_folder(ckpt, {"XDG_CACHE_HOME": str(tmp_path / "c")}) == \
+        tmp_path / "c" / "dsv41" / "store" / model_id
+    for env in ({}, {"XDG_CACHE_HOME": ""}, {"XDG_CACHE_HOME": "relative/cache"}):
+        assert default_store_folder(ckpt, env) == Path.home() / ".cache/dsv41/store" / model_id
+
+    def opts(*argv):
+        ns = build_parser().parse_args(list(argv))
+        o = ns.options(ns)
+        return o.serving if hasattr(o, "serving") else o
+
+    assert (opts("serve").persistent_store, opts("serve").store_capacity_bytes) == (True, None)
+    assert opts("serve", "--store-capacity-gib", "0.5").store_capacity_bytes == 1 << 29
+    assert opts("chat").persistent_store is False  # chat and bench serve: a temporary store
+    for bad in ("0", "-1", "nan", "inf", "lots"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--store-capacity-gib", bad])
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    o = ServingOptions(backend="torch", checkpoint=ckpt, page_tokens=8, persistent_store=True,
+                       store_capacity_bytes=1 << 20)
+    first, second = serving_engine(o), serving_engine(o)  # two serves of the model: one store
+    folder = tmp_path / "cache" / "dsv41" / "store" / model_id
+    assert first.store == second.store == folder and first.temp_store is None
+    assert first.engine.store.capacity_bytes == 1 << 20
+    k = first.engine.block_keys(range(3, 11))[0]  # the same key in both (same model, options)
+    assert second.engine.block_keys(range(3, 11)) == [k]
+    assert first.engine.store.put(k, content(k))
+    assert second.engine.store.get(k)["kv"].tobytes() == content(k)["kv"].tobytes()
+    first.close()
+    second.close()
+    assert (folder / "DSV41-STORE.json").exists()  # kept: the next serve finds the block
+    with KVStore(folder, capacity_bytes=1 << 20, fingerprint=first.engine.keys.salt) as again:
+        assert again.get(k)["kv"].tobytes() == content(k)["kv"].tobytes()
