@@ -42,8 +42,9 @@ BLOCK_BYTES = HEADER_SIZE + len(encode_block(content(key("x", 0))))
 
 
 def served_right(k: str, got: dict[str, np.ndarray] | None) -> bool:
-    return got is None or (list(got) == ["kv"] and got["kv"].tobytes() == content(k)["kv"]
-                           .tobytes())
+    return got is None or (
+        list(got) == ["kv"] and got["kv"].tobytes() == content(k)["kv"].tobytes()
+    )
 
 
 def run_children(*targets) -> list[dict]:
@@ -73,11 +74,24 @@ def _child(fn, args, w: int) -> None:
 
 def stats(s: KVStore) -> dict:
     st = s.stats()
-    return {f: getattr(st, f) for f in ("hits", "misses", "writes", "evictions", "corrupt",
-                                        "truncated", "foreign", "adopted", "entries")}
+    return {
+        f: getattr(st, f)
+        for f in (
+            "hits",
+            "misses",
+            "writes",
+            "evictions",
+            "corrupt",
+            "truncated",
+            "foreign",
+            "adopted",
+            "entries",
+        )
+    }
 
 
 # -- two processes, each serving the other's blocks -------------------------------------------
+
 
 def ping_pong(root: str, me: str, other: str, n: int, both_open) -> dict:
     """Write my n blocks interleaved with reads of the other's until all n were served."""
@@ -103,8 +117,10 @@ def ping_pong(root: str, me: str, other: str, n: int, both_open) -> dict:
 
 def test_two_processes_each_serve_the_others_blocks(tmp_path):
     both_open = FORK.Barrier(2)
-    a, b = run_children((ping_pong, (str(tmp_path), "a", "b", 12, both_open)),
-                        (ping_pong, (str(tmp_path), "b", "a", 12, both_open)))
+    a, b = run_children(
+        (ping_pong, (str(tmp_path), "a", "b", 12, both_open)),
+        (ping_pong, (str(tmp_path), "b", "a", 12, both_open)),
+    )
     for r in (a, b):
         assert r["served"] == list(range(12)) and r["wrong"] == 0
         assert (r["writes"], r["hits"], r["adopted"], r["entries"]) == (12, 12, 12, 24)
@@ -116,6 +132,7 @@ def test_two_processes_each_serve_the_others_blocks(tmp_path):
 
 
 # -- kill -9 of a writer mid-write while another writes ---------------------------------------
+
 
 def write_forever(root: str, owner: str, fp: bytes) -> None:
     s = KVStore(root, capacity_bytes=1 << 30, fingerprint=fp)
@@ -136,8 +153,10 @@ def write_and_read(root: str, rounds_done: str, n: int) -> dict:
                 got = s.get(key(f"k{r}", j))
                 wrong += not served_right(key(f"k{r}", j), got)
                 hits += got is not None
-    own = all(served_right(key("live", j), s.get(key("live", j))) and s.contains(key("live", j))
-              for j in range(i))
+    own = all(
+        served_right(key("live", j), s.get(key("live", j))) and s.contains(key("live", j))
+        for j in range(i)
+    )
     return {"written": i, "own_whole": own, "wrong": wrong, "hits_of_killed": hits, **stats(s)}
 
 
@@ -177,8 +196,11 @@ def test_a_writer_killed_mid_write_20_times_never_exposes_a_bad_entry(tmp_path):
         first = root / key(f"k{r}", 0)[:2] / f"{key(f'k{r}', 0)}.blk"
         deadline = time.monotonic() + (10.0 if r % 2 == 0 else 0.05 * (r % 5))
         while time.monotonic() < deadline:  # even rounds: the moment a temp file of its exists
-            if r % 2 == 0 and list(root.glob(f"*/.*.{w.pid}.*.tmp")) \
-                    and (r != OTHER_MODEL_ROUND or first.exists()):
+            if (
+                r % 2 == 0
+                and list(root.glob(f"*/.*.{w.pid}.*.tmp"))
+                and (r != OTHER_MODEL_ROUND or first.exists())
+            ):
                 break
             time.sleep(0.0005)
         os.kill(w.pid, signal.SIGKILL)
@@ -201,13 +223,23 @@ def test_a_writer_killed_mid_write_20_times_never_exposes_a_bad_entry(tmp_path):
         ours = [p.stem for p in root.glob("*/*.blk") if s.contains(p.stem)]
         assert len(ours) == st.entries and all(s.get(k) is not None for k in ours)  # whole
     assert listing(parent, root) == before  # nothing outside the store touched
-    print(json.dumps({"rounds": 20, "killed_mid_write": mid_write, "temp_files_left": left,
-                      "survivor_writes": live["written"],
-                      "survivor_hits_of_killed": live["hits_of_killed"],
-                      "entries": st.entries, "others": st.others}))
+    print(
+        json.dumps(
+            {
+                "rounds": 20,
+                "killed_mid_write": mid_write,
+                "temp_files_left": left,
+                "survivor_writes": live["written"],
+                "survivor_hits_of_killed": live["hits_of_killed"],
+                "entries": st.entries,
+                "others": st.others,
+            }
+        )
+    )
 
 
 # -- eviction by one process, reads by another ------------------------------------------------
+
 
 def evict_constantly(root: str, n: int, room: int, done: str = "") -> dict:
     """Write n blocks into a folder with room for `room` (no lifetime): each write past the
@@ -235,8 +267,9 @@ def read_constantly(root: str, n: int, done: str) -> dict:
 def test_eviction_by_one_process_never_serves_a_half_deleted_entry(tmp_path):
     root, done = tmp_path / "store", str(tmp_path / "done")
     KVStore(root, capacity_bytes=1 << 30, fingerprint=FP).close()
-    writer, reader = run_children((evict_constantly, (str(root), 60, 4, done)),
-                                  (read_constantly, (str(root), 60, done)))
+    writer, reader = run_children(
+        (evict_constantly, (str(root), 60, 4, done)), (read_constantly, (str(root), 60, done))
+    )
     assert writer["writes"] == 60 and writer["evictions"] == 60 - 4
     assert reader["wrong"] == 0 and (reader["corrupt"], reader["truncated"]) == (0, 0)
     assert reader["hits"] >= 4 and reader["misses"] >= 56  # the last pass: 4 left, 56 gone
@@ -260,16 +293,23 @@ def test_an_entry_evicted_by_another_process_is_a_plain_miss(tmp_path):
 
 # -- the minimum lifetime across processes ----------------------------------------------------
 
+
 def put_at(root: str, t: float, k: str) -> dict:
-    s = KVStore(root, capacity_bytes=2 * BLOCK_BYTES, fingerprint=FP, min_lifetime_s=100.0,
-                clock=lambda: t)
+    s = KVStore(
+        root, capacity_bytes=2 * BLOCK_BYTES, fingerprint=FP, min_lifetime_s=100.0, clock=lambda: t
+    )
     return {"stored": s.put(k, content(k)), **stats(s)}
 
 
 def test_no_process_evicts_another_ones_young_entry(tmp_path):
     clock = [1000.0]
-    mine = KVStore(tmp_path, capacity_bytes=2 * BLOCK_BYTES, fingerprint=FP,
-                   min_lifetime_s=100.0, clock=lambda: clock[0])
+    mine = KVStore(
+        tmp_path,
+        capacity_bytes=2 * BLOCK_BYTES,
+        fingerprint=FP,
+        min_lifetime_s=100.0,
+        clock=lambda: clock[0],
+    )
     a, b = key("m", 0), key("m", 1)
     assert mine.put(a, content(a))
     clock[0] = 1050.0
@@ -290,16 +330,20 @@ def test_no_process_evicts_another_ones_young_entry(tmp_path):
 
 # -- `dsv41 serve`'s persistent default store -------------------------------------------------
 
-def test_serve_keeps_a_persistent_store_in_the_users_cache_folder(small_case, tmp_path,
-                                                                   monkeypatch):
+
+def test_serve_keeps_a_persistent_store_in_the_users_cache_folder(
+    small_case, tmp_path, monkeypatch
+):
     from dsv41.compiler.tools.cli.main import build_parser
     from dsv41.graph.checkpoint import weights_fingerprint
     from dsv41.runtime.serving.assembly import ServingOptions, default_store_folder, serving_engine
 
     ckpt = Path(small_case.checkpoint)
     model_id = weights_fingerprint(ckpt)[:16]
-    assert default_store_folder(ckpt, {"XDG_CACHE_HOME": str(tmp_path / "c")}) == \
-        tmp_path / "c" / "dsv41" / "store" / model_id
+    assert (
+        default_store_folder(ckpt, {"XDG_CACHE_HOME": str(tmp_path / "c")})
+        == tmp_path / "c" / "dsv41" / "store" / model_id
+    )
     for env in ({}, {"XDG_CACHE_HOME": ""}, {"XDG_CACHE_HOME": "relative/cache"}):
         assert default_store_folder(ckpt, env) == Path.home() / ".cache/dsv41/store" / model_id
 
@@ -316,8 +360,13 @@ def test_serve_keeps_a_persistent_store_in_the_users_cache_folder(small_case, tm
             build_parser().parse_args(["serve", "--store-capacity-gib", bad])
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    o = ServingOptions(backend="torch", checkpoint=ckpt, page_tokens=8, persistent_store=True,
-                       store_capacity_bytes=1 << 20)
+    o = ServingOptions(
+        backend="torch",
+        checkpoint=ckpt,
+        page_tokens=8,
+        persistent_store=True,
+        store_capacity_bytes=1 << 20,
+    )
     first, second = serving_engine(o), serving_engine(o)  # two serves of the model: one store
     folder = tmp_path / "cache" / "dsv41" / "store" / model_id
     assert first.store == second.store == folder and first.temp_store is None

@@ -21,13 +21,13 @@ or a writer's temporary name). Another model's entries (an engine with other opt
 the folder) are kept and counted in the bytes in use, evicted by the same rules, never served.
 
 Every file operation is confined to the folder the store opened: the root is held open as a
-directory descriptor (the one the folder's lock is taken on), each shard is opened relative to it with
-`O_NOFOLLOW`, and each file relative to its shard with `O_NOFOLLOW` (open, stat, unlink, rename,
-utime), so a shard or block swapped for a symbolic link later is an I/O error (a miss, counted),
-never a read or a deletion outside the store. Before every get, put and drop the store checks
-that its path still names the folder it opened (same device and inode, not removed): a folder
-removed or replaced under a running engine disables the store (logged once as an error; every
-get misses, every put is refused), so it never writes into another owner's folder.
+directory descriptor (the one the folder's lock is taken on), each shard is opened relative to
+it with `O_NOFOLLOW`, and each file relative to its shard with `O_NOFOLLOW` (open, stat, unlink,
+rename, utime), so a shard or block swapped for a symbolic link later is an I/O error (a miss,
+counted), never a read or a deletion outside the store. Before every get, put and drop the store
+checks that its path still names the folder it opened (same device and inode, not removed): a
+folder removed or replaced under a running engine disables the store (logged once as an error;
+every get misses, every put is refused), so it never writes into another owner's folder.
 
 Time: ages come from the store's clock (wall seconds, kept in headers and mtimes so they survive a
 restart), trusted within `MAX_CLOCK_SKEW_S`: an entry stamped further in the future than that (the

@@ -33,8 +33,12 @@ from pathlib import Path
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 WORK = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp(prefix="two-serves-"))
-CHECKPOINT = Path(os.environ.get("DSV41_FAULT_CHECKPOINT", Path(__file__).resolve()
-                                  .parents[3] / "shared/conformance/shared-small/checkpoint"))
+CHECKPOINT = Path(
+    os.environ.get(
+        "DSV41_FAULT_CHECKPOINT",
+        Path(__file__).resolve().parents[3] / "shared/conformance/shared-small/checkpoint",
+    )
+)
 PAGE = 8
 PARENT = WORK / "parent"  # the store's parent folder: nothing in it may change
 STORE = PARENT / "store"
@@ -51,10 +55,30 @@ def start(name: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, "TVM_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dsv41.compiler.tools.cli", "serve", "--backend", "torch",
-         "--checkpoint", str(CHECKPOINT), "--page-tokens", str(PAGE), "--store", str(STORE),
-         "--port", str(port), "--log-level", "warning", "--speculative", "off"],
-        env=env, stdout=subprocess.DEVNULL, stderr=open(LOGS / f"{name}.log", "w"))
+        [
+            sys.executable,
+            "-m",
+            "dsv41.compiler.tools.cli",
+            "serve",
+            "--backend",
+            "torch",
+            "--checkpoint",
+            str(CHECKPOINT),
+            "--page-tokens",
+            str(PAGE),
+            "--store",
+            str(STORE),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--speculative",
+            "off",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(LOGS / f"{name}.log", "w"),
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -70,10 +94,12 @@ def start(name: str) -> tuple[subprocess.Popen, int]:
 
 
 def complete(port: int, prompt: str, timeout: float = 300.0) -> dict:
-    body = json.dumps({"model": "checkpoint", "prompt": prompt, "max_tokens": 2,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": "checkpoint", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -125,8 +151,14 @@ def main() -> None:
         os.symlink(PARENT / "notes.txt", PARENT / "link")
     a, port_a = start("A")
     before = listing(PARENT, STORE)
-    counts = {"rounds": 0, "killed_mid_write": 0, "b_answers": 0, "a_answers": 0,
-              "a_failures": 0, "a_ssd_hits_of_b_prefixes": 0}
+    counts = {
+        "rounds": 0,
+        "killed_mid_write": 0,
+        "b_answers": 0,
+        "a_answers": 0,
+        "a_failures": 0,
+        "a_ssd_hits_of_b_prefixes": 0,
+    }
 
     # 1. each serves the other's prefixes
     b, port_b = start("B0")
@@ -140,8 +172,10 @@ def main() -> None:
     a_hit = ssd_tokens(complete(port_a, prompt("from-b")))
     assert b_hit > 0 and a_hit > 0, (b_hit, a_hit)
     counts["b_served_a_prefix_tokens"], counts["a_served_b_prefix_tokens"] = b_hit, a_hit
-    print(f"sharing: B resumed A's prompt from {b_hit} SSD tokens, A resumed B's from {a_hit}",
-          flush=True)
+    print(
+        f"sharing: B resumed A's prompt from {b_hit} SSD tokens, A resumed B's from {a_hit}",
+        flush=True,
+    )
     b.send_signal(signal.SIGTERM)
     b.wait(60)
 
@@ -196,9 +230,12 @@ def main() -> None:
         tmps = list(STORE.glob(f"*/.*.{b.pid}.*.tmp"))
         counts["killed_mid_write"] += bool(tmps)
         counts["rounds"] += 1
-        print(f"round {r}: B killed with {len(tmps)} temporary file(s) of its own; A answered "
-              f"{counts['a_answers']} so far, {counts['a_failures']} failures; store "
-              f"{blocks()} blocks", flush=True)
+        print(
+            f"round {r}: B killed with {len(tmps)} temporary file(s) of its own; A answered "
+            f"{counts['a_answers']} so far, {counts['a_failures']} failures; store "
+            f"{blocks()} blocks",
+            flush=True,
+        )
     stop_a.set()
     writer.join(300)
 
@@ -207,8 +244,12 @@ def main() -> None:
     from dsv41.graph.model import Model
     from dsv41.runtime.engine import Engine
 
-    e = Engine.from_model(Model.from_checkpoint(CHECKPOINT), weights_hash=weights_fingerprint(
-        CHECKPOINT), page_tokens=PAGE, store_dir=STORE)
+    e = Engine.from_model(
+        Model.from_checkpoint(CHECKPOINT),
+        weights_hash=weights_fingerprint(CHECKPOINT),
+        page_tokens=PAGE,
+        store_dir=STORE,
+    )
     st = e.store.stats()
     ours = [p.stem for p in STORE.glob("*/*.blk") if e.store.contains(p.stem)]
     whole = sum(e.store.get(k) is not None for k in ours)
@@ -216,16 +257,28 @@ def main() -> None:
     a.send_signal(signal.SIGTERM)
     a.wait(120)
     log_a = (LOGS / "A.log").read_text()
-    counts.update({"store_entries": st.entries, "entries_read_whole": whole,
-                   "corrupt": st.corrupt, "truncated": st.truncated, "foreign": st.foreign,
-                   "read_errors": st.read_errors, "temp_files_after_scan":
-                   len(list(STORE.glob("*/.*.tmp"))), "outside_store_unchanged":
-                   listing(PARENT, STORE) == before, "a_traceback": "Traceback" in log_a})
+    counts.update(
+        {
+            "store_entries": st.entries,
+            "entries_read_whole": whole,
+            "corrupt": st.corrupt,
+            "truncated": st.truncated,
+            "foreign": st.foreign,
+            "read_errors": st.read_errors,
+            "temp_files_after_scan": len(list(STORE.glob("*/.*.tmp"))),
+            "outside_store_unchanged": listing(PARENT, STORE) == before,
+            "a_traceback": "Traceback" in log_a,
+        }
+    )
     print(json.dumps(counts), flush=True)
-    ok = (counts["a_failures"] == 0 and whole == len(ours) == st.entries
-          and (st.corrupt, st.truncated, st.foreign, st.read_errors) == (0, 0, 0, 0)
-          and counts["temp_files_after_scan"] == 0 and counts["outside_store_unchanged"]
-          and not counts["a_traceback"])
+    ok = (
+        counts["a_failures"] == 0
+        and whole == len(ours) == st.entries
+        and (st.corrupt, st.truncated, st.foreign, st.read_errors) == (0, 0, 0, 0)
+        and counts["temp_files_after_scan"] == 0
+        and counts["outside_store_unchanged"]
+        and not counts["a_traceback"]
+    )
     print("OK" if ok else "FAILED", flush=True)
     sys.exit(0 if ok else 1)
 
