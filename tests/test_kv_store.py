@@ -807,3 +807,20 @@ def test_a_clock_stepped_ahead_then_back_never_pins_a_full_store(tmp_path):
     assert s2.put(key(1), block(0))
     clock.t = 1011.0
     assert not s2.put(key(2), block(0)) and s2.stats().refused_writes == 1
+
+
+def test_a_bad_file_at_a_keys_path_is_replaced_by_a_put(tmp_path):
+    """Entry files are write-once (a put never replaces another owner's entry), but a file
+    whose header is bad is no entry: a put deletes it (counted) and writes the block."""
+    s, k, p = put_one(tmp_path)
+    other = store(tmp_path, Clock())  # another owner's view: the file is already indexed
+    bad = p.with_suffix(".bad")
+    bad.write_bytes(p.read_bytes()[:100])
+    os.replace(bad, p)  # a truncated file in its place, behind both
+    assert not other.contains(k)
+    assert other.put(k, block(1))
+    st = other.stats()
+    assert (st.writes, st.truncated, st.refused_writes) == (1, 1, 0)
+    assert_bit_exact(s.get(k), block(1))  # the first owner reads the new file
+    assert s.put(k, block(2)) and s.stats().writes == 1  # present: not written again
+    assert_bit_exact(other.get(k), block(1))

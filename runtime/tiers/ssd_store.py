@@ -529,10 +529,14 @@ class KVStore:
                         there = os.stat(f"{key}.blk", dir_fd=shard, follow_symlinks=False)
                     except FileNotFoundError:
                         pass
-                    else:  # another owner's entry, or something not ours to replace
-                        if stat.S_ISREG(there.st_mode):
+                    else:  # another owner's entry, a bad file, or something not ours
+                        if not stat.S_ISREG(there.st_mode):
+                            raise OSError(errno.EEXIST, "not a regular file at the block's path")
+                        verdict = self._header_verdict(shard, key)
+                        if verdict == "ok":
                             return "present"
-                        raise OSError(errno.EEXIST, "not a regular file at the block's path")
+                        self._unlink(shard, f"{key}.blk", there.st_ino)  # bad: replaced
+                        setattr(self._n, verdict, getattr(self._n, verdict) + 1)
                     usage = self._make_room(size, created_at)
                     if usage is None:
                         return "full"
@@ -546,6 +550,17 @@ class KVStore:
                 with contextlib.suppress(OSError):  # gone when published
                     os.unlink(tmp, dir_fd=shard)
                 os.close(fd)  # lets the temporary file's lock go
+
+    def _header_verdict(self, shard: int, key: str) -> str:
+        """"ok" when the file at `key`'s path has a good header of this model's, else why not
+        (corrupt / truncated / foreign); an unreadable file is "ok" (not ours to delete)."""
+        try:
+            with open(os.open(f"{key}.blk", _READ_FLAGS, dir_fd=shard), "rb") as f:
+                verdict, _ = check_header(f.read(HEADER_SIZE), key, self.fingerprint,
+                                          os.fstat(f.fileno()).st_size)
+        except OSError:
+            return "ok"
+        return verdict
 
     def _make_room(self, size: int, now: float) -> int | None:
         """Under the folder lock: the folder's bytes in use once room for `size` more is made
