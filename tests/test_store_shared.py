@@ -294,9 +294,13 @@ def test_an_entry_evicted_by_another_process_is_a_plain_miss(tmp_path):
 # -- the minimum lifetime across processes ----------------------------------------------------
 
 
-def put_at(root: str, t: float, k: str) -> dict:
+def put_at(root: str, t: float, k: str, lifetime: float = 100.0) -> dict:
     s = KVStore(
-        root, capacity_bytes=2 * BLOCK_BYTES, fingerprint=FP, min_lifetime_s=100.0, clock=lambda: t
+        root,
+        capacity_bytes=2 * BLOCK_BYTES,
+        fingerprint=FP,
+        min_lifetime_s=lifetime,
+        clock=lambda: t,
     )
     return {"stored": s.put(k, content(k)), **stats(s)}
 
@@ -317,6 +321,9 @@ def test_no_process_evicts_another_ones_young_entry(tmp_path):
     # another process, opened after both were written, at ages 99 and 49: refused
     (young,) = run_children((put_at, (str(tmp_path), 1099.0, key("o", 0))))
     assert (young["stored"], young["evictions"]) == (False, 0)
+    # one of no lifetime of its own honours the longest any writer here promised
+    (short,) = run_children((put_at, (str(tmp_path), 1099.0, key("o", 0), 0.0)))
+    assert (short["stored"], short["evictions"]) == (False, 0)
     assert mine.get(a) is not None and mine.get(b) is not None
     # at 1101 a is 101 s old: the other process evicts it (and only it)
     (old,) = run_children((put_at, (str(tmp_path), 1101.0, key("o", 1))))

@@ -94,8 +94,8 @@ _TMP_RE = re.compile(r"\.[0-9a-f]{64}\.\d+\.[0-9a-f]{8}\.tmp")
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-USAGE_NAME = "DSV41-STORE.usage"  # the folder's ledger: bytes in use, generation (`_Ledger`)
-_USAGE = struct.Struct("<QQQ")  # bytes, generation, their xor with _USAGE_CHECK
+USAGE_NAME = "DSV41-STORE.usage"  # the folder's ledger: bytes, generation, lifetime (`_Ledger`)
+_USAGE = struct.Struct("<QQQQ")  # bytes, generation, lifetime ms, their xor with _USAGE_CHECK
 _USAGE_CHECK = 0x5A5A_5A5A_5A5A_5A5A
 MAX_CLOCK_SKEW_S = 300.0  # how far in the future a timestamp is still trusted (then: unknown age)
 _log = logging.getLogger(__name__)
@@ -156,6 +156,8 @@ class _Ledger:
     bytes: int  # the folder's bytes in use (exact after a scan; deletions of bad files and
     # drops leave it high, which only brings the next rescan sooner)
     generation: int  # bumped by every owner's change (publication, eviction, deletion)
+    lifetime_ms: int  # the longest minimum lifetime any owner that wrote here promises: every
+    # owner's eviction honours it (an owner of a shorter one never evicts a longer one's entry)
 
 
 class KVStore:
@@ -208,6 +210,7 @@ class KVStore:
         self._bytes = 0
         self._others = 0  # entries of the index that are another model's
         self._generation = -1  # the ledger's generation this index reflects (-1: none yet)
+        self._lifetime_s = self.min_lifetime_s  # what eviction honours: the folder's, if longer
         self._n = _Counters()
         self._logged: set[str] = set()  # failure kinds already logged (once each)
         try:
@@ -441,14 +444,15 @@ class KVStore:
 
     def _plan_eviction(self, size: int, now: float) -> list[str] | None:
         """Keys to evict so that `size` more bytes fit, or None when it cannot fit: entries of
-        unknown age first, then those at least min_lifetime_s old, least recently used first."""
+        unknown age first, then those at least the lifetime old (min_lifetime_s, or the longer
+        one of another owner that wrote here), least recently used first."""
         if size > self.capacity_bytes:
             return None
         need = self._bytes + size - self.capacity_bytes
         unknown = [k for k, e in self._index.items() if e.created_at > now + MAX_CLOCK_SKEW_S]
         old = [k for k, e in self._index.items()
                if now + MAX_CLOCK_SKEW_S >= e.created_at and now - e.created_at
-               >= self.min_lifetime_s]
+               >= self._lifetime_s]
         victims: list[str] = []
         for key in unknown + old:
             if need <= 0:
@@ -544,7 +548,7 @@ class KVStore:
                     os.fsync(shard)
                     self._index_entry(key, _Entry(size, created_at, os.fstat(fd).st_ino),
                                       adopted=False)
-                    self._changed(usage + size)
+                    self._changed(usage + size, wrote=True)
                     return "written"
             finally:
                 with contextlib.suppress(OSError):  # gone when published
@@ -570,6 +574,8 @@ class KVStore:
         ledger = self._read_usage()
         if ledger is not None and ledger.bytes + size <= self.capacity_bytes:
             return ledger.bytes
+        self._lifetime_s = max(self.min_lifetime_s, 0 if ledger is None else
+                               ledger.lifetime_ms / 1000)
         if ledger is None or ledger.generation != self._generation:
             self._scan(now)
             self._n.rescans += 1
@@ -582,17 +588,19 @@ class KVStore:
             self._n.evictions += 1
         return self._bytes
 
-    def _changed(self, usage: int | None = None) -> None:
+    def _changed(self, usage: int | None = None, *, wrote: bool = False) -> None:
         """Under the folder lock, after this owner changed the folder: the ledger's next
         generation (with `usage` bytes in use, else the ledger's own count), which this index
-        reflects."""
+        reflects; when it `wrote` an entry, with this owner's lifetime if that is longer."""
         ledger = self._read_usage()
         if usage is None:
             if ledger is None:
                 return  # no ledger yet: the next put that needs room rescans anyway
             usage = ledger.bytes
         generation = (0 if ledger is None else ledger.generation) + 1
-        if self._write_usage(_Ledger(usage, generation)):
+        lifetime_ms = max(math.ceil(self.min_lifetime_s * 1000) if wrote else 0,
+                          0 if ledger is None else ledger.lifetime_ms)
+        if self._write_usage(_Ledger(usage, generation, lifetime_ms)):
             self._generation = generation
 
     def _read_usage(self) -> _Ledger | None:
@@ -604,14 +612,17 @@ class KVStore:
             return None
         if len(raw) != _USAGE.size:
             return None
-        value, generation, check = _USAGE.unpack(raw)
-        return _Ledger(value, generation) if check == value ^ generation ^ _USAGE_CHECK else None
+        value, generation, lifetime_ms, check = _USAGE.unpack(raw)
+        if check != value ^ generation ^ lifetime_ms ^ _USAGE_CHECK:
+            return None
+        return _Ledger(value, generation, lifetime_ms)
 
     def _write_usage(self, ledger: _Ledger) -> bool:
-        """Overwrite the ledger in place (24 bytes), under the lock; a damaged ledger only
-        costs a rescan. False when the write failed (counted)."""
-        raw = _USAGE.pack(ledger.bytes, ledger.generation,
-                          ledger.bytes ^ ledger.generation ^ _USAGE_CHECK)
+        """Overwrite the ledger in place (32 bytes), under the lock; a damaged ledger only
+        costs a rescan (and the lifetimes of owners that wrote before it). False when the write
+        failed (counted)."""
+        raw = _USAGE.pack(ledger.bytes, ledger.generation, ledger.lifetime_ms,
+                          ledger.bytes ^ ledger.generation ^ ledger.lifetime_ms ^ _USAGE_CHECK)
         try:
             fd = os.open(USAGE_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o644, dir_fd=self._dir)
