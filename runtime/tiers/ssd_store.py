@@ -175,7 +175,8 @@ class KVStore:
     Sharing: entry files are write-once (a temporary file, fsynced, published under its name
     only while no file is there), and every publication, eviction and deletion happens under the
     folder's exclusive lock (`StoreFolder.exclusive`, held for that change only). The folder's
-    bytes in use are a small ledger beside the marker (`USAGE_NAME`), updated under the lock;
+    bytes in use are a small ledger beside the marker (`USAGE_NAME`, with the longest lifetime
+    any writer of the folder promised, which every owner's eviction honours), under the lock;
     when a put would pass the capacity by it, the store rescans the folder under the lock (every
     owner's files, ages from their headers, last access from their mtimes) and evicts by the
     order above, so no owner evicts another's young entry. Reads take no lock: a file deleted
