@@ -292,18 +292,19 @@ def test_restart_scan_drops_bad_headers_and_keeps_good_ones(tmp_path):
         misplaced.write_bytes(paths[5].read_bytes())
     foreign_root = tmp_path / "other"
     store(foreign_root, Clock(), fp=FP_OTHER).put(key(7), block(7))
-    for p in foreign_root.rglob("*.blk"):
-        target = tmp_path / p.relative_to(foreign_root)
-        target.parent.mkdir(exist_ok=True)
-        os.replace(p, target)
+    (theirs,) = foreign_root.rglob("*.blk")
+    target = tmp_path / theirs.relative_to(foreign_root)
+    target.parent.mkdir(exist_ok=True)
+    os.replace(theirs, target)  # another model's entry (an engine sharing the folder): kept
     (tmp_path / "README.txt").write_text("not ours")
 
-    s.close()  # one owner per folder: the restart
+    s.close()  # the restart
     s2 = store(tmp_path, clock)
     st = s2.stats()
-    assert (st.corrupt, st.truncated, st.foreign) == (2 + (key(5)[:2] != "00"), 1, 1)
+    assert (st.corrupt, st.truncated, st.foreign) == (2 + (key(5)[:2] != "00"), 1, 0)
     assert [s2.contains(k) for k in keys] == [False, False, False, False, True, True]
-    assert st.entries == 2 and st.bytes == 2 * good
+    assert not s2.contains(key(7)) and target.exists()
+    assert (st.entries, st.others, st.bytes) == (2, 1, 2 * good + target.stat().st_size)
     assert s2.get(keys[4]) is None and s2.stats().corrupt == st.corrupt + 1
     assert_bit_exact(s2.get(keys[5]), block(5))
     assert (tmp_path / "README.txt").exists() and not misplaced.exists()
@@ -806,3 +807,20 @@ def test_a_clock_stepped_ahead_then_back_never_pins_a_full_store(tmp_path):
     assert s2.put(key(1), block(0))
     clock.t = 1011.0
     assert not s2.put(key(2), block(0)) and s2.stats().refused_writes == 1
+
+
+def test_a_bad_file_at_a_keys_path_is_replaced_by_a_put(tmp_path):
+    """Entry files are write-once (a put never replaces another owner's entry), but a file
+    whose header is bad is no entry: a put deletes it (counted) and writes the block."""
+    s, k, p = put_one(tmp_path)
+    other = store(tmp_path, Clock())  # another owner's view: the file is already indexed
+    bad = p.with_suffix(".bad")
+    bad.write_bytes(p.read_bytes()[:100])
+    os.replace(bad, p)  # a truncated file in its place, behind both
+    assert not other.contains(k)
+    assert other.put(k, block(1))
+    st = other.stats()
+    assert (st.writes, st.truncated, st.refused_writes) == (1, 1, 0)
+    assert_bit_exact(s.get(k), block(1))  # the first owner reads the new file
+    assert s.put(k, block(2)) and s.stats().writes == 1  # present: not written again
+    assert_bit_exact(other.get(k), block(1))

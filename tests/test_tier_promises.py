@@ -34,7 +34,7 @@ from dsv41.runtime.tiers.ssd_store import (
     KVStore,
     model_fingerprint,
 )
-from dsv41.runtime.tiers.store_folder import MARKER_NAME, StoreBusyError, StoreFolderError
+from dsv41.runtime.tiers.store_folder import MARKER_NAME, StoreFolderError
 from dsv41.runtime.tiers.wire import RecordKind, decode_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,15 +296,19 @@ def test_ssd_folder_is_marked_and_an_unmarked_one_refused(tmp_path):
     assert [p.name for p in (tmp_path / "user").iterdir()] == ["notes.txt"]
 
 
-def test_ssd_one_owner_per_folder(small_model, tmp_path):
-    """docs/runtime-and-tiers.md: "One owner per folder, enforced: an advisory lock
-    (`fcntl.flock`) held while the store is open, so a second process (or a second engine in
-    this one) gets `StoreBusyError`; `engine.close()` lets it go.\""""
-    e = _engine(small_model, tmp_path / "s")
-    with pytest.raises(StoreBusyError, match="in use by another owner"):
-        _engine(small_model, tmp_path / "s")
-    e.close()
-    _engine(small_model, tmp_path / "s").close()
+def test_ssd_several_engines_share_one_folder(small_model, tmp_path):
+    """docs/runtime-and-tiers.md: "Several engines share one folder: any number of processes (or
+    engines in one process) open it at once, and each serves the blocks the others wrote.\""""
+    a, b = _engine(small_model, tmp_path / "s"), _engine(small_model, tmp_path / "s")
+    sa = a.session()
+    list(sa.send(_prompt(20, 1), max_new_tokens=2))
+    a.blocks.drain()  # a's blocks are files now
+    sb = b.session(transcript=sa.transcript)
+    list(sb.send([7], max_new_tokens=2))
+    assert (sb.turns[-1].tier, len(sb.turns[-1].reused_keys)) == ("prefix", 2)
+    assert (b.store.stats().hits, b.store.stats().adopted) == (2, 2)
+    a.close()
+    b.close()
 
 
 def test_ssd_scan_never_follows_a_link(tmp_path):

@@ -9,8 +9,10 @@ entries compiled); a deployment without the compiler names both folders and pass
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -76,7 +78,11 @@ class ServingOptions:
     checkpoint: Path | None = None  # default: the preset's seeded checkpoint
     preset: str = "small"
     seed: int = 0  # the seeded checkpoint's seed
-    store: Path | None = None  # the SSD store (default: a fresh temporary store)
+    store: Path | None = None  # the SSD store (default: `persistent_store`'s choice)
+    # no `store`: the user's cache folder (`default_store_folder`; `dsv41 serve`) when True,
+    # else a fresh temporary store removed at the end (`chat`, `bench serve`)
+    persistent_store: bool = False
+    store_capacity_bytes: int | None = None  # the SSD store's cap (default: EngineOptions')
     page_tokens: int = 64
     target: str = "cpu"
     out: Path = Path("artifacts")  # where artifacts live
@@ -103,6 +109,10 @@ class ServingOptions:
             raise ValueError("--artifact and --backend torch exclude each other.")
         if self.page_tokens < 1:
             raise ValueError(f"--page-tokens must be positive, got {self.page_tokens}.")
+        cap = self.store_capacity_bytes
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"The SSD store's capacity must be a positive number of bytes, got "
+                             f"{cap!r}.")
         if self.speculative not in SPEC_MODES:
             raise ValueError(f"--speculative must be auto, on or off, got "
                              f"{self.speculative!r}.")
@@ -121,6 +131,7 @@ class ServingEngine:
     model_name: str
     backend: str  # described for the banner: "PyTorch graph" or "artifact <folder>"
     temp_store: tempfile.TemporaryDirectory | None = None  # when no store was given
+    store: Path | None = None  # the SSD store's folder (for the banner)
 
     closed: bool = False
 
@@ -143,21 +154,28 @@ def serving_engine(opts: ServingOptions, source: ArtifactSource | None = None) -
     """The engine as `dsv41 run` builds it: the artifact folder, or the artifact for the
     checkpoint (from `source`: compiling what is missing), or the PyTorch graph; the checkpoint
     folder or the preset's seeded one (from `source`); the store folder (a new or empty folder,
-    or a store to continue) or a fresh temporary store removed at the end."""
+    or a store to continue, which other engines may share), the user's cache folder's store of
+    the model (`persistent_store`) or a fresh temporary store removed at the end."""
     opts.validate()
     if opts.store is not None:
         check_folder(opts.store, kind=STORE_KIND, version=FORMAT_VERSION)
     ckpt = opts.checkpoint or (source.checkpoint(opts.preset, opts.seed) if source else
                                _no_source("checkpoint (--checkpoint)"))
+    store = opts.store
+    if store is None and opts.persistent_store:
+        store = default_store_folder(ckpt)
+        check_folder(store, kind=STORE_KIND, version=FORMAT_VERSION)
     args = checkpoint_config(ckpt)
     tok = Tokenizer.for_model(args, ckpt)  # refused here when it does not fit the model
     name = opts.model_name or (ckpt.name if opts.checkpoint else opts.preset)
     temp = None
-    if opts.store is None:
+    if store is None:
         temp = tempfile.TemporaryDirectory(prefix="dsv41-serve-store-")
-    kw = {"store_dir": opts.store if opts.store else Path(temp.name) / "store",
-          "page_tokens": opts.page_tokens, "redis_url": opts.redis_url,
+        store = Path(temp.name) / "store"
+    kw = {"store_dir": store, "page_tokens": opts.page_tokens, "redis_url": opts.redis_url,
           "speculative": opts.speculative, "max_draft": opts.max_draft}
+    if opts.store_capacity_bytes is not None:
+        kw["store_capacity_bytes"] = opts.store_capacity_bytes
     try:
         if opts.backend == ServingBackend.TORCH:
             engine = Engine.from_model(Model.from_checkpoint(ckpt),
@@ -174,7 +192,17 @@ def serving_engine(opts: ServingOptions, source: ArtifactSource | None = None) -
         if temp is not None:
             temp.cleanup()
         raise
-    return ServingEngine(engine, tok, name, backend, temp)
+    return ServingEngine(engine, tok, name, backend, temp, None if temp else store)
+
+
+def default_store_folder(checkpoint: Path, env: Mapping[str, str] = os.environ) -> Path:
+    """`dsv41 serve`'s SSD store when none is named: `<cache>/dsv41/store/<model>`, `<cache>`
+    being $XDG_CACHE_HOME (when set to an absolute path) or ~/.cache, `<model>` the first 16 hex
+    of the checkpoint's weights fingerprint. Every serve of the model on this machine shares it
+    and a restart finds its blocks; engines of other options keep their own entries in it."""
+    cache = env.get("XDG_CACHE_HOME", "")
+    root = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
+    return root / "dsv41" / "store" / weights_fingerprint(checkpoint)[:16]
 
 
 def make_batcher(opts: ServingOptions, se: ServingEngine,
@@ -204,7 +232,7 @@ def masked_url(url: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class ServeOptions:
-    serving: ServingOptions = ServingOptions()
+    serving: ServingOptions = ServingOptions(persistent_store=True)  # serve keeps its store
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # require `Authorization: Bearer KEY` on /v1
@@ -246,7 +274,8 @@ def serve(opts: ServeOptions, source: ArtifactSource | None = None) -> int:
     batcher.start()
     print(f"serving {se.model_name!r} ({se.backend}; tokenizer {se.tokenizer.file.path.name}, "
           f"{se.tokenizer.file.source.value}) on http://{opts.host}:{opts.port}/v1"
-          f"{' with an API key' if opts.api_key else ''}", flush=True)
+          f"{' with an API key' if opts.api_key else ''}; SSD store "
+          f"{se.store or 'temporary'}", flush=True)
     try:
         run_server(create_app(batcher, se.tokenizer, server), opts.host, opts.port,
                    server.limits, log_level=opts.log_level)

@@ -1,37 +1,38 @@
-"""A folder the runtime owns: marked on first use, held by one owner at a time.
+"""A folder the runtime owns: marked on first use, shared by any number of processes.
 
 The runtime only ever deletes what it created, so a store folder says that it is one: a small
 marker file (`MARKER_NAME`, JSON with the store kind and its format version) written when the
 folder is first used. A folder that holds anything and has no marker is refused (it may be a
-user's folder); a marker of another kind or version is refused too.
+user's folder); a marker of another kind or version is refused too. Two processes marking one
+new folder at once agree: each writes its own temporary marker and links it to the marker's
+name; the second link finds the first one's marker and reads it.
 
-One owner per folder: the owner holds an exclusive advisory lock (`fcntl.flock`) on the folder
-itself for as long as it is open, so a second owner (another process, or a second store object in
-this one) gets `StoreBusyError` instead of sharing an in-memory index it cannot see. The lock
-goes with the process: a killed owner leaves no stale lock.
+Several owners per folder (processes, or store objects in one process): each opens the folder as
+a directory descriptor (`StoreFolder.fd`) and takes the folder's exclusive advisory lock
+(`fcntl.flock` on that descriptor) only for as long as a change that others must not interleave
+takes (`StoreFolder.exclusive`: publishing a file, evicting, deleting). The lock goes with the
+descriptor: a killed owner leaves no stale lock.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import fcntl
 import json
 import os
+import re
 import stat
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 MARKER_NAME = "DSV41-STORE.json"
-_MARKER_TMP = f".{MARKER_NAME}.tmp"
+_MARKER_TMP_RE = re.compile(r"\.DSV41-STORE\.json\.[0-9a-f]{16}\.tmp")  # a marker being written
 
 
 class StoreFolderError(ValueError):
     """The folder cannot be used as a store (a file, a user's folder, another kind or version,
     not writable to mark)."""
-
-
-class StoreBusyError(StoreFolderError):
-    """Another owner holds the folder."""
 
 
 def _marker_doc(kind: str, version: int) -> dict:
@@ -53,7 +54,7 @@ def check_folder(root: str | os.PathLike, *, kind: str, version: int) -> bool:
         raise StoreFolderError(f"Store folder {root} exists and is not a directory.")
     marker = root / MARKER_NAME
     try:
-        names = [n for n in os.listdir(root) if n != _MARKER_TMP]
+        names = [n for n in os.listdir(root) if not _MARKER_TMP_RE.fullmatch(n)]
     except OSError as e:
         raise StoreFolderError(f"Store folder {root} cannot be listed ({e.strerror}).") from e
     if MARKER_NAME not in names:
@@ -85,16 +86,23 @@ def _read_marker(marker: Path, *, kind: str, version: int) -> None:
 
 
 def _write_marker(root: Path, *, kind: str, version: int) -> None:
-    tmp = root / _MARKER_TMP
+    """Write the marker under a name of this writer's own, then link it to MARKER_NAME: the
+    first link wins, a second writer finds the first one's marker (EEXIST) and reads it."""
+    tmp = root / f".{MARKER_NAME}.{os.urandom(8).hex()}.tmp"
     data = json.dumps(_marker_doc(kind, version), sort_keys=True).encode() + b"\n"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             os.write(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, root / MARKER_NAME)
+        try:
+            os.link(tmp, root / MARKER_NAME, follow_symlinks=False)
+        except FileExistsError:  # another process marked it first: its marker must agree
+            _read_marker(root / MARKER_NAME, kind=kind, version=version)
+        finally:
+            os.unlink(tmp)
         dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -105,34 +113,52 @@ def _write_marker(root: Path, *, kind: str, version: int) -> None:
                                f"({e.strerror}); it must be writable on first use.") from e
 
 
-class FolderLock:
-    """The exclusive hold on a marked store folder; `close()` (or garbage collection) lets go."""
+class StoreFolder:
+    """A marked store folder, open; `close()` (or garbage collection) lets it go."""
 
     def __init__(self, root: Path, fd: int):
         self.root = root
         self._fd = fd
+        self._depth = 0  # nesting of exclusive(): the lock is taken by the outermost only
         self._finalizer = weakref.finalize(self, os.close, fd)
 
     @property
     def held(self) -> bool:
+        """Whether the folder is still open here."""
         return self._finalizer.alive
 
     @property
     def fd(self) -> int:
-        """The folder, open (O_DIRECTORY): the lock is on it, and a store opens every path in
-        it relative to this descriptor (`dir_fd`), so its I/O stays in the folder it claimed."""
-        assert self.held, "the folder lock is closed"
+        """The folder, open (O_DIRECTORY): a store opens every path in it relative to this
+        descriptor (`dir_fd`), so its I/O stays in the folder it opened; the lock is on it."""
+        assert self.held, "the store folder is closed"
         return self._fd
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the folder's exclusive lock for the block (waiting for another holder's brief
+        change to end); nested use in one owner takes it once."""
+        fd = self.fd
+        if self._depth == 0:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
     def close(self) -> None:
-        self._finalizer()  # closing the descriptor releases the flock
+        self._finalizer()  # closing the descriptor releases a lock still held
 
 
-def claim_folder(root: str | os.PathLike, *, kind: str, version: int) -> FolderLock:
-    """Create (if needed), lock and mark `root` as a store of this kind and version.
+def claim_folder(root: str | os.PathLike, *, kind: str, version: int) -> StoreFolder:
+    """Create (if needed), open and mark `root` as a store of this kind and version; any number
+    of owners may hold it at once.
 
-    StoreBusyError when another owner holds it; StoreFolderError when it is a file, a non-empty
-    folder without the marker, a store of another kind or version, or cannot be created."""
+    StoreFolderError when it is a file, a non-empty folder without the marker, a store of another
+    kind or version, or cannot be created."""
     root = Path(root)
     check_folder(root, kind=kind, version=version)  # refuses before creating anything
     try:
@@ -141,20 +167,15 @@ def claim_folder(root: str | os.PathLike, *, kind: str, version: int) -> FolderL
     except OSError as e:
         raise StoreFolderError(f"Store folder {root} cannot be created or opened "
                                f"({e.strerror}).") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise StoreBusyError(
-                f"Store folder {root} is in use by another owner (another process, or another "
-                "open store in this one); one owner per folder. Close it first or use another "
-                "folder.") from e
-        raise StoreFolderError(f"Store folder {root} cannot be locked ({e.strerror}).") from e
+    folder = StoreFolder(root, fd)
     try:  # checked again under the lock: the folder may have changed since
-        if not check_folder(root, kind=kind, version=version):
-            _write_marker(root, kind=kind, version=version)
+        with folder.exclusive():
+            if not check_folder(root, kind=kind, version=version):
+                _write_marker(root, kind=kind, version=version)
+    except OSError as e:
+        folder.close()
+        raise StoreFolderError(f"Store folder {root} cannot be locked ({e.strerror}).") from e
     except BaseException:
-        os.close(fd)
+        folder.close()
         raise
-    return FolderLock(root, fd)
+    return folder

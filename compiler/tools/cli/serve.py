@@ -46,8 +46,9 @@ def check_redis(url: str | None, *, timeout_s: float = 5.0) -> None:
         client.close()
 
 
-def serving_args(sp, *, server: bool) -> None:
-    """The engine and batcher options of `serve`, `chat` and `bench serve`."""
+def serving_args(sp, *, server: bool, persistent_store: bool = False) -> None:
+    """The engine and batcher options of `serve`, `chat` and `bench serve` (`persistent_store`:
+    without --store, the user's cache folder's store rather than a temporary one)."""
     sp.add_argument("--artifact", default=None, help="a compiled artifact folder")
     sp.add_argument("--backend", default="artifact",
                     help="artifact (compiled; compiles what is missing) | torch")
@@ -55,8 +56,14 @@ def serving_args(sp, *, server: bool) -> None:
     sp.add_argument("--preset", default="small", help="seeded checkpoint of this preset")
     sp.add_argument("--seed", type=natural, default=0, help="the seeded checkpoint's seed")
     sp.add_argument("--store", default=None,
-                    help="the SSD store's folder: new or empty, or a store to continue (default:"
-                         " a fresh temporary store, removed at the end)")
+                    help="the SSD store's folder: new or empty, or a store to continue, which "
+                         "other engines may share (default: " + (
+                             "$XDG_CACHE_HOME/dsv41/store/<model>, else ~/.cache/..., kept" if
+                             persistent_store else "a fresh temporary store, removed at the end")
+                    + ")")
+    sp.add_argument("--store-capacity-gib", type=gib, default=None,
+                    help="the SSD store's cap in GiB (default: 64; entries younger than 72 h are "
+                         "never evicted, so a full store refuses writes)")
     sp.add_argument("--page-tokens", type=count, default=64,
                     help="runtime-cache page and SSD block, in positions")
     sp.add_argument("--target", default="cpu", help="the artifact's target")
@@ -91,7 +98,7 @@ def speculation_args(sp) -> None:
 
 def add_parser(sub) -> None:
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
-    serving_args(sp, server=True)
+    serving_args(sp, server=True, persistent_store=True)
     sp.add_argument("--host", default="127.0.0.1", help="the address to bind (default: local)")
     sp.add_argument("--port", type=count, default=8000)
     sp.add_argument("--api-key", default=None,
@@ -131,7 +138,18 @@ def http_limits(ns):
                       max_connections=ns.max_connections).validate()
 
 
-def serving_options(ns) -> ServingOptions:
+def gib(text: str) -> int:
+    """A positive size in GiB (a fraction allowed) -> bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value * (1 << 30) < 1 << 62):  # NaN and inf fail too
+        raise argparse.ArgumentTypeError(f"expected a positive size in GiB, got {text!r}")
+    return max(1, int(value * (1 << 30)))
+
+
+def serving_options(ns, *, persistent_store: bool = False) -> ServingOptions:
     """The engine and batcher options `serve`, `chat` and `bench serve` share."""
     # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.runtime.serving.assembly import ServingOptions
@@ -139,7 +157,8 @@ def serving_options(ns) -> ServingOptions:
     path = lambda v: None if v is None else Path(v)  # noqa: E731
     return ServingOptions(
         artifact=path(ns.artifact), backend=ns.backend, checkpoint=path(ns.checkpoint),
-        preset=ns.preset, seed=ns.seed, store=path(ns.store), page_tokens=ns.page_tokens,
+        preset=ns.preset, seed=ns.seed, store=path(ns.store), persistent_store=persistent_store,
+        store_capacity_bytes=ns.store_capacity_gib, page_tokens=ns.page_tokens,
         target=ns.target, out=Path(ns.out), model_name=ns.model_name,
         max_running=ns.max_running, max_queue=ns.max_queue, prefill_chunk=ns.prefill_chunk,
         redis_url=ns.redis_url, speculative=ns.speculative, max_draft=ns.max_draft)
@@ -150,7 +169,8 @@ def options(ns) -> ServeOptions:
     # heavy: torch; dsv41 --help loads no verb's work
     from dsv41.runtime.serving.assembly import ServeOptions
 
-    return ServeOptions(serving_options(ns), host=ns.host, port=ns.port, api_key=ns.api_key,
+    return ServeOptions(serving_options(ns, persistent_store=True), host=ns.host, port=ns.port,
+                        api_key=ns.api_key,
                         request_timeout_s=None if ns.request_timeout <= 0 else ns.request_timeout,
                         log_level=ns.log_level, role=ns.role,
                         limits=http_limits(ns)).validate()
