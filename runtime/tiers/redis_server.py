@@ -39,6 +39,7 @@ from dsv41.runtime.tiers.redis_pool import POLICY
 
 BINARY = "redis-server"
 SLOTS = 16384  # a Redis Cluster's hash slots
+BUS_OFFSET = 10000  # a cluster node's bus port is its port + 10000
 
 
 def redis_binary() -> str | None:
@@ -137,6 +138,21 @@ class RedisServer:
         self.stop()
 
 
+def _free_cluster_port() -> int:
+    """A free port p <= 55535 whose cluster bus port p + 10000 is free too."""
+    for _ in range(1000):
+        p = _free_port()
+        if p > 65535 - BUS_OFFSET:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + BUS_OFFSET))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("No free port pair (p, p + 10000) for a cluster node.")
+
+
 def cluster_info(client) -> dict[str, str]:
     """`CLUSTER INFO` of one node (a redis.Redis) as a dict of strings."""
     raw = client.execute_command("CLUSTER", "INFO")
@@ -162,8 +178,9 @@ class RedisClusterNodes:
         cluster = cls([])
         try:
             for i in range(nodes):
-                cluster.servers.append(RedisServer.start(Path(folder) / f"node{i}", extra=extra,
-                                                         maxmemory_bytes=maxmemory_bytes))
+                cluster.servers.append(RedisServer.start(
+                    Path(folder) / f"node{i}", port=_free_cluster_port(), extra=extra,
+                    maxmemory_bytes=maxmemory_bytes))
             cluster._join(timeout_s)
         except BaseException:
             cluster.stop()
@@ -188,6 +205,27 @@ class RedisClusterNodes:
                 if time.monotonic() - t0 > timeout_s:
                     raise RuntimeError(f"The local Redis Cluster of {n} nodes did not form "
                                        f"within {timeout_s:g} s.")
+                time.sleep(0.05)
+        finally:
+            for c in clients:
+                c.close()
+
+    def restart(self, i: int, timeout_s: float = 20.0) -> None:
+        """Kill node i and start it again (same port and nodes.conf: same id and slots), empty;
+        back when every node sees the cluster whole again."""
+        self.servers[i].restart()
+        self._wait_ok(timeout_s)
+
+    def _wait_ok(self, timeout_s: float) -> None:
+        import redis
+
+        clients = [redis.Redis(host="127.0.0.1", port=s.port) for s in self.servers]
+        try:
+            t0 = time.monotonic()
+            while not all(cluster_info(c).get("cluster_state") == "ok" for c in clients):
+                if time.monotonic() - t0 > timeout_s:
+                    raise RuntimeError(f"The local Redis Cluster was not whole again within "
+                                       f"{timeout_s:g} s.")
                 time.sleep(0.05)
         finally:
             for c in clients:
