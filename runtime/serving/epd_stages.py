@@ -53,6 +53,7 @@ class StageCounters:
     handoffs_rejected: int = 0  # decode: records missing or failing a check (prefilled here)
     duplicates: int = 0  # entries skipped: this stage of that request attempt was claimed
     regrouped: int = 0  # consumer groups made again (a restarted Redis had lost them)
+    reclaimed: int = 0  # entries of a dead worker of this stage taken over (XAUTOCLAIM)
     rate: RateWindow = field(default_factory=lambda: RateWindow(10.0))  # tokens, last 10 s
 
 
@@ -62,24 +63,35 @@ class _Worker:
     def __init__(self, engine: Engine, client, *, consumer: str | None = None,
                  reply_ttl_s: float = 600.0, handoff_ttl_s: float = 120.0,
                  image_ttl_s: float = 600.0, heartbeat_s: float = 1.0,
-                 lease_ttl_s: float = 5.0):
-        """`heartbeat_s`: how often the running requests' leases are renewed; `lease_ttl_s`:
-        how long one outlives the worker's last heartbeat (the gateway's sign of a dead
-        worker)."""
+                 lease_ttl_s: float = 5.0, reclaim_idle_s: float = 3.0):
+        """`heartbeat_s`: how often the running requests' leases are renewed (and their queue
+        entries touched: their idle time starts again); `lease_ttl_s`: how long one outlives
+        the worker's last heartbeat (the gateway's sign of a dead worker); `reclaim_idle_s`:
+        an entry of this stage's group idle that long belongs to a dead worker and is taken
+        over (XAUTOCLAIM) by a live one; below the lease's TTL plus the gateway's grace, so
+        that the request changes hands before its gateway gives it up."""
         if not 0 < heartbeat_s < lease_ttl_s:
             raise ValueError(f"heartbeat_s must be above 0 and below lease_ttl_s, got "
                              f"{heartbeat_s!r} and {lease_ttl_s!r}.")
+        if not heartbeat_s < reclaim_idle_s:
+            raise ValueError(f"reclaim_idle_s must be above heartbeat_s, got "
+                             f"{reclaim_idle_s!r} and {heartbeat_s!r}.")
         self.engine, self.r = engine, client
         self.image_ttl_ms = int(image_ttl_s * 1000)
         self.keys = EpdKeys(engine.key_salt.fingerprint())
         self.consumer = consumer or f"{self.role.value}-{uuid.uuid4().hex[:8]}"
         self.reply_ttl_ms, self.handoff_ttl_ms = int(reply_ttl_s * 1000), int(handoff_ttl_s * 1000)
         self.heartbeat_s, self.lease_ttl_ms = heartbeat_s, int(lease_ttl_s * 1000)
+        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self._next_reclaim = 0.0  # monotonic time of the next XAUTOCLAIM
         self.counters = StageCounters()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._held: set[str] = set()  # request ids whose lease this worker renews
+        # request id -> its queue entry, pending (unacknowledged) while this worker runs it:
+        # touched at each heartbeat, acknowledged when the request leaves this stage
+        self._entries: dict[str, bytes] = {}
         self._held_lock = threading.Lock()  # the lease writes and `_held` change together
         a = engine.model.args
         self.vocab_size, self.max_seq_len = a.vocab_size, a.max_seq_len
@@ -93,11 +105,14 @@ class _Worker:
 
     # ---- claims and leases ----------------------------------------------------------------------
 
-    def take(self, req: EpdRequest) -> bool:
+    def take(self, req: EpdRequest, *, reclaimed: bool = False) -> bool:
         """Claim this stage of the request's attempt and hold its lease; False (skip the
-        entry) when it was claimed before (a redelivered entry) or the client left."""
+        entry) when it was claimed before (a redelivered entry) or the client left. A
+        `reclaimed` entry (its worker died) takes the claim over."""
         claim = self.keys.claim(req.rid, req.attempt, self.role.value)
-        if not self.r.set(claim, self.consumer, nx=True, px=self.reply_ttl_ms):
+        if reclaimed:
+            self.r.set(claim, self.consumer, px=self.reply_ttl_ms)
+        elif not self.r.set(claim, self.consumer, nx=True, px=self.reply_ttl_ms):
             log.warning("skipped a %s entry of request %s (attempt %d) delivered again",
                         self.role.value, req.rid, req.attempt)
             with self._lock:
@@ -123,14 +138,60 @@ class _Worker:
                 pipe.execute()
 
     def heartbeat(self) -> None:
-        """Renew every held lease (written again: a restarted Redis lost them)."""
+        """Renew every held lease (written again: a restarted Redis lost them) and touch the
+        entries this worker runs (XCLAIM to itself: their idle time starts again, so no live
+        worker's entry is reclaimed)."""
         with self._held_lock:
-            if not self._held:
+            if not self._held and not self._entries:
                 return
             pipe = self.r.pipeline(transaction=False)
             for rid in self._held:
                 pipe.set(self.keys.lease(rid), self.consumer, px=self.lease_ttl_ms)
+            if self._entries:
+                stream, group = self.stage()
+                pipe.xclaim(stream, group, self.consumer, 0, list(self._entries.values()),
+                            justid=True)
             pipe.execute()
+
+    def stage(self) -> tuple[str, str]:
+        """This worker's stream and consumer group."""
+        return {Role.VISION: (self.keys.vision, VISION_GROUP),
+                Role.PREFILL: (self.keys.prefill, PREFILL_GROUP)}.get(
+            self.role, (self.keys.decode, DECODE_GROUP))
+
+    def reclaim(self, count: int) -> int:
+        """Take over up to `count` entries of this stage that a dead worker left pending for
+        `reclaim_idle_s` (XAUTOCLAIM; at most every half of that), and run them as new ones
+        (the claim taken over); how many were taken."""
+        now = time.monotonic()
+        if count < 1 or now < self._next_reclaim:
+            return 0
+        self._next_reclaim = now + self.reclaim_idle_ms / 2000
+        stream, group = self.stage()
+        try:
+            got = self.r.xautoclaim(stream, group, self.consumer, self.reclaim_idle_ms,
+                                    start_id="0-0", count=count)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            return 0  # the next read makes the group again
+        entries = [(mid, fields) for mid, fields in got[1] if fields]
+        for mid, _ in entries:
+            log.warning("%s took over entry %s of %s (its worker stopped)", self.consumer,
+                        mid, stream)
+        with self._lock:
+            self.counters.reclaimed += len(entries)
+        self._each(stream, group, entries, self.run, reclaimed=True)
+        return len(entries)
+
+    def done(self, rid: str) -> None:
+        """The request left this stage: its entry acknowledged and deleted."""
+        with self._held_lock:
+            mid = self._entries.pop(rid, None)
+        if mid is not None:
+            stream, group = self.stage()
+            self.r.xack(stream, group, mid)
+            self.r.xdel(stream, mid)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -146,9 +207,7 @@ class _Worker:
 
     def queue_length(self) -> int:
         """Entries of this stage's stream not yet read by its group (Redis' group lag)."""
-        stream, group = {Role.VISION: (self.keys.vision, VISION_GROUP),
-                         Role.PREFILL: (self.keys.prefill, PREFILL_GROUP)}.get(
-            self.role, (self.keys.decode, DECODE_GROUP))
+        stream, group = self.stage()
         try:
             for g in self.r.xinfo_groups(stream):
                 if g["name"] in (group, group.encode()):
@@ -222,20 +281,30 @@ class _Worker:
                                     block=block_ms)
         return [(mid, fields) for _, entries in (got or []) for mid, fields in entries]
 
-    def _each(self, stream: str, group: str, entries, run) -> None:
+    def _each(self, stream: str, group: str, entries, run, *, reclaimed: bool = False) -> None:
         """`run(req)` for each entry that is a request this worker claims; one that fails is
-        its request's error event (the others go on); each entry acknowledged and deleted."""
+        its request's error event (the others go on). An entry stays pending (touched by the
+        heartbeats: reclaimed should this worker die) while `run` runs, and after it when
+        `run` returns True (a decode row: until the row leaves, `done`); else it is
+        acknowledged and deleted."""
         for mid, fields in entries:
             req = parse_entry(fields)
+            kept = False
             if req is not None:
                 try:
-                    if self.take(req):
-                        run(req)
+                    if self.take(req, reclaimed=reclaimed):
+                        with self._held_lock:
+                            self._entries[req.rid] = mid
+                        kept = bool(run(req))
                 except Exception as e:
                     log.exception("request %s failed in its %s stage", req.rid, self.role.value)
                     self.fail(req, e)
-            self.r.xack(stream, group, mid)
-            self.r.xdel(stream, mid)
+                if not kept:
+                    with self._held_lock:
+                        self._entries.pop(req.rid, None)
+            if not kept:
+                self.r.xack(stream, group, mid)
+                self.r.xdel(stream, mid)
 
     def fail(self, req: EpdRequest, err: Exception | str, seq: int = 0) -> None:
         """The request's error event (best effort: Redis may be the failure); its lease let
@@ -257,10 +326,16 @@ class VisionWorker(_Worker):
     role = Role.VISION
 
     def step(self, block_ms: int | None = None) -> int:
-        """Take and encode at most one request; how many entries were read."""
+        """Take and encode at most one request (a dead worker's first); how many entries were
+        read."""
+        if self.reclaim(1):
+            return 1
         entries = self._read(self.keys.vision, VISION_GROUP, 1, block_ms)
         self._each(self.keys.vision, VISION_GROUP, entries, self._encode)
         return len(entries)
+
+    def run(self, req: EpdRequest) -> None:
+        self._encode(req)
 
     def _encode(self, req: EpdRequest) -> None:
         encoded = 0
@@ -294,10 +369,16 @@ class PrefillWorker(_Worker):
     role = Role.PREFILL
 
     def step(self, block_ms: int | None = None) -> int:
-        """Take and prefill at most one request; how many entries were read."""
+        """Take and prefill at most one request (a dead worker's first); how many entries
+        were read."""
+        if self.reclaim(1):
+            return 1
         entries = self._read(self.keys.prefill, PREFILL_GROUP, 1, block_ms)
         self._each(self.keys.prefill, PREFILL_GROUP, entries, self._prefill)
         return len(entries)
+
+    def run(self, req: EpdRequest) -> None:
+        self._prefill(req)
 
     def _prefill(self, req: EpdRequest) -> None:
         s = self.engine.session()
@@ -376,12 +457,13 @@ class DecodeWorker(_Worker):
         one decode step; how many entries were read."""
         self.flush()
         free = self.max_running - len(self.batch)
-        taken = 0
+        taken = self.reclaim(free)  # a dead decode worker's rows first
+        free -= taken
         if free > 0:
             entries = self._read(self.keys.decode, DECODE_GROUP, free,
-                                 block_ms if not len(self.batch) else None)
+                                 block_ms if not len(self.batch) and not taken else None)
             self._each(self.keys.decode, DECODE_GROUP, entries, self._join)
-            taken = len(entries)
+            taken += len(entries)
         self._reap()
         if len(self.batch):
             self._decode()
@@ -409,6 +491,7 @@ class DecodeWorker(_Worker):
                 self.outbox.append((row.req.rid, self._event(row, None, FinishReason.ERROR,
                                                              f"The decode step failed: {err}")))
                 self.release(row.req.rid)
+                self.done(row.req.rid)
                 row.session.close()
             self.rows.clear()
             with self._lock:
@@ -437,7 +520,14 @@ class DecodeWorker(_Worker):
         row.seq += 1
         return e
 
-    def _join(self, req: EpdRequest) -> None:
+    def run(self, req: EpdRequest) -> bool:
+        return self._join(req)
+
+    def _join(self, req: EpdRequest) -> bool:
+        """Adopt the request's hand-off (else prefill it here: a missing hand-off, or an entry
+        taken over from a dead worker, runs again from the prompt: its tokens from 1 are sent
+        again and the gateway drops those it delivered, checking they match) into a row; True
+        when it joined the batch (its entry stays pending until the row leaves)."""
         e, rid = self.engine, req.rid
         turn_req = req.turn(self.vocab_size, self.max_seq_len)
         value = self.r.getdel(self.keys.handoff(rid))
@@ -446,7 +536,7 @@ class DecodeWorker(_Worker):
             images = self.turn_images(req)  # the tiers' keys name them by content
         except RequestError as err:
             self.fail(req, err, seq=1)
-            return
+            return False
         try:
             rec = decode_record(value if value is not None else b"", kind=HANDOFF_KIND, key=rid,
                                 fingerprint=self.keys.fingerprint)
@@ -472,14 +562,15 @@ class DecodeWorker(_Worker):
             except Exception as err2:
                 s.close()
                 self.fail(req, err2, seq=1)
-                return
+                return False
         if turn.done:  # cannot happen after a hand-off (the prefill worker ends those)
             s.finish(turn)
             s.close()
             self.release(rid)
-            return
+            return False
         self.batch.join(s, turn)
         self.rows[s.id] = Row(req, s)
+        return True
 
     def _reap(self) -> None:
         """Rows whose request was cancelled (client gone, stop string at the gateway) leave."""
@@ -497,6 +588,7 @@ class DecodeWorker(_Worker):
         row = self.rows.pop(s.id, None)
         if row is not None:
             self.release(row.req.rid)
+            self.done(row.req.rid)
 
     def stop(self) -> None:
         super().stop()
@@ -536,6 +628,9 @@ class EpdServerMetrics(ServerMetrics):
              "request's stage was claimed already (an entry delivered twice).", n.duplicates),
             ("dsv41_epd_groups_recreated_total", "counter", "Consumer groups this worker made "
              "again after Redis lost them (a restart without persistence).", n.regrouped),
+            ("dsv41_epd_entries_reclaimed_total", "counter", "Queue entries of a dead worker of "
+             "this stage this worker took over (XAUTOCLAIM after reclaim_idle_s).",
+             n.reclaimed),
         ]
         lines = [super().render(stats).rstrip("\n")]
         for name, kind, help_text, value in rows:
