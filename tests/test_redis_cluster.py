@@ -208,3 +208,30 @@ def _raw_keys_of(c: RedisClusterNodes, i: int, fp: bytes) -> set[str]:
         return {k.decode()[len(pre):-1] for k in r.keys(f"{pre}*")}
     finally:
         r.close()
+
+
+# ---- the CLI: --redis-url takes one server or a cluster's seeds --------------------------------
+
+def test_redis_url_flag_takes_a_clusters_seeds(cluster):
+    from dsv41.compiler.tools.cli.serve import check_redis
+
+    cluster.servers[0].kill()
+    check_redis(cluster.url, timeout_s=1.0)  # one seed answers: enough
+    dead = cluster.servers[0].url
+    with pytest.raises(ValueError) as e:
+        check_redis(f"{dead},{dead}", timeout_s=1.0)
+    assert str(e.value).startswith(f"--redis-url {dead},{dead}: no Redis server answers there (")
+    pool = RedisSnapshotPool(cluster.url, fingerprint=FP)  # the first seed dead: the next
+    assert pool.put("x", _state(1), {}) and pool.get("x") is not None
+    assert pool.stats().nodes == 3
+
+
+def test_an_epd_stage_needs_one_server():
+    from dsv41.runtime.serving.assembly import ServeOptions, ServingOptions
+
+    opts = ServeOptions(ServingOptions(redis_url="redis://a:1/0,redis://b:1/0"), role="decode")
+    with pytest.raises(ValueError) as e:
+        opts.validate()
+    assert str(e.value) == ("--role decode needs one Redis server in --redis-url: the stages' "
+                            "queues and hand-offs are not spread over a cluster (give one "
+                            "server's URL).")

@@ -51,6 +51,16 @@ Faults (nothing lost, nothing twice, nothing wedged):
   requests' leases; one gone for longer than its grace means the worker died (or Redis lost
   the queued entry): a request that has no event yet is queued again as its next attempt, any
   other ends with an error that says which.
+- Reclaim (issue 42): a worker's entry stays pending in its group while it runs the request
+  (a decode row: until the row leaves), and its heartbeats touch it (XCLAIM to itself, JUSTID:
+  the idle time starts again). An entry idle for `reclaim_idle_s` (3 s: below the lease's TTL
+  plus the gateway's grace) belongs to a dead worker: a live worker of the same stage takes it
+  over (XAUTOCLAIM), takes over its claim and lease, and runs it again from the prompt (a
+  decode worker: its hand-off was consumed, so it prefills from the tiers and decodes from
+  token 1). The gateway drops the events it delivered already, checking each token equals the
+  one delivered (a greedy or seeded request runs again the same; a different token ends the
+  request with an error, never a changed or doubled response): the client gets one complete,
+  unduplicated response. With no live worker of the stage, the lease lapses as before.
 - A Redis restart without persistence deletes the consumer groups: a worker whose read answers
   NOGROUP makes its group again (`ensure_group`) and carries on.
 
