@@ -265,12 +265,13 @@ def test_a_decode_worker_killed_mid_stream_another_finishes_the_response_once(
     tokens it had delivered (checked equal): the client gets the reference's 40 tokens, each
     once, before its lease lapses (no error)."""
     d = _Deployment(small_model, tmp_path, redis_server.url)
-    spare = DecodeWorker(_engine(small_model, tmp_path / "e2", redis_url=redis_server.url),
-                         d.client, max_running=4, reclaim_idle_s=0.3, **WORKER)
+    spare_engine = _engine(small_model, tmp_path / "e2", redis_url=redis_server.url)
+    spare = None
     try:
         stream = d.gateway.submit(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=40,
                                                              ignore_eos=True))
-        assert d.prefill.step(block_ms=100) == 1
+        assert d.prefill.step(block_ms=100) == 1  # routed to d.decode, the one live
+        spare = DecodeWorker(spare_engine, d.client, max_running=4, reclaim_idle_s=0.3, **WORKER)
         assert d.decode.step(block_ms=100) == 1  # joined, and one token decoded
         d.decode.step()
         first = [stream.get(timeout=30).token_id for _ in range(3)]
@@ -286,8 +287,9 @@ def test_a_decode_worker_killed_mid_stream_another_finishes_the_response_once(
         assert (n.reclaimed, n.handoffs_rejected, n.requests, n.tokens) == (1, 1, 1, 39)
         assert d.client.xpending(d.keys.decode, "decode")["pending"] == 0  # acknowledged
     finally:
-        spare.stop()
-        spare.engine.close()
+        if spare is not None:
+            spare.stop()
+        spare_engine.close()
         d.close()
 
 

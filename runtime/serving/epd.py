@@ -160,6 +160,48 @@ class EpdKeys:
         """Set once (NX) by the worker that takes this stage of this attempt of the request."""
         return f"{self.base}:claim:{rid}:{attempt}:{stage}"
 
+    def decoder(self, consumer: str) -> str:
+        """Set (a short TTL) by each heartbeat of a live decode worker."""
+        return f"{self.base}:decoder:{consumer}"
+
+    @property
+    def decoders(self) -> str:
+        """The set of decode workers' names (live or not: `decoder` says which live)."""
+        return f"{self.base}:decoders"
+
+    @property
+    def load(self) -> str:
+        """A hash: decode worker -> requests routed to it and not yet left (its load)."""
+        return f"{self.base}:load"
+
+    def locality(self, block_key: str) -> str:
+        """The decode worker that last took a request whose prompt holds this block."""
+        return f"{self.base}:prefix:{block_key}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a hand-off goes: the decode worker, and whether it was chosen because it holds
+    the request's prefix (a prefix hit) rather than by load."""
+
+    consumer: str | None  # None: no live decode worker is known (the shared queue decides)
+    prefix_hit: bool = False
+    matched_blocks: int = 0  # the prompt's leading blocks that worker took before
+
+
+def choose_decoder(loads: dict[str, int], holders: list[str | None]) -> Route:
+    """Session affinity and prefix locality, load the tie-breaker: the live worker (a key of
+    `loads`) that took the longest run of the prompt's leading blocks (`holders[i]`: the worker
+    that last took block i; a session's next turn extends its prompt, so its blocks name the
+    worker that ran its last turn), else the least loaded (ties: the first name)."""
+    for n in range(len(holders), 0, -1):
+        h = holders[n - 1]
+        if h is not None and h in loads:
+            return Route(h, True, n)
+    if not loads:
+        return Route(None)
+    return Route(min(loads, key=lambda c: (loads[c], c)))
+
 
 def ensure_group(client, stream: str, group: str) -> None:
     """The stream's consumer group, made (with the stream) unless it is there; its new

@@ -31,6 +31,8 @@ from dsv41.runtime.serving.epd import (
     EpdKeys,
     EpdRequest,
     Role,
+    Route,
+    choose_decoder,
     ensure_group,
     finish_of,
     parse_entry,
@@ -54,6 +56,8 @@ class StageCounters:
     duplicates: int = 0  # entries skipped: this stage of that request attempt was claimed
     regrouped: int = 0  # consumer groups made again (a restarted Redis had lost them)
     reclaimed: int = 0  # entries of a dead worker of this stage taken over (XAUTOCLAIM)
+    prefix_hits: int = 0  # prefill: hand-offs routed by prefix; decode: such ones it took
+    redirected: int = 0  # decode: entries read here but routed to another live worker
     rate: RateWindow = field(default_factory=lambda: RateWindow(10.0))  # tokens, last 10 s
 
 
@@ -288,6 +292,8 @@ class _Worker:
         `run` returns True (a decode row: until the row leaves, `done`); else it is
         acknowledged and deleted."""
         for mid, fields in entries:
+            if self.redirect(mid, fields, reclaimed=reclaimed):
+                continue  # now another worker's
             req = parse_entry(fields)
             kept = False
             if req is not None:
@@ -305,6 +311,10 @@ class _Worker:
             if not kept:
                 self.r.xack(stream, group, mid)
                 self.r.xdel(stream, mid)
+
+    def redirect(self, mid: bytes, fields: dict, *, reclaimed: bool) -> bool:
+        """Whether the entry was handed to another worker (decode: the one it was routed to)."""
+        return False
 
     def fail(self, req: EpdRequest, err: Exception | str, seq: int = 0) -> None:
         """The request's error event (best effort: Redis may be the failure); its lease let
@@ -415,11 +425,37 @@ class PrefillWorker(_Worker):
                 "generator": turn.sampler.generator.get_state().numpy().tobytes().hex()}
         value = encode_record(kind=HANDOFF_KIND, key=req.rid, fingerprint=self.keys.fingerprint,
                               created_at=time.time(), meta=meta, arrays=s.runtime_state())
+        blocks = self.engine.block_keys(req.prompt)
+        route = self.route(blocks)
+        fields = {"rid": req.rid, "req": req.to_json()}
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.handoff(req.rid), value, px=self.handoff_ttl_ms)
+        if route.consumer is not None:
+            fields["to"], fields["hit"] = route.consumer, int(route.prefix_hit)
+            pipe.hincrby(self.keys.load, route.consumer, 1)
+            for k in blocks:  # this prompt's blocks now point at that worker
+                pipe.set(self.keys.locality(k), route.consumer, px=self.reply_ttl_ms)
         self.pass_on(req.rid, Role.DECODE, pipe)
-        pipe.xadd(self.keys.decode, {"rid": req.rid, "req": req.to_json()})
+        pipe.xadd(self.keys.decode, fields)
         self.release(req.rid, pipe)
+        if route.prefix_hit:
+            with self._lock:
+                self.counters.prefix_hits += 1
+
+    def route(self, blocks: list[str]) -> Route:
+        """The decode worker for a prompt of these block keys (`epd.choose_decoder`): the live
+        ones (a heartbeat within their lease), their loads, the blocks' last workers."""
+        names = sorted(n.decode() for n in self.r.smembers(self.keys.decoders))
+        if not names:
+            return Route(None)
+        beats = self.r.mget([self.keys.decoder(n) for n in names])
+        live = [n for n, b in zip(names, beats, strict=True) if b is not None]
+        loads = dict(zip(live, (int(x or 0) for x in self.r.hmget(self.keys.load, live)),
+                         strict=True)) if live else {}
+        holders = [None if h is None else h.decode()
+                   for h in self.r.mget([self.keys.locality(k) for k in blocks])] \
+            if blocks else []
+        return choose_decoder(loads, holders)
 
 
 @dataclass
@@ -444,6 +480,8 @@ class DecodeWorker(_Worker):
             raise ValueError(f"max_running must be an integer from 1 to 64, got "
                              f"{max_running!r}.")
         self.max_running = max_running
+        self.r.sadd(self.keys.decoders, self.consumer)  # known to the prefill workers' routing
+        self.r.set(self.keys.decoder(self.consumer), 0, px=self.lease_ttl_ms)
         self.batch = DecodeBatch(engine, max_rows=max_running)
         self.rows: dict[int, Row] = {}  # session id -> its request and next event's number
         self.outbox: list[tuple[str, dict]] = []  # (request id, event) not yet sent, in order
@@ -459,6 +497,12 @@ class DecodeWorker(_Worker):
         free = self.max_running - len(self.batch)
         taken = self.reclaim(free)  # a dead decode worker's rows first
         free -= taken
+        if free > 0:  # entries another worker routed here (XCLAIMed into this one's pending)
+            mine = [(mid, f) for mid, f in self._read_pending(free + len(self._entries))
+                    if mid not in self._entries.values()][:free]
+            self._each(self.keys.decode, DECODE_GROUP, mine, self._join)
+            taken += len(mine)
+            free -= len(mine)
         if free > 0:
             entries = self._read(self.keys.decode, DECODE_GROUP, free,
                                  block_ms if not len(self.batch) and not taken else None)
@@ -468,6 +512,44 @@ class DecodeWorker(_Worker):
         if len(self.batch):
             self._decode()
         return taken
+
+    def _read_pending(self, count: int):
+        """This worker's pending entries (its own history in the group: `0`)."""
+        got = self.r.xreadgroup(DECODE_GROUP, self.consumer, {self.keys.decode: "0"},
+                                count=count)
+        return [(mid, fields) for _, entries in (got or []) for mid, fields in entries
+                if fields]
+
+    def redirect(self, mid: bytes, fields: dict, *, reclaimed: bool) -> bool:
+        """An entry routed to another live worker goes into that worker's pending entries
+        (XCLAIM; it reads them); one routed to a worker not live, or taken over from a dead one
+        (reclaimed), runs here. A prefix-routed entry that runs here is a prefix hit."""
+        to = fields.get(b"to", fields.get("to"))
+        to = to.decode() if isinstance(to, bytes) else to
+        if to is None:
+            self.r.hincrby(self.keys.load, self.consumer, 1)
+            return False
+        if to != self.consumer:
+            if not reclaimed and self.r.exists(self.keys.decoder(to)):
+                self.r.xclaim(self.keys.decode, DECODE_GROUP, to, 0, [mid], justid=True)
+                with self._lock:
+                    self.counters.redirected += 1
+                return True
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hincrby(self.keys.load, to, -1)
+            pipe.hincrby(self.keys.load, self.consumer, 1)
+            pipe.execute()
+        elif fields.get(b"hit", fields.get("hit")) in (b"1", "1"):
+            with self._lock:
+                self.counters.prefix_hits += 1
+        return False
+
+    def heartbeat(self) -> None:
+        """The leases and entries (`_Worker.heartbeat`), and this worker's liveness for the
+        prefill workers' routing."""
+        super().heartbeat()
+        self.r.set(self.keys.decoder(self.consumer), len(getattr(self, "rows", ())),
+                   px=self.lease_ttl_ms)
 
     def flush(self) -> None:
         """The outbox to the reply streams (in order; a resend after a failure may repeat an
@@ -492,6 +574,7 @@ class DecodeWorker(_Worker):
                                                              f"The decode step failed: {err}")))
                 self.release(row.req.rid)
                 self.done(row.req.rid)
+                self.r.hincrby(self.keys.load, self.consumer, -1)
                 row.session.close()
             self.rows.clear()
             with self._lock:
@@ -589,10 +672,15 @@ class DecodeWorker(_Worker):
         if row is not None:
             self.release(row.req.rid)
             self.done(row.req.rid)
+            self.r.hincrby(self.keys.load, self.consumer, -1)
 
     def stop(self) -> None:
         super().stop()
         self.batch.close()
+        try:  # no more routed here (a killed worker's key lapses with its lease)
+            self.r.delete(self.keys.decoder(self.consumer))
+        except Exception as e:
+            log.warning("%s could not leave the routing: %s", self.consumer, e)
 
 
 class EpdServerMetrics(ServerMetrics):
