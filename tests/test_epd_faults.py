@@ -259,7 +259,7 @@ def test_a_decode_worker_that_dies_mid_generation_ends_its_request_with_an_error
 def test_a_decode_worker_killed_mid_stream_another_finishes_the_response_once(
         small_model, tmp_path, redis_server, reference):
     """Issue 42: 1 prefill + 2 decode workers; the decode worker running a request dies after
-    its first tokens. The other decode worker takes its queue entry over (XAUTOCLAIM once it
+    its first tokens. The other decode worker takes its queue entry over (XCLAIM once it
     has been idle reclaim_idle_s: the dead worker's heartbeats no longer touch it), runs the
     request again from the prompt (its hand-off was consumed), and the gateway drops the
     tokens it had delivered (checked equal): the client gets the reference's 40 tokens, each

@@ -55,12 +55,19 @@ Faults (nothing lost, nothing twice, nothing wedged):
   (a decode row: until the row leaves), and its heartbeats touch it (XCLAIM to itself, JUSTID:
   the idle time starts again). An entry idle for `reclaim_idle_s` (3 s: below the lease's TTL
   plus the gateway's grace) belongs to a dead worker: a live worker of the same stage takes it
-  over (XAUTOCLAIM), takes over its claim and lease, and runs it again from the prompt (a
-  decode worker: its hand-off was consumed, so it prefills from the tiers and decodes from
-  token 1). The gateway drops the events it delivered already, checking each token equals the
-  one delivered (a greedy or seeded request runs again the same; a different token ends the
+  over (XPENDING's idle filter, then XCLAIM with that minimum idle: XAUTOCLAIM without its own
+  entries), takes over its claim and lease, and runs it again from the prompt (a decode
+  worker: its hand-off was consumed, so it prefills from the tiers and decodes from token 1).
+  The gateway drops the events it delivered already, checking each token equals the one
+  delivered (a greedy or seeded request runs again the same; a different token ends the
   request with an error, never a changed or doubled response): the client gets one complete,
   unduplicated response. With no live worker of the stage, the lease lapses as before.
+- Routing (issue 42): the prefill worker sends each hand-off to one decode worker (the entry's
+  `to`; `choose_decoder`): among the live ones (a heartbeat key within its lease), the one that
+  took the longest run of the prompt's leading blocks (`EpdKeys.locality`: a session's next
+  turn extends its prompt, so its blocks name the worker of its last turn), else the least
+  loaded (`EpdKeys.load`), ties by name. A decode worker that reads another live worker's entry
+  moves it into that worker's pending entries (XCLAIM), which that worker reads as its own.
 - A Redis restart without persistence deletes the consumer groups: a worker whose read answers
   NOGROUP makes its group again (`ensure_group`) and carries on.
 

@@ -55,7 +55,7 @@ class StageCounters:
     handoffs_rejected: int = 0  # decode: records missing or failing a check (prefilled here)
     duplicates: int = 0  # entries skipped: this stage of that request attempt was claimed
     regrouped: int = 0  # consumer groups made again (a restarted Redis had lost them)
-    reclaimed: int = 0  # entries of a dead worker of this stage taken over (XAUTOCLAIM)
+    reclaimed: int = 0  # entries of a dead worker of this stage taken over (idle, XCLAIM)
     prefix_hits: int = 0  # prefill: hand-offs routed by prefix; decode: such ones it took
     redirected: int = 0  # decode: entries read here but routed to another live worker
     rate: RateWindow = field(default_factory=lambda: RateWindow(10.0))  # tokens, last 10 s
@@ -72,7 +72,7 @@ class _Worker:
         entries touched: their idle time starts again); `lease_ttl_s`: how long one outlives
         the worker's last heartbeat (the gateway's sign of a dead worker); `reclaim_idle_s`:
         an entry of this stage's group idle that long belongs to a dead worker and is taken
-        over (XAUTOCLAIM) by a live one; below the lease's TTL plus the gateway's grace, so
+        over (XCLAIM) by a live one; below the lease's TTL plus the gateway's grace, so
         that the request changes hands before its gateway gives it up."""
         if not 0 < heartbeat_s < lease_ttl_s:
             raise ValueError(f"heartbeat_s must be above 0 and below lease_ttl_s, got "
@@ -87,7 +87,7 @@ class _Worker:
         self.reply_ttl_ms, self.handoff_ttl_ms = int(reply_ttl_s * 1000), int(handoff_ttl_s * 1000)
         self.heartbeat_s, self.lease_ttl_ms = heartbeat_s, int(lease_ttl_s * 1000)
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
-        self._next_reclaim = 0.0  # monotonic time of the next XAUTOCLAIM
+        self._next_reclaim = 0.0  # monotonic time of the next look for idle entries
         self.counters = StageCounters()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -96,6 +96,7 @@ class _Worker:
         # request id -> its queue entry, pending (unacknowledged) while this worker runs it:
         # touched at each heartbeat, acknowledged when the request leaves this stage
         self._entries: dict[str, bytes] = {}
+        self._reading: set[bytes] = set()  # entries read and not yet run or acknowledged
         self._held_lock = threading.Lock()  # the lease writes and `_held` change together
         a = engine.model.args
         self.vocab_size, self.max_seq_len = a.vocab_size, a.max_seq_len
@@ -146,15 +147,15 @@ class _Worker:
         entries this worker runs (XCLAIM to itself: their idle time starts again, so no live
         worker's entry is reclaimed)."""
         with self._held_lock:
-            if not self._held and not self._entries:
+            ids = list({*self._entries.values(), *self._reading})
+            if not self._held and not ids:
                 return
             pipe = self.r.pipeline(transaction=False)
             for rid in self._held:
                 pipe.set(self.keys.lease(rid), self.consumer, px=self.lease_ttl_ms)
-            if self._entries:
+            if ids:
                 stream, group = self.stage()
-                pipe.xclaim(stream, group, self.consumer, 0, list(self._entries.values()),
-                            justid=True)
+                pipe.xclaim(stream, group, self.consumer, 0, ids, justid=True)
             pipe.execute()
 
     def stage(self) -> tuple[str, str]:
@@ -164,22 +165,29 @@ class _Worker:
             self.role, (self.keys.decode, DECODE_GROUP))
 
     def reclaim(self, count: int) -> int:
-        """Take over up to `count` entries of this stage that a dead worker left pending for
-        `reclaim_idle_s` (XAUTOCLAIM; at most every half of that), and run them as new ones
-        (the claim taken over); how many were taken."""
+        """Take over up to `count` entries of this stage that another (dead) worker left
+        pending for `reclaim_idle_s` (at most every half of that), and run them as new ones
+        (the claim taken over); how many were taken. XPENDING with its idle filter, then XCLAIM
+        with the same minimum idle time (atomic: an entry another worker took in between is
+        not taken): what XAUTOCLAIM does, without sweeping this worker's own idle entries
+        (those routed here, which it reads as its own)."""
         now = time.monotonic()
         if count < 1 or now < self._next_reclaim:
             return 0
         self._next_reclaim = now + self.reclaim_idle_ms / 2000
         stream, group = self.stage()
         try:
-            got = self.r.xautoclaim(stream, group, self.consumer, self.reclaim_idle_ms,
-                                    start_id="0-0", count=count)
+            pending = self.r.xpending_range(stream, group, min="-", max="+", count=64,
+                                            idle=self.reclaim_idle_ms)
+            ids = [p["message_id"] for p in pending
+                   if _text(p["consumer"]) != self.consumer][:count]
+            got = self.r.xclaim(stream, group, self.consumer, self.reclaim_idle_ms, ids) \
+                if ids else []
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             return 0  # the next read makes the group again
-        entries = [(mid, fields) for mid, fields in got[1] if fields]
+        entries = [(mid, fields) for mid, fields in got if fields]
         for mid, _ in entries:
             log.warning("%s took over entry %s of %s (its worker stopped)", self.consumer,
                         mid, stream)
@@ -291,7 +299,11 @@ class _Worker:
         heartbeats: reclaimed should this worker die) while `run` runs, and after it when
         `run` returns True (a decode row: until the row leaves, `done`); else it is
         acknowledged and deleted."""
+        with self._held_lock:  # touched by the heartbeats until run or acknowledged
+            self._reading.update(mid for mid, _ in entries)
         for mid, fields in entries:
+            with self._held_lock:
+                self._reading.discard(mid)
             if self.redirect(mid, fields, reclaimed=reclaimed):
                 continue  # now another worker's
             req = parse_entry(fields)
@@ -327,6 +339,10 @@ class _Worker:
                                            attempt=req.attempt, error=str(err)))
         except Exception as e2:
             log.warning("could not send request %s its error: %s", req.rid, e2)
+
+
+def _text(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 class VisionWorker(_Worker):
@@ -717,7 +733,7 @@ class EpdServerMetrics(ServerMetrics):
             ("dsv41_epd_groups_recreated_total", "counter", "Consumer groups this worker made "
              "again after Redis lost them (a restart without persistence).", n.regrouped),
             ("dsv41_epd_entries_reclaimed_total", "counter", "Queue entries of a dead worker of "
-             "this stage this worker took over (XAUTOCLAIM after reclaim_idle_s).",
+             "this stage this worker took over (idle reclaim_idle_s, XCLAIM).",
              n.reclaimed),
         ]
         lines = [super().render(stats).rstrip("\n")]
