@@ -318,8 +318,9 @@ class _Worker:
                     log.exception("request %s failed in its %s stage", req.rid, self.role.value)
                     self.fail(req, e)
                 if not kept:
-                    with self._held_lock:
-                        self._entries.pop(req.rid, None)
+                    with self._held_lock:  # (a duplicate entry leaves the running one's)
+                        if self._entries.get(req.rid) == mid:
+                            del self._entries[req.rid]
             if not kept:
                 self.r.xack(stream, group, mid)
                 self.r.xdel(stream, mid)
@@ -531,8 +532,13 @@ class DecodeWorker(_Worker):
 
     def _read_pending(self, count: int):
         """This worker's pending entries (its own history in the group: `0`)."""
-        got = self.r.xreadgroup(DECODE_GROUP, self.consumer, {self.keys.decode: "0"},
-                                count=count)
+        try:
+            got = self.r.xreadgroup(DECODE_GROUP, self.consumer, {self.keys.decode: "0"},
+                                    count=count)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            return []  # a restarted Redis: the next read makes the group again
         return [(mid, fields) for _, entries in (got or []) for mid, fields in entries
                 if fields]
 
