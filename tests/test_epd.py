@@ -22,7 +22,7 @@ import redis
 from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher, FinishReason
-from dsv41.runtime.serving.epd import EpdKeys, EpdRequest
+from dsv41.runtime.serving.epd import EpdKeys, EpdRequest, Route, choose_decoder
 from dsv41.runtime.serving.epd_gateway import EpdGateway
 from dsv41.runtime.serving.epd_stages import DecodeWorker, PrefillWorker
 
@@ -124,6 +124,61 @@ def test_one_prefill_two_decode_workers_equal_the_single_process(small_model, tm
         assert d.gateway.stats().finished == len(PROMPTS)
     finally:
         d.close()
+
+
+def test_choose_decoder_prefers_the_longest_prefix_then_the_least_load():
+    loads = {"a": 2, "b": 0, "c": 0}
+    assert choose_decoder(loads, []) == Route("b")  # least load, ties by name
+    assert choose_decoder(loads, [None, None]) == Route("b")
+    assert choose_decoder(loads, ["a", None]) == Route("a", True, 1)
+    assert choose_decoder(loads, ["a", "c", None]) == Route("c", True, 2)  # the longer prefix
+    assert choose_decoder(loads, ["a", "dead"]) == Route("a", True, 1)  # "dead" is not live
+    assert choose_decoder({}, ["a"]) == Route(None)
+
+
+def test_16_concurrent_requests_go_to_the_decode_worker_of_their_prefix(small_model, tmp_path,
+                                                                       redis_server):
+    """Issue 42: 1 prefill + 2 decode workers, 16 requests queued together: 4 sessions, each
+    request a session's 16-token prefix (2 blocks) and 3 tokens of its own. A session's first
+    request goes to the least loaded worker (ties: the first name): a, b, a, b; its next three
+    follow its prefix there: 12 prefix hits, 6 on each worker, 8 requests each."""
+    client = redis.Redis.from_url(redis_server.url)
+    engines = [_engine(small_model, tmp_path / f"e{i}", redis_url=redis_server.url)
+               for i in range(3)]
+    prefill = PrefillWorker(engines[0], client)
+    decoders = [DecodeWorker(engines[1 + i], client, max_running=16, consumer=f"decode-{c}")
+                for i, c in enumerate("ab")]
+    a = small_model.args
+    gw = EpdGateway(client, engines[0].key_salt.fingerprint(), vocab_size=a.vocab_size,
+                    max_seq_len=a.max_seq_len)
+    try:
+        prefixes = [_prompt(16, 500 + s) for s in range(4)]
+        prompts = [prefixes[s] + _prompt(3, 600 + 4 * r + s) for r in range(4) for s in range(4)]
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        streams = [gw.submit(p, params) for p in prompts]
+        for _ in prompts:
+            assert prefill.step(block_ms=100) == 1
+        deadline = time.monotonic() + 300
+        while not all(st.done for st in streams):
+            for w in decoders:
+                w.step(block_ms=10)
+            assert time.monotonic() < deadline, "the requests did not end"
+        got = [_tokens(st) for st in streams]
+        assert all(f is FinishReason.LENGTH and len(t) == 2 for t, f in got)
+        assert prefill.counters.prefix_hits == 12
+        assert [(w.counters.prefix_hits, w.counters.requests) for w in decoders] == \
+            [(6, 8), (6, 8)]
+        keys = EpdKeys(engines[0].key_salt.fingerprint())
+        where = [client.get(keys.locality(engines[0].block_keys(p)[-1])) for p in prefixes]
+        assert where == [b"decode-a", b"decode-b", b"decode-a", b"decode-b"]
+        assert {k: int(v) for k, v in client.hgetall(keys.load).items()} == \
+            {b"decode-a": 0, b"decode-b": 0}  # every routed request has left
+    finally:
+        for w in (prefill, *decoders):
+            w.stop()
+        gw.close()
+        for e in engines:
+            e.close()
 
 
 @pytest.mark.parametrize("fault", ["corrupted", "missing"])

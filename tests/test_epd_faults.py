@@ -256,6 +256,56 @@ def test_a_decode_worker_that_dies_mid_generation_ends_its_request_with_an_error
         d.close()
 
 
+def test_a_decode_worker_killed_mid_stream_another_finishes_the_response_once(
+        small_model, tmp_path, redis_server, reference):
+    """Issue 42: 1 prefill + 2 decode workers; the decode worker running a request dies after
+    its first tokens. The other decode worker takes its queue entry over (XCLAIM once it
+    has been idle reclaim_idle_s: the dead worker's heartbeats no longer touch it), runs the
+    request again from the prompt (its hand-off was consumed), and the gateway drops the
+    tokens it had delivered (checked equal): the client gets the reference's 40 tokens, each
+    once, before its lease lapses (no error)."""
+    d = _Deployment(small_model, tmp_path, redis_server.url)
+    spare_engine = _engine(small_model, tmp_path / "e2", redis_url=redis_server.url)
+    spare = None
+    try:
+        stream = d.gateway.submit(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=40,
+                                                             ignore_eos=True))
+        assert d.prefill.step(block_ms=100) == 1  # routed to d.decode, the one live
+        spare = DecodeWorker(spare_engine, d.client, max_running=4, reclaim_idle_s=0.3, **WORKER)
+        assert d.decode.step(block_ms=100) == 1  # joined, and one token decoded
+        d.decode.step()
+        first = [stream.get(timeout=30).token_id for _ in range(3)]
+        assert first == reference[3][:3]
+        d.decode.stop()  # as a killed process: no more steps, no more heartbeats
+        deadline = time.monotonic() + 60
+        while not stream.done:
+            spare.step(block_ms=50)
+            assert time.monotonic() < deadline, "the request did not end"
+        assert _outcome(stream, 1) == (reference[3][3:], FinishReason.LENGTH, None)
+        assert stream.timing.completion_tokens == 40
+        n = spare.counters
+        assert (n.reclaimed, n.handoffs_rejected, n.requests, n.tokens) == (1, 1, 1, 39)
+        assert d.client.xpending(d.keys.decode, "decode")["pending"] == 0  # acknowledged
+    finally:
+        if spare is not None:
+            spare.stop()
+        spare_engine.close()
+        d.close()
+
+
+def test_a_token_sent_again_that_differs_from_the_delivered_one_is_an_error(gateway):
+    """A worker that took a request over runs it again from the prompt: its tokens already
+    delivered are checked, never replaced or sent twice."""
+    stream = gateway.submit([3, 4, 5], GREEDY)
+    out = EpdKeys(FP).out(stream.rid)
+    for e in (_event(q=0, a=0, t=7, tier="cold", reused=0), _event(q=1, a=0, t=8),
+              _event(q=1, a=0, t=9), _event(q=2, a=0, t=10, fin="length")):
+        gateway.r.xadd(out, e)
+    assert _outcome(stream, 5) == ([7, 8], FinishReason.UNAVAILABLE, (
+        "The worker that took the request over gave token 9 at place 1, where token 8 was "
+        "delivered (an unseeded sampled request cannot be run again the same); send it again."))
+
+
 # ---- all at once: processes, 16 streams in the script (4 here) ----------------------------------
 
 def test_epd_chaos_script_ends_every_request_once_and_none_hangs(small_case, tmp_path):

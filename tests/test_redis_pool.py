@@ -22,6 +22,8 @@ from dsv41.runtime.tiers.redis_pool import (
     POLICY,
     PoolConfigError,
     RedisSnapshotPool,
+    hold_key,
+    snapshot_key,
 )
 from dsv41.runtime.tiers.redis_server import RedisServer
 from dsv41.runtime.tiers.wire import encode_record
@@ -98,10 +100,10 @@ def test_roundtrip_one_key_with_the_fingerprint_and_a_native_ttl(redis_server):
         assert got.arrays[name].tobytes() == a[name].tobytes()
         assert got.arrays[name].flags.writeable
     raw = _raw(redis_server)
-    assert raw.keys("*") == [f"{KEY_PREFIX}{FP.hex()}:k1".encode()]
-    assert 29_000 < raw.pttl(f"{KEY_PREFIX}{FP.hex()}:k1") <= 30_000
+    assert raw.keys("*") == [snapshot_key(FP, "k1").encode()]
+    assert 29_000 < raw.pttl(snapshot_key(FP, "k1")) <= 30_000
     pool.get("k1")
-    assert 0 < raw.pttl(f"{KEY_PREFIX}{FP.hex()}:k1") <= 30_000  # a read does not extend it
+    assert 0 < raw.pttl(snapshot_key(FP, "k1")) <= 30_000  # a read does not extend it
     st = pool.stats()
     assert (st.entries, st.hits, st.misses, st.budget) == (1, 2, 0, 64 << 20)
     assert pool.drop("k1") and not pool.contains("k1") and pool.get("k1") is None
@@ -169,17 +171,17 @@ def test_another_models_snapshot_is_never_served(redis_server):
     # a value of another model under this model's key: detected inside the value, deleted
     value = encode_record(kind="snapshot", key="k", fingerprint=bytes(32), created_at=0.0,
                           meta={}, arrays=_state(2))
-    _raw(redis_server).set(f"{KEY_PREFIX}{FP.hex()}:k", value, px=10_000)
+    _raw(redis_server).set(snapshot_key(FP, "k"), value, px=10_000)
     assert mine.get("k") is None
     st = mine.stats()
     assert (st.foreign, st.misses, st.corrupted) == (1, 2, 0)
-    assert not _raw(redis_server).exists(f"{KEY_PREFIX}{FP.hex()}:k")
+    assert not _raw(redis_server).exists(snapshot_key(FP, "k"))
     assert theirs.get("k") is not None
 
 
 def test_every_corrupted_byte_is_a_counted_miss(redis_server):
     pool, raw = _pool(redis_server), _raw(redis_server)
-    rkey = f"{KEY_PREFIX}{FP.hex()}:k"
+    rkey = snapshot_key(FP, "k")
     for i, where in enumerate((0.0, 0.01, 0.1, 0.5, 1.0)):
         pool.put("k", _state(3), {})
         at = min(int(where * raw.strlen(rkey)), raw.strlen(rkey) - 1)  # magic .. checksum
@@ -196,7 +198,7 @@ def test_expired_and_lost_are_told_apart(redis_server):
     pool = _pool(redis_server, ttl_s=0.2)
     pool.put("old", _state(4), {})
     pool.put("gone", _state(5), {})
-    _raw(redis_server).delete(f"{KEY_PREFIX}{FP.hex()}:gone")  # as an eviction would
+    _raw(redis_server).delete(snapshot_key(FP, "gone"))  # as an eviction would
     assert pool.get("gone") is None
     time.sleep(0.4)
     assert not pool.contains("old") and pool.get("old") is None
@@ -361,7 +363,7 @@ def test_holds_one_snapshot_many_holders(redis_server):
     and a holder that never held it deletes nothing."""
     pool, raw = _pool(redis_server), _raw(redis_server)
     assert pool.put("k", _state(1), {}, holder="a") and pool.put("k", _state(1), {}, holder="b")
-    assert raw.smembers(f"{pool.hold_prefix}k") == {b"a", b"b"}
+    assert raw.smembers(hold_key(FP, "k")) == {b"a", b"b"}
     assert not pool.drop("k", holder="x") and not pool.drop("k", holder="a")
     assert pool.contains("k") and not pool.drop("k", holder="a")
     assert pool.drop("k", holder="b") and not pool.contains("k") and raw.dbsize() == 0
@@ -415,7 +417,7 @@ def test_a_well_formed_record_this_engine_cannot_restore_is_a_deleted_miss(
 
     def refit():
         (rkey,) = raw.keys(f"{KEY_PREFIX}*")
-        key = rkey.decode()[len(f"{KEY_PREFIX}{e.keys.salt.hex()}:"):]
+        key = rkey.decode()[len(f"{KEY_PREFIX}{e.keys.salt.hex()}:{{"):-1]
         rec = decode_record(raw.get(rkey), kind="snapshot", key=key, fingerprint=e.keys.salt)
         value = encode_record(kind="snapshot", key=key, fingerprint=e.keys.salt,
                               created_at=rec.created_at, meta=rec.meta,

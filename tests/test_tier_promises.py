@@ -410,10 +410,10 @@ def test_dram_pool_ttl_budget_copies_and_holds():
 def test_redis_one_key_per_snapshot_native_ttl_and_holds(tmp_path):
     """docs/runtime-and-tiers.md: "The same calls on a Redis server, so every engine process of
     the model on any machine shares one pool: one key per snapshot, `dsv41:snap:<model
-    fingerprint>:<key>`, its value a `runtime/tiers/wire.py` record (magic, header with kind,
+    fingerprint>:{<key>}`, its value a `runtime/tiers/wire.py` record (magic, header with kind,
     key, fingerprint, `created_at`, meta and array layout, sha256 of every byte); the TTL is the
     key's native expiry (`SET PX`, a read does not extend it); the sessions holding a snapshot
-    are a set `dsv41:hold:<model fingerprint>:<key>` beside it (a hold let go and the snapshot's
+    are a set `dsv41:hold:<model fingerprint>:{<key>}` beside it (a hold let go and the snapshot's
     deletion are one atomic script).\""""
     with _redis(tmp_path) as server:
         one = RedisSnapshotPool(server.url, fingerprint=FP, ttl_s=30.0)
@@ -421,7 +421,7 @@ def test_redis_one_key_per_snapshot_native_ttl_and_holds(tmp_path):
         raw = _raw(server)
         assert one.put("k", _state(1), {"tokens": 64}, holder="s1")
         assert two.put("k", _state(1), {"tokens": 64}, holder="s2")
-        snap, hold = f"{KEY_PREFIX}{FP.hex()}:k", f"{HOLD_PREFIX}{FP.hex()}:k"
+        snap, hold = f"{KEY_PREFIX}{FP.hex()}:{{k}}", f"{HOLD_PREFIX}{FP.hex()}:{{k}}"
         assert sorted(raw.keys("*")) == sorted([snap.encode(), hold.encode()])
         rec = decode_record(raw.get(snap), kind=RecordKind.SNAPSHOT, key="k", fingerprint=FP)
         assert rec.meta == {"tokens": 64} and rec.arrays["ring"].tobytes() == \

@@ -256,6 +256,10 @@ class ServeOptions:
         if self.role != Role.ALL and not self.serving.redis_url:
             raise ValueError(f"--role {self.role} needs --redis-url: the stages meet on a Redis "
                              "server (queues, hand-offs, the snapshot pool).")
+        if self.role != Role.ALL and "," in self.serving.redis_url:
+            raise ValueError(f"--role {self.role} needs one Redis server in --redis-url: the "
+                             "stages' queues and hand-offs are not spread over a cluster (give "
+                             "one server's URL).")
         return self
 
 

@@ -51,6 +51,23 @@ Faults (nothing lost, nothing twice, nothing wedged):
   requests' leases; one gone for longer than its grace means the worker died (or Redis lost
   the queued entry): a request that has no event yet is queued again as its next attempt, any
   other ends with an error that says which.
+- Reclaim (issue 42): a worker's entry stays pending in its group while it runs the request
+  (a decode row: until the row leaves), and its heartbeats touch it (XCLAIM to itself, JUSTID:
+  the idle time starts again). An entry idle for `reclaim_idle_s` (3 s: below the lease's TTL
+  plus the gateway's grace) belongs to a dead worker: a live worker of the same stage takes it
+  over (XPENDING's idle filter, then XCLAIM with that minimum idle: XAUTOCLAIM without its own
+  entries), takes over its claim and lease, and runs it again from the prompt (a decode
+  worker: its hand-off was consumed, so it prefills from the tiers and decodes from token 1).
+  The gateway drops the events it delivered already, checking each token equals the one
+  delivered (a greedy or seeded request runs again the same; a different token ends the
+  request with an error, never a changed or doubled response): the client gets one complete,
+  unduplicated response. With no live worker of the stage, the lease lapses as before.
+- Routing (issue 42): the prefill worker sends each hand-off to one decode worker (the entry's
+  `to`; `choose_decoder`): among the live ones (a heartbeat key within its lease), the one that
+  took the longest run of the prompt's leading blocks (`EpdKeys.locality`: a session's next
+  turn extends its prompt, so its blocks name the worker of its last turn), else the least
+  loaded (`EpdKeys.load`), ties by name. A decode worker that reads another live worker's entry
+  moves it into that worker's pending entries (XCLAIM), which that worker reads as its own.
 - A Redis restart without persistence deletes the consumer groups: a worker whose read answers
   NOGROUP makes its group again (`ensure_group`) and carries on.
 
@@ -149,6 +166,48 @@ class EpdKeys:
     def claim(self, rid: str, attempt: int, stage: str) -> str:
         """Set once (NX) by the worker that takes this stage of this attempt of the request."""
         return f"{self.base}:claim:{rid}:{attempt}:{stage}"
+
+    def decoder(self, consumer: str) -> str:
+        """Set (a short TTL) by each heartbeat of a live decode worker."""
+        return f"{self.base}:decoder:{consumer}"
+
+    @property
+    def decoders(self) -> str:
+        """The set of decode workers' names (live or not: `decoder` says which live)."""
+        return f"{self.base}:decoders"
+
+    @property
+    def load(self) -> str:
+        """A hash: decode worker -> requests routed to it and not yet left (its load)."""
+        return f"{self.base}:load"
+
+    def locality(self, block_key: str) -> str:
+        """The decode worker that last took a request whose prompt holds this block."""
+        return f"{self.base}:prefix:{block_key}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a hand-off goes: the decode worker, and whether it was chosen because it holds
+    the request's prefix (a prefix hit) rather than by load."""
+
+    consumer: str | None  # None: no live decode worker is known (the shared queue decides)
+    prefix_hit: bool = False
+    matched_blocks: int = 0  # the prompt's leading blocks that worker took before
+
+
+def choose_decoder(loads: dict[str, int], holders: list[str | None]) -> Route:
+    """Session affinity and prefix locality, load the tie-breaker: the live worker (a key of
+    `loads`) that took the longest run of the prompt's leading blocks (`holders[i]`: the worker
+    that last took block i; a session's next turn extends its prompt, so its blocks name the
+    worker that ran its last turn), else the least loaded (ties: the first name)."""
+    for n in range(len(holders), 0, -1):
+        h = holders[n - 1]
+        if h is not None and h in loads:
+            return Route(h, True, n)
+    if not loads:
+        return Route(None)
+    return Route(min(loads, key=lambda c: (loads[c], c)))
 
 
 def ensure_group(client, stream: str, group: str) -> None:

@@ -9,6 +9,10 @@ a malformed one fails its request with an error that says so. It also reads its 
 leases (runtime/serving/epd.py): a request whose lease is gone longer than `lease_grace_s` was
 lost with a dead worker or a restarted Redis; one with no event yet is queued again (its next
 attempt, `max_attempts` in all), any other ends with an error naming the worker or the queue.
+A request whose worker died while another of its stage lives changes hands before that
+(epd_stages.py: its entry reclaimed), and the new worker runs it again from the prompt: the
+events it sends again (sequence numbers already delivered) are dropped once their tokens are
+checked equal to those delivered; a different one ends the request with an error.
 Should the reader thread end all the same, its requests end with an error at once and new ones
 are refused with one: nothing waits for a reader that is gone."""
 
@@ -60,6 +64,7 @@ class RemoteStream(LoggedStream):
         self.ended_here = False  # a stop string ended it: the workers must be told
         self.last_id = "0-0"
         self.next_seq = 0  # the sequence number of the next event to deliver
+        self.delivered: list[int] = []  # the token ids delivered, by sequence number
         self.holder: str | None = None  # its lease when last read (`queued:<stage>`, a worker)
         self.lease_gone_since: float | None = None  # monotonic time the lease was first missed
         self.server_restarted = False  # Redis restarted (a new run_id) while it was in flight
@@ -94,6 +99,7 @@ class RemoteStream(LoggedStream):
             self.ended_here = finish is None
             finish = FinishReason.STOP
         self._put(TokenEvent(tok, text, ev.token.logprob, ev.token.top, finish))
+        self.delivered.append(tok)
         self.next_seq = ev.seq + 1
         return finish is not None
 
@@ -317,8 +323,16 @@ class EpdGateway:
         if ev.attempt != s.req.attempt:
             return False  # an earlier attempt's (it was queued again)
         if ev.token is not None and ev.seq != s.next_seq:
-            if ev.seq < s.next_seq:
-                return False  # delivered already (an event sent twice)
+            if ev.seq < s.next_seq:  # delivered already: an event sent twice, or a worker
+                # that took the request over from a dead one and runs it again from the prompt
+                if ev.token.token_id == s.delivered[ev.seq]:
+                    return False
+                self.fail(s, f"The worker that took the request over gave token "
+                             f"{ev.token.token_id} at place {ev.seq}, where token "
+                             f"{s.delivered[ev.seq]} was delivered (an unseeded sampled "
+                             f"request cannot be run again the same); send it again.",
+                          FinishReason.UNAVAILABLE)
+                return True
             self.fail(s, f"The request's events {s.next_seq} to {ev.seq - 1} were lost (the "
                          "queue server restarted?); send the request again.",
                       FinishReason.UNAVAILABLE)

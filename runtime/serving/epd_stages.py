@@ -32,6 +32,8 @@ from dsv41.runtime.serving.epd import (
     EpdKeys,
     EpdRequest,
     Role,
+    Route,
+    choose_decoder,
     ensure_group,
     finish_of,
     parse_entry,
@@ -54,6 +56,9 @@ class StageCounters:
     handoffs_rejected: int = 0  # decode: records missing or failing a check (prefilled here)
     duplicates: int = 0  # entries skipped: this stage of that request attempt was claimed
     regrouped: int = 0  # consumer groups made again (a restarted Redis had lost them)
+    reclaimed: int = 0  # entries of a dead worker of this stage taken over (idle, XCLAIM)
+    prefix_hits: int = 0  # prefill: hand-offs routed by prefix; decode: such ones it took
+    redirected: int = 0  # decode: entries read here but routed to another live worker
     rate: RateWindow = field(default_factory=lambda: RateWindow(10.0))  # tokens, last 10 s
 
 
@@ -63,24 +68,36 @@ class _Worker:
     def __init__(self, engine: Engine, client, *, consumer: str | None = None,
                  reply_ttl_s: float = 600.0, handoff_ttl_s: float = 120.0,
                  image_ttl_s: float = 600.0, heartbeat_s: float = 1.0,
-                 lease_ttl_s: float = 5.0):
-        """`heartbeat_s`: how often the running requests' leases are renewed; `lease_ttl_s`:
-        how long one outlives the worker's last heartbeat (the gateway's sign of a dead
-        worker)."""
+                 lease_ttl_s: float = 5.0, reclaim_idle_s: float = 3.0):
+        """`heartbeat_s`: how often the running requests' leases are renewed (and their queue
+        entries touched: their idle time starts again); `lease_ttl_s`: how long one outlives
+        the worker's last heartbeat (the gateway's sign of a dead worker); `reclaim_idle_s`:
+        an entry of this stage's group idle that long belongs to a dead worker and is taken
+        over (XCLAIM) by a live one; below the lease's TTL plus the gateway's grace, so
+        that the request changes hands before its gateway gives it up."""
         if not 0 < heartbeat_s < lease_ttl_s:
             raise ValueError(f"heartbeat_s must be above 0 and below lease_ttl_s, got "
                              f"{heartbeat_s!r} and {lease_ttl_s!r}.")
+        if not heartbeat_s < reclaim_idle_s:
+            raise ValueError(f"reclaim_idle_s must be above heartbeat_s, got "
+                             f"{reclaim_idle_s!r} and {heartbeat_s!r}.")
         self.engine, self.r = engine, client
         self.image_ttl_ms = int(image_ttl_s * 1000)
         self.keys = EpdKeys(engine.key_salt.fingerprint())
         self.consumer = consumer or f"{self.role.value}-{uuid.uuid4().hex[:8]}"
         self.reply_ttl_ms, self.handoff_ttl_ms = int(reply_ttl_s * 1000), int(handoff_ttl_s * 1000)
         self.heartbeat_s, self.lease_ttl_ms = heartbeat_s, int(lease_ttl_s * 1000)
+        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self._next_reclaim = 0.0  # monotonic time of the next look for idle entries
         self.counters = StageCounters()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._held: set[str] = set()  # request ids whose lease this worker renews
+        # request id -> its queue entry, pending (unacknowledged) while this worker runs it:
+        # touched at each heartbeat, acknowledged when the request leaves this stage
+        self._entries: dict[str, bytes] = {}
+        self._reading: set[bytes] = set()  # entries read and not yet run or acknowledged
         self._held_lock = threading.Lock()  # the lease writes and `_held` change together
         a = engine.model.args
         self.vocab_size, self.max_seq_len = a.vocab_size, a.max_seq_len
@@ -94,11 +111,14 @@ class _Worker:
 
     # ---- claims and leases ----------------------------------------------------------------------
 
-    def take(self, req: EpdRequest) -> bool:
+    def take(self, req: EpdRequest, *, reclaimed: bool = False) -> bool:
         """Claim this stage of the request's attempt and hold its lease; False (skip the
-        entry) when it was claimed before (a redelivered entry) or the client left."""
+        entry) when it was claimed before (a redelivered entry) or the client left. A
+        `reclaimed` entry (its worker died) takes the claim over."""
         claim = self.keys.claim(req.rid, req.attempt, self.role.value)
-        if not self.r.set(claim, self.consumer, nx=True, px=self.reply_ttl_ms):
+        if reclaimed:
+            self.r.set(claim, self.consumer, px=self.reply_ttl_ms)
+        elif not self.r.set(claim, self.consumer, nx=True, px=self.reply_ttl_ms):
             log.warning("skipped a %s entry of request %s (attempt %d) delivered again",
                         self.role.value, req.rid, req.attempt)
             with self._lock:
@@ -124,14 +144,67 @@ class _Worker:
                 pipe.execute()
 
     def heartbeat(self) -> None:
-        """Renew every held lease (written again: a restarted Redis lost them)."""
+        """Renew every held lease (written again: a restarted Redis lost them) and touch the
+        entries this worker runs (XCLAIM to itself: their idle time starts again, so no live
+        worker's entry is reclaimed)."""
         with self._held_lock:
-            if not self._held:
+            ids = list({*self._entries.values(), *self._reading})
+            if not self._held and not ids:
                 return
             pipe = self.r.pipeline(transaction=False)
             for rid in self._held:
                 pipe.set(self.keys.lease(rid), self.consumer, px=self.lease_ttl_ms)
+            if ids:
+                stream, group = self.stage()
+                pipe.xclaim(stream, group, self.consumer, 0, ids, justid=True)
             pipe.execute()
+
+    def stage(self) -> tuple[str, str]:
+        """This worker's stream and consumer group."""
+        return {Role.VISION: (self.keys.vision, VISION_GROUP),
+                Role.PREFILL: (self.keys.prefill, PREFILL_GROUP)}.get(
+            self.role, (self.keys.decode, DECODE_GROUP))
+
+    def reclaim(self, count: int) -> int:
+        """Take over up to `count` entries of this stage that another (dead) worker left
+        pending for `reclaim_idle_s` (at most every half of that), and run them as new ones
+        (the claim taken over); how many were taken. XPENDING with its idle filter, then XCLAIM
+        with the same minimum idle time (atomic: an entry another worker took in between is
+        not taken): what XAUTOCLAIM does, without sweeping this worker's own idle entries
+        (those routed here, which it reads as its own)."""
+        now = time.monotonic()
+        if count < 1 or now < self._next_reclaim:
+            return 0
+        self._next_reclaim = now + self.reclaim_idle_ms / 2000
+        stream, group = self.stage()
+        try:
+            pending = self.r.xpending_range(stream, group, min="-", max="+", count=64,
+                                            idle=self.reclaim_idle_ms)
+            ids = [p["message_id"] for p in pending
+                   if _text(p["consumer"]) != self.consumer][:count]
+            got = self.r.xclaim(stream, group, self.consumer, self.reclaim_idle_ms, ids) \
+                if ids else []
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            return 0  # the next read makes the group again
+        entries = [(mid, fields) for mid, fields in got if fields]
+        for mid, _ in entries:
+            log.warning("%s took over entry %s of %s (its worker stopped)", self.consumer,
+                        mid, stream)
+        with self._lock:
+            self.counters.reclaimed += len(entries)
+        self._each(stream, group, entries, self.run, reclaimed=True)
+        return len(entries)
+
+    def done(self, rid: str) -> None:
+        """The request left this stage: its entry acknowledged and deleted."""
+        with self._held_lock:
+            mid = self._entries.pop(rid, None)
+        if mid is not None:
+            stream, group = self.stage()
+            self.r.xack(stream, group, mid)
+            self.r.xdel(stream, mid)
 
     def _heartbeats(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -147,9 +220,7 @@ class _Worker:
 
     def queue_length(self) -> int:
         """Entries of this stage's stream not yet read by its group (Redis' group lag)."""
-        stream, group = {Role.VISION: (self.keys.vision, VISION_GROUP),
-                         Role.PREFILL: (self.keys.prefill, PREFILL_GROUP)}.get(
-            self.role, (self.keys.decode, DECODE_GROUP))
+        stream, group = self.stage()
         try:
             for g in self.r.xinfo_groups(stream):
                 if g["name"] in (group, group.encode()):
@@ -223,20 +294,41 @@ class _Worker:
                                     block=block_ms)
         return [(mid, fields) for _, entries in (got or []) for mid, fields in entries]
 
-    def _each(self, stream: str, group: str, entries, run) -> None:
+    def _each(self, stream: str, group: str, entries, run, *, reclaimed: bool = False) -> None:
         """`run(req)` for each entry that is a request this worker claims; one that fails is
-        its request's error event (the others go on); each entry acknowledged and deleted."""
+        its request's error event (the others go on). An entry stays pending (touched by the
+        heartbeats: reclaimed should this worker die) while `run` runs, and after it when
+        `run` returns True (a decode row: until the row leaves, `done`); else it is
+        acknowledged and deleted."""
+        with self._held_lock:  # touched by the heartbeats until run or acknowledged
+            self._reading.update(mid for mid, _ in entries)
         for mid, fields in entries:
+            with self._held_lock:
+                self._reading.discard(mid)
+            if self.redirect(mid, fields, reclaimed=reclaimed):
+                continue  # now another worker's
             req = parse_entry(fields)
+            kept = False
             if req is not None:
                 try:
-                    if self.take(req):
-                        run(req)
+                    if self.take(req, reclaimed=reclaimed):
+                        with self._held_lock:
+                            self._entries[req.rid] = mid
+                        kept = bool(run(req))
                 except Exception as e:
                     log.exception("request %s failed in its %s stage", req.rid, self.role.value)
                     self.fail(req, e)
-            self.r.xack(stream, group, mid)
-            self.r.xdel(stream, mid)
+                if not kept:
+                    with self._held_lock:  # (a duplicate entry leaves the running one's)
+                        if self._entries.get(req.rid) == mid:
+                            del self._entries[req.rid]
+            if not kept:
+                self.r.xack(stream, group, mid)
+                self.r.xdel(stream, mid)
+
+    def redirect(self, mid: bytes, fields: dict, *, reclaimed: bool) -> bool:
+        """Whether the entry was handed to another worker (decode: the one it was routed to)."""
+        return False
 
     def fail(self, req: EpdRequest, err: Exception | str, seq: int = 0) -> None:
         """The request's error event (best effort: Redis may be the failure); its lease let
@@ -251,6 +343,10 @@ class _Worker:
             log.warning("could not send request %s its error: %s", req.rid, e2)
 
 
+def _text(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
 class VisionWorker(_Worker):
     """One request at a time from the vision stream: each of its images through the tower
     (once per content), the rows stored for the prefill stage, the request passed on."""
@@ -258,10 +354,16 @@ class VisionWorker(_Worker):
     role = Role.VISION
 
     def step(self, block_ms: int | None = None) -> int:
-        """Take and encode at most one request; how many entries were read."""
+        """Take and encode at most one request (a dead worker's first); how many entries were
+        read."""
+        if self.reclaim(1):
+            return 1
         entries = self._read(self.keys.vision, VISION_GROUP, 1, block_ms)
         self._each(self.keys.vision, VISION_GROUP, entries, self._encode)
         return len(entries)
+
+    def run(self, req: EpdRequest) -> None:
+        self._encode(req)
 
     def _encode(self, req: EpdRequest) -> None:
         encoded = 0
@@ -295,10 +397,16 @@ class PrefillWorker(_Worker):
     role = Role.PREFILL
 
     def step(self, block_ms: int | None = None) -> int:
-        """Take and prefill at most one request; how many entries were read."""
+        """Take and prefill at most one request (a dead worker's first); how many entries
+        were read."""
+        if self.reclaim(1):
+            return 1
         entries = self._read(self.keys.prefill, PREFILL_GROUP, 1, block_ms)
         self._each(self.keys.prefill, PREFILL_GROUP, entries, self._prefill)
         return len(entries)
+
+    def run(self, req: EpdRequest) -> None:
+        self._prefill(req)
 
     def _prefill(self, req: EpdRequest) -> None:
         s = self.engine.session()
@@ -335,11 +443,37 @@ class PrefillWorker(_Worker):
                 "generator": turn.sampler.generator.get_state().numpy().tobytes().hex()}
         value = encode_record(kind=HANDOFF_KIND, key=req.rid, fingerprint=self.keys.fingerprint,
                               created_at=time.time(), meta=meta, arrays=s.runtime_state())
+        blocks = self.engine.block_keys(req.prompt)
+        route = self.route(blocks)
+        fields = {"rid": req.rid, "req": req.to_json()}
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.keys.handoff(req.rid), value, px=self.handoff_ttl_ms)
+        if route.consumer is not None:
+            fields["to"], fields["hit"] = route.consumer, int(route.prefix_hit)
+            pipe.hincrby(self.keys.load, route.consumer, 1)
+            for k in blocks:  # this prompt's blocks now point at that worker
+                pipe.set(self.keys.locality(k), route.consumer, px=self.reply_ttl_ms)
         self.pass_on(req.rid, Role.DECODE, pipe)
-        pipe.xadd(self.keys.decode, {"rid": req.rid, "req": req.to_json()})
+        pipe.xadd(self.keys.decode, fields)
         self.release(req.rid, pipe)
+        if route.prefix_hit:
+            with self._lock:
+                self.counters.prefix_hits += 1
+
+    def route(self, blocks: list[str]) -> Route:
+        """The decode worker for a prompt of these block keys (`epd.choose_decoder`): the live
+        ones (a heartbeat within their lease), their loads, the blocks' last workers."""
+        names = sorted(n.decode() for n in self.r.smembers(self.keys.decoders))
+        if not names:
+            return Route(None)
+        beats = self.r.mget([self.keys.decoder(n) for n in names])
+        live = [n for n, b in zip(names, beats, strict=True) if b is not None]
+        loads = dict(zip(live, (int(x or 0) for x in self.r.hmget(self.keys.load, live)),
+                         strict=True)) if live else {}
+        holders = [None if h is None else h.decode()
+                   for h in self.r.mget([self.keys.locality(k) for k in blocks])] \
+            if blocks else []
+        return choose_decoder(loads, holders)
 
 
 @dataclass
@@ -364,6 +498,8 @@ class DecodeWorker(_Worker):
             raise ValueError(f"max_running must be an integer from 1 to 64, got "
                              f"{max_running!r}.")
         self.max_running = max_running
+        self.r.sadd(self.keys.decoders, self.consumer)  # known to the prefill workers' routing
+        self.r.set(self.keys.decoder(self.consumer), 0, px=self.lease_ttl_ms)
         self.batch = DecodeBatch(engine, max_rows=max_running)
         self.rows: dict[int, Row] = {}  # session id -> its request and next event's number
         self.outbox: list[tuple[str, dict]] = []  # (request id, event) not yet sent, in order
@@ -377,16 +513,66 @@ class DecodeWorker(_Worker):
         one decode step; how many entries were read."""
         self.flush()
         free = self.max_running - len(self.batch)
-        taken = 0
+        taken = self.reclaim(free)  # a dead decode worker's rows first
+        free -= taken
+        if free > 0:  # entries another worker routed here (XCLAIMed into this one's pending)
+            mine = [(mid, f) for mid, f in self._read_pending(free + len(self._entries))
+                    if mid not in self._entries.values()][:free]
+            self._each(self.keys.decode, DECODE_GROUP, mine, self._join)
+            taken += len(mine)
+            free -= len(mine)
         if free > 0:
             entries = self._read(self.keys.decode, DECODE_GROUP, free,
-                                 block_ms if not len(self.batch) else None)
+                                 block_ms if not len(self.batch) and not taken else None)
             self._each(self.keys.decode, DECODE_GROUP, entries, self._join)
-            taken = len(entries)
+            taken += len(entries)
         self._reap()
         if len(self.batch):
             self._decode()
         return taken
+
+    def _read_pending(self, count: int):
+        """This worker's pending entries (its own history in the group: `0`)."""
+        try:
+            got = self.r.xreadgroup(DECODE_GROUP, self.consumer, {self.keys.decode: "0"},
+                                    count=count)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            return []  # a restarted Redis: the next read makes the group again
+        return [(mid, fields) for _, entries in (got or []) for mid, fields in entries
+                if fields]
+
+    def redirect(self, mid: bytes, fields: dict, *, reclaimed: bool) -> bool:
+        """An entry routed to another live worker goes into that worker's pending entries
+        (XCLAIM; it reads them); one routed to a worker not live, or taken over from a dead one
+        (reclaimed), runs here. A prefix-routed entry that runs here is a prefix hit."""
+        to = fields.get(b"to", fields.get("to"))
+        to = to.decode() if isinstance(to, bytes) else to
+        if to is None:
+            self.r.hincrby(self.keys.load, self.consumer, 1)
+            return False
+        if to != self.consumer:
+            if not reclaimed and self.r.exists(self.keys.decoder(to)):
+                self.r.xclaim(self.keys.decode, DECODE_GROUP, to, 0, [mid], justid=True)
+                with self._lock:
+                    self.counters.redirected += 1
+                return True
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hincrby(self.keys.load, to, -1)
+            pipe.hincrby(self.keys.load, self.consumer, 1)
+            pipe.execute()
+        elif fields.get(b"hit", fields.get("hit")) in (b"1", "1"):
+            with self._lock:
+                self.counters.prefix_hits += 1
+        return False
+
+    def heartbeat(self) -> None:
+        """The leases and entries (`_Worker.heartbeat`), and this worker's liveness for the
+        prefill workers' routing."""
+        super().heartbeat()
+        self.r.set(self.keys.decoder(self.consumer), len(getattr(self, "rows", ())),
+                   px=self.lease_ttl_ms)
 
     def flush(self) -> None:
         """The outbox to the reply streams (in order; a resend after a failure may repeat an
@@ -410,6 +596,8 @@ class DecodeWorker(_Worker):
                 self.outbox.append((row.req.rid, self._event(row, None, FinishReason.ERROR,
                                                              f"The decode step failed: {err}")))
                 self.release(row.req.rid)
+                self.done(row.req.rid)
+                self.r.hincrby(self.keys.load, self.consumer, -1)
                 row.session.close()
             self.rows.clear()
             with self._lock:
@@ -438,7 +626,14 @@ class DecodeWorker(_Worker):
         row.seq += 1
         return e
 
-    def _join(self, req: EpdRequest) -> None:
+    def run(self, req: EpdRequest) -> bool:
+        return self._join(req)
+
+    def _join(self, req: EpdRequest) -> bool:
+        """Adopt the request's hand-off (else prefill it here: a missing hand-off, or an entry
+        taken over from a dead worker, runs again from the prompt: its tokens from 1 are sent
+        again and the gateway drops those it delivered, checking they match) into a row; True
+        when it joined the batch (its entry stays pending until the row leaves)."""
         e, rid = self.engine, req.rid
         turn_req = req.turn(self.vocab_size, self.max_seq_len)
         value = self.r.getdel(self.keys.handoff(rid))
@@ -447,7 +642,7 @@ class DecodeWorker(_Worker):
             images = self.turn_images(req)  # the tiers' keys name them by content
         except RequestError as err:
             self.fail(req, err, seq=1)
-            return
+            return False
         try:
             rec = decode_record(value if value is not None else b"", kind=HANDOFF_KIND, key=rid,
                                 fingerprint=self.keys.fingerprint)
@@ -473,14 +668,15 @@ class DecodeWorker(_Worker):
             except Exception as err2:
                 s.close()
                 self.fail(req, err2, seq=1)
-                return
+                return False
         if turn.done:  # cannot happen after a hand-off (the prefill worker ends those)
             s.finish(turn)
             s.close()
             self.release(rid)
-            return
+            return False
         self.batch.join(s, turn)
         self.rows[s.id] = Row(req, s)
+        return True
 
     def _reap(self) -> None:
         """Rows whose request was cancelled (client gone, stop string at the gateway) leave."""
@@ -498,10 +694,16 @@ class DecodeWorker(_Worker):
         row = self.rows.pop(s.id, None)
         if row is not None:
             self.release(row.req.rid)
+            self.done(row.req.rid)
+            self.r.hincrby(self.keys.load, self.consumer, -1)
 
     def stop(self) -> None:
         super().stop()
         self.batch.close()
+        try:  # no more routed here (a killed worker's key lapses with its lease)
+            self.r.delete(self.keys.decoder(self.consumer))
+        except Exception as e:
+            log.warning("%s could not leave the routing: %s", self.consumer, e)
 
 
 class EpdServerMetrics(ServerMetrics):
@@ -551,6 +753,15 @@ class StageCollector:
              "request's stage was claimed already (an entry delivered twice).", n.duplicates),
             ("dsv41:epd_groups_recreated", CounterMetricFamily, "Consumer groups this worker "
              "made again after Redis lost them (a restart without persistence).", n.regrouped),
+            ("dsv41:epd_entries_reclaimed", CounterMetricFamily, "Queue entries of a dead "
+             "worker of this stage this worker took over (idle reclaim_idle_s, XCLAIM).",
+             n.reclaimed),
+            ("dsv41:epd_prefix_hits", CounterMetricFamily, "Hand-offs routed by prefix "
+             "locality (prefill: routed to the worker holding the longest run of the prompt's "
+             "leading blocks; decode: such hand-offs this worker took).", n.prefix_hits),
+            ("dsv41:epd_redirected", CounterMetricFamily, "Entries this worker read that were "
+             "routed to another live worker, moved to that worker's pending list.",
+             n.redirected),
         ]
         for name, kind, help_text, value in rows:
             family = kind(name, help_text, labels=["model_name", "role"])

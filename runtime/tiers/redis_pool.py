@@ -3,15 +3,30 @@ one model: the same calls as `SnapshotPool` (put, get, contains, drop, sweep, st
 
     pool = RedisSnapshotPool("redis://10.0.0.5:6379/0", fingerprint=salt, budget_bytes=8 << 30,
                              ttl_s=600)
+    pool = RedisSnapshotPool("redis://10.0.0.5:7000,redis://10.0.0.6:7000", ...)  # a cluster
 
 Choices, stated once:
-- One Redis string per snapshot, `dsv41:snap:<model fingerprint hex>:<key>`, its value a
+- A pool over machines is a Redis Cluster (not standalone servers under client-side consistent
+  hashing): the slot map lives on the servers, so every engine process of every machine agrees
+  on where a key lives without sharing a ring's configuration, a node added later takes slots
+  with `redis-cli --cluster reshard` (the keys move with them, instead of a ring remapping them
+  to misses), and redis-py's `RedisCluster` follows MOVED/ASK itself. The URL is one server or
+  one cluster: a URL whose server runs with `cluster-enabled yes` (seen at connect, `INFO
+  cluster`) is a cluster; several URLs, comma-separated, are seeds of one cluster (the first
+  that answers gives the slot map). Keys spread by hash slot; the hash tag `{<key>}` keeps a
+  snapshot and its holders' set in one slot (the one multi-key transaction and script below
+  need it); distinct snapshots land on distinct slots. Each node is sized by its own
+  `maxmemory` (10% of its machine's memory is what `redis_server.RedisClusterNodes` sets); the
+  pool checks every master's settings as for one server. A cluster's nodes should run with
+  `cluster-require-full-coverage no`: a lost node then makes only its own slots miss (with
+  `yes`, every node refuses until it is back: all misses, still no errors).
+- One Redis string per snapshot, `dsv41:snap:<model fingerprint hex>:{<key>}`, its value a
   `runtime.wire` record (header with kind, key and fingerprint; sha256 of all of it), so another
   model's engines never read it and a damaged value is detected, deleted and counted, never
   served.
 - The TTL is the key's native expiry (`SET ... PX`), from the write; a read does not extend it.
 - Holds: a put with a `holder` (a session's uid) adds it to the snapshot's set of holders,
-  `dsv41:hold:<model fingerprint hex>:<key>` (same TTL, written in one MULTI with the value); a
+  `dsv41:hold:<model fingerprint hex>:{<key>}` (same TTL, written in one MULTI with the value); a
   drop with a holder removes that holder and deletes the snapshot only when the set is then
   empty (one Lua script, atomic on the server). Sessions of every process that stand at one
   state share one snapshot, and a session moving on never deletes one another session holds.
@@ -26,8 +41,10 @@ Choices, stated once:
   smaller (a snapshot bigger than the budget is refused, never sent). A server of our own
   (`redis_server.RedisServer`) is started with both set.
 - Faults are misses, counted, never errors in a turn: a server down or slow (connection
-  refused, a timeout of `timeout_s`) is `unavailable` (and for `retry_s` seconds after, calls
-  skip the server and miss at once, so a dead pool costs a turn no more than one timeout); a
+  refused, a timeout of `timeout_s`, a cluster node that refuses its slots) is `unavailable`
+  (and for `retry_s` seconds after, calls to that server, or to that node's keys, skip it and
+  miss at once, so a dead node costs a turn no more than one timeout; the other nodes' keys
+  still hit); a
   value that fails its checks is `corrupted` / `foreign` (and deleted); a snapshot this process
   wrote that is gone before its TTL is `lost` (evicted under the budget, or the server
   restarted); one gone after its TTL is `expired`; a put the server refuses for memory (every
@@ -108,6 +125,8 @@ class RedisPoolStats:
     full: int  # put() refused by the server for memory (OOM)
     write_errors: int  # put() that did not reach the server (unreachable)
     restarts: int  # server restarts seen (a new run_id at a put): its settings checked again
+    nodes: int  # the servers holding the pool (a cluster's masters; 1 for one server)
+    nodes_down: int  # of those, the ones skipped or unreachable at this call
 
 
 @dataclass(slots=True)
@@ -125,8 +144,21 @@ class _Counters:
     restarts: int = 0
 
 
+def snapshot_key(fingerprint: bytes, key: str) -> str:
+    """The Redis key of a snapshot: `dsv41:snap:<fingerprint hex>:{<key>}` (hash tag: its slot
+    is the key's, shared with its holders' set)."""
+    return f"{KEY_PREFIX}{fingerprint.hex()}:{{{key}}}"
+
+
+def hold_key(fingerprint: bytes, key: str) -> str:
+    """The Redis key of a snapshot's holders' set (same slot as the snapshot)."""
+    return f"{HOLD_PREFIX}{fingerprint.hex()}:{{{key}}}"
+
+
 def masked_url(url: str) -> str:
     """A URL as logged or printed: its password (redis://user:secret@host) replaced by ***."""
+    if "," in url:
+        return ",".join(masked_url(u) for u in url.split(","))
     if "@" not in url or "://" not in url:
         return url
     scheme, rest = url.split("://", 1)
@@ -149,12 +181,13 @@ class RedisSnapshotPool:
                  clock: Callable[[], float] = time.monotonic):
         # optional: the redis client (~0.13 s), only for a pool on a server (--redis-url)
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"The Redis URL must start with redis://, rediss:// or unix://, "
-                             f"got {masked_url(url) if isinstance(url, str) else url!r}.")
+        seeds = url.split(",") if isinstance(url, str) else []
+        if not seeds or not all(u.startswith(("redis://", "rediss://", "unix://"))
+                                for u in seeds):
+            raise ValueError(f"The Redis URL must start with redis://, rediss:// or unix:// (or "
+                             f"be several such URLs, comma-separated: seeds of one cluster), got "
+                             f"{masked_url(url) if isinstance(url, str) else url!r}.")
         if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
             raise ValueError("The pool's fingerprint must be the 32-byte model key salt.")
         if budget_bytes is not None and (not isinstance(budget_bytes, int)
@@ -164,66 +197,128 @@ class RedisSnapshotPool:
         if not isinstance(retry_s, int | float) or not math.isfinite(retry_s) or retry_s < 0:
             raise ValueError(f"retry_s must be a finite number >= 0, got {retry_s!r}.")
         self.url, self.fingerprint = masked_url(url), fingerprint  # url: as logged
+        self.seeds = tuple(seeds)
         self.ttl_s = _positive("ttl_s", ttl_s)
         self.timeout_s = _positive("timeout_s", timeout_s)
         self.retry_s, self.clock = float(retry_s), clock
         self.prefix = f"{KEY_PREFIX}{fingerprint.hex()}:"
         self.hold_prefix = f"{HOLD_PREFIX}{fingerprint.hex()}:"
         self._want_budget = budget_bytes
-        self.budget_bytes = budget_bytes or 0  # the server's maxmemory once configured
-        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self.budget_bytes = budget_bytes or 0  # the servers' maxmemory once configured
+        ex = redis.exceptions
+        # a node lost inside a cluster: refused, its slots down, or the client out of retries
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError, ex.ClusterError,
+                        ex.SlotNotCoveredError, ex.TryAgainError, ex.MasterDownError,
+                        ex.RedisClusterException)
         self._response_error = redis.ResponseError
         self._oom = redis.exceptions.OutOfMemoryError  # "OOM command not allowed ..."
-        # one immediate reconnect on a broken connection (a restarted server's first reply),
-        # none on a timeout: a failure is seen here, counted, and the server skipped for retry_s
-        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                       socket_connect_timeout=timeout_s,
-                                       retry=Retry(NoBackoff(), 1,
-                                                   supported_errors=(redis.ConnectionError,)))
-        self._release = self._r.register_script(RELEASE_SCRIPT)  # EVALSHA, EVAL when unknown
         self._lock = threading.Lock()
         self._n = _Counters()
-        self._down_until = -math.inf
-        self._run_id: str | None = None
-        self._evicted0 = 0
+        self._r: Any = None  # redis.Redis or redis.RedisCluster, once a seed answered
+        self._cluster = False
+        self._release: Any = None
+        self._down_until: dict[str, float] = {}  # node name ("" before connect) -> retry time
+        self._run_ids: dict[str, str] = {}  # node name -> the run_id whose settings were read
+        self._maxmemory: dict[str, int] = {}  # node name -> its maxmemory
+        self._evicted0: dict[str, int] = {}  # node name -> evicted_keys when first seen
         self._written: OrderedDict[str, float] = OrderedDict()  # key -> expiry (wall clock)
         try:
-            self._check_server()  # a configuration problem is an error now, not a miss later
+            self._connect()  # a configuration problem is an error now, not a miss later
         except self._errors as e:
             log.warning("The Redis pool at %s is unreachable (%s); snapshots miss until it "
                         "answers.", self.url, e)
-            self._count("unavailable")
-            self._down_until = self.clock() + self.retry_s
+            self._failed("", e)
 
-    # ---- configuration ---------------------------------------------------------------------------
+    # ---- connection and configuration ------------------------------------------------------------
 
-    def _check_server(self) -> None:
+    def _client_kw(self) -> dict[str, Any]:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # one immediate reconnect on a broken connection (a restarted server's first reply),
+        # none on a timeout: a failure is seen here, counted, and the node skipped for retry_s
+        return {"socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s,
+                "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))}
+
+    def _connect(self) -> None:
+        """The client, from the first seed that answers (a cluster when its server runs with
+        cluster-enabled), then every node's settings checked."""
+        if self._r is None:
+            import redis
+
+            last: Exception | None = None
+            for seed in self.seeds:
+                probe = redis.Redis.from_url(seed, **self._client_kw())
+                try:
+                    cluster = bool(probe.info("cluster").get("cluster_enabled", 0))
+                except self._errors as e:
+                    last = e
+                    continue
+                finally:
+                    probe.close()
+                if len(self.seeds) > 1 and not cluster:
+                    raise PoolConfigError(
+                        f"The Redis server at {masked_url(seed)} is not in cluster mode: several "
+                        f"URLs in --redis-url name the seeds of one Redis Cluster (give one URL "
+                        f"for one server).")
+                self._cluster = cluster
+                self._r = redis.RedisCluster.from_url(seed, **self._client_kw()) if cluster \
+                    else redis.Redis.from_url(seed, **self._client_kw())
+                self._release = self._r.register_script(RELEASE_SCRIPT)  # EVALSHA, else EVAL
+                self._down_until.pop("", None)
+                break
+            else:
+                raise last if last is not None else redis.ConnectionError("no seed")
+        for name, client in self._nodes():
+            try:
+                self._check_server(name, client)
+            except self._errors as e:
+                self._failed(name, e)
+
+    def _nodes(self) -> list[tuple[str, Any]]:
+        """(name, redis.Redis) of every server holding the pool: a cluster's masters."""
+        if not self._cluster:
+            return [("", self._r)]
+        return [(n.name, self._r.get_redis_connection(n)) for n in self._r.get_primaries()]
+
+    def _node(self, rkey: str) -> tuple[str, Any]:
+        """(name, redis.Redis) of the server holding `rkey` (its slot's master)."""
+        if not self._cluster:
+            return "", self._r
+        n = self._r.get_node_from_key(rkey)
+        return n.name, self._r.get_redis_connection(n)
+
+    def _check_server(self, name: str, client: Any) -> None:
         """Check maxmemory and the policy when the server is new to this pool (never set)."""
-        info = self._r.info("server")
-        if info["run_id"] == self._run_id:
+        info = client.info("server")
+        if info["run_id"] == self._run_ids.get(name):
             return
-        if self._run_id is not None:
+        if name in self._run_ids:
             self._count("restarts")
-            log.warning("The Redis pool at %s restarted; checking its settings again.", self.url)
-        self._check_settings()
-        self._run_id = info["run_id"]
-        self._evicted0 = int(self._r.info("stats").get("evicted_keys", 0))
+            log.warning("The Redis pool's server %s at %s restarted; checking its settings "
+                        "again.", name or "", self.url)
+        self._check_settings(name, client)
+        self._run_ids[name] = info["run_id"]
+        self._evicted0[name] = int(client.info("stats").get("evicted_keys", 0))
 
-    def _check_settings(self) -> None:
+    def _check_settings(self, name: str, client: Any) -> None:
         """The server's maxmemory and policy, read (INFO, not CONFIG): PoolConfigError when
         snapshots would grow without bound or be refused once it is full."""
-        mem = self._r.info("memory")
+        mem = client.info("memory")
         policy, maxmem = mem.get("maxmemory_policy"), int(mem.get("maxmemory", 0))
+        where = self.url if not name else f"{name} (a node of {self.url})"
         if maxmem <= 0 or policy not in EVICTING_POLICIES:
             want = self._want_budget or default_budget_bytes()
             raise PoolConfigError(
-                f"The Redis server at {self.url} runs with maxmemory {maxmem} and "
+                f"The Redis server at {where} runs with maxmemory {maxmem} and "
                 f"maxmemory-policy {policy!r}: the snapshot pool needs a byte bound and a policy "
                 f"that evicts expiring keys, and it never changes a server's settings. Set "
                 f"`maxmemory {want}` and `maxmemory-policy {POLICY}` in its redis.conf (or with "
                 f"CONFIG SET), or leave --redis-url out to use the in-process pool.")
-        self.budget_bytes = maxmem if self._want_budget is None \
-            else min(self._want_budget, maxmem)
+        self._maxmemory[name] = maxmem
+        total = sum(self._maxmemory.values())
+        self.budget_bytes = total if self._want_budget is None else min(self._want_budget, total)
 
     # ---- the pool's calls ------------------------------------------------------------------------
 
@@ -231,25 +326,44 @@ class RedisSnapshotPool:
         with self._lock:
             setattr(self._n, name, getattr(self._n, name) + n)
 
-    def _up(self) -> bool:
-        """Whether to try the server now (not within retry_s of a failure); counts a skip."""
-        if self.clock() < self._down_until:
+    def _up(self, node: str) -> bool:
+        """Whether to try the node now (not within retry_s of its failure); counts a skip."""
+        if self.clock() < self._down_until.get(node, -math.inf):
             self._count("unavailable")
             return False
         return True
 
-    def _failed(self, e: Exception) -> None:
-        if self.clock() >= self._down_until:
-            log.warning("The Redis pool at %s failed: %s; snapshots miss for %g s.", self.url,
-                        e, self.retry_s)
+    def _route(self, key: str) -> tuple[str, Any] | None:
+        """(node name, its client) for `key`, connecting first when no seed answered yet;
+        None (counted) when that node, or every seed, is to be skipped or unreachable."""
+        if self._r is None:
+            if not self._up(""):
+                return None
+            try:
+                self._connect()
+            except self._errors as e:
+                self._failed("", e)
+                return None
+            except PoolConfigError as e:  # a server that came up with settings we refuse
+                log.error("%s", e)
+                self._r = None
+                self._failed("", e)
+                return None
+        node = self._node(self._rkey(key))
+        return node if self._up(node[0]) else None
+
+    def _failed(self, node: str, e: Exception) -> None:
+        if self.clock() >= self._down_until.get(node, -math.inf):
+            log.warning("The Redis pool at %s failed%s: %s; its snapshots miss for %g s.",
+                        self.url, f" on {node}" if node else "", e, self.retry_s)
         self._count("unavailable")
-        self._down_until = self.clock() + self.retry_s
+        self._down_until[node] = self.clock() + self.retry_s
 
     def _rkey(self, key: str) -> str:
-        return self.prefix + key
+        return snapshot_key(self.fingerprint, key)
 
     def _hkey(self, key: str) -> str:
-        return self.hold_prefix + key
+        return hold_key(self.fingerprint, key)
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray],
             meta: Mapping[str, Any] = NO_META, *, holder: str | None = None) -> bool:
@@ -258,12 +372,14 @@ class RedisSnapshotPool:
         unreachable or full."""
         nbytes = check_put(key, arrays, meta)
         check_holder(holder)
-        if not self._up():
+        route = self._route(key)
+        if route is None:
             self._count("write_errors")
             return False
+        node, client = route
         try:
-            self._check_server()
-            if nbytes > self.budget_bytes:
+            self._check_server(node, client)
+            if nbytes > min(self.budget_bytes, self._maxmemory.get(node, self.budget_bytes)):
                 self._count("refused")
                 return False
             now = time.time()
@@ -277,7 +393,7 @@ class RedisSnapshotPool:
                     tx.pexpire(self._hkey(key), px)
                 tx.execute()
         except self._errors as e:
-            self._failed(e)
+            self._failed(node, e)
             self._count("write_errors")
             return False
         except PoolConfigError as e:  # a restarted server that runs with another policy
@@ -300,13 +416,14 @@ class RedisSnapshotPool:
         """The snapshot (fresh arrays), or None: absent, expired, evicted, damaged or refused by
         `check` (deleted), or the server unreachable; every miss counted."""
         check_key(key)
-        if not self._up():
+        route = self._route(key)
+        if route is None:
             self._count("misses")
             return None
         try:
             value = self._r.get(self._rkey(key))
         except self._errors as e:
-            self._failed(e)
+            self._failed(route[0], e)
             self._count("misses")
             return None
         if value is None:
@@ -334,12 +451,13 @@ class RedisSnapshotPool:
         Counted only when it misses a snapshot this process wrote (the engine asks about every
         position of a block; the others were never written)."""
         check_key(key)
-        if not self._up():
+        route = self._route(key)
+        if route is None:
             return False
         try:
             present = bool(self._r.exists(self._rkey(key)))
         except self._errors as e:
-            self._failed(e)
+            self._failed(route[0], e)
             return False
         if not present:
             with self._lock:
@@ -362,7 +480,8 @@ class RedisSnapshotPool:
         its last holder (atomic on the server)."""
         check_key(key)
         check_holder(holder)
-        if not self._up():
+        route = self._route(key)
+        if route is None:
             return False
         try:
             if holder is not None:
@@ -373,29 +492,53 @@ class RedisSnapshotPool:
                 tx.delete(self._hkey(key))
                 return bool(tx.execute()[0])
         except self._errors as e:
-            self._failed(e)
+            self._failed(route[0], e)
             return False
 
     def sweep(self) -> int:
         """Nothing to do: the server expires keys itself."""
         return 0
 
-    def stats(self) -> RedisPoolStats:
-        entries = used = evicted = 0
-        if self.clock() >= self._down_until:  # (a skipped scrape is not counted)
+    def node_entries(self) -> dict[str, int]:
+        """This model's snapshots on each reachable node (name: host:port; "" for one server)."""
+        out: dict[str, int] = {}
+        if self._r is None:
+            return out
+        for name, client in self._nodes():
+            if self.clock() < self._down_until.get(name, -math.inf):
+                continue
             try:
-                entries = sum(1 for _ in self._r.scan_iter(match=self.prefix + "*", count=1000))
-                used = int(self._r.info("memory").get("used_memory", 0))
-                evicted = int(self._r.info("stats").get("evicted_keys", 0)) - self._evicted0
+                out[name] = sum(1 for _ in client.scan_iter(match=self.prefix + "*", count=1000))
             except self._errors as e:
-                self._failed(e)
+                self._failed(name, e)
+        return out
+
+    def stats(self) -> RedisPoolStats:
+        entries = used = evicted = nodes = down = 0
+        if self._r is not None:
+            for name, client in self._nodes():
+                nodes += 1
+                if self.clock() < self._down_until.get(name, -math.inf):
+                    down += 1  # (a skipped scrape is not counted)
+                    continue
+                try:
+                    entries += sum(1 for _ in client.scan_iter(match=self.prefix + "*",
+                                                               count=1000))
+                    used += int(client.info("memory").get("used_memory", 0))
+                    evicted += max(0, int(client.info("stats").get("evicted_keys", 0))
+                                   - self._evicted0.get(name, 0))
+                except self._errors as e:
+                    self._failed(name, e)
+                    down += 1
         with self._lock:
             n = self._n
             return RedisPoolStats(
                 entries=entries, bytes=used, budget=self.budget_bytes, hits=n.hits,
-                misses=n.misses, expired=n.expired, evictions=max(0, evicted), refused=n.refused,
+                misses=n.misses, expired=n.expired, evictions=evicted, refused=n.refused,
                 lost=n.lost, corrupted=n.corrupted, foreign=n.foreign, unavailable=n.unavailable,
-                full=n.full, write_errors=n.write_errors, restarts=n.restarts)
+                full=n.full, write_errors=n.write_errors, restarts=n.restarts, nodes=nodes,
+                nodes_down=down)
 
     def close(self) -> None:
-        self._r.close()
+        if self._r is not None:
+            self._r.close()

@@ -6,11 +6,22 @@ fill it), `dsv41 bench pool` and a one-machine EPD deployment.
         server.kill()                               # SIGKILL: the pool sees a dead server
         server.restart()                            # same port, empty (nothing is saved)
 
+    with RedisClusterNodes.start(tmp_dir, nodes=3) as cluster:   # a local Redis Cluster
+        pool = RedisSnapshotPool(cluster.url, ...)  # every node's URL: the seeds
+        cluster.servers[1].kill()                   # one node lost: its slots miss
+        cluster.servers[1].restart()                # back (its nodes.conf kept), empty
+
 No persistence (`--save ''`, no AOF): a restart comes back empty, as a restarted cache does.
 This is the one Redis server the runtime configures (the snapshot pool only reads a server's
 settings): it starts with `maxmemory` (`maxmemory_bytes`, default 10% of the host's memory, as
 the in-process pool) and `maxmemory-policy volatile-lru`. `extra` passes more `--option value`
 arguments after those (e.g. `rename-command CONFIG ""`, or other memory settings).
+
+A cluster of our own (`RedisClusterNodes`) is that server `nodes` times, each with
+`cluster-enabled yes` and `cluster-require-full-coverage no` (a lost node makes only its own
+slots miss, the others keep answering), the 16384 slots split evenly with `CLUSTER ADDSLOTSRANGE`
+and the nodes joined with `CLUSTER MEET`; each node's `maxmemory` is its machine's 10% (here all
+on one host: `maxmemory_bytes` each, default 10% of the host's memory divided by `nodes`).
 """
 
 from __future__ import annotations
@@ -20,12 +31,15 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from dsv41.runtime.tiers.dram_pool import default_budget_bytes
 from dsv41.runtime.tiers.redis_pool import POLICY
 
 BINARY = "redis-server"
+SLOTS = 16384  # a Redis Cluster's hash slots
+BUS_OFFSET = 10000  # a cluster node's bus port is its port + 10000
 
 
 def redis_binary() -> str | None:
@@ -118,6 +132,115 @@ class RedisServer:
         self.proc = None
 
     def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _free_cluster_port() -> int:
+    """A free port p <= 55535 whose cluster bus port p + 10000 is free too."""
+    for _ in range(1000):
+        p = _free_port()
+        if p > 65535 - BUS_OFFSET:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + BUS_OFFSET))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("No free port pair (p, p + 10000) for a cluster node.")
+
+
+def cluster_info(client) -> dict[str, str]:
+    """`CLUSTER INFO` of one node (a redis.Redis) as a dict of strings."""
+    raw = client.execute_command("CLUSTER", "INFO")
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+
+
+@dataclass
+class RedisClusterNodes:
+    """A local Redis Cluster of `RedisServer`s (see the module docstring); masters only."""
+
+    servers: list[RedisServer]
+
+    @classmethod
+    def start(cls, folder: str | Path, *, nodes: int = 3, maxmemory_bytes: int | None = None,
+              timeout_s: float = 20.0) -> RedisClusterNodes:
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+            raise ValueError(f"A cluster needs at least one node, got nodes={nodes!r}.")
+        if maxmemory_bytes is None:
+            maxmemory_bytes = max(1 << 20, default_budget_bytes() // nodes)
+        extra = ("--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
+                 "--cluster-require-full-coverage", "no")
+        cluster = cls([])
+        try:
+            for i in range(nodes):
+                cluster.servers.append(RedisServer.start(
+                    Path(folder) / f"node{i}", port=_free_cluster_port(), extra=extra,
+                    maxmemory_bytes=maxmemory_bytes))
+            cluster._join(timeout_s)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def _join(self, timeout_s: float) -> None:
+        import redis  # the client, only for a cluster of our own
+
+        clients = [redis.Redis(host="127.0.0.1", port=s.port) for s in self.servers]
+        try:
+            n = len(clients)
+            for i, c in enumerate(clients):  # slots [i*S/n, (i+1)*S/n)
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * SLOTS // n,
+                                  (i + 1) * SLOTS // n - 1)
+            for c in clients[1:]:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.servers[0].port)
+            t0 = time.monotonic()
+            while not all(cluster_info(c).get("cluster_state") == "ok"
+                          and cluster_info(c).get("cluster_known_nodes") == str(n)
+                          for c in clients):
+                if time.monotonic() - t0 > timeout_s:
+                    raise RuntimeError(f"The local Redis Cluster of {n} nodes did not form "
+                                       f"within {timeout_s:g} s.")
+                time.sleep(0.05)
+        finally:
+            for c in clients:
+                c.close()
+
+    def restart(self, i: int, timeout_s: float = 20.0) -> None:
+        """Kill node i and start it again (same port and nodes.conf: same id and slots), empty;
+        back when every node sees the cluster whole again."""
+        self.servers[i].restart()
+        self._wait_ok(timeout_s)
+
+    def _wait_ok(self, timeout_s: float) -> None:
+        import redis
+
+        clients = [redis.Redis(host="127.0.0.1", port=s.port) for s in self.servers]
+        try:
+            t0 = time.monotonic()
+            while not all(cluster_info(c).get("cluster_state") == "ok" for c in clients):
+                if time.monotonic() - t0 > timeout_s:
+                    raise RuntimeError(f"The local Redis Cluster was not whole again within "
+                                       f"{timeout_s:g} s.")
+                time.sleep(0.05)
+        finally:
+            for c in clients:
+                c.close()
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated: the pool's seeds (any one that answers will do)."""
+        return ",".join(s.url for s in self.servers)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> RedisClusterNodes:
         return self
 
     def __exit__(self, *exc) -> None:

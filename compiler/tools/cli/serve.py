@@ -24,7 +24,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 
 
 def check_redis(url: str | None, *, timeout_s: float = 5.0) -> None:
-    """A --redis-url must answer a PING before anything is loaded: a ValueError naming the
+    """A --redis-url (one server, or several seeds of one Redis Cluster, comma-separated) must
+    answer a PING (one seed at least) before anything is loaded: a ValueError naming the
     (password-masked) URL and why, instead of a traceback once the model is up."""
     if url is None:
         return
@@ -32,18 +33,27 @@ def check_redis(url: str | None, *, timeout_s: float = 5.0) -> None:
 
     from dsv41.runtime.tiers.redis_pool import masked_url
 
+    clients = []
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s,
-                                      socket_timeout=timeout_s)
-    except ValueError as e:
-        raise ValueError(f"--redis-url {masked_url(url)} is not a Redis URL ({e}).") from None
-    try:
-        client.ping()
-    except redis.RedisError as e:
+        for seed in url.split(","):
+            try:
+                clients.append(redis.Redis.from_url(seed, socket_connect_timeout=timeout_s,
+                                                    socket_timeout=timeout_s))
+            except ValueError as e:
+                raise ValueError(f"--redis-url {masked_url(url)} is not a Redis URL "
+                                 f"({e}).") from None
+        errors = []
+        for client in clients:
+            try:
+                client.ping()
+                return
+            except redis.RedisError as e:
+                errors.append(str(e))
         raise ValueError(f"--redis-url {masked_url(url)}: no Redis server answers there "
-                         f"({e}).") from None
+                         f"({'; '.join(errors)}).") from None
     finally:
-        client.close()
+        for client in clients:
+            client.close()
 
 
 def serving_args(sp, *, server: bool, persistent_store: bool = False) -> None:
@@ -77,8 +87,9 @@ def serving_args(sp, *, server: bool, persistent_store: bool = False) -> None:
     sp.add_argument("--prefill-chunk", type=count, default=None,
                     help="prefill tokens per batcher step (default: the batcher's)")
     sp.add_argument("--redis-url", default=None,
-                    help="the DRAM snapshot pool on this Redis server, shared by every process "
-                         "that names it (default: an in-process pool)")
+                    help="the DRAM snapshot pool on this Redis server or Redis Cluster (one "
+                         "node's URL, or several, comma-separated: seeds of one cluster), shared "
+                         "by every process that names it (default: an in-process pool)")
     speculation_args(sp)
 
 
