@@ -242,14 +242,17 @@ def test_a_client_gone_cancels_its_stream(served, path, body, first):
     with httpx.stream("POST", served["url"] + path, json=body, timeout=600) as r:
         for line in r.iter_lines():
             if line == first:
-                assert test_serve.metrics(served)["dsv41_running_sequences"] == 1
+                assert test_serve.metrics(served)["vllm:num_requests_running"] == 1
                 break  # leaving the block closes the connection
-    test_serve.wait_for(lambda: test_serve.metrics(served)["dsv41_running_sequences"] == 0,
+    test_serve.wait_for(lambda: test_serve.metrics(served)["vllm:num_requests_running"] == 0,
                         "the slot's release")
     after = test_serve.metrics(served)
-    key = 'dsv41_requests_finished_total{reason="cancelled"}'
+    key = 'dsv41:requests_finished_total{reason="cancelled"}'
     assert after[key] == before[key] + 1
-    assert after["dsv41_completion_tokens_total"] - before["dsv41_completion_tokens_total"] < 100
+    key = 'vllm:request_success_total{finished_reason="abort"}'
+    assert after[key] == before[key] + 1
+    key = "vllm:generation_tokens_total"
+    assert after[key] - before[key] < 100
 
 
 # ---- tool use, on a scripted frontend with the released tokenizer ------------------------------
