@@ -57,7 +57,7 @@ def run_mode(mode: str, port: int, serve_args: list[str], requests: int, max_tok
             texts.append(r.choices[0].message.content)
             usage.append((r.usage.model_extra or {}).get("speculative"))
         metrics = [line for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines()
-                   if line.startswith("dsv41_spec_")]
+                   if line.startswith(("vllm:spec_decode_", "dsv41:spec_"))]
         return {"texts": texts, "usage_speculative": usage, "metrics": metrics}
     finally:
         proc.terminate()

@@ -115,13 +115,16 @@ def small_artifact(small_case):
     return cached_artifact(load_config(small_case.checkpoint), "shared-small", ARTIFACT_ENTRIES)
 
 
-def cached_artifact(args, model_name: str, entries: tuple[str, ...]) -> Path:
-    """A CPU artifact of `entries` for `args`: reused from the cache when the code, the config,
-    the entries and TVM are the same (its manifest verified on load like any artifact), else
-    compiled and put there (renamed in whole, so a killed run leaves no partial entry)."""
+def cached_artifact(args, model_name: str, entries: tuple[str, ...], target: str = "cpu") -> Path:
+    """An artifact of `entries` for `args` and `target` (CUDA targets build real SASS without a
+    GPU): reused from the cache when the code, the config, the entries, the target and TVM are
+    the same (its manifest verified on load like any artifact), else compiled and put there
+    (renamed in whole, so a killed run leaves no partial entry)."""
     from dsv41.compiler.build import CompileOptions, compile_artifact
 
-    key = compile_inputs_digest(args.config_hash(), ",".join(entries))
+    # a CPU build's key is what it was before targets were named (the caches stay valid)
+    key = compile_inputs_digest(args.config_hash(), ",".join(entries),
+                                *(() if target == "cpu" else (target,)))
     cache = artifact_cache_root() / "artifacts"
     done = cache / key
     if (done / "done").is_file():
@@ -130,7 +133,7 @@ def cached_artifact(args, model_name: str, entries: tuple[str, ...]) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))
     # the entries in two processes at once (the pipeline is one thread; same libraries)
-    opts = CompileOptions(args=args, model_name=model_name, target="cpu", out=work,
+    opts = CompileOptions(args=args, model_name=model_name, target=target, out=work,
                           entries=entries, jobs=min(2, os.cpu_count() or 1))
     report = compile_artifact(opts)
     print({e: round(sum(t.values()), 1) for e, t in report.seconds.items()})

@@ -233,9 +233,9 @@ def test_processes_1_prefill_2_decode_answer_8_concurrent_requests(small_case, s
             t.join()
         assert results == ref and all(ref)
         m = [parse_metrics(httpx.get(f"http://127.0.0.1:{p}/metrics").text) for p in ports]
-        assert m[0]['dsv41_epd_stage_requests_total{role="prefill"}'] == len(prompts)
-        assert m[1]['dsv41_epd_stage_requests_total{role="decode"}'] + \
-            m[2]['dsv41_epd_stage_requests_total{role="decode"}'] == len(prompts)
+        assert m[0]['dsv41:epd_stage_requests_total{role="prefill"}'] == len(prompts)
+        assert m[1]['dsv41:epd_stage_requests_total{role="decode"}'] + \
+            m[2]['dsv41:epd_stage_requests_total{role="decode"}'] == len(prompts)
     finally:
         for p in procs:
             p.terminate()

@@ -294,10 +294,10 @@ def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_pat
             t.join()
         assert results == ref and all(ref)
         m = [parse_metrics(httpx.get(f"http://127.0.0.1:{p}/metrics").text) for p in ports]
-        assert m[0]['dsv41_epd_stage_requests_total{role="vision"}'] == 4
-        assert m[1]['dsv41_epd_stage_requests_total{role="prefill"}'] == len(chats)
-        assert m[2]['dsv41_epd_stage_requests_total{role="decode"}'] + \
-            m[3]['dsv41_epd_stage_requests_total{role="decode"}'] == len(chats)
+        assert m[0]['dsv41:epd_stage_requests_total{role="vision"}'] == 4
+        assert m[1]['dsv41:epd_stage_requests_total{role="prefill"}'] == len(chats)
+        assert m[2]['dsv41:epd_stage_requests_total{role="decode"}'] + \
+            m[3]['dsv41:epd_stage_requests_total{role="decode"}'] == len(chats)
     finally:
         for p in procs:
             p.terminate()

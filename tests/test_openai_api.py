@@ -10,9 +10,7 @@ from dsv41.graph.vocab import SMALL_STUB_JSON, TokenizerSource
 from dsv41.runtime.engine.sampling import TokenLogprob
 from dsv41.runtime.serving.chat_format import ChatOptions, Message, Role, ToolCall
 from dsv41.runtime.serving.metrics import (
-    Counter,
     FinishTiming,
-    Histogram,
     RateWindow,
     ServerMetrics,
     parse_metrics,
@@ -177,21 +175,7 @@ def test_logprobs_and_chunk_bodies(stub):
     assert last["choices"][0]["delta"] == {} and last["object"] == "chat.completion.chunk"
 
 
-def test_metrics_text():
-    c = Counter("x_total", "help", "reason", ("stop",))
-    c.inc(2, "length")
-    assert c.render() == ["# HELP x_total help", "# TYPE x_total counter",
-                          'x_total{reason="length"} 2', 'x_total{reason="stop"} 0']
-    with pytest.raises(ValueError, match="only goes up"):
-        c.inc(-1)
-    h = Histogram("t_seconds", "help", (0.1, 1.0))
-    for v in (0.05, 0.1, 0.5, 3.0):
-        h.observe(v)
-    assert h.render()[2:] == ['t_seconds_bucket{le="0.1"} 2', 't_seconds_bucket{le="1.0"} 3',
-                              't_seconds_bucket{le="+Inf"} 4', "t_seconds_sum 3.65",
-                              "t_seconds_count 4"]
-    with pytest.raises(ValueError, match="increasing"):
-        Histogram("h", "help", (1.0, 0.5))
+def test_rate_window():
     now = [100.0]
     r = RateWindow(10.0, clock=lambda: now[0])
     r.add(30)
@@ -203,24 +187,49 @@ def test_metrics_text():
 
 
 def test_server_metrics_render():
-    from types import SimpleNamespace
+    """Request-level series from observe_finish, the frontend's from its stats at the scrape;
+    the text parsed by prometheus_client (parse_metrics), model_name left out of the keys."""
+    from dsv41.runtime.serving.frontend import BatcherStats
 
-    m = ServerMetrics(clock=lambda: 0.0)
-    m.observe_finish("stop", FinishTiming(0.5, 0.75, (0.01, 0.02), 3))
-    m.observe_finish("cancelled", FinishTiming(0.1, None, (), 0))
+    m = ServerMetrics("m", clock=lambda: 0.0)
+    m.observe_finish("stop", FinishTiming(0.5, 0.75, (0.01, 0.02), 3, 12))
+    m.observe_finish("cancelled", FinishTiming(0.1, None, (), 0, 4))
+    m.count_rejected(429)
     with pytest.raises(ValueError, match="Unknown finish reason"):
         m.observe_finish("gone", FinishTiming(0, None, (), 0))
-    stats = SimpleNamespace(queued=2, running=5, finished=7, cancelled=1, prompt_tokens=40,
-                            completion_tokens=30, tiers={"cold": 3, "prefix": 2})
-    got = parse_metrics(m.render(stats))
-    assert got["dsv41_queue_length"] == 2 and got["dsv41_running_sequences"] == 5
-    assert got['dsv41_tier_hits_total{tier="prefix"}'] == 2
-    assert got['dsv41_requests_finished_total{reason="cancelled"}'] == 1
-    assert got['dsv41_requests_finished_total{reason="timeout"}'] == 0
-    assert got["dsv41_time_to_first_token_seconds_count"] == 1
-    assert got['dsv41_time_per_output_token_seconds_bucket{le="0.01"}'] == 1
-    assert got["dsv41_time_per_output_token_seconds_count"] == 2
-    assert got["dsv41_generation_tokens_per_second"] == 0.3  # 3 tokens over the 10 s window
+    stats = BatcherStats(queued=2, running=5, finished=7, cancelled=1, prompt_tokens=40,
+                         completion_tokens=30, tiers={"cold": 3, "prefix": 2},
+                         tier_tokens={"cold": 0, "prefix": 16}, cache_bytes=25,
+                         cache_budget_bytes=100)
+    m.watch(lambda: stats)
+    with pytest.raises(ValueError, match="already watch a frontend"):
+        m.watch(lambda: stats)
+    got = parse_metrics(m.render())
+    assert "model_name=" in m.render().decode()
+    assert got["vllm:num_requests_waiting"] == 2 and got["vllm:num_requests_running"] == 5
+    assert got["vllm:kv_cache_usage_perc"] == 0.25
+    assert got["vllm:prompt_tokens_total"] == 40 and got["vllm:generation_tokens_total"] == 30
+    assert got["vllm:prefix_cache_queries_total"] == 40
+    assert got["vllm:prefix_cache_hits_total"] == 16
+    assert got['dsv41:tier_hits_total{tier="prefix"}'] == 2
+    assert got['dsv41:tier_hit_tokens_total{tier="prefix"}'] == 16
+    assert got['dsv41:prompt_cache_hit_tokens_total{cache="ssd_store"}'] == 16
+    assert got['dsv41:requests_finished_total{reason="cancelled"}'] == 1
+    assert got['dsv41:requests_finished_total{reason="timeout"}'] == 0
+    assert got['vllm:request_success_total{finished_reason="abort"}'] == 1
+    assert got['vllm:request_success_total{finished_reason="stop"}'] == 1
+    assert got['dsv41:requests_rejected_total{code="429"}'] == 1
+    assert got["vllm:time_to_first_token_seconds_count"] == 1
+    assert got['vllm:inter_token_latency_seconds_bucket{le="0.01"}'] == 1
+    assert got["vllm:inter_token_latency_seconds_count"] == 2
+    assert got["vllm:time_per_output_token_seconds_count"] == 2
+    assert got["vllm:request_time_per_output_token_seconds_sum"] == 0.015
+    assert got["vllm:e2e_request_latency_seconds_sum"] == 0.78 + 0.1  # last token; no token
+    assert got["vllm:request_prompt_tokens_sum"] == 16
+    assert got["dsv41:generation_tokens_per_second"] == 0.3  # 3 tokens over the 10 s window
+    assert not any(k.startswith(("vllm:spec", "dsv41:ssd", "dsv41:snapshot")) for k in got)
+    with pytest.raises(ValueError, match="model's name"):
+        ServerMetrics("")
 
 
 def test_chat_reads_thinking_and_reasoning_effort(stub):

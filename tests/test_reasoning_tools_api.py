@@ -71,7 +71,7 @@ class _Script:
 
 def _gen(stub) -> Generation:
     opts = ServerOptions(model_name=MODEL, vocab_size=512, max_seq_len=128)
-    return Generation(AppState(None, stub, opts, ServerMetrics(), lambda r: None))
+    return Generation(AppState(None, stub, opts, ServerMetrics(MODEL), lambda r: None))
 
 
 def _req(stream: bool, *, thinking=True, tools=True, parallel=True) -> GenerationRequest:

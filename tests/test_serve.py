@@ -116,9 +116,9 @@ def test_models_health_and_metrics(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(served["url"] + "/health").json() == {"status": "ok"}
     got = metrics(served)
-    assert {"dsv41_queue_length", "dsv41_running_sequences",
-            "dsv41_generation_tokens_per_second",
-            "dsv41_time_to_first_token_seconds_count"} <= set(got)
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running",
+            "dsv41:generation_tokens_per_second",
+            "vllm:time_to_first_token_seconds_count"} <= set(got)
 
 
 def test_chat_streaming_equals_non_streaming_with_usage_and_logprobs(served, client):
@@ -223,7 +223,7 @@ def test_bad_requests(served, client):
     r = keyed.completions.create(model=MODEL, prompt="w3", max_tokens=2, extra_body=NO_EOS)
     assert r.usage.total_tokens == 1 + len(served["tok"].encode("w3")) + 2  # BOS w3, two
     assert httpx.get(served["keyed"] + "/health").status_code == 200  # open without a key
-    assert metrics(served)['dsv41_requests_rejected_total{code="400"}'] >= 4
+    assert metrics(served)['dsv41:requests_rejected_total{code="400"}'] >= 4
 
 
 @pytest.mark.parametrize("text", ["Write the number 0 in words, then stop.",
@@ -280,14 +280,17 @@ def test_cancelled_stream_frees_its_slot(served):
         for line in r.iter_lines():
             seen += line.startswith("data: ")
             if seen == 3:
-                assert metrics(served)["dsv41_running_sequences"] == 1
+                assert metrics(served)["vllm:num_requests_running"] == 1
                 break  # leaving the block closes the connection
-    wait_for(lambda: metrics(served)["dsv41_running_sequences"] == 0, "the slot's release")
+    wait_for(lambda: metrics(served)["vllm:num_requests_running"] == 0, "the slot's release")
     after = metrics(served)
-    key = 'dsv41_requests_finished_total{reason="cancelled"}'
+    key = 'dsv41:requests_finished_total{reason="cancelled"}'
     assert after[key] == before[key] + 1
-    assert after["dsv41_batcher_cancelled_total"] == before["dsv41_batcher_cancelled_total"] + 1
-    assert after["dsv41_completion_tokens_total"] - before["dsv41_completion_tokens_total"] < room
+    key = 'vllm:request_success_total{finished_reason="abort"}'
+    assert after[key] == before[key] + 1
+    assert after["dsv41:batcher_cancelled_total"] == before["dsv41:batcher_cancelled_total"] + 1
+    key = "vllm:generation_tokens_total"
+    assert after[key] - before[key] < room
 
 
 def test_queue_bound_429_and_request_timeout(small_model, served):
@@ -321,10 +324,10 @@ def test_queue_bound_429_and_request_timeout(small_model, served):
             assert lines[-1] == "data: [DONE]" and len(lines) == 2
             assert "request timeout" in json.loads(lines[0][6:])["error"]["message"]
             got = parse_metrics(httpx.get(srv.url + "/metrics").text)
-            assert got['dsv41_requests_finished_total{reason="timeout"}'] == 2
-            assert got['dsv41_requests_rejected_total{code="429"}'] == 1
-            assert got['dsv41_requests_rejected_total{code="504"}'] == 2
-            assert got["dsv41_queue_length"] == 2  # cancelled, left at the next step
+            assert got['dsv41:requests_finished_total{reason="timeout"}'] == 2
+            assert got['dsv41:requests_rejected_total{code="429"}'] == 1
+            assert got['dsv41:requests_rejected_total{code="504"}'] == 2
+            assert got["vllm:num_requests_waiting"] == 2  # cancelled, left at the next step
     finally:
         batcher.stop()
         engine.close()
@@ -389,7 +392,7 @@ def test_dsv41_bench_serve_json(small_artifact, small_case, tmp_path, capsys):
                str(small_case.checkpoint), "--clients", "1,2", "--requests", "1",
                "--prompt-tokens", "8", "--max-tokens", "4", "--long-streams", "2",
                "--long-prompt-tokens", "40", "--long-max-tokens", "8", "--prefill-chunk", "8",
-               "--json", str(out)])
+               "--structured-clients", "1,2", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())["serve"]
     assert [r["clients"] for r in res["clients"]] == [1, 2]
@@ -402,7 +405,16 @@ def test_dsv41_bench_serve_json(small_artifact, small_case, tmp_path, capsys):
     eng = res["long_prompt_engine"]  # the batcher's own measurement, chunks of 8
     # the prefill's pieces: 40 / 8 = 5 encoder chunks, then the decoder's bounded replay
     assert (eng["streams"], eng["chunk_tokens"], eng["chunks"]) == (2, 8, 6)
-    assert "summary: 1 clients" in capsys.readouterr().out
+    # the structured-output row: the same rounds plain and json_schema (strict)
+    st = res["structured"]
+    assert [r["clients"] for r in st] == [1, 2]
+    assert [r["plain_completion_tokens"] for r in st] == [4, 8]
+    for r in st:
+        assert 1 <= r["json_schema_completion_tokens"] <= 4 * r["clients"]
+        assert r["json_schema_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0
+        assert r["tokens_per_s_ratio"] == r["json_schema_tokens_per_s"] / r["plain_tokens_per_s"]
+    out_text = capsys.readouterr().out
+    assert "summary: 1 clients" in out_text and "2 clients json_schema:" in out_text
 
 
 def test_long_prompt_round_keeps_reading_every_stream(monkeypatch):

@@ -78,7 +78,8 @@ def test_schemathesis_finds_no_server_error(app):
     operations = [r.ok() for r in schema.get_all_operations()]
     assert {f"{o.method.upper()} {o.path}" for o in operations} == {
         "POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize",
-        "POST /detokenize", "GET /v1/models", "GET /health", "GET /version", "GET /metrics"}
+        "POST /detokenize", "GET /v1/models", "GET /health", "GET /version", "GET /metrics",
+        "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses"}
     seen, errors = [], []
 
     def fuzz(op) -> None:

@@ -41,7 +41,7 @@ PACKAGE = Path(__file__).resolve().parents[2]  # the dsv41 source tree (graph/, 
 # of compiler/, what gpu_check.py runs: the check and the bench modules it reads
 COMPILER_FILES = ("__init__.py", "tools/__init__.py", "tools/selftest.py",
                   "tools/bench/__init__.py", "tools/bench/measure.py",
-                  "tools/bench/synthetic.py")
+                  "tools/bench/roof.py", "tools/bench/synthetic.py")
 TVM_RUNTIME_LIBS = ("libtvm_runtime.so", "libtvm_runtime_extra.so", "libtvm_runtime_cuda.so")
 # folders of the tvm / tvm_ffi packages no runtime import reads (headers, sources, the web
 # runtime, CMake files) and the compiler library

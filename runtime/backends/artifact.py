@@ -18,7 +18,8 @@ files, not a writer of the folder); with `DSV41_ARTIFACT_KEY_FILE` set the manif
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,6 +186,7 @@ class Artifact:
     _params: dict = field(default_factory=dict)
     _engram: dict = field(default_factory=dict)  # entry -> its EngramTables (host-resident)
     _prefetcher: EngramPrefetcher | None = None
+    _instrument: Callable[[str], Callable] | None = None  # entry -> a VM hook for one call
 
     @classmethod
     def load(cls, artifact_dir: str | Path, *, args: ModelArgs | None = None,
@@ -239,6 +241,15 @@ class Artifact:
             self._engram[entry] = self._engram_tables(model, sig, cache)
         self._prefetcher = EngramPrefetcher(self.device, prefetch=self.engram_prefetch)
 
+    def bound_params(self, entry: str) -> tuple[tuple[str, torch.Tensor], ...]:
+        """(checkpoint parameter name, the tensor bound) of each of the entry's parameters, in
+        its order: the very buffers its kernels read (a profiler maps calls to layers by them)."""
+        if entry not in self._params:
+            raise ArtifactError("Call Artifact.bind(model) before reading its bound weights.")
+        specs = self.manifest.entries[entry].params
+        return tuple((p.param, to_torch(t)) for p, t in zip(specs, self._params[entry],
+                                                            strict=True))
+
     def _engram_tables(self, model, sig: EntrySpec, bound: dict) -> tuple[EngramTable, ...]:
         """The host Engram tables an entry's host calls read, as the very buffers bound."""
         out = []
@@ -282,6 +293,22 @@ class Artifact:
             self._vms[entry] = VirtualMachine(lib, self.device.tvm())
         return self._vms[entry]
 
+    @contextmanager
+    def instrumented(self, hook_for_call: Callable[[str], Callable]) -> Iterator[None]:
+        """Within the block, every `call` first asks `hook_for_call(entry)` for a hook and sets
+        it as the entry VM's instrument (TVM's: called before and after each call the VM makes,
+        kernels, builtins and host functions alike). A profiler goes through here so that it
+        runs the entries the way `call` does, host Engram gathers included. The instrumented VMs
+        are dropped at the end (the next call loads a plain one)."""
+        if self._instrument is not None:
+            raise ArtifactError("The artifact is already instrumented.")
+        self._instrument = hook_for_call
+        try:
+            yield
+        finally:
+            self._instrument = None
+            self._vms.clear()
+
     def call(self, entry: str, inputs) -> list[torch.Tensor]:
         """Run an entry on its user inputs (torch tensors, nested pairs flattened in order)."""
         if entry not in self.manifest.entries:
@@ -297,6 +324,8 @@ class Artifact:
         at = self._hash_ids_at(entry, inputs) if tables else -1
         args = [to_tvm(x.cpu() if i == at else x.to(dev)) for i, x in enumerate(flat)]
         vm = self._vm(entry)
+        if self._instrument is not None:
+            vm.set_instrument(self._instrument(entry))
         keys = ()
         if tables:  # the rows' gathers, posted for the very ids buffer the entry receives
             keys = self._prefetcher.post(to_torch(args[at]), tables)

@@ -28,6 +28,7 @@ import torch
 from dsv41.graph.ops import ENGRAM_ROWS_FUNC
 from dsv41.runtime.backends.device import Device
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
+from dsv41.runtime.backends.threads import lower_helper_priority
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ class EngramPrefetcher:
                 keys.append(key)
                 if self.prefetch:
                     if self._pool is None:
-                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsv41-engram")
+                        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsv41-engram",
+                                                        initializer=lower_helper_priority)
                     job.future = self._pool.submit(job.run)
         except BaseException:
             self.finish(keys)

@@ -62,6 +62,7 @@ from dsv41.runtime.backends.artifact import (
 from dsv41.runtime.backends.compiled import CompiledPhases
 from dsv41.runtime.backends.onednn import bound_onednn_caches
 from dsv41.runtime.backends.sharded import ShardedArtifact, is_sharded, read_sharded
+from dsv41.runtime.backends.threads import lower_helper_priority
 from dsv41.runtime.engine.batch import DecodeBatch
 from dsv41.runtime.engine.budget import CacheBudget
 from dsv41.runtime.engine.images import TurnImage, check_spans, encode_turn, expand_placeholders
@@ -131,7 +132,8 @@ class Engine:
             self.store = KVStore(Path(options.store_dir), capacity_bytes=options.
                                  store_capacity_bytes, min_lifetime_s=options.store_min_lifetime_s,
                                  clock=options.store_clock, fingerprint=self.keys.salt)
-            self.blocks = BlockWriter(self.store)  # every block read and write goes through it
+            # every block read and write goes through it; its thread yields cores to a step
+            self.blocks = BlockWriter(self.store, on_start=lower_helper_priority)
         # what a snapshot holds (its layout salts every key through KeySalt's exact and
         # decoder_carry: other layouts never match)
         rings = snapshot_ring_layers(model.plan, all_rings=options.exact or options.decoder_carry)

@@ -128,3 +128,63 @@ def request_body(schema: dict) -> dict:
     """A route's `openapi_extra`: its JSON body."""
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": schema}}}}
+
+
+# ---- Anthropic Messages and OpenAI Responses (anthropic_api.py, responses_api.py) -------------
+
+_OBJECT = {"type": "object"}
+_BLOCKS = {"anyOf": [{"type": "string"}, {"type": "array", "items": _OBJECT}]}
+
+
+def messages_body(model_name: str, *, counting: bool = False) -> dict:
+    """`POST /v1/messages` (`counting`: `/v1/messages/count_tokens`, no max_tokens)."""
+    props = {
+        "model": {"type": "string", "enum": [model_name]},
+        "system": _BLOCKS,
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"], "properties": {
+                "role": {"enum": ["user", "assistant"]}, "content": _BLOCKS}}},
+        "tools": {"type": "array", "items": {
+            "type": "object", "required": ["name", "input_schema"], "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"},
+                "input_schema": _OBJECT}}},
+        "tool_choice": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+            "disable_parallel_tool_use": _BOOL}},
+        "thinking": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["enabled", "disabled", "adaptive"]},
+            "budget_tokens": {"type": "integer", "minimum": 1}}},
+    }
+    if not counting:
+        props |= {"max_tokens": {"type": "integer", "minimum": 1},
+                  "stop_sequences": {"type": "array", "items": {"type": "string"}},
+                  "temperature": {"type": "number", "minimum": 0},
+                  "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+                  "top_k": {"type": "integer", "minimum": 0},
+                  "metadata": _OBJECT, "stream": _BOOL}
+    required = ["model", "messages"] + ([] if counting else ["max_tokens"])
+    return {"type": "object", "required": required, "properties": props}
+
+
+def responses_body(model_name: str) -> dict:
+    """`POST /v1/responses`."""
+    return {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string", "enum": [model_name]},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _OBJECT}]},
+        "instructions": {"type": "string"},
+        "tools": {"type": "array", "items": {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"enum": ["function"]}, "name": {"type": "string"},
+                "description": {"type": "string"}, "parameters": _OBJECT, "strict": _BOOL}}},
+        "tool_choice": {"anyOf": [
+            {"enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "name"], "properties": {
+                "type": {"enum": ["function"]}, "name": {"type": "string"}}}]},
+        "parallel_tool_calls": _BOOL,
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "reasoning": {"type": "object", "properties": {
+            "effort": {"enum": ["none", "minimal", "low", "medium", "high"]}}},
+        "text": {"type": "object", "properties": {"format": _OBJECT}},
+        "store": _BOOL, "stream": _BOOL, "metadata": _OBJECT}}

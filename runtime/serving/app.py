@@ -7,10 +7,13 @@ the EPD gateway: runtime/serving/frontend.py).
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (JSON, or server-sent events with
 `stream: true`: one `data: {chunk}` per token, then a chunk with the finish reason, with
 `stream_options.include_usage` a last chunk with the usage, then `data: [DONE]`), `GET
-/v1/models`, `GET /health`, `GET /metrics` (Prometheus text, runtime/metrics.py), one router
+/v1/models`, `GET /health`, `GET /metrics` (Prometheus text through prometheus_client,
+runtime/serving/metrics.py: vLLM's series names where vLLM has one), one router
 per family (routes_chat, routes_completions, routes_models, routes_health, routes_tokenize:
 `POST /tokenize`, a prompt's ids and spelling; the two generation families share
-generation.py). Requests are parsed by openai_api.py; the server only moves
+generation.py; routes_messages: Anthropic's `POST /v1/messages` and its count_tokens, and
+routes_responses: OpenAI's `POST /v1/responses`, both translated into chat requests and read by
+turn_reply.py). Requests are parsed by openai_api.py; the server only moves
 events from a frontend's `EventStream` to the client. This module is the app around them: the
 errors' shape, the API key, the routers joined.
 
@@ -27,7 +30,7 @@ the head timeout and the connection cap, by the uvicorn configuration of `run_se
 
 Cancellation: a client that goes away cancels its stream (`Stream.cancel()`; the sequence
 leaves the batch at the next step), as does the timeout; both are counted in /metrics
-(`dsv41_requests_finished_total{reason="cancelled"|"timeout"}`). The handlers never block the
+(`dsv41:requests_finished_total{reason="cancelled"|"timeout"}`). The handlers never block the
 event loop: they wait for events on worker threads (`poll_s` at a time, so a disconnect or the
 deadline is seen within `poll_s`).
 
@@ -55,7 +58,9 @@ from dsv41.runtime.serving.openai_api import ApiError, ErrorType
 from dsv41.runtime.serving.routes_chat import chat_router
 from dsv41.runtime.serving.routes_completions import completions_router
 from dsv41.runtime.serving.routes_health import health_router
+from dsv41.runtime.serving.routes_messages import messages_router
 from dsv41.runtime.serving.routes_models import models_router
+from dsv41.runtime.serving.routes_responses import responses_router
 from dsv41.runtime.serving.routes_tokenize import tokenize_router
 from dsv41.runtime.serving.state import AppState, ServerOptions
 from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -69,14 +74,18 @@ def create_app(frontend: Frontend, tokenizer: Tokenizer, options: ServerOptions,
     """The ASGI app. The frontend must be running (`Batcher.start()`; a gateway runs from its
     construction); the app never stops it."""
     opts = options.validate()
-    metrics = metrics or ServerMetrics()
+    metrics = metrics or ServerMetrics(opts.model_name)
+    if metrics.model_name != opts.model_name:
+        raise ValueError(f"The metrics label the model {metrics.model_name!r}, the server serves "
+                         f"{opts.model_name!r}; give ServerMetrics the served model's name.")
+    metrics.watch(frontend.stats)
     app = FastAPI(title="dsv41", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     # every body read whole within the size and time limits before a handler sees it
     app.add_middleware(BodyLimits, limits=opts.limits,
-                       on_reject=lambda status: metrics.rejected.inc(1, str(status)))
+                       on_reject=metrics.count_rejected)
 
     def error(e: ApiError) -> JSONResponse:
-        metrics.rejected.inc(1, str(e.status))
+        metrics.count_rejected(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(ApiError)
@@ -107,7 +116,8 @@ def create_app(frontend: Frontend, tokenizer: Tokenizer, options: ServerOptions,
     state = AppState(frontend, tokenizer, opts, metrics, check_key)
     gen = Generation(state)
     for router in (chat_router(gen), completions_router(gen), models_router(state),
-                   health_router(state), tokenize_router(state)):
+                   health_router(state), tokenize_router(state), messages_router(gen),
+                   responses_router(gen)):
         app.include_router(router)
     return app
 

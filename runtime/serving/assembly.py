@@ -285,7 +285,8 @@ def _serve_stage(opts: ServeOptions, se: ServingEngine, server: ServerOptions) -
           f"{masked_url(opts.serving.redis_url)} on http://{opts.host}:{opts.port}/v1",
           flush=True)
     try:
-        run_server(create_app(gateway, se.tokenizer, server, metrics=EpdServerMetrics(worker)),
+        metrics = EpdServerMetrics(worker, server.model_name)
+        run_server(create_app(gateway, se.tokenizer, server, metrics=metrics),
                    opts.host, opts.port, server.limits, log_level=opts.log_level)
     finally:
         worker.stop()

@@ -55,6 +55,7 @@ from dsv41.runtime.serving.frontend import (
     BatcherStats,
     FinishReason,
     QueueFull,
+    TierStores,
     TokenEvent,
 )
 from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -137,8 +138,14 @@ class Batcher:
         self._running: dict[int, _Request] = {}  # by session id, in the batch
         self._next_id = 1
         self._counts = {"finished": 0, "cancelled": 0, "prompt_tokens": 0,
-                        "completion_tokens": 0}
+                        "completion_tokens": 0, "replayed_tokens": 0,
+                        "decoder_replayed_tokens": 0}
         self._tiers: dict[str, int] = {}
+        self._tier_tokens: dict[str, int] = {}  # prompt tokens served per tier
+        # what /metrics reads of the engine, taken on the stepping thread (`_observe`)
+        self._cache_bytes = 0
+        self._stores = self._read_stores()
+        self._stores_stale = False
         # DSpark's drafts of the finished requests (None: the engine does not speculate)
         self._spec = None if getattr(engine, "spec_policy", None) is None else SpecCounts()
         self._thread: threading.Thread | None = None
@@ -212,7 +219,11 @@ class Batcher:
     def stats(self) -> BatcherStats:
         with self._lock:
             return BatcherStats(queued=len(self._waiting), running=len(self._running),
-                                tiers=dict(self._tiers), speculative=self._spec, **self._counts)
+                                tiers=dict(self._tiers), speculative=self._spec,
+                                tier_tokens=dict(self._tier_tokens),
+                                cache_bytes=self._cache_bytes,
+                                cache_budget_bytes=self.engine.options.cache_budget_bytes,
+                                stores=self._stores, **self._counts)
 
     # ---- stepping -------------------------------------------------------------------------------
 
@@ -224,6 +235,7 @@ class Batcher:
             self._reap()
             self._admit()
             self._decode()
+            self._observe()
             with self._lock:
                 return bool(self._waiting or self._running)
 
@@ -276,6 +288,22 @@ class Batcher:
 
     # ---- one step's parts -----------------------------------------------------------------------
 
+    def _read_stores(self) -> TierStores:
+        e = self.engine
+        return TierStores(None if e.blocks is None else e.blocks.store_stats(),
+                          None if e.pool is None else e.pool.stats())
+
+    def _observe(self) -> None:
+        """What /metrics reads of the engine, read here, on the stepping thread (the engine and
+        its DRAM pool are driven from it alone): the runtime cache's bytes after every step,
+        the stores' stats after a step that admitted or finished a request."""
+        used = self.engine.runtime_bytes()
+        stores = self._read_stores() if self._stores_stale else None
+        with self._lock:
+            self._cache_bytes = used
+            if stores is not None:
+                self._stores, self._stores_stale = stores, False
+
     def _reap(self) -> None:
         """Cancelled requests leave: the running ones free their row now."""
         for req in [r for r in self._running.values() if r.stream.cancelled]:
@@ -316,9 +344,15 @@ class Batcher:
             return
         record = req.turn.record
         tail = time.perf_counter() - req.chunk_t
+        stores = self._read_stores()  # its lookups counted before its first token is out
         with self._lock:
+            self._stores = stores
             self._tiers[record.tier] = self._tiers.get(record.tier, 0) + 1
+            self._tier_tokens[record.tier] = self._tier_tokens.get(record.tier, 0) \
+                + record.reused_tokens
             self._counts["prompt_tokens"] += len(req.prompt)
+            self._counts["replayed_tokens"] += record.replayed
+            self._counts["decoder_replayed_tokens"] += record.decoder_replayed
             events = req.stream.log
             with events.lock:
                 events.tier, events.reused, events.tail = record.tier, record.reused_tokens, tail
@@ -434,6 +468,7 @@ class Batcher:
             s.close()
         with self._lock:
             self._counts["cancelled" if reason is FinishReason.CANCELLED else "finished"] += 1
+            self._stores_stale = True
         req.stream._put(event or TokenEvent(None, "", None, (), reason, error))
 
     def _fail_all(self, message: str) -> None:

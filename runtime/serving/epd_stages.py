@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 import redis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dsv41.runtime.engine import DecodeBatch, Engine
 from dsv41.runtime.engine.images import (
@@ -505,40 +506,53 @@ class DecodeWorker(_Worker):
 
 class EpdServerMetrics(ServerMetrics):
     """The server's metrics (the gateway's requests) and the worker's stage: its queue (the
-    stage's stream entries not yet taken or acknowledged), running rows, throughput."""
+    stage's stream entries not yet taken or acknowledged), running rows, throughput; each stage
+    series labelled `role`, read at scrape time (`StageCollector`)."""
 
-    def __init__(self, worker: VisionWorker | PrefillWorker | DecodeWorker, **kw):
-        super().__init__(**kw)
+    def __init__(self, worker: VisionWorker | PrefillWorker | DecodeWorker, model_name: str,
+                 **kw):
+        super().__init__(model_name, **kw)
         self.worker = worker
+        self.registry.register(StageCollector(worker, model_name))
 
-    def render(self, stats) -> str:
+
+class StageCollector:
+    """A worker's stage counts as prometheus_client families (EpdServerMetrics')."""
+
+    def __init__(self, worker: VisionWorker | PrefillWorker | DecodeWorker, model_name: str):
+        self.worker, self.model_name = worker, model_name
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
         w, role = self.worker, self.worker.role.value
         with w._lock:
             n = replace(w.counters)
         rows = [
-            ("dsv41_epd_queue_length", "gauge", "Entries of this stage's stream waiting for "
-             "its workers (group lag + pending; -1: Redis unreachable).", w.queue_length()),
-            ("dsv41_epd_running_sequences", "gauge", "Sequences this worker runs now (decode: "
-             "rows of its batch).", w.running() if isinstance(w, DecodeWorker) else 0),
-            ("dsv41_epd_stage_tokens_per_second", "gauge", "Tokens this worker processed per "
-             "second over the last 10 s (vision: patches; prefill: prompt tokens; decode: "
-             "decoded tokens).",
-             round(n.rate.rate(), 6)),
-            ("dsv41_epd_stage_requests_total", "counter", "Requests this worker finished its "
-             "stage of.", n.requests),
-            ("dsv41_epd_stage_tokens_total", "counter", "Tokens this worker processed (vision: "
-             "patches; prefill: prompt tokens; decode: decoded tokens).", n.tokens),
-            ("dsv41_epd_stage_errors_total", "counter", "Requests this worker failed.", n.errors),
-            ("dsv41_epd_handoffs_rejected_total", "counter", "Hand-offs missing or failing a "
-             "check (fingerprint, checksum, layout), prefilled again here.",
+            ("dsv41:epd_queue_length", GaugeMetricFamily, "Entries of this stage's stream "
+             "waiting for its workers (group lag + pending; -1: Redis unreachable).",
+             w.queue_length()),
+            ("dsv41:epd_running_sequences", GaugeMetricFamily, "Sequences this worker runs now "
+             "(decode: rows of its batch).", w.running() if isinstance(w, DecodeWorker) else 0),
+            ("dsv41:epd_stage_tokens_per_second", GaugeMetricFamily, "Tokens this worker "
+             "processed per second over the last 10 s (vision: patches; prefill: prompt "
+             "tokens; decode: decoded tokens).", round(n.rate.rate(), 6)),
+            ("dsv41:epd_stage_requests", CounterMetricFamily, "Requests this worker finished "
+             "its stage of.", n.requests),
+            ("dsv41:epd_stage_tokens", CounterMetricFamily, "Tokens this worker processed "
+             "(vision: patches; prefill: prompt tokens; decode: decoded tokens).", n.tokens),
+            ("dsv41:epd_stage_errors", CounterMetricFamily, "Requests this worker failed.",
+             n.errors),
+            ("dsv41:epd_handoffs_rejected", CounterMetricFamily, "Hand-offs missing or failing "
+             "a check (fingerprint, checksum, layout), prefilled again here.",
              n.handoffs_rejected),
-            ("dsv41_epd_duplicates_skipped_total", "counter", "Queue entries skipped: their "
+            ("dsv41:epd_duplicates_skipped", CounterMetricFamily, "Queue entries skipped: their "
              "request's stage was claimed already (an entry delivered twice).", n.duplicates),
-            ("dsv41_epd_groups_recreated_total", "counter", "Consumer groups this worker made "
-             "again after Redis lost them (a restart without persistence).", n.regrouped),
+            ("dsv41:epd_groups_recreated", CounterMetricFamily, "Consumer groups this worker "
+             "made again after Redis lost them (a restart without persistence).", n.regrouped),
         ]
-        lines = [super().render(stats).rstrip("\n")]
         for name, kind, help_text, value in rows:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
-                      f'{name}{{role="{role}"}} {value}']
-        return "\n".join(lines) + "\n"
+            family = kind(name, help_text, labels=["model_name", "role"])
+            family.add_metric([self.model_name, role], value)
+            yield family

@@ -11,12 +11,15 @@ neither implementation imports the other.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
 from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.engine.sampling import SamplingParams, TokenLogprob
+from dsv41.runtime.tiers.dram_pool import SnapshotPoolStats
+from dsv41.runtime.tiers.redis_pool import RedisPoolStats
+from dsv41.runtime.tiers.ssd_store import KVStoreStats
 
 
 class FinishReason(Enum):
@@ -82,6 +85,22 @@ class BatcherStats:
     tiers: Mapping[str, int]  # turns per tier that served them (cold, snapshot, prefix, ...)
     speculative: SpecCounts | None = None  # DSpark's drafts of the finished requests (None:
     #   the engine does not speculate)
+    # prompt tokens the tiers served (not prefilled), per engine tier (live, snapshot, prefix...)
+    tier_tokens: Mapping[str, int] = field(default_factory=dict)
+    replayed_tokens: int = 0  # served tokens run through the encoder again (TurnRecord's)
+    decoder_replayed_tokens: int = 0  # tokens through the decoder's bounded replay
+    cache_bytes: int = 0  # the runtime cache's bytes in use after the last step
+    cache_budget_bytes: int = 0  # its budget (0: not known, e.g. a gateway)
+    stores: TierStores | None = None  # the engine's stores (None: no engine in this process)
+
+
+@dataclass(frozen=True)
+class TierStores:
+    """The engine's stores' stats, as the batcher last read them (on its stepping thread, after
+    a request was admitted or finished)."""
+
+    store: KVStoreStats | None  # the SSD block store (None: the engine has none)
+    pool: SnapshotPoolStats | RedisPoolStats | None  # the snapshot pool (DRAM, or Redis)
 
 
 @runtime_checkable

@@ -43,7 +43,7 @@ from dsv41.runtime.serving.tool_calls import (
 )
 
 
-class _Ended(Exception):
+class Ended(Exception):
     """The request ended without a finish event: the client left or the deadline passed."""
 
     def __init__(self, reason: str):
@@ -55,7 +55,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _finish_error(ev: TokenEvent) -> ApiError | None:
+def finish_error(ev: TokenEvent) -> ApiError | None:
     """The error a final event stands for, if it is not a normal end."""
     if ev.finish is FinishReason.ERROR:
         return ApiError(500, f"The engine failed on this request: {ev.error or 'no message'}",
@@ -75,7 +75,7 @@ def _token_out(ev: TokenEvent) -> TokenOut | None:
     return TokenOut(ev.token_id, ev.text, ev.logprob, ev.top)
 
 
-def _usage(stream: EventStream, n_tokens: int) -> Usage:
+def stream_usage(stream: EventStream, n_tokens: int) -> Usage:
     t = stream.timing  # its prompt as queued: each image placeholder counts as its span
     return Usage(t.prompt_tokens, n_tokens, t.reused_tokens,
                  PromptCache(t.tier, t.replayed_tokens, t.decoder_replayed_tokens), t.speculative)
@@ -99,7 +99,7 @@ class Generation:
     def record(self, stream: EventStream, reason: str) -> None:
         t = stream.timing
         self.state.metrics.observe_finish(reason, FinishTiming(
-            t.queued_s, t.first_token_s, t.per_token_s, t.completion_tokens))
+            t.queued_s, t.first_token_s, t.per_token_s, t.completion_tokens, t.prompt_tokens))
 
     def timeout_error(self) -> ApiError:
         return ApiError(504, f"The request did not finish within the server's request timeout "
@@ -107,7 +107,7 @@ class Generation:
 
     async def events(self, stream: EventStream, request: Request | None,
                      deadline: float | None) -> AsyncIterator[TokenEvent]:
-        """The stream's events; raises _Ended (after cancelling it) when the client leaves
+        """The stream's events; raises Ended (after cancelling it) when the client leaves
         (checked here when `request` is given: non-streaming) or the deadline passes."""
         while True:
             ev = await self.state.in_thread(stream.get, self.state.opts.poll_s)
@@ -118,10 +118,10 @@ class Generation:
                 continue
             if request is not None and await request.is_disconnected():
                 stream.cancel()
-                raise _Ended("cancelled")
+                raise Ended("cancelled")
             if deadline is not None and time.monotonic() > deadline:
                 stream.cancel()
-                raise _Ended("timeout")
+                raise Ended("timeout")
 
     async def collect(self, req: GenerationRequest, stream: EventStream, request: Request,
                       deadline: float | None) -> Response:
@@ -135,7 +135,7 @@ class Generation:
                     tokens.append(t)
                 last = ev
             reason = last.finish.value
-        except _Ended as e:
+        except Ended as e:
             reason = ended = e.reason
         finally:
             stream.cancel()  # a no-op once finished; frees the slot if the handler is torn down
@@ -144,7 +144,7 @@ class Generation:
             raise self.timeout_error()
         if ended == "cancelled":
             return Response(status_code=499)  # the client is gone; nobody reads this
-        err = _finish_error(last)
+        err = finish_error(last)
         if err is not None:
             raise err
         text, calls, reasoning = "".join(parts), (), None
@@ -155,7 +155,7 @@ class Generation:
             text, calls = reply.content, reply.calls[:None if req.parallel_tool_calls else 1]
         body = response_body(req, self.state.opts.model_name, text, last.finish.value,
                              logprobs_body(self.state.tokenizer, req.logprobs, tokens),
-                             _usage(stream, len(tokens)), tool_calls=calls,
+                             stream_usage(stream, len(tokens)), tool_calls=calls,
                              reasoning=reasoning)
         return JSONResponse(body)
 
@@ -194,9 +194,9 @@ class Generation:
                                           reasoning=reasoning, call_deltas=deltas))
                 if ev.finish is not None:
                     reason = ev.finish.value
-                    err = _finish_error(ev)
+                    err = finish_error(ev)
                     if err is not None:
-                        metrics.rejected.inc(1, str(err.status))
+                        metrics.count_rejected(err.status)
                         yield _sse(err.body())
                     else:
                         finish = reason
@@ -213,11 +213,11 @@ class Generation:
                         yield _sse(chunk_body(req, model, text=None if req.endpoint is
                                               Endpoint.CHAT else "", finish_reason=finish))
                         if req.include_usage:
-                            yield _sse(usage_chunk(req, model, _usage(stream, n_tokens)))
+                            yield _sse(usage_chunk(req, model, stream_usage(stream, n_tokens)))
             yield "data: [DONE]\n\n"
-        except _Ended as e:
+        except Ended as e:
             reason = e.reason
-            metrics.rejected.inc(1, "504")
+            metrics.count_rejected(504)
             yield _sse(self.timeout_error().body())
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away (the response task is cancelled)
@@ -229,7 +229,7 @@ class Generation:
         """Count, authenticate, parse (`parse(body)` on a worker thread: it tokenizes), submit,
         then answer in JSON or as a stream."""
         st = self.state
-        st.metrics.requests.inc(1, endpoint.value)
+        st.metrics.count_request(endpoint.value)
         st.check_key(request)
         req = await st.in_thread(parse, await st.json_body(request))
         submit = st.in_decode_thread if req.images else st.in_thread

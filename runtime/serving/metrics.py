@@ -1,120 +1,139 @@
-"""The server's metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
+"""The server's metrics, through `prometheus_client`, one `CollectorRegistry` per app.
 
-    m = ServerMetrics()
-    m.observe_finish(Finish.STOP, timing)     # when a request ends (its RequestTiming)
-    m.render(batcher.stats())                # the /metrics body
+    m = ServerMetrics("my-model")
+    m.watch(batcher.stats)                   # the frontend's counts, read at each scrape
+    m.observe_finish("stop", timing)         # when a request ends (its RequestTiming's numbers)
+    m.render()                               # the /metrics body (text format 0.0.4)
 
-Three kinds of series, each a small class that renders its own lines: `Counter` (only goes up;
-labelled), `Histogram` (cumulative `_bucket{le=...}` counts, `_sum`, `_count`) and gauges, which
-are read from the batcher at scrape time (`BatcherStats`: queue length, running sequences,
-tokens, tier hits), so they are never stale. Tokens per second is the completion tokens of the
-requests that ended within the last `rate_window_s` seconds over that window (`RateWindow`);
-Prometheus users can also take `rate()` of `dsv41_completion_tokens_total`.
-
-Everything is guarded by one lock per object: the server's handlers run on several threads.
+Names follow vLLM's where vLLM has a counterpart (`vllm:num_requests_waiting`,
+`vllm:time_to_first_token_seconds`, `vllm:spec_decode_num_drafts_total`, ...; every series
+labelled `model_name`, as vLLM's are), so dashboards and routers built for vLLM-compatible
+servers read them; `dsv41:` names for the rest (the tiers, the stores, the pool, rejections).
+Two kinds of source:
+- request-level counters and histograms, fed by the server as each request ends
+  (`observe_finish`) or is refused (`rejected`), kept here (prometheus_client's own, thread-safe);
+- counts that live in the frontend, the engine and the stores (queue, running rows, tokens, tier
+  hits, SSD store, snapshot pool, speculation), read at scrape time by a custom collector
+  (metrics_collect.py) from `Frontend.stats()`, so they are never stale.
+No global registry: several apps in one process never collide.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-# seconds; Prometheus convention: upper bounds, +Inf added on render
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from dsv41.runtime.serving.frontend import BatcherStats
+from dsv41.runtime.serving.metrics_collect import FrontendCollector
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+# seconds (vLLM's bounds for the same series); +Inf is added by prometheus_client
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TOKEN_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+# the gaps of a fast backend are well under vLLM's first bound: finer ones below it
+GAP_BUCKETS = (0.001, 0.0025, 0.005, *TOKEN_BUCKETS)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TOKEN_COUNT_BUCKETS = (
+    1,
+    2,
+    5,
+    10,
+    20,
+    50,
+    100,
+    200,
+    500,
+    1000,
+    2000,
+    5000,
+    10000,
+    20000,
+    50000,
+    100000,
+    200000,
+    500000,
+    1000000,
+)
 
-
-def _labels(pairs: Mapping[str, str]) -> str:
-    if not pairs:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(pairs.items())) + "}"
-
-
-def _number(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if isinstance(v, float) else str(v)
-
-
-def _header(name: str, kind: str, help_text: str) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-
-
-class Counter:
-    """A monotone count per label value (one label name, or none)."""
-
-    def __init__(self, name: str, help_text: str, label: str | None = None,
-                 values: Sequence[str] = ()):
-        self.name, self.help, self.label = name, help_text, label
-        self._lock = threading.Lock()
-        self._counts: dict[str, float] = {v: 0 for v in values}  # listed values show as 0
-
-    def inc(self, amount: float = 1, value: str = "") -> None:
-        if amount < 0:
-            raise ValueError(f"The counter {self.name} only goes up; got {amount}.")
-        with self._lock:
-            self._counts[value] = self._counts.get(value, 0) + amount
-
-    def get(self, value: str = "") -> float:
-        with self._lock:
-            return self._counts.get(value, 0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            counts = dict(self._counts)
-        lines = _header(self.name, "counter", self.help)
-        if self.label is None:
-            return lines + [f"{self.name} {_number(counts.get('', 0))}"]
-        return lines + [f"{self.name}{_labels({self.label: v})} {_number(n)}"
-                        for v, n in sorted(counts.items())]
-
-
-class Histogram:
-    """Observations counted into cumulative buckets (upper bounds in seconds)."""
-
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]):
-        if list(buckets) != sorted(set(buckets)) or not buckets:
-            raise ValueError(f"The buckets of {name} must be increasing, got {buckets}.")
-        self.name, self.help, self.buckets = name, help_text, tuple(buckets)
-        self._lock = threading.Lock()
-        self._counts = [0] * (len(self.buckets) + 1)  # the last: above every bound (+Inf)
-        self._sum = 0.0
-        self._n = 0
-
-    def observe(self, value: float) -> None:
-        i = next((k for k, b in enumerate(self.buckets) if value <= b), len(self.buckets))
-        with self._lock:
-            self._counts[i] += 1
-            self._sum += value
-            self._n += 1
-
-    def observe_all(self, values: Iterable[float]) -> None:
-        for v in values:
-            self.observe(v)
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return self._n
-
-    def render(self) -> list[str]:
-        with self._lock:
-            counts, total, n = list(self._counts), self._sum, self._n
-        lines = _header(self.name, "histogram", self.help)
-        running = 0
-        for bound, c in zip((*self.buckets, math.inf), counts, strict=True):
-            running += c
-            lines.append(f"{self.name}_bucket{_labels({'le': _number(float(bound))})} "
-                         f"{running}")
-        return lines + [f"{self.name}_sum {_number(total)}", f"{self.name}_count {n}"]
+FINISH_LABELS = ("stop", "length", "cancelled", "error", "timeout")
+# vLLM's finished_reason of each of ours (cancelled by the client or the timeout: vLLM's abort)
+VLLM_FINISH = {
+    "stop": "stop",
+    "length": "length",
+    "cancelled": "abort",
+    "timeout": "abort",
+    "error": "error",
+}
 
 
 class RateWindow:
@@ -141,114 +160,171 @@ class RateWindow:
 
 @dataclass(frozen=True)
 class FinishTiming:
-    """What the metrics need of a finished request (from the batcher's RequestTiming)."""
+    """What the metrics need of a finished request (from the frontend's RequestTiming)."""
 
     queued_s: float
     first_token_s: float | None  # time to first token, from submission
     per_token_s: tuple[float, ...]  # gaps between consecutive tokens
     completion_tokens: int
-
-
-FINISH_LABELS = ("stop", "length", "cancelled", "error", "timeout")
+    prompt_tokens: int = 0
 
 
 class ServerMetrics:
-    """Everything /metrics shows. Counters and histograms are fed by the server as requests end;
-    gauges come from the batcher's stats at render time."""
+    """Everything /metrics shows (see the module docstring). `model_name` labels every series."""
 
-    def __init__(self, rate_window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self.requests = Counter("dsv41_requests_total", "HTTP requests received per endpoint.",
-                                "endpoint")
-        self.rejected = Counter("dsv41_requests_rejected_total",
-                                "Requests answered with an error status, per status code.",
-                                "code")
-        self.finished = Counter("dsv41_requests_finished_total",
-                                "Generation requests ended, per finish reason (timeout: the "
-                                "server's per-request timeout cancelled it).", "reason",
-                                FINISH_LABELS)
-        self.ttft = Histogram("dsv41_time_to_first_token_seconds",
-                              "Time from submission to the first generated token.", TTFT_BUCKETS)
-        self.per_token = Histogram("dsv41_time_per_output_token_seconds",
-                                   "Time between consecutive generated tokens of a request.",
-                                   TOKEN_BUCKETS)
-        self.queue_time = Histogram("dsv41_request_queue_seconds",
-                                    "Time a request waited before the batcher admitted it.",
-                                    TTFT_BUCKETS)
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        rate_window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError("The metrics need the served model's name (their model_name).")
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
         self.tokens_rate = RateWindow(rate_window_s, clock)
+        self._watched = False
+        r, m = self.registry, ("model_name",)
+
+        def hist(name: str, help_text: str, buckets) -> Histogram:
+            h = Histogram(name, help_text, m, buckets=buckets, registry=r)
+            h.labels(model_name)  # shown (empty) before the first observation
+            return h
+
+        self.requests = Counter(
+            "dsv41:requests", "HTTP requests received per endpoint.", (*m, "endpoint"), registry=r
+        )
+        self.rejected = Counter(
+            "dsv41:requests_rejected",
+            "Requests answered with an error status, per status code.",
+            (*m, "code"),
+            registry=r,
+        )
+        self.finished = Counter(
+            "dsv41:requests_finished",
+            "Generation requests ended, per "
+            "finish reason (timeout: the server's per-request timeout "
+            "cancelled it).",
+            (*m, "reason"),
+            registry=r,
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Requests finished, per finished_reason "
+            "(abort: cancelled by the client or the timeout).",
+            (*m, "finished_reason"),
+            registry=r,
+        )
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds",
+            "Time from submission to the first generated token.",
+            TTFT_BUCKETS,
+        )
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request (one observation per gap).",
+            GAP_BUCKETS,
+        )
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds",
+            "Time between consecutive generated tokens (vLLM's older name of inter_token_latency).",
+            GAP_BUCKETS,
+        )
+        self.request_tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "A request's mean time per output token after its first.",
+            GAP_BUCKETS,
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds",
+            "Time from submission to a request's last token.",
+            REQUEST_BUCKETS,
+        )
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited before the batcher admitted it.",
+            REQUEST_BUCKETS,
+        )
+        self.prompt_len = hist(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
+        )
+        self.gen_len = hist(
+            "vllm:request_generation_tokens",
+            "Generated tokens per finished request.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        self.tokens_per_s = Gauge(
+            "dsv41:generation_tokens_per_second",
+            "Completion tokens per "
+            f"second of the requests that ended in the last "
+            f"{rate_window_s:g} s.",
+            m,
+            registry=r,
+        )
+        self.tokens_per_s.labels(model_name).set_function(lambda: round(self.tokens_rate.rate(), 6))
+        for reason in FINISH_LABELS:  # every reason shows, at 0 until it happens
+            self.finished.labels(model_name, reason)
+            self.success.labels(model_name, VLLM_FINISH[reason])
+
+    def watch(self, stats: Callable[[], BatcherStats]) -> None:
+        """Read `stats()` (a frontend's) at every scrape; once per metrics object."""
+        if self._watched:
+            raise ValueError(
+                "These metrics already watch a frontend; give each app its own ServerMetrics."
+            )
+        self.registry.register(FrontendCollector(self.model_name, stats))
+        self._watched = True
+
+    def count_request(self, endpoint: str) -> None:
+        self.requests.labels(self.model_name, endpoint).inc()
+
+    def count_rejected(self, status: int | str) -> None:
+        self.rejected.labels(self.model_name, str(status)).inc()
 
     def observe_finish(self, reason: str, timing: FinishTiming) -> None:
         if reason not in FINISH_LABELS:
-            raise ValueError(f"Unknown finish reason {reason!r}; known: "
-                             f"{', '.join(FINISH_LABELS)}.")
-        self.finished.inc(1, reason)
-        self.queue_time.observe(timing.queued_s)
+            raise ValueError(
+                f"Unknown finish reason {reason!r}; known: {', '.join(FINISH_LABELS)}."
+            )
+        name = self.model_name
+        self.finished.labels(name, reason).inc()
+        self.success.labels(name, VLLM_FINISH[reason]).inc()
+        self.queue_time.labels(name).observe(timing.queued_s)
+        self.prompt_len.labels(name).observe(timing.prompt_tokens)
+        self.gen_len.labels(name).observe(timing.completion_tokens)
         if timing.first_token_s is not None:
-            self.ttft.observe(timing.first_token_s)
-        self.per_token.observe_all(timing.per_token_s)
+            self.ttft.labels(name).observe(timing.first_token_s)
+            self.e2e.labels(name).observe(timing.first_token_s + sum(timing.per_token_s))
+        else:
+            self.e2e.labels(name).observe(timing.queued_s)
+        for gap in timing.per_token_s:
+            self.itl.labels(name).observe(gap)
+            self.tpot.labels(name).observe(gap)
+        if timing.per_token_s:
+            self.request_tpot.labels(name).observe(
+                sum(timing.per_token_s) / len(timing.per_token_s)
+            )
         self.tokens_rate.add(timing.completion_tokens)
 
-    def render(self, stats) -> str:
-        """The exposition text; `stats` is the batcher's BatcherStats."""
-        lines: list[str] = []
-
-        def gauge(name: str, help_text: str, value: float) -> None:
-            lines.extend(_header(name, "gauge", help_text) + [f"{name} {_number(value)}"])
-
-        def counter(name: str, help_text: str, value: float) -> None:
-            lines.extend(_header(name, "counter", help_text) + [f"{name} {_number(value)}"])
-
-        gauge("dsv41_queue_length", "Requests waiting for a slot in the running batch.",
-              stats.queued)
-        gauge("dsv41_running_sequences", "Sequences in the running batch.", stats.running)
-        gauge("dsv41_generation_tokens_per_second",
-              "Completion tokens per second of the requests that ended in the last "
-              f"{self.tokens_rate.window_s:g} s.", round(self.tokens_rate.rate(), 6))
-        counter("dsv41_prompt_tokens_total", "Prompt tokens of the admitted requests.",
-                stats.prompt_tokens)
-        counter("dsv41_completion_tokens_total", "Tokens generated.", stats.completion_tokens)
-        counter("dsv41_batcher_finished_total", "Requests the batcher finished.",
-                stats.finished)
-        counter("dsv41_batcher_cancelled_total", "Requests the batcher cancelled.",
-                stats.cancelled)
-        lines.extend(_header("dsv41_tier_hits_total", "counter",
-                             "Turns served per engine tier (cold, snapshot, prefix, ...)."))
-        for tier, n in sorted(stats.tiers.items()):
-            lines.append(f"dsv41_tier_hits_total{_labels({'tier': tier})} {_number(n)}")
-        spec = getattr(stats, "speculative", None)
-        if spec is not None:  # a speculating engine: DSpark's drafts of the finished requests
-            lines.extend(spec_lines(spec))
-        for metric in (self.requests, self.rejected, self.finished, self.ttft, self.per_token,
-                       self.queue_time):
-            lines.extend(metric.render())
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        """The exposition text (prometheus_client's text format 0.0.4)."""
+        return generate_latest(self.registry)
 
 
-def spec_lines(spec) -> list[str]:
-    """DSpark's series from a `SpecCounts`: draft tokens verified and accepted per draft
-    position (1 = the first token after the backbone's own), the speculative steps, and the
-    mean accepted length (tokens per speculative step)."""
-    lines = _header("dsv41_spec_draft_tokens_total", "counter",
-                    "Draft tokens put to the verify, per draft position.")
-    lines += [f"dsv41_spec_draft_tokens_total{_labels({'position': str(j + 1)})} {_number(n)}"
-              for j, n in enumerate(spec.verified_at)]
-    lines += _header("dsv41_spec_accepted_tokens_total", "counter",
-                     "Draft tokens accepted, per draft position.")
-    lines += [f"dsv41_spec_accepted_tokens_total{_labels({'position': str(j + 1)})} "
-              f"{_number(n)}" for j, n in enumerate(spec.accepted_at)]
-    lines += _header("dsv41_spec_steps_total", "counter",
-                     "Decode steps of a request that verified drafts.")
-    lines.append(f"dsv41_spec_steps_total {_number(spec.steps)}")
-    lines += _header("dsv41_spec_mean_accepted_length", "gauge",
-                     "Tokens per speculative step (accepted drafts and the backbone's own).")
-    lines.append(f"dsv41_spec_mean_accepted_length {_number(spec.mean_accepted_length or 0.0)}")
-    return lines
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """`name{labels}` -> value for every sample line of an exposition text (tests, bench)."""
+def parse_metrics(text: str | bytes) -> dict[str, float]:
+    """`name{labels}` -> value for every sample of an exposition text, parsed by
+    prometheus_client's parser (tests, bench). The `model_name` label is left out of the keys (a
+    server serves one model); the other labels follow, sorted: `name{a="1",b="2"}`."""
+    if isinstance(text, bytes):
+        text = text.decode()
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = sorted((k, v) for k, v in s.labels.items() if k != "model_name")
+            inner = ",".join(f'{k}="{v}"' for k, v in labels)
+            out[f"{s.name}{{{inner}}}" if inner else s.name] = s.value
     return out

@@ -1,15 +1,16 @@
 """`GET /health`, `GET /version` (vLLM's shape, `{"version": ...}`: the installed dsv41's, with
-the served model and the grammar engine's) and `GET /metrics` (Prometheus text,
-runtime/serving/metrics.py, over the frontend's stats): open without the API key, for load
-balancers and scrapers."""
+the served model and the grammar engine's) and `GET /metrics` (Prometheus text through
+prometheus_client, runtime/serving/metrics.py, the frontend's stats read at each scrape): open
+without the API key, for load balancers and scrapers."""
 
 from __future__ import annotations
 
 from importlib.metadata import version
 
 from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 
+from dsv41.runtime.serving.metrics import CONTENT_TYPE
 from dsv41.runtime.serving.state import AppState
 
 
@@ -27,7 +28,6 @@ def health_router(st: AppState) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics_text():
-        text = st.metrics.render(st.frontend.stats())
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE)
 
     return router

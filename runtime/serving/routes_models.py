@@ -12,7 +12,7 @@ def models_router(st: AppState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models(request: Request):
-        st.metrics.requests.inc(1, "models")
+        st.metrics.count_request("models")
         st.check_key(request)
         return {"object": "list", "data": [
             {"id": st.opts.model_name, "object": "model", "created": st.created,

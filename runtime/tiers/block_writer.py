@@ -7,7 +7,7 @@ import atexit
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,11 @@ class BlockWriter:
     `submit` waits for room.
     """
 
-    def __init__(self, store: KVStore, *, max_queued: int = 4096):
+    def __init__(self, store: KVStore, *, max_queued: int = 4096,
+                 on_start: Callable[[], None] | None = None):
+        """on_start: run first on the writer's thread (the engine lowers its priority there,
+        `runtime.backends.threads.lower_helper_priority`, so writes never take a core from a
+        step)."""
         if not isinstance(max_queued, int) or isinstance(max_queued, bool) or max_queued < 1:
             raise ValueError(f"max_queued must be a positive int, got {max_queued!r}.")
         self.store = store
@@ -61,6 +65,7 @@ class BlockWriter:
                    "dropped_queued": 0}
         self._writing: str | None = None  # the key the thread is writing now
         self.last_error: BaseException | None = None
+        self._on_start = on_start
         self._thread = threading.Thread(target=self._run, name="dsv41-block-writer", daemon=True)
         self._thread.start()
         atexit.register(_close_at_exit, weakref.ref(self))  # a normal exit drains the queue
@@ -171,6 +176,8 @@ class BlockWriter:
             return self.store.stats()
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:

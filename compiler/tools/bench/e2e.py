@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from dsv41.compiler.build import CompileOptions, missing_entries
 from dsv41.compiler.tools.assets import ensure_artifact, ensure_checkpoint
+from dsv41.compiler.tools.bench.contend import contending
 from dsv41.compiler.tools.bench.e2e_records import (  # noqa: F401 - re-exported (CLI, tests)
     DECODE_TOKEN,
     IMPLS,
@@ -74,6 +75,7 @@ from dsv41.compiler.tools.bench.measure import (
     set_threads,
     write_json,
 )
+from dsv41.compiler.tools.bench.profile import profile_decode, profile_prefill
 from dsv41.compiler.tools.bench.synthetic import (
     StepState,
     cache_bytes,
@@ -85,13 +87,10 @@ from dsv41.graph.cache import new_cache
 from dsv41.graph.checkpoint import weights_fingerprint
 from dsv41.graph.config import load_config
 from dsv41.graph.cost import PrefillMode, decode_step_cost, prefill_cost
-from dsv41.graph.entries import entry_inputs
 from dsv41.graph.model import Model
-from dsv41.graph.phases import check_tokens, new_chunk
 from dsv41.graph.phases_api import GraphPhases, PrefillPacing
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
-from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.runtime.engine import Engine, EngineOptions
 
 # ---- the three implementations ------------------------------------------------------------------
@@ -164,6 +163,21 @@ def bench_decode_context(runners: dict[str, Callable], cache, context: int, opts
             say(f"  {cell.impl} @ {context}: {len(cell.samples_s)} of {opts.reps} reps within "
                 f"the {opts.budget_s:.0f} s budget")
     return list(cells.values())
+
+
+def contended_cells(runners: dict[str, Callable], cache, context: int, opts: BenchOptions,
+                    quiet: list[DecodeCell], say=print) -> list[DecodeCell]:
+    """The artifact's cell (else the first implementation's) again, beside `opts.contend`
+    busy loops at nice 19 (`contend.py`); its quiet cell was just measured."""
+    impl = Impl.ARTIFACT if Impl.ARTIFACT in runners else next(iter(runners))
+    done = next(c for c in quiet if c.impl == impl)
+    if done.median_s is None:
+        return [DecodeCell(impl, context, skipped=f"no quiet figure ({done.skipped})")]
+    with contending(opts.contend):
+        cells = bench_decode_context({impl: runners[impl]}, cache, context, opts, {}, say=say)
+    say(f"  {impl} beside {opts.contend} busy loop(s): {ms(cells[0].median_s)} "
+        f"(quiet {ms(done.median_s)})")
+    return cells
 
 
 def memory_skip(plan, context: int, weights_loaded: bool = True) -> str | None:
@@ -332,42 +346,6 @@ def bench_tiers(impl: str, phases, model, weights_hash: str, opts: BenchOptions)
 # ---- profile ------------------------------------------------------------------------------------
 
 
-def profile_artifact_step(artifact, model, cache, top: int = 15) -> list[dict]:
-    """Per-function time of one artifact decode step: the Relax VM's instrument hook around
-    every call the VM makes (kernels and builtins; a few microseconds of hook each)."""
-    import tvm  # the artifact's profile only: the eager and compile columns never load TVM
-    from tvm import relax  # heavy: TVM, as above
-
-    tokens = check_tokens(model, torch.tensor([[DECODE_TOKEN]]))
-    chunk = new_chunk(model, cache, tokens)
-    inputs = entry_inputs(model, cache, "decode", tokens, start=chunk.start,
-                          hash_ids=chunk.hash_ids, rope=chunk.rope)
-    flat = [to_tvm(t) for x in inputs for t in (x if isinstance(x, tuple) else (x,))]
-    vm = relax.VirtualMachine(tvm.runtime.load_module(str(artifact.path / "decode.so")),
-                              tvm.cpu())
-    vm["main"](*flat, *artifact._params["decode"])  # warm-up
-    by: dict[str, list[float]] = {}
-    started: list[float] = []
-
-    def hook(func, name, before_run, ret_value, *args):
-        if before_run:
-            started.append(time.perf_counter())
-        else:
-            by.setdefault(str(name), []).append(time.perf_counter() - started.pop())
-        return 0  # VMInstrumentReturnKind.NO_OP
-
-    vm.set_instrument(hook)
-    t0 = time.perf_counter()
-    vm["main"](*flat, *artifact._params["decode"])
-    wall = time.perf_counter() - t0
-    total = sum(sum(v) for v in by.values()) or 1.0
-    out = [{"name": k, "calls": len(v), "ms": sum(v) * 1e3, "share": sum(v) / total}
-           for k, v in by.items()]
-    out.append({"name": "(whole step, instrumented)", "calls": 1, "ms": wall * 1e3,
-                "share": wall / total})
-    return sorted(out, key=lambda r: -r["ms"])[:top]
-
-
 def profile_torch_step(fn: Callable[[], object], top: int = 15) -> list[dict]:
     """Per-op self CPU time of one step (torch.profiler)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -442,6 +420,8 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
             cells = bench_decode_context(runners, cache, n, opts, previous, say=bar.write,
                                          compiles=frozenset() if previous else
                                          frozenset({Impl.COMPILE}))
+            if opts.contend:
+                report.contended += contended_cells(runners, cache, n, opts, cells, bar.write)
             if opts.profile != Profile.NEVER and n == opts.profile_context:
                 report.profile = _maybe_profile(report, cells, phases, model, cache, n, opts,
                                                 bar.write)
@@ -484,8 +464,9 @@ def _maybe_profile(report, cells, phases, model, cache, n, opts, say) -> dict | 
     state = StepState.of(cache)
     out = {"context": n, "ratios": vs}
     try:
-        out[Impl.ARTIFACT] = profile_artifact_step(phases[Impl.ARTIFACT].art, model, cache,
-                                                top=opts.profile_top)
+        out["artifact_layers"] = profile_artifact(phases[Impl.ARTIFACT], model, cache, state,
+                                                  opts)
+        out[Impl.ARTIFACT] = out["artifact_layers"]["decode"]["top"]
     except Exception as e:  # the profile is a diagnostic: report why it is missing
         out["artifact_error"] = f"{type(e).__name__}: {e}"
     for impl in (Impl.EAGER, Impl.COMPILE):
@@ -495,6 +476,20 @@ def _maybe_profile(report, cells, phases, model, cache, n, opts, say) -> dict | 
             out[impl] = profile_torch_step(
                 lambda ph=phases[impl], tok=tok: ph.decode_step(model, cache, tok))
     state.restore(cache)
+    return out
+
+
+def profile_artifact(ph, model, cache, state: StepState, opts: BenchOptions) -> dict:
+    """The artifact's decode step from `cache` and a CED prefill of one chunk (when the
+    artifact has the prefill entries), through the engine's own path (`profile.py`)."""
+    tok = torch.tensor([[DECODE_TOKEN]])
+    out = {"decode": profile_decode(ph, model, cache, tok, restore=lambda: state.restore(cache),
+                                    top=opts.profile_top)}
+    if {"encoder", "decoder"} <= set(ph.art.entries):
+        n = min(opts.prefill_chunk_tokens, max(opts.prefill_tokens, 16))
+        rng = np.random.default_rng(opts.seed)
+        tokens = torch.tensor(rng.integers(3, model.args.vocab_size - 1, size=(1, n)))
+        out["prefill"] = profile_prefill(ph, model, tokens, chunk_tokens=n, top=opts.profile_top)
     return out
 
 

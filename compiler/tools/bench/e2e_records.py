@@ -42,6 +42,7 @@ TIERS = ("cold", "snapshot", "prefix")  # prefix = snapshot miss: bounded replay
 TIER_LABELS = {"cold": "cold", "snapshot": "snapshot hit", "prefix": "snapshot miss",
                "prefix-new-session": "prefix hit, new session"}
 TARGET_CONTEXT, TARGET_VS_COMPILE, TARGET_VS_EAGER = 65536, 2.0, 5.0
+TARGET_CONTENDED = 1.3  # a step beside --contend 1: at most this times the quiet one
 SCHEMA = "dsv41.bench/1"
 DECODE_TOKEN = 5  # the token fed to every timed decode step (not a special id)
 
@@ -77,6 +78,7 @@ class BenchOptions:
     json: Path | None = None
     plots: Path | None = None
     seed: int = 0
+    contend: int = 0  # busy-loop processes at nice 19 beside a second, contended decode pass
 
     def display(self) -> str:
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -97,6 +99,9 @@ class BenchOptions:
         if self.tier_context <= 0 or self.tier_suffix <= 0 or self.prefill_tokens < 0:
             raise ValueError("--tier-context and --tier-suffix must be positive, "
                              "--prefill-tokens non-negative.")
+        if self.contend < 0:
+            raise ValueError(f"--contend must be a number of processes >= 0, got "
+                             f"{self.contend}.")
         if self.prefill_chunk_tokens < 2:
             raise ValueError(f"--prefill-chunk must be at least 2 tokens, got "
                              f"{self.prefill_chunk_tokens}.")
@@ -156,9 +161,10 @@ class RooflineRow:
     achieved_gflops: float | None
     compute_frac: float | None
     floor_s: float  # bytes / bandwidth: the fastest a memory-bound step can be
-    flops_floor_s: float = 0.0  # flops / fp32 GEMM rate: the fastest a compute-bound step can be
+    flops_floor_s: float = 0.0  # flops / compute roof: the fastest a compute-bound step can be
     roof_s: float = 0.0  # the step's roofline: the larger of the two floors
     roof_frac: float | None = None  # roof_s / seconds
+    compute_gflops: float | None = None  # the compute roof flops_floor_s and compute_frac used
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,7 @@ class BenchReport:
     compile_s: dict[str, float] = field(default_factory=dict)
     profile: dict | None = None
     load_avg: dict[str, list[float]] = field(default_factory=dict)
+    contended: list[DecodeCell] = field(default_factory=list)  # the same cells, --contend N
     notes: list[str] = field(default_factory=list)
 
     def cell(self, impl: str, context: int) -> DecodeCell | None:
@@ -251,12 +258,15 @@ def ratios(report: BenchReport) -> list[dict]:
 
 
 def roofline_row(impl: str, cost, seconds: float | None, machine: dict) -> RooflineRow:
+    """The step against the best-of-N bandwidth and the best matrix rate of the step's dtypes
+    (`roof.py`; a machine record without one falls back to the fp32 GEMM rate)."""
+    rate = machine.get("compute_gflops") or machine["gemm_gflops"]
     r = roof_point(cost.bytes, cost.flops, seconds, bandwidth_gbs=machine["bandwidth_gbs"],
-                   gemm_gflops=machine["gemm_gflops"])
+                   gemm_gflops=rate)
     return RooflineRow(impl, cost.context, cost.weight_bytes, cost.kv_bytes, cost.flops, seconds,
                        r.achieved_gbs, r.bandwidth_frac, r.achieved_gflops, r.compute_frac,
                        r.bytes_floor_s, r.flops_floor_s, r.floor_s,
-                       r.floor_s / seconds if seconds else None)
+                       r.floor_s / seconds if seconds else None, rate)
 
 
 def targets(report: BenchReport) -> dict:
@@ -267,6 +277,23 @@ def targets(report: BenchReport) -> dict:
             "need_vs_compile": TARGET_VS_COMPILE, "need_vs_eager": TARGET_VS_EAGER,
             "met_vs_compile": None if vc is None else vc >= TARGET_VS_COMPILE,
             "met_vs_eager": None if ve is None else ve >= TARGET_VS_EAGER}
+
+
+def contention(report: BenchReport) -> dict | None:
+    """Per contended cell: its quiet median, its contended median and their ratio (the issue's
+    bar: at most 1.3x with one busy loop at 64K)."""
+    if not report.options.contend:
+        return None
+    rows = []
+    for c in report.contended:
+        q = report.cell(c.impl, c.context)
+        qm = q.median_s if q is not None else None
+        rows.append({"impl": c.impl, "context": c.context, "quiet_median_s": qm,
+                     "contended_median_s": c.median_s, "quiet_min_s": q.min_s if q else None,
+                     "contended_min_s": c.min_s,
+                     "ratio": c.median_s / qm if qm and c.median_s else None})
+    return {"processes": report.options.contend, "nice": 19, "target_ratio": TARGET_CONTENDED,
+            "rows": rows}
 
 
 def new_session_speedup(report) -> dict[str, float]:

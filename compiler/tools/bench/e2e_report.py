@@ -18,11 +18,13 @@ from dsv41.compiler.tools.bench.e2e_records import (
     TIER_LABELS,
     BenchReport,
     Impl,
+    contention,
     new_session_speedup,
     ratios,
     targets,
 )
 from dsv41.compiler.tools.bench.measure import gib, ms, pct, table, times
+from dsv41.compiler.tools.bench.profile import format_layers
 
 # ---- output -------------------------------------------------------------------------------------
 
@@ -49,8 +51,11 @@ def format_report(report: BenchReport) -> str:
     skipped = [c for c in report.decode if c.skipped]
     for c in skipped:
         out.append(f"  skipped {c.impl} @ {c.context}: {c.skipped}")
-    out += ["", f"roofline (one decode step; bandwidth {m['bandwidth_gbs']:.1f} GB/s, peak "
-            f"{m['gemm_gflops']:.1f} GFLOP/s):"]
+    passes = m.get("bandwidth_passes") or ()
+    out += ["", f"roofline (one decode step; bandwidth {m['bandwidth_gbs']:.1f} GB/s, the best of "
+            f"{len(passes) or 1} passes, compute roof "
+            f"{m.get('compute_gflops') or m['gemm_gflops']:.1f} GFLOP/s "
+            f"({m.get('compute_dtype', 'fp32')})):"]
     rows = []
     for r in report.roofline:
         rows.append([str(r.context), r.impl, f"{r.weight_bytes / 1e6:.0f}",
@@ -60,7 +65,7 @@ def format_report(report: BenchReport) -> str:
                      pct(r.bandwidth_frac), pct(r.compute_frac), pct(r.roof_frac)])
     out.append(table(["context", "impl", "weights MB", "KV MB", "GFLOP", "floor",
                        "flop floor", "time", "GB/s", "of BW", "of peak", "of roof"], rows))
-    out.append("  floor: bytes / bandwidth; flop floor: FLOPs / the fp32 GEMM rate; of roof: the "
+    out.append("  floor: bytes / bandwidth; flop floor: FLOPs / the compute roof; of roof: the "
                "larger floor / time")
     if report.compile_s:
         out += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in
@@ -96,6 +101,12 @@ def format_report(report: BenchReport) -> str:
             f"{times(tg['vs_eager'])} (need {TARGET_VS_EAGER:g}x: {_verdict(tg['met_vs_eager'])})"]
     if report.profile:
         out += ["", format_profile(report.profile)]
+    cont = contention(report)
+    if cont:
+        out += ["", f"decode beside {cont['processes']} busy loop(s) at nice {cont['nice']} "
+                f"(median; bar: at most {cont['target_ratio']}x the quiet step):"]
+        out += [f"  {r['impl']} @ {r['context']}: quiet {ms(r['quiet_median_s'])}, contended "
+                f"{ms(r['contended_median_s'])}, {times(r['ratio'])}" for r in cont["rows"]]
     out += [f"note: {n}" for n in report.notes]
     return "\n".join(out)
 
@@ -120,6 +131,12 @@ def format_profile(p: dict) -> str:
                     f"{r['name'][:70]}" for r in rows]
         elif p.get(f"{impl}_error"):
             out.append(f"  {impl}: no profile ({p[f'{impl}_error']})")
+    layers = p.get("artifact_layers") or {}
+    if layers:
+        out.append("  artifact kernels per layer kind (decode; prefill: one chunk of "
+                   f"{layers.get('prefill', {}).get('tokens', '-')} tokens):")
+        for phase, prof in layers.items():
+            out += ["  " + line for line in format_layers(phase, prof)]
     return "\n".join(out)
 
 
@@ -135,7 +152,9 @@ def report_json(report: BenchReport) -> dict:
                         for p in report.prefill],
             "ttft": [asdict(t) for t in report.tiers], "compile_s": report.compile_s,
             "ttft_new_session_speedup": new_session_speedup(report),
-            "targets": targets(report), "profile": report.profile, "notes": report.notes}
+            "targets": targets(report), "profile": report.profile, "notes": report.notes,
+            "contended": [c.as_dict() for c in report.contended],
+            "contention": contention(report)}
 
 
 def write_plots(report: BenchReport, out_dir: Path) -> list[Path]:

@@ -20,10 +20,16 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsv41.runtime.backends.threads import size_tvm_pool, tvm_num_threads
+from dsv41.compiler.tools.bench.roof import (
+    BANDWIDTH_PASSES,
+    best_bandwidth,
+    measure_compute,
+    stream_passes,
+)
+from dsv41.runtime.backends.threads import pool_config, size_tvm_pool, tvm_num_threads
 
 MIN_SAMPLE_S = 0.01  # a timed sample repeats the call until it lasts at least this long
 
@@ -117,7 +123,9 @@ def set_threads(n: int) -> dict:
 
     n = n or torch.get_num_threads()
     torch.set_num_threads(n)
-    return {"torch": torch.get_num_threads(), "tvm": size_tvm_pool(n), "requested": n}
+    tvm = size_tvm_pool(n)
+    return {"torch": torch.get_num_threads(), "tvm": tvm, "requested": n,
+            "tvm_pool": pool_config().to_dict()}
 
 
 def _proc_status_bytes(field_name: str) -> int | None:
@@ -164,9 +172,11 @@ def mem_available() -> int | None:
 
 @dataclass(frozen=True)
 class Machine:
-    """What the roofline is drawn from. bandwidth_gbs = max(copy, triad); gemm_gflops = the best
-    torch.mm fp32 rate; theoretical_gflops = cores x clock x fp32 FLOPs per cycle (None without
-    a clock)."""
+    """What the roofline is drawn from (`roof.py`). bandwidth_gbs = the best of the STREAM-like
+    passes (copy or triad; every pass in `bandwidth_passes`); gemm_gflops = the best torch.mm
+    fp32 rate; compute_gflops = the best matrix rate of the dtypes this CPU has dot products for
+    (each in `compute_by_dtype`); theoretical_gflops = cores x clock x fp32 FLOPs per cycle (None
+    without a clock)."""
 
     cpu: str
     cores: int
@@ -184,31 +194,12 @@ class Machine:
     theoretical_gflops: float | None
     load_avg_start: tuple[float, float, float]
     notes: tuple[str, ...] = ()
-
-
-def measure_bandwidth(n_bytes: int, reps: int = 5) -> tuple[float, float]:
-    """(copy, triad) GB/s, best of `reps`, multi-threaded torch ops over float32 arrays of
-    n_bytes each. Bytes counted: copy 2 x n_bytes (read + write), triad 3 x n_bytes; the
-    write-allocate read is not counted (STREAM's convention)."""
-    import torch  # heavy: torch; dsv41 --help imports this module
-
-    n = n_bytes // 4
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    t_copy = best_time(lambda: a.copy_(b), reps)
-    t_triad = best_time(lambda: torch.add(b, c, alpha=3.0, out=a), reps)
-    return 2 * 4 * n / t_copy / 1e9, 3 * 4 * n / t_triad / 1e9
-
-
-def measure_gemm(size: int, reps: int = 5) -> float:
-    """fp32 GFLOP/s of torch.mm at size x size x size, best of `reps`."""
-    import torch  # heavy: torch; dsv41 --help imports this module
-
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g)
-    b = torch.randn(size, size, generator=g)
-    out = torch.empty(size, size)
-    t = best_time(lambda: torch.mm(a, b, out=out), reps)
-    return 2 * size**3 / t / 1e9
+    bandwidth_passes: tuple[dict, ...] = ()  # each pass: copy_gbs, triad_gbs, at_s (roof.py)
+    compute_gflops: float = 0.0  # the best of compute_by_dtype: the roof's compute rate
+    compute_dtype: str = "fp32"  # the dtype of compute_gflops
+    compute_by_dtype: dict[str, float] | None = None  # fp32 / bf16 / int8 matmul rates
+    compute_method: str = ""  # what measured compute_by_dtype
+    flags: tuple[str, ...] = ()  # lscpu's flags the roof read (dot products, AVX-512, AMX)
 
 
 def cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
@@ -235,16 +226,25 @@ def cpu_flags_and_clock() -> tuple[str, set[str], float | None, str]:
     return model, flags, ghz, source
 
 
-def measure_machine(*, quick: bool = False) -> Machine:
-    """Bandwidth and compute peak of this machine as the kernels see it (all cores)."""
+ROOF_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16",
+              "amx_int8", "amx_tile")
+
+
+def measure_machine(*, quick: bool = False, passes: int = BANDWIDTH_PASSES) -> Machine:
+    """Bandwidth and compute peak of this machine as the kernels see it (all cores): `passes`
+    STREAM-like passes (the best is the roof) and the matrix rate of each dtype the CPU has dot
+    products for (`roof.py`)."""
     import torch  # heavy: torch; dsv41 --help imports this module
 
     load = os.getloadavg()
     stream = (32 << 20) if quick else (512 << 20)
-    copy, triad = measure_bandwidth(stream, reps=3 if quick else 5)
+    runs = stream_passes(stream, passes=min(passes, 3) if quick else passes)
+    copy = max(p.copy_gbs for p in runs)
+    triad = max(p.triad_gbs for p in runs)
     size = 512 if quick else 2048
-    gflops = measure_gemm(size, reps=3 if quick else 5)
     model, flags, ghz, source = cpu_flags_and_clock()
+    compute = measure_compute(flags, size, reps=3 if quick else 5)
+    gflops = compute.gflops["fp32"]
     cores = os.cpu_count() or 1
     # two FMA ports x 16 (AVX-512) or 8 (AVX2) fp32 lanes x 2 FLOPs; an assumption about the
     # core (true for Xeon Gold/Platinum since Skylake-SP), stated in the notes
@@ -260,10 +260,14 @@ def measure_machine(*, quick: bool = False) -> Machine:
                      " the kernels and the roofline do not use the same cores")
     return Machine(cpu=model, cores=cores, torch_threads=torch.get_num_threads(),
                    tvm_threads=tvm_num_threads(), copy_gbs=copy,
-                   triad_gbs=triad, bandwidth_gbs=max(copy, triad), stream_mib=stream / 2**20,
-                   gemm_gflops=gflops, gemm_size=size, clock_ghz=ghz, clock_source=source,
-                   flops_per_cycle=per_cycle, theoretical_gflops=theo, load_avg_start=load,
-                   notes=tuple(notes))
+                   triad_gbs=triad, bandwidth_gbs=best_bandwidth(runs),
+                   stream_mib=stream / 2**20, gemm_gflops=gflops, gemm_size=size,
+                   clock_ghz=ghz, clock_source=source, flops_per_cycle=per_cycle,
+                   theoretical_gflops=theo, load_avg_start=load, notes=tuple(notes),
+                   bandwidth_passes=tuple(asdict(p) for p in runs),
+                   compute_gflops=compute.best_gflops, compute_dtype=compute.best_dtype,
+                   compute_by_dtype=dict(compute.gflops), compute_method=compute.method,
+                   flags=tuple(f for f in ROOF_FLAGS if f in flags))
 
 
 def format_machine(m: dict) -> str:
@@ -276,6 +280,14 @@ def format_machine(m: dict) -> str:
              f"  bandwidth {m['bandwidth_gbs']:.1f} GB/s (copy {m['copy_gbs']:.1f}, triad "
              f"{m['triad_gbs']:.1f}; {m['stream_mib']:.0f} MiB arrays)",
              f"  fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s (torch.mm {m['gemm_size']}^3){theo}"]
+    passes = m.get("bandwidth_passes") or ()
+    if passes:
+        lines.append("  bandwidth passes (best is the roof): " + ", ".join(
+            f"{max(p['copy_gbs'], p['triad_gbs']):.1f}" for p in passes) + " GB/s")
+    if m.get("compute_by_dtype"):
+        lines.append("  compute roof {:.1f} GFLOP/s ({}); by dtype: {} [{}]".format(
+            m["compute_gflops"], m["compute_dtype"], ", ".join(
+                f"{k} {v:.1f}" for k, v in m["compute_by_dtype"].items()), m["compute_method"]))
     lines += [f"  note: {n}" for n in m["notes"]]
     return "\n".join(lines)
 

@@ -12,6 +12,12 @@ see while it is prefilled (from its arrival to its first token) against their ot
 with prefill chunks interleaved with decode steps, the largest gap is about one chunk's prefill
 plus one decode step, not the whole prompt's prefill.
 
+The structured-output row: per `--structured-clients` count, the same round with every request
+a `json_schema` (strict) one against plain ones (no response_format): the grammar's cost as
+aggregate tokens per second and the gap between tokens, each side measured in turn on the same
+server. A JSON reply ends when its JSON is whole (EOS), so its requests may generate fewer
+tokens than the plain ones (`ignore_eos`): compare the rates, not the counts.
+
 The client is the standard library's http.client (no extra dependency); SSE lines are parsed as
 they arrive.
 """
@@ -22,7 +28,7 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,10 +51,14 @@ class ServeBenchOptions:
     long_prompt_tokens: int = 512
     long_max_tokens: int = 48
     seed: int = 0
+    structured_clients: tuple[int, ...] = (1, 8)  # (): no structured-output row
 
     def validate(self, max_seq_len: int) -> ServeBenchOptions:
         if not self.clients or any(c < 1 for c in self.clients):
             raise ValueError(f"--clients must be counts >= 1, got {self.clients}.")
+        if any(c < 1 for c in self.structured_clients):
+            raise ValueError(f"--structured-clients must be counts >= 1, got "
+                             f"{self.structured_clients}.")
         for name in ("requests", "prompt_tokens", "max_tokens", "long_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
@@ -123,6 +133,30 @@ def _body(model: str, prompt: list[int], max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
 
 
+# the structured-output row's schema: nested object, array, enum, bounded number, required
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "kind": {"enum": ["file", "dir", "link"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "owner": {"type": "object", "properties": {"id": {"type": "integer"}},
+                  "required": ["id"], "additionalProperties": False},
+    },
+    "required": ["name", "kind", "size", "tags", "owner"],
+    "additionalProperties": False,
+}
+
+
+def json_schema_body(body: dict) -> dict:
+    """`body` as a strict json_schema request (a JSON reply ends with EOS: no ignore_eos)."""
+    out = {k: v for k, v in body.items() if k != "ignore_eos"}
+    out["response_format"] = {"type": "json_schema", "json_schema": {
+        "name": "entry", "strict": True, "schema": BENCH_SCHEMA}}
+    return out
+
+
 @dataclass(frozen=True)
 class ClientsRow:
     clients: int
@@ -137,7 +171,10 @@ class ClientsRow:
 
 
 def clients_round(host: str, port: int, model: str, n: int, opts: ServeBenchOptions,
-                  vocab_size: int, rng: np.random.Generator) -> ClientsRow:
+                  vocab_size: int, rng: np.random.Generator,
+                  shape: Callable[[dict], dict] | None = None) -> ClientsRow:
+    """`n` clients, `opts.requests` requests each; `shape`: each request's body made into
+    another (the structured row's json_schema requests)."""
     prompts = [[int(x) for x in rng.integers(3, vocab_size, opts.prompt_tokens)]
                for _ in range(n * opts.requests)]
     traces: list[RequestTrace] = []
@@ -147,8 +184,8 @@ def clients_round(host: str, port: int, model: str, n: int, opts: ServeBenchOpti
     def client(k: int) -> None:
         try:
             for r in range(opts.requests):
-                t = stream_completion(host, port, _body(model, prompts[k * opts.requests + r],
-                                                        opts.max_tokens),
+                body = _body(model, prompts[k * opts.requests + r], opts.max_tokens)
+                t = stream_completion(host, port, body if shape is None else shape(body),
                                       RequestTrace(time.perf_counter()))
                 with lock:
                     traces.append(t)
@@ -169,6 +206,29 @@ def clients_round(host: str, port: int, model: str, n: int, opts: ServeBenchOpti
     gaps = [g for t in traces for g in t.gaps()]
     return ClientsRow(n, len(traces), tokens, wall, tokens / wall, _percentile(ttfts, 50),
                       _percentile(ttfts, 99), _percentile(gaps, 50), _percentile(gaps, 99))
+
+
+@dataclass(frozen=True)
+class StructuredRow:
+    """The same round plain and with every request a strict json_schema one."""
+
+    clients: int
+    plain_tokens_per_s: float
+    json_schema_tokens_per_s: float
+    plain_gap_p50_s: float | None
+    json_schema_gap_p50_s: float | None
+    plain_completion_tokens: int
+    json_schema_completion_tokens: int
+    tokens_per_s_ratio: float  # json_schema / plain (below 1: the grammar's cost)
+
+
+def structured_round(host: str, port: int, model: str, n: int, opts: ServeBenchOptions,
+                     vocab_size: int, rng: np.random.Generator) -> StructuredRow:
+    plain = clients_round(host, port, model, n, opts, vocab_size, rng)
+    js = clients_round(host, port, model, n, opts, vocab_size, rng, shape=json_schema_body)
+    return StructuredRow(n, plain.tokens_per_s, js.tokens_per_s, plain.gap_p50_s,
+                         js.gap_p50_s, plain.completion_tokens, js.completion_tokens,
+                         js.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0)
 
 
 @dataclass(frozen=True)
@@ -251,6 +311,15 @@ def run_serve_bench(host: str, port: int, model: str, opts: ServeBenchOptions, *
                  f"{row.completion_tokens} tokens in {row.wall_s:.1f} s)")
         rows.append(asdict(row))
     out = {"clients": rows, "options": asdict(opts), "model": model}
+    if opts.structured_clients:
+        out["structured"] = []
+        for n in opts.structured_clients:
+            sr = structured_round(host, port, model, n, opts, vocab_size, rng)
+            progress(f"  {n:3d} clients json_schema: {sr.json_schema_tokens_per_s:8.1f} tok/s "
+                     f"against {sr.plain_tokens_per_s:8.1f} plain (x{sr.tokens_per_s_ratio:.2f}),"
+                     f" gap p50 {(sr.json_schema_gap_p50_s or 0) * 1e3:.1f} ms against "
+                     f"{(sr.plain_gap_p50_s or 0) * 1e3:.1f} ms")
+            out["structured"].append(asdict(sr))
     if opts.long_streams:
         lr = long_prompt_round(host, port, model, opts, vocab_size, rng)
         progress(f"  long prompt ({lr.long_prompt_tokens} tokens) while {lr.streams} streams "
@@ -286,7 +355,8 @@ def run_command(opts: BenchServeOptions) -> int:
     batcher = None
     try:
         bench = opts.bench.validate(args.max_seq_len)
-        if max((*bench.clients, bench.long_streams + 1)) > sv.max_running + sv.max_queue:
+        if max((*bench.clients, *bench.structured_clients, bench.long_streams + 1)) > \
+                sv.max_running + sv.max_queue:
             raise ValueError("--max-running + --max-queue must hold every client at once.")
         # both long-prompt rows (over HTTP, and the engine's own) prefill in chunks of this size
         chunk = sv.prefill_chunk or ENGINE_STALL_CHUNK

@@ -100,6 +100,9 @@ def e2e_args(p) -> None:
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--plots", default=None, help="write PNG plots into this folder")
     p.add_argument("--seed", type=natural, default=0)
+    p.add_argument("--contend", type=natural, default=0,
+                   help="N busy-loop processes at nice 19 beside a second decode pass (the "
+                        "artifact's), reported with the quiet figure (0: none)")
 
 
 def impls_of(text: str) -> tuple[Impl | str, ...]:
@@ -123,7 +126,7 @@ def e2e_options(ns) -> BenchOptions:
         profile=Profile(ns.profile), profile_context=parse_tokens(ns.profile_context)[0],
         profile_top=ns.profile_top,
         json=Path(ns.json) if ns.json else None, plots=Path(ns.plots) if ns.plots else None,
-        seed=ns.seed)
+        seed=ns.seed, contend=ns.contend)
 
 
 def run_e2e(ns) -> int:
@@ -189,6 +192,9 @@ def serve_args(sp) -> None:
     sp.add_argument("--long-prompt-tokens", type=count, default=512)
     sp.add_argument("--long-max-tokens", type=count, default=48,
                     help="tokens each of those streams generates")
+    sp.add_argument("--structured-clients", type=counts, default="1,8",
+                    help="client counts of the structured-output row (json_schema requests "
+                    "against plain ones)")
     sp.add_argument("--json", default=None, help="write the rows as JSON here")
 
 
@@ -201,7 +207,7 @@ def serve_options(ns) -> BenchServeOptions:
         clients=ns.clients, requests=ns.requests, prompt_tokens=ns.prompt_tokens,
         max_tokens=ns.max_tokens, long_streams=ns.long_streams,
         long_prompt_tokens=ns.long_prompt_tokens, long_max_tokens=ns.long_max_tokens,
-        seed=ns.seed)
+        seed=ns.seed, structured_clients=ns.structured_clients)
     return BenchServeOptions(serving_options(ns), bench, Path(ns.json) if ns.json else None)
 
 
