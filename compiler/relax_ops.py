@@ -31,7 +31,7 @@ class Lowering:
     null_expert: bool = False  # a sharded worker's expert stacks end with the null expert
     bounded_rows: bool = False  # rows per call bounded (decode, verify, draft, the CED decoder)
     host_engram: bool = True  # Engram rows from the host runtime (False: gathered in the entry)
-    verify_rows: int = 1  # the verify entry's rows per sequence (1 + k at most; 1 elsewhere)
+    verify_rows: int = 1  # rows per sequence in weight-sharing groups: verify 1 + k, draft a block
 
     def kernel(self, importer, key: KernelKey, make) -> relax.GlobalVar:
         """The GlobalVar of the kernel `key` names, `make()` added to the module the first time

@@ -672,3 +672,29 @@ def test_spec_bench_policy_rows_and_injected_draft_pays_the_draft_pass():
     assert Backend.calls == 1 and d.ids.shape == (1, 4) and int(d.ids[0, 0]) == 8
     assert all(int(t) in (g, g + 1) for t, g in zip(d.ids[0, 1:], [9, 10, 11], strict=True))
     assert torch.sigmoid(d.confidence).allclose(torch.full((1, 3), 0.5))
+
+    class C2:  # a batch of two, each row its own reference and position
+        pos = torch.tensor([1, 2])
+
+    refs = [[7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
+    sure = InjectedDraft(lambda: refs, 0.999999, 50, 0, Backend())
+    d = sure.draft_after(M(), C2(), torch.tensor([8, 22]))
+    assert d.ids.tolist() == [[8, 9, 10, 11], [22, 23, 24, 25]] and d.confidence.shape == (2, 3)
+
+
+def test_spec_bench_batch_rows_equal_plain_and_accept_injected_drafts(small_model):
+    """`bench spec --batches`: sequences decoded together with injected drafts (a k per row)
+    give the plain batch's tokens, and drafts right with probability ~1 are accepted."""
+    from dsv41.compiler.tools.bench.spec import batch_rate
+
+    m = small_model
+    prompts = [prompt_tokens(9, 3), prompt_tokens(12, 4)]
+    plain = Engine.from_model(m, weights_hash="t")
+    ref, _ = batch_rate(plain, prompts, 7)
+    e = Engine.from_model(m, weights_hash="t", speculative=True, max_draft=2)
+    e.spec_policy = FixedLength(2)
+    refs = [p + r for p, r in zip(prompts, ref, strict=True)]
+    got, rate = batch_rate(e, prompts, 7, refs=refs, rate=0.999999)
+    assert got == ref and rate > 0
+    recs = [s.turns[-1] for s in e.sessions.values()]
+    assert sum(r.accepted for r in recs) >= 2 * 2 and all(r.verified for r in recs)

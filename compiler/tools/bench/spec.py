@@ -15,21 +15,24 @@ compiled artifact.
   predicts (`policy_*`: its k, tokens/s, per-k step seconds, steps taken per k) and the
   tokens/s it achieves in a second session, against plain decoding timed the same way (the
   graph's engine verifies by decode steps; an artifact's by its verify entry). The engine
-  runs at a context of --prompt-tokens + --tokens.
+  runs at a context of --prompt-tokens + --tokens. With --batches 1,8: the same at batch 8
+  (`injected_batch`: 8 sequences decoded together, a k per row from the engine's policy).
 
 `--impls graph` (default) writes the JSON section `spec`; `--impls artifact --artifact DIR` the
 section `spec_artifact` (same fields; the engine in exact mode: the artifact's prefill_all,
 decode, draft and verify entries; the model's config is the artifact's).
 
     dsv41 bench spec [--preset small | --checkpoint DIR] [--contexts 256,896] [--max-draft N]
-                     [--reps 3] [--tokens 24] [--prompt-tokens 32] [--rates 0.3,0.6,0.9]
+                     [--reps 3] [--tokens 24] [--prompt-tokens 32] [--rates 0.3,0.6,0.8,0.9]
+                     [--batches 1,8]
                      [--threads N] [--json F] [--impls graph,artifact] [--artifact DIR]
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,24 +42,28 @@ import torch
 from dsv41.compiler.tools.assets import ensure_checkpoint
 from dsv41.compiler.tools.bench.measure import median_time, write_json
 from dsv41.compiler.tools.bench.synthetic import synthetic_cache
-from dsv41.graph import phases
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
+from dsv41.graph.phases_api import GraphPhases, Phases
 from dsv41.graph.speculative import cut_back, verify_step
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
 from dsv41.runtime.engine import Engine, EngineOptions
+from dsv41.runtime.engine.batch import DecodeBatch
 from dsv41.runtime.engine.speculative import FixedLength, SpecPolicy, expected_tokens
 
 
 class InjectedDraft:
-    """A backend's phases (default the graph's) with DSpark's draft replaced: the backend's own
-    draft pass runs (the step pays for it), then each draft token is the reference run's token
-    with probability `rate` (else a wrong one) and the confidence head says `rate`."""
+    """A backend's phases (the engine's own) with DSpark's draft replaced: the backend's own
+    draft pass runs (the step pays for it), then each row's draft token is that row's reference
+    token with probability `rate` (else a wrong one) and the confidence head says `rate`.
+    `sequence`: the reference of a batch of one, or a callable giving each current row's
+    reference (rows move as turns leave a decode batch)."""
 
-    def __init__(self, sequence: list[int], rate: float, vocab: int, seed: int,
-                 backend=phases):
-        self.sequence, self.rate, self.vocab, self.backend = sequence, rate, vocab, backend
+    def __init__(self, sequence: list[int] | Callable[[], Sequence[Sequence[int]]], rate: float,
+                 vocab: int, seed: int, backend: Phases):
+        self.rows = sequence if callable(sequence) else (lambda: [sequence])
+        self.rate, self.vocab, self.backend = rate, vocab, backend
         self.rng = np.random.default_rng(seed)
 
     def __getattr__(self, name):
@@ -64,13 +71,18 @@ class InjectedDraft:
 
     def draft_after(self, model, cache, token):
         self.backend.draft_after(model, cache, token)  # its cost, not its tokens
-        pos, n = int(cache.pos[0]), model.args.dspark_block_size
-        ids = [int(token[0])]
-        for i in range(n):
-            good = self.sequence[pos + 1 + i] if pos + 1 + i < len(self.sequence) else 0
-            ids.append(good if self.rng.random() < self.rate else (good + 1) % self.vocab)
-        conf = torch.full((1, n), math.log(self.rate / (1 - self.rate)))
-        return Draft(torch.tensor([ids]), torch.zeros(1, n, self.vocab), conf)
+        n, refs = model.args.dspark_block_size, self.rows()
+        token = torch.as_tensor(token).reshape(-1)
+        ids = []
+        for row, ref in enumerate(refs[: token.numel()]):
+            pos, out = int(cache.pos[row]), [int(token[row])]
+            for i in range(n):
+                good = ref[pos + 1 + i] if pos + 1 + i < len(ref) else 0
+                out.append(good if self.rng.random() < self.rate else (good + 1) % self.vocab)
+            ids.append(out)
+        b = len(ids)
+        conf = torch.full((b, n), math.log(self.rate / (1 - self.rate)))
+        return Draft(torch.tensor(ids), torch.zeros(b, n, self.vocab), conf)
 
 
 @dataclass(frozen=True)
@@ -78,14 +90,14 @@ class Backend:
     """What the bench runs on: the phases, the one-pass verify, and an engine over them."""
 
     name: str  # the JSON's `backend`
-    phases: object  # graph.phases or runtime.compiled.CompiledPhases
+    phases: Phases  # GraphPhases or runtime.compiled.CompiledPhases
     one_pass: Callable[[Model, object, torch.Tensor], object]  # -> Verified
     engine_field: str  # the verify cost the engine's own speculative step pays
     engine: Callable[..., Engine]  # (**EngineOptions fields) -> Engine
 
 
 def graph_backend(model: Model) -> Backend:
-    return Backend("PyTorch graph", phases,
+    return Backend("PyTorch graph", GraphPhases(),
                    lambda m, c, t: verify_step(m, c, t, one_pass=True), "steps_s",
                    lambda **kw: Engine.from_model(model, weights_hash="bench-spec", **kw))
 
@@ -125,6 +137,8 @@ def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: in
 
         rows.append({"context": context, "k": k, "steps_s": median_time(lambda: run(False), reps),
                      "one_pass_s": median_time(lambda: run(True), reps), "draft_s": draft_s})
+    for row in rows:  # against one decode step (k = 0 by decode steps is one decode call)
+        row["one_pass_over_decode"] = row["one_pass_s"] / rows[0]["steps_s"]
     return rows
 
 
@@ -153,6 +167,69 @@ def _learned_rate(engine: Engine, prompt: list[int], n: int):
     return _decode_rate(engine, prompt, n)
 
 
+def batch_rate(engine: Engine, prompts: Sequence[Sequence[int]], n: int, *,
+               refs: Sequence[Sequence[int]] | None = None, rate: float = 0.0,
+               seed: int = 0) -> tuple[list[list[int]], float]:
+    """Each prompt a session, their turns of `n` tokens decoded together in one `DecodeBatch`:
+    (each row's tokens, decoded tokens per second of the batch's decode steps). With `refs`
+    (each row's reference sequence, prompt included) the engine's draft is an `InjectedDraft`
+    at acceptance `rate` over them (its phases are replaced for good)."""
+    sessions = [engine.session() for _ in prompts]
+    index = {s.id: i for i, s in enumerate(sessions)}
+    batch = DecodeBatch(engine)
+    if refs is not None:
+        if not isinstance(engine.phases, InjectedDraft):
+            engine.phases = InjectedDraft(lambda: [], rate, engine.model.args.vocab_size, seed,
+                                          engine.phases)
+        engine.phases.rows = lambda: [refs[index[s.id]] for s, _ in batch.members]
+    turns = [batch.start(s, s.request(list(p), max_new_tokens=n))
+             for s, p in zip(sessions, prompts, strict=True)]
+    t0 = time.perf_counter()
+    try:
+        while len(batch):
+            for s, t in batch.step():
+                if t.done:
+                    batch.leave(s)
+    finally:
+        batch.close()
+    seconds = time.perf_counter() - t0
+    return [list(t.tokens) for t in turns], sum(len(t.tokens) - 1 for t in turns) / seconds
+
+
+def run_batch_injected(be: Backend, model: Model, *, batch: int, tokens: int,
+                       prompt_tokens: int, max_draft: int, rates, seed: int,
+                       say=print) -> list[dict]:
+    """At each injected acceptance, `batch` sequences decoded together by an engine whose own
+    policy (per-row k, 0 included) learned its timings in a first run, against plain decoding
+    of the same batch timed the same way (the first token of each turn, from its prefill, is
+    not counted)."""
+    gen = np.random.default_rng(seed + batch)
+    prompts = [[int(x) for x in gen.integers(3, model.args.vocab_size - 1, prompt_tokens)]
+               for _ in range(batch)]
+    plain_engine = be.engine()
+    batch_rate(plain_engine, prompts, tokens)
+    ref, plain = batch_rate(plain_engine, prompts, tokens)
+    refs = [list(p) + r for p, r in zip(prompts, ref, strict=True)]
+    rows = []
+    for rate in rates:
+        e = be.engine(speculative=True, max_draft=max_draft)
+        batch_rate(e, prompts, tokens, refs=refs, rate=rate, seed=seed)
+        before = dict(e.spec_policy.samples)
+        got, achieved = batch_rate(e, prompts, tokens, refs=refs, rate=rate, seed=seed)
+        steps = {j: e.spec_policy.samples.get(("verify", (batch, j)), 0)
+                 - before.get(("verify", (batch, j)), 0) for j in range(max_draft + 1)}
+        row = {"batch": batch, "rate": rate, "achieved_tok_s": achieved, "plain_tok_s": plain,
+               "speedup": achieved / plain, "equal_to_plain": got == ref,
+               "steps_by_k": {str(j): c for j, c in steps.items()},
+               "engine_verify": be.engine_field, "engine_context": prompt_tokens + tokens}
+        rows.append(row)
+        say(f"batch {batch}, acceptance {rate}: {achieved:.2f} tok/s against plain "
+            f"{plain:.2f} ({row['speedup']:.2f}x; verify steps by k "
+            f"{', '.join(f'{j}: {c}' for j, c in steps.items() if c)}; output "
+            f"{'equal to' if row['equal_to_plain'] else 'DIFFERENT from'} plain)")
+    return rows
+
+
 def policy_state(pol: SpecPolicy, rate: float, before: dict) -> dict:
     """What the engine's policy measured (per k: steps taken since `before`, its moving
     averages) and what it predicts from them at acceptance `rate`."""
@@ -168,7 +245,7 @@ def policy_state(pol: SpecPolicy, rate: float, before: dict) -> dict:
 
 def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens: int,
                    rates, seed: int, say=print, backend: Backend | None = None,
-                   prompt_tokens: int = 32) -> dict:
+                   prompt_tokens: int = 32, batches: Sequence[int] = (1,)) -> dict:
     a = model.args
     be = backend or graph_backend(model)
     if not model.plan.dspark:
@@ -182,7 +259,8 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
         out["verify"] += rows
         for r in rows:
             say(f"verify context {n} k {r['k']}: decode-steps {r['steps_s'] * 1e3:.2f} ms, "
-                f"{one} {r['one_pass_s'] * 1e3:.2f} ms (draft {r['draft_s'] * 1e3:.2f} ms)")
+                f"{one} {r['one_pass_s'] * 1e3:.2f} ms = {r['one_pass_over_decode']:.2f} "
+                f"decode steps (draft {r['draft_s'] * 1e3:.2f} ms)")
     prompt = [int(x) for x in np.random.default_rng(seed).integers(3, a.vocab_size - 1,
                                                                     prompt_tokens)]
     e = be.engine(speculative=True, max_draft=max_draft)
@@ -204,7 +282,7 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
         # the engine's own policy, on its own timings (a learning session first, then the
         # timed one); the draft pass runs and is paid for, its tokens injected
         e = be.engine(speculative=True, max_draft=max_draft)
-        e.phases = InjectedDraft(prompt + ref, rate, a.vocab_size, seed, be.phases)
+        e.phases = InjectedDraft(prompt + ref, rate, a.vocab_size, seed, e.phases)
         _decode_rate(e, prompt, tokens)
         before = dict(e.spec_policy.samples)
         got, achieved, rec = _decode_rate(e, prompt, tokens)
@@ -213,7 +291,8 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
         row = {"rate": rate, "context": contexts[0], "predicted_k": k_s,
                "predicted_tok_s": pred_s, "predicted_one_pass_k": k_o,
                "predicted_one_pass_tok_s": pred_o, "achieved_tok_s": achieved,
-               "plain_tok_s": plain, "verified": rec.verified, "accepted": rec.accepted,
+               "plain_tok_s": plain, "speedup": achieved / plain, "verified": rec.verified,
+               "accepted": rec.accepted,
                "expected_tokens_per_verify": expected_tokens([rate] * max_draft, k_o),
                "engine_verify": be.engine_field, "engine_context": len(prompt) + tokens,
                **policy_state(e.spec_policy, rate, before)}
@@ -224,6 +303,11 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
             f"engine's policy predicts {row['policy_tok_s']:.1f} tok/s (k={row['policy_k']}) "
             f"from its own timings, achieves {achieved:.1f} tok/s (steps {steps}; verified "
             f"{rec.verified}, accepted {rec.accepted}); plain {plain:.1f} tok/s")
+    out["injected_batch"] = []
+    for b in (b for b in batches if b > 1):
+        out["injected_batch"] += run_batch_injected(
+            be, model, batch=b, tokens=tokens, prompt_tokens=prompt_tokens,
+            max_draft=max_draft, rates=rates, seed=seed, say=say)
     return out
 
 
@@ -238,7 +322,8 @@ class SpecBenchOptions:
     reps: int = 3
     tokens: int = 24  # decoded tokens per engine run
     prompt_tokens: int = 32  # the engine runs' prompt (their context)
-    rates: tuple[float, ...] = (0.3, 0.6, 0.9)
+    rates: tuple[float, ...] = (0.3, 0.6, 0.8, 0.9)
+    batches: tuple[int, ...] = (1,)  # batch sizes of the injected rows (> 1: `injected_batch`)
     threads: int = 0  # torch threads (0: torch's)
     json: Path | None = None
     seed: int = 0
@@ -249,6 +334,8 @@ class SpecBenchOptions:
         if any(not 0.0 < r < 1.0 for r in self.rates):
             raise ValueError(f"--rates must lie strictly between 0 and 1, got "
                              f"{','.join(map(str, self.rates))!r}.")
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise ValueError(f"--batches takes batch sizes >= 1, got {self.batches!r}.")
         if self.reps < 1 or self.tokens < 2 or self.prompt_tokens < 1:
             raise ValueError("--reps must be >= 1, --tokens >= 2 and --prompt-tokens >= 1.")
         if not self.impls or any(i not in ("graph", "artifact") for i in self.impls):
@@ -273,7 +360,7 @@ def run_command(opts: SpecBenchOptions, *,
     model = Model.from_checkpoint(ckpt, args)
     kw = dict(contexts=opts.contexts, max_draft=opts.max_draft, reps=opts.reps,
               tokens=opts.tokens, rates=opts.rates, seed=opts.seed,
-              prompt_tokens=opts.prompt_tokens)
+              prompt_tokens=opts.prompt_tokens, batches=opts.batches)
     report = {}
     if "graph" in opts.impls:
         report["spec"] = run_spec_bench(model, **kw)
