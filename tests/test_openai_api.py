@@ -109,7 +109,9 @@ def test_completion_fields(stub):
     ({"model": None}, 400, "model", "model is required"),
     ({"max_tokens": -1}, 400, "max_tokens", "max_tokens must be a whole number >= 1"),
     ({"max_tokens": 0}, 400, "max_tokens", "max_tokens must be a whole number >= 1"),
-    ({"n": 2}, 400, "n", "n must be 1"),
+    ({"n": 17}, 400, "n", "n must be a whole number from 1 to 16, not 17."),
+    ({"n": True}, 400, "n", "n must be a whole number from 1 to 16, not True."),
+    ({"best_of": 2}, 400, "best_of", "best_of is a /v1/completions field"),
     ({"temperature": 3}, 400, "temperature", "temperature must be a number from 0 to 2"),
     ({"temperature": "hot"}, 400, "temperature", "temperature must be a number"),
     ({"top_p": 0}, 400, "top_p", "top_p must be a number above 0"),
@@ -150,7 +152,11 @@ def test_bad_completion_requests(stub):
                                ({"logprobs": 21}, "logprobs", "from 0 to 20"),
                                ({"logprobs": True}, "logprobs", "a whole number"),
                                ({"suffix": "w1"}, "suffix", "not supported"),
-                               ({"best_of": 2}, "best_of", "best_of must be 1")):
+                               ({"n": 3, "best_of": 2}, "best_of",
+                                r"best_of \(2\) must be at least n \(3\)"),
+                               ({"best_of": 3, "stream": True}, "best_of",
+                                "best_of cannot be streamed"),
+                               ({"best_of": 0}, "best_of", "from 1 to 16, not 0")):
         with pytest.raises(ApiError, match=match) as e:
             completion(stub, **body)
         assert (e.value.status, e.value.param) == (400, param)

@@ -207,8 +207,8 @@ def test_bad_requests(served, client):
                                                             1030)))
     assert code == 400 and f"max_seq_len of {served['args'].max_seq_len}" in msg
     code, msg = status_of(lambda: client.chat.completions.create(model=MODEL, messages=msgs,
-                                                                n=2))
-    assert code == 400 and "n must be 1" in msg
+                                                                n=17))
+    assert code == 400 and "n must be a whole number from 1 to 16, not 17." in msg
     raw = httpx.post(served["url"] + "/v1/chat/completions", content=b'{"model": ',
                      headers={"Content-Type": "application/json"})
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]

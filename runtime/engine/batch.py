@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from dsv41.graph.cache import (
     ModelCache,
@@ -20,6 +21,7 @@ from dsv41.runtime.engine.host import EngineHost
 from dsv41.runtime.engine.images import TurnImage
 from dsv41.runtime.engine.options import CacheFullError
 from dsv41.runtime.engine.requests import TurnRequest
+from dsv41.runtime.engine.sampling import sample_seed
 from dsv41.runtime.engine.session import Session
 from dsv41.runtime.engine.turn import Turn
 
@@ -57,20 +59,24 @@ class DecodeBatch:
                 return row
         raise ValueError(f"Session {session.id} has no row in this decode batch.")
 
-    def _shape(self, tokens: int) -> tuple[int, int]:
-        """(rows, capacity in tokens) of the stacked cache once a turn of `tokens` joins."""
+    def _shape(self, tokens: int, joining: int = 1) -> tuple[int, int]:
+        """(rows, capacity in tokens) of the stacked cache once `joining` turns of `tokens`
+        join (one by one: rows double as each finds them full)."""
         page = self.engine.options.page_tokens
         want = -(-tokens // page) * page
-        if self.cache is None:
-            return 1, want
-        rows = self.cache.batch
-        if len(self.members) == rows:
-            rows = min(self.max_rows, 2 * rows)
-        return rows, max(capacity_tokens(self.cache), want)
+        rows = 0 if self.cache is None else self.cache.batch
+        cap = want if self.cache is None else max(capacity_tokens(self.cache), want)
+        need = len(self.members) + joining
+        while rows < need:
+            rows = 1 if rows == 0 else min(self.max_rows, 2 * rows)
+            if rows == self.max_rows:
+                break
+        return rows, cap
 
-    def join_bytes(self, tokens: int) -> int:
-        """The bytes the stacked cache grows by when a turn of `tokens` positions joins."""
-        rows, cap = self._shape(tokens)
+    def join_bytes(self, tokens: int, joining: int = 1) -> int:
+        """The bytes the stacked cache grows by when `joining` turns of `tokens` positions
+        join (the samples of one prompt: `start_samples`)."""
+        rows, cap = self._shape(tokens, joining)
         return max(0, rows * self.engine.cache_bytes(cap) - self.nbytes())
 
     def start(self, session: Session, request: TurnRequest, *,
@@ -92,10 +98,57 @@ class DecodeBatch:
             raise
         return turn
 
-    def join(self, session: Session, turn: Turn) -> int:
-        """Copy the session's cache into the next row (CacheFullError, with nothing changed, when
-        the grown batch would not fit the budget); returns the row."""
-        e, src = self.engine, session.cache
+    def start_samples(self, session: Session, request: TurnRequest, n: int, *,
+                      pacing: PrefillPacing = DEFAULT_PACING,
+                      images: Sequence[TurnImage] = ()) -> list[tuple[Session, Turn]]:
+        """`n` samples of one prompt: `session`'s turn of `request` is prefilled once (sample
+        0), then forked (`Session.fork`) into n - 1 new sessions, sample i's sampler seeded
+        `sample_seed(seed, i)`; each sample's row is a copy of the prefilled rows (`join`'s
+        `source`), so all n decode as ordinary rows of this batch. Only sample 0's session
+        stores its turn in the tiers (the tiers see one history of the prompt). A sample done
+        at its first token ends at once and does not join. Returns (session, turn) per sample,
+        sample 0 first. On a failure every sample begun ends (sample 0 stored, as `start`)."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_rows:
+            raise ValueError(f"A prompt's samples must number 1 to the batch's {self.max_rows} "
+                             f"rows, not {n!r}.")
+        if len(self.members) + n > self.max_rows:
+            raise ValueError(f"The decode batch has {self.max_rows - len(self.members)} free "
+                             f"rows; {n} samples need one each.")
+        if n == 1:
+            return [(session, self.start(session, request, pacing=pacing, images=images))]
+        first = session.start_turn(request, pacing=pacing, images=images,
+                                   keep_branch_logits=True)
+        out = [(session, first)]
+        try:
+            for i in range(1, n):
+                s, t = session.fork(first, sample_request(request, i))
+                out.append((s, t))
+                if t.done:
+                    s.finish(t)
+                else:
+                    self.join(s, t, source=session.cache)
+            first.branch_logits = None
+            if not first.done:
+                self.join(session, first)
+        except BaseException:
+            first.branch_logits = None
+            for s, t in out:
+                if any(m is s for m, _ in self.members):
+                    self.leave(s)
+                else:
+                    s.finish(t)
+                if s is not session:
+                    s.close()  # a fork nobody was handed
+            raise
+        if first.done:
+            session.finish(first)
+        return out
+
+    def join(self, session: Session, turn: Turn, *, source: ModelCache | None = None) -> int:
+        """Copy the session's cache (or `source`, another session's cache of the same
+        sequence: a fork) into the next row (CacheFullError, with nothing changed, when the
+        grown batch would not fit the budget); returns the row."""
+        e, src = self.engine, session.cache if source is None else source
         if turn.done or src is None or src.batch != 1:
             raise ValueError("Only a live, unfinished turn of one sequence joins a batch.")
         if len(self.members) >= self.max_rows:
@@ -162,3 +215,12 @@ class DecodeBatch:
         self.members.clear()
         self.cache = None
         self.engine.untrack(self)
+
+
+def sample_request(request: TurnRequest, index: int) -> TurnRequest:
+    """Sample `index`'s turn of a request of several samples: the same prompt and settings, its
+    own seed stream (`sampling.sample_seed`; unseeded samples draw independent seeds)."""
+    sampling = request.sampling
+    if sampling is not None:
+        sampling = replace(sampling, seed=sample_seed(sampling.seed, index))
+    return replace(request, seed=sample_seed(request.seed, index), sampling=sampling)

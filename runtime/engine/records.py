@@ -56,6 +56,9 @@ class TurnRecord:
     # those that kept it (sums: `verified`, `accepted`)
     verified_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    # n samples of one prompt: the session whose prefill this turn's cache was copied from
+    # (its prompt was not prefilled again: `prefilled` 0); None: a turn of its own
+    forked_from: int | None = None
 
     def count_verify(self, k: int, accepted: int) -> None:
         """A decode step verified k of this turn's draft tokens and kept `accepted`."""

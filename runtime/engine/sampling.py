@@ -27,6 +27,7 @@ unread tokens roll it back for free and one constraint object can serve many req
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Hashable, Sequence
@@ -173,6 +174,20 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.add(eos_id)
         return frozenset(ids)
+
+
+MAX_SAMPLES = 16  # the most samples of one prompt (`n`, `best_of`) a request may ask for
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a request seeded `seed` (n samples of one prompt): sample 0
+    keeps the request's own seed (so it draws what the same request with n = 1 draws), each
+    other sample a seed derived from (seed, index) by BLAKE2b, deterministic and in SamplingParams'
+    range. None stays None: every sample's Sampler then draws a fresh seed of its own."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"dsv41-sample:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest) >> 1
 
 
 @dataclass(frozen=True)

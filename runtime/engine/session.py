@@ -50,6 +50,9 @@ class Session:
         self.snapshot_key: str | None = None  # the pool key of this session's last snapshot
         self.images: list[SessionImage] = []  # the images of `history`, in order
         self.uid = uuid.uuid4().hex  # names the session's hold on its pool snapshot
+        # False: a fork of another session's turn (`fork`): its turns go to no tier, so the
+        # tiers see one history of the prompt (the session it forked from stores its own)
+        self.stores = True
 
     @property
     def transcript(self) -> list[int]:
@@ -136,11 +139,13 @@ class Session:
             + req.max_new_tokens + 1
 
     def start_turn(self, req: TurnRequest, *, positions: int = 0,
-                   pacing: PrefillPacing = DEFAULT_PACING, images: Sequence[TurnImage] = ()
-                   ) -> Turn:
+                   pacing: PrefillPacing = DEFAULT_PACING, images: Sequence[TurnImage] = (),
+                   keep_branch_logits: bool = False) -> Turn:
         """Restore, prefill and sample the first token of a turn (a decode batch's start: the
         caller has ended any open turn). positions: reserve at least this many; 0: the turn's
-        own. images: the turn's new images (their spans already laid out in `req.token_ids`)."""
+        own. images: the turn's new images (their spans already laid out in `req.token_ids`).
+        keep_branch_logits: the prefill's last logits stay on the turn (`Turn.branch_logits`)
+        for the samples that `fork` from it."""
         e = self.engine
         fresh = ([] if self.pending is None else [self.pending]) + list(req.token_ids)
         seen = self.images + encode_turn(e.model, len(self.history) + (self.pending is not None),
@@ -150,14 +155,11 @@ class Session:
         max_new_tokens = req.max_new_tokens
         positions = max(positions, self._positions(req))
         e.admit(self, positions)
-        gen = torch.Generator().manual_seed(0 if req.seed is None else req.seed)
         rec = TurnRecord(session=self.id, turn=len(self.turns) + 1, tier=Tier.COLD, prefilled=0,
                          replayed=0, decoder_replayed=0, decoded=0, token_layers=0,
                          cached_blocks=0)  # tier and counts set as the turn runs
         tokens = self.history + fresh  # the whole sequence this turn's cache must hold
-        sampler = None if req.sampling is None else Sampler(req.sampling)
-        turn = Turn(rec, max_new_tokens, req.stop, req.temperature, gen, req.keep_logits,
-                    sampler, tuple(tokens) if sampler is not None else ())
+        turn = _new_turn(req, rec, tokens)
         t = time.perf_counter()
         start = e.planner.restore(key_tokens(tokens, seen), live=self.cache,
                                   live_tokens=len(self.history), resumed=bool(self.history))
@@ -180,9 +182,37 @@ class Session:
         e.tier_counts[start.tier] += 1
         if max_new_tokens:
             turn.sample(res.logits[0, -1])
+            if keep_branch_logits:
+                turn.branch_logits = res.logits[0, -1]
         else:  # prefill only: nothing sampled, nothing pending
             turn.done = True
         return turn
+
+    def fork(self, turn: Turn, req: TurnRequest) -> tuple[Session, Turn]:
+        """Another sample of the prompt `turn` (this session's, just prefilled with
+        `keep_branch_logits`) began: a new session of the same history, which stores nothing
+        (`stores`), and its turn of `req` (the same prompt, its own sampler: its own seed) with
+        its first token sampled from the same prefill logits. The new session holds no cache:
+        a decode batch copies this session's rows into one of its own (`DecodeBatch.join`'s
+        `source`), so the prompt is prefilled once."""
+        if turn.branch_logits is None or turn.ended:
+            raise ValueError("Only a turn just prefilled with keep_branch_logits forks.")
+        if tuple(req.token_ids) != tuple(self.history[len(self.history) - len(req.token_ids):]):
+            raise ValueError("A fork samples the same prompt as the turn it forks from.")
+        s = self.engine.session()
+        s.stores = False
+        s.history, s.images, s.stored_blocks = list(self.history), list(self.images), 0
+        src = turn.record
+        rec = TurnRecord(session=s.id, turn=1, tier=src.tier, prefilled=0, replayed=0,
+                         decoder_replayed=0, decoded=0, token_layers=0,
+                         cached_blocks=src.cached_blocks, reused_keys=list(src.reused_keys),
+                         reused_tokens=src.reused_tokens, forked_from=self.id)
+        forked = _new_turn(req, rec, self.history)
+        if req.max_new_tokens:
+            forked.sample(turn.branch_logits)
+        else:
+            forked.done = True
+        return s, forked
 
     def _prefill(self, start: TurnPlan, tokens: list[int], rec: TurnRecord,
                  pacing: PrefillPacing, images: Sequence[SessionImage] = ()):
@@ -272,6 +302,8 @@ class Session:
             # be chosen from is not stored: the session's next turn is planned from the tiers
             # as they were before this one (nothing of it served to another request)
             self.pending, self.cache = None, None
+        elif e.planner.offloads and not self.stores:
+            self.cache = None  # a fork: the session it forked from stores the prompt's history
         elif e.planner.offloads:
             done = e.planner.offload(self.cache, self.history, self.images, session=self.id,
                                      holder=self.uid, stored_blocks=self.stored_blocks,
@@ -282,3 +314,11 @@ class Session:
         self.turns.append(turn.record)
         self._gen = None
         turn.ended = True
+
+
+def _new_turn(req: TurnRequest, rec: TurnRecord, tokens: Sequence[int]) -> Turn:
+    """A turn of `req` whose cache holds (or will hold) `tokens` before its first sample."""
+    gen = torch.Generator().manual_seed(0 if req.seed is None else req.seed)
+    sampler = None if req.sampling is None else Sampler(req.sampling)
+    return Turn(rec, req.max_new_tokens, req.stop, req.temperature, gen, req.keep_logits,
+                sampler, tuple(tokens) if sampler is not None else ())

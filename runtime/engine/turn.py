@@ -59,6 +59,9 @@ class Turn:
     # why this turn alone failed (no token could be chosen: non-finite logits or distribution,
     # its constraint's dead end or error); it ended done
     failure: str | None = None
+    # the prefill's last logits, kept while other samples of the prompt fork from this turn
+    # (`Session.fork`; `DecodeBatch.start_samples` lets them go)
+    branch_logits: torch.Tensor | None = field(default=None, repr=False)
 
     def sample(self, logits: torch.Tensor) -> None:
         """Choose the next token from fp32 logits (vocab,). A failure to choose one (logits or

@@ -9,7 +9,7 @@ these schemas is a 400 naming its bad field, never a pydantic error.
 
 from __future__ import annotations
 
-from dsv41.runtime.engine.sampling import MAX_LOGPROBS
+from dsv41.runtime.engine.sampling import MAX_LOGPROBS, MAX_SAMPLES
 
 _NUMBER = {"type": "number"}
 _BOOL = {"type": "boolean"}
@@ -63,7 +63,7 @@ def _sampling(model_name: str) -> dict:
         "stop": _STOP,
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "ignore_eos": _BOOL,
-        "n": {"type": "integer", "enum": [1]},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_SAMPLES},
         "response_format": _RESPONSE_FORMAT,
     }
 
@@ -100,6 +100,7 @@ def completion_body(model_name: str) -> dict:
     """`POST /v1/completions`."""
     return {"type": "object", "required": ["model", "prompt"], "properties": {
         **_sampling(model_name), "prompt": _prompt(),
+        "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_SAMPLES},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}}}
 
 

@@ -16,6 +16,13 @@ running batch. The batch is the engine's `DecodeBatch` (a stacked cache with a r
 a joining request's cache is copied into a free row once, a leaving one's row is copied out and
 the last row moved into its slot), so nothing is re-stacked when requests come and go.
 
+A request of n samples (`submit_samples`: OpenAI's `n`, `best_of`) is queued as one: it is
+admitted when n rows are free and n rows' caches fit, its prompt prefilled once and its rows
+forked per sample (`DecodeBatch.start_samples`: sample i seeded by `sample_seed(seed, i)`); the
+samples then decode and leave as ordinary rows, each its own `Stream`, their events merged in
+one `SampleStreams`. Only sample 0's turn is stored in the tiers. A request of more samples than
+`max_running` rows is refused at submit (it could never be admitted).
+
 Each request is a new engine session: prefix hits come from the tiers (SSD blocks, DRAM
 snapshots), and a finished request's turn is stored there like any turn. Sampling is the
 engine's (`runtime.sampling.Sampler`, seeded per request: the same seed gives the same tokens
@@ -31,11 +38,12 @@ failed decode step of the whole batch (the model's pass) ends every running requ
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from dsv41.graph.phases import chunk_spans
 from dsv41.runtime.engine import DecodeBatch, Engine, PrefillPacing, Session
@@ -48,13 +56,14 @@ from dsv41.runtime.engine.requests import (
     check_token_ids,
     check_turn,
 )
-from dsv41.runtime.engine.sampling import SamplingParams, StopMatcher
+from dsv41.runtime.engine.sampling import MAX_SAMPLES, SamplingParams, StopMatcher
 from dsv41.runtime.serving.chat_format import IncrementalDecoder
 from dsv41.runtime.serving.event_log import EventLog, LoggedStream
 from dsv41.runtime.serving.frontend import (
     BatcherStats,
     FinishReason,
     QueueFull,
+    RequestTiming,
     TierStores,
     TokenEvent,
 )
@@ -68,11 +77,14 @@ MAX_ROWS = 64  # the compiled decode entry's static batch bound
 class Stream(LoggedStream):
     """One request's events, returned by `Batcher.submit`; thread-safe."""
 
-    def __init__(self, sid: int, prompt_tokens: int, wake):
+    def __init__(self, sid: int, prompt_tokens: int, wake, *, index: int = 0,
+                 merged: queue.Queue | None = None):
         self.id = sid
         self.log = EventLog(prompt_tokens, f"stream {sid}")  # events, and the timing they make
         self._wake = wake  # tells the batcher there is work (a cancel)
         self._cancel = threading.Event()
+        self.index = index  # its sample's index in a request of several (`SampleStreams`)
+        self._merged = merged  # that request's merged events (None: a request of one)
 
     def cancel(self) -> None:
         """Idempotent; the request leaves the batch (or the queue) at the next step."""
@@ -88,6 +100,47 @@ class Stream(LoggedStream):
 
     def _put(self, event: TokenEvent) -> None:
         self.log.put(event)
+        if self._merged is not None:
+            self._merged.put(replace(event, index=self.index))
+
+
+class SampleStreams:
+    """The events of a request of several samples (`Batcher.submit_samples`), every sample's
+    in arrival order, each carrying its sample's `index`; an `EventStream` that ends once every
+    sample's final event was read. Its timing is sample 0's (the prompt counted once); `cancel`
+    ends every sample. Thread-safe."""
+
+    def __init__(self, streams: Sequence[Stream], merged: queue.Queue):
+        self.streams = tuple(streams)
+        self._events = merged
+        self._open = len(self.streams)  # samples whose final event was not read yet
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """The next event of any sample; None on timeout, or once every final event was read."""
+        if not self._open:
+            return None
+        try:
+            event = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if event.finish is not None:
+            self._open -= 1
+        return event
+
+    def cancel(self) -> None:
+        for s in self.streams:
+            s.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return all(s.cancelled for s in self.streams)
+
+    @property
+    def timing(self) -> RequestTiming:
+        return self.streams[0].timing
 
 
 @dataclass(eq=False)
@@ -103,6 +156,13 @@ class _Request:
     turn: object | None = None  # the engine's turn in flight
     chunk_t: float = 0.0  # when its current prefill chunk began
     emitted: int = 0  # tokens of its turn already sent as events
+    # the other samples of its prompt (a request of n samples: this one is sample 0, the one
+    # queued); they are admitted with it, each then its own row
+    group: tuple[_Request, ...] = field(default_factory=tuple)
+
+    @property
+    def samples(self) -> tuple[_Request, ...]:
+        return (self, *self.group)
 
 
 class _Abandoned(Exception):
@@ -164,18 +224,50 @@ class Batcher:
         positions count as prompt tokens) and the tower runs at the request's prefill."""
         req = self._check(prompt_ids, params, images)
         with self._lock:
-            if self._stopped or self._stopping:
-                raise RequestError("The batcher is stopped; it takes no more requests.")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"The queue holds {len(self._waiting)} requests, its bound; "
-                                f"retry later.")
-            req.stream = Stream(self._next_id, len(req.prompt), self._wake)
-            self._next_id += 1
-            self._waiting.append(req)
-            self._work.notify_all()
+            self._queue(req, 1, None)
         return req.stream
 
-    def _check(self, prompt_ids, params, images: Sequence = ()) -> _Request:
+    def submit_samples(self, prompt_ids: Sequence[int], params: SamplingParams, n: int,
+                       images: Sequence = ()) -> SampleStreams:
+        """Queue a request of `n` samples of one prompt (see the module docstring), checked as
+        `submit` checks one, and n from 1 to `max_running` (RequestError otherwise): its events
+        come merged, each carrying its sample's index."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SAMPLES:
+            raise RequestError(f"A request takes 1 to {MAX_SAMPLES} samples, not {n!r}.")
+        if n > self.max_running:
+            raise RequestError(f"{n} samples need {n} rows of the running batch at once; this "
+                               f"server runs at most {self.max_running} (max_running).")
+        first = self._check(prompt_ids, params, images, samples=n)
+        reqs = [first] + [replace(first, decoder=self._decoder(), matcher=self._matcher(params))
+                          for _ in range(n - 1)]
+        merged: queue.Queue[TokenEvent] = queue.Queue()
+        with self._lock:
+            self._queue(first, n, merged)
+            for i, r in enumerate(reqs[1:], start=1):
+                r.stream = Stream(first.stream.id, len(first.prompt), self._wake, index=i,
+                                  merged=merged)
+            first.group = tuple(reqs[1:])
+        return SampleStreams([r.stream for r in reqs], merged)
+
+    def _queue(self, req: _Request, n: int, merged: queue.Queue | None) -> None:
+        """Queue `req` (a request of `n` samples), its stream made; under the lock."""
+        if self._stopped or self._stopping:
+            raise RequestError("The batcher is stopped; it takes no more requests.")
+        if len(self._waiting) >= self.max_queue:
+            raise QueueFull(f"The queue holds {len(self._waiting)} requests, its bound; "
+                            f"retry later.")
+        req.stream = Stream(self._next_id, len(req.prompt), self._wake, merged=merged)
+        self._next_id += 1
+        self._waiting.append(req)
+        self._work.notify_all()
+
+    def _decoder(self) -> IncrementalDecoder | None:
+        return None if self.tokenizer is None else IncrementalDecoder(self.tokenizer)
+
+    def _matcher(self, params: SamplingParams) -> StopMatcher | None:
+        return StopMatcher(params.stop) if self.tokenizer is not None and params.stop else None
+
+    def _check(self, prompt_ids, params, images: Sequence = (), samples: int = 1) -> _Request:
         e = self.engine
         a = e.model.args
         if not isinstance(params, SamplingParams):
@@ -200,17 +292,16 @@ class Batcher:
         turn = check_turn(ids, TurnLimits(a.vocab_size, a.max_seq_len, 0),
                           max_new_tokens=room, sampling=replace(params, stop=()))
         positions = len(ids) + turn.max_new_tokens + 1  # as Session reserves its turn
-        alone = 2 * e.cache_bytes(positions)  # its own cache, then its row in the batch
+        # its own cache, then a row in the batch per sample
+        alone = (1 + samples) * e.cache_bytes(positions)
         if alone > e.options.cache_budget_bytes:
+            rows = "its row" if samples == 1 else f"{samples} rows"
             raise RequestError(f"The request needs {alone:,} bytes of runtime cache for "
-                               f"{positions} positions; the budget is "
+                               f"{positions} positions ({rows} and its prefill); the budget is "
                                f"{e.options.cache_budget_bytes:,}. Lower max_tokens or the "
-                               f"prompt.")
-        decoder = matcher = None
-        if self.tokenizer is not None:
-            decoder = IncrementalDecoder(self.tokenizer)
-            matcher = StopMatcher(params.stop) if params.stop else None
-        return _Request(None, ids, turn, positions, decoder, matcher, tuple(turn_images))
+                               f"prompt{'' if samples == 1 else ', or n'}.")
+        return _Request(None, ids, turn, positions, self._decoder(), self._matcher(params),
+                        tuple(turn_images))
 
     def _wake(self) -> None:
         with self._lock:
@@ -218,7 +309,8 @@ class Batcher:
 
     def stats(self) -> BatcherStats:
         with self._lock:
-            return BatcherStats(queued=len(self._waiting), running=len(self._running),
+            return BatcherStats(queued=sum(len(r.samples) for r in self._waiting),
+                                running=len(self._running),
                                 tiers=dict(self._tiers), speculative=self._spec,
                                 tier_tokens=dict(self._tier_tokens),
                                 cache_bytes=self._cache_bytes,
@@ -265,7 +357,8 @@ class Batcher:
             with self._lock:
                 waiting, self._waiting = list(self._waiting), deque()
             for req in waiting:
-                self._finish(req, FinishReason.CANCELLED)
+                for r in req.samples:
+                    self._finish(r, FinishReason.CANCELLED)
             self._batch.close()
             with self._lock:
                 self._stopped = True
@@ -308,40 +401,49 @@ class Batcher:
         """Cancelled requests leave: the running ones free their row now."""
         for req in [r for r in self._running.values() if r.stream.cancelled]:
             self._finish(req, FinishReason.CANCELLED)
-        with self._lock:
-            gone = [r for r in self._waiting if r.stream.cancelled]
+        with self._lock:  # a request of n samples leaves the queue once all n are cancelled
+            gone = [r for r in self._waiting if all(x.stream.cancelled for x in r.samples)]
             for r in gone:
                 self._waiting.remove(r)
         for r in gone:
-            self._finish(r, FinishReason.CANCELLED)
+            for x in r.samples:
+                self._finish(x, FinishReason.CANCELLED)
 
     def _fits(self, req: _Request) -> bool:
         e = self.engine
-        need = e.cache_bytes(req.positions) + self._batch.join_bytes(req.positions)
+        n = len(req.samples)
+        need = e.cache_bytes(req.positions) + self._batch.join_bytes(req.positions, n)
         return e.runtime_bytes() + need <= e.options.cache_budget_bytes
 
     def _admit(self) -> None:
         with self._lock:
-            if not self._waiting or len(self._running) >= self.max_running:
+            if not self._waiting:
                 return
             req = self._waiting[0]
-            if not self._fits(req):
+            if len(self._running) + len(req.samples) > self.max_running or not self._fits(req):
                 return  # it waits for running requests to leave (and so do those behind it)
             self._waiting.popleft()
             req.stream.log.started = time.perf_counter()
+        for r in req.group:
+            r.stream.log.started = req.stream.log.started
         req.session = self.engine.session()
         req.chunk_t = time.perf_counter()
         pacing = PrefillPacing(self.chunk_tokens, lambda: self._between_chunks(req))
         try:
-            req.turn = self._batch.start(req.session, req.turn_request, pacing=pacing,
-                                         images=req.images)
+            started = self._batch.start_samples(req.session, req.turn_request,
+                                                len(req.samples), pacing=pacing,
+                                                images=req.images)
         except _Abandoned:
-            self._finish(req, FinishReason.CANCELLED)
+            for r in req.samples:
+                self._finish(r, FinishReason.CANCELLED)
             return
         except Exception as err:  # CacheFullError, or a failure of the phases
             log.warning("request %d failed in its prefill: %s", req.stream.id, err)
-            self._finish(req, FinishReason.ERROR, str(err))
+            for r in req.samples:
+                self._finish(r, FinishReason.ERROR, str(err))
             return
+        for r, (s, turn) in zip(req.samples, started, strict=True):
+            r.session, r.turn = s, turn
         record = req.turn.record
         tail = time.perf_counter() - req.chunk_t
         stores = self._read_stores()  # its lookups counted before its first token is out
@@ -350,23 +452,26 @@ class Batcher:
             self._tiers[record.tier] = self._tiers.get(record.tier, 0) + 1
             self._tier_tokens[record.tier] = self._tier_tokens.get(record.tier, 0) \
                 + record.reused_tokens
-            self._counts["prompt_tokens"] += len(req.prompt)
+            self._counts["prompt_tokens"] += len(req.prompt)  # once for all its samples
             self._counts["replayed_tokens"] += record.replayed
             self._counts["decoder_replayed_tokens"] += record.decoder_replayed
-            events = req.stream.log
-            with events.lock:
-                events.tier, events.reused, events.tail = record.tier, record.reused_tokens, tail
-                events.replayed = (record.replayed, record.decoder_replayed)
-            if not req.turn.ended:
-                self._running[req.session.id] = req
-        self._emit(req)
+            for r in req.samples:
+                events = r.stream.log
+                with events.lock:
+                    events.tier, events.reused = record.tier, record.reused_tokens
+                    events.tail = tail
+                    events.replayed = (record.replayed, record.decoder_replayed)
+                if not r.turn.ended:
+                    self._running[r.session.id] = r
+        for r in req.samples:
+            self._emit(r)
 
     def _between_chunks(self, req: _Request) -> None:
         """Between two chunks of `req`'s prefill: the running batch's decode step."""
         now = time.perf_counter()
         with req.stream.log.lock:
             req.stream.log.chunks.append(now - req.chunk_t)
-        if req.stream.cancelled or self._stopping:
+        if all(r.stream.cancelled for r in req.samples) or self._stopping:
             raise _Abandoned()
         self._reap()
         self._decode()
@@ -480,4 +585,5 @@ class Batcher:
             with self._lock:
                 waiting, self._waiting = list(self._waiting), deque()
             for req in waiting:
-                self._finish(req, FinishReason.ERROR, message)
+                for r in req.samples:
+                    self._finish(r, FinishReason.ERROR, message)

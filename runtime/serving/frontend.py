@@ -44,6 +44,7 @@ class TokenEvent:
     top: tuple[TokenLogprob, ...]  # the `logprobs` most likely, most likely first
     finish: FinishReason | None
     error: str | None = None
+    index: int = 0  # the sample (choice) it belongs to: 0..n-1 for a request of n samples
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,16 @@ class Frontend(Protocol):
 
     def stats(self) -> BatcherStats:
         """The counts so far (queued, running, finished, tokens, tiers)."""
+
+
+@runtime_checkable
+class SampleFrontend(Protocol):
+    """A frontend that also serves several samples of one prompt (OpenAI's `n`, `best_of`): the
+    continuous batcher does (the prompt prefilled once, its rows forked); a frontend without it
+    answers such requests with a 400."""
+
+    def submit_samples(self, prompt_ids: Sequence[int], params: SamplingParams, n: int,
+                       images: Sequence = ()) -> EventStream:
+        """As `Frontend.submit`, for `n` samples: one stream of every sample's events (each
+        event's `index` names its sample), ending after the n-th final event; its timing is the
+        prompt's (sample 0's), its cancel ends every sample."""

@@ -14,7 +14,10 @@ The fields read (others are ignored, as OpenAI's own SDK fields `user`, `metadat
 is 0: off), `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `seed`,
 `max_tokens` / chat's `max_completion_tokens` (chat default: until a stop or the model's
 max_seq_len; completions default 16, OpenAI's), `stop` (a string or a list), `stop_token_ids`,
-`ignore_eos`, chat `logprobs` + `top_logprobs`, completions `logprobs` (an int), `n` (1 only),
+`ignore_eos`, chat `logprobs` + `top_logprobs`, completions `logprobs` (an int), `n` (1 to 16
+choices: the prompt prefilled once, each choice its own seed stream; streamed chunks carry each
+choice's `index`) and completions' `best_of` (n to 16 samples, the n of highest mean token
+logprob returned, best first; not with `stream`; the usage counts every sample's tokens),
 chat `tools` (each checked, its `parameters` a JSON Schema of an object: a 400 names the bad one;
 rendered into the prompt; a reply's DSML block comes back as `tool_calls` with finish_reason
 `tool_calls`, runtime/serving/tool_calls.py), `tool_choice` (`none`: the block's opening is
@@ -29,7 +32,7 @@ is a 400 naming it), assistant messages' `reasoning_content`,
 only shows in thinking mode, and anything else is a 400), user messages' `image_url` parts
 (base64 PNG or JPEG data URIs, for a model with a vision tower: checked here, decoded by the
 batcher; a bad one is a 400 naming what is wrong). Fields this server cannot honour (`echo`,
-`suffix`, `best_of` > 1, `logit_bias`, `min_tokens`) are 400s, never silently dropped.
+`suffix`, chat's `best_of`, `logit_bias`, `min_tokens`) are 400s, never silently dropped.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from enum import Enum
 
 from dsv41.runtime.engine.images import data_uri_image
 from dsv41.runtime.engine.records import SpecCounts
-from dsv41.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from dsv41.runtime.engine.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams, TokenLogprob
 from dsv41.runtime.serving.chat_format import (
     ChatOptions,
     Message,
@@ -119,6 +122,8 @@ class GenerationRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     # the image parts' data (PNG / JPEG bytes), one per image placeholder of prompt_ids, in order
     images: tuple[bytes, ...] = ()
+    n: int = 1  # choices returned
+    samples: int = 1  # samples generated: completions' best_of (the n best returned), else n
 
 
 def _get(body: Mapping, name: str, types: type | tuple[type, ...], what: str, default=None):
@@ -148,17 +153,38 @@ def _check_unsupported(body: Mapping) -> None:
         raise bad_request("echo is not supported by this server.", "echo")
     if body.get("suffix") not in (None, ""):
         raise bad_request("suffix is not supported by this server.", "suffix")
-    if body.get("best_of") not in (None, 1):
-        raise bad_request("best_of must be 1: this server returns one choice per request.",
-                          "best_of")
     if body.get("logit_bias"):
         raise bad_request("logit_bias is not supported by this server.", "logit_bias")
     if body.get("min_tokens") not in (None, 0):
         raise bad_request("min_tokens is not supported by this server.", "min_tokens")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad_request(f"n must be 1: this server returns one choice per request, not "
-                          f"{n!r}.", "n")
+
+
+def _count(body: Mapping, name: str, default: int) -> int:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SAMPLES:
+        raise bad_request(f"{name} must be a whole number from 1 to {MAX_SAMPLES}, not "
+                          f"{v!r:.60}.", name)
+    return v
+
+
+def _samples(body: Mapping, endpoint: Endpoint, stream: bool) -> tuple[int, int]:
+    """(n, samples generated): `n`, and completions' `best_of` (at least n; not streamed)."""
+    n = _count(body, "n", 1)
+    if endpoint is Endpoint.CHAT:
+        if body.get("best_of") not in (None, 1):
+            raise bad_request("best_of is a /v1/completions field; chat completions take n "
+                              "alone.", "best_of")
+        return n, n
+    best = _count(body, "best_of", n)
+    if best < n:
+        raise bad_request(f"best_of ({best}) must be at least n ({n}): the n best of best_of "
+                          f"samples are returned.", "best_of")
+    if best > n and stream:
+        raise bad_request("best_of cannot be streamed: the best samples are known only at "
+                          "the end (leave stream off, or best_of equal to n).", "best_of")
+    return n, best
 
 
 def _stop(body: Mapping) -> tuple[str, ...]:
@@ -295,6 +321,7 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
     _check_model(body, model_name)
     _check_unsupported(body)
     stream, include_usage = _stream_flags(body)
+    n, _ = _samples(body, Endpoint.CHAT, stream)
     chat = chat_prompt(body)
     want = _get(body, "logprobs", bool, "true or false", False)
     top = _get(body, "top_logprobs", int, "a whole number", None)
@@ -336,7 +363,8 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
                              id=f"chatcmpl-{uuid.uuid4().hex}",
                              reads_tool_calls=chat_form and choice.reads_calls,
                              parallel_tool_calls=choice.parallel,
-                             thinking=chat_form and chat.options.thinking, images=images)
+                             thinking=chat_form and chat.options.thinking, images=images,
+                             n=n, samples=n)
 
 
 def parse_completion(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
@@ -347,9 +375,12 @@ def parse_completion(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
     _check_model(body, model_name)
     _check_unsupported(body)
     stream, include_usage = _stream_flags(body)
+    n, samples = _samples(body, Endpoint.COMPLETIONS, stream)
     logprobs = _get(body, "logprobs", int, "a whole number", None)
     max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size)
+    if samples > n and params.logprobs is None:  # best_of ranks by the tokens' logprobs
+        params = replace(params, logprobs=0)
     params = _structured(body, params, grammar or (lambda: GrammarVocab.of(tok)))
     try:
         ids = completion_prompt_ids(tok, body.get("prompt"), vocab_size=vocab_size,
@@ -357,7 +388,8 @@ def parse_completion(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
     except ValueError as e:
         raise bad_request(str(e), "prompt") from None
     return GenerationRequest(Endpoint.COMPLETIONS, tuple(ids), params, stream, include_usage,
-                             LogprobsForm.NONE if logprobs is None else LogprobsForm.COMPLETIONS)
+                             LogprobsForm.NONE if logprobs is None else LogprobsForm.COMPLETIONS,
+                             n=n, samples=samples)
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -469,9 +501,26 @@ def tool_calls_body(calls: Sequence[ToolCall], *, indexed: bool = False) -> list
 def response_body(req: GenerationRequest, model: str, text: str, finish_reason: str,
                   logprobs: dict | None, usage: Usage,
                   tool_calls: Sequence[ToolCall] = (), reasoning: str | None = None) -> dict:
-    """The non-streaming answer; with `tool_calls` the message carries them (its content None
-    when there is no text besides) and the finish reason is `tool_calls`; in thinking mode the
-    message's `reasoning_content` (its content None when the reply is only reasoning)."""
+    """The non-streaming answer of one choice (`choice_body`)."""
+    choice = choice_body(req, text, finish_reason, logprobs, tool_calls, reasoning)
+    return choices_body(req, model, [choice], usage)
+
+
+def choices_body(req: GenerationRequest, model: str, choices: Sequence[dict],
+                 usage: Usage) -> dict:
+    """The non-streaming answer of its choices (`choice_body`s, in index order)."""
+    kind = "chat.completion" if req.endpoint is Endpoint.CHAT else "text_completion"
+    return {"id": req.id, "object": kind, "created": req.created, "model": model,
+            "choices": list(choices), "usage": usage.body()}
+
+
+def choice_body(req: GenerationRequest, text: str, finish_reason: str, logprobs: dict | None,
+                tool_calls: Sequence[ToolCall] = (), reasoning: str | None = None, *,
+                index: int = 0) -> dict:
+    """One choice of the non-streaming answer; with `tool_calls` the message carries them (its
+    content None when there is no text besides) and the finish reason is `tool_calls`; in
+    thinking mode the message's `reasoning_content` (its content None when the reply is only
+    reasoning)."""
     if req.endpoint is Endpoint.CHAT:
         message = {"role": "assistant", "content": text}
         if reasoning is not None:
@@ -481,14 +530,9 @@ def response_body(req: GenerationRequest, model: str, text: str, finish_reason: 
             message = {**message, "content": text or None,
                        "tool_calls": tool_calls_body(tool_calls)}
             finish_reason = "tool_calls"
-        choice = {"index": 0, "message": message, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        kind = "text_completion"
-    return {"id": req.id, "object": kind, "created": req.created, "model": model,
-            "choices": [choice], "usage": usage.body()}
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def call_deltas_body(deltas: Sequence[CallDelta], ids: dict[int, str]) -> list[dict]:
@@ -508,10 +552,11 @@ def call_deltas_body(deltas: Sequence[CallDelta], ids: dict[int, str]) -> list[d
 def chunk_body(req: GenerationRequest, model: str, *, text: str | None,
                finish_reason: str | None = None, logprobs: dict | None = None,
                role: bool = False, tool_calls: Sequence[ToolCall] = (),
-               reasoning: str | None = None, call_deltas: Sequence[dict] = ()) -> dict:
+               reasoning: str | None = None, call_deltas: Sequence[dict] = (),
+               index: int = 0) -> dict:
     """One streamed chunk carrying a text delta (chat: `delta`; completions: `text`), a
     reasoning delta (`delta.reasoning_content`), pieces of tool calls (`call_deltas`, from
-    `call_deltas_body`), or a chat delta with whole tool calls."""
+    `call_deltas_body`), or a chat delta with whole tool calls; `index`: its choice's."""
     if req.endpoint is Endpoint.CHAT:
         delta = {"role": "assistant"} if role else {}
         if reasoning is not None:
@@ -522,11 +567,11 @@ def chunk_body(req: GenerationRequest, model: str, *, text: str | None,
             delta["tool_calls"] = tool_calls_body(tool_calls, indexed=True)
         if call_deltas:
             delta["tool_calls"] = list(call_deltas)
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs,
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish_reason}
         kind = "text_completion"
     return {"id": req.id, "object": kind, "created": req.created, "model": model,
