@@ -33,8 +33,11 @@ def _engine(args, **options) -> Engine:
     opts = {"page_tokens": args.page_tokens, **options}
     if args.artifact:
         return Engine.load(args.artifact, args.checkpoint, **opts)
-    return Engine.from_model(Model.from_checkpoint(args.checkpoint),
-                             weights_hash=weights_fingerprint(args.checkpoint), **opts)
+    return Engine.from_model(
+        Model.from_checkpoint(args.checkpoint),
+        weights_hash=weights_fingerprint(args.checkpoint),
+        **opts,
+    )
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -49,12 +52,15 @@ def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     timings = [s.timing for s in streams]
     st = b.stats()
     b.stop()
-    return {"tokens": tokens, "tiers": [t.tier for t in timings],
-            "reused": [t.reused_tokens for t in timings],
-            "ttft_s": [t.first_token_s for t in timings],
-            "prefill_s": [t.first_token_s - t.queued_s for t in timings],
-            "tier_counts": dict(st.tiers),
-            "prefilled": engine.token_counts["prefilled"] - before["prefilled"]}
+    return {
+        "tokens": tokens,
+        "tiers": [t.tier for t in timings],
+        "reused": [t.reused_tokens for t in timings],
+        "ttft_s": [t.first_token_s for t in timings],
+        "prefill_s": [t.first_token_s - t.queued_s for t in timings],
+        "tier_counts": dict(st.tiers),
+        "prefilled": engine.token_counts["prefilled"] - before["prefilled"],
+    }
 
 
 def main() -> None:
@@ -76,39 +82,49 @@ def main() -> None:
         shared = _engine(args, store_dir=Path(tmp) / "store", runtime_prefix=True)
         vocab = shared.model.args.vocab_size
         prefix = [int(x) for x in rng.integers(3, vocab, args.prefix)]
-        prompts = [prefix + [int(x) for x in rng.integers(3, vocab, args.suffix)]
-                   for _ in range(args.requests)]
-        print(f"backend: {shared.backend}; {args.requests} requests, a {args.prefix}-token "
-              f"prefix + {args.suffix} tokens each, {args.max_tokens} tokens out, pages of "
-              f"{args.page_tokens}")
+        prompts = [
+            prefix + [int(x) for x in rng.integers(3, vocab, args.suffix)]
+            for _ in range(args.requests)
+        ]
+        print(
+            f"backend: {shared.backend}; {args.requests} requests, a {args.prefix}-token "
+            f"prefix + {args.suffix} tokens each, {args.max_tokens} tokens out, pages of "
+            f"{args.page_tokens}"
+        )
         with shared:
             a = _run(shared, prompts, args.max_tokens)
     with _engine(args) as cold:
         c = _run(cold, prompts, args.max_tokens)
     others = slice(1, None)
     out = {
-        "backend": shared.backend, "requests": args.requests, "prefix_tokens": args.prefix,
-        "shared_tiers": a["tier_counts"], "cold_tiers": c["tier_counts"],
+        "backend": shared.backend,
+        "requests": args.requests,
+        "prefix_tokens": args.prefix,
+        "shared_tiers": a["tier_counts"],
+        "cold_tiers": c["tier_counts"],
         "prefix_prefills": sum(1 for t in a["tiers"] if t == "cold"),
-        "runtime_prefix_tokens": sum(r for t, r in zip(a["tiers"], a["reused"], strict=True)
-                                     if t == "runtime-prefix"),
-        "shared_prefilled_tokens": a["prefilled"], "cold_prefilled_tokens": c["prefilled"],
+        "runtime_prefix_tokens": sum(
+            r for t, r in zip(a["tiers"], a["reused"], strict=True) if t == "runtime-prefix"
+        ),
+        "shared_prefilled_tokens": a["prefilled"],
+        "cold_prefilled_tokens": c["prefilled"],
         "shared_ttft_p50_s": statistics.median(a["ttft_s"][others]),
         "cold_ttft_p50_s": statistics.median(c["ttft_s"][others]),
         "shared_prefill_p50_s": statistics.median(a["prefill_s"][others]),
         "cold_prefill_p50_s": statistics.median(c["prefill_s"][others]),
-        "same_tokens_as_cold": sum(x == y for x, y in zip(a["tokens"], c["tokens"],
-                                                          strict=True)),
+        "same_tokens_as_cold": sum(x == y for x, y in zip(a["tokens"], c["tokens"], strict=True)),
     }
     for k, v in out.items():
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
-    print(f"summary: the prefix prefilled {out['prefix_prefills']} time(s) of {args.requests}; "
-          f"the other {args.requests - 1}'s TTFT p50 {out['shared_ttft_p50_s'] * 1e3:.1f} ms vs "
-          f"{out['cold_ttft_p50_s'] * 1e3:.1f} ms cold "
-          f"({out['cold_ttft_p50_s'] / out['shared_ttft_p50_s']:.1f}x), prefill p50 "
-          f"{out['shared_prefill_p50_s'] * 1e3:.1f} ms vs {out['cold_prefill_p50_s'] * 1e3:.1f} "
-          f"ms ({out['cold_prefill_p50_s'] / out['shared_prefill_p50_s']:.1f}x); "
-          f"{out['same_tokens_as_cold']}/{args.requests} outputs equal the cold run's")
+    print(
+        f"summary: the prefix prefilled {out['prefix_prefills']} time(s) of {args.requests}; "
+        f"the other {args.requests - 1}'s TTFT p50 {out['shared_ttft_p50_s'] * 1e3:.1f} ms vs "
+        f"{out['cold_ttft_p50_s'] * 1e3:.1f} ms cold "
+        f"({out['cold_ttft_p50_s'] / out['shared_ttft_p50_s']:.1f}x), prefill p50 "
+        f"{out['shared_prefill_p50_s'] * 1e3:.1f} ms vs {out['cold_prefill_p50_s'] * 1e3:.1f} "
+        f"ms ({out['cold_prefill_p50_s'] / out['shared_prefill_p50_s']:.1f}x); "
+        f"{out['same_tokens_as_cold']}/{args.requests} outputs equal the cold run's"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -26,8 +26,7 @@ PAGE = 8
 
 
 def _engine(model, store=None, **kw) -> Engine:
-    return Engine.from_model(model, weights_hash="w" * 64, page_tokens=PAGE, store_dir=store,
-                             **kw)
+    return Engine.from_model(model, weights_hash="w" * 64, page_tokens=PAGE, store_dir=store, **kw)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -63,8 +62,16 @@ def test_lru_eviction_order_within_the_room():
     assert t.keys() == ["e", "a"]
     assert t.get("zz") is None
     s = t.stats()
-    assert (s.entries, s.bytes, s.room, s.hits, s.misses, s.stored, s.evictions, s.refused) == \
-        (2, 55, 60, 1, 1, 5, 3, 1)
+    assert (s.entries, s.bytes, s.room, s.hits, s.misses, s.stored, s.evictions, s.refused) == (
+        2,
+        55,
+        60,
+        1,
+        1,
+        5,
+        3,
+        1,
+    )
     with pytest.raises(ValueError, match="rows only"):
         t.put("f", _rows(1), {"x": 1})
 
@@ -85,8 +92,12 @@ def test_a_request_reuses_the_rows_of_one_still_decoding(small_model):
     prompt = shared + _prompt(6, 3)  # shares blocks 0 and 1 (16 tokens), then diverges
     toks, logits = _send(b, prompt)
     r = b.turns[-1]
-    assert (r.tier, r.cached_blocks, r.reused_keys, r.reused_tokens) == \
-        ("runtime-prefix", 2, a_keys[:2], 16)
+    assert (r.tier, r.cached_blocks, r.reused_keys, r.reused_tokens) == (
+        "runtime-prefix",
+        2,
+        a_keys[:2],
+        16,
+    )
     assert (r.replayed, r.prefilled) == (16, len(prompt) - 16)
     assert e.tier_counts["runtime-prefix"] == 1 and e.token_counts["runtime_prefix"] == 16
     assert e.stats().runtime_blocks.hits == 2
@@ -103,8 +114,7 @@ def test_a_request_reuses_the_rows_of_one_still_decoding(small_model):
     fresh.close()
 
 
-def test_a_finished_requests_blocks_are_reused_as_the_ssd_tier_would_serve(small_model,
-                                                                            tmp_path):
+def test_a_finished_requests_blocks_are_reused_as_the_ssd_tier_would_serve(small_model, tmp_path):
     """Past the window the reuse is the SSD prefix tier's bounded replay over the same bytes:
     the runtime tier's output equals the SSD tier's, token and logit, on a fresh engine."""
     e = _engine(small_model, tmp_path / "s1", runtime_prefix=True)
@@ -121,8 +131,12 @@ def test_a_finished_requests_blocks_are_reused_as_the_ssd_tier_would_serve(small
     prompt = shared[:28] + _prompt(9, 5)  # blocks 0-2 shared (the SSD holds them too: a tie)
     toks, logits = _send(b, prompt)
     r = b.turns[-1]
-    assert (r.tier, r.reused_keys, r.reused_tokens, r.replayed) == \
-        ("runtime-prefix", keys[:3], 24, 16)
+    assert (r.tier, r.reused_keys, r.reused_tokens, r.replayed) == (
+        "runtime-prefix",
+        keys[:3],
+        24,
+        16,
+    )
     e.flush()
     # its turn end writes only the block the SSD store lacks (block 3 of b's 39-token history)
     assert e.stats().writer.submitted - submitted == len(e.block_keys(b.history)) - 3 == 1
@@ -170,15 +184,17 @@ def test_another_salt_never_reuses_the_tiers_blocks(small_model):
     other = TierKeys(bytes(32), PAGE)
     assert not set(other.block_keys(prompt)) & set(e.runtime_blocks.keys())
     rings = snapshot_ring_layers(small_model.plan, all_rings=False)
-    planner = TurnPlanner(small_model, e.options, other, e.pool, None, e.new_cache, rings,
-                          e.runtime_blocks)
+    planner = TurnPlanner(
+        small_model, e.options, other, e.pool, None, e.new_cache, rings, e.runtime_blocks
+    )
     plan = planner.restore(prompt, live=None, live_tokens=0, resumed=False)
     assert (plan.tier, plan.cached, plan.keys) == ("cold", 0, ())
     st = e.stats().runtime_blocks
     assert (st.hits, st.misses) == (0, 0)
     # and a second engine of other weights has a tier of its own (empty): its turn is cold
-    e2 = Engine.from_model(small_model, weights_hash="x" * 64, page_tokens=PAGE,
-                           runtime_prefix=True)
+    e2 = Engine.from_model(
+        small_model, weights_hash="x" * 64, page_tokens=PAGE, runtime_prefix=True
+    )
     s2 = e2.session()
     _send(s2, prompt)
     assert s2.turns[-1].tier == "cold"
@@ -194,11 +210,21 @@ def test_exact_mode_refuses_the_tier():
 
 
 def test_usage_counts_a_runtime_prefix_hit_at_the_runtime_cache():
-    u = Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=32,
-              cache=PromptCache(tier=Tier.RUNTIME_PREFIX, replayed=16, decoder_replayed=16))
+    u = Usage(
+        prompt_tokens=40,
+        completion_tokens=3,
+        cached_tokens=32,
+        cache=PromptCache(tier=Tier.RUNTIME_PREFIX, replayed=16, decoder_replayed=16),
+    )
     pc = u.body()["dsv41_prompt_cache"]
-    assert pc == {"tier": "runtime-prefix", CacheTier.RUNTIME.value: 32, "dram_pool_tokens": 0,
-                  "ssd_store_tokens": 0, "replayed_tokens": 16, "decoder_replayed_tokens": 16}
+    assert pc == {
+        "tier": "runtime-prefix",
+        CacheTier.RUNTIME.value: 32,
+        "dram_pool_tokens": 0,
+        "ssd_store_tokens": 0,
+        "replayed_tokens": 16,
+        "decoder_replayed_tokens": 16,
+    }
 
 
 # ---- through the batcher ------------------------------------------------------------------------
