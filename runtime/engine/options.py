@@ -88,5 +88,7 @@ class EngineOptions:
     def __post_init__(self) -> None:  # the mode as the enum (ValueError for a bad one)
         object.__setattr__(self, "speculative", spec_mode(self.speculative))
         if self.runtime_prefix and self.exact:
-            raise ValueError("runtime_prefix needs the bounded replay, which exact mode does not "
-                             "run: blocks alone do not restore an exact turn.")
+            raise ValueError(
+                "runtime_prefix needs the bounded replay, which exact mode does not "
+                "run: blocks alone do not restore an exact turn."
+            )
