@@ -7,6 +7,7 @@ replayed whole, so its output is a cold prefill's)."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -163,7 +164,7 @@ def test_the_budget_evicts_the_tiers_lru_blocks_for_a_live_cache(small_model, tm
     # a budget that holds the next request's cache and 3 blocks, not 5: the admission evicts the
     # 2 least recently used (the end of a's chain), its prompt of 5 tokens adds none
     small = e.cache_bytes(5 + 2 + 1) + 3 * block + block // 2
-    e.options = e.options.__class__(**{**e.options.__dict__, "cache_budget_bytes": small})
+    e.options = replace(e.options, cache_budget_bytes=small)
     b = e.session()
     gen = b.send(_prompt(5, 7), max_new_tokens=2)
     next(gen)
