@@ -234,7 +234,7 @@ def test_usage_counts_a_runtime_prefix_hit_at_the_runtime_cache():
 def test_concurrent_requests_with_one_prefix_prefill_it_once(small_model, tmp_path):
     e = _engine(small_model, tmp_path / "s", runtime_prefix=True)
     shared = _prompt(16, 9)  # 2 blocks: within the window, so each hit equals a cold prefill
-    prompts = [shared + _prompt(4 + i, 10 + i) for i in range(3)]
+    prompts = [shared + _prompt(4, 10 + i) for i in range(3)]  # one length: one shape each
     b = Batcher(e, max_running=3)
     streams = [b.submit(p, SamplingParams(temperature=0.0, max_tokens=2)) for p in prompts]
     while b.step():
