@@ -182,7 +182,8 @@ def test_the_planners_results_are_frozen_typed_dataclasses(result):
 
 
 def test_the_turn_plan_fields_and_the_planners_signatures():
-    assert [f.name for f in dataclasses.fields(TurnPlan)] == ["cache", "tier", "cached", "keys"]
+    assert [f.name for f in dataclasses.fields(TurnPlan)] == ["cache", "tier", "cached", "keys",
+                                                              "stored_blocks"]
     assert typing.get_type_hints(TurnPlan)["tier"] is Tier
     restore = inspect.signature(TurnPlanner.restore)
     assert list(restore.parameters) == ["self", "keyed", "live", "live_tokens", "resumed"]

@@ -155,6 +155,8 @@ class DecodeBatch:
             raise ValueError(f"The decode batch is full ({self.max_rows} rows).")
         rows, cap = self._shape(capacity_tokens(src))
         grow = rows * e.cache_bytes(cap) - self.nbytes()
+        if grow > 0 and e.fits(grow):  # the runtime prefix tier's blocks make way first
+            e.make_room(grow)
         used = e.runtime_bytes()
         if grow > 0 and used + grow > e.options.cache_budget_bytes:
             raise CacheFullError(

@@ -8,15 +8,20 @@ from collections.abc import Callable, Iterable
 from dsv41.graph.cache import ModelCache, ensure_capacity, new_cache
 from dsv41.graph.model import Model
 from dsv41.runtime.engine.options import CacheFullError, EngineOptions
+from dsv41.runtime.tiers.runtime_blocks import RuntimeBlocks
 
 
 class CacheBudget:
     """Allocates the engine's caches and counts them against `cache_budget_bytes`. `live`: every
-    cache the engine holds now (the sessions' and the decode batches'), what the budget counts."""
+    cache the engine holds now (the sessions' and the decode batches'), what the budget counts
+    with the runtime prefix tier's blocks (`blocks`, when on). The tier lives in the room the
+    live caches leave (`block_room`): a cache that needs room takes it from the tier first,
+    least recently used blocks evicted (`make_room`), before a turn is refused."""
 
     def __init__(self, model: Model, options: EngineOptions,
                  live: Callable[[], Iterable[ModelCache]]):
         self.model, self.options, self.live = model, options, live
+        self.blocks: RuntimeBlocks | None = None  # the runtime prefix tier (the engine sets it)
         self.pad = model.engram.pad_id if model.engram is not None else None
         one_page = self.new_cache()
         self.first_page = sum(one_page.nbytes().values())  # everything, with its first page
@@ -33,8 +38,30 @@ class CacheBudget:
         return new_cache(self.model.plan, rows, tokens or self.options.page_tokens,
                          engram_pad=self.pad, device=self.model.device)
 
-    def runtime_bytes(self) -> int:
+    def live_bytes(self) -> int:
+        """The live caches' bytes (the prefix tier's apart)."""
         return sum(sum(c.nbytes().values()) for c in self.live())
+
+    def runtime_bytes(self) -> int:
+        """The live caches' bytes and the prefix tier's."""
+        return self.live_bytes() + (0 if self.blocks is None else self.blocks.nbytes())
+
+    def block_room(self) -> int:
+        """The bytes the prefix tier may hold now: the budget less the live caches."""
+        return self.options.cache_budget_bytes - self.live_bytes()
+
+    def fits(self, extra: int) -> bool:
+        """Whether `extra` more bytes of live cache fit, the prefix tier's blocks evicted if
+        need be."""
+        return self.live_bytes() + extra <= self.options.cache_budget_bytes
+
+    def make_room(self, extra: int) -> None:
+        """Evict the prefix tier's least recently used blocks until `extra` more bytes of live
+        cache fit in the budget (or the tier is empty)."""
+        if self.blocks is not None:
+            over = self.runtime_bytes() + extra - self.options.cache_budget_bytes
+            if over > 0:
+                self.blocks.evict_bytes(over)
 
     def cache_bytes(self, tokens: int) -> int:
         """The bytes of one session's cache grown to hold `tokens` positions (whole pages)."""
@@ -43,7 +70,10 @@ class CacheBudget:
 
     def admit(self, tokens: int) -> None:
         """Refuse (CacheFullError) a new cache of `tokens` positions that would not fit."""
-        need, used = self.cache_bytes(tokens), self.runtime_bytes()
+        need = self.cache_bytes(tokens)
+        if self.fits(need):  # refused: nothing changes, the tier's blocks included
+            self.make_room(need)
+        used = self.runtime_bytes()
         if used + need > self.options.cache_budget_bytes:
             raise CacheFullError(
                 f"The runtime cache needs {need:,} more bytes for {tokens} positions; "
@@ -63,9 +93,11 @@ class CacheBudget:
                     for t in (st.kv_codes, st.kv_scales, st.k_codes, st.k_scales)
                     if t is not None and t.size(1))
         live = list(self.live())
-        used = sum(sum(c.nbytes().values()) for c in live)
         if not any(c is cache for c in live):
             extra += sum(cache.nbytes().values())
+        if self.fits(extra):
+            self.make_room(extra)
+        used = self.runtime_bytes()
         if used + extra > self.options.cache_budget_bytes:
             raise CacheFullError(
                 f"The runtime cache needs {extra:,} more bytes for {want} positions; "

@@ -92,6 +92,7 @@ from dsv41.runtime.tiers.base import StorageTier
 from dsv41.runtime.tiers.block_writer import BlockWriter
 from dsv41.runtime.tiers.dram_pool import SnapshotPool
 from dsv41.runtime.tiers.redis_pool import RedisSnapshotPool
+from dsv41.runtime.tiers.runtime_blocks import RuntimeBlocks
 from dsv41.runtime.tiers.ssd_store import KVStore
 
 
@@ -137,11 +138,17 @@ class Engine:
         # what a snapshot holds (its layout salts every key through KeySalt's exact and
         # decoder_carry: other layouts never match)
         rings = snapshot_ring_layers(model.plan, all_rings=options.exact or options.decoder_carry)
+        # the runtime prefix tier: prompt blocks in the room the live caches leave in the budget
+        self.runtime_blocks = RuntimeBlocks(self.budget.block_room) \
+            if options.runtime_prefix else None
+        self.budget.blocks = self.runtime_blocks
         self.planner = TurnPlanner(model, options, self.keys, self.pool, self.blocks,
-                                   self.new_cache, rings)
+                                   self.new_cache, rings, self.runtime_blocks)
         self._next_id = 1
         self.tier_counts = {t.value: 0 for t in Tier}
-        self.token_counts = {"prefilled": 0, "replayed": 0, "decoder_replayed": 0, "decoded": 0}
+        # runtime_prefix: prompt tokens served from the runtime prefix tier
+        self.token_counts = {"prefilled": 0, "replayed": 0, "decoder_replayed": 0, "decoded": 0,
+                             "runtime_prefix": 0}
 
     @property
     def options(self) -> EngineOptions:
@@ -248,6 +255,8 @@ class Engine:
             self.blocks.close()
         if self.store is not None:
             self.store.close()
+        if self.runtime_blocks is not None:
+            self.runtime_blocks.close()
         self.pool.close()
         if self._on_close is not None and not self.closed:
             self._on_close()
@@ -282,6 +291,8 @@ class Engine:
         for c in live + [b.cache for b in self._batches if b.cache is not None]:
             for k, v in c.nbytes().items():
                 by_kind[k] += v
+        if self.runtime_blocks is not None:  # the prefix tier's blocks (main KV and index K)
+            by_kind["prefix_blocks"] = self.runtime_blocks.nbytes()
         return EngineStats(
             sessions_live=len(live) + sum(len(b) for b in self._batches), runtime_bytes=by_kind,
             runtime_tokens=sum(int(c.pos[0]) for c in live)
@@ -290,7 +301,8 @@ class Engine:
             tokens=dict(self.token_counts),
             store=None if self.blocks is None else self.blocks.store_stats(),
             pool=self.pool.stats(),
-            writer=None if self.blocks is None else self.blocks.stats())
+            writer=None if self.blocks is None else self.blocks.stats(),
+            runtime_blocks=None if self.runtime_blocks is None else self.runtime_blocks.stats())
 
     def flush(self) -> None:
         """Wait until every queued SSD block is written."""
@@ -322,7 +334,18 @@ class Engine:
         return self.budget.new_cache(rows, tokens)
 
     def runtime_bytes(self) -> int:
+        """The live caches' bytes and the runtime prefix tier's."""
         return self.budget.runtime_bytes()
+
+    def fits(self, extra: int) -> bool:
+        """Whether `extra` more bytes of live cache fit the budget (the runtime prefix tier's
+        blocks evicted if need be)."""
+        return self.budget.fits(extra)
+
+    def make_room(self, extra: int) -> None:
+        """Evict the runtime prefix tier's least recently used blocks until `extra` more bytes
+        of live cache fit (or the tier is empty)."""
+        self.budget.make_room(extra)
 
     def cache_bytes(self, tokens: int) -> int:
         """The bytes of one session's cache grown to hold `tokens` positions (whole pages)."""

@@ -79,6 +79,16 @@ class EngineOptions:
     # an artifact's host-resident Engram rows gathered ahead on a background thread while the
     # entry's first blocks run (False: when the entry reaches the layer; the same rows)
     engram_prefetch: bool = True
+    # the runtime-cache prefix tier (runtime/tiers/runtime_blocks.py): every prefill's complete
+    # prompt blocks stay in the runtime cache's memory, within its budget (LRU), and serve any
+    # later request with that prefix, running or finished; not in exact mode (blocks alone do
+    # not restore without the bounded replay). Off in the embedded engine, on in `dsv41 serve`
+    runtime_prefix: bool = False
 
     def __post_init__(self) -> None:  # the mode as the enum (ValueError for a bad one)
         object.__setattr__(self, "speculative", spec_mode(self.speculative))
+        if self.runtime_prefix and self.exact:
+            raise ValueError(
+                "runtime_prefix needs the bounded replay, which exact mode does not "
+                "run: blocks alone do not restore an exact turn."
+            )

@@ -9,13 +9,19 @@ The restore order is `TurnPlanner.levels`, walked first to last (the first that 
 | live | the session's own cache | the runtime cache still holds it |
 | DRAM snapshot | a pool snapshot of the local state | blocks + snapshot of a prefix |
 | SSD snapshot (exact mode) | an SSD record of the whole state | blocks + record of a prefix |
+| runtime prefix (CED mode, `runtime_prefix`) | blocks in the runtime cache | as SSD prefix |
 | SSD prefix (CED mode) | the blocks alone | encoder bounded replay from their end |
 | cold | nothing | always (the whole sequence prefilled) |
 
 Consecutive state levels are searched together, longest prefix first and at one length in their
 order (the latest state within the block after the stored blocks wins, whichever tier holds
-it). Without an SSD store only live and cold remain: sessions stay live. A new level is one more
-entry of `levels`.
+it); so are consecutive block levels (the longest run of blocks wins, the runtime tier's at a
+tie: a device copy instead of a read from the SSD). Without an SSD store only live, runtime
+prefix and cold remain: sessions stay live. A new level is one more entry of `levels`.
+
+The runtime prefix tier is filled at the end of every prefill (`keep_prompt_blocks`), so a
+request admitted after another's prefill reuses its prompt blocks while that one still decodes,
+and after it finished until they are evicted.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from dsv41.runtime.engine.options import EngineOptions
 from dsv41.runtime.engine.records import StateKind, Tier
 from dsv41.runtime.engine.state import (
     block_arrays,
+    block_rows,
     check_block,
     check_snapshot,
     index_owner_at,
+    restore_block_rows,
     restore_blocks,
     restore_snapshot,
     snapshot_arrays,
@@ -46,6 +54,7 @@ from dsv41.runtime.engine.transfer import Transfers
 from dsv41.runtime.tiers.base import StorageTier
 from dsv41.runtime.tiers.block_writer import BlockWriter
 from dsv41.runtime.tiers.dram_pool import Snapshot
+from dsv41.runtime.tiers.runtime_blocks import RuntimeBlocks
 
 
 class Holds(Enum):
@@ -53,7 +62,7 @@ class Holds(Enum):
 
     CACHE = "cache"  # the session's live cache
     STATE = "state"  # a state record after a prefix (with the SSD blocks before it)
-    BLOCKS = "blocks"  # SSD blocks of a prefix, no state
+    BLOCKS = "blocks"  # blocks of a prefix (SSD or runtime tier), no state
     NOTHING = "nothing"  # cold
 
 
@@ -63,19 +72,22 @@ class Level:
 
     tier: Tier  # what a turn it serves reports
     holds: Holds
-    source: StorageTier | None = None  # where its records live (STATE levels)
+    source: StorageTier | None = None  # where its records live (STATE and BLOCKS levels)
     kind: StateKind | None = None  # the kind its state records are keyed by (STATE levels)
 
 
 @dataclass(frozen=True)
 class TurnPlan:
     """Where a turn starts: the cache, the tier that gave it, how many leading tokens of the
-    turn's sequence it holds (the prefill starts there), and the SSD blocks read for it."""
+    turn's sequence it holds (the prefill starts there), and the blocks read for it (SSD or
+    runtime tier); `stored_blocks`: how many of them the SSD store is known to hold (None: all
+    of them), from where the turn's end writes its blocks."""
 
     cache: ModelCache
     tier: Tier
     cached: int
     keys: tuple[str, ...]
+    stored_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,16 +99,19 @@ class Offloaded:
     snapshot: str
 
 
-def tier_levels(options: EngineOptions, pool: StorageTier,
-                blocks: StorageTier | None) -> tuple[Level, ...]:
-    """The restore order of an engine with these options and tiers (the table above)."""
+def tier_levels(options: EngineOptions, pool: StorageTier, blocks: StorageTier | None,
+                runtime: RuntimeBlocks | None = None) -> tuple[Level, ...]:
+    """The restore order of an engine with these options and tiers (the table above);
+    `runtime`: the runtime prefix tier (None: off)."""
     levels = [Level(Tier.LIVE, Holds.CACHE)]
     if blocks is not None:  # without an SSD store nothing outside a live session holds state
         levels.append(Level(Tier.SNAPSHOT, Holds.STATE, pool, StateKind.SNAPSHOT))
         if options.exact:
             levels.append(Level(Tier.SNAPSHOT_SSD, Holds.STATE, blocks, StateKind.STATE))
-        else:  # exact mode has no bounded replay: blocks alone do not restore
-            levels.append(Level(Tier.PREFIX, Holds.BLOCKS, blocks))
+    if runtime is not None and not options.exact:  # (EngineOptions refuses the two together)
+        levels.append(Level(Tier.RUNTIME_PREFIX, Holds.BLOCKS, runtime))
+    if blocks is not None and not options.exact:  # no bounded replay: blocks do not restore
+        levels.append(Level(Tier.PREFIX, Holds.BLOCKS, blocks))
     levels.append(Level(Tier.COLD, Holds.NOTHING))
     return tuple(levels)
 
@@ -113,11 +128,13 @@ class TurnPlanner:
 
     def __init__(self, model: Model, options: EngineOptions, keys: TierKeys,
                  pool: StorageTier, blocks: BlockWriter | None,
-                 new_cache: Callable[[], ModelCache], ring_layers: Sequence[int]):
+                 new_cache: Callable[[], ModelCache], ring_layers: Sequence[int],
+                 runtime: RuntimeBlocks | None = None):
         self.model, self.options, self.keys = model, options, keys
         self.pool, self.blocks, self.new_cache = pool, blocks, new_cache
         self.ring_layers = ring_layers
-        self.levels = tier_levels(options, pool, blocks)
+        self.runtime = runtime  # the runtime prefix tier (None: off)
+        self.levels = tier_levels(options, pool, blocks, runtime)
 
     @property
     def offloads(self) -> bool:
@@ -149,7 +166,10 @@ class TurnPlanner:
                 run = tuple(takewhile(lambda lv: lv.holds is Holds.STATE, self.levels[i:]))
                 plan = self._from_state(run, keyed, keys)
             elif level.holds is Holds.BLOCKS:
-                plan = self._from_blocks(level, keys)
+                if i and self.levels[i - 1].holds is Holds.BLOCKS:
+                    continue  # searched with the first of its run
+                run = tuple(takewhile(lambda lv: lv.holds is Holds.BLOCKS, self.levels[i:]))
+                plan = self._from_blocks(run, keys)
             else:
                 if resumed and self.blocks is None:
                     raise RuntimeError("A released session needs the SSD store.")
@@ -194,17 +214,43 @@ class TurnPlanner:
         io.ready_for_compute()
         return TurnPlan(cache, tier, length, tuple(keys[: len(blocks)]))
 
-    def _from_blocks(self, level: Level, keys: list[str]) -> TurnPlan | None:
-        """The longest run of stored blocks alone (encoder bounded replay from their end)."""
+    def _from_blocks(self, run: Sequence[Level], keys: list[str]) -> TurnPlan | None:
+        """The longest run of blocks alone over the block levels `run` (at one length, in their
+        order), then encoder bounded replay from their end. A tier whose blocks read back
+        shorter (an SSD block found bad) gives way to the next longest."""
         b = self.options.page_tokens
-        cache = self.new_cache()
-        blocks = self._blocks(keys[: self.blocks.lookup_prefix(keys)], cache)
-        if not blocks:
-            return None
-        restore_blocks(cache, blocks, b)
-        cache.index_owner = torch.tensor([index_owner_at(self.model.plan, len(blocks) * b)],
-                                         device=self.model.device)
-        return TurnPlan(cache, level.tier, len(blocks) * b, tuple(keys[: len(blocks)]))
+        found = sorted(((lv.source.lookup_prefix(keys), -i, lv) for i, lv in enumerate(run)),
+                       key=lambda f: f[:2], reverse=True)
+        best: TurnPlan | None = None
+        for n, _, lv in found:
+            if n == 0 or (best is not None and best.cached >= n * b):
+                break
+            cache = self.new_cache()
+            if lv.source is self.runtime:
+                got = self._runtime_blocks(keys[:n], cache)
+            else:
+                blocks = self._blocks(keys[:n], cache)
+                if blocks:
+                    restore_blocks(cache, blocks, b)
+                got = len(blocks)
+            if got and (best is None or got * b > best.cached):
+                cache.index_owner = torch.tensor([index_owner_at(self.model.plan, got * b)],
+                                                 device=self.model.device)
+                stored = None if lv.source is self.blocks else self._ssd_blocks(keys[:got])
+                best = TurnPlan(cache, lv.tier, got * b, tuple(keys[:got]), stored)
+        return best
+
+    def _runtime_blocks(self, keys: list[str], cache: ModelCache) -> int:
+        """The runtime tier's blocks of `keys` (all held: `lookup_prefix`) copied into
+        `cache`; read last to first, so the chain's first block stays the most recently used
+        (the tier evicts the end of a chain before its start)."""
+        rows = [self.runtime.get(k) for k in reversed(keys)][::-1]
+        restore_block_rows(cache, rows, self.options.page_tokens)
+        return len(rows)
+
+    def _ssd_blocks(self, keys: list[str]) -> int:
+        """How many leading `keys` the SSD store holds or has queued (0 without one)."""
+        return 0 if self.blocks is None else self.blocks.lookup_prefix(keys)
 
     def _blocks(self, keys: list[str], cache: ModelCache) -> list[dict]:
         """The stored blocks of `keys`, up to the first missing or bad one (a block whose
@@ -223,6 +269,28 @@ class TurnPlanner:
         snapshot of a `length`-token sequence has (`state.check_snapshot`)."""
         b, rings = self.options.page_tokens, self.ring_layers
         return lambda arrays: check_snapshot(cache, arrays, length, b, rings)
+
+    # ---- the runtime prefix tier ----------------------------------------------------------------
+
+    def keep_prompt_blocks(self, cache: ModelCache, keyed: Sequence[int]) -> int:
+        """After a prefill of `keyed` (the cache holds all of it): its complete blocks to the
+        runtime prefix tier, a copy of the rows each (those it holds are touched). Last block
+        first, so a chain's start is the most recently used and the tier evicts its end
+        first. Returns the blocks newly stored (0 with the tier off or no room at all)."""
+        if self.runtime is None:
+            return 0
+        if int(cache.pos[0]) != len(keyed):
+            raise AssertionError("the prompt and the cache position disagree")
+        b = self.options.page_tokens
+        stored = 0
+        for i, key in reversed(list(enumerate(self.keys.block_keys(keyed)))):
+            if self.runtime.contains(key):
+                self.runtime.touch(key)
+            elif self.runtime.put(key, block_rows(cache, i, b)):
+                stored += 1
+            else:  # no room for one block (the live caches fill the budget)
+                break
+        return stored
 
     # ---- the turn's end -------------------------------------------------------------------------
 

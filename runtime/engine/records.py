@@ -16,6 +16,9 @@ class Tier(StrEnum):
     SNAPSHOT = "snapshot"  # SSD blocks + a DRAM-pool snapshot (encoder state)
     SNAPSHOT_SSD = "snapshot-ssd"  # exact mode: SSD blocks + an SSD state record
     PREFIX = "prefix"  # SSD blocks only: encoder bounded replay from their end
+    # blocks of any request's prompt still in the runtime cache (runtime_blocks.RuntimeBlocks):
+    # restored as SSD blocks are, then the same encoder bounded replay from their end
+    RUNTIME_PREFIX = "runtime-prefix"
     COLD = "cold"  # nothing: the whole prompt prefilled
     HANDOFF = "handoff"  # an EPD prefill worker's runtime state (Engine.adopt)
 
@@ -134,3 +137,4 @@ class EngineStats:
     store: object | None  # KVStoreStats
     pool: object | None  # SnapshotPoolStats
     writer: object | None = None  # BlockWriterStats
+    runtime_blocks: object | None = None  # RuntimeBlocksStats (None: the tier is off)

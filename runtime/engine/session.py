@@ -164,7 +164,8 @@ class Session:
         start = e.planner.restore(key_tokens(tokens, seen), live=self.cache,
                                   live_tokens=len(self.history), resumed=bool(self.history))
         if start.tier is not Tier.LIVE:
-            self.stored_blocks = len(start.keys)
+            self.stored_blocks = len(start.keys) if start.stored_blocks is None \
+                else start.stored_blocks
         rec.seconds["restore"] = time.perf_counter() - t
         rec.tier, rec.cached_blocks = start.tier, len(start.keys)
         rec.reused_keys, rec.reused_tokens = list(start.keys), start.cached
@@ -177,6 +178,9 @@ class Session:
             self.cache = None  # the history stays in the tiers (or the session starts cold)
             raise
         rec.seconds["prefill"] = time.perf_counter() - t
+        if start.tier is Tier.RUNTIME_PREFIX:
+            e.token_counts["runtime_prefix"] += start.cached
+        e.planner.keep_prompt_blocks(self.cache, key_tokens(tokens, seen))
         self.history, self.images = tokens, seen
         self.pending = None
         e.tier_counts[start.tier] += 1
@@ -227,7 +231,7 @@ class Session:
             rows["image"] = spans.rows(0 if start.tier is Tier.COLD else cut, len(tokens))
         elif spans is not None:  # CED: each phase segment takes its rows by position
             rows["images"] = spans
-        if start.tier is Tier.PREFIX:
+        if start.tier in (Tier.PREFIX, Tier.RUNTIME_PREFIX):  # blocks alone, either tier
             res = ph.replay_prefill(m, cache, torch.tensor([tokens[:cut]]),
                                     torch.tensor([tokens[cut:]]), pacing=pacing, **rows)
             rec.replayed = min(w, cut)

@@ -120,6 +120,50 @@ def restore_blocks(cache: ModelCache, blocks: list[dict[str, np.ndarray]],
     cache.pos = torch.full((1,), n, dtype=torch.int64)
 
 
+def block_rows(cache: ModelCache, index: int, block_tokens: int) -> dict[str, torch.Tensor]:
+    """Prefix block `index` of a batch-1 cache as a copy of its rows on the cache's device (the
+    runtime tier's entry: the same names and rows `block_arrays` gives the SSD store, so a
+    restore from either writes the same bytes)."""
+    _single(cache)
+    end = (index + 1) * block_tokens
+    if index < 0 or end > int(cache.pos[0]):
+        raise ValueError(f"Block {index} ends at {end}, past the {int(cache.pos[0])} cached "
+                         "tokens: its entries are not final yet.")
+    out = {}
+    for layer, st in sorted(cache.stores.items()):
+        r0, r1 = index * block_tokens // st.ratio, end // st.ratio
+        for name in STORE_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                out[f"{layer}.{name}"] = t[0, r0:r1].clone()
+    return out
+
+
+def restore_block_rows(cache: ModelCache, blocks: list[dict[str, torch.Tensor]],
+                       block_tokens: int) -> None:
+    """`restore_blocks` from the runtime tier's rows (`block_rows`, on the cache's device): one
+    device copy per array, read only. ValueError (nothing of the cache's position changed) when
+    a block lacks an array or its rows do not fit."""
+    _single(cache)
+    check_block_tokens(_ratios(cache), block_tokens)
+    n = len(blocks) * block_tokens
+    ensure_capacity(cache, n, exact=True)
+    for i, rows in enumerate(blocks):
+        for layer, st in cache.stores.items():
+            r0, r1 = i * block_tokens // st.ratio, (i + 1) * block_tokens // st.ratio
+            for name in STORE_FIELDS:
+                t = getattr(st, name)
+                if t is None:
+                    continue
+                src = rows.get(f"{layer}.{name}")
+                dest = t[0, r0:r1]
+                if src is None or src.shape != dest.shape or src.dtype != dest.dtype:
+                    raise ValueError(f"Runtime block {i} has no rows {layer}.{name} of "
+                                     f"{tuple(dest.shape)} {dest.dtype}.")
+                dest.copy_(src)
+    cache.pos = torch.full((1,), n, dtype=torch.int64)
+
+
 def index_owner_at(plan: ModelPlan, pos: int) -> int:
     """The index-K pointer after position pos-1 was processed (see `model.run_compressor`): the
     last index-owning source, in layer order, that completed an entry at that position. Restores

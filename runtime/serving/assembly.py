@@ -95,6 +95,9 @@ class ServingOptions:
     # the most draft tokens a row verifies per step (None: the DSpark block)
     speculative: SpecMode = SpecMode.AUTO
     max_draft: int | None = None
+    # the runtime-cache prefix tier (`EngineOptions.runtime_prefix`): concurrent requests with
+    # one prefix prefill it once
+    runtime_prefix: bool = True
 
     def __post_init__(self):  # the CLI's strings as the enums (a bad one is validate()'s)
         if self.backend in BACKENDS:
@@ -173,7 +176,8 @@ def serving_engine(opts: ServingOptions, source: ArtifactSource | None = None) -
         temp = tempfile.TemporaryDirectory(prefix="dsv41-serve-store-")
         store = Path(temp.name) / "store"
     kw = {"store_dir": store, "page_tokens": opts.page_tokens, "redis_url": opts.redis_url,
-          "speculative": opts.speculative, "max_draft": opts.max_draft}
+          "speculative": opts.speculative, "max_draft": opts.max_draft,
+          "runtime_prefix": opts.runtime_prefix}
     if opts.store_capacity_bytes is not None:
         kw["store_capacity_bytes"] = opts.store_capacity_bytes
     try:

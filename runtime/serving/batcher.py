@@ -383,8 +383,10 @@ class Batcher:
 
     def _read_stores(self) -> TierStores:
         e = self.engine
+        rb = getattr(e, "runtime_blocks", None)
         return TierStores(None if e.blocks is None else e.blocks.store_stats(),
-                          None if e.pool is None else e.pool.stats())
+                          None if e.pool is None else e.pool.stats(),
+                          None if rb is None else rb.stats())
 
     def _observe(self) -> None:
         """What /metrics reads of the engine, read here, on the stepping thread (the engine and
@@ -413,7 +415,7 @@ class Batcher:
         e = self.engine
         n = len(req.samples)
         need = e.cache_bytes(req.positions) + self._batch.join_bytes(req.positions, n)
-        return e.runtime_bytes() + need <= e.options.cache_budget_bytes
+        return e.fits(need)  # the runtime prefix tier's blocks make way (Engine.make_room)
 
     def _admit(self) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ from dsv41.runtime.engine.records import SpecCounts
 from dsv41.runtime.engine.sampling import SamplingParams, TokenLogprob
 from dsv41.runtime.tiers.dram_pool import SnapshotPoolStats
 from dsv41.runtime.tiers.redis_pool import RedisPoolStats
+from dsv41.runtime.tiers.runtime_blocks import RuntimeBlocksStats
 from dsv41.runtime.tiers.ssd_store import KVStoreStats
 
 
@@ -102,6 +103,7 @@ class TierStores:
 
     store: KVStoreStats | None  # the SSD block store (None: the engine has none)
     pool: SnapshotPoolStats | RedisPoolStats | None  # the snapshot pool (DRAM, or Redis)
+    runtime_blocks: RuntimeBlocksStats | None = None  # the runtime prefix tier (None: off)
 
 
 @runtime_checkable

@@ -11,14 +11,15 @@ vLLM's names where the count means what vLLM's does:
   and `_num_accepted_tokens_per_pos_total{position}`: DSpark's speculative steps, drafts
   verified, kept, kept per draft position (0: the first after the backbone's own token).
 
-`dsv41:` for the rest: turns and prompt tokens per engine tier (`tier`: live, handoff, snapshot,
-snapshot-ssd, prefix, cold), the same tokens per cache (`cache`: runtime_cache, dram_pool,
-ssd_store: the usage's `dsv41_prompt_cache` buckets), replayed tokens, the batcher's finished
-and cancelled requests, drafts verified per position, the mean accepted length and acceptance
-rate, the SSD store (bytes, capacity, entries, hits, misses, evictions, read and write errors,
-corrupt files) and the snapshot pool (`pool`: dram or redis; bytes, entries, hits, misses,
-evictions). Series of a part the frontend lacks (no speculation, no engine in this process: an
-EPD gateway) are left out.
+`dsv41:` for the rest: turns and prompt tokens per engine tier (`tier`: live, handoff,
+runtime-prefix, snapshot, snapshot-ssd, prefix, cold), the same tokens per cache (`cache`:
+runtime_cache, dram_pool, ssd_store: the usage's `dsv41_prompt_cache` buckets; runtime-prefix
+counts at runtime_cache), replayed tokens, the batcher's finished and cancelled requests, drafts
+verified per position, the mean accepted length and acceptance rate, the runtime prefix tier
+(bytes, entries, block hits, blocks stored, evictions, refused), the SSD store (bytes, capacity,
+entries, hits, misses, evictions, read and write errors, corrupt files) and the snapshot pool
+(`pool`: dram or redis; bytes, entries, hits, misses, evictions). Series of a part the frontend
+lacks (no speculation, no engine in this process: an EPD gateway) are left out.
 """
 
 from __future__ import annotations
@@ -213,6 +214,27 @@ class FrontendCollector(Collector):
                 f.add_metric([m, *values], n)
             return f
 
+        if t.runtime_blocks is not None:
+            rb = t.runtime_blocks
+            for name, kind, help_text, value in (
+                (
+                    "bytes",
+                    GaugeMetricFamily,
+                    "Bytes of the runtime prefix tier's blocks (within the runtime budget).",
+                    rb.bytes,
+                ),
+                ("entries", GaugeMetricFamily, "Blocks the runtime prefix tier holds.", rb.entries),
+                ("hits", CounterMetricFamily, "Blocks the runtime prefix tier served.", rb.hits),
+                ("stored", CounterMetricFamily, "Prompt blocks it stored.", rb.stored),
+                (
+                    "evictions",
+                    CounterMetricFamily,
+                    "Blocks evicted (least recently used first) to make room.",
+                    rb.evictions,
+                ),
+                ("refused", CounterMetricFamily, "Blocks refused for no room.", rb.refused),
+            ):
+                yield family(kind, f"dsv41:runtime_prefix_{name}", help_text, [((), value)])
         if t.store is not None:
             st = t.store
             for name, kind, help_text, value in (

@@ -410,15 +410,17 @@ class CacheTier(Enum):
     """Where a prompt's cached tokens came from (the usage's `dsv41_prompt_cache`): each hit
     counted once, at the tier that held the state the turn resumed from."""
 
-    RUNTIME = "runtime_cache_tokens"  # live: the session's own cache (or an EPD handoff)
+    # live: the session's own cache (or an EPD handoff); runtime-prefix: another request's
+    # prompt blocks still in the runtime cache
+    RUNTIME = "runtime_cache_tokens"
     DRAM_POOL = "dram_pool_tokens"  # snapshot: SSD blocks + the DRAM pool's encoder state
     SSD_STORE = "ssd_store_tokens"  # SSD blocks (prefix), or blocks + an SSD state record
 
 
 # the engine's tiers (records.Tier's values) by the tier their hit is counted at; cold: none
 TIER_OF = {"live": CacheTier.RUNTIME, "handoff": CacheTier.RUNTIME,
-           "snapshot": CacheTier.DRAM_POOL, "snapshot-ssd": CacheTier.SSD_STORE,
-           "prefix": CacheTier.SSD_STORE}
+           "runtime-prefix": CacheTier.RUNTIME, "snapshot": CacheTier.DRAM_POOL,
+           "snapshot-ssd": CacheTier.SSD_STORE, "prefix": CacheTier.SSD_STORE}
 
 
 @dataclass(frozen=True)
