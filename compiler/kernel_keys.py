@@ -213,10 +213,15 @@ class DenseGemvKey(KernelKey):
     k: int
     x_dtype: str
     w_dtype: str
+    rows: int = 1  # dense_gemv: rows per group sharing each weight load (verify 1 + k, draft)
+
+    def parts(self) -> tuple:
+        return (self.kind, self.groups, self.n, self.k, self.x_dtype, self.w_dtype) + (
+            (f"r{self.rows}",) if self.rows > 1 else ())
 
     def dims(self) -> dict:
         return dict(groups=self.groups, n=self.n, k=self.k, x_dtype=self.x_dtype,
-                    w_dtype=self.w_dtype)
+                    w_dtype=self.w_dtype, **({"rows": self.rows} if self.rows > 1 else {}))
 
 
 @dataclass(frozen=True)

@@ -376,8 +376,9 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr) -> relax
     aten `linear` / `einsum` overrides of `compiler.lower` emit it."""
     groups, k = (static(v) for v in shape(x3)[1:])
     n = static(shape(w2)[0]) // groups
-    kind = DenseGemvKey if use_gemv(ctx) else DenseGemmKey
-    key = kind(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=str(w2.ty.dtype))
+    dims = dict(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=str(w2.ty.dtype))
+    # verify / draft: the rows of a group share each weight load (bit-identical per row)
+    key = DenseGemvKey(**dims, rows=ctx.verify_rows) if use_gemv(ctx) else DenseGemmKey(**dims)
     gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
     m = shape(x3)[0]
     return call(importer, gv, [x3, w2], tensor([m, groups, n], "float32"))

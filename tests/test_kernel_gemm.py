@@ -551,6 +551,31 @@ def test_dense_gemv_matches_fp32_matmul(groups, n, k, x_dtype, w_dtype):
 
 @pytest.mark.parametrize("groups,n,k,x_dtype,w_dtype", [
     (8, 64, 256, torch.bfloat16, torch.bfloat16),  # the grouped o-projection's form
+    (1, 100, 96, torch.float32, torch.float32),  # the head's form; a partial column tile
+    (1, 40, 8, torch.bfloat16, torch.float32),  # K below the lane count
+    (3, 7, 48, torch.float32, torch.bfloat16),
+])
+def test_dense_gemv_rows_bit_identical_to_the_single_row_kernel(groups, n, k, x_dtype, w_dtype):
+    """The verify / draft form (`make_dense_gemv_rows`: a group's rows share each weight load)
+    gives every row the single-row kernel's bits, at any row count (whole groups, a partial
+    last group, fewer rows than a group)."""
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    dims = dict(groups=groups, n=n, k=k, x_dtype=name[x_dtype], w_dtype=name[w_dtype])
+    one = _compiled("build_dense_gemv", **dims)
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(groups * n, k, generator=gen).to(w_dtype)
+    for rows in (2, 6):
+        ex = _compiled("build_dense_gemv", **dims, rows=rows)
+        for m in (1, 5, 6, 13):
+            x = torch.randn(m, groups, k, generator=gen).to(x_dtype)
+            want = _run(one, [x, w], (m, groups, n), torch.float32)
+            assert torch.equal(_run(ex, [x, w], (m, groups, n), torch.float32), want)
+    with pytest.raises(ValueError, match="rows >= 2"):
+        gemm.make_dense_gemv_rows(**dims, rows=1)
+
+
+@pytest.mark.parametrize("groups,n,k,x_dtype,w_dtype", [
+    (8, 64, 256, torch.bfloat16, torch.bfloat16),  # the grouped o-projection's form
     (2, 96, 40, torch.bfloat16, torch.bfloat16),  # a column tile of gcd(96, 64) = 32
     (1, 100, 96, torch.float32, torch.float32),  # the head's form; tn = gcd(100, 64) = 4
     (3, 7, 48, torch.float32, torch.bfloat16),

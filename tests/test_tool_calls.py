@@ -175,3 +175,38 @@ def test_server_answers_tool_calls(deepseek):
         assert r["choices"][0]["finish_reason"] == "stop"
         assert r["choices"][0]["message"]["content"] == reply
         assert "tool_calls" not in r["choices"][0]["message"]
+
+
+def test_an_unconstrained_call_missing_its_schema_says_why(deepseek):
+    """`auto` with a tool that is not strict: the reply's call is returned as generated, and
+    one whose arguments miss the tool's schema carries `dsv41_argument_error` (whole and
+    streamed: a last `tool_calls` entry of its index before the finish); a call that satisfies
+    the schema carries none."""
+    reply = "Checking.\n\n" + render_tool_calls(CALLS[:1])  # {"city": "Paris", "days": 3}
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "days": {"type": "integer", "maximum": 2}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": tools, "max_tokens": 200}
+    why = "arguments.days: 3 is greater than the maximum of 2"
+    with _serve(deepseek, reply) as srv:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60).json()
+        (call,) = r["choices"][0]["message"]["tool_calls"]
+        assert call["dsv41_argument_error"] == why
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+        chunks = []
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions",
+                          json={**body, "stream": True}, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        entries = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", ())]
+        assert entries[-1] == {"index": 0, "dsv41_argument_error": why}
+        assert sum("dsv41_argument_error" in tc for tc in entries) == 1
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        ok = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            **schema, "properties": {**schema["properties"], "days": {"type": "integer"}}}}}]
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, "tools": ok},
+                       timeout=60).json()
+        (call,) = r["choices"][0]["message"]["tool_calls"]
+        assert "dsv41_argument_error" not in call

@@ -42,6 +42,7 @@ from dsv41.runtime.serving.openai_api import (
     PromptCache,
     TokenOut,
     Usage,
+    argument_error,
     call_deltas_body,
     choice_body,
     choices_body,
@@ -49,6 +50,7 @@ from dsv41.runtime.serving.openai_api import (
     logprobs_body,
     usage_chunk,
 )
+from dsv41.runtime.serving.release_format import ToolCall
 from dsv41.runtime.serving.state import AppState
 from dsv41.runtime.serving.tool_calls import (
     ReasoningFilter,
@@ -278,6 +280,7 @@ class _StreamedChoice:
         self.think = ReasoningFilter() if req.thinking else None
         self.calls = ToolCallStream(req.parallel_tool_calls) if req.reads_tool_calls else None
         self.call_ids: dict[int, str] = {}
+        self.streamed: dict[int, list[str]] = {}  # each call's name and argument pieces so far
         self.offset = 0  # completions logprobs' text_offset
 
     def _chunk(self, **kw) -> dict:
@@ -289,7 +292,19 @@ class _StreamedChoice:
         deltas = []
         if self.calls is not None and content:
             content, deltas = self.calls.feed(content)
+            for d in deltas:
+                self.streamed.setdefault(d.index, [d.name or ""]).append(d.arguments)
         return reasoning or None, content, call_deltas_body(deltas, self.call_ids)
+
+    def argument_errors(self) -> list[dict]:
+        """After the block: `delta.tool_calls` entries naming the calls whose arguments miss
+        their tool's schema (`dsv41_argument_error`, by the call's index)."""
+        out = []
+        for i, (name, *pieces) in sorted(self.streamed.items()):
+            err = argument_error(ToolCall(name, "".join(pieces)), self.req.tool_choice)
+            if err:
+                out.append({"index": i, **err})
+        return out
 
     def chunks(self, ev: TokenEvent) -> list[dict]:
         """The chunks of one event of this choice: its piece of the reply, and at its finish
@@ -316,6 +331,9 @@ class _StreamedChoice:
                 out.append(self._chunk(text=rest))
             if self.calls.calls and self.calls.closed and finish == "stop":
                 finish = "tool_calls"
+                errors = self.argument_errors()
+                if errors:
+                    out.append(self._chunk(text=None, call_deltas=errors))
         out.append(self._chunk(text=None if req.endpoint is Endpoint.CHAT else "",
                                finish_reason=finish))
         return out

@@ -125,6 +125,9 @@ class GenerationRequest:
     images: tuple[bytes, ...] = ()
     n: int = 1  # choices returned
     samples: int = 1  # samples generated: completions' best_of (the n best returned), else n
+    # chat with tools: the request's tools, whose `check_call` says why an unconstrained call's
+    # arguments miss their schema (the reply's `dsv41_argument_error`; None: not checked)
+    tool_choice: ToolChoice | None = None
 
 
 def _get(body: Mapping, name: str, types: type | tuple[type, ...], what: str, default=None):
@@ -365,7 +368,8 @@ def parse_chat(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
                              reads_tool_calls=chat_form and choice.reads_calls,
                              parallel_tool_calls=choice.parallel,
                              thinking=chat_form and chat.options.thinking, images=images,
-                             n=n, samples=n)
+                             n=n, samples=n,
+                             tool_choice=choice if choice.reads_calls else None)
 
 
 def parse_completion(body, tok: Tokenizer, *, model_name: str, vocab_size: int,
@@ -494,11 +498,24 @@ def logprobs_body(tok: Tokenizer, form: LogprobsForm, tokens: Sequence[TokenOut]
             "text_offset": offsets}
 
 
-def tool_calls_body(calls: Sequence[ToolCall], *, indexed: bool = False) -> list[dict]:
-    """OpenAI's `tool_calls` list (a streamed delta's entries carry their `index`)."""
-    return [{**({"index": i} if indexed else {}), "id": f"call_{uuid.uuid4().hex[:24]}",
-             "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for i, c in enumerate(calls)]
+def tool_calls_body(calls: Sequence[ToolCall], *, indexed: bool = False,
+                    tools: ToolChoice | None = None) -> list[dict]:
+    """OpenAI's `tool_calls` list (a streamed delta's entries carry their `index`). With the
+    request's `tools`, a call whose arguments miss its tool's schema (an unconstrained call:
+    `auto` with a tool that is not strict) carries `dsv41_argument_error`, the reason."""
+    out = []
+    for i, c in enumerate(calls):
+        body = {**({"index": i} if indexed else {}), "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        out.append(body | argument_error(c, tools))
+    return out
+
+
+def argument_error(call: ToolCall, tools: ToolChoice | None) -> dict:
+    """`{"dsv41_argument_error": why}` for a call whose arguments miss its tool's schema, else
+    {} (no tools to check against, or the call satisfies them)."""
+    why = None if tools is None else tools.check_call(call)
+    return {} if why is None else {"dsv41_argument_error": why}
 
 
 def response_body(req: GenerationRequest, model: str, text: str, finish_reason: str,
@@ -531,7 +548,7 @@ def choice_body(req: GenerationRequest, text: str, finish_reason: str, logprobs:
                        "reasoning_content": reasoning}
         if tool_calls:
             message = {**message, "content": text or None,
-                       "tool_calls": tool_calls_body(tool_calls)}
+                       "tool_calls": tool_calls_body(tool_calls, tools=req.tool_choice)}
             finish_reason = "tool_calls"
         return {"index": index, "message": message, "logprobs": logprobs,
                 "finish_reason": finish_reason}
@@ -567,7 +584,8 @@ def chunk_body(req: GenerationRequest, model: str, *, text: str | None,
         if text is not None:
             delta["content"] = text
         if tool_calls:
-            delta["tool_calls"] = tool_calls_body(tool_calls, indexed=True)
+            delta["tool_calls"] = tool_calls_body(tool_calls, indexed=True,
+                                                  tools=req.tool_choice)
         if call_deltas:
             delta["tool_calls"] = list(call_deltas)
         choice = {"index": index, "delta": delta, "logprobs": logprobs,

@@ -511,8 +511,11 @@ class ToolChoice:
             return f"{call.name!r:.60} is not one of the request's tools."
         if self.kind in (ChoiceKind.REQUIRED, ChoiceKind.NAMED) or tool.strict:
             return None
-        err = best_match(Draft202012Validator(tool.parameters).iter_errors(
-            json.loads(call.arguments)))
+        try:
+            args = json.loads(call.arguments)
+        except ValueError as e:
+            return f"arguments are not valid JSON ({e})."
+        err = best_match(Draft202012Validator(tool.parameters).iter_errors(args))
         if err is None:
             return None
         where = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path)
