@@ -51,6 +51,7 @@ REFUSED = {
     common.seconds: ("nan", "inf", "-inf", "-1", "x"),
     common.probability: ("nan", "-1", "0", "1.5", "x"),
     common.counts: ("0", "1,0", "-1", "nan", "", "x"),
+    common.gibibytes: ("nan", "inf", "-1", "0", "x"),
 }
 TAKEN = {
     common.count: "1",
@@ -59,6 +60,7 @@ TAKEN = {
     common.seconds: "0",
     common.probability: "1",
     common.counts: "1,2",
+    common.gibibytes: "0.5",
 }
 
 

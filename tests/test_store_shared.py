@@ -361,6 +361,8 @@ def test_serve_keeps_a_persistent_store_in_the_users_cache_folder(
 
     assert (opts("serve").persistent_store, opts("serve").store_capacity_bytes) == (True, None)
     assert opts("serve", "--store-capacity-gib", "0.5").store_capacity_bytes == 1 << 29
+    assert opts("serve").runtime_prefix
+    assert not opts("serve", "--runtime-prefix", "off").runtime_prefix
     assert opts("chat").persistent_store is False  # chat and bench serve: a temporary store
     for bad in ("0", "-1", "nan", "inf", "lots"):
         with pytest.raises(SystemExit):

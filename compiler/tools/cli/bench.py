@@ -343,7 +343,7 @@ def spec_args(p) -> None:
     p.add_argument("--prompt-tokens", type=count, default=32,
                    help="the engine runs' prompt (their context)")
     p.add_argument("--rates", default="0.3,0.6,0.8,0.9")
-    p.add_argument("--batches", default="1",
+    p.add_argument("--batches", type=counts, default="1",
                    help="batch sizes of the injected-acceptance rows, comma-separated")
     p.add_argument("--threads", type=natural, default=0, help="torch threads (0: torch's)")
     p.add_argument("--json", default=None)
@@ -361,15 +361,10 @@ def spec_options(ns) -> SpecBenchOptions:
         rates = tuple(float(r) for r in ns.rates.split(","))
     except ValueError:
         raise ValueError(f"--rates must be comma-separated numbers, got {ns.rates!r}.") from None
-    try:
-        batches = tuple(int(b) for b in ns.batches.split(","))
-    except ValueError:
-        raise ValueError(f"--batches must be comma-separated integers, got "
-                         f"{ns.batches!r}.") from None
     return SpecBenchOptions(
         preset=ns.preset, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
         contexts=parse_tokens(ns.contexts), max_draft=ns.max_draft, reps=ns.reps,
-        tokens=ns.tokens, prompt_tokens=ns.prompt_tokens, rates=rates, batches=batches,
+        tokens=ns.tokens, prompt_tokens=ns.prompt_tokens, rates=rates, batches=ns.batches,
         threads=ns.threads,
         json=Path(ns.json) if ns.json else None, seed=ns.seed, impls=split(ns.impls),
         artifact=Path(ns.artifact) if ns.artifact is not None else None).validate()

@@ -139,4 +139,12 @@ def counts(text: str) -> tuple[int, ...]:
                                          f"{text!r}") from None
 
 
-NUMERIC_TYPES = (count, natural, positive_seconds, seconds, probability, counts)
+def gibibytes(text: str) -> int:
+    """A size in GiB (a fraction allowed), above 0 -> bytes."""
+    v = _finite(text)
+    if not 0 < v * (1 << 30) < 1 << 62:
+        raise argparse.ArgumentTypeError(f"must be a size in GiB above 0, got {text!r}")
+    return max(1, int(v * (1 << 30)))
+
+
+NUMERIC_TYPES = (count, natural, positive_seconds, seconds, probability, counts, gibibytes)

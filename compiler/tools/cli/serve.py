@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from dsv41.compiler.tools.cli.common import (
     count,
+    gibibytes,
     natural,
     positive_seconds,
     print_args,
@@ -71,9 +72,12 @@ def serving_args(sp, *, server: bool, persistent_store: bool = False) -> None:
                              "$XDG_CACHE_HOME/dsv41/store/<model>, else ~/.cache/..., kept" if
                              persistent_store else "a fresh temporary store, removed at the end")
                     + ")")
-    sp.add_argument("--store-capacity-gib", type=gib, default=None,
+    sp.add_argument("--store-capacity-gib", type=gibibytes, default=None,
                     help="the SSD store's cap in GiB (default: 64; entries younger than 72 h are "
                          "never evicted, so a full store refuses writes)")
+    sp.add_argument("--runtime-prefix", choices=("on", "off"), default="on",
+                    help="the runtime-cache prefix tier: prompt blocks of running and recent "
+                         "requests reused by new ones with the same prefix (default on)")
     sp.add_argument("--page-tokens", type=count, default=64,
                     help="runtime-cache page and SSD block, in positions")
     sp.add_argument("--target", default="cpu", help="the artifact's target")
@@ -149,17 +153,6 @@ def http_limits(ns):
                       max_connections=ns.max_connections).validate()
 
 
-def gib(text: str) -> int:
-    """A positive size in GiB (a fraction allowed) -> bytes."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and value * (1 << 30) < 1 << 62):  # NaN and inf fail too
-        raise argparse.ArgumentTypeError(f"expected a positive size in GiB, got {text!r}")
-    return max(1, int(value * (1 << 30)))
-
-
 def serving_options(ns, *, persistent_store: bool = False) -> ServingOptions:
     """The engine and batcher options `serve`, `chat` and `bench serve` share."""
     # heavy: torch; dsv41 --help loads no verb's work
@@ -172,7 +165,8 @@ def serving_options(ns, *, persistent_store: bool = False) -> ServingOptions:
         store_capacity_bytes=ns.store_capacity_gib, page_tokens=ns.page_tokens,
         target=ns.target, out=Path(ns.out), model_name=ns.model_name,
         max_running=ns.max_running, max_queue=ns.max_queue, prefill_chunk=ns.prefill_chunk,
-        redis_url=ns.redis_url, speculative=ns.speculative, max_draft=ns.max_draft)
+        redis_url=ns.redis_url, speculative=ns.speculative, max_draft=ns.max_draft,
+        runtime_prefix=ns.runtime_prefix == "on")
 
 
 def options(ns) -> ServeOptions:
