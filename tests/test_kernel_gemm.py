@@ -554,6 +554,8 @@ def test_dense_gemv_matches_fp32_matmul(groups, n, k, x_dtype, w_dtype):
     (1, 100, 96, torch.float32, torch.float32),  # the head's form; a partial column tile
     (1, 40, 8, torch.bfloat16, torch.float32),  # K below the lane count
     (3, 7, 48, torch.float32, torch.bfloat16),
+    (1, 1, 64, torch.bfloat16, torch.float32),  # one column: cb 1
+    (2, 3, 32, torch.bfloat16, torch.bfloat16),  # three columns
 ])
 def test_dense_gemv_rows_bit_identical_to_the_single_row_kernel(groups, n, k, x_dtype, w_dtype):
     """The verify / draft form (`make_dense_gemv_rows`: a group's rows share each weight load)

@@ -167,12 +167,12 @@ def _schedule_dense_gemv_rows(sch: s_tir.Schedule, config: DenseGemvConfig) -> N
     bits = config.vec.bit_length() - 1
     for w, wb in enumerate(wbs):  # each lane sum after the column group, per row and column
         sch.reverse_compute_at(wb, sch.get_loops(main)[3])
-        below = sch.get_loops(wb)[4:]  # (half, lanes..., row, column)
+        below = sch.get_loops(wb)[4:]  # (half, lanes..., row[, column]: none when cb is 1)
         rest = bits - 1 - w
-        half, lanes, row, col = below[0], below[1:1 + rest], below[1 + rest], below[2 + rest]
-        sch.reorder(row, col, half, *lanes)
-        sch.unroll(col)
-        sch.unroll(half)
+        half, lanes, tail = below[0], below[1:1 + rest], below[1 + rest:]
+        sch.reorder(*tail, half, *lanes)
+        for loop in (*tail[1:], half):
+            sch.unroll(loop)
         if rest:
             sch.vectorize(sch.fuse(*lanes))
     g, co = sch.get_loops(main)[:2]
