@@ -246,6 +246,8 @@ def test_the_collector_maps_every_engine_tier_to_its_cache():
         full=0,
         write_errors=0,
         restarts=0,
+        nodes=1,
+        nodes_down=0,
     )
     from dsv41.runtime.serving.frontend import TierStores
 
