@@ -67,6 +67,17 @@ def _device(cache: ModelCache) -> torch.device:
     return cache.index_owner.device
 
 
+def _block_fields(cache: ModelCache, index: int, block_tokens: int, stores=None):
+    """(name, store tensor, first row, end row) of each array of prefix block `index`, the
+    stores in `stores`' order (default the cache's): the rows every block copy moves."""
+    for layer, st in cache.stores.items() if stores is None else stores:
+        r0, r1 = index * block_tokens // st.ratio, (index + 1) * block_tokens // st.ratio
+        for name in STORE_FIELDS:
+            t = getattr(st, name)
+            if t is not None:
+                yield f"{layer}.{name}", t, r0, r1
+
+
 def block_arrays(cache: ModelCache, index: int, block_tokens: int,
                  io: Transfers | None = None) -> dict[str, np.ndarray]:
     """Prefix block `index` of a batch-1 cache (its positions must all be processed). With
@@ -79,13 +90,8 @@ def block_arrays(cache: ModelCache, index: int, block_tokens: int,
                          "tokens: its entries are not final yet.")
     mine = io is None
     io = Transfers(_device(cache)) if mine else io
-    out = {}
-    for layer, st in sorted(cache.stores.items()):
-        r0, r1 = index * block_tokens // st.ratio, end // st.ratio
-        for name in STORE_FIELDS:
-            t = getattr(st, name)
-            if t is not None:
-                out[f"{layer}.{name}"] = io.out(t[0, r0:r1])
+    out = {key: io.out(t[0, r0:r1]) for key, t, r0, r1 in
+           _block_fields(cache, index, block_tokens, sorted(cache.stores.items()))}
     if mine:
         io.ready_for_host()
     return out
@@ -102,19 +108,13 @@ def restore_blocks(cache: ModelCache, blocks: list[dict[str, np.ndarray]],
     mine = io is None
     io = Transfers(_device(cache)) if mine else io
     for i, arrays in enumerate(blocks):
-        for layer, st in cache.stores.items():
-            r0, r1 = i * block_tokens // st.ratio, (i + 1) * block_tokens // st.ratio
-            for name in STORE_FIELDS:
-                t = getattr(st, name)
-                if t is None:
-                    continue
-                key = f"{layer}.{name}"
-                if key not in arrays:
-                    raise ValueError(f"Block {i} has no {key}.")
-                if arrays[key].shape[:1] != (r1 - r0,):
-                    raise ValueError(f"Block {i} {key} has {arrays[key].shape[:1]} rows, not "
-                                     f"{r1 - r0}.")
-                _rows_into(io, arrays[key], t, r0, f"block {i} {key}")
+        for key, t, r0, r1 in _block_fields(cache, i, block_tokens):
+            if key not in arrays:
+                raise ValueError(f"Block {i} has no {key}.")
+            if arrays[key].shape[:1] != (r1 - r0,):
+                raise ValueError(f"Block {i} {key} has {arrays[key].shape[:1]} rows, not "
+                                 f"{r1 - r0}.")
+            _rows_into(io, arrays[key], t, r0, f"block {i} {key}")
     if mine:
         io.ready_for_compute()
     cache.pos = torch.full((1,), n, dtype=torch.int64)
@@ -129,14 +129,8 @@ def block_rows(cache: ModelCache, index: int, block_tokens: int) -> dict[str, to
     if index < 0 or end > int(cache.pos[0]):
         raise ValueError(f"Block {index} ends at {end}, past the {int(cache.pos[0])} cached "
                          "tokens: its entries are not final yet.")
-    out = {}
-    for layer, st in sorted(cache.stores.items()):
-        r0, r1 = index * block_tokens // st.ratio, end // st.ratio
-        for name in STORE_FIELDS:
-            t = getattr(st, name)
-            if t is not None:
-                out[f"{layer}.{name}"] = t[0, r0:r1].clone()
-    return out
+    return {key: t[0, r0:r1].clone() for key, t, r0, r1 in
+            _block_fields(cache, index, block_tokens, sorted(cache.stores.items()))}
 
 
 def restore_block_rows(cache: ModelCache, blocks: list[dict[str, torch.Tensor]],
@@ -149,18 +143,12 @@ def restore_block_rows(cache: ModelCache, blocks: list[dict[str, torch.Tensor]],
     n = len(blocks) * block_tokens
     ensure_capacity(cache, n, exact=True)
     for i, rows in enumerate(blocks):
-        for layer, st in cache.stores.items():
-            r0, r1 = i * block_tokens // st.ratio, (i + 1) * block_tokens // st.ratio
-            for name in STORE_FIELDS:
-                t = getattr(st, name)
-                if t is None:
-                    continue
-                src = rows.get(f"{layer}.{name}")
-                dest = t[0, r0:r1]
-                if src is None or src.shape != dest.shape or src.dtype != dest.dtype:
-                    raise ValueError(f"Runtime block {i} has no rows {layer}.{name} of "
-                                     f"{tuple(dest.shape)} {dest.dtype}.")
-                dest.copy_(src)
+        for key, t, r0, r1 in _block_fields(cache, i, block_tokens):
+            src, dest = rows.get(key), t[0, r0:r1]
+            if src is None or src.shape != dest.shape or src.dtype != dest.dtype:
+                raise ValueError(f"Runtime block {i} has no rows {key} of "
+                                 f"{tuple(dest.shape)} {dest.dtype}.")
+            dest.copy_(src)
     cache.pos = torch.full((1,), n, dtype=torch.int64)
 
 
