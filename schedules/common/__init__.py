@@ -34,13 +34,17 @@ from dsv41.schedules.common.x86 import (
     amx,
     amx_configure,
     amx_dot_32x32,
+    BF16_DOT_LL,
     bf16_bits_of_exact,
+    dpbf16ps,
     has_amx_bf16,
+    has_avx512_bf16,
     has_avx512,
     has_features,
     pairwise_lane_sum,
     permps,
     prefetch,
+    with_bf16_dot,
 )
 
 __all__ = [
@@ -49,8 +53,10 @@ __all__ = [
     "amx_configure",
     "amx_dot_32x32",
     "AMX_ROWS",
+    "BF16_DOT_LL",
     "bf16_bits_of_exact",
     "bf16_to_f32",
+    "dpbf16ps",
     "e4m3_to_f16_bits",
     "e4m3_to_f32",
     "e4m3_to_f32_select",
@@ -63,6 +69,7 @@ __all__ = [
     "fp4_to_f32_select",
     "has_amx_bf16",
     "has_avx512",
+    "has_avx512_bf16",
     "has_features",
     "i64",
     "idx",
@@ -75,4 +82,5 @@ __all__ = [
     "round_bf16_finite",
     "silu_times",
     "u32",
+    "with_bf16_dot",
 ]

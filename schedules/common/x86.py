@@ -26,6 +26,57 @@ def permps(tbl, idx):
                                    T.reinterpret("int32x16", idx))
 
 
+# ---- AVX-512 BF16 dot products -------------------------------------------------------------------
+# LLVM's `llvm.x86.avx512bf16.dpbf16ps.*` take `<N x bfloat>` vectors, and TVM's LLVM codegen
+# lowers every bf16 value to i16, so a TIR call cannot name the intrinsic directly. A small LLVM
+# function, imported into the kernel's module by `pragma_import_llvm` (`with_bf16_dot`), takes the
+# bf16 pairs as i16 lanes, bitcasts them and calls the intrinsic; it is always inlined, so the
+# kernel's loop holds the bare `vdpbf16ps`. linkonce_odr lets several kernels of one module import
+# the same definition.
+
+BF16_DOT_LL = """
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+declare <8 x float> @llvm.x86.avx512bf16.dpbf16ps.256(<8 x float>, <16 x bfloat>, <16 x bfloat>)
+define linkonce_odr <16 x float> @dsv41_dpbf16ps_512(<16 x float> %acc, <32 x i16> %a,
+                                                  <32 x i16> %b) alwaysinline {
+  %ab = bitcast <32 x i16> %a to <32 x bfloat>
+  %bb = bitcast <32 x i16> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %ab,
+                                                         <32 x bfloat> %bb)
+  ret <16 x float> %r
+}
+define linkonce_odr <8 x float> @dsv41_dpbf16ps_256(<8 x float> %acc, <16 x i16> %a,
+                                                 <16 x i16> %b) alwaysinline {
+  %ab = bitcast <16 x i16> %a to <16 x bfloat>
+  %bb = bitcast <16 x i16> %b to <16 x bfloat>
+  %r = call <8 x float> @llvm.x86.avx512bf16.dpbf16ps.256(<8 x float> %acc, <16 x bfloat> %ab,
+                                                        <16 x bfloat> %bb)
+  ret <8 x float> %r
+}
+"""
+
+
+def dpbf16ps(acc, a, b, lanes: int = 16):
+    """vdpbf16ps: lane j of the result is acc[j] + a[2j+1] * b[2j+1] + a[2j] * b[2j] (each product
+    exact in fp32, each sum rounded to nearest even, denormal inputs and outputs flushed to zero).
+    `acc` is float32 x lanes; `a` and `b` are the bf16 bits as uint16 x (2 * lanes). The caller's
+    prim_func body must be inside `with_bf16_dot` (it imports the definition). lanes: 16 or 8."""
+    if lanes not in (8, 16):
+        raise ValueError(f"dpbf16ps has 8 or 16 fp32 lanes, got {lanes}.")
+    return T.call_pure_extern(f"float32x{lanes}", f"dsv41_dpbf16ps_{32 * lanes}", acc, a, b)
+
+
+def with_bf16_dot():
+    """The attribute scope that imports `BF16_DOT_LL` into a kernel's LLVM module:
+    `with T.attr(T.int32(0), *with_bf16_dot()):` around the body that calls `dpbf16ps`."""
+    return ("pragma_import_llvm", BF16_DOT_LL)
+
+
+def has_avx512_bf16(target) -> bool:
+    """Whether kernels for `target` (a TargetSpec) may use `dpbf16ps`."""
+    return has_features(target, "avx512f", "avx512bf16", "avx512vl")
+
+
 # ---- CPU features of a target ------------------------------------------------------------------
 
 
