@@ -358,3 +358,130 @@ def test_spec_counters_move_by_what_the_usage_reports(small_model, tok):
         srv.stop()
         batcher.stop()
         engine.close()
+
+
+# every family /metrics exports with a frontend that has every part (speculation, the runtime
+# prefix tier, the SSD store, the DRAM pool): (name as the parser gives it, type, label names),
+# in exposition order; `_created` are prometheus_client's creation-time gauges of each counter
+# and histogram
+ALL_FAMILIES = [
+    ("dsv41:requests", "counter", ("endpoint", "model_name")),
+    ("dsv41:requests_created", "gauge", ("endpoint", "model_name")),
+    ("dsv41:requests_rejected", "counter", ("code", "model_name")),
+    ("dsv41:requests_rejected_created", "gauge", ("code", "model_name")),
+    ("dsv41:requests_finished", "counter", ("model_name", "reason")),
+    ("dsv41:requests_finished_created", "gauge", ("model_name", "reason")),
+    ("vllm:request_success", "counter", ("finished_reason", "model_name")),
+    ("vllm:request_success_created", "gauge", ("finished_reason", "model_name")),
+    ("vllm:time_to_first_token_seconds", "histogram", ("model_name",)),
+    ("vllm:time_to_first_token_seconds_created", "gauge", ("model_name",)),
+    ("vllm:inter_token_latency_seconds", "histogram", ("model_name",)),
+    ("vllm:inter_token_latency_seconds_created", "gauge", ("model_name",)),
+    ("vllm:time_per_output_token_seconds", "histogram", ("model_name",)),
+    ("vllm:time_per_output_token_seconds_created", "gauge", ("model_name",)),
+    ("vllm:request_time_per_output_token_seconds", "histogram", ("model_name",)),
+    ("vllm:request_time_per_output_token_seconds_created", "gauge", ("model_name",)),
+    ("vllm:e2e_request_latency_seconds", "histogram", ("model_name",)),
+    ("vllm:e2e_request_latency_seconds_created", "gauge", ("model_name",)),
+    ("vllm:request_queue_time_seconds", "histogram", ("model_name",)),
+    ("vllm:request_queue_time_seconds_created", "gauge", ("model_name",)),
+    ("vllm:request_prompt_tokens", "histogram", ("model_name",)),
+    ("vllm:request_prompt_tokens_created", "gauge", ("model_name",)),
+    ("vllm:request_generation_tokens", "histogram", ("model_name",)),
+    ("vllm:request_generation_tokens_created", "gauge", ("model_name",)),
+    ("dsv41:generation_tokens_per_second", "gauge", ("model_name",)),
+    ("vllm:num_requests_waiting", "gauge", ("model_name",)),
+    ("vllm:num_requests_running", "gauge", ("model_name",)),
+    ("vllm:kv_cache_usage_perc", "gauge", ("model_name",)),
+    ("vllm:prompt_tokens", "counter", ("model_name",)),
+    ("vllm:generation_tokens", "counter", ("model_name",)),
+    ("vllm:prefix_cache_queries", "counter", ("model_name",)),
+    ("vllm:prefix_cache_hits", "counter", ("model_name",)),
+    ("dsv41:batcher_finished", "counter", ("model_name",)),
+    ("dsv41:batcher_cancelled", "counter", ("model_name",)),
+    ("dsv41:tier_hits", "counter", ("model_name", "tier")),
+    ("dsv41:tier_hit_tokens", "counter", ("model_name", "tier")),
+    ("dsv41:prompt_cache_hit_tokens", "counter", ("cache", "model_name")),
+    ("dsv41:replayed_tokens", "counter", ("model_name",)),
+    ("dsv41:decoder_replayed_tokens", "counter", ("model_name",)),
+    ("vllm:spec_decode_num_drafts", "counter", ("model_name",)),
+    ("vllm:spec_decode_num_draft_tokens", "counter", ("model_name",)),
+    ("vllm:spec_decode_num_accepted_tokens", "counter", ("model_name",)),
+    ("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", ("model_name", "position")),
+    ("dsv41:spec_draft_tokens_per_pos", "counter", ("model_name", "position")),
+    ("dsv41:spec_mean_accepted_length", "gauge", ("model_name",)),
+    ("dsv41:spec_acceptance_rate", "gauge", ("model_name",)),
+    ("dsv41:runtime_prefix_bytes", "gauge", ("model_name",)),
+    ("dsv41:runtime_prefix_entries", "gauge", ("model_name",)),
+    ("dsv41:runtime_prefix_hits", "counter", ("model_name",)),
+    ("dsv41:runtime_prefix_stored", "counter", ("model_name",)),
+    ("dsv41:runtime_prefix_evictions", "counter", ("model_name",)),
+    ("dsv41:runtime_prefix_refused", "counter", ("model_name",)),
+    ("dsv41:ssd_store_bytes", "gauge", ("model_name",)),
+    ("dsv41:ssd_store_capacity_bytes", "gauge", ("model_name",)),
+    ("dsv41:ssd_store_entries", "gauge", ("model_name",)),
+    ("dsv41:ssd_store_hits", "counter", ("model_name",)),
+    ("dsv41:ssd_store_misses", "counter", ("model_name",)),
+    ("dsv41:ssd_store_writes", "counter", ("model_name",)),
+    ("dsv41:ssd_store_evictions", "counter", ("model_name",)),
+    ("dsv41:ssd_store_read_errors", "counter", ("model_name",)),
+    ("dsv41:ssd_store_write_errors", "counter", ("model_name",)),
+    ("dsv41:ssd_store_corrupt", "counter", ("model_name",)),
+    ("dsv41:snapshot_pool_bytes", "gauge", ("model_name", "pool")),
+    ("dsv41:snapshot_pool_entries", "gauge", ("model_name", "pool")),
+    ("dsv41:snapshot_pool_hits", "counter", ("model_name", "pool")),
+    ("dsv41:snapshot_pool_misses", "counter", ("model_name", "pool")),
+    ("dsv41:snapshot_pool_evictions", "counter", ("model_name", "pool")),
+]
+
+
+def test_the_full_list_of_exported_families_names_types_and_labels():
+    """The names, types and labels docs/serving.md's table documents, pinned in the order
+    /metrics writes them: a refactor of how the families are built cannot change them."""
+    from dsv41.runtime.engine.records import SpecCounts
+    from dsv41.runtime.serving.frontend import TierStores
+    from dsv41.runtime.serving.metrics import FinishTiming
+    from dsv41.runtime.tiers.dram_pool import SnapshotPoolStats
+    from dsv41.runtime.tiers.runtime_blocks import RuntimeBlocksStats
+    from dsv41.runtime.tiers.ssd_store import KVStoreStats
+
+    stats = BatcherStats(
+        1,
+        2,
+        3,
+        4,
+        50,
+        60,
+        {"cold": 1, "snapshot": 2},
+        speculative=SpecCounts(5, (4, 3), (3, 1)),
+        tier_tokens={"cold": 0, "snapshot": 16},
+        replayed_tokens=7,
+        decoder_replayed_tokens=8,
+        cache_bytes=25,
+        cache_budget_bytes=100,
+        stores=TierStores(
+            KVStoreStats(3, 300, 1000, 4, 2, 3, 0, 1, 1, 1, 0, 2, 1),
+            SnapshotPoolStats(1, 64, 128, 6, 3, 0, 2, 0),
+            RuntimeBlocksStats(2, 32, 64, 5, 1, 4, 1, 0),
+        ),
+    )
+    m = ServerMetrics(MODEL)
+    m.watch(lambda: stats)
+    m.count_request("chat")
+    m.count_rejected(400)
+    m.observe_finish("stop", FinishTiming(0.1, 0.2, (0.01, 0.02), 3, 9))
+    got = [
+        (f.name, f.type, tuple(sorted({k for s in f.samples for k in s.labels} - {"le"})))
+        for f in text_string_to_metric_families(m.render().decode())
+    ]
+    assert got == ALL_FAMILIES
+    values = parse_metrics(m.render())
+    assert (
+        values["vllm:kv_cache_usage_perc"],
+        values["dsv41:spec_acceptance_rate"],
+        values['dsv41:spec_draft_tokens_per_pos_total{position="1"}'],
+        values["dsv41:runtime_prefix_stored_total"],
+        values["dsv41:ssd_store_corrupt_total"],
+        values['dsv41:snapshot_pool_evictions_total{pool="dram"}'],
+        values['dsv41:tier_hit_tokens_total{tier="snapshot"}'],
+    ) == (0.25, 4 / 7, 3, 4, 2, 2, 16)
