@@ -24,7 +24,7 @@ lacks (no speculation, no engine in this process: an EPD gateway) are left out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -33,10 +33,51 @@ from dsv41.runtime.serving.frontend import BatcherStats, TierStores
 from dsv41.runtime.serving.openai_api import TIER_OF, CacheTier
 from dsv41.runtime.tiers.redis_pool import RedisPoolStats
 
+GAUGE, COUNTER = GaugeMetricFamily, CounterMetricFamily
+# one row of a table of families: (kind, name, help text, value), one sample each
+Row = tuple[type[Metric], str, str, float]
+
 
 def cache_label(tier: CacheTier) -> str:
     """The `cache` label of a CacheTier (its usage field without `_tokens`)."""
     return tier.value.removesuffix("_tokens")
+
+
+def family(
+    kind: type[Metric],
+    name: str,
+    help_text: str,
+    model: str,
+    samples: Iterable[tuple[Sequence[str], float]],
+    labels: Sequence[str] = (),
+) -> Metric:
+    """A family of `kind` whose samples are (label values, value), each also labelled with the
+    model's name (first)."""
+    f = kind(name, help_text, labels=["model_name", *labels])
+    for values, n in samples:
+        f.add_metric([model, *values], n)
+    return f
+
+
+def families(
+    model: str,
+    table: Iterable[Row],
+    *,
+    prefix: str = "",
+    labels: Sequence[str] = (),
+    values: Sequence[str] = (),
+) -> Iterator[Metric]:
+    """A table's families, in its order: each name after `prefix`, its one sample labelled
+    `labels` = `values` (besides the model's name)."""
+    for kind, name, help_text, value in table:
+        yield family(kind, prefix + name, help_text, model, [(values, value)], labels)
+
+
+def by(
+    model: str, name: str, help_text: str, label: str, samples: Iterable[tuple[str, float]]
+) -> Metric:
+    """A counter family of one sample per value of `label`."""
+    return family(COUNTER, name, help_text, model, (([k], n) for k, n in samples), (label,))
 
 
 class FrontendCollector(Collector):
@@ -50,96 +91,100 @@ class FrontendCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, m = self.stats(), self.model_name
-
-        def one(family, value: float, *labels: str):
-            family.add_metric([m, *labels], value)
-            return family
-
-        def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
-            return one(CounterMetricFamily(name, help_text, labels=["model_name"]), value)
-
-        def by(name: str, help_text: str, label: str, values: dict) -> CounterMetricFamily:
-            f = CounterMetricFamily(name, help_text, labels=["model_name", label])
-            for key, n in sorted(values.items()):
-                f.add_metric([m, key], n)
-            return f
-
-        yield one(
-            GaugeMetricFamily(
-                "vllm:num_requests_waiting",
-                "Requests waiting for a row of the running batch.",
-                labels=["model_name"],
-            ),
-            s.queued,
-        )
-        yield one(
-            GaugeMetricFamily(
-                "vllm:num_requests_running", "Requests in the running batch.", labels=["model_name"]
-            ),
-            s.running,
-        )
         usage = s.cache_bytes / s.cache_budget_bytes if s.cache_budget_bytes else 0.0
-        yield one(
-            GaugeMetricFamily(
-                "vllm:kv_cache_usage_perc",
-                "Runtime cache in use, a fraction of its byte budget (1 = full).",
-                labels=["model_name"],
-            ),
-            usage,
-        )
-        yield counter(
-            "vllm:prompt_tokens", "Prompt tokens of the admitted requests.", s.prompt_tokens
-        )
-        yield counter("vllm:generation_tokens", "Tokens generated.", s.completion_tokens)
         hits = sum(s.tier_tokens.values())
-        yield counter(
-            "vllm:prefix_cache_queries",
-            "Prompt tokens looked up in the tiers (every admitted prompt token).",
-            s.prompt_tokens,
+        yield from families(
+            m,
+            (
+                (
+                    GAUGE,
+                    "vllm:num_requests_waiting",
+                    "Requests waiting for a row of the running batch.",
+                    s.queued,
+                ),
+                (GAUGE, "vllm:num_requests_running", "Requests in the running batch.", s.running),
+                (
+                    GAUGE,
+                    "vllm:kv_cache_usage_perc",
+                    "Runtime cache in use, a fraction of its byte budget (1 = full).",
+                    usage,
+                ),
+                (
+                    COUNTER,
+                    "vllm:prompt_tokens",
+                    "Prompt tokens of the admitted requests.",
+                    s.prompt_tokens,
+                ),
+                (COUNTER, "vllm:generation_tokens", "Tokens generated.", s.completion_tokens),
+                (
+                    COUNTER,
+                    "vllm:prefix_cache_queries",
+                    "Prompt tokens looked up in the tiers (every admitted prompt token).",
+                    s.prompt_tokens,
+                ),
+                (
+                    COUNTER,
+                    "vllm:prefix_cache_hits",
+                    "Prompt tokens the tiers served (not prefilled), any tier.",
+                    hits,
+                ),
+                (
+                    COUNTER,
+                    "dsv41:batcher_finished",
+                    "Requests the batcher finished (stop, length, error).",
+                    s.finished,
+                ),
+                (
+                    COUNTER,
+                    "dsv41:batcher_cancelled",
+                    "Requests the batcher cancelled.",
+                    s.cancelled,
+                ),
+            ),
         )
-        yield counter(
-            "vllm:prefix_cache_hits",
-            "Prompt tokens the tiers served (not prefilled), any tier.",
-            hits,
-        )
-        yield counter(
-            "dsv41:batcher_finished",
-            "Requests the batcher finished (stop, length, error).",
-            s.finished,
-        )
-        yield counter("dsv41:batcher_cancelled", "Requests the batcher cancelled.", s.cancelled)
         yield by(
+            m,
             "dsv41:tier_hits",
             "Turns served per engine tier (cold, live, snapshot, prefix, ...).",
             "tier",
-            dict(s.tiers),
+            sorted(s.tiers.items()),
         )
         yield by(
+            m,
             "dsv41:tier_hit_tokens",
             "Prompt tokens served per engine tier (cold: none).",
             "tier",
-            dict(s.tier_tokens),
+            sorted(s.tier_tokens.items()),
         )
         per_cache = dict.fromkeys((cache_label(t) for t in CacheTier), 0)
         for tier, n in s.tier_tokens.items():
             if tier in TIER_OF:
                 per_cache[cache_label(TIER_OF[tier])] += n
         yield by(
+            m,
             "dsv41:prompt_cache_hit_tokens",
             "Prompt tokens served per cache (the usage's "
             "dsv41_prompt_cache): runtime_cache, dram_pool, ssd_store.",
             "cache",
-            per_cache,
+            sorted(per_cache.items()),
         )
-        yield counter(
-            "dsv41:replayed_tokens",
-            "Served prompt tokens run through the encoder again (a snapshot miss, a prefix hit).",
-            s.replayed_tokens,
-        )
-        yield counter(
-            "dsv41:decoder_replayed_tokens",
-            "Tokens through the decoder's bounded replay.",
-            s.decoder_replayed_tokens,
+        yield from families(
+            m,
+            (
+                (
+                    COUNTER,
+                    "dsv41:replayed_tokens",
+                    "Served prompt tokens run through the encoder again (a snapshot miss, a prefix "
+                    "hit).",
+                    s.replayed_tokens,
+                ),
+                (
+                    COUNTER,
+                    "dsv41:decoder_replayed_tokens",
+                    "Tokens through the decoder's bounded replay.",
+                    s.decoder_replayed_tokens,
+                ),
+            ),
         )
         if s.speculative is not None:
             yield from self._spec(s)
@@ -148,152 +193,144 @@ class FrontendCollector(Collector):
 
     def _spec(self, s: BatcherStats) -> Iterator[Metric]:
         m, spec = self.model_name, s.speculative
-
-        def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
-            f = CounterMetricFamily(name, help_text, labels=["model_name"])
-            f.add_metric([m], value)
-            return f
-
-        def per_pos(name: str, help_text: str, values: tuple[int, ...]) -> CounterMetricFamily:
-            f = CounterMetricFamily(name, help_text, labels=["model_name", "position"])
-            for j, n in enumerate(values):
-                f.add_metric([m, str(j)], n)
-            return f
-
-        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
-            f = GaugeMetricFamily(name, help_text, labels=["model_name"])
-            f.add_metric([m], value)
-            return f
-
-        yield counter(
-            "vllm:spec_decode_num_drafts",
-            "Decode steps of a request that verified drafts (DSpark's speculative steps).",
-            spec.steps,
+        yield from families(
+            m,
+            (
+                (
+                    COUNTER,
+                    "vllm:spec_decode_num_drafts",
+                    "Decode steps of a request that verified drafts (DSpark's speculative steps).",
+                    spec.steps,
+                ),
+                (
+                    COUNTER,
+                    "vllm:spec_decode_num_draft_tokens",
+                    "Draft tokens put to the verify.",
+                    spec.drafted,
+                ),
+                (
+                    COUNTER,
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "Draft tokens accepted.",
+                    spec.accepted,
+                ),
+            ),
         )
-        yield counter(
-            "vllm:spec_decode_num_draft_tokens", "Draft tokens put to the verify.", spec.drafted
-        )
-        yield counter(
-            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.accepted
-        )
-        yield per_pos(
+        yield by(
+            m,
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, per draft position (0: the first after the backbone's own).",
-            spec.accepted_at,
+            "position",
+            ((str(j), n) for j, n in enumerate(spec.accepted_at)),
         )
-        yield per_pos(
+        yield by(
+            m,
             "dsv41:spec_draft_tokens_per_pos",
             "Draft tokens put to the verify, per "
             "draft position (0: the first after the backbone's own).",
-            spec.verified_at,
+            "position",
+            ((str(j), n) for j, n in enumerate(spec.verified_at)),
         )
-        yield gauge(
-            "dsv41:spec_mean_accepted_length",
-            "Tokens per speculative step (accepted "
-            "drafts and the backbone's own; 0 before a step speculated).",
-            spec.mean_accepted_length or 0.0,
-        )
-        yield gauge(
-            "dsv41:spec_acceptance_rate",
-            "Draft tokens accepted / verified (0 before a step speculated).",
-            spec.accepted / spec.drafted if spec.drafted else 0.0,
+        yield from families(
+            m,
+            (
+                (
+                    GAUGE,
+                    "dsv41:spec_mean_accepted_length",
+                    "Tokens per speculative step (accepted "
+                    "drafts and the backbone's own; 0 before a step speculated).",
+                    spec.mean_accepted_length or 0.0,
+                ),
+                (
+                    GAUGE,
+                    "dsv41:spec_acceptance_rate",
+                    "Draft tokens accepted / verified (0 before a step speculated).",
+                    spec.accepted / spec.drafted if spec.drafted else 0.0,
+                ),
+            ),
         )
 
     def _stores(self, t: TierStores) -> Iterator[Metric]:
         m = self.model_name
-
-        def family(
-            kind,
-            name: str,
-            help_text: str,
-            rows: list[tuple[tuple[str, ...], float]],
-            labels: tuple[str, ...] = (),
-        ):
-            f = kind(name, help_text, labels=["model_name", *labels])
-            for values, n in rows:
-                f.add_metric([m, *values], n)
-            return f
-
         if t.runtime_blocks is not None:
             rb = t.runtime_blocks
-            for name, kind, help_text, value in (
+            yield from families(
+                m,
                 (
-                    "bytes",
-                    GaugeMetricFamily,
-                    "Bytes of the runtime prefix tier's blocks (within the runtime budget).",
-                    rb.bytes,
+                    (
+                        GAUGE,
+                        "bytes",
+                        "Bytes of the runtime prefix tier's blocks (within the runtime budget).",
+                        rb.bytes,
+                    ),
+                    (GAUGE, "entries", "Blocks the runtime prefix tier holds.", rb.entries),
+                    (COUNTER, "hits", "Blocks the runtime prefix tier served.", rb.hits),
+                    (COUNTER, "stored", "Prompt blocks it stored.", rb.stored),
+                    (
+                        COUNTER,
+                        "evictions",
+                        "Blocks evicted (least recently used first) to make room.",
+                        rb.evictions,
+                    ),
+                    (COUNTER, "refused", "Blocks refused for no room.", rb.refused),
                 ),
-                ("entries", GaugeMetricFamily, "Blocks the runtime prefix tier holds.", rb.entries),
-                ("hits", CounterMetricFamily, "Blocks the runtime prefix tier served.", rb.hits),
-                ("stored", CounterMetricFamily, "Prompt blocks it stored.", rb.stored),
-                (
-                    "evictions",
-                    CounterMetricFamily,
-                    "Blocks evicted (least recently used first) to make room.",
-                    rb.evictions,
-                ),
-                ("refused", CounterMetricFamily, "Blocks refused for no room.", rb.refused),
-            ):
-                yield family(kind, f"dsv41:runtime_prefix_{name}", help_text, [((), value)])
+                prefix="dsv41:runtime_prefix_",
+            )
         if t.store is not None:
             st = t.store
-            for name, kind, help_text, value in (
+            yield from families(
+                m,
                 (
-                    "bytes",
-                    GaugeMetricFamily,
-                    "Bytes of the SSD store's blocks, headers included.",
-                    st.bytes,
+                    (
+                        GAUGE,
+                        "bytes",
+                        "Bytes of the SSD store's blocks, headers included.",
+                        st.bytes,
+                    ),
+                    (GAUGE, "capacity_bytes", "The SSD store's capacity.", st.capacity),
+                    (GAUGE, "entries", "Blocks the SSD store indexes.", st.entries),
+                    (COUNTER, "hits", "Block reads the SSD store answered.", st.hits),
+                    (
+                        COUNTER,
+                        "misses",
+                        "Block reads the SSD store could not answer (absent, or found bad).",
+                        st.misses,
+                    ),
+                    (COUNTER, "writes", "Blocks written.", st.writes),
+                    (COUNTER, "evictions", "Blocks removed to make room.", st.evictions),
+                    (COUNTER, "read_errors", "Block reads that failed (I/O).", st.read_errors),
+                    (
+                        COUNTER,
+                        "write_errors",
+                        "Block writes or deletions that failed.",
+                        st.write_errors,
+                    ),
+                    (
+                        COUNTER,
+                        "corrupt",
+                        "Files deleted for a bad header, checksum or length, or another model's.",
+                        st.corrupt + st.truncated + st.foreign,
+                    ),
                 ),
-                ("capacity_bytes", GaugeMetricFamily, "The SSD store's capacity.", st.capacity),
-                ("entries", GaugeMetricFamily, "Blocks the SSD store indexes.", st.entries),
-                ("hits", CounterMetricFamily, "Block reads the SSD store answered.", st.hits),
-                (
-                    "misses",
-                    CounterMetricFamily,
-                    "Block reads the SSD store could not answer (absent, or found bad).",
-                    st.misses,
-                ),
-                ("writes", CounterMetricFamily, "Blocks written.", st.writes),
-                ("evictions", CounterMetricFamily, "Blocks removed to make room.", st.evictions),
-                (
-                    "read_errors",
-                    CounterMetricFamily,
-                    "Block reads that failed (I/O).",
-                    st.read_errors,
-                ),
-                (
-                    "write_errors",
-                    CounterMetricFamily,
-                    "Block writes or deletions that failed.",
-                    st.write_errors,
-                ),
-                (
-                    "corrupt",
-                    CounterMetricFamily,
-                    "Files deleted for a bad header, checksum or length, or another model's.",
-                    st.corrupt + st.truncated + st.foreign,
-                ),
-            ):
-                yield family(kind, f"dsv41:ssd_store_{name}", help_text, [((), value)])
+                prefix="dsv41:ssd_store_",
+            )
         if t.pool is not None:
-            p, label = t.pool, ("redis" if isinstance(t.pool, RedisPoolStats) else "dram",)
-            for name, kind, help_text, value in (
+            p = t.pool
+            yield from families(
+                m,
                 (
-                    "bytes",
-                    GaugeMetricFamily,
-                    "Bytes the snapshot pool holds (Redis: the server's used_memory).",
-                    p.bytes,
+                    (
+                        GAUGE,
+                        "bytes",
+                        "Bytes the snapshot pool holds (Redis: the server's used_memory).",
+                        p.bytes,
+                    ),
+                    (GAUGE, "entries", "Snapshots the pool holds.", p.entries),
+                    (COUNTER, "hits", "Snapshot reads the pool answered.", p.hits),
+                    (COUNTER, "misses", "Snapshot reads the pool could not answer.", p.misses),
+                    (COUNTER, "evictions", "Snapshots evicted to make room.", p.evictions),
                 ),
-                ("entries", GaugeMetricFamily, "Snapshots the pool holds.", p.entries),
-                ("hits", CounterMetricFamily, "Snapshot reads the pool answered.", p.hits),
-                (
-                    "misses",
-                    CounterMetricFamily,
-                    "Snapshot reads the pool could not answer.",
-                    p.misses,
-                ),
-                ("evictions", CounterMetricFamily, "Snapshots evicted to make room.", p.evictions),
-            ):
-                yield family(
-                    kind, f"dsv41:snapshot_pool_{name}", help_text, [(label, value)], ("pool",)
-                )
+                prefix="dsv41:snapshot_pool_",
+                labels=("pool",),
+                values=("redis" if isinstance(p, RedisPoolStats) else "dram",),
+            )
