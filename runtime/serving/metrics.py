@@ -32,7 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from dsv41.runtime.serving.frontend import BatcherStats
 from dsv41.runtime.serving.metrics_collect import FrontendCollector
 
-# seconds (vLLM's bounds for the same series); +Inf is added by prometheus_client
+# seconds (vLLM's bounds for the same series, which share VLLM_MID); +Inf is added by
+# prometheus_client
+VLLM_MID = (0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -43,41 +45,12 @@ TTFT_BUCKETS = (
     0.08,
     0.1,
     0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
+    *VLLM_MID,
     160.0,
     640.0,
     2560.0,
 )
-TOKEN_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, *VLLM_MID)
 # the gaps of a fast backend are well under vLLM's first bound: finer ones below it
 GAP_BUCKETS = (0.001, 0.0025, 0.005, *TOKEN_BUCKETS)
 REQUEST_BUCKETS = (
@@ -136,6 +109,71 @@ VLLM_FINISH = {
 }
 
 
+# the request-level counters: key -> (name, help text, the label besides model_name)
+COUNTERS = {
+    "requests": ("dsv41:requests", "HTTP requests received per endpoint.", "endpoint"),
+    "rejected": (
+        "dsv41:requests_rejected",
+        "Requests answered with an error status, per status code.",
+        "code",
+    ),
+    "finished": (
+        "dsv41:requests_finished",
+        "Generation requests ended, per finish reason (timeout: the server's per-request timeout "
+        "cancelled it).",
+        "reason",
+    ),
+    "success": (
+        "vllm:request_success",
+        "Requests finished, per finished_reason (abort: cancelled by the client or the timeout).",
+        "finished_reason",
+    ),
+}
+# the request-level histograms, in the order /metrics shows them: key -> (name, help, buckets)
+HISTOGRAMS = {
+    "ttft": (
+        "vllm:time_to_first_token_seconds",
+        "Time from submission to the first generated token.",
+        TTFT_BUCKETS,
+    ),
+    "itl": (
+        "vllm:inter_token_latency_seconds",
+        "Time between consecutive generated tokens of a request (one observation per gap).",
+        GAP_BUCKETS,
+    ),
+    "tpot": (
+        "vllm:time_per_output_token_seconds",
+        "Time between consecutive generated tokens (vLLM's older name of inter_token_latency).",
+        GAP_BUCKETS,
+    ),
+    "request_tpot": (
+        "vllm:request_time_per_output_token_seconds",
+        "A request's mean time per output token after its first.",
+        GAP_BUCKETS,
+    ),
+    "e2e": (
+        "vllm:e2e_request_latency_seconds",
+        "Time from submission to a request's last token.",
+        REQUEST_BUCKETS,
+    ),
+    "queue_time": (
+        "vllm:request_queue_time_seconds",
+        "Time a request waited before the batcher admitted it.",
+        REQUEST_BUCKETS,
+    ),
+    "prompt_len": (
+        "vllm:request_prompt_tokens",
+        "Prompt tokens per finished request.",
+        TOKEN_COUNT_BUCKETS,
+    ),
+    "gen_len": (
+        "vllm:request_generation_tokens",
+        "Generated tokens per finished request.",
+        TOKEN_COUNT_BUCKETS,
+    ),
+}
+
+
 class RateWindow:
     """Amounts over the last `window_s` seconds, as a rate per second."""
 
@@ -186,74 +224,17 @@ class ServerMetrics:
         self.tokens_rate = RateWindow(rate_window_s, clock)
         self._watched = False
         r, m = self.registry, ("model_name",)
-
-        def hist(name: str, help_text: str, buckets) -> Histogram:
-            h = Histogram(name, help_text, m, buckets=buckets, registry=r)
+        # by the keys of COUNTERS and HISTOGRAMS
+        self.counters = {
+            key: Counter(name, help_text, (*m, label), registry=r)
+            for key, (name, help_text, label) in COUNTERS.items()
+        }
+        self.histograms = {
+            key: Histogram(name, help_text, m, buckets=buckets, registry=r)
+            for key, (name, help_text, buckets) in HISTOGRAMS.items()
+        }
+        for h in self.histograms.values():
             h.labels(model_name)  # shown (empty) before the first observation
-            return h
-
-        self.requests = Counter(
-            "dsv41:requests", "HTTP requests received per endpoint.", (*m, "endpoint"), registry=r
-        )
-        self.rejected = Counter(
-            "dsv41:requests_rejected",
-            "Requests answered with an error status, per status code.",
-            (*m, "code"),
-            registry=r,
-        )
-        self.finished = Counter(
-            "dsv41:requests_finished",
-            "Generation requests ended, per "
-            "finish reason (timeout: the server's per-request timeout "
-            "cancelled it).",
-            (*m, "reason"),
-            registry=r,
-        )
-        self.success = Counter(
-            "vllm:request_success",
-            "Requests finished, per finished_reason "
-            "(abort: cancelled by the client or the timeout).",
-            (*m, "finished_reason"),
-            registry=r,
-        )
-        self.ttft = hist(
-            "vllm:time_to_first_token_seconds",
-            "Time from submission to the first generated token.",
-            TTFT_BUCKETS,
-        )
-        self.itl = hist(
-            "vllm:inter_token_latency_seconds",
-            "Time between consecutive generated tokens of a request (one observation per gap).",
-            GAP_BUCKETS,
-        )
-        self.tpot = hist(
-            "vllm:time_per_output_token_seconds",
-            "Time between consecutive generated tokens (vLLM's older name of inter_token_latency).",
-            GAP_BUCKETS,
-        )
-        self.request_tpot = hist(
-            "vllm:request_time_per_output_token_seconds",
-            "A request's mean time per output token after its first.",
-            GAP_BUCKETS,
-        )
-        self.e2e = hist(
-            "vllm:e2e_request_latency_seconds",
-            "Time from submission to a request's last token.",
-            REQUEST_BUCKETS,
-        )
-        self.queue_time = hist(
-            "vllm:request_queue_time_seconds",
-            "Time a request waited before the batcher admitted it.",
-            REQUEST_BUCKETS,
-        )
-        self.prompt_len = hist(
-            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS
-        )
-        self.gen_len = hist(
-            "vllm:request_generation_tokens",
-            "Generated tokens per finished request.",
-            TOKEN_COUNT_BUCKETS,
-        )
         self.tokens_per_s = Gauge(
             "dsv41:generation_tokens_per_second",
             "Completion tokens per "
@@ -264,8 +245,8 @@ class ServerMetrics:
         )
         self.tokens_per_s.labels(model_name).set_function(lambda: round(self.tokens_rate.rate(), 6))
         for reason in FINISH_LABELS:  # every reason shows, at 0 until it happens
-            self.finished.labels(model_name, reason)
-            self.success.labels(model_name, VLLM_FINISH[reason])
+            self.counters["finished"].labels(model_name, reason)
+            self.counters["success"].labels(model_name, VLLM_FINISH[reason])
 
     def watch(self, stats: Callable[[], BatcherStats]) -> None:
         """Read `stats()` (a frontend's) at every scrape; once per metrics object."""
@@ -277,10 +258,10 @@ class ServerMetrics:
         self._watched = True
 
     def count_request(self, endpoint: str) -> None:
-        self.requests.labels(self.model_name, endpoint).inc()
+        self.counters["requests"].labels(self.model_name, endpoint).inc()
 
     def count_rejected(self, status: int | str) -> None:
-        self.rejected.labels(self.model_name, str(status)).inc()
+        self.counters["rejected"].labels(self.model_name, str(status)).inc()
 
     def observe_finish(self, reason: str, timing: FinishTiming) -> None:
         if reason not in FINISH_LABELS:
@@ -288,23 +269,27 @@ class ServerMetrics:
                 f"Unknown finish reason {reason!r}; known: {', '.join(FINISH_LABELS)}."
             )
         name = self.model_name
-        self.finished.labels(name, reason).inc()
-        self.success.labels(name, VLLM_FINISH[reason]).inc()
-        self.queue_time.labels(name).observe(timing.queued_s)
-        self.prompt_len.labels(name).observe(timing.prompt_tokens)
-        self.gen_len.labels(name).observe(timing.completion_tokens)
+        self.counters["finished"].labels(name, reason).inc()
+        self.counters["success"].labels(name, VLLM_FINISH[reason]).inc()
+        gaps = timing.per_token_s
         if timing.first_token_s is not None:
-            self.ttft.labels(name).observe(timing.first_token_s)
-            self.e2e.labels(name).observe(timing.first_token_s + sum(timing.per_token_s))
+            e2e = timing.first_token_s + sum(gaps)
         else:
-            self.e2e.labels(name).observe(timing.queued_s)
-        for gap in timing.per_token_s:
-            self.itl.labels(name).observe(gap)
-            self.tpot.labels(name).observe(gap)
-        if timing.per_token_s:
-            self.request_tpot.labels(name).observe(
-                sum(timing.per_token_s) / len(timing.per_token_s)
-            )
+            e2e = timing.queued_s
+        seen = {
+            "queue_time": [timing.queued_s],
+            "prompt_len": [timing.prompt_tokens],
+            "gen_len": [timing.completion_tokens],
+            "ttft": [] if timing.first_token_s is None else [timing.first_token_s],
+            "e2e": [e2e],
+            "itl": gaps,
+            "tpot": gaps,
+            "request_tpot": [sum(gaps) / len(gaps)] if gaps else [],
+        }
+        for key, values in seen.items():
+            h = self.histograms[key].labels(name)
+            for v in values:
+                h.observe(v)
         self.tokens_rate.add(timing.completion_tokens)
 
     def render(self) -> bytes:
