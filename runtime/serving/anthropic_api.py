@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from dsv41.runtime.serving.openai_api import ApiError, ErrorType, Usage, bad_request
-from dsv41.runtime.serving.turn_reply import Reply, StopKind
+from dsv41.runtime.serving.turn_reply import Piece, Reply, StopKind, TurnEnd, chat_tools
 
 # ApiError's types as Anthropic names them (by HTTP status where Anthropic has its own name)
 ERROR_TYPES = {ErrorType.INVALID_REQUEST: "invalid_request_error",
@@ -206,29 +206,21 @@ def _messages(body: Mapping) -> list[dict]:
     return out
 
 
-def _tools(body: Mapping) -> list[dict]:
-    tools = body.get("tools")
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise bad_request("tools must be a list of tools.", "tools")
-    out = []
-    for i, t in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(t, Mapping):
-            raise _where(where, "a tool must be an object with `name` and `input_schema`.")
-        if t.get("type", "custom") != "custom":
-            raise _where(where, f"server tools ({t.get('type')!r:.60}) are not supported by "
-                         "this server; give client tools (name, description, input_schema).")
-        # OpenAI's key order (the release renders each function's JSON as it is ordered)
-        fn = {"name": t.get("name")}
-        if "description" in t:
-            fn["description"] = t["description"]
-        fn["parameters"] = t.get("input_schema")
-        if not isinstance(fn["parameters"], Mapping):
-            raise _where(where, "a tool needs an `input_schema` (a JSON Schema object).")
-        out.append({"type": "function", "function": fn})
-    return out
+def _function(t, where: str) -> dict:
+    """Chat's function object of an Anthropic client tool."""
+    if not isinstance(t, Mapping):
+        raise _where(where, "a tool must be an object with `name` and `input_schema`.")
+    if t.get("type", "custom") != "custom":
+        raise _where(where, f"server tools ({t.get('type')!r:.60}) are not supported by "
+                     "this server; give client tools (name, description, input_schema).")
+    # OpenAI's key order (the release renders each function's JSON as it is ordered)
+    fn = {"name": t.get("name")}
+    if "description" in t:
+        fn["description"] = t["description"]
+    fn["parameters"] = t.get("input_schema")
+    if not isinstance(fn["parameters"], Mapping):
+        raise _where(where, "a tool needs an `input_schema` (a JSON Schema object).")
+    return fn
 
 
 def _tool_choice(body: Mapping) -> dict:
@@ -303,7 +295,7 @@ def chat_body(body, *, counting: bool = False) -> dict:
                                   all(isinstance(s, str) for s in stops)):
         raise bad_request("stop_sequences must be a list of strings.", "stop_sequences")
     chat: dict = {"model": body.get("model"), "messages": _messages(body),
-                  "tools": _tools(body), **_tool_choice(body),
+                  "tools": chat_tools(body.get("tools"), _function), **_tool_choice(body),
                   "chat_template_kwargs": {"thinking": _thinking(body, max_tokens)}}
     if counting:
         return chat
@@ -355,3 +347,68 @@ def message_start(msg_id: str, model: str, prompt_tokens: int) -> dict:
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": prompt_tokens, "cache_read_input_tokens": 0,
                   "cache_creation_input_tokens": 0, "output_tokens": 0}}}
+
+
+class MessageWriter:
+    """A message's shapes (turn_reply.TurnWriter): the whole message, or its stream's events:
+    `message_start`, `ping`, per content block `content_block_start`, its deltas and
+    `content_block_stop`, then `message_delta` and `message_stop`; an error, Anthropic's."""
+
+    def __init__(self, msg_id: str, model: str, prompt_tokens: Callable[[], int]):
+        self.msg_id, self.model, self.prompt_tokens = msg_id, model, prompt_tokens
+        self.index = -1  # the open block's, or the last one's
+        self.open: str | None = None  # "thinking" | "text" | "tool_use"
+
+    def answer(self, reply: Reply) -> dict:
+        return message_body(self.msg_id, self.model, reply)
+
+    def sse(self, event: dict) -> str:
+        return sse(event)
+
+    def opening(self) -> list[dict]:
+        return [message_start(self.msg_id, self.model, self.prompt_tokens()), {"type": "ping"}]
+
+    def close(self) -> list[dict]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def start(self, block: dict) -> list[dict]:
+        out = self.close()
+        self.index += 1
+        self.open = block["type"]
+        return out + [{"type": "content_block_start", "index": self.index,
+                       "content_block": block}]
+
+    def delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def piece(self, p: Piece) -> list[dict]:
+        out: list[dict] = []
+        if p.reasoning:
+            if self.open != "thinking":
+                out += self.start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self.delta({"type": "thinking_delta", "thinking": p.reasoning}))
+        if p.text:
+            if self.open != "text":
+                out += self.start({"type": "text", "text": ""})
+            out.append(self.delta({"type": "text_delta", "text": p.text}))
+        for d in p.calls:
+            if d.name is not None:
+                out += self.start({"type": "tool_use", "id": new_id("toolu_"), "name": d.name,
+                                   "input": {}})
+            if d.arguments:
+                out.append(self.delta({"type": "input_json_delta",
+                                       "partial_json": d.arguments}))
+        return out
+
+    def end(self, end: TurnEnd) -> list[dict]:
+        return self.close() + [
+            {"type": "message_delta",
+             "delta": {"stop_reason": STOP_REASONS[end.kind], "stop_sequence": end.stop_sequence},
+             "usage": usage_body(end.usage)},
+            {"type": "message_stop"}]
+
+    def failed(self, e: ApiError) -> list[dict]:
+        return [error_body(e)]

@@ -171,19 +171,19 @@ class Generation:
                 stream.cancel()
                 raise Ended("timeout")
 
-    async def collect(self, req: GenerationRequest, stream: EventStream, request: Request,
-                      deadline: float | None) -> Response:
-        got = [_Choice() for _ in range(req.samples)]
+    async def read_all(self, stream: EventStream, request: Request, deadline: float | None,
+                       samples: int, feed: Callable[[TokenEvent], None]
+                       ) -> list[TokenEvent] | None:
+        """Every event of the stream's `samples` through `feed`, then the final event of each
+        (by its index), or None when the client went away; ApiError for the timeout or a
+        sample's finish error. The request is recorded in /metrics once, whatever happens."""
+        finals: list[TokenEvent | None] = [None] * samples
         reason, ended = "cancelled", None
         try:
-            async for ev in self.events(stream, request, deadline, req.samples):
-                c = got[ev.index]
-                c.parts.append(ev.text)
-                t = _token_out(ev)
-                if t is not None:
-                    c.tokens.append(t)
-                c.last = ev
-            reason = got[0].last.finish.value
+            async for ev in self.events(stream, request, deadline, samples):
+                feed(ev)
+                finals[ev.index] = ev
+            reason = finals[0].finish.value
         except Ended as e:
             reason = ended = e.reason
         finally:
@@ -192,11 +192,27 @@ class Generation:
         if ended == "timeout":
             raise self.timeout_error()
         if ended == "cancelled":
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        for c in got:
-            err = finish_error(c.last)
+            return None
+        for ev in finals:
+            err = finish_error(ev)
             if err is not None:
                 raise err
+        return finals
+
+    async def collect(self, req: GenerationRequest, stream: EventStream, request: Request,
+                      deadline: float | None) -> Response:
+        got = [_Choice() for _ in range(req.samples)]
+
+        def feed(ev: TokenEvent) -> None:
+            c = got[ev.index]
+            c.parts.append(ev.text)
+            t = _token_out(ev)
+            if t is not None:
+                c.tokens.append(t)
+            c.last = ev
+
+        if await self.read_all(stream, request, deadline, req.samples, feed) is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
         chosen = best_of(got, req.n) if req.samples > req.n else got
         choices = [self._choice(req, c, i) for i, c in enumerate(chosen)]
         usage = stream_usage(stream, sum(len(c.tokens) for c in got))

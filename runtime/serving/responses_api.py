@@ -35,11 +35,12 @@ The answer: output items `reasoning` (`content`: one `reasoning_text`), `message
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 
-from dsv41.runtime.serving.openai_api import Usage, bad_request
-from dsv41.runtime.serving.turn_reply import Piece, Reply, StopKind, TurnEnd
+from dsv41.runtime.serving.openai_api import ApiError, Usage, bad_request
+from dsv41.runtime.serving.turn_reply import Piece, Reply, StopKind, TurnEnd, chat_tools
 
 # reasoning.effort -> chat's reasoning_effort (None: chat mode, no thinking)
 EFFORTS = {"none": None, "minimal": None, "low": "low", "medium": "high", "high": "max"}
@@ -167,21 +168,13 @@ def _messages(body: Mapping) -> list[dict]:
     return out
 
 
-def _tools(body: Mapping) -> list[dict]:
-    tools = body.get("tools")
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise bad_request("tools must be a list of tools.", "tools")
-    out = []
-    for i, t in enumerate(tools):
-        kind = t.get("type") if isinstance(t, Mapping) else None
-        if kind != "function":
-            raise bad_request(f"tools[{i}]: {kind!r:.40} tools are not supported by this "
-                              "server; only function tools are.", "tools")
-        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
-        out.append({"type": "function", "function": fn})
-    return out
+def _function(t, where: str) -> dict:
+    """Chat's function object of a Responses function tool."""
+    kind = t.get("type") if isinstance(t, Mapping) else None
+    if kind != "function":
+        raise bad_request(f"{where}: {kind!r:.40} tools are not supported by this server; "
+                          "only function tools are.", "tools")
+    return {k: t[k] for k in ("name", "description", "parameters") if k in t}
 
 
 def _tool_choice(choice):
@@ -241,7 +234,8 @@ def chat_body(body) -> dict:
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise bad_request("store must be true or false.", "store")
-    chat: dict = {"model": body.get("model"), "messages": _messages(body), "tools": _tools(body),
+    chat: dict = {"model": body.get("model"), "messages": _messages(body),
+                  "tools": chat_tools(body.get("tools"), _function),
                   **_effort(body)}
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                      ("top_p", "top_p"), ("stream", "stream"),
@@ -409,3 +403,48 @@ class StreamItems:
     def finish(self, end: TurnEnd) -> list[dict]:
         self.status = "incomplete" if end.kind is StopKind.LENGTH else "completed"
         return self.close()
+
+
+class ResponseWriter:
+    """A response's shapes (turn_reply.TurnWriter): the whole response object, or its stream's
+    events, each with its `sequence_number`: `response.created`, `response.in_progress`, the
+    output items' (StreamItems), then `response.completed` or `response.incomplete`; an error
+    after the stream began is an `error` event, then `response.failed`."""
+
+    def __init__(self, resp_id: str, created: int, model: str, body: Mapping):
+        self.resp_id, self.created, self.model, self.body = resp_id, created, model, body
+        self.items = StreamItems()
+        self.seq = 0  # the next event's sequence_number
+
+    def response(self, output: list[dict], end: TurnEnd | None) -> dict:
+        return response_object(self.resp_id, self.created, self.model, self.body,
+                               output=output, end=end)
+
+    def answer(self, reply: Reply) -> dict:
+        return self.response(output_items(reply), reply.end)
+
+    def sse(self, event: dict) -> str:
+        event = {**event, "sequence_number": self.seq}
+        self.seq += 1
+        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    def opening(self) -> list[dict]:
+        return [{"type": "response.created", "response": self.response([], None)},
+                {"type": "response.in_progress", "response": self.response([], None)}]
+
+    def piece(self, p: Piece) -> list[dict]:
+        return self.items.piece(p)
+
+    def end(self, end: TurnEnd) -> list[dict]:
+        out = self.items.finish(end)
+        final = self.response(self.items.done, end)
+        kind = "response.completed" if final["status"] == "completed" else \
+            "response.incomplete"
+        return out + [{"type": kind, "response": final}]
+
+    def failed(self, e: ApiError) -> list[dict]:
+        code = e.code or e.type.value
+        failed = {**self.response(self.items.done, None), "status": "failed",
+                  "error": {"code": code, "message": e.message}}
+        return [{"type": "error", "code": code, "message": e.message, "param": e.param},
+                {"type": "response.failed", "response": failed}]

@@ -5,10 +5,13 @@ same prompt, sampling, tool and reasoning machinery as `/v1/chat/completions`), 
 same frontend through `Generation.submit`, then read its events here, whole or piece by piece,
 and write them in their own shape:
 
-    _, req, stream, deadline = await start(gen, request, "messages", check_key, parse)
-    reply = await whole(gen, req, stream, request, deadline)   # Reply, or None: the client left
-    async for item in pieces(gen, req, stream, deadline):      # Piece ... then one TurnEnd
-        ...
+    return await answer(gen, request, "messages", check_key, parse, writer_of)
+
+`answer` counts, checks the key, parses and submits (`start`), then writes the reply with the
+endpoint's `TurnWriter`: whole (`whole`: a Reply, or None when the client left) as one JSON
+answer, or piece by piece (`pieces`: Pieces, then one TurnEnd) as server-sent events, through
+one event pump (`sse_events`) for both endpoints. `chat_tools` is the request half they share:
+their tool lists as chat's function tools.
 
 The reply is split as the chat endpoint splits it: in thinking mode the text before `</think>` is
 reasoning (tool_calls.split_reasoning, ReasoningFilter while streaming); with tools a DSML block
@@ -24,12 +27,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
-from dsv41.runtime.serving.frontend import EventStream, FinishReason
+from dsv41.runtime.serving.frontend import EventStream, FinishReason, TokenEvent
 from dsv41.runtime.serving.generation import Ended, Generation, finish_error, stream_usage
-from dsv41.runtime.serving.openai_api import GenerationRequest, Usage
+from dsv41.runtime.serving.openai_api import ApiError, GenerationRequest, Usage, bad_request
 from dsv41.runtime.serving.release_format import ToolCall
 from dsv41.runtime.serving.tokenizer import Tokenizer
 from dsv41.runtime.serving.tool_calls import (
@@ -144,26 +150,16 @@ async def whole(gen: Generation, req: GenerationRequest, stream: EventStream,
     """The whole reply (None when the client went away); ApiError for a finish error or the
     timeout. Split as the chat endpoint's non-streaming answer is."""
     ending = _Ending(req, gen.state.tokenizer)
-    parts, last = [], None
-    reason, ended = "cancelled", None
-    try:
-        async for ev in gen.events(stream, request, deadline):
-            ending.feed(ev.token_id, ev.text)
-            parts.append(ev.text)
-            last = ev
-        reason = last.finish.value
-    except Ended as e:
-        reason = ended = e.reason
-    finally:
-        stream.cancel()  # a no-op once finished; frees the slot if the handler is torn down
-        gen.record(stream, reason)
-    if ended == "timeout":
-        raise gen.timeout_error()
-    if ended == "cancelled":
+    parts: list[str] = []
+
+    def feed(ev: TokenEvent) -> None:
+        ending.feed(ev.token_id, ev.text)
+        parts.append(ev.text)
+
+    finals = await gen.read_all(stream, request, deadline, 1, feed)
+    if finals is None:
         return None
-    err = finish_error(last)
-    if err is not None:
-        raise err
+    last = finals[0]
     text, calls, reasoning = "".join(parts), (), None
     if req.thinking:
         reasoning, text = split_reasoning(text)
@@ -211,3 +207,74 @@ async def pieces(gen: Generation, req: GenerationRequest, stream: EventStream,
     finally:  # also when the client went away (the response task is cancelled)
         stream.cancel()
         gen.record(stream, reason)
+
+
+class TurnWriter(Protocol):
+    """One endpoint's shapes of one request's reply (made after the request is submitted: it
+    may hold the reply's id and, for a stream, what its events have said so far)."""
+
+    def answer(self, reply: Reply) -> dict:
+        """The whole reply's JSON answer."""
+
+    def opening(self) -> list[dict]:
+        """The events a stream opens with (read when the stream starts)."""
+
+    def piece(self, p: Piece) -> list[dict]:
+        """The events of one piece of the reply."""
+
+    def end(self, end: TurnEnd) -> list[dict]:
+        """The events that close the reply."""
+
+    def failed(self, e: ApiError) -> list[dict]:
+        """The events of an error after the stream began (a finish error, the timeout)."""
+
+    def sse(self, event: dict) -> str:
+        """One event as a server-sent event."""
+
+
+async def sse_events(gen: Generation, req: GenerationRequest, stream: EventStream,
+                     deadline: float | None, writer: TurnWriter) -> AsyncIterator[str]:
+    """The reply as `writer`'s server-sent events: its opening, each piece's, the end's; an
+    error after the stream began is counted in /metrics and written as `writer.failed`."""
+    for ev in writer.opening():
+        yield writer.sse(ev)
+    try:
+        async for item in pieces(gen, req, stream, deadline):
+            for ev in writer.piece(item) if isinstance(item, Piece) else writer.end(item):
+                yield writer.sse(ev)
+    except ApiError as e:
+        gen.state.metrics.count_rejected(e.status)
+        for ev in writer.failed(e):
+            yield writer.sse(ev)
+
+
+async def answer(gen: Generation, request: Request, label: str,
+                 check_key: Callable[[Request], None],
+                 parse: Callable[[object], GenerationRequest],
+                 writer_of: Callable[[object, EventStream], TurnWriter]) -> Response:
+    """Start the request (`start`), then answer with `writer_of(body, stream)`'s shapes: one
+    JSON answer, or its server-sent events (499 when the client left before a JSON answer)."""
+    body, req, stream, deadline = await start(gen, request, label, check_key, parse)
+    writer = writer_of(body, stream)
+    if req.stream:
+        # the background cancel covers a client gone before the first event was sent
+        return StreamingResponse(sse_events(gen, req, stream, deadline, writer),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(stream.cancel))
+    reply = await whole(gen, req, stream, request, deadline)
+    if reply is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(writer.answer(reply))
+
+
+def chat_tools(tools, function: Callable[[object, str], dict]) -> list[dict]:
+    """Chat's function tools of an endpoint's `tools` (None: none): each tool's chat
+    `function` object as `function(tool, where)` makes it (an ApiError for one it cannot
+    serve; `where`: `tools[i]`)."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list of tools.", "tools")
+    return [{"type": "function", "function": function(t, f"tools[{i}]")}
+            for i, t in enumerate(tools)]
