@@ -123,6 +123,37 @@ def test_text_format_json_schema_validates(client):
         jsonschema.validate(json.loads(r.output_text), schema)
 
 
+def test_one_tool_translation_for_both_apis():
+    """The same tool given to either API is the same chat tool; a tools field that is not a
+    list is the same 400 in both; each API's own refusal keeps its text."""
+    from dsv41.runtime.serving import anthropic_api
+
+    def messages(tools) -> dict:
+        body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "w3"}]}
+        return anthropic_api.chat_body({**body, "tools": tools})
+
+    def responses(tools) -> dict:
+        return chat_body({"model": MODEL, "input": "w3", "tools": tools})
+
+    want = [{"type": "function", "function": {"name": "get_weather",
+                                              "description": WEATHER["description"],
+                                              "parameters": WEATHER["input_schema"]}}]
+    assert messages([WEATHER])["tools"] == responses([TOOL])["tools"] == want
+    assert messages(None)["tools"] == responses(None)["tools"] == []
+    for translate, tools, message in (
+            (messages, {"x": 1}, "tools must be a list of tools."),
+            (responses, "x", "tools must be a list of tools."),
+            (messages, [WEATHER, {"type": "web_search_20250305", "name": "w"}],
+             "tools[1]: server tools ('web_search_20250305') are not supported by this server; "
+             "give client tools (name, description, input_schema)."),
+            (responses, [TOOL, {"type": "file_search"}],
+             "tools[1]: 'file_search' tools are not supported by this server; only function "
+             "tools are.")):
+        with pytest.raises(ApiError) as e:
+            translate(tools)
+        assert (e.value.status, e.value.message, e.value.param) == (400, message, "tools")
+
+
 def test_refused_fields_are_400s(client):
     cases = [({"previous_response_id": "resp_1"}, "previous_response_id",
               "previous_response_id is not supported: this server stores no responses; send "
