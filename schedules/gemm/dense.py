@@ -269,7 +269,8 @@ def _schedule_dense_gemv_rows(sch: s_tir.Schedule, config: DenseGemvConfig) -> N
 
 def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: str,
                      w_dtype: str, rows: int = 1) -> tvm.tirx.PrimFunc:
-    """rows > 1: the verify / draft form (`make_dense_gemv_rows`), bit-identical per row."""
+    """rows > 1: the verify / draft form (`make_dense_gemv_rows`), bit-identical per row; bf16
+    x and w on AVX-512 BF16: `make_dense_gemv_bf16_dot` in both forms (`dense_gemv_config`)."""
     target = get_target(target_name)
     cfg = dense_gemv_config(target, n=n, k=k, rows=rows, x_dtype=x_dtype, w_dtype=w_dtype)
     if cfg.kind == "bf16_dot":
