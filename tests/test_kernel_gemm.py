@@ -649,6 +649,16 @@ def test_dense_gemv_config_kinds():
         cbs = [gemm.dense_gemv_config(cpu, n=n, k=64, rows=r, **bf).cb
                for n, r in ((512, 1), (512, 6), (512, 8), (512, 12), (512, 13), (3, 1), (7, 6))]
         assert cbs == [4, 4, 2, 2, 1, 3, 1]
+    # targets without it keep the fp32 lanes form: it builds and runs, each row as one row's
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2 * 8, 64, generator=gen).to(torch.bfloat16)
+    outs = [_run(tvm.compile(gemm.build_dense_gemv("cpu-x86-64", groups=2, n=8, k=64, **bf,
+                                                   rows=rows), target=x86.tvm_target()),
+                 [x, w], (5, 2, 8), torch.float32) for rows in (1, 6)]
+    assert torch.equal(outs[0], outs[1])
+    ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(2, 8, 64))
+    assert float((outs[0] - ref).abs().max()) <= 1e-5
 
 
 def test_dense_gemv_bf16_dot_refuses_bad_dims():
