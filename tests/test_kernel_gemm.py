@@ -25,7 +25,14 @@ from dsv41.graph import ops
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
 from dsv41.schedules import gemm
-from dsv41.schedules.common import bf16_to_f32, has_amx_bf16, has_avx512, has_features, i64
+from dsv41.schedules.common import (
+    bf16_to_f32,
+    has_amx_bf16,
+    has_avx512,
+    has_avx512_bf16,
+    has_features,
+    i64,
+)
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
 
 CPU = "cpu"
@@ -555,18 +562,21 @@ def test_dense_gemv_matches_fp32_matmul(groups, n, k, x_dtype, w_dtype):
     (1, 40, 8, torch.bfloat16, torch.float32),  # K below the lane count
     (3, 7, 48, torch.float32, torch.bfloat16),
     (1, 1, 64, torch.bfloat16, torch.float32),  # one column: cb 1
-    (2, 3, 32, torch.bfloat16, torch.bfloat16),  # three columns
+    (2, 3, 32, torch.bfloat16, torch.bfloat16),  # three columns (bf16_dot on AVX-512 BF16)
+    (2, 40, 64, torch.bfloat16, torch.bfloat16),  # a partial column tile (bf16_dot)
+    (2, 5, 48, torch.bfloat16, torch.bfloat16),  # k % 32: the fp32 lanes form for bf16
 ])
 def test_dense_gemv_rows_bit_identical_to_the_single_row_kernel(groups, n, k, x_dtype, w_dtype):
-    """The verify / draft form (`make_dense_gemv_rows`: a group's rows share each weight load)
-    gives every row the single-row kernel's bits, at any row count (whole groups, a partial
-    last group, fewer rows than a group)."""
+    """The verify / draft form (`make_dense_gemv_rows`, or on AVX-512 BF16 with bf16 x and w
+    `make_dense_gemv_bf16_dot(rows=)`: a group's rows share each weight load) gives every row
+    the single-row kernel's bits, at any row count (whole groups, a partial last group, fewer
+    rows than a group)."""
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
     dims = dict(groups=groups, n=n, k=k, x_dtype=name[x_dtype], w_dtype=name[w_dtype])
     one = _compiled("build_dense_gemv", **dims)
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(groups * n, k, generator=gen).to(w_dtype)
-    for rows in (2, 6):
+    for rows in (2, 6, 13):  # 13: one column per register group (bf16_dot)
         ex = _compiled("build_dense_gemv", **dims, rows=rows)
         for m in (1, 5, 6, 13):
             x = torch.randn(m, groups, k, generator=gen).to(x_dtype)
@@ -574,6 +584,90 @@ def test_dense_gemv_rows_bit_identical_to_the_single_row_kernel(groups, n, k, x_
             assert torch.equal(_run(ex, [x, w], (m, groups, n), torch.float32), want)
     with pytest.raises(ValueError, match="rows >= 2"):
         gemm.make_dense_gemv_rows(**dims, rows=1)
+
+
+needs_avx512bf16 = pytest.mark.skipif(not has_avx512_bf16(get_target(CPU)),
+                                      reason="this CPU has no AVX-512 BF16 (vdpbf16ps)")
+
+
+def _dot_order_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`make_dense_gemv_bf16_dot`'s stated arithmetic in torch: per column 16 fp32 lanes from
+    0, per chunk of 32 along K lane l += product 2l + 1, then product 2l (each product exact),
+    then the lanes added pairwise (halves first)."""
+    m, g, k = x.shape
+    prod = (x.float()[:, :, None, :] * w.float().view(g, -1, k)[None]).view(m, g, -1, k // 32,
+                                                                             16, 2)
+    acc = torch.zeros(prod.shape[:3] + (16,))
+    for ch in range(k // 32):
+        acc = acc + prod[..., ch, :, 1]
+        acc = acc + prod[..., ch, :, 0]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]
+
+
+@needs_avx512bf16
+@pytest.mark.parametrize("groups,n,k", [(8, 64, 256), (2, 40, 64), (1, 3, 32)])
+def test_dense_gemv_bf16_dot_sums_in_its_stated_order_bit_for_bit(groups, n, k):
+    """bf16 x and w on AVX-512 BF16: the decode kernel and its verify form (rows 6) equal the
+    torch emulation of their order bit for bit (every product is exact; denormal-free values),
+    NaN and inf weights included; against torch's fp32 einsum they stay within the 1e-6 of
+    `test_dense_gemv_matches_fp32_matmul` (measured at the o-projection's g 8, n 512, k 4096:
+    1.7e-8 of the row's magnitude from the exact sum, torch's own einsum 2.1e-8)."""
+    dims = dict(groups=groups, n=n, k=k, x_dtype="bfloat16", w_dtype="bfloat16")
+    assert gemm.dense_gemv_config(get_target(CPU), n=n, k=k, x_dtype="bfloat16",
+                                  w_dtype="bfloat16").kind == "bf16_dot"
+    gen = torch.Generator().manual_seed(k + n)
+    w = torch.randn(groups * n, k, generator=gen).to(torch.bfloat16)
+    w[n - 1, 5], w[0, k - 1] = float("nan"), float("inf")
+    for rows in (1, 6):
+        ex = _compiled("build_dense_gemv", **dims, rows=rows)
+        for m in (1, 5, 7):
+            x = torch.randn(m, groups, k, generator=gen).to(torch.bfloat16)
+            out = _run(ex, [x, w], (m, groups, n), torch.float32)
+            want = _dot_order_reference(x, w)
+            assert torch.equal(out.isnan(), want.isnan()), (rows, m)
+            assert torch.equal(out.nan_to_num(), want.nan_to_num()), (rows, m)
+            assert bool(out[:, 0, n - 1].isnan().all()) and bool(out[:, 0, 0].isinf().all())
+
+
+def test_dense_gemv_config_kinds():
+    """bf16_dot wherever the target has AVX-512 BF16 and x, w are bf16 with k % 32 == 0; the
+    fp32 lanes form elsewhere (fp32 weights as the head's: bf16 products would not be exact);
+    rows x cb accumulators stay within 24 registers."""
+    bf = {"x_dtype": "bfloat16", "w_dtype": "bfloat16"}
+    cpu, x86 = get_target(CPU), get_target("cpu-x86-64")
+    dot = "bf16_dot" if has_avx512_bf16(cpu) else "lanes"
+    assert gemm.dense_gemv_config(cpu, n=512, k=4096, **bf).kind == dot
+    assert gemm.dense_gemv_config(cpu, n=512, k=4096, x_dtype="bfloat16",
+                                  w_dtype="float32").kind == "lanes"
+    assert gemm.dense_gemv_config(cpu, n=512, k=48, **bf).kind == "lanes"
+    assert gemm.dense_gemv_config(x86, n=512, k=4096, **bf).kind == "lanes"
+    assert gemm.dense_gemv_config(cpu, n=512, k=4096).kind == "lanes"  # dtypes unknown
+    if has_avx512_bf16(cpu):
+        cbs = [gemm.dense_gemv_config(cpu, n=n, k=64, rows=r, **bf).cb
+               for n, r in ((512, 1), (512, 6), (512, 8), (512, 12), (512, 13), (3, 1), (7, 6))]
+        assert cbs == [4, 4, 2, 2, 1, 3, 1]
+    # targets without it keep the fp32 lanes form: it builds and runs, each row as one row's
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2 * 8, 64, generator=gen).to(torch.bfloat16)
+    outs = [_run(tvm.compile(gemm.build_dense_gemv("cpu-x86-64", groups=2, n=8, k=64, **bf,
+                                                   rows=rows), target=x86.tvm_target()),
+                 [x, w], (5, 2, 8), torch.float32) for rows in (1, 6)]
+    assert torch.equal(outs[0], outs[1])
+    ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(2, 8, 64))
+    assert float((outs[0] - ref).abs().max()) <= 1e-5
+
+
+def test_dense_gemv_bf16_dot_refuses_bad_dims():
+    with pytest.raises(ValueError, match="k a multiple of 32, got 48"):
+        gemm.make_dense_gemv_bf16_dot(groups=1, n=8, k=48)
+    with pytest.raises(ValueError, match="cb >= 1 dividing tn; got rows=1, cb=3, tn=32"):
+        gemm.make_dense_gemv_bf16_dot(groups=1, n=64, k=64, cb=3)
+    with pytest.raises(ValueError, match="rows >= 1"):
+        gemm.make_dense_gemv_bf16_dot(groups=1, n=64, k=64, rows=0)
 
 
 @pytest.mark.parametrize("groups,n,k,x_dtype,w_dtype", [

@@ -1,5 +1,6 @@
 """TIR stages several kernels repeat, as `@T.macro`s: a block amax and its E8M0 scale byte, a
-sum of squares in strided lane partials, one Sinkhorn normalisation pass.
+sum of squares in strided lane partials, one Sinkhorn normalisation pass, a sum over K in padded
+row groups.
 
 Each macro emits exactly the blocks (names, loop order, dtypes) its callers wrote inline, so a
 kernel's TIR is the same with the macro as without; what varies between callers (how an element
@@ -108,3 +109,27 @@ def sinkhorn_pass():
                 cb[vi, vj] = cb[vi, vj] / (cs[vj] + T.float32(eps))
 
     return sinkhorn_pass_
+
+
+def padded_row_groups():
+    """acc[i, g, c] = the sum over j < k of xval(x, row, g, j) * wval(w, g, c, j) for every row
+    i of whole groups of `rows` rows (row = i, except that the last group reads row m - 1 again
+    for its missing rows, so no loop carries a predicate), then y[i, g, c] = acc[i, g, c] for
+    the m real rows (blocks `acc`, `y`): the row-group definition the dense GEMV's verify form
+    and the dense GEMM's row tiles share."""
+
+    @T.macro
+    def padded_row_groups_(acc, y, x, w, m, groups, n, k, rows, xval, wval):
+        for io, ii, g, c, j in T.grid((m + rows - T.int64(1)) // rows, rows, groups, n, k):
+            with T.sblock("acc"):
+                vo, vi, vg, vc, vj = T.axis.remap("SSSSR", [io, ii, g, c, j])
+                with T.init():
+                    acc[vo * rows + vi, vg, vc] = T.float32(0)
+                acc[vo * rows + vi, vg, vc] = acc[vo * rows + vi, vg, vc] + xval(
+                    x, T.min(vo * rows + vi, m - T.int64(1)), vg, vj) * wval(w, vg, vc, vj)
+        for i, g, c in T.grid(m, groups, n):
+            with T.sblock("y"):
+                vi, vg, vc = T.axis.remap("SSS", [i, g, c])
+                y[vi, vg, vc] = acc[vi, vg, vc]
+
+    return padded_row_groups_

@@ -12,9 +12,14 @@ from tvm.script import tirx as T
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.common import (
     bf16_to_f32,
+    dpbf16ps,
     has_amx_bf16,
+    has_avx512_bf16,
     i64,
+    pairwise_lane_sum,
+    with_bf16_dot,
 )
+from dsv41.schedules.common.stages import padded_row_groups
 from dsv41.schedules.gemm.amx import amx_block_rows, make_dense_gemm_amx
 from dsv41.schedules.gemm.fp8 import BLOCK
 from dsv41.schedules.gemm.lanes import lane_split, place_lane_sums, vector_sum
@@ -24,6 +29,10 @@ from dsv41.schedules.gemm.lanes import lane_split, place_lane_sums, vector_sum
 
 def _load_f32(buf, *idx):
     return bf16_to_f32(buf[idx]) if buf.dtype == "bfloat16" else buf[idx]
+
+
+def _transposed(wdec, g, c, j):  # dense_gemm's widened weight tile is [g, k, n]
+    return wdec[g, j, c]
 
 
 def _check_dense_dtypes(kernel: str, *dtypes: str) -> None:
@@ -76,6 +85,10 @@ def make_dense_gemv_rows(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: 
     if rows < 2:
         raise ValueError(f"make_dense_gemv_rows groups rows: rows >= 2, got {rows}.")
     G, N, K, R = i64(groups), i64(n), i64(k), i64(rows)
+    row_groups = padded_row_groups()
+
+    def wval(w, g, c, j):
+        return _load_f32(w, g * N + c, j)
 
     @T.prim_func(s_tir=True)
     def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), w_dtype), y_h: T.handle):
@@ -84,17 +97,74 @@ def make_dense_gemv_rows(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: 
         x = T.match_buffer(x_h, (m, G, K), x_dtype)
         y = T.match_buffer(y_h, (m, G, N), "float32")
         acc = T.sblock_alloc_buffer(((m + R - i64(1)) // R * R, G, N), "float32")
-        for io, ii, g, c, j in T.grid((m + R - i64(1)) // R, R, G, N, K):
-            with T.sblock("acc"):
-                vo, vi, vg, vc, vj = T.axis.remap("SSSSR", [io, ii, g, c, j])
-                with T.init():
-                    acc[vo * R + vi, vg, vc] = T.float32(0)
-                acc[vo * R + vi, vg, vc] = acc[vo * R + vi, vg, vc] + _load_f32(
-                    x, T.min(vo * R + vi, m - i64(1)), vg, vj) * _load_f32(w, vg * N + vc, vj)
-        for i, g, c in T.grid(m, G, N):
-            with T.sblock("y"):
-                vi, vg, vc = T.axis.remap("SSS", [i, g, c])
-                y[vi, vg, vc] = acc[vi, vg, vc]
+        row_groups(acc, y, x, w, m, G, N, K, R, _load_f32, wval)
+
+    return dense_gemv
+
+
+DOT_K = 32  # K elements per vdpbf16ps: 16 fp32 lanes, each summing a pair of bf16 products
+DOT_LANES = 16
+DOT_ACCS = 24  # bf16_dot: most rows x cb accumulators (of 32 zmm registers; the rest load)
+
+
+def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: int = 32,
+                             cb: int = 4) -> tvm.tirx.PrimFunc:
+    """`make_dense_gemv` for bf16 x and bf16 w on AVX-512 BF16 (same signature and buffers),
+    hand-vectorised (its loops are the schedule): the products of two bf16 values are exact in
+    fp32, so `vdpbf16ps` (32 multiply-adds per instruction against 16 for an fp32 FMA, no
+    widening of either operand) computes them as the FMA form does; only the order of the fp32
+    additions is its own.
+
+    Per column: 16 fp32 lanes from 0; for each chunk of 32 along K (in order) lane l += the
+    product at 2l + 1, then the one at 2l (`dpbf16ps`); then the 16 lanes added pairwise
+    (`pairwise_lane_sum`). A lane sums k / 16 products in order, so against the oracle the
+    error bound is that of an fp32 sum of k / 16 terms (the FMA form: k / 32); denormal
+    products and sums are flushed to zero (vdpbf16ps' rule).
+
+    Parallel over (group, tile of tn columns); per group of `rows` rows (static: 1 for decode,
+    the verify entry's 1 + k) and `cb` columns, rows x cb accumulators in registers: each
+    weight chunk is loaded once for the group's rows, each activation chunk once for the cb
+    columns. Every column and row is summed in the order above whatever rows and cb are, so
+    each row of a rows > 1 kernel equals the rows = 1 kernel bit for bit. The last row group
+    reads row m - 1 again for its missing rows and a partial column tile its last column (no
+    predicate in the K loop); only real rows and columns are stored."""
+    if k % DOT_K:
+        raise ValueError(f"The bf16 dot-product GEMV needs k a multiple of {DOT_K}, got {k}.")
+    if rows < 1 or cb < 1 or tn % cb:
+        raise ValueError(f"The bf16 dot-product GEMV needs rows >= 1 and cb >= 1 dividing tn; "
+                         f"got rows={rows}, cb={cb}, tn={tn}.")
+    G, N, K, R, CB = i64(groups), i64(n), i64(k), i64(rows), i64(cb)
+    TN, NT, NCH = i64(tn), i64(-(-n // tn)), i64(k // DOT_K)
+    L = DOT_LANES
+
+    def bits(buf, *idx):  # 32 bf16 values from idx on, as the uint16 lanes dpbf16ps takes
+        return T.reinterpret(f"uint16x{DOT_K}", buf.vload(list(idx), f"bfloat16x{DOT_K}"))
+
+    @T.prim_func
+    def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
+        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, G, N), "float32")
+        with T.attr(T.int32(0), *with_bf16_dot()):
+            for task in T.parallel(G * NT):  # (group, column tile)
+                acc = T.alloc_buffer((R * CB * L,), "float32", scope="local")
+                for io, cg in T.grid((m + R - i64(1)) // R, TN // CB):
+                    for a in T.unroll(R * CB):
+                        acc[T.ramp(a * L, 1, L)] = T.broadcast(T.float32(0), L)
+                    for ch in range(NCH):
+                        for a in T.unroll(R * CB):  # (row a // cb, column a % cb)
+                            acc[T.ramp(a * L, 1, L)] = dpbf16ps(
+                                acc[T.ramp(a * L, 1, L)],
+                                bits(x, T.min(io * R + a // CB, m - i64(1)), task // NT,
+                                     ch * DOT_K),
+                                bits(w, task // NT * N + T.min(
+                                    task % NT * TN + cg * CB + a % CB, N - i64(1)), ch * DOT_K))
+                    for r, c in T.grid(R, CB):
+                        if io * R + r < m and task % NT * TN + cg * CB + c < N:
+                            y[io * R + r, task // NT, task % NT * TN + cg * CB + c] = \
+                                pairwise_lane_sum(acc[T.ramp((r * CB + c) * L, 1, L)], L)
 
     return dense_gemv
 
@@ -103,12 +173,15 @@ def make_dense_gemv_rows(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: 
 class DenseGemvConfig:
     """tn output columns per parallel task; cb columns summed together (independent register
     chains sharing the activation loads); vec lanes of each column's K partial sums (CPU);
-    rows > 1: `make_dense_gemv_rows`' group (its rows share each weight load)."""
+    rows > 1: `make_dense_gemv_rows`' group (its rows share each weight load). kind "lanes":
+    the scheduled fp32 FMA form (`make_dense_gemv`, `make_dense_gemv_rows`); "bf16_dot": bf16
+    x and w on AVX-512 BF16 (`make_dense_gemv_bf16_dot`, written scheduled, vec 16)."""
 
     tn: int = 32
     cb: int = 4
     vec: int = 32
     rows: int = 1
+    kind: str = "lanes"
 
 
 def _lanes(k: int, most: int) -> int:
@@ -123,11 +196,22 @@ def _lanes(k: int, most: int) -> int:
 # o-projection (g 8, n 512, k 4096) of a verify of 1 + 4 rows took 88.6 ms over 40 layers as the
 # single-row kernel over the rows (the weights re-read from L2 and widened again per row),
 # against 37.6 ms for one row.
-def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1) -> DenseGemvConfig:
+# bf16_dot against the fp32 lanes form, the same o-projection, weights cycled through 3 copies
+# (from memory), min of 240 calls interleaved, 2 threads on 2 cores loaded by other jobs (load
+# average 8): one row 1.68 ms (lanes 2.00), 5 rows in a group of 6 2.45 ms (lanes 3.63); cb 2
+# or 1 for the group of 6 ran slower (2.92, 4.47), a software prefetch of the weights (the
+# same column 4 to 32 chunks ahead, or the next column group) 15-40% slower, a group of 5
+# instead of 6 for 5 rows the same (the padded row costs nothing measurable).
+def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
+                      x_dtype: str | None = None, w_dtype: str | None = None
+                      ) -> DenseGemvConfig:
     if target.is_cuda:
         raise ValueError("dense_gemv has no CUDA schedule: CUDA builds keep the generic "
                          "(dlight-scheduled) lowering of the dense linears.")
     tn = min(32, n)
+    if x_dtype == w_dtype == "bfloat16" and k % DOT_K == 0 and has_avx512_bf16(target):
+        cb = next(c for c in (4, 3, 2, 1) if tn % c == 0 and (rows * c <= DOT_ACCS or c == 1))
+        return DenseGemvConfig(tn=tn, cb=cb, vec=DOT_LANES, rows=rows, kind="bf16_dot")
     return DenseGemvConfig(tn=tn, cb=min(4, tn), vec=_lanes(k, 32), rows=rows)
 
 
@@ -135,7 +219,10 @@ def schedule_dense_gemv(func: tvm.tirx.PrimFunc, config: DenseGemvConfig,
                         target: TargetSpec) -> tvm.tirx.PrimFunc:
     """Parallel over (group, column tile); per row and group of `cb` columns a `vec`-lane partial
     sum over K per column (rfactor), held in registers, the activation loaded once for the cb
-    columns; then `vector_sum` adds each column's lanes pairwise."""
+    columns; then `vector_sum` adds each column's lanes pairwise. kind "bf16_dot": written
+    scheduled, returned as is."""
+    if config.kind == "bf16_dot":
+        return func
     sch = s_tir.Schedule(func)
     if config.rows > 1:
         _schedule_dense_gemv_rows(sch, config)
@@ -182,14 +269,19 @@ def _schedule_dense_gemv_rows(sch: s_tir.Schedule, config: DenseGemvConfig) -> N
 
 def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: str,
                      w_dtype: str, rows: int = 1) -> tvm.tirx.PrimFunc:
-    """rows > 1: the verify / draft form (`make_dense_gemv_rows`), bit-identical per row."""
+    """rows > 1: the verify / draft form (`make_dense_gemv_rows`), bit-identical per row; bf16
+    x and w on AVX-512 BF16: `make_dense_gemv_bf16_dot` in both forms (`dense_gemv_config`)."""
     target = get_target(target_name)
-    if rows > 1:
+    cfg = dense_gemv_config(target, n=n, k=k, rows=rows, x_dtype=x_dtype, w_dtype=w_dtype)
+    if cfg.kind == "bf16_dot":
+        func = make_dense_gemv_bf16_dot(groups=groups, n=n, k=k, rows=rows, tn=cfg.tn,
+                                        cb=cfg.cb)
+    elif rows > 1:
         func = make_dense_gemv_rows(groups=groups, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype,
                                     rows=rows)
     else:
         func = make_dense_gemv(groups=groups, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype)
-    return schedule_dense_gemv(func, dense_gemv_config(target, n=n, k=k, rows=rows), target)
+    return schedule_dense_gemv(func, cfg, target)
 
 
 def make_dense_gemm(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str, rb: int = 4
@@ -208,6 +300,7 @@ def make_dense_gemm(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str, 
     if rb < 1:
         raise ValueError(f"dense_gemm needs rb >= 1 rows per tile, got {rb}.")
     G, N, K, RB = i64(groups), i64(n), i64(k), i64(rb)
+    row_groups = padded_row_groups()
 
     @T.prim_func(s_tir=True)
     def dense_gemm(x_h: T.handle, w: T.Buffer((G * N, K), w_dtype), y_h: T.handle):
@@ -221,17 +314,7 @@ def make_dense_gemm(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str, 
             with T.sblock("wdec"):
                 vg, vj, vc = T.axis.remap("SSS", [g, j, c])
                 wdec[vg, vj, vc] = _load_f32(w, vg * N + vc, vj)
-        for io, ii, g, c, j in T.grid((m + RB - i64(1)) // RB, RB, G, N, K):
-            with T.sblock("acc"):
-                vo, vi, vg, vc, vj = T.axis.remap("SSSSR", [io, ii, g, c, j])
-                with T.init():
-                    acc[vo * RB + vi, vg, vc] = T.float32(0)
-                acc[vo * RB + vi, vg, vc] = acc[vo * RB + vi, vg, vc] + _load_f32(
-                    x, T.min(vo * RB + vi, m - i64(1)), vg, vj) * wdec[vg, vj, vc]
-        for i, g, c in T.grid(m, G, N):
-            with T.sblock("y"):
-                vi, vg, vc = T.axis.remap("SSS", [i, g, c])
-                y[vi, vg, vc] = acc[vi, vg, vc]
+        row_groups(acc, y, x, wdec, m, G, N, K, RB, _load_f32, _transposed)
 
     return dense_gemm
 

@@ -200,6 +200,14 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
     cases += [Case(f"gemv-{name}-m1", "gemv",
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd)),
                    (("m", 1),)) for name, (g, n, k, wd) in decode_gemv.items()]
+    # the verify entry's grouped o-projection (the row-group form) at 1 and 1 + k - 1 rows, its
+    # weight cycled through 64 MB+ of copies as the fp8 verify cases'
+    g, n, k, wd = decode_gemv["wo_a"]
+    gemv_copies = 1 if quick else max(1, -(-(64 << 20) // (g * n * k * 2)))
+    cases += [Case(f"gemv-verify-wo_a-m{m}", "gemv",
+                   (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd),
+                    ("rows", verify_rows)), (("m", m), ("copies", gemv_copies)))
+              for m in ((2,) if quick else (1, verify_rows - 1))]
     return cases
 
 
@@ -397,9 +405,10 @@ def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
         wt = (torch.randn(d["groups"] * d["n"], d["k"], generator=gen) * d["k"] ** -0.5).to(
             getattr(torch, d["w_dtype"]))
         out = torch.empty(d["m"], d["groups"], d["n"])
-        args = [_tvm_view(t) for t in (x, wt, out)]
+        sets = [wt] + [wt.clone() for _ in range(d.get("copies", 1) - 1)]
+        kernel = _cycled(ex, [[_tvm_view(t) for t in (x, w, out)] for w in sets])
         nbytes, flops = gemv_traffic(**d)
-        return Prepared(lambda: ex(*args), out, lambda: dense_gemv_oracle(x, wt),
+        return Prepared(kernel, out, lambda: dense_gemv_oracle(x, wt),
                         dense_gemv_oracle, (x, wt), nbytes, flops, "")
     if case.family == "moe":
         inputs = moe.example_inputs_moe_experts(n=d["n"], dim=d["dim"], inter=d["inter"],
