@@ -153,7 +153,7 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
         with T.sblock("pv_vec"):
             acc = T.sblock_alloc_buffer((TILE * LANES,), "float32", scope="local")
             with T.attr(T.int32(0), *with_bf16_dot()):
-                for h0, c0 in T.grid(HG // T.int64(PH), D // T.int64(LANES * PD)):
+                for c0, h0 in T.grid(D // T.int64(LANES * PD), HG // T.int64(PH)):
                     for a in T.unroll(PH * PD):
                         acc[T.ramp(a * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
                     for j in range(BLK // T.int64(2)):
