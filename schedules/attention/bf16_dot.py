@@ -53,16 +53,19 @@ def bf16_dot_tiles(*, hg: int, d: int) -> Bf16DotTiles:
     return Bf16DotTiles(qk_heads=heads, qk_rows=TILE // heads, pv_heads=4, pv_dims=dims)
 
 
-def check_bf16_dot_dims(*, hg: int, d: int, stage_rows: int, blk: int,
-                        vector_decode: bool) -> None:
+def check_bf16_dot_dims(*, hg: int, d: int, stage_rows: int, blk: int, vector_decode: bool) -> None:
     """Raise ValueError unless the bf16-dot layout fits the kernel's structure."""
     if not vector_decode or stage_rows != blk:
-        raise ValueError(f"bf16_dot needs vector_decode and stage_rows={blk} (whole blocks "
-                         f"staged once); got vector_decode={vector_decode}, "
-                         f"stage_rows={stage_rows}.")
+        raise ValueError(
+            f"bf16_dot needs vector_decode and stage_rows={blk} (whole blocks "
+            f"staged once); got vector_decode={vector_decode}, "
+            f"stage_rows={stage_rows}."
+        )
     if hg % LANES or d % (2 * LANES):
-        raise ValueError(f"bf16_dot needs heads_per_group a multiple of {LANES} and d a multiple "
-                         f"of {2 * LANES}; got heads_per_group={hg}, d={d}.")
+        raise ValueError(
+            f"bf16_dot needs heads_per_group a multiple of {LANES} and d a multiple "
+            f"of {2 * LANES}; got heads_per_group={hg}, d={d}."
+        )
 
 
 def to_bf16_bits(v):
@@ -77,6 +80,21 @@ def _pair_bcast(pair_u32):
     return T.reinterpret("uint16x32", T.broadcast(pair_u32, LANES))
 
 
+def _vec(i):
+    """Lanes i * 16 .. i * 16 + 15: the i-th 16-lane slice (fp32 or uint32 elements)."""
+    return T.ramp(i * LANES, 1, LANES)
+
+
+def _pairs(i):
+    """The i-th slice of 16 bf16 pairs (32 uint16 elements)."""
+    return T.ramp(i * (2 * LANES), 1, 2 * LANES)
+
+
+def _bits(x):
+    """The bf16 bits of `x` (a bfloat16 element) as a uint32."""
+    return T.Cast("uint32", T.reinterpret("uint16", x))
+
+
 def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
     """The macros of the bf16-dot path for a group of hg heads, head dim d, blocks of blk
     entries: (q_pairs, kv_pairs, qk, p_pairs, pv). Each is one opaque block (the schedule leaves
@@ -86,17 +104,17 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
     QH, QR = tiles.qk_heads, tiles.qk_rows
     PH, PD = tiles.pv_heads, tiles.pv_dims
     interleave = [i // 2 + LANES * (i % 2) for i in range(2 * LANES)]
+    high = T.broadcast(T.uint32(16), LANES)
+    high_mask = T.broadcast(T.uint32(0xFFFF0000), LANES)
 
     @T.macro
     def q_pairs(q, qp, vb, vs, vg):
         """qp[i, h] = q[h, 2i] | q[h, 2i + 1] << 16 (the bf16 bits), once per task."""
         with T.sblock("q_pairs"):
             for i, hh in T.grid(D // T.int64(2), HG):
-                qp[i, hh] = T.Cast("uint32", T.reinterpret(
-                    "uint16", q[vb, vs, vg * HG + hh, i * T.int64(2)])) | (T.Cast(
-                        "uint32", T.reinterpret(
-                            "uint16", q[vb, vs, vg * HG + hh, i * T.int64(2) + T.int64(1)]))
-                    << T.uint32(16))
+                qp[i, hh] = _bits(q[vb, vs, vg * HG + hh, i * 2]) | (
+                    _bits(q[vb, vs, vg * HG + hh, i * 2 + 1]) << T.uint32(16)
+                )
 
     @T.macro
     def kv_pairs(kst, kvp):
@@ -104,70 +122,66 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
         side for PV."""
         with T.sblock("kv_pairs"):
             for j, c in T.grid(BLK // T.int64(2), D // T.int64(LANES)):
-                kvp[j, T.ramp(c * T.int64(2 * LANES), 1, 2 * LANES)] = T.Shuffle(
-                    [kst[j * T.int64(2), T.ramp(c * T.int64(LANES), 1, LANES)],
-                     kst[j * T.int64(2) + T.int64(1), T.ramp(c * T.int64(LANES), 1, LANES)]],
-                    interleave)
+                kvp[j, _pairs(c)] = T.Shuffle(
+                    [kst[j * 2, _vec(c)], kst[j * 2 + 1, _vec(c)]], interleave
+                )
 
     @T.macro
     def qk(kst, qp, dots):
         """dots[j, h] = sum over c of kst[j, c] * q[h, c]; a tile of QR entries x QH head
-        vectors accumulates over the d/2 pairs in registers."""
+        vectors accumulates over the d/2 pairs in registers (acc[e * QH + v])."""
         with T.sblock("qk_vec"):
             acc = T.sblock_alloc_buffer((TILE * LANES,), "float32", scope="local")
             with T.attr(T.int32(0), *with_bf16_dot()):
                 for j0, h0 in T.grid(BLK // T.int64(QR), HG // T.int64(LANES * QH)):
                     for a in T.unroll(QR * QH):
-                        acc[T.ramp(a * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+                        acc[_vec(a)] = T.broadcast(T.float32(0), LANES)
                     for i in range(D // T.int64(2)):
                         for e in T.unroll(QR):
                             for v in T.unroll(QH):
-                                acc[T.ramp((e * QH + v) * LANES, 1, LANES)] = dpbf16ps(
-                                    acc[T.ramp((e * QH + v) * LANES, 1, LANES)],
-                                    T.reinterpret("uint16x32", qp[i, T.ramp(
-                                        (h0 * T.int64(QH) + v) * T.int64(LANES), 1, LANES)]),
-                                    _pair_bcast(T.reinterpret("uint32", kst.vload(
-                                        [j0 * T.int64(QR) + e, i * T.int64(2)], "uint16x2"))))
+                                acc[_vec(e * QH + v)] = dpbf16ps(
+                                    acc[_vec(e * QH + v)],
+                                    T.reinterpret("uint16x32", qp[i, _vec(h0 * QH + v)]),
+                                    _pair_bcast(
+                                        T.reinterpret(
+                                            "uint32", kst.vload([j0 * QR + e, i * 2], "uint16x2")
+                                        )
+                                    ),
+                                )
                     for e in T.unroll(QR):
                         for v in T.unroll(QH):
-                            dots[j0 * T.int64(QR) + e, T.ramp(
-                                (h0 * T.int64(QH) + v) * T.int64(LANES), 1, LANES)] = acc[
-                                    T.ramp((e * QH + v) * LANES, 1, LANES)]
+                            dots[j0 * QR + e, _vec(h0 * QH + v)] = acc[_vec(e * QH + v)]
 
     @T.macro
     def p_pairs(lg, pp):
         """pp[j, h] = p[2j, h] | p[2j + 1, h] << 16 (bf16 bits; lg holds p rounded to bf16)."""
         with T.sblock("p_pairs"):
             for j, h0 in T.grid(BLK // T.int64(2), HG // T.int64(LANES)):
-                pp[j, T.ramp(h0 * T.int64(LANES), 1, LANES)] = (T.reinterpret(
-                    "uint32x16", lg[j * T.int64(2), T.ramp(h0 * T.int64(LANES), 1, LANES)])
-                    >> T.broadcast(T.uint32(16), LANES)) | (T.reinterpret(
-                        "uint32x16", lg[j * T.int64(2) + T.int64(1),
-                                        T.ramp(h0 * T.int64(LANES), 1, LANES)])
-                        & T.broadcast(T.uint32(0xFFFF0000), LANES))
+                pp[j, _vec(h0)] = (T.reinterpret("uint32x16", lg[j * 2, _vec(h0)]) >> high) | (
+                    T.reinterpret("uint32x16", lg[j * 2 + 1, _vec(h0)]) & high_mask
+                )
 
     @T.macro
     def pv(kvp, pp, pvb):
         """pvb[h, c] = sum over j of p[j, h] * kst[j, c]; a tile of PH heads x PD dim vectors
-        accumulates over the blk/2 entry pairs in registers."""
+        accumulates over the blk/2 entry pairs in registers (acc[hh * PD + v]); the dim strip
+        is the outer loop, so its staged pairs stay in L1 across the head tiles."""
         with T.sblock("pv_vec"):
             acc = T.sblock_alloc_buffer((TILE * LANES,), "float32", scope="local")
             with T.attr(T.int32(0), *with_bf16_dot()):
                 for c0, h0 in T.grid(D // T.int64(LANES * PD), HG // T.int64(PH)):
                     for a in T.unroll(PH * PD):
-                        acc[T.ramp(a * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+                        acc[_vec(a)] = T.broadcast(T.float32(0), LANES)
                     for j in range(BLK // T.int64(2)):
                         for v in T.unroll(PD):
                             for hh in T.unroll(PH):
-                                acc[T.ramp((hh * PD + v) * LANES, 1, LANES)] = dpbf16ps(
-                                    acc[T.ramp((hh * PD + v) * LANES, 1, LANES)],
-                                    kvp[j, T.ramp((c0 * T.int64(PD) + v) * T.int64(2 * LANES),
-                                                  1, 2 * LANES)],
-                                    _pair_bcast(pp[j, h0 * T.int64(PH) + hh]))
+                                acc[_vec(hh * PD + v)] = dpbf16ps(
+                                    acc[_vec(hh * PD + v)],
+                                    kvp[j, _pairs(c0 * PD + v)],
+                                    _pair_bcast(pp[j, h0 * PH + hh]),
+                                )
                     for hh in T.unroll(PH):
                         for v in T.unroll(PD):
-                            pvb[h0 * T.int64(PH) + hh, T.ramp(
-                                (c0 * T.int64(PD) + v) * T.int64(LANES), 1, LANES)] = acc[
-                                    T.ramp((hh * PD + v) * LANES, 1, LANES)]
+                            pvb[h0 * PH + hh, _vec(c0 * PD + v)] = acc[_vec(hh * PD + v)]
 
     return q_pairs, kv_pairs, qk, p_pairs, pv
