@@ -30,8 +30,9 @@ Why the kernel is shaped the way it is:
   vdpbf16ps (`bf16_dot.py`: why the products stay exact, the layouts): 32 bf16 products per
   instruction against 16 fp32 FMAs, the entries staged as bf16 bits. Only the fp32 summation
   order and denormal flushing change; the block structure, the bf16 p and the tolerance stay.
-  Measured on Zen 4 (h 64, d 512, w 128, k 512, one core): QK + PV 0.72 -> 0.41 ms a decode
-  row, the whole kernel 1.6x faster; the dot products run at 85-95% of vdpbf16ps' rate.
+  Measured on Zen 4 (h 64, d 512, w 128, k 512, one thread): a decode row 0.85 -> 0.53 ms,
+  of which QK + PV ~0.72 -> 0.41 (the rest, 0.12, taken as unchanged); QK runs at ~95% and PV
+  at ~85% of one vdpbf16ps per cycle.
 * Each (b, s) row is its own task, so the verify entry's 1 + k rows equal, bit for bit, the
   decode calls of those rows (greedy with speculation = greedy without).
 """
