@@ -178,7 +178,8 @@ def test_traffic_formulas_at_bench_sizes():
 
 def test_bench_cases_use_the_preset_sizes():
     cases = {c.name: c.d() for c in bench.default_cases("bench")}
-    assert set(cases) == {"attend-s1", "attend-s2", "attend-s3", "attend-s4", "indexer-8K",
+    assert set(cases) == {"attend-s1", "attend-s2", "attend-s3", "attend-s4", "attend-s5",
+                          "indexer-8K",
                           "indexer-64K", "indexer-256K", "indexer-1M", "fp8-gemv-m1",
                           "fp8-gemm-m128", "moe-n1", "moe-n128", "fp8-wq_a-m1", "fp8-wkv-m1",
                           "fp8-wo_b-m1", "fp8-shared_w1-m1", "fp8-shared_w2-m1", "gemv-wo_a-m1",
@@ -194,6 +195,7 @@ def test_bench_cases_use_the_preset_sizes():
     assert cases["gemv-wo_a-m1"] == {"groups": 8, "n": 512, "k": 64 * 512 // 8,
                                      "x_dtype": "bfloat16", "w_dtype": "bfloat16", "m": 1}
     assert cases["attend-s4"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 4}
+    assert cases["attend-s5"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 5}
     assert cases["indexer-1M"]["t"] == 1 << 20 and cases["indexer-1M"]["heads"] == 32
     assert (cases["fp8-gemm-m128"]["n"], cases["fp8-gemm-m128"]["k"]) == (32768, 512)
     assert cases["moe-n128"]["n_experts"] == 16 and cases["moe-n128"]["topk"] == 2

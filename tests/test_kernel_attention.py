@@ -12,6 +12,12 @@ every element within one bf16 ulp of the oracle's value plus 2^-10 of the larges
 (b, s, h) row, and at least 99% of elements bit-identical (measured 99.6-99.9% at the bench
 size, 100% at the small one).
 Rows with no valid entry must be exactly 0.
+
+On a CPU with AVX-512 BF16 the kernels' QK and PV run on vdpbf16ps (schedules/attention/
+bf16_dot.py) wherever a task has a multiple of 16 heads: the same exact products, summed in
+pairs, denormals flushed. The same tolerance holds (measured at the bench size: 99.98% of
+elements bit-identical at s = 1, 99.7% at s = 4; at most one bf16 ulp off). The edge cases run
+at h = 4 (the fp32 FMA path on every CPU) and at h = 16 (the bf16-dot path where the CPU has it).
 """
 
 from __future__ import annotations
@@ -29,20 +35,35 @@ from dsv41.graph import ops
 from dsv41.graph.targets import get_target
 from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.schedules import attention as A
-from dsv41.schedules.common import e4m3_to_f32_select, fp4_to_f32, has_avx512
+from dsv41.schedules.common import e4m3_to_f32_select, fp4_to_f32, has_avx512, has_avx512_bf16
 
 SMALL = dict(h=4, d=64)
 BENCH = dict(h=64, d=512, w=128, k=512)
+CPU_BF16_DOT = has_avx512_bf16(get_target("cpu"))
+
+
+@pytest.fixture(params=[4, 16], ids=["fp32-dot", "bf16-dot"])
+def small(request) -> dict:
+    """The small size at 4 heads (QK and PV on fp32 FMAs) and at 16 (one task of 16 heads:
+    vdpbf16ps on a CPU with AVX-512 BF16)."""
+    return dict(h=request.param, d=64)
 
 
 @functools.cache
 def _kernel(kind: str, h: int, d: int, w: int, k: int, heads_per_group: int | None = None,
-            stage_rows: int | None = None):
+            stage_rows: int | None = None, fp32_dot: bool = False):
     """Compiled CPU kernel, once per test session. Without explicit structure the config
-    chooser's; with it (stage_rows < 64) the CUDA-like restaging structure runs on the CPU."""
+    chooser's; with it (stage_rows < 64) the CUDA-like restaging structure runs on the CPU;
+    fp32_dot: the chooser's config with QK and PV on fp32 FMAs (bf16_dot off)."""
     target = get_target("cpu")
     dims = dict(h=h, d=d, w=w, k=k, softmax_scale=d**-0.5)
-    if heads_per_group is None:
+    if fp32_dot:
+        cfg = dataclasses.replace(A.sparse_attend_config(target, h=h, d=d), bf16_dot=False)
+        make = A.make_sparse_attend if kind == "fp4" else A.make_sparse_attend_bf16
+        func = A.schedule_sparse_attend(
+            make(**dims, heads_per_group=cfg.heads_per_group, stage_rows=cfg.stage_rows,
+                 vector_decode=cfg.vector_decode), cfg, target)
+    elif heads_per_group is None:
         func = (A.build_sparse_attend if kind == "fp4" else A.build_sparse_attend_bf16)(
             "cpu", **dims)
     else:
@@ -96,8 +117,8 @@ def _inputs(kind: str = "fp4", **kw) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["fp4", "bf16"])
 @pytest.mark.parametrize("k", [8, 16])
-def test_small_batch2_different_patterns(kind, k):
-    dims = dict(**SMALL, w=16, k=k)
+def test_small_batch2_different_patterns(kind, k, small):
+    dims = dict(**small, w=16, k=k)
     inputs = _inputs(kind, b=2, s=3, **dims, n=40, context=20, seed=1)
     idx = inputs[-2]  # kv_idx: give batch 1 a different, partly skipped selection
     idx[1] = torch.flip(idx[1], dims=[-1])
@@ -108,30 +129,30 @@ def test_small_batch2_different_patterns(kind, k):
     assert not torch.equal(got[0], got[1])
 
 
-def test_one_token():
-    dims = dict(**SMALL, w=16, k=8)
+def test_one_token(small):
+    dims = dict(**small, w=16, k=8)
     _check("fp4", dims, _inputs(b=1, s=1, **dims, n=12, seed=2))
 
 
-def test_context_shorter_than_window():
+def test_context_shorter_than_window(small):
     """A young sequence: most window rows are -1 (and the first query sees a single entry)."""
-    dims = dict(**SMALL, w=16, k=8)
+    dims = dict(**small, w=16, k=8)
     inputs = _inputs(b=1, s=4, **dims, n=5, context=0, seed=3)
     assert (inputs[3] < 0).any() and (inputs[-2] < 0).any()
     _check("fp4", dims, inputs)
 
 
-def test_partial_last_block():
+def test_partial_last_block(small):
     """70 entries per query: one full 64-block and a 6-entry block (window + global mixed in
     the first block)."""
-    dims = dict(**SMALL, w=16, k=54)
+    dims = dict(**small, w=16, k=54)
     _check("fp4", dims, _inputs(b=2, s=2, **dims, n=100, seed=4))
 
 
-def test_empty_global_selection():
+def test_empty_global_selection(small):
     """All global indices -1, from a global store with no rows at all (N = 0). The oracle's
     gather cannot index an empty table, so it sees one zero row instead (never selected)."""
-    dims = dict(**SMALL, w=16, k=8)
+    dims = dict(**small, w=16, k=8)
     inputs = _inputs(b=2, s=2, **dims, n=0, seed=5)
     assert (inputs[-2] == -1).all() and inputs[4].size(1) == 0
     got = _run(_kernel("fp4", **dims), inputs)
@@ -141,22 +162,22 @@ def test_empty_global_selection():
     _assert_matches(got, _oracle("fp4", padded))
 
 
-def test_window_only_kernel():
+def test_window_only_kernel(small):
     """k = 0: no global list at all (a local-only layer)."""
-    dims = dict(**SMALL, w=16, k=0)
+    dims = dict(**small, w=16, k=0)
     inputs = _inputs(b=1, s=2, **dims, n=4, seed=6)
     assert inputs[-2].shape[-1] == 0
     _check("fp4", dims, inputs)
 
 
-def test_global_only_kernel():
-    dims = dict(**SMALL, w=0, k=16)
+def test_global_only_kernel(small):
+    dims = dict(**small, w=0, k=16)
     _check("fp4", dims, _inputs(b=1, s=2, **dims, n=30, seed=7))
 
 
 @pytest.mark.parametrize("kind", ["fp4", "bf16"])
-def test_all_skipped_gives_zero(kind):
-    dims = dict(**SMALL, w=16, k=8)
+def test_all_skipped_gives_zero(kind, small):
+    dims = dict(**small, w=16, k=8)
     inputs = _inputs(kind, b=2, s=2, **dims, n=10, seed=8)
     inputs[3].fill_(-1)
     inputs[-2].fill_(-1)
@@ -165,9 +186,9 @@ def test_all_skipped_gives_zero(kind):
     assert torch.equal(got, _oracle(kind, inputs))
 
 
-def test_some_rows_fully_skipped():
+def test_some_rows_fully_skipped(small):
     """Query 0 of batch 1 has no valid entry (zero row), its neighbours do."""
-    dims = dict(**SMALL, w=16, k=8)
+    dims = dict(**small, w=16, k=8)
     inputs = _inputs(b=2, s=2, **dims, n=10, seed=9)
     inputs[3][1, 0] = -1
     inputs[-2][1, 0] = -1
@@ -196,6 +217,78 @@ def test_bench_size_fp4(s):
 
 def test_bench_size_bf16():
     _check("bf16", BENCH, _inputs("bf16", b=1, s=2, **BENCH, seed=12))
+
+
+def test_bench_size_fp32_dot():
+    """QK and PV on fp32 FMAs (CPUs without AVX-512 BF16) at the bench size."""
+    _check("fp4", BENCH, _inputs(b=1, s=1, **BENCH, seed=11), fp32_dot=True)
+
+
+@pytest.mark.parametrize("kind", ["fp4", "bf16"])
+def test_each_row_equals_its_decode_step(kind, small):
+    """Verify (1 + k rows) and decode (1 row) run this one kernel: each row of a 4-row call is,
+    bit for bit, that row called alone, so greedy with speculation equals greedy without."""
+    dims = dict(**small, w=16, k=54)
+    inputs = _inputs(kind, b=2, s=4, **dims, n=80, seed=14)
+    ex = _kernel(kind, **dims)
+    got = _run(ex, inputs)
+    per_row = (0, 3, len(inputs) - 2)  # q, win_idx, kv_idx
+    for si in range(4):
+        row = [x[:, si:si + 1].contiguous() if i in per_row else x for i, x in enumerate(inputs)]
+        assert torch.equal(_run(ex, row), got[:, si:si + 1]), si
+
+
+# ---- the bf16-dot path (schedules/attention/bf16_dot.py) -------------------------------------
+
+
+def test_dequantised_entries_are_exact_in_bf16():
+    """The bf16-dot path stages each dequantised entry as its fp32 value's high 16 bits. That is
+    exact for every E4M3 code times every E8M0 scale down to 2^-117 (below, a product can fall
+    under 2^-126: a denormal, which vdpbf16ps flushes to zero), and for every E2M1 value times
+    every E4M3 scale (always 0 or at least 2^-10)."""
+    e4m3 = torch.from_numpy(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+                            .astype(np.float32))
+    e4m3 = e4m3[e4m3.isfinite()]
+    e8m0 = torch.ldexp(torch.ones(255), torch.arange(-127, 128))  # codes 0..254 (255: NaN)
+    win = e4m3[:, None] * e8m0[None, :]
+    low = (win.view(torch.int32) & 0xFFFF) != 0
+    assert not low[:, 10:].any()  # scales from 2^-117 on
+    assert (win[low].abs() < 2.0**-126).all() and low.any()
+    e2m1 = torch.from_numpy(np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn)
+                            .astype(np.float32))
+    glob = (e2m1[:, None] * e4m3[None, :]).flatten()
+    assert ((glob.view(torch.int32) & 0xFFFF) == 0).all()
+    assert ((glob == 0) | (glob.abs() >= 2.0**-10)).all()
+
+
+def test_bf16_dot_config_and_checks():
+    cpu = get_target("cpu")
+    cfg = A.sparse_attend_config(cpu, h=64, d=512)
+    assert (cfg.bf16_dot, cfg.heads_per_group) == (CPU_BF16_DOT, 32)
+    assert not A.sparse_attend_config(cpu, h=4, d=64).bf16_dot  # 4 heads: not 16 lanes
+    assert not A.sparse_attend_config(get_target("cpu-x86-64"), h=64, d=512).bf16_dot
+    assert not A.sparse_attend_config(get_target("cuda-sm90"), h=64, d=512).bf16_dot
+    dims = dict(w=16, k=8, softmax_scale=0.125)
+    with pytest.raises(ValueError, match="^bf16_dot needs heads_per_group a multiple of 16 and "
+                       "d a multiple of 32; got heads_per_group=4, d=64.$"):
+        A.make_sparse_attend(**SMALL, **dims, vector_decode=True, bf16_dot=True)
+    with pytest.raises(ValueError, match="^bf16_dot needs vector_decode and stage_rows=64 "
+                       r"\(whole blocks staged once\); got vector_decode=False, stage_rows=64.$"):
+        A.make_sparse_attend(h=16, d=64, **dims, bf16_dot=True)
+    func = A.make_sparse_attend(h=16, d=64, **dims, vector_decode=True)
+    asks = dataclasses.replace(A.sparse_attend_config(cpu, h=16, d=64), vector_decode=True,
+                               bf16_dot=True)
+    with pytest.raises(ValueError, match="built with bf16_dot=False but the config asks for True"):
+        A.schedule_sparse_attend(func, asks, cpu)
+
+
+@pytest.mark.skipif(not CPU_BF16_DOT, reason="this CPU has no AVX-512 BF16 (vdpbf16ps)")
+def test_bf16_dot_kernel_calls_vdpbf16ps():
+    """The chooser's kernel on this CPU: QK and PV are the vdpbf16ps blocks, not FMA loops."""
+    text = A.build_sparse_attend("cpu", h=16, d=64, w=16, k=8, softmax_scale=0.125).script()
+    assert text.count("dsv41_dpbf16ps_512") == 2
+    assert 'T.sblock("qk_vec")' in text and 'T.sblock("pv_vec")' in text
+    assert 'T.sblock("qk")' not in text and 'T.sblock("pv")' not in text
 
 
 # ---- the CPU vector staging's pieces ---------------------------------------------------------

@@ -158,8 +158,9 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
         lin = dict(n=a.n_heads * a.head_dim, k=a.q_lora_rank)
         moe = dict(dim=a.dim, inter=a.moe_inter_dim, n_experts=a.n_routed_experts,
                    topk=a.n_activated_experts, swiglu_limit=a.swiglu_limit)
-        attend_s, index_t, lin_m, moe_n = (1, 2, 3, 4), (1 << 13, 1 << 16, 1 << 18, 1 << 20), \
-            (1, 128), (1, 128)
+        # attend: decode (s 1) and the verify of 1 + 4 drafted rows (s 5, the profile's verify)
+        attend_s, index_t, lin_m, moe_n = (1, 2, 3, 4, 5), \
+            (1 << 13, 1 << 16, 1 << 18, 1 << 20), (1, 128), (1, 128)
         # the other hot decode GEMVs of a layer (n, k): the FP8 q / kv / o projections and the
         # shared expert; the dense (bf16 / fp32 weight) GEMVs: the grouped o-projection and the
         # head (groups, n, k, weight dtype)
