@@ -183,7 +183,7 @@ def test_bench_cases_use_the_preset_sizes():
                           "indexer-64K", "indexer-256K", "indexer-1M", "fp8-gemv-m1",
                           "fp8-gemm-m128", "moe-n1", "moe-n128", "fp8-wq_a-m1", "fp8-wkv-m1",
                           "fp8-wo_b-m1", "fp8-shared_w1-m1", "fp8-shared_w2-m1", "gemv-wo_a-m1",
-                          "gemv-head-m1",
+                          "gemv-head-m1", "gemv-verify-wo_a-m1", "gemv-verify-wo_a-m5",
                           *(f"{f}-{form}-{w}{m}" for f, w in (("fp8", "wq_b-m"), ("moe", "n"))
                             for form in ("verify", "rowwise") for m in range(1, 7))}
     # the verify entry's kernels at 1 + dspark_block_size rows, weights cycled through 64 MB+
