@@ -737,24 +737,18 @@ def _shared_inputs(b, s, t, n_alt, heads, dim, seed):
 
 @functools.cache
 def _shared_kind(kind: str, n_alt: int, heads: int, dim: int):
-    """index_scores_shared of one sweep variant: the scheduled generic one, or the x86 kernel
-    in its AVX-512 fp32 / VNNI / AVX2 / AMX form."""
-    target = get_target("cpu")
-    need = {"avx512": HAS_AVX512, "vnni": HAS_VNNI, "avx2": HAS_AVX2, "amx": HAS_AMX_INT8}
-    if kind != "generic" and not need[kind]:
+    """index_scores_shared of one sweep variant: the scheduled generic one or the AVX-512 fp32
+    one (`_shared`), or the x86 kernel's VNNI / AVX2 / AMX form."""
+    if kind in ("generic", "avx512"):
+        assert (heads, dim) == (H, D), "the generic and AVX-512 fp32 forms are built at (H, D)"
+        return _shared(n_alt, kind)
+    if not {"vnni": HAS_VNNI, "avx2": HAS_AVX2, "amx": HAS_AMX_INT8}[kind]:
         pytest.skip(f"this CPU cannot run the {kind} sweep")
-    if kind == "generic":
-        cfg = ix.SweepConfig(tile=32, head_block=4, kdec_vector_d=True)
-        func = ix.schedule_index_scores(
-            ix.make_index_scores(heads=heads, dim=dim, n_alt=n_alt), cfg, target)
-    else:
-        form = {"avx512": dict(tile=64, head_block=4),
-                "vnni": dict(vnni=True, tile=32, head_block=8),
-                "avx2": dict(vnni=True, lanes=8, tile=16, head_block=8),
-                "amx": dict(vnni=True, tile=32, head_block=8, amx=True)}[kind]
-        func = ix.make_index_scores_avx512(heads=heads, dim=dim, n_alt=n_alt, max_tasks=4,
-                                           **form)
-    return tvm.compile(func, target=target.tvm_target())
+    form = {"vnni": dict(tile=32, head_block=8), "avx2": dict(lanes=8, tile=16, head_block=8),
+            "amx": dict(tile=32, head_block=8, amx=True)}[kind]
+    func = ix.make_index_scores_avx512(heads=heads, dim=dim, n_alt=n_alt, max_tasks=4,
+                                       vnni=True, **form)
+    return tvm.compile(func, target=get_target("cpu").tvm_target())
 
 
 def _run_shared(ex, q, kp, ks, alt_c, alt_s, pick, w, lens):
@@ -766,23 +760,26 @@ def _run_shared(ex, q, kp, ks, alt_c, alt_s, pick, w, lens):
     return scores
 
 
-@pytest.mark.parametrize("kind,heads,dim", [
-    ("generic", H, D), ("avx512", H, D), ("vnni", 32, 128), ("avx2", 32, 128), ("amx", 32, 128),
+@pytest.mark.parametrize("kind,heads,dim,n_alt", [
+    ("generic", H, D, 3), ("avx512", H, D, 3), ("vnni", 8, 128, 1), ("avx2", 8, 128, 1),
+    ("amx", 32, 128, 1),
 ])
-def test_shared_sweep_per_token_pick_equals_decode_steps(kind, heads, dim):
+def test_shared_sweep_per_token_pick_equals_decode_steps(kind, heads, dim, n_alt):
     """One sweep with a pick per (sequence, token): each token's scores are, bit for bit, those
     of its own decode step (s = 1 with that pick), including tokens of one sequence reading
-    different stores; a row whose tokens all read one store (row 2) and t < one tile (37)."""
-    b, s, t, n_alt = 3, 5, 300, 3
+    different stores, a row whose tokens all read one store (row 2), and T = 37 (one partial
+    tile, alternates of 600 rows)."""
+    b, s, t = 3, 5, 300
     args = _shared_inputs(b, s, t, n_alt, heads, dim, seed=11)
-    pick = torch.cat([PER_TOKEN_PICK, torch.full((1, s), 2)])
-    scores = _run_shared(_shared_kind(kind, n_alt, heads, dim), *args[:5], pick, *args[5:])
+    pick = torch.cat([PER_TOKEN_PICK, torch.full((1, s), 2)]).clamp(max=n_alt)
+    ex = _shared_kind(kind, n_alt, heads, dim)
+    scores = _run_shared(ex, *args[:5], pick, *args[5:])
     want = _decode_step_scores(*args[:5], pick, *args[5:])
     assert torch.equal(_bits(scores[..., :t]), _bits(want))
     assert torch.all(scores[..., t:] == float("-inf"))
-    short = [x[:, :37] for x in args[1:3]]  # one partial tile, alternates of 600 rows
+    short = [x[:, :37] for x in args[1:3]]
     args = [args[0], *short, *args[3:6], args[6].clamp(max=37)]
-    scores = _run_shared(_shared_kind(kind, n_alt, heads, dim), *args[:5], pick, *args[5:])
+    scores = _run_shared(ex, *args[:5], pick, *args[5:])
     assert torch.equal(_bits(scores[..., :37]), _bits(_decode_step_scores(*args[:5], pick,
                                                                           *args[5:])))
 
