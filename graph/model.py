@@ -553,7 +553,8 @@ def publish_main_kv(model: Model, store: GlobalStore, c: Compressed, chunk: Chun
 @dataclass
 class IndexKeys:
     """The index K an indexer reads: its source's store, and under the released shared pointer
-    the other stores it may read instead (`alt_*`, with `pick` (b,) int64: 0 = own, i = alt i-1)."""
+    the other stores it may read instead (`alt_*`, with `pick` int64: 0 = own, i = alt i-1; (b,)
+    per sequence, or (b, s) per token in a verify pass)."""
 
     codes: torch.Tensor  # (b, T, di/2)
     scales: torch.Tensor  # (b, T, di/32)
