@@ -208,7 +208,7 @@ def _indexer(ctx: Lowering, kind: str):
 
 def _indexer_shared(ctx: Lowering):
     """indexer_topk_shared: the sweep takes the own store, the alternates (unused slots get the
-    own store again, never read) and the per-sequence pick; no store is copied."""
+    own store again, never read) and the pick per (sequence, token); no store is copied."""
 
     def convert(node, importer):
         q, kc, ks = (importer.env[a] for a in node.args[:3])

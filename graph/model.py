@@ -553,7 +553,8 @@ def publish_main_kv(model: Model, store: GlobalStore, c: Compressed, chunk: Chun
 @dataclass
 class IndexKeys:
     """The index K an indexer reads: its source's store, and under the released shared pointer
-    the other stores it may read instead (`alt_*`, with `pick` (b,) int64: 0 = own, i = alt i-1)."""
+    the other stores it may read instead (`alt_*`, with `pick` int64: 0 = own, i = alt i-1; (b,)
+    per sequence, or (b, s) per token in a verify pass)."""
 
     codes: torch.Tensor  # (b, T, di/2)
     scales: torch.Tensor  # (b, T, di/32)
@@ -618,11 +619,15 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
     lens = (chunk.pos + 1) // store.ratio  # (b, s) entries visible to each query
     keys = index_keys(model, cache, store, chunk)
     full_sweep = not p.candidate_source and not (src.uses_candidates and not model.full_reindex)
-    if keys.pick is not None and keys.pick.dim() == 2:
-        return _select_per_token(model, keys, q, weights, lens, full_sweep)
-    if full_sweep and keys.alt_codes and torch.compiler.is_exporting():
+    if full_sweep and keys.pick is not None and (keys.pick.dim() == 2
+                                                 or torch.compiler.is_exporting()):
+        # one sweep, each token over the store its pick names (a verify pass's pointer moves
+        # per token; a decode or prefill chunk's is per sequence)
+        pick = keys.pick if keys.pick.dim() == 2 else keys.pick.unsqueeze(1).expand(-1, q.size(1))
         return ops.indexer_topk_shared(q, keys.codes, keys.scales, keys.alt_codes,
-                                       keys.alt_scales, keys.pick, weights, lens, a.index_topk)
+                                       keys.alt_scales, pick, weights, lens, a.index_topk)
+    if keys.pick is not None and keys.pick.dim() == 2:
+        raise ValueError("A per-token index-K pointer is supported for full sweeps only.")
     # eager, and the candidate / pool sweeps (whose sources have no lower-ratio source to
     # share a pointer with in any preset): the keys as one tensor pair
     kc, ks = keys.materialised()
@@ -635,24 +640,6 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
     else:
         idx = ops.indexer_topk(q, kc, ks, weights, lens, a.index_topk)
     return idx
-
-
-def _select_per_token(model: Model, keys: IndexKeys, q: torch.Tensor, weights: torch.Tensor,
-                      lens: torch.Tensor, full_sweep: bool) -> torch.Tensor:
-    """A verify pass's full sweep under a per-token pointer: one sweep per store the pointer
-    may name (`indexer_topk_shared` with every sequence's pick at that store, the kernel a
-    decode step runs), each token keeping the one its own pointer names (what that token's
-    decode step would have swept)."""
-    if not full_sweep:
-        raise ValueError("A per-token index-K pointer is supported for full sweeps only.")
-    k = model.args.index_topk
-    out = None
-    for option in range(len(keys.alt_codes) + 1):
-        pick = torch.full_like(keys.pick[:, 0], option)
-        idx = ops.indexer_topk_shared(q, keys.codes, keys.scales, keys.alt_codes,
-                                      keys.alt_scales, pick, weights, lens, k)
-        out = idx if out is None else torch.where((keys.pick == option).unsqueeze(-1), idx, out)
-    return out
 
 
 def run_compressor(model: Model, cache: ModelCache, layer: int, x: torch.Tensor,

@@ -9,7 +9,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
 - `indexer_topk`:  MXFP4 index-K sweep (relu, head-weighted sum) + top-k, ties to the lower position
-- `indexer_topk_shared`: the same over the store the shared index-K pointer names per sequence
+- `indexer_topk_shared`: the same, each token over the store the shared index-K pointer names
 - `hier_topk`:     the candidate source's sweep + candidate blocks + its own top-k
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
 - `moe_experts`:   the routed FP4 experts for the selected ids
@@ -420,15 +420,40 @@ def shared_index_k(k_packed: torch.Tensor, k_scales: torch.Tensor, alt_packed, a
     return kc, ks
 
 
+def check_pick(pick: torch.Tensor, n_alt: int, b: int, s: int) -> None:
+    """The host's check of a per-token index-K pointer before a sweep reads through it: int64
+    (b, s), each value a store the sweep was given (0 = own, 1..n_alt = an alternate)."""
+    if pick.dtype != torch.int64 or tuple(pick.shape) != (b, s):
+        raise ValueError(f"pick must be int64 of shape ({b}, {s}) (one store per sequence and "
+                         f"token); got {pick.dtype} of shape {tuple(pick.shape)}.")
+    bad = (pick < 0) | (pick > n_alt)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"pick must lie in 0..{n_alt} (the own store or one of the {n_alt} "
+                         f"alternates); got {int(pick[at])} at (sequence, token) {at}.")
+
+
 @torch.library.custom_op("dsv41::indexer_topk_shared", mutates_args=())
 def indexer_topk_shared(q: torch.Tensor, k_packed: torch.Tensor, k_scales: torch.Tensor,
                         alt_packed: list[torch.Tensor], alt_scales: list[torch.Tensor],
                         pick: torch.Tensor, weights: torch.Tensor, lens: torch.Tensor,
                         topk: int) -> torch.Tensor:
-    """`indexer_topk` over the keys `shared_index_k` names per sequence (pick int64 [b]). The
-    compiled sweep reads the named store where it lies: no copy of any store is made."""
-    kc, ks = shared_index_k(k_packed, k_scales, alt_packed, alt_scales, pick)
-    return _select(index_scores(q, kc, ks, weights, lens), topk)
+    """`indexer_topk` where each query token reads the keys its own pick names (pick int64
+    [b, s]): the own store where pick[b, t] = 0, else the first T rows of alternate
+    pick[b, t] - 1 (`shared_index_k`). A decode step has one token per sequence; a verify pass's
+    tokens may differ (a token that completes a compression group moves the released shared
+    index-K pointer). Each token's result is the one its decode step (s = 1) computes: per store
+    named, the sweep of every query over that store, each token keeping its own. The compiled
+    sweep reads the named stores where they lie, all tokens in one pass: no store is copied."""
+    check_pick(pick, len(alt_packed), q.size(0), q.size(1))
+    t = k_packed.size(1)
+    out = None
+    for option in torch.unique(pick).tolist() or [0]:  # [0]: no tokens
+        kc, ks = ((k_packed, k_scales) if option == 0
+                  else (alt_packed[option - 1][:, :t], alt_scales[option - 1][:, :t]))
+        idx = _select(index_scores(q, kc, ks, weights, lens), topk)
+        out = idx if out is None else torch.where((pick == option).unsqueeze(-1), idx, out)
+    return out
 
 
 @indexer_topk_shared.register_fake

@@ -165,6 +165,10 @@ def test_traffic_formulas_at_bench_sizes():
     nbytes, flops = bench.indexer_traffic(b=1, s=1, heads=32, dim=128, t=1 << 20, topk=512)
     assert nbytes == (1 << 20) * 68 + 2 * 32 * 128 + 2 * 32 + 8 + 4 * 512
     assert flops == (1 << 20) * (2 * 32 * 128 + 3 * 32)
+    # a verify pass's shared sweep: 5 tokens whose picks name two stores read both
+    nbytes, _ = bench.indexer_traffic(b=1, s=5, heads=32, dim=128, t=1 << 16, topk=512,
+                                      picks=(0, 0, 1, 1, 1))
+    assert nbytes == 2 * (1 << 16) * 68 + 5 * (2 * 32 * 128 + 2 * 32 + 8 + 4 * 512)
     # one token routed to 2 distinct experts of dim 1024, inter 512
     nbytes, flops = bench.moe_traffic(n=1, dim=1024, inter=512, topk=2, experts_used=2)
     per_expert = 2 * 512 * (512 + 32) + 1024 * (256 + 16)
@@ -180,7 +184,8 @@ def test_bench_cases_use_the_preset_sizes():
     cases = {c.name: c.d() for c in bench.default_cases("bench")}
     assert set(cases) == {"attend-s1", "attend-s2", "attend-s3", "attend-s4", "attend-s5",
                           "indexer-8K",
-                          "indexer-64K", "indexer-256K", "indexer-1M", "fp8-gemv-m1",
+                          "indexer-64K", "indexer-256K", "indexer-1M", "indexer-shared-64K",
+                          "indexer-verify5-64K", "fp8-gemv-m1",
                           "fp8-gemm-m128", "moe-n1", "moe-n128", "fp8-wq_a-m1", "fp8-wkv-m1",
                           "fp8-wo_b-m1", "fp8-shared_w1-m1", "fp8-shared_w2-m1", "gemv-wo_a-m1",
                           "gemv-head-m1", "gemv-verify-wo_a-m1", "gemv-verify-wo_a-m5",
@@ -197,6 +202,11 @@ def test_bench_cases_use_the_preset_sizes():
     assert cases["attend-s4"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 4}
     assert cases["attend-s5"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 5}
     assert cases["indexer-1M"]["t"] == 1 << 20 and cases["indexer-1M"]["heads"] == 32
+    # the shared index-K pointer's sweep: a decode step's, a verify pass's (picks per token)
+    assert cases["indexer-verify5-64K"] == {"heads": 32, "dim": 128, "topk": 512, "n_alt": 3,
+                                            "b": 1, "s": 5, "t": 1 << 16,
+                                            "picks": (0, 0, 1, 1, 1)}
+    assert (cases["indexer-shared-64K"]["s"], cases["indexer-shared-64K"]["picks"]) == (1, (2,))
     assert (cases["fp8-gemm-m128"]["n"], cases["fp8-gemm-m128"]["k"]) == (32768, 512)
     assert cases["moe-n128"]["n_experts"] == 16 and cases["moe-n128"]["topk"] == 2
     # the compiled model's rows_hint (compiler/build.py ROWS_HINT): decode 1, prefill None

@@ -691,6 +691,7 @@ def test_shared_sweep_reads_the_store_the_pointer_names(kind, n_alt, t):
     alt_c, alt_s = [a[0] for a in alts], [a[1] for a in alts]
     pick = torch.arange(b, dtype=torch.int64)  # row 0 own, row i alternate i
     kc, ksc = ops.shared_index_k(kp, ks, alt_c, alt_s, pick)
+    pick = pick.unsqueeze(1).expand(b, s).contiguous()  # every token of a row: the row's pick
     ref = ops.index_scores(q, kc, ksc, w, lens)
     slots = []
     for i in range(ix.MAX_ALT):
@@ -709,3 +710,130 @@ def test_shared_sweep_reads_the_store_the_pointer_names(kind, n_alt, t):
 def test_shared_sweep_refuses_too_many_alternates():
     with pytest.raises(ValueError, match="n_alt must lie in"):
         ix.make_index_scores(heads=H, dim=D, n_alt=ix.MAX_ALT + 1)
+
+
+# ---- the per-token pick (a verify pass: one sweep, each token over the store it names) -------
+
+PER_TOKEN_PICK = torch.tensor([[0, 0, 1, 1, 1], [3, 2, 2, 0, 3]])  # mixed within each sequence
+
+
+def _decode_step_scores(q, kp, ks, alt_c, alt_s, pick, w, lens):
+    """Each token's scores as its decode step computes them: s = 1, the sequence's pick."""
+    b, s = pick.shape
+    out = torch.empty(b, s, kp.size(1), dtype=torch.bfloat16)
+    for j in range(s):
+        kc, ksc = ops.shared_index_k(kp, ks, alt_c, alt_s, pick[:, j])
+        out[:, j : j + 1] = ops.index_scores(q[:, j : j + 1], kc, ksc, w[:, j : j + 1],
+                                             lens[:, j : j + 1])
+    return out
+
+
+def _shared_inputs(b, s, t, n_alt, heads, dim, seed):
+    q, kp, ks, w, lens = _inputs(b, s, t, seed=seed, heads=heads, dim=dim)
+    alts = [ix.example_inputs_indexer_topk(b=b, s=1, heads=heads, dim=dim, t=2 * t,
+                                           seed=seed + 50 + i)[1:3] for i in range(n_alt)]
+    return q, kp, ks, [a[0] for a in alts], [a[1] for a in alts], w, lens
+
+
+@functools.cache
+def _shared_kind(kind: str, n_alt: int, heads: int, dim: int):
+    """index_scores_shared of one sweep variant: the scheduled generic one or the AVX-512 fp32
+    one (`_shared`), or the x86 kernel's VNNI / AVX2 / AMX form."""
+    if kind in ("generic", "avx512"):
+        assert (heads, dim) == (H, D), "the generic and AVX-512 fp32 forms are built at (H, D)"
+        return _shared(n_alt, kind)
+    if not {"vnni": HAS_VNNI, "avx2": HAS_AVX2, "amx": HAS_AMX_INT8}[kind]:
+        pytest.skip(f"this CPU cannot run the {kind} sweep")
+    form = {"vnni": dict(tile=32, head_block=8), "avx2": dict(lanes=8, tile=16, head_block=8),
+            "amx": dict(tile=32, head_block=8, amx=True)}[kind]
+    func = ix.make_index_scores_avx512(heads=heads, dim=dim, n_alt=n_alt, max_tasks=4,
+                                       vnni=True, **form)
+    return tvm.compile(func, target=get_target("cpu").tvm_target())
+
+
+def _run_shared(ex, q, kp, ks, alt_c, alt_s, pick, w, lens):
+    slots = []
+    for i in range(ix.MAX_ALT):
+        slots += [alt_c[i], alt_s[i]] if i < len(alt_c) else [kp, ks]
+    scores = torch.full((*q.shape[:2], ix.padded(kp.size(1))), 7.0, dtype=torch.bfloat16)
+    ex["index_scores_shared"](*[to_tvm(x) for x in (q, kp, ks, *slots, pick, w, lens, scores)])
+    return scores
+
+
+@pytest.mark.parametrize("kind,heads,dim,n_alt", [
+    ("generic", H, D, 3), ("avx512", H, D, 3), ("vnni", 8, 128, 1), ("avx2", 8, 128, 1),
+    ("amx", 32, 128, 1),
+])
+def test_shared_sweep_per_token_pick_equals_decode_steps(kind, heads, dim, n_alt):
+    """One sweep with a pick per (sequence, token): each token's scores are, bit for bit, those
+    of its own decode step (s = 1 with that pick), including tokens of one sequence reading
+    different stores, a row whose tokens all read one store (row 2), and T = 37 (one partial
+    tile, alternates of 600 rows)."""
+    b, s, t = 3, 5, 300
+    args = _shared_inputs(b, s, t, n_alt, heads, dim, seed=11)
+    pick = torch.cat([PER_TOKEN_PICK, torch.full((1, s), 2)]).clamp(max=n_alt)
+    ex = _shared_kind(kind, n_alt, heads, dim)
+    scores = _run_shared(ex, *args[:5], pick, *args[5:])
+    want = _decode_step_scores(*args[:5], pick, *args[5:])
+    assert torch.equal(_bits(scores[..., :t]), _bits(want))
+    assert torch.all(scores[..., t:] == float("-inf"))
+    short = [x[:, :37] for x in args[1:3]]
+    args = [args[0], *short, *args[3:6], args[6].clamp(max=37)]
+    scores = _run_shared(ex, *args[:5], pick, *args[5:])
+    assert torch.equal(_bits(scores[..., :37]), _bits(_decode_step_scores(*args[:5], pick,
+                                                                          *args[5:])))
+
+
+@pytest.mark.parametrize("kind", ["generic", "avx512"])
+def test_shared_sweep_pick_outside_the_stores_reads_the_own_store(kind):
+    """The compiled sweep never leaves a score unwritten: a pick past n_alt (or -1) reads the
+    own store, as pick 0 does (the host refuses such picks before: `ops.check_pick`)."""
+    args = _shared_inputs(1, 4, 100, 1, H, D, seed=3)
+    ex = _shared_kind(kind, 1, H, D)
+    got = _run_shared(ex, *args[:5], torch.tensor([[-1, 2, 0, 1]]), *args[5:])
+    want = _run_shared(ex, *args[:5], torch.tensor([[0, 0, 0, 1]]), *args[5:])
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_shared_oracle_per_token_pick_equals_decode_steps_and_the_four_sweeps():
+    """The op with a (b, s) pick: each token's top-k equals its decode step's (s = 1, the op
+    with that token's picks) and the composition the verify pass ran before (one sweep per
+    store with every sequence's pick there, each token keeping the one it names)."""
+    b, s, t, n_alt = 2, 5, 300, 3
+    q, kp, ks, alt_c, alt_s, w, lens = _shared_inputs(b, s, t, n_alt, H, D, seed=21)
+    got = ops.indexer_topk_shared(q, kp, ks, alt_c, alt_s, PER_TOKEN_PICK, w, lens, TOPK)
+    for j in range(s):
+        step = ops.indexer_topk_shared(q[:, j : j + 1], kp, ks, alt_c, alt_s,
+                                       PER_TOKEN_PICK[:, j : j + 1], w[:, j : j + 1],
+                                       lens[:, j : j + 1], TOPK)
+        assert torch.equal(got[:, j : j + 1], step)
+    old = None
+    for option in range(n_alt + 1):
+        idx = ops.indexer_topk_shared(q, kp, ks, alt_c, alt_s, torch.full((b, s), option), w,
+                                      lens, TOPK)
+        old = idx if old is None else torch.where((PER_TOKEN_PICK == option).unsqueeze(-1),
+                                                  idx, old)
+    assert torch.equal(got, old)
+    # the picks matter: the tokens of sequence 0 that read alternate 1 differ from their own
+    own = ops.indexer_topk(q, kp, ks, w, lens, TOPK)
+    assert not torch.equal(got[0, 2:], own[0, 2:]) and torch.equal(got[0, :2], own[0, :2])
+
+
+@pytest.mark.parametrize("pick,message", [
+    (torch.tensor([[0, -1], [0, 0]]),
+     r"pick must lie in 0\.\.1 \(the own store or one of the 1 alternates\); got -1 at "
+     r"\(sequence, token\) \(0, 1\)\."),
+    (torch.tensor([[0, 0], [2, 0]]),
+     r"pick must lie in 0\.\.1 \(the own store or one of the 1 alternates\); got 2 at "
+     r"\(sequence, token\) \(1, 0\)\."),
+    (torch.tensor([0, 1]),
+     r"pick must be int64 of shape \(2, 2\) \(one store per sequence and token\); got "
+     r"torch\.int64 of shape \(2,\)\."),
+    (torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
+     r"pick must be int64 of shape \(2, 2\) \(one store per sequence and token\); got "
+     r"torch\.int32 of shape \(2, 2\)\."),
+])
+def test_shared_oracle_refuses_bad_picks(pick, message):
+    q, kp, ks, alt_c, alt_s, w, lens = _shared_inputs(2, 2, 40, 1, H, D, seed=1)
+    with pytest.raises(ValueError, match=message):
+        ops.indexer_topk_shared(q, kp, ks, alt_c, alt_s, pick, w, lens, TOPK)

@@ -69,7 +69,8 @@ def schedule_index_scores(func: tvm.tirx.PrimFunc, config: SweepConfig,
                           target: TargetSpec) -> tvm.tirx.PrimFunc:
     """Schedules either sweep (full or pool; they share block names). CPU: parallel over
     (b, T-tile) [full] or (b, s, tile) [pool]; keys decoded once per tile into a [D, tile] buffer
-    and reused by every head and (full sweep) every query; dot vectorised over the tile with
+    and reused by every head and (full sweep) every query (the shared sweep's per tile and
+    query: each query token reads the store its own pick names); dot vectorised over the tile with
     head_block register accumulators. CUDA: one thread per score entry, q in shared memory,
     each key element decoded once into a register and used by all heads."""
     assert SCORE_PAD % config.tile == 0, "the tile must divide SCORE_PAD"
@@ -78,11 +79,13 @@ def schedule_index_scores(func: tvm.tirx.PrimFunc, config: SweepConfig,
     if target.is_cuda:
         _schedule_sweep_cuda(sch, config)
     else:
-        _schedule_sweep_cpu(sch, config, pool)
+        _schedule_sweep_cpu(sch, config, pool,
+                            func.attrs["global_symbol"] == "index_scores_shared")
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
-def _schedule_sweep_cpu(sch: s_tir.Schedule, config: SweepConfig, pool: bool) -> None:
+def _schedule_sweep_cpu(sch: s_tir.Schedule, config: SweepConfig, pool: bool,
+                        shared: bool) -> None:
     out = sch.get_sblock("score")
     b, s, t = sch.get_loops(out)
     to, ti = sch.split(t, [None, config.tile])
@@ -95,13 +98,14 @@ def _schedule_sweep_cpu(sch: s_tir.Schedule, config: SweepConfig, pool: bool) ->
         q_at = sch.get_loops(out)[1]  # s
     sch.parallel(task)
     kdec = sch.get_sblock("k_dec")
-    if pool:
+    per_token = pool or shared  # keys decoded per query token (the pool's, a token's pick)
+    if per_token:
         sch.transform_layout(kdec, ("write", 0), lambda b, s, j, d: (b, s, d, j))
     else:
         sch.transform_layout(kdec, ("write", 0), lambda b, t, d: (b, d, t))
     for name in ("chunk", "dot", "q_f32"):
         sch.compute_at(sch.get_sblock(name), q_at, preserve_unit_loops=True)
-    sch.compute_at(kdec, task, preserve_unit_loops=True)
+    sch.compute_at(kdec, q_at if shared else task, preserve_unit_loops=True)
     kt, kd = sch.get_loops(kdec)[-2:]
     if config.kdec_vector_d:
         sch.vectorize(kd)

@@ -35,13 +35,14 @@ def decode_key(KP, KS, vb, pos, vd):
     return fp4_to_f32_select(nib) * e8m0(T.Cast("uint32", KS[vb, pos, vd // 32]))
 
 
-def decode_key_shared(KPs, KSs, PK, vb, pos, vd):
-    """`decode_key` from the store pick[vb] names: KPs[0] (own) or an alternate. Conditional loads
+def decode_key_shared(KPs, KSs, pk, vb, pos, vd):
+    """`decode_key` from the store the pick `pk` (a query token's) names: KPs[0] (own) or an
+    alternate; a pick outside 1..len(KPs) - 1 reads the own store. Conditional loads
     (if_then_else): only the named store is read."""
     byte = KPs[0][vb, pos, vd // 2]
     scale = KSs[0][vb, pos, vd // 32]
     for i in range(1, len(KPs)):
-        use = PK[vb] == T.int64(i)
+        use = pk == T.int64(i)
         byte = T.if_then_else(use, KPs[i][vb, pos, vd // 2], byte)
         scale = T.if_then_else(use, KSs[i][vb, pos, vd // 32], scale)
     nib = (T.Cast("uint32", byte) >> T.Cast("uint32", (vd % 2) * 4)) & T.uint32(15)
@@ -103,9 +104,12 @@ def make_index_scores(*, heads: int, dim: int, n_alt: int = 0) -> tvm.tirx.PrimF
 
     `n_alt` > 0 (1..MAX_ALT): `index_scores_shared`, (q, k_packed, k_scales, alt_packed_1,
     alt_scales_1, ..., alt_packed_MAX_ALT, alt_scales_MAX_ALT, pick, weights, lens) -> scores,
-    equal to `ops.indexer_topk_shared`'s sweep: row b reads its own keys where pick[b] = 0 and the
-    first T rows of alternate pick[b] otherwise (the released shared index-K pointer), without
-    copying any of them. Slots past n_alt are never read (the lowering passes the own store)."""
+    equal to `ops.indexer_topk_shared`'s sweep: query (b, s) reads row b's own keys where
+    pick[b, s] = 0 and the first T rows of alternate pick[b, s] otherwise (the released shared
+    index-K pointer, per token: a verify pass's tokens may differ), without copying any of them.
+    A pick outside 1..n_alt reads the own store (the host validates picks: `ops.check_pick`).
+    Slots past n_alt are never read (the lowering passes the own store). Here the keys are
+    decoded per query token (the CPU schedule decodes a tile per token, not per row)."""
     check_dim(dim)
     check_alt(n_alt)
     che, nc = head_chunks(heads)
@@ -171,30 +175,31 @@ def make_index_scores(*, heads: int, dim: int, n_alt: int = 0) -> tvm.tirx.PrimF
         S2 = T.match_buffer(s2_h, (b, t2, D // 32), "uint8")
         A3 = T.match_buffer(a3_h, (b, t3, D // 2), "uint8")
         S3 = T.match_buffer(s3_h, (b, t3, D // 32), "uint8")
-        PK = T.match_buffer(pick_h, (b,), "int64")
+        PK = T.match_buffer(pick_h, (b, s), "int64")
         W = T.match_buffer(w_h, (b, s, H), "bfloat16")
         L = T.match_buffer(lens_h, (b, s), "int64")
         O = T.match_buffer(out_h, (b, s, pad_expr(t)), "bfloat16")
         qf = T.sblock_alloc_buffer((b, s, H, D), "float32")
-        kd = T.sblock_alloc_buffer((b, pad_expr(t), D), "float32")
+        kd = T.sblock_alloc_buffer((b, s, pad_expr(t), D), "float32")
         dot = T.sblock_alloc_buffer((b, s, H, pad_expr(t)), "float32")
         part = T.sblock_alloc_buffer((b, s, NC, pad_expr(t)), "float32")
         for i0, i1, i2, i3 in T.grid(b, s, H, D):
             with T.sblock("q_f32"):
                 vb, vs, vh, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
                 qf[vb, vs, vh, vd] = T.Cast("float32", Q[vb, vs, vh, vd])
-        for i0, i1, i2 in T.grid(b, pad_expr(t), D):
+        for i0, i1, i2, i3 in T.grid(b, s, pad_expr(t), D):
             with T.sblock("k_dec"):  # padded rows decode entry T-1 again (never selected)
-                vb, vt, vd = T.axis.remap("SSS", [i0, i1, i2])
-                kd[vb, vt, vd] = decode_key_shared(
-                    (KP, A1, A2, A3)[: n_alt + 1], (KS, S1, S2, S3)[: n_alt + 1], PK, vb,
-                    T.min(vt, t - T.int64(1)), vd)
+                vb, vs, vt, vd = T.axis.remap("SSSS", [i0, i1, i2, i3])
+                kd[vb, vs, vt, vd] = decode_key_shared(
+                    (KP, A1, A2, A3)[: n_alt + 1], (KS, S1, S2, S3)[: n_alt + 1], PK[vb, vs],
+                    vb, T.min(vt, t - T.int64(1)), vd)
         for i0, i1, i2, i3, i4 in T.grid(b, s, H, pad_expr(t), D):
             with T.sblock("dot"):
                 vb, vs, vh, vt, vd = T.axis.remap("SSSSR", [i0, i1, i2, i3, i4])
                 with T.init():
                     dot[vb, vs, vh, vt] = T.float32(0)
-                dot[vb, vs, vh, vt] = dot[vb, vs, vh, vt] + qf[vb, vs, vh, vd] * kd[vb, vt, vd]
+                dot[vb, vs, vh, vt] = dot[vb, vs, vh, vt] + qf[vb, vs, vh, vd] * kd[vb, vs, vt,
+                                                                                     vd]
         for i0, i1, i2, i3, i4 in T.grid(b, s, NC, pad_expr(t), C):
             with T.sblock("chunk"):
                 vb, vs, vc, vt, vj = T.axis.remap("SSSSR", [i0, i1, i2, i3, i4])

@@ -28,6 +28,7 @@ from dsv41.schedules.indexer.amx_sweep import (
     shift_bytes,
 )
 from dsv41.schedules.indexer.sweep import (
+    MAX_ALT,
     SCORE_PAD,
     check_alt,
     check_dim,
@@ -106,7 +107,10 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
     or extreme exponents, and a call whose q has a wider span, take the VNNI dot.
 
     `n_alt` > 0: `index_scores_shared`, the sweep behind the released shared index-K pointer
-    (see `make_index_scores`); each batch row's tasks branch once to the store it reads."""
+    (see `make_index_scores`), one pick per query token: each batch row's tasks sweep their tiles
+    of each store some query of the row names, once, and score on it only those queries (a
+    decode step: one store per row, as before; a verify pass's 1 + k tokens: usually two stores,
+    each tile decoded once per store, not once per store and token)."""
     check_dim(dim)
     che, nc = head_chunks(heads)
     if tile % 16 or SCORE_PAD % tile:
@@ -452,10 +456,36 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                                          neg_inf_bf16())
 
     @T.macro
-    def sweep_tiles(KPx, KSx, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd, kq, sc,
-                    rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv, bad, ok, qlim,
+    def query_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag, part, O, L, vb, vs,
+                   t0, t, ok, cb, ksm, pend, tog, qa, qs):
+        """One tile's query vs: on AMX (its epilogue deferred, see `sweep_tiles`) where the tile
+        takes it, else on the vector units."""
+        if amx:
+            if ok[0] == 1:
+                dot_amx(cb, tog[0], kq, qa, vb, vs)
+                if pend[0] == T.int64(1):
+                    amx_finish(cb, ksm, pend, part, wf, qs, O, L, vb, t)
+                pend[0] = T.int64(1)
+                pend[1] = t0
+                pend[2] = vs
+                pend[3] = tog[0]
+                pend[4] = tog[1]
+                tog[0] = T.int64(1) - tog[0]
+            else:
+                if pend[0] == T.int64(1):
+                    amx_finish(cb, ksm, pend, part, wf, qs, O, L, vb, t)
+                vector_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag, part, O,
+                            L, vb, vs, t0, t)
+        else:
+            vector_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag, part, O, L,
+                        vb, vs, t0, t)
+
+    @T.macro
+    def sweep_tiles(KPx, KSx, ST, sel, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd, kq,
+                    sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv, bad, ok, qlim,
                     lut64, qa, qs, cb, pend, tog):
-        """The task's tiles of the sweep over the key store KPx / KSx (its first t rows).
+        """The task's tiles of the sweep over the key store KPx / KSx (its first t rows), for
+        every query (the shared sweep: the queries vs with ST[vb, vs] = sel, the store number).
 
         AMX (kmn .. tog; unused without it): an item (a tile's query) on AMX writes its dots
         to cb slot tog[0] and is finished (`amx_finish`) only after the next item's dot is
@@ -495,25 +525,13 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                     else:
                         dec_vector(kd, kq, rows, tbl, lut8, sc, flag, m0, g)
                 for vs in range(s):
-                    if amx:
-                        if ok[0] == 1:
-                            dot_amx(cb, tog[0], kq, qa, vb, vs)
-                            if pend[0] == T.int64(1):
-                                amx_finish(cb, ksm, pend, part, wf, qs, O, L, vb, t)
-                            pend[0] = T.int64(1)
-                            pend[1] = t0
-                            pend[2] = vs
-                            pend[3] = tog[0]
-                            pend[4] = tog[1]
-                            tog[0] = T.int64(1) - tog[0]
-                        else:
-                            if pend[0] == T.int64(1):
-                                amx_finish(cb, ksm, pend, part, wf, qs, O, L, vb, t)
-                            vector_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag,
-                                        part, O, L, vb, vs, t0, t)
+                    if n_alt > 0:  # the shared sweep: the queries whose pick names this store
+                        if ST[vb, vs] == sel:
+                            query_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag,
+                                       part, O, L, vb, vs, t0, t, ok, cb, ksm, pend, tog, qa, qs)
                     else:
-                        vector_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag,
-                                    part, O, L, vb, vs, t0, t)
+                        query_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag,
+                                   part, O, L, vb, vs, t0, t, ok, cb, ksm, pend, tog, qa, qs)
                 if amx:
                     if ok[0] == 1:
                         tog[1] = T.int64(1) - tog[1]
@@ -537,10 +555,11 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                 prep_amx(qw, qex, qa, qs, qlim, flag, cs, wd, b, s)
 
     @T.macro
-    def sweep_task(KPx, KSx, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim, qa, qs):
-        """One parallel task of the sweep over the key store KPx / KSx: its buffers (allocated
-        once per task, not per tile), tables and AMX tile configuration, its tiles
-        (`sweep_tiles`), the tiles released."""
+    def sweep_task(KPx, KSx, ST, sel, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                   qa, qs):
+        """One parallel task of the sweep over the key store KPx / KSx (the shared sweep: for
+        the queries whose store ST is sel): its buffers (allocated once per task, not per tile),
+        tables and AMX tile configuration, its tiles (`sweep_tiles`), the tiles released."""
         kd = T.alloc_buffer((D, TT), "float32", scope="local")  # decoded keys, [d, entry]
         kq = T.alloc_buffer((NQ, TT), "int32", scope="local")  # VNNI: key byte quads
         sc = T.alloc_buffer((NBLK, TT), "float32", scope="local")  # E8M0 scales
@@ -575,8 +594,8 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                                   * T.Cast("float32", T.int32(2) << (i // 16)))
             if flag[0] == 2:
                 amx_configure(cfg)
-        sweep_tiles(KPx, KSx, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd, kq, sc,
-                    rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv, bad, ok, qlim,
+        sweep_tiles(KPx, KSx, ST, sel, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd, kq,
+                    sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv, bad, ok, qlim,
                     lut64, qa, qs, cb, pend, tog)
         if amx:
             if flag[0] == 2:
@@ -609,8 +628,8 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qlim, b, s)
         for task in T.parallel(b * tasks(t)):
             vb = task // tasks(t)
-            sweep_task(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                       qa, qs)
+            sweep_task(KP, KS, L, 0, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
+                       qa, qs)  # (L, 0): no store selection (n_alt = 0)
 
     @T.prim_func
     def index_scores_shared(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, a1_h: T.handle,
@@ -629,7 +648,7 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         S2 = T.match_buffer(s2_h, (b, t2, D // 32), "uint8")
         A3 = T.match_buffer(a3_h, (b, t3, D // 2), "uint8")
         S3 = T.match_buffer(s3_h, (b, t3, D // 32), "uint8")
-        PK = T.match_buffer(pick_h, (b,), "int64")
+        PK = T.match_buffer(pick_h, (b, s), "int64")
         W = T.match_buffer(w_h, (b, s, H), "bfloat16")
         L = T.match_buffer(lens_h, (b, s), "int64")
         O = T.match_buffer(out_h, (b, s, pad_expr(t)), "bfloat16")
@@ -646,41 +665,36 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         mx = T.alloc_buffer((1,), "float32")
         cs = T.alloc_buffer((1,), "int32")
         wd = T.alloc_buffer((1,), "int32")
+        ST = T.alloc_buffer((b, s), "int64")  # the store query (b, s) reads
+        used = T.alloc_buffer((b, MAX_ALT + 1), "int32")  # 1 if some query of row b reads it
         prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qlim, b, s)
+        # the shared index-K pointer, per query token: its keys are the first t rows of the
+        # store its pick names (an alternate's own row count is at least t); a pick outside
+        # 1..n_alt reads the own store (the host validates picks: `ops.check_pick`)
+        for r, i in T.grid(b, MAX_ALT + 1):
+            used[r, i] = 0
+        for r in range(b * s):
+            ST[r // s, r % s] = T.Select((PK[r // s, r % s] >= T.int64(1))
+                                         & (PK[r // s, r % s] <= T.int64(n_alt)),
+                                         PK[r // s, r % s], T.int64(0))
+            used[r // s, ST[r // s, r % s]] = 1
         for task in T.parallel(b * tasks(t)):
             vb = task // tasks(t)
-            # the shared index-K pointer: this row's keys are the first t rows of the store
-            # the pointer names (an alternate's own row count is at least t)
-            if n_alt == 1:
-                if PK[vb] == T.int64(1):
-                    sweep_task(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
-                else:
-                    sweep_task(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
-            elif n_alt == 2:
-                if PK[vb] == T.int64(1):
-                    sweep_task(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
-                elif PK[vb] == T.int64(2):
-                    sweep_task(A2, S2, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
-                else:
-                    sweep_task(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
-            else:
-                if PK[vb] == T.int64(1):
-                    sweep_task(A1, S1, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
-                elif PK[vb] == T.int64(2):
-                    sweep_task(A2, S2, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
-                elif PK[vb] == T.int64(3):
-                    sweep_task(A3, S3, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
-                else:
-                    sweep_task(KP, KS, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                               qa, qs)
+            # one pass over each store some query of the row reads (a decode step: one store)
+            if used[vb, 0] == 1:
+                sweep_task(KP, KS, ST, T.int64(0), vb, task, t, s, O, L, qf, wf, qw, qsc, corr,
+                           flag, qlim, qa, qs)
+            if used[vb, 1] == 1:
+                sweep_task(A1, S1, ST, T.int64(1), vb, task, t, s, O, L, qf, wf, qw, qsc, corr,
+                           flag, qlim, qa, qs)
+            if n_alt >= 2:
+                if used[vb, 2] == 1:
+                    sweep_task(A2, S2, ST, T.int64(2), vb, task, t, s, O, L, qf, wf, qw, qsc,
+                               corr, flag, qlim, qa, qs)
+            if n_alt >= 3:
+                if used[vb, 3] == 1:
+                    sweep_task(A3, S3, ST, T.int64(3), vb, task, t, s, O, L, qf, wf, qw, qsc,
+                               corr, flag, qlim, qa, qs)
 
     if n_alt:
         return index_scores_shared

@@ -101,7 +101,8 @@ FORMULAS = {
     "attend": "bytes = 2*b*s*h*d (q) + 2*b*s*h*d (out) + 4*h (sink) + 4*b*s*(w+k) (indices) + "
               "b*s*(w*(d + d/32) + k*(d/2 + d/16)) (gathered FP8 window + FP4 global entries, "
               "per query); flops = 4*b*s*h*d*(w+k) (QK and PV multiply-adds)",
-    "indexer": "bytes = b*T*(D/2 + D/32) (MXFP4 keys) + 2*b*s*H*D (q) + 2*b*s*H (weights) + "
+    "indexer": "bytes = b*T*(D/2 + D/32) (MXFP4 keys; shared cases: per store the picks name) + "
+               "2*b*s*H*D (q) + 2*b*s*H (weights) + "
                "8*b*s (lens) + 4*b*s*topk (positions); the bf16 score row the sweep writes and "
                "the select re-reads is an intermediate, not counted; flops = b*s*T*(2*H*D + "
                "3*H) (dots, relu, weight, head sum; the top-k select counts no flops)",
@@ -175,6 +176,14 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
              for s in attend_s]
     cases += [Case(f"indexer-{_pow2_label(t)}", "indexer", tuple(idx.items()),
                    (("b", 1), ("s", 1), ("t", t))) for t in index_t]
+    # the sweep behind the shared index-K pointer (indexer_topk_shared, 3 alternate stores as
+    # at the bench preset): a decode step's (1 token) and a verify pass's (5 tokens whose picks
+    # name two stores: the pointer moved at the third token), both at the middle context
+    shared_t = index_t[1]
+    cases += [Case(f"indexer-{name}-{_pow2_label(shared_t)}", "indexer",
+                   (*idx.items(), ("n_alt", indexer.MAX_ALT)),
+                   (("b", 1), ("s", len(picks)), ("t", shared_t), ("picks", picks)))
+              for name, picks in (("shared", (2,)), ("verify5", (0, 0, 1, 1, 1)))]
     cases += [Case(f"fp8-{'gemv' if m == 1 else 'gemm'}-m{m}", "fp8",
                    (*lin.items(), ("hint", m)), (("m", m),)) for m in lin_m]
     cases += [Case(f"moe-n{n}", "moe", (*moe.items(), ("hint", artifact_rows_hint(n))),
@@ -261,8 +270,9 @@ def attend_traffic(*, b, s, h, d, w, k, **_) -> tuple[int, int]:
             4 * b * s * h * d * (w + k))
 
 
-def indexer_traffic(*, b, s, heads, dim, t, topk, **_) -> tuple[int, int]:
-    return (b * t * (dim // 2 + dim // 32) + 2 * b * s * heads * dim + 2 * b * s * heads
+def indexer_traffic(*, b, s, heads, dim, t, topk, picks=(0,), **_) -> tuple[int, int]:
+    stores = len(set(picks))  # the shared sweep reads each store its picks name
+    return (stores * b * t * (dim // 2 + dim // 32) + 2 * b * s * heads * dim + 2 * b * s * heads
             + 8 * b * s + 4 * b * s * topk,
             b * s * t * (2 * heads * dim + 3 * heads))
 
@@ -358,6 +368,36 @@ def moe_chain(ex, plan, inputs: Sequence[torch.Tensor]
     return chain, env[plan.output.name], parts
 
 
+def _prepare_shared(d: dict, ex) -> Prepared:
+    """indexer_topk_shared: the own store, n_alt alternates of 2 T rows (a lower-ratio source's
+    store), every sequence with the case's picks per token."""
+    b, s, t = d["b"], d["s"], d["t"]
+    q, kp, ks, w, lens = indexer.example_inputs_indexer_topk(b=b, s=s, heads=d["heads"],
+                                                             dim=d["dim"], t=t)
+    alts = [indexer.example_inputs_indexer_topk(b=b, s=1, heads=d["heads"], dim=d["dim"],
+                                                t=2 * t, seed=1 + i)[1:3]
+            for i in range(d["n_alt"])]
+    alt_c, alt_s = [a[0] for a in alts], [a[1] for a in alts]
+    pick = torch.tensor([d["picks"]] * b, dtype=torch.int64)
+    ops.check_pick(pick, d["n_alt"], b, s)
+    slots = [x for i in range(indexer.MAX_ALT)
+             for x in ((alt_c[i], alt_s[i]) if i < d["n_alt"] else (kp, ks))]
+    scores = torch.empty(b, s, indexer.padded(t), dtype=torch.bfloat16)
+    out = torch.empty(b, s, d["topk"], dtype=torch.int32)
+    args = [_tvm_view(x) for x in (q, kp, ks, *slots, pick, w, lens)]
+    scores_v, out_v = _tvm_view(scores), _tvm_view(out)
+    sweep, select = ex["index_scores_shared"], ex["select_positions"]
+
+    def kernel():
+        sweep(*args, scores_v)
+        select(scores_v, out_v)
+
+    nbytes, flops = indexer_traffic(**d)
+    oracle_args = (q, kp, ks, alt_c, alt_s, pick, w, lens, d["topk"])
+    return Prepared(kernel, out, lambda: ops.indexer_topk_shared(*oracle_args),
+                    *_body_args(ops.indexer_topk_shared, oracle_args, nbytes, flops))
+
+
 def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
     """Inputs at the case's sizes and the three callables over them (target_name: the one
     `ex` was compiled for)."""
@@ -373,6 +413,8 @@ def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
         nbytes, flops = attend_traffic(**d)
         return Prepared(lambda: ex(*args), out, lambda: ops.sparse_attend(*inputs, scale),
                         *_body_args(ops.sparse_attend, (*inputs, scale), nbytes, flops))
+    if case.family == "indexer" and d.get("n_alt"):
+        return _prepare_shared(d, ex)
     if case.family == "indexer":
         q, kp, ks, w, lens = indexer.example_inputs_indexer_topk(
             b=d["b"], s=d["s"], heads=d["heads"], dim=d["dim"], t=d["t"])
