@@ -26,9 +26,10 @@ position; the other GEMMs run at M = b(1+k) rows, and eager CPU GEMMs are not ro
 eager one-pass form agrees with decoding to rounding (equal selections and caches). Compiled,
 every row keeps the decode entry's reduction order: on x86 the FP8 GEMVs (the hand AVX2 /
 AVX-512 GEMV) and the AVX-512 routed experts run the verify rows in groups that share each
-weight load and decode (`rows` forms, bit-identical per row to the decode kernels), while
-attention, the indexer and the other kernels still run row by row, so the entry's logits equal
-compiled decode steps' (tests/test_speculative_compiled.py).
+weight load and decode (`rows` forms, bit-identical per row to the decode kernels), the
+shared index sweep runs all 1+k tokens in one pass (each token's pick naming its store), while
+attention and the other kernels run row by row, so the entry's logits equal compiled decode
+steps' (tests/test_speculative_compiled.py).
 """
 
 from __future__ import annotations
