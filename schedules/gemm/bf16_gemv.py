@@ -25,7 +25,8 @@ from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale
 
 MAX_ROWS = 8  # rows per group of the verify form (as `make_fp8_gemv_avx2`)
 CL = 64  # E4M3 codes per chunk (one 512-bit load)
-TILES = 8  # 32-column tiles per parallel task (a task's workspace is allocated once)
+MAX_TILES = 8  # 32-column tiles per parallel task (a task's workspace is allocated once)
+MIN_TASKS = 16  # parallel tasks kept for balance where there are few tiles (wo_b: 32)
 
 
 def chunk_slot_source(j):
@@ -88,6 +89,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     NCH = i64(k // CL)  # chunks per column
     R = i64(rows)
     AW = 2 * 16  # accumulator floats per row: two vectors of 16 lanes
+    TILES = max(1, min(MAX_TILES, math.ceil(n / BLOCK) // MIN_TASKS))
 
     def f32v(buf, off):
         return buf[T.ramp(off, 1, 16)]
