@@ -175,6 +175,9 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
         quantise_rows(x, amax, xq, m)
         for p in T.parallel(NB):
             xs = T.alloc_buffer((K,), "float32")
+            # acc / flg in the default scope: small constant stack arrays that LLVM keeps in
+            # registers ("local" ones, and vector assignments, became heap workspaces, so each
+            # chunk stored seven vectors: n 32768 k 512 1.71 -> 1.31 ms, one loaded Zen 4)
             acc = T.alloc_buffer((ACC * LN,), "float32")
             flg = T.alloc_buffer((CL,), "uint8")
             for i in range(m):
