@@ -190,7 +190,11 @@ def test_bench_cases_use_the_preset_sizes():
                           "fp8-wo_b-m1", "fp8-shared_w1-m1", "fp8-shared_w2-m1", "gemv-wo_a-m1",
                           "gemv-head-m1", "gemv-verify-wo_a-m1", "gemv-verify-wo_a-m5",
                           *(f"{f}-{form}-{w}{m}" for f, w in (("fp8", "wq_b-m"), ("moe", "n"))
-                            for form in ("verify", "rowwise") for m in range(1, 7))}
+                            for form in ("verify", "rowwise") for m in range(1, 7)),
+                          *(f"fp8-{form}-wo_b-m{m}" for form in ("verify", "rowwise")
+                            for m in range(1, 7))}
+    assert cases["fp8-verify-wo_b-m5"] == {"n": 1024, "k": 4096, "hint": 1, "rows": 6, "m": 5,
+                                           "copies": 16}
     # the verify entry's kernels at 1 + dspark_block_size rows, weights cycled through 64 MB+
     assert cases["fp8-verify-wq_b-m5"] == {"n": 32768, "k": 512, "hint": 1, "rows": 6, "m": 5,
                                            "copies": 4}
@@ -215,7 +219,8 @@ def test_bench_cases_use_the_preset_sizes():
                                                ["fp8", "moe-n1"])] == \
         ["fp8-gemv-m1", "fp8-gemm-m128", "moe-n1", "fp8-wq_a-m1", "fp8-wkv-m1", "fp8-wo_b-m1",
          "fp8-shared_w1-m1", "fp8-shared_w2-m1",
-         *(f"fp8-{form}-wq_b-m{m}" for form in ("verify", "rowwise") for m in range(1, 7))]
+         *(f"fp8-{form}-wq_b-m{m}" for form in ("verify", "rowwise") for m in range(1, 7)),
+         *(f"fp8-{form}-wo_b-m{m}" for form in ("verify", "rowwise") for m in range(1, 7))]
     with pytest.raises(ValueError, match="Unknown case"):
         bench.select_cases(bench.default_cases("bench"), ["attention"])
 

@@ -21,12 +21,14 @@ from dsv41.schedules.common import (
     f16_bits_to_f32,
     has_amx_bf16,
     has_avx512,
+    has_avx512_bf16,
     has_features,
     i64,
 )
 from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm.amx import amx_block_rows, make_fp8_linear_amx
 from dsv41.schedules.gemm.avx2_gemv import MAX_ROWS, make_fp8_gemv_avx2
+from dsv41.schedules.gemm.bf16_gemv import make_fp8_gemv_bf16
 from dsv41.schedules.gemm.fp8 import (
     BLOCK,
     check_out_dtype,
@@ -175,7 +177,8 @@ class Fp8LinearConfig:
     """Tiling of `fp8_linear`. kind: "gemv" (decode: one row; on CPU `make_fp8_gemv`, a dot
     product over all of K in `vec` lanes per output, weights decoded in registers), "gemv_avx2"
     (the CPU decode on x86 with AVX2 and no AVX-512: `make_fp8_gemv_avx2`, written scheduled,
-    no parameters), "gemv_avx512" (its 512-bit form, `prefetch` columns ahead), "gemm"
+    no parameters), "gemv_avx512" (its 512-bit form, `prefetch` columns ahead; dot "bf16":
+    `make_fp8_gemv_bf16`, the sums on vdpbf16ps), "gemm"
     (weight tile decoded once into a transposed [32, tn] buffer and reused by tm rows, vectorised
     over N) or "amx" (CPUs with AMX-BF16: `make_fp8_linear_amx`, tm rows per block).
     CPU gemm: tn output columns per parallel task, tm rows per tile, rb rows held in registers.
@@ -193,6 +196,7 @@ class Fp8LinearConfig:
     row_pad: int = 1  # make_fp8_linear(row_pad=): CUDA gemm pads the activation rows to tm
     prefetch: int = 0  # gemv_avx512: columns ahead whose weights are prefetched
     rows: int = 1  # gemv_avx2 / gemv_avx512: rows per group of the verify form (1: decode's)
+    dot: str = "fp32"  # gemv_avx512: "bf16" for make_fp8_gemv_bf16 (AVX-512 BF16 + VBMI)
 
     @property
     def prescheduled(self) -> bool:
@@ -230,6 +234,13 @@ def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = Non
         # cb 4); above, the scheduled one with 4 columns summed together, 4 streams of a
         # 4 KB row each (n 1024 k 4096 0.196 ms against 0.237 hand-vectorised, 0.367 cb 1).
         # The scheduled kernel at K 512 is one 2 KB stretch read out of order with cb 4: cb 1.
+        # With AVX-512 BF16 (and VBMI's byte lookups), every K: the weights looked up as bf16
+        # and summed by vdpbf16ps, 32 products per instruction (`make_fp8_gemv_bf16`; one
+        # 2-core Zen 4 shared with other jobs, min of 200 calls, weights cycled through 64 MB:
+        # see the module docstring).
+        if k % 64 == 0 and has_avx512_bf16(target) and has_features(target, "avx512vbmi"):
+            return Fp8LinearConfig("gemv_avx512", prefetch=max(2, 8192 // k), rows=group,
+                                   dot="bf16")
         if k <= 2048 and k % 64 == 0 and has_features(target, "avx512bw", "fma", "f16c"):
             return Fp8LinearConfig("gemv_avx512", prefetch=max(2, 8192 // k), rows=group)
         return Fp8LinearConfig("gemv", tn=BLOCK, cb=1 if k <= 1024 else 4, vec=32)
@@ -390,6 +401,9 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
         return make_fp8_linear_amx(n=n, k=k, block_rows=config.tm, out_dtype=out_dtype), config
     if config.kind == "gemv_avx2":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, rows=config.rows), config
+    if config.kind == "gemv_avx512" and config.dot == "bf16":
+        return make_fp8_gemv_bf16(n=n, k=k, out_dtype=out_dtype, prefetch=config.prefetch,
+                                  rows=config.rows), config
     if config.kind == "gemv_avx512":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, lanes=16,
                                   prefetch=config.prefetch, rows=config.rows), config

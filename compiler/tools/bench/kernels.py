@@ -207,6 +207,13 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                        (("m", m), ("copies", fp8_copies))) for m in ms]
         cases += [Case(f"moe-{form}-n{m}", "moe", (*moe.items(), ("hint", 1), ("rows", rows)),
                        (("n", m), ("copies", moe_copies))) for m in ms]
+    # wo_b (K above 2048), the same two forms (appended: the cases above keep their order)
+    wo_b = decode_lin.get("wo_b", (0, 0))
+    wo_b_copies = max(1, -(-(64 << 20) // max(1, wo_b[0] * wo_b[1])))
+    for form, rows in forms if "wo_b" in decode_lin else ():
+        cases += [Case(f"fp8-{form}-wo_b-m{m}", "fp8",
+                       (("n", wo_b[0]), ("k", wo_b[1]), ("hint", 1), ("rows", rows)),
+                       (("m", m), ("copies", wo_b_copies))) for m in ms]
     cases += [Case(f"gemv-{name}-m1", "gemv",
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd)),
                    (("m", 1),)) for name, (g, n, k, wd) in decode_gemv.items()]

@@ -1,0 +1,232 @@
+"""The FP8 decode GEMV on AVX-512 BF16 (`make_fp8_gemv_bf16`): E4M3 weights looked up as bf16
+(vpermi2b) and summed by vdpbf16ps, 32 products per instruction; its verify form shares each
+weight decode across the rows."""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm.script import tirx as T
+
+from dsv41.schedules.common import (
+    bf16_bits_of_exact,
+    bf16_to_f32,
+    dpbf16ps,
+    e4m3_to_f32,
+    e8m0_to_f32,
+    i64,
+    pairwise_lane_sum,
+    u32,
+    with_bf16_dot,
+)
+from dsv41.schedules.common import prefetch as prefetch_line
+from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
+
+MAX_ROWS = 8  # rows per group of the verify form (as `make_fp8_gemv_avx2`)
+CL = 64  # E4M3 codes per chunk (one 512-bit load)
+MAX_TILES = 8  # 32-column tiles per parallel task (a task's workspace is allocated once)
+MIN_TASKS = 16  # parallel tasks kept for balance where there are few tiles (wo_b: 32)
+
+
+def chunk_slot_source(j):
+    """Slot j (0..63) of a chunk in the bf16 GEMV's activation layout -> the code offset in the
+    chunk it pairs with. The decoded weights of a chunk are two vectors of 32 bf16: vpunpcklbw /
+    vpunpckhbw of the looked-up low and high bytes, i.e. per 128-bit lane L the codes 16 L .. 16
+    L + 7, then 16 L + 8 .. 16 L + 15; slots 0-31 follow the first, 32-63 the second."""
+    t = j % 32
+    return 16 * (t // 8) + 8 * (j // 32) + t % 8
+
+
+def _bf16_words(codes, lo_tbl, hi_tbl, half: int):
+    """The bf16 bits (uint16 x 32) of codes 16 L + 8 half + i (L 0..3, i 0..7) of a chunk of 64
+    E4M3 codes: the low and high bytes of |code|'s bf16 bits looked up in 128-entry tables
+    (vpermi2b reads the index's low 7 bits), the code's sign bit put on the high byte."""
+    name = "llvm.x86.avx512.vpermi2var.qi.512"
+    lo = T.call_llvm_pure_intrin("int8x64", name, lo_tbl[0], T.reinterpret("int8x64", codes),
+                                 lo_tbl[1])
+    hi = T.call_llvm_pure_intrin("int8x64", name, hi_tbl[0], T.reinterpret("int8x64", codes),
+                                 hi_tbl[1])
+    hi = T.reinterpret("uint8x64", hi) | (codes & T.broadcast(T.uint8(0x80), CL))
+    idx = []
+    for t in range(32):
+        src = 16 * (t // 8) + 8 * half + t % 8
+        idx += [src, CL + src]
+    return T.reinterpret("uint16x32", T.Shuffle([T.reinterpret("uint8x64", lo), hi], idx))
+
+
+def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
+                       rows: int = 1) -> tvm.tirx.PrimFunc:
+    """The CPU decode form of `fp8_linear` on x86 with AVX-512 BF16 and VBMI (same signature as
+    `make_fp8_gemv`), hand-vectorised; k a multiple of 64. `prefetch`: columns ahead whose
+    weights are prefetched at the start of each column (0: none).
+
+    Every product is exact, as in `make_fp8_gemv`: the activation is quantised per row (`xq`,
+    an E4M3 value times a power of two, stored per chunk in `chunk_slot_source` order); per
+    32-column tile, `xs` = xq * 2^(s - 127) with the tile's weight scales, as bf16 bits (4
+    significant bits: exact while |xs| is a normal number, 2^-126 <= |xs| < 2^128); the weight
+    is the E4M3 value itself, exact in bf16 (looked up, `_bf16_words`). vdpbf16ps adds each
+    pair of products into fp32 lanes (a product of two bf16 is exact in fp32), rounding to
+    nearest even and flushing denormal sums to zero: with |xq| >= 2^-31 (E4M3's 2^-9 times the
+    smallest scale of the 1e-4 amax floor) and weights >= 2^-9, every nonzero product and
+    partial sum stays normal while the weight-scale exponent s - 127 >= -86. Per column: two
+    accumulators (the chunk's two word vectors) over K, then added and summed pairwise in
+    lanes; only the order of the fp32 additions differs from the oracle. A NaN weight (0x7f /
+    0xff, a NaN in the table) makes the column's sum NaN, stored as the canonical NaN.
+
+    `rows` > 1: the verify form, rows in groups of `rows` (the verify entry's 1 + k): per
+    column each chunk is loaded and decoded once for the whole group, then dotted into each
+    row's own two accumulators in the order above, so every row's output is bit-identical to
+    this kernel's with rows = 1 (which is the same code with a group of one).
+
+    Per 64 codes and row: one load, two vpermi2b and a sign merge, two byte interleaves (shared
+    by the group), two vdpbf16ps, against two vpmaddubsw, four masks, four vcvtph2ps and four
+    FMAs in `make_fp8_gemv_avx2`. Measured on a 2-core Zen 4 shared with other jobs (load 8-11),
+    weights cycled through 64 MB, min of 400-1000 calls, `make_fp8_gemv_avx2` lanes 16 /
+    the scheduled `make_fp8_gemv` (k 4096) before this kernel in brackets: n 32768 k 512 one
+    row 0.73-0.82 ms (1.71-1.76), 5 rows in one group 1.48 (3.61-3.71); n 1024 k 4096 one row
+    0.27-0.33 (0.42-0.48), 5 rows 0.85-0.90 (1.59-1.67); n 512 k 1024 one row 0.039-0.041
+    (0.057-0.064)."""
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
+    if k % CL:
+        raise ValueError(f"The bf16 fp8 GEMV needs k a multiple of {CL}, got {k}.")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0 columns; got {prefetch}.")
+    check_out_dtype(out_dtype)
+    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
+    NCH = i64(k // CL)  # chunks per column
+    R = i64(rows)
+    AW = 2 * 16  # accumulator floats per row: two vectors of 16 lanes
+    TILES = max(1, min(MAX_TILES, math.ceil(n / BLOCK) // MIN_TASKS))
+
+    def f32v(buf, off):
+        return buf[T.ramp(off, 1, 16)]
+
+    def row_total(acc, r):
+        return pairwise_lane_sum(f32v(acc, r * AW) + f32v(acc, r * AW + 16), 16)
+
+    @T.macro
+    def row_zero(acc, r, here):
+        if here:  # static: row r is one of the group's
+            for t in T.unroll(AW):
+                acc[r * AW + t] = T.float32(0)
+
+    @T.macro
+    def row_dot(acc, xs, here, r, ch, w0, w1):  # row r's two dot products of chunk ch
+        if here:  # static
+            acc[T.ramp(r * AW, 1, 16)] = dpbf16ps(
+                f32v(acc, r * AW), xs[T.ramp(r * K + ch * CL, 1, 32)], w0)
+            acc[T.ramp(r * AW + 16, 1, 16)] = dpbf16ps(
+                f32v(acc, r * AW + 16), xs[T.ramp(r * K + ch * CL + 32, 1, 32)], w1)
+
+    @T.macro
+    def row_store(y, acc, r, here, row, col):
+        if here:  # static
+            if col < N:
+                total = T.meta_var(row_total(acc, r))
+                # NaN tested on the bits (LLVM may assume a float compare never sees a NaN)
+                y[row, col] = T.Cast(out_dtype, T.Select(
+                    (T.reinterpret("uint32", total) & u32(0x7FFFFFFF)) > u32(0x7F800000),
+                    T.reinterpret("float32", u32(0x7FC00000)), total))
+
+    @T.macro
+    def group_columns(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl):
+        """The 32 columns of tile p for the nr rows from row0 (nr static: every update
+        unconditional, so the accumulators stay in registers)."""
+        for c in range(i64(BLOCK)):
+            row_zero(acc, 0, nr > 0)
+            row_zero(acc, 1, nr > 1)
+            row_zero(acc, 2, nr > 2)
+            row_zero(acc, 3, nr > 3)
+            row_zero(acc, 4, nr > 4)
+            row_zero(acc, 5, nr > 5)
+            row_zero(acc, 6, nr > 6)
+            row_zero(acc, 7, nr > 7)
+            if prefetch > 0:  # the column `prefetch` ahead, before the sums
+                for ch in range(NCH):
+                    prefetch_line(T.address_of(weight[T.min(p * BLOCK + c + prefetch,
+                                                            N - i64(1)), ch * CL]))
+            for ch in range(NCH):
+                col = T.meta_var(T.min(p * BLOCK + c, N - i64(1)))
+                codes = T.meta_var(weight.vload([col, ch * CL], f"uint8x{CL}"))
+                w0 = T.meta_var(_bf16_words(codes, lo_tbl, hi_tbl, 0))
+                w1 = T.meta_var(_bf16_words(codes, lo_tbl, hi_tbl, 1))
+                row_dot(acc, xs, nr > 0, 0, ch, w0, w1)
+                row_dot(acc, xs, nr > 1, 1, ch, w0, w1)
+                row_dot(acc, xs, nr > 2, 2, ch, w0, w1)
+                row_dot(acc, xs, nr > 3, 3, ch, w0, w1)
+                row_dot(acc, xs, nr > 4, 4, ch, w0, w1)
+                row_dot(acc, xs, nr > 5, 5, ch, w0, w1)
+                row_dot(acc, xs, nr > 6, 6, ch, w0, w1)
+                row_dot(acc, xs, nr > 7, 7, ch, w0, w1)
+            row_store(y, acc, 0, nr > 0, row0, p * BLOCK + c)
+            row_store(y, acc, 1, nr > 1, row0 + 1, p * BLOCK + c)
+            row_store(y, acc, 2, nr > 2, row0 + 2, p * BLOCK + c)
+            row_store(y, acc, 3, nr > 3, row0 + 3, p * BLOCK + c)
+            row_store(y, acc, 4, nr > 4, row0 + 4, p * BLOCK + c)
+            row_store(y, acc, 5, nr > 5, row0 + 5, p * BLOCK + c)
+            row_store(y, acc, 6, nr > 6, row0 + 6, p * BLOCK + c)
+            row_store(y, acc, 7, nr > 7, row0 + 7, p * BLOCK + c)
+
+    @T.macro
+    def group_if(weight, xs, y, p, row0, live, nr, acc, lo_tbl, hi_tbl):
+        if nr <= rows:  # static: a group of nr rows exists
+            if live == nr:
+                group_columns(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl)
+
+    @T.prim_func
+    def fp8_gemv_bf16(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                      scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), out_dtype)
+        with T.attr(T.int32(0), *with_bf16_dot()):
+            amax = T.alloc_buffer((m, KB), "float32")
+            xq = T.alloc_buffer((m, K), "float32")  # per chunk in chunk_slot_source order
+            tbl = T.alloc_buffer((256,), "uint8")  # low bytes of |code|'s bf16, then high
+            for t in range(128):
+                tbl[t] = T.Cast("uint8", bf16_bits_of_exact(e4m3_to_f32(T.Cast("uint32", t)))
+                                & T.uint16(0xFF))
+                tbl[128 + t] = T.Cast("uint8", bf16_bits_of_exact(
+                    e4m3_to_f32(T.Cast("uint32", t))) >> T.uint16(8))
+            for i, b in T.grid(m, KB):
+                amax[i, b] = T.min_value("float32")
+                for j in range(i64(BLOCK)):
+                    amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+            for i, ch in T.grid(m, NCH):
+                for j in T.vectorized(i64(CL)):
+                    xq[i, ch * CL + j] = fp8_qdq(
+                        bf16_to_f32(x[i, ch * CL + chunk_slot_source(j)]),
+                        pow2_scale_byte(amax[i, (ch * CL + chunk_slot_source(j)) // BLOCK]))
+            for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
+                xs = T.alloc_buffer((R * K,), "uint16")  # bf16 bits, row r at r * K
+                acc = T.alloc_buffer((R * AW,), "float32")  # row r at r * AW
+                lo_tbl = T.meta_var([tbl.vload([0], "uint8x64"), tbl.vload([64], "uint8x64")])
+                hi_tbl = T.meta_var([tbl.vload([128], "uint8x64"),
+                                     tbl.vload([192], "uint8x64")])
+                for pi in range(i64(TILES)):
+                    if po * TILES + pi < NB:
+                        p = T.meta_var(po * TILES + pi)
+                        for g in range((m + R - i64(1)) // R):
+                            live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
+                            # slots 16 g .. 16 g + 15 of each half come from 32-block 2 ch + g
+                            for r, ch, h, g2 in T.grid(live, NCH, 2, 2):
+                                for j in T.vectorized(16):
+                                    xs[r * K + ch * CL + h * 32 + g2 * 16 + j] = (
+                                        bf16_bits_of_exact(
+                                            xq[g * R + r, ch * CL + h * 32 + g2 * 16 + j]
+                                            * e8m0_to_f32(T.Cast("uint32",
+                                                                 scale[p, ch * 2 + g2]))))
+                            group_if(weight, xs, y, p, g * R, live, 1, acc, lo_tbl, hi_tbl)
+                            group_if(weight, xs, y, p, g * R, live, 2, acc, lo_tbl, hi_tbl)
+                            group_if(weight, xs, y, p, g * R, live, 3, acc, lo_tbl, hi_tbl)
+                            group_if(weight, xs, y, p, g * R, live, 4, acc, lo_tbl, hi_tbl)
+                            group_if(weight, xs, y, p, g * R, live, 5, acc, lo_tbl, hi_tbl)
+                            group_if(weight, xs, y, p, g * R, live, 6, acc, lo_tbl, hi_tbl)
+                            group_if(weight, xs, y, p, g * R, live, 7, acc, lo_tbl, hi_tbl)
+                            group_if(weight, xs, y, p, g * R, live, 8, acc, lo_tbl, hi_tbl)
+
+    return fp8_gemv_bf16

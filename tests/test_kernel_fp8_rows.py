@@ -1,0 +1,142 @@
+"""The FP8 decode GEMV on AVX-512 BF16 (`gemm.make_fp8_gemv_bf16`) and its verify form.
+
+Tolerance against the oracle (`ops.fp8_linear`): every product is exact in both, only the order
+of the fp32 additions differs (all of K in vdpbf16ps pairs against 32-block partials times
+scales), so >= 99% of outputs are bit-equal and the rest within 1 bf16 ulp (measured: n 32768
+k 512, 1 of 32768 outputs 1 ulp off; n 1024 k 4096, all equal). The verify form (rows > 1) is
+bit-identical, row by row, to the single-row kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import tvm
+
+from dsv41.graph import ops
+from dsv41.graph.targets import TargetSpec, get_target
+from dsv41.runtime.backends.tensors import to_torch, to_tvm
+from dsv41.schedules import gemm
+from dsv41.schedules.common import has_avx512_bf16, has_features
+from dsv41.schedules.gemm.bf16_gemv import chunk_slot_source, make_fp8_gemv_bf16
+
+CPU = get_target("cpu")
+needs_bf16 = pytest.mark.skipif(
+    not (has_avx512_bf16(CPU) and has_features(CPU, "avx512vbmi")),
+    reason="this CPU has no AVX-512 BF16 + VBMI (vdpbf16ps, vpermi2b)")
+ZEN4 = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver4"})
+SKX = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
+
+
+@functools.cache
+def _compiled(**kwargs):
+    return tvm.compile(make_fp8_gemv_bf16(**kwargs), target=CPU.tvm_target())
+
+
+def _run(ex, x, weight, scale, dtype=torch.bfloat16) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], weight.shape[0], dtype=dtype)
+    view = to_tvm(out)
+    ex(*[to_tvm(t) for t in (x, weight, scale)], view)
+    return to_torch(view)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def ordered(t):
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def test_chunk_slots_are_a_permutation_in_32_blocks():
+    """Each chunk's 64 slots take each code offset once; slots 16 g .. 16 g + 15 of either half
+    come from 32-block g (the xs stage multiplies them by one scale)."""
+    src = [chunk_slot_source(j) for j in range(64)]
+    assert sorted(src) == list(range(64))
+    assert src[:10] == [0, 1, 2, 3, 4, 5, 6, 7, 16, 17]
+    assert src[32:34] == [8, 9]
+    for j in range(64):
+        assert src[j] // 32 == (j % 32) // 16
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", [(100, 64), (64, 512), (96, 4096)])
+def test_bf16_gemv_matches_oracle(n, k):
+    """>= 99% bit-equal, the rest 1 bf16 ulp; n 100: a partial last 32-column tile."""
+    ex = _compiled(n=n, k=k, prefetch=2)
+    for seed in (1, 2):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=seed)
+        ulps = _ulps(_run(ex, x, weight, scale), ops.fp8_linear(x, weight, scale))
+        assert int(ulps.max()) <= 1
+        assert float((ulps == 0).float().mean()) >= 0.99
+
+
+@needs_bf16
+def test_bf16_gemv_every_code_nan_and_subnormal_weights():
+    """Column c holds E4M3 code c at every K (all 256 codes: subnormals, -0, the two NaNs);
+    exact products and a sum of equal terms: every finite output equals the oracle's bits, the
+    NaN codes' columns are the canonical NaN (0x7fc0), and nothing else is NaN."""
+    n, k = 256, 128
+    x, _, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=5)
+    weight = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, k)
+    out = _run(_compiled(n=n, k=k), x, weight, scale)
+    ref = ops.fp8_linear(x, weight, scale)
+    nan = torch.zeros(1, n, dtype=torch.bool)
+    nan[0, 0x7F] = nan[0, 0xFF] = True
+    assert torch.equal(out.isnan(), nan)
+    assert out.view(torch.int16)[0, 0x7F] == 0x7FC0 and out.view(torch.int16)[0, 0xFF] == 0x7FC0
+    assert int(_ulps(out[~nan], ref[~nan]).max()) <= 1
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows,k,out_dtype", [
+    (6, 256, "bfloat16"),  # the verify entry's (block 5)
+    (2, 4096, "bfloat16"),  # wo_b's K
+    pytest.param(3, 256, "float32", marks=pytest.mark.slow),
+    pytest.param(6, 4096, "bfloat16", marks=pytest.mark.slow)])
+def test_bf16_gemv_rows_bit_identical_to_single_row(rows, k, out_dtype):
+    """Every row of the verify form equals the decode kernel on that row alone, bit for bit:
+    m = 1..7 and 13 (one group, full or partial; several groups, a partial last one), n not a
+    multiple of 32, a NaN column, an all-zero row (the amax floor), a row near the bf16 top."""
+    n = 100
+    dtype = torch.bfloat16 if out_dtype == "bfloat16" else torch.float32
+    bits = torch.int16 if out_dtype == "bfloat16" else torch.int32
+    one = _compiled(n=n, k=k, out_dtype=out_dtype, prefetch=3)
+    multi = _compiled(n=n, k=k, out_dtype=out_dtype, prefetch=3, rows=rows)
+    for m in (1, 2, 3, 5, 6, 7, 13):
+        x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
+        weight[40, 77] = 0x7F  # a NaN column
+        x[m // 2] = 0
+        x[-1, :32] = torch.tensor(3.0e38).to(torch.bfloat16)
+        out = _run(multi, x, weight, scale, dtype)
+        for i in range(m):
+            ref = _run(one, x[i:i + 1].clone(), weight, scale, dtype)
+            assert torch.equal(out[i:i + 1].view(bits), ref.view(bits)), (m, i)
+        assert int(out.isnan().sum()) == m  # column 40 of every row, nothing else
+
+
+def test_bf16_gemv_refuses_bad_shapes():
+    for rows in (0, 9):
+        with pytest.raises(ValueError, match=f"The fp8 GEMV takes 1..8 rows per group; got "
+                                             f"rows={rows}."):
+            make_fp8_gemv_bf16(n=64, k=256, rows=rows)
+    with pytest.raises(ValueError, match="The bf16 fp8 GEMV needs k a multiple of 64, got 96."):
+        make_fp8_gemv_bf16(n=64, k=96)
+    with pytest.raises(ValueError, match="prefetch must be >= 0 columns; got -1."):
+        make_fp8_gemv_bf16(n=64, k=64, prefetch=-1)
+
+
+def test_config_picks_the_bf16_gemv_where_the_target_has_it():
+    """AVX-512 BF16 + VBMI (Zen 4): the bf16 kernel for decode, verify and draft at every K a
+    multiple of 64 (k 4096 included: wo_b's verify form); AVX-512 without BF16 and the baseline
+    x86-64 keep their kernels."""
+    cfg = gemm.fp8_linear_config(ZEN4, n=32768, k=512, m=1)
+    assert (cfg.kind, cfg.dot, cfg.rows, cfg.prefetch) == ("gemv_avx512", "bf16", 1, 16)
+    cfg = gemm.fp8_linear_config(ZEN4, n=1024, k=4096, m=1, rows=6)
+    assert (cfg.kind, cfg.dot, cfg.rows, cfg.prefetch) == ("gemv_avx512", "bf16", 6, 2)
+    assert gemm.fp8_linear_config(ZEN4, n=64, k=512, m=1, rows=9).rows == 8
+    assert gemm.fp8_linear_config(ZEN4, n=64, k=96, m=1).kind == "gemv"  # k % 64
+    assert gemm.fp8_linear_config(ZEN4, n=64, k=512, m=4).kind == "gemm"
+    assert gemm.fp8_linear_config(SKX, n=64, k=512, m=1).dot == "fp32"
+    assert gemm.fp8_linear_config(get_target("cpu-x86-64"), n=64, k=512, m=1).kind == "gemv"
