@@ -22,6 +22,10 @@ Arithmetic shared by the GEMMs, and why it matches the oracle:
   the 2^8 of its fp16 weight decode) into the activation instead (again exact products) and
   sums all of K at once, in vector lanes added pairwise at the end: a different order of fp32
   additions, with the same bound against the oracle.
+* On AVX-512 BF16 (+ VBMI) targets, at any K a multiple of 64, the decode GEMV and the verify /
+  draft row groups are one kernel (`bf16_gemv.make_fp8_gemv_bf16`): each E4M3 code looked up as its
+  exact bf16 value (two vpermi2b), the activation times the weight scale as an exact bf16, summed
+  by vdpbf16ps; each row of a group bit-identical to the single-row kernel.
 * Weights are decoded per tile (registers / local or shared memory), never as a full copy.
 
 TVM 0.27 traps met here (worked around below): a bf16 Cast inside a `Let` value is compiled as
