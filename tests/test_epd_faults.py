@@ -25,7 +25,8 @@ from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher
 from dsv41.runtime.serving.epd import EpdKeys
 from dsv41.runtime.serving.epd_gateway import EpdGateway
-from dsv41.runtime.serving.epd_stages import DecodeWorker, PrefillWorker
+from dsv41.runtime.serving.epd_prefill import PrefillWorker
+from dsv41.runtime.serving.epd_stages import DecodeWorker
 from dsv41.runtime.serving.frontend import FinishReason
 
 PAGE = 8
