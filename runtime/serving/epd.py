@@ -22,9 +22,11 @@ clients may talk to any of them.
   the request's reply stream: token ids with their logprobs, the tier, the finish. Text and
   stop strings are the gateway's (it has the tokenizer); a matched stop string ends the stream
   and sets the request's cancel key, which the decode worker reads between steps.
-- A prefill worker takes one request at a time from the prefill stream (a consumer group: each
-  request goes to one worker), prefills it on its engine (the tiers: SSD blocks, the shared
-  Redis snapshot pool), samples the first token and sends it; unless that ends the request, it
+- A prefill worker takes up to `prefill_requests` requests at once from the prefill stream (a
+  consumer group: each request goes to one worker) and prefills them chunk-interleaved on its
+  engine (runtime/serving/epd_prefill.py; the tiers: SSD blocks, the shared Redis snapshot
+  pool); as each one's prefill ends it samples the first token and sends it; unless that ends
+  the request, it
   hands the finished runtime state over: every complete global block, the encoder and decoder
   rings, the tails and the pointers (`Session.runtime_state`), the first token and the
   sampler's generator, as one `runtime.wire` record (model fingerprint, key, sha256) under a
