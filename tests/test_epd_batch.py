@@ -87,9 +87,10 @@ def _outcome(stream, within_s: float = 60.0) -> tuple[list[int], FinishReason, s
 class _Deployment:
     """A gateway, a prefill worker and a decode worker in this process."""
 
-    def __init__(self, model, root, url, *, prefill_client=None, **engine_kw):
+    def __init__(self, model, root, url, *, prefill_client=None, prefill_kw=None, **engine_kw):
         self.client = redis.Redis.from_url(url)
-        self.engines = [_engine(model, root / f"e{i}", redis_url=url, **engine_kw)
+        self.engines = [_engine(model, root / f"e{i}", redis_url=url,
+                                **{**engine_kw, **((prefill_kw or {}) if i == 0 else {})})
                         for i in range(2)]
         self.prefill = PrefillWorker(self.engines[0], prefill_client or self.client,
                                      prefill_requests=4, **WORKER)
@@ -322,5 +323,33 @@ def test_requests_of_a_batch_with_a_common_prefix_reuse_the_first_ones_blocks(
         assert d.engines[0].tier_counts["runtime-prefix"] == 2
         d.decode_until_done(streams)
         assert [_outcome(s, 1) for s in streams] == [(t, FinishReason.LENGTH, None) for t in want]
+    finally:
+        d.close()
+
+
+def test_a_request_the_runtime_cache_holds_only_alone_waits_for_its_batch_mate(
+        small_model, tmp_path, redis_server, reference):
+    """A prefill engine whose cache budget holds either request's cache but not both: the
+    second waits for the first to end (never fails), as one at a time."""
+    a = small_model.args
+    sizes = []
+    with _engine(small_model, tmp_path / "probe") as e:
+        for p in (PROMPTS[0], PROMPTS[2]):
+            s = e.session()
+            turn = s.begin(EpdRequest("p", tuple(p), GREEDY).turn(a.vocab_size, a.max_seq_len))
+            sizes.append(e.runtime_bytes())
+            s.finish(turn)
+            s.close()
+    d = _Deployment(small_model, tmp_path, redis_server.url,
+                    prefill_kw={"cache_budget_bytes": sum(sizes) - 1})
+    try:
+        streams = [d.gateway.submit(p, GREEDY) for p in (PROMPTS[0], PROMPTS[2])]
+        assert d.prefill.step(block_ms=100) == 2
+        assert _rids(d.client, d.keys.decode) == [s.rid for s in streams]
+        n = d.prefill.counters
+        assert (n.requests, n.errors) == (2, 0)
+        d.decode_until_done(streams)
+        assert [_outcome(s, 1) for s in streams] == \
+            [(reference[i], FinishReason.LENGTH, None) for i in (0, 2)]
     finally:
         d.close()

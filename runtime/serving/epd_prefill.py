@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from dsv41.graph.phases import Pause
-from dsv41.runtime.engine import Engine, PrefillPacing
+from dsv41.runtime.engine import CacheFullError, Engine, PrefillPacing
 from dsv41.runtime.engine.records import Tier
 from dsv41.runtime.engine.requests import TurnRequest
 from dsv41.runtime.serving.epd import (
@@ -228,15 +228,31 @@ class PrefillWorker(StageWorker):
         self.done(req.rid)
 
     def _prefill(self, req: EpdRequest, turn_req: TurnRequest, pause, after_mate: bool) -> None:
-        s = self.engine.session()
-        try:
-            turn = s.begin(turn_req, pacing=PrefillPacing(between_chunks=pause),
-                           images=self.turn_images(req))
-        except Exception as e:
-            s.close()
-            log.warning("request %s failed in its prefill: %s", req.rid, e)
-            self.fail(req, e)
-            return
+        """Prefill, first token, hand-off. A request the runtime cache cannot hold while
+        batch-mates hold theirs waits for them (`pause`, then again): it fails only when it
+        does not fit alone, as it would one at a time."""
+        while True:
+            s = self.engine.session()
+            try:
+                turn = s.begin(turn_req, pacing=PrefillPacing(between_chunks=pause),
+                               images=self.turn_images(req))
+                break
+            except CacheFullError as e:
+                s.close()
+                if any(x.cache is not None for x in self.engine.sessions.values()):
+                    pause()  # a batch-mate holds a cache: it ends (and lets it go) first
+                    continue
+                log.warning("request %s failed in its prefill: %s", req.rid, e)
+                self.fail(req, e)
+                return
+            except Exception as e:
+                s.close()
+                log.warning("request %s failed in its prefill: %s", req.rid, e)
+                self.fail(req, e)
+                return
+        self._first_token(req, s, turn, after_mate)
+
+    def _first_token(self, req: EpdRequest, s, turn, after_mate: bool) -> None:
         rec, first = turn.record, turn.sampled[-1]
         finish = finish_of(turn)
         with self._lock:  # counted before the events go (a reader may look at once)
