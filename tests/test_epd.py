@@ -24,7 +24,8 @@ from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher, FinishReason
 from dsv41.runtime.serving.epd import EpdKeys, EpdRequest, Route, choose_decoder
 from dsv41.runtime.serving.epd_gateway import EpdGateway
-from dsv41.runtime.serving.epd_stages import DecodeWorker, PrefillWorker
+from dsv41.runtime.serving.epd_prefill import PrefillWorker
+from dsv41.runtime.serving.epd_stages import DecodeWorker
 
 PAGE = 8
 W = "w" * 64
@@ -156,8 +157,8 @@ def test_16_concurrent_requests_go_to_the_decode_worker_of_their_prefix(small_mo
         prompts = [prefixes[s] + _prompt(3, 600 + 4 * r + s) for r in range(4) for s in range(4)]
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         streams = [gw.submit(p, params) for p in prompts]
-        for _ in prompts:
-            assert prefill.step(block_ms=100) == 1
+        for _ in range(4):  # four batches of four (the default prefill_requests)
+            assert prefill.step(block_ms=100) == 4
         deadline = time.monotonic() + 300
         while not all(st.done for st in streams):
             for w in decoders:

@@ -26,7 +26,8 @@ from dsv41.runtime.engine.sampling import SamplingParams
 from dsv41.runtime.serving.batcher import Batcher, FinishReason
 from dsv41.runtime.serving.epd import EpdKeys, EpdRequest
 from dsv41.runtime.serving.epd_gateway import EpdGateway
-from dsv41.runtime.serving.epd_stages import DecodeWorker, PrefillWorker, VisionWorker
+from dsv41.runtime.serving.epd_prefill import PrefillWorker
+from dsv41.runtime.serving.epd_stages import DecodeWorker, VisionWorker
 
 CASE = CONFORMANCE / "shared-vision-small"
 PAGE = 8

@@ -31,12 +31,8 @@ from dsv41.runtime.serving.app import ServerOptions, create_app, run_server
 from dsv41.runtime.serving.batcher import Batcher
 from dsv41.runtime.serving.epd import Role
 from dsv41.runtime.serving.epd_gateway import EpdGateway
-from dsv41.runtime.serving.epd_stages import (
-    DecodeWorker,
-    EpdServerMetrics,
-    PrefillWorker,
-    VisionWorker,
-)
+from dsv41.runtime.serving.epd_prefill import MAX_PREFILL_REQUESTS, PrefillWorker
+from dsv41.runtime.serving.epd_stages import DecodeWorker, EpdServerMetrics, VisionWorker
 from dsv41.runtime.serving.http_limits import HttpLimits
 from dsv41.runtime.serving.terminal_chat import ChatSettings, run_chat
 from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -243,6 +239,7 @@ class ServeOptions:
     request_timeout_s: float | None = 600.0  # None: no timeout
     log_level: str = "info"  # uvicorn's
     role: Role = Role.ALL  # one process, or one EPD stage
+    prefill_requests: int = 4  # --role prefill: requests prefilled together (chunk-interleaved)
     limits: HttpLimits = HttpLimits()  # body size and time, head time, connections, JSON depth
 
     def __post_init__(self):  # the CLI's strings as the enum (a bad one is validate()'s)
@@ -257,6 +254,10 @@ class ServeOptions:
         if self.role not in ROLES:
             raise ValueError(f"--role must be all, vision, prefill or decode, got "
                              f"{self.role!r}.")
+        if isinstance(self.prefill_requests, bool) or not isinstance(self.prefill_requests, int) \
+                or not 1 <= self.prefill_requests <= MAX_PREFILL_REQUESTS:
+            raise ValueError(f"--prefill-requests must be a whole number from 1 to "
+                             f"{MAX_PREFILL_REQUESTS}, got {self.prefill_requests!r}.")
         if self.role != Role.ALL and not self.serving.redis_url:
             raise ValueError(f"--role {self.role} needs --redis-url: the stages meet on a Redis "
                              "server (queues, hand-offs, the snapshot pool).")
@@ -307,7 +308,7 @@ def _serve_stage(opts: ServeOptions, se: ServingEngine, server: ServerOptions) -
                 raise ValueError("--role vision needs a checkpoint with a vision tower.")
             worker = VisionWorker(se.engine, client)
         elif opts.role == Role.PREFILL:
-            worker = PrefillWorker(se.engine, client)
+            worker = PrefillWorker(se.engine, client, prefill_requests=opts.prefill_requests)
         else:
             worker = DecodeWorker(se.engine, client, max_running=opts.serving.max_running)
         gateway = EpdGateway(client, se.engine.key_salt.fingerprint(),

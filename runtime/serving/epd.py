@@ -22,15 +22,16 @@ clients may talk to any of them.
   the request's reply stream: token ids with their logprobs, the tier, the finish. Text and
   stop strings are the gateway's (it has the tokenizer); a matched stop string ends the stream
   and sets the request's cancel key, which the decode worker reads between steps.
-- A prefill worker takes one request at a time from the prefill stream (a consumer group: each
-  request goes to one worker), prefills it on its engine (the tiers: SSD blocks, the shared
-  Redis snapshot pool), samples the first token and sends it; unless that ends the request, it
-  hands the finished runtime state over: every complete global block, the encoder and decoder
-  rings, the tails and the pointers (`Session.runtime_state`), the first token and the
-  sampler's generator, as one `runtime.wire` record (model fingerprint, key, sha256) under a
-  hand-off key with a short TTL, and adds the request to the decode stream. Then it ends its
-  turn like any turn: the global blocks to its SSD store, the encoder snapshot to the pool
-  (what the article persists; the hand-off record is a message, deleted when read).
+- A prefill worker takes up to `prefill_requests` requests at once from the prefill stream (a
+  consumer group: each request goes to one worker) and prefills them chunk-interleaved on its
+  engine (runtime/serving/epd_prefill.py; the tiers: SSD blocks, the shared Redis snapshot
+  pool); as each one's prefill ends it samples the first token and sends it; unless that ends
+  the request, it hands the finished runtime state over: every complete global block, the
+  encoder and decoder rings, the tails and the pointers (`Session.runtime_state`), the first
+  token and the sampler's generator, as one `runtime.wire` record (model fingerprint, key,
+  sha256) under a hand-off key with a short TTL, and adds the request to the decode stream.
+  Then it ends its turn like any turn: the global blocks to its SSD store, the encoder snapshot
+  to the pool (what the article persists; the hand-off record is a message, deleted when read).
 - A decode worker takes hand-offs while it has free rows, checks each record (fingerprint,
   kind, key, checksum, layout) before use, restores the cache byte for byte (`Engine.adopt`)
   and joins it to its continuous `DecodeBatch`; each step sends every row's token. A hand-off

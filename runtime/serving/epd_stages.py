@@ -1,7 +1,8 @@
-"""The EPD stages' workers (runtime/serving/epd.py says how a request flows): the vision worker
-(the tower once per image), the prefill worker (prefill, first token, the hand-off record) and the
-decode worker (hand-offs checked and adopted into one continuous batch, else prefilled again
-from the tiers), and a stage's /metrics."""
+"""The EPD stages' workers (runtime/serving/epd.py says how a request flows): what every stage's
+worker does (`StageWorker`: claims, leases, heartbeats, reclaim), the vision worker (the tower
+once per image) and the decode worker (hand-offs checked and adopted into one continuous batch,
+else prefilled again from the tiers), and a stage's /metrics. The prefill worker (prefill, first
+token, the hand-off record) is runtime/serving/epd_prefill.py's."""
 
 from __future__ import annotations
 
@@ -32,8 +33,6 @@ from dsv41.runtime.serving.epd import (
     EpdKeys,
     EpdRequest,
     Role,
-    Route,
-    choose_decoder,
     ensure_group,
     finish_of,
     parse_entry,
@@ -41,7 +40,7 @@ from dsv41.runtime.serving.epd import (
 )
 from dsv41.runtime.serving.frontend import FinishReason
 from dsv41.runtime.serving.metrics import RateWindow, ServerMetrics
-from dsv41.runtime.tiers.wire import RecordError, RecordFault, decode_record, encode_record
+from dsv41.runtime.tiers.wire import RecordError, RecordFault, decode_record
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +57,17 @@ class StageCounters:
     regrouped: int = 0  # consumer groups made again (a restarted Redis had lost them)
     reclaimed: int = 0  # entries of a dead worker of this stage taken over (idle, XCLAIM)
     prefix_hits: int = 0  # prefill: hand-offs routed by prefix; decode: such ones it took
+    # prefill: requests of a batch that waited for a batch-mate of a common prefix and started
+    # from its blocks (the runtime prefix tier), and the prompt tokens those blocks held
+    batch_prefix_reuses: int = 0
+    batch_prefix_tokens: int = 0
     redirected: int = 0  # decode: entries read here but routed to another live worker
     rate: RateWindow = field(default_factory=lambda: RateWindow(10.0))  # tokens, last 10 s
 
 
-class _Worker:
+class StageWorker:
+    """What a worker of any stage does: claims and leases, heartbeats, queue reads, reclaim."""
+
     role: Role
 
     def __init__(self, engine: Engine, client, *, consumer: str | None = None,
@@ -167,14 +172,23 @@ class _Worker:
 
     def reclaim(self, count: int) -> int:
         """Take over up to `count` entries of this stage that another (dead) worker left
-        pending for `reclaim_idle_s` (at most every half of that), and run them as new ones
-        (the claim taken over); how many were taken. XPENDING with its idle filter, then XCLAIM
-        with the same minimum idle time (atomic: an entry another worker took in between is
-        not taken): what XAUTOCLAIM does, without sweeping this worker's own idle entries
-        (those routed here, which it reads as its own)."""
+        pending (`idle_entries`), and run them as new ones (the claim taken over); how many
+        were taken."""
+        stream, group = self.stage()
+        entries = self.idle_entries(count)
+        self._each(stream, group, entries, self.run, reclaimed=True)
+        return len(entries)
+
+    def idle_entries(self, count: int) -> list[tuple[bytes, dict]]:
+        """Up to `count` entries of this stage that another (dead) worker left pending for
+        `reclaim_idle_s` (looked for at most every half of that), now this worker's pending
+        entries; the caller runs them (their claims taken over). XPENDING with its idle filter,
+        then XCLAIM with the same minimum idle time (atomic: an entry another worker took in
+        between is not taken): what XAUTOCLAIM does, without sweeping this worker's own idle
+        entries (those routed here, which it reads as its own)."""
         now = time.monotonic()
         if count < 1 or now < self._next_reclaim:
-            return 0
+            return []
         self._next_reclaim = now + self.reclaim_idle_ms / 2000
         stream, group = self.stage()
         try:
@@ -187,15 +201,14 @@ class _Worker:
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
-            return 0  # the next read makes the group again
+            return []  # the next read makes the group again
         entries = [(mid, fields) for mid, fields in got if fields]
         for mid, _ in entries:
             log.warning("%s took over entry %s of %s (its worker stopped)", self.consumer,
                         mid, stream)
         with self._lock:
             self.counters.reclaimed += len(entries)
-        self._each(stream, group, entries, self.run, reclaimed=True)
-        return len(entries)
+        return entries
 
     def done(self, rid: str) -> None:
         """The request left this stage: its entry acknowledged and deleted."""
@@ -347,7 +360,7 @@ def _text(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-class VisionWorker(_Worker):
+class VisionWorker(StageWorker):
     """One request at a time from the vision stream: each of its images through the tower
     (once per content), the rows stored for the prefill stage, the request passed on."""
 
@@ -391,91 +404,6 @@ class VisionWorker(_Worker):
         self.counters.rate.add(encoded)
 
 
-class PrefillWorker(_Worker):
-    """One request at a time from the prefill stream: prefill, first token, hand-off."""
-
-    role = Role.PREFILL
-
-    def step(self, block_ms: int | None = None) -> int:
-        """Take and prefill at most one request (a dead worker's first); how many entries
-        were read."""
-        if self.reclaim(1):
-            return 1
-        entries = self._read(self.keys.prefill, PREFILL_GROUP, 1, block_ms)
-        self._each(self.keys.prefill, PREFILL_GROUP, entries, self._prefill)
-        return len(entries)
-
-    def run(self, req: EpdRequest) -> None:
-        self._prefill(req)
-
-    def _prefill(self, req: EpdRequest) -> None:
-        s = self.engine.session()
-        try:
-            turn = s.begin(req.turn(self.vocab_size, self.max_seq_len),
-                           images=self.turn_images(req))
-        except Exception as e:
-            s.close()
-            log.warning("request %s failed in its prefill: %s", req.rid, e)
-            self.fail(req, e)
-            return
-        rec, first = turn.record, turn.sampled[-1]
-        finish = finish_of(turn)
-        with self._lock:  # counted before the events go (a reader may look at once)
-            self.counters.requests += 1
-            self.counters.tokens += len(req.prompt)
-        self.counters.rate.add(len(req.prompt))
-        try:  # the first token before the hand-off: the decode worker's tokens come after it
-            self.send(req.rid, reply_event(first, finish, seq=0, attempt=req.attempt,
-                                           tier=rec.tier, reused=rec.reused_tokens))
-            if finish is None:
-                self._hand_off(req, s, turn)
-            else:
-                self.release(req.rid)
-        finally:
-            s.finish(turn)  # the blocks to the SSD store, the encoder snapshot to the pool
-            s.close()
-
-    def _hand_off(self, req: EpdRequest, s, turn) -> None:
-        first = turn.sampled[-1]
-        meta = {"request": req.to_json(), "tokens": list(s.history),
-                "first": [first.token_id, first.logprob,
-                          [[x.token_id, x.logprob] for x in first.top]],
-                "generator": turn.sampler.generator.get_state().numpy().tobytes().hex()}
-        value = encode_record(kind=HANDOFF_KIND, key=req.rid, fingerprint=self.keys.fingerprint,
-                              created_at=time.time(), meta=meta, arrays=s.runtime_state())
-        blocks = self.engine.block_keys(req.prompt)
-        route = self.route(blocks)
-        fields = {"rid": req.rid, "req": req.to_json()}
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.keys.handoff(req.rid), value, px=self.handoff_ttl_ms)
-        if route.consumer is not None:
-            fields["to"], fields["hit"] = route.consumer, int(route.prefix_hit)
-            pipe.hincrby(self.keys.load, route.consumer, 1)
-            for k in blocks:  # this prompt's blocks now point at that worker
-                pipe.set(self.keys.locality(k), route.consumer, px=self.reply_ttl_ms)
-        self.pass_on(req.rid, Role.DECODE, pipe)
-        pipe.xadd(self.keys.decode, fields)
-        self.release(req.rid, pipe)
-        if route.prefix_hit:
-            with self._lock:
-                self.counters.prefix_hits += 1
-
-    def route(self, blocks: list[str]) -> Route:
-        """The decode worker for a prompt of these block keys (`epd.choose_decoder`): the live
-        ones (a heartbeat within their lease), their loads, the blocks' last workers."""
-        names = sorted(n.decode() for n in self.r.smembers(self.keys.decoders))
-        if not names:
-            return Route(None)
-        beats = self.r.mget([self.keys.decoder(n) for n in names])
-        live = [n for n, b in zip(names, beats, strict=True) if b is not None]
-        loads = dict(zip(live, (int(x or 0) for x in self.r.hmget(self.keys.load, live)),
-                         strict=True)) if live else {}
-        holders = [None if h is None else h.decode()
-                   for h in self.r.mget([self.keys.locality(k) for k in blocks])] \
-            if blocks else []
-        return choose_decoder(loads, holders)
-
-
 @dataclass
 class Row:
     """A decode row's request and the sequence number of its next event (the prefill
@@ -486,7 +414,7 @@ class Row:
     seq: int = 1
 
 
-class DecodeWorker(_Worker):
+class DecodeWorker(StageWorker):
     """Hand-offs into one continuous decode batch; each step sends every row's token (through
     an outbox: a step's events wait there while Redis is unreachable, and the rows with them)."""
 
@@ -568,7 +496,7 @@ class DecodeWorker(_Worker):
         return False
 
     def heartbeat(self) -> None:
-        """The leases and entries (`_Worker.heartbeat`), and this worker's liveness for the
+        """The leases and entries (`StageWorker.heartbeat`), and this worker's liveness for the
         prefill workers' routing."""
         super().heartbeat()
         self.r.set(self.keys.decoder(self.consumer), len(getattr(self, "rows", ())),
@@ -711,7 +639,7 @@ class EpdServerMetrics(ServerMetrics):
     stage's stream entries not yet taken or acknowledged), running rows, throughput; each stage
     series labelled `role`, read at scrape time (`StageCollector`)."""
 
-    def __init__(self, worker: VisionWorker | PrefillWorker | DecodeWorker, model_name: str,
+    def __init__(self, worker: StageWorker, model_name: str,
                  **kw):
         super().__init__(model_name, **kw)
         self.worker = worker
@@ -721,7 +649,7 @@ class EpdServerMetrics(ServerMetrics):
 class StageCollector:
     """A worker's stage counts as prometheus_client families (EpdServerMetrics')."""
 
-    def __init__(self, worker: VisionWorker | PrefillWorker | DecodeWorker, model_name: str):
+    def __init__(self, worker: StageWorker, model_name: str):
         self.worker, self.model_name = worker, model_name
 
     def describe(self) -> list:
@@ -759,6 +687,11 @@ class StageCollector:
             ("dsv41:epd_prefix_hits", CounterMetricFamily, "Hand-offs routed by prefix "
              "locality (prefill: routed to the worker holding the longest run of the prompt's "
              "leading blocks; decode: such hand-offs this worker took).", n.prefix_hits),
+            ("dsv41:epd_batch_prefix_reuses", CounterMetricFamily, "Prefill: requests of a "
+             "batch that waited for a batch-mate of a common prefix and started from its blocks "
+             "(the runtime prefix tier).", n.batch_prefix_reuses),
+            ("dsv41:epd_batch_prefix_tokens", CounterMetricFamily, "Prefill: prompt tokens "
+             "those requests took from their batch-mates' blocks.", n.batch_prefix_tokens),
             ("dsv41:epd_redirected", CounterMetricFamily, "Entries this worker read that were "
              "routed to another live worker, moved to that worker's pending list.",
              n.redirected),

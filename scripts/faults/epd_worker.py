@@ -15,7 +15,8 @@ import torch
 
 from dsv41.graph.model import Model
 from dsv41.runtime.engine import Engine
-from dsv41.runtime.serving.epd_stages import DecodeWorker, PrefillWorker
+from dsv41.runtime.serving.epd_prefill import PrefillWorker
+from dsv41.runtime.serving.epd_stages import DecodeWorker
 
 torch.set_num_threads(1)
 role, url, store = sys.argv[1], sys.argv[2], sys.argv[3]

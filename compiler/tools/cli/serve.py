@@ -125,6 +125,9 @@ def add_parser(sub) -> None:
     sp.add_argument("--role", default="all", choices=("all", "vision", "prefill", "decode"),
                     help="all (one process) | vision | prefill | decode: one EPD stage, its queues "
                          "and hand-offs on --redis-url (runtime/epd.py)")
+    sp.add_argument("--prefill-requests", type=count, default=4,
+                    help="--role prefill: requests read and prefilled together, one chunk each "
+                         "in turn (1: one at a time)")
     limit_args(sp)
     sp.set_defaults(func=run, options=options)
 
@@ -178,7 +181,7 @@ def options(ns) -> ServeOptions:
                         api_key=ns.api_key,
                         request_timeout_s=None if ns.request_timeout <= 0 else ns.request_timeout,
                         log_level=ns.log_level, role=ns.role,
-                        limits=http_limits(ns)).validate()
+                        prefill_requests=ns.prefill_requests, limits=http_limits(ns)).validate()
 
 
 def run(ns) -> int:
