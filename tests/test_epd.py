@@ -325,9 +325,12 @@ def test_stop_strings_and_cancels_free_the_decode_row(small_case, small_model, t
     try:
         stopped = d.gateway.submit(PROMPTS[0], params)
         left = d.gateway.submit(PROMPTS[1], replace_tokens(params, 40))
-        for _ in range(2):
-            while not d.prefill.step(block_ms=100):
-                pass
+        read = 0  # both entries, in one batch or two (the worker reads up to 4 at once)
+        for _ in range(50):
+            read += d.prefill.step(block_ms=100)
+            if read == 2:
+                break
+        assert read == 2, read
         first = None
         while first is None or first.token_id is None:
             first = left.get(timeout=5)
@@ -384,7 +387,8 @@ def test_a_queue_entry_that_is_not_a_request_is_dropped(small_model, tmp_path, r
         worker = PrefillWorker(e, client)
         client.xadd(worker.keys.prefill, {"req": b"{not json"})
         client.xadd(worker.keys.prefill, {"other": b"1"})
-        assert worker.step(block_ms=50) == 1 and worker.step(block_ms=50) == 1
+        assert worker.step(block_ms=50) == 2  # one batch: both read, both dropped
+        assert worker.step(block_ms=50) == 0
         assert worker.queue_length() == 0 and e.stats().tiers["cold"] == 0
 
 
