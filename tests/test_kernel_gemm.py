@@ -385,7 +385,9 @@ def test_fp8_gemv_avx2_edge_codes_and_lone_nans(out_dtype, lanes, prefetch):
     pytest.param(8, 3, "bfloat16", marks=needs_avx2),
     pytest.param(8, 6, "float32", marks=[needs_avx2, pytest.mark.slow]),
     pytest.param(16, 3, "float32", marks=[needs_avx512bw, pytest.mark.slow]),
-    pytest.param(16, 6, "bfloat16", marks=needs_avx512bw)])  # the verify entry's (block 5)
+    # the verify entry's (block 5) on AVX-512 without BF16 (BF16 CPUs run bf16_gemv, tested in
+    # test_kernel_fp8_rows.py); 25 s, so with the slow tests
+    pytest.param(16, 6, "bfloat16", marks=[needs_avx512bw, pytest.mark.slow])])
 def test_fp8_gemv_rows_bit_identical_to_single_row(lanes, rows, out_dtype):
     """The verify form of the hand GEMV (`make_fp8_gemv_avx2(rows=)`: rows in groups that share
     each weight load) gives every row the exact bits the decode kernel gives that row alone, at

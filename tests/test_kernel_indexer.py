@@ -282,6 +282,7 @@ def test_select_heavy_ties_and_signed_zeros(kind):
     assert torch.equal(out, _select_ref(kind, scores, aux))
 
 
+@pytest.mark.slow  # 22 s; each kernel is also checked at these heads/dims on smaller T
 def test_model_sizes_match():
     """H=32, D=128, topk 512 at T=3000 with causal prefill queries (two of them)."""
     t, topk = 3000, 512
