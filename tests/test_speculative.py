@@ -698,3 +698,31 @@ def test_spec_bench_batch_rows_equal_plain_and_accept_injected_drafts(small_mode
     assert got == ref and rate > 0
     recs = [s.turns[-1] for s in e.sessions.values()]
     assert sum(r.accepted for r in recs) >= 2 * 2 and all(r.verified for r in recs)
+
+
+def test_policy_backs_off_drafts_that_every_row_declines():
+    """A draft pass after which every row chose k = 0 bought nothing: while that repeats the
+    next draft waits 1, 2, 4, ... steps (up to `refresh`), so a plain-speed run pays a draft pass
+    about once per `refresh` steps, not at every step; a draft that is verified resets it."""
+    pol = SpecPolicy(2, warmup=0, refresh=16)
+    _measured(pol, 1, [0.010, 0.0105, 0.011], 0.001)  # verifying is cheap: drafting looks worth it
+    start = pol.steps[1]
+    drafted = []
+    for _ in range(80):
+        if pol.worth_drafting(1):
+            drafted.append(pol.steps[1] + 1 - start)
+            pol.observe_draft(1, 0.001, [0.9, 0.9])
+        pol.observe_verify(1, 0, 0.010)  # every row declined: a plain step
+    gaps = [b - a for a, b in zip(drafted, drafted[1:], strict=False)]
+    assert gaps == [2, 3, 5, 9, 17, 17, 17], drafted
+    # a draft that is verified resets the wait: the next wasted one waits 1 step again
+    while not pol.worth_drafting(1):
+        pol.observe_verify(1, 0, 0.010)
+    pol.observe_draft(1, 0.001, [0.9, 0.9])
+    pol.observe_verify(1, 2, 0.011)
+    assert pol.backoff[1] == 0 and pol.worth_drafting(1)
+    pol.observe_draft(1, 0.001, [0.9, 0.9])
+    pol.observe_verify(1, 0, 0.010)
+    assert pol.backoff[1] == 1 and not pol.worth_drafting(1)
+    pol.observe_verify(1, 0, 0.010)
+    assert pol.worth_drafting(1)

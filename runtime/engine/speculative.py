@@ -125,6 +125,10 @@ class SpecPolicy:
     steps: dict[int, int] = field(default_factory=dict)  # batch -> steps observed
     last_plain: dict[int, int] = field(default_factory=dict)  # batch -> step of the last k = 0
     last_draft: dict[int, int] = field(default_factory=dict)  # batch -> step of the last draft
+    # a draft pass whose step verified nothing (every row chose k = 0) was wasted: the next
+    # drafts wait `backoff` steps, doubling while they keep being wasted (up to `refresh`)
+    backoff: dict[int, int] = field(default_factory=dict)  # batch -> steps to wait
+    quiet_until: dict[int, int] = field(default_factory=dict)  # batch -> last step not drafting
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft, int) or self.max_draft < 0:
@@ -160,6 +164,13 @@ class SpecPolicy:
         self.steps[batch] = step
         if k == 0:
             self.last_plain[batch] = step
+        if self.last_draft.get(batch) == step:  # this step drafted
+            if k == 0:  # for nothing: wait before the next draft, longer each time in a row
+                wait = min(max(1, 2 * self.backoff.get(batch, 0)), self.refresh)
+                self.backoff[batch] = wait
+                self.quiet_until[batch] = step + wait
+            else:
+                self.backoff[batch] = 0
 
     def observe_draft(self, batch: int, seconds: float,
                       acceptance: Sequence[float] | None = None) -> None:
@@ -222,13 +233,17 @@ class SpecPolicy:
         follows the context); else when some k > 0 beats a plain step at the acceptance
         so far (per position the lower of the measured acceptance and the confidence head's
         average: drafting pays only if `choose` will verify and the drafts are kept; 1 where
-        nothing is known yet), and every `refresh` steps regardless (both re-measured)."""
+        nothing is known yet), and every `refresh` steps regardless (both re-measured). A draft
+        that every row declined (k = 0) costs a draft pass for nothing: the next draft then
+        waits 1, 2, 4, ... steps (up to `refresh`) while that repeats."""
         if self.floor:
             return True
         if self.max_draft == 0 or self.cost(batch, 0) is None:
             return False
         step = self.steps.get(batch, 0) + 1  # the step about to run
         if step - self.last_plain.get(batch, 0) > self.refresh:
+            return False
+        if step <= self.quiet_until.get(batch, 0):  # the last drafts were wasted
             return False
         sure = [1.0] * self.max_draft
         likely = [min(a, c) for a, c in zip(self.accepted.get(batch, sure),
