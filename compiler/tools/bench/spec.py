@@ -40,7 +40,9 @@ import numpy as np
 import torch
 
 from dsv41.compiler.tools.assets import ensure_checkpoint
-from dsv41.compiler.tools.bench.measure import median_time, write_json
+from dsv41.compiler.tools.bench.macs import row_macs, verify_floor_steps
+from dsv41.compiler.tools.bench.measure import cpu_flags_and_clock, median_time, write_json
+from dsv41.compiler.tools.bench.roof import measure_compute
 from dsv41.compiler.tools.bench.synthetic import synthetic_cache
 from dsv41.graph.dspark import Draft
 from dsv41.graph.model import Model
@@ -243,9 +245,34 @@ def policy_state(pol: SpecPolicy, rate: float, before: dict) -> dict:
                                                                  steps.items()}}
 
 
+def add_floors(rows: list[dict], model: Model, macs_per_s: float) -> dict:
+    """Each verify row's floor in decode steps (`macs.verify_floor_steps`: its decode step plus
+    k rows' multiply-adds at the machine's best matrix rate) as `floor_over_decode`; returns
+    what the floor was computed from."""
+    macs = row_macs(model.plan)
+    for r in rows:
+        decode_s = next(x["steps_s"] for x in rows if x["context"] == r["context"] and not x["k"])
+        r["floor_over_decode"] = verify_floor_steps(r["k"], decode_s=decode_s, macs=macs,
+                                                    macs_per_s=macs_per_s)
+    return {"row_macs": macs.to_dict(), "macs_per_s": macs_per_s}
+
+
+def machine_macs_per_s() -> tuple[float, dict]:
+    """The best multiply-add rate of the dot products a row runs (fp32 FMA, or bf16 dot
+    products where the CPU has them; int8 is the index sweep's, not counted in `row_macs`),
+    from the bench's matrix rates, and those rates."""
+    _, flags, _, _ = cpu_flags_and_clock()
+    roof = measure_compute(flags, 2048)
+    rates = {d: g for d, g in roof.gflops.items() if d in ("fp32", "bf16")}
+    return max(rates.values()) * 1e9 / 2, roof.to_dict()
+
+
 def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens: int,
                    rates, seed: int, say=print, backend: Backend | None = None,
-                   prompt_tokens: int = 32, batches: Sequence[int] = (1,)) -> dict:
+                   prompt_tokens: int = 32, batches: Sequence[int] = (1,),
+                   macs_per_s: float | None = None) -> dict:
+    """`macs_per_s`: the machine's best multiply-add rate (`machine_macs_per_s`); given, each
+    verify row gets its floor (`floor_over_decode`) and the report what it came from."""
     a = model.args
     be = backend or graph_backend(model)
     if not model.plan.dspark:
@@ -256,11 +283,19 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
     out = {"backend": be.name, "verify": [], "injected": []}
     for n in contexts:
         rows = verify_costs(model, n, max_draft, reps, seed, be)
+        if macs_per_s is not None:
+            out["floor"] = add_floors(rows, model, macs_per_s)
         out["verify"] += rows
         for r in rows:
+            floor = (f"; floor {r['floor_over_decode']:.2f}" if "floor_over_decode" in r
+                     else "")
             say(f"verify context {n} k {r['k']}: decode-steps {r['steps_s'] * 1e3:.2f} ms, "
                 f"{one} {r['one_pass_s'] * 1e3:.2f} ms = {r['one_pass_over_decode']:.2f} "
-                f"decode steps (draft {r['draft_s'] * 1e3:.2f} ms)")
+                f"decode steps{floor} (draft {r['draft_s'] * 1e3:.2f} ms)")
+    if "floor" in out:
+        f = out["floor"]
+        say(f"floor: one row's dense multiply-adds {f['row_macs']['total'] / 1e9:.2f} G at "
+            f"{f['macs_per_s'] / 1e9:.0f} GMAC/s (the machine's best fp32 / bf16 matrix rate)")
     prompt = [int(x) for x in np.random.default_rng(seed).integers(3, a.vocab_size - 1,
                                                                     prompt_tokens)]
     e = be.engine(speculative=True, max_draft=max_draft)
@@ -358,10 +393,11 @@ def run_command(opts: SpecBenchOptions, *,
     if opts.artifact is not None:  # the artifact's config (e.g. a longer max_seq_len)
         args = Artifact.load(opts.artifact).args
     model = Model.from_checkpoint(ckpt, args)
+    macs_per_s, roof = machine_macs_per_s()
     kw = dict(contexts=opts.contexts, max_draft=opts.max_draft, reps=opts.reps,
               tokens=opts.tokens, rates=opts.rates, seed=opts.seed,
-              prompt_tokens=opts.prompt_tokens, batches=opts.batches)
-    report = {}
+              prompt_tokens=opts.prompt_tokens, batches=opts.batches, macs_per_s=macs_per_s)
+    report = {"compute_roof": roof}
     if "graph" in opts.impls:
         report["spec"] = run_spec_bench(model, **kw)
     if "artifact" in opts.impls:
