@@ -177,9 +177,12 @@ def test_fp8_linear_config_kinds():
     assert gemm.fp8_linear_config(skx, n=64, k=96, m=1).kind == "gemv"  # k % 64
     assert gemm.fp8_linear_config(get_target("cpu-x86-64"), n=64, k=64, m=1).kind == "gemv"
     assert gemm.fp8_linear_config(cpu, n=64, k=64, m=4).kind == "gemm"
-    assert gemm.fp8_linear_config(cpu, n=64, k=64).kind == ("amx" if amx else "gemm")
-    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=160).kind == ("amx" if amx else "gemm")
-    assert gemm.fp8_linear_config(cpu, n=100, k=64).kind == "gemm"  # n not whole 32-panels
+    prefill = "amx" if amx else "gemm_bf16" if has_avx512_bf16(cpu) else "gemm"
+    assert gemm.fp8_linear_config(cpu, n=64, k=64).kind == prefill
+    assert gemm.fp8_linear_config(cpu, n=64, k=64, m=160).kind == prefill
+    # n not whole 32-panels: no AMX form
+    assert gemm.fp8_linear_config(cpu, n=100, k=64).kind == (
+        "gemm_bf16" if has_avx512_bf16(cpu) else "gemm")
     assert gemm.fp8_linear_config(get_target("cpu-x86-64"), n=64, k=64).kind == "gemm"
     assert not has_amx_bf16(cuda)
     assert gemm.fp8_linear_config(cuda, n=64, k=64, m=2).kind == "gemv"

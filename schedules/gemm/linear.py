@@ -28,6 +28,7 @@ from dsv41.schedules.common import (
 from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm.amx import amx_block_rows, make_fp8_linear_amx
 from dsv41.schedules.gemm.avx2_gemv import MAX_ROWS, make_fp8_gemv_avx2
+from dsv41.schedules.gemm.bf16_gemm import make_fp8_gemm_bf16
 from dsv41.schedules.gemm.bf16_gemv import make_fp8_gemv_bf16
 from dsv41.schedules.gemm.fp8 import (
     BLOCK,
@@ -180,7 +181,9 @@ class Fp8LinearConfig:
     no parameters), "gemv_avx512" (its 512-bit form, `prefetch` columns ahead; dot "bf16":
     `make_fp8_gemv_bf16`, the sums on vdpbf16ps), "gemm"
     (weight tile decoded once into a transposed [32, tn] buffer and reused by tm rows, vectorised
-    over N) or "amx" (CPUs with AMX-BF16: `make_fp8_linear_amx`, tm rows per block).
+    over N), "amx" (CPUs with AMX-BF16: `make_fp8_linear_amx`, tm rows per block) or "gemm_bf16"
+    (CPUs with AVX-512 BF16 and no AMX: `make_fp8_gemm_bf16`, tm rows per block, written
+    scheduled).
     CPU gemm: tn output columns per parallel task, tm rows per tile, rb rows held in registers.
     CUDA gemv: one warp per output column (lanes over the 32-block), `warps` per thread block.
     CUDA gemm: a (tm x tn) tile per thread block, (tm/rb) x (tn/cb) threads, each an rb x cb
@@ -201,7 +204,7 @@ class Fp8LinearConfig:
     @property
     def prescheduled(self) -> bool:
         """Whether the kind's factory writes its own loops (no schedule, nothing to tune)."""
-        return self.kind in ("amx", "gemv_avx2", "gemv_avx512")
+        return self.kind in ("amx", "gemm_bf16", "gemv_avx2", "gemv_avx512")
 
 
 # Rows per group of the verify form of the hand GEMV: all of the verify entry's (up to the
@@ -248,6 +251,13 @@ def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = Non
         return Fp8LinearConfig("gemm", tn=32, tm=4, rb=4)
     if n % BLOCK == 0 and has_amx_bf16(target):
         return Fp8LinearConfig("amx", tm=amx_block_rows(k))
+    # AVX-512 BF16 without AMX: vdpbf16ps with 16 rows in the lanes (`make_fp8_gemm_bf16`).
+    # m 2048 on a 2-core Zen 4 shared with other jobs (load 3), min of 3, against the "gemm"
+    # kind below in the same run: n 32768 k 512 702-786 ms (1327-1979), n 1024 k 4096 235 (637),
+    # n 512 k 1024 35 (65); m 128, n 32768 k 512: 38-73 (99-172). Row blocks of 512 were the
+    # fastest of 128 / 256 / 512 at m 2048 (each tile's weight decode serves more rows).
+    if k % (2 * BLOCK) == 0 and has_avx512_bf16(target):
+        return Fp8LinearConfig("gemm_bf16", tm=512)
     # tm 256: each decoded [32, tn] weight tile serves 256 rows (m 512, n 32768, k 512 on 2
     # loaded cores: 384-425 ms against 706-728 ms at tm 32; tm 512: 331-383 ms). The sum order
     # per output does not depend on the tiling, so results are the same bits.
@@ -399,6 +409,8 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
     config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
     if config.kind == "amx":
         return make_fp8_linear_amx(n=n, k=k, block_rows=config.tm, out_dtype=out_dtype), config
+    if config.kind == "gemm_bf16":
+        return make_fp8_gemm_bf16(n=n, k=k, out_dtype=out_dtype, row_block=config.tm), config
     if config.kind == "gemv_avx2":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, rows=config.rows), config
     if config.kind == "gemv_avx512" and config.dot == "bf16":

@@ -1,0 +1,147 @@
+"""The FP8 prefill GEMM on AVX-512 BF16 (`make_fp8_gemm_bf16`): E4M3 weights times their tile
+scale as exact bf16, activations as exact bf16 pairs, summed by vdpbf16ps (32 products per
+instruction), 16 rows in the fp32 lanes, so no lane is summed across at the end."""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm.script import tirx as T
+
+from dsv41.schedules.common import (
+    bf16_to_f32,
+    dpbf16ps,
+    e4m3_to_f32_select,
+    e8m0_to_f32,
+    i64,
+    u32,
+    with_bf16_dot,
+)
+from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
+
+LANES = 16  # fp32 lanes of one vdpbf16ps: 16 rows
+ROW_VECS = 2  # row vectors (16 rows each) of a register tile
+TILE_COLS = 8  # columns of a register tile: ROW_VECS x TILE_COLS = 16 accumulators
+
+
+def _bf16_bits(v):
+    """float32x16 values bf16 holds exactly -> their bf16 bits (the high halves, no rounding)."""
+    return T.Cast("uint16x16", T.reinterpret("uint32x16", v) >> T.broadcast(u32(16), LANES))
+
+
+def nan_canonical(v):
+    """float32x16 with every NaN lane the canonical NaN (tested on the bits: LLVM may assume a
+    float compare never sees a NaN)."""
+    return T.Select(T.reinterpret("uint32x16", v) & T.broadcast(u32(0x7FFFFFFF), LANES)
+                    > T.broadcast(u32(0x7F800000), LANES),
+                    T.broadcast(T.reinterpret("float32", u32(0x7FC00000)), LANES), v)
+
+
+def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
+                       row_block: int = 256) -> tvm.tirx.PrimFunc:
+    """The CPU prefill form of `fp8_linear` (same signature as `make_fp8_linear`) on x86 with
+    AVX-512 BF16, hand-vectorised (its loops are the schedule).
+
+    Exact products, as every fp8_linear kernel: the activation is quantised per 32 along K (the
+    oracle's `xq`, an E4M3 value times a power of two: 4 significant bits, exact in bf16); the
+    weight is its E4M3 value times its 32 x 32 tile's E8M0 scale, also 4 significant bits, exact
+    in bf16 while it is a normal number (scale exponent s - 127 >= -117; an fp32 denormal is
+    kept as a bf16 denormal, which vdpbf16ps reads as zero). vdpbf16ps adds each pair of products
+    (exact in fp32) into fp32 lanes, round to nearest even, denormal sums flushed: with |xq| >=
+    2^-31 and weights >= 2^-9 * 2^(s - 127) every nonzero product is normal while s - 127 >= -86,
+    as in `make_fp8_gemv_bf16`. Per output: one running sum over K in pair order, no per-32
+    partial sums: against the oracle only the order of the fp32 additions differs. A NaN weight
+    code (0x7f / 0xff) makes its column NaN, stored as the canonical NaN.
+
+    Layout: 16 rows in the lanes. The quantised activation is staged once per call as bf16 pairs
+    per row block ([row block, k / 2, row_block rows] uint32: a row's K pair (2j, 2j + 1) in
+    one word); a task (row block, 32-column tile) decodes its tile's weights once into bf16 in
+    K order ([32, k] uint16, the tile scale folded in) and runs register tiles of 32 rows x 8
+    columns: per K pair, 2 activation loads, 8 weight-pair broadcasts, 16 vdpbf16ps. The decode
+    of a tile is shared by `row_block` rows (about 1 instruction per code against row_block /
+    32 dot products per code)."""
+    if k % (2 * BLOCK):
+        raise ValueError(f"The bf16 fp8 GEMM needs k a multiple of {2 * BLOCK}, got {k}.")
+    if row_block < 32 or row_block % (ROW_VECS * LANES):
+        raise ValueError(f"row_block must be a positive multiple of {ROW_VECS * LANES}; got "
+                         f"{row_block}.")
+    check_out_dtype(out_dtype)
+    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
+    KP, MB, TN = i64(k // 2), i64(row_block), i64(BLOCK)
+    GROUP = ROW_VECS * LANES  # rows of a register tile
+    ACCS = ROW_VECS * TILE_COLS
+
+    def xq(x, amax, row, j):  # the quantised activation (fp32, exact)
+        return fp8_qdq(bf16_to_f32(x[row, j]), pow2_scale_byte(amax[row, j // BLOCK]))
+
+    def bits(v):  # bf16 bits of an exact fp32 value, as uint32
+        return T.reinterpret("uint32", v) >> u32(16)
+
+    @T.prim_func
+    def fp8_gemm_bf16(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                      scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), out_dtype)
+        with T.attr(T.int32(0), *with_bf16_dot()):
+            amax = T.alloc_buffer((m, KB), "float32")
+            xt = T.alloc_buffer((((m + MB - i64(1)) // MB) * KP * MB,), "uint32")
+            for i in T.parallel(m):
+                for b in range(KB):
+                    amax[i, b] = T.min_value("float32")
+                    for j in range(TN):
+                        amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * TN + j])))
+            for rb in T.parallel((m + MB - i64(1)) // MB):
+                for kp, r in T.grid(KP, MB):
+                    row = T.meta_var(T.min(rb * MB + r, m - i64(1)))
+                    xt[(rb * KP + kp) * MB + r] = T.Select(
+                        rb * MB + r < m,
+                        bits(xq(x, amax, row, kp * 2)) | (bits(xq(x, amax, row, kp * 2 + 1))
+                                                          << u32(16)),
+                        u32(0))
+            for task in T.parallel(((m + MB - i64(1)) // MB) * NB):
+                wn = T.alloc_buffer((TN * K,), "uint16")  # the tile's weights, bf16, K order
+                acc = T.alloc_buffer((ACCS * LANES,), "float32")  # registers
+                out = T.alloc_buffer((ACCS * LANES,), out_dtype)
+                rb = T.meta_var(task // NB)
+                p = T.meta_var(task % NB)
+                for c, kv in T.grid(TN, K // i64(LANES)):
+                    wn[T.ramp(c * K + kv * LANES, 1, LANES)] = _bf16_bits(
+                        e4m3_to_f32_select(T.Cast(f"uint32x{LANES}", weight.vload(
+                            [T.min(p * TN + c, N - i64(1)), kv * LANES], f"uint8x{LANES}")))
+                        * T.broadcast(e8m0_to_f32(T.Cast("uint32", scale[p, kv * LANES // TN])),
+                                      LANES))
+                for g in range(MB // i64(GROUP)):
+                    if rb * MB + g * GROUP < m:
+                        for cq in range(TN // i64(TILE_COLS)):
+                            for a in T.unroll(ACCS):
+                                acc[T.ramp(a * LANES, 1, LANES)] = T.broadcast(T.float32(0),
+                                                                               LANES)
+                            for kp in range(KP):
+                                for v in T.unroll(ROW_VECS):
+                                    for c in T.unroll(TILE_COLS):
+                                        acc[T.ramp((v * TILE_COLS + c) * LANES, 1, LANES)] = \
+                                            dpbf16ps(
+                                                acc[T.ramp((v * TILE_COLS + c) * LANES, 1,
+                                                           LANES)],
+                                                T.reinterpret("uint16x32", xt[T.ramp(
+                                                    (rb * KP + kp) * MB + g * GROUP + v * LANES,
+                                                    1, LANES)]),
+                                                T.reinterpret("uint16x32", T.broadcast(
+                                                    T.reinterpret("uint32", wn.vload(
+                                                        [(cq * TILE_COLS + c) * K + kp * 2],
+                                                        "uint16x2")), LANES)))
+                            for a in T.unroll(ACCS):  # rounded per vector, NaN canonical
+                                out[T.ramp(a * LANES, 1, LANES)] = T.Cast(
+                                    f"{out_dtype}x{LANES}", nan_canonical(
+                                        acc[T.ramp(a * LANES, 1, LANES)]))
+                            for v, c, r in T.grid(ROW_VECS, TILE_COLS, LANES):
+                                row = T.meta_var(rb * MB + g * GROUP + v * LANES + r)
+                                col = T.meta_var(p * TN + cq * TILE_COLS + c)
+                                if row < m and col < N:
+                                    y[row, col] = out[(v * TILE_COLS + c) * LANES + r]
+
+    return fp8_gemm_bf16
