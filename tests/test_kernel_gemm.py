@@ -717,13 +717,19 @@ def test_dense_gemm_amx_matches_fp32_matmul():
 
 def test_dense_gemm_config_kinds():
     cpu = get_target(CPU)
-    amx = "amx" if has_amx_bf16(cpu) else "tile"
+    dot = "bf16_dot" if has_avx512_bf16(cpu) else "tile"
+    amx = "amx" if has_amx_bf16(cpu) else dot
     bf = {"x_dtype": "bfloat16", "w_dtype": "bfloat16"}
     assert gemm.dense_gemm_config(cpu, n=512, k=4096, **bf).kind == amx
-    assert gemm.dense_gemm_config(cpu, n=512, k=4096, **bf).block_rows in (128, 32)
+    assert gemm.dense_gemm_config(cpu, n=512, k=4096, **bf).block_rows in (128, 32, 256)
     assert gemm.dense_gemm_config(cpu, n=512, k=4096, x_dtype="float32",
                                   w_dtype="bfloat16").kind == "tile"  # fp32 products: not exact
-    assert gemm.dense_gemm_config(cpu, n=96, k=40, **bf).kind == "tile"
+    assert gemm.dense_gemm_config(cpu, n=96, k=40, **bf).kind == dot  # no AMX form
+    zen4 = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver4"})
+    skx = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
+    assert gemm.dense_gemm_config(zen4, n=512, k=4096, **bf).kind == "bf16_dot"
+    assert gemm.dense_gemm_config(zen4, n=512, k=41, **bf).kind == "tile"  # odd k
+    assert gemm.dense_gemm_config(skx, n=512, k=4096, **bf).kind == "tile"
     with pytest.raises(ValueError, match="multiples of 32"):
         gemm.make_dense_gemm_amx(groups=1, n=64, k=40, block_rows=32)
 

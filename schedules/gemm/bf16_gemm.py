@@ -54,13 +54,13 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
     partial sums: against the oracle only the order of the fp32 additions differs. A NaN weight
     code (0x7f / 0xff) makes its column NaN, stored as the canonical NaN.
 
-    Layout: 16 rows in the lanes. The quantised activation is staged once per call as bf16 pairs
-    per row block ([row block, k / 2, row_block rows] uint32: a row's K pair (2j, 2j + 1) in
-    one word); a task (row block, 32-column tile) decodes its tile's weights once into bf16 in
-    K order ([32, k] uint16, the tile scale folded in) and runs register tiles of 32 rows x 8
-    columns: per K pair, 2 activation loads, 8 weight-pair broadcasts, 16 vdpbf16ps. The decode
-    of a tile is shared by `row_block` rows (about 1 instruction per code against row_block /
-    32 dot products per code)."""
+    Layout: 16 rows in the lanes. The quantised activation is staged once per call as bf16
+    pairs per 32-row group ([group, k / 2, 32 rows] uint32: a row's K pair (2j, 2j + 1) in one
+    word; a group's K walk is contiguous). A task (row block, 32-column tile) decodes its
+    tile's weights once into bf16 in K order ([32, k] uint16, the tile scale folded in) and
+    runs register tiles of 32 rows x 8 columns: per K pair, 2 activation loads, 8 weight-pair
+    broadcasts, 16 vdpbf16ps. A tile's decode is shared by `row_block` rows (about 1
+    instruction per code against row_block / 32 dot products per code)."""
     if k % (2 * BLOCK):
         raise ValueError(f"The bf16 fp8 GEMM needs k a multiple of {2 * BLOCK}, got {k}.")
     if row_block < 32 or row_block % (ROW_VECS * LANES):
@@ -95,10 +95,10 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
                     for j in range(TN):
                         amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * TN + j])))
             for rb in T.parallel((m + MB - i64(1)) // MB):
-                for kp, r in T.grid(KP, MB):
-                    row = T.meta_var(T.min(rb * MB + r, m - i64(1)))
-                    xt[(rb * KP + kp) * MB + r] = T.Select(
-                        rb * MB + r < m,
+                for gr, kp, r in T.grid(MB // i64(GROUP), KP, i64(GROUP)):
+                    row = T.meta_var(T.min(rb * MB + gr * GROUP + r, m - i64(1)))
+                    xt[((rb * MB // i64(GROUP) + gr) * KP + kp) * i64(GROUP) + r] = T.Select(
+                        rb * MB + gr * GROUP + r < m,
                         bits(xq(x, amax, row, kp * 2)) | (bits(xq(x, amax, row, kp * 2 + 1))
                                                           << u32(16)),
                         u32(0))
@@ -128,8 +128,8 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
                                                 acc[T.ramp((v * TILE_COLS + c) * LANES, 1,
                                                            LANES)],
                                                 T.reinterpret("uint16x32", xt[T.ramp(
-                                                    (rb * KP + kp) * MB + g * GROUP + v * LANES,
-                                                    1, LANES)]),
+                                                    ((rb * MB // i64(GROUP) + g) * KP + kp)
+                                                    * i64(GROUP) + v * LANES, 1, LANES)]),
                                                 T.reinterpret("uint16x32", T.broadcast(
                                                     T.reinterpret("uint32", wn.vload(
                                                         [(cq * TILE_COLS + c) * K + kp * 2],
@@ -145,3 +145,86 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
                                     y[row, col] = out[(v * TILE_COLS + c) * LANES + r]
 
     return fp8_gemm_bf16
+
+
+def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512
+                         ) -> tvm.tirx.PrimFunc:
+    """The prefill form of the grouped bf16 `dense_gemv` (same signature as `make_dense_gemm`:
+    x bf16 [m, g, k], w bf16 [g * n, k], y fp32 [m, g, n]) on x86 with AVX-512 BF16,
+    hand-vectorised: every product of two bf16 values is exact in fp32, summed by vdpbf16ps in
+    K pairs into one running fp32 sum per output (round to nearest even; bf16 denormal inputs
+    and fp32 denormal sums flushed to zero), so against the fp32 oracle only the order of the
+    additions differs (a sum of k / 2 pair terms).
+
+    Layout as `make_fp8_gemm_bf16`: 16 rows in the lanes, the activation staged once per call as
+    a row's K pair per uint32 ([row block, group, 32-row group, k / 2, 32 rows]); a task (row block,
+    group, 32-column tile) runs register tiles of 32 rows x 8 columns, each weight pair
+    broadcast straight from w (no decode: the weights are bf16 already)."""
+    if k % 2:
+        raise ValueError(f"The bf16 dense GEMM needs an even k, got {k}.")
+    if row_block < 32 or row_block % (ROW_VECS * LANES):
+        raise ValueError(f"row_block must be a positive multiple of {ROW_VECS * LANES}; got "
+                         f"{row_block}.")
+    G, N, K, KP, MB, TN = i64(groups), i64(n), i64(k), i64(k // 2), i64(row_block), i64(BLOCK)
+    NT = i64(math.ceil(n / BLOCK))
+    GROUP = ROW_VECS * LANES
+    ACCS = ROW_VECS * TILE_COLS
+
+    def bits(v):  # a bf16 value's bits as uint32
+        return T.Cast("uint32", T.reinterpret("uint16", v))
+
+    @T.prim_func
+    def dense_gemm_bf16(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
+        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, G, N), "float32")
+        with T.attr(T.int32(0), *with_bf16_dot()):
+            xt = T.alloc_buffer((((m + MB - i64(1)) // MB) * G * KP * MB,), "uint32")
+            for rb in T.parallel((m + MB - i64(1)) // MB):
+                for g, gr, kp, r in T.grid(G, MB // i64(GROUP), KP, i64(GROUP)):
+                    row = T.meta_var(T.min(rb * MB + gr * GROUP + r, m - i64(1)))
+                    xt[(((rb * G + g) * (MB // i64(GROUP)) + gr) * KP + kp) * i64(GROUP) + r] = \
+                        T.Select(rb * MB + gr * GROUP + r < m,
+                                 bits(x[row, g, kp * 2]) | (bits(x[row, g, kp * 2 + 1])
+                                                            << u32(16)),
+                                 u32(0))
+            for task in T.parallel(((m + MB - i64(1)) // MB) * G * NT):
+                acc = T.alloc_buffer((ACCS * LANES,), "float32")  # registers
+                out = T.alloc_buffer((ACCS * LANES,), "float32")
+                rb = T.meta_var(task // (G * NT))
+                g = T.meta_var(task // NT % G)
+                p = T.meta_var(task % NT)
+                for gr in range(MB // i64(GROUP)):
+                    if rb * MB + gr * GROUP < m:
+                        for cq in range(TN // i64(TILE_COLS)):
+                            for a in T.unroll(ACCS):
+                                acc[T.ramp(a * LANES, 1, LANES)] = T.broadcast(T.float32(0),
+                                                                               LANES)
+                            for kp in range(KP):
+                                for v in T.unroll(ROW_VECS):
+                                    for c in T.unroll(TILE_COLS):
+                                        acc[T.ramp((v * TILE_COLS + c) * LANES, 1, LANES)] = \
+                                            dpbf16ps(
+                                                acc[T.ramp((v * TILE_COLS + c) * LANES, 1,
+                                                           LANES)],
+                                                T.reinterpret("uint16x32", xt[T.ramp(
+                                                    (((rb * G + g) * (MB // i64(GROUP)) + gr)
+                                                     * KP + kp) * i64(GROUP) + v * LANES, 1,
+                                                    LANES)]),
+                                                T.reinterpret("uint16x32", T.broadcast(
+                                                    T.reinterpret("uint32", w.vload(
+                                                        [g * N + T.min(p * TN + cq * TILE_COLS
+                                                                       + c, N - i64(1)),
+                                                         kp * 2], "bfloat16x2")), LANES)))
+                            for a in T.unroll(ACCS):
+                                out[T.ramp(a * LANES, 1, LANES)] = acc[T.ramp(a * LANES, 1,
+                                                                              LANES)]
+                            for v, c, r in T.grid(ROW_VECS, TILE_COLS, LANES):
+                                row = T.meta_var(rb * MB + gr * GROUP + v * LANES + r)
+                                col = T.meta_var(p * TN + cq * TILE_COLS + c)
+                                if row < m and col < N:
+                                    y[row, g, col] = out[(v * TILE_COLS + c) * LANES + r]
+
+    return dense_gemm_bf16
