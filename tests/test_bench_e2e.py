@@ -266,3 +266,12 @@ def test_prefill_rows_per_length_with_memory_and_roofline(small_model):
     assert "chunks of 7" in text and "peak RSS" in text
     with pytest.raises(ValueError, match="--prefill-chunk"):
         B.BenchOptions(prefill_chunk_tokens=1).validate()
+
+
+def test_prefill_matrix_roof_is_the_best_of_fp32_and_bf16():
+    prefill_matrix_roof = B.prefill_matrix_roof
+    rates = {"fp32": 195.0, "bf16": 422.5, "int8": 873.5}  # int8: the index sweep's only
+    assert prefill_matrix_roof({"compute_by_dtype": rates}) == ("bf16", 422.5)
+    assert prefill_matrix_roof({"compute_by_dtype": {"fp32": 195.0}}) == ("fp32", 195.0)
+    assert prefill_matrix_roof({"gemm_gflops": 195.0}) == (None, None)
+    assert prefill_matrix_roof(None) == (None, None)

@@ -275,15 +275,28 @@ def bench_prefill(phases_by_impl: dict, model, opts: BenchOptions,
             nbytes = m[0][2] if m else None
             med = statistics.median(samples[impl]) if samples[impl] else None
             gfl = cost.flops / med / 1e9 if med else None
+            mdtype, mrate = prefill_matrix_roof(machine)
             rows.append(PrefillRow(
                 impl, n, tuple(samples[impl]), why[impl], chunk, peak, before, weights, nbytes,
                 None if peak is None or nbytes is None else peak - weights - nbytes,
                 cost.flops, cost.bytes, gfl,
                 None if gfl is None or not machine else gfl / machine["gemm_gflops"],
-                os.getloadavg()[0]))
+                os.getloadavg()[0], matrix_frac=None if gfl is None or not mrate else gfl / mrate,
+                matrix_dtype=mdtype))
             if why[impl]:
                 skipped[impl] = skipped[impl] or why[impl]  # longer lengths are skipped too
     return rows
+
+
+def prefill_matrix_roof(machine: dict | None) -> tuple[str | None, float | None]:
+    """(dtype, GFLOP/s): the machine's best matrix rate among the dtypes a prefill's GEMMs run
+    in (fp32 FMA; bf16 dot products where the CPU has them; int8 is the index sweep's only)."""
+    rates = {d: g for d, g in ((machine or {}).get("compute_by_dtype") or {}).items()
+             if d in ("fp32", "bf16")}
+    if not rates:
+        return None, None
+    best = max(rates, key=rates.__getitem__)
+    return best, rates[best]
 
 
 class _Clock:

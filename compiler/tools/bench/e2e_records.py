@@ -186,6 +186,10 @@ class PrefillRow:
     achieved_gflops: float | None = None
     gemm_frac: float | None = None  # achieved FLOP rate / the measured fp32 GEMM rate
     load_avg: float | None = None  # 1-minute load average when the row finished
+    # achieved FLOP rate / the machine's best matrix rate for the prefill's dtypes (fp32 FMA,
+    # bf16 dot products where the CPU has them: `matrix_dtype`); the roof
+    matrix_frac: float | None = None
+    matrix_dtype: str | None = None
 
     @property
     def median_s(self) -> float | None:

@@ -73,16 +73,21 @@ def format_report(report: BenchReport) -> str:
     if report.prefill:
         out += ["", f"prefill (CED from an empty cache, chunks of {o.prefill_chunk_tokens}, "
                 f"median of up to {o.prefill_reps}; peak RSS of the prefill; roofline against "
-                f"the fp32 GEMM rate {m['gemm_gflops']:.1f} GFLOP/s):"]
+                f"the fp32 GEMM rate {m['gemm_gflops']:.1f} GFLOP/s and the best matrix rate "
+                f"of the prefill's dtypes):"]
         out.append(table(["impl", "tokens", "median", "tokens/s", "peak RSS", "weights",
-                           "cache", "peak-w-c", "GFLOP", "GFLOP/s", "of GEMM", "note"],
+                           "cache", "peak-w-c", "GFLOP", "GFLOP/s", "of GEMM", "of matrix",
+                           "note"],
                           [[p.impl, str(p.tokens), ms(p.median_s),
                             "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.1f}",
                             gib(p.peak_rss_bytes), gib(p.weights_bytes), gib(p.cache_bytes),
                             gib(p.peak_over_weights_cache_bytes),
                             "-" if p.flops is None else f"{p.flops / 1e9:.0f}",
                             "-" if p.achieved_gflops is None else f"{p.achieved_gflops:.1f}",
-                            pct(p.gemm_frac), p.skipped or ""] for p in report.prefill]))
+                            pct(p.gemm_frac),
+                            "-" if p.matrix_frac is None else
+                            f"{pct(p.matrix_frac)} ({p.matrix_dtype})",
+                            p.skipped or ""] for p in report.prefill]))
     if report.tiers:
         out += ["", f"time to first token per turn (one sample each; turn 1 {o.tier_context} "
                 f"tokens, turns 2-3 {o.tier_suffix} new tokens; then a new session in a new "
