@@ -28,6 +28,7 @@ class SweepConfig:
     vnni: bool = False  # avx512: the int8 dot (AVX-512 VNNI + BW; exact q only, see factory)
     lanes: int = 16  # avx512: 32-bit lanes per vector (8: the AVX2 form of the kernel)
     amx: bool = False  # vnni: the dot on AMX-INT8 tiles where the keys allow (see factory)
+    vbmi: bool = False  # vnni, no AMX: one vpdpbusd dot over all of D (scales as int8 shifts)
 
 
 def sweep_config(target: TargetSpec, *, heads: int, dim: int, pool: bool = False) -> SweepConfig:
@@ -55,8 +56,9 @@ def sweep_config(target: TargetSpec, *, heads: int, dim: int, pool: bool = False
                                                                    head_block=hb):
         amx = (vnni and dim == 128 and heads % AMX_HEADS == 0
                and has_features(target, "amx-tile", "amx-int8", "avx512vbmi"))
+        vbmi = vnni and dim == 128 and not amx and has_features(target, "avx512vbmi")
         return SweepConfig(tile=32 if vnni else 64, head_block=hb, kdec_vector_d=False,
-                           avx512=True, max_tasks=16 * cores, vnni=vnni, amx=amx)
+                           avx512=True, max_tasks=16 * cores, vnni=vnni, amx=amx, vbmi=vbmi)
     hb = math.gcd(heads, 8)
     if not pool and has_features(target, "avx2") and avx512_sweep_supported(
             heads=heads, dim=dim, head_block=hb, lanes=8):
