@@ -38,7 +38,9 @@ def sweep_config(target: TargetSpec, *, heads: int, dim: int, pool: bool = False
     heads (16 int32 accumulators; at T=256K, H=32, D=128, 2 cores: 8.5 ms, against 11.0 for
     64 x 4, 13.5 for 64 x 8, 9.3 for 32 x 4, 11.1 for 16 x 16; the fp32 dot 17.6 ms); with
     AMX-INT8 (dim 128, heads a multiple of 32) its dot on AMX tiles (T=1M, one core of a Xeon
-    with AMX: 11.9 ms against 31.0 for the VNNI dot; 2 cores 5.8 against 16.7). Without
+    with AMX: 11.9 ms against 31.0 for the VNNI dot; 2 cores 5.8 against 16.7); with VBMI but
+    no AMX (Zen 4, Ice Lake) the same folded operands on one vpdpbusd dot per head over all of
+    D (T=1M, one Zen 4 core: 29.6 ms against 36.7 for the block-scaled VNNI dot). Without
     VNNI the fp32 dot on 64-entry tiles x 4 heads = 16 zmm accumulators (64 x 4 beat 32 x 8,
     32 x 4 and 128 x 2 at T=32K: 4 tile loads and 4 broadcasts per 16 FMAs, and the decoded
     tile, 32 KiB, stays in L1). On AVX2 (no AVX-512; dim a multiple of 128) the same kernel on

@@ -117,9 +117,20 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
     query this leaves, per 8-head group, 512 vpdpbusd (32 quads x 8 heads x 2 vectors, the q
     quad a broadcast memory operand) and 64 key loads, then 16 converts, 32 multiplies and the
     epilogue's per-head rounding, against 512 vpdpbusd plus 4 x (16 starts, 16 converts, 32
-    multiplies / FMAs) for the block-scaled dot. Floor: the 2048 vpdpbusd of a tile and query
-    (H * D * 32 / 64 MACs) at one zmm vpdpbusd per cycle and core (Zen 4: two 256-bit halves),
-    64 cycles per entry and query: at T = 1M on 2 cores at 3.7 GHz, 9.1 ms a call.
+    multiplies / FMAs) for the block-scaled dot.
+
+    Floor (H = 32, D = 128, one query): the 2048 vpdpbusd of a 32-entry tile (H * D * 32 MACs,
+    64 per instruction), 64 per entry, at the measured rate of one zmm vpdpbusd per cycle and
+    core (Zen 4: 3.6-3.7 G/s per core, two 256-bit halves; the dot loop with its q broadcasts and
+    key loads runs at that rate in isolation): 64 cycles per entry, 18.3 ms per 1M entries on
+    one core, 9.1 ms on two. Measured on one Zen 4 core (2 vCPUs shared with other work, min
+    of 6-10): 104-106 cycles per entry with the VBMI dot, 128-134 with the block-scaled VNNI
+    dot, 196 for the AVX2 form (lanes 8) on the same core. The rest above the floor: the
+    epilogue (two bf16 roundings, relu, weight, chunk sum: ~16 vector ops per 16 (head, entry)
+    terms, ~12 cycles per entry) and the key decode (transpose, vpermb, check_tile: ~15 vector
+    ops per entry). A decode step at 1M context on the bench preset sweeps ~2.6M entries (three
+    ratio-2 index sources of 512K, one ratio-1 of 1M, four pools of 16K): 23 ms at the floor on
+    2 cores.
 
     `n_alt` > 0: `index_scores_shared`, the sweep behind the released shared index-K pointer
     (see `make_index_scores`), one pick per query token: each batch row's tasks sweep their tiles
