@@ -302,6 +302,7 @@ HAS_AVX512 = has_avx512(get_target("cpu"))
 HAS_VNNI = has_features(get_target("cpu"), "avx512f", "avx512bw", "avx512vnni")
 HAS_AVX2 = has_features(get_target("cpu"), "avx2")
 HAS_AMX_INT8 = has_features(get_target("cpu"), "amx-tile", "amx-int8", "avx512vbmi", "avx512vnni")
+HAS_VBMI = has_features(get_target("cpu"), "avx512f", "avx512bw", "avx512vnni", "avx512vbmi")
 
 
 @functools.cache
@@ -315,6 +316,10 @@ def _sweep_ex(kind: str, heads: int, dim: int, max_tasks: int = 32):
     if kind == "amx":  # the dot on AMX-INT8 tiles where the keys allow, else VNNI
         f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=True,
                                         tile=32, head_block=8, amx=True)
+        return tvm.compile(f, target=get_target("cpu").tvm_target())
+    if kind == "vbmi":  # the shifted operands of the AMX dot on vpdpbusd, else VNNI
+        f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=True,
+                                        tile=32, head_block=min(8, heads), vbmi=True)
         return tvm.compile(f, target=get_target("cpu").tvm_target())
     if kind == "avx2":  # the 256-bit form with the vpmaddubsw int8 dot
         f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=True,
@@ -389,6 +394,25 @@ def test_amx_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
     _sweep_matches(_sweep_ex("amx", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
 
 
+# the folded-scale forms: AMX, and its operands on vpdpbusd (VBMI, a CPU without AMX)
+SHIFTED = [pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX_INT8,
+                                                        reason="this CPU has no AMX-INT8")),
+           pytest.param("vbmi", marks=pytest.mark.skipif(not HAS_VBMI,
+                                                         reason="this CPU has no AVX-512 VBMI"))]
+
+
+@pytest.mark.skipif(not HAS_VBMI, reason="this CPU has no AVX-512 VBMI")
+@pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", [  # 3 kernels (a compile is ~6 s)
+    (32, 128, 1, 1, 5000, 32),  # decode: runs of 5 tiles, a shorter last run, a partial tile
+    (32, 128, 1, 3, 300, 32),  # prefill-like s
+    (64, 128, 1, 1, 1, 32),  # 1 token; 4 head chunks
+    (32, 128, 2, 2, 1000, 32),  # batch 2
+    (4, 128, 2, 2, 37, 32),  # heads < 8: a 4-head block, one partial tile
+])
+def test_vbmi_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
+    _sweep_matches(_sweep_ex("vbmi", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
+
+
 def _wide_key_span(ks):  # every 7th entry's block 2 code 5 over its others: that tile on VNNI
     ks = ks.clone()
     ks[:, ::7, 2] = (ks[:, ::7, :].int().max(dim=-1).values + 5).clamp(max=254).to(torch.uint8)
@@ -420,33 +444,32 @@ def _q_span_3(q):  # a span of exactly 3 binades still takes AMX
     return q
 
 
-@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
+@pytest.mark.parametrize("kind", SHIFTED)
 @pytest.mark.parametrize("ks", [_wide_key_span, _some_wide_tiles])
-def test_amx_sweep_key_fallbacks(ks):
+def test_shifted_sweep_key_fallbacks(kind, ks):
     """Tiles whose keys the shifted int8 operands cannot hold (a block code 4+ over the entry's
-    least) take the VNNI dot, between AMX tiles; the same bits either way."""
-    _sweep_matches(_sweep_ex("amx", 32, 128, 4), 1, 2, 3000, 32, 128, seed=9, ks=ks)
+    least) take the VNNI dot, between AMX (VBMI) tiles; the same bits either way."""
+    _sweep_matches(_sweep_ex(kind, 32, 128), 1, 2, 3000, 32, 128, seed=9, ks=ks)
 
 
-@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
-def test_amx_sweep_nan_code_as_vnni():
+@pytest.mark.parametrize("kind", SHIFTED)
+def test_shifted_sweep_nan_code_as_vnni(kind):
     """A NaN scale code sends its tile to the VNNI dot: the VNNI kernel's scores exactly (both
     take relu(NaN) as 0 where the oracle keeps NaN: a code the quantiser emits only for NaN
     activations)."""
     args = _inputs(1, 2, 3000, seed=9, heads=32, dim=128)
     args[2] = _nan_code(args[2])
     out = {}
-    for kind in ("amx", "vnni"):
-        out[kind] = torch.empty(1, 2, ix.padded(3000), dtype=torch.bfloat16)
-        _sweep_ex(kind, 32, 128, 4)["index_scores"](*[to_tvm(x) for x in args],
-                                                     to_tvm(out[kind]))
-    assert torch.equal(_bits(out["amx"]), _bits(out["vnni"]))
+    for k in (kind, "vnni"):
+        out[k] = torch.empty(1, 2, ix.padded(3000), dtype=torch.bfloat16)
+        _sweep_ex(k, 32, 128)["index_scores"](*[to_tvm(x) for x in args], to_tvm(out[k]))
+    assert torch.equal(_bits(out[kind]), _bits(out["vnni"]))
 
 
-@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
+@pytest.mark.parametrize("kind", SHIFTED)
 @pytest.mark.parametrize("change", [_wide_q_span, _q_span_3])
-def test_amx_sweep_q_spans(change):
-    _sweep_matches(_sweep_ex("amx", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
+def test_shifted_sweep_q_spans(kind, change):
+    _sweep_matches(_sweep_ex(kind, 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
 
 
 def _zero_block(q):  # a q block of 32 zeros (no exponent to take)
@@ -475,11 +498,12 @@ def test_vnni_sweep_q_off_the_grid(change):
     _sweep_matches(_sweep_ex("vnni", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
 
 
-@pytest.mark.skipif(not HAS_AMX_INT8, reason="this CPU has no AMX-INT8")
+@pytest.mark.parametrize("kind", SHIFTED)
 @pytest.mark.parametrize("change", [_zero_block, _not_qdq, _tiny_block])
-def test_amx_sweep_q_off_the_grid(change):
-    """As on VNNI: a zero block stays on the int8 (AMX) path, the others go to the fp32 dot."""
-    _sweep_matches(_sweep_ex("amx", 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
+def test_shifted_sweep_q_off_the_grid(kind, change):
+    """As on VNNI: a zero block stays on the int8 (AMX, VBMI) path, the others go to the fp32
+    dot."""
+    _sweep_matches(_sweep_ex(kind, 32, 128), 1, 2, 700, 32, 128, seed=5, q=change)
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2")
@@ -511,11 +535,25 @@ def test_sweep_config_choices():
         asm = tvm.compile(ix.index_sweep(get_target("cpu"), 32, 128),
                           target=get_target("cpu").tvm_target()).mod.inspect_source("s")
         assert "tdpbssd" in asm and "vpermb" in asm and "vpdpbusd" in asm  # + the VNNI fallback
+    assert host.vbmi == (HAS_VBMI and not HAS_AMX_INT8)
+    if host.vbmi:
+        asm = tvm.compile(ix.index_sweep(get_target("cpu"), 32, 128),
+                          target=get_target("cpu").tvm_target()).mod.inspect_source("s")
+        assert "vpermb" in asm and "vpdpbusd" in asm and "tdpbssd" not in asm
+    # Zen 4 (AVX-512 VNNI + VBMI, no AMX): the VBMI dot; Ice Lake has VBMI too
+    zen4 = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver4"})
+    assert ix.sweep_config(zen4, heads=32, dim=128).vbmi
+    assert not ix.sweep_config(zen4, heads=32, dim=256).vbmi  # dim 128 only
     with pytest.raises(ValueError, match="AMX"):
         ix.make_index_scores_avx512(heads=32, dim=128, vnni=True, tile=64, amx=True)
     with pytest.raises(ValueError, match="AMX"):
         ix.make_index_scores_avx512(heads=16, dim=128, vnni=True, tile=32, head_block=8,
                                     amx=True)
+    with pytest.raises(ValueError, match="The VBMI sweep needs vnni, lanes 16 and dim 128"):
+        ix.make_index_scores_avx512(heads=32, dim=128, tile=32, head_block=8, vbmi=True)
+    with pytest.raises(ValueError, match="and not amx"):
+        ix.make_index_scores_avx512(heads=32, dim=128, vnni=True, tile=32, head_block=8,
+                                    amx=True, vbmi=True)
     # AVX2 without AVX-512 (Zen 3): the 256-bit kernel with the vpmaddubsw dot, no zmm
     zen = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver3"})
     cfg = ix.sweep_config(zen, heads=32, dim=128)
@@ -739,14 +777,15 @@ def _shared_inputs(b, s, t, n_alt, heads, dim, seed):
 @functools.cache
 def _shared_kind(kind: str, n_alt: int, heads: int, dim: int):
     """index_scores_shared of one sweep variant: the scheduled generic one or the AVX-512 fp32
-    one (`_shared`), or the x86 kernel's VNNI / AVX2 / AMX form."""
+    one (`_shared`), or the x86 kernel's VNNI / AVX2 / AMX / VBMI form."""
     if kind in ("generic", "avx512"):
         assert (heads, dim) == (H, D), "the generic and AVX-512 fp32 forms are built at (H, D)"
         return _shared(n_alt, kind)
-    if not {"vnni": HAS_VNNI, "avx2": HAS_AVX2, "amx": HAS_AMX_INT8}[kind]:
+    if not {"vnni": HAS_VNNI, "avx2": HAS_AVX2, "amx": HAS_AMX_INT8, "vbmi": HAS_VBMI}[kind]:
         pytest.skip(f"this CPU cannot run the {kind} sweep")
     form = {"vnni": dict(tile=32, head_block=8), "avx2": dict(lanes=8, tile=16, head_block=8),
-            "amx": dict(tile=32, head_block=8, amx=True)}[kind]
+            "amx": dict(tile=32, head_block=8, amx=True),
+            "vbmi": dict(tile=32, head_block=8, vbmi=True)}[kind]
     func = ix.make_index_scores_avx512(heads=heads, dim=dim, n_alt=n_alt, max_tasks=4,
                                        vnni=True, **form)
     return tvm.compile(func, target=get_target("cpu").tvm_target())
@@ -763,7 +802,7 @@ def _run_shared(ex, q, kp, ks, alt_c, alt_s, pick, w, lens):
 
 @pytest.mark.parametrize("kind,heads,dim,n_alt", [
     ("generic", H, D, 3), ("avx512", H, D, 3), ("vnni", 8, 128, 1), ("avx2", 8, 128, 1),
-    ("amx", 32, 128, 1),
+    ("amx", 32, 128, 1), ("vbmi", 32, 128, 1),
 ])
 def test_shared_sweep_per_token_pick_equals_decode_steps(kind, heads, dim, n_alt):
     """One sweep with a pick per (sequence, token): each token's scores are, bit for bit, those

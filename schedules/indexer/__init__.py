@@ -29,8 +29,9 @@ The CPU full sweep on AVX-512 is hand-vectorised (`make_index_scores_avx512`): a
 tile with the FP4 keys decoded once per tile by an in-register transpose and a 16-entry table
 lookup; with VNNI the GEMM is on int8 (q is E2M1 x 2^e per block after its QDQ, so it is int8 x
 2^e exactly; per-block integer dots are exact, hence the same bits), falling back to fp32 for a q
-that is not. Everywhere else (pool sweep, CUDA, CPUs without AVX-512) the sweep is the block
-definition below plus a schedule.
+that is not; with AMX (or, without it, AVX-512 VBMI) the block scales fold into int8 shifts
+so that one int32 dot covers all of D. Everywhere else (pool sweep, CUDA, CPUs without
+AVX-512) the sweep is the block definition below plus a schedule.
 
 Scores are written over T rounded up to SCORE_PAD (entries past T are -inf), so every tile of the
 sweep is whole: no predicates in the vector loops and compact per-tile buffers.

@@ -32,7 +32,7 @@ def index_sweep(target: TargetSpec, heads: int, dim: int, n_alt: int = 0) -> tvm
     if cfg.avx512:
         return make_index_scores_avx512(
             heads=heads, dim=dim, tile=cfg.tile, head_block=cfg.head_block,
-            max_tasks=cfg.max_tasks, vnni=cfg.vnni, lanes=cfg.lanes, amx=cfg.amx,
+            max_tasks=cfg.max_tasks, vnni=cfg.vnni, lanes=cfg.lanes, amx=cfg.amx, vbmi=cfg.vbmi,
             n_alt=n_alt).with_attr("tirx.is_scheduled", True)
     return schedule_index_scores(make_index_scores(heads=heads, dim=dim, n_alt=n_alt), cfg,
                                  target)

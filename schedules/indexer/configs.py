@@ -28,6 +28,7 @@ class SweepConfig:
     vnni: bool = False  # avx512: the int8 dot (AVX-512 VNNI + BW; exact q only, see factory)
     lanes: int = 16  # avx512: 32-bit lanes per vector (8: the AVX2 form of the kernel)
     amx: bool = False  # vnni: the dot on AMX-INT8 tiles where the keys allow (see factory)
+    vbmi: bool = False  # vnni, no AMX: one vpdpbusd dot over all of D (scales as int8 shifts)
 
 
 def sweep_config(target: TargetSpec, *, heads: int, dim: int, pool: bool = False) -> SweepConfig:
@@ -37,7 +38,9 @@ def sweep_config(target: TargetSpec, *, heads: int, dim: int, pool: bool = False
     heads (16 int32 accumulators; at T=256K, H=32, D=128, 2 cores: 8.5 ms, against 11.0 for
     64 x 4, 13.5 for 64 x 8, 9.3 for 32 x 4, 11.1 for 16 x 16; the fp32 dot 17.6 ms); with
     AMX-INT8 (dim 128, heads a multiple of 32) its dot on AMX tiles (T=1M, one core of a Xeon
-    with AMX: 11.9 ms against 31.0 for the VNNI dot; 2 cores 5.8 against 16.7). Without
+    with AMX: 11.9 ms against 31.0 for the VNNI dot; 2 cores 5.8 against 16.7); with VBMI but
+    no AMX (Zen 4, Ice Lake) the same folded operands on one vpdpbusd dot per head over all of
+    D (T=1M, one Zen 4 core: 29.6 ms against 36.7 for the block-scaled VNNI dot). Without
     VNNI the fp32 dot on 64-entry tiles x 4 heads = 16 zmm accumulators (64 x 4 beat 32 x 8,
     32 x 4 and 128 x 2 at T=32K: 4 tile loads and 4 broadcasts per 16 FMAs, and the decoded
     tile, 32 KiB, stays in L1). On AVX2 (no AVX-512; dim a multiple of 128) the same kernel on
@@ -55,8 +58,9 @@ def sweep_config(target: TargetSpec, *, heads: int, dim: int, pool: bool = False
                                                                    head_block=hb):
         amx = (vnni and dim == 128 and heads % AMX_HEADS == 0
                and has_features(target, "amx-tile", "amx-int8", "avx512vbmi"))
+        vbmi = vnni and dim == 128 and not amx and has_features(target, "avx512vbmi")
         return SweepConfig(tile=32 if vnni else 64, head_block=hb, kdec_vector_d=False,
-                           avx512=True, max_tasks=16 * cores, vnni=vnni, amx=amx)
+                           avx512=True, max_tasks=16 * cores, vnni=vnni, amx=amx, vbmi=vbmi)
     hb = math.gcd(heads, 8)
     if not pool and has_features(target, "avx2") and avx512_sweep_supported(
             heads=heads, dim=dim, head_block=hb, lanes=8):

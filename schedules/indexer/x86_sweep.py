@@ -60,7 +60,8 @@ def avx512_sweep_supported(*, heads: int, dim: int, head_block: int, lanes: int 
 
 def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block: int = 4,
                              max_tasks: int = 32, vnni: bool = False, lanes: int = 16,
-                             amx: bool = False, n_alt: int = 0) -> tvm.tirx.PrimFunc:
+                             amx: bool = False, vbmi: bool = False,
+                             n_alt: int = 0) -> tvm.tirx.PrimFunc:
     """The full sweep (same signature and bits as `make_index_scores`) hand-vectorised for
     AVX-512; the loop structure is the schedule, so it is fixed at construction (config
     `sweep_config`). Parallel tasks: up to max_tasks per batch row, each a contiguous run of
@@ -106,6 +107,31 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
     dot, the value the block sums give: the same bits. A tile with a wider key span, a NaN scale
     or extreme exponents, and a call whose q has a wider span, take the VNNI dot.
 
+    `vbmi` (AVX-512 VBMI without AMX; vnni, lanes 16, dim 128): the same folding of the block
+    scales into int8 shifts (the keys decoded by vpermb, the tiles and the q that allow it as
+    for AMX), with the dot on vpdpbusd over all of D: per (head, entry) one int32 accumulator
+    and one scaling, instead of 4 block accumulators each converted, scaled and added in fp32.
+    vpdpbusd multiplies unsigned by signed bytes, so the key bytes carry +128 (32..224) and the
+    accumulator starts at -128 * the head's shifted q ints; |sum| <= 128 * 96 * 120 < 2^24, so
+    it is exact and (times its power of two) the same dot, the same bits. Per 32-entry tile and
+    query this leaves, per 8-head group, 512 vpdpbusd (32 quads x 8 heads x 2 vectors, the q
+    quad a broadcast memory operand) and 64 key loads, then 16 converts, 32 multiplies and the
+    epilogue's per-head rounding, against 512 vpdpbusd plus 4 x (16 starts, 16 converts, 32
+    multiplies / FMAs) for the block-scaled dot.
+
+    Floor (H = 32, D = 128, one query): the 2048 vpdpbusd of a 32-entry tile (H * D * 32 MACs,
+    64 per instruction), 64 per entry, at the measured rate of one zmm vpdpbusd per cycle and
+    core (Zen 4: 3.6-3.7 G/s per core, two 256-bit halves; the dot loop with its q broadcasts and
+    key loads runs at that rate in isolation): 64 cycles per entry, 18.3 ms per 1M entries on
+    one core, 9.1 ms on two. Measured on one Zen 4 core (2 vCPUs shared with other work, min
+    of 6-10): 104-106 cycles per entry with the VBMI dot, 128-134 with the block-scaled VNNI
+    dot, 196 for the AVX2 form (lanes 8) on the same core. The rest above the floor: the
+    epilogue (two bf16 roundings, relu, weight, chunk sum: ~16 vector ops per 16 (head, entry)
+    terms, ~12 cycles per entry) and the key decode (transpose, vpermb, check_tile: ~15 vector
+    ops per entry). A decode step at 1M context on the bench preset sweeps ~2.6M entries (three
+    ratio-2 index sources of 512K, one ratio-1 of 1M, four pools of 16K): 23 ms at the floor on
+    2 cores.
+
     `n_alt` > 0: `index_scores_shared`, the sweep behind the released shared index-K pointer
     (see `make_index_scores`), one pick per query token: each batch row's tasks sweep their tiles
     of each store some query of the row names, once, and score on it only those queries (a
@@ -133,7 +159,11 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         raise ValueError(f"The AMX sweep needs vnni, lanes 16, tile {AMX_TILE}, dim 128 and "
                          f"heads a multiple of {AMX_HEADS}; got vnni={vnni}, lanes={lanes}, "
                          f"tile={tile}, dim={dim}, heads={heads}.")
+    if vbmi and (amx or not (vnni and lanes == 16 and dim == 128)):
+        raise ValueError(f"The VBMI sweep needs vnni, lanes 16 and dim 128, and not amx; got "
+                         f"vnni={vnni}, lanes={lanes}, dim={dim}, amx={amx}.")
     check_alt(n_alt)
+    shifted = amx or vbmi  # the block scales folded into int8 shifts where q and keys allow
     H, D, TT, HB = T.int64(heads), T.int64(dim), T.int64(tile), head_block
     MT = T.int64(max_tasks)
     LN = lanes  # 32-bit lanes per vector
@@ -281,11 +311,12 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                         sc[blk, e] * qsc[vb, vs, hg * HB + h, blk])
 
     @T.macro
-    def prep_amx(qw, qex, qa, qs, qlim, flag, lo, hi, b, s):
+    def prep_amx(qw, qex, qa, qs, qcs, qlim, flag, lo, hi, b, s):
         """flag 1 -> 2 if every head's q block exponents span at most 3: qa = the quads of qw
         with each block's ints shifted left by its exponent over the head's smallest (signed
         bytes), qs = 2^(that exponent - 4) (1 for a zero head), qlim = the smallest and the
-        largest of those exponents over the call's heads."""
+        largest of those exponents over the call's heads; VBMI: qcs = -128 * the sum of a
+        head's qa bytes (the start of its biased vpdpbusd dot)."""
         if flag[0] == 1:
             flag[0] = 2
             qlim[0] = 1000
@@ -309,6 +340,13 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                     qa[r // s, r % s, h, j] = shift_bytes(
                         qw[r // s, r % s, h, j],
                         T.max(qex[r // s, r % s, h, j // T.int64(8)] - lo[0], 0) % 4)
+                if vbmi:
+                    qcs[r // s, r % s, h] = 0
+                    for j, i in T.grid(NQ, 4):
+                        hi[0] = (qa[r // s, r % s, h, j] >> T.int32(8 * i)) & T.int32(255)
+                        qcs[r // s, r % s, h] = qcs[r // s, r % s, h] + hi[0] - (
+                            (hi[0] >> T.int32(7)) << T.int32(8))
+                    qcs[r // s, r % s, h] = qcs[r // s, r % s, h] * T.int32(-128)
 
     @T.macro
     def load_scales(KSx, vb, t0, t, ksw, sc):
@@ -412,6 +450,37 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
             amx_instr("tilestored64", T.int8(7), T.address_of(cb[slot, mp * 32 + 16, 16]), krow)
 
     @T.macro
+    def vbmi_item(iacc, kq, qa, qs, qcs, wf, ksm, part, O, L, vb, vs, t0, t):
+        """One tile's query on the VBMI dot: per head group, the int32 dot over all of D in
+        registers (key bytes biased +128, started at qcs), then per head the AMX epilogue's
+        terms (`amx_finish`: the scaled dot is finite), the chunk sums and the score row."""
+        for c in range(nc):
+            for e in T.vectorized(TT):
+                part[c, e] = T.float32(0)
+        for hg in range(heads // HB):
+            for h in T.unroll(HB):
+                for e in T.vectorized(TT):
+                    iacc[h, e] = qcs[vb, vs, hg * HB + h]
+            for j in range(NQ):
+                for h in T.unroll(HB):
+                    for ev in T.unroll(TT // T.int64(16)):
+                        iacc[h, T.ramp(ev * 16, 1, 16)] = T.call_llvm_pure_intrin(
+                            I32V, "llvm.x86.avx512.vpdpbusd.512",
+                            iacc.vload([h, ev * 16], I32V),
+                            u8x64(kq.vload([j, ev * 16], I32V)),
+                            u8x64(T.broadcast(qa[vb, vs, hg * HB + h, j], 16)))
+            for h in T.unroll(HB):
+                for e in T.vectorized(TT):
+                    part[(hg * HB + h) // che, e] = part[(hg * HB + h) // che, e] + round_bf16(
+                        T.max(round_bf16_finite(T.Cast("float32", iacc[h, e]) * (
+                            ksm[0, e] * qs[vb, vs, hg * HB + h])), T.float32(0))
+                        * wf[vb, vs, hg * HB + h])
+        for e in T.vectorized(TT):
+            O[vb, vs, t0 + e] = T.Select(t0 + e < T.min(L[vb, vs], t),
+                                         T.Cast("bfloat16", part_sum(part, e, nc)),
+                                         neg_inf_bf16())
+
+    @T.macro
     def dec_vector(kd, kq, rows, tbl, lut8, sc, flag, m0, g):
         """The key decode for the vector dots: int8 quads while flag is 1 or 2, else fp32."""
         if vnni:
@@ -457,10 +526,16 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
 
     @T.macro
     def query_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag, part, O, L, vb, vs,
-                   t0, t, ok, cb, ksm, pend, tog, qa, qs):
-        """One tile's query vs: on AMX (its epilogue deferred, see `sweep_tiles`) where the tile
-        takes it, else on the vector units."""
-        if amx:
+                   t0, t, ok, cb, ksm, pend, tog, qa, qs, qcs):
+        """One tile's query vs: on AMX (its epilogue deferred, see `sweep_tiles`) or the VBMI
+        dot where the tile takes it, else on the vector units."""
+        if vbmi:
+            if ok[0] == 1:
+                vbmi_item(iacc, kq, qa, qs, qcs, wf, ksm, part, O, L, vb, vs, t0, t)
+            else:
+                vector_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag, part, O,
+                            L, vb, vs, t0, t)
+        elif amx:
             if ok[0] == 1:
                 dot_amx(cb, tog[0], kq, qa, vb, vs)
                 if pend[0] == T.int64(1):
@@ -483,7 +558,7 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
     @T.macro
     def sweep_tiles(KPx, KSx, ST, sel, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd, kq,
                     sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv, bad, ok, qlim,
-                    lut64, qa, qs, cb, pend, tog):
+                    lut64, qa, qs, qcs, cb, pend, tog):
         """The task's tiles of the sweep over the key store KPx / KSx (its first t rows), for
         every query (the shared sweep: the queries vs with ST[vb, vs] = sel, the store number).
 
@@ -492,7 +567,7 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         issued, so that the AMX unit's work, which waits on the decode's stores, overlaps the
         vector epilogue of the item before (cb and ksm are double-buffered; tog[1] is the ksm
         slot of the tile being decoded). Any other item first finishes the pending one."""
-        if amx:
+        if shifted:
             pend[0] = T.int64(0)
             tog[0] = T.int64(0)
             tog[1] = T.int64(0)
@@ -500,7 +575,7 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
             if task % tasks(t) * per_task(t) + tl < tiles(t):
                 t0 = (task % tasks(t) * per_task(t) + tl) * TT  # padded entries: entry T-1
                 load_scales(KSx, vb, t0, t, ksw, sc)
-                if amx:
+                if shifted:
                     check_tile(ksw, kmn, ksm, tog[1], shv, bad, ok, qlim, flag)
                 for g, m0 in T.grid(TT // T.int64(LN), n_chunks):
                     for r in T.unroll(nwb):
@@ -517,7 +592,7 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                         stage(rows, 2)
                     if stages > 3:
                         stage(rows, 3)
-                    if amx:
+                    if shifted:
                         if ok[0] == 1:
                             dec_amx(kq, rows, lut64, shv, m0, g)
                         else:
@@ -528,10 +603,11 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                     if n_alt > 0:  # the shared sweep: the queries whose pick names this store
                         if ST[vb, vs] == sel:
                             query_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag,
-                                       part, O, L, vb, vs, t0, t, ok, cb, ksm, pend, tog, qa, qs)
+                                       part, O, L, vb, vs, t0, t, ok, cb, ksm, pend, tog, qa, qs,
+                                       qcs)
                     else:
                         query_item(acc, iacc, i16, kd, kq, qf, wf, qw, qsc, corr, sc, flag,
-                                   part, O, L, vb, vs, t0, t, ok, cb, ksm, pend, tog, qa, qs)
+                                   part, O, L, vb, vs, t0, t, ok, cb, ksm, pend, tog, qa, qs, qcs)
                 if amx:
                     if ok[0] == 1:
                         tog[1] = T.int64(1) - tog[1]
@@ -540,7 +616,8 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
                 amx_finish(cb, ksm, pend, part, wf, qs, O, L, vb, t)
 
     @T.macro
-    def prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qlim, b, s):
+    def prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qcs, qlim, b,
+                    s):
         """q and w to fp32 once (serial: tiny next to the sweep), then the int8 (and AMX)
         forms of q and the flag that picks the dot."""
         for r in range(b * s):
@@ -551,12 +628,12 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         flag[0] = 0
         if vnni:
             prep_q(qf, qw, qsc, corr, qex, flag, mx, cs, wd, b, s)
-            if amx:
-                prep_amx(qw, qex, qa, qs, qlim, flag, cs, wd, b, s)
+            if shifted:
+                prep_amx(qw, qex, qa, qs, qcs, qlim, flag, cs, wd, b, s)
 
     @T.macro
     def sweep_task(KPx, KSx, ST, sel, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                   qa, qs):
+                   qa, qs, qcs):
         """One parallel task of the sweep over the key store KPx / KSx (the shared sweep: for
         the queries whose store ST is sel): its buffers (allocated once per task, not per tile),
         tables and AMX tile configuration, its tiles (`sweep_tiles`), the tiles released."""
@@ -588,15 +665,20 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         for i in range(4 * LN):  # the table repeats in each 128-bit lane (vpshufb)
             lut8[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16)) * T.float32(2)
                              + T.float32(12))
-        if amx:
+        if shifted:
             for i in range(64):  # code n, shift j at 16 j + n (vpermb reads 6 index bits)
-                lut64[i] = T.Cast("int8", fp4_to_f32_select(T.Cast("uint32", i % 16))
-                                  * T.Cast("float32", T.int32(2) << (i // 16)))
+                kv = T.Cast("int32", fp4_to_f32_select(T.Cast("uint32", i % 16))
+                            * T.Cast("float32", T.int32(2) << (i // 16)))
+                if vbmi:  # the byte kv + 128 (unsigned for vpdpbusd) as an int8
+                    lut64[i] = T.Cast("int8", T.Select(kv >= 0, kv - 128, kv + 128))
+                else:
+                    lut64[i] = T.Cast("int8", kv)
+        if amx:
             if flag[0] == 2:
                 amx_configure(cfg)
         sweep_tiles(KPx, KSx, ST, sel, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, kd, kq,
                     sc, rows, tbl, lut8, acc, iacc, i16, part, ksw, kmn, ksm, shv, bad, ok, qlim,
-                    lut64, qa, qs, cb, pend, tog)
+                    lut64, qa, qs, qcs, cb, pend, tog)
         if amx:
             if flag[0] == 2:
                 amx_instr("tilerelease")
@@ -621,15 +703,17 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         qex = T.alloc_buffer((b, s, H, NBLK), "int32")  # VNNI: a q block's exponent (0: zero)
         qa = T.alloc_buffer((b, s, H, NQ), "int32")  # AMX: q quads, blocks shifted
         qs = T.alloc_buffer((b, s, H), "float32")  # AMX: a head's q scale
+        qcs = T.alloc_buffer((b, s, H), "int32")  # VBMI: the start of a head's dot
         qlim = T.alloc_buffer((2,), "int32")  # AMX: the least and largest head exponents
         mx = T.alloc_buffer((1,), "float32")
         cs = T.alloc_buffer((1,), "int32")
         wd = T.alloc_buffer((1,), "int32")
-        prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qlim, b, s)
+        prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qcs, qlim, b,
+                    s)
         for task in T.parallel(b * tasks(t)):
             vb = task // tasks(t)
             sweep_task(KP, KS, L, 0, vb, task, t, s, O, L, qf, wf, qw, qsc, corr, flag, qlim,
-                       qa, qs)  # (L, 0): no store selection (n_alt = 0)
+                       qa, qs, qcs)  # (L, 0): no store selection (n_alt = 0)
 
     @T.prim_func
     def index_scores_shared(q_h: T.handle, kp_h: T.handle, ks_h: T.handle, a1_h: T.handle,
@@ -661,13 +745,15 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
         qex = T.alloc_buffer((b, s, H, NBLK), "int32")  # VNNI: a q block's exponent (0: zero)
         qa = T.alloc_buffer((b, s, H, NQ), "int32")  # AMX: q quads, blocks shifted
         qs = T.alloc_buffer((b, s, H), "float32")  # AMX: a head's q scale
+        qcs = T.alloc_buffer((b, s, H), "int32")  # VBMI: the start of a head's dot
         qlim = T.alloc_buffer((2,), "int32")  # AMX: the least and largest head exponents
         mx = T.alloc_buffer((1,), "float32")
         cs = T.alloc_buffer((1,), "int32")
         wd = T.alloc_buffer((1,), "int32")
         ST = T.alloc_buffer((b, s), "int64")  # the store query (b, s) reads
         used = T.alloc_buffer((b, MAX_ALT + 1), "int32")  # 1 if some query of row b reads it
-        prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qlim, b, s)
+        prep_inputs(Q, W, qf, wf, qw, qsc, corr, qex, flag, mx, cs, wd, qa, qs, qcs, qlim, b,
+                    s)
         # the shared index-K pointer, per query token: its keys are the first t rows of the
         # store its pick names (an alternate's own row count is at least t); a pick outside
         # 1..n_alt reads the own store (the host validates picks: `ops.check_pick`)
@@ -683,18 +769,18 @@ def make_index_scores_avx512(*, heads: int, dim: int, tile: int = 64, head_block
             # one pass over each store some query of the row reads (a decode step: one store)
             if used[vb, 0] == 1:
                 sweep_task(KP, KS, ST, T.int64(0), vb, task, t, s, O, L, qf, wf, qw, qsc, corr,
-                           flag, qlim, qa, qs)
+                           flag, qlim, qa, qs, qcs)
             if used[vb, 1] == 1:
                 sweep_task(A1, S1, ST, T.int64(1), vb, task, t, s, O, L, qf, wf, qw, qsc, corr,
-                           flag, qlim, qa, qs)
+                           flag, qlim, qa, qs, qcs)
             if n_alt >= 2:
                 if used[vb, 2] == 1:
                     sweep_task(A2, S2, ST, T.int64(2), vb, task, t, s, O, L, qf, wf, qw, qsc,
-                               corr, flag, qlim, qa, qs)
+                               corr, flag, qlim, qa, qs, qcs)
             if n_alt >= 3:
                 if used[vb, 3] == 1:
                     sweep_task(A3, S3, ST, T.int64(3), vb, task, t, s, O, L, qf, wf, qw, qsc,
-                               corr, flag, qlim, qa, qs)
+                               corr, flag, qlim, qa, qs, qcs)
 
     if n_alt:
         return index_scores_shared
