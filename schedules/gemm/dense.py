@@ -202,6 +202,13 @@ def _lanes(k: int, most: int) -> int:
 # or 1 for the group of 6 ran slower (2.92, 4.47), a software prefetch of the weights (the
 # same column 4 to 32 chunks ahead, or the next column group) 15-40% slower, a group of 5
 # instead of 6 for 5 rows the same (the padded row costs nothing measurable).
+# Re-measured (same harness, 2 threads, 2 cores shared with 3 other jobs, min of 150+ calls,
+# interleaved): one row cb 4 0.78-0.83 ms, cb 8 0.70-0.72, cb 16 0.68 (cb 8 taken: the same
+# gain in 8 registers); 5 rows in a group of 6 cb 4 1.11-1.28 ms, 5 rows cb 4 1.18-1.29, 5
+# rows cb 8 (40 accumulators, spilled) 1.15, 6 rows cb 8 1.30, 3 rows cb 8 (two groups)
+# 1.43; a weight prefetch of the next column group 1.21-1.25; the group's activations
+# staged interleaved (against L1 set conflicts: every x and w line of a chunk is a multiple
+# of 4 KB apart) 1.18-1.22; K split in blocks of 1024 or 2048 (x in L1) 1.22-1.25.
 def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
                       x_dtype: str | None = None, w_dtype: str | None = None
                       ) -> DenseGemvConfig:
@@ -210,7 +217,9 @@ def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
                          "(dlight-scheduled) lowering of the dense linears.")
     tn = min(32, n)
     if x_dtype == w_dtype == "bfloat16" and k % DOT_K == 0 and has_avx512_bf16(target):
-        cb = next(c for c in (4, 3, 2, 1) if tn % c == 0 and (rows * c <= DOT_ACCS or c == 1))
+        # one row: 8 columns, 8 weight streams in flight (4: 0.78-0.83 ms, 8: 0.70-0.72)
+        widths = (8, 4, 3, 2, 1) if rows == 1 else (4, 3, 2, 1)
+        cb = next(c for c in widths if tn % c == 0 and (rows * c <= DOT_ACCS or c == 1))
         return DenseGemvConfig(tn=tn, cb=cb, vec=DOT_LANES, rows=rows, kind="bf16_dot")
     return DenseGemvConfig(tn=tn, cb=min(4, tn), vec=_lanes(k, 32), rows=rows)
 
