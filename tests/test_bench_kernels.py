@@ -189,6 +189,7 @@ def test_bench_cases_use_the_preset_sizes():
                           "fp8-gemm-m128", "moe-n1", "moe-n128", "fp8-wq_a-m1", "fp8-wkv-m1",
                           "fp8-wo_b-m1", "fp8-shared_w1-m1", "fp8-shared_w2-m1", "gemv-wo_a-m1",
                           "gemv-head-m1", "gemv-verify-wo_a-m1", "gemv-verify-wo_a-m5",
+                          "gemv-decode-wo_a-m1",
                           *(f"{f}-{form}-{w}{m}" for f, w in (("fp8", "wq_b-m"), ("moe", "n"))
                             for form in ("verify", "rowwise") for m in range(1, 7)),
                           *(f"fp8-{form}-wo_b-m{m}" for form in ("verify", "rowwise")
@@ -203,6 +204,8 @@ def test_bench_cases_use_the_preset_sizes():
     assert cases["fp8-wo_b-m1"] == {"n": 1024, "k": 8 * 512, "hint": 1, "m": 1}
     assert cases["gemv-wo_a-m1"] == {"groups": 8, "n": 512, "k": 64 * 512 // 8,
                                      "x_dtype": "bfloat16", "w_dtype": "bfloat16", "m": 1}
+    # decode's o-projection kernel (no rows: one row per group) from memory, 2 copies
+    assert cases["gemv-decode-wo_a-m1"] == {**cases["gemv-wo_a-m1"], "copies": 2}
     assert cases["attend-s4"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 4}
     assert cases["attend-s5"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 5}
     assert cases["indexer-1M"]["t"] == 1 << 20 and cases["indexer-1M"]["heads"] == 32

@@ -93,6 +93,7 @@ def test_bf16_gemv_every_code_nan_and_subnormal_weights():
 @pytest.mark.parametrize("rows,k,out_dtype", [
     (6, 256, "bfloat16"),  # the verify entry's (block 5)
     (2, 4096, "bfloat16"),  # wo_b's K
+    (5, 2048, "bfloat16"),  # groups of 5 rows: 20 KB of activations, columns in pairs
     pytest.param(3, 256, "float32", marks=pytest.mark.slow),
     pytest.param(6, 4096, "bfloat16", marks=pytest.mark.slow)])
 def test_bf16_gemv_rows_bit_identical_to_single_row(rows, k, out_dtype):

@@ -583,7 +583,8 @@ def test_dense_gemv_rows_bit_identical_to_the_single_row_kernel(groups, n, k, x_
     w = torch.randn(groups * n, k, generator=gen).to(w_dtype)
     for rows in (2, 6, 13):  # 13: one column per register group (bf16_dot)
         ex = _compiled("build_dense_gemv", **dims, rows=rows)
-        for m in (1, 5, 6, 13):
+        # bf16_dot: m % rows rows run as a group of exactly them (m 11 of 13: a padded group)
+        for m in (1, 5, 6, 11, 13):
             x = torch.randn(m, groups, k, generator=gen).to(x_dtype)
             want = _run(one, [x, w], (m, groups, n), torch.float32)
             assert torch.equal(_run(ex, [x, w], (m, groups, n), torch.float32), want)
@@ -640,7 +641,7 @@ def test_dense_gemv_bf16_dot_sums_in_its_stated_order_bit_for_bit(groups, n, k):
 def test_dense_gemv_config_kinds():
     """bf16_dot wherever the target has AVX-512 BF16 and x, w are bf16 with k % 32 == 0; the
     fp32 lanes form elsewhere (fp32 weights as the head's: bf16 products would not be exact);
-    rows x cb accumulators stay within 24 registers."""
+    rows x cb accumulators stay within 24 registers; one row takes 8 columns at once."""
     bf = {"x_dtype": "bfloat16", "w_dtype": "bfloat16"}
     cpu, x86 = get_target(CPU), get_target("cpu-x86-64")
     dot = "bf16_dot" if has_avx512_bf16(cpu) else "lanes"
@@ -653,7 +654,7 @@ def test_dense_gemv_config_kinds():
     if has_avx512_bf16(cpu):
         cbs = [gemm.dense_gemv_config(cpu, n=n, k=64, rows=r, **bf).cb
                for n, r in ((512, 1), (512, 6), (512, 8), (512, 12), (512, 13), (3, 1), (7, 6))]
-        assert cbs == [4, 4, 2, 2, 1, 3, 1]
+        assert cbs == [8, 4, 2, 2, 1, 3, 1]
     # targets without it keep the fp32 lanes form: it builds and runs, each row as one row's
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)

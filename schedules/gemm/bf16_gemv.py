@@ -25,6 +25,15 @@ from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale
 
 MAX_ROWS = 8  # rows per group of the verify form (as `make_fp8_gemv_avx2`)
 CL = 64  # E4M3 codes per chunk (one 512-bit load)
+# A group of 3..PAIR_ROWS rows whose activations (rows x k bf16) pass PAIR_XS_BYTES takes its
+# columns in pairs (`group_pairs`: each activation chunk, read from L2 once the group's
+# activations outgrow L1, loaded once per two columns). wo_b (n 1024, k 4096), weights from
+# memory, 2 cores shared with 3 other jobs, min of 150+ calls interleaved: 3 rows 0.60 ->
+# 0.54 ms, 4 rows 0.45 -> 0.40, 5 rows 0.55 -> 0.46 and 0.69 -> 0.57; 1 and 2 rows slower in
+# pairs (0.20 -> 0.26, 0.34 -> 0.54), and wq_b (k 512, 5 rows: 5 KB of activations) too (1.49
+# -> 1.80): the register pressure of 20 accumulators without the L2 reads to save.
+PAIR_ROWS = 5
+PAIR_XS_BYTES = 16 << 10
 MAX_TILES = 8  # 32-column tiles per parallel task (a task's workspace is allocated once)
 MIN_TASKS = 16  # parallel tasks kept for balance where there are few tiles (wo_b: 32)
 
@@ -77,7 +86,9 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     `rows` > 1: the verify form, rows in groups of `rows` (the verify entry's 1 + k): per
     column each chunk is loaded and decoded once for the whole group, then dotted into each
     row's own two accumulators in the order above, so every row's output is bit-identical to
-    this kernel's with rows = 1 (which is the same code with a group of one).
+    this kernel's with rows = 1 (which is the same code with a group of one). A group whose
+    activations outgrow L1 (wo_b's k 4096 at 3 to 5 rows) takes its columns two at a time
+    (`PAIR_XS_BYTES`), each column's chains and sums unchanged.
 
     Per 64 codes and row: one load, two vpermi2b and a sign merge, two byte interleaves (shared
     by the group), two vdpbf16ps, against two vpmaddubsw, four masks, four vcvtph2ps and four
@@ -100,31 +111,38 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     AW = 2 * 16  # accumulator floats per row: two vectors of 16 lanes
     TILES = max(1, min(MAX_TILES, math.ceil(n / BLOCK) // MIN_TASKS))
 
+    def pairs(nr: int) -> bool:  # a group of nr rows takes its columns in pairs
+        return 2 < nr <= PAIR_ROWS and nr * k * 2 > PAIR_XS_BYTES
+
+    SLOTS = max([rows] + [2 * PAIR_ROWS for nr in range(1, rows + 1) if pairs(nr)])  # acc slots
+
     def f32v(buf, off):
         return buf[T.ramp(off, 1, 16)]
 
-    def row_total(acc, r):
-        return pairwise_lane_sum(f32v(acc, r * AW) + f32v(acc, r * AW + 16), 16)
+    # accumulator slot a: row r of the column (group_columns), or of the pair's column s
+    # (group_pairs: a = s * PAIR_ROWS + r), at a * AW
+    def row_total(acc, a):
+        return pairwise_lane_sum(f32v(acc, a * AW) + f32v(acc, a * AW + 16), 16)
 
     @T.macro
-    def row_zero(acc, r, here):
-        if here:  # static: row r is one of the group's
+    def row_zero(acc, a, here):
+        if here:  # static: the slot's row is one of the group's
             for t in T.unroll(AW):
-                acc[r * AW + t] = T.float32(0)
+                acc[a * AW + t] = T.float32(0)
 
     @T.macro
-    def row_dot(acc, xs, here, r, ch, w0, w1):  # row r's two dot products of chunk ch
+    def row_dot(acc, xs, here, a, r, ch, w0, w1):  # row r's two dot products of chunk ch
         if here:  # static
-            acc[T.ramp(r * AW, 1, 16)] = dpbf16ps(
-                f32v(acc, r * AW), xs[T.ramp(r * K + ch * CL, 1, 32)], w0)
-            acc[T.ramp(r * AW + 16, 1, 16)] = dpbf16ps(
-                f32v(acc, r * AW + 16), xs[T.ramp(r * K + ch * CL + 32, 1, 32)], w1)
+            acc[T.ramp(a * AW, 1, 16)] = dpbf16ps(
+                f32v(acc, a * AW), xs[T.ramp(r * K + ch * CL, 1, 32)], w0)
+            acc[T.ramp(a * AW + 16, 1, 16)] = dpbf16ps(
+                f32v(acc, a * AW + 16), xs[T.ramp(r * K + ch * CL + 32, 1, 32)], w1)
 
     @T.macro
-    def row_store(y, acc, r, here, row, col):
+    def row_store(y, acc, a, here, row, col):
         if here:  # static
             if col < N:
-                total = T.meta_var(row_total(acc, r))
+                total = T.meta_var(row_total(acc, a))
                 # NaN tested on the bits (LLVM may assume a float compare never sees a NaN)
                 y[row, col] = T.Cast(out_dtype, T.Select(
                     (T.reinterpret("uint32", total) & u32(0x7FFFFFFF)) > u32(0x7F800000),
@@ -152,14 +170,14 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 codes = T.meta_var(weight.vload([col, ch * CL], f"uint8x{CL}"))
                 w0 = T.meta_var(_bf16_words(codes, lo_tbl, hi_tbl, 0))
                 w1 = T.meta_var(_bf16_words(codes, lo_tbl, hi_tbl, 1))
-                row_dot(acc, xs, nr > 0, 0, ch, w0, w1)
-                row_dot(acc, xs, nr > 1, 1, ch, w0, w1)
-                row_dot(acc, xs, nr > 2, 2, ch, w0, w1)
-                row_dot(acc, xs, nr > 3, 3, ch, w0, w1)
-                row_dot(acc, xs, nr > 4, 4, ch, w0, w1)
-                row_dot(acc, xs, nr > 5, 5, ch, w0, w1)
-                row_dot(acc, xs, nr > 6, 6, ch, w0, w1)
-                row_dot(acc, xs, nr > 7, 7, ch, w0, w1)
+                row_dot(acc, xs, nr > 0, 0, 0, ch, w0, w1)
+                row_dot(acc, xs, nr > 1, 1, 1, ch, w0, w1)
+                row_dot(acc, xs, nr > 2, 2, 2, ch, w0, w1)
+                row_dot(acc, xs, nr > 3, 3, 3, ch, w0, w1)
+                row_dot(acc, xs, nr > 4, 4, 4, ch, w0, w1)
+                row_dot(acc, xs, nr > 5, 5, 5, ch, w0, w1)
+                row_dot(acc, xs, nr > 6, 6, 6, ch, w0, w1)
+                row_dot(acc, xs, nr > 7, 7, 7, ch, w0, w1)
             row_store(y, acc, 0, nr > 0, row0, p * BLOCK + c)
             row_store(y, acc, 1, nr > 1, row0 + 1, p * BLOCK + c)
             row_store(y, acc, 2, nr > 2, row0 + 2, p * BLOCK + c)
@@ -170,10 +188,63 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
             row_store(y, acc, 7, nr > 7, row0 + 7, p * BLOCK + c)
 
     @T.macro
+    def group_pairs(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl):
+        """`group_columns` two columns at a time (nr <= PAIR_ROWS, static): each activation
+        chunk loaded once for the pair (the group's activations outgrow L1 where pairs are
+        taken: `pairs`), each column summed exactly as alone."""
+        for c2 in range(i64(BLOCK // 2)):
+            row_zero(acc, 0, nr > 0)
+            row_zero(acc, 1, nr > 1)
+            row_zero(acc, 2, nr > 2)
+            row_zero(acc, 3, nr > 3)
+            row_zero(acc, 4, nr > 4)
+            row_zero(acc, 5, nr > 0)
+            row_zero(acc, 6, nr > 1)
+            row_zero(acc, 7, nr > 2)
+            row_zero(acc, 8, nr > 3)
+            row_zero(acc, 9, nr > 4)
+            if prefetch > 0:  # the pair `prefetch` columns ahead, before the sums
+                for ch, e in T.grid(NCH, 2):
+                    prefetch_line(T.address_of(weight[T.min(p * BLOCK + 2 * c2 + e + prefetch,
+                                                            N - i64(1)), ch * CL]))
+            for ch in range(NCH):
+                col0 = T.meta_var(T.min(p * BLOCK + 2 * c2 + 0, N - i64(1)))
+                codes0 = T.meta_var(weight.vload([col0, ch * CL], f"uint8x{CL}"))
+                w00 = T.meta_var(_bf16_words(codes0, lo_tbl, hi_tbl, 0))
+                w10 = T.meta_var(_bf16_words(codes0, lo_tbl, hi_tbl, 1))
+                col1 = T.meta_var(T.min(p * BLOCK + 2 * c2 + 1, N - i64(1)))
+                codes1 = T.meta_var(weight.vload([col1, ch * CL], f"uint8x{CL}"))
+                w01 = T.meta_var(_bf16_words(codes1, lo_tbl, hi_tbl, 0))
+                w11 = T.meta_var(_bf16_words(codes1, lo_tbl, hi_tbl, 1))
+                row_dot(acc, xs, nr > 0, 0, 0, ch, w00, w10)
+                row_dot(acc, xs, nr > 0, 5, 0, ch, w01, w11)
+                row_dot(acc, xs, nr > 1, 1, 1, ch, w00, w10)
+                row_dot(acc, xs, nr > 1, 6, 1, ch, w01, w11)
+                row_dot(acc, xs, nr > 2, 2, 2, ch, w00, w10)
+                row_dot(acc, xs, nr > 2, 7, 2, ch, w01, w11)
+                row_dot(acc, xs, nr > 3, 3, 3, ch, w00, w10)
+                row_dot(acc, xs, nr > 3, 8, 3, ch, w01, w11)
+                row_dot(acc, xs, nr > 4, 4, 4, ch, w00, w10)
+                row_dot(acc, xs, nr > 4, 9, 4, ch, w01, w11)
+            row_store(y, acc, 0, nr > 0, row0, p * BLOCK + 2 * c2 + 0)
+            row_store(y, acc, 1, nr > 1, row0 + 1, p * BLOCK + 2 * c2 + 0)
+            row_store(y, acc, 2, nr > 2, row0 + 2, p * BLOCK + 2 * c2 + 0)
+            row_store(y, acc, 3, nr > 3, row0 + 3, p * BLOCK + 2 * c2 + 0)
+            row_store(y, acc, 4, nr > 4, row0 + 4, p * BLOCK + 2 * c2 + 0)
+            row_store(y, acc, 5, nr > 0, row0, p * BLOCK + 2 * c2 + 1)
+            row_store(y, acc, 6, nr > 1, row0 + 1, p * BLOCK + 2 * c2 + 1)
+            row_store(y, acc, 7, nr > 2, row0 + 2, p * BLOCK + 2 * c2 + 1)
+            row_store(y, acc, 8, nr > 3, row0 + 3, p * BLOCK + 2 * c2 + 1)
+            row_store(y, acc, 9, nr > 4, row0 + 4, p * BLOCK + 2 * c2 + 1)
+
+    @T.macro
     def group_if(weight, xs, y, p, row0, live, nr, acc, lo_tbl, hi_tbl):
         if nr <= rows:  # static: a group of nr rows exists
             if live == nr:
-                group_columns(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl)
+                if pairs(nr):  # static
+                    group_pairs(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl)
+                else:
+                    group_columns(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl)
 
     @T.prim_func
     def fp8_gemv_bf16(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -203,7 +274,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                         pow2_scale_byte(amax[i, (ch * CL + chunk_slot_source(j)) // BLOCK]))
             for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
                 xs = T.alloc_buffer((R * K,), "uint16")  # bf16 bits, row r at r * K
-                acc = T.alloc_buffer((R * AW,), "float32")  # row r at r * AW
+                acc = T.alloc_buffer((SLOTS * AW,), "float32")  # slot a at a * AW
                 lo_tbl = T.meta_var([tbl.vload([0], "uint8x64"), tbl.vload([64], "uint8x64")])
                 hi_tbl = T.meta_var([tbl.vload([128], "uint8x64"),
                                      tbl.vload([192], "uint8x64")])

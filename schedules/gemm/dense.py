@@ -106,6 +106,15 @@ def make_dense_gemv_rows(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: 
 DOT_K = 32  # K elements per vdpbf16ps: 16 fp32 lanes, each summing a pair of bf16 products
 DOT_LANES = 16
 DOT_ACCS = 24  # bf16_dot: most rows x cb accumulators (of 32 zmm registers; the rest load)
+EXACT_ROWS = 8  # bf16_dot: rows left over after whole groups run as a group of exactly them
+
+
+def dot_columns(tn: int, rows: int) -> int:
+    """Columns per register group (cb) of a bf16_dot group of `rows` rows in a tile of tn: one
+    row 8 (8 weight streams in flight), more rows the widest of 4, 3, 2, 1 that divides tn
+    with rows x cb within DOT_ACCS accumulators (1 past that)."""
+    widths = (8, 4, 3, 2, 1) if rows == 1 else (4, 3, 2, 1)
+    return next(c for c in widths if tn % c == 0 and (rows * c <= DOT_ACCS or c == 1))
 
 
 def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: int = 32,
@@ -126,20 +135,55 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     the verify entry's 1 + k) and `cb` columns, rows x cb accumulators in registers: each
     weight chunk is loaded once for the group's rows, each activation chunk once for the cb
     columns. Every column and row is summed in the order above whatever rows and cb are, so
-    each row of a rows > 1 kernel equals the rows = 1 kernel bit for bit. The last row group
-    reads row m - 1 again for its missing rows and a partial column tile its last column (no
-    predicate in the K loop); only real rows and columns are stored."""
+    each row of a rows > 1 kernel equals the rows = 1 kernel bit for bit. The rows left after
+    the whole groups (m % rows: a verify of fewer rows than its group, k = 0 included) run as a
+    group of exactly that many (up to EXACT_ROWS, `dot_columns` wide), not padded to a whole
+    group (at one row the verify form then costs what decode's kernel does, not 6 rows' dot
+    products); past EXACT_ROWS a padded group reads row m - 1 again. A partial column tile
+    reads its last column again (no predicate in the K loop); only real rows and columns are
+    stored."""
     if k % DOT_K:
         raise ValueError(f"The bf16 dot-product GEMV needs k a multiple of {DOT_K}, got {k}.")
     if rows < 1 or cb < 1 or tn % cb:
         raise ValueError(f"The bf16 dot-product GEMV needs rows >= 1 and cb >= 1 dividing tn; "
                          f"got rows={rows}, cb={cb}, tn={tn}.")
-    G, N, K, R, CB = i64(groups), i64(n), i64(k), i64(rows), i64(cb)
+    G, N, K, R = i64(groups), i64(n), i64(k), i64(rows)
     TN, NT, NCH = i64(tn), i64(-(-n // tn)), i64(k // DOT_K)
     L = DOT_LANES
 
+    def width(nr: int) -> int:  # columns per register group of a group of nr rows
+        return cb if nr == rows else dot_columns(tn, nr)
+
+    ACC = max(nr * width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1))))
+
     def bits(buf, *idx):  # 32 bf16 values from idx on, as the uint16 lanes dpbf16ps takes
         return T.reinterpret(f"uint16x{DOT_K}", buf.vload(list(idx), f"bfloat16x{DOT_K}"))
+
+    @T.macro
+    def block(x, w, y, acc, task, row0, nr, cbn):
+        """Rows row0 .. row0 + nr - 1 (nr, cbn static; rows past the call's last read it
+        again and are not stored) of task's columns, cbn columns per register group."""
+        m = T.meta_var(x.shape[0])
+        for cg in range(TN // i64(cbn)):
+            for a in T.unroll(nr * cbn):
+                acc[T.ramp(a * L, 1, L)] = T.broadcast(T.float32(0), L)
+            for ch in range(NCH):
+                for a in T.unroll(nr * cbn):  # (row a // cbn, column a % cbn)
+                    acc[T.ramp(a * L, 1, L)] = dpbf16ps(
+                        acc[T.ramp(a * L, 1, L)],
+                        bits(x, T.min(row0 + a // cbn, m - i64(1)), task // NT, ch * DOT_K),
+                        bits(w, task // NT * N + T.min(
+                            task % NT * TN + cg * cbn + a % cbn, N - i64(1)), ch * DOT_K))
+            for r, c in T.grid(nr, cbn):
+                if row0 + r < m and task % NT * TN + cg * cbn + c < N:
+                    y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = \
+                        pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L)
+
+    @T.macro
+    def rest_if(x, w, y, acc, task, rest, nr):
+        if nr < rows:  # static: a group of nr < rows rows can be left over
+            if rest == nr:
+                block(x, w, y, acc, task, x.shape[0] - i64(nr), nr, width(nr))
 
     @T.prim_func
     def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
@@ -150,22 +194,21 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
         y = T.match_buffer(y_h, (m, G, N), "float32")
         with T.attr(T.int32(0), *with_bf16_dot()):
             for task in T.parallel(G * NT):  # (group, column tile)
-                acc = T.alloc_buffer((R * CB * L,), "float32", scope="local")
-                for io, cg in T.grid((m + R - i64(1)) // R, TN // CB):
-                    for a in T.unroll(R * CB):
-                        acc[T.ramp(a * L, 1, L)] = T.broadcast(T.float32(0), L)
-                    for ch in range(NCH):
-                        for a in T.unroll(R * CB):  # (row a // cb, column a % cb)
-                            acc[T.ramp(a * L, 1, L)] = dpbf16ps(
-                                acc[T.ramp(a * L, 1, L)],
-                                bits(x, T.min(io * R + a // CB, m - i64(1)), task // NT,
-                                     ch * DOT_K),
-                                bits(w, task // NT * N + T.min(
-                                    task % NT * TN + cg * CB + a % CB, N - i64(1)), ch * DOT_K))
-                    for r, c in T.grid(R, CB):
-                        if io * R + r < m and task % NT * TN + cg * CB + c < N:
-                            y[io * R + r, task // NT, task % NT * TN + cg * CB + c] = \
-                                pairwise_lane_sum(acc[T.ramp((r * CB + c) * L, 1, L)], L)
+                acc = T.alloc_buffer((ACC * L,), "float32", scope="local")
+                for io in range(m // R):  # whole groups
+                    block(x, w, y, acc, task, io * R, rows, width(rows))
+                # the rows left (m % rows): a group of exactly that many, up to EXACT_ROWS
+                rest_if(x, w, y, acc, task, m % R, 1)
+                rest_if(x, w, y, acc, task, m % R, 2)
+                rest_if(x, w, y, acc, task, m % R, 3)
+                rest_if(x, w, y, acc, task, m % R, 4)
+                rest_if(x, w, y, acc, task, m % R, 5)
+                rest_if(x, w, y, acc, task, m % R, 6)
+                rest_if(x, w, y, acc, task, m % R, 7)
+                rest_if(x, w, y, acc, task, m % R, 8)
+                if rows > EXACT_ROWS + 1:  # static: more left over: a padded group of rows
+                    if m % R > i64(EXACT_ROWS):
+                        block(x, w, y, acc, task, m - m % R, rows, width(rows))
 
     return dense_gemv
 
@@ -203,6 +246,13 @@ def _lanes(k: int, most: int) -> int:
 # or 1 for the group of 6 ran slower (2.92, 4.47), a software prefetch of the weights (the
 # same column 4 to 32 chunks ahead, or the next column group) 15-40% slower, a group of 5
 # instead of 6 for 5 rows the same (the padded row costs nothing measurable).
+# Re-measured (same harness, 2 threads, 2 cores shared with 3 other jobs, min of 150+ calls,
+# interleaved): one row cb 4 0.78-0.83 ms, cb 8 0.70-0.72, cb 16 0.68 (cb 8 taken: the same
+# gain in 8 registers); 5 rows in a group of 6 cb 4 1.11-1.28 ms, 5 rows cb 4 1.18-1.29, 5
+# rows cb 8 (40 accumulators, spilled) 1.15, 6 rows cb 8 1.30, 3 rows cb 8 (two groups)
+# 1.43; a weight prefetch of the next column group 1.21-1.25; the group's activations
+# staged interleaved (against L1 set conflicts: every x and w line of a chunk is a multiple
+# of 4 KB apart) 1.18-1.22; K split in blocks of 1024 or 2048 (x in L1) 1.22-1.25.
 def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
                       x_dtype: str | None = None, w_dtype: str | None = None
                       ) -> DenseGemvConfig:
@@ -211,8 +261,9 @@ def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
                          "(dlight-scheduled) lowering of the dense linears.")
     tn = min(32, n)
     if x_dtype == w_dtype == "bfloat16" and k % DOT_K == 0 and has_avx512_bf16(target):
-        cb = next(c for c in (4, 3, 2, 1) if tn % c == 0 and (rows * c <= DOT_ACCS or c == 1))
-        return DenseGemvConfig(tn=tn, cb=cb, vec=DOT_LANES, rows=rows, kind="bf16_dot")
+        # one row: 8 columns, 8 weight streams in flight (4: 0.78-0.83 ms, 8: 0.70-0.72)
+        return DenseGemvConfig(tn=tn, cb=dot_columns(tn, rows), vec=DOT_LANES, rows=rows,
+                               kind="bf16_dot")
     return DenseGemvConfig(tn=tn, cb=min(4, tn), vec=_lanes(k, 32), rows=rows)
 
 

@@ -225,6 +225,11 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd),
                     ("rows", verify_rows)), (("m", m), ("copies", gemv_copies)))
               for m in ((2,) if quick else (1, verify_rows - 1))]
+    # decode's own o-projection kernel (one row per group) on the same cycled copies: its
+    # figure from memory, beside the verify form's at one row (appended: the order above kept)
+    cases += [Case("gemv-decode-wo_a-m1", "gemv",
+                   (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd)),
+                   (("m", 1), ("copies", gemv_copies)))]
     return cases
 
 
