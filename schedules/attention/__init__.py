@@ -198,13 +198,19 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     restage = stage_rows < ATTN_BLOCK  # PV needs the tile again when it was staged in parts
     # bf16_dot: q as [d/2, heads] bf16 pairs, the tile as bf16 bits, the PV copy and p pairs
     q_shape, q_dtype = ((D // T.int64(2), HG), "uint32") if bf16_dot else ((D, HG), "float32")
-    kst_dtype = "uint16" if bf16_dot else "float32"
-    kvp_shape = (BLK // T.int64(2), D * T.int64(2)) if bf16_dot else (T.int64(1),)
+    # bf16_dot: the entries are staged before the tasks (prestage), so the task has no tile
+    kst_shape = (T.int64(1), T.int64(1)) if bf16_dot else (R, D)
     pp_shape = (BLK // T.int64(2), HG) if bf16_dot else (T.int64(1),)
     scale = T.float32(softmax_scale)
 
     def u32(x):
         return T.Cast("uint32", x)
+
+    def first_row(vb, vs, t, s):  # bf16_dot: the row of kall where block t of (vb, vs) starts
+        return ((vb * s + vs) * NB + t) * BLK
+
+    def staged_shape(b, s, pairs):  # bf16_dot: kall (pairs 1) or kvall (2)
+        return (b * s * NB * BLK // T.int64(pairs), D * T.int64(pairs))
 
     def enc(v):  # a float32x16 of entry values as the staging tile holds them
         return to_bf16_bits(v) if bf16_dot else v
@@ -320,36 +326,55 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
             kst[j, T.ramp(c * T.int64(16), 1, 16)] = enc(T.broadcast(T.float32(0), 16))
 
     @T.macro
-    def stage_vec(bufs, kst, sc, tbl, vb, vs, t, r):
-        """stage() hand-vectorised for AVX-512 (one opaque block; the schedule leaves it)."""
+    def stage_vec(bufs, kst, sc, tbl, vb, vs, t, r, k0):
+        """stage() hand-vectorised for AVX-512 (one opaque block; the schedule leaves it), into
+        rows k0 .. k0 + R - 1 of kst."""
         with T.sblock("stage_vec"):
             for i in T.unroll(16):  # the E2M1 values in code order (constants once unrolled)
                 tbl[i] = fp4_to_f32(u32(i))
             for j in range(R):
                 if t * BLK + r * R + j < Wd:
                     if win_row(bufs[2], vb, vs, t * BLK + r * R + j) >= T.int64(0):
-                        row_fp8(bufs, kst, vb, j, win_row(bufs[2], vb, vs, t * BLK + r * R + j))
+                        row_fp8(bufs, kst, vb, k0 + j,
+                                win_row(bufs[2], vb, vs, t * BLK + r * R + j))
                     else:
-                        zero_row(kst, j)
+                        zero_row(kst, k0 + j)
                 elif t * BLK + r * R + j < L:
                     if glob_row(bufs[4], vb, vs, t * BLK + r * R + j) >= T.int64(0):
-                        row_glob(bufs, kst, sc, tbl, vb, j,
+                        row_glob(bufs, kst, sc, tbl, vb, k0 + j,
                                  glob_row(bufs[4], vb, vs, t * BLK + r * R + j))
                     else:
-                        zero_row(kst, j)
+                        zero_row(kst, k0 + j)
                 else:
-                    zero_row(kst, j)
+                    zero_row(kst, k0 + j)
+
+    @T.macro
+    def prestage(bufs, kall, kvall, s, b):
+        """bf16_dot: every block of every (b, s) row staged once, before the tasks: kall as bf16
+        bits [row, d] for QK, kvall as entry pairs for PV; all head groups of a row read them
+        (staging per group decoded each entry once per group)."""
+        for bb, ss, t in T.grid(b, s, NB):
+            with T.sblock("prestage"):
+                vb, vs, vt = T.axis.remap("SSS", [bb, ss, t])
+                gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")
+                tbl = T.sblock_alloc_buffer((16,), "float32")
+                stage_vec(bufs, kall, gsc, tbl, vb, vs, vt, T.int64(0), first_row(vb, vs, vt, s))
+                kv_pairs(kall, first_row(vb, vs, vt, s), kvall,
+                         first_row(vb, vs, vt, s) // T.int64(2))
 
     @T.macro
     def body(q, bufs, sink, out):
         b = q.shape[0]
         s = q.shape[1]
+        if bf16_dot:  # (a Python if: no scope; kall and kvall exist only here)
+            kall = T.alloc_buffer(staged_shape(b, s, 1), "uint16")  # staged entries
+            kvall = T.alloc_buffer(staged_shape(b, s, 2), "uint16")  # entry pairs
+            prestage(bufs, kall, kvall, s, b)
         for bb, ss, g in T.grid(b, s, NG):
             with T.sblock("task"):
                 vb, vs, vg = T.axis.remap("SSS", [bb, ss, g])
                 qt = T.sblock_alloc_buffer(q_shape, q_dtype)  # q of the group, transposed
-                kst = T.sblock_alloc_buffer((R, D), kst_dtype)  # staged entries
-                kvp = T.sblock_alloc_buffer(kvp_shape, "uint16")  # bf16_dot: entry pairs
+                kst = T.sblock_alloc_buffer(kst_shape, "float32")  # staged entries
                 pp = T.sblock_alloc_buffer(pp_shape, "uint32")  # bf16_dot: p pairs
                 gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")  # row scales
                 tbl = T.sblock_alloc_buffer((16,), "float32")  # E2M1 values (vector_decode)
@@ -375,13 +400,13 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                         den[vh] = T.float32(0)
                 for t in range(NB):
                     for r in range(NR):
-                        if vector_decode:
-                            stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r)
+                        if bf16_dot:
+                            qk_bf16(kall, first_row(vb, vs, t, s), qt, dots)
+                        elif vector_decode:
+                            stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
                         else:
                             stage(bufs, kst, vb, vs, t, r)
-                        if bf16_dot:
-                            qk_bf16(kst, qt, dots)
-                        else:
+                        if not bf16_dot:
                             for j, hh, c in T.grid(R, HG, D):
                                 with T.sblock("qk"):
                                     vr = T.axis.spatial(NR, r)
@@ -427,13 +452,12 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                     for r in range(NR):
                         if restage:
                             if vector_decode:
-                                stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r)
+                                stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
                             else:
                                 stage(bufs, kst, vb, vs, t, r)
                         if bf16_dot:
                             p_pairs(lg, pp)
-                            kv_pairs(kst, kvp)
-                            pv_bf16(kvp, pp, pvb)
+                            pv_bf16(kvall, first_row(vb, vs, t, s) // T.int64(2), pp, pvb)
                         else:
                             for hh, c, j in T.grid(HG, D, R):
                                 with T.sblock("pv"):
@@ -570,9 +594,9 @@ def example_inputs_sparse_attend(*, b: int = 1, s: int = 1, h: int = 64, d: int 
 
 def _blocks(sch: s_tir.Schedule, name: str) -> list:
     """The blocks called `name` or `name_<n>` (a second staging pass), in program order; all
-    blocks inside the task block when `name` is empty."""
+    blocks of the function when `name` is empty."""
     found = []
-    pending = sch.get_child_blocks(sch.get_sblock("task"))
+    pending = sch.get_child_blocks(sch.get_sblock("root"))
     while pending:
         blk, pending = pending[0], pending[1:]
         hint = sch.get(blk).name_hint
@@ -596,6 +620,8 @@ def _split_vector(sch: s_tir.Schedule, loop, lanes: int) -> None:
 def _schedule_cpu(sch: s_tir.Schedule, cfg: SparseAttendConfig, hg: int, d: int) -> None:
     v = cfg.vector
     sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("task"))))
+    if cfg.bf16_dot:  # the staging of every (b, s, block), split over the cores
+        sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("prestage"))))
     for name in ("stage_win", "stage_tail", "acc_update", "out", "q_stage", "logit",
                  "prob", "p_bf16"):  # vectorised over d or over the heads (the innermost loop)
         for blk in _blocks(sch, name):
@@ -650,10 +676,14 @@ def schedule_sparse_attend(func: tvm.tirx.PrimFunc, config: SparseAttendConfig,
     # construction (tasks, heads, d) and the tests compare against the oracle.
     sch = s_tir.Schedule(func, enable_check=False)
     qt, kst = sch.get(sch.get_sblock("task")).alloc_buffers[:2]  # (d or d/2, hg), (rows, d)
-    hg, d = int(qt.shape[1]), int(kst.shape[1])
-    if (hg, int(kst.shape[0])) != (config.heads_per_group, config.stage_rows):
+    bf16_dot = bool(_blocks(sch, "qk_vec"))
+    hg = int(qt.shape[1])
+    # the bf16-dot path stages whole blocks before the tasks (prestage): no tile in the task
+    d, rows = (2 * int(qt.shape[0]), ATTN_BLOCK) if bf16_dot else (int(kst.shape[1]),
+                                                                   int(kst.shape[0]))
+    if (hg, rows) != (config.heads_per_group, config.stage_rows):
         raise ValueError(
-            f"The kernel was built with heads_per_group={hg}, stage_rows={int(kst.shape[0])} "
+            f"The kernel was built with heads_per_group={hg}, stage_rows={rows} "
             f"but the config asks for {config.heads_per_group}, {config.stage_rows}; build it "
             "with make_sparse_attend(..., heads_per_group=config.heads_per_group, "
             "stage_rows=config.stage_rows).")
@@ -662,7 +692,6 @@ def schedule_sparse_attend(func: tvm.tirx.PrimFunc, config: SparseAttendConfig,
         raise ValueError(f"The kernel was built with vector_decode={vector} but the config asks "
                          f"for {config.vector_decode}; build it with make_sparse_attend(..., "
                          "vector_decode=config.vector_decode).")
-    bf16_dot = bool(_blocks(sch, "qk_vec"))
     if bf16_dot != config.bf16_dot:
         raise ValueError(f"The kernel was built with bf16_dot={bf16_dot} but the config asks for "
                          f"{config.bf16_dot}; build it with make_sparse_attend(..., "

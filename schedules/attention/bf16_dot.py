@@ -117,18 +117,18 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
                 )
 
     @T.macro
-    def kv_pairs(kst, kvp):
-        """kvp[j, c, 0 / 1] = kst[2j / 2j + 1, c]: the staged block with entry pairs side by
-        side for PV."""
+    def kv_pairs(kst, k0, kvp, p0):
+        """kvp[p0 + j, c, 0 / 1] = kst[k0 + 2j / k0 + 2j + 1, c]: the block staged at row k0 with
+        entry pairs side by side for PV (k0 = 2 p0)."""
         with T.sblock("kv_pairs"):
             for j, c in T.grid(BLK // T.int64(2), D // T.int64(LANES)):
-                kvp[j, _pairs(c)] = T.Shuffle(
-                    [kst[j * 2, _vec(c)], kst[j * 2 + 1, _vec(c)]], interleave
+                kvp[p0 + j, _pairs(c)] = T.Shuffle(
+                    [kst[k0 + j * 2, _vec(c)], kst[k0 + j * 2 + 1, _vec(c)]], interleave
                 )
 
     @T.macro
-    def qk(kst, qp, dots):
-        """dots[j, h] = sum over c of kst[j, c] * q[h, c]; a tile of QR entries x QH head
+    def qk(kst, k0, qp, dots):
+        """dots[j, h] = sum over c of kst[k0 + j, c] * q[h, c]; a tile of QR entries x QH head
         vectors accumulates over the d/2 pairs in registers (acc[e * QH + v])."""
         with T.sblock("qk_vec"):
             acc = T.sblock_alloc_buffer((TILE * LANES,), "float32", scope="local")
@@ -144,7 +144,7 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
                                     T.reinterpret("uint16x32", qp[i, _vec(h0 * QH + v)]),
                                     _pair_bcast(
                                         T.reinterpret(
-                                            "uint32", kst.vload([j0 * QR + e, i * 2], "uint16x2")
+                                            "uint32", kst.vload([k0 + j0 * QR + e, i * 2], "uint16x2")
                                         )
                                     ),
                                 )
@@ -162,8 +162,8 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
                 )
 
     @T.macro
-    def pv(kvp, pp, pvb):
-        """pvb[h, c] = sum over j of p[j, h] * kst[j, c]; a tile of PH heads x PD dim vectors
+    def pv(kvp, p0, pp, pvb):
+        """pvb[h, c] = sum over j of p[j, h] * kvp[p0 + j / 2, c, j % 2]; a tile of PH heads x PD dim vectors
         accumulates over the blk/2 entry pairs in registers (acc[hh * PD + v]); the dim strip
         is the outer loop, so its staged pairs stay in L1 across the head tiles."""
         with T.sblock("pv_vec"):
@@ -177,7 +177,7 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
                             for hh in T.unroll(PH):
                                 acc[_vec(hh * PD + v)] = dpbf16ps(
                                     acc[_vec(hh * PD + v)],
-                                    kvp[j, _pairs(c0 * PD + v)],
+                                    kvp[p0 + j, _pairs(c0 * PD + v)],
                                     _pair_bcast(pp[j, h0 * PH + hh]),
                                 )
                     for hh in T.unroll(PH):
