@@ -52,6 +52,7 @@ from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.attention.bf16_dot import (
     check_bf16_dot_dims,
     make_bf16_dot_stages,
+    p_pair,
     to_bf16_bits,
 )
 from dsv41.schedules.common import (
@@ -135,12 +136,18 @@ def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> Spar
 # ---- vector decoders (the vector_decode staging) -----------------------------------------------
 
 
-def _exp(x):
+def _exp(x, lanes: int = 1):
     """exp(x) in fp32 arithmetic that vectorises (T.exp becomes one libm call per lane): Cody-Waite
     reduction x = n ln2 + r and Cephes' expf polynomial; at most 1 ulp from the exact value
     (90% exact; libm's expf and torch's differ from it and from each other by an ulp as well),
     exp(0) = 1 exactly, 0 below -87.3 (libm gives a denormal there, which no sum of
-    probabilities normalised to a maximum of 1 can see), +inf above 88.7, NaN kept."""
+    probabilities normalised to a maximum of 1 can see), +inf above 88.7, NaN kept. `lanes`:
+    x is a float32 vector of that many lanes (the same operations, lane by lane)."""
+
+    def const(v):  # a float32 constant as x's type
+        return T.float32(v) if lanes == 1 else T.broadcast(T.float32(v), lanes)
+
+    sfx = "" if lanes == 1 else f"x{lanes}"
     n = T.floor(T.max(T.min(x, T.float32(88.7)), T.float32(-87.3)) * T.float32(1.4426950408889634)
                 + T.float32(0.5))
     r = (x - n * T.float32(0.693359375)) - n * T.float32(-2.12194440e-4)
@@ -149,9 +156,10 @@ def _exp(x):
               5.0000001201e-1):
         p = p * r + T.float32(c)
     y = (p * (r * r) + r) + T.float32(1)
-    two_n = T.reinterpret("float32", (T.Cast("int32", n) + T.int32(127)) << T.int32(23))
-    y = T.Select(x < T.float32(-87.3), T.float32(0), y * two_n)
-    return T.Select(x > T.float32(88.7), T.float32(math.inf), T.Select(x != x, x, y))
+    two_n = T.reinterpret("float32" + sfx, (T.Cast("int32" + sfx, n) + T.int32(127))
+                          << T.int32(23))
+    y = T.Select(x < const(-87.3), const(0), y * two_n)
+    return T.Select(x > const(88.7), const(math.inf), T.Select(x != x, x, y))
 
 
 def _nibbles(a):
@@ -185,7 +193,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     if bf16_dot:
         check_bf16_dot_dims(hg=hg, d=d, stage_rows=stage_rows, blk=ATTN_BLOCK,
                             vector_decode=vector_decode)
-        q_pairs, kv_pairs, qk_bf16, p_pairs, pv_bf16 = make_bf16_dot_stages(
+        q_pairs, kv_pairs, qk_bf16, pv_bf16 = make_bf16_dot_stages(
             hg=hg, d=d, blk=ATTN_BLOCK)
     H, D, HG, R = T.int64(h), T.int64(d), T.int64(hg), T.int64(stage_rows)
     NG = T.int64(h // hg)
@@ -200,6 +208,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     q_shape, q_dtype = ((D // T.int64(2), HG), "uint32") if bf16_dot else ((D, HG), "float32")
     # bf16_dot: the entries are staged before the tasks (prestage), so the task has no tile
     kst_shape = (T.int64(1), T.int64(1)) if bf16_dot else (R, D)
+    pvb_shape = (T.int64(1), T.int64(1)) if bf16_dot else (HG, D)  # bf16_dot: PV adds into acc
     pp_shape = (BLK // T.int64(2), HG) if bf16_dot else (T.int64(1),)
     scale = T.float32(softmax_scale)
 
@@ -348,6 +357,39 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                 else:
                     zero_row(kst, k0 + j)
 
+    def vec(h0):  # heads h0 * 16 .. h0 * 16 + 15
+        return T.ramp(h0 * T.int64(16), 1, 16)
+
+    def round_bf16_vec(x):  # round_bf16 of a float32x16, lane by lane
+        u = T.reinterpret("uint32x16", x)
+        return T.Select(x != x, x, T.reinterpret("float32x16", (
+            u + ((u >> T.broadcast(T.uint32(16), 16)) & T.broadcast(T.uint32(1), 16))
+            + T.broadcast(T.uint32(0x7FFF), 16)) & T.broadcast(T.uint32(0xFFFF0000), 16)))
+
+    @T.macro
+    def softmax_vec(bufs, dots, lg, mx, mn, psum, pp, vb, vs, t):
+        """bf16_dot: the logit, block_max, prob, denom, p_bf16 and p_pairs blocks in two passes
+        over the block, 16 heads a vector, each the same operations in the same order (j
+        ascending): the logits and their running max, then p, its fp32 sum and the bf16 pairs
+        PV takes (bf16_dot.p_pair; lg keeps the unrounded p)."""
+        with T.sblock("softmax_vec"):
+            for h0 in range(HG // T.int64(16)):
+                mn[vec(h0)] = mx[vec(h0)]
+                for j in range(BLK):
+                    if valid(bufs, vb, vs, t * BLK + j):
+                        lg[j, vec(h0)] = dots[j, vec(h0)] * T.broadcast(scale, 16)
+                    else:
+                        lg[j, vec(h0)] = T.broadcast(T.float32(-math.inf), 16) \
+                            * T.broadcast(scale, 16)
+                    mn[vec(h0)] = T.max(mn[vec(h0)], lg[j, vec(h0)])
+                psum[vec(h0)] = T.broadcast(T.float32(0), 16)
+                for j in range(BLK // T.int64(2)):
+                    for e in T.unroll(2):
+                        lg[j * 2 + e, vec(h0)] = _exp(lg[j * 2 + e, vec(h0)] - mn[vec(h0)], 16)
+                        psum[vec(h0)] = psum[vec(h0)] + lg[j * 2 + e, vec(h0)]
+                    pp[j, vec(h0)] = p_pair(round_bf16_vec(lg[j * 2, vec(h0)]),
+                                            round_bf16_vec(lg[j * 2 + 1, vec(h0)]))
+
     @T.macro
     def prestage(bufs, kall, kvall, s, b):
         """bf16_dot: every block of every (b, s) row staged once, before the tasks: kall as bf16
@@ -385,7 +427,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                 mn = T.sblock_alloc_buffer((HG,), "float32")  # the block's new max
                 den = T.sblock_alloc_buffer((HG,), "float32")
                 psum = T.sblock_alloc_buffer((HG,), "float32")  # the block's sum of p
-                pvb = T.sblock_alloc_buffer((HG, D), "float32")  # the block's p @ entries
+                pvb = T.sblock_alloc_buffer(pvb_shape, "float32")  # the block's p @ entries
                 if bf16_dot:
                     q_pairs(q, qt, vb, vs, vg)
                 else:
@@ -398,6 +440,11 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                         vh = T.axis.remap("S", [hh])
                         mx[vh] = T.float32(NEG_BIG)
                         den[vh] = T.float32(0)
+                if bf16_dot:  # PV adds into acc itself (acc * rescale + pv, as acc_update)
+                    for hh, c in T.grid(HG, D):
+                        with T.sblock("acc_init"):
+                            vh, vc = T.axis.remap("SS", [hh, c])
+                            acc[vh, vc] = T.float32(0)
                 for t in range(NB):
                     for r in range(NR):
                         if bf16_dot:
@@ -415,40 +462,46 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                                         dots[vr * R + vj, vh] = T.float32(0)
                                     dots[vr * R + vj, vh] = dots[vr * R + vj, vh] \
                                         + kst[vj, vc] * qt[vc, vh]
-                    for j, hh in T.grid(BLK, HG):
-                        with T.sblock("logit"):
-                            vt = T.axis.spatial(NB, t)
-                            vj, vh = T.axis.remap("SS", [j, hh])
-                            lg[vj, vh] = T.if_then_else(valid(bufs, vb, vs, vt * BLK + vj),
-                                                        dots[vj, vh], T.float32(-math.inf)) * scale
-                    for hh, j in T.grid(HG, BLK):
-                        with T.sblock("block_max"):
-                            vh, vj = T.axis.remap("SR", [hh, j])
-                            with T.init():
-                                mn[vh] = mx[vh]
-                            mn[vh] = T.max(mn[vh], lg[vj, vh])
-                    for j, hh in T.grid(BLK, HG):
-                        with T.sblock("prob"):
-                            vj, vh = T.axis.remap("SS", [j, hh])
-                            lg[vj, vh] = _exp(lg[vj, vh] - mn[vh])
+                    if bf16_dot:
+                        softmax_vec(bufs, dots, lg, mx, mn, psum, pp, vb, vs, t)
+                    else:
+                        for j, hh in T.grid(BLK, HG):
+                            with T.sblock("logit"):
+                                vt = T.axis.spatial(NB, t)
+                                vj, vh = T.axis.remap("SS", [j, hh])
+                                lg[vj, vh] = T.if_then_else(
+                                    valid(bufs, vb, vs, vt * BLK + vj), dots[vj, vh],
+                                    T.float32(-math.inf)) * scale
+                        for hh, j in T.grid(HG, BLK):
+                            with T.sblock("block_max"):
+                                vh, vj = T.axis.remap("SR", [hh, j])
+                                with T.init():
+                                    mn[vh] = mx[vh]
+                                mn[vh] = T.max(mn[vh], lg[vj, vh])
+                        for j, hh in T.grid(BLK, HG):
+                            with T.sblock("prob"):
+                                vj, vh = T.axis.remap("SS", [j, hh])
+                                lg[vj, vh] = _exp(lg[vj, vh] - mn[vh])
                     for hh in range(HG):
                         with T.sblock("rescale"):
                             vh = T.axis.remap("S", [hh])
                             mx[vh] = T.exp(mx[vh] - mn[vh])  # mx holds the rescale factor now
-                    for hh, j in T.grid(HG, BLK):
-                        with T.sblock("denom"):
-                            vh, vj = T.axis.remap("SR", [hh, j])
-                            with T.init():
-                                psum[vh] = T.float32(0)
-                            psum[vh] = psum[vh] + lg[vj, vh]
+                    if not bf16_dot:
+                        for hh, j in T.grid(HG, BLK):
+                            with T.sblock("denom"):
+                                vh, vj = T.axis.remap("SR", [hh, j])
+                                with T.init():
+                                    psum[vh] = T.float32(0)
+                                psum[vh] = psum[vh] + lg[vj, vh]
                     for hh in range(HG):
                         with T.sblock("denom_update"):
                             vh = T.axis.remap("S", [hh])
                             den[vh] = den[vh] * mx[vh] + psum[vh]
-                    for j, hh in T.grid(BLK, HG):
-                        with T.sblock("p_bf16"):  # p as PV uses it (the sum above took fp32 p)
-                            vj, vh = T.axis.remap("SS", [j, hh])
-                            lg[vj, vh] = round_bf16(lg[vj, vh])
+                    if not bf16_dot:
+                        for j, hh in T.grid(BLK, HG):
+                            with T.sblock("p_bf16"):  # p as PV uses it (the sum above took fp32 p)
+                                vj, vh = T.axis.remap("SS", [j, hh])
+                                lg[vj, vh] = round_bf16(lg[vj, vh])
                     for r in range(NR):
                         if restage:
                             if vector_decode:
@@ -456,8 +509,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                             else:
                                 stage(bufs, kst, vb, vs, t, r)
                         if bf16_dot:
-                            p_pairs(lg, pp)
-                            pv_bf16(kvall, first_row(vb, vs, t, s) // T.int64(2), pp, pvb)
+                            pv_bf16(kvall, first_row(vb, vs, t, s) // T.int64(2), pp, acc, mx)
                         else:
                             for hh, c, j in T.grid(HG, D, R):
                                 with T.sblock("pv"):
@@ -467,18 +519,18 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                                         pvb[vh, vc] = T.float32(0)
                                     pvb[vh, vc] = pvb[vh, vc] \
                                         + lg[vr * R + vj, vh] * kst[vj, vc]
-                        for hh, c in T.grid(HG, D):
-                            with T.sblock("acc_update"):
-                                # a reduction over (t, r) in form: acc starts at 0 and is its
-                                # only writer, so it can be computed at pv's loops on CUDA
-                                vt = T.axis.reduce(NB, t)
-                                vr = T.axis.reduce(NR, r)
-                                vh, vc = T.axis.remap("SS", [hh, c])
-                                with T.init():
-                                    acc[vh, vc] = T.float32(0)
-                                # acc * rescale + pv as the oracle; later passes only add
-                                acc[vh, vc] = acc[vh, vc] * T.if_then_else(
-                                    vr == T.int64(0), mx[vh], T.float32(1)) + pvb[vh, vc]
+                            for hh, c in T.grid(HG, D):
+                                with T.sblock("acc_update"):
+                                    # a reduction over (t, r) in form: acc starts at 0 and is its
+                                    # only writer, so it can be computed at pv's loops on CUDA
+                                    vt = T.axis.reduce(NB, t)
+                                    vr = T.axis.reduce(NR, r)
+                                    vh, vc = T.axis.remap("SS", [hh, c])
+                                    with T.init():
+                                        acc[vh, vc] = T.float32(0)
+                                    # acc * rescale + pv as the oracle; later passes only add
+                                    acc[vh, vc] = acc[vh, vc] * T.if_then_else(
+                                        vr == T.int64(0), mx[vh], T.float32(1)) + pvb[vh, vc]
                     for hh in range(HG):
                         with T.sblock("max_update"):
                             vh = T.axis.remap("S", [hh])
@@ -622,11 +674,13 @@ def _schedule_cpu(sch: s_tir.Schedule, cfg: SparseAttendConfig, hg: int, d: int)
     sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("task"))))
     if cfg.bf16_dot:  # the staging of every (b, s, block), split over the cores
         sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("prestage"))))
-    for name in ("stage_win", "stage_tail", "acc_update", "out", "q_stage", "logit",
+    for name in ("stage_win", "stage_tail", "acc_update", "acc_init", "out", "q_stage", "logit",
                  "prob", "p_bf16"):  # vectorised over d or over the heads (the innermost loop)
         for blk in _blocks(sch, name):
             _split_vector(sch, sch.get_loops(blk)[-1], v)
     for name in ("block_max", "denom"):  # j outside, heads in lanes: each head's max/sum
+        if not _blocks(sch, name):  # bf16_dot: softmax_vec, written vectorised
+            continue
         blk = sch.get_sblock(name)  # still runs over j in order, 16 heads at a time
         hh, j = sch.get_loops(blk)[-2:]
         sch.reorder(j, hh)
