@@ -69,6 +69,8 @@ ATTN_BLOCK = 64  # entries per online-softmax block (graph.ops.ATTN_BLOCK)
 FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values
 FP4_BLOCK = 16  # global entries: one E4M3 scale per 16 values
 NEG_BIG = -1e30  # the oracle's initial running max
+PRESTAGE_BYTES = 8 << 20  # bf16_dot: the staged blocks of the rows prestaged at a time (both
+# layouts); 6 rows at the bench size (h 64, d 512, w 128, k 512: 1.25 MiB a row)
 
 
 # ---- host-side validation ------------------------------------------------------------------------
@@ -182,9 +184,16 @@ def _check_dims(h: int, d: int, w: int, k: int, hg: int, rows: int) -> None:
         raise ValueError(f"window width w={w} and topk k={k} must be >= 0 with w + k > 0.")
 
 
+def prestage_rows(*, d: int, w: int, k: int) -> int:
+    """bf16_dot: the (b, s) rows staged at a time: as many as PRESTAGE_BYTES holds (at least
+    1), so a verify's 1 + k rows are one chunk and a long prefill stays within the budget."""
+    per_row = -(-(w + k) // ATTN_BLOCK) * ATTN_BLOCK * d * 2 * 2  # bf16, two layouts
+    return max(1, PRESTAGE_BYTES // per_row)
+
+
 def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
           heads_per_group: int | None, stage_rows: int, vector_decode: bool,
-          bf16_dot: bool) -> tvm.tirx.PrimFunc:
+          bf16_dot: bool, chunk_rows: int | None) -> tvm.tirx.PrimFunc:
     """The shared body of both ops; `kind` is "fp4" or "bf16" (the global cache's format)."""
     hg = heads_per_group or h
     _check_dims(h, d, w, k, hg, stage_rows)
@@ -204,6 +213,10 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     BLK = T.int64(ATTN_BLOCK)
     Wd, Kd, L = T.int64(w), T.int64(k), T.int64(nl)
     restage = stage_rows < ATTN_BLOCK  # PV needs the tile again when it was staged in parts
+    chunk_rows = prestage_rows(d=d, w=w, k=k) if chunk_rows is None else chunk_rows
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1; got {chunk_rows}.")
+    C = T.int64(chunk_rows)  # bf16_dot: rows prestaged at a time
     # bf16_dot: q as [d/2, heads] bf16 pairs, the tile as bf16 bits, the PV copy and p pairs
     q_shape, q_dtype = ((D // T.int64(2), HG), "uint32") if bf16_dot else ((D, HG), "float32")
     # bf16_dot: the entries are staged before the tasks (prestage), so the task has no tile
@@ -214,12 +227,6 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
 
     def u32(x):
         return T.Cast("uint32", x)
-
-    def first_row(vb, vs, t, s):  # bf16_dot: the row of kall where block t of (vb, vs) starts
-        return ((vb * s + vs) * NB + t) * BLK
-
-    def staged_shape(b, s, pairs):  # bf16_dot: kall (pairs 1) or kvall (2)
-        return (b * s * NB * BLK // T.int64(pairs), D * T.int64(pairs))
 
     def enc(v):  # a float32x16 of entry values as the staging tile holds them
         return to_bf16_bits(v) if bf16_dot else v
@@ -391,158 +398,173 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                                             round_bf16_vec(lg[j * 2 + 1, vec(h0)]))
 
     @T.macro
-    def prestage(bufs, kall, kvall, s, b):
-        """bf16_dot: every block of every (b, s) row staged once, before the tasks: kall as bf16
-        bits [row, d] for QK, kvall as entry pairs for PV; all head groups of a row read them
-        (staging per group decoded each entry once per group)."""
-        for bb, ss, t in T.grid(b, s, NB):
-            with T.sblock("prestage"):
-                vb, vs, vt = T.axis.remap("SSS", [bb, ss, t])
-                gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")
-                tbl = T.sblock_alloc_buffer((16,), "float32")
-                stage_vec(bufs, kall, gsc, tbl, vb, vs, vt, T.int64(0), first_row(vb, vs, vt, s))
-                kv_pairs(kall, first_row(vb, vs, vt, s), kvall,
-                         first_row(vb, vs, vt, s) // T.int64(2))
+    def prestage(bufs, kall, kvall, vb, vs, t, k0):
+        """bf16_dot: block t of row (vb, vs) staged into rows k0 .. k0 + 63 of kall (bf16 bits
+        [row, d], for QK) and as entry pairs into kvall (for PV), once for all head groups
+        (inside the "prestage" sblock)."""
+        gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")
+        tbl = T.sblock_alloc_buffer((16,), "float32")
+        stage_vec(bufs, kall, gsc, tbl, vb, vs, t, T.int64(0), k0)
+        kv_pairs(kall, k0, kvall, k0 // T.int64(2))
+
+    @T.macro
+    def task_body(q, bufs, sink, out, kall, kvall, vb, vs, vg, k0):
+        """One task: row (vb, vs) of the output for head group vg, inside its sblock; bf16_dot:
+        the row's staged blocks start at row k0 of kall (None otherwise)."""
+        qt = T.sblock_alloc_buffer(q_shape, q_dtype)  # q of the group, transposed
+        kst = T.sblock_alloc_buffer(kst_shape, "float32")  # staged entries
+        pp = T.sblock_alloc_buffer(pp_shape, "uint32")  # bf16_dot: p pairs
+        gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")  # row scales
+        tbl = T.sblock_alloc_buffer((16,), "float32")  # E2M1 values (vector_decode)
+        dots = T.sblock_alloc_buffer((BLK, HG), "float32")  # q . entry
+        lg = T.sblock_alloc_buffer((BLK, HG), "float32")  # logits, then p
+        acc = T.sblock_alloc_buffer((HG, D), "float32")
+        mx = T.sblock_alloc_buffer((HG,), "float32")  # running max
+        mn = T.sblock_alloc_buffer((HG,), "float32")  # the block's new max
+        den = T.sblock_alloc_buffer((HG,), "float32")
+        psum = T.sblock_alloc_buffer((HG,), "float32")  # the block's sum of p
+        pvb = T.sblock_alloc_buffer(pvb_shape, "float32")  # the block's p @ entries
+        if bf16_dot:
+            q_pairs(q, qt, vb, vs, vg)
+        else:
+            for c, hh in T.grid(D, HG):
+                with T.sblock("q_stage"):
+                    vc, vh = T.axis.remap("SS", [c, hh])
+                    qt[vc, vh] = T.Cast("float32", q[vb, vs, vg * HG + vh, vc])
+        for hh in range(HG):
+            with T.sblock("state_init"):
+                vh = T.axis.remap("S", [hh])
+                mx[vh] = T.float32(NEG_BIG)
+                den[vh] = T.float32(0)
+        if bf16_dot:  # PV adds into acc itself (acc * rescale + pv, as acc_update)
+            for hh, c in T.grid(HG, D):
+                with T.sblock("acc_init"):
+                    vh, vc = T.axis.remap("SS", [hh, c])
+                    acc[vh, vc] = T.float32(0)
+        for t in range(NB):
+            for r in range(NR):
+                if bf16_dot:
+                    qk_bf16(kall, k0 + t * BLK, qt, dots)
+                elif vector_decode:
+                    stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
+                else:
+                    stage(bufs, kst, vb, vs, t, r)
+                if not bf16_dot:
+                    for j, hh, c in T.grid(R, HG, D):
+                        with T.sblock("qk"):
+                            vr = T.axis.spatial(NR, r)
+                            vj, vh, vc = T.axis.remap("SSR", [j, hh, c])
+                            with T.init():
+                                dots[vr * R + vj, vh] = T.float32(0)
+                            dots[vr * R + vj, vh] = dots[vr * R + vj, vh] \
+                                + kst[vj, vc] * qt[vc, vh]
+            if bf16_dot:
+                softmax_vec(bufs, dots, lg, mx, mn, psum, pp, vb, vs, t)
+            else:
+                for j, hh in T.grid(BLK, HG):
+                    with T.sblock("logit"):
+                        vt = T.axis.spatial(NB, t)
+                        vj, vh = T.axis.remap("SS", [j, hh])
+                        lg[vj, vh] = T.if_then_else(
+                            valid(bufs, vb, vs, vt * BLK + vj), dots[vj, vh],
+                            T.float32(-math.inf)) * scale
+                for hh, j in T.grid(HG, BLK):
+                    with T.sblock("block_max"):
+                        vh, vj = T.axis.remap("SR", [hh, j])
+                        with T.init():
+                            mn[vh] = mx[vh]
+                        mn[vh] = T.max(mn[vh], lg[vj, vh])
+                for j, hh in T.grid(BLK, HG):
+                    with T.sblock("prob"):
+                        vj, vh = T.axis.remap("SS", [j, hh])
+                        lg[vj, vh] = _exp(lg[vj, vh] - mn[vh])
+            for hh in range(HG):
+                with T.sblock("rescale"):
+                    vh = T.axis.remap("S", [hh])
+                    mx[vh] = T.exp(mx[vh] - mn[vh])  # mx holds the rescale factor now
+            if not bf16_dot:
+                for hh, j in T.grid(HG, BLK):
+                    with T.sblock("denom"):
+                        vh, vj = T.axis.remap("SR", [hh, j])
+                        with T.init():
+                            psum[vh] = T.float32(0)
+                        psum[vh] = psum[vh] + lg[vj, vh]
+            for hh in range(HG):
+                with T.sblock("denom_update"):
+                    vh = T.axis.remap("S", [hh])
+                    den[vh] = den[vh] * mx[vh] + psum[vh]
+            if not bf16_dot:
+                for j, hh in T.grid(BLK, HG):
+                    with T.sblock("p_bf16"):  # p as PV uses it (the sum above took fp32 p)
+                        vj, vh = T.axis.remap("SS", [j, hh])
+                        lg[vj, vh] = round_bf16(lg[vj, vh])
+            for r in range(NR):
+                if restage:
+                    if vector_decode:
+                        stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
+                    else:
+                        stage(bufs, kst, vb, vs, t, r)
+                if bf16_dot:
+                    pv_bf16(kvall, (k0 + t * BLK) // T.int64(2), pp, acc, mx)
+                else:
+                    for hh, c, j in T.grid(HG, D, R):
+                        with T.sblock("pv"):
+                            vr = T.axis.spatial(NR, r)
+                            vh, vc, vj = T.axis.remap("SSR", [hh, c, j])
+                            with T.init():
+                                pvb[vh, vc] = T.float32(0)
+                            pvb[vh, vc] = pvb[vh, vc] \
+                                + lg[vr * R + vj, vh] * kst[vj, vc]
+                    for hh, c in T.grid(HG, D):
+                        with T.sblock("acc_update"):
+                            # a reduction over (t, r) in form: acc starts at 0 and is its
+                            # only writer, so it can be computed at pv's loops on CUDA
+                            vt = T.axis.reduce(NB, t)
+                            vr = T.axis.reduce(NR, r)
+                            vh, vc = T.axis.remap("SS", [hh, c])
+                            with T.init():
+                                acc[vh, vc] = T.float32(0)
+                            # acc * rescale + pv as the oracle; later passes only add
+                            acc[vh, vc] = acc[vh, vc] * T.if_then_else(
+                                vr == T.int64(0), mx[vh], T.float32(1)) + pvb[vh, vc]
+            for hh in range(HG):
+                with T.sblock("max_update"):
+                    vh = T.axis.remap("S", [hh])
+                    mx[vh] = mn[vh]
+        for hh in range(HG):
+            with T.sblock("sink"):
+                vh = T.axis.remap("S", [hh])
+                den[vh] = den[vh] + T.exp(sink[vg * HG + vh] - mx[vh])
+        for hh, c in T.grid(HG, D):
+            with T.sblock("out"):
+                vh, vc = T.axis.remap("SS", [hh, c])
+                out[vb, vs, vg * HG + vh, vc] = T.Cast("bfloat16", acc[vh, vc] / den[vh])
 
     @T.macro
     def body(q, bufs, sink, out):
         b = q.shape[0]
         s = q.shape[1]
-        if bf16_dot:  # (a Python if: no scope; kall and kvall exist only here)
-            kall = T.alloc_buffer(staged_shape(b, s, 1), "uint16")  # staged entries
-            kvall = T.alloc_buffer(staged_shape(b, s, 2), "uint16")  # entry pairs
-            prestage(bufs, kall, kvall, s, b)
-        for bb, ss, g in T.grid(b, s, NG):
-            with T.sblock("task"):
-                vb, vs, vg = T.axis.remap("SSS", [bb, ss, g])
-                qt = T.sblock_alloc_buffer(q_shape, q_dtype)  # q of the group, transposed
-                kst = T.sblock_alloc_buffer(kst_shape, "float32")  # staged entries
-                pp = T.sblock_alloc_buffer(pp_shape, "uint32")  # bf16_dot: p pairs
-                gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")  # row scales
-                tbl = T.sblock_alloc_buffer((16,), "float32")  # E2M1 values (vector_decode)
-                dots = T.sblock_alloc_buffer((BLK, HG), "float32")  # q . entry
-                lg = T.sblock_alloc_buffer((BLK, HG), "float32")  # logits, then p
-                acc = T.sblock_alloc_buffer((HG, D), "float32")
-                mx = T.sblock_alloc_buffer((HG,), "float32")  # running max
-                mn = T.sblock_alloc_buffer((HG,), "float32")  # the block's new max
-                den = T.sblock_alloc_buffer((HG,), "float32")
-                psum = T.sblock_alloc_buffer((HG,), "float32")  # the block's sum of p
-                pvb = T.sblock_alloc_buffer(pvb_shape, "float32")  # the block's p @ entries
-                if bf16_dot:
-                    q_pairs(q, qt, vb, vs, vg)
-                else:
-                    for c, hh in T.grid(D, HG):
-                        with T.sblock("q_stage"):
-                            vc, vh = T.axis.remap("SS", [c, hh])
-                            qt[vc, vh] = T.Cast("float32", q[vb, vs, vg * HG + vh, vc])
-                for hh in range(HG):
-                    with T.sblock("state_init"):
-                        vh = T.axis.remap("S", [hh])
-                        mx[vh] = T.float32(NEG_BIG)
-                        den[vh] = T.float32(0)
-                if bf16_dot:  # PV adds into acc itself (acc * rescale + pv, as acc_update)
-                    for hh, c in T.grid(HG, D):
-                        with T.sblock("acc_init"):
-                            vh, vc = T.axis.remap("SS", [hh, c])
-                            acc[vh, vc] = T.float32(0)
-                for t in range(NB):
-                    for r in range(NR):
-                        if bf16_dot:
-                            qk_bf16(kall, first_row(vb, vs, t, s), qt, dots)
-                        elif vector_decode:
-                            stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
-                        else:
-                            stage(bufs, kst, vb, vs, t, r)
-                        if not bf16_dot:
-                            for j, hh, c in T.grid(R, HG, D):
-                                with T.sblock("qk"):
-                                    vr = T.axis.spatial(NR, r)
-                                    vj, vh, vc = T.axis.remap("SSR", [j, hh, c])
-                                    with T.init():
-                                        dots[vr * R + vj, vh] = T.float32(0)
-                                    dots[vr * R + vj, vh] = dots[vr * R + vj, vh] \
-                                        + kst[vj, vc] * qt[vc, vh]
-                    if bf16_dot:
-                        softmax_vec(bufs, dots, lg, mx, mn, psum, pp, vb, vs, t)
-                    else:
-                        for j, hh in T.grid(BLK, HG):
-                            with T.sblock("logit"):
-                                vt = T.axis.spatial(NB, t)
-                                vj, vh = T.axis.remap("SS", [j, hh])
-                                lg[vj, vh] = T.if_then_else(
-                                    valid(bufs, vb, vs, vt * BLK + vj), dots[vj, vh],
-                                    T.float32(-math.inf)) * scale
-                        for hh, j in T.grid(HG, BLK):
-                            with T.sblock("block_max"):
-                                vh, vj = T.axis.remap("SR", [hh, j])
-                                with T.init():
-                                    mn[vh] = mx[vh]
-                                mn[vh] = T.max(mn[vh], lg[vj, vh])
-                        for j, hh in T.grid(BLK, HG):
-                            with T.sblock("prob"):
-                                vj, vh = T.axis.remap("SS", [j, hh])
-                                lg[vj, vh] = _exp(lg[vj, vh] - mn[vh])
-                    for hh in range(HG):
-                        with T.sblock("rescale"):
-                            vh = T.axis.remap("S", [hh])
-                            mx[vh] = T.exp(mx[vh] - mn[vh])  # mx holds the rescale factor now
-                    if not bf16_dot:
-                        for hh, j in T.grid(HG, BLK):
-                            with T.sblock("denom"):
-                                vh, vj = T.axis.remap("SR", [hh, j])
-                                with T.init():
-                                    psum[vh] = T.float32(0)
-                                psum[vh] = psum[vh] + lg[vj, vh]
-                    for hh in range(HG):
-                        with T.sblock("denom_update"):
-                            vh = T.axis.remap("S", [hh])
-                            den[vh] = den[vh] * mx[vh] + psum[vh]
-                    if not bf16_dot:
-                        for j, hh in T.grid(BLK, HG):
-                            with T.sblock("p_bf16"):  # p as PV uses it (the sum above took fp32 p)
-                                vj, vh = T.axis.remap("SS", [j, hh])
-                                lg[vj, vh] = round_bf16(lg[vj, vh])
-                    for r in range(NR):
-                        if restage:
-                            if vector_decode:
-                                stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
-                            else:
-                                stage(bufs, kst, vb, vs, t, r)
-                        if bf16_dot:
-                            pv_bf16(kvall, first_row(vb, vs, t, s) // T.int64(2), pp, acc, mx)
-                        else:
-                            for hh, c, j in T.grid(HG, D, R):
-                                with T.sblock("pv"):
-                                    vr = T.axis.spatial(NR, r)
-                                    vh, vc, vj = T.axis.remap("SSR", [hh, c, j])
-                                    with T.init():
-                                        pvb[vh, vc] = T.float32(0)
-                                    pvb[vh, vc] = pvb[vh, vc] \
-                                        + lg[vr * R + vj, vh] * kst[vj, vc]
-                            for hh, c in T.grid(HG, D):
-                                with T.sblock("acc_update"):
-                                    # a reduction over (t, r) in form: acc starts at 0 and is its
-                                    # only writer, so it can be computed at pv's loops on CUDA
-                                    vt = T.axis.reduce(NB, t)
-                                    vr = T.axis.reduce(NR, r)
-                                    vh, vc = T.axis.remap("SS", [hh, c])
-                                    with T.init():
-                                        acc[vh, vc] = T.float32(0)
-                                    # acc * rescale + pv as the oracle; later passes only add
-                                    acc[vh, vc] = acc[vh, vc] * T.if_then_else(
-                                        vr == T.int64(0), mx[vh], T.float32(1)) + pvb[vh, vc]
-                    for hh in range(HG):
-                        with T.sblock("max_update"):
-                            vh = T.axis.remap("S", [hh])
-                            mx[vh] = mn[vh]
-                for hh in range(HG):
-                    with T.sblock("sink"):
-                        vh = T.axis.remap("S", [hh])
-                        den[vh] = den[vh] + T.exp(sink[vg * HG + vh] - mx[vh])
-                for hh, c in T.grid(HG, D):
-                    with T.sblock("out"):
-                        vh, vc = T.axis.remap("SS", [hh, c])
-                        out[vb, vs, vg * HG + vh, vc] = T.Cast("bfloat16", acc[vh, vc] / den[vh])
+        if bf16_dot:  # (a Python if: no scope) chunks of up to C rows: prestage, then tasks
+            kall = T.alloc_buffer((C * NB * BLK, D), "uint16")  # staged entries
+            kvall = T.alloc_buffer((C * NB * BLK // T.int64(2), D * T.int64(2)), "uint16")
+            for ck in range((b * s + C - T.int64(1)) // C):
+                for i, t in T.grid(T.min(C, b * s - ck * C), NB):
+                    with T.sblock("prestage"):
+                        vck = T.axis.spatial((b * s + C - T.int64(1)) // C, ck)
+                        vi, vt = T.axis.remap("SS", [i, t])
+                        prestage(bufs, kall, kvall, (vck * C + vi) // s, (vck * C + vi) % s, vt,
+                                 (vi * NB + vt) * BLK)
+                for i, g in T.grid(T.min(C, b * s - ck * C), NG):
+                    with T.sblock("task"):
+                        vck = T.axis.spatial((b * s + C - T.int64(1)) // C, ck)
+                        vi, vg = T.axis.remap("SS", [i, g])
+                        task_body(q, bufs, sink, out, kall, kvall, (vck * C + vi) // s,
+                                  (vck * C + vi) % s, vg, vi * NB * BLK)
+        else:
+            for bb, ss, g in T.grid(b, s, NG):
+                with T.sblock("task"):
+                    vb, vs, vg = T.axis.remap("SSS", [bb, ss, g])
+                    task_body(q, bufs, sink, out, None, None, vb, vs, vg, T.int64(0))
 
     if kind == "fp4":
 
@@ -586,24 +608,28 @@ def make_sparse_attend(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                        heads_per_group: int | None = None,
                        stage_rows: int = ATTN_BLOCK,
                        vector_decode: bool = False,
-                       bf16_dot: bool = False) -> tvm.tirx.PrimFunc:
+                       bf16_dot: bool = False,
+                       chunk_rows: int | None = None) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend` with w window and k global entries per query (both static).
-    Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out."""
+    Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out.
+    chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`)."""
     return _make("fp4", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
                  heads_per_group=heads_per_group, stage_rows=stage_rows,
-                 vector_decode=vector_decode, bf16_dot=bf16_dot)
+                 vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows)
 
 
 def make_sparse_attend_bf16(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                             heads_per_group: int | None = None,
                             stage_rows: int = ATTN_BLOCK,
                             vector_decode: bool = False,
-                            bf16_dot: bool = False) -> tvm.tirx.PrimFunc:
+                            bf16_dot: bool = False,
+                            chunk_rows: int | None = None) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend_bf16`: the global cache is bf16 [b, N, d].
-    Buffers: q, win_codes, win_scales, win_idx, kv, kv_idx, sink, out."""
+    Buffers: q, win_codes, win_scales, win_idx, kv, kv_idx, sink, out.
+    chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`)."""
     return _make("bf16", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
                  heads_per_group=heads_per_group, stage_rows=stage_rows,
-                 vector_decode=vector_decode, bf16_dot=bf16_dot)
+                 vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows)
 
 
 # ---- realistic inputs ----------------------------------------------------------------------------
@@ -671,9 +697,11 @@ def _split_vector(sch: s_tir.Schedule, loop, lanes: int) -> None:
 
 def _schedule_cpu(sch: s_tir.Schedule, cfg: SparseAttendConfig, hg: int, d: int) -> None:
     v = cfg.vector
-    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("task"))))
-    if cfg.bf16_dot:  # the staging of every (b, s, block), split over the cores
-        sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("prestage"))))
+    if cfg.bf16_dot:  # per chunk of rows: its blocks' staging, then its tasks, over the cores
+        for name in ("prestage", "task"):
+            sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(name))[1:]))
+    else:
+        sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("task"))))
     for name in ("stage_win", "stage_tail", "acc_update", "acc_init", "out", "q_stage", "logit",
                  "prob", "p_bf16"):  # vectorised over d or over the heads (the innermost loop)
         for blk in _blocks(sch, name):
