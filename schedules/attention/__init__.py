@@ -43,9 +43,12 @@ Why the kernel is shaped the way it is:
   and a long prefill does not grow it. The softmax of a block is one vectorised block of two
   passes (`softmax_vec`: logits and their running max, then p, its sum and the bf16 pairs), and
   PV adds its register tile into acc (acc * rescale + pv, as acc_update): the same operations
-  in the same order, the results bit for bit those of the per-task staging. Measured (one Zen 4
-  thread, CPU time, min of interleaved runs): a decode row 0.53 -> 0.46 ms against 0.36 ms of
-  vdpbf16ps at one per cycle (QK + PV ~0.37; the staging 0.045).
+  in the same order, the results bit for bit those of the per-task staging. Measured (Zen 4,
+  min of interleaved runs): one thread (CPU time), a decode row 0.53 -> 0.46 ms against 0.36 ms
+  of vdpbf16ps at one per cycle (QK ~0.18 + PV ~0.19; the staging 0.045), 5 rows 2.65 ->
+  2.35; two threads (wall, quiet windows) 0.268 -> 0.262 ms and 1.31 -> 1.19 ms. At one row
+  half the staged blocks cross to the other core (tasks staging for themselves measured no
+  better); the rows of a chunk stay mostly on the core that staged them.
 * Each (b, s) row is its own task, so the verify entry's 1 + k rows equal, bit for bit, the
   decode calls of those rows (greedy with speculation = greedy without).
 """
