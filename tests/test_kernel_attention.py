@@ -51,13 +51,22 @@ def small(request) -> dict:
 
 @functools.cache
 def _kernel(kind: str, h: int, d: int, w: int, k: int, heads_per_group: int | None = None,
-            stage_rows: int | None = None, fp32_dot: bool = False):
+            stage_rows: int | None = None, fp32_dot: bool = False,
+            chunk_rows: int | None = None):
     """Compiled CPU kernel, once per test session. Without explicit structure the config
     chooser's; with it (stage_rows < 64) the CUDA-like restaging structure runs on the CPU;
-    fp32_dot: the chooser's config with QK and PV on fp32 FMAs (bf16_dot off)."""
+    fp32_dot: the chooser's config with QK and PV on fp32 FMAs (bf16_dot off); chunk_rows: the
+    chooser's config with that many rows prestaged at a time (the bf16-dot path)."""
     target = get_target("cpu")
     dims = dict(h=h, d=d, w=w, k=k, softmax_scale=d**-0.5)
-    if fp32_dot:
+    if chunk_rows is not None:
+        cfg = A.sparse_attend_config(target, h=h, d=d)
+        make = A.make_sparse_attend if kind == "fp4" else A.make_sparse_attend_bf16
+        func = A.schedule_sparse_attend(
+            make(**dims, heads_per_group=cfg.heads_per_group, stage_rows=cfg.stage_rows,
+                 vector_decode=cfg.vector_decode, bf16_dot=cfg.bf16_dot,
+                 chunk_rows=chunk_rows), cfg, target)
+    elif fp32_dot:
         cfg = dataclasses.replace(A.sparse_attend_config(target, h=h, d=d), bf16_dot=False)
         make = A.make_sparse_attend if kind == "fp4" else A.make_sparse_attend_bf16
         func = A.schedule_sparse_attend(
@@ -289,6 +298,39 @@ def test_bf16_dot_kernel_calls_vdpbf16ps():
     assert text.count("dsv41_dpbf16ps_512") == 2
     assert 'T.sblock("qk_vec")' in text and 'T.sblock("pv_vec")' in text
     assert 'T.sblock("qk")' not in text and 'T.sblock("pv")' not in text
+
+
+@pytest.mark.skipif(not CPU_BF16_DOT, reason="this CPU has no AVX-512 BF16 (vdpbf16ps)")
+@pytest.mark.parametrize("kind", ["fp4", "bf16"])
+def test_prestage_chunks_give_the_same_rows(kind):
+    """The bf16-dot kernel stages a chunk of rows (all their blocks, once for every head group)
+    and then runs the chunk's tasks: with 3 rows a chunk, 2 x 4 rows run as chunks of 3, 3 and
+    2 (one of them across the batch boundary), and every row equals, bit for bit, the one-chunk
+    kernel's row and that row called alone (one row: one chunk of 1)."""
+    dims = dict(h=32, d=64, w=16, k=54)  # 2 head groups of 16 where the cores are 2
+    inputs = _inputs(kind, b=2, s=4, **dims, n=80, seed=15)
+    whole = _run(_kernel(kind, **dims), inputs)
+    chunked = _kernel(kind, **dims, chunk_rows=3)
+    got = _run(chunked, inputs)
+    assert torch.equal(got, whole)
+    _assert_matches(got, _oracle(kind, inputs))
+    per_row = (0, 3, len(inputs) - 2)  # q, win_idx, kv_idx
+    for bi, si in ((0, 0), (0, 3), (1, 2)):
+        row = [x[bi:bi + 1, si:si + 1].contiguous() if i in per_row else x[bi:bi + 1]
+               for i, x in enumerate(inputs[:-1])] + [inputs[-1]]  # sink: [h]
+        assert torch.equal(_run(chunked, row), got[bi:bi + 1, si:si + 1]), (bi, si)
+
+
+def test_prestage_rows():
+    """The rows prestaged at a time: as many as PRESTAGE_BYTES (8 MiB) holds, both layouts in
+    bf16 (the bench size: 10 blocks of 64 entries x 512 x 4 bytes = 1.25 MiB a row: 6 rows, so
+    a verify's 1 + 4 rows are one chunk); at least 1; an explicit 0 is refused."""
+    assert A.prestage_rows(d=512, w=128, k=512) == 6
+    assert A.prestage_rows(d=512, w=128, k=1 << 16) == 1
+    assert A.prestage_rows(d=64, w=16, k=54) == 8 * 1024 * 1024 // (2 * 64 * 64 * 4)
+    with pytest.raises(ValueError, match="^chunk_rows must be at least 1; got 0.$"):
+        A.make_sparse_attend(h=16, d=64, w=16, k=8, softmax_scale=0.125, vector_decode=True,
+                             bf16_dot=True, chunk_rows=0)
 
 
 # ---- the CPU vector staging's pieces ---------------------------------------------------------

@@ -12,7 +12,8 @@ Why the kernel is shaped the way it is:
   the oracle to bf16 rounding; only fp32 summation orders differ.
 * One task is (b, s, head group). A task dequantises each entry of a block ONCE into a staging
   tile and every head of the group dots with it: at the real size 64 heads share one 512-wide
-  entry, so the decode cost is amortised over the heads. No dequantised cache is materialised.
+  entry, so the decode cost is amortised over the heads. No dequantised cache is materialised
+  (the bf16-dot path's prestage, below, holds only a chunk of rows' selected entries).
 * The head-group size and the number of staged rows change the loop structure, so they are
   chosen at construction (`heads_per_group`, `stage_rows`, from the config chooser); the
   schedule then only parallelises/binds and vectorises named blocks.
@@ -33,6 +34,21 @@ Why the kernel is shaped the way it is:
   Measured on Zen 4 (h 64, d 512, w 128, k 512, one thread): a decode row 0.85 -> 0.53 ms,
   of which QK + PV ~0.72 -> 0.41 (the rest, 0.12, taken as unchanged); QK runs at ~95% and PV
   at ~85% of one vdpbf16ps per cycle.
+* The bf16-dot path stages outside the tasks (`prestage`): every block of a chunk of rows is
+  decoded once, in parallel over (row, block), into bf16 entries for QK and entry pairs for PV,
+  and then the chunk's tasks (row, head group) read them. Staged per task, each head group
+  decoded every entry again (at h 64 on 2 cores: twice; on one Zen 4 thread the staging was
+  0.11 of a 0.53 ms decode row). A chunk is as many rows as PRESTAGE_BYTES of staged blocks
+  hold (6 at the bench size: a verify's 1 + 4 rows are one chunk), so the workspace is static
+  and a long prefill does not grow it. The softmax of a block is one vectorised block of two
+  passes (`softmax_vec`: logits and their running max, then p, its sum and the bf16 pairs), and
+  PV adds its register tile into acc (acc * rescale + pv, as acc_update): the same operations
+  in the same order, the results bit for bit those of the per-task staging. Measured (Zen 4,
+  min of interleaved runs): one thread (CPU time), a decode row 0.53 -> 0.46 ms against 0.36 ms
+  of vdpbf16ps at one per cycle (QK ~0.18 + PV ~0.19; the staging 0.045), 5 rows 2.65 ->
+  2.35; two threads (wall, quiet windows) 0.268 -> 0.262 ms and 1.31 -> 1.19 ms. At one row
+  half the staged blocks cross to the other core (tasks staging for themselves measured no
+  better); the rows of a chunk stay mostly on the core that staged them.
 * Each (b, s) row is its own task, so the verify entry's 1 + k rows equal, bit for bit, the
   decode calls of those rows (greedy with speculation = greedy without).
 """
@@ -52,6 +68,7 @@ from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.attention.bf16_dot import (
     check_bf16_dot_dims,
     make_bf16_dot_stages,
+    p_pair,
     to_bf16_bits,
 )
 from dsv41.schedules.common import (
@@ -68,6 +85,8 @@ ATTN_BLOCK = 64  # entries per online-softmax block (graph.ops.ATTN_BLOCK)
 FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values
 FP4_BLOCK = 16  # global entries: one E4M3 scale per 16 values
 NEG_BIG = -1e30  # the oracle's initial running max
+PRESTAGE_BYTES = 8 << 20  # bf16_dot: the staged blocks of the rows prestaged at a time (both
+# layouts); 6 rows at the bench size (h 64, d 512, w 128, k 512: 1.25 MiB a row)
 
 
 # ---- host-side validation ------------------------------------------------------------------------
@@ -135,12 +154,18 @@ def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> Spar
 # ---- vector decoders (the vector_decode staging) -----------------------------------------------
 
 
-def _exp(x):
+def _exp(x, lanes: int = 1):
     """exp(x) in fp32 arithmetic that vectorises (T.exp becomes one libm call per lane): Cody-Waite
     reduction x = n ln2 + r and Cephes' expf polynomial; at most 1 ulp from the exact value
     (90% exact; libm's expf and torch's differ from it and from each other by an ulp as well),
     exp(0) = 1 exactly, 0 below -87.3 (libm gives a denormal there, which no sum of
-    probabilities normalised to a maximum of 1 can see), +inf above 88.7, NaN kept."""
+    probabilities normalised to a maximum of 1 can see), +inf above 88.7, NaN kept. `lanes`:
+    x is a float32 vector of that many lanes (the same operations, lane by lane)."""
+
+    def const(v):  # a float32 constant as x's type
+        return T.float32(v) if lanes == 1 else T.broadcast(T.float32(v), lanes)
+
+    sfx = "" if lanes == 1 else f"x{lanes}"
     n = T.floor(T.max(T.min(x, T.float32(88.7)), T.float32(-87.3)) * T.float32(1.4426950408889634)
                 + T.float32(0.5))
     r = (x - n * T.float32(0.693359375)) - n * T.float32(-2.12194440e-4)
@@ -149,9 +174,10 @@ def _exp(x):
               5.0000001201e-1):
         p = p * r + T.float32(c)
     y = (p * (r * r) + r) + T.float32(1)
-    two_n = T.reinterpret("float32", (T.Cast("int32", n) + T.int32(127)) << T.int32(23))
-    y = T.Select(x < T.float32(-87.3), T.float32(0), y * two_n)
-    return T.Select(x > T.float32(88.7), T.float32(math.inf), T.Select(x != x, x, y))
+    two_n = T.reinterpret("float32" + sfx, (T.Cast("int32" + sfx, n) + T.int32(127))
+                          << T.int32(23))
+    y = T.Select(x < const(-87.3), const(0), y * two_n)
+    return T.Select(x > const(88.7), const(math.inf), T.Select(x != x, x, y))
 
 
 def _nibbles(a):
@@ -174,9 +200,16 @@ def _check_dims(h: int, d: int, w: int, k: int, hg: int, rows: int) -> None:
         raise ValueError(f"window width w={w} and topk k={k} must be >= 0 with w + k > 0.")
 
 
+def prestage_rows(*, d: int, w: int, k: int) -> int:
+    """bf16_dot: the (b, s) rows staged at a time: as many as PRESTAGE_BYTES holds (at least
+    1), so a verify's 1 + k rows are one chunk and a long prefill stays within the budget."""
+    per_row = -(-(w + k) // ATTN_BLOCK) * ATTN_BLOCK * d * 2 * 2  # bf16, two layouts
+    return max(1, PRESTAGE_BYTES // per_row)
+
+
 def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
           heads_per_group: int | None, stage_rows: int, vector_decode: bool,
-          bf16_dot: bool) -> tvm.tirx.PrimFunc:
+          bf16_dot: bool, chunk_rows: int | None) -> tvm.tirx.PrimFunc:
     """The shared body of both ops; `kind` is "fp4" or "bf16" (the global cache's format)."""
     hg = heads_per_group or h
     _check_dims(h, d, w, k, hg, stage_rows)
@@ -185,7 +218,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     if bf16_dot:
         check_bf16_dot_dims(hg=hg, d=d, stage_rows=stage_rows, blk=ATTN_BLOCK,
                             vector_decode=vector_decode)
-        q_pairs, kv_pairs, qk_bf16, p_pairs, pv_bf16 = make_bf16_dot_stages(
+        q_pairs, kv_pairs, qk_bf16, pv_bf16 = make_bf16_dot_stages(
             hg=hg, d=d, blk=ATTN_BLOCK)
     H, D, HG, R = T.int64(h), T.int64(d), T.int64(hg), T.int64(stage_rows)
     NG = T.int64(h // hg)
@@ -196,10 +229,15 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     BLK = T.int64(ATTN_BLOCK)
     Wd, Kd, L = T.int64(w), T.int64(k), T.int64(nl)
     restage = stage_rows < ATTN_BLOCK  # PV needs the tile again when it was staged in parts
+    chunk_rows = prestage_rows(d=d, w=w, k=k) if chunk_rows is None else chunk_rows
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1; got {chunk_rows}.")
+    C = T.int64(chunk_rows)  # bf16_dot: rows prestaged at a time
     # bf16_dot: q as [d/2, heads] bf16 pairs, the tile as bf16 bits, the PV copy and p pairs
     q_shape, q_dtype = ((D // T.int64(2), HG), "uint32") if bf16_dot else ((D, HG), "float32")
-    kst_dtype = "uint16" if bf16_dot else "float32"
-    kvp_shape = (BLK // T.int64(2), D * T.int64(2)) if bf16_dot else (T.int64(1),)
+    # bf16_dot: the entries are staged before the tasks (prestage), so the task has no tile
+    kst_shape = (T.int64(1), T.int64(1)) if bf16_dot else (R, D)
+    pvb_shape = (T.int64(1), T.int64(1)) if bf16_dot else (HG, D)  # bf16_dot: PV adds into acc
     pp_shape = (BLK // T.int64(2), HG) if bf16_dot else (T.int64(1),)
     scale = T.float32(softmax_scale)
 
@@ -320,153 +358,229 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
             kst[j, T.ramp(c * T.int64(16), 1, 16)] = enc(T.broadcast(T.float32(0), 16))
 
     @T.macro
-    def stage_vec(bufs, kst, sc, tbl, vb, vs, t, r):
-        """stage() hand-vectorised for AVX-512 (one opaque block; the schedule leaves it)."""
+    def stage_vec(bufs, kst, sc, tbl, vb, vs, t, r, k0):
+        """stage() hand-vectorised for AVX-512 (one opaque block; the schedule leaves it), into
+        rows k0 .. k0 + R - 1 of kst."""
         with T.sblock("stage_vec"):
             for i in T.unroll(16):  # the E2M1 values in code order (constants once unrolled)
                 tbl[i] = fp4_to_f32(u32(i))
             for j in range(R):
                 if t * BLK + r * R + j < Wd:
                     if win_row(bufs[2], vb, vs, t * BLK + r * R + j) >= T.int64(0):
-                        row_fp8(bufs, kst, vb, j, win_row(bufs[2], vb, vs, t * BLK + r * R + j))
+                        row_fp8(bufs, kst, vb, k0 + j,
+                                win_row(bufs[2], vb, vs, t * BLK + r * R + j))
                     else:
-                        zero_row(kst, j)
+                        zero_row(kst, k0 + j)
                 elif t * BLK + r * R + j < L:
                     if glob_row(bufs[4], vb, vs, t * BLK + r * R + j) >= T.int64(0):
-                        row_glob(bufs, kst, sc, tbl, vb, j,
+                        row_glob(bufs, kst, sc, tbl, vb, k0 + j,
                                  glob_row(bufs[4], vb, vs, t * BLK + r * R + j))
                     else:
-                        zero_row(kst, j)
+                        zero_row(kst, k0 + j)
                 else:
-                    zero_row(kst, j)
+                    zero_row(kst, k0 + j)
+
+    def vec(h0):  # heads h0 * 16 .. h0 * 16 + 15
+        return T.ramp(h0 * T.int64(16), 1, 16)
+
+    def round_bf16_vec(x):  # round_bf16 of a float32x16, lane by lane
+        u = T.reinterpret("uint32x16", x)
+        return T.Select(x != x, x, T.reinterpret("float32x16", (
+            u + ((u >> T.broadcast(T.uint32(16), 16)) & T.broadcast(T.uint32(1), 16))
+            + T.broadcast(T.uint32(0x7FFF), 16)) & T.broadcast(T.uint32(0xFFFF0000), 16)))
+
+    @T.macro
+    def softmax_vec(bufs, dots, lg, mx, mn, psum, pp, vb, vs, t):
+        """bf16_dot: the logit, block_max, prob, denom, p_bf16 and p_pairs blocks in two passes
+        over the block, 16 heads a vector, each the same operations in the same order (j
+        ascending): the logits and their running max, then p, its fp32 sum and the bf16 pairs
+        PV takes (bf16_dot.p_pair; lg keeps the unrounded p)."""
+        with T.sblock("softmax_vec"):
+            for h0 in range(HG // T.int64(16)):
+                mn[vec(h0)] = mx[vec(h0)]
+                for j in range(BLK):
+                    if valid(bufs, vb, vs, t * BLK + j):
+                        lg[j, vec(h0)] = dots[j, vec(h0)] * T.broadcast(scale, 16)
+                    else:
+                        lg[j, vec(h0)] = T.broadcast(T.float32(-math.inf), 16) \
+                            * T.broadcast(scale, 16)
+                    mn[vec(h0)] = T.max(mn[vec(h0)], lg[j, vec(h0)])
+                psum[vec(h0)] = T.broadcast(T.float32(0), 16)
+                for j in range(BLK // T.int64(2)):
+                    for e in T.unroll(2):
+                        lg[j * 2 + e, vec(h0)] = _exp(lg[j * 2 + e, vec(h0)] - mn[vec(h0)], 16)
+                        psum[vec(h0)] = psum[vec(h0)] + lg[j * 2 + e, vec(h0)]
+                    pp[j, vec(h0)] = p_pair(round_bf16_vec(lg[j * 2, vec(h0)]),
+                                            round_bf16_vec(lg[j * 2 + 1, vec(h0)]))
+
+    @T.macro
+    def prestage(bufs, kall, kvall, vb, vs, t, k0):
+        """bf16_dot: block t of row (vb, vs) staged into rows k0 .. k0 + 63 of kall (bf16 bits
+        [row, d], for QK) and as entry pairs into kvall (for PV), once for all head groups
+        (inside the "prestage" sblock)."""
+        gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")
+        tbl = T.sblock_alloc_buffer((16,), "float32")
+        stage_vec(bufs, kall, gsc, tbl, vb, vs, t, T.int64(0), k0)
+        kv_pairs(kall, k0, kvall, k0 // T.int64(2))
+
+    @T.macro
+    def task_body(q, bufs, sink, out, kall, kvall, vb, vs, vg, k0):
+        """One task: row (vb, vs) of the output for head group vg, inside its sblock; bf16_dot:
+        the row's staged blocks start at row k0 of kall (None otherwise)."""
+        qt = T.sblock_alloc_buffer(q_shape, q_dtype)  # q of the group, transposed
+        kst = T.sblock_alloc_buffer(kst_shape, "float32")  # staged entries
+        pp = T.sblock_alloc_buffer(pp_shape, "uint32")  # bf16_dot: p pairs
+        gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")  # row scales
+        tbl = T.sblock_alloc_buffer((16,), "float32")  # E2M1 values (vector_decode)
+        dots = T.sblock_alloc_buffer((BLK, HG), "float32")  # q . entry
+        lg = T.sblock_alloc_buffer((BLK, HG), "float32")  # logits, then p
+        acc = T.sblock_alloc_buffer((HG, D), "float32")
+        mx = T.sblock_alloc_buffer((HG,), "float32")  # running max
+        mn = T.sblock_alloc_buffer((HG,), "float32")  # the block's new max
+        den = T.sblock_alloc_buffer((HG,), "float32")
+        psum = T.sblock_alloc_buffer((HG,), "float32")  # the block's sum of p
+        pvb = T.sblock_alloc_buffer(pvb_shape, "float32")  # the block's p @ entries
+        if bf16_dot:
+            q_pairs(q, qt, vb, vs, vg)
+        else:
+            for c, hh in T.grid(D, HG):
+                with T.sblock("q_stage"):
+                    vc, vh = T.axis.remap("SS", [c, hh])
+                    qt[vc, vh] = T.Cast("float32", q[vb, vs, vg * HG + vh, vc])
+        for hh in range(HG):
+            with T.sblock("state_init"):
+                vh = T.axis.remap("S", [hh])
+                mx[vh] = T.float32(NEG_BIG)
+                den[vh] = T.float32(0)
+        if bf16_dot:  # PV adds into acc itself (acc * rescale + pv, as acc_update)
+            for hh, c in T.grid(HG, D):
+                with T.sblock("acc_init"):
+                    vh, vc = T.axis.remap("SS", [hh, c])
+                    acc[vh, vc] = T.float32(0)
+        for t in range(NB):
+            for r in range(NR):
+                if bf16_dot:
+                    qk_bf16(kall, k0 + t * BLK, qt, dots)
+                elif vector_decode:
+                    stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
+                else:
+                    stage(bufs, kst, vb, vs, t, r)
+                if not bf16_dot:
+                    for j, hh, c in T.grid(R, HG, D):
+                        with T.sblock("qk"):
+                            vr = T.axis.spatial(NR, r)
+                            vj, vh, vc = T.axis.remap("SSR", [j, hh, c])
+                            with T.init():
+                                dots[vr * R + vj, vh] = T.float32(0)
+                            dots[vr * R + vj, vh] = dots[vr * R + vj, vh] \
+                                + kst[vj, vc] * qt[vc, vh]
+            if bf16_dot:
+                softmax_vec(bufs, dots, lg, mx, mn, psum, pp, vb, vs, t)
+            else:
+                for j, hh in T.grid(BLK, HG):
+                    with T.sblock("logit"):
+                        vt = T.axis.spatial(NB, t)
+                        vj, vh = T.axis.remap("SS", [j, hh])
+                        lg[vj, vh] = T.if_then_else(
+                            valid(bufs, vb, vs, vt * BLK + vj), dots[vj, vh],
+                            T.float32(-math.inf)) * scale
+                for hh, j in T.grid(HG, BLK):
+                    with T.sblock("block_max"):
+                        vh, vj = T.axis.remap("SR", [hh, j])
+                        with T.init():
+                            mn[vh] = mx[vh]
+                        mn[vh] = T.max(mn[vh], lg[vj, vh])
+                for j, hh in T.grid(BLK, HG):
+                    with T.sblock("prob"):
+                        vj, vh = T.axis.remap("SS", [j, hh])
+                        lg[vj, vh] = _exp(lg[vj, vh] - mn[vh])
+            for hh in range(HG):
+                with T.sblock("rescale"):
+                    vh = T.axis.remap("S", [hh])
+                    mx[vh] = T.exp(mx[vh] - mn[vh])  # mx holds the rescale factor now
+            if not bf16_dot:
+                for hh, j in T.grid(HG, BLK):
+                    with T.sblock("denom"):
+                        vh, vj = T.axis.remap("SR", [hh, j])
+                        with T.init():
+                            psum[vh] = T.float32(0)
+                        psum[vh] = psum[vh] + lg[vj, vh]
+            for hh in range(HG):
+                with T.sblock("denom_update"):
+                    vh = T.axis.remap("S", [hh])
+                    den[vh] = den[vh] * mx[vh] + psum[vh]
+            if not bf16_dot:
+                for j, hh in T.grid(BLK, HG):
+                    with T.sblock("p_bf16"):  # p as PV uses it (the sum above took fp32 p)
+                        vj, vh = T.axis.remap("SS", [j, hh])
+                        lg[vj, vh] = round_bf16(lg[vj, vh])
+            for r in range(NR):
+                if restage:
+                    if vector_decode:
+                        stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
+                    else:
+                        stage(bufs, kst, vb, vs, t, r)
+                if bf16_dot:
+                    pv_bf16(kvall, (k0 + t * BLK) // T.int64(2), pp, acc, mx)
+                else:
+                    for hh, c, j in T.grid(HG, D, R):
+                        with T.sblock("pv"):
+                            vr = T.axis.spatial(NR, r)
+                            vh, vc, vj = T.axis.remap("SSR", [hh, c, j])
+                            with T.init():
+                                pvb[vh, vc] = T.float32(0)
+                            pvb[vh, vc] = pvb[vh, vc] \
+                                + lg[vr * R + vj, vh] * kst[vj, vc]
+                    for hh, c in T.grid(HG, D):
+                        with T.sblock("acc_update"):
+                            # a reduction over (t, r) in form: acc starts at 0 and is its
+                            # only writer, so it can be computed at pv's loops on CUDA
+                            vt = T.axis.reduce(NB, t)
+                            vr = T.axis.reduce(NR, r)
+                            vh, vc = T.axis.remap("SS", [hh, c])
+                            with T.init():
+                                acc[vh, vc] = T.float32(0)
+                            # acc * rescale + pv as the oracle; later passes only add
+                            acc[vh, vc] = acc[vh, vc] * T.if_then_else(
+                                vr == T.int64(0), mx[vh], T.float32(1)) + pvb[vh, vc]
+            for hh in range(HG):
+                with T.sblock("max_update"):
+                    vh = T.axis.remap("S", [hh])
+                    mx[vh] = mn[vh]
+        for hh in range(HG):
+            with T.sblock("sink"):
+                vh = T.axis.remap("S", [hh])
+                den[vh] = den[vh] + T.exp(sink[vg * HG + vh] - mx[vh])
+        for hh, c in T.grid(HG, D):
+            with T.sblock("out"):
+                vh, vc = T.axis.remap("SS", [hh, c])
+                out[vb, vs, vg * HG + vh, vc] = T.Cast("bfloat16", acc[vh, vc] / den[vh])
 
     @T.macro
     def body(q, bufs, sink, out):
         b = q.shape[0]
         s = q.shape[1]
-        for bb, ss, g in T.grid(b, s, NG):
-            with T.sblock("task"):
-                vb, vs, vg = T.axis.remap("SSS", [bb, ss, g])
-                qt = T.sblock_alloc_buffer(q_shape, q_dtype)  # q of the group, transposed
-                kst = T.sblock_alloc_buffer((R, D), kst_dtype)  # staged entries
-                kvp = T.sblock_alloc_buffer(kvp_shape, "uint16")  # bf16_dot: entry pairs
-                pp = T.sblock_alloc_buffer(pp_shape, "uint32")  # bf16_dot: p pairs
-                gsc = T.sblock_alloc_buffer((D // T.int64(FP4_BLOCK),), "float32")  # row scales
-                tbl = T.sblock_alloc_buffer((16,), "float32")  # E2M1 values (vector_decode)
-                dots = T.sblock_alloc_buffer((BLK, HG), "float32")  # q . entry
-                lg = T.sblock_alloc_buffer((BLK, HG), "float32")  # logits, then p
-                acc = T.sblock_alloc_buffer((HG, D), "float32")
-                mx = T.sblock_alloc_buffer((HG,), "float32")  # running max
-                mn = T.sblock_alloc_buffer((HG,), "float32")  # the block's new max
-                den = T.sblock_alloc_buffer((HG,), "float32")
-                psum = T.sblock_alloc_buffer((HG,), "float32")  # the block's sum of p
-                pvb = T.sblock_alloc_buffer((HG, D), "float32")  # the block's p @ entries
-                if bf16_dot:
-                    q_pairs(q, qt, vb, vs, vg)
-                else:
-                    for c, hh in T.grid(D, HG):
-                        with T.sblock("q_stage"):
-                            vc, vh = T.axis.remap("SS", [c, hh])
-                            qt[vc, vh] = T.Cast("float32", q[vb, vs, vg * HG + vh, vc])
-                for hh in range(HG):
-                    with T.sblock("state_init"):
-                        vh = T.axis.remap("S", [hh])
-                        mx[vh] = T.float32(NEG_BIG)
-                        den[vh] = T.float32(0)
-                for t in range(NB):
-                    for r in range(NR):
-                        if vector_decode:
-                            stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r)
-                        else:
-                            stage(bufs, kst, vb, vs, t, r)
-                        if bf16_dot:
-                            qk_bf16(kst, qt, dots)
-                        else:
-                            for j, hh, c in T.grid(R, HG, D):
-                                with T.sblock("qk"):
-                                    vr = T.axis.spatial(NR, r)
-                                    vj, vh, vc = T.axis.remap("SSR", [j, hh, c])
-                                    with T.init():
-                                        dots[vr * R + vj, vh] = T.float32(0)
-                                    dots[vr * R + vj, vh] = dots[vr * R + vj, vh] \
-                                        + kst[vj, vc] * qt[vc, vh]
-                    for j, hh in T.grid(BLK, HG):
-                        with T.sblock("logit"):
-                            vt = T.axis.spatial(NB, t)
-                            vj, vh = T.axis.remap("SS", [j, hh])
-                            lg[vj, vh] = T.if_then_else(valid(bufs, vb, vs, vt * BLK + vj),
-                                                        dots[vj, vh], T.float32(-math.inf)) * scale
-                    for hh, j in T.grid(HG, BLK):
-                        with T.sblock("block_max"):
-                            vh, vj = T.axis.remap("SR", [hh, j])
-                            with T.init():
-                                mn[vh] = mx[vh]
-                            mn[vh] = T.max(mn[vh], lg[vj, vh])
-                    for j, hh in T.grid(BLK, HG):
-                        with T.sblock("prob"):
-                            vj, vh = T.axis.remap("SS", [j, hh])
-                            lg[vj, vh] = _exp(lg[vj, vh] - mn[vh])
-                    for hh in range(HG):
-                        with T.sblock("rescale"):
-                            vh = T.axis.remap("S", [hh])
-                            mx[vh] = T.exp(mx[vh] - mn[vh])  # mx holds the rescale factor now
-                    for hh, j in T.grid(HG, BLK):
-                        with T.sblock("denom"):
-                            vh, vj = T.axis.remap("SR", [hh, j])
-                            with T.init():
-                                psum[vh] = T.float32(0)
-                            psum[vh] = psum[vh] + lg[vj, vh]
-                    for hh in range(HG):
-                        with T.sblock("denom_update"):
-                            vh = T.axis.remap("S", [hh])
-                            den[vh] = den[vh] * mx[vh] + psum[vh]
-                    for j, hh in T.grid(BLK, HG):
-                        with T.sblock("p_bf16"):  # p as PV uses it (the sum above took fp32 p)
-                            vj, vh = T.axis.remap("SS", [j, hh])
-                            lg[vj, vh] = round_bf16(lg[vj, vh])
-                    for r in range(NR):
-                        if restage:
-                            if vector_decode:
-                                stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r)
-                            else:
-                                stage(bufs, kst, vb, vs, t, r)
-                        if bf16_dot:
-                            p_pairs(lg, pp)
-                            kv_pairs(kst, kvp)
-                            pv_bf16(kvp, pp, pvb)
-                        else:
-                            for hh, c, j in T.grid(HG, D, R):
-                                with T.sblock("pv"):
-                                    vr = T.axis.spatial(NR, r)
-                                    vh, vc, vj = T.axis.remap("SSR", [hh, c, j])
-                                    with T.init():
-                                        pvb[vh, vc] = T.float32(0)
-                                    pvb[vh, vc] = pvb[vh, vc] \
-                                        + lg[vr * R + vj, vh] * kst[vj, vc]
-                        for hh, c in T.grid(HG, D):
-                            with T.sblock("acc_update"):
-                                # a reduction over (t, r) in form: acc starts at 0 and is its
-                                # only writer, so it can be computed at pv's loops on CUDA
-                                vt = T.axis.reduce(NB, t)
-                                vr = T.axis.reduce(NR, r)
-                                vh, vc = T.axis.remap("SS", [hh, c])
-                                with T.init():
-                                    acc[vh, vc] = T.float32(0)
-                                # acc * rescale + pv as the oracle; later passes only add
-                                acc[vh, vc] = acc[vh, vc] * T.if_then_else(
-                                    vr == T.int64(0), mx[vh], T.float32(1)) + pvb[vh, vc]
-                    for hh in range(HG):
-                        with T.sblock("max_update"):
-                            vh = T.axis.remap("S", [hh])
-                            mx[vh] = mn[vh]
-                for hh in range(HG):
-                    with T.sblock("sink"):
-                        vh = T.axis.remap("S", [hh])
-                        den[vh] = den[vh] + T.exp(sink[vg * HG + vh] - mx[vh])
-                for hh, c in T.grid(HG, D):
-                    with T.sblock("out"):
-                        vh, vc = T.axis.remap("SS", [hh, c])
-                        out[vb, vs, vg * HG + vh, vc] = T.Cast("bfloat16", acc[vh, vc] / den[vh])
+        if bf16_dot:  # (a Python if: no scope) chunks of up to C rows: prestage, then tasks
+            kall = T.alloc_buffer((C * NB * BLK, D), "uint16")  # staged entries
+            kvall = T.alloc_buffer((C * NB * BLK // T.int64(2), D * T.int64(2)), "uint16")
+            for ck in range((b * s + C - T.int64(1)) // C):
+                for i, t in T.grid(T.min(C, b * s - ck * C), NB):
+                    with T.sblock("prestage"):
+                        vck = T.axis.spatial((b * s + C - T.int64(1)) // C, ck)
+                        vi, vt = T.axis.remap("SS", [i, t])
+                        prestage(bufs, kall, kvall, (vck * C + vi) // s, (vck * C + vi) % s, vt,
+                                 (vi * NB + vt) * BLK)
+                for i, g in T.grid(T.min(C, b * s - ck * C), NG):
+                    with T.sblock("task"):
+                        vck = T.axis.spatial((b * s + C - T.int64(1)) // C, ck)
+                        vi, vg = T.axis.remap("SS", [i, g])
+                        task_body(q, bufs, sink, out, kall, kvall, (vck * C + vi) // s,
+                                  (vck * C + vi) % s, vg, vi * NB * BLK)
+        else:
+            for bb, ss, g in T.grid(b, s, NG):
+                with T.sblock("task"):
+                    vb, vs, vg = T.axis.remap("SSS", [bb, ss, g])
+                    task_body(q, bufs, sink, out, None, None, vb, vs, vg, T.int64(0))
 
     if kind == "fp4":
 
@@ -510,24 +624,28 @@ def make_sparse_attend(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                        heads_per_group: int | None = None,
                        stage_rows: int = ATTN_BLOCK,
                        vector_decode: bool = False,
-                       bf16_dot: bool = False) -> tvm.tirx.PrimFunc:
+                       bf16_dot: bool = False,
+                       chunk_rows: int | None = None) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend` with w window and k global entries per query (both static).
-    Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out."""
+    Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out.
+    chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`)."""
     return _make("fp4", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
                  heads_per_group=heads_per_group, stage_rows=stage_rows,
-                 vector_decode=vector_decode, bf16_dot=bf16_dot)
+                 vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows)
 
 
 def make_sparse_attend_bf16(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                             heads_per_group: int | None = None,
                             stage_rows: int = ATTN_BLOCK,
                             vector_decode: bool = False,
-                            bf16_dot: bool = False) -> tvm.tirx.PrimFunc:
+                            bf16_dot: bool = False,
+                            chunk_rows: int | None = None) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend_bf16`: the global cache is bf16 [b, N, d].
-    Buffers: q, win_codes, win_scales, win_idx, kv, kv_idx, sink, out."""
+    Buffers: q, win_codes, win_scales, win_idx, kv, kv_idx, sink, out.
+    chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`)."""
     return _make("bf16", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
                  heads_per_group=heads_per_group, stage_rows=stage_rows,
-                 vector_decode=vector_decode, bf16_dot=bf16_dot)
+                 vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows)
 
 
 # ---- realistic inputs ----------------------------------------------------------------------------
@@ -570,9 +688,9 @@ def example_inputs_sparse_attend(*, b: int = 1, s: int = 1, h: int = 64, d: int 
 
 def _blocks(sch: s_tir.Schedule, name: str) -> list:
     """The blocks called `name` or `name_<n>` (a second staging pass), in program order; all
-    blocks inside the task block when `name` is empty."""
+    blocks of the function when `name` is empty."""
     found = []
-    pending = sch.get_child_blocks(sch.get_sblock("task"))
+    pending = sch.get_child_blocks(sch.get_sblock("root"))
     while pending:
         blk, pending = pending[0], pending[1:]
         hint = sch.get(blk).name_hint
@@ -595,12 +713,18 @@ def _split_vector(sch: s_tir.Schedule, loop, lanes: int) -> None:
 
 def _schedule_cpu(sch: s_tir.Schedule, cfg: SparseAttendConfig, hg: int, d: int) -> None:
     v = cfg.vector
-    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("task"))))
-    for name in ("stage_win", "stage_tail", "acc_update", "out", "q_stage", "logit",
+    if cfg.bf16_dot:  # per chunk of rows: its blocks' staging, then its tasks, over the cores
+        for name in ("prestage", "task"):
+            sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock(name))[1:]))
+    else:
+        sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("task"))))
+    for name in ("stage_win", "stage_tail", "acc_update", "acc_init", "out", "q_stage", "logit",
                  "prob", "p_bf16"):  # vectorised over d or over the heads (the innermost loop)
         for blk in _blocks(sch, name):
             _split_vector(sch, sch.get_loops(blk)[-1], v)
     for name in ("block_max", "denom"):  # j outside, heads in lanes: each head's max/sum
+        if not _blocks(sch, name):  # bf16_dot: softmax_vec, written vectorised
+            continue
         blk = sch.get_sblock(name)  # still runs over j in order, 16 heads at a time
         hh, j = sch.get_loops(blk)[-2:]
         sch.reorder(j, hh)
@@ -650,10 +774,14 @@ def schedule_sparse_attend(func: tvm.tirx.PrimFunc, config: SparseAttendConfig,
     # construction (tasks, heads, d) and the tests compare against the oracle.
     sch = s_tir.Schedule(func, enable_check=False)
     qt, kst = sch.get(sch.get_sblock("task")).alloc_buffers[:2]  # (d or d/2, hg), (rows, d)
-    hg, d = int(qt.shape[1]), int(kst.shape[1])
-    if (hg, int(kst.shape[0])) != (config.heads_per_group, config.stage_rows):
+    bf16_dot = bool(_blocks(sch, "qk_vec"))
+    hg = int(qt.shape[1])
+    # the bf16-dot path stages whole blocks before the tasks (prestage): no tile in the task
+    d, rows = (2 * int(qt.shape[0]), ATTN_BLOCK) if bf16_dot else (int(kst.shape[1]),
+                                                                   int(kst.shape[0]))
+    if (hg, rows) != (config.heads_per_group, config.stage_rows):
         raise ValueError(
-            f"The kernel was built with heads_per_group={hg}, stage_rows={int(kst.shape[0])} "
+            f"The kernel was built with heads_per_group={hg}, stage_rows={rows} "
             f"but the config asks for {config.heads_per_group}, {config.stage_rows}; build it "
             "with make_sparse_attend(..., heads_per_group=config.heads_per_group, "
             "stage_rows=config.stage_rows).")
@@ -662,7 +790,6 @@ def schedule_sparse_attend(func: tvm.tirx.PrimFunc, config: SparseAttendConfig,
         raise ValueError(f"The kernel was built with vector_decode={vector} but the config asks "
                          f"for {config.vector_decode}; build it with make_sparse_attend(..., "
                          "vector_decode=config.vector_decode).")
-    bf16_dot = bool(_blocks(sch, "qk_vec"))
     if bf16_dot != config.bf16_dot:
         raise ValueError(f"The kernel was built with bf16_dot={bf16_dot} but the config asks for "
                          f"{config.bf16_dot}; build it with make_sparse_attend(..., "

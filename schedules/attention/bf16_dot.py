@@ -75,6 +75,14 @@ def to_bf16_bits(v):
     return T.Cast("uint16x16", T.reinterpret("uint32x16", v) >> T.broadcast(T.uint32(16), 16))
 
 
+def p_pair(lo, hi):
+    """Two float32x16 of bf16 values (p of entries 2j and 2j + 1 for 16 heads) -> the uint32x16
+    of their bf16 pairs PV broadcasts (lo in the low half)."""
+    return (T.reinterpret("uint32x16", lo) >> T.broadcast(T.uint32(16), LANES)) | (
+        T.reinterpret("uint32x16", hi) & T.broadcast(T.uint32(0xFFFF0000), LANES)
+    )
+
+
 def _pair_bcast(pair_u32):
     """One uint32 (two bf16) in all 16 lanes, as the uint16x32 operand of dpbf16ps."""
     return T.reinterpret("uint16x32", T.broadcast(pair_u32, LANES))
@@ -97,15 +105,13 @@ def _bits(x):
 
 def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
     """The macros of the bf16-dot path for a group of hg heads, head dim d, blocks of blk
-    entries: (q_pairs, kv_pairs, qk, p_pairs, pv). Each is one opaque block (the schedule leaves
+    entries: (q_pairs, kv_pairs, qk, pv). Each is one opaque block (the schedule leaves
     it as written)."""
     tiles = bf16_dot_tiles(hg=hg, d=d)
     HG, D, BLK = T.int64(hg), T.int64(d), T.int64(blk)
     QH, QR = tiles.qk_heads, tiles.qk_rows
     PH, PD = tiles.pv_heads, tiles.pv_dims
     interleave = [i // 2 + LANES * (i % 2) for i in range(2 * LANES)]
-    high = T.broadcast(T.uint32(16), LANES)
-    high_mask = T.broadcast(T.uint32(0xFFFF0000), LANES)
 
     @T.macro
     def q_pairs(q, qp, vb, vs, vg):
@@ -117,18 +123,18 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
                 )
 
     @T.macro
-    def kv_pairs(kst, kvp):
-        """kvp[j, c, 0 / 1] = kst[2j / 2j + 1, c]: the staged block with entry pairs side by
-        side for PV."""
+    def kv_pairs(kst, k0, kvp, p0):
+        """kvp[p0 + j, c, 0 / 1] = kst[k0 + 2j / k0 + 2j + 1, c]: the block staged at row k0 with
+        entry pairs side by side for PV (k0 = 2 p0)."""
         with T.sblock("kv_pairs"):
             for j, c in T.grid(BLK // T.int64(2), D // T.int64(LANES)):
-                kvp[j, _pairs(c)] = T.Shuffle(
-                    [kst[j * 2, _vec(c)], kst[j * 2 + 1, _vec(c)]], interleave
+                kvp[p0 + j, _pairs(c)] = T.Shuffle(
+                    [kst[k0 + j * 2, _vec(c)], kst[k0 + j * 2 + 1, _vec(c)]], interleave
                 )
 
     @T.macro
-    def qk(kst, qp, dots):
-        """dots[j, h] = sum over c of kst[j, c] * q[h, c]; a tile of QR entries x QH head
+    def qk(kst, k0, qp, dots):
+        """dots[j, h] = sum over c of kst[k0 + j, c] * q[h, c]; a tile of QR entries x QH head
         vectors accumulates over the d/2 pairs in registers (acc[e * QH + v])."""
         with T.sblock("qk_vec"):
             acc = T.sblock_alloc_buffer((TILE * LANES,), "float32", scope="local")
@@ -144,7 +150,8 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
                                     T.reinterpret("uint16x32", qp[i, _vec(h0 * QH + v)]),
                                     _pair_bcast(
                                         T.reinterpret(
-                                            "uint32", kst.vload([j0 * QR + e, i * 2], "uint16x2")
+                                            "uint32",
+                                            kst.vload([k0 + j0 * QR + e, i * 2], "uint16x2"),
                                         )
                                     ),
                                 )
@@ -153,19 +160,11 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
                             dots[j0 * QR + e, _vec(h0 * QH + v)] = acc[_vec(e * QH + v)]
 
     @T.macro
-    def p_pairs(lg, pp):
-        """pp[j, h] = p[2j, h] | p[2j + 1, h] << 16 (bf16 bits; lg holds p rounded to bf16)."""
-        with T.sblock("p_pairs"):
-            for j, h0 in T.grid(BLK // T.int64(2), HG // T.int64(LANES)):
-                pp[j, _vec(h0)] = (T.reinterpret("uint32x16", lg[j * 2, _vec(h0)]) >> high) | (
-                    T.reinterpret("uint32x16", lg[j * 2 + 1, _vec(h0)]) & high_mask
-                )
-
-    @T.macro
-    def pv(kvp, pp, pvb):
-        """pvb[h, c] = sum over j of p[j, h] * kst[j, c]; a tile of PH heads x PD dim vectors
-        accumulates over the blk/2 entry pairs in registers (acc[hh * PD + v]); the dim strip
-        is the outer loop, so its staged pairs stay in L1 across the head tiles."""
+    def pv(kvp, p0, pp, out, rescale):
+        """out[h, c] = out[h, c] * rescale[h] + pv[h, c] (the online softmax's update), with
+        pv[h, c] = sum over j of p[j, h] * kvp[p0 + j / 2, c, j % 2] formed in registers: a tile
+        of PH heads x PD dim vectors accumulates over the blk/2 entry pairs (acc[hh * PD + v]);
+        the dim strip is the outer loop, so its staged pairs stay in L1 across the head tiles."""
         with T.sblock("pv_vec"):
             acc = T.sblock_alloc_buffer((TILE * LANES,), "float32", scope="local")
             with T.attr(T.int32(0), *with_bf16_dot()):
@@ -177,11 +176,15 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
                             for hh in T.unroll(PH):
                                 acc[_vec(hh * PD + v)] = dpbf16ps(
                                     acc[_vec(hh * PD + v)],
-                                    kvp[j, _pairs(c0 * PD + v)],
+                                    kvp[p0 + j, _pairs(c0 * PD + v)],
                                     _pair_bcast(pp[j, h0 * PH + hh]),
                                 )
                     for hh in T.unroll(PH):
                         for v in T.unroll(PD):
-                            pvb[h0 * PH + hh, _vec(c0 * PD + v)] = acc[_vec(hh * PD + v)]
+                            out[h0 * PH + hh, _vec(c0 * PD + v)] = (
+                                out[h0 * PH + hh, _vec(c0 * PD + v)]
+                                * T.broadcast(rescale[h0 * PH + hh], LANES)
+                                + acc[_vec(hh * PD + v)]
+                            )
 
-    return q_pairs, kv_pairs, qk, p_pairs, pv
+    return q_pairs, kv_pairs, qk, pv
