@@ -1,5 +1,6 @@
-"""Helpers shared by test_kernel_norm.py and test_kernel_mhc.py:
-torch <-> TVM views, bf16 comparisons, the GPU target of this machine."""
+"""Helpers shared by the kernel tests (test_kernel_norm.py, test_kernel_mhc.py, the AVX-512 BF16
+FP8 kernels' test_kernel_fp8_rows.py and test_kernel_fp8_gemm_bf16.py): torch <-> TVM views,
+bf16 comparisons, x86 targets by CPU model, the GPU target of this machine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import pytest
 import torch
 import tvm
 
-from dsv41.runtime.backends.tensors import to_tvm
+from dsv41.graph.targets import TargetSpec, get_target
+from dsv41.runtime.backends.tensors import to_torch, to_tvm
+
+# x86 targets by CPU model: AVX-512 BF16 + VBMI without AMX, AVX-512 alone, AMX
+ZEN4 = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver4"})
+SKX = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
+SPR = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "sapphirerapids"})
 
 
 def tv(t: torch.Tensor):
@@ -22,6 +29,23 @@ def tv(t: torch.Tensor):
 def bits(t: torch.Tensor) -> torch.Tensor:
     """bf16 as its int16 bits (so -0.0 != 0.0 and NaNs compare); other dtypes unchanged."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def run_fp8_linear(ex, x, weight, scale, dtype=torch.bfloat16) -> torch.Tensor:
+    """y = ex(x, weight, scale) for a compiled `fp8_linear` kernel, y [m, n] of `dtype`."""
+    out = torch.zeros(x.shape[0], weight.shape[0], dtype=dtype)
+    view = to_tvm(out)
+    ex(*[to_tvm(t) for t in (x, weight, scale)], view)
+    return to_torch(view)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between two bf16 tensors (on their ordered bits)."""
+    def ordered(t):
+        bits = t.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
 
 
 def assert_within_one_bf16_ulp(got: torch.Tensor, ref: torch.Tensor, min_exact: float) -> None:

@@ -13,9 +13,10 @@ import functools
 import pytest
 import torch
 import tvm
+from kernel_numerics import SKX, SPR, ZEN4, bf16_ulps, run_fp8_linear
 
 from dsv41.graph import ops
-from dsv41.graph.targets import TargetSpec, get_target
+from dsv41.graph.targets import get_target
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
 from dsv41.schedules import gemm
 from dsv41.schedules.common import has_avx512_bf16
@@ -24,29 +25,11 @@ from dsv41.schedules.gemm.bf16_gemm import make_dense_gemm_bf16, make_fp8_gemm_b
 CPU = get_target("cpu")
 needs_bf16 = pytest.mark.skipif(not has_avx512_bf16(CPU),
                                 reason="this CPU has no AVX-512 BF16 (vdpbf16ps)")
-ZEN4 = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver4"})
-SKX = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
-SPR = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "sapphirerapids"})
 
 
 @functools.cache
 def _compiled(**kwargs):
     return tvm.compile(make_fp8_gemm_bf16(**kwargs), target=CPU.tvm_target())
-
-
-def _run(ex, x, weight, scale, dtype=torch.bfloat16) -> torch.Tensor:
-    out = torch.zeros(x.shape[0], weight.shape[0], dtype=dtype)
-    view = to_tvm(out)
-    ex(*[to_tvm(t) for t in (x, weight, scale)], view)
-    return to_torch(view)
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    def ordered(t):
-        bits = t.view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    return (ordered(a) - ordered(b)).abs()
 
 
 @needs_bf16
@@ -57,7 +40,7 @@ def test_fp8_gemm_bf16_matches_oracle(n, k):
     ex = _compiled(n=n, k=k, row_block=64)
     for m in (1, 31, 32, 70, 200):
         x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
-        ulps = _ulps(_run(ex, x, weight, scale), ops.fp8_linear(x, weight, scale))
+        ulps = bf16_ulps(run_fp8_linear(ex, x, weight, scale), ops.fp8_linear(x, weight, scale))
         assert int(ulps.max()) <= 1, m
         assert float((ulps == 0).float().mean()) >= 0.99, m
 
@@ -67,7 +50,7 @@ def test_fp8_gemm_bf16_float32_out():
     n, k, m = 96, 256, 40
     ex = _compiled(n=n, k=k, out_dtype="float32", row_block=32)
     x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=3)
-    out = _run(ex, x, weight, scale, torch.float32)
+    out = run_fp8_linear(ex, x, weight, scale, torch.float32)
     ref = ops.fp8_linear_f32(x, weight, scale)
     bound = ref.abs().amax(dim=1, keepdim=True) * 2.0**-20
     assert bool(((out - ref).abs() <= bound).all())
@@ -81,13 +64,13 @@ def test_fp8_gemm_bf16_every_code_nan_and_subnormal_weights():
     n, k, m = 256, 128, 40
     x, _, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=5)
     weight = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, k)
-    out = _run(_compiled(n=n, k=k, row_block=64), x, weight, scale)
+    out = run_fp8_linear(_compiled(n=n, k=k, row_block=64), x, weight, scale)
     ref = ops.fp8_linear(x, weight, scale)
     nan = torch.zeros(m, n, dtype=torch.bool)
     nan[:, 0x7F] = nan[:, 0xFF] = True
     assert torch.equal(out.isnan(), nan)
     assert bool((out.view(torch.int16)[:, [0x7F, 0xFF]] == 0x7FC0).all())
-    assert int(_ulps(out[~nan], ref[~nan]).max()) <= 1
+    assert int(bf16_ulps(out[~nan], ref[~nan]).max()) <= 1
 
 
 def test_fp8_gemm_bf16_refuses_bad_shapes():

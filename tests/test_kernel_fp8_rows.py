@@ -13,10 +13,10 @@ import functools
 import pytest
 import torch
 import tvm
+from kernel_numerics import SKX, ZEN4, bf16_ulps, run_fp8_linear
 
 from dsv41.graph import ops
-from dsv41.graph.targets import TargetSpec, get_target
-from dsv41.runtime.backends.tensors import to_torch, to_tvm
+from dsv41.graph.targets import get_target
 from dsv41.schedules import gemm
 from dsv41.schedules.common import has_avx512_bf16, has_features
 from dsv41.schedules.gemm.bf16_gemv import chunk_slot_source, make_fp8_gemv_bf16
@@ -25,28 +25,11 @@ CPU = get_target("cpu")
 needs_bf16 = pytest.mark.skipif(
     not (has_avx512_bf16(CPU) and has_features(CPU, "avx512vbmi")),
     reason="this CPU has no AVX-512 BF16 + VBMI (vdpbf16ps, vpermi2b)")
-ZEN4 = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver4"})
-SKX = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
 
 
 @functools.cache
 def _compiled(**kwargs):
     return tvm.compile(make_fp8_gemv_bf16(**kwargs), target=CPU.tvm_target())
-
-
-def _run(ex, x, weight, scale, dtype=torch.bfloat16) -> torch.Tensor:
-    out = torch.zeros(x.shape[0], weight.shape[0], dtype=dtype)
-    view = to_tvm(out)
-    ex(*[to_tvm(t) for t in (x, weight, scale)], view)
-    return to_torch(view)
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    def ordered(t):
-        bits = t.view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    return (ordered(a) - ordered(b)).abs()
 
 
 def test_chunk_slots_are_a_permutation_in_32_blocks():
@@ -67,7 +50,7 @@ def test_bf16_gemv_matches_oracle(n, k):
     ex = _compiled(n=n, k=k, prefetch=2)
     for seed in (1, 2):
         x, weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=seed)
-        ulps = _ulps(_run(ex, x, weight, scale), ops.fp8_linear(x, weight, scale))
+        ulps = bf16_ulps(run_fp8_linear(ex, x, weight, scale), ops.fp8_linear(x, weight, scale))
         assert int(ulps.max()) <= 1
         assert float((ulps == 0).float().mean()) >= 0.99
 
@@ -80,13 +63,13 @@ def test_bf16_gemv_every_code_nan_and_subnormal_weights():
     n, k = 256, 128
     x, _, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=5)
     weight = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, k)
-    out = _run(_compiled(n=n, k=k), x, weight, scale)
+    out = run_fp8_linear(_compiled(n=n, k=k), x, weight, scale)
     ref = ops.fp8_linear(x, weight, scale)
     nan = torch.zeros(1, n, dtype=torch.bool)
     nan[0, 0x7F] = nan[0, 0xFF] = True
     assert torch.equal(out.isnan(), nan)
     assert out.view(torch.int16)[0, 0x7F] == 0x7FC0 and out.view(torch.int16)[0, 0xFF] == 0x7FC0
-    assert int(_ulps(out[~nan], ref[~nan]).max()) <= 1
+    assert int(bf16_ulps(out[~nan], ref[~nan]).max()) <= 1
 
 
 @needs_bf16
@@ -110,9 +93,9 @@ def test_bf16_gemv_rows_bit_identical_to_single_row(rows, k, out_dtype):
         weight[40, 77] = 0x7F  # a NaN column
         x[m // 2] = 0
         x[-1, :32] = torch.tensor(3.0e38).to(torch.bfloat16)
-        out = _run(multi, x, weight, scale, dtype)
+        out = run_fp8_linear(multi, x, weight, scale, dtype)
         for i in range(m):
-            ref = _run(one, x[i:i + 1].clone(), weight, scale, dtype)
+            ref = run_fp8_linear(one, x[i:i + 1].clone(), weight, scale, dtype)
             assert torch.equal(out[i:i + 1].view(bits), ref.view(bits)), (m, i)
         assert int(out.isnan().sum()) == m  # column 40 of every row, nothing else
 
