@@ -1,0 +1,55 @@
+"""The sparse-attend kernel's configuration: how a target splits the heads into groups, stages
+the entries and sizes its register tiles (`sparse_attend_config`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dsv41.graph.targets import TargetSpec
+from dsv41.schedules.common import has_avx512, has_avx512_bf16
+
+ATTN_BLOCK = 64  # entries per online-softmax block (graph.ops.ATTN_BLOCK)
+
+
+# ---- config --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SparseAttendConfig:
+    heads_per_group: int  # heads that share one task and its staged entries
+    stage_rows: int  # entries decoded into the staging tile at a time (divides 64)
+    vector: int  # CPU: fp32 lanes per vector op
+    unroll_rows: int  # CPU: entries per register tile in QK
+    threads: int  # CUDA: threads per block (one block per (b, s, head group))
+    vector_decode: bool = False  # CPU with AVX-512: the hand-vectorised staging (stage_vec)
+    bf16_dot: bool = False  # CPU with AVX-512 BF16: QK and PV on vdpbf16ps (bf16_dot.py)
+
+
+def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> SparseAttendConfig:
+    """CPU: as few head groups as keep every core busy on one decode token (each group decodes
+    the entries again; at h = 64 on 2 cores: 2 groups of 32), whole 64-entry blocks staged once
+    and reused for PV, 16 fp32 lanes; the QK register tile is 8 entries x the group's heads with
+    AVX-512 (32 zmm) and 2 entries without (16 ymm: at h 64, d 512, w 128, k 512 on one Zen 3
+    core 2.5-2.7 ms against 3.5-3.8 at 8 or 4 entries, 2.9-3.7 at 1, 3.0 with 8 lanes at 1 or 2,
+    4.0 with 32 lanes); with AVX-512 BF16 QK and PV on vdpbf16ps where the group has a
+    multiple of 16 heads (bf16_dot.py). CUDA: 8 heads per thread block and as many staged fp32
+    rows as fit 16 KiB (8 at d = 512), so staged rows, accumulator (8 x d) and logits stay
+    within 48 KiB of static shared memory; q is read from global memory (L1)."""
+    if target.is_cuda:
+        hg = math.gcd(h, 8)
+        rows = max(1, min(ATTN_BLOCK, 16384 // (4 * d)))
+        rows = 1 << (rows.bit_length() - 1)  # a power of two, so it divides 64
+        return SparseAttendConfig(heads_per_group=hg, stage_rows=rows, vector=1,
+                                  unroll_rows=1, threads=256)
+    cores = int(target.target.get("num-cores", 1))
+    groups = max(1, min(cores, h // 16))
+    while h % groups:
+        groups -= 1
+    avx512 = has_avx512(target)
+    vector_decode = avx512 and d % 16 == 0
+    return SparseAttendConfig(heads_per_group=h // groups, stage_rows=ATTN_BLOCK, vector=16,
+                              unroll_rows=8 if avx512 else 2, threads=1,
+                              vector_decode=vector_decode,
+                              bf16_dot=vector_decode and has_avx512_bf16(target)
+                              and (h // groups) % 16 == 0 and d % 32 == 0)
