@@ -47,6 +47,7 @@ def _close(a: float, b: float) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # the --quick run compiles every case: 40-60 s of the default suite
 def test_report_schema_and_machine(quick_report):
     r = quick_report
     assert r["schema"] == bench.SCHEMA
@@ -67,6 +68,7 @@ def test_report_schema_and_machine(quick_report):
     assert names == [c.name for c in bench.default_cases(quick=True)]
 
 
+@pytest.mark.slow  # the --quick run compiles every case: 40-60 s of the default suite
 def test_rows_are_positive_and_self_consistent(quick_report):
     m = quick_report["machine"]
     bw, peak = m["bandwidth_gbs"], m["gemm_gflops"]
@@ -92,6 +94,7 @@ def test_rows_are_positive_and_self_consistent(quick_report):
         assert 0 < row["min_s"]["kernel"] <= t and 0 < row["min_s"]["eager"] <= row["eager_s"]
 
 
+@pytest.mark.slow  # the --quick run compiles every case: 40-60 s of the default suite
 def test_kernel_outputs_match_the_oracle(quick_report):
     """The harness compares the kernel's output with the eager oracle's on the timed inputs: the
     indexer's positions are exact; attention is bf16-rounding close (>= 99% equal in its own
@@ -115,6 +118,7 @@ def _moe_funcs(row: dict) -> list[str]:
     return [c.func for c in plan.calls]
 
 
+@pytest.mark.slow  # the --quick run compiles every case: 40-60 s of the default suite
 def test_moe_rows_time_the_split_chain(quick_report):
     """The moe cases time compiler/lower.py's chain (route, qdq, gate_up, qdq, down, combine),
     built for the artifact's row hint (1 at one row, None above; the verify entry's at 2 rows,

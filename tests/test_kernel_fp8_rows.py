@@ -76,7 +76,8 @@ def test_bf16_gemv_every_code_nan_and_subnormal_weights():
 @pytest.mark.parametrize("rows,k,out_dtype", [
     (6, 256, "bfloat16"),  # the verify entry's (block 5)
     (2, 4096, "bfloat16"),  # wo_b's K
-    (5, 2048, "bfloat16"),  # groups of 5 rows: 20 KB of activations, columns in pairs
+    # groups of 5 rows: 20 KB of activations, columns in pairs (slow: ~15 s of compiles)
+    pytest.param(5, 2048, "bfloat16", marks=pytest.mark.slow),
     pytest.param(3, 256, "float32", marks=pytest.mark.slow),
     pytest.param(6, 4096, "bfloat16", marks=pytest.mark.slow)])
 def test_bf16_gemv_rows_bit_identical_to_single_row(rows, k, out_dtype):

@@ -405,9 +405,10 @@ SHIFTED = [pytest.param("amx", marks=pytest.mark.skipif(not HAS_AMX_INT8,
 @pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", [  # 3 kernels (a compile is ~6 s)
     (32, 128, 1, 1, 5000, 32),  # decode: runs of 5 tiles, a shorter last run, a partial tile
     (32, 128, 1, 3, 300, 32),  # prefill-like s
-    (64, 128, 1, 1, 1, 32),  # 1 token; 4 head chunks
+    pytest.param(64, 128, 1, 1, 1, 32, marks=pytest.mark.slow),  # 1 token; 4 head chunks
     (32, 128, 2, 2, 1000, 32),  # batch 2
-    (4, 128, 2, 2, 37, 32),  # heads < 8: a 4-head block, one partial tile
+    # heads < 8: a 4-head block, one partial tile
+    pytest.param(4, 128, 2, 2, 37, 32, marks=pytest.mark.slow),
 ])
 def test_vbmi_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
     _sweep_matches(_sweep_ex("vbmi", heads, dim, max_tasks), b, s, t, heads, dim, seed=t)
