@@ -67,7 +67,6 @@ from dsv41.schedules.attention.bf16_dot import (
     check_bf16_dot_dims,
     make_bf16_dot_stages,
     p_pair,
-    to_bf16_bits,
 )
 from dsv41.schedules.attention.configs import (
     ATTN_BLOCK,
@@ -75,6 +74,7 @@ from dsv41.schedules.attention.configs import (
 )
 from dsv41.schedules.attention.schedule import schedule_sparse_attend
 from dsv41.schedules.common import (
+    bf16_bits_of_exact,
     e4m3_to_f32,
     e4m3_to_f32_select,
     e8m0_to_f32,
@@ -202,7 +202,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
         return T.Cast("uint32", x)
 
     def enc(v):  # a float32x16 of entry values as the staging tile holds them
-        return to_bf16_bits(v) if bf16_dot else v
+        return bf16_bits_of_exact(v) if bf16_dot else v
 
     def win_value(win_codes, win_scales, vb, row, c):
         return (e4m3_to_f32(u32(win_codes[vb, row, c]))

@@ -68,13 +68,6 @@ def check_bf16_dot_dims(*, hg: int, d: int, stage_rows: int, blk: int, vector_de
         )
 
 
-def to_bf16_bits(v):
-    """A float32x16 of values bf16 holds exactly -> their bf16 bits (uint16x16): the high
-    halves, no rounding (an fp32 denormal keeps its high bits: a bf16 denormal, flushed to zero
-    by vdpbf16ps as the fp32 value would not be)."""
-    return T.Cast("uint16x16", T.reinterpret("uint32x16", v) >> T.broadcast(T.uint32(16), 16))
-
-
 def p_pair(lo, hi):
     """Two float32x16 of bf16 values (p of entries 2j and 2j + 1 for 16 heads) -> the uint32x16
     of their bf16 pairs PV broadcasts (lo in the low half)."""

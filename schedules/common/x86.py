@@ -3,6 +3,7 @@ CPU feature checks of a target (AVX-512, AMX-BF16)."""
 
 from __future__ import annotations
 
+import tvm
 from tvm.script import tirx as T
 from tvm.target import codegen
 
@@ -126,9 +127,15 @@ def amx_configure(cfg):
 
 
 def bf16_bits_of_exact(v):
-    """The bf16 bits (uint16) of an fp32 value that bf16 holds exactly (its low 16 bits are
-    zero: decoded E4M3 values, their power-of-two multiples): no rounding is needed."""
-    return T.Cast("uint16", T.reinterpret("uint32", v) >> T.uint32(16))
+    """The bf16 bits (uint16, or uint16 lanes for a float32 vector) of an fp32 value that bf16
+    holds exactly (its low 16 bits are zero: decoded E4M3 values, their power-of-two multiples):
+    the high halves, no rounding. An fp32 denormal keeps its high bits: a bf16 denormal, which
+    vdpbf16ps reads as zero."""
+    lanes = tvm.DataType(str(v.ty)).lanes
+    if lanes == 1:
+        return T.Cast("uint16", T.reinterpret("uint32", v) >> T.uint32(16))
+    return T.Cast(f"uint16x{lanes}", T.reinterpret(f"uint32x{lanes}", v)
+                  >> T.broadcast(T.uint32(16), lanes))
 
 
 @T.macro

@@ -10,6 +10,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv41.schedules.common import (
+    bf16_bits_of_exact,
     bf16_to_f32,
     dpbf16ps,
     e4m3_to_f32_select,
@@ -23,11 +24,6 @@ from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale
 LANES = 16  # fp32 lanes of one vdpbf16ps: 16 rows
 ROW_VECS = 2  # row vectors (16 rows each) of a register tile
 TILE_COLS = 8  # columns of a register tile: ROW_VECS x TILE_COLS = 16 accumulators
-
-
-def _bf16_bits(v):
-    """float32x16 values bf16 holds exactly -> their bf16 bits (the high halves, no rounding)."""
-    return T.Cast("uint16x16", T.reinterpret("uint32x16", v) >> T.broadcast(u32(16), LANES))
 
 
 def nan_canonical(v):
@@ -109,7 +105,7 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
                 rb = T.meta_var(task // NB)
                 p = T.meta_var(task % NB)
                 for c, kv in T.grid(TN, K // i64(LANES)):
-                    wn[T.ramp(c * K + kv * LANES, 1, LANES)] = _bf16_bits(
+                    wn[T.ramp(c * K + kv * LANES, 1, LANES)] = bf16_bits_of_exact(
                         e4m3_to_f32_select(T.Cast(f"uint32x{LANES}", weight.vload(
                             [T.min(p * TN + c, N - i64(1)), kv * LANES], f"uint8x{LANES}")))
                         * T.broadcast(e8m0_to_f32(T.Cast("uint32", scale[p, kv * LANES // TN])),
