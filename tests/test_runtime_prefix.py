@@ -102,17 +102,26 @@ def test_a_request_reuses_the_rows_of_one_still_decoding(small_model):
     assert (r.replayed, r.prefilled) == (16, len(prompt) - 16)
     assert e.tier_counts["runtime-prefix"] == 1 and e.token_counts["runtime_prefix"] == 16
     assert e.stats().runtime_blocks.hits == 2
-    # the replay covers the whole reused prefix (16 = window): the request served alone, cold,
-    # on a fresh engine without the tier gives the same tokens (its first logits differ by the
-    # replay's rounding, as the SSD prefix tier's do: bit-equal to that tier, next test)
-    fresh = _engine(small_model)
+    # the replay covers the whole reused prefix (16 = window): it is the first 16 positions'
+    # prefill. The request served alone, cold, on a fresh engine without the tier, prefilled in
+    # chunks of 16 (the same two chunks: 16 replayed, 10 new), gives the same tokens and every
+    # logit to the bit. Prefilled as one chunk of 26 it gives the same tokens; its logits are
+    # bit-equal only where torch's GEMMs round a row alike at every row count (not on a Xeon
+    # with AMX), so they are held to a tolerance.
+    fresh = _engine(small_model, prefill_chunk_tokens=16)
     c = fresh.session()
     toks_cold, logits_cold = _send(c, prompt)
     assert c.turns[-1].tier == "cold" and toks == toks_cold
-    np.testing.assert_array_equal(logits[1:], logits_cold[1:])
+    np.testing.assert_array_equal(logits, logits_cold)
+    one = _engine(small_model)
+    c = one.session()
+    toks_one, logits_one = _send(c, prompt)
+    assert c.turns[-1].tier == "cold" and toks == toks_one
+    np.testing.assert_allclose(logits, logits_one, rtol=0, atol=0.5)  # Xeon, AMX: 0.28 seen
     assert list(gen)  # a decodes on, unchanged by b
     e.close()
     fresh.close()
+    one.close()
 
 
 def test_a_finished_requests_blocks_are_reused_as_the_ssd_tier_would_serve(small_model, tmp_path):
