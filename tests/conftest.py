@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -18,6 +19,17 @@ CONFORMANCE = SHARED / "conformance"
 
 # The released goldens were computed with 2 threads; GEMM summation order follows the count.
 torch.set_num_threads(2)
+
+MAX_WORKERS = 4  # `-n auto`: test processes, one per core up to this (each holds its models)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (the default run): PYTEST_XDIST_AUTO_NUM_WORKERS when set, else one worker per
+    core this process may use, at most MAX_WORKERS (CI's 2 cores: 2)."""
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if env:
+        return int(env)
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
 def case_dir(name: str) -> Path:
@@ -120,17 +132,27 @@ def cached_artifact(args, model_name: str, entries: tuple[str, ...], target: str
     GPU): reused from the cache when the code, the config, the entries, the target and TVM are
     the same (its manifest verified on load like any artifact), else compiled and put there
     (renamed in whole, so a killed run leaves no partial entry)."""
-    from dsv41.compiler.build import CompileOptions, compile_artifact
-
     # a CPU build's key is what it was before targets were named (the caches stay valid)
     key = compile_inputs_digest(args.config_hash(), ",".join(entries),
                                 *(() if target == "cpu" else (target,)))
     cache = artifact_cache_root() / "artifacts"
+    cache.mkdir(parents=True, exist_ok=True)
+    locks = artifact_cache_root() / "locks"
+    locks.mkdir(exist_ok=True)
+    # one compile per key at a time: another test process (pytest -n) waits, then reuses it
+    with open(locks / key, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached_or_compiled(cache, key, args, model_name, entries, target)
+
+
+def _cached_or_compiled(cache: Path, key: str, args, model_name: str, entries: tuple[str, ...],
+                        target: str) -> Path:
+    from dsv41.compiler.build import CompileOptions, compile_artifact
+
     done = cache / key
     if (done / "done").is_file():
         os.utime(done / "done")  # most recently used
         return done / (done / "done").read_text()
-    cache.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))
     # the entries in two processes at once (the pipeline is one thread; same libraries)
     opts = CompileOptions(args=args, model_name=model_name, target=target, out=work,
