@@ -21,6 +21,20 @@ CONFORMANCE = SHARED / "conformance"
 torch.set_num_threads(2)
 
 MAX_WORKERS = 4  # `-n auto`: test processes, one per core up to this (each holds its models)
+# The test files that take longest (minutes of compiles), handed out first so that no worker is
+# left alone with one of them at the end (a file runs in one worker: `--dist loadfile`)
+LONGEST_FILES = ("test_kernel_indexer.py", "test_cuda_build.py", "test_capture.py",
+                 "test_epd_faults.py", "test_graph.py", "test_engine.py", "test_kernel_moe.py",
+                 "test_kernel_gemm.py", "test_kernel_attention.py")
+# libgomp's threads (torch's) spin between parallel regions by default: with a worker per core,
+# one worker's spinning takes the core from the other. Passive waits change no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """LONGEST_FILES first, in that order; every other file after, in collection order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

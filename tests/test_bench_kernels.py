@@ -261,13 +261,20 @@ def test_cli_refuses_cuda_and_unknown_cases(capsys):
     assert "indexer-1M" in out and "attend" not in out
 
 
-def test_table_is_aligned(quick_report):
-    lines = bench.format_table(quick_report["rows"]).splitlines()
-    assert len(lines) == 2 + len(quick_report["rows"])
+def test_table_is_aligned(tmp_path):
+    """Two families' rows (an FP8 GEMV, the MoE chain with its parts) in one table: the quick
+    run of every case is the slow tests' (`quick_report`)."""
+    path = tmp_path / "kernels.json"
+    assert cli_main(["bench", "kernels", "--quick", "--no-compile", "--cases", "fp8-wq_a-m1,moe-n1",
+                     "--repeat", "3", "--budget", "0.05", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert sorted(r["case"] for r in report["rows"]) == ["fp8-wq_a-m1", "moe-n1"]
+    lines = bench.format_table(report["rows"]).splitlines()
+    assert len(lines) == 2 + len(report["rows"])
     # the 12 right-justified cells after the case name end at the same columns in every row
     ends = {tuple([m.end() for m in re.finditer(r"\S+", line)][1:13]) for line in lines[2:]}
     assert len(ends) == 1
-    assert "machine:" in measure.format_machine(quick_report["machine"])
+    assert "machine:" in measure.format_machine(report["machine"])
 
 
 @pytest.mark.slow

@@ -94,11 +94,16 @@ def run_pool_topk(ex, q, k_packed, k_scales, weights, lens, blocks, topk: int,
     return host_torch(pos)
 
 
-@functools.cache
 def _cpu(heads: int = H, dim: int = D, topk: int = TOPK, topk_blocks: int = TOPK_BLOCKS,
          block_size: int = BS):
+    """The compiled indexer module, once per shape however the call names its arguments."""
+    return _cpu_compiled(heads, dim, topk, topk_blocks, block_size)
+
+
+@functools.cache
+def _cpu_compiled(heads: int, dim: int, topk: int, topk_blocks: int, block_size: int):
     mod = build_indexer_kernels("cpu", heads=heads, dim=dim, topk=topk,
-                                   topk_blocks=topk_blocks, block_size=block_size)
+                                topk_blocks=topk_blocks, block_size=block_size)
     return tvm.compile(mod, target=get_target("cpu").tvm_target())
 
 
@@ -305,8 +310,13 @@ HAS_AMX_INT8 = has_features(get_target("cpu"), "amx-tile", "amx-int8", "avx512vb
 HAS_VBMI = has_features(get_target("cpu"), "avx512f", "avx512bw", "avx512vnni", "avx512vbmi")
 
 
-@functools.cache
 def _sweep_ex(kind: str, heads: int, dim: int, max_tasks: int = 32):
+    """The compiled sweep of `kind`, once per shape however the call names its arguments."""
+    return _sweep_compiled(kind, heads, dim, max_tasks)
+
+
+@functools.cache
+def _sweep_compiled(kind: str, heads: int, dim: int, max_tasks: int):
     if kind in ("avx512", "vnni"):
         vnni = kind == "vnni"
         f = ix.make_index_scores_avx512(heads=heads, dim=dim, max_tasks=max_tasks, vnni=vnni,
@@ -351,7 +361,8 @@ def _sweep_matches(ex, b, s, t, heads, dim, seed, q=None, ks=None):
 @pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("heads,dim,b,s,t,max_tasks", [
     (4, 32, 2, 3, 37, 32),  # 4 entries per transpose row, one partial tile
-    (8, 64, 1, 2, 200, 32),  # 2 entries per row; heads < 16 (one chunk of 8)
+    # 2 entries per row; heads < 16 (one chunk of 8) (slow: a compile, ~9 s)
+    pytest.param(8, 64, 1, 2, 200, 32, marks=pytest.mark.slow),
     (16, 128, 2, 1, 1000, 3),  # ragged tasks: 16 tiles in runs of 6, 6, 4
     (32, 256, 1, 2, 129, 32),  # two 16-word chunks per entry; 2 head chunks
 ])
@@ -362,8 +373,9 @@ def test_avx512_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
 INT8_SWEEP_CASES = [  # (heads, dim, b, s, t, max_tasks) of the int8 dots (VNNI, AVX2)
     (16, 128, 2, 1, 1000, 3),  # ragged tasks; one head chunk
     (32, 128, 1, 3, 300, 32),  # the model's dims, prefill-like s, a partial last tile
-    (64, 128, 1, 1, 1, 32),  # 1 token; 4 head chunks
-    (4, 128, 2, 2, 37, 32),  # heads < 8: a 4-head block
+    # 1 token; 4 head chunks; heads < 8: a 4-head block (slow: a compile each, ~10 s)
+    pytest.param(64, 128, 1, 1, 1, 32, marks=pytest.mark.slow),
+    pytest.param(4, 128, 2, 2, 37, 32, marks=pytest.mark.slow),
     (32, 256, 1, 2, 129, 32),  # two 16-word (AVX2: 2 x 2 8-word) chunks per entry
 ]
 
@@ -383,8 +395,9 @@ def test_avx2_sweep_is_bit_exact(heads, dim, b, s, t, max_tasks):
 AMX_SWEEP_CASES = [  # (heads, dim, b, s, t, max_tasks): heads a multiple of 32, dim 128
     (32, 128, 1, 1, 5000, 4),  # decode: runs of 40 tiles per task, a partial last tile
     (32, 128, 1, 3, 300, 32),  # prefill-like s: items pipelined within a tile
-    (64, 128, 1, 1, 1, 32),  # 1 token; 2 passes of 32 heads, 4 head chunks
-    (32, 128, 2, 2, 1000, 3),  # batch 2, ragged tasks
+    # 1 token; 2 passes of 32 heads, 4 head chunks (slow: a compile, ~17 s)
+    pytest.param(64, 128, 1, 1, 1, 32, marks=pytest.mark.slow),
+    (32, 128, 2, 2, 1000, 32),  # batch 2 (ragged tasks: the first case)
 ]
 
 
@@ -607,13 +620,28 @@ def test_select_group_sizes(group, chunks):
         assert torch.equal(out, _select_ref(kind, inp, aux)), kind
 
 
-@pytest.mark.parametrize("heads,dim", [(H, D), (32, 128)])  # (32, 128): the VNNI sweep
+def _host_sweep_kind(heads: int, dim: int) -> str:
+    """The `_sweep_ex` kind of the sweep this CPU's build takes at these dims."""
+    cfg = ix.sweep_config(get_target("cpu"), heads=heads, dim=dim)
+    if not cfg.avx512:
+        return "scheduled"
+    if cfg.amx or cfg.vbmi:
+        return "amx" if cfg.amx else "vbmi"
+    if cfg.lanes == 8:
+        return "avx2"
+    return "vnni" if cfg.vnni else "avx512"
+
+
+@pytest.mark.parametrize("heads,dim", [(H, D), (32, 128)])  # (32, 128): this CPU's int8 sweep
 def test_empty_context(heads, dim):
-    """T = 0 (no index keys yet): the sweep writes nothing and every selection is -1."""
+    """T = 0 (no index keys yet): the sweep writes nothing and every selection is -1. At the
+    model's dims, the sweep this CPU's build takes (AMX, VBMI, VNNI, AVX2 or AVX-512); the
+    selections are the same kernels at any dims."""
     import ml_dtypes
     import numpy as np
 
-    ex = _cpu(heads=heads, dim=dim)
+    ex = _cpu()
+    sweep = ex if (heads, dim) == (H, D) else _sweep_ex(_host_sweep_kind(heads, dim), heads, dim)
     dev = tvm.cpu()
     q = tvm.runtime.tensor(np.ones((1, 2, heads, dim), ml_dtypes.bfloat16))
     w = tvm.runtime.tensor(np.ones((1, 2, heads), ml_dtypes.bfloat16))
@@ -623,7 +651,7 @@ def test_empty_context(heads, dim):
     scores = tvm.runtime.empty((1, 2, 0), "bfloat16", dev)
     pos = tvm.runtime.tensor(np.zeros((1, 2, TOPK), np.int32))
     blk = tvm.runtime.tensor(np.zeros((1, 2, TOPK_BLOCKS), np.int32))
-    ex["index_scores"](q, kp, ks, w, lens, scores)
+    sweep["index_scores"](q, kp, ks, w, lens, scores)
     ex["select_positions"](scores, pos)
     ex["select_blocks"](scores, lens, blk)
     assert (pos.numpy() == -1).all() and (blk.numpy() == -1).all()
