@@ -645,10 +645,12 @@ def test_spec_bench_policy_rows_and_injected_draft_pays_the_draft_pass():
     pol = SpecPolicy(2)
     _measured(pol, 1, [0.010, 0.011, 0.012], 0.001)
     before = dict(pol.samples)
+    pol.observe_draft(1, 0.001)
     pol.observe_verify(1, 2, 0.012)
     pol.observe_verify(1, 2, 0.012)
     row = policy_state(pol, 0.9, before)
     assert row["policy_k"] == 2 and row["steps_by_k"] == {"0": 0, "1": 0, "2": 2}
+    assert row["draft_passes"] == 1  # one step drafted since `before`, the other did not
     assert row["policy_tok_s"] == pytest.approx(expected_tokens([0.9, 0.9], 2) / 0.013)
     assert row["policy_step_s"] == pytest.approx({"0": 0.010, "1": 0.011, "2": 0.012})
 

@@ -223,11 +223,13 @@ def run_batch_injected(be: Backend, model: Model, *, batch: int, tokens: int,
         row = {"batch": batch, "rate": rate, "achieved_tok_s": achieved, "plain_tok_s": plain,
                "speedup": achieved / plain, "equal_to_plain": got == ref,
                "steps_by_k": {str(j): c for j, c in steps.items()},
+               "draft_passes": draft_passes(e.spec_policy, batch, before),
                "engine_verify": be.engine_field, "engine_context": prompt_tokens + tokens}
         rows.append(row)
         say(f"batch {batch}, acceptance {rate}: {achieved:.2f} tok/s against plain "
             f"{plain:.2f} ({row['speedup']:.2f}x; verify steps by k "
-            f"{', '.join(f'{j}: {c}' for j, c in steps.items() if c)}; output "
+            f"{', '.join(f'{j}: {c}' for j, c in steps.items() if c)}; draft passes "
+            f"{row['draft_passes']}; output "
             f"{'equal to' if row['equal_to_plain'] else 'DIFFERENT from'} plain)")
     return rows
 
@@ -242,7 +244,14 @@ def policy_state(pol: SpecPolicy, rate: float, before: dict) -> dict:
     return {"policy_k": k, "policy_tok_s": pol.rate(1, k, acc),
             "policy_step_s": {str(j): pol.verify_s.get((1, j)) for j in steps},
             "policy_draft_s": pol.draft_s.get(1), "steps_by_k": {str(j): n for j, n in
-                                                                 steps.items()}}
+                                                                 steps.items()},
+            "draft_passes": draft_passes(pol, 1, before)}
+
+
+def draft_passes(pol: SpecPolicy, batch: int, before: dict) -> int:
+    """Draft passes the policy saw at this batch size since `before` (its `samples`): each
+    step that drafted, whether its rows then verified (k > 0) or all declined (k = 0)."""
+    return pol.samples.get(("draft", batch), 0) - before.get(("draft", batch), 0)
 
 
 def add_floors(rows: list[dict], model: Model, macs_per_s: float) -> dict:
