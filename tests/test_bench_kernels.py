@@ -46,7 +46,6 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
 
 
-@pytest.mark.slow
 @pytest.mark.slow  # the --quick run compiles every case: 40-60 s of the default suite
 def test_report_schema_and_machine(quick_report):
     r = quick_report

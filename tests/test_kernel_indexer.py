@@ -546,13 +546,11 @@ def test_sweep_config_choices():
     assert host.amx == HAS_AMX_INT8
     assert not ix.sweep_config(get_target("cpu"), heads=16, dim=128).amx  # heads % 32
     if HAS_AMX_INT8:
-        asm = tvm.compile(ix.index_sweep(get_target("cpu"), 32, 128),
-                          target=get_target("cpu").tvm_target()).mod.inspect_source("s")
+        asm = _host_sweep(32, 128).mod.inspect_source("s")
         assert "tdpbssd" in asm and "vpermb" in asm and "vpdpbusd" in asm  # + the VNNI fallback
     assert host.vbmi == (HAS_VBMI and not HAS_AMX_INT8)
     if host.vbmi:
-        asm = tvm.compile(ix.index_sweep(get_target("cpu"), 32, 128),
-                          target=get_target("cpu").tvm_target()).mod.inspect_source("s")
+        asm = _host_sweep(32, 128).mod.inspect_source("s")
         assert "vpermb" in asm and "vpdpbusd" in asm and "tdpbssd" not in asm
     # Zen 4 (AVX-512 VNNI + VBMI, no AMX): the VBMI dot; Ice Lake has VBMI too
     zen4 = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver4"})
@@ -620,16 +618,11 @@ def test_select_group_sizes(group, chunks):
         assert torch.equal(out, _select_ref(kind, inp, aux)), kind
 
 
-def _host_sweep_kind(heads: int, dim: int) -> str:
-    """The `_sweep_ex` kind of the sweep this CPU's build takes at these dims."""
-    cfg = ix.sweep_config(get_target("cpu"), heads=heads, dim=dim)
-    if not cfg.avx512:
-        return "scheduled"
-    if cfg.amx or cfg.vbmi:
-        return "amx" if cfg.amx else "vbmi"
-    if cfg.lanes == 8:
-        return "avx2"
-    return "vnni" if cfg.vnni else "avx512"
+@functools.cache
+def _host_sweep(heads: int, dim: int):
+    """The sweep this CPU's build compiles (`index_sweep` on the host target), once."""
+    return tvm.compile(ix.index_sweep(get_target("cpu"), heads, dim),
+                       target=get_target("cpu").tvm_target())
 
 
 @pytest.mark.parametrize("heads,dim", [(H, D), (32, 128)])  # (32, 128): this CPU's int8 sweep
@@ -641,7 +634,7 @@ def test_empty_context(heads, dim):
     import numpy as np
 
     ex = _cpu()
-    sweep = ex if (heads, dim) == (H, D) else _sweep_ex(_host_sweep_kind(heads, dim), heads, dim)
+    sweep = ex if (heads, dim) == (H, D) else _host_sweep(heads, dim)
     dev = tvm.cpu()
     q = tvm.runtime.tensor(np.ones((1, 2, heads, dim), ml_dtypes.bfloat16))
     w = tvm.runtime.tensor(np.ones((1, 2, heads), ml_dtypes.bfloat16))

@@ -218,8 +218,8 @@ def run_batch_injected(be: Backend, model: Model, *, batch: int, tokens: int,
         batch_rate(e, prompts, tokens, refs=refs, rate=rate, seed=seed)
         before = dict(e.spec_policy.samples)
         got, achieved = batch_rate(e, prompts, tokens, refs=refs, rate=rate, seed=seed)
-        steps = {j: e.spec_policy.samples.get(("verify", (batch, j)), 0)
-                 - before.get(("verify", (batch, j)), 0) for j in range(max_draft + 1)}
+        steps = {j: samples_since(e.spec_policy, "verify", (batch, j), before)
+                 for j in range(max_draft + 1)}
         row = {"batch": batch, "rate": rate, "achieved_tok_s": achieved, "plain_tok_s": plain,
                "speedup": achieved / plain, "equal_to_plain": got == ref,
                "steps_by_k": {str(j): c for j, c in steps.items()},
@@ -239,8 +239,7 @@ def policy_state(pol: SpecPolicy, rate: float, before: dict) -> dict:
     averages) and what it predicts from them at acceptance `rate`."""
     acc = [rate] * pol.max_draft
     k = pol.choose(1, acc)
-    steps = {j: pol.samples.get(("verify", (1, j)), 0) - before.get(("verify", (1, j)), 0)
-             for j in range(pol.max_draft + 1)}
+    steps = {j: samples_since(pol, "verify", (1, j), before) for j in range(pol.max_draft + 1)}
     return {"policy_k": k, "policy_tok_s": pol.rate(1, k, acc),
             "policy_step_s": {str(j): pol.verify_s.get((1, j)) for j in steps},
             "policy_draft_s": pol.draft_s.get(1), "steps_by_k": {str(j): n for j, n in
@@ -248,10 +247,16 @@ def policy_state(pol: SpecPolicy, rate: float, before: dict) -> dict:
             "draft_passes": draft_passes(pol, 1, before)}
 
 
+def samples_since(pol: SpecPolicy, name: str, key, before: dict) -> int:
+    """Measurements of `name` ("verify", "draft") at `key` the policy took since `before` (a
+    copy of its `samples`)."""
+    return pol.samples.get((name, key), 0) - before.get((name, key), 0)
+
+
 def draft_passes(pol: SpecPolicy, batch: int, before: dict) -> int:
-    """Draft passes the policy saw at this batch size since `before` (its `samples`): each
-    step that drafted, whether its rows then verified (k > 0) or all declined (k = 0)."""
-    return pol.samples.get(("draft", batch), 0) - before.get(("draft", batch), 0)
+    """Draft passes the policy saw at this batch size since `before`: each step that drafted,
+    whether its rows then verified (k > 0) or all declined (k = 0)."""
+    return samples_since(pol, "draft", batch, before)
 
 
 def add_floors(rows: list[dict], model: Model, macs_per_s: float) -> dict:
