@@ -728,3 +728,48 @@ def test_policy_backs_off_drafts_that_every_row_declines():
     assert pol.backoff[1] == 1 and not pol.worth_drafting(1)
     pol.observe_verify(1, 0, 0.010)
     assert pol.worth_drafting(1)
+
+
+def test_policy_probes_back_off_while_they_lose_and_heads_are_capped_by_what_is_kept():
+    """Outside a probe a row's k follows the lower of its head's scores and the kept fraction;
+    a probe (a draft only the `refresh` rule drew) follows the head alone, and a probe that
+    yields fewer tokens per second than a plain step doubles the wait before the next one
+    (up to refresh x max_probe_wait); a probe that pays resets it."""
+    pol = SpecPolicy(2, warmup=0, refresh=4, max_probe_wait=4)
+    # batch 8: a plain step 10 ms; a verify of 1 or 2 drafts 14 ms, a draft pass 2 ms
+    _measured(pol, 8, [0.010, 0.014, 0.014], 0.002)
+    for _ in range(20):  # the head promises 0.9, a third of the first drafts is kept
+        pol.observe_accepted(8, 1, 0)
+    assert pol.accepted[8][0] < 0.05
+    assert pol.choose_rows(8, [[0.9, 0.9]] * 8, [2] * 8) == [0] * 8  # capped: no verify
+    assert not pol.worth_drafting(8)
+    probes = []
+    for _ in range(200):
+        if pol.worth_drafting(8):
+            probes.append(pol.steps[8] + 1)
+            pol.observe_draft(8, 0.002, [0.9, 0.9])
+            ks = pol.choose_rows(8, [[0.9, 0.9]] * 8, [2] * 8)
+            assert ks == [2] * 8  # a probe: the heads alone
+            pol.observe_verify(8, 2, 0.014)
+            for _ in range(8):
+                pol.observe_accepted(8, 1, 0)
+            pol.observe_tokens(8, 8)  # 8 tokens in 16 ms against 8 in 10: lost
+        else:
+            pol.observe_verify(8, 0, 0.010)
+            pol.observe_tokens(8, 8)
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:3] == [9, 17, 17] and set(gaps[2:]) == {17}, probes
+    assert pol.probe_wait[8] == 16
+    # a probe that pays (every draft kept: 24 tokens in 16 ms) resets the wait
+    while not pol.worth_drafting(8):
+        pol.observe_verify(8, 0, 0.010)
+    pol.observe_draft(8, 0.002, [0.9, 0.9])
+    pol.observe_verify(8, 2, 0.014)
+    for _ in range(8):
+        pol.observe_accepted(8, 2, 2)
+    pol.observe_tokens(8, 24)
+    assert pol.probe_wait[8] == 4
+    with pytest.raises(ValueError, match="tokens"):
+        pol.observe_tokens(8, -1)
+    with pytest.raises(ValueError, match="max_probe_wait"):
+        SpecPolicy(2, max_probe_wait=0)

@@ -23,8 +23,13 @@ engine's own timings of whole steps). What keeps the costs true:
   (it would go stale while the policy speculates);
 - the policy drafts only when some k > 0 would pay at the acceptance measured so far (the
   lower of the kept fraction per position and the confidence head's average: a draft `choose`
-  would not verify, or whose tokens are rejected, is a wasted pass), and every `refresh` steps
-  to measure it again.
+  would not verify, or whose tokens are rejected, is a wasted pass), and otherwise probes: a
+  draft every `refresh` steps whose rows choose k by their confidence heads alone, so the kept
+  fraction is measured again. A probe that yields fewer tokens per second than a plain step
+  doubles the wait before the next one (up to `refresh` x `max_probe_wait`); one that pays
+  resets it. Outside probes a row's k follows the lower of its head's scores and the kept
+  fraction measured per position (a head that promises more than is kept does not buy
+  verifies that lose).
 A k never measured counts as costing what the largest measured smaller k costs (optimistic,
 so it is tried and then known); before a plain step is measured the policy picks 0.
 
@@ -129,6 +134,13 @@ class SpecPolicy:
     # drafts wait `backoff` steps, doubling while they keep being wasted (up to `refresh`)
     backoff: dict[int, int] = field(default_factory=dict)  # batch -> steps to wait
     quiet_until: dict[int, int] = field(default_factory=dict)  # batch -> last step not drafting
+    # probes (drafts whose rows follow their heads alone): batch -> steps between probes, which
+    # doubles while probes lose against a plain step (up to refresh * max_probe_wait)
+    max_probe_wait: int = 16
+    probe_wait: dict[int, int] = field(default_factory=dict)
+    probe_step: dict[int, int] = field(default_factory=dict)  # batch -> step of the last probe
+    step_s: dict[int, float] = field(default_factory=dict)  # batch -> last step's raw seconds
+    draft_raw_s: dict[int, float] = field(default_factory=dict)  # batch -> last draft's seconds
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_draft, int) or self.max_draft < 0:
@@ -137,6 +149,9 @@ class SpecPolicy:
             raise ValueError(f"alpha must lie in (0, 1], got {self.alpha!r}.")
         if not isinstance(self.refresh, int) or self.refresh < 1:
             raise ValueError(f"refresh must be a whole number >= 1, got {self.refresh!r}.")
+        if not isinstance(self.max_probe_wait, int) or self.max_probe_wait < 1:
+            raise ValueError(f"max_probe_wait must be a whole number >= 1, got "
+                             f"{self.max_probe_wait!r}.")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a whole number >= 0, got {self.warmup!r}.")
         if self.floor not in (0, 1) or self.floor > self.max_draft:
@@ -160,6 +175,7 @@ class SpecPolicy:
         if not 0 <= k <= self.max_draft:
             raise ValueError(f"k must lie in 0..{self.max_draft}, got {k}.")
         self._avg(self.verify_s, (batch, k), seconds, "verify")
+        self.step_s[batch] = seconds
         step = self.steps.get(batch, 0) + 1
         self.steps[batch] = step
         if k == 0:
@@ -177,6 +193,7 @@ class SpecPolicy:
         """A draft pass took `seconds` at this batch size (before the step's `observe_verify`);
         `acceptance`: what its confidence head said (`acceptance_probs`)."""
         self._avg(self.draft_s, batch, seconds, "draft")
+        self.draft_raw_s[batch] = seconds
         self.last_draft[batch] = self.steps.get(batch, 0) + 1
         if acceptance is not None:
             c = self.confidence.setdefault(batch, [1.0] * self.max_draft)
@@ -195,6 +212,33 @@ class SpecPolicy:
         a = self.accepted.setdefault(batch, [1.0] * self.max_draft)
         for i in range(min(accepted + 1, k)):
             a[i] = (1 - self.alpha) * a[i] + self.alpha * (1.0 if i < accepted else 0.0)
+
+    def observe_tokens(self, batch: int, tokens: int) -> None:
+        """The step just observed (`observe_verify`) produced `tokens` over its rows. After a
+        probe: fewer tokens per second (the draft pass included) than a plain step doubles
+        the wait before the next probe, more resets it."""
+        if not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be a whole number >= 0, got {tokens!r}.")
+        step = self.steps.get(batch, 0)
+        if self.probe_step.get(batch) != step or self.last_draft.get(batch) != step:
+            return
+        plain = self.verify_s.get((batch, 0))
+        seconds = self.step_s.get(batch, 0.0) + self.draft_raw_s.get(batch, 0.0)
+        if plain is None or seconds <= 0.0:
+            return
+        wait = self.probe_wait.get(batch, self.refresh)
+        if tokens / seconds < batch / plain:
+            self.probe_wait[batch] = min(2 * wait, self.refresh * self.max_probe_wait)
+        else:
+            self.probe_wait[batch] = self.refresh
+
+    def _likely(self, batch: int, scores: Sequence[float]) -> list[float]:
+        """Per position the lower of `scores` and the fraction kept so far (1 where unknown);
+        at a probe the scores alone."""
+        if self.probe_step.get(batch) == self.steps.get(batch, 0) + 1:
+            return list(scores)
+        kept = self.accepted.get(batch, [1.0] * self.max_draft)
+        return [min(a, c) for a, c in zip(scores, kept, strict=False)]
 
     def cost(self, batch: int, k: int) -> float | None:
         """Seconds of a step with k drafts (draft pass included), None if nothing is known."""
@@ -235,7 +279,8 @@ class SpecPolicy:
         average: drafting pays only if `choose` will verify and the drafts are kept; 1 where
         nothing is known yet), and every `refresh` steps regardless (both re-measured). A draft
         that every row declined (k = 0) costs a draft pass for nothing: the next draft then
-        waits 1, 2, 4, ... steps (up to `refresh`) while that repeats."""
+        waits 1, 2, 4, ... steps (up to `refresh`) while that repeats. A draft drawn only by
+        the last rule is a probe (`probe_wait` steps apart, `observe_tokens`)."""
         if self.floor:
             return True
         if self.max_draft == 0 or self.cost(batch, 0) is None:
@@ -250,25 +295,28 @@ class SpecPolicy:
                                             self.confidence.get(batch, sure), strict=True)]
         if self._best(batch, likely) > 0:
             return True
-        return step - self.last_draft.get(batch, 0) > self.refresh
+        if step - self.last_draft.get(batch, 0) > self.probe_wait.get(batch, self.refresh):
+            self.probe_step[batch] = step
+            return True
+        return False
 
     def choose(self, batch: int, acceptance: Sequence[float]) -> int:
         """The k in floor..min(max_draft, len(acceptance)) with the most predicted tokens/s."""
         if self.cost(batch, 0) is None and not self.floor:
             return 0  # measure a plain step first
-        return self._best(batch, acceptance, floor=self.floor)
+        return self._best(batch, self._likely(batch, acceptance), floor=self.floor)
 
     def choose_rows(self, batch: int, acceptances: Sequence[Sequence[float]],
                     caps: Sequence[int]) -> list[int]:
         """A k per row of a batch: `choose` on the row's own scores (`acceptance_probs` of
-        its confidence head), within `caps` (the drafts its turn can still use: what it has
-        left to produce, less the bonus token)."""
+        its confidence head, capped by the kept fraction outside a probe), within `caps` (the
+        drafts its turn can still use: what it has left to produce, less the bonus token)."""
         if len(acceptances) != len(caps) or len(caps) != batch:
             raise ValueError(f"choose_rows takes scores and a cap for each of the {batch} "
                              f"rows, got {len(acceptances)} and {len(caps)}.")
         if self.cost(batch, 0) is None and not self.floor:
             return [0] * batch  # measure a plain step first
-        return [self._best(batch, a, max(c, 0), self.floor)
+        return [self._best(batch, self._likely(batch, a), max(c, 0), self.floor)
                 for a, c in zip(acceptances, caps, strict=True)]
 
 

@@ -209,6 +209,7 @@ class Stepper:
         if k == 0:
             steps = self.plain(cache, rows)
             pol.observe_verify(b, 0, clock() - t0)
+            pol.observe_tokens(b, len(steps))
             return steps
         toks = torch.cat([now.unsqueeze(1), draft.ids[:, 1:1 + k]], dim=1)  # (b, 1 + k)
         # a compiled artifact's own verify (one call of its `verify` entry), else decode steps
@@ -237,4 +238,5 @@ class Stepper:
         pol.observe_verify(b, k, clock() - t0)
         for st, n in zip(steps, judged, strict=True):
             pol.observe_accepted(b, n, st.accepted)
+        pol.observe_tokens(b, sum(st.fed for st in steps))
         return steps
