@@ -18,6 +18,10 @@ bf16_dot.py) wherever a task has a multiple of 16 heads: the same exact products
 pairs, denormals flushed. The same tolerance holds (measured at the bench size: 99.98% of
 elements bit-identical at s = 1, 99.7% at s = 4; at most one bf16 ulp off). The edge cases run
 at h = 4 (the fp32 FMA path on every CPU) and at h = 16 (the bf16-dot path where the CPU has it).
+On a CPU with AMX-BF16 they run on tiles (amx_dot.py) wherever a task has a multiple of 32
+heads (the bench size, and the 32-head cases below): the same products, the same tolerance
+(measured on a Xeon with AMX at the bench size: 99.8% bit-identical at s = 1, 99.9% at s = 5,
+at most one bf16 ulp off).
 """
 
 from __future__ import annotations
@@ -35,11 +39,18 @@ from dsv41.graph import ops
 from dsv41.graph.targets import get_target
 from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.schedules import attention as A
-from dsv41.schedules.common import e4m3_to_f32_select, fp4_to_f32, has_avx512, has_avx512_bf16
+from dsv41.schedules.common import (
+    e4m3_to_f32_select,
+    fp4_to_f32,
+    has_amx_bf16,
+    has_avx512,
+    has_avx512_bf16,
+)
 
 SMALL = dict(h=4, d=64)
 BENCH = dict(h=64, d=512, w=128, k=512)
 CPU_BF16_DOT = has_avx512_bf16(get_target("cpu"))
+CPU_AMX_DOT = CPU_BF16_DOT and has_amx_bf16(get_target("cpu"))
 
 
 @pytest.fixture(params=[4, 16], ids=["fp32-dot", "bf16-dot"])
@@ -55,8 +66,8 @@ def _kernel(kind: str, h: int, d: int, w: int, k: int, heads_per_group: int | No
             chunk_rows: int | None = None):
     """Compiled CPU kernel, once per test session. Without explicit structure the config
     chooser's; with it (stage_rows < 64) the CUDA-like restaging structure runs on the CPU;
-    fp32_dot: the chooser's config with QK and PV on fp32 FMAs (bf16_dot off); chunk_rows: the
-    chooser's config with that many rows prestaged at a time (the bf16-dot path)."""
+    fp32_dot: the chooser's config with QK and PV on fp32 FMAs (bf16_dot, amx_dot off);
+    chunk_rows: the chooser's config with that many rows prestaged at a time (bf16-dot path)."""
     target = get_target("cpu")
     dims = dict(h=h, d=d, w=w, k=k, softmax_scale=d**-0.5)
     if chunk_rows is not None:
@@ -65,9 +76,10 @@ def _kernel(kind: str, h: int, d: int, w: int, k: int, heads_per_group: int | No
         func = A.schedule_sparse_attend(
             make(**dims, heads_per_group=cfg.heads_per_group, stage_rows=cfg.stage_rows,
                  vector_decode=cfg.vector_decode, bf16_dot=cfg.bf16_dot,
-                 chunk_rows=chunk_rows), cfg, target)
+                 chunk_rows=chunk_rows, amx_dot=cfg.amx_dot), cfg, target)
     elif fp32_dot:
-        cfg = dataclasses.replace(A.sparse_attend_config(target, h=h, d=d), bf16_dot=False)
+        cfg = dataclasses.replace(A.sparse_attend_config(target, h=h, d=d), bf16_dot=False,
+                                  amx_dot=False)
         make = A.make_sparse_attend if kind == "fp4" else A.make_sparse_attend_bf16
         func = A.schedule_sparse_attend(
             make(**dims, heads_per_group=cfg.heads_per_group, stage_rows=cfg.stage_rows,
@@ -298,6 +310,54 @@ def test_bf16_dot_kernel_calls_vdpbf16ps():
     assert text.count("dsv41_dpbf16ps_512") == 2
     assert 'T.sblock("qk_vec")' in text and 'T.sblock("pv_vec")' in text
     assert 'T.sblock("qk")' not in text and 'T.sblock("pv")' not in text
+
+
+# ---- the AMX path (schedules/attention/amx_dot.py) -------------------------------------------
+
+
+def test_amx_dot_config_and_checks():
+    """AMX where the CPU has it, with groups of 32 heads (the tiles' 2 x 2 step); the factory
+    refuses AMX without the bf16-dot staging or with a group that is not a multiple of 32."""
+    cpu = get_target("cpu")
+    cfg = A.sparse_attend_config(cpu, h=64, d=512)
+    assert cfg.amx_dot == CPU_AMX_DOT and (not cfg.amx_dot or cfg.bf16_dot)
+    assert not A.sparse_attend_config(cpu, h=16, d=64).amx_dot  # 16 heads: half a tile step
+    assert not A.sparse_attend_config(get_target("cpu-x86-64"), h=64, d=512).amx_dot
+    assert not A.sparse_attend_config(get_target("cuda-sm90"), h=64, d=512).amx_dot
+    dims = dict(w=16, k=8, softmax_scale=0.125, vector_decode=True)
+    with pytest.raises(ValueError, match="^amx_dot runs on the bf16_dot path's staging"):
+        A.make_sparse_attend(h=32, d=64, **dims, amx_dot=True)
+    with pytest.raises(ValueError, match="^The AMX attention needs heads_per_group, d and the "
+                       "block a multiple of 32; got heads_per_group=16, d=64, block=64.$"):
+        A.make_sparse_attend(h=32, d=64, **dims, heads_per_group=16, bf16_dot=True,
+                             amx_dot=True)
+    func = A.make_sparse_attend(h=32, d=64, **dims, bf16_dot=True)
+    asks = dataclasses.replace(A.sparse_attend_config(cpu, h=32, d=64), heads_per_group=32,
+                               vector_decode=True, bf16_dot=True, amx_dot=True)
+    with pytest.raises(ValueError, match="built with amx_dot=False but the config asks for True"):
+        A.schedule_sparse_attend(func, asks, cpu)
+
+
+@pytest.mark.skipif(not CPU_AMX_DOT, reason="this CPU has no AMX-BF16 tiles")
+@pytest.mark.parametrize("kind", ["fp4", "bf16"])
+def test_amx_dot_kernel_matches_the_oracle_and_each_row_its_decode_step(kind):
+    """The chooser's kernel at 32 heads on this CPU: QK and PV are tile blocks (no vdpbf16ps
+    left), within the oracle's tolerance, and each row of a 2 x 4-row call equals, bit for bit,
+    that row called alone (the verify entry's rows are its decode steps)."""
+    dims = dict(h=32, d=64, w=16, k=54)
+    text = (A.build_sparse_attend if kind == "fp4" else A.build_sparse_attend_bf16)(
+        "cpu", **dims, softmax_scale=0.125).script()
+    assert 'T.sblock("qk_amx")' in text and 'T.sblock("pv_amx")' in text
+    assert "tdpbf16ps" in text and "dsv41_dpbf16ps_512" not in text
+    inputs = _inputs(kind, b=2, s=4, **dims, n=80, seed=16)
+    ex = _kernel(kind, **dims)
+    got = _run(ex, inputs)
+    _assert_matches(got, _oracle(kind, inputs))
+    per_row = (0, 3, len(inputs) - 2)  # q, win_idx, kv_idx
+    for bi, si in ((0, 0), (0, 3), (1, 1), (1, 2)):
+        row = [x[bi:bi + 1, si:si + 1].contiguous() if i in per_row else x[bi:bi + 1]
+               for i, x in enumerate(inputs[:-1])] + [inputs[-1]]  # sink: [h]
+        assert torch.equal(_run(ex, row), got[bi:bi + 1, si:si + 1]), (bi, si)
 
 
 @pytest.mark.skipif(not CPU_BF16_DOT, reason="this CPU has no AVX-512 BF16 (vdpbf16ps)")

@@ -63,6 +63,7 @@ from tvm.script import tirx as T
 
 from dsv41.graph import formats as fmt
 from dsv41.graph.targets import get_target
+from dsv41.schedules.attention.amx_dot import make_amx_stages
 from dsv41.schedules.attention.bf16_dot import (
     check_bf16_dot_dims,
     make_bf16_dot_stages,
@@ -74,6 +75,8 @@ from dsv41.schedules.attention.configs import (
 )
 from dsv41.schedules.attention.schedule import schedule_sparse_attend
 from dsv41.schedules.common import (
+    amx,
+    amx_configure,
     bf16_bits_of_exact,
     e4m3_to_f32,
     e4m3_to_f32_select,
@@ -166,8 +169,9 @@ def prestage_rows(*, d: int, w: int, k: int) -> int:
 
 def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
           heads_per_group: int | None, stage_rows: int, vector_decode: bool,
-          bf16_dot: bool, chunk_rows: int | None) -> tvm.tirx.PrimFunc:
-    """The shared body of both ops; `kind` is "fp4" or "bf16" (the global cache's format)."""
+          bf16_dot: bool, chunk_rows: int | None, amx_dot: bool = False) -> tvm.tirx.PrimFunc:
+    """The shared body of both ops; `kind` is "fp4" or "bf16" (the global cache's format).
+    amx_dot (with bf16_dot): QK and PV on AMX tiles (amx_dot.py), the rest as bf16_dot."""
     hg = heads_per_group or h
     _check_dims(h, d, w, k, hg, stage_rows)
     if vector_decode and d % 16:
@@ -177,6 +181,11 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                             vector_decode=vector_decode)
         q_pairs, kv_pairs, qk_bf16, pv_bf16 = make_bf16_dot_stages(
             hg=hg, d=d, blk=ATTN_BLOCK)
+    if amx_dot:
+        if not bf16_dot:
+            raise ValueError("amx_dot runs on the bf16_dot path's staging: build with "
+                             "bf16_dot=True.")
+        qk_amx, p_rows, pv_amx = make_amx_stages(hg=hg, d=d, blk=ATTN_BLOCK)
     H, D, HG, R = T.int64(h), T.int64(d), T.int64(hg), T.int64(stage_rows)
     NG = T.int64(h // hg)
     nl = w + k  # entries per query
@@ -196,6 +205,8 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     kst_shape = (T.int64(1), T.int64(1)) if bf16_dot else (R, D)
     pvb_shape = (T.int64(1), T.int64(1)) if bf16_dot else (HG, D)  # bf16_dot: PV adds into acc
     pp_shape = (BLK // T.int64(2), HG) if bf16_dot else (T.int64(1),)
+    pa_shape = (HG, BLK // T.int64(2)) if amx_dot else (T.int64(1), T.int64(1))
+    yt_shape = (T.int64(32), T.int64(32)) if amx_dot else (T.int64(1), T.int64(1))
     scale = T.float32(softmax_scale)
 
     def u32(x):
@@ -397,6 +408,11 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
         den = T.sblock_alloc_buffer((HG,), "float32")
         psum = T.sblock_alloc_buffer((HG,), "float32")  # the block's sum of p
         pvb = T.sblock_alloc_buffer(pvb_shape, "float32")  # the block's p @ entries
+        pa = T.sblock_alloc_buffer(pa_shape, "uint32")  # amx_dot: p pairs, heads as rows
+        yt = T.sblock_alloc_buffer(yt_shape, "float32")  # amx_dot: a 32 x 32 tile of PV
+        cfg = T.sblock_alloc_buffer((64,), "uint8", scope="local")  # amx_dot: tile config
+        if amx_dot:
+            amx_configure(cfg)
         if bf16_dot:
             q_pairs(q, qt, vb, vs, vg)
         else:
@@ -416,7 +432,9 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                     acc[vh, vc] = T.float32(0)
         for t in range(NB):
             for r in range(NR):
-                if bf16_dot:
+                if amx_dot:
+                    qk_amx(kall, k0 + t * BLK, qt, dots)
+                elif bf16_dot:
                     qk_bf16(kall, k0 + t * BLK, qt, dots)
                 elif vector_decode:
                     stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
@@ -433,6 +451,8 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                                 + kst[vj, vc] * qt[vc, vh]
             if bf16_dot:
                 softmax_vec(bufs, dots, lg, mx, mn, psum, pp, vb, vs, t)
+            if amx_dot:
+                p_rows(pp, pa)
             else:
                 for j, hh in T.grid(BLK, HG):
                     with T.sblock("logit"):
@@ -477,7 +497,9 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                         stage_vec(bufs, kst, gsc, tbl, vb, vs, t, r, T.int64(0))
                     else:
                         stage(bufs, kst, vb, vs, t, r)
-                if bf16_dot:
+                if amx_dot:
+                    pv_amx(kvall, (k0 + t * BLK) // T.int64(2), pa, acc, mx, yt)
+                elif bf16_dot:
                     pv_bf16(kvall, (k0 + t * BLK) // T.int64(2), pp, acc, mx)
                 else:
                     for hh, c, j in T.grid(HG, D, R):
@@ -512,6 +534,8 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
             with T.sblock("out"):
                 vh, vc = T.axis.remap("SS", [hh, c])
                 out[vb, vs, vg * HG + vh, vc] = T.Cast("bfloat16", acc[vh, vc] / den[vh])
+        if amx_dot:
+            amx("tilerelease")
 
     @T.macro
     def body(q, bufs, sink, out):
@@ -582,13 +606,16 @@ def make_sparse_attend(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                        stage_rows: int = ATTN_BLOCK,
                        vector_decode: bool = False,
                        bf16_dot: bool = False,
-                       chunk_rows: int | None = None) -> tvm.tirx.PrimFunc:
+                       chunk_rows: int | None = None,
+                       amx_dot: bool = False) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend` with w window and k global entries per query (both static).
     Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out.
-    chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`)."""
+    chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`); amx_dot (with
+    bf16_dot): QK and PV on AMX tiles."""
     return _make("fp4", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
                  heads_per_group=heads_per_group, stage_rows=stage_rows,
-                 vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows)
+                 vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows,
+                 amx_dot=amx_dot)
 
 
 def make_sparse_attend_bf16(*, h: int, d: int, w: int, k: int, softmax_scale: float,
@@ -596,13 +623,16 @@ def make_sparse_attend_bf16(*, h: int, d: int, w: int, k: int, softmax_scale: fl
                             stage_rows: int = ATTN_BLOCK,
                             vector_decode: bool = False,
                             bf16_dot: bool = False,
-                            chunk_rows: int | None = None) -> tvm.tirx.PrimFunc:
+                            chunk_rows: int | None = None,
+                            amx_dot: bool = False) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend_bf16`: the global cache is bf16 [b, N, d].
     Buffers: q, win_codes, win_scales, win_idx, kv, kv_idx, sink, out.
-    chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`)."""
+    chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`); amx_dot (with
+    bf16_dot): QK and PV on AMX tiles."""
     return _make("bf16", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
                  heads_per_group=heads_per_group, stage_rows=stage_rows,
-                 vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows)
+                 vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows,
+                 amx_dot=amx_dot)
 
 
 # ---- realistic inputs ----------------------------------------------------------------------------
@@ -644,7 +674,7 @@ def build_sparse_attend(target_name: str, **dims) -> tvm.tirx.PrimFunc:
     cfg = sparse_attend_config(target, **dims)
     func = make_sparse_attend(**dims, heads_per_group=cfg.heads_per_group,
                               stage_rows=cfg.stage_rows, vector_decode=cfg.vector_decode,
-                              bf16_dot=cfg.bf16_dot)
+                              bf16_dot=cfg.bf16_dot, amx_dot=cfg.amx_dot)
     return schedule_sparse_attend(func, cfg, target)
 
 
@@ -654,5 +684,5 @@ def build_sparse_attend_bf16(target_name: str, **dims) -> tvm.tirx.PrimFunc:
     cfg = sparse_attend_config(target, **dims)
     func = make_sparse_attend_bf16(**dims, heads_per_group=cfg.heads_per_group,
                                    stage_rows=cfg.stage_rows, vector_decode=cfg.vector_decode,
-                                   bf16_dot=cfg.bf16_dot)
+                                   bf16_dot=cfg.bf16_dot, amx_dot=cfg.amx_dot)
     return schedule_sparse_attend(func, cfg, target)

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 
 from dsv41.graph.targets import TargetSpec
-from dsv41.schedules.common import has_avx512, has_avx512_bf16
+from dsv41.schedules.attention.amx_dot import TILE as AMX_TILE
+from dsv41.schedules.common import has_amx_bf16, has_avx512, has_avx512_bf16
 
 ATTN_BLOCK = 64  # entries per online-softmax block (graph.ops.ATTN_BLOCK)
 
@@ -24,6 +25,7 @@ class SparseAttendConfig:
     threads: int  # CUDA: threads per block (one block per (b, s, head group))
     vector_decode: bool = False  # CPU with AVX-512: the hand-vectorised staging (stage_vec)
     bf16_dot: bool = False  # CPU with AVX-512 BF16: QK and PV on vdpbf16ps (bf16_dot.py)
+    amx_dot: bool = False  # CPU with AMX-BF16 (and bf16_dot): QK and PV on tiles (amx_dot.py)
 
 
 def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> SparseAttendConfig:
@@ -43,13 +45,16 @@ def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> Spar
         return SparseAttendConfig(heads_per_group=hg, stage_rows=rows, vector=1,
                                   unroll_rows=1, threads=256)
     cores = int(target.target.get("num-cores", 1))
-    groups = max(1, min(cores, h // 16))
-    while h % groups:
-        groups -= 1
     avx512 = has_avx512(target)
     vector_decode = avx512 and d % 16 == 0
-    return SparseAttendConfig(heads_per_group=h // groups, stage_rows=ATTN_BLOCK, vector=16,
+    bf16 = vector_decode and has_avx512_bf16(target) and d % 32 == 0
+    tiles = bf16 and has_amx_bf16(target) and h % AMX_TILE == 0 and d % AMX_TILE == 0
+    per_group = AMX_TILE if tiles else 16  # AMX: groups of 32 heads (2 x 2 tiles of 16)
+    groups = max(1, min(cores, h // per_group))
+    while h % groups:
+        groups -= 1
+    hg = h // groups
+    return SparseAttendConfig(heads_per_group=hg, stage_rows=ATTN_BLOCK, vector=16,
                               unroll_rows=8 if avx512 else 2, threads=1,
-                              vector_decode=vector_decode,
-                              bf16_dot=vector_decode and has_avx512_bf16(target)
-                              and (h // groups) % 16 == 0 and d % 32 == 0)
+                              vector_decode=vector_decode, bf16_dot=bf16 and hg % 16 == 0,
+                              amx_dot=tiles and hg % AMX_TILE == 0)

@@ -100,7 +100,8 @@ def schedule_sparse_attend(func: tvm.tirx.PrimFunc, config: SparseAttendConfig,
     # construction (tasks, heads, d) and the tests compare against the oracle.
     sch = s_tir.Schedule(func, enable_check=False)
     qt, kst = sch.get(sch.get_sblock("task")).alloc_buffers[:2]  # (d or d/2, hg), (rows, d)
-    bf16_dot = bool(_blocks(sch, "qk_vec"))
+    amx_dot = bool(_blocks(sch, "qk_amx"))
+    bf16_dot = amx_dot or bool(_blocks(sch, "qk_vec"))
     hg = int(qt.shape[1])
     # the bf16-dot path stages whole blocks before the tasks (prestage): no tile in the task
     d, rows = (2 * int(qt.shape[0]), ATTN_BLOCK) if bf16_dot else (int(kst.shape[1]),
@@ -120,6 +121,10 @@ def schedule_sparse_attend(func: tvm.tirx.PrimFunc, config: SparseAttendConfig,
         raise ValueError(f"The kernel was built with bf16_dot={bf16_dot} but the config asks for "
                          f"{config.bf16_dot}; build it with make_sparse_attend(..., "
                          "bf16_dot=config.bf16_dot).")
+    if amx_dot != config.amx_dot:
+        raise ValueError(f"The kernel was built with amx_dot={amx_dot} but the config asks for "
+                         f"{config.amx_dot}; build it with make_sparse_attend(..., "
+                         "amx_dot=config.amx_dot).")
     if vector and target.is_cuda:
         raise ValueError("vector_decode is the AVX-512 CPU staging; CUDA kernels stage with "
                          "sblocks (build with vector_decode=False).")

@@ -139,6 +139,36 @@ def bf16_bits_of_exact(v):
 
 
 @T.macro
+def amx_dot_2x2(a, a_row, a_col, a_bytes, a_step, b, b_row, b_col, b_col2, b_bytes, ksteps, c,
+                c_row, c_col, c_bytes):
+    """C = A x B on 2 x 2 output tiles (32 x 32 fp32), on tile registers 0..7 (configured by
+    `amx_configure`), in `ksteps` steps of 32 bf16 along K. A: rows a_row .. a_row + 31 of `a`
+    (row_bytes a_bytes), step s at column a_col + s * a_step (32 bf16: 32 elements of a uint16
+    buffer, 16 of a uint32 one); B, in AMX's pair layout: rows b_row + 16 s .. + 15 of `b`
+    (b_bytes apart), the first 16 output columns at column b_col, the next 16 at b_col2. Tiles
+    4..7 accumulate from zero in fp32 (each tdpbf16ps adds bf16 products, exact in fp32, in
+    pairs); C is stored at c[c_row, c_col] (rows c_row .. c_row + 31, 32 fp32 columns, c_bytes
+    apart)."""
+    amx("tilezero", T.int8(4))
+    amx("tilezero", T.int8(5))
+    amx("tilezero", T.int8(6))
+    amx("tilezero", T.int8(7))
+    for s in range(ksteps):
+        amx("tileloadd64", T.int8(0), T.address_of(a[a_row, a_col + s * a_step]), a_bytes)
+        amx("tileloadd64", T.int8(1), T.address_of(a[a_row + 16, a_col + s * a_step]), a_bytes)
+        amx("tileloadd64", T.int8(2), T.address_of(b[b_row + s * 16, b_col]), b_bytes)
+        amx("tileloadd64", T.int8(3), T.address_of(b[b_row + s * 16, b_col2]), b_bytes)
+        amx("tdpbf16ps", T.int8(4), T.int8(0), T.int8(2))
+        amx("tdpbf16ps", T.int8(5), T.int8(0), T.int8(3))
+        amx("tdpbf16ps", T.int8(6), T.int8(1), T.int8(2))
+        amx("tdpbf16ps", T.int8(7), T.int8(1), T.int8(3))
+    amx("tilestored64", T.int8(4), T.address_of(c[c_row, c_col]), c_bytes)
+    amx("tilestored64", T.int8(5), T.address_of(c[c_row, c_col + 16]), c_bytes)
+    amx("tilestored64", T.int8(6), T.address_of(c[c_row + 16, c_col]), c_bytes)
+    amx("tilestored64", T.int8(7), T.address_of(c[c_row + 16, c_col + 16]), c_bytes)
+
+
+@T.macro
 def amx_dot_32x32(a, a_row, row_bytes, b, b_tile, kblocks, yt):
     """yt[c, r] = sum over k of a[a_row + c, k] * B[k, r] for 32 columns c x 32 rows r, on tile
     registers 0..7 (configured by `amx_configure`): `a` holds bf16 (bits) rows of row_bytes,
