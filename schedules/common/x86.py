@@ -166,29 +166,3 @@ def amx_dot_2x2(a, a_row, a_col, a_bytes, a_step, b, b_row, b_col, b_col2, b_byt
     amx("tilestored64", T.int8(5), T.address_of(c[c_row, c_col + 16]), c_bytes)
     amx("tilestored64", T.int8(6), T.address_of(c[c_row + 16, c_col]), c_bytes)
     amx("tilestored64", T.int8(7), T.address_of(c[c_row + 16, c_col + 16]), c_bytes)
-
-
-@T.macro
-def amx_dot_32x32(a, a_row, row_bytes, b, b_tile, kblocks, yt):
-    """yt[c, r] = sum over k of a[a_row + c, k] * B[k, r] for 32 columns c x 32 rows r, on tile
-    registers 0..7 (configured by `amx_configure`): `a` holds bf16 (bits) rows of row_bytes,
-    read in place as A tiles (16 rows x 32 K); `b[b_tile]` is [k/2, 32] uint32 bf16 pairs,
-    AMX's B layout (a row: one K pair for each of 32 rows, 128 bytes apart); kblocks blocks of
-    32 K. Tiles 4..7 accumulate the 2 x 2 output tiles in fp32; `yt` is [32, 32] fp32."""
-    amx("tilezero", T.int8(4))
-    amx("tilezero", T.int8(5))
-    amx("tilezero", T.int8(6))
-    amx("tilezero", T.int8(7))
-    for kb in range(kblocks):
-        amx("tileloadd64", T.int8(0), T.address_of(a[a_row, kb * 32]), row_bytes)
-        amx("tileloadd64", T.int8(1), T.address_of(a[a_row + 16, kb * 32]), row_bytes)
-        amx("tileloadd64", T.int8(2), T.address_of(b[b_tile, kb * 16, 0]), T.int64(128))
-        amx("tileloadd64", T.int8(3), T.address_of(b[b_tile, kb * 16, 16]), T.int64(128))
-        amx("tdpbf16ps", T.int8(4), T.int8(0), T.int8(2))
-        amx("tdpbf16ps", T.int8(5), T.int8(0), T.int8(3))
-        amx("tdpbf16ps", T.int8(6), T.int8(1), T.int8(2))
-        amx("tdpbf16ps", T.int8(7), T.int8(1), T.int8(3))
-    amx("tilestored64", T.int8(4), T.address_of(yt[0, 0]), T.int64(128))
-    amx("tilestored64", T.int8(5), T.address_of(yt[0, 16]), T.int64(128))
-    amx("tilestored64", T.int8(6), T.address_of(yt[16, 0]), T.int64(128))
-    amx("tilestored64", T.int8(7), T.address_of(yt[16, 16]), T.int64(128))

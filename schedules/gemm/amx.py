@@ -8,7 +8,7 @@ from tvm.script import tirx as T
 from dsv41.schedules.common import (
     amx,
     amx_configure,
-    amx_dot_32x32,
+    amx_dot_2x2,
     bf16_bits_of_exact,
     bf16_to_f32,
     e4m3_to_f32,
@@ -48,8 +48,8 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
     B = 32 K x 16 activation rows in AMX's pair layout, so the activation (quantised once,
     shared by all N) is the side rearranged and the weights are only decoded.
 
-    Stages: `xt` quantises x per 32 into bf16 pairs, blocked per 32 rows
-    ([m/32, k/2, 32] uint32: a B tile's 16 rows are 128 bytes apart); then, per block of
+    Stages: `xt` quantises x per 32 into bf16 pairs, blocked per 32 rows ([m/32 * k/2, 32]
+    uint32: a row tile's k/2 rows; a B tile's 16 rows are 128 bytes apart); then, per block of
     block_rows rows, each parallel task decodes one 32-column weight panel into bf16 and runs
     2 x 2 tiles (32 columns x 32 rows, tile registers 4..7) over K, then writes y."""
     if k % BLOCK or n % BLOCK or block_rows % BLOCK or block_rows < BLOCK:
@@ -72,7 +72,7 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
         m = T.int64()
         x = T.match_buffer(x_h, (m, K), "bfloat16")
         y = T.match_buffer(y_h, (m, N), out_dtype)
-        xt = T.alloc_buffer((_row_tiles(m), K2, i64(BLOCK)), "uint32")
+        xt = T.alloc_buffer((_row_tiles(m) * K2, i64(BLOCK)), "uint32")  # a tile: K2 rows
         for i in T.parallel(_row_tiles(m) * i64(BLOCK)):
             amax = T.alloc_buffer((1,), "float32", scope="local")
             byte = T.alloc_buffer((1,), "uint32", scope="local")
@@ -83,11 +83,11 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
                         amax[0] = T.max(amax[0], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
                     byte[0] = pow2_scale_byte(amax[0])
                     for j in T.vectorized(i64(BLOCK // 2)):
-                        xt[i // BLOCK, b * 16 + j, i % BLOCK] = pair(x, i, b * BLOCK + j * 2,
-                                                                     byte[0])
+                        xt[i // BLOCK * K2 + b * 16 + j, i % BLOCK] = pair(
+                            x, i, b * BLOCK + j * 2, byte[0])
                 else:  # padded rows: zero
                     for j in range(i64(BLOCK // 2)):
-                        xt[i // BLOCK, b * 16 + j, i % BLOCK] = u32(0)
+                        xt[i // BLOCK * K2 + b * 16 + j, i % BLOCK] = u32(0)
         for blk in range((_row_tiles(m) + TPB - i64(1)) // TPB):
             for p in T.parallel(NB):
                 cfg = T.alloc_buffer((64,), "uint8", scope="local")
@@ -101,7 +101,8 @@ def make_fp8_linear_amx(*, n: int, k: int, block_rows: int,
                 amx_configure(cfg)
                 for t in range(TPB):
                     if blk * TPB + t < _row_tiles(m):
-                        amx_dot_32x32(wbf, 0, K * 2, xt, blk * TPB + t, KB, yt)
+                        amx_dot_2x2(wbf, 0, 0, K * 2, 32, xt, (blk * TPB + t) * K2, 0, 16,
+                                    i64(128), KB, yt, 0, 0, i64(128))
                         for r in range(i64(BLOCK)):
                             if (blk * TPB + t) * BLOCK + r < m:
                                 for c in T.vectorized(i64(BLOCK)):
@@ -117,8 +118,8 @@ def make_dense_gemm_amx(*, groups: int, n: int, k: int, block_rows: int) -> tvm.
     k multiples of 32): bf16 products are exact in fp32 and the tiles sum them in fp32, so the
     result differs from the in-order sum only by the order of the additions. The weight rows
     are A tiles read in place; x is rearranged once into AMX's B layout per group and 32 rows
-    (`xt`, [g * m/32, k/2, 32] bf16 pairs), then each parallel task (group, 32-column panel)
-    runs `amx_dot_32x32` over the row tiles of a block of block_rows rows."""
+    (`xt`, [g * m/32 * k/2, 32] bf16 pairs), then each parallel task (group, 32-column panel)
+    runs `amx_dot_2x2` over the row tiles of a block of block_rows rows."""
     if n % BLOCK or k % BLOCK or block_rows % BLOCK or block_rows < BLOCK:
         raise ValueError(f"dense_gemm on AMX needs n, k and block_rows multiples of {BLOCK}, got "
                          f"n={n}, k={k}, block_rows={block_rows}.")
@@ -132,15 +133,15 @@ def make_dense_gemm_amx(*, groups: int, n: int, k: int, block_rows: int) -> tvm.
         m = T.int64()
         x = T.match_buffer(x_h, (m, G, K), "bfloat16")
         y = T.match_buffer(y_h, (m, G, N), "float32")
-        xt = T.alloc_buffer((G * _row_tiles(m), K2, i64(BLOCK)), "uint32")
+        xt = T.alloc_buffer((G * _row_tiles(m) * K2, i64(BLOCK)), "uint32")  # a tile: K2 rows
         for task in T.parallel(G * _row_tiles(m)):  # (group, 32-row tile)
             for r, j in T.grid(i64(BLOCK), K2):
                 if task % _row_tiles(m) * BLOCK + r < m:
-                    xt[task, j, r] = T.reinterpret("uint32", x.vload(
+                    xt[task * K2 + j, r] = T.reinterpret("uint32", x.vload(
                         [task % _row_tiles(m) * BLOCK + r, task // _row_tiles(m), j * 2],
                         "bfloat16x2"))
                 else:  # padded rows: zero
-                    xt[task, j, r] = u32(0)
+                    xt[task * K2 + j, r] = u32(0)
         for blk in range((_row_tiles(m) + TPB - i64(1)) // TPB):
             for task in T.parallel(G * NP):
                 cfg = T.alloc_buffer((64,), "uint8", scope="local")
@@ -148,8 +149,9 @@ def make_dense_gemm_amx(*, groups: int, n: int, k: int, block_rows: int) -> tvm.
                 amx_configure(cfg)
                 for t in range(TPB):
                     if blk * TPB + t < _row_tiles(m):
-                        amx_dot_32x32(w, task * BLOCK, K * 2, xt,
-                                      task // NP * _row_tiles(m) + blk * TPB + t, KB, yt)
+                        amx_dot_2x2(w, task * BLOCK, 0, K * 2, 32, xt,
+                                    (task // NP * _row_tiles(m) + blk * TPB + t) * K2, 0, 16,
+                                    i64(128), KB, yt, 0, 0, i64(128))
                         for r in range(i64(BLOCK)):
                             if (blk * TPB + t) * BLOCK + r < m:
                                 for c in T.vectorized(i64(BLOCK)):
