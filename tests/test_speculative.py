@@ -702,6 +702,28 @@ def test_spec_bench_batch_rows_equal_plain_and_accept_injected_drafts(small_mode
     assert sum(r.accepted for r in recs) >= 2 * 2 and all(r.verified for r in recs)
 
 
+def test_spec_bench_rounds_alternate_plain_and_speculative_runs(small_model):
+    """`bench spec --rounds N`: the timed plain and speculative runs alternate N times per
+    injected row, every run is kept and each figure is the best of its N; 0 rounds refused."""
+    from dsv41.compiler.tools.bench.spec import (
+        SpecBenchOptions,
+        graph_backend,
+        run_batch_injected,
+    )
+
+    rows = run_batch_injected(graph_backend(small_model), small_model, batch=2, tokens=5,
+                              prompt_tokens=4, max_draft=2, rates=(0.5,), seed=0,
+                              say=lambda _: None, rounds=2)
+    (row,) = rows
+    assert len(row["plain_runs"]) == len(row["achieved_runs"]) == 2
+    assert row["plain_tok_s"] == max(row["plain_runs"])
+    assert row["achieved_tok_s"] == max(row["achieved_runs"])
+    assert row["speedup"] == pytest.approx(row["achieved_tok_s"] / row["plain_tok_s"])
+    assert row["equal_to_plain"]
+    with pytest.raises(ValueError, match="--reps and --rounds must be >= 1"):
+        SpecBenchOptions(rounds=0).validate()
+
+
 def test_policy_backs_off_drafts_that_every_row_declines():
     """A draft pass after which every row chose k = 0 bought nothing: while that repeats the
     next draft waits 1, 2, 4, ... steps (up to `refresh`), so a plain-speed run pays a draft pass
