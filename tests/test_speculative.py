@@ -724,6 +724,33 @@ def test_spec_bench_rounds_alternate_plain_and_speculative_runs(small_model):
         SpecBenchOptions(rounds=0).validate()
 
 
+def test_spec_bench_profile_matches_each_verify_kernel_to_its_decode_kernel():
+    """`bench spec --profile`: a verify kernel (`_r<rows>`) is counted with the decode kernel
+    it stands for, the rows ordered by what the verify adds; it profiles an artifact only."""
+    from dsv41.compiler.tools.bench.profile import kernel_family, verify_growth
+    from dsv41.compiler.tools.bench.spec import SpecBenchOptions
+
+    assert kernel_family("k_fp8_linear_32768_512_1_r6") == "k_fp8_linear_32768_512_1"
+    assert kernel_family("k_moe_1024_512_16_2_10p0_1_r6_moe_down") == \
+        "k_moe_1024_512_16_2_10p0_1_moe_down"
+    assert kernel_family("k_rms_norm_512_1em20") == "k_rms_norm_512_1em20"
+    assert kernel_family("vm.builtin.reshape") == "vm.builtin.reshape"
+    decode = {"top": [{"name": "k_a_1", "calls": 40, "ms": 50.0},
+                      {"name": "k_b", "calls": 40, "ms": 20.0},
+                      {"name": "vm.builtin.make_shape", "calls": 100, "ms": 5.0}]}
+    verify = {"top": [{"name": "k_a_1_r6", "calls": 40, "ms": 130.0},
+                      {"name": "k_b", "calls": 40, "ms": 100.0},
+                      {"name": "vm.builtin.make_shape", "calls": 104, "ms": 5.5},
+                      {"name": "k_only_verify", "calls": 2, "ms": 1.0}]}
+    rows = verify_growth(decode, verify, top=3)
+    assert [r["name"] for r in rows] == ["k_a_1", "k_b", "k_only_verify"]
+    assert rows[0] == {"name": "k_a_1", "decode_ms": 50.0, "verify_ms": 130.0,
+                       "decode_calls": 40, "verify_calls": 40, "extra_ms": 80.0}
+    assert rows[2]["decode_calls"] == 0 and rows[2]["extra_ms"] == 1.0
+    with pytest.raises(ValueError, match="--profile profiles an artifact"):
+        SpecBenchOptions(profile=True).validate()
+
+
 def test_policy_backs_off_drafts_that_every_row_declines():
     """A draft pass after which every row chose k = 0 bought nothing: while that repeats the
     next draft waits 1, 2, 4, ... steps (up to `refresh`), so a plain-speed run pays a draft pass

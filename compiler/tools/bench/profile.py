@@ -33,7 +33,7 @@ from enum import StrEnum
 
 import torch
 
-from dsv41.graph.cache import new_cache
+from dsv41.graph.cache import new_cache, restore_local_state, save_local_state
 from dsv41.graph.phases_api import PrefillPacing
 
 LAYER_PARAM = re.compile(r"^(layers|mtp|experts)__(\d+)__")
@@ -272,6 +272,63 @@ def profile_prefill(
 
     out = profile_run(phases, model, run, reset=reset, reps=reps, top=top)
     out["tokens"], out["chunk_tokens"] = n, chunk_tokens
+    return out
+
+
+ROWS_SUFFIX = re.compile(r"_r\d+(?=_|$)")  # a kernel's verify form: `<decode name>_r<rows>`
+
+
+def kernel_family(name: str) -> str:
+    """A VM function's name with a verify form's `_r<rows>` taken out: the decode kernel it
+    stands for (`k_fp8_linear_32768_512_1_r6` -> `k_fp8_linear_32768_512_1`)."""
+    return ROWS_SUFFIX.sub("", name, count=1)
+
+
+def verify_growth(decode: dict, verify: dict, top: int) -> list[dict]:
+    """Per function family (`kernel_family`), its milliseconds in one decode step and in one
+    verify (`summarize` outputs of each, all rows), the verify's extra first."""
+    fams: dict[str, dict] = {}
+    for side, prof in (("decode", decode), ("verify", verify)):
+        for row in prof["top"]:
+            f = fams.setdefault(kernel_family(row["name"]),
+                                {"decode_ms": 0.0, "verify_ms": 0.0, "decode_calls": 0,
+                                 "verify_calls": 0})
+            f[f"{side}_ms"] += row["ms"]
+            f[f"{side}_calls"] += row["calls"]
+    rows = [{"name": k, **v, "extra_ms": v["verify_ms"] - v["decode_ms"]}
+            for k, v in fams.items()]
+    return sorted(rows, key=lambda r: -r["extra_ms"])[:top]
+
+
+def profile_verify(phases, model, cache, *, k: int, reps: int = 3, top: int = 15) -> dict:
+    """One decode step and one call of the compiled `verify` entry with 1 + k rows, both
+    from `cache` (its local state put back after each run), profiled as `profile_run`;
+    `growth`: the functions by what the verify adds to them (`verify_growth`)."""
+    state = save_local_state(cache)
+    gen = torch.Generator().manual_seed(k)
+    toks = torch.randint(3, model.args.vocab_size, (1, 1 + k), generator=gen)
+
+    def reset() -> None:
+        restore_local_state(cache, state)
+
+    every = 1 << 30  # summarize's rows: all of them (verify_growth matches them)
+    decode = profile_run(phases, model, lambda: phases.decode_step(model, cache, toks[:, :1]),
+                         reset=reset, reps=reps, top=every)
+    verify = profile_run(phases, model, lambda: phases.verify_step(model, cache, toks),
+                         reset=reset, reps=reps, top=every)
+    growth = verify_growth(decode, verify, top)
+    decode["top"], verify["top"] = decode["top"][:top], verify["top"][:top]
+    return {"k": k, "decode": decode, "verify": verify, "growth": growth}
+
+
+def format_growth(p: dict) -> list[str]:
+    """`profile_verify`'s report in a few lines."""
+    d, v = p["decode"]["step_ms"], p["verify"]["step_ms"]
+    out = [f"  one decode step {d:.1f} ms, one verify of 1 + {p['k']} rows {v:.1f} ms "
+           f"({v / d:.2f} decode steps); what the verify adds, by function (instrumented ms):"]
+    for r in p["growth"]:
+        out.append(f"    {r['extra_ms']:+9.2f} ms  {r['decode_ms']:8.2f} -> {r['verify_ms']:8.2f}"
+                   f"  {r['decode_calls']:5d}x / {r['verify_calls']:5d}x  {r['name']}")
     return out
 
 

@@ -20,7 +20,10 @@ compiled artifact.
   --rounds N: the timed plain and speculative sessions alternate N times and each figure is
   the best of its N (`plain_runs` / `achieved_runs` keep them all): on a machine whose speed
   moves from one minute to the next, a ratio of two sessions timed minutes apart says as
-  much about the machine as about speculation.
+  much about the machine as about speculation. --profile (an artifact): one decode step and
+  one verify of 1 + --max-draft rows at the largest context, profiled per function (JSON
+  `profile`; `growth`: what the verify adds to each function, its `_r<rows>` form matched to
+  the decode kernel).
 
 `--impls graph` (default) writes the JSON section `spec`; `--impls artifact --artifact DIR` the
 section `spec_artifact` (same fields; the engine in exact mode: the artifact's prefill_all,
@@ -28,7 +31,7 @@ decode, draft and verify entries; the model's config is the artifact's).
 
     dsv41 bench spec [--preset small | --checkpoint DIR] [--contexts 256,896] [--max-draft N]
                      [--reps 3] [--tokens 24] [--prompt-tokens 32] [--rates 0.3,0.6,0.8,0.9]
-                     [--batches 1,8] [--rounds 1]
+                     [--batches 1,8] [--rounds 1] [--profile]
                      [--threads N] [--json F] [--impls graph,artifact] [--artifact DIR]
 """
 
@@ -46,6 +49,7 @@ import torch
 from dsv41.compiler.tools.assets import ensure_checkpoint
 from dsv41.compiler.tools.bench.macs import row_macs, verify_floor_steps
 from dsv41.compiler.tools.bench.measure import cpu_flags_and_clock, median_time, write_json
+from dsv41.compiler.tools.bench.profile import format_growth, profile_verify
 from dsv41.compiler.tools.bench.roof import measure_compute
 from dsv41.compiler.tools.bench.synthetic import synthetic_cache
 from dsv41.graph.dspark import Draft
@@ -300,11 +304,13 @@ def machine_macs_per_s() -> tuple[float, dict]:
 def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens: int,
                    rates, seed: int, say=print, backend: Backend | None = None,
                    prompt_tokens: int = 32, batches: Sequence[int] = (1,),
-                   macs_per_s: float | None = None, rounds: int = 1) -> dict:
+                   macs_per_s: float | None = None, rounds: int = 1,
+                   profile: bool = False) -> dict:
     """`macs_per_s`: the machine's best multiply-add rate (`machine_macs_per_s`); given, each
     verify row gets its floor (`floor_over_decode`) and the report what it came from.
     `rounds`: timed plain / speculative sessions, alternating, per injected row (best of
-    each)."""
+    each). `profile` (a compiled verify entry): one decode step and one verify of
+    1 + max_draft rows at the largest context, profiled per function (`profile_verify`)."""
     a = model.args
     be = backend or graph_backend(model)
     if not model.plan.dspark:
@@ -324,6 +330,12 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
             say(f"verify context {n} k {r['k']}: decode-steps {r['steps_s'] * 1e3:.2f} ms, "
                 f"{one} {r['one_pass_s'] * 1e3:.2f} ms = {r['one_pass_over_decode']:.2f} "
                 f"decode steps{floor} (draft {r['draft_s'] * 1e3:.2f} ms)")
+        if profile and be.engine_field == "one_pass_s" and n == max(contexts):
+            cache = synthetic_cache(model, n, seed=seed, margin=64 + 2 * (max_draft + 2))
+            out["profile"] = profile_verify(be.phases, model, cache, k=max_draft, reps=reps)
+            say(f"profile at context {n}:")
+            for line in format_growth(out["profile"]):
+                say(line)
     if "floor" in out:
         f = out["floor"]
         say(f"floor: one row's dense multiply-adds {f['row_macs']['total'] / 1e9:.2f} G at "
@@ -399,6 +411,7 @@ class SpecBenchOptions:
     rates: tuple[float, ...] = (0.3, 0.6, 0.8, 0.9)
     batches: tuple[int, ...] = (1,)  # batch sizes of the injected rows (> 1: `injected_batch`)
     rounds: int = 1  # timed plain / speculative runs per injected row, alternating (best of)
+    profile: bool = False  # artifact: decode step and verify profiled per function
     threads: int = 0  # torch threads (0: torch's)
     json: Path | None = None
     seed: int = 0
@@ -419,6 +432,9 @@ class SpecBenchOptions:
                              f"{','.join(self.impls)!r}.")
         if ("artifact" in self.impls) != (self.artifact is not None):
             raise ValueError("--impls artifact and --artifact DIR go together.")
+        if self.profile and "artifact" not in self.impls:
+            raise ValueError("--profile profiles an artifact's decode and verify entries: it "
+                             "needs --impls artifact --artifact DIR.")
         return self
 
 
@@ -438,7 +454,7 @@ def run_command(opts: SpecBenchOptions, *,
     kw = dict(contexts=opts.contexts, max_draft=opts.max_draft, reps=opts.reps,
               tokens=opts.tokens, rates=opts.rates, seed=opts.seed,
               prompt_tokens=opts.prompt_tokens, batches=opts.batches, macs_per_s=macs_per_s,
-              rounds=opts.rounds)
+              rounds=opts.rounds, profile=opts.profile)
     report = {"compute_roof": roof}
     if "graph" in opts.impls:
         report["spec"] = run_spec_bench(model, **kw)

@@ -348,6 +348,9 @@ def spec_args(p) -> None:
     p.add_argument("--rounds", type=count, default=1,
                    help="timed plain / speculative runs per injected row, alternating; each "
                         "figure the best of its rounds")
+    p.add_argument("--profile", action="store_true",
+                   help="an artifact's decode step and verify of 1 + --max-draft rows at the "
+                        "largest context, profiled per function")
     p.add_argument("--threads", type=natural, default=0, help="torch threads (0: torch's)")
     p.add_argument("--json", default=None)
     p.add_argument("--seed", type=natural, default=0)
@@ -368,7 +371,7 @@ def spec_options(ns) -> SpecBenchOptions:
         preset=ns.preset, checkpoint=Path(ns.checkpoint) if ns.checkpoint else None,
         contexts=parse_tokens(ns.contexts), max_draft=ns.max_draft, reps=ns.reps,
         tokens=ns.tokens, prompt_tokens=ns.prompt_tokens, rates=rates, batches=ns.batches,
-        rounds=ns.rounds, threads=ns.threads,
+        rounds=ns.rounds, profile=ns.profile, threads=ns.threads,
         json=Path(ns.json) if ns.json else None, seed=ns.seed, impls=split(ns.impls),
         artifact=Path(ns.artifact) if ns.artifact is not None else None).validate()
 
