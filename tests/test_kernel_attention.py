@@ -382,12 +382,13 @@ def test_prestage_chunks_give_the_same_rows(kind):
 
 
 def test_prestage_rows():
-    """The rows prestaged at a time: as many as PRESTAGE_BYTES (8 MiB) holds, both layouts in
-    bf16 (the bench size: 10 blocks of 64 entries x 512 x 4 bytes = 1.25 MiB a row: 6 rows, so
-    a verify's 1 + 4 rows are one chunk); at least 1; an explicit 0 is refused."""
-    assert A.prestage_rows(d=512, w=128, k=512) == 6
+    """The rows prestaged at a time: as many as PRESTAGE_BYTES (2.5 MiB) holds, both layouts
+    in bf16 (the bench size: 10 blocks of 64 entries x 512 x 4 bytes = 1.25 MiB a row: 2 rows,
+    so a verify's 1 + 4 rows are three chunks); at least 1; an explicit 0 is refused."""
+    assert A.PRESTAGE_BYTES == 5 * 1024 * 1024 // 2
+    assert A.prestage_rows(d=512, w=128, k=512) == 2
     assert A.prestage_rows(d=512, w=128, k=1 << 16) == 1
-    assert A.prestage_rows(d=64, w=16, k=54) == 8 * 1024 * 1024 // (2 * 64 * 64 * 4)
+    assert A.prestage_rows(d=64, w=16, k=54) == 5 * 1024 * 1024 // 2 // (2 * 64 * 64 * 4)
     with pytest.raises(ValueError, match="^chunk_rows must be at least 1; got 0.$"):
         A.make_sparse_attend(h=16, d=64, w=16, k=8, softmax_scale=0.125, vector_decode=True,
                              bf16_dot=True, chunk_rows=0)

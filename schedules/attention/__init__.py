@@ -39,7 +39,7 @@ Why the kernel is shaped the way it is:
   and then the chunk's tasks (row, head group) read them. Staged per task, each head group
   decoded every entry again (at h 64 on 2 cores: twice; on one Zen 4 thread the staging was
   0.11 of a 0.53 ms decode row). A chunk is as many rows as PRESTAGE_BYTES of staged blocks
-  hold (6 at the bench size: a verify's 1 + 4 rows are one chunk), so the workspace is static
+  hold (2 at the bench size: the chunk stays in the cores' L2), so the workspace is static
   and a long prefill does not grow it. The softmax of a block is one vectorised block of two
   passes (`softmax_vec`: logits and their running max, then p, its sum and the bf16 pairs), and
   PV adds its register tile into acc (acc * rescale + pv, as acc_update): the same operations
@@ -88,8 +88,12 @@ from dsv41.schedules.common import (
 FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values
 FP4_BLOCK = 16  # global entries: one E4M3 scale per 16 values
 NEG_BIG = -1e30  # the oracle's initial running max
-PRESTAGE_BYTES = 8 << 20  # bf16_dot: the staged blocks of the rows prestaged at a time (both
-# layouts); 6 rows at the bench size (h 64, d 512, w 128, k 512: 1.25 MiB a row)
+# bf16_dot: the staged blocks of the rows prestaged at a time (both layouts); 2 rows at the
+# bench size (h 64, d 512, w 128, k 512: 1.25 MiB a row). Measured in the bench preset's 64K
+# verify of 1 + 4 rows on a 2-vCPU Xeon with AMX (2 MiB of L2 a core): the 38 attention calls
+# took 45.5-46.2 ms in chunks of 2 rows against 54.2-54.8 ms in one chunk of 6 (8 MiB), whose
+# staged blocks went through L3 while the step streamed its weights.
+PRESTAGE_BYTES = (5 << 20) // 2
 
 
 # ---- host-side validation ------------------------------------------------------------------------
