@@ -702,6 +702,30 @@ def test_spec_bench_batch_rows_equal_plain_and_accept_injected_drafts(small_mode
     assert sum(r.accepted for r in recs) >= 2 * 2 and all(r.verified for r in recs)
 
 
+def test_policy_probes_try_one_unmeasured_k_at_a_time():
+    """A probe's rows go at most one k beyond the largest measured at the batch size (an
+    unmeasured k counts as cheap as the largest measured one below it, so without the cap a
+    probe at batch 8 would verify 8 x (1 + max_draft) rows); outside probes no such cap."""
+    pol = SpecPolicy(5, warmup=0, refresh=4)
+    _measured(pol, 8, [0.010, 0.011], 0.001)  # k = 0 and 1 measured at batch 8
+    for _ in range(20):
+        pol.observe_accepted(8, 1, 0)  # drafts rejected: only probes draft now
+    while not pol.worth_drafting(8):
+        pol.observe_verify(8, 0, 0.010)
+    assert pol.probe_step[8] == pol.steps[8] + 1  # this draft is a probe
+    assert pol.choose_rows(8, [[0.99] * 5] * 8, [5] * 8) == [2] * 8  # 1 + the largest known
+    assert pol.choose(8, [0.99] * 5) == 2
+    pol.observe_draft(8, 0.001, [0.99] * 5)
+    pol.observe_verify(8, 2, 0.012)  # k = 2 measured now
+    pol.observe_tokens(8, 8)
+    while not pol.worth_drafting(8):
+        pol.observe_verify(8, 0, 0.010)
+    assert pol.choose_rows(8, [[0.99] * 5] * 8, [5] * 8) == [3] * 8
+    fresh = SpecPolicy(5, warmup=0)  # no probe: the heads and the costs alone
+    _measured(fresh, 8, [0.010, 0.011], 0.001)
+    assert fresh.choose_rows(8, [[0.99] * 5] * 8, [5] * 8) == [5] * 8
+
+
 def test_spec_bench_rounds_alternate_plain_and_speculative_runs(small_model):
     """`bench spec --rounds N`: the timed plain and speculative runs alternate N times per
     injected row, every run is kept and each figure is the best of its N; 0 rounds refused."""

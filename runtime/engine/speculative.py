@@ -25,11 +25,12 @@ engine's own timings of whole steps). What keeps the costs true:
   lower of the kept fraction per position and the confidence head's average: a draft `choose`
   would not verify, or whose tokens are rejected, is a wasted pass), and otherwise probes: a
   draft every `refresh` steps whose rows choose k by their confidence heads alone, so the kept
-  fraction is measured again. A probe that yields fewer tokens per second than a plain step
-  doubles the wait before the next one (up to `refresh` x `max_probe_wait`); one that pays
-  resets it. Outside probes a row's k follows the lower of its head's scores and the kept
-  fraction measured per position (a head that promises more than is kept does not buy
-  verifies that lose).
+  fraction is measured again, and at most one k beyond the largest measured at the batch size
+  (each k is tried once, as optimistic as the rule below, but one at a time). A probe that
+  yields fewer tokens per second than a plain step doubles the wait before the next one (up to
+  `refresh` x `max_probe_wait`); one that pays resets it. Outside probes a row's k follows
+  the lower of its head's scores and the kept fraction measured per position (a head that
+  promises more than is kept does not buy verifies that lose).
 A k never measured counts as costing what the largest measured smaller k costs (optimistic,
 so it is tried and then known); before a plain step is measured the policy picks 0.
 
@@ -232,6 +233,15 @@ class SpecPolicy:
         else:
             self.probe_wait[batch] = self.refresh
 
+    def _probe_cap(self, batch: int, cap: int | None) -> int | None:
+        """At a probe, at most one k beyond the largest measured at this batch size (an
+        unmeasured k counts as cheap as the largest measured one below it: trying every k at
+        once would verify batch x (1 + k) rows for each); elsewhere `cap` as given."""
+        if self.probe_step.get(batch) != self.steps.get(batch, 0) + 1:
+            return cap
+        known = max([k for b, k in self.verify_s if b == batch] + [0])
+        return known + 1 if cap is None else min(cap, known + 1)
+
     def _likely(self, batch: int, scores: Sequence[float]) -> list[float]:
         """Per position the lower of `scores` and the fraction kept so far (1 where unknown);
         at a probe the scores alone."""
@@ -304,7 +314,8 @@ class SpecPolicy:
         """The k in floor..min(max_draft, len(acceptance)) with the most predicted tokens/s."""
         if self.cost(batch, 0) is None and not self.floor:
             return 0  # measure a plain step first
-        return self._best(batch, self._likely(batch, acceptance), floor=self.floor)
+        return self._best(batch, self._likely(batch, acceptance),
+                          self._probe_cap(batch, None), self.floor)
 
     def choose_rows(self, batch: int, acceptances: Sequence[Sequence[float]],
                     caps: Sequence[int]) -> list[int]:
@@ -316,7 +327,8 @@ class SpecPolicy:
                              f"rows, got {len(acceptances)} and {len(caps)}.")
         if self.cost(batch, 0) is None and not self.floor:
             return [0] * batch  # measure a plain step first
-        return [self._best(batch, self._likely(batch, a), max(c, 0), self.floor)
+        return [self._best(batch, self._likely(batch, a), self._probe_cap(batch, max(c, 0)),
+                           self.floor)
                 for a, c in zip(acceptances, caps, strict=True)]
 
 
