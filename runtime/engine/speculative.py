@@ -233,11 +233,15 @@ class SpecPolicy:
         else:
             self.probe_wait[batch] = self.refresh
 
+    def _probing(self, batch: int) -> bool:
+        """Whether the step about to run at this batch size drafted as a probe."""
+        return self.probe_step.get(batch) == self.steps.get(batch, 0) + 1
+
     def _probe_cap(self, batch: int, cap: int | None) -> int | None:
         """At a probe, at most one k beyond the largest measured at this batch size (an
         unmeasured k counts as cheap as the largest measured one below it: trying every k at
         once would verify batch x (1 + k) rows for each); elsewhere `cap` as given."""
-        if self.probe_step.get(batch) != self.steps.get(batch, 0) + 1:
+        if not self._probing(batch):
             return cap
         known = max([k for b, k in self.verify_s if b == batch] + [0])
         return known + 1 if cap is None else min(cap, known + 1)
@@ -245,7 +249,7 @@ class SpecPolicy:
     def _likely(self, batch: int, scores: Sequence[float]) -> list[float]:
         """Per position the lower of `scores` and the fraction kept so far (1 where unknown);
         at a probe the scores alone."""
-        if self.probe_step.get(batch) == self.steps.get(batch, 0) + 1:
+        if self._probing(batch):
             return list(scores)
         kept = self.accepted.get(batch, [1.0] * self.max_draft)
         return [min(a, c) for a, c in zip(scores, kept, strict=False)]
