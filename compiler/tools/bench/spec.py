@@ -170,13 +170,6 @@ def _decode_rate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], 
     return out, rec.decoded / rec.seconds["decode"], rec
 
 
-def _learned_rate(engine: Engine, prompt: list[int], n: int):
-    """`_decode_rate` of a second session, after one that warms the engine up (first calls of
-    every entry at its shapes) and lets its policy learn its costs, as a serving engine has."""
-    _decode_rate(engine, prompt, n)
-    return _decode_rate(engine, prompt, n)
-
-
 def batch_rate(engine: Engine, prompts: Sequence[Sequence[int]], n: int, *,
                refs: Sequence[Sequence[int]] | None = None, rate: float = 0.0,
                seed: int = 0) -> tuple[list[list[int]], float]:
@@ -206,6 +199,13 @@ def batch_rate(engine: Engine, prompts: Sequence[Sequence[int]], n: int, *,
     return [list(t.tokens) for t in turns], sum(len(t.tokens) - 1 for t in turns) / seconds
 
 
+def alternating(rounds: int, plain: Callable[[], object], spec: Callable[[], object]
+                ) -> tuple[list, list]:
+    """`rounds` runs of `plain` and of `spec`, alternating (plain first): their results."""
+    pairs = [(plain(), spec()) for _ in range(rounds)]
+    return [p for p, _ in pairs], [s for _, s in pairs]
+
+
 def _best_of(rounds: int) -> str:
     return f" (each the best of {rounds} alternating runs)" if rounds > 1 else ""
 
@@ -221,20 +221,19 @@ def run_batch_injected(be: Backend, model: Model, *, batch: int, tokens: int,
     prompts = [[int(x) for x in gen.integers(3, model.args.vocab_size - 1, prompt_tokens)]
                for _ in range(batch)]
     plain_engine = be.engine()
-    batch_rate(plain_engine, prompts, tokens)
-    ref, _ = batch_rate(plain_engine, prompts, tokens)
+    ref, _ = batch_rate(plain_engine, prompts, tokens)  # warms it up; timed below
     refs = [list(p) + r for p, r in zip(prompts, ref, strict=True)]
     rows = []
     for rate in rates:
         e = be.engine(speculative=True, max_draft=max_draft)
         batch_rate(e, prompts, tokens, refs=refs, rate=rate, seed=seed)
         before = dict(e.spec_policy.samples)
-        plain_runs, spec_runs, equal = [], [], True
-        for _ in range(rounds):  # plain and speculative runs alternate
-            plain_runs.append(batch_rate(plain_engine, prompts, tokens)[1])
-            got, tok_s = batch_rate(e, prompts, tokens, refs=refs, rate=rate, seed=seed)
-            spec_runs.append(tok_s)
-            equal = equal and got == ref
+        plain_runs, specs = alternating(
+            rounds, lambda: batch_rate(plain_engine, prompts, tokens)[1],
+            lambda e=e, rate=rate: batch_rate(e, prompts, tokens, refs=refs, rate=rate,
+                                              seed=seed))
+        spec_runs = [tok_s for _, tok_s in specs]
+        equal = all(got == ref for got, _ in specs)
         plain, achieved = max(plain_runs), max(spec_runs)
         steps = {j: samples_since(e.spec_policy, "verify", (batch, j), before)
                  for j in range(max_draft + 1)}
@@ -354,7 +353,7 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
     say(f"acceptance of DSpark's drafts: {rec.accepted}/{rec.verified} "
         f"({out['acceptance']['rate']}) over {tokens} tokens (random weights accept little)")
     plain_engine = be.engine()
-    ref, _, _ = _learned_rate(plain_engine, prompt, tokens)
+    ref, _, _ = _decode_rate(plain_engine, prompt, tokens)  # warms it up; timed below
     short = [r for r in out["verify"] if r["context"] == contexts[0]]
     for rate in rates:
         k_s, pred_s = predicted(short, rate, "steps_s")
@@ -365,14 +364,14 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
         e.phases = InjectedDraft(prompt + ref, rate, a.vocab_size, seed, e.phases)
         _decode_rate(e, prompt, tokens)
         before = dict(e.spec_policy.samples)
-        plain_runs, spec_runs, verified, accepted = [], [], 0, 0
-        for _ in range(rounds):  # plain and speculative sessions alternate
-            plain_runs.append(_decode_rate(plain_engine, prompt, tokens)[1])
-            got, tok_s, rec = _decode_rate(e, prompt, tokens)
-            if got != ref:
-                raise AssertionError("speculative greedy output differs from plain decoding")
-            spec_runs.append(tok_s)
-            verified, accepted = verified + rec.verified, accepted + rec.accepted
+        plain_runs, specs = alternating(
+            rounds, lambda: _decode_rate(plain_engine, prompt, tokens)[1],
+            lambda e=e: _decode_rate(e, prompt, tokens))
+        if any(got != ref for got, _, _ in specs):
+            raise AssertionError("speculative greedy output differs from plain decoding")
+        spec_runs = [tok_s for _, tok_s, _ in specs]
+        verified = sum(rec.verified for _, _, rec in specs)
+        accepted = sum(rec.accepted for _, _, rec in specs)
         plain, achieved = max(plain_runs), max(spec_runs)
         row = {"rate": rate, "context": contexts[0], "predicted_k": k_s,
                "predicted_tok_s": pred_s, "predicted_one_pass_k": k_o,
