@@ -211,6 +211,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     pp_shape = (BLK // T.int64(2), HG) if bf16_dot else (T.int64(1),)
     pa_shape = (HG, BLK // T.int64(2)) if amx_dot else (T.int64(1), T.int64(1))
     yt_shape = (T.int64(32), T.int64(32)) if amx_dot else (T.int64(1), T.int64(1))
+    cfg_shape = (T.int64(64),) if amx_dot else (T.int64(1),)  # amx_dot: the tile config
     scale = T.float32(softmax_scale)
 
     def u32(x):
@@ -414,7 +415,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
         pvb = T.sblock_alloc_buffer(pvb_shape, "float32")  # the block's p @ entries
         pa = T.sblock_alloc_buffer(pa_shape, "uint32")  # amx_dot: p pairs, heads as rows
         yt = T.sblock_alloc_buffer(yt_shape, "float32")  # amx_dot: a 32 x 32 tile of PV
-        cfg = T.sblock_alloc_buffer((64,), "uint8", scope="local")  # amx_dot: tile config
+        cfg = T.sblock_alloc_buffer(cfg_shape, "uint8", scope="local")  # amx_dot: tile config
         if amx_dot:
             amx_configure(cfg)
         if bf16_dot:
