@@ -270,6 +270,38 @@ def test_fp8_linear_extreme_activations():
     _assert_gemm_close(out[finite.all(1)], ref[finite.all(1)])
 
 
+def test_e8m0_decode_every_code_exactly_and_vectorised():
+    """`e8m0_to_f32` (every block scale of the FP8 and FP4 kernels) equals the format module on
+    all 256 codes (0: 2^-127, a subnormal; 0xff: NaN), scalar and in 32 vector lanes, and a
+    vectorised loop of it lowers to vector code: no branch per byte (as if_then_else gave,
+    which cost the expert GEMVs more than their own work per block)."""
+    from tvm import s_tir
+    from tvm.script import tirx as T
+
+    from dsv41.schedules.common import e8m0_byte
+
+    @T.prim_func(s_tir=True)
+    def decode(a: T.Buffer((256,), "uint8"), b: T.Buffer((256,), "float32")):
+        for i in range(256):
+            with T.sblock("d"):
+                vi = T.axis.remap("S", [i])
+                b[vi] = e8m0_byte(a[vi])
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ref = torch.from_numpy(fmt.np_e8m0_decode(codes.numpy()).astype(np.float32))
+    assert int(ref.isnan().sum()) == 1
+    for lanes in (1, 32):
+        sch = s_tir.Schedule(decode)
+        if lanes > 1:
+            sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("d"))[0], [None, lanes])[1])
+        ex = tvm.compile(sch.mod["main"], target=get_target(CPU).tvm_target())
+        if lanes > 1:  # one select over the 32 lanes, not a branch per byte
+            assert "select <32 x i1>" in ex.mod.inspect_source("ll")
+        out = _run(ex, [codes], (256,), torch.float32)
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
+
+
 def test_e4m3_f16_bits_decode_every_code_exactly():
     """The decode GEMV's 16-bit route (`e4m3_to_f16_bits`, converted by the hardware and times
     2^8) equals the format module on all 256 codes, NaN codes giving NaN, scalar and in 32
