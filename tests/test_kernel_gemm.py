@@ -13,6 +13,7 @@ Tolerances:
 from __future__ import annotations
 
 import functools
+import re
 
 import ml_dtypes
 import numpy as np
@@ -298,6 +299,45 @@ def test_e8m0_decode_every_code_exactly_and_vectorised():
         if lanes > 1:  # one select over the 32 lanes, not a branch per byte
             assert "select <32 x i1>" in ex.mod.inspect_source("ll")
         out = _run(ex, [codes], (256,), torch.float32)
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
+
+
+def test_round_bf16_exact_and_vectorised():
+    """`round_bf16` (every kernel epilogue's bf16 rounding) equals torch's fp32 -> bf16 -> fp32
+    on ties, signed zeros, subnormals, infinities and a NaN (kept a NaN), scalar and in 32
+    vector lanes (NaN tested with isnan: TVM folds a float `x != x` to false, and the
+    rounding alone turns some NaN payloads into an infinity or a zero), and a vectorised loop
+    of it lowers to vector selects (if_then_else gave a branch per lane, which made the AMX
+    sweep's epilogue its largest cost)."""
+    from tvm import s_tir
+    from tvm.script import tirx as T
+
+    from dsv41.schedules.common import round_bf16
+
+    @T.prim_func(s_tir=True)
+    def rnd(a: T.Buffer((256,), "float32"), b: T.Buffer((256,), "float32")):
+        for i in range(256):
+            with T.sblock("r"):
+                vi = T.axis.remap("S", [i])
+                b[vi] = round_bf16(a[vi])
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (256,), generator=g, dtype=torch.int64)
+    # ties to even (down, up), -0, a subnormal, inf, NaNs (two whose payload the rounding
+    # alone would carry into an infinity and a zero)
+    bits[:8] = torch.tensor([0x3F808000, 0x3F818000, 0x80000000, 0x00000001, 0x7F800000,
+                             0x7FC00001, 0x7F800001, 0x7FFFFFFF])
+    x = bits.to(torch.int32).view(torch.float32)
+    ref = x.to(torch.bfloat16).float()
+    for lanes in (1, 32):
+        sch = s_tir.Schedule(rnd)
+        if lanes > 1:
+            sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("r"))[0], [None, lanes])[1])
+        ex = tvm.compile(sch.mod["main"], target=get_target(CPU).tvm_target())
+        if lanes > 1:  # vector selects (LLVM splits the 32 lanes as the target prefers)
+            assert re.search(r"select <(16|32) x i1>", ex.mod.inspect_source("ll"))
+        out = _run(ex, [x], (256,), torch.float32)
         assert torch.equal(out.isnan(), ref.isnan())
         assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
 
