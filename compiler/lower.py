@@ -44,8 +44,9 @@ def _round_to_bf16(importer, x: relax.Expr) -> relax.Expr:
         u = tirx.reinterpret("uint32", v)
         one, half = tirx.const(1, "uint32"), tirx.const(0x7FFF, "uint32")
         r = (u + ((u >> tirx.const(16, "uint32")) & one) + half) >> tirx.const(16, "uint32")
-        r = tirx.Select(v != v, (u >> tirx.const(16, "uint32")) | tirx.const(0x40, "uint32"),
-                        r)  # NaN stays a quiet NaN
+        # NaN stays a quiet NaN (isnan: TVM's simplifier folds a float v != v to false)
+        quiet = (u >> tirx.const(16, "uint32")) | tirx.const(0x40, "uint32")
+        r = tirx.Select(tirx.isnan(v), quiet, r)
         return tirx.reinterpret("bfloat16", r.astype("uint16"))
 
     def compute(a):

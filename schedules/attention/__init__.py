@@ -141,7 +141,7 @@ def _exp(x, lanes: int = 1):
     two_n = T.reinterpret("float32" + sfx, (T.Cast("int32" + sfx, n) + T.int32(127))
                           << T.int32(23))
     y = T.Select(x < const(-87.3), const(0), y * two_n)
-    return T.Select(x > const(88.7), const(math.inf), T.Select(x != x, x, y))
+    return T.Select(x > const(88.7), const(math.inf), T.Select(T.isnan(x), x, y))
 
 
 def _nibbles(a):
@@ -358,7 +358,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
 
     def round_bf16_vec(x):  # round_bf16 of a float32x16, lane by lane
         u = T.reinterpret("uint32x16", x)
-        return T.Select(x != x, x, T.reinterpret("float32x16", (
+        return T.Select(T.isnan(x), x, T.reinterpret("float32x16", (
             u + ((u >> T.broadcast(T.uint32(16), 16)) & T.broadcast(T.uint32(1), 16))
             + T.broadcast(T.uint32(0x7FFF), 16)) & T.broadcast(T.uint32(0xFFFF0000), 16)))
 
