@@ -38,7 +38,7 @@ def inv_pow2_scale(byte):
         bi = T.Cast("int32", b)  # signed compares: the simplifier negates unsigned bounds
         ok = T.And(bi >= 1, bi <= 253)
         return T.reinterpret("float32",
-                             T.if_then_else(ok, (u32(254) - b) << u32(23), u32(0x7FC00000)))
+                             T.Select(ok, (u32(254) - b) << u32(23), u32(0x7FC00000)))
 
     return let(byte, body, "byte")
 
@@ -70,10 +70,10 @@ def e4m3_round(r, *, code: bool):
         def on_q(q):
             small = bits < u32(0x3C800000)  # |r| < 2^-6
             if code:
-                mag = T.if_then_else(small, q, (rn >> u32(20)) - u32(120 << 3))
+                mag = T.Select(small, q, (rn >> u32(20)) - u32(120 << 3))
                 return mag | (sign >> u32(24))
             sub = T.reinterpret("uint32", T.Cast("float32", q) * T.float32(2.0**-9))
-            return T.reinterpret("float32", T.if_then_else(small, sub, rn) | sign)
+            return T.reinterpret("float32", T.Select(small, sub, rn) | sign)
 
         return let((sig + (u32(1) << (sh - u32(1))) - u32(1) + ((sig >> sh) & u32(1)))
                     >> sh, on_q, "q")
