@@ -271,56 +271,46 @@ def test_fp8_linear_extreme_activations():
     _assert_gemm_close(out[finite.all(1)], ref[finite.all(1)])
 
 
-def test_e8m0_decode_every_code_exactly_and_vectorised():
-    """`e8m0_to_f32` (every block scale of the FP8 and FP4 kernels) equals the format module on
-    all 256 codes (0: 2^-127, a subnormal; 0xff: NaN), scalar and in 32 vector lanes, and a
-    vectorised loop of it lowers to vector code: no branch per byte (as if_then_else gave,
-    which cost the expert GEMVs more than their own work per block)."""
-    from tvm import s_tir
-    from tvm.script import tirx as T
+def _assert_elementwise_exact(expr, x: torch.Tensor, ref: torch.Tensor) -> None:
+    """b[i] = expr(a[i]) over 256 inputs, scalar and vectorised by 32, bit-equal to `ref` (NaN
+    where ref is NaN), the vector form's LLVM code one select per lane group, no branch."""
+    from tvm import s_tir, te
 
-    from dsv41.schedules.common import e8m0_byte
-
-    @T.prim_func(s_tir=True)
-    def decode(a: T.Buffer((256,), "uint8"), b: T.Buffer((256,), "float32")):
-        for i in range(256):
-            with T.sblock("d"):
-                vi = T.axis.remap("S", [i])
-                b[vi] = e8m0_byte(a[vi])
-
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    ref = torch.from_numpy(fmt.np_e8m0_decode(codes.numpy()).astype(np.float32))
-    assert int(ref.isnan().sum()) == 1
+    a = te.placeholder((256,), str(x.dtype).removeprefix("torch."), name="a")
+    b = te.compute((256,), lambda i: expr(a[i]), name="d")
+    func = te.create_prim_func([a, b])
     for lanes in (1, 32):
-        sch = s_tir.Schedule(decode)
+        sch = s_tir.Schedule(func)
         if lanes > 1:
             sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("d"))[0], [None, lanes])[1])
         ex = tvm.compile(sch.mod["main"], target=get_target(CPU).tvm_target())
-        if lanes > 1:  # one select over the 32 lanes, not a branch per byte
-            assert "select <32 x i1>" in ex.mod.inspect_source("ll")
-        out = _run(ex, [codes], (256,), torch.float32)
+        if lanes > 1:  # vector selects (LLVM splits the 32 lanes as the target prefers)
+            assert re.search(r"select <(16|32) x i1>", ex.mod.inspect_source("ll"))
+        out = _run(ex, [x], (256,), torch.float32)
         assert torch.equal(out.isnan(), ref.isnan())
         assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
 
 
+def test_e8m0_decode_every_code_exactly_and_vectorised():
+    """`e8m0_to_f32` (every block scale of the FP8 and FP4 kernels) equals the format module on
+    all 256 codes (0: 2^-127, a subnormal; 0xff: NaN), and a vectorised loop of it is vector
+    code, no branch per byte (as if_then_else gave, which cost the expert GEMVs more than their
+    own work per block)."""
+    from dsv41.schedules.common import e8m0_byte
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ref = torch.from_numpy(fmt.np_e8m0_decode(codes.numpy()).astype(np.float32))
+    assert int(ref.isnan().sum()) == 1
+    _assert_elementwise_exact(e8m0_byte, codes, ref)
+
+
 def test_round_bf16_exact_and_vectorised():
     """`round_bf16` (every kernel epilogue's bf16 rounding) equals torch's fp32 -> bf16 -> fp32
-    on ties, signed zeros, subnormals, infinities and a NaN (kept a NaN), scalar and in 32
-    vector lanes (NaN tested with isnan: TVM folds a float `x != x` to false, and the
-    rounding alone turns some NaN payloads into an infinity or a zero), and a vectorised loop
-    of it lowers to vector selects (if_then_else gave a branch per lane, which made the AMX
-    sweep's epilogue its largest cost)."""
-    from tvm import s_tir
-    from tvm.script import tirx as T
-
+    on ties, signed zeros, subnormals, infinities and NaNs (kept NaNs: tested with isnan, as
+    TVM folds a float `x != x` to false and the rounding alone turns some NaN payloads into an
+    infinity or a zero), and a vectorised loop of it is vector code (if_then_else gave a
+    branch per lane, which made the AMX sweep's epilogue its largest cost)."""
     from dsv41.schedules.common import round_bf16
-
-    @T.prim_func(s_tir=True)
-    def rnd(a: T.Buffer((256,), "float32"), b: T.Buffer((256,), "float32")):
-        for i in range(256):
-            with T.sblock("r"):
-                vi = T.axis.remap("S", [i])
-                b[vi] = round_bf16(a[vi])
 
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (256,), generator=g, dtype=torch.int64)
@@ -329,17 +319,7 @@ def test_round_bf16_exact_and_vectorised():
     bits[:8] = torch.tensor([0x3F808000, 0x3F818000, 0x80000000, 0x00000001, 0x7F800000,
                              0x7FC00001, 0x7F800001, 0x7FFFFFFF])
     x = bits.to(torch.int32).view(torch.float32)
-    ref = x.to(torch.bfloat16).float()
-    for lanes in (1, 32):
-        sch = s_tir.Schedule(rnd)
-        if lanes > 1:
-            sch.vectorize(sch.split(sch.get_loops(sch.get_sblock("r"))[0], [None, lanes])[1])
-        ex = tvm.compile(sch.mod["main"], target=get_target(CPU).tvm_target())
-        if lanes > 1:  # vector selects (LLVM splits the 32 lanes as the target prefers)
-            assert re.search(r"select <(16|32) x i1>", ex.mod.inspect_source("ll"))
-        out = _run(ex, [x], (256,), torch.float32)
-        assert torch.equal(out.isnan(), ref.isnan())
-        assert torch.equal(out.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
+    _assert_elementwise_exact(round_bf16, x, x.to(torch.bfloat16).float())
 
 
 def test_e4m3_f16_bits_decode_every_code_exactly():
