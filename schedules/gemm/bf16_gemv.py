@@ -84,11 +84,11 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     16 lanes are kept, then each shuffle-and-add level pairs two vectors, halving the lanes
     of every column in both, so 16 columns cost 15 adds and 30 shuffles instead of 16 x 4
     of each, and the 16 totals are stored as one vector (the same additions in the same
-    order per column: the outputs are bit for bit those of per-column sums). Measured on
-    this session's Xeon (model 207, 2 threads, weights cycled through 8 copies, min of 60
-    calls): n 32768 k 512 one row 1.08 -> 1.03 ms, 5 rows 1.72 -> 1.59; n 1024 k 4096 5
-    rows 0.64 -> 0.59. A NaN weight (0x7f /
-    0xff, a NaN in the table) makes the column's sum NaN, stored as the canonical NaN.
+    order per column: the outputs are bit for bit those of per-column sums). Measured on a
+    Xeon model 207 (AMX, 2 threads, weights cycled through 8 copies, min of 60 calls): n
+    32768 k 512 one row 1.08 -> 1.03 ms, 5 rows 1.72 -> 1.59; n 1024 k 4096 5 rows 0.64 ->
+    0.59. A NaN weight (0x7f / 0xff, a NaN in the table) makes the column's sum NaN, stored
+    as the canonical NaN.
 
     `rows` > 1: the verify form, rows in groups of `rows` (the verify entry's 1 + k): per
     column each chunk is loaded and decoded once for the whole group, then dotted into each
@@ -164,30 +164,27 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
             width = half
         return v[0]
 
-    def stored(total, lanes: int):
-        """fp32 totals (`lanes` of them) as out_dtype, a NaN as the canonical NaN (tested on
-        the bits: LLVM may assume a float compare never sees a NaN)."""
-        def v(x):
-            return x if lanes == 1 else T.broadcast(x, lanes)
+    def stored(total):
+        """16 fp32 totals as out_dtype lanes, a NaN as the canonical NaN (tested on the bits:
+        LLVM may assume a float compare never sees a NaN)."""
+        def u16(v):
+            return T.broadcast(u32(v), 16)
 
-        u, f = ("uint32", "float32") if lanes == 1 else (f"uint32x{lanes}", f"float32x{lanes}")
-        nan = (T.reinterpret(u, total) & v(u32(0x7FFFFFFF))) > v(u32(0x7F800000))
-        return T.Cast(out_dtype if lanes == 1 else f"{out_dtype}x{lanes}",
-                      T.Select(nan, T.reinterpret(f, v(u32(0x7FC00000))), total))
+        nan = (T.reinterpret("uint32x16", total) & u16(0x7FFFFFFF)) > u16(0x7F800000)
+        return T.Cast(f"{out_dtype}x16",
+                      T.Select(nan, T.reinterpret("float32x16", u16(0x7FC00000)), total))
 
     @T.macro
     def row_flush(y, red, tot, r, here, row, col0):
         """Row r's 16 stashed columns from col0 stored (those below N)."""
         if here:  # static
-            if n % BLOCK == 0:  # static: every tile's 32 columns are in range
-                y[row, T.ramp(col0, 1, 16)] = stored(column_totals(red, r), 16)
-            elif col0 + 16 <= N:
-                y[row, T.ramp(col0, 1, 16)] = stored(column_totals(red, r), 16)
+            if col0 + 16 <= N:
+                y[row, T.ramp(col0, 1, 16)] = stored(column_totals(red, r))
             else:  # the last tile's columns past N: none stored
-                tot[T.ramp(0, 1, 16)] = column_totals(red, r)
+                tot[T.ramp(0, 1, 16)] = stored(column_totals(red, r))
                 for j in range(16):
                     if col0 + j < N:
-                        y[row, col0 + j] = stored(tot[j], 1)
+                        y[row, col0 + j] = tot[j]
 
     @T.macro
     def rows_flush(y, red, tot, nr, row0, col0):
@@ -334,7 +331,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 xs = T.alloc_buffer((R * K,), "uint16")  # bf16 bits, row r at r * K
                 acc = T.alloc_buffer((SLOTS * AW,), "float32")  # slot a at a * AW
                 red = T.alloc_buffer((R * 256,), "float32")  # row r's column c at (16 r + c) 16
-                tot = T.alloc_buffer((16,), "float32")  # a partial tile's column totals
+                tot = T.alloc_buffer((16,), out_dtype)  # a partial tile's stored totals
                 lo_tbl = T.meta_var([tbl.vload([0], "uint8x64"), tbl.vload([64], "uint8x64")])
                 hi_tbl = T.meta_var([tbl.vload([128], "uint8x64"),
                                      tbl.vload([192], "uint8x64")])
