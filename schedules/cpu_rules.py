@@ -215,6 +215,48 @@ def _contiguous_tail(info: _BlockInfo, n_spatial: int) -> int:
     return t
 
 
+def _conditions(block_body) -> list:
+    """The conditions of every if_then_else below `block_body` (a concat's input choice)."""
+    found = []
+
+    def visit(n):
+        if isinstance(n, tvm.ir.expr.Call) and isinstance(n.op, tvm.ir.Op) \
+                and n.op.name == "prim.if_then_else":
+            found.append(n.args[0])
+
+    _walk(block_body, visit)
+    return found
+
+
+def _vector_tail(info: _BlockInfo, conditions: list, tail: int) -> int:
+    """How many of the `tail` contiguous trailing loops (`_contiguous_tail`) to fuse into the
+    SIMD run: all of them only where the fused run is contiguous in every load too and no
+    if_then_else condition depends on an outer one of them; else fewer (at least the innermost).
+    A load such as a strided slice's x[..., j] of a wider x, or a concat's x[i - c, j], is not
+    contiguous over (i, j): vectorised over the fused index it becomes a lane-by-lane gather,
+    and a condition on i inside the run makes the vectoriser scalarise the whole select; over j
+    alone both are plain vector loads with a condition fixed for the run."""
+    n = len(info.iter_vars)
+    while tail > 1:
+        tvars = info.iter_vars[n - tail:]
+        ok = not any(_uses(c, v) for c in conditions for v in tvars[:-1])
+        for buf, idx in info.loads:
+            if not ok:
+                break
+            if not any(_uses(i, v) for i in idx for v in tvars):
+                continue  # constant over the run (a broadcast)
+            shape = list(buf.shape)
+            ok = len(idx) >= tail and all(
+                isinstance(i, tirx.Var) and i.same_as(v)
+                and _const(shape[len(idx) - tail + j]) == info.extents[n - tail + j]
+                for j, (i, v) in enumerate(zip(idx[len(idx) - tail:], tvars, strict=True))
+            ) and not any(_uses(i, v) for i in idx[:len(idx) - tail] for v in tvars)
+        if ok:
+            break
+        tail -= 1
+    return tail
+
+
 def _loads_contiguous_in(info: _BlockInfo, var) -> bool:
     """Every load either ignores `var` or has it as exactly its last index."""
     for _, idx in info.loads:
@@ -245,7 +287,7 @@ def _schedule_injective(sch: s_tir.Schedule, block, info: _BlockInfo,
                         cfg: CpuRulesConfig) -> None:
     loops = list(sch.get_loops(block))
     n = len(loops)
-    tail = _contiguous_tail(info, n)
+    tail = _vector_tail(info, _conditions(sch.get(block).body), _contiguous_tail(info, n))
     vec = None
     if tail:
         inner = sch.fuse(*loops[n - tail:]) if tail > 1 else loops[-1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -150,6 +151,88 @@ def test_small_blocks_stay_serial():
     text = sched.script()
     mm = text[:text.index('T.sblock("matmul_update")')]
     assert "T.vectorized" in mm and "T.parallel" not in mm
+
+
+# ---- concats and slices: the SIMD run stays contiguous in every load ---------------------------
+
+
+@T.prim_func(private=True, s_tir=True)
+def _concat_rows(a: T.handle, b: T.handle, y: T.handle):
+    """The window ring's concat (rows of a, then b's one row), as TVM's concatenate writes it."""
+    n = T.int64()
+    A = T.match_buffer(a, (n, T.int64(128), T.int64(512)), "uint8")
+    B = T.match_buffer(b, (n, T.int64(1), T.int64(512)), "uint8")
+    Y = T.match_buffer(y, (n, T.int64(129), T.int64(512)), "uint8")
+    for i, j, k in T.grid(n, T.int64(129), T.int64(512)):
+        with T.sblock("T_concat"):
+            vi, vj, vk = T.axis.remap("SSS", [i, j, k])
+            Y[vi, vj, vk] = T.if_then_else(T.int64(128) <= vj, B[vi, vj - T.int64(128), vk],
+                                           A[vi, vj, vk])
+
+
+@T.prim_func(private=True, s_tir=True)
+def _slice_concat(x: T.handle, r: T.handle, y: T.handle):
+    """RoPE's reassembly: the first 448 of 512 (a strided slice), then 64 rotated values."""
+    n = T.int64()
+    X = T.match_buffer(x, (n, T.int64(64), T.int64(512)), "bfloat16")
+    R = T.match_buffer(r, (n, T.int64(64), T.int64(64)), "bfloat16")
+    Y = T.match_buffer(y, (n, T.int64(64), T.int64(512)), "bfloat16")
+    sl = T.sblock_alloc_buffer((n, T.int64(64), T.int64(448)), "bfloat16")
+    for i, h, c in T.grid(n, T.int64(64), T.int64(448)):
+        with T.sblock("slice"):
+            vi, vh, vc = T.axis.remap("SSS", [i, h, c])
+            sl[vi, vh, vc] = X[vi, vh, vc]
+    for i, h, c in T.grid(n, T.int64(64), T.int64(512)):
+        with T.sblock("concat"):
+            vi, vh, vc = T.axis.remap("SSS", [i, h, c])
+            Y[vi, vh, vc] = T.if_then_else(T.int64(448) <= vc, R[vi, vh, vc - T.int64(448)],
+                                           sl[vi, vh, vc])
+
+
+def _vector_var(text: str, block: str) -> str:
+    """The loop variable of the T.vectorized loop right above `block` in a function's script."""
+    head = text[:text.index(f'T.sblock("{block}")')]
+    line = head[head.rindex("\n", 0, head.rindex("T.vectorized(")):]
+    return line.split("for ")[1].split(" in ")[0].strip()
+
+
+def _binding(text: str, block: str, extent: int) -> str:
+    """The binding of `block`'s spatial axis of static `extent` (its first such axis)."""
+    body = text[text.index(f'T.sblock("{block}")'):]
+    return body[body.index(f"T.axis.spatial(T.int64({extent}),"):].split("\n")[0]
+
+
+def test_concat_and_slice_vectorise_over_their_contiguous_axis():
+    """A concat along rows and a strided slice are vectorised over the last axis alone (their
+    loads contiguous, the concat's condition fixed for each run), not over a fused index that
+    gathers lane by lane, and stay bit for bit the unscheduled functions."""
+    spec = get_target("cpu")
+    cfg = cpu_rules_config(spec)
+    rng = np.random.default_rng(5)
+    for func, shapes, block in (  # the block whose loads were gathered
+            (_concat_rows, (((3, 128, 512), "uint8"), ((3, 1, 512), "uint8"),
+                            ((3, 129, 512), "uint8")), "T_concat"),
+            (_slice_concat, (((3, 64, 512), "bfloat16"), ((3, 64, 64), "bfloat16"),
+                             ((3, 64, 512), "bfloat16")), "slice")):
+        plain = func.with_attr("global_symbol", "k")
+        sched = schedule_prim_func(plain, cfg)
+        assert sched is not None
+        text = sched.script()
+        var = _vector_var(text, block)
+        # the vector run is a piece of the last axis: the row / head axis is fixed over it
+        assert var not in _binding(text, block, 129 if block == "T_concat" else 64), text
+        dev = tvm.cpu()
+        ins = [rng.integers(0, 255, sh, dtype=np.uint8) if d == "uint8"
+               else rng.standard_normal(sh, dtype=np.float32).astype(ml_dtypes.bfloat16)
+               for sh, d in shapes[:2]]
+        outs = []
+        for f in (plain, sched):
+            ex = tvm.compile(f, target=spec.tvm_target())
+            bufs = [tvm.runtime.tensor(a, dev) for a in ins]
+            out = tvm.runtime.empty(shapes[2][0], shapes[2][1], dev)
+            ex(*bufs, out)
+            outs.append(out.numpy().tobytes())
+        assert outs[0] == outs[1]
 
 
 # ---- the conformance model's entries, with real weights and inputs -----------------------------
