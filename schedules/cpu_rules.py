@@ -27,6 +27,7 @@ primitive fails keeps its original loops.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import tvm
@@ -257,6 +258,31 @@ def _vector_tail(info: _BlockInfo, conditions: list, tail: int) -> int:
     return tail
 
 
+def _split_points(conditions: list, var, extent: int | None) -> list[int] | None:
+    """Where a concat along `var` changes input: the constants p (0 < p < extent) of the
+    conditions on `var`, each a comparison of `var` itself with a constant, such that every
+    condition is fixed over each piece [p_i, p_i+1). None when a condition on `var` has any other
+    form (then no piece is free of it)."""
+    points = set()
+    for cond in conditions:
+        if not _uses(cond, var):
+            continue
+        if extent is None or not isinstance(cond, (tirx.LE, tirx.LT, tirx.GE, tirx.GT)):
+            return None
+        a, b = cond.a, cond.b
+        if isinstance(b, tirx.Var) and b.same_as(var) and _const(a) is not None:
+            # c <= v, c < v (v >= c, v >= c + 1); c >= v, c > v (v < c + 1, v < c)
+            p = _const(a) + (1 if isinstance(cond, (tirx.LT, tirx.GE)) else 0)
+        elif isinstance(a, tirx.Var) and a.same_as(var) and _const(b) is not None:
+            # v <= c, v < c, v >= c, v > c
+            p = _const(b) + (1 if isinstance(cond, (tirx.LE, tirx.GT)) else 0)
+        else:
+            return None
+        if 0 < p < extent:
+            points.add(p)
+    return sorted(points)
+
+
 def _loads_contiguous_in(info: _BlockInfo, var) -> bool:
     """Every load either ignores `var` or has it as exactly its last index."""
     for _, idx in info.loads:
@@ -283,11 +309,41 @@ def _maybe_parallel(sch: s_tir.Schedule, loops: list, info: _BlockInfo,
     sch.parallel(outer)
 
 
+def _schedule_pieces(sch: s_tir.Schedule, block, info: _BlockInfo, points: list[int],
+                     cfg: CpuRulesConfig) -> bool:
+    """A concat along its innermost axis: that loop split into SIMD runs that never straddle an
+    input boundary, and the loop of runs partitioned at the boundaries, so that in each piece
+    the choice is fixed (the simplifier drops it: the piece's bounds decide it) and the piece
+    is a plain vectorised copy; the outer loops parallel. False (nothing changed) when no run
+    of 2 or more lanes divides every boundary."""
+    extent = info.extents[-1]
+    g = extent
+    for p in points:
+        g = math.gcd(g, p)
+    f = _vector_factor(g, _lanes(info, cfg))
+    if f < 2:
+        return False
+    loops = list(sch.get_loops(block))
+    runs = sch.split(loops[-1], factors=[None, f])[0]
+    bounds = [0, *(p // f for p in points), extent // f]
+    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    for piece in sch.loop_partition(runs, factors=[*sizes[:-1], None]):
+        for child in sch.get_child_blocks(piece):
+            sch.vectorize(sch.get_loops(child)[-1])
+    _maybe_parallel(sch, loops[:-1], info, cfg)
+    return True
+
+
 def _schedule_injective(sch: s_tir.Schedule, block, info: _BlockInfo,
                         cfg: CpuRulesConfig) -> None:
     loops = list(sch.get_loops(block))
     n = len(loops)
-    tail = _vector_tail(info, _conditions(sch.get(block).body), _contiguous_tail(info, n))
+    conditions = _conditions(sch.get(block).body)
+    if any(_uses(c, info.iter_vars[-1]) for c in conditions) and _lanes(info, cfg) > 1:
+        points = _split_points(conditions, info.iter_vars[-1], info.extents[-1])
+        if points and _schedule_pieces(sch, block, info, points, cfg):
+            return
+    tail = _vector_tail(info, conditions, _contiguous_tail(info, n))
     vec = None
     if tail:
         inner = sch.fuse(*loops[n - tail:]) if tail > 1 else loops[-1]
