@@ -518,10 +518,21 @@ def _build_cuda_child(opts: CompileOptions, entry: str, tuning, lib: Path,
     say.finished(entry, name, times["build"], phases=len(PHASES) - 1)
 
 
+def tir_pipeline(target_name: str) -> str:
+    """The TIR lowering `tvm.compile` runs for a target: on CPU TVM's default plus
+    `compiler.tir_passes` (a parallel loop of one iteration runs inline, no pool wake-up)."""
+    if get_target(target_name).is_cuda:
+        return "default"
+    from dsv41.compiler.tir_passes import register_cpu_tir_pipeline  # heavy: TVM
+
+    return register_cpu_tir_pipeline()
+
+
 def _build_library(mod, spec, lib: Path) -> None:
     import tvm  # heavy: TVM (build imports without it: assets, bench e2e)
 
-    ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(spec.name))
+    ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(spec.name),
+                     tir_pipeline=tir_pipeline(spec.name))
     ex.export_library(str(lib))
 
 

@@ -29,6 +29,7 @@ from dsv41.compiler.build import (
     finish_pipeline,
     fuse,
     schedule,
+    tir_pipeline,
 )
 from dsv41.compiler.capture import capture
 from dsv41.compiler.lower import lower
@@ -91,7 +92,8 @@ def compile_sharded(args: ModelArgs, out: str | Path, *, shards: int,
                     host_engram=False)  # a worker process may not have the host runtime
         mod, _ = fuse(mod, target)
         mod = schedule(mod, target)
-        ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(target))
+        ex = tvm.compile(mod, target=spec.tvm_target(), relax_pipeline=finish_pipeline(target),
+                         tir_pipeline=tir_pipeline(target))
         ex.export_library(str(out / f"{entry}.so"))
         seconds[entry] = round(time.perf_counter() - t, 1)
         say(f"{entry}: built for {shards} workers in {seconds[entry]} s")

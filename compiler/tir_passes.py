@@ -1,0 +1,85 @@
+"""TIR passes our CPU builds add to TVM's lowering (`CPU_TIR_PIPELINE`).
+
+`inline_single_task_parallel`: a parallel loop that has one iteration runs on the calling
+thread instead of through TVM's thread pool. A `T.parallel` loop becomes a call of
+`TVMBackendParallelLaunch`, which wakes every worker and waits for all of them whatever the
+loop's extent: a decode step calls ~670 kernels whose parallel loop runs over the step's
+rows (one at decode: RMSNorm, the mHC mixes, the cache writes, the activation quantisers, the
+expert chain's small stages), and with the pool's workers asleep between kernels (spin count
+0, `runtime.backends.threads`) each launch costs a wake-up and a join (~8 us measured on a
+2-vCPU Xeon against ~4 us for a whole 32K-element kernel run inline). So:
+
+* extent 1 (a constant): the loop is made serial;
+* a symbolic extent: `if extent > 1: <the parallel loop> else: <the same loop, serial>`;
+* a constant extent of 2 or more: unchanged.
+
+The iterations of a parallel loop are independent (that is what allows it), so running them
+in order on one thread computes exactly the same values: outputs are bit for bit the same.
+The two copies of a loop body define the same variables and buffers; `ConvertSSA` renames
+the second copy's."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+
+CPU_TIR_PIPELINE = "dsv41-cpu"  # the registered name of TVM's default pipeline plus this pass
+
+
+def _is_one(expr) -> bool:
+    return isinstance(expr, tirx.IntImm) and int(expr.value) == 1
+
+
+def _rewrite(stmt):
+    """`stmt` with every parallel loop below it rewritten (see the module docstring)."""
+    if isinstance(stmt, tirx.SeqStmt):
+        return tirx.SeqStmt([_rewrite(s) for s in stmt.seq])
+    if isinstance(stmt, tirx.AttrStmt):
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _rewrite(stmt.body))
+    if isinstance(stmt, tirx.IfThenElse):
+        return tirx.IfThenElse(stmt.condition, _rewrite(stmt.then_case),
+                               None if stmt.else_case is None else _rewrite(stmt.else_case))
+    if isinstance(stmt, tirx.While):
+        return tirx.While(stmt.condition, _rewrite(stmt.body))
+    if not isinstance(stmt, tirx.For):
+        return stmt
+    body = _rewrite(stmt.body)
+
+    def loop(kind):
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, kind, body, stmt.thread_binding,
+                        stmt.annotations, stmt.step)
+
+    if stmt.kind != tirx.ForKind.PARALLEL:
+        return loop(stmt.kind)
+    if _is_one(stmt.extent):
+        return loop(tirx.ForKind.SERIAL)
+    if isinstance(stmt.extent, tirx.IntImm):
+        return loop(tirx.ForKind.PARALLEL)
+    more = tirx.GT(stmt.extent, tirx.IntImm(str(stmt.extent.ty), 1))
+    return tirx.IfThenElse(more, loop(tirx.ForKind.PARALLEL), loop(tirx.ForKind.SERIAL))
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="InlineSingleTaskParallel")
+def inline_single_task_parallel(func, _mod, _ctx):
+    """The pass (see the module docstring), with `ConvertSSA` after it."""
+    return func.with_body(_rewrite(func.body))
+
+
+def _pipeline_factory():
+    """TVM's default TIR pipeline (its lowering, host and device finalisation), then the pass
+    and ConvertSSA."""
+    lower, host, device = tvm.tirx.get_tir_pipeline("default")
+
+    @tvm.transform.module_pass(opt_level=0, name="Dsv41CpuLowering")
+    def _lower(mod, _ctx):
+        mod = lower(mod)
+        return tvm.tirx.transform.ConvertSSA()(inline_single_task_parallel(mod))
+
+    return _lower, host, device
+
+
+def register_cpu_tir_pipeline() -> str:
+    """Register `CPU_TIR_PIPELINE` with TVM (idempotent) and return its name, for
+    `tvm.compile(..., tir_pipeline=...)`."""
+    tvm.tirx.register_tir_pipeline(CPU_TIR_PIPELINE, _pipeline_factory)
+    return CPU_TIR_PIPELINE
