@@ -51,6 +51,7 @@ import torch
 import tvm
 from tqdm import tqdm
 
+from dsv41.compiler.build import tir_pipeline
 from dsv41.compiler.kernels import bench_kernel
 from dsv41.compiler.tools.bench.measure import (
     MIN_SAMPLE_S,
@@ -320,7 +321,9 @@ def compile_kernel(family: str, target_name: str, static: tuple) -> tuple[object
     make = bench_kernel(family).build
     t0 = time.perf_counter()
     func = make(target_name, dict(static))
-    ex = tvm.compile(func, target=get_target(target_name).tvm_target())
+    # the artifact's TIR lowering (compiler.build.tir_pipeline: one-task parallel loops inline)
+    ex = tvm.compile(func, target=get_target(target_name).tvm_target(),
+                     tir_pipeline=tir_pipeline(target_name))
     return ex, time.perf_counter() - t0
 
 
