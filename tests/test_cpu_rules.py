@@ -259,8 +259,10 @@ def _entry_vms(entry: str, checkpoint: str):
     spec = get_target("cpu")
     ph = Model.placeholder(args)
     ep, template = capture(ph, entry)
-    mod, _ = fuse(lower(ep, spec, rows_hint=ROWS_HINT.get(entry)), "cpu")
-    sig = entry_signature(ep, template, ph.plan, entry)
+    # the Engram tables as parameters of the entry (as a sharded worker's), not host-resident:
+    # host-resident rows come from `dsv41.engram_rows`, which only `Artifact.call` posts
+    mod, _ = fuse(lower(ep, spec, rows_hint=ROWS_HINT.get(entry), host_engram=False), "cpu")
+    sig = entry_signature(ep, template, ph.plan, entry, host_engram=False)
     vms = []
     for m in (mod, apply_cpu_schedules(mod, spec)):
         ex = tvm.compile(m, target=spec.tvm_target(), relax_pipeline=finish_pipeline("cpu"))
