@@ -1,17 +1,19 @@
 """TIR passes our CPU builds add to TVM's lowering (`CPU_TIR_PIPELINE`).
 
-`inline_single_task_parallel`: a parallel loop that has one iteration runs on the calling
-thread instead of through TVM's thread pool. A `T.parallel` loop becomes a call of
+`inline_single_task_parallel`: a parallel loop with too few iterations to be worth the thread
+pool runs on the calling thread. A `T.parallel` loop becomes a call of
 `TVMBackendParallelLaunch`, which wakes every worker and waits for all of them whatever the
 loop's extent: a decode step calls ~670 kernels whose parallel loop runs over the step's
 rows (one at decode: RMSNorm, the mHC mixes, the cache writes, the activation quantisers, the
 expert chain's small stages), and with the pool's workers asleep between kernels (spin count
 0, `runtime.backends.threads`) each launch costs a wake-up and a join (~8 us measured on a
-2-vCPU Xeon against ~4 us for a whole 32K-element kernel run inline). So:
+2-vCPU Xeon against ~4 us for a whole 32K-element kernel run inline). A loop is worth the pool
+from 2 iterations, or from the count its `schedules.cpu_rules.MIN_PARALLEL_EXTENT` annotation
+gives (the generic kernels parallel over their rows: as many rows as make their minimum
+parallel work). So:
 
-* extent 1 (a constant): the loop is made serial;
-* a symbolic extent: `if extent > 1: <the parallel loop> else: <the same loop, serial>`;
-* a constant extent of 2 or more: unchanged.
+* a constant extent: parallel from that count on, else serial;
+* a symbolic extent: `if extent >= count: <the parallel loop> else: <the same loop, serial>`.
 
 The iterations of a parallel loop are independent (that is what allows it), so running them
 in order on one thread computes exactly the same values: outputs are bit for bit the same.
@@ -23,11 +25,9 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
+from dsv41.schedules.cpu_rules import MIN_PARALLEL_EXTENT
+
 CPU_TIR_PIPELINE = "dsv41-cpu"  # the registered name of TVM's default pipeline plus this pass
-
-
-def _is_one(expr) -> bool:
-    return isinstance(expr, tirx.IntImm) and int(expr.value) == 1
 
 
 def _rewrite(stmt):
@@ -44,19 +44,22 @@ def _rewrite(stmt):
     if not isinstance(stmt, tirx.For):
         return stmt
     body = _rewrite(stmt.body)
+    least = 2  # iterations worth a launch: the annotation's, at least 2
+    if stmt.kind == tirx.ForKind.PARALLEL and MIN_PARALLEL_EXTENT in stmt.annotations:
+        least = max(least, int(stmt.annotations[MIN_PARALLEL_EXTENT]))
+    annotations = {k: v for k, v in stmt.annotations.items() if k != MIN_PARALLEL_EXTENT}
 
     def loop(kind):
         return tirx.For(stmt.loop_var, stmt.min, stmt.extent, kind, body, stmt.thread_binding,
-                        stmt.annotations, stmt.step)
+                        annotations, stmt.step)
 
     if stmt.kind != tirx.ForKind.PARALLEL:
         return loop(stmt.kind)
-    if _is_one(stmt.extent):
-        return loop(tirx.ForKind.SERIAL)
     if isinstance(stmt.extent, tirx.IntImm):
-        return loop(tirx.ForKind.PARALLEL)
-    more = tirx.GT(stmt.extent, tirx.IntImm(str(stmt.extent.ty), 1))
-    return tirx.IfThenElse(more, loop(tirx.ForKind.PARALLEL), loop(tirx.ForKind.SERIAL))
+        worth = int(stmt.extent.value) >= least
+        return loop(tirx.ForKind.PARALLEL if worth else tirx.ForKind.SERIAL)
+    worth = tirx.GE(stmt.extent, tirx.IntImm(str(stmt.extent.ty), least))
+    return tirx.IfThenElse(worth, loop(tirx.ForKind.PARALLEL), loop(tirx.ForKind.SERIAL))
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="InlineSingleTaskParallel")
