@@ -13,7 +13,9 @@ gives (the generic kernels parallel over their rows: as many rows as make their 
 parallel work). So:
 
 * a constant extent: parallel from that count on, else serial;
-* a symbolic extent: `if extent >= count: <the parallel loop> else: <the same loop, serial>`.
+* a symbolic extent: `if extent >= count: <the parallel loop> else: <the same loop, serial>`,
+  for a loop body of at most `MAX_COPIED_NODES` (the code is there twice); a bigger one stays
+  parallel.
 
 The iterations of a parallel loop are independent (that is what allows it), so running them
 in order on one thread computes exactly the same values: outputs are bit for bit the same.
@@ -24,10 +26,17 @@ from __future__ import annotations
 
 import tvm
 from tvm import tirx
+from tvm_ffi.structural import structural_walk
 
 from dsv41.schedules.cpu_rules import MIN_PARALLEL_EXTENT
 
 CPU_TIR_PIPELINE = "dsv41-cpu"  # the registered name of TVM's default pipeline plus this pass
+# The largest loop body (IR nodes after TVM's lowering) kept twice for a symbolic extent. The
+# per-row kernels that decode runs with one row are small (RMSNorm 366, the FP8 quantiser 445,
+# hc_post 1092, hc_pre_mix's loops 2380 and 2802); copying every parallel body (the expert
+# chain's, the sweeps', the attention's, mostly launched with several tasks anyway) made the
+# bench artifact's LLVM build 44% longer (184 -> 265 s). A bigger body keeps one parallel loop.
+MAX_COPIED_NODES = 3000
 
 
 def _rewrite(stmt):
@@ -58,8 +67,17 @@ def _rewrite(stmt):
     if isinstance(stmt.extent, tirx.IntImm):
         worth = int(stmt.extent.value) >= least
         return loop(tirx.ForKind.PARALLEL if worth else tirx.ForKind.SERIAL)
+    if _size(body) > MAX_COPIED_NODES:
+        return loop(tirx.ForKind.PARALLEL)
     worth = tirx.GE(stmt.extent, tirx.IntImm(str(stmt.extent.ty), least))
     return tirx.IfThenElse(worth, loop(tirx.ForKind.PARALLEL), loop(tirx.ForKind.SERIAL))
+
+
+def _size(stmt) -> int:
+    """IR nodes below `stmt`."""
+    count = [0]
+    structural_walk(stmt, lambda _node: count.__setitem__(0, count[0] + 1))
+    return count[0]
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="InlineSingleTaskParallel")

@@ -105,3 +105,18 @@ def test_same_results_both_branches(n):
 
 def test_registration_is_idempotent():
     assert register_cpu_tir_pipeline() == register_cpu_tir_pipeline()
+
+
+def test_large_bodies_are_not_copied(monkeypatch):
+    """A symbolic-extent loop whose body is over MAX_COPIED_NODES keeps one parallel loop (no
+    second copy of its code); constant extents are still decided without a copy."""
+    from dsv41.compiler import tir_passes
+
+    monkeypatch.setattr(tir_passes, "MAX_COPIED_NODES", 5)
+    mod = inline_single_task_parallel(tvm.IRModule({"rows": _rows}))
+    found = []
+    _loops(mod["rows"].body, found)
+    par, ser = tirx.ForKind.PARALLEL, tirx.ForKind.SERIAL
+    assert (par, False, None, None) in found
+    assert not any(least is not None for *_, least in found)
+    assert (ser, True, 1, None) in found and (par, True, 4, None) in found
