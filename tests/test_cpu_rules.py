@@ -252,7 +252,13 @@ def test_concat_and_slice_vectorise_over_their_contiguous_axis():
 def _entry_vms(entry: str, checkpoint: str):
     """(plain VM, scheduled VM, parameter names, compile seconds): the entry captured once,
     lowered and fused as `compiler.build.lowered_module` + `fuse` do, compiled twice."""
-    from dsv41.compiler.build import ROWS_HINT, entry_signature, finish_pipeline, fuse
+    from dsv41.compiler.build import (
+        ROWS_HINT,
+        entry_signature,
+        finish_pipeline,
+        fuse,
+        tir_pipeline,
+    )
     from dsv41.compiler.capture import capture
     from dsv41.compiler.lower import lower
     from dsv41.graph.config import load_config
@@ -268,7 +274,8 @@ def _entry_vms(entry: str, checkpoint: str):
     sig = entry_signature(ep, template, ph.plan, entry, host_engram=False)
     vms = []
     for m in (mod, apply_cpu_schedules(mod, spec)):
-        ex = tvm.compile(m, target=spec.tvm_target(), relax_pipeline=finish_pipeline("cpu"))
+        ex = tvm.compile(m, target=spec.tvm_target(), relax_pipeline=finish_pipeline("cpu"),
+                         tir_pipeline=tir_pipeline("cpu"))  # as an artifact is built
         vms.append(relax.VirtualMachine(ex, tvm.cpu()))
     return vms[0], vms[1], [p.param for p in sig.params]
 
