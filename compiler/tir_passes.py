@@ -7,15 +7,13 @@ loop's extent: a decode step calls ~670 kernels whose parallel loop runs over th
 rows (one at decode: RMSNorm, the mHC mixes, the cache writes, the activation quantisers, the
 expert chain's small stages), and with the pool's workers asleep between kernels (spin count
 0, `runtime.backends.threads`) each launch costs a wake-up and a join (~8 us measured on a
-2-vCPU Xeon against ~4 us for a whole 32K-element kernel run inline). A loop is worth the pool
-from 2 iterations, or from the count its `schedules.cpu_rules.MIN_PARALLEL_EXTENT` annotation
-gives (the generic kernels parallel over their rows: as many rows as make their minimum
-parallel work). So:
+2-vCPU Xeon against ~4 us for a whole 32K-element kernel run inline). So:
 
-* a constant extent: parallel from that count on, else serial;
-* a symbolic extent: `if extent >= count: <the parallel loop> else: <the same loop, serial>`,
+* extent 1 (a constant): the loop is made serial;
+* a symbolic extent: `if extent > 1: <the parallel loop> else: <the same loop, serial>`,
   for a loop body of at most `MAX_COPIED_NODES` (the code is there twice); a bigger one stays
-  parallel.
+  parallel;
+* a constant extent of 2 or more: unchanged.
 
 The iterations of a parallel loop are independent (that is what allows it), so running them
 in order on one thread computes exactly the same values: outputs are bit for bit the same.
@@ -27,8 +25,6 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 from tvm_ffi.structural import structural_walk
-
-from dsv41.schedules.cpu_rules import MIN_PARALLEL_EXTENT
 
 CPU_TIR_PIPELINE = "dsv41-cpu"  # the registered name of TVM's default pipeline plus this pass
 # The largest loop body (IR nodes after TVM's lowering) kept twice for a symbolic extent. The
@@ -53,23 +49,19 @@ def _rewrite(stmt):
     if not isinstance(stmt, tirx.For):
         return stmt
     body = _rewrite(stmt.body)
-    least = 2  # iterations worth a launch: the annotation's, at least 2
-    if stmt.kind == tirx.ForKind.PARALLEL and MIN_PARALLEL_EXTENT in stmt.annotations:
-        least = max(least, int(stmt.annotations[MIN_PARALLEL_EXTENT]))
-    annotations = {k: v for k, v in stmt.annotations.items() if k != MIN_PARALLEL_EXTENT}
 
     def loop(kind):
         return tirx.For(stmt.loop_var, stmt.min, stmt.extent, kind, body, stmt.thread_binding,
-                        annotations, stmt.step)
+                        stmt.annotations, stmt.step)
 
     if stmt.kind != tirx.ForKind.PARALLEL:
         return loop(stmt.kind)
     if isinstance(stmt.extent, tirx.IntImm):
-        worth = int(stmt.extent.value) >= least
+        worth = int(stmt.extent.value) > 1
         return loop(tirx.ForKind.PARALLEL if worth else tirx.ForKind.SERIAL)
     if _size(body) > MAX_COPIED_NODES:
         return loop(tirx.ForKind.PARALLEL)
-    worth = tirx.GE(stmt.extent, tirx.IntImm(str(stmt.extent.ty), least))
+    worth = tirx.GT(stmt.extent, tirx.IntImm(str(stmt.extent.ty), 1))
     return tirx.IfThenElse(worth, loop(tirx.ForKind.PARALLEL), loop(tirx.ForKind.SERIAL))
 
 

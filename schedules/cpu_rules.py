@@ -39,10 +39,6 @@ from tvm_ffi.structural import structural_walk
 
 from dsv41.graph.targets import TargetSpec
 
-# For-loop annotation: the fewest iterations worth a thread-pool launch for a parallel loop over
-# symbolic rows (`_maybe_parallel`; read by `compiler.tir_passes`, which runs it inline below)
-MIN_PARALLEL_EXTENT = "dsv41.min_parallel_extent"
-
 
 @dataclass(frozen=True)
 class CpuRulesConfig:
@@ -303,26 +299,8 @@ def _loads_contiguous_in(info: _BlockInfo, var) -> bool:
 
 def _maybe_parallel(sch: s_tir.Schedule, loops: list, info: _BlockInfo,
                     cfg: CpuRulesConfig) -> None:
-    """Make the outer loops parallel when the block is worth it. A block whose leading loops
-    are symbolic (rows: the batch, the tokens) and whose work per row is under
-    `min_parallel_work` is parallel over its rows alone, annotated with the fewest rows worth a
-    launch (`MIN_PARALLEL_EXTENT`): `compiler.tir_passes` runs it inline below that (decode's
-    one row, a short verify) and on the pool above (a prefill chunk). Otherwise the outer loops
-    are fused into one parallel loop when the block's work (symbolic dims at
-    `symbolic_extent_guess`) reaches `min_parallel_work`."""
-    if not loops or cfg.cores < 2:
-        return
-    extents = [_const(sch.get(loop).extent) for loop in loops]
-    rows = 0
-    while rows < len(loops) and extents[rows] is None:
-        rows += 1
-    per_row = _work(info, cfg) // max(cfg.symbolic_extent_guess, 1) ** rows
-    if rows and all(e is not None for e in extents[rows:]) and per_row < cfg.min_parallel_work:
-        outer = sch.fuse(*loops[:rows]) if rows > 1 else loops[0]
-        sch.parallel(outer)
-        sch.annotate(outer, MIN_PARALLEL_EXTENT, -(-cfg.min_parallel_work // max(per_row, 1)))
-        return
-    if _work(info, cfg) < cfg.min_parallel_work:
+    """Fuse the outer spatial loops into one parallel loop when the block is worth it."""
+    if not loops or cfg.cores < 2 or _work(info, cfg) < cfg.min_parallel_work:
         return
     outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     ext = _const(sch.get(outer).extent)
