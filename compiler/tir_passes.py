@@ -1,9 +1,8 @@
 """TIR passes our CPU builds add to TVM's lowering (`CPU_TIR_PIPELINE`).
 
-`inline_single_task_parallel`: a parallel loop with too few iterations to be worth the thread
-pool runs on the calling thread. A `T.parallel` loop becomes a call of
-`TVMBackendParallelLaunch`, which wakes every worker and waits for all of them whatever the
-loop's extent: a decode step calls ~670 kernels whose parallel loop runs over the step's
+`inline_single_task_parallel`: a parallel loop of one iteration runs on the calling thread.
+A `T.parallel` loop becomes a call of `TVMBackendParallelLaunch`, which wakes every worker
+and waits for all of them whatever the loop's extent: a decode step calls ~670 kernels whose parallel loop runs over the step's
 rows (one at decode: RMSNorm, the mHC mixes, the cache writes, the activation quantisers, the
 expert chain's small stages), and with the pool's workers asleep between kernels (spin count
 0, `runtime.backends.threads`) each launch costs a wake-up and a join (~8 us measured on a
@@ -31,7 +30,7 @@ CPU_TIR_PIPELINE = "dsv41-cpu"  # the registered name of TVM's default pipeline 
 # per-row kernels that decode runs with one row are small (RMSNorm 366, the FP8 quantiser 445,
 # hc_post 1092, hc_pre_mix's loops 2380 and 2802); copying every parallel body (the expert
 # chain's, the sweeps', the attention's, mostly launched with several tasks anyway) made the
-# bench artifact's LLVM build 44% longer (184 -> 265 s). A bigger body keeps one parallel loop.
+# bench artifact's LLVM build 17% longer (184 -> 214 s). A bigger body keeps one parallel loop.
 MAX_COPIED_NODES = 3000
 
 
