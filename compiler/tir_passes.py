@@ -1,12 +1,13 @@
 """TIR passes our CPU builds add to TVM's lowering (`CPU_TIR_PIPELINE`).
 
-`inline_single_task_parallel`: a parallel loop of one iteration runs on the calling thread.
-A `T.parallel` loop becomes a call of `TVMBackendParallelLaunch`, which wakes every worker
-and waits for all of them whatever the loop's extent: a decode step calls ~670 kernels whose parallel loop runs over the step's
-rows (one at decode: RMSNorm, the mHC mixes, the cache writes, the activation quantisers, the
-expert chain's small stages), and with the pool's workers asleep between kernels (spin count
-0, `runtime.backends.threads`) each launch costs a wake-up and a join (~8 us measured on a
-2-vCPU Xeon against ~4 us for a whole 32K-element kernel run inline). So:
+`inline_single_task_parallel`: a parallel loop of one iteration runs on the calling thread. A
+`T.parallel` loop becomes a call of `TVMBackendParallelLaunch`, which wakes every worker and
+waits for all of them whatever the loop's extent: a decode step calls ~670 kernels whose
+parallel loop runs over the step's rows (one at decode: RMSNorm, the mHC mixes, the cache
+writes, the activation quantisers, the expert chain's small stages), and with the pool's workers
+asleep between kernels (spin count 0, `runtime.backends.threads`) each launch costs a wake-up
+and a join (~8 us measured on a 2-vCPU Xeon against ~4 us for a whole 32K-element kernel run
+inline). So:
 
 * extent 1 (a constant): the loop is made serial;
 * a symbolic extent: `if extent > 1: <the parallel loop> else: <the same loop, serial>`,
