@@ -189,28 +189,28 @@ def _vector_factor(extent: int, lanes: int) -> int:
     return 1
 
 
+def _runs_over(buf, idx, tvars, extents) -> bool:
+    """Whether the access buf[idx] has `tvars` as exactly its trailing indices, in order, over
+    dims of their static `extents`, and uses them in no other index: a run over the fused
+    `tvars` is one contiguous stretch of buf."""
+    lead = len(idx) - len(tvars)
+    if lead < 0:
+        return False
+    shape = list(buf.shape)
+    return all(isinstance(i, tirx.Var) and i.same_as(v) and _const(shape[lead + j]) == e
+               for j, (i, v, e) in enumerate(zip(idx[lead:], tvars, extents, strict=True))) \
+        and not any(_uses(i, v) for i in idx[:lead] for v in tvars)
+
+
 def _contiguous_tail(info: _BlockInfo, n_spatial: int) -> int:
     """How many trailing spatial loops (of the first `n_spatial`) map one to one, in order, onto
     the trailing dims of every store, with static extents equal to those dims: fusing them gives
     one contiguous run of the output."""
     t = 0
-    while t < n_spatial:
+    while t < n_spatial and info.extents[n_spatial - 1 - t] is not None:
         pos = n_spatial - 1 - t
-        var, extent = info.iter_vars[pos], info.extents[pos]
-        if extent is None:
-            break
-        ok = True
-        for buf, idx in info.stores:
-            shape = list(buf.shape)
-            d = len(idx) - 1 - t
-            if d < 0 or not (isinstance(idx[d], tirx.Var) and idx[d].same_as(var)) \
-                    or _const(shape[d]) != extent:
-                ok = False
-                break
-            if any(_uses(i, var) for j, i in enumerate(idx) if j != d):
-                ok = False
-                break
-        if not ok:
+        tvars, extents = info.iter_vars[pos:n_spatial], info.extents[pos:n_spatial]
+        if not all(_runs_over(buf, idx, tvars, extents) for buf, idx in info.stores):
             break
         t += 1
     return t
@@ -239,19 +239,10 @@ def _vector_tail(info: _BlockInfo, conditions: list, tail: int) -> int:
     alone both are plain vector loads with a condition fixed for the run."""
     n = len(info.iter_vars)
     while tail > 1:
-        tvars = info.iter_vars[n - tail:]
-        ok = not any(_uses(c, v) for c in conditions for v in tvars[:-1])
-        for buf, idx in info.loads:
-            if not ok:
-                break
-            if not any(_uses(i, v) for i in idx for v in tvars):
-                continue  # constant over the run (a broadcast)
-            shape = list(buf.shape)
-            ok = len(idx) >= tail and all(
-                isinstance(i, tirx.Var) and i.same_as(v)
-                and _const(shape[len(idx) - tail + j]) == info.extents[n - tail + j]
-                for j, (i, v) in enumerate(zip(idx[len(idx) - tail:], tvars, strict=True))
-            ) and not any(_uses(i, v) for i in idx[:len(idx) - tail] for v in tvars)
+        tvars, extents = info.iter_vars[n - tail:], info.extents[n - tail:]
+        ok = not any(_uses(c, v) for c in conditions for v in tvars[:-1]) and all(
+            _runs_over(buf, idx, tvars, extents) for buf, idx in info.loads
+            if any(_uses(i, v) for i in idx for v in tvars))  # others: a broadcast over the run
         if ok:
             break
         tail -= 1
