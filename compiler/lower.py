@@ -21,7 +21,7 @@ from tvm import relax, te, tirx
 from tvm.relax.frontend.torch import from_exported_program
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from dsv41.compiler.kernels import converters, dense_call, use_gemv
+from dsv41.compiler.kernels import converters, dense_call
 from dsv41.compiler.relax_ops import BF16, Lowering, rows, shape, static, unrows
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
@@ -125,7 +125,10 @@ def _linear(ctx: Lowering):
                 if len(node.args) > 2 and node.args[2] is not None else None)
         dtype = x.ty.dtype
         bb = importer.block_builder
-        if use_gemv(ctx) and bias is None and len(shape(w)) == 2:
+        # CPU: dense_gemv (decode, drafts) or dense_gemm (prefill), reading the stored weight
+        # in place; the generic linear is an unscheduled matmul over an fp32 transposed copy
+        # of the weight (the head alone: 217 ms of a 160-token replay on the bench model)
+        if not ctx.target.is_cuda and bias is None and len(shape(w)) == 2:
             xs = _widened_source(node.args[0], importer)
             ws = _widened_source(node.args[1], importer)
             if _gemv_operands_ok(xs, ws):

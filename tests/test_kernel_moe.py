@@ -91,14 +91,15 @@ def _y(env) -> torch.Tensor:
 
 # ---- CPU numerics ----------------------------------------------------------------------------
 
-# n=7: experts 0 and 5 shared by several tokens, 2 and 4 unused; n=40 spans several tiles
+# n=7: experts 0 and 5 shared by several tokens, 2 and 4 unused; n=40 spans several decode
+# tiles, n=200 several prefill tiles (64 rows: ~67 rows per expert)
 IDS7 = torch.tensor([[0, 5], [5, 0], [1, 5], [0, 3], [3, 1], [5, 3], [0, 1]])
 
 
 @pytest.mark.parametrize("hint", [1, None])
 def test_chain_matches_oracle(hint):
     ex = _split(2, hint)
-    for n, ids in ((1, None), (2, None), (7, IDS7), (40, None)):
+    for n, ids in ((1, None), (2, None), (7, IDS7), (40, None), (200, None)):
         args = _case(n, 2, ids, seed=n)
         out = _y(_run_chain(ex, args, 2, hint))
         _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
