@@ -275,6 +275,11 @@ def test_encode_text_never_matches_added_tokens(deepseek, stub):
     ([{"role": "user", "content": 5}], "content must be a string"),
     ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
      "must be an assistant's"),
+    # found by test_serve_fuzz: a number was iterated (TypeError, a 500), a dict by its keys
+    ([{"role": "system", "content": "", "tool_calls": 1.5}],
+     r"messages\[0\]\.tool_calls must be a list, not float"),
+    ([{"role": "assistant", "content": "", "tool_calls": {"function": {"name": "f"}}}],
+     r"tool_calls must be a list, not dict"),
 ])
 def test_bad_messages(messages, match):
     with pytest.raises(ValueError, match=match):

@@ -100,8 +100,11 @@ def _content(value, where: str, role: Role) -> tuple[str, tuple[str, ...]]:
 
 
 def _tool_calls(m: dict, role: Role, where: str) -> tuple[ToolCall, ...]:
+    given = m.get("tool_calls")
+    if given is not None and not isinstance(given, list):
+        raise ValueError(f"{where}.tool_calls must be a list, not {type(given).__name__}.")
     calls = []
-    for j, tc in enumerate(m.get("tool_calls") or ()):
+    for j, tc in enumerate(given or ()):
         fn = tc.get("function") if isinstance(tc, dict) else None
         if role is not Role.ASSISTANT or not isinstance(fn, dict) or not isinstance(
                 fn.get("name"), str):
