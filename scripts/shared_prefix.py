@@ -46,11 +46,7 @@ def _warm(engine: Engine, prompt: list[int]) -> None:
     5-11% slower than the same prefill later)."""
     if len(prompt) >= engine.options.page_tokens:
         raise ValueError("The warm-up prompt must be shorter than one page.")
-    b = Batcher(engine, max_running=1)
-    b.submit(prompt, SamplingParams(temperature=0.0, max_tokens=2))
-    while b.step():
-        pass
-    b.stop()
+    _run(engine, [prompt], max_tokens=2)
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
