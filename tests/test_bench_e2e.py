@@ -190,6 +190,38 @@ def test_ratios_roofline_and_targets(small_model):
     assert B.speedup(None, 1.0) is None and B.speedup(2.0, 1.0) == 2.0
 
 
+def test_the_roof_resampled_at_the_end_is_the_best_of_both_samples(small_model):
+    """`resample_roof`: the bandwidth the best pass of both samples, each dtype's matrix rate
+    the faster, both samples kept (`roof_samples`), and every roofline and prefill fraction
+    recomputed against the merged roof (a slow first sample no longer flatters the step)."""
+    r = _report(small_model)
+    r.machine.update(bandwidth_passes=({"copy_gbs": 9.0, "triad_gbs": 10.0, "at_s": 0.0},),
+                     copy_gbs=9.0, triad_gbs=10.0,
+                     compute_by_dtype={"fp32": 100.0, "bf16": 300.0}, compute_gflops=300.0,
+                     compute_dtype="bf16")
+    r.prefill = [B.PrefillRow("artifact", 64, (0.5,), achieved_gflops=150.0, gemm_frac=1.5,
+                              matrix_frac=0.5, matrix_dtype="bf16")]
+    before = next(x for x in r.roofline if x.impl == "artifact" and x.context == 4096)
+    end = {**MACHINE, "bandwidth_gbs": 20.0, "copy_gbs": 20.0, "triad_gbs": 18.0,
+           "gemm_gflops": 90.0, "compute_by_dtype": {"fp32": 90.0, "bf16": 1500.0},
+           "bandwidth_passes": ({"copy_gbs": 20.0, "triad_gbs": 18.0, "at_s": 0.0},)}
+    said = []
+    B.resample_roof(r, small_model, end, said.append)
+    m = r.machine
+    assert (m["bandwidth_gbs"], m["copy_gbs"], m["triad_gbs"]) == (20.0, 20.0, 18.0)
+    assert len(m["bandwidth_passes"]) == 2 and m["gemm_gflops"] == 100.0
+    assert m["compute_by_dtype"] == {"fp32": 100.0, "bf16": 1500.0}
+    assert (m["compute_dtype"], m["compute_gflops"]) == ("bf16", 1500.0)
+    assert [x["bandwidth_gbs"] for x in m["roof_samples"]] == [10.0, 20.0]
+    after = next(x for x in r.roofline if x.impl == "artifact" and x.context == 4096)
+    assert after.seconds == before.seconds == 0.1
+    assert after.bandwidth_frac == pytest.approx(before.bandwidth_frac / 2)
+    assert after.compute_gflops == 1500.0
+    assert r.prefill[0].matrix_frac == pytest.approx(0.1)
+    assert r.prefill[0].gemm_frac == pytest.approx(1.5)
+    assert "20.0 GB/s (start 10.0)" in said[0] and "bf16 1500 (start 300)" in said[0]
+
+
 def test_json_table_and_plots(small_model, tmp_path):
     r = _report(small_model)
     d = json.loads(json.dumps(B.report_json(r)))

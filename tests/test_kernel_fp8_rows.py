@@ -73,22 +73,26 @@ def test_bf16_gemv_every_code_nan_and_subnormal_weights():
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows,k,out_dtype", [
-    (6, 256, "bfloat16"),  # the verify entry's (block 5)
-    (2, 4096, "bfloat16"),  # wo_b's K
+@pytest.mark.parametrize("rows,k,out_dtype,fma_rows", [
+    (6, 256, "bfloat16", False),  # the verify entry's (block 5)
+    (6, 256, "bfloat16", True),  # ... its groups by FMA pairs (Intel with AMX)
+    (2, 4096, "bfloat16", False),  # wo_b's K
     # groups of 5 rows: 20 KB of activations, columns in pairs (slow: ~15 s of compiles)
-    pytest.param(5, 2048, "bfloat16", marks=pytest.mark.slow),
-    pytest.param(3, 256, "float32", marks=pytest.mark.slow),
-    pytest.param(6, 4096, "bfloat16", marks=pytest.mark.slow)])
-def test_bf16_gemv_rows_bit_identical_to_single_row(rows, k, out_dtype):
+    pytest.param(5, 2048, "bfloat16", False, marks=pytest.mark.slow),
+    pytest.param(3, 256, "float32", True, marks=pytest.mark.slow),
+    # FMA pairs for 2 and 6..8 rows, column pairs of vdpbf16ps for 3..5
+    pytest.param(8, 4096, "bfloat16", True, marks=pytest.mark.slow),
+    pytest.param(6, 4096, "bfloat16", False, marks=pytest.mark.slow)])
+def test_bf16_gemv_rows_bit_identical_to_single_row(rows, k, out_dtype, fma_rows):
     """Every row of the verify form equals the decode kernel on that row alone, bit for bit:
     m = 1..7 and 13 (one group, full or partial; several groups, a partial last one), n not a
-    multiple of 32, a NaN column, an all-zero row (the amax floor), a row near the bf16 top."""
+    multiple of 32, a NaN column, an all-zero row (the amax floor), a row near the bf16 top;
+    fma_rows: groups of 2+ rows by FMA pairs (`dpbf16ps_by_fma`) against vdpbf16ps alone."""
     n = 100
     dtype = torch.bfloat16 if out_dtype == "bfloat16" else torch.float32
     bits = torch.int16 if out_dtype == "bfloat16" else torch.int32
     one = _compiled(n=n, k=k, out_dtype=out_dtype, prefetch=3)
-    multi = _compiled(n=n, k=k, out_dtype=out_dtype, prefetch=3, rows=rows)
+    multi = _compiled(n=n, k=k, out_dtype=out_dtype, prefetch=3, rows=rows, fma_rows=fma_rows)
     for m in (1, 2, 3, 5, 6, 7, 13):
         x, weight, scale = gemm.example_inputs_fp8_linear(m=m, n=n, k=k, seed=m)
         weight[40, 77] = 0x7F  # a NaN column

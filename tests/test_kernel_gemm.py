@@ -500,6 +500,14 @@ def test_fp8_linear_config_verify_rows():
         "gemv_avx2", rows=6)
     assert gemm.fp8_linear_config(skx, n=64, k=4096, m=1, rows=6).rows == 1  # scheduled gemv
     assert gemm.fp8_linear_config(get_target("cuda-sm90"), n=64, k=512, m=1, rows=6).rows == 1
+    # AVX-512 BF16 + VBMI: the verify's groups by FMA pairs where the CPU has AMX (Intel, whose
+    # vdpbf16ps is slow), decode on vdpbf16ps everywhere
+    spr = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "sapphirerapids"})
+    zen4 = TargetSpec("cpu", {**get_target("cpu-x86-64").target, "mcpu": "znver4"})
+    for target, fma in ((spr, True), (zen4, False)):
+        cfg = gemm.fp8_linear_config(target, n=64, k=512, m=1, rows=6)
+        assert (cfg.dot, cfg.fma_rows) == ("bf16", fma)
+        assert not gemm.fp8_linear_config(target, n=64, k=512, m=1).fma_rows
 
 
 # ---- dequantisation -------------------------------------------------------------------------
@@ -700,6 +708,28 @@ def test_dense_gemv_bf16_dot_sums_in_its_stated_order_bit_for_bit(groups, n, k):
             assert bool(out[:, 0, n - 1].isnan().all()) and bool(out[:, 0, 0].isinf().all())
 
 
+@needs_avx512bf16
+def test_dense_gemv_bf16_dot_fma_rows_equal_vdpbf16ps_bit_for_bit():
+    """`fma_rows` (each vdpbf16ps of a group of 2+ rows as two FMAs, `dpbf16ps_by_fma`) gives
+    the vdpbf16ps kernel's bits at every row count (groups of 6 and 2..5 left over, one row
+    alone on vdpbf16ps), with NaN, inf and zero weights, a zero row and activations from
+    2^-60 to 2^60 (normal products and sums: where vdpbf16ps and an FMA agree)."""
+    groups, n, k = 3, 40, 128
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(groups * n, k, generator=gen).to(torch.bfloat16)
+    w[n - 1, 5], w[0, k - 1], w[7] = float("nan"), float("inf"), 0.0
+    kernels = {fma: tvm.compile(gemm.make_dense_gemv_bf16_dot(
+        groups=groups, n=n, k=k, rows=6, tn=32, cb=4, fma_rows=fma),
+        target=get_target(CPU).tvm_target()) for fma in (False, True)}
+    for m in (1, 2, 5, 6, 7, 13):
+        x = torch.randn(m, groups, k, generator=gen)
+        x = x * torch.exp2(torch.randint(-60, 61, (m, groups, k), generator=gen).float())
+        x[m // 2] = 0.0
+        x = x.to(torch.bfloat16)
+        outs = [_run(kernels[fma], [x, w], (m, groups, n), torch.float32) for fma in (0, 1)]
+        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), m
+
+
 def test_dense_gemv_config_kinds():
     """bf16_dot wherever the target has AVX-512 BF16 and x, w are bf16 with k % 32 == 0; the
     fp32 lanes form elsewhere (fp32 weights as the head's: bf16 products would not be exact);
@@ -717,6 +747,10 @@ def test_dense_gemv_config_kinds():
         cbs = [gemm.dense_gemv_config(cpu, n=n, k=64, rows=r, **bf).cb
                for n, r in ((512, 1), (512, 6), (512, 8), (512, 12), (512, 13), (3, 1), (7, 6))]
         assert cbs == [8, 4, 2, 2, 1, 3, 1]
+        # verify groups by FMA pairs where vdpbf16ps is slow (Intel with AMX), never decode's
+        for rows in (1, 6):
+            cfg = gemm.dense_gemv_config(cpu, n=512, k=4096, rows=rows, **bf)
+            assert cfg.fma_rows == (rows > 1 and has_amx_bf16(cpu))
     # targets without it keep the fp32 lanes form: it builds and runs, each row as one row's
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)

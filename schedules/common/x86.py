@@ -67,6 +67,30 @@ def dpbf16ps(acc, a, b, lanes: int = 16):
     return T.call_pure_extern(f"float32x{lanes}", f"dsv41_dpbf16ps_{32 * lanes}", acc, a, b)
 
 
+def bf16_pair_halves(words):
+    """The bf16 pairs of `words` (uint16 x 32, as `dpbf16ps` takes them) as two float32 x 16:
+    lane j of the first is word 2j + 1, of the second word 2j (a bf16 value is the high half
+    of its fp32: the pair's high word kept in place, the low one shifted up)."""
+    u = T.reinterpret("uint32x16", words)
+    return (T.reinterpret("float32x16", u & T.broadcast(T.uint32(0xFFFF0000), 16)),
+            T.reinterpret("float32x16", u << T.broadcast(T.uint32(16), 16)))
+
+
+def dpbf16ps_by_fma(acc, a_odd, a_even, b_odd, b_even):
+    """`dpbf16ps` as two fp32 FMAs on `bf16_pair_halves` of each operand: acc + a[2j+1] *
+    b[2j+1], rounded, then + a[2j] * b[2j], rounded, the sums vdpbf16ps forms in its order;
+    the products are exact in fp32, so the FMAs round only the sums, and the result is
+    vdpbf16ps' bit for bit wherever no input, product or sum is a denormal (vdpbf16ps flushes
+    those to zero; an FMA keeps them). On Intel cores with AMX (Sapphire / Emerald Rapids)
+    vdpbf16ps zmm issues once per two cycles and an FMA twice per cycle (a Xeon model 207,
+    10 independent chains: 0.78 against 0.19 ns an instruction), so the two FMAs cost a
+    quarter of the vdpbf16ps they replace where the halves are shared: a weight's halves by
+    every row of a verify group, an activation's by every column."""
+    fma = "llvm.fma.v16f32"
+    return T.call_llvm_pure_intrin("float32x16", fma, a_even, b_even, T.call_llvm_pure_intrin(
+        "float32x16", fma, a_odd, b_odd, acc))
+
+
 def with_bf16_dot():
     """The attribute scope that imports `BF16_DOT_LL` into a kernel's LLVM module:
     `with T.attr(T.int32(0), *with_bf16_dot()):` around the body that calls `dpbf16ps`."""

@@ -4,6 +4,7 @@ weight decode across the rows."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tvm
@@ -11,8 +12,10 @@ from tvm.script import tirx as T
 
 from dsv41.schedules.common import (
     bf16_bits_of_exact,
+    bf16_pair_halves,
     bf16_to_f32,
     dpbf16ps,
+    dpbf16ps_by_fma,
     e4m3_to_f32,
     e8m0_to_f32,
     i64,
@@ -64,7 +67,7 @@ def _bf16_words(codes, lo_tbl, hi_tbl, half: int):
 
 
 def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
-                       rows: int = 1) -> tvm.tirx.PrimFunc:
+                       rows: int = 1, fma_rows: bool = False) -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` on x86 with AVX-512 BF16 and VBMI (same signature as
     `make_fp8_gemv`), hand-vectorised; k a multiple of 64. `prefetch`: columns ahead whose
     weights are prefetched at the start of each column (0: none).
@@ -89,6 +92,17 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     32768 k 512 one row 1.08 -> 1.03 ms, 5 rows 1.72 -> 1.59; n 1024 k 4096 5 rows 0.64 ->
     0.59. A NaN weight (0x7f / 0xff, a NaN in the table) makes the column's sum NaN, stored
     as the canonical NaN.
+
+    `fma_rows`: a group of 2 or more rows that takes its columns one at a time forms each
+    vdpbf16ps as two FMAs (`dpbf16ps_by_fma`, bit for bit the same sums here: every product
+    and partial sum stays normal, above), the chunk's decoded words split into their fp32
+    halves once for the group, each row's `xs` staged per tile as fp32 halves (`xf`: xq's
+    halves, `xqs`, made once per call, times the tile's scales): for CPUs whose vdpbf16ps
+    issues at a quarter of their FMA rate (`fp8_linear_config`). Measured there (Xeon model
+    207, 2 threads, weights cycled through 8 copies, min of 120 interleaved calls): n 32768 k
+    512, 5 rows 1.72 -> 1.38 ms (one row 0.72); n 512 k 1024 0.080 -> 0.075; n 1024 k 4096
+    (column pairs, vdpbf16ps either way) 0.58. One-row groups (decode) and column pairs keep
+    vdpbf16ps: at k 4096 the FMA form's activations (80 KB at 5 rows) leave L1 (0.69 ms).
 
     `rows` > 1: the verify form, rows in groups of `rows` (the verify entry's 1 + k): per
     column each chunk is loaded and decoded once for the whole group, then dotted into each
@@ -121,6 +135,17 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     def pairs(nr: int) -> bool:  # a group of nr rows takes its columns in pairs
         return 2 < nr <= PAIR_ROWS and nr * k * 2 > PAIR_XS_BYTES
 
+    def by_fma(nr: int) -> bool:  # a group of nr rows sums by FMA pairs
+        return fma_rows and nr > 1 and not pairs(nr)
+
+    FMA = any(by_fma(nr) for nr in range(1, rows + 1))  # some group stages `xf`
+
+    def stages_xs(live):  # whether a group of `live` rows reads xs (True: every group does)
+        if not FMA:
+            return True
+        return functools.reduce(T.Or, [live == nr for nr in range(1, rows + 1)
+                                       if not by_fma(nr)])
+
     SLOTS = max([rows] + [2 * PAIR_ROWS for nr in range(1, rows + 1) if pairs(nr)])  # acc slots
 
     def f32v(buf, off):
@@ -141,6 +166,18 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 f32v(acc, a * AW), xs[T.ramp(r * K + ch * CL, 1, 32)], w0)
             acc[T.ramp(a * AW + 16, 1, 16)] = dpbf16ps(
                 f32v(acc, a * AW + 16), xs[T.ramp(r * K + ch * CL + 32, 1, 32)], w1)
+
+    @T.macro
+    def row_dot_fma(acc, xf, here, a, r, ch, w0, w1):  # `row_dot` by FMA pairs (`by_fma`)
+        if here:  # static
+            h0 = T.meta_var(bf16_pair_halves(w0))
+            h1 = T.meta_var(bf16_pair_halves(w1))
+            acc[T.ramp(a * AW, 1, 16)] = dpbf16ps_by_fma(
+                f32v(acc, a * AW), xf[T.ramp(r * K + ch * CL, 1, 16)],
+                xf[T.ramp(r * K + ch * CL + 16, 1, 16)], h0[0], h0[1])
+            acc[T.ramp(a * AW + 16, 1, 16)] = dpbf16ps_by_fma(
+                f32v(acc, a * AW + 16), xf[T.ramp(r * K + ch * CL + 32, 1, 16)],
+                xf[T.ramp(r * K + ch * CL + 48, 1, 16)], h1[0], h1[1])
 
     @T.macro
     def row_stash(red, acc, a, here, r, cc):
@@ -198,7 +235,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
         row_flush(y, red, tot, 7, nr > 7, row0 + 7, col0)
 
     @T.macro
-    def group_columns(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl, red, tot):
+    def group_columns(weight, xs, xf, y, p, row0, nr, acc, lo_tbl, hi_tbl, red, tot):
         """The 32 columns of tile p for the nr rows from row0 (nr static: every update
         unconditional, so the accumulators stay in registers), 16 at a time."""
         for h, cc in T.grid(2, 16):
@@ -220,14 +257,23 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 codes = T.meta_var(weight.vload([col, ch * CL], f"uint8x{CL}"))
                 w0 = T.meta_var(_bf16_words(codes, lo_tbl, hi_tbl, 0))
                 w1 = T.meta_var(_bf16_words(codes, lo_tbl, hi_tbl, 1))
-                row_dot(acc, xs, nr > 0, 0, 0, ch, w0, w1)
-                row_dot(acc, xs, nr > 1, 1, 1, ch, w0, w1)
-                row_dot(acc, xs, nr > 2, 2, 2, ch, w0, w1)
-                row_dot(acc, xs, nr > 3, 3, 3, ch, w0, w1)
-                row_dot(acc, xs, nr > 4, 4, 4, ch, w0, w1)
-                row_dot(acc, xs, nr > 5, 5, 5, ch, w0, w1)
-                row_dot(acc, xs, nr > 6, 6, 6, ch, w0, w1)
-                row_dot(acc, xs, nr > 7, 7, 7, ch, w0, w1)
+                fm = T.meta_var(by_fma(nr))
+                row_dot(acc, xs, nr > 0 and not fm, 0, 0, ch, w0, w1)
+                row_dot(acc, xs, nr > 1 and not fm, 1, 1, ch, w0, w1)
+                row_dot(acc, xs, nr > 2 and not fm, 2, 2, ch, w0, w1)
+                row_dot(acc, xs, nr > 3 and not fm, 3, 3, ch, w0, w1)
+                row_dot(acc, xs, nr > 4 and not fm, 4, 4, ch, w0, w1)
+                row_dot(acc, xs, nr > 5 and not fm, 5, 5, ch, w0, w1)
+                row_dot(acc, xs, nr > 6 and not fm, 6, 6, ch, w0, w1)
+                row_dot(acc, xs, nr > 7 and not fm, 7, 7, ch, w0, w1)
+                row_dot_fma(acc, xf, nr > 0 and fm, 0, 0, ch, w0, w1)
+                row_dot_fma(acc, xf, nr > 1 and fm, 1, 1, ch, w0, w1)
+                row_dot_fma(acc, xf, nr > 2 and fm, 2, 2, ch, w0, w1)
+                row_dot_fma(acc, xf, nr > 3 and fm, 3, 3, ch, w0, w1)
+                row_dot_fma(acc, xf, nr > 4 and fm, 4, 4, ch, w0, w1)
+                row_dot_fma(acc, xf, nr > 5 and fm, 5, 5, ch, w0, w1)
+                row_dot_fma(acc, xf, nr > 6 and fm, 6, 6, ch, w0, w1)
+                row_dot_fma(acc, xf, nr > 7 and fm, 7, 7, ch, w0, w1)
             row_stash(red, acc, 0, nr > 0, 0, cc)
             row_stash(red, acc, 1, nr > 1, 1, cc)
             row_stash(red, acc, 2, nr > 2, 2, cc)
@@ -293,13 +339,22 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 rows_flush(y, red, tot, nr, row0, p * BLOCK + h * 16)
 
     @T.macro
-    def group_if(weight, xs, y, p, row0, live, nr, acc, lo_tbl, hi_tbl, red, tot):
+    def group_if(weight, xs, xf, sv, xqs, scale, y, p, row0, live, nr, acc, lo_tbl, hi_tbl,
+                 red, tot):
         if nr <= rows:  # static: a group of nr rows exists
             if live == nr:
+                if by_fma(nr):  # static: xf = xqs times the tile's scales (`xs` is not staged)
+                    for ch, i in T.grid(NCH, 16):  # lane i's scale: 32-block 2 ch + i // 8
+                        sv[ch * 16 + i] = e8m0_to_f32(T.Cast("uint32", scale[p, ch * 2 + i // 8]))
+                    for r, ch, h, par in T.grid(nr, NCH, 2, 2):
+                        for i in T.vectorized(16):
+                            xf[r * K + ch * CL + h * 32 + par * 16 + i] = (
+                                xqs[row0 + r, ch * CL + h * 32 + par * 16 + i] * sv[ch * 16 + i])
                 if pairs(nr):  # static
                     group_pairs(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl, red, tot)
                 else:
-                    group_columns(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl, red, tot)
+                    group_columns(weight, xs, xf, y, p, row0, nr, acc, lo_tbl, hi_tbl, red,
+                                  tot)
 
     @T.prim_func
     def fp8_gemv_bf16(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -327,8 +382,22 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                     xq[i, ch * CL + j] = fp8_qdq(
                         bf16_to_f32(x[i, ch * CL + chunk_slot_source(j)]),
                         pow2_scale_byte(amax[i, (ch * CL + chunk_slot_source(j)) // BLOCK]))
+            if FMA:  # static: per 32 slots, the odd ones, then the even (`dpbf16ps_by_fma`)
+                xqs = T.alloc_buffer((m, K), "float32")  # xq's fp32 halves
+                for i, ch, h, par in T.grid(m, NCH, 2, 2):
+                    for j in T.vectorized(16):
+                        xqs[i, ch * CL + h * 32 + par * 16 + j] = xq[i, ch * CL + h * 32
+                                                                     + 2 * j + 1 - par]
+            else:
+                xqs = T.meta_var(None)  # no group sums by FMA pairs: nothing staged
             for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
                 xs = T.alloc_buffer((R * K,), "uint16")  # bf16 bits, row r at r * K
+                if FMA:  # static
+                    xf = T.alloc_buffer((R * K,), "float32")  # by_fma: xs' halves
+                    sv = T.alloc_buffer((NCH * 16,), "float32")  # by_fma: the tile's scales
+                else:
+                    xf = T.meta_var(None)
+                    sv = T.meta_var(None)
                 acc = T.alloc_buffer((SLOTS * AW,), "float32")  # slot a at a * AW
                 red = T.alloc_buffer((R * 256,), "float32")  # row r's column c at (16 r + c) 16
                 tot = T.alloc_buffer((16,), out_dtype)  # a partial tile's stored totals
@@ -340,29 +409,30 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                         p = T.meta_var(po * TILES + pi)
                         for g in range((m + R - i64(1)) // R):
                             live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
-                            # slots 16 g .. 16 g + 15 of each half come from 32-block 2 ch + g
-                            for r, ch, h, g2 in T.grid(live, NCH, 2, 2):
-                                for j in T.vectorized(16):
-                                    xs[r * K + ch * CL + h * 32 + g2 * 16 + j] = (
-                                        bf16_bits_of_exact(
-                                            xq[g * R + r, ch * CL + h * 32 + g2 * 16 + j]
-                                            * e8m0_to_f32(T.Cast("uint32",
-                                                                 scale[p, ch * 2 + g2]))))
-                            group_if(weight, xs, y, p, g * R, live, 1, acc, lo_tbl, hi_tbl, red,
-                                     tot)
-                            group_if(weight, xs, y, p, g * R, live, 2, acc, lo_tbl, hi_tbl, red,
-                                     tot)
-                            group_if(weight, xs, y, p, g * R, live, 3, acc, lo_tbl, hi_tbl, red,
-                                     tot)
-                            group_if(weight, xs, y, p, g * R, live, 4, acc, lo_tbl, hi_tbl, red,
-                                     tot)
-                            group_if(weight, xs, y, p, g * R, live, 5, acc, lo_tbl, hi_tbl, red,
-                                     tot)
-                            group_if(weight, xs, y, p, g * R, live, 6, acc, lo_tbl, hi_tbl, red,
-                                     tot)
-                            group_if(weight, xs, y, p, g * R, live, 7, acc, lo_tbl, hi_tbl, red,
-                                     tot)
-                            group_if(weight, xs, y, p, g * R, live, 8, acc, lo_tbl, hi_tbl, red,
-                                     tot)
+                            if stages_xs(live):  # the group reads xs (by_fma: xf, in group_if)
+                                # slots 16 g2 .. 16 g2 + 15 of each half: 32-block 2 ch + g2
+                                for r, ch, h, g2 in T.grid(live, NCH, 2, 2):
+                                    for j in T.vectorized(16):
+                                        xs[r * K + ch * CL + h * 32 + g2 * 16 + j] = (
+                                            bf16_bits_of_exact(
+                                                xq[g * R + r, ch * CL + h * 32 + g2 * 16 + j]
+                                                * e8m0_to_f32(T.Cast("uint32",
+                                                                     scale[p, ch * 2 + g2]))))
+                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 1,
+                                     acc, lo_tbl, hi_tbl, red, tot)
+                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 2,
+                                     acc, lo_tbl, hi_tbl, red, tot)
+                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 3,
+                                     acc, lo_tbl, hi_tbl, red, tot)
+                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 4,
+                                     acc, lo_tbl, hi_tbl, red, tot)
+                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 5,
+                                     acc, lo_tbl, hi_tbl, red, tot)
+                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 6,
+                                     acc, lo_tbl, hi_tbl, red, tot)
+                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 7,
+                                     acc, lo_tbl, hi_tbl, red, tot)
+                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 8,
+                                     acc, lo_tbl, hi_tbl, red, tot)
 
     return fp8_gemv_bf16

@@ -11,8 +11,10 @@ from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.common import (
+    bf16_pair_halves,
     bf16_to_f32,
     dpbf16ps,
+    dpbf16ps_by_fma,
     has_amx_bf16,
     has_avx512_bf16,
     i64,
@@ -118,7 +120,7 @@ def dot_columns(tn: int, rows: int) -> int:
 
 
 def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: int = 32,
-                             cb: int = 4) -> tvm.tirx.PrimFunc:
+                             cb: int = 4, fma_rows: bool = False) -> tvm.tirx.PrimFunc:
     """`make_dense_gemv` for bf16 x and bf16 w on AVX-512 BF16 (same signature and buffers),
     hand-vectorised (its loops are the schedule): the products of two bf16 values are exact in
     fp32, so `vdpbf16ps` (32 multiply-adds per instruction against 16 for an fp32 FMA, no
@@ -141,7 +143,15 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     group (at one row the verify form then costs what decode's kernel does, not 6 rows' dot
     products); past EXACT_ROWS a padded group reads row m - 1 again. A partial column tile
     reads its last column again (no predicate in the K loop); only real rows and columns are
-    stored."""
+    stored.
+
+    `fma_rows`: a group of 2 or more rows forms each vdpbf16ps as two FMAs (`dpbf16ps_by_fma`:
+    the same sums, bit for bit, for these products: a product of two bf16 is exact and never a
+    denormal while both are normal, and a sum of such products is a multiple of the smallest;
+    a denormal activation or weight, which vdpbf16ps reads as zero, is where they may differ),
+    x split into its fp32 halves once per call (`xf`), each weight chunk's halves shared by
+    the group's rows: for CPUs whose vdpbf16ps issues at a quarter of their FMA rate
+    (`dense_gemv_config`). One-row groups (decode) keep vdpbf16ps."""
     if k % DOT_K:
         raise ValueError(f"The bf16 dot-product GEMV needs k a multiple of {DOT_K}, got {k}.")
     if rows < 1 or cb < 1 or tn % cb:
@@ -159,8 +169,12 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     def bits(buf, *idx):  # 32 bf16 values from idx on, as the uint16 lanes dpbf16ps takes
         return T.reinterpret(f"uint16x{DOT_K}", buf.vload(list(idx), f"bfloat16x{DOT_K}"))
 
+    def wbits(w, task, cg, cbn, c, ch):  # column c of register group cg, chunk ch
+        return bits(w, task // NT * N + T.min(task % NT * TN + cg * cbn + c, N - i64(1)),
+                    ch * DOT_K)
+
     @T.macro
-    def block(x, w, y, acc, task, row0, nr, cbn):
+    def block(x, xf, w, y, acc, task, row0, nr, cbn):
         """Rows row0 .. row0 + nr - 1 (nr, cbn static; rows past the call's last read it
         again and are not stored) of task's columns, cbn columns per register group."""
         m = T.meta_var(x.shape[0])
@@ -169,21 +183,28 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                 acc[T.ramp(a * L, 1, L)] = T.broadcast(T.float32(0), L)
             for ch in range(NCH):
                 for a in T.unroll(nr * cbn):  # (row a // cbn, column a % cbn)
-                    acc[T.ramp(a * L, 1, L)] = dpbf16ps(
-                        acc[T.ramp(a * L, 1, L)],
-                        bits(x, T.min(row0 + a // cbn, m - i64(1)), task // NT, ch * DOT_K),
-                        bits(w, task // NT * N + T.min(
-                            task % NT * TN + cg * cbn + a % cbn, N - i64(1)), ch * DOT_K))
+                    if fma_rows and nr > 1:  # static
+                        row = T.meta_var(T.min(row0 + a // cbn, m - i64(1)))
+                        wh = T.meta_var(bf16_pair_halves(wbits(w, task, cg, cbn, a % cbn, ch)))
+                        acc[T.ramp(a * L, 1, L)] = dpbf16ps_by_fma(
+                            acc[T.ramp(a * L, 1, L)],
+                            xf[row, task // NT, T.ramp(ch * DOT_K, 1, L)],
+                            xf[row, task // NT, T.ramp(ch * DOT_K + L, 1, L)], wh[0], wh[1])
+                    else:
+                        acc[T.ramp(a * L, 1, L)] = dpbf16ps(
+                            acc[T.ramp(a * L, 1, L)],
+                            bits(x, T.min(row0 + a // cbn, m - i64(1)), task // NT, ch * DOT_K),
+                            wbits(w, task, cg, cbn, a % cbn, ch))
             for r, c in T.grid(nr, cbn):
                 if row0 + r < m and task % NT * TN + cg * cbn + c < N:
                     y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = \
                         pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L)
 
     @T.macro
-    def rest_if(x, w, y, acc, task, rest, nr):
+    def rest_if(x, xf, w, y, acc, task, rest, nr):
         if nr < rows:  # static: a group of nr < rows rows can be left over
             if rest == nr:
-                block(x, w, y, acc, task, x.shape[0] - i64(nr), nr, width(nr))
+                block(x, xf, w, y, acc, task, x.shape[0] - i64(nr), nr, width(nr))
 
     @T.prim_func
     def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
@@ -193,22 +214,30 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
         x = T.match_buffer(x_h, (m, G, K), "bfloat16")
         y = T.match_buffer(y_h, (m, G, N), "float32")
         with T.attr(T.int32(0), *with_bf16_dot()):
+            if fma_rows and rows > 1:  # static: per chunk of 32, the odd words, then the even
+                xf = T.alloc_buffer((m, G, K), "float32")  # x's halves
+                for i, g, ch in T.grid(m, G, NCH):
+                    halves = T.meta_var(bf16_pair_halves(bits(x, i, g, ch * DOT_K)))
+                    xf[i, g, T.ramp(ch * DOT_K, 1, L)] = halves[0]
+                    xf[i, g, T.ramp(ch * DOT_K + L, 1, L)] = halves[1]
+            else:
+                xf = T.meta_var(None)  # no group sums by FMA pairs
             for task in T.parallel(G * NT):  # (group, column tile)
                 acc = T.alloc_buffer((ACC * L,), "float32", scope="local")
                 for io in range(m // R):  # whole groups
-                    block(x, w, y, acc, task, io * R, rows, width(rows))
+                    block(x, xf, w, y, acc, task, io * R, rows, width(rows))
                 # the rows left (m % rows): a group of exactly that many, up to EXACT_ROWS
-                rest_if(x, w, y, acc, task, m % R, 1)
-                rest_if(x, w, y, acc, task, m % R, 2)
-                rest_if(x, w, y, acc, task, m % R, 3)
-                rest_if(x, w, y, acc, task, m % R, 4)
-                rest_if(x, w, y, acc, task, m % R, 5)
-                rest_if(x, w, y, acc, task, m % R, 6)
-                rest_if(x, w, y, acc, task, m % R, 7)
-                rest_if(x, w, y, acc, task, m % R, 8)
+                rest_if(x, xf, w, y, acc, task, m % R, 1)
+                rest_if(x, xf, w, y, acc, task, m % R, 2)
+                rest_if(x, xf, w, y, acc, task, m % R, 3)
+                rest_if(x, xf, w, y, acc, task, m % R, 4)
+                rest_if(x, xf, w, y, acc, task, m % R, 5)
+                rest_if(x, xf, w, y, acc, task, m % R, 6)
+                rest_if(x, xf, w, y, acc, task, m % R, 7)
+                rest_if(x, xf, w, y, acc, task, m % R, 8)
                 if rows > EXACT_ROWS + 1:  # static: more left over: a padded group of rows
                     if m % R > i64(EXACT_ROWS):
-                        block(x, w, y, acc, task, m - m % R, rows, width(rows))
+                        block(x, xf, w, y, acc, task, m - m % R, rows, width(rows))
 
     return dense_gemv
 
@@ -226,6 +255,7 @@ class DenseGemvConfig:
     vec: int = 32
     rows: int = 1
     kind: str = "lanes"
+    fma_rows: bool = False  # bf16_dot: groups of 2+ rows by FMA pairs (`dpbf16ps_by_fma`)
 
 
 def _lanes(k: int, most: int) -> int:
@@ -261,9 +291,13 @@ def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
                          "(dlight-scheduled) lowering of the dense linears.")
     tn = min(32, n)
     if x_dtype == w_dtype == "bfloat16" and k % DOT_K == 0 and has_avx512_bf16(target):
-        # one row: 8 columns, 8 weight streams in flight (4: 0.78-0.83 ms, 8: 0.70-0.72)
+        # one row: 8 columns, 8 weight streams in flight (4: 0.78-0.83 ms, 8: 0.70-0.72).
+        # With AMX (Intel: vdpbf16ps at a quarter of the FMA rate) a verify's groups by FMA
+        # pairs: Xeon model 207, 2 threads, the o-projection's weights cycled through 4
+        # copies, 5 rows, min of 60 interleaved calls: vdpbf16ps cb 4 1.87 ms, FMA pairs cb 1
+        # / 2 / 4 / 8 3.18 / 1.78 / 1.30 / 2.99 (one row 1.05-1.11).
         return DenseGemvConfig(tn=tn, cb=dot_columns(tn, rows), vec=DOT_LANES, rows=rows,
-                               kind="bf16_dot")
+                               kind="bf16_dot", fma_rows=rows > 1 and has_amx_bf16(target))
     return DenseGemvConfig(tn=tn, cb=min(4, tn), vec=_lanes(k, 32), rows=rows)
 
 
@@ -327,7 +361,7 @@ def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: 
     cfg = dense_gemv_config(target, n=n, k=k, rows=rows, x_dtype=x_dtype, w_dtype=w_dtype)
     if cfg.kind == "bf16_dot":
         func = make_dense_gemv_bf16_dot(groups=groups, n=n, k=k, rows=rows, tn=cfg.tn,
-                                        cb=cfg.cb)
+                                        cb=cfg.cb, fma_rows=cfg.fma_rows)
     elif rows > 1:
         func = make_dense_gemv_rows(groups=groups, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype,
                                     rows=rows)

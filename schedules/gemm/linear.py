@@ -200,6 +200,7 @@ class Fp8LinearConfig:
     prefetch: int = 0  # gemv_avx512: columns ahead whose weights are prefetched
     rows: int = 1  # gemv_avx2 / gemv_avx512: rows per group of the verify form (1: decode's)
     dot: str = "fp32"  # gemv_avx512: "bf16" for make_fp8_gemv_bf16 (AVX-512 BF16 + VBMI)
+    fma_rows: bool = False  # dot "bf16": verify groups by FMA pairs (make_fp8_gemv_bf16)
 
     @property
     def prescheduled(self) -> bool:
@@ -241,9 +242,11 @@ def fp8_linear_config(target: TargetSpec, *, n: int, k: int, m: int | None = Non
         # and summed by vdpbf16ps, 32 products per instruction (`make_fp8_gemv_bf16`; one
         # 2-core Zen 4 shared with other jobs, min of 200 calls, weights cycled through 64 MB:
         # see the module docstring).
+        # With AMX (Intel, whose vdpbf16ps issues at a quarter of its FMA rate) the verify's
+        # groups sum by FMA pairs, bit for bit the same (`make_fp8_gemv_bf16`'s fma_rows).
         if k % 64 == 0 and has_avx512_bf16(target) and has_features(target, "avx512vbmi"):
             return Fp8LinearConfig("gemv_avx512", prefetch=max(2, 8192 // k), rows=group,
-                                   dot="bf16")
+                                   dot="bf16", fma_rows=group > 1 and has_amx_bf16(target))
         if k <= 2048 and k % 64 == 0 and has_features(target, "avx512bw", "fma", "f16c"):
             return Fp8LinearConfig("gemv_avx512", prefetch=max(2, 8192 // k), rows=group)
         return Fp8LinearConfig("gemv", tn=BLOCK, cb=1 if k <= 1024 else 4, vec=32)
@@ -415,7 +418,7 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, rows=config.rows), config
     if config.kind == "gemv_avx512" and config.dot == "bf16":
         return make_fp8_gemv_bf16(n=n, k=k, out_dtype=out_dtype, prefetch=config.prefetch,
-                                  rows=config.rows), config
+                                  rows=config.rows, fma_rows=config.fma_rows), config
     if config.kind == "gemv_avx512":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, lanes=16,
                                   prefetch=config.prefetch, rows=config.rows), config

@@ -24,6 +24,7 @@ reports in `e2e_report.py` (both re-exported here).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -69,6 +70,7 @@ from dsv41.compiler.tools.bench.measure import (
     current_rss,
     measure_machine,
     mem_available,
+    merge_machines,
     ms,
     peak_rss,
     reset_peak_rss,
@@ -458,7 +460,31 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
             report.tiers += bench_tiers(impl, phases[impl], model, whash, opts)
     _compile_seconds(report, phases)
     report.load_avg["end"] = list(os.getloadavg())
+    resample_roof(report, model, asdict(measure_machine()), say)
     return report
+
+
+def resample_roof(report: BenchReport, model, end: dict, say: Callable[[str], None]) -> None:
+    """The roof measured again after the run (`end`), merged with the first sample
+    (`merge_machines`: the best of both), and every roofline and prefill fraction recomputed
+    against it, so a first sample taken in a slow phase of the machine does not flatter the
+    code."""
+    start = report.machine
+    merged = merge_machines(start, end)
+    say(f"roof re-measured after the run: bandwidth {end['bandwidth_gbs']:.1f} GB/s (start "
+        f"{start['bandwidth_gbs']:.1f}), matrix rates " + ", ".join(
+            f"{d} {r:.0f} (start {(start.get('compute_by_dtype') or {}).get(d, 0.0):.0f})"
+            for d, r in (end.get("compute_by_dtype") or {}).items())
+        + " GFLOP/s; the fractions use the best of both")
+    report.machine = merged
+    report.roofline = [roofline_row(r.impl, decode_step_cost(model.args, r.context), r.seconds,
+                                    merged) for r in report.roofline]
+    mdtype, mrate = prefill_matrix_roof(merged)
+    report.prefill = [dataclasses.replace(
+        r, gemm_frac=None if r.achieved_gflops is None else r.achieved_gflops
+        / merged["gemm_gflops"],
+        matrix_frac=None if r.achieved_gflops is None or not mrate else r.achieved_gflops
+        / mrate, matrix_dtype=mdtype) for r in report.prefill]
 
 
 def _maybe_profile(report, cells, phases, model, cache, n, opts, say) -> dict | None:

@@ -270,6 +270,42 @@ def measure_machine(*, quick: bool = False, passes: int = BANDWIDTH_PASSES) -> M
                    flags=tuple(f for f in ROOF_FLAGS if f in flags))
 
 
+def merge_machines(first: dict, later: dict) -> dict:
+    """One roof from two samples of a machine (`Machine` dicts, e.g. at a bench's start and its
+    end): every bandwidth pass of both (the roof the best of them all), each dtype's matrix rate
+    the faster of the two, the rest from `first`. A VM's speed wanders over minutes (one
+    bench's bf16 matrix rate read 629 GFLOP/s at its start, the same measurement 2,323-2,944 in
+    a process of its own minutes later): a sample taken in a slow phase would make every
+    fraction of the roof look better than the code is. `roof_samples` keeps what each sample
+    read."""
+    passes = tuple(first.get("bandwidth_passes") or ()) + tuple(later.get("bandwidth_passes")
+                                                                 or ())
+    by_dtype = dict(first.get("compute_by_dtype") or {})
+    for dtype, rate in (later.get("compute_by_dtype") or {}).items():
+        by_dtype[dtype] = max(rate, by_dtype.get(dtype, 0.0))
+    merged = dict(first)
+    merged.update(
+        copy_gbs=max(first["copy_gbs"], later["copy_gbs"]),
+        triad_gbs=max(first["triad_gbs"], later["triad_gbs"]),
+        bandwidth_gbs=best_bandwidth(passes) if passes else max(first["bandwidth_gbs"],
+                                                                later["bandwidth_gbs"]),
+        bandwidth_passes=passes,
+        gemm_gflops=max(first["gemm_gflops"], later["gemm_gflops"]))
+    if by_dtype:
+        best = max(by_dtype, key=by_dtype.__getitem__)
+        merged.update(compute_by_dtype=by_dtype, compute_dtype=best,
+                      compute_gflops=by_dtype[best])
+    samples = list(first.get("roof_samples") or [_roof_sample(first)])
+    merged["roof_samples"] = [*samples, *(later.get("roof_samples") or [_roof_sample(later)])]
+    return merged
+
+
+def _roof_sample(m: dict) -> dict:
+    return {"bandwidth_gbs": m["bandwidth_gbs"], "gemm_gflops": m["gemm_gflops"],
+            "compute_by_dtype": dict(m.get("compute_by_dtype") or {}),
+            "load_avg_start": list(m.get("load_avg_start") or ())}
+
+
 def format_machine(m: dict) -> str:
     """A `Machine` (as a dict) in four lines or so."""
     theo = (f", theoretical {m['theoretical_gflops']:.0f} GFLOP/s ({m['cores']} cores x "
