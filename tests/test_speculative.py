@@ -24,6 +24,7 @@ from dsv41.runtime.engine.sampling import (
     sampling_probs,
 )
 from dsv41.runtime.engine.speculative import (
+    ENGINE_MIN_GAIN,
     FixedLength,
     SpecPolicy,
     accept_draft_token,
@@ -431,6 +432,26 @@ def test_policy_picks_zero_when_speculation_cannot_pay_and_more_when_it_can():
     slow_draft = SpecPolicy(5)
     _measured(slow_draft, 1, [0.010 * (1 + 0.1 * k) for k in range(6)], 0.020)
     assert fast.choose(1, [0.5] * 5) == 2 and slow_draft.choose(1, [0.5] * 5) == 0
+
+
+def test_policy_speculates_over_a_plain_step_only_by_its_margin():
+    """min_gain: a k > 0 must promise that factor more tokens/s than a plain step (timings on a
+    noisy machine); past that, the k with the most tokens/s as before; floor 1 (speculative
+    on) is unaffected; the engine's policy takes ENGINE_MIN_GAIN."""
+    costs, draft = [0.100, 0.110, 0.120], 0.010  # k 1 at 0.3: 1.3 / 0.120 = 1.083 x plain
+    picks = {}
+    for gain in (1.0, 1.05, 1.1):
+        pol = SpecPolicy(2, warmup=0, min_gain=gain)
+        _measured(pol, 1, costs, draft)
+        picks[gain] = (pol.choose(1, [0.3, 0.0]), pol.choose(1, [0.8, 0.8]))
+    assert picks == {1.0: (1, 2), 1.05: (1, 2), 1.1: (0, 2)}
+    on = SpecPolicy(2, warmup=0, min_gain=1.1, floor=1)
+    _measured(on, 1, costs, draft)
+    assert on.choose(1, [0.3, 0.0]) == 1
+    for bad in (0.9, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="min_gain must be a finite factor >= 1"):
+            SpecPolicy(2, min_gain=bad)
+    assert ENGINE_MIN_GAIN == 1.05
 
 
 def test_policy_moving_average_follows_the_engines_timings():

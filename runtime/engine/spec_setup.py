@@ -20,7 +20,7 @@ from dsv41.graph.entry_names import Entry
 from dsv41.runtime.backends.artifact import Artifact, ArtifactError
 from dsv41.runtime.backends.sharded import ShardedManifest
 from dsv41.runtime.engine.options import EngineOptions, SpecMode, has_dspark
-from dsv41.runtime.engine.speculative import SpecPolicy
+from dsv41.runtime.engine.speculative import ENGINE_MIN_GAIN, SpecPolicy
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,10 @@ def spec_policy(model, options: EngineOptions, *, entries_ok: bool = True) -> Sp
     top = min(a.dspark_block_size, a.window_size - 1)
     low = 1 if mode == SpecMode.ON else 0
     if options.max_draft is None:
-        return SpecPolicy(top, floor=low)
+        return SpecPolicy(top, floor=low, min_gain=ENGINE_MIN_GAIN)
     if isinstance(options.max_draft, bool) or not isinstance(options.max_draft, int) \
             or not low <= options.max_draft <= top:
         raise ValueError(f"max_draft must be a whole number from {low} to {top} (the DSpark "
                          f"block){' with speculative=on' if low else ''}, got "
                          f"{options.max_draft!r}.")
-    return SpecPolicy(options.max_draft, floor=low)
+    return SpecPolicy(options.max_draft, floor=low, min_gain=ENGINE_MIN_GAIN)

@@ -109,6 +109,10 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return out
 
 
+# the engine's `SpecPolicy.min_gain`: a k > 0 must promise 5% more tokens/s than a plain step
+ENGINE_MIN_GAIN = 1.05
+
+
 @dataclass
 class SpecPolicy:
     """Verify-length choice from the confidence head and measured costs (see the module
@@ -123,6 +127,12 @@ class SpecPolicy:
     refresh: int = 16  # speculating, a plain step (drafting or not: a draft) every `refresh`
     warmup: int = 1  # first measurements of each (batch, k) and draft batch left out
     floor: int = 0  # the least k (1: speculate at every step, `speculative=on`)
+    # a k > 0 over a plain step only where its predicted tokens/s beat the plain step's by
+    # this factor: both come from moving averages of timings on a machine whose speed wanders
+    # (`dsv41 bench spec`, bench preset on a 2-vCPU Xeon VM, injected acceptance 0.3: k = 1
+    # predicted 3% above plain lost 10%, the plain step's average reading 16% above the plain
+    # engine's own steps), and a gain within that noise is not worth its risk
+    min_gain: float = 1.0
     verify_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch, k) -> s
     draft_s: dict[int, float] = field(default_factory=dict)  # batch -> s
     accepted: dict[int, list[float]] = field(default_factory=dict)  # batch -> per position
@@ -155,6 +165,8 @@ class SpecPolicy:
                              f"{self.max_probe_wait!r}.")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a whole number >= 0, got {self.warmup!r}.")
+        if not self.min_gain >= 1.0 or math.isinf(self.min_gain):
+            raise ValueError(f"min_gain must be a finite factor >= 1, got {self.min_gain!r}.")
         if self.floor not in (0, 1) or self.floor > self.max_draft:
             raise ValueError(f"floor must be 0 or 1 (and at most max_draft), got "
                              f"{self.floor!r}.")
@@ -275,13 +287,15 @@ class SpecPolicy:
     def _best(self, batch: int, acceptance: Sequence[float], cap: int | None = None,
               floor: int = 0) -> int:
         """The k in floor..top (top: max_draft, the scores, `cap`) with the most predicted
-        tokens per second (an unknown rate never wins; floor when none is known)."""
+        tokens per second, a k > 0 over k = 0 only by `min_gain` (an unknown rate never wins;
+        floor when none is known)."""
         top = min(self.max_draft, len(acceptance), self.max_draft if cap is None else cap)
         best = min(floor, max(top, 0))
         best_rate = self.rate(batch, best, acceptance)
         for k in range(best + 1, top + 1):
             r = self.rate(batch, k, acceptance)
-            if r is not None and (best_rate is None or r > best_rate):
+            bar = best_rate if best_rate is None or best else best_rate * self.min_gain
+            if r is not None and (bar is None or r > bar):
                 best, best_rate = k, r
         return best
 
