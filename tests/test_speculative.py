@@ -747,6 +747,31 @@ def test_policy_probes_try_one_unmeasured_k_at_a_time():
     assert fresh.choose_rows(8, [[0.99] * 5] * 8, [5] * 8) == [5] * 8
 
 
+def test_policy_prices_an_unmeasured_k_by_another_batch_sizes_verify_ratio():
+    """An unmeasured (batch, k) costs at least the batch's plain step times the verify-to-plain
+    ratio of k at the nearest batch size that measured it: at a probe at batch 8 with only its
+    plain step known, drafts scored 0.3 are not verified (k 1 costs 1.6 plain steps at batch
+    1: 1.3 tokens do not pay), drafts scored 0.99 still are (one k past the known)."""
+    pol = SpecPolicy(4, warmup=0, refresh=4)
+    _measured(pol, 1, [0.100, 0.160, 0.180, 0.200, 0.220], 0.005)
+    _measured(pol, 8, [0.400], 0.020)
+    assert pol.cost(8, 1) == pytest.approx(0.400 * 1.6 + 0.020)
+    assert pol.cost(8, 3) == pytest.approx(0.400 * 2.0 + 0.020)
+    assert pol.cost(2, 1) is None  # nothing measured at batch 2
+    pol.observe_verify(8, 1, 0.500)  # measured: its own cost
+    assert pol.cost(8, 1) == pytest.approx(0.520)
+    assert pol.cost(8, 2) == pytest.approx(max(0.500, 0.400 * 1.8) + 0.020)
+    probe = SpecPolicy(4, warmup=0, refresh=4)
+    _measured(probe, 1, [0.100, 0.160, 0.180, 0.200, 0.220], 0.005)
+    _measured(probe, 8, [0.400], 0.020)
+    for _ in range(20):
+        probe.observe_accepted(8, 1, 0)  # only probes draft now
+    while not probe.worth_drafting(8):
+        probe.observe_verify(8, 0, 0.400)
+    assert probe.choose_rows(8, [[0.3] * 4] * 8, [4] * 8) == [0] * 8
+    assert probe.choose_rows(8, [[0.99] * 4] * 8, [4] * 8) == [1] * 8
+
+
 def test_spec_bench_rounds_alternate_plain_and_speculative_runs(small_model):
     """`bench spec --rounds N`: the timed plain and speculative runs alternate N times per
     injected row, every run is kept and each figure is the best of its N; 0 rounds refused."""

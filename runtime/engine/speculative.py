@@ -267,15 +267,32 @@ class SpecPolicy:
         return [min(a, c) for a, c in zip(scores, kept, strict=False)]
 
     def cost(self, batch: int, k: int) -> float | None:
-        """Seconds of a step with k drafts (draft pass included), None if nothing is known."""
+        """Seconds of a step with k drafts (draft pass included), None if nothing is known. An
+        unmeasured k costs at least the largest measured one below it at this batch size, and
+        at least this batch size's plain step times the verify-to-plain ratio of k at the
+        nearest batch size that measured both (`_scaled`): a first probe at batch 8 then does
+        not verify 8 rows of drafts a head scores at 0.3 on the cost of a plain step."""
         known = [j for j in range(k, -1, -1) if (batch, j) in self.verify_s]
         if not known:
             return None
         verify = self.verify_s[(batch, known[0])]
         if k == 0:
             return verify if known[0] == 0 else None
+        if known[0] != k:
+            verify = max(verify, self._scaled(batch, k) or 0.0)
         draft = self.draft_s.get(batch, 0.0)
         return verify + draft
+
+    def _scaled(self, batch: int, k: int) -> float | None:
+        """This batch size's plain step times the ratio of a step of k drafts to a plain one at
+        the nearest other batch size that measured both (None without one)."""
+        plain = self.verify_s.get((batch, 0))
+        others = [b for b, j in self.verify_s
+                  if j == k and b != batch and self.verify_s.get((b, 0), 0.0) > 0.0]
+        if plain is None or not others:
+            return None
+        near = min(others, key=lambda b: (abs(b - batch), b))
+        return plain * self.verify_s[(near, k)] / self.verify_s[(near, 0)]
 
     def rate(self, batch: int, k: int, acceptance: Sequence[float]) -> float | None:
         """Predicted tokens per second with k drafts."""
