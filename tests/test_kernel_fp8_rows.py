@@ -80,7 +80,7 @@ def test_bf16_gemv_every_code_nan_and_subnormal_weights():
     # groups of 5 rows: 20 KB of activations, columns in pairs (slow: ~15 s of compiles)
     pytest.param(5, 2048, "bfloat16", False, marks=pytest.mark.slow),
     pytest.param(3, 256, "float32", True, marks=pytest.mark.slow),
-    # FMA pairs for 2 and 6..8 rows, column pairs of vdpbf16ps for 3..5
+    # FMA pairs: columns one at a time for 2 and 6..8 rows, in pairs for 3..5
     pytest.param(8, 4096, "bfloat16", True, marks=pytest.mark.slow),
     pytest.param(6, 4096, "bfloat16", False, marks=pytest.mark.slow)])
 def test_bf16_gemv_rows_bit_identical_to_single_row(rows, k, out_dtype, fma_rows):

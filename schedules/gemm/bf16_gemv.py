@@ -93,16 +93,17 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     0.59. A NaN weight (0x7f / 0xff, a NaN in the table) makes the column's sum NaN, stored
     as the canonical NaN.
 
-    `fma_rows`: a group of 2 or more rows that takes its columns one at a time forms each
-    vdpbf16ps as two FMAs (`dpbf16ps_by_fma`, bit for bit the same sums here: every product
-    and partial sum stays normal, above), the chunk's decoded words split into their fp32
-    halves once for the group, each row's `xs` staged per tile as fp32 halves (`xf`: xq's
-    halves, `xqs`, made once per call, times the tile's scales): for CPUs whose vdpbf16ps
-    issues at a quarter of their FMA rate (`fp8_linear_config`). Measured there (Xeon model
-    207, 2 threads, weights cycled through 8 copies, min of 120 interleaved calls): n 32768 k
-    512, 5 rows 1.72 -> 1.38 ms (one row 0.72); n 512 k 1024 0.080 -> 0.075; n 1024 k 4096
-    (column pairs, vdpbf16ps either way) 0.58. One-row groups (decode) and column pairs keep
-    vdpbf16ps: at k 4096 the FMA form's activations (80 KB at 5 rows) leave L1 (0.69 ms).
+    `fma_rows`: a group of 2 or more rows forms each vdpbf16ps as two FMAs
+    (`dpbf16ps_by_fma`, bit for bit the same sums here: every product and partial sum stays
+    normal, above), the chunk's decoded words split into their fp32 halves once for the
+    group, each row's `xs` staged per tile as fp32 halves (`xf`: xq's halves, `xqs`, made once
+    per call, times the tile's scales), column pairs where the group's activations outgrow L1
+    as without: for CPUs whose vdpbf16ps issues at a quarter of their FMA rate
+    (`fp8_linear_config`). Measured there (Xeon model 207, 2 threads, weights cycled through 8
+    copies, min of 120 interleaved calls): n 32768 k 512, 5 rows 1.72 -> 1.38 ms (one row
+    0.72); n 512 k 1024 0.080 -> 0.075; n 1024 k 4096 (column pairs) 0.435 -> 0.388 and 0.54
+    -> 0.52 in a slower phase (FMA columns one at a time: 0.69, the 80 KB of fp32 activations
+    out of L1); n 1024 k 2048 0.324 -> 0.250. One-row groups (decode) keep vdpbf16ps.
 
     `rows` > 1: the verify form, rows in groups of `rows` (the verify entry's 1 + k): per
     column each chunk is loaded and decoded once for the whole group, then dotted into each
@@ -136,7 +137,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
         return 2 < nr <= PAIR_ROWS and nr * k * 2 > PAIR_XS_BYTES
 
     def by_fma(nr: int) -> bool:  # a group of nr rows sums by FMA pairs
-        return fma_rows and nr > 1 and not pairs(nr)
+        return fma_rows and nr > 1
 
     FMA = any(by_fma(nr) for nr in range(1, rows + 1))  # some group stages `xf`
 
@@ -286,7 +287,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 rows_flush(y, red, tot, nr, row0, p * BLOCK + h * 16)
 
     @T.macro
-    def group_pairs(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl, red, tot):
+    def group_pairs(weight, xs, xf, y, p, row0, nr, acc, lo_tbl, hi_tbl, red, tot):
         """`group_columns` two columns at a time (nr <= PAIR_ROWS, static): each activation
         chunk loaded once for the pair (the group's activations outgrow L1 where pairs are
         taken: `pairs`), each column summed exactly as alone."""
@@ -315,16 +316,26 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 codes1 = T.meta_var(weight.vload([col1, ch * CL], f"uint8x{CL}"))
                 w01 = T.meta_var(_bf16_words(codes1, lo_tbl, hi_tbl, 0))
                 w11 = T.meta_var(_bf16_words(codes1, lo_tbl, hi_tbl, 1))
-                row_dot(acc, xs, nr > 0, 0, 0, ch, w00, w10)
-                row_dot(acc, xs, nr > 0, 5, 0, ch, w01, w11)
-                row_dot(acc, xs, nr > 1, 1, 1, ch, w00, w10)
-                row_dot(acc, xs, nr > 1, 6, 1, ch, w01, w11)
-                row_dot(acc, xs, nr > 2, 2, 2, ch, w00, w10)
-                row_dot(acc, xs, nr > 2, 7, 2, ch, w01, w11)
-                row_dot(acc, xs, nr > 3, 3, 3, ch, w00, w10)
-                row_dot(acc, xs, nr > 3, 8, 3, ch, w01, w11)
-                row_dot(acc, xs, nr > 4, 4, 4, ch, w00, w10)
-                row_dot(acc, xs, nr > 4, 9, 4, ch, w01, w11)
+                row_dot(acc, xs, nr > 0 and not by_fma(nr), 0, 0, ch, w00, w10)
+                row_dot_fma(acc, xf, nr > 0 and by_fma(nr), 0, 0, ch, w00, w10)
+                row_dot(acc, xs, nr > 0 and not by_fma(nr), 5, 0, ch, w01, w11)
+                row_dot_fma(acc, xf, nr > 0 and by_fma(nr), 5, 0, ch, w01, w11)
+                row_dot(acc, xs, nr > 1 and not by_fma(nr), 1, 1, ch, w00, w10)
+                row_dot_fma(acc, xf, nr > 1 and by_fma(nr), 1, 1, ch, w00, w10)
+                row_dot(acc, xs, nr > 1 and not by_fma(nr), 6, 1, ch, w01, w11)
+                row_dot_fma(acc, xf, nr > 1 and by_fma(nr), 6, 1, ch, w01, w11)
+                row_dot(acc, xs, nr > 2 and not by_fma(nr), 2, 2, ch, w00, w10)
+                row_dot_fma(acc, xf, nr > 2 and by_fma(nr), 2, 2, ch, w00, w10)
+                row_dot(acc, xs, nr > 2 and not by_fma(nr), 7, 2, ch, w01, w11)
+                row_dot_fma(acc, xf, nr > 2 and by_fma(nr), 7, 2, ch, w01, w11)
+                row_dot(acc, xs, nr > 3 and not by_fma(nr), 3, 3, ch, w00, w10)
+                row_dot_fma(acc, xf, nr > 3 and by_fma(nr), 3, 3, ch, w00, w10)
+                row_dot(acc, xs, nr > 3 and not by_fma(nr), 8, 3, ch, w01, w11)
+                row_dot_fma(acc, xf, nr > 3 and by_fma(nr), 8, 3, ch, w01, w11)
+                row_dot(acc, xs, nr > 4 and not by_fma(nr), 4, 4, ch, w00, w10)
+                row_dot_fma(acc, xf, nr > 4 and by_fma(nr), 4, 4, ch, w00, w10)
+                row_dot(acc, xs, nr > 4 and not by_fma(nr), 9, 4, ch, w01, w11)
+                row_dot_fma(acc, xf, nr > 4 and by_fma(nr), 9, 4, ch, w01, w11)
             row_stash(red, acc, 0, nr > 0, 0, 2 * c8)
             row_stash(red, acc, 1, nr > 1, 1, 2 * c8)
             row_stash(red, acc, 2, nr > 2, 2, 2 * c8)
@@ -351,7 +362,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                             xf[r * K + ch * CL + h * 32 + par * 16 + i] = (
                                 xqs[row0 + r, ch * CL + h * 32 + par * 16 + i] * sv[ch * 16 + i])
                 if pairs(nr):  # static
-                    group_pairs(weight, xs, y, p, row0, nr, acc, lo_tbl, hi_tbl, red, tot)
+                    group_pairs(weight, xs, xf, y, p, row0, nr, acc, lo_tbl, hi_tbl, red, tot)
                 else:
                     group_columns(weight, xs, xf, y, p, row0, nr, acc, lo_tbl, hi_tbl, red,
                                   tot)
