@@ -67,6 +67,11 @@ def dpbf16ps(acc, a, b, lanes: int = 16):
     return T.call_pure_extern(f"float32x{lanes}", f"dsv41_dpbf16ps_{32 * lanes}", acc, a, b)
 
 
+def fma16(a, b, c):
+    """a * b + c on float32 x 16, rounded once (vfmadd)."""
+    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
+
+
 def bf16_pair_halves(words):
     """The bf16 pairs of `words` (uint16 x 32, as `dpbf16ps` takes them) as two float32 x 16:
     lane j of the first is word 2j + 1, of the second word 2j (a bf16 value is the high half
@@ -86,9 +91,7 @@ def dpbf16ps_by_fma(acc, a_odd, a_even, b_odd, b_even):
     10 independent chains: 0.78 against 0.19 ns an instruction), so the two FMAs cost a
     quarter of the vdpbf16ps they replace where the halves are shared: a weight's halves by
     every row of a verify group, an activation's by every column."""
-    fma = "llvm.fma.v16f32"
-    return T.call_llvm_pure_intrin("float32x16", fma, a_even, b_even, T.call_llvm_pure_intrin(
-        "float32x16", fma, a_odd, b_odd, acc))
+    return fma16(a_even, b_even, fma16(a_odd, b_odd, acc))
 
 
 def with_bf16_dot():

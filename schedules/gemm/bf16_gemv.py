@@ -4,7 +4,6 @@ weight decode across the rows."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import tvm
@@ -139,13 +138,10 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     def by_fma(nr: int) -> bool:  # a group of nr rows sums by FMA pairs
         return fma_rows and nr > 1
 
-    FMA = any(by_fma(nr) for nr in range(1, rows + 1))  # some group stages `xf`
+    FMA = by_fma(rows)  # some group (every one of 2+ rows) stages `xf`; one-row groups `xs`
 
     def stages_xs(live):  # whether a group of `live` rows reads xs (True: every group does)
-        if not FMA:
-            return True
-        return functools.reduce(T.Or, [live == nr for nr in range(1, rows + 1)
-                                       if not by_fma(nr)])
+        return live == 1 if FMA else True
 
     SLOTS = max([rows] + [2 * PAIR_ROWS for nr in range(1, rows + 1) if pairs(nr)])  # acc slots
 

@@ -8,6 +8,7 @@ from tvm.script import tirx as T
 
 from dsv41.schedules.common import (
     e8m0_byte,
+    fma16,
     fp4_to_f32_select,
     i64,
     idx,
@@ -36,21 +37,17 @@ from dsv41.schedules.moe.route import check_dims, to_bf16
 GEMV_PREFETCH = 4  # columns ahead whose packed rows are prefetched
 
 
-def _fma16(a, b, c):
-    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
-
-
 @T.macro
 def _fp4_block(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
     """acc[c, 0] (even elements) and acc[c, 1] (odd) += block blk of packed row w[e, a] (its
     E8M0 scale already fp32 in sc[c, blk]) times the activation row r split by parity (xe,
     xo). The scaled table and the widened bytes are written twice; LLVM computes them once."""
-    acc[c, 0, T.ramp(0, 1, 16)] = _fma16(
+    acc[c, 0, T.ramp(0, 1, 16)] = fma16(
         xe[r, T.ramp(blk * 16, 1, 16)],
         permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
                 T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))),
         acc[c, 0, T.ramp(0, 1, 16)])
-    acc[c, 1, T.ramp(0, 1, 16)] = _fma16(
+    acc[c, 1, T.ramp(0, 1, 16)] = fma16(
         xo[r, T.ramp(blk * 16, 1, 16)],
         permps(tbl[T.ramp(0, 1, 16)] * T.broadcast(sc[c, blk], 16),
                 T.Cast("uint32x16", w.vload([e, a, blk * 16], "uint8x16"))

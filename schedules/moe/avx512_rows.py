@@ -19,6 +19,7 @@ from tvm.script import tirx as T
 
 from dsv41.schedules.common import (
     e8m0_byte,
+    fma16,
     fp4_to_f32_select,
     i64,
     idx,
@@ -36,10 +37,6 @@ MAX_TILE_ROWS = 4  # rows of one expert per tile the verify form takes (the deco
 # 32-column tiles per parallel task: a task's buffers are workspace allocations, which cost as
 # much as one column tile's sums at the bench preset's sizes
 TASK_TILES = 8
-
-
-def _fma16(a, b, c):
-    return T.call_llvm_pure_intrin("float32x16", "llvm.fma.v16f32", a, b, c)
 
 
 def _decoded(w, sc, c, e, a, blk, tbl, high: bool):
@@ -83,14 +80,14 @@ def make_moe_gate_up_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: 
     @T.macro
     def fma_row(acc, i, here, xe, xo, row, blk, g0, g1, u0, u1):
         if here:  # static
-            acc[i, 0, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], g0,
-                                                    acc[i, 0, 0, T.ramp(0, 1, 16)])
-            acc[i, 0, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], g1,
-                                                    acc[i, 0, 1, T.ramp(0, 1, 16)])
-            acc[i, 1, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], u0,
-                                                    acc[i, 1, 0, T.ramp(0, 1, 16)])
-            acc[i, 1, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], u1,
-                                                    acc[i, 1, 1, T.ramp(0, 1, 16)])
+            acc[i, 0, 0, T.ramp(0, 1, 16)] = fma16(xe[row, T.ramp(blk * 16, 1, 16)], g0,
+                                                   acc[i, 0, 0, T.ramp(0, 1, 16)])
+            acc[i, 0, 1, T.ramp(0, 1, 16)] = fma16(xo[row, T.ramp(blk * 16, 1, 16)], g1,
+                                                   acc[i, 0, 1, T.ramp(0, 1, 16)])
+            acc[i, 1, 0, T.ramp(0, 1, 16)] = fma16(xe[row, T.ramp(blk * 16, 1, 16)], u0,
+                                                   acc[i, 1, 0, T.ramp(0, 1, 16)])
+            acc[i, 1, 1, T.ramp(0, 1, 16)] = fma16(xo[row, T.ramp(blk * 16, 1, 16)], u1,
+                                                   acc[i, 1, 1, T.ramp(0, 1, 16)])
 
     @T.macro
     def store_row(h, acc, i, here, weights, row_pair, row, a, p):
@@ -205,10 +202,10 @@ def make_moe_down_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: int
     @T.macro
     def fma_row(acc, i, here, xe, xo, row, blk, d0, d1):
         if here:  # static
-            acc[i, 0, 0, T.ramp(0, 1, 16)] = _fma16(xe[row, T.ramp(blk * 16, 1, 16)], d0,
-                                                    acc[i, 0, 0, T.ramp(0, 1, 16)])
-            acc[i, 0, 1, T.ramp(0, 1, 16)] = _fma16(xo[row, T.ramp(blk * 16, 1, 16)], d1,
-                                                    acc[i, 0, 1, T.ramp(0, 1, 16)])
+            acc[i, 0, 0, T.ramp(0, 1, 16)] = fma16(xe[row, T.ramp(blk * 16, 1, 16)], d0,
+                                                   acc[i, 0, 0, T.ramp(0, 1, 16)])
+            acc[i, 0, 1, T.ramp(0, 1, 16)] = fma16(xo[row, T.ramp(blk * 16, 1, 16)], d1,
+                                                   acc[i, 0, 1, T.ramp(0, 1, 16)])
 
     @T.macro
     def store_row(o, acc, i, here, row, a):
