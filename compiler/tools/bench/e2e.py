@@ -277,17 +277,24 @@ def bench_prefill(phases_by_impl: dict, model, opts: BenchOptions,
             nbytes = m[0][2] if m else None
             med = statistics.median(samples[impl]) if samples[impl] else None
             gfl = cost.flops / med / 1e9 if med else None
-            mdtype, mrate = prefill_matrix_roof(machine)
             rows.append(PrefillRow(
                 impl, n, tuple(samples[impl]), why[impl], chunk, peak, before, weights, nbytes,
                 None if peak is None or nbytes is None else peak - weights - nbytes,
-                cost.flops, cost.bytes, gfl,
-                None if gfl is None or not machine else gfl / machine["gemm_gflops"],
-                os.getloadavg()[0], matrix_frac=None if gfl is None or not mrate else gfl / mrate,
-                matrix_dtype=mdtype))
+                cost.flops, cost.bytes, gfl, load_avg=os.getloadavg()[0],
+                **prefill_fractions(gfl, machine)))
             if why[impl]:
                 skipped[impl] = skipped[impl] or why[impl]  # longer lengths are skipped too
     return rows
+
+
+def prefill_fractions(gflops: float | None, machine: dict | None) -> dict:
+    """A prefill's achieved GFLOP/s against the machine: `PrefillRow`'s gemm_frac (the fp32
+    GEMM rate), matrix_frac and matrix_dtype (`prefill_matrix_roof`)."""
+    mdtype, mrate = prefill_matrix_roof(machine)
+    return {"gemm_frac": None if gflops is None or not machine else
+            gflops / machine["gemm_gflops"],
+            "matrix_frac": None if gflops is None or not mrate else gflops / mrate,
+            "matrix_dtype": mdtype}
 
 
 def prefill_matrix_roof(machine: dict | None) -> tuple[str | None, float | None]:
@@ -479,12 +486,8 @@ def resample_roof(report: BenchReport, model, end: dict, say: Callable[[str], No
     report.machine = merged
     report.roofline = [roofline_row(r.impl, decode_step_cost(model.args, r.context), r.seconds,
                                     merged) for r in report.roofline]
-    mdtype, mrate = prefill_matrix_roof(merged)
-    report.prefill = [dataclasses.replace(
-        r, gemm_frac=None if r.achieved_gflops is None else r.achieved_gflops
-        / merged["gemm_gflops"],
-        matrix_frac=None if r.achieved_gflops is None or not mrate else r.achieved_gflops
-        / mrate, matrix_dtype=mdtype) for r in report.prefill]
+    report.prefill = [dataclasses.replace(r, **prefill_fractions(r.achieved_gflops, merged))
+                      for r in report.prefill]
 
 
 def _maybe_profile(report, cells, phases, model, cache, n, opts, say) -> dict | None:
