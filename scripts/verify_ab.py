@@ -18,16 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from dsv41.compiler.tools.assets import ensure_checkpoint
-from dsv41.compiler.tools.bench.spec import artifact_backend
+from dsv41.compiler.tools.bench.measure import interleaved_times
+from dsv41.compiler.tools.bench.spec import artifact_backend, verify_once
 from dsv41.compiler.tools.bench.synthetic import synthetic_cache
 from dsv41.graph.model import Model
-from dsv41.graph.speculative import cut_back, verify_step
 
 
 def artifact_dir(path: Path) -> Path:
@@ -63,22 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     toks = torch.randint(3, model.args.vocab_size, (1, 1 + a.k),
                          generator=torch.Generator().manual_seed(0))
 
-    def decode(be) -> None:
-        v = verify_step(model, cache, toks[:, :1], step=be.phases.decode_step)
-        cut_back(model, cache, v, [1])
-
-    def verify(be) -> None:
-        cut_back(model, cache, be.one_pass(model, cache, toks), [1])
-
-    times: dict[tuple[str, str], list[float]] = {
-        (name, form): [] for name in backends for form in ("decode", "verify")}
-    for rnd in range(a.rounds + 1):
-        for name, be in backends.items():
-            for form, fn in (("decode", decode), ("verify", verify)):
-                t0 = time.perf_counter()
-                fn(be)
-                if rnd:  # round 0 warms every call up
-                    times[name, form].append(time.perf_counter() - t0)
+    # a decode step: the one token by decode steps; a verify: 1 + k tokens by the entry
+    forms = {"decode": (toks[:, :1], False), "verify": (toks, True)}
+    times = interleaved_times(
+        {(name, form): (lambda be=be, t=t, one=one: verify_once(be, model, cache, t,
+                                                               one_pass=one))
+         for name, be in backends.items() for form, (t, one) in forms.items()}, a.rounds)
     report = {}
     for name in backends:
         d, v = times[name, "decode"], times[name, "verify"]

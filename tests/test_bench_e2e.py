@@ -14,7 +14,7 @@ import torch
 
 from dsv41.compiler.tools.bench import e2e as B
 from dsv41.compiler.tools.bench import synthetic as S
-from dsv41.compiler.tools.bench.measure import parse_tokens
+from dsv41.compiler.tools.bench.measure import interleaved_times, parse_tokens
 from dsv41.compiler.tools.cli.main import main as cli_main
 from dsv41.graph.cost import decode_step_cost
 from dsv41.graph.formats import torch_dequant_fp4_kv, torch_dequant_fp8, torch_dequant_mxfp4
@@ -36,6 +36,15 @@ def _rows_filled(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def synthetic(small_model):
     return S.synthetic_cache(small_model, N, seed=0)
+
+
+def test_interleaved_times_take_every_call_in_turn_after_an_untimed_round():
+    order = []
+    times = interleaved_times({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                              2)
+    assert order == ["a", "b"] * 3  # round 0 (untimed), then 2 timed rounds
+    assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2}
+    assert all(t >= 0.0 for v in times.values() for t in v)
 
 
 def test_synthetic_cache_matches_a_prefilled_one(small_model, synthetic):

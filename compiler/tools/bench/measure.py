@@ -76,6 +76,19 @@ def best_time(fn: Callable[[], object], reps: int) -> float:
     return best
 
 
+def interleaved_times(calls: dict, rounds: int) -> dict:
+    """Each of `calls` (key -> fn) timed once per round, in turn, for `rounds` rounds after one
+    untimed round: key -> its `rounds` seconds. A slow phase of a noisy machine then falls on
+    every call alike, where timing one call's rounds and then the next would compare phases."""
+    times: dict = {key: [] for key in calls}
+    for rnd in range(rounds + 1):
+        for key, fn in calls.items():
+            t = timed(fn)
+            if rnd:  # round 0 warms every call up
+                times[key].append(t)
+    return times
+
+
 def median_time(fn: Callable[[], object], reps: int) -> float:
     """The median of `reps` timed calls (no warm-up: the caller's first call may be one)."""
     return statistics.median(timed(fn) for _ in range(reps))

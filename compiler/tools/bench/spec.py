@@ -52,8 +52,8 @@ from dsv41.compiler.tools.assets import ensure_checkpoint
 from dsv41.compiler.tools.bench.macs import row_macs, verify_floor_steps
 from dsv41.compiler.tools.bench.measure import (
     cpu_flags_and_clock,
+    interleaved_times,
     median_time,
-    timed,
     write_json,
 )
 from dsv41.compiler.tools.bench.profile import format_growth, profile_verify
@@ -137,6 +137,15 @@ def artifact_backend(model: Model, artifact_dir: Path) -> Backend:
     return Backend(f"artifact {artifact_dir}", ph, ph.verify_step, "one_pass_s", engine)
 
 
+def verify_once(be: Backend, model: Model, cache, toks: torch.Tensor, *,
+                one_pass: bool) -> None:
+    """One verify of `toks` (1 + k tokens per sequence) by the backend's one pass or by decode
+    steps, then the cache cut back to the first token (each call advances it by one)."""
+    v = be.one_pass(model, cache, toks) if one_pass else \
+        verify_step(model, cache, toks, step=be.phases.decode_step)
+    cut_back(model, cache, v, [1])
+
+
 def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: int,
                  backend: Backend | None = None) -> list[dict]:
     """Per k = 0..max_draft, a verify of 1 + k tokens by decode steps (`steps_s`) and by the
@@ -151,19 +160,9 @@ def verify_costs(model: Model, context: int, max_draft: int, reps: int, seed: in
     draft_s = median_time(lambda: be.phases.draft_after(model, cache, torch.tensor([5])), reps)
     tokens = [torch.randint(3, model.args.vocab_size, (1, 1 + k), generator=gen)
               for k in range(max_draft + 1)]
-
-    def run(one_pass: bool, toks: torch.Tensor) -> None:
-        v = be.one_pass(model, cache, toks) if one_pass else \
-            verify_step(model, cache, toks, step=be.phases.decode_step)
-        cut_back(model, cache, v, [1])
-
-    times: dict[tuple[int, bool], list[float]] = {
-        (k, one): [] for k in range(max_draft + 1) for one in (False, True)}
-    for rnd in range(reps + 1):
-        for (k, one), samples in times.items():
-            t = timed(lambda one=one, k=k: run(one, tokens[k]))
-            if rnd:  # round 0 warms every form up
-                samples.append(t)
+    times = interleaved_times(
+        {(k, one): (lambda k=k, one=one: verify_once(be, model, cache, tokens[k], one_pass=one))
+         for k in range(max_draft + 1) for one in (False, True)}, reps)
     rows = [{"context": context, "k": k, "steps_s": statistics.median(times[k, False]),
              "one_pass_s": statistics.median(times[k, True]), "draft_s": draft_s,
              "steps_best_s": min(times[k, False]), "one_pass_best_s": min(times[k, True])}
