@@ -22,6 +22,10 @@ import torch
 from dsv41.compiler.capture import capture, dim_symbols, static_bounds
 from dsv41.compiler.onnx_export import export_onnx
 from dsv41.compiler.progress import CompileProgress, SilentProgress
+from dsv41.compiler.reshape_fusion import (
+    legalize_fusable_reshapes,
+    takes_of_constants_as_slices,
+)
 from dsv41.graph.artifact_format import (
     ArtifactTarget,
     EntryBounds,
@@ -262,9 +266,12 @@ def fuse(mod, target_name: str):
         # RewriteDataflowReshape, which would turn them back into views, rejects our top-k
         # kernels (see finish_pipeline).
         legalize = relax.transform.LegalizeOps(skip_ops=["relax.reshape"])
+        mod = takes_of_constants_as_slices(mod)  # RoPE's (re, im) parts: injective slices
         for p in [*backend.library_dispatch_passes(target), legalize,
-                  relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()]:
+                  relax.transform.AnnotateTIROpPattern()]:
             mod = p(mod)
+        mod = legalize_fusable_reshapes(mod)  # a reshape beside a fusable op joins its kernel
+        mod = relax.transform.FoldConstant()(mod)
         try:
             fused = relax.transform.FuseTIR()(relax.transform.FuseOps()(mod))
         except Exception:  # noqa: BLE001 - TVM raises InternalError subclasses of many kinds
