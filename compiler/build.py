@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dsv41.compiler.capture import capture, dim_symbols, static_bounds
+from dsv41.compiler.dedupe import dedupe_entry_invariants
 from dsv41.compiler.onnx_export import export_onnx
 from dsv41.compiler.progress import CompileProgress, SilentProgress
 from dsv41.compiler.reshape_fusion import (
@@ -266,6 +267,7 @@ def fuse(mod, target_name: str):
         # RewriteDataflowReshape, which would turn them back into views, rejects our top-k
         # kernels (see finish_pipeline).
         legalize = relax.transform.LegalizeOps(skip_ops=["relax.reshape"])
+        mod = dedupe_entry_invariants(mod)  # what every layer recomputes from the inputs, once
         mod = takes_of_constants_as_slices(mod)  # RoPE's (re, im) parts: injective slices
         for p in [*backend.library_dispatch_passes(target), legalize,
                   relax.transform.AnnotateTIROpPattern()]:

@@ -1,0 +1,94 @@
+"""Work every layer repeats on the entry's own inputs, done once (`dedupe_entry_invariants`).
+
+Each layer of a decode step recomputes things that depend only on the entry's inputs: the RoPE
+cos / sin rows of the new token (gathered from `cos_c` / `sin_c` at `start`), the window slot it
+writes and the window's attend mask (from `start` and `floor`). Captured layer by layer they are
+the same ops on the same inputs and constants of the same values, five kernels per layer. Relax's
+own common-subexpression pass would merge them too, but it would also merge two reads of a cache
+that an in-place scatter writes between them; this pass merges only calls whose every input is
+an entry input that nothing writes in place, a constant, or an earlier such call's result, so
+each value it merges is the same whenever it is computed.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm_ffi import structural_equal, structural_hash
+
+# ops that write an input or may (a packed call of unknown effect): never merged, and their
+# inputs never count as unchanging; so is every call of something that is not an Op (an extern
+# function, another Relax function)
+_WRITERS = ("relax.call_tir_inplace", "relax.call_inplace_packed", "relax.call_dps_packed")
+
+
+def _vars_in(expr) -> list:
+    """The Relax vars an argument expression reads (through tuples)."""
+    if isinstance(expr, relax.Var):
+        return [expr]
+    if isinstance(expr, relax.Tuple):
+        return [v for f in expr.fields for v in _vars_in(f)]
+    return []
+
+
+def _written(func: relax.Function) -> list:
+    """Every var passed to a writing call (`_WRITERS`) in `func`."""
+    found: list = []
+    writers = [tvm.ir.Op.get(name) for name in _WRITERS]
+
+    @relax.expr_functor.visitor
+    class Collect(relax.PyExprVisitor):
+        def visit_call_(self, call):
+            if not isinstance(call.op, tvm.ir.Op) or any(call.op.same_as(w) for w in writers):
+                for a in call.args:
+                    found.extend(_vars_in(a))
+            super().visit_call_(call)
+
+    Collect().visit_expr(func)
+    return found
+
+
+def dedupe_entry_invariants(mod: tvm.IRModule) -> tvm.IRModule:
+    """Each call whose inputs are all unchanging (see the module docstring) and equal to an
+    earlier call's (same op, attributes, inputs and constant values) is replaced by that call's
+    result."""
+    out = mod
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            out[gv] = _dedupe(mod, func)
+    return out
+
+
+def _dedupe(mod: tvm.IRModule, func: relax.Function) -> relax.Function:
+    written = _written(func)
+    steady = [p for p in func.params if not any(p.same_as(w) for w in written)]
+    writers = [tvm.ir.Op.get(name) for name in _WRITERS]
+    host = tvm.ir.Op.get("relax.call_pure_packed")  # a host function may count its calls
+
+    def is_steady(v) -> bool:
+        return any(v.same_as(s) for s in steady)
+
+    seen: dict[int, list] = {}  # structural hash -> [(call, the var holding its value)]
+
+    @relax.expr_functor.mutator
+    class Dedupe(relax.PyExprMutator):
+        def visit_var_binding_(self, binding):
+            value = self.visit_expr(binding.value)
+            merge = (isinstance(binding.var, relax.DataflowVar) and isinstance(value, relax.Call)
+                     and isinstance(value.op, tvm.ir.Op)
+                     and not any(value.op.same_as(w) for w in [*writers, host])
+                     and all(is_steady(v) for a in value.args for v in _vars_in(a)))
+            if not merge:
+                super().visit_var_binding_(binding)
+                return
+            key = structural_hash(value)
+            for call, holder in seen.get(key, []):
+                if structural_equal(call, value):
+                    self.set_var_remap(binding.var, holder)
+                    return
+            holder = self.builder_.emit(value)
+            self.set_var_remap(binding.var, holder)
+            seen.setdefault(key, []).append((value, holder))
+            steady.append(holder)
+
+    return Dedupe(mod).visit_expr(func)
