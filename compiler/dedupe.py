@@ -16,6 +16,8 @@ import tvm
 from tvm import relax
 from tvm_ffi import structural_equal, structural_hash
 
+from dsv41.compiler.relax_ops import map_relax_functions
+
 # ops that write an input or may (a packed call of unknown effect): never merged, and their
 # inputs never count as unchanging; so is every call of something that is not an Op (an extern
 # function, another Relax function)
@@ -52,11 +54,7 @@ def dedupe_entry_invariants(mod: tvm.IRModule) -> tvm.IRModule:
     """Each call whose inputs are all unchanging (see the module docstring) and equal to an
     earlier call's (same op, attributes, inputs and constant values) is replaced by that call's
     result."""
-    out = mod
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            out[gv] = _dedupe(mod, func)
-    return out
+    return map_relax_functions(mod, lambda func: _dedupe(mod, func))
 
 
 def _dedupe(mod: tvm.IRModule, func: relax.Function) -> relax.Function:

@@ -22,7 +22,15 @@ from tvm.relax.frontend.torch import from_exported_program
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
 from dsv41.compiler.kernels import converters, dense_call
-from dsv41.compiler.relax_ops import BF16, Lowering, rows, shape, static, unrows
+from dsv41.compiler.relax_ops import (
+    BF16,
+    Lowering,
+    map_relax_functions,
+    rows,
+    shape,
+    static,
+    unrows,
+)
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
 
@@ -338,8 +346,4 @@ def clip_takes(mod: tvm.IRModule) -> tvm.IRModule:
                 return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
             return call
 
-    out = mod
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            out[gv] = ClipTakes(mod).visit_expr(func)
-    return out
+    return map_relax_functions(mod, ClipTakes(mod).visit_expr)

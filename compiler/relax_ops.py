@@ -76,3 +76,12 @@ def call(importer, gv, args, out):
 def unrows(importer, y: relax.Expr, lead: list) -> relax.Expr:
     dims = shape(y)
     return importer.block_builder.emit(relax.op.reshape(y, [*lead, *dims[1:]]))
+
+
+def map_relax_functions(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
+    """`mod` with `rewrite(func)` in place of each of its Relax functions (PrimFuncs kept)."""
+    out = mod
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            out[gv] = rewrite(func)
+    return out

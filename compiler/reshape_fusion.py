@@ -22,6 +22,8 @@ import tvm
 from tvm import relax
 from tvm.ir.expr import GenericConst
 
+from dsv41.compiler.relax_ops import map_relax_functions
+
 FUSABLE = 2  # op_pattern kInjective: elementwise (0), broadcast (1) and injective (2) fuse
 
 
@@ -145,8 +147,4 @@ def takes_of_constants_as_slices(mod: tvm.IRModule) -> tvm.IRModule:
                 return relax.op.squeeze(part, axis=[axis])
             return call
 
-    out = mod
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            out[gv] = Slices(mod).visit_expr(func)
-    return out
+    return map_relax_functions(mod, Slices(mod).visit_expr)
