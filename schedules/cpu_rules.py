@@ -13,22 +13,13 @@ each such function on its own:
   (a matmul `y[i, j] += x[i, k] * w[k, j]`), a lane-sized piece of it is moved below the reduction
   loops and vectorised.
 
-Before that, a block that only moves bits into a buffer of the function's own (a strided slice, a
-reshape's copy, the integer bf16 rounding of a RoPE half: `_moves_bits`) is inlined into its
-readers, so a concat of a slice and a rounded half is one pass over the output instead of two
-copies into scratch and a third pass (the decode entry's RoPE concat, Xeon model 207, 2
-threads, median of 3000 interleaved calls: 11.1 -> 8.5 us).
-
 Why results stay bit-identical to the unscheduled module: every output element is still computed by
 the same scalar expression, and its reduction loops run in the same order from the same init value
-(no rfactor, no split or reorder of reduction loops, and no inlining of a block with float
-arithmetic or a float cast, which could let the simplifier fold a `Cast(f32, Cast(bf16, x))`
-pair or LLVM contract a product into a sum: the inlined blocks' values are loads, integer
-operations, reinterprets, isnan and selects, which no pass can fold into a rounding). Parallel
-loops only change which thread computes which element; vector lanes are elementwise IEEE
-operations (LLVM is not given fast-math, so it never reassociates). Blocks whose stores are
-data-dependent (scatters) or that read what they write are left serial, since parallel execution
-could reorder conflicting writes.
+(no rfactor, no split or reorder of reduction loops, no inlining, which could let the simplifier
+fold a `Cast(f32, Cast(bf16, x))` pair). Parallel loops only change which thread computes which
+element; vector lanes are elementwise IEEE operations (LLVM is not given fast-math, so it never
+reassociates). Blocks whose stores are data-dependent (scatters) or that read what they write are
+left serial, since parallel execution could reorder conflicting writes.
 
 Functions marked `tirx.is_scheduled` (our custom kernels) are left alone; a block where any
 primitive fails keeps its original loops.
@@ -41,7 +32,7 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import s_tir, tirx
-from tvm.ir.expr import Call, TensorLoad
+from tvm.ir.expr import TensorLoad
 from tvm.target.codegen import llvm_get_vector_width
 from tvm_ffi import structural_equal
 from tvm_ffi.structural import structural_walk
@@ -410,67 +401,16 @@ def _schedule_block(func: tirx.PrimFunc, name: str, cfg: CpuRulesConfig) -> tirx
     return sch.mod["main"]
 
 
-_FLOAT_ARITH = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod,
-                tirx.Min, tirx.Max)
-_BIT_CALLS = ("tirx.reinterpret", "tirx.isnan", "tirx.if_then_else")
-
-
-def _is_float(expr) -> bool:
-    return tvm.DataType(str(expr.ty)).type_code in (tvm.DataTypeCode.FLOAT,
-                                                    tvm.DataTypeCode.BFLOAT)
-
-
-def _moves_bits(block: s_tir.SBlock) -> bool:
-    """A spatial block storing one value built only from loads, integer operations and
-    reinterprets / isnan / selects: no float arithmetic and no cast to or from a float type."""
-    if block.init is not None or any(int(iv.iter_type) != int(tirx.IterVar.DataPar)
-                                     for iv in block.iter_vars):
-        return False
-    if not isinstance(block.body, tirx.BufferStore):
-        return False
-    bad = []
-
-    def visit(n):
-        if isinstance(n, _FLOAT_ARITH) and _is_float(n):
-            bad.append(n)
-        elif isinstance(n, tirx.Cast) and (_is_float(n) or _is_float(n.value)):
-            bad.append(n)
-        elif isinstance(n, Call) and str(n.op.name) not in _BIT_CALLS:
-            bad.append(n)
-
-    _walk(block.body.value, visit)
-    return not bad
-
-
-def _inline_bit_moves(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """`func` with every bit-moving block that writes a scratch buffer of its own inlined into
-    its readers (a block the primitive refuses is kept)."""
-    sch = s_tir.Schedule(func)
-    root = sch.get_sblock("root")
-    scratch = list(sch.get(root).alloc_buffers)
-    for block in list(sch.get_child_blocks(root)):
-        st = sch.get(block)
-        if not _moves_bits(st) or not any(b.same_as(st.body.buffer) for b in scratch):
-            continue
-        try:
-            sch.compute_inline(block)
-        except Exception:  # noqa: BLE001 - e.g. the block writes an output: keep it
-            continue
-    return sch.mod["main"]
-
-
 def schedule_prim_func(func: tirx.PrimFunc, cfg: CpuRulesConfig) -> tirx.PrimFunc | None:
     """Schedule each top-level block of one PrimFunc; None when no block could be scheduled."""
     try:
-        inlined = _inline_bit_moves(func)
-        sch = s_tir.Schedule(inlined)
+        sch = s_tir.Schedule(func)
         names = [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
     except Exception:  # noqa: BLE001 - opaque functions (extern calls, no root block)
         return None
     if len(set(names)) != len(names):
         return None
-    changed = not structural_equal(inlined, func)
-    func = inlined
+    changed = False
     for name in names:
         try:
             new = _schedule_block(func, name, cfg)

@@ -390,12 +390,7 @@ def schedule_hc_pre_mix(func: tvm.tirx.PrimFunc, config: MhcConfig,
         db, so, si, j, ln, dk = dot_loops
     jo, ji = sch.split(j, [None, config.mix_tile])
     sch.reorder(db, so, jo, dk, si, ji, ln)
-    # tasks of (token tile, mix tile): a decode token's 24 rows of fn (393 KB of fp32 at hc 4,
-    # d 1024) are read by 4 tasks, not by one thread. Xeon model 207, 2 threads, fn cycled
-    # through 200 copies, median of 2000 interleaved calls: 31.1 -> 18.7 us a call with
-    # spinning workers; with the engine's spin count of 0 the same 32-37 us (the sleeping
-    # worker wakes in about the time its half takes)
-    sch.parallel(sch.fuse(db, so, jo))
+    sch.parallel(sch.fuse(db, so))
     sch.vectorize(ln)
     sch.unroll(ji)
     sch.unroll(si)
