@@ -7,8 +7,8 @@ and the concat with the unrotated part were five kernels per rotation (three rot
 layer), each pair split by a view. A reshape whose input comes from a fusable op (elementwise,
 broadcast or injective: TVM's op patterns 0-2) or that feeds one is legalised here, so FuseOps
 merges it into that op's group; one between two opaque kernels (our custom kernels, reductions)
-or function inputs stays a view. Legalised, its copy is a block that only moves values, which
-`schedules.cpu_rules` inlines into its reader.
+or function inputs stays a view. Legalised, its copy is one more block inside that kernel (a
+pass that inlined such copies into their readers tripled the entries' LLVM build time: not kept).
 
 The same chains read a pair's real and imaginary parts as `take(x, 0 | 1, axis)`: a take reads
 through its index tensor, so TVM types it opaque even when the index is a constant.
