@@ -33,10 +33,9 @@ def _vars_in(expr) -> list:
     return []
 
 
-def _written(func: relax.Function) -> list:
-    """Every var passed to a writing call (`_WRITERS`) in `func`."""
+def _written(func: relax.Function, writers: list) -> list:
+    """Every var passed to a writing call (one of `writers`, or a call of a non-Op) in `func`."""
     found: list = []
-    writers = [tvm.ir.Op.get(name) for name in _WRITERS]
 
     @relax.expr_functor.visitor
     class Collect(relax.PyExprVisitor):
@@ -58,9 +57,9 @@ def dedupe_entry_invariants(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def _dedupe(mod: tvm.IRModule, func: relax.Function) -> relax.Function:
-    written = _written(func)
-    steady = [p for p in func.params if not any(p.same_as(w) for w in written)]
     writers = [tvm.ir.Op.get(name) for name in _WRITERS]
+    written = _written(func, writers)
+    steady = [p for p in func.params if not any(p.same_as(w) for w in written)]
     host = tvm.ir.Op.get("relax.call_pure_packed")  # a host function may count its calls
 
     def is_steady(v) -> bool:
