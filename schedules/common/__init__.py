@@ -28,6 +28,7 @@ from dsv41.schedules.common.exprs import (
     silu_times,
     u32,
 )
+from dsv41.schedules.common.tvmscript import fast_macro_parser_lookup
 from dsv41.schedules.common.x86 import (
     AMX_BYTES,
     AMX_ROWS,
@@ -90,3 +91,5 @@ __all__ = [
     "u32",
     "with_bf16_dot",
 ]
+
+fast_macro_parser_lookup()  # every kernel factory imports this package (tvmscript.py says why)
