@@ -33,16 +33,17 @@ def _vars_in(expr) -> list:
     return []
 
 
-def _written(func: relax.Function, writers: list) -> list:
-    """Every var passed to a writing call (one of `writers`, or a call of a non-Op) in `func`."""
-    found: list = []
+def _written(func: relax.Function, writers: list) -> set:
+    """Every var passed to a writing call (one of `writers`, or a call of a non-Op) in `func`
+    (a set: relax Vars hash and compare by identity, as `same_as`)."""
+    found: set = set()
 
     @relax.expr_functor.visitor
     class Collect(relax.PyExprVisitor):
         def visit_call_(self, call):
             if not isinstance(call.op, tvm.ir.Op) or any(call.op.same_as(w) for w in writers):
                 for a in call.args:
-                    found.extend(_vars_in(a))
+                    found.update(_vars_in(a))
             super().visit_call_(call)
 
     Collect().visit_expr(func)
@@ -59,11 +60,8 @@ def dedupe_entry_invariants(mod: tvm.IRModule) -> tvm.IRModule:
 def _dedupe(mod: tvm.IRModule, func: relax.Function) -> relax.Function:
     writers = [tvm.ir.Op.get(name) for name in _WRITERS]
     written = _written(func, writers)
-    steady = [p for p in func.params if not any(p.same_as(w) for w in written)]
+    steady = {p for p in func.params if p not in written}  # a set, as `written`
     host = tvm.ir.Op.get("relax.call_pure_packed")  # a host function may count its calls
-
-    def is_steady(v) -> bool:
-        return any(v.same_as(s) for s in steady)
 
     seen: dict[int, list] = {}  # structural hash -> [(call, the var holding its value)]
 
@@ -74,7 +72,7 @@ def _dedupe(mod: tvm.IRModule, func: relax.Function) -> relax.Function:
             merge = (isinstance(binding.var, relax.DataflowVar) and isinstance(value, relax.Call)
                      and isinstance(value.op, tvm.ir.Op)
                      and not any(value.op.same_as(w) for w in [*writers, host])
-                     and all(is_steady(v) for a in value.args for v in _vars_in(a)))
+                     and all(v in steady for a in value.args for v in _vars_in(a)))
             if not merge:
                 super().visit_var_binding_(binding)
                 return
@@ -86,6 +84,6 @@ def _dedupe(mod: tvm.IRModule, func: relax.Function) -> relax.Function:
             holder = self.builder_.emit(value)
             self.set_var_remap(binding.var, holder)
             seen.setdefault(key, []).append((value, holder))
-            steady.append(holder)
+            steady.add(holder)
 
     return Dedupe(mod).visit_expr(func)
