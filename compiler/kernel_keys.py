@@ -169,6 +169,15 @@ class RmsNormKey(KernelKey):
 
 
 @dataclass(frozen=True)
+class RopeKey(KernelKey):
+    kind: ClassVar[str] = "rope"
+    h: int  # heads per row (1 for a (b, s, d) tensor)
+    d: int
+    rd: int
+    inverse: bool
+
+
+@dataclass(frozen=True)
 class HcPreMixKey(KernelKey):
     kind: ClassVar[str] = "hc_pre_mix"
     hc: int
@@ -234,8 +243,8 @@ class DenseGemmKey(DenseGemvKey):
 KEY_KINDS: dict[str, type[KernelKey]] = {
     cls.kind: cls for cls in (Fp8LinearKey, Fp8DequantKey, SparseAttendKey, IndexScoresKey,
                               IndexScoresSharedKey, SelectPositionsKey, SelectBlocksKey, PoolKey,
-                              MoeKey, ScatterRowsKey, RmsNormKey, HcPreMixKey, HcPostKey,
-                              QuantKey, DenseGemvKey, DenseGemmKey)}
+                              MoeKey, ScatterRowsKey, RmsNormKey, RopeKey, HcPreMixKey,
+                              HcPostKey, QuantKey, DenseGemvKey, DenseGemmKey)}
 
 
 def key_from_dict(d: dict) -> KernelKey:

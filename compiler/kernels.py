@@ -39,6 +39,7 @@ from dsv41.compiler.kernel_keys import (
     PoolKey,
     QuantKey,
     RmsNormKey,
+    RopeKey,
     ScatterRowsKey,
     SelectBlocksKey,
     SelectPositionsKey,
@@ -47,7 +48,7 @@ from dsv41.compiler.kernel_keys import (
 from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
 from dsv41.graph.ops import ENGRAM_ROWS_FUNC
 from dsv41.graph.targets import TargetSpec
-from dsv41.schedules import attention, cache_write, gemm, indexer, mhc, moe, norm, quant
+from dsv41.schedules import attention, cache_write, gemm, indexer, mhc, moe, norm, quant, rope
 from dsv41.schedules.tuning_space import Task, as_module_kernel, signature
 
 Converter = Callable[[Lowering], Callable]  # the per-module converter of one torch op
@@ -307,6 +308,23 @@ def _rms_norm(ctx: Lowering):
     return convert
 
 
+def _rope(ctx: Lowering):
+    """x (b, s, d) is the kernel's (b, s, 1, d) (a reshape: a view)."""
+
+    def convert(node, importer):
+        x, cos, sin = (importer.env[a] for a in node.args[:3])
+        dims = shape(x)
+        key = RopeKey(h=static(dims[2]) if len(dims) == 4 else 1, d=static(dims[-1]),
+                      rd=int(node.args[3]), inverse=bool(node.args[4]))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        x4 = x if len(dims) == 4 else importer.block_builder.emit(
+            relax.op.reshape(x, [dims[0], dims[1], 1, dims[2]]))
+        y = call(importer, gv, [x4, cos, sin], tensor(shape(x4), BF16))
+        return y if len(dims) == 4 else importer.block_builder.emit(relax.op.reshape(y, dims))
+
+    return convert
+
+
 def _hc_pre_mix(ctx: Lowering):
     """A sublayer's mHC entry (mixes + lagged collapse + RMSNorm) as one kernel."""
 
@@ -516,6 +534,11 @@ REGISTRY: tuple[KernelEntry, ...] = (
         "rms_norm", (RmsNormKey,), norm.build_rms_norm, norm.norm_config,
         norm.schedule_rms_norm, {"rms_norm.default": _rms_norm},
         build=lambda key, t: norm.build_rms_norm(t, d=key.d, eps=key.eps)),
+    KernelEntry(
+        "rope", (RopeKey,), rope.build_rope, rope.rope_config, rope.schedule_rope,
+        {"rope.default": _rope},
+        build=lambda key, t: rope.build_rope(t, h=key.h, d=key.d, rd=key.rd,
+                                             inverse=key.inverse)),
     KernelEntry(
         "mhc", (HcPreMixKey, HcPostKey), mhc.build_hc_pre_mix, mhc.mhc_config,
         mhc.schedule_hc_pre_mix, {"hc_pre_mix.default": _hc_pre_mix, "hc_post.default": _hc_post},

@@ -16,7 +16,7 @@ import torch
 
 from dsv41.graph import ops
 from dsv41.graph.cache import ModelCache
-from dsv41.graph.layers import apply_rope, hc_pre, identity_pre, rms_norm
+from dsv41.graph.layers import hc_pre, identity_pre, rms_norm
 from dsv41.graph.model import (
     Chunk,
     Model,
@@ -49,7 +49,7 @@ def _main_kv(model: Model, layer: int, main_x: torch.Tensor, cos, sin):
     kv = rms_norm(ops.fp8_linear(main_x, model.p(layer, "attn.wkv.weight"),
                                  model.p(layer, "attn.wkv.scale")),
                   model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
-    return ops.quant_fp8(apply_rope(kv, cos, sin, a.rope_head_dim).float())
+    return ops.quant_fp8(ops.rope(kv, cos, sin, a.rope_head_dim, False).float())
 
 
 def seed(model: Model, cache: ModelCache, main_hidden: torch.Tensor, chunk: Chunk) -> None:
@@ -75,11 +75,11 @@ def _draft_attention(model: Model, cache: ModelCache, layer: int, x: torch.Tenso
                   model.p(layer, "attn.q_norm.weight"), a.norm_eps)
     q = ops.fp8_linear(qr, model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
     # (b, n, h, hd): h = n_heads, or a sharded worker's heads (its rows of wq_b)
-    q = apply_rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, a.rope_head_dim)
+    q = ops.rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, a.rope_head_dim, False)
     kv = rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"),
                                  model.p(layer, "attn.wkv.scale")),
                   model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
-    codes, scales = ops.quant_fp8(apply_rope(kv, cos, sin, a.rope_head_dim).float())
+    codes, scales = ops.quant_fp8(ops.rope(kv, cos, sin, a.rope_head_dim, False).float())
     ring = cache.windows[layer]
     buf_c = torch.cat([ring.codes, codes], dim=1)  # (b, W + B, d)
     buf_s = torch.cat([ring.scales, scales], dim=1)

@@ -24,7 +24,6 @@ from dsv41.graph.config import ModelArgs
 from dsv41.graph.engram import HOST_TABLES, EngramTables, build_tables, load_token_map
 from dsv41.graph.layers import (
     BF16,
-    apply_rope,
     bf16_linear,
     engram_gate,
     fp32_linear,
@@ -422,14 +421,26 @@ def window_rows(start: torch.Tensor, s: int, window: int, floor: torch.Tensor) -
 
 def window_inputs(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor, chunk: Chunk,
                   window: int):
-    """(codes, scales, idx) for `sparse_attend`: the ring (positions before the chunk) followed
-    by the chunk's own entries, and each query's rows into that buffer."""
+    """Write the chunk's entries into the ring; return (codes, scales, idx) for
+    `sparse_attend`: a buffer of entries and each query's rows into it.
+
+    One new token (decode): once written, the ring holds every position its window lists
+    (p - W + 1 .. p, slot pos % W), so the kernel reads the ring itself, no copy. A longer chunk
+    would overwrite positions its earlier queries still see, so they read a copy of the ring as
+    it was (positions before the chunk) followed by the chunk's own entries. Both list the same
+    entries in the same order."""
     rows = window_rows(chunk.start, chunk.length, window, chunk.floor)
+    s = codes.size(1)
+    if isinstance(s, int) and s == 1:  # a static 1: a token dim captured dynamic takes the copy
+        write_ring(ring, codes, scales, chunk.start, window)
+        idx = torch.where(rows < 0, -1, rows % window)
+        return ring.codes, ring.scales, idx.to(torch.int32)
     start = chunk.start.view(-1, 1, 1)
     idx = torch.where(rows < start, rows % window, window + rows - start)
     idx = torch.where(rows < 0, -1, idx)
     buf_c = torch.cat([ring.codes, codes], dim=1)  # (b, W + s, d)
     buf_s = torch.cat([ring.scales, scales], dim=1)
+    write_ring(ring, codes, scales, chunk.start, window)
     return buf_c, buf_s, idx.to(torch.int32)
 
 
@@ -532,7 +543,7 @@ def publish_index_k(model: Model, layer: int, store: GlobalStore, c: Compressed,
     k = ops.rms_norm(bf16_linear(c.latent, model.p(layer, "attn.indexer.wk.weight")),
                      model.p(layer, "attn.indexer.k_norm.weight"), a.norm_eps)
     cos, sin = _rope_at(model, chunk, c.positions())
-    codes, scales = ops.quant_mxfp4(apply_rope(k, cos, sin, a.rope_head_dim).float())
+    codes, scales = ops.quant_mxfp4(ops.rope(k, cos, sin, a.rope_head_dim, False).float())
     store.k_codes = put_rows(store.k_codes, c.first, codes, c.ok)
     store.k_scales = put_rows(store.k_scales, c.first, scales, c.ok)
 
@@ -541,7 +552,7 @@ def publish_main_kv(model: Model, store: GlobalStore, c: Compressed, chunk: Chun
                     kv_dtype: str) -> None:
     a = model.args
     cos, sin = _rope_at(model, chunk, c.positions())
-    latent = apply_rope(c.latent, cos, sin, a.rope_head_dim)
+    latent = ops.rope(c.latent, cos, sin, a.rope_head_dim, False)
     if kv_dtype == "bf16":
         store.kv_codes = put_rows(store.kv_codes, c.first, latent, c.ok)
         return
@@ -611,8 +622,8 @@ def select(model: Model, cache: ModelCache, layer: int, store: GlobalStore, x: t
     cos, sin = token_rope(model, chunk, True)
     q = ops.fp8_linear(qr, model.p(src.layer, "attn.indexer.wq_b.weight"),
                        model.p(src.layer, "attn.indexer.wq_b.scale"))
-    q = apply_rope(q.unflatten(-1, (a.index_n_heads, a.index_head_dim)), cos, sin,
-                   a.rope_head_dim)
+    q = ops.rope(q.unflatten(-1, (a.index_n_heads, a.index_head_dim)), cos, sin,
+                 a.rope_head_dim, False)
     q = ops.qdq_mxfp4(q)
     weights = bf16_linear(x, model.p(src.layer, "attn.indexer.weights_proj.weight")) * (
         a.index_head_dim**-0.5 * a.index_n_heads**-0.5)
@@ -698,15 +709,14 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
                       model.p(layer, "attn.q_norm.weight"), a.norm_eps)
     q = ops.fp8_linear(qr, model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
     # (b, s, h, hd): h = n_heads, or a worker's heads (its rows of wq_b)
-    q = apply_rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, rd)
+    q = ops.rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, rd, False)
 
     kv = ops.rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"),
                                      model.p(layer, "attn.wkv.scale")),
                       model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
-    win_codes, win_scales = ops.quant_fp8(apply_rope(kv, cos, sin, rd).float())
+    win_codes, win_scales = ops.quant_fp8(ops.rope(kv, cos, sin, rd, False).float())
     ring = cache.windows[layer]
-    win = window_inputs(ring, win_codes, win_scales, chunk, a.window_size)
-    write_ring(ring, win_codes, win_scales, chunk.start, a.window_size)
+    win = window_inputs(ring, win_codes, win_scales, chunk, a.window_size)  # writes the ring
 
     store, idx = None, torch.full_like(x[..., :1], -1, dtype=torch.int32)  # (b, s, 1): none
     if p.ratio:
@@ -730,7 +740,7 @@ def output_proj(model: Model, layer: int, o: torch.Tensor, cos, sin) -> torch.Te
     """Inverse RoPE on the attention output, then the grouped wo_a and wo_b."""
     a = model.args
     b, s = o.shape[:2]
-    o = apply_rope(o, cos, sin, a.rope_head_dim, inverse=True)
+    o = ops.rope(o, cos, sin, a.rope_head_dim, True)
     wo_a = model.p(layer, "attn.wo_a.weight")
     groups = wo_a.size(0) // a.o_lora_rank  # o_groups, or a worker's (its rows of wo_a)
     o = o.reshape(b, s, groups, -1)  # (b, s, g, h*hd/g)

@@ -15,6 +15,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `moe_experts`:   the routed FP4 experts for the selected ids
 - `scatter_rows`:  cache writes: rows into given rows of a store or ring (compiled in place)
 - `rms_norm`:      RMSNorm of bf16 rows with a bf16 weight
+- `rope`:          RoPE on the last rd dims of bf16 rows (the rest copied)
 - `hc_pre_mix`:    a sublayer's mHC mixes of the stream + its collapse (lagged pre) + RMSNorm
 - `hc_post`:       the sublayer's output mixed back into the hc streams
 - `engram_rows`:   an Engram layer's table rows at the chunk's hash ids (no kernel: compiled, it
@@ -74,6 +75,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @rms_norm.register_fake
 def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dsv41::rope", mutates_args=())
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int,
+         inverse: bool) -> torch.Tensor:
+    """`layers.apply_rope` of bf16 x (b, s, d) or (b, s, h, d) with fp32 cos / sin
+    (b or 1, s, rd/2): bf16 like x."""
+    if x.dtype != torch.bfloat16 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"dsv41::rope takes bf16 x and fp32 cos / sin, got {x.dtype}, "
+                         f"{cos.dtype} and {sin.dtype}.")
+    if x.dim() not in (3, 4) or cos.shape != sin.shape or cos.dim() != 3 \
+            or cos.size(0) not in (1, x.size(0)) or cos.size(1) != x.size(1) \
+            or 2 * cos.size(2) != rd or not 0 < rd <= x.size(-1):
+        raise ValueError(f"dsv41::rope needs x (b, s, [h,] d) and cos / sin (b or 1, s, rd/2) "
+                         f"with 0 < rd <= d; got x {tuple(x.shape)}, cos {tuple(cos.shape)}, "
+                         f"sin {tuple(sin.shape)}, rd {rd}.")
+    return layers.apply_rope(x, cos, sin, rd, inverse)
+
+
+@rope.register_fake
+def _(x, cos, sin, rd, inverse):
     return torch.empty_like(x)
 
 
