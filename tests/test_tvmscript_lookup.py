@@ -17,8 +17,8 @@ def test_installed_on_import():
 
 
 def _kernels():
-    """Kernels whose bodies nest macros (the verify GEMV: macros calling macros)."""
-    return [make_fp8_gemv_bf16(n=64, k=128, rows=2), make_fp8_gemv_bf16(n=64, k=64)]
+    """A kernel whose body nests macros (the verify GEMV: macros calling macros)."""
+    return [make_fp8_gemv_bf16(n=64, k=128, rows=2)]
 
 
 def test_same_kernels_as_tvms_own_lookup(monkeypatch):
