@@ -169,6 +169,16 @@ class RmsNormKey(KernelKey):
 
 
 @dataclass(frozen=True)
+class RouteTopkKey(KernelKey):
+    kind: ClassVar[str] = "route_topk"
+    e: int
+    k: int
+    normalize: bool
+    route_scale: float
+    bias_rows: bool  # a bias per row (the image-span rows'), else one for all rows
+
+
+@dataclass(frozen=True)
 class RopeKey(KernelKey):
     kind: ClassVar[str] = "rope"
     h: int  # heads per row (1 for a (b, s, d) tensor)
@@ -243,8 +253,8 @@ class DenseGemmKey(DenseGemvKey):
 KEY_KINDS: dict[str, type[KernelKey]] = {
     cls.kind: cls for cls in (Fp8LinearKey, Fp8DequantKey, SparseAttendKey, IndexScoresKey,
                               IndexScoresSharedKey, SelectPositionsKey, SelectBlocksKey, PoolKey,
-                              MoeKey, ScatterRowsKey, RmsNormKey, RopeKey, HcPreMixKey,
-                              HcPostKey, QuantKey, DenseGemvKey, DenseGemmKey)}
+                              MoeKey, RouteTopkKey, ScatterRowsKey, RmsNormKey, RopeKey,
+                              HcPreMixKey, HcPostKey, QuantKey, DenseGemvKey, DenseGemmKey)}
 
 
 def key_from_dict(d: dict) -> KernelKey:

@@ -40,6 +40,7 @@ from dsv41.compiler.kernel_keys import (
     QuantKey,
     RmsNormKey,
     RopeKey,
+    RouteTopkKey,
     ScatterRowsKey,
     SelectBlocksKey,
     SelectPositionsKey,
@@ -48,7 +49,18 @@ from dsv41.compiler.kernel_keys import (
 from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
 from dsv41.graph.ops import ENGRAM_ROWS_FUNC
 from dsv41.graph.targets import TargetSpec
-from dsv41.schedules import attention, cache_write, gemm, indexer, mhc, moe, norm, quant, rope
+from dsv41.schedules import (
+    attention,
+    cache_write,
+    gemm,
+    indexer,
+    mhc,
+    moe,
+    norm,
+    quant,
+    rope,
+    router,
+)
 from dsv41.schedules.tuning_space import Task, as_module_kernel, signature
 
 Converter = Callable[[Lowering], Callable]  # the per-module converter of one torch op
@@ -308,6 +320,21 @@ def _rms_norm(ctx: Lowering):
     return convert
 
 
+def _route_topk(ctx: Lowering):
+    def convert(node, importer):
+        scores, bias = importer.env[node.args[0]], importer.env[node.args[1]]
+        n, e = shape(scores)
+        key = RouteTopkKey(e=static(e), k=int(node.args[2]), normalize=bool(node.args[3]),
+                           route_scale=float(node.args[4]), bias_rows=len(shape(bias)) == 2)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        out = [tensor([n, key.k], "float32"), tensor([n, key.k], "int64")]
+        res = call(importer, gv, [scores, bias], out)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
+
+    return convert
+
+
 def _rope(ctx: Lowering):
     """x (b, s, d) is the kernel's (b, s, 1, d) (a reshape: a view)."""
 
@@ -534,6 +561,12 @@ REGISTRY: tuple[KernelEntry, ...] = (
         "rms_norm", (RmsNormKey,), norm.build_rms_norm, norm.norm_config,
         norm.schedule_rms_norm, {"rms_norm.default": _rms_norm},
         build=lambda key, t: norm.build_rms_norm(t, d=key.d, eps=key.eps)),
+    KernelEntry(
+        "route_topk", (RouteTopkKey,), router.build_route_topk, router.router_config,
+        router.schedule_route_topk, {"route_topk.default": _route_topk},
+        build=lambda key, t: router.build_route_topk(
+            t, e=key.e, k=key.k, normalize=key.normalize, route_scale=key.route_scale,
+            bias_rows=key.bias_rows)),
     KernelEntry(
         "rope", (RopeKey,), rope.build_rope, rope.rope_config, rope.schedule_rope,
         {"rope.default": _rope},

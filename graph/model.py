@@ -780,11 +780,7 @@ def moe(model: Model, layer: int, x: torch.Tensor,
     bias = model.p(layer, "ffn.gate.bias")  # (E,)
     if vl_mask is not None:
         bias = torch.where(vl_mask.reshape(-1, 1), model.p(layer, "ffn.gate.bias_vl"), bias)
-    _, ids = ops.stable_topk(scores + bias, k)
-    weights = scores.gather(1, ids)
-    if a.norm_topk_prob and k > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * a.route_scale
+    weights, ids = ops.route_topk(scores, bias, k, bool(a.norm_topk_prob), float(a.route_scale))
     ex = model.experts[layer]
     if model.shard is not None:  # expert parallel: this worker's experts, the rest to its null
         n_routed, _ = a.moe_config(layer)

@@ -12,6 +12,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `indexer_topk_shared`: the same, each token over the store the shared index-K pointer names
 - `hier_topk`:     the candidate source's sweep + candidate blocks + its own top-k
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
+- `route_topk`:    the MoE router's top-k experts of the biased scores and their weights
 - `moe_experts`:   the routed FP4 experts for the selected ids
 - `scatter_rows`:  cache writes: rows into given rows of a store or ring (compiled in place)
 - `rms_norm`:      RMSNorm of bf16 rows with a bf16 weight
@@ -551,6 +552,31 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         up = torch.clamp(up, min=-limit, max=limit)
         gate = torch.clamp(gate, max=limit)
     return torch.nn.functional.silu(gate) * up
+
+
+@torch.library.custom_op("dsv41::route_topk", mutates_args=())
+def route_topk(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,
+               route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice: ids int64 (n, k) = the k largest of scores + bias (`stable_topk`),
+    weights fp32 (n, k) = scores at ids, divided by their sum + 1e-20 when `normalize` and
+    k > 1, times `route_scale`. scores fp32 (n, E); bias fp32 (E,) or (n, E)."""
+    if scores.dtype != torch.float32 or bias.dtype != torch.float32 or scores.dim() != 2 \
+            or bias.shape not in ((scores.size(1),), scores.shape) \
+            or not 0 < k <= scores.size(1):
+        raise ValueError(f"dsv41::route_topk takes fp32 scores (n, E), bias (E,) or (n, E) and "
+                         f"0 < k <= E; got {scores.dtype} {tuple(scores.shape)}, {bias.dtype} "
+                         f"{tuple(bias.shape)}, k {k}.")
+    _, ids = stable_topk(scores + bias, k)
+    weights = scores.gather(1, ids)
+    if normalize and k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * route_scale, ids
+
+
+@route_topk.register_fake
+def _(scores, bias, k, normalize, route_scale):
+    n = scores.size(0)
+    return scores.new_empty(n, k), scores.new_empty(n, k, dtype=torch.int64)
 
 
 @torch.library.custom_op("dsv41::moe_experts", mutates_args=())

@@ -36,6 +36,7 @@ EXAMPLES = (  # one key of every kind
            func="moe_route"),
     kk.ScatterRowsKey(width=512, dtype="bfloat16"), kk.RmsNormKey(d=64, eps=1e-6),
     kk.RopeKey(h=4, d=128, rd=64, inverse=True),
+    kk.RouteTopkKey(e=16, k=2, normalize=True, route_scale=1.5, bias_rows=False),
     kk.HcPreMixKey(hc=4, d=64, iters=20, norm_eps=1e-6, hc_eps=1e-6), kk.HcPostKey(hc=4, d=64),
     QuantKey(op="quant_mxfp4", d=128),
     kk.DenseGemvKey(groups=2, n=32, k=64, x_dtype="bfloat16", w_dtype="float32"),

@@ -1,0 +1,131 @@
+"""The MoE router's top-k as one kernel (oracle: `dsv41::route_topk`, graph/ops.py).
+
+`route_topk(scores, bias) -> (weights, ids)`: scores fp32 [n, E] (the gate's activated scores),
+bias fp32 [E] (or [n, E]: per-row, the image-span rows' bias); per row, ids int64 [n, k] are the
+k largest of scores + bias in `stable_topk`'s order (value descending, NaN above everything,
+-0 equal to +0, ties to the lower expert), weights fp32 [n, k] the unbiased scores at those ids,
+divided by their sum + 1e-20 when `normalize` and k > 1, then times `route_scale`.
+
+In place of the six generic kernels TVM made of the oracle (the bias add, a stable argsort of
+all E experts, the slice, the gather, the sum, the normalisation): k passes over the row, each
+picking the largest item after the previous pick in that order (no sort, no scratch). The
+weight arithmetic is the oracle's, operation for operation, with the k weights summed in order
+from the first pick (TVM's sum did the same; torch's own reduction order may differ by an
+ulp of the sum: the tests' tolerance).
+
+Layout: one block per row; CPU: rows in parallel; CUDA: one thread per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from dsv41.graph.targets import TargetSpec, get_target
+
+
+def _check(*, e: int, k: int) -> None:
+    if e <= 0 or not 0 < k <= e:
+        raise ValueError(f"route_topk needs 0 < k <= e; got e={e}, k={k}.")
+
+
+def order_key(v):
+    """fp32 -> uint32 whose unsigned order is `stable_topk`'s value order: NaN (any sign) above
+    +inf, -0 equal to +0, the rest by value."""
+    u = T.reinterpret("uint32", v)
+    u = T.Select(u == T.uint32(0x80000000), T.uint32(0), u)
+    nan = (u & T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000)
+    ordered = T.Select(u >= T.uint32(0x80000000), ~u, u | T.uint32(0x80000000))
+    return T.Select(nan, T.uint32(0xFFFFFFFF), ordered)
+
+
+def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
+                    bias_rows: bool = False) -> tvm.tirx.PrimFunc:
+    """`route_topk(scores, bias) -> (weights, ids)` (module docstring), n symbolic; bias [E], or
+    [n, E] with `bias_rows`."""
+    _check(e=e, k=k)
+    E, K = T.int64(e), T.int64(k)
+    norm = normalize and k > 1
+
+    def biased(scores, bias, r, i):
+        return scores[r, i] + (bias[r, i] if bias_rows else bias[i])
+
+    @T.prim_func(s_tir=True)
+    def route_topk(s_h: T.handle, b_h: T.handle, w_h: T.handle, id_h: T.handle):
+        T.func_attr({"global_symbol": "route_topk", "tirx.noalias": True})
+        n = T.int64()
+        scores = T.match_buffer(s_h, (n, E), "float32")
+        bias = T.match_buffer(b_h, (n, E) if bias_rows else (E,), "float32")
+        weights = T.match_buffer(w_h, (n, K), "float32")
+        ids = T.match_buffer(id_h, (n, K), "int64")
+        for r in range(n):
+            with T.sblock("route"):
+                vr = T.axis.spatial(n, r)
+                T.reads(scores[vr, 0:E], bias[vr, 0:E] if bias_rows else bias[0:E])
+                T.writes(weights[vr, 0:K], ids[vr, 0:K])
+                prev_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                prev_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                best_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                best_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                prev_key[0] = T.uint32(0xFFFFFFFF)  # "before" every item
+                prev_id[0] = T.int64(-1)
+                for j in range(K):
+                    best_id[0] = E  # none yet
+                    best_key[0] = T.uint32(0)
+                    for i in range(E):
+                        key = order_key(biased(scores, bias, vr, i))
+                        after = (key < prev_key[0]) or (key == prev_key[0] and i > prev_id[0])
+                        if after and (best_id[0] == E or key > best_key[0]):
+                            best_key[0] = key
+                            best_id[0] = i
+                    ids[vr, j] = best_id[0]
+                    prev_key[0] = best_key[0]
+                    prev_id[0] = best_id[0]
+                total[0] = T.float32(0)
+                for j in range(K):
+                    weights[vr, j] = scores[vr, ids[vr, j]]
+                    total[0] = total[0] + weights[vr, j]
+                for j in range(K):
+                    if norm:
+                        weights[vr, j] = weights[vr, j] / (total[0] + T.float32(1e-20))
+                    weights[vr, j] = weights[vr, j] * T.float32(route_scale)
+
+    return route_topk
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """CUDA: `threads` rows (one a thread) per thread block; CPU: rows in parallel."""
+
+    threads: int = 64
+
+
+def router_config(target: TargetSpec) -> RouterConfig:
+    del target
+    return RouterConfig()
+
+
+def schedule_route_topk(func: tvm.tirx.PrimFunc, config: RouterConfig,
+                        target: TargetSpec) -> tvm.tirx.PrimFunc:
+    sch = s_tir.Schedule(func)
+    (rows,) = sch.get_loops(sch.get_sblock("route"))
+    if target.is_cuda:
+        bx, tx = sch.split(rows, [None, config.threads])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    else:
+        sch.parallel(rows)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def build_route_topk(target_name: str, *, e: int, k: int, normalize: bool, route_scale: float,
+                     bias_rows: bool = False) -> tvm.tirx.PrimFunc:
+    """make + config + schedule for `target_name` (a cuda_build builder)."""
+    target = get_target(target_name)
+    return schedule_route_topk(
+        make_route_topk(e=e, k=k, normalize=normalize, route_scale=route_scale,
+                        bias_rows=bias_rows), router_config(target), target)

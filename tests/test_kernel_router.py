@@ -1,0 +1,93 @@
+"""The router's top-k kernel (schedules/router.py) against the graph's op `dsv41::route_topk`
+(graph/ops.py: `stable_topk` of the biased scores, the unbiased weights, normalised, scaled).
+
+Tolerance: ids exactly the oracle's (ties to the lower expert, NaN above everything, -0 equal
+to +0); weights bit-identical to the oracle's arithmetic with the k weights summed in pick
+order (the kernel's and TVM's generic sum's order), and within 4 fp32 ulps of torch's own sum
+(its reduction order differs: measured at most 2 ulps on these cases); rows whose oracle
+weights are NaN are NaN."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import tvm
+from kernel_numerics import cuda_build, tv
+
+from dsv41.graph import ops
+from dsv41.graph.targets import get_target
+from dsv41.schedules import router as R
+
+CPU = get_target("cpu")
+
+
+@functools.cache
+def _kernel(e: int, k: int, normalize: bool, route_scale: float, bias_rows: bool):
+    func = R.build_route_topk("cpu", e=e, k=k, normalize=normalize, route_scale=route_scale,
+                              bias_rows=bias_rows)
+    return tvm.compile(func, target=CPU.tvm_target())
+
+
+def _scores(n: int, e: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, e, generator=g).sigmoid()
+    s[0] = 0.5  # every expert tied
+    s[1, 3] = float("nan")
+    s[2, : e // 2], s[2, e // 2 :] = -0.0, 0.0  # signed zeros tie
+    s[3, -2:] = float("inf")
+    s[4, : e // 4] = s[4, e // 4]  # a run of equal values
+    return s
+
+
+def _pick_order_weights(scores, ids, normalize, route_scale):
+    w = scores.gather(1, ids)
+    if not (normalize and ids.size(1) > 1):
+        return w * route_scale
+    total = torch.zeros(w.size(0))
+    for j in range(w.size(1)):
+        total = total + w[:, j]
+    return w / (total + 1e-20).unsqueeze(1) * route_scale
+
+
+@pytest.mark.parametrize("e,k,normalize,route_scale,bias_rows", [
+    (256, 6, True, 2.5, False),  # bench's router
+    (16, 2, True, 1.5, True),  # an image span's rows: a bias per row
+    (64, 8, False, 0.7, False),
+    (8, 1, True, 1.0, False),  # k = 1: no normalisation
+])
+def test_matches_the_oracle(e, k, normalize, route_scale, bias_rows):
+    n = 41
+    scores = _scores(n, e, seed=e + k)
+    g = torch.Generator().manual_seed(k)
+    bias = torch.randn(*((n, e) if bias_rows else (e,)), generator=g) * 0.01
+    if not bias_rows:
+        bias[e // 2] = 0.0
+    w, ids = torch.empty(n, k), torch.empty(n, k, dtype=torch.int64)
+    _kernel(e, k, normalize, route_scale, bias_rows)(tv(scores), tv(bias), tv(w), tv(ids))
+    ref_w, ref_ids = ops.route_topk(scores, bias, k, normalize, route_scale)
+    assert torch.equal(ids, ref_ids)
+    nan = ref_w.isnan()
+    assert torch.equal(w.isnan(), nan)
+    exact = _pick_order_weights(scores, ids, normalize, route_scale)
+    assert torch.equal(w[~nan], exact[~nan])
+    ulps = (w[~nan].view(torch.int32) - ref_w[~nan].view(torch.int32)).abs()
+    assert int(ulps.max()) <= 4
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="0 < k <= e"):
+        R.make_route_topk(e=8, k=9, normalize=True, route_scale=1.0)
+    s = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="route_topk takes fp32 scores"):
+        ops.route_topk(s, torch.zeros(7), 2, True, 1.0)
+    with pytest.raises(ValueError, match="route_topk takes fp32 scores"):
+        ops.route_topk(s.double(), torch.zeros(8), 2, True, 1.0)
+    with pytest.raises(ValueError, match="route_topk takes fp32 scores"):
+        ops.route_topk(s, torch.zeros(8), 0, True, 1.0)
+
+
+def test_cuda_build_has_device_code(tmp_path):
+    cuda_build(tmp_path, "router", "build_route_topk",
+               dict(e=256, k=6, normalize=True, route_scale=2.5), "cuda-sm90")
