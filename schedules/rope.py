@@ -29,10 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tvm
-from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec, get_target
+from dsv41.schedules.common.rows import schedule_block_rows
 
 COPY = 32  # bf16 lanes the vector form copies a step
 PAIRS = 16  # pairs the vector form rotates a step (one fp32 vector of re, one of im)
@@ -156,15 +156,7 @@ def rope_config(target: TargetSpec, *, d: int, rd: int) -> RopeConfig:
 
 def schedule_rope(func: tvm.tirx.PrimFunc, config: RopeConfig,
                   target: TargetSpec) -> tvm.tirx.PrimFunc:
-    sch = s_tir.Schedule(func)
-    rows = sch.fuse(*sch.get_loops(sch.get_sblock("rope")))
-    if target.is_cuda:
-        bx, tx = sch.split(rows, [None, config.threads])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-    else:
-        sch.parallel(rows)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    return schedule_block_rows(func, "rope", target, threads=config.threads)
 
 
 def build_rope(target_name: str, *, h: int, d: int, rd: int,

@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tvm
-from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec, get_target
+from dsv41.schedules.common.rows import schedule_block_rows
 
 
 def _check(*, e: int, k: int) -> None:
@@ -111,15 +111,7 @@ def router_config(target: TargetSpec) -> RouterConfig:
 
 def schedule_route_topk(func: tvm.tirx.PrimFunc, config: RouterConfig,
                         target: TargetSpec) -> tvm.tirx.PrimFunc:
-    sch = s_tir.Schedule(func)
-    (rows,) = sch.get_loops(sch.get_sblock("route"))
-    if target.is_cuda:
-        bx, tx = sch.split(rows, [None, config.threads])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-    else:
-        sch.parallel(rows)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    return schedule_block_rows(func, "route", target, threads=config.threads)
 
 
 def build_route_topk(target_name: str, *, e: int, k: int, normalize: bool, route_scale: float,
