@@ -62,6 +62,25 @@ def test_the_stand_in_is_a_valid_sharded_artifact(tmp_path, checkpoint):
     assert (spec.shards, spec.entries) == (SHARDS, ("prefill_all", "decode"))
 
 
+def test_an_amx_build_asks_for_amx_before_its_workers_start(tmp_path, checkpoint, monkeypatch):
+    """The disco workers are threads of this process, and the first tile instruction of a
+    process without AMX permission is a SIGILL: reading a sharded artifact built with AMX asks
+    for it (`check_cpu_features`), and refuses where it is not granted."""
+    import dsv41.runtime.backends.artifact as artifact_module
+
+    d = stand_in(tmp_path / "art", checkpoint)
+    m = json.loads((d / "manifest.json").read_text())
+    m["target"] = {"name": "cpu", "tvm": {"kind": "llvm", "mattr": ["+amx-tile", "+amx-bf16"]}}
+    write_manifest(d, m)
+    asked = []
+    monkeypatch.setattr(artifact_module, "request_amx", lambda: asked.append(1) or False)
+    with pytest.raises(ArtifactError, match="compiled with AMX kernels"):
+        read_sharded(d, shards=SHARDS)
+    monkeypatch.setattr(artifact_module, "request_amx", lambda: asked.append(1) or True)
+    assert read_sharded(d, shards=SHARDS).shards == SHARDS
+    assert len(asked) == 2
+
+
 def test_another_worker_count_is_refused(tmp_path, checkpoint):
     d = stand_in(tmp_path / "art", checkpoint)
     with pytest.raises(ArtifactError, match="compiled for 2 workers; 4 were asked for"):

@@ -30,6 +30,7 @@ from dsv41.graph.artifact_format import (  # noqa: F401 (the format's names, re-
     ArtifactError,
     EntrySpec,
     Manifest,
+    ShardedManifest,
     TensorSpec,
     artifact_key,
     check_seal,
@@ -72,9 +73,10 @@ def read_manifest(artifact_dir: str | Path) -> Manifest:
     return Manifest.from_json(read_manifest_json(artifact_dir), where=str(artifact_dir))
 
 
-def check_cpu_features(d: Path, m: Manifest) -> None:
+def check_cpu_features(d: Path, m: Manifest | ShardedManifest) -> None:
     """An artifact built with AMX kernels runs only in a process that holds AMX permission (it
-    is asked for here); elsewhere its first tile instruction would kill the process."""
+    is asked for here: for every thread of the process, a ThreadedSession's disco workers
+    included); elsewhere its first tile instruction would kill the process (SIGILL)."""
     tvm_target = thaw(m.target.tvm)
     if isinstance(tvm_target, dict) and uses_amx(tvm_target) and not request_amx():
         raise ArtifactError(f"{d} was compiled with AMX kernels, which this CPU or OS does not "

@@ -51,6 +51,7 @@ from dsv41.runtime.backends.artifact import (
     ArtifactError,
     EntrySpec,
     TensorSpec,
+    check_cpu_features,
     read_manifest_json,
     sha256_file,
     thaw,
@@ -92,6 +93,7 @@ def verify_sharded(artifact_dir: str | Path, *,
     if m.versions["tvm"] != tvm.__version__:
         raise ArtifactError(f"{d} was built with TVM {m.versions['tvm']}; this process has "
                             f"{tvm.__version__}. Recompile it.")
+    check_cpu_features(d, m)  # the workers are this process's threads
     for name, digest in m.files.items():
         if not (d / name).is_file() or sha256_file(d / name) != digest:
             raise ArtifactError(f"{d}: {name} is missing or does not match its checksum.")
