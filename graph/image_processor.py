@@ -14,17 +14,33 @@ import math
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
 
 from dsv41.graph.config import ModelArgs
+
+if TYPE_CHECKING:  # the annotations only; PIL itself is imported when an image is handled
+    from PIL import Image
 
 PAD_COLOR = (127, 127, 127)
 # the most pixels an image may have before it is decoded (its header is read first): the planning
 # shrinks any image to vision_max_n_token positions, so this bounds only the decoder's memory
 MAX_PIXELS = 1 << 26
+
+
+def pil_image() -> ModuleType:
+    """`PIL.Image`, imported when an image is first handled, so that a runtime without Pillow
+    (a `dsv41 bundle`'s, text only) runs; ValueError saying what to install where it is
+    missing."""
+    try:
+        from PIL import Image, ImageOps  # noqa: F401 (ImageOps: its module is loaded here)
+    except ModuleNotFoundError as e:
+        raise ValueError("Images need Pillow, which this Python does not have "
+                         "(`pip install pillow`).") from e
+    return Image
 
 
 class TokenType(IntEnum):
@@ -129,13 +145,14 @@ def decode_image(data: bytes | str | Path) -> Image.Image:
         raw = _read_path(Path(data))
     else:
         raw = _b64(data)
+    image = pil_image()
     try:
-        img = Image.open(io.BytesIO(raw))  # reads the header only
+        img = image.open(io.BytesIO(raw))  # reads the header only
         if img.width * img.height > MAX_PIXELS:
             raise ValueError(f"The image is {img.width} x {img.height} pixels; at most "
                              f"{MAX_PIXELS:,} pixels are decoded.")
         img.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+    except (image.UnidentifiedImageError, OSError, image.DecompressionBombError) as e:
         raise ValueError(f"The image data could not be decoded by PIL: {e}.") from e
     return img.convert("RGB")
 
@@ -164,12 +181,14 @@ class PreparedImage:
 def preprocess(image: Image.Image, args: ModelArgs) -> PreparedImage:
     """Resize-and-pad (PIL bicubic, centred on gray), x / 255 -> (x - 0.5) / 0.5 in fp32, bf16,
     then the [3, n_vit_h, p, n_vit_w, p] -> [N, 3, p, p] patching."""
+    from PIL import ImageOps  # loaded with pil_image, which made `image`
+
     p = args.vision_patch_size
     image = image.convert("RGB")
     grid = plan_image_grid(image.width, image.height, args)
     ratio = args.vision_max_wh_ratio
     if ratio is not None and image.width > image.height * ratio:
-        image = image.resize((grid.width, grid.height), Image.Resampling.BICUBIC)
+        image = image.resize((grid.width, grid.height), pil_image().Resampling.BICUBIC)
     else:
         image = ImageOps.pad(image, (grid.width, grid.height), color=PAD_COLOR)
     x = np.asarray(image, dtype=np.float32) / 255.0  # (H, W, 3)

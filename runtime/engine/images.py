@@ -31,13 +31,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 
 from dsv41.graph.image_processor import (
     MAX_PIXELS,
     ImageGrid,
     PreparedImage,
     load_image,
+    pil_image,
     plan_image_grid,
     preprocess,
 )
@@ -84,8 +84,12 @@ def data_uri_image(url: str) -> bytes:
     except (binascii.Error, ValueError):
         raise RequestError("The image_url's data is not valid base64.") from None
     try:
-        head = Image.open(io.BytesIO(raw))  # the header only
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+        image = pil_image()
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    try:
+        head = image.open(io.BytesIO(raw))  # the header only
+    except (image.UnidentifiedImageError, OSError, image.DecompressionBombError) as e:
         raise RequestError(f"The image_url's data could not be decoded as an image: {e}.") \
             from None
     found = head.format
@@ -154,6 +158,10 @@ def image_size(image) -> tuple[int, int] | None:
     if hasattr(image, "convert") and hasattr(image, "size"):  # a PIL image
         return tuple(image.size)
     try:
+        pil = pil_image()
+    except ValueError:  # no Pillow: `prepare` says so
+        return None
+    try:
         if isinstance(image, Path) or (isinstance(image, str) and _is_file(image)):
             source = io.BytesIO(Path(image).read_bytes())
         elif isinstance(image, bytes):
@@ -163,10 +171,10 @@ def image_size(image) -> tuple[int, int] | None:
                 "data:") else image, validate=True))
         else:
             return None
-        with Image.open(source) as head:
+        with pil.open(source) as head:
             return head.width, head.height
-    except (UnidentifiedImageError, OSError, ValueError, binascii.Error,
-            Image.DecompressionBombError):
+    except (pil.UnidentifiedImageError, OSError, ValueError, binascii.Error,
+            pil.DecompressionBombError):
         return None
 
 

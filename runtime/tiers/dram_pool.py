@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import psutil
 
 from dsv41.runtime.tiers.base import NO_META, ArrayCheck
 
@@ -130,8 +130,9 @@ HOST_MEMORY_SHARE = 0.10  # of the host's memory, the pool's default budget (the
 
 
 def default_budget_bytes() -> int:
-    """10% of this host's physical memory (psutil)."""
-    return int(psutil.virtual_memory().total * HOST_MEMORY_SHARE)
+    """10% of this host's physical memory (POSIX sysconf: a `dsv41 bundle`'s runtime has no
+    psutil)."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * HOST_MEMORY_SHARE)
 
 
 class SnapshotPool:
