@@ -165,6 +165,8 @@ def evaluate(case: Case, result: ScoreResult) -> Report:
             ma = np.concatenate([result.selections[k] for k in mk])
             m["index_jaccard_mean"][key] = _jaccard(ga, ma)
     for key in case.bounds.get("hidden_states_rel_l2_max", {}):
+        if key not in g:  # a golden `against` another engine holds no hidden states
+            continue
         p = len(g[key])  # the prompt's rows (vision: the patches or aligned tokens)
         if key in result.hidden and len(result.hidden[key]) == p:  # CED: replay rows only
             e = _rel_l2(result.hidden[key].reshape(p, -1), g[key].reshape(p, -1))
