@@ -36,7 +36,7 @@ def pil_image() -> ModuleType:
     (a `dsv41 bundle`'s, text only) runs; ValueError saying what to install where it is
     missing."""
     try:
-        from PIL import Image, ImageOps  # noqa: F401 (ImageOps: its module is loaded here)
+        from PIL import Image
     except ModuleNotFoundError as e:
         raise ValueError("Images need Pillow, which this Python does not have "
                          "(`pip install pillow`).") from e
@@ -181,14 +181,14 @@ class PreparedImage:
 def preprocess(image: Image.Image, args: ModelArgs) -> PreparedImage:
     """Resize-and-pad (PIL bicubic, centred on gray), x / 255 -> (x - 0.5) / 0.5 in fp32, bf16,
     then the [3, n_vit_h, p, n_vit_w, p] -> [N, 3, p, p] patching."""
-    from PIL import ImageOps  # loaded with pil_image, which made `image`
+    from PIL import Image, ImageOps  # `image` is a PIL image: Pillow is here
 
     p = args.vision_patch_size
     image = image.convert("RGB")
     grid = plan_image_grid(image.width, image.height, args)
     ratio = args.vision_max_wh_ratio
     if ratio is not None and image.width > image.height * ratio:
-        image = image.resize((grid.width, grid.height), pil_image().Resampling.BICUBIC)
+        image = image.resize((grid.width, grid.height), Image.Resampling.BICUBIC)
     else:
         image = ImageOps.pad(image, (grid.width, grid.height), color=PAD_COLOR)
     x = np.asarray(image, dtype=np.float32) / 255.0  # (H, W, 3)
