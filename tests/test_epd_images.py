@@ -239,6 +239,7 @@ def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_pat
 
     from dsv41.runtime.serving.app import free_port
     from dsv41.runtime.serving.metrics import parse_metrics
+    from dsv41.runtime.serving.openai_api import parse_chat
     from dsv41.runtime.serving.tokenizer import Tokenizer
 
     if not CASE.exists():
@@ -257,7 +258,12 @@ def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_pat
         ims = [[A], [], [B], [], [A], [], [C], []][k]  # one ~200-position span fits 256
         content = [{"type": "text", "text": text}, *(uri(x) for x in ims)]
         chats.append([{"role": "user", "content": content}])
-        refs.append(([tok.special.bos, *tok.encode(text), *[IMG] * len(ims)], ims))
+        # the server's own prompt for the chat (the chat format: markers, the blank line
+        # before an image part, the assistant's opening)
+        req = parse_chat({"model": ckpt.name, "messages": chats[-1]}, tok, model_name=ckpt.name,
+                         vocab_size=model.args.vocab_size, image_token_id=IMG)
+        assert req.prompt_ids.count(IMG) == len(ims)
+        refs.append((list(req.prompt_ids), ims))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with _engine(model, tmp_path / "ref") as e:  # the single-process engine
         b = Batcher(e, tokenizer=tok, max_running=8)
