@@ -184,7 +184,7 @@ def test_traffic_formulas_at_bench_sizes():
 
 
 def test_bench_cases_use_the_preset_sizes():
-    cases = {c.name: c.d() for c in bench.default_cases("bench")}
+    cases = {c.name: c.d() for c in bench.default_cases("bench", cold=64 << 20)}
     assert set(cases) == {"attend-s1", "attend-s2", "attend-s3", "attend-s4", "attend-s5",
                           "indexer-8K",
                           "indexer-64K", "indexer-256K", "indexer-1M", "indexer-shared-64K",
@@ -204,7 +204,8 @@ def test_bench_cases_use_the_preset_sizes():
                                            "copies": 4}
     assert cases["fp8-rowwise-wq_b-m5"]["rows"] == 1
     assert (cases["moe-verify-n3"]["rows"], cases["moe-verify-n3"]["copies"]) == (6, 6)
-    assert cases["fp8-wo_b-m1"] == {"n": 1024, "k": 8 * 512, "hint": 1, "m": 1}
+    assert cases["fp8-wo_b-m1"] == {"n": 1024, "k": 8 * 512, "hint": 1, "m": 1, "copies": 16}
+    assert cases["fp8-wq_a-m1"] == {"n": 512, "k": 1024, "hint": 1, "m": 1, "copies": 128}
     assert cases["gemv-wo_a-m1"] == {"groups": 8, "n": 512, "k": 64 * 512 // 8,
                                      "x_dtype": "bfloat16", "w_dtype": "bfloat16", "m": 1}
     # decode's o-projection kernel (no rows: one row per group) from memory, 2 copies
@@ -221,7 +222,7 @@ def test_bench_cases_use_the_preset_sizes():
     assert cases["moe-n128"]["n_experts"] == 16 and cases["moe-n128"]["topk"] == 2
     # the compiled model's rows_hint (compiler/build.py ROWS_HINT): decode 1, prefill None
     assert cases["moe-n1"]["hint"] == 1 and cases["moe-n128"]["hint"] is None
-    assert [c.name for c in bench.select_cases(bench.default_cases("bench"),
+    assert [c.name for c in bench.select_cases(bench.default_cases("bench", cold=64 << 20),
                                                ["fp8", "moe-n1"])] == \
         ["fp8-gemv-m1", "fp8-gemm-m128", "moe-n1", "fp8-wq_a-m1", "fp8-wkv-m1", "fp8-wo_b-m1",
          "fp8-shared_w1-m1", "fp8-shared_w2-m1",
@@ -289,3 +290,15 @@ def test_torch_compile_column(tmp_path):
     assert "compile" not in row["note"], row["note"]
     assert row["kernel_s"] == row["min_s"]["kernel"]  # stat="min" below
     assert json.loads((tmp_path / "c.json").read_text())["rows"][0]["case"] == "fp8-gemv-m1"
+
+
+def test_cycled_weights_fill_twice_the_last_level_cache():
+    """On a machine with a 300 MB L3 the 64 MB of copies stayed in the cache (219% of the
+    DRAM bandwidth): the copies fill cold_bytes(), twice the largest cache, 64 MB at least."""
+    assert bench.cold_bytes() == max(64 << 20, 2 * bench.last_level_cache_bytes())
+    big = {c.name: c.d() for c in bench.default_cases("bench", cold=600 << 20)}
+    assert big["fp8-verify-wq_b-m1"]["copies"] == -(-(600 << 20) // (32768 * 512))  # 38
+    assert big["fp8-wo_b-m1"]["copies"] == 150
+    assert big["gemv-decode-wo_a-m1"]["copies"] == 19  # 600 MiB / 32 MiB, rounded up
+    quick = {c.name: c.d() for c in bench.default_cases("bench", quick=True, cold=600 << 20)}
+    assert all(d.get("copies", 1) == 1 for d in quick.values())

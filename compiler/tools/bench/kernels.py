@@ -32,7 +32,10 @@ small OpenMP regions each waiting for a descheduled thread, vary by 10-100x; the
 one parallel region each, much less). The JSON keeps both.
 
 Inputs stay the same across samples, so the caches are warm: with a 300 MB L3 a working set
-below it can beat the DRAM roofline (ratio < 1), which the table shows rather than hides.
+below it can beat the DRAM roofline (ratio < 1), which the table shows rather than hides. The
+exceptions are the decode and verify weight cases (`copies` in their names' dims): their
+weights are cycled through twice the last-level cache of copies (`cold_bytes`), so each call
+reads its weights from memory, as a decode step does.
 """
 
 from __future__ import annotations
@@ -141,10 +144,37 @@ def _pow2_label(n: int) -> str:
     return str(n)
 
 
-def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Case]:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports for cpu0 (sysfs; 0 where it reports none)."""
+    sizes = [0]
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes)
+
+
+def cold_bytes() -> int:
+    """Bytes of weight copies a cycled case reads in turn so that each call reads its copy from
+    memory: twice the last-level cache (64 MB at least; on a 300 MB L3, 600 MB)."""
+    return max(64 << 20, 2 * last_level_cache_bytes())
+
+
+def copies_for(nbytes: int, *, quick: bool, cold: int) -> int:
+    """Copies of a `nbytes` weight that fill `cold` bytes (1 for a quick run)."""
+    return 1 if quick else max(1, -(-cold // max(1, nbytes)))
+
+
+def default_cases(preset_name: str = "bench", *, quick: bool = False,
+                  cold: int | None = None) -> list[Case]:
     """The issue-4 cases at the preset's real sizes; `quick` uses tiny fixed sizes instead (a
-    smoke run of the whole harness in seconds, not a measurement)."""
+    smoke run of the whole harness in seconds, not a measurement). The per-layer decode and
+    verify weights are cycled through `cold_bytes()` of copies, so they are read from memory
+    as a decode step reads them (`cold`: those bytes, None: this machine's `cold_bytes()`)."""
     a = preset(preset_name)
+    cold = cold_bytes() if cold is None else cold
     if quick:
         attn = dict(h=4, d=64, w=16, k=32)
         idx = dict(heads=4, dim=64, topk=16)
@@ -189,17 +219,18 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                    (*lin.items(), ("hint", m)), (("m", m),)) for m in lin_m]
     cases += [Case(f"moe-n{n}", "moe", (*moe.items(), ("hint", artifact_rows_hint(n))),
                    (("n", n),)) for n in moe_n]
-    cases += [Case(f"fp8-{name}-m1", "fp8", (("n", n), ("k", k), ("hint", 1)), (("m", 1),))
+    cases += [Case(f"fp8-{name}-m1", "fp8", (("n", n), ("k", k), ("hint", 1)),
+                   (("m", 1), ("copies", copies_for(n * k, quick=quick, cold=cold))))
               for name, (n, k) in decode_lin.items()]
     # the verify entry's kernels at its 1 + k rows: "verify" the row-group forms (each weight
     # load shared by the rows, bit for bit decode's kernel per row), "rowwise" decode's kernels
     # over the same rows (what the entry ran before); weights cycled through `copies` copies
-    # (64 MB and more: read from memory, as a decode step reads them, not from the L3)
+    # (`cold_bytes()`: read from memory, as a decode step reads them, not from the L3)
     verify_rows = 1 + a.dspark_block_size
     wq_b = (lin["n"], lin["k"])
-    fp8_copies = 1 if quick else max(1, -(-(64 << 20) // (wq_b[0] * wq_b[1])))
+    fp8_copies = copies_for(wq_b[0] * wq_b[1], quick=quick, cold=cold)
     moe_bytes = moe["n_experts"] * 3 * moe["dim"] * moe["inter"] * 17 // 32
-    moe_copies = 1 if quick else max(1, -(-(64 << 20) // moe_bytes))
+    moe_copies = copies_for(moe_bytes, quick=quick, cold=cold)
     forms = (("verify", verify_rows),) if quick else (("verify", verify_rows), ("rowwise", 1))
     ms = (2,) if quick else range(1, verify_rows + 1)
     for form, rows in forms:
@@ -210,7 +241,7 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                        (("n", m), ("copies", moe_copies))) for m in ms]
     # wo_b (K above 2048), the same two forms (appended: the cases above keep their order)
     wo_b = decode_lin.get("wo_b", (0, 0))
-    wo_b_copies = max(1, -(-(64 << 20) // max(1, wo_b[0] * wo_b[1])))
+    wo_b_copies = copies_for(wo_b[0] * wo_b[1], quick=quick, cold=cold)
     for form, rows in forms if "wo_b" in decode_lin else ():
         cases += [Case(f"fp8-{form}-wo_b-m{m}", "fp8",
                        (("n", wo_b[0]), ("k", wo_b[1]), ("hint", 1), ("rows", rows)),
@@ -219,9 +250,9 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False) -> list[Ca
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd)),
                    (("m", 1),)) for name, (g, n, k, wd) in decode_gemv.items()]
     # the verify entry's grouped o-projection (the row-group form) at 1 and 1 + k - 1 rows, its
-    # weight cycled through 64 MB+ of copies as the fp8 verify cases'
+    # weight cycled through `cold_bytes()` of copies as the fp8 verify cases'
     g, n, k, wd = decode_gemv["wo_a"]
-    gemv_copies = 1 if quick else max(1, -(-(64 << 20) // (g * n * k * 2)))
+    gemv_copies = copies_for(g * n * k * 2, quick=quick, cold=cold)
     cases += [Case(f"gemv-verify-wo_a-m{m}", "gemv",
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd),
                     ("rows", verify_rows)), (("m", m), ("copies", gemv_copies)))
