@@ -730,6 +730,31 @@ def test_dense_gemv_bf16_dot_fma_rows_equal_vdpbf16ps_bit_for_bit():
         assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), m
 
 
+@needs_avx512bf16
+def test_dense_gemv_bf16_dot_prefetch_changes_no_bit():
+    """The weight prefetch (`prefetch` column groups ahead, the config's 1) reads nothing the
+    sums see: every output equals the kernel without it bit for bit, at one row and in a
+    verify group, with partial column tiles, the last groups' reach clamped to the weight's
+    last row, and NaN / inf weights."""
+    groups, n, k = 3, 40, 96  # 40 columns: a tile of 32 and a partial one of 8
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(groups * n, k, generator=gen).to(torch.bfloat16)
+    w[n - 1, 5], w[0, k - 1] = float("nan"), float("inf")
+    target = get_target(CPU).tvm_target()
+    for rows, cb in ((1, 8), (6, 4)):
+        kernels = [tvm.compile(gemm.make_dense_gemv_bf16_dot(
+            groups=groups, n=n, k=k, rows=rows, tn=32, cb=cb, prefetch=p), target=target)
+            for p in (0, 1, 3)]
+        for m in (1, 5, 7):
+            x = torch.randn(m, groups, k, generator=gen).to(torch.bfloat16)
+            outs = [_run(ex, [x, w], (m, groups, n), torch.float32) for ex in kernels]
+            for out in outs[1:]:
+                assert torch.equal(outs[0].view(torch.int32), out.view(torch.int32)), (rows, m)
+    if has_avx512_bf16(get_target(CPU)):
+        assert gemm.dense_gemv_config(get_target(CPU), n=512, k=4096, x_dtype="bfloat16",
+                                      w_dtype="bfloat16").prefetch == 1
+
+
 def test_dense_gemv_config_kinds():
     """bf16_dot wherever the target has AVX-512 BF16 and x, w are bf16 with k % 32 == 0; the
     fp32 lanes form elsewhere (fp32 weights as the head's: bf16 products would not be exact);
