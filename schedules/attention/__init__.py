@@ -49,6 +49,11 @@ Why the kernel is shaped the way it is:
   2.35; two threads (wall, quiet windows) 0.268 -> 0.262 ms and 1.31 -> 1.19 ms. At one row
   half the staged blocks cross to the other core (tasks staging for themselves measured no
   better); the rows of a chunk stay mostly on the core that staged them.
+* The vector staging prefetches the lines of the global entry GLOB_PREFETCH places ahead
+  (its FP4 codes and scales) before decoding each one: the selection is scattered over the
+  store, which a decode step reads from memory. Measured on a Xeon model 207 (2 threads, the
+  store of 16K entries cycled through 128 copies, medians of interleaved calls): one row
+  335 -> 303 us, 5 rows 1018 -> 863 us; 4, 8 and 16 ahead alike. The outputs are the same.
 * Each (b, s) row is its own task, so the verify entry's 1 + k rows equal, bit for bit, the
   decode calls of those rows (greedy with speculation = greedy without).
 """
@@ -84,6 +89,9 @@ from dsv41.schedules.common import (
     fp4_to_f32,
     round_bf16,
 )
+from dsv41.schedules.common import (
+    prefetch as prefetch_line,
+)
 
 FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values
 FP4_BLOCK = 16  # global entries: one E4M3 scale per 16 values
@@ -94,6 +102,8 @@ NEG_BIG = -1e30  # the oracle's initial running max
 # took 45.5-46.2 ms in chunks of 2 rows against 54.2-54.8 ms in one chunk of 6 (8 MiB), whose
 # staged blocks went through L3 while the step streamed its weights.
 PRESTAGE_BYTES = (5 << 20) // 2
+CACHE_LINE = 64
+GLOB_PREFETCH = 8  # vector staging: global entries ahead whose lines are prefetched
 
 
 # ---- host-side validation ------------------------------------------------------------------------
@@ -326,6 +336,16 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                     * T.broadcast(sc[g], 16))
 
     @T.macro
+    def glob_prefetch(bufs, vb, vs, pos):
+        """The lines of global entry `pos` (FP4 codes and scales; a skipped entry's -1 reads
+        row 0): the selection is scattered over the store, so no hardware prefetcher sees
+        the next entry coming."""
+        row = T.meta_var(T.max(glob_row(bufs[4], vb, vs, pos), T.int64(0)))
+        for c in range(D // T.int64(2 * CACHE_LINE)):
+            prefetch_line(T.address_of(bufs[3][0][vb, row, c * T.int64(CACHE_LINE)]))
+        prefetch_line(T.address_of(bufs[3][1][vb, row, T.int64(0)]))
+
+    @T.macro
     def zero_row(kst, j):
         for c in range(D // T.int64(16)):
             kst[j, T.ramp(c * T.int64(16), 1, 16)] = enc(T.broadcast(T.float32(0), 16))
@@ -345,6 +365,9 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                     else:
                         zero_row(kst, k0 + j)
                 elif t * BLK + r * R + j < L:
+                    if GLOB_PREFETCH > 0 and kind == "fp4":  # static
+                        glob_prefetch(bufs, vb, vs, T.min(t * BLK + r * R + j + GLOB_PREFETCH,
+                                                          L - T.int64(1)))
                     if glob_row(bufs[4], vb, vs, t * BLK + r * R + j) >= T.int64(0):
                         row_glob(bufs, kst, sc, tbl, vb, k0 + j,
                                  glob_row(bufs[4], vb, vs, t * BLK + r * R + j))
