@@ -25,7 +25,6 @@ from dsv41.runtime.backends.tensors import to_tvm
 from dsv41.schedules import moe
 from dsv41.schedules.common import has_features
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
-from dsv41.schedules.moe import configs as moe_configs
 
 CPU = "cpu"
 LIMIT = 10.0
@@ -157,14 +156,11 @@ IDS6_MIXED = torch.tensor([[0, 5], [5, 1], [1, 5], [2, 3], [3, 0], [4, 0]])
 
 
 @needs_avx512
-def test_verify_chain_rows_bit_identical_to_decode(monkeypatch):
+def test_verify_chain_rows_bit_identical_to_decode():
     """The verify entry's chain (`rows` > 1: each route tile's rows share every weight load,
     `make_moe_gate_up_rows_avx512` / `make_moe_down_rows_avx512`) gives every token the exact
     fp32 y the decode chain gives that token alone: 1..6 tokens, tiles of 1..4 rows of one
-    expert, an expert with more rows than a tile, unused experts, partial 32-column tasks.
-    Built as for an AVX-512 CPU without AMX (a Xeon with AMX runs decode's kernels over the
-    rows instead), so the row groups are tested on every AVX-512 host."""
-    monkeypatch.setattr(moe_configs, "has_amx_bf16", lambda target: False)
+    expert, an expert with more rows than a tile, unused experts, partial 32-column tasks."""
     assert moe.moe_split_config(get_target(CPU), n=1, topk=2, rows=6, **DIMS).rows
     decode, verify = _split(2, 1), _verify_chain()
     cases = [(1, None), (2, None), (5, None), (6, IDS6), (6, IDS6_MIXED)]
@@ -183,19 +179,14 @@ def test_verify_config_and_refusals():
     skx = get_target("cpu-x86-64").__class__(
         "cpu", {**get_target("cpu-x86-64").target, "mcpu": "skylake-avx512"})
     assert moe.moe_split_config(skx, n=1, topk=2, rows=6, **DIMS).rows
-    spr = skx.__class__("cpu", {**skx.target, "mattr": ["+amx-tile", "+amx-bf16"]})
-    assert not moe.moe_split_config(spr, n=1, topk=2, rows=6, **DIMS).rows  # AMX: decode's
     assert not moe.moe_split_config(skx, n=1, topk=2, **DIMS).rows  # decode
     assert not moe.moe_split_config(skx, n=None, topk=2, rows=6, **DIMS).rows  # prefill tiles
     assert not moe.moe_split_config(get_target("cpu-x86-64"), n=1, topk=2, rows=6, **DIMS).rows
     assert not moe.moe_split_config(get_target("cuda-sm90"), n=1, topk=2, rows=6, **DIMS).rows
     plan = moe.moe_experts_plan(CPU, n=3, n_hint=1, topk=2, rows=6, **DIMS)
-    if moe.moe_split_config(get_target(CPU), n=1, topk=2, rows=6, **DIMS).rows:
+    if has_features(get_target(CPU), "avx512f", "fma"):
         assert plan.calls[2].args[2:4] == ("row_pair", "tiles")
         assert plan.calls[4].args[:2] == ("hq", "tiles")
-    else:  # decode's GEMVs over the rows: each pair names its expert
-        assert plan.calls[2].args[2:4] == ("ids", "row_pair")
-        assert plan.calls[4].args[:3] == ("hq", "ids", "row_pair")
     with pytest.raises(ValueError, match=r"The verify expert GEMVs take tiles of 1\.\.4 rows; "
                                          r"got row_tile=5\."):
         moe.make_moe_down_rows_avx512(row_tile=5, topk=2, **DIMS)

@@ -10,7 +10,6 @@ from tvm import s_tir
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import gemm
 from dsv41.schedules.common import (
-    has_amx_bf16,
     has_features,
 )
 from dsv41.schedules.gemm import BLOCK
@@ -60,15 +59,9 @@ def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int
         # one or two rows per expert: the tile kernels' [32, tn] weight decode served a single
         # row from a strided read (bench preset, one token: 2.1 ms per layer single-threaded,
         # 7.6x the chain's byte floor)
-        # The verify's row-group form (each tile's rows share the weight loads) where it pays:
-        # not on Xeons with AMX, where decode's kernels over the rows ran faster (model 207,
-        # 2 threads, bench dims, weights cycled through 600 MB, min of 4 s of calls, the
-        # chain's ms, row groups / decode's kernels: 1 row 0.175 / 0.144, 3 rows 0.505 /
-        # 0.391, 5 rows 1.108 / 0.892; `dsv41 bench kernels --cases moe-verify,moe-rowwise`).
-        # Both are bit-identical per row to decode's kernels.
         avx512 = has_features(target, "avx512f", "fma")
         return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv", avx512=avx512,
-                              rows=avx512 and rows > 1 and not has_amx_bf16(target))
+                              rows=avx512 and rows > 1)
     # prefill: each tile decodes its expert's whole weight once per column block, so rows per
     # tile set the decode work per row. Bench dims (dim 1024, inter 512, 16 experts, top-2), 2
     # threads, Xeon with AMX, min of 5 (gate_up / down ms): 16 rows 220 / 57 at 2048 tokens,
