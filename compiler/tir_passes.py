@@ -18,13 +18,23 @@ inline). So:
 The iterations of a parallel loop are independent (that is what allows it), so running them
 in order on one thread computes exactly the same values: outputs are bit for bit the same.
 The two copies of a loop body define the same variables and buffers; `ConvertSSA` renames
-the second copy's."""
+the second copy's.
+
+`stack_small_buffers`: TVM 0.27's host lowering turns every `AllocBuffer` (its scope "local"
+included, whatever its size) into a `TVMBackendAllocWorkspace` / `TVMBackendFreeWorkspace`
+pair, a call into the runtime's workspace pool (a search of its free list): inside a parallel
+loop that is once per task. A bench decode step made ~75,000 such calls (uprobe counts on a
+Xeon model 207 at 64K: wq_b's 128 tasks 2 each, the RoPE 3 a row, the expert GEMVs' 16-lane
+accumulators, the index sweeps'), and the pool was ~4% of the step's CPU samples. A buffer of
+a constant size up to `STACK_BUFFER_BYTES` is annotated `disable_lower_builtin` (TVM's own
+escape), so LLVM places it in the function's stack frame instead. Nothing else changes: the
+same loads and stores on the same values."""
 
 from __future__ import annotations
 
 import tvm
 from tvm import tirx
-from tvm_ffi.structural import structural_walk
+from tvm_ffi.structural import structural_map, structural_walk
 
 CPU_TIR_PIPELINE = "dsv41-cpu"  # the registered name of TVM's default pipeline plus this pass
 # The largest loop body (IR nodes after TVM's lowering) kept twice for a symbolic extent. The
@@ -33,6 +43,11 @@ CPU_TIR_PIPELINE = "dsv41-cpu"  # the registered name of TVM's default pipeline 
 # chain's, the sweeps', the attention's, mostly launched with several tasks anyway) made the
 # bench artifact's LLVM build 17% longer (184 -> 214 s). A bigger body keeps one parallel loop.
 MAX_COPIED_NODES = 3000
+# The largest buffer kept on the stack (`stack_small_buffers`): the FP8 GEMV's activation
+# staging of a 4096-wide row (8 KB) and the sweeps' tiles fit; the attention's staged blocks
+# (~110 KB) stay in the workspace pool. Each thread has a stack of 8 MB (Linux's default).
+STACK_BUFFER_BYTES = 16 << 10
+DISABLE_LOWER_BUILTIN = "disable_lower_builtin"  # TVM's kDisableLowerTVMBuiltin
 
 
 def _rewrite(stmt):
@@ -78,15 +93,43 @@ def inline_single_task_parallel(func, _mod, _ctx):
     return func.with_body(_rewrite(func.body))
 
 
+def _constant_bytes(buf) -> int | None:
+    """A buffer's size in bytes when every dim is a constant (None otherwise)."""
+    dtype = tvm.DataType(str(buf.dtype))
+    n = (dtype.bits * dtype.lanes + 7) // 8
+    for dim in buf.shape:
+        if not isinstance(dim, tirx.IntImm):
+            return None
+        n *= int(dim.value)
+    return n
+
+
+def _on_stack(node):
+    """`node` (an AllocBuffer) annotated to stay a stack allocation where it is small."""
+    size = _constant_bytes(node.buffer)
+    if size is None or size > STACK_BUFFER_BYTES or DISABLE_LOWER_BUILTIN in node.annotations:
+        return node
+    return tirx.AllocBuffer(node.buffer, {**node.annotations,
+                                          DISABLE_LOWER_BUILTIN: tirx.IntImm("bool", 1)},
+                            node.span)
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="StackSmallBuffers")
+def stack_small_buffers(func, _mod, _ctx):
+    """The pass (see the module docstring)."""
+    return func.with_body(structural_map(func.body, [(tirx.AllocBuffer, _on_stack)]))
+
+
 def _pipeline_factory():
-    """TVM's default TIR pipeline (its lowering, host and device finalisation), then the pass
-    and ConvertSSA."""
+    """TVM's default TIR pipeline (its lowering, host and device finalisation), then the
+    parallel-loop pass, ConvertSSA and the stack-buffer pass before the host finalisation."""
     lower, host, device = tvm.tirx.get_tir_pipeline("default")
 
     @tvm.transform.module_pass(opt_level=0, name="Dsv41CpuLowering")
     def _lower(mod, _ctx):
         mod = lower(mod)
-        return tvm.tirx.transform.ConvertSSA()(inline_single_task_parallel(mod))
+        mod = tvm.tirx.transform.ConvertSSA()(inline_single_task_parallel(mod))
+        return stack_small_buffers(mod)
 
     return _lower, host, device
 

@@ -1,5 +1,6 @@
 """compiler/tir_passes.py: a parallel loop of one iteration runs inline (no thread-pool launch),
-with the same results bit for bit."""
+and small buffers live on the stack (no workspace-pool call), with the same results bit for
+bit."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ import pytest
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm_ffi.structural import structural_walk
 
-from dsv41.compiler.tir_passes import inline_single_task_parallel, register_cpu_tir_pipeline
+from dsv41.compiler.tir_passes import (
+    STACK_BUFFER_BYTES,
+    inline_single_task_parallel,
+    register_cpu_tir_pipeline,
+    stack_small_buffers,
+)
 from dsv41.graph.targets import get_target
 
 
@@ -99,3 +106,86 @@ def test_large_bodies_are_not_copied(monkeypatch):
     assert (par, False, None, False) in found
     assert not any(under_if for *_, under_if in found)
     assert (ser, True, 1, False) in found and (par, True, 4, False) in found
+
+
+BIG = STACK_BUFFER_BYTES // 4 + 64  # floats: past the stack's limit
+
+
+@T.prim_func
+def _scratch(a_h: T.handle, o_h: T.handle):
+    """Per row a small scratch buffer (stack) and one past STACK_BUFFER_BYTES (workspace)."""
+    T.func_attr({"global_symbol": "scratch", "tirx.noalias": True})
+    n = T.int64()
+    a = T.match_buffer(a_h, (n, 64), "float32")
+    o = T.match_buffer(o_h, (n, 64), "float32")
+    for i in T.parallel(n):
+        small = T.alloc_buffer((64,), "float32", scope="local")
+        big = T.alloc_buffer((BIG,), "float32")
+        for j in range(64):
+            small[j] = a[i, j] * T.float32(2)
+        for j in range(BIG):
+            big[j] = a[i, 63 - j % 64]
+        for j in range(64):
+            o[i, j] = small[j] + big[BIG - 64 + j]
+
+
+def _allocs(func) -> list[tuple[str, bool]]:
+    """(buffer name, annotated to stay on the stack) of every AllocBuffer in func."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, tirx.AllocBuffer):
+            found.append((node.buffer.name, "disable_lower_builtin" in node.annotations))
+
+    structural_walk(func.body, visit)
+    return found
+
+
+def test_small_buffers_stay_on_the_stack():
+    """The small buffer is annotated (TVM's escape from the workspace pool), the big one not;
+    the compiled kernel calls the pool only for the big one, and its outputs are the plain
+    build's bit for bit."""
+    mod = stack_small_buffers(tvm.IRModule({"scratch": _scratch}))
+    assert sorted(_allocs(mod["scratch"])) == [("big", False), ("small", True)]
+    target = get_target("cpu").tvm_target()
+    plain = tvm.compile(_scratch, target=target)
+    ours = tvm.compile(_scratch, target=target, tir_pipeline=register_cpu_tir_pipeline())
+    a = np.random.default_rng(3).standard_normal((5, 64), dtype=np.float32)
+    outs = []
+    for ex in (plain, ours):
+        o = tvm.runtime.empty((5, 64), "float32", tvm.cpu())
+        ex(tvm.runtime.tensor(a, tvm.cpu()), o)
+        outs.append(o.numpy())
+    assert outs[0].tobytes() == outs[1].tobytes()
+    np.testing.assert_array_equal(outs[1], a * 2 + a[:, ::-1])  # BIG - 64 is a multiple of 64
+
+
+def test_a_kernel_of_small_buffers_needs_no_workspace(tmp_path):
+    """A library whose buffers are all small references no workspace function; with the big
+    buffer it still does (nm's symbols)."""
+    import subprocess
+
+    @T.prim_func
+    def small_only(a_h: T.handle, o_h: T.handle):
+        T.func_attr({"global_symbol": "small_only", "tirx.noalias": True})
+        n = T.int64()
+        a = T.match_buffer(a_h, (n, 64), "float32")
+        o = T.match_buffer(o_h, (n, 64), "float32")
+        for i in T.parallel(n):
+            tmp = T.alloc_buffer((64,), "float32", scope="local")
+            for j in range(64):
+                tmp[j] = a[i, j] * T.float32(2)
+            for j in range(64):
+                o[i, j] = tmp[63 - j]
+
+    target = get_target("cpu").tvm_target()
+
+    def refs(func, **kw) -> bool:
+        lib = tmp_path / "k.so"
+        tvm.compile(func, target=target, **kw).export_library(str(lib))
+        syms = subprocess.run(["nm", str(lib)], capture_output=True, text=True, check=True)
+        return "TVMBackendAllocWorkspace" in syms.stdout
+
+    ours = register_cpu_tir_pipeline()
+    assert refs(small_only) and not refs(small_only, tir_pipeline=ours)
+    assert refs(_scratch, tir_pipeline=ours)
