@@ -111,22 +111,33 @@ def test_large_bodies_are_not_copied(monkeypatch):
 BIG = STACK_BUFFER_BYTES // 4 + 64  # floats: past the stack's limit
 
 
-@T.prim_func
-def _scratch(a_h: T.handle, o_h: T.handle):
-    """Per row a small scratch buffer (stack) and one past STACK_BUFFER_BYTES (workspace)."""
-    T.func_attr({"global_symbol": "scratch", "tirx.noalias": True})
-    n = T.int64()
-    a = T.match_buffer(a_h, (n, 64), "float32")
-    o = T.match_buffer(o_h, (n, 64), "float32")
-    for i in T.parallel(n):
-        small = T.alloc_buffer((64,), "float32", scope="local")
-        big = T.alloc_buffer((BIG,), "float32")
-        for j in range(64):
-            small[j] = a[i, j] * T.float32(2)
-        for j in range(BIG):
-            big[j] = a[i, 63 - j % 64]
-        for j in range(64):
-            o[i, j] = small[j] + big[BIG - 64 + j]
+def _scratch_kernel(big: int):
+    """Per row a small scratch buffer (stack) and, with big > 0, one of `big` floats."""
+
+    @T.prim_func
+    def scratch(a_h: T.handle, o_h: T.handle):
+        T.func_attr({"global_symbol": "scratch", "tirx.noalias": True})
+        n = T.int64()
+        a = T.match_buffer(a_h, (n, 64), "float32")
+        o = T.match_buffer(o_h, (n, 64), "float32")
+        for i in T.parallel(n):
+            small = T.alloc_buffer((64,), "float32", scope="local")
+            for j in range(64):
+                small[j] = a[i, j] * T.float32(2)
+            if big > 0:  # static
+                wide = T.alloc_buffer((big,), "float32")
+                for j in range(big):
+                    wide[j] = a[i, 63 - j % 64]
+                for j in range(64):
+                    o[i, j] = small[j] + wide[big - 64 + j]
+            else:
+                for j in range(64):
+                    o[i, j] = small[63 - j]
+
+    return scratch
+
+
+_scratch = _scratch_kernel(BIG)
 
 
 def _allocs(func) -> list[tuple[str, bool]]:
@@ -146,7 +157,7 @@ def test_small_buffers_stay_on_the_stack():
     the compiled kernel calls the pool only for the big one, and its outputs are the plain
     build's bit for bit."""
     mod = stack_small_buffers(tvm.IRModule({"scratch": _scratch}))
-    assert sorted(_allocs(mod["scratch"])) == [("big", False), ("small", True)]
+    assert sorted(_allocs(mod["scratch"])) == [("small", True), ("wide", False)]
     target = get_target("cpu").tvm_target()
     plain = tvm.compile(_scratch, target=target)
     ours = tvm.compile(_scratch, target=target, tir_pipeline=register_cpu_tir_pipeline())
@@ -165,19 +176,7 @@ def test_a_kernel_of_small_buffers_needs_no_workspace(tmp_path):
     buffer it still does (nm's symbols)."""
     import subprocess
 
-    @T.prim_func
-    def small_only(a_h: T.handle, o_h: T.handle):
-        T.func_attr({"global_symbol": "small_only", "tirx.noalias": True})
-        n = T.int64()
-        a = T.match_buffer(a_h, (n, 64), "float32")
-        o = T.match_buffer(o_h, (n, 64), "float32")
-        for i in T.parallel(n):
-            tmp = T.alloc_buffer((64,), "float32", scope="local")
-            for j in range(64):
-                tmp[j] = a[i, j] * T.float32(2)
-            for j in range(64):
-                o[i, j] = tmp[63 - j]
-
+    small_only = _scratch_kernel(0)
     target = get_target("cpu").tvm_target()
 
     def refs(func, **kw) -> bool:
