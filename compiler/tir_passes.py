@@ -20,10 +20,11 @@ in order on one thread computes exactly the same values: outputs are bit for bit
 The two copies of a loop body define the same variables and buffers; `ConvertSSA` renames
 the second copy's.
 
-`stack_small_buffers`: TVM 0.27's host lowering turns every `AllocBuffer` (its scope "local"
-included, whatever its size) into a `TVMBackendAllocWorkspace` / `TVMBackendFreeWorkspace`
-pair, a call into the runtime's workspace pool (a search of its free list): inside a parallel
-loop that is once per task. A bench decode step made ~75,000 such calls (uprobe counts on a
+`stack_small_buffers`: TVM 0.27's host lowering leaves an `AllocBuffer` on the stack only when
+it is under 1 KB and not of scope "local"; every other one (a "local" buffer of any size, any
+buffer of 1 KB or more) becomes a `TVMBackendAllocWorkspace` / `TVMBackendFreeWorkspace` pair,
+a call into the runtime's workspace pool (a search of its free list): inside a parallel loop
+that is once per task. A bench decode step made ~75,000 such calls (uprobe counts on a
 Xeon model 207 at 64K: wq_b's 128 tasks 2 each, the RoPE 3 a row, the expert GEMVs' 16-lane
 accumulators, the index sweeps'), and the pool was ~4% of the step's CPU samples. A buffer of
 a constant size up to `STACK_BUFFER_BYTES` is annotated `disable_lower_builtin` (TVM's own

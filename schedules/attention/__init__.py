@@ -89,9 +89,7 @@ from dsv41.schedules.common import (
     fp4_to_f32,
     round_bf16,
 )
-from dsv41.schedules.common import (
-    prefetch as prefetch_line,
-)
+from dsv41.schedules.common import prefetch as prefetch_line
 
 FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values
 FP4_BLOCK = 16  # global entries: one E4M3 scale per 16 values

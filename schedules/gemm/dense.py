@@ -21,9 +21,7 @@ from dsv41.schedules.common import (
     pairwise_lane_sum,
     with_bf16_dot,
 )
-from dsv41.schedules.common import (
-    prefetch as prefetch_line,
-)
+from dsv41.schedules.common import prefetch as prefetch_line
 from dsv41.schedules.common.stages import padded_row_groups
 from dsv41.schedules.gemm.amx import amx_block_rows, make_dense_gemm_amx
 from dsv41.schedules.gemm.bf16_gemm import make_dense_gemm_bf16
