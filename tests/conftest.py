@@ -21,6 +21,7 @@ CONFORMANCE = SHARED / "conformance"
 torch.set_num_threads(2)
 
 MAX_WORKERS = 4  # `-n auto`: test processes, one per core up to this (each holds its models)
+PORT_BASE, PORT_BAND = 20000, 500  # `worker_port`: worker i's band (below 32768, the kernel's)
 # The test files that take longest (minutes of compiles), handed out first so that no worker is
 # left alone with one of them at the end (a file runs in one worker: `--dist loadfile`)
 LONGEST_FILES = ("test_kernel_indexer.py", "test_cuda_build.py", "test_capture.py",
@@ -205,13 +206,37 @@ def redis_or_skip() -> None:
         pytest.skip(msg)
 
 
+def worker_port() -> int:
+    """A free port for a server a test starts, from this xdist worker's own band below the
+    kernel's ephemeral range (PORT_BASE + PORT_BAND * worker index). A port the kernel hands
+    out (`bind(('', 0))`, an outgoing connection) can be taken by another worker's test or
+    connection before the server binds it, and a client would then talk to that other server;
+    no other worker and no ephemeral port ever falls in this band."""
+    import random
+    import socket
+
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+    base = PORT_BASE + PORT_BAND * index
+    start = random.randrange(PORT_BAND)
+    for k in range(PORT_BAND):
+        port = base + (start + k) % PORT_BAND
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"No free port in {base}..{base + PORT_BAND - 1}.")
+
+
 @pytest.fixture
 def redis_server(tmp_path):
-    """A fresh redis-server on a free port in the test's folder; the test may kill, restart
-    and fill it. Stopped at the end."""
+    """A fresh redis-server on a free port of this worker's band (`worker_port`) in the test's
+    folder; the test may kill, restart and fill it. Stopped at the end."""
     from dsv41.runtime.tiers.redis_server import RedisServer
 
     redis_or_skip()
-    server = RedisServer.start(tmp_path / "redis")
+    server = RedisServer.start(tmp_path / "redis", port=worker_port())
     yield server
     server.stop()

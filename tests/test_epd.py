@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from conftest import worker_port
 
 from dsv41.runtime.engine import Engine
 from dsv41.runtime.engine.sampling import SamplingParams
@@ -246,7 +247,6 @@ def test_processes_1_prefill_2_decode_answer_8_concurrent_requests(small_case, s
     import httpx
 
     from dsv41.graph.config import load_config
-    from dsv41.runtime.serving.app import free_port
     from dsv41.runtime.serving.metrics import parse_metrics
     from dsv41.runtime.serving.tokenizer import Tokenizer
 
@@ -261,7 +261,7 @@ def test_processes_1_prefill_2_decode_answer_8_concurrent_requests(small_case, s
         ref = ["".join(ev.text for ev in s) for s in ref_streams]
         b.stop()
     roles = ("prefill", "decode", "decode")
-    ports = [free_port() for _ in roles]
+    ports = [worker_port() for _ in roles]
     env = {**os.environ, "TVM_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "dsv41.compiler.tools.cli", "serve", "--role", role, "--backend",

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from conftest import CONFORMANCE
+from conftest import CONFORMANCE, worker_port
 from PIL import Image
 
 from dsv41.graph.config import load_config
@@ -237,7 +237,6 @@ def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_pat
 
     import httpx
 
-    from dsv41.runtime.serving.app import free_port
     from dsv41.runtime.serving.metrics import parse_metrics
     from dsv41.runtime.serving.openai_api import parse_chat
     from dsv41.runtime.serving.tokenizer import Tokenizer
@@ -264,21 +263,26 @@ def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_pat
                          vocab_size=model.args.vocab_size, image_token_id=IMG)
         assert req.prompt_ids.count(IMG) == len(ims)
         refs.append((list(req.prompt_ids), ims))
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     with _engine(model, tmp_path / "ref") as e:  # the single-process engine
         b = Batcher(e, tokenizer=tok, max_running=8)
         streams = [b.submit(ids, params, ims) for ids, ims in refs]
         while b.step():
             pass
-        ref = ["".join(ev.text for ev in s) for s in streams]
+        events = [list(s) for s in streams]
+        ref = ["".join(ev.text for ev in evs) for evs in events]
+        # each token's two most likely (id, logprob): where an answer differs, these tell a
+        # near tie the two engines broke differently from another request's answer
+        ref_top = [[[(x.token_id, round(x.logprob, 4)) for x in ev.top] for ev in evs
+                    if ev.token_id is not None] for evs in events]
         b.stop()
     roles = ("vision", "prefill", "decode", "decode")
-    ports = [free_port() for _ in roles]
+    ports = [worker_port() for _ in roles]
     env = {**os.environ, "TVM_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "dsv41.compiler.tools.cli", "serve", "--role", role, "--backend",
          "torch", "--checkpoint", str(ckpt), "--page-tokens", str(PAGE),
-         "--redis-url", redis_server.url, "--port", str(port), "--log-level", "warning",
+         "--redis-url", redis_server.url, "--port", str(port), "--log-level", "info",
          "--store", str(tmp_path / f"store-{i}")], env=env, stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / f"worker-{i}.log", "w"))
         for i, (role, port) in enumerate(zip(roles, ports, strict=True))]
@@ -286,20 +290,27 @@ def test_processes_1_vision_1_prefill_2_decode_answer_8_concurrent_chats(tmp_pat
         for port, proc in zip(ports, procs, strict=True):
             _wait_up(port, proc)
         results: list = [None] * len(chats)
+        tops: list = [None] * len(chats)
 
         def ask(i: int) -> None:
             r = httpx.post(f"http://127.0.0.1:{ports[i % 4]}/v1/chat/completions", timeout=600,
                            json={"model": ckpt.name, "messages": chats[i], "max_tokens": 4,
-                                 "temperature": 0, "ignore_eos": True})
+                                 "temperature": 0, "ignore_eos": True, "logprobs": True,
+                                 "top_logprobs": 2})
             assert r.status_code == 200, r.text
-            results[i] = r.json()["choices"][0]["message"]["content"]
+            choice = r.json()["choices"][0]
+            results[i] = choice["message"]["content"]
+            tops[i] = [[(x["token"], round(x["logprob"], 4)) for x in t["top_logprobs"]]
+                       for t in choice["logprobs"]["content"]]
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(chats))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert results == ref and all(ref)
+        wrong = {i: {"got": results[i], "got_top2": tops[i], "want": ref[i],
+                     "want_top2": ref_top[i]} for i in range(len(chats)) if results[i] != ref[i]}
+        assert not wrong and all(ref), f"answers differ (worker logs: {tmp_path}): {wrong}"
         m = [parse_metrics(httpx.get(f"http://127.0.0.1:{p}/metrics").text) for p in ports]
         assert m[0]['dsv41:epd_stage_requests_total{role="vision"}'] == 4
         assert m[1]['dsv41:epd_stage_requests_total{role="prefill"}'] == len(chats)

@@ -123,6 +123,25 @@ def test_our_own_server_runs_with_a_budget_and_the_policy(tmp_path):
         assert _raw(s).config_get("maxmemory")["maxmemory"] == str(32 << 20)  # untouched
 
 
+def test_a_port_another_server_holds_is_never_taken_for_ours(tmp_path, redis_server,
+                                                           monkeypatch):
+    """A free port another redis-server binds before ours does: the PONG on it is not our
+    server's (its process id tells), so a server asked for that port fails naming the holder,
+    and one started on a found port moves on to the next free one (never shares the other)."""
+    from dsv41.runtime.tiers import redis_server as rs
+
+    taken = redis_server.port
+    with pytest.raises(rs.PortTakenError, match=f"Port {taken} is held"):
+        RedisServer.start(tmp_path / "b", port=taken)
+    found = iter([taken, rs.free_port()])
+    monkeypatch.setattr(rs, "free_port", lambda: next(found))
+    with RedisServer.start(tmp_path / "c") as s:
+        assert s.port != taken and rs.answering_pid(s.port) == s.proc.pid
+        assert rs.answering_pid(taken) == redis_server.proc.pid != s.proc.pid
+        _raw(s).set("k", b"ours")
+        assert _raw(redis_server).get("k") is None  # the first server saw nothing
+
+
 def test_a_server_with_config_disabled_and_a_budget_is_accepted(tmp_path):
     from conftest import redis_or_skip
 

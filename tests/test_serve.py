@@ -23,10 +23,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from conftest import worker_port
 
 from dsv41.graph.config import load_config
 from dsv41.runtime.engine import Engine
-from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app, free_port
+from dsv41.runtime.serving.app import ServerOptions, ServerThread, create_app
 from dsv41.runtime.serving.batcher import Batcher
 from dsv41.runtime.serving.chat_format import messages_from_openai
 from dsv41.runtime.serving.metrics import parse_metrics
@@ -334,7 +335,7 @@ def test_queue_bound_429_and_request_timeout(small_model, served):
 
 
 def test_dsv41_serve_process(small_artifact, small_case, tmp_path):
-    port = free_port()
+    port = worker_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsv41.compiler.tools.cli", "serve", "--artifact",
          str(small_artifact),

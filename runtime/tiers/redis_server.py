@@ -40,6 +40,7 @@ from dsv41.runtime.tiers.redis_pool import POLICY
 BINARY = "redis-server"
 SLOTS = 16384  # a Redis Cluster's hash slots
 BUS_OFFSET = 10000  # a cluster node's bus port is its port + 10000
+START_TRIES = 20  # free ports tried when the one found is taken before the server binds it
 
 
 def redis_binary() -> str | None:
@@ -47,7 +48,41 @@ def redis_binary() -> str | None:
     return shutil.which(BINARY)
 
 
-def _free_port() -> int:
+class PortTakenError(RuntimeError):
+    """Another redis-server answers on the port this one was to bind."""
+
+
+def answering_pid(port: int) -> int | None:
+    """The process id of the redis-server answering on 127.0.0.1:`port` (`INFO server`), None
+    while it is not ready; OSError when nothing listens. A free port can be taken by another
+    process between the moment it was found and the server's bind: only the process id tells
+    our server from another one on that port."""
+    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+        s.sendall(b"INFO server\r\n")
+        data = b""
+        while b"\r\n" not in data or len(data) < _bulk_end(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    if not data.startswith(b"$"):
+        return None  # -LOADING or another error: not ready yet
+    for line in data.split(b"\r\n"):
+        if line.startswith(b"process_id:"):
+            return int(line.split(b":", 1)[1])
+    raise ValueError(f"The server on port {port} sent no process_id in INFO server.")
+
+
+def _bulk_end(data: bytes) -> int:
+    """The length of a whole RESP reply that starts `data` (a bulk string: its header, body and
+    CRLF; anything else: its first line)."""
+    head, _, _ = data.partition(b"\r\n")
+    if not head.startswith(b"$"):
+        return len(head) + 2
+    return len(head) + 2 + max(0, int(head[1:])) + 2
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -72,10 +107,17 @@ class RedisServer:
                                             or maxmemory_bytes <= 0):
             raise ValueError(f"maxmemory_bytes must be a positive int or None, got "
                              f"{maxmemory_bytes!r}.")
-        server = cls(Path(folder), port or _free_port(), extra, maxmemory_bytes)
-        server.folder.mkdir(parents=True, exist_ok=True)
-        server._spawn()
-        return server
+        for _ in range(1 if port else START_TRIES):
+            server = cls(Path(folder), port or free_port(), extra, maxmemory_bytes)
+            server.folder.mkdir(parents=True, exist_ok=True)
+            try:
+                server._spawn()
+                return server
+            except PortTakenError:
+                if port:
+                    raise
+        raise RuntimeError(f"redis-server found every one of {START_TRIES} free ports taken "
+                           "before it could bind them.")
 
     @property
     def url(self) -> str:
@@ -94,15 +136,19 @@ class RedisServer:
             if self.proc.poll() is not None:
                 log = (self.folder / "redis.log")
                 tail = log.read_text()[-500:] if log.exists() else ""
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode} on port "
-                                   f"{self.port}: {tail}")
+                error = PortTakenError if "in use" in tail else RuntimeError
+                raise error(f"redis-server exited with {self.proc.returncode} on port "
+                            f"{self.port}: {tail}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
+                pid = answering_pid(self.port)
+            except (OSError, ValueError):
+                pid = None
+            if pid == self.proc.pid:
+                return
+            if pid is not None:  # another redis-server holds the port: ours cannot bind it
+                self.kill()
+                raise PortTakenError(f"Port {self.port} is held by another redis-server "
+                                     f"(process {pid}).")
             if time.monotonic() - t0 > timeout_s:
                 self.kill()
                 raise RuntimeError(f"redis-server did not answer on port {self.port} within "
@@ -141,7 +187,7 @@ class RedisServer:
 def _free_cluster_port() -> int:
     """A free port p <= 55535 whose cluster bus port p + 10000 is free too."""
     for _ in range(1000):
-        p = _free_port()
+        p = free_port()
         if p > 65535 - BUS_OFFSET:
             continue
         with socket.socket() as s:
