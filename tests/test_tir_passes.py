@@ -59,7 +59,11 @@ def _loops(stmt, found: list) -> None:
     walk(stmt, False)
 
 
-def test_rewrite_structure():
+def test_rewrite_structure(monkeypatch):
+    """Extents alone (every loop's work counted as enough to run in parallel)."""
+    from dsv41.compiler import tir_passes
+
+    monkeypatch.setattr(tir_passes, "MIN_PARALLEL_WORK", 1)
     mod = inline_single_task_parallel(tvm.IRModule({"rows": _rows}))
     found = []
     _loops(mod["rows"].body, found)
@@ -71,7 +75,28 @@ def test_rewrite_structure():
     assert (par, True, 1, False) not in found
 
 
-@pytest.mark.parametrize("n", [1, 2, 5])
+def test_small_work_runs_on_the_calling_thread():
+    """A loop whose work (statements executed) is under MIN_PARALLEL_WORK runs serially: the
+    4-task loop (4 stores) at once, the row loop (128 a row) where n * 128 is under it."""
+    from dsv41.compiler.tir_passes import MIN_PARALLEL_WORK, work
+
+    mod = inline_single_task_parallel(tvm.IRModule({"rows": _rows}))
+    found = []
+    _loops(mod["rows"].body, found)
+    par, ser = tirx.ForKind.PARALLEL, tirx.ForKind.SERIAL
+    assert (ser, True, 4, False) in found and (par, True, 4, False) not in found
+    assert (par, False, None, True) in found and (ser, False, None, True) in found
+    loops = []
+    structural_walk(_rows.body, lambda node: loops.append(node)
+                    if isinstance(node, tirx.For) and not isinstance(node.extent, tirx.IntImm)
+                    else None)
+    row_loop = loops[0]  # `for i in T.parallel(n)`: 64 vector stores and 64 stores a row
+    analyzer = tvm.sym.Analyzer()
+    assert analyzer.can_prove_equal(work(row_loop), tirx.Cast("int64", row_loop.extent) * 128)
+    assert MIN_PARALLEL_WORK // 128 < 80  # the test below runs n = 80 in parallel
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 80])
 def test_same_results_both_branches(n):
     target = get_target("cpu").tvm_target()
     plain = tvm.compile(_rows, target=target)
@@ -99,6 +124,7 @@ def test_large_bodies_are_not_copied(monkeypatch):
     from dsv41.compiler import tir_passes
 
     monkeypatch.setattr(tir_passes, "MAX_COPIED_NODES", 5)
+    monkeypatch.setattr(tir_passes, "MIN_PARALLEL_WORK", 1)
     mod = inline_single_task_parallel(tvm.IRModule({"rows": _rows}))
     found = []
     _loops(mod["rows"].body, found)
