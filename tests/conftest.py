@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -100,7 +101,7 @@ def v41_model(v41_case):
 # the entries compiled once for shared-small (compile, engine and run tests), kept between runs
 ARTIFACT_ENTRIES = ("prefill_all", "decode", "encoder", "decoder", "encoder_replay")
 PACKAGE = Path(__file__).resolve().parents[1]
-ARTIFACT_CACHE_KEEP = 4  # cached builds kept (the newest by use; two fixtures compile)
+ARTIFACT_CACHE_KEEP = 4  # cached builds kept: the newest by use, and any a test process holds
 
 
 # what a compile reads: the model and kernels, the compile pipeline, the manifest format
@@ -157,7 +158,32 @@ def cached_artifact(args, model_name: str, entries: tuple[str, ...], target: str
     # one compile per key at a time: another test process (pytest -n) waits, then reuses it
     with open(locks / key, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        in_use(locks, key)  # before the path is handed out: no other process evicts it now
         return _cached_or_compiled(cache, key, args, model_name, entries, target)
+
+
+@functools.cache
+def in_use(locks: Path, key: str):
+    """A shared lock on the cached build `key` for the rest of this process (the open file is
+    the cache's value): its tests hold the path for their session, so an eviction by another
+    test process (`evict_unused`) must pass it over while any process holds it."""
+    handle = open(locks / f"{key}.in-use", "w")  # noqa: SIM115 (held until the process ends)
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    return handle
+
+
+def evict_unused(cache: Path, locks: Path) -> None:
+    """The cached builds past the ARTIFACT_CACHE_KEEP most recently used, but none that a test
+    process holds (`in_use`): a build is removed only under its exclusive lock."""
+    done = sorted((d for d in cache.iterdir() if (d / "done").is_file()),
+                  key=lambda d: (d / "done").stat().st_mtime)
+    for old in done[:-ARTIFACT_CACHE_KEEP]:
+        with open(locks / f"{old.name}.in-use", "w") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a test process runs on it
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _cached_or_compiled(cache: Path, key: str, args, model_name: str, entries: tuple[str, ...],
@@ -180,9 +206,7 @@ def _cached_or_compiled(cache: Path, key: str, args, model_name: str, entries: t
         os.rename(work, done)
     except OSError:  # another run finished the same key first: use its build
         shutil.rmtree(work, ignore_errors=True)
-    for old in sorted((d for d in cache.iterdir() if (d / "done").is_file()),
-                      key=lambda d: (d / "done").stat().st_mtime)[:-ARTIFACT_CACHE_KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    evict_unused(cache, artifact_cache_root() / "locks")
     for partial in cache.glob("*.*"):  # the work folders of killed runs, a day on
         if time.time() - partial.stat().st_mtime > 86400:
             shutil.rmtree(partial, ignore_errors=True)

@@ -44,6 +44,7 @@ ENTRIES = ("prefill_all", "decode", "encoder", "decoder", "encoder_replay", "vis
 PAGE = 8
 IMG = 510  # the case's image_token_id
 SPAN = 194  # the case's image span
+SPAN_BOUND = 0.25  # rel L2 of logits from the span on, compiled vs the graph on its kernels
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +112,12 @@ def test_compiled_span_rows_track_the_graph_on_the_same_kernels(vcase, vmodel, c
     through the compiled prefill and decode, and through the graph computing the fused mHC /
     RMSNorm ops with the artifact's CPU kernels (`patch_fused_ops`). The rows before the span
     agree as text does (rel L2 <= 1e-5; measured 0); from the span on, this seeded checkpoint
-    amplifies the remaining fp32 reduction-order differences (measured 0.056 max over the 224
-    rows, where the graph's own kernels-vs-torch difference gives 0.228), so the bound is 0.15:
-    below what the span mask's two uses move them by when the blocks leave them out (measured:
-    `bias_vl` 0.354, the Engram gate 1.24; both asserted above the bound, so the check can
-    fail on either)."""
+    amplifies the remaining fp32 reduction-order differences (max over the 224 rows: 0.056 on
+    a Xeon with AMX, 0.184 on a Zen 4 with AVX-512 BF16 and no AMX, whose kernels sum in
+    another order; the graph's own kernels-vs-torch difference gives 0.228), so the bound is
+    0.25: below what the span mask's two uses move them by when the blocks leave them out
+    (measured: `bias_vl` 0.354 Xeon / 0.401 Zen 4, the Engram gate 1.24 / 1.22; both asserted
+    above the bound, so the check can fail on either)."""
     def tower(im):
         return encode_image(vmodel.w, vmodel.args, im)
 
@@ -135,8 +137,8 @@ def test_compiled_span_rows_track_the_graph_on_the_same_kernels(vcase, vmodel, c
     print(f"compiled vs graph on the same kernels, same span rows: rel L2 before the span "
           f"{e[:start].max():.3g}, max {e.max():.3g}; span mask left out: {off}")
     assert e[:start].max() <= 1e-5
-    assert e.max() <= 0.15
-    assert min(off.values()) > 0.15
+    assert e.max() <= SPAN_BOUND
+    assert min(off.values()) > SPAN_BOUND
 
 
 _MOE = graph_model.moe  # the graph's own, before any patch
