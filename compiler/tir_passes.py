@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import tvm
 from tvm import tirx
+from tvm.ir.expr import TensorLoad
 from tvm_ffi.structural import structural_map, structural_walk
 
 CPU_TIR_PIPELINE = "dsv41-cpu"  # the registered name of TVM's default pipeline plus this pass
@@ -102,8 +103,8 @@ def _rewrite(stmt):
 def work(stmt, inner: frozenset = frozenset()):
     """The statements `stmt` executes (each store or call 1, a loop's body times its extent), a
     PrimExpr where a loop's extent is symbolic; None where it cannot be bounded from outside
-    `stmt` (a While, or an extent of a variable bound inside it). `inner`: the variables bound
-    inside `stmt`'s enclosing loops of the count (loop variables, lets)."""
+    `stmt` (a While, an extent of a variable bound inside it or of a buffer's value). `inner`:
+    the variables bound inside `stmt`'s enclosing loops of the count (loop variables, lets)."""
     if isinstance(stmt, tirx.SeqStmt):
         total = 0
         for part in stmt.seq:
@@ -143,13 +144,12 @@ def work(stmt, inner: frozenset = frozenset()):
 
 
 def _uses(expr, names: frozenset) -> bool:
-    """Whether `expr` reads any of the variables `names`."""
-    if not names:
-        return False
+    """Whether `expr` reads any of the variables `names`, or any buffer (a buffer read in an
+    extent may be one allocated inside the loop: not readable before it)."""
     found = [False]
 
     def visit(node):
-        if isinstance(node, tirx.Var) and node in names:
+        if isinstance(node, TensorLoad) or (isinstance(node, tirx.Var) and node in names):
             found[0] = True
 
     structural_walk(expr, visit)

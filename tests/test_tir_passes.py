@@ -214,3 +214,36 @@ def test_a_kernel_of_small_buffers_needs_no_workspace(tmp_path):
     ours = register_cpu_tir_pipeline()
     assert refs(small_only) and not refs(small_only, tir_pipeline=ours)
     assert refs(_scratch, tir_pipeline=ours)
+
+
+@T.prim_func
+def _counted(a_h: T.handle, c: T.Buffer((4,), "int32")):
+    """An inner extent read from a buffer the loop allocates: unknown before the loop runs."""
+    T.func_attr({"global_symbol": "counted", "tirx.noalias": True})
+    n = T.int64()
+    a = T.match_buffer(a_h, (n, 64), "float32")
+    for i in T.parallel(n):
+        live = T.alloc_buffer((1,), "int32")
+        live[0] = c[0]
+        for j in range(live[0]):
+            a[i, j] = T.float32(0)
+
+
+def test_work_is_unknown_where_an_extent_reads_a_buffer():
+    """No count (None) for a loop whose inner extent reads memory: the rewrite keeps the
+    extent rule alone (`if n > 1`), never a condition that reads inside-the-loop state."""
+    from dsv41.compiler.tir_passes import work
+
+    loops = []
+    structural_walk(_counted.body, lambda node: loops.append(node)
+                    if isinstance(node, tirx.For) else None)
+    assert work(loops[0]) is None
+    mod = inline_single_task_parallel(tvm.IRModule({"counted": _counted}))
+    found = []
+    _loops(mod["counted"].body, found)
+    assert (tirx.ForKind.PARALLEL, False, None, True) in found
+    ex = tvm.compile(_counted, target=get_target("cpu").tvm_target(),
+                     tir_pipeline=register_cpu_tir_pipeline())
+    a = tvm.runtime.tensor(np.ones((3, 64), "float32"), tvm.cpu())
+    ex(a, tvm.runtime.tensor(np.array([5, 0, 0, 0], "int32"), tvm.cpu()))
+    assert (a.numpy()[:, :5] == 0).all() and (a.numpy()[:, 5:] == 1).all()
