@@ -159,7 +159,7 @@ def cached_artifact(args, model_name: str, entries: tuple[str, ...], target: str
     with open(locks / key, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         in_use(locks, key)  # before the path is handed out: no other process evicts it now
-        return _cached_or_compiled(cache, key, args, model_name, entries, target)
+        return _cached_or_compiled(cache, locks, key, args, model_name, entries, target)
 
 
 @functools.cache
@@ -186,8 +186,8 @@ def evict_unused(cache: Path, locks: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _cached_or_compiled(cache: Path, key: str, args, model_name: str, entries: tuple[str, ...],
-                        target: str) -> Path:
+def _cached_or_compiled(cache: Path, locks: Path, key: str, args, model_name: str,
+                        entries: tuple[str, ...], target: str) -> Path:
     from dsv41.compiler.build import CompileOptions, compile_artifact
 
     done = cache / key
@@ -206,7 +206,7 @@ def _cached_or_compiled(cache: Path, key: str, args, model_name: str, entries: t
         os.rename(work, done)
     except OSError:  # another run finished the same key first: use its build
         shutil.rmtree(work, ignore_errors=True)
-    evict_unused(cache, artifact_cache_root() / "locks")
+    evict_unused(cache, locks)
     for partial in cache.glob("*.*"):  # the work folders of killed runs, a day on
         if time.time() - partial.stat().st_mtime > 86400:
             shutil.rmtree(partial, ignore_errors=True)

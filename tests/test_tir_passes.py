@@ -59,6 +59,15 @@ def _loops(stmt, found: list) -> None:
     walk(stmt, False)
 
 
+def _symbolic_loops(func) -> list:
+    """The For nodes of `func` whose extent is not a constant, outermost first."""
+    loops = []
+    structural_walk(func.body, lambda node: loops.append(node)
+                    if isinstance(node, tirx.For) and not isinstance(node.extent, tirx.IntImm)
+                    else None)
+    return loops
+
+
 def test_rewrite_structure(monkeypatch):
     """Extents alone (every loop's work counted as enough to run in parallel)."""
     from dsv41.compiler import tir_passes
@@ -86,11 +95,7 @@ def test_small_work_runs_on_the_calling_thread():
     par, ser = tirx.ForKind.PARALLEL, tirx.ForKind.SERIAL
     assert (ser, True, 4, False) in found and (par, True, 4, False) not in found
     assert (par, False, None, True) in found and (ser, False, None, True) in found
-    loops = []
-    structural_walk(_rows.body, lambda node: loops.append(node)
-                    if isinstance(node, tirx.For) and not isinstance(node.extent, tirx.IntImm)
-                    else None)
-    row_loop = loops[0]  # `for i in T.parallel(n)`: 64 vector stores and 64 stores a row
+    row_loop = _symbolic_loops(_rows)[0]  # `T.parallel(n)`: 64 vector stores, 64 stores a row
     analyzer = tvm.sym.Analyzer()
     assert analyzer.can_prove_equal(work(row_loop), tirx.Cast("int64", row_loop.extent) * 128)
     assert MIN_PARALLEL_WORK // 128 < 80  # the test below runs n = 80 in parallel
@@ -234,10 +239,7 @@ def test_work_is_unknown_where_an_extent_reads_a_buffer():
     extent rule alone (`if n > 1`), never a condition that reads inside-the-loop state."""
     from dsv41.compiler.tir_passes import work
 
-    loops = []
-    structural_walk(_counted.body, lambda node: loops.append(node)
-                    if isinstance(node, tirx.For) else None)
-    assert work(loops[0]) is None
+    assert work(_symbolic_loops(_counted)[0]) is None  # `T.parallel(n)`
     mod = inline_single_task_parallel(tvm.IRModule({"counted": _counted}))
     found = []
     _loops(mod["counted"].body, found)
