@@ -21,6 +21,7 @@ import torch
 
 from dsv41.compiler.capture import capture, dim_symbols, static_bounds
 from dsv41.compiler.dedupe import dedupe_entry_invariants
+from dsv41.compiler.launcher import build_launcher
 from dsv41.compiler.onnx_export import export_onnx
 from dsv41.compiler.progress import CompileProgress, SilentProgress
 from dsv41.compiler.reshape_fusion import (
@@ -53,6 +54,7 @@ from dsv41.graph.plan import build_plan, format_plan
 from dsv41.graph.speculative import verify_tokens
 from dsv41.graph.targets import TargetName, TargetSpec, get_target
 from dsv41.runtime.backends.artifact import ArtifactError, verify
+from dsv41.runtime.backends.launcher import LAUNCHER_FILE
 from dsv41.schedules.cuda_build import build_cuda
 
 PHASES = ("capture", "lower", "fuse", "schedule", "build")
@@ -410,7 +412,8 @@ def compile_artifact(opts: CompileOptions,
     if entries:
         say.note(f"keeping the artifact's other entries: {', '.join(entries)}")
     for stale in out.glob("*.so"):
-        if stale.stem not in entries and stale.stem not in opts.entries:
+        if stale.stem not in entries and stale.stem not in opts.entries \
+                and stale.name != LAUNCHER_FILE:
             stale.unlink()
     if entry_jobs_ran(opts, spec):
         entries.update(_build_entries_in_processes(opts, report, say))
@@ -436,6 +439,10 @@ def compile_artifact(opts: CompileOptions,
 
         for path in export_onnx(opts):
             say.note(f"onnx: {path}")
+    if spec.is_cuda:
+        (out / LAUNCHER_FILE).unlink(missing_ok=True)
+    else:  # the entries' parallel loops run on it (`runtime.backends.launcher`)
+        build_launcher(out)
     write_manifest(opts, entries, report)
     return report
 

@@ -107,12 +107,13 @@ ARTIFACT_CACHE_KEEP = 4  # cached builds kept: the newest by use, and any a test
 # what a compile reads: the model and kernels, the compile pipeline, the manifest format
 COMPILE_SOURCES = ("graph", "schedules", "compiler/build.py", "compiler/capture.py",
                    "compiler/lower.py", "compiler/kernels.py", "compiler/kernel_keys.py",
-                   "compiler/relax_ops.py", "compiler/tuning_db.py", "runtime/backends/artifact.py")
+                   "compiler/relax_ops.py", "compiler/tuning_db.py", "compiler/launcher.py",
+                   "runtime/backends/artifact.py", "runtime/backends/launcher.c")
 
 
 def compile_inputs_digest(*extra: str) -> str:
-    """sha256 over everything that shapes a compiled artifact: COMPILE_SOURCES (Python and the
-    preset JSON), TVM's version and `extra`. Any change to any of them is a different key, so a
+    """sha256 over everything that shapes a compiled artifact: COMPILE_SOURCES (Python, C and
+    the preset JSON), TVM's version and `extra`. Any change to any of them is a different key, so a
     cached build is never stale."""
     import tvm
 
@@ -120,7 +121,7 @@ def compile_inputs_digest(*extra: str) -> str:
     for src in COMPILE_SOURCES:
         path = PACKAGE / src
         for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
-            if f.suffix in (".py", ".json") and "__pycache__" not in f.parts:
+            if f.suffix in (".py", ".json", ".c") and "__pycache__" not in f.parts:
                 h.update(str(f.relative_to(PACKAGE)).encode())
                 h.update(f.read_bytes())
     for x in extra:

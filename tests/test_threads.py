@@ -72,7 +72,8 @@ def test_pool_is_configured_before_tvm_starts_it():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "0 {'threads': 1, 'spin_count': 0, 'bind_threads': True}"
+    assert out.stdout.strip() == ("0 {'threads': 1, 'spin_count': 0, 'bind_threads': True, "
+                                  "'launcher': 'tvm', 'launcher_spin_us': 0}")
 
 
 def nice_of_thread(run) -> tuple[int, int]:

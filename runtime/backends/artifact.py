@@ -51,7 +51,9 @@ from dsv41.graph.entries import (  # noqa: F401 (the entry sets, re-exported)
 from dsv41.graph.targets import request_amx, uses_amx
 from dsv41.runtime.backends.device import Device, DeviceError, DeviceKind, device_for_target
 from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, EngramTiming
+from dsv41.runtime.backends.launcher import LAUNCHER_FILE, launchers, use_artifact_launcher
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
+from dsv41.runtime.backends.threads import tvm_num_threads
 
 
 def read_manifest_json(artifact_dir: str | Path) -> dict:
@@ -291,9 +293,24 @@ class Artifact:
             if entry not in self.manifest.entries:
                 raise ArtifactError(f"The artifact has no entry {entry!r} (it has "
                                     f"{', '.join(self.entries)}).")
-            lib = tvm.runtime.load_module(str(self.path / f"{entry}.so"))
+            library = self.path / f"{entry}.so"
+            lib = tvm.runtime.load_module(str(library))
+            self._install_launcher(library)
             self._vms[entry] = VirtualMachine(lib, self.device.tvm())
         return self._vms[entry]
+
+    def _install_launcher(self, library: Path) -> None:
+        """A CPU entry's kernels on the artifact's launcher (`runtime.backends.launcher`), when
+        it has one and DSV41_LAUNCHER does not ask for TVM's pool (for the whole process: the
+        library is loaded once)."""
+        digest = self.manifest.files.get(LAUNCHER_FILE)
+        if self.device.kind != DeviceKind.CPU or digest is None:
+            return
+        if not use_artifact_launcher():  # the library may be loaded already, and installed
+            for launcher in launchers().all():
+                launcher.uninstall(library)
+            return
+        launchers().get(self.path / LAUNCHER_FILE, digest, tvm_num_threads()).install(library)
 
     @contextmanager
     def instrumented(self, hook_for_call: Callable[[str], Callable]) -> Iterator[None]:

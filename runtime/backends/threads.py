@@ -13,7 +13,10 @@ process). With a spin count of 0 (`DEFAULT_SPIN_COUNT`) an idle worker sleeps at
 launch wakes it: a few microseconds per kernel on a quiet machine, and under contention the
 woken worker preempts a lower-priority process, so a step loses about the CPU it is denied.
 TVM reads the count once per process, when its pool first starts: `configure_pool` sets it
-before anything here touches the pool; an explicit TVM_THREAD_POOL_SPIN_COUNT is kept.
+before anything here touches the pool; an explicit TVM_THREAD_POOL_SPIN_COUNT is kept. A CPU
+artifact's entries run on the artifact's own launcher instead (`runtime.backends.launcher`:
+workers that spin on `pause`, never yielding, then sleep), sized here with TVM's pool; TVM's
+pool runs what the launcher does not (kernels built outside an artifact, older artifacts).
 
 The engine's own helper threads (the SSD block writer, the Engram prefetcher) run at a lower
 priority (`lower_helper_priority`, nice +HELPER_NICE for that thread only), so their work waits
@@ -24,6 +27,8 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+
+from dsv41.runtime.backends.launcher import launchers, spin_us, use_artifact_launcher
 
 SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
 DEFAULT_SPIN_COUNT = 0  # sleep at once: a step degrades with the CPU it loses, not per barrier
@@ -37,10 +42,13 @@ class PoolConfig:
     threads: int  # workers (TVM_NUM_THREADS / the engine's `threads`)
     spin_count: int  # yields an idle worker spins before sleeping (read once per process)
     bind_threads: bool  # TVM pins each worker to a core (TVM_BIND_THREADS, default on)
+    launcher: str = "tvm"  # what runs the loaded entries' parallel loops: "artifact" or "tvm"
+    launcher_spin_us: int = 0  # the artifact launcher's spin before its idle workers sleep
 
     def to_dict(self) -> dict:
         return {"threads": self.threads, "spin_count": self.spin_count,
-                "bind_threads": self.bind_threads}
+                "bind_threads": self.bind_threads, "launcher": self.launcher,
+                "launcher_spin_us": self.launcher_spin_us}
 
 
 def configure_pool() -> None:
@@ -57,7 +65,9 @@ def pool_config() -> PoolConfig:
     except ValueError:
         raise ValueError(f"{SPIN_ENV} must be a whole number of spins, got "
                          f"{os.environ[SPIN_ENV]!r}.") from None
-    return PoolConfig(tvm_num_threads(), spin, os.environ.get("TVM_BIND_THREADS", "1") != "0")
+    artifact = use_artifact_launcher() and bool(launchers().all())
+    return PoolConfig(tvm_num_threads(), spin, os.environ.get("TVM_BIND_THREADS", "1") != "0",
+                      "artifact" if artifact else "tvm", spin_us() if artifact else 0)
 
 
 def lower_helper_priority() -> None:
@@ -89,6 +99,7 @@ def size_tvm_pool(n: int) -> int:
     os.environ["TVM_NUM_THREADS"] = str(n)
     if tvm_num_threads() != n:
         tvm.get_global_func("runtime.config_threadpool")(1, n)  # 1: every (big) core
+    launchers().resize(n)
     return tvm_num_threads()
 
 
