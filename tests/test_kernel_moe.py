@@ -35,9 +35,10 @@ FULL = {"dim": 5120, "inter": 2304, "n_experts": 384, "topk": 6}
 
 
 @functools.cache
-def _split(topk: int, hint: int | None, target: str = CPU, null_expert: bool = False):
+def _split(topk: int, hint: int | None, target: str = CPU, null_expert: bool = False,
+           dims: tuple = tuple(DIMS.items())):
     mod = moe.build_moe_experts_split(target, topk=topk, swiglu_limit=LIMIT, n=hint,
-                                      null_expert=null_expert, **DIMS)
+                                      null_expert=null_expert, **dict(dims))
     return tvm.compile(mod, target=get_target(target).tvm_target())
 
 
@@ -49,12 +50,13 @@ def _zeros(buf: moe.MoeBuffer, dev=None, fill: float = 0.0) -> tvm.runtime.Tenso
 
 
 def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target: str = CPU,
-               dev=None, fill: float = 0.0, rows: int = 1) -> dict[str, tvm.runtime.Tensor]:
+               dev=None, fill: float = 0.0, rows: int = 1, dims: dict = DIMS
+               ) -> dict[str, tvm.runtime.Tensor]:
     """Run the plan's calls in order with caller-allocated intermediates, as Relax would (`fill`:
     their float contents before the chain; Relax leaves them uninitialised; `rows`: the verify
     entry's chain)."""
     n = args[0].shape[0]
-    plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, rows=rows, **DIMS)
+    plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, rows=rows, **dims)
     env = {b.name: to_tvm(t, dev) for b, t in zip(plan.inputs, args, strict=True)}
     for b in (*plan.intermediates, plan.output):
         env[b.name] = _zeros(b, dev, fill)
@@ -63,11 +65,12 @@ def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target
     return env
 
 
-def _case(n: int, topk: int, ids: torch.Tensor | None = None, seed: int = 0):
-    args = moe.example_inputs_moe_experts(n=n, topk=topk, seed=seed, **DIMS)
+def _case(n: int, topk: int, ids: torch.Tensor | None = None, seed: int = 0,
+          dims: dict = DIMS):
+    args = moe.example_inputs_moe_experts(n=n, topk=topk, seed=seed, **dims)
     if ids is not None:
         args[2] = ids
-    moe.check_expert_ids(args[2], DIMS["n_experts"])
+    moe.check_expert_ids(args[2], dims["n_experts"])
     return args
 
 
@@ -107,13 +110,16 @@ def test_chain_matches_oracle(hint):
 
 @functools.cache
 def _gemv_pair(form: str, dims: tuple):
-    """moe_gate_up and moe_down of the decode GEMV form: "scheduled" (`schedule_moe_gemv`) or
-    "avx512" (hand-vectorised), compiled for the host."""
+    """moe_gate_up and moe_down of the decode GEMV form: "scheduled" (`schedule_moe_gemv`),
+    "avx512" (hand-vectorised) or "avx512-bf16" (its sums on vdpbf16ps), compiled for the
+    host."""
     d = dict(dims)
     target = get_target(CPU)
-    if form == "avx512":
-        funcs = {"moe_gate_up": moe.make_moe_gate_up_gemv_avx512(topk=2, swiglu_limit=LIMIT, **d),
-                 "moe_down": moe.make_moe_down_gemv_avx512(topk=2, **d)}
+    if form.startswith("avx512"):
+        dot = "bf16" if form == "avx512-bf16" else "fp32"
+        funcs = {"moe_gate_up": moe.make_moe_gate_up_gemv_avx512(topk=2, swiglu_limit=LIMIT,
+                                                                 dot=dot, **d),
+                 "moe_down": moe.make_moe_down_gemv_avx512(topk=2, dot=dot, **d)}
     else:
         cfg = moe.MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv")
         funcs = {"moe_gate_up": moe.schedule_moe_gemv(moe.make_moe_gate_up_gemv(
@@ -123,20 +129,31 @@ def _gemv_pair(form: str, dims: tuple):
     return {name: tvm.compile(f, target=target.tvm_target())[name] for name, f in funcs.items()}
 
 
+def _has_bf16_dot() -> bool:
+    return has_features(get_target(CPU), "avx512f", "fma", "avx512bf16", "avx512vbmi")
+
+
+ODD = {"dim": 96, "inter": 64, "n_experts": 6}  # an odd number of 32-blocks along dim (3)
+
+
 @pytest.mark.skipif(not has_features(get_target(CPU), "avx512f", "fma"),
                     reason="this CPU has no AVX-512")
-@pytest.mark.parametrize("form", ["scheduled", "avx512"])
-def test_decode_gemv_forms_match_oracle(form):
-    """Both decode GEMV forms in the chain (the host's other kernels around them): the scheduled
-    one, which CPUs without AVX-512 take, and the hand-vectorised one (partial 32-column tiles:
-    inter 96 and dim 64 against 32-column tasks; one and several tokens, shared experts)."""
-    chain = _split(2, 1)
-    pair = _gemv_pair(form, tuple(DIMS.items()))
+@pytest.mark.parametrize("dims", [DIMS, ODD], ids=["dims", "odd-blocks"])
+@pytest.mark.parametrize("form", ["scheduled", "avx512", "avx512-bf16"])
+def test_decode_gemv_forms_match_oracle(form, dims):
+    """Every decode GEMV form in the chain (the host's other kernels around them): the scheduled
+    one, which CPUs without AVX-512 take, the hand-vectorised one and its vdpbf16ps sums
+    (partial 32-column tiles: inter 96 and dim 64 against 32-column tasks, and an odd number of
+    32-blocks along K for each of the two GEMVs; one and several tokens, shared experts)."""
+    if form == "avx512-bf16" and not _has_bf16_dot():
+        pytest.skip("this CPU has no AVX-512 BF16 / VBMI")
+    chain = _split(2, 1, dims=tuple(dims.items()))
+    pair = _gemv_pair(form, tuple(dims.items()))
     ex = {name: pair[name] if name in pair else chain[name] for name in
           ("moe_route", "moe_qdq_x", "moe_gate_up", "moe_qdq_h", "moe_down", "moe_combine")}
     for n, ids in ((1, None), (2, None), (7, IDS7)):
-        args = _case(n, 2, ids, seed=n + 3)
-        out = _y(_run_chain(ex, args, 2, 1))
+        args = _case(n, 2, ids, seed=n + 3, dims=dims)
+        out = _y(_run_chain(ex, args, 2, 1, dims=dims))
         _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
 
 
@@ -145,9 +162,20 @@ needs_avx512 = pytest.mark.skipif(not has_features(get_target(CPU), "avx512f", "
 
 
 @functools.cache
-def _verify_chain():
-    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, n=1, rows=6, **DIMS)
+def _verify_chain(dims: tuple = tuple(DIMS.items())):
+    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, n=1, rows=6, **dict(dims))
     return tvm.compile(mod, target=get_target(CPU).tvm_target())
+
+
+@functools.cache
+def _gemv_rows_pair(dot: str, dims: tuple):
+    """The verify form's moe_gate_up and moe_down with `dot`, compiled for the host."""
+    d = dict(dims)
+    funcs = {"moe_gate_up": moe.make_moe_gate_up_rows_avx512(
+                 topk=2, swiglu_limit=LIMIT, row_tile=4, dot=dot, **d),
+             "moe_down": moe.make_moe_down_rows_avx512(topk=2, row_tile=4, dot=dot, **d)}
+    target = get_target(CPU)
+    return {name: tvm.compile(f, target=target.tvm_target())[name] for name, f in funcs.items()}
 
 
 # six tokens on experts 0 and 5 (tiles of 4 + 2 rows each); then mixed runs of 1..3 rows
@@ -156,20 +184,32 @@ IDS6_MIXED = torch.tensor([[0, 5], [5, 1], [1, 5], [2, 3], [3, 0], [4, 0]])
 
 
 @needs_avx512
-def test_verify_chain_rows_bit_identical_to_decode():
+@pytest.mark.parametrize("dims", [DIMS, ODD], ids=["dims", "odd-blocks"])
+@pytest.mark.parametrize("dot", ["fp32", "bf16"])
+def test_verify_chain_rows_bit_identical_to_decode(dot, dims):
     """The verify entry's chain (`rows` > 1: each route tile's rows share every weight load,
     `make_moe_gate_up_rows_avx512` / `make_moe_down_rows_avx512`) gives every token the exact
-    fp32 y the decode chain gives that token alone: 1..6 tokens, tiles of 1..4 rows of one
-    expert, an expert with more rows than a tile, unused experts, partial 32-column tasks."""
-    assert moe.moe_split_config(get_target(CPU), n=1, topk=2, rows=6, **DIMS).rows
-    decode, verify = _split(2, 1), _verify_chain()
+    fp32 y the decode chain gives that token alone, with either sums (`dot`): 1..6 tokens,
+    tiles of 1..4 rows of one expert, an expert with more rows than a tile, unused experts,
+    partial 32-column tasks, odd numbers of 32-blocks."""
+    if dot == "bf16" and not _has_bf16_dot():
+        pytest.skip("this CPU has no AVX-512 BF16 / VBMI")
+    assert moe.moe_split_config(get_target(CPU), n=1, topk=2, rows=6, **dims).rows
+    key = tuple(dims.items())
+    decode_pair, rows_pair = _gemv_pair(f"avx512{'-bf16' if dot == 'bf16' else ''}", key), \
+        _gemv_rows_pair(dot, key)
+    decode_chain, verify_chain = _split(2, 1, dims=key), _verify_chain(key)
+    decode = {**{f: decode_chain[f] for f in ("moe_route", "moe_qdq_x", "moe_qdq_h",
+                                              "moe_combine")}, **decode_pair}
+    verify = {**{f: verify_chain[f] for f in ("moe_route", "moe_qdq_x", "moe_qdq_h",
+                                              "moe_combine")}, **rows_pair}
     cases = [(1, None), (2, None), (5, None), (6, IDS6), (6, IDS6_MIXED)]
     for n, ids in cases:
-        args = _case(n, 2, ids, seed=n + 11)
-        y = _y(_run_chain(verify, args, 2, 1, rows=6))
+        args = _case(n, 2, ids, seed=n + 11, dims=dims)
+        y = _y(_run_chain(verify, args, 2, 1, rows=6, dims=dims))
         for i in range(n):
             one = [t[i:i + 1].clone() if j < 3 else t for j, t in enumerate(args)]
-            ref = _y(_run_chain(decode, one, 2, 1))
+            ref = _y(_run_chain(decode, one, 2, 1, dims=dims))
             assert torch.equal(y[i:i + 1].view(torch.int32), ref.view(torch.int32)), (n, i)
 
 
@@ -425,6 +465,17 @@ def test_config_kinds():
     assert kind(CPU, 1) == "gemv" and kind(CPU, None) == "tiles"
     host = moe.moe_split_config(get_target(CPU), n=1, topk=2, **DIMS)
     assert host.avx512 == has_features(get_target(CPU), "avx512f", "fma")
+
+    def dot(mcpu):
+        x86 = get_target("cpu-x86-64")
+        target = x86.__class__("cpu", {**x86.target, "mcpu": mcpu})
+        return moe.moe_split_config(target, n=1, topk=2, rows=6, **DIMS).dot
+
+    # vdpbf16ps sums on AVX-512 BF16 + VBMI without AMX (Zen 4), not on AMX hosts nor below
+    assert (dot("znver4"), dot("sapphirerapids"), dot("skylake-avx512")) == ("bf16", "fp32",
+                                                                           "fp32")
+    with pytest.raises(ValueError, match="sum by 'fp32' or 'bf16', got dot='int8'"):
+        moe.make_moe_down_gemv_avx512(topk=2, dot="int8", **DIMS)
     assert not moe.moe_split_config(get_target("cpu-x86-64"), n=1, topk=2, **DIMS).avx512
     assert kind("cuda-sm90", 1) == "tiles" and kind("cuda-sm90", None) == "tiles"
     with pytest.raises(ValueError, match="'tiles' or 'gemv'"):

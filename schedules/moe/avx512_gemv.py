@@ -7,6 +7,7 @@ import tvm
 from tvm.script import tirx as T
 
 from dsv41.schedules.common import (
+    bf16_bits_of_exact,
     e8m0_byte,
     fma16,
     fp4_to_f32_select,
@@ -17,9 +18,11 @@ from dsv41.schedules.common import (
     prefetch,
     round_bf16,
     silu_times,
+    with_bf16_dot,
 )
 from dsv41.schedules.gemm import BLOCK
 from dsv41.schedules.moe.experts import expert_of
+from dsv41.schedules.moe.fp4_dot import LUT_BYTES, block_sum, block_words, lut_byte
 from dsv41.schedules.moe.route import check_dims, to_bf16
 
 # ---- the GEMV form hand-vectorised (AVX-512) ----------------------------------------------------
@@ -72,13 +75,72 @@ def _zero_acc(acc, n_acc):
             acc[c, p, j] = T.float32(0)
 
 
+DOTS = ("fp32", "bf16")  # the sums: fp32 FMAs of table-decoded weights, or vdpbf16ps (fp4_dot)
+
+
+def check_dot(dot: str) -> None:
+    if dot not in DOTS:
+        raise ValueError(f"The expert GEMVs sum by 'fp32' or 'bf16', got dot={dot!r}.")
+
+
+@T.macro
+def init_tables(tbl, lut, bf16):
+    """The fp32 form's 16 E2M1 values, or the bf16 form's vpermb table."""
+    if bf16:  # static
+        for i in T.unroll(LUT_BYTES):
+            lut[i] = lut_byte(i)
+    else:
+        for i in T.unroll(16):
+            tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
+
+
+@T.macro
+def stage_rows(xe, xo, xb, src, nrows, half, bf16):
+    """Each row's activation (`src(r, j)`, fp32) split by parity (fp32 form) or as bf16 bits
+    (bf16 form: exact, the activation is a dequantised E4M3 value)."""
+    if bf16:  # static
+        for r, j in T.grid(nrows, half * 2):
+            xb[r, j] = bf16_bits_of_exact(src(r, j))
+    else:
+        for r, j in T.grid(nrows, half):
+            xe[r, j] = src(r, j * 2)
+            xo[r, j] = src(r, j * 2 + 1)
+
+
+@T.macro
+def _bf16_blocks(acc, c, w, sc, e, a, xb, r, nblk, lut):
+    """acc[c, blk % 2] += block blk of packed row w[e, a] times row r of xb, for every block
+    (fp4_dot.block_sum), two blocks per step so each accumulator's slot is static."""
+    for b2 in range(i64(nblk // 2)):  # nblk: a Python int
+        for par in T.unroll(2):
+            blk = T.meta_var(b2 * 2 + par)
+            acc[c, par, T.ramp(0, 1, 16)] = block_sum(
+                acc[c, par, T.ramp(0, 1, 16)], xb[r, T.ramp(blk * 32, 1, 32)],
+                block_words(w.vload([e, a, blk * 16], "uint8x16"), lut), sc[c, blk])
+    if nblk % 2 == 1:  # static: the last block of an odd count
+        acc[c, 0, T.ramp(0, 1, 16)] = block_sum(
+            acc[c, 0, T.ramp(0, 1, 16)], xb[r, T.ramp((nblk - 1) * 32, 1, 32)],
+            block_words(w.vload([e, a, (nblk - 1) * 16], "uint8x16"), lut), sc[c, nblk - 1])
+
+
+@T.macro
+def _prefetch_whole_row(w, e, a, rows, nblk):
+    """The lines of row a + GEMV_PREFETCH, before a column's sums (inside them, LLVM keeps the
+    bf16 form's accumulators and table in memory: a prefetch may read any memory)."""
+    for line in range(i64((nblk + 3) // 4)):
+        prefetch(T.address_of(w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), line * 64]))
+
+
 def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
-                                 swiglu_limit: float) -> tvm.tirx.PrimFunc:
+                                 swiglu_limit: float, dot: str = "fp32") -> tvm.tirx.PrimFunc:
     """`make_moe_gate_up_gemv`'s signature and result, hand-vectorised for AVX-512 (see the
     section comment; written scheduled): parallel over (sorted row, 32 output columns); per
     column the w1 and w3 rows walked together (four independent accumulators), then the SwiGLU
-    epilogue. dim a multiple of 32."""
+    epilogue. dim a multiple of 32. dot "bf16": the sums on vdpbf16ps (`fp4_dot`; AVX-512 BF16
+    and VBMI)."""
     check_dims(dim, inter)
+    check_dot(dot)
+    bf16 = dot == "bf16"
     D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
     DH, DB, IT = i64(dim // 2), i64(dim // BLOCK), i64((inter + BLOCK - 1) // BLOCK)
 
@@ -95,45 +157,55 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
         ids = T.match_buffer(ids_h, (n, KT), "int64")
         row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
         h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
-        xe = T.alloc_buffer((n * KT, DH), "float32")  # the row's activation, even elements
-        xo = T.alloc_buffer((n * KT, DH), "float32")  # odd elements
-        for r, j in T.grid(n * KT, DH):
-            xe[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2]
-            xo[r, j] = xq[idx(row_pair[r], n * KT) // KT, j * 2 + 1]
-        for task in T.parallel(n * KT * IT):
-            tbl = T.alloc_buffer((16,), "float32", scope="local")
-            acc = T.alloc_buffer((2, 2, 16), "float32", scope="local")  # gate, up x parity
-            sc = T.alloc_buffer((2, DB), "float32", scope="local")  # the row's scales
-            for i in T.unroll(16):
-                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
-            r = task // IT
-            e = expert_of(ids, row_pair, r, n * KT, KT, E)
-            q = idx(row_pair[r], n * KT)
-            for c in range(i64(BLOCK)):
-                if (task % IT) * BLOCK + c < I:
-                    a = T.meta_var((task % IT) * BLOCK + c)
-                    _zero_acc(acc, 2)
-                    for blk in T.vectorized(DB):
-                        sc[0, blk] = e8m0_byte(s1[e, a, blk])
-                        sc[1, blk] = e8m0_byte(s3[e, a, blk])
-                    for blk in range(DB):
-                        if blk % 4 == 0:
-                            _prefetch_row(w1, e, a, I, blk)
-                            _prefetch_row(w3, e, a, I, blk)
-                        _fp4_block(acc, 0, w1, sc, e, a, xe, xo, r, blk, tbl)
-                        _fp4_block(acc, 1, w3, sc, e, a, xe, xo, r, blk, tbl)
-                    h[r, a] = to_bf16(weights[q // KT, q % KT] * silu_times(
-                        round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
-                        swiglu_limit))
+        with T.attr(T.int32(0), *with_bf16_dot()):
+            # the row's activation: even and odd elements (fp32 form), or bf16 bits (bf16)
+            xe = T.alloc_buffer((n * KT, DH if not bf16 else 1), "float32")
+            xo = T.alloc_buffer((n * KT, DH if not bf16 else 1), "float32")
+            xb = T.alloc_buffer((n * KT, D if bf16 else 1), "uint16")
+            stage_rows(xe, xo, xb, lambda r, j: xq[idx(row_pair[r], n * KT) // KT, j],
+                        n * KT, DH, bf16)
+            for task in T.parallel(n * KT * IT):
+                tbl = T.alloc_buffer((16,), "float32", scope="local")
+                lut = T.alloc_buffer((LUT_BYTES,), "uint8", scope="local")
+                acc = T.alloc_buffer((2, 2, 16), "float32", scope="local")  # gate, up x parity
+                sc = T.alloc_buffer((2, DB), "float32", scope="local")  # the row's scales
+                init_tables(tbl, lut, bf16)
+                r = task // IT
+                e = expert_of(ids, row_pair, r, n * KT, KT, E)
+                q = idx(row_pair[r], n * KT)
+                for c in range(i64(BLOCK)):
+                    if (task % IT) * BLOCK + c < I:
+                        a = T.meta_var((task % IT) * BLOCK + c)
+                        _zero_acc(acc, 2)
+                        for blk in T.vectorized(DB):
+                            sc[0, blk] = e8m0_byte(s1[e, a, blk])
+                            sc[1, blk] = e8m0_byte(s3[e, a, blk])
+                        if bf16:  # static
+                            _prefetch_whole_row(w1, e, a, I, dim // BLOCK)
+                            _prefetch_whole_row(w3, e, a, I, dim // BLOCK)
+                            _bf16_blocks(acc, 0, w1, sc, e, a, xb, r, dim // BLOCK, lut)
+                            _bf16_blocks(acc, 1, w3, sc, e, a, xb, r, dim // BLOCK, lut)
+                        else:
+                            for blk in range(DB):
+                                if blk % 4 == 0:
+                                    _prefetch_row(w1, e, a, I, blk)
+                                    _prefetch_row(w3, e, a, I, blk)
+                                _fp4_block(acc, 0, w1, sc, e, a, xe, xo, r, blk, tbl)
+                                _fp4_block(acc, 1, w3, sc, e, a, xe, xo, r, blk, tbl)
+                        h[r, a] = to_bf16(weights[q // KT, q % KT] * silu_times(
+                            round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
+                            swiglu_limit))
 
     return moe_gate_up
 
 
-def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
-                              ) -> tvm.tirx.PrimFunc:
+def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
+                              dot: str = "fp32") -> tvm.tirx.PrimFunc:
     """`make_moe_down_gemv`'s signature and result, hand-vectorised as
     `make_moe_gate_up_gemv_avx512`."""
     check_dims(dim, inter)
+    check_dot(dot)
+    bf16 = dot == "bf16"
     D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
     IH, IB, DT = i64(inter // 2), i64(inter // BLOCK), i64((dim + BLOCK - 1) // BLOCK)
 
@@ -148,29 +220,33 @@ def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
         ids = T.match_buffer(ids_h, (n, KT), "int64")
         row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
         o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
-        xe = T.alloc_buffer((n * KT, IH), "float32")
-        xo = T.alloc_buffer((n * KT, IH), "float32")
-        for r, j in T.grid(n * KT, IH):
-            xe[r, j] = hq[r, j * 2]
-            xo[r, j] = hq[r, j * 2 + 1]
-        for task in T.parallel(n * KT * DT):
-            tbl = T.alloc_buffer((16,), "float32", scope="local")
-            acc = T.alloc_buffer((1, 2, 16), "float32", scope="local")
-            sc = T.alloc_buffer((1, IB), "float32", scope="local")
-            for i in T.unroll(16):
-                tbl[i] = fp4_to_f32_select(T.Cast("uint32", i))
-            r = task // DT
-            e = expert_of(ids, row_pair, r, n * KT, KT, E)
-            for c in range(i64(BLOCK)):
-                if (task % DT) * BLOCK + c < D:
-                    a = T.meta_var((task % DT) * BLOCK + c)
-                    _zero_acc(acc, 1)
-                    for blk in T.vectorized(IB):
-                        sc[0, blk] = e8m0_byte(s2[e, a, blk])
-                    for blk in range(IB):
-                        if blk % 4 == 0:
-                            _prefetch_row(w2, e, a, D, blk)
-                        _fp4_block(acc, 0, w2, sc, e, a, xe, xo, r, blk, tbl)
-                    o[r, a] = to_bf16(_lane_total(acc, 0))
+        with T.attr(T.int32(0), *with_bf16_dot()):
+            xe = T.alloc_buffer((n * KT, IH if not bf16 else 1), "float32")
+            xo = T.alloc_buffer((n * KT, IH if not bf16 else 1), "float32")
+            xb = T.alloc_buffer((n * KT, I if bf16 else 1), "uint16")
+            stage_rows(xe, xo, xb, lambda r, j: hq[r, j], n * KT, IH, bf16)
+            for task in T.parallel(n * KT * DT):
+                tbl = T.alloc_buffer((16,), "float32", scope="local")
+                lut = T.alloc_buffer((LUT_BYTES,), "uint8", scope="local")
+                acc = T.alloc_buffer((1, 2, 16), "float32", scope="local")
+                sc = T.alloc_buffer((1, IB), "float32", scope="local")
+                init_tables(tbl, lut, bf16)
+                r = task // DT
+                e = expert_of(ids, row_pair, r, n * KT, KT, E)
+                for c in range(i64(BLOCK)):
+                    if (task % DT) * BLOCK + c < D:
+                        a = T.meta_var((task % DT) * BLOCK + c)
+                        _zero_acc(acc, 1)
+                        for blk in T.vectorized(IB):
+                            sc[0, blk] = e8m0_byte(s2[e, a, blk])
+                        if bf16:  # static
+                            _prefetch_whole_row(w2, e, a, D, inter // BLOCK)
+                            _bf16_blocks(acc, 0, w2, sc, e, a, xb, r, inter // BLOCK, lut)
+                        else:
+                            for blk in range(IB):
+                                if blk % 4 == 0:
+                                    _prefetch_row(w2, e, a, D, blk)
+                                _fp4_block(acc, 0, w2, sc, e, a, xe, xo, r, blk, tbl)
+                        o[r, a] = to_bf16(_lane_total(acc, 0))
 
     return moe_down

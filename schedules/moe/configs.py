@@ -10,6 +10,8 @@ from tvm import s_tir
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import gemm
 from dsv41.schedules.common import (
+    has_amx_bf16,
+    has_avx512_bf16,
     has_features,
 )
 from dsv41.schedules.gemm import BLOCK
@@ -37,6 +39,8 @@ class MoeSplitConfig:
     # gemv + avx512, the verify entry: each route tile's rows share the weight loads
     # (`make_moe_gate_up_rows_avx512`), bit-identical per row to the decode kernels
     rows: bool = False
+    # gemv + avx512: "bf16" sums on vdpbf16ps (`moe.fp4_dot`; AVX-512 BF16 + VBMI), else "fp32"
+    dot: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.kind not in ("tiles", "gemv"):
@@ -60,8 +64,13 @@ def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int
         # row from a strided read (bench preset, one token: 2.1 ms per layer single-threaded,
         # 7.6x the chain's byte floor)
         avx512 = has_features(target, "avx512f", "fma")
+        # vdpbf16ps where the CPU has it and VBMI's byte lookups (`moe.fp4_dot`: Zen 4, bench
+        # preset gate_up from cache 67 -> 52 us); not with AMX (Intel), whose vdpbf16ps issues
+        # at a quarter of its FMA rate (schedules/gemm/linear.py), unmeasured for this kernel
+        bf16 = (avx512 and has_avx512_bf16(target) and has_features(target, "avx512vbmi")
+                and not has_amx_bf16(target))
         return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv", avx512=avx512,
-                              rows=avx512 and rows > 1)
+                              rows=avx512 and rows > 1, dot="bf16" if bf16 else "fp32")
     # prefill: each tile decodes its expert's whole weight once per column block, so rows per
     # tile set the decode work per row. Bench dims (dim 1024, inter 512, 16 experts, top-2), 2
     # threads, Xeon with AMX, min of 5 (gate_up / down ms): 16 rows 220 / 57 at 2048 tokens,

@@ -135,15 +135,17 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
     if cfg.rows:
         funcs["moe_gate_up"] = make_moe_gate_up_rows_avx512(
             dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit,
-            row_tile=cfg.row_tile)
+            row_tile=cfg.row_tile, dot=cfg.dot)
         funcs["moe_down"] = make_moe_down_rows_avx512(dim=dim, inter=inter,
                                                       n_experts=n_experts, topk=topk,
-                                                      row_tile=cfg.row_tile)
+                                                      row_tile=cfg.row_tile, dot=cfg.dot)
     elif cfg.kind == "gemv" and cfg.avx512:
         funcs["moe_gate_up"] = make_moe_gate_up_gemv_avx512(
-            dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit)
+            dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit,
+            dot=cfg.dot)
         funcs["moe_down"] = make_moe_down_gemv_avx512(dim=dim, inter=inter,
-                                                      n_experts=n_experts, topk=topk)
+                                                      n_experts=n_experts, topk=topk,
+                                                      dot=cfg.dot)
     elif cfg.kind == "gemv":
         funcs["moe_gate_up"] = schedule_moe_gemv(
             make_moe_gate_up_gemv(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
