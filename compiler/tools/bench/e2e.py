@@ -93,6 +93,7 @@ from dsv41.graph.model import Model
 from dsv41.graph.phases_api import GraphPhases, PrefillPacing
 from dsv41.runtime.backends.artifact import Artifact
 from dsv41.runtime.backends.compiled import CompiledPhases
+from dsv41.runtime.backends.threads import pool_config
 from dsv41.runtime.engine import Engine, EngineOptions
 
 # ---- the three implementations ------------------------------------------------------------------
@@ -467,6 +468,8 @@ def run_bench(opts: BenchOptions, say: Callable[[str], None] = print) -> BenchRe
             report.tiers += bench_tiers(impl, phases[impl], model, whash, opts)
     _compile_seconds(report, phases)
     report.load_avg["end"] = list(os.getloadavg())
+    # what ran the parallel loops is known once the entries are loaded (the artifact's launcher)
+    report.threads["tvm_pool"] = pool_config().to_dict()
     resample_roof(report, model, asdict(measure_machine()), say)
     return report
 
