@@ -227,3 +227,29 @@ def test_an_artifacts_entries_run_on_its_launcher(small_artifact, small_model):
     finally:
         size_tvm_pool(n)
     assert launcher.threads == n
+
+
+def test_a_launcher_that_cannot_load_leaves_the_entries_on_tvms_pool(small_artifact, small_model,
+                                                                     monkeypatch):
+    """A launcher library this runtime cannot use (another ABI, a libc it cannot load) is a
+    warning, not a failure: the entries run on TVM's pool, with the same results."""
+    from dsv41.graph.cache import new_cache
+    from dsv41.runtime.backends import launcher as launcher_module
+    from dsv41.runtime.backends.artifact import Artifact
+    from dsv41.runtime.backends.compiled import CompiledPhases
+
+    def refuse(self, path, digest, threads):
+        raise LauncherError(f"{path} is launcher ABI 99; this runtime installs 1.")
+
+    toks = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    def logits(art) -> torch.Tensor:
+        cache = new_cache(small_model.plan, 1, 64, engram_pad=small_model.engram.pad_id)
+        return CompiledPhases(art, small_model).ced_prefill(small_model, cache, toks).logits
+
+    want = logits(Artifact.load(small_artifact, args=small_model.args))
+    monkeypatch.setattr(launcher_module.Launchers, "get", refuse)
+    with pytest.warns(RuntimeWarning, match="launcher ABI 99; this runtime installs 1.*run on "
+                                            "TVM's thread pool"):
+        got = logits(Artifact.load(small_artifact, args=small_model.args))
+    assert torch.equal(got, want)

@@ -18,6 +18,7 @@ files, not a writer of the folder); with `DSV41_ARTIFACT_KEY_FILE` set the manif
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,7 +52,12 @@ from dsv41.graph.entries import (  # noqa: F401 (the entry sets, re-exported)
 from dsv41.graph.targets import request_amx, uses_amx
 from dsv41.runtime.backends.device import Device, DeviceError, DeviceKind, device_for_target
 from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, EngramTiming
-from dsv41.runtime.backends.launcher import LAUNCHER_FILE, launchers, use_artifact_launcher
+from dsv41.runtime.backends.launcher import (
+    LAUNCHER_FILE,
+    LauncherError,
+    launchers,
+    use_artifact_launcher,
+)
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
 from dsv41.runtime.backends.threads import tvm_num_threads
 
@@ -310,7 +316,13 @@ class Artifact:
             for launcher in launchers().all():
                 launcher.uninstall(library)
             return
-        launchers().get(self.path / LAUNCHER_FILE, digest, tvm_num_threads()).install(library)
+        try:
+            launcher = launchers().get(self.path / LAUNCHER_FILE, digest, tvm_num_threads())
+        except LauncherError as e:  # the same results on TVM's pool, only slower
+            warnings.warn(f"{self.path}: the artifact's launcher cannot be used ({e}); its "
+                          "entries run on TVM's thread pool.", RuntimeWarning, stacklevel=3)
+            return
+        launcher.install(library)
 
     @contextmanager
     def instrumented(self, hook_for_call: Callable[[str], Callable]) -> Iterator[None]:
