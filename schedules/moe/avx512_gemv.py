@@ -22,7 +22,13 @@ from dsv41.schedules.common import (
 )
 from dsv41.schedules.gemm import BLOCK
 from dsv41.schedules.moe.experts import expert_of
-from dsv41.schedules.moe.fp4_dot import LUT_BYTES, block_sum, block_words, lut_byte
+from dsv41.schedules.moe.fp4_dot import (
+    LUT_BYTES,
+    block_sum,
+    block_words,
+    each_block,
+    lut_byte,
+)
 from dsv41.schedules.moe.route import check_dims, to_bf16
 
 # ---- the GEMV form hand-vectorised (AVX-512) ----------------------------------------------------
@@ -108,25 +114,17 @@ def stage_rows(xe, xo, xb, src, nrows, half, bf16):
 
 
 @T.macro
-def _bf16_blocks(acc, c, w, sc, e, a, xb, r, nblk, lut):
-    """acc[c, blk % 2] += block blk of packed row w[e, a] times row r of xb, for every block
-    (fp4_dot.block_sum), two blocks per step so each accumulator's slot is static."""
-    for b2 in range(i64(nblk // 2)):  # nblk: a Python int
-        for par in T.unroll(2):
-            blk = T.meta_var(b2 * 2 + par)
-            acc[c, par, T.ramp(0, 1, 16)] = block_sum(
-                acc[c, par, T.ramp(0, 1, 16)], xb[r, T.ramp(blk * 32, 1, 32)],
-                block_words(w.vload([e, a, blk * 16], "uint8x16"), lut), sc[c, blk])
-    if nblk % 2 == 1:  # static: the last block of an odd count
-        acc[c, 0, T.ramp(0, 1, 16)] = block_sum(
-            acc[c, 0, T.ramp(0, 1, 16)], xb[r, T.ramp((nblk - 1) * 32, 1, 32)],
-            block_words(w.vload([e, a, (nblk - 1) * 16], "uint8x16"), lut), sc[c, nblk - 1])
+def _bf16_block(acc, c, w, sc, e, a, xb, r, lut, blk, par):
+    """acc[c, par] += block blk of packed row w[e, a] times row r of xb (fp4_dot.block_sum)."""
+    acc[c, par, T.ramp(0, 1, 16)] = block_sum(
+        acc[c, par, T.ramp(0, 1, 16)], xb[r, T.ramp(blk * 32, 1, 32)],
+        block_words(w.vload([e, a, blk * 16], "uint8x16"), lut), sc[c, blk])
 
 
 @T.macro
-def _prefetch_whole_row(w, e, a, rows, nblk):
-    """The lines of row a + GEMV_PREFETCH, before a column's sums (inside them, LLVM keeps the
-    bf16 form's accumulators and table in memory: a prefetch may read any memory)."""
+def prefetch_row_ahead(w, e, a, rows, nblk):
+    """The lines of row a + GEMV_PREFETCH (nblk 32-blocks), before a column's sums (inside them,
+    LLVM keeps the accumulators and tables in memory: a prefetch may read any memory)."""
     for line in range(i64((nblk + 3) // 4)):
         prefetch(T.address_of(w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), line * 64]))
 
@@ -181,10 +179,12 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                             sc[0, blk] = e8m0_byte(s1[e, a, blk])
                             sc[1, blk] = e8m0_byte(s3[e, a, blk])
                         if bf16:  # static
-                            _prefetch_whole_row(w1, e, a, I, dim // BLOCK)
-                            _prefetch_whole_row(w3, e, a, I, dim // BLOCK)
-                            _bf16_blocks(acc, 0, w1, sc, e, a, xb, r, dim // BLOCK, lut)
-                            _bf16_blocks(acc, 1, w3, sc, e, a, xb, r, dim // BLOCK, lut)
+                            prefetch_row_ahead(w1, e, a, I, dim // BLOCK)
+                            prefetch_row_ahead(w3, e, a, I, dim // BLOCK)
+                            each_block(dim // BLOCK, _bf16_block,
+                                       (acc, 0, w1, sc, e, a, xb, r, lut))
+                            each_block(dim // BLOCK, _bf16_block,
+                                       (acc, 1, w3, sc, e, a, xb, r, lut))
                         else:
                             for blk in range(DB):
                                 if blk % 4 == 0:
@@ -240,8 +240,9 @@ def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
                         for blk in T.vectorized(IB):
                             sc[0, blk] = e8m0_byte(s2[e, a, blk])
                         if bf16:  # static
-                            _prefetch_whole_row(w2, e, a, D, inter // BLOCK)
-                            _bf16_blocks(acc, 0, w2, sc, e, a, xb, r, inter // BLOCK, lut)
+                            prefetch_row_ahead(w2, e, a, D, inter // BLOCK)
+                            each_block(inter // BLOCK, _bf16_block,
+                                       (acc, 0, w2, sc, e, a, xb, r, lut))
                         else:
                             for blk in range(IB):
                                 if blk % 4 == 0:

@@ -24,14 +24,18 @@ from dsv41.schedules.common import (
     idx,
     pairwise_lane_sum,
     permps,
-    prefetch,
     round_bf16,
     silu_times,
     with_bf16_dot,
 )
 from dsv41.schedules.gemm import BLOCK
-from dsv41.schedules.moe.avx512_gemv import GEMV_PREFETCH, check_dot, init_tables, stage_rows
-from dsv41.schedules.moe.fp4_dot import LUT_BYTES, block_sum, block_words
+from dsv41.schedules.moe.avx512_gemv import (
+    check_dot,
+    init_tables,
+    prefetch_row_ahead,
+    stage_rows,
+)
+from dsv41.schedules.moe.fp4_dot import LUT_BYTES, block_sum, block_words, each_block
 from dsv41.schedules.moe.route import check_dims, tile_count, to_bf16
 
 MAX_TILE_ROWS = 4  # rows of one expert per tile the verify form takes (the decode row_tile)
@@ -106,7 +110,7 @@ def make_moe_gate_up_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                 sc[1, blk])
 
     @T.macro
-    def dot_block(acc, xb, w1, w3, sc, e, a, r0, nr, blk, par, lut):
+    def dot_block(acc, xb, w1, w3, sc, e, a, r0, nr, lut, blk, par):
         """Block blk's gate and up words decoded once, summed into every row's par slot."""
         wg = T.meta_var(block_words(w1.vload([e, a, blk * 16], "uint8x16"), lut))
         wu = T.meta_var(block_words(w3.vload([e, a, blk * 16], "uint8x16"), lut))
@@ -137,18 +141,10 @@ def make_moe_gate_up_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                 for blk in T.vectorized(DB):
                     sc[0, blk] = e8m0_byte(s1[e, a, blk])
                     sc[1, blk] = e8m0_byte(s3[e, a, blk])
-                for line in range((DB + i64(3)) // i64(4)):  # before the sums (module docstring)
-                    prefetch(T.address_of(w1[e, T.min(a + i64(GEMV_PREFETCH), I - i64(1)),
-                                             line * 64]))
-                    prefetch(T.address_of(w3[e, T.min(a + i64(GEMV_PREFETCH), I - i64(1)),
-                                             line * 64]))
-                if bf16:  # static: blocks in pairs, each accumulator slot static (fp4_dot)
-                    for b2 in range(i64(nblk // 2)):
-                        for par in T.unroll(2):
-                            dot_block(acc, xb, w1, w3, sc, e, a, r0, nr, b2 * 2 + par, par,
-                                      lut)
-                    if nblk % 2 == 1:  # static
-                        dot_block(acc, xb, w1, w3, sc, e, a, r0, nr, i64(nblk - 1), 0, lut)
+                prefetch_row_ahead(w1, e, a, I, nblk)  # before the sums (module docstring)
+                prefetch_row_ahead(w3, e, a, I, nblk)
+                if bf16:  # static
+                    each_block(nblk, dot_block, (acc, xb, w1, w3, sc, e, a, r0, nr, lut))
                 else:
                     for blk in range(DB):
                         g0 = T.meta_var(_decoded(w1, sc, 0, e, a, blk, tbl, False))
@@ -254,7 +250,7 @@ def make_moe_down_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: int
                 sc[0, blk])
 
     @T.macro
-    def dot_block(acc, xb, w2, sc, e, a, r0, nr, blk, par, lut):
+    def dot_block(acc, xb, w2, sc, e, a, r0, nr, lut, blk, par):
         wd = T.meta_var(block_words(w2.vload([e, a, blk * 16], "uint8x16"), lut))
         dot_row(acc, 0, nr > 0, xb, r0, blk, par, wd, sc)
         dot_row(acc, 1, nr > 1, xb, r0 + 1, blk, par, wd, sc)
@@ -277,15 +273,9 @@ def make_moe_down_rows_avx512(*, dim: int, inter: int, n_experts: int, topk: int
                 zero(acc, 3, nr > 3)
                 for blk in T.vectorized(IB):
                     sc[0, blk] = e8m0_byte(s2[e, a, blk])
-                for line in range((IB + i64(3)) // i64(4)):  # before the sums
-                    prefetch(T.address_of(w2[e, T.min(a + i64(GEMV_PREFETCH), D - i64(1)),
-                                             line * 64]))
-                if bf16:  # static: as the gate_up form
-                    for b2 in range(i64(nblk // 2)):
-                        for par in T.unroll(2):
-                            dot_block(acc, xb, w2, sc, e, a, r0, nr, b2 * 2 + par, par, lut)
-                    if nblk % 2 == 1:  # static
-                        dot_block(acc, xb, w2, sc, e, a, r0, nr, i64(nblk - 1), 0, lut)
+                prefetch_row_ahead(w2, e, a, D, nblk)  # before the sums
+                if bf16:  # static
+                    each_block(nblk, dot_block, (acc, xb, w2, sc, e, a, r0, nr, lut))
                 else:
                     for blk in range(IB):
                         d0 = T.meta_var(_decoded(w2, sc, 0, e, a, blk, tbl, False))

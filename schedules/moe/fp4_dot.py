@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from dsv41.schedules.common import dpbf16ps, fma16, fp4_to_f32_select
+from dsv41.schedules.common import dpbf16ps, fma16, fp4_to_f32_select, i64
 
 LUT_BYTES = 64  # vpermb's table: low bytes of the 16 nibbles' bf16, then their high bytes
 # byte 4i .. 4i + 3 of the spread block: byte i of the packed block (both words of its pair)
-SPREAD = [i // 4 for i in range(64)]
+SPREAD = tuple(i // 4 for i in range(64))
 
 
 def lut_byte(i):
@@ -45,7 +45,7 @@ def block_words(codes16, lut):
     words; the odd word shifted right by 4 puts the high nibble in its low bits; the mask keeps
     each byte's nibble and adds 16 in the high byte (the table's high half); vpermb looks the
     bytes up."""
-    spread = T.reinterpret("uint16x32", T.Shuffle([codes16] * 4, SPREAD))
+    spread = T.reinterpret("uint16x32", T.Shuffle([codes16] * 4, list(SPREAD)))
     shifts = T.Cast("uint16x32", (T.ramp(0, 1, 32) % 2) * 4)
     index = (spread >> shifts & T.broadcast(T.uint16(0x0F0F), 32)) \
         | T.broadcast(T.uint16(0x1000), 32)
@@ -58,3 +58,14 @@ def block_sum(acc_slot, x_words, words, scale):
     """acc_slot + (the 32 products of the block summed by vdpbf16ps into 16 lanes) * scale."""
     return fma16(dpbf16ps(T.broadcast(T.float32(0), 16), x_words, words),
                  T.broadcast(scale, 16), acc_slot)
+
+
+@T.macro
+def each_block(nblk, body, args):
+    """`body(*args, blk, par)` for blocks 0 .. nblk - 1 (a Python int) in order, two per step
+    so that par = blk % 2, the accumulator slot a block adds into, is static (a register)."""
+    for b2 in range(i64(nblk // 2)):
+        for par in T.unroll(2):
+            body(*args, b2 * 2 + par, par)
+    if nblk % 2 == 1:  # static: the last block of an odd count (an even block: slot 0)
+        body(*args, i64(nblk - 1), 0)
