@@ -188,8 +188,32 @@ class RopeKey(KernelKey):
 
 
 @dataclass(frozen=True)
+class RopeQuantKey(KernelKey):
+    """A new cache entry's norm (eps None: none), RoPE and quantiser (`form`: an
+    `ops.EntryFormat` value) in one kernel."""
+
+    kind: ClassVar[str] = "rope_quant"
+    d: int
+    rd: int
+    form: str
+    eps: float | None
+
+
+@dataclass(frozen=True)
 class HcPreMixKey(KernelKey):
     kind: ClassVar[str] = "hc_pre_mix"
+    hc: int
+    d: int
+    iters: int
+    norm_eps: float
+    hc_eps: float
+
+
+@dataclass(frozen=True)
+class HcPostPreMixKey(KernelKey):
+    """hc_post then the next sublayer's hc_pre_mix (with its norm), one kernel."""
+
+    kind: ClassVar[str] = "hc_post_pre_mix"
     hc: int
     d: int
     iters: int
@@ -254,7 +278,8 @@ KEY_KINDS: dict[str, type[KernelKey]] = {
     cls.kind: cls for cls in (Fp8LinearKey, Fp8DequantKey, SparseAttendKey, IndexScoresKey,
                               IndexScoresSharedKey, SelectPositionsKey, SelectBlocksKey, PoolKey,
                               MoeKey, RouteTopkKey, ScatterRowsKey, RmsNormKey, RopeKey,
-                              HcPreMixKey, HcPostKey, QuantKey, DenseGemvKey, DenseGemmKey)}
+                              RopeQuantKey, HcPreMixKey, HcPostKey, HcPostPreMixKey, QuantKey,
+                              DenseGemvKey, DenseGemmKey)}
 
 
 def key_from_dict(d: dict) -> KernelKey:

@@ -31,6 +31,7 @@ from dsv41.compiler.kernel_keys import (
     Fp8DequantKey,
     Fp8LinearKey,
     HcPostKey,
+    HcPostPreMixKey,
     HcPreMixKey,
     IndexScoresKey,
     IndexScoresSharedKey,
@@ -40,6 +41,7 @@ from dsv41.compiler.kernel_keys import (
     QuantKey,
     RmsNormKey,
     RopeKey,
+    RopeQuantKey,
     RouteTopkKey,
     ScatterRowsKey,
     SelectBlocksKey,
@@ -47,7 +49,7 @@ from dsv41.compiler.kernel_keys import (
     SparseAttendKey,
 )
 from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
-from dsv41.graph.ops import ENGRAM_ROWS_FUNC
+from dsv41.graph.ops import ENGRAM_ROWS_FUNC, ENTRY_GROUP, EntryFormat, entry_code_width
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import (
     attention,
@@ -59,6 +61,7 @@ from dsv41.schedules import (
     norm,
     quant,
     rope,
+    rope_quant,
     router,
 )
 from dsv41.schedules.tuning_space import Task, as_module_kernel, signature
@@ -352,6 +355,27 @@ def _rope(ctx: Lowering):
     return convert
 
 
+def _rope_quant(ctx: Lowering):
+    """New cache entries: norm (when the op has its weight), RoPE and quantiser, one kernel."""
+
+    def convert(node, importer):
+        x, cos, sin = (importer.env[a] for a in node.args[:3])
+        rd, form = int(node.args[3]), EntryFormat(str(node.args[4]))
+        weight = None if node.args[5] is None else importer.env[node.args[5]]
+        b, s, d = shape(x)
+        d = static(d)
+        key = RopeQuantKey(d=d, rd=rd, form=form.value,
+                           eps=None if weight is None else float(node.args[6]))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        out = [tensor([b, s, entry_code_width(form, d)], "uint8"),
+               tensor([b, s, d // ENTRY_GROUP[form]], "uint8")]
+        res = call(importer, gv, [x, cos, sin] + ([] if weight is None else [weight]), out)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
+
+    return convert
+
+
 def _hc_pre_mix(ctx: Lowering):
     """A sublayer's mHC entry (mixes + lagged collapse + RMSNorm) as one kernel."""
 
@@ -368,6 +392,27 @@ def _hc_pre_mix(ctx: Lowering):
         res = call(importer, gv, [h, fn, scale, base, pre_in, weight], out)
         bb = importer.block_builder
         return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(4)]))
+
+    return convert
+
+
+def _hc_post_pre_mix(ctx: Lowering):
+    """A block's attention exit and FFN entry (hc_post + hc_pre_mix) as one kernel."""
+
+    def convert(node, importer):
+        args = [importer.env[a] for a in node.args[:9]]
+        hc, iters = int(node.args[9]), int(node.args[10])
+        h = args[1]
+        b, s, _, d = shape(h)
+        key = HcPostPreMixKey(hc=hc, d=static(d), iters=iters, norm_eps=float(node.args[11]),
+                              hc_eps=float(node.args[12]))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        f32 = "float32"
+        out = [tensor(shape(h), BF16), tensor([b, s, d], BF16), tensor([b, s, hc], f32),
+               tensor([b, s, hc], f32), tensor([b, s, hc, hc], f32)]
+        res = call(importer, gv, args, out)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(5)]))
 
     return convert
 
@@ -573,12 +618,19 @@ REGISTRY: tuple[KernelEntry, ...] = (
         build=lambda key, t: rope.build_rope(t, h=key.h, d=key.d, rd=key.rd,
                                              inverse=key.inverse)),
     KernelEntry(
-        "mhc", (HcPreMixKey, HcPostKey), mhc.build_hc_pre_mix, mhc.mhc_config,
-        mhc.schedule_hc_pre_mix, {"hc_pre_mix.default": _hc_pre_mix, "hc_post.default": _hc_post},
+        "rope_quant", (RopeQuantKey,), rope_quant.build_rope_quant, rope_quant.rope_quant_config,
+        rope_quant.schedule_rope_quant, {"rope_quant.default": _rope_quant},
+        build=lambda key, t: rope_quant.build_rope_quant(t, d=key.d, rd=key.rd, fmt=key.form,
+                                                         eps=key.eps)),
+    KernelEntry(
+        "mhc", (HcPreMixKey, HcPostKey, HcPostPreMixKey), mhc.build_hc_pre_mix, mhc.mhc_config,
+        mhc.schedule_hc_pre_mix, {"hc_pre_mix.default": _hc_pre_mix, "hc_post.default": _hc_post,
+                                  "hc_post_pre_mix.default": _hc_post_pre_mix},
         build=lambda key, t: (
-            mhc.build_hc_pre_mix(t, hc=key.hc, d=key.d, iters=key.iters, norm_eps=key.norm_eps,
-                                 hc_eps=key.hc_eps, with_norm=True)
-            if isinstance(key, HcPreMixKey) else mhc.build_hc_post(t, hc=key.hc, d=key.d))),
+            mhc.build_hc_post(t, hc=key.hc, d=key.d) if isinstance(key, HcPostKey)
+            else mhc.build_hc_pre_mix(t, hc=key.hc, d=key.d, iters=key.iters,
+                                      norm_eps=key.norm_eps, hc_eps=key.hc_eps, with_norm=True,
+                                      with_post=isinstance(key, HcPostPreMixKey)))),
     KernelEntry(
         "quant", (QuantKey,), quant.build_quant_fp8, quant.quant_config, quant.schedule_quant,
         {f"{op}.default": (lambda ctx, op=op: _quant(ctx, op))

@@ -540,10 +540,10 @@ def compress(model: Model, layer: int, store: GlobalStore, x: torch.Tensor,
 def publish_index_k(model: Model, layer: int, store: GlobalStore, c: Compressed,
                     chunk: Chunk) -> None:
     a = model.args
-    k = ops.rms_norm(bf16_linear(c.latent, model.p(layer, "attn.indexer.wk.weight")),
-                     model.p(layer, "attn.indexer.k_norm.weight"), a.norm_eps)
     cos, sin = _rope_at(model, chunk, c.positions())
-    codes, scales = ops.quant_mxfp4(ops.rope(k, cos, sin, a.rope_head_dim, False).float())
+    codes, scales = ops.rope_quant(bf16_linear(c.latent, model.p(layer, "attn.indexer.wk.weight")),
+                                   cos, sin, a.rope_head_dim, ops.EntryFormat.MXFP4,
+                                   model.p(layer, "attn.indexer.k_norm.weight"), a.norm_eps)
     store.k_codes = put_rows(store.k_codes, c.first, codes, c.ok)
     store.k_scales = put_rows(store.k_scales, c.first, scales, c.ok)
 
@@ -552,11 +552,12 @@ def publish_main_kv(model: Model, store: GlobalStore, c: Compressed, chunk: Chun
                     kv_dtype: str) -> None:
     a = model.args
     cos, sin = _rope_at(model, chunk, c.positions())
-    latent = ops.rope(c.latent, cos, sin, a.rope_head_dim, False)
     if kv_dtype == "bf16":
+        latent = ops.rope(c.latent, cos, sin, a.rope_head_dim, False)
         store.kv_codes = put_rows(store.kv_codes, c.first, latent, c.ok)
         return
-    codes, scales = ops.quant_fp4_kv(latent.float())
+    codes, scales = ops.rope_quant(c.latent, cos, sin, a.rope_head_dim, ops.EntryFormat.FP4_KV,
+                                   None, 0.0)
     store.kv_codes = put_rows(store.kv_codes, c.first, codes, c.ok)
     store.kv_scales = put_rows(store.kv_scales, c.first, scales, c.ok)
 
@@ -711,10 +712,9 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     # (b, s, h, hd): h = n_heads, or a worker's heads (its rows of wq_b)
     q = ops.rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, rd, False)
 
-    kv = ops.rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"),
-                                     model.p(layer, "attn.wkv.scale")),
-                      model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
-    win_codes, win_scales = ops.quant_fp8(ops.rope(kv, cos, sin, rd, False).float())
+    kv = ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"), model.p(layer, "attn.wkv.scale"))
+    win_codes, win_scales = ops.rope_quant(kv, cos, sin, rd, ops.EntryFormat.FP8,
+                                           model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
     ring = cache.windows[layer]
     win = window_inputs(ring, win_codes, win_scales, chunk, a.window_size)  # writes the ring
 
@@ -839,40 +839,79 @@ def engram_at(model: Model, layer: int, h: torch.Tensor, chunk: Chunk) -> torch.
     return torch.where(chunk.image.mask[:, :, None, None], h, out)
 
 
+@dataclass(frozen=True)
+class SublayerExit:
+    """A block's FFN output not yet mixed back into the stream: `hc_post(f, h, post, comb)`,
+    left for the next block's first kernel (`ops.hc_post_pre_mix`: the exit and the next
+    attention's entry as one) or for `settle`."""
+
+    f: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+
+def settle(h: torch.Tensor, pending: SublayerExit | None) -> torch.Tensor:
+    """The stream with a pending exit mixed in."""
+    return h if pending is None else ops.hc_post(pending.f, h, pending.post, pending.comb)
+
+
 def block(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: torch.Tensor,
           chunk: Chunk, attn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: attention then MoE, each between hc_pre and hc_post. The attention collapses
     with the previous block's FFN `pre` (single-pass lag); the FFN with this block's attention
     `pre`. Returns the new stream and this block's FFN `pre`."""
+    h, pre, _ = block_step(model, cache, layer, h, pre, chunk, attn=attn)
+    return h, pre
+
+
+def block_step(model: Model, cache: ModelCache, layer: int, h: torch.Tensor, pre: torch.Tensor,
+               chunk: Chunk, *, attn=None, pending: SublayerExit | None = None,
+               defer: bool = False) -> tuple[torch.Tensor, torch.Tensor, SublayerExit | None]:
+    """`block`, from a stream h that may still owe the previous block's exit (`pending`), and
+    (`defer`) leaving its own FFN exit pending where nothing reads the stream in between: its
+    hc_post then runs in the next block's first kernel. Returns (h, the FFN's pre, the exit
+    left pending or None); the values are those of `block`, bit for bit (the fused op is the
+    two in turn)."""
     a, p = model.args, model.plan.layers[layer]
+    if pending is not None and (p.engram or p.dspark_tap):  # these read the stream itself
+        h, pending = settle(h, pending), None
     if p.engram:
         h = engram_at(model, layer, h, chunk)
     if p.dspark_tap:
         chunk.trace.taps.append(h.mean(dim=2))
     mix = (a.hc_mult, a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps)
+    entry = (model.p(layer, "hc_attn_fn"), model.p(layer, "hc_attn_scale"),
+             model.p(layer, "hc_attn_base"), pre, model.p(layer, "attn_norm.weight"), *mix)
     # x = rms_norm(hc_pre(h, pre)) with this sublayer's mixes of h: (b, s, d), (b, s, hc), ...
-    x, attn_pre, post, comb = ops.hc_pre_mix(h, model.p(layer, "hc_attn_fn"),
-                                             model.p(layer, "hc_attn_scale"),
-                                             model.p(layer, "hc_attn_base"), pre,
-                                             model.p(layer, "attn_norm.weight"), *mix)
-    h = ops.hc_post((attn or attention)(model, cache, layer, x, chunk), h, post, comb)
-    x, ffn_pre, post, comb = ops.hc_pre_mix(h, model.p(layer, "hc_ffn_fn"),
-                                            model.p(layer, "hc_ffn_scale"),
-                                            model.p(layer, "hc_ffn_base"), attn_pre,
-                                            model.p(layer, "ffn_norm.weight"), *mix)
+    if pending is None:
+        x, attn_pre, post, comb = ops.hc_pre_mix(h, *entry)
+    else:  # the previous block's FFN exit and this attention's entry, one op
+        h, x, attn_pre, post, comb = ops.hc_post_pre_mix(pending.f, h, pending.post,
+                                                         pending.comb, *entry)
+    # the attention's hc_post and the FFN's hc_pre_mix, one op: h' and the FFN's entry
+    h, x, ffn_pre, post, comb = ops.hc_post_pre_mix(
+        (attn or attention)(model, cache, layer, x, chunk), h, post, comb,
+        model.p(layer, "hc_ffn_fn"), model.p(layer, "hc_ffn_scale"),
+        model.p(layer, "hc_ffn_base"), attn_pre, model.p(layer, "ffn_norm.weight"), *mix)
     vl = chunk.image.mask if chunk.image is not None and layer < a.n_layers else None
-    h = ops.hc_post(moe(model, layer, x, vl), h, post, comb)  # (b, s, hc, d)
+    f = moe(model, layer, x, vl)
     chunk.trace.work[layer] = chunk.trace.work.get(layer, 0) + chunk.length
+    if defer and layer not in chunk.record:
+        return h, ffn_pre, SublayerExit(f, post, comb)
+    h = ops.hc_post(f, h, post, comb)  # (b, s, hc, d)
     if layer in chunk.record:
         chunk.trace.hidden[layer] = h
-    return h, ffn_pre
+    return h, ffn_pre, None
 
 
 def run_layers(model: Model, cache: ModelCache, h: torch.Tensor, pre: torch.Tensor,
                layers: range, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks in turn, each block's FFN exit fused into the next block's entry."""
+    pending = None
     for layer in layers:
-        h, pre = block(model, cache, layer, h, pre, chunk)
-    return h, pre
+        h, pre, pending = block_step(model, cache, layer, h, pre, chunk, pending=pending,
+                                     defer=True)
+    return settle(h, pending), pre
 
 
 def final_norm(model: Model, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `rope`:          RoPE on the last rd dims of bf16 rows (the rest copied)
 - `hc_pre_mix`:    a sublayer's mHC mixes of the stream + its collapse (lagged pre) + RMSNorm
 - `hc_post`:       the sublayer's output mixed back into the hc streams
+- `hc_post_pre_mix`: `hc_post` then the next sublayer's `hc_pre_mix`, one kernel
+- `rope_quant`:    a new cache entry's RMSNorm (optional), RoPE and quantiser in one kernel
 - `engram_rows`:   an Engram layer's table rows at the chunk's hash ids (no kernel: compiled, it
                    is a call of the host runtime, which keeps the tables in host memory and
                    gathers the rows ahead of the block that reads them, `runtime.engram_host`)
@@ -28,6 +30,8 @@ points) so that the graph matches the released model to its own noise floor.
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
 
 import torch
 
@@ -135,6 +139,29 @@ def hc_post(f: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
 @hc_post.register_fake
 def _(f, h, post, comb):
     return torch.empty_like(h, dtype=f.dtype)
+
+
+@torch.library.custom_op("dsv41::hc_post_pre_mix", mutates_args=())
+def hc_post_pre_mix(f: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                    pre_in: torch.Tensor, weight: torch.Tensor, hc: int, iters: int,
+                    norm_eps: float, hc_eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor]:
+    """Between two sublayers: the first's exit `hc_post(f, h, post, comb)` -> h', then the
+    second's entry `hc_pre_mix(h', ...)`. Returns (h', x, pre, post', comb'): one kernel
+    (schedules/mhc.py) where the block had two."""
+    hn = hc_post(f, h, post, comb)
+    return (hn, *hc_pre_mix(hn, fn, scale, base, pre_in, weight, hc, iters, norm_eps, hc_eps))
+
+
+@hc_post_pre_mix.register_fake
+def _(f, h, post, comb, fn, scale, base, pre_in, weight, hc, iters, norm_eps, hc_eps):
+    b, s, _, d = h.shape
+    f32 = torch.float32
+    return (torch.empty_like(h, dtype=f.dtype), h.new_empty(b, s, d),
+            h.new_empty(b, s, hc, dtype=f32), h.new_empty(b, s, hc, dtype=f32),
+            h.new_empty(b, s, hc, hc, dtype=f32))
 
 
 # ---- block-scaled GEMMs ----------------------------------------------------------------------
@@ -288,6 +315,49 @@ def qdq_mxfp4(x: torch.Tensor) -> torch.Tensor:
 @qdq_mxfp4.register_fake
 def _(x):
     return torch.empty_like(x, dtype=torch.bfloat16)
+
+
+class EntryFormat(StrEnum):
+    """How a new cache entry is quantised (`rope_quant`): the quantiser op it ends in."""
+
+    FP8 = "fp8"  # quant_fp8: the window's KV
+    FP4_KV = "fp4_kv"  # quant_fp4_kv: the compressor's main KV
+    MXFP4 = "mxfp4"  # quant_mxfp4: the index keys
+
+
+ENTRY_GROUP = {EntryFormat.FP8: FP8_BLOCK, EntryFormat.FP4_KV: fmt.FP4_KV_BLOCK,
+               EntryFormat.MXFP4: fmt.MXFP4_BLOCK}
+
+
+def entry_code_width(form: EntryFormat, d: int) -> int:
+    """Code bytes of a d-wide entry: one a value (FP8), one a pair (the FP4 formats)."""
+    return d if form == EntryFormat.FP8 else d // 2
+
+
+@torch.library.custom_op("dsv41::rope_quant", mutates_args=())
+def rope_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, form: str,
+               weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """New cache entries: `quant(rope(rms_norm(x, weight, eps), cos, sin, rd).float())` with the
+    quantiser of `form` (an `EntryFormat`), the norm left out when weight is None. x bf16
+    (b, s, d), cos / sin fp32 (b or 1, s, rd/2) -> codes uint8 (b, s, `entry_code_width`),
+    scales uint8 (b, s, d / group): what `quant_fp8` / `quant_fp4_kv` / `quant_mxfp4` return
+    for those values. One kernel (schedules/rope_quant.py) where the graph had three or four."""
+    form = EntryFormat(form)
+    if x.dim() != 3 or x.dtype != torch.bfloat16:
+        raise ValueError(f"dsv41::rope_quant takes bf16 x (b, s, d); got {x.dtype} "
+                         f"{tuple(x.shape)}.")
+    y = x if weight is None else rms_norm(x, weight, eps)
+    y = rope(y, cos, sin, rd, False).float()
+    if form == EntryFormat.FP8:
+        return quant_fp8(y)
+    return quant_fp4_kv(y) if form == EntryFormat.FP4_KV else quant_mxfp4(y)
+
+
+@rope_quant.register_fake
+def _(x, cos, sin, rd, form, weight, eps):
+    form = EntryFormat(form)
+    return (x.new_empty(*x.shape[:-1], entry_code_width(form, x.size(-1)), dtype=torch.uint8),
+            x.new_empty(*x.shape[:-1], x.size(-1) // ENTRY_GROUP[form], dtype=torch.uint8))
 
 
 # ---- sparse gather-attend ----------------------------------------------------------------------

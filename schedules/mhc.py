@@ -68,6 +68,23 @@ def _collapse(h, w, vb, vs, vc, tail, hc: int):
     return acc
 
 
+def post_stage(hc: int, d: int):
+    """A fresh macro (see common.stages) of hc_post's one block, `out`: out_j = post_j * f +
+    sum_i comb[i, j] * h_i over b x s tokens."""
+    HC, D = T.int64(hc), T.int64(d)
+
+    @T.macro
+    def post_stage_(f, h, post, comb, out, b, s):
+        for bb, ss, j, c in T.grid(b, s, HC, D):
+            with T.sblock("out"):
+                vb, vs, vj, vc = T.axis.remap("SSSS", [bb, ss, j, c])
+                out[vb, vs, vj, vc] = T.Cast("bfloat16", mul_bf16(
+                    f32_of_bf16(f[vb, vs, vc]), post[vb, vs, vj])
+                    + _collapse(h, comb, vb, vs, vc, (vj,), hc))
+
+    return post_stage_
+
+
 def _check(hc: int, d: int, iters: int, lanes: int, norm_lanes: int) -> None:
     if hc <= 0 or d <= 0:
         raise ValueError(f"mHC needs hc > 0 and d > 0, got hc={hc}, d={d}.")
@@ -79,14 +96,21 @@ def _check(hc: int, d: int, iters: int, lanes: int, norm_lanes: int) -> None:
 
 def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: float,
                     with_norm: bool = False, lanes: int = 16, norm_lanes: int = 32,
-                    token_tile: int = 1) -> tvm.tirx.PrimFunc:
+                    token_tile: int = 1, with_post: bool = False) -> tvm.tirx.PrimFunc:
     """`hc_pre_mix`. Buffers: h bf16 (b, s, hc, d); fn fp32 (mix, hc*d) with mix = (2 + hc) * hc;
     scale fp32 (3,); base fp32 (mix,); pre_in fp32 (b, s, hc); [weight bf16 (d,) if with_norm];
     outputs x bf16 (b, s, d), pre fp32 (b, s, hc), post fp32 (b, s, hc), comb fp32
     (b, s, hc, hc). b and s are symbolic. norm_eps is both the mixes' and the norm's eps (the
     model's `norm_eps`). lanes / norm_lanes: the strided partial sums of the dots / the norm;
-    token_tile: tokens per tile of the dot stage (1: untiled, as the CUDA schedule needs)."""
+    token_tile: tokens per tile of the dot stage (1: untiled, as the CUDA schedule needs).
+
+    with_post (with the norm): `hc_post_pre_mix(f, h, post_in, comb_in, fn, scale, base, pre_in,
+    weight) -> (h', x, pre, post, comb)`, the previous sublayer's hc_post into h' (an output:
+    the stream goes on) and then this kernel on h', in one function: the block's two mHC
+    kernels between its sublayers as one (the `out` block, then the stages above)."""
     _check(hc, d, iters, lanes, norm_lanes)
+    if with_post and not with_norm:
+        raise ValueError("hc_post_pre_mix is the block's form: with_post needs with_norm.")
     if token_tile < 1:
         raise ValueError(f"hc_pre_mix needs token_tile >= 1, got {token_tile}.")
     mix, k = (2 + hc) * hc, hc * d
@@ -208,6 +232,33 @@ def make_hc_pre_mix(*, hc: int, d: int, iters: int, norm_eps: float, hc_eps: flo
                             x[vb, vs, vc] = T.Cast("bfloat16",
                                                    _collapse(h, pre_in, vb, vs, vc, (), hc))
 
+    if with_post:
+        post_of = post_stage(hc, d)
+
+        @T.prim_func(s_tir=True)
+        def hc_post_pre_mix(f_h: T.handle, h_h: T.handle, post_in_h: T.handle,
+                            comb_in_h: T.handle, fn: T.Buffer((MX, K), "float32"),
+                            scale: T.Buffer((T.int64(3),), "float32"),
+                            base: T.Buffer((MX,), "float32"), pin_h: T.handle,
+                            weight: T.Buffer((D,), "bfloat16"), hn_h: T.handle, x_h: T.handle,
+                            pre_h: T.handle, post_h: T.handle, comb_h: T.handle):
+            T.func_attr({"global_symbol": "hc_post_pre_mix", "tirx.noalias": True})
+            b, s = T.int64(), T.int64()
+            f = T.match_buffer(f_h, (b, s, D), "bfloat16")
+            h = T.match_buffer(h_h, (b, s, HC, D), "bfloat16")
+            post_in = T.match_buffer(post_in_h, (b, s, HC), "float32")
+            comb_in = T.match_buffer(comb_in_h, (b, s, HC, HC), "float32")
+            pre_in = T.match_buffer(pin_h, (b, s, HC), "float32")
+            hn = T.match_buffer(hn_h, (b, s, HC, D), "bfloat16")
+            x = T.match_buffer(x_h, (b, s, D), "bfloat16")
+            pre = T.match_buffer(pre_h, (b, s, HC), "float32")
+            post = T.match_buffer(post_h, (b, s, HC), "float32")
+            comb = T.match_buffer(comb_h, (b, s, HC, HC), "float32")
+            post_of(f, h, post_in, comb_in, hn, b, s)
+            body(hn, fn, scale, base, pre_in, weight, x, pre, post, comb)
+
+        return hc_post_pre_mix
+
     if with_norm:
         @T.prim_func(s_tir=True)
         def hc_pre_mix_norm(h_h: T.handle, fn: T.Buffer((MX, K), "float32"),
@@ -251,6 +302,7 @@ def make_hc_post(*, hc: int, d: int) -> tvm.tirx.PrimFunc:
     if hc <= 0 or d <= 0:
         raise ValueError(f"hc_post needs hc > 0 and d > 0, got hc={hc}, d={d}.")
     HC, D = T.int64(hc), T.int64(d)
+    stage = post_stage(hc, d)
 
     @T.prim_func(s_tir=True)
     def hc_post(f_h: T.handle, h_h: T.handle, post_h: T.handle, comb_h: T.handle,
@@ -262,12 +314,7 @@ def make_hc_post(*, hc: int, d: int) -> tvm.tirx.PrimFunc:
         post = T.match_buffer(post_h, (b, s, HC), "float32")
         comb = T.match_buffer(comb_h, (b, s, HC, HC), "float32")
         out = T.match_buffer(o_h, (b, s, HC, D), "bfloat16")
-        for bb, ss, j, c in T.grid(b, s, HC, D):
-            with T.sblock("out"):
-                vb, vs, vj, vc = T.axis.remap("SSSS", [bb, ss, j, c])
-                out[vb, vs, vj, vc] = T.Cast("bfloat16", mul_bf16(
-                    f32_of_bf16(f[vb, vs, vc]), post[vb, vs, vj])
-                    + _collapse(h, comb, vb, vs, vc, (vj,), hc))
+        stage(f, h, post, comb, out, b, s)
 
     return hc_post
 
@@ -339,9 +386,17 @@ def _vectorize_tail(sch: s_tir.Schedule, loop, vec: int) -> None:
 
 def schedule_hc_pre_mix(func: tvm.tirx.PrimFunc, config: MhcConfig,
                         target: TargetSpec) -> tvm.tirx.PrimFunc:
+    """`make_hc_pre_mix`'s function; with_post's too (its `out` block as `schedule_hc_post`'s)."""
     # In-place Sinkhorn updates across the round loop are not "compact dataflow"; the loops
     # transformed here are independent by construction and the tests compare with the oracle.
     sch = s_tir.Schedule(func, enable_check=False)
+    if any(sch.get(b).name_hint == "out" for b in sch.get_child_blocks(sch.get_sblock("root"))):
+        _schedule_post(sch, config, target)
+    _schedule_pre_mix(sch, config, target)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _schedule_pre_mix(sch: s_tir.Schedule, config: MhcConfig, target: TargetSpec) -> None:
     dot = sch.get_sblock("dot")
     dot_loops = sch.get_loops(dot)  # (b, s, mix, lane, k) or (b, tiles, tile, mix, lane, k)
     tile = int(sch.get(dot_loops[2]).extent) if len(dot_loops) == 6 else 1
@@ -377,7 +432,7 @@ def schedule_hc_pre_mix(func: tvm.tirx.PrimFunc, config: MhcConfig,
                 if name in reduce:  # accumulate in a register, then publish (no shared
                     # read-modify-write inside the serial reduction loop)
                     sch.reverse_compute_at(sch.cache_write(blk, 0, "local"), tx)
-        return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        return
     blocks = _blocks(sch)
     sch.parallel(sch.fuse(bb, ss))
     # dot: tiles of token_tile tokens x mix_tile rows; per k step, each fn vector is used by
@@ -413,12 +468,16 @@ def schedule_hc_pre_mix(func: tvm.tirx.PrimFunc, config: MhcConfig,
     for name in ("sq", "xsq"):
         for blk in blocks.get(name, []):
             sch.decompose_reduction(blk, _inner(sch, blk)[0])
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 def schedule_hc_post(func: tvm.tirx.PrimFunc, config: MhcConfig,
                      target: TargetSpec) -> tvm.tirx.PrimFunc:
     sch = s_tir.Schedule(func)
+    _schedule_post(sch, config, target)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+
+
+def _schedule_post(sch: s_tir.Schedule, config: MhcConfig, target: TargetSpec) -> None:
     blk = sch.get_sblock("out")
     bb, ss, j, c = sch.get_loops(blk)
     if target.is_cuda:  # a thread block per token; only static extents are divided
@@ -429,17 +488,17 @@ def schedule_hc_post(func: tvm.tirx.PrimFunc, config: MhcConfig,
     else:
         sch.parallel(sch.fuse(bb, ss))
         _vectorize_tail(sch, c, config.vec)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 def build_hc_pre_mix(target_name: str, *, hc: int, d: int, iters: int, norm_eps: float,
-                     hc_eps: float, with_norm: bool = False) -> tvm.tirx.PrimFunc:
+                     hc_eps: float, with_norm: bool = False,
+                     with_post: bool = False) -> tvm.tirx.PrimFunc:
     """make + config + schedule for `target_name` (a cuda_build builder)."""
     target = get_target(target_name)
     cfg = mhc_config(target, hc=hc, d=d)
     func = make_hc_pre_mix(hc=hc, d=d, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps,
                            with_norm=with_norm, lanes=cfg.lanes, norm_lanes=cfg.norm_lanes,
-                           token_tile=cfg.token_tile)
+                           token_tile=cfg.token_tile, with_post=with_post)
     return schedule_hc_pre_mix(func, cfg, target)
 
 

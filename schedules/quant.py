@@ -80,7 +80,7 @@ def _f32_bits(v: float) -> int:
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
-def _abs_bits(x):
+def abs_bits(x):
     """|x| as int32 bits (order-preserving for non-negative floats, NaN above inf)."""
     return T.reinterpret("int32", T.reinterpret("uint32", x) & _u32(0x7FFFFFFF))
 
@@ -93,7 +93,7 @@ def _sign_nibble(x):
 def e2m1_code(x, thresholds):
     """E2M1 code (uint32, 0..15) of x / s given the int32 bits of t * s for the seven boundaries
     of `E2M1_BOUNDS` (see the module docstring for why this equals RNE of fp32(x / s))."""
-    a = _abs_bits(x)
+    a = abs_bits(x)
     mag = _u32(0)
     for (_, tie_up), thr in zip(E2M1_BOUNDS, thresholds, strict=True):
         mag = mag + T.Cast("uint32", (a >= thr) if tie_up else (a > thr))
@@ -193,7 +193,7 @@ def make_quant_fp8(*, d: int) -> tvm.tirx.PrimFunc:
     D, G, B = _i64(d), _i64(d // FP8_BLOCK), _i64(FP8_BLOCK)
 
     def abs_bits_of(x, i, j):
-        return _abs_bits(x[i, j])
+        return abs_bits(x[i, j])
 
     def fp8_scale_byte(amax):
         return T.Cast("uint8", pow2_scale_byte(amax))
@@ -235,7 +235,7 @@ def _make_quant_fp4(*, d: int, group: int, name: str, scale_byte, thresholds, bf
         return _f32_of_bf16(x[i, j]) if bf16_out else x[i, j]
 
     def abs_bits_of(x, i, j):
-        return _abs_bits(val(x, i, j))
+        return abs_bits(val(x, i, j))
 
     amax_stage = abs_bits_amax_scale_byte()
 

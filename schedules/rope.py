@@ -55,6 +55,44 @@ def vector_fits(*, d: int, rd: int) -> bool:
     return rd % (2 * PAIRS) == 0 and (d - rd) % COPY == 0
 
 
+def _lanes_u32(v: int, lanes: int):
+    """A uint32 constant as the lanes' type (a scalar for lanes 1)."""
+    return T.uint32(v) if lanes == 1 else T.broadcast(T.uint32(v), lanes)
+
+
+def _bits(v, lanes: int):
+    return T.reinterpret("uint32" if lanes == 1 else f"uint32x{lanes}", v)
+
+
+def _mul(a, b, lanes: int):
+    """fp32(a * b) for a bf16 value `a`, safe from contraction: `norm.mul_bf16` for the lanes'
+    type (module docstring)."""
+    ty = "float32" if lanes == 1 else f"float32x{lanes}"
+    hi = T.reinterpret(ty, _bits(b, lanes) & _lanes_u32(0xFFFFFF00, lanes))
+    finite = (_bits(a, lanes) & _lanes_u32(0x7F800000, lanes)) != _lanes_u32(0x7F800000, lanes)
+    return T.Select(finite, a * hi + a * (b - hi), a * b)
+
+
+def _to_bf16_bits(v, lanes: int):
+    """fp32 -> bf16 bits (RNE, NaN -> 0x7FC0) in the low 16 bits of a uint32."""
+    w = _bits(v, lanes)
+    nan = (w & _lanes_u32(0x7FFFFFFF, lanes)) > _lanes_u32(0x7F800000, lanes)
+    rounded = (w + ((w >> _lanes_u32(16, lanes)) & _lanes_u32(1, lanes))
+               + _lanes_u32(0x7FFF, lanes)) >> _lanes_u32(16, lanes)
+    return T.Select(nan, _lanes_u32(0x7FC0, lanes), rounded)
+
+
+def rotated_bits(re, im, c, s, *, inverse: bool, lanes: int = 1):
+    """(bf16 bits of re', bf16 bits of im'), each in the low half of a uint32 (or of each lane),
+    of the pair (re, im) (fp32 holding bf16 values) rotated by (c, s) as `layers.apply_rope`
+    rotates it, s negated for the inverse: every kernel that applies RoPE rotates through
+    here, so all of them agree bit for bit."""
+    if inverse:
+        s = s * (T.float32(-1) if lanes == 1 else T.broadcast(T.float32(-1), lanes))
+    return (_to_bf16_bits(_mul(re, c, lanes) - _mul(im, s, lanes), lanes),
+            _to_bf16_bits(_mul(re, s, lanes) + _mul(im, c, lanes), lanes))
+
+
 def make_rope(*, h: int, d: int, rd: int, inverse: bool = False,
               lanes: int = 1) -> tvm.tirx.PrimFunc:
     """`rope(x, cos, sin) -> y` (module docstring); b, s and the batch of cos / sin (b or 1)
@@ -62,33 +100,13 @@ def make_rope(*, h: int, d: int, rd: int, inverse: bool = False,
     _check(h=h, d=d, rd=rd, lanes=lanes)
     H, D, R2, NOPE = T.int64(h), T.int64(d), T.int64(rd // 2), T.int64(d - rd)
     L = lanes
-    sfx = "" if L == 1 else f"x{L}"
 
     def u(v):  # a uint32 constant as the lanes' type
-        return T.uint32(v) if L == 1 else T.broadcast(T.uint32(v), L)
-
-    def bits(v):
-        return T.reinterpret("uint32" + sfx, v)
-
-    def mul(a, b):
-        """fp32(a * b) for a bf16 value `a`, safe from contraction: `norm.mul_bf16` for the
-        lanes' type (module docstring)."""
-        hi = T.reinterpret("float32" + sfx, bits(b) & u(0xFFFFFF00))
-        finite = (bits(a) & u(0x7F800000)) != u(0x7F800000)
-        return T.Select(finite, a * hi + a * (b - hi), a * b)
-
-    def to_bf16_bits(v):
-        """fp32 -> bf16 bits (RNE, NaN -> 0x7FC0) in the low 16 bits of a uint32."""
-        w = bits(v)
-        nan = (w & u(0x7FFFFFFF)) > u(0x7F800000)
-        rounded = (w + ((w >> u(16)) & u(1)) + u(0x7FFF)) >> u(16)
-        return T.Select(nan, u(0x7FC0), rounded)
+        return _lanes_u32(v, L)
 
     def rotate(re, im, c, s):
         """(bits of re', bits of im') of the rotated pair."""
-        if inverse:
-            s = s * (T.float32(-1) if L == 1 else T.broadcast(T.float32(-1), L))
-        return (to_bf16_bits(mul(re, c) - mul(im, s)), to_bf16_bits(mul(re, s) + mul(im, c)))
+        return rotated_bits(re, im, c, s, inverse=inverse, lanes=L)
 
     def f32_of(x16):  # bf16 bits (uint32, low half) -> fp32
         return T.reinterpret("float32", x16 << T.uint32(16))

@@ -173,6 +173,34 @@ def test_pre_mix_then_post_like_a_block():
     assert (bits(out) == bits(ref)).float().mean().item() >= 0.99
 
 
+@functools.cache
+def _post_pre_mix(d: int):
+    func = M.build_hc_pre_mix("cpu", hc=HC, d=d, iters=ITERS, norm_eps=NORM_EPS, hc_eps=HC_EPS,
+                              with_norm=True, with_post=True)
+    return tvm.compile(func, target=CPU.tvm_target())
+
+
+@pytest.mark.parametrize("b,s,d", [(1, 1, 256), (2, 37, 256), (1, 3, 1024)])
+def test_post_pre_mix_is_the_two_kernels_bit_for_bit(b, s, d):
+    """hc_post_pre_mix (the block's attention exit + FFN entry) against hc_post's kernel and then
+    hc_pre_mix's on its output: every output the same bits (h' too); and the op's oracle is the
+    two ops in turn."""
+    ins = M.example_inputs_hc_pre_mix(b=b, s=s, hc=HC, d=d, with_norm=True, seed=d + s)
+    f, h, post, comb = M.example_inputs_hc_post(b=b, s=s, hc=HC, d=d, seed=s)
+    hn = torch.empty_like(h)
+    _post(d)(*[tv(t) for t in (f, h, post, comb, hn)])
+    want = [hn, *run_pre_mix([hn, *ins[1:]], with_norm=True)]
+    got = [torch.empty_like(t) for t in want]
+    _post_pre_mix(d)(*[tv(t) for t in (f, h, post, comb, *ins[1:], *got)])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(bits(g), bits(w))
+    ref = ops.hc_post_pre_mix(f, h, post, comb, *ins[1:], HC, ITERS, NORM_EPS, HC_EPS)
+    chain = ops.hc_post(f, h, post, comb)
+    chain = (chain, *ops.hc_pre_mix(chain, *ins[1:], HC, ITERS, NORM_EPS, HC_EPS))
+    assert all(torch.equal(bits(a), bits(c)) for a, c in zip(ref, chain, strict=True))
+    check_pre_mix(got[1:], oracle_pre_mix([got[0], *ins[1:]]), with_norm=True)
+
+
 # ---- factories, configs, schedules ------------------------------------------------------------
 
 
@@ -186,6 +214,8 @@ def test_factories_reject_bad_dims():
         M.make_hc_post(hc=0, d=64)
     with pytest.raises(ValueError, match="token_tile"):
         M.make_hc_pre_mix(hc=4, d=64, iters=2, norm_eps=1e-6, hc_eps=1e-6, token_tile=0)
+    with pytest.raises(ValueError, match="with_post needs with_norm"):
+        M.make_hc_pre_mix(hc=4, d=64, iters=2, norm_eps=1e-6, hc_eps=1e-6, with_post=True)
     func = M.make_hc_pre_mix(hc=4, d=64, iters=2, norm_eps=1e-6, hc_eps=1e-6, lanes=8)
     with pytest.raises(ValueError, match=r"\(8, 1\)"):
         M.schedule_hc_pre_mix(func, M.mhc_config(CPU, hc=4, d=64), CPU)
@@ -226,10 +256,12 @@ BUILDERS = {
     "pre_mix_norm": ("build_hc_pre_mix", dict(**DIMS, with_norm=True)),
     "pre_mix": ("build_hc_pre_mix", DIMS),
     "post": ("build_hc_post", dict(hc=4, d=1024)),
+    "post_pre_mix": ("build_hc_pre_mix", dict(**DIMS, with_norm=True, with_post=True)),
 }
 # A child-process build takes 6-15 s here: two per module by default (the main kernel on
 # sm_90, another on sm_80 or sm_100; the three modules cover every arch), the rest `slow`.
-CUDA_DEFAULT = [("pre_mix_norm", "cuda-sm90"), ("post", "cuda-sm100")]
+CUDA_DEFAULT = [("pre_mix_norm", "cuda-sm90"), ("post", "cuda-sm100"),
+                ("post_pre_mix", "cuda-sm90")]
 CUDA_SLOW = [(k, a) for k in BUILDERS for a in ("cuda-sm80", "cuda-sm90", "cuda-sm100")
              if (k, a) not in CUDA_DEFAULT]
 

@@ -144,3 +144,43 @@ def test_batched_decode_at_different_positions(small_case, small_model):
             assert e.max() <= 1e-6, e
             assert torch.equal(both.draft.ids[i], one.draft.ids[0])
     assert batch.pos.tolist() == [n + len(steps) for n in lens]
+
+
+def test_deferred_block_exits_change_nothing(small_case, small_model, monkeypatch):
+    """`run_layers` leaves each block's FFN exit to the next block's entry (hc_post_pre_mix);
+    the same prefill and decode through `block` one layer at a time (every exit applied in its
+    own block) give the same logits, hidden states and cache, bit for bit. Layer 1 is recorded
+    (its exit is applied where the trace reads the stream) and has Engram (the pending exit is
+    settled before it)."""
+    from dsv41.graph import model as model_mod
+    from dsv41.graph import phases
+
+    m = small_model
+    assert m.plan.layers[1].engram
+    toks = torch.from_numpy(small_case.golden["prompt_ids"])[None, :24]
+
+    def run(patch: bool):
+        if patch:
+            def per_block(model, cache, h, pre, layers, chunk):
+                for layer in layers:
+                    h, pre = model_mod.block(model, cache, layer, h, pre, chunk)
+                return h, pre
+
+            monkeypatch.setattr(phases, "run_layers", per_block)
+        c = new_cache(m.plan, 1, 64, engram_pad=m.engram.pad_id)
+        first = prefill_exact(m, c, toks[:, :20], all_logits=True, record=(1,))
+        step = decode_step(m, c, toks[:, 20:21])
+        monkeypatch.undo()
+        return first, step, c
+
+    (f1, s1, c1), (f2, s2, c2) = run(False), run(True)
+    assert torch.equal(f1.logits, f2.logits) and torch.equal(s1.logits, s2.logits)
+    assert torch.equal(f1.hidden[1], f2.hidden[1])
+    assert c1.stores.keys() == c2.stores.keys() and c1.windows.keys() == c2.windows.keys()
+    for key, a in c1.stores.items():
+        for name in ("kv_codes", "kv_scales", "k_codes", "k_scales"):
+            x, y = getattr(a, name), getattr(c2.stores[key], name)
+            assert (x is None and y is None) or torch.equal(x, y), (key, name)
+    for key, a in c1.windows.items():
+        assert torch.equal(a.codes, c2.windows[key].codes), key
+        assert torch.equal(a.scales, c2.windows[key].scales), key

@@ -1,0 +1,248 @@
+"""A new cache entry's RMSNorm, RoPE and quantisation as one kernel (oracle: `dsv41::rope_quant`,
+graph/ops.py: `quant(rope(rms_norm(x)).float())`, the norm optional).
+
+Every write of a new entry into a cache ran these as three or four kernels: the window's KV
+(`rms_norm`, `rope`, the fp32 cast, `quant_fp8`), the compressor's index keys (the same with
+`quant_mxfp4`), its main KV (`rope`, the cast, `quant_fp4_kv`: normed before its pooling). Here
+one block per row (b, s) does all of it:
+
+* the norm: the sum of squares in `norm_lanes` strided partials added in lane order, rstd,
+  y = bf16(w * (x * rstd)), each exactly as `norm.make_rms_norm` (the same expressions in the
+  same order, so the same bits: a bf16 square is exact in fp32, so contraction cannot change a
+  partial sum either);
+* RoPE on the last rd dims, through `rope.rotated_bits` (the rope kernel's arithmetic);
+* the quantiser of `fmt`, through quant.py's helpers (group amax on the |x| bits, the scale
+  byte, the codes), bit-exact as `schedules/quant.py` explains.
+
+So the outputs are the bits of the unfused kernels' chain (tested), and without the norm the
+bits of the oracle (RoPE and the quantisers are bit-exact); with it, the norm is within one bf16
+ulp of torch's, almost always equal, as `rms_norm`'s.
+
+The row's normed values (bf16) and quantiser inputs (fp32) pass through two per-row scratch
+buffers, local on CUDA. CPU: rows in parallel, the element loops vectorised (`vec`); CUDA: one
+thread per row, scalar (`vec` False), `threads` rows per thread block. The whole row is
+staged before it is quantised, so a group may straddle the RoPE'd dims (the small preset's 48
++ 16 with groups of 32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import tvm
+from tvm.script import tirx as T
+
+from dsv41.graph.ops import ENTRY_GROUP, EntryFormat, entry_code_width
+from dsv41.graph.targets import TargetSpec, get_target
+from dsv41.schedules.common import round_bf16
+from dsv41.schedules.common.rows import schedule_block_rows
+from dsv41.schedules.gemm import fp8_code, pow2_scale_byte
+from dsv41.schedules.norm import check_lanes, f32_of_bf16, norm_config
+from dsv41.schedules.quant import (
+    abs_bits,
+    e2m1_code,
+    kv_scale_byte,
+    kv_thresholds,
+    mx_scale_byte,
+    mx_thresholds,
+)
+from dsv41.schedules.rope import rotated_bits
+
+VEC = 16  # CPU: lanes of the vectorised element loops (fp32: one AVX-512 vector)
+
+
+def _scale_byte(fmt: EntryFormat, amax):
+    if fmt == EntryFormat.FP8:
+        return T.Cast("uint8", pow2_scale_byte(amax))
+    return kv_scale_byte(amax) if fmt == EntryFormat.FP4_KV else mx_scale_byte(amax)
+
+
+def _thresholds(fmt: EntryFormat, sbyte):
+    return kv_thresholds(sbyte) if fmt == EntryFormat.FP4_KV else mx_thresholds(sbyte)
+
+
+def _check(*, d: int, rd: int, fmt: EntryFormat, norm_lanes: int) -> None:
+    group = ENTRY_GROUP[fmt]
+    if d <= 0 or rd <= 0 or rd % 2 or rd > d:
+        raise ValueError(f"rope_quant needs d > 0 and an even rd in 1..d; got d={d}, rd={rd}.")
+    if d % group:
+        raise ValueError(f"rope_quant needs d a multiple of the {fmt.value} group ({group}); "
+                         f"got d={d}.")
+    check_lanes(d, norm_lanes, "rope_quant norm (d)")
+
+
+def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
+                    norm_lanes: int = 32, vec: bool = True,
+                    scratch: str = "global") -> tvm.tirx.PrimFunc:
+    """`rope_quant(x, cos, sin[, weight]) -> (codes, scales)`: x bf16 (b, s, d), cos / sin fp32
+    (b or 1, s, rd/2), weight bf16 (d,) when `eps` is not None (the norm), codes uint8 (b, s,
+    `entry_code_width`), scales uint8 (b, s, d / group); b, s and the tables' batch symbolic.
+    `vec`: the element loops vectorised (CPU); `scratch`: the per-row buffers' scope."""
+    fmt = EntryFormat(fmt)
+    _check(d=d, rd=rd, fmt=fmt, norm_lanes=norm_lanes)
+    group = ENTRY_GROUP[fmt]
+    D, R2, NOPE = T.int64(d), T.int64(rd // 2), T.int64(d - rd)
+    B, G = T.int64(group), T.int64(d // group)
+    CW = T.int64(entry_code_width(fmt, d))
+    NL, DL = T.int64(norm_lanes), T.int64(d // norm_lanes)
+    loop = T.vectorized if vec else T.serial
+
+    def width(n: int) -> T.int64:  # the vector width of a loop of n elements
+        return T.int64(math.gcd(VEC, n) if vec else 1)
+
+    VD, VN, VL = width(d), width(d - rd), width(norm_lanes)
+    with_norm = eps is not None
+
+    @T.macro
+    def quantise(v, amax, codes, scales, vb, vt, g):
+        """Group g of the row's values v: its scale byte, then its codes."""
+        amax[0] = T.int32(0)
+        for j in range(B):
+            amax[0] = T.max(amax[0], abs_bits(v[g * B + j]))
+        scales[vb, vt, g] = _scale_byte(fmt, T.reinterpret("float32", amax[0]))
+        if fmt == EntryFormat.FP8:
+            for j in loop(B):
+                codes[vb, vt, g * B + j] = fp8_code(v[g * B + j],
+                                                    T.Cast("uint32", scales[vb, vt, g]))
+        else:
+            for p in loop(B // T.int64(2)):
+                codes[vb, vt, g * (B // T.int64(2)) + p] = T.Cast("uint8", e2m1_code(
+                    v[g * B + p * T.int64(2)], _thresholds(fmt, scales[vb, vt, g])) | (e2m1_code(
+                        v[g * B + p * T.int64(2) + T.int64(1)],
+                        _thresholds(fmt, scales[vb, vt, g])) << T.uint32(4)))
+
+    @T.macro
+    def row(x, cos, sin, weight, codes, scales, vb, vt, cb):
+        nb = T.sblock_alloc_buffer((D,), "float32", scope=scratch)  # the normed row (bf16 values)
+        v = T.sblock_alloc_buffer((D,), "float32", scope=scratch)  # the quantiser's input
+        amax = T.sblock_alloc_buffer((1,), "int32", scope=scratch)
+        if with_norm:
+            part = T.sblock_alloc_buffer((NL,), "float32", scope=scratch)
+            ssq = T.sblock_alloc_buffer((1,), "float32", scope=scratch)
+            for l0 in range(NL // VL):
+                for l1 in loop(VL):
+                    part[l0 * VL + l1] = T.float32(0)
+            for k, l0 in T.grid(DL, NL // VL):
+                for l1 in loop(VL):
+                    part[l0 * VL + l1] = part[l0 * VL + l1] \
+                        + f32_of_bf16(x[vb, vt, k * NL + l0 * VL + l1]) \
+                        * f32_of_bf16(x[vb, vt, k * NL + l0 * VL + l1])
+            ssq[0] = T.float32(0)
+            for ln in range(NL):
+                ssq[0] = ssq[0] + part[ln]
+            ssq[0] = T.rsqrt(ssq[0] / T.float32(d) + T.float32(eps))  # now rstd
+            for c0 in range(D // VD):
+                for c1 in loop(VD):
+                    nb[c0 * VD + c1] = round_bf16(f32_of_bf16(weight[c0 * VD + c1]) * (
+                        f32_of_bf16(x[vb, vt, c0 * VD + c1]) * ssq[0]))
+        else:
+            for c0 in range(D // VD):
+                for c1 in loop(VD):
+                    nb[c0 * VD + c1] = f32_of_bf16(x[vb, vt, c0 * VD + c1])
+        for c0 in range(NOPE // VN):
+            for c1 in loop(VN):
+                v[c0 * VN + c1] = nb[c0 * VN + c1]
+        tb = T.Select(cb == T.int64(1), T.int64(0), vb)  # the tables' batch row
+        for p in range(R2):
+            re_b, im_b = rotated_bits(nb[NOPE + p * T.int64(2)],
+                                      nb[NOPE + p * T.int64(2) + T.int64(1)],
+                                      cos[tb, vt, p], sin[tb, vt, p], inverse=False)
+            v[NOPE + p * T.int64(2)] = T.reinterpret("float32", re_b << T.uint32(16))
+            v[NOPE + p * T.int64(2) + T.int64(1)] = T.reinterpret("float32",
+                                                                  im_b << T.uint32(16))
+        for g in range(G):
+            quantise(v, amax, codes, scales, vb, vt, g)
+
+    if with_norm:
+        @T.prim_func(s_tir=True)
+        def rope_quant_norm(x_h: T.handle, cos_h: T.handle, sin_h: T.handle,
+                            weight: T.Buffer((D,), "bfloat16"), codes_h: T.handle,
+                            scales_h: T.handle):
+            T.func_attr({"global_symbol": "rope_quant", "tirx.noalias": True})
+            b, s, cb = T.int64(), T.int64(), T.int64()
+            x = T.match_buffer(x_h, (b, s, D), "bfloat16")
+            cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
+            sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
+            codes = T.match_buffer(codes_h, (b, s, CW), "uint8")
+            scales = T.match_buffer(scales_h, (b, s, G), "uint8")
+            for i, t in T.grid(b, s):
+                with T.sblock("row"):
+                    vb, vt = T.axis.remap("SS", [i, t])
+                    T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2],
+                            weight[0:D])
+                    T.writes(codes[vb, vt, 0:CW], scales[vb, vt, 0:G])
+                    row(x, cos, sin, weight, codes, scales, vb, vt, cb)
+
+        return rope_quant_norm
+
+    @T.prim_func(s_tir=True)
+    def rope_quant(x_h: T.handle, cos_h: T.handle, sin_h: T.handle, codes_h: T.handle,
+                   scales_h: T.handle):
+        T.func_attr({"global_symbol": "rope_quant", "tirx.noalias": True})
+        b, s, cb = T.int64(), T.int64(), T.int64()
+        x = T.match_buffer(x_h, (b, s, D), "bfloat16")
+        cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
+        sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
+        codes = T.match_buffer(codes_h, (b, s, CW), "uint8")
+        scales = T.match_buffer(scales_h, (b, s, G), "uint8")
+        for i, t in T.grid(b, s):
+            with T.sblock("row"):
+                vb, vt = T.axis.remap("SS", [i, t])
+                T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2])
+                T.writes(codes[vb, vt, 0:CW], scales[vb, vt, 0:G])
+                row(x, cos, sin, None, codes, scales, vb, vt, cb)
+
+    return rope_quant
+
+
+@dataclass(frozen=True)
+class RopeQuantConfig:
+    """norm_lanes: the norm's strided partial sums (`norm.norm_config`'s, so the bits match the
+    rms_norm kernel's). CPU: rows in parallel, element loops vectorised; CUDA: one thread per
+    row (`threads` a block), scalar, its scratch local."""
+
+    norm_lanes: int
+    vec: bool = True
+    threads: int = 64
+
+    @property
+    def scratch(self) -> str:
+        return "global" if self.vec else "local"
+
+
+def rope_quant_config(target: TargetSpec, *, d: int) -> RopeQuantConfig:
+    lanes = norm_config(target, d=d).lanes
+    if target.is_cuda:
+        return RopeQuantConfig(norm_lanes=lanes, vec=False)
+    return RopeQuantConfig(norm_lanes=lanes)
+
+
+def schedule_rope_quant(func: tvm.tirx.PrimFunc, config: RopeQuantConfig,
+                        target: TargetSpec) -> tvm.tirx.PrimFunc:
+    """The rows' loops only: the element loops are vectorised (or not) by the definition."""
+    return schedule_block_rows(func, "row", target, threads=config.threads)
+
+
+def build_rope_quant(target_name: str, *, d: int, rd: int, fmt: str,
+                     eps: float | None) -> tvm.tirx.PrimFunc:
+    """make + config + schedule for `target_name` (a cuda_build builder)."""
+    target = get_target(target_name)
+    cfg = rope_quant_config(target, d=d)
+    func = make_rope_quant(d=d, rd=rd, fmt=EntryFormat(fmt), eps=eps,
+                           norm_lanes=cfg.norm_lanes, vec=cfg.vec, scratch=cfg.scratch)
+    return schedule_rope_quant(func, cfg, target)
+
+
+def example_inputs_rope_quant(*, b: int, s: int, d: int, rd: int, norm: bool, cos_batch: int = 1,
+                              seed: int = 0) -> list[torch.Tensor]:
+    """x, cos, sin[, weight]: values like a layer's (x ~ 4 N(0, 1), weight ~ 1 + N(0, 0.1)),
+    angles up to ~1000 rad."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(b, s, d, generator=g) * 4).to(torch.bfloat16)
+    angle = torch.rand(cos_batch, s, rd // 2, generator=g) * 1000
+    out = [x, angle.cos(), angle.sin()]
+    if norm:
+        out.append((1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16))
+    return out
