@@ -248,7 +248,8 @@ class QuantKey(KernelKey):
 
 @dataclass(frozen=True)
 class DenseGemvKey(KernelKey):
-    """x (m, g, k) times w (g * n, k) -> fp32 (m, g, n), one row at a time (decode, drafts)."""
+    """x (m, g, k) times w (g * n, k) -> fp32 (m, g, n), or bf16 (`out_dtype`), one row at a time
+    (decode, drafts)."""
 
     kind: ClassVar[str] = "dense_gemv"
     groups: int
@@ -257,14 +258,17 @@ class DenseGemvKey(KernelKey):
     x_dtype: str
     w_dtype: str
     rows: int = 1  # dense_gemv: rows per group sharing each weight load (verify 1 + k, draft)
+    out_dtype: str = "float32"  # dense_gemv: "bfloat16" where the kernel rounds its stores
 
     def parts(self) -> tuple:
         return (self.kind, self.groups, self.n, self.k, self.x_dtype, self.w_dtype) + (
-            (f"r{self.rows}",) if self.rows > 1 else ())
+            (f"r{self.rows}",) if self.rows > 1 else ()) + (
+            ("to_bf16",) if self.out_dtype != "float32" else ())
 
     def dims(self) -> dict:
         return dict(groups=self.groups, n=self.n, k=self.k, x_dtype=self.x_dtype,
-                    w_dtype=self.w_dtype, **({"rows": self.rows} if self.rows > 1 else {}))
+                    w_dtype=self.w_dtype, **({"rows": self.rows} if self.rows > 1 else {}),
+                    **({"out_dtype": self.out_dtype} if self.out_dtype != "float32" else {}))
 
 
 @dataclass(frozen=True)

@@ -460,18 +460,29 @@ def use_gemv(ctx: Lowering) -> bool:
             and ctx.rows_hint <= GEMV_ROWS)
 
 
-def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr) -> relax.Expr:
+def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
+               out_dtype: str = "float32") -> relax.Expr:
     """x (m, g, k) times w (g * n, k) -> fp32 (m, g, n): dense_gemv in entries with a small row
     hint (decode, drafts), dense_gemm (register-tiled over rows) in the others (prefill). The
-    aten `linear` / `einsum` overrides of `compiler.lower` emit it."""
+    aten `linear` / `einsum` overrides of `compiler.lower` emit it. out_dtype "bfloat16": the
+    result the caller wants; the GEMV stores it rounded where its form can
+    (`gemm.dense_gemv_rounds`), else the result is fp32 and the caller rounds."""
     groups, k = (static(v) for v in shape(x3)[1:])
     n = static(shape(w2)[0]) // groups
     dims = dict(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=str(w2.ty.dtype))
-    # verify / draft: the rows of a group share each weight load (bit-identical per row)
-    key = DenseGemvKey(**dims, rows=ctx.verify_rows) if use_gemv(ctx) else DenseGemmKey(**dims)
-    gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
     m = shape(x3)[0]
-    return call(importer, gv, [x3, w2], tensor([m, groups, n], "float32"))
+    if not use_gemv(ctx):
+        key = DenseGemmKey(**dims)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        return call(importer, gv, [x3, w2], tensor([m, groups, n], "float32"))
+    # verify / draft: the rows of a group share each weight load (bit-identical per row)
+    rounds = out_dtype == BF16 and gemm.dense_gemv_rounds(
+        ctx.target, n=n, k=k, rows=ctx.verify_rows, x_dtype=dims["x_dtype"],
+        w_dtype=dims["w_dtype"])
+    dtype = BF16 if rounds else "float32"
+    key = DenseGemvKey(**dims, rows=ctx.verify_rows, out_dtype=dtype)
+    gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+    return call(importer, gv, [x3, w2], tensor([m, groups, n], dtype))
 
 
 # ---- the registry -------------------------------------------------------------------------------

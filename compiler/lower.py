@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 import tvm
-from tvm import relax, te, tirx
+from tvm import relax, te
 from tvm.relax.frontend.torch import from_exported_program
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
@@ -33,6 +33,7 @@ from dsv41.compiler.relax_ops import (
 )
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
+from dsv41.schedules.common import bf16_of
 
 # ---- aten overrides and additions ------------------------------------------------------------
 
@@ -44,21 +45,13 @@ def _in_fp32(importer, x: relax.Expr) -> relax.Expr:
 
 
 def _round_to_bf16(importer, x: relax.Expr) -> relax.Expr:
-    """fp32 -> bf16, round to nearest even, on the bits. A plain cast is folded away by TVM's
-    simplifier when a fused kernel immediately casts back to fp32 (Cast(f32, Cast(bf16, v)) ->
-    v), which silently drops torch's bf16 rounding; bit arithmetic cannot be folded."""
-
-    def rnd(v):
-        u = tirx.reinterpret("uint32", v)
-        one, half = tirx.const(1, "uint32"), tirx.const(0x7FFF, "uint32")
-        r = (u + ((u >> tirx.const(16, "uint32")) & one) + half) >> tirx.const(16, "uint32")
-        # NaN stays a quiet NaN (isnan: TVM's simplifier folds a float v != v to false)
-        quiet = (u >> tirx.const(16, "uint32")) | tirx.const(0x40, "uint32")
-        r = tirx.Select(tirx.isnan(v), quiet, r)
-        return tirx.reinterpret("bfloat16", r.astype("uint16"))
+    """fp32 -> bf16, round to nearest even, on the bits (`schedules.common.bf16_of`, which a
+    kernel storing bf16 uses too). A plain cast is folded away by TVM's simplifier when a fused
+    kernel immediately casts back to fp32 (Cast(f32, Cast(bf16, v)) -> v), which silently drops
+    torch's bf16 rounding; bit arithmetic cannot be folded."""
 
     def compute(a):
-        return te.compute(a.shape, lambda *i: rnd(a(*i)), name="round_bf16")
+        return te.compute(a.shape, lambda *i: bf16_of(a(*i)), name="round_bf16")
 
     return importer.block_builder.emit_te(compute, x, primfunc_name_hint="round_bf16")
 
@@ -143,9 +136,9 @@ def _linear(ctx: Lowering):
                 n, k = (static(v) for v in shape(ws))
                 x2, lead = rows(importer, xs, 1)
                 x3 = bb.emit(relax.op.reshape(x2, [shape(x2)[0], 1, k]))
-                y = dense_call(ctx, importer, x3, ws)
+                y = dense_call(ctx, importer, x3, ws, out_dtype=dtype)
                 y = bb.emit(relax.op.reshape(y, [*lead, n]))
-                return _cast(importer, y, dtype)
+                return _cast(importer, y, dtype)  # no-op where the GEMV stored bf16
         if bias is not None:  # added in fp32 before the one rounding (the vision tower's)
             bias = _in_fp32(importer, bias)
         y = bb.emit(relax.op.linear(_in_fp32(importer, x), _in_fp32(importer, w), bias,
@@ -181,8 +174,8 @@ def _einsum(ctx: Lowering):
             if _gemv_operands_ok(xs, ws):
                 x3, lead = rows(importer, xs, 2)
                 w2 = _weight_2d(node.args[1][1], ws, importer)
-                y = unrows(importer, dense_call(ctx, importer, x3, w2), lead)
-                return _cast(importer, y, dtype)
+                y = unrows(importer, dense_call(ctx, importer, x3, w2, out_dtype=dtype), lead)
+                return _cast(importer, y, dtype)  # no-op where the GEMV stored bf16
         y = importer.block_builder.emit(relax.op.einsum([_in_fp32(importer, o) for o in ops],
                                                         eq))
         return _cast(importer, y, dtype)

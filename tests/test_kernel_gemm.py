@@ -731,6 +731,45 @@ def test_dense_gemv_bf16_dot_fma_rows_equal_vdpbf16ps_bit_for_bit():
 
 
 @needs_avx512bf16
+def test_dense_gemv_bf16_dot_bf16_stores_are_the_fp32_kernel_rounded():
+    """out_dtype bfloat16 (the grouped o-projection's output, rounded in the kernel instead of
+    by a cast kernel after it): every output is the fp32 kernel's rounded to bf16 as torch
+    rounds (NaN stays NaN), at one row and in a verify group, with partial column tiles, NaN /
+    inf weights and sums that round up at a tie's neighbourhood (random bits)."""
+    groups, n, k = 3, 40, 96
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn(groups * n, k, generator=gen).to(torch.bfloat16)
+    w[n - 1, 5], w[0, k - 1] = float("nan"), float("inf")
+    target = get_target(CPU).tvm_target()
+    for rows, cb in ((1, 8), (6, 4)):
+        fp32, bf16 = (tvm.compile(gemm.make_dense_gemv_bf16_dot(
+            groups=groups, n=n, k=k, rows=rows, tn=32, cb=cb, out_dtype=dt), target=target)
+            for dt in ("float32", "bfloat16"))
+        for m in (1, 5, 6, 7):
+            x = torch.randn(m, groups, k, generator=gen).to(torch.bfloat16)
+            want = _run(fp32, [x, w], (m, groups, n), torch.float32).to(torch.bfloat16)
+            got = _run(bf16, [x, w], (m, groups, n), torch.bfloat16)
+            nan = want.isnan()
+            assert bool(nan.any()) and torch.equal(got.isnan(), nan)
+            assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def test_dense_gemv_stores_bf16_only_in_its_bf16_dot_form():
+    """Where the target's GEMV is the scheduled lanes form (no AVX-512 BF16), a bf16 store is
+    refused and `dense_gemv_rounds` says so (the lowering then rounds the fp32 result)."""
+    dims = dict(groups=8, n=64, k=256, x_dtype="bfloat16", w_dtype="bfloat16")
+    assert not gemm.dense_gemv_rounds(get_target("cpu-x86-64"), n=64, k=256,
+                                      x_dtype="bfloat16", w_dtype="bfloat16")
+    with pytest.raises(ValueError, match="only in its bf16_dot form"):
+        gemm.build_dense_gemv("cpu-x86-64", **dims, out_dtype="bfloat16")
+    assert not gemm.dense_gemv_rounds(get_target(CPU), n=64, k=256, x_dtype="float32",
+                                      w_dtype="bfloat16")
+    with pytest.raises(ValueError, match="stores float32 or bfloat16"):
+        gemm.make_dense_gemv_bf16_dot(**{k: v for k, v in dims.items() if "dtype" not in k},
+                                      out_dtype="float16")
+
+
+@needs_avx512bf16
 def test_dense_gemv_bf16_dot_prefetch_changes_no_bit():
     """The weight prefetch (`prefetch` column groups ahead, the config's 1) reads nothing the
     sums see: every output equals the kernel without it bit for bit, at one row and in a

@@ -43,6 +43,8 @@ EXAMPLES = (  # one key of every kind
     kk.HcPostPreMixKey(hc=4, d=64, iters=20, norm_eps=1e-6, hc_eps=1e-6),
     QuantKey(op="quant_mxfp4", d=128),
     kk.DenseGemvKey(groups=2, n=32, k=64, x_dtype="bfloat16", w_dtype="float32"),
+    kk.DenseGemvKey(groups=2, n=32, k=64, x_dtype="bfloat16", w_dtype="bfloat16", rows=6,
+                    out_dtype="bfloat16"),
     kk.DenseGemmKey(groups=2, n=32, k=64, x_dtype="bfloat16", w_dtype="float32"),
 )
 

@@ -18,6 +18,7 @@ from dsv41.schedules.common.decoders import (
     fp4_to_f32_select,
 )
 from dsv41.schedules.common.exprs import (
+    bf16_of,
     bf16_to_f32,
     i64,
     idx,
@@ -84,6 +85,7 @@ __all__ = [
     "pairwise_lane_sum",
     "permps",
     "prefetch",
+    "bf16_of",
     "round_bf16",
     "round_bf16_bound",
     "round_bf16_finite",

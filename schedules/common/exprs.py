@@ -26,6 +26,17 @@ def round_bf16_finite(x):
                          & T.uint32(0xFFFF0000))
 
 
+def bf16_of(x):
+    """fp32 -> bf16 (ties to even) as a bf16 value, on the bits: torch's `.to(bfloat16)` (a NaN
+    stays a quiet NaN of its sign and top payload bits). What the compiled graph's fp32 ->
+    bf16 casts compute (`compiler.lower`), so a kernel that stores bf16 through it equals an
+    fp32 kernel followed by that cast, bit for bit."""
+    u = T.reinterpret("uint32", x)
+    r = (u + ((u >> T.uint32(16)) & T.uint32(1)) + T.uint32(0x7FFF)) >> T.uint32(16)
+    r = T.Select(T.isnan(x), (u >> T.uint32(16)) | T.uint32(0x40), r)
+    return T.reinterpret("bfloat16", T.Cast("uint16", r))
+
+
 # ---- small TIR expression helpers shared by the GEMM and MoE kernels --------------------------
 
 

@@ -11,6 +11,7 @@ from tvm.script import tirx as T
 
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.common import (
+    bf16_of,
     bf16_pair_halves,
     bf16_to_f32,
     dpbf16ps,
@@ -121,8 +122,8 @@ def dot_columns(tn: int, rows: int) -> int:
 
 
 def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: int = 32,
-                             cb: int = 4, fma_rows: bool = False, prefetch: int = 0
-                             ) -> tvm.tirx.PrimFunc:
+                             cb: int = 4, fma_rows: bool = False, prefetch: int = 0,
+                             out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
     """`make_dense_gemv` for bf16 x and bf16 w on AVX-512 BF16 (same signature and buffers),
     hand-vectorised (its loops are the schedule): the products of two bf16 values are exact in
     fp32, so `vdpbf16ps` (32 multiply-adds per instruction against 16 for an fp32 FMA, no
@@ -147,6 +148,10 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     reads its last column again (no predicate in the K loop); only real rows and columns are
     stored.
 
+    `out_dtype` "bfloat16": each column's total is stored rounded to bf16 (`common.bf16_of`,
+    the compiled graph's fp32 -> bf16 cast), so the kernel equals the fp32 one followed by that
+    cast, bit for bit, without the cast's kernel (the grouped o-projection's output is bf16).
+
     `prefetch` > 0: beside each chunk's loads, the same chunk of the columns `prefetch`
     register groups ahead is prefetched (one line per column; the last group's reach past
     the weight is clamped to its last row), so the next group's rows are in cache when its
@@ -161,6 +166,8 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     (`dense_gemv_config`). One-row groups (decode) keep vdpbf16ps."""
     if k % DOT_K:
         raise ValueError(f"The bf16 dot-product GEMV needs k a multiple of {DOT_K}, got {k}.")
+    if out_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"The bf16 dot-product GEMV stores float32 or bfloat16, got {out_dtype}.")
     if rows < 1 or cb < 1 or tn % cb:
         raise ValueError(f"The bf16 dot-product GEMV needs rows >= 1 and cb >= 1 dividing tn; "
                          f"got rows={rows}, cb={cb}, tn={tn}.")
@@ -172,6 +179,9 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
         return cb if nr == rows else dot_columns(tn, nr)
 
     ACC = max(nr * width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1))))
+
+    def stored(total):  # a column's fp32 total as y holds it
+        return bf16_of(total) if out_dtype == "bfloat16" else total
 
     def bits(buf, *idx):  # 32 bf16 values from idx on, as the uint16 lanes dpbf16ps takes
         return T.reinterpret(f"uint16x{DOT_K}", buf.vload(list(idx), f"bfloat16x{DOT_K}"))
@@ -209,8 +219,8 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                             wbits(w, task, cg, cbn, a % cbn, ch))
             for r, c in T.grid(nr, cbn):
                 if row0 + r < m and task % NT * TN + cg * cbn + c < N:
-                    y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = \
-                        pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L)
+                    y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = stored(
+                        pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L))
 
     @T.macro
     def rest_if(x, xf, w, y, acc, task, rest, nr):
@@ -224,7 +234,7 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                      "tirx.is_scheduled": True})
         m = T.int64()
         x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, G, N), "float32")
+        y = T.match_buffer(y_h, (m, G, N), out_dtype)
         with T.attr(T.int32(0), *with_bf16_dot()):
             if fma_rows and rows > 1:  # static: per chunk of 32, the odd words, then the even
                 xf = T.alloc_buffer((m, G, K), "float32")  # x's halves
@@ -372,16 +382,29 @@ def _schedule_dense_gemv_rows(sch: s_tir.Schedule, config: DenseGemvConfig) -> N
     sch.decompose_reduction(main, sch.get_loops(main)[3])
 
 
+def dense_gemv_rounds(target: TargetSpec, *, n: int, k: int, x_dtype: str, w_dtype: str,
+                      rows: int = 1) -> bool:
+    """Whether the GEMV this target gets can store bf16 itself (`out_dtype`): the hand-written
+    bf16_dot form; the scheduled lanes form stores fp32 and its caller rounds."""
+    return dense_gemv_config(target, n=n, k=k, rows=rows, x_dtype=x_dtype,
+                             w_dtype=w_dtype).kind == "bf16_dot"
+
+
 def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: str,
-                     w_dtype: str, rows: int = 1) -> tvm.tirx.PrimFunc:
+                     w_dtype: str, rows: int = 1, out_dtype: str = "float32"
+                     ) -> tvm.tirx.PrimFunc:
     """rows > 1: the verify / draft form (`make_dense_gemv_rows`), bit-identical per row; bf16
-    x and w on AVX-512 BF16: `make_dense_gemv_bf16_dot` in both forms (`dense_gemv_config`)."""
+    x and w on AVX-512 BF16: `make_dense_gemv_bf16_dot` in both forms (`dense_gemv_config`),
+    which can store bf16 (`out_dtype`, `dense_gemv_rounds`)."""
     target = get_target(target_name)
     cfg = dense_gemv_config(target, n=n, k=k, rows=rows, x_dtype=x_dtype, w_dtype=w_dtype)
+    if out_dtype != "float32" and cfg.kind != "bf16_dot":
+        raise ValueError(f"dense_gemv stores {out_dtype} only in its bf16_dot form; this "
+                         f"target's is {cfg.kind!r} (fp32: round the result).")
     if cfg.kind == "bf16_dot":
         func = make_dense_gemv_bf16_dot(groups=groups, n=n, k=k, rows=rows, tn=cfg.tn,
                                         cb=cfg.cb, fma_rows=cfg.fma_rows,
-                                        prefetch=cfg.prefetch)
+                                        prefetch=cfg.prefetch, out_dtype=out_dtype)
     elif rows > 1:
         func = make_dense_gemv_rows(groups=groups, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype,
                                     rows=rows)
