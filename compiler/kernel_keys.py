@@ -190,13 +190,18 @@ class RopeKey(KernelKey):
 @dataclass(frozen=True)
 class RopeQuantKey(KernelKey):
     """A new cache entry's norm (eps None: none), RoPE and quantiser (`form`: an
-    `ops.EntryFormat` value) in one kernel."""
+    `ops.EntryFormat` value) in one kernel; `into`: written into rows of a cache in place."""
 
     kind: ClassVar[str] = "rope_quant"
     d: int
     rd: int
     form: str
     eps: float | None
+    into: bool = False  # rope_quant_rows: written in place into rows of a cache
+
+    def parts(self) -> tuple:
+        return (self.kind, self.d, self.rd, self.form, self.eps) + (("rows",) if self.into
+                                                                      else ())
 
 
 @dataclass(frozen=True)

@@ -396,6 +396,26 @@ def _hc_pre_mix(ctx: Lowering):
     return convert
 
 
+def _rope_quant_rows(ctx: Lowering):
+    """New cache entries quantised straight into rows of a cache: the codes and scales are
+    updated in place (`call_tir_inplace`, as `_scatter_rows`), the kernel writing only the rows
+    idx names."""
+
+    def convert(node, importer):
+        codes, scales, idx, x, cos, sin = (importer.env[a] for a in node.args[:6])
+        rd, form = int(node.args[6]), EntryFormat(str(node.args[7]))
+        weight = None if node.args[8] is None else importer.env[node.args[8]]
+        key = RopeQuantKey(d=static(shape(x)[2]), rd=rd, form=form.value,
+                           eps=None if weight is None else float(node.args[9]), into=True)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        args = [codes, scales, idx, x, cos, sin] + ([] if weight is None else [weight])
+        bb = importer.block_builder
+        res = bb.emit(relax.call_tir_inplace(gv, args, [0, 1], out_ty=[codes.ty, scales.ty]))
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
+
+    return convert
+
+
 def _hc_post_pre_mix(ctx: Lowering):
     """A block's attention exit and FFN entry (hc_post + hc_pre_mix) as one kernel."""
 
@@ -630,9 +650,10 @@ REGISTRY: tuple[KernelEntry, ...] = (
                                              inverse=key.inverse)),
     KernelEntry(
         "rope_quant", (RopeQuantKey,), rope_quant.build_rope_quant, rope_quant.rope_quant_config,
-        rope_quant.schedule_rope_quant, {"rope_quant.default": _rope_quant},
+        rope_quant.schedule_rope_quant,
+        {"rope_quant.default": _rope_quant, "rope_quant_rows.default": _rope_quant_rows},
         build=lambda key, t: rope_quant.build_rope_quant(t, d=key.d, rd=key.rd, fmt=key.form,
-                                                         eps=key.eps)),
+                                                         eps=key.eps, into=key.into)),
     KernelEntry(
         "mhc", (HcPreMixKey, HcPostKey, HcPostPreMixKey), mhc.build_hc_pre_mix, mhc.mhc_config,
         mhc.schedule_hc_pre_mix, {"hc_pre_mix.default": _hc_pre_mix, "hc_post.default": _hc_post,

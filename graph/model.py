@@ -391,6 +391,41 @@ def put_rows(dst: torch.Tensor, first: torch.Tensor, rows: torch.Tensor,
     return ops.scatter_rows(dst, idx, rows.to(dst.dtype))
 
 
+@dataclass(frozen=True)
+class NewEntries:
+    """A chunk's new cache entries before their quantiser: `ops.rope_quant`'s arguments."""
+
+    x: torch.Tensor  # bf16 (b, s, d)
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rd: int
+    form: ops.EntryFormat
+    weight: torch.Tensor | None  # the norm's (None: no norm)
+    eps: float = 0.0
+
+    def quantised(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rope_quant(self.x, self.cos, self.sin, self.rd, self.form, self.weight,
+                              self.eps)
+
+    def written(self, codes: torch.Tensor, scales: torch.Tensor,
+                idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """codes / scales with the entries in rows idx (b, s) (-1: none), as one op: compiled,
+        the quantiser writes them in place, no scatter kernels after it."""
+        return ops.rope_quant_rows(codes, scales, idx, self.x, self.cos, self.sin, self.rd,
+                                   self.form, self.weight, self.eps)
+
+
+def put_entries(codes: torch.Tensor, scales: torch.Tensor, first: torch.Tensor,
+                ok: torch.Tensor, new: NewEntries) -> tuple[torch.Tensor, torch.Tensor]:
+    """`put_rows` of the quantised entries into a store's codes and scales: eagerly in place,
+    under torch.export `NewEntries.written` (one kernel)."""
+    if not torch.compiler.is_exporting():
+        c, s = new.quantised()
+        return put_rows(codes, first, c, ok), put_rows(scales, first, s, ok)
+    idx = torch.where(ok, first.unsqueeze(1) + torch.arange(new.x.size(1)), -1)  # (b, g)
+    return new.written(codes, scales, idx)
+
+
 def live_rows(t: torch.Tensor, chunk: Chunk, ratio: int) -> torch.Tensor:
     """The rows of a global store any query of this chunk can see. Eagerly a slice (faster
     sweeps, same result: rows past a query's visible count are masked anyway); under export
@@ -419,22 +454,27 @@ def window_rows(start: torch.Tensor, s: int, window: int, floor: torch.Tensor) -
     return torch.where(q < floor.view(-1, 1, 1), -1, q)
 
 
-def window_inputs(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor, chunk: Chunk,
-                  window: int):
+def window_inputs(ring: WindowRing, new: NewEntries, chunk: Chunk, window: int):
     """Write the chunk's entries into the ring; return (codes, scales, idx) for
     `sparse_attend`: a buffer of entries and each query's rows into it.
 
     One new token (decode): once written, the ring holds every position its window lists
-    (p - W + 1 .. p, slot pos % W), so the kernel reads the ring itself, no copy. A longer chunk
+    (p - W + 1 .. p, slot pos % W), so the kernel reads the ring itself, no copy (under export
+    the entry is quantised straight into its slot, `NewEntries.written`). A longer chunk
     would overwrite positions its earlier queries still see, so they read a copy of the ring as
     it was (positions before the chunk) followed by the chunk's own entries. Both list the same
     entries in the same order."""
     rows = window_rows(chunk.start, chunk.length, window, chunk.floor)
-    s = codes.size(1)
+    s = new.x.size(1)
     if isinstance(s, int) and s == 1:  # a static 1: a token dim captured dynamic takes the copy
-        write_ring(ring, codes, scales, chunk.start, window)
+        if torch.compiler.is_exporting():  # write_ring's slot of a single new position
+            slot = torch.remainder(chunk.start, window).unsqueeze(1)  # (b, 1)
+            ring.codes, ring.scales = new.written(ring.codes, ring.scales, slot)
+        else:
+            write_ring(ring, *new.quantised(), chunk.start, window)
         idx = torch.where(rows < 0, -1, rows % window)
         return ring.codes, ring.scales, idx.to(torch.int32)
+    codes, scales = new.quantised()
     start = chunk.start.view(-1, 1, 1)
     idx = torch.where(rows < start, rows % window, window + rows - start)
     idx = torch.where(rows < 0, -1, idx)
@@ -541,11 +581,11 @@ def publish_index_k(model: Model, layer: int, store: GlobalStore, c: Compressed,
                     chunk: Chunk) -> None:
     a = model.args
     cos, sin = _rope_at(model, chunk, c.positions())
-    codes, scales = ops.rope_quant(bf16_linear(c.latent, model.p(layer, "attn.indexer.wk.weight")),
-                                   cos, sin, a.rope_head_dim, ops.EntryFormat.MXFP4,
-                                   model.p(layer, "attn.indexer.k_norm.weight"), a.norm_eps)
-    store.k_codes = put_rows(store.k_codes, c.first, codes, c.ok)
-    store.k_scales = put_rows(store.k_scales, c.first, scales, c.ok)
+    new = NewEntries(bf16_linear(c.latent, model.p(layer, "attn.indexer.wk.weight")), cos, sin,
+                     a.rope_head_dim, ops.EntryFormat.MXFP4,
+                     model.p(layer, "attn.indexer.k_norm.weight"), a.norm_eps)
+    store.k_codes, store.k_scales = put_entries(store.k_codes, store.k_scales, c.first, c.ok,
+                                                new)
 
 
 def publish_main_kv(model: Model, store: GlobalStore, c: Compressed, chunk: Chunk,
@@ -556,10 +596,9 @@ def publish_main_kv(model: Model, store: GlobalStore, c: Compressed, chunk: Chun
         latent = ops.rope(c.latent, cos, sin, a.rope_head_dim, False)
         store.kv_codes = put_rows(store.kv_codes, c.first, latent, c.ok)
         return
-    codes, scales = ops.rope_quant(c.latent, cos, sin, a.rope_head_dim, ops.EntryFormat.FP4_KV,
-                                   None, 0.0)
-    store.kv_codes = put_rows(store.kv_codes, c.first, codes, c.ok)
-    store.kv_scales = put_rows(store.kv_scales, c.first, scales, c.ok)
+    new = NewEntries(c.latent, cos, sin, a.rope_head_dim, ops.EntryFormat.FP4_KV, None)
+    store.kv_codes, store.kv_scales = put_entries(store.kv_codes, store.kv_scales, c.first,
+                                                  c.ok, new)
 
 
 @dataclass
@@ -713,10 +752,9 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     q = ops.rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, rd, False)
 
     kv = ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"), model.p(layer, "attn.wkv.scale"))
-    win_codes, win_scales = ops.rope_quant(kv, cos, sin, rd, ops.EntryFormat.FP8,
-                                           model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
-    ring = cache.windows[layer]
-    win = window_inputs(ring, win_codes, win_scales, chunk, a.window_size)  # writes the ring
+    new = NewEntries(kv, cos, sin, rd, ops.EntryFormat.FP8,
+                     model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
+    win = window_inputs(cache.windows[layer], new, chunk, a.window_size)  # writes the ring
 
     store, idx = None, torch.full_like(x[..., :1], -1, dtype=torch.int32)  # (b, s, 1): none
     if p.ratio:

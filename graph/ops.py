@@ -21,6 +21,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `hc_post`:       the sublayer's output mixed back into the hc streams
 - `hc_post_pre_mix`: `hc_post` then the next sublayer's `hc_pre_mix`, one kernel
 - `rope_quant`:    a new cache entry's RMSNorm (optional), RoPE and quantiser in one kernel
+- `rope_quant_rows`: the same entries written into rows of a cache in place (one kernel)
 - `engram_rows`:   an Engram layer's table rows at the chunk's hash ids (no kernel: compiled, it
                    is a call of the host runtime, which keeps the tables in host memory and
                    gathers the rows ahead of the block that reads them, `runtime.engram_host`)
@@ -358,6 +359,22 @@ def _(x, cos, sin, rd, form, weight, eps):
     form = EntryFormat(form)
     return (x.new_empty(*x.shape[:-1], entry_code_width(form, x.size(-1)), dtype=torch.uint8),
             x.new_empty(*x.shape[:-1], x.size(-1) // ENTRY_GROUP[form], dtype=torch.uint8))
+
+
+@torch.library.custom_op("dsv41::rope_quant_rows", mutates_args=())
+def rope_quant_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor,
+                    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, form: str,
+                    weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_quant`'s entries written into rows idx (b, s) int64 of a cache's codes (b, n,
+    width) and scales (b, n, d / group), each as `scatter_rows` writes (-1 or a row outside the
+    cache: none). Returns the updated tensors; compiled, one kernel writes the rows in place."""
+    new_codes, new_scales = rope_quant(x, cos, sin, rd, form, weight, eps)
+    return scatter_rows(codes, idx, new_codes), scatter_rows(scales, idx, new_scales)
+
+
+@rope_quant_rows.register_fake
+def _(codes, scales, idx, x, cos, sin, rd, form, weight, eps):
+    return torch.empty_like(codes), torch.empty_like(scales)
 
 
 # ---- sparse gather-attend ----------------------------------------------------------------------

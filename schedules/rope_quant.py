@@ -74,12 +74,17 @@ def _check(*, d: int, rd: int, fmt: EntryFormat, norm_lanes: int) -> None:
 
 
 def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
-                    norm_lanes: int = 32, vec: bool = True,
-                    scratch: str = "global") -> tvm.tirx.PrimFunc:
+                    norm_lanes: int = 32, vec: bool = True, scratch: str = "global",
+                    into: bool = False) -> tvm.tirx.PrimFunc:
     """`rope_quant(x, cos, sin[, weight]) -> (codes, scales)`: x bf16 (b, s, d), cos / sin fp32
     (b or 1, s, rd/2), weight bf16 (d,) when `eps` is not None (the norm), codes uint8 (b, s,
     `entry_code_width`), scales uint8 (b, s, d / group); b, s and the tables' batch symbolic.
-    `vec`: the element loops vectorised (CPU); `scratch`: the per-row buffers' scope."""
+    `vec`: the element loops vectorised (CPU); `scratch`: the per-row buffers' scope.
+
+    `into`: `rope_quant_rows(codes, scales, idx, x, cos, sin[, weight])`, the entries written
+    in place into rows idx (b, s) int64 of a cache's codes (b, n, width) and scales (b, n,
+    d / group) (the lowering's `call_tir_inplace`), as `scatter_rows` writes them: a row whose
+    index is outside 0..n-1 (-1: none) is neither computed nor written."""
     fmt = EntryFormat(fmt)
     _check(d=d, rd=rd, fmt=fmt, norm_lanes=norm_lanes)
     group = ENTRY_GROUP[fmt]
@@ -96,65 +101,75 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
     with_norm = eps is not None
 
     @T.macro
-    def quantise(v, amax, codes, scales, vb, vt, g):
-        """Group g of the row's values v: its scale byte, then its codes."""
+    def quantise(v, amax, sb, codes, scales, vb, crow, g):
+        """Group g of the row's values v: its scale byte, then its codes, into row crow."""
         amax[0] = T.int32(0)
         for j in range(B):
             amax[0] = T.max(amax[0], abs_bits(v[g * B + j]))
-        scales[vb, vt, g] = _scale_byte(fmt, T.reinterpret("float32", amax[0]))
+        sb[0] = _scale_byte(fmt, T.reinterpret("float32", amax[0]))
+        scales[vb, crow, g] = sb[0]
         if fmt == EntryFormat.FP8:
             for j in loop(B):
-                codes[vb, vt, g * B + j] = fp8_code(v[g * B + j],
-                                                    T.Cast("uint32", scales[vb, vt, g]))
+                codes[vb, crow, g * B + j] = fp8_code(v[g * B + j], T.Cast("uint32", sb[0]))
         else:
             for p in loop(B // T.int64(2)):
-                codes[vb, vt, g * (B // T.int64(2)) + p] = T.Cast("uint8", e2m1_code(
-                    v[g * B + p * T.int64(2)], _thresholds(fmt, scales[vb, vt, g])) | (e2m1_code(
-                        v[g * B + p * T.int64(2) + T.int64(1)],
-                        _thresholds(fmt, scales[vb, vt, g])) << T.uint32(4)))
+                codes[vb, crow, g * (B // T.int64(2)) + p] = T.Cast("uint8", e2m1_code(
+                    v[g * B + p * T.int64(2)], _thresholds(fmt, sb[0])) | (e2m1_code(
+                        v[g * B + p * T.int64(2) + T.int64(1)], _thresholds(fmt, sb[0]))
+                        << T.uint32(4)))
 
     @T.macro
-    def row(x, cos, sin, weight, codes, scales, vb, vt, cb):
+    def row(x, cos, sin, weight, codes, scales, vb, vt, crow, ok, cb):
+        """Row (vb, vt) of x into row crow of codes / scales, where `ok` (True: always)."""
         nb = T.sblock_alloc_buffer((D,), "float32", scope=scratch)  # the normed row (bf16 values)
         v = T.sblock_alloc_buffer((D,), "float32", scope=scratch)  # the quantiser's input
         amax = T.sblock_alloc_buffer((1,), "int32", scope=scratch)
-        if with_norm:
-            part = T.sblock_alloc_buffer((NL,), "float32", scope=scratch)
-            ssq = T.sblock_alloc_buffer((1,), "float32", scope=scratch)
-            for l0 in range(NL // VL):
-                for l1 in loop(VL):
-                    part[l0 * VL + l1] = T.float32(0)
-            for k, l0 in T.grid(DL, NL // VL):
-                for l1 in loop(VL):
-                    part[l0 * VL + l1] = part[l0 * VL + l1] \
-                        + f32_of_bf16(x[vb, vt, k * NL + l0 * VL + l1]) \
-                        * f32_of_bf16(x[vb, vt, k * NL + l0 * VL + l1])
-            ssq[0] = T.float32(0)
-            for ln in range(NL):
-                ssq[0] = ssq[0] + part[ln]
-            ssq[0] = T.rsqrt(ssq[0] / T.float32(d) + T.float32(eps))  # now rstd
-            for c0 in range(D // VD):
-                for c1 in loop(VD):
-                    nb[c0 * VD + c1] = round_bf16(f32_of_bf16(weight[c0 * VD + c1]) * (
-                        f32_of_bf16(x[vb, vt, c0 * VD + c1]) * ssq[0]))
-        else:
-            for c0 in range(D // VD):
-                for c1 in loop(VD):
-                    nb[c0 * VD + c1] = f32_of_bf16(x[vb, vt, c0 * VD + c1])
-        for c0 in range(NOPE // VN):
-            for c1 in loop(VN):
-                v[c0 * VN + c1] = nb[c0 * VN + c1]
-        tb = T.Select(cb == T.int64(1), T.int64(0), vb)  # the tables' batch row
-        for p in range(R2):
-            re_b, im_b = rotated_bits(nb[NOPE + p * T.int64(2)],
-                                      nb[NOPE + p * T.int64(2) + T.int64(1)],
-                                      cos[tb, vt, p], sin[tb, vt, p], inverse=False)
-            v[NOPE + p * T.int64(2)] = T.reinterpret("float32", re_b << T.uint32(16))
-            v[NOPE + p * T.int64(2) + T.int64(1)] = T.reinterpret("float32",
-                                                                  im_b << T.uint32(16))
-        for g in range(G):
-            quantise(v, amax, codes, scales, vb, vt, g)
+        sb = T.sblock_alloc_buffer((1,), "uint8", scope=scratch)
+        part = T.sblock_alloc_buffer((NL,), "float32", scope=scratch)
+        ssq = T.sblock_alloc_buffer((1,), "float32", scope=scratch)
+        if ok:
+            if with_norm:
+                for l0 in range(NL // VL):
+                    for l1 in loop(VL):
+                        part[l0 * VL + l1] = T.float32(0)
+                for k, l0 in T.grid(DL, NL // VL):
+                    for l1 in loop(VL):
+                        part[l0 * VL + l1] = part[l0 * VL + l1] \
+                            + f32_of_bf16(x[vb, vt, k * NL + l0 * VL + l1]) \
+                            * f32_of_bf16(x[vb, vt, k * NL + l0 * VL + l1])
+                ssq[0] = T.float32(0)
+                for ln in range(NL):
+                    ssq[0] = ssq[0] + part[ln]
+                ssq[0] = T.rsqrt(ssq[0] / T.float32(d) + T.float32(eps))  # now rstd
+                for c0 in range(D // VD):
+                    for c1 in loop(VD):
+                        nb[c0 * VD + c1] = round_bf16(f32_of_bf16(weight[c0 * VD + c1]) * (
+                            f32_of_bf16(x[vb, vt, c0 * VD + c1]) * ssq[0]))
+            else:
+                for c0 in range(D // VD):
+                    for c1 in loop(VD):
+                        nb[c0 * VD + c1] = f32_of_bf16(x[vb, vt, c0 * VD + c1])
+            for c0 in range(NOPE // VN):
+                for c1 in loop(VN):
+                    v[c0 * VN + c1] = nb[c0 * VN + c1]
+            tb = T.Select(cb == T.int64(1), T.int64(0), vb)  # the tables' batch row
+            for p in range(R2):
+                re_b, im_b = rotated_bits(nb[NOPE + p * T.int64(2)],
+                                          nb[NOPE + p * T.int64(2) + T.int64(1)],
+                                          cos[tb, vt, p], sin[tb, vt, p], inverse=False)
+                v[NOPE + p * T.int64(2)] = T.reinterpret("float32", re_b << T.uint32(16))
+                v[NOPE + p * T.int64(2) + T.int64(1)] = T.reinterpret("float32",
+                                                                      im_b << T.uint32(16))
+            for g in range(G):
+                quantise(v, amax, sb, codes, scales, vb, crow, g)
 
+    if into:
+        return _rows_kernel(row, D=D, R2=R2, CW=CW, G=G, with_norm=with_norm)
+    return _entries_kernel(row, D=D, R2=R2, CW=CW, G=G, with_norm=with_norm)
+
+
+def _entries_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
+    """`rope_quant`'s function around the row macro: the codes and scales as outputs."""
     if with_norm:
         @T.prim_func(s_tir=True)
         def rope_quant_norm(x_h: T.handle, cos_h: T.handle, sin_h: T.handle,
@@ -173,7 +188,7 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
                     T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2],
                             weight[0:D])
                     T.writes(codes[vb, vt, 0:CW], scales[vb, vt, 0:G])
-                    row(x, cos, sin, weight, codes, scales, vb, vt, cb)
+                    row(x, cos, sin, weight, codes, scales, vb, vt, vt, True, cb)
 
         return rope_quant_norm
 
@@ -192,9 +207,58 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
                 vb, vt = T.axis.remap("SS", [i, t])
                 T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2])
                 T.writes(codes[vb, vt, 0:CW], scales[vb, vt, 0:G])
-                row(x, cos, sin, None, codes, scales, vb, vt, cb)
+                row(x, cos, sin, None, codes, scales, vb, vt, vt, True, cb)
 
     return rope_quant
+
+
+def _rows_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
+    """`rope_quant_rows`' function around the row macro: codes and scales written in place at
+    the rows idx names (a row outside the cache: skipped)."""
+    if with_norm:
+        @T.prim_func(s_tir=True)
+        def rope_quant_rows_norm(codes_h: T.handle, scales_h: T.handle, idx_h: T.handle,
+                                 x_h: T.handle, cos_h: T.handle, sin_h: T.handle,
+                                 weight: T.Buffer((D,), "bfloat16")):
+            T.func_attr({"global_symbol": "rope_quant_rows", "tirx.noalias": True})
+            b, n, s, cb = T.int64(), T.int64(), T.int64(), T.int64()
+            codes = T.match_buffer(codes_h, (b, n, CW), "uint8")
+            scales = T.match_buffer(scales_h, (b, n, G), "uint8")
+            idx = T.match_buffer(idx_h, (b, s), "int64")
+            x = T.match_buffer(x_h, (b, s, D), "bfloat16")
+            cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
+            sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
+            for i, t in T.grid(b, s):
+                with T.sblock("row"):
+                    vb, vt = T.axis.remap("SS", [i, t])
+                    T.reads(idx[vb, vt], x[vb, vt, 0:D], cos[0:cb, vt, 0:R2],
+                            sin[0:cb, vt, 0:R2], weight[0:D])
+                    T.writes(codes[vb, 0:n, 0:CW], scales[vb, 0:n, 0:G])
+                    row(x, cos, sin, weight, codes, scales, vb, vt, idx[vb, vt],
+                        idx[vb, vt] >= T.int64(0) and idx[vb, vt] < n, cb)
+
+        return rope_quant_rows_norm
+
+    @T.prim_func(s_tir=True)
+    def rope_quant_rows(codes_h: T.handle, scales_h: T.handle, idx_h: T.handle, x_h: T.handle,
+                        cos_h: T.handle, sin_h: T.handle):
+        T.func_attr({"global_symbol": "rope_quant_rows", "tirx.noalias": True})
+        b, n, s, cb = T.int64(), T.int64(), T.int64(), T.int64()
+        codes = T.match_buffer(codes_h, (b, n, CW), "uint8")
+        scales = T.match_buffer(scales_h, (b, n, G), "uint8")
+        idx = T.match_buffer(idx_h, (b, s), "int64")
+        x = T.match_buffer(x_h, (b, s, D), "bfloat16")
+        cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
+        sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
+        for i, t in T.grid(b, s):
+            with T.sblock("row"):
+                vb, vt = T.axis.remap("SS", [i, t])
+                T.reads(idx[vb, vt], x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2])
+                T.writes(codes[vb, 0:n, 0:CW], scales[vb, 0:n, 0:G])
+                row(x, cos, sin, None, codes, scales, vb, vt, idx[vb, vt],
+                    idx[vb, vt] >= T.int64(0) and idx[vb, vt] < n, cb)
+
+    return rope_quant_rows
 
 
 @dataclass(frozen=True)
@@ -225,13 +289,14 @@ def schedule_rope_quant(func: tvm.tirx.PrimFunc, config: RopeQuantConfig,
     return schedule_block_rows(func, "row", target, threads=config.threads)
 
 
-def build_rope_quant(target_name: str, *, d: int, rd: int, fmt: str,
-                     eps: float | None) -> tvm.tirx.PrimFunc:
+def build_rope_quant(target_name: str, *, d: int, rd: int, fmt: str, eps: float | None,
+                     into: bool = False) -> tvm.tirx.PrimFunc:
     """make + config + schedule for `target_name` (a cuda_build builder)."""
     target = get_target(target_name)
     cfg = rope_quant_config(target, d=d)
     func = make_rope_quant(d=d, rd=rd, fmt=EntryFormat(fmt), eps=eps,
-                           norm_lanes=cfg.norm_lanes, vec=cfg.vec, scratch=cfg.scratch)
+                           norm_lanes=cfg.norm_lanes, vec=cfg.vec, scratch=cfg.scratch,
+                           into=into)
     return schedule_rope_quant(func, cfg, target)
 
 

@@ -38,6 +38,7 @@ EXAMPLES = (  # one key of every kind
     kk.RopeKey(h=4, d=128, rd=64, inverse=True),
     kk.RopeQuantKey(d=512, rd=64, form="fp8", eps=1e-20),
     kk.RopeQuantKey(d=512, rd=64, form="fp4_kv", eps=None),
+    kk.RopeQuantKey(d=128, rd=64, form="mxfp4", eps=1e-20, into=True),
     kk.RouteTopkKey(e=16, k=2, normalize=True, route_scale=1.5, bias_rows=False),
     kk.HcPreMixKey(hc=4, d=64, iters=20, norm_eps=1e-6, hc_eps=1e-6), kk.HcPostKey(hc=4, d=64),
     kk.HcPostPreMixKey(hc=4, d=64, iters=20, norm_eps=1e-6, hc_eps=1e-6),

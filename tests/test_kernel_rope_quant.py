@@ -109,6 +109,42 @@ def test_against_the_oracle(case):
     assert (scales == ref_scales).float().mean() >= 0.99
 
 
+@functools.cache
+def _rows(form: EntryFormat, d: int, rd: int, with_norm: bool, vec: bool):
+    cfg = RQ.rope_quant_config(CPU, d=d)
+    func = RQ.make_rope_quant(d=d, rd=rd, fmt=form, eps=EPS if with_norm else None,
+                              norm_lanes=cfg.norm_lanes, vec=vec, into=True)
+    return tvm.compile(RQ.schedule_rope_quant(func, cfg, CPU), target=CPU.tvm_target())
+
+
+@pytest.mark.parametrize("vec", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].value}-{c[1]}-{c[2]}-{c[3]}")
+def test_rows_written_in_place_are_the_entries_scattered(case, vec):
+    """rope_quant_rows (the entries quantised straight into a cache's rows, in place): the
+    cache afterwards equals the fused kernel's entries scattered by `scatter_rows`'s oracle,
+    byte for byte: the named rows rewritten, every other byte (rows -1, past the end, negative
+    below -1) untouched; the op's oracle is the two ops in turn."""
+    form, d, rd, with_norm = case
+    b, s, n = 2, 5, 9
+    x, cos, sin, w = _inputs(b, s, d, rd, with_norm, 2, seed=d + 3)
+    gen = torch.Generator().manual_seed(d)
+    codes = torch.randint(0, 256, (b, n, ops.entry_code_width(form, d)), generator=gen,
+                          dtype=torch.uint8)
+    scales = torch.randint(0, 256, (b, n, d // ops.ENTRY_GROUP[form]), generator=gen,
+                           dtype=torch.uint8)
+    idx = torch.tensor([[3, -1, 8, 0, n], [2, 7, -5, 4, 1]], dtype=torch.int64)
+    new_codes, new_scales = _run_fused(form, d, rd, x, cos, sin, w, vec)
+    want = (ops.scatter_rows(codes, idx, new_codes), ops.scatter_rows(scales, idx, new_scales))
+    got = [codes.clone(), scales.clone()]
+    args = [got[0], got[1], idx, x, cos, sin] + ([] if w is None else [w])
+    _rows(form, d, rd, with_norm, vec)(*[tv(t) for t in args])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = ops.rope_quant_rows(codes, scales, idx, x, cos, sin, rd, form, w, EPS)
+    chain = ops.rope_quant(x, cos, sin, rd, form, w, EPS)
+    assert torch.equal(ref[0], ops.scatter_rows(codes, idx, chain[0]))
+    assert torch.equal(ref[1], ops.scatter_rows(scales, idx, chain[1]))
+
+
 def test_the_oracle_is_the_chain_of_ops():
     x, cos, sin, w = _inputs(2, 3, 512, 64, True, 1, seed=3)
     want = ops.quant_fp8(ops.rope(ops.rms_norm(x, w, EPS), cos, sin, 64, False).float())
@@ -129,6 +165,7 @@ def test_refusals():
 
 
 @pytest.mark.parametrize("target", ["cuda-sm90"])
-def test_cuda_build_has_device_code(tmp_path, target):
+@pytest.mark.parametrize("into", [False, True])
+def test_cuda_build_has_device_code(tmp_path, target, into):
     cuda_build(tmp_path, "rope_quant", "build_rope_quant",
-               dict(d=512, rd=64, fmt="fp8", eps=EPS), target)
+               dict(d=512, rd=64, fmt="fp8", eps=EPS, into=into), target)
