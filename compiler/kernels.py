@@ -262,13 +262,16 @@ def _indexer_shared(ctx: Lowering):
     return convert
 
 
-def _moe_experts(ctx: Lowering):
+def _moe_experts(ctx: Lowering, plus: bool = False):
     """The routed experts as the six-kernel chain of `schedules.moe` (Relax allocates the
-    token-sized intermediates between the calls, which CUDA needs)."""
+    token-sized intermediates between the calls, which CUDA needs); `plus` (moe_experts_plus):
+    its last kernel adds the shared expert's output and stores bf16 (`moe_combine_plus`)."""
 
     def convert(node, importer):
         args = [importer.env[a] for a in node.args[:9]]
         limit = float(node.args[9])
+        if plus:
+            args.append(importer.env[node.args[10]])
         x, w1 = args[0], args[3]
         n_experts, inter = (static(v) for v in shape(w1)[:2])
         dims = dict(dim=static(shape(x)[-1]), inter=inter, n_experts=n_experts,
@@ -289,7 +292,7 @@ def _moe_experts(ctx: Lowering):
             return ctx.kernel(importer, key, lambda: module()[func])
 
         plan = moe.moe_experts_plan(ctx.target.name, **dims, n=shape(x)[0],
-                                    n_hint=ctx.rows_hint, rows=ctx.verify_rows)
+                                    n_hint=ctx.rows_hint, rows=ctx.verify_rows, plus=plus)
         return moe.emit_moe_experts(importer.block_builder, plan, args, kernel)
 
     return convert
@@ -626,7 +629,8 @@ REGISTRY: tuple[KernelEntry, ...] = (
         bench=BenchKernel("indexer", lambda t, kw: indexer.build_indexer_topk(t, **kw))),
     KernelEntry(
         "moe", (MoeKey,), moe.build_moe_experts_split, moe.moe_split_config,
-        moe.schedule_moe_gemm, {"moe_experts.default": _moe_experts},
+        moe.schedule_moe_gemm, {"moe_experts.default": _moe_experts,
+                                "moe_experts_plus.default": lambda ctx: _moe_experts(ctx, True)},
         bench=BenchKernel("moe", _bench_moe)),
     KernelEntry(
         "scatter_rows", (ScatterRowsKey,), cache_write.build_scatter_rows, None,

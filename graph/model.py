@@ -827,13 +827,14 @@ def moe(model: Model, layer: int, x: torch.Tensor,
         mine = (ids >= first) & (ids < first + held)
         ids = torch.where(mine, ids - first, held)
         weights = torch.where(mine, weights, 0.0)
+    if model.shard is None:  # routed (fp32) + shared (bf16), rounded to bf16 once: one op
+        return ops.moe_experts_plus(x, weights, ids, ex.w1, ex.s1, ex.w3, ex.s3, ex.w2, ex.s2,
+                                    a.swiglu_limit, shared_expert(model, layer, x)).view(shape)
     y = ops.moe_experts(x, weights, ids, ex.w1, ex.s1, ex.w3, ex.s3, ex.w2, ex.s2,
-                        a.swiglu_limit)  # (n, d) fp32; a worker's: its experts' terms
-    if model.shard is None:
-        y = y + shared_expert(model, layer, x)
-    else:  # one all-reduce for both partial sums; the shared one rounded once, as unsplit
-        both = model.shard.comm.all_reduce(torch.stack([y, shared_expert(model, layer, x)]))
-        y = both[0] + both[1].to(BF16)  # (n, d) fp32, as fp32 routed + bf16 shared unsplit
+                        a.swiglu_limit)  # (n, d) fp32: this worker's experts' terms
+    # one all-reduce for both partial sums; the shared one rounded once, as unsplit
+    both = model.shard.comm.all_reduce(torch.stack([y, shared_expert(model, layer, x)]))
+    y = both[0] + both[1].to(BF16)  # (n, d) fp32, as fp32 routed + bf16 shared unsplit
     return y.type_as(x).view(shape)
 
 

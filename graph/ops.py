@@ -14,6 +14,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
 - `route_topk`:    the MoE router's top-k experts of the biased scores and their weights
 - `moe_experts`:   the routed FP4 experts for the selected ids
+- `moe_experts_plus`: the same plus the shared expert's output, rounded to bf16
 - `scatter_rows`:  cache writes: rows into given rows of a store or ring (compiled in place)
 - `rms_norm`:      RMSNorm of bf16 rows with a bf16 weight
 - `rope`:          RoPE on the last rd dims of bf16 rows (the rest copied)
@@ -687,3 +688,20 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: t
 @moe_experts.register_fake
 def _(x, weights, ids, w1, s1, w3, s3, w2, s2, swiglu_limit):
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv41::moe_experts_plus", mutates_args=())
+def moe_experts_plus(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                     w2: torch.Tensor, s2: torch.Tensor, swiglu_limit: float,
+                     shared: torch.Tensor) -> torch.Tensor:
+    """`moe_experts` plus the shared expert's output (bf16 [n, dim]), rounded to bf16 once: the
+    MoE's output as an unsharded block forms it, `(routed + shared).to(bf16)`. Compiled, the
+    chain's last kernel adds and rounds (`moe_combine_plus`)."""
+    y = moe_experts(x, weights, ids, w1, s1, w3, s3, w2, s2, swiglu_limit)
+    return (y + shared).to(torch.bfloat16)
+
+
+@moe_experts_plus.register_fake
+def _(x, weights, ids, w1, s1, w3, s3, w2, s2, swiglu_limit, shared):
+    return x.new_empty(x.shape, dtype=torch.bfloat16)

@@ -21,7 +21,7 @@ from tvm import relax, tirx
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
-from dsv41.runtime.backends.tensors import to_tvm
+from dsv41.runtime.backends.tensors import to_torch, to_tvm
 from dsv41.schedules import moe
 from dsv41.schedules.common import has_features
 from dsv41.schedules.cuda_build import build_cuda, has_device_code, toolchain_problem
@@ -50,13 +50,14 @@ def _zeros(buf: moe.MoeBuffer, dev=None, fill: float = 0.0) -> tvm.runtime.Tenso
 
 
 def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target: str = CPU,
-               dev=None, fill: float = 0.0, rows: int = 1, dims: dict = DIMS
-               ) -> dict[str, tvm.runtime.Tensor]:
+               dev=None, fill: float = 0.0, rows: int = 1, dims: dict = DIMS,
+               plus: bool = False) -> dict[str, tvm.runtime.Tensor]:
     """Run the plan's calls in order with caller-allocated intermediates, as Relax would (`fill`:
     their float contents before the chain; Relax leaves them uninitialised; `rows`: the verify
-    entry's chain)."""
+    entry's chain; `plus`: moe_experts_plus's, args ending with the shared output)."""
     n = args[0].shape[0]
-    plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, rows=rows, **dims)
+    plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, rows=rows, plus=plus,
+                                **dims)
     env = {b.name: to_tvm(t, dev) for b, t in zip(plan.inputs, args, strict=True)}
     for b in (*plan.intermediates, plan.output):
         env[b.name] = _zeros(b, dev, fill)
@@ -109,6 +110,24 @@ def test_chain_matches_oracle(hint):
 
 
 @functools.cache
+@pytest.mark.parametrize("hint", [1, None])
+def test_plus_chain_is_the_chain_plus_shared_rounded(hint):
+    """moe_experts_plus' chain (moe_combine_plus adds the shared expert's bf16 output and
+    stores bf16): every output is the plain chain's fp32 y plus the shared output, rounded to
+    bf16 as torch rounds, bit for bit; and the op's oracle is `moe_experts` + shared, rounded."""
+    ex = _split(2, hint)
+    for n, ids in ((1, None), (7, IDS7), (40, None)):
+        args = _case(n, 2, ids, seed=n)
+        shared = (torch.randn(n, DIMS["dim"], generator=torch.Generator().manual_seed(n))
+                  * 4).to(torch.bfloat16)
+        y = _y(_run_chain(ex, args, 2, hint))
+        got = to_torch(_run_chain(ex, [*args, shared], 2, hint, plus=True)["y"])
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), (y + shared).to(torch.bfloat16).view(torch.int16))
+    ref = ops.moe_experts_plus(*args, LIMIT, shared)
+    assert torch.equal(ref, (ops.moe_experts(*args, LIMIT) + shared).to(torch.bfloat16))
+
+
 def _gemv_pair(form: str, dims: tuple):
     """moe_gate_up and moe_down of the decode GEMV form: "scheduled" (`schedule_moe_gemv`),
     "avx512" (hand-vectorised) or "avx512-bf16" (its sums on vdpbf16ps), compiled for the

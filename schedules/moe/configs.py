@@ -257,9 +257,18 @@ def schedule_moe_qdq(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: Ta
 
 def schedule_moe_combine(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec
                          ) -> tvm.tirx.PrimFunc:
+    """moe_combine, and moe_combine_plus (its `plus` block computed per output beside the sum:
+    one pass, the fp32 sum in a register)."""
     sch = s_tir.Schedule(func, enable_check=False)
     blk = sch.get_sblock("combine")
-    i, d, _ = sch.get_loops(blk)
+    plus = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
+            if sch.get(b).name_hint == "plus"]
+    if plus:
+        sch.compute_at(blk, sch.get_loops(plus[0])[1])
+        i, d = sch.get_loops(plus[0])
+        sch.set_scope(blk, 0, "local")
+    else:
+        i, d, _ = sch.get_loops(blk)
     if target.is_cuda:
         bx, tx = sch.split(sch.fuse(i, d), [None, config.threads])
         sch.bind(bx, "blockIdx.x")

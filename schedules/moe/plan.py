@@ -72,10 +72,12 @@ class MoePlan:
 
 
 def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, topk: int, n,
-                     n_hint: int | None = None, rows: int = 1) -> MoePlan:
+                     n_hint: int | None = None, rows: int = 1, plus: bool = False) -> MoePlan:
     """The call_tir chain of `build_moe_experts_split(target_name, ..., n=n_hint, rows=rows)`
     for n tokens (an int, or an int64 tirx Var for a symbolic batch). Shapes use the same row
-    tile as the module, so pass the same target, hint and rows."""
+    tile as the module, so pass the same target, hint and rows. `plus`: the chain of
+    `moe_experts_plus` (a tenth input, `shared` bf16 [n, dim], added by `moe_combine_plus`,
+    which stores y as bf16)."""
     config = moe_split_config(get_target(target_name), dim=dim, inter=inter,
                               n_experts=n_experts, topk=topk, n=n_hint, rows=rows)
     p = n * topk
@@ -91,7 +93,7 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
         buf("w1", (E, inter, dim // 2), "uint8"), buf("s1", (E, inter, dim // BLOCK), "uint8"),
         buf("w3", (E, inter, dim // 2), "uint8"), buf("s3", (E, inter, dim // BLOCK), "uint8"),
         buf("w2", (E, dim, inter // 2), "uint8"), buf("s2", (E, dim, inter // BLOCK), "uint8"),
-    )
+    ) + ((buf("shared", (n, dim), "bfloat16"),) if plus else ())
     intermediates = (
         buf("row_pair", (p,), "int32"), buf("token_rows", (n, topk), "int32"),
         buf("tiles", (nt, 3), "int32"), buf("xq", (n, dim), "float32"),
@@ -108,15 +110,18 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
         MoeCall("moe_gate_up", ("xq", "weights", *gate_rows, "w1", "s1", "w3", "s3"), ("h",)),
         MoeCall("moe_qdq_h", ("h",), ("hq",)),
         MoeCall("moe_down", ("hq", *down_rows, "w2", "s2"), ("o",)),
-        MoeCall("moe_combine", ("token_rows", "o"), ("y",)),
+        MoeCall("moe_combine_plus", ("token_rows", "o", "shared"), ("y",)) if plus
+        else MoeCall("moe_combine", ("token_rows", "o"), ("y",)),
     )
-    return MoePlan(inputs, intermediates, buf("y", (n, dim), "float32"), calls)
+    return MoePlan(inputs, intermediates, buf("y", (n, dim), "bfloat16" if plus else "float32"),
+                   calls)
 
 
 def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts: int,
                             topk: int, swiglu_limit: float, n: int | None = None,
                             null_expert: bool = False, rows: int = 1) -> tvm.IRModule:
-    """The six scheduled PrimFuncs of the chain (global symbols as in `moe_experts_plan`),
+    """The scheduled PrimFuncs of the chain (global symbols as in `moe_experts_plan`: its six,
+    and `moe_combine_plus` for the chain of `moe_experts_plus`),
     thread-bound on CUDA, parallel/vectorised on CPU. n is the token-count hint; null_expert:
     the last expert is a sharded worker's null expert, whose pairs cost no GEMM work
     (`make_moe_route`); rows > 1: the verify entry's (`moe_split_config`)."""
@@ -131,6 +136,8 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
         "moe_qdq_x": schedule_moe_qdq(make_moe_qdq(k=dim, name="moe_qdq_x"), cfg, target),
         "moe_qdq_h": schedule_moe_qdq(make_moe_qdq(k=inter, name="moe_qdq_h"), cfg, target),
         "moe_combine": schedule_moe_combine(make_moe_combine(dim=dim, topk=topk), cfg, target),
+        "moe_combine_plus": schedule_moe_combine(make_moe_combine(dim=dim, topk=topk, plus=True),
+                                                 cfg, target),
     }
     if cfg.rows:
         funcs["moe_gate_up"] = make_moe_gate_up_rows_avx512(

@@ -9,6 +9,7 @@ from tvm.script import tirx as T
 
 from dsv41.schedules import gemm
 from dsv41.schedules.common import (
+    bf16_of,
     bf16_to_f32,
     i64,
     idx,
@@ -170,11 +171,44 @@ def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
 # ---- 6. combine ------------------------------------------------------------------------------
 
 
-def make_moe_combine(*, dim: int, topk: int) -> tvm.tirx.PrimFunc:
+def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.PrimFunc:
     """(token_rows [n, topk], o bf16 [P, dim]) -> y fp32 [n, dim]: each token's rows added in
     expert-id order starting from 0.0, as the oracle's `y[rows] += ...` per unique expert; a
-    row -1 (a null-expert pair, `make_moe_route`) adds +0.0, what its zero weights gave."""
+    row -1 (a null-expert pair, `make_moe_route`) adds +0.0, what its zero weights gave.
+
+    `plus` (`moe_combine_plus`): (token_rows, o, shared bf16 [n, dim]) -> y bf16: the same sum,
+    plus the shared expert's output, rounded to bf16 once (`common.bf16_of`): the graph's
+    `(routed + shared).to(bf16)` in the kernel, instead of an fp32 y and a kernel after it."""
     D, KT = i64(dim), i64(topk)
+
+    def term(token_rows, o, n, vi, vd, vr):
+        return T.if_then_else(
+            token_rows[vi, vr] >= 0, bf16_to_f32(o[idx(token_rows[vi, vr], n * KT), vd]),
+            T.float32(0))
+
+    if plus:
+        @T.prim_func(s_tir=True)
+        def moe_combine_plus(token_rows_h: T.handle, o_h: T.handle, shared_h: T.handle,
+                             y_h: T.handle):
+            T.func_attr({"global_symbol": "moe_combine_plus", "tirx.noalias": True})
+            n = T.int64()
+            token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+            o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
+            shared = T.match_buffer(shared_h, (n, D), "bfloat16")
+            y = T.match_buffer(y_h, (n, D), "bfloat16")
+            acc = T.sblock_alloc_buffer((n, D), "float32")
+            for i, d, r in T.grid(n, D, KT):
+                with T.sblock("combine"):
+                    vi, vd, vr = T.axis.remap("SSR", [i, d, r])
+                    with T.init():
+                        acc[vi, vd] = T.float32(0)
+                    acc[vi, vd] = acc[vi, vd] + term(token_rows, o, n, vi, vd, vr)
+            for i, d in T.grid(n, D):
+                with T.sblock("plus"):
+                    vi, vd = T.axis.remap("SS", [i, d])
+                    y[vi, vd] = bf16_of(acc[vi, vd] + bf16_to_f32(shared[vi, vd]))
+
+        return moe_combine_plus
 
     @T.prim_func(s_tir=True)
     def moe_combine(token_rows_h: T.handle, o_h: T.handle, y_h: T.handle):
@@ -188,8 +222,6 @@ def make_moe_combine(*, dim: int, topk: int) -> tvm.tirx.PrimFunc:
                 vi, vd, vr = T.axis.remap("SSR", [i, d, r])
                 with T.init():
                     y[vi, vd] = T.float32(0)
-                y[vi, vd] = y[vi, vd] + T.if_then_else(
-                    token_rows[vi, vr] >= 0, bf16_to_f32(o[idx(token_rows[vi, vr], n * KT), vd]),
-                    T.float32(0))
+                y[vi, vd] = y[vi, vd] + term(token_rows, o, n, vi, vd, vr)
 
     return moe_combine
