@@ -62,7 +62,8 @@ class Fp8DequantKey(KernelKey):
 
 @dataclass(frozen=True)
 class SparseAttendKey(KernelKey):
-    """sparse_attend over FP4 global entries (kv "fp4") or a bf16 global cache (kv "bf16")."""
+    """sparse_attend over FP4 global entries (kv "fp4") or a bf16 global cache (kv "bf16");
+    `rope_rd`: sparse_attend_rope's form."""
 
     kind: ClassVar[str] = "sparse_attend"
     h: int
@@ -71,13 +72,16 @@ class SparseAttendKey(KernelKey):
     k: int
     softmax_scale: float
     kv: str = "fp4"
+    rope_rd: int = 0  # sparse_attend_rope: q's RoPE and the output's inverse inside (fp4)
 
     def parts(self) -> tuple:
         name = "sparse_attend" if self.kv == "fp4" else "sparse_attend_bf16"
-        return (name, self.h, self.d, self.w, self.k, self.softmax_scale)
+        return (name, self.h, self.d, self.w, self.k, self.softmax_scale) + (
+            (f"rope{self.rope_rd}",) if self.rope_rd else ())
 
     def dims(self) -> dict:
-        return dict(h=self.h, d=self.d, w=self.w, k=self.k, softmax_scale=self.softmax_scale)
+        return dict(h=self.h, d=self.d, w=self.w, k=self.k, softmax_scale=self.softmax_scale,
+                    **({"rope_rd": self.rope_rd} if self.rope_rd else {}))
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,38 @@ def _sparse_attend(ctx: Lowering, kv: str):
     return convert
 
 
+def _sparse_attend_rope(ctx: Lowering):
+    """sparse_attend_rope: on a CPU one kernel (q rotated as it is staged, the output rotated
+    back as it is stored); on CUDA the rope, sparse_attend and inverse rope kernels in turn (the
+    CUDA schedule reads q from global memory in QK, where a rotation would be redone per
+    entry)."""
+
+    def convert(node, importer):
+        q, cos, sin = (importer.env[a] for a in node.args[:3])
+        rd = int(node.args[3])
+        rest = [importer.env[a] for a in node.args[4:11]]  # win.., kv codes, scales, idx, sink
+        scale = float(node.args[11])
+        _, _, h, d = shape(q)
+        dims = dict(h=static(h), d=static(d), w=static(shape(rest[2])[-1]),
+                    k=static(shape(rest[5])[-1]), softmax_scale=scale)
+        if not ctx.target.is_cuda:
+            key = SparseAttendKey(**dims, rope_rd=rd)
+            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+            return call(importer, gv, [q, cos, sin, *rest], tensor(shape(q), BF16))
+
+        def rope_call(x, inverse: bool):
+            rkey = RopeKey(h=dims["h"], d=dims["d"], rd=rd, inverse=inverse)
+            rgv = ctx.kernel(importer, rkey, lambda: build(rkey, ctx.target.name))
+            return call(importer, rgv, [x, cos, sin], tensor(shape(q), BF16))
+
+        key = SparseAttendKey(**dims)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        o = call(importer, gv, [rope_call(q, False), *rest], tensor(shape(q), BF16))
+        return rope_call(o, True)
+
+    return convert
+
+
 def _indexer(ctx: Lowering, kind: str):
     def convert(node, importer):
         q, kc, ks, wts, lens = (importer.env[a] for a in node.args[:5])
@@ -563,7 +595,7 @@ def _sparse_attend_build(key: SparseAttendKey, target_name: str):
 
 
 def _sparse_attend_task(key: SparseAttendKey, target: TargetSpec):
-    if key.kv != "fp4":
+    if key.kv != "fp4" or key.rope_rd:  # the RoPE form is not a tuned kind
         return None
     cfg = attention.sparse_attend_config(target, h=key.h, d=key.d, w=key.w, k=key.k)
     return attention.make_sparse_attend(**key.dims(), heads_per_group=cfg.heads_per_group,
@@ -614,7 +646,8 @@ REGISTRY: tuple[KernelEntry, ...] = (
         "sparse_attend", (SparseAttendKey,), attention.build_sparse_attend,
         attention.sparse_attend_config, attention.schedule_sparse_attend,
         {"sparse_attend.default": lambda ctx: _sparse_attend(ctx, "fp4"),
-         "sparse_attend_bf16.default": lambda ctx: _sparse_attend(ctx, "bf16")},
+         "sparse_attend_bf16.default": lambda ctx: _sparse_attend(ctx, "bf16"),
+         "sparse_attend_rope.default": _sparse_attend_rope},
         build=_sparse_attend_build, task=_sparse_attend_task,
         bench=BenchKernel("attend", _bench_attend)),
     KernelEntry(

@@ -95,7 +95,7 @@ def _draft_attention(model: Model, cache: ModelCache, layer: int, x: torch.Tenso
     none = torch.full_like(x[..., :1], -1, dtype=torch.int32)  # (b, B, 1): nothing selected
     o = ops.sparse_attend(q, buf_c, buf_s, idx, empty_c, empty_s, none, sink,
                           a.head_dim**-0.5)
-    return output_proj(model, layer, o, cos, sin)
+    return output_proj(model, layer, ops.rope(o, cos, sin, a.rope_head_dim, True))
 
 
 def draft(model: Model, cache: ModelCache, token: torch.Tensor, chunk: Chunk) -> Draft:

@@ -713,30 +713,31 @@ def run_compressor(model: Model, cache: ModelCache, layer: int, x: torch.Tensor,
     return c
 
 
-def attend(model: Model, cache: ModelCache, layer: int, q: torch.Tensor, win,
+def attend(model: Model, cache: ModelCache, layer: int, q: torch.Tensor, cos, sin, win,
            store: GlobalStore | None, idx: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """sparse_attend over (window buffer, global store), then inverse RoPE and the grouped
-    output projection."""
+    """sparse_attend of the RoPE'd queries over (window buffer, global store), its output
+    rotated back: what the grouped output projection reads. q (b, s, h, hd) unrotated; with FP4
+    global entries one op (`sparse_attend_rope`: on a CPU, one kernel)."""
     a = model.args
-    b, s = q.shape[:2]
+    rd = a.rope_head_dim
     buf_c, buf_s, win_idx = win
     sink = model.p(layer, "attn.attn_sink")
     scale = a.head_dim**-0.5
+    if store is not None and cache.kv_dtype != "fp4":
+        o = ops.sparse_attend_bf16(ops.rope(q, cos, sin, rd, False), buf_c, buf_s, win_idx,
+                                   live_rows(store.kv_codes, chunk, store.ratio), idx, sink,
+                                   scale)
+        return ops.rope(o, cos, sin, rd, True)
     if store is None:
         # no global store: one never-selected row and an all -1 selection (no zero-size
         # tensors, which compiled loop nests handle badly)
         kv_c = buf_c[:, :1, : a.head_dim // 2]
         kv_s = buf_c[:, :1, : a.head_dim // 16]
-        o = ops.sparse_attend(q, buf_c, buf_s, win_idx, kv_c, kv_s, idx, sink, scale)
-    elif cache.kv_dtype == "fp4":
-        o = ops.sparse_attend(q, buf_c, buf_s, win_idx, live_rows(store.kv_codes, chunk,
-                                                                  store.ratio),
-                              live_rows(store.kv_scales, chunk, store.ratio), idx, sink, scale)
     else:
-        o = ops.sparse_attend_bf16(q, buf_c, buf_s, win_idx,
-                                   live_rows(store.kv_codes, chunk, store.ratio), idx, sink,
-                                   scale)
-    return o
+        kv_c = live_rows(store.kv_codes, chunk, store.ratio)
+        kv_s = live_rows(store.kv_scales, chunk, store.ratio)
+    return ops.sparse_attend_rope(q, cos, sin, rd, buf_c, buf_s, win_idx, kv_c, kv_s, idx, sink,
+                                  scale)
 
 
 def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chunk: Chunk):
@@ -748,8 +749,8 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
                                      model.p(layer, "attn.wq_a.scale")),
                       model.p(layer, "attn.q_norm.weight"), a.norm_eps)
     q = ops.fp8_linear(qr, model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
-    # (b, s, h, hd): h = n_heads, or a worker's heads (its rows of wq_b)
-    q = ops.rope(q.unflatten(-1, (-1, a.head_dim)), cos, sin, rd, False)
+    # (b, s, h, hd): h = n_heads, or a worker's heads (its rows of wq_b); RoPE'd in `attend`
+    q = q.unflatten(-1, (-1, a.head_dim))
 
     kv = ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"), model.p(layer, "attn.wkv.scale"))
     new = NewEntries(kv, cos, sin, rd, ops.EntryFormat.FP8,
@@ -770,15 +771,14 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
             idx = chunk.trace.selections[layer] = select(model, cache, layer, store, x, qr, chunk)
         if c is not None and chunk.write_global:
             publish_main_kv(model, store, c, chunk, cache.kv_dtype)
-    o = attend(model, cache, layer, q, win, store, idx, chunk)
-    return output_proj(model, layer, o, cos, sin)
+    return output_proj(model, layer, attend(model, cache, layer, q, cos, sin, win, store, idx,
+                                            chunk))
 
 
-def output_proj(model: Model, layer: int, o: torch.Tensor, cos, sin) -> torch.Tensor:
-    """Inverse RoPE on the attention output, then the grouped wo_a and wo_b."""
+def output_proj(model: Model, layer: int, o: torch.Tensor) -> torch.Tensor:
+    """The grouped wo_a and wo_b of the attention output (its RoPE already undone)."""
     a = model.args
     b, s = o.shape[:2]
-    o = ops.rope(o, cos, sin, a.rope_head_dim, True)
     wo_a = model.p(layer, "attn.wo_a.weight")
     groups = wo_a.size(0) // a.o_lora_rank  # o_groups, or a worker's (its rows of wo_a)
     o = o.reshape(b, s, groups, -1)  # (b, s, g, h*hd/g)

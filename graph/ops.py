@@ -8,6 +8,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `fp8_dequant`:   E4M3 codes + E8M0 scales -> values
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
+- `sparse_attend_rope`: the same between the queries' RoPE and the output's inverse RoPE
 - `indexer_topk`:  MXFP4 index-K sweep (relu, head-weighted sum) + top-k, ties to the lower position
 - `indexer_topk_shared`: the same, each token over the store the shared index-K pointer names
 - `hier_topk`:     the candidate source's sweep + candidate blocks + its own top-k
@@ -449,6 +450,26 @@ def sparse_attend(q: torch.Tensor, win_codes: torch.Tensor, win_scales: torch.Te
 
 @sparse_attend.register_fake
 def _(q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, softmax_scale):
+    return torch.empty_like(q, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsv41::sparse_attend_rope", mutates_args=())
+def sparse_attend_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int,
+                       win_codes: torch.Tensor, win_scales: torch.Tensor, win_idx: torch.Tensor,
+                       kv_codes: torch.Tensor, kv_scales: torch.Tensor, kv_idx: torch.Tensor,
+                       sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """`sparse_attend` of the RoPE'd queries, its output rotated back: `rope(sparse_attend(
+    rope(q, cos, sin, rd), ...), cos, sin, rd, inverse)`, the attention as the block runs it
+    (q unrotated in, the output ready for the grouped o-projection). Compiled on a CPU, one
+    kernel rotates q as it stages it and the output as it stores it."""
+    o = sparse_attend(rope(q, cos, sin, rd, False), win_codes, win_scales, win_idx, kv_codes,
+                      kv_scales, kv_idx, sink, softmax_scale)
+    return rope(o, cos, sin, rd, True)
+
+
+@sparse_attend_rope.register_fake
+def _(q, cos, sin, rd, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink,
+      softmax_scale):
     return torch.empty_like(q, dtype=torch.bfloat16)
 
 

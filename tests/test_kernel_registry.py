@@ -29,6 +29,7 @@ EXAMPLES = (  # one key of every kind
     kk.Fp8DequantKey(d=128),
     kk.SparseAttendKey(h=4, d=64, w=16, k=32, softmax_scale=0.125),
     kk.SparseAttendKey(h=4, d=64, w=16, k=32, softmax_scale=0.125, kv="bf16"),
+    kk.SparseAttendKey(h=16, d=64, w=16, k=32, softmax_scale=0.125, rope_rd=16),
     kk.IndexScoresKey(heads=4, dim=64), kk.IndexScoresSharedKey(heads=4, dim=64, n_alt=2),
     kk.SelectPositionsKey(topk=16), kk.SelectBlocksKey(topk_blocks=4, block_size=64),
     kk.PoolKey(heads=4, dim=64, topk=16, block_size=64, func="select"),

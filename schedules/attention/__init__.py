@@ -70,9 +70,11 @@ from dsv41.graph import formats as fmt
 from dsv41.graph.targets import get_target
 from dsv41.schedules.attention.amx_dot import make_amx_stages
 from dsv41.schedules.attention.bf16_dot import (
+    QRope,
     check_bf16_dot_dims,
     make_bf16_dot_stages,
     p_pair,
+    q_pair_bits,
 )
 from dsv41.schedules.attention.configs import (
     ATTN_BLOCK,
@@ -90,6 +92,7 @@ from dsv41.schedules.common import (
     round_bf16,
 )
 from dsv41.schedules.common import prefetch as prefetch_line
+from dsv41.schedules.rope import rotated_bits
 
 FP8_BLOCK = 32  # window entries: one E8M0 scale per 32 values
 FP4_BLOCK = 16  # global entries: one E4M3 scale per 16 values
@@ -181,9 +184,15 @@ def prestage_rows(*, d: int, w: int, k: int) -> int:
 
 def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
           heads_per_group: int | None, stage_rows: int, vector_decode: bool,
-          bf16_dot: bool, chunk_rows: int | None, amx_dot: bool = False) -> tvm.tirx.PrimFunc:
+          bf16_dot: bool, chunk_rows: int | None, amx_dot: bool = False,
+          rope_rd: int = 0) -> tvm.tirx.PrimFunc:
     """The shared body of both ops; `kind` is "fp4" or "bf16" (the global cache's format).
-    amx_dot (with bf16_dot): QK and PV on AMX tiles (amx_dot.py), the rest as bf16_dot."""
+    amx_dot (with bf16_dot): QK and PV on AMX tiles (amx_dot.py), the rest as bf16_dot.
+    rope_rd > 0 (fp4): `sparse_attend_rope`, q rotated on its last rope_rd dims as it is staged
+    and the output rotated back as it is stored (`QRope`)."""
+    if rope_rd and (kind != "fp4" or rope_rd % 2 or not 0 < rope_rd <= d):
+        raise ValueError(f"The attention's RoPE needs the fp4 kind and an even rope_rd in "
+                         f"1..d={d}; got {kind!r}, rope_rd={rope_rd}.")
     hg = heads_per_group or h
     _check_dims(h, d, w, k, hg, stage_rows)
     if vector_decode and d % 16:
@@ -417,8 +426,34 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
         stage_vec(bufs, kall, gsc, tbl, vb, vs, t, T.int64(0), k0)
         kv_pairs(kall, k0, kvall, k0 // T.int64(2))
 
+    def q_value(q, vb, vs, head, c, rope):
+        """q[head, c] as fp32, rotated (element c of its pair) where c >= rope.nope."""
+        plain = T.Cast("float32", q[vb, vs, head, c])
+        if rope is None:
+            return plain
+        bits = q_pair_bits(q, vb, vs, head, c // T.int64(2), rope)
+        half = T.Select(c % T.int64(2) == T.int64(0), bits & T.uint32(0xFFFF),
+                        bits >> T.uint32(16))
+        return T.Select(c < rope.nope, plain, T.reinterpret("float32", half << T.uint32(16)))
+
+    def out_value(acc, den, vb, vs, vh, c, rope):
+        """The output element as bf16: acc / den rounded, and where c >= rope.nope its pair
+        (both rounded first, as the rope kernel reads them) rotated back."""
+        plain = T.Cast("bfloat16", acc[vh, c] / den[vh])
+        if rope is None:
+            return plain
+        c0 = rope.nope + T.max(c - rope.nope, T.int64(0)) // T.int64(2) * T.int64(2)
+        p = (c0 - rope.nope) // T.int64(2)
+        tb = rope.table_row(vb)
+        re_b, im_b = rotated_bits(round_bf16(acc[vh, c0] / den[vh]),
+                                  round_bf16(acc[vh, c0 + T.int64(1)] / den[vh]),
+                                  rope.cos[tb, vs, p], rope.sin[tb, vs, p], inverse=True)
+        bits = T.Select(c % T.int64(2) == T.int64(0), re_b, im_b)
+        return T.Select(c < rope.nope, plain,
+                        T.reinterpret("bfloat16", T.Cast("uint16", bits)))
+
     @T.macro
-    def task_body(q, bufs, sink, out, kall, kvall, vb, vs, vg, k0):
+    def task_body(q, bufs, sink, out, kall, kvall, vb, vs, vg, k0, rope):
         """One task: row (vb, vs) of the output for head group vg, inside its sblock; bf16_dot:
         the row's staged blocks start at row k0 of kall (None otherwise)."""
         qt = T.sblock_alloc_buffer(q_shape, q_dtype)  # q of the group, transposed
@@ -440,12 +475,12 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
         if amx_dot:
             amx_configure(cfg)
         if bf16_dot:
-            q_pairs(q, qt, vb, vs, vg)
+            q_pairs(q, qt, vb, vs, vg, rope)
         else:
             for c, hh in T.grid(D, HG):
                 with T.sblock("q_stage"):
                     vc, vh = T.axis.remap("SS", [c, hh])
-                    qt[vc, vh] = T.Cast("float32", q[vb, vs, vg * HG + vh, vc])
+                    qt[vc, vh] = q_value(q, vb, vs, vg * HG + vh, vc, rope)
         for hh in range(HG):
             with T.sblock("state_init"):
                 vh = T.axis.remap("S", [hh])
@@ -559,12 +594,12 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
         for hh, c in T.grid(HG, D):
             with T.sblock("out"):
                 vh, vc = T.axis.remap("SS", [hh, c])
-                out[vb, vs, vg * HG + vh, vc] = T.Cast("bfloat16", acc[vh, vc] / den[vh])
+                out[vb, vs, vg * HG + vh, vc] = out_value(acc, den, vb, vs, vh, vc, rope)
         if amx_dot:
             amx("tilerelease")
 
     @T.macro
-    def body(q, bufs, sink, out):
+    def body(q, bufs, sink, out, rope):
         b = q.shape[0]
         s = q.shape[1]
         if bf16_dot:  # (a Python if: no scope) chunks of up to C rows: prestage, then tasks
@@ -582,12 +617,37 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                         vck = T.axis.spatial((b * s + C - T.int64(1)) // C, ck)
                         vi, vg = T.axis.remap("SS", [i, g])
                         task_body(q, bufs, sink, out, kall, kvall, (vck * C + vi) // s,
-                                  (vck * C + vi) % s, vg, vi * NB * BLK)
+                                  (vck * C + vi) % s, vg, vi * NB * BLK, rope)
         else:
             for bb, ss, g in T.grid(b, s, NG):
                 with T.sblock("task"):
                     vb, vs, vg = T.axis.remap("SSS", [bb, ss, g])
-                    task_body(q, bufs, sink, out, None, None, vb, vs, vg, T.int64(0))
+                    task_body(q, bufs, sink, out, None, None, vb, vs, vg, T.int64(0), rope)
+
+    if rope_rd:
+        R2, NOPE = T.int64(rope_rd // 2), T.int64(d - rope_rd)
+
+        @T.prim_func(s_tir=True)
+        def sparse_attend_rope(q_h: T.handle, cos_h: T.handle, sin_h: T.handle,
+                               wc_h: T.handle, ws_h: T.handle, wi_h: T.handle,
+                               kc_h: T.handle, ks_h: T.handle, ki_h: T.handle,
+                               sink: T.Buffer((H,), "float32"), o_h: T.handle):
+            T.func_attr({"global_symbol": "sparse_attend_rope", "tirx.noalias": True})
+            b, s, nw, ng, cb = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (b, s, H, D), "bfloat16")
+            cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
+            sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
+            win_codes = T.match_buffer(wc_h, (b, nw, D), "uint8")
+            win_scales = T.match_buffer(ws_h, (b, nw, D // T.int64(FP8_BLOCK)), "uint8")
+            win_idx = T.match_buffer(wi_h, (b, s, Wd), "int32")
+            kv_codes = T.match_buffer(kc_h, (b, ng, D // T.int64(2)), "uint8")
+            kv_scales = T.match_buffer(ks_h, (b, ng, D // T.int64(FP4_BLOCK)), "uint8")
+            kv_idx = T.match_buffer(ki_h, (b, s, Kd), "int32")
+            out = T.match_buffer(o_h, (b, s, H, D), "bfloat16")
+            body(q, (win_codes, win_scales, win_idx, (kv_codes, kv_scales), kv_idx), sink, out,
+                 QRope(cos, sin, NOPE))
+
+        return sparse_attend_rope
 
     if kind == "fp4":
 
@@ -605,7 +665,8 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
             kv_scales = T.match_buffer(ks_h, (b, ng, D // T.int64(FP4_BLOCK)), "uint8")
             kv_idx = T.match_buffer(ki_h, (b, s, Kd), "int32")
             out = T.match_buffer(o_h, (b, s, H, D), "bfloat16")
-            body(q, (win_codes, win_scales, win_idx, (kv_codes, kv_scales), kv_idx), sink, out)
+            body(q, (win_codes, win_scales, win_idx, (kv_codes, kv_scales), kv_idx), sink, out,
+                 None)
 
         return sparse_attend
 
@@ -622,7 +683,7 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
         kv = T.match_buffer(kv_h, (b, ng, D), "bfloat16")
         kv_idx = T.match_buffer(ki_h, (b, s, Kd), "int32")
         out = T.match_buffer(o_h, (b, s, H, D), "bfloat16")
-        body(q, (win_codes, win_scales, win_idx, (kv,), kv_idx), sink, out)
+        body(q, (win_codes, win_scales, win_idx, (kv,), kv_idx), sink, out, None)
 
     return sparse_attend_bf16
 
@@ -633,15 +694,18 @@ def make_sparse_attend(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                        vector_decode: bool = False,
                        bf16_dot: bool = False,
                        chunk_rows: int | None = None,
-                       amx_dot: bool = False) -> tvm.tirx.PrimFunc:
+                       amx_dot: bool = False, rope_rd: int = 0) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend` with w window and k global entries per query (both static).
     Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out.
     chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`); amx_dot (with
-    bf16_dot): QK and PV on AMX tiles."""
+    bf16_dot): QK and PV on AMX tiles. rope_rd > 0: `dsv41.sparse_attend_rope` (cos and sin
+    after q: q's last rope_rd dims rotated as the tasks stage it, the output's rotated back as
+    they store it, each as the rope kernel rotates, so the kernel is the rope, sparse_attend and
+    inverse rope kernels in turn, bit for bit)."""
     return _make("fp4", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
                  heads_per_group=heads_per_group, stage_rows=stage_rows,
                  vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows,
-                 amx_dot=amx_dot)
+                 amx_dot=amx_dot, rope_rd=rope_rd)
 
 
 def make_sparse_attend_bf16(*, h: int, d: int, w: int, k: int, softmax_scale: float,
@@ -694,13 +758,14 @@ def example_inputs_sparse_attend(*, b: int = 1, s: int = 1, h: int = 64, d: int 
         return [q, win_codes, win_scales, win_idx, glob.to(torch.bfloat16), kv_idx, sink]
     kv_codes, kv_scales = fmt.torch_quant_fp4_kv(glob)
     return [q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink]
-def build_sparse_attend(target_name: str, **dims) -> tvm.tirx.PrimFunc:
-    """make + config + schedule for `target_name` (a cuda_build builder)."""
+def build_sparse_attend(target_name: str, *, rope_rd: int = 0, **dims) -> tvm.tirx.PrimFunc:
+    """make + config + schedule for `target_name` (a cuda_build builder); rope_rd: the
+    `sparse_attend_rope` form."""
     target = get_target(target_name)
     cfg = sparse_attend_config(target, **dims)
     func = make_sparse_attend(**dims, heads_per_group=cfg.heads_per_group,
                               stage_rows=cfg.stage_rows, vector_decode=cfg.vector_decode,
-                              bf16_dot=cfg.bf16_dot, amx_dot=cfg.amx_dot)
+                              bf16_dot=cfg.bf16_dot, amx_dot=cfg.amx_dot, rope_rd=rope_rd)
     return schedule_sparse_attend(func, cfg, target)
 
 

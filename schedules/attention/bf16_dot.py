@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 
 from dsv41.schedules.common import dpbf16ps, with_bf16_dot
+from dsv41.schedules.rope import rotated_bits
 
 LANES = 16  # fp32 lanes of one vdpbf16ps (zmm)
 TILE = 16  # accumulators of a register tile (of 32 zmm)
@@ -96,6 +97,38 @@ def _bits(x):
     return T.Cast("uint32", T.reinterpret("uint16", x))
 
 
+@dataclass(frozen=True)
+class QRope:
+    """The RoPE the attention applies to q as it stages it (and inverts on its output): the
+    tables (b or 1, s, rd/2) and the unrotated dims before the rd rotated ones."""
+
+    cos: object  # a TIR buffer
+    sin: object
+    nope: object  # T.int64: d - rd
+
+    def table_row(self, vb):
+        return T.Select(self.cos.shape[0] == T.int64(1), T.int64(0), vb)
+
+
+def q_pair_bits(q, vb, vs, head, i, rope: QRope | None):
+    """Pair i of q's head as bf16 bits (q[2i] low, q[2i + 1] high); rotated (`rope.rotated_bits`,
+    the rope kernel's arithmetic) where 2i >= rope.nope."""
+    lo, hi = q[vb, vs, head, i * 2], q[vb, vs, head, i * 2 + 1]
+    plain = _bits(lo) | (_bits(hi) << T.uint32(16))
+    if rope is None:
+        return plain
+    p = T.max(i * T.int64(2) - rope.nope, T.int64(0)) // T.int64(2)
+    tb = rope.table_row(vb)
+    re_b, im_b = rotated_bits(_f32(lo), _f32(hi), rope.cos[tb, vs, p], rope.sin[tb, vs, p],
+                              inverse=False)
+    return T.Select(i * T.int64(2) < rope.nope, plain, re_b | (im_b << T.uint32(16)))
+
+
+def _f32(x):
+    """A bfloat16 element as fp32, on its bits."""
+    return T.reinterpret("float32", _bits(x) << T.uint32(16))
+
+
 def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
     """The macros of the bf16-dot path for a group of hg heads, head dim d, blocks of blk
     entries: (q_pairs, kv_pairs, qk, pv). Each is one opaque block (the schedule leaves
@@ -107,13 +140,13 @@ def make_bf16_dot_stages(*, hg: int, d: int, blk: int):
     interleave = [i // 2 + LANES * (i % 2) for i in range(2 * LANES)]
 
     @T.macro
-    def q_pairs(q, qp, vb, vs, vg):
-        """qp[i, h] = q[h, 2i] | q[h, 2i + 1] << 16 (the bf16 bits), once per task."""
+    def q_pairs(q, qp, vb, vs, vg, rope):
+        """qp[i, h] = q[h, 2i] | q[h, 2i + 1] << 16 (the bf16 bits), once per task; `rope` (a
+        `QRope`, or None): the pairs from rope.nope / 2 on rotated first, as the rope kernel
+        rotates them (its bits)."""
         with T.sblock("q_pairs"):
             for i, hh in T.grid(D // T.int64(2), HG):
-                qp[i, hh] = _bits(q[vb, vs, vg * HG + hh, i * 2]) | (
-                    _bits(q[vb, vs, vg * HG + hh, i * 2 + 1]) << T.uint32(16)
-                )
+                qp[i, hh] = q_pair_bits(q, vb, vs, vg * HG + hh, i, rope)
 
     @T.macro
     def kv_pairs(kst, k0, kvp, p0):
