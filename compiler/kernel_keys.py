@@ -180,6 +180,11 @@ class RouteTopkKey(KernelKey):
     normalize: bool
     route_scale: float
     bias_rows: bool  # a bias per row (the image-span rows'), else one for all rows
+    gate_temp: float | None = None  # route_topk_logits: the scores from logits / gate_temp
+
+    def parts(self) -> tuple:
+        return (self.kind, self.e, self.k, self.normalize, self.route_scale, self.bias_rows) + (
+            (f"logits{self.gate_temp}",) if self.gate_temp is not None else ())
 
 
 @dataclass(frozen=True)

@@ -358,12 +358,15 @@ def _rms_norm(ctx: Lowering):
     return convert
 
 
-def _route_topk(ctx: Lowering):
+def _route_topk(ctx: Lowering, logits: bool = False):
+    """route_topk; `logits` (route_topk_logits): the kernel scores the gate's logits first."""
+
     def convert(node, importer):
         scores, bias = importer.env[node.args[0]], importer.env[node.args[1]]
         n, e = shape(scores)
         key = RouteTopkKey(e=static(e), k=int(node.args[2]), normalize=bool(node.args[3]),
-                           route_scale=float(node.args[4]), bias_rows=len(shape(bias)) == 2)
+                           route_scale=float(node.args[4]), bias_rows=len(shape(bias)) == 2,
+                           gate_temp=float(node.args[5]) if logits else None)
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
         out = [tensor([n, key.k], "float32"), tensor([n, key.k], "int64")]
         res = call(importer, gv, [scores, bias], out)
@@ -676,10 +679,12 @@ REGISTRY: tuple[KernelEntry, ...] = (
         build=lambda key, t: norm.build_rms_norm(t, d=key.d, eps=key.eps)),
     KernelEntry(
         "route_topk", (RouteTopkKey,), router.build_route_topk, router.router_config,
-        router.schedule_route_topk, {"route_topk.default": _route_topk},
+        router.schedule_route_topk,
+        {"route_topk.default": _route_topk,
+         "route_topk_logits.default": lambda ctx: _route_topk(ctx, logits=True)},
         build=lambda key, t: router.build_route_topk(
             t, e=key.e, k=key.k, normalize=key.normalize, route_scale=key.route_scale,
-            bias_rows=key.bias_rows)),
+            bias_rows=key.bias_rows, gate_temp=key.gate_temp)),
     KernelEntry(
         "rope", (RopeKey,), rope.build_rope, rope.rope_config, rope.schedule_rope,
         {"rope.default": _rope},

@@ -808,17 +808,18 @@ def moe(model: Model, layer: int, x: torch.Tensor,
     shape = x.shape
     x = x.reshape(-1, a.dim)
     _, k = a.moe_config(layer)
-    scores = fp32_linear(x, model.p(layer, "ffn.gate.weight")) / a.gate_temp
-    if a.score_func == "softmax":
-        scores = scores.softmax(dim=-1)
-    elif a.score_func == "sigmoid":
-        scores = scores.sigmoid()
-    else:
-        scores = torch.nn.functional.softplus(scores).sqrt()
+    logits = fp32_linear(x, model.p(layer, "ffn.gate.weight"))
     bias = model.p(layer, "ffn.gate.bias")  # (E,)
     if vl_mask is not None:
         bias = torch.where(vl_mask.reshape(-1, 1), model.p(layer, "ffn.gate.bias_vl"), bias)
-    weights, ids = ops.route_topk(scores, bias, k, bool(a.norm_topk_prob), float(a.route_scale))
+    norm, scale = bool(a.norm_topk_prob), float(a.route_scale)
+    if a.score_func == "softmax":
+        weights, ids = ops.route_topk((logits / a.gate_temp).softmax(dim=-1), bias, k, norm,
+                                      scale)
+    elif a.score_func == "sigmoid":
+        weights, ids = ops.route_topk((logits / a.gate_temp).sigmoid(), bias, k, norm, scale)
+    else:  # sqrt(softplus): the score inside the top-k's op (one kernel)
+        weights, ids = ops.route_topk_logits(logits, bias, k, norm, scale, float(a.gate_temp))
     ex = model.experts[layer]
     if model.shard is not None:  # expert parallel: this worker's experts, the rest to its null
         n_routed, _ = a.moe_config(layer)

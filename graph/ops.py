@@ -14,6 +14,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `hier_topk`:     the candidate source's sweep + candidate blocks + its own top-k
 - `pool_topk`:     a Reindex layer's sweep restricted to the candidate pool + top-k
 - `route_topk`:    the MoE router's top-k experts of the biased scores and their weights
+- `route_topk_logits`: the same from the gate's logits (the sqrt-softplus score inside)
 - `moe_experts`:   the routed FP4 experts for the selected ids
 - `moe_experts_plus`: the same plus the shared expert's output, rounded to bf16
 - `scatter_rows`:  cache writes: rows into given rows of a store or ring (compiled in place)
@@ -686,6 +687,26 @@ def route_topk(scores: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool
 def _(scores, bias, k, normalize, route_scale):
     n = scores.size(0)
     return scores.new_empty(n, k), scores.new_empty(n, k, dtype=torch.int64)
+
+
+def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
+    """The V4 router's score of a logit: sqrt(softplus(x))."""
+    return torch.nn.functional.softplus(x).sqrt()
+
+
+@torch.library.custom_op("dsv41::route_topk_logits", mutates_args=())
+def route_topk_logits(logits: torch.Tensor, bias: torch.Tensor, k: int, normalize: bool,
+                      route_scale: float, gate_temp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk` of the scores sqrt(softplus(logits / gate_temp)) (the sqrt-softplus
+    router's; logits fp32 (n, E) from the gate): one kernel where the graph had the score's
+    elementwise kernel and the top-k."""
+    return route_topk(sqrt_softplus(logits / gate_temp), bias, k, normalize, route_scale)
+
+
+@route_topk_logits.register_fake
+def _(logits, bias, k, normalize, route_scale, gate_temp):
+    n = logits.size(0)
+    return logits.new_empty(n, k), logits.new_empty(n, k, dtype=torch.int64)
 
 
 @torch.library.custom_op("dsv41::moe_experts", mutates_args=())

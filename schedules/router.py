@@ -42,16 +42,29 @@ def order_key(v):
     return T.Select(nan, T.uint32(0xFFFFFFFF), ordered)
 
 
+def sqrt_softplus(z):
+    """sqrt(softplus(z)) as the compiled graph computed the router's scores before this kernel
+    took them over (TVM's softplus legalisation: z above 20 as is, else log(1 + exp(z)))."""
+    return T.sqrt(T.Select(T.float32(20.0) < z, z, T.log(T.float32(1.0) + T.exp(z))))
+
+
 def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
-                    bias_rows: bool = False) -> tvm.tirx.PrimFunc:
+                    bias_rows: bool = False, gate_temp: float | None = None
+                    ) -> tvm.tirx.PrimFunc:
     """`route_topk(scores, bias) -> (weights, ids)` (module docstring), n symbolic; bias [E], or
-    [n, E] with `bias_rows`."""
+    [n, E] with `bias_rows`. gate_temp (`route_topk_logits`): the input is the gate's logits,
+    each row's scores `sqrt_softplus(logits / gate_temp)` computed first (the elementwise
+    kernel the graph ran before, in the row's block)."""
     _check(e=e, k=k)
     E, K = T.int64(e), T.int64(k)
     norm = normalize and k > 1
+    scored = gate_temp is not None
 
-    def biased(scores, bias, r, i):
-        return scores[r, i] + (bias[r, i] if bias_rows else bias[i])
+    def score_of(scores, sc, r, i):  # row r's score of expert i
+        return sc[0, i] if scored else scores[r, i]
+
+    def scores_at(scores, sc, bias, r, i):  # the biased score the top-k orders
+        return score_of(scores, sc, r, i) + (bias[r, i] if bias_rows else bias[i])
 
     @T.prim_func(s_tir=True)
     def route_topk(s_h: T.handle, b_h: T.handle, w_h: T.handle, id_h: T.handle):
@@ -71,13 +84,19 @@ def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
                 best_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
                 best_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
                 total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                if scored:  # static: the row's scores, from its logits
+                    sc = T.sblock_alloc_buffer((T.int64(1), E), "float32", scope="local")
+                    for i in range(E):
+                        sc[0, i] = sqrt_softplus(scores[vr, i] / T.float32(gate_temp))
+                else:
+                    sc = T.meta_var(None)
                 prev_key[0] = T.uint32(0xFFFFFFFF)  # "before" every item
                 prev_id[0] = T.int64(-1)
                 for j in range(K):
                     best_id[0] = E  # none yet
                     best_key[0] = T.uint32(0)
                     for i in range(E):
-                        key = order_key(biased(scores, bias, vr, i))
+                        key = order_key(scores_at(scores, sc, bias, vr, i))
                         after = (key < prev_key[0]) or (key == prev_key[0] and i > prev_id[0])
                         if after and (best_id[0] == E or key > best_key[0]):
                             best_key[0] = key
@@ -87,7 +106,7 @@ def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
                     prev_id[0] = best_id[0]
                 total[0] = T.float32(0)
                 for j in range(K):
-                    weights[vr, j] = scores[vr, ids[vr, j]]
+                    weights[vr, j] = score_of(scores, sc, vr, ids[vr, j])
                     total[0] = total[0] + weights[vr, j]
                 for j in range(K):
                     if norm:
@@ -115,9 +134,11 @@ def schedule_route_topk(func: tvm.tirx.PrimFunc, config: RouterConfig,
 
 
 def build_route_topk(target_name: str, *, e: int, k: int, normalize: bool, route_scale: float,
-                     bias_rows: bool = False) -> tvm.tirx.PrimFunc:
+                     bias_rows: bool = False, gate_temp: float | None = None
+                     ) -> tvm.tirx.PrimFunc:
     """make + config + schedule for `target_name` (a cuda_build builder)."""
     target = get_target(target_name)
     return schedule_route_topk(
         make_route_topk(e=e, k=k, normalize=normalize, route_scale=route_scale,
-                        bias_rows=bias_rows), router_config(target), target)
+                        bias_rows=bias_rows, gate_temp=gate_temp), router_config(target),
+        target)

@@ -41,6 +41,7 @@ EXAMPLES = (  # one key of every kind
     kk.RopeQuantKey(d=512, rd=64, form="fp4_kv", eps=None),
     kk.RopeQuantKey(d=128, rd=64, form="mxfp4", eps=1e-20, into=True),
     kk.RouteTopkKey(e=16, k=2, normalize=True, route_scale=1.5, bias_rows=False),
+    kk.RouteTopkKey(e=16, k=2, normalize=True, route_scale=1.5, bias_rows=True, gate_temp=1.0),
     kk.HcPreMixKey(hc=4, d=64, iters=20, norm_eps=1e-6, hc_eps=1e-6), kk.HcPostKey(hc=4, d=64),
     kk.HcPostPreMixKey(hc=4, d=64, iters=20, norm_eps=1e-6, hc_eps=1e-6),
     QuantKey(op="quant_mxfp4", d=128),
