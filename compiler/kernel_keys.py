@@ -48,10 +48,12 @@ class Fp8LinearKey(KernelKey):
     m: int | None  # the rows hint (decode 1, drafts 4, prefill None)
     out_dtype: str = BF16
     rows: int = 1  # the verify entry's rows per sequence (1 + k; 1 elsewhere)
+    norm_eps: float | None = None  # norm_fp8_linear: the input RMS-normed in the kernel
 
     def parts(self) -> tuple:
         name = "fp8_linear" if self.out_dtype == BF16 else "fp8_linear_f32"
-        return (name, self.n, self.k, self.m) + ((f"r{self.rows}",) if self.rows > 1 else ())
+        return (name, self.n, self.k, self.m) + ((f"r{self.rows}",) if self.rows > 1 else ()) + (
+            (f"norm{self.norm_eps}",) if self.norm_eps is not None else ())
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,32 @@ def _fp8_linear(ctx: Lowering, out_dtype: str = BF16):
     return convert
 
 
+def _norm_fp8_linear(ctx: Lowering):
+    """norm_fp8_linear: one kernel where this target's fp8_linear can norm its input
+    (`gemm.fp8_linear_norms`), else the rms_norm kernel and then fp8_linear's."""
+
+    def convert(node, importer):
+        x, nw = importer.env[node.args[0]], importer.env[node.args[1]]
+        eps = float(node.args[2])
+        w, s = importer.env[node.args[3]], importer.env[node.args[4]]
+        n, k = (static(v) for v in shape(w))
+        x2, lead = rows(importer, x, 1)
+        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows):
+            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, norm_eps=eps)
+            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+            y = call(importer, gv, [x2, nw, w, s], tensor([shape(x2)[0], n], BF16))
+            return unrows(importer, y, lead)
+        nkey = RmsNormKey(d=k, eps=eps)
+        ngv = ctx.kernel(importer, nkey, lambda: build(nkey, ctx.target.name))
+        xn = call(importer, ngv, [x2, nw], tensor(shape(x2), BF16))
+        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        return unrows(importer, call(importer, gv, [xn, w, s], tensor([shape(x2)[0], n], BF16)),
+                      lead)
+
+    return convert
+
+
 def _collective(ctx: Lowering, op: str):
     """dsv41::all_reduce / all_gather -> a destination-passing call of the sharded entry's
     collective (`ctx.ccl`): disco's own functions, which run the session's NCCL, or the CPU
@@ -584,7 +610,7 @@ def _quant_unscheduled(op: str) -> Callable:
 
 
 def _fp8_linear_task(key: Fp8LinearKey, target: TargetSpec):
-    if key.out_dtype != BF16:
+    if key.out_dtype != BF16 or key.norm_eps is not None:  # the normed form: written scheduled
         return None  # fp8_linear_f32 (sharded partial sums) is not a tuned family
     func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m,
                                                rows=key.rows)
@@ -636,9 +662,11 @@ REGISTRY: tuple[KernelEntry, ...] = (
         "fp8_linear", (Fp8LinearKey,), gemm.build_fp8_linear, gemm.fp8_linear_config,
         gemm.schedule_fp8_linear,
         {"fp8_linear.default": _fp8_linear,
-         "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32")},
+         "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32"),
+         "norm_fp8_linear.default": _norm_fp8_linear},
         build=lambda key, t: gemm.build_fp8_linear(t, n=key.n, k=key.k, m=key.m,
-                                                   out_dtype=key.out_dtype, rows=key.rows),
+                                                   out_dtype=key.out_dtype, rows=key.rows,
+                                                   norm_eps=key.norm_eps),
         task=_fp8_linear_task, bench=BenchKernel("fp8", _bench_fp8)),
     KernelEntry(
         "fp8_dequant", (Fp8DequantKey,), gemm.build_fp8_dequant, gemm.dequant_config,

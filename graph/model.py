@@ -745,10 +745,16 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     b, s, _ = x.shape
     rd = a.rope_head_dim
     cos, sin = token_rope(model, chunk, p.ratio > 0)
-    qr = ops.rms_norm(ops.fp8_linear(x, model.p(layer, "attn.wq_a.weight"),
-                                     model.p(layer, "attn.wq_a.scale")),
-                      model.p(layer, "attn.q_norm.weight"), a.norm_eps)
-    q = ops.fp8_linear(qr, model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
+    q_lora = ops.fp8_linear(x, model.p(layer, "attn.wq_a.weight"),
+                            model.p(layer, "attn.wq_a.scale"))
+    wq_b = (model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
+    q_norm = model.p(layer, "attn.q_norm.weight")
+    qr = None  # the normed q_lora: the indexers read it too
+    if p.runs_indexer or (p.role == REUSE and model.per_layer_selection):
+        qr = ops.rms_norm(q_lora, q_norm, a.norm_eps)
+        q = ops.fp8_linear(qr, *wq_b)
+    else:  # wq_b alone reads it: one op (the norm inside wq_b's kernel where it can be)
+        q = ops.norm_fp8_linear(q_lora, q_norm, a.norm_eps, *wq_b)
     # (b, s, h, hd): h = n_heads, or a worker's heads (its rows of wq_b); RoPE'd in `attend`
     q = q.unflatten(-1, (-1, a.head_dim))
 

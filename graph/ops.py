@@ -5,6 +5,7 @@ oracle every kernel is tested against), and each has a fake kernel so `torch.exp
 it. Boundaries are chosen so that the graph around them is plain aten:
 
 - `fp8_linear`:    FP8 activation quantisation + block-scaled FP8 GEMM (weights in 32x32 tiles)
+- `norm_fp8_linear`: the same of an RMS-normed input
 - `fp8_dequant`:   E4M3 codes + E8M0 scales -> values
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
@@ -211,6 +212,20 @@ def _fp8_gemm_f32(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
 
 @fp8_linear.register_fake
 def _(x, weight, scale):
+    return x.new_empty(*x.shape[:-1], weight.size(0), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsv41::norm_fp8_linear", mutates_args=())
+def norm_fp8_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear(rms_norm(x, norm_weight, eps), weight, scale)`: a projection of a normed
+    activation nothing else reads (the query's wq_b). Compiled on an AVX-512 BF16 CPU, the
+    decode GEMV norms its input itself (one kernel)."""
+    return fp8_linear(rms_norm(x, norm_weight, eps), weight, scale)
+
+
+@norm_fp8_linear.register_fake
+def _(x, norm_weight, eps, weight, scale):
     return x.new_empty(*x.shape[:-1], weight.size(0), dtype=torch.bfloat16)
 
 

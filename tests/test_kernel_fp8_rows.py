@@ -129,3 +129,47 @@ def test_config_picks_the_bf16_gemv_where_the_target_has_it():
     assert gemm.fp8_linear_config(ZEN4, n=64, k=512, m=4).kind == "gemm"
     assert gemm.fp8_linear_config(SKX, n=64, k=512, m=1).dot == "fp32"
     assert gemm.fp8_linear_config(get_target("cpu-x86-64"), n=64, k=512, m=1).kind == "gemv"
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 6])
+def test_normed_gemv_is_the_rms_norm_kernel_then_the_gemv(rows):
+    """norm_fp8_linear's kernel (the bf16 GEMV norming its input rows first): every output the
+    rms_norm kernel's rows fed to the plain GEMV, bit for bit, one row and the verify's groups
+    (m 1..7 against a group of 6), with a row of large values and a zero row (the norm's eps
+    alone), and the op's oracle is the two ops in turn."""
+    from dsv41.schedules import norm
+
+    n, k, eps = 96, 512, 1e-6
+    lanes = norm.norm_config(get_target("cpu"), d=k).lanes
+    fused = _compiled(n=n, k=k, rows=rows, norm_eps=eps, norm_lanes=lanes)
+    plain = _compiled(n=n, k=k, rows=rows)
+    rms = tvm.compile(norm.build_rms_norm("cpu", d=k, eps=eps),
+                      target=get_target("cpu").tvm_target())
+    weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=5)[1:]
+    g = torch.Generator().manual_seed(rows)
+    w = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16)
+    for m in (1, 5, 7):
+        x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+        x[0, ::11] *= 1e15
+        x[-1] = 0.0
+        xn = torch.empty_like(x)
+        rms(tvm.runtime.from_dlpack(x), tvm.runtime.from_dlpack(w),
+            tvm.runtime.from_dlpack(xn))
+        want = run_fp8_linear(plain, xn, weight, scale)
+        got = torch.zeros(m, n, dtype=torch.bfloat16)
+        fused(*[tvm.runtime.from_dlpack(t) for t in (x, w, weight, scale, got)])
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), m
+    ref = ops.norm_fp8_linear(x, w, eps, weight, scale)
+    assert torch.equal(ref, ops.fp8_linear(ops.rms_norm(x, w, eps), weight, scale))
+
+
+def test_only_the_bf16_gemv_norms_its_input():
+    assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1)
+    assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1, rows=6)
+    assert not gemm.fp8_linear_norms(SKX, n=32768, k=512, m=1)  # no AVX-512 BF16
+    assert not gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=None)  # prefill: the GEMM
+    with pytest.raises(ValueError, match="norms its input only"):
+        gemm.unscheduled_fp8_linear(SKX, n=64, k=512, m=1, norm_eps=1e-6)
+    with pytest.raises(ValueError, match="lanes dividing"):
+        make_fp8_gemv_bf16(n=64, k=512, norm_eps=1e-6, norm_lanes=24)

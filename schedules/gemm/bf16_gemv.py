@@ -18,6 +18,7 @@ from dsv41.schedules.common import (
     e4m3_to_f32,
     e8m0_to_f32,
     i64,
+    round_bf16,
     u32,
     with_bf16_dot,
 )
@@ -66,7 +67,8 @@ def _bf16_words(codes, lo_tbl, hi_tbl, half: int):
 
 
 def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
-                       rows: int = 1, fma_rows: bool = False) -> tvm.tirx.PrimFunc:
+                       rows: int = 1, fma_rows: bool = False, norm_eps: float | None = None,
+                       norm_lanes: int = 32) -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` on x86 with AVX-512 BF16 and VBMI (same signature as
     `make_fp8_gemv`), hand-vectorised; k a multiple of 64. `prefetch`: columns ahead whose
     weights are prefetched (0: none), one line beside each chunk's load: the same chunk of the
@@ -123,9 +125,17 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     the scheduled `make_fp8_gemv` (k 4096) before this kernel in brackets: n 32768 k 512 one
     row 0.73-0.82 ms (1.71-1.76), 5 rows in one group 1.48 (3.61-3.71); n 1024 k 4096 one row
     0.27-0.33 (0.42-0.48), 5 rows 0.85-0.90 (1.59-1.67); n 512 k 1024 one row 0.039-0.041
-    (0.057-0.064)."""
+    (0.057-0.064).
+
+    `norm_eps` (`norm_fp8_linear`: signature (x, norm_weight, weight, scale, y)): each row of x
+    is RMS-normed first, as `norm.make_rms_norm` norms it (`norm_lanes` strided partial sums of
+    the squares added in lane order, rstd, bf16(w * (x * rstd))), and that bf16 row is what the
+    activation quantiser reads: the rms_norm kernel and this kernel in turn, bit for bit, with
+    no kernel between them."""
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
+    if norm_eps is not None and (norm_lanes <= 0 or k % norm_lanes):
+        raise ValueError(f"The fp8 GEMV's norm needs lanes dividing k={k}; got {norm_lanes}.")
     if k % CL:
         raise ValueError(f"The bf16 fp8 GEMV needs k a multiple of {CL}, got {k}.")
     if prefetch < 0:
@@ -354,14 +364,31 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                     group_columns(weight, xs, xf, y, p, row0, nr, acc, lo_tbl, hi_tbl, red,
                                   tot)
 
-    @T.prim_func
-    def fp8_gemv_bf16(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
-                      scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
-        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, N), out_dtype)
+    NL, KL = i64(norm_lanes), i64(k // norm_lanes)
+
+    def xval(x, xn, i, c):  # the activation the quantiser reads, as fp32
+        return xn[i, c] if norm_eps is not None else bf16_to_f32(x[i, c])
+
+    @T.macro
+    def normed(x, nw, xn, m):
+        """xn[i] = bf16(w * (x[i] * rstd_i)) as fp32, norm.make_rms_norm's arithmetic."""
+        part = T.alloc_buffer((NL,), "float32")
+        ssq = T.alloc_buffer((1,), "float32")
+        for i in range(m):
+            for ln in range(NL):
+                part[ln] = T.float32(0)
+            for kk, ln in T.grid(KL, NL):
+                part[ln] = part[ln] + bf16_to_f32(x[i, kk * NL + ln]) \
+                    * bf16_to_f32(x[i, kk * NL + ln])
+            ssq[0] = T.float32(0)
+            for ln in range(NL):
+                ssq[0] = ssq[0] + part[ln]
+            ssq[0] = T.rsqrt(ssq[0] / T.float32(k) + T.float32(norm_eps))
+            for c in range(K):
+                xn[i, c] = round_bf16(bf16_to_f32(nw[c]) * (bf16_to_f32(x[i, c]) * ssq[0]))
+
+    @T.macro
+    def body(x, xn, weight, scale, y, m):
         with T.attr(T.int32(0), *with_bf16_dot()):
             amax = T.alloc_buffer((m, KB), "float32")
             xq = T.alloc_buffer((m, K), "float32")  # per chunk in chunk_slot_source order
@@ -374,11 +401,11 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
             for i, b in T.grid(m, KB):
                 amax[i, b] = T.min_value("float32")
                 for j in range(i64(BLOCK)):
-                    amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+                    amax[i, b] = T.max(amax[i, b], T.fabs(xval(x, xn, i, b * BLOCK + j)))
             for i, ch in T.grid(m, NCH):
                 for j in T.vectorized(i64(CL)):
                     xq[i, ch * CL + j] = fp8_qdq(
-                        bf16_to_f32(x[i, ch * CL + chunk_slot_source(j)]),
+                        xval(x, xn, i, ch * CL + chunk_slot_source(j)),
                         pow2_scale_byte(amax[i, (ch * CL + chunk_slot_source(j)) // BLOCK]))
             if FMA:  # static: per 32 slots, the odd ones, then the even (`dpbf16ps_by_fma`)
                 xqs = T.alloc_buffer((m, K), "float32")  # xq's fp32 halves
@@ -432,5 +459,31 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                                      acc, lo_tbl, hi_tbl, red, tot)
                             group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 8,
                                      acc, lo_tbl, hi_tbl, red, tot)
+
+    if norm_eps is not None:
+        @T.prim_func
+        def norm_fp8_gemv_bf16(x_h: T.handle, nw: T.Buffer((K,), "bfloat16"),
+                               weight: T.Buffer((N, K), "uint8"),
+                               scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "norm_fp8_linear", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, N), out_dtype)
+            xn = T.alloc_buffer((m, K), "float32")  # the normed rows (bf16 values)
+            normed(x, nw, xn, m)
+            body(x, xn, weight, scale, y, m)
+
+        return norm_fp8_gemv_bf16
+
+    @T.prim_func
+    def fp8_gemv_bf16(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                      scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), out_dtype)
+        body(x, None, weight, scale, y, m)
 
     return fp8_gemv_bf16

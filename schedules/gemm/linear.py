@@ -39,6 +39,7 @@ from dsv41.schedules.gemm.fp8 import (
     row_f32,
 )
 from dsv41.schedules.gemm.lanes import lane_split, place_lane_sums, vector_sum
+from dsv41.schedules.norm import norm_config
 
 
 def make_fp8_linear(*, n: int, k: int, row_pad: int = 1,
@@ -405,11 +406,25 @@ def _schedule_gemm(sch: s_tir.Schedule, config: Fp8LinearConfig, target: TargetS
     sch.decompose_reduction(acc, b)
 
 
-def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None,
-                           out_dtype: str = "bfloat16", rows: int = 1
-                           ) -> tuple[tvm.tirx.PrimFunc, Fp8LinearConfig]:
-    """The factory output the config's schedule expects, and the config."""
+def fp8_linear_norms(target: TargetSpec, *, n: int, k: int, m: int | None = None,
+                     rows: int = 1) -> bool:
+    """Whether this target's fp8_linear kernel can RMS-norm its input first (`norm_eps`): the
+    AVX-512 BF16 decode GEMV (`make_fp8_gemv_bf16`); elsewhere the lowering runs the rms_norm
+    kernel before it."""
     config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
+    return config.kind == "gemv_avx512" and config.dot == "bf16"
+
+
+def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None,
+                           out_dtype: str = "bfloat16", rows: int = 1,
+                           norm_eps: float | None = None
+                           ) -> tuple[tvm.tirx.PrimFunc, Fp8LinearConfig]:
+    """The factory output the config's schedule expects, and the config. norm_eps: the
+    `norm_fp8_linear` form (`fp8_linear_norms`; refused elsewhere)."""
+    config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
+    if norm_eps is not None and not fp8_linear_norms(target, n=n, k=k, m=m, rows=rows):
+        raise ValueError(f"fp8_linear norms its input only in the AVX-512 BF16 decode GEMV; "
+                         f"this target's kernel is {config.kind!r} (run rms_norm before it).")
     if config.kind == "amx":
         return make_fp8_linear_amx(n=n, k=k, block_rows=config.tm, out_dtype=out_dtype), config
     if config.kind == "gemm_bf16":
@@ -418,7 +433,9 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, rows=config.rows), config
     if config.kind == "gemv_avx512" and config.dot == "bf16":
         return make_fp8_gemv_bf16(n=n, k=k, out_dtype=out_dtype, prefetch=config.prefetch,
-                                  rows=config.rows, fma_rows=config.fma_rows), config
+                                  rows=config.rows, fma_rows=config.fma_rows,
+                                  norm_eps=norm_eps,
+                                  norm_lanes=norm_config(target, d=k).lanes), config
     if config.kind == "gemv_avx512":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, lanes=16,
                                   prefetch=config.prefetch, rows=config.rows), config
@@ -428,11 +445,13 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
 
 
 def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None,
-                     out_dtype: str = "bfloat16", rows: int = 1) -> tvm.tirx.PrimFunc:
+                     out_dtype: str = "bfloat16", rows: int = 1,
+                     norm_eps: float | None = None) -> tvm.tirx.PrimFunc:
     """fp8_linear's kernel (out_dtype "float32": fp8_linear_f32's, the same schedule); rows > 1:
-    the verify entry's (`fp8_linear_config`)."""
+    the verify entry's (`fp8_linear_config`); norm_eps: norm_fp8_linear's (`fp8_linear_norms`)."""
     target = get_target(target_name)
-    func, config = unscheduled_fp8_linear(target, n=n, k=k, m=m, out_dtype=out_dtype, rows=rows)
+    func, config = unscheduled_fp8_linear(target, n=n, k=k, m=m, out_dtype=out_dtype, rows=rows,
+                                          norm_eps=norm_eps)
     return schedule_fp8_linear(func, config, target)
 
 
