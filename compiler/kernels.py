@@ -114,6 +114,36 @@ def _norm_fp8_linear(ctx: Lowering):
     return convert
 
 
+def _fp8_linear_pair(ctx: Lowering):
+    """fp8_linear_pair: one kernel where this target's fp8_linear is the AVX-512 BF16 decode
+    GEMV (`gemm.fp8_linear_norms`), else two fp8_linear kernels."""
+
+    def convert(node, importer):
+        x, w, s, w2, s2 = (importer.env[a] for a in node.args[:5])
+        n, k = (static(v) for v in shape(w))
+        n2 = static(shape(w2)[0])
+        x2, lead = rows(importer, x, 1)
+        m = shape(x2)[0]
+        bb = importer.block_builder
+        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows) \
+                and gemm.fp8_linear_norms(ctx.target, n=n2, k=k, m=ctx.rows_hint,
+                                          rows=ctx.verify_rows):
+            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, pair_n=n2)
+            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+            res = call(importer, gv, [x2, w, s, w2, s2],
+                       [tensor([m, n], BF16), tensor([m, n2], BF16)])
+            ys = [bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]
+        else:
+            ys = []
+            for wt, st, nt in ((w, s, n), (w2, s2, n2)):
+                key = Fp8LinearKey(n=nt, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
+                gv = ctx.kernel(importer, key, lambda key=key: build(key, ctx.target.name))
+                ys.append(call(importer, gv, [x2, wt, st], tensor([m, nt], BF16)))
+        return bb.emit(relax.Tuple([unrows(importer, y, lead) for y in ys]))
+
+    return convert
+
+
 def _collective(ctx: Lowering, op: str):
     """dsv41::all_reduce / all_gather -> a destination-passing call of the sharded entry's
     collective (`ctx.ccl`): disco's own functions, which run the session's NCCL, or the CPU
@@ -610,7 +640,8 @@ def _quant_unscheduled(op: str) -> Callable:
 
 
 def _fp8_linear_task(key: Fp8LinearKey, target: TargetSpec):
-    if key.out_dtype != BF16 or key.norm_eps is not None:  # the normed form: written scheduled
+    if key.out_dtype != BF16 or key.norm_eps is not None or key.pair_n is not None:  # written
+        # scheduled (the normed and paired forms)
         return None  # fp8_linear_f32 (sharded partial sums) is not a tuned family
     func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m,
                                                rows=key.rows)
@@ -663,10 +694,11 @@ REGISTRY: tuple[KernelEntry, ...] = (
         gemm.schedule_fp8_linear,
         {"fp8_linear.default": _fp8_linear,
          "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32"),
-         "norm_fp8_linear.default": _norm_fp8_linear},
+         "norm_fp8_linear.default": _norm_fp8_linear,
+         "fp8_linear_pair.default": _fp8_linear_pair},
         build=lambda key, t: gemm.build_fp8_linear(t, n=key.n, k=key.k, m=key.m,
                                                    out_dtype=key.out_dtype, rows=key.rows,
-                                                   norm_eps=key.norm_eps),
+                                                   norm_eps=key.norm_eps, pair_n=key.pair_n),
         task=_fp8_linear_task, bench=BenchKernel("fp8", _bench_fp8)),
     KernelEntry(
         "fp8_dequant", (Fp8DequantKey,), gemm.build_fp8_dequant, gemm.dequant_config,

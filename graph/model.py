@@ -745,8 +745,11 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     b, s, _ = x.shape
     rd = a.rope_head_dim
     cos, sin = token_rope(model, chunk, p.ratio > 0)
-    q_lora = ops.fp8_linear(x, model.p(layer, "attn.wq_a.weight"),
-                            model.p(layer, "attn.wq_a.scale"))
+    # wq_a and wkv read the same x: one op (x quantised once)
+    q_lora, kv = ops.fp8_linear_pair(x, model.p(layer, "attn.wq_a.weight"),
+                                     model.p(layer, "attn.wq_a.scale"),
+                                     model.p(layer, "attn.wkv.weight"),
+                                     model.p(layer, "attn.wkv.scale"))
     wq_b = (model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
     q_norm = model.p(layer, "attn.q_norm.weight")
     qr = None  # the normed q_lora: the indexers read it too
@@ -758,7 +761,6 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     # (b, s, h, hd): h = n_heads, or a worker's heads (its rows of wq_b); RoPE'd in `attend`
     q = q.unflatten(-1, (-1, a.head_dim))
 
-    kv = ops.fp8_linear(x, model.p(layer, "attn.wkv.weight"), model.p(layer, "attn.wkv.scale"))
     new = NewEntries(kv, cos, sin, rd, ops.EntryFormat.FP8,
                      model.p(layer, "attn.kv_norm.weight"), a.norm_eps)
     win = window_inputs(cache.windows[layer], new, chunk, a.window_size)  # writes the ring
@@ -851,7 +853,9 @@ def shared_expert(model: Model, layer: int, x: torch.Tensor) -> torch.Tensor:
         return linear(v, model.p(layer, f"ffn.shared_experts.{name}.weight"),
                       model.p(layer, f"ffn.shared_experts.{name}.scale"))
 
-    h = ops.swiglu(lin("w1", x).float(), lin("w3", x).float(), model.args.swiglu_limit)
+    w1, w3 = ops.fp8_linear_pair(x, *(model.p(layer, f"ffn.shared_experts.{n}.{t}")
+                                      for n in ("w1", "w3") for t in ("weight", "scale")))
+    h = ops.swiglu(w1.float(), w3.float(), model.args.swiglu_limit)
     return lin("w2", h.to(BF16), ops.fp8_linear if model.shard is None else ops.fp8_linear_f32)
 
 

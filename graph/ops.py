@@ -6,6 +6,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 
 - `fp8_linear`:    FP8 activation quantisation + block-scaled FP8 GEMM (weights in 32x32 tiles)
 - `norm_fp8_linear`: the same of an RMS-normed input
+- `fp8_linear_pair`: two of them of one input (one activation quantisation)
 - `fp8_dequant`:   E4M3 codes + E8M0 scales -> values
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
@@ -227,6 +228,23 @@ def norm_fp8_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
 @norm_fp8_linear.register_fake
 def _(x, norm_weight, eps, weight, scale):
     return x.new_empty(*x.shape[:-1], weight.size(0), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsv41::fp8_linear_pair", mutates_args=())
+def fp8_linear_pair(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    weight2: torch.Tensor, scale2: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two projections of one activation: (fp8_linear(x, weight, scale), fp8_linear(x, weight2,
+    scale2)) (the attention's wq_a and wkv; the shared expert's w1 and w3). Compiled on an
+    AVX-512 BF16 CPU, one decode GEMV quantises x once and runs both matrices' tiles."""
+    return fp8_linear(x, weight, scale), fp8_linear(x, weight2, scale2)
+
+
+@fp8_linear_pair.register_fake
+def _(x, weight, scale, weight2, scale2):
+    lead = x.shape[:-1]
+    return (x.new_empty(*lead, weight.size(0), dtype=torch.bfloat16),
+            x.new_empty(*lead, weight2.size(0), dtype=torch.bfloat16))
 
 
 @torch.library.custom_op("dsv41::fp8_linear_f32", mutates_args=())

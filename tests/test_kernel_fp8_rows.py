@@ -15,6 +15,7 @@ import torch
 import tvm
 from kernel_numerics import SKX, ZEN4, bf16_ulps, run_fp8_linear
 
+from dsv41.graph import formats as fmt
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
 from dsv41.schedules import gemm
@@ -169,7 +170,37 @@ def test_only_the_bf16_gemv_norms_its_input():
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1, rows=6)
     assert not gemm.fp8_linear_norms(SKX, n=32768, k=512, m=1)  # no AVX-512 BF16
     assert not gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=None)  # prefill: the GEMM
-    with pytest.raises(ValueError, match="norms its input only"):
+    with pytest.raises(ValueError, match="norms its input .or pairs two matrices. only"):
         gemm.unscheduled_fp8_linear(SKX, n=64, k=512, m=1, norm_eps=1e-6)
     with pytest.raises(ValueError, match="lanes dividing"):
         make_fp8_gemv_bf16(n=64, k=512, norm_eps=1e-6, norm_lanes=24)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows,n,n2", [(1, 512, 512), (6, 512, 512), (1, 96, 200), (6, 40, 64)])
+def test_paired_gemv_is_the_two_gemvs(rows, n, n2):
+    """fp8_linear_pair's kernel (one activation quantisation, the first matrix's 32-column tiles
+    then the second's): both outputs the plain GEMV's on each matrix, bit for bit, one row and
+    the verify's groups, matrices of different heights with partial tiles; the op's oracle is
+    the two fp8_linear ops."""
+    k = 512
+    pair = _compiled(n=n, k=k, rows=rows, pair_n=n2)
+    one, two = _compiled(n=n, k=k, rows=rows), _compiled(n=n2, k=k, rows=rows)
+    w, s = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=6)[1:]
+    g2 = torch.Generator().manual_seed(7)  # another scale per tile than the first matrix's
+    w2, s2 = (torch.from_numpy(a).clone() for a in fmt.np_quant_fp8_weight(
+        (torch.randn(n2, k, generator=g2) * torch.exp2(torch.randint(-6, 7, (n2, 1),
+                                                                     generator=g2))).numpy()))
+    assert not torch.equal(s2[: s.size(0)], s[: s2.size(0)])
+    g = torch.Generator().manual_seed(rows + n2)
+    for m in (1, 5, 7):
+        x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+        y, y2 = torch.zeros(m, n, dtype=torch.bfloat16), torch.zeros(m, n2, dtype=torch.bfloat16)
+        pair(*[tvm.runtime.from_dlpack(t) for t in (x, w, s, w2, s2, y, y2)])
+        assert torch.equal(y.view(torch.int16), run_fp8_linear(one, x, w, s).view(torch.int16))
+        assert torch.equal(y2.view(torch.int16), run_fp8_linear(two, x, w2, s2).view(torch.int16))
+    ref = ops.fp8_linear_pair(x, w, s, w2, s2)
+    assert torch.equal(ref[0], ops.fp8_linear(x, w, s))
+    assert torch.equal(ref[1], ops.fp8_linear(x, w2, s2))
+    with pytest.raises(ValueError, match="pair_n > 0 and no norm"):
+        make_fp8_gemv_bf16(n=n, k=k, pair_n=n2, norm_eps=1e-6)

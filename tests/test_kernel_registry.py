@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = (  # one key of every kind
     Fp8LinearKey(n=64, k=128, m=1), Fp8LinearKey(n=64, k=128, m=None, out_dtype="float32"),
     Fp8LinearKey(n=64, k=512, m=1, rows=6, norm_eps=1e-6),
+    Fp8LinearKey(n=64, k=512, m=1, pair_n=96),
     kk.Fp8DequantKey(d=128),
     kk.SparseAttendKey(h=4, d=64, w=16, k=32, softmax_scale=0.125),
     kk.SparseAttendKey(h=4, d=64, w=16, k=32, softmax_scale=0.125, kv="bf16"),

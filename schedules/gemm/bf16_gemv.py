@@ -68,7 +68,7 @@ def _bf16_words(codes, lo_tbl, hi_tbl, half: int):
 
 def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
                        rows: int = 1, fma_rows: bool = False, norm_eps: float | None = None,
-                       norm_lanes: int = 32) -> tvm.tirx.PrimFunc:
+                       norm_lanes: int = 32, pair_n: int | None = None) -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` on x86 with AVX-512 BF16 and VBMI (same signature as
     `make_fp8_gemv`), hand-vectorised; k a multiple of 64. `prefetch`: columns ahead whose
     weights are prefetched (0: none), one line beside each chunk's load: the same chunk of the
@@ -131,9 +131,16 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     is RMS-normed first, as `norm.make_rms_norm` norms it (`norm_lanes` strided partial sums of
     the squares added in lane order, rstd, bf16(w * (x * rstd))), and that bf16 row is what the
     activation quantiser reads: the rms_norm kernel and this kernel in turn, bit for bit, with
-    no kernel between them."""
+    no kernel between them.
+
+    `pair_n` (`fp8_linear_pair`: signature (x, weight, scale, weight2, scale2, y, y2), weight2
+    [pair_n, k]): two projections of one activation, quantised once; the tasks take the first
+    matrix's 32-column tiles, then the second's, each tile summed exactly as alone, so y and y2
+    are the two kernels' outputs bit for bit."""
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
+    if pair_n is not None and (pair_n <= 0 or norm_eps is not None):
+        raise ValueError(f"The paired fp8 GEMV needs pair_n > 0 and no norm; got {pair_n}.")
     if norm_eps is not None and (norm_lanes <= 0 or k % norm_lanes):
         raise ValueError(f"The fp8 GEMV's norm needs lanes dividing k={k}; got {norm_lanes}.")
     if k % CL:
@@ -145,7 +152,9 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     NCH = i64(k // CL)  # chunks per column
     R = i64(rows)
     AW = 2 * 16  # accumulator floats per row: two vectors of 16 lanes
-    TILES = max(1, min(MAX_TILES, math.ceil(n / BLOCK) // MIN_TASKS))
+    NB2 = i64(0 if pair_n is None else math.ceil(pair_n / BLOCK))  # the second matrix's tiles
+    NT = NB + NB2  # tiles the tasks share
+    TILES = max(1, min(MAX_TILES, (math.ceil(n / BLOCK) + int(NB2)) // MIN_TASKS))
 
     def pairs(nr: int) -> bool:  # a group of nr rows takes its columns in pairs
         return 2 < nr <= PAIR_ROWS and nr * k * 2 > PAIR_XS_BYTES
@@ -232,12 +241,12 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     def row_flush(y, red, tot, r, here, row, col0):
         """Row r's 16 stashed columns from col0 stored (those below N)."""
         if here:  # static
-            if col0 + 16 <= N:
+            if col0 + 16 <= y.shape[1]:
                 y[row, T.ramp(col0, 1, 16)] = stored(column_totals(red, r))
             else:  # the last tile's columns past N: none stored
                 tot[T.ramp(0, 1, 16)] = stored(column_totals(red, r))
                 for j in range(16):
-                    if col0 + j < N:
+                    if col0 + j < y.shape[1]:
                         y[row, col0 + j] = tot[j]
 
     @T.macro
@@ -268,8 +277,9 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
             for ch in range(NCH):
                 if prefetch > 0:  # static: chunk ch of the column `prefetch` ahead
                     prefetch_line(T.address_of(weight[T.min(p * BLOCK + c + prefetch,
-                                                            N - i64(1)), ch * CL]))
-                col = T.meta_var(T.min(p * BLOCK + c, N - i64(1)))
+                                                            weight.shape[0] - i64(1)),
+                                                      ch * CL]))
+                col = T.meta_var(T.min(p * BLOCK + c, weight.shape[0] - i64(1)))
                 codes = T.meta_var(weight.vload([col, ch * CL], f"uint8x{CL}"))
                 w0 = T.meta_var(_bf16_words(codes, lo_tbl, hi_tbl, 0))
                 w1 = T.meta_var(_bf16_words(codes, lo_tbl, hi_tbl, 1))
@@ -314,12 +324,13 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 if prefetch > 0:  # static: chunk ch of the pair `prefetch` columns ahead
                     for e in range(2):
                         prefetch_line(T.address_of(weight[T.min(
-                            p * BLOCK + 2 * c2 + e + prefetch, N - i64(1)), ch * CL]))
-                col0 = T.meta_var(T.min(p * BLOCK + 2 * c2 + 0, N - i64(1)))
+                            p * BLOCK + 2 * c2 + e + prefetch, weight.shape[0] - i64(1)),
+                            ch * CL]))
+                col0 = T.meta_var(T.min(p * BLOCK + 2 * c2 + 0, weight.shape[0] - i64(1)))
                 codes0 = T.meta_var(weight.vload([col0, ch * CL], f"uint8x{CL}"))
                 w00 = T.meta_var(_bf16_words(codes0, lo_tbl, hi_tbl, 0))
                 w10 = T.meta_var(_bf16_words(codes0, lo_tbl, hi_tbl, 1))
-                col1 = T.meta_var(T.min(p * BLOCK + 2 * c2 + 1, N - i64(1)))
+                col1 = T.meta_var(T.min(p * BLOCK + 2 * c2 + 1, weight.shape[0] - i64(1)))
                 codes1 = T.meta_var(weight.vload([col1, ch * CL], f"uint8x{CL}"))
                 w01 = T.meta_var(_bf16_words(codes1, lo_tbl, hi_tbl, 0))
                 w11 = T.meta_var(_bf16_words(codes1, lo_tbl, hi_tbl, 1))
@@ -364,6 +375,37 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                     group_columns(weight, xs, xf, y, p, row0, nr, acc, lo_tbl, hi_tbl, red,
                                   tot)
 
+    @T.macro
+    def tile(x, weight, scale, y, m, p, xq, xs, xf, sv, xqs, acc, lo_tbl, hi_tbl, red, tot):
+        """Tile p (32 columns) of one matrix for every row group."""
+        for g in range((m + R - i64(1)) // R):
+            live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
+            if stages_xs(live):  # the group reads xs (by_fma: xf, in group_if)
+                # slots 16 g2 .. 16 g2 + 15 of each half: 32-block 2 ch + g2
+                for r, ch, h, g2 in T.grid(live, NCH, 2, 2):
+                    for j in T.vectorized(16):
+                        xs[r * K + ch * CL + h * 32 + g2 * 16 + j] = (
+                            bf16_bits_of_exact(
+                                xq[g * R + r, ch * CL + h * 32 + g2 * 16 + j]
+                                * e8m0_to_f32(T.Cast("uint32",
+                                                     scale[p, ch * 2 + g2]))))
+            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 1,
+                     acc, lo_tbl, hi_tbl, red, tot)
+            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 2,
+                     acc, lo_tbl, hi_tbl, red, tot)
+            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 3,
+                     acc, lo_tbl, hi_tbl, red, tot)
+            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 4,
+                     acc, lo_tbl, hi_tbl, red, tot)
+            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 5,
+                     acc, lo_tbl, hi_tbl, red, tot)
+            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 6,
+                     acc, lo_tbl, hi_tbl, red, tot)
+            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 7,
+                     acc, lo_tbl, hi_tbl, red, tot)
+            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 8,
+                     acc, lo_tbl, hi_tbl, red, tot)
+
     NL, KL = i64(norm_lanes), i64(k // norm_lanes)
 
     def xval(x, xn, i, c):  # the activation the quantiser reads, as fp32
@@ -388,7 +430,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 xn[i, c] = round_bf16(bf16_to_f32(nw[c]) * (bf16_to_f32(x[i, c]) * ssq[0]))
 
     @T.macro
-    def body(x, xn, weight, scale, y, m):
+    def body(x, xn, weight, scale, y, m, second):
         with T.attr(T.int32(0), *with_bf16_dot()):
             amax = T.alloc_buffer((m, KB), "float32")
             xq = T.alloc_buffer((m, K), "float32")  # per chunk in chunk_slot_source order
@@ -415,7 +457,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                                                                      + 2 * j + 1 - par]
             else:
                 xqs = T.meta_var(None)  # no group sums by FMA pairs: nothing staged
-            for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
+            for po in T.parallel((NT + i64(TILES - 1)) // i64(TILES)):
                 xs = T.alloc_buffer((R * K,), "uint16")  # bf16 bits, row r at r * K
                 if FMA:  # static
                     xf = T.alloc_buffer((R * K,), "float32")  # by_fma: xs' halves
@@ -430,35 +472,16 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 hi_tbl = T.meta_var([tbl.vload([128], "uint8x64"),
                                      tbl.vload([192], "uint8x64")])
                 for pi in range(i64(TILES)):
-                    if po * TILES + pi < NB:
-                        p = T.meta_var(po * TILES + pi)
-                        for g in range((m + R - i64(1)) // R):
-                            live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
-                            if stages_xs(live):  # the group reads xs (by_fma: xf, in group_if)
-                                # slots 16 g2 .. 16 g2 + 15 of each half: 32-block 2 ch + g2
-                                for r, ch, h, g2 in T.grid(live, NCH, 2, 2):
-                                    for j in T.vectorized(16):
-                                        xs[r * K + ch * CL + h * 32 + g2 * 16 + j] = (
-                                            bf16_bits_of_exact(
-                                                xq[g * R + r, ch * CL + h * 32 + g2 * 16 + j]
-                                                * e8m0_to_f32(T.Cast("uint32",
-                                                                     scale[p, ch * 2 + g2]))))
-                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 1,
-                                     acc, lo_tbl, hi_tbl, red, tot)
-                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 2,
-                                     acc, lo_tbl, hi_tbl, red, tot)
-                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 3,
-                                     acc, lo_tbl, hi_tbl, red, tot)
-                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 4,
-                                     acc, lo_tbl, hi_tbl, red, tot)
-                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 5,
-                                     acc, lo_tbl, hi_tbl, red, tot)
-                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 6,
-                                     acc, lo_tbl, hi_tbl, red, tot)
-                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 7,
-                                     acc, lo_tbl, hi_tbl, red, tot)
-                            group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 8,
-                                     acc, lo_tbl, hi_tbl, red, tot)
+                    if po * TILES + pi < NT:
+                        if second is None:  # static
+                            tile(x, weight, scale, y, m, po * TILES + pi, xq, xs, xf, sv, xqs,
+                                 acc, lo_tbl, hi_tbl, red, tot)
+                        elif po * TILES + pi < NB:
+                            tile(x, weight, scale, y, m, po * TILES + pi, xq, xs, xf, sv, xqs,
+                                 acc, lo_tbl, hi_tbl, red, tot)
+                        else:  # the second matrix's tile
+                            tile(x, second[0], second[1], second[2], m, po * TILES + pi - NB, xq,
+                                 xs, xf, sv, xqs, acc, lo_tbl, hi_tbl, red, tot)
 
     if norm_eps is not None:
         @T.prim_func
@@ -472,9 +495,28 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
             y = T.match_buffer(y_h, (m, N), out_dtype)
             xn = T.alloc_buffer((m, K), "float32")  # the normed rows (bf16 values)
             normed(x, nw, xn, m)
-            body(x, xn, weight, scale, y, m)
+            body(x, xn, weight, scale, y, m, None)
 
         return norm_fp8_gemv_bf16
+
+    if pair_n is not None:
+        N2, NB2S = i64(pair_n), i64(math.ceil(pair_n / BLOCK))
+
+        @T.prim_func
+        def fp8_gemv_bf16_pair(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                               scale: T.Buffer((NB, KB), "uint8"),
+                               weight2: T.Buffer((N2, K), "uint8"),
+                               scale2: T.Buffer((NB2S, KB), "uint8"), y_h: T.handle,
+                               y2_h: T.handle):
+            T.func_attr({"global_symbol": "fp8_linear_pair", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, N), out_dtype)
+            y2 = T.match_buffer(y2_h, (m, N2), out_dtype)
+            body(x, None, weight, scale, y, m, (weight2, scale2, y2))
+
+        return fp8_gemv_bf16_pair
 
     @T.prim_func
     def fp8_gemv_bf16(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -484,6 +526,6 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
         m = T.int64()
         x = T.match_buffer(x_h, (m, K), "bfloat16")
         y = T.match_buffer(y_h, (m, N), out_dtype)
-        body(x, None, weight, scale, y, m)
+        body(x, None, weight, scale, y, m, None)
 
     return fp8_gemv_bf16
