@@ -24,6 +24,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
+from dsv41.compiler import fused_ops
 from dsv41.compiler.kernel_keys import (
     BF16,
     DenseGemmKey,
@@ -49,7 +50,7 @@ from dsv41.compiler.kernel_keys import (
     SparseAttendKey,
 )
 from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
-from dsv41.graph.ops import ENGRAM_ROWS_FUNC, ENTRY_GROUP, EntryFormat, entry_code_width
+from dsv41.graph.ops import ENGRAM_ROWS_FUNC
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import (
     attention,
@@ -84,62 +85,6 @@ def _fp8_linear(ctx: Lowering, out_dtype: str = BF16):
         x2, lead = rows(importer, x, 1)
         y = call(importer, gv, [x2, w, s], tensor([shape(x2)[0], n], out_dtype))
         return unrows(importer, y, lead)
-
-    return convert
-
-
-def _norm_fp8_linear(ctx: Lowering):
-    """norm_fp8_linear: one kernel where this target's fp8_linear can norm its input
-    (`gemm.fp8_linear_norms`), else the rms_norm kernel and then fp8_linear's."""
-
-    def convert(node, importer):
-        x, nw = importer.env[node.args[0]], importer.env[node.args[1]]
-        eps = float(node.args[2])
-        w, s = importer.env[node.args[3]], importer.env[node.args[4]]
-        n, k = (static(v) for v in shape(w))
-        x2, lead = rows(importer, x, 1)
-        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows):
-            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, norm_eps=eps)
-            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-            y = call(importer, gv, [x2, nw, w, s], tensor([shape(x2)[0], n], BF16))
-            return unrows(importer, y, lead)
-        nkey = RmsNormKey(d=k, eps=eps)
-        ngv = ctx.kernel(importer, nkey, lambda: build(nkey, ctx.target.name))
-        xn = call(importer, ngv, [x2, nw], tensor(shape(x2), BF16))
-        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
-        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        return unrows(importer, call(importer, gv, [xn, w, s], tensor([shape(x2)[0], n], BF16)),
-                      lead)
-
-    return convert
-
-
-def _fp8_linear_pair(ctx: Lowering):
-    """fp8_linear_pair: one kernel where this target's fp8_linear is the AVX-512 BF16 decode
-    GEMV (`gemm.fp8_linear_norms`), else two fp8_linear kernels."""
-
-    def convert(node, importer):
-        x, w, s, w2, s2 = (importer.env[a] for a in node.args[:5])
-        n, k = (static(v) for v in shape(w))
-        n2 = static(shape(w2)[0])
-        x2, lead = rows(importer, x, 1)
-        m = shape(x2)[0]
-        bb = importer.block_builder
-        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows) \
-                and gemm.fp8_linear_norms(ctx.target, n=n2, k=k, m=ctx.rows_hint,
-                                          rows=ctx.verify_rows):
-            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, pair_n=n2)
-            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-            res = call(importer, gv, [x2, w, s, w2, s2],
-                       [tensor([m, n], BF16), tensor([m, n2], BF16)])
-            ys = [bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]
-        else:
-            ys = []
-            for wt, st, nt in ((w, s, n), (w2, s2, n2)):
-                key = Fp8LinearKey(n=nt, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
-                gv = ctx.kernel(importer, key, lambda key=key: build(key, ctx.target.name))
-                ys.append(call(importer, gv, [x2, wt, st], tensor([m, nt], BF16)))
-        return bb.emit(relax.Tuple([unrows(importer, y, lead) for y in ys]))
 
     return convert
 
@@ -216,38 +161,6 @@ def _sparse_attend(ctx: Lowering, kv: str):
                               k=static(shape(kv_idx)[-1]), softmax_scale=scale, kv=kv)
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
         return call(importer, gv, args, tensor(shape(q), BF16))
-
-    return convert
-
-
-def _sparse_attend_rope(ctx: Lowering):
-    """sparse_attend_rope: on a CPU one kernel (q rotated as it is staged, the output rotated
-    back as it is stored); on CUDA the rope, sparse_attend and inverse rope kernels in turn (the
-    CUDA schedule reads q from global memory in QK, where a rotation would be redone per
-    entry)."""
-
-    def convert(node, importer):
-        q, cos, sin = (importer.env[a] for a in node.args[:3])
-        rd = int(node.args[3])
-        rest = [importer.env[a] for a in node.args[4:11]]  # win.., kv codes, scales, idx, sink
-        scale = float(node.args[11])
-        _, _, h, d = shape(q)
-        dims = dict(h=static(h), d=static(d), w=static(shape(rest[2])[-1]),
-                    k=static(shape(rest[5])[-1]), softmax_scale=scale)
-        if not ctx.target.is_cuda:
-            key = SparseAttendKey(**dims, rope_rd=rd)
-            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-            return call(importer, gv, [q, cos, sin, *rest], tensor(shape(q), BF16))
-
-        def rope_call(x, inverse: bool):
-            rkey = RopeKey(h=dims["h"], d=dims["d"], rd=rd, inverse=inverse)
-            rgv = ctx.kernel(importer, rkey, lambda: build(rkey, ctx.target.name))
-            return call(importer, rgv, [x, cos, sin], tensor(shape(q), BF16))
-
-        key = SparseAttendKey(**dims)
-        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        o = call(importer, gv, [rope_call(q, False), *rest], tensor(shape(q), BF16))
-        return rope_call(o, True)
 
     return convert
 
@@ -449,27 +362,6 @@ def _rope(ctx: Lowering):
     return convert
 
 
-def _rope_quant(ctx: Lowering):
-    """New cache entries: norm (when the op has its weight), RoPE and quantiser, one kernel."""
-
-    def convert(node, importer):
-        x, cos, sin = (importer.env[a] for a in node.args[:3])
-        rd, form = int(node.args[3]), EntryFormat(str(node.args[4]))
-        weight = None if node.args[5] is None else importer.env[node.args[5]]
-        b, s, d = shape(x)
-        d = static(d)
-        key = RopeQuantKey(d=d, rd=rd, form=form.value,
-                           eps=None if weight is None else float(node.args[6]))
-        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        out = [tensor([b, s, entry_code_width(form, d)], "uint8"),
-               tensor([b, s, d // ENTRY_GROUP[form]], "uint8")]
-        res = call(importer, gv, [x, cos, sin] + ([] if weight is None else [weight]), out)
-        bb = importer.block_builder
-        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
-
-    return convert
-
-
 def _hc_pre_mix(ctx: Lowering):
     """A sublayer's mHC entry (mixes + lagged collapse + RMSNorm) as one kernel."""
 
@@ -486,47 +378,6 @@ def _hc_pre_mix(ctx: Lowering):
         res = call(importer, gv, [h, fn, scale, base, pre_in, weight], out)
         bb = importer.block_builder
         return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(4)]))
-
-    return convert
-
-
-def _rope_quant_rows(ctx: Lowering):
-    """New cache entries quantised straight into rows of a cache: the codes and scales are
-    updated in place (`call_tir_inplace`, as `_scatter_rows`), the kernel writing only the rows
-    idx names."""
-
-    def convert(node, importer):
-        codes, scales, idx, x, cos, sin = (importer.env[a] for a in node.args[:6])
-        rd, form = int(node.args[6]), EntryFormat(str(node.args[7]))
-        weight = None if node.args[8] is None else importer.env[node.args[8]]
-        key = RopeQuantKey(d=static(shape(x)[2]), rd=rd, form=form.value,
-                           eps=None if weight is None else float(node.args[9]), into=True)
-        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        args = [codes, scales, idx, x, cos, sin] + ([] if weight is None else [weight])
-        bb = importer.block_builder
-        res = bb.emit(relax.call_tir_inplace(gv, args, [0, 1], out_ty=[codes.ty, scales.ty]))
-        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
-
-    return convert
-
-
-def _hc_post_pre_mix(ctx: Lowering):
-    """A block's attention exit and FFN entry (hc_post + hc_pre_mix) as one kernel."""
-
-    def convert(node, importer):
-        args = [importer.env[a] for a in node.args[:9]]
-        hc, iters = int(node.args[9]), int(node.args[10])
-        h = args[1]
-        b, s, _, d = shape(h)
-        key = HcPostPreMixKey(hc=hc, d=static(d), iters=iters, norm_eps=float(node.args[11]),
-                              hc_eps=float(node.args[12]))
-        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        f32 = "float32"
-        out = [tensor(shape(h), BF16), tensor([b, s, d], BF16), tensor([b, s, hc], f32),
-               tensor([b, s, hc], f32), tensor([b, s, hc, hc], f32)]
-        res = call(importer, gv, args, out)
-        bb = importer.block_builder
-        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(5)]))
 
     return convert
 
@@ -694,8 +545,8 @@ REGISTRY: tuple[KernelEntry, ...] = (
         gemm.schedule_fp8_linear,
         {"fp8_linear.default": _fp8_linear,
          "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32"),
-         "norm_fp8_linear.default": _norm_fp8_linear,
-         "fp8_linear_pair.default": _fp8_linear_pair},
+         "norm_fp8_linear.default": lambda ctx: fused_ops.norm_fp8_linear(ctx, build),
+         "fp8_linear_pair.default": lambda ctx: fused_ops.fp8_linear_pair(ctx, build)},
         build=lambda key, t: gemm.build_fp8_linear(t, n=key.n, k=key.k, m=key.m,
                                                    out_dtype=key.out_dtype, rows=key.rows,
                                                    norm_eps=key.norm_eps, pair_n=key.pair_n),
@@ -710,7 +561,7 @@ REGISTRY: tuple[KernelEntry, ...] = (
         attention.sparse_attend_config, attention.schedule_sparse_attend,
         {"sparse_attend.default": lambda ctx: _sparse_attend(ctx, "fp4"),
          "sparse_attend_bf16.default": lambda ctx: _sparse_attend(ctx, "bf16"),
-         "sparse_attend_rope.default": _sparse_attend_rope},
+         "sparse_attend_rope.default": lambda ctx: fused_ops.sparse_attend_rope(ctx, build)},
         build=_sparse_attend_build, task=_sparse_attend_task,
         bench=BenchKernel("attend", _bench_attend)),
     KernelEntry(
@@ -753,13 +604,15 @@ REGISTRY: tuple[KernelEntry, ...] = (
     KernelEntry(
         "rope_quant", (RopeQuantKey,), rope_quant.build_rope_quant, rope_quant.rope_quant_config,
         rope_quant.schedule_rope_quant,
-        {"rope_quant.default": _rope_quant, "rope_quant_rows.default": _rope_quant_rows},
+        {"rope_quant.default": lambda ctx: fused_ops.rope_quant(ctx, build),
+         "rope_quant_rows.default": lambda ctx: fused_ops.rope_quant_rows(ctx, build)},
         build=lambda key, t: rope_quant.build_rope_quant(t, d=key.d, rd=key.rd, fmt=key.form,
                                                          eps=key.eps, into=key.into)),
     KernelEntry(
         "mhc", (HcPreMixKey, HcPostKey, HcPostPreMixKey), mhc.build_hc_pre_mix, mhc.mhc_config,
-        mhc.schedule_hc_pre_mix, {"hc_pre_mix.default": _hc_pre_mix, "hc_post.default": _hc_post,
-                                  "hc_post_pre_mix.default": _hc_post_pre_mix},
+        mhc.schedule_hc_pre_mix,
+        {"hc_pre_mix.default": _hc_pre_mix, "hc_post.default": _hc_post,
+         "hc_post_pre_mix.default": lambda ctx: fused_ops.hc_post_pre_mix(ctx, build)},
         build=lambda key, t: (
             mhc.build_hc_post(t, hc=key.hc, d=key.d) if isinstance(key, HcPostKey)
             else mhc.build_hc_pre_mix(t, hc=key.hc, d=key.d, iters=key.iters,

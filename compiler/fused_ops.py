@@ -1,0 +1,177 @@
+"""The converters of the fused ops (graph/ops.py): each maps one `dsv41::` op that stands for
+several of the unfused ops to its one kernel, or, where the target's kernel cannot take the fused
+form, to the unfused kernels. `compiler.kernels` registers them with its registry's `build` (the
+scheduled kernel of a key), which they take as an argument (that module imports this one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import relax
+
+from dsv41.compiler.kernel_keys import (
+    BF16,
+    Fp8LinearKey,
+    HcPostPreMixKey,
+    KernelKey,
+    RmsNormKey,
+    RopeKey,
+    RopeQuantKey,
+    SparseAttendKey,
+)
+from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
+from dsv41.graph.ops import ENTRY_GROUP, EntryFormat, entry_code_width
+from dsv41.schedules import gemm
+
+Builder = Callable[[KernelKey, str], tvm.tirx.PrimFunc]  # key, target name -> scheduled kernel
+
+
+def norm_fp8_linear(ctx: Lowering, build: Builder):
+    """norm_fp8_linear: one kernel where this target's fp8_linear can norm its input
+    (`gemm.fp8_linear_norms`), else the rms_norm kernel and then fp8_linear's."""
+
+    def convert(node, importer):
+        x, nw = importer.env[node.args[0]], importer.env[node.args[1]]
+        eps = float(node.args[2])
+        w, s = importer.env[node.args[3]], importer.env[node.args[4]]
+        n, k = (static(v) for v in shape(w))
+        x2, lead = rows(importer, x, 1)
+        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows):
+            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, norm_eps=eps)
+            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+            y = call(importer, gv, [x2, nw, w, s], tensor([shape(x2)[0], n], BF16))
+            return unrows(importer, y, lead)
+        nkey = RmsNormKey(d=k, eps=eps)
+        ngv = ctx.kernel(importer, nkey, lambda: build(nkey, ctx.target.name))
+        xn = call(importer, ngv, [x2, nw], tensor(shape(x2), BF16))
+        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        return unrows(importer, call(importer, gv, [xn, w, s], tensor([shape(x2)[0], n], BF16)),
+                      lead)
+
+    return convert
+
+
+def fp8_linear_pair(ctx: Lowering, build: Builder):
+    """fp8_linear_pair: one kernel where this target's fp8_linear is the AVX-512 BF16 decode
+    GEMV (`gemm.fp8_linear_norms`), else two fp8_linear kernels."""
+
+    def convert(node, importer):
+        x, w, s, w2, s2 = (importer.env[a] for a in node.args[:5])
+        n, k = (static(v) for v in shape(w))
+        n2 = static(shape(w2)[0])
+        x2, lead = rows(importer, x, 1)
+        m = shape(x2)[0]
+        bb = importer.block_builder
+        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows) \
+                and gemm.fp8_linear_norms(ctx.target, n=n2, k=k, m=ctx.rows_hint,
+                                          rows=ctx.verify_rows):
+            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, pair_n=n2)
+            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+            res = call(importer, gv, [x2, w, s, w2, s2],
+                       [tensor([m, n], BF16), tensor([m, n2], BF16)])
+            ys = [bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]
+        else:
+            ys = []
+            for wt, st, nt in ((w, s, n), (w2, s2, n2)):
+                key = Fp8LinearKey(n=nt, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
+                gv = ctx.kernel(importer, key, lambda key=key: build(key, ctx.target.name))
+                ys.append(call(importer, gv, [x2, wt, st], tensor([m, nt], BF16)))
+        return bb.emit(relax.Tuple([unrows(importer, y, lead) for y in ys]))
+
+    return convert
+
+
+def sparse_attend_rope(ctx: Lowering, build: Builder):
+    """sparse_attend_rope: on a CPU one kernel (q rotated as it is staged, the output rotated
+    back as it is stored); on CUDA the rope, sparse_attend and inverse rope kernels in turn (the
+    CUDA schedule reads q from global memory in QK, where a rotation would be redone per
+    entry)."""
+
+    def convert(node, importer):
+        q, cos, sin = (importer.env[a] for a in node.args[:3])
+        rd = int(node.args[3])
+        rest = [importer.env[a] for a in node.args[4:11]]  # win.., kv codes, scales, idx, sink
+        scale = float(node.args[11])
+        _, _, h, d = shape(q)
+        dims = dict(h=static(h), d=static(d), w=static(shape(rest[2])[-1]),
+                    k=static(shape(rest[5])[-1]), softmax_scale=scale)
+        if not ctx.target.is_cuda:
+            key = SparseAttendKey(**dims, rope_rd=rd)
+            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+            return call(importer, gv, [q, cos, sin, *rest], tensor(shape(q), BF16))
+
+        def rope_call(x, inverse: bool):
+            rkey = RopeKey(h=dims["h"], d=dims["d"], rd=rd, inverse=inverse)
+            rgv = ctx.kernel(importer, rkey, lambda: build(rkey, ctx.target.name))
+            return call(importer, rgv, [x, cos, sin], tensor(shape(q), BF16))
+
+        key = SparseAttendKey(**dims)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        o = call(importer, gv, [rope_call(q, False), *rest], tensor(shape(q), BF16))
+        return rope_call(o, True)
+
+    return convert
+
+
+def rope_quant(ctx: Lowering, build: Builder):
+    """New cache entries: norm (when the op has its weight), RoPE and quantiser, one kernel."""
+
+    def convert(node, importer):
+        x, cos, sin = (importer.env[a] for a in node.args[:3])
+        rd, form = int(node.args[3]), EntryFormat(str(node.args[4]))
+        weight = None if node.args[5] is None else importer.env[node.args[5]]
+        b, s, d = shape(x)
+        d = static(d)
+        key = RopeQuantKey(d=d, rd=rd, form=form.value,
+                           eps=None if weight is None else float(node.args[6]))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        out = [tensor([b, s, entry_code_width(form, d)], "uint8"),
+               tensor([b, s, d // ENTRY_GROUP[form]], "uint8")]
+        res = call(importer, gv, [x, cos, sin] + ([] if weight is None else [weight]), out)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
+
+    return convert
+
+
+def rope_quant_rows(ctx: Lowering, build: Builder):
+    """New cache entries quantised straight into rows of a cache: the codes and scales are
+    updated in place (`call_tir_inplace`, as `_scatter_rows`), the kernel writing only the rows
+    idx names."""
+
+    def convert(node, importer):
+        codes, scales, idx, x, cos, sin = (importer.env[a] for a in node.args[:6])
+        rd, form = int(node.args[6]), EntryFormat(str(node.args[7]))
+        weight = None if node.args[8] is None else importer.env[node.args[8]]
+        key = RopeQuantKey(d=static(shape(x)[2]), rd=rd, form=form.value,
+                           eps=None if weight is None else float(node.args[9]), into=True)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        args = [codes, scales, idx, x, cos, sin] + ([] if weight is None else [weight])
+        bb = importer.block_builder
+        res = bb.emit(relax.call_tir_inplace(gv, args, [0, 1], out_ty=[codes.ty, scales.ty]))
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
+
+    return convert
+
+
+def hc_post_pre_mix(ctx: Lowering, build: Builder):
+    """A block's attention exit and FFN entry (hc_post + hc_pre_mix) as one kernel."""
+
+    def convert(node, importer):
+        args = [importer.env[a] for a in node.args[:9]]
+        hc, iters = int(node.args[9]), int(node.args[10])
+        h = args[1]
+        b, s, _, d = shape(h)
+        key = HcPostPreMixKey(hc=hc, d=static(d), iters=iters, norm_eps=float(node.args[11]),
+                              hc_eps=float(node.args[12]))
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        f32 = "float32"
+        out = [tensor(shape(h), BF16), tensor([b, s, d], BF16), tensor([b, s, hc], f32),
+               tensor([b, s, hc], f32), tensor([b, s, hc, hc], f32)]
+        res = call(importer, gv, args, out)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(5)]))
+
+    return convert
