@@ -125,8 +125,12 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
         v = T.sblock_alloc_buffer((D,), "float32", scope=scratch)  # the quantiser's input
         amax = T.sblock_alloc_buffer((1,), "int32", scope=scratch)
         sb = T.sblock_alloc_buffer((1,), "uint8", scope=scratch)
-        part = T.sblock_alloc_buffer((NL,), "float32", scope=scratch)
-        ssq = T.sblock_alloc_buffer((1,), "float32", scope=scratch)
+        if with_norm:  # static: the norm's lane partials and sum of squares
+            part = T.sblock_alloc_buffer((NL,), "float32", scope=scratch)
+            ssq = T.sblock_alloc_buffer((1,), "float32", scope=scratch)
+        else:
+            part = T.meta_var(None)
+            ssq = T.meta_var(None)
         if ok:
             if with_norm:
                 for l0 in range(NL // VL):
