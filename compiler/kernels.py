@@ -50,7 +50,7 @@ from dsv41.compiler.kernel_keys import (
     SparseAttendKey,
 )
 from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
-from dsv41.graph.ops import ENGRAM_ROWS_FUNC
+from dsv41.graph.ops import ENGRAM_ROWS_FUNC, ENTRY_GROUP, EntryFormat, entry_code_width
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import (
     attention,
@@ -404,9 +404,10 @@ def _quant(ctx: Lowering, op: str):
         if op == "qdq_mxfp4":
             y = call(importer, gv, [x2], tensor([n, d], BF16))
             return unrows(importer, y, lead)
-        code_w, scale_w = {"quant_fp8": (d, d // 32), "quant_fp4_kv": (d // 2, d // 16),
-                           "quant_mxfp4": (d // 2, d // 32)}[op]
-        out = [tensor([n, code_w], "uint8"), tensor([n, scale_w], "uint8")]
+        form = {"quant_fp8": EntryFormat.FP8, "quant_fp4_kv": EntryFormat.FP4_KV,
+                "quant_mxfp4": EntryFormat.MXFP4}[op]
+        out = [tensor([n, entry_code_width(form, d)], "uint8"),
+               tensor([n, d // ENTRY_GROUP[form]], "uint8")]
         pair = call(importer, gv, [x2], out)
         bb = importer.block_builder
         codes = unrows(importer, bb.emit(relax.TupleGetItem(pair, 0)), lead)

@@ -36,8 +36,8 @@ from tvm.script import tirx as T
 
 from dsv41.graph.ops import ENTRY_GROUP, EntryFormat, entry_code_width
 from dsv41.graph.targets import TargetSpec, get_target
-from dsv41.schedules.common import round_bf16
 from dsv41.schedules.common.rows import schedule_block_rows
+from dsv41.schedules.common.stages import rms_norm_row
 from dsv41.schedules.gemm import fp8_code, pow2_scale_byte
 from dsv41.schedules.norm import check_lanes, f32_of_bf16, norm_config
 from dsv41.schedules.quant import (
@@ -91,7 +91,7 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
     D, R2, NOPE = T.int64(d), T.int64(rd // 2), T.int64(d - rd)
     B, G = T.int64(group), T.int64(d // group)
     CW = T.int64(entry_code_width(fmt, d))
-    NL, DL = T.int64(norm_lanes), T.int64(d // norm_lanes)
+    NL = T.int64(norm_lanes)
     loop = T.vectorized if vec else T.serial
 
     def width(n: int) -> T.int64:  # the vector width of a loop of n elements
@@ -99,6 +99,8 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
 
     VD, VN, VL = width(d), width(d - rd), width(norm_lanes)
     with_norm = eps is not None
+
+    norm_row = rms_norm_row(vec=int(VL))  # a fresh macro (see common.stages)
 
     @T.macro
     def quantise(v, amax, sb, codes, scales, vb, crow, g):
@@ -133,22 +135,8 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
             ssq = T.meta_var(None)
         if ok:
             if with_norm:
-                for l0 in range(NL // VL):
-                    for l1 in loop(VL):
-                        part[l0 * VL + l1] = T.float32(0)
-                for k, l0 in T.grid(DL, NL // VL):
-                    for l1 in loop(VL):
-                        part[l0 * VL + l1] = part[l0 * VL + l1] \
-                            + f32_of_bf16(x[vb, vt, k * NL + l0 * VL + l1]) \
-                            * f32_of_bf16(x[vb, vt, k * NL + l0 * VL + l1])
-                ssq[0] = T.float32(0)
-                for ln in range(NL):
-                    ssq[0] = ssq[0] + part[ln]
-                ssq[0] = T.rsqrt(ssq[0] / T.float32(d) + T.float32(eps))  # now rstd
-                for c0 in range(D // VD):
-                    for c1 in loop(VD):
-                        nb[c0 * VD + c1] = round_bf16(f32_of_bf16(weight[c0 * VD + c1]) * (
-                            f32_of_bf16(x[vb, vt, c0 * VD + c1]) * ssq[0]))
+                norm_row(nb, lambda c: (c,), part, ssq, lambda c: f32_of_bf16(x[vb, vt, c]),
+                         weight, d, eps, norm_lanes)
             else:
                 for c0 in range(D // VD):
                     for c1 in loop(VD):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from tvm.script import tirx as T
 
-from dsv41.schedules.common import dpbf16ps, with_bf16_dot
+from dsv41.schedules.common import bf16_to_f32, dpbf16ps, with_bf16_dot
 from dsv41.schedules.rope import rotated_bits
 
 LANES = 16  # fp32 lanes of one vdpbf16ps (zmm)
@@ -119,14 +119,9 @@ def q_pair_bits(q, vb, vs, head, i, rope: QRope | None):
         return plain
     p = T.max(i * T.int64(2) - rope.nope, T.int64(0)) // T.int64(2)
     tb = rope.table_row(vb)
-    re_b, im_b = rotated_bits(_f32(lo), _f32(hi), rope.cos[tb, vs, p], rope.sin[tb, vs, p],
-                              inverse=False)
+    re_b, im_b = rotated_bits(bf16_to_f32(lo), bf16_to_f32(hi), rope.cos[tb, vs, p],
+                              rope.sin[tb, vs, p], inverse=False)
     return T.Select(i * T.int64(2) < rope.nope, plain, re_b | (im_b << T.uint32(16)))
-
-
-def _f32(x):
-    """A bfloat16 element as fp32, on its bits."""
-    return T.reinterpret("float32", _bits(x) << T.uint32(16))
 
 
 def make_bf16_dot_stages(*, hg: int, d: int, blk: int):

@@ -1,6 +1,6 @@
 """TIR stages several kernels repeat, as `@T.macro`s: a block amax and its E8M0 scale byte, a
-sum of squares in strided lane partials, one Sinkhorn normalisation pass, a sum over K in padded
-row groups.
+sum of squares in strided lane partials, one row's RMSNorm in plain loops, one Sinkhorn
+normalisation pass, a sum over K in padded row groups.
 
 Each macro emits exactly the blocks (names, loop order, dtypes) its callers wrote inline, so a
 kernel's TIR is the same with the macro as without; what varies between callers (how an element
@@ -15,6 +15,8 @@ which the schedules, looking blocks up by name, would not find.
 from __future__ import annotations
 
 from tvm.script import tirx as T
+
+from dsv41.schedules.common.exprs import bf16_to_f32, round_bf16
 
 
 def abs_bits_amax_scale_byte():
@@ -75,6 +77,38 @@ def lane_sum_of_squares():
                 total[0] = total[0] + part[vl]
 
     return lane_sum_of_squares_
+
+
+def rms_norm_row(*, vec: int):
+    """The RMSNorm of one row in plain loops (no blocks), for a kernel that norms its input
+    itself: `norm.make_rms_norm`'s arithmetic step for step, so its bits. part[l] sums the
+    squares of value(c) for c = l, l + lanes, .. in order, the partials are added in lane order
+    into ssq[0], which becomes rstd = rsqrt(ssq / d + eps), and out[at(c)] takes
+    round_bf16(w[c] * (value(c) * rstd)) (the bf16 value as fp32). `vec`: loops of that many
+    lanes vectorised (1: scalar; it divides `lanes` and d). value(c) is a plain Python function of
+    the element index (fp32), at(c) the indices of out that element c goes to."""
+
+    loop = T.vectorized if vec > 1 else T.serial
+
+    @T.macro
+    def rms_norm_row_(out, at, part, ssq, value, weight, d, eps, lanes):
+        for l0 in range(T.int64(lanes // vec)):
+            for l1 in loop(T.int64(vec)):
+                part[l0 * vec + l1] = T.float32(0)
+        for k, l0 in T.grid(T.int64(d // lanes), T.int64(lanes // vec)):
+            for l1 in loop(T.int64(vec)):
+                part[l0 * vec + l1] = part[l0 * vec + l1] \
+                    + value(k * lanes + l0 * vec + l1) * value(k * lanes + l0 * vec + l1)
+        ssq[0] = T.float32(0)
+        for ln in range(T.int64(lanes)):
+            ssq[0] = ssq[0] + part[ln]
+        ssq[0] = T.rsqrt(ssq[0] / T.float32(d) + T.float32(eps))  # now rstd
+        for c0 in range(T.int64(d // vec)):
+            for c1 in loop(T.int64(vec)):
+                out[at(c0 * vec + c1)] = round_bf16(bf16_to_f32(weight[c0 * vec + c1]) * (
+                    value(c0 * vec + c1) * ssq[0]))
+
+    return rms_norm_row_
 
 
 def sinkhorn_pass():

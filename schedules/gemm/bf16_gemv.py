@@ -18,11 +18,11 @@ from dsv41.schedules.common import (
     e4m3_to_f32,
     e8m0_to_f32,
     i64,
-    round_bf16,
     u32,
     with_bf16_dot,
 )
 from dsv41.schedules.common import prefetch as prefetch_line
+from dsv41.schedules.common.stages import rms_norm_row
 from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
 
 MAX_ROWS = 8  # rows per group of the verify form (as `make_fp8_gemv_avx2`)
@@ -406,10 +406,12 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
             group_if(weight, xs, xf, sv, xqs, scale, y, p, g * R, live, 8,
                      acc, lo_tbl, hi_tbl, red, tot)
 
-    NL, KL = i64(norm_lanes), i64(k // norm_lanes)
+    NL = i64(norm_lanes)
 
     def xval(x, xn, i, c):  # the activation the quantiser reads, as fp32
         return xn[i, c] if norm_eps is not None else bf16_to_f32(x[i, c])
+
+    norm_row = rms_norm_row(vec=1)  # a fresh macro (see common.stages)
 
     @T.macro
     def normed(x, nw, xn, m):
@@ -417,17 +419,8 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
         part = T.alloc_buffer((NL,), "float32")
         ssq = T.alloc_buffer((1,), "float32")
         for i in range(m):
-            for ln in range(NL):
-                part[ln] = T.float32(0)
-            for kk, ln in T.grid(KL, NL):
-                part[ln] = part[ln] + bf16_to_f32(x[i, kk * NL + ln]) \
-                    * bf16_to_f32(x[i, kk * NL + ln])
-            ssq[0] = T.float32(0)
-            for ln in range(NL):
-                ssq[0] = ssq[0] + part[ln]
-            ssq[0] = T.rsqrt(ssq[0] / T.float32(k) + T.float32(norm_eps))
-            for c in range(K):
-                xn[i, c] = round_bf16(bf16_to_f32(nw[c]) * (bf16_to_f32(x[i, c]) * ssq[0]))
+            norm_row(xn, lambda c, i=i: (i, c), part, ssq,
+                     lambda c, i=i: bf16_to_f32(x[i, c]), nw, k, norm_eps, norm_lanes)
 
     @T.macro
     def body(x, xn, weight, scale, y, m, second):
