@@ -427,15 +427,20 @@ def use_gemv(ctx: Lowering) -> bool:
 
 
 def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
-               out_dtype: str = "float32") -> relax.Expr:
+               out_dtype: str = "float32", scale: relax.Expr | None = None) -> relax.Expr:
     """x (m, g, k) times w (g * n, k) -> fp32 (m, g, n): dense_gemv in entries with a small row
     hint (decode, drafts), dense_gemm (register-tiled over rows) in the others (prefill). The
     aten `linear` / `einsum` overrides of `compiler.lower` emit it. out_dtype "bfloat16": the
     result the caller wants; the GEMV stores it rounded where its form can
-    (`gemm.dense_gemv_rounds`), else the result is fp32 and the caller rounds."""
+    (`gemm.dense_gemv_rounds`), else the result is fp32 and the caller rounds. `scale`: w is
+    FP8 (E4M3 codes, these E8M0 scales per 32 x 32 tile), which dense_gemv reads as stored
+    (decode, drafts, verify) and the prefill form as its bf16 (`fp8_weight_bf16`)."""
     groups, k = (static(v) for v in shape(x3)[1:])
     n = static(shape(w2)[0]) // groups
-    dims = dict(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=str(w2.ty.dtype))
+    if scale is not None and not use_gemv(ctx):
+        w2, scale = fp8_weight_bf16(ctx, importer, w2, scale), None
+    w_dtype = gemm.FP8_WEIGHT if scale is not None else str(w2.ty.dtype)
+    dims = dict(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=w_dtype)
     m = shape(x3)[0]
     if not use_gemv(ctx):
         key = DenseGemmKey(**dims)
@@ -448,7 +453,24 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
     dtype = BF16 if rounds else "float32"
     key = DenseGemvKey(**dims, rows=ctx.verify_rows, out_dtype=dtype)
     gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-    return call(importer, gv, [x3, w2], tensor([m, groups, n], dtype))
+    weight = [w2] if scale is None else [w2, scale]
+    return call(importer, gv, [x3, *weight], tensor([m, groups, n], dtype))
+
+
+def fp8_weight_bf16(ctx: Lowering, importer, codes: relax.Expr, scale: relax.Expr) -> relax.Expr:
+    """The bf16 of an FP8 weight [rows, k] with E8M0 scales per 32 x 32 tile, made once per call
+    (a prefill's, where the GEMM's rows amortise it; CUDA's generic path): each tile's scale
+    repeated over its 32 rows, the fp8_dequant kernel (exact fp32 values), rounded to bf16
+    (exact: 4 significant bits)."""
+    bb = importer.block_builder
+    rows_, k = (static(v) for v in shape(codes))
+    per_row = bb.emit(relax.op.repeat(scale, 32, axis=0))
+    if rows_ % 32:
+        per_row = bb.emit(relax.op.strided_slice(per_row, axes=[0], begin=[0], end=[rows_]))
+    key = Fp8DequantKey(d=k)
+    gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+    values = call(importer, gv, [codes, per_row], tensor([rows_, k], "float32"))
+    return bb.emit(relax.op.astype(values, BF16))
 
 
 # ---- the registry -------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tvm import relax, te
 from tvm.relax.frontend.torch import from_exported_program
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from dsv41.compiler.kernels import converters, dense_call
+from dsv41.compiler.kernels import converters, dense_call, fp8_weight_bf16
 from dsv41.compiler.relax_ops import (
     BF16,
     Lowering,
@@ -183,6 +183,29 @@ def _einsum(ctx: Lowering):
     return convert
 
 
+def _fp8_grouped_linear(ctx: Lowering):
+    """dsv41::fp8_grouped_linear (the grouped o-projection over the hub's FP8 `wo_a`): on the CPU
+    `dense_call` over the codes and tile scales (the GEMV reads them as stored; prefill's GEMM
+    their bf16); on CUDA the generic einsum over the weight's bf16 values."""
+
+    def convert(node, importer):
+        x, w, s = (importer.env[a] for a in node.args[:3])
+        dtype = x.ty.dtype
+        if not ctx.target.is_cuda:
+            x3, lead = rows(importer, x, 2)
+            y = unrows(importer, dense_call(ctx, importer, x3, w, out_dtype=dtype, scale=s),
+                       lead)
+            return _cast(importer, y, dtype)  # no-op where the GEMV stored bf16
+        g, d = (static(v) for v in shape(x)[-2:])
+        wb = fp8_weight_bf16(ctx, importer, w, s)
+        w3 = importer.block_builder.emit(relax.op.reshape(wb, [g, static(shape(w)[0]) // g, d]))
+        y = importer.block_builder.emit(relax.op.einsum(
+            [_in_fp32(importer, x), _in_fp32(importer, w3)], "bsgd,grd->bsgr"))
+        return _cast(importer, y, dtype)
+
+    return convert
+
+
 def _mean(node, importer):
     x = importer.env[node.args[0]]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -262,6 +285,7 @@ def convert_map(ctx: Lowering) -> dict:
         **converters(ctx),
         "linear.default": _linear(ctx),
         "einsum.default": _einsum(ctx),
+        "fp8_grouped_linear.default": _fp8_grouped_linear(ctx),
         "mean.dim": _mean,
         "amax.default": _amax,
         "copysign.Tensor": _copysign,

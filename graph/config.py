@@ -34,6 +34,12 @@ class ModelArgs:
     # storage formats
     dtype: str = "fp8"
     expert_dtype: str | None = "fp4"
+    # dsv41's key: the grouped o-projection's weight (`wo_a`) kept as the hub ships it, FP8 E4M3
+    # with an E8M0 scale per 32 x 32 tile ("fp8"), or as `inference/convert.py` writes it, BF16
+    # (the reference's demo layout). The same values either way (the BF16 is the FP8
+    # dequantized); "fp8" reads half the bytes. A checkpoint in the other form is converted at
+    # load, exactly or not at all (`checkpoint.load`).
+    wo_a_dtype: str = "bf16"
     # trunk
     vocab_size: int = 129280
     dim: int = 5120
@@ -163,6 +169,12 @@ def validate(a: ModelArgs) -> None:
     _check(a.dtype in ("fp8", "bf16"), f"ModelArgs.dtype must be 'fp8' or 'bf16', got {a.dtype!r}.")
     _check(a.expert_dtype in ("fp4", None),
            f"ModelArgs.expert_dtype must be 'fp4' or null, got {a.expert_dtype!r}.")
+    _check(a.wo_a_dtype in ("fp8", "bf16"),
+           f"ModelArgs.wo_a_dtype must be 'fp8' or 'bf16', got {a.wo_a_dtype!r}.")
+    _check(a.wo_a_dtype == "bf16" or (a.o_groups * a.o_lora_rank) % 32 == 0
+           and (a.n_heads * a.head_dim // a.o_groups) % 32 == 0,
+           "ModelArgs.wo_a_dtype 'fp8' needs wo_a's rows (o_groups * o_lora_rank) and columns "
+           "(n_heads * head_dim / o_groups) in whole 32 x 32 tiles.")
     _check(a.score_func in ("softmax", "sigmoid", "sqrtsoftplus"),
            f"ModelArgs.score_func {a.score_func!r} is not one of softmax, sigmoid, sqrtsoftplus.")
     _check(a.n_shared_experts == 1,
@@ -523,8 +535,9 @@ def _engram_rows(layer_ids, max_ngram, n_heads, vocab) -> tuple[int, ...]:
 
 
 def _full() -> ModelArgs:
-    """The released `inference/config.json`; runtime limits (batch, context) are dsv41's."""
-    return ModelArgs()
+    """The released `inference/config.json`; runtime limits (batch, context) are dsv41's, and
+    `wo_a` is read in the FP8 the hub ships (`wo_a_dtype`)."""
+    return ModelArgs(wo_a_dtype="fp8")
 
 
 def _bench() -> ModelArgs:
@@ -542,6 +555,7 @@ def _bench() -> ModelArgs:
         dspark_n_activated_experts=2,
         q_lora_rank=512,
         o_lora_rank=512,
+        wo_a_dtype="fp8",  # as the hub ships it: half the o-projection's bytes
         dspark_markov_rank=64,
         dspark_noise_token_id=8191,
         engram_vocab_size=vocab,

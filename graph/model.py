@@ -790,7 +790,10 @@ def output_proj(model: Model, layer: int, o: torch.Tensor) -> torch.Tensor:
     wo_a = model.p(layer, "attn.wo_a.weight")
     groups = wo_a.size(0) // a.o_lora_rank  # o_groups, or a worker's (its rows of wo_a)
     o = o.reshape(b, s, groups, -1)  # (b, s, g, h*hd/g)
-    o = torch.einsum("bsgd,grd->bsgr", o, wo_a.view(groups, a.o_lora_rank, -1))
+    if a.wo_a_dtype == "fp8":  # the hub's FP8 form, dequantized inside (the same bf16 values)
+        o = ops.fp8_grouped_linear(o, wo_a, model.p(layer, "attn.wo_a.scale"))
+    else:
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a.view(groups, a.o_lora_rank, -1))
     return row_parallel(model, o.flatten(2), model.p(layer, "attn.wo_b.weight"),
                         model.p(layer, "attn.wo_b.scale"))
 

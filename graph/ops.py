@@ -8,6 +8,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `norm_fp8_linear`: the same of an RMS-normed input
 - `fp8_linear_pair`: two of them of one input (one activation quantisation)
 - `fp8_dequant`:   E4M3 codes + E8M0 scales -> values
+- `fp8_grouped_linear`: the grouped o-projection over `wo_a` kept in FP8 (dequantised inside)
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
                    softmax with the sink; index -1 is skipped
 - `sparse_attend_rope`: the same between the queries' RoPE and the output's inverse RoPE
@@ -278,6 +279,24 @@ def fp8_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 @fp8_dequant.register_fake
 def _(codes, scales):
     return codes.new_empty(codes.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv41::fp8_grouped_linear", mutates_args=())
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x bf16 (b, s, g, d) times the grouped weight [g * r, d] stored as E4M3 codes with an E8M0
+    scale per 32 x 32 tile -> bf16 (b, s, g, r): `einsum("bsgd,grd->bsgr")` over the weight
+    dequantized to bf16 (each code times its tile's scale in fp32, rounded once: the BF16 that
+    `inference/convert.py` writes for the hub's FP8 `wo_a`), i.e. the released model's grouped
+    o-projection on the converted checkpoint, bit for bit."""
+    b, s, g, d = x.shape
+    w = fmt.torch_dequant_fp8_weight(weight, scale).to(torch.bfloat16)
+    return torch.einsum("bsgd,grd->bsgr", x, w.view(g, -1, d))
+
+
+@fp8_grouped_linear.register_fake
+def _(x, weight, scale):
+    b, s, g, d = x.shape
+    return x.new_empty((b, s, g, weight.size(0) // g))
 
 
 # ---- Engram table rows (host-resident tables) ---------------------------------------------

@@ -134,7 +134,7 @@ _EXPERT = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.")
 _BY_SUFFIX: tuple[tuple[str, Split], ...] = (
     ("attn.wq_b.weight", Split.ROWS), ("attn.wq_b.scale", Split.ROWS),
     ("attn.attn_sink", Split.ROWS),
-    ("attn.wo_a.weight", Split.ROWS),
+    ("attn.wo_a.weight", Split.ROWS), ("attn.wo_a.scale", Split.ROWS),
     ("attn.wo_b.weight", Split.COLS), ("attn.wo_b.scale", Split.COLS),
     ("ffn.shared_experts.w1.weight", Split.ROWS), ("ffn.shared_experts.w1.scale", Split.ROWS),
     ("ffn.shared_experts.w3.weight", Split.ROWS), ("ffn.shared_experts.w3.scale", Split.ROWS),

@@ -17,9 +17,18 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from dsv41.graph.checkpoint.fp8_tiles import (
+    check_fp8_tiles,
+    dequantize_fp8_tiles,
+    quantize_fp8_tiles_exact,
+)
+from dsv41.graph.checkpoint.spec import (
+    FP8 as FP8_KIND,
+)
 from dsv41.graph.checkpoint.spec import (
     INDEX_FILE,
     ITEMSIZE,
+    RELEASE_FP8_SUFFIX,
     RETURNED_DTYPES,
     GiB,
     TensorSpec,
@@ -30,7 +39,6 @@ from dsv41.graph.checkpoint.spec import (
     vision_spec,
 )
 from dsv41.graph.config import ModelArgs, load_config
-from dsv41.graph.formats import torch_e4m3_decode, torch_e8m0_decode
 
 # =============================================================================================
 # Reading safetensors files
@@ -215,12 +223,16 @@ def _is_vision(name: str) -> bool:
 
 
 def _compare(spec: Mapping[str, TensorSpec], where: Mapping[str, _Header], strict: bool,
-             args: ModelArgs, fp8: Collection[str] = ()) -> list[str]:
+             args: ModelArgs, fp8: Collection[str] = (), converted: Collection[str] = ()
+             ) -> list[str]:
     """Every difference between the files and the layout, as one sentence per tensor. `fp8`:
-    the tensors stored in the hub's FP8 form (`_release_fp8`), whose scales are expected."""
+    the tensors stored in the hub's FP8 form (`_release_fp8`), whose scales are expected;
+    `converted`: tensors (and scales) made at load from another form (`_kept_fp8`)."""
     problems = []
     scales = {scale_name(n) for n in fp8}
     for name, s in spec.items():
+        if name in converted:
+            continue
         if name not in where:
             if strict:
                 problems.append(f"tensor {name!r} is missing (expected {s.dtype} "
@@ -270,19 +282,50 @@ def _release_fp8(spec: Mapping[str, TensorSpec], where: Mapping[str, _Header]
     return stored, tiles, problems
 
 
-def dequantize_fp8_tiles(codes: torch.Tensor, scales: torch.Tensor, tile: int) -> torch.Tensor:
-    """BF16 of FP8 E4M3 `codes` [out, in] times the E8M0 `scales` [ceil(out/tile),
-    ceil(in/tile)] (uint8 bytes both): each code to fp32, times its tile's 2^e (exact), rounded
-    once to bf16 -- `inference/convert.py`'s dequantization, bit for bit."""
-    rows, cols = codes.shape
-    grid_rows, grid_cols = scales.shape
-    values = torch_e4m3_decode(codes)
-    scale = torch_e8m0_decode(scales)
-    if (grid_rows * tile, grid_cols * tile) == (rows, cols):  # whole tiles: scale in place
-        tiles = values.view(grid_rows, tile, grid_cols, tile)
-        return tiles.mul_(scale[:, None, :, None]).view(rows, cols).to(torch.bfloat16)
-    scale = scale.repeat_interleave(tile, 0)[:rows].repeat_interleave(tile, 1)[:, :cols]
-    return values.mul_(scale).to(torch.bfloat16)
+def _kept_fp8(spec: Mapping[str, TensorSpec], where: Mapping[str, _Header]
+              ) -> tuple[dict[str, int], list[str]]:
+    """The layout's FP8 `wo_a` tensors (`ModelArgs.wo_a_dtype` "fp8") that the files store in
+    another form, to be converted at load: name -> the tile of their FP8 scale (another square
+    tile than the layout's 32), or 0 where they are BF16 (`inference/convert.py`'s layout);
+    and one sentence per such tensor whose scale fits no square tile."""
+    kept: dict[str, int] = {}
+    problems = []
+    for name, s in spec.items():
+        if not (name.endswith(RELEASE_FP8_SUFFIX) and s.kind == FP8_KIND) or name not in where:
+            continue
+        got = where[name].entries[name]
+        if got.shape != s.shape:
+            continue  # `_compare` reports it
+        if got.dtype == "BF16":
+            kept[name] = 0
+            continue
+        scale = scale_name(name)
+        if got.dtype != "F8_E4M3" or scale not in where:
+            continue
+        e = where[scale].entries[scale]
+        if e.shape == spec[scale].shape:
+            continue  # the layout's own form
+        tile = fp8_scale_tile(got.shape, e.shape)
+        if e.dtype != "F8_E8M0" or tile is None:
+            problems.append(f"tensor {scale!r} in {where[scale].path.name} is {e.dtype} "
+                            f"{list(e.shape)}, expected F8_E8M0 with one scale per square tile "
+                            f"of {name!r} {list(got.shape)}")
+        else:
+            kept[name] = tile
+    return kept, problems
+
+
+def _read_kept_fp8(reader: _Reader, where: Mapping[str, _Header], name: str, tile: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `_kept_fp8` tensor read and converted on the CPU to the layout's FP8 of 32 x 32 tiles,
+    exactly (`quantize_fp8_tiles_exact`: ValueError where no such form holds its values)."""
+    cpu = torch.device("cpu")
+    stored = reader.read(where[name], name, _empty(where[name].entries[name], cpu))
+    if tile:
+        scale = scale_name(name)
+        scales = reader.read(where[scale], scale, _empty(where[scale].entries[scale], cpu))
+        stored = dequantize_fp8_tiles(stored, scales, tile)
+    return quantize_fp8_tiles_exact(stored, name)
 
 
 def _problem_report(path: Path, problems: list[str], limit: int = 20) -> str:
@@ -387,7 +430,9 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
     where, problems = _locate(files, headers)
     spec = param_spec(args)
     fp8, tiles, fp8_problems = _release_fp8(spec, where)
-    problems += _compare(spec, where, strict, args, fp8) + fp8_problems
+    kept, kept_problems = _kept_fp8(spec, where)
+    converted = set(kept) | {scale_name(n) for n in kept}
+    problems += _compare(spec, where, strict, args, fp8, converted) + fp8_problems + kept_problems
     problems += _stack_problems(spec, stacks or {})
     if problems:
         raise ValueError(_problem_report(path, problems))
@@ -402,7 +447,7 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
         loaded: dict[str, torch.Tensor] = {}
         for h in headers:
             names = [n for n in h.entries if n in spec and n not in members and where[n] is h
-                     and n not in tiles and (only is None or n in only)]
+                     and n not in tiles and n not in converted and (only is None or n in only)]
             for n in names:
                 if n in slices:
                     loaded[n] = reader.read_slice(h, n, *slices[n])
@@ -419,6 +464,20 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
             if only is None or n in only:
                 loaded[n] = _read_fp8(reader, where, n, tile, slices.get(n),
                                       torch.device("cpu") if n in host else device)
+        for n, tile in kept.items():
+            wanted = [t for t in (n, scale_name(n)) if only is None or t in only]
+            if wanted:
+                made = dict(zip((n, scale_name(n)), _read_kept_fp8(reader, where, n, tile),
+                                strict=True))
+                for t in wanted:
+                    piece = slices.get(t)
+                    part = made[t] if piece is None else made[t].narrow(
+                        piece[0], piece[1], piece[2] - piece[1]).contiguous()
+                    loaded[t] = part.to(torch.device("cpu") if t in host else device)
+        for n, s in spec.items():  # the FP8 wo_a read as stored: decodable as the kernels do
+            if n.endswith(RELEASE_FP8_SUFFIX) and s.kind == FP8_KIND and n in loaded \
+                    and scale_name(n) in loaded and n not in kept:
+                check_fp8_tiles(loaded[n].cpu(), loaded[scale_name(n)].cpu(), n)
         out = {name: loaded[name] for name in spec if name in loaded}
         for name, group in (stacks or {}).items():
             if all(m in where for m in group):

@@ -139,7 +139,8 @@ def _attn_entries(args: ModelArgs, p: str, layer: LayerPlan) -> Entries:
     out += _linear(f"{p}attn.wq_b", a.n_heads * hd, a.q_lora_rank, fmt)
     out += _linear(f"{p}attn.wkv", hd, a.dim, fmt)
     out += _plain(f"{p}attn.kv_norm.weight", (hd,), BF16)
-    out += _linear(f"{p}attn.wo_a", a.o_groups * a.o_lora_rank, a.n_heads * hd // a.o_groups, BF16)
+    out += _linear(f"{p}attn.wo_a", a.o_groups * a.o_lora_rank, a.n_heads * hd // a.o_groups,
+                   "fp8" if a.wo_a_dtype == "fp8" else BF16)
     out += _linear(f"{p}attn.wo_b", a.dim, a.o_groups * a.o_lora_rank, fmt)
     if layer.is_kv_source:
         # ratio > 1 pools in fp32, so the reference promotes those weights; ratio 1 stays bf16

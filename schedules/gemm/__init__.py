@@ -45,6 +45,7 @@ from dsv41.schedules.gemm.avx2_gemv import (
     make_fp8_gemv_avx2,
 )
 from dsv41.schedules.gemm.dense import (
+    FP8_WEIGHT,
     DenseGemmConfig,
     DenseGemvConfig,
     build_dense_gemm,
@@ -99,6 +100,7 @@ from dsv41.schedules.gemm.linear import (
 
 __all__ = [
     "bf16_value",
+    "FP8_WEIGHT",
     "amx_block_rows",
     "arrange_lane_sum",
     "BLOCK",

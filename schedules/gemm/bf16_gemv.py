@@ -15,13 +15,13 @@ from dsv41.schedules.common import (
     bf16_to_f32,
     dpbf16ps,
     dpbf16ps_by_fma,
-    e4m3_to_f32,
     e8m0_to_f32,
     i64,
     u32,
     with_bf16_dot,
 )
 from dsv41.schedules.common import prefetch as prefetch_line
+from dsv41.schedules.common.e4m3_words import e4m3_bf16_table, e4m3_bf16_words, table_vectors
 from dsv41.schedules.common.stages import rms_norm_row
 from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
 
@@ -51,19 +51,9 @@ def chunk_slot_source(j):
 
 def _bf16_words(codes, lo_tbl, hi_tbl, half: int):
     """The bf16 bits (uint16 x 32) of codes 16 L + 8 half + i (L 0..3, i 0..7) of a chunk of 64
-    E4M3 codes: the low and high bytes of |code|'s bf16 bits looked up in 128-entry tables
-    (vpermi2b reads the index's low 7 bits), the code's sign bit put on the high byte."""
-    name = "llvm.x86.avx512.vpermi2var.qi.512"
-    lo = T.call_llvm_pure_intrin("int8x64", name, lo_tbl[0], T.reinterpret("int8x64", codes),
-                                 lo_tbl[1])
-    hi = T.call_llvm_pure_intrin("int8x64", name, hi_tbl[0], T.reinterpret("int8x64", codes),
-                                 hi_tbl[1])
-    hi = T.reinterpret("uint8x64", hi) | (codes & T.broadcast(T.uint8(0x80), CL))
-    idx = []
-    for t in range(32):
-        src = 16 * (t // 8) + 8 * half + t % 8
-        idx += [src, CL + src]
-    return T.reinterpret("uint16x32", T.Shuffle([T.reinterpret("uint8x64", lo), hi], idx))
+    E4M3 codes (`e4m3_bf16_words`): the order of the byte interleaves vpunpcklbw / vpunpckhbw."""
+    return e4m3_bf16_words(codes, lo_tbl, hi_tbl,
+                           [16 * (t // 8) + 8 * half + t % 8 for t in range(32)])
 
 
 def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
@@ -428,11 +418,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
             amax = T.alloc_buffer((m, KB), "float32")
             xq = T.alloc_buffer((m, K), "float32")  # per chunk in chunk_slot_source order
             tbl = T.alloc_buffer((256,), "uint8")  # low bytes of |code|'s bf16, then high
-            for t in range(128):
-                tbl[t] = T.Cast("uint8", bf16_bits_of_exact(e4m3_to_f32(T.Cast("uint32", t)))
-                                & T.uint16(0xFF))
-                tbl[128 + t] = T.Cast("uint8", bf16_bits_of_exact(
-                    e4m3_to_f32(T.Cast("uint32", t))) >> T.uint16(8))
+            e4m3_bf16_table(tbl)
             for i, b in T.grid(m, KB):
                 amax[i, b] = T.min_value("float32")
                 for j in range(i64(BLOCK)):
@@ -461,9 +447,9 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                 acc = T.alloc_buffer((SLOTS * AW,), "float32")  # slot a at a * AW
                 red = T.alloc_buffer((R * 256,), "float32")  # row r's column c at (16 r + c) 16
                 tot = T.alloc_buffer((16,), out_dtype)  # a partial tile's stored totals
-                lo_tbl = T.meta_var([tbl.vload([0], "uint8x64"), tbl.vload([64], "uint8x64")])
-                hi_tbl = T.meta_var([tbl.vload([128], "uint8x64"),
-                                     tbl.vload([192], "uint8x64")])
+                tables = T.meta_var(table_vectors(tbl))
+                lo_tbl = T.meta_var(tables[0])
+                hi_tbl = T.meta_var(tables[1])
                 for pi in range(i64(TILES)):
                     if po * TILES + pi < NT:
                         if second is None:  # static

@@ -9,6 +9,7 @@ import tvm
 from tvm import s_tir
 from tvm.script import tirx as T
 
+from dsv41.graph.checkpoint.spec import FP8_TILE
 from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.common import (
     bf16_of,
@@ -16,8 +17,12 @@ from dsv41.schedules.common import (
     bf16_to_f32,
     dpbf16ps,
     dpbf16ps_by_fma,
+    e4m3_to_f32_select,
+    e4m3_words,
+    e8m0_byte,
     has_amx_bf16,
     has_avx512_bf16,
+    has_features,
     i64,
     pairwise_lane_sum,
     with_bf16_dot,
@@ -34,6 +39,28 @@ from dsv41.schedules.gemm.lanes import lane_split, place_lane_sums, vector_sum
 
 def _load_f32(buf, *idx):
     return bf16_to_f32(buf[idx]) if buf.dtype == "bfloat16" else buf[idx]
+
+
+FP8_WEIGHT = "fp8"  # a dense GEMV's w_dtype for E4M3 codes with E8M0 scales per 32 x 32 tile
+
+
+def _tile_grid(rows, k):
+    """The shape of a [rows, k] weight's E8M0 tile scales (32 x 32 tiles)."""
+    return ((rows + i64(FP8_TILE - 1)) // i64(FP8_TILE), k // i64(FP8_TILE))
+
+
+def _check_fp8_k(k: int) -> None:
+    if k % FP8_TILE:
+        raise ValueError(f"dense_gemv over an FP8 weight needs k a multiple of {FP8_TILE}, "
+                         f"got {k}.")
+
+
+def fp8_tile_f32(w, sc, row, j):
+    """The value of FP8 weight element (row, j) as fp32: its E4M3 code times its 32 x 32 tile's
+    E8M0 scale, exact (the value `checkpoint.fp8_tiles.dequantize_fp8_tiles` rounds to a bf16
+    that holds it exactly while the scale byte is in `fp8_tiles.EXACT_SCALE_BYTES`)."""
+    return e4m3_to_f32_select(T.Cast("uint32", w[row, j])) * e8m0_byte(
+        sc[row // i64(FP8_TILE), j // i64(FP8_TILE)])
 
 
 def _transposed(wdec, g, c, j):  # dense_gemm's widened weight tile is [g, k, n]
@@ -58,8 +85,28 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
     Products of two bf16/fp32 values are rounded once in fp32 as in torch; the sum over K runs in
     `vec` lanes and a final horizontal add (torch's order is its own), so results agree with the
     oracle to fp32 rounding, not bit for bit."""
-    _check_dense_dtypes("dense_gemv", x_dtype, w_dtype)
     G, N, K = i64(groups), i64(n), i64(k)
+    if w_dtype == FP8_WEIGHT:
+        _check_dense_dtypes("dense_gemv", x_dtype)
+        _check_fp8_k(k)
+
+        @T.prim_func(s_tir=True)
+        def dense_gemv_fp8(x_h: T.handle, w: T.Buffer((G * N, K), "uint8"),
+                           sc: T.Buffer(_tile_grid(G * N, K), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, G, K), x_dtype)
+            y = T.match_buffer(y_h, (m, G, N), "float32")
+            for i, g, c, j in T.grid(m, G, N, K):
+                with T.sblock("y"):
+                    vi, vg, vc, vj = T.axis.remap("SSSR", [i, g, c, j])
+                    with T.init():
+                        y[vi, vg, vc] = T.float32(0)
+                    y[vi, vg, vc] = y[vi, vg, vc] + _load_f32(x, vi, vg, vj) * fp8_tile_f32(
+                        w, sc, vg * N + vc, vj)
+
+        return dense_gemv_fp8
+    _check_dense_dtypes("dense_gemv", x_dtype, w_dtype)
 
     @T.prim_func(s_tir=True)
     def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), w_dtype), y_h: T.handle):
@@ -86,11 +133,29 @@ def make_dense_gemv_rows(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: 
     as the single-row kernel sums it (the same lanes and pairwise tree: bit-identical per row).
     The last group reads the last row again for its missing rows (no loop carries a predicate);
     `acc` holds whole groups, `y` takes the m real rows."""
-    _check_dense_dtypes("dense_gemv", x_dtype, w_dtype)
     if rows < 2:
         raise ValueError(f"make_dense_gemv_rows groups rows: rows >= 2, got {rows}.")
     G, N, K, R = i64(groups), i64(n), i64(k), i64(rows)
     row_groups = padded_row_groups()
+    if w_dtype == FP8_WEIGHT:
+        _check_dense_dtypes("dense_gemv", x_dtype)
+        _check_fp8_k(k)
+
+        def wval_fp8(w_sc, g, c, j):  # w_sc: (codes, tile scales)
+            return fp8_tile_f32(w_sc[0], w_sc[1], g * N + c, j)
+
+        @T.prim_func(s_tir=True)
+        def dense_gemv_fp8(x_h: T.handle, w: T.Buffer((G * N, K), "uint8"),
+                           sc: T.Buffer(_tile_grid(G * N, K), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, G, K), x_dtype)
+            y = T.match_buffer(y_h, (m, G, N), "float32")
+            acc = T.sblock_alloc_buffer(((m + R - i64(1)) // R * R, G, N), "float32")
+            row_groups(acc, y, x, (w, sc), m, G, N, K, R, _load_f32, wval_fp8)
+
+        return dense_gemv_fp8
+    _check_dense_dtypes("dense_gemv", x_dtype, w_dtype)
 
     def wval(w, g, c, j):
         return _load_f32(w, g * N + c, j)
@@ -123,7 +188,8 @@ def dot_columns(tn: int, rows: int) -> int:
 
 def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: int = 32,
                              cb: int = 4, fma_rows: bool = False, prefetch: int = 0,
-                             out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
+                             out_dtype: str = "float32", fp8: bool = False
+                             ) -> tvm.tirx.PrimFunc:
     """`make_dense_gemv` for bf16 x and bf16 w on AVX-512 BF16 (same signature and buffers),
     hand-vectorised (its loops are the schedule): the products of two bf16 values are exact in
     fp32, so `vdpbf16ps` (32 multiply-adds per instruction against 16 for an fp32 FMA, no
@@ -171,6 +237,9 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     if rows < 1 or cb < 1 or tn % cb:
         raise ValueError(f"The bf16 dot-product GEMV needs rows >= 1 and cb >= 1 dividing tn; "
                          f"got rows={rows}, cb={cb}, tn={tn}.")
+    if fp8 and k % e4m3_words.CODES:
+        raise ValueError(f"The FP8-weight dot-product GEMV needs k a multiple of "
+                         f"{e4m3_words.CODES}, got {k}.")
     G, N, K, R = i64(groups), i64(n), i64(k), i64(rows)
     TN, NT, NCH = i64(tn), i64(-(-n // tn)), i64(k // DOT_K)
     L = DOT_LANES
@@ -178,7 +247,10 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     def width(nr: int) -> int:  # columns per register group of a group of nr rows
         return cb if nr == rows else dot_columns(tn, nr)
 
+    widths = [width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1)))]
     ACC = max(nr * width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1))))
+    WV = max(widths) * 2 * DOT_K  # fp8: a register group's decoded words (2 chunks a column)
+    FIRST, SECOND = list(range(DOT_K)), list(range(DOT_K, 2 * DOT_K))  # a load's two chunks
 
     def stored(total):  # a column's fp32 total as y holds it
         return bf16_of(total) if out_dtype == "bfloat16" else total
@@ -222,19 +294,69 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                     y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = stored(
                         pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L))
 
+    def column(task, cg, cbn, c):  # the weight row of column c of register group cg
+        return task // NT * N + T.min(task % NT * TN + cg * cbn + c, N - i64(1))
+
+    @T.macro
+    def block_fp8(x, xf, w, sc, tables, wv, y, acc, task, row0, nr, cbn):
+        """`block` over an FP8 weight: per pair of chunks, each column's 64 codes decoded once
+        into wv (its two chunks' words, scaled), then every row's dot products with them in
+        chunk order (the two chunks as `block` takes them)."""
+        m = T.meta_var(x.shape[0])
+        for cg in range(TN // i64(cbn)):
+            for a in T.unroll(nr * cbn):
+                acc[T.ramp(a * L, 1, L)] = T.broadcast(T.float32(0), L)
+            for cp in range(NCH // i64(2)):
+                for c in T.unroll(cbn):
+                    if prefetch > 0:  # static: these codes of the column `prefetch` groups on
+                        prefetch_line(T.address_of(w[T.min(
+                            task // NT * N + task % NT * TN + (cg + prefetch) * cbn + c,
+                            G * N - i64(1)), cp * i64(2 * DOT_K)]))
+                    codes = T.meta_var(w.vload([column(task, cg, cbn, c), cp * i64(2 * DOT_K)],
+                                               "uint8x64"))
+                    wv[T.ramp(c * 2 * DOT_K, 1, DOT_K)] = e4m3_words.scaled_words(
+                        e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], FIRST),
+                        sc[column(task, cg, cbn, c) // i64(FP8_TILE), cp * i64(2)])
+                    wv[T.ramp((c * 2 + 1) * DOT_K, 1, DOT_K)] = e4m3_words.scaled_words(
+                        e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], SECOND),
+                        sc[column(task, cg, cbn, c) // i64(FP8_TILE), cp * i64(2) + i64(1)])
+                for h in T.unroll(2):
+                    for a in T.unroll(nr * cbn):  # (row a // cbn, column a % cbn)
+                        if fma_rows and nr > 1:  # static
+                            row = T.meta_var(T.min(row0 + a // cbn, m - i64(1)))
+                            wh = T.meta_var(bf16_pair_halves(
+                                wv[T.ramp((a % cbn * 2 + h) * DOT_K, 1, DOT_K)]))
+                            acc[T.ramp(a * L, 1, L)] = dpbf16ps_by_fma(
+                                acc[T.ramp(a * L, 1, L)],
+                                xf[row, task // NT, T.ramp((cp * 2 + h) * DOT_K, 1, L)],
+                                xf[row, task // NT, T.ramp((cp * 2 + h) * DOT_K + L, 1, L)],
+                                wh[0], wh[1])
+                        else:
+                            acc[T.ramp(a * L, 1, L)] = dpbf16ps(
+                                acc[T.ramp(a * L, 1, L)],
+                                bits(x, T.min(row0 + a // cbn, m - i64(1)), task // NT,
+                                     (cp * 2 + h) * DOT_K),
+                                wv[T.ramp((a % cbn * 2 + h) * DOT_K, 1, DOT_K)])
+            for r, c in T.grid(nr, cbn):
+                if row0 + r < m and task % NT * TN + cg * cbn + c < N:
+                    y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = stored(
+                        pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L))
+
     @T.macro
     def rest_if(x, xf, w, y, acc, task, rest, nr):
         if nr < rows:  # static: a group of nr < rows rows can be left over
             if rest == nr:
                 block(x, xf, w, y, acc, task, x.shape[0] - i64(nr), nr, width(nr))
 
-    @T.prim_func
-    def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
-        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, G, N), out_dtype)
+    @T.macro
+    def rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, rest, nr):
+        if nr < rows:  # static
+            if rest == nr:
+                block_fp8(x, xf, w, sc, tables, wv, y, acc, task, x.shape[0] - i64(nr), nr,
+                          width(nr))
+
+    @T.macro
+    def body(x, w, sc, y, m):
         with T.attr(T.int32(0), *with_bf16_dot()):
             if fma_rows and rows > 1:  # static: per chunk of 32, the odd words, then the even
                 xf = T.alloc_buffer((m, G, K), "float32")  # x's halves
@@ -244,22 +366,67 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                     xf[i, g, T.ramp(ch * DOT_K + L, 1, L)] = halves[1]
             else:
                 xf = T.meta_var(None)  # no group sums by FMA pairs
+            if fp8:  # static: the E4M3 -> bf16 lookup table
+                tbl = T.alloc_buffer((256,), "uint8")
+                e4m3_words.e4m3_bf16_table(tbl)
             for task in T.parallel(G * NT):  # (group, column tile)
                 acc = T.alloc_buffer((ACC * L,), "float32", scope="local")
-                for io in range(m // R):  # whole groups
-                    block(x, xf, w, y, acc, task, io * R, rows, width(rows))
-                # the rows left (m % rows): a group of exactly that many, up to EXACT_ROWS
-                rest_if(x, xf, w, y, acc, task, m % R, 1)
-                rest_if(x, xf, w, y, acc, task, m % R, 2)
-                rest_if(x, xf, w, y, acc, task, m % R, 3)
-                rest_if(x, xf, w, y, acc, task, m % R, 4)
-                rest_if(x, xf, w, y, acc, task, m % R, 5)
-                rest_if(x, xf, w, y, acc, task, m % R, 6)
-                rest_if(x, xf, w, y, acc, task, m % R, 7)
-                rest_if(x, xf, w, y, acc, task, m % R, 8)
-                if rows > EXACT_ROWS + 1:  # static: more left over: a padded group of rows
-                    if m % R > i64(EXACT_ROWS):
-                        block(x, xf, w, y, acc, task, m - m % R, rows, width(rows))
+                if fp8:  # static
+                    wv = T.alloc_buffer((WV,), "uint16", scope="local")
+                    tables = T.meta_var(e4m3_words.table_vectors(tbl))
+                    for io in range(m // R):  # whole groups
+                        block_fp8(x, xf, w, sc, tables, wv, y, acc, task, io * R, rows,
+                                  width(rows))
+                    # the rows left (m % rows), as below
+                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 1)
+                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 2)
+                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 3)
+                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 4)
+                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 5)
+                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 6)
+                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 7)
+                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 8)
+                    if rows > EXACT_ROWS + 1:  # static
+                        if m % R > i64(EXACT_ROWS):
+                            block_fp8(x, xf, w, sc, tables, wv, y, acc, task, m - m % R, rows,
+                                      width(rows))
+                else:
+                    for io in range(m // R):  # whole groups
+                        block(x, xf, w, y, acc, task, io * R, rows, width(rows))
+                    # the rows left (m % rows): a group of exactly that many, up to EXACT_ROWS
+                    rest_if(x, xf, w, y, acc, task, m % R, 1)
+                    rest_if(x, xf, w, y, acc, task, m % R, 2)
+                    rest_if(x, xf, w, y, acc, task, m % R, 3)
+                    rest_if(x, xf, w, y, acc, task, m % R, 4)
+                    rest_if(x, xf, w, y, acc, task, m % R, 5)
+                    rest_if(x, xf, w, y, acc, task, m % R, 6)
+                    rest_if(x, xf, w, y, acc, task, m % R, 7)
+                    rest_if(x, xf, w, y, acc, task, m % R, 8)
+                    if rows > EXACT_ROWS + 1:  # static: more left over: a padded group of rows
+                        if m % R > i64(EXACT_ROWS):
+                            block(x, xf, w, y, acc, task, m - m % R, rows, width(rows))
+
+    if fp8:
+        @T.prim_func
+        def dense_gemv_fp8(x_h: T.handle, w: T.Buffer((G * N, K), "uint8"),
+                           sc: T.Buffer(_tile_grid(G * N, K), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, G, N), out_dtype)
+            body(x, w, sc, y, m)
+
+        return dense_gemv_fp8
+
+    @T.prim_func
+    def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
+        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, G, N), out_dtype)
+        body(x, w, None, y, m)
 
     return dense_gemv
 
@@ -313,7 +480,10 @@ def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
         raise ValueError("dense_gemv has no CUDA schedule: CUDA builds keep the generic "
                          "(dlight-scheduled) lowering of the dense linears.")
     tn = min(32, n)
-    if x_dtype == w_dtype == "bfloat16" and k % DOT_K == 0 and has_avx512_bf16(target):
+    fp8_dot = (w_dtype == FP8_WEIGHT and k % e4m3_words.CODES == 0
+               and has_features(target, "avx512vbmi"))  # the E4M3 words' vpermi2b
+    if (x_dtype == "bfloat16" and (w_dtype == "bfloat16" or fp8_dot) and k % DOT_K == 0
+            and has_avx512_bf16(target)):
         # one row: 8 columns, 8 weight streams in flight (4: 0.78-0.83 ms, 8: 0.70-0.72).
         # With AMX (Intel: vdpbf16ps at a quarter of the FMA rate) a verify's groups by FMA
         # pairs: Xeon model 207, 2 threads, the o-projection's weights cycled through 4
@@ -404,7 +574,8 @@ def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: 
     if cfg.kind == "bf16_dot":
         func = make_dense_gemv_bf16_dot(groups=groups, n=n, k=k, rows=rows, tn=cfg.tn,
                                         cb=cfg.cb, fma_rows=cfg.fma_rows,
-                                        prefetch=cfg.prefetch, out_dtype=out_dtype)
+                                        prefetch=cfg.prefetch, out_dtype=out_dtype,
+                                        fp8=w_dtype == FP8_WEIGHT)
     elif rows > 1:
         func = make_dense_gemv_rows(groups=groups, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype,
                                     rows=rows)

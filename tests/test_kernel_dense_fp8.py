@@ -1,0 +1,118 @@
+"""The dense GEMV over an FP8 weight (E4M3 codes, E8M0 scale per 32 x 32 tile: the hub's `wo_a`):
+every form equals the same form over the bf16 weight `dequantize_fp8_tiles` makes, bit for bit
+(the hand-vectorised AVX-512 BF16 form, decode and verify groups, FMA pairs; the scheduled fp32
+lanes form and its row groups on a baseline x86-64 target), at half the weight's bytes."""
+
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import tvm
+
+from dsv41.graph.checkpoint.fp8_tiles import EXACT_SCALE_BYTES, dequantize_fp8_tiles
+from dsv41.graph.targets import get_target
+from dsv41.runtime.backends.tensors import to_torch, to_tvm
+from dsv41.schedules import gemm
+from dsv41.schedules.common import has_avx512_bf16, has_features
+
+CPU = "cpu"
+BASE = "cpu-x86-64"  # no AVX-512: the scheduled fp32 lanes forms
+needs_dot = pytest.mark.skipif(
+    not (has_avx512_bf16(get_target(CPU)) and has_features(get_target(CPU), "avx512vbmi")),
+    reason="the bf16_dot form needs AVX-512 BF16 and VBMI")
+
+
+def _weights(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes over every finite E4M3 code (zeros, -0, subnormals, the largest) and tile scales
+    over the exact range, its two ends included."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, k), generator=g, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)  # no NaN codes
+    codes[0, :8] = torch.tensor([0x00, 0x80, 0x01, 0x81, 0x07, 0x08, 0x7E, 0xFE])
+    grid = (-(-rows // 32), k // 32)
+    lo, hi = EXACT_SCALE_BYTES.start, EXACT_SCALE_BYTES.stop - 1
+    scales = torch.randint(118, 124, grid, generator=g, dtype=torch.int32)
+    scales[0, 0], scales[-1, -1] = lo, hi
+    return codes.to(torch.uint8), scales.to(torch.uint8)
+
+
+@functools.cache
+def _built(target: str, **dims):
+    return tvm.compile(gemm.build_dense_gemv(target, **dims),
+                       target=get_target(target).tvm_target())
+
+
+def _call(ex, inputs, shape, dtype) -> torch.Tensor:
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    out = tvm.runtime.tensor(np.zeros(shape, dtype=np_dtype))
+    ex(*[to_tvm(t) for t in inputs], out)
+    return to_torch(out)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    itype = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    diff = (a.view(itype) != b.view(itype)).sum()
+    assert int(diff) == 0, f"{int(diff)} of {a.numel()} outputs differ in their bits"
+
+
+def _check(target: str, groups: int, n: int, k: int, rows: int, m: int, out_dtype: str,
+           seed: int = 0) -> None:
+    codes, scales = _weights(groups * n, k, seed)
+    w = dequantize_fp8_tiles(codes, scales, 32)
+    x = (torch.randn(m, groups, k, generator=torch.Generator().manual_seed(seed + 1)) * 3
+         ).to(torch.bfloat16)
+    x[0, 0, :4] = torch.tensor([0.0, -0.0, 1e-30, -3e4])
+    dims = dict(groups=groups, n=n, k=k, x_dtype="bfloat16", rows=rows, out_dtype=out_dtype)
+    ref = _call(_built(target, w_dtype="bfloat16", **dims), [x, w], (m, groups, n), out_dtype)
+    got = _call(_built(target, w_dtype="fp8", **dims), [x, codes, scales], (m, groups, n),
+                out_dtype)
+    _same_bits(got, ref)
+    assert (torch.isfinite(ref.float()) & (ref.float() != 0)).float().mean() > 0.5  # not vacuous
+
+
+@needs_dot
+@pytest.mark.parametrize("n", [64, 48])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_bf16_dot_decode_equals_the_dequantised_weight_bit_for_bit(n, out_dtype):
+    assert gemm.dense_gemv_config(get_target(CPU), n=n, k=128, x_dtype="bfloat16",
+                                  w_dtype="fp8").kind == "bf16_dot"
+    _check(CPU, 2, n, 128, 1, 1, out_dtype)
+    _check(CPU, 2, n, 128, 1, 3, out_dtype, seed=5)  # rows of one at a time
+
+
+@needs_dot
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7])
+def test_bf16_dot_verify_groups_equal_the_dequantised_weight_bit_for_bit(m):
+    _check(CPU, 2, 64, 256, 6, m, "bfloat16", seed=m)
+
+
+@needs_dot
+def test_bf16_dot_fma_pairs_equal_the_dequantised_weight_bit_for_bit():
+    codes, scales = _weights(64, 128, 3)
+    w = dequantize_fp8_tiles(codes, scales, 32)
+    x = torch.randn(5, 2, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    dims = dict(groups=2, n=32, k=128, rows=6, tn=32, cb=4, fma_rows=True)
+    ex = {fp8: tvm.compile(gemm.make_dense_gemv_bf16_dot(**dims, fp8=fp8),
+                           target=get_target(CPU).tvm_target()) for fp8 in (False, True)}
+    ref = _call(ex[False], [x, w], (5, 2, 32), "float32")
+    _same_bits(_call(ex[True], [x, codes, scales], (5, 2, 32), "float32"), ref)
+
+
+@pytest.mark.parametrize("rows,m", [(1, 2), (4, 3)])
+def test_lanes_forms_equal_the_dequantised_weight_bit_for_bit(rows, m):
+    """Without AVX-512 (and at a k no 64-code load covers) the scheduled fp32 forms decode each
+    code to its exact fp32 value times the tile's scale."""
+    assert gemm.dense_gemv_config(get_target(BASE), n=64, k=96, x_dtype="bfloat16",
+                                  w_dtype="fp8").kind == "lanes"
+    _check(BASE, 2, 64, 96, rows, m, "float32")
+
+
+def test_fp8_forms_refuse_a_k_off_their_blocks():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemm.make_dense_gemv_bf16_dot(groups=1, n=32, k=96, fp8=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemm.make_dense_gemv(groups=1, n=32, k=48, x_dtype="bfloat16", w_dtype="fp8")
