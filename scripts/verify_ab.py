@@ -26,6 +26,7 @@ from dsv41.compiler.tools.assets import ensure_checkpoint
 from dsv41.compiler.tools.bench.measure import interleaved_times
 from dsv41.compiler.tools.bench.spec import artifact_backend, verify_once
 from dsv41.compiler.tools.bench.synthetic import synthetic_cache
+from dsv41.graph.config import args_from_dict
 from dsv41.graph.model import Model
 
 
@@ -53,10 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     if a.rounds < 1 or a.k < 1:
         raise SystemExit("--rounds and --k must be >= 1.")
     torch.set_num_threads(a.threads)
-    model = Model.from_checkpoint(ensure_checkpoint(a.preset, 0))
+    ckpt = ensure_checkpoint(a.preset, 0)
+    model = Model.from_checkpoint(ckpt)
     if a.k > model.args.dspark_block_size:
         raise SystemExit(f"--k must be at most the DSpark block, {model.args.dspark_block_size}.")
-    backends = {str(p): artifact_backend(model, artifact_dir(p)) for p in a.artifacts}
+    # an artifact of another storage config of the same weights (an older build's `wo_a` in
+    # BF16) gets the checkpoint loaded under its own config: the same values, its own layout
+    models = {model.args.config_hash(): model}
+    backends, owners = {}, {}
+    for p in a.artifacts:
+        d = artifact_dir(p)
+        args = args_from_dict(json.loads((d / "manifest.json").read_text())["config"])
+        if args.config_hash() not in models:
+            models[args.config_hash()] = Model.from_checkpoint(ckpt, args)
+        owners[str(p)] = models[args.config_hash()]
+        backends[str(p)] = artifact_backend(owners[str(p)], d)
     cache = synthetic_cache(model, a.context, seed=0,
                             margin=64 + 2 * len(backends) * (a.rounds + 1))
     toks = torch.randint(3, model.args.vocab_size, (1, 1 + a.k),
@@ -65,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     # a decode step: the one token by decode steps; a verify: 1 + k tokens by the entry
     forms = {"decode": (toks[:, :1], False), "verify": (toks, True)}
     times = interleaved_times(
-        {(name, form): (lambda be=be, t=t, one=one: verify_once(be, model, cache, t,
-                                                               one_pass=one))
+        {(name, form): (lambda be=be, t=t, one=one, m=owners[name]: verify_once(
+            be, m, cache, t, one_pass=one))
          for name, be in backends.items() for form, (t, one) in forms.items()}, a.rounds)
     report = {}
     for name in backends:

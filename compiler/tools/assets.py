@@ -5,6 +5,7 @@ artifacts/ when missing). Used by `dsv41 run`, `bench`, `tune` and `serve`.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from dsv41.compiler.build import PHASES, CompileOptions, compile_artifact, missing_entries
@@ -14,11 +15,18 @@ from dsv41.graph.config import load_config, preset
 
 
 def ensure_checkpoint(preset_name: str, seed: int = 0) -> Path:
-    """The seeded checkpoint for a preset, written once under artifacts/checkpoints/."""
+    """The seeded checkpoint for a preset, written once under artifacts/checkpoints/, and
+    written again when the preset's config has changed since (its `config.json` differs)."""
     out = DEFAULT_CHECKPOINTS / f"{preset_name}-seed{seed}"
-    if not (out / "config.json").exists():
+    args = preset(preset_name)
+    if (out / "config.json").exists():
+        if load_config(out).config_hash() == args.config_hash():
+            return out
+        print(f"the {preset_name} preset's config has changed: rewriting {out} ...")
+        shutil.rmtree(out)
+    else:
         print(f"writing a seeded {preset_name} checkpoint to {out} ...")
-        write_seeded_checkpoint(preset(preset_name), out, seed=seed, progress=True)
+    write_seeded_checkpoint(args, out, seed=seed, progress=True)
     return out
 
 
