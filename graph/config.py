@@ -23,6 +23,10 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 _log = logging.getLogger(__name__)
 
 
+OMITTED_AT_DEFAULT: Mapping[str, Any] = MappingProxyType({"wo_a_dtype": "bf16"})
+_NOTHING = object()
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     """Every field is an inference `config.json` key, grouped by concern."""
@@ -134,10 +138,14 @@ class ModelArgs:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The inference `config.json` form (lists for tuples)."""
+        """The inference `config.json` form (lists for tuples). A key dsv41 added after configs
+        and artifacts were made is left out at its default (`OMITTED_AT_DEFAULT`), so their
+        `config_hash` (artifact names, KV tier keys) is what it was."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
+            if OMITTED_AT_DEFAULT.get(f.name, _NOTHING) == v:
+                continue
             out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 

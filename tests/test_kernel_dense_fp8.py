@@ -116,3 +116,26 @@ def test_fp8_forms_refuse_a_k_off_their_blocks():
         gemm.make_dense_gemv_bf16_dot(groups=1, n=32, k=96, fp8=True)
     with pytest.raises(ValueError, match="multiple of 32"):
         gemm.make_dense_gemv(groups=1, n=32, k=48, x_dtype="bfloat16", w_dtype="fp8")
+
+
+@needs_dot
+@pytest.mark.parametrize("special", ["denormals", "inf"])
+def test_bf16_dot_denormal_and_infinite_rows_stay_bit_identical(special):
+    """Zeros and denormal activations (read as zero by vdpbf16ps), and an inf among them, at
+    ordinary tile scales: the same bits as the BF16 weight's kernel."""
+    codes, scales = _weights(128, 256, 7)
+    scales = torch.randint(116, 124, scales.shape, generator=torch.Generator().manual_seed(8),
+                           dtype=torch.int32).to(torch.uint8)
+    w = dequantize_fp8_tiles(codes, scales, 32)
+    x = torch.randn(5, 2, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    bits = x.view(torch.int16)
+    bits[:, :, ::7] = torch.tensor([1, -32767, 0, -32768, 0x7F], dtype=torch.int16).repeat(
+        37)[: bits[:, :, ::7].shape[-1]]  # denormals of both signs, +-0
+    if special == "inf":
+        x[2, 1, 100] = float("inf")
+    for rows, m in ((1, 1), (6, 5)):
+        dims = dict(groups=2, n=64, k=256, x_dtype="bfloat16", rows=rows, out_dtype="float32")
+        ref = _call(_built(CPU, w_dtype="bfloat16", **dims), [x[:m], w], (m, 2, 64), "float32")
+        got = _call(_built(CPU, w_dtype="fp8", **dims), [x[:m], codes, scales], (m, 2, 64),
+                    "float32")
+        _same_bits(got, ref)

@@ -148,7 +148,9 @@ def engine_entries(art: Artifact, *, exact: bool) -> tuple[str, ...]:
 
 def check_checkpoint_config(art: Artifact, checkpoint_dir: str | Path) -> None:
     """The checkpoint's own config.json must be the artifact's config: ArtifactError naming the
-    differing fields, or saying it is missing or unreadable."""
+    differing fields, or saying it is missing or unreadable. `wo_a_dtype` is the artifact's
+    choice, not the checkpoint's: the loader converts either form of `wo_a` to the artifact's
+    exactly, or refuses it by name (`checkpoint.fp8_tiles`)."""
 
     path = Path(checkpoint_dir)
     if not (path / "config.json").is_file() and not (path.is_file() and
@@ -159,6 +161,7 @@ def check_checkpoint_config(art: Artifact, checkpoint_dir: str | Path) -> None:
         ckpt = checkpoint_config(path)
     except ValueError as e:
         raise ArtifactError(f"Checkpoint {path}: its config.json is invalid ({e}).") from e
+    ckpt = ckpt.replace(wo_a_dtype=art.args.wo_a_dtype)
     if ckpt.config_hash() != art.args.config_hash():
         mine, theirs = ckpt.to_dict(), art.args.to_dict()
         diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))

@@ -69,6 +69,7 @@ from dsv41.compiler.tools.bench.measure import (
     times,
     write_json,
 )
+from dsv41.graph import formats as fmt
 from dsv41.graph import ops
 from dsv41.graph.config import preset
 from dsv41.graph.targets import get_target
@@ -201,7 +202,7 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False,
                       "wo_b": (a.dim, a.o_groups * a.o_lora_rank),
                       "shared_w1": (a.moe_inter_dim, a.dim), "shared_w2": (a.dim, a.moe_inter_dim)}
         decode_gemv = {"wo_a": (a.o_groups, a.o_lora_rank, a.n_heads * hd // a.o_groups,
-                                "bfloat16"),
+                                gemm.FP8_WEIGHT if a.wo_a_dtype == "fp8" else "bfloat16"),
                        "head": (1, a.vocab_size, a.dim, "float32")}
     cases = [Case(f"attend-s{s}", "attend", tuple(attn.items()), (("b", 1), ("s", s)))
              for s in attend_s]
@@ -252,7 +253,8 @@ def default_cases(preset_name: str = "bench", *, quick: bool = False,
     # the verify entry's grouped o-projection (the row-group form) at 1 and 1 + k - 1 rows, its
     # weight cycled through `cold_bytes()` of copies as the fp8 verify cases'
     g, n, k, wd = decode_gemv["wo_a"]
-    gemv_copies = copies_for(g * n * k * 2, quick=quick, cold=cold)
+    gemv_copies = copies_for(g * n * k * (1 if wd == gemm.FP8_WEIGHT else 2), quick=quick,
+                             cold=cold)
     cases += [Case(f"gemv-verify-wo_a-m{m}", "gemv",
                    (("groups", g), ("n", n), ("k", k), ("x_dtype", "bfloat16"), ("w_dtype", wd),
                     ("rows", verify_rows)), (("m", m), ("copies", gemv_copies)))
@@ -326,8 +328,10 @@ def fp8_traffic(*, m, n, k, **_) -> tuple[int, int]:
 
 
 def gemv_traffic(*, m, groups, n, k, x_dtype, w_dtype, **_) -> tuple[int, int]:
-    size = {"bfloat16": 2, "float32": 4}
-    return (m * groups * k * size[x_dtype] + groups * n * k * size[w_dtype] + 4 * m * groups * n,
+    size = {"bfloat16": 2, "float32": 4, "fp8": 1}  # fp8: + a scale byte per 32 x 32 tile
+    tiles = -(-groups * n // 32) * (k // 32) if w_dtype == "fp8" else 0
+    return (m * groups * k * size[x_dtype] + groups * n * k * size[w_dtype] + tiles
+            + 4 * m * groups * n,
             2 * m * groups * n * k)
 
 
@@ -491,11 +495,17 @@ def prepare(case: Case, ex, target_name: str = "cpu") -> Prepared:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(d["m"], d["groups"], d["k"], generator=gen).to(getattr(torch,
                                                                               d["x_dtype"]))
-        wt = (torch.randn(d["groups"] * d["n"], d["k"], generator=gen) * d["k"] ** -0.5).to(
-            getattr(torch, d["w_dtype"]))
+        wt = torch.randn(d["groups"] * d["n"], d["k"], generator=gen) * d["k"] ** -0.5
+        if d["w_dtype"] == gemm.FP8_WEIGHT:  # E4M3 codes + 32 x 32 tile scales; oracle: bf16
+            stored = tuple(fmt.torch_quant_fp8_weight(wt))
+            wt = fmt.torch_dequant_fp8_weight(*stored).to(torch.bfloat16)
+        else:
+            wt = wt.to(getattr(torch, d["w_dtype"]))
+            stored = (wt,)
         out = torch.empty(d["m"], d["groups"], d["n"])
-        sets = [wt] + [wt.clone() for _ in range(d.get("copies", 1) - 1)]
-        kernel = _cycled(ex, [[_tvm_view(t) for t in (x, w, out)] for w in sets])
+        sets = [stored] + [tuple(t.clone() for t in stored) for _ in range(d.get("copies", 1)
+                                                                          - 1)]
+        kernel = _cycled(ex, [[_tvm_view(t) for t in (x, *w, out)] for w in sets])
         nbytes, flops = gemv_traffic(**d)
         return Prepared(kernel, out, lambda: dense_gemv_oracle(x, wt),
                         dense_gemv_oracle, (x, wt), nbytes, flops, "")
