@@ -434,18 +434,21 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
     result the caller wants; the GEMV stores it rounded where its form can
     (`gemm.dense_gemv_rounds`), else the result is fp32 and the caller rounds. `scale`: w is
     FP8 (E4M3 codes, these E8M0 scales per 32 x 32 tile), which dense_gemv reads as stored
-    (decode, drafts, verify) and the prefill form as its bf16 (`fp8_weight_bf16`)."""
+    (decode, drafts, verify), and the prefill GEMM too where its form can
+    (`gemm.dense_gemm_reads_fp8`), else its bf16 (`fp8_weight_bf16`)."""
     groups, k = (static(v) for v in shape(x3)[1:])
     n = static(shape(w2)[0]) // groups
-    if scale is not None and not use_gemv(ctx):
+    if scale is not None and not use_gemv(ctx) and not gemm.dense_gemm_reads_fp8(
+            ctx.target, n=n, k=k):
         w2, scale = fp8_weight_bf16(ctx, importer, w2, scale), None
     w_dtype = gemm.FP8_WEIGHT if scale is not None else str(w2.ty.dtype)
     dims = dict(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=w_dtype)
     m = shape(x3)[0]
+    weight = [w2] if scale is None else [w2, scale]
     if not use_gemv(ctx):
         key = DenseGemmKey(**dims)
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        return call(importer, gv, [x3, w2], tensor([m, groups, n], "float32"))
+        return call(importer, gv, [x3, *weight], tensor([m, groups, n], "float32"))
     # verify / draft: the rows of a group share each weight load (bit-identical per row)
     rounds = out_dtype == BF16 and gemm.dense_gemv_rounds(
         ctx.target, n=n, k=k, rows=ctx.verify_rows, x_dtype=dims["x_dtype"],
@@ -453,7 +456,6 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
     dtype = BF16 if rounds else "float32"
     key = DenseGemvKey(**dims, rows=ctx.verify_rows, out_dtype=dtype)
     gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-    weight = [w2] if scale is None else [w2, scale]
     return call(importer, gv, [x3, *weight], tensor([m, groups, n], dtype))
 
 

@@ -206,10 +206,11 @@ def test_bench_cases_use_the_preset_sizes():
     assert (cases["moe-verify-n3"]["rows"], cases["moe-verify-n3"]["copies"]) == (6, 6)
     assert cases["fp8-wo_b-m1"] == {"n": 1024, "k": 8 * 512, "hint": 1, "m": 1, "copies": 16}
     assert cases["fp8-wq_a-m1"] == {"n": 512, "k": 1024, "hint": 1, "m": 1, "copies": 128}
+    # the bench preset's wo_a is the hub's FP8 (`wo_a_dtype`): E4M3 codes + tile scales
     assert cases["gemv-wo_a-m1"] == {"groups": 8, "n": 512, "k": 64 * 512 // 8,
-                                     "x_dtype": "bfloat16", "w_dtype": "bfloat16", "m": 1}
-    # decode's o-projection kernel (no rows: one row per group) from memory, 2 copies
-    assert cases["gemv-decode-wo_a-m1"] == {**cases["gemv-wo_a-m1"], "copies": 2}
+                                     "x_dtype": "bfloat16", "w_dtype": "fp8", "m": 1}
+    # decode's o-projection kernel (no rows: one row per group) from memory: 16 MB, 4 copies
+    assert cases["gemv-decode-wo_a-m1"] == {**cases["gemv-wo_a-m1"], "copies": 4}
     assert cases["attend-s4"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 4}
     assert cases["attend-s5"] == {"h": 64, "d": 512, "w": 128, "k": 512, "b": 1, "s": 5}
     assert cases["indexer-1M"]["t"] == 1 << 20 and cases["indexer-1M"]["heads"] == 32
@@ -299,6 +300,6 @@ def test_cycled_weights_fill_twice_the_last_level_cache():
     big = {c.name: c.d() for c in bench.default_cases("bench", cold=600 << 20)}
     assert big["fp8-verify-wq_b-m1"]["copies"] == -(-(600 << 20) // (32768 * 512))  # 38
     assert big["fp8-wo_b-m1"]["copies"] == 150
-    assert big["gemv-decode-wo_a-m1"]["copies"] == 19  # 600 MiB / 32 MiB, rounded up
+    assert big["gemv-decode-wo_a-m1"]["copies"] == 38  # 600 MiB / 16 MiB (FP8), rounded up
     quick = {c.name: c.d() for c in bench.default_cases("bench", quick=True, cold=600 << 20)}
     assert all(d.get("copies", 1) == 1 for d in quick.values())

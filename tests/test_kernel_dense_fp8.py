@@ -139,3 +139,24 @@ def test_bf16_dot_denormal_and_infinite_rows_stay_bit_identical(special):
         got = _call(_built(CPU, w_dtype="fp8", **dims), [x[:m], codes, scales], (m, 2, 64),
                     "float32")
         _same_bits(got, ref)
+
+
+@needs_dot
+@pytest.mark.parametrize("n,m", [(64, 40), (48, 300)])
+def test_prefill_gemm_decodes_each_tile_bit_identically(n, m):
+    """The prefill GEMM's FP8 form (`make_dense_gemm_bf16(fp8=True)`: each task decodes its tile
+    once) against its bf16 form over the dequantized weight: a partial column tile, two row
+    blocks."""
+    if has_features(get_target(CPU), "amx-bf16"):
+        pytest.skip("AMX hosts dequantize the weight for the AMX GEMM")
+    assert gemm.dense_gemm_reads_fp8(get_target(CPU), n=n, k=128)
+    codes, scales = _weights(2 * n, 128, 11)
+    w = dequantize_fp8_tiles(codes, scales, 32)
+    x = (torch.randn(m, 2, 128, generator=torch.Generator().manual_seed(12)) * 2).to(
+        torch.bfloat16)
+    ex = {wd: tvm.compile(gemm.build_dense_gemm(CPU, groups=2, n=n, k=128, x_dtype="bfloat16",
+                                                w_dtype=wd), target=get_target(CPU).tvm_target())
+          for wd in ("bfloat16", "fp8")}
+    ref = _call(ex["bfloat16"], [x, w], (m, 2, n), "float32")
+    _same_bits(_call(ex["fp8"], [x, codes, scales], (m, 2, n), "float32"), ref)
+    assert (torch.isfinite(ref) & (ref != 0)).float().mean() > 0.5

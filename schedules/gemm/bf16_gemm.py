@@ -143,8 +143,8 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
     return fp8_gemm_bf16
 
 
-def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512
-                         ) -> tvm.tirx.PrimFunc:
+def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
+                         fp8: bool = False) -> tvm.tirx.PrimFunc:
     """The prefill form of the grouped bf16 `dense_gemv` (same signature as `make_dense_gemm`:
     x bf16 [m, g, k], w bf16 [g * n, k], y fp32 [m, g, n]) on x86 with AVX-512 BF16,
     hand-vectorised: every product of two bf16 values is exact in fp32, summed by vdpbf16ps in
@@ -155,7 +155,13 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512
     Layout as `make_fp8_gemm_bf16`: 16 rows in the lanes, the activation staged once per call as
     a row's K pair per uint32 ([row block, group, 32-row group, k / 2, 32 rows]); a task (row block,
     group, 32-column tile) runs register tiles of 32 rows x 8 columns, each weight pair
-    broadcast straight from w (no decode: the weights are bf16 already)."""
+    broadcast straight from w (no decode: the weights are bf16 already).
+
+    `fp8` (signature (x, w, scale, y): w E4M3 codes [g * n, k], scale the E8M0 bytes of its 32 x
+    32 tiles): a task first decodes its tile's weights into bf16 in K order ([32, k] uint16,
+    the tile's scale folded in, exact: the BF16 `checkpoint.fp8_tiles.dequantize_fp8_tiles`
+    makes while the scale byte is in `EXACT_SCALE_BYTES`), then broadcasts the pairs from it:
+    the bf16 kernel's sums over that weight, bit for bit, without a dequantized copy of it."""
     if k % 2:
         raise ValueError(f"The bf16 dense GEMM needs an even k, got {k}.")
     if row_block < 32 or row_block % (ROW_VECS * LANES):
@@ -169,13 +175,27 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512
     def bits(v):  # a bf16 value's bits as uint32
         return T.Cast("uint32", T.reinterpret("uint16", v))
 
-    @T.prim_func
-    def dense_gemm_bf16(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
-        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, G, N), "float32")
+    def wpair(w, wn, g, p, cq, c, kp):  # the weight pair (kp) of column c of quad cq, as uint32
+        if wn is not None:  # the task's decoded tile
+            return T.reinterpret("uint32", wn.vload([(cq * TILE_COLS + c) * K + kp * 2],
+                                                    "uint16x2"))
+        return T.reinterpret("uint32", w.vload(
+            [g * N + T.min(p * TN + cq * TILE_COLS + c, N - i64(1)), kp * 2], "bfloat16x2"))
+
+    @T.macro
+    def decode_tile(w, sc, wn, g, p):
+        """wn = the bf16 bits of the task's 32 columns of the FP8 weight, in K order (a partial
+        tile reads its last column again)."""
+        for c, kv in T.grid(TN, K // i64(LANES)):
+            row = T.meta_var(g * N + T.min(p * TN + c, N - i64(1)))
+            wn[T.ramp(c * K + kv * LANES, 1, LANES)] = bf16_bits_of_exact(
+                e4m3_to_f32_select(T.Cast(f"uint32x{LANES}", w.vload(
+                    [row, kv * LANES], f"uint8x{LANES}")))
+                * T.broadcast(e8m0_to_f32(T.Cast("uint32", sc[row // TN, kv * LANES // TN])),
+                              LANES))
+
+    @T.macro
+    def body(x, w, sc, y, m):
         with T.attr(T.int32(0), *with_bf16_dot()):
             xt = T.alloc_buffer((((m + MB - i64(1)) // MB) * G * KP * MB,), "uint32")
             for rb in T.parallel((m + MB - i64(1)) // MB):
@@ -192,6 +212,11 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512
                 rb = T.meta_var(task // (G * NT))
                 g = T.meta_var(task // NT % G)
                 p = T.meta_var(task % NT)
+                if sc is not None:  # static: the FP8 tile decoded once for the task's rows
+                    wn = T.alloc_buffer((TN * K,), "uint16")
+                    decode_tile(w, sc, wn, g, p)
+                else:
+                    wn = T.meta_var(None)
                 for gr in range(MB // i64(GROUP)):
                     if rb * MB + gr * GROUP < m:
                         for cq in range(TN // i64(TILE_COLS)):
@@ -210,10 +235,7 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512
                                                      * KP + kp) * i64(GROUP) + v * LANES, 1,
                                                     LANES)]),
                                                 T.reinterpret("uint16x32", T.broadcast(
-                                                    T.reinterpret("uint32", w.vload(
-                                                        [g * N + T.min(p * TN + cq * TILE_COLS
-                                                                       + c, N - i64(1)),
-                                                         kp * 2], "bfloat16x2")), LANES)))
+                                                    wpair(w, wn, g, p, cq, c, kp), LANES)))
                             for a in T.unroll(ACCS):
                                 out[T.ramp(a * LANES, 1, LANES)] = acc[T.ramp(a * LANES, 1,
                                                                               LANES)]
@@ -222,5 +244,28 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512
                                 col = T.meta_var(p * TN + cq * TILE_COLS + c)
                                 if row < m and col < N:
                                     y[row, g, col] = out[(v * TILE_COLS + c) * LANES + r]
+
+    if fp8:
+        @T.prim_func
+        def dense_gemm_fp8(x_h: T.handle, w: T.Buffer((G * N, K), "uint8"),
+                           sc: T.Buffer(((G * N + TN - i64(1)) // TN, K // TN), "uint8"),
+                           y_h: T.handle):
+            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, G, N), "float32")
+            body(x, w, sc, y, m)
+
+        return dense_gemm_fp8
+
+    @T.prim_func
+    def dense_gemm_bf16(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
+        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, G, N), "float32")
+        body(x, w, None, y, m)
 
     return dense_gemm_bf16

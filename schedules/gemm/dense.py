@@ -647,7 +647,19 @@ def dense_gemm_config(target: TargetSpec, *, n: int, k: int, x_dtype: str | None
     # (load 3.7), min of 3, against "tile" in the same run: m 160 66 ms (120), m 2048 793 (1386).
     if x_dtype == w_dtype == "bfloat16" and k % 2 == 0 and has_avx512_bf16(target):
         return DenseGemmConfig(kind="bf16_dot", block_rows=256)
+    # an FP8 weight (`FP8_WEIGHT`) without AMX: the bf16_dot form decodes each task's tile
+    # (with AMX the weight is dequantized for the AMX GEMM; not measured there)
+    if (x_dtype == "bfloat16" and w_dtype == FP8_WEIGHT and k % FP8_TILE == 0
+            and has_avx512_bf16(target) and not has_amx_bf16(target)):
+        return DenseGemmConfig(kind="bf16_dot", block_rows=256)
     return DenseGemmConfig(tn=math.gcd(n, 64), rb=4)
+
+
+def dense_gemm_reads_fp8(target: TargetSpec, *, n: int, k: int) -> bool:
+    """Whether this target's prefill GEMM reads an FP8 weight as stored (else the caller
+    dequantizes it to bf16 first)."""
+    return dense_gemm_config(target, n=n, k=k, x_dtype="bfloat16",
+                             w_dtype=FP8_WEIGHT).kind == "bf16_dot"
 
 
 def schedule_dense_gemm(func: tvm.tirx.PrimFunc, config: DenseGemmConfig,
@@ -692,6 +704,10 @@ def unscheduled_dense_gemm(target: TargetSpec, *, groups: int, n: int, k: int, x
     if cfg.kind == "amx":
         return make_dense_gemm_amx(groups=groups, n=n, k=k, block_rows=cfg.block_rows), cfg
     if cfg.kind == "bf16_dot":
-        return make_dense_gemm_bf16(groups=groups, n=n, k=k, row_block=cfg.block_rows), cfg
+        return make_dense_gemm_bf16(groups=groups, n=n, k=k, row_block=cfg.block_rows,
+                                    fp8=w_dtype == FP8_WEIGHT), cfg
+    if w_dtype == FP8_WEIGHT:
+        raise ValueError(f"dense_gemm reads an FP8 weight only in its bf16_dot form; this "
+                         f"target's is {cfg.kind!r} (`dense_gemm_reads_fp8`: dequantize it).")
     return make_dense_gemm(groups=groups, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype,
                            rb=cfg.rb), cfg
