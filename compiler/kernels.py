@@ -49,7 +49,17 @@ from dsv41.compiler.kernel_keys import (
     SelectPositionsKey,
     SparseAttendKey,
 )
-from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
+from dsv41.compiler.relax_ops import (
+    Lowering,
+    call,
+    cast_to,
+    in_fp32,
+    rows,
+    shape,
+    static,
+    tensor,
+    unrows,
+)
 from dsv41.graph.ops import ENGRAM_ROWS_FUNC, ENTRY_GROUP, EntryFormat, entry_code_width
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import (
@@ -475,6 +485,30 @@ def fp8_weight_bf16(ctx: Lowering, importer, codes: relax.Expr, scale: relax.Exp
     return bb.emit(relax.op.astype(values, BF16))
 
 
+def _fp8_grouped_linear(ctx: Lowering):
+    """dsv41::fp8_grouped_linear (the grouped o-projection over the hub's FP8 `wo_a`): on the CPU
+    `dense_call` over the codes and tile scales (the GEMV reads them as stored, the prefill
+    GEMM too where its form can); on CUDA the generic einsum over the weight's bf16 values."""
+
+    def convert(node, importer):
+        x, w, s = (importer.env[a] for a in node.args[:3])
+        dtype = x.ty.dtype
+        if not ctx.target.is_cuda:
+            x3, lead = rows(importer, x, 2)
+            y = unrows(importer, dense_call(ctx, importer, x3, w, out_dtype=dtype, scale=s),
+                       lead)
+            return cast_to(importer, y, dtype)  # nothing where the GEMV stored bf16
+        g, d = (static(v) for v in shape(x)[-2:])
+        bb = importer.block_builder
+        wb = fp8_weight_bf16(ctx, importer, w, s)
+        w3 = bb.emit(relax.op.reshape(wb, [g, static(shape(w)[0]) // g, d]))
+        y = bb.emit(relax.op.einsum([in_fp32(importer, x), in_fp32(importer, w3)],
+                                    "bsgd,grd->bsgr"))
+        return cast_to(importer, y, dtype)
+
+    return convert
+
+
 # ---- the registry -------------------------------------------------------------------------------
 
 
@@ -651,7 +685,8 @@ REGISTRY: tuple[KernelEntry, ...] = (
         task=lambda key, _t: _quant_unscheduled(key.op)(d=key.d)),
     KernelEntry(
         "dense", (DenseGemvKey, DenseGemmKey), gemm.build_dense_gemv, gemm.dense_gemv_config,
-        gemm.schedule_dense_gemv, {},  # emitted by lower's aten linear / einsum overrides
+        gemm.schedule_dense_gemv,  # also emitted by lower's aten linear / einsum overrides
+        {"fp8_grouped_linear.default": _fp8_grouped_linear},
         build=_dense_build,
         bench=BenchKernel("gemv", lambda t, kw: gemm.build_dense_gemv(t, **kw))),
 )

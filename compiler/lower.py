@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import torch
 import tvm
-from tvm import relax, te
+from tvm import relax
 from tvm.relax.frontend.torch import from_exported_program
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-from dsv41.compiler.kernels import converters, dense_call, fp8_weight_bf16
+from dsv41.compiler.kernels import converters, dense_call
 from dsv41.compiler.relax_ops import (
     BF16,
     Lowering,
+    cast_to,
+    in_fp32,
     map_relax_functions,
     rows,
     shape,
@@ -33,35 +35,8 @@ from dsv41.compiler.relax_ops import (
 )
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
-from dsv41.schedules.common import bf16_of
 
 # ---- aten overrides and additions ------------------------------------------------------------
-
-
-def _in_fp32(importer, x: relax.Expr) -> relax.Expr:
-    if x.ty.dtype == "float32":
-        return x
-    return importer.block_builder.emit(relax.op.astype(x, "float32"))
-
-
-def _round_to_bf16(importer, x: relax.Expr) -> relax.Expr:
-    """fp32 -> bf16, round to nearest even, on the bits (`schedules.common.bf16_of`, which a
-    kernel storing bf16 uses too). A plain cast is folded away by TVM's simplifier when a fused
-    kernel immediately casts back to fp32 (Cast(f32, Cast(bf16, v)) -> v), which silently drops
-    torch's bf16 rounding; bit arithmetic cannot be folded."""
-
-    def compute(a):
-        return te.compute(a.shape, lambda *i: bf16_of(a(*i)), name="round_bf16")
-
-    return importer.block_builder.emit_te(compute, x, primfunc_name_hint="round_bf16")
-
-
-def _cast(importer, x: relax.Expr, dtype: str) -> relax.Expr:
-    if x.ty.dtype == dtype:
-        return x
-    if dtype == "bfloat16" and x.ty.dtype == "float32":
-        return _round_to_bf16(importer, x)
-    return importer.block_builder.emit(relax.op.astype(x, dtype))
 
 
 def _to_dtype(node, importer):
@@ -75,7 +50,7 @@ def _to_dtype(node, importer):
     if target is None:
         return x
     dtype = str(target).replace("torch.", "")
-    return _cast(importer, x, dtype)
+    return cast_to(importer, x, dtype)
 
 
 def _widened_source(arg, importer) -> relax.Expr:
@@ -138,12 +113,12 @@ def _linear(ctx: Lowering):
                 x3 = bb.emit(relax.op.reshape(x2, [shape(x2)[0], 1, k]))
                 y = dense_call(ctx, importer, x3, ws, out_dtype=dtype)
                 y = bb.emit(relax.op.reshape(y, [*lead, n]))
-                return _cast(importer, y, dtype)  # no-op where the GEMV stored bf16
+                return cast_to(importer, y, dtype)  # no-op where the GEMV stored bf16
         if bias is not None:  # added in fp32 before the one rounding (the vision tower's)
-            bias = _in_fp32(importer, bias)
-        y = bb.emit(relax.op.linear(_in_fp32(importer, x), _in_fp32(importer, w), bias,
+            bias = in_fp32(importer, bias)
+        y = bb.emit(relax.op.linear(in_fp32(importer, x), in_fp32(importer, w), bias,
                                     "float32"))
-        return _cast(importer, y, dtype)
+        return cast_to(importer, y, dtype)
 
     return convert
 
@@ -175,33 +150,10 @@ def _einsum(ctx: Lowering):
                 x3, lead = rows(importer, xs, 2)
                 w2 = _weight_2d(node.args[1][1], ws, importer)
                 y = unrows(importer, dense_call(ctx, importer, x3, w2, out_dtype=dtype), lead)
-                return _cast(importer, y, dtype)  # no-op where the GEMV stored bf16
-        y = importer.block_builder.emit(relax.op.einsum([_in_fp32(importer, o) for o in ops],
+                return cast_to(importer, y, dtype)  # no-op where the GEMV stored bf16
+        y = importer.block_builder.emit(relax.op.einsum([in_fp32(importer, o) for o in ops],
                                                         eq))
-        return _cast(importer, y, dtype)
-
-    return convert
-
-
-def _fp8_grouped_linear(ctx: Lowering):
-    """dsv41::fp8_grouped_linear (the grouped o-projection over the hub's FP8 `wo_a`): on the CPU
-    `dense_call` over the codes and tile scales (the GEMV reads them as stored; prefill's GEMM
-    their bf16); on CUDA the generic einsum over the weight's bf16 values."""
-
-    def convert(node, importer):
-        x, w, s = (importer.env[a] for a in node.args[:3])
-        dtype = x.ty.dtype
-        if not ctx.target.is_cuda:
-            x3, lead = rows(importer, x, 2)
-            y = unrows(importer, dense_call(ctx, importer, x3, w, out_dtype=dtype, scale=s),
-                       lead)
-            return _cast(importer, y, dtype)  # no-op where the GEMV stored bf16
-        g, d = (static(v) for v in shape(x)[-2:])
-        wb = fp8_weight_bf16(ctx, importer, w, s)
-        w3 = importer.block_builder.emit(relax.op.reshape(wb, [g, static(shape(w)[0]) // g, d]))
-        y = importer.block_builder.emit(relax.op.einsum(
-            [_in_fp32(importer, x), _in_fp32(importer, w3)], "bsgd,grd->bsgr"))
-        return _cast(importer, y, dtype)
+        return cast_to(importer, y, dtype)
 
     return convert
 
@@ -211,8 +163,8 @@ def _mean(node, importer):
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     dtype = x.ty.dtype
-    y = importer.block_builder.emit(relax.op.mean(_in_fp32(importer, x), dim, keepdims=keep))
-    return _cast(importer, y, dtype)
+    y = importer.block_builder.emit(relax.op.mean(in_fp32(importer, x), dim, keepdims=keep))
+    return cast_to(importer, y, dtype)
 
 
 def _amax(node, importer):
@@ -285,7 +237,6 @@ def convert_map(ctx: Lowering) -> dict:
         **converters(ctx),
         "linear.default": _linear(ctx),
         "einsum.default": _einsum(ctx),
-        "fp8_grouped_linear.default": _fp8_grouped_linear(ctx),
         "mean.dim": _mean,
         "amax.default": _amax,
         "copysign.Tensor": _copysign,

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tvm
-from tvm import relax
+from tvm import relax, te
 
 from dsv41.compiler.kernel_keys import KernelKey
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
+from dsv41.schedules.common import bf16_of
 
 BF16 = "bfloat16"
 
@@ -85,3 +86,31 @@ def map_relax_functions(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
         if isinstance(func, relax.Function):
             out[gv] = rewrite(func)
     return out
+
+
+def in_fp32(importer, x: relax.Expr) -> relax.Expr:
+    """x as fp32 (itself when it is)."""
+    if x.ty.dtype == "float32":
+        return x
+    return importer.block_builder.emit(relax.op.astype(x, "float32"))
+
+
+def round_to_bf16(importer, x: relax.Expr) -> relax.Expr:
+    """fp32 -> bf16, round to nearest even, on the bits (`schedules.common.bf16_of`, which a
+    kernel storing bf16 uses too). A plain cast is folded away by TVM's simplifier when a fused
+    kernel immediately casts back to fp32 (Cast(f32, Cast(bf16, v)) -> v), which silently drops
+    torch's bf16 rounding; bit arithmetic cannot be folded."""
+
+    def compute(a):
+        return te.compute(a.shape, lambda *i: bf16_of(a(*i)), name="round_bf16")
+
+    return importer.block_builder.emit_te(compute, x, primfunc_name_hint="round_bf16")
+
+
+def cast_to(importer, x: relax.Expr, dtype: str) -> relax.Expr:
+    """x as `dtype`: nothing where it is, fp32 -> bf16 by `round_to_bf16`, else a cast."""
+    if x.ty.dtype == dtype:
+        return x
+    if dtype == BF16 and x.ty.dtype == "float32":
+        return round_to_bf16(importer, x)
+    return importer.block_builder.emit(relax.op.astype(x, dtype))

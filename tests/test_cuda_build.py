@@ -39,3 +39,15 @@ def test_cuda_artifact_is_refused_without_a_gpu(cuda_decode):
     args, path = cuda_decode
     with pytest.raises(ArtifactError, match=TARGET):
         Artifact.load(path, args=args)
+
+
+def test_fp8_wo_a_decode_builds_for_cuda_sm90(small_case):
+    """The grouped o-projection over the hub's FP8 `wo_a` (`wo_a_dtype` "fp8") on CUDA: the
+    weight dequantized by the fp8_dequant kernel, then the generic einsum; it builds to SASS."""
+    args = load_config(small_case.checkpoint).replace(wo_a_dtype="fp8")
+    path = cached_artifact(args, "shared-small-fp8-wo-a", ("decode",), target=TARGET)
+    m = verify(path, args=args, check_device=False)
+    assert m.target.name == TARGET and list(m.entries) == ["decode"]
+    names = {p.param for p in m.entries["decode"].params}
+    assert "layers__0__attn__wo_a__scale" in names, sorted(names)[:8]
+    assert b"-arch sm_90" in (path / "decode.so").read_bytes()
