@@ -30,6 +30,7 @@ from enum import Enum
 import numpy as np
 
 from dsv41.graph.checkpoint import E8M0, FP4, FP8, param_spec
+from dsv41.graph.checkpoint.spec import RELEASE_FP8_SUFFIX
 from dsv41.graph.config import ModelArgs
 from dsv41.graph.layout import KVLayout
 from dsv41.graph.plan import LOCAL, build_plan
@@ -99,9 +100,9 @@ def _weights(args: ModelArgs, tally: _Tally, tokens_through) -> None:
         tally.weight_bytes += calls * (s.nbytes * min(den, per_call * num) // den)
         matmul = (len(s.logical_shape) == 2 and s.kind != E8M0 and "norm" not in name
                   and "embed" not in name)
-        if matmul:
+        if matmul:  # an FP8 wo_a (`wo_a_dtype`) is stored as FP8 but multiplied in bf16
             tally.op(2 * s.logical_shape[0] * s.logical_shape[1] * num // den * t,
-                     _precision(s.kind))
+                     "bf16" if name.endswith(RELEASE_FP8_SUFFIX) else _precision(s.kind))
 
 
 def _kv(args: ModelArgs, plan, tally: _Tally, layers, positions: np.ndarray) -> None:

@@ -183,3 +183,31 @@ def test_compiled_fp8_artifact_equals_the_bf16_artifact(small_case, small_artifa
         assert all(np.array_equal(a, b) for a, b in zip(runs[0][1], other[1], strict=True))
     with pytest.raises(ValueError, match=r"attn\.wo_a\.weight: tile .*wo_a_dtype"):
         Engine.load(art, small_case.checkpoint, exact=True)  # the reference's random BF16
+
+
+def test_fp8_wo_a_halves_its_bytes_not_its_flops():
+    """The decode step's cost (graph.cost): the FP8 wo_a reads half its bytes (plus a scale
+    byte per 32 x 32 tile); its products are bf16 either way, so the weighted FLOPs stay."""
+    from dsv41.graph.cost import decode_step_cost
+
+    full = preset("full")
+    a, b = (decode_step_cost(full.replace(wo_a_dtype=d), 65536) for d in ("bf16", "fp8"))
+    wo_a = full.o_groups * full.o_lora_rank * full.n_heads * full.head_dim // full.o_groups
+    layers = full.n_layers
+    assert a.weight_bytes - b.weight_bytes == layers * (wo_a - wo_a // 1024)
+    assert (a.flops, a.weighted_flops) == (b.flops, b.weighted_flops)
+
+
+def test_cli_wo_a_chooses_the_storage():
+    import argparse
+
+    from dsv41.compiler.tools.cli.common import args_from, model_opts
+
+    p = argparse.ArgumentParser()
+    model_opts(p)
+    assert args_from(p.parse_args(["--preset", "small"])).wo_a_dtype == "bf16"
+    assert args_from(p.parse_args(["--preset", "small", "--wo-a", "fp8"])).wo_a_dtype == "fp8"
+    assert args_from(p.parse_args(["--preset", "bench", "--wo-a", "bf16"])).wo_a_dtype == "bf16"
+    assert args_from(p.parse_args(["--preset", "full"])).wo_a_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--wo-a", "fp4"])

@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--seed", type=natural, default=0)
     sp.add_argument("--overwrite", action="store_true")
     sp.add_argument("--layout", choices=("converted", "release"), default="converted",
-                    help="converted: convert.py's files (wo_a BF16, inference config.json); "
+                    help="converted: convert.py's files (inference config.json; wo_a BF16, or FP8 "
+                         "where the config's wo_a_dtype is fp8); "
                          "release: the hub's (FP8 wo_a + scale, index + shards, HF config.json)")
     sp.set_defaults(func=run)
 

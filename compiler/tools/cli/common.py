@@ -17,7 +17,11 @@ HIDDEN = ("func", "options", "error_prog")  # parser plumbing, never printed as 
 
 
 def args_from(ns):
-    return resolve_args(getattr(ns, "preset", None), getattr(ns, "config", None))
+    """--preset / --config, with --wo-a (the storage of the grouped o-projection's weight, the
+    artifact's choice: `ModelArgs.wo_a_dtype`) where given."""
+    args = resolve_args(getattr(ns, "preset", None), getattr(ns, "config", None))
+    wo_a = getattr(ns, "wo_a", None)
+    return args if wo_a is None else args.replace(wo_a_dtype=wo_a)
 
 
 def print_args(verb: str, ns: argparse.Namespace, hide: tuple[str, ...] = ()) -> None:
@@ -28,6 +32,10 @@ def print_args(verb: str, ns: argparse.Namespace, hide: tuple[str, ...] = ()) ->
 def model_opts(sp: argparse.ArgumentParser, default="small") -> None:
     sp.add_argument("--preset", default=default, help="small | bench | full | long")
     sp.add_argument("--config", default=None, help="a config.json (inference or HF form)")
+    sp.add_argument("--wo-a", default=None, choices=("fp8", "bf16"),
+                    help="wo_a as the hub ships it (fp8: half its bytes, the same values) or "
+                         "as convert.py writes it (bf16); default: the config's wo_a_dtype "
+                         "(presets bench and full: fp8)")
 
 
 def check_target(target: str) -> None:
