@@ -86,9 +86,24 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
     `vec` lanes and a final horizontal add (torch's order is its own), so results agree with the
     oracle to fp32 rounding, not bit for bit."""
     G, N, K = i64(groups), i64(n), i64(k)
+
+    @T.macro
+    def sums(x, y, w, wval):
+        """y[i, g, c] = sum over j of fp32 x[i, g, j] times wval(w, g * N + c, j)."""
+        for i, g, c, j in T.grid(x.shape[0], G, N, K):
+            with T.sblock("y"):
+                vi, vg, vc, vj = T.axis.remap("SSSR", [i, g, c, j])
+                with T.init():
+                    y[vi, vg, vc] = T.float32(0)
+                y[vi, vg, vc] = y[vi, vg, vc] + _load_f32(x, vi, vg, vj) * wval(
+                    w, vg * N + vc, vj)
+
     if w_dtype == FP8_WEIGHT:
         _check_dense_dtypes("dense_gemv", x_dtype)
         _check_fp8_k(k)
+
+        def fp8_value(w_sc, row, j):  # w_sc: (codes, tile scales)
+            return fp8_tile_f32(w_sc[0], w_sc[1], row, j)
 
         @T.prim_func(s_tir=True)
         def dense_gemv_fp8(x_h: T.handle, w: T.Buffer((G * N, K), "uint8"),
@@ -97,13 +112,7 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
             m = T.int64()
             x = T.match_buffer(x_h, (m, G, K), x_dtype)
             y = T.match_buffer(y_h, (m, G, N), "float32")
-            for i, g, c, j in T.grid(m, G, N, K):
-                with T.sblock("y"):
-                    vi, vg, vc, vj = T.axis.remap("SSSR", [i, g, c, j])
-                    with T.init():
-                        y[vi, vg, vc] = T.float32(0)
-                    y[vi, vg, vc] = y[vi, vg, vc] + _load_f32(x, vi, vg, vj) * fp8_tile_f32(
-                        w, sc, vg * N + vc, vj)
+            sums(x, y, (w, sc), fp8_value)
 
         return dense_gemv_fp8
     _check_dense_dtypes("dense_gemv", x_dtype, w_dtype)
@@ -114,13 +123,7 @@ def make_dense_gemv(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: str
         m = T.int64()
         x = T.match_buffer(x_h, (m, G, K), x_dtype)
         y = T.match_buffer(y_h, (m, G, N), "float32")
-        for i, g, c, j in T.grid(m, G, N, K):
-            with T.sblock("y"):
-                vi, vg, vc, vj = T.axis.remap("SSSR", [i, g, c, j])
-                with T.init():
-                    y[vi, vg, vc] = T.float32(0)
-                y[vi, vg, vc] = y[vi, vg, vc] + _load_f32(x, vi, vg, vj) * _load_f32(
-                    w, vg * N + vc, vj)
+        sums(x, y, w, _load_f32)
 
     return dense_gemv
 
