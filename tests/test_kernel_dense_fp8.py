@@ -149,7 +149,7 @@ def test_prefill_gemm_decodes_each_tile_bit_identically(n, m):
     blocks."""
     if has_features(get_target(CPU), "amx-bf16"):
         pytest.skip("AMX hosts dequantize the weight for the AMX GEMM")
-    assert gemm.dense_gemm_reads_fp8(get_target(CPU), n=n, k=128)
+    assert gemm.dense_gemm_reads_fp8(get_target(CPU), n=n, k=128)  # VBMI: the lookup
     codes, scales = _weights(2 * n, 128, 11)
     w = dequantize_fp8_tiles(codes, scales, 32)
     x = (torch.randn(m, 2, 128, generator=torch.Generator().manual_seed(12)) * 2).to(

@@ -14,6 +14,7 @@ from dsv41.schedules.common import (
     bf16_to_f32,
     dpbf16ps,
     e4m3_to_f32_select,
+    e4m3_words,
     e8m0_to_f32,
     i64,
     u32,
@@ -158,12 +159,16 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
     broadcast straight from w (no decode: the weights are bf16 already).
 
     `fp8` (signature (x, w, scale, y): w E4M3 codes [g * n, k], scale the E8M0 bytes of its 32 x
-    32 tiles): a task first decodes its tile's weights into bf16 in K order ([32, k] uint16,
-    the tile's scale folded in, exact: the BF16 `checkpoint.fp8_tiles.dequantize_fp8_tiles`
-    makes while the scale byte is in `EXACT_SCALE_BYTES`), then broadcasts the pairs from it:
-    the bf16 kernel's sums over that weight, bit for bit, without a dequantized copy of it."""
+    32 tiles; k a multiple of 64; AVX-512 VBMI): a task first decodes its tile's weights into
+    bf16 in K order ([32, k] uint16: looked up, `e4m3_words`, the tile's scale added to the
+    exponents, exact: the BF16 `checkpoint.fp8_tiles.dequantize_fp8_tiles` makes while the scale
+    byte is in `EXACT_SCALE_BYTES`), then broadcasts the pairs from it: the bf16 kernel's sums
+    over that weight, bit for bit, without a dequantized copy of it."""
     if k % 2:
         raise ValueError(f"The bf16 dense GEMM needs an even k, got {k}.")
+    if fp8 and k % e4m3_words.CODES:
+        raise ValueError(f"The bf16 dense GEMM over an FP8 weight needs k a multiple of "
+                         f"{e4m3_words.CODES}, got {k}.")
     if row_block < 32 or row_block % (ROW_VECS * LANES):
         raise ValueError(f"row_block must be a positive multiple of {ROW_VECS * LANES}; got "
                          f"{row_block}.")
@@ -182,21 +187,31 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
         return T.reinterpret("uint32", w.vload(
             [g * N + T.min(p * TN + cq * TILE_COLS + c, N - i64(1)), kp * 2], "bfloat16x2"))
 
+    CODES = e4m3_words.CODES
+    HALVES = (list(range(CODES // 2)), list(range(CODES // 2, CODES)))
+
     @T.macro
-    def decode_tile(w, sc, wn, g, p):
+    def decode_tile(w, sc, tables, wn, g, p):
         """wn = the bf16 bits of the task's 32 columns of the FP8 weight, in K order (a partial
-        tile reads its last column again)."""
-        for c, kv in T.grid(TN, K // i64(LANES)):
+        tile reads its last column again): 64 codes at a time looked up (`e4m3_words`), each
+        32-code half's tile scale added to its words' exponents."""
+        for c, cp in T.grid(TN, K // i64(CODES)):
             row = T.meta_var(g * N + T.min(p * TN + c, N - i64(1)))
-            wn[T.ramp(c * K + kv * LANES, 1, LANES)] = bf16_bits_of_exact(
-                e4m3_to_f32_select(T.Cast(f"uint32x{LANES}", w.vload(
-                    [row, kv * LANES], f"uint8x{LANES}")))
-                * T.broadcast(e8m0_to_f32(T.Cast("uint32", sc[row // TN, kv * LANES // TN])),
-                              LANES))
+            codes = T.meta_var(w.vload([row, cp * i64(CODES)], f"uint8x{CODES}"))
+            wn[T.ramp(c * K + cp * i64(CODES), 1, CODES // 2)] = e4m3_words.scaled_words(
+                e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], HALVES[0]),
+                sc[row // TN, cp * i64(2)])
+            wn[T.ramp(c * K + cp * i64(CODES) + i64(CODES // 2), 1, CODES // 2)] = \
+                e4m3_words.scaled_words(
+                    e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], HALVES[1]),
+                    sc[row // TN, cp * i64(2) + i64(1)])
 
     @T.macro
     def body(x, w, sc, y, m):
         with T.attr(T.int32(0), *with_bf16_dot()):
+            if sc is not None:  # static: the E4M3 -> bf16 lookup table
+                tbl = T.alloc_buffer((256,), "uint8")
+                e4m3_words.e4m3_bf16_table(tbl)
             xt = T.alloc_buffer((((m + MB - i64(1)) // MB) * G * KP * MB,), "uint32")
             for rb in T.parallel((m + MB - i64(1)) // MB):
                 for g, gr, kp, r in T.grid(G, MB // i64(GROUP), KP, i64(GROUP)):
@@ -214,7 +229,7 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
                 p = T.meta_var(task % NT)
                 if sc is not None:  # static: the FP8 tile decoded once for the task's rows
                     wn = T.alloc_buffer((TN * K,), "uint16")
-                    decode_tile(w, sc, wn, g, p)
+                    decode_tile(w, sc, e4m3_words.table_vectors(tbl), wn, g, p)
                 else:
                     wn = T.meta_var(None)
                 for gr in range(MB // i64(GROUP)):

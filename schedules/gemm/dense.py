@@ -652,8 +652,9 @@ def dense_gemm_config(target: TargetSpec, *, n: int, k: int, x_dtype: str | None
         return DenseGemmConfig(kind="bf16_dot", block_rows=256)
     # an FP8 weight (`FP8_WEIGHT`) without AMX: the bf16_dot form decodes each task's tile
     # (with AMX the weight is dequantized for the AMX GEMM; not measured there)
-    if (x_dtype == "bfloat16" and w_dtype == FP8_WEIGHT and k % FP8_TILE == 0
-            and has_avx512_bf16(target) and not has_amx_bf16(target)):
+    if (x_dtype == "bfloat16" and w_dtype == FP8_WEIGHT and k % e4m3_words.CODES == 0
+            and has_avx512_bf16(target) and has_features(target, "avx512vbmi")
+            and not has_amx_bf16(target)):
         return DenseGemmConfig(kind="bf16_dot", block_rows=256)
     return DenseGemmConfig(tn=math.gcd(n, 64), rb=4)
 
