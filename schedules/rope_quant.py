@@ -162,6 +162,21 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
 
 def _entries_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
     """`rope_quant`'s function around the row macro: the codes and scales as outputs."""
+
+    @T.macro
+    def each_entry(x, cos, sin, weight, codes, scales):
+        b, s, cb = T.meta_var(x.shape[0]), T.meta_var(x.shape[1]), T.meta_var(cos.shape[0])
+        for i, t in T.grid(b, s):
+            with T.sblock("row"):
+                vb, vt = T.axis.remap("SS", [i, t])
+                if weight is not None:  # static
+                    T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2],
+                            weight[0:D])
+                else:
+                    T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2])
+                T.writes(codes[vb, vt, 0:CW], scales[vb, vt, 0:G])
+                row(x, cos, sin, weight, codes, scales, vb, vt, vt, True, cb)
+
     if with_norm:
         @T.prim_func(s_tir=True)
         def rope_quant_norm(x_h: T.handle, cos_h: T.handle, sin_h: T.handle,
@@ -174,13 +189,7 @@ def _entries_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
             sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
             codes = T.match_buffer(codes_h, (b, s, CW), "uint8")
             scales = T.match_buffer(scales_h, (b, s, G), "uint8")
-            for i, t in T.grid(b, s):
-                with T.sblock("row"):
-                    vb, vt = T.axis.remap("SS", [i, t])
-                    T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2],
-                            weight[0:D])
-                    T.writes(codes[vb, vt, 0:CW], scales[vb, vt, 0:G])
-                    row(x, cos, sin, weight, codes, scales, vb, vt, vt, True, cb)
+            each_entry(x, cos, sin, weight, codes, scales)
 
         return rope_quant_norm
 
@@ -194,12 +203,7 @@ def _entries_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
         sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
         codes = T.match_buffer(codes_h, (b, s, CW), "uint8")
         scales = T.match_buffer(scales_h, (b, s, G), "uint8")
-        for i, t in T.grid(b, s):
-            with T.sblock("row"):
-                vb, vt = T.axis.remap("SS", [i, t])
-                T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2])
-                T.writes(codes[vb, vt, 0:CW], scales[vb, vt, 0:G])
-                row(x, cos, sin, None, codes, scales, vb, vt, vt, True, cb)
+        each_entry(x, cos, sin, None, codes, scales)
 
     return rope_quant
 
@@ -207,6 +211,24 @@ def _entries_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
 def _rows_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
     """`rope_quant_rows`' function around the row macro: codes and scales written in place at
     the rows idx names (a row outside the cache: skipped)."""
+
+    @T.macro
+    def each_row(codes, scales, idx, x, cos, sin, weight):
+        b, s, n = T.meta_var(x.shape[0]), T.meta_var(x.shape[1]), T.meta_var(codes.shape[1])
+        cb = T.meta_var(cos.shape[0])
+        for i, t in T.grid(b, s):
+            with T.sblock("row"):
+                vb, vt = T.axis.remap("SS", [i, t])
+                if weight is not None:  # static
+                    T.reads(idx[vb, vt], x[vb, vt, 0:D], cos[0:cb, vt, 0:R2],
+                            sin[0:cb, vt, 0:R2], weight[0:D])
+                else:
+                    T.reads(idx[vb, vt], x[vb, vt, 0:D], cos[0:cb, vt, 0:R2],
+                            sin[0:cb, vt, 0:R2])
+                T.writes(codes[vb, 0:n, 0:CW], scales[vb, 0:n, 0:G])
+                row(x, cos, sin, weight, codes, scales, vb, vt, idx[vb, vt],
+                    idx[vb, vt] >= T.int64(0) and idx[vb, vt] < n, cb)
+
     if with_norm:
         @T.prim_func(s_tir=True)
         def rope_quant_rows_norm(codes_h: T.handle, scales_h: T.handle, idx_h: T.handle,
@@ -220,14 +242,7 @@ def _rows_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
             x = T.match_buffer(x_h, (b, s, D), "bfloat16")
             cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
             sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
-            for i, t in T.grid(b, s):
-                with T.sblock("row"):
-                    vb, vt = T.axis.remap("SS", [i, t])
-                    T.reads(idx[vb, vt], x[vb, vt, 0:D], cos[0:cb, vt, 0:R2],
-                            sin[0:cb, vt, 0:R2], weight[0:D])
-                    T.writes(codes[vb, 0:n, 0:CW], scales[vb, 0:n, 0:G])
-                    row(x, cos, sin, weight, codes, scales, vb, vt, idx[vb, vt],
-                        idx[vb, vt] >= T.int64(0) and idx[vb, vt] < n, cb)
+            each_row(codes, scales, idx, x, cos, sin, weight)
 
         return rope_quant_rows_norm
 
@@ -242,13 +257,7 @@ def _rows_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
         x = T.match_buffer(x_h, (b, s, D), "bfloat16")
         cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
         sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
-        for i, t in T.grid(b, s):
-            with T.sblock("row"):
-                vb, vt = T.axis.remap("SS", [i, t])
-                T.reads(idx[vb, vt], x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2])
-                T.writes(codes[vb, 0:n, 0:CW], scales[vb, 0:n, 0:G])
-                row(x, cos, sin, None, codes, scales, vb, vt, idx[vb, vt],
-                    idx[vb, vt] >= T.int64(0) and idx[vb, vt] < n, cb)
+        each_row(codes, scales, idx, x, cos, sin, None)
 
     return rope_quant_rows
 

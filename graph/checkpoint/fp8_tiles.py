@@ -56,7 +56,8 @@ def quantize_fp8_tiles_exact(values: torch.Tensor, name: str
     tile no such pair holds. Per tile the smallest power of two with amax / 2^e <= 448 (the
     finest grid that holds the tile: a value that a coarser tile scale holds, as the hub's FP8
     in 128 x 128 or the BF16 `convert.py` made of it, is held by it too); an all-zero tile
-    takes 2^0."""
+    takes 2^0. Not `formats.torch_quant_fp8_weight`: its 1e-4 amax floor and rounded amax / 448
+    can pick a coarser scale than the finest that holds the tile, and lose its last bits."""
     v = values.float()
     rows, cols = v.shape
     if rows % FP8_TILE or cols % FP8_TILE:

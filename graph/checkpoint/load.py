@@ -320,11 +320,8 @@ def _read_kept_fp8(reader: _Reader, where: Mapping[str, _Header], name: str, til
     """A `_kept_fp8` tensor read and converted on the CPU to the layout's FP8 of 32 x 32 tiles,
     exactly (`quantize_fp8_tiles_exact`: ValueError where no such form holds its values)."""
     cpu = torch.device("cpu")
-    stored = reader.read(where[name], name, _empty(where[name].entries[name], cpu))
-    if tile:
-        scale = scale_name(name)
-        scales = reader.read(where[scale], scale, _empty(where[scale].entries[scale], cpu))
-        stored = dequantize_fp8_tiles(stored, scales, tile)
+    stored = (_read_fp8(reader, where, name, tile, None, cpu) if tile
+              else reader.read(where[name], name, _empty(where[name].entries[name], cpu)))
     return quantize_fp8_tiles_exact(stored, name)
 
 
@@ -477,7 +474,7 @@ def load_checkpoint(path: str | Path, args: ModelArgs, *, strict: bool = True,
         for n, s in spec.items():  # the FP8 wo_a read as stored: decodable as the kernels do
             if n.endswith(RELEASE_FP8_SUFFIX) and s.kind == FP8_KIND and n in loaded \
                     and scale_name(n) in loaded and n not in kept:
-                check_fp8_tiles(loaded[n].cpu(), loaded[scale_name(n)].cpu(), n)
+                check_fp8_tiles(loaded[n], loaded[scale_name(n)], n)
         out = {name: loaded[name] for name in spec if name in loaded}
         for name, group in (stacks or {}).items():
             if all(m in where for m in group):

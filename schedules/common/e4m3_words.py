@@ -16,8 +16,9 @@ from dsv41.schedules.common.x86 import bf16_bits_of_exact
 
 CODES = 64  # E4M3 codes per lookup (one 512-bit load)
 WORDS = 32  # bf16 words per result vector
-__all__ = ["CODES", "EXACT_SCALE_BYTES", "WORDS", "e4m3_bf16_table", "e4m3_bf16_words",
-           "scaled_words", "table_vectors"]
+HALVES = (list(range(WORDS)), list(range(WORDS, CODES)))  # a load's two halves, in K order
+__all__ = ["CODES", "EXACT_SCALE_BYTES", "HALVES", "WORDS", "e4m3_bf16_table",
+           "e4m3_bf16_words", "k_order_words", "scaled_words", "table_vectors"]
 
 
 @T.macro
@@ -64,3 +65,11 @@ def scaled_words(words, scale_byte):
     step = T.Cast("uint16", (T.Cast("int32", scale_byte) - 127) * 128)  # mod 2^16
     nonzero = (words & T.broadcast(T.uint16(0x7FFF), WORDS)) != T.broadcast(T.uint16(0), WORDS)
     return T.Select(nonzero, words + T.broadcast(step, WORDS), words)
+
+
+def k_order_words(codes, lo_tbl, hi_tbl, first_scale, second_scale):
+    """The 64 `codes` (two 32-code tiles of one row, in K order) as two vectors of 32 bf16
+    words in K order, each half times its tile's E8M0 scale (`scaled_words`): the bf16 of the
+    dequantized weight, exactly, while both scale bytes are in `EXACT_SCALE_BYTES`."""
+    return tuple(scaled_words(e4m3_bf16_words(codes, lo_tbl, hi_tbl, half), scale)
+                 for half, scale in zip(HALVES, (first_scale, second_scale), strict=True))

@@ -188,7 +188,6 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
             [g * N + T.min(p * TN + cq * TILE_COLS + c, N - i64(1)), kp * 2], "bfloat16x2"))
 
     CODES = e4m3_words.CODES
-    HALVES = (list(range(CODES // 2)), list(range(CODES // 2, CODES)))
 
     @T.macro
     def decode_tile(w, sc, tables, wn, g, p):
@@ -198,13 +197,11 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
         for c, cp in T.grid(TN, K // i64(CODES)):
             row = T.meta_var(g * N + T.min(p * TN + c, N - i64(1)))
             codes = T.meta_var(w.vload([row, cp * i64(CODES)], f"uint8x{CODES}"))
-            wn[T.ramp(c * K + cp * i64(CODES), 1, CODES // 2)] = e4m3_words.scaled_words(
-                e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], HALVES[0]),
-                sc[row // TN, cp * i64(2)])
-            wn[T.ramp(c * K + cp * i64(CODES) + i64(CODES // 2), 1, CODES // 2)] = \
-                e4m3_words.scaled_words(
-                    e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], HALVES[1]),
-                    sc[row // TN, cp * i64(2) + i64(1)])
+            words = T.meta_var(e4m3_words.k_order_words(
+                codes, tables[0], tables[1], sc[row // TN, cp * i64(2)],
+                sc[row // TN, cp * i64(2) + i64(1)]))
+            wn[T.ramp(c * K + cp * i64(CODES), 1, CODES // 2)] = words[0]
+            wn[T.ramp(c * K + cp * i64(CODES) + i64(CODES // 2), 1, CODES // 2)] = words[1]
 
     @T.macro
     def body(x, w, sc, y, m):

@@ -253,7 +253,6 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     widths = [width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1)))]
     ACC = max(nr * width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1))))
     WV = max(widths) * 2 * DOT_K  # fp8: a register group's decoded words (2 chunks a column)
-    FIRST, SECOND = list(range(DOT_K)), list(range(DOT_K, 2 * DOT_K))  # a load's two chunks
 
     def stored(total):  # a column's fp32 total as y holds it
         return bf16_of(total) if out_dtype == "bfloat16" else total
@@ -317,12 +316,12 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                             G * N - i64(1)), cp * i64(2 * DOT_K)]))
                     codes = T.meta_var(w.vload([column(task, cg, cbn, c), cp * i64(2 * DOT_K)],
                                                "uint8x64"))
-                    wv[T.ramp(c * 2 * DOT_K, 1, DOT_K)] = e4m3_words.scaled_words(
-                        e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], FIRST),
-                        sc[column(task, cg, cbn, c) // i64(FP8_TILE), cp * i64(2)])
-                    wv[T.ramp((c * 2 + 1) * DOT_K, 1, DOT_K)] = e4m3_words.scaled_words(
-                        e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], SECOND),
-                        sc[column(task, cg, cbn, c) // i64(FP8_TILE), cp * i64(2) + i64(1)])
+                    words = T.meta_var(e4m3_words.k_order_words(
+                        codes, tables[0], tables[1],
+                        sc[column(task, cg, cbn, c) // i64(FP8_TILE), cp * i64(2)],
+                        sc[column(task, cg, cbn, c) // i64(FP8_TILE), cp * i64(2) + i64(1)]))
+                    wv[T.ramp(c * 2 * DOT_K, 1, DOT_K)] = words[0]
+                    wv[T.ramp((c * 2 + 1) * DOT_K, 1, DOT_K)] = words[1]
                 for h in T.unroll(2):
                     for a in T.unroll(nr * cbn):  # (row a // cbn, column a % cbn)
                         if fma_rows and nr > 1:  # static
