@@ -60,6 +60,7 @@ from dsv41.compiler.relax_ops import (
     tensor,
     unrows,
 )
+from dsv41.graph.checkpoint.spec import FP8_TILE
 from dsv41.graph.ops import ENGRAM_ROWS_FUNC, ENTRY_GROUP, EntryFormat, entry_code_width
 from dsv41.graph.targets import TargetSpec
 from dsv41.schedules import (
@@ -445,12 +446,14 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
     (`gemm.dense_gemv_rounds`), else the result is fp32 and the caller rounds. `scale`: w is
     FP8 (E4M3 codes, these E8M0 scales per 32 x 32 tile), which dense_gemv reads as stored
     (decode, drafts, verify), and the prefill GEMM too where its form can
-    (`gemm.dense_gemm_reads_fp8`), else its bf16 (`fp8_weight_bf16`)."""
+    (`gemm.dense_gemm_reads_fp8`), else its bf16 (`fp8_weight_values`)."""
     groups, k = (static(v) for v in shape(x3)[1:])
     n = static(shape(w2)[0]) // groups
     if scale is not None and not use_gemv(ctx) and not gemm.dense_gemm_reads_fp8(
-            ctx.target, n=n, k=k):
-        w2, scale = fp8_weight_bf16(ctx, importer, w2, scale), None
+            ctx.target, n=n, k=k):  # the values, exact in bf16, for the bf16 GEMM
+        w2 = importer.block_builder.emit(relax.op.astype(
+            fp8_weight_values(ctx, importer, w2, scale), BF16))
+        scale = None
     w_dtype = gemm.FP8_WEIGHT if scale is not None else str(w2.ty.dtype)
     dims = dict(groups=groups, n=n, k=k, x_dtype=str(x3.ty.dtype), w_dtype=w_dtype)
     m = shape(x3)[0]
@@ -469,20 +472,20 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
     return call(importer, gv, [x3, *weight], tensor([m, groups, n], dtype))
 
 
-def fp8_weight_bf16(ctx: Lowering, importer, codes: relax.Expr, scale: relax.Expr) -> relax.Expr:
-    """The bf16 of an FP8 weight [rows, k] with E8M0 scales per 32 x 32 tile, made once per call
-    (a prefill's, where the GEMM's rows amortise it; CUDA's generic path): each tile's scale
-    repeated over its 32 rows, the fp8_dequant kernel (exact fp32 values), rounded to bf16
-    (exact: 4 significant bits)."""
+def fp8_weight_values(ctx: Lowering, importer, codes: relax.Expr, scale: relax.Expr
+                      ) -> relax.Expr:
+    """The fp32 values of an FP8 weight [rows, k] with E8M0 scales per 32 x 32 tile, made once
+    per call (a prefill's, where the GEMM's rows amortise it; CUDA's generic path): each tile's
+    scale repeated over its rows, then the fp8_dequant kernel (exact; bf16 holds them exactly
+    too: 4 significant bits)."""
     bb = importer.block_builder
     rows_, k = (static(v) for v in shape(codes))
-    per_row = bb.emit(relax.op.repeat(scale, 32, axis=0))
-    if rows_ % 32:
+    per_row = bb.emit(relax.op.repeat(scale, FP8_TILE, axis=0))
+    if rows_ % FP8_TILE:
         per_row = bb.emit(relax.op.strided_slice(per_row, axes=[0], begin=[0], end=[rows_]))
     key = Fp8DequantKey(d=k)
     gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-    values = call(importer, gv, [codes, per_row], tensor([rows_, k], "float32"))
-    return bb.emit(relax.op.astype(values, BF16))
+    return call(importer, gv, [codes, per_row], tensor([rows_, k], "float32"))
 
 
 def _fp8_grouped_linear(ctx: Lowering):
@@ -500,10 +503,9 @@ def _fp8_grouped_linear(ctx: Lowering):
             return cast_to(importer, y, dtype)  # nothing where the GEMV stored bf16
         g, d = (static(v) for v in shape(x)[-2:])
         bb = importer.block_builder
-        wb = fp8_weight_bf16(ctx, importer, w, s)
-        w3 = bb.emit(relax.op.reshape(wb, [g, static(shape(w)[0]) // g, d]))
-        y = bb.emit(relax.op.einsum([in_fp32(importer, x), in_fp32(importer, w3)],
-                                    "bsgd,grd->bsgr"))
+        w3 = bb.emit(relax.op.reshape(fp8_weight_values(ctx, importer, w, s),
+                                      [g, static(shape(w)[0]) // g, d]))
+        y = bb.emit(relax.op.einsum([in_fp32(importer, x), w3], "bsgd,grd->bsgr"))
         return cast_to(importer, y, dtype)
 
     return convert

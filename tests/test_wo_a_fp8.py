@@ -23,6 +23,7 @@ from dsv41.graph.checkpoint.fp8_tiles import (
 )
 from dsv41.graph.config import load_config, preset, save_config
 from dsv41.graph.model import Model
+from dsv41.graph.targets import get_target
 
 SMALL = preset("small")
 FP8 = SMALL.replace(wo_a_dtype="fp8")
@@ -211,3 +212,30 @@ def test_cli_wo_a_chooses_the_storage():
     assert args_from(p.parse_args(["--preset", "full"])).wo_a_dtype == "fp8"
     with pytest.raises(SystemExit):
         p.parse_args(["--wo-a", "fp4"])
+
+
+@pytest.mark.parametrize("target,entry,kernels", [
+    # AVX-512 BF16 + VBMI: the decode GEMV and the prefill GEMM read the codes as stored
+    ("cpu", "decode", {"k_dense_gemv_2_64_128_bfloat16_fp8_to_bf16"}),
+    ("cpu", "prefill_all", {"k_dense_gemm_2_64_128_bfloat16_fp8"}),
+    # a baseline x86-64: the scheduled GEMV decodes them; the prefill GEMM gets their bf16
+    ("cpu-x86-64", "decode", {"k_dense_gemv_2_64_128_bfloat16_fp8"}),
+    ("cpu-x86-64", "prefill_all", {"k_fp8_dequant_128", "k_dense_gemm_2_64_128_bfloat16_bfloat16"}),
+    ("cuda-sm90", "decode", {"k_fp8_dequant_128"}),  # then the generic einsum
+])
+def test_fp8_wo_a_lowers_to_each_targets_form(small_case, target, entry, kernels):
+    """Which kernels the grouped o-projection over the FP8 wo_a lowers to, per target and entry
+    (shared-small's shape: g 2, n 64, k 128)."""
+    from dsv41.compiler.build import lowered_module
+    from dsv41.schedules.common import has_avx512_bf16, has_features
+
+    if target == "cpu" and not (has_avx512_bf16(get_target("cpu"))
+                                and has_features(get_target("cpu"), "avx512vbmi")):
+        pytest.skip("this CPU lacks AVX-512 BF16 / VBMI")
+    if target == "cpu" and entry == "prefill_all" and has_features(get_target("cpu"),
+                                                                    "amx-bf16"):
+        pytest.skip("AMX hosts dequantize for the AMX GEMM")
+    args = load_config(small_case.checkpoint).replace(wo_a_dtype="fp8")
+    mod = lowered_module(args.to_dict(), entry, target)
+    names = {gv.name_hint for gv in mod.functions}
+    assert kernels <= names, sorted(n for n in names if "dense" in n or "dequant" in n)
