@@ -20,7 +20,17 @@ from dsv41.compiler.kernel_keys import (
     RopeQuantKey,
     SparseAttendKey,
 )
-from dsv41.compiler.relax_ops import Lowering, call, rows, shape, static, tensor, unrows
+from dsv41.compiler.relax_ops import (
+    Lowering,
+    call,
+    in_fp32,
+    round_to_bf16,
+    rows,
+    shape,
+    static,
+    tensor,
+    unrows,
+)
 from dsv41.graph.ops import ENTRY_GROUP, EntryFormat, entry_code_width
 from dsv41.schedules import gemm
 
@@ -81,6 +91,49 @@ def fp8_linear_pair(ctx: Lowering, build: Builder):
         return bb.emit(relax.Tuple([unrows(importer, y, lead) for y in ys]))
 
     return convert
+
+
+def swiglu_fp8_linear(ctx: Lowering, build: Builder):
+    """swiglu_fp8_linear: one kernel where this target's fp8_linear can form its input
+    (`gemm.fp8_linear_norms`), else the SwiGLU in Relax ops (the kernel's formula: clamps,
+    g / (1 + exp(-g)) * u, bf16 by `round_to_bf16`) and then fp8_linear's kernel."""
+
+    def convert(node, importer):
+        gate, up = importer.env[node.args[0]], importer.env[node.args[1]]
+        limit = float(node.args[2])
+        w, s = importer.env[node.args[3]], importer.env[node.args[4]]
+        n, k = (static(v) for v in shape(w))
+        g2, lead = rows(importer, gate, 1)
+        u2, _ = rows(importer, up, 1)
+        m = shape(g2)[0]
+        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows):
+            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows,
+                               swiglu_limit=limit)
+            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+            return unrows(importer, call(importer, gv, [g2, u2, w, s], tensor([m, n], BF16)),
+                          lead)
+        h = round_to_bf16(importer, swiglu_values(importer, in_fp32(importer, g2),
+                                                  in_fp32(importer, u2), limit))
+        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        return unrows(importer, call(importer, gv, [h, w, s], tensor([m, n], BF16)), lead)
+
+    return convert
+
+
+def swiglu_values(importer, g: relax.Expr, u: relax.Expr, limit: float) -> relax.Expr:
+    """graph.ops.swiglu of fp32 g and u in Relax ops, as `common.silu_times` computes it."""
+    bb = importer.block_builder
+
+    def const(v: float) -> relax.Expr:
+        return relax.const(v, "float32")
+
+    if limit > 0:
+        u = bb.emit(relax.op.maximum(relax.op.minimum(u, const(limit)), const(-limit)))
+        g = bb.emit(relax.op.minimum(g, const(limit)))
+    silu = bb.emit(relax.op.divide(g, relax.op.add(const(1.0), relax.op.exp(
+        relax.op.negative(g)))))
+    return bb.emit(relax.op.multiply(silu, u))
 
 
 def sparse_attend_rope(ctx: Lowering, build: Builder):

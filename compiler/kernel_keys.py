@@ -50,12 +50,14 @@ class Fp8LinearKey(KernelKey):
     rows: int = 1  # the verify entry's rows per sequence (1 + k; 1 elsewhere)
     norm_eps: float | None = None  # norm_fp8_linear: the input RMS-normed in the kernel
     pair_n: int | None = None  # fp8_linear_pair: a second matrix's rows (x quantised once)
+    swiglu_limit: float | None = None  # swiglu_fp8_linear: the input the SwiGLU of two
 
     def parts(self) -> tuple:
         name = "fp8_linear" if self.out_dtype == BF16 else "fp8_linear_f32"
         return (name, self.n, self.k, self.m) + ((f"r{self.rows}",) if self.rows > 1 else ()) + (
             (f"norm{self.norm_eps}",) if self.norm_eps is not None else ()) + (
-            (f"pair{self.pair_n}",) if self.pair_n is not None else ())
+            (f"pair{self.pair_n}",) if self.pair_n is not None else ()) + (
+            (f"swiglu{self.swiglu_limit}",) if self.swiglu_limit is not None else ())
 
 
 @dataclass(frozen=True)

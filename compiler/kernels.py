@@ -552,8 +552,8 @@ def _quant_unscheduled(op: str) -> Callable:
 
 
 def _fp8_linear_task(key: Fp8LinearKey, target: TargetSpec):
-    if key.out_dtype != BF16 or key.norm_eps is not None or key.pair_n is not None:  # written
-        # scheduled (the normed and paired forms)
+    if key.out_dtype != BF16 or key.norm_eps is not None or key.pair_n is not None \
+            or key.swiglu_limit is not None:  # written scheduled (the fused forms)
         return None  # fp8_linear_f32 (sharded partial sums) is not a tuned family
     func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m,
                                                rows=key.rows)
@@ -607,10 +607,12 @@ REGISTRY: tuple[KernelEntry, ...] = (
         {"fp8_linear.default": _fp8_linear,
          "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32"),
          "norm_fp8_linear.default": lambda ctx: fused_ops.norm_fp8_linear(ctx, build),
-         "fp8_linear_pair.default": lambda ctx: fused_ops.fp8_linear_pair(ctx, build)},
+         "fp8_linear_pair.default": lambda ctx: fused_ops.fp8_linear_pair(ctx, build),
+         "swiglu_fp8_linear.default": lambda ctx: fused_ops.swiglu_fp8_linear(ctx, build)},
         build=lambda key, t: gemm.build_fp8_linear(t, n=key.n, k=key.k, m=key.m,
                                                    out_dtype=key.out_dtype, rows=key.rows,
-                                                   norm_eps=key.norm_eps, pair_n=key.pair_n),
+                                                   norm_eps=key.norm_eps, pair_n=key.pair_n,
+                                                   swiglu_limit=key.swiglu_limit),
         task=_fp8_linear_task, bench=BenchKernel("fp8", _bench_fp8)),
     KernelEntry(
         "fp8_dequant", (Fp8DequantKey,), gemm.build_fp8_dequant, gemm.dequant_config,

@@ -858,8 +858,12 @@ def shared_expert(model: Model, layer: int, x: torch.Tensor) -> torch.Tensor:
 
     w1, w3 = ops.fp8_linear_pair(x, *(model.p(layer, f"ffn.shared_experts.{n}.{t}")
                                       for n in ("w1", "w3") for t in ("weight", "scale")))
+    if model.shard is None:  # SwiGLU and w2 one op (one kernel in decode)
+        return ops.swiglu_fp8_linear(w1, w3, model.args.swiglu_limit,
+                                     model.p(layer, "ffn.shared_experts.w2.weight"),
+                                     model.p(layer, "ffn.shared_experts.w2.scale"))
     h = ops.swiglu(w1.float(), w3.float(), model.args.swiglu_limit)
-    return lin("w2", h.to(BF16), ops.fp8_linear if model.shard is None else ops.fp8_linear_f32)
+    return lin("w2", h.to(BF16), ops.fp8_linear_f32)
 
 
 # ---- Engram and the block ------------------------------------------------------------------------

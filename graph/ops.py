@@ -7,6 +7,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `fp8_linear`:    FP8 activation quantisation + block-scaled FP8 GEMM (weights in 32x32 tiles)
 - `norm_fp8_linear`: the same of an RMS-normed input
 - `fp8_linear_pair`: two of them of one input (one activation quantisation)
+- `swiglu_fp8_linear`: the same of the SwiGLU of two inputs (the shared expert's w2)
 - `fp8_dequant`:   E4M3 codes + E8M0 scales -> values
 - `fp8_grouped_linear`: the grouped o-projection over `wo_a` kept in FP8 (dequantised inside)
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
@@ -229,6 +230,21 @@ def norm_fp8_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
 @norm_fp8_linear.register_fake
 def _(x, norm_weight, eps, weight, scale):
     return x.new_empty(*x.shape[:-1], weight.size(0), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsv41::swiglu_fp8_linear", mutates_args=())
+def swiglu_fp8_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor,
+                      scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear(swiglu(gate, up, limit) as bf16, weight, scale)`, gate and up bf16 [..., K]:
+    the shared expert's down projection of its SwiGLU, which nothing else reads. Compiled on an
+    AVX-512 BF16 CPU, the decode GEMV forms the SwiGLU as it stages its input (one kernel)."""
+    h = swiglu(gate.float(), up.float(), limit).to(torch.bfloat16)
+    return fp8_linear(h, weight, scale)
+
+
+@swiglu_fp8_linear.register_fake
+def _(gate, up, limit, weight, scale):
+    return gate.new_empty(*gate.shape[:-1], weight.size(0), dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("dsv41::fp8_linear_pair", mutates_args=())

@@ -51,13 +51,14 @@ def _zeros(buf: moe.MoeBuffer, dev=None, fill: float = 0.0) -> tvm.runtime.Tenso
 
 def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target: str = CPU,
                dev=None, fill: float = 0.0, rows: int = 1, dims: dict = DIMS,
-               plus: bool = False) -> dict[str, tvm.runtime.Tensor]:
+               plus: bool = False, fuse: bool = True) -> dict[str, tvm.runtime.Tensor]:
     """Run the plan's calls in order with caller-allocated intermediates, as Relax would (`fill`:
     their float contents before the chain; Relax leaves them uninitialised; `rows`: the verify
-    entry's chain; `plus`: moe_experts_plus's, args ending with the shared output)."""
+    entry's chain; `plus`: moe_experts_plus's, args ending with the shared output; `fuse`
+    False: the six calls even where the plan has the two-call decode form)."""
     n = args[0].shape[0]
     plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, rows=rows, plus=plus,
-                                **dims)
+                                fuse=fuse, **dims)
     env = {b.name: to_tvm(t, dev) for b, t in zip(plan.inputs, args, strict=True)}
     for b in (*plan.intermediates, plan.output):
         env[b.name] = _zeros(b, dev, fill)
@@ -172,7 +173,7 @@ def test_decode_gemv_forms_match_oracle(form, dims):
           ("moe_route", "moe_qdq_x", "moe_gate_up", "moe_qdq_h", "moe_down", "moe_combine")}
     for n, ids in ((1, None), (2, None), (7, IDS7)):
         args = _case(n, 2, ids, seed=n + 3, dims=dims)
-        out = _y(_run_chain(ex, args, 2, 1, dims=dims))
+        out = _y(_run_chain(ex, args, 2, 1, dims=dims, fuse=False))
         _assert_close_to_oracle(out, ops.moe_experts(*args, LIMIT))
 
 
@@ -228,8 +229,70 @@ def test_verify_chain_rows_bit_identical_to_decode(dot, dims):
         y = _y(_run_chain(verify, args, 2, 1, rows=6, dims=dims))
         for i in range(n):
             one = [t[i:i + 1].clone() if j < 3 else t for j, t in enumerate(args)]
-            ref = _y(_run_chain(decode, one, 2, 1, dims=dims))
+            ref = _y(_run_chain(decode, one, 2, 1, dims=dims, fuse=False))
             assert torch.equal(y[i:i + 1].view(torch.int32), ref.view(torch.int32)), (n, i)
+
+
+@functools.cache
+def _fused_decode(dot: str, null_expert: bool, dims: tuple):
+    """The two-call decode chain (`moe_gate_up_route`, `moe_down_combine(_plus)`) with `dot`,
+    and the six-call chain it replaces (route / QDQ / combine kernels of the split module, the
+    GEMVs of the same dot), compiled for the host."""
+    d = dict(dims)
+    target = get_target(CPU).tvm_target()
+    fused = {
+        "moe_gate_up_route": moe.make_moe_gate_up_gemv_avx512(
+            topk=2, swiglu_limit=LIMIT, dot=dot, route=True, null_expert=null_expert, **d),
+        "moe_down_combine": moe.make_moe_down_gemv_avx512(topk=2, dot=dot, combine=True, **d),
+        "moe_down_combine_plus": moe.make_moe_down_gemv_avx512(topk=2, dot=dot, combine=True,
+                                                               plus=True, **d),
+    }
+    split = _split(2, 1, null_expert=null_expert, dims=dims)
+    six = {f: split[f] for f in ("moe_route", "moe_qdq_x", "moe_qdq_h", "moe_combine",
+                                 "moe_combine_plus")}
+    six.update(_gemv_pair(f"avx512{'-bf16' if dot == 'bf16' else ''}", dims))
+    return {f: tvm.compile(fn, target=target)[f] for f, fn in fused.items()}, six
+
+
+@needs_avx512
+@pytest.mark.parametrize("dims", [DIMS, ODD], ids=["dims", "odd-blocks"])
+@pytest.mark.parametrize("dot", ["fp32", "bf16"])
+@pytest.mark.parametrize("null_expert", [False, True], ids=["experts", "null-expert"])
+def test_fused_decode_chain_bit_identical_to_six_calls(dot, dims, null_expert):
+    """The decode plan's two calls (`moe.fused_decode`): route + QDQ + gate/up in one, QDQ +
+    down + combine in the other, give the six kernels' row_pair, token_rows, h and y bit for
+    bit, with and without the shared expert's output (`plus`), with either sums, for 1..9
+    tokens, experts shared by several tokens, unused experts, a sharded worker's null expert
+    (its pairs' rows of h NaN-free and y exactly the six calls')."""
+    if dot == "bf16" and not _has_bf16_dot():
+        pytest.skip("this CPU has no AVX-512 BF16 / VBMI")
+    key = tuple(dims.items())
+    fused, six = _fused_decode(dot, null_expert, key)
+    plan = moe.moe_experts_plan(CPU, n=3, n_hint=1, topk=2, **dims)
+    assert [c.func for c in plan.calls] == ["moe_gate_up_route", "moe_down_combine"]
+    assert moe.fused_decode(moe.moe_split_config(get_target(CPU), n=1, topk=2, **dims))
+    null = dims["n_experts"] - 1
+    cases = [(1, None), (2, None), (5, None), (9, None)]
+    cases += [(7, IDS7)] if dims["n_experts"] == 6 else []
+    if null_expert:
+        cases.append((6, torch.tensor([[0, null], [null, null], [1, null], [null, 2], [3, 4],
+                                       [null, 0]])))
+    for n, ids in cases:
+        args = _case(n, 2, None, seed=n + 31, dims=dims)
+        if ids is not None:
+            args[2] = ids
+            args[1] = torch.where(ids == null, 0.0, args[1]) if null_expert else args[1]
+        shared = (torch.randn(n, dims["dim"], generator=torch.Generator().manual_seed(n))
+                  * 4).to(torch.bfloat16)
+        for plus in (False, True):
+            a = [*args, shared] if plus else args
+            ref = _run_chain(six, a, 2, 1, dims=dims, plus=plus, fuse=False)
+            got = _run_chain(fused, a, 2, 1, dims=dims, plus=plus)
+            for name in ("row_pair", "token_rows", "y"):
+                assert np.array_equal(got[name].numpy().view(np.uint8),
+                                      ref[name].numpy().view(np.uint8)), (n, plus, name)
+            assert np.array_equal(got["h"].numpy().view(np.uint16),
+                                  ref["h"].numpy().view(np.uint16)), (n, plus)
 
 
 def test_verify_config_and_refusals():
@@ -340,8 +403,9 @@ def test_a_sharded_workers_null_expert_costs_no_gemm_and_changes_no_bit(hint):
     args = moe.example_inputs_moe_experts(n=6, topk=2, seed=6, **DIMS)
     args[2] = ids
     args[1] = torch.where(ids == null, 0.0, args[1])
-    every = _run_chain(_split(2, hint), args, 2, hint)
-    skip = _run_chain(_split(2, hint, null_expert=True), args, 2, hint, fill=float("nan"))
+    every = _run_chain(_split(2, hint), args, 2, hint, fuse=False)
+    skip = _run_chain(_split(2, hint, null_expert=True), args, 2, hint, fill=float("nan"),
+                      fuse=False)
     tiles = skip["tiles"].numpy()
     used = tiles[tiles[:, 2] > 0]
     assert null not in used[:, 0].tolist()

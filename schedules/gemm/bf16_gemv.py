@@ -17,6 +17,8 @@ from dsv41.schedules.common import (
     dpbf16ps_by_fma,
     e8m0_to_f32,
     i64,
+    round_bf16_bound,
+    silu_times,
     u32,
     with_bf16_dot,
 )
@@ -58,7 +60,8 @@ def _bf16_words(codes, lo_tbl, hi_tbl, half: int):
 
 def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
                        rows: int = 1, fma_rows: bool = False, norm_eps: float | None = None,
-                       norm_lanes: int = 32, pair_n: int | None = None) -> tvm.tirx.PrimFunc:
+                       norm_lanes: int = 32, pair_n: int | None = None,
+                       swiglu_limit: float | None = None) -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` on x86 with AVX-512 BF16 and VBMI (same signature as
     `make_fp8_gemv`), hand-vectorised; k a multiple of 64. `prefetch`: columns ahead whose
     weights are prefetched (0: none), one line beside each chunk's load: the same chunk of the
@@ -126,11 +129,18 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
     `pair_n` (`fp8_linear_pair`: signature (x, weight, scale, weight2, scale2, y, y2), weight2
     [pair_n, k]): two projections of one activation, quantised once; the tasks take the first
     matrix's 32-column tiles, then the second's, each tile summed exactly as alone, so y and y2
-    are the two kernels' outputs bit for bit."""
+    are the two kernels' outputs bit for bit.
+
+    `swiglu_limit` (`swiglu_fp8_linear`: signature (gate, up, weight, scale, y), gate and up
+    bf16 [m, k]): the activation quantiser reads bf16(swiglu(gate, up, limit)) (`silu_times`,
+    the MoE epilogue's formula), formed once per element as the rows are staged: the SwiGLU's
+    elementwise kernel and this kernel in turn, with no kernel between them."""
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
     if pair_n is not None and (pair_n <= 0 or norm_eps is not None):
         raise ValueError(f"The paired fp8 GEMV needs pair_n > 0 and no norm; got {pair_n}.")
+    if swiglu_limit is not None and (norm_eps is not None or pair_n is not None):
+        raise ValueError("The SwiGLU fp8 GEMV takes no norm and no second matrix.")
     if norm_eps is not None and (norm_lanes <= 0 or k % norm_lanes):
         raise ValueError(f"The fp8 GEMV's norm needs lanes dividing k={k}; got {norm_lanes}.")
     if k % CL:
@@ -398,8 +408,10 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
 
     NL = i64(norm_lanes)
 
+    staged = norm_eps is not None or swiglu_limit is not None  # rows formed first, into xn
+
     def xval(x, xn, i, c):  # the activation the quantiser reads, as fp32
-        return xn[i, c] if norm_eps is not None else bf16_to_f32(x[i, c])
+        return xn[i, c] if staged else bf16_to_f32(x[i, c])
 
     norm_row = rms_norm_row(vec=1)  # a fresh macro (see common.stages)
 
@@ -477,6 +489,27 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
             body(x, xn, weight, scale, y, m, None)
 
         return norm_fp8_gemv_bf16
+
+    if swiglu_limit is not None:
+        @T.prim_func
+        def swiglu_fp8_gemv_bf16(gate_h: T.handle, up_h: T.handle,
+                                 weight: T.Buffer((N, K), "uint8"),
+                                 scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "swiglu_fp8_linear", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            gate = T.match_buffer(gate_h, (m, K), "bfloat16")
+            up = T.match_buffer(up_h, (m, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, N), out_dtype)
+            xn = T.alloc_buffer((m, K), "float32")  # the SwiGLU rows (bf16 values)
+            for i, c0 in T.grid(m, K // i64(16)):
+                for c1 in T.vectorized(16):
+                    xn[i, c0 * 16 + c1] = round_bf16_bound(silu_times(
+                        bf16_to_f32(gate[i, c0 * 16 + c1]), bf16_to_f32(up[i, c0 * 16 + c1]),
+                        swiglu_limit))
+            body(gate, xn, weight, scale, y, m, None)
+
+        return swiglu_fp8_gemv_bf16
 
     if pair_n is not None:
         N2, NB2S = i64(pair_n), i64(math.ceil(pair_n / BLOCK))

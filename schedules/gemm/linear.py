@@ -417,16 +417,19 @@ def fp8_linear_norms(target: TargetSpec, *, n: int, k: int, m: int | None = None
 
 def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None,
                            out_dtype: str = "bfloat16", rows: int = 1,
-                           norm_eps: float | None = None, pair_n: int | None = None
+                           norm_eps: float | None = None, pair_n: int | None = None,
+                           swiglu_limit: float | None = None
                            ) -> tuple[tvm.tirx.PrimFunc, Fp8LinearConfig]:
     """The factory output the config's schedule expects, and the config. norm_eps: the
-    `norm_fp8_linear` form (`fp8_linear_norms`; refused elsewhere)."""
+    `norm_fp8_linear` form, pair_n `fp8_linear_pair`'s, swiglu_limit `swiglu_fp8_linear`'s
+    (each where `fp8_linear_norms`; refused elsewhere)."""
     config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
-    if (norm_eps is not None or pair_n is not None) and not fp8_linear_norms(
-            target, n=n, k=k, m=m, rows=rows):
-        raise ValueError(f"fp8_linear norms its input (or pairs two matrices) only in the "
-                         f"AVX-512 BF16 decode GEMV; this target's kernel is {config.kind!r} "
-                         "(run rms_norm before it, or two kernels).")
+    fused = (norm_eps, pair_n, swiglu_limit)
+    if any(v is not None for v in fused) and not fp8_linear_norms(target, n=n, k=k, m=m,
+                                                                   rows=rows):
+        raise ValueError(f"fp8_linear norms its input (or pairs two matrices, or forms a "
+                         f"SwiGLU) only in the AVX-512 BF16 decode GEMV; this target's kernel "
+                         f"is {config.kind!r} (run rms_norm before it, or two kernels).")
     if config.kind == "amx":
         return make_fp8_linear_amx(n=n, k=k, block_rows=config.tm, out_dtype=out_dtype), config
     if config.kind == "gemm_bf16":
@@ -437,7 +440,7 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
         return make_fp8_gemv_bf16(n=n, k=k, out_dtype=out_dtype, prefetch=config.prefetch,
                                   rows=config.rows, fma_rows=config.fma_rows,
                                   norm_eps=norm_eps, norm_lanes=norm_config(target, d=k).lanes,
-                                  pair_n=pair_n), config
+                                  pair_n=pair_n, swiglu_limit=swiglu_limit), config
     if config.kind == "gemv_avx512":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, lanes=16,
                                   prefetch=config.prefetch, rows=config.rows), config
@@ -448,14 +451,15 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
 
 def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None,
                      out_dtype: str = "bfloat16", rows: int = 1,
-                     norm_eps: float | None = None,
-                     pair_n: int | None = None) -> tvm.tirx.PrimFunc:
+                     norm_eps: float | None = None, pair_n: int | None = None,
+                     swiglu_limit: float | None = None) -> tvm.tirx.PrimFunc:
     """fp8_linear's kernel (out_dtype "float32": fp8_linear_f32's, the same schedule); rows > 1:
     the verify entry's (`fp8_linear_config`); norm_eps: norm_fp8_linear's, pair_n:
-    fp8_linear_pair's (both where `fp8_linear_norms`)."""
+    fp8_linear_pair's, swiglu_limit: swiglu_fp8_linear's (each where `fp8_linear_norms`)."""
     target = get_target(target_name)
     func, config = unscheduled_fp8_linear(target, n=n, k=k, m=m, out_dtype=out_dtype, rows=rows,
-                                          norm_eps=norm_eps, pair_n=pair_n)
+                                          norm_eps=norm_eps, pair_n=pair_n,
+                                          swiglu_limit=swiglu_limit)
     return schedule_fp8_linear(func, config, target)
 
 

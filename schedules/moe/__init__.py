@@ -54,6 +54,7 @@ from dsv41.schedules.moe.plan import (
     build_moe_experts_split,
     emit_moe_experts,
     example_inputs_moe_experts,
+    fused_decode,
     moe_experts_plan,
 )
 from dsv41.schedules.moe.route import (
@@ -69,6 +70,7 @@ __all__ = [
     "check_expert_ids",
     "emit_moe_experts",
     "example_inputs_moe_experts",
+    "fused_decode",
     "GEMV_PREFETCH",
     "make_moe_combine",
     "make_moe_down",

@@ -20,7 +20,7 @@ from dsv41.schedules.common import (
     silu_times,
     with_bf16_dot,
 )
-from dsv41.schedules.gemm import BLOCK
+from dsv41.schedules.gemm import BLOCK, fp8_qdq_rows
 from dsv41.schedules.moe.experts import expert_of
 from dsv41.schedules.moe.fp4_dot import (
     LUT_BYTES,
@@ -29,7 +29,7 @@ from dsv41.schedules.moe.fp4_dot import (
     each_block,
     lut_byte,
 )
-from dsv41.schedules.moe.route import check_dims, to_bf16
+from dsv41.schedules.moe.route import check_dims, combine_rows, route_pairs, to_bf16
 
 # ---- the GEMV form hand-vectorised (AVX-512) ----------------------------------------------------
 # Per output column one walk along its packed row (gate and up together), 16 bytes (one 32-block)
@@ -130,17 +130,94 @@ def prefetch_row_ahead(w, e, a, rows, nblk):
 
 
 def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
-                                 swiglu_limit: float, dot: str = "fp32") -> tvm.tirx.PrimFunc:
+                                 swiglu_limit: float, dot: str = "fp32", route: bool = False,
+                                 null_expert: bool = False) -> tvm.tirx.PrimFunc:
     """`make_moe_gate_up_gemv`'s signature and result, hand-vectorised for AVX-512 (see the
     section comment; written scheduled): parallel over (sorted row, 32 output columns); per
     column the w1 and w3 rows walked together (four independent accumulators), then the SwiGLU
     epilogue. dim a multiple of 32. dot "bf16": the sums on vdpbf16ps (`fp4_dot`; AVX-512 BF16
-    and VBMI)."""
+    and VBMI).
+
+    route: `moe_gate_up_route`, the decode chain's first call: (x bf16 [n, dim], weights, ids,
+    w1, s1, w3, s3) -> (row_pair, token_rows, h): `moe_route`'s pairs (`route.route_pairs`,
+    `null_expert` as there) and `moe_qdq_x`'s activation (`gemm.fp8_qdq_rows`) on the calling
+    thread, then the same tasks: three kernels' results, bit for bit, in one call."""
     check_dims(dim, inter)
     check_dot(dot)
     bf16 = dot == "bf16"
     D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
     DH, DB, IT = i64(dim // 2), i64(dim // BLOCK), i64((inter + BLOCK - 1) // BLOCK)
+    NULL = i64(n_experts - 1) if null_expert else i64(-1)
+
+    @T.macro
+    def gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n):
+        # the row's activation: even and odd elements (fp32 form), or bf16 bits (bf16)
+        xe = T.alloc_buffer((n * KT, DH if not bf16 else 1), "float32")
+        xo = T.alloc_buffer((n * KT, DH if not bf16 else 1), "float32")
+        xb = T.alloc_buffer((n * KT, D if bf16 else 1), "uint16")
+        stage_rows(xe, xo, xb, lambda r, j: xq[idx(row_pair[r], n * KT) // KT, j],
+                   n * KT, DH, bf16)
+        for task in T.parallel(n * KT * IT):
+            tbl = T.alloc_buffer((16,), "float32", scope="local")
+            lut = T.alloc_buffer((LUT_BYTES,), "uint8", scope="local")
+            acc = T.alloc_buffer((2, 2, 16), "float32", scope="local")  # gate, up x parity
+            sc = T.alloc_buffer((2, DB), "float32", scope="local")  # the row's scales
+            init_tables(tbl, lut, bf16)
+            r = task // IT
+            e = expert_of(ids, row_pair, r, n * KT, KT, E)
+            q = idx(row_pair[r], n * KT)
+            for c in range(i64(BLOCK)):
+                if (task % IT) * BLOCK + c < I:
+                    a = T.meta_var((task % IT) * BLOCK + c)
+                    _zero_acc(acc, 2)
+                    for blk in T.vectorized(DB):
+                        sc[0, blk] = e8m0_byte(s1[e, a, blk])
+                        sc[1, blk] = e8m0_byte(s3[e, a, blk])
+                    if bf16:  # static
+                        prefetch_row_ahead(w1, e, a, I, dim // BLOCK)
+                        prefetch_row_ahead(w3, e, a, I, dim // BLOCK)
+                        each_block(dim // BLOCK, _bf16_block,
+                                   (acc, 0, w1, sc, e, a, xb, r, lut))
+                        each_block(dim // BLOCK, _bf16_block,
+                                   (acc, 1, w3, sc, e, a, xb, r, lut))
+                    else:
+                        for blk in range(DB):
+                            if blk % 4 == 0:
+                                _prefetch_row(w1, e, a, I, blk)
+                                _prefetch_row(w3, e, a, I, blk)
+                            _fp4_block(acc, 0, w1, sc, e, a, xe, xo, r, blk, tbl)
+                            _fp4_block(acc, 1, w3, sc, e, a, xe, xo, r, blk, tbl)
+                    h[r, a] = to_bf16(weights[q // KT, q % KT] * silu_times(
+                        round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
+                        swiglu_limit))
+
+    if route:
+        @T.prim_func
+        def moe_gate_up_route(x_h: T.handle, weights_h: T.handle, ids_h: T.handle,
+                              w1: T.Buffer((E, I, D // 2), "uint8"),
+                              s1: T.Buffer((E, I, DB), "uint8"),
+                              w3: T.Buffer((E, I, D // 2), "uint8"),
+                              s3: T.Buffer((E, I, DB), "uint8"),
+                              row_pair_h: T.handle, token_rows_h: T.handle, h_h: T.handle):
+            T.func_attr({"global_symbol": "moe_gate_up_route", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            n = T.int64()
+            x = T.match_buffer(x_h, (n, D), "bfloat16")
+            weights = T.match_buffer(weights_h, (n, KT), "float32")
+            ids = T.match_buffer(ids_h, (n, KT), "int64")
+            row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+            token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+            h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+            with T.attr(T.int32(0), *with_bf16_dot()):
+                counts = T.alloc_buffer((E,), "int32")
+                cursor = T.alloc_buffer((E,), "int32")
+                run = T.alloc_buffer((2,), "int32")
+                route_pairs(ids, row_pair, token_rows, counts, cursor, run, n * KT, KT, E, NULL)
+                xq = T.alloc_buffer((n, D), "float32")
+                fp8_qdq_rows(xq, x, n, DB)
+                gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
+
+        return moe_gate_up_route
 
     @T.prim_func
     def moe_gate_up(xq_h: T.handle, weights_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
@@ -156,58 +233,105 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
         row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
         h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
         with T.attr(T.int32(0), *with_bf16_dot()):
-            # the row's activation: even and odd elements (fp32 form), or bf16 bits (bf16)
-            xe = T.alloc_buffer((n * KT, DH if not bf16 else 1), "float32")
-            xo = T.alloc_buffer((n * KT, DH if not bf16 else 1), "float32")
-            xb = T.alloc_buffer((n * KT, D if bf16 else 1), "uint16")
-            stage_rows(xe, xo, xb, lambda r, j: xq[idx(row_pair[r], n * KT) // KT, j],
-                        n * KT, DH, bf16)
-            for task in T.parallel(n * KT * IT):
-                tbl = T.alloc_buffer((16,), "float32", scope="local")
-                lut = T.alloc_buffer((LUT_BYTES,), "uint8", scope="local")
-                acc = T.alloc_buffer((2, 2, 16), "float32", scope="local")  # gate, up x parity
-                sc = T.alloc_buffer((2, DB), "float32", scope="local")  # the row's scales
-                init_tables(tbl, lut, bf16)
-                r = task // IT
-                e = expert_of(ids, row_pair, r, n * KT, KT, E)
-                q = idx(row_pair[r], n * KT)
-                for c in range(i64(BLOCK)):
-                    if (task % IT) * BLOCK + c < I:
-                        a = T.meta_var((task % IT) * BLOCK + c)
-                        _zero_acc(acc, 2)
-                        for blk in T.vectorized(DB):
-                            sc[0, blk] = e8m0_byte(s1[e, a, blk])
-                            sc[1, blk] = e8m0_byte(s3[e, a, blk])
-                        if bf16:  # static
-                            prefetch_row_ahead(w1, e, a, I, dim // BLOCK)
-                            prefetch_row_ahead(w3, e, a, I, dim // BLOCK)
-                            each_block(dim // BLOCK, _bf16_block,
-                                       (acc, 0, w1, sc, e, a, xb, r, lut))
-                            each_block(dim // BLOCK, _bf16_block,
-                                       (acc, 1, w3, sc, e, a, xb, r, lut))
-                        else:
-                            for blk in range(DB):
-                                if blk % 4 == 0:
-                                    _prefetch_row(w1, e, a, I, blk)
-                                    _prefetch_row(w3, e, a, I, blk)
-                                _fp4_block(acc, 0, w1, sc, e, a, xe, xo, r, blk, tbl)
-                                _fp4_block(acc, 1, w3, sc, e, a, xe, xo, r, blk, tbl)
-                        h[r, a] = to_bf16(weights[q // KT, q % KT] * silu_times(
-                            round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
-                            swiglu_limit))
+            gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
 
     return moe_gate_up
 
 
 def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
-                              dot: str = "fp32") -> tvm.tirx.PrimFunc:
+                              dot: str = "fp32", combine: bool = False,
+                              plus: bool = False) -> tvm.tirx.PrimFunc:
     """`make_moe_down_gemv`'s signature and result, hand-vectorised as
-    `make_moe_gate_up_gemv_avx512`."""
+    `make_moe_gate_up_gemv_avx512`.
+
+    combine: `moe_down_combine` (plus: `moe_down_combine_plus`), the decode chain's second call:
+    (h bf16 [P, inter], ids, row_pair, token_rows, w2, s2[, shared bf16 [n, dim]]) -> y (fp32
+    [n, dim], bf16 with plus): `moe_qdq_h`'s activation (`gemm.fp8_qdq_rows`), the same tasks
+    into an o of its own, then `moe_combine(_plus)`'s sums (`route.combine_rows`) on the
+    calling thread: three kernels' results, bit for bit, in one call."""
     check_dims(dim, inter)
     check_dot(dot)
     bf16 = dot == "bf16"
     D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
     IH, IB, DT = i64(inter // 2), i64(inter // BLOCK), i64((dim + BLOCK - 1) // BLOCK)
+
+    @T.macro
+    def down(hq, ids, row_pair, w2, s2, o, n, store):
+        xe = T.alloc_buffer((n * KT, IH if not bf16 else 1), "float32")
+        xo = T.alloc_buffer((n * KT, IH if not bf16 else 1), "float32")
+        xb = T.alloc_buffer((n * KT, I if bf16 else 1), "uint16")
+        stage_rows(xe, xo, xb, lambda r, j: hq[r, j], n * KT, IH, bf16)
+        for task in T.parallel(n * KT * DT):
+            tbl = T.alloc_buffer((16,), "float32", scope="local")
+            lut = T.alloc_buffer((LUT_BYTES,), "uint8", scope="local")
+            acc = T.alloc_buffer((1, 2, 16), "float32", scope="local")
+            sc = T.alloc_buffer((1, IB), "float32", scope="local")
+            init_tables(tbl, lut, bf16)
+            r = task // DT
+            e = expert_of(ids, row_pair, r, n * KT, KT, E)
+            for c in range(i64(BLOCK)):
+                if (task % DT) * BLOCK + c < D:
+                    a = T.meta_var((task % DT) * BLOCK + c)
+                    _zero_acc(acc, 1)
+                    for blk in T.vectorized(IB):
+                        sc[0, blk] = e8m0_byte(s2[e, a, blk])
+                    if bf16:  # static
+                        prefetch_row_ahead(w2, e, a, D, inter // BLOCK)
+                        each_block(inter // BLOCK, _bf16_block,
+                                   (acc, 0, w2, sc, e, a, xb, r, lut))
+                    else:
+                        for blk in range(IB):
+                            if blk % 4 == 0:
+                                _prefetch_row(w2, e, a, D, blk)
+                            _fp4_block(acc, 0, w2, sc, e, a, xe, xo, r, blk, tbl)
+                    o[r, a] = store(to_bf16(_lane_total(acc, 0)))
+
+    @T.macro
+    def down_combine(h, ids, row_pair, token_rows, w2, s2, shared, y, n):
+        hq = T.alloc_buffer((n * KT, I), "float32")
+        fp8_qdq_rows(hq, h, n * KT, IB)
+        # o's bf16 as bits: TVM's BF16 legalisation would hold an allocated bf16 buffer as fp32
+        o = T.alloc_buffer((n * KT, D), "uint16")
+        down(hq, ids, row_pair, w2, s2, o, n, lambda v: T.reinterpret("uint16", v))
+        combine_rows(y, token_rows, o, shared, n, D, KT, plus)
+
+    if combine and plus:
+        @T.prim_func
+        def moe_down_combine_plus(h_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
+                                  token_rows_h: T.handle, w2: T.Buffer((E, D, I // 2), "uint8"),
+                                  s2: T.Buffer((E, D, IB), "uint8"), shared_h: T.handle,
+                                  y_h: T.handle):
+            T.func_attr({"global_symbol": "moe_down_combine_plus", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            n = T.int64()
+            h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+            ids = T.match_buffer(ids_h, (n, KT), "int64")
+            row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+            token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+            shared = T.match_buffer(shared_h, (n, D), "bfloat16")
+            y = T.match_buffer(y_h, (n, D), "bfloat16")
+            with T.attr(T.int32(0), *with_bf16_dot()):
+                down_combine(h, ids, row_pair, token_rows, w2, s2, shared, y, n)
+
+        return moe_down_combine_plus
+
+    if combine:
+        @T.prim_func
+        def moe_down_combine(h_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
+                             token_rows_h: T.handle, w2: T.Buffer((E, D, I // 2), "uint8"),
+                             s2: T.Buffer((E, D, IB), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "moe_down_combine", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            n = T.int64()
+            h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+            ids = T.match_buffer(ids_h, (n, KT), "int64")
+            row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+            token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+            y = T.match_buffer(y_h, (n, D), "float32")
+            with T.attr(T.int32(0), *with_bf16_dot()):
+                down_combine(h, ids, row_pair, token_rows, w2, s2, None, y, n)
+
+        return moe_down_combine
 
     @T.prim_func
     def moe_down(hq_h: T.handle, ids_h: T.handle, row_pair_h: T.handle,
@@ -221,33 +345,6 @@ def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
         row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
         o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
         with T.attr(T.int32(0), *with_bf16_dot()):
-            xe = T.alloc_buffer((n * KT, IH if not bf16 else 1), "float32")
-            xo = T.alloc_buffer((n * KT, IH if not bf16 else 1), "float32")
-            xb = T.alloc_buffer((n * KT, I if bf16 else 1), "uint16")
-            stage_rows(xe, xo, xb, lambda r, j: hq[r, j], n * KT, IH, bf16)
-            for task in T.parallel(n * KT * DT):
-                tbl = T.alloc_buffer((16,), "float32", scope="local")
-                lut = T.alloc_buffer((LUT_BYTES,), "uint8", scope="local")
-                acc = T.alloc_buffer((1, 2, 16), "float32", scope="local")
-                sc = T.alloc_buffer((1, IB), "float32", scope="local")
-                init_tables(tbl, lut, bf16)
-                r = task // DT
-                e = expert_of(ids, row_pair, r, n * KT, KT, E)
-                for c in range(i64(BLOCK)):
-                    if (task % DT) * BLOCK + c < D:
-                        a = T.meta_var((task % DT) * BLOCK + c)
-                        _zero_acc(acc, 1)
-                        for blk in T.vectorized(IB):
-                            sc[0, blk] = e8m0_byte(s2[e, a, blk])
-                        if bf16:  # static
-                            prefetch_row_ahead(w2, e, a, D, inter // BLOCK)
-                            each_block(inter // BLOCK, _bf16_block,
-                                       (acc, 0, w2, sc, e, a, xb, r, lut))
-                        else:
-                            for blk in range(IB):
-                                if blk % 4 == 0:
-                                    _prefetch_row(w2, e, a, D, blk)
-                                _fp4_block(acc, 0, w2, sc, e, a, xe, xo, r, blk, tbl)
-                        o[r, a] = to_bf16(_lane_total(acc, 0))
+            down(hq, ids, row_pair, w2, s2, o, n, lambda v: v)
 
     return moe_down

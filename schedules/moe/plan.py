@@ -15,6 +15,7 @@ from dsv41.schedules.gemm import BLOCK
 from dsv41.schedules.moe.avx512_gemv import make_moe_down_gemv_avx512, make_moe_gate_up_gemv_avx512
 from dsv41.schedules.moe.avx512_rows import make_moe_down_rows_avx512, make_moe_gate_up_rows_avx512
 from dsv41.schedules.moe.configs import (
+    MoeSplitConfig,
     moe_split_config,
     schedule_moe_combine,
     schedule_moe_gemm,
@@ -71,13 +72,22 @@ class MoePlan:
         return {b.name: b for b in (*self.inputs, *self.intermediates, self.output)}
 
 
+def fused_decode(config: MoeSplitConfig) -> bool:
+    """Whether the chain is the two-call decode form: the hand-vectorised GEMVs
+    (`moe_gate_up_route`: route, QDQ and gate/up; `moe_down_combine(_plus)`: QDQ, down and
+    combine), each bit for bit the three kernels it replaces."""
+    return config.kind == "gemv" and config.avx512 and not config.rows
+
+
 def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, topk: int, n,
-                     n_hint: int | None = None, rows: int = 1, plus: bool = False) -> MoePlan:
+                     n_hint: int | None = None, rows: int = 1, plus: bool = False,
+                     fuse: bool = True) -> MoePlan:
     """The call_tir chain of `build_moe_experts_split(target_name, ..., n=n_hint, rows=rows)`
     for n tokens (an int, or an int64 tirx Var for a symbolic batch). Shapes use the same row
     tile as the module, so pass the same target, hint and rows. `plus`: the chain of
     `moe_experts_plus` (a tenth input, `shared` bf16 [n, dim], added by `moe_combine_plus`,
-    which stores y as bf16)."""
+    which stores y as bf16). `fuse` (default): the two-call form where the config has it
+    (`fused_decode`); False: the six calls always (tests compare the two)."""
     config = moe_split_config(get_target(target_name), dim=dim, inter=inter,
                               n_experts=n_experts, topk=topk, n=n_hint, rows=rows)
     p = n * topk
@@ -94,6 +104,18 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
         buf("w3", (E, inter, dim // 2), "uint8"), buf("s3", (E, inter, dim // BLOCK), "uint8"),
         buf("w2", (E, dim, inter // 2), "uint8"), buf("s2", (E, dim, inter // BLOCK), "uint8"),
     ) + ((buf("shared", (n, dim), "bfloat16"),) if plus else ())
+    y = buf("y", (n, dim), "bfloat16" if plus else "float32")
+    if fuse and fused_decode(config):
+        combine = "moe_down_combine_plus" if plus else "moe_down_combine"
+        return MoePlan(
+            inputs,
+            (buf("row_pair", (p,), "int32"), buf("token_rows", (n, topk), "int32"),
+             buf("h", (p, inter), "bfloat16")),
+            y,
+            (MoeCall("moe_gate_up_route", ("x", "weights", "ids", "w1", "s1", "w3", "s3"),
+                     ("row_pair", "token_rows", "h")),
+             MoeCall(combine, ("h", "ids", "row_pair", "token_rows", "w2", "s2")
+                     + (("shared",) if plus else ()), ("y",))))
     intermediates = (
         buf("row_pair", (p,), "int32"), buf("token_rows", (n, topk), "int32"),
         buf("tiles", (nt, 3), "int32"), buf("xq", (n, dim), "float32"),
@@ -113,15 +135,15 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
         MoeCall("moe_combine_plus", ("token_rows", "o", "shared"), ("y",)) if plus
         else MoeCall("moe_combine", ("token_rows", "o"), ("y",)),
     )
-    return MoePlan(inputs, intermediates, buf("y", (n, dim), "bfloat16" if plus else "float32"),
-                   calls)
+    return MoePlan(inputs, intermediates, y, calls)
 
 
 def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts: int,
                             topk: int, swiglu_limit: float, n: int | None = None,
                             null_expert: bool = False, rows: int = 1) -> tvm.IRModule:
     """The scheduled PrimFuncs of the chain (global symbols as in `moe_experts_plan`: its six,
-    and `moe_combine_plus` for the chain of `moe_experts_plus`),
+    `moe_combine_plus` for the chain of `moe_experts_plus`, and the two-call decode form's
+    where the config has it, `fused_decode`),
     thread-bound on CUDA, parallel/vectorised on CPU. n is the token-count hint; null_expert:
     the last expert is a sharded worker's null expert, whose pairs cost no GEMM work
     (`make_moe_route`); rows > 1: the verify entry's (`moe_split_config`)."""
@@ -147,6 +169,13 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
                                                       n_experts=n_experts, topk=topk,
                                                       row_tile=cfg.row_tile, dot=cfg.dot)
     elif cfg.kind == "gemv" and cfg.avx512:
+        funcs["moe_gate_up_route"] = make_moe_gate_up_gemv_avx512(
+            dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit,
+            dot=cfg.dot, route=True, null_expert=null_expert)
+        for plus in (False, True):
+            funcs["moe_down_combine_plus" if plus else "moe_down_combine"] = \
+                make_moe_down_gemv_avx512(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
+                                          dot=cfg.dot, combine=True, plus=plus)
         funcs["moe_gate_up"] = make_moe_gate_up_gemv_avx512(
             dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit,
             dot=cfg.dot)

@@ -74,6 +74,35 @@ def check_expert_ids(ids, n_experts: int) -> None:
         raise ValueError("Each token must select distinct experts; found a repeated id in a row.")
 
 
+@T.macro
+def route_pairs(ids, row_pair, token_rows, counts, cursor, run, p, KT, E, NULL):
+    """The pairs sorted by expert (`make_moe_route`'s row_pair and token_rows, p = n * topk
+    pairs): counts[e] the pairs of expert e, cursor[e] then the end of e's run, run[0..1]
+    scratch. NULL: the null expert's id (token_rows -1), or -1 for none."""
+    for e in range(E):
+        counts[e] = 0
+    for q in range(p):
+        counts[ids[q // KT, q % KT]] += 1
+    run[0] = 0
+    for e in range(E):
+        cursor[e] = run[0]
+        run[0] += counts[e]
+    for q in range(p):
+        # place pair q at its expert's cursor; record it at its expert-order rank
+        # (a repeated id ranks in slot order: a sharded worker's null expert)
+        run[1] = 0
+        for j2 in range(KT):
+            if ids[q // KT, j2] < ids[q // KT, q % KT]:
+                run[1] += 1
+            if ids[q // KT, j2] == ids[q // KT, q % KT]:
+                if j2 < q % KT:
+                    run[1] += 1
+        row_pair[cursor[ids[q // KT, q % KT]]] = T.Cast("int32", q)
+        token_rows[q // KT, T.Cast("int64", run[1])] = T.if_then_else(
+            ids[q // KT, q % KT] == NULL, T.int32(-1), cursor[ids[q // KT, q % KT]])
+        cursor[ids[q // KT, q % KT]] += 1
+
+
 def make_moe_route(*, n_experts: int, topk: int, row_tile: int,
                    null_expert: bool = False) -> tvm.tirx.PrimFunc:
     """ids int64 [n, topk] -> row_pair int32 [P] (sorted row -> pair q = token * topk + slot),
@@ -106,28 +135,7 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int,
                 counts = T.sblock_alloc_buffer((E,), "int32", scope="local")
                 cursor = T.sblock_alloc_buffer((E,), "int32", scope="local")
                 run = T.sblock_alloc_buffer((i64(2),), "int32", scope="local")
-                for e in range(E):
-                    counts[e] = 0
-                for q in range(n * KT):
-                    counts[ids[q // KT, q % KT]] += 1
-                run[0] = 0
-                for e in range(E):
-                    cursor[e] = run[0]
-                    run[0] += counts[e]
-                for q in range(n * KT):
-                    # place pair q at its expert's cursor; record it at its expert-order rank
-                    # (a repeated id ranks in slot order: a sharded worker's null expert)
-                    run[1] = 0
-                    for j2 in range(KT):
-                        if ids[q // KT, j2] < ids[q // KT, q % KT]:
-                            run[1] += 1
-                        if ids[q // KT, j2] == ids[q // KT, q % KT]:
-                            if j2 < q % KT:
-                                run[1] += 1
-                    row_pair[cursor[ids[q // KT, q % KT]]] = T.Cast("int32", q)
-                    token_rows[q // KT, T.Cast("int64", run[1])] = T.if_then_else(
-                        ids[q // KT, q % KT] == NULL, T.int32(-1), cursor[ids[q // KT, q % KT]])
-                    cursor[ids[q // KT, q % KT]] += 1
+                route_pairs(ids, row_pair, token_rows, counts, cursor, run, n * KT, KT, E, NULL)
                 for t, c in T.grid(tile_count(n * KT, RT, E), i64(3)):
                     tiles[t, c] = 0
                 run[0] = 0  # tiles written; cursor[e] is now the end of e's run
@@ -171,6 +179,31 @@ def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
 # ---- 6. combine ------------------------------------------------------------------------------
 
 
+def combine_term(token_rows, o, p, i, d, r):
+    """Token i's r-th row of o (p rows) at column d as fp32, +0.0 for a null-expert pair."""
+    return T.if_then_else(token_rows[i, r] >= 0, bf16_to_f32(o[idx(token_rows[i, r], p), d]),
+                          T.float32(0))
+
+
+@T.macro
+def combine_rows(y, token_rows, o, shared, n, D, KT, plus):
+    """`make_moe_combine(plus=plus)`'s result in plain loops (for a kernel that has o in hand):
+    per token and 16 columns, its rows added in expert-id order from 0.0, then (plus) the shared
+    output added and rounded to bf16 once."""
+    acc = T.alloc_buffer((16,), "float32")
+    for i, dc in T.grid(n, D // i64(16)):
+        for j in T.vectorized(16):
+            acc[j] = T.float32(0)
+        for r in range(KT):
+            for j in T.vectorized(16):
+                acc[j] = acc[j] + combine_term(token_rows, o, n * KT, i, dc * 16 + j, r)
+        for j in T.vectorized(16):
+            if plus:  # static
+                y[i, dc * 16 + j] = bf16_of(acc[j] + bf16_to_f32(shared[i, dc * 16 + j]))
+            else:
+                y[i, dc * 16 + j] = acc[j]
+
+
 def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.PrimFunc:
     """(token_rows [n, topk], o bf16 [P, dim]) -> y fp32 [n, dim]: each token's rows added in
     expert-id order starting from 0.0, as the oracle's `y[rows] += ...` per unique expert; a
@@ -182,9 +215,7 @@ def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.Pri
     D, KT = i64(dim), i64(topk)
 
     def term(token_rows, o, n, vi, vd, vr):
-        return T.if_then_else(
-            token_rows[vi, vr] >= 0, bf16_to_f32(o[idx(token_rows[vi, vr], n * KT), vd]),
-            T.float32(0))
+        return combine_term(token_rows, o, n * KT, vi, vd, vr)
 
     if plus:
         @T.prim_func(s_tir=True)
