@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from dsv41.schedules.router import TopkRouting
+
 BF16 = "bfloat16"
 
 
@@ -154,11 +156,16 @@ class MoeKey(KernelKey):
     null_expert: bool
     func: str  # the chain's function (moe_route, moe_qdq_x, ...)
     rows: int = 1  # the verify entry's rows per sequence (1 + k; 1 elsewhere)
+    routing: TopkRouting | None = None  # the two-call form routing the gate's logits itself
 
     def parts(self) -> tuple:
+        r = self.routing
+        routed = () if r is None else (
+            "topk", r.normalize, r.route_scale, *(("rows",) if r.bias_rows else ()),
+            f"logits{r.gate_temp}")
         return ("moe", self.dim, self.inter, self.n_experts, self.topk, self.swiglu_limit,
                 self.n_hint, *(("null",) if self.null_expert else ()),
-                *((f"r{self.rows}",) if self.rows > 1 else ()), self.func)
+                *((f"r{self.rows}",) if self.rows > 1 else ()), *routed, self.func)
 
     def dims(self) -> dict:
         return dict(dim=self.dim, inter=self.inter, n_experts=self.n_experts, topk=self.topk)

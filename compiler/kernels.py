@@ -17,9 +17,11 @@ is built once per key and shared by every call site (`Lowering.kernel`).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 import tvm
 import tvm_ffi
 from tvm import relax
@@ -277,7 +279,10 @@ def _indexer_shared(ctx: Lowering):
 def _moe_experts(ctx: Lowering, plus: bool = False):
     """The routed experts as the six-kernel chain of `schedules.moe` (Relax allocates the
     token-sized intermediates between the calls, which CUDA needs); `plus` (moe_experts_plus):
-    its last kernel adds the shared expert's output and stores bf16 (`moe_combine_plus`)."""
+    its last kernel adds the shared expert's output and stores bf16 (`moe_combine_plus`). In
+    the two-call decode form (`moe.fused_decode`), when the weights and ids are those of a
+    `route_topk_logits` that nothing else reads (`logits_route`), the first call takes the
+    gate's logits and routes them itself (the top-k's own call is then unused: DCE)."""
 
     def convert(node, importer):
         args = [importer.env[a] for a in node.args[:9]]
@@ -288,6 +293,16 @@ def _moe_experts(ctx: Lowering, plus: bool = False):
         n_experts, inter = (static(v) for v in shape(w1)[:2])
         dims = dict(dim=static(shape(x)[-1]), inter=inter, n_experts=n_experts,
                     topk=static(shape(args[2])[-1]))
+        config = moe.moe_split_config(ctx.target, **dims, n=ctx.rows_hint, rows=ctx.verify_rows)
+        route = logits_route(node) if moe.fused_decode(config) else None
+        routing = None
+        if route is not None:
+            logits, bias = importer.env[route.args[0]], importer.env[route.args[1]]
+            routing = router.TopkRouting(
+                e=n_experts, k=dims["topk"], normalize=bool(route.args[3]),
+                route_scale=float(route.args[4]), bias_rows=len(shape(bias)) == 2,
+                gate_temp=float(route.args[5]))
+            args = [x, logits, bias, *args[3:]]
         mod = None
 
         def module():
@@ -295,19 +310,36 @@ def _moe_experts(ctx: Lowering, plus: bool = False):
             if mod is None:
                 mod = moe.build_moe_experts_split(ctx.target.name, **dims, swiglu_limit=limit,
                                                   n=ctx.rows_hint, null_expert=ctx.null_expert,
-                                                  rows=ctx.verify_rows)
+                                                  rows=ctx.verify_rows, routing=routing)
             return mod
 
         def kernel(func):
             key = MoeKey(**dims, swiglu_limit=limit, n_hint=ctx.rows_hint,
-                         null_expert=ctx.null_expert, func=func, rows=ctx.verify_rows)
+                         null_expert=ctx.null_expert, func=func, rows=ctx.verify_rows,
+                         routing=routing)
             return ctx.kernel(importer, key, lambda: module()[func])
 
         plan = moe.moe_experts_plan(ctx.target.name, **dims, n=shape(x)[0],
-                                    n_hint=ctx.rows_hint, rows=ctx.verify_rows, plus=plus)
+                                    n_hint=ctx.rows_hint, rows=ctx.verify_rows, plus=plus,
+                                    routing=routing)
         return moe.emit_moe_experts(importer.block_builder, plan, args, kernel)
 
     return convert
+
+
+def logits_route(node):
+    """The `route_topk_logits` FX node whose (weights, ids) are the MoE op `node`'s arguments 1
+    and 2 and are read by nothing else, else None."""
+    w, ids = node.args[1], node.args[2]
+    if not all(getattr(a, "target", None) is operator.getitem for a in (w, ids)):
+        return None
+    route = w.args[0]
+    if ids.args[0] is not route or (w.args[1], ids.args[1]) != (0, 1) \
+            or route.target is not torch.ops.dsv41.route_topk_logits.default:
+        return None
+    if set(route.users) != {w, ids} or set(w.users) != {node} or set(ids.users) != {node}:
+        return None
+    return route
 
 
 def _scatter_rows(ctx: Lowering):

@@ -48,6 +48,68 @@ def sqrt_softplus(z):
     return T.sqrt(T.Select(T.float32(20.0) < z, z, T.log(T.float32(1.0) + T.exp(z))))
 
 
+@dataclass(frozen=True)
+class TopkRouting:
+    """What `route_topk` computes (`make_route_topk`'s arguments): e experts, k picks,
+    `normalize`, `route_scale`, bias per row (`bias_rows`), and gate_temp for the logits form
+    (`route_topk_logits`)."""
+
+    e: int
+    k: int
+    normalize: bool
+    route_scale: float
+    bias_rows: bool = False
+    gate_temp: float | None = None
+
+
+def route_topk_row(r: TopkRouting):
+    """A macro: row vr's ids and weights (`make_route_topk`'s per-row arithmetic), for that
+    kernel's row block and for a kernel that routes its own tokens (`moe_gate_up_route`).
+    Scratch given: sc [1, E] fp32 (the scores of the logits form, else None), prev_key /
+    best_key uint32 [1], prev_id / best_id int64 [1], total fp32 [1]."""
+    _check(e=r.e, k=r.k)
+    E, K = T.int64(r.e), T.int64(r.k)
+    norm = r.normalize and r.k > 1
+    scored = r.gate_temp is not None
+
+    def score_of(scores, sc, vr, i):  # row vr's score of expert i
+        return sc[0, i] if scored else scores[vr, i]
+
+    def scores_at(scores, sc, bias, vr, i):  # the biased score the top-k orders
+        return score_of(scores, sc, vr, i) + (bias[vr, i] if r.bias_rows else bias[i])
+
+    @T.macro
+    def topk_row(scores, bias, weights, ids, vr, sc, prev_key, prev_id, best_key, best_id,
+                 total):
+        if scored:  # static: the row's scores, from its logits
+            for i in range(E):
+                sc[0, i] = sqrt_softplus(scores[vr, i] / T.float32(r.gate_temp))
+        prev_key[0] = T.uint32(0xFFFFFFFF)  # "before" every item
+        prev_id[0] = T.int64(-1)
+        for j in range(K):
+            best_id[0] = E  # none yet
+            best_key[0] = T.uint32(0)
+            for i in range(E):
+                key = order_key(scores_at(scores, sc, bias, vr, i))
+                after = (key < prev_key[0]) or (key == prev_key[0] and i > prev_id[0])
+                if after and (best_id[0] == E or key > best_key[0]):
+                    best_key[0] = key
+                    best_id[0] = i
+            ids[vr, j] = best_id[0]
+            prev_key[0] = best_key[0]
+            prev_id[0] = best_id[0]
+        total[0] = T.float32(0)
+        for j in range(K):
+            weights[vr, j] = score_of(scores, sc, vr, ids[vr, j])
+            total[0] = total[0] + weights[vr, j]
+        for j in range(K):
+            if norm:
+                weights[vr, j] = weights[vr, j] / (total[0] + T.float32(1e-20))
+            weights[vr, j] = weights[vr, j] * T.float32(r.route_scale)
+
+    return topk_row
+
+
 def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
                     bias_rows: bool = False, gate_temp: float | None = None
                     ) -> tvm.tirx.PrimFunc:
@@ -55,16 +117,11 @@ def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
     [n, E] with `bias_rows`. gate_temp (`route_topk_logits`): the input is the gate's logits,
     each row's scores `sqrt_softplus(logits / gate_temp)` computed first (the elementwise
     kernel the graph ran before, in the row's block)."""
-    _check(e=e, k=k)
+    routing = TopkRouting(e=e, k=k, normalize=normalize, route_scale=route_scale,
+                          bias_rows=bias_rows, gate_temp=gate_temp)
+    topk_row = route_topk_row(routing)
     E, K = T.int64(e), T.int64(k)
-    norm = normalize and k > 1
     scored = gate_temp is not None
-
-    def score_of(scores, sc, r, i):  # row r's score of expert i
-        return sc[0, i] if scored else scores[r, i]
-
-    def scores_at(scores, sc, bias, r, i):  # the biased score the top-k orders
-        return score_of(scores, sc, r, i) + (bias[r, i] if bias_rows else bias[i])
 
     @T.prim_func(s_tir=True)
     def route_topk(s_h: T.handle, b_h: T.handle, w_h: T.handle, id_h: T.handle):
@@ -84,34 +141,12 @@ def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
                 best_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
                 best_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
                 total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                if scored:  # static: the row's scores, from its logits
+                if scored:  # static
                     sc = T.sblock_alloc_buffer((T.int64(1), E), "float32", scope="local")
-                    for i in range(E):
-                        sc[0, i] = sqrt_softplus(scores[vr, i] / T.float32(gate_temp))
                 else:
                     sc = T.meta_var(None)
-                prev_key[0] = T.uint32(0xFFFFFFFF)  # "before" every item
-                prev_id[0] = T.int64(-1)
-                for j in range(K):
-                    best_id[0] = E  # none yet
-                    best_key[0] = T.uint32(0)
-                    for i in range(E):
-                        key = order_key(scores_at(scores, sc, bias, vr, i))
-                        after = (key < prev_key[0]) or (key == prev_key[0] and i > prev_id[0])
-                        if after and (best_id[0] == E or key > best_key[0]):
-                            best_key[0] = key
-                            best_id[0] = i
-                    ids[vr, j] = best_id[0]
-                    prev_key[0] = best_key[0]
-                    prev_id[0] = best_id[0]
-                total[0] = T.float32(0)
-                for j in range(K):
-                    weights[vr, j] = score_of(scores, sc, vr, ids[vr, j])
-                    total[0] = total[0] + weights[vr, j]
-                for j in range(K):
-                    if norm:
-                        weights[vr, j] = weights[vr, j] / (total[0] + T.float32(1e-20))
-                    weights[vr, j] = weights[vr, j] * T.float32(route_scale)
+                topk_row(scores, bias, weights, ids, vr, sc, prev_key, prev_id, best_key,
+                         best_id, total)
 
     return route_topk
 

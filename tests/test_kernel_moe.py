@@ -295,6 +295,54 @@ def test_fused_decode_chain_bit_identical_to_six_calls(dot, dims, null_expert):
                                   ref["h"].numpy().view(np.uint16)), (n, plus)
 
 
+@needs_avx512
+@pytest.mark.parametrize("bias_rows", [False, True], ids=["bias", "bias-rows"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_routing_chain_is_the_top_k_then_the_two_calls(bias_rows, normalize):
+    """The decode chain that routes the gate's logits itself (`moe_gate_up_route_topk`, what
+    the lowering emits when a `route_topk_logits` feeds only the MoE op): the route_topk
+    kernel's weights and ids and the two-call chain's row_pair, token_rows, h and y on them,
+    bit for bit; a bias per row (image spans) and one for all, normalised or not, 1..9 tokens,
+    logits with ties."""
+    from dsv41.schedules import router
+
+    routing = router.TopkRouting(e=DIMS["n_experts"], k=2, normalize=normalize,
+                                 route_scale=1.5, bias_rows=bias_rows, gate_temp=0.7)
+    mod = moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, n=1, routing=routing,
+                                      **DIMS)
+    target = get_target(CPU).tvm_target()
+    ex = tvm.compile(mod, target=target)
+    topk = tvm.compile(router.build_route_topk(
+        CPU, e=routing.e, k=2, normalize=normalize, route_scale=1.5, bias_rows=bias_rows,
+        gate_temp=0.7), target=target)
+    for n in (1, 3, 9):
+        args = _case(n, 2, seed=n + 41)
+        g = torch.Generator().manual_seed(n)
+        logits = torch.randn(n, routing.e, generator=g) * 3
+        logits[0, 1] = logits[0, 4]  # a tie: the lower expert first
+        bias = torch.randn(*((n, routing.e) if bias_rows else (routing.e,)), generator=g)
+        shared = (torch.randn(n, DIMS["dim"], generator=g) * 4).to(torch.bfloat16)
+        weights, ids = torch.zeros(n, 2), torch.zeros(n, 2, dtype=torch.int64)
+        topk(*[to_tvm(t) for t in (logits, bias, weights, ids)])
+        ref = _run_chain(ex, [args[0], weights, ids, *args[3:], shared], 2, 1, plus=True)
+        plan = moe.moe_experts_plan(CPU, n=n, n_hint=1, topk=2, plus=True, routing=routing,
+                                    **DIMS)
+        assert [c.func for c in plan.calls] == ["moe_gate_up_route_topk",
+                                                "moe_down_combine_plus"]
+        env = {b.name: to_tvm(t) for b, t in zip(
+            plan.inputs, [args[0], logits, bias, *args[3:], shared], strict=True)}
+        env.update({b.name: _zeros(b) for b in (*plan.intermediates, plan.output)})
+        for call in plan.calls:
+            ex[call.func](*[env[a] for a in call.args], *[env[o] for o in call.outs])
+        assert torch.equal(to_torch(env["weights"]), weights)
+        assert torch.equal(to_torch(env["ids"]), ids)
+        for name in ("row_pair", "token_rows", "h", "y"):
+            assert np.array_equal(env[name].numpy().view(np.uint8),
+                                  ref[name].numpy().view(np.uint8)), (n, name)
+    with pytest.raises(ValueError, match="only in its two-call"):
+        moe.moe_experts_plan(CPU, n=3, n_hint=None, topk=2, routing=routing, **DIMS)
+
+
 def test_verify_config_and_refusals():
     """Only the hand-vectorised decode GEMVs have the verify form; a tile of more rows than it
     unrolls is refused."""

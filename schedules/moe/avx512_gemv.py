@@ -30,6 +30,7 @@ from dsv41.schedules.moe.fp4_dot import (
     lut_byte,
 )
 from dsv41.schedules.moe.route import check_dims, combine_rows, route_pairs, to_bf16
+from dsv41.schedules.router import TopkRouting, route_topk_row
 
 # ---- the GEMV form hand-vectorised (AVX-512) ----------------------------------------------------
 # Per output column one walk along its packed row (gate and up together), 16 bytes (one 32-block)
@@ -131,7 +132,8 @@ def prefetch_row_ahead(w, e, a, rows, nblk):
 
 def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
                                  swiglu_limit: float, dot: str = "fp32", route: bool = False,
-                                 null_expert: bool = False) -> tvm.tirx.PrimFunc:
+                                 null_expert: bool = False,
+                                 routing: TopkRouting | None = None) -> tvm.tirx.PrimFunc:
     """`make_moe_gate_up_gemv`'s signature and result, hand-vectorised for AVX-512 (see the
     section comment; written scheduled): parallel over (sorted row, 32 output columns); per
     column the w1 and w3 rows walked together (four independent accumulators), then the SwiGLU
@@ -141,7 +143,15 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
     route: `moe_gate_up_route`, the decode chain's first call: (x bf16 [n, dim], weights, ids,
     w1, s1, w3, s3) -> (row_pair, token_rows, h): `moe_route`'s pairs (`route.route_pairs`,
     `null_expert` as there) and `moe_qdq_x`'s activation (`gemm.fp8_qdq_rows`) on the calling
-    thread, then the same tasks: three kernels' results, bit for bit, in one call."""
+    thread, then the same tasks: three kernels' results, bit for bit, in one call.
+
+    routing (with route; `moe_gate_up_route_topk`): (x, logits fp32 [n, E], bias, w1, s1, w3,
+    s3) -> (weights, ids, row_pair, token_rows, h): each token's experts and weights from the
+    gate's logits first (`router.route_topk_row`, the route_topk kernel's arithmetic): four
+    kernels' results in one call."""
+    if routing is not None and (not route or routing.e != n_experts or routing.k != topk):
+        raise ValueError(f"The routing gate/up kernel routes its own pairs (route=True) over "
+                         f"its experts; got route={route}, {routing}.")
     check_dims(dim, inter)
     check_dot(dot)
     bf16 = dot == "bf16"
@@ -190,6 +200,49 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                     h[r, a] = to_bf16(weights[q // KT, q % KT] * silu_times(
                         round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
                         swiglu_limit))
+
+    if routing is not None:
+        topk_row = route_topk_row(routing)
+        bias_rows = routing.bias_rows
+
+        @T.prim_func
+        def moe_gate_up_route_topk(x_h: T.handle, logits_h: T.handle, bias_h: T.handle,
+                                   w1: T.Buffer((E, I, D // 2), "uint8"),
+                                   s1: T.Buffer((E, I, DB), "uint8"),
+                                   w3: T.Buffer((E, I, D // 2), "uint8"),
+                                   s3: T.Buffer((E, I, DB), "uint8"), weights_h: T.handle,
+                                   ids_h: T.handle, row_pair_h: T.handle,
+                                   token_rows_h: T.handle, h_h: T.handle):
+            T.func_attr({"global_symbol": "moe_gate_up_route_topk", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            n = T.int64()
+            x = T.match_buffer(x_h, (n, D), "bfloat16")
+            logits = T.match_buffer(logits_h, (n, E), "float32")
+            bias = T.match_buffer(bias_h, (n, E) if bias_rows else (E,), "float32")
+            weights = T.match_buffer(weights_h, (n, KT), "float32")
+            ids = T.match_buffer(ids_h, (n, KT), "int64")
+            row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+            token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+            h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+            with T.attr(T.int32(0), *with_bf16_dot()):
+                sc = T.alloc_buffer((1, E), "float32")
+                prev_key = T.alloc_buffer((1,), "uint32")
+                prev_id = T.alloc_buffer((1,), "int64")
+                best_key = T.alloc_buffer((1,), "uint32")
+                best_id = T.alloc_buffer((1,), "int64")
+                total = T.alloc_buffer((1,), "float32")
+                for t in range(n):
+                    topk_row(logits, bias, weights, ids, t, sc, prev_key, prev_id, best_key,
+                             best_id, total)
+                counts = T.alloc_buffer((E,), "int32")
+                cursor = T.alloc_buffer((E,), "int32")
+                run = T.alloc_buffer((2,), "int32")
+                route_pairs(ids, row_pair, token_rows, counts, cursor, run, n * KT, KT, E, NULL)
+                xq = T.alloc_buffer((n, D), "float32")
+                fp8_qdq_rows(xq, x, n, DB)
+                gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
+
+        return moe_gate_up_route_topk
 
     if route:
         @T.prim_func
