@@ -157,12 +157,13 @@ class MoeKey(KernelKey):
     func: str  # the chain's function (moe_route, moe_qdq_x, ...)
     rows: int = 1  # the verify entry's rows per sequence (1 + k; 1 elsewhere)
     routing: TopkRouting | None = None  # the two-call form routing the gate's logits itself
+    gate: bool = False  # ... and forming them from the gate's weight
 
     def parts(self) -> tuple:
         r = self.routing
         routed = () if r is None else (
             "topk", r.normalize, r.route_scale, *(("rows",) if r.bias_rows else ()),
-            f"logits{r.gate_temp}")
+            f"logits{r.gate_temp}", *(("gate",) if self.gate else ()))
         return ("moe", self.dim, self.inter, self.n_experts, self.topk, self.swiglu_limit,
                 self.n_hint, *(("null",) if self.null_expert else ()),
                 *((f"r{self.rows}",) if self.rows > 1 else ()), *routed, self.func)

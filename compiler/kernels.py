@@ -61,6 +61,7 @@ from dsv41.compiler.relax_ops import (
     static,
     tensor,
     unrows,
+    widened_source,
 )
 from dsv41.graph.checkpoint.spec import FP8_TILE
 from dsv41.graph.ops import ENGRAM_ROWS_FUNC, ENTRY_GROUP, EntryFormat, entry_code_width
@@ -282,7 +283,10 @@ def _moe_experts(ctx: Lowering, plus: bool = False):
     its last kernel adds the shared expert's output and stores bf16 (`moe_combine_plus`). In
     the two-call decode form (`moe.fused_decode`), when the weights and ids are those of a
     `route_topk_logits` that nothing else reads (`logits_route`), the first call takes the
-    gate's logits and routes them itself (the top-k's own call is then unused: DCE)."""
+    gate's logits and routes them itself, and where those logits are the gate's bf16 GEMV of
+    the same x, read by nothing else, that the decode dense GEMV would sum as
+    `gemm.bf16_dot_rows` does (`gate_weight`), it takes the gate's weight and forms them too
+    (the calls it replaces are then unused: DCE)."""
 
     def convert(node, importer):
         args = [importer.env[a] for a in node.args[:9]]
@@ -295,14 +299,15 @@ def _moe_experts(ctx: Lowering, plus: bool = False):
                     topk=static(shape(args[2])[-1]))
         config = moe.moe_split_config(ctx.target, **dims, n=ctx.rows_hint, rows=ctx.verify_rows)
         route = logits_route(node) if moe.fused_decode(config) else None
-        routing = None
+        routing, gate = None, None
         if route is not None:
             logits, bias = importer.env[route.args[0]], importer.env[route.args[1]]
             routing = router.TopkRouting(
                 e=n_experts, k=dims["topk"], normalize=bool(route.args[3]),
                 route_scale=float(route.args[4]), bias_rows=len(shape(bias)) == 2,
                 gate_temp=float(route.args[5]))
-            args = [x, logits, bias, *args[3:]]
+            gate = gate_weight(ctx, route, node, importer)
+            args = [x, logits if gate is None else gate, bias, *args[3:]]
         mod = None
 
         def module():
@@ -310,18 +315,19 @@ def _moe_experts(ctx: Lowering, plus: bool = False):
             if mod is None:
                 mod = moe.build_moe_experts_split(ctx.target.name, **dims, swiglu_limit=limit,
                                                   n=ctx.rows_hint, null_expert=ctx.null_expert,
-                                                  rows=ctx.verify_rows, routing=routing)
+                                                  rows=ctx.verify_rows, routing=routing,
+                                                  gate=gate is not None)
             return mod
 
         def kernel(func):
             key = MoeKey(**dims, swiglu_limit=limit, n_hint=ctx.rows_hint,
                          null_expert=ctx.null_expert, func=func, rows=ctx.verify_rows,
-                         routing=routing)
+                         routing=routing, gate=gate is not None)
             return ctx.kernel(importer, key, lambda: module()[func])
 
         plan = moe.moe_experts_plan(ctx.target.name, **dims, n=shape(x)[0],
                                     n_hint=ctx.rows_hint, rows=ctx.verify_rows, plus=plus,
-                                    routing=routing)
+                                    routing=routing, gate=gate is not None)
         return moe.emit_moe_experts(importer.block_builder, plan, args, kernel)
 
     return convert
@@ -340,6 +346,27 @@ def logits_route(node):
     if set(route.users) != {w, ids} or set(w.users) != {node} or set(ids.users) != {node}:
         return None
     return route
+
+
+def gate_weight(ctx: Lowering, route, node, importer) -> relax.Expr | None:
+    """The gate's bf16 weight [E, dim] where the logits `route` (a `route_topk_logits` FX
+    node) scores are `linear(x.float(), w.float())` of the MoE op `node`'s own x, read by
+    nothing else, and this module's dense GEMV of them is the one-row bf16_dot form
+    (`gemm.dense_gemv_is_bf16_dot`, whose sums the fused kernel repeats), else None."""
+    lin = route.args[0]
+    if getattr(lin, "target", None) is not torch.ops.aten.linear.default \
+            or (len(lin.args) > 2 and lin.args[2] is not None) or set(lin.users) != {route}:
+        return None
+    x, w = widened_source(lin.args[0], importer), widened_source(lin.args[1], importer)
+    ex, ew = shape(importer.env[node.args[0]]), shape(w)
+    if not x.same_as(importer.env[node.args[0]]) or x.ty.dtype != BF16 \
+            or w.ty.dtype != BF16 or len(ew) != 2 or not use_gemv(ctx):
+        return None
+    e, k = (static(v) for v in ew)
+    if k != static(ex[-1]) or not gemm.dense_gemv_is_bf16_dot(ctx.target, n=e, k=k,
+                                                             rows=ctx.verify_rows):
+        return None
+    return w
 
 
 def _scatter_rows(ctx: Lowering):

@@ -32,6 +32,7 @@ from dsv41.compiler.relax_ops import (
     shape,
     static,
     unrows,
+    widened_source,
 )
 from dsv41.graph.collectives import CclBackend
 from dsv41.graph.targets import TargetSpec
@@ -51,24 +52,6 @@ def _to_dtype(node, importer):
         return x
     dtype = str(target).replace("torch.", "")
     return cast_to(importer, x, dtype)
-
-
-def _widened_source(arg, importer) -> relax.Expr:
-    """The operand before a bf16 -> fp32 cast (`x.float()`), else the operand itself: the GEMV
-    widens in registers, so the cast copy is never made (for a weight, a full fp32 copy per
-    call)."""
-
-    src = importer.env[arg]
-    if not isinstance(arg, torch.fx.Node) or str(arg.target) not in (
-            "aten._to_copy.default", "aten.to.dtype"):
-        return src
-    inner = arg.args[0]
-    if not isinstance(inner, torch.fx.Node) or inner not in importer.env:
-        return src
-    before = importer.env[inner]
-    if before.ty.dtype == BF16 and src.ty.dtype == "float32":
-        return before
-    return src
 
 
 def _weight_2d(arg, w: relax.Expr, importer) -> relax.Expr:
@@ -105,8 +88,8 @@ def _linear(ctx: Lowering):
         # in place; the generic linear is an unscheduled matmul over an fp32 transposed copy
         # of the weight (the head alone: 217 ms of a 160-token replay on the bench model)
         if not ctx.target.is_cuda and bias is None and len(shape(w)) == 2:
-            xs = _widened_source(node.args[0], importer)
-            ws = _widened_source(node.args[1], importer)
+            xs = widened_source(node.args[0], importer)
+            ws = widened_source(node.args[1], importer)
             if _gemv_operands_ok(xs, ws):
                 n, k = (static(v) for v in shape(ws))
                 x2, lead = rows(importer, xs, 1)
@@ -145,7 +128,7 @@ def _einsum(ctx: Lowering):
         # unscheduled loop nest over an fp32 copy of the weight (1.6 s a layer at 128 prefill
         # rows); dense_gemv (decode) / dense_gemm (prefill) read the stored weight in place.
         if not ctx.target.is_cuda and _grouped_einsum(eq):
-            xs, ws = (_widened_source(a, importer) for a in node.args[1])
+            xs, ws = (widened_source(a, importer) for a in node.args[1])
             if _gemv_operands_ok(xs, ws):
                 x3, lead = rows(importer, xs, 2)
                 w2 = _weight_2d(node.args[1][1], ws, importer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import tvm
 from tvm import relax, te
 
@@ -114,3 +115,21 @@ def cast_to(importer, x: relax.Expr, dtype: str) -> relax.Expr:
     if dtype == BF16 and x.ty.dtype == "float32":
         return round_to_bf16(importer, x)
     return importer.block_builder.emit(relax.op.astype(x, dtype))
+
+
+def widened_source(arg, importer) -> relax.Expr:
+    """The operand before a bf16 -> fp32 cast (`x.float()`), else the operand itself: the GEMV
+    widens in registers, so the cast copy is never made (for a weight, a full fp32 copy per
+    call)."""
+
+    src = importer.env[arg]
+    if not isinstance(arg, torch.fx.Node) or str(arg.target) not in (
+            "aten._to_copy.default", "aten.to.dtype"):
+        return src
+    inner = arg.args[0]
+    if not isinstance(inner, torch.fx.Node) or inner not in importer.env:
+        return src
+    before = importer.env[inner]
+    if before.ty.dtype == BF16 and src.ty.dtype == "float32":
+        return before
+    return src

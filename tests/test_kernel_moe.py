@@ -343,6 +343,56 @@ def test_routing_chain_is_the_top_k_then_the_two_calls(bias_rows, normalize):
         moe.moe_experts_plan(CPU, n=3, n_hint=None, topk=2, routing=routing, **DIMS)
 
 
+@needs_avx512
+@pytest.mark.parametrize("bias_rows", [False, True], ids=["bias", "bias-rows"])
+def test_gate_chain_is_the_dense_gemv_then_the_routing_chain(bias_rows):
+    """`moe_gate_up_route_gate` (the gate's logits formed in the kernel, `gemm.bf16_dot_rows`):
+    the decode dense GEMV's logits (its own kernel, one row at a time as decode and verify
+    run it) fed to the routing chain give the same weights, ids, h and y, bit for bit, for
+    1..9 tokens, activations with denormal and zero elements."""
+    if not _has_bf16_dot():
+        pytest.skip("this CPU has no AVX-512 BF16 / VBMI")
+    from dsv41.schedules import gemm, router
+
+    e, dim = DIMS["n_experts"], DIMS["dim"]
+    assert gemm.dense_gemv_is_bf16_dot(get_target(CPU), n=e, k=dim)
+    routing = router.TopkRouting(e=e, k=2, normalize=True, route_scale=2.5,
+                                 bias_rows=bias_rows, gate_temp=1.0)
+    target = get_target(CPU).tvm_target()
+    ex = tvm.compile(moe.build_moe_experts_split(CPU, topk=2, swiglu_limit=LIMIT, n=1,
+                                                 routing=routing, gate=True, **DIMS),
+                     target=target)
+    dense = tvm.compile(gemm.build_dense_gemv(CPU, groups=1, n=e, k=dim, x_dtype="bfloat16",
+                                              w_dtype="bfloat16"), target=target)
+    g = torch.Generator().manual_seed(3)
+    gate_w = (torch.randn(e, dim, generator=g) * dim**-0.5).to(torch.bfloat16)
+    for n in (1, 4, 9):
+        args = _case(n, 2, seed=n + 51)
+        args[0][0, :3] = torch.tensor([1e-39, 0.0, -0.0]).to(torch.bfloat16)
+        bias = torch.randn(*((n, e) if bias_rows else (e,)), generator=g) * 0.1
+        logits = torch.zeros(n, 1, e)
+        for i in range(n):  # the decode GEMV's one row
+            dense(to_tvm(args[0][i:i + 1].clone().view(1, 1, dim)), to_tvm(gate_w),
+                  to_tvm(row := torch.zeros(1, 1, e)))
+            logits[i] = row[0]
+        outs = {}
+        for scores, gate in ((logits.view(n, e), False), (gate_w, True)):
+            plan = moe.moe_experts_plan(CPU, n=n, n_hint=1, topk=2, routing=routing,
+                                        gate=gate, **DIMS)
+            env = {b.name: to_tvm(t) for b, t in zip(plan.inputs, [args[0], scores, bias,
+                                                                   *args[3:]], strict=True)}
+            env.update({b.name: _zeros(b) for b in (*plan.intermediates, plan.output)})
+            for call in plan.calls:
+                ex[call.func](*[env[a] for a in call.args], *[env[o] for o in call.outs])
+            outs[gate] = env
+        assert [c.func for c in plan.calls][0] == "moe_gate_up_route_gate"
+        for name in ("weights", "ids", "row_pair", "token_rows", "h", "y"):
+            assert np.array_equal(outs[True][name].numpy().view(np.uint8),
+                                  outs[False][name].numpy().view(np.uint8)), (n, name)
+    with pytest.raises(ValueError, match="only when it routes"):
+        moe.moe_experts_plan(CPU, n=3, n_hint=1, topk=2, gate=True, **DIMS)
+
+
 def test_verify_config_and_refusals():
     """Only the hand-vectorised decode GEMVs have the verify form; a tile of more rows than it
     unrolls is refused."""

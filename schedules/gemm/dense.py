@@ -189,6 +189,23 @@ def dot_columns(tn: int, rows: int) -> int:
     return next(c for c in widths if tn % c == 0 and (rows * c <= DOT_ACCS or c == 1))
 
 
+@T.macro
+def bf16_dot_rows(y, x, w, m, n, k):
+    """y[i, c] (fp32) = row i of x (bf16 [m, k]) times row c of w (bf16 [n, k]) as
+    `make_dense_gemv_bf16_dot` sums each column at one row (16 lanes from 0, one `dpbf16ps` per
+    32 along K in order, then `pairwise_lane_sum`): its totals bit for bit, for a kernel that
+    forms such a small product itself (the MoE gate's logits, `moe_gate_up_route_gate`)."""
+    acc = T.alloc_buffer((DOT_LANES,), "float32")
+    for i, c in T.grid(m, n):
+        acc[T.ramp(0, 1, DOT_LANES)] = T.broadcast(T.float32(0), DOT_LANES)
+        for ch in range(i64(k // DOT_K)):
+            acc[T.ramp(0, 1, DOT_LANES)] = dpbf16ps(
+                acc[T.ramp(0, 1, DOT_LANES)],
+                T.reinterpret(f"uint16x{DOT_K}", x.vload([i, ch * DOT_K], f"bfloat16x{DOT_K}")),
+                T.reinterpret(f"uint16x{DOT_K}", w.vload([c, ch * DOT_K], f"bfloat16x{DOT_K}")))
+        y[i, c] = pairwise_lane_sum(acc[T.ramp(0, 1, DOT_LANES)], DOT_LANES)
+
+
 def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: int = 32,
                              cb: int = 4, fma_rows: bool = False, prefetch: int = 0,
                              out_dtype: str = "float32", fp8: bool = False
@@ -500,6 +517,13 @@ def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
                                kind="bf16_dot", fma_rows=rows > 1 and has_amx_bf16(target),
                                prefetch=1)
     return DenseGemvConfig(tn=tn, cb=min(4, tn), vec=_lanes(k, 32), rows=rows)
+
+
+def dense_gemv_is_bf16_dot(target: TargetSpec, *, n: int, k: int, rows: int = 1) -> bool:
+    """Whether this target's dense GEMV of bf16 x and bf16 w is `make_dense_gemv_bf16_dot`
+    (whose one-row sums `bf16_dot_rows` reproduces)."""
+    return dense_gemv_config(target, n=n, k=k, rows=rows, x_dtype="bfloat16",
+                             w_dtype="bfloat16").kind == "bf16_dot"
 
 
 def schedule_dense_gemv(func: tvm.tirx.PrimFunc, config: DenseGemvConfig,

@@ -20,7 +20,7 @@ from dsv41.schedules.common import (
     silu_times,
     with_bf16_dot,
 )
-from dsv41.schedules.gemm import BLOCK, fp8_qdq_rows
+from dsv41.schedules.gemm import BLOCK, bf16_dot_rows, fp8_qdq_rows
 from dsv41.schedules.moe.experts import expert_of
 from dsv41.schedules.moe.fp4_dot import (
     LUT_BYTES,
@@ -132,8 +132,8 @@ def prefetch_row_ahead(w, e, a, rows, nblk):
 
 def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
                                  swiglu_limit: float, dot: str = "fp32", route: bool = False,
-                                 null_expert: bool = False,
-                                 routing: TopkRouting | None = None) -> tvm.tirx.PrimFunc:
+                                 null_expert: bool = False, routing: TopkRouting | None = None,
+                                 gate: bool = False) -> tvm.tirx.PrimFunc:
     """`make_moe_gate_up_gemv`'s signature and result, hand-vectorised for AVX-512 (see the
     section comment; written scheduled): parallel over (sorted row, 32 output columns); per
     column the w1 and w3 rows walked together (four independent accumulators), then the SwiGLU
@@ -148,10 +148,17 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
     routing (with route; `moe_gate_up_route_topk`): (x, logits fp32 [n, E], bias, w1, s1, w3,
     s3) -> (weights, ids, row_pair, token_rows, h): each token's experts and weights from the
     gate's logits first (`router.route_topk_row`, the route_topk kernel's arithmetic): four
-    kernels' results in one call."""
+    kernels' results in one call.
+
+    gate (with routing; `moe_gate_up_route_gate`): the gate's weight bf16 [E, dim] in place of
+    the logits, which the kernel forms first as the decode dense GEMV does
+    (`gemm.bf16_dot_rows`; dim a multiple of 32; AVX-512 BF16): five kernels in one call."""
     if routing is not None and (not route or routing.e != n_experts or routing.k != topk):
         raise ValueError(f"The routing gate/up kernel routes its own pairs (route=True) over "
                          f"its experts; got route={route}, {routing}.")
+    if gate and routing is None:
+        raise ValueError("The gate/up kernel forms the gate's logits only when it routes them "
+                         "(routing=...).")
     check_dims(dim, inter)
     check_dot(dot)
     bf16 = dot == "bf16"
@@ -205,6 +212,52 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
         topk_row = route_topk_row(routing)
         bias_rows = routing.bias_rows
 
+        @T.macro
+        def routed(x, logits, bias, w1, s1, w3, s3, weights, ids, row_pair, token_rows, h, n):
+            sc = T.alloc_buffer((1, E), "float32")
+            prev_key = T.alloc_buffer((1,), "uint32")
+            prev_id = T.alloc_buffer((1,), "int64")
+            best_key = T.alloc_buffer((1,), "uint32")
+            best_id = T.alloc_buffer((1,), "int64")
+            total = T.alloc_buffer((1,), "float32")
+            for t in range(n):
+                topk_row(logits, bias, weights, ids, t, sc, prev_key, prev_id, best_key,
+                         best_id, total)
+            counts = T.alloc_buffer((E,), "int32")
+            cursor = T.alloc_buffer((E,), "int32")
+            run = T.alloc_buffer((2,), "int32")
+            route_pairs(ids, row_pair, token_rows, counts, cursor, run, n * KT, KT, E, NULL)
+            xq = T.alloc_buffer((n, D), "float32")
+            fp8_qdq_rows(xq, x, n, DB)
+            gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
+
+        if gate:
+            @T.prim_func
+            def moe_gate_up_route_gate(x_h: T.handle, gate_w: T.Buffer((E, D), "bfloat16"),
+                                       bias_h: T.handle, w1: T.Buffer((E, I, D // 2), "uint8"),
+                                       s1: T.Buffer((E, I, DB), "uint8"),
+                                       w3: T.Buffer((E, I, D // 2), "uint8"),
+                                       s3: T.Buffer((E, I, DB), "uint8"), weights_h: T.handle,
+                                       ids_h: T.handle, row_pair_h: T.handle,
+                                       token_rows_h: T.handle, h_h: T.handle):
+                T.func_attr({"global_symbol": "moe_gate_up_route_gate", "tirx.noalias": True,
+                             "tirx.is_scheduled": True})
+                n = T.int64()
+                x = T.match_buffer(x_h, (n, D), "bfloat16")
+                bias = T.match_buffer(bias_h, (n, E) if bias_rows else (E,), "float32")
+                weights = T.match_buffer(weights_h, (n, KT), "float32")
+                ids = T.match_buffer(ids_h, (n, KT), "int64")
+                row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+                token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+                h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+                with T.attr(T.int32(0), *with_bf16_dot()):
+                    logits = T.alloc_buffer((n, E), "float32")
+                    bf16_dot_rows(logits, x, gate_w, n, E, dim)
+                    routed(x, logits, bias, w1, s1, w3, s3, weights, ids, row_pair,
+                           token_rows, h, n)
+
+            return moe_gate_up_route_gate
+
         @T.prim_func
         def moe_gate_up_route_topk(x_h: T.handle, logits_h: T.handle, bias_h: T.handle,
                                    w1: T.Buffer((E, I, D // 2), "uint8"),
@@ -225,22 +278,8 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
             token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
             h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
             with T.attr(T.int32(0), *with_bf16_dot()):
-                sc = T.alloc_buffer((1, E), "float32")
-                prev_key = T.alloc_buffer((1,), "uint32")
-                prev_id = T.alloc_buffer((1,), "int64")
-                best_key = T.alloc_buffer((1,), "uint32")
-                best_id = T.alloc_buffer((1,), "int64")
-                total = T.alloc_buffer((1,), "float32")
-                for t in range(n):
-                    topk_row(logits, bias, weights, ids, t, sc, prev_key, prev_id, best_key,
-                             best_id, total)
-                counts = T.alloc_buffer((E,), "int32")
-                cursor = T.alloc_buffer((E,), "int32")
-                run = T.alloc_buffer((2,), "int32")
-                route_pairs(ids, row_pair, token_rows, counts, cursor, run, n * KT, KT, E, NULL)
-                xq = T.alloc_buffer((n, D), "float32")
-                fp8_qdq_rows(xq, x, n, DB)
-                gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
+                routed(x, logits, bias, w1, s1, w3, s3, weights, ids, row_pair, token_rows,
+                       h, n)
 
         return moe_gate_up_route_topk
 

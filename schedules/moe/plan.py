@@ -82,7 +82,8 @@ def fused_decode(config: MoeSplitConfig) -> bool:
 
 def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, topk: int, n,
                      n_hint: int | None = None, rows: int = 1, plus: bool = False,
-                     fuse: bool = True, routing: TopkRouting | None = None) -> MoePlan:
+                     fuse: bool = True, routing: TopkRouting | None = None,
+                     gate: bool = False) -> MoePlan:
     """The call_tir chain of `build_moe_experts_split(target_name, ..., n=n_hint, rows=rows)`
     for n tokens (an int, or an int64 tirx Var for a symbolic batch). Shapes use the same row
     tile as the module, so pass the same target, hint and rows. `plus`: the chain of
@@ -91,7 +92,8 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
     (`fused_decode`); False: the six calls always (tests compare the two). `routing`: the
     chain of the gate's logits (the two-call form only): the inputs (x, logits, bias, w1, ..,
     s2[, shared]) of `route_topk_logits` and the op, its first call `moe_gate_up_route_topk`
-    (the top-k too), weights and ids intermediates."""
+    (the top-k too), weights and ids intermediates; with `gate`, the gate's weight (bf16
+    [E, dim]) in place of the logits and `moe_gate_up_route_gate` (their GEMV too)."""
     config = moe_split_config(get_target(target_name), dim=dim, inter=inter,
                               n_experts=n_experts, topk=topk, n=n_hint, rows=rows)
     p = n * topk
@@ -113,6 +115,8 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
     if routing is not None and not fused:
         raise ValueError("The MoE chain routes from the gate's logits only in its two-call "
                          "decode form (moe.fused_decode).")
+    if gate and routing is None:
+        raise ValueError("The MoE chain takes the gate's weight only when it routes (routing).")
     if fused:
         combine = "moe_down_combine_plus" if plus else "moe_down_combine"
         pairs = (buf("row_pair", (p,), "int32"), buf("token_rows", (n, topk), "int32"),
@@ -124,11 +128,13 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
                 MoeCall("moe_gate_up_route", ("x", "weights", "ids", "w1", "s1", "w3", "s3"),
                         ("row_pair", "token_rows", "h")), down))
         bias = (n, n_experts) if routing.bias_rows else (n_experts,)
+        scores = (buf("gate_w", (n_experts, dim), "bfloat16") if gate
+                  else buf("logits", (n, n_experts), "float32"))
+        first = "moe_gate_up_route_gate" if gate else "moe_gate_up_route_topk"
         return MoePlan(
-            (inputs[0], buf("logits", (n, n_experts), "float32"), buf("bias", bias, "float32"),
-             *inputs[3:]),
+            (inputs[0], scores, buf("bias", bias, "float32"), *inputs[3:]),
             (inputs[1], inputs[2], *pairs), y,
-            (MoeCall("moe_gate_up_route_topk", ("x", "logits", "bias", "w1", "s1", "w3", "s3"),
+            (MoeCall(first, ("x", scores.name, "bias", "w1", "s1", "w3", "s3"),
                      ("weights", "ids", "row_pair", "token_rows", "h")), down))
     intermediates = (
         buf("row_pair", (p,), "int32"), buf("token_rows", (n, topk), "int32"),
@@ -155,14 +161,16 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
 def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts: int,
                             topk: int, swiglu_limit: float, n: int | None = None,
                             null_expert: bool = False, rows: int = 1,
-                            routing: TopkRouting | None = None) -> tvm.IRModule:
+                            routing: TopkRouting | None = None, gate: bool = False
+                            ) -> tvm.IRModule:
     """The scheduled PrimFuncs of the chain (global symbols as in `moe_experts_plan`: its six,
     `moe_combine_plus` for the chain of `moe_experts_plus`, and the two-call decode form's
     where the config has it, `fused_decode`),
     thread-bound on CUDA, parallel/vectorised on CPU. n is the token-count hint; null_expert:
     the last expert is a sharded worker's null expert, whose pairs cost no GEMM work
     (`make_moe_route`); rows > 1: the verify entry's (`moe_split_config`); `routing`: the
-    two-call form's `moe_gate_up_route_topk` too (`moe_experts_plan`)."""
+    two-call form's `moe_gate_up_route_topk` too, and with `gate` its
+    `moe_gate_up_route_gate` (`moe_experts_plan`)."""
     check_dims(dim, inter)
     target = get_target(target_name)
     cfg = moe_split_config(target, dim=dim, inter=inter, n_experts=n_experts, topk=topk, n=n,
@@ -188,11 +196,13 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
         funcs["moe_gate_up_route"] = make_moe_gate_up_gemv_avx512(
             dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit,
             dot=cfg.dot, route=True, null_expert=null_expert)
+        routed = dict(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
+                      swiglu_limit=swiglu_limit, dot=cfg.dot, route=True,
+                      null_expert=null_expert, routing=routing)
         if routing is not None:
-            funcs["moe_gate_up_route_topk"] = make_moe_gate_up_gemv_avx512(
-                dim=dim, inter=inter, n_experts=n_experts, topk=topk,
-                swiglu_limit=swiglu_limit, dot=cfg.dot, route=True, null_expert=null_expert,
-                routing=routing)
+            funcs["moe_gate_up_route_topk"] = make_moe_gate_up_gemv_avx512(**routed)
+        if routing is not None and gate:
+            funcs["moe_gate_up_route_gate"] = make_moe_gate_up_gemv_avx512(**routed, gate=True)
         for plus in (False, True):
             funcs["moe_down_combine_plus" if plus else "moe_down_combine"] = \
                 make_moe_down_gemv_avx512(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
