@@ -13,6 +13,7 @@ from tvm import relax
 from dsv41.compiler.kernel_keys import (
     BF16,
     Fp8LinearKey,
+    Fp8QkvKey,
     HcPostPreMixKey,
     KernelKey,
     RmsNormKey,
@@ -37,58 +38,93 @@ from dsv41.schedules import gemm
 Builder = Callable[[KernelKey, str], tvm.tirx.PrimFunc]  # key, target name -> scheduled kernel
 
 
+def normed_linear(ctx: Lowering, build: Builder, importer, x2, nw, eps: float, w, s):
+    """fp8_linear of rows x2 RMS-normed by nw: one kernel where the target's fp8_linear norms
+    its input (`gemm.fp8_linear_norms`), else the rms_norm kernel and then fp8_linear's."""
+    n, k = (static(v) for v in shape(w))
+    if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows):
+        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, norm_eps=eps)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        return call(importer, gv, [x2, nw, w, s], tensor([shape(x2)[0], n], BF16))
+    nkey = RmsNormKey(d=k, eps=eps)
+    ngv = ctx.kernel(importer, nkey, lambda: build(nkey, ctx.target.name))
+    xn = call(importer, ngv, [x2, nw], tensor(shape(x2), BF16))
+    key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
+    gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+    return call(importer, gv, [xn, w, s], tensor([shape(x2)[0], n], BF16))
+
+
+def paired_linears(ctx: Lowering, build: Builder, importer, x2, w, s, w2, s2) -> list:
+    """[fp8_linear(x2, w), fp8_linear(x2, w2)]: one kernel where the target's fp8_linear is
+    the AVX-512 BF16 decode GEMV (`gemm.fp8_linear_norms`), else two fp8_linear kernels."""
+    n, k = (static(v) for v in shape(w))
+    n2 = static(shape(w2)[0])
+    m = shape(x2)[0]
+    if all(gemm.fp8_linear_norms(ctx.target, n=nt, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
+           for nt in (n, n2)):
+        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, pair_n=n2)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        res = call(importer, gv, [x2, w, s, w2, s2], [tensor([m, n], BF16), tensor([m, n2], BF16)])
+        return [importer.block_builder.emit(relax.TupleGetItem(res, i)) for i in range(2)]
+    ys = []
+    for wt, st, nt in ((w, s, n), (w2, s2, n2)):
+        key = Fp8LinearKey(n=nt, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
+        gv = ctx.kernel(importer, key, lambda key=key: build(key, ctx.target.name))
+        ys.append(call(importer, gv, [x2, wt, st], tensor([m, nt], BF16)))
+    return ys
+
+
 def norm_fp8_linear(ctx: Lowering, build: Builder):
-    """norm_fp8_linear: one kernel where this target's fp8_linear can norm its input
-    (`gemm.fp8_linear_norms`), else the rms_norm kernel and then fp8_linear's."""
+    """norm_fp8_linear (`normed_linear`)."""
 
     def convert(node, importer):
         x, nw = importer.env[node.args[0]], importer.env[node.args[1]]
-        eps = float(node.args[2])
         w, s = importer.env[node.args[3]], importer.env[node.args[4]]
-        n, k = (static(v) for v in shape(w))
         x2, lead = rows(importer, x, 1)
-        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows):
-            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, norm_eps=eps)
-            gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-            y = call(importer, gv, [x2, nw, w, s], tensor([shape(x2)[0], n], BF16))
-            return unrows(importer, y, lead)
-        nkey = RmsNormKey(d=k, eps=eps)
-        ngv = ctx.kernel(importer, nkey, lambda: build(nkey, ctx.target.name))
-        xn = call(importer, ngv, [x2, nw], tensor(shape(x2), BF16))
-        key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
-        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        return unrows(importer, call(importer, gv, [xn, w, s], tensor([shape(x2)[0], n], BF16)),
-                      lead)
+        return unrows(importer, normed_linear(ctx, build, importer, x2, nw, float(node.args[2]),
+                                              w, s), lead)
 
     return convert
 
 
 def fp8_linear_pair(ctx: Lowering, build: Builder):
-    """fp8_linear_pair: one kernel where this target's fp8_linear is the AVX-512 BF16 decode
-    GEMV (`gemm.fp8_linear_norms`), else two fp8_linear kernels."""
+    """fp8_linear_pair (`paired_linears`)."""
 
     def convert(node, importer):
         x, w, s, w2, s2 = (importer.env[a] for a in node.args[:5])
-        n, k = (static(v) for v in shape(w))
-        n2 = static(shape(w2)[0])
+        x2, lead = rows(importer, x, 1)
+        ys = paired_linears(ctx, build, importer, x2, w, s, w2, s2)
+        bb = importer.block_builder
+        return bb.emit(relax.Tuple([unrows(importer, y, lead) for y in ys]))
+
+    return convert
+
+
+def fp8_q_kv(ctx: Lowering, build: Builder):
+    """fp8_q_kv: one kernel where `gemm.fp8_q_kv_fuses` (the pair and the normed wq_b GEMVs
+    in turn, q_lora an output nothing reads), else `paired_linears` and `normed_linear`."""
+
+    def convert(node, importer):
+        x, wa, sa, wkv, skv, nw = (importer.env[a] for a in node.args[:6])
+        eps = float(node.args[6])
+        wb, sb = importer.env[node.args[7]], importer.env[node.args[8]]
+        n_q, k = (static(v) for v in shape(wa))
+        n_kv, n_b = static(shape(wkv)[0]), static(shape(wb)[0])
         x2, lead = rows(importer, x, 1)
         m = shape(x2)[0]
         bb = importer.block_builder
-        if gemm.fp8_linear_norms(ctx.target, n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows) \
-                and gemm.fp8_linear_norms(ctx.target, n=n2, k=k, m=ctx.rows_hint,
-                                          rows=ctx.verify_rows):
-            key = Fp8LinearKey(n=n, k=k, m=ctx.rows_hint, rows=ctx.verify_rows, pair_n=n2)
+        if gemm.fp8_q_kv_fuses(ctx.target, n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, m=ctx.rows_hint,
+                               rows=ctx.verify_rows):
+            key = Fp8QkvKey(n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=eps, m=ctx.rows_hint,
+                            rows=ctx.verify_rows)
             gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-            res = call(importer, gv, [x2, w, s, w2, s2],
-                       [tensor([m, n], BF16), tensor([m, n2], BF16)])
-            ys = [bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]
+            res = call(importer, gv, [x2, wa, sa, wkv, skv, nw, wb, sb],
+                       [tensor([m, n_q], BF16), tensor([m, n_kv], BF16), tensor([m, n_b], BF16)])
+            q, kv = (bb.emit(relax.TupleGetItem(res, i)) for i in (2, 1))
         else:
-            ys = []
-            for wt, st, nt in ((w, s, n), (w2, s2, n2)):
-                key = Fp8LinearKey(n=nt, k=k, m=ctx.rows_hint, rows=ctx.verify_rows)
-                gv = ctx.kernel(importer, key, lambda key=key: build(key, ctx.target.name))
-                ys.append(call(importer, gv, [x2, wt, st], tensor([m, nt], BF16)))
-        return bb.emit(relax.Tuple([unrows(importer, y, lead) for y in ys]))
+            q_lora, kv = paired_linears(ctx, build, importer, x2, wa, sa, wkv, skv)
+            q = normed_linear(ctx, build, importer, q_lora, nw, eps, wb, sb)
+        return bb.emit(relax.Tuple([unrows(importer, q, lead), unrows(importer, kv, lead)]))
 
     return convert
 

@@ -9,7 +9,7 @@ tuning task. `to_dict` / `key_from_dict` are the one serialised form (JSON-ready
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import ClassVar
 
 from dsv41.schedules.router import TopkRouting
@@ -37,7 +37,11 @@ class KernelKey:
         return "k_" + "_".join(str(p).replace(".", "p").replace("-", "m") for p in self.parts())
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        """JSON-ready: a dataclass field (MoeKey's routing) as its dict."""
+        def plain(v):
+            return asdict(v) if is_dataclass(v) else v
+
+        return {"kind": self.kind, **{f.name: plain(getattr(self, f.name)) for f in fields(self)}}
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,24 @@ class Fp8LinearKey(KernelKey):
             (f"norm{self.norm_eps}",) if self.norm_eps is not None else ()) + (
             (f"pair{self.pair_n}",) if self.pair_n is not None else ()) + (
             (f"swiglu{self.swiglu_limit}",) if self.swiglu_limit is not None else ())
+
+
+@dataclass(frozen=True)
+class Fp8QkvKey(KernelKey):
+    """fp8_q_kv's one kernel (`gemm.build_fp8_q_kv`): the pair wq_a / wkv then wq_b."""
+
+    kind: ClassVar[str] = "fp8_q_kv"
+    n_q: int
+    n_kv: int
+    k: int
+    n_b: int
+    norm_eps: float
+    m: int | None
+    rows: int = 1
+
+    def parts(self) -> tuple:
+        return (self.kind, self.n_q, self.n_kv, self.k, self.n_b, f"norm{self.norm_eps}",
+                self.m) + ((f"r{self.rows}",) if self.rows > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -158,6 +180,10 @@ class MoeKey(KernelKey):
     rows: int = 1  # the verify entry's rows per sequence (1 + k; 1 elsewhere)
     routing: TopkRouting | None = None  # the two-call form routing the gate's logits itself
     gate: bool = False  # ... and forming them from the gate's weight
+
+    def __post_init__(self) -> None:
+        if isinstance(self.routing, dict):  # as `to_dict` wrote it
+            object.__setattr__(self, "routing", TopkRouting(**self.routing))
 
     def parts(self) -> tuple:
         r = self.routing
@@ -309,7 +335,7 @@ class DenseGemmKey(DenseGemvKey):
 KEY_KINDS: dict[str, type[KernelKey]] = {
     cls.kind: cls for cls in (Fp8LinearKey, Fp8DequantKey, SparseAttendKey, IndexScoresKey,
                               IndexScoresSharedKey, SelectPositionsKey, SelectBlocksKey, PoolKey,
-                              MoeKey, RouteTopkKey, ScatterRowsKey, RmsNormKey, RopeKey,
+                              Fp8QkvKey, MoeKey, RouteTopkKey, ScatterRowsKey, RmsNormKey, RopeKey,
                               RopeQuantKey, HcPreMixKey, HcPostKey, HcPostPreMixKey, QuantKey,
                               DenseGemvKey, DenseGemmKey)}
 

@@ -33,6 +33,7 @@ from dsv41.compiler.kernel_keys import (
     DenseGemvKey,
     Fp8DequantKey,
     Fp8LinearKey,
+    Fp8QkvKey,
     HcPostKey,
     HcPostPreMixKey,
     HcPreMixKey,
@@ -610,9 +611,18 @@ def _quant_unscheduled(op: str) -> Callable:
             "quant_mxfp4": quant.make_quant_mxfp4, "qdq_mxfp4": quant.make_qdq_mxfp4}[op]
 
 
-def _fp8_linear_task(key: Fp8LinearKey, target: TargetSpec):
-    if key.out_dtype != BF16 or key.norm_eps is not None or key.pair_n is not None \
-            or key.swiglu_limit is not None:  # written scheduled (the fused forms)
+def _fp8_build(key: Fp8LinearKey | Fp8QkvKey, target_name: str) -> tvm.tirx.PrimFunc:
+    if isinstance(key, Fp8QkvKey):
+        return gemm.build_fp8_q_kv(target_name, n_q=key.n_q, n_kv=key.n_kv, k=key.k,
+                                   n_b=key.n_b, norm_eps=key.norm_eps, m=key.m, rows=key.rows)
+    return gemm.build_fp8_linear(target_name, n=key.n, k=key.k, m=key.m,
+                                 out_dtype=key.out_dtype, rows=key.rows, norm_eps=key.norm_eps,
+                                 pair_n=key.pair_n, swiglu_limit=key.swiglu_limit)
+
+
+def _fp8_linear_task(key: Fp8LinearKey | Fp8QkvKey, target: TargetSpec):
+    if isinstance(key, Fp8QkvKey) or key.out_dtype != BF16 or key.norm_eps is not None \
+            or key.pair_n is not None or key.swiglu_limit is not None:  # written scheduled
         return None  # fp8_linear_f32 (sharded partial sums) is not a tuned family
     func, config = gemm.unscheduled_fp8_linear(target, n=key.n, k=key.k, m=key.m,
                                                rows=key.rows)
@@ -661,17 +671,15 @@ def _dense_build(key: DenseGemvKey, target_name: str):
 
 REGISTRY: tuple[KernelEntry, ...] = (
     KernelEntry(
-        "fp8_linear", (Fp8LinearKey,), gemm.build_fp8_linear, gemm.fp8_linear_config,
+        "fp8_linear", (Fp8LinearKey, Fp8QkvKey), gemm.build_fp8_linear, gemm.fp8_linear_config,
         gemm.schedule_fp8_linear,
         {"fp8_linear.default": _fp8_linear,
          "fp8_linear_f32.default": lambda ctx: _fp8_linear(ctx, "float32"),
          "norm_fp8_linear.default": lambda ctx: fused_ops.norm_fp8_linear(ctx, build),
          "fp8_linear_pair.default": lambda ctx: fused_ops.fp8_linear_pair(ctx, build),
-         "swiglu_fp8_linear.default": lambda ctx: fused_ops.swiglu_fp8_linear(ctx, build)},
-        build=lambda key, t: gemm.build_fp8_linear(t, n=key.n, k=key.k, m=key.m,
-                                                   out_dtype=key.out_dtype, rows=key.rows,
-                                                   norm_eps=key.norm_eps, pair_n=key.pair_n,
-                                                   swiglu_limit=key.swiglu_limit),
+         "swiglu_fp8_linear.default": lambda ctx: fused_ops.swiglu_fp8_linear(ctx, build),
+         "fp8_q_kv.default": lambda ctx: fused_ops.fp8_q_kv(ctx, build)},
+        build=lambda key, t: _fp8_build(key, t),
         task=_fp8_linear_task, bench=BenchKernel("fp8", _bench_fp8)),
     KernelEntry(
         "fp8_dequant", (Fp8DequantKey,), gemm.build_fp8_dequant, gemm.dequant_config,

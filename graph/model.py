@@ -745,19 +745,17 @@ def attention(model: Model, cache: ModelCache, layer: int, x: torch.Tensor, chun
     b, s, _ = x.shape
     rd = a.rope_head_dim
     cos, sin = token_rope(model, chunk, p.ratio > 0)
-    # wq_a and wkv read the same x: one op (x quantised once)
-    q_lora, kv = ops.fp8_linear_pair(x, model.p(layer, "attn.wq_a.weight"),
-                                     model.p(layer, "attn.wq_a.scale"),
-                                     model.p(layer, "attn.wkv.weight"),
-                                     model.p(layer, "attn.wkv.scale"))
-    wq_b = (model.p(layer, "attn.wq_b.weight"), model.p(layer, "attn.wq_b.scale"))
+    wq_a, wkv, wq_b = ((model.p(layer, f"attn.{n}.weight"), model.p(layer, f"attn.{n}.scale"))
+                       for n in ("wq_a", "wkv", "wq_b"))
     q_norm = model.p(layer, "attn.q_norm.weight")
     qr = None  # the normed q_lora: the indexers read it too
     if p.runs_indexer or (p.role == REUSE and model.per_layer_selection):
+        # wq_a and wkv read the same x: one op (x quantised once)
+        q_lora, kv = ops.fp8_linear_pair(x, *wq_a, *wkv)
         qr = ops.rms_norm(q_lora, q_norm, a.norm_eps)
         q = ops.fp8_linear(qr, *wq_b)
-    else:  # wq_b alone reads it: one op (the norm inside wq_b's kernel where it can be)
-        q = ops.norm_fp8_linear(q_lora, q_norm, a.norm_eps, *wq_b)
+    else:  # wq_b alone reads q_lora: q = wq_b(norm(wq_a x)) and kv = wkv x, one op
+        q, kv = ops.fp8_q_kv(x, *wq_a, *wkv, q_norm, a.norm_eps, *wq_b)
     # (b, s, h, hd): h = n_heads, or a worker's heads (its rows of wq_b); RoPE'd in `attend`
     q = q.unflatten(-1, (-1, a.head_dim))
 

@@ -8,6 +8,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `norm_fp8_linear`: the same of an RMS-normed input
 - `fp8_linear_pair`: two of them of one input (one activation quantisation)
 - `swiglu_fp8_linear`: the same of the SwiGLU of two inputs (the shared expert's w2)
+- `fp8_q_kv`:      the attention's query (wq_a, q_norm, wq_b) and KV (wkv) projections
 - `fp8_dequant`:   E4M3 codes + E8M0 scales -> values
 - `fp8_grouped_linear`: the grouped o-projection over `wo_a` kept in FP8 (dequantised inside)
 - `sparse_attend`: gather FP8 window entries and FP4 global entries, dequantise inside, online
@@ -262,6 +263,24 @@ def _(x, weight, scale, weight2, scale2):
     lead = x.shape[:-1]
     return (x.new_empty(*lead, weight.size(0), dtype=torch.bfloat16),
             x.new_empty(*lead, weight2.size(0), dtype=torch.bfloat16))
+
+
+@torch.library.custom_op("dsv41::fp8_q_kv", mutates_args=())
+def fp8_q_kv(x: torch.Tensor, wq_a: torch.Tensor, sq_a: torch.Tensor, wkv: torch.Tensor,
+             skv: torch.Tensor, q_norm: torch.Tensor, eps: float, wq_b: torch.Tensor,
+             sq_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, kv) = (wq_b(rms_norm(wq_a x)), wkv x), each `fp8_linear`: the attention's
+    projections where nothing else reads the query latent. Compiled on an AVX-512 BF16 CPU, the
+    decode GEMVs of `fp8_linear_pair` and `norm_fp8_linear` in one kernel."""
+    q_lora, kv = fp8_linear_pair(x, wq_a, sq_a, wkv, skv)
+    return norm_fp8_linear(q_lora, q_norm, eps, wq_b, sq_b), kv
+
+
+@fp8_q_kv.register_fake
+def _(x, wq_a, sq_a, wkv, skv, q_norm, eps, wq_b, sq_b):
+    lead = x.shape[:-1]
+    return (x.new_empty(*lead, wq_b.size(0), dtype=torch.bfloat16),
+            x.new_empty(*lead, wkv.size(0), dtype=torch.bfloat16))
 
 
 @torch.library.custom_op("dsv41::fp8_linear_f32", mutates_args=())

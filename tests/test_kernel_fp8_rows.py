@@ -221,6 +221,49 @@ def test_swiglu_gemv_is_the_swiglu_then_the_gemv(rows, limit):
         ops.swiglu(gate.float(), up.float(), limit).to(torch.bfloat16), weight, scale))
 
 
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 6])
+def test_q_kv_kernel_is_the_pair_then_the_normed_gemv(rows):
+    """fp8_q_kv's kernel (the paired wq_a / wkv GEMV, then q_lora normed into the wq_b GEMV,
+    one call): q_lora, kv and q the `fp8_linear_pair` and `norm_fp8_linear` kernels' (as the
+    lowering builds them for the decode and verify entries), bit for bit, m 1..7, partial
+    32-column tiles in every matrix; the op's oracle is the two ops in turn."""
+    n_q, n_kv, k, n_b, eps = 128, 96, 512, 200, 1e-6
+    assert gemm.fp8_q_kv_fuses(CPU, n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, m=1, rows=rows)
+    target = CPU.tvm_target()
+    fused = tvm.compile(gemm.build_fp8_q_kv("cpu", n_q=n_q, n_kv=n_kv, k=k, n_b=n_b,
+                                            norm_eps=eps, m=1, rows=rows), target=target)
+    pair = tvm.compile(gemm.build_fp8_linear("cpu", n=n_q, k=k, m=1, rows=rows, pair_n=n_kv),
+                       target=target)
+    normed = tvm.compile(gemm.build_fp8_linear("cpu", n=n_b, k=n_q, m=1, rows=rows,
+                                               norm_eps=eps), target=target)
+    wa, sa = gemm.example_inputs_fp8_linear(m=1, n=n_q, k=k, seed=11)[1:]
+    wkv, skv = gemm.example_inputs_fp8_linear(m=1, n=n_kv, k=k, seed=12)[1:]
+    wb, sb = gemm.example_inputs_fp8_linear(m=1, n=n_b, k=n_q, seed=13)[1:]
+    g = torch.Generator().manual_seed(rows)
+    nw = (1 + 0.1 * torch.randn(n_q, generator=g)).to(torch.bfloat16)
+
+    def run(f, *ts):
+        f(*[tvm.runtime.from_dlpack(t) for t in ts])
+
+    for m in (1, 5, 7):
+        x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+        x[-1] = 0.0
+        q_lora, kv, q = (torch.zeros(m, c, dtype=torch.bfloat16) for c in (n_q, n_kv, n_b))
+        run(fused, x, wa, sa, wkv, skv, nw, wb, sb, q_lora, kv, q)
+        ql2, kv2, q2 = (torch.zeros(m, c, dtype=torch.bfloat16) for c in (n_q, n_kv, n_b))
+        run(pair, x, wa, sa, wkv, skv, ql2, kv2)
+        run(normed, ql2, nw, wb, sb, q2)
+        for got, want in ((q_lora, ql2), (kv, kv2), (q, q2)):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), m
+    ref_q, ref_kv = ops.fp8_q_kv(x, wa, sa, wkv, skv, nw, eps, wb, sb)
+    ql, kvr = ops.fp8_linear_pair(x, wa, sa, wkv, skv)
+    assert torch.equal(ref_kv, kvr)
+    assert torch.equal(ref_q, ops.norm_fp8_linear(ql, nw, eps, wb, sb))
+    with pytest.raises(ValueError, match="only where the AVX-512 BF16 decode GEMV"):
+        gemm.build_fp8_q_kv("cpu", n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=eps, m=None)
+
+
 def test_only_the_bf16_gemv_norms_its_input():
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1)
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1, rows=6)

@@ -22,6 +22,7 @@ from dsv41.compiler.kernel_keys import (
     key_from_dict,
 )
 from dsv41.compiler.tools.bench.kernels import FAMILIES
+from dsv41.schedules.router import TopkRouting
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = (  # one key of every kind
@@ -37,6 +38,11 @@ EXAMPLES = (  # one key of every kind
     kk.PoolKey(heads=4, dim=64, topk=16, block_size=64, func="select"),
     MoeKey(dim=64, inter=32, n_experts=5, topk=2, swiglu_limit=7.0, n_hint=1, null_expert=True,
            func="moe_route"),
+    MoeKey(dim=64, inter=32, n_experts=5, topk=2, swiglu_limit=7.0, n_hint=1, null_expert=False,
+           func="moe_gate_up_route_gate", gate=True,
+           routing=TopkRouting(e=5, k=2, normalize=True, route_scale=1.5, gate_temp=1.0)),
+    Fp8LinearKey(n=64, k=512, m=1, swiglu_limit=10.0),
+    kk.Fp8QkvKey(n_q=64, n_kv=96, k=512, n_b=128, norm_eps=1e-6, m=1, rows=6),
     kk.ScatterRowsKey(width=512, dtype="bfloat16"), kk.RmsNormKey(d=64, eps=1e-6),
     kk.RopeKey(h=4, d=128, rd=64, inverse=True),
     kk.RopeQuantKey(d=512, rd=64, form="fp8", eps=1e-20),

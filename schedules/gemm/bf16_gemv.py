@@ -5,6 +5,7 @@ weight decode across the rows."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import tvm
 from tvm.script import tirx as T
@@ -58,83 +59,26 @@ def _bf16_words(codes, lo_tbl, hi_tbl, half: int):
                            [16 * (t // 8) + 8 * half + t % 8 for t in range(32)])
 
 
-def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
-                       rows: int = 1, fma_rows: bool = False, norm_eps: float | None = None,
-                       norm_lanes: int = 32, pair_n: int | None = None,
-                       swiglu_limit: float | None = None) -> tvm.tirx.PrimFunc:
-    """The CPU decode form of `fp8_linear` on x86 with AVX-512 BF16 and VBMI (same signature as
-    `make_fp8_gemv`), hand-vectorised; k a multiple of 64. `prefetch`: columns ahead whose
-    weights are prefetched (0: none), one line beside each chunk's load: the same chunk of the
-    column `prefetch` ahead. Issued as a burst of the whole column at its start instead, a
-    long row's prefetches (wo_b: 64 lines) waited on the core's fill buffers: Xeon model 207,
-    2 threads, weights cycled through 600 MB, median of 300 interleaved calls, n 1024 k 4096
-    0.262 -> 0.207 ms (16.0 -> 20.3 GB/s), n 5120 k 1536 0.427 -> 0.389; k 512 and 1024 the
-    same; 5 rows (`rows` 6) the same or faster. The outputs are the same bits.
+@dataclass(frozen=True)
+class Fp8GemvStages:
+    """`make_fp8_gemv_bf16`'s macros for one configuration, for kernels built of them:
+    `body(x, xn, weight, scale, y, m, second)` (quantise x, or the staged rows xn, and run the
+    tiles; second: the pair's (weight2, scale2, y2) or None) and `normed(x, nw, xn, m)` (the
+    norm form's staging); n, k, kb, nb: the weight's shape as int64 immediates."""
 
-    Every product is exact, as in `make_fp8_gemv`: the activation is quantised per row (`xq`,
-    an E4M3 value times a power of two, stored per chunk in `chunk_slot_source` order); per
-    32-column tile, `xs` = xq * 2^(s - 127) with the tile's weight scales, as bf16 bits (4
-    significant bits: exact while |xs| is a normal number, 2^-126 <= |xs| < 2^128); the weight
-    is the E4M3 value itself, exact in bf16 (looked up, `_bf16_words`). vdpbf16ps adds each
-    pair of products into fp32 lanes (a product of two bf16 is exact in fp32), rounding to
-    nearest even and flushing denormal sums to zero: with |xq| >= 2^-31 (E4M3's 2^-9 times the
-    smallest scale of the 1e-4 amax floor) and weights >= 2^-9, every nonzero product and
-    partial sum stays normal while the weight-scale exponent s - 127 >= -86. Per column: two
-    accumulators (the chunk's two word vectors) over K, then added and summed pairwise in
-    lanes (halves, quarters, ..); only the order of the fp32 additions differs from the
-    oracle. The lane sums are taken 16 columns at a time (`column_totals`): each column's
-    16 lanes are kept, then each shuffle-and-add level pairs two vectors, halving the lanes
-    of every column in both, so 16 columns cost 15 adds and 30 shuffles instead of 16 x 4
-    of each, and the 16 totals are stored as one vector (the same additions in the same
-    order per column: the outputs are bit for bit those of per-column sums). Measured on a
-    Xeon model 207 (AMX, 2 threads, weights cycled through 8 copies, min of 60 calls): n
-    32768 k 512 one row 1.08 -> 1.03 ms, 5 rows 1.72 -> 1.59; n 1024 k 4096 5 rows 0.64 ->
-    0.59. A NaN weight (0x7f / 0xff, a NaN in the table) makes the column's sum NaN, stored
-    as the canonical NaN.
+    body: object
+    normed: object
+    n: object
+    k: object
+    kb: object
+    nb: object
 
-    `fma_rows`: a group of 2 or more rows forms each vdpbf16ps as two FMAs
-    (`dpbf16ps_by_fma`, bit for bit the same sums here: every product and partial sum stays
-    normal, above), the chunk's decoded words split into their fp32 halves once for the
-    group, each row's `xs` staged per tile as fp32 halves (`xf`: xq's halves, `xqs`, made once
-    per call, times the tile's scales), column pairs where the group's activations outgrow L1
-    as without: for CPUs whose vdpbf16ps issues at a quarter of their FMA rate
-    (`fp8_linear_config`). Measured there (Xeon model 207, 2 threads, weights cycled through 8
-    copies, min of 120 interleaved calls): n 32768 k 512, 5 rows 1.72 -> 1.38 ms (one row
-    0.72); n 512 k 1024 0.080 -> 0.075; n 1024 k 4096 (column pairs) 0.435 -> 0.388 and 0.54
-    -> 0.52 in a slower phase (FMA columns one at a time: 0.69, the 80 KB of fp32 activations
-    out of L1); n 1024 k 2048 0.324 -> 0.250. One-row groups (decode) keep vdpbf16ps.
 
-    `rows` > 1: the verify form, rows in groups of `rows` (the verify entry's 1 + k): per
-    column each chunk is loaded and decoded once for the whole group, then dotted into each
-    row's own two accumulators in the order above, so every row's output is bit-identical to
-    this kernel's with rows = 1 (which is the same code with a group of one). A group whose
-    activations outgrow L1 (wo_b's k 4096 at 3 to 5 rows) takes its columns two at a time
-    (`PAIR_XS_BYTES`), each column's chains and sums unchanged.
-
-    Per 64 codes and row: one load, two vpermi2b and a sign merge, two byte interleaves (shared
-    by the group), two vdpbf16ps, against two vpmaddubsw, four masks, four vcvtph2ps and four
-    FMAs in `make_fp8_gemv_avx2`. Measured on a 2-core Zen 4 shared with other jobs (load 8-11),
-    weights cycled through 64 MB, min of 400-1000 calls, `make_fp8_gemv_avx2` lanes 16 /
-    the scheduled `make_fp8_gemv` (k 4096) before this kernel in brackets: n 32768 k 512 one
-    row 0.73-0.82 ms (1.71-1.76), 5 rows in one group 1.48 (3.61-3.71); n 1024 k 4096 one row
-    0.27-0.33 (0.42-0.48), 5 rows 0.85-0.90 (1.59-1.67); n 512 k 1024 one row 0.039-0.041
-    (0.057-0.064).
-
-    `norm_eps` (`norm_fp8_linear`: signature (x, norm_weight, weight, scale, y)): each row of x
-    is RMS-normed first, as `norm.make_rms_norm` norms it (`norm_lanes` strided partial sums of
-    the squares added in lane order, rstd, bf16(w * (x * rstd))), and that bf16 row is what the
-    activation quantiser reads: the rms_norm kernel and this kernel in turn, bit for bit, with
-    no kernel between them.
-
-    `pair_n` (`fp8_linear_pair`: signature (x, weight, scale, weight2, scale2, y, y2), weight2
-    [pair_n, k]): two projections of one activation, quantised once; the tasks take the first
-    matrix's 32-column tiles, then the second's, each tile summed exactly as alone, so y and y2
-    are the two kernels' outputs bit for bit.
-
-    `swiglu_limit` (`swiglu_fp8_linear`: signature (gate, up, weight, scale, y), gate and up
-    bf16 [m, k]): the activation quantiser reads bf16(swiglu(gate, up, limit)) (`silu_times`,
-    the MoE epilogue's formula), formed once per element as the rows are staged: the SwiGLU's
-    elementwise kernel and this kernel in turn, with no kernel between them."""
+def fp8_gemv_bf16_stages(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
+                         rows: int = 1, fma_rows: bool = False, norm_eps: float | None = None,
+                         norm_lanes: int = 32, pair_n: int | None = None,
+                         swiglu_limit: float | None = None) -> Fp8GemvStages:
+    """The macros of `make_fp8_gemv_bf16` with these arguments (see there), checked."""
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
     if pair_n is not None and (pair_n <= 0 or norm_eps is not None):
@@ -474,6 +418,93 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
                             tile(x, second[0], second[1], second[2], m, po * TILES + pi - NB, xq,
                                  xs, xf, sv, xqs, acc, lo_tbl, hi_tbl, red, tot)
 
+
+    return Fp8GemvStages(body=body, normed=normed, n=N, k=K, kb=KB, nb=NB)
+
+
+def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
+                       rows: int = 1, fma_rows: bool = False, norm_eps: float | None = None,
+                       norm_lanes: int = 32, pair_n: int | None = None,
+                       swiglu_limit: float | None = None) -> tvm.tirx.PrimFunc:
+    """The CPU decode form of `fp8_linear` on x86 with AVX-512 BF16 and VBMI (same signature as
+    `make_fp8_gemv`), hand-vectorised; k a multiple of 64. `prefetch`: columns ahead whose
+    weights are prefetched (0: none), one line beside each chunk's load: the same chunk of the
+    column `prefetch` ahead. Issued as a burst of the whole column at its start instead, a
+    long row's prefetches (wo_b: 64 lines) waited on the core's fill buffers: Xeon model 207,
+    2 threads, weights cycled through 600 MB, median of 300 interleaved calls, n 1024 k 4096
+    0.262 -> 0.207 ms (16.0 -> 20.3 GB/s), n 5120 k 1536 0.427 -> 0.389; k 512 and 1024 the
+    same; 5 rows (`rows` 6) the same or faster. The outputs are the same bits.
+
+    Every product is exact, as in `make_fp8_gemv`: the activation is quantised per row (`xq`,
+    an E4M3 value times a power of two, stored per chunk in `chunk_slot_source` order); per
+    32-column tile, `xs` = xq * 2^(s - 127) with the tile's weight scales, as bf16 bits (4
+    significant bits: exact while |xs| is a normal number, 2^-126 <= |xs| < 2^128); the weight
+    is the E4M3 value itself, exact in bf16 (looked up, `_bf16_words`). vdpbf16ps adds each
+    pair of products into fp32 lanes (a product of two bf16 is exact in fp32), rounding to
+    nearest even and flushing denormal sums to zero: with |xq| >= 2^-31 (E4M3's 2^-9 times the
+    smallest scale of the 1e-4 amax floor) and weights >= 2^-9, every nonzero product and
+    partial sum stays normal while the weight-scale exponent s - 127 >= -86. Per column: two
+    accumulators (the chunk's two word vectors) over K, then added and summed pairwise in
+    lanes (halves, quarters, ..); only the order of the fp32 additions differs from the
+    oracle. The lane sums are taken 16 columns at a time (`column_totals`): each column's
+    16 lanes are kept, then each shuffle-and-add level pairs two vectors, halving the lanes
+    of every column in both, so 16 columns cost 15 adds and 30 shuffles instead of 16 x 4
+    of each, and the 16 totals are stored as one vector (the same additions in the same
+    order per column: the outputs are bit for bit those of per-column sums). Measured on a
+    Xeon model 207 (AMX, 2 threads, weights cycled through 8 copies, min of 60 calls): n
+    32768 k 512 one row 1.08 -> 1.03 ms, 5 rows 1.72 -> 1.59; n 1024 k 4096 5 rows 0.64 ->
+    0.59. A NaN weight (0x7f / 0xff, a NaN in the table) makes the column's sum NaN, stored
+    as the canonical NaN.
+
+    `fma_rows`: a group of 2 or more rows forms each vdpbf16ps as two FMAs
+    (`dpbf16ps_by_fma`, bit for bit the same sums here: every product and partial sum stays
+    normal, above), the chunk's decoded words split into their fp32 halves once for the
+    group, each row's `xs` staged per tile as fp32 halves (`xf`: xq's halves, `xqs`, made once
+    per call, times the tile's scales), column pairs where the group's activations outgrow L1
+    as without: for CPUs whose vdpbf16ps issues at a quarter of their FMA rate
+    (`fp8_linear_config`). Measured there (Xeon model 207, 2 threads, weights cycled through 8
+    copies, min of 120 interleaved calls): n 32768 k 512, 5 rows 1.72 -> 1.38 ms (one row
+    0.72); n 512 k 1024 0.080 -> 0.075; n 1024 k 4096 (column pairs) 0.435 -> 0.388 and 0.54
+    -> 0.52 in a slower phase (FMA columns one at a time: 0.69, the 80 KB of fp32 activations
+    out of L1); n 1024 k 2048 0.324 -> 0.250. One-row groups (decode) keep vdpbf16ps.
+
+    `rows` > 1: the verify form, rows in groups of `rows` (the verify entry's 1 + k): per
+    column each chunk is loaded and decoded once for the whole group, then dotted into each
+    row's own two accumulators in the order above, so every row's output is bit-identical to
+    this kernel's with rows = 1 (which is the same code with a group of one). A group whose
+    activations outgrow L1 (wo_b's k 4096 at 3 to 5 rows) takes its columns two at a time
+    (`PAIR_XS_BYTES`), each column's chains and sums unchanged.
+
+    Per 64 codes and row: one load, two vpermi2b and a sign merge, two byte interleaves (shared
+    by the group), two vdpbf16ps, against two vpmaddubsw, four masks, four vcvtph2ps and four
+    FMAs in `make_fp8_gemv_avx2`. Measured on a 2-core Zen 4 shared with other jobs (load 8-11),
+    weights cycled through 64 MB, min of 400-1000 calls, `make_fp8_gemv_avx2` lanes 16 /
+    the scheduled `make_fp8_gemv` (k 4096) before this kernel in brackets: n 32768 k 512 one
+    row 0.73-0.82 ms (1.71-1.76), 5 rows in one group 1.48 (3.61-3.71); n 1024 k 4096 one row
+    0.27-0.33 (0.42-0.48), 5 rows 0.85-0.90 (1.59-1.67); n 512 k 1024 one row 0.039-0.041
+    (0.057-0.064).
+
+    `norm_eps` (`norm_fp8_linear`: signature (x, norm_weight, weight, scale, y)): each row of x
+    is RMS-normed first, as `norm.make_rms_norm` norms it (`norm_lanes` strided partial sums of
+    the squares added in lane order, rstd, bf16(w * (x * rstd))), and that bf16 row is what the
+    activation quantiser reads: the rms_norm kernel and this kernel in turn, bit for bit, with
+    no kernel between them.
+
+    `pair_n` (`fp8_linear_pair`: signature (x, weight, scale, weight2, scale2, y, y2), weight2
+    [pair_n, k]): two projections of one activation, quantised once; the tasks take the first
+    matrix's 32-column tiles, then the second's, each tile summed exactly as alone, so y and y2
+    are the two kernels' outputs bit for bit.
+
+    `swiglu_limit` (`swiglu_fp8_linear`: signature (gate, up, weight, scale, y), gate and up
+    bf16 [m, k]): the activation quantiser reads bf16(swiglu(gate, up, limit)) (`silu_times`,
+    the MoE epilogue's formula), formed once per element as the rows are staged: the SwiGLU's
+    elementwise kernel and this kernel in turn, with no kernel between them."""
+    st = fp8_gemv_bf16_stages(n=n, k=k, out_dtype=out_dtype, prefetch=prefetch, rows=rows,
+                              fma_rows=fma_rows, norm_eps=norm_eps, norm_lanes=norm_lanes,
+                              pair_n=pair_n, swiglu_limit=swiglu_limit)
+    N, K, KB, NB = st.n, st.k, st.kb, st.nb
+    body, normed = st.body, st.normed
+
     if norm_eps is not None:
         @T.prim_func
         def norm_fp8_gemv_bf16(x_h: T.handle, nw: T.Buffer((K,), "bfloat16"),
@@ -541,3 +572,44 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
         body(x, None, weight, scale, y, m, None)
 
     return fp8_gemv_bf16
+
+
+def make_fp8_gemv_bf16_q_kv(*, n_q: int, n_kv: int, k: int, n_b: int, norm_eps: float,
+                            norm_lanes: int = 32, rows: int = 1, prefetch: int = 0,
+                            fma_rows: bool = False, b_prefetch: int = 0,
+                            b_fma_rows: bool = False) -> tvm.tirx.PrimFunc:
+    """`fp8_q_kv`'s kernel: the attention's query and KV projections in one call, (x bf16
+    [m, k], wq_a [n_q, k], its scales, wkv [n_kv, k], its scales, q_norm [n_q] bf16, wq_b
+    [n_b, n_q], its scales) -> (q_lora [m, n_q], kv [m, n_kv], q [m, n_b]): the paired GEMV
+    (wq_a and wkv, x quantised once; `prefetch`, `fma_rows`), then q_lora RMS-normed and the
+    wq_b GEMV of it (`b_prefetch`, `b_fma_rows`): the `fp8_linear_pair` and `norm_fp8_linear`
+    kernels' macros in turn (`fp8_gemv_bf16_stages`), so every output is theirs bit for bit,
+    one VM call instead of two (q_lora stays an output: the caller allocates it, 2 bytes per
+    element of the narrow query latent). `rows`: the verify form's groups, both GEMVs."""
+    pair = fp8_gemv_bf16_stages(n=n_q, k=k, prefetch=prefetch, rows=rows, fma_rows=fma_rows,
+                                pair_n=n_kv)
+    qb = fp8_gemv_bf16_stages(n=n_b, k=n_q, prefetch=b_prefetch, rows=rows,
+                              fma_rows=b_fma_rows, norm_eps=norm_eps, norm_lanes=norm_lanes)
+    NQ, NKV, K, NB_ = i64(n_q), i64(n_kv), i64(k), i64(n_b)
+    KB, QB = i64(k // BLOCK), i64(n_q // BLOCK)
+
+    @T.prim_func
+    def fp8_q_kv(x_h: T.handle, wa: T.Buffer((NQ, K), "uint8"),
+                 sa: T.Buffer((pair.nb, KB), "uint8"), wkv: T.Buffer((NKV, K), "uint8"),
+                 skv: T.Buffer((i64(math.ceil(n_kv / BLOCK)), KB), "uint8"),
+                 nw: T.Buffer((NQ,), "bfloat16"), wb: T.Buffer((NB_, NQ), "uint8"),
+                 sb: T.Buffer((qb.nb, QB), "uint8"), q_lora_h: T.handle, kv_h: T.handle,
+                 q_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_q_kv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        q_lora = T.match_buffer(q_lora_h, (m, NQ), "bfloat16")
+        kv = T.match_buffer(kv_h, (m, NKV), "bfloat16")
+        q = T.match_buffer(q_h, (m, NB_), "bfloat16")
+        pair.body(x, None, wa, sa, q_lora, m, (wkv, skv, kv))
+        xn = T.alloc_buffer((m, NQ), "float32")  # the normed q_lora (bf16 values)
+        qb.normed(q_lora, nw, xn, m)
+        qb.body(q_lora, xn, wb, sb, q, m, None)
+
+    return fp8_q_kv

@@ -29,7 +29,7 @@ from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm.amx import amx_block_rows, make_fp8_linear_amx
 from dsv41.schedules.gemm.avx2_gemv import MAX_ROWS, make_fp8_gemv_avx2
 from dsv41.schedules.gemm.bf16_gemm import make_fp8_gemm_bf16
-from dsv41.schedules.gemm.bf16_gemv import make_fp8_gemv_bf16
+from dsv41.schedules.gemm.bf16_gemv import make_fp8_gemv_bf16, make_fp8_gemv_bf16_q_kv
 from dsv41.schedules.gemm.fp8 import (
     BLOCK,
     check_out_dtype,
@@ -461,6 +461,30 @@ def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None,
                                           norm_eps=norm_eps, pair_n=pair_n,
                                           swiglu_limit=swiglu_limit)
     return schedule_fp8_linear(func, config, target)
+
+
+def fp8_q_kv_fuses(target: TargetSpec, *, n_q: int, n_kv: int, k: int, n_b: int,
+                   m: int | None = None, rows: int = 1) -> bool:
+    """Whether this target runs `fp8_q_kv` as one kernel (`make_fp8_gemv_bf16_q_kv`): where
+    its fp8_linear pairs (wq_a and wkv over k) and norms (wq_b over n_q) in the decode GEMV."""
+    return all(fp8_linear_norms(target, n=n, k=kk, m=m, rows=rows)
+               for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q)))
+
+
+def build_fp8_q_kv(target_name: str, *, n_q: int, n_kv: int, k: int, n_b: int,
+                   norm_eps: float, m: int | None = None, rows: int = 1) -> tvm.tirx.PrimFunc:
+    """`fp8_q_kv`'s one kernel where `fp8_q_kv_fuses`, each GEMV with the config its own kernel
+    would have (the pair's of (n_q, k), wq_b's of (n_b, n_q)); refused elsewhere."""
+    target = get_target(target_name)
+    if not fp8_q_kv_fuses(target, n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, m=m, rows=rows):
+        raise ValueError("fp8_q_kv is one kernel only where the AVX-512 BF16 decode GEMV pairs "
+                         "and norms (gemm.fp8_q_kv_fuses); emit its two kernels.")
+    a = fp8_linear_config(target, n=n_q, k=k, m=m, rows=rows)
+    b = fp8_linear_config(target, n=n_b, k=n_q, m=m, rows=rows)
+    return make_fp8_gemv_bf16_q_kv(n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=norm_eps,
+                                   norm_lanes=norm_config(target, d=n_q).lanes, rows=a.rows,
+                                   prefetch=a.prefetch, fma_rows=a.fma_rows,
+                                   b_prefetch=b.prefetch, b_fma_rows=b.fma_rows)
 
 
 # ---- example inputs for benchmarks ----------------------------------------------------------
