@@ -225,18 +225,19 @@ def test_swiglu_gemv_is_the_swiglu_then_the_gemv(rows, limit):
 @pytest.mark.parametrize("rows", [1, 6])
 def test_q_kv_kernel_is_the_pair_then_the_normed_gemv(rows):
     """fp8_q_kv's kernel (the paired wq_a / wkv GEMV, then q_lora normed into the wq_b GEMV,
-    one call): q_lora, kv and q the `fp8_linear_pair` and `norm_fp8_linear` kernels' (as the
-    lowering builds them for the decode and verify entries), bit for bit, m 1..7, partial
-    32-column tiles in every matrix; the op's oracle is the two ops in turn."""
-    n_q, n_kv, k, n_b, eps = 128, 96, 512, 200, 1e-6
+    one call): q_lora, kv and q the decode `fp8_linear_pair` and `norm_fp8_linear` kernels'
+    (each row of the verify's groups equals them: tests above), bit for bit, m 1..7 against
+    groups of 1 and 6, partial 32-column tiles in every matrix; the op's oracle is the two ops
+    in turn."""
+    n_q, n_kv, k, n_b, eps = 64, 40, 256, 72, 1e-6
     assert gemm.fp8_q_kv_fuses(CPU, n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, m=1, rows=rows)
     target = CPU.tvm_target()
     fused = tvm.compile(gemm.build_fp8_q_kv("cpu", n_q=n_q, n_kv=n_kv, k=k, n_b=n_b,
                                             norm_eps=eps, m=1, rows=rows), target=target)
-    pair = tvm.compile(gemm.build_fp8_linear("cpu", n=n_q, k=k, m=1, rows=rows, pair_n=n_kv),
+    pair = tvm.compile(gemm.build_fp8_linear("cpu", n=n_q, k=k, m=1, pair_n=n_kv),
                        target=target)
-    normed = tvm.compile(gemm.build_fp8_linear("cpu", n=n_b, k=n_q, m=1, rows=rows,
-                                               norm_eps=eps), target=target)
+    normed = tvm.compile(gemm.build_fp8_linear("cpu", n=n_b, k=n_q, m=1, norm_eps=eps),
+                         target=target)
     wa, sa = gemm.example_inputs_fp8_linear(m=1, n=n_q, k=k, seed=11)[1:]
     wkv, skv = gemm.example_inputs_fp8_linear(m=1, n=n_kv, k=k, seed=12)[1:]
     wb, sb = gemm.example_inputs_fp8_linear(m=1, n=n_b, k=n_q, seed=13)[1:]

@@ -15,6 +15,12 @@ token-sized buffer is an argument; Relax allocates them between the `call_tir`s 
 5. `moe_down`      per (tile, column block): hq rows x decoded w2 tile -> o = bf16 [P, dim].
 6. `moe_combine`   y[i] = sum of token i's rows of o in expert-id order from 0, fp32 [n, dim].
 
+CPU decode on AVX-512 (`fused_decode`) runs the chain as two calls: `moe_gate_up_route` (1-3;
+`moe_gate_up_route_topk` / `_gate` also the router's top-k / the gate's logits before it) and
+`moe_down_combine(_plus)` (4-6), the same macros on the calling thread around the GEMV tasks, so
+each is bit for bit the kernels it stands for (only the GEMVs are parallel; the rest is a few
+thousand operations per token).
+
 Numerics are those of schedules/gemm/'s block-scaled GEMMs (see its module docstring): activations
 carried as their exact dequantised fp32 value, 32-blocks added in K order times the weight
 scale, bf16 rounding where the oracle rounds. NT = ceil(P / row_tile) + min(P, E) bounds the
