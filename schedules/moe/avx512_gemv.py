@@ -231,35 +231,11 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
             fp8_qdq_rows(xq, x, n, DB)
             gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
 
-        if gate:
-            @T.prim_func
-            def moe_gate_up_route_gate(x_h: T.handle, gate_w: T.Buffer((E, D), "bfloat16"),
-                                       bias_h: T.handle, w1: T.Buffer((E, I, D // 2), "uint8"),
-                                       s1: T.Buffer((E, I, DB), "uint8"),
-                                       w3: T.Buffer((E, I, D // 2), "uint8"),
-                                       s3: T.Buffer((E, I, DB), "uint8"), weights_h: T.handle,
-                                       ids_h: T.handle, row_pair_h: T.handle,
-                                       token_rows_h: T.handle, h_h: T.handle):
-                T.func_attr({"global_symbol": "moe_gate_up_route_gate", "tirx.noalias": True,
-                             "tirx.is_scheduled": True})
-                n = T.int64()
-                x = T.match_buffer(x_h, (n, D), "bfloat16")
-                bias = T.match_buffer(bias_h, (n, E) if bias_rows else (E,), "float32")
-                weights = T.match_buffer(weights_h, (n, KT), "float32")
-                ids = T.match_buffer(ids_h, (n, KT), "int64")
-                row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
-                token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
-                h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
-                with T.attr(T.int32(0), *with_bf16_dot()):
-                    logits = T.alloc_buffer((n, E), "float32")
-                    bf16_dot_rows(logits, x, gate_w, n, E, dim)
-                    routed(x, logits, bias, w1, s1, w3, s3, weights, ids, row_pair,
-                           token_rows, h, n)
-
-            return moe_gate_up_route_gate
+        # the first input: the gate's weight (gate) or the logits
+        SCORES, SCORES_DTYPE = ((E, D), "bfloat16") if gate else (None, "float32")
 
         @T.prim_func
-        def moe_gate_up_route_topk(x_h: T.handle, logits_h: T.handle, bias_h: T.handle,
+        def moe_gate_up_route_topk(x_h: T.handle, scores_h: T.handle, bias_h: T.handle,
                                    w1: T.Buffer((E, I, D // 2), "uint8"),
                                    s1: T.Buffer((E, I, DB), "uint8"),
                                    w3: T.Buffer((E, I, D // 2), "uint8"),
@@ -270,7 +246,7 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                          "tirx.is_scheduled": True})
             n = T.int64()
             x = T.match_buffer(x_h, (n, D), "bfloat16")
-            logits = T.match_buffer(logits_h, (n, E), "float32")
+            scores = T.match_buffer(scores_h, SCORES if gate else (n, E), SCORES_DTYPE)
             bias = T.match_buffer(bias_h, (n, E) if bias_rows else (E,), "float32")
             weights = T.match_buffer(weights_h, (n, KT), "float32")
             ids = T.match_buffer(ids_h, (n, KT), "int64")
@@ -278,10 +254,16 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
             token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
             h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
             with T.attr(T.int32(0), *with_bf16_dot()):
+                if gate:  # static: the logits formed here, as the decode dense GEMV sums them
+                    logits = T.alloc_buffer((n, E), "float32")
+                    bf16_dot_rows(logits, x, scores, n, E, dim)
+                else:
+                    logits = T.meta_var(scores)
                 routed(x, logits, bias, w1, s1, w3, s3, weights, ids, row_pair, token_rows,
                        h, n)
 
-        return moe_gate_up_route_topk
+        name = "moe_gate_up_route_gate" if gate else "moe_gate_up_route_topk"
+        return moe_gate_up_route_topk.with_attr("global_symbol", name)
 
     if route:
         @T.prim_func
