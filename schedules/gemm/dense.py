@@ -194,16 +194,20 @@ def bf16_dot_rows(y, x, w, m, n, k):
     """y[i, c] (fp32) = row i of x (bf16 [m, k]) times row c of w (bf16 [n, k]) as
     `make_dense_gemv_bf16_dot` sums each column at one row (16 lanes from 0, one `dpbf16ps` per
     32 along K in order, then `pairwise_lane_sum`): its totals bit for bit, for a kernel that
-    forms such a small product itself (the MoE gate's logits, `moe_gate_up_route_gate`)."""
-    acc = T.alloc_buffer((DOT_LANES,), "float32")
-    for i, c in T.grid(m, n):
-        acc[T.ramp(0, 1, DOT_LANES)] = T.broadcast(T.float32(0), DOT_LANES)
-        for ch in range(i64(k // DOT_K)):
-            acc[T.ramp(0, 1, DOT_LANES)] = dpbf16ps(
-                acc[T.ramp(0, 1, DOT_LANES)],
-                T.reinterpret(f"uint16x{DOT_K}", x.vload([i, ch * DOT_K], f"bfloat16x{DOT_K}")),
-                T.reinterpret(f"uint16x{DOT_K}", w.vload([c, ch * DOT_K], f"bfloat16x{DOT_K}")))
-        y[i, c] = pairwise_lane_sum(acc[T.ramp(0, 1, DOT_LANES)], DOT_LANES)
+    forms such a product itself (the MoE gate's logits, `moe_gate_up_route_gate`). Columns in
+    parallel (each weight row read once, by one thread, for every row of x)."""
+    for c in T.parallel(n):
+        acc = T.alloc_buffer((DOT_LANES,), "float32", scope="local")
+        for i in range(m):
+            acc[T.ramp(0, 1, DOT_LANES)] = T.broadcast(T.float32(0), DOT_LANES)
+            for ch in range(i64(k // DOT_K)):
+                acc[T.ramp(0, 1, DOT_LANES)] = dpbf16ps(
+                    acc[T.ramp(0, 1, DOT_LANES)],
+                    T.reinterpret(f"uint16x{DOT_K}",
+                                  x.vload([i, ch * DOT_K], f"bfloat16x{DOT_K}")),
+                    T.reinterpret(f"uint16x{DOT_K}",
+                                  w.vload([c, ch * DOT_K], f"bfloat16x{DOT_K}")))
+            y[i, c] = pairwise_lane_sum(acc[T.ramp(0, 1, DOT_LANES)], DOT_LANES)
 
 
 def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: int = 32,

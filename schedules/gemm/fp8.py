@@ -97,16 +97,17 @@ def fp8_qdq(x, byte):
 @T.macro
 def fp8_qdq_rows(out, x, rows, blocks):
     """out[i, j] = fp8_qdq of bf16 x[i, j] with its 32-block's scale (the amax from the lowest
-    fp32, as `stages.block_amax`): `make_moe_qdq`'s result in plain loops, for a kernel that
-    quantises its own input."""
-    amax = T.alloc_buffer((1,), "float32")
-    for i, b in T.grid(rows, blocks):
-        amax[0] = T.min_value("float32")
-        for j in range(i64(BLOCK)):
-            amax[0] = T.max(amax[0], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
-        for j in T.vectorized(i64(BLOCK)):
-            out[i, b * BLOCK + j] = fp8_qdq(bf16_to_f32(x[i, b * BLOCK + j]),
-                                            pow2_scale_byte(amax[0]))
+    fp32, as `stages.block_amax`): `make_moe_qdq`'s result in plain loops, rows in parallel,
+    for a kernel that quantises its own input."""
+    for i in T.parallel(rows):
+        amax = T.alloc_buffer((1,), "float32", scope="local")
+        for b in range(blocks):
+            amax[0] = T.min_value("float32")
+            for j in range(i64(BLOCK)):
+                amax[0] = T.max(amax[0], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+            for j in T.vectorized(i64(BLOCK)):
+                out[i, b * BLOCK + j] = fp8_qdq(bf16_to_f32(x[i, b * BLOCK + j]),
+                                                pow2_scale_byte(amax[0]))
 
 
 def fp8_code(x, byte):

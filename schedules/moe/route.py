@@ -188,20 +188,21 @@ def combine_term(token_rows, o, p, i, d, r):
 @T.macro
 def combine_rows(y, token_rows, o, shared, n, D, KT, plus):
     """`make_moe_combine(plus=plus)`'s result in plain loops (for a kernel that has o in hand):
-    per token and 16 columns, its rows added in expert-id order from 0.0, then (plus) the shared
-    output added and rounded to bf16 once."""
-    acc = T.alloc_buffer((16,), "float32")
-    for i, dc in T.grid(n, D // i64(16)):
-        for j in T.vectorized(16):
-            acc[j] = T.float32(0)
-        for r in range(KT):
+    tokens in parallel; per token and 16 columns, its rows added in expert-id order from 0.0,
+    then (plus) the shared output added and rounded to bf16 once."""
+    for i in T.parallel(n):
+        acc = T.alloc_buffer((16,), "float32", scope="local")
+        for dc in range(D // i64(16)):
             for j in T.vectorized(16):
-                acc[j] = acc[j] + combine_term(token_rows, o, n * KT, i, dc * 16 + j, r)
-        for j in T.vectorized(16):
-            if plus:  # static
-                y[i, dc * 16 + j] = bf16_of(acc[j] + bf16_to_f32(shared[i, dc * 16 + j]))
-            else:
-                y[i, dc * 16 + j] = acc[j]
+                acc[j] = T.float32(0)
+            for r in range(KT):
+                for j in T.vectorized(16):
+                    acc[j] = acc[j] + combine_term(token_rows, o, n * KT, i, dc * 16 + j, r)
+            for j in T.vectorized(16):
+                if plus:  # static
+                    y[i, dc * 16 + j] = bf16_of(acc[j] + bf16_to_f32(shared[i, dc * 16 + j]))
+                else:
+                    y[i, dc * 16 + j] = acc[j]
 
 
 def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.PrimFunc:
