@@ -76,13 +76,13 @@ def independent_layers(art, model, run) -> list[tuple[str, set]]:
     return seen
 
 
-def expected_counts(seen) -> dict[int | str, int]:
-    """Kernels per layer by boundaries: layer L runs from a kernel reading L's weights to the
-    next kernel reading another layer's weights (or only weights outside the layers: MODEL);
-    before the first layer everything is ENTRY."""
-    counts: dict[int | str, int] = {}
+def expected_names(seen) -> dict[int | str, list[str]]:
+    """Kernels per layer by boundaries, in call order: layer L runs from a kernel reading L's
+    weights to the next kernel reading another layer's weights (or only weights outside the
+    layers: MODEL); before the first layer everything is ENTRY."""
+    names: dict[int | str, list[str]] = {}
     current: int | str = ENTRY
-    for _, read in seen:
+    for name, read in seen:
         if read is None:
             current = ENTRY
             continue
@@ -91,8 +91,12 @@ def expected_counts(seen) -> dict[int | str, int]:
             current = min(layers)
         elif read and current != ENTRY:
             current = MODEL
-        counts[current] = counts.get(current, 0) + 1
-    return counts
+        names.setdefault(current, []).append(name)
+    return names
+
+
+def expected_counts(seen) -> dict[int | str, int]:
+    return {g: len(v) for g, v in expected_names(seen).items()}
 
 
 def check_profile(prof, seen, model) -> None:
@@ -103,12 +107,17 @@ def check_profile(prof, seen, model) -> None:
     assert {
         (int(k) if k.isdigit() else k): v["kernels"] for k, v in prof["layers"].items()
     } == expected_counts(seen)
+    assert {
+        (int(k) if k.isdigit() else k): v["names"] for k, v in prof["layers"].items()
+    } == expected_names(seen)
     assert set(layers) == set(range(len(plan.layers)))  # every layer, DSpark's included
     for i, row in layers.items():
         assert row["kind"] == (DSPARK if plan.layers[i].stage == DSPARK else plan.layers[i].role)
     for k in prof["by_kind"].values():
         assert k["kernels_per_layer"] == [prof["layers"][str(i)]["kernels"] for i in k["layers"]]
         assert k["max_kernels_per_layer"] == max(k["kernels_per_layer"])
+        fewest = prof["layers"][str(k["fewest_layer"])]["kernels"]
+        assert fewest == min(k["kernels_per_layer"])
     assert prof["builtins"] > 0 and prof["vm_overhead_ms"] >= 0.0
 
 
@@ -137,6 +146,9 @@ def test_decode_profile_counts_kernels_per_layer_kind(phases, small_model):
     text = "\n".join(format_layers("decode", prof))
     reuse = prof["by_kind"]["reuse"]["kernels_per_layer"]
     assert f"reuse    layers [2, 4]: kernels per layer {reuse}" in text
+    fewest = prof["by_kind"]["reuse"]["fewest_layer"]
+    named = " ".join(prof["layers"][str(fewest)]["names"])
+    assert f"      layer {fewest}: {named}" in text  # a Reuse layer's kernels, in call order
 
 
 def test_prefill_profile_runs_encoder_and_decoder(phases, small_model):

@@ -148,6 +148,7 @@ def summarize(logs: list[CallLog], plan, wall_s: float, top: int) -> dict:
             "kind": layer_kind(plan, g) if isinstance(g, int) else g,
             "kernels": len(v),
             "ms": sum(c.seconds for c in v) * 1e3,
+            "names": [c.name for c in v],  # in call order
         }
         for g, v in sorted(per_layer.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0])))
     }
@@ -159,6 +160,8 @@ def summarize(logs: list[CallLog], plan, wall_s: float, top: int) -> dict:
         k["ms"] += row["ms"]
     for k in by_kind.values():
         k["max_kernels_per_layer"] = max(k["kernels_per_layer"])
+        # the kind's layer of the fewest kernels (the first such): the layer as most run it
+        k["fewest_layer"] = k["layers"][k["kernels_per_layer"].index(min(k["kernels_per_layer"]))]
     by_name: dict[str, list[Call]] = {}
     for c in calls:
         by_name.setdefault(c.name, []).append(c)
@@ -332,8 +335,12 @@ def format_growth(p: dict) -> list[str]:
     return out
 
 
+NAMED_LAYER_KERNELS = 20  # a kind's fewest-kernel layer up to this many: its kernels named
+
+
 def format_layers(name: str, p: dict) -> list[str]:
-    """Kernels per layer kind, the VM's share, in a few lines."""
+    """Kernels per layer kind, the VM's share, in a few lines; for each kind whose layer of the
+    fewest kernels has at most NAMED_LAYER_KERNELS, that layer's kernels in call order."""
     out = [
         f"  {name}: {p['kernels']} kernels {p['kernel_ms']:.2f} ms, {p['builtins']} VM "
         f"builtins {p['builtin_ms']:.2f} ms, {p['host_calls']} host calls "
@@ -345,4 +352,7 @@ def format_layers(name: str, p: dict) -> list[str]:
             f"    {kind:8s} layers {k['layers']}: kernels per layer "
             f"{k['kernels_per_layer']} ({k['ms']:.2f} ms)"
         )
+        names = p["layers"][str(k["fewest_layer"])]["names"]
+        if len(names) <= NAMED_LAYER_KERNELS:
+            out.append(f"      layer {k['fewest_layer']}: {' '.join(names)}")
     return out
