@@ -850,18 +850,13 @@ def moe(model: Model, layer: int, x: torch.Tensor,
 
 def shared_expert(model: Model, layer: int, x: torch.Tensor) -> torch.Tensor:
     """bf16 (n, d); a sharded worker's is its fp32 partial sum (w1 / w3 rows, w2 columns)."""
-    def lin(name: str, v: torch.Tensor, linear=ops.fp8_linear) -> torch.Tensor:
-        return linear(v, model.p(layer, f"ffn.shared_experts.{name}.weight"),
-                      model.p(layer, f"ffn.shared_experts.{name}.scale"))
-
-    w1, w3 = ops.fp8_linear_pair(x, *(model.p(layer, f"ffn.shared_experts.{n}.{t}")
-                                      for n in ("w1", "w3") for t in ("weight", "scale")))
+    w1, w3, w2 = ((model.p(layer, f"ffn.shared_experts.{n}.weight"),
+                   model.p(layer, f"ffn.shared_experts.{n}.scale")) for n in ("w1", "w3", "w2"))
+    g, u = ops.fp8_linear_pair(x, *w1, *w3)
     if model.shard is None:  # SwiGLU and w2 one op (one kernel in decode)
-        return ops.swiglu_fp8_linear(w1, w3, model.args.swiglu_limit,
-                                     model.p(layer, "ffn.shared_experts.w2.weight"),
-                                     model.p(layer, "ffn.shared_experts.w2.scale"))
-    h = ops.swiglu(w1.float(), w3.float(), model.args.swiglu_limit)
-    return lin("w2", h.to(BF16), ops.fp8_linear_f32)
+        return ops.swiglu_fp8_linear(g, u, model.args.swiglu_limit, *w2)
+    h = ops.swiglu(g.float(), u.float(), model.args.swiglu_limit)
+    return ops.fp8_linear_f32(h.to(BF16), *w2)
 
 
 # ---- Engram and the block ------------------------------------------------------------------------

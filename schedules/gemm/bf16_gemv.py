@@ -64,7 +64,9 @@ class Fp8GemvStages:
     """`make_fp8_gemv_bf16`'s macros for one configuration, for kernels built of them:
     `body(x, xn, weight, scale, y, m, second)` (quantise x, or the staged rows xn, and run the
     tiles; second: the pair's (weight2, scale2, y2) or None) and `normed(x, nw, xn, m)` (the
-    norm form's staging); n, k, kb, nb: the weight's shape as int64 immediates."""
+    norm form's staging); n, k, kb, nb: the weight's shape as int64 immediates (n rows, k
+    columns, kb and nb their 32-blocks); n2, nb2: the pair's second matrix's rows and row
+    blocks (None without a pair)."""
 
     body: object
     normed: object
@@ -72,6 +74,8 @@ class Fp8GemvStages:
     k: object
     kb: object
     nb: object
+    n2: object = None
+    nb2: object = None
 
 
 def fp8_gemv_bf16_stages(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
@@ -419,7 +423,9 @@ def fp8_gemv_bf16_stages(*, n: int, k: int, out_dtype: str = "bfloat16", prefetc
                                  xs, xf, sv, xqs, acc, lo_tbl, hi_tbl, red, tot)
 
 
-    return Fp8GemvStages(body=body, normed=normed, n=N, k=K, kb=KB, nb=NB)
+    return Fp8GemvStages(body=body, normed=normed, n=N, k=K, kb=KB, nb=NB,
+                         n2=None if pair_n is None else i64(pair_n),
+                         nb2=None if pair_n is None else NB2)
 
 
 def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch: int = 0,
@@ -543,7 +549,7 @@ def make_fp8_gemv_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", prefetch:
         return swiglu_fp8_gemv_bf16
 
     if pair_n is not None:
-        N2, NB2S = i64(pair_n), i64(math.ceil(pair_n / BLOCK))
+        N2, NB2S = st.n2, st.nb2
 
         @T.prim_func
         def fp8_gemv_bf16_pair(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -590,15 +596,14 @@ def make_fp8_gemv_bf16_q_kv(*, n_q: int, n_kv: int, k: int, n_b: int, norm_eps: 
                                 pair_n=n_kv)
     qb = fp8_gemv_bf16_stages(n=n_b, k=n_q, prefetch=b_prefetch, rows=rows,
                               fma_rows=b_fma_rows, norm_eps=norm_eps, norm_lanes=norm_lanes)
-    NQ, NKV, K, NB_ = i64(n_q), i64(n_kv), i64(k), i64(n_b)
-    KB, QB = i64(k // BLOCK), i64(n_q // BLOCK)
+    NQ, NKV, K, NB_ = pair.n, pair.n2, pair.k, qb.n  # wq_a, wkv, x's width, wq_b
 
     @T.prim_func
     def fp8_q_kv(x_h: T.handle, wa: T.Buffer((NQ, K), "uint8"),
-                 sa: T.Buffer((pair.nb, KB), "uint8"), wkv: T.Buffer((NKV, K), "uint8"),
-                 skv: T.Buffer((i64(math.ceil(n_kv / BLOCK)), KB), "uint8"),
+                 sa: T.Buffer((pair.nb, pair.kb), "uint8"), wkv: T.Buffer((NKV, K), "uint8"),
+                 skv: T.Buffer((pair.nb2, pair.kb), "uint8"),
                  nw: T.Buffer((NQ,), "bfloat16"), wb: T.Buffer((NB_, NQ), "uint8"),
-                 sb: T.Buffer((qb.nb, QB), "uint8"), q_lora_h: T.handle, kv_h: T.handle,
+                 sb: T.Buffer((qb.nb, qb.kb), "uint8"), q_lora_h: T.handle, kv_h: T.handle,
                  q_h: T.handle):
         T.func_attr({"global_symbol": "fp8_q_kv", "tirx.noalias": True,
                      "tirx.is_scheduled": True})

@@ -142,8 +142,9 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
 
     route: `moe_gate_up_route`, the decode chain's first call: (x bf16 [n, dim], weights, ids,
     w1, s1, w3, s3) -> (row_pair, token_rows, h): `moe_route`'s pairs (`route.route_pairs`,
-    `null_expert` as there) and `moe_qdq_x`'s activation (`gemm.fp8_qdq_rows`) on the calling
-    thread, then the same tasks: three kernels' results, bit for bit, in one call.
+    `null_expert` as there; on the calling thread) and `moe_qdq_x`'s activation
+    (`gemm.fp8_qdq_rows`, rows in parallel), then the same tasks: three kernels' results, bit
+    for bit, in one call.
 
     routing (with route; `moe_gate_up_route_topk`): (x, logits fp32 [n, E], bias, w1, s1, w3,
     s3) -> (weights, ids, row_pair, token_rows, h): each token's experts and weights from the
@@ -208,6 +209,17 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                         round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
                         swiglu_limit))
 
+    @T.macro
+    def route_gate_up(x, weights, ids, row_pair, token_rows, w1, s1, w3, s3, h, n):
+        """The route, x's QDQ and the gate/up tasks (`moe_gate_up_route`'s body)."""
+        counts = T.alloc_buffer((E,), "int32")
+        cursor = T.alloc_buffer((E,), "int32")
+        run = T.alloc_buffer((2,), "int32")
+        route_pairs(ids, row_pair, token_rows, counts, cursor, run, n * KT, KT, E, NULL)
+        xq = T.alloc_buffer((n, D), "float32")
+        fp8_qdq_rows(xq, x, n, DB)
+        gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
+
     if routing is not None:
         topk_row = route_topk_row(routing)
         bias_rows = routing.bias_rows
@@ -223,13 +235,7 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
             for t in range(n):
                 topk_row(logits, bias, weights, ids, t, sc, prev_key, prev_id, best_key,
                          best_id, total)
-            counts = T.alloc_buffer((E,), "int32")
-            cursor = T.alloc_buffer((E,), "int32")
-            run = T.alloc_buffer((2,), "int32")
-            route_pairs(ids, row_pair, token_rows, counts, cursor, run, n * KT, KT, E, NULL)
-            xq = T.alloc_buffer((n, D), "float32")
-            fp8_qdq_rows(xq, x, n, DB)
-            gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
+            route_gate_up(x, weights, ids, row_pair, token_rows, w1, s1, w3, s3, h, n)
 
         # the first input: the gate's weight (gate) or the logits
         SCORES, SCORES_DTYPE = ((E, D), "bfloat16") if gate else (None, "float32")
@@ -283,13 +289,7 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
             token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
             h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
             with T.attr(T.int32(0), *with_bf16_dot()):
-                counts = T.alloc_buffer((E,), "int32")
-                cursor = T.alloc_buffer((E,), "int32")
-                run = T.alloc_buffer((2,), "int32")
-                route_pairs(ids, row_pair, token_rows, counts, cursor, run, n * KT, KT, E, NULL)
-                xq = T.alloc_buffer((n, D), "float32")
-                fp8_qdq_rows(xq, x, n, DB)
-                gate_up(xq, weights, ids, row_pair, w1, s1, w3, s3, h, n)
+                route_gate_up(x, weights, ids, row_pair, token_rows, w1, s1, w3, s3, h, n)
 
         return moe_gate_up_route
 
@@ -321,8 +321,8 @@ def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
     combine: `moe_down_combine` (plus: `moe_down_combine_plus`), the decode chain's second call:
     (h bf16 [P, inter], ids, row_pair, token_rows, w2, s2[, shared bf16 [n, dim]]) -> y (fp32
     [n, dim], bf16 with plus): `moe_qdq_h`'s activation (`gemm.fp8_qdq_rows`), the same tasks
-    into an o of its own, then `moe_combine(_plus)`'s sums (`route.combine_rows`) on the
-    calling thread: three kernels' results, bit for bit, in one call."""
+    into an o of its own, then `moe_combine(_plus)`'s sums (`route.combine_rows`, tokens in
+    parallel): three kernels' results, bit for bit, in one call."""
     check_dims(dim, inter)
     check_dot(dot)
     bf16 = dot == "bf16"

@@ -215,9 +215,6 @@ def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.Pri
     `(routed + shared).to(bf16)` in the kernel, instead of an fp32 y and a kernel after it."""
     D, KT = i64(dim), i64(topk)
 
-    def term(token_rows, o, n, vi, vd, vr):
-        return combine_term(token_rows, o, n * KT, vi, vd, vr)
-
     if plus:
         @T.prim_func(s_tir=True)
         def moe_combine_plus(token_rows_h: T.handle, o_h: T.handle, shared_h: T.handle,
@@ -234,7 +231,7 @@ def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.Pri
                     vi, vd, vr = T.axis.remap("SSR", [i, d, r])
                     with T.init():
                         acc[vi, vd] = T.float32(0)
-                    acc[vi, vd] = acc[vi, vd] + term(token_rows, o, n, vi, vd, vr)
+                    acc[vi, vd] = acc[vi, vd] + combine_term(token_rows, o, n * KT, vi, vd, vr)
             for i, d in T.grid(n, D):
                 with T.sblock("plus"):
                     vi, vd = T.axis.remap("SS", [i, d])
@@ -254,6 +251,6 @@ def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.Pri
                 vi, vd, vr = T.axis.remap("SSR", [i, d, r])
                 with T.init():
                     y[vi, vd] = T.float32(0)
-                y[vi, vd] = y[vi, vd] + term(token_rows, o, n, vi, vd, vr)
+                y[vi, vd] = y[vi, vd] + combine_term(token_rows, o, n * KT, vi, vd, vr)
 
     return moe_combine
