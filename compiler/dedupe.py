@@ -25,7 +25,10 @@ _WRITERS = ("relax.call_tir_inplace", "relax.call_inplace_packed", "relax.call_d
 
 
 def _vars_in(expr) -> list:
-    """The Relax vars an argument expression reads (through tuples)."""
+    """The vars an argument expression reads (through tuples). TVM 0.27 has one Python class
+    for Relax and TIR vars: a symbolic dimension passed as an argument (`R.arange(0, s)`) is
+    one of these too, and `_dedupe` counts it as unchanging when nothing in the function binds
+    it (it is defined by the entry's input shapes)."""
     if isinstance(expr, relax.Var):
         return [expr]
     if isinstance(expr, relax.Tuple):
@@ -50,6 +53,32 @@ def _written(func: relax.Function, writers: list) -> set:
     return found
 
 
+def _symbolic_dims(func: relax.Function) -> set:
+    """The vars the call arguments of `func` read that neither its parameters nor its bindings
+    define: the symbolic dimensions of its input shapes (a TIR var passed straight to an op such
+    as `arange`), fixed for the whole call."""
+    bound = set(func.params)
+    used: set = set()
+
+    @relax.expr_functor.visitor
+    class Collect(relax.PyExprVisitor):
+        def visit_var_binding_(self, binding):
+            bound.add(binding.var)
+            super().visit_var_binding_(binding)
+
+        def visit_match_cast_(self, binding):
+            bound.add(binding.var)
+            super().visit_match_cast_(binding)
+
+        def visit_call_(self, call):
+            for a in call.args:
+                used.update(_vars_in(a))
+            super().visit_call_(call)
+
+    Collect().visit_expr(func)
+    return {v for v in used if v not in bound and isinstance(v.ty, tvm.ir.PrimType)}
+
+
 def dedupe_entry_invariants(mod: tvm.IRModule) -> tvm.IRModule:
     """Each call whose inputs are all unchanging (see the module docstring) and equal to an
     earlier call's (same op, attributes, inputs and constant values) is replaced by that call's
@@ -61,6 +90,7 @@ def _dedupe(mod: tvm.IRModule, func: relax.Function) -> relax.Function:
     writers = [tvm.ir.Op.get(name) for name in _WRITERS]
     written = _written(func, writers)
     steady = {p for p in func.params if p not in written}  # a set, as `written`
+    steady |= _symbolic_dims(func)
     host = tvm.ir.Op.get("relax.call_pure_packed")  # a host function may count its calls
 
     seen: dict[int, list] = {}  # structural hash -> [(call, the var holding its value)]

@@ -74,3 +74,37 @@ def test_reads_of_an_input_written_in_place_are_not_merged():
     new = dedupe_entry_invariants(_layers(writes=True))
     ops = _ops(new["main"])
     assert ops.count("relax.multiply") == 2 and ops.count("relax.add") == 3, ops
+
+
+def _positions_twice() -> tvm.IRModule:
+    """Two "layers" each computing start + arange(s) (the chunk's positions, as prefill's
+    capture does per layer), s the symbolic token dim of x passed straight to `arange`."""
+    bb = relax.BlockBuilder()
+    s = tvm.tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType((s,), "float32"))
+    start = relax.Var("start", relax.TensorType((1,), "int64"))
+    with bb.function("main", [x, start]):
+        with bb.dataflow():
+            outs = []
+            for _ in range(2):
+                pos = bb.emit(relax.op.arange(0, s, 1, "int64"))
+                outs.append(bb.emit(relax.op.add(start, pos)))
+            out = bb.emit_output(relax.op.multiply(outs[0], outs[1]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_work_on_a_symbolic_dimension_is_done_once():
+    """A symbolic dim is fixed for the whole call: the second layer's positions are the
+    first's (before, TVM's one Python class for Relax and TIR vars made it look written)."""
+    mod = _positions_twice()
+    assert _ops(mod["main"]).count("relax.arange") == 2
+    new = dedupe_entry_invariants(mod)
+    ops = _ops(new["main"])
+    assert ops.count("relax.arange") == 1 and ops.count("relax.add") == 1, ops
+    ex = tvm.compile(new, target=get_target("cpu").tvm_target())
+    x = np.zeros(5, np.float32)
+    start = np.array([7], np.int64)
+    got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x, tvm.cpu()),
+                                                      tvm.runtime.tensor(start, tvm.cpu()))
+    assert got.numpy().tolist() == [(7 + i) ** 2 for i in range(5)]
