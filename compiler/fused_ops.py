@@ -245,6 +245,32 @@ def rope_quant_rows(ctx: Lowering, build: Builder):
     return convert
 
 
+def rope_quant_window(ctx: Lowering, build: Builder):
+    """A chunk's window entries: the ring copied into a new buffer, the entries quantised after
+    it, then written into the ring's slots, one kernel; the ring updated in place
+    (`call_tir_inplace`, its two outputs), the buffer's codes and scales new outputs."""
+
+    def convert(node, importer):
+        codes, scales, slot, x, cos, sin = (importer.env[a] for a in node.args[:6])
+        rd, form = int(node.args[6]), EntryFormat(str(node.args[7]))
+        weight = None if node.args[8] is None else importer.env[node.args[8]]
+        key = RopeQuantKey(d=static(shape(x)[2]), rd=rd, form=form.value,
+                           eps=None if weight is None else float(node.args[9]), window=True)
+        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
+        b, w, cw = shape(codes)
+        g = shape(scales)[2]
+        rows = w + shape(x)[1]
+        args = [codes, scales, slot, x, cos, sin] + ([] if weight is None else [weight])
+        bb = importer.block_builder
+        res = bb.emit(relax.call_tir_inplace(
+            gv, args, [0, 1, -1, -1],
+            out_ty=[codes.ty, scales.ty, tensor([b, rows, cw], "uint8"),
+                    tensor([b, rows, g], "uint8")]))
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(4)]))
+
+    return convert
+
+
 def hc_post_pre_mix(ctx: Lowering, build: Builder):
     """A block's attention exit and FFN entry (hc_post + hc_pre_mix) as one kernel."""
 

@@ -247,10 +247,11 @@ class RopeQuantKey(KernelKey):
     form: str
     eps: float | None
     into: bool = False  # rope_quant_rows: written in place into rows of a cache
+    window: bool = False  # rope_quant_window: after a copy of a ring, and into its slots
 
     def parts(self) -> tuple:
-        return (self.kind, self.d, self.rd, self.form, self.eps) + (("rows",) if self.into
-                                                                      else ())
+        return (self.kind, self.d, self.rd, self.form, self.eps) + (
+            ("rows",) if self.into else ()) + (("window",) if self.window else ())
 
 
 @dataclass(frozen=True)

@@ -502,8 +502,9 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
     """x (m, g, k) times w (g * n, k) -> fp32 (m, g, n): dense_gemv in entries with a small row
     hint (decode, drafts), dense_gemm (register-tiled over rows) in the others (prefill). The
     aten `linear` / `einsum` overrides of `compiler.lower` emit it. out_dtype "bfloat16": the
-    result the caller wants; the GEMV stores it rounded where its form can
-    (`gemm.dense_gemv_rounds`), else the result is fp32 and the caller rounds. `scale`: w is
+    result the caller wants; the GEMV and the GEMM store it rounded where their forms can
+    (`gemm.dense_gemv_rounds`, `gemm.dense_gemm_rounds`), else the result is fp32 and the
+    caller rounds. `scale`: w is
     FP8 (E4M3 codes, these E8M0 scales per 32 x 32 tile), which dense_gemv reads as stored
     (decode, drafts, verify), and the prefill GEMM too where its form can
     (`gemm.dense_gemm_reads_fp8`), else its bf16 (`fp8_weight_values`)."""
@@ -519,9 +520,12 @@ def dense_call(ctx: Lowering, importer, x3: relax.Expr, w2: relax.Expr,
     m = shape(x3)[0]
     weight = [w2] if scale is None else [w2, scale]
     if not use_gemv(ctx):
-        key = DenseGemmKey(**dims)
+        rounds = out_dtype == BF16 and gemm.dense_gemm_rounds(
+            ctx.target, n=n, k=k, x_dtype=dims["x_dtype"], w_dtype=dims["w_dtype"])
+        dtype = BF16 if rounds else "float32"
+        key = DenseGemmKey(**dims, out_dtype=dtype)
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        return call(importer, gv, [x3, *weight], tensor([m, groups, n], "float32"))
+        return call(importer, gv, [x3, *weight], tensor([m, groups, n], dtype))
     # verify / draft: the rows of a group share each weight load (bit-identical per row)
     rounds = out_dtype == BF16 and gemm.dense_gemv_rounds(
         ctx.target, n=n, k=k, rows=ctx.verify_rows, x_dtype=dims["x_dtype"],
@@ -735,9 +739,11 @@ REGISTRY: tuple[KernelEntry, ...] = (
         "rope_quant", (RopeQuantKey,), rope_quant.build_rope_quant, rope_quant.rope_quant_config,
         rope_quant.schedule_rope_quant,
         {"rope_quant.default": lambda ctx: fused_ops.rope_quant(ctx, build),
-         "rope_quant_rows.default": lambda ctx: fused_ops.rope_quant_rows(ctx, build)},
+         "rope_quant_rows.default": lambda ctx: fused_ops.rope_quant_rows(ctx, build),
+         "rope_quant_window.default": lambda ctx: fused_ops.rope_quant_window(ctx, build)},
         build=lambda key, t: rope_quant.build_rope_quant(t, d=key.d, rd=key.rd, fmt=key.form,
-                                                         eps=key.eps, into=key.into)),
+                                                         eps=key.eps, into=key.into,
+                                                         window=key.window)),
     KernelEntry(
         "mhc", (HcPreMixKey, HcPostKey, HcPostPreMixKey), mhc.build_hc_pre_mix, mhc.mhc_config,
         mhc.schedule_hc_pre_mix,

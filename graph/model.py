@@ -407,6 +407,13 @@ class NewEntries:
         return ops.rope_quant(self.x, self.cos, self.sin, self.rd, self.form, self.weight,
                               self.eps)
 
+    def windowed(self, codes: torch.Tensor, scales: torch.Tensor, slot: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ring codes, ring scales with the entries in slots slot (b, s), -1: none; buf codes,
+        buf scales: the ring as it was then the entries), as one op: compiled, one kernel."""
+        return ops.rope_quant_window(codes, scales, slot, self.x, self.cos, self.sin, self.rd,
+                                     self.form, self.weight, self.eps)
+
     def written(self, codes: torch.Tensor, scales: torch.Tensor,
                 idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """codes / scales with the entries in rows idx (b, s) (-1: none), as one op: compiled,
@@ -474,14 +481,25 @@ def window_inputs(ring: WindowRing, new: NewEntries, chunk: Chunk, window: int):
             write_ring(ring, *new.quantised(), chunk.start, window)
         idx = torch.where(rows < 0, -1, rows % window)
         return ring.codes, ring.scales, idx.to(torch.int32)
-    codes, scales = new.quantised()
     start = chunk.start.view(-1, 1, 1)
     idx = torch.where(rows < start, rows % window, window + rows - start)
     idx = torch.where(rows < 0, -1, idx)
+    if torch.compiler.is_exporting():  # the copy, the entries and the ring's slots: one op
+        slot = ring_slots(chunk.start, s, window)
+        ring.codes, ring.scales, buf_c, buf_s = new.windowed(ring.codes, ring.scales, slot)
+        return buf_c, buf_s, idx.to(torch.int32)
+    codes, scales = new.quantised()
     buf_c = torch.cat([ring.codes, codes], dim=1)  # (b, W + s, d)
     buf_s = torch.cat([ring.scales, scales], dim=1)
     write_ring(ring, codes, scales, chunk.start, window)
     return buf_c, buf_s, idx.to(torch.int32)
+
+
+def ring_slots(start: torch.Tensor, s: int, window: int) -> torch.Tensor:
+    """(b, s) int64: the ring slot each of s new positions from start writes, -1 for all but
+    the last `window` of them (each slot takes the newest position that maps to it)."""
+    j = torch.arange(s)
+    return torch.where(j >= s - window, torch.remainder(start.unsqueeze(1) + j, window), -1)
 
 
 def write_ring(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor,
@@ -490,9 +508,7 @@ def write_ring(ring: WindowRing, codes: torch.Tensor, scales: torch.Tensor,
     torch.export the new positions' slots are written in place (`ops.scatter_rows`)."""
     s = codes.size(1)
     if torch.compiler.is_exporting():
-        j = torch.arange(s)
-        slot = torch.where(j >= s - window, torch.remainder(start.unsqueeze(1) + j, window),
-                           -1)  # (b, s): the last `window` new positions
+        slot = ring_slots(start, s, window)
         ring.codes = ops.scatter_rows(ring.codes, slot, codes)
         ring.scales = ops.scatter_rows(ring.scales, slot, scales)
         return

@@ -30,6 +30,7 @@ it. Boundaries are chosen so that the graph around them is plain aten:
 - `hc_post_pre_mix`: `hc_post` then the next sublayer's `hc_pre_mix`, one kernel
 - `rope_quant`:    a new cache entry's RMSNorm (optional), RoPE and quantiser in one kernel
 - `rope_quant_rows`: the same entries written into rows of a cache in place (one kernel)
+- `rope_quant_window`: a chunk's window entries after a copy of the ring, and into its slots
 - `engram_rows`:   an Engram layer's table rows at the chunk's hash ids (no kernel: compiled, it
                    is a call of the host runtime, which keeps the tables in host memory and
                    gathers the rows ahead of the block that reads them, `runtime.engram_host`)
@@ -465,6 +466,29 @@ def rope_quant_rows(codes: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor
 @rope_quant_rows.register_fake
 def _(codes, scales, idx, x, cos, sin, rd, form, weight, eps):
     return torch.empty_like(codes), torch.empty_like(scales)
+
+
+@torch.library.custom_op("dsv41::rope_quant_window", mutates_args=())
+def rope_quant_window(codes: torch.Tensor, scales: torch.Tensor, slot: torch.Tensor,
+                      x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rd: int, form: str,
+                      weight: torch.Tensor | None, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's window entries (`rope_quant`'s) against a ring's codes (b, w, width) and
+    scales (b, w, d / group): returns (the ring with rows slot (b, s) int64 rewritten, as
+    `scatter_rows` writes them, its scales likewise, buf codes (b, w + s, width) = the ring as
+    it was then the entries, buf scales). What the attention of a chunk longer than one token
+    reads (its earlier queries still see the positions the chunk overwrites); compiled, one
+    kernel that writes the ring in place."""
+    new_codes, new_scales = rope_quant(x, cos, sin, rd, form, weight, eps)
+    return (scatter_rows(codes, slot, new_codes), scatter_rows(scales, slot, new_scales),
+            torch.cat([codes, new_codes], dim=1), torch.cat([scales, new_scales], dim=1))
+
+
+@rope_quant_window.register_fake
+def _(codes, scales, slot, x, cos, sin, rd, form, weight, eps):
+    b, w, s = codes.size(0), codes.size(1), x.size(1)
+    return (torch.empty_like(codes), torch.empty_like(scales),
+            codes.new_empty(b, w + s, codes.size(2)), scales.new_empty(b, w + s, scales.size(2)))
 
 
 # ---- sparse gather-attend ----------------------------------------------------------------------

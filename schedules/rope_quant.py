@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import tvm
+from tvm import s_tir
 from tvm.script import tirx as T
 
 from dsv41.graph.ops import ENTRY_GROUP, EntryFormat, entry_code_width
@@ -75,7 +76,7 @@ def _check(*, d: int, rd: int, fmt: EntryFormat, norm_lanes: int) -> None:
 
 def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
                     norm_lanes: int = 32, vec: bool = True, scratch: str = "global",
-                    into: bool = False) -> tvm.tirx.PrimFunc:
+                    into: bool = False, window: bool = False) -> tvm.tirx.PrimFunc:
     """`rope_quant(x, cos, sin[, weight]) -> (codes, scales)`: x bf16 (b, s, d), cos / sin fp32
     (b or 1, s, rd/2), weight bf16 (d,) when `eps` is not None (the norm), codes uint8 (b, s,
     `entry_code_width`), scales uint8 (b, s, d / group); b, s and the tables' batch symbolic.
@@ -84,7 +85,16 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
     `into`: `rope_quant_rows(codes, scales, idx, x, cos, sin[, weight])`, the entries written
     in place into rows idx (b, s) int64 of a cache's codes (b, n, width) and scales (b, n,
     d / group) (the lowering's `call_tir_inplace`), as `scatter_rows` writes them: a row whose
-    index is outside 0..n-1 (-1: none) is neither computed nor written."""
+    index is outside 0..n-1 (-1: none) is neither computed nor written.
+
+    `window`: `rope_quant_window(codes, scales, slot, x, cos, sin[, weight]) -> (buf_codes,
+    buf_scales)`, a chunk's window entries: buf (b, w + s, ..) = the ring (b, w, ..) as it was,
+    then the chunk's entries; afterwards the ring's rows slot (b, s) int64 (-1 or outside
+    0..w-1: none) take their entries, in place. Three stages in turn (`ring_copy`, `row`,
+    `ring_write`), each parallel over its rows: the ring's copy, the concatenation and the
+    scatter kernels of the unfused chain, bit for bit."""
+    if into and window:
+        raise ValueError("rope_quant writes into rows of a cache or into a window, not both.")
     fmt = EntryFormat(fmt)
     _check(d=d, rd=rd, fmt=fmt, norm_lanes=norm_lanes)
     group = ENTRY_GROUP[fmt]
@@ -157,6 +167,9 @@ def make_rope_quant(*, d: int, rd: int, fmt: EntryFormat, eps: float | None,
 
     if into:
         return _rows_kernel(row, D=D, R2=R2, CW=CW, G=G, with_norm=with_norm)
+    if window:
+        return _window_kernel(row, D=D, R2=R2, CW=CW, G=G, with_norm=with_norm, loop=loop,
+                              vw=width(entry_code_width(fmt, d)), vg=width(d // group))
     return _entries_kernel(row, D=D, R2=R2, CW=CW, G=G, with_norm=with_norm)
 
 
@@ -262,6 +275,86 @@ def _rows_kernel(row, *, D, R2, CW, G, with_norm: bool) -> tvm.tirx.PrimFunc:
     return rope_quant_rows
 
 
+def _window_kernel(row, *, D, R2, CW, G, with_norm: bool, loop, vw, vg) -> tvm.tirx.PrimFunc:
+    """`rope_quant_window`'s function around the row macro (see `make_rope_quant`): the ring
+    copied into buf, the entries quantised into buf after it, then copied into the ring's
+    slots. vw / vg: the vector widths of a codes / scales row's copy."""
+
+    @T.macro
+    def copy_row(src, dst, vb, srow, drow, n, vn):
+        for c0 in range(n // vn):
+            for c1 in loop(vn):
+                dst[vb, drow, c0 * vn + c1] = src[vb, srow, c0 * vn + c1]
+
+    @T.macro
+    def stages(codes, scales, slot, x, cos, sin, weight, buf_c, buf_s):
+        b, w, s = T.meta_var(codes.shape[0]), T.meta_var(codes.shape[1]), T.meta_var(x.shape[1])
+        cb = T.meta_var(cos.shape[0])
+        for i, t in T.grid(b, w):
+            with T.sblock("ring_copy"):
+                vb, vt = T.axis.remap("SS", [i, t])
+                T.reads(codes[vb, vt, 0:CW], scales[vb, vt, 0:G])
+                T.writes(buf_c[vb, vt, 0:CW], buf_s[vb, vt, 0:G])
+                copy_row(codes, buf_c, vb, vt, vt, CW, vw)
+                copy_row(scales, buf_s, vb, vt, vt, G, vg)
+        for i, t in T.grid(b, s):
+            with T.sblock("row"):
+                vb, vt = T.axis.remap("SS", [i, t])
+                if weight is not None:  # static
+                    T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2],
+                            weight[0:D])
+                else:
+                    T.reads(x[vb, vt, 0:D], cos[0:cb, vt, 0:R2], sin[0:cb, vt, 0:R2])
+                T.writes(buf_c[vb, w + vt, 0:CW], buf_s[vb, w + vt, 0:G])
+                row(x, cos, sin, weight, buf_c, buf_s, vb, vt, w + vt, True, cb)
+        for i, t in T.grid(b, s):
+            with T.sblock("ring_write"):
+                vb, vt = T.axis.remap("SS", [i, t])
+                T.reads(slot[vb, vt], buf_c[vb, w + vt, 0:CW], buf_s[vb, w + vt, 0:G])
+                T.writes(codes[vb, 0:w, 0:CW], scales[vb, 0:w, 0:G])
+                if slot[vb, vt] >= T.int64(0) and slot[vb, vt] < w:
+                    copy_row(buf_c, codes, vb, w + vt, slot[vb, vt], CW, vw)
+                    copy_row(buf_s, scales, vb, w + vt, slot[vb, vt], G, vg)
+
+    if with_norm:
+        @T.prim_func(s_tir=True)
+        def rope_quant_window_norm(codes_h: T.handle, scales_h: T.handle, slot_h: T.handle,
+                                   x_h: T.handle, cos_h: T.handle, sin_h: T.handle,
+                                   weight: T.Buffer((D,), "bfloat16"), buf_c_h: T.handle,
+                                   buf_s_h: T.handle):
+            T.func_attr({"global_symbol": "rope_quant_window", "tirx.noalias": True})
+            b, w, s, cb = T.int64(), T.int64(), T.int64(), T.int64()
+            codes = T.match_buffer(codes_h, (b, w, CW), "uint8")
+            scales = T.match_buffer(scales_h, (b, w, G), "uint8")
+            slot = T.match_buffer(slot_h, (b, s), "int64")
+            x = T.match_buffer(x_h, (b, s, D), "bfloat16")
+            cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
+            sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
+            buf_c = T.match_buffer(buf_c_h, (b, w + s, CW), "uint8")
+            buf_s = T.match_buffer(buf_s_h, (b, w + s, G), "uint8")
+            stages(codes, scales, slot, x, cos, sin, weight, buf_c, buf_s)
+
+        return rope_quant_window_norm
+
+    @T.prim_func(s_tir=True)
+    def rope_quant_window(codes_h: T.handle, scales_h: T.handle, slot_h: T.handle,
+                          x_h: T.handle, cos_h: T.handle, sin_h: T.handle, buf_c_h: T.handle,
+                          buf_s_h: T.handle):
+        T.func_attr({"global_symbol": "rope_quant_window", "tirx.noalias": True})
+        b, w, s, cb = T.int64(), T.int64(), T.int64(), T.int64()
+        codes = T.match_buffer(codes_h, (b, w, CW), "uint8")
+        scales = T.match_buffer(scales_h, (b, w, G), "uint8")
+        slot = T.match_buffer(slot_h, (b, s), "int64")
+        x = T.match_buffer(x_h, (b, s, D), "bfloat16")
+        cos = T.match_buffer(cos_h, (cb, s, R2), "float32")
+        sin = T.match_buffer(sin_h, (cb, s, R2), "float32")
+        buf_c = T.match_buffer(buf_c_h, (b, w + s, CW), "uint8")
+        buf_s = T.match_buffer(buf_s_h, (b, w + s, G), "uint8")
+        stages(codes, scales, slot, x, cos, sin, None, buf_c, buf_s)
+
+    return rope_quant_window
+
+
 @dataclass(frozen=True)
 class RopeQuantConfig:
     """norm_lanes: the norm's strided partial sums (`norm.norm_config`'s, so the bits match the
@@ -286,18 +379,24 @@ def rope_quant_config(target: TargetSpec, *, d: int) -> RopeQuantConfig:
 
 def schedule_rope_quant(func: tvm.tirx.PrimFunc, config: RopeQuantConfig,
                         target: TargetSpec) -> tvm.tirx.PrimFunc:
-    """The rows' loops only: the element loops are vectorised (or not) by the definition."""
-    return schedule_block_rows(func, "row", target, threads=config.threads)
+    """The rows' loops only: the element loops are vectorised (or not) by the definition (the
+    window form: each of its three stages' rows)."""
+    sch = s_tir.Schedule(func)
+    names = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    for name in ("ring_copy", "row", "ring_write"):
+        if name in names:
+            func = schedule_block_rows(func, name, target, threads=config.threads)
+    return func
 
 
 def build_rope_quant(target_name: str, *, d: int, rd: int, fmt: str, eps: float | None,
-                     into: bool = False) -> tvm.tirx.PrimFunc:
+                     into: bool = False, window: bool = False) -> tvm.tirx.PrimFunc:
     """make + config + schedule for `target_name` (a cuda_build builder)."""
     target = get_target(target_name)
     cfg = rope_quant_config(target, d=d)
     func = make_rope_quant(d=d, rd=rd, fmt=EntryFormat(fmt), eps=eps,
                            norm_lanes=cfg.norm_lanes, vec=cfg.vec, scratch=cfg.scratch,
-                           into=into)
+                           into=into, window=window)
     return schedule_rope_quant(func, cfg, target)
 
 

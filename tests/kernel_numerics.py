@@ -164,6 +164,30 @@ def kernel_rms_norm(x, weight, eps):
     return out.reshape(x.shape)
 
 
+@functools.cache
+def swiglu_relax(limit: float, k: int):
+    """The lowering's SwiGLU where the fp8 kernel cannot form it (`fused_ops.swiglu_values`,
+    then `round_to_bf16`): bf16 gate, up [m, k] -> bf16 h, compiled for the host (a VM)."""
+    from types import SimpleNamespace
+
+    from tvm import relax
+
+    from dsv41.compiler.fused_ops import swiglu_values
+    from dsv41.compiler.relax_ops import in_fp32, round_to_bf16
+
+    bb = relax.BlockBuilder()
+    ty = relax.TensorType([tvm.tirx.Var("m", "int64"), k], "bfloat16")
+    g, u = relax.Var("g", ty), relax.Var("u", ty)
+    imp = SimpleNamespace(block_builder=bb)
+    with bb.function("main", [g, u]):
+        with bb.dataflow():
+            h = round_to_bf16(imp, swiglu_values(imp, in_fp32(imp, g), in_fp32(imp, u), limit))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    return relax.VirtualMachine(tvm.compile(bb.get(), target=get_target("cpu").tvm_target()),
+                                tvm.cpu())
+
+
 def patch_fused_ops(monkeypatch) -> None:
     """Make the graph compute `dsv41::hc_pre_mix`, `hc_post` and `rms_norm` with the CPU kernels
     the compiled entries lower them to. The model calls them through `dsv41.graph.ops`, so a graph

@@ -18,6 +18,7 @@ from dsv41.graph.targets import get_target
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
 from dsv41.schedules import gemm
 from dsv41.schedules.common import has_avx512_bf16, has_features
+from dsv41.schedules.gemm.bf16_gemm import make_dense_gemm_bf16
 
 CPU = "cpu"
 BASE = "cpu-x86-64"  # no AVX-512: the scheduled fp32 lanes forms
@@ -160,3 +161,34 @@ def test_prefill_gemm_decodes_each_tile_bit_identically(n, m):
     ref = _call(ex["bfloat16"], [x, w], (m, 2, n), "float32")
     _same_bits(_call(ex["fp8"], [x, codes, scales], (m, 2, n), "float32"), ref)
     assert (torch.isfinite(ref) & (ref != 0)).float().mean() > 0.5
+
+
+@needs_dot
+@pytest.mark.parametrize("w_dtype", ["bfloat16", "fp8"])
+def test_prefill_gemm_stores_bf16_as_the_caller_rounds(w_dtype):
+    """The prefill GEMM storing bf16 itself (`out_dtype`, `dense_gemm_rounds`: the rounding
+    kernel after it folded in): every output the fp32 GEMM's sum rounded to nearest even, bit
+    for bit (torch's fp32 -> bf16 cast, which `round_to_bf16` equals on finite values; NaN and
+    infinite sums stay NaN and infinite)."""
+    if has_features(get_target(CPU), "amx-bf16"):
+        pytest.skip("AMX hosts run the AMX GEMM, which stores fp32")
+    n, m = 48, 300
+    assert gemm.dense_gemm_rounds(get_target(CPU), n=n, k=128, x_dtype="bfloat16",
+                                  w_dtype=w_dtype)
+    codes, scales = _weights(2 * n, 128, 13)
+    weight = [codes, scales] if w_dtype == "fp8" else [dequantize_fp8_tiles(codes, scales, 32)]
+    x = (torch.randn(m, 2, 128, generator=torch.Generator().manual_seed(14)) * 2).to(
+        torch.bfloat16)
+    ex = {out: tvm.compile(gemm.build_dense_gemm(CPU, groups=2, n=n, k=128, x_dtype="bfloat16",
+                                                 w_dtype=w_dtype, out_dtype=out),
+                           target=get_target(CPU).tvm_target())
+          for out in ("float32", "bfloat16")}
+    ref = _call(ex["float32"], [x, *weight], (m, 2, n), "float32")
+    got = _call(ex["bfloat16"], [x, *weight], (m, 2, n), "bfloat16")
+    finite = torch.isfinite(ref)  # the weights hold every code, NaN and the largest too
+    assert float(finite.float().mean()) > 0.5
+    _same_bits(got[finite], ref[finite].to(torch.bfloat16))
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.equal(got[torch.isinf(ref)].float(), ref[torch.isinf(ref)])
+    with pytest.raises(ValueError, match="stores float32 or bfloat16"):
+        make_dense_gemm_bf16(groups=1, n=64, k=64, out_dtype="float16")

@@ -13,7 +13,15 @@ import functools
 import pytest
 import torch
 import tvm
-from kernel_numerics import SKX, SPR, ZEN4, bf16_ulps, run_fp8_linear
+from kernel_numerics import (
+    SKX,
+    SPR,
+    ZEN4,
+    bf16_ulps,
+    kernel_rms_norm,
+    run_fp8_linear,
+    swiglu_relax,
+)
 
 from dsv41.graph import ops
 from dsv41.graph.targets import get_target
@@ -121,3 +129,129 @@ def test_dense_gemm_bf16_refuses_bad_shapes():
         make_dense_gemm_bf16(groups=1, n=64, k=41)
     with pytest.raises(ValueError, match="row_block must be a positive multiple of 32; got 40."):
         make_dense_gemm_bf16(groups=1, n=64, k=64, row_block=40)
+
+
+# ---- the fused prefill forms: each the kernels it stands for, bit for bit ---------------------
+
+FUSED_ROWS = (1, 31, 70, 200)  # with row blocks of 64: partial, several, a partial last block
+
+
+def _run(ex, *ts):
+    ex(*[tvm.runtime.from_dlpack(t) for t in ts])
+
+
+def _equal_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,n2", [(512, 512), (96, 200)])
+def test_paired_gemm_is_the_two_gemms(n, n2):
+    """fp8_linear_pair's prefill kernel (x staged once, the first matrix's tasks then the
+    second's): both outputs the plain GEMM's on each matrix, bit for bit, matrices of different
+    heights and tile scales with partial 32-column tiles, rows over several row blocks."""
+    k = 256
+    pair = _compiled(n=n, k=k, row_block=64, pair_n=n2)
+    one, two = _compiled(n=n, k=k, row_block=64), _compiled(n=n2, k=k, row_block=64)
+    w, s = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=6)[1:]
+    w2, s2 = gemm.example_inputs_fp8_linear(m=1, n=n2, k=k, seed=9)[1:]
+    g = torch.Generator().manual_seed(n2)
+    for m in FUSED_ROWS:
+        x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+        y, y2 = torch.zeros(m, n, dtype=torch.bfloat16), torch.zeros(m, n2, dtype=torch.bfloat16)
+        _run(pair, x, w, s, w2, s2, y, y2)
+        assert _equal_bits(y, run_fp8_linear(one, x, w, s)), m
+        assert _equal_bits(y2, run_fp8_linear(two, x, w2, s2)), m
+
+
+@needs_bf16
+def test_normed_gemm_is_the_rms_norm_kernel_then_the_gemm():
+    """norm_fp8_linear's prefill kernel: the rms_norm kernel's rows (`kernel_numerics`' CPU
+    rms_norm, the kernel the lowering would run) fed to the plain GEMM, bit for bit, with a
+    row of huge values and a zero row (the norm's eps alone)."""
+    from dsv41.schedules import norm
+
+    n, k, eps = 96, 512, 1e-6
+    lanes = norm.norm_config(CPU, d=k).lanes
+    fused = _compiled(n=n, k=k, row_block=64, norm_eps=eps, norm_lanes=lanes)
+    plain = _compiled(n=n, k=k, row_block=64)
+    weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=5)[1:]
+    g = torch.Generator().manual_seed(1)
+    w = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16)
+    for m in FUSED_ROWS:
+        x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+        x[0, ::11] *= 1e15
+        x[-1] = 0.0
+        want = run_fp8_linear(plain, kernel_rms_norm(x, w, eps), weight, scale)
+        got = torch.zeros(m, n, dtype=torch.bfloat16)
+        _run(fused, x, w, weight, scale, got)
+        assert _equal_bits(got, want), m
+
+
+@needs_bf16
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_swiglu_gemm_is_the_swiglu_then_the_gemm(limit):
+    """swiglu_fp8_linear's prefill kernel: the plain GEMM's outputs on the lowering's own
+    SwiGLU (`swiglu_relax`), bit for bit, with clamped values, gates at -200 and a zero row."""
+    n, k = 96, 512
+    fused = _compiled(n=n, k=k, row_block=64, swiglu_limit=limit)
+    plain = _compiled(n=n, k=k, row_block=64)
+    weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=8)[1:]
+    g = torch.Generator().manual_seed(int(limit))
+    swiglu = swiglu_relax(limit, k)
+    for m in FUSED_ROWS:
+        gate = (torch.randn(m, k, generator=g) * 6).to(torch.bfloat16)
+        up = (torch.randn(m, k, generator=g) * 6).to(torch.bfloat16)
+        gate[0, ::13] = -200.0
+        up[-1] = 0.0
+        h = torch.from_dlpack(swiglu["main"](tvm.runtime.from_dlpack(gate),
+                                             tvm.runtime.from_dlpack(up)))
+        got = torch.zeros(m, n, dtype=torch.bfloat16)
+        _run(fused, gate, up, weight, scale, got)
+        assert _equal_bits(got, run_fp8_linear(plain, h, weight, scale)), m
+
+
+@needs_bf16
+def test_q_kv_gemm_is_the_pair_then_the_normed_gemm():
+    """fp8_q_kv's prefill kernel, built as the lowering builds it (`build_fp8_q_kv`, m None):
+    q_lora, kv and q the prefill pair and normed kernels' (tests above: those are the plain
+    GEMMs'), bit for bit, partial 32-column tiles in every matrix."""
+    n_q, n_kv, k, n_b, eps = 64, 40, 256, 72, 1e-6
+    assert gemm.fp8_q_kv_fuses(CPU, n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, m=None)
+    target = CPU.tvm_target()
+    fused = tvm.compile(gemm.build_fp8_q_kv("cpu", n_q=n_q, n_kv=n_kv, k=k, n_b=n_b,
+                                            norm_eps=eps, m=None), target=target)
+    pair = tvm.compile(gemm.build_fp8_linear("cpu", n=n_q, k=k, m=None, pair_n=n_kv),
+                       target=target)
+    normed = tvm.compile(gemm.build_fp8_linear("cpu", n=n_b, k=n_q, m=None, norm_eps=eps),
+                         target=target)
+    wa, sa = gemm.example_inputs_fp8_linear(m=1, n=n_q, k=k, seed=11)[1:]
+    wkv, skv = gemm.example_inputs_fp8_linear(m=1, n=n_kv, k=k, seed=12)[1:]
+    wb, sb = gemm.example_inputs_fp8_linear(m=1, n=n_b, k=n_q, seed=13)[1:]
+    g = torch.Generator().manual_seed(2)
+    nw = (1 + 0.1 * torch.randn(n_q, generator=g)).to(torch.bfloat16)
+    for m in (1, 70, 600):  # 600: two of the config's 512-row blocks
+        x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+        x[-1] = 0.0
+        q_lora, kv, q = (torch.zeros(m, c, dtype=torch.bfloat16) for c in (n_q, n_kv, n_b))
+        _run(fused, x, wa, sa, wkv, skv, nw, wb, sb, q_lora, kv, q)
+        ql2, kv2, q2 = (torch.zeros(m, c, dtype=torch.bfloat16) for c in (n_q, n_kv, n_b))
+        _run(pair, x, wa, sa, wkv, skv, ql2, kv2)
+        _run(normed, ql2, nw, wb, sb, q2)
+        for got, want in ((q_lora, ql2), (kv, kv2), (q, q2)):
+            assert _equal_bits(got, want), m
+
+
+def test_prefill_fuses_only_on_the_bf16_gemm():
+    """The prefill GEMM pairs / norms / forms its SwiGLU on AVX-512 BF16 without AMX (the
+    `gemm_bf16` kind); AMX and AVX-512 without BF16 keep the separate kernels; one form at a
+    time."""
+    assert gemm.fp8_linear_norms(ZEN4, n=512, k=1024, m=None)
+    assert gemm.fp8_q_kv_fuses(ZEN4, n_q=512, n_kv=512, k=1024, n_b=32768, m=None)
+    for target in (SPR, SKX):
+        assert not gemm.fp8_linear_norms(target, n=512, k=1024, m=None)
+        assert not gemm.fp8_q_kv_fuses(target, n_q=512, n_kv=512, k=1024, n_b=32768, m=None)
+    with pytest.raises(ValueError, match="one of a norm, a second matrix or a SwiGLU"):
+        make_fp8_gemm_bf16(n=64, k=512, pair_n=64, swiglu_limit=10.0)
+    with pytest.raises(ValueError, match="lanes dividing"):
+        make_fp8_gemm_bf16(n=64, k=512, norm_eps=1e-6, norm_lanes=24)

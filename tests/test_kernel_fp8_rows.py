@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 import tvm
-from kernel_numerics import SKX, ZEN4, bf16_ulps, run_fp8_linear
+from kernel_numerics import SKX, SPR, ZEN4, bf16_ulps, run_fp8_linear, swiglu_relax
 
 from dsv41.graph import formats as fmt
 from dsv41.graph import ops
@@ -165,35 +165,12 @@ def test_normed_gemv_is_the_rms_norm_kernel_then_the_gemv(rows):
     assert torch.equal(ref, ops.fp8_linear(ops.rms_norm(x, w, eps), weight, scale))
 
 
-@functools.cache
-def _swiglu_relax(limit: float):
-    """The lowering's SwiGLU where the GEMV cannot form it (`fused_ops.swiglu_values`, then
-    `round_to_bf16`): bf16 gate, up [m, k] -> bf16 h, compiled for the host."""
-    from types import SimpleNamespace
-
-    from tvm import relax
-
-    from dsv41.compiler.fused_ops import swiglu_values
-    from dsv41.compiler.relax_ops import in_fp32, round_to_bf16
-
-    bb = relax.BlockBuilder()
-    ty = relax.TensorType([tvm.tirx.Var("m", "int64"), 512], "bfloat16")
-    g, u = relax.Var("g", ty), relax.Var("u", ty)
-    imp = SimpleNamespace(block_builder=bb)
-    with bb.function("main", [g, u]):
-        with bb.dataflow():
-            h = round_to_bf16(imp, swiglu_values(imp, in_fp32(imp, g), in_fp32(imp, u), limit))
-            out = bb.emit_output(h)
-        bb.emit_func_output(out)
-    return relax.VirtualMachine(tvm.compile(bb.get(), target=CPU.tvm_target()), tvm.cpu())
-
-
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 6])
 @pytest.mark.parametrize("limit", [10.0, 0.0])
 def test_swiglu_gemv_is_the_swiglu_then_the_gemv(rows, limit):
     """swiglu_fp8_linear's kernel (the bf16 GEMV forming bf16(swiglu(gate, up)) as it stages its
-    rows): every output the plain GEMV's on the lowering's own SwiGLU (`_swiglu_relax`, what
+    rows): every output the plain GEMV's on the lowering's own SwiGLU (`swiglu_relax`, what
     other targets run), bit for bit, one row and the verify's groups (m 1..7 against a group of
     6), with clamped values (|x| > limit), large negative gates (silu -> -0) and a zero row;
     against the op's oracle (torch's exp) within 1 bf16 ulp, 99% of outputs exact."""
@@ -202,7 +179,7 @@ def test_swiglu_gemv_is_the_swiglu_then_the_gemv(rows, limit):
     plain = _compiled(n=n, k=k, rows=rows)
     weight, scale = gemm.example_inputs_fp8_linear(m=1, n=n, k=k, seed=8)[1:]
     g = torch.Generator().manual_seed(rows + int(limit))
-    swiglu = _swiglu_relax(limit)
+    swiglu = swiglu_relax(limit, k)
     for m in (1, 5, 7):
         gate = (torch.randn(m, k, generator=g) * 6).to(torch.bfloat16)
         up = (torch.randn(m, k, generator=g) * 6).to(torch.bfloat16)
@@ -262,14 +239,15 @@ def test_q_kv_kernel_is_the_pair_then_the_normed_gemv(rows):
     assert torch.equal(ref_kv, kvr)
     assert torch.equal(ref_q, ops.norm_fp8_linear(ql, nw, eps, wb, sb))
     with pytest.raises(ValueError, match="only where the AVX-512 BF16 decode GEMV"):
-        gemm.build_fp8_q_kv("cpu", n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=eps, m=None)
+        gemm.build_fp8_q_kv("cpu-x86-64", n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=eps, m=1)
 
 
 def test_only_the_bf16_gemv_norms_its_input():
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1)
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1, rows=6)
     assert not gemm.fp8_linear_norms(SKX, n=32768, k=512, m=1)  # no AVX-512 BF16
-    assert not gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=None)  # prefill: the GEMM
+    assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=None)  # prefill: the bf16 GEMM
+    assert not gemm.fp8_linear_norms(SPR, n=32768, k=512, m=None)  # AMX: its own GEMM
     with pytest.raises(ValueError, match="norms its input .or pairs two matrices, or forms a "
                                          "SwiGLU. only"):
         gemm.unscheduled_fp8_linear(SKX, n=64, k=512, m=1, norm_eps=1e-6)

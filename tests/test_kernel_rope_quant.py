@@ -145,6 +145,47 @@ def test_rows_written_in_place_are_the_entries_scattered(case, vec):
     assert torch.equal(ref[1], ops.scatter_rows(scales, idx, chain[1]))
 
 
+@functools.cache
+def _window(form: EntryFormat, d: int, rd: int, with_norm: bool, vec: bool):
+    cfg = RQ.rope_quant_config(CPU, d=d)
+    func = RQ.make_rope_quant(d=d, rd=rd, fmt=form, eps=EPS if with_norm else None,
+                              norm_lanes=cfg.norm_lanes, vec=vec, window=True)
+    return tvm.compile(RQ.schedule_rope_quant(func, cfg, CPU), target=CPU.tvm_target())
+
+
+@pytest.mark.parametrize("vec", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].value}-{c[1]}-{c[2]}-{c[3]}")
+def test_window_form_is_the_copy_the_entries_and_the_scatter(case, vec):
+    """rope_quant_window (a prefill chunk's window entries, one kernel): buf = the ring as it
+    was, then the fused kernel's entries (the concatenation), and the ring afterwards = those
+    entries scattered into the slots (`scatter_rows`' oracle: -1, past the ring and negative
+    slots write nothing), byte for byte; the op's oracle is the chain of ops."""
+    form, d, rd, with_norm = case
+    b, s, w = 2, 5, 4
+    x, cos, sin, wt = _inputs(b, s, d, rd, with_norm, 2, seed=d + 5)
+    gen = torch.Generator().manual_seed(d + 1)
+    codes = torch.randint(0, 256, (b, w, ops.entry_code_width(form, d)), generator=gen,
+                          dtype=torch.uint8)
+    scales = torch.randint(0, 256, (b, w, d // ops.ENTRY_GROUP[form]), generator=gen,
+                           dtype=torch.uint8)
+    slot = torch.tensor([[-1, 3, 0, 2, 1], [2, -1, w, -3, 0]], dtype=torch.int64)
+    new_codes, new_scales = _run_fused(form, d, rd, x, cos, sin, wt, vec)
+    want = (ops.scatter_rows(codes, slot, new_codes), ops.scatter_rows(scales, slot, new_scales),
+            torch.cat([codes, new_codes], 1), torch.cat([scales, new_scales], 1))
+    ring = [codes.clone(), scales.clone()]
+    buf = [torch.zeros_like(want[2]), torch.zeros_like(want[3])]
+    args = [ring[0], ring[1], slot, x, cos, sin] + ([] if wt is None else [wt]) + buf
+    _window(form, d, rd, with_norm, vec)(*[tv(t) for t in args])
+    for got, ref in zip([*ring, *buf], want, strict=True):
+        assert torch.equal(got, ref)
+    oracle = ops.rope_quant_window(codes, scales, slot, x, cos, sin, rd, form, wt, EPS)
+    chain = ops.rope_quant(x, cos, sin, rd, form, wt, EPS)
+    assert torch.equal(oracle[0], ops.scatter_rows(codes, slot, chain[0]))
+    assert torch.equal(oracle[1], ops.scatter_rows(scales, slot, chain[1]))
+    assert torch.equal(oracle[2], torch.cat([codes, chain[0]], 1))
+    assert torch.equal(oracle[3], torch.cat([scales, chain[1]], 1))
+
+
 def test_the_oracle_is_the_chain_of_ops():
     x, cos, sin, w = _inputs(2, 3, 512, 64, True, 1, seed=3)
     want = ops.quant_fp8(ops.rope(ops.rms_norm(x, w, EPS), cos, sin, 64, False).float())
@@ -159,13 +200,15 @@ def test_the_oracle_is_the_chain_of_ops():
 def test_refusals():
     for kw, msg in ((dict(d=512, rd=63), "even rd"), (dict(d=512, rd=0), "even rd"),
                     (dict(d=48, rd=16), "multiple of the fp8 group"),
-                    (dict(d=512, rd=64, norm_lanes=24), "lanes")):
+                    (dict(d=512, rd=64, norm_lanes=24), "lanes"),
+                    (dict(d=512, rd=64, into=True, window=True), "not both")):
         with pytest.raises(ValueError, match=msg):
             RQ.make_rope_quant(**{"fmt": EntryFormat.FP8, "eps": EPS, **kw})
 
 
 @pytest.mark.parametrize("target", ["cuda-sm90"])
-@pytest.mark.parametrize("into", [False, True])
-def test_cuda_build_has_device_code(tmp_path, target, into):
+@pytest.mark.parametrize("form", ["entries", "into", "window"])
+def test_cuda_build_has_device_code(tmp_path, target, form):
     cuda_build(tmp_path, "rope_quant", "build_rope_quant",
-               dict(d=512, rd=64, fmt="fp8", eps=EPS, into=into), target)
+               dict(d=512, rd=64, fmt="fp8", eps=EPS, into=form == "into",
+                    window=form == "window"), target)

@@ -5,21 +5,26 @@ instruction), 16 rows in the fp32 lanes, so no lane is summed across at the end.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import tvm
 from tvm.script import tirx as T
 
 from dsv41.schedules.common import (
     bf16_bits_of_exact,
+    bf16_of,
     bf16_to_f32,
     dpbf16ps,
     e4m3_to_f32_select,
     e4m3_words,
     e8m0_to_f32,
     i64,
+    round_bf16_bound,
+    silu_times,
     u32,
     with_bf16_dot,
 )
+from dsv41.schedules.common.stages import rms_norm_row
 from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
 
 LANES = 16  # fp32 lanes of one vdpbf16ps: 16 rows
@@ -35,8 +40,161 @@ def nan_canonical(v):
                     T.broadcast(T.reinterpret("float32", u32(0x7FC00000)), LANES), v)
 
 
-def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
-                       row_block: int = 256) -> tvm.tirx.PrimFunc:
+@dataclass(frozen=True)
+class Fp8GemmStages:
+    """`make_fp8_gemm_bf16`'s stages as macros, for kernels that run several GEMMs or form
+    their input first (`make_fp8_gemm_bf16`'s fused forms, `make_fp8_gemm_bf16_q_kv`):
+
+    - `stage(value, src, amax, xt, m)`: the activation rows value(src, i, j) (fp32, a bf16
+      value) quantised per 32 and staged as bf16 pairs into xt (`staged_words(m)` words),
+      amax [m, k / 32] fp32 its scratch; parallel over rows, then over row blocks.
+    - `tasks(xt, weight, scale, y, m)`: the GEMM of one weight over the staged rows, parallel
+      over (row block, 32-column tile). Any number of weights of width k may read one xt.
+    - `normed(x, nw, xn, m)`: xn [m, k] fp32 = the rows of x RMS-normed by nw, bit for bit
+      `norm.make_rms_norm`'s (`rms_norm_row`), parallel over rows (the norm form's input).
+    - `swiglu(gate, up, xn, m)`: xn = bf16(swiglu(gate, up, limit)) as fp32, the formula of
+      `silu_times` (the MoE epilogue's and the SwiGLU fallback's), parallel over rows.
+    n, k, kb, nb: the weight's shape as int64 immediates."""
+
+    stage: object
+    tasks: object
+    normed: object
+    swiglu: object
+    n: object
+    k: object
+    kb: object
+    nb: object
+    row_block: int
+
+    def staged_words(self, m):
+        """xt's length for m rows (whole row blocks)."""
+        mb = i64(self.row_block)
+        return ((m + mb - i64(1)) // mb) * (self.k // i64(2)) * mb
+
+
+def bf16_source(x, i, j):
+    """Element (i, j) of a bf16 matrix as fp32: the plain GEMM's activation."""
+    return bf16_to_f32(x[i, j])
+
+
+def f32_source(xn, i, j):
+    """Element (i, j) of an fp32 matrix of bf16 values (a formed input: normed, SwiGLU)."""
+    return xn[i, j]
+
+
+def fp8_gemm_bf16_stages(*, n: int, k: int, out_dtype: str = "bfloat16",
+                         row_block: int = 256, norm_eps: float | None = None,
+                         norm_lanes: int = 32, swiglu_limit: float | None = None
+                         ) -> Fp8GemmStages:
+    """The stages of `make_fp8_gemm_bf16` (see its docstring) for a weight [n, k]; norm_eps /
+    norm_lanes: the `normed` stage's (the rms_norm kernel's eps and lanes), swiglu_limit the
+    `swiglu` stage's."""
+    if k % (2 * BLOCK):
+        raise ValueError(f"The bf16 fp8 GEMM needs k a multiple of {2 * BLOCK}, got {k}.")
+    if row_block < 32 or row_block % (ROW_VECS * LANES):
+        raise ValueError(f"row_block must be a positive multiple of {ROW_VECS * LANES}; got "
+                         f"{row_block}.")
+    if norm_eps is not None and (norm_lanes <= 0 or k % norm_lanes):
+        raise ValueError(f"The fp8 GEMM's norm needs lanes dividing k={k}; got {norm_lanes}.")
+    check_out_dtype(out_dtype)
+    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
+    KP, MB, TN = i64(k // 2), i64(row_block), i64(BLOCK)
+    GROUP = ROW_VECS * LANES  # rows of a register tile
+    ACCS = ROW_VECS * TILE_COLS
+
+    def xq(value, src, amax, row, j):  # the quantised activation (fp32, exact)
+        return fp8_qdq(value(src, row, j), pow2_scale_byte(amax[row, j // BLOCK]))
+
+    def bits(v):  # bf16 bits of an exact fp32 value, as uint32
+        return T.reinterpret("uint32", v) >> u32(16)
+
+    @T.macro
+    def stage(value, src, amax, xt, m):
+        for i in T.parallel(m):
+            for b in range(KB):
+                amax[i, b] = T.min_value("float32")
+                for j in range(TN):
+                    amax[i, b] = T.max(amax[i, b], T.fabs(value(src, i, b * TN + j)))
+        for rb in T.parallel((m + MB - i64(1)) // MB):
+            for gr, kp, r in T.grid(MB // i64(GROUP), KP, i64(GROUP)):
+                row = T.meta_var(T.min(rb * MB + gr * GROUP + r, m - i64(1)))
+                xt[((rb * MB // i64(GROUP) + gr) * KP + kp) * i64(GROUP) + r] = T.Select(
+                    rb * MB + gr * GROUP + r < m,
+                    bits(xq(value, src, amax, row, kp * 2))
+                    | (bits(xq(value, src, amax, row, kp * 2 + 1)) << u32(16)),
+                    u32(0))
+
+    @T.macro
+    def tasks(xt, weight, scale, y, m):
+        for task in T.parallel(((m + MB - i64(1)) // MB) * NB):
+            wn = T.alloc_buffer((TN * K,), "uint16")  # the tile's weights, bf16, K order
+            acc = T.alloc_buffer((ACCS * LANES,), "float32")  # registers
+            out = T.alloc_buffer((ACCS * LANES,), out_dtype)
+            rb = T.meta_var(task // NB)
+            p = T.meta_var(task % NB)
+            for c, kv in T.grid(TN, K // i64(LANES)):
+                wn[T.ramp(c * K + kv * LANES, 1, LANES)] = bf16_bits_of_exact(
+                    e4m3_to_f32_select(T.Cast(f"uint32x{LANES}", weight.vload(
+                        [T.min(p * TN + c, N - i64(1)), kv * LANES], f"uint8x{LANES}")))
+                    * T.broadcast(e8m0_to_f32(T.Cast("uint32", scale[p, kv * LANES // TN])),
+                                  LANES))
+            for g in range(MB // i64(GROUP)):
+                if rb * MB + g * GROUP < m:
+                    for cq in range(TN // i64(TILE_COLS)):
+                        for a in T.unroll(ACCS):
+                            acc[T.ramp(a * LANES, 1, LANES)] = T.broadcast(T.float32(0), LANES)
+                        for kp in range(KP):
+                            for v in T.unroll(ROW_VECS):
+                                for c in T.unroll(TILE_COLS):
+                                    acc[T.ramp((v * TILE_COLS + c) * LANES, 1, LANES)] = \
+                                        dpbf16ps(
+                                            acc[T.ramp((v * TILE_COLS + c) * LANES, 1, LANES)],
+                                            T.reinterpret("uint16x32", xt[T.ramp(
+                                                ((rb * MB // i64(GROUP) + g) * KP + kp)
+                                                * i64(GROUP) + v * LANES, 1, LANES)]),
+                                            T.reinterpret("uint16x32", T.broadcast(
+                                                T.reinterpret("uint32", wn.vload(
+                                                    [(cq * TILE_COLS + c) * K + kp * 2],
+                                                    "uint16x2")), LANES)))
+                        for a in T.unroll(ACCS):  # rounded per vector, NaN canonical
+                            out[T.ramp(a * LANES, 1, LANES)] = T.Cast(
+                                f"{out_dtype}x{LANES}", nan_canonical(
+                                    acc[T.ramp(a * LANES, 1, LANES)]))
+                        for v, c, r in T.grid(ROW_VECS, TILE_COLS, LANES):
+                            row = T.meta_var(rb * MB + g * GROUP + v * LANES + r)
+                            col = T.meta_var(p * TN + cq * TILE_COLS + c)
+                            if row < m and col < N:
+                                y[row, col] = out[(v * TILE_COLS + c) * LANES + r]
+
+    NL = i64(norm_lanes)
+    vec = 16 if norm_lanes % 16 == 0 else 1
+    norm_row = rms_norm_row(vec=vec)  # a fresh macro (see common.stages)
+
+    @T.macro
+    def normed(x, nw, xn, m):
+        for i in T.parallel(m):
+            part = T.alloc_buffer((NL,), "float32")
+            ssq = T.alloc_buffer((1,), "float32")
+            norm_row(xn, lambda c, i=i: (i, c), part, ssq,
+                     lambda c, i=i: bf16_to_f32(x[i, c]), nw, k, norm_eps, norm_lanes)
+
+    @T.macro
+    def swiglu(gate, up, xn, m):
+        for i in T.parallel(m):
+            for c0 in range(K // i64(LANES)):
+                for c1 in T.vectorized(LANES):
+                    xn[i, c0 * LANES + c1] = round_bf16_bound(silu_times(
+                        bf16_to_f32(gate[i, c0 * LANES + c1]),
+                        bf16_to_f32(up[i, c0 * LANES + c1]), swiglu_limit))
+
+    return Fp8GemmStages(stage=stage, tasks=tasks, normed=normed, swiglu=swiglu, n=N, k=K,
+                         kb=KB, nb=NB, row_block=row_block)
+
+
+def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", row_block: int = 256,
+                       norm_eps: float | None = None, norm_lanes: int = 32,
+                       pair_n: int | None = None,
+                       swiglu_limit: float | None = None) -> tvm.tirx.PrimFunc:
     """The CPU prefill form of `fp8_linear` (same signature as `make_fp8_linear`) on x86 with
     AVX-512 BF16, hand-vectorised (its loops are the schedule).
 
@@ -57,23 +215,88 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
     tile's weights once into bf16 in K order ([32, k] uint16, the tile scale folded in) and
     runs register tiles of 32 rows x 8 columns: per K pair, 2 activation loads, 8 weight-pair
     broadcasts, 16 vdpbf16ps. A tile's decode is shared by `row_block` rows (about 1
-    instruction per code against row_block / 32 dot products per code)."""
-    if k % (2 * BLOCK):
-        raise ValueError(f"The bf16 fp8 GEMM needs k a multiple of {2 * BLOCK}, got {k}.")
-    if row_block < 32 or row_block % (ROW_VECS * LANES):
-        raise ValueError(f"row_block must be a positive multiple of {ROW_VECS * LANES}; got "
-                         f"{row_block}.")
-    check_out_dtype(out_dtype)
-    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
-    KP, MB, TN = i64(k // 2), i64(row_block), i64(BLOCK)
-    GROUP = ROW_VECS * LANES  # rows of a register tile
-    ACCS = ROW_VECS * TILE_COLS
+    instruction per code against row_block / 32 dot products per code).
 
-    def xq(x, amax, row, j):  # the quantised activation (fp32, exact)
-        return fp8_qdq(bf16_to_f32(x[row, j]), pow2_scale_byte(amax[row, j // BLOCK]))
+    The fused forms, each the kernels it stands for in turn, bit for bit (the same stages,
+    `fp8_gemm_bf16_stages`), one call: `norm_eps` (`norm_fp8_linear`: (x, norm_weight, weight,
+    scale, y); x RMS-normed first as the rms_norm kernel norms it, `norm_lanes` its lanes),
+    `pair_n` (`fp8_linear_pair`: (x, weight, scale, weight2, scale2, y, y2); x staged once for
+    both weights), `swiglu_limit` (`swiglu_fp8_linear`: (gate, up, weight, scale, y); the
+    activation bf16(swiglu(gate, up)), the SwiGLU fallback's formula)."""
+    if sum(v is not None for v in (norm_eps, pair_n, swiglu_limit)) > 1:
+        raise ValueError("The fp8 GEMM takes one of a norm, a second matrix or a SwiGLU.")
+    if pair_n is not None and pair_n <= 0:
+        raise ValueError(f"The paired fp8 GEMM needs pair_n > 0; got {pair_n}.")
+    st = fp8_gemm_bf16_stages(n=n, k=k, out_dtype=out_dtype, row_block=row_block,
+                              norm_eps=norm_eps, norm_lanes=norm_lanes,
+                              swiglu_limit=swiglu_limit)
+    N, K, KB, NB = st.n, st.k, st.kb, st.nb
 
-    def bits(v):  # bf16 bits of an exact fp32 value, as uint32
-        return T.reinterpret("uint32", v) >> u32(16)
+    if norm_eps is not None:
+        @T.prim_func
+        def norm_fp8_gemm_bf16(x_h: T.handle, nw: T.Buffer((K,), "bfloat16"),
+                               weight: T.Buffer((N, K), "uint8"),
+                               scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "norm_fp8_linear", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, N), out_dtype)
+            with T.attr(T.int32(0), *with_bf16_dot()):
+                xn = T.alloc_buffer((m, K), "float32")  # the normed rows (bf16 values)
+                amax = T.alloc_buffer((m, KB), "float32")
+                xt = T.alloc_buffer((st.staged_words(m),), "uint32")
+                st.normed(x, nw, xn, m)
+                st.stage(f32_source, xn, amax, xt, m)
+                st.tasks(xt, weight, scale, y, m)
+
+        return norm_fp8_gemm_bf16
+
+    if swiglu_limit is not None:
+        @T.prim_func
+        def swiglu_fp8_gemm_bf16(gate_h: T.handle, up_h: T.handle,
+                                 weight: T.Buffer((N, K), "uint8"),
+                                 scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "swiglu_fp8_linear", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            gate = T.match_buffer(gate_h, (m, K), "bfloat16")
+            up = T.match_buffer(up_h, (m, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, N), out_dtype)
+            with T.attr(T.int32(0), *with_bf16_dot()):
+                xn = T.alloc_buffer((m, K), "float32")  # the SwiGLU rows (bf16 values)
+                amax = T.alloc_buffer((m, KB), "float32")
+                xt = T.alloc_buffer((st.staged_words(m),), "uint32")
+                st.swiglu(gate, up, xn, m)
+                st.stage(f32_source, xn, amax, xt, m)
+                st.tasks(xt, weight, scale, y, m)
+
+        return swiglu_fp8_gemm_bf16
+
+    if pair_n is not None:
+        st2 = fp8_gemm_bf16_stages(n=pair_n, k=k, out_dtype=out_dtype, row_block=row_block)
+        N2, NB2 = st2.n, st2.nb
+
+        @T.prim_func
+        def fp8_gemm_bf16_pair(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                               scale: T.Buffer((NB, KB), "uint8"),
+                               weight2: T.Buffer((N2, K), "uint8"),
+                               scale2: T.Buffer((NB2, KB), "uint8"), y_h: T.handle,
+                               y2_h: T.handle):
+            T.func_attr({"global_symbol": "fp8_linear_pair", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, N), out_dtype)
+            y2 = T.match_buffer(y2_h, (m, N2), out_dtype)
+            with T.attr(T.int32(0), *with_bf16_dot()):
+                amax = T.alloc_buffer((m, KB), "float32")
+                xt = T.alloc_buffer((st.staged_words(m),), "uint32")
+                st.stage(bf16_source, x, amax, xt, m)
+                st.tasks(xt, weight, scale, y, m)
+                st2.tasks(xt, weight2, scale2, y2, m)
+
+        return fp8_gemm_bf16_pair
 
     @T.prim_func
     def fp8_gemm_bf16(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
@@ -85,67 +308,60 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16",
         y = T.match_buffer(y_h, (m, N), out_dtype)
         with T.attr(T.int32(0), *with_bf16_dot()):
             amax = T.alloc_buffer((m, KB), "float32")
-            xt = T.alloc_buffer((((m + MB - i64(1)) // MB) * KP * MB,), "uint32")
-            for i in T.parallel(m):
-                for b in range(KB):
-                    amax[i, b] = T.min_value("float32")
-                    for j in range(TN):
-                        amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * TN + j])))
-            for rb in T.parallel((m + MB - i64(1)) // MB):
-                for gr, kp, r in T.grid(MB // i64(GROUP), KP, i64(GROUP)):
-                    row = T.meta_var(T.min(rb * MB + gr * GROUP + r, m - i64(1)))
-                    xt[((rb * MB // i64(GROUP) + gr) * KP + kp) * i64(GROUP) + r] = T.Select(
-                        rb * MB + gr * GROUP + r < m,
-                        bits(xq(x, amax, row, kp * 2)) | (bits(xq(x, amax, row, kp * 2 + 1))
-                                                          << u32(16)),
-                        u32(0))
-            for task in T.parallel(((m + MB - i64(1)) // MB) * NB):
-                wn = T.alloc_buffer((TN * K,), "uint16")  # the tile's weights, bf16, K order
-                acc = T.alloc_buffer((ACCS * LANES,), "float32")  # registers
-                out = T.alloc_buffer((ACCS * LANES,), out_dtype)
-                rb = T.meta_var(task // NB)
-                p = T.meta_var(task % NB)
-                for c, kv in T.grid(TN, K // i64(LANES)):
-                    wn[T.ramp(c * K + kv * LANES, 1, LANES)] = bf16_bits_of_exact(
-                        e4m3_to_f32_select(T.Cast(f"uint32x{LANES}", weight.vload(
-                            [T.min(p * TN + c, N - i64(1)), kv * LANES], f"uint8x{LANES}")))
-                        * T.broadcast(e8m0_to_f32(T.Cast("uint32", scale[p, kv * LANES // TN])),
-                                      LANES))
-                for g in range(MB // i64(GROUP)):
-                    if rb * MB + g * GROUP < m:
-                        for cq in range(TN // i64(TILE_COLS)):
-                            for a in T.unroll(ACCS):
-                                acc[T.ramp(a * LANES, 1, LANES)] = T.broadcast(T.float32(0),
-                                                                               LANES)
-                            for kp in range(KP):
-                                for v in T.unroll(ROW_VECS):
-                                    for c in T.unroll(TILE_COLS):
-                                        acc[T.ramp((v * TILE_COLS + c) * LANES, 1, LANES)] = \
-                                            dpbf16ps(
-                                                acc[T.ramp((v * TILE_COLS + c) * LANES, 1,
-                                                           LANES)],
-                                                T.reinterpret("uint16x32", xt[T.ramp(
-                                                    ((rb * MB // i64(GROUP) + g) * KP + kp)
-                                                    * i64(GROUP) + v * LANES, 1, LANES)]),
-                                                T.reinterpret("uint16x32", T.broadcast(
-                                                    T.reinterpret("uint32", wn.vload(
-                                                        [(cq * TILE_COLS + c) * K + kp * 2],
-                                                        "uint16x2")), LANES)))
-                            for a in T.unroll(ACCS):  # rounded per vector, NaN canonical
-                                out[T.ramp(a * LANES, 1, LANES)] = T.Cast(
-                                    f"{out_dtype}x{LANES}", nan_canonical(
-                                        acc[T.ramp(a * LANES, 1, LANES)]))
-                            for v, c, r in T.grid(ROW_VECS, TILE_COLS, LANES):
-                                row = T.meta_var(rb * MB + g * GROUP + v * LANES + r)
-                                col = T.meta_var(p * TN + cq * TILE_COLS + c)
-                                if row < m and col < N:
-                                    y[row, col] = out[(v * TILE_COLS + c) * LANES + r]
+            xt = T.alloc_buffer((st.staged_words(m),), "uint32")
+            st.stage(bf16_source, x, amax, xt, m)
+            st.tasks(xt, weight, scale, y, m)
 
     return fp8_gemm_bf16
 
 
+def make_fp8_gemm_bf16_q_kv(*, n_q: int, n_kv: int, k: int, n_b: int, norm_eps: float,
+                            norm_lanes: int = 32, row_block: int = 256,
+                            b_row_block: int = 256) -> tvm.tirx.PrimFunc:
+    """`fp8_q_kv`'s prefill kernel on AVX-512 BF16, the signature of the decode one
+    (`make_fp8_gemv_bf16_q_kv`): x staged once for the pair wq_a / wkv (q_lora and kv), then
+    q_lora RMS-normed, staged and the wq_b GEMM of it: the `fp8_linear_pair` and
+    `norm_fp8_linear` forms of `make_fp8_gemm_bf16` in turn (their stages), so every output is
+    theirs bit for bit, one call instead of two (four unfused). row_block / b_row_block: the
+    row blocks each GEMM's own kernel would use."""
+    a = fp8_gemm_bf16_stages(n=n_q, k=k, row_block=row_block)
+    kv_st = fp8_gemm_bf16_stages(n=n_kv, k=k, row_block=row_block)
+    b = fp8_gemm_bf16_stages(n=n_b, k=n_q, row_block=b_row_block, norm_eps=norm_eps,
+                             norm_lanes=norm_lanes)
+    NQ, NKV, K, NB_ = a.n, kv_st.n, a.k, b.n  # wq_a, wkv, x's width, wq_b
+
+    @T.prim_func
+    def fp8_q_kv(x_h: T.handle, wa: T.Buffer((NQ, K), "uint8"),
+                 sa: T.Buffer((a.nb, a.kb), "uint8"), wkv: T.Buffer((NKV, K), "uint8"),
+                 skv: T.Buffer((kv_st.nb, kv_st.kb), "uint8"),
+                 nw: T.Buffer((NQ,), "bfloat16"), wb: T.Buffer((NB_, NQ), "uint8"),
+                 sb: T.Buffer((b.nb, b.kb), "uint8"), q_lora_h: T.handle, kv_h: T.handle,
+                 q_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_q_kv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        q_lora = T.match_buffer(q_lora_h, (m, NQ), "bfloat16")
+        kv = T.match_buffer(kv_h, (m, NKV), "bfloat16")
+        q = T.match_buffer(q_h, (m, NB_), "bfloat16")
+        with T.attr(T.int32(0), *with_bf16_dot()):
+            amax = T.alloc_buffer((m, a.kb), "float32")
+            xt = T.alloc_buffer((a.staged_words(m),), "uint32")
+            a.stage(bf16_source, x, amax, xt, m)
+            a.tasks(xt, wa, sa, q_lora, m)
+            kv_st.tasks(xt, wkv, skv, kv, m)
+            xn = T.alloc_buffer((m, NQ), "float32")  # the normed q_lora (bf16 values)
+            amax_b = T.alloc_buffer((m, b.kb), "float32")
+            xt_b = T.alloc_buffer((b.staged_words(m),), "uint32")
+            b.normed(q_lora, nw, xn, m)
+            b.stage(f32_source, xn, amax_b, xt_b, m)
+            b.tasks(xt_b, wb, sb, q, m)
+
+    return fp8_q_kv
+
+
 def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
-                         fp8: bool = False) -> tvm.tirx.PrimFunc:
+                         fp8: bool = False, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
     """The prefill form of the grouped bf16 `dense_gemv` (same signature as `make_dense_gemm`:
     x bf16 [m, g, k], w bf16 [g * n, k], y fp32 [m, g, n]) on x86 with AVX-512 BF16,
     hand-vectorised: every product of two bf16 values is exact in fp32, summed by vdpbf16ps in
@@ -163,7 +379,12 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
     bf16 in K order ([32, k] uint16: looked up, `e4m3_words`, the tile's scale added to the
     exponents, exact: the BF16 `checkpoint.fp8_tiles.dequantize_fp8_tiles` makes while the scale
     byte is in `EXACT_SCALE_BYTES`), then broadcasts the pairs from it: the bf16 kernel's sums
-    over that weight, bit for bit, without a dequantized copy of it."""
+    over that weight, bit for bit, without a dequantized copy of it.
+
+    `out_dtype` "bfloat16": each sum stored rounded (`common.bf16_of`, the bits of the
+    caller's `round_to_bf16` on the fp32 result: the rounding kernel after it, folded in)."""
+    if out_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"The bf16 dense GEMM stores float32 or bfloat16, got {out_dtype}.")
     if k % 2:
         raise ValueError(f"The bf16 dense GEMM needs an even k, got {k}.")
     if fp8 and k % e4m3_words.CODES:
@@ -188,6 +409,9 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
             [g * N + T.min(p * TN + cq * TILE_COLS + c, N - i64(1)), kp * 2], "bfloat16x2"))
 
     CODES = e4m3_words.CODES
+
+    def stored(v):  # an fp32 sum as y holds it
+        return bf16_of(v) if out_dtype == "bfloat16" else v
 
     @T.macro
     def decode_tile(w, sc, tables, wn, g, p):
@@ -255,7 +479,7 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
                                 row = T.meta_var(rb * MB + gr * GROUP + v * LANES + r)
                                 col = T.meta_var(p * TN + cq * TILE_COLS + c)
                                 if row < m and col < N:
-                                    y[row, g, col] = out[(v * TILE_COLS + c) * LANES + r]
+                                    y[row, g, col] = stored(out[(v * TILE_COLS + c) * LANES + r])
 
     if fp8:
         @T.prim_func
@@ -266,7 +490,7 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
                          "tirx.is_scheduled": True})
             m = T.int64()
             x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-            y = T.match_buffer(y_h, (m, G, N), "float32")
+            y = T.match_buffer(y_h, (m, G, N), out_dtype)
             body(x, w, sc, y, m)
 
         return dense_gemm_fp8
@@ -277,7 +501,7 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
                      "tirx.is_scheduled": True})
         m = T.int64()
         x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, G, N), "float32")
+        y = T.match_buffer(y_h, (m, G, N), out_dtype)
         body(x, w, None, y, m)
 
     return dense_gemm_bf16

@@ -721,22 +721,35 @@ def schedule_dense_gemm(func: tvm.tirx.PrimFunc, config: DenseGemmConfig,
 
 
 def build_dense_gemm(target_name: str, *, groups: int, n: int, k: int, x_dtype: str,
-                     w_dtype: str) -> tvm.tirx.PrimFunc:
+                     w_dtype: str, out_dtype: str = "float32") -> tvm.tirx.PrimFunc:
+    """out_dtype "bfloat16": where the GEMM stores bf16 itself (`dense_gemm_rounds`)."""
     target = get_target(target_name)
     func, cfg = unscheduled_dense_gemm(target, groups=groups, n=n, k=k, x_dtype=x_dtype,
-                                       w_dtype=w_dtype)
+                                       w_dtype=w_dtype, out_dtype=out_dtype)
     return schedule_dense_gemm(func, cfg, target)
 
 
+def dense_gemm_rounds(target: TargetSpec, *, n: int, k: int, x_dtype: str,
+                      w_dtype: str) -> bool:
+    """Whether the prefill GEMM this target gets can store bf16 itself (`out_dtype`): the
+    AVX-512 BF16 form (`make_dense_gemm_bf16`); the others store fp32 and the caller rounds."""
+    return dense_gemm_config(target, n=n, k=k, x_dtype=x_dtype,
+                             w_dtype=w_dtype).kind == "bf16_dot"
+
+
 def unscheduled_dense_gemm(target: TargetSpec, *, groups: int, n: int, k: int, x_dtype: str,
-                           w_dtype: str) -> tuple[tvm.tirx.PrimFunc, DenseGemmConfig]:
+                           w_dtype: str, out_dtype: str = "float32"
+                           ) -> tuple[tvm.tirx.PrimFunc, DenseGemmConfig]:
     """The factory output the config's schedule expects, and the config."""
     cfg = dense_gemm_config(target, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype)
+    if out_dtype != "float32" and cfg.kind != "bf16_dot":
+        raise ValueError(f"dense_gemm stores {out_dtype} only in its bf16_dot form; this "
+                         f"target's is {cfg.kind!r} (fp32: round the result).")
     if cfg.kind == "amx":
         return make_dense_gemm_amx(groups=groups, n=n, k=k, block_rows=cfg.block_rows), cfg
     if cfg.kind == "bf16_dot":
         return make_dense_gemm_bf16(groups=groups, n=n, k=k, row_block=cfg.block_rows,
-                                    fp8=w_dtype == FP8_WEIGHT), cfg
+                                    fp8=w_dtype == FP8_WEIGHT, out_dtype=out_dtype), cfg
     if w_dtype == FP8_WEIGHT:
         raise ValueError(f"dense_gemm reads an FP8 weight only in its bf16_dot form; this "
                          f"target's is {cfg.kind!r} (`dense_gemm_reads_fp8`: dequantize it).")

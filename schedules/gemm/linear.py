@@ -28,7 +28,7 @@ from dsv41.schedules.common import (
 from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm.amx import amx_block_rows, make_fp8_linear_amx
 from dsv41.schedules.gemm.avx2_gemv import MAX_ROWS, make_fp8_gemv_avx2
-from dsv41.schedules.gemm.bf16_gemm import make_fp8_gemm_bf16
+from dsv41.schedules.gemm.bf16_gemm import make_fp8_gemm_bf16, make_fp8_gemm_bf16_q_kv
 from dsv41.schedules.gemm.bf16_gemv import make_fp8_gemv_bf16, make_fp8_gemv_bf16_q_kv
 from dsv41.schedules.gemm.fp8 import (
     BLOCK,
@@ -408,11 +408,12 @@ def _schedule_gemm(sch: s_tir.Schedule, config: Fp8LinearConfig, target: TargetS
 
 def fp8_linear_norms(target: TargetSpec, *, n: int, k: int, m: int | None = None,
                      rows: int = 1) -> bool:
-    """Whether this target's fp8_linear kernel can RMS-norm its input first (`norm_eps`): the
-    AVX-512 BF16 decode GEMV (`make_fp8_gemv_bf16`); elsewhere the lowering runs the rms_norm
-    kernel before it."""
+    """Whether this target's fp8_linear kernel can RMS-norm its input first (`norm_eps`), pair
+    two matrices (`pair_n`) or form a SwiGLU input (`swiglu_limit`): the AVX-512 BF16 decode
+    GEMV (`make_fp8_gemv_bf16`) and prefill GEMM (`make_fp8_gemm_bf16`); elsewhere the
+    lowering runs the rms_norm kernel (two kernels, the SwiGLU's elementwise ops) before it."""
     config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
-    return config.kind == "gemv_avx512" and config.dot == "bf16"
+    return (config.kind == "gemv_avx512" and config.dot == "bf16") or config.kind == "gemm_bf16"
 
 
 def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None,
@@ -428,12 +429,15 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
     if any(v is not None for v in fused) and not fp8_linear_norms(target, n=n, k=k, m=m,
                                                                    rows=rows):
         raise ValueError(f"fp8_linear norms its input (or pairs two matrices, or forms a "
-                         f"SwiGLU) only in the AVX-512 BF16 decode GEMV; this target's kernel "
-                         f"is {config.kind!r} (run rms_norm before it, or two kernels).")
+                         f"SwiGLU) only in the AVX-512 BF16 decode GEMV and prefill GEMM; this "
+                         f"target's kernel is {config.kind!r} (run rms_norm before it, or two "
+                         f"kernels).")
     if config.kind == "amx":
         return make_fp8_linear_amx(n=n, k=k, block_rows=config.tm, out_dtype=out_dtype), config
     if config.kind == "gemm_bf16":
-        return make_fp8_gemm_bf16(n=n, k=k, out_dtype=out_dtype, row_block=config.tm), config
+        return make_fp8_gemm_bf16(n=n, k=k, out_dtype=out_dtype, row_block=config.tm,
+                                  norm_eps=norm_eps, norm_lanes=norm_config(target, d=k).lanes,
+                                  pair_n=pair_n, swiglu_limit=swiglu_limit), config
     if config.kind == "gemv_avx2":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, rows=config.rows), config
     if config.kind == "gemv_avx512" and config.dot == "bf16":
@@ -465,10 +469,13 @@ def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None,
 
 def fp8_q_kv_fuses(target: TargetSpec, *, n_q: int, n_kv: int, k: int, n_b: int,
                    m: int | None = None, rows: int = 1) -> bool:
-    """Whether this target runs `fp8_q_kv` as one kernel (`make_fp8_gemv_bf16_q_kv`): where
-    its fp8_linear pairs (wq_a and wkv over k) and norms (wq_b over n_q) in the decode GEMV."""
-    return all(fp8_linear_norms(target, n=n, k=kk, m=m, rows=rows)
-               for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q)))
+    """Whether this target runs `fp8_q_kv` as one kernel (`make_fp8_gemv_bf16_q_kv` in decode,
+    `make_fp8_gemm_bf16_q_kv` in prefill): where its fp8_linear pairs (wq_a and wkv over k)
+    and norms (wq_b over n_q), both in the decode GEMV or both in the prefill GEMM."""
+    kinds = {fp8_linear_config(target, n=n, k=kk, m=m, rows=rows).kind
+             for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q))}
+    return len(kinds) == 1 and all(fp8_linear_norms(target, n=n, k=kk, m=m, rows=rows)
+                                   for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q)))
 
 
 def build_fp8_q_kv(target_name: str, *, n_q: int, n_kv: int, k: int, n_b: int,
@@ -477,10 +484,15 @@ def build_fp8_q_kv(target_name: str, *, n_q: int, n_kv: int, k: int, n_b: int,
     would have (the pair's of (n_q, k), wq_b's of (n_b, n_q)); refused elsewhere."""
     target = get_target(target_name)
     if not fp8_q_kv_fuses(target, n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, m=m, rows=rows):
-        raise ValueError("fp8_q_kv is one kernel only where the AVX-512 BF16 decode GEMV pairs "
-                         "and norms (gemm.fp8_q_kv_fuses); emit its two kernels.")
+        raise ValueError("fp8_q_kv is one kernel only where the AVX-512 BF16 decode GEMV or "
+                         "prefill GEMM pairs and norms (gemm.fp8_q_kv_fuses); emit its two "
+                         "kernels.")
     a = fp8_linear_config(target, n=n_q, k=k, m=m, rows=rows)
     b = fp8_linear_config(target, n=n_b, k=n_q, m=m, rows=rows)
+    if a.kind == "gemm_bf16":
+        return make_fp8_gemm_bf16_q_kv(n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=norm_eps,
+                                       norm_lanes=norm_config(target, d=n_q).lanes,
+                                       row_block=a.tm, b_row_block=b.tm)
     return make_fp8_gemv_bf16_q_kv(n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=norm_eps,
                                    norm_lanes=norm_config(target, d=n_q).lanes, rows=a.rows,
                                    prefetch=a.prefetch, fma_rows=a.fma_rows,
