@@ -221,10 +221,12 @@ class RouteTopkKey(KernelKey):
     route_scale: float
     bias_rows: bool  # a bias per row (the image-span rows'), else one for all rows
     gate_temp: float | None = None  # route_topk_logits: the scores from logits / gate_temp
+    bias_select: bool = False  # (mask, bias_vl, bias): each row's bias picked by its mask
 
     def parts(self) -> tuple:
         return (self.kind, self.e, self.k, self.normalize, self.route_scale, self.bias_rows) + (
-            (f"logits{self.gate_temp}",) if self.gate_temp is not None else ())
+            (f"logits{self.gate_temp}",) if self.gate_temp is not None else ()) + (
+            ("vl",) if self.bias_select else ())
 
 
 @dataclass(frozen=True)

@@ -280,10 +280,12 @@ def _indexer_shared(ctx: Lowering):
 
 def _moe_experts(ctx: Lowering, plus: bool = False):
     """The routed experts as the six-kernel chain of `schedules.moe` (Relax allocates the
-    token-sized intermediates between the calls, which CUDA needs); `plus` (moe_experts_plus):
-    its last kernel adds the shared expert's output and stores bf16 (`moe_combine_plus`). In
-    the two-call decode form (`moe.fused_decode`), when the weights and ids are those of a
-    `route_topk_logits` that nothing else reads (`logits_route`), the first call takes the
+    token-sized intermediates between the calls, which CUDA needs), on CPU two calls
+    (`moe.fused_chain`: decode's GEMVs on AVX-512, prefill's tiles on every CPU); `plus`
+    (moe_experts_plus): its last kernel adds the shared expert's output and stores bf16
+    (`moe_combine_plus`). In the two-call decode form (`moe.fused_decode`; prefill's leaves the
+    router to its own kernel), when the weights and ids are those of a `route_topk_logits`
+    that nothing else reads (`logits_route`), the first call takes the
     gate's logits and routes them itself, and where those logits are the gate's bf16 GEMV of
     the same x, read by nothing else, that the decode dense GEMV would sum as
     `gemm.bf16_dot_rows` does (`gate_weight`), it takes the gate's weight and forms them too
@@ -349,6 +351,24 @@ def logits_route(node):
     return route
 
 
+def selected_bias(arg, e: int) -> tuple | None:
+    """(mask, bias_vl, bias) FX nodes where a router's bias `arg` is `torch.where(mask, bias_vl,
+    bias)` of a [n, 1] bool mask and two fp32 [E] biases (the image-span rows' bias, which
+    the router kernel then picks per row itself: `RouteTopkKey.bias_select`), else None."""
+    if getattr(arg, "target", None) is not torch.ops.aten.where.self:
+        return None
+    mask, on, off = arg.args[:3]
+    vals = [getattr(a, "meta", {}).get("val") for a in (mask, on, off)]
+    if any(v is None for v in vals):
+        return None
+    m, b1, b0 = vals
+    if m.dtype != torch.bool or m.dim() != 2 or m.shape[1] != 1:
+        return None
+    if any(b.dtype != torch.float32 or tuple(b.shape) != (e,) for b in (b1, b0)):
+        return None
+    return mask, on, off
+
+
 def gate_weight(ctx: Lowering, route, node, importer) -> relax.Expr | None:
     """The gate's bf16 weight [E, dim] where the logits `route` (a `route_topk_logits` FX
     node) scores are `linear(x.float(), w.float())` of the MoE op `node`'s own x, read by
@@ -404,12 +424,16 @@ def _route_topk(ctx: Lowering, logits: bool = False):
     def convert(node, importer):
         scores, bias = importer.env[node.args[0]], importer.env[node.args[1]]
         n, e = shape(scores)
+        picked = selected_bias(node.args[1], static(e))
         key = RouteTopkKey(e=static(e), k=int(node.args[2]), normalize=bool(node.args[3]),
-                           route_scale=float(node.args[4]), bias_rows=len(shape(bias)) == 2,
-                           gate_temp=float(node.args[5]) if logits else None)
+                           route_scale=float(node.args[4]),
+                           bias_rows=picked is None and len(shape(bias)) == 2,
+                           gate_temp=float(node.args[5]) if logits else None,
+                           bias_select=picked is not None)
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
         out = [tensor([n, key.k], "float32"), tensor([n, key.k], "int64")]
-        res = call(importer, gv, [scores, bias], out)
+        biases = [bias] if picked is None else [importer.env[a] for a in picked]
+        res = call(importer, gv, [scores, *biases], out)
         bb = importer.block_builder
         return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
 
@@ -729,7 +753,7 @@ REGISTRY: tuple[KernelEntry, ...] = (
          "route_topk_logits.default": lambda ctx: _route_topk(ctx, logits=True)},
         build=lambda key, t: router.build_route_topk(
             t, e=key.e, k=key.k, normalize=key.normalize, route_scale=key.route_scale,
-            bias_rows=key.bias_rows, gate_temp=key.gate_temp)),
+            bias_rows=key.bias_rows, gate_temp=key.gate_temp, bias_select=key.bias_select)),
     KernelEntry(
         "rope", (RopeKey,), rope.build_rope, rope.rope_config, rope.schedule_rope,
         {"rope.default": _rope},

@@ -52,7 +52,10 @@ def sqrt_softplus(z):
 class TopkRouting:
     """What `route_topk` computes (`make_route_topk`'s arguments): e experts, k picks,
     `normalize`, `route_scale`, bias per row (`bias_rows`), and gate_temp for the logits form
-    (`route_topk_logits`)."""
+    (`route_topk_logits`). `bias_select`: the bias is the triple (mask [n, 1] bool, bias_vl
+    [E], bias [E]) and row r's is bias_vl where mask[r] else bias: the image-span rows' bias
+    (`torch.where(vl_mask, bias_vl, bias)`, the elementwise kernel before the router) picked
+    as the row is routed."""
 
     e: int
     k: int
@@ -60,6 +63,11 @@ class TopkRouting:
     route_scale: float
     bias_rows: bool = False
     gate_temp: float | None = None
+    bias_select: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bias_rows and self.bias_select:
+            raise ValueError("The router takes a bias per row or a selected one, not both.")
 
 
 def route_topk_row(r: TopkRouting):
@@ -75,8 +83,13 @@ def route_topk_row(r: TopkRouting):
     def score_of(scores, sc, vr, i):  # row vr's score of expert i
         return sc[0, i] if scored else scores[vr, i]
 
+    def bias_of(bias, vr, i):  # row vr's bias of expert i
+        if r.bias_select:
+            return T.Select(bias[0][vr, T.int64(0)], bias[1][i], bias[2][i])
+        return bias[vr, i] if r.bias_rows else bias[i]
+
     def scores_at(scores, sc, bias, vr, i):  # the biased score the top-k orders
-        return score_of(scores, sc, vr, i) + (bias[vr, i] if r.bias_rows else bias[i])
+        return score_of(scores, sc, vr, i) + bias_of(bias, vr, i)
 
     @T.macro
     def topk_row(scores, bias, weights, ids, vr, sc, prev_key, prev_id, best_key, best_id,
@@ -111,17 +124,48 @@ def route_topk_row(r: TopkRouting):
 
 
 def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
-                    bias_rows: bool = False, gate_temp: float | None = None
-                    ) -> tvm.tirx.PrimFunc:
+                    bias_rows: bool = False, gate_temp: float | None = None,
+                    bias_select: bool = False) -> tvm.tirx.PrimFunc:
     """`route_topk(scores, bias) -> (weights, ids)` (module docstring), n symbolic; bias [E], or
     [n, E] with `bias_rows`. gate_temp (`route_topk_logits`): the input is the gate's logits,
     each row's scores `sqrt_softplus(logits / gate_temp)` computed first (the elementwise
-    kernel the graph ran before, in the row's block)."""
+    kernel the graph ran before, in the row's block). `bias_select`: (scores, mask [n, 1]
+    bool, bias_vl [E], bias [E]) -> (weights, ids), each row's bias picked by its mask
+    (`TopkRouting`): the `bias_rows` kernel on `where(mask, bias_vl, bias)`, bit for bit."""
     routing = TopkRouting(e=e, k=k, normalize=normalize, route_scale=route_scale,
-                          bias_rows=bias_rows, gate_temp=gate_temp)
+                          bias_rows=bias_rows, gate_temp=gate_temp, bias_select=bias_select)
     topk_row = route_topk_row(routing)
     E, K = T.int64(e), T.int64(k)
     scored = gate_temp is not None
+
+    if bias_select:
+        @T.prim_func(s_tir=True)
+        def route_topk_select(s_h: T.handle, m_h: T.handle, bias_vl: T.Buffer((E,), "float32"),
+                              bias: T.Buffer((E,), "float32"), w_h: T.handle, id_h: T.handle):
+            T.func_attr({"global_symbol": "route_topk", "tirx.noalias": True})
+            n = T.int64()
+            scores = T.match_buffer(s_h, (n, E), "float32")
+            mask = T.match_buffer(m_h, (n, T.int64(1)), "bool")
+            weights = T.match_buffer(w_h, (n, K), "float32")
+            ids = T.match_buffer(id_h, (n, K), "int64")
+            for r in range(n):
+                with T.sblock("route"):
+                    vr = T.axis.spatial(n, r)
+                    T.reads(scores[vr, 0:E], mask[vr, 0], bias_vl[0:E], bias[0:E])
+                    T.writes(weights[vr, 0:K], ids[vr, 0:K])
+                    prev_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                    prev_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                    best_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+                    best_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                    if scored:  # static
+                        sc = T.sblock_alloc_buffer((T.int64(1), E), "float32", scope="local")
+                    else:
+                        sc = T.meta_var(None)
+                    topk_row(scores, (mask, bias_vl, bias), weights, ids, vr, sc, prev_key,
+                             prev_id, best_key, best_id, total)
+
+        return route_topk_select
 
     @T.prim_func(s_tir=True)
     def route_topk(s_h: T.handle, b_h: T.handle, w_h: T.handle, id_h: T.handle):
@@ -169,11 +213,11 @@ def schedule_route_topk(func: tvm.tirx.PrimFunc, config: RouterConfig,
 
 
 def build_route_topk(target_name: str, *, e: int, k: int, normalize: bool, route_scale: float,
-                     bias_rows: bool = False, gate_temp: float | None = None
-                     ) -> tvm.tirx.PrimFunc:
+                     bias_rows: bool = False, gate_temp: float | None = None,
+                     bias_select: bool = False) -> tvm.tirx.PrimFunc:
     """make + config + schedule for `target_name` (a cuda_build builder)."""
     target = get_target(target_name)
     return schedule_route_topk(
         make_route_topk(e=e, k=k, normalize=normalize, route_scale=route_scale,
-                        bias_rows=bias_rows, gate_temp=gate_temp), router_config(target),
-        target)
+                        bias_rows=bias_rows, gate_temp=gate_temp, bias_select=bias_select),
+        router_config(target), target)

@@ -55,7 +55,7 @@ def _run_chain(ex, args: list[torch.Tensor], topk: int, hint: int | None, target
     """Run the plan's calls in order with caller-allocated intermediates, as Relax would (`fill`:
     their float contents before the chain; Relax leaves them uninitialised; `rows`: the verify
     entry's chain; `plus`: moe_experts_plus's, args ending with the shared output; `fuse`
-    False: the six calls even where the plan has the two-call decode form)."""
+    False: the six calls even where the plan has the two-call form)."""
     n = args[0].shape[0]
     plan = moe.moe_experts_plan(target, n=n, n_hint=hint, topk=topk, rows=rows, plus=plus,
                                 fuse=fuse, **dims)

@@ -146,3 +146,31 @@ def test_logits_form_is_the_scores_kernel_then_route_topk(gate_temp, bias_rows):
     same = (got_i == ref_i).all(1) & live
     assert same.float().sum() >= 0.99 * live.float().sum()
     assert torch.allclose(got_w[same], ref_w[same], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("gate_temp", [None, 1.5])
+def test_selected_bias_is_the_where_then_the_row_bias_kernel(gate_temp):
+    """The router picking each row's bias by its mask (`bias_select`: the image-span rows'
+    `torch.where(vl_mask, bias_vl, bias)` folded in): ids and weights the per-row-bias kernel's
+    on the where'd bias, bit for bit, with ties between the two biases' picks and masks of
+    every kind (none, all, alternating)."""
+    e, k, n = 16, 2, 300
+    g = torch.Generator().manual_seed(3)
+    scores = (torch.rand(n, e, generator=g) - 0.5) * 40 if gate_temp else _scores(n, e, 4)
+    bias, bias_vl = torch.randn(e, generator=g) * 0.1, torch.randn(e, generator=g) * 0.1
+    bias_vl[:4] = bias[:4]
+    mask = torch.zeros(n, 1, dtype=torch.bool)
+    mask[::3] = True
+    mask[100:200] = True
+    kw = dict(e=e, k=k, normalize=True, route_scale=2.5, gate_temp=gate_temp)
+    sel = tvm.compile(R.build_route_topk("cpu", **kw, bias_select=True), target=CPU.tvm_target())
+    rows = tvm.compile(R.build_route_topk("cpu", **kw, bias_rows=True), target=CPU.tvm_target())
+    got_w, got_i = torch.empty(n, k), torch.empty(n, k, dtype=torch.int64)
+    sel(tv(scores), tv(mask), tv(bias_vl), tv(bias), tv(got_w), tv(got_i))
+    want_w, want_i = torch.empty(n, k), torch.empty(n, k, dtype=torch.int64)
+    rows(tv(scores), tv(torch.where(mask, bias_vl, bias)), tv(want_w), tv(want_i))
+    assert torch.equal(got_i, want_i)
+    assert torch.equal(got_w.view(torch.int32), want_w.view(torch.int32))
+    with pytest.raises(ValueError, match="not both"):
+        R.make_route_topk(e=e, k=k, normalize=True, route_scale=1.0, bias_rows=True,
+                          bias_select=True)

@@ -21,6 +21,12 @@ CPU decode on AVX-512 (`fused_decode`) runs the chain as two calls: `moe_gate_up
 each is bit for bit the kernels it stands for (only the GEMVs are parallel; the rest is a few
 thousand operations per token).
 
+CPU prefill (`fused_tiles`, any CPU) runs the tile kernels as two calls too, of the same
+names: `moe_gate_up_route` (1-3: row_pair, token_rows, tiles, h) and `moe_down_combine(_plus)`
+(4-6, reading h, tiles and token_rows). Each is one PrimFunc holding the blocks of the kernels
+it stands for, from the same stage macros, scheduled by the same steps (`tiles_pair`), so bit
+for bit those kernels; xq, hq and o are allocated inside. CUDA keeps the six calls.
+
 Numerics are those of schedules/gemm/'s block-scaled GEMMs (see its module docstring): activations
 carried as their exact dequantised fp32 value, 32-blocks added in K order times the weight
 scale, bf16 rounding where the oracle rounds. NT = ceil(P / row_tile) + min(P, E) bounds the
@@ -42,6 +48,8 @@ from dsv41.schedules.moe.configs import (
     MoeSplitConfig,
     moe_split_config,
     schedule_moe_combine,
+    schedule_moe_down_combine,
+    schedule_moe_gate_up_route,
     schedule_moe_gemm,
     schedule_moe_gemv,
     schedule_moe_qdq,
@@ -60,7 +68,9 @@ from dsv41.schedules.moe.plan import (
     build_moe_experts_split,
     emit_moe_experts,
     example_inputs_moe_experts,
+    fused_chain,
     fused_decode,
+    fused_tiles,
     moe_experts_plan,
 )
 from dsv41.schedules.moe.route import (
@@ -70,22 +80,32 @@ from dsv41.schedules.moe.route import (
     make_moe_route,
     num_tiles,
 )
+from dsv41.schedules.moe.tiles_pair import (
+    fused_tiles_funcs,
+    make_moe_down_combine_tiles,
+    make_moe_gate_up_route_tiles,
+)
 
 __all__ = [
     "build_moe_experts_split",
     "check_expert_ids",
     "emit_moe_experts",
     "example_inputs_moe_experts",
+    "fused_chain",
     "fused_decode",
+    "fused_tiles",
+    "fused_tiles_funcs",
     "GEMV_PREFETCH",
     "make_moe_combine",
     "make_moe_down",
+    "make_moe_down_combine_tiles",
     "make_moe_down_rows_avx512",
     "make_moe_gate_up_rows_avx512",
     "MAX_TILE_ROWS",
     "make_moe_down_gemv",
     "make_moe_down_gemv_avx512",
     "make_moe_gate_up",
+    "make_moe_gate_up_route_tiles",
     "make_moe_gate_up_gemv",
     "make_moe_gate_up_gemv_avx512",
     "make_moe_qdq",
@@ -98,6 +118,8 @@ __all__ = [
     "MoeSplitConfig",
     "num_tiles",
     "schedule_moe_combine",
+    "schedule_moe_down_combine",
+    "schedule_moe_gate_up_route",
     "schedule_moe_gemm",
     "schedule_moe_gemv",
     "schedule_moe_qdq",

@@ -235,11 +235,8 @@ def schedule_moe_route(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: 
     return _finish(sch)
 
 
-def schedule_moe_qdq(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec
-                     ) -> tvm.tirx.PrimFunc:
-    """amax computed next to its 32 outputs: CPU parallel rows and vector lanes, CUDA one thread
-    per 32-group with the amax in a register."""
-    sch = s_tir.Schedule(func)
+def _qdq_steps(sch: s_tir.Schedule, config: MoeSplitConfig, target: TargetSpec) -> None:
+    """`schedule_moe_qdq`'s steps on the blocks `xq` and `amax` of `sch`."""
     blk, amax = sch.get_sblock("xq"), sch.get_sblock("amax")
     i, j = sch.get_loops(blk)
     jb, jj = sch.split(j, [None, BLOCK])
@@ -252,14 +249,20 @@ def schedule_moe_qdq(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: Ta
     else:
         sch.parallel(i)
         sch.vectorize(jj)
+
+
+def schedule_moe_qdq(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec
+                     ) -> tvm.tirx.PrimFunc:
+    """amax computed next to its 32 outputs: CPU parallel rows and vector lanes, CUDA one thread
+    per 32-group with the amax in a register."""
+    sch = s_tir.Schedule(func)
+    _qdq_steps(sch, config, target)
     return _finish(sch)
 
 
-def schedule_moe_combine(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec
-                         ) -> tvm.tirx.PrimFunc:
-    """moe_combine, and moe_combine_plus (its `plus` block computed per output beside the sum:
-    one pass, the fp32 sum in a register)."""
-    sch = s_tir.Schedule(func, enable_check=False)
+def _combine_steps(sch: s_tir.Schedule, config: MoeSplitConfig, target: TargetSpec) -> None:
+    """`schedule_moe_combine`'s steps on the block `combine` (and `plus`, where the root has
+    it) of `sch`."""
     blk = sch.get_sblock("combine")
     plus = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
             if sch.get(b).name_hint == "plus"]
@@ -275,4 +278,48 @@ def schedule_moe_combine(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target
         sch.bind(tx, "threadIdx.x")
     else:
         sch.parallel(i)
+
+
+def schedule_moe_combine(func: tvm.tirx.PrimFunc, config: MoeSplitConfig, target: TargetSpec
+                         ) -> tvm.tirx.PrimFunc:
+    """moe_combine, and moe_combine_plus (its `plus` block computed per output beside the sum:
+    one pass, the fp32 sum in a register)."""
+    sch = s_tir.Schedule(func, enable_check=False)
+    _combine_steps(sch, config, target)
+    return _finish(sch)
+
+
+# ---- the fused prefill calls (CPU) ---------------------------------------------------------
+
+
+def _check_cpu_tiles(config: MoeSplitConfig, target: TargetSpec) -> None:
+    if target.is_cuda or config.kind != "tiles":
+        raise ValueError("The fused prefill MoE calls are CPU tile kernels (a CUDA kernel "
+                         "cannot allocate their token-sized buffers); got "
+                         f"{target.name}, kind {config.kind!r}.")
+
+
+def schedule_moe_gate_up_route(func: tvm.tirx.PrimFunc, config: MoeSplitConfig,
+                               target: TargetSpec) -> tvm.tirx.PrimFunc:
+    """`tiles_pair.make_moe_gate_up_route_tiles`: each stage scheduled by the steps of the
+    kernel it stands for (the route serial as `schedule_moe_route` leaves it on CPU, then those
+    of `schedule_moe_qdq` and `schedule_moe_gemm`, on the same block names), so every stage's
+    loops, and every row's additions, are the separate kernels'."""
+    _check_cpu_tiles(config, target)
+    sch = s_tir.Schedule(func, enable_check=False)
+    _qdq_steps(sch, config, target)
+    _schedule_expert_gemm_cpu(sch, config, "h")
+    return _finish(sch)
+
+
+def schedule_moe_down_combine(func: tvm.tirx.PrimFunc, config: MoeSplitConfig,
+                              target: TargetSpec) -> tvm.tirx.PrimFunc:
+    """`tiles_pair.make_moe_down_combine_tiles`: the steps of `schedule_moe_qdq`,
+    `schedule_moe_gemm` (out "o") and `schedule_moe_combine` on its blocks, as
+    `schedule_moe_gate_up_route` does."""
+    _check_cpu_tiles(config, target)
+    sch = s_tir.Schedule(func, enable_check=False)
+    _qdq_steps(sch, config, target)
+    _schedule_expert_gemm_cpu(sch, config, "o")
+    _combine_steps(sch, config, target)
     return _finish(sch)

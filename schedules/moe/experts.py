@@ -23,30 +23,15 @@ from dsv41.schedules.moe.route import check_dims, tile_count, to_bf16
 # ---- 3. gate/up GEMM + SwiGLU ----------------------------------------------------------------
 
 
-def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_limit: float,
-                     row_tile: int) -> tvm.tirx.PrimFunc:
-    """(xq fp32 [n, dim], weights fp32 [n, topk], row_pair [P], tiles [NT, 3], w1, s1, w3, s3)
-    -> h bf16 [P, inter] at sorted rows. Blocks: `xg` gathers a tile's activation rows (rows
-    past the tile read 0), `wdec` decodes the tile's w1 (c=0) / w3 (c=1) transposed, `part` is
-    the dot product inside one 32-block, `acc` adds blocks in K order times the E8M0 scale,
-    `h` is the SwiGLU epilogue."""
-    check_dims(dim, inter)
+def gate_up_tiles_stage(*, dim: int, inter: int, n_experts: int, topk: int,
+                        swiglu_limit: float, row_tile: int):
+    """A fresh macro `(xq, weights, row_pair, tiles, w1, s1, w3, s3, h, n)`:
+    `make_moe_gate_up`'s blocks (that kernel's body, and the fused prefill call's last stage)."""
     D, I, E, KT, RT = i64(dim), i64(inter), i64(n_experts), i64(topk), i64(row_tile)
     DB, B = i64(dim // BLOCK), i64(BLOCK)
 
-    @T.prim_func(s_tir=True)
-    def moe_gate_up(xq_h: T.handle, weights_h: T.handle, row_pair_h: T.handle,
-                    tiles_h: T.handle,
-                    w1: T.Buffer((E, I, D // 2), "uint8"), s1: T.Buffer((E, I, DB), "uint8"),
-                    w3: T.Buffer((E, I, D // 2), "uint8"), s3: T.Buffer((E, I, DB), "uint8"),
-                    h_h: T.handle):
-        T.func_attr({"global_symbol": "moe_gate_up", "tirx.noalias": True})
-        n = T.int64()
-        xq = T.match_buffer(xq_h, (n, D), "float32")
-        weights = T.match_buffer(weights_h, (n, KT), "float32")
-        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
-        tiles = T.match_buffer(tiles_h, (tile_count(n * KT, RT, E), i64(3)), "int32")
-        h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+    @T.macro
+    def gate_up_tiles(xq, weights, row_pair, tiles, w1, s1, w3, s3, h, n):
         xg = T.sblock_alloc_buffer((tile_count(n * KT, RT, E), RT, D), "float32")
         wdec = T.sblock_alloc_buffer((tile_count(n * KT, RT, E), 2, D, I), "float32")
         part = T.sblock_alloc_buffer((tile_count(n * KT, RT, E), RT, 2, I, DB), "float32")
@@ -98,28 +83,52 @@ def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_
                         * silu_times(round_bf16(acc[vt, vr, 0, va]),
                                       round_bf16(acc[vt, vr, 1, va]), swiglu_limit))
 
+    return gate_up_tiles
+
+
+def make_moe_gate_up(*, dim: int, inter: int, n_experts: int, topk: int, swiglu_limit: float,
+                     row_tile: int) -> tvm.tirx.PrimFunc:
+    """(xq fp32 [n, dim], weights fp32 [n, topk], row_pair [P], tiles [NT, 3], w1, s1, w3, s3)
+    -> h bf16 [P, inter] at sorted rows. Blocks: `xg` gathers a tile's activation rows (rows
+    past the tile read 0), `wdec` decodes the tile's w1 (c=0) / w3 (c=1) transposed, `part` is
+    the dot product inside one 32-block, `acc` adds blocks in K order times the E8M0 scale,
+    `h` is the SwiGLU epilogue."""
+    check_dims(dim, inter)
+    D, I, E, KT, RT = i64(dim), i64(inter), i64(n_experts), i64(topk), i64(row_tile)
+    DB = i64(dim // BLOCK)
+    gate_up_tiles = gate_up_tiles_stage(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
+                                        swiglu_limit=swiglu_limit, row_tile=row_tile)
+
+    @T.prim_func(s_tir=True)
+    def moe_gate_up(xq_h: T.handle, weights_h: T.handle, row_pair_h: T.handle,
+                    tiles_h: T.handle,
+                    w1: T.Buffer((E, I, D // 2), "uint8"), s1: T.Buffer((E, I, DB), "uint8"),
+                    w3: T.Buffer((E, I, D // 2), "uint8"), s3: T.Buffer((E, I, DB), "uint8"),
+                    h_h: T.handle):
+        T.func_attr({"global_symbol": "moe_gate_up", "tirx.noalias": True})
+        n = T.int64()
+        xq = T.match_buffer(xq_h, (n, D), "float32")
+        weights = T.match_buffer(weights_h, (n, KT), "float32")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        tiles = T.match_buffer(tiles_h, (tile_count(n * KT, RT, E), i64(3)), "int32")
+        h = T.match_buffer(h_h, (n * KT, I), "bfloat16")
+        gate_up_tiles(xq, weights, row_pair, tiles, w1, s1, w3, s3, h, n)
+
     return moe_gate_up
 
 
 # ---- 5. down GEMM ----------------------------------------------------------------------------
 
 
-def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm.tirx.PrimFunc:
-    """(hq fp32 [P, inter], tiles [NT, 3], w2, s2) -> o bf16 [P, dim] at sorted rows. Same
-    blocks as `make_moe_gate_up` with one matrix; `o` rounds to bf16 (the oracle's fp4_linear
-    output)."""
-    check_dims(dim, inter)
+def down_tiles_stage(*, dim: int, inter: int, n_experts: int, row_tile: int):
+    """A fresh macro `(hq, tiles, w2, s2, o, p, store)`: `make_moe_down`'s blocks over p rows
+    (that kernel's body, and a stage of the fused prefill call); `store(v)` is what the `o`
+    block writes of the bf16 v (v itself there; its bits where o is a uint16 buffer)."""
     D, I, E, RT = i64(dim), i64(inter), i64(n_experts), i64(row_tile)
     IB, B = i64(inter // BLOCK), i64(BLOCK)
 
-    @T.prim_func(s_tir=True)
-    def moe_down(hq_h: T.handle, tiles_h: T.handle, w2: T.Buffer((E, D, I // 2), "uint8"),
-                 s2: T.Buffer((E, D, IB), "uint8"), o_h: T.handle):
-        T.func_attr({"global_symbol": "moe_down", "tirx.noalias": True})
-        p = T.int64()
-        hq = T.match_buffer(hq_h, (p, I), "float32")
-        tiles = T.match_buffer(tiles_h, (tile_count(p, RT, E), i64(3)), "int32")
-        o = T.match_buffer(o_h, (p, D), "bfloat16")
+    @T.macro
+    def down_tiles(hq, tiles, w2, s2, o, p, store):
         xg = T.sblock_alloc_buffer((tile_count(p, RT, E), RT, I), "float32")
         wdec = T.sblock_alloc_buffer((tile_count(p, RT, E), I, D), "float32")
         part = T.sblock_alloc_buffer((tile_count(p, RT, E), RT, D, IB), "float32")
@@ -157,7 +166,29 @@ def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm
                 T.reads(acc[vt, vr, vd], tiles[vt, 1:3])
                 T.writes(o[0:p, vd])
                 if T.Cast("int32", vr) < tiles[vt, 2]:
-                    o[idx(tiles[vt, 1], p - vr) + vr, vd] = to_bf16(acc[vt, vr, vd])
+                    o[idx(tiles[vt, 1], p - vr) + vr, vd] = store(to_bf16(acc[vt, vr, vd]))
+
+    return down_tiles
+
+
+def make_moe_down(*, dim: int, inter: int, n_experts: int, row_tile: int) -> tvm.tirx.PrimFunc:
+    """(hq fp32 [P, inter], tiles [NT, 3], w2, s2) -> o bf16 [P, dim] at sorted rows. Same
+    blocks as `make_moe_gate_up` with one matrix; `o` rounds to bf16 (the oracle's fp4_linear
+    output)."""
+    check_dims(dim, inter)
+    D, I, E, RT = i64(dim), i64(inter), i64(n_experts), i64(row_tile)
+    IB = i64(inter // BLOCK)
+    down_tiles = down_tiles_stage(dim=dim, inter=inter, n_experts=n_experts, row_tile=row_tile)
+
+    @T.prim_func(s_tir=True)
+    def moe_down(hq_h: T.handle, tiles_h: T.handle, w2: T.Buffer((E, D, I // 2), "uint8"),
+                 s2: T.Buffer((E, D, IB), "uint8"), o_h: T.handle):
+        T.func_attr({"global_symbol": "moe_down", "tirx.noalias": True})
+        p = T.int64()
+        hq = T.match_buffer(hq_h, (p, I), "float32")
+        tiles = T.match_buffer(tiles_h, (tile_count(p, RT, E), i64(3)), "int32")
+        o = T.match_buffer(o_h, (p, D), "bfloat16")
+        down_tiles(hq, tiles, w2, s2, o, p, lambda v: v)
 
     return moe_down
 

@@ -10,7 +10,7 @@ import tvm
 from tvm import relax
 
 from dsv41.graph import formats as fmt
-from dsv41.graph.targets import get_target
+from dsv41.graph.targets import TargetSpec, get_target
 from dsv41.schedules.gemm import BLOCK
 from dsv41.schedules.moe.avx512_gemv import make_moe_down_gemv_avx512, make_moe_gate_up_gemv_avx512
 from dsv41.schedules.moe.avx512_rows import make_moe_down_rows_avx512, make_moe_gate_up_rows_avx512
@@ -36,6 +36,7 @@ from dsv41.schedules.moe.route import (
     make_moe_route,
     num_tiles,
 )
+from dsv41.schedules.moe.tiles_pair import fused_tiles_funcs
 from dsv41.schedules.router import TopkRouting
 
 # ---- the module and its call plan ------------------------------------------------------------
@@ -80,6 +81,38 @@ def fused_decode(config: MoeSplitConfig) -> bool:
     return config.kind == "gemv" and config.avx512 and not config.rows
 
 
+def fused_tiles(config: MoeSplitConfig, target: TargetSpec) -> bool:
+    """Whether the chain is the two-call prefill form: the CPU tile kernels' stages in
+    `moe_gate_up_route` and `moe_down_combine(_plus)` (`tiles_pair`), bit for bit the six
+    calls; CUDA keeps the six, its kernels cannot allocate the token-sized buffers."""
+    return config.kind == "tiles" and not target.is_cuda
+
+
+def fused_chain(config: MoeSplitConfig, target: TargetSpec) -> bool:
+    """Whether `moe_experts_plan(fuse=True)` emits the chain as two calls (`fused_decode`,
+    `fused_tiles`)."""
+    return fused_decode(config) or fused_tiles(config, target)
+
+
+def _tiles_pair_buffers(n, topk: int, inter: int, nt) -> tuple[MoeBuffer, ...]:
+    """The two-call prefill form's intermediates (`fused_tiles`): what its first call writes
+    for the second (row_pair too, which only the first reads: 4 bytes a pair, the six calls'
+    table, for tests and tools that read it)."""
+    p = n * topk
+    return (MoeBuffer("row_pair", (p,), "int32"), MoeBuffer("token_rows", (n, topk), "int32"),
+            MoeBuffer("tiles", (nt, 3), "int32"), MoeBuffer("h", (p, inter), "bfloat16"))
+
+
+def _tiles_pair_calls(plus: bool) -> tuple[MoeCall, MoeCall]:
+    """The two-call prefill form's calls (`tiles_pair`): route + QDQ + gate/up, then QDQ +
+    down + combine (plus: `moe_down_combine_plus`, the shared output added)."""
+    shared = ("shared",) if plus else ()
+    return (MoeCall("moe_gate_up_route", ("x", "weights", "ids", "w1", "s1", "w3", "s3"),
+                    ("row_pair", "token_rows", "tiles", "h")),
+            MoeCall("moe_down_combine_plus" if plus else "moe_down_combine",
+                    ("h", "tiles", "token_rows", "w2", "s2", *shared), ("y",)))
+
+
 def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, topk: int, n,
                      n_hint: int | None = None, rows: int = 1, plus: bool = False,
                      fuse: bool = True, routing: TopkRouting | None = None,
@@ -89,13 +122,15 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
     tile as the module, so pass the same target, hint and rows. `plus`: the chain of
     `moe_experts_plus` (a tenth input, `shared` bf16 [n, dim], added by `moe_combine_plus`,
     which stores y as bf16). `fuse` (default): the two-call form where the config has it
-    (`fused_decode`); False: the six calls always (tests compare the two). `routing`: the
-    chain of the gate's logits (the two-call form only): the inputs (x, logits, bias, w1, ..,
-    s2[, shared]) of `route_topk_logits` and the op, its first call `moe_gate_up_route_topk`
-    (the top-k too), weights and ids intermediates; with `gate`, the gate's weight (bf16
-    [E, dim]) in place of the logits and `moe_gate_up_route_gate` (their GEMV too)."""
-    config = moe_split_config(get_target(target_name), dim=dim, inter=inter,
-                              n_experts=n_experts, topk=topk, n=n_hint, rows=rows)
+    (`fused_chain`: decode's GEMVs, CPU prefill's tiles); False: the six calls always (tests
+    compare the two). `routing`: the chain of the gate's logits (the two-call decode form
+    only): the inputs (x, logits, bias, w1, .., s2[, shared]) of `route_topk_logits` and the
+    op, its first call `moe_gate_up_route_topk` (the top-k too), weights and ids
+    intermediates; with `gate`, the gate's weight (bf16 [E, dim]) in place of the logits and
+    `moe_gate_up_route_gate` (their GEMV too)."""
+    target = get_target(target_name)
+    config = moe_split_config(target, dim=dim, inter=inter, n_experts=n_experts, topk=topk,
+                              n=n_hint, rows=rows)
     p = n * topk
     nt = num_tiles(p, config.row_tile, n_experts)
     E = n_experts
@@ -117,6 +152,9 @@ def moe_experts_plan(target_name: str, *, dim: int, inter: int, n_experts: int, 
                          "decode form (moe.fused_decode).")
     if gate and routing is None:
         raise ValueError("The MoE chain takes the gate's weight only when it routes (routing).")
+    if fuse and fused_tiles(config, target):
+        return MoePlan(inputs, _tiles_pair_buffers(n, topk, inter, nt), y,
+                       _tiles_pair_calls(plus))
     if fused:
         combine = "moe_down_combine_plus" if plus else "moe_down_combine"
         pairs = (buf("row_pair", (p,), "int32"), buf("token_rows", (n, topk), "int32"),
@@ -164,8 +202,8 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
                             routing: TopkRouting | None = None, gate: bool = False
                             ) -> tvm.IRModule:
     """The scheduled PrimFuncs of the chain (global symbols as in `moe_experts_plan`: its six,
-    `moe_combine_plus` for the chain of `moe_experts_plus`, and the two-call decode form's
-    where the config has it, `fused_decode`),
+    `moe_combine_plus` for the chain of `moe_experts_plus`, and the two-call form's where the
+    config has it, `fused_chain`),
     thread-bound on CUDA, parallel/vectorised on CPU. n is the token-count hint; null_expert:
     the last expert is a sharded worker's null expert, whose pairs cost no GEMM work
     (`make_moe_route`); rows > 1: the verify entry's (`moe_split_config`); `routing`: the
@@ -227,6 +265,10 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
         funcs["moe_down"] = schedule_moe_gemm(
             make_moe_down(dim=dim, inter=inter, n_experts=n_experts, row_tile=cfg.row_tile),
             cfg, target, "o")
+    if fused_tiles(cfg, target):
+        funcs.update(fused_tiles_funcs(cfg, target, dim=dim, inter=inter, n_experts=n_experts,
+                                       topk=topk, swiglu_limit=swiglu_limit,
+                                       null_expert=null_expert))
     return tvm.IRModule({tvm.ir.GlobalVar(name): f.with_attr("global_symbol", name)
                          for name, f in funcs.items()})
 

@@ -103,30 +103,16 @@ def route_pairs(ids, row_pair, token_rows, counts, cursor, run, p, KT, E, NULL):
         cursor[ids[q // KT, q % KT]] += 1
 
 
-def make_moe_route(*, n_experts: int, topk: int, row_tile: int,
-                   null_expert: bool = False) -> tvm.tirx.PrimFunc:
-    """ids int64 [n, topk] -> row_pair int32 [P] (sorted row -> pair q = token * topk + slot),
-    token_rows int32 [n, topk] (token's sorted rows in expert-id order), tiles int32 [NT, 3]
-    (expert, first sorted row, row count; unused tiles all zero). Ids are validated on the host
-    (`check_expert_ids`): in range and distinct per token, except that a sharded worker sends
-    the pairs routed to other workers to its null expert (weight 0, `model.moe`), which may
-    repeat in a row: a repeated id takes the next rank in slot order, so every pair keeps its
-    own row. `null_expert`: the last expert is that null expert (a sharded worker's stack): its
-    pairs get no tiles, so the GEMMs skip them, and token_rows -1, so the combine adds exactly
-    the +0.0 their zero weights gave (their rows of h and o are never written)."""
+def route_tiles_stage(*, n_experts: int, topk: int, row_tile: int, null_expert: bool = False):
+    """A fresh macro `(ids, row_pair, token_rows, tiles, n)`: `make_moe_route`'s one serial
+    block `route` (that kernel's body, and the fused prefill call's first stage). Fresh per
+    kernel: TVM suffixes the block names of a macro's later expansions (`common.stages`)."""
     E, KT, RT = i64(n_experts), i64(topk), i64(row_tile)
     NULL = i64(n_experts - 1) if null_expert else i64(-1)  # -1: no id is the null expert
     TILED = i64(n_experts - 1) if null_expert else E  # the experts that get tiles
 
-    @T.prim_func(s_tir=True)
-    def moe_route(ids_h: T.handle, row_pair_h: T.handle, token_rows_h: T.handle,
-                  tiles_h: T.handle):
-        T.func_attr({"global_symbol": "moe_route", "tirx.noalias": True})
-        n = T.int64()
-        ids = T.match_buffer(ids_h, (n, KT), "int64")
-        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
-        token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
-        tiles = T.match_buffer(tiles_h, (tile_count(n * KT, RT, E), i64(3)), "int32")
+    @T.macro
+    def route_tiles(ids, row_pair, token_rows, tiles, n):
         for _u in T.serial(i64(1)):
             with T.sblock("route"):
                 T.reads(ids[0:n, 0:KT])
@@ -147,24 +133,49 @@ def make_moe_route(*, n_experts: int, topk: int, row_tile: int,
                                                                   counts[e] - j * row_tile)
                         run[0] += 1
 
+    return route_tiles
+
+
+def make_moe_route(*, n_experts: int, topk: int, row_tile: int,
+                   null_expert: bool = False) -> tvm.tirx.PrimFunc:
+    """ids int64 [n, topk] -> row_pair int32 [P] (sorted row -> pair q = token * topk + slot),
+    token_rows int32 [n, topk] (token's sorted rows in expert-id order), tiles int32 [NT, 3]
+    (expert, first sorted row, row count; unused tiles all zero). Ids are validated on the host
+    (`check_expert_ids`): in range and distinct per token, except that a sharded worker sends
+    the pairs routed to other workers to its null expert (weight 0, `model.moe`), which may
+    repeat in a row: a repeated id takes the next rank in slot order, so every pair keeps its
+    own row. `null_expert`: the last expert is that null expert (a sharded worker's stack): its
+    pairs get no tiles, so the GEMMs skip them, and token_rows -1, so the combine adds exactly
+    the +0.0 their zero weights gave (their rows of h and o are never written)."""
+    E, KT, RT = i64(n_experts), i64(topk), i64(row_tile)
+    route_tiles = route_tiles_stage(n_experts=n_experts, topk=topk, row_tile=row_tile,
+                                    null_expert=null_expert)
+
+    @T.prim_func(s_tir=True)
+    def moe_route(ids_h: T.handle, row_pair_h: T.handle, token_rows_h: T.handle,
+                  tiles_h: T.handle):
+        T.func_attr({"global_symbol": "moe_route", "tirx.noalias": True})
+        n = T.int64()
+        ids = T.match_buffer(ids_h, (n, KT), "int64")
+        row_pair = T.match_buffer(row_pair_h, (n * KT,), "int32")
+        token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
+        tiles = T.match_buffer(tiles_h, (tile_count(n * KT, RT, E), i64(3)), "int32")
+        route_tiles(ids, row_pair, token_rows, tiles, n)
+
     return moe_route
 
 
 # ---- 2./4. activation FP8 quantise-dequantise ------------------------------------------------
 
 
-def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
-    """a bf16 [m, k] -> fp32 [m, k]: the exact value e4m3(a / s) * s with the per-32 E8M0 scale
-    s of `formats.torch_quant_fp8` (what the oracle's `_act_quant` feeds its GEMM)."""
+def qdq_stage(*, k: int):
+    """A fresh macro `(a, out, m)`: `make_moe_qdq`'s blocks `amax` and `xq` over m rows of k
+    (that kernel's body, and a stage of the fused prefill calls)."""
     K, KB = i64(k), i64(k // BLOCK)
     amax_stage = block_amax()  # a fresh macro per kernel (see common.stages)
 
-    @T.prim_func(s_tir=True)
-    def qdq(a_h: T.handle, out_h: T.handle):
-        T.func_attr({"global_symbol": "qdq", "tirx.noalias": True})
-        m = T.int64()
-        a = T.match_buffer(a_h, (m, K), "bfloat16")
-        out = T.match_buffer(out_h, (m, K), "float32")
+    @T.macro
+    def qdq_rows(a, out, m):
         amax = T.sblock_alloc_buffer((m, KB), "float32")
         amax_stage(amax, a, m, KB, BLOCK, gemm.bf16_value)
         for i, j in T.grid(m, K):
@@ -172,6 +183,23 @@ def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
                 vi, vj = T.axis.remap("SS", [i, j])
                 out[vi, vj] = gemm.fp8_qdq(bf16_to_f32(a[vi, vj]),
                                            gemm.pow2_scale_byte(amax[vi, vj // BLOCK]))
+
+    return qdq_rows
+
+
+def make_moe_qdq(*, k: int, name: str) -> tvm.tirx.PrimFunc:
+    """a bf16 [m, k] -> fp32 [m, k]: the exact value e4m3(a / s) * s with the per-32 E8M0 scale
+    s of `formats.torch_quant_fp8` (what the oracle's `_act_quant` feeds its GEMM)."""
+    K = i64(k)
+    qdq_rows = qdq_stage(k=k)
+
+    @T.prim_func(s_tir=True)
+    def qdq(a_h: T.handle, out_h: T.handle):
+        T.func_attr({"global_symbol": "qdq", "tirx.noalias": True})
+        m = T.int64()
+        a = T.match_buffer(a_h, (m, K), "bfloat16")
+        out = T.match_buffer(out_h, (m, K), "float32")
+        qdq_rows(a, out, m)
 
     return qdq.with_attr("global_symbol", name)
 
@@ -205,6 +233,38 @@ def combine_rows(y, token_rows, o, shared, n, D, KT, plus):
                     y[i, dc * 16 + j] = acc[j]
 
 
+def combine_stage(*, dim: int, topk: int, plus: bool = False):
+    """A fresh macro `(token_rows, o, shared, y, n)`: `make_moe_combine(plus=plus)`'s blocks
+    (`combine`, and with plus its fp32 sums `acc` and the block `plus`; shared unused
+    without), that kernel's body and the fused prefill call's last stage."""
+    D, KT = i64(dim), i64(topk)
+
+    @T.macro
+    def combine_plus(token_rows, o, shared, y, n):
+        acc = T.sblock_alloc_buffer((n, D), "float32")
+        for i, d, r in T.grid(n, D, KT):
+            with T.sblock("combine"):
+                vi, vd, vr = T.axis.remap("SSR", [i, d, r])
+                with T.init():
+                    acc[vi, vd] = T.float32(0)
+                acc[vi, vd] = acc[vi, vd] + combine_term(token_rows, o, n * KT, vi, vd, vr)
+        for i, d in T.grid(n, D):
+            with T.sblock("plus"):
+                vi, vd = T.axis.remap("SS", [i, d])
+                y[vi, vd] = bf16_of(acc[vi, vd] + bf16_to_f32(shared[vi, vd]))
+
+    @T.macro
+    def combine(token_rows, o, shared, y, n):
+        for i, d, r in T.grid(n, D, KT):
+            with T.sblock("combine"):
+                vi, vd, vr = T.axis.remap("SSR", [i, d, r])
+                with T.init():
+                    y[vi, vd] = T.float32(0)
+                y[vi, vd] = y[vi, vd] + combine_term(token_rows, o, n * KT, vi, vd, vr)
+
+    return combine_plus if plus else combine
+
+
 def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.PrimFunc:
     """(token_rows [n, topk], o bf16 [P, dim]) -> y fp32 [n, dim]: each token's rows added in
     expert-id order starting from 0.0, as the oracle's `y[rows] += ...` per unique expert; a
@@ -214,6 +274,7 @@ def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.Pri
     plus the shared expert's output, rounded to bf16 once (`common.bf16_of`): the graph's
     `(routed + shared).to(bf16)` in the kernel, instead of an fp32 y and a kernel after it."""
     D, KT = i64(dim), i64(topk)
+    sums = combine_stage(dim=dim, topk=topk, plus=plus)
 
     if plus:
         @T.prim_func(s_tir=True)
@@ -225,17 +286,7 @@ def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.Pri
             o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
             shared = T.match_buffer(shared_h, (n, D), "bfloat16")
             y = T.match_buffer(y_h, (n, D), "bfloat16")
-            acc = T.sblock_alloc_buffer((n, D), "float32")
-            for i, d, r in T.grid(n, D, KT):
-                with T.sblock("combine"):
-                    vi, vd, vr = T.axis.remap("SSR", [i, d, r])
-                    with T.init():
-                        acc[vi, vd] = T.float32(0)
-                    acc[vi, vd] = acc[vi, vd] + combine_term(token_rows, o, n * KT, vi, vd, vr)
-            for i, d in T.grid(n, D):
-                with T.sblock("plus"):
-                    vi, vd = T.axis.remap("SS", [i, d])
-                    y[vi, vd] = bf16_of(acc[vi, vd] + bf16_to_f32(shared[vi, vd]))
+            sums(token_rows, o, shared, y, n)
 
         return moe_combine_plus
 
@@ -246,11 +297,6 @@ def make_moe_combine(*, dim: int, topk: int, plus: bool = False) -> tvm.tirx.Pri
         token_rows = T.match_buffer(token_rows_h, (n, KT), "int32")
         o = T.match_buffer(o_h, (n * KT, D), "bfloat16")
         y = T.match_buffer(y_h, (n, D), "float32")
-        for i, d, r in T.grid(n, D, KT):
-            with T.sblock("combine"):
-                vi, vd, vr = T.axis.remap("SSR", [i, d, r])
-                with T.init():
-                    y[vi, vd] = T.float32(0)
-                y[vi, vd] = y[vi, vd] + combine_term(token_rows, o, n * KT, vi, vd, vr)
+        sums(token_rows, o, None, y, n)
 
     return moe_combine
