@@ -88,9 +88,11 @@ def test_refusals():
         ops.route_topk(s, torch.zeros(8), 0, True, 1.0)
 
 
-def test_cuda_build_has_device_code(tmp_path):
+@pytest.mark.parametrize("bias_select", [False, True])
+def test_cuda_build_has_device_code(tmp_path, bias_select):
     cuda_build(tmp_path, "router", "build_route_topk",
-               dict(e=256, k=6, normalize=True, route_scale=2.5), "cuda-sm90")
+               dict(e=256, k=6, normalize=True, route_scale=2.5, bias_select=bias_select),
+               "cuda-sm90")
 
 
 @functools.cache

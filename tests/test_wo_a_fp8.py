@@ -215,9 +215,10 @@ def test_cli_wo_a_chooses_the_storage():
 
 
 @pytest.mark.parametrize("target,entry,kernels", [
-    # AVX-512 BF16 + VBMI: the decode GEMV and the prefill GEMM read the codes as stored
+    # AVX-512 BF16 + VBMI: the decode GEMV and the prefill GEMM read the codes as stored (and
+    # store bf16 themselves)
     ("cpu", "decode", {"k_dense_gemv_2_64_128_bfloat16_fp8_to_bf16"}),
-    ("cpu", "prefill_all", {"k_dense_gemm_2_64_128_bfloat16_fp8"}),
+    ("cpu", "prefill_all", {"k_dense_gemm_2_64_128_bfloat16_fp8_to_bf16"}),
     # a baseline x86-64: the scheduled GEMV decodes them; the prefill GEMM gets their bf16
     ("cpu-x86-64", "decode", {"k_dense_gemv_2_64_128_bfloat16_fp8"}),
     ("cpu-x86-64", "prefill_all", {"k_fp8_dequant_128", "k_dense_gemm_2_64_128_bfloat16_bfloat16"}),
