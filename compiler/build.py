@@ -74,7 +74,7 @@ BOUNDED_ROWS = frozenset({"decode", "draft", "verify", "decoder"})
 class CompileOptions:
     args: ModelArgs
     model_name: str  # e.g. "small" or a config file's stem
-    target: str  # cpu | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100
+    target: str  # cpu | cpu-avx2 | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100
     out: Path = Path("artifacts")
     entries: tuple[str, ...] = ENTRIES
     debug_dump: Path | None = None

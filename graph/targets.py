@@ -16,6 +16,7 @@ class TargetName(StrEnum):
     """Our name of a deployment target (an artifact's `target.name`, `dsv41 compile --target`)."""
 
     CPU = "cpu"
+    CPU_AVX2 = "cpu-avx2"
     CPU_X86_64 = "cpu-x86-64"
     CUDA_SM80 = "cuda-sm80"
     CUDA_SM90 = "cuda-sm90"
@@ -24,7 +25,7 @@ class TargetName(StrEnum):
 
 @dataclass(frozen=True)
 class TargetSpec:
-    name: str  # our name: cpu, cpu-x86-64, cuda-sm80, cuda-sm90, cuda-sm100
+    name: str  # our name: cpu, cpu-avx2, cpu-x86-64, cuda-sm80, cuda-sm90, cuda-sm100
     target: dict  # the TVM target as a dict
     arch: str | None = None  # sm_80 ... for CUDA
 
@@ -94,8 +95,34 @@ def uses_amx(target: dict) -> bool:
     return any(f in AMX_MATTR for f in target.get("mattr", ()))
 
 
+# LLVM's name of an x86 feature our kernels may use -> Linux's (/proc/cpuinfo); AMX apart
+# (`request_amx`: the OS must grant it)
+LINUX_FLAG = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi2": "bmi2",
+              "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512dq": "avx512dq",
+              "avx512vl": "avx512vl", "avx512cd": "avx512cd", "avx512bf16": "avx512_bf16",
+              "avx512vnni": "avx512_vnni", "avx512vbmi": "avx512vbmi",
+              "avx512vbmi2": "avx512_vbmi2", "avxvnni": "avx_vnni"}
+
+
+def missing_cpu_features(target: dict) -> list[str]:
+    """The x86 features code built for an LLVM target dict may use that this CPU lacks (Linux
+    names; empty off x86-64 Linux, for a non-LLVM target, or when /proc/cpuinfo says nothing):
+    such code stops at its first such instruction (SIGILL)."""
+    import tvm  # heavy: TVM (~4 s); only when an artifact is loaded
+    from tvm.target import codegen
+
+    flags = cpu_flags()
+    if target.get("kind") != "llvm" or platform.machine() != "x86_64" or not flags:
+        return []
+    t = tvm.target.Target(target)
+    return sorted(linux for llvm, linux in LINUX_FLAG.items()
+                  if linux not in flags and codegen.target_has_features(llvm, t))
+
+
 def get_target(name: str) -> TargetSpec:
-    """`cpu` is this machine's LLVM features; `cpu-x86-64` a portable baseline."""
+    """`cpu` is this machine's LLVM features; `cpu-avx2` any x86-64 with AVX2, FMA and F16C
+    (LLVM's x86-64-v3: Haswell, EPYC Naples and later; the kernels' AVX2 paths); `cpu-x86-64`
+    a portable baseline."""
     import tvm  # heavy: TVM (~4 s); the CLI and the runtime read targets without it
 
     cores = os.cpu_count() or 1
@@ -113,6 +140,9 @@ def get_target(name: str) -> TargetSpec:
         return TargetSpec("cpu", {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
                                   "mattr": ["-prefer-256-bit", *amx], "num-cores": cores,
                                   **strict})
+    if name == "cpu-avx2":
+        return TargetSpec("cpu-avx2", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
+                                       "mcpu": "x86-64-v3", "num-cores": cores, **strict})
     if name == "cpu-x86-64":
         return TargetSpec("cpu-x86-64", {"kind": "llvm", "mtriple": "x86_64-linux-gnu",
                                          "mcpu": "x86-64", "num-cores": cores, **strict})

@@ -199,7 +199,8 @@ def test_entry_and_target_names_are_str_enums():
     assert ENTRIES[:3] == ("prefill", "prefill_all", "decode")  # equal to the strings
     assert json.dumps({Entry.DECODE: [Entry.ENCODER]}) == '{"decode": ["encoder"]}'
     assert f"{Entry.ENCODER_REPLAY}.so" == "encoder_replay.so"
-    assert target_names() == ("cpu", "cpu-x86-64", "cuda-sm80", "cuda-sm90", "cuda-sm100")
+    assert target_names() == ("cpu", "cpu-avx2", "cpu-x86-64", "cuda-sm80", "cuda-sm90",
+                              "cuda-sm100")
     assert all(isinstance(t, TargetName) for t in target_names())
 
 

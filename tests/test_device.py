@@ -156,6 +156,42 @@ def test_an_amx_artifact_is_refused_where_amx_is_not_granted(small_artifact, tmp
     assert len(asked) == 2
 
 
+def test_an_artifact_for_vector_features_this_cpu_lacks_is_refused(small_artifact, tmp_path,
+                                                                    monkeypatch):
+    """An artifact whose target uses AVX-512 (a `cpu` artifact of an AVX-512 machine, copied to
+    an AVX2 one) is refused at load, naming what is missing and the portable targets; one for
+    `cpu-avx2` loads on a CPU with AVX2, FMA, F16C and BMI2 and is refused without them; an
+    artifact asking for nothing this CPU lacks loads."""
+    import dsv41.graph.targets as targets
+    from dsv41.graph.targets import get_target, missing_cpu_features
+
+    avx2_cpu = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "bmi2"})
+    monkeypatch.setattr(targets, "cpu_flags", lambda: avx2_cpu)
+    zen4 = {**get_target("cpu-avx2").target, "mcpu": "znver4"}
+    assert missing_cpu_features(zen4) == sorted(
+        ["avx512_bf16", "avx512_vbmi2", "avx512_vnni", "avx512bw", "avx512cd", "avx512dq",
+         "avx512f", "avx512vbmi", "avx512vl"])
+    assert missing_cpu_features(get_target("cpu-avx2").target) == []
+    assert missing_cpu_features(get_target("cpu-x86-64").target) == []
+    assert missing_cpu_features({"kind": "cuda", "arch": "sm_90"}) == []
+    monkeypatch.setattr(targets, "cpu_flags", lambda: avx2_cpu - {"fma"})
+    assert missing_cpu_features(get_target("cpu-avx2").target) == ["fma"]
+
+    dst = tmp_path / "zen4"
+    shutil.copytree(small_artifact, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["target"] = {**m["target"], "tvm": {**m["target"]["tvm"], "mcpu": "znver4"}}
+    m["manifest_sha256"] = manifest_digest(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    monkeypatch.setattr(targets, "cpu_flags", lambda: avx2_cpu)
+    with pytest.raises(ArtifactError, match=r"avx512f.*--target cpu-avx2"):
+        Artifact.load(dst)
+    monkeypatch.setattr(targets, "cpu_flags", lambda: avx2_cpu | {
+        "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_bf16",
+        "avx512_vnni", "avx512vbmi", "avx512_vbmi2"})
+    assert Artifact.load(dst).device == Device(DeviceKind.CPU)
+
+
 def test_a_text_only_model_binds_zeros_for_the_span_entries_gate_bias_vl():
     """The span entries of a config with a vision tower take every gate's `bias_vl`; a model
     loaded from a checkpoint without the tower has none, and reads it only at image-span

@@ -177,6 +177,8 @@ def test_fp8_linear_config_kinds():
     assert gemm.fp8_linear_config(skx, n=64, k=4096, m=1).kind == "gemv"  # 4 columns at once
     assert gemm.fp8_linear_config(skx, n=64, k=96, m=1).kind == "gemv"  # k % 64
     assert gemm.fp8_linear_config(get_target("cpu-x86-64"), n=64, k=64, m=1).kind == "gemv"
+    # the portable AVX2 target (x86-64-v3) gets the AVX2 GEMV, whatever this host has
+    assert gemm.fp8_linear_config(get_target("cpu-avx2"), n=64, k=512, m=1).kind == "gemv_avx2"
     assert gemm.fp8_linear_config(cpu, n=64, k=64, m=4).kind == "gemm"
     prefill = "amx" if amx else "gemm_bf16" if has_avx512_bf16(cpu) else "gemm"
     assert gemm.fp8_linear_config(cpu, n=64, k=64).kind == prefill

@@ -49,7 +49,7 @@ from dsv41.graph.entries import (  # noqa: F401 (the entry sets, re-exported)
     HASH_IDS,
     Entry,
 )
-from dsv41.graph.targets import request_amx, uses_amx
+from dsv41.graph.targets import missing_cpu_features, request_amx, uses_amx
 from dsv41.runtime.backends.device import Device, DeviceError, DeviceKind, device_for_target
 from dsv41.runtime.backends.engram_host import EngramPrefetcher, EngramTable, EngramTiming
 from dsv41.runtime.backends.launcher import (
@@ -84,11 +84,22 @@ def read_manifest(artifact_dir: str | Path) -> Manifest:
 def check_cpu_features(d: Path, m: Manifest | ShardedManifest) -> None:
     """An artifact built with AMX kernels runs only in a process that holds AMX permission (it
     is asked for here: for every thread of the process, a ThreadedSession's disco workers
-    included); elsewhere its first tile instruction would kill the process (SIGILL)."""
+    included), and one built for a CPU's vector features (a `cpu` artifact of an AVX-512
+    machine, a `cpu-avx2` one) only on a CPU that has them (`missing_cpu_features`); elsewhere
+    its first such instruction would kill the process (SIGILL)."""
     tvm_target = thaw(m.target.tvm)
-    if isinstance(tvm_target, dict) and uses_amx(tvm_target) and not request_amx():
+    if not isinstance(tvm_target, dict):
+        return
+    if uses_amx(tvm_target) and not request_amx():
         raise ArtifactError(f"{d} was compiled with AMX kernels, which this CPU or OS does not "
                             "offer to this process. Recompile it on this machine.")
+    missing = missing_cpu_features(tvm_target)
+    if missing:
+        raise ArtifactError(
+            f"{d} was compiled for a CPU with {', '.join(missing)}, which this CPU lacks (its "
+            "code would stop at the first such instruction). Recompile it here (`dsv41 compile "
+            "--target cpu`), or portably: `--target cpu-avx2` (any AVX2 CPU) or `--target "
+            "cpu-x86-64`.")
 
 
 def verify(artifact_dir: str | Path, *, args: ModelArgs | None = None,

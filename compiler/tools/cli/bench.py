@@ -142,7 +142,7 @@ def run_e2e(ns) -> int:
 def kernels_args(p) -> None:
     p.add_argument("--preset", default="bench", help="small | bench | full (sizes of the cases)")
     p.add_argument("--target", default="cpu",
-                   help="cpu | cpu-x86-64 (CUDA targets need a GPU: refused here)")
+                   help="cpu | cpu-avx2 | cpu-x86-64 (CUDA targets need a GPU: refused here)")
     p.add_argument("--cases", default=None,
                    help="comma-separated case names or families (attend, indexer, fp8, moe, "
                    "gemv)")

@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     sp = sub.add_parser("compile", help="compile the model's phases into an artifact")
     model_opts(sp)
     sp.add_argument("--target", default="cpu",
-                    help="cpu | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100")
+                    help="cpu | cpu-avx2 | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100")
     sp.add_argument("--out", default="artifacts")
     sp.add_argument("--entries", default="", help="comma-separated subset of the entries")
     sp.add_argument("--debug-dump", default=None, help="write the IR after each phase here")
