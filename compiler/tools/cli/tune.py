@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     sp = sub.add_parser("tune", help="MetaSchedule the artifact's kernels (database in tuning/)")
     model_opts(sp)
     sp.add_argument("--target", default="cpu",
-                    help="cpu | cpu-avx2 | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100 (CUDA: on a GPU)")
+                    help="cpu | cpu-avx2 | cpu-x86-64 | cuda-sm80 | cuda-sm90 | cuda-sm100 "
+                         "(CUDA: on a GPU)")
     sp.add_argument("--trials", type=count, default=64,
                     help="measured candidates per task, counted in the database")
     sp.add_argument("--ops", default="",
