@@ -107,14 +107,19 @@ LINUX_FLAG = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi2": "bmi2",
 def missing_cpu_features(target: dict) -> list[str]:
     """The x86 features code built for an LLVM target dict may use that this CPU lacks (Linux
     names; empty off x86-64 Linux, for a non-LLVM target, or when /proc/cpuinfo says nothing):
-    such code stops at its first such instruction (SIGILL)."""
+    such code stops at its first such instruction (SIGILL). Needs TVM's LLVM target support;
+    a runtime-only TVM (`dsv41 bundle`) has none, and there nothing is checked."""
     import tvm  # heavy: TVM (~4 s); only when an artifact is loaded
-    from tvm.target import codegen
 
     flags = cpu_flags()
     if target.get("kind") != "llvm" or platform.machine() != "x86_64" or not flags:
         return []
-    t = tvm.target.Target(target)
+    try:
+        from tvm.target import codegen
+
+        t = tvm.target.Target(target)
+    except (ImportError, AttributeError):  # a runtime-only TVM: no LLVM targets
+        return []
     return sorted(linux for llvm, linux in LINUX_FLAG.items()
                   if linux not in flags and codegen.target_has_features(llvm, t))
 

@@ -14,10 +14,11 @@ import torch
 import tvm
 
 from dsv41.graph.checkpoint.fp8_tiles import EXACT_SCALE_BYTES, dequantize_fp8_tiles
-from dsv41.graph.targets import get_target
+from dsv41.graph.targets import cpu_flags, get_target
 from dsv41.runtime.backends.tensors import to_torch, to_tvm
 from dsv41.schedules import gemm
 from dsv41.schedules.common import has_avx512_bf16, has_features
+from dsv41.schedules.gemm.avx2_gemv import make_fp8_gemv_avx2
 from dsv41.schedules.gemm.bf16_gemm import make_dense_gemm_bf16
 
 CPU = "cpu"
@@ -192,3 +193,47 @@ def test_prefill_gemm_stores_bf16_as_the_caller_rounds(w_dtype):
     assert torch.equal(got[torch.isinf(ref)].float(), ref[torch.isinf(ref)])
     with pytest.raises(ValueError, match="stores float32 or bfloat16"):
         make_dense_gemm_bf16(groups=1, n=64, k=64, out_dtype="float16")
+
+
+AVX2 = "cpu-avx2"  # x86-64-v3: the hand-vectorised fp32 FMA forms ("fma")
+needs_avx2 = pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(),
+                                reason="this CPU cannot run AVX2 code")
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 6])
+def test_fma_forms_equal_the_dequantised_weight_bit_for_bit(rows):
+    """On AVX2 (no AVX-512 BF16) the dense GEMV over the FP8 weight is the hand-vectorised
+    fp32 FMA form (`make_fp8_gemv_avx2`'s dense form), and over the dequantized bf16 weight its
+    bf16 twin: the same bits, one row and the verify's groups (m 1, 5 and 7 against 6)."""
+    for w_dtype in ("fp8", "bfloat16"):
+        assert gemm.dense_gemv_config(get_target(AVX2), n=64, k=256, x_dtype="bfloat16",
+                                      w_dtype=w_dtype, rows=rows).kind == "fma"
+    for m in (1, 5, 7):
+        _check(AVX2, 2, 64, 256, rows, m, "float32", seed=m + rows)
+
+
+@needs_avx2
+def test_fma_form_rows_match_one_row_and_the_oracle():
+    """Each row of the verify's groups equals the decode kernel's on that row alone, bit for
+    bit; against the fp32 product of x and the dequantized weight every output is within fp32
+    rounding of the row's largest term (only the order of the additions differs); a NaN code
+    makes its column NaN."""
+    codes, scales = _weights(128, 512, 21)
+    scales = torch.randint(116, 124, scales.shape, generator=torch.Generator().manual_seed(23),
+                           dtype=torch.int32).to(torch.uint8)  # no sum near fp32's top
+    codes[5, 7] = 0x7F  # a NaN code: column 5 of group 0
+    w = dequantize_fp8_tiles(codes, scales, 32)
+    x = (torch.randn(7, 2, 512, generator=torch.Generator().manual_seed(22)) * 3).to(
+        torch.bfloat16)
+    dims = dict(groups=2, n=64, k=512, x_dtype="bfloat16", w_dtype="fp8")
+    one = _call(_built(AVX2, **dims), [x, codes, scales], (7, 2, 64), "float32")
+    grouped = _call(_built(AVX2, **dims, rows=6), [x, codes, scales], (7, 2, 64), "float32")
+    _same_bits(grouped, one)
+    assert bool(torch.isnan(one[:, 0, 5]).all()) and int(torch.isnan(one).sum()) == 7
+    ref = torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(2, 64, 512))
+    live = ~torch.isnan(ref)
+    bound = (x.float().abs().unsqueeze(2) * w.float().view(2, 64, 512).abs()).sum(-1) * 2.0**-20
+    assert bool(((one - ref).abs()[live] <= bound[live]).all())
+    with pytest.raises(ValueError, match="bfloat16 in its dense form"):
+        make_fp8_gemv_avx2(n=64, k=512, w_dtype="bfloat16")

@@ -55,7 +55,8 @@ def _gemv_slot_source(j, lanes: int):
 
 
 def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
-                       prefetch: int = 0, rows: int = 1) -> tvm.tirx.PrimFunc:
+                       prefetch: int = 0, rows: int = 1, groups: int = 0,
+                       w_dtype: str = "fp8") -> tvm.tirx.PrimFunc:
     """The CPU decode form of `fp8_linear` for x86 with AVX2 + FMA + F16C (same signature and
     result as `make_fp8_gemv`), hand-vectorised: its loops are the schedule. `lanes` 8: 256-bit
     vectors (CPUs without AVX-512); 16: 512-bit (AVX-512 BW), k a multiple of 64. `prefetch`:
@@ -97,7 +98,27 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     (the verify entry's 1 + k), and per column each chunk of weights is loaded and decoded once
     for the whole group, then added into each row's own four accumulators in the single-row
     order (same chunks, same slots, same pairwise lane sum). The weights are read and decoded
-    once per group instead of once per row."""
+    once per group instead of once per row.
+
+    `groups` > 0: the decode GEMV of the grouped o-projection over an FP8 weight (`dense_gemv`'s
+    signature with `w_dtype` fp8: x bf16 [m, groups, k], weight E4M3 [groups * n, k], scale
+    E8M0 per 32 x 32 tile, y fp32 [m, groups, n], n a multiple of 32): the same loops with x
+    taken as it is (bf16 widened, not quantised) and a 32-column tile's rows of x those of
+    its group, so each product is x times the weight's exact value, as the dequantized bf16
+    weight's (`checkpoint.fp8_tiles`) while the tile scale keeps x * 2^(s - 119) a normal
+    fp32; only the order of the fp32 additions is this kernel's own. `w_dtype` "bfloat16" (dense
+    only): the same GEMV over a bf16 weight [groups * n, k] ((x, w, y), no scale): each chunk's
+    32 weights widened on their bits into the same four vectors, x not scaled, so over the
+    dequantized copy of an FP8 weight it gives the FP8 form's outputs bit for bit (the same
+    exact products, added in the same order)."""
+    dense = groups > 0
+    bf16w = w_dtype == "bfloat16"
+    if w_dtype not in ("fp8", "bfloat16") or (bf16w and not dense):
+        raise ValueError(f"The hand-vectorised GEMV's weight is fp8, or bfloat16 in its dense "
+                         f"form; got {w_dtype!r} (groups={groups}).")
+    if dense and (n % BLOCK or out_dtype != "float32"):
+        raise ValueError(f"The FP8-weight dense GEMV needs n a multiple of {BLOCK} and stores "
+                         f"float32; got n={n}, out_dtype={out_dtype}.")
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
     if k % BLOCK:
@@ -108,7 +129,9 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0 columns; got {prefetch}.")
     check_out_dtype(out_dtype)
-    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(n / BLOCK))
+    G = i64(max(groups, 1))
+    N, K, KB, NB = i64(n), i64(k), i64(k // BLOCK), i64(math.ceil(max(groups, 1) * n / BLOCK))
+    NW = G * N  # the weight's rows
     LN, CL = lanes, 4 * lanes  # fp32 lanes per vector; codes per chunk (one load)
     NCH = i64(k // CL)  # chunks per column
     ACC = 4  # accumulators per column, one per decoded vector of a chunk
@@ -120,8 +143,44 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     def fma(acc, xs, ch, q, w):  # accumulator q += xs slots LN q .. of chunk ch * w
         acc[T.ramp(q * LN, 1, LN)] = f32v(acc, q * LN) + f32v(xs, ch * CL + q * LN) * w
 
+    def vectors(weight, col, ch):  # chunk ch of column col: four fp32 vectors, slot order
+        if bf16w:  # the words' low halves are the even weights, the high ones the odd
+            words = T.reinterpret(f"uint32x{2 * LN}",
+                                  weight.vload([col, ch * CL], f"bfloat16x{CL}"))
+            halves = [T.Shuffle([words], list(range(h * LN, h * LN + LN))) for h in (0, 1)]
+            even = [T.reinterpret(f"float32x{LN}", v << T.broadcast(u32(16), LN))
+                    for v in halves]
+            odd = [T.reinterpret(f"float32x{LN}", v & T.broadcast(u32(0xFFFF0000), LN))
+                   for v in halves]
+            return [even[0], even[1], odd[0], odd[1]]
+        h = _f16_bits_even_odd(weight.vload([col, ch * CL], f"uint8x{CL}"), LN)  # [even, odd]
+        return [_f16_to_f32(h[0], 0, LN), _f16_to_f32(h[0], 1, LN), _f16_to_f32(h[1], 0, LN),
+                _f16_to_f32(h[1], 1, LN)]
+
+    def dense_vectors(weight, wsc, col, ch):  # the dense form's: exact weight values
+        w = vectors(weight, col, ch)
+        if bf16w:
+            return w
+        # vector q holds 32-block ch * CL / 32 + (q % 2 when a chunk spans two blocks); each
+        # value E4M3 * 2^-8 times the tile's 2^(s - 119) (`tile_factors`): the dequantized
+        # weight's exact value
+        return [w[q] * T.broadcast(wsc[ch * CL // BLOCK + (q % 2 if CL > BLOCK else 0)], LN)
+                for q in range(4)]
+
     @T.macro
-    def column_sum(weight, xs, acc, flg, col):
+    def tile_factors(scale, wsc, p):  # the dense FP8 form: tile p's 2^(s - 119) per 32-block
+        if dense and not bf16w:  # static
+            for b in range(KB):
+                wsc[b] = e8m0_to_f32(T.Cast("uint32", scale[p, b])) * T.float32(256.0)
+
+    def scaled(v, scale, p, ch, j):  # xs: v times the tile's weight scale and 2^8 (FP8)
+        if dense or scale is None:  # the dense form scales its weights instead
+            return v
+        return v * e8m0_to_f32(T.Cast("uint32", scale[
+            p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])) * T.float32(256.0)
+
+    @T.macro
+    def column_sum(weight, wsc, xs, acc, flg, col):
         """acc[q * LN ..] += xs[.., slots LN q ..] * w[col, ..] over K; flg = max(code & 0x7f)."""
         for q in T.unroll(ACC * LN):
             acc[q] = T.float32(0)
@@ -129,15 +188,16 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             flg[t] = T.uint8(0)
         for ch in range(NCH):
             if prefetch > 0:
-                prefetch_line(T.address_of(weight[T.min(col + prefetch, N - i64(1)), ch * CL]))
-            codes = T.meta_var(weight.vload([col, ch * CL], f"uint8x{CL}"))
-            h = T.meta_var(_f16_bits_even_odd(codes, LN))  # [even, odd]
-            fma(acc, xs, ch, 0, _f16_to_f32(h[0], 0, LN))
-            fma(acc, xs, ch, 1, _f16_to_f32(h[0], 1, LN))
-            fma(acc, xs, ch, 2, _f16_to_f32(h[1], 0, LN))
-            fma(acc, xs, ch, 3, _f16_to_f32(h[1], 1, LN))
-            flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
-                                          codes & T.broadcast(T.uint8(0x7F), CL))
+                prefetch_line(T.address_of(weight[T.min(col + prefetch, NW - i64(1)), ch * CL]))
+            w = T.meta_var(dense_vectors(weight, wsc, col, ch) if dense
+                           else vectors(weight, col, ch))
+            fma(acc, xs, ch, 0, w[0])
+            fma(acc, xs, ch, 1, w[1])
+            fma(acc, xs, ch, 2, w[2])
+            fma(acc, xs, ch, 3, w[3])
+            if not bf16w:  # static: the NaN codes' flag
+                flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)], weight.vload(
+                    [col, ch * CL], f"uint8x{CL}") & T.broadcast(T.uint8(0x7F), CL))
 
     def lane_total(acc):  # the 4 x LN lanes of a column added pairwise
         return pairwise_lane_sum(
@@ -149,6 +209,27 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             f32b = T.max(f32b, flg[T.ramp(32, 1, 32)])
         top = T.reinterpret("int8x32", f32b + T.broadcast(T.uint8(1), 32))
         return T.call_llvm_pure_intrin("int32", "llvm.x86.avx2.pmovmskb", top) != 0
+
+    def xrow(i, p):  # the row of xq that tile p of row i reads
+        return i * G + p * i64(BLOCK) // N if dense else i
+
+    @T.macro
+    def store(y, i, col, v):  # column col of the weight's rows, of row i
+        if col < NW:
+            if dense:  # static
+                y[i, col // N, col % N] = v
+            else:
+                y[i, col] = T.Cast(out_dtype, v)
+
+    def out_value(flg, total):  # a column's output: NaN where a code is
+        return T.Select(has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)), total)
+
+    @T.macro
+    def widen_rows(x, xq, m):  # the dense form's x, as it is, in the chunks' slot order
+        for i, g, ch in T.grid(m, G, NCH):
+            for j in T.vectorized(i64(CL)):
+                xq[i * G + g, ch * CL + j] = bf16_to_f32(
+                    x[i, g, ch * CL + _gemv_slot_source(j, LN)])
 
     @T.macro
     def quantise_rows(x, amax, xq, m):  # each row's activation once (both forms share it)
@@ -162,17 +243,8 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                     bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
                     pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
 
-    @T.prim_func
-    def fp8_gemv(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
-                 scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
-        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, N), out_dtype)
-        amax = T.alloc_buffer((m, KB), "float32")
-        xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
-        quantise_rows(x, amax, xq, m)
+    @T.macro
+    def single_rows(xq, weight, scale, y, m):
         for p in T.parallel(NB):
             xs = T.alloc_buffer((K,), "float32")
             # acc / flg in the default scope: small constant stack arrays that LLVM keeps in
@@ -180,22 +252,26 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             # chunk stored seven vectors: n 32768 k 512 1.71 -> 1.31 ms, one loaded Zen 4)
             acc = T.alloc_buffer((ACC * LN,), "float32")
             flg = T.alloc_buffer((CL,), "uint8")
+            if dense and not bf16w:  # static: the tile's weight factors
+                wsc = T.alloc_buffer((KB,), "float32")
+            else:
+                wsc = T.meta_var(None)
+            tile_factors(scale, wsc, p)
             for i in range(m):
                 for ch in range(NCH):
                     for j in T.vectorized(i64(CL)):
-                        xs[ch * CL + j] = xq[i, ch * CL + j] * e8m0_to_f32(T.Cast(
-                            "uint32", scale[p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
-                            ) * T.float32(256.0)
+                        xs[ch * CL + j] = scaled(xq[xrow(i, p), ch * CL + j], scale, p, ch, j)
                 for c in range(i64(BLOCK)):
                     # a partial last tile reads its last column again and stores nothing
-                    column_sum(weight, xs, acc, flg, T.min(p * BLOCK + c, N - i64(1)))
-                    if p * BLOCK + c < N:
-                        y[i, p * BLOCK + c] = T.Cast(out_dtype, T.Select(
-                            has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)),
-                            lane_total(acc)))
+                    column_sum(weight, wsc, xs, acc, flg, T.min(p * BLOCK + c, NW - i64(1)))
+                    store(y, i, p * BLOCK + c, out_value(flg, lane_total(acc)))
 
+    if rows == 1 and dense:
+        return _dense_gemv(single_rows, widen_rows, NW=NW, G=G, N=N, K=K, NB=NB, KB=KB,
+                           bf16w=bf16w)
     if rows == 1:
-        return fp8_gemv
+        return _fp8_linear_gemv(single_rows, quantise_rows, N=N, K=K, NB=NB, KB=KB,
+                                out_dtype=out_dtype)
     R = i64(rows)
     TILES = 8  # 32-column tiles per parallel task
 
@@ -225,12 +301,10 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     @T.macro
     def row_store(y, acc, flg, r, here, row, col):
         if here:  # static
-            if col < N:
-                y[row, col] = T.Cast(out_dtype, T.Select(
-                    has_nan(flg), T.reinterpret("float32", u32(0x7FC00000)), row_total(acc, r)))
+            store(y, row, col, out_value(flg, row_total(acc, r)))
 
     @T.macro
-    def group_columns(weight, xs, y, p, row0, nr, acc, flg):
+    def group_columns(weight, wsc, xs, y, p, row0, nr, acc, flg):
         """The 32 columns of tile p for the nr rows from row0 (nr static: every update
         unconditional, so the accumulators stay in registers)."""
         for c in range(i64(BLOCK)):
@@ -248,15 +322,15 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 # prefetch inside the chunk loop keeps LLVM from holding the sums in registers
                 for ch in range(NCH):
                     prefetch_line(T.address_of(weight[T.min(p * BLOCK + c + prefetch,
-                                                            N - i64(1)), ch * CL]))
+                                                            NW - i64(1)), ch * CL]))
             for ch in range(NCH):
-                col = T.min(p * BLOCK + c, N - i64(1))
-                codes = T.meta_var(weight.vload([col, ch * CL], f"uint8x{CL}"))
-                h = T.meta_var(_f16_bits_even_odd(codes, LN))  # [even, odd]
-                w0 = _f16_to_f32(h[0], 0, LN)
-                w1 = _f16_to_f32(h[0], 1, LN)
-                w2 = _f16_to_f32(h[1], 0, LN)
-                w3 = _f16_to_f32(h[1], 1, LN)
+                col = T.min(p * BLOCK + c, NW - i64(1))
+                w = T.meta_var(dense_vectors(weight, wsc, col, ch) if dense
+                               else vectors(weight, col, ch))
+                w0 = w[0]
+                w1 = w[1]
+                w2 = w[2]
+                w3 = w[3]
                 row_fma(acc, xs, nr > 0, 0, ch, w0, w1, w2, w3)
                 row_fma(acc, xs, nr > 1, 1, ch, w0, w1, w2, w3)
                 row_fma(acc, xs, nr > 2, 2, ch, w0, w1, w2, w3)
@@ -265,8 +339,9 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 row_fma(acc, xs, nr > 5, 5, ch, w0, w1, w2, w3)
                 row_fma(acc, xs, nr > 6, 6, ch, w0, w1, w2, w3)
                 row_fma(acc, xs, nr > 7, 7, ch, w0, w1, w2, w3)
-                flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)],
-                                              codes & T.broadcast(T.uint8(0x7F), CL))
+                if not bf16w:  # static: the NaN codes' flag
+                    flg[T.ramp(0, 1, CL)] = T.max(flg[T.ramp(0, 1, CL)], weight.vload(
+                        [col, ch * CL], f"uint8x{CL}") & T.broadcast(T.uint8(0x7F), CL))
             row_store(y, acc, flg, 0, nr > 0, row0, p * BLOCK + c)
             row_store(y, acc, flg, 1, nr > 1, row0 + 1, p * BLOCK + c)
             row_store(y, acc, flg, 2, nr > 2, row0 + 2, p * BLOCK + c)
@@ -277,14 +352,55 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             row_store(y, acc, flg, 7, nr > 7, row0 + 7, p * BLOCK + c)
 
     @T.macro
-    def group_if(weight, xs, y, p, row0, live, nr, acc, flg):
+    def group_if(weight, wsc, xs, y, p, row0, live, nr, acc, flg):
         if nr <= rows:  # static: a group of nr rows exists
             if live == nr:
-                group_columns(weight, xs, y, p, row0, nr, acc, flg)
+                group_columns(weight, wsc, xs, y, p, row0, nr, acc, flg)
+
+    @T.macro
+    def grouped_rows(xq, weight, scale, y, m):
+        for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
+            # buffers once per TILES tiles: a workspace allocation per 32-column tile cost
+            # more than the tile's sums at k 512
+            xs = T.alloc_buffer((R * K,), "float32")
+            acc = T.alloc_buffer((R * ACC * LN,), "float32")  # row r at r*ACC*LN
+            flg = T.alloc_buffer((CL,), "uint8")
+            if dense and not bf16w:  # static: the tile's weight factors
+                wsc = T.alloc_buffer((KB,), "float32")
+            else:
+                wsc = T.meta_var(None)
+            for pi in range(i64(TILES)):
+                if po * TILES + pi < NB:
+                    p = T.meta_var(po * TILES + pi)
+                    tile_factors(scale, wsc, p)
+                    for g in range((m + R - i64(1)) // R):
+                        live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
+                        for r, ch in T.grid(live, NCH):
+                            for j in T.vectorized(i64(CL)):
+                                xs[r * K + ch * CL + j] = scaled(
+                                    xq[xrow(g * R + r, p), ch * CL + j], scale, p, ch, j)
+                        group_if(weight, wsc, xs, y, p, g * R, live, 1, acc, flg)
+                        group_if(weight, wsc, xs, y, p, g * R, live, 2, acc, flg)
+                        group_if(weight, wsc, xs, y, p, g * R, live, 3, acc, flg)
+                        group_if(weight, wsc, xs, y, p, g * R, live, 4, acc, flg)
+                        group_if(weight, wsc, xs, y, p, g * R, live, 5, acc, flg)
+                        group_if(weight, wsc, xs, y, p, g * R, live, 6, acc, flg)
+                        group_if(weight, wsc, xs, y, p, g * R, live, 7, acc, flg)
+                        group_if(weight, wsc, xs, y, p, g * R, live, 8, acc, flg)
+
+    if dense:
+        return _dense_gemv(grouped_rows, widen_rows, NW=NW, G=G, N=N, K=K, NB=NB, KB=KB,
+                           bf16w=bf16w)
+    return _fp8_linear_gemv(grouped_rows, quantise_rows, N=N, K=K, NB=NB, KB=KB,
+                            out_dtype=out_dtype)
+
+
+def _fp8_linear_gemv(body, quantise_rows, *, N, K, NB, KB, out_dtype) -> tvm.tirx.PrimFunc:
+    """fp8_linear's signature around a GEMV body (`make_fp8_gemv_avx2`): x quantised first."""
 
     @T.prim_func
-    def fp8_gemv_rows(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
-                      scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+    def fp8_gemv(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
+                 scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
         T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
                      "tirx.is_scheduled": True})
         m = T.int64()
@@ -293,30 +409,40 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
         amax = T.alloc_buffer((m, KB), "float32")
         xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
         quantise_rows(x, amax, xq, m)
-        for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
-            # buffers once per TILES tiles: a workspace allocation per 32-column tile cost
-            # more than the tile's sums at k 512
-            xs = T.alloc_buffer((R * K,), "float32")
-            acc = T.alloc_buffer((R * ACC * LN,), "float32")  # row r at r*ACC*LN
-            flg = T.alloc_buffer((CL,), "uint8")
-            for pi in range(i64(TILES)):
-                if po * TILES + pi < NB:
-                    p = T.meta_var(po * TILES + pi)
-                    for g in range((m + R - i64(1)) // R):
-                        live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
-                        for r, ch in T.grid(live, NCH):
-                            for j in T.vectorized(i64(CL)):
-                                xs[r * K + ch * CL + j] = xq[g * R + r, ch * CL + j] * e8m0_to_f32(
-                                    T.Cast("uint32", scale[
-                                        p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])
-                                ) * T.float32(256.0)
-                        group_if(weight, xs, y, p, g * R, live, 1, acc, flg)
-                        group_if(weight, xs, y, p, g * R, live, 2, acc, flg)
-                        group_if(weight, xs, y, p, g * R, live, 3, acc, flg)
-                        group_if(weight, xs, y, p, g * R, live, 4, acc, flg)
-                        group_if(weight, xs, y, p, g * R, live, 5, acc, flg)
-                        group_if(weight, xs, y, p, g * R, live, 6, acc, flg)
-                        group_if(weight, xs, y, p, g * R, live, 7, acc, flg)
-                        group_if(weight, xs, y, p, g * R, live, 8, acc, flg)
+        body(xq, weight, scale, y, m)
 
-    return fp8_gemv_rows
+    return fp8_gemv
+
+
+def _dense_gemv(body, widen_rows, *, NW, G, N, K, NB, KB, bf16w: bool) -> tvm.tirx.PrimFunc:
+    """dense_gemv's signature (an FP8 weight and its scales, or a bf16 one; fp32 y) around a
+    GEMV body: x widened as it is."""
+
+    if bf16w:
+        @T.prim_func
+        def dense_gemv_bf16(x_h: T.handle, weight: T.Buffer((NW, K), "bfloat16"),
+                            y_h: T.handle):
+            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, G, N), "float32")
+            xq = T.alloc_buffer((m * G, K), "float32")  # per chunk in _gemv_slot_source order
+            widen_rows(x, xq, m)
+            body(xq, weight, None, y, m)
+
+        return dense_gemv_bf16
+
+    @T.prim_func
+    def dense_gemv_fp8(x_h: T.handle, weight: T.Buffer((NW, K), "uint8"),
+                       scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
+        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, G, N), "float32")
+        xq = T.alloc_buffer((m * G, K), "float32")  # per chunk in _gemv_slot_source order
+        widen_rows(x, xq, m)
+        body(xq, weight, scale, y, m)
+
+    return dense_gemv_fp8
