@@ -225,48 +225,31 @@ def rope_quant(ctx: Lowering, build: Builder):
     return convert
 
 
-def rope_quant_rows(ctx: Lowering, build: Builder):
-    """New cache entries quantised straight into rows of a cache: the codes and scales are
-    updated in place (`call_tir_inplace`, as `_scatter_rows`), the kernel writing only the rows
-    idx names."""
+def rope_quant_into(ctx: Lowering, build: Builder, *, window: bool):
+    """New cache entries written straight into a cache, the codes and scales updated in place
+    (`call_tir_inplace`, as `_scatter_rows`): `rope_quant_rows` (window False) writes only the
+    rows idx names; `rope_quant_window` (True) first copies the ring into a new buffer, the
+    entries after it (its codes and scales: two new outputs), then writes the ring's slots."""
 
     def convert(node, importer):
-        codes, scales, idx, x, cos, sin = (importer.env[a] for a in node.args[:6])
+        codes, scales, rows, x, cos, sin = (importer.env[a] for a in node.args[:6])
         rd, form = int(node.args[6]), EntryFormat(str(node.args[7]))
         weight = None if node.args[8] is None else importer.env[node.args[8]]
         key = RopeQuantKey(d=static(shape(x)[2]), rd=rd, form=form.value,
-                           eps=None if weight is None else float(node.args[9]), into=True)
+                           eps=None if weight is None else float(node.args[9]),
+                           into=not window, window=window)
         gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        args = [codes, scales, idx, x, cos, sin] + ([] if weight is None else [weight])
+        args = [codes, scales, rows, x, cos, sin] + ([] if weight is None else [weight])
+        out_ty, inplace = [codes.ty, scales.ty], [0, 1]
+        if window:
+            b, w, cw = shape(codes)
+            buf = w + shape(x)[1]
+            out_ty += [tensor([b, buf, cw], "uint8"), tensor([b, buf, shape(scales)[2]], "uint8")]
+            inplace += [-1, -1]
         bb = importer.block_builder
-        res = bb.emit(relax.call_tir_inplace(gv, args, [0, 1], out_ty=[codes.ty, scales.ty]))
-        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(2)]))
-
-    return convert
-
-
-def rope_quant_window(ctx: Lowering, build: Builder):
-    """A chunk's window entries: the ring copied into a new buffer, the entries quantised after
-    it, then written into the ring's slots, one kernel; the ring updated in place
-    (`call_tir_inplace`, its two outputs), the buffer's codes and scales new outputs."""
-
-    def convert(node, importer):
-        codes, scales, slot, x, cos, sin = (importer.env[a] for a in node.args[:6])
-        rd, form = int(node.args[6]), EntryFormat(str(node.args[7]))
-        weight = None if node.args[8] is None else importer.env[node.args[8]]
-        key = RopeQuantKey(d=static(shape(x)[2]), rd=rd, form=form.value,
-                           eps=None if weight is None else float(node.args[9]), window=True)
-        gv = ctx.kernel(importer, key, lambda: build(key, ctx.target.name))
-        b, w, cw = shape(codes)
-        g = shape(scales)[2]
-        rows = w + shape(x)[1]
-        args = [codes, scales, slot, x, cos, sin] + ([] if weight is None else [weight])
-        bb = importer.block_builder
-        res = bb.emit(relax.call_tir_inplace(
-            gv, args, [0, 1, -1, -1],
-            out_ty=[codes.ty, scales.ty, tensor([b, rows, cw], "uint8"),
-                    tensor([b, rows, g], "uint8")]))
-        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i)) for i in range(4)]))
+        res = bb.emit(relax.call_tir_inplace(gv, args, inplace, out_ty=out_ty))
+        return bb.emit(relax.Tuple([bb.emit(relax.TupleGetItem(res, i))
+                                    for i in range(len(out_ty))]))
 
     return convert
 

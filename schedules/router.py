@@ -138,6 +138,21 @@ def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
     E, K = T.int64(e), T.int64(k)
     scored = gate_temp is not None
 
+    @T.macro
+    def routed_row(scores, bias, weights, ids, vr):
+        """Row vr's picks, in its block: the scratch `topk_row` takes, then the row."""
+        prev_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+        prev_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
+        best_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
+        best_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
+        total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        if scored:  # static
+            sc = T.sblock_alloc_buffer((T.int64(1), E), "float32", scope="local")
+        else:
+            sc = T.meta_var(None)
+        topk_row(scores, bias, weights, ids, vr, sc, prev_key, prev_id, best_key, best_id,
+                 total)
+
     if bias_select:
         @T.prim_func(s_tir=True)
         def route_topk_select(s_h: T.handle, m_h: T.handle, bias_vl: T.Buffer((E,), "float32"),
@@ -153,17 +168,7 @@ def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
                     vr = T.axis.spatial(n, r)
                     T.reads(scores[vr, 0:E], mask[vr, 0], bias_vl[0:E], bias[0:E])
                     T.writes(weights[vr, 0:K], ids[vr, 0:K])
-                    prev_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
-                    prev_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
-                    best_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
-                    best_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
-                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    if scored:  # static
-                        sc = T.sblock_alloc_buffer((T.int64(1), E), "float32", scope="local")
-                    else:
-                        sc = T.meta_var(None)
-                    topk_row(scores, (mask, bias_vl, bias), weights, ids, vr, sc, prev_key,
-                             prev_id, best_key, best_id, total)
+                    routed_row(scores, (mask, bias_vl, bias), weights, ids, vr)
 
         return route_topk_select
 
@@ -180,17 +185,7 @@ def make_route_topk(*, e: int, k: int, normalize: bool, route_scale: float,
                 vr = T.axis.spatial(n, r)
                 T.reads(scores[vr, 0:E], bias[vr, 0:E] if bias_rows else bias[0:E])
                 T.writes(weights[vr, 0:K], ids[vr, 0:K])
-                prev_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
-                prev_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
-                best_key = T.sblock_alloc_buffer((1,), "uint32", scope="local")
-                best_id = T.sblock_alloc_buffer((1,), "int64", scope="local")
-                total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                if scored:  # static
-                    sc = T.sblock_alloc_buffer((T.int64(1), E), "float32", scope="local")
-                else:
-                    sc = T.meta_var(None)
-                topk_row(scores, bias, weights, ids, vr, sc, prev_key, prev_id, best_key,
-                         best_id, total)
+                routed_row(scores, bias, weights, ids, vr)
 
     return route_topk
 
