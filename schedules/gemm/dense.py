@@ -179,15 +179,20 @@ def make_dense_gemv_rows(*, groups: int, n: int, k: int, x_dtype: str, w_dtype: 
 DOT_K = 32  # K elements per vdpbf16ps: 16 fp32 lanes, each summing a pair of bf16 products
 DOT_LANES = 16
 DOT_ACCS = 24  # bf16_dot: most rows x cb accumulators (of 32 zmm registers; the rest load)
+# its FP8 form also holds each column's decoded words (two vectors) and the lookup tables
+DOT_ACCS_FP8 = 16
 EXACT_ROWS = 8  # bf16_dot: rows left over after whole groups run as a group of exactly them
 
 
-def dot_columns(tn: int, rows: int) -> int:
+def dot_columns(tn: int, rows: int, fp8: bool = False) -> int:
     """Columns per register group (cb) of a bf16_dot group of `rows` rows in a tile of tn: one
     row 8 (8 weight streams in flight), more rows the widest of 4, 3, 2, 1 that divides tn
-    with rows x cb within DOT_ACCS accumulators (1 past that)."""
+    with rows x cb within DOT_ACCS accumulators (DOT_ACCS_FP8 over an FP8 weight, whose decoded
+    words take registers too; 1 past that). The FP8 o-projection of the bench preset at 5 rows
+    of a 6-row group, cb 4 (20 accumulators, spilled) against 2: see `dense_gemv_config`."""
     widths = (8, 4, 3, 2, 1) if rows == 1 else (4, 3, 2, 1)
-    return next(c for c in widths if tn % c == 0 and (rows * c <= DOT_ACCS or c == 1))
+    most = DOT_ACCS_FP8 if fp8 else DOT_ACCS
+    return next(c for c in widths if tn % c == 0 and (rows * c <= most or c == 1))
 
 
 @T.macro
@@ -270,7 +275,7 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     L = DOT_LANES
 
     def width(nr: int) -> int:  # columns per register group of a group of nr rows
-        return cb if nr == rows else dot_columns(tn, nr)
+        return cb if nr == rows else dot_columns(tn, nr, fp8)
 
     widths = [width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1)))]
     ACC = max(nr * width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1))))
@@ -521,7 +526,8 @@ def dense_gemv_config(target: TargetSpec, *, n: int, k: int, rows: int = 1,
         # prefetcher restarts at every 4 KB page): the o-projection's weights cycled through
         # 600 MB, median of 200 interleaved calls on the Xeon above, one row 1.591 -> 1.515 ms
         # (min 1.480 -> 1.351), 5 rows 1.911 -> 1.798; 2 groups ahead the same as 1.
-        return DenseGemvConfig(tn=tn, cb=dot_columns(tn, rows), vec=DOT_LANES, rows=rows,
+        return DenseGemvConfig(tn=tn, cb=dot_columns(tn, rows, fp8_dot and w_dtype == FP8_WEIGHT),
+                               vec=DOT_LANES, rows=rows,
                                kind="bf16_dot", fma_rows=rows > 1 and has_amx_bf16(target),
                                prefetch=1)
     fma_lanes = 16 if has_features(target, "avx512bw") else 8
