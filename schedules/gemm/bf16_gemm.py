@@ -45,18 +45,19 @@ class Fp8GemmStages:
     """`make_fp8_gemm_bf16`'s stages as macros, for kernels that run several GEMMs or form
     their input first (`make_fp8_gemm_bf16`'s fused forms, `make_fp8_gemm_bf16_q_kv`):
 
-    - `stage(value, src, amax, xt, m)`: the activation rows value(src, i, j) (fp32, a bf16
-      value) quantised per 32 and staged as bf16 pairs into xt (`staged_words(m)` words),
-      amax [m, k / 32] fp32 its scratch; parallel over rows, then over row blocks.
+    - `gemms(value, src, m, first, second)`: the activation rows value(src, i, j) (fp32, a bf16
+      value) quantised per 32 and staged once as bf16 pairs (parallel over rows, then over row
+      blocks), then the GEMM of `first` over them and of `second` (None: none), each a
+      (stages, weight, scale, y) of a weight of width k (`tasks`).
     - `tasks(xt, weight, scale, y, m)`: the GEMM of one weight over the staged rows, parallel
-      over (row block, 32-column tile). Any number of weights of width k may read one xt.
+      over (row block, 32-column tile).
     - `normed(x, nw, xn, m)`: xn [m, k] fp32 = the rows of x RMS-normed by nw, bit for bit
       `norm.make_rms_norm`'s (`rms_norm_row`), parallel over rows (the norm form's input).
     - `swiglu(gate, up, xn, m)`: xn = bf16(swiglu(gate, up, limit)) as fp32, the formula of
       `silu_times` (the MoE epilogue's and the SwiGLU fallback's), parallel over rows.
     n, k, kb, nb: the weight's shape as int64 immediates."""
 
-    stage: object
+    gemms: object
     tasks: object
     normed: object
     swiglu: object
@@ -65,11 +66,6 @@ class Fp8GemmStages:
     kb: object
     nb: object
     row_block: int
-
-    def staged_words(self, m):
-        """xt's length for m rows (whole row blocks)."""
-        mb = i64(self.row_block)
-        return ((m + mb - i64(1)) // mb) * (self.k // i64(2)) * mb
 
 
 def bf16_source(x, i, j):
@@ -123,6 +119,15 @@ def fp8_gemm_bf16_stages(*, n: int, k: int, out_dtype: str = "bfloat16",
                     bits(xq(value, src, amax, row, kp * 2))
                     | (bits(xq(value, src, amax, row, kp * 2 + 1)) << u32(16)),
                     u32(0))
+
+    @T.macro
+    def gemms(value, src, m, first, second):
+        amax = T.alloc_buffer((m, KB), "float32")
+        xt = T.alloc_buffer((((m + MB - i64(1)) // MB) * KP * MB,), "uint32")
+        stage(value, src, amax, xt, m)
+        first[0].tasks(xt, first[1], first[2], first[3], m)
+        if second is not None:  # static
+            second[0].tasks(xt, second[1], second[2], second[3], m)
 
     @T.macro
     def tasks(xt, weight, scale, y, m):
@@ -187,7 +192,7 @@ def fp8_gemm_bf16_stages(*, n: int, k: int, out_dtype: str = "bfloat16",
                         bf16_to_f32(gate[i, c0 * LANES + c1]),
                         bf16_to_f32(up[i, c0 * LANES + c1]), swiglu_limit))
 
-    return Fp8GemmStages(stage=stage, tasks=tasks, normed=normed, swiglu=swiglu, n=N, k=K,
+    return Fp8GemmStages(gemms=gemms, tasks=tasks, normed=normed, swiglu=swiglu, n=N, k=K,
                          kb=KB, nb=NB, row_block=row_block)
 
 
@@ -244,11 +249,8 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", row_block
             y = T.match_buffer(y_h, (m, N), out_dtype)
             with T.attr(T.int32(0), *with_bf16_dot()):
                 xn = T.alloc_buffer((m, K), "float32")  # the normed rows (bf16 values)
-                amax = T.alloc_buffer((m, KB), "float32")
-                xt = T.alloc_buffer((st.staged_words(m),), "uint32")
                 st.normed(x, nw, xn, m)
-                st.stage(f32_source, xn, amax, xt, m)
-                st.tasks(xt, weight, scale, y, m)
+                st.gemms(f32_source, xn, m, (st, weight, scale, y), None)
 
         return norm_fp8_gemm_bf16
 
@@ -265,11 +267,8 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", row_block
             y = T.match_buffer(y_h, (m, N), out_dtype)
             with T.attr(T.int32(0), *with_bf16_dot()):
                 xn = T.alloc_buffer((m, K), "float32")  # the SwiGLU rows (bf16 values)
-                amax = T.alloc_buffer((m, KB), "float32")
-                xt = T.alloc_buffer((st.staged_words(m),), "uint32")
                 st.swiglu(gate, up, xn, m)
-                st.stage(f32_source, xn, amax, xt, m)
-                st.tasks(xt, weight, scale, y, m)
+                st.gemms(f32_source, xn, m, (st, weight, scale, y), None)
 
         return swiglu_fp8_gemm_bf16
 
@@ -290,11 +289,7 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", row_block
             y = T.match_buffer(y_h, (m, N), out_dtype)
             y2 = T.match_buffer(y2_h, (m, N2), out_dtype)
             with T.attr(T.int32(0), *with_bf16_dot()):
-                amax = T.alloc_buffer((m, KB), "float32")
-                xt = T.alloc_buffer((st.staged_words(m),), "uint32")
-                st.stage(bf16_source, x, amax, xt, m)
-                st.tasks(xt, weight, scale, y, m)
-                st2.tasks(xt, weight2, scale2, y2, m)
+                st.gemms(bf16_source, x, m, (st, weight, scale, y), (st2, weight2, scale2, y2))
 
         return fp8_gemm_bf16_pair
 
@@ -307,10 +302,7 @@ def make_fp8_gemm_bf16(*, n: int, k: int, out_dtype: str = "bfloat16", row_block
         x = T.match_buffer(x_h, (m, K), "bfloat16")
         y = T.match_buffer(y_h, (m, N), out_dtype)
         with T.attr(T.int32(0), *with_bf16_dot()):
-            amax = T.alloc_buffer((m, KB), "float32")
-            xt = T.alloc_buffer((st.staged_words(m),), "uint32")
-            st.stage(bf16_source, x, amax, xt, m)
-            st.tasks(xt, weight, scale, y, m)
+            st.gemms(bf16_source, x, m, (st, weight, scale, y), None)
 
     return fp8_gemm_bf16
 
@@ -345,17 +337,10 @@ def make_fp8_gemm_bf16_q_kv(*, n_q: int, n_kv: int, k: int, n_b: int, norm_eps: 
         kv = T.match_buffer(kv_h, (m, NKV), "bfloat16")
         q = T.match_buffer(q_h, (m, NB_), "bfloat16")
         with T.attr(T.int32(0), *with_bf16_dot()):
-            amax = T.alloc_buffer((m, a.kb), "float32")
-            xt = T.alloc_buffer((a.staged_words(m),), "uint32")
-            a.stage(bf16_source, x, amax, xt, m)
-            a.tasks(xt, wa, sa, q_lora, m)
-            kv_st.tasks(xt, wkv, skv, kv, m)
+            a.gemms(bf16_source, x, m, (a, wa, sa, q_lora), (kv_st, wkv, skv, kv))
             xn = T.alloc_buffer((m, NQ), "float32")  # the normed q_lora (bf16 values)
-            amax_b = T.alloc_buffer((m, b.kb), "float32")
-            xt_b = T.alloc_buffer((b.staged_words(m),), "uint32")
             b.normed(q_lora, nw, xn, m)
-            b.stage(f32_source, xn, amax_b, xt_b, m)
-            b.tasks(xt_b, wb, sb, q, m)
+            b.gemms(f32_source, xn, m, (b, wb, sb, q), None)
 
     return fp8_q_kv
 
