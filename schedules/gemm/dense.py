@@ -280,7 +280,6 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
 
     widths = [width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1)))]
     ACC = max(nr * width(nr) for nr in (rows, *range(1, min(rows, EXACT_ROWS + 1))))
-    WV = max(widths) * 2 * DOT_K  # fp8: a register group's decoded words (2 chunks a column)
 
     def stored(total):  # a column's fp32 total as y holds it
         return bf16_of(total) if out_dtype == "bfloat16" else total
@@ -327,46 +326,58 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     def column(task, cg, cbn, c):  # the weight row of column c of register group cg
         return task // NT * N + T.min(task % NT * TN + cg * cbn + c, N - i64(1))
 
+    def column_words(w, sc, tables, task, cg, cbn, c, cp, h):
+        """Chunk cp * 2 + h of column c of register group cg: its 32 codes' bf16 words, scaled
+        (an expression: the 64 codes' lookups are the same for both halves, so LLVM forms
+        them once per column and pair of chunks, as for every row of a group)."""
+        col = column(task, cg, cbn, c)
+        codes = w.vload([col, cp * i64(2 * DOT_K)], "uint8x64")
+        return e4m3_words.scaled_words(
+            e4m3_words.e4m3_bf16_words(codes, tables[0], tables[1], e4m3_words.HALVES[h]),
+            sc[col // i64(FP8_TILE), cp * i64(2) + i64(h)])
+
     @T.macro
-    def block_fp8(x, xf, w, sc, tables, wv, y, acc, task, row0, nr, cbn):
+    def half_fp8(x, xf, w, sc, tables, acc, task, row0, nr, cbn, cg, cp, c, h):
+        """Every row's dot product with chunk cp * 2 + h (h static) of column c of the group."""
+        m = T.meta_var(x.shape[0])
+        words = T.meta_var(column_words(w, sc, tables, task, cg, cbn, c, cp, h))
+        for r in T.unroll(nr):
+            a = T.meta_var(r * cbn + c)  # the accumulator of (row r, column c)
+            if fma_rows and nr > 1:  # static
+                row = T.meta_var(T.min(row0 + r, m - i64(1)))
+                wh = T.meta_var(bf16_pair_halves(words))
+                acc[T.ramp(a * L, 1, L)] = dpbf16ps_by_fma(
+                    acc[T.ramp(a * L, 1, L)],
+                    xf[row, task // NT, T.ramp((cp * 2 + h) * DOT_K, 1, L)],
+                    xf[row, task // NT, T.ramp((cp * 2 + h) * DOT_K + L, 1, L)],
+                    wh[0], wh[1])
+            else:
+                acc[T.ramp(a * L, 1, L)] = dpbf16ps(
+                    acc[T.ramp(a * L, 1, L)],
+                    bits(x, T.min(row0 + r, m - i64(1)), task // NT, (cp * 2 + h) * DOT_K),
+                    words)
+
+    @T.macro
+    def block_fp8(x, xf, w, sc, tables, y, acc, task, row0, nr, cbn):
         """`block` over an FP8 weight: per pair of chunks, each column's 64 codes decoded once
-        into wv (its two chunks' words, scaled), then every row's dot products with them in
-        chunk order (the two chunks as `block` takes them)."""
+        (its two chunks' words, scaled: `column_words`), then every row's dot products with
+        them in chunk order (the two chunks as `block` takes them). The words are
+        expressions, not a buffer: a decoded-words buffer of the group (1 KB at 8 columns)
+        was a heap workspace (TVM allocates 1 KB or more per task so), stored to on every
+        chunk."""
         m = T.meta_var(x.shape[0])
         for cg in range(TN // i64(cbn)):
             for a in T.unroll(nr * cbn):
                 acc[T.ramp(a * L, 1, L)] = T.broadcast(T.float32(0), L)
             for cp in range(NCH // i64(2)):
-                for c in T.unroll(cbn):
-                    if prefetch > 0:  # static: these codes of the column `prefetch` groups on
+                if prefetch > 0:  # static: these codes of the columns `prefetch` groups on
+                    for c in T.unroll(cbn):
                         prefetch_line(T.address_of(w[T.min(
                             task // NT * N + task % NT * TN + (cg + prefetch) * cbn + c,
                             G * N - i64(1)), cp * i64(2 * DOT_K)]))
-                    codes = T.meta_var(w.vload([column(task, cg, cbn, c), cp * i64(2 * DOT_K)],
-                                               "uint8x64"))
-                    words = T.meta_var(e4m3_words.k_order_words(
-                        codes, tables[0], tables[1],
-                        sc[column(task, cg, cbn, c) // i64(FP8_TILE), cp * i64(2)],
-                        sc[column(task, cg, cbn, c) // i64(FP8_TILE), cp * i64(2) + i64(1)]))
-                    wv[T.ramp(c * 2 * DOT_K, 1, DOT_K)] = words[0]
-                    wv[T.ramp((c * 2 + 1) * DOT_K, 1, DOT_K)] = words[1]
-                for h in T.unroll(2):
-                    for a in T.unroll(nr * cbn):  # (row a // cbn, column a % cbn)
-                        if fma_rows and nr > 1:  # static
-                            row = T.meta_var(T.min(row0 + a // cbn, m - i64(1)))
-                            wh = T.meta_var(bf16_pair_halves(
-                                wv[T.ramp((a % cbn * 2 + h) * DOT_K, 1, DOT_K)]))
-                            acc[T.ramp(a * L, 1, L)] = dpbf16ps_by_fma(
-                                acc[T.ramp(a * L, 1, L)],
-                                xf[row, task // NT, T.ramp((cp * 2 + h) * DOT_K, 1, L)],
-                                xf[row, task // NT, T.ramp((cp * 2 + h) * DOT_K + L, 1, L)],
-                                wh[0], wh[1])
-                        else:
-                            acc[T.ramp(a * L, 1, L)] = dpbf16ps(
-                                acc[T.ramp(a * L, 1, L)],
-                                bits(x, T.min(row0 + a // cbn, m - i64(1)), task // NT,
-                                     (cp * 2 + h) * DOT_K),
-                                wv[T.ramp((a % cbn * 2 + h) * DOT_K, 1, DOT_K)])
+                for c in T.unroll(cbn):  # each accumulator sums chunk 2 cp, then 2 cp + 1
+                    half_fp8(x, xf, w, sc, tables, acc, task, row0, nr, cbn, cg, cp, c, 0)
+                    half_fp8(x, xf, w, sc, tables, acc, task, row0, nr, cbn, cg, cp, c, 1)
             for r, c in T.grid(nr, cbn):
                 if row0 + r < m and task % NT * TN + cg * cbn + c < N:
                     y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = stored(
@@ -379,10 +390,10 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                 block(x, xf, w, y, acc, task, x.shape[0] - i64(nr), nr, width(nr))
 
     @T.macro
-    def rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, rest, nr):
+    def rest_if_fp8(x, xf, w, sc, tables, y, acc, task, rest, nr):
         if nr < rows:  # static
             if rest == nr:
-                block_fp8(x, xf, w, sc, tables, wv, y, acc, task, x.shape[0] - i64(nr), nr,
+                block_fp8(x, xf, w, sc, tables, y, acc, task, x.shape[0] - i64(nr), nr,
                           width(nr))
 
     @T.macro
@@ -400,25 +411,24 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                 tbl = T.alloc_buffer((256,), "uint8")
                 e4m3_words.e4m3_bf16_table(tbl)
             for task in T.parallel(G * NT):  # (group, column tile)
-                acc = T.alloc_buffer((ACC * L,), "float32", scope="local")
+                acc = T.alloc_buffer((ACC * L,), "float32")
                 if fp8:  # static
-                    wv = T.alloc_buffer((WV,), "uint16", scope="local")
                     tables = T.meta_var(e4m3_words.table_vectors(tbl))
                     for io in range(m // R):  # whole groups
-                        block_fp8(x, xf, w, sc, tables, wv, y, acc, task, io * R, rows,
+                        block_fp8(x, xf, w, sc, tables, y, acc, task, io * R, rows,
                                   width(rows))
                     # the rows left (m % rows), as below
-                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 1)
-                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 2)
-                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 3)
-                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 4)
-                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 5)
-                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 6)
-                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 7)
-                    rest_if_fp8(x, xf, w, sc, tables, wv, y, acc, task, m % R, 8)
+                    rest_if_fp8(x, xf, w, sc, tables, y, acc, task, m % R, 1)
+                    rest_if_fp8(x, xf, w, sc, tables, y, acc, task, m % R, 2)
+                    rest_if_fp8(x, xf, w, sc, tables, y, acc, task, m % R, 3)
+                    rest_if_fp8(x, xf, w, sc, tables, y, acc, task, m % R, 4)
+                    rest_if_fp8(x, xf, w, sc, tables, y, acc, task, m % R, 5)
+                    rest_if_fp8(x, xf, w, sc, tables, y, acc, task, m % R, 6)
+                    rest_if_fp8(x, xf, w, sc, tables, y, acc, task, m % R, 7)
+                    rest_if_fp8(x, xf, w, sc, tables, y, acc, task, m % R, 8)
                     if rows > EXACT_ROWS + 1:  # static
                         if m % R > i64(EXACT_ROWS):
-                            block_fp8(x, xf, w, sc, tables, wv, y, acc, task, m - m % R, rows,
+                            block_fp8(x, xf, w, sc, tables, y, acc, task, m - m % R, rows,
                                       width(rows))
                 else:
                     for io in range(m // R):  # whole groups
