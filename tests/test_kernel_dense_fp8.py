@@ -68,6 +68,9 @@ def _check(target: str, groups: int, n: int, k: int, rows: int, m: int, out_dtyp
     x = (torch.randn(m, groups, k, generator=torch.Generator().manual_seed(seed + 1)) * 3
          ).to(torch.bfloat16)
     x[0, 0, :4] = torch.tensor([0.0, -0.0, 1e-30, -3e4])
+    # beside the largest scale (the last tile): scaled, these leave bf16's range, so that task
+    # scales the weights instead of x (`make_dense_gemv_bf16_dot`'s one-row groups)
+    x[0, -1, -3:] = torch.tensor([1e30, -2e29, 1e-38])
     dims = dict(groups=groups, n=n, k=k, x_dtype="bfloat16", rows=rows, out_dtype=out_dtype)
     ref = _call(_built(target, w_dtype="bfloat16", **dims), [x, w], (m, groups, n), out_dtype)
     got = _call(_built(target, w_dtype="fp8", **dims), [x, codes, scales], (m, groups, n),
@@ -237,3 +240,50 @@ def test_fma_form_rows_match_one_row_and_the_oracle():
     assert bool(((one - ref).abs()[live] <= bound[live]).all())
     with pytest.raises(ValueError, match="bfloat16 in its dense form"):
         make_fp8_gemv_avx2(n=64, k=512, w_dtype="bfloat16")
+
+
+def _scaled_x_kernel():
+    from tvm.script import tirx as T
+
+    from dsv41.schedules.common import e4m3_words
+
+    @T.prim_func
+    def f(x: T.Buffer((32,), "uint16"), sb: T.Buffer((1,), "uint8"),
+          y: T.Buffer((32,), "uint16"), fl: T.Buffer((32,), "uint16")):
+        r = T.meta_var(e4m3_words.scaled_x_words(x[T.ramp(0, 1, 32)], sb[0]))
+        y[T.ramp(0, 1, 32)] = r[0]
+        fl[T.ramp(0, 1, 32)] = r[1]
+
+    return tvm.compile(f, target=get_target(CPU).tvm_target())
+
+
+@pytest.mark.parametrize("byte", [10, 120, 127, 140, 246])
+def test_scaled_x_words_moves_normal_exponents_and_flags_what_leaves_the_range(byte):
+    """Each normal activation times 2^(byte - 127) exactly where that is a normal bf16, flagged
+    where it is not; zeros and denormals as the zero of their sign; inf and NaN as they are."""
+    vals = torch.tensor([1.0, -3.0, 1e-30, -1e30, 3e38, 1e-38, 0.0, -0.0, float("inf"),
+                         float("-inf"), float("nan"), 0.15625, -448.0, 2.0 ** -126, 1e10,
+                         -7e-20], dtype=torch.float32)
+    x = torch.cat([vals, -vals]).to(torch.bfloat16)
+    x[6] = 0.0
+    bits = x.view(torch.int16).clone()
+    bits[20], bits[21] = 1, -32767  # denormals of both signs
+    x = bits.view(torch.bfloat16)
+    ex = _scaled_x_kernel()
+    y = tvm.runtime.tensor(np.zeros(32, np.uint16))
+    fl = tvm.runtime.tensor(np.zeros(32, np.uint16))
+    ex(to_tvm(bits.view(torch.uint16)), to_tvm(torch.tensor([byte], dtype=torch.uint8)), y, fl)
+    got, flags = to_torch(y).view(torch.bfloat16), to_torch(fl)
+    e = byte - 127
+    for i in range(32):
+        v, u = float(x[i]), int(bits[i]) & 0xFFFF
+        exp = (u >> 7) & 0xFF
+        if exp == 0:  # zero or denormal: the zero of its sign
+            assert int(flags[i]) == 0 and int(got[i].view(torch.int16)) & 0xFFFF == u & 0x8000
+        elif exp == 0xFF:  # inf or NaN: unchanged
+            assert int(flags[i]) == 0
+            assert int(got[i].view(torch.int16)) & 0xFFFF == u
+        elif 1 <= exp + e <= 254:
+            assert int(flags[i]) == 0 and float(got[i]) == v * 2.0 ** e
+        else:
+            assert int(flags[i]) == 1

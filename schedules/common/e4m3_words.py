@@ -18,7 +18,8 @@ CODES = 64  # E4M3 codes per lookup (one 512-bit load)
 WORDS = 32  # bf16 words per result vector
 HALVES = (list(range(WORDS)), list(range(WORDS, CODES)))  # a load's two halves, in K order
 __all__ = ["CODES", "EXACT_SCALE_BYTES", "HALVES", "WORDS", "e4m3_bf16_table",
-           "e4m3_bf16_words", "k_order_words", "scaled_words", "table_vectors"]
+           "e4m3_bf16_words", "k_order_words", "scaled_words", "scaled_x_words",
+           "table_vectors"]
 
 
 @T.macro
@@ -65,6 +66,30 @@ def scaled_words(words, scale_byte):
     step = T.Cast("uint16", (T.Cast("int32", scale_byte) - 127) * 128)  # mod 2^16
     nonzero = (words & T.broadcast(T.uint16(0x7FFF), WORDS)) != T.broadcast(T.uint16(0), WORDS)
     return T.Select(nonzero, words + T.broadcast(step, WORDS), words)
+
+
+def scaled_x_words(words, scale_byte):
+    """(scaled, flags) of bf16 words (uint16x32: activations) and an E8M0 scale byte: scaled
+    = each normal word times 2^(scale_byte - 127) (its exponent field moved), a zero or
+    denormal word as the zero of its sign (`vdpbf16ps` reads a denormal as zero), an inf or
+    NaN as it is; flags (uint16x32) 1 where a normal word's scaled exponent left 1 .. 254 (its
+    product with a word would no longer be the exact one: the caller then scales the other
+    operand instead). Where no flag is set, x 2^e times a word w is exactly x times w 2^e
+    (`scaled_words`), and `vdpbf16ps` forms the same sums from either pair."""
+    exp = (words >> T.broadcast(T.uint16(7), WORDS)) & T.broadcast(T.uint16(0xFF), WORDS)
+    shift = T.Cast("int32", scale_byte) - 127
+    step = T.Cast("uint16", shift * 128)  # mod 2^16
+    moved = T.reinterpret(f"int16x{WORDS}", exp) + T.broadcast(T.Cast("int16", shift), WORDS)
+    normal = ((exp != T.broadcast(T.uint16(0), WORDS))
+              & (exp != T.broadcast(T.uint16(0xFF), WORDS)))
+    out_of_range = ((moved < T.broadcast(T.int16(1), WORDS))
+                    | (moved > T.broadcast(T.int16(254), WORDS)))
+    scaled = T.Select(normal, words + T.broadcast(step, WORDS),
+                      T.Select(exp == T.broadcast(T.uint16(0), WORDS),
+                               words & T.broadcast(T.uint16(0x8000), WORDS), words))
+    flags = T.Select(normal & out_of_range, T.broadcast(T.uint16(1), WORDS),
+                     T.broadcast(T.uint16(0), WORDS))
+    return scaled, flags
 
 
 def k_order_words(codes, lo_tbl, hi_tbl, first_scale, second_scale):
