@@ -48,7 +48,6 @@ from dsv41.schedules.gemm.dense import (
     FP8_WEIGHT,
     DenseGemmConfig,
     DenseGemvConfig,
-    bf16_dot_rows,
     build_dense_gemm,
     build_dense_gemv,
     dense_gemm_config,
@@ -59,12 +58,12 @@ from dsv41.schedules.gemm.dense import (
     dense_gemv_rounds,
     make_dense_gemm,
     make_dense_gemv,
-    make_dense_gemv_bf16_dot,
     make_dense_gemv_rows,
     schedule_dense_gemm,
     schedule_dense_gemv,
     unscheduled_dense_gemm,
 )
+from dsv41.schedules.gemm.dense_dot import bf16_dot_rows, make_dense_gemv_bf16_dot
 from dsv41.schedules.gemm.dequant import (
     DequantConfig,
     build_fp8_dequant,
