@@ -52,7 +52,7 @@ from dsv41.graph.entries import (
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan, format_plan
 from dsv41.graph.speculative import verify_tokens
-from dsv41.graph.targets import TargetName, TargetSpec, get_target
+from dsv41.graph.targets import TargetName, TargetSpec, get_target, target_cpu_features
 from dsv41.runtime.backends.artifact import ArtifactError, verify
 from dsv41.runtime.backends.launcher import LAUNCHER_FILE
 from dsv41.schedules.cuda_build import build_cuda
@@ -608,7 +608,8 @@ def write_manifest(opts: CompileOptions, entries: dict[str, EntrySpec],
         config=freeze(opts.args.to_dict()),
         config_hash=opts.args.config_hash(),
         layer_plan=tuple(format_plan(build_plan(opts.args)).splitlines()),
-        target=ArtifactTarget(TargetName(opts.target), freeze(get_target(opts.target).target)),
+        target=ArtifactTarget(TargetName(opts.target), freeze(get_target(opts.target).target),
+                              target_cpu_features(get_target(opts.target).target)),
         versions=freeze({"tvm": tvm.__version__, "torch": torch.__version__}),
         entries=freeze({Entry(e): sig for e, sig in entries.items()}),
         tuning_database_sha256=db_hash,

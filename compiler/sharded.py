@@ -46,7 +46,7 @@ from dsv41.graph.entries import Entry
 from dsv41.graph.model import Model
 from dsv41.graph.plan import build_plan
 from dsv41.graph.sharding import WorkerShard, expert_block, shard_plan, shard_plan_json
-from dsv41.graph.targets import TargetName, get_target
+from dsv41.graph.targets import TargetName, get_target, target_cpu_features
 
 
 def check_even_split(args: ModelArgs, shards: int) -> None:
@@ -104,7 +104,8 @@ def compile_sharded(args: ModelArgs, out: str | Path, *, shards: int,
         model=model_name,
         config=freeze(args.to_dict()),
         config_hash=args.config_hash(),
-        target=ArtifactTarget(TargetName(target), freeze(spec.target)),
+        target=ArtifactTarget(TargetName(target), freeze(spec.target),
+                              target_cpu_features(spec.target)),
         versions=freeze({"tvm": tvm.__version__, "torch": torch.__version__}),
         shards=shards,
         ccl=ccl,

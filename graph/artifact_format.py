@@ -311,10 +311,15 @@ def _entries(obj: Any, where: str) -> Mapping[Entry, EntrySpec]:
 
 @dataclass(frozen=True, slots=True)
 class ArtifactTarget:
-    """What the artifact was built for: our target name and the TVM target it stood for."""
+    """What the artifact was built for: our target name, the TVM target it stood for, and the
+    CPU features (Linux's names) its code may use, as the compiler's LLVM read that target
+    (`graph.targets.target_cpu_features`; None: not an x86 CPU target, or an artifact written
+    before this was recorded). A runtime without LLVM target support (`dsv41 bundle`'s
+    runtime-only TVM) checks the loading CPU against this list."""
 
     name: TargetName
     tvm: Any  # the TVM target as JSON (an object, or a kind's name); frozen
+    cpu_features: tuple[str, ...] | None = None
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> ArtifactTarget:
@@ -324,12 +329,16 @@ class ArtifactTarget:
                                 f"{', '.join(TargetName)}).")
         f = _Fields(obj, f"{where}: target")
         f.take("name", str)
-        t = cls(TargetName(name), freeze(f.take("tvm", (dict, str))))
+        t = cls(TargetName(name), freeze(f.take("tvm", (dict, str))),
+                f.strs("cpu_features", required=False))
         f.done()
         return t
 
     def to_json(self) -> dict:
-        return {"name": str(self.name), "tvm": thaw(self.tvm)}
+        out = {"name": str(self.name), "tvm": thaw(self.tvm)}
+        _put(out, "cpu_features", None if self.cpu_features is None
+             else list(self.cpu_features))
+        return out
 
 
 def _header(f: _Fields) -> dict:

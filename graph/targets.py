@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -104,24 +105,37 @@ LINUX_FLAG = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi2": "bmi2",
               "avx512vbmi2": "avx512_vbmi2", "avxvnni": "avx_vnni"}
 
 
-def missing_cpu_features(target: dict) -> list[str]:
-    """The x86 features code built for an LLVM target dict may use that this CPU lacks (Linux
-    names; empty off x86-64 Linux, for a non-LLVM target, or when /proc/cpuinfo says nothing):
-    such code stops at its first such instruction (SIGILL). Needs TVM's LLVM target support;
-    a runtime-only TVM (`dsv41 bundle`) has none, and there nothing is checked."""
-    import tvm  # heavy: TVM (~4 s); only when an artifact is loaded
+def target_cpu_features(target: dict) -> tuple[str, ...] | None:
+    """The x86 features (Linux names) code built for an LLVM target dict may use, whatever this
+    CPU has; None for a non-LLVM target or without TVM's LLVM target support (a runtime-only
+    TVM, `dsv41 bundle`)."""
+    if not isinstance(target, dict) or target.get("kind") != "llvm":
+        return None
+    import tvm  # heavy: TVM (~4 s); only when an artifact is built or loaded
 
-    flags = cpu_flags()
-    if target.get("kind") != "llvm" or platform.machine() != "x86_64" or not flags:
-        return []
     try:
         from tvm.target import codegen
 
         t = tvm.target.Target(target)
     except (ImportError, AttributeError):  # a runtime-only TVM: no LLVM targets
+        return None
+    return tuple(sorted(linux for llvm, linux in LINUX_FLAG.items()
+                        if codegen.target_has_features(llvm, t)))
+
+
+def missing_cpu_features(target: dict, recorded: Sequence[str] | None = None) -> list[str]:
+    """The x86 features code built for an LLVM target dict may use that this CPU lacks (Linux
+    names; empty off x86-64 Linux or when /proc/cpuinfo says nothing): such code stops at its
+    first such instruction (SIGILL). Those the target's features name (`target_cpu_features`,
+    where this TVM has LLVM) and those the artifact recorded at compile time (`recorded`, its
+    manifest's `cpu_features`), so a runtime-only TVM still checks what the manifest says."""
+    flags = cpu_flags()
+    if platform.machine() != "x86_64" or not flags:
         return []
-    return sorted(linux for llvm, linux in LINUX_FLAG.items()
-                  if linux not in flags and codegen.target_has_features(llvm, t))
+    if isinstance(target, dict) and target.get("kind") not in (None, "llvm"):
+        return []
+    needed = set(recorded or ()) | set(target_cpu_features(target) or ())
+    return sorted(f for f in needed if f not in flags)
 
 
 def get_target(name: str) -> TargetSpec:

@@ -192,6 +192,41 @@ def test_an_artifact_for_vector_features_this_cpu_lacks_is_refused(small_artifac
     assert Artifact.load(dst).device == Device(DeviceKind.CPU)
 
 
+def test_a_runtime_without_llvm_checks_the_features_the_manifest_recorded(small_artifact,
+                                                                         tmp_path, monkeypatch):
+    """The compiler records the CPU features its target's code may use (`target.cpu_features`,
+    read back as written); a runtime-only TVM (no LLVM targets: `target_cpu_features` None)
+    refuses an artifact whose recorded features this CPU lacks, naming them, and loads it where
+    the CPU has them. A manifest without the record (an older artifact) is read as before."""
+    import dsv41.graph.targets as targets
+    from dsv41.graph.artifact_format import ArtifactTarget, TargetName
+    from dsv41.graph.targets import get_target, target_cpu_features
+
+    avx2 = target_cpu_features(get_target("cpu-avx2").target)
+    assert avx2 is not None and {"avx2", "fma", "f16c"} <= set(avx2)
+    assert "avx512f" not in avx2
+    assert target_cpu_features({"kind": "cuda", "arch": "sm_90"}) is None
+    rec = ArtifactTarget(TargetName("cpu-avx2"), {"kind": "llvm"}, ("avx2", "fma"))
+    assert ArtifactTarget.from_json(rec.to_json(), "t") == rec
+    old = ArtifactTarget(TargetName("cpu-avx2"), {"kind": "llvm"})
+    assert "cpu_features" not in old.to_json()
+    assert ArtifactTarget.from_json(old.to_json(), "t").cpu_features is None
+
+    dst = tmp_path / "recorded"
+    shutil.copytree(small_artifact, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["target"] = {**m["target"], "cpu_features": ["avx2", "avx512_bf16", "avx512f"]}
+    m["manifest_sha256"] = manifest_digest(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    monkeypatch.setattr(targets, "target_cpu_features", lambda target: None)  # runtime-only
+    monkeypatch.setattr(targets, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
+    with pytest.raises(ArtifactError, match=r"avx512_bf16, avx512f, which this CPU lacks"):
+        Artifact.load(dst)
+    monkeypatch.setattr(targets, "cpu_flags",
+                        lambda: frozenset({"sse2", "avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert Artifact.load(dst).device == Device(DeviceKind.CPU)
+
+
 def test_a_text_only_model_binds_zeros_for_the_span_entries_gate_bias_vl():
     """The span entries of a config with a vision tower take every gate's `bias_vl`; a model
     loaded from a checkpoint without the tower has none, and reads it only at image-span

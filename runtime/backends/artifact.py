@@ -93,7 +93,7 @@ def check_cpu_features(d: Path, m: Manifest | ShardedManifest) -> None:
     if uses_amx(tvm_target) and not request_amx():
         raise ArtifactError(f"{d} was compiled with AMX kernels, which this CPU or OS does not "
                             "offer to this process. Recompile it on this machine.")
-    missing = missing_cpu_features(tvm_target)
+    missing = missing_cpu_features(tvm_target, m.target.cpu_features)
     if missing:
         raise ArtifactError(
             f"{d} was compiled for a CPU with {', '.join(missing)}, which this CPU lacks (its "
