@@ -270,10 +270,11 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     def scaled_x_rows(xq, scale, wsc, xs, bad, i, p):
         """The dense FP8 form's one-row fast path: xs = row i of x (tile p's group) times the
         tile's factor 2^(s - 119) per 32-block, so the weights need not be (`column_sum`'s
-        exact_w False); bad[0] != 0 where some product left fp32's normal range or x was a
+        exact_w False); bad[0] != 0 where some scaled x left fp32's normal range or an x was a
         nonzero denormal (then x * 2^(s - 119) may not be exact: the tile scales its weights
-        instead). Where bad[0] is 0, each x 2^(s - 119) times E4M3 * 2^-8 is x times the
-        weight's exact value, the same product the exact weights give: the same bits."""
+        instead; an inf or NaN x gives the same product either way). Where bad[0] is 0, each
+        x 2^(s - 119) times E4M3 * 2^-8 is x times the weight's exact value, the same product
+        the exact weights give: the same bits."""
         for t in T.vectorized(i64(LN)):
             bad[t] = 0
         for ch in range(NCH):
