@@ -58,12 +58,18 @@ def e4m3_bf16_words(codes, lo_tbl, hi_tbl, sources: Sequence[int]):
     return T.reinterpret("uint16x32", T.Shuffle([T.reinterpret("uint8x64", lo), hi], idx))
 
 
+def _exponent_step(scale_byte):
+    """2^(scale_byte - 127) as what a bf16 word adds to move its exponent field by that much
+    (uint16, mod 2^16)."""
+    return T.Cast("uint16", (T.Cast("int32", scale_byte) - 127) * 128)
+
+
 def scaled_words(words, scale_byte):
     """bf16 words (uint16x32) times the E8M0 scale 2^(scale_byte - 127), exactly: the scale's
     exponent added to every nonzero word's exponent field (a zero, +-0, stays itself). Exact
     where each nonzero result is a normal bf16: a scale byte in `EXACT_SCALE_BYTES`
     (`checkpoint.fp8_tiles`, which the loader checks)."""
-    step = T.Cast("uint16", (T.Cast("int32", scale_byte) - 127) * 128)  # mod 2^16
+    step = _exponent_step(scale_byte)
     nonzero = (words & T.broadcast(T.uint16(0x7FFF), WORDS)) != T.broadcast(T.uint16(0), WORDS)
     return T.Select(nonzero, words + T.broadcast(step, WORDS), words)
 
@@ -77,9 +83,9 @@ def scaled_x_words(words, scale_byte):
     operand instead). Where no flag is set, x 2^e times a word w is exactly x times w 2^e
     (`scaled_words`), and `vdpbf16ps` forms the same sums from either pair."""
     exp = (words >> T.broadcast(T.uint16(7), WORDS)) & T.broadcast(T.uint16(0xFF), WORDS)
-    shift = T.Cast("int32", scale_byte) - 127
-    step = T.Cast("uint16", shift * 128)  # mod 2^16
-    moved = T.reinterpret(f"int16x{WORDS}", exp) + T.broadcast(T.Cast("int16", shift), WORDS)
+    step = _exponent_step(scale_byte)
+    moved = T.reinterpret(f"int16x{WORDS}", exp) + T.broadcast(
+        T.Cast("int16", T.Cast("int32", scale_byte) - 127), WORDS)
     normal = ((exp != T.broadcast(T.uint16(0), WORDS))
               & (exp != T.broadcast(T.uint16(0xFF), WORDS)))
     out_of_range = ((moved < T.broadcast(T.int16(1), WORDS))

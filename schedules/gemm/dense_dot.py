@@ -137,9 +137,30 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
     def bits(buf, *idx):  # 32 bf16 values from idx on, as the uint16 lanes dpbf16ps takes
         return T.reinterpret(f"uint16x{DOT_K}", buf.vload(list(idx), f"bfloat16x{DOT_K}"))
 
+    def column(task, cg, cbn, c):  # the weight row of column c of register group cg
+        return task // NT * N + T.min(task % NT * TN + cg * cbn + c, N - i64(1))
+
     def wbits(w, task, cg, cbn, c, ch):  # column c of register group cg, chunk ch
-        return bits(w, task // NT * N + T.min(task % NT * TN + cg * cbn + c, N - i64(1)),
-                    ch * DOT_K)
+        return bits(w, column(task, cg, cbn, c), ch * DOT_K)
+
+    @T.macro
+    def prefetch_group(w, task, cg, cbn, k0):
+        """The line at K offset k0 of each column `prefetch` register groups on (none where
+        prefetch is 0; the last group's reach past the weight clamped to its last row)."""
+        if prefetch > 0:  # static
+            for c in T.unroll(cbn):
+                prefetch_line(T.address_of(w[T.min(
+                    task // NT * N + task % NT * TN + (cg + prefetch) * cbn + c,
+                    G * N - i64(1)), k0]))
+
+    @T.macro
+    def store_group(y, acc, m, task, row0, nr, cbn, cg):
+        """The group's totals (row r, column c in accumulator r * cbn + c), real rows and
+        columns only."""
+        for r, c in T.grid(nr, cbn):
+            if row0 + r < m and task % NT * TN + cg * cbn + c < N:
+                y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = stored(
+                    pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L))
 
     @T.macro
     def block(x, xf, w, y, acc, task, row0, nr, cbn):
@@ -150,11 +171,7 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
             for a in T.unroll(nr * cbn):
                 acc[T.ramp(a * L, 1, L)] = T.broadcast(T.float32(0), L)
             for ch in range(NCH):
-                if prefetch > 0:  # static: chunk ch of the columns `prefetch` groups ahead
-                    for c in T.unroll(cbn):
-                        prefetch_line(T.address_of(w[T.min(
-                            task // NT * N + task % NT * TN + (cg + prefetch) * cbn + c,
-                            G * N - i64(1)), ch * DOT_K]))
+                prefetch_group(w, task, cg, cbn, ch * DOT_K)  # chunk ch, `prefetch` groups on
                 for a in T.unroll(nr * cbn):  # (row a // cbn, column a % cbn)
                     if fma_rows and nr > 1:  # static
                         row = T.meta_var(T.min(row0 + a // cbn, m - i64(1)))
@@ -168,13 +185,7 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                             acc[T.ramp(a * L, 1, L)],
                             bits(x, T.min(row0 + a // cbn, m - i64(1)), task // NT, ch * DOT_K),
                             wbits(w, task, cg, cbn, a % cbn, ch))
-            for r, c in T.grid(nr, cbn):
-                if row0 + r < m and task % NT * TN + cg * cbn + c < N:
-                    y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = stored(
-                        pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L))
-
-    def column(task, cg, cbn, c):  # the weight row of column c of register group cg
-        return task // NT * N + T.min(task % NT * TN + cg * cbn + c, N - i64(1))
+            store_group(y, acc, m, task, row0, nr, cbn, cg)
 
     # One-row groups (decode) where a task's 32 columns are one row of scale tiles: x scaled by
     # each chunk's tile scale once per task (`scaled_x`), the weights' words used unscaled, as
@@ -191,16 +202,6 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
         if not scaled:
             return words
         return e4m3_words.scaled_words(words, sc[col // i64(FP8_TILE), cp * i64(2) + i64(h)])
-
-    @T.macro
-    def prefetch_group(w, task, cg, cbn, cp):
-        """The codes of chunks 2 cp, 2 cp + 1 of the columns `prefetch` groups on (a line
-        each; none where prefetch is 0)."""
-        if prefetch > 0:  # static
-            for c in T.unroll(cbn):
-                prefetch_line(T.address_of(w[T.min(
-                    task // NT * N + task % NT * TN + (cg + prefetch) * cbn + c,
-                    G * N - i64(1)), cp * i64(2 * DOT_K)]))
 
     @T.macro
     def scaled_x(x, sc, xs, bad, task, row):
@@ -226,7 +227,7 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
             for c in T.unroll(cbn):
                 acc[T.ramp(c * L, 1, L)] = T.broadcast(T.float32(0), L)
             for cp in range(NCH // i64(2)):
-                prefetch_group(w, task, cg, cbn, cp)
+                prefetch_group(w, task, cg, cbn, cp * i64(2 * DOT_K))
                 for c in T.unroll(cbn):  # each accumulator sums chunk 2 cp, then 2 cp + 1
                     acc[T.ramp(c * L, 1, L)] = dpbf16ps(
                         acc[T.ramp(c * L, 1, L)], xs[T.ramp(cp * 2 * DOT_K, 1, DOT_K)],
@@ -234,10 +235,7 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                     acc[T.ramp(c * L, 1, L)] = dpbf16ps(
                         acc[T.ramp(c * L, 1, L)], xs[T.ramp((cp * 2 + 1) * DOT_K, 1, DOT_K)],
                         column_words(w, None, tables, task, cg, cbn, c, cp, 1, False))
-            for c in T.grid(cbn):
-                if task % NT * TN + cg * cbn + c < N:
-                    y[row, task // NT, task % NT * TN + cg * cbn + c] = stored(
-                        pairwise_lane_sum(acc[T.ramp(c * L, 1, L)], L))
+            store_group(y, acc, y.shape[0], task, row, 1, cbn, cg)
 
     @T.macro
     def half_fp8(x, xf, w, sc, tables, acc, task, row0, nr, cbn, cg, cp, c, h):
@@ -273,14 +271,11 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
             for a in T.unroll(nr * cbn):
                 acc[T.ramp(a * L, 1, L)] = T.broadcast(T.float32(0), L)
             for cp in range(NCH // i64(2)):
-                prefetch_group(w, task, cg, cbn, cp)
+                prefetch_group(w, task, cg, cbn, cp * i64(2 * DOT_K))
                 for c in T.unroll(cbn):  # each accumulator sums chunk 2 cp, then 2 cp + 1
                     half_fp8(x, xf, w, sc, tables, acc, task, row0, nr, cbn, cg, cp, c, 0)
                     half_fp8(x, xf, w, sc, tables, acc, task, row0, nr, cbn, cg, cp, c, 1)
-            for r, c in T.grid(nr, cbn):
-                if row0 + r < m and task % NT * TN + cg * cbn + c < N:
-                    y[row0 + r, task // NT, task % NT * TN + cg * cbn + c] = stored(
-                        pairwise_lane_sum(acc[T.ramp((r * cbn + c) * L, 1, L)], L))
+            store_group(y, acc, m, task, row0, nr, cbn, cg)
 
     @T.macro
     def block_fp8(x, xf, w, sc, tables, xs, bad, y, acc, task, row0, nr, cbn):
