@@ -267,6 +267,13 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             store(y, i, p * BLOCK + c, out_value(flg, lane_total(acc)))
 
     @T.macro
+    def tile_as_stored(xq, weight, scale, wsc, xs, acc, flg, y, i, p):
+        """Tile p of row i over x as it is (times the FP8 form's 2^8) and the weights' exact
+        values: the form every tile could take, and the dense FP8 form's fallback."""
+        unscaled_x(xq, scale, xs, i, p)
+        tile_columns(weight, wsc, xs, acc, flg, y, i, p, True)
+
+    @T.macro
     def scaled_x_rows(xq, scale, wsc, xs, bad, i, p):
         """The dense FP8 form's one-row fast path: xs = row i of x (tile p's group) times the
         tile's factor 2^(s - 119) per 32-block, so the weights need not be (`column_sum`'s
@@ -321,11 +328,9 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                     if bad[0] == 0:
                         tile_columns(weight, wsc, xs, acc, flg, y, i, p, False)
                     else:
-                        unscaled_x(xq, scale, xs, i, p)
-                        tile_columns(weight, wsc, xs, acc, flg, y, i, p, True)
+                        tile_as_stored(xq, weight, scale, wsc, xs, acc, flg, y, i, p)
                 else:
-                    unscaled_x(xq, scale, xs, i, p)
-                    tile_columns(weight, wsc, xs, acc, flg, y, i, p, True)
+                    tile_as_stored(xq, weight, scale, wsc, xs, acc, flg, y, i, p)
 
     if rows == 1 and dense:
         return _dense_gemv(single_rows, widen_rows, NW=NW, G=G, N=N, K=K, NB=NB, KB=KB,
