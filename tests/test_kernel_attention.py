@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import platform
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -243,6 +245,28 @@ def test_bench_size_bf16():
 def test_bench_size_fp32_dot():
     """QK and PV on fp32 FMAs (CPUs without AVX-512 BF16) at the bench size."""
     _check("fp4", BENCH, _inputs(b=1, s=1, **BENCH, seed=11), fp32_dot=True)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64")
+                    or "avx2" not in Path("/proc/cpuinfo").read_text(),
+                    reason="runs the cpu-avx2 target's code")
+def test_bench_size_avx2_target():
+    """The `cpu-avx2` target's kernel (ymm registers: QK 2 entries x 32 heads, PV 4 heads x 16
+    values of d) at the bench size: the oracle's numbers, and each row of a 2-row call bit for
+    bit that row alone."""
+    cfg = A.sparse_attend_config(get_target("cpu-avx2"), h=64, d=512)
+    assert (cfg.vector_decode, cfg.bf16_dot, cfg.unroll_rows) == (False, False, 2)
+    assert (cfg.pv_heads, cfg.pv_cols) == (4, 16)
+    assert (A.sparse_attend_config(get_target("cpu-x86-64"), h=64, d=512).pv_cols) == 16
+    ex = tvm.compile(A.build_sparse_attend("cpu-avx2", **BENCH, softmax_scale=512 ** -0.5),
+                     target=get_target("cpu-avx2").tvm_target())
+    inputs = _inputs(b=1, s=2, **BENCH, seed=15)
+    got = _run(ex, inputs)
+    _assert_matches(got, _oracle("fp4", inputs))
+    per_row = (0, 3, len(inputs) - 2)  # q, win_idx, kv_idx
+    for si in range(2):
+        row = [x[:, si:si + 1].contiguous() if i in per_row else x for i, x in enumerate(inputs)]
+        assert torch.equal(_run(ex, row), got[:, si:si + 1]), si
 
 
 @pytest.mark.parametrize("kind", ["fp4", "bf16"])

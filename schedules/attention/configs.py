@@ -26,6 +26,8 @@ class SparseAttendConfig:
     vector_decode: bool = False  # CPU with AVX-512: the hand-vectorised staging (stage_vec)
     bf16_dot: bool = False  # CPU with AVX-512 BF16: QK and PV on vdpbf16ps (bf16_dot.py)
     amx_dot: bool = False  # CPU with AMX-BF16 (and bf16_dot): QK and PV on tiles (amx_dot.py)
+    pv_heads: int = 4  # CPU: heads per PV register tile
+    pv_cols: int = 64  # CPU: values of d per PV register tile (pv_heads x pv_cols fp32 sums)
 
 
 def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> SparseAttendConfig:
@@ -34,10 +36,15 @@ def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> Spar
     and reused for PV, 16 fp32 lanes; the QK register tile is 8 entries x the group's heads with
     AVX-512 (32 zmm) and 2 entries without (16 ymm: at h 64, d 512, w 128, k 512 on one Zen 3
     core 2.5-2.7 ms against 3.5-3.8 at 8 or 4 entries, 2.9-3.7 at 1, 3.0 with 8 lanes at 1 or 2,
-    4.0 with 32 lanes); with AVX-512 BF16 QK and PV on vdpbf16ps where the group has a
-    multiple of 16 heads (bf16_dot.py). CUDA: 8 heads per thread block and as many staged fp32
-    rows as fit 16 KiB (8 at d = 512), so staged rows, accumulator (8 x d) and logits stay
-    within 48 KiB of static shared memory; q is read from global memory (L1)."""
+    4.0 with 32 lanes); the PV register tile 4 heads x 64 values of d with AVX-512 (16 of 32 zmm)
+    and 4 x 16 without (8 of 16 ymm: 4 x 64 spilled 24 accumulators to the stack in every step
+    of its loop; Zen 4 running the cpu-avx2 code, 2 threads, h 64 d 512 w 128 k 512, one row,
+    min of 40 interleaved calls: 0.700 -> 0.538 ms, 2 x 32 0.554, 8 x 8 0.562; the same bits,
+    each sum's order over the entries unchanged); with AVX-512 BF16 QK and PV on vdpbf16ps
+    where the group has a multiple of 16 heads (bf16_dot.py). CUDA: 8 heads per thread block
+    and as many staged fp32 rows as fit 16 KiB (8 at d = 512), so staged rows, accumulator
+    (8 x d) and logits stay within 48 KiB of static shared memory; q is read from global
+    memory (L1)."""
     if target.is_cuda:
         hg = math.gcd(h, 8)
         rows = max(1, min(ATTN_BLOCK, 16384 // (4 * d)))
@@ -56,5 +63,6 @@ def sparse_attend_config(target: TargetSpec, *, h: int, d: int, **_dims) -> Spar
     hg = h // groups
     return SparseAttendConfig(heads_per_group=hg, stage_rows=ATTN_BLOCK, vector=16,
                               unroll_rows=8 if avx512 else 2, threads=1,
+                              pv_heads=4, pv_cols=64 if avx512 else 16,
                               vector_decode=vector_decode, bf16_dot=bf16 and hg % 16 == 0,
                               amx_dot=tiles and hg % AMX_TILE == 0)

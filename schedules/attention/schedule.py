@@ -75,11 +75,12 @@ def _schedule_cpu(sch: s_tir.Schedule, cfg: SparseAttendConfig, hg: int, d: int)
     sch.unroll(ji)
     _split_vector(sch, hh, v)
     _split_vector(sch, sch.get_loops(init)[-1], v)
-    # PV as an outer product: p[j, h] broadcast times a vector of the entry, 4 heads x 4 vectors
+    # PV as an outer product: p[j, h] broadcast times a vector of the entry, a register tile of
+    # pv_heads heads x pv_cols values of d
     pv = sch.get_sblock("pv")
     hh, c, j = sch.get_loops(pv)[-3:]
-    hb = math.gcd(4, hg)
-    cb = math.gcd(4 * v, d)
+    hb = math.gcd(cfg.pv_heads, hg)
+    cb = math.gcd(cfg.pv_cols, d)
     ho, hi = sch.split(hh, [None, hb])
     co, ci = sch.split(c, [None, cb])
     ci1, ci2 = sch.split(ci, [None, min(v, cb)])
