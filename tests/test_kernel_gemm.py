@@ -479,6 +479,36 @@ def test_fp8_gemv_rows_bit_identical_to_single_row(lanes, rows, out_dtype):
         assert int(out.isnan().sum()) == m  # column 40 of every row, nothing else
 
 
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_gemv_avx2_scale_extremes_run_as_stored(rows):
+    """The 256-bit GEMV's fast path scales x by 2^(s - 7) (its bf16-bits decode reads the
+    weights times 2^-120): tiles whose scale would overflow that factor (s 140, 250) or
+    shrink x below exactness (s 0, 3), and rows of huge or tiny x, run as stored; every
+    output stays the oracle's (fp32, the order of additions aside) and each row of the verify
+    form the decode form's bit for bit."""
+    n, k = 160, 256
+    x, weight, scale = gemm.example_inputs_fp8_linear(m=4, n=n, k=k, seed=31)
+    scale[1] = 140  # columns 32..63: 2^13 weight scales (the fast factor would be 2^133)
+    scale[2, 3] = 150
+    scale[3] = 3  # columns 96..127: 2^-124 scales
+    scale[4, :2] = 0
+    x[1] *= 2.0**90  # a huge row: x 2^(s - 7) leaves fp32 for every tile
+    x[2] *= 2.0**-90  # a tiny one
+    one = _compiled("make_fp8_gemv_avx2", n=n, k=k, out_dtype="float32")
+    out = _run(one, [x, weight, scale], (4, n), torch.float32)
+    ref = ops.fp8_linear_f32(x, weight, scale)
+    assert bool(torch.isfinite(ref).all()) and bool(torch.isfinite(out).all())
+    w = fmt.torch_e4m3_decode(weight).double() * fmt.torch_e8m0_decode(scale).double()[
+        torch.arange(n) // 32][:, torch.arange(k) // 32]
+    bound = (x.double().abs() @ w.abs().T) * 2.0**-19  # x's quantised magnitude within 2x
+    assert bool(((out.double() - ref.double()).abs() <= bound).all())
+    if rows > 1:
+        multi = _compiled("make_fp8_gemv_avx2", n=n, k=k, out_dtype="float32", rows=rows)
+        got = _run(multi, [x, weight, scale], (4, n), torch.float32)
+        assert torch.equal(got.view(torch.int32), out.view(torch.int32))
+
+
 def test_fp8_gemv_rows_refuses_bad_group():
     for rows in (0, 9):
         with pytest.raises(ValueError, match=f"The fp8 GEMV takes 1..8 rows per group; got "

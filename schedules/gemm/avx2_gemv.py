@@ -1,5 +1,5 @@
 """The hand-vectorised FP8 decode GEMV for AVX2 / AVX-512 (`make_fp8_gemv_avx2`): E4M3
-weights widened through fp16 bits in integer lanes."""
+weights widened in integer lanes, through bf16 bits (256-bit) or fp16 bits (512-bit)."""
 
 from __future__ import annotations
 
@@ -40,18 +40,63 @@ def _f16_bits_even_odd(codes, lanes: int):
     return out
 
 
+def _bf16_bits_vectors(codes, lanes: int):
+    """4 x lanes E4M3 codes (uint8) -> the four float32 vectors of their values times 2^-120,
+    exactly, in `_gemv_slot_source`'s order for the bf16-bits decode (even codes, then odd;
+    each the low then the high four words of every 128-bit lane). In 16-bit lanes an odd code
+    is the high byte and an even one, shifted left by 8, too: an arithmetic shift right by 4
+    sign-extends it, shifted left by 4, and the mask 0x87F0 leaves the bf16 bits S 0000EEEE
+    MMM0000: E4M3's exponent field as the low four bits of bf16's (bias 127 against 7: the
+    value times 2^-120, a subnormal code a subnormal float32 of the same ratio) and its
+    mantissa as the top three bits. A zero word below each (vpunpcklwd / vpunpckhwd) makes
+    it a float32. No vcvtph2ps: the fp16 decode's four a chunk set its pace on Zen 4 (the
+    same 26 GB/s with its weights in the cache as from memory); shifts rather than vpmaddubsw
+    keep the multiply pipes, which the FMAs share, free. The NaN codes give a finite value
+    (the caller flags them); the FMAs multiply the subnormals exactly, as long as the thread
+    does not treat subnormal inputs as zero (MXCSR.DAZ, which this runtime never sets; with
+    it, e.g. after torch.set_flush_denormal(True), those weights, each under 2^-6 of its
+    tile's largest, would read as zero)."""
+    words = 2 * lanes
+    zero = T.broadcast(T.uint16(0), words)
+    out = []
+    w16 = T.reinterpret(f"int16x{words}", codes)
+    for odd in (0, 1):
+        h = (w16 if odd else w16 << T.broadcast(T.int16(8), words)) >> T.broadcast(
+            T.int16(4), words)
+        bits = T.reinterpret(f"uint16x{words}", h) & T.broadcast(T.uint16(0x87F0), words)
+        for half in (0, 1):  # word 8 L + 4 half + e of lane L into the high half of float e
+            idx = []
+            for t in range(lanes):
+                idx += [0, words + 8 * (t // 4) + 4 * half + t % 4]
+            out.append(T.reinterpret(f"float32x{lanes}", T.Shuffle([zero, bits], idx)))
+    return out
+
+
 def _f16_to_f32(h16, half: int, lanes: int):
     """Lanes lanes * half .. of 2 x lanes fp16 bits as float32 lanes (vcvtph2ps)."""
     idx = list(range(lanes * half, lanes * half + lanes))
     return T.Cast(f"float32x{lanes}", T.reinterpret(f"float16x{lanes}", T.Shuffle([h16], idx)))
 
 
+def bf16_bits_decode(lanes: int) -> bool:
+    """Whether the GEMV of `lanes` decodes through bf16 bits (`_bf16_bits_vectors`: the
+    256-bit form, which the CPUs without AVX-512 run) rather than fp16 bits (the 512-bit form:
+    Intel's AVX-512 cores take a microcode assist on a subnormal multiplicand)."""
+    return lanes == 8
+
+
 def _gemv_slot_source(j, lanes: int):
     """Slot j (0 .. 4 x lanes - 1) of a chunk in the hand-vectorised GEMV's activation layout ->
-    the offset in the chunk it holds: the four decoded vectors of `_f16_bits_even_odd` are the
-    even codes' two halves, then the odd codes' (lanes 8: slots 0-7 take offsets 0, 2, .., 14,
-    8-15 take 16, .., 30, 16-23 take 1, .., 15 and 24-31 take 17, .., 31)."""
-    return (j // lanes % 2) * (2 * lanes) + 2 * (j % lanes) + j // (2 * lanes)
+    the offset in the chunk it holds. The four decoded vectors are the even codes', then the
+    odd codes'. fp16 bits (`_f16_bits_even_odd`): each parity's first then second half (lanes
+    16: slots 0-15 take offsets 0, 2, .., 30, 16-31 take 32, .., 62, 32-47 take 1, .., 31 and
+    48-63 take 33, .., 63); bf16 bits (`_bf16_bits_vectors`, lanes 8): each parity's low then
+    high four words of each 128-bit lane (slots 0-7 take 0, 2, 4, 6, 16, 18, 20, 22, slots
+    8-15 take 8, .., 14, 24, .., 30, and 16-31 the odd offsets alike)."""
+    q, t = j // lanes, j % lanes  # vector q = 2 parity + half, lane t
+    if bf16_bits_decode(lanes):
+        return 2 * (8 * (t // 4) + 4 * (q % 2) + t % 4) + q // 2
+    return (q % 2) * (2 * lanes) + 2 * t + q // 2
 
 
 def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
@@ -64,15 +109,28 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
 
     The activation is quantised once per row (`xq`, as `make_fp8_gemv`'s stages, its K offsets
     stored per chunk of 4 x lanes codes in the order `_gemv_slot_source` gives). Per 32-column
-    tile (a parallel task) and row, `xs` = xq * 2^(s - 127) * 2^8 with the tile's weight scales
+    tile (a parallel task) and row, `xs` = xq * 2^(s - 127) * 2^W with the tile's weight scales
     (the same exact products and range as `make_fp8_gemv`), then one column at a time, so the
-    weights stream from memory in address order: per chunk one load of 4 x lanes codes, two
-    vpmaddubsw + masks give their fp16 bits times 2^-8 (`_f16_bits_even_odd`), four vcvtph2ps
-    (exact) and four FMAs into four accumulators of `lanes` lanes (added pairwise at the end:
-    every product is exact, only the order of the fp32 additions differs from the oracle, as
-    `make_fp8_gemv`). NaN weights: the column's max of code & 0x7f over K (vpmaxub, two
-    operations per chunk instead of the four 16-bit operations per 16 codes of the NaN fix) is
-    0x7f exactly when one of its codes is 0x7f / 0xff, and then its output is NaN.
+    weights stream from memory in address order: per chunk one load of 4 x lanes codes decoded
+    into four vectors of E4M3 * 2^-W and four FMAs into four accumulators of `lanes` lanes
+    (added pairwise at the end: every product is exact, only the order of the fp32 additions
+    differs from the oracle, as `make_fp8_gemv`). lanes 16: two vpmaddubsw + masks give the
+    codes' fp16 bits (`_f16_bits_even_odd`, W = 8) and four vcvtph2ps widen them; lanes 8 (the
+    AVX2 CPUs): shifts + masks give their bf16 bits and four word interleaves with zero widen
+    them (`_bf16_bits_vectors`, W = 120). x * 2^(s - 127 + W) (`fast_x`) can leave fp32's
+    range (large x, or s past 127 + 127 - W) or round (a scale below 2^-W on a subnormal-
+    bound x): a tile and row (a verify group: all its rows) where it might, by the row's
+    exponent range and the tile's scale range (`fast_ok`), runs as stored instead: x * 2^(s -
+    119) (the dense form: x as it is) against the decoded weights times 2^112 (and the tile's
+    factor): the same exact products, so the same bits. Zen 4 running the lanes-8 code (2
+    threads, min of 60 calls interleaved with the fp16 decode's): n 32768 k 512, weights cycled
+    through 7 copies 0.648 -> 0.521 ms, one copy from the cache 0.647 -> 0.450 (the fp16
+    decode ran at 26 GB/s either way: its four vcvtph2ps a chunk set its pace); the dense form
+    (n 512 x 8 groups, k 4096) 0.743 -> 0.634 and 0.661 -> 0.457; the bench preset's 64K
+    decode step (`cpu-avx2` artifacts alternated) 122.5 -> 114.7 ms. NaN weights: the
+    column's max of code & 0x7f over K (vpmaxub, two operations per chunk instead of the four
+    16-bit operations per 16 codes of the NaN fix) is 0x7f exactly when one of its codes is
+    0x7f / 0xff, and then its output is NaN.
 
     On a Xeon with AVX-512 (2 threads, weights cycled through more than the L3, so read from
     memory), n 32768 k 512: lanes 8 2.63 ms without prefetch, 1.28 ms prefetching 4 columns
@@ -106,12 +164,12 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     taken as it is (bf16 widened, not quantised) and a 32-column tile's rows of x those of
     its group, so each product is x times the weight's exact value, as the dequantized bf16
     weight's (`checkpoint.fp8_tiles`) while the tile scale keeps x * 2^(s - 119) a normal
-    fp32; only the order of the fp32 additions is this kernel's own. One row at a time, the
-    tile's factor goes on x once (`scaled_x_rows`) instead of on every decoded weight, where
-    that product is exact for the whole row (else the tile scales its weights): the same bits
-    (Zen 4 running this target's code, 2 threads, n 512 x 8 groups, k 4096, interleaved min /
-    median of 60 calls: weights cycled through 7 copies 0.766 / 0.809 -> 0.739 / 0.788 ms,
-    one copy from the cache 0.732 / 0.755 -> 0.661 / 0.672). `w_dtype` "bfloat16" (dense
+    fp32; only the order of the fp32 additions is this kernel's own. The tile's factor goes on
+    x (`fast_x`, as above) instead of on every decoded weight, where that is exact for the
+    whole row (else the tile scales its weights): the same bits (Zen 4 running the lanes-8
+    code with the fp16 decode, 2 threads, n 512 x 8 groups, k 4096, interleaved min / median
+    of 60 calls: weights cycled through 7 copies 0.766 / 0.809 -> 0.739 / 0.788 ms, one copy
+    from the cache 0.732 / 0.755 -> 0.661 / 0.672). `w_dtype` "bfloat16" (dense
     only): the same GEMV over a bf16 weight [groups * n, k] ((x, w, y), no scale): each chunk's
     32 weights widened on their bits into the same four vectors, x not scaled, so over the
     dequantized copy of an FP8 weight it gives the FP8 form's outputs bit for bit (the same
@@ -140,6 +198,13 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     LN, CL = lanes, 4 * lanes  # fp32 lanes per vector; codes per chunk (one load)
     NCH = i64(k // CL)  # chunks per column
     ACC = 4  # accumulators per column, one per decoded vector of a chunk
+    BITS = bf16_bits_decode(lanes)  # the bf16-bits decode (else fp16 bits)
+    W_EXP = 120 if BITS else 8  # the decoded weights are E4M3 * 2^-W_EXP
+    # a fast path over x scaled by 2^(s - 127 + W_EXP), where that is exact, else x as stored:
+    # the dense form (x as stored is unscaled: the weights carry the tile's factor) and the
+    # bf16-bits decode (x * 2^(s - 7) overflows for large x); the fp16 decode's fp8_linear
+    # scales x by 2^(s - 119) either way
+    FAST = (dense or BITS) and not bf16w
 
     def f32v(buf, off):
         return buf[T.ramp(off, 1, LN)]
@@ -152,25 +217,34 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
         if bf16w:  # the words' low halves are the even weights, the high ones the odd
             words = T.reinterpret(f"uint32x{2 * LN}",
                                   weight.vload([col, ch * CL], f"bfloat16x{CL}"))
-            halves = [T.Shuffle([words], list(range(h * LN, h * LN + LN))) for h in (0, 1)]
+            order = ([[8 * (t // 4) + 4 * h + t % 4 for t in range(LN)] for h in (0, 1)]
+                     if BITS else [list(range(h * LN, h * LN + LN)) for h in (0, 1)])
+            halves = [T.Shuffle([words], order[h]) for h in (0, 1)]
             even = [T.reinterpret(f"float32x{LN}", v << T.broadcast(u32(16), LN))
                     for v in halves]
             odd = [T.reinterpret(f"float32x{LN}", v & T.broadcast(u32(0xFFFF0000), LN))
                    for v in halves]
             return [even[0], even[1], odd[0], odd[1]]
-        h = _f16_bits_even_odd(weight.vload([col, ch * CL], f"uint8x{CL}"), LN)  # [even, odd]
+        codes = weight.vload([col, ch * CL], f"uint8x{CL}")
+        if BITS:
+            return _bf16_bits_vectors(codes, LN)  # E4M3 * 2^-120
+        h = _f16_bits_even_odd(codes, LN)  # [even, odd], E4M3 * 2^-8
         return [_f16_to_f32(h[0], 0, LN), _f16_to_f32(h[0], 1, LN), _f16_to_f32(h[1], 0, LN),
                 _f16_to_f32(h[1], 1, LN)]
 
-    def dense_vectors(weight, wsc, col, ch):  # the dense form's: exact weight values
+    def weights(weight, wsc, col, ch, as_stored):
+        """Chunk ch of column col as `vectors` decodes it (E4M3 * 2^-W: the fast path's, over
+        x * 2^(s - 127 + W)), or, as_stored, as the x as stored multiplies it: E4M3 * 2^-8
+        (the bf16-bits decode's times 2^112, exact) and, in the dense form, times the tile's
+        2^(s - 119) (`tile_factors`): the dequantized weight's exact value."""
         w = vectors(weight, col, ch)
-        if bf16w:
+        if bf16w or not as_stored:
             return w
-        # vector q holds 32-block ch * CL / 32 + (q % 2 when a chunk spans two blocks); each
-        # value E4M3 * 2^-8 times the tile's 2^(s - 119) (`tile_factors`): the dequantized
-        # weight's exact value
-        return [w[q] * T.broadcast(wsc[ch * CL // BLOCK + (q % 2 if CL > BLOCK else 0)], LN)
-                for q in range(4)]
+        if BITS:
+            w = [v * T.broadcast(T.float32(2.0 ** (W_EXP - 8)), LN) for v in w]
+        if dense:  # vector q holds 32-block ch * CL / 32 + (q % 2 when a chunk spans two)
+            w = [w[q] * T.broadcast(wsc[block_of(ch, q)], LN) for q in range(4)]
+        return w
 
     @T.macro
     def tile_factors(scale, wsc, p):  # the dense FP8 form: tile p's 2^(s - 119) per 32-block
@@ -178,17 +252,19 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             for b in range(KB):
                 wsc[b] = e8m0_to_f32(T.Cast("uint32", scale[p, b])) * T.float32(256.0)
 
-    def scaled(v, scale, p, ch, j):  # xs: v times the tile's weight scale and 2^8 (FP8)
-        if dense or scale is None:  # the dense form scales its weights instead
+    def scaled(v, scale, p, ch, j, fast=False):
+        """xs: v as stored (fp8_linear: times the tile's weight scale and 2^8; the dense form
+        scales its weights instead), or, fast, times the tile's weight scale and 2^W_EXP."""
+        if (dense and not fast) or scale is None:
             return v
         return v * e8m0_to_f32(T.Cast("uint32", scale[
-            p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])) * T.float32(256.0)
+            p, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK])) * T.float32(
+                2.0 ** (W_EXP if fast else 8))
 
     @T.macro
-    def column_sum(weight, wsc, xs, acc, flg, col, exact_w=True):
+    def column_sum(weight, wsc, xs, acc, flg, col, as_stored=True):
         """acc[q * LN ..] += xs[.., slots LN q ..] * w[col, ..] over K; flg = max(code & 0x7f).
-        exact_w False (the dense FP8 form over x already scaled, `scaled_x_rows`): the
-        weights as decoded (E4M3 * 2^-8), not times the tile's factor."""
+        as_stored False (x scaled by `fast_x`): the weights as decoded (`weights`)."""
         for q in T.unroll(ACC * LN):
             acc[q] = T.float32(0)
         for t in T.vectorized(i64(CL)):
@@ -196,8 +272,7 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
         for ch in range(NCH):
             if prefetch > 0:
                 prefetch_line(T.address_of(weight[T.min(col + prefetch, NW - i64(1)), ch * CL]))
-            w = T.meta_var(dense_vectors(weight, wsc, col, ch) if dense and exact_w
-                           else vectors(weight, col, ch))
+            w = T.meta_var(weights(weight, wsc, col, ch, as_stored))
             fma(acc, xs, ch, 0, w[0])
             fma(acc, xs, ch, 1, w[1])
             fma(acc, xs, ch, 2, w[2])
@@ -250,7 +325,7 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                     bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
                     pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
 
-    def block_of(ch, q):  # the 32-block of vector q of chunk ch (as `dense_vectors`)
+    def block_of(ch, q):  # the 32-block of vector q of chunk ch
         return ch * CL // BLOCK + (q % 2 if CL > BLOCK else 0)
 
     @T.macro
@@ -260,54 +335,76 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 xs[ch * CL + j] = scaled(xq[xrow(i, p), ch * CL + j], scale, p, ch, j)
 
     @T.macro
-    def tile_columns(weight, wsc, xs, acc, flg, y, i, p, exact_w):
+    def tile_columns(weight, wsc, xs, acc, flg, y, i, p, as_stored):
         for c in range(i64(BLOCK)):
             # a partial last tile reads its last column again and stores nothing
-            column_sum(weight, wsc, xs, acc, flg, T.min(p * BLOCK + c, NW - i64(1)), exact_w)
+            column_sum(weight, wsc, xs, acc, flg, T.min(p * BLOCK + c, NW - i64(1)), as_stored)
             store(y, i, p * BLOCK + c, out_value(flg, lane_total(acc)))
 
     @T.macro
     def tile_as_stored(xq, weight, scale, wsc, xs, acc, flg, y, i, p):
-        """Tile p of row i over x as it is (times the FP8 form's 2^8) and the weights' exact
-        values: the form every tile could take, and the dense FP8 form's fallback."""
+        """Tile p of row i over x as stored (fp8_linear's times the tile's 2^(s - 119)) and the
+        weights as stored (`weights`): the form every tile could take, and the fast path's
+        fallback."""
         unscaled_x(xq, scale, xs, i, p)
         tile_columns(weight, wsc, xs, acc, flg, y, i, p, True)
 
     @T.macro
-    def scaled_x_rows(xq, scale, wsc, xs, bad, i, p):
-        """The dense FP8 form's one-row fast path: xs = row i of x (tile p's group) times the
-        tile's factor 2^(s - 119) per 32-block, so the weights need not be (`column_sum`'s
-        exact_w False); bad[0] != 0 where some scaled x left fp32's normal range or an x was a
-        nonzero denormal (then x * 2^(s - 119) may not be exact: the tile scales its weights
-        instead; an inf or NaN x gives the same product either way). Where bad[0] is 0, each
-        x 2^(s - 119) times E4M3 * 2^-8 is x times the weight's exact value, the same product
-        the exact weights give: the same bits."""
-        for t in T.vectorized(i64(LN)):
-            bad[t] = 0
-        for ch in range(NCH):
-            for q in T.unroll(4):
-                v = T.meta_var(xq[xrow(i, p), T.ramp(ch * CL + q * LN, 1, LN)])
-                u = T.meta_var(T.reinterpret(f"int32x{LN}", v))
-                e = T.meta_var(T.broadcast(T.Cast("int32", scale[p, block_of(ch, q)]) - 119,
-                                           LN))
+    def row_exponents(xq, xr, nrows):
+        """xr[r] = (the least exponent field among row r's nonzero values, 255 without any
+        (a subnormal's is 0); the greatest among all of them), for `fast_ok`."""
+        for r in range(nrows):
+            lo = T.alloc_buffer((LN,), "int32")
+            hi = T.alloc_buffer((LN,), "int32")
+            for t in T.vectorized(i64(LN)):
+                lo[t] = 255
+                hi[t] = 0
+            for c in range(K // i64(LN)):
+                u = T.meta_var(T.reinterpret(f"int32x{LN}", xq[r, T.ramp(c * LN, 1, LN)]))
                 ex = T.meta_var((u >> T.broadcast(23, LN)) & T.broadcast(0xFF, LN))
-                moved = T.meta_var(ex + e)
-                denormal = T.meta_var((ex == T.broadcast(0, LN))
-                                      & ((u & T.broadcast(0x7FFFFFFF, LN))
-                                         != T.broadcast(0, LN)))
-                normal = T.meta_var((ex != T.broadcast(0, LN))
-                                    & (ex != T.broadcast(0xFF, LN)))
-                out = T.meta_var(normal & ((moved < T.broadcast(1, LN))
-                                           | (moved > T.broadcast(254, LN))))
-                bad[T.ramp(0, 1, LN)] = bad[T.ramp(0, 1, LN)] | T.Select(
-                    denormal | out, T.broadcast(1, LN), T.broadcast(0, LN))
-                xs[T.ramp(ch * CL + q * LN, 1, LN)] = v * T.broadcast(
-                    wsc[block_of(ch, q)], LN)
-        for t in range(1, LN):
-            bad[0] = bad[0] | bad[t]
+                nz = T.meta_var((u & T.broadcast(0x7FFFFFFF, LN)) != T.broadcast(0, LN))
+                lo[T.ramp(0, 1, LN)] = T.min(lo[T.ramp(0, 1, LN)],
+                                             T.Select(nz, ex, T.broadcast(255, LN)))
+                hi[T.ramp(0, 1, LN)] = T.max(hi[T.ramp(0, 1, LN)], ex)
+            xr[r, 0] = lo[0]
+            xr[r, 1] = hi[0]
+            for t in range(1, LN):
+                xr[r, 0] = T.min(xr[r, 0], lo[t])
+                xr[r, 1] = T.max(xr[r, 1], hi[t])
+
+    @T.macro
+    def tile_scale_range(scale, sr, p):  # sr = (least, greatest) E8M0 byte of tile p
+        sr[0] = T.Cast("int32", scale[p, 0])
+        sr[1] = sr[0]
+        for b in range(1, KB):
+            sr[0] = T.min(sr[0], T.Cast("int32", scale[p, b]))
+            sr[1] = T.max(sr[1], T.Cast("int32", scale[p, b]))
+
+    def fast_ok(xr, sr, i, p):
+        """Whether row i's x times tile p's 2^(s - 127 + W_EXP) (`scaled`, fast) is exact for
+        every value and block: each scaled exponent field within 1..254 (a subnormal x then
+        scales up exactly) and the factor itself a normal float32. Then each scaled x times
+        E4M3 * 2^-W_EXP is the product as stored (x times the weight's exact value, or xq *
+        2^(s - 127) times E4M3): the same bits either way. A row of huge values, or a tile of
+        extreme scales, runs as stored (an inf or NaN x gives the same products either way)."""
+        d = 127 - W_EXP
+        return ((xr[xrow(i, p), 0] + sr[0] - d >= 1) & (xr[xrow(i, p), 1] + sr[1] - d <= 254)
+                & (sr[1] - d <= 127))
+
+    @T.macro
+    def fast_x(xq, scale, xs, i, p, base):  # xs[base ..]: row i for the fast path
+        for ch in range(NCH):
+            for j in T.vectorized(i64(CL)):
+                xs[base + ch * CL + j] = scaled(xq[xrow(i, p), ch * CL + j], scale, p, ch, j,
+                                                True)
 
     @T.macro
     def single_rows(xq, weight, scale, y, m):
+        if FAST:  # static: each row's exponent range, for `fast_ok`
+            xr = T.alloc_buffer((m * G, 2), "int32")
+            row_exponents(xq, xr, m * G)
+        else:
+            xr = T.meta_var(None)
         for p in T.parallel(NB):
             xs = T.alloc_buffer((K,), "float32")
             # acc / flg in the default scope: small constant stack arrays that LLVM keeps in
@@ -317,15 +414,18 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
             flg = T.alloc_buffer((CL,), "uint8")
             if dense and not bf16w:  # static: the tile's weight factors
                 wsc = T.alloc_buffer((KB,), "float32")
-                bad = T.alloc_buffer((LN,), "int32")
             else:
                 wsc = T.meta_var(None)
-                bad = T.meta_var(None)
+            if FAST:  # static
+                sr = T.alloc_buffer((2,), "int32")
+                tile_scale_range(scale, sr, p)
+            else:
+                sr = T.meta_var(None)
             tile_factors(scale, wsc, p)
             for i in range(m):
-                if dense and not bf16w:  # static: x scaled once, unless that is not exact
-                    scaled_x_rows(xq, scale, wsc, xs, bad, i, p)
-                    if bad[0] == 0:
+                if FAST:  # static: x scaled once, unless that is not exact
+                    if fast_ok(xr, sr, i, p):
+                        fast_x(xq, scale, xs, i, p, i64(0))
                         tile_columns(weight, wsc, xs, acc, flg, y, i, p, False)
                     else:
                         tile_as_stored(xq, weight, scale, wsc, xs, acc, flg, y, i, p)
@@ -391,8 +491,7 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                                                             NW - i64(1)), ch * CL]))
             for ch in range(NCH):
                 col = T.min(p * BLOCK + c, NW - i64(1))
-                w = T.meta_var(dense_vectors(weight, wsc, col, ch) if dense
-                               else vectors(weight, col, ch))
+                w = T.meta_var(weights(weight, wsc, col, ch, not FAST))
                 w0 = w[0]
                 w1 = w[1]
                 w2 = w[2]
@@ -424,7 +523,23 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 group_columns(weight, wsc, xs, y, p, row0, nr, acc, flg)
 
     @T.macro
+    def groups(weight, wsc, xs, y, p, row0, live, acc, flg):  # the group of `live` rows
+        group_if(weight, wsc, xs, y, p, row0, live, 1, acc, flg)
+        group_if(weight, wsc, xs, y, p, row0, live, 2, acc, flg)
+        group_if(weight, wsc, xs, y, p, row0, live, 3, acc, flg)
+        group_if(weight, wsc, xs, y, p, row0, live, 4, acc, flg)
+        group_if(weight, wsc, xs, y, p, row0, live, 5, acc, flg)
+        group_if(weight, wsc, xs, y, p, row0, live, 6, acc, flg)
+        group_if(weight, wsc, xs, y, p, row0, live, 7, acc, flg)
+        group_if(weight, wsc, xs, y, p, row0, live, 8, acc, flg)
+
+    @T.macro
     def grouped_rows(xq, weight, scale, y, m):
+        if FAST:  # static: each row's exponent range, for `fast_ok`
+            xr = T.alloc_buffer((m * G, 2), "int32")
+            row_exponents(xq, xr, m * G)
+        else:
+            xr = T.meta_var(None)
         for po in T.parallel((NB + i64(TILES - 1)) // i64(TILES)):
             # buffers once per TILES tiles: a workspace allocation per 32-column tile cost
             # more than the tile's sums at k 512
@@ -435,24 +550,39 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 wsc = T.alloc_buffer((KB,), "float32")
             else:
                 wsc = T.meta_var(None)
+            if FAST:  # static
+                sr = T.alloc_buffer((2,), "int32")
+                ok = T.alloc_buffer((1,), "int32")
+            else:
+                sr = T.meta_var(None)
+                ok = T.meta_var(None)
             for pi in range(i64(TILES)):
                 if po * TILES + pi < NB:
                     p = T.meta_var(po * TILES + pi)
                     tile_factors(scale, wsc, p)
+                    if FAST:  # static
+                        tile_scale_range(scale, sr, p)
                     for g in range((m + R - i64(1)) // R):
                         live = T.min(m - g * R, R)  # rows in this group (the last: fewer)
-                        for r, ch in T.grid(live, NCH):
-                            for j in T.vectorized(i64(CL)):
-                                xs[r * K + ch * CL + j] = scaled(
-                                    xq[xrow(g * R + r, p), ch * CL + j], scale, p, ch, j)
-                        group_if(weight, wsc, xs, y, p, g * R, live, 1, acc, flg)
-                        group_if(weight, wsc, xs, y, p, g * R, live, 2, acc, flg)
-                        group_if(weight, wsc, xs, y, p, g * R, live, 3, acc, flg)
-                        group_if(weight, wsc, xs, y, p, g * R, live, 4, acc, flg)
-                        group_if(weight, wsc, xs, y, p, g * R, live, 5, acc, flg)
-                        group_if(weight, wsc, xs, y, p, g * R, live, 6, acc, flg)
-                        group_if(weight, wsc, xs, y, p, g * R, live, 7, acc, flg)
-                        group_if(weight, wsc, xs, y, p, g * R, live, 8, acc, flg)
+                        if FAST:  # static: the group's x scaled, unless some row's is not exact
+                            ok[0] = 1
+                            for r in range(live):
+                                if not fast_ok(xr, sr, g * R + r, p):
+                                    ok[0] = 0
+                            if ok[0] == 1:
+                                for r in range(live):
+                                    fast_x(xq, scale, xs, g * R + r, p, r * K)
+                                groups(weight, wsc, xs, y, p, g * R, live, acc, flg)
+                            else:  # each row as stored, alone: the same bits
+                                for r in range(live):
+                                    tile_as_stored(xq, weight, scale, wsc, xs, acc, flg, y,
+                                                   g * R + r, p)
+                        else:
+                            for r, ch in T.grid(live, NCH):
+                                for j in T.vectorized(i64(CL)):
+                                    xs[r * K + ch * CL + j] = scaled(
+                                        xq[xrow(g * R + r, p), ch * CL + j], scale, p, ch, j)
+                            groups(weight, wsc, xs, y, p, g * R, live, acc, flg)
 
     if dense:
         return _dense_gemv(grouped_rows, widen_rows, NW=NW, G=G, N=N, K=K, NB=NB, KB=KB,
