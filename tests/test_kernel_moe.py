@@ -132,10 +132,15 @@ def test_plus_chain_is_the_chain_plus_shared_rounded(hint):
 def _gemv_pair(form: str, dims: tuple):
     """moe_gate_up and moe_down of the decode GEMV form: "scheduled" (`schedule_moe_gemv`),
     "avx512" (hand-vectorised) or "avx512-bf16" (its sums on vdpbf16ps), compiled for the
-    host."""
+    host, or "avx2" (the fp32 form in 256-bit vectors) compiled for `cpu-avx2`."""
     d = dict(dims)
     target = get_target(CPU)
-    if form.startswith("avx512"):
+    if form == "avx2":
+        target = get_target("cpu-avx2")
+        funcs = {"moe_gate_up": moe.make_moe_gate_up_gemv_avx512(topk=2, swiglu_limit=LIMIT,
+                                                                 lanes=8, **d),
+                 "moe_down": moe.make_moe_down_gemv_avx512(topk=2, lanes=8, **d)}
+    elif form.startswith("avx512"):
         dot = "bf16" if form == "avx512-bf16" else "fp32"
         funcs = {"moe_gate_up": moe.make_moe_gate_up_gemv_avx512(topk=2, swiglu_limit=LIMIT,
                                                                  dot=dot, **d),
@@ -156,10 +161,10 @@ def _has_bf16_dot() -> bool:
 ODD = {"dim": 96, "inter": 64, "n_experts": 6}  # an odd number of 32-blocks along dim (3)
 
 
-@pytest.mark.skipif(not has_features(get_target(CPU), "avx512f", "fma"),
-                    reason="this CPU has no AVX-512")
+@pytest.mark.skipif(not has_features(get_target(CPU), "avx2", "fma"),
+                    reason="this CPU has no AVX2")
 @pytest.mark.parametrize("dims", [DIMS, ODD], ids=["dims", "odd-blocks"])
-@pytest.mark.parametrize("form", ["scheduled", "avx512", "avx512-bf16"])
+@pytest.mark.parametrize("form", ["scheduled", "avx2", "avx512", "avx512-bf16"])
 def test_decode_gemv_forms_match_oracle(form, dims):
     """Every decode GEMV form in the chain (the host's other kernels around them): the scheduled
     one, which CPUs without AVX-512 take, the hand-vectorised one and its vdpbf16ps sums
@@ -167,6 +172,8 @@ def test_decode_gemv_forms_match_oracle(form, dims):
     32-blocks along K for each of the two GEMVs; one and several tokens, shared experts)."""
     if form == "avx512-bf16" and not _has_bf16_dot():
         pytest.skip("this CPU has no AVX-512 BF16 / VBMI")
+    if form.startswith("avx512") and not has_features(get_target(CPU), "avx512f", "fma"):
+        pytest.skip("this CPU has no AVX-512")
     chain = _split(2, 1, dims=tuple(dims.items()))
     pair = _gemv_pair(form, tuple(dims.items()))
     ex = {name: pair[name] if name in pair else chain[name] for name in
@@ -179,6 +186,30 @@ def test_decode_gemv_forms_match_oracle(form, dims):
 
 needs_avx512 = pytest.mark.skipif(not has_features(get_target(CPU), "avx512f", "fma"),
                                   reason="this CPU has no AVX-512")
+
+
+@needs_avx512
+@pytest.mark.parametrize("dims", [DIMS, ODD], ids=["dims", "odd-blocks"])
+def test_avx2_gemvs_are_the_avx512_fp32_gemvs_bit_for_bit(dims):
+    """The fp32 form in 256-bit vectors (`lanes=8`, compiled for `cpu-avx2`) sums every lane's
+    products in the 512-bit form's order: h and y bit for bit, over 1..7 tokens, with negative
+    zeros and the largest and smallest E8M0 scales in the weights."""
+    key = tuple(dims.items())
+    chain = _split(2, 1, dims=key)
+    forms = {form: {name: pair[name] if name in pair else chain[name] for name in
+                    ("moe_route", "moe_qdq_x", "moe_gate_up", "moe_qdq_h", "moe_down",
+                     "moe_combine")}
+             for form in ("avx2", "avx512") for pair in [_gemv_pair(form, key)]}
+    for n, ids in ((1, None), (3, None), (7, IDS7 if dims["n_experts"] == 6 else None)):
+        args = _case(n, 2, ids, seed=n + 41, dims=dims)
+        args[3][0, :3] = 0x88  # -0 in both nibbles
+        args[4][1, :2] = 100  # 2^-27 block scales
+        args[6][2, 1] = 150  # 2^23
+        out = {form: _run_chain(ex, args, 2, 1, dims=dims, fuse=False)
+               for form, ex in forms.items()}
+        for name in ("h", "y"):
+            a, b = (out[f][name].numpy() for f in ("avx2", "avx512"))
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (n, name)
 
 
 @functools.cache
@@ -235,28 +266,31 @@ def test_verify_chain_rows_bit_identical_to_decode(dot, dims):
 
 @functools.cache
 def _fused_decode(dot: str, null_expert: bool, dims: tuple):
-    """The two-call decode chain (`moe_gate_up_route`, `moe_down_combine(_plus)`) with `dot`,
-    and the six-call chain it replaces (route / QDQ / combine kernels of the split module, the
-    GEMVs of the same dot), compiled for the host."""
+    """The two-call decode chain (`moe_gate_up_route`, `moe_down_combine(_plus)`) with `dot`
+    ("avx2": the fp32 sums in 256-bit vectors, compiled for `cpu-avx2`), and the six-call
+    chain it replaces (route / QDQ / combine kernels of the split module, the GEMVs of the
+    same form), compiled for the host."""
     d = dict(dims)
-    target = get_target(CPU).tvm_target()
+    lanes = 8 if dot == "avx2" else 16
+    target = get_target("cpu-avx2" if dot == "avx2" else CPU).tvm_target()
+    form = dict(dot="fp32" if dot == "avx2" else dot, lanes=lanes)
     fused = {
         "moe_gate_up_route": moe.make_moe_gate_up_gemv_avx512(
-            topk=2, swiglu_limit=LIMIT, dot=dot, route=True, null_expert=null_expert, **d),
-        "moe_down_combine": moe.make_moe_down_gemv_avx512(topk=2, dot=dot, combine=True, **d),
-        "moe_down_combine_plus": moe.make_moe_down_gemv_avx512(topk=2, dot=dot, combine=True,
-                                                               plus=True, **d),
+            topk=2, swiglu_limit=LIMIT, route=True, null_expert=null_expert, **form, **d),
+        "moe_down_combine": moe.make_moe_down_gemv_avx512(topk=2, combine=True, **form, **d),
+        "moe_down_combine_plus": moe.make_moe_down_gemv_avx512(topk=2, combine=True,
+                                                               plus=True, **form, **d),
     }
     split = _split(2, 1, null_expert=null_expert, dims=dims)
     six = {f: split[f] for f in ("moe_route", "moe_qdq_x", "moe_qdq_h", "moe_combine",
                                  "moe_combine_plus")}
-    six.update(_gemv_pair(f"avx512{'-bf16' if dot == 'bf16' else ''}", dims))
+    six.update(_gemv_pair("avx2" if dot == "avx2" else
+                          f"avx512{'-bf16' if dot == 'bf16' else ''}", dims))
     return {f: tvm.compile(fn, target=target)[f] for f, fn in fused.items()}, six
 
 
-@needs_avx512
 @pytest.mark.parametrize("dims", [DIMS, ODD], ids=["dims", "odd-blocks"])
-@pytest.mark.parametrize("dot", ["fp32", "bf16"])
+@pytest.mark.parametrize("dot", ["fp32", "bf16", "avx2"])
 @pytest.mark.parametrize("null_expert", [False, True], ids=["experts", "null-expert"])
 def test_fused_decode_chain_bit_identical_to_six_calls(dot, dims, null_expert):
     """The decode plan's two calls (`moe.fused_decode`): route + QDQ + gate/up in one, QDQ +
@@ -266,6 +300,9 @@ def test_fused_decode_chain_bit_identical_to_six_calls(dot, dims, null_expert):
     (its pairs' rows of h NaN-free and y exactly the six calls')."""
     if dot == "bf16" and not _has_bf16_dot():
         pytest.skip("this CPU has no AVX-512 BF16 / VBMI")
+    if not has_features(get_target(CPU), *(("avx2", "fma") if dot == "avx2"
+                                           else ("avx512f", "fma"))):
+        pytest.skip(f"this CPU cannot run the {dot} form")
     key = tuple(dims.items())
     fused, six = _fused_decode(dot, null_expert, key)
     plan = moe.moe_experts_plan(CPU, n=3, n_hint=1, topk=2, **dims)
@@ -645,7 +682,11 @@ def test_config_kinds():
 
     assert kind(CPU, 1) == "gemv" and kind(CPU, None) == "tiles"
     host = moe.moe_split_config(get_target(CPU), n=1, topk=2, **DIMS)
-    assert host.avx512 == has_features(get_target(CPU), "avx512f", "fma")
+    assert host.hand == has_features(get_target(CPU), "avx2", "fma")
+    avx2 = moe.moe_split_config(get_target("cpu-avx2"), n=1, topk=2, **DIMS)
+    assert (avx2.kind, avx2.hand, avx2.lanes, avx2.dot, avx2.rows) == ("gemv", True, 8, "fp32",
+                                                                       False)
+    assert moe.fused_decode(avx2)
 
     def dot(mcpu):
         x86 = get_target("cpu-x86-64")
@@ -657,7 +698,9 @@ def test_config_kinds():
                                                                            "fp32")
     with pytest.raises(ValueError, match="sum by 'fp32' or 'bf16', got dot='int8'"):
         moe.make_moe_down_gemv_avx512(topk=2, dot="int8", **DIMS)
-    assert not moe.moe_split_config(get_target("cpu-x86-64"), n=1, topk=2, **DIMS).avx512
+    assert not moe.moe_split_config(get_target("cpu-x86-64"), n=1, topk=2, **DIMS).hand
+    with pytest.raises(ValueError, match="8 \\(AVX2\\) with fp32 sums"):
+        moe.make_moe_down_gemv_avx512(topk=2, dot="bf16", lanes=8, **DIMS)
     assert kind("cuda-sm90", 1) == "tiles" and kind("cuda-sm90", None) == "tiles"
     with pytest.raises(ValueError, match="'tiles' or 'gemv'"):
         moe.MoeSplitConfig(kind="dense")

@@ -65,6 +65,40 @@ def _fp4_block(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
         acc[c, 1, T.ramp(0, 1, 16)])
 
 
+def _permps8(tbl, idx):
+    """vpermps (AVX2): lane i of the result is lane (idx lane i & 7) of the float32x8 `tbl`."""
+    return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", tbl,
+                                   T.reinterpret("int32x8", idx))
+
+
+def _signed_fp4(tbl, v):
+    """The scaled E2M1 values of the nibbles in the low 4 bits of v's uint32 lanes (8): the
+    magnitude looked up in the table's first 8 entries (vpermps reads 3 bits), the sign bit
+    (bit 3) moved to bit 31 and flipped in (E2M1 is sign-magnitude, and so is the scaled
+    table: entry 8 + i is -(entry i), bit for bit)."""
+    sign = (v << T.broadcast(T.uint32(28), 8)) & T.broadcast(T.uint32(0x80000000), 8)
+    return T.reinterpret("float32x8", T.reinterpret("uint32x8", _permps8(tbl, v)) ^ sign)
+
+
+@T.macro
+def _fp4_block8(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
+    """`_fp4_block` in 256-bit vectors (AVX2): each half of the block's 16 bytes (8 bytes:
+    elements 16 h .. of each parity) into lanes 8 h .. of the same accumulators, so every lane
+    sums the same products in the same order as the 512-bit form: the same bits."""
+    for h in T.unroll(2):
+        acc[c, 0, T.ramp(h * 8, 1, 8)] = T.call_llvm_pure_intrin(
+            "float32x8", "llvm.fma.v8f32", xe[r, T.ramp(blk * 16 + h * 8, 1, 8)],
+            _signed_fp4(tbl[T.ramp(0, 1, 8)] * T.broadcast(sc[c, blk], 8),
+                        T.Cast("uint32x8", w.vload([e, a, blk * 16 + h * 8], "uint8x8"))),
+            acc[c, 0, T.ramp(h * 8, 1, 8)])
+        acc[c, 1, T.ramp(h * 8, 1, 8)] = T.call_llvm_pure_intrin(
+            "float32x8", "llvm.fma.v8f32", xo[r, T.ramp(blk * 16 + h * 8, 1, 8)],
+            _signed_fp4(tbl[T.ramp(0, 1, 8)] * T.broadcast(sc[c, blk], 8),
+                        T.Cast("uint32x8", w.vload([e, a, blk * 16 + h * 8], "uint8x8"))
+                        >> T.broadcast(T.uint32(4), 8)),
+            acc[c, 1, T.ramp(h * 8, 1, 8)])
+
+
 def _prefetch_row(w, e, a, rows, blk):
     """Prefetch the 64-byte line at block blk of row a + GEMV_PREFETCH (of `rows`)."""
     return prefetch(T.address_of(w[e, T.min(a + i64(GEMV_PREFETCH), rows - i64(1)), blk * 16]))
@@ -85,9 +119,18 @@ def _zero_acc(acc, n_acc):
 DOTS = ("fp32", "bf16")  # the sums: fp32 FMAs of table-decoded weights, or vdpbf16ps (fp4_dot)
 
 
-def check_dot(dot: str) -> None:
+def check_dot(dot: str, lanes: int = 16) -> None:
     if dot not in DOTS:
         raise ValueError(f"The expert GEMVs sum by 'fp32' or 'bf16', got dot={dot!r}.")
+    if lanes not in (8, 16) or (lanes == 8 and dot != "fp32"):
+        raise ValueError(f"The expert GEMVs take 16 lanes (AVX-512), or 8 (AVX2) with fp32 "
+                         f"sums; got lanes={lanes}, dot={dot!r}.")
+
+
+def fp4_block(lanes: int):
+    """The fp32 form's block step for `lanes`: `_fp4_block` (AVX-512) or `_fp4_block8`
+    (AVX2), the same bits."""
+    return _fp4_block if lanes == 16 else _fp4_block8
 
 
 @T.macro
@@ -133,7 +176,7 @@ def prefetch_row_ahead(w, e, a, rows, nblk):
 def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
                                  swiglu_limit: float, dot: str = "fp32", route: bool = False,
                                  null_expert: bool = False, routing: TopkRouting | None = None,
-                                 gate: bool = False) -> tvm.tirx.PrimFunc:
+                                 gate: bool = False, lanes: int = 16) -> tvm.tirx.PrimFunc:
     """`make_moe_gate_up_gemv`'s signature and result, hand-vectorised for AVX-512 (see the
     section comment; written scheduled): parallel over (sorted row, 32 output columns); per
     column the w1 and w3 rows walked together (four independent accumulators), then the SwiGLU
@@ -153,7 +196,10 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
 
     gate (with routing; `moe_gate_up_route_gate`): the gate's weight bf16 [E, dim] in place of
     the logits, which the kernel forms first as the decode dense GEMV does
-    (`gemm.bf16_dot_rows`; dim a multiple of 32; AVX-512 BF16): five kernels in one call."""
+    (`gemm.bf16_dot_rows`; dim a multiple of 32; AVX-512 BF16): five kernels in one call.
+
+    lanes 8: the fp32 form in 256-bit vectors for AVX2 CPUs (`_fp4_block8`: vpermps reads 8
+    table entries, the sign flipped in), bit for bit the 512-bit form's."""
     if routing is not None and (not route or routing.e != n_experts or routing.k != topk):
         raise ValueError(f"The routing gate/up kernel routes its own pairs (route=True) over "
                          f"its experts; got route={route}, {routing}.")
@@ -161,8 +207,11 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
         raise ValueError("The gate/up kernel forms the gate's logits only when it routes them "
                          "(routing=...).")
     check_dims(dim, inter)
-    check_dot(dot)
+    check_dot(dot, lanes)
+    if gate and lanes != 16:
+        raise ValueError("The gate/up kernel forms the gate's logits with AVX-512 BF16 only.")
     bf16 = dot == "bf16"
+    block = fp4_block(lanes)
     D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
     DH, DB, IT = i64(dim // 2), i64(dim // BLOCK), i64((inter + BLOCK - 1) // BLOCK)
     NULL = i64(n_experts - 1) if null_expert else i64(-1)
@@ -203,8 +252,8 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
                             if blk % 4 == 0:
                                 _prefetch_row(w1, e, a, I, blk)
                                 _prefetch_row(w3, e, a, I, blk)
-                            _fp4_block(acc, 0, w1, sc, e, a, xe, xo, r, blk, tbl)
-                            _fp4_block(acc, 1, w3, sc, e, a, xe, xo, r, blk, tbl)
+                            block(acc, 0, w1, sc, e, a, xe, xo, r, blk, tbl)
+                            block(acc, 1, w3, sc, e, a, xe, xo, r, blk, tbl)
                     h[r, a] = to_bf16(weights[q // KT, q % KT] * silu_times(
                         round_bf16(_lane_total(acc, 0)), round_bf16(_lane_total(acc, 1)),
                         swiglu_limit))
@@ -314,7 +363,7 @@ def make_moe_gate_up_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: 
 
 def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int,
                               dot: str = "fp32", combine: bool = False,
-                              plus: bool = False) -> tvm.tirx.PrimFunc:
+                              plus: bool = False, lanes: int = 16) -> tvm.tirx.PrimFunc:
     """`make_moe_down_gemv`'s signature and result, hand-vectorised as
     `make_moe_gate_up_gemv_avx512`.
 
@@ -322,10 +371,11 @@ def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
     (h bf16 [P, inter], ids, row_pair, token_rows, w2, s2[, shared bf16 [n, dim]]) -> y (fp32
     [n, dim], bf16 with plus): `moe_qdq_h`'s activation (`gemm.fp8_qdq_rows`), the same tasks
     into an o of its own, then `moe_combine(_plus)`'s sums (`route.combine_rows`, tokens in
-    parallel): three kernels' results, bit for bit, in one call."""
+    parallel): three kernels' results, bit for bit, in one call. lanes 8: AVX2's (as there)."""
     check_dims(dim, inter)
-    check_dot(dot)
+    check_dot(dot, lanes)
     bf16 = dot == "bf16"
+    block = fp4_block(lanes)
     D, I, E, KT = i64(dim), i64(inter), i64(n_experts), i64(topk)
     IH, IB, DT = i64(inter // 2), i64(inter // BLOCK), i64((dim + BLOCK - 1) // BLOCK)
 
@@ -357,7 +407,7 @@ def make_moe_down_gemv_avx512(*, dim: int, inter: int, n_experts: int, topk: int
                         for blk in range(IB):
                             if blk % 4 == 0:
                                 _prefetch_row(w2, e, a, D, blk)
-                            _fp4_block(acc, 0, w2, sc, e, a, xe, xo, r, blk, tbl)
+                            block(acc, 0, w2, sc, e, a, xe, xo, r, blk, tbl)
                     o[r, a] = store(to_bf16(_lane_total(acc, 0)))
 
     @T.macro

@@ -35,11 +35,12 @@ class MoeSplitConfig:
     threads: int = 128
     kind: str = "tiles"  # CPU decode: "gemv" (`make_moe_gate_up_gemv` / `make_moe_down_gemv`)
     vec: int = 16  # gemv: lanes of each partial sum (packed bytes, one 32-block)
-    avx512: bool = False  # gemv: the hand-vectorised kernels (`make_moe_gate_up_gemv_avx512`)
-    # gemv + avx512, the verify entry: each route tile's rows share the weight loads
+    hand: bool = False  # gemv: the hand-vectorised kernels (`make_moe_gate_up_gemv_avx512`)
+    lanes: int = 16  # gemv + hand: fp32 lanes per vector, 16 (AVX-512) or 8 (AVX2)
+    # gemv + hand (AVX-512), the verify entry: each route tile's rows share the weight loads
     # (`make_moe_gate_up_rows_avx512`), bit-identical per row to the decode kernels
     rows: bool = False
-    # gemv + avx512: "bf16" sums on vdpbf16ps (`moe.fp4_dot`; AVX-512 BF16 + VBMI), else "fp32"
+    # gemv + hand: "bf16" sums on vdpbf16ps (`moe.fp4_dot`; AVX-512 BF16 + VBMI), else "fp32"
     dot: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -64,13 +65,18 @@ def moe_split_config(target: TargetSpec, *, dim: int, inter: int, n_experts: int
         # row from a strided read (bench preset, one token: 2.1 ms per layer single-threaded,
         # 7.6x the chain's byte floor)
         avx512 = has_features(target, "avx512f", "fma")
+        # AVX2: the fp32 form in 256-bit vectors, bit for bit the 512-bit form's (Zen 4 running
+        # the cpu-avx2 code, bench preset, 2 threads: the scheduled GEMVs' 64K decode step
+        # spent 7.8 ms in gate/up and 2.5 in down, 3.4x and 2.2x their bytes at 35 GB/s)
+        avx2 = not avx512 and has_features(target, "avx2", "fma")
         # vdpbf16ps where the CPU has it and VBMI's byte lookups (`moe.fp4_dot`: Zen 4, bench
         # preset gate_up from cache 67 -> 52 us); not with AMX (Intel), whose vdpbf16ps issues
         # at a quarter of its FMA rate (schedules/gemm/linear.py), unmeasured for this kernel
         bf16 = (avx512 and has_avx512_bf16(target) and has_features(target, "avx512vbmi")
                 and not has_amx_bf16(target))
-        return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv", avx512=avx512,
-                              rows=avx512 and rows > 1, dot="bf16" if bf16 else "fp32")
+        return MoeSplitConfig(row_tile=4, tn=32, cb=4, kind="gemv", hand=avx512 or avx2,
+                              lanes=16 if avx512 else 8, rows=avx512 and rows > 1,
+                              dot="bf16" if bf16 else "fp32")
     # prefill: each tile decodes its expert's whole weight once per column block, so rows per
     # tile set the decode work per row. Bench dims (dim 1024, inter 512, 16 experts, top-2), 2
     # threads, Xeon with AMX, min of 5 (gate_up / down ms): 16 rows 220 / 57 at 2048 tokens,

@@ -78,7 +78,7 @@ def fused_decode(config: MoeSplitConfig) -> bool:
     """Whether the chain is the two-call decode form: the hand-vectorised GEMVs
     (`moe_gate_up_route`: route, QDQ and gate/up; `moe_down_combine(_plus)`: QDQ, down and
     combine), each bit for bit the three kernels it replaces."""
-    return config.kind == "gemv" and config.avx512 and not config.rows
+    return config.kind == "gemv" and config.hand and not config.rows
 
 
 def fused_tiles(config: MoeSplitConfig, target: TargetSpec) -> bool:
@@ -230,13 +230,13 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
         funcs["moe_down"] = make_moe_down_rows_avx512(dim=dim, inter=inter,
                                                       n_experts=n_experts, topk=topk,
                                                       row_tile=cfg.row_tile, dot=cfg.dot)
-    elif cfg.kind == "gemv" and cfg.avx512:
+    elif cfg.kind == "gemv" and cfg.hand:
         funcs["moe_gate_up_route"] = make_moe_gate_up_gemv_avx512(
             dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit,
-            dot=cfg.dot, route=True, null_expert=null_expert)
+            dot=cfg.dot, route=True, null_expert=null_expert, lanes=cfg.lanes)
         routed = dict(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
                       swiglu_limit=swiglu_limit, dot=cfg.dot, route=True,
-                      null_expert=null_expert, routing=routing)
+                      null_expert=null_expert, routing=routing, lanes=cfg.lanes)
         if routing is not None:
             funcs["moe_gate_up_route_topk"] = make_moe_gate_up_gemv_avx512(**routed)
         if routing is not None and gate:
@@ -244,13 +244,14 @@ def build_moe_experts_split(target_name: str, *, dim: int, inter: int, n_experts
         for plus in (False, True):
             funcs["moe_down_combine_plus" if plus else "moe_down_combine"] = \
                 make_moe_down_gemv_avx512(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
-                                          dot=cfg.dot, combine=True, plus=plus)
+                                          dot=cfg.dot, combine=True, plus=plus,
+                                          lanes=cfg.lanes)
         funcs["moe_gate_up"] = make_moe_gate_up_gemv_avx512(
             dim=dim, inter=inter, n_experts=n_experts, topk=topk, swiglu_limit=swiglu_limit,
-            dot=cfg.dot)
+            dot=cfg.dot, lanes=cfg.lanes)
         funcs["moe_down"] = make_moe_down_gemv_avx512(dim=dim, inter=inter,
                                                       n_experts=n_experts, topk=topk,
-                                                      dot=cfg.dot)
+                                                      dot=cfg.dot, lanes=cfg.lanes)
     elif cfg.kind == "gemv":
         funcs["moe_gate_up"] = schedule_moe_gemv(
             make_moe_gate_up_gemv(dim=dim, inter=inter, n_experts=n_experts, topk=topk,
