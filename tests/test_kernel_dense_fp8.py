@@ -217,6 +217,30 @@ def test_fma_forms_equal_the_dequantised_weight_bit_for_bit(rows):
 
 
 @needs_avx2
+@pytest.mark.parametrize("rows", [1, 6])
+def test_fma_form_stores_bf16_as_the_graph_rounds(rows):
+    """The fma form stores bf16 itself (`out_dtype`, `dense_gemv_rounds`): its fp32 outputs
+    rounded as the graph rounds them (torch's ties-to-even), bit for bit, NaN where they are
+    NaN, FP8 and bf16 weights alike (the twin check of the test above, in bf16)."""
+    assert gemm.dense_gemv_rounds(get_target(AVX2), n=64, k=256, x_dtype="bfloat16",
+                                  w_dtype="fp8", rows=rows)
+    codes, scales = _weights(128, 256, 31)
+    x = (torch.randn(7, 2, 256, generator=torch.Generator().manual_seed(32)) * 3).to(
+        torch.bfloat16)
+    dims = dict(groups=2, n=64, k=256, x_dtype="bfloat16", w_dtype="fp8", rows=rows)
+    f32 = _call(_built(AVX2, **dims), [x, codes, scales], (7, 2, 64), "float32")
+    bf16 = _call(_built(AVX2, **dims, out_dtype="bfloat16"), [x, codes, scales], (7, 2, 64),
+                 "bfloat16")
+    want = f32.to(torch.bfloat16)
+    nan = torch.isnan(f32)
+    assert torch.equal(torch.isnan(bf16), nan)  # (torch writes NaN's sign its own way)
+    _same_bits(bf16[~nan], want[~nan])
+    assert 0 < int((~torch.isfinite(f32)).sum()) < f32.numel() // 4  # the largest scales
+    for m in (1, 5):
+        _check(AVX2, 2, 64, 256, rows, m, "bfloat16", seed=m + 40)
+
+
+@needs_avx2
 def test_fma_form_rows_match_one_row_and_the_oracle():
     """Each row of the verify's groups equals the decode kernel's on that row alone, bit for
     bit; against the fp32 product of x and the dequantized weight every output is within fp32

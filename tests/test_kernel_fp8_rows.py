@@ -242,19 +242,22 @@ def test_q_kv_kernel_is_the_pair_then_the_normed_gemv(rows):
         gemm.build_fp8_q_kv("cpu-x86-64", n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=eps, m=1)
 
 
-def test_only_the_bf16_gemv_norms_its_input():
+def test_only_the_hand_gemvs_and_the_bf16_gemm_norm_their_input():
+    base = get_target("cpu-x86-64")
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1)
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1, rows=6)
-    assert not gemm.fp8_linear_norms(SKX, n=32768, k=512, m=1)  # no AVX-512 BF16
+    assert gemm.fp8_linear_norms(SKX, n=32768, k=512, m=1)  # the hand GEMV (fp32 sums)
+    assert not gemm.fp8_linear_norms(SKX, n=32768, k=4096, m=1)  # the scheduled one
+    assert not gemm.fp8_q_kv_fuses(SKX, n_q=512, n_kv=576, k=1024, n_b=32768, m=1)
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=None)  # prefill: the bf16 GEMM
     assert not gemm.fp8_linear_norms(SPR, n=32768, k=512, m=None)  # AMX: its own GEMM
     with pytest.raises(ValueError, match="norms its input .or pairs two matrices, or forms a "
                                          "SwiGLU. only"):
-        gemm.unscheduled_fp8_linear(SKX, n=64, k=512, m=1, norm_eps=1e-6)
+        gemm.unscheduled_fp8_linear(base, n=64, k=512, m=1, norm_eps=1e-6)
     with pytest.raises(ValueError, match="lanes dividing"):
         make_fp8_gemv_bf16(n=64, k=512, norm_eps=1e-6, norm_lanes=24)
     with pytest.raises(ValueError, match="forms a SwiGLU"):
-        gemm.unscheduled_fp8_linear(SKX, n=64, k=512, m=1, swiglu_limit=10.0)
+        gemm.unscheduled_fp8_linear(base, n=64, k=512, m=1, swiglu_limit=10.0)
     with pytest.raises(ValueError, match="SwiGLU fp8 GEMV takes no norm"):
         make_fp8_gemv_bf16(n=64, k=512, norm_eps=1e-6, swiglu_limit=10.0)
 

@@ -786,13 +786,14 @@ def test_dense_gemv_bf16_dot_bf16_stores_are_the_fp32_kernel_rounded():
             assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
 
 
-def test_dense_gemv_stores_bf16_only_in_its_bf16_dot_form():
-    """Where the target's GEMV is the scheduled lanes form (no AVX-512 BF16), a bf16 store is
-    refused and `dense_gemv_rounds` says so (the lowering then rounds the fp32 result)."""
+def test_dense_gemv_stores_bf16_only_in_its_hand_forms():
+    """Where the target's GEMV is the scheduled lanes form (neither AVX-512 BF16 nor AVX2), a
+    bf16 store is refused and `dense_gemv_rounds` says so (the lowering then rounds the fp32
+    result)."""
     dims = dict(groups=8, n=64, k=256, x_dtype="bfloat16", w_dtype="bfloat16")
     assert not gemm.dense_gemv_rounds(get_target("cpu-x86-64"), n=64, k=256,
                                       x_dtype="bfloat16", w_dtype="bfloat16")
-    with pytest.raises(ValueError, match="only in its bf16_dot form"):
+    with pytest.raises(ValueError, match="only in its bf16_dot and fma forms"):
         gemm.build_dense_gemv("cpu-x86-64", **dims, out_dtype="bfloat16")
     assert not gemm.dense_gemv_rounds(get_target(CPU), n=64, k=256, x_dtype="float32",
                                       w_dtype="bfloat16")

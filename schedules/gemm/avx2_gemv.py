@@ -3,12 +3,14 @@ weights widened in integer lanes, through bf16 bits (256-bit) or fp16 bits (512-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import tvm
 from tvm.script import tirx as T
 
 from dsv41.schedules.common import (
+    bf16_of,
     bf16_to_f32,
     e8m0_to_f32,
     i64,
@@ -16,6 +18,14 @@ from dsv41.schedules.common import (
     u32,
 )
 from dsv41.schedules.common import prefetch as prefetch_line
+from dsv41.schedules.gemm.avx2_wrappers import (
+    Avx2GemvStages,
+    dense_func,
+    fp8_linear_func,
+    norm_func,
+    pair_func,
+    swiglu_func,
+)
 from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
 
 MAX_ROWS = 8  # rows per group of the verify form (1 + the DSpark block; the default block is 5)
@@ -99,11 +109,12 @@ def _gemv_slot_source(j, lanes: int):
     return (q % 2) * (2 * lanes) + 2 * t + q // 2
 
 
-def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
-                       prefetch: int = 0, rows: int = 1, groups: int = 0,
-                       w_dtype: str = "fp8") -> tvm.tirx.PrimFunc:
-    """The CPU decode form of `fp8_linear` for x86 with AVX2 + FMA + F16C (same signature and
-    result as `make_fp8_gemv`), hand-vectorised: its loops are the schedule. `lanes` 8: 256-bit
+def fp8_gemv_avx2_stages(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
+                         prefetch: int = 0, rows: int = 1, groups: int = 0,
+                         w_dtype: str = "fp8") -> Avx2GemvStages:
+    """The macros of the CPU decode form of `fp8_linear` for x86 with AVX2 + FMA + F16C
+    (`make_fp8_gemv_avx2`: the same signature and result as `make_fp8_gemv`), hand-vectorised:
+    its loops are the schedule. `lanes` 8: 256-bit
     vectors (CPUs without AVX-512); 16: 512-bit (AVX-512 BW), k a multiple of 64. `prefetch`:
     columns ahead of the one being summed whose weights are prefetched (0: none).
 
@@ -179,9 +190,9 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     if w_dtype not in ("fp8", "bfloat16") or (bf16w and not dense):
         raise ValueError(f"The hand-vectorised GEMV's weight is fp8, or bfloat16 in its dense "
                          f"form; got {w_dtype!r} (groups={groups}).")
-    if dense and (n % BLOCK or out_dtype != "float32"):
+    if dense and (n % BLOCK or out_dtype not in ("float32", "bfloat16")):
         raise ValueError(f"The FP8-weight dense GEMV needs n a multiple of {BLOCK} and stores "
-                         f"float32; got n={n}, out_dtype={out_dtype}.")
+                         f"float32 or bfloat16; got n={n}, out_dtype={out_dtype}.")
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"The fp8 GEMV takes 1..{MAX_ROWS} rows per group; got rows={rows}.")
     if k % BLOCK:
@@ -298,7 +309,9 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
     @T.macro
     def store(y, i, col, v):  # column col of the weight's rows, of row i
         if col < NW:
-            if dense:  # static
+            if dense and out_dtype == "bfloat16":  # static: as the graph's fp32 -> bf16 rounds
+                y[i, col // N, col % N] = bf16_of(v)
+            elif dense:
                 y[i, col // N, col % N] = v
             else:
                 y[i, col] = T.Cast(out_dtype, v)
@@ -313,16 +326,19 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 xq[i * G + g, ch * CL + j] = bf16_to_f32(
                     x[i, g, ch * CL + _gemv_slot_source(j, LN)])
 
+    def xval(x, xn, i, c):  # the activation the quantiser reads: x (bf16), or the staged xn
+        return bf16_to_f32(x[i, c]) if xn is None else xn[i, c]
+
     @T.macro
-    def quantise_rows(x, amax, xq, m):  # each row's activation once (both forms share it)
+    def quantise_rows(x, xn, amax, xq, m):  # each row's activation once
         for i, b in T.grid(m, KB):
             amax[i, b] = T.min_value("float32")
             for j in range(i64(BLOCK)):
-                amax[i, b] = T.max(amax[i, b], T.fabs(bf16_to_f32(x[i, b * BLOCK + j])))
+                amax[i, b] = T.max(amax[i, b], T.fabs(xval(x, xn, i, b * BLOCK + j)))
         for i, ch in T.grid(m, NCH):
             for j in T.vectorized(i64(CL)):
                 xq[i, ch * CL + j] = fp8_qdq(
-                    bf16_to_f32(x[i, ch * CL + _gemv_slot_source(j, LN)]),
+                    xval(x, xn, i, ch * CL + _gemv_slot_source(j, LN)),
                     pow2_scale_byte(amax[i, (ch * CL + _gemv_slot_source(j, LN)) // BLOCK]))
 
     def block_of(ch, q):  # the 32-block of vector q of chunk ch
@@ -432,12 +448,10 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                 else:
                     tile_as_stored(xq, weight, scale, wsc, xs, acc, flg, y, i, p)
 
-    if rows == 1 and dense:
-        return _dense_gemv(single_rows, widen_rows, NW=NW, G=G, N=N, K=K, NB=NB, KB=KB,
-                           bf16w=bf16w)
+    stages = Avx2GemvStages(body=single_rows, quantise=quantise_rows, widen=widen_rows, n=N,
+                            k=K, kb=KB, nb=NB, nw=NW, g=G, out_dtype=out_dtype)
     if rows == 1:
-        return _fp8_linear_gemv(single_rows, quantise_rows, N=N, K=K, NB=NB, KB=KB,
-                                out_dtype=out_dtype)
+        return stages
     R = i64(rows)
     TILES = 8  # 32-column tiles per parallel task
 
@@ -584,61 +598,38 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
                                         xq[xrow(g * R + r, p), ch * CL + j], scale, p, ch, j)
                             groups(weight, wsc, xs, y, p, g * R, live, acc, flg)
 
-    if dense:
-        return _dense_gemv(grouped_rows, widen_rows, NW=NW, G=G, N=N, K=K, NB=NB, KB=KB,
-                           bf16w=bf16w)
-    return _fp8_linear_gemv(grouped_rows, quantise_rows, N=N, K=K, NB=NB, KB=KB,
-                            out_dtype=out_dtype)
+    return dataclasses.replace(stages, body=grouped_rows)
 
 
-def _fp8_linear_gemv(body, quantise_rows, *, N, K, NB, KB, out_dtype) -> tvm.tirx.PrimFunc:
-    """fp8_linear's signature around a GEMV body (`make_fp8_gemv_avx2`): x quantised first."""
-
-    @T.prim_func
-    def fp8_gemv(x_h: T.handle, weight: T.Buffer((N, K), "uint8"),
-                 scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
-        T.func_attr({"global_symbol": "fp8_linear", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, N), out_dtype)
-        amax = T.alloc_buffer((m, KB), "float32")
-        xq = T.alloc_buffer((m, K), "float32")  # per chunk in _gemv_slot_source order
-        quantise_rows(x, amax, xq, m)
-        body(xq, weight, scale, y, m)
-
-    return fp8_gemv
-
-
-def _dense_gemv(body, widen_rows, *, NW, G, N, K, NB, KB, bf16w: bool) -> tvm.tirx.PrimFunc:
-    """dense_gemv's signature (an FP8 weight and its scales, or a bf16 one; fp32 y) around a
-    GEMV body: x widened as it is."""
-
-    if bf16w:
-        @T.prim_func
-        def dense_gemv_bf16(x_h: T.handle, weight: T.Buffer((NW, K), "bfloat16"),
-                            y_h: T.handle):
-            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                         "tirx.is_scheduled": True})
-            m = T.int64()
-            x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-            y = T.match_buffer(y_h, (m, G, N), "float32")
-            xq = T.alloc_buffer((m * G, K), "float32")  # per chunk in _gemv_slot_source order
-            widen_rows(x, xq, m)
-            body(xq, weight, None, y, m)
-
-        return dense_gemv_bf16
-
-    @T.prim_func
-    def dense_gemv_fp8(x_h: T.handle, weight: T.Buffer((NW, K), "uint8"),
-                       scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
-        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, G, N), "float32")
-        xq = T.alloc_buffer((m * G, K), "float32")  # per chunk in _gemv_slot_source order
-        widen_rows(x, xq, m)
-        body(xq, weight, scale, y, m)
-
-    return dense_gemv_fp8
+def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: int = 8,
+                       prefetch: int = 0, rows: int = 1, groups: int = 0,
+                       w_dtype: str = "fp8", norm_eps: float | None = None,
+                       norm_lanes: int = 32, pair_n: int | None = None,
+                       swiglu_limit: float | None = None) -> tvm.tirx.PrimFunc:
+    """The hand-vectorised decode GEMV (`fp8_gemv_avx2_stages`: its loops, decode and
+    measurements) with `fp8_linear`'s signature, or with groups > 0 `dense_gemv`'s. As
+    `make_fp8_gemv_bf16` does, it may form its activation first or take two matrices
+    (`avx2_wrappers`): `norm_eps` (`norm_fp8_linear`: x RMS-normed as `norm.make_rms_norm`
+    norms it with `norm_lanes`), `swiglu_limit` (`swiglu_fp8_linear`: bf16(swiglu(gate, up))),
+    `pair_n` (`fp8_linear_pair`: a second matrix [pair_n, k] over the same quantised x): each
+    the kernels it replaces, bit for bit."""
+    fused = [v is not None for v in (norm_eps, pair_n, swiglu_limit)]
+    if any(fused) and (groups or sum(fused) > 1):
+        raise ValueError("The hand GEMV norms its input, forms a SwiGLU or pairs two matrices "
+                         "(one of them), and not in its dense form.")
+    if norm_eps is not None and (norm_lanes <= 0 or k % norm_lanes):
+        raise ValueError(f"The fp8 GEMV's norm needs lanes dividing k={k}; got {norm_lanes}.")
+    if pair_n is not None and pair_n <= 0:
+        raise ValueError(f"The paired fp8 GEMV needs pair_n > 0; got {pair_n}.")
+    st = fp8_gemv_avx2_stages(n=n, k=k, out_dtype=out_dtype, lanes=lanes, prefetch=prefetch,
+                              rows=rows, groups=groups, w_dtype=w_dtype)
+    if groups:
+        return dense_func(st, bf16w=w_dtype == "bfloat16")
+    if norm_eps is not None:
+        return norm_func(st, norm_eps, norm_lanes)
+    if swiglu_limit is not None:
+        return swiglu_func(st, swiglu_limit)
+    if pair_n is not None:
+        return pair_func(st, fp8_gemv_avx2_stages(n=pair_n, k=k, out_dtype=out_dtype,
+                                                  lanes=lanes, prefetch=prefetch, rows=rows))
+    return fp8_linear_func(st)

@@ -319,9 +319,9 @@ def _schedule_dense_gemv_rows(sch: s_tir.Schedule, config: DenseGemvConfig) -> N
 def dense_gemv_rounds(target: TargetSpec, *, n: int, k: int, x_dtype: str, w_dtype: str,
                       rows: int = 1) -> bool:
     """Whether the GEMV this target gets can store bf16 itself (`out_dtype`): the hand-written
-    bf16_dot form; the scheduled lanes form stores fp32 and its caller rounds."""
+    bf16_dot and fma forms; the scheduled lanes form stores fp32 and its caller rounds."""
     return dense_gemv_config(target, n=n, k=k, rows=rows, x_dtype=x_dtype,
-                             w_dtype=w_dtype).kind == "bf16_dot"
+                             w_dtype=w_dtype).kind in ("bf16_dot", "fma")
 
 
 def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: str,
@@ -332,9 +332,9 @@ def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: 
     which can store bf16 (`out_dtype`, `dense_gemv_rounds`)."""
     target = get_target(target_name)
     cfg = dense_gemv_config(target, n=n, k=k, rows=rows, x_dtype=x_dtype, w_dtype=w_dtype)
-    if out_dtype != "float32" and cfg.kind != "bf16_dot":
-        raise ValueError(f"dense_gemv stores {out_dtype} only in its bf16_dot form; this "
-                         f"target's is {cfg.kind!r} (fp32: round the result).")
+    if out_dtype != "float32" and cfg.kind not in ("bf16_dot", "fma"):
+        raise ValueError(f"dense_gemv stores {out_dtype} only in its bf16_dot and fma forms; "
+                         f"this target's is {cfg.kind!r} (fp32: round the result).")
     if cfg.kind == "bf16_dot":
         func = make_dense_gemv_bf16_dot(groups=groups, n=n, k=k, rows=rows, tn=cfg.tn,
                                         cb=cfg.cb, fma_rows=cfg.fma_rows,
@@ -342,7 +342,7 @@ def build_dense_gemv(target_name: str, *, groups: int, n: int, k: int, x_dtype: 
                                         fp8=w_dtype == FP8_WEIGHT)
     elif cfg.kind == "fma":
         func = make_fp8_gemv_avx2(n=n, k=k, groups=groups, rows=rows, lanes=cfg.vec,
-                                  prefetch=cfg.prefetch, out_dtype="float32",
+                                  prefetch=cfg.prefetch, out_dtype=out_dtype,
                                   w_dtype="fp8" if w_dtype == FP8_WEIGHT else w_dtype)
     elif rows > 1:
         func = make_dense_gemv_rows(groups=groups, n=n, k=k, x_dtype=x_dtype, w_dtype=w_dtype,

@@ -409,9 +409,18 @@ def _schedule_gemm(sch: s_tir.Schedule, config: Fp8LinearConfig, target: TargetS
 def fp8_linear_norms(target: TargetSpec, *, n: int, k: int, m: int | None = None,
                      rows: int = 1) -> bool:
     """Whether this target's fp8_linear kernel can RMS-norm its input first (`norm_eps`), pair
-    two matrices (`pair_n`) or form a SwiGLU input (`swiglu_limit`): the AVX-512 BF16 decode
-    GEMV (`make_fp8_gemv_bf16`) and prefill GEMM (`make_fp8_gemm_bf16`); elsewhere the
-    lowering runs the rms_norm kernel (two kernels, the SwiGLU's elementwise ops) before it."""
+    two matrices (`pair_n`) or form a SwiGLU input (`swiglu_limit`): the decode GEMVs written
+    by hand (`make_fp8_gemv_bf16`, `make_fp8_gemv_avx2`) and the AVX-512 BF16 prefill GEMM
+    (`make_fp8_gemm_bf16`); elsewhere the lowering runs the rms_norm kernel (two kernels, the
+    SwiGLU's elementwise ops) before it."""
+    config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
+    return config.kind in ("gemv_avx2", "gemv_avx512", "gemm_bf16")
+
+
+def fp8_linear_is_bf16(target: TargetSpec, *, n: int, k: int, m: int | None = None,
+                       rows: int = 1) -> bool:
+    """Whether this target's fp8_linear kernel is the AVX-512 BF16 decode GEMV or prefill GEMM
+    (`fp8_q_kv`'s one kernel is built of theirs)."""
     config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
     return (config.kind == "gemv_avx512" and config.dot == "bf16") or config.kind == "gemm_bf16"
 
@@ -429,17 +438,20 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
     if any(v is not None for v in fused) and not fp8_linear_norms(target, n=n, k=k, m=m,
                                                                    rows=rows):
         raise ValueError(f"fp8_linear norms its input (or pairs two matrices, or forms a "
-                         f"SwiGLU) only in the AVX-512 BF16 decode GEMV and prefill GEMM; this "
-                         f"target's kernel is {config.kind!r} (run rms_norm before it, or two "
-                         f"kernels).")
+                         f"SwiGLU) only in the hand decode GEMVs and the AVX-512 BF16 prefill "
+                         f"GEMM; this target's kernel is {config.kind!r} (run rms_norm before "
+                         f"it, or two kernels).")
     if config.kind == "amx":
         return make_fp8_linear_amx(n=n, k=k, block_rows=config.tm, out_dtype=out_dtype), config
     if config.kind == "gemm_bf16":
         return make_fp8_gemm_bf16(n=n, k=k, out_dtype=out_dtype, row_block=config.tm,
                                   norm_eps=norm_eps, norm_lanes=norm_config(target, d=k).lanes,
                                   pair_n=pair_n, swiglu_limit=swiglu_limit), config
+    hand = dict(norm_eps=norm_eps, norm_lanes=norm_config(target, d=k).lanes, pair_n=pair_n,
+                swiglu_limit=swiglu_limit)
     if config.kind == "gemv_avx2":
-        return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, rows=config.rows), config
+        return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, rows=config.rows,
+                                  **hand), config
     if config.kind == "gemv_avx512" and config.dot == "bf16":
         return make_fp8_gemv_bf16(n=n, k=k, out_dtype=out_dtype, prefetch=config.prefetch,
                                   rows=config.rows, fma_rows=config.fma_rows,
@@ -447,7 +459,7 @@ def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None 
                                   pair_n=pair_n, swiglu_limit=swiglu_limit), config
     if config.kind == "gemv_avx512":
         return make_fp8_gemv_avx2(n=n, k=k, out_dtype=out_dtype, lanes=16,
-                                  prefetch=config.prefetch, rows=config.rows), config
+                                  prefetch=config.prefetch, rows=config.rows, **hand), config
     if config.kind == "gemv" and not target.is_cuda:
         return make_fp8_gemv(n=n, k=k, out_dtype=out_dtype), config
     return make_fp8_linear(n=n, k=k, row_pad=config.row_pad, out_dtype=out_dtype), config
@@ -474,7 +486,7 @@ def fp8_q_kv_fuses(target: TargetSpec, *, n_q: int, n_kv: int, k: int, n_b: int,
     and norms (wq_b over n_q), both in the decode GEMV or both in the prefill GEMM."""
     kinds = {fp8_linear_config(target, n=n, k=kk, m=m, rows=rows).kind
              for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q))}
-    return len(kinds) == 1 and all(fp8_linear_norms(target, n=n, k=kk, m=m, rows=rows)
+    return len(kinds) == 1 and all(fp8_linear_is_bf16(target, n=n, k=kk, m=m, rows=rows)
                                    for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q)))
 
 
