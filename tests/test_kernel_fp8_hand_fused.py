@@ -45,12 +45,13 @@ def _same(got: torch.Tensor, want: torch.Tensor, m: int) -> None:
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), m
 
 
-def test_the_hand_gemvs_fuse_but_only_bf16_builds_q_kv():
+def test_the_hand_gemvs_fuse():
     assert gemm.fp8_linear_norms(AVX2, n=32768, k=512, m=1)
     assert gemm.fp8_linear_norms(AVX2, n=512, k=1024, m=1, rows=6)
     assert not gemm.fp8_linear_norms(AVX2, n=512, k=1024, m=None)  # prefill: the scheduled GEMM
     assert not gemm.fp8_linear_norms(get_target("cpu-x86-64"), n=512, k=1024, m=1)
-    assert not gemm.fp8_q_kv_fuses(AVX2, n_q=512, n_kv=576, k=1024, n_b=32768, m=1)
+    assert gemm.fp8_q_kv_fuses(AVX2, n_q=512, n_kv=576, k=1024, n_b=32768, m=1, rows=6)
+    assert not gemm.fp8_q_kv_fuses(AVX2, n_q=512, n_kv=576, k=1024, n_b=32768, m=None)
     with pytest.raises(ValueError, match="one of them"):
         gemm.make_fp8_gemv_avx2(n=64, k=256, norm_eps=1e-6, pair_n=64)
     with pytest.raises(ValueError, match="lanes dividing"):
@@ -129,3 +130,33 @@ def test_paired_gemv_is_the_two_gemvs(lanes, rows, n, n2):
         _run(pair, x, w, s, w2, s2, y, y2)
         _same(y, run_fp8_linear(one, x, w, s), m)
         _same(y2, run_fp8_linear(two, x, w2, s2), m)
+
+
+@pytest.mark.parametrize("lanes", LANES)
+@pytest.mark.parametrize("rows", [1, 6])
+def test_q_kv_kernel_is_the_pair_then_the_normed_gemv(lanes, rows):
+    """fp8_q_kv's hand kernel (`make_fp8_q_kv_avx2`): q_lora, kv and q the paired and normed
+    kernels', bit for bit, m 1..7, partial 32-column tiles in every matrix."""
+    n_q, n_kv, k, n_b, eps = 64, 40, 256, 72, 1e-6
+    target = _target(lanes)
+    nl = norm.norm_config(target, d=n_q).lanes
+    fused = tvm.compile(gemm.make_fp8_q_kv_avx2(n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=eps,
+                                                norm_lanes=nl, lanes=lanes, rows=rows),
+                        target=target.tvm_target(), tir_pipeline=tir_pipeline(target.name))
+    pair = _compiled(lanes, n=n_q, k=k, rows=rows, pair_n=n_kv)
+    normed = _compiled(lanes, n=n_b, k=n_q, rows=rows, norm_eps=eps, norm_lanes=nl)
+    wa, sa = gemm.example_inputs_fp8_linear(m=1, n=n_q, k=k, seed=11)[1:]
+    wkv, skv = gemm.example_inputs_fp8_linear(m=1, n=n_kv, k=k, seed=12)[1:]
+    wb, sb = gemm.example_inputs_fp8_linear(m=1, n=n_b, k=n_q, seed=13)[1:]
+    g = torch.Generator().manual_seed(rows + lanes)
+    nw = (1 + 0.1 * torch.randn(n_q, generator=g)).to(torch.bfloat16)
+    for m in (1, 5, 7):
+        x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+        x[-1] = 0.0
+        q_lora, kv, q = (torch.zeros(m, c, dtype=torch.bfloat16) for c in (n_q, n_kv, n_b))
+        _run(fused, x, wa, sa, wkv, skv, nw, wb, sb, q_lora, kv, q)
+        ql2, kv2, q2 = (torch.zeros(m, c, dtype=torch.bfloat16) for c in (n_q, n_kv, n_b))
+        _run(pair, x, wa, sa, wkv, skv, ql2, kv2)
+        _run(normed, ql2, nw, wb, sb, q2)
+        for got, want in ((q_lora, ql2), (kv, kv2), (q, q2)):
+            _same(got, want, m)

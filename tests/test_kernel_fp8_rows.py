@@ -238,7 +238,7 @@ def test_q_kv_kernel_is_the_pair_then_the_normed_gemv(rows):
     ql, kvr = ops.fp8_linear_pair(x, wa, sa, wkv, skv)
     assert torch.equal(ref_kv, kvr)
     assert torch.equal(ref_q, ops.norm_fp8_linear(ql, nw, eps, wb, sb))
-    with pytest.raises(ValueError, match="only where the AVX-512 BF16 decode GEMV"):
+    with pytest.raises(ValueError, match="only where the hand decode GEMV"):
         gemm.build_fp8_q_kv("cpu-x86-64", n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=eps, m=1)
 
 
@@ -248,7 +248,8 @@ def test_only_the_hand_gemvs_and_the_bf16_gemm_norm_their_input():
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=1, rows=6)
     assert gemm.fp8_linear_norms(SKX, n=32768, k=512, m=1)  # the hand GEMV (fp32 sums)
     assert not gemm.fp8_linear_norms(SKX, n=32768, k=4096, m=1)  # the scheduled one
-    assert not gemm.fp8_q_kv_fuses(SKX, n_q=512, n_kv=576, k=1024, n_b=32768, m=1)
+    assert gemm.fp8_q_kv_fuses(SKX, n_q=512, n_kv=576, k=1024, n_b=32768, m=1)
+    assert not gemm.fp8_q_kv_fuses(SKX, n_q=512, n_kv=576, k=4096, n_b=32768, m=1)
     assert gemm.fp8_linear_norms(ZEN4, n=32768, k=512, m=None)  # prefill: the bf16 GEMM
     assert not gemm.fp8_linear_norms(SPR, n=32768, k=512, m=None)  # AMX: its own GEMM
     with pytest.raises(ValueError, match="norms its input .or pairs two matrices, or forms a "

@@ -43,6 +43,7 @@ from dsv41.schedules.gemm.amx import (
 from dsv41.schedules.gemm.avx2_gemv import (
     MAX_ROWS,
     make_fp8_gemv_avx2,
+    make_fp8_q_kv_avx2,
 )
 from dsv41.schedules.gemm.dense import (
     FP8_WEIGHT,
@@ -146,6 +147,7 @@ __all__ = [
     "make_fp8_dequant",
     "make_fp8_gemv",
     "make_fp8_gemv_avx2",
+    "make_fp8_q_kv_avx2",
     "make_fp8_linear",
     "make_fp8_linear_amx",
     "MAX_ROWS",

@@ -24,6 +24,7 @@ from dsv41.schedules.gemm.avx2_wrappers import (
     fp8_linear_func,
     norm_func,
     pair_func,
+    q_kv_func,
     swiglu_func,
 )
 from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
@@ -633,3 +634,19 @@ def make_fp8_gemv_avx2(*, n: int, k: int, out_dtype: str = "bfloat16", lanes: in
         return pair_func(st, fp8_gemv_avx2_stages(n=pair_n, k=k, out_dtype=out_dtype,
                                                   lanes=lanes, prefetch=prefetch, rows=rows))
     return fp8_linear_func(st)
+
+
+def make_fp8_q_kv_avx2(*, n_q: int, n_kv: int, k: int, n_b: int, norm_eps: float,
+                       norm_lanes: int = 32, lanes: int = 8, rows: int = 1, prefetch: int = 0,
+                       b_prefetch: int = 0) -> tvm.tirx.PrimFunc:
+    """`fp8_q_kv`'s kernel from the hand GEMV (`avx2_wrappers.q_kv_func`): the paired wq_a /
+    wkv GEMV, then q_lora RMS-normed into the wq_b GEMV (`make_fp8_gemv_avx2`'s pair_n and
+    norm_eps kernels in turn, bit for bit, one VM call). `rows`: the verify form's groups."""
+    if norm_lanes <= 0 or n_q % norm_lanes:
+        raise ValueError(f"The fp8 GEMV's norm needs lanes dividing n_q={n_q}; got "
+                         f"{norm_lanes}.")
+    one = dict(out_dtype="bfloat16", lanes=lanes, rows=rows)
+    pair = (fp8_gemv_avx2_stages(n=n_q, k=k, prefetch=prefetch, **one),
+            fp8_gemv_avx2_stages(n=n_kv, k=k, prefetch=prefetch, **one))
+    qb = fp8_gemv_avx2_stages(n=n_b, k=n_q, prefetch=b_prefetch, **one)
+    return q_kv_func(pair, qb, norm_eps, norm_lanes)

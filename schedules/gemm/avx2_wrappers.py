@@ -171,3 +171,45 @@ def dense_func(st: Avx2GemvStages, *, bf16w: bool) -> tvm.tirx.PrimFunc:
         st.body(xq, weight, scale, y, m)
 
     return dense_gemv_fp8
+
+
+def q_kv_func(pair: tuple[Avx2GemvStages, Avx2GemvStages], qb: Avx2GemvStages, eps: float,
+              lanes: int) -> tvm.tirx.PrimFunc:
+    """fp8_q_kv's signature (x, wq_a, its scales, wkv, its scales, q_norm [n_q] bf16, wq_b, its
+    scales, q_lora, kv, q): `pair_func`'s body (wq_a and wkv over x quantised once), then
+    `norm_func`'s over q_lora (wq_b, `qb`, k = n_q): both kernels in turn, one call."""
+    sa, skv = pair
+    NQ, NKV, K, KB, NBQ, NBKV = sa.n, skv.n, sa.k, sa.kb, sa.nb, skv.nb
+    NB_, KBB, NBB = qb.n, qb.kb, qb.nb
+    norm_row = rms_norm_row(vec=1)
+
+    @T.prim_func
+    def fp8_q_kv(x_h: T.handle, wa: T.Buffer((NQ, K), "uint8"), sa_: T.Buffer((NBQ, KB), "uint8"),
+                 wkv: T.Buffer((NKV, K), "uint8"), skv_: T.Buffer((NBKV, KB), "uint8"),
+                 nw: T.Buffer((NQ,), "bfloat16"), wb: T.Buffer((NB_, NQ), "uint8"),
+                 sb: T.Buffer((NBB, KBB), "uint8"), q_lora_h: T.handle, kv_h: T.handle,
+                 q_h: T.handle):
+        T.func_attr({"global_symbol": "fp8_q_kv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        q_lora = T.match_buffer(q_lora_h, (m, NQ), "bfloat16")
+        kv = T.match_buffer(kv_h, (m, NKV), "bfloat16")
+        q = T.match_buffer(q_h, (m, NB_), "bfloat16")
+        amax = T.alloc_buffer((m, KB), "float32")
+        xq = T.alloc_buffer((m, K), "float32")
+        sa.quantise(x, None, amax, xq, m)
+        sa.body(xq, wa, sa_, q_lora, m)
+        skv.body(xq, wkv, skv_, kv, m)
+        xn = T.alloc_buffer((m, NQ), "float32")  # the normed q_lora (bf16 values)
+        part = T.alloc_buffer((i64(lanes),), "float32")
+        ssq = T.alloc_buffer((1,), "float32")
+        for i in range(m):
+            norm_row(xn, lambda c, i=i: (i, c), part, ssq,
+                     lambda c, i=i: bf16_to_f32(q_lora[i, c]), nw, int(NQ), eps, lanes)
+        bmax = T.alloc_buffer((m, KBB), "float32")
+        bq = T.alloc_buffer((m, NQ), "float32")
+        qb.quantise(q_lora, xn, bmax, bq, m)
+        qb.body(bq, wb, sb, q, m)
+
+    return fp8_q_kv

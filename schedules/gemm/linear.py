@@ -27,7 +27,7 @@ from dsv41.schedules.common import (
 )
 from dsv41.schedules.common.stages import block_amax
 from dsv41.schedules.gemm.amx import amx_block_rows, make_fp8_linear_amx
-from dsv41.schedules.gemm.avx2_gemv import MAX_ROWS, make_fp8_gemv_avx2
+from dsv41.schedules.gemm.avx2_gemv import MAX_ROWS, make_fp8_gemv_avx2, make_fp8_q_kv_avx2
 from dsv41.schedules.gemm.bf16_gemm import make_fp8_gemm_bf16, make_fp8_gemm_bf16_q_kv
 from dsv41.schedules.gemm.bf16_gemv import make_fp8_gemv_bf16, make_fp8_gemv_bf16_q_kv
 from dsv41.schedules.gemm.fp8 import (
@@ -417,14 +417,6 @@ def fp8_linear_norms(target: TargetSpec, *, n: int, k: int, m: int | None = None
     return config.kind in ("gemv_avx2", "gemv_avx512", "gemm_bf16")
 
 
-def fp8_linear_is_bf16(target: TargetSpec, *, n: int, k: int, m: int | None = None,
-                       rows: int = 1) -> bool:
-    """Whether this target's fp8_linear kernel is the AVX-512 BF16 decode GEMV or prefill GEMM
-    (`fp8_q_kv`'s one kernel is built of theirs)."""
-    config = fp8_linear_config(target, n=n, k=k, m=m, rows=rows)
-    return (config.kind == "gemv_avx512" and config.dot == "bf16") or config.kind == "gemm_bf16"
-
-
 def unscheduled_fp8_linear(target: TargetSpec, *, n: int, k: int, m: int | None = None,
                            out_dtype: str = "bfloat16", rows: int = 1,
                            norm_eps: float | None = None, pair_n: int | None = None,
@@ -482,12 +474,14 @@ def build_fp8_linear(target_name: str, *, n: int, k: int, m: int | None = None,
 def fp8_q_kv_fuses(target: TargetSpec, *, n_q: int, n_kv: int, k: int, n_b: int,
                    m: int | None = None, rows: int = 1) -> bool:
     """Whether this target runs `fp8_q_kv` as one kernel (`make_fp8_gemv_bf16_q_kv` in decode,
-    `make_fp8_gemm_bf16_q_kv` in prefill): where its fp8_linear pairs (wq_a and wkv over k)
-    and norms (wq_b over n_q), both in the decode GEMV or both in the prefill GEMM."""
-    kinds = {fp8_linear_config(target, n=n, k=kk, m=m, rows=rows).kind
-             for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q))}
-    return len(kinds) == 1 and all(fp8_linear_is_bf16(target, n=n, k=kk, m=m, rows=rows)
-                                   for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q)))
+    `make_fp8_gemm_bf16_q_kv` in prefill, `make_fp8_q_kv_avx2` in decode without AVX-512
+    BF16): where its fp8_linear pairs (wq_a and wkv over k) and norms (wq_b over n_q), all
+    three of one kind of kernel (the same dot)."""
+    configs = [fp8_linear_config(target, n=n, k=kk, m=m, rows=rows)
+               for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q))]
+    return (len({(c.kind, c.dot) for c in configs}) == 1
+            and all(fp8_linear_norms(target, n=n, k=kk, m=m, rows=rows)
+                    for n, kk in ((n_q, k), (n_kv, k), (n_b, n_q))))
 
 
 def build_fp8_q_kv(target_name: str, *, n_q: int, n_kv: int, k: int, n_b: int,
@@ -496,11 +490,16 @@ def build_fp8_q_kv(target_name: str, *, n_q: int, n_kv: int, k: int, n_b: int,
     would have (the pair's of (n_q, k), wq_b's of (n_b, n_q)); refused elsewhere."""
     target = get_target(target_name)
     if not fp8_q_kv_fuses(target, n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, m=m, rows=rows):
-        raise ValueError("fp8_q_kv is one kernel only where the AVX-512 BF16 decode GEMV or "
-                         "prefill GEMM pairs and norms (gemm.fp8_q_kv_fuses); emit its two "
-                         "kernels.")
+        raise ValueError("fp8_q_kv is one kernel only where the hand decode GEMV or the "
+                         "AVX-512 BF16 prefill GEMM pairs and norms (gemm.fp8_q_kv_fuses); "
+                         "emit its two kernels.")
     a = fp8_linear_config(target, n=n_q, k=k, m=m, rows=rows)
     b = fp8_linear_config(target, n=n_b, k=n_q, m=m, rows=rows)
+    if a.kind in ("gemv_avx2", "gemv_avx512") and a.dot != "bf16":
+        return make_fp8_q_kv_avx2(n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=norm_eps,
+                                  norm_lanes=norm_config(target, d=n_q).lanes,
+                                  lanes=8 if a.kind == "gemv_avx2" else 16, rows=a.rows,
+                                  prefetch=a.prefetch, b_prefetch=b.prefetch)
     if a.kind == "gemm_bf16":
         return make_fp8_gemm_bf16_q_kv(n_q=n_q, n_kv=n_kv, k=k, n_b=n_b, norm_eps=norm_eps,
                                        norm_lanes=norm_config(target, d=n_q).lanes,
