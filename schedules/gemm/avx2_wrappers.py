@@ -56,12 +56,32 @@ def fp8_linear_func(st: Avx2GemvStages) -> tvm.tirx.PrimFunc:
     return fp8_gemv
 
 
+def normed_quantise(st: Avx2GemvStages, eps: float, lanes: int):
+    """A macro (x, nw, xq, m): each row of x (bf16 [m, k]) RMS-normed by nw as the rms_norm
+    kernel of `lanes` partial sums forms it (bf16 values), then quantised into xq."""
+    norm_row = rms_norm_row(vec=1)
+    K, KB = st.k, st.kb
+
+    @T.macro
+    def normed_quantise_(x, nw, xq, m):
+        xn = T.alloc_buffer((m, K), "float32")  # the normed rows (bf16 values)
+        part = T.alloc_buffer((i64(lanes),), "float32")
+        ssq = T.alloc_buffer((1,), "float32")
+        for i in range(m):
+            norm_row(xn, lambda c, i=i: (i, c), part, ssq, lambda c, i=i: bf16_to_f32(x[i, c]),
+                     nw, int(K), eps, lanes)
+        amax = T.alloc_buffer((m, KB), "float32")
+        st.quantise(x, xn, amax, xq, m)
+
+    return normed_quantise_
+
+
 def norm_func(st: Avx2GemvStages, eps: float, lanes: int) -> tvm.tirx.PrimFunc:
     """norm_fp8_linear's signature (x, norm weight [k] bf16, weight, scale, y): each row
     bf16(w * (x * rstd)) as the rms_norm kernel of `lanes` partial sums forms it, then
     fp8_linear's kernel on it."""
     N, K, KB, NB = st.n, st.k, st.kb, st.nb
-    norm_row = rms_norm_row(vec=1)
+    prepare = normed_quantise(st, eps, lanes)
 
     @T.prim_func
     def norm_fp8_gemv(x_h: T.handle, nw: T.Buffer((K,), "bfloat16"),
@@ -72,15 +92,8 @@ def norm_func(st: Avx2GemvStages, eps: float, lanes: int) -> tvm.tirx.PrimFunc:
         m = T.int64()
         x = T.match_buffer(x_h, (m, K), "bfloat16")
         y = T.match_buffer(y_h, (m, N), st.out_dtype)
-        xn = T.alloc_buffer((m, K), "float32")  # the normed rows (bf16 values)
-        part = T.alloc_buffer((i64(lanes),), "float32")
-        ssq = T.alloc_buffer((1,), "float32")
-        for i in range(m):
-            norm_row(xn, lambda c, i=i: (i, c), part, ssq, lambda c, i=i: bf16_to_f32(x[i, c]),
-                     nw, int(K), eps, lanes)
-        amax = T.alloc_buffer((m, KB), "float32")
         xq = T.alloc_buffer((m, K), "float32")
-        st.quantise(x, xn, amax, xq, m)
+        prepare(x, nw, xq, m)
         st.body(xq, weight, scale, y, m)
 
     return norm_fp8_gemv
@@ -181,7 +194,7 @@ def q_kv_func(pair: tuple[Avx2GemvStages, Avx2GemvStages], qb: Avx2GemvStages, e
     sa, skv = pair
     NQ, NKV, K, KB, NBQ, NBKV = sa.n, skv.n, sa.k, sa.kb, sa.nb, skv.nb
     NB_, KBB, NBB = qb.n, qb.kb, qb.nb
-    norm_row = rms_norm_row(vec=1)
+    prepare = normed_quantise(qb, eps, lanes)
 
     @T.prim_func
     def fp8_q_kv(x_h: T.handle, wa: T.Buffer((NQ, K), "uint8"), sa_: T.Buffer((NBQ, KB), "uint8"),
@@ -201,15 +214,8 @@ def q_kv_func(pair: tuple[Avx2GemvStages, Avx2GemvStages], qb: Avx2GemvStages, e
         sa.quantise(x, None, amax, xq, m)
         sa.body(xq, wa, sa_, q_lora, m)
         skv.body(xq, wkv, skv_, kv, m)
-        xn = T.alloc_buffer((m, NQ), "float32")  # the normed q_lora (bf16 values)
-        part = T.alloc_buffer((i64(lanes),), "float32")
-        ssq = T.alloc_buffer((1,), "float32")
-        for i in range(m):
-            norm_row(xn, lambda c, i=i: (i, c), part, ssq,
-                     lambda c, i=i: bf16_to_f32(q_lora[i, c]), nw, int(NQ), eps, lanes)
-        bmax = T.alloc_buffer((m, KBB), "float32")
         bq = T.alloc_buffer((m, NQ), "float32")
-        qb.quantise(q_lora, xn, bmax, bq, m)
+        prepare(q_lora, nw, bq, m)
         qb.body(bq, wb, sb, q, m)
 
     return fp8_q_kv
