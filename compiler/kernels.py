@@ -669,7 +669,8 @@ def _sparse_attend_task(key: SparseAttendKey, target: TargetSpec):
     cfg = attention.sparse_attend_config(target, h=key.h, d=key.d, w=key.w, k=key.k)
     return attention.make_sparse_attend(**key.dims(), heads_per_group=cfg.heads_per_group,
                                         stage_rows=cfg.stage_rows,
-                                        vector_decode=cfg.vector_decode)
+                                        vector_decode=cfg.vector_decode,
+                                        decode_lanes=cfg.decode_lanes)
 
 
 def _index_scores_task(key: KernelKey, target: TargetSpec):

@@ -252,16 +252,26 @@ def test_bench_size_fp32_dot():
                     reason="runs the cpu-avx2 target's code")
 def test_bench_size_avx2_target():
     """The `cpu-avx2` target's kernel (ymm registers: QK 2 entries x 32 heads, PV 4 heads x 16
-    values of d) at the bench size: the oracle's numbers, and each row of a 2-row call bit for
-    bit that row alone."""
-    cfg = A.sparse_attend_config(get_target("cpu-avx2"), h=64, d=512)
-    assert (cfg.vector_decode, cfg.bf16_dot, cfg.unroll_rows) == (False, False, 2)
+    values of d; the vector staging with its FP4 lookup in 8-lane halves) at the bench size:
+    the per-element staging's outputs bit for bit, the oracle's numbers, and each row of a
+    2-row call bit for bit that row alone."""
+    avx2 = get_target("cpu-avx2")
+    cfg = A.sparse_attend_config(avx2, h=64, d=512)
+    assert (cfg.vector_decode, cfg.decode_lanes, cfg.bf16_dot, cfg.unroll_rows) == (
+        True, 8, False, 2)
     assert (cfg.pv_heads, cfg.pv_cols) == (4, 16)
-    assert (A.sparse_attend_config(get_target("cpu-x86-64"), h=64, d=512).pv_cols) == 16
-    ex = tvm.compile(A.build_sparse_attend("cpu-avx2", **BENCH, softmax_scale=512 ** -0.5),
-                     target=get_target("cpu-avx2").tvm_target())
+    base = A.sparse_attend_config(get_target("cpu-x86-64"), h=64, d=512)
+    assert (base.pv_cols, base.vector_decode) == (16, False)
+    dims = dict(**BENCH, softmax_scale=512 ** -0.5)
+    ex = tvm.compile(A.build_sparse_attend("cpu-avx2", **dims), target=avx2.tvm_target())
+    plain = dataclasses.replace(cfg, vector_decode=False)
+    per_element = tvm.compile(A.schedule_sparse_attend(A.make_sparse_attend(
+        **dims, heads_per_group=plain.heads_per_group, stage_rows=plain.stage_rows), plain,
+        avx2), target=avx2.tvm_target())
     inputs = _inputs(b=1, s=2, **BENCH, seed=15)
+    inputs[4][0, inputs[6][0, 0, :4].long()] = 0x88  # -0 in both nibbles of some entries
     got = _run(ex, inputs)
+    assert torch.equal(got.view(torch.int16), _run(per_element, inputs).view(torch.int16))
     _assert_matches(got, _oracle("fp4", inputs))
     per_row = (0, 3, len(inputs) - 2)  # q, win_idx, kv_idx
     for si in range(2):

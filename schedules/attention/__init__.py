@@ -21,10 +21,11 @@ Why the kernel is shaped the way it is:
   `check_sparse_attend_indices` is the host-side check the caller runs before the kernel.
 * Entries are decoded behind a lazy branch on `idx >= 0`, so a -1 never reads memory and an
   empty global store (N = 0) is fine.
-* CPU with AVX-512 (`vector_decode`): the staging is one hand-vectorised block instead of the
-  per-element decode blocks: 16 values per step, FP4 through a 16-entry table lookup (vpermps)
-  of both nibbles of 8 bytes, the row's E4M3 scales decoded as a vector once. The rest keeps
-  its blocks and schedule.
+* CPU with AVX-512 or AVX2 (`vector_decode`): the staging is one hand-vectorised block instead
+  of the per-element decode blocks: 16 values per step, FP4 through a 16-entry table lookup
+  (vpermps) of both nibbles of 8 bytes (AVX2: two 8-lane lookups of the magnitude with the
+  sign flipped in, `decode_lanes` 8, bit for bit), the row's E4M3 scales decoded as a vector
+  once. The rest keeps its blocks and schedule.
 * p is rounded to bf16 once per block (its own block, after the fp32 sum), not per use in PV;
   exp is a vectorisable polynomial (`_exp`, <= 1 ulp) rather than a libm call per lane.
 * CPU with AVX-512 BF16 (`bf16_dot`, a multiple of 16 heads per task): QK and PV run on
@@ -90,6 +91,7 @@ from dsv41.schedules.common import (
     e8m0_to_f32,
     fp4_to_f32,
     round_bf16,
+    signed_fp4_8,
 )
 from dsv41.schedules.common import prefetch as prefetch_line
 from dsv41.schedules.rope import rotated_bits
@@ -184,7 +186,7 @@ def prestage_rows(*, d: int, w: int, k: int) -> int:
 
 def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
           heads_per_group: int | None, stage_rows: int, vector_decode: bool,
-          bf16_dot: bool, chunk_rows: int | None, amx_dot: bool = False,
+          bf16_dot: bool, chunk_rows: int | None, amx_dot: bool = False, decode_lanes: int = 16,
           rope_rd: int = 0) -> tvm.tirx.PrimFunc:
     """The shared body of both ops; `kind` is "fp4" or "bf16" (the global cache's format).
     amx_dot (with bf16_dot): QK and PV on AMX tiles (amx_dot.py), the rest as bf16_dot.
@@ -197,6 +199,9 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
     _check_dims(h, d, w, k, hg, stage_rows)
     if vector_decode and d % 16:
         raise ValueError(f"vector_decode needs d to be a multiple of 16; got {d}.")
+    if decode_lanes not in (8, 16) or (decode_lanes == 8 and (bf16_dot or amx_dot)):
+        raise ValueError(f"The vector staging looks its FP4 values up in 16 lanes, or 8 (AVX2, "
+                         f"fp32 dots); got decode_lanes={decode_lanes}.")
     if bf16_dot:
         check_bf16_dot_dims(hg=hg, d=d, stage_rows=stage_rows, blk=ATTN_BLOCK,
                             vector_decode=vector_decode)
@@ -319,6 +324,17 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
                     T.where(t * BLK + r * R + j >= L)
                     kst[vj, vc] = T.float32(0)
 
+    def fp4_values(tbl, nib):
+        """The E2M1 values of 16 nibbles (uint32x16, bits above each nibble ignored): one
+        512-bit vpermps (AVX-512), or on AVX2 two halves of 8 (`signed_fp4_8`), bit for bit."""
+        if decode_lanes == 16:
+            return T.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512",
+                                           tbl.vload([0], "float32x16"),
+                                           T.reinterpret("int32x16", nib))
+        halves = [signed_fp4_8(tbl.vload([0], "float32x8"),
+                               T.Shuffle([nib], list(range(8 * h, 8 * h + 8)))) for h in (0, 1)]
+        return T.Shuffle(halves, list(range(16)))
+
     @T.macro
     def row_fp8(bufs, kst, vb, j, row):  # 16 values at a time
         for c in range(D // T.int64(16)):
@@ -336,10 +352,8 @@ def _make(kind: str, *, h: int, d: int, w: int, k: int, softmax_scale: float,
             for g in T.vectorized(D // T.int64(FP4_BLOCK)):
                 sc[g] = e4m3_to_f32_select(u32(bufs[3][1][vb, row, g]))
             for g in range(D // T.int64(FP4_BLOCK)):
-                kst[j, T.ramp(g * T.int64(16), 1, 16)] = enc(T.call_llvm_pure_intrin(
-                    "float32x16", "llvm.x86.avx512.permvar.sf.512", tbl.vload([0], "float32x16"),
-                    T.reinterpret("int32x16", _nibbles(T.Cast(
-                        "uint32x8", bufs[3][0].vload([vb, row, g * T.int64(8)], "uint8x8")))))
+                kst[j, T.ramp(g * T.int64(16), 1, 16)] = enc(fp4_values(tbl, _nibbles(T.Cast(
+                    "uint32x8", bufs[3][0].vload([vb, row, g * T.int64(8)], "uint8x8"))))
                     * T.broadcast(sc[g], 16))
 
     @T.macro
@@ -694,18 +708,20 @@ def make_sparse_attend(*, h: int, d: int, w: int, k: int, softmax_scale: float,
                        vector_decode: bool = False,
                        bf16_dot: bool = False,
                        chunk_rows: int | None = None,
-                       amx_dot: bool = False, rope_rd: int = 0) -> tvm.tirx.PrimFunc:
+                       amx_dot: bool = False, rope_rd: int = 0,
+                       decode_lanes: int = 16) -> tvm.tirx.PrimFunc:
     """`dsv41.sparse_attend` with w window and k global entries per query (both static).
     Buffers: q, win_codes, win_scales, win_idx, kv_codes, kv_scales, kv_idx, sink, out.
     chunk_rows (bf16_dot): rows prestaged at a time (default `prestage_rows`); amx_dot (with
     bf16_dot): QK and PV on AMX tiles. rope_rd > 0: `dsv41.sparse_attend_rope` (cos and sin
     after q: q's last rope_rd dims rotated as the tasks stage it, the output's rotated back as
     they store it, each as the rope kernel rotates, so the kernel is the rope, sparse_attend and
-    inverse rope kernels in turn, bit for bit)."""
+    inverse rope kernels in turn, bit for bit). decode_lanes (vector_decode): the FP4 lookup's
+    vectors, 16 (AVX-512) or 8 (AVX2)."""
     return _make("fp4", h=h, d=d, w=w, k=k, softmax_scale=softmax_scale,
                  heads_per_group=heads_per_group, stage_rows=stage_rows,
                  vector_decode=vector_decode, bf16_dot=bf16_dot, chunk_rows=chunk_rows,
-                 amx_dot=amx_dot, rope_rd=rope_rd)
+                 amx_dot=amx_dot, rope_rd=rope_rd, decode_lanes=decode_lanes)
 
 
 def make_sparse_attend_bf16(*, h: int, d: int, w: int, k: int, softmax_scale: float,
@@ -765,7 +781,8 @@ def build_sparse_attend(target_name: str, *, rope_rd: int = 0, **dims) -> tvm.ti
     cfg = sparse_attend_config(target, **dims)
     func = make_sparse_attend(**dims, heads_per_group=cfg.heads_per_group,
                               stage_rows=cfg.stage_rows, vector_decode=cfg.vector_decode,
-                              bf16_dot=cfg.bf16_dot, amx_dot=cfg.amx_dot, rope_rd=rope_rd)
+                              bf16_dot=cfg.bf16_dot, amx_dot=cfg.amx_dot, rope_rd=rope_rd,
+                              decode_lanes=cfg.decode_lanes)
     return schedule_sparse_attend(func, cfg, target)
 
 

@@ -27,6 +27,27 @@ def permps(tbl, idx):
                                    T.reinterpret("int32x16", idx))
 
 
+def permps8(tbl, idx):
+    """vpermps (AVX2): lane i of the result is lane (idx lane i & 7) of the float32x8 `tbl`."""
+    return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", tbl,
+                                   T.reinterpret("int32x8", idx))
+
+
+def signed_fp4_8(tbl, v):
+    """The table values of the E2M1 nibbles in the low 4 bits of v's uint32 lanes (8; higher
+    bits ignored) on AVX2: the magnitude looked up in the first 8 entries (vpermps reads 3
+    bits), the sign bit (bit 3) moved to bit 31 and flipped in. Bit for bit `permps` over the
+    16-entry table wherever entry 8 + i is -(entry i), as E2M1's sign-magnitude values (and any
+    positive scale times them) are."""
+    sign = (v << T.broadcast(T.uint32(28), 8)) & T.broadcast(T.uint32(0x80000000), 8)
+    return T.reinterpret("float32x8", T.reinterpret("uint32x8", permps8(tbl, v)) ^ sign)
+
+
+def fma8(a, b, c):
+    """a * b + c on float32 x 8, rounded once (vfmadd)."""
+    return T.call_llvm_pure_intrin("float32x8", "llvm.fma.v8f32", a, b, c)
+
+
 # ---- AVX-512 BF16 dot products -------------------------------------------------------------------
 # LLVM's `llvm.x86.avx512bf16.dpbf16ps.*` take `<N x bfloat>` vectors, and TVM's LLVM codegen
 # lowers every bf16 value to i16, so a TIR call cannot name the intrinsic directly. A small LLVM

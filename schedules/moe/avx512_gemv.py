@@ -9,6 +9,7 @@ from tvm.script import tirx as T
 from dsv41.schedules.common import (
     bf16_bits_of_exact,
     e8m0_byte,
+    fma8,
     fma16,
     fp4_to_f32_select,
     i64,
@@ -17,6 +18,7 @@ from dsv41.schedules.common import (
     permps,
     prefetch,
     round_bf16,
+    signed_fp4_8,
     silu_times,
     with_bf16_dot,
 )
@@ -65,35 +67,20 @@ def _fp4_block(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
         acc[c, 1, T.ramp(0, 1, 16)])
 
 
-def _permps8(tbl, idx):
-    """vpermps (AVX2): lane i of the result is lane (idx lane i & 7) of the float32x8 `tbl`."""
-    return T.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", tbl,
-                                   T.reinterpret("int32x8", idx))
-
-
-def _signed_fp4(tbl, v):
-    """The scaled E2M1 values of the nibbles in the low 4 bits of v's uint32 lanes (8): the
-    magnitude looked up in the table's first 8 entries (vpermps reads 3 bits), the sign bit
-    (bit 3) moved to bit 31 and flipped in (E2M1 is sign-magnitude, and so is the scaled
-    table: entry 8 + i is -(entry i), bit for bit)."""
-    sign = (v << T.broadcast(T.uint32(28), 8)) & T.broadcast(T.uint32(0x80000000), 8)
-    return T.reinterpret("float32x8", T.reinterpret("uint32x8", _permps8(tbl, v)) ^ sign)
-
-
 @T.macro
 def _fp4_block8(acc, c, w, sc, e, a, xe, xo, r, blk, tbl):
     """`_fp4_block` in 256-bit vectors (AVX2): each half of the block's 16 bytes (8 bytes:
     elements 16 h .. of each parity) into lanes 8 h .. of the same accumulators, so every lane
     sums the same products in the same order as the 512-bit form: the same bits."""
     for h in T.unroll(2):
-        acc[c, 0, T.ramp(h * 8, 1, 8)] = T.call_llvm_pure_intrin(
-            "float32x8", "llvm.fma.v8f32", xe[r, T.ramp(blk * 16 + h * 8, 1, 8)],
-            _signed_fp4(tbl[T.ramp(0, 1, 8)] * T.broadcast(sc[c, blk], 8),
+        acc[c, 0, T.ramp(h * 8, 1, 8)] = fma8(
+            xe[r, T.ramp(blk * 16 + h * 8, 1, 8)],
+            signed_fp4_8(tbl[T.ramp(0, 1, 8)] * T.broadcast(sc[c, blk], 8),
                         T.Cast("uint32x8", w.vload([e, a, blk * 16 + h * 8], "uint8x8"))),
             acc[c, 0, T.ramp(h * 8, 1, 8)])
-        acc[c, 1, T.ramp(h * 8, 1, 8)] = T.call_llvm_pure_intrin(
-            "float32x8", "llvm.fma.v8f32", xo[r, T.ramp(blk * 16 + h * 8, 1, 8)],
-            _signed_fp4(tbl[T.ramp(0, 1, 8)] * T.broadcast(sc[c, blk], 8),
+        acc[c, 1, T.ramp(h * 8, 1, 8)] = fma8(
+            xo[r, T.ramp(blk * 16 + h * 8, 1, 8)],
+            signed_fp4_8(tbl[T.ramp(0, 1, 8)] * T.broadcast(sc[c, blk], 8),
                         T.Cast("uint32x8", w.vload([e, a, blk * 16 + h * 8], "uint8x8"))
                         >> T.broadcast(T.uint32(4), 8)),
             acc[c, 1, T.ramp(h * 8, 1, 8)])
