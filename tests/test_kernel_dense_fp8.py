@@ -216,6 +216,31 @@ def test_fma_forms_equal_the_dequantised_weight_bit_for_bit(rows):
         _check(AVX2, 2, 64, 256, rows, m, "float32", seed=m + rows)
 
 
+@pytest.mark.skipif(not has_features(get_target(CPU), "avx512bw", "fma", "f16c"),
+                    reason="this CPU has no AVX-512 BW")
+@pytest.mark.parametrize("rows", [1, 6])
+def test_fma_form_in_512_bit_vectors_equals_its_bf16_twin(rows):
+    """The fma form on AVX-512 without BF16 (lanes 16: the fp16 decode, x on the tile's
+    2^(s - 119) where exact): over the FP8 weight and over its dequantized bf16 copy, the same
+    bits, one row and the verify's groups, with activations that leave the fast path."""
+    target = get_target(CPU).tvm_target()
+
+    def built(w_dtype):
+        return tvm.compile(make_fp8_gemv_avx2(n=64, k=256, groups=2, rows=rows, lanes=16,
+                                              out_dtype="float32", w_dtype=w_dtype),
+                           target=target)
+
+    codes, scales = _weights(128, 256, 50 + rows)
+    w = dequantize_fp8_tiles(codes, scales, 32)
+    fp8, bf16 = built("fp8"), built("bfloat16")
+    for m in (1, 5, 7):
+        x = (torch.randn(m, 2, 256, generator=torch.Generator().manual_seed(m)) * 3).to(
+            torch.bfloat16)
+        x[0, -1, -3:] = torch.tensor([1e30, -2e29, 1e-38])
+        got = _call(fp8, [x, codes, scales], (m, 2, 64), "float32")
+        _same_bits(got, _call(bf16, [x, w], (m, 2, 64), "float32"))
+
+
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 6])
 def test_fma_form_stores_bf16_as_the_graph_rounds(rows):
