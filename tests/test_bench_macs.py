@@ -27,3 +27,22 @@ def test_verify_floor_in_decode_steps():
     assert verify_floor_steps(4, decode_s=2.0, macs=macs, macs_per_s=10.0) == 21.0
     with pytest.raises(ValueError, match="decode_s > 0"):
         verify_floor_steps(1, decode_s=0.0, macs=macs, macs_per_s=10.0)
+
+
+def test_an_artifacts_floor_takes_the_rate_of_the_dots_its_code_runs():
+    """`bench spec`'s floor for an artifact: bf16 dot products only where its compiler recorded
+    AVX-512 BF16 or AMX-BF16 (a `cpu-avx2` artifact sums in fp32 whatever the CPU has)."""
+    from types import SimpleNamespace
+
+    from dsv41.compiler.tools.bench.spec import artifact_dots, best_macs_per_s
+
+    def manifest(features):
+        return SimpleNamespace(target=SimpleNamespace(cpu_features=features))
+
+    assert artifact_dots(manifest(("avx2", "bmi2", "f16c", "fma"))) == ("fp32",)
+    assert artifact_dots(manifest(("avx2", "avx512_bf16", "avx512f"))) == ("fp32", "bf16")
+    assert artifact_dots(manifest(("amx_bf16", "avx512f"))) == ("fp32", "bf16")
+    assert artifact_dots(manifest(None)) == ("fp32", "bf16")  # an older manifest
+    roof = {"gflops": {"fp32": 190.0, "bf16": 420.0, "int8": 880.0}}
+    assert best_macs_per_s(roof, ("fp32",)) == pytest.approx(95e9)
+    assert best_macs_per_s(roof, ("fp32", "bf16")) == pytest.approx(210e9)

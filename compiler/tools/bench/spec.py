@@ -316,9 +316,24 @@ def machine_macs_per_s() -> tuple[float, dict]:
     products where the CPU has them; int8 is the index sweep's, not counted in `row_macs`),
     from the bench's matrix rates, and those rates."""
     _, flags, _, _ = cpu_flags_and_clock()
-    roof = measure_compute(flags, 2048)
-    rates = {d: g for d, g in roof.gflops.items() if d in ("fp32", "bf16")}
-    return max(rates.values()) * 1e9 / 2, roof.to_dict()
+    roof = measure_compute(flags, 2048).to_dict()
+    return best_macs_per_s(roof, ("fp32", "bf16")), roof
+
+
+def best_macs_per_s(roof: dict, dots: Sequence[str]) -> float:
+    """The best multiply-add rate among the matrix rates `roof` (`ComputeRoof.to_dict`)
+    measured for the dot products `dots`."""
+    return max(g for d, g in roof["gflops"].items() if d in dots) * 1e9 / 2
+
+
+def artifact_dots(manifest) -> tuple[str, ...]:
+    """The dot products an artifact's code can run: bf16 only where the CPU features its
+    compiler recorded include AVX-512 BF16 or AMX-BF16 (a `cpu-avx2` artifact sums in fp32
+    on any CPU); an older manifest without the record: both."""
+    recorded = manifest.target.cpu_features
+    if recorded is None or {"avx512_bf16", "amx_bf16"} & set(recorded):
+        return ("fp32", "bf16")
+    return ("fp32",)
 
 
 def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens: int,
@@ -360,7 +375,8 @@ def run_spec_bench(model: Model, *, contexts, max_draft: int, reps: int, tokens:
     if "floor" in out:
         f = out["floor"]
         say(f"floor: one row's dense multiply-adds {f['row_macs']['total'] / 1e9:.2f} G at "
-            f"{f['macs_per_s'] / 1e9:.0f} GMAC/s (the machine's best fp32 / bf16 matrix rate)")
+            f"{f['macs_per_s'] / 1e9:.0f} GMAC/s (the machine's best matrix rate of the dot "
+            f"products the code runs: fp32, or bf16 where it has them)")
     prompt = [int(x) for x in np.random.default_rng(seed).integers(3, a.vocab_size - 1,
                                                                     prompt_tokens)]
     e = be.engine(speculative=True, max_draft=max_draft)
@@ -480,6 +496,8 @@ def run_command(opts: SpecBenchOptions, *,
     if "graph" in opts.impls:
         report["spec"] = run_spec_bench(model, **kw)
     if "artifact" in opts.impls:
+        dots = artifact_dots(Artifact.load(opts.artifact).manifest)
+        kw["macs_per_s"] = best_macs_per_s(roof, dots)  # the rate of the dots its code runs
         report["spec_artifact"] = run_spec_bench(
             model, **kw, backend=artifact_backend(model, opts.artifact))
     report |= {"checkpoint": str(ckpt), "threads": torch.get_num_threads()}
