@@ -1,5 +1,5 @@
-"""The hand-vectorised AVX-512 expert GEMVs (decode): FP4 weight blocks decoded by table
-lookup in registers, columns prefetched ahead."""
+"""The hand-vectorised expert GEMVs (decode), AVX-512 and (fp32 sums in 256-bit vectors)
+AVX2: FP4 weight blocks decoded by table lookup in registers, columns prefetched ahead."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from dsv41.schedules.moe.fp4_dot import (
 from dsv41.schedules.moe.route import check_dims, combine_rows, route_pairs, to_bf16
 from dsv41.schedules.router import TopkRouting, route_topk_row
 
-# ---- the GEMV form hand-vectorised (AVX-512) ----------------------------------------------------
+# ---- the GEMV form hand-vectorised (AVX-512; AVX2: `_fp4_block8`) -------------------------------
 # Per output column one walk along its packed row (gate and up together), 16 bytes (one 32-block)
 # per step, the block's E8M0 scale decoded for the whole row first (vectorised): the bytes
 # widened to 32-bit lanes index (vpermps reads the low 4 bits of each lane: the low nibble as
