@@ -14,6 +14,7 @@ from tvm.script import tirx as T
 
 from dsv41.schedules.common import bf16_to_f32, i64, round_bf16_bound, silu_times
 from dsv41.schedules.common.stages import rms_norm_row
+from dsv41.schedules.gemm.dense_dot import dense_gemv_func
 
 
 @dataclass(frozen=True)
@@ -152,38 +153,19 @@ def pair_func(st: Avx2GemvStages, st2: Avx2GemvStages) -> tvm.tirx.PrimFunc:
 
 
 def dense_func(st: Avx2GemvStages, *, bf16w: bool) -> tvm.tirx.PrimFunc:
-    """dense_gemv's signature (an FP8 weight and its scales, or a bf16 one; fp32 y, or bf16
-    rounded as the graph rounds it): x widened as it is, then the tiles."""
-    NW, G, N, K, KB, NB = st.nw, st.g, st.n, st.k, st.kb, st.nb
+    """dense_gemv's signature (`dense_dot.dense_gemv_func`: an FP8 weight and its scales, or a
+    bf16 one; fp32 y, or bf16 rounded as the graph rounds it): x widened as it is, then the
+    tiles."""
+    G, K = st.g, st.k
 
-    if bf16w:
-        @T.prim_func
-        def dense_gemv_bf16(x_h: T.handle, weight: T.Buffer((NW, K), "bfloat16"),
-                            y_h: T.handle):
-            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                         "tirx.is_scheduled": True})
-            m = T.int64()
-            x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-            y = T.match_buffer(y_h, (m, G, N), st.out_dtype)
-            xq = T.alloc_buffer((m * G, K), "float32")  # per chunk in the slot order
-            st.widen(x, xq, m)
-            st.body(xq, weight, None, y, m)
-
-        return dense_gemv_bf16
-
-    @T.prim_func
-    def dense_gemv_fp8(x_h: T.handle, weight: T.Buffer((NW, K), "uint8"),
-                       scale: T.Buffer((NB, KB), "uint8"), y_h: T.handle):
-        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, G, N), st.out_dtype)
+    @T.macro
+    def body(x, w, sc, y, m):
         xq = T.alloc_buffer((m * G, K), "float32")  # per chunk in the slot order
         st.widen(x, xq, m)
-        st.body(xq, weight, scale, y, m)
+        st.body(xq, w, sc, y, m)
 
-    return dense_gemv_fp8
+    return dense_gemv_func(body, groups=int(st.g), n=int(st.n), k=int(st.k),
+                           out_dtype=st.out_dtype, fp8=not bf16w)
 
 
 def q_kv_func(pair: tuple[Avx2GemvStages, Avx2GemvStages], qb: Avx2GemvStages, eps: float,

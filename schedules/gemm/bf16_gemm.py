@@ -25,6 +25,7 @@ from dsv41.schedules.common import (
     with_bf16_dot,
 )
 from dsv41.schedules.common.stages import rms_norm_row
+from dsv41.schedules.gemm.dense_dot import dense_gemv_func
 from dsv41.schedules.gemm.fp8 import BLOCK, check_out_dtype, fp8_qdq, pow2_scale_byte
 
 LANES = 16  # fp32 lanes of one vdpbf16ps: 16 rows
@@ -466,27 +467,4 @@ def make_dense_gemm_bf16(*, groups: int, n: int, k: int, row_block: int = 512,
                                 if row < m and col < N:
                                     y[row, g, col] = stored(out[(v * TILE_COLS + c) * LANES + r])
 
-    if fp8:
-        @T.prim_func
-        def dense_gemm_fp8(x_h: T.handle, w: T.Buffer((G * N, K), "uint8"),
-                           sc: T.Buffer(((G * N + TN - i64(1)) // TN, K // TN), "uint8"),
-                           y_h: T.handle):
-            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                         "tirx.is_scheduled": True})
-            m = T.int64()
-            x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-            y = T.match_buffer(y_h, (m, G, N), out_dtype)
-            body(x, w, sc, y, m)
-
-        return dense_gemm_fp8
-
-    @T.prim_func
-    def dense_gemm_bf16(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
-        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, G, N), out_dtype)
-        body(x, w, None, y, m)
-
-    return dense_gemm_bf16
+    return dense_gemv_func(body, groups=groups, n=n, k=k, out_dtype=out_dtype, fp8=fp8)

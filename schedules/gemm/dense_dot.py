@@ -27,6 +27,40 @@ def fp8_tile_grid(rows, k):
     return ((rows + i64(FP8_TILE - 1)) // i64(FP8_TILE), k // i64(FP8_TILE))
 
 
+def dense_gemv_func(body, *, groups: int, n: int, k: int, out_dtype: str,
+                    fp8: bool) -> tvm.tirx.PrimFunc:
+    """`dense_gemv`'s signature around a kernel body (a macro `body(x, w, sc, y, m)`; sc None
+    over a bf16 weight): x bf16 [m, groups, k]; w bf16 [groups * n, k], or E4M3 codes with
+    their 32 x 32 tile scales (`fp8_tile_grid`); y [m, groups, n] of `out_dtype`. The hand
+    GEMVs (`make_dense_gemv_bf16_dot`, `make_fp8_gemv_avx2`'s dense form) and the prefill
+    GEMM (`make_dense_gemm_bf16`) share it."""
+    G, N, K = i64(groups), i64(n), i64(k)
+
+    if fp8:
+        @T.prim_func
+        def dense_gemv_fp8(x_h: T.handle, w: T.Buffer((G * N, K), "uint8"),
+                           sc: T.Buffer(fp8_tile_grid(G * N, K), "uint8"), y_h: T.handle):
+            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                         "tirx.is_scheduled": True})
+            m = T.int64()
+            x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+            y = T.match_buffer(y_h, (m, G, N), out_dtype)
+            body(x, w, sc, y, m)
+
+        return dense_gemv_fp8
+
+    @T.prim_func
+    def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
+        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
+                     "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, G, N), out_dtype)
+        body(x, w, None, y, m)
+
+    return dense_gemv
+
+
 DOT_K = 32  # K elements per vdpbf16ps: 16 fp32 lanes, each summing a pair of bf16 products
 DOT_LANES = 16
 DOT_ACCS = 24  # bf16_dot: most rows x cb accumulators (of 32 zmm registers; the rest load)
@@ -359,26 +393,4 @@ def make_dense_gemv_bf16_dot(*, groups: int, n: int, k: int, rows: int = 1, tn: 
                         if m % R > i64(EXACT_ROWS):
                             block(x, xf, w, y, acc, task, m - m % R, rows, width(rows))
 
-    if fp8:
-        @T.prim_func
-        def dense_gemv_fp8(x_h: T.handle, w: T.Buffer((G * N, K), "uint8"),
-                           sc: T.Buffer(fp8_tile_grid(G * N, K), "uint8"), y_h: T.handle):
-            T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                         "tirx.is_scheduled": True})
-            m = T.int64()
-            x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-            y = T.match_buffer(y_h, (m, G, N), out_dtype)
-            body(x, w, sc, y, m)
-
-        return dense_gemv_fp8
-
-    @T.prim_func
-    def dense_gemv(x_h: T.handle, w: T.Buffer((G * N, K), "bfloat16"), y_h: T.handle):
-        T.func_attr({"global_symbol": "dense_gemv", "tirx.noalias": True,
-                     "tirx.is_scheduled": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, G, K), "bfloat16")
-        y = T.match_buffer(y_h, (m, G, N), out_dtype)
-        body(x, w, None, y, m)
-
-    return dense_gemv
+    return dense_gemv_func(body, groups=groups, n=n, k=k, out_dtype=out_dtype, fp8=fp8)
