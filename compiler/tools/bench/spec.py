@@ -483,10 +483,9 @@ def run_command(opts: SpecBenchOptions, *,
     if opts.threads:
         torch.set_num_threads(opts.threads)
     ckpt = opts.checkpoint or default_checkpoint(opts.preset, opts.seed)
-    args = None
-    if opts.artifact is not None:  # the artifact's config (e.g. a longer max_seq_len)
-        args = Artifact.load(opts.artifact).args
-    model = Model.from_checkpoint(ckpt, args)
+    art = None if opts.artifact is None else Artifact.load(opts.artifact)
+    # the artifact's config (e.g. a longer max_seq_len)
+    model = Model.from_checkpoint(ckpt, None if art is None else art.args)
     macs_per_s, roof = machine_macs_per_s()
     kw = dict(contexts=opts.contexts, max_draft=opts.max_draft, reps=opts.reps,
               tokens=opts.tokens, rates=opts.rates, seed=opts.seed,
@@ -496,8 +495,8 @@ def run_command(opts: SpecBenchOptions, *,
     if "graph" in opts.impls:
         report["spec"] = run_spec_bench(model, **kw)
     if "artifact" in opts.impls:
-        dots = artifact_dots(Artifact.load(opts.artifact).manifest)
-        kw["macs_per_s"] = best_macs_per_s(roof, dots)  # the rate of the dots its code runs
+        # the floor at the rate of the dot products the artifact's code runs
+        kw["macs_per_s"] = best_macs_per_s(roof, artifact_dots(art.manifest))
         report["spec_artifact"] = run_spec_bench(
             model, **kw, backend=artifact_backend(model, opts.artifact))
     report |= {"checkpoint": str(ckpt), "threads": torch.get_num_threads()}
